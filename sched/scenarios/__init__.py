@@ -1,0 +1,1 @@
+"""The DT-FM paper's five network scenarios, as data."""

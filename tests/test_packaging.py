@@ -1,0 +1,38 @@
+"""The package installs as a regular wheel and imports from outside the repository."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_installs_and_imports_outside_repo(tmp_path):
+    wheels = tmp_path / "wheels"
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+         "-w", str(wheels), str(ROOT)],
+        check=True, cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("dtfm-*.whl")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True, cwd=tmp_path,
+    )
+    code = (
+        "import dtfm, dtfm.peer, dtfm.gossip, dtfm.sched, dtfm.train, dtfm.sched.scenarios\n"
+        "from importlib.resources import files\n"
+        "print(dtfm.__file__)\n"
+        "print(sorted(p.name for p in files('dtfm.sched.scenarios').iterdir() if p.name.endswith('.toml')))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(target))
+    out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=env,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert out[0].startswith(str(target))
+    assert out[1] == str(sorted(["datacenter.toml", "regional.toml", "spot.toml",
+                                 "universities.toml", "worldwide.toml"]))
