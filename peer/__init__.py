@@ -1,1 +1,15 @@
 """dtfm.peer"""
+
+from .errors import ConnectionClosed, HandshakeError, KeyFileError, ProtocolError, RequestTimeout
+from .identity import Identity, load_swarm_key, new_swarm_key, verify_signature
+from .wire import (
+    check_tensor,
+    get_bytes,
+    get_float,
+    get_int,
+    get_list,
+    get_str,
+    pack,
+    tensor_header,
+    unpack_untrusted,
+)
