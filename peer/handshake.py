@@ -1,0 +1,184 @@
+"""The handshake, as sans-IO state machines (`Initiator`, `Responder`).
+
+Three messages, each sent as `u32 length | body`:
+
+    1. I -> R  "DTFM" | version | e_i (32) | mac1 (16)
+               mac1 = BLAKE2b-MAC(swarm key, "DTFM" | version | e_i): proves knowledge of the
+               swarm key before the responder spends anything; a mismatch gets a plaintext
+               refusal "DTFM" | 0xff | reason, so both sides can say what went wrong.
+    2. R -> I  "DTFM" | version | e_r (32) | AEAD(k_r, h, {id, sig, region, listen})
+    3. I -> R  AEAD(k_i, h, {id, sig, region, listen})
+
+h = BLAKE2b(msg1 | "DTFM" | version | e_r) is the transcript; each side signs
+"dtfm-hs-resp"/"dtfm-hs-init" | h with its Ed25519 identity key. Every key is derived from the
+ephemeral X25519 secret *and* the swarm key, so only swarm members can complete a handshake,
+and past traffic stays secret if an identity key later leaks. Session keys: one per direction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+import nacl.bindings
+import nacl.exceptions
+import nacl.utils
+
+from .errors import HandshakeError, ProtocolError
+from .identity import Identity, short_id, swarm_key_fingerprint, verify_signature
+from .wire import get_bytes, get_dict, get_int, get_list, get_str, pack, unpack_untrusted
+
+PROTOCOL_VERSION = 1
+MAGIC = b"DTFM"
+REJECT = 0xFF
+MAX_HANDSHAKE_BYTES = 2048
+MAX_REGION_LEN = 64
+MAX_HOST_LEN = 255
+_MAC_BYTES = 16
+_MSG1_LEN = len(MAGIC) + 1 + 32 + _MAC_BYTES
+_NONCE0 = bytes(12)
+
+
+@dataclass(frozen=True)
+class PeerHello:
+    """What each side tells the other about itself in the handshake."""
+
+    region: str
+    listen_address: tuple[str, int]
+
+
+@dataclass(frozen=True)
+class HandshakeResult:
+    peer_id: bytes
+    hello: PeerHello
+    send_key: bytes
+    recv_key: bytes
+
+    @property
+    def short_id(self) -> str:
+        return short_id(self.peer_id)
+
+
+def reject_message(reason: str) -> bytes:
+    return MAGIC + bytes([REJECT]) + reason.encode("utf-8", "replace")[:512]
+
+
+def _kdf(key: bytes, data: bytes, person: bytes) -> bytes:
+    return hashlib.blake2b(data, key=key, digest_size=32, person=person).digest()
+
+
+def _mac1(swarm_key: bytes, header: bytes) -> bytes:
+    return hashlib.blake2b(header, key=swarm_key, digest_size=_MAC_BYTES, person=b"dtfm-hs-mac1").digest()
+
+
+class _Side:
+    def __init__(self, identity: Identity, swarm_key: bytes, hello: PeerHello) -> None:
+        if len(swarm_key) != 32:
+            raise ValueError("the swarm key is 32 bytes")
+        self._identity = identity
+        self._swarm_key = bytes(swarm_key)
+        self._hello = hello
+        self._e_priv = nacl.utils.random(32)
+        self._e_pub = nacl.bindings.crypto_scalarmult_base(self._e_priv)
+
+    def _derive(self, peer_e_pub: bytes, transcript: bytes) -> dict[str, bytes]:
+        try:
+            dh = nacl.bindings.crypto_scalarmult(self._e_priv, peer_e_pub)
+        except (nacl.exceptions.CryptoError, ValueError, TypeError):
+            raise HandshakeError("peer sent an invalid ephemeral key") from None
+        ck = _kdf(self._swarm_key, dh + transcript, b"dtfm-hs-ck")
+        self._e_priv = b""
+        return {name: _kdf(ck, b"", b"dtfm-" + name.encode()) for name in ("hs-r", "hs-i", "i2r", "r2i")}
+
+    def _identity_blob(self, key: bytes, transcript: bytes, label: bytes) -> bytes:
+        body = {
+            "id": self._identity.peer_id,
+            "sig": self._identity.sign(label + transcript),
+            "region": self._hello.region,
+            "listen": [self._hello.listen_address[0], self._hello.listen_address[1]],
+        }
+        return nacl.bindings.crypto_aead_chacha20poly1305_ietf_encrypt(pack(body), transcript, _NONCE0, key)
+
+    def _open_identity(self, blob: bytes, key: bytes, transcript: bytes, label: bytes) -> tuple[bytes, PeerHello]:
+        try:
+            plain = nacl.bindings.crypto_aead_chacha20poly1305_ietf_decrypt(blob, transcript, _NONCE0, key)
+        except (nacl.exceptions.CryptoError, ValueError, TypeError):
+            raise HandshakeError(
+                "swarm key mismatch: the peer's handshake does not decrypt with our swarm key "
+                f"(ours has fingerprint {swarm_key_fingerprint(self._swarm_key)}); "
+                "it is not in this swarm"
+            ) from None
+        d = get_dict(unpack_untrusted(plain, max_len=MAX_HANDSHAKE_BYTES), "handshake")
+        peer_id = get_bytes(d, "id", 32, 32)
+        sig = get_bytes(d, "sig", 64, 64)
+        region = get_str(d, "region", MAX_REGION_LEN)
+        listen = get_list(d, "listen", 2)
+        if len(listen) != 2:
+            raise ProtocolError("listen address must be [host, port]")
+        host = get_str({"h": listen[0]}, "h", MAX_HOST_LEN)
+        port = get_int({"p": listen[1]}, "p", 0, 65535)
+        if not verify_signature(peer_id, label + transcript, sig):
+            raise HandshakeError(f"peer {short_id(peer_id)} failed to prove its identity key")
+        if peer_id == self._identity.peer_id:
+            raise HandshakeError("connected to ourselves (same identity key)")
+        return peer_id, PeerHello(region=region, listen_address=(host, port))
+
+
+def _check_reject(msg: bytes) -> None:
+    if len(msg) >= 5 and msg[:4] == MAGIC and msg[4] == REJECT:
+        reason = msg[5:].decode("utf-8", "replace")
+        printable = "".join(c if c.isprintable() else "?" for c in reason)
+        raise HandshakeError(f"refused by peer: {printable}")
+
+
+class Initiator(_Side):
+    """The connecting side: `first_message()`, then `on_response(msg2) -> (msg3, result)`."""
+
+    def first_message(self) -> bytes:
+        header = MAGIC + bytes([PROTOCOL_VERSION]) + self._e_pub
+        self._msg1 = header + _mac1(self._swarm_key, header)
+        return self._msg1
+
+    def on_response(self, msg2: bytes) -> tuple[bytes, HandshakeResult]:
+        _check_reject(msg2)
+        if len(msg2) < 5 + 32 + 16 or msg2[:4] != MAGIC:
+            raise ProtocolError("malformed handshake response")
+        if msg2[4] != PROTOCOL_VERSION:
+            raise HandshakeError(f"peer speaks protocol version {msg2[4]}, we speak {PROTOCOL_VERSION}")
+        e_r = bytes(msg2[5:37])
+        transcript = hashlib.blake2b(self._msg1 + bytes(msg2[:37]), digest_size=32).digest()
+        keys = self._derive(e_r, transcript)
+        peer_id, hello = self._open_identity(bytes(msg2[37:]), keys["hs-r"], transcript, b"dtfm-hs-resp")
+        msg3 = self._identity_blob(keys["hs-i"], transcript, b"dtfm-hs-init")
+        return msg3, HandshakeResult(peer_id, hello, send_key=keys["i2r"], recv_key=keys["r2i"])
+
+
+class Responder(_Side):
+    """The accepting side: `on_hello(msg1) -> msg2`, then `on_finish(msg3) -> result`.
+
+    A `HandshakeError` from `on_hello` carries `reject_message(str(e))` worth sending back.
+    """
+
+    def on_hello(self, msg1: bytes) -> bytes:
+        if len(msg1) < 5 or msg1[:4] != MAGIC:
+            raise ProtocolError("not a dtfm handshake")
+        if msg1[4] != PROTOCOL_VERSION:
+            raise HandshakeError(f"protocol version {msg1[4]} not supported (we speak {PROTOCOL_VERSION})")
+        if len(msg1) != _MSG1_LEN:
+            raise ProtocolError("malformed handshake hello")
+        header, mac = bytes(msg1[:-_MAC_BYTES]), bytes(msg1[-_MAC_BYTES:])
+        if not hmac.compare_digest(mac, _mac1(self._swarm_key, header)):
+            raise HandshakeError(
+                "swarm key mismatch: the connecting peer does not hold this swarm's key "
+                f"(fingerprint {swarm_key_fingerprint(self._swarm_key)}); it is not in this swarm"
+            )
+        e_i = header[5:37]
+        msg2_head = MAGIC + bytes([PROTOCOL_VERSION]) + self._e_pub
+        self._transcript = hashlib.blake2b(bytes(msg1) + msg2_head, digest_size=32).digest()
+        self._keys = self._derive(e_i, self._transcript)
+        return msg2_head + self._identity_blob(self._keys["hs-r"], self._transcript, b"dtfm-hs-resp")
+
+    def on_finish(self, msg3: bytes) -> HandshakeResult:
+        peer_id, hello = self._open_identity(bytes(msg3), self._keys["hs-i"], self._transcript, b"dtfm-hs-init")
+        return HandshakeResult(peer_id, hello, send_key=self._keys["r2i"], recv_key=self._keys["i2r"])

@@ -1,0 +1,114 @@
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtfm.peer.errors import HandshakeError, ProtocolError
+from dtfm.peer.handshake import Initiator, PeerHello, Responder, reject_message
+from dtfm.peer.identity import Identity
+from dtfm.peer.session import RecvCipher, SendCipher
+
+KEY = bytes(range(32))
+A, B = Identity.generate(), Identity.generate()
+HELLO_A = PeerHello("eu", ("10.0.0.1", 7000))
+HELLO_B = PeerHello("us", ("10.0.0.2", 7001))
+
+
+def run(init, resp):
+    msg2 = resp.on_hello(init.first_message())
+    msg3, ri = init.on_response(msg2)
+    rr = resp.on_finish(msg3)
+    return ri, rr
+
+
+def test_handshake_agrees_keys_and_identities():
+    ri, rr = run(Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B))
+    assert ri.peer_id == B.peer_id and rr.peer_id == A.peer_id
+    assert ri.hello == HELLO_B and rr.hello == HELLO_A
+    assert ri.send_key == rr.recv_key and ri.recv_key == rr.send_key
+    assert ri.send_key != ri.recv_key
+    ri2, _ = run(Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B))
+    assert ri2.send_key != ri.send_key  # fresh ephemeral keys every time
+    s, r = SendCipher(ri.send_key), RecvCipher(rr.recv_key)
+    assert r.open(bytes(s.seal(b"frame"))) == b"frame"
+
+
+def test_swarm_key_mismatch_is_refused_with_clear_reason_on_both_sides():
+    init, resp = Initiator(A, KEY, HELLO_A), Responder(B, bytes(32), HELLO_B)
+    with pytest.raises(HandshakeError, match="swarm key mismatch") as e:
+        resp.on_hello(init.first_message())
+    with pytest.raises(HandshakeError, match="refused by peer: swarm key mismatch"):
+        init.on_response(reject_message(str(e.value)))
+
+
+def test_version_mismatch():
+    init, resp = Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B)
+    msg1 = bytearray(init.first_message())
+    msg1[4] = 9
+    with pytest.raises(HandshakeError, match="version 9"):
+        resp.on_hello(bytes(msg1))
+
+
+def test_tampered_messages_fail():
+    init, resp = Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B)
+    msg2 = bytearray(resp.on_hello(init.first_message()))
+    msg2[-1] ^= 1
+    with pytest.raises(HandshakeError):
+        init.on_response(bytes(msg2))
+    init, resp = Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B)
+    msg3, _ = init.on_response(resp.on_hello(init.first_message()))
+    with pytest.raises(HandshakeError):
+        resp.on_finish(msg3[:-1] + bytes([msg3[-1] ^ 1]))
+
+
+def test_msg3_replayed_into_another_session_fails():
+    init, resp = Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B)
+    msg1 = init.first_message()
+    msg3, _ = init.on_response(resp.on_hello(msg1))
+    resp2 = Responder(B, KEY, HELLO_B)
+    resp2.on_hello(msg1)  # replayed hello: new responder ephemeral, so old msg3 cannot finish
+    with pytest.raises(HandshakeError):
+        resp2.on_finish(msg3)
+
+
+def test_self_connection_refused():
+    with pytest.raises(HandshakeError, match="ourselves"):
+        run(Initiator(A, KEY, HELLO_A), Responder(A, KEY, HELLO_B))
+
+
+@settings(max_examples=200)
+@given(st.binary(max_size=200))
+def test_garbage_raises_protocol_error_only(data):
+    with pytest.raises(ProtocolError):
+        Responder(B, KEY, HELLO_B).on_hello(data)
+    init = Initiator(A, KEY, HELLO_A)
+    init.first_message()
+    with pytest.raises(ProtocolError):
+        init.on_response(data)
+    resp = Responder(B, KEY, HELLO_B)
+    resp.on_hello(Initiator(A, KEY, HELLO_A).first_message())
+    with pytest.raises(ProtocolError):
+        resp.on_finish(data)
+
+
+def test_session_cipher_detects_replay_reorder_tamper_and_ratchets():
+    s, r = SendCipher(KEY), RecvCipher(KEY)
+    r1, r2 = bytes(s.seal(b"one")), bytes(s.seal(b"two"))
+    with pytest.raises(ProtocolError):
+        RecvCipher(KEY).open(r2)  # reordered
+    assert r.open(r1) == b"one"
+    with pytest.raises(ProtocolError):
+        r.open(r1)  # replayed
+    r = RecvCipher(KEY)
+    r.open(r1)
+    bad = bytearray(r2)
+    bad[6] ^= 0x40
+    with pytest.raises(ProtocolError):
+        r.open(bytes(bad))
+    s, r = SendCipher(KEY), RecvCipher(KEY)
+    s.ratchet()
+    with pytest.raises(ProtocolError):
+        r.open(bytes(s.seal(b"x")))
+    s, r = SendCipher(KEY), RecvCipher(KEY)
+    s.ratchet()
+    r.ratchet()
+    assert r.open(bytes(s.seal(b"x"))) == b"x" and s.counter == 1
