@@ -1,1 +1,25 @@
-"""dtfm.train"""
+"""dtfm.train: GPT stages, GPipe pipeline, data-parallel all-reduce, optimizer, data,
+checkpoints and stage transfer; talks to other peers only through `Comm`."""
+
+from .checkpoint import CheckpointError, encode_stage, list_checkpoints, load_checkpoint, save_checkpoint
+from .collective import all_reduce_small, ring_all_reduce
+from .comm import (Comm, CommClosed, CommError, CommTimeout, InMemoryComm, InMemoryHub, SendHandle,
+                   tensor_from_bytes, tensor_header)
+from .data import ByteTokenizer, Corpus, load_corpus, split_batch
+from .local import LocalCluster
+from .model import GPTStage, split_layers
+from .optim import AdamW
+from .plan import Plan
+from .reference import reference_state, reference_step
+from .spec import PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
+from .transfer import TransferError, TransferManifest, TransferReceiver, encode_transfer
+from .worker import StageState, StepResult, run_step
+
+__all__ = [
+    "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus",
+    "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "LocalCluster", "PRESETS", "Plan", "SendHandle",
+    "StageState", "StepResult", "TEST_CONFIG", "TrainConfig", "TransferError", "TransferManifest",
+    "TransferReceiver", "all_reduce_small", "encode_stage", "encode_transfer", "get_preset", "list_checkpoints",
+    "load_checkpoint", "load_corpus", "reference_state", "reference_step", "ring_all_reduce", "run_step",
+    "save_checkpoint", "split_batch", "split_layers", "tensor_from_bytes", "tensor_header",
+]

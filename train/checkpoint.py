@@ -1,0 +1,156 @@
+"""Stage checkpoints: parameters and optimizer state as safetensors plus a JSON description.
+
+`encode_stage` turns a StageState into (blob, meta): the safetensors bytes of every parameter
+(`param/<name>`) and Adam moment (`exp_avg/<name>`, `exp_avg_sq/<name>`), and a JSON-able dict
+with the step, the model spec, the train config, the layer range and the sha256 of the blob.
+The same pair is what one peer sends another that takes over its stage (`transfer.py`).
+On disk: `<dir>/stage-<a>-<b>/step-<k>.safetensors` and `.json`, each written to a temporary
+file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); the
+last `keep` checkpoints of a stage are kept. Nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from .spec import GPTSpec, TrainConfig
+from .worker import StageState
+
+__all__ = ["encode_stage", "decode_tensors", "stage_from_tensors", "save_checkpoint", "load_checkpoint",
+           "list_checkpoints", "CheckpointError", "FORMAT"]
+
+FORMAT = "dtfm-stage/1"
+_STEP_FILE = re.compile(r"^step-(\d{8})\.json$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or transferred stage is malformed, inconsistent or fails its hash."""
+
+
+def encode_stage(state: StageState) -> tuple[bytes, dict]:
+    tensors = {f"param/{n}": p.detach().to("cpu").contiguous() for n, p in state.params.items()}
+    tensors.update({k: v.to("cpu").contiguous() for k, v in state.optim.state_tensors().items()})
+    blob = st_save(tensors)
+    meta = {
+        "format": FORMAT,
+        "step": state.step,
+        "optim_step": state.optim.step_count,
+        "layer_range": list(state.layer_range),
+        "spec": state.spec.to_dict(),
+        "config": state.cfg.to_dict(),
+        "sha256": hashlib.sha256(blob).hexdigest(),
+        "bytes": len(blob),
+    }
+    return blob, meta
+
+
+def decode_tensors(blob: bytes, meta: dict) -> dict[str, torch.Tensor]:
+    """Check `blob` against `meta` and parse it; raises CheckpointError only."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"not a {FORMAT} description")
+    if meta.get("bytes") != len(blob):
+        raise CheckpointError(f"blob has {len(blob)} bytes, the description says {meta.get('bytes')!r}")
+    if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
+        raise CheckpointError("blob does not match its sha256")
+    try:
+        return st_load(blob)
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"unreadable safetensors data: {e}") from None
+
+
+def _meta_fields(meta: dict) -> tuple[GPTSpec, TrainConfig, tuple[int, int], int, int]:
+    try:
+        spec = GPTSpec.from_dict(meta["spec"])
+        cfg = TrainConfig.from_dict(meta["config"])
+        a, b = (int(x) for x in meta["layer_range"])
+        step, ostep = int(meta["step"]), int(meta["optim_step"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"bad checkpoint description: {e}") from None
+    if step < 0 or ostep < 0:
+        raise CheckpointError("negative step in checkpoint description")
+    return spec, cfg, (a, b), step, ostep
+
+
+def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
+                       tensors: dict[str, torch.Tensor], step: int, optim_step: int,
+                       device: str = "cpu") -> StageState:
+    """Build a stage from named tensors (of one or several sources); every name must be present."""
+    try:
+        state = StageState(spec, cfg, layer_range, device)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    with torch.no_grad():
+        for n, p in state.params.items():
+            src = tensors.get(f"param/{n}")
+            if src is None or src.shape != p.shape or src.dtype != p.dtype:
+                raise CheckpointError(f"parameter {n!r} is missing or has the wrong shape or dtype")
+            p.copy_(src)
+        try:
+            state.optim.load_state_tensors(tensors, optim_step)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    state.step = step
+    return state
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _stage_dir(root: Path, layer_range: tuple[int, int]) -> Path:
+    return root / f"stage-{layer_range[0]:03d}-{layer_range[1]:03d}"
+
+
+def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3) -> Path:
+    """Write the stage's checkpoint for step `state.step`; keep the newest `keep`. Returns the JSON path."""
+    if keep < 1:
+        raise ValueError("keep must be at least 1")
+    d = _stage_dir(Path(root), state.layer_range)
+    d.mkdir(parents=True, exist_ok=True)
+    blob, meta = encode_stage(state)
+    base = d / f"step-{state.step:08d}"
+    _atomic_write(base.with_suffix(".safetensors"), blob)
+    _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    for old in list_checkpoints(root, state.layer_range)[:-keep]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".safetensors").unlink(missing_ok=True)
+    return base.with_suffix(".json")
+
+
+def list_checkpoints(root: str | os.PathLike, layer_range: tuple[int, int]) -> list[Path]:
+    """JSON paths of the stage's checkpoints, oldest first."""
+    d = _stage_dir(Path(root), layer_range)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if _STEP_FILE.match(p.name))
+
+
+def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> StageState:
+    """Load a checkpoint from its JSON path, verifying the hash; raises CheckpointError."""
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+        blob = path.with_suffix(".safetensors").read_bytes()
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    tensors = decode_tensors(blob, meta)
+    spec, cfg, rng, step, ostep = _meta_fields(meta)
+    return stage_from_tensors(spec, cfg, rng, tensors, step, ostep, device)

@@ -1,0 +1,186 @@
+"""The `Comm` interface training uses to reach other peers, and its in-memory implementation.
+
+Synchronous on purpose: stage workers run torch compute in threads, so every call blocks (with
+a timeout) or, for sends, returns a handle to wait on later. Peers are opaque ids (str or
+bytes); a message is one tensor addressed by (destination, tag) and received by (source, tag),
+FIFO per (source, tag). A tensor maps naturally onto a frame: a header (dtype name, shape) plus
+its raw bytes (`tensor_header` / `tensor_from_bytes`), which is how the peer transport carries it.
+Collectives are built on send/recv in `collective.py`, so a transport implements only these.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Hashable, Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm",
+    "tensor_header", "tensor_from_bytes", "TENSOR_DTYPES",
+]
+
+PeerId = Hashable  # str or bytes in practice
+
+# Dtypes a tensor may have on the wire, by name; anything else is refused.
+TENSOR_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+}
+_DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
+
+
+class CommError(Exception):
+    """A message could not be sent or received."""
+
+
+class CommTimeout(CommError, TimeoutError):
+    """No message arrived (or no room to send) within the timeout."""
+
+
+class CommClosed(CommError):
+    """The communicator was closed or aborted while waiting."""
+
+
+class SendHandle(Protocol):
+    def wait(self, timeout_s: float) -> None:
+        """Block until the message has left this peer's hands; raise CommTimeout/CommError."""
+
+
+class Comm(Protocol):
+    """What training needs from the network. `me` is this peer's id."""
+
+    me: PeerId
+
+    def isend(self, peer: PeerId, tag: str, tensor: torch.Tensor) -> SendHandle:
+        """Start sending `tensor` (copied now: the caller may reuse it) to `peer` under `tag`."""
+
+    def recv(self, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
+        """The next tensor `peer` sent under `tag`; raise CommTimeout after `timeout_s`."""
+
+
+def tensor_header(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """(dtype name, shape) describing `t` on the wire."""
+    try:
+        return _DTYPE_NAMES[t.dtype], tuple(t.shape)
+    except KeyError:
+        raise CommError(f"dtype {t.dtype} cannot travel on the wire") from None
+
+
+def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes, max_bytes: int) -> torch.Tensor:
+    """Rebuild a tensor from its header and raw bytes, checking everything; raises ValueError."""
+    if dtype not in TENSOR_DTYPES:
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    if not isinstance(shape, (tuple, list)) or len(shape) > 8:
+        raise ValueError("tensor shape must be a sequence of at most 8 dimensions")
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise ValueError(f"bad tensor shape {shape!r}")
+    dt = TENSOR_DTYPES[dtype]
+    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    nbytes = n * torch.empty((), dtype=dt).element_size()
+    if nbytes > max_bytes:
+        raise ValueError(f"tensor of {nbytes} bytes exceeds the limit of {max_bytes}")
+    if len(data) != nbytes:
+        raise ValueError(f"tensor needs {nbytes} bytes, got {len(data)}")
+    flat = torch.frombuffer(bytearray(data), dtype=dt) if n else torch.empty(0, dtype=dt)
+    return flat.reshape(tuple(shape))
+
+
+class _Done:
+    """The handle of a send that has already been handed over."""
+
+    def wait(self, timeout_s: float) -> None:
+        return None
+
+
+class InMemoryHub:
+    """Connects InMemoryComm endpoints in one process through bounded queues.
+
+    `capacity` bounds each (source, destination, tag) queue; a send into a full queue blocks
+    (back-pressure) until there is room or the timeout passes. `abort()` wakes every waiter
+    with CommClosed, so one failed worker cannot leave the others hanging.
+    """
+
+    def __init__(self, capacity: int = 64):
+        if capacity < 1:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._queues: dict[tuple, queue.Queue] = {}
+        self._aborted = threading.Event()
+        self.bytes_sent = 0  # total payload bytes, for benchmarks
+
+    def endpoint(self, me: PeerId) -> "InMemoryComm":
+        return InMemoryComm(self, me)
+
+    def abort(self) -> None:
+        self._aborted.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._aborted.is_set()
+
+    def _channel(self, src: PeerId, dst: PeerId, tag: str, sending: bool) -> queue.Queue:
+        key = (src, dst, tag)
+        with self._lock:
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = queue.Queue(self.capacity)
+                q.senders = 0  # sends in progress; the queue is dropped only when idle and empty
+            if sending:
+                q.senders += 1
+            return q
+
+    def _release(self, src: PeerId, dst: PeerId, tag: str, q: queue.Queue, sending: bool) -> None:
+        with self._lock:
+            if sending:
+                q.senders -= 1
+            if q.senders == 0 and q.empty() and self._queues.get((src, dst, tag)) is q:
+                del self._queues[(src, dst, tag)]
+
+    def _wait(self, op, timeout_s: float, what: str):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._aborted.is_set():
+                raise CommClosed(f"communicator aborted while waiting to {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommTimeout(f"timed out after {timeout_s} s waiting to {what}")
+            try:
+                return op(min(left, 0.05))
+            except (queue.Empty, queue.Full):
+                continue
+
+
+class InMemoryComm:
+    """One peer's endpoint on an InMemoryHub."""
+
+    send_timeout_s = 60.0  # how long a send may wait for room in a full queue
+
+    def __init__(self, hub: InMemoryHub, me: PeerId):
+        self.hub, self.me = hub, me
+
+    def isend(self, peer: PeerId, tag: str, tensor: torch.Tensor) -> SendHandle:
+        tensor_header(tensor)  # same dtype rule as the wire
+        payload = tensor.detach().to("cpu", copy=True).contiguous()
+        q = self.hub._channel(self.me, peer, tag, sending=True)
+        try:
+            self.hub._wait(lambda t: q.put(payload, timeout=t), self.send_timeout_s, f"send {tag!r} to {peer!r}")
+        finally:
+            self.hub._release(self.me, peer, tag, q, sending=True)
+        self.hub.bytes_sent += payload.numel() * payload.element_size()
+        return _Done()
+
+    def recv(self, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
+        q = self.hub._channel(peer, self.me, tag, sending=False)
+        try:
+            return self.hub._wait(lambda t: q.get(timeout=t), timeout_s, f"receive {tag!r} from {peer!r}")
+        finally:
+            self.hub._release(peer, self.me, tag, q, sending=False)
+
+    @property
+    def open_channels(self) -> int:
+        return len(self.hub._queues)

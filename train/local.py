@@ -1,0 +1,142 @@
+"""Run S x D training in one process: one thread per stage replica, on the in-memory Comm.
+
+`LocalCluster` keeps each peer's StageState across steps. `reconfigure(plan)` switches to a
+new plan at a step boundary (a different D, or different layer ranges): a peer whose stage
+changes assembles its new stage from the holders of the old ones through the transfer
+encoding (chunked, hash-verified), exactly what peers of a swarm exchange.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from .comm import CommClosed, InMemoryHub
+from .data import Corpus
+from .plan import Plan
+from .spec import GPTSpec, TrainConfig
+from .transfer import TransferError, TransferReceiver, encode_transfer
+from .checkpoint import stage_from_tensors
+from .worker import StageState, StepResult, run_step
+
+__all__ = ["LocalCluster"]
+
+logger = logging.getLogger(__name__)
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+class LocalCluster:
+    def __init__(self, spec: GPTSpec, cfg: TrainConfig, plan: Plan, corpus: Corpus,
+                 states: dict | None = None, track_memory: bool = False):
+        if plan.n_layer != spec.n_layer:
+            raise ValueError(f"plan covers {plan.n_layer} layers, the model has {spec.n_layer}")
+        self.spec, self.cfg, self.corpus, self.track_memory = spec, cfg, corpus, track_memory
+        self.hub = InMemoryHub()
+        self.plan = plan
+        self.states: dict = {}
+        if states is None:
+            for p in plan.peers:
+                self.states[p] = StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]])
+        else:
+            self.states = dict(states)
+            self._check_states()
+        self._pool = ThreadPoolExecutor(max_workers=len(plan.peers), initializer=_one_thread)
+        self.last_results: dict = {}
+
+    def _check_states(self) -> None:
+        steps = {st.step for st in self.states.values()}
+        if len(steps) != 1:
+            raise ValueError(f"stages disagree on the step: {sorted(steps)}")
+        for p in self.plan.peers:
+            if p not in self.states or self.states[p].layer_range != self.plan.layer_ranges[self.plan.position(p)[1]]:
+                raise ValueError(f"peer {p!r} has no state for its stage")
+
+    @property
+    def step_index(self) -> int:
+        return next(iter(self.states.values())).step
+
+    def step(self) -> float:
+        """Run one step on every peer; the global loss of that step."""
+        futs = {p: self._pool.submit(self._run, p) for p in self.plan.peers}
+        results, errors = {}, []
+        for p, f in futs.items():
+            try:
+                results[p] = f.result()
+            except BaseException as e:  # keep the first real failure, not the aborts it caused
+                errors.append(e)
+        if errors:
+            real = [e for e in errors if not isinstance(e, CommClosed)]
+            raise (real or errors)[0]
+        self.last_results = results
+        losses = {r.loss for r in results.values() if r.loss is not None}
+        if len(losses) != 1:
+            raise RuntimeError(f"last stages disagree on the loss: {losses}")
+        return losses.pop()
+
+    def _run(self, peer) -> StepResult:
+        try:
+            return run_step(self.states[peer], self.plan, peer, self.hub.endpoint(peer), self.corpus,
+                            self.track_memory)
+        except BaseException:
+            self.hub.abort()
+            raise
+
+    def run(self, steps: int) -> list[float]:
+        return [self.step() for _ in range(steps)]
+
+    def reconfigure(self, plan: Plan, chunk_bytes: int = 1 << 16) -> None:
+        """Switch to `plan` before the next step, moving stage state by the transfer encoding."""
+        if plan.n_layer != self.spec.n_layer:
+            raise ValueError(f"plan covers {plan.n_layer} layers, the model has {self.spec.n_layer}")
+        sources = {}  # one holder per distinct old layer range
+        for p, st in self.states.items():
+            sources.setdefault(st.layer_range, st)
+        received: dict[tuple, dict] = {}
+        new_states = {}
+        for p in plan.peers:
+            rng = plan.layer_ranges[plan.position(p)[1]]
+            old = self.states.get(p)
+            if old is not None and old.layer_range == rng:
+                new_states[p] = old
+                continue
+            tensors = {}
+            for src_rng, st in sources.items():
+                if src_rng[0] < rng[1] and rng[0] < src_rng[1] or (st.module.is_first or st.module.is_last):
+                    if src_rng not in received:
+                        received[src_rng] = self._fetch(st, chunk_bytes)
+                    tensors.update(received[src_rng])
+            step, ostep = self.step_index, sources[next(iter(sources))].optim.step_count
+            new_states[p] = stage_from_tensors(self.spec, self.cfg, rng, tensors, step, ostep)
+            logger.info("peer %r took over layers %s at step %d", p, rng, step)
+        self.plan, self.states = plan, new_states
+        self._check_states()
+        self.hub = InMemoryHub()
+        self._pool.shutdown()
+        self._pool = ThreadPoolExecutor(max_workers=len(plan.peers), initializer=_one_thread)
+
+    @staticmethod
+    def _fetch(st: StageState, chunk_bytes: int) -> dict:
+        manifest, chunks = encode_transfer(st, chunk_bytes)
+        rx = TransferReceiver(manifest)
+        for i, c in enumerate(chunks):
+            rx.feed(i, c)
+        try:
+            return rx.tensors()
+        except TransferError:
+            logger.warning("stage %s failed verification on transfer", st.layer_range)
+            raise
+
+    def close(self) -> None:
+        self.hub.abort()
+        self._pool.shutdown()
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

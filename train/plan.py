@@ -1,0 +1,70 @@
+"""Who runs what: D pipelines of S stages, each stage a contiguous range of layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .comm import PeerId
+from .model import split_layers
+
+__all__ = ["Plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """pipelines[d][s] is the peer running stage s of pipeline d; layer_ranges[s] its blocks."""
+
+    pipelines: tuple[tuple[PeerId, ...], ...]
+    layer_ranges: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
+        object.__setattr__(self, "layer_ranges", tuple((int(a), int(b)) for a, b in self.layer_ranges))
+        if not self.pipelines or not self.layer_ranges:
+            raise ValueError("a plan needs at least one pipeline and one stage")
+        s = len(self.layer_ranges)
+        if any(len(p) != s for p in self.pipelines):
+            raise ValueError(f"every pipeline must list one peer for each of the {s} stages")
+        peers = [x for p in self.pipelines for x in p]
+        if len(set(peers)) != len(peers):
+            raise ValueError("a peer may hold only one stage of one pipeline")
+        start = 0
+        for a, b in self.layer_ranges:
+            if a != start or b <= a:
+                raise ValueError(f"layer ranges {self.layer_ranges} must be contiguous, non-empty, from 0")
+            start = b
+        pos = {peer: (d, i) for d, p in enumerate(self.pipelines) for i, peer in enumerate(p)}
+        object.__setattr__(self, "_pos", pos)
+
+    @classmethod
+    def grid(cls, n_layer: int, stages: int, dp: int, weights: list[float] | None = None,
+             prefix: str = "peer") -> "Plan":
+        """Peers named f"{prefix}{d}.{s}", layers split evenly or by `weights`."""
+        ranges = split_layers(n_layer, stages, weights)
+        return cls(tuple(tuple(f"{prefix}{d}.{s}" for s in range(stages)) for d in range(dp)), tuple(ranges))
+
+    @property
+    def stages(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def dp(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def n_layer(self) -> int:
+        return self.layer_ranges[-1][1]
+
+    @property
+    def peers(self) -> list[PeerId]:
+        return [x for p in self.pipelines for x in p]
+
+    def position(self, peer: PeerId) -> tuple[int, int]:
+        """(pipeline, stage) of `peer`; KeyError if it has no place in this plan."""
+        return self._pos[peer]
+
+    def dp_group(self, stage: int) -> tuple[PeerId, ...]:
+        return tuple(p[stage] for p in self.pipelines)
+
+    def pipeline(self, d: int) -> tuple[PeerId, ...]:
+        return self.pipelines[d]

@@ -1,0 +1,131 @@
+"""Model and training configuration: frozen dataclasses with named presets.
+
+`GPTSpec` is the model's shape; `TrainConfig` the optimisation and pipeline settings of a run.
+Both travel inside checkpoints (as JSON via `to_dict`) so a checkpoint says what made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+__all__ = ["GPTSpec", "TrainConfig", "PRESETS", "get_preset", "WIRE_DTYPES"]
+
+# Dtypes activations and their gradients may travel in between stages.
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """A GPT-style decoder: embeddings, `n_layer` pre-norm blocks, final norm, head."""
+
+    name: str
+    n_layer: int  # transformer blocks; the unit the stages split
+    n_embd: int  # hidden width; activation bytes per token crossing a stage boundary scale with it
+    n_head: int  # attention heads; must divide n_embd
+    seq_len: int  # tokens per sequence (context length)
+    vocab: int = 256  # 256 for the byte tokenizer
+    tied_head: bool = False  # share the token embedding with the head (first and last stage sync it)
+    mlp_ratio: int = 4  # MLP hidden width / n_embd
+    # Biases in linear layers and norms. Off by default (nanoGPT: a little better and faster);
+    # the attention key bias would otherwise get a gradient that is zero but for rounding.
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab", "mlp_ratio"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+
+    @property
+    def layer_params(self) -> int:
+        c = self.n_embd
+        biases = (9 + self.mlp_ratio) * c if self.bias else 0
+        return (4 + 2 * self.mlp_ratio) * c * c + 2 * c + biases
+
+    @property
+    def params(self) -> int:
+        emb = self.vocab * self.n_embd + self.seq_len * self.n_embd
+        head = 0 if self.tied_head else self.vocab * self.n_embd
+        return self.n_layer * self.layer_params + emb + head + (2 if self.bias else 1) * self.n_embd
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTSpec":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model spec fields {sorted(unknown)}")
+        return cls(**d)
+
+
+PRESETS: dict[str, GPTSpec] = {
+    # Trains on a laptop CPU in minutes.
+    "tiny": GPTSpec("tiny", n_layer=4, n_embd=128, n_head=4, seq_len=128),
+    # GPT-2-small-like width, byte vocabulary; a CPU can step it, slowly.
+    "small": GPTSpec("small", n_layer=12, n_embd=768, n_head=12, seq_len=256),
+    # The DT-FM paper's 1.3B shape (24 layers, width 2048, context 2048, GPT-2 vocabulary).
+    "gpt3-xl": GPTSpec("gpt3-xl", n_layer=24, n_embd=2048, n_head=16, seq_len=2048, vocab=50257),
+}
+
+
+def get_preset(name: str) -> GPTSpec:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and pipeline settings of one run; identical on every peer of a swarm."""
+
+    seed: int = 0  # seeds initial weights (with the layer index) and sampling (with the step)
+    global_batch_seqs: int = 16  # sequences per step over all pipelines; fixed for the run
+    micro_batches: int = 4  # per pipeline per step; more shrinks the bubble, less amortises per-message cost
+    lr: float = 1e-3  # AdamW peak learning rate
+    warmup_steps: int = 0  # linear warm-up from lr/warmup to lr; 0 starts at full lr
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied to matrices only (not biases, norms)
+    grad_clip_norm: float = 1.0  # global L2 norm over all stages; 0 disables clipping
+    wire_dtype: str = "float32"  # activations/gradients between stages; float16/bfloat16 halve the bytes
+    bucket_bytes: int = 4 << 20  # all-reduce bucket size: smaller overlaps more, larger costs fewer messages
+    comm_timeout_s: float = 60.0  # longest wait for one message before the step fails
+
+    def __post_init__(self) -> None:
+        if self.global_batch_seqs < 1 or self.micro_batches < 1:
+            raise ValueError("global_batch_seqs and micro_batches must be positive")
+        if not self.lr > 0 or self.warmup_steps < 0:
+            raise ValueError("lr must be positive and warmup_steps non-negative")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1) or not self.eps > 0:
+            raise ValueError("betas must lie in [0, 1) and eps be positive")
+        if self.weight_decay < 0 or self.grad_clip_norm < 0:
+            raise ValueError("weight_decay and grad_clip_norm must be non-negative")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.bucket_bytes < 1024 or not self.comm_timeout_s > 0:
+            raise ValueError("bucket_bytes must be at least 1024 and comm_timeout_s positive")
+
+    def lr_at(self, step: int) -> float:
+        if self.warmup_steps and step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        return self.lr
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown train config fields {sorted(unknown)}")
+        return cls(**d)
+
+
+# A profile for unit tests: small batch, fp32 wire, short timeouts so a hung test fails fast.
+TEST_CONFIG = TrainConfig(global_batch_seqs=8, micro_batches=4, lr=3e-3, comm_timeout_s=20.0)

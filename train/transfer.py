@@ -1,0 +1,139 @@
+"""Stage hand-over between peers: the checkpoint encoding, streamed in hash-verified chunks.
+
+The sender builds a `TransferManifest` (the checkpoint description, the chunk size and the
+sha256 of every chunk) and the chunks. The receiver checks the manifest with
+`TransferManifest.from_wire` (bounded sizes, every field typed), feeds chunks in any order to
+a `TransferReceiver` (each chunk checked against its hash as it arrives, so a corrupt chunk
+is refused at once and can be fetched again, from another holder if need be), and finally
+rebuilds the stage, with the whole blob checked against the hash in the description. Every
+malformed input raises `TransferError`; the peer transport turns it into its ProtocolError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import CheckpointError, decode_tensors, encode_stage, stage_from_tensors, _meta_fields
+from .worker import StageState
+
+__all__ = ["TransferManifest", "TransferReceiver", "TransferError", "encode_transfer",
+           "MAX_META_BYTES", "DEFAULT_CHUNK_BYTES"]
+
+MAX_META_BYTES = 64 << 10  # a checkpoint description is a few hundred bytes
+DEFAULT_CHUNK_BYTES = 1 << 20  # smaller chunks retry cheaper, larger cost fewer messages
+MAX_CHUNK_BYTES = 64 << 20
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class TransferError(CheckpointError):
+    """A transferred stage is malformed, oversized, incomplete or fails a hash."""
+
+
+@dataclass(frozen=True)
+class TransferManifest:
+    meta: dict  # the checkpoint description: step, spec, config, layer range, sha256, bytes
+    chunk_bytes: int
+    chunk_sha256: tuple[str, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.meta["bytes"])
+
+    def to_wire(self) -> dict:
+        return {"meta": json.dumps(self.meta, sort_keys=True), "chunk_bytes": self.chunk_bytes,
+                "chunk_sha256": list(self.chunk_sha256)}
+
+    @classmethod
+    def from_wire(cls, obj: object, max_total_bytes: int) -> "TransferManifest":
+        """Validate a manifest from the network; raises TransferError only."""
+        if not isinstance(obj, dict) or set(obj) != {"meta", "chunk_bytes", "chunk_sha256"}:
+            raise TransferError("manifest must be a map with meta, chunk_bytes, chunk_sha256")
+        raw, chunk, hashes = obj["meta"], obj["chunk_bytes"], obj["chunk_sha256"]
+        if not isinstance(raw, str) or len(raw) > MAX_META_BYTES:
+            raise TransferError("manifest meta must be a JSON string of bounded size")
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= MAX_CHUNK_BYTES:
+            raise TransferError(f"chunk_bytes must be an integer in [1, {MAX_CHUNK_BYTES}]")
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            raise TransferError("manifest meta is not valid JSON") from None
+        if not isinstance(meta, dict):
+            raise TransferError("manifest meta must be a JSON object")
+        total = meta.get("bytes")
+        if not isinstance(total, int) or isinstance(total, bool) or not 0 < total <= max_total_bytes:
+            raise TransferError(f"stage size {total!r} is not in (0, {max_total_bytes}]")
+        if not isinstance(meta.get("sha256"), str) or not _HEX64.match(meta["sha256"]):
+            raise TransferError("manifest meta needs a sha256 hex digest")
+        try:
+            _meta_fields(meta)
+        except CheckpointError as e:
+            raise TransferError(str(e)) from None
+        if not isinstance(hashes, list) or len(hashes) != -(-total // chunk):
+            raise TransferError("manifest must list one hash per chunk")
+        if not all(isinstance(h, str) and _HEX64.match(h) for h in hashes):
+            raise TransferError("chunk hashes must be sha256 hex digests")
+        return cls(meta, chunk, tuple(hashes))
+
+
+def encode_transfer(state: StageState, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[TransferManifest, list[bytes]]:
+    """The manifest and chunks that hand `state` to another peer."""
+    if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}]")
+    blob, meta = encode_stage(state)
+    chunks = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)]
+    return TransferManifest(meta, chunk_bytes, tuple(hashlib.sha256(c).hexdigest() for c in chunks)), chunks
+
+
+class TransferReceiver:
+    """Collects a stage's chunks, verifying each on arrival."""
+
+    def __init__(self, manifest: TransferManifest):
+        self.manifest = manifest
+        self._chunks: dict[int, bytes] = {}
+
+    @property
+    def missing(self) -> list[int]:
+        return [i for i in range(len(self.manifest.chunk_sha256)) if i not in self._chunks]
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+    def feed(self, index: int, chunk: bytes) -> None:
+        m = self.manifest
+        n = len(m.chunk_sha256)
+        if not isinstance(index, int) or not 0 <= index < n:
+            raise TransferError(f"chunk index {index!r} is out of range [0, {n})")
+        if not isinstance(chunk, (bytes, bytearray)):
+            raise TransferError("a chunk must be bytes")
+        expected = m.chunk_bytes if index < n - 1 else m.total_bytes - m.chunk_bytes * (n - 1)
+        if len(chunk) != expected:
+            raise TransferError(f"chunk {index} has {len(chunk)} bytes, expected {expected}")
+        if hashlib.sha256(chunk).hexdigest() != m.chunk_sha256[index]:
+            raise TransferError(f"chunk {index} fails its hash")
+        self._chunks[index] = bytes(chunk)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The stage's named tensors, once every chunk is in; the whole blob is hash-checked."""
+        if not self.complete:
+            raise TransferError(f"{len(self.missing)} chunks are still missing")
+        blob = b"".join(self._chunks[i] for i in range(len(self.manifest.chunk_sha256)))
+        try:
+            return decode_tensors(blob, self.manifest.meta)
+        except CheckpointError as e:
+            raise TransferError(str(e)) from None
+
+    def finish(self, device: str = "cpu") -> StageState:
+        """The received stage, rebuilt and checked against the model it claims to be."""
+        spec, cfg, rng, step, ostep = _meta_fields(self.manifest.meta)
+        try:
+            return stage_from_tensors(spec, cfg, rng, self.tensors(), step, ostep, device)
+        except TransferError:
+            raise
+        except CheckpointError as e:
+            raise TransferError(str(e)) from None

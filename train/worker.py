@@ -1,0 +1,186 @@
+"""One peer's share of a training step: its stage's GPipe pass, the DP all-reduce, global
+clipping and the optimizer step.
+
+GPipe as in the DT-FM system: M micro-batches forward, then M backward (last first). Each
+activation is sent downstream the moment its micro-batch leaves the stage, each input
+gradient upstream the moment it is computed, so transfers overlap the next micro-batch's
+compute. Each micro-batch's loss is scaled by its share of the global batch, so the summed
+gradients over all micro-batches and pipelines are exactly the gradient of the global batch's
+mean loss, however the batch is split.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .collective import all_reduce_small, ring_all_reduce
+from .comm import Comm, CommError, TENSOR_DTYPES
+from .data import Corpus, split_batch
+from .model import GPTStage
+from .optim import AdamW, clip_coefficient
+from .plan import Plan
+from .spec import GPTSpec, TrainConfig
+
+__all__ = ["StageState", "StepResult", "run_step"]
+
+
+class StageState:
+    """A stage's weights and optimizer state; `step` is the next step it will run."""
+
+    def __init__(self, spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int], device: str = "cpu"):
+        self.spec, self.cfg, self.layer_range = spec, cfg, tuple(layer_range)
+        self.module = GPTStage(spec, self.layer_range, cfg.seed).to(device)
+        self.params = dict(self.module.named_parameters())
+        self.optim = AdamW(self.params, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.step = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.params.values())).device
+
+    def norm_params(self) -> list[torch.nn.Parameter]:
+        """Parameters counted in the global gradient norm (a tied copy is counted once, on the first stage)."""
+        return [p for n, p in self.params.items() if not (self.module.holds_tied_copy and n == "wte.weight")]
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float | None  # global mean loss; on last stages only
+    grad_norm: float  # global L2 norm before clipping
+    compute_s: float = 0.0  # forward + backward compute of this stage
+    pipeline_s: float = 0.0  # wall time of the forward/backward phase, waits included
+    sync_s: float = 0.0  # all-reduce, norm, optimizer
+    act_peak_bytes: int = 0  # peak bytes of saved activations (with track_memory)
+    timings: dict = field(default_factory=dict)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward (the activations a GPipe stage holds)."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+        self._seen: set[int] = set()
+
+    def pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self._seen:
+            self._seen.add(ptr)
+            self.now += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.now)
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def _expect(t: torch.Tensor, shape: tuple, peer, tag: str) -> torch.Tensor:
+    if tuple(t.shape) != shape or not t.is_floating_point():
+        raise CommError(f"peer {peer!r} sent {t.dtype} {tuple(t.shape)} under {tag!r}, expected float {shape}")
+    return t
+
+
+def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False) -> StepResult:
+    """Run step `state.step` for peer `me` under `plan`, then advance `state.step`."""
+    spec, cfg, step = state.spec, state.cfg, state.step
+    d, s = plan.position(me)
+    if plan.layer_ranges[s] != state.layer_range:
+        raise ValueError(f"peer {me!r} holds layers {state.layer_range}, the plan gives it {plan.layer_ranges[s]}")
+    pipe, mod, dev = plan.pipeline(d), state.module, state.device
+    prev = pipe[s - 1] if s > 0 else None
+    nxt = pipe[s + 1] if s + 1 < plan.stages else None
+    wire, to = TENSOR_DTYPES[cfg.wire_dtype], cfg.comm_timeout_s
+    micro = split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d]
+    for p in state.params.values():
+        p.grad = None
+    handles, outs, ins, losses = [], [], [], []
+    saved = _SavedBytes()
+    compute = 0.0
+    t_start = time.perf_counter()
+    for m, idx in enumerate(micro):
+        shape = (len(idx), spec.seq_len, spec.n_embd)
+        if mod.is_first or mod.is_last:
+            x_tok, y = corpus.batch(cfg.seed, step, idx, spec.seq_len)
+        if mod.is_first:
+            x = x_tok.to(dev)
+        else:
+            tag = f"act/{step}/{m}"
+            x = _expect(comm.recv(prev, tag, to), shape, prev, tag).to(dev, torch.float32).requires_grad_()
+        t0 = time.perf_counter()
+        ctx = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if track_memory else _null()
+        with ctx:
+            if mod.is_last:
+                out = mod(x, y.to(dev)) * (len(idx) / cfg.global_batch_seqs)
+                losses.append(out.detach())
+            else:
+                out = mod(x)
+        compute += time.perf_counter() - t0
+        if nxt is not None:
+            handles.append(comm.isend(nxt, f"act/{step}/{m}", out.detach().to(wire)))
+        outs.append(out)
+        ins.append(x)
+    for m in reversed(range(len(micro))):
+        if mod.is_last:
+            t0 = time.perf_counter()
+            outs[m].backward()
+        else:
+            tag = f"grad/{step}/{m}"
+            g = _expect(comm.recv(nxt, tag, to), tuple(outs[m].shape), nxt, tag).to(dev, torch.float32)
+            t0 = time.perf_counter()
+            outs[m].backward(g)
+        compute += time.perf_counter() - t0
+        if prev is not None:
+            handles.append(comm.isend(prev, f"grad/{step}/{m}", ins[m].grad.to(wire)))
+        outs[m] = ins[m] = None  # free this micro-batch's activations
+    for h in handles:
+        h.wait(to)
+    t_pipe = time.perf_counter()
+    _sync_and_update(state, plan, me, comm, d, s)
+    loss = None
+    if mod.is_last:
+        local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
+        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"loss/{step}", to)[0])
+    t_end = time.perf_counter()
+    state.step += 1
+    return StepResult(step, loss, state.last_grad_norm, compute, t_pipe - t_start, t_end - t_pipe, saved.peak)
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int) -> None:
+    """All-reduce gradients over the DP group, sync a tied embedding, clip by the global norm, step."""
+    cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
+    for p in state.params.values():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in state.params.values()]
+    ring_all_reduce(comm, plan.dp_group(s), grads, f"dp/{step}", to, cfg.bucket_bytes)
+    if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
+        other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
+        g = state.params["wte.weight"].grad
+        h = comm.isend(other, f"tied/{step}", g)
+        theirs = comm.recv(other, f"tied/{step}", to)
+        if theirs.shape != g.shape or theirs.dtype != g.dtype:
+            raise CommError(f"peer {other!r} sent a tied-embedding gradient of the wrong shape")
+        g.add_(theirs.to(g.device))  # a + b == b + a: both copies get the same bits
+        h.wait(to)
+    local = torch.zeros(1, dtype=torch.float64)
+    for p in state.norm_params():
+        local += p.grad.detach().double().pow(2).sum().cpu()
+    total = all_reduce_small(comm, plan.pipeline(d), local, f"norm/{step}", to)
+    state.last_grad_norm = float(total[0]) ** 0.5
+    coef = clip_coefficient(float(total[0]), cfg.grad_clip_norm)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    state.optim.step(cfg.lr_at(step))
