@@ -40,7 +40,7 @@ class GPTSpec:
     @property
     def layer_params(self) -> int:
         c = self.n_embd
-        biases = (9 + self.mlp_ratio) * c if self.bias else 0
+        biases = (7 + self.mlp_ratio) * c if self.bias else 0
         return (4 + 2 * self.mlp_ratio) * c * c + 2 * c + biases
 
     @property

@@ -1,0 +1,124 @@
+"""Checkpoint files and the chunked, hash-verified stage transfer."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtfm.train import (CheckpointError, GPTSpec, StageState, TrainConfig, TransferError, TransferManifest,
+                        TransferReceiver, encode_transfer, list_checkpoints, load_checkpoint, save_checkpoint)
+
+SPEC = GPTSpec("t", n_layer=4, n_embd=32, n_head=4, seq_len=16)
+CFG = TrainConfig(global_batch_seqs=8, micro_batches=2)
+
+
+def trained_state(layer_range=(1, 3)) -> StageState:
+    st_ = StageState(SPEC, CFG, layer_range)
+    for p in st_.params.values():
+        p.grad = torch.full_like(p, 0.01)
+    st_.optim.step(1e-2)
+    st_.step = 1
+    return st_
+
+
+def assert_same(a: StageState, b: StageState) -> None:
+    assert a.step == b.step and a.layer_range == b.layer_range
+    assert a.optim.step_count == b.optim.step_count
+    for n in a.params:
+        assert torch.equal(a.params[n], b.params[n])
+        assert torch.equal(a.optim.exp_avg[n], b.optim.exp_avg[n])
+        assert torch.equal(a.optim.exp_avg_sq[n], b.optim.exp_avg_sq[n])
+
+
+def test_save_load_round_trip_and_keep_last_k(tmp_path):
+    s = trained_state()
+    for step in range(1, 6):
+        s.step = step
+        path = save_checkpoint(tmp_path, s, keep=2)
+    kept = list_checkpoints(tmp_path, (1, 3))
+    assert [p.name for p in kept] == ["step-00000004.json", "step-00000005.json"]
+    assert sorted(p.name for p in path.parent.iterdir()) == [
+        "step-00000004.json", "step-00000004.safetensors", "step-00000005.json", "step-00000005.safetensors"]
+    meta = json.loads(path.read_text())
+    assert meta["step"] == 5 and meta["layer_range"] == [1, 3] and meta["spec"]["n_embd"] == 32
+    assert_same(load_checkpoint(path), s)
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path, trained_state())
+    blob = bytearray(path.with_suffix(".safetensors").read_bytes())
+    blob[-1] ^= 1
+    path.with_suffix(".safetensors").write_bytes(bytes(blob))
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="cannot read"):
+        load_checkpoint(tmp_path / "nope.json")
+
+
+def test_transfer_round_trip_out_of_order_via_msgpack():
+    s = trained_state((0, 2))
+    manifest, chunks = encode_transfer(s, chunk_bytes=4096)
+    assert len(chunks) > 3
+    wire = msgpack.unpackb(msgpack.packb(manifest.to_wire()), raw=False)
+    rx = TransferReceiver(TransferManifest.from_wire(wire, max_total_bytes=1 << 30))
+    for i in reversed(range(len(chunks))):
+        assert not rx.complete
+        rx.feed(i, chunks[i])
+    assert rx.complete
+    assert_same(rx.finish(), s)
+
+
+def test_transfer_refuses_bad_chunks_and_keeps_going():
+    manifest, chunks = encode_transfer(trained_state(), chunk_bytes=4096)
+    rx = TransferReceiver(manifest)
+    bad = bytearray(chunks[0])
+    bad[10] ^= 0xFF
+    with pytest.raises(TransferError, match="hash"):
+        rx.feed(0, bytes(bad))
+    with pytest.raises(TransferError, match="bytes"):
+        rx.feed(0, chunks[0][:-1])
+    with pytest.raises(TransferError, match="out of range"):
+        rx.feed(len(chunks), chunks[0])
+    with pytest.raises(TransferError, match="missing"):
+        rx.finish()
+    for i, c in enumerate(chunks):  # a good copy from another holder still completes
+        rx.feed(i, c)
+    rx.finish()
+
+
+def test_manifest_that_lies_about_the_model_is_refused():
+    manifest, chunks = encode_transfer(trained_state(), chunk_bytes=1 << 20)
+    meta = dict(manifest.meta, layer_range=[0, 1])  # claims another stage: shapes will not fit
+    rx = TransferReceiver(TransferManifest(meta, manifest.chunk_bytes, manifest.chunk_sha256))
+    rx.feed(0, chunks[0])
+    with pytest.raises(TransferError):
+        rx.finish()
+
+
+def test_manifest_limits():
+    manifest, _ = encode_transfer(trained_state())
+    wire = manifest.to_wire()
+    with pytest.raises(TransferError, match="stage size"):
+        TransferManifest.from_wire(wire, max_total_bytes=100)
+    with pytest.raises(TransferError, match="one hash per chunk"):
+        TransferManifest.from_wire(dict(wire, chunk_sha256=[]), max_total_bytes=1 << 30)
+    with pytest.raises(TransferError, match="chunk_bytes"):
+        TransferManifest.from_wire(dict(wire, chunk_bytes=True), max_total_bytes=1 << 30)
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c, max_size=3),
+                     max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["meta", "chunk_bytes", "chunk_sha256", "x"]),
+                       _json | _json.map(json.dumps), max_size=4))
+def test_garbage_manifest_raises_transfer_error_only(obj):
+    with pytest.raises(TransferError):
+        TransferManifest.from_wire(obj, max_total_bytes=1 << 20)

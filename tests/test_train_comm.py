@@ -1,0 +1,142 @@
+"""In-memory Comm, tensor framing, and the collectives built on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtfm.train import (CommClosed, CommError, CommTimeout, InMemoryHub, all_reduce_small, ring_all_reduce,
+                        tensor_from_bytes, tensor_header)
+from dtfm.train.collective import make_buckets
+
+
+def run_all(fns):
+    """Run callables in threads; re-raise the first failure."""
+    errors, results = [], [None] * len(fns)
+
+    def wrap(i, f):
+        try:
+            results[i] = f()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=wrap, args=(i, f)) for i, f in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_send_recv_fifo_per_tag_and_copy_on_send():
+    hub = InMemoryHub()
+    a, b = hub.endpoint("a"), hub.endpoint(b"b")
+    x = torch.arange(4.0)
+    a.isend(b"b", "t", x).wait(1)
+    x += 100  # the sender may reuse its buffer at once
+    a.isend(b"b", "t", x)
+    a.isend(b"b", "u", torch.ones(2))
+    assert torch.equal(b.recv("a", "u", 1), torch.ones(2))
+    assert torch.equal(b.recv("a", "t", 1), torch.arange(4.0))
+    assert torch.equal(b.recv("a", "t", 1), torch.arange(4.0) + 100)
+    assert b.open_channels == 0  # drained channels are dropped
+
+
+def test_recv_times_out_and_abort_wakes_waiters():
+    hub = InMemoryHub()
+    a = hub.endpoint("a")
+    with pytest.raises(CommTimeout):
+        a.recv("b", "never", 0.01)
+    woke = []
+
+    def waiter():
+        try:
+            a.recv("b", "never", 30)
+        except CommClosed:
+            woke.append(True)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    hub.abort()
+    t.join(10)
+    assert woke == [True]
+
+
+def test_full_queue_applies_back_pressure():
+    hub = InMemoryHub(capacity=1)
+    a = hub.endpoint("a")
+    a.send_timeout_s = 0.01
+    a.isend("b", "t", torch.zeros(1))
+    with pytest.raises(CommTimeout):
+        a.isend("b", "t", torch.zeros(1))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("bucket_bytes", [1024, 1 << 20])
+def test_ring_all_reduce_sums_and_replicas_agree(n, bucket_bytes):
+    hub = InMemoryHub()
+    group = [f"p{i}" for i in range(n)]
+    gen = torch.Generator().manual_seed(n)
+    shapes = [(3, 5), (700,), (1,), (17, 2)]  # 700 floats > one 1 KiB bucket
+    inputs = [[torch.randn(s, generator=gen) for s in shapes] for _ in group]
+    want = [sum(inp[k] for inp in inputs) for k in range(len(shapes))]
+    bufs = [[t.clone() for t in inp] for inp in inputs]
+    run_all([lambda i=i: ring_all_reduce(hub.endpoint(group[i]), group, bufs[i], "g", 10, bucket_bytes)
+             for i in range(n)])
+    for i in range(n):
+        for k in range(len(shapes)):
+            torch.testing.assert_close(bufs[i][k], want[k])
+            assert torch.equal(bufs[i][k], bufs[0][k])  # bit-identical on every member
+
+
+def test_all_reduce_small_same_bits_everywhere():
+    hub = InMemoryHub()
+    group = ["x", "y", "z"]
+    vals = [torch.tensor([0.1], dtype=torch.float64), torch.tensor([0.2], dtype=torch.float64),
+            torch.tensor([0.3], dtype=torch.float64)]
+    out = run_all([lambda i=i: all_reduce_small(hub.endpoint(group[i]), group, vals[i], "n", 10) for i in range(3)])
+    assert out[0].item() == out[1].item() == out[2].item() == pytest.approx(0.6)
+
+
+def test_collective_refuses_wrong_shape_from_peer():
+    hub = InMemoryHub()
+    hub.endpoint("b").isend("a", "n", torch.zeros(2))
+    with pytest.raises(CommError, match="peer 'b'"):
+        all_reduce_small(hub.endpoint("a"), ["a", "b"], torch.zeros(1), "n", 1)
+
+
+def test_make_buckets_keeps_order_and_limit():
+    ts = [torch.zeros(100), torch.zeros(100), torch.zeros(1000), torch.zeros(10)]
+    assert make_buckets(ts, 800) == [[0, 1], [2], [3]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.uint8])
+def test_tensor_header_and_bytes_round_trip(dtype):
+    t = (torch.arange(24) % 7).to(dtype).reshape(2, 3, 4)
+    name, shape = tensor_header(t)
+    back = tensor_from_bytes(name, shape, t.numpy().tobytes() if dtype != torch.bfloat16
+                             else t.view(torch.int16).numpy().tobytes(), max_bytes=1 << 20)
+    assert torch.equal(back, t)
+
+
+def test_tensor_from_bytes_limits():
+    with pytest.raises(ValueError, match="exceeds"):
+        tensor_from_bytes("float32", (1 << 30,), b"", max_bytes=1 << 20)
+    with pytest.raises(ValueError, match="unknown"):
+        tensor_from_bytes("object", (1,), b"", max_bytes=64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=10), st.lists(st.integers(-5, 1 << 40), max_size=10), st.binary(max_size=64))
+def test_tensor_from_bytes_garbage_raises_value_error_only(dtype, shape, data):
+    try:
+        t = tensor_from_bytes(dtype, tuple(shape), data, max_bytes=1 << 16)
+    except ValueError:
+        return
+    assert t.numel() * t.element_size() == len(data)
