@@ -13,3 +13,6 @@ from .wire import (
     tensor_header,
     unpack_untrusted,
 )
+from .errors import RemoteError
+from .shaping import LinkShape, LinkShaper
+from .transport import Connection, Reply, Transport, TransportConfig

@@ -23,5 +23,9 @@ class ConnectionClosed(Exception):
     """The connection went away; the reason is in `str()`."""
 
 
+class RemoteError(Exception):
+    """The peer answered a request with an error (unknown message type, busy, handler failure)."""
+
+
 class KeyFileError(Exception):
     """An identity or swarm key file is missing, unreadable or garbled; `str()` says what to do."""

@@ -1,0 +1,158 @@
+"""Plaintext frames inside the encrypted records, and message reassembly (sans-IO).
+
+Frame kinds (first byte):
+
+    MSG    kind | msg_type u8 | flags u8 | msg_id u64 | reply_to u64 | payload_len u64 | body
+           one message: a msgpack body, and if payload_len > 0 a raw payload that follows in
+           CHUNK frames. Requests carry their msg_id; responses name it in reply_to.
+    CHUNK  kind | msg_id u64 | bytes      the next piece of msg_id's payload
+    REKEY  kind                           the sender's last record under its current key
+    CLOSE  kind | reason (utf-8)          the sender is closing the connection
+
+Chunks of different messages may interleave, and MSG frames travel between chunks, so a large
+tensor never holds up a small control message.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+from .wire import unpack_untrusted
+
+MSG, CHUNK, REKEY, CLOSE = 1, 2, 3, 4
+
+FLAG_REQUEST = 0x01
+FLAG_RESPONSE = 0x02
+FLAG_ERROR = 0x04
+_KNOWN_FLAGS = FLAG_REQUEST | FLAG_RESPONSE | FLAG_ERROR
+
+_MSG = struct.Struct(">BBBQQQ")
+_CHUNK = struct.Struct(">BQ")
+MSG_HEADER_BYTES = _MSG.size
+CHUNK_HEADER_BYTES = _CHUNK.size
+MAX_CLOSE_REASON_BYTES = 256
+
+
+def encode_msg(msg_type: int, flags: int, msg_id: int, reply_to: int, body: bytes, payload_len: int) -> bytes:
+    return _MSG.pack(MSG, msg_type, flags, msg_id, reply_to, payload_len) + body
+
+
+def encode_chunk(msg_id: int, data: bytes | memoryview) -> bytes:
+    return _CHUNK.pack(CHUNK, msg_id) + data
+
+
+def encode_rekey() -> bytes:
+    return bytes([REKEY])
+
+
+def encode_close(reason: str) -> bytes:
+    return bytes([CLOSE]) + reason.encode("utf-8", "replace")[:MAX_CLOSE_REASON_BYTES]
+
+
+@dataclass(frozen=True)
+class Message:
+    msg_type: int
+    flags: int
+    msg_id: int
+    reply_to: int
+    body: object
+    payload: bytearray | None
+
+
+@dataclass(frozen=True)
+class Rekey:
+    pass
+
+
+@dataclass(frozen=True)
+class Close:
+    reason: str
+
+
+@dataclass
+class _Partial:
+    header: Message
+    buf: bytearray
+    filled: int = 0
+
+
+class Inbound:
+    """Turns decrypted frames into events, bounding memory held by incomplete payloads."""
+
+    def __init__(
+        self,
+        *,
+        max_control_frame_bytes: int,
+        max_payload_bytes: int,
+        max_inflight_payload_bytes: int,
+        max_inflight_payloads: int,
+    ) -> None:
+        self.max_control_frame_bytes = max_control_frame_bytes
+        self.max_payload_bytes = max_payload_bytes
+        self.max_inflight_payload_bytes = max_inflight_payload_bytes
+        self.max_inflight_payloads = max_inflight_payloads
+        self._partial: dict[int, _Partial] = {}
+        self.inflight_bytes = 0
+
+    def on_frame(self, frame: memoryview | bytes) -> Message | Rekey | Close | None:
+        """The event completed by `frame`, or None when it was a chunk of an unfinished payload."""
+        if len(frame) == 0:
+            raise ProtocolError("empty frame")
+        kind = frame[0]
+        if kind == CHUNK:
+            return self._on_chunk(frame)
+        if kind == MSG:
+            return self._on_msg(frame)
+        if kind == REKEY:
+            if len(frame) != 1:
+                raise ProtocolError("malformed rekey frame")
+            return Rekey()
+        if kind == CLOSE:
+            reason = bytes(frame[1 : 1 + MAX_CLOSE_REASON_BYTES]).decode("utf-8", "replace")
+            return Close("".join(c if c.isprintable() else "?" for c in reason))
+        raise ProtocolError(f"unknown frame kind {kind}")
+
+    def _on_msg(self, frame: memoryview | bytes) -> Message | None:
+        if len(frame) > self.max_control_frame_bytes:
+            raise ProtocolError(f"message frame of {len(frame)} bytes exceeds {self.max_control_frame_bytes}")
+        if len(frame) < MSG_HEADER_BYTES:
+            raise ProtocolError("truncated message header")
+        _, msg_type, flags, msg_id, reply_to, payload_len = _MSG.unpack_from(frame, 0)
+        if flags & ~_KNOWN_FLAGS or (flags & FLAG_REQUEST and flags & FLAG_RESPONSE):
+            raise ProtocolError(f"bad message flags {flags:#x}")
+        body = unpack_untrusted(memoryview(frame)[MSG_HEADER_BYTES:], max_len=self.max_control_frame_bytes)
+        if payload_len == 0:
+            return Message(msg_type, flags, msg_id, reply_to, body, None)
+        if payload_len > self.max_payload_bytes:
+            raise ProtocolError(f"payload of {payload_len} bytes exceeds {self.max_payload_bytes}")
+        if msg_id in self._partial:
+            raise ProtocolError(f"message id {msg_id} reused while its payload is incomplete")
+        if len(self._partial) >= self.max_inflight_payloads:
+            raise ProtocolError(f"more than {self.max_inflight_payloads} payloads in flight")
+        if self.inflight_bytes + payload_len > self.max_inflight_payload_bytes:
+            raise ProtocolError(f"more than {self.max_inflight_payload_bytes} payload bytes in flight")
+        self.inflight_bytes += payload_len
+        header = Message(msg_type, flags, msg_id, reply_to, body, None)
+        self._partial[msg_id] = _Partial(header, bytearray(payload_len))
+        return None
+
+    def _on_chunk(self, frame: memoryview | bytes) -> Message | None:
+        if len(frame) <= CHUNK_HEADER_BYTES:
+            raise ProtocolError("empty or truncated chunk")
+        _, msg_id = _CHUNK.unpack_from(frame, 0)
+        p = self._partial.get(msg_id)
+        if p is None:
+            raise ProtocolError(f"chunk for unknown message id {msg_id}")
+        n = len(frame) - CHUNK_HEADER_BYTES
+        if p.filled + n > len(p.buf):
+            raise ProtocolError(f"payload of message {msg_id} overruns its announced length")
+        p.buf[p.filled : p.filled + n] = memoryview(frame)[CHUNK_HEADER_BYTES:]
+        p.filled += n
+        if p.filled < len(p.buf):
+            return None
+        del self._partial[msg_id]
+        self.inflight_bytes -= len(p.buf)
+        h = p.header
+        return Message(h.msg_type, h.flags, h.msg_id, h.reply_to, h.body, p.buf)

@@ -1,0 +1,269 @@
+import logging
+
+import pytest
+import trio
+import trio.testing
+
+from dtfm.peer.errors import ConnectionClosed, HandshakeError, RemoteError, RequestTimeout
+from dtfm.peer.identity import Identity
+from dtfm.peer.transport import Reply, Transport, TransportConfig
+
+KEY = bytes(range(32))
+ECHO = 40
+NOTE = 41
+SLOW = 42
+BAD = 43
+
+
+def make(region="", key=KEY, config=None, **kw):
+    t = Transport(Identity.generate(), key, config or TransportConfig.test(), region=region, **kw)
+
+    async def echo(conn, msg_type, body, payload):
+        return Reply(body, payload)
+
+    async def slow(conn, msg_type, body, payload):
+        await trio.sleep_forever()
+
+    t.handle(ECHO, echo)
+    t.handle(SLOW, slow)
+    return t
+
+
+async def start_tcp(nursery, *transports):
+    addrs = []
+    for t in transports:
+        addrs.append(await nursery.start(t.serve, "127.0.0.1", 0))
+    return addrs
+
+
+async def test_request_reply_payload_and_registry():
+    a, b = make("eu"), make("us")
+    connected, disconnected = [], []
+    b.on_connect(connected.append)
+    b.on_disconnect(lambda c, r: disconnected.append(r))
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        conn = await a.connect(host, port)
+        assert conn.peer_id == b.peer_id and conn.region == "us"
+        assert conn.listen_address == (host, port)
+        assert await a.connect(host, port) is conn  # reused
+        assert a.connection(b.peer_id) is conn and a.connections() == [conn]
+        payload = bytes(range(256)) * 4000  # several chunks in the test profile
+        body, got = await conn.request(ECHO, {"k": [1, 2.5, "s"]}, payload=payload)
+        assert body == {"k": [1, 2.5, "s"]} and bytes(got) == payload
+        body, got = await conn.request(ECHO, None)
+        assert body is None and got is None
+        assert [c.peer_id for c in connected] == [a.peer_id]
+        back = b.connection(a.peer_id)
+        assert back.region == "eu" and back.listen_address == a.listen_address
+        await conn.close("bye now")
+        assert conn.closed and a.connection(b.peer_id) is None
+        with trio.fail_after(5):
+            while not disconnected:
+                await trio.sleep(0.01)
+        assert "bye now" in disconnected[0]
+        with pytest.raises(ConnectionClosed):
+            await conn.send(NOTE, {})
+        n.cancel_scope.cancel()
+
+
+async def test_one_way_messages_arrive_in_order():
+    a, b = make(), make()
+    got = []
+    done = trio.Event()
+
+    async def note(conn, msg_type, body, payload):
+        got.append(body)
+        if len(got) == 200:
+            done.set()
+
+    b.handle(NOTE, note)
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        conn = await a.connect(host, port)
+        for i in range(200):  # > rekey_after_records of the test profile: keys renew on the way
+            await conn.send(NOTE, i)
+        with trio.fail_after(10):
+            await done.wait()
+        assert sorted(got) == list(range(200))
+        assert conn._send.counter < TransportConfig.test().rekey_after_records + 1
+        n.cancel_scope.cancel()
+
+
+async def test_wrong_swarm_key_refused_on_both_sides(caplog):
+    a, b = make(key=bytes(32)), make()
+    caplog.set_level(logging.WARNING, logger="dtfm.peer.transport")
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        with pytest.raises(HandshakeError, match="swarm key mismatch"):
+            await a.connect(host, port)
+        with trio.fail_after(5):
+            while not any("swarm key mismatch" in r.getMessage() for r in caplog.records):
+                await trio.sleep(0.01)
+        assert b.connections() == [] and a.connections() == []
+        n.cancel_scope.cancel()
+
+
+async def test_unknown_type_and_handler_errors():
+    a, b = make(), make()
+
+    async def broken(conn, msg_type, body, payload):
+        raise RuntimeError("boom")
+
+    b.handle(BAD, broken)
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        conn = await a.connect(host, port)
+        with pytest.raises(RemoteError, match="unknown message type 77"):
+            await conn.request(77, {})
+        with pytest.raises(RemoteError, match="internal error"):
+            await conn.request(BAD, {})
+        assert (await conn.request(ECHO, 1))[0] == 1  # still connected
+        n.cancel_scope.cancel()
+
+
+async def test_ping_overtakes_a_large_transfer():
+    a, b = make(), make()
+    events = []
+
+    async def sink(conn, msg_type, body, payload):
+        events.append("bulk received")
+        return None
+
+    b.handle(NOTE, sink)
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        conn = await a.connect(host, port)
+        big = bytes(48 << 20)
+
+        async def bulk():
+            await conn.request(NOTE, {}, payload=big, timeout_s=60)
+            events.append("bulk done")
+
+        n.start_soon(bulk)
+        while conn._send.counter < 20:  # the transfer is under way
+            await trio.sleep(0)
+        await conn.ping(timeout_s=30)
+        events.append("ping")
+        with trio.fail_after(60):
+            while "bulk done" not in events:
+                await trio.sleep(0.01)
+        assert events == ["ping", "bulk received", "bulk done"]
+        n.cancel_scope.cancel()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        TransportConfig(keepalive_interval_s=10, idle_timeout_s=15)
+    with pytest.raises(ValueError):
+        TransportConfig(max_payload_bytes=10, max_inflight_payload_bytes=5)
+    with pytest.raises(ValueError):
+        TransportConfig(request_timeout_s=0)
+    with pytest.raises(ValueError):
+        make().handle(0, None)
+
+
+# ---- deterministic tests over in-memory streams and a mock clock ---------------------------
+
+
+async def pair(nursery, a, b, remote=("10.0.0.1", 5000)):
+    await nursery.start(a.run)
+    await nursery.start(b.run)
+    left, right = trio.testing.memory_stream_pair()
+    nursery.start_soon(b.accept_stream, right, remote)
+    return await a.connect_stream(left, ("10.0.0.2", 7000))
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def test_request_timeout_is_exact(autojump_clock):
+    a, b = make(), make()
+    async with trio.open_nursery() as n:
+        conn = await pair(n, a, b)
+        t0 = trio.current_time()
+        with pytest.raises(RequestTimeout):
+            await conn.request(SLOW, {}, timeout_s=3.5)
+        assert trio.current_time() - t0 == pytest.approx(3.5)
+        with pytest.raises(RequestTimeout):
+            await conn.request(SLOW, {})
+        assert trio.current_time() - t0 == pytest.approx(3.5 + TransportConfig.test().request_timeout_s)
+        n.cancel_scope.cancel()
+
+
+async def test_keepalive_holds_idle_connection_and_keys_renew_on_timer(autojump_clock):
+    a, b = make(), make()
+    async with trio.open_nursery() as n:
+        conn = await pair(n, a, b)
+        await trio.sleep(120)  # 12 idle timeouts of silence, bridged by keepalives
+        assert not conn.closed and b.connection(a.peer_id) is not None
+        assert conn._last_rekey >= 110  # renewed on the timer (every 10 s in the test profile)
+        assert (await conn.request(ECHO, "still here"))[0] == "still here"
+        n.cancel_scope.cancel()
+
+
+async def test_silent_peer_times_out(autojump_clock):
+    a = make()
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        left, right = trio.testing.memory_stream_pair()
+        with pytest.raises(HandshakeError, match="timed out"):
+            await a.connect_stream(left, ("10.0.0.9", 1))
+        assert trio.current_time() == pytest.approx(TransportConfig.test().handshake_timeout_s)
+        n.cancel_scope.cancel()
+
+
+async def test_crossed_dials_leave_one_connection(autojump_clock):
+    a, b = make(), make()
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        await n.start(b.run)
+        l1, r1 = trio.testing.memory_stream_pair()
+        l2, r2 = trio.testing.memory_stream_pair()
+        n.start_soon(b.accept_stream, r1, ("10.0.0.1", 1))
+        n.start_soon(a.accept_stream, r2, ("10.0.0.2", 2))
+        async with trio.open_nursery() as dial:
+            dial.start_soon(a.connect_stream, l1, ("10.0.0.2", 2))
+            dial.start_soon(b.connect_stream, l2, ("10.0.0.1", 1))
+        await trio.sleep(1)
+        ca, cb = a.connections(), b.connections()
+        assert len(ca) == 1 and len(cb) == 1
+        assert ca[0].initiator_id == cb[0].initiator_id == min(a.peer_id, b.peer_id)
+        assert (await ca[0].request(ECHO, 5))[0] == 5
+        n.cancel_scope.cancel()
+
+
+async def test_handshake_flood_is_limited_per_address_and_capped(autojump_clock):
+    cfg = TransportConfig(
+        **{**TransportConfig.test().__dict__, "handshake_rate_per_s": 1.0, "handshake_burst": 3, "max_half_open_handshakes": 5}
+    )
+    server, good = make(config=cfg), make()
+    async with trio.open_nursery() as n:
+        await n.start(server.run)
+        await n.start(good.run)
+        silent = []
+        for i in range(10):  # one address: only its burst of 3 gets a handshake slot
+            left, right = trio.testing.memory_stream_pair()
+            silent.append(left)
+            n.start_soon(server.accept_stream, right, ("10.6.6.6", 1000 + i))
+        await trio.sleep(0)
+        assert server._admission.half_open == 3
+        for i in range(2):  # two more sources fill the global cap of 5
+            left, right = trio.testing.memory_stream_pair()
+            silent.append(left)
+            n.start_soon(server.accept_stream, right, (f"10.7.7.{i}", 1))
+        await trio.sleep(0)
+        assert server._admission.half_open == 5
+        left, right = trio.testing.memory_stream_pair()
+        n.start_soon(server.accept_stream, right, ("10.0.0.1", 1))
+        with pytest.raises((HandshakeError, ConnectionClosed, trio.BrokenResourceError)):
+            await good.connect_stream(left, ("server", 1))
+        await trio.sleep(cfg.handshake_timeout_s + 0.1)  # the silent handshakes expire
+        assert server._admission.half_open == 0
+        left, right = trio.testing.memory_stream_pair()
+        n.start_soon(server.accept_stream, right, ("10.0.0.1", 1))
+        conn = await good.connect_stream(left, ("server", 1))
+        assert (await conn.request(ECHO, "ok"))[0] == "ok"
+        n.cancel_scope.cancel()
