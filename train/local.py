@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .comm import CommClosed, InMemoryHub
-from .data import Corpus
+from .data import Corpus, split_batch
 from .plan import Plan
 from .spec import GPTSpec, TrainConfig
 from .transfer import TransferError, TransferReceiver, encode_transfer
@@ -32,16 +32,18 @@ def _one_thread() -> None:
 
 class LocalCluster:
     def __init__(self, spec: GPTSpec, cfg: TrainConfig, plan: Plan, corpus: Corpus,
-                 states: dict | None = None, track_memory: bool = False):
+                 states: dict | None = None, track_memory: bool = False, device: str = "cpu"):
         if plan.n_layer != spec.n_layer:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {spec.n_layer}")
         self.spec, self.cfg, self.corpus, self.track_memory = spec, cfg, corpus, track_memory
+        self.device = device
+        split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)  # fail now, not inside a worker
         self.hub = InMemoryHub()
         self.plan = plan
         self.states: dict = {}
         if states is None:
             for p in plan.peers:
-                self.states[p] = StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]])
+                self.states[p] = StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]], device)
         else:
             self.states = dict(states)
             self._check_states()
@@ -93,6 +95,7 @@ class LocalCluster:
         """Switch to `plan` before the next step, moving stage state by the transfer encoding."""
         if plan.n_layer != self.spec.n_layer:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {self.spec.n_layer}")
+        split_batch(self.cfg.global_batch_seqs, plan.dp, self.cfg.micro_batches)
         sources = {}  # one holder per distinct old layer range
         for p, st in self.states.items():
             sources.setdefault(st.layer_range, st)
@@ -111,7 +114,7 @@ class LocalCluster:
                         received[src_rng] = self._fetch(st, chunk_bytes)
                     tensors.update(received[src_rng])
             step, ostep = self.step_index, sources[next(iter(sources))].optim.step_count
-            new_states[p] = stage_from_tensors(self.spec, self.cfg, rng, tensors, step, ostep)
+            new_states[p] = stage_from_tensors(self.spec, self.cfg, rng, tensors, step, ostep, self.device)
             logger.info("peer %r took over layers %s at step %d", p, rng, step)
         self.plan, self.states = plan, new_states
         self._check_states()

@@ -6,7 +6,7 @@ Both travel inside checkpoints (as JSON via `to_dict`) so a checkpoint says what
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["GPTSpec", "TrainConfig", "PRESETS", "get_preset", "WIRE_DTYPES"]
 
@@ -78,23 +78,31 @@ def get_preset(name: str) -> GPTSpec:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
+def _opt(default, help: str):
+    """A config field whose help text is also the CLI's (see train/cli.py)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation and pipeline settings of one run; identical on every peer of a swarm."""
 
-    seed: int = 0  # seeds initial weights (with the layer index) and sampling (with the step)
-    global_batch_seqs: int = 16  # sequences per step over all pipelines; fixed for the run
-    micro_batches: int = 4  # per pipeline per step; more shrinks the bubble, less amortises per-message cost
-    lr: float = 1e-3  # AdamW peak learning rate
-    warmup_steps: int = 0  # linear warm-up from lr/warmup to lr; 0 starts at full lr
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1  # applied to matrices only (not biases, norms)
-    grad_clip_norm: float = 1.0  # global L2 norm over all stages; 0 disables clipping
-    wire_dtype: str = "float32"  # activations/gradients between stages; float16/bfloat16 halve the bytes
-    bucket_bytes: int = 4 << 20  # all-reduce bucket size: smaller overlaps more, larger costs fewer messages
-    comm_timeout_s: float = 60.0  # longest wait for one message before the step fails
+    seed: int = _opt(0, "seeds initial weights (with the layer index) and sampling (with the step)")
+    global_batch_seqs: int = _opt(16, "sequences per step over all pipelines; fixed for the run")
+    micro_batches: int = _opt(4, "micro-batches per pipeline per step: more shrinks the pipeline bubble, "
+                                 "fewer amortise per-message cost")
+    lr: float = _opt(1e-3, "AdamW peak learning rate")
+    warmup_steps: int = _opt(0, "linear warm-up steps up to lr; 0 starts at full lr")
+    beta1: float = _opt(0.9, "AdamW first-moment decay")
+    beta2: float = _opt(0.95, "AdamW second-moment decay")
+    eps: float = _opt(1e-8, "AdamW denominator epsilon")
+    weight_decay: float = _opt(0.1, "decoupled weight decay, on matrices only (not norms)")
+    grad_clip_norm: float = _opt(1.0, "clip the global L2 gradient norm, over all stages, to this; 0 disables")
+    wire_dtype: str = _opt("float32", "dtype of activations and their gradients between stages: "
+                                      "float16/bfloat16 halve the bytes, float32 is exact")
+    bucket_bytes: int = _opt(4 << 20, "all-reduce bucket size in bytes: smaller overlaps more, "
+                                      "larger sends fewer messages")
+    comm_timeout_s: float = _opt(60.0, "longest wait for one message before the step fails")
 
     def __post_init__(self) -> None:
         if self.global_batch_seqs < 1 or self.micro_batches < 1:

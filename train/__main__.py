@@ -1,0 +1,7 @@
+"""python -m dtfm.train: see dtfm.train.cli."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
