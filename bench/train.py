@@ -1,0 +1,87 @@
+"""Training throughput on CPU: single-process `tiny` vs the same model as 2- and 4-stage
+in-memory pipelines; measured pipeline bubble vs GPipe's (S-1)/(M+S-1); memory per stage.
+
+    .venv/bin/python bench/train.py [--preset tiny] [--steps 6] [--batch 16] [--micro-batches 4]
+
+Bubble: for each stage, the share of its forward/backward phase spent not computing
+(waiting for activations or gradients), averaged over stages and steps. Memory per stage:
+parameters, gradients and both Adam moments (4 x fp32 per parameter) plus the peak bytes
+autograd saved for backward. Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from dtfm.train import LocalCluster, Plan, TrainConfig, get_preset, load_corpus, reference_state, reference_step
+
+
+def single_process(spec, cfg, corpus, steps: int) -> dict:
+    state = reference_state(spec, cfg)
+    reference_step(state, corpus)  # warm-up
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        reference_step(state, corpus)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    return {"step_s": step_s, "tokens_per_s": cfg.global_batch_seqs * spec.seq_len / step_s}
+
+
+def pipeline(spec, cfg, corpus, stages: int, steps: int) -> dict:
+    plan = Plan.grid(spec.n_layer, stages, 1)
+    with LocalCluster(spec, cfg, plan, corpus, track_memory=True) as cl:
+        cl.step()  # warm-up
+        times, bubbles, act_peak = [], [], {p: 0 for p in plan.peers}
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            cl.step()
+            times.append(time.perf_counter() - t0)
+            res = cl.last_results
+            bubbles.append(statistics.mean(1 - r.compute_s / r.pipeline_s for r in res.values()))
+            for p, r in res.items():
+                act_peak[p] = max(act_peak[p], r.act_peak_bytes)
+        mem = []
+        for p in plan.pipeline(0):
+            n_param = sum(t.numel() for t in cl.states[p].params.values())
+            mem.append(round((16 * n_param + act_peak[p]) / 2**20, 2))
+    step_s = statistics.median(times)
+    m = cfg.micro_batches
+    return {"stages": stages, "layer_ranges": [list(r) for r in plan.layer_ranges], "step_s": step_s,
+            "tokens_per_s": cfg.global_batch_seqs * spec.seq_len / step_s,
+            "bubble_measured": statistics.mean(bubbles), "bubble_theory": (stages - 1) / (m + stages - 1),
+            "peak_mem_mib_per_stage": mem}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per configuration (after one warm-up)")
+    ap.add_argument("--batch", type=int, default=16, help="global batch, sequences")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the single-process run")
+    args = ap.parse_args()
+    spec = get_preset(args.preset)
+    cfg = TrainConfig(global_batch_seqs=args.batch, micro_batches=args.micro_batches)
+    corpus = load_corpus(max_bytes=8 << 20)
+    torch.set_num_threads(args.threads)
+    single = single_process(spec, cfg, corpus, args.steps)
+    print(f"single process: {single['tokens_per_s']:,.0f} tok/s ({single['step_s'] * 1e3:.0f} ms/step)")
+    pipes = []
+    for s in (2, 4):
+        r = pipeline(spec, cfg, corpus, s, args.steps)
+        pipes.append(r)
+        print(f"{s}-stage pipeline: {r['tokens_per_s']:,.0f} tok/s, bubble {r['bubble_measured']:.3f} "
+              f"(GPipe theory {r['bubble_theory']:.3f}), peak MiB per stage {r['peak_mem_mib_per_stage']}")
+    print(json.dumps({"bench": "train", "preset": spec.name, "params": spec.params, "global_batch": args.batch,
+                      "micro_batches": args.micro_batches, "seq_len": spec.seq_len, "cpu_threads": torch.get_num_threads(),
+                      "single": single, "pipelines": pipes}))
+
+
+if __name__ == "__main__":
+    main()
