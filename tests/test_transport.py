@@ -248,14 +248,15 @@ async def test_handshake_flood_is_limited_per_address_and_capped(autojump_clock)
             left, right = trio.testing.memory_stream_pair()
             silent.append(left)
             n.start_soon(server.accept_stream, right, ("10.6.6.6", 1000 + i))
-        await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()
         assert server._admission.half_open == 3
         for i in range(2):  # two more sources fill the global cap of 5
             left, right = trio.testing.memory_stream_pair()
             silent.append(left)
             n.start_soon(server.accept_stream, right, (f"10.7.7.{i}", 1))
-        await trio.sleep(0)
+        await trio.testing.wait_all_tasks_blocked()
         assert server._admission.half_open == 5
+        assert trio.current_time() == 0.0
         left, right = trio.testing.memory_stream_pair()
         n.start_soon(server.accept_stream, right, ("10.0.0.1", 1))
         with pytest.raises((HandshakeError, ConnectionClosed, trio.BrokenResourceError)):
