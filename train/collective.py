@@ -66,7 +66,7 @@ def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch
                 handles.append(comm.isend(nxt, f"{tag}/{phase}{step}/b{b}", ch[send_c]))
             for b, ch in enumerate(chunks):
                 t = f"{tag}/{phase}{step}/b{b}"
-                got = _checked(comm.recv(prv, t, timeout_s), ch[recv_c], prv, t)
+                got = _checked(comm.recv(prv, t, timeout_s), ch[recv_c], prv, t).to(ch[recv_c].device)
                 if phase == "rs":
                     ch[recv_c].add_(got)
                 else:
@@ -89,7 +89,8 @@ def all_reduce_small(comm: Comm, group: Sequence[PeerId], value: torch.Tensor, t
     if comm.me not in group:
         raise ValueError(f"group {group!r} must include this peer ({comm.me!r})")
     handles = [comm.isend(p, tag, value) for p in group if p != comm.me]
-    parts = [value if p == comm.me else _checked(comm.recv(p, tag, timeout_s), value, p, tag) for p in group]
+    parts = [value if p == comm.me else _checked(comm.recv(p, tag, timeout_s), value, p, tag).to(value.device)
+             for p in group]
     for h in handles:
         h.wait(timeout_s)
     total = parts[0].clone()

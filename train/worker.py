@@ -36,6 +36,7 @@ class StageState:
         self.params = dict(self.module.named_parameters())
         self.optim = AdamW(self.params, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.step = 0
+        self.last_grad_norm = 0.0  # global gradient norm of the last step, before clipping
 
     @property
     def device(self) -> torch.device:
@@ -84,69 +85,102 @@ def _expect(t: torch.Tensor, shape: tuple, peer, tag: str) -> torch.Tensor:
     return t
 
 
+@dataclass
+class _Ctx:
+    """What one step of one peer needs to know about its place in the plan."""
+
+    state: StageState
+    comm: Comm
+    corpus: Corpus
+    step: int
+    prev: object  # upstream peer, or None on the first stage
+    nxt: object  # downstream peer, or None on the last stage
+    micro: list[range]  # this pipeline's sample indices per micro-batch
+    saved: _SavedBytes | None
+    compute_s: float = 0.0
+
+
 def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False) -> StepResult:
     """Run step `state.step` for peer `me` under `plan`, then advance `state.step`."""
-    spec, cfg, step = state.spec, state.cfg, state.step
+    cfg, step = state.cfg, state.step
     d, s = plan.position(me)
     if plan.layer_ranges[s] != state.layer_range:
         raise ValueError(f"peer {me!r} holds layers {state.layer_range}, the plan gives it {plan.layer_ranges[s]}")
-    pipe, mod, dev = plan.pipeline(d), state.module, state.device
-    prev = pipe[s - 1] if s > 0 else None
-    nxt = pipe[s + 1] if s + 1 < plan.stages else None
-    wire, to = TENSOR_DTYPES[cfg.wire_dtype], cfg.comm_timeout_s
-    micro = split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d]
+    pipe = plan.pipeline(d)
+    ctx = _Ctx(state, comm, corpus, step, pipe[s - 1] if s > 0 else None,
+               pipe[s + 1] if s + 1 < plan.stages else None,
+               split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d],
+               _SavedBytes() if track_memory else None)
     for p in state.params.values():
         p.grad = None
-    handles, outs, ins, losses = [], [], [], []
-    saved = _SavedBytes()
-    compute = 0.0
     t_start = time.perf_counter()
-    for m, idx in enumerate(micro):
-        shape = (len(idx), spec.seq_len, spec.n_embd)
+    outs, ins, losses, handles = _forward(ctx)
+    handles += _backward(ctx, outs, ins)
+    for h in handles:
+        h.wait(cfg.comm_timeout_s)
+    t_pipe = time.perf_counter()
+    _sync_and_update(state, plan, me, comm, d, s)
+    loss = None
+    if state.module.is_last:
+        local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
+        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"loss/{step}", cfg.comm_timeout_s)[0])
+    t_end = time.perf_counter()
+    state.step += 1
+    return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
+                      ctx.saved.peak if ctx.saved else 0)
+
+
+def _forward(ctx: _Ctx):
+    """All micro-batches forward; each output is sent downstream as soon as it exists."""
+    st, cfg, spec = ctx.state, ctx.state.cfg, ctx.state.spec
+    mod, dev, to = st.module, st.device, cfg.comm_timeout_s
+    wire = TENSOR_DTYPES[cfg.wire_dtype]
+    outs, ins, losses, handles = [], [], [], []
+    for m, idx in enumerate(ctx.micro):
         if mod.is_first or mod.is_last:
-            x_tok, y = corpus.batch(cfg.seed, step, idx, spec.seq_len)
+            x_tok, y = ctx.corpus.batch(cfg.seed, ctx.step, idx, spec.seq_len)
         if mod.is_first:
             x = x_tok.to(dev)
         else:
-            tag = f"act/{step}/{m}"
-            x = _expect(comm.recv(prev, tag, to), shape, prev, tag).to(dev, torch.float32).requires_grad_()
+            tag = f"act/{ctx.step}/{m}"
+            got = _expect(ctx.comm.recv(ctx.prev, tag, to), (len(idx), spec.seq_len, spec.n_embd), ctx.prev, tag)
+            x = got.to(dev, torch.float32).requires_grad_()
         t0 = time.perf_counter()
-        ctx = torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack) if track_memory else _null()
-        with ctx:
-            if mod.is_last:
+        hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else _null()
+        with hooks:
+            if mod.is_last:  # scaled by its share of the global batch: the sum is the global mean
                 out = mod(x, y.to(dev)) * (len(idx) / cfg.global_batch_seqs)
                 losses.append(out.detach())
             else:
                 out = mod(x)
-        compute += time.perf_counter() - t0
-        if nxt is not None:
-            handles.append(comm.isend(nxt, f"act/{step}/{m}", out.detach().to(wire)))
+        ctx.compute_s += time.perf_counter() - t0
+        if ctx.nxt is not None:
+            handles.append(ctx.comm.isend(ctx.nxt, f"act/{ctx.step}/{m}", out.detach().to(wire)))
         outs.append(out)
         ins.append(x)
-    for m in reversed(range(len(micro))):
+    return outs, ins, losses, handles
+
+
+def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
+    """All micro-batches backward, last first; each input gradient is sent upstream at once."""
+    cfg, mod = ctx.state.cfg, ctx.state.module
+    wire, to = TENSOR_DTYPES[cfg.wire_dtype], cfg.comm_timeout_s
+    handles = []
+    for m in reversed(range(len(outs))):
         if mod.is_last:
             t0 = time.perf_counter()
             outs[m].backward()
         else:
-            tag = f"grad/{step}/{m}"
-            g = _expect(comm.recv(nxt, tag, to), tuple(outs[m].shape), nxt, tag).to(dev, torch.float32)
+            tag = f"grad/{ctx.step}/{m}"
+            g = _expect(ctx.comm.recv(ctx.nxt, tag, to), tuple(outs[m].shape), ctx.nxt, tag)
+            g = g.to(ctx.state.device, torch.float32)
             t0 = time.perf_counter()
             outs[m].backward(g)
-        compute += time.perf_counter() - t0
-        if prev is not None:
-            handles.append(comm.isend(prev, f"grad/{step}/{m}", ins[m].grad.to(wire)))
+        ctx.compute_s += time.perf_counter() - t0
+        if ctx.prev is not None:
+            handles.append(ctx.comm.isend(ctx.prev, f"grad/{ctx.step}/{m}", ins[m].grad.to(wire)))
         outs[m] = ins[m] = None  # free this micro-batch's activations
-    for h in handles:
-        h.wait(to)
-    t_pipe = time.perf_counter()
-    _sync_and_update(state, plan, me, comm, d, s)
-    loss = None
-    if mod.is_last:
-        local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
-        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"loss/{step}", to)[0])
-    t_end = time.perf_counter()
-    state.step += 1
-    return StepResult(step, loss, state.last_grad_norm, compute, t_pipe - t_start, t_end - t_pipe, saved.peak)
+    return handles
 
 
 class _null:
