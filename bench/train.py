@@ -37,6 +37,7 @@ def pipeline(spec, cfg, corpus, stages: int, steps: int) -> dict:
     plan = Plan.grid(spec.n_layer, stages, 1)
     with LocalCluster(spec, cfg, plan, corpus, track_memory=True) as cl:
         cl.step()  # warm-up
+        sent0 = cl.hub.bytes_sent
         times, bubbles, act_peak = [], [], {p: 0 for p in plan.peers}
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -46,6 +47,7 @@ def pipeline(spec, cfg, corpus, stages: int, steps: int) -> dict:
             bubbles.append(statistics.mean(1 - r.compute_s / r.pipeline_s for r in res.values()))
             for p, r in res.items():
                 act_peak[p] = max(act_peak[p], r.act_peak_bytes)
+        wire_mib = (cl.hub.bytes_sent - sent0) / steps / 2**20
         mem = []
         for p in plan.pipeline(0):
             n_param = sum(t.numel() for t in cl.states[p].params.values())
@@ -55,7 +57,7 @@ def pipeline(spec, cfg, corpus, stages: int, steps: int) -> dict:
     return {"stages": stages, "layer_ranges": [list(r) for r in plan.layer_ranges], "step_s": step_s,
             "tokens_per_s": cfg.global_batch_seqs * spec.seq_len / step_s,
             "bubble_measured": statistics.mean(bubbles), "bubble_theory": (stages - 1) / (m + stages - 1),
-            "peak_mem_mib_per_stage": mem}
+            "peak_mem_mib_per_stage": mem, "wire_dtype": cfg.wire_dtype, "wire_mib_per_step": round(wire_mib, 3)}
 
 
 def main() -> None:
@@ -65,9 +67,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="global batch, sequences")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the single-process run")
+    ap.add_argument("--wire-dtype", default="float32", help="dtype of activations/gradients between stages")
     args = ap.parse_args()
     spec = get_preset(args.preset)
-    cfg = TrainConfig(global_batch_seqs=args.batch, micro_batches=args.micro_batches)
+    cfg = TrainConfig(global_batch_seqs=args.batch, micro_batches=args.micro_batches, wire_dtype=args.wire_dtype)
     corpus = load_corpus(max_bytes=8 << 20)
     torch.set_num_threads(args.threads)
     single = single_process(spec, cfg, corpus, args.steps)
@@ -77,7 +80,8 @@ def main() -> None:
         r = pipeline(spec, cfg, corpus, s, args.steps)
         pipes.append(r)
         print(f"{s}-stage pipeline: {r['tokens_per_s']:,.0f} tok/s, bubble {r['bubble_measured']:.3f} "
-              f"(GPipe theory {r['bubble_theory']:.3f}), peak MiB per stage {r['peak_mem_mib_per_stage']}")
+              f"(GPipe theory {r['bubble_theory']:.3f}), peak MiB per stage {r['peak_mem_mib_per_stage']}, "
+              f"{r['wire_mib_per_step']:.2f} MiB on the wire per step")
     print(json.dumps({"bench": "train", "preset": spec.name, "params": spec.params, "global_batch": args.batch,
                       "micro_batches": args.micro_batches, "seq_len": spec.seq_len, "cpu_threads": torch.get_num_threads(),
                       "single": single, "pipelines": pipes}))

@@ -171,7 +171,8 @@ class InMemoryComm:
             self.hub._wait(lambda t: q.put(payload, timeout=t), self.send_timeout_s, f"send {tag!r} to {peer!r}")
         finally:
             self.hub._release(self.me, peer, tag, q, sending=True)
-        self.hub.bytes_sent += payload.numel() * payload.element_size()
+        with self.hub._lock:
+            self.hub.bytes_sent += payload.numel() * payload.element_size()
         return _Done()
 
     def recv(self, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
