@@ -1,0 +1,52 @@
+"""Starting allocations: region-aligned constructions, the homogeneous-cluster layout, random.
+
+Each returns an (S, D) array X (X[s, p]: peer of stage s in pipeline p) and the spares.
+"Locality order" lists peers so that peers of one region (or, on a measured view without
+region labels, peers close to each other) are adjacent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["locality_order", "dp_aligned", "pp_aligned", "consecutive", "random_allocation"]
+
+
+def locality_order(hop: np.ndarray, regions=None) -> np.ndarray:
+    """Peers grouped by region label (first appearance order), or a nearest-neighbour chain."""
+    n = hop.shape[0]
+    if regions is not None:
+        first: dict = {}
+        for i, r in enumerate(regions):
+            first.setdefault(r, len(first))
+        return np.array(sorted(range(n), key=lambda i: (first[regions[i]], i)), dtype=np.int64)
+    dist = hop + hop.T
+    seen = np.zeros(n, dtype=bool)
+    order = [0]
+    seen[0] = True
+    for _ in range(n - 1):
+        row = np.where(seen, np.inf, dist[order[-1]])
+        nxt = int(np.argmin(row))
+        order.append(nxt)
+        seen[nxt] = True
+    return np.array(order, dtype=np.int64)
+
+
+def dp_aligned(order: np.ndarray, S: int, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """One region per DP group: consecutive runs of D peers in locality order form the groups."""
+    return order[:S * D].reshape(S, D).copy(), order[S * D:].copy()
+
+
+def pp_aligned(order: np.ndarray, S: int, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """One region per pipeline: consecutive runs of S peers in locality order form the pipelines."""
+    return order[:S * D].reshape(D, S).T.copy(), order[S * D:].copy()
+
+
+def consecutive(n: int, S: int, D: int) -> tuple[np.ndarray, np.ndarray]:
+    """What a scheduler assuming a uniform network does: peers p*S .. p*S+S-1 form pipeline p."""
+    return np.arange(S * D, dtype=np.int64).reshape(D, S).T.copy(), np.arange(S * D, n, dtype=np.int64)
+
+
+def random_allocation(n: int, S: int, D: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    perm = rng.permutation(n).astype(np.int64)
+    return perm[:S * D].reshape(S, D).copy(), perm[S * D:].copy()

@@ -1,0 +1,219 @@
+"""Memetic search for one shape (S stages x D pipelines): evolution over DP-group partitions,
+each candidate polished by swap local search and by the exact matching + path step.
+
+`realize` turns unordered DP groups into the best pipelines for them: bottleneck matchings
+between every pair of groups give the coarsened graph, the open path through it gives the stage
+order, and the matchings along the path give the pipelines (exact up to 14 stages).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import CostModel
+from .local import SwapSearch
+from .matching import bottleneck_matching
+from .path import EXACT_MAX_NODES, open_path
+
+__all__ = ["SearchConfig", "ShapeSearch"]
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    time_budget_s: float = 20.0  # anytime: the best allocation found so far is returned
+    generations: int | None = None  # cap on evolution rounds; with a cap and ample time, runs repeat exactly
+    population: int = 10  # partitions kept; more explores more, each round costs the same
+    mutation_swaps: int = 3  # random swaps applied to each child before local search
+    exact_path_max_stages: int = EXACT_MAX_NODES  # Held-Karp up to here, 2-opt/or-opt beyond
+    random_seeds: int = 2  # random starting partitions besides the constructions
+    regroup_max_peers: int = 32  # up to here, also try every swap with pipelines re-matched (exact, slow)
+
+    def __post_init__(self) -> None:
+        if self.time_budget_s <= 0:
+            raise ValueError("time_budget_s must be positive")
+        if self.population < 2:
+            raise ValueError("population must be at least 2")
+        if self.generations is not None and self.generations < 0:
+            raise ValueError("generations must be non-negative")
+
+
+class ShapeSearch:
+    def __init__(self, model: CostModel, S: int, D: int, config: SearchConfig, seed: int,
+                 deadline_s: float) -> None:
+        self.m = model
+        self.S, self.D = S, D
+        self.cfg = config
+        self.rng = np.random.default_rng(seed)
+        self.deadline_s = deadline_s
+        self.symmetric = bool(np.allclose(model.hop, model.hop.T))
+        self._pairs: dict[tuple[bytes, bytes], float] = {}
+        self.local = SwapSearch(model, self.rng, self.out_of_time)
+        self.generations = 0
+        self.realized = 0
+
+    def out_of_time(self) -> bool:
+        return time.perf_counter() >= self.deadline_s
+
+    # -- matchings and path ---------------------------------------------------------------
+    def _edge(self, a: np.ndarray, b: np.ndarray) -> float:
+        key = (np.sort(a).tobytes(), np.sort(b).tobytes())
+        if self.symmetric and key[1] < key[0]:
+            key = (key[1], key[0])
+        v = self._pairs.get(key)
+        if v is None:
+            v = bottleneck_matching(self.m.hop[np.ix_(a, b)])[0]
+            if len(self._pairs) > 200_000:
+                self._pairs.clear()
+            self._pairs[key] = v
+        return v
+
+    def realize(self, X: np.ndarray) -> np.ndarray:
+        """The best stage order and pipelines for the DP groups in X's rows."""
+        S = self.S
+        self.realized += 1
+        if S == 1:
+            return X.copy()
+        E = np.zeros((S, S))
+        for a in range(S):
+            for b in range(S):
+                if a != b and (not self.symmetric or b > a):
+                    E[a, b] = self._edge(X[a], X[b])
+                    if self.symmetric:
+                        E[b, a] = E[a, b]
+        _, order = open_path(E, self.cfg.exact_path_max_stages)
+        out = np.empty_like(X)
+        out[0] = X[order[0]]
+        for k in range(1, S):
+            group = X[order[k]]
+            _, cols = bottleneck_matching(self.m.hop[np.ix_(out[k - 1], group)])
+            out[k] = group[cols]
+        return out
+
+    def polish(self, X: np.ndarray, Z: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        """Local search and realize, alternated while either improves."""
+        best = self.m.total(X)
+        while True:
+            R = self.realize(X)
+            r = self.m.total(R)
+            if r < best - 1e-12:
+                X, best = R, r
+            if self.out_of_time():
+                return best, X, Z
+            X2, Z2 = self.local.run(X, Z)
+            c = self.m.total(X2)
+            if c < best - 1e-12:
+                X, Z, best = X2, Z2, c
+                continue
+            if self.m.n > self.cfg.regroup_max_peers:
+                return best, X, Z
+            found = self._regroup(X, Z, best)
+            if found is None:
+                return best, X, Z
+            best, X, Z = found
+
+    def _regroup(self, X: np.ndarray, Z: np.ndarray, best: float):
+        """First swap between groups (or with a spare) that lowers the cost once re-matched."""
+        S, D = X.shape
+        cells = [(s, p) for s in range(S) for p in range(D)]
+        for a, (s, p) in enumerate(cells):
+            partners = [("swap", t, q) for (t, q) in cells[a + 1:] if t != s]
+            partners += [("spare", k, 0) for k in range(len(Z))]
+            for kind, t, q in partners:
+                if self.out_of_time():
+                    return None
+                X2, Z2 = X.copy(), Z.copy()
+                if kind == "spare":
+                    X2[s, p], Z2[t] = Z2[t], X2[s, p]
+                else:
+                    X2[s, p], X2[t, q] = X2[t, q], X2[s, p]
+                X2 = self.realize(X2)
+                c = self.m.total(X2)
+                if c < best - 1e-12:
+                    return c, X2, Z2
+        return None
+
+    # -- evolution ------------------------------------------------------------------------
+    def _fill(self, groups: list[list[int]], pool: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Complete partial groups from the pool, each time adding the peer closest to the group."""
+        pool_arr = np.array(sorted(pool), dtype=np.int64)
+        free = np.ones(len(pool_arr), dtype=bool)
+        w = self.m.dp_a + self.m.dp_b * self.m.uniform_grad_gb()
+        for grp in groups:
+            while len(grp) < self.D:
+                cand = np.flatnonzero(free)
+                if grp:
+                    score = w[np.ix_(pool_arr[cand], grp)].max(axis=1)
+                    k = cand[int(np.argmin(score))]
+                else:
+                    k = cand[int(self.rng.integers(len(cand)))]
+                free[k] = False
+                grp.append(int(pool_arr[k]))
+        return np.array(groups, dtype=np.int64), pool_arr[free]
+
+    def crossover(self, A: np.ndarray, B: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        S = self.S
+        keep = self.rng.permutation(S)[: S // 2]
+        groups = [list(map(int, A[k])) for k in keep]
+        used = {p for g in groups for p in g}
+        partial = []
+        for k in self.rng.permutation(S):
+            rest = [int(p) for p in B[k] if int(p) not in used]
+            if rest:
+                partial.append(rest)
+        partial.sort(key=len, reverse=True)
+        groups += partial[: S - len(groups)]
+        groups += [[] for _ in range(S - len(groups))]
+        used = {p for g in groups for p in g}
+        pool = [p for p in range(self.m.n) if p not in used]
+        return self._fill(groups, pool)
+
+    def mutate(self, X: np.ndarray, Z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        X, Z = X.copy(), Z.copy()
+        S, D = X.shape
+        for _ in range(self.cfg.mutation_swaps):
+            s, p = int(self.rng.integers(S)), int(self.rng.integers(D))
+            if len(Z) and self.rng.random() < 0.2:
+                k = int(self.rng.integers(len(Z)))
+                X[s, p], Z[k] = Z[k], X[s, p]
+            elif S > 1:
+                t = int(self.rng.integers(S - 1))
+                t += t >= s
+                q = int(self.rng.integers(D))
+                X[s, p], X[t, q] = X[t, q], X[s, p]
+        return X, Z
+
+    def run(self, seeds: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, np.ndarray, np.ndarray]:
+        """Polish the seeds, then evolve; returns the best (cost, X, spares) found in time."""
+        pop: list[tuple[float, np.ndarray, np.ndarray]] = []
+        best = None
+        for X, Z in seeds:
+            c0 = self.m.total(X)
+            if best is None or c0 < best[0] - 1e-12:
+                best = (c0, X, Z)  # a construction as given is already a candidate
+            if self.out_of_time() and pop:
+                break
+            cand = self.polish(X, Z)
+            pop.append(cand)
+            if cand[0] < best[0] - 1e-12:
+                best = cand
+        pop.sort(key=lambda c: c[0])
+        while not self.out_of_time():
+            if self.cfg.generations is not None and self.generations >= self.cfg.generations:
+                break
+            self.generations += 1
+            i, j = self.rng.choice(len(pop), size=2, replace=False)
+            a, b = sorted((int(i), int(j)))  # the better of two picks leads (pop is sorted)
+            X, Z = self.crossover(pop[a][1], pop[b][1])
+            X, Z = self.mutate(X, Z)
+            cand = self.polish(X, Z)
+            if cand[0] < best[0] - 1e-12:
+                best = cand
+            if any(abs(cand[0] - c[0]) <= 1e-12 for c in pop):
+                continue  # keep the population diverse
+            pop.append(cand)
+            pop.sort(key=lambda c: c[0])
+            del pop[self.cfg.population:]
+        return best

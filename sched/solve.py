@@ -1,0 +1,162 @@
+"""The scheduler's entry point: from a (measured or scenario) network to an allocation.
+
+    alloc = solve(delay_ms, bandwidth_gbps, PAPER_GPT3_XL, stages=8, dp=8, seed=0, time_budget_s=20)
+    alloc.pipelines      # ((peer of stage 0, ..., peer of stage S-1), ...) one tuple per pipeline
+    alloc.cost.paper_s   # DPcost + 2 PPcost of exactly these pipelines
+
+`stages="auto"` tries every shape that fits the model and returns the cheapest. Peers left
+out (when N is not S x D, or when leaving them out is cheaper) are reported as spares.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
+from .cost import CostBreakdown, CostModel
+from .search import SearchConfig, ShapeSearch
+from .spec import CommSpec, ModelSpec
+
+__all__ = ["Allocation", "solve", "evaluate", "candidate_shapes", "cost_model"]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    stages: int
+    dp: int
+    pipelines: tuple[tuple[int, ...], ...]  # pipelines[p][s]: peer running stage s of pipeline p
+    spares: tuple[int, ...]
+    layers: tuple[int, ...]  # layers held by each stage
+    cost: CostBreakdown
+    elapsed_s: float = 0.0
+    seed: int = 0
+    stats: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def matrix(self) -> np.ndarray:
+        """(S, D) array: [s, p] is the peer of stage s in pipeline p."""
+        return np.array(self.pipelines, dtype=np.int64).T
+
+    @property
+    def layer_ranges(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) layer indices of each stage."""
+        ends = np.cumsum(self.layers)
+        return tuple((int(e - c), int(e)) for c, e in zip(self.layers, ends))
+
+    def to_dict(self) -> dict:
+        c = self.cost
+        return {
+            "stages": self.stages, "dp": self.dp,
+            "pipelines": [list(p) for p in self.pipelines], "spares": list(self.spares),
+            "layers": list(self.layers), "layer_ranges": [list(r) for r in self.layer_ranges],
+            "cost": {"total_s": c.paper_s, "dp_s": c.dp_s, "pp_s": c.pp_s, "compute_s": c.compute_s,
+                     "penalty_s": c.penalty_s, "objective_s": c.total_s},
+            "elapsed_s": self.elapsed_s, "seed": self.seed, "stats": dict(self.stats),
+        }
+
+
+def cost_model(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, stages: int, dp: int, *,
+               compute=None, memory_gib=None, uneven_layers: bool = False) -> CostModel:
+    return CostModel(delay_ms, bandwidth_gbps, spec.workload(stages, dp), compute=compute,
+                     memory_gib=memory_gib, uneven_layers=uneven_layers)
+
+
+def evaluate(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, pipelines, *, compute=None,
+             memory_gib=None, uneven_layers: bool = False) -> CostBreakdown:
+    """Cost of given pipelines (list of D lists of S peers)."""
+    X = np.array(pipelines, dtype=np.int64).T
+    return cost_model(delay_ms, bandwidth_gbps, spec, X.shape[0], X.shape[1], compute=compute,
+                      memory_gib=memory_gib, uneven_layers=uneven_layers).breakdown(X)
+
+
+def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool = True,
+                     uneven_layers: bool = False, memory_gib=None) -> list[tuple[int, int]]:
+    """(S, D) shapes worth trying for n peers: S divides the layers (unless uneven), fits memory."""
+    shapes = []
+    for S in range(1, min(spec.layers, n) + 1):
+        if spec.layers % S and not uneven_layers:
+            continue
+        Ds = [n // S] if n % S == 0 or allow_spares else []
+        if allow_spares and n // S > 1:
+            Ds.append(n // S - 1)  # one peer per stage to spare: drops the worst-placed peers
+        for D in Ds:
+            wl = spec.workload(S, D)
+            if memory_gib is not None and wl.layer_memory_gib is not None:
+                caps = np.sort((np.asarray(memory_gib) - wl.base_memory_gib) // wl.layer_memory_gib)[::-1]
+                need = -(-spec.layers // S)
+                if (caps[:S * D].min() < need and not uneven_layers) or caps[:S * D].clip(0).sum() < spec.layers * D:
+                    continue
+            shapes.append((S, D))
+    return shapes
+
+
+def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
+    order = locality_order(model.hop, regions)
+    seeds = [dp_aligned(order, S, D), pp_aligned(order, S, D), consecutive(model.n, S, D)]
+    seeds += [random_allocation(model.n, S, D, rng) for _ in range(count)]
+    return seeds
+
+
+def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
+                 regions, seed, deadline_s, config) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
+    model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
+                       uneven_layers=uneven_layers)
+    search = ShapeSearch(model, S, D, config, seed, deadline_s)
+    seeds = _seeds(model, S, D, regions, np.random.default_rng([seed, 1]), config.random_seeds)
+    cost, X, Z = search.run(seeds)
+    stats = {"generations": search.generations, "realized": search.realized,
+             "swaps": search.local.moves, "scored": search.local.scored}
+    return cost, model, X, Z, stats
+
+
+def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec, *,
+          stages: int | str | None = None, dp: int | None = None, compute: np.ndarray | None = None,
+          memory_gib: np.ndarray | None = None, regions=None, seed: int = 0,
+          time_budget_s: float = 20.0, generations: int | None = None, allow_spares: bool = True,
+          uneven_layers: bool = False, config: SearchConfig | None = None) -> Allocation:
+    """Search an allocation of the N peers of the (N, N) matrices for the model in `spec`.
+
+    stages: an int, "auto" (every shape in candidate_shapes, best returned), or None (the
+    spec's default shape when it fits, else "auto"). dp: pipelines; default N // stages.
+    regions: optional per-peer labels, used only to build the region-aligned starting points.
+    """
+    start = time.perf_counter()
+    n = np.asarray(delay_ms).shape[0]
+    cfg = config or SearchConfig(time_budget_s=time_budget_s, generations=generations)
+    if stages is None:
+        d = getattr(spec, "default_stages", 0) * getattr(spec, "default_dp", 0)
+        stages = getattr(spec, "default_stages", None) if 0 < d <= n else "auto"
+        dp = getattr(spec, "default_dp", None) if stages != "auto" and dp is None else dp
+    if stages == "auto":
+        shapes = candidate_shapes(n, spec, allow_spares=allow_spares, uneven_layers=uneven_layers,
+                                  memory_gib=memory_gib)
+        if dp is not None:
+            shapes = [(S, D) for S, D in shapes if D == dp]
+        if not shapes:
+            raise ValueError(f"no shape of {n} peers fits a model of {spec.layers} layers")
+    else:
+        S = int(stages)
+        D = int(dp) if dp is not None else n // max(S, 1)
+        if S < 1 or D < 1 or S * D > n:
+            raise ValueError(f"{S} stages x {D} pipelines needs {S * D} peers, the network has {n}")
+        if S * D < n and not allow_spares:
+            raise ValueError(f"{n} peers do not form {S} x {D}: allow spares or change the shape")
+        shapes = [(S, D)]
+    best = None
+    for k, (S, D) in enumerate(shapes):
+        share = (cfg.time_budget_s - (time.perf_counter() - start)) / (len(shapes) - k)
+        deadline = time.perf_counter() + max(share, 0.0)
+        found = _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
+                             uneven_layers=uneven_layers, regions=regions, seed=seed,
+                             deadline_s=deadline, config=cfg)
+        if best is None or found[0] < best[0] - 1e-12:
+            best = found
+    _, model, X, Z, stats = best
+    bd = model.breakdown(X)
+    stats["shapes_tried"] = len(shapes)
+    return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=tuple(tuple(int(v) for v in col) for col in X.T),
+                      spares=tuple(sorted(int(z) for z in Z)), layers=bd.layers, cost=bd,
+                      elapsed_s=time.perf_counter() - start, seed=seed, stats=stats)
