@@ -109,7 +109,8 @@ class LocalCluster:
                 continue
             tensors = {}
             for src_rng, st in sources.items():
-                if src_rng[0] < rng[1] and rng[0] < src_rng[1] or (st.module.is_first or st.module.is_last):
+                overlaps = src_rng[0] < rng[1] and rng[0] < src_rng[1]
+                if overlaps or st.module.is_first or st.module.is_last:  # ends: embeddings, head, tied copy
                     if src_rng not in received:
                         received[src_rng] = self._fetch(st, chunk_bytes)
                     tensors.update(received[src_rng])
