@@ -74,8 +74,8 @@ class Close:
 @dataclass
 class _Partial:
     header: Message
+    expected: int
     buf: bytearray
-    filled: int = 0
 
 
 class Inbound:
@@ -135,7 +135,8 @@ class Inbound:
             raise ProtocolError(f"more than {self.max_inflight_payload_bytes} payload bytes in flight")
         self.inflight_bytes += payload_len
         header = Message(msg_type, flags, msg_id, reply_to, body, None)
-        self._partial[msg_id] = _Partial(header, bytearray(payload_len))
+        # The buffer grows as chunks arrive: memory follows bytes received, not bytes announced.
+        self._partial[msg_id] = _Partial(header, payload_len, bytearray())
         return None
 
     def _on_chunk(self, frame: memoryview | bytes) -> Message | None:
@@ -146,13 +147,12 @@ class Inbound:
         if p is None:
             raise ProtocolError(f"chunk for unknown message id {msg_id}")
         n = len(frame) - CHUNK_HEADER_BYTES
-        if p.filled + n > len(p.buf):
+        if len(p.buf) + n > p.expected:
             raise ProtocolError(f"payload of message {msg_id} overruns its announced length")
-        p.buf[p.filled : p.filled + n] = memoryview(frame)[CHUNK_HEADER_BYTES:]
-        p.filled += n
-        if p.filled < len(p.buf):
+        p.buf += memoryview(frame)[CHUNK_HEADER_BYTES:]
+        if len(p.buf) < p.expected:
             return None
         del self._partial[msg_id]
-        self.inflight_bytes -= len(p.buf)
+        self.inflight_bytes -= p.expected
         h = p.header
         return Message(h.msg_type, h.flags, h.msg_id, h.reply_to, h.body, p.buf)

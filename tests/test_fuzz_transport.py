@@ -1,0 +1,293 @@
+"""Bad input thrown at a listening transport: it must close that connection, stay cheap in
+memory and time, and keep serving a healthy peer."""
+
+import logging
+import struct
+import time
+import tracemalloc
+
+import msgpack
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dtfm.peer import frames
+from dtfm.peer.handshake import Initiator, PeerHello
+from dtfm.peer.identity import Identity
+from dtfm.peer.session import RecvCipher, SendCipher
+from dtfm.peer.streamio import StreamReader
+from dtfm.peer.transport import Transport, TransportConfig
+from dtfm.peer.wire import pack
+
+KEY = bytes(range(32))
+MiB = 1 << 20
+ECHO = 40
+CONFIG = TransportConfig(**{**TransportConfig.test().__dict__, "max_control_frame_bytes": 1 * MiB})
+
+
+class StepTimer(trio.abc.Instrument):
+    """Longest CPU time any single task step took: how long the event loop was blocked."""
+
+    def __init__(self):
+        self.longest_s = 0.0
+        self._t0 = None  # the step that adds the instrument ends without having started
+
+    def before_task_step(self, task):
+        self._t0 = time.thread_time()
+
+    def after_task_step(self, task):
+        if self._t0 is not None:
+            self.longest_s = max(self.longest_s, time.thread_time() - self._t0)
+
+
+class RawPeer:
+    """A swarm member that completes a real handshake, then sends whatever records it likes."""
+
+    def __init__(self, stream, send_key, recv_key):
+        self.stream = stream
+        self.send = SendCipher(send_key)
+        self.recv = RecvCipher(recv_key)
+        self.records = []
+
+    @classmethod
+    async def connect(cls, port, key=KEY):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        try:
+            reader = StreamReader(stream)
+            init = Initiator(Identity.generate(), key, PeerHello("", ("127.0.0.1", 1)))
+            msg1 = init.first_message()
+            await stream.send_all(struct.pack(">I", len(msg1)) + msg1)
+            n = int.from_bytes(await reader.read_exactly(4), "big")
+            msg3, hs = init.on_response(bytes(await reader.read_exactly(n)))
+            await stream.send_all(struct.pack(">I", len(msg3)) + msg3)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        return cls(stream, hs.send_key, hs.recv_key)
+
+    def seal(self, frame):
+        record = bytes(self.send.seal(frame))
+        self.records.append(record)
+        return record
+
+    async def send_frame(self, frame):
+        await self.send_raw(self.seal(frame))
+
+    async def send_raw(self, data):
+        try:
+            await self.stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+    async def wait_closed(self):
+        """Until the server closes the connection (bounded)."""
+        try:
+            with trio.fail_after(10):
+                while await self.stream.receive_some(1 << 16):
+                    pass
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await self.stream.aclose()
+
+
+def msg(body_bytes, msg_type=ECHO, flags=frames.FLAG_REQUEST, payload_len=0, msg_id=1):
+    return struct.pack(">BBBQQQ", frames.MSG, msg_type, flags, msg_id, 0, payload_len) + body_bytes
+
+
+def attacks():
+    """name -> async function(raw peer) doing something a healthy peer never does."""
+    deep = b"\x91" * 1025 + b"\xc0"
+
+    async def frame_of(raw, body):
+        await raw.send_frame(msg(body))
+
+    async def replay(raw):
+        await raw.send_frame(msg(pack(1)))
+        await raw.send_raw(raw.records[-1])
+
+    async def reorder(raw):
+        r1, r2 = raw.seal(msg(pack(1), msg_id=1)), raw.seal(msg(pack(2), msg_id=2))
+        await raw.send_raw(r2 + r1)
+
+    async def tamper(raw):
+        record = bytearray(raw.seal(msg(pack({"a": 1}))))
+        record[10] ^= 0x01
+        await raw.send_raw(bytes(record))
+
+    async def truncated(raw):
+        await raw.send_raw(raw.seal(msg(pack(1)))[:-5])
+        await raw.stream.send_eof()
+
+    async def inflight(raw):
+        for i in range(CONFIG.max_inflight_payloads + 1):
+            await raw.send_frame(msg(pack(None), payload_len=CONFIG.max_payload_bytes // 4, msg_id=i + 1))
+
+    return {
+        "oversize prefix 2^32-1": lambda raw: raw.send_raw(b"\xff\xff\xff\xff" + b"\x00" * 1000),
+        "prefix announcing 50 MB": lambda raw: raw.send_raw(struct.pack(">I", 50_000_000) + b"\x90" * 65536),
+        "record shorter than a tag": lambda raw: raw.send_raw(struct.pack(">I", 3) + b"abc"),
+        "truncated record": truncated,
+        "random record": lambda raw: raw.send_raw(struct.pack(">I", 64) + bytes(range(64))),
+        "replayed record": replay,
+        "reordered records": reorder,
+        "tampered record": tamper,
+        "unknown frame kind": lambda raw: raw.send_frame(b"\x09hello"),
+        "empty frame": lambda raw: raw.send_frame(b""),
+        "bad flags": lambda raw: raw.send_frame(msg(pack(1), flags=0x80)),
+        "truncated message header": lambda raw: raw.send_frame(msg(pack(1))[:10]),
+        "1 MiB of 0x90": lambda raw: frame_of(raw, b"\x90" * (MiB - frames.MSG_HEADER_BYTES)),
+        "array header 2^32-1": lambda raw: frame_of(raw, b"\xdd\xff\xff\xff\xff"),
+        "nesting 1025 deep": lambda raw: frame_of(raw, deep),
+        "mixed key types": lambda raw: frame_of(raw, msgpack.packb({"a": 1, b"b": 2, 3: 4}, use_bin_type=True)),
+        "NaN": lambda raw: frame_of(raw, msgpack.packb({"x": float("nan")})),
+        "infinity": lambda raw: frame_of(raw, msgpack.packb([1.0, float("inf")])),
+        "malformed msgpack": lambda raw: frame_of(raw, b"\xc1\xc1"),
+        "chunk for unknown message": lambda raw: raw.send_frame(struct.pack(">BQ", frames.CHUNK, 99) + b"x"),
+        "payload over the limit": lambda raw: raw.send_frame(msg(pack(None), payload_len=CONFIG.max_payload_bytes + 1)),
+        "too many payloads in flight": inflight,
+        "close frame": lambda raw: raw.send_frame(frames.encode_close("bye")),
+    }
+
+
+async def healthy_round_trip(nursery, port):
+    peer = Transport(Identity.generate(), KEY, CONFIG)
+    await nursery.start(peer.run)
+    conn = await peer.connect("127.0.0.1", port)
+    assert (await conn.request(ECHO, {"ok": 1}))[0] == {"ok": 1}
+    await conn.ping()
+    await conn.close()
+
+
+def make_server():
+    server = Transport(Identity.generate(), KEY, CONFIG)
+
+    async def echo(conn, msg_type, body, payload):
+        return body
+
+    server.handle(ECHO, echo)
+    return server
+
+
+@pytest.mark.parametrize("name", list(attacks()))
+async def test_bad_input_after_handshake_closes_only_that_connection(name, caplog):
+    caplog.set_level(logging.DEBUG, logger="dtfm.peer")
+    server = make_server()
+    timer = StepTimer()
+    trio.lowlevel.add_instrument(timer)
+    try:
+        async with trio.open_nursery() as n:
+            _, port = await n.start(server.serve, "127.0.0.1", 0)
+            bystander = Transport(Identity.generate(), KEY, CONFIG)
+            await n.start(bystander.run)
+            standing = await bystander.connect("127.0.0.1", port)
+            raw = await RawPeer.connect(port)
+            await attacks()[name](raw)
+            await raw.wait_closed()
+            assert (await standing.request(ECHO, "still served"))[0] == "still served"
+            await healthy_round_trip(n, port)
+            n.cancel_scope.cancel()
+    finally:
+        trio.lowlevel.remove_instrument(timer)
+    assert timer.longest_s < 0.05, f"event loop blocked for {timer.longest_s * 1000:.1f} ms"
+    if name not in ("close frame", "truncated record"):
+        assert any("protocol error" in r.getMessage() or "bad input" in r.getMessage() for r in caplog.records)
+
+
+async def test_bombs_stay_under_50_mib():
+    bombs = [
+        "1 MiB of 0x90",
+        "array header 2^32-1",
+        "prefix announcing 50 MB",
+        "nesting 1025 deep",
+        "mixed key types",
+        "NaN",
+        "too many payloads in flight",
+    ]
+    server = make_server()
+    async with trio.open_nursery() as n:
+        _, port = await n.start(server.serve, "127.0.0.1", 0)
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            for name in bombs:
+                raw = await RawPeer.connect(port)
+                await attacks()[name](raw)
+                await raw.wait_closed()
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        await healthy_round_trip(n, port)
+        n.cancel_scope.cancel()
+    assert peak < 50 * MiB, f"{peak / MiB:.1f} MiB"
+
+
+async def test_wrong_key_and_replayed_handshake_are_refused():
+    server = make_server()
+    async with trio.open_nursery() as n:
+        _, port = await n.start(server.serve, "127.0.0.1", 0)
+        with pytest.raises(Exception, match="swarm key mismatch"):
+            await RawPeer.connect(port, key=bytes(32))
+        # replay a recorded hello and finish: the server's fresh ephemeral key defeats it
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        reader = StreamReader(stream)
+        init = Initiator(Identity.generate(), KEY, PeerHello("", ("", 0)))
+        msg1 = init.first_message()
+        await stream.send_all(struct.pack(">I", len(msg1)) + msg1)
+        n2 = int.from_bytes(await reader.read_exactly(4), "big")
+        msg3, _ = init.on_response(bytes(await reader.read_exactly(n2)))
+        await stream.aclose()
+        replay = await trio.open_tcp_stream("127.0.0.1", port)
+        await replay.send_all(struct.pack(">I", len(msg1)) + msg1)
+        await replay.send_all(struct.pack(">I", len(msg3)) + msg3)
+        with trio.fail_after(10):
+            while await replay.receive_some(4096):
+                pass
+        await replay.aclose()
+        assert server.connections() == [] or all(c.closed for c in server.connections())
+        await healthy_round_trip(n, port)
+        n.cancel_scope.cancel()
+
+
+async def _garbage_scenario(blobs):
+    server = make_server()
+    async with trio.open_nursery() as n:
+        _, port = await n.start(server.serve, "127.0.0.1", 0)
+        for blob in blobs:
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+            try:
+                await s.send_all(blob)
+            except trio.BrokenResourceError:
+                pass
+            await s.aclose()
+        await healthy_round_trip(n, port)
+        n.cancel_scope.cancel()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(
+        st.binary(max_size=300)
+        | st.builds(lambda b: b"\x00\x00\x00\x35" + b, st.binary(min_size=53, max_size=53))
+        | st.builds(lambda b: b"\x00\x00\x00\x35DTFM\x01" + b, st.binary(max_size=60)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_random_bytes_before_handshake(blobs):
+    trio.run(_garbage_scenario, blobs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.binary(max_size=100))
+def test_inbound_frame_parser_raises_only_protocol_error(data):
+    from dtfm.peer.errors import ProtocolError
+
+    inbound = frames.Inbound(
+        max_control_frame_bytes=MiB, max_payload_bytes=MiB, max_inflight_payload_bytes=2 * MiB, max_inflight_payloads=4
+    )
+    try:
+        inbound.on_frame(data)
+    except ProtocolError:
+        pass
