@@ -1,0 +1,247 @@
+"""`dtfm-peer`: run a swarm peer and talk to it.
+
+    dtfm-peer keygen                      create this machine's identity key
+    dtfm-peer swarm-key new > FILE        make a secret that defines a swarm
+    dtfm-peer join --swarm-key FILE ...   run the daemon in the foreground
+    dtfm-peer status [--json]             ask the running daemon how it is doing
+    dtfm-peer leave                       make the running daemon leave and exit
+
+Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import (ConfigError, DaemonConfig, apply_flags, default_text, dest_name,
+                     flag_fields, load_toml)
+from .control import ControlClient, ControlClientError, DaemonNotRunning
+from .daemon import ListenError
+from .errors import KeyFileError
+from .paths import DataDir, DataDirError, default_data_dir
+
+PROG = "dtfm-peer"
+USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
+               ListenError)
+
+
+class CliError(Exception):
+    """A failure to report on stderr as `dtfm-peer: error: ...`, exit status 1."""
+
+
+# ---- argument parsing -------------------------------------------------------------------------
+
+def _add_data_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data-dir", type=Path, metavar="DIR",
+                   help="the peer's data directory (default: $XDG_DATA_HOME/dtfm or "
+                        "~/.local/share/dtfm)")
+
+
+def _add_config_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, metavar="FILE",
+                   help="TOML configuration file (see docs/daemon.md); flags override it")
+
+
+def _add_config_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per config field that declares one; help and default come from the field."""
+    for section, f in flag_fields():
+        meta = f.metadata
+        kwargs: dict = {"dest": dest_name(section, f), "default": None,
+                        "help": meta["help"] + default_text(section, f)}
+        if f.type in ("bool", bool):
+            kwargs.update(action="store_const", const=True)
+        else:
+            kwargs["metavar"] = meta.get("metavar")
+            if meta.get("repeat"):
+                kwargs["action"] = "append"
+        p.add_argument(meta["flag"], **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run a dtfm swarm peer: a daemon that joins a private swarm of machines "
+                    "training one model together, and commands to inspect and stop it.",
+        epilog="Typical first run: `dtfm-peer swarm-key new > swarm.key` on one machine, copy "
+               "swarm.key to the others, then on each: `dtfm-peer join --swarm-key swarm.key "
+               "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("keygen", help="create this peer's identity key (once per data dir)",
+                       description="Create an Ed25519 identity key in the data directory "
+                                   "(file mode 0600) and print the peer id. If the key exists "
+                                   "it is kept and its peer id printed.")
+    _add_data_dir(p)
+    p.add_argument("--json", action="store_true", help="print the peer id as JSON")
+
+    p = sub.add_parser("swarm-key", help="make a swarm key",
+                       description="A swarm key is a shared 32-byte secret: only peers holding "
+                                   "it can join the swarm. Keep it like a password.")
+    sk = p.add_subparsers(dest="swarm_key_command", metavar="ACTION", required=True)
+    p = sk.add_parser("new", help="print a new random swarm key",
+                      description="Print a new random swarm key, e.g. "
+                                  "`dtfm-peer swarm-key new > swarm.key`.")
+    p.add_argument("--out", type=Path, metavar="FILE",
+                   help="write the key to FILE (mode 0600, never overwritten) instead of "
+                        "printing it")
+
+    p = sub.add_parser("join", help="run the peer daemon in the foreground",
+                       description="Join the swarm: listen for peers, connect to the bootstrap "
+                                   "peers, find the rest, and serve the control socket until "
+                                   "SIGINT/SIGTERM or `dtfm-peer leave`; then tell the peers and "
+                                   "exit 0. Creates the identity key if the data dir has none.")
+    _add_config_file(p)
+    _add_config_flags(p)
+
+    for name, text in (("status", "show the running daemon's status"),
+                       ("leave", "make the running daemon leave the swarm and exit")):
+        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        _add_data_dir(p)
+        _add_config_file(p)
+        if name == "status":
+            p.add_argument("--json", action="store_true",
+                           help="print the full status as JSON (ids in full)")
+        else:
+            p.add_argument("--no-wait", action="store_true",
+                           help="return once the daemon accepted, without waiting for it "
+                                "to exit")
+            p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                           help="how long to wait for the daemon to exit (default: 30)")
+    return parser
+
+
+# ---- commands ---------------------------------------------------------------------------------
+
+def _client_config(args: argparse.Namespace) -> tuple[DaemonConfig, DataDir]:
+    config = load_toml(args.config) if getattr(args, "config", None) else DaemonConfig.default()
+    root = args.data_dir or config.peer.data_dir or default_data_dir()
+    return config, DataDir(root)
+
+
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from .identity import IDENTITY_FILE, Identity
+
+    data_dir = DataDir(args.data_dir or default_data_dir())
+    data_dir.ensure()
+    existed = (data_dir.root / IDENTITY_FILE).exists()
+    identity = Identity.load_or_create(data_dir.root)
+    if args.json:
+        print(json.dumps({"peer_id": identity.peer_id.hex(), "short_id": identity.short_id,
+                          "created": not existed, "data_dir": str(data_dir.root)}))
+    else:
+        verb = "kept the existing" if existed else "created a new"
+        print(f"{verb} identity in {data_dir.root}", file=sys.stderr)
+        print(identity.peer_id.hex())
+    return 0
+
+
+def cmd_swarm_key(args: argparse.Namespace) -> int:
+    from .identity import new_swarm_key
+
+    key = new_swarm_key()
+    if args.out is None:
+        print(key)
+        return 0
+    try:
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise CliError(f"{args.out} exists; not overwriting a swarm key") from None
+    except OSError as e:
+        raise CliError(f"cannot create {args.out}: {e.strerror}") from None
+    with os.fdopen(fd, "w") as f:
+        f.write(key + "\n")
+    print(f"wrote a new swarm key to {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import format_text, to_json
+
+    config, data_dir = _client_config(args)
+    with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
+        report = c.request("status")
+    if not isinstance(report, dict):
+        raise CliError("the daemon sent a status that is not a map")
+    print(to_json(report) if args.json else format_text(report))
+    return 0
+
+
+def cmd_leave(args: argparse.Namespace) -> int:
+    config, data_dir = _client_config(args)
+    with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
+        reply = c.request("leave")
+    pid = reply.get("pid") if isinstance(reply, dict) else None
+    if args.no_wait:
+        print(f"daemon (pid {pid}) is leaving", file=sys.stderr)
+        return 0
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        try:
+            ControlClient(data_dir.control_socket, config.control,
+                          data_dir=data_dir.root).connect()
+        except DaemonNotRunning:
+            print(f"daemon (pid {pid}) left", file=sys.stderr)
+            return 0
+        time.sleep(0.05)
+    raise CliError(f"the daemon (pid {pid}) accepted `leave` but still runs after "
+                   f"{args.timeout:g} s")
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from . import logs
+    from .runner import run_daemon
+
+    config = load_toml(args.config) if args.config else DaemonConfig.default()
+    config = apply_flags(config, args)
+    logs.configure(config.log.level, json_lines=config.log.json)
+    return run_daemon(config)
+
+
+def _leaf_errors(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for e in exc.exceptions for leaf in _leaf_errors(e)]
+    return [exc]
+
+
+def user_error_text(exc: BaseException) -> str | None:
+    """The message for an error the user can act on, or None for a real bug."""
+    leaves = _leaf_errors(exc)
+    if len(leaves) != 1:
+        return None
+    leaf = leaves[0]
+    if isinstance(leaf, (*USER_ERRORS, CliError)):
+        return str(leaf)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "join": cmd_join,
+                "status": cmd_status, "leave": cmd_leave}
+    try:
+        return commands[args.command](args)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `dtfm-peer status | head`: the reader went away; not an error worth a traceback.
+        sys.stderr.close()
+        return 1
+    except BaseException as e:
+        text = user_error_text(e)
+        if text is None:
+            raise
+        print(f"{PROG}: error: {text}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    sys.exit(main())

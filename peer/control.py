@@ -1,0 +1,338 @@
+"""The local control socket: `dtfm-peer status` and `leave` talk to the running daemon here.
+
+Protocol: each frame is a 4-byte big-endian length, then that many bytes of msgpack. The client
+sends a request map `{"op": NAME, "args": {...}}`; the daemon answers
+`{"ok": true, "result": ...}` or `{"ok": false, "error": TEXT}`. Several requests may follow on
+one connection. Both sides refuse a frame longer than their limit before reading it.
+
+Only the daemon's own user may connect: the socket is 0600 in a 0700 directory, and the
+daemon checks each caller's uid with SO_PEERCRED (Linux) and closes on a mismatch.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket as stdsocket
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from .config import ControlConfig
+from .errors import ProtocolError
+from .wire import pack, unpack_untrusted
+
+logger = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_OP_LEN = 32
+_LEN = struct.Struct(">I")
+
+ControlHandler = Callable[[dict[str, Any]], Awaitable[Any]]
+
+
+class ControlCommandError(Exception):
+    """Raised by a handler to refuse a request; str() goes back to the client."""
+
+
+class DaemonNotRunning(Exception):
+    """Nothing listens on the control socket; str() says which data dir and what to do."""
+
+
+class ControlClientError(Exception):
+    """The daemon answered badly or refused; str() is for the user."""
+
+
+# ---- messages ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ControlRequest:
+    op: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"v": PROTOCOL_VERSION, "op": self.op, "args": self.args}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "ControlRequest":
+        if not isinstance(obj, dict):
+            raise ProtocolError("control request is not a map")
+        version = obj.get("v")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"control protocol version {version!r}, expected {PROTOCOL_VERSION}")
+        op = obj.get("op")
+        if not isinstance(op, str):
+            raise ProtocolError("control request has no op")
+        if not 0 < len(op) <= MAX_OP_LEN:
+            raise ProtocolError("control op name too long or empty")
+        args = obj.get("args", {})
+        if not isinstance(args, dict):
+            raise ProtocolError("control args is not a map")
+        return cls(op, args)
+
+
+def encode_frame(obj: object, max_len: int) -> bytes:
+    body = pack(obj)
+    if len(body) > max_len:
+        raise ValueError(f"control frame of {len(body)} bytes exceeds {max_len}")
+    return _LEN.pack(len(body)) + body
+
+
+def parse_response(obj: object) -> Any:
+    """The result of a reply map; ControlClientError carries a refusal's text."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("ok"), bool):
+        raise ProtocolError("control reply is not a {ok: ...} map")
+    if obj["ok"]:
+        return obj.get("result")
+    error = obj.get("error")
+    raise ControlClientError(error if isinstance(error, str) else "the daemon refused the request")
+
+
+# ---- server -----------------------------------------------------------------------------------
+
+async def _read_exactly(stream: trio.abc.ReceiveStream, n: int) -> bytes | None:
+    """n bytes, or None on a clean EOF before the first byte; ProtocolError on a cut frame."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = await stream.receive_some(n - len(buf))
+        if not chunk:
+            if not buf:
+                return None
+            raise ProtocolError("control connection closed inside a frame")
+        buf += chunk
+    return bytes(buf)
+
+
+async def read_frame_untrusted(stream: trio.abc.ReceiveStream, max_len: int) -> object | None:
+    """One decoded frame, None at EOF; ProtocolError for anything malformed or oversize."""
+    head = await _read_exactly(stream, _LEN.size)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > max_len:
+        raise ProtocolError(f"control frame of {n} bytes exceeds the {max_len}-byte limit")
+    body = await _read_exactly(stream, n)
+    if body is None:
+        raise ProtocolError("control connection closed inside a frame")
+    return unpack_untrusted(body, max_len=max_len)
+
+
+def peer_uid(sock: trio.socket.SocketType) -> int | None:
+    """The uid of the process at the other end of a Unix socket; None where unsupported."""
+    so_peercred = getattr(stdsocket, "SO_PEERCRED", None)
+    if so_peercred is None:
+        return None
+    creds = sock.getsockopt(stdsocket.SOL_SOCKET, so_peercred, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid
+
+
+class ControlServer:
+    """Answers control requests on a Unix socket; ops are registered by the daemon."""
+
+    def __init__(self, path: Path, config: ControlConfig, *, allowed_uid: int | None = None):
+        self.path = Path(path)
+        self.config = config
+        self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
+        self._handlers: dict[str, ControlHandler] = {}
+        self._slots = trio.CapacityLimiter(config.max_clients)
+
+    def register(self, op: str, handler: ControlHandler) -> None:
+        if op in self._handlers:
+            raise ValueError(f"control op {op!r} is already registered")
+        if not 0 < len(op) <= MAX_OP_LEN:
+            raise ValueError(f"control op name {op!r} must be 1..{MAX_OP_LEN} characters")
+        self._handlers[op] = handler
+
+    @property
+    def ops(self) -> list[str]:
+        return sorted(self._handlers)
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled; the socket file is removed on the way out."""
+        sock = await self._bind()
+        try:
+            listener = trio.SocketListener(sock)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._accept_loop, listener, nursery)
+                task_status.started(self.path)
+        finally:
+            with trio.CancelScope(shield=True):
+                sock.close()
+                _unlink_quietly(self.path)
+
+    async def _bind(self) -> trio.socket.SocketType:
+        # The caller holds the data dir lock, so a socket file left here is stale.
+        _unlink_quietly(self.path)
+        sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            await sock.bind(os.fspath(self.path))
+        except BaseException:
+            sock.close()
+            raise
+        finally:
+            os.umask(old_umask)
+        os.chmod(self.path, 0o600)
+        sock.listen(self.config.max_clients)
+        return sock
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        while True:
+            stream = await listener.accept()
+            nursery.start_soon(self._serve_client, stream)
+
+    async def _serve_client(self, stream: trio.SocketStream) -> None:
+        async with stream:
+            uid = peer_uid(stream.socket)
+            if uid is not None and uid != self.allowed_uid:
+                logger.warning("control connection from uid %d refused: only uid %d may "
+                               "control this daemon", uid, self.allowed_uid)
+                await self._reply_quietly(stream, {"ok": False, "error":
+                                                   "permission denied: another user's daemon"})
+                return
+            async with self._slots:
+                await self.handle_stream(stream)
+
+    async def _reply_quietly(self, stream: trio.abc.SendStream, reply: dict) -> None:
+        with trio.move_on_after(self.config.request_timeout_s):
+            try:
+                await stream.send_all(encode_frame(reply, self.config.max_response_bytes))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+
+    async def handle_stream(self, stream: trio.abc.Stream) -> None:
+        """Serve requests on one connection until EOF or a malformed frame."""
+        while True:
+            try:
+                with trio.fail_after(self.config.request_timeout_s * 6):
+                    raw = await read_frame_untrusted(stream, self.config.max_request_bytes)
+                if raw is None:
+                    return
+                request = ControlRequest.from_wire(raw)
+            except ProtocolError as e:
+                logger.debug("control request rejected: %s", e)
+                await self._reply_quietly(stream, {"ok": False, "error": f"bad request: {e}"})
+                return
+            except trio.TooSlowError:
+                logger.debug("control connection idle too long; closing")
+                return
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            reply = await self._dispatch(request)
+            try:
+                frame = encode_frame(reply, self.config.max_response_bytes)
+            except ValueError as e:
+                frame = encode_frame({"ok": False, "error": str(e)}, self.config.max_response_bytes)
+            try:
+                with trio.fail_after(self.config.request_timeout_s):
+                    await stream.send_all(frame)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+                return
+
+    async def _dispatch(self, request: ControlRequest) -> dict[str, Any]:
+        handler = self._handlers.get(request.op)
+        if handler is None:
+            return {"ok": False, "error": f"unknown command {request.op!r}; this daemon knows: "
+                                          f"{', '.join(self.ops)}"}
+        try:
+            result = await handler(request.args)
+        except ControlCommandError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:
+            logger.error("control command %s failed", request.op, exc_info=True)
+            return {"ok": False, "error": f"internal error in {request.op}: {type(e).__name__}: {e}"}
+        return {"ok": True, "result": result}
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ---- client (blocking: the CLI needs no event loop) -------------------------------------------
+
+class ControlClient:
+    """A blocking connection to the daemon's control socket."""
+
+    def __init__(self, path: Path, config: ControlConfig | None = None, *,
+                 data_dir: Path | None = None):
+        self.path = Path(path)
+        self.config = ControlConfig() if config is None else config
+        self.data_dir = self.path.parent.parent if data_dir is None else data_dir
+        self._sock: stdsocket.socket | None = None
+
+    def __enter__(self) -> "ControlClient":
+        self.connect()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def connect(self) -> None:
+        sock = stdsocket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
+        sock.settimeout(self.config.request_timeout_s)
+        try:
+            sock.connect(os.fspath(self.path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            raise DaemonNotRunning(
+                f"no daemon is running for data dir {self.data_dir}: start one with "
+                f"`dtfm-peer join`") from None
+        except PermissionError:
+            sock.close()
+            raise ControlClientError(
+                f"permission denied on control socket {self.path}: the daemon for this data dir "
+                f"runs as another user") from None
+        except OSError as e:
+            sock.close()
+            if e.errno in (errno.ENOTSOCK, errno.ENOTDIR):
+                raise DaemonNotRunning(f"no daemon is running for data dir {self.data_dir}: "
+                                       f"start one with `dtfm-peer join`") from None
+            raise ControlClientError(f"cannot reach the daemon at {self.path}: {e}") from None
+        self._sock = sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def request(self, op: str, args: dict[str, Any] | None = None) -> Any:
+        """Send one request and return its result; raises ControlClientError on refusal."""
+        if self._sock is None:
+            self.connect()
+        assert self._sock is not None
+        frame = encode_frame(ControlRequest(op, args or {}).to_wire(),
+                             self.config.max_request_bytes)
+        try:
+            self._sock.sendall(frame)
+            head = self._recv_exactly(_LEN.size)
+            (n,) = _LEN.unpack(head)
+            if n > self.config.max_response_bytes:
+                raise ProtocolError(f"reply of {n} bytes exceeds {self.config.max_response_bytes}")
+            reply = unpack_untrusted(self._recv_exactly(n), max_len=self.config.max_response_bytes)
+        except TimeoutError:
+            raise ControlClientError(f"the daemon for data dir {self.data_dir} did not answer "
+                                     f"within {self.config.request_timeout_s:g} s") from None
+        except ProtocolError as e:
+            raise ControlClientError(f"bad reply from the daemon: {e}") from None
+        except (ConnectionError, OSError) as e:
+            raise ControlClientError(f"lost the connection to the daemon: {e}") from None
+        return parse_response(reply)
+
+    def _recv_exactly(self, n: int) -> bytes:
+        assert self._sock is not None
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self._sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise ConnectionResetError("the daemon closed the connection")
+            buf += chunk
+        return bytes(buf)

@@ -1,0 +1,95 @@
+"""Daemon messages between peers: address exchange and goodbye.
+
+Message types 16-31 of dtfm.peer's range belong to the daemon. ONLY APPEND TO THIS ENUM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+from .addr import Address, AddressError
+from .errors import ProtocolError
+from .identity import PEER_ID_BYTES
+from .wire import get_bytes, get_int, get_list, get_str
+
+MAX_EXCHANGE_PEERS = 1024
+MAX_HOST_LEN = 253
+MAX_REGION_LEN = 64
+MAX_REASON_LEN = 200
+
+
+class DaemonMsg(IntEnum):
+    PEER_EXCHANGE = 16  # request: our connected peers; reply: theirs
+    LEAVING = 17        # one-way: the sender is leaving the swarm
+
+
+@dataclass(frozen=True)
+class PeerRecord:
+    """A peer's id and the address others can dial it at."""
+
+    peer_id: bytes
+    address: Address
+    region: str
+
+    def to_wire(self) -> dict:
+        return {"id": self.peer_id, "host": self.address.host, "port": self.address.port,
+                "region": self.region}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "PeerRecord":
+        peer_id = get_bytes(obj, "id", PEER_ID_BYTES, PEER_ID_BYTES)
+        host = get_str(obj, "host", MAX_HOST_LEN)
+        port = get_int(obj, "port", 1, 65535)
+        region = get_str(obj, "region", MAX_REGION_LEN)
+        try:
+            address = Address(host, port)
+        except AddressError as e:
+            raise ProtocolError(f"peer record: {e}") from None
+        if address.is_unspecified:
+            raise ProtocolError(f"peer record: unspecified host {host!r} cannot be dialled")
+        return cls(peer_id, address, region)
+
+
+@dataclass(frozen=True)
+class PeerExchange:
+    """Body of a PEER_EXCHANGE request and of its reply."""
+
+    peers: tuple[PeerRecord, ...]
+
+    def to_wire(self) -> dict:
+        return {"peers": [p.to_wire() for p in self.peers]}
+
+    @classmethod
+    def from_wire(cls, obj: object, *, max_peers: int = MAX_EXCHANGE_PEERS) -> "PeerExchange":
+        items = get_list(obj, "peers", max_peers)
+        return cls(tuple(PeerRecord.from_wire(item) for item in items))
+
+
+@dataclass(frozen=True)
+class Leaving:
+    """Body of a LEAVING message."""
+
+    reason: str
+
+    def to_wire(self) -> dict:
+        return {"reason": self.reason[:MAX_REASON_LEN]}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "Leaving":
+        return cls(get_str(obj, "reason", MAX_REASON_LEN))
+
+
+def dialable_address(advertised: tuple[str, int], remote: tuple[str, int]) -> Address | None:
+    """Where to dial a connected peer: its advertised listen address, with an unspecified host
+    (0.0.0.0, ::) replaced by the address its connection came from. None if it has no port."""
+    host, port = advertised
+    if not port:
+        return None
+    try:
+        address = Address(host or remote[0], port)
+        if address.is_unspecified:
+            address = Address(remote[0], port)
+    except AddressError:
+        return None
+    return address

@@ -1,0 +1,64 @@
+"""Run a daemon process: data dir, lock, keys, transport, signals. Used by `dtfm-peer join`."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+
+import trio
+
+from .config import ConfigError, DaemonConfig
+from .daemon import Daemon
+from .paths import DataDir, DataDirLock, default_data_dir
+
+logger = logging.getLogger(__name__)
+
+# Called with the daemon before it runs; later parts register their services here.
+DaemonSetup = Callable[[Daemon], None]
+
+
+async def run_until_signal(daemon: Daemon) -> None:
+    """Run the daemon; SIGINT or SIGTERM make it leave cleanly."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            async def watch() -> None:
+                async for signum in signals:
+                    daemon.request_leave(f"received {signal.Signals(signum).name}")
+
+            nursery.start_soon(watch)
+            await daemon.run()
+            nursery.cancel_scope.cancel()
+
+
+def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
+    from .identity import IDENTITY_FILE, Identity, load_swarm_key, swarm_key_fingerprint
+    from .transport import Transport, TransportConfig
+
+    if config.peer.swarm_key_file is None:
+        raise ConfigError("joining needs the swarm key: pass --swarm-key FILE (make one with "
+                          "`dtfm-peer swarm-key new > FILE` and copy it to every peer)")
+    swarm_key = load_swarm_key(config.peer.swarm_key_file)
+    existed = (data_dir.root / IDENTITY_FILE).exists()
+    identity = Identity.load_or_create(data_dir.root)
+    if not existed:
+        logger.info("created identity %s in %s", identity.short_id, data_dir.root)
+    logger.info("peer %s, swarm key %s (fingerprint)", identity.short_id,
+                swarm_key_fingerprint(swarm_key))
+    transport = Transport(identity, swarm_key, TransportConfig.default(),
+                          region=config.peer.region)
+    return Daemon(config, identity, transport, data_dir)
+
+
+def run_daemon(config: DaemonConfig, setup: DaemonSetup | None = None) -> int:
+    """Run until told to leave; returns the exit status. User errors raise (see cli)."""
+    data_dir = DataDir(config.peer.data_dir or default_data_dir())
+    data_dir.ensure()
+    data_dir.check_socket_path()
+    with DataDirLock(data_dir):
+        daemon = build_daemon(config, data_dir)
+        if setup is not None:
+            setup(daemon)
+        trio.run(run_until_signal, daemon)
+    return 0
+

@@ -1,0 +1,235 @@
+"""The control socket protocol, in process: framing, limits, dispatch, uid check, client errors."""
+
+import os
+import socket
+import stat
+import struct
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from dtfm.peer.config import ControlConfig
+from dtfm.peer.control import (ControlClient, ControlClientError, ControlCommandError,
+                               ControlRequest, ControlServer, DaemonNotRunning, encode_frame,
+                               read_frame_untrusted)
+from dtfm.peer.errors import ProtocolError
+from dtfm.peer.wire import pack
+
+CONFIG = ControlConfig(max_request_bytes=4096, max_response_bytes=64 * 1024, request_timeout_s=5.0)
+
+
+@pytest.fixture
+def sock_dir():
+    # Unix socket paths are short (108 bytes): keep them out of pytest's long tmp paths.
+    with tempfile.TemporaryDirectory(prefix="dtfm-ctl-", dir="/tmp") as d:
+        os.chmod(d, 0o700)
+        yield Path(d)
+
+
+def make_server(path, **kw):
+    server = ControlServer(path, CONFIG, **kw)
+
+    async def echo(args):
+        return {"args": args}
+
+    async def refuse(args):
+        raise ControlCommandError("not now: the swarm is reconfiguring")
+
+    async def crash(args):
+        raise KeyError("boom")
+
+    server.register("echo", echo)
+    server.register("refuse", refuse)
+    server.register("crash", crash)
+    return server
+
+
+async def exchange(server, *frames: bytes) -> list[object]:
+    """Feed raw bytes to handle_stream over a memory stream; return the decoded replies."""
+    client, daemon_side = trio.testing.memory_stream_pair()
+    replies = []
+    async def serve():
+        async with daemon_side:
+            await server.handle_stream(daemon_side)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve)
+        for frame in frames:
+            await client.send_all(frame)
+        await client.send_eof()
+        while True:
+            reply = await read_frame_untrusted(client, CONFIG.max_response_bytes)
+            if reply is None:
+                break
+            replies.append(reply)
+    return replies
+
+
+def request_frame(op, args=None):
+    return encode_frame(ControlRequest(op, args or {}).to_wire(), CONFIG.max_request_bytes)
+
+
+async def test_requests_on_one_connection_are_answered_in_order(sock_dir):
+    server = make_server(sock_dir / "s")
+    replies = await exchange(server, request_frame("echo", {"n": 1}), request_frame("echo", {"n": 2}))
+    assert replies == [{"ok": True, "result": {"args": {"n": 1}}},
+                       {"ok": True, "result": {"args": {"n": 2}}}]
+
+
+async def test_refusals_and_failures_become_error_replies(sock_dir):
+    server = make_server(sock_dir / "s")
+    replies = await exchange(server, request_frame("refuse"), request_frame("nosuch"),
+                             request_frame("crash"), request_frame("echo"))
+    assert replies[0] == {"ok": False, "error": "not now: the swarm is reconfiguring"}
+    assert replies[1]["ok"] is False
+    assert "unknown command 'nosuch'" in replies[1]["error"]
+    assert "crash, echo, refuse" in replies[1]["error"]
+    assert replies[2]["ok"] is False and "KeyError" in replies[2]["error"]
+    assert replies[3]["ok"] is True   # the connection survived all three
+
+
+@pytest.mark.parametrize("frame,reason", [
+    (struct.pack(">I", 4097), "exceeds the 4096-byte limit"),
+    (struct.pack(">I", 0xFFFFFFFF), "exceeds"),
+    (struct.pack(">I", 3) + b"\xc1\xc1\xc1", ""),                  # not msgpack
+    (struct.pack(">I", 1) + b"\x05", "not a map"),
+    (encode_frame({"v": 99, "op": "echo"}, 4096), "version"),
+    (encode_frame({"v": 1, "op": "x" * 33}, 4096), "too long"),
+    (encode_frame({"v": 1, "op": "echo", "args": [1]}, 4096), "args"),
+    (struct.pack(">I", 4000) + b"\x90" * 4000, ""),                # array bomb
+])
+async def test_bad_frames_get_one_error_reply_then_close(sock_dir, frame, reason):
+    server = make_server(sock_dir / "s")
+    replies = await exchange(server, frame, request_frame("echo"))
+    assert len(replies) == 1
+    assert replies[0]["ok"] is False
+    assert replies[0]["error"].startswith("bad request")
+    assert reason in replies[0]["error"]
+
+
+async def test_frame_cut_short_gets_an_error_reply(sock_dir):
+    replies = await exchange(make_server(sock_dir / "s"), struct.pack(">I", 10) + b"\x81")
+    assert replies == [{"ok": False, "error": "bad request: control connection closed inside "
+                                              "a frame"}]
+
+
+async def test_read_frame_raises_only_protocol_error():
+    for data in [b"\x00\x00\x00\x02\x92", b"\x00\x00\x10\x00", b"\x00\x00\x00\x01\xc1"]:
+        a, b = trio.testing.memory_stream_pair()
+        await a.send_all(data)
+        await a.send_eof()
+        with pytest.raises(ProtocolError):
+            await read_frame_untrusted(b, 1024)
+
+
+async def serve_and_call(server, fn):
+    """Run the server, call blocking `fn` in a thread, stop the server; fn's errors re-raise."""
+    def capture():
+        try:
+            return fn(), None
+        except Exception as e:
+            return None, e
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.serve)
+        result, error = await trio.to_thread.run_sync(capture)
+        nursery.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    return result
+
+
+async def test_real_socket_roundtrip_mode_and_cleanup(sock_dir):
+    path = sock_dir / "s"
+    server = make_server(path)
+
+    def client_calls():
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        with ControlClient(path, CONFIG) as c:
+            first = c.request("echo", {"x": b"\x00"})
+            with pytest.raises(ControlClientError, match="reconfiguring"):
+                c.request("refuse")
+            return first, c.request("echo")
+
+    first, second = await serve_and_call(server, client_calls)
+    assert first == {"args": {"x": b"\x00"}}
+    assert second == {"args": {}}
+    assert not path.exists()   # removed when the server stops
+
+
+async def test_stale_socket_file_is_replaced(sock_dir):
+    path = sock_dir / "s"
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(path))
+    stale.close()   # the file stays, nobody listens
+
+    def call():
+        with ControlClient(path, CONFIG) as c:
+            return c.request("echo")
+
+    assert await serve_and_call(make_server(path), call) == {"args": {}}
+
+
+async def test_other_uid_is_refused(sock_dir):
+    path = sock_dir / "s"
+    server = make_server(path, allowed_uid=os.getuid() + 1)
+
+    def call():
+        with ControlClient(path, CONFIG) as c:
+            return c.request("echo")
+
+    with pytest.raises(ControlClientError, match="permission denied"):
+        await serve_and_call(server, call)
+
+
+def test_no_daemon_is_a_clear_error(sock_dir):
+    data_dir = sock_dir / "data"
+    with pytest.raises(DaemonNotRunning) as info:
+        ControlClient(data_dir / "control" / "peer.sock", CONFIG).connect()
+    assert str(info.value) == (f"no daemon is running for data dir {data_dir}: "
+                               "start one with `dtfm-peer join`")
+    # A socket file left by a daemon that died: the same error.
+    (data_dir / "control").mkdir(parents=True)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(data_dir / "control" / "peer.sock"))
+    stale.close()
+    with pytest.raises(DaemonNotRunning):
+        ControlClient(data_dir / "control" / "peer.sock", CONFIG).connect()
+
+
+async def test_oversize_reply_is_refused_by_the_client(sock_dir):
+    path = sock_dir / "s"
+    server = ControlServer(path, ControlConfig(max_response_bytes=1024 * 1024))
+
+    async def big(args):
+        return "x" * 200_000
+
+    server.register("big", big)
+
+    def call():
+        with ControlClient(path, ControlConfig(max_response_bytes=64 * 1024)) as c:
+            return c.request("big")
+
+    with pytest.raises(ControlClientError, match="exceeds"):
+        await serve_and_call(server, call)
+
+
+def test_register_checks_names():
+    server = ControlServer(Path("/nonexistent/s"), CONFIG)
+
+    async def h(args):
+        return None
+
+    server.register("status", h)
+    with pytest.raises(ValueError):
+        server.register("status", h)
+    with pytest.raises(ValueError):
+        server.register("", h)
+
+
+def test_pack_of_request_is_stable():
+    assert ControlRequest.from_wire(ControlRequest("leave").to_wire()) == ControlRequest("leave")
+    assert pack(ControlRequest("x").to_wire())
