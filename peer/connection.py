@@ -376,6 +376,9 @@ class Connection:
                 await self._send_message(msg.msg_type, frames.FLAG_RESPONSE, self._take_id(), msg.msg_id, body, payload, False)
             except ConnectionClosed:
                 pass
+            except ValueError as e:  # the handler's reply cannot be encoded or is too large
+                logger.error("reply to message type %d from %s not sent: %s", msg.msg_type, self.short_id, e)
+                await self._reply_error(msg, "reply not encodable")
         finally:
             self._handler_slots += 1
 

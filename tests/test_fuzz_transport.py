@@ -99,6 +99,7 @@ def msg(body_bytes, msg_type=ECHO, flags=frames.FLAG_REQUEST, payload_len=0, msg
 def attacks():
     """name -> async function(raw peer) doing something a healthy peer never does."""
     deep = b"\x91" * 1025 + b"\xc0"
+    n_empty = MiB - frames.MSG_HEADER_BYTES - 5
 
     async def frame_of(raw, body):
         await raw.send_frame(msg(body))
@@ -139,6 +140,7 @@ def attacks():
         "truncated message header": lambda raw: raw.send_frame(msg(pack(1))[:10]),
         "1 MiB of 0x90": lambda raw: frame_of(raw, b"\x90" * (MiB - frames.MSG_HEADER_BYTES)),
         "array header 2^32-1": lambda raw: frame_of(raw, b"\xdd\xff\xff\xff\xff"),
+        "1 MiB array of empty arrays": lambda raw: frame_of(raw, b"\xdd" + n_empty.to_bytes(4, "big") + b"\x90" * n_empty),
         "nesting 1025 deep": lambda raw: frame_of(raw, deep),
         "mixed key types": lambda raw: frame_of(raw, msgpack.packb({"a": 1, b"b": 2, 3: 4}, use_bin_type=True)),
         "NaN": lambda raw: frame_of(raw, msgpack.packb({"x": float("nan")})),
@@ -198,6 +200,7 @@ async def test_bad_input_after_handshake_closes_only_that_connection(name, caplo
 async def test_bombs_stay_under_50_mib():
     bombs = [
         "1 MiB of 0x90",
+        "1 MiB array of empty arrays",
         "array header 2^32-1",
         "prefix announcing 50 MB",
         "nesting 1025 deep",

@@ -110,7 +110,11 @@ async def test_unknown_type_and_handler_errors():
     async def broken(conn, msg_type, body, payload):
         raise RuntimeError("boom")
 
+    async def huge(conn, msg_type, body, payload):
+        return "x" * (1 << 20)  # over max_control_frame_bytes of the test profile
+
     b.handle(BAD, broken)
+    b.handle(NOTE, huge)
     async with trio.open_nursery() as n:
         _, (host, port) = await start_tcp(n, a, b)
         conn = await a.connect(host, port)
@@ -118,6 +122,8 @@ async def test_unknown_type_and_handler_errors():
             await conn.request(77, {})
         with pytest.raises(RemoteError, match="internal error"):
             await conn.request(BAD, {})
+        with pytest.raises(RemoteError, match="not encodable"):
+            await conn.request(NOTE, {})
         assert (await conn.request(ECHO, 1))[0] == 1  # still connected
         n.cancel_scope.cancel()
 
