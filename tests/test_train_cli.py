@@ -64,7 +64,6 @@ def test_failing_worker_stops_the_whole_step_quickly():
     corpus = load_corpus(max_bytes=4096)
     plan = Plan.grid(2, 2, 1)
     states = {p: StageState(spec, cfg, plan.layer_ranges[s]) for s, p in enumerate(plan.pipeline(0))}
-    states[plan.pipeline(0)[1]].step = 0
     states[plan.pipeline(0)[1]].layer_range = (0, 1)  # the last stage now disagrees with the plan
     with pytest.raises(ValueError):
         LocalCluster(spec, cfg, plan, corpus, states=states)
