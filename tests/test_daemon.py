@@ -1,0 +1,423 @@
+"""The daemon's discovery and lifecycle in one process, on an in-memory network under MockClock.
+
+`FakeTransport` has the shape of dtfm.peer.transport.Transport: listen, dial, handshake refusal
+on a swarm key mismatch, request/one-way messages through the real msgpack codec, connect and
+disconnect callbacks. Times below are virtual seconds.
+"""
+
+import errno
+import logging
+import random
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from dtfm.peer.addr import Address
+from dtfm.peer.config import DaemonConfig, DiscoveryConfig, PeerConfig
+from dtfm.peer.daemon import Daemon
+from dtfm.peer.errors import ConnectionClosed, HandshakeError, ProtocolError, RequestTimeout
+from dtfm.peer.identity import Identity
+from dtfm.peer.paths import DataDir
+from dtfm.peer.peerbook import PeerBook, backoff_delay_s
+from dtfm.peer.wire import pack, unpack_untrusted
+
+KEY = b"k" * 32
+
+
+class FakeNet:
+    def __init__(self):
+        self.listeners: dict[tuple[str, int], "FakeTransport"] = {}
+        self.next_port = 40000
+
+    def port(self) -> int:
+        self.next_port += 1
+        return self.next_port
+
+
+class FakeConnection:
+    def __init__(self, local, remote, remote_address):
+        self.local, self.remote = local, remote
+        self.peer_id = remote.peer_id
+        self.short_id = remote.peer_id[:4].hex()
+        self.region = remote.region
+        self.listen_address = remote.listen_address
+        self.remote_address = remote_address
+        self.last_seen = trio.current_time()
+        self.closed = False
+        self.twin: "FakeConnection | None" = None
+
+    async def _deliver(self, msg_type, body, payload):
+        if self.closed:
+            raise ConnectionClosed("closed")
+        body = unpack_untrusted(pack(body), max_len=1 << 20)
+        await trio.sleep(0.01)   # one-way latency
+        self.twin.last_seen = trio.current_time()
+        try:
+            return await self.remote.handlers[msg_type](self.twin, msg_type, body, payload)
+        except ProtocolError as e:
+            await self.close(f"protocol error: {e}")
+            raise ConnectionClosed(str(e)) from None
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s=None):
+        with trio.move_on_after(timeout_s or 30) as scope:
+            reply = await self._deliver(msg_type, body, payload)
+            await trio.sleep(0.01)
+            self.last_seen = trio.current_time()
+            return unpack_untrusted(pack(reply), max_len=1 << 20), None
+        assert scope.cancelled_caught
+        raise RequestTimeout("no reply")
+
+    async def send(self, msg_type, body, *, payload=None, droppable=False):
+        await self._deliver(msg_type, body, payload)
+
+    async def close(self, reason=""):
+        for conn, why in ((self, reason), (self.twin, reason or "closed by peer")):
+            if not conn.closed:
+                conn.closed = True
+                conn.local.conns.pop(conn.peer_id, None)
+                for cb in conn.local.disconnect_cbs:
+                    cb(conn, why)
+
+
+class FakeTransport:
+    def __init__(self, net, identity, swarm_key, region=""):
+        self.net, self.identity, self.swarm_key, self.region = net, identity, swarm_key, region
+        self.peer_id = identity.peer_id
+        self.listen_address = ("", 0)
+        self.handlers, self.conns = {}, {}
+        self.connect_cbs, self.disconnect_cbs = [], []
+        self.dials = 0
+        self._scope = None
+
+    def handle(self, msg_type, handler):
+        self.handlers[msg_type] = handler
+
+    def on_connect(self, cb):
+        self.connect_cbs.append(cb)
+
+    def on_disconnect(self, cb):
+        self.disconnect_cbs.append(cb)
+
+    def connection(self, peer_id):
+        return self.conns.get(peer_id)
+
+    def connections(self):
+        return list(self.conns.values())
+
+    async def serve(self, host, port, *, task_status=trio.TASK_STATUS_IGNORED):
+        port = port or self.net.port()
+        if (host, port) in self.net.listeners:
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        self.listen_address = (host, port)
+        self.net.listeners[(host, port)] = self
+        try:
+            with trio.CancelScope() as self._scope:
+                task_status.started((host, port))
+                await trio.sleep_forever()
+        finally:
+            del self.net.listeners[(host, port)]
+
+    async def connect(self, host, port):
+        self.dials += 1
+        await trio.sleep(0.02)
+        other = self.net.listeners.get((host, port))
+        if other is None:
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+        if other.swarm_key != self.swarm_key:
+            logging.getLogger("fake.transport").warning(
+                "refused handshake from %s: wrong swarm key", self.identity.short_id)
+            raise HandshakeError("the peer refused the handshake: wrong swarm key")
+        if other.peer_id in self.conns:
+            return self.conns[other.peer_id]
+        mine = FakeConnection(self, other, (host, port))
+        theirs = FakeConnection(other, self, ("127.0.0.9", self.net.port()))
+        mine.twin, theirs.twin = theirs, mine
+        self.conns[other.peer_id] = mine
+        other.conns[self.peer_id] = theirs
+        for cb in other.connect_cbs:
+            cb(theirs)
+        for cb in self.connect_cbs:
+            cb(mine)
+        return mine
+
+    async def aclose(self):
+        for conn in list(self.conns.values()):
+            await conn.close("transport closing")
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def crash(self):
+        """Vanish without a goodbye: connections drop, nothing listens any more."""
+        for conn in list(self.conns.values()):
+            conn.twin.closed = conn.closed = True
+        for conn in list(self.conns.values()):
+            self.conns.pop(conn.peer_id)
+            conn.remote.conns.pop(self.peer_id, None)
+            for cb in conn.remote.disconnect_cbs:
+                cb(conn.twin, "connection reset")
+        self._scope.cancel()
+
+
+@pytest.fixture
+def autojump():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.fixture
+def short_tmp():
+    with tempfile.TemporaryDirectory(prefix="dtfm-d-", dir="/tmp") as d:
+        yield Path(d)
+
+
+class Swarm:
+    def __init__(self, nursery, root):
+        self.nursery, self.root = nursery, root
+        self.net = FakeNet()
+        self.rng = random.Random(7)
+
+    async def start(self, name, *, bootstrap=(), key=KEY, port=0, region="", services=()):
+        config = DaemonConfig.test()
+        config = DaemonConfig(
+            peer=PeerConfig(listen=Address("127.0.0.1", port), bootstrap=tuple(bootstrap),
+                            region=region),
+            discovery=config.discovery, control=config.control)
+        ident = Identity(bytes([len(name)]) + name.encode().ljust(31, b"."))
+        transport = FakeTransport(self.net, ident, key, region)
+        data_dir = DataDir(self.root / name)
+        data_dir.ensure()
+        daemon = Daemon(config, ident, transport, data_dir, rng=random.Random(self.rng.random()))
+        for svc in services:
+            daemon.add_service(svc)
+        daemon.done = trio.Event()
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                await daemon.run(task_status=task_status)
+            finally:
+                daemon.done.set()
+
+        await self.nursery.start(run)
+        return daemon
+
+
+async def wait_until(condition, within_s=5.0):
+    """Poll `condition` every 10 virtual ms; fail after `within_s` virtual seconds."""
+    with trio.fail_after(within_s):
+        while not condition():
+            await trio.sleep(0.01)
+
+
+def seen(daemon):
+    return sorted(p["short_id"] for p in daemon.status()["peers"])
+
+
+def ids(*daemons):
+    return sorted(d.short_id for d in daemons)
+
+
+async def test_three_daemons_find_each_other_through_one_bootstrap(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a", region="eu")
+        b = await swarm.start("b", bootstrap=[a.listen_address])
+        c = await swarm.start("c", bootstrap=[a.listen_address])
+        t0 = trio.current_time()
+        await wait_until(lambda: seen(a) == ids(b, c) and seen(b) == ids(a, c)
+                         and seen(c) == ids(a, b))
+        # b learns of c (and c of b) in the first exchange after c joins a: well under 1 s.
+        assert trio.current_time() - t0 < 1.0
+        status = c.status()
+        entry = next(p for p in status["peers"] if p["short_id"] == a.short_id)
+        assert entry["address"] == str(a.listen_address)
+        assert entry["region"] == "eu"
+        assert entry["peer_id"] == a.peer_id.hex()
+        assert status["listen"] == str(c.listen_address)
+        assert status["uptime_s"] == pytest.approx(trio.current_time() - c.started_at)
+        assert status["departed"] == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_leave_tells_peers_and_run_returns(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a")
+        b = await swarm.start("b", bootstrap=[a.listen_address])
+        c = await swarm.start("c", bootstrap=[a.listen_address])
+        await wait_until(lambda: len(seen(b)) == 2 and len(seen(c)) == 2)
+        b.request_leave("maintenance")
+        with trio.fail_after(5):
+            await b.done.wait()
+        for d in (a, c):
+            st = d.status()
+            assert b.short_id not in seen(d)
+            assert [(x["short_id"], x["reason"]) for x in st["departed"]] == [
+                (b.short_id, "maintenance")]
+        # Nobody redials a peer that said goodbye, and the remaining two stay connected.
+        dials = a.transport.dials + c.transport.dials
+        await trio.sleep(10)
+        assert a.transport.dials + c.transport.dials == dials
+        assert seen(a) == [c.short_id] and seen(c) == [a.short_id]
+        assert not b.transport.conns
+        nursery.cancel_scope.cancel()
+
+
+async def test_bootstrap_is_retried_with_backoff_until_it_appears(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        b = await swarm.start("b", bootstrap=[Address("127.0.0.1", 7450)])
+        await trio.sleep(3.0)
+        # Backoff from 0.05 s doubling to 0.5 s: about a dozen tries in 3 s, not hundreds.
+        assert 4 <= b.transport.dials <= 20
+        a = await swarm.start("a", port=7450)
+        with trio.fail_after(1.0):   # the next retry comes within retry_max_s
+            while seen(b) != [a.short_id]:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+
+
+async def test_wrong_swarm_key_is_refused_with_clear_messages(autojump, short_tmp, caplog):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a")
+        intruder = await swarm.start("x", bootstrap=[a.listen_address], key=b"z" * 32)
+        await trio.sleep(2.0)
+        assert seen(a) == [] and seen(intruder) == []
+        errors = [r for r in caplog.records if r.name == "dtfm.peer.daemon"
+                  and r.levelno == logging.ERROR]
+        assert errors
+        assert all("refused the handshake" in r.getMessage() and "wrong swarm key"
+                   in r.getMessage() for r in errors)
+        assert any("wrong swarm key" in r.getMessage() for r in caplog.records
+                   if r.name == "fake.transport")
+        nursery.cancel_scope.cancel()
+
+
+async def test_crashed_peer_is_redialled_then_forgotten(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a")
+        b = await swarm.start("b", bootstrap=[a.listen_address])
+        c = await swarm.start("c", bootstrap=[a.listen_address])
+        await wait_until(lambda: len(seen(b)) == 2 and len(seen(c)) == 2)
+        c.transport.crash()
+        assert seen(a) == [b.short_id]
+        assert c.peer_id in a.book.entries   # kept for redialling
+        await trio.sleep(60)
+        assert c.peer_id not in a.book.entries and c.peer_id not in b.book.entries
+        assert a.status()["departed"] == []   # a crash is not a goodbye
+        nursery.cancel_scope.cancel()
+
+
+async def test_services_and_status_providers(autojump, short_tmp):
+    events = []
+
+    async def service(daemon, *, task_status=trio.TASK_STATUS_IGNORED):
+        # Started after the transport listens: the listen address is known.
+        events.append(("started", str(daemon.listen_address)))
+        daemon.add_status_provider("role", lambda: {"stage": 2, "step": len(events)})
+        task_status.started()
+        try:
+            await trio.sleep_forever()
+        finally:
+            events.append(("stopped",))
+
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a", services=[service])
+        a.add_status_provider("broken", lambda: 1 / 0)
+        a.add_status_provider("unpackable", lambda: object())
+        with pytest.raises(ValueError):
+            a.add_status_provider("peers", lambda: 1)
+        with pytest.raises(ValueError):
+            a.add_status_provider("role", lambda: 1)
+        with pytest.raises(RuntimeError):
+            a.add_service(service)
+        st = a.status()
+        assert st["role"] == {"stage": 2, "step": 1}
+        assert "ZeroDivisionError" in st["broken"]["error"]
+        assert "error" in st["unpackable"]
+        pack(st)
+        a.request_leave()
+        await a.done.wait()
+        assert events == [("started", str(a.listen_address)), ("stopped",)]
+
+
+async def test_bad_peer_exchange_body_closes_only_that_connection(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a")
+        b = await swarm.start("b", bootstrap=[a.listen_address])
+        await wait_until(lambda: seen(b))
+        conn = b.transport.connection(a.peer_id)
+        for body in [{"peers": [{"id": b"short", "host": "h", "port": 1, "region": ""}]},
+                     {"peers": [{"id": b"i" * 32, "host": "0.0.0.0", "port": 1, "region": ""}]},
+                     {"peers": "nope"}, [1, 2]]:
+            with pytest.raises(ProtocolError):
+                await a._on_peer_exchange(conn.twin, 16, body, None)
+        assert a.status()["peers"]   # handler errors alone do not disturb the daemon
+        nursery.cancel_scope.cancel()
+
+
+def test_backoff_doubles_up_to_the_cap_with_jitter():
+    rng = random.Random(1)
+    delays = [backoff_delay_s(n, 0.5, 30.0, rng) for n in range(1, 10)]
+    caps = [min(30.0, 0.5 * 2 ** (n - 1)) for n in range(1, 10)]
+    assert all(c / 2 <= d < c for d, c in zip(delays, caps))
+    assert backoff_delay_s(0, 0.5, 30.0, rng) == 0.0
+    assert backoff_delay_s(10_000, 0.5, 30.0, rng) < 30.0
+
+
+@pytest.mark.parametrize("steps,expected", [
+    # (event, peer, now) ... -> peers due at the end
+    ([("learn", 1, 0.0)], [1]),
+    ([("learn", 1, 0.0), ("due", None, 0.0)], []),                       # already dialling
+    ([("learn", 1, 0.0), ("due", None, 0.0), ("fail", 1, 0.0)], []),    # backing off
+    ([("learn", 1, 0.0), ("due", None, 0.0), ("fail", 1, 0.0), ("at", None, 1.0)], [1]),
+    ([("connect", 1, 0.0), ("drop", 1, 0.0), ("at", None, 1.0)], [1]),  # redial after a drop
+    ([("connect", 1, 0.0), ("left", 1, 0.0), ("learn", 1, 1.0)], []),   # goodbye: not redialled
+    ([("connect", 1, 0.0), ("left", 1, 0.0), ("connect", 1, 1.0), ("drop", 1, 1.0),
+      ("at", None, 9.0)], [1]),                                          # came back, dropped
+    ([("learn", 0, 0.0)], []),                                           # ourselves
+])
+def test_peer_book_decisions(steps, expected):
+    book = PeerBook(bytes([0]) * 32, retry_initial_s=0.5, retry_max_s=1.0,
+                    rng=random.Random(3))
+    pid = lambda n: bytes([n]) * 32   # noqa: E731
+    addr = Address("10.0.0.1", 7450)
+    now = 0.0
+    for event, n, t in steps:
+        now = t
+        if event == "learn":
+            book.learn(pid(n), addr, "", t)
+        elif event == "due":
+            book.due(t)
+        elif event == "fail":
+            book.dial_failed(pid(n), t)
+        elif event == "connect":
+            book.connected(pid(n), addr, "", t)
+        elif event == "drop":
+            book.disconnected(pid(n), t)
+        elif event == "left":
+            book.left(pid(n), t, "bye")
+    assert sorted(p[0] for p, _ in book.due(now)) == expected
+
+
+def test_peer_book_forgets_after_repeated_failures():
+    book = PeerBook(b"\0" * 32, retry_initial_s=0.1, retry_max_s=0.1, forget_after_failures=3,
+                    rng=random.Random(0))
+    p = b"\1" * 32
+    book.learn(p, Address("h", 1), "", 0.0)
+    assert [book.dial_failed(p, 0.0) for _ in range(3)] == [False, False, True]
+    assert p not in book.entries
+    assert book.learn(p, Address("h", 1), "", 1.0)   # a fresh mention starts over
+
+
+def test_departed_list_is_bounded():
+    book = PeerBook(b"\0" * 32, retry_initial_s=0.1, retry_max_s=0.1, departed_keep=2)
+    for n in range(1, 5):
+        book.connected(bytes([n]) * 32, Address("h", n), "", 0.0)
+        book.left(bytes([n]) * 32, float(n), "bye")
+    assert [d.peer_id[0] for d in book.departed.values()] == [3, 4]
