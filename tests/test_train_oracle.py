@@ -147,3 +147,31 @@ def test_checkpoint_resume_equals_not_stopping(corpus, tmp_path):
     with LocalCluster(SPEC, CFG, plan, corpus, states=states) as cl:
         losses += cl.run(2)
         assert_matches(losses, gathered_params(cl), ref_losses, ref)
+
+
+def test_failed_step_changes_nothing_and_retry_in_new_epoch_matches(corpus, monkeypatch):
+    """A peer fails mid-step: no stage updates; the step is retried under a new epoch."""
+    from dtfm.train import CommError, InMemoryComm
+
+    ref_losses, ref = reference(SPEC, CFG, corpus)
+    real_isend = InMemoryComm.isend
+    fired = []
+
+    def flaky_isend(self, peer, tag, tensor):
+        if self.me == "peer0.0" and tag == "0.2/act/1" and not fired:
+            fired.append(tag)
+            raise CommError("link to peer0.1 went down")
+        return real_isend(self, peer, tag, tensor)
+
+    monkeypatch.setattr(InMemoryComm, "isend", flaky_isend)
+    with LocalCluster(SPEC, CFG, Plan.grid(4, 2, 2), corpus) as cl:
+        losses = cl.run(2)
+        before = {p: {n: t.detach().clone() for n, t in st.params.items()} for p, st in cl.states.items()}
+        with pytest.raises(CommError, match="went down"):
+            cl.step()
+        assert fired and cl.step_index == 2
+        for p, st in cl.states.items():
+            assert all(torch.equal(t, before[p][n]) for n, t in st.params.items())
+        cl.reconfigure(Plan.grid(4, 2, 2, epoch=1))
+        losses += cl.run(3)
+        assert_matches(losses, gathered_params(cl), ref_losses, ref)

@@ -16,10 +16,13 @@ class Plan:
 
     pipelines: tuple[tuple[PeerId, ...], ...]
     layer_ranges: tuple[tuple[int, int], ...]
+    epoch: int = 0  # allocation epoch; in every message tag, so a retried step never meets stale messages
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
         object.__setattr__(self, "layer_ranges", tuple((int(a), int(b)) for a, b in self.layer_ranges))
+        if not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError("epoch must be a non-negative integer")
         if not self.pipelines or not self.layer_ranges:
             raise ValueError("a plan needs at least one pipeline and one stage")
         s = len(self.layer_ranges)
@@ -38,10 +41,10 @@ class Plan:
 
     @classmethod
     def grid(cls, n_layer: int, stages: int, dp: int, weights: list[float] | None = None,
-             prefix: str = "peer") -> "Plan":
+             prefix: str = "peer", epoch: int = 0) -> "Plan":
         """Peers named f"{prefix}{d}.{s}", layers split evenly or by `weights`."""
         ranges = split_layers(n_layer, stages, weights)
-        return cls(tuple(tuple(f"{prefix}{d}.{s}" for s in range(stages)) for d in range(dp)), tuple(ranges))
+        return cls(tuple(tuple(f"{prefix}{d}.{s}" for s in range(stages)) for d in range(dp)), tuple(ranges), epoch)
 
     @property
     def stages(self) -> int:

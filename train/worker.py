@@ -93,6 +93,7 @@ class _Ctx:
     comm: Comm
     corpus: Corpus
     step: int
+    key: str  # "<epoch>.<step>": prefix of every tag of this step
     prev: object  # upstream peer, or None on the first stage
     nxt: object  # downstream peer, or None on the last stage
     micro: list[range]  # this pipeline's sample indices per micro-batch
@@ -107,7 +108,8 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     if plan.layer_ranges[s] != state.layer_range:
         raise ValueError(f"peer {me!r} holds layers {state.layer_range}, the plan gives it {plan.layer_ranges[s]}")
     pipe = plan.pipeline(d)
-    ctx = _Ctx(state, comm, corpus, step, pipe[s - 1] if s > 0 else None,
+    key = f"{plan.epoch}.{step}"
+    ctx = _Ctx(state, comm, corpus, step, key, pipe[s - 1] if s > 0 else None,
                pipe[s + 1] if s + 1 < plan.stages else None,
                split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d],
                _SavedBytes() if track_memory else None)
@@ -119,12 +121,12 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     for h in handles:
         h.wait(cfg.comm_timeout_s)
     t_pipe = time.perf_counter()
-    _sync_and_update(state, plan, me, comm, d, s)
     loss = None
     if state.module.is_last:
         local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
-        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"loss/{step}", cfg.comm_timeout_s)[0])
-    t_end = time.perf_counter()
+        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", cfg.comm_timeout_s)[0])
+    _sync_and_update(state, plan, me, comm, d, s, key)  # all messages precede the update: a failed
+    t_end = time.perf_counter()                           # step leaves the state as it was
     state.step += 1
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
                       ctx.saved.peak if ctx.saved else 0)
@@ -142,7 +144,7 @@ def _forward(ctx: _Ctx):
         if mod.is_first:
             x = x_tok.to(dev)
         else:
-            tag = f"act/{ctx.step}/{m}"
+            tag = f"{ctx.key}/act/{m}"
             got = _expect(ctx.comm.recv(ctx.prev, tag, to), (len(idx), spec.seq_len, spec.n_embd), ctx.prev, tag)
             x = got.to(dev, torch.float32).requires_grad_()
         t0 = time.perf_counter()
@@ -155,7 +157,7 @@ def _forward(ctx: _Ctx):
                 out = mod(x)
         ctx.compute_s += time.perf_counter() - t0
         if ctx.nxt is not None:
-            handles.append(ctx.comm.isend(ctx.nxt, f"act/{ctx.step}/{m}", out.detach().to(wire)))
+            handles.append(ctx.comm.isend(ctx.nxt, f"{ctx.key}/act/{m}", out.detach().to(wire)))
         outs.append(out)
         ins.append(x)
     return outs, ins, losses, handles
@@ -171,14 +173,14 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
             t0 = time.perf_counter()
             outs[m].backward()
         else:
-            tag = f"grad/{ctx.step}/{m}"
+            tag = f"{ctx.key}/grad/{m}"
             g = _expect(ctx.comm.recv(ctx.nxt, tag, to), tuple(outs[m].shape), ctx.nxt, tag)
             g = g.to(ctx.state.device, torch.float32)
             t0 = time.perf_counter()
             outs[m].backward(g)
         ctx.compute_s += time.perf_counter() - t0
         if ctx.prev is not None:
-            handles.append(ctx.comm.isend(ctx.prev, f"grad/{ctx.step}/{m}", ins[m].grad.to(wire)))
+            handles.append(ctx.comm.isend(ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad.to(wire)))
         outs[m] = ins[m] = None  # free this micro-batch's activations
     return handles
 
@@ -191,19 +193,19 @@ class _null:
         return False
 
 
-def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int) -> None:
+def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str) -> None:
     """All-reduce gradients over the DP group, sync a tied embedding, clip by the global norm, step."""
     cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
     for p in state.params.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in state.params.values()]
-    ring_all_reduce(comm, plan.dp_group(s), grads, f"dp/{step}", to, cfg.bucket_bytes)
+    ring_all_reduce(comm, plan.dp_group(s), grads, f"{key}/dp", to, cfg.bucket_bytes)
     if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
         other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
         g = state.params["wte.weight"].grad
-        h = comm.isend(other, f"tied/{step}", g)
-        theirs = comm.recv(other, f"tied/{step}", to)
+        h = comm.isend(other, f"{key}/tied", g)
+        theirs = comm.recv(other, f"{key}/tied", to)
         if theirs.shape != g.shape or theirs.dtype != g.dtype:
             raise CommError(f"peer {other!r} sent a tied-embedding gradient of the wrong shape")
         g.add_(theirs.to(g.device))  # a + b == b + a: both copies get the same bits
@@ -211,7 +213,7 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
     local = torch.zeros(1, dtype=torch.float64)
     for p in state.norm_params():
         local += p.grad.detach().double().pow(2).sum().cpu()
-    total = all_reduce_small(comm, plan.pipeline(d), local, f"norm/{step}", to)
+    total = all_reduce_small(comm, plan.pipeline(d), local, f"{key}/norm", to)
     state.last_grad_norm = float(total[0]) ** 0.5
     coef = clip_coefficient(float(total[0]), cfg.grad_clip_norm)
     if coef < 1.0:
