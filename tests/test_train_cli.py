@@ -32,6 +32,12 @@ def test_log_json_one_object_per_step(capsys, data):
     assert all(r["loss"] > 0 and r["tokens"] == 8 * 128 for r in rows)
 
 
+def test_sample_after_training(capsys, data):
+    assert main(["--steps", "1", "--batch", "4", "--data", data, "--sample", "16", "--prompt", "def"]) == 0
+    err = capsys.readouterr().err
+    assert "--- sample after 1 steps ---\ndef" in err
+
+
 def test_checkpoint_resume_continues_the_same_run(capsys, data, tmp_path):
     common = ["--stages", "2", "--batch", "4", "--micro-batches", "2", "--data", data, "--log-json", "--quiet"]
     straight = run_cli(capsys, "--steps", "4", *common)

@@ -150,3 +150,21 @@ def test_byte_tokenizer_round_trip():
     text = "naïve 🐍 code\n"
     assert tok.decode(tok.encode(text)) == text
     assert tok.vocab == 256
+
+
+def test_assemble_and_generate():
+    from dtfm.train import assemble, generate
+
+    parts = [GPTStage(SPEC, r, seed=3) for r in [(0, 2), (2, 4)]]
+    whole = assemble(SPEC, parts, seed=99)  # weights come from the parts, not the seed
+    x = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(whole(x), parts[1](parts[0](x)), rtol=1e-5, atol=1e-6)
+    out = generate(whole, torch.tensor([1, 2, 3]), 20, generator=torch.Generator().manual_seed(0))
+    again = generate(whole, torch.tensor([1, 2, 3]), 20, generator=torch.Generator().manual_seed(0))
+    assert out.shape == (23,) and torch.equal(out, again) and torch.equal(out[:3], torch.tensor([1, 2, 3]))
+    assert generate(whole, torch.tensor([5]), 20, temperature=0).shape == (21,)  # longer than seq_len
+    with pytest.raises(ValueError, match="cover"):
+        assemble(SPEC, parts[:1])
+    with pytest.raises(ValueError, match="whole model"):
+        generate(parts[0], torch.tensor([1]), 1)

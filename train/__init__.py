@@ -7,7 +7,7 @@ from .comm import (Comm, CommClosed, CommError, CommTimeout, InMemoryComm, InMem
                    tensor_from_bytes, tensor_header)
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
 from .local import LocalCluster
-from .model import GPTStage, split_layers
+from .model import GPTStage, assemble, generate, split_layers
 from .optim import AdamW
 from .plan import Plan
 from .reference import reference_state, reference_step
@@ -19,7 +19,7 @@ __all__ = [
     "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus",
     "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "LocalCluster", "PRESETS", "Plan", "SendHandle",
     "StageState", "StepResult", "TEST_CONFIG", "TrainConfig", "TransferError", "TransferManifest",
-    "TransferReceiver", "all_reduce_small", "encode_stage", "encode_transfer", "get_preset", "list_checkpoints",
+    "TransferReceiver", "all_reduce_small", "assemble", "encode_stage", "encode_transfer", "generate", "get_preset", "list_checkpoints",
     "load_checkpoint", "load_corpus", "reference_state", "reference_step", "ring_all_reduce", "run_step",
     "save_checkpoint", "split_batch", "split_layers", "tensor_from_bytes", "tensor_header",
 ]

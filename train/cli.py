@@ -13,7 +13,8 @@ import time
 import torch
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from .data import load_corpus, split_batch
+from .data import ByteTokenizer, load_corpus, split_batch
+from .model import assemble, generate
 from .local import LocalCluster
 from .plan import Plan
 from .spec import PRESETS, TrainConfig, get_preset
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--log-json", action="store_true", help="print one JSON object per step on stdout")
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    ap.add_argument("--sample", type=int, default=0, help="after training, print this many sampled bytes on stderr")
+    ap.add_argument("--prompt", default="def ", help="text the --sample continues")
     cfg = ap.add_argument_group("training config (dtfm.train.TrainConfig)")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + _RENAMED.get(f.name, f.name.replace("_", "-"))
@@ -94,6 +97,16 @@ def _resume_states(root: str, spec, cfg, plan: Plan, device: str) -> dict:
     return states
 
 
+def _print_sample(spec, cfg, stages, step: int, args) -> None:
+    tok = ByteTokenizer()
+    model = assemble(spec, stages, cfg.seed).eval()
+    prompt = torch.from_numpy(tok.encode(args.prompt).astype("int64"))
+    gen = torch.Generator().manual_seed(cfg.seed)
+    out = generate(model, prompt, args.sample, temperature=0.8, generator=gen)
+    text = tok.decode(t for t in out.tolist() if t < tok.vocab)
+    print(f"--- sample after {step} steps ---\n{text}\n---", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -103,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         weights = [float(w) for w in args.layer_weights.split(",")] if args.layer_weights else None
         plan = Plan.grid(spec.n_layer, args.stages, args.dp, weights)
         split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)
+        if args.sample and not args.prompt:
+            raise ValueError("--sample needs a non-empty --prompt")
         if args.resume and not args.checkpoint_dir:
             raise ValueError("--resume needs --checkpoint-dir")
         if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -136,4 +151,6 @@ def main(argv: list[str] | None = None) -> int:
                                         or _ == args.steps - 1):
                 for peer in plan.pipeline(0):
                     save_checkpoint(args.checkpoint_dir, cl.states[peer], args.keep)
+        if args.sample > 0:
+            _print_sample(spec, cfg, [cl.states[p].module for p in plan.pipeline(0)], cl.step_index, args)
     return 0

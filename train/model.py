@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .spec import GPTSpec
 
-__all__ = ["GPTStage", "split_layers", "init_generator"]
+__all__ = ["GPTStage", "split_layers", "init_generator", "assemble", "generate"]
 
 
 def init_generator(seed: int, key: str) -> torch.Generator:
@@ -163,3 +163,35 @@ def split_layers(n_layer: int, stages: int, weights: list[float] | None = None) 
         ranges.append((start, start + c))
         start += c
     return ranges
+
+
+def assemble(spec: GPTSpec, stages: list["GPTStage"], seed: int = 0) -> "GPTStage":
+    """The whole model from stages that together cover every layer (parameters copied by name)."""
+    whole = GPTStage(spec, (0, spec.n_layer), seed)
+    have = {n: p for st in stages for n, p in st.named_parameters()}
+    missing = [n for n, _ in whole.named_parameters() if n not in have]
+    if missing:
+        raise ValueError(f"stages do not cover the model: missing {missing[:3]}")
+    with torch.no_grad():
+        for n, p in whole.named_parameters():
+            p.copy_(have[n])
+    return whole
+
+
+@torch.no_grad()
+def generate(model: "GPTStage", prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample `new_tokens` after `prompt` (T,) int64 from a whole model; returns (T + new_tokens,)."""
+    if not (model.is_first and model.is_last):
+        raise ValueError("generation needs the whole model (see assemble)")
+    dev = next(model.parameters()).device
+    seq = prompt.to(dev).reshape(1, -1)
+    for _ in range(new_tokens):
+        logits = model(seq[:, -model.spec.seq_len:])[0, -1].float()  # (V,)
+        if temperature <= 0:
+            nxt = logits.argmax().reshape(1)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=generator).to(dev)
+        seq = torch.cat([seq, nxt.reshape(1, 1)], dim=1)
+    return seq[0]
