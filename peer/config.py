@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .addr import Address, AddressError
+from .transport import TransportConfig
 
 REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -147,6 +148,8 @@ class DaemonConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     control: ControlConfig = ControlConfig()
     log: LogConfig = LogConfig()
+    # Frame limits, timeouts, key renewal, handshake admission: see dtfm.peer.transport.
+    transport: TransportConfig = TransportConfig()
 
     @classmethod
     def default(cls) -> "DaemonConfig":
@@ -161,6 +164,7 @@ class DaemonConfig:
                                       connect_timeout_s=2.0, exchange_interval_s=0.5,
                                       exchange_timeout_s=2.0, leave_timeout_s=1.0),
             control=ControlConfig(request_timeout_s=5.0),
+            transport=TransportConfig.test(),
         )
 
 
@@ -223,8 +227,10 @@ def _build_section(section: str, cls: type, current: Any, raw: dict[str, Any],
         changes[key] = _convert(f"{section}.{key}", hints[key], value, base_dir)
     try:
         return dataclasses.replace(current, **changes)
-    except AddressError as e:
-        raise ConfigError(f"{section}: {e}") from None
+    except ConfigError:
+        raise
+    except ValueError as e:   # AddressError, and checks of sections defined elsewhere
+        raise ConfigError(f"[{section}]: {e}") from None
 
 
 def merge(base: DaemonConfig, raw: dict[str, Any], *, base_dir: Path | None = None) -> DaemonConfig:

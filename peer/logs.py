@@ -28,7 +28,7 @@ def _extras(record: logging.LogRecord) -> dict[str, object]:
 
 
 def _one_line(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+    return text.replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _exc_summary(record: logging.LogRecord) -> str:

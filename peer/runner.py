@@ -33,7 +33,7 @@ async def run_until_signal(daemon: Daemon) -> None:
 
 def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
     from .identity import IDENTITY_FILE, Identity, load_swarm_key, swarm_key_fingerprint
-    from .transport import Transport, TransportConfig
+    from .transport import Transport
 
     if config.peer.swarm_key_file is None:
         raise ConfigError("joining needs the swarm key: pass --swarm-key FILE (make one with "
@@ -45,7 +45,7 @@ def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
         logger.info("created identity %s in %s", identity.short_id, data_dir.root)
     logger.info("peer %s, swarm key %s (fingerprint)", identity.short_id,
                 swarm_key_fingerprint(swarm_key))
-    transport = Transport(identity, swarm_key, TransportConfig.default(),
+    transport = Transport(identity, swarm_key, config.transport,
                           region=config.peer.region)
     return Daemon(config, identity, transport, data_dir)
 

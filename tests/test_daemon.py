@@ -90,6 +90,7 @@ class FakeTransport:
         self.handlers, self.conns = {}, {}
         self.connect_cbs, self.disconnect_cbs = [], []
         self.dials = 0
+        self.dead = False
         self._scope = None
 
     def handle(self, msg_type, handler):
@@ -124,7 +125,7 @@ class FakeTransport:
         self.dials += 1
         await trio.sleep(0.02)
         other = self.net.listeners.get((host, port))
-        if other is None:
+        if other is None or other.dead or self.dead:
             raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
         if other.swarm_key != self.swarm_key:
             logging.getLogger("fake.transport").warning(
@@ -150,7 +151,8 @@ class FakeTransport:
             self._scope.cancel()
 
     def crash(self):
-        """Vanish without a goodbye: connections drop, nothing listens any more."""
+        """Vanish without a goodbye: connections drop, nothing listens or dials any more."""
+        self.dead = True
         for conn in list(self.conns.values()):
             conn.twin.closed = conn.closed = True
         for conn in list(self.conns.values()):

@@ -1,0 +1,216 @@
+"""`dtfm-peer` in process: subcommands, exit codes, error messages, output formats, logging."""
+
+import io
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from dtfm.peer import logs
+from dtfm.peer.cli import build_parser, main, user_error_text
+from dtfm.peer.config import ConfigError, ControlConfig
+from dtfm.peer.control import ControlServer
+from dtfm.peer.identity import parse_swarm_key
+from dtfm.peer.paths import DataDir
+from dtfm.peer.status import format_duration, format_text
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    root.setLevel(level)
+
+
+def test_swarm_key_new_prints_a_fresh_key(capsys):
+    assert main(["swarm-key", "new"]) == 0
+    first = capsys.readouterr().out
+    assert main(["swarm-key", "new"]) == 0
+    second = capsys.readouterr().out
+    assert len(parse_swarm_key(first)) == 32
+    assert first != second
+    assert first.count("\n") == 1
+
+
+def test_swarm_key_out_is_private_and_never_overwritten(tmp_path, capsys):
+    out = tmp_path / "swarm.key"
+    assert main(["swarm-key", "new", "--out", str(out)]) == 0
+    assert out.stat().st_mode & 0o777 == 0o600
+    key = out.read_text()
+    assert main(["swarm-key", "new", "--out", str(out)]) == 1
+    assert "exists; not overwriting" in capsys.readouterr().err
+    assert out.read_text() == key
+
+
+def test_keygen_creates_once_and_reports_the_id(tmp_path, capsys):
+    data_dir = tmp_path / "d"
+    assert main(["keygen", "--data-dir", str(data_dir)]) == 0
+    captured = capsys.readouterr()
+    peer_id = captured.out.strip()
+    assert len(bytes.fromhex(peer_id)) == 32
+    assert "created a new identity" in captured.err
+    assert (data_dir / "identity.key").stat().st_mode & 0o777 == 0o600
+    assert data_dir.stat().st_mode & 0o777 == 0o700
+    assert main(["keygen", "--data-dir", str(data_dir), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info == {"peer_id": peer_id, "short_id": peer_id[:8], "created": False,
+                    "data_dir": str(data_dir)}
+
+
+@pytest.mark.parametrize("command", ["status", "leave"])
+def test_no_daemon_gives_the_clear_error(tmp_path, capsys, command):
+    assert main([command, "--data-dir", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"dtfm-peer: error: no daemon is running for data dir {tmp_path}: "
+                            "start one with `dtfm-peer join`\n")
+
+
+def test_join_errors_are_one_line(tmp_path, capsys, restore_logging):
+    assert main(["join", "--data-dir", str(tmp_path)]) == 1
+    assert "joining needs the swarm key: pass --swarm-key FILE" in capsys.readouterr().err
+    assert main(["join", "--data-dir", str(tmp_path), "--swarm-key",
+                 str(tmp_path / "absent.key")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtfm-peer: error: no swarm key file at")
+    assert err.count("\n") == 1
+    (tmp_path / "bad.toml").write_text("[peer]\nlisten = 'x'\n")
+    assert main(["join", "--config", str(tmp_path / "bad.toml")]) == 1
+    assert "peer.listen: 'x': expected HOST:PORT" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        main(["join", "--listen"])
+    assert info.value.code == 2
+
+
+def test_help_explains_every_command(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("keygen", "swarm-key", "join", "status", "leave"):
+        assert command in out
+    parser = build_parser()
+    assert parser.prog == "dtfm-peer"
+
+
+def test_user_errors_are_found_inside_exception_groups():
+    err = ConfigError("bad")
+    assert user_error_text(err) == "bad"
+    assert user_error_text(ExceptionGroup("g", [ExceptionGroup("h", [err])])) == "bad"
+    assert user_error_text(ExceptionGroup("g", [err, ConfigError("two")])) is None
+    assert user_error_text(RuntimeError("bug")) is None
+
+
+REPORT = {
+    "peer_id": "ab" * 32, "short_id": "abababab", "listen": "127.0.0.1:7450", "region": "eu",
+    "pid": 1, "data_dir": "/d", "uptime_s": 125.0,
+    "peers": [{"peer_id": "cd" * 32, "short_id": "cdcdcdcd", "address": "10.0.0.2:7450",
+               "region": "us", "last_seen_s_ago": 0.25, "connected_for_s": 3700.0}],
+    "departed": [{"peer_id": "ef" * 32, "short_id": "efefefef", "address": "10.0.0.3:7450",
+                  "region": "", "left_s_ago": 12.0, "reason": "received SIGTERM"}],
+    "role": {"stage": 1, "step": 42},
+}
+
+
+def test_status_text_layout():
+    text = format_text(REPORT)
+    lines = text.splitlines()
+    assert lines[0] == f"peer      abababab  ({'ab' * 32})"
+    assert "uptime    2m 05s" in lines
+    assert "peers     1 connected" in lines
+    assert "  cdcdcdcd  10.0.0.2:7450  us      0.2s ago   1h 01m" in lines
+    assert "  efefefef  10.0.0.3:7450  -       12s ago  received SIGTERM" in lines
+    assert lines[-1] == 'role      {"stage": 1, "step": 42}'
+
+
+@pytest.mark.parametrize("seconds,text", [(0.04, "0.0s"), (9.95, "9.9s"), (59, "59s"),
+                                          (61, "1m 01s"), (7200, "2h 00m"), (90000, "1d 01h"),
+                                          (-3, "0.0s")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+async def test_status_command_against_a_control_server(capsys):
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        server = ControlServer(data_dir.control_socket, ControlConfig())
+
+        async def status(args):
+            return REPORT
+
+        server.register("status", status)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            text_rc = await trio.to_thread.run_sync(main, ["status", "--data-dir", d])
+            text = capsys.readouterr().out
+            json_rc = await trio.to_thread.run_sync(main, ["status", "--json", "--data-dir", d])
+            as_json = capsys.readouterr().out
+            leave_rc = await trio.to_thread.run_sync(main, ["leave", "--data-dir", d])
+            leave_err = capsys.readouterr().err
+            nursery.cancel_scope.cancel()
+    assert (text_rc, json_rc) == (0, 0)
+    assert text == format_text(REPORT) + "\n"
+    assert json.loads(as_json) == REPORT
+    assert leave_rc == 1
+    assert "unknown command 'leave'" in leave_err
+
+
+def log_line(formatter, msg, *args, exc=None, **extra):
+    record = logging.LogRecord("dtfm.peer.daemon", logging.INFO if exc is None else logging.ERROR,
+                               __file__, 1, msg, args, exc)
+    for k, v in extra.items():
+        setattr(record, k, v)
+    return formatter.format(record)
+
+
+def test_human_log_lines_are_single_lines_with_extras():
+    line = log_line(logs.HumanFormatter(), "peer %s said %r", "ab12", "two\nlines", peer="ab12")
+    assert "\n" not in line
+    assert line.endswith("INFO  dtfm.peer.daemon: peer ab12 said 'two\\nlines' peer=ab12")
+    try:
+        raise ValueError("bad\nthing")
+    except ValueError:
+        import sys
+        line = log_line(logs.HumanFormatter(), "failed", exc=sys.exc_info())
+    assert "\n" not in line
+    assert "(ValueError: bad\\nthing)" in line and "traceback=" in line
+
+
+def test_json_log_lines_parse_and_carry_extras():
+    line = log_line(logs.JsonFormatter(), "peer %s joined", "ab12", peer="ab12")
+    obj = json.loads(line)
+    assert obj["msg"] == "peer ab12 joined"
+    assert obj["level"] == "info" and obj["logger"] == "dtfm.peer.daemon"
+    assert obj["peer"] == "ab12"
+    assert obj["ts"].endswith("Z")
+
+
+def test_configure_replaces_its_own_handler(restore_logging):
+    stream = io.StringIO()
+    logs.configure("warning", json_lines=True, stream=stream)
+    logs.configure("info", json_lines=True, stream=stream)
+    logging.getLogger("dtfm.test").info("once")
+    logging.getLogger("dtfm.test").debug("hidden")
+    lines = stream.getvalue().splitlines()
+    assert [json.loads(x)["msg"] for x in lines] == ["once"]
+
+
+def test_python_m_entry_point_exists():
+    import importlib.util
+    assert importlib.util.find_spec("dtfm.peer.__main__") is not None
+    assert os.access(Path(__file__).parent.parent / "peer" / "__main__.py", os.R_OK)
