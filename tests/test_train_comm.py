@@ -140,3 +140,16 @@ def test_tensor_from_bytes_garbage_raises_value_error_only(dtype, shape, data):
     except ValueError:
         return
     assert t.numel() * t.element_size() == len(data)
+
+
+def test_emulated_link_keeps_order_and_completes_handles():
+    from dtfm.train import Link
+
+    hub = InMemoryHub(link=lambda src, dst: Link(latency_s=0.001, bandwidth_bytes_per_s=1e9))
+    a, b = hub.endpoint("a"), hub.endpoint("b")
+    handles = [a.isend("b", "t", torch.full((1000,), float(i))) for i in range(5)]
+    for h in handles:
+        h.wait(5)
+    assert [float(b.recv("a", "t", 5)[0]) for _ in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(ValueError):
+        Link(latency_s=-1, bandwidth_bytes_per_s=1)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Hashable, Protocol
+from dataclasses import dataclass
+from typing import Callable, Hashable, Protocol
 
 import numpy as np
 import torch
 
 __all__ = [
-    "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm",
+    "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link",
     "tensor_header", "tensor_from_bytes", "TENSOR_DTYPES",
 ]
 
@@ -96,18 +97,49 @@ class _Done:
         return None
 
 
+@dataclass(frozen=True)
+class Link:
+    """An emulated one-way link for InMemoryHub."""
+
+    latency_s: float  # one-way delay added to every message
+    bandwidth_bytes_per_s: float  # serialisation rate; messages on one link queue behind each other
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or not self.bandwidth_bytes_per_s > 0:
+            raise ValueError("latency must be non-negative and bandwidth positive")
+
+
+class _OnLink:
+    """The handle of a send on an emulated link: done when the link has sent it."""
+
+    def __init__(self, hub: "InMemoryHub", sent_at: float, what: str):
+        self.hub, self.sent_at, self.what = hub, sent_at, what
+
+    def wait(self, timeout_s: float) -> None:
+        if self.sent_at - time.monotonic() > timeout_s:
+            raise CommTimeout(f"timed out after {timeout_s} s waiting to {self.what}")
+        self.hub._sleep_until(self.sent_at, self.what)
+
+
 class InMemoryHub:
     """Connects InMemoryComm endpoints in one process through bounded queues.
 
     `capacity` bounds each (source, destination, tag) queue; a send into a full queue blocks
     (back-pressure) until there is room or the timeout passes. `abort()` wakes every waiter
     with CommClosed, so one failed worker cannot leave the others hanging.
+
+    `link(src, dst) -> Link` optionally emulates the network: each directed pair is a link
+    that carries one message at a time (bytes / bandwidth), and a message arrives one latency
+    after it has been sent. A send handle's `wait` returns when the link has finished sending
+    it; `recv` returns the message when it has arrived. Without `link` delivery is immediate.
     """
 
-    def __init__(self, capacity: int = 64):
+    def __init__(self, capacity: int = 64, link: "Callable[[PeerId, PeerId], Link] | None" = None):
         if capacity < 1:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
+        self.link = link
+        self._link_free_at: dict[tuple, float] = {}
         self._lock = threading.Lock()
         self._queues: dict[tuple, queue.Queue] = {}
         self._aborted = threading.Event()
@@ -141,6 +173,21 @@ class InMemoryHub:
             if q.senders == 0 and q.empty() and self._queues.get((src, dst, tag)) is q:
                 del self._queues[(src, dst, tag)]
 
+    def _schedule(self, src: PeerId, dst: PeerId, nbytes: int) -> tuple[float, float]:
+        """(sent_at, arrives_at) on the monotonic clock for a message on the emulated link."""
+        lk = self.link(src, dst)
+        now = time.monotonic()
+        with self._lock:
+            start = max(now, self._link_free_at.get((src, dst), now))
+            sent = start + nbytes / lk.bandwidth_bytes_per_s
+            self._link_free_at[(src, dst)] = sent
+        return sent, sent + lk.latency_s
+
+    def _sleep_until(self, t: float, what: str) -> None:
+        left = t - time.monotonic()
+        if left > 0 and self._aborted.wait(left):
+            raise CommClosed(f"communicator aborted while waiting to {what}")
+
     def _wait(self, op, timeout_s: float, what: str):
         deadline = time.monotonic() + timeout_s
         while True:
@@ -166,21 +213,27 @@ class InMemoryComm:
     def isend(self, peer: PeerId, tag: str, tensor: torch.Tensor) -> SendHandle:
         tensor_header(tensor)  # same dtype rule as the wire
         payload = tensor.detach().to("cpu", copy=True).contiguous()
+        nbytes = payload.numel() * payload.element_size()
+        what = f"send {tag!r} to {peer!r}"
+        sent_at, arrives_at = self.hub._schedule(self.me, peer, nbytes) if self.hub.link else (0.0, 0.0)
         q = self.hub._channel(self.me, peer, tag, sending=True)
         try:
-            self.hub._wait(lambda t: q.put(payload, timeout=t), self.send_timeout_s, f"send {tag!r} to {peer!r}")
+            self.hub._wait(lambda t: q.put((arrives_at, payload), timeout=t), self.send_timeout_s, what)
         finally:
             self.hub._release(self.me, peer, tag, q, sending=True)
         with self.hub._lock:
-            self.hub.bytes_sent += payload.numel() * payload.element_size()
-        return _Done()
+            self.hub.bytes_sent += nbytes
+        return _OnLink(self.hub, sent_at, what) if self.hub.link else _Done()
 
     def recv(self, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
+        what = f"receive {tag!r} from {peer!r}"
         q = self.hub._channel(peer, self.me, tag, sending=False)
         try:
-            return self.hub._wait(lambda t: q.get(timeout=t), timeout_s, f"receive {tag!r} from {peer!r}")
+            arrives_at, payload = self.hub._wait(lambda t: q.get(timeout=t), timeout_s, what)
         finally:
             self.hub._release(peer, self.me, tag, q, sending=False)
+        self.hub._sleep_until(arrives_at, what)  # on an emulated link: not before it arrives
+        return payload
 
     @property
     def open_channels(self) -> int:

@@ -32,13 +32,14 @@ def _one_thread() -> None:
 
 class LocalCluster:
     def __init__(self, spec: GPTSpec, cfg: TrainConfig, plan: Plan, corpus: Corpus,
-                 states: dict | None = None, track_memory: bool = False, device: str = "cpu"):
+                 states: dict | None = None, track_memory: bool = False, device: str = "cpu",
+                 link=None):
         if plan.n_layer != spec.n_layer:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {spec.n_layer}")
         self.spec, self.cfg, self.corpus, self.track_memory = spec, cfg, corpus, track_memory
-        self.device = device
+        self.device, self.link = device, link  # link(src, dst) -> comm.Link: emulated network, or None
         split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)  # fail now, not inside a worker
-        self.hub = InMemoryHub()
+        self.hub = InMemoryHub(link=self.link)
         self.plan = plan
         self.states: dict = {}
         if states is None:
@@ -119,7 +120,7 @@ class LocalCluster:
             logger.info("peer %r took over layers %s at step %d", p, rng, step)
         self.plan, self.states = plan, new_states
         self._check_states()
-        self.hub = InMemoryHub()
+        self.hub = InMemoryHub(link=self.link)
         self._pool.shutdown()
         self._pool = ThreadPoolExecutor(max_workers=len(plan.peers), initializer=_one_thread)
 
