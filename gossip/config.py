@@ -1,0 +1,127 @@
+"""Gossip configuration: one frozen dataclass, with named profiles (after memberlist's
+DefaultLANConfig / DefaultWANConfig / DefaultLocalConfig)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["GossipConfig"]
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    # How often each member probes one other member. Shorter: faster detection, more traffic.
+    probe_interval_s: float = 1.0
+    # How long to wait for a direct ack before asking others to probe. Must exceed the RTT.
+    probe_timeout_s: float = 0.5
+    # Members asked to probe indirectly when a direct probe fails. More: fewer false positives.
+    indirect_checks: int = 3
+    # Suspicion lasts suspicion_mult * max(1, log10 N) probe intervals at least. Larger: fewer
+    # false deaths, slower detection.
+    suspicion_mult: float = 4.0
+    # Upper bound of the suspicion timeout, as a multiple of the lower bound (Lifeguard: it
+    # starts here and shrinks with independent confirmations).
+    suspicion_max_timeout_mult: float = 6.0
+    # Broadcasts are retransmitted retransmit_mult * ceil(log10(N + 1)) times.
+    retransmit_mult: int = 4
+    # Interval and fan-out of the gossip of queued broadcasts.
+    gossip_interval_s: float = 0.2
+    gossip_nodes: int = 3
+    # Dead/left members are still gossiped to for this long (a partitioned peer can come back).
+    gossip_to_dead_s: float = 30.0
+    # Full-state push-pull with one random member; 0 disables. Scaled up past 32 members.
+    push_pull_interval_s: float = 30.0
+    # Lifeguard local health: probe interval and timeout stretch up to this factor when this
+    # member itself seems slow (missed nacks, refutations).
+    awareness_max_multiplier: int = 8
+    # Bytes of piggybacked membership updates per message.
+    max_piggyback_bytes: int = 1200
+    # Measurement: pings per RTT estimate, spacing, and per-ping timeout.
+    rtt_samples: int = 5
+    rtt_ping_spacing_s: float = 0.05
+    measure_timeout_s: float = 5.0
+    # Bandwidth probe: bytes per timed transfer and minimum spacing between two big probes
+    # from this member (rate limit), jittered by +-jitter fraction.
+    bandwidth_probe_bytes: int = 1 << 20
+    bandwidth_probe_interval_s: float = 2.0
+    measure_jitter: float = 0.25
+    # Re-measure a link after this long.
+    remeasure_interval_s: float = 600.0
+    # Own measurement report is re-signed and published at most this often.
+    publish_interval_s: float = 2.0
+    # Record anti-entropy (digest push-pull) with one random member.
+    record_sync_interval_s: float = 2.0
+    # Records whose timestamp is further than this from our clock are refused.
+    record_skew_s: float = 600.0
+    # Upper bound of the bytes of records sent in one sync message.
+    max_sync_bytes: int = 256 * 1024
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{f.name} must be a finite number, got {v!r}")
+            if v < 0:
+                raise ValueError(f"{f.name} must be non-negative, got {v}")
+        if self.probe_interval_s <= 0 or self.gossip_interval_s <= 0:
+            raise ValueError("probe_interval_s and gossip_interval_s must be positive")
+        if not 0 < self.probe_timeout_s <= self.probe_interval_s:
+            raise ValueError("probe_timeout_s must be positive and at most probe_interval_s")
+        if self.suspicion_max_timeout_mult < 1:
+            raise ValueError("suspicion_max_timeout_mult must be >= 1")
+        if self.awareness_max_multiplier < 1:
+            raise ValueError("awareness_max_multiplier must be >= 1")
+        if self.rtt_samples < 1 or self.bandwidth_probe_bytes < 1:
+            raise ValueError("rtt_samples and bandwidth_probe_bytes must be >= 1")
+        if not 0 <= self.measure_jitter < 1:
+            raise ValueError("measure_jitter must be in [0, 1)")
+        if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0:
+            raise ValueError("record_sync_interval_s and publish_interval_s must be positive")
+
+    @classmethod
+    def lan(cls) -> "GossipConfig":
+        """Defaults for one data centre (memberlist's DefaultLANConfig)."""
+        return cls()
+
+    @classmethod
+    def wan(cls) -> "GossipConfig":
+        """Links with hundreds of ms of latency (memberlist's DefaultWANConfig)."""
+        return cls(probe_interval_s=5.0, probe_timeout_s=3.0, suspicion_mult=6.0,
+                   gossip_interval_s=0.5, gossip_nodes=4, push_pull_interval_s=60.0,
+                   measure_timeout_s=10.0)
+
+    @classmethod
+    def local(cls) -> "GossipConfig":
+        """One machine, loopback (memberlist's DefaultLocalConfig)."""
+        return cls(probe_interval_s=1.0, probe_timeout_s=0.2, suspicion_mult=3.0,
+                   gossip_interval_s=0.1, push_pull_interval_s=15.0,
+                   bandwidth_probe_interval_s=0.5)
+
+    @classmethod
+    def test(cls) -> "GossipConfig":
+        """Small, quick swarms in tests under MockClock."""
+        return cls(push_pull_interval_s=10.0, bandwidth_probe_bytes=64 * 1024,
+                   bandwidth_probe_interval_s=0.2, rtt_samples=3, publish_interval_s=1.0,
+                   record_sync_interval_s=1.0)
+
+    def with_(self, **changes) -> "GossipConfig":
+        return replace(self, **changes)
+
+    # Derived figures, after memberlist's util.go.
+
+    def retransmit_limit(self, n_members: int) -> int:
+        return int(self.retransmit_mult * math.ceil(math.log10(n_members + 1)))
+
+    def suspicion_min_s(self, n_members: int) -> float:
+        node_scale = max(1.0, math.log10(max(1.0, float(n_members))))
+        return self.suspicion_mult * node_scale * self.probe_interval_s
+
+    def suspicion_max_s(self, n_members: int) -> float:
+        return self.suspicion_max_timeout_mult * self.suspicion_min_s(n_members)
+
+    def push_pull_scaled_s(self, n_members: int) -> float:
+        """Push-pull interval, stretched logarithmically past 32 members (memberlist)."""
+        if n_members <= 32:
+            return self.push_pull_interval_s
+        return self.push_pull_interval_s * (1 + math.ceil(math.log2(n_members) - math.log2(32)))

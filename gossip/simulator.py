@@ -1,0 +1,133 @@
+"""Discrete-event simulation of many `Swim` state machines without trio: messages cross a
+uniform link after a delay, a fraction of them is dropped, nodes can stall, die or leave.
+It runs an hour of a 16-member swarm in seconds, for the failure-detection figures; the
+Harness runs the full service (measurement, records) over trio instead.
+
+By default every message goes through to_wire/pack/unpack/from_wire, so the byte counts are
+exact and the codecs are exercised; `codec=False` hands the objects over (frames still counted).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import defaultdict
+
+from ._wire import pack, unpack_untrusted
+from .config import GossipConfig
+from .members import Member, MemberState
+from .messages import decode_swim
+from .swim import Send, Swim
+
+__all__ = ["SwimSimulator"]
+
+FRAME_OVERHEAD = 32
+
+
+class SwimSimulator:
+    def __init__(self, n: int, config: GossipConfig, *, delay_s: float = 0.005,
+                 drop_fraction: float = 0.0, seed: int = 0, join_spread_s: float = 0.0,
+                 codec: bool = True) -> None:
+        self.config = config
+        self.codec = codec  # False: hand message objects over as they are (faster)
+        self.delay_s = delay_s
+        self.drop_fraction = drop_fraction
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.ids = [self.rng.randbytes(32) for _ in range(n)]
+        self.index = {p: k for k, p in enumerate(self.ids)}
+        self.nodes: list[Swim] = []
+        self.dead: set[int] = set()
+        self.stalled_until = [0.0] * n
+        self.frames = [0] * n
+        self.bytes = [0] * n
+        self.history: dict[tuple[int, int], list[tuple[float, MemberState]]] = defaultdict(list)
+        self._heap: list = []
+        self._count = itertools.count()
+        self._tick_at = [float("nan")] * n
+        for k, pid in enumerate(self.ids):
+            me = Member(pid, 0, MemberState.ALIVE, "sim", 10000 + k, "")
+            self.nodes.append(Swim(config, me, random.Random(self.rng.random()), 0.0))
+        for k in range(1, n):  # everyone joins through node 0
+            at = self.rng.uniform(0, join_spread_s) if join_spread_s else 0.0
+            self._push(at, ("join", k))
+
+    def _push(self, t: float, item) -> None:
+        heapq.heappush(self._heap, (t, next(self._count), item))
+
+    def _send_all(self, k: int, sends: list[Send]) -> None:
+        for s in sends:
+            data = pack(s.msg.to_wire()) if self.codec else s.msg
+            self.frames[k] += 1
+            self.bytes[k] += (len(data) if self.codec else 0) + FRAME_OVERHEAD
+            dst = self.index[s.to]
+            if dst in self.dead or self.rng.random() < self.drop_fraction:
+                continue
+            self._push(max(self.now, self.stalled_until[k]) + self.delay_s,
+                       ("msg", dst, k, s.msg.type, data))
+
+    def _observe(self, k: int) -> None:
+        for m in self.nodes[k].drain_changes():
+            self.history[(k, self.index[m.peer_id])].append((self.now, m.state))
+        t = self.nodes[k].next_deadline()
+        if t != self._tick_at[k]:  # one scheduled tick per node; stale ones are skipped
+            self._tick_at[k] = t
+            self._push(t, ("tick", k))
+
+    def run_until(self, t_end: float) -> None:
+        for k in range(len(self.nodes)):
+            self._tick_at[k] = self.now
+            self._push(self.now, ("tick", k))
+        while self._heap and self._heap[0][0] <= t_end:
+            t, _, item = heapq.heappop(self._heap)
+            kind, k = item[0], item[1]
+            if k in self.dead:
+                continue
+            if t < self.stalled_until[k]:  # a stalled node handles it when it wakes up
+                if kind == "tick":
+                    if t != self._tick_at[k]:
+                        continue
+                    self._tick_at[k] = self.stalled_until[k]
+                self._push(self.stalled_until[k], item)
+                continue
+            self.now = t
+            node = self.nodes[k]
+            if kind == "tick":
+                if t != self._tick_at[k]:
+                    continue
+                self._tick_at[k] = float("nan")
+                self._send_all(k, node.tick(t))
+            elif kind == "join":
+                seed = self.nodes[0].me
+                self._send_all(k, node.add_seed(seed.peer_id, seed.host, seed.port, seed.region, t))
+            elif kind == "msg":
+                _, _, src, msg_type, data = item
+                msg = (decode_swim(msg_type, unpack_untrusted(data, max_len=1 << 24))
+                       if self.codec else data)
+                self._send_all(k, node.handle(self.ids[src], msg, t))
+            self._observe(k)
+        self.now = t_end
+
+    def kill(self, k: int) -> None:
+        self.dead.add(k)
+
+    def leave(self, k: int) -> None:
+        self._send_all(k, self.nodes[k].leave(self.now))
+        self._observe(k)
+
+    def stall(self, k: int, duration_s: float) -> None:
+        self.stalled_until[k] = self.now + duration_s
+
+    def first_time(self, observer: int, subject: int, state: MemberState) -> float | None:
+        for t, s in self.history[(observer, subject)]:
+            if s == state:
+                return t
+        return None
+
+    def state_seen(self, observer: int, subject: int) -> MemberState | None:
+        m = self.nodes[observer].members.get(self.ids[subject])
+        return m.state if m else None
+
+    def live(self) -> list[int]:
+        return [k for k in range(len(self.nodes)) if k not in self.dead]
