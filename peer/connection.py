@@ -27,7 +27,9 @@ logger = logging.getLogger(__name__)
 PING = 0  # request with an empty body, answered by the transport
 KEEPALIVE = 1  # one-way, ignored; keeps an idle connection from timing out
 
-Handler = Callable[["Connection", int, object, "bytes | bytearray | None"], Awaitable[object]]
+# (conn, msg_type, body, payload) -> reply body (or Reply) for requests; payload is a writable
+# memoryview of the raw bytes, or None.
+Handler = Callable[["Connection", int, object, "memoryview | None"], Awaitable[object]]
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class _Pending:
 
     def __init__(self) -> None:
         self.event = trio.Event()
-        self.result: tuple[object, bytearray | None] | None = None
+        self.result: tuple[object, memoryview | None] | None = None
         self.error: BaseException | None = None
 
 
@@ -91,7 +93,8 @@ class Connection:
             else PriorityShape(max_control_frames=config.max_queued_control_frames)
         )
         self._max_record = max(config.max_control_frame_bytes, frames.CHUNK_HEADER_BYTES + config.chunk_bytes) + TAG_BYTES
-        self._scratch = bytearray(min(self._max_record, 64 * 1024))
+        self._scratch = bytearray(min(self._max_record, 64 * 1024))  # decrypted frames
+        self._out = bytearray(min(self._max_record, 64 * 1024) + PREFIX_BYTES)  # sealed records
         self._pending: dict[int, _Pending] = {}
         self._next_id = 1
         self._handler_slots = config.max_concurrent_handlers
@@ -112,8 +115,9 @@ class Connection:
         *,
         payload: bytes | bytearray | memoryview | None = None,
         timeout_s: float | None = None,
-    ) -> tuple[object, bytearray | None]:
-        """Send a request and wait for its reply `(body, payload)`."""
+    ) -> tuple[object, memoryview | None]:
+        """Send a request and wait for its reply `(body, payload)`; a payload arrives as a
+        writable memoryview of bytes (`bytes(p)`, `torch.frombuffer(p, dtype=...)`)."""
         timeout = self._config.request_timeout_s if timeout_s is None else timeout_s
         msg_id = self._take_id()
         pending = _Pending()
@@ -202,10 +206,13 @@ class Connection:
                 await self._write(self._send.seal(frames.encode_rekey()))
                 self._send.ratchet()
                 self._last_rekey = now
-            await self._write(self._send.seal(frame))
+            size = PREFIX_BYTES + len(frame) + TAG_BYTES
+            if len(self._out) < size:
+                self._out = bytearray(max(size, min(2 * len(self._out), PREFIX_BYTES + self._max_record)))
+            await self._write(self._send.seal_into(frame, self._out))
             self._last_sent = now
 
-    async def _write(self, record: bytearray) -> None:
+    async def _write(self, record: bytearray | memoryview) -> None:
         try:
             with trio.fail_after(self._config.send_stall_timeout_s):
                 await self._stream.send_all(record)
@@ -278,7 +285,7 @@ class Connection:
         while True:
             await trio.sleep_until(self._last_sent + interval)
             if trio.current_time() - self._last_sent >= interval:
-                await self._shape.submit(frames.encode_msg(KEEPALIVE, 0, self._take_id(), 0, pack(None), 0), True)
+                await self._shape.submit(frames.encode_msg(KEEPALIVE, 0, self._take_id(), 0, pack(None), 0), False)
                 self._last_sent = trio.current_time()
 
     async def _read_loop(self) -> None:

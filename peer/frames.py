@@ -18,6 +18,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 from .errors import ProtocolError
 from .wire import unpack_untrusted
 
@@ -58,7 +60,17 @@ class Message:
     msg_id: int
     reply_to: int
     body: object
-    payload: bytearray | None
+    payload: memoryview | None
+
+
+def alloc_payload(n: int) -> memoryview:
+    """A writable byte buffer of `n` bytes without zero-filling it up front.
+
+    `bytearray(n)` writes every byte before use, which for a large payload both costs as much
+    as decrypting it and blocks the event loop; numpy's allocation leaves pages untouched until
+    chunks land in them.
+    """
+    return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,8 @@ class Close:
 class _Partial:
     header: Message
     expected: int
-    buf: bytearray
+    buf: memoryview | None = None
+    filled: int = 0
 
 
 class Inbound:
@@ -135,8 +148,8 @@ class Inbound:
             raise ProtocolError(f"more than {self.max_inflight_payload_bytes} payload bytes in flight")
         self.inflight_bytes += payload_len
         header = Message(msg_type, flags, msg_id, reply_to, body, None)
-        # The buffer grows as chunks arrive: memory follows bytes received, not bytes announced.
-        self._partial[msg_id] = _Partial(header, payload_len, bytearray())
+        # The buffer is allocated when the first chunk arrives, not on the announcement alone.
+        self._partial[msg_id] = _Partial(header, payload_len)
         return None
 
     def _on_chunk(self, frame: memoryview | bytes) -> Message | None:
@@ -147,10 +160,13 @@ class Inbound:
         if p is None:
             raise ProtocolError(f"chunk for unknown message id {msg_id}")
         n = len(frame) - CHUNK_HEADER_BYTES
-        if len(p.buf) + n > p.expected:
+        if p.filled + n > p.expected:
             raise ProtocolError(f"payload of message {msg_id} overruns its announced length")
-        p.buf += memoryview(frame)[CHUNK_HEADER_BYTES:]
-        if len(p.buf) < p.expected:
+        if p.buf is None:
+            p.buf = alloc_payload(p.expected)
+        p.buf[p.filled : p.filled + n] = memoryview(frame)[CHUNK_HEADER_BYTES:]
+        p.filled += n
+        if p.filled < p.expected:
             return None
         del self._partial[msg_id]
         self.inflight_bytes -= p.expected

@@ -63,8 +63,16 @@ class SendCipher(_Direction):
 
     def seal(self, frame: bytes | bytearray | memoryview) -> bytearray:
         """`frame` -> length prefix + ciphertext, in one new buffer ready for the socket."""
+        out = bytearray(PREFIX_BYTES + len(frame) + TAG_BYTES)
+        self.seal_into(frame, out)
+        return out
+
+    def seal_into(self, frame: bytes | bytearray | memoryview, out: bytearray) -> memoryview:
+        """Like `seal`, writing into the caller's reusable buffer; returns the record's view."""
         n = len(frame)
-        out = bytearray(PREFIX_BYTES + n + TAG_BYTES)
+        size = PREFIX_BYTES + n + TAG_BYTES
+        if len(out) < size:
+            raise ValueError("output buffer too small")
         _PREFIX.pack_into(out, 0, n + TAG_BYTES)
         nonce = self._next_nonce()
         cbuf = ffi.from_buffer(out)
@@ -81,7 +89,7 @@ class SendCipher(_Direction):
         )
         if rc != 0:
             raise RuntimeError("libsodium encryption failed")
-        return out
+        return memoryview(out)[:size]
 
 
 class RecvCipher(_Direction):

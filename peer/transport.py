@@ -246,6 +246,12 @@ class Transport:
         except trio.TooSlowError:
             await trio.aclose_forcefully(stream)
             raise HandshakeError(f"handshake with {remote[0]}:{remote[1]} timed out") from None
+        except (ConnectionClosed, trio.BrokenResourceError) as e:
+            await trio.aclose_forcefully(stream)
+            raise HandshakeError(
+                f"{remote[0]}:{remote[1]} closed the connection during the handshake ({e}); "
+                "it may be busy, rate-limiting us, or not a dtfm peer"
+            ) from None
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
