@@ -16,3 +16,6 @@ from .wire import (
 from .errors import RemoteError
 from .shaping import LinkShape, LinkShaper
 from .transport import Connection, Reply, Transport, TransportConfig
+from .addr import Address
+# The daemon (dtfm.peer.daemon, .config, .cli) sits above gossip and the trainer; it is not
+# imported here, so that gossip can import this package's transport layer without a cycle.

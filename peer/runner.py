@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -50,14 +50,17 @@ def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
     return Daemon(config, identity, transport, data_dir)
 
 
-def run_daemon(config: DaemonConfig, setup: DaemonSetup | None = None) -> int:
-    """Run until told to leave; returns the exit status. User errors raise (see cli)."""
+def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = ()) -> int:
+    """Run until told to leave; returns the exit status. User errors raise (see cli).
+
+    Each of `setups` is called with the daemon before it starts, to add services, status
+    providers and control ops."""
     data_dir = DataDir(config.peer.data_dir or default_data_dir())
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
         daemon = build_daemon(config, data_dir)
-        if setup is not None:
+        for setup in setups:
             setup(daemon)
         trio.run(run_until_signal, daemon)
     return 0

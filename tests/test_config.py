@@ -162,3 +162,14 @@ def test_data_dir_modes_and_lock(tmp_path):
 def test_overlong_socket_path_is_a_clear_error(tmp_path):
     with pytest.raises(DataDirError, match="shorter --data-dir"):
         DataDir(tmp_path / ("x" * 120)).check_socket_path()
+
+
+def test_transport_section_maps_onto_transport_config(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text("[transport]\nrequest_timeout_s = 7\nmax_half_open_handshakes = 8\n")
+    cfg = load_toml(path)
+    assert cfg.transport.request_timeout_s == 7.0
+    assert cfg.transport.max_half_open_handshakes == 8
+    path.write_text("[transport]\nkeepalive_interval_s = 50\nidle_timeout_s = 60\n")
+    with pytest.raises(ConfigError, match=r"\[transport\]: idle_timeout_s must exceed"):
+        load_toml(path)
