@@ -1,0 +1,126 @@
+"""Many gossip nodes in one process over a MemNetwork, for tests and benchmarks under trio's
+MockClock (`MockClock(autojump_threshold=0)` runs an hour of gossip in seconds).
+
+    async with trio.open_nursery() as nursery:
+        h = Harness(16, GossipConfig.lan(), seed=1)
+        await h.start(nursery)
+        ...
+        h.kill(3)
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import trio
+
+from dtfm.peer.identity import Identity
+
+from .config import GossipConfig
+from .memnet import LinkModel, MemNetwork, scenario_link
+from .members import MemberState
+from .service import GossipService
+
+__all__ = ["Harness", "WALL_EPOCH"]
+
+WALL_EPOCH = 1.8e9  # wall-clock seconds at virtual time 0
+
+
+class Harness:
+    def __init__(self, n: int, config: GossipConfig, *, regions: list[str] | None = None,
+                 link: LinkModel | None = None, scenario=None, time_scale: float = 1.0,
+                 drop_fraction: float = 0.0, seed: int = 0, measure: bool = False,
+                 compute_ms: float = 1.0) -> None:
+        if scenario is not None:
+            regions = scenario.peer_regions()
+            link = scenario_link(scenario, time_scale)
+            n = len(regions)
+        self.n = n
+        self.config = config
+        self.regions = regions or [""] * n
+        self.net = MemNetwork(link, drop_fraction=drop_fraction, seed=seed)
+        self._rng = random.Random(seed)
+        self._measure = measure
+        self._compute_ms = compute_ms
+        self.identities = [Identity(self._rng.randbytes(32)) for _ in range(n)]
+        self.ids = [i.peer_id for i in self.identities]
+        self.index = {p: k for k, p in enumerate(self.ids)}
+        self.transports = []
+        self.services: list[GossipService] = []
+        self._scopes: list[trio.CancelScope] = []
+        # (observer, subject) -> [(virtual time, state)]: every state change each node saw
+        self.history: dict[tuple[int, int], list[tuple[float, MemberState]]] = defaultdict(list)
+
+    def wall(self) -> float:
+        return WALL_EPOCH + trio.current_time()
+
+    async def start(self, nursery: trio.Nursery, *, join: bool = True) -> None:
+        await nursery.start(self.net.run)
+        for k in range(self.n):
+            await self._start_node(nursery, k)
+        if join:
+            for k in range(1, self.n):
+                await self.services[k].join([self.transports[0].listen_address])
+
+    async def _start_node(self, nursery: trio.Nursery, k: int) -> None:
+        t = self.net.add(self.ids[k], self.regions[k])
+        svc = GossipService(t, self.identities[k], self.config, region=self.regions[k],
+                            rng=random.Random(self._rng.random()), wall_clock=self.wall,
+                            compute_ms=self._compute_ms, measure=self._measure)
+        svc.on_member_change(lambda m, k=k: self._observe(k, m))
+        scope = trio.CancelScope()
+        self.transports.append(t)
+        self.services.append(svc)
+        self._scopes.append(scope)
+        await nursery.start(self._run_node, t, svc, scope)
+
+    @staticmethod
+    async def _run_node(t, svc, scope, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            async with trio.open_nursery() as inner:
+                await inner.start(t.serve)
+                await inner.start(svc.run)
+                task_status.started()
+
+    def _observe(self, k: int, m) -> None:
+        j = self.index.get(m.peer_id)
+        if j is not None:
+            self.history[(k, j)].append((trio.current_time(), m.state))
+
+    def kill(self, k: int) -> None:
+        self.transports[k].kill()
+        self._scopes[k].cancel()
+
+    def stall(self, k: int, duration_s: float) -> None:
+        """Node k neither reads nor sends for duration_s (a long GC pause, a frozen VM)."""
+        self.transports[k].stalled_until = trio.current_time() + duration_s
+
+    def state_seen(self, observer: int, subject: int) -> MemberState | None:
+        m = self.services[observer].swim.members.get(self.ids[subject])
+        return m.state if m else None
+
+    def alive_nodes(self) -> list[int]:
+        return [k for k in range(self.n) if not self.transports[k].killed]
+
+    def first_time(self, observer: int, subject: int, state: MemberState) -> float | None:
+        for t, s in self.history[(observer, subject)]:
+            if s == state:
+                return t
+        return None
+
+    def all_know_all(self) -> bool:
+        live = self.alive_nodes()
+        return all(self.services[k].swim.live_count() == len(live) for k in live)
+
+    def complete_views(self) -> int:
+        """Nodes whose view holds a latency and bandwidth for every live pair."""
+        return sum(1 for k in self.alive_nodes() if self.services[k].view().complete
+                   and len(self.services[k].view().peers) == len(self.alive_nodes()))
+
+    def bytes_sent(self) -> int:
+        return sum(self.net.bytes_sent.values())
+
+    def frames_sent(self, k: int | None = None) -> int:
+        keys = [self.ids[k]] if k is not None else self.ids
+        return sum(sum(self.net.frames_sent[p].values()) for p in keys)

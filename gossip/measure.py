@@ -1,0 +1,197 @@
+"""Network and compute measurement: round-trip time, bandwidth and compute speed.
+
+Written against a small async interface, `PeerLink.request(msg_type, body, *, payload,
+timeout_s) -> (body, payload)` (what `dtfm.peer.transport.Connection` provides), so the same
+code runs over the real transport and over the in-memory network. `MeasurePlanner` decides
+whom to measure next and when, without I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import statistics
+from dataclasses import dataclass
+from typing import Protocol
+
+import trio
+
+from ._wire import ProtocolError, get_int
+from .messages import MsgType
+from .records import MAX_GBPS, MAX_RTT_MS, Entry
+
+__all__ = ["PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
+           "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk"]
+
+logger = logging.getLogger(__name__)
+
+BULK_RESERVE = 0
+BULK_DATA = 1
+MAX_BULK_BYTES = 64 * 1024 * 1024
+
+
+class PeerLink(Protocol):
+    peer_id: bytes
+
+    async def request(self, msg_type: int, body, *, payload: bytes | None = None,
+                      timeout_s: float | None = None) -> tuple[object, bytes | None]: ...
+
+
+async def measure_rtt(link: PeerLink, samples: int, spacing_s: float, timeout_s: float) -> list[float]:
+    """Round-trip times in seconds of `samples` pings (failed pings are left out)."""
+    out = []
+    for i in range(samples):
+        t0 = trio.current_time()
+        try:
+            body, _ = await link.request(MsgType.MEASURE_PING, {"n": i}, timeout_s=timeout_s)
+        except Exception as e:  # RequestTimeout, ConnectionClosed: the sample is lost
+            logger.debug("ping %s: %s", link.peer_id[:4].hex(), e)
+            continue
+        if isinstance(body, dict) and body.get("n") == i:
+            out.append(trio.current_time() - t0)
+        if i + 1 < samples and spacing_s > 0:
+            await trio.sleep(spacing_s)
+    return out
+
+
+class BulkGate:
+    """Links with a big probe in flight, in either direction: never two at once on one link."""
+
+    def __init__(self) -> None:
+        self.probing: set[bytes] = set()  # our own probe to this peer is running
+        self.serving: dict[bytes, float] = {}  # this peer reserved a probe to us, until when
+
+    def busy(self, peer_id: bytes, now: float) -> bool:
+        return peer_id in self.probing or self.serving.get(peer_id, -1.0) > now
+
+
+async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: float,
+                            timeout_s: float) -> float | None:
+    """Gbps of one timed transfer of nbytes, or None when the link is busy or it failed."""
+    pid = link.peer_id
+    if gate.busy(pid, trio.current_time()):
+        return None
+    gate.probing.add(pid)
+    try:
+        body, _ = await link.request(MsgType.MEASURE_BULK, {"op": BULK_RESERVE, "n": nbytes},
+                                     timeout_s=timeout_s)
+        if not isinstance(body, dict) or body.get("ok") is not True:
+            return None
+        t0 = trio.current_time()
+        body, _ = await link.request(MsgType.MEASURE_BULK, {"op": BULK_DATA, "n": nbytes},
+                                     payload=bytes(nbytes), timeout_s=timeout_s)
+        elapsed = trio.current_time() - t0
+    except Exception as e:  # RequestTimeout, ConnectionClosed
+        logger.debug("bandwidth probe to %s failed: %s", pid[:4].hex(), e)
+        return None
+    finally:
+        gate.probing.discard(pid)
+    if not isinstance(body, dict) or body.get("n") != nbytes:
+        return None
+    transfer_s = elapsed - rtt_s
+    if transfer_s <= 0:
+        return MAX_GBPS
+    return min(MAX_GBPS, nbytes * 8 / transfer_s / 1e9)
+
+
+async def serve_ping(body) -> dict:
+    await trio.lowlevel.checkpoint()
+    if not isinstance(body, dict):
+        raise ProtocolError("ping: expected a map")
+    return {"n": get_int(body, "n", 0, 1 << 30)}
+
+
+def serve_bulk(gate: BulkGate, peer_id: bytes, body, payload: bytes | None, now: float,
+               hold_s: float) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError("bulk probe: expected a map")
+    op = get_int(body, "op", BULK_RESERVE, BULK_DATA)
+    n = get_int(body, "n", 1, MAX_BULK_BYTES)
+    if op == BULK_RESERVE:
+        if gate.busy(peer_id, now):
+            return {"ok": False}
+        gate.serving[peer_id] = now + hold_s
+        return {"ok": True}
+    gate.serving.pop(peer_id, None)
+    if payload is None or len(payload) != n:
+        raise ProtocolError("bulk probe: payload length does not match")
+    return {"n": n}
+
+
+@dataclass
+class _Link:
+    rtt_ms: float | None = None
+    samples: int = 0
+    bandwidth_gbps: float = 0.0
+    measured_at: float = float("-inf")
+
+
+class MeasurePlanner:
+    """Whom to measure next: never-measured peers first, then the stalest past the
+    re-measure interval; big probes spaced by a jittered interval."""
+
+    def __init__(self, remeasure_s: float, bulk_interval_s: float, jitter: float,
+                 rng: random.Random) -> None:
+        self.remeasure_s = remeasure_s
+        self.bulk_interval_s = bulk_interval_s
+        self.jitter = jitter
+        self._rng = rng
+        self.links: dict[bytes, _Link] = {}
+        self.next_bulk_at = 0.0
+        self.version = 0
+
+    def next_target(self, candidates, now: float) -> bytes | None:
+        fresh = [p for p in candidates if self.links.get(p, _Link()).bandwidth_gbps <= 0
+                 or now - self.links[p].measured_at >= self.remeasure_s]
+        if not fresh:
+            return None
+        never = [p for p in fresh if p not in self.links]
+        if never:
+            return self._rng.choice(never)
+        return min(fresh, key=lambda p: self.links[p].measured_at)
+
+    def bulk_wait_s(self, now: float) -> float:
+        return max(0.0, self.next_bulk_at - now)
+
+    def record(self, target: bytes, rtts_s: list[float], gbps: float | None, now: float) -> None:
+        link = self.links.setdefault(target, _Link())
+        if rtts_s:
+            link.rtt_ms = min(MAX_RTT_MS, max(1e-6, statistics.median(rtts_s) * 1000.0))
+            link.samples = len(rtts_s)
+        if gbps is not None:
+            link.bandwidth_gbps = gbps
+            j = self.jitter
+            self.next_bulk_at = now + self.bulk_interval_s * self._rng.uniform(1 - j, 1 + j)
+        link.measured_at = now
+        self.version += 1
+
+    def forget(self, peer_id: bytes) -> None:
+        if self.links.pop(peer_id, None) is not None:
+            self.version += 1
+
+    def entries(self) -> list[Entry]:
+        return [Entry(p, link.rtt_ms, link.bandwidth_gbps, link.samples)
+                for p, link in self.links.items() if link.rtt_ms is not None]
+
+
+def compute_speed_ms(d_model: int = 256, n_heads: int = 4, seq_len: int = 128, batch: int = 4,
+                     repeats: int = 3, seed: int = 0) -> float:
+    """Median ms of forward+backward of one transformer block (CPU or the default device).
+
+    Blocking: run it in a thread (trio.to_thread.run_sync).
+    """
+    import time
+
+    import torch  # lazily: only this probe needs torch
+
+    torch.manual_seed(seed)
+    block = torch.nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0,
+                                             batch_first=True)
+    x = torch.randn(batch, seq_len, d_model)  # (B, T, C)
+    times = []
+    for _ in range(repeats + 1):  # the first run warms up
+        t0 = time.perf_counter()
+        block(x).sum().backward()
+        times.append((time.perf_counter() - t0) * 1000.0)
+        block.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])

@@ -1,0 +1,193 @@
+"""Signed measurement reports, their acceptance rules and anti-entropy digests.
+
+A report is one measurer's signed row of the N x N view: for each target it measured, the
+round-trip time (median of `samples` pings) and the bandwidth of a timed transfer; plus its
+own compute speed. Signing a row rather than each (measurer, target) pair keeps the work at N
+signatures and N verifications per peer instead of N^2 (262,144 at 512 peers).
+
+Canonical encoding: msgpack of a fixed list, entries sorted by target id, floats as float64,
+prefixed with a domain tag; the signature covers exactly those bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from dtfm.peer.identity import verify_signature
+
+from ._wire import ProtocolError, get_bytes, get_float, get_int, get_list, pack
+from .members import PEER_ID_LEN
+from .messages import MAX_SEQ, MsgType
+
+__all__ = ["Entry", "Report", "RecordStore", "RecordSync", "MAX_RTT_MS", "MAX_GBPS"]
+
+logger = logging.getLogger(__name__)
+
+DOMAIN = b"dtfm-measure-v1\x00"
+MAX_RTT_MS = 60_000.0  # a minute: beyond any usable link
+MAX_GBPS = 1_000.0  # beyond any real link between two peers
+MAX_COMPUTE_MS = 3_600_000.0
+MAX_SAMPLES = 100_000
+MAX_ENTRIES = 4096
+MAX_TIMESTAMP = 2.0**40
+SIGNATURE_LEN = 64
+
+
+@dataclass(frozen=True)
+class Entry:
+    target: bytes
+    rtt_ms: float  # median round trip
+    bandwidth_gbps: float  # 0: not measured yet
+    samples: int  # pings behind rtt_ms
+
+    def to_wire(self) -> list:
+        return [self.target, float(self.rtt_ms), float(self.bandwidth_gbps), self.samples]
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "Entry":
+        if not isinstance(obj, list) or len(obj) != 4:
+            raise ProtocolError("entry: expected a list of 4 fields")
+        d = dict(zip(("target", "rtt", "bw", "n"), obj))
+        rtt = get_float(d, "rtt", 0.0, MAX_RTT_MS)
+        if rtt <= 0.0:
+            raise ProtocolError("entry: round trip must be positive")
+        return cls(get_bytes(d, "target", PEER_ID_LEN, PEER_ID_LEN), rtt,
+                   get_float(d, "bw", 0.0, MAX_GBPS), get_int(d, "n", 1, MAX_SAMPLES))
+
+
+@dataclass(frozen=True)
+class Report:
+    measurer: bytes
+    seq: int
+    timestamp: float  # wall-clock seconds (Unix) when signed
+    compute_ms: float  # own forward+backward time of the reference block; 0: unknown
+    entries: tuple[Entry, ...]
+    signature: bytes = b""
+
+    def signing_bytes(self) -> bytes:
+        body = [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
+                [e.to_wire() for e in self.entries]]
+        return DOMAIN + pack(body)
+
+    @classmethod
+    def create(cls, identity, seq: int, timestamp: float, compute_ms: float,
+               entries) -> "Report":
+        ordered = tuple(sorted(entries, key=lambda e: e.target))
+        unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered)
+        return cls(identity.peer_id, seq, timestamp, compute_ms, ordered,
+                   identity.sign(unsigned.signing_bytes()))
+
+    def verify(self) -> bool:
+        return verify_signature(self.measurer, self.signing_bytes(), self.signature)
+
+    def to_wire(self) -> list:
+        return [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
+                [e.to_wire() for e in self.entries], self.signature]
+
+    @property
+    def wire_size(self) -> int:
+        return 120 + 64 * len(self.entries)
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "Report":
+        if not isinstance(obj, list) or len(obj) != 6:
+            raise ProtocolError("report: expected a list of 6 fields")
+        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig"), obj))
+        measurer = get_bytes(d, "measurer", PEER_ID_LEN, PEER_ID_LEN)
+        entries = tuple(Entry.from_wire(x) for x in get_list(d, "entries", MAX_ENTRIES))
+        targets = [e.target for e in entries]
+        if targets != sorted(set(targets)):
+            raise ProtocolError("report: entries not sorted by target or duplicated")
+        if measurer in targets:
+            raise ProtocolError("report: measurer measured itself")
+        return cls(measurer, get_int(d, "seq", 0, MAX_SEQ), get_float(d, "ts", 0.0, MAX_TIMESTAMP),
+                   get_float(d, "compute", 0.0, MAX_COMPUTE_MS), entries,
+                   get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN))
+
+
+@dataclass(frozen=True)
+class RecordSync:
+    """Anti-entropy: phase 0 sends our digest (reply with yours and what I lack), phase 1
+    answers with digest and reports (reply with what I lack), phase 2 only carries reports."""
+
+    phase: int
+    digest: tuple[tuple[bytes, int], ...]
+    reports: tuple[Report, ...]
+    type = MsgType.RECORD_SYNC
+
+    def to_wire(self) -> dict:
+        return {"phase": self.phase, "digest": [[m, s] for m, s in self.digest],
+                "reports": [r.to_wire() for r in self.reports]}
+
+    @classmethod
+    def from_wire(cls, body: object) -> "RecordSync":
+        if not isinstance(body, dict):
+            raise ProtocolError("record sync: expected a map")
+        digest = []
+        for item in get_list(body, "digest", MAX_ENTRIES):
+            if not isinstance(item, list) or len(item) != 2:
+                raise ProtocolError("digest item: expected [measurer, seq]")
+            d = {"m": item[0], "s": item[1]}
+            digest.append((get_bytes(d, "m", PEER_ID_LEN, PEER_ID_LEN), get_int(d, "s", 0, MAX_SEQ)))
+        reports = tuple(Report.from_wire(x) for x in get_list(body, "reports", MAX_ENTRIES))
+        return cls(get_int(body, "phase", 0, 2), tuple(digest), reports)
+
+
+class RecordStore:
+    """The newest accepted report of each measurer."""
+
+    def __init__(self, skew_s: float, verify: Callable[[Report], bool] = Report.verify) -> None:
+        self.skew_s = skew_s
+        self._verify = verify
+        self.reports: dict[bytes, Report] = {}
+        self._floor: dict[bytes, int] = {}  # retired measurers: refuse seq <= this
+        self.version = 0  # bumped on every change, for cached views
+
+    def offer(self, r: Report, *, now_wall: float, is_member: Callable[[bytes], bool]) -> str | None:
+        """Accept a report; None if accepted, else the reason it was refused."""
+        reason = self._refusal(r, now_wall, is_member)
+        if reason is not None:
+            logger.debug("report %d from %s refused: %s", r.seq, r.measurer[:4].hex(), reason)
+            return reason
+        self.reports[r.measurer] = r
+        self.version += 1
+        return None
+
+    def _refusal(self, r: Report, now_wall: float, is_member) -> str | None:
+        if r.seq <= self._floor.get(r.measurer, -1):
+            return "measurer retired (dead) at a newer sequence number"
+        if not is_member(r.measurer):
+            return "measurer is not a live member"
+        old = self.reports.get(r.measurer)
+        if old is not None and old.seq >= r.seq:
+            return "not newer than the report held"
+        if not math.isfinite(r.timestamp) or abs(r.timestamp - now_wall) > self.skew_s:
+            return "timestamp outside the skew window"
+        if not self._verify(r):
+            return "bad signature"
+        return None
+
+    def retire(self, peer_id: bytes) -> None:
+        """A measurer died or left: drop its report and refuse its old ones."""
+        old = self.reports.pop(peer_id, None)
+        floor = old.seq if old is not None else -1
+        self._floor[peer_id] = max(self._floor.get(peer_id, -1), floor)
+        self.version += 1
+
+    def digest(self) -> tuple[tuple[bytes, int], ...]:
+        return tuple((m, r.seq) for m, r in self.reports.items())
+
+    def newer_than(self, digest, max_bytes: int) -> tuple[Report, ...]:
+        """Reports we hold that the digest's owner lacks, within a byte budget."""
+        theirs = dict(digest)
+        out, used = [], 0
+        for m, r in self.reports.items():
+            if r.seq > theirs.get(m, -1):
+                if out and used + r.wire_size > max_bytes:
+                    break
+                used += r.wire_size
+                out.append(r)
+        return tuple(out)

@@ -1,0 +1,288 @@
+"""GossipService: runs membership, measurement and record anti-entropy over a Transport.
+
+    service = GossipService(transport, identity, GossipConfig.lan(), region="Oregon")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(service.run)
+        await service.join([("10.0.0.2", 7000)])
+
+The transport is `dtfm.peer.transport.Transport` or anything of its shape (the in-memory
+`MemTransport` in tests and the harness).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Callable
+
+import trio
+
+from .config import GossipConfig
+from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwidth, measure_rtt, serve_bulk, serve_ping
+from .members import Member, MemberState
+from .messages import MsgType, decode_swim
+from .records import RecordStore, RecordSync, Report
+from .swim import Send, Swim
+from .view import NetworkView, build_view
+
+__all__ = ["GossipService"]
+
+logger = logging.getLogger(__name__)
+
+_SWIM_TYPES = (MsgType.PING, MsgType.ACK, MsgType.PING_REQ, MsgType.NACK, MsgType.GOSSIP,
+               MsgType.PUSH_PULL)
+
+
+class GossipService:
+    def __init__(self, transport, identity, config: GossipConfig | None = None, *,
+                 region: str = "", rng: random.Random | None = None,
+                 wall_clock: Callable[[], float] = time.time, compute_ms: float | None = None,
+                 measure: bool = True, sender_tasks: int = 4) -> None:
+        self.transport = transport
+        self.identity = identity
+        self.config = config or GossipConfig.lan()
+        self.region = region
+        self._rng = rng or random.Random()
+        self._wall = wall_clock
+        self.compute_ms = compute_ms
+        self._measure = measure
+        self._sender_tasks = sender_tasks
+        host, port = transport.listen_address
+        me = Member(identity.peer_id, 0, MemberState.ALIVE, host, port, region)
+        self.swim = Swim(self.config, me, self._rng, trio.current_time())
+        self.records = RecordStore(self.config.record_skew_s)
+        self.planner = MeasurePlanner(self.config.remeasure_interval_s,
+                                      self.config.bandwidth_probe_interval_s,
+                                      self.config.measure_jitter, self._rng)
+        self.gate = BulkGate()
+        self._seq = 0
+        self._published_version = -1
+        self._timer_scope: trio.CancelScope | None = None
+        self._out_send, self._out_recv = trio.open_memory_channel(1024)
+        self._listeners: list[Callable[[Member], None]] = []
+        self._view_cache: tuple | None = None
+        for t in _SWIM_TYPES:
+            transport.handle(t, self._on_swim)
+        transport.handle(MsgType.RECORD_SYNC, self._on_sync)
+        transport.handle(MsgType.MEASURE_PING, self._on_ping)
+        transport.handle(MsgType.MEASURE_BULK, self._on_bulk)
+
+    # ---- public API
+
+    def on_member_change(self, cb: Callable[[Member], None]) -> None:
+        """Call cb(member) whenever a member's state changes (joined, suspect, dead, left)."""
+        self._listeners.append(cb)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(self._sender_tasks):
+                nursery.start_soon(self._sender)
+            nursery.start_soon(self._timer_loop)
+            nursery.start_soon(self._sync_loop)
+            if self._measure:
+                nursery.start_soon(self._measure_loop)
+            task_status.started()
+
+    async def join(self, addresses, *, timeout_s: float = 10.0) -> int:
+        """Contact bootstrap peers and push-pull state with them; how many were reached."""
+        reached = 0
+        for host, port in addresses:
+            with trio.move_on_after(timeout_s):
+                try:
+                    conn = await self.transport.connect(host, port)
+                except Exception as e:  # ConnectionClosed, HandshakeError, OSError
+                    logger.warning("cannot reach bootstrap peer %s:%d: %s", host, port, e)
+                    continue
+                if conn.peer_id == self.identity.peer_id:
+                    continue
+                h, p = conn.listen_address
+                self._dispatch(self.swim.add_seed(conn.peer_id, h, p, conn.region, trio.current_time()))
+                reached += 1
+        self._after_change()
+        return reached
+
+    async def leave(self, *, linger_s: float | None = None) -> None:
+        """Announce a graceful leave and give the announcement time to spread."""
+        self._dispatch(self.swim.leave(trio.current_time()))
+        await trio.sleep(self.config.gossip_interval_s * 3 if linger_s is None else linger_s)
+
+    def members(self) -> list[Member]:
+        return sorted(self.swim.members.values(), key=lambda m: m.peer_id)
+
+    def live_peers(self) -> list[bytes]:
+        return sorted(m.peer_id for m in self.swim.members.values() if not m.state.gone)
+
+    def members_table(self) -> list[dict]:
+        """Rows for a status display: id, region, address, state, incarnation."""
+        return [{"id": m.peer_id.hex(), "short_id": m.short_id, "region": m.region,
+                 "address": f"{m.host}:{m.port}", "state": m.state.name.lower(),
+                 "incarnation": m.incarnation} for m in self.members()]
+
+    def latency_table(self) -> list[dict]:
+        """This peer's own measurements: one row per measured peer."""
+        return [{"target": e.target[:4].hex(), "rtt_ms": e.rtt_ms,
+                 "bandwidth_gbps": e.bandwidth_gbps or None, "samples": e.samples}
+                for e in sorted(self.planner.entries(), key=lambda e: e.target)]
+
+    def view(self) -> NetworkView:
+        """The N x N view over the live members, in peer-id order."""
+        peers = tuple(self.live_peers())
+        key = (peers, self.records.version)
+        if self._view_cache is None or self._view_cache[0] != key:
+            self._view_cache = (key, build_view(peers, self.records.reports))
+        return self._view_cache[1]
+
+    # ---- plumbing
+
+    def _dispatch(self, sends: list[Send]) -> None:
+        for s in sends:
+            try:
+                self._out_send.send_nowait(s)
+            except trio.WouldBlock:
+                logger.warning("outgoing gossip queue full: dropping a message to %s", s.to[:4].hex())
+        if self._timer_scope is not None:
+            self._timer_scope.deadline = min(self._timer_scope.deadline, self.swim.next_deadline())
+
+    async def _link(self, peer_id: bytes, address):
+        conn = self.transport.connection(peer_id)
+        if conn is None and address is not None:
+            with trio.move_on_after(self.config.measure_timeout_s):
+                try:
+                    conn = await self.transport.connect(*address)
+                except Exception as e:  # ConnectionClosed, HandshakeError, OSError
+                    logger.debug("cannot connect to %s at %s: %s", peer_id[:4].hex(), address, e)
+                    return None
+            if conn is not None and conn.peer_id != peer_id:
+                return None
+        return conn
+
+    async def _sender(self) -> None:
+        async for s in self._out_recv:
+            conn = await self._link(s.to, s.address)
+            if conn is None:
+                continue
+            try:
+                await conn.send(s.msg.type, s.msg.to_wire(), droppable=True)
+            except Exception as e:  # ConnectionClosed
+                logger.debug("send to %s failed: %s", s.to[:4].hex(), e)
+
+    async def _timer_loop(self) -> None:
+        while True:
+            with trio.CancelScope(deadline=self.swim.next_deadline()) as scope:
+                self._timer_scope = scope
+                await trio.sleep_forever()
+            self._timer_scope = None
+            self._dispatch(self.swim.tick(trio.current_time()))
+            self._after_change()
+
+    def _after_change(self) -> None:
+        for m in self.swim.drain_changes():
+            if m.state.gone:
+                self.records.retire(m.peer_id)
+                self.planner.forget(m.peer_id)
+            for cb in self._listeners:
+                cb(m)
+
+    def _is_member(self, peer_id: bytes) -> bool:
+        m = self.swim.members.get(peer_id)
+        return m is not None and not m.state.gone
+
+    # ---- handlers
+
+    async def _on_swim(self, conn, msg_type, body, payload):
+        msg = decode_swim(msg_type, body)  # ProtocolError: the transport drops the frame
+        self._dispatch(self.swim.handle(conn.peer_id, msg, trio.current_time()))
+        self._after_change()
+        await trio.lowlevel.checkpoint()
+        return None
+
+    async def _on_ping(self, conn, msg_type, body, payload):
+        return await serve_ping(body)
+
+    async def _on_bulk(self, conn, msg_type, body, payload):
+        await trio.lowlevel.checkpoint()
+        return serve_bulk(self.gate, conn.peer_id, body, payload, trio.current_time(),
+                          self.config.measure_timeout_s)
+
+    async def _on_sync(self, conn, msg_type, body, payload):
+        msg = RecordSync.from_wire(body)
+        self._accept(msg.reports)
+        reply = None
+        if msg.phase == 0:
+            reply = RecordSync(1, self.records.digest(), self._newer(msg.digest))
+        elif msg.phase == 1:
+            newer = self._newer(msg.digest)
+            if newer:
+                reply = RecordSync(2, (), newer)
+        if reply is not None:
+            try:
+                await conn.send(MsgType.RECORD_SYNC, reply.to_wire(), droppable=True)
+            except Exception as e:  # ConnectionClosed
+                logger.debug("record sync reply to %s failed: %s", conn.short_id, e)
+        return None
+
+    def _newer(self, digest) -> tuple[Report, ...]:
+        return self.records.newer_than(digest, self.config.max_sync_bytes)
+
+    def _accept(self, reports) -> None:
+        now = self._wall()
+        for r in reports:
+            self.records.offer(r, now_wall=now, is_member=self._is_member)
+
+    # ---- records and measurement
+
+    def _publish(self) -> None:
+        if self.planner.version == self._published_version:
+            return
+        self._published_version = self.planner.version
+        self._seq = max(self._seq + 1, int(self._wall() * 1000))
+        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0,
+                               self.planner.entries())
+        self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            interval = self.config.record_sync_interval_s
+            await trio.sleep(interval * self._rng.uniform(0.5, 1.5))
+            self._publish()
+            peers = [m for m in self.swim.live_members() if m.peer_id != self.identity.peer_id]
+            if not peers:
+                continue
+            m = self._rng.choice(peers)
+            self._dispatch_sync(m, RecordSync(0, self.records.digest(), ()))
+
+    def _dispatch_sync(self, m: Member, msg: RecordSync) -> None:
+        try:
+            self._out_send.send_nowait(Send(m.peer_id, m.address, msg))
+        except trio.WouldBlock:
+            logger.warning("outgoing gossip queue full: dropping a record sync")
+
+    async def _measure_loop(self) -> None:
+        cfg = self.config
+        if self.compute_ms is None:
+            self.compute_ms = await trio.to_thread.run_sync(compute_speed_ms)
+        while True:
+            now = trio.current_time()
+            await trio.sleep(self.planner.bulk_wait_s(now))
+            peers = [p for p in self.live_peers() if p != self.identity.peer_id]
+            target = self.planner.next_target(peers, trio.current_time())
+            if target is None:
+                await trio.sleep(cfg.probe_interval_s)
+                continue
+            conn = await self._link(target, self.swim.address_of(target))
+            if conn is None:
+                self.planner.record(target, [], None, trio.current_time())
+                await trio.sleep(cfg.probe_interval_s)
+                continue
+            rtts = await measure_rtt(conn, cfg.rtt_samples, cfg.rtt_ping_spacing_s, cfg.measure_timeout_s)
+            gbps = None
+            if rtts:
+                rtt_s = sorted(rtts)[len(rtts) // 2]
+                gbps = await measure_bandwidth(conn, self.gate, cfg.bandwidth_probe_bytes, rtt_s,
+                                               cfg.measure_timeout_s)
+                if gbps is None:  # link busy: try again after a jittered pause
+                    await trio.sleep(cfg.bandwidth_probe_interval_s * self._rng.uniform(0.5, 1.5))
+            self.planner.record(target, rtts, gbps, trio.current_time())
+            if gbps is None:
+                await trio.sleep(cfg.rtt_ping_spacing_s)
