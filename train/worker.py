@@ -12,7 +12,8 @@ mean loss, however the batch is split.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
@@ -56,7 +57,6 @@ class StepResult:
     pipeline_s: float = 0.0  # wall time of the forward/backward phase, waits included
     sync_s: float = 0.0  # all-reduce, norm, optimizer
     act_peak_bytes: int = 0  # peak bytes of saved activations (with track_memory)
-    timings: dict = field(default_factory=dict)
 
 
 class _SavedBytes:
@@ -148,7 +148,7 @@ def _forward(ctx: _Ctx):
             got = _expect(ctx.comm.recv(ctx.prev, tag, to), (len(idx), spec.seq_len, spec.n_embd), ctx.prev, tag)
             x = got.to(dev, torch.float32).requires_grad_()
         t0 = time.perf_counter()
-        hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else _null()
+        hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
         with hooks:
             if mod.is_last:  # scaled by its share of the global batch: the sum is the global mean
                 out = mod(x, y.to(dev)) * (len(idx) / cfg.global_batch_seqs)
@@ -185,14 +185,6 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
     return handles
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str) -> None:
     """All-reduce gradients over the DP group, sync a tied embedding, clip by the global norm, step."""
     cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
@@ -210,9 +202,10 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
             raise CommError(f"peer {other!r} sent a tied-embedding gradient of the wrong shape")
         g.add_(theirs.to(g.device))  # a + b == b + a: both copies get the same bits
         h.wait(to)
-    local = torch.zeros(1, dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=state.device)
     for p in state.norm_params():
-        local += p.grad.detach().double().pow(2).sum().cpu()
+        sq += p.grad.detach().double().pow(2).sum()
+    local = sq.cpu().reshape(1)
     total = all_reduce_small(comm, plan.pipeline(d), local, f"{key}/norm", to)
     state.last_grad_norm = float(total[0]) ** 0.5
     coef = clip_coefficient(float(total[0]), cfg.grad_clip_norm)
