@@ -115,6 +115,8 @@ class ControlConfig:
     max_response_bytes: int = option(4 * 1024 * 1024, "largest reply frame a client accepts")
     request_timeout_s: float = option(10.0, "a client gives up on a silent daemon after this")
     max_clients: int = option(16, "concurrent control connections; more wait")
+    # A client that sends nothing for this long is dropped, freeing its slot.
+    idle_timeout_s: float = option(60.0, "close a control connection that is silent this long")
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_request_bytes <= 16 * 1024 * 1024:
@@ -122,6 +124,7 @@ class ControlConfig:
         if not 1024 <= self.max_response_bytes <= 256 * 1024 * 1024:
             raise ConfigError("control.max_response_bytes must be in 1 KiB..256 MiB")
         _positive("control", "request_timeout_s", self.request_timeout_s)
+        _positive("control", "idle_timeout_s", self.idle_timeout_s)
         if not 1 <= self.max_clients <= 1024:
             raise ConfigError("control.max_clients must be in 1..1024")
 

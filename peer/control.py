@@ -210,7 +210,7 @@ class ControlServer:
         """Serve requests on one connection until EOF or a malformed frame."""
         while True:
             try:
-                with trio.fail_after(self.config.request_timeout_s * 6):
+                with trio.fail_after(self.config.idle_timeout_s):
                     raw = await read_frame_untrusted(stream, self.config.max_request_bytes)
                 if raw is None:
                     return

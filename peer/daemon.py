@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 Service = Callable[..., Awaitable[None]]   # async def svc(daemon, *, task_status)
 StatusProvider = Callable[[], object]
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 DIAL_ERRORS = (OSError, ProtocolError, ConnectionClosed, RequestTimeout, trio.TooSlowError)
 
 
@@ -132,6 +133,9 @@ class Daemon:
                 logger.debug("starting service %s", name)
                 await nursery.start(service, self)
             for address in self.config.peer.bootstrap:
+                if self._is_own_address(address):
+                    logger.info("bootstrap address %s is this peer's own; skipped", address)
+                    continue
                 nursery.start_soon(self._bootstrap_loop, address)
             nursery.start_soon(self._dial_loop)
             nursery.start_soon(self._exchange_loop)
@@ -140,6 +144,16 @@ class Daemon:
             await self._say_goodbye(self._leave_reason or "leaving")
             nursery.cancel_scope.cancel()
         logger.info("left the swarm")
+
+    def _is_own_address(self, address: Address) -> bool:
+        """True when dialling `address` would reach this daemon's own listener (scripts often
+        give every peer the same bootstrap list)."""
+        own = self.listen_address
+        if own is None or address.port != own.port:
+            return False
+        if address.host == own.host:
+            return True
+        return own.is_unspecified and address.host in LOCAL_HOSTS
 
     async def _say_goodbye(self, reason: str) -> None:
         connections = list(self.transport.connections())

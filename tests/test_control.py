@@ -22,6 +22,11 @@ CONFIG = ControlConfig(max_request_bytes=4096, max_response_bytes=64 * 1024, req
 
 
 @pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.fixture
 def sock_dir():
     # Unix socket paths are short (108 bytes): keep them out of pytest's long tmp paths.
     with tempfile.TemporaryDirectory(prefix="dtfm-ctl-", dir="/tmp") as d:
@@ -215,6 +220,14 @@ async def test_oversize_reply_is_refused_by_the_client(sock_dir):
 
     with pytest.raises(ControlClientError, match="exceeds"):
         await serve_and_call(server, call)
+
+
+async def test_silent_client_is_dropped_after_the_idle_timeout(sock_dir, autojump_clock):
+    server = ControlServer(sock_dir / "s", ControlConfig(idle_timeout_s=30.0))
+    client, daemon_side = trio.testing.memory_stream_pair()
+    t0 = trio.current_time()
+    await server.handle_stream(daemon_side)   # returns: nothing arrived for 30 s
+    assert trio.current_time() - t0 == pytest.approx(30.0)
 
 
 def test_register_checks_names():

@@ -423,3 +423,16 @@ def test_departed_list_is_bounded():
         book.connected(bytes([n]) * 32, Address("h", n), "", 0.0)
         book.left(bytes([n]) * 32, float(n), "bye")
     assert [d.peer_id[0] for d in book.departed.values()] == [3, 4]
+
+
+async def test_own_address_in_the_bootstrap_list_is_skipped(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a", port=7450, bootstrap=[Address("127.0.0.1", 7450)])
+        b = await swarm.start("b", port=7451, bootstrap=[Address("127.0.0.1", 7450),
+                                                         Address("127.0.0.1", 7451)])
+        await wait_until(lambda: seen(a) == [b.short_id] and seen(b) == [a.short_id])
+        await trio.sleep(5)
+        assert a.transport.dials == 0
+        assert b.transport.dials == 1
+        nursery.cancel_scope.cancel()

@@ -145,7 +145,7 @@ def test_three_daemons_one_bootstrap_then_leave_and_sigterm(swarm_root):
     root, start = swarm_root
     a = start("a").ready()
     b = start("b", bootstrap=[a.listen]).ready()
-    c = start("c", bootstrap=[a.listen]).ready()
+    c = start("c", bootstrap=[a.listen], extra=["--log-json"]).ready()
     everyone = {a.short_id, b.short_id, c.short_id}
     for p in (a, b, c):
         wait_for(f"{p.name} to see the other two",
@@ -169,6 +169,9 @@ def test_three_daemons_one_bootstrap_then_leave_and_sigterm(swarm_root):
                   lambda: (s := a.status()) and not s["peers"] and len(s["departed"]) == 2 and s)
     assert st["departed"][0]["reason"] == "received SIGTERM"
     assert "Traceback" not in b.log_text() + c.log_text()
+    c_log = [json.loads(line) for line in c.log_text().splitlines()]
+    assert {"ts", "level", "logger", "msg"} <= set(c_log[0])
+    assert any(e["msg"] == "leaving the swarm: received SIGTERM" for e in c_log)
 
 
 def test_wrong_swarm_key_is_refused_on_both_sides(swarm_root):
