@@ -56,6 +56,7 @@ class Harness:
         return WALL_EPOCH + trio.current_time()
 
     async def start(self, nursery: trio.Nursery, *, join: bool = True) -> None:
+        self._nursery = nursery
         await nursery.start(self.net.run)
         for k in range(self.n):
             await self._start_node(nursery, k)
@@ -70,9 +71,12 @@ class Harness:
                             compute_ms=self._compute_ms, measure=self._measure)
         svc.on_member_change(lambda m, k=k: self._observe(k, m))
         scope = trio.CancelScope()
-        self.transports.append(t)
-        self.services.append(svc)
-        self._scopes.append(scope)
+        if k < len(self.transports):  # a restart
+            self.transports[k], self.services[k], self._scopes[k] = t, svc, scope
+        else:
+            self.transports.append(t)
+            self.services.append(svc)
+            self._scopes.append(scope)
         await nursery.start(self._run_node, t, svc, scope)
 
     @staticmethod
@@ -91,6 +95,12 @@ class Harness:
     def kill(self, k: int) -> None:
         self.transports[k].kill()
         self._scopes[k].cancel()
+
+    async def restart(self, k: int, via: int = 0) -> None:
+        """Start node k again with the same identity (a new address) and rejoin via `via`."""
+        self.kill(k)
+        await self._start_node(self._nursery, k)
+        await self.services[k].join([self.transports[via].listen_address])
 
     def stall(self, k: int, duration_s: float) -> None:
         """Node k neither reads nor sends for duration_s (a long GC pause, a frozen VM)."""

@@ -1,0 +1,103 @@
+"""GossipService over the in-memory network under MockClock: many services in one process."""
+
+import numpy as np
+import pytest
+import trio
+
+from dtfm.gossip.config import GossipConfig
+from dtfm.gossip.harness import Harness
+from dtfm.gossip.members import MemberState
+from dtfm.gossip.messages import MsgType
+from dtfm.gossip.records import Entry, RecordSync, Report
+from dtfm.peer.identity import Identity
+from dtfm.sched.scenario import load_scenario
+
+CFG = GossipConfig.test()
+
+
+async def wait_for(pred, limit_s, step_s=0.5):
+    with trio.fail_after(limit_s):
+        while not pred():
+            await trio.sleep(step_s)
+    return trio.current_time()
+
+
+async def test_measured_matrix_matches_emulated_scenario(autojump_clock):
+    scenario = load_scenario("worldwide").scaled(16)
+    async with trio.open_nursery() as nursery:
+        h = Harness(16, CFG, scenario=scenario, seed=3, measure=True)
+        await h.start(nursery)
+        await wait_for(h.all_know_all, 30)
+        await wait_for(lambda: h.complete_views() == 16, 120)
+        view = h.services[5].view()
+        order = [h.index[p] for p in view.peers]  # view rows in peer-id order
+        want_d = scenario.delay_ms()[np.ix_(order, order)]
+        want_b = scenario.bandwidth_gbps()[np.ix_(order, order)]
+        off = ~np.eye(16, dtype=bool)
+        assert np.all(np.abs(view.delay_ms[off] / want_d[off] - 1) < 0.2)
+        assert np.all(np.abs(view.bandwidth_gbps[off] / want_b[off] - 1) < 0.3)
+        assert np.all(view.compute_ms == 1.0)
+        # every peer holds the same view
+        for svc in h.services:
+            assert np.allclose(svc.view().delay_ms, view.delay_ms)
+        nursery.cancel_scope.cancel()
+
+
+async def test_kill_is_detected_and_restart_comes_back_under_same_id(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(8, CFG, seed=4, measure=True)
+        await h.start(nursery)
+        await wait_for(lambda: h.complete_views() == 8, 120)
+        t_kill = trio.current_time()
+        h.kill(2)
+        bound = CFG.suspicion_max_s(8) + 3 * CFG.probe_interval_s
+        await wait_for(lambda: all(h.state_seen(k, 2) == MemberState.DEAD for k in h.alive_nodes()), bound)
+        for k in h.alive_nodes():
+            assert h.ids[2] not in h.services[k].records.reports
+            assert len(h.services[k].view().peers) == 7
+        await trio.sleep(5)
+        await h.restart(2, via=0)
+        await wait_for(lambda: all(h.state_seen(k, 2) == MemberState.ALIVE for k in range(8)), 30)
+        inc = h.services[2].swim.me.incarnation
+        assert inc > 0  # refuted its own death
+        assert all(h.services[k].swim.members[h.ids[2]].address == h.transports[2].listen_address
+                   for k in range(8))
+        assert trio.current_time() - t_kill > 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_graceful_leave_and_status_tables(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(6, CFG, seed=5, measure=True, regions=["a", "a", "b", "b", "c", "c"])
+        await h.start(nursery)
+        await wait_for(lambda: h.complete_views() == 6, 60)
+        rows = h.services[0].members_table()
+        assert len(rows) == 6 and {r["state"] for r in rows} == {"alive"}
+        assert {r["region"] for r in rows} == {"a", "b", "c"}
+        lat = h.services[0].latency_table()
+        assert len(lat) == 5 and all(r["rtt_ms"] > 0 and r["bandwidth_gbps"] > 0 for r in lat)
+        await h.services[4].leave()
+        await wait_for(lambda: all(h.state_seen(k, 4) == MemberState.LEFT for k in range(6) if k != 4), 5)
+        nursery.cancel_scope.cancel()
+
+
+async def test_forged_report_over_the_wire_is_refused(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        h = Harness(4, CFG, seed=6, measure=False)
+        await h.start(nursery)
+        await wait_for(h.all_know_all, 10)
+        victim = h.ids[0]
+        # node 3 forges a report claiming to be node 1's, and replays node 2's real one
+        entries = [Entry(victim, 0.001, 999.0, 5)]
+        fake = Report(h.ids[1], 10**15, h.wall(), 0.0, tuple(entries),
+                      h.identities[3].sign(Report(h.ids[1], 10**15, h.wall(), 0.0, tuple(entries)).signing_bytes()))
+        outsider = Identity(b"\x07" * 32)
+        stranger = Report.create(outsider, 1, h.wall(), 0.0, [Entry(victim, 1.0, 1.0, 1)])
+        conn = await h.transports[3].connect(*h.transports[0].listen_address)
+        await conn.send(MsgType.RECORD_SYNC, RecordSync(2, (), (fake, stranger)).to_wire())
+        await trio.sleep(1)
+        held = h.services[0].records.reports
+        assert outsider.peer_id not in held
+        assert h.ids[1] not in held or held[h.ids[1]].seq != 10**15
+        assert all(not r.entries for r in held.values())  # only the genuine, empty reports
+        nursery.cancel_scope.cancel()
