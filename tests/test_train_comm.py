@@ -153,3 +153,19 @@ def test_emulated_link_keeps_order_and_completes_handles():
     assert [float(b.recv("a", "t", 5)[0]) for _ in range(5)] == [0.0, 1.0, 2.0, 3.0, 4.0]
     with pytest.raises(ValueError):
         Link(latency_s=-1, bandwidth_bytes_per_s=1)
+
+
+def test_event_handle_completed_from_another_thread():
+    from dtfm.train import EventHandle
+
+    h = EventHandle("send 'x' to 'b'")
+    with pytest.raises(CommTimeout, match="send 'x'"):
+        h.wait(0.001)
+    t = threading.Thread(target=h.done)
+    t.start()
+    t.join()
+    h.wait(1)
+    bad = EventHandle()
+    bad.fail(OSError("connection reset"))
+    with pytest.raises(CommError, match="connection reset"):
+        bad.wait(1)

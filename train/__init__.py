@@ -3,7 +3,7 @@ checkpoints and stage transfer; talks to other peers only through `Comm`."""
 
 from .checkpoint import CheckpointError, encode_stage, list_checkpoints, load_checkpoint, save_checkpoint
 from .collective import all_reduce_small, ring_all_reduce
-from .comm import (Comm, CommClosed, CommError, CommTimeout, InMemoryComm, InMemoryHub, Link, SendHandle,
+from .comm import (Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle,
                    tensor_from_bytes, tensor_header)
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
 from .local import LocalCluster
@@ -16,7 +16,7 @@ from .transfer import TransferError, TransferManifest, TransferReceiver, encode_
 from .worker import StageState, StepResult, run_step
 
 __all__ = [
-    "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus",
+    "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus", "EventHandle",
     "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "Link", "LocalCluster", "PRESETS", "Plan", "SendHandle",
     "StageState", "StepResult", "TEST_CONFIG", "TrainConfig", "TransferError", "TransferManifest",
     "TransferReceiver", "all_reduce_small", "assemble", "encode_stage", "encode_transfer", "generate", "get_preset", "list_checkpoints",

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link",
+    "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link", "EventHandle",
     "tensor_header", "tensor_from_bytes", "TENSOR_DTYPES",
 ]
 
@@ -88,6 +88,32 @@ def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes, max_bytes
         raise ValueError(f"tensor needs {nbytes} bytes, got {len(data)}")
     flat = torch.frombuffer(bytearray(data), dtype=dt) if n else torch.empty(0, dtype=dt)
     return flat.reshape(tuple(shape))
+
+
+class EventHandle:
+    """A send handle completed from another thread: for transports whose sends run elsewhere
+    (e.g. a trio task started with `trio.from_thread.run_sync`), which call `done()` or
+    `fail(exc)` when the frame has been written or the write failed."""
+
+    def __init__(self, what: str = "send"):
+        self.what = what
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def done(self) -> None:
+        self._event.set()
+
+    def fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._event.set()
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._event.wait(timeout_s):
+            raise CommTimeout(f"timed out after {timeout_s} s waiting to {self.what}")
+        if self._error is not None:
+            if isinstance(self._error, CommError):
+                raise self._error
+            raise CommError(f"could not {self.what}: {self._error}") from self._error
 
 
 class _Done:
