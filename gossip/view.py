@@ -36,9 +36,11 @@ class NetworkView:
         return int(np.sum(off & np.isfinite(self.delay_ms) & np.isfinite(self.bandwidth_gbps)))
 
     def unscaled(self, time_scale: float = 1.0, bandwidth_scale: float = 1.0) -> "NetworkView":
-        """Divide an emulator's scales out: measured figures back in scenario units."""
+        """Divide an emulator's scales out: measured figures back in scenario units (the
+        emulator multiplies delays by time_scale and bandwidth by bandwidth_scale / time_scale)."""
         return NetworkView(self.peers, self.delay_ms / time_scale,
-                           self.bandwidth_gbps / bandwidth_scale, self.compute_ms, self.complete)
+                           self.bandwidth_gbps * time_scale / bandwidth_scale, self.compute_ms,
+                           self.complete)
 
     def as_dict(self) -> dict:
         def clean(a):

@@ -146,7 +146,8 @@ def test_view_combines_both_ends_and_flags_completeness():
     assert np.all(np.diag(view.delay_ms) == 0) and np.all(np.isinf(np.diag(view.bandwidth_gbps)))
     partial = build_view([i.peer_id for i in ids] + [b"\x09" * 32], _reports_from_matrix(ids, rtt, bw))
     assert not partial.complete and partial.pairs_known() == 6
-    assert view.unscaled(time_scale=2.0).delay_ms[0, 2] == 5.0
+    slow = view.unscaled(time_scale=2.0, bandwidth_scale=4.0)
+    assert slow.delay_ms[0, 2] == 5.0 and slow.bandwidth_gbps[1, 2] == 2.0
 
 
 @settings(max_examples=30, deadline=None)
