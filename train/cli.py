@@ -107,50 +107,64 @@ def _print_sample(spec, cfg, stages, step: int, args) -> None:
     print(f"--- sample after {step} steps ---\n{text}\n---", file=sys.stderr)
 
 
+def _setup(args):
+    """Config, model, plan, corpus and resumed states from the arguments; ValueError/CheckpointError."""
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+    spec = get_preset(args.preset)
+    weights = [float(w) for w in args.layer_weights.split(",")] if args.layer_weights else None
+    plan = Plan.grid(spec.n_layer, args.stages, args.dp, weights)
+    split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)
+    if args.sample and not args.prompt:
+        raise ValueError("--sample needs a non-empty --prompt")
+    if args.resume and not args.checkpoint_dir:
+        raise ValueError("--resume needs --checkpoint-dir")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("no CUDA device is available: use --device cpu")
+    corpus = load_corpus(args.data)
+    states = _resume_states(args.checkpoint_dir, spec, cfg, plan, args.device) if args.resume else None
+    return cfg, spec, plan, corpus, states
+
+
+def _train(args, cl: LocalCluster, cfg: TrainConfig, spec, plan: Plan) -> None:
+    progress = Progress(args.steps, not args.quiet)
+    tokens_per_step = cfg.global_batch_seqs * spec.seq_len
+    for i in range(args.steps):
+        step = cl.step_index
+        t0 = time.perf_counter()
+        loss = cl.step()
+        dt = time.perf_counter() - t0
+        norm = next(iter(cl.last_results.values())).grad_norm
+        if args.log_json:
+            print(json.dumps({"step": step, "loss": round(loss, 6), "grad_norm": round(norm, 6),
+                              "lr": cfg.lr_at(step), "tokens": tokens_per_step, "step_s": round(dt, 4),
+                              "tokens_per_s": round(tokens_per_step / dt, 1)}), flush=True)
+        progress.update(step, loss, tokens_per_step / dt)
+        every = args.checkpoint_every and cl.step_index % args.checkpoint_every == 0
+        if args.checkpoint_dir and (every or i == args.steps - 1):
+            for peer in plan.pipeline(0):  # replicas of a stage are identical: one copy each
+                save_checkpoint(args.checkpoint_dir, cl.states[peer], args.keep)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-        spec = get_preset(args.preset)
-        weights = [float(w) for w in args.layer_weights.split(",")] if args.layer_weights else None
-        plan = Plan.grid(spec.n_layer, args.stages, args.dp, weights)
-        split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)
-        if args.sample and not args.prompt:
-            raise ValueError("--sample needs a non-empty --prompt")
-        if args.resume and not args.checkpoint_dir:
-            raise ValueError("--resume needs --checkpoint-dir")
-        if args.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("no CUDA device is available: use --device cpu")
-        corpus = load_corpus(args.data)
-        states = _resume_states(args.checkpoint_dir, spec, cfg, plan, args.device) if args.resume else None
+        cfg, spec, plan, corpus, states = _setup(args)
     except (ValueError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1 if len(plan.peers) > 1 else torch.get_num_threads())
-    progress = Progress(args.steps, not args.quiet)
-    tokens_per_step = cfg.global_batch_seqs * spec.seq_len
     with LocalCluster(spec, cfg, plan, corpus, states=states, device=args.device) as cl:
         if not args.quiet:
             print(f"{spec.name}: {spec.params / 1e6:.2f} M parameters, {plan.stages} stage(s) {plan.layer_ranges} x "
                   f"{plan.dp} pipeline(s), {cfg.micro_batches} micro-batches, corpus {corpus.name} "
                   f"({len(corpus.tokens) / 1e6:.1f} MB), from step {cl.step_index}", file=sys.stderr)
-        for _ in range(args.steps):
-            step = cl.step_index
-            t0 = time.perf_counter()
-            loss = cl.step()
-            dt = time.perf_counter() - t0
-            norm = next(iter(cl.last_results.values())).grad_norm
-            if args.log_json:
-                print(json.dumps({"step": step, "loss": round(loss, 6), "grad_norm": round(norm, 6),
-                                  "lr": cfg.lr_at(step), "tokens": tokens_per_step, "step_s": round(dt, 4),
-                                  "tokens_per_s": round(tokens_per_step / dt, 1)}), flush=True)
-            progress.update(step, loss, tokens_per_step / dt)
-            done = cl.step_index
-            if args.checkpoint_dir and ((args.checkpoint_every and done % args.checkpoint_every == 0)
-                                        or _ == args.steps - 1):
-                for peer in plan.pipeline(0):
-                    save_checkpoint(args.checkpoint_dir, cl.states[peer], args.keep)
+        try:
+            _train(args, cl, cfg, spec, plan)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted before step {cl.step_index} finished; the last checkpoint is intact",
+                  file=sys.stderr)
+            return 130
         if args.sample > 0:
             _print_sample(spec, cfg, [cl.states[p].module for p in plan.pipeline(0)], cl.step_index, args)
     return 0
