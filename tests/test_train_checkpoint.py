@@ -70,7 +70,7 @@ def test_transfer_round_trip_out_of_order_via_msgpack():
         assert not rx.complete
         rx.feed(i, chunks[i])
     assert rx.complete
-    assert_same(rx.finish(), s)
+    assert_same(rx.finish(SPEC, CFG, (0, 2)), s)
 
 
 def test_transfer_refuses_bad_chunks_and_keeps_going():
@@ -85,19 +85,30 @@ def test_transfer_refuses_bad_chunks_and_keeps_going():
     with pytest.raises(TransferError, match="out of range"):
         rx.feed(len(chunks), chunks[0])
     with pytest.raises(TransferError, match="missing"):
-        rx.finish()
+        rx.finish(SPEC, CFG, (1, 3))
     for i, c in enumerate(chunks):  # a good copy from another holder still completes
         rx.feed(i, c)
-    rx.finish()
+    rx.finish(SPEC, CFG, (1, 3))
 
 
-def test_manifest_that_lies_about_the_model_is_refused():
+def test_stage_other_than_expected_is_refused():
     manifest, chunks = encode_transfer(trained_state(), chunk_bytes=1 << 20)
-    meta = dict(manifest.meta, layer_range=[0, 1])  # claims another stage: shapes will not fit
+    rx = TransferReceiver(manifest)
+    rx.feed(0, chunks[0])
+    with pytest.raises(TransferError, match="expected layers"):
+        rx.finish(SPEC, CFG, (0, 1))
+    huge = GPTSpec("t", n_layer=4, n_embd=1 << 16, n_head=4, seq_len=16)  # never allocated
+    with pytest.raises(TransferError, match="expected layers"):
+        rx.finish(huge, CFG, (1, 3))
+
+
+def test_description_that_lies_about_the_tensors_is_refused():
+    manifest, chunks = encode_transfer(trained_state(), chunk_bytes=1 << 20)
+    meta = dict(manifest.meta, layer_range=[0, 1])  # claims another stage: names will not fit
     rx = TransferReceiver(TransferManifest(meta, manifest.chunk_bytes, manifest.chunk_sha256))
     rx.feed(0, chunks[0])
-    with pytest.raises(TransferError):
-        rx.finish()
+    with pytest.raises(TransferError, match="missing or has the wrong shape"):
+        rx.finish(SPEC, CFG, (0, 1))
 
 
 def test_manifest_limits():

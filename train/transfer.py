@@ -5,7 +5,8 @@ sha256 of every chunk) and the chunks. The receiver checks the manifest with
 `TransferManifest.from_wire` (bounded sizes, every field typed), feeds chunks in any order to
 a `TransferReceiver` (each chunk checked against its hash as it arrives, so a corrupt chunk
 is refused at once and can be fetched again, from another holder if need be), and finally
-rebuilds the stage, with the whole blob checked against the hash in the description. Every
+rebuilds the stage it expects (its own model spec, config and layer range, never sizes taken
+from the sender), with the whole blob checked against the hash in the description. Every
 malformed input raises `TransferError`; the peer transport turns it into its ProtocolError.
 """
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import CheckpointError, decode_tensors, encode_stage, stage_from_tensors, _meta_fields
+from .spec import GPTSpec, TrainConfig
 from .worker import StageState
 
 __all__ = ["TransferManifest", "TransferReceiver", "TransferError", "encode_transfer",
@@ -128,11 +130,16 @@ class TransferReceiver:
         except CheckpointError as e:
             raise TransferError(str(e)) from None
 
-    def finish(self, device: str = "cpu") -> StageState:
-        """The received stage, rebuilt and checked against the model it claims to be."""
-        spec, cfg, rng, step, ostep = _meta_fields(self.manifest.meta)
+    def finish(self, spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
+               device: str = "cpu") -> StageState:
+        """The received stage, which must be the stage the receiver expects (its own model,
+        config and layer range: nothing is allocated from what the sender claims)."""
+        m_spec, m_cfg, m_range, step, ostep = _meta_fields(self.manifest.meta)
+        if m_spec != spec or m_cfg != cfg or m_range != tuple(layer_range):
+            raise TransferError(f"the sender offers layers {m_range} of {m_spec.name!r}, "
+                                f"expected layers {tuple(layer_range)} of {spec.name!r} with this run's config")
         try:
-            return stage_from_tensors(spec, cfg, rng, self.tensors(), step, ostep, device)
+            return stage_from_tensors(spec, cfg, m_range, self.tensors(), step, ostep, device)
         except TransferError:
             raise
         except CheckpointError as e:
