@@ -130,6 +130,8 @@ def test_tensor_from_bytes_limits():
         tensor_from_bytes("float32", (1 << 30,), b"", max_bytes=1 << 20)
     with pytest.raises(ValueError, match="unknown"):
         tensor_from_bytes("object", (1,), b"", max_bytes=64)
+    with pytest.raises(ValueError, match="exceeds"):  # 2**64 elements must not wrap around to 0
+        tensor_from_bytes("float32", (1 << 32, 1 << 32), b"", max_bytes=64)
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,13 +10,13 @@ Collectives are built on send/recv in `collective.py`, so a transport implements
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Hashable, Protocol
 
-import numpy as np
 import torch
 
 __all__ = [
@@ -77,10 +77,10 @@ def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes, max_bytes
         raise ValueError(f"unknown tensor dtype {dtype!r}")
     if not isinstance(shape, (tuple, list)) or len(shape) > 8:
         raise ValueError("tensor shape must be a sequence of at most 8 dimensions")
-    if any(not isinstance(d, int) or d < 0 for d in shape):
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
         raise ValueError(f"bad tensor shape {shape!r}")
     dt = TENSOR_DTYPES[dtype]
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    n = math.prod(shape)  # Python ints: no overflow for hostile shapes
     nbytes = n * torch.empty((), dtype=dt).element_size()
     if nbytes > max_bytes:
         raise ValueError(f"tensor of {nbytes} bytes exceeds the limit of {max_bytes}")
