@@ -30,7 +30,8 @@ from dtfm.peer.transport import Reply, Transport, TransportConfig
 
 MiB = 1 << 20
 KEY = bytes(range(32))
-BENCH = 100  # a message type in the training range, for this benchmark only
+BENCH = 100  # message types in the training range, for this benchmark only
+CPU = 101
 RECORD = MiB + 9 + 16  # chunk header + tag, as in the transport
 
 
@@ -110,7 +111,11 @@ def _transport_server(q) -> None:
         async def sink(conn, msg_type, body, payload):
             return Reply(len(payload) if payload is not None else 0)
 
+        async def cpu(conn, msg_type, body, payload):
+            return time.process_time()
+
         t.handle(BENCH, sink)
+        t.handle(CPU, cpu)
         async with trio.open_nursery() as n:
             _, port = await n.start(t.serve, "127.0.0.1", 0)
             q.put(port)
@@ -136,11 +141,16 @@ async def _transport_client(port: int, total: int, payload_bytes: int, pings: in
         result["ping_rtt_ms_p99"] = sorted(rtts)[int(0.99 * (len(rtts) - 1))] * 1e3
         payload = bytes(payload_bytes)
         count = max(1, total // payload_bytes)
+        server_cpu0 = (await conn.request(CPU, None))[0]
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         for _ in range(count - 1):
             await conn.send(BENCH, {}, payload=payload)
         await conn.request(BENCH, {}, payload=payload, timeout_s=600)
         dt = time.perf_counter() - t0
+        gib = count * payload_bytes / (1 << 30)
+        result["sender_cpu_s_per_GiB"] = (time.process_time() - cpu0) / gib
+        result["receiver_cpu_s_per_GiB"] = ((await conn.request(CPU, None))[0] - server_cpu0) / gib
         result["transport_Bps"] = count * payload_bytes / dt
         # ping while a 64 MiB transfer is in flight: control frames overtake payload chunks
         loaded = []
@@ -171,14 +181,18 @@ def bench_transport(total: int, payload_bytes: int, pings: int, handshakes: int)
         p.join(10)
 
 
-def bench_sodium(total: int) -> float:
+def bench_sodium(total: int) -> tuple[float, float]:
+    """(bytes/s, CPU s per GiB) sealing 1 MiB frames into a reused buffer."""
     s = SendCipher(KEY)
     frame = bytes(MiB)
-    t0 = time.perf_counter()
+    out = bytearray(MiB + 64)
     n = max(1, total // MiB)
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
     for _ in range(n):
-        s.seal(frame)
-    return n * MiB / (time.perf_counter() - t0)
+        s.seal_into(frame, out)
+    dt = time.perf_counter() - t0
+    return n * MiB / dt, (time.process_time() - cpu0) / (n * MiB / (1 << 30))
 
 
 def main(argv=None) -> None:
@@ -191,7 +205,7 @@ def main(argv=None) -> None:
     total = args.total_mib * MiB
     raw = bench_socket(total, framed=False)
     framed = bench_socket(total, framed=True)
-    sodium = bench_sodium(total)
+    sodium, sodium_cpu = bench_sodium(total)
     tr = bench_transport(total, args.payload_mib * MiB, args.pings, args.handshakes)
     gbps = lambda x: round(x / 1e9, 3)  # noqa: E731
     out = {
@@ -204,6 +218,14 @@ def main(argv=None) -> None:
         "ping_rtt_ms_p99": round(tr["ping_rtt_ms_p99"], 3),
         "ping_rtt_ms_median_during_64MiB_transfer": round(tr["ping_rtt_ms_median_during_transfer"], 3),
         "ratio_b_over_min_a_d": round(tr["transport_Bps"] / min(raw, sodium), 3),
+        # CPU cost, which contention on a shared machine does not distort as much as wall time:
+        # with a free core per side the transport would move 1 GiB in max(sender, receiver).
+        "d_sodium_cpu_s_per_GiB": round(sodium_cpu, 3),
+        "b_sender_cpu_s_per_GiB": round(tr["sender_cpu_s_per_GiB"], 3),
+        "b_receiver_cpu_s_per_GiB": round(tr["receiver_cpu_s_per_GiB"], 3),
+        "ratio_sodium_cpu_over_max_side_cpu": round(
+            sodium_cpu / max(tr["sender_cpu_s_per_GiB"], tr["receiver_cpu_s_per_GiB"]), 3
+        ),
         "ratio_b_over_c": round(tr["transport_Bps"] / framed, 3),
         "payload_MiB": args.payload_mib,
         "total_MiB": args.total_mib,

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_OFFLOAD_BYTES = 128 * 1024  # records at least this large are sealed on a worker thread
+
 # Message types 0-3 belong to the transport itself; the daemon uses 4-31.
 PING = 0  # request with an empty body, answered by the transport
 KEEPALIVE = 1  # one-way, ignored; keeps an idle connection from timing out
@@ -94,7 +96,10 @@ class Connection:
         )
         self._max_record = max(config.max_control_frame_bytes, frames.CHUNK_HEADER_BYTES + config.chunk_bytes) + TAG_BYTES
         self._scratch = bytearray(min(self._max_record, 64 * 1024))  # decrypted frames
-        self._out = bytearray(min(self._max_record, 64 * 1024) + PREFIX_BYTES)  # sealed records
+        self._outs = [bytearray(4096), bytearray(4096)]  # sealed records, used alternately
+        self._out_index = 0
+        self._to_writer, self._from_writer = trio.open_memory_channel(0)
+        self._writer_running = False
         self._pending: dict[int, _Pending] = {}
         self._next_id = 1
         self._handler_slots = config.max_concurrent_handlers
@@ -160,7 +165,7 @@ class Connection:
             with trio.move_on_after(self._config.close_timeout_s) as scope:
                 scope.shield = True
                 try:
-                    await self._transmit(frames.encode_close(self.close_reason))
+                    await self._transmit(frames.encode_close(self.close_reason), flush=True)
                 except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
             if self._cancel_scope is not None:
@@ -195,22 +200,55 @@ class Connection:
                     raise ConnectionClosed(self.close_reason)
                 await self._shape.submit(frames.encode_chunk(msg_id, view[off : off + step]), False)
 
-    async def _transmit(self, frame: bytes) -> None:
-        """Encrypt and write one frame (renewing the key first when due)."""
+    async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
+        """Encrypt one frame (renewing the key first when due) and hand it to the writer.
+
+        Large records are sealed on a worker thread (libsodium releases the GIL) into one of
+        two alternating buffers while the writer task still sends the previous record.
+        `flush` waits until the record is on the socket.
+        """
         async with self._send_lock:
             now = trio.current_time()
             if (
                 self._send.counter >= self._config.rekey_after_records
                 or now - self._last_rekey >= self._config.rekey_interval_s
             ):
-                await self._write(self._send.seal(frames.encode_rekey()))
+                await self._hand_to_writer(self._send.seal(frames.encode_rekey()))
                 self._send.ratchet()
                 self._last_rekey = now
             size = PREFIX_BYTES + len(frame) + TAG_BYTES
-            if len(self._out) < size:
-                self._out = bytearray(max(size, min(2 * len(self._out), PREFIX_BYTES + self._max_record)))
-            await self._write(self._send.seal_into(frame, self._out))
+            i = self._out_index
+            self._out_index ^= 1
+            if len(self._outs[i]) < size:
+                self._outs[i] = bytearray(max(size, min(2 * len(self._outs[i]), PREFIX_BYTES + self._max_record)))
+            if len(frame) >= _OFFLOAD_BYTES:
+                record = await trio.to_thread.run_sync(self._send.seal_into, frame, self._outs[i])
+            else:
+                record = self._send.seal_into(frame, self._outs[i])
+            await self._hand_to_writer(record)
+            if flush:
+                await self._hand_to_writer(None)
             self._last_sent = now
+
+    async def _hand_to_writer(self, record: bytearray | memoryview | None) -> None:
+        # The channel is unbuffered: a hand-off completes once the writer has finished the
+        # previous record, so the buffer sealed two records ago is free again.
+        if self._writer_running:
+            await self._to_writer.send(record)
+        elif record is not None:
+            await self._write(record)
+
+    async def _writer(self) -> None:
+        try:
+            async for record in self._from_writer:
+                if record is not None:
+                    await self._write(record)
+        except ConnectionClosed as e:
+            self._mark_closed(str(e))
+            if self._cancel_scope is not None:
+                self._cancel_scope.cancel()
+        finally:
+            self._writer_running = False
 
     async def _write(self, record: bytearray | memoryview) -> None:
         try:
@@ -238,6 +276,8 @@ class Connection:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._cancel_scope = nursery.cancel_scope
+                self._writer_running = True
+                nursery.start_soon(self._writer)
                 nursery.start_soon(self._run_shape)
                 nursery.start_soon(self._keepalive)
                 if on_ready is not None:
@@ -265,7 +305,7 @@ class Connection:
         self._mark_closed(reason)
         with trio.move_on_after(self._config.close_timeout_s):
             try:
-                await self._transmit(frames.encode_close(reason))
+                await self._transmit(frames.encode_close(reason), flush=True)
             except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
 
@@ -289,19 +329,34 @@ class Connection:
                 self._last_sent = trio.current_time()
 
     async def _read_loop(self) -> None:
-        idle = self._config.idle_timeout_s
-        while True:
-            with trio.move_on_after(idle) as scope:
-                prefix = bytes(await self._reader.read_exactly(PREFIX_BYTES))
-                n = parse_prefix(prefix, self._max_record)
-                body = await self._reader.read_exactly(n)
-            if scope.cancelled_caught:
-                raise ConnectionClosed(f"nothing received from {self.short_id} for {idle} s")
-            if len(self._scratch) < n:
-                self._scratch = bytearray(max(n, min(2 * len(self._scratch), self._max_record)))
-            plain = self._recv.open_into(prefix, body, self._scratch)
+        """Process records in order while the next one is being received.
+
+        A receiver task reads whole records into two alternating buffers and hands them over
+        an unbuffered channel (a hand-off completes once the previous record is processed, so
+        its buffer is free again). Large records are decrypted and parsed on a worker thread.
+        """
+        send, recv = trio.open_memory_channel(0)
+        error: ProtocolError | ConnectionClosed | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._receive_records, send)
+            try:
+                await self._process_records(recv)
+            except (ProtocolError, ConnectionClosed) as e:
+                error = e  # raised outside the nursery, so callers see it unwrapped
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+
+    async def _process_records(self, recv: trio.MemoryReceiveChannel) -> None:
+        async for item in recv:
+            if isinstance(item, BaseException):
+                raise item
+            prefix, record = item
+            if len(record) >= _OFFLOAD_BYTES:
+                event = await trio.to_thread.run_sync(self._open_frame, prefix, record)
+            else:
+                event = self._open_frame(prefix, record)
             self.last_seen = trio.current_time()
-            event = self._inbound.on_frame(plain)
             if event is None:
                 continue
             if isinstance(event, frames.Message):
@@ -310,6 +365,34 @@ class Connection:
                 self._recv.ratchet()
             elif isinstance(event, frames.Close):
                 raise ConnectionClosed(f"closed by peer: {event.reason}")
+
+    def _open_frame(self, prefix: bytes, record: memoryview) -> frames.Message | frames.Rekey | frames.Close | None:
+        n = len(record)
+        if len(self._scratch) < n:
+            self._scratch = bytearray(max(n, min(2 * len(self._scratch), self._max_record)))
+        return self._inbound.on_frame(self._recv.open_into(prefix, record, self._scratch))
+
+    async def _receive_records(self, send: trio.MemorySendChannel) -> None:
+        idle = self._config.idle_timeout_s
+        bufs = [bytearray(4096), bytearray(4096)]
+        i = 0
+        async with send:
+            while True:
+                try:
+                    with trio.move_on_after(idle) as scope:
+                        prefix = bytes(await self._reader.read_exactly(PREFIX_BYTES))
+                        n = parse_prefix(prefix, self._max_record)
+                        if len(bufs[i]) < n:
+                            bufs[i] = bytearray(max(n, min(2 * len(bufs[i]), self._max_record)))
+                        record = memoryview(bufs[i])[:n]
+                        await self._reader.read_into(record)
+                    if scope.cancelled_caught:
+                        raise ConnectionClosed(f"nothing received from {self.short_id} for {idle} s")
+                except (ProtocolError, ConnectionClosed) as e:
+                    await send.send(e)
+                    return
+                await send.send((prefix, record))
+                i ^= 1
 
     # ---- receiving ----------------------------------------------------------------------
 

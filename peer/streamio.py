@@ -50,6 +50,32 @@ class StreamReader:
             self._start = self._end = 0
         return self._view[start : start + n]
 
+    async def read_into(self, dest: memoryview) -> None:
+        """Fill `dest` exactly: buffered bytes first, then straight from the socket."""
+        n = len(dest)
+        take = min(n, self._end - self._start)
+        dest[:take] = self._view[self._start : self._start + take]
+        self._start += take
+        if self._start == self._end:
+            self._start = self._end = 0
+        pos = take
+        while pos < n:
+            if self._recv_into is not None:
+                try:
+                    got = await self._recv_into(dest[pos:], n - pos)
+                except OSError as e:
+                    raise ConnectionClosed(f"connection lost: {e}") from None
+            else:
+                try:
+                    data = await self._stream.receive_some(n - pos)
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    raise ConnectionClosed(f"connection lost: {e}") from None
+                got = len(data)
+                dest[pos : pos + got] = data
+            if got == 0:
+                raise ConnectionClosed("the peer closed the connection")
+            pos += got
+
     async def _fill(self) -> None:
         room = len(self._buf) - self._end
         if self._recv_into is not None:
