@@ -274,3 +274,72 @@ async def test_handshake_flood_is_limited_per_address_and_capped(autojump_clock)
         conn = await good.connect_stream(left, ("server", 1))
         assert (await conn.request(ECHO, "ok"))[0] == "ok"
         n.cancel_scope.cancel()
+
+
+class DelayShaper:
+    """Delays every frame by a fixed latency and drops every droppable frame."""
+
+    def __init__(self, latency_s):
+        self.latency_s = latency_s
+        self.links = []
+
+    def open_link(self, peer_id, region):
+        self.links.append((peer_id, region))
+        return DelayShape(self.latency_s)
+
+
+class DelayShape:
+    def __init__(self, latency_s):
+        self.latency_s = latency_s
+        self.dropped = 0
+        self._send, self._recv = trio.open_memory_channel(1000)
+
+    async def submit(self, frame, droppable):
+        if droppable:
+            self.dropped += 1
+            return
+        await self._send.send((trio.current_time() + self.latency_s, frame))
+
+    async def run(self, transmit):
+        async for due, frame in self._recv:
+            await trio.sleep_until(due)
+            await transmit(frame)
+
+
+async def test_link_shaper_sees_every_frame(autojump_clock):
+    sa, sb = DelayShaper(0.05), DelayShaper(0.02)
+    a, b = make("eu", shaper=sa), make("us", shaper=sb)
+    got = []
+
+    async def note(conn, msg_type, body, payload):
+        got.append(body)
+
+    b.handle(NOTE, note)
+    async with trio.open_nursery() as n:
+        conn = await pair(n, a, b)
+        assert sa.links == [(b.peer_id, "us")] and sb.links == [(a.peer_id, "eu")]
+        assert await conn.ping() == pytest.approx(0.07)
+        body, payload = await conn.request(ECHO, "x", payload=bytes(300_000))
+        assert len(payload) == 300_000
+        await conn.send(NOTE, "dropped", droppable=True)
+        for i in range(100):  # well past the rekey threshold: dropped frames took no nonce
+            await conn.send(NOTE, i)
+        await trio.sleep(1)
+        assert got == list(range(100))
+        n.cancel_scope.cancel()
+
+
+async def test_large_records_sealed_and_opened_on_worker_threads():
+    cfg = TransportConfig(**{**TransportConfig.test().__dict__, "chunk_bytes": 1 << 20, "rekey_after_records": 3})
+    a, b = make(config=cfg), make(config=cfg)
+    payload = bytes(range(251)) * 25_000 + b"tail"  # ~6 MiB in 1 MiB records, keys renewed on the way
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        conn = await a.connect(host, port)
+        async with trio.open_nursery() as many:  # concurrent transfers interleave their chunks
+            for i in range(3):
+                async def one(i=i):
+                    body, got = await conn.request(ECHO, i, payload=payload[i:])
+                    assert body == i and bytes(got) == payload[i:]
+                many.start_soon(one)
+        n.cancel_scope.cancel()
