@@ -312,7 +312,10 @@ class ControlClient:
         frame = encode_frame(ControlRequest(op, args or {}).to_wire(),
                              self.config.max_request_bytes)
         try:
-            self._sock.sendall(frame)
+            try:
+                self._sock.sendall(frame)
+            except (BrokenPipeError, ConnectionResetError):
+                pass   # the daemon may have sent a refusal before closing: read it below
             head = self._recv_exactly(_LEN.size)
             (n,) = _LEN.unpack(head)
             if n > self.config.max_response_bytes:

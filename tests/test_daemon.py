@@ -287,7 +287,7 @@ async def test_wrong_swarm_key_is_refused_with_clear_messages(autojump, short_tm
         intruder = await swarm.start("x", bootstrap=[a.listen_address], key=b"z" * 32)
         await trio.sleep(2.0)
         assert seen(a) == [] and seen(intruder) == []
-        errors = [r for r in caplog.records if r.name == "dtfm.peer.daemon"
+        errors = [r for r in caplog.records if r.name == "dtfm.peer.discovery"
                   and r.levelno == logging.ERROR]
         assert errors
         assert all("refused the handshake" in r.getMessage() and "wrong swarm key"
@@ -306,9 +306,9 @@ async def test_crashed_peer_is_redialled_then_forgotten(autojump, short_tmp):
         await wait_until(lambda: len(seen(b)) == 2 and len(seen(c)) == 2)
         c.transport.crash()
         assert seen(a) == [b.short_id]
-        assert c.peer_id in a.book.entries   # kept for redialling
+        assert c.peer_id in a.discovery.book.entries   # kept for redialling
         await trio.sleep(60)
-        assert c.peer_id not in a.book.entries and c.peer_id not in b.book.entries
+        assert c.peer_id not in a.discovery.book.entries and c.peer_id not in b.discovery.book.entries
         assert a.status()["departed"] == []   # a crash is not a goodbye
         nursery.cancel_scope.cancel()
 
@@ -358,7 +358,7 @@ async def test_bad_peer_exchange_body_closes_only_that_connection(autojump, shor
                      {"peers": [{"id": b"i" * 32, "host": "0.0.0.0", "port": 1, "region": ""}]},
                      {"peers": "nope"}, [1, 2]]:
             with pytest.raises(ProtocolError):
-                await a._on_peer_exchange(conn.twin, 16, body, None)
+                await a.discovery._on_peer_exchange(conn.twin, 16, body, None)
         assert a.status()["peers"]   # handler errors alone do not disturb the daemon
         nursery.cancel_scope.cancel()
 
