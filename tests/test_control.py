@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import trio
 import trio.testing
 
@@ -246,3 +248,21 @@ def test_register_checks_names():
 def test_pack_of_request_is_stable():
     assert ControlRequest.from_wire(ControlRequest("leave").to_wire()) == ControlRequest("leave")
     assert pack(ControlRequest("x").to_wire())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.binary(max_size=300))
+def test_random_bytes_never_crash_the_server(data):
+    async def main():
+        server = ControlServer(Path("/nonexistent/s"), CONFIG)
+
+        async def echo(args):
+            return args
+
+        server.register("echo", echo)
+        return await exchange(server, data)
+
+    replies = trio.run(main)
+    # Whatever arrives, each reply is a well-formed {ok: ...} map; garbage gets at most one.
+    assert all(isinstance(r, dict) and isinstance(r.get("ok"), bool) for r in replies)
+    assert sum(1 for r in replies if not r["ok"]) <= 1

@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import trio
 import trio.testing
 
@@ -22,6 +24,7 @@ from dtfm.peer.errors import ConnectionClosed, HandshakeError, ProtocolError, Re
 from dtfm.peer.identity import Identity
 from dtfm.peer.paths import DataDir
 from dtfm.peer.peerbook import PeerBook, backoff_delay_s
+from dtfm.peer.pex import PeerExchange, PeerRecord
 from dtfm.peer.wire import pack, unpack_untrusted
 
 KEY = b"k" * 32
@@ -436,3 +439,29 @@ async def test_own_address_in_the_bootstrap_list_is_skipped(autojump, short_tmp)
         assert a.transport.dials == 0
         assert b.transport.dials == 1
         nursery.cancel_scope.cancel()
+
+
+wire_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=40)
+    | st.binary(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                 max_size=4),
+    max_leaves=20)
+record = st.fixed_dictionaries({"id": st.binary(min_size=30, max_size=33),
+                                "host": st.sampled_from(["10.0.0.1", "0.0.0.0", "", "h h", "x"]),
+                                "port": st.integers(-1, 70000),
+                                "region": st.text(max_size=70)})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(wire_values, st.fixed_dictionaries({"peers": st.lists(record, max_size=3)}),
+                 st.fixed_dictionaries({"peers": st.lists(wire_values, max_size=3)})))
+def test_peer_exchange_from_wire_raises_only_protocol_error(body):
+    try:
+        msg = PeerExchange.from_wire(unpack_untrusted(pack(body), max_len=1 << 20))
+    except ProtocolError:
+        return
+    for rec in msg.peers:
+        assert len(rec.peer_id) == 32 and 1 <= rec.address.port <= 65535
+        assert not rec.address.is_unspecified
+        assert PeerRecord.from_wire(rec.to_wire()) == rec
