@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dtfm.train import (GPTSpec, LocalCluster, Plan, TrainConfig, list_checkpoints, load_checkpoint,
                         load_corpus, reference_state, reference_step, save_checkpoint)
@@ -189,3 +191,16 @@ def test_oracle_holds_over_uneven_emulated_links(corpus):
     with LocalCluster(SPEC, CFG, Plan.grid(4, 2, 2), corpus, link=link) as cl:
         losses = cl.run(2)
     assert losses == pytest.approx(ref_losses[:2], rel=RTOL)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 4), st.lists(st.integers(1, 4), min_size=4, max_size=4),
+       st.sampled_from(["float32", "float32", "bfloat16"]))
+def test_any_shape_matches_single_process(corpus, stages, dp, micro, weights, wire):
+    """Random S, D, M and stage sizes: always the single-process losses (exactly so in fp32)."""
+    cfg = dataclasses.replace(CFG, global_batch_seqs=12, micro_batches=micro, wire_dtype=wire)
+    ref_losses, _ = reference(SPEC, dataclasses.replace(cfg, micro_batches=1, wire_dtype="float32"), corpus, 2)
+    with LocalCluster(SPEC, cfg, Plan.grid(4, stages, dp, weights=weights[:stages]), corpus) as cl:
+        losses = cl.run(2)
+    rtol = RTOL if wire == "float32" or stages == 1 else 1e-2
+    assert losses == pytest.approx(ref_losses, rel=rtol)
