@@ -38,32 +38,62 @@ class SwapSearch:
         S, D = X.shape
         layers, _ = m.group_layers(X)
         self.g = np.array([m.workload.grad_gb(c) for c in layers])
+        self.uniform = bool(np.all(self.g == self.g[0]))
+        if self.uniform and getattr(self, "_w_g", None) != self.g[0]:
+            self._w_g, self.W = self.g[0], m.dp_a + self.g[0] * m.dp_b  # (N, N) DP pair cost
         ix = (X[:, :, None], X[:, None, :])
         self.Wg = m.dp_a[ix] + self.g[:, None, None] * m.dp_b[ix]  # (S, D, D)
         self.R = self.Wg.sum(axis=2)  # (S, D)
         self.dpst = self.R.max(axis=1)
         self.Hb = m.hop[X[:-1], X[1:]]  # (S-1, D)
         self.bmax = self.Hb.max(axis=1) if S > 1 else np.zeros(0)
+        self._totals()
+
+    def _totals(self) -> None:
         self.pp = float(self.bmax.sum())
         self.net = float(self.dpst.max() + 2 * self.pp)
         self.sec = float(self.dpst.sum())
-        self.exact = m.breakdown(X).total_s if m.extensions else self.net
+        self.exact = self.m.breakdown(self.X).total_s if self.m.extensions else self.net
 
-    def _pair_w(self, rows: np.ndarray, cols: np.ndarray, g: float) -> np.ndarray:
-        ix = np.ix_(rows, cols)
-        return self.m.dp_a[ix] + g * self.m.dp_b[ix]
+    def _update(self, X: np.ndarray, Z: np.ndarray, rows: tuple[int, ...]) -> None:
+        """Refresh the state after a move that changed only these rows (paper objective)."""
+        if self.m.extensions:
+            return self._load(X, Z)
+        self.X, self.Z = X, Z
+        S = X.shape[0]
+        for r in set(rows):
+            self.Wg[r] = self.W[np.ix_(X[r], X[r])]
+            self.R[r] = self.Wg[r].sum(axis=1)
+            self.dpst[r] = self.R[r].max()
+            for b in (r - 1, r):
+                if 0 <= b < S - 1:
+                    self.Hb[b] = self.m.hop[X[b], X[b + 1]]
+                    self.bmax[b] = self.Hb[b].max()
+        self._totals()
+
+    def _w_rows(self, rows: np.ndarray, g: float) -> np.ndarray:
+        """(len(rows), N) DP pair costs from the given peers to every peer, at gradient g."""
+        if self.uniform:
+            return self.W[rows]
+        return self.m.dp_a[rows] + g * self.m.dp_b[rows]
+
+    def _w_cols(self, cols: np.ndarray, g: float) -> np.ndarray:
+        """(N, len(cols)) DP pair costs from every peer to the given peers."""
+        if self.uniform:
+            return self.W[:, cols]
+        return self.m.dp_a[:, cols] + g * self.m.dp_b[:, cols]
 
     # -- scoring --------------------------------------------------------------------------
-    def _row_s_with(self, s: int, p: int, Y: np.ndarray) -> np.ndarray:
-        """DP cost of group s when each y in Y replaces X[s, p]."""
+    def _row_s_all(self, s: int, p: int) -> np.ndarray:
+        """(N,) DP cost of group s when peer y (any index) replaces X[s, p]."""
         D = self.X.shape[1]
         if D == 1:
-            return np.zeros(len(Y))
+            return np.zeros(self.m.n)
         others = np.delete(np.arange(D), p)
         om = self.X[s, others]
-        w_oy = self._pair_w(om, Y, self.g[s])  # (D-1, |Y|)
+        w_oy = self._w_rows(om, self.g[s])  # (D-1, N)
         members = (self.R[s, others] - self.Wg[s, others, p])[:, None] + w_oy
-        own = (w_oy.T if self.symmetric else self._pair_w(Y, om, self.g[s])).sum(axis=1)
+        own = w_oy.sum(axis=0) if self.symmetric else self._w_cols(om, self.g[s]).sum(axis=1)
         return np.maximum(members.max(axis=0), own)
 
     def _x_side_pp(self, s: int, p: int, Y: np.ndarray, excl: np.ndarray) -> np.ndarray:
@@ -77,17 +107,23 @@ class SwapSearch:
             out += np.maximum(excl[s, p], hop[Y, X[s + 1, p]]) - self.bmax[s]
         return out
 
-    def _far_swaps(self, s: int, p: int, excl: np.ndarray):
+    def _far_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray):
         """Scores (net, sec) of swapping x with every active peer (its own stage excluded)."""
         X, m = self.X, self.m
         S, D = X.shape
         x = X[s, p]
         Y = X.ravel()
-        new_s = self._row_s_with(s, p, Y).reshape(S, D)
-        cx = m.dp_a[X, x] + self.g[:, None] * m.dp_b[X, x]  # W[X[t, m], x]
+        new_s = row_s[Y].reshape(S, D)
+        if self.uniform:
+            cx = self.W[:, x][X]  # W[X[t, m], x]
+        else:
+            cx = m.dp_a[:, x][X] + self.g[:, None] * m.dp_b[:, x][X]
         T = (self.R + cx)[:, None, :] - self.Wg.transpose(0, 2, 1)  # [t, q, m]
         T[:, np.arange(D), np.arange(D)] = -np.inf
-        rx = cx if self.symmetric else m.dp_a[x, X] + self.g[:, None] * m.dp_b[x, X]
+        if self.symmetric:
+            rx = cx
+        else:
+            rx = self.W[x][X] if self.uniform else m.dp_a[x][X] + self.g[:, None] * m.dp_b[x][X]
         new_t = np.maximum(T.max(axis=2), rx.sum(axis=1)[:, None] - rx)
         dpx = self.dpst.copy()
         dpx[s] = -np.inf
@@ -130,8 +166,8 @@ class SwapSearch:
             out += hop[r_hi, X[hi + 1][None, :]].max(axis=1) - self.bmax[hi]
         return out
 
-    def _spare_swaps(self, s: int, p: int, excl: np.ndarray):
-        new_s = self._row_s_with(s, p, self.Z)
+    def _spare_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray):
+        new_s = row_s[self.Z]
         dpx = self.dpst.copy()
         dpx[s] = -np.inf
         other = dpx.max() if len(dpx) > 1 else -np.inf
@@ -161,11 +197,12 @@ class SwapSearch:
             excl = np.where(np.arange(D)[None, :] == arg[:, None], top2[:, None], self.bmax[:, None])
         else:
             excl = np.zeros((0, D))
-        net, sec = self._far_swaps(s, p, excl)
+        row_s = self._row_s_all(s, p)
+        net, sec = self._far_swaps(s, p, excl, row_s)
         nets, secs, kinds, ts, qs = [net.ravel()], [sec.ravel()], [np.zeros(S * D, np.int8)], \
             [np.repeat(np.arange(S), D)], [np.tile(np.arange(D), S)]
         if len(self.Z):
-            net_z, sec_z = self._spare_swaps(s, p, excl)
+            net_z, sec_z = self._spare_swaps(s, p, excl, row_s)
             nets.append(net_z), secs.append(sec_z), kinds.append(np.ones(len(self.Z), np.int8))
             ts.append(np.arange(len(self.Z))), qs.append(np.zeros(len(self.Z), np.int64))
         return (np.concatenate(nets), np.concatenate(secs), np.concatenate(kinds),
@@ -180,7 +217,9 @@ class SwapSearch:
                 return False
             idx = np.flatnonzero(better)
             k = idx[np.lexsort((sec[idx], net[idx]))[0]]
-            self._load(*self._apply(s, p, "spare" if kind[k] else "swap", int(ts[k]), int(qs[k])))
+            spare = bool(kind[k])
+            X, Z = self._apply(s, p, "spare" if spare else "swap", int(ts[k]), int(qs[k]))
+            self._update(X, Z, (s,) if spare else (s, int(ts[k])))
             self.moves += 1
             return True
         order = np.lexsort((sec, net))
@@ -197,17 +236,45 @@ class SwapSearch:
                 return True
         return False
 
+    def _critical(self) -> np.ndarray:
+        """Positions (flat s * D + p) any strictly improving swap must move: the members of the
+        costliest DP groups and both ends of every boundary's slowest hop."""
+        S, D = self.X.shape
+        cells = [np.flatnonzero(self.dpst >= self.dpst.max() - 1e-12)[:, None] * D + np.arange(D)]
+        if S > 1:
+            b, q = np.nonzero(self.Hb >= self.bmax[:, None] - 1e-12)
+            cells += [b * D + q, (b + 1) * D + q]
+        return np.unique(np.concatenate([c.ravel() for c in cells]))
+
+    def _sweep(self, positions: np.ndarray) -> bool | None:
+        """Try each position in random order; None when time ran out."""
+        D = self.X.shape[1]
+        improved = False
+        for pos in self.rng.permutation(positions):
+            if self.deadline():
+                return None
+            improved |= self._try_peer(*divmod(int(pos), D))
+        return improved
+
     def run(self, X: np.ndarray, Z: np.ndarray, max_sweeps: int = 50) -> tuple[np.ndarray, np.ndarray]:
-        """Swap until a full sweep over all peers finds no gain (or time is up)."""
+        """Swap until a full sweep over all peers finds no gain (or time is up).
+
+        With the paper objective, sweeps over the critical peers alone come first (they are
+        few, and only they can lower the cost); a full sweep then looks for swaps that lower
+        the secondary score (the sum of the groups' DP costs) before the next round.
+        """
         self._load(X.copy(), Z.copy())
         S, D = X.shape
+        everyone = np.arange(S * D)
         for _ in range(max_sweeps):
-            improved = False
-            for pos in self.rng.permutation(S * D):
-                if self.deadline():
-                    return self.X, self.Z
-                s, p = divmod(int(pos), D)
-                improved |= self._try_peer(s, p)
-            if not improved:
+            if not self.m.extensions:
+                while True:
+                    found = self._sweep(self._critical())
+                    if found is None:
+                        return self.X, self.Z
+                    if not found:
+                        break
+            found = self._sweep(everyone)
+            if not found:
                 break
         return self.X, self.Z

@@ -8,6 +8,7 @@ order, and the matchings along the path give the pipelines (exact up to 14 stage
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -29,7 +30,8 @@ class SearchConfig:
     mutation_swaps: int = 3  # random swaps applied to each child before local search
     exact_path_max_stages: int = EXACT_MAX_NODES  # Held-Karp up to here, 2-opt/or-opt beyond
     random_seeds: int = 2  # random starting partitions besides the constructions
-    regroup_max_peers: int = 32  # up to here, also try every swap with pipelines re-matched (exact, slow)
+    regroup_max_peers: int = 32  # up to here, also try every swap, and every re-split of two groups,
+    #                              with pipelines re-matched exactly (slow, but escapes more local optima)
 
     def __post_init__(self) -> None:
         if self.time_budget_s <= 0:
@@ -49,7 +51,8 @@ class ShapeSearch:
         self.rng = np.random.default_rng(seed)
         self.deadline_s = deadline_s
         self.symmetric = bool(np.allclose(model.hop, model.hop.T))
-        self._pairs: dict[tuple[bytes, bytes], float] = {}
+        self._pairs: dict[tuple[bytes, bytes], float] = {}  # bottleneck value of two groups
+        self._realized: dict[bytes, np.ndarray] = {}  # partition -> its realized pipelines
         self.local = SwapSearch(model, self.rng, self.out_of_time)
         self.generations = 0
         self.realized = 0
@@ -73,9 +76,14 @@ class ShapeSearch:
     def realize(self, X: np.ndarray) -> np.ndarray:
         """The best stage order and pipelines for the DP groups in X's rows."""
         S = self.S
-        self.realized += 1
         if S == 1:
             return X.copy()
+        key = b"".join(sorted(np.sort(X, axis=1).tobytes()[k * X.itemsize * self.D:(k + 1) * X.itemsize * self.D]
+                              for k in range(S)))
+        hit = self._realized.get(key)
+        if hit is not None:
+            return hit.copy()
+        self.realized += 1
         E = np.zeros((S, S))
         for a in range(S):
             for b in range(S):
@@ -90,6 +98,9 @@ class ShapeSearch:
             group = X[order[k]]
             _, cols = bottleneck_matching(self.m.hop[np.ix_(out[k - 1], group)])
             out[k] = group[cols]
+        if len(self._realized) > 20_000:
+            self._realized.clear()
+        self._realized[key] = out.copy()
         return out
 
     def polish(self, X: np.ndarray, Z: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
@@ -109,10 +120,31 @@ class ShapeSearch:
                 continue
             if self.m.n > self.cfg.regroup_max_peers:
                 return best, X, Z
-            found = self._regroup(X, Z, best)
+            found = self._regroup(X, Z, best) or self._split_pairs(X, Z, best)
             if found is None:
                 return best, X, Z
             best, X, Z = found
+
+    def _split_pairs(self, X: np.ndarray, Z: np.ndarray, best: float):
+        """First re-split of the 2D members of two groups into two new groups that lowers the cost."""
+        S, D = X.shape
+        if D > 6:
+            return None  # C(2D, D) / 2 splits per pair: 462 at D = 6
+        for a in range(S):
+            for b in range(a + 1, S):
+                union = np.concatenate((X[a], X[b]))
+                for rest in itertools.combinations(range(1, 2 * D), D - 1):
+                    if self.out_of_time():
+                        return None
+                    mask = np.zeros(2 * D, dtype=bool)
+                    mask[[0, *rest]] = True
+                    X2 = X.copy()
+                    X2[a], X2[b] = union[mask], union[~mask]
+                    X2 = self.realize(X2)
+                    c = self.m.total(X2)
+                    if c < best - 1e-12:
+                        return c, X2, Z
+        return None
 
     def _regroup(self, X: np.ndarray, Z: np.ndarray, best: float):
         """First swap between groups (or with a spare) that lowers the cost once re-matched."""
@@ -170,10 +202,10 @@ class ShapeSearch:
         pool = [p for p in range(self.m.n) if p not in used]
         return self._fill(groups, pool)
 
-    def mutate(self, X: np.ndarray, Z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def mutate(self, X: np.ndarray, Z: np.ndarray, swaps: int) -> tuple[np.ndarray, np.ndarray]:
         X, Z = X.copy(), Z.copy()
         S, D = X.shape
-        for _ in range(self.cfg.mutation_swaps):
+        for _ in range(swaps):
             s, p = int(self.rng.integers(S)), int(self.rng.integers(D))
             if len(Z) and self.rng.random() < 0.2:
                 k = int(self.rng.integers(len(Z)))
@@ -186,7 +218,12 @@ class ShapeSearch:
         return X, Z
 
     def run(self, seeds: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, np.ndarray, np.ndarray]:
-        """Polish the seeds, then evolve; returns the best (cost, X, spares) found in time."""
+        """Polish the seeds, then evolve; returns the best (cost, X, spares) found in time.
+
+        Rounds alternate between a child of two members of the population (crossover of their
+        DP groups, then a few random swaps) and a random kick of the best allocation so far;
+        every fourth round starts afresh from a random partition.
+        """
         pop: list[tuple[float, np.ndarray, np.ndarray]] = []
         best = None
         for X, Z in seeds:
@@ -204,10 +241,17 @@ class ShapeSearch:
             if self.cfg.generations is not None and self.generations >= self.cfg.generations:
                 break
             self.generations += 1
-            i, j = self.rng.choice(len(pop), size=2, replace=False)
-            a, b = sorted((int(i), int(j)))  # the better of two picks leads (pop is sorted)
-            X, Z = self.crossover(pop[a][1], pop[b][1])
-            X, Z = self.mutate(X, Z)
+            if self.generations % 4 == 0:  # restart from a random partition: keeps exploring
+                perm = self.rng.permutation(self.m.n).astype(np.int64)
+                X, Z = perm[:self.S * self.D].reshape(self.S, self.D), perm[self.S * self.D:]
+            elif self.generations % 2:  # iterated local search: kick the best allocation
+                kicks = int(self.rng.integers(2, max(3, self.m.n // 4) + 1))
+                X, Z = self.mutate(best[1], best[2], kicks)
+            else:
+                i, j = self.rng.choice(len(pop), size=2, replace=False)
+                a, b = sorted((int(i), int(j)))  # the better of two picks leads (pop is sorted)
+                X, Z = self.crossover(pop[a][1], pop[b][1])
+                X, Z = self.mutate(X, Z, self.cfg.mutation_swaps)
             cand = self.polish(X, Z)
             if cand[0] < best[0] - 1e-12:
                 best = cand

@@ -34,10 +34,10 @@ def small_world(n=16):
 
 
 def test_same_seed_same_allocation():
-    sc, dl, bw = small_world()
+    sc, dl, bw = small_world(10)
     spec = CommSpec("t", layers=4, grad_gb_total=2.6, act_gb_global=0.47 * 4)
-    a = solve(dl, bw, spec, stages=4, dp=4, seed=3, generations=4, time_budget_s=60)
-    b = solve(dl, bw, spec, stages=4, dp=4, seed=3, generations=4, time_budget_s=60)
+    a = solve(dl, bw, spec, stages=4, dp=2, seed=3, generations=6, time_budget_s=60)
+    b = solve(dl, bw, spec, stages=4, dp=2, seed=3, generations=6, time_budget_s=60)
     assert a.pipelines == b.pipelines and a.cost == b.cost
 
 
