@@ -122,13 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _client_config(args: argparse.Namespace) -> tuple[DaemonConfig, DataDir]:
     config = load_toml(args.config) if getattr(args, "config", None) else DaemonConfig.default()
     root = args.data_dir or config.peer.data_dir or default_data_dir()
-    return config, DataDir(root)
+    return config, DataDir(root.absolute())
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     from .identity import IDENTITY_FILE, Identity
 
-    data_dir = DataDir(args.data_dir or default_data_dir())
+    data_dir = DataDir((args.data_dir or default_data_dir()).absolute())
     data_dir.ensure()
     existed = (data_dir.root / IDENTITY_FILE).exists()
     identity = Identity.load_or_create(data_dir.root)

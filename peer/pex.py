@@ -8,13 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from .addr import Address, AddressError
+from .addr import MAX_HOST_LEN, Address, AddressError
 from .errors import ProtocolError
 from .identity import PEER_ID_BYTES
 from .wire import get_bytes, get_int, get_list, get_str
 
 MAX_EXCHANGE_PEERS = 1024
-MAX_HOST_LEN = 253
 MAX_REGION_LEN = 64
 MAX_REASON_LEN = 200
 

@@ -55,7 +55,7 @@ def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = ()) -> int:
 
     Each of `setups` is called with the daemon before it starts, to add services, status
     providers and control ops."""
-    data_dir = DataDir(config.peer.data_dir or default_data_dir())
+    data_dir = DataDir((config.peer.data_dir or default_data_dir()).absolute())
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
