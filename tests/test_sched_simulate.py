@@ -1,0 +1,67 @@
+"""The GPipe iteration simulator on cases whose timing is known in closed form."""
+
+import numpy as np
+import pytest
+
+from dtfm.sched import CostModel, Workload
+from dtfm.sched.simulate import simulate
+
+
+def net(n, ms, gbps):
+    delay = np.full((n, n), float(ms))
+    bw = np.full((n, n), float(gbps))
+    np.fill_diagonal(delay, 0)
+    np.fill_diagonal(bw, np.inf)
+    return delay, bw
+
+
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_communication_alone_pipelines_the_transfers(M):
+    delay, bw = net(3, 20, 1.0)
+    wl = Workload(stages=3, dp=1, layers=3, grad_gb_total=1.0, act_gb=0.5, micro_batches=M)
+    r = simulate(CostModel(delay, bw, wl), np.array([[0], [1], [2]]))
+    hold = 0.5 * 8 / 1.0 / M  # one micro-batch holds a link this long
+    # each direction: M transfers queue on the first link, the last one then crosses the second
+    one_way = (M + 1) * hold + 2 * 0.020
+    assert r.iteration_s == pytest.approx(2 * one_way)
+    if M == 1:  # no pipelining: exactly the paper's 2 x PPcost of this single pipeline
+        assert r.iteration_s == pytest.approx(2 * 2 * (0.020 + 0.5 * 8 / 1.0))
+    assert r.allreduce_s == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("S,M", [(1, 5), (3, 1), (4, 8)])
+def test_compute_alone_is_the_gpipe_formula(S, M):
+    delay, bw = net(S, 0, 1e15)
+    wl = Workload(stages=S, dp=1, layers=2 * S, grad_gb_total=0.0, act_gb=0.0, micro_batches=M, layer_compute_s=0.3)
+    r = simulate(CostModel(delay, bw, wl), np.arange(S)[:, None])
+    step = 2 * 0.3  # two layers per stage
+    assert r.iteration_s == pytest.approx((M + S - 1) * step)
+    assert r.compute_busy_s == pytest.approx(M * step)
+
+
+def test_allreduce_follows_the_backward_pass_and_overlaps():
+    delay, bw = net(4, 10, 2.0)
+    wl = Workload(stages=2, dp=2, layers=2, grad_gb_total=2.0, act_gb=0.0, micro_batches=2, layer_compute_s=1.0)
+    model = CostModel(delay, bw, wl)
+    X = np.array([[0, 1], [2, 3]])
+    r = simulate(model, X)
+    ar = 2 * (0.010 + 1.0 * 8 / (2 * 2.0))  # one other member, a 1 GB stage gradient, D = 2
+    assert r.allreduce_s == pytest.approx((ar, ar))
+    hop = 0.010  # no activation volume: latency only
+    # stage 1 finishes its backward first; stage 0 one backward step and a hop later
+    last = r.pipeline_s
+    assert r.iteration_s == pytest.approx(last + ar)
+    assert r.stage_done_s[1] < r.stage_done_s[0]
+    serial = simulate(model, X, overlap_allreduce=False)
+    assert serial.iteration_s == pytest.approx(last + ar)
+    assert serial.stage_done_s[1] == pytest.approx(serial.stage_done_s[0])
+    assert hop > 0
+
+
+def test_a_slow_peer_slows_every_pipeline_sharing_its_allreduce():
+    delay, bw = net(4, 5, 10.0)
+    wl = Workload(stages=2, dp=2, layers=2, grad_gb_total=0.1, act_gb=0.01, micro_batches=4, layer_compute_s=0.1)
+    X = np.array([[0, 1], [2, 3]])
+    even = simulate(CostModel(delay, bw, wl), X)
+    slow = simulate(CostModel(delay, bw, wl, compute=np.array([1, 1, 1, 0.5])), X)
+    assert slow.iteration_s > even.iteration_s + 4 * 0.1 * 0.9
