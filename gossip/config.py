@@ -54,7 +54,8 @@ class GossipConfig:
     record_sync_interval_s: float = 2.0
     # Records whose timestamp is further than this from our clock are refused.
     record_skew_s: float = 600.0
-    # Upper bound of the bytes of records sent in one sync message.
+    # Upper bound of the bytes of records sent in one sync message; keep it well below the
+    # transport's max_control_frame_bytes.
     max_sync_bytes: int = 256 * 1024
 
     def __post_init__(self) -> None:
@@ -103,7 +104,7 @@ class GossipConfig:
         """Small, quick swarms in tests under MockClock."""
         return cls(push_pull_interval_s=10.0, bandwidth_probe_bytes=64 * 1024,
                    bandwidth_probe_interval_s=0.2, rtt_samples=3, publish_interval_s=1.0,
-                   record_sync_interval_s=1.0)
+                   record_sync_interval_s=1.0, max_sync_bytes=32 * 1024)
 
     def with_(self, **changes) -> "GossipConfig":
         return replace(self, **changes)

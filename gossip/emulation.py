@@ -42,8 +42,9 @@ class EmulationConfig:
     bandwidth_scale: float = 1.0
     # Fraction of droppable frames (gossip datagrams) lost on every link.
     drop_fraction: float = 0.0
-    # Token bucket depth: bytes that may leave back to back after an idle spell.
-    burst_bytes: int = 64 * 1024
+    # Token bucket depth: bytes that may leave back to back after an idle spell. Keep it small
+    # next to the bandwidth probe (it inflates a timed transfer by up to burst/probe bytes).
+    burst_bytes: int = 16 * 1024
     # Frames queued per link before submit() waits. Deeper: more buffering, later backpressure.
     queue_frames: int = 1024
     # True: one rate limiter per destination region, shared by all links to it (a site's

@@ -73,10 +73,14 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
         return None
     gate.probing.add(pid)
     try:
+        t0 = trio.current_time()
         body, _ = await link.request(MsgType.MEASURE_BULK, {"op": BULK_RESERVE, "n": nbytes},
                                      timeout_s=timeout_s)
         if not isinstance(body, dict) or body.get("ok") is not True:
             return None
+        # The reservation is itself a round trip on the now quiet link: the pings before it
+        # may have queued behind the other end's own big probe.
+        rtt_s = min(rtt_s, trio.current_time() - t0)
         t0 = trio.current_time()
         body, _ = await link.request(MsgType.MEASURE_BULK, {"op": BULK_DATA, "n": nbytes},
                                      payload=bytes(nbytes), timeout_s=timeout_s)

@@ -38,7 +38,8 @@ class GossipService:
     def __init__(self, transport, identity, config: GossipConfig | None = None, *,
                  region: str = "", rng: random.Random | None = None,
                  wall_clock: Callable[[], float] = time.time, compute_ms: float | None = None,
-                 measure: bool = True, sender_tasks: int = 4) -> None:
+                 measure: bool = True, sender_tasks: int = 4,
+                 address: tuple[str, int] | None = None) -> None:
         self.transport = transport
         self.identity = identity
         self.config = config or GossipConfig.lan()
@@ -48,7 +49,9 @@ class GossipService:
         self.compute_ms = compute_ms
         self._measure = measure
         self._sender_tasks = sender_tasks
-        host, port = transport.listen_address
+        # The address other members dial: the transport's (serve() must have started), or
+        # the one given when it listens on a wildcard address.
+        host, port = address or transport.listen_address
         me = Member(identity.peer_id, 0, MemberState.ALIVE, host, port, region)
         self.swim = Swim(self.config, me, self._rng, trio.current_time())
         self.records = RecordStore(self.config.record_skew_s)

@@ -64,7 +64,7 @@ def test_messages_roundtrip(ups, seq, target):
         assert roundtrip(msg) == msg
 
 
-@settings(max_examples=300)
+@settings(max_examples=150)
 @given(st.sampled_from(list(MsgType)[:6]), st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5) | st.binary(max_size=40),
     lambda c: st.lists(c, max_size=7) | st.dictionaries(st.sampled_from(["seq", "u", "target", "m", "reply"]), c, max_size=5),
