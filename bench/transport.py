@@ -36,6 +36,7 @@ RECORD = MiB + 9 + 16  # chunk header + tag, as in the transport
 
 
 def _recv_all_server(q, framed: bool) -> None:
+    cpu0 = time.process_time()
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
@@ -62,7 +63,7 @@ def _recv_all_server(q, framed: bool) -> None:
             reassembly[pos : pos + take] = view[:take]  # the copy the transport makes too
             pos = (pos + take) % len(reassembly)
             total += n
-    conn.sendall(struct.pack(">Q", total))
+    conn.sendall(struct.pack(">Qd", total, time.process_time() - cpu0))
     conn.close()
 
 
@@ -76,7 +77,8 @@ def _recv_exactly(conn, view) -> bool:
     return True
 
 
-def bench_socket(total: int, framed: bool) -> float:
+def bench_socket(total: int, framed: bool) -> tuple[float, float, float]:
+    """(bytes/s, sender CPU s per GiB, receiver CPU s per GiB)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_recv_all_server, args=(q, framed))
@@ -86,6 +88,7 @@ def bench_socket(total: int, framed: bool) -> float:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     block = bytes(MiB if not framed else RECORD)
     prefix = struct.pack(">I", RECORD)
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     sent = 0
     while sent < total:
@@ -94,18 +97,23 @@ def bench_socket(total: int, framed: bool) -> float:
         s.sendall(block)
         sent += len(block)
     s.shutdown(socket.SHUT_WR)
-    ack = s.recv(8)
+    ack = s.recv(16, socket.MSG_WAITALL)
     dt = time.perf_counter() - t0
+    cpu = time.process_time() - cpu0
     s.close()
     p.join(10)
-    assert struct.unpack(">Q", ack)[0] >= sent - 8
-    return sent / dt
+    received, receiver_cpu = struct.unpack(">Qd", ack)
+    assert received >= sent - 8
+    gib = sent / (1 << 30)
+    return sent / dt, cpu / gib, receiver_cpu / gib
 
 
-def _transport_server(q) -> None:
+def _transport_server(q, crypto_thread_min_bytes: int = 0) -> None:
     async def main():
         # admit the benchmark's back-to-back handshakes from one address
-        config = TransportConfig(handshake_rate_per_s=1e6, handshake_burst=10**6)
+        config = TransportConfig(
+            handshake_rate_per_s=1e6, handshake_burst=10**6, crypto_thread_min_bytes=crypto_thread_min_bytes
+        )
         t = Transport(Identity.generate(), KEY, config)
 
         async def sink(conn, msg_type, body, payload):
@@ -123,8 +131,10 @@ def _transport_server(q) -> None:
     trio.run(main)
 
 
-async def _transport_client(port: int, total: int, payload_bytes: int, pings: int, handshakes: int) -> dict:
-    t = Transport(Identity.generate(), KEY, TransportConfig.default())
+async def _transport_client(
+    port: int, total: int, payload_bytes: int, pings: int, handshakes: int, crypto_thread_min_bytes: int = 0
+) -> dict:
+    t = Transport(Identity.generate(), KEY, TransportConfig(crypto_thread_min_bytes=crypto_thread_min_bytes))
     result = {}
     async with trio.open_nursery() as n:
         await n.start(t.run)
@@ -168,14 +178,14 @@ async def _transport_client(port: int, total: int, payload_bytes: int, pings: in
     return result
 
 
-def bench_transport(total: int, payload_bytes: int, pings: int, handshakes: int) -> dict:
+def bench_transport(total: int, payload_bytes: int, pings: int, handshakes: int, threads: int) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_transport_server, args=(q,))
+    p = ctx.Process(target=_transport_server, args=(q, threads))
     p.start()
     try:
         port = q.get(timeout=30)
-        return trio.run(_transport_client, port, total, payload_bytes, pings, handshakes)
+        return trio.run(_transport_client, port, total, payload_bytes, pings, handshakes, threads)
     finally:
         p.terminate()
         p.join(10)
@@ -201,12 +211,14 @@ def main(argv=None) -> None:
     ap.add_argument("--payload-mib", type=int, default=64, help="payload size per transport message")
     ap.add_argument("--pings", type=int, default=1000)
     ap.add_argument("--handshakes", type=int, default=50)
+    ap.add_argument("--crypto-thread-min-bytes", type=int, default=0,
+                    help="TransportConfig.crypto_thread_min_bytes on both sides (0: no worker threads)")
     args = ap.parse_args(argv)
     total = args.total_mib * MiB
-    raw = bench_socket(total, framed=False)
-    framed = bench_socket(total, framed=True)
+    raw, raw_send_cpu, raw_recv_cpu = bench_socket(total, framed=False)
+    framed, _, _ = bench_socket(total, framed=True)
     sodium, sodium_cpu = bench_sodium(total)
-    tr = bench_transport(total, args.payload_mib * MiB, args.pings, args.handshakes)
+    tr = bench_transport(total, args.payload_mib * MiB, args.pings, args.handshakes, args.crypto_thread_min_bytes)
     gbps = lambda x: round(x / 1e9, 3)  # noqa: E731
     out = {
         "a_raw_tcp_GBps": gbps(raw),
@@ -221,6 +233,8 @@ def main(argv=None) -> None:
         # CPU cost, which contention on a shared machine does not distort as much as wall time:
         # with a free core per side the transport would move 1 GiB in max(sender, receiver).
         "d_sodium_cpu_s_per_GiB": round(sodium_cpu, 3),
+        "a_sender_cpu_s_per_GiB": round(raw_send_cpu, 3),
+        "a_receiver_cpu_s_per_GiB": round(raw_recv_cpu, 3),
         "b_sender_cpu_s_per_GiB": round(tr["sender_cpu_s_per_GiB"], 3),
         "b_receiver_cpu_s_per_GiB": round(tr["receiver_cpu_s_per_GiB"], 3),
         "ratio_sodium_cpu_over_max_side_cpu": round(
@@ -228,6 +242,7 @@ def main(argv=None) -> None:
         ),
         "ratio_b_over_c": round(tr["transport_Bps"] / framed, 3),
         "payload_MiB": args.payload_mib,
+        "crypto_thread_min_bytes": args.crypto_thread_min_bytes,
         "total_MiB": args.total_mib,
     }
     for k, v in out.items():

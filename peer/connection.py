@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_OFFLOAD_BYTES = 128 * 1024  # records at least this large are sealed on a worker thread
-
 # Message types 0-3 belong to the transport itself; the daemon uses 4-31.
 PING = 0  # request with an empty body, answered by the transport
 KEEPALIVE = 1  # one-way, ignored; keeps an idle connection from timing out
@@ -100,6 +98,7 @@ class Connection:
         self._out_index = 0
         self._to_writer, self._from_writer = trio.open_memory_channel(0)
         self._writer_running = False
+        self._offload = config.crypto_thread_min_bytes
         self._pending: dict[int, _Pending] = {}
         self._next_id = 1
         self._handler_slots = config.max_concurrent_handlers
@@ -203,8 +202,9 @@ class Connection:
     async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
         """Encrypt one frame (renewing the key first when due) and hand it to the writer.
 
-        Large records are sealed on a worker thread (libsodium releases the GIL) into one of
-        two alternating buffers while the writer task still sends the previous record.
+        Records are sealed into one of two alternating buffers while the writer task still
+        sends the previous one; with `crypto_thread_min_bytes` set, large records are sealed
+        on a worker thread (libsodium releases the GIL), overlapping encryption and sending.
         `flush` waits until the record is on the socket.
         """
         async with self._send_lock:
@@ -221,7 +221,7 @@ class Connection:
             self._out_index ^= 1
             if len(self._outs[i]) < size:
                 self._outs[i] = bytearray(max(size, min(2 * len(self._outs[i]), PREFIX_BYTES + self._max_record)))
-            if len(frame) >= _OFFLOAD_BYTES:
+            if self._offload and len(frame) >= self._offload:
                 record = await trio.to_thread.run_sync(self._send.seal_into, frame, self._outs[i])
             else:
                 record = self._send.seal_into(frame, self._outs[i])
@@ -333,7 +333,8 @@ class Connection:
 
         A receiver task reads whole records into two alternating buffers and hands them over
         an unbuffered channel (a hand-off completes once the previous record is processed, so
-        its buffer is free again). Large records are decrypted and parsed on a worker thread.
+        its buffer is free again). With `crypto_thread_min_bytes` set, large records are
+        decrypted and parsed on a worker thread while the next one arrives.
         """
         send, recv = trio.open_memory_channel(0)
         error: ProtocolError | ConnectionClosed | None = None
@@ -352,7 +353,7 @@ class Connection:
             if isinstance(item, BaseException):
                 raise item
             prefix, record = item
-            if len(record) >= _OFFLOAD_BYTES:
+            if self._offload and len(record) >= self._offload:
                 event = await trio.to_thread.run_sync(self._open_frame, prefix, record)
             else:
                 event = self._open_frame(prefix, record)

@@ -85,6 +85,10 @@ class TransportConfig:
     max_concurrent_handlers: int = 64
     # Control frames queued per connection before senders wait (droppable ones are dropped).
     max_queued_control_frames: int = 256
+    # Records at least this large are encrypted/decrypted on worker threads, overlapping crypto
+    # with socket I/O; 0 keeps all crypto on the event loop. Threads pay off with idle cores
+    # to spare; on a busy 2-core host they cost about 0.6 CPU s per GiB in hand-offs.
+    crypto_thread_min_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_control_frame_bytes < 1024:
@@ -105,6 +109,8 @@ class TransportConfig:
             raise ValueError("rekey_after_records must be in 1..2^62")
         if self.max_half_open_handshakes < 1 or self.handshake_burst < 1:
             raise ValueError("max_half_open_handshakes and handshake_burst must be >= 1")
+        if self.crypto_thread_min_bytes < 0:
+            raise ValueError("crypto_thread_min_bytes must be >= 0")
         if self.max_concurrent_handlers < 1 or self.max_queued_control_frames < 1:
             raise ValueError("max_concurrent_handlers and max_queued_control_frames must be >= 1")
 

@@ -330,7 +330,14 @@ async def test_link_shaper_sees_every_frame(autojump_clock):
 
 
 async def test_large_records_sealed_and_opened_on_worker_threads():
-    cfg = TransportConfig(**{**TransportConfig.test().__dict__, "chunk_bytes": 1 << 20, "rekey_after_records": 3})
+    cfg = TransportConfig(
+        **{
+            **TransportConfig.test().__dict__,
+            "chunk_bytes": 1 << 20,
+            "rekey_after_records": 3,
+            "crypto_thread_min_bytes": 128 * 1024,
+        }
+    )
     a, b = make(config=cfg), make(config=cfg)
     payload = bytes(range(251)) * 25_000 + b"tail"  # ~6 MiB in 1 MiB records, keys renewed on the way
     async with trio.open_nursery() as n:
