@@ -298,6 +298,8 @@ class Transport:
         except trio.TooSlowError:
             logger.debug("handshake from %s:%d timed out", remote[0], remote[1])
             hs = None
+        except _AlreadyLogged:
+            hs = None
         except HandshakeError as e:
             logger.warning("refused handshake from %s:%d: %s", remote[0], remote[1], e)
             hs = None
@@ -319,9 +321,10 @@ class Transport:
         try:
             msg2 = resp.on_hello(await _recv_hs(reader))
         except HandshakeError as e:
+            logger.warning("refused handshake from %s:%d: %s", remote[0], remote[1], e)
             with trio.move_on_after(self.config.close_timeout_s):
                 await _send_hs(stream, reject_message(str(e)))
-            raise
+            raise _AlreadyLogged() from e
         await _send_hs(stream, msg2)
         return resp.on_finish(await _recv_hs(reader))
 
@@ -369,6 +372,10 @@ class Transport:
                 logger.debug("disconnected from %s: %s", conn.short_id, conn.close_reason)
                 for cb in self._on_disconnect:
                     cb(conn, conn.close_reason)
+
+
+class _AlreadyLogged(Exception):
+    """A refused handshake whose reason was logged before the refusal was sent."""
 
 
 def _keeps_existing(existing: Connection, new: Connection) -> bool:

@@ -75,7 +75,7 @@ def test_self_connection_refused():
         run(Initiator(A, KEY, HELLO_A), Responder(A, KEY, HELLO_B))
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_garbage_raises_protocol_error_only(data):
     with pytest.raises(ProtocolError):

@@ -34,12 +34,13 @@ wire_values = st.recursive(
 )
 
 
+@settings(deadline=None)
 @given(wire_values)
 def test_round_trip(value):
     assert unpack_untrusted(pack(value), max_len=MiB) == value
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_raise_only_protocol_error(data):
     try:
@@ -48,6 +49,7 @@ def test_random_bytes_raise_only_protocol_error(data):
         pass
 
 
+@settings(deadline=None)
 @given(wire_values, st.data())
 def test_truncation_is_refused(value, data):
     encoded = pack(value)
