@@ -184,8 +184,8 @@ def cmd_leave(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            ControlClient(data_dir.control_socket, config.control,
-                          data_dir=data_dir.root).connect()
+            with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root):
+                pass
         except DaemonNotRunning:
             print(f"daemon (pid {pid}) left", file=sys.stderr)
             return 0

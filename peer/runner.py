@@ -43,11 +43,13 @@ def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
     identity = Identity.load_or_create(data_dir.root)
     if not existed:
         logger.info("created identity %s in %s", identity.short_id, data_dir.root)
-    logger.info("peer %s, swarm key %s (fingerprint)", identity.short_id,
-                swarm_key_fingerprint(swarm_key))
-    transport = Transport(identity, swarm_key, config.transport,
-                          region=config.peer.region)
-    return Daemon(config, identity, transport, data_dir)
+    fingerprint = swarm_key_fingerprint(swarm_key)
+    logger.info("peer %s, swarm key fingerprint %s", identity.short_id, fingerprint)
+    transport = Transport(identity, swarm_key, config.transport, region=config.peer.region)
+    daemon = Daemon(config, identity, transport, data_dir)
+    # Not secret; lets two operators compare keys when a handshake is refused.
+    daemon.add_status_provider("swarm_key_fingerprint", lambda: fingerprint)
+    return daemon
 
 
 def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = ()) -> int:

@@ -183,7 +183,10 @@ def test_wrong_swarm_key_is_refused_on_both_sides(swarm_root):
     wait_for("a to log the refusal", lambda: "refused handshake from" in a.log_text())
     assert "swarm key mismatch" in x.log_text()
     assert "swarm key mismatch" in a.log_text()
-    assert a.status()["peers"] == [] and x.status()["peers"] == []
+    sa, sx = a.status(), x.status()
+    assert sa["peers"] == [] and sx["peers"] == []
+    assert sa["swarm_key_fingerprint"] != sx["swarm_key_fingerprint"]
+    assert f"fingerprint {sa['swarm_key_fingerprint']}" in x.log_text()
     x.proc.send_signal(signal.SIGINT)
     assert x.proc.wait(DEADLINE_S) == 0
 
