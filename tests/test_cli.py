@@ -74,6 +74,15 @@ def test_no_daemon_gives_the_clear_error(tmp_path, capsys, command):
                             "start one with `dtfm-peer join`\n")
 
 
+def test_status_finds_the_data_dir_in_the_config_file(tmp_path, capsys):
+    (tmp_path / "peer.toml").write_text('[peer]\ndata_dir = "d"\n')
+    assert main(["status", "--config", str(tmp_path / "peer.toml")]) == 1
+    assert f"for data dir {tmp_path / 'd'}:" in capsys.readouterr().err
+    assert main(["status", "--config", str(tmp_path / "peer.toml"), "--data-dir",
+                 str(tmp_path / "e")]) == 1
+    assert f"for data dir {tmp_path / 'e'}:" in capsys.readouterr().err
+
+
 def test_join_errors_are_one_line(tmp_path, capsys, restore_logging):
     assert main(["join", "--data-dir", str(tmp_path)]) == 1
     assert "joining needs the swarm key: pass --swarm-key FILE" in capsys.readouterr().err

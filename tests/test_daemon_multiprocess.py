@@ -209,6 +209,12 @@ def test_second_daemon_on_one_data_dir_is_refused(swarm_root):
     assert out.returncode == 1
     assert "a daemon is already running for data dir" in out.stderr
     assert "Traceback" not in out.stderr
+    port = a.listen.rsplit(":", 1)[1]
+    busy = cli("join", "--data-dir", root / "other", "--swarm-key", root / "swarm.key",
+               "--listen", a.listen)
+    assert busy.returncode == 1
+    assert f"dtfm-peer: error: cannot listen on 127.0.0.1:{port}: " in busy.stderr
+    assert "Traceback" not in busy.stderr
     assert a.status() is not None   # the first one is undisturbed
 
 
