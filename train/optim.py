@@ -1,5 +1,5 @@
 """AdamW keyed by parameter name, so a stage's optimizer state is saved, sent and restored by
-the same names as its weights; and global-norm gradient clipping helpers."""
+the same names as its weights; and the global-norm clipping coefficient."""
 
 from __future__ import annotations
 
