@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -232,7 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # `dtfm-peer status | head`: the reader went away; not an error worth a traceback.
-        sys.stderr.close()
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except BaseException as e:
         text = user_error_text(e)
@@ -241,7 +241,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG}: error: {text}", file=sys.stderr)
         return 1
 
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    sys.exit(main())
