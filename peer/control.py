@@ -170,15 +170,14 @@ class ControlServer:
         # The caller holds the data dir lock, so a socket file left here is stale.
         _unlink_quietly(self.path)
         sock = trio.socket.socket(stdsocket.AF_UNIX, stdsocket.SOCK_STREAM)
-        old_umask = os.umask(0o177)
         try:
             await sock.bind(os.fspath(self.path))
+            # Until this chmod the socket has the umask's mode; the 0700 directory keeps
+            # other users out meanwhile.
+            os.chmod(self.path, 0o600)
         except BaseException:
             sock.close()
             raise
-        finally:
-            os.umask(old_umask)
-        os.chmod(self.path, 0o600)
         sock.listen(self.config.max_clients)
         return sock
 
@@ -189,7 +188,11 @@ class ControlServer:
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
         async with stream:
-            uid = peer_uid(stream.socket)
+            try:
+                uid = peer_uid(stream.socket)
+            except OSError as e:
+                logger.debug("control connection without credentials: %s", e)
+                return
             if uid is not None and uid != self.allowed_uid:
                 logger.warning("control connection from uid %d refused: only uid %d may "
                                "control this daemon", uid, self.allowed_uid)
@@ -227,8 +230,11 @@ class ControlServer:
             reply = await self._dispatch(request)
             try:
                 frame = encode_frame(reply, self.config.max_response_bytes)
-            except ValueError as e:
-                frame = encode_frame({"ok": False, "error": str(e)}, self.config.max_response_bytes)
+            except Exception as e:   # too big, or a result msgpack cannot encode
+                logger.warning("control reply to %s not sent: %s: %s", request.op,
+                               type(e).__name__, e)
+                frame = encode_frame({"ok": False, "error": f"cannot send the reply to "
+                                      f"{request.op}: {e}"}, self.config.max_response_bytes)
             try:
                 with trio.fail_after(self.config.request_timeout_s):
                     await stream.send_all(frame)

@@ -232,6 +232,23 @@ async def test_silent_client_is_dropped_after_the_idle_timeout(sock_dir, autojum
     assert trio.current_time() - t0 == pytest.approx(30.0)
 
 
+async def test_unencodable_or_oversize_results_become_error_replies(sock_dir):
+    server = ControlServer(sock_dir / "s", CONFIG)
+
+    async def odd(args):
+        return object()
+
+    async def huge(args):
+        return "x" * (CONFIG.max_response_bytes + 1)
+
+    server.register("odd", odd)
+    server.register("huge", huge)
+    replies = await exchange(server, request_frame("odd"), request_frame("huge"))
+    assert [r["ok"] for r in replies] == [False, False]
+    assert "cannot send the reply to odd" in replies[0]["error"]
+    assert "cannot send the reply to huge" in replies[1]["error"]
+
+
 def test_register_checks_names():
     server = ControlServer(Path("/nonexistent/s"), CONFIG)
 
