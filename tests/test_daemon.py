@@ -465,3 +465,18 @@ def test_peer_exchange_from_wire_raises_only_protocol_error(body):
         assert len(rec.peer_id) == 32 and 1 <= rec.address.port <= 65535
         assert not rec.address.is_unspecified
         assert PeerRecord.from_wire(rec.to_wire()) == rec
+
+
+async def test_a_failing_service_stops_the_daemon(autojump, short_tmp):
+    async def faulty(daemon, *, task_status=trio.TASK_STATUS_IGNORED):
+        task_status.started()
+        await trio.sleep(1.0)
+        raise RuntimeError("stage 3 lost its weights")
+
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="lost its weights"),
+                            flatten_subgroups=True):
+        async with trio.open_nursery() as nursery:
+            swarm = Swarm(nursery, short_tmp)
+            a = await swarm.start("a", services=[faulty])
+            await a.done.wait()
+    assert not (short_tmp / "a" / "control" / "peer.sock").exists()
