@@ -21,7 +21,7 @@ import trio
 
 from .addr import Address
 from .config import DiscoveryConfig
-from .errors import ConnectionClosed, HandshakeError, ProtocolError, RequestTimeout
+from .errors import ConnectionClosed, HandshakeError, ProtocolError, RemoteError, RequestTimeout
 from .peerbook import PeerBook, backoff_delay_s
 from .pex import DaemonMsg, Leaving, PeerExchange, PeerRecord, dialable_address
 
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
-DIAL_ERRORS = (OSError, ProtocolError, ConnectionClosed, RequestTimeout, trio.TooSlowError)
+DIAL_ERRORS = (OSError, ProtocolError, ConnectionClosed, RequestTimeout, RemoteError,
+               trio.TooSlowError)
 
 
 def _short(peer_id: bytes) -> str:
@@ -153,7 +154,7 @@ class Discovery:
         except ProtocolError as e:
             logger.debug("bad peer exchange reply from %s: %s", conn.short_id, e)
             await conn.close(f"bad peer exchange reply: {e}")
-        except (ConnectionClosed, RequestTimeout, OSError) as e:
+        except (ConnectionClosed, RequestTimeout, RemoteError, OSError) as e:
             logger.debug("peer exchange with %s failed: %s", conn.short_id, e)
 
     async def _exchange_loop(self) -> None:

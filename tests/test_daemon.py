@@ -20,7 +20,8 @@ import trio.testing
 from dtfm.peer.addr import Address
 from dtfm.peer.config import DaemonConfig, DiscoveryConfig, PeerConfig
 from dtfm.peer.daemon import Daemon
-from dtfm.peer.errors import ConnectionClosed, HandshakeError, ProtocolError, RequestTimeout
+from dtfm.peer.errors import (ConnectionClosed, HandshakeError, ProtocolError, RemoteError,
+                              RequestTimeout)
 from dtfm.peer.identity import Identity
 from dtfm.peer.paths import DataDir
 from dtfm.peer.peerbook import PeerBook, backoff_delay_s
@@ -58,11 +59,16 @@ class FakeConnection:
         body = unpack_untrusted(pack(body), max_len=1 << 20)
         await trio.sleep(0.01)   # one-way latency
         self.twin.last_seen = trio.current_time()
+        handler = self.remote.handlers.get(msg_type)
+        if handler is None:
+            raise RemoteError(f"{self.short_id}: unknown message type")
         try:
-            return await self.remote.handlers[msg_type](self.twin, msg_type, body, payload)
+            return await handler(self.twin, msg_type, body, payload)
         except ProtocolError as e:
             await self.close(f"protocol error: {e}")
             raise ConnectionClosed(str(e)) from None
+        except Exception:
+            raise RemoteError(f"{self.short_id}: internal error") from None
 
     async def request(self, msg_type, body, *, payload=None, timeout_s=None):
         with trio.move_on_after(timeout_s or 30) as scope:
@@ -480,3 +486,19 @@ async def test_a_failing_service_stops_the_daemon(autojump, short_tmp):
             a = await swarm.start("a", services=[faulty])
             await a.done.wait()
     assert not (short_tmp / "a" / "control" / "peer.sock").exists()
+
+
+async def test_peer_whose_exchange_handler_fails_stays_connected(autojump, short_tmp):
+    async def broken(conn, msg_type, body, payload):
+        raise RuntimeError("bug in an older peer")
+
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a")
+        a.transport.handlers[16] = broken   # every exchange a answers is an error reply
+        b = await swarm.start("b", bootstrap=[a.listen_address])
+        await wait_until(lambda: seen(b) == [a.short_id])
+        await trio.sleep(5)   # several periodic exchanges fail; b keeps running
+        assert seen(b) == [a.short_id]
+        assert not b.done.is_set()
+        nursery.cancel_scope.cancel()
