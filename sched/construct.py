@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["locality_order", "dp_aligned", "pp_aligned", "consecutive", "random_allocation"]
+__all__ = ["locality_order", "dp_aligned", "pp_aligned", "aligned_blocks", "consecutive", "random_allocation"]
 
 
 def locality_order(hop: np.ndarray, regions=None) -> np.ndarray:
@@ -50,3 +50,34 @@ def consecutive(n: int, S: int, D: int) -> tuple[np.ndarray, np.ndarray]:
 def random_allocation(n: int, S: int, D: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     perm = rng.permutation(n).astype(np.int64)
     return perm[:S * D].reshape(S, D).copy(), perm[S * D:].copy()
+
+
+def aligned_blocks(order: np.ndarray, regions, S: int, D: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pipelines built from segments of `block` consecutive stages, each segment inside one region
+    where the region has room, segment k going to pipeline k mod D at stage block k // D, so
+    segments of one region line up at the same stages. block = 1 gives one region per DP group,
+    block = S one region per pipeline; in between, e.g. four-GPU machines each hosting four
+    stages of one pipeline, next to single-GPU peers hosting the other four."""
+    if S % block:
+        raise ValueError(f"block {block} does not divide {S} stages")
+    labels = [None] * len(order) if regions is None else [regions[i] for i in order]
+    segments, leftover = [], []
+    k = 0
+    while k < len(order):
+        j = k
+        while j < len(order) and labels[j] == labels[k]:
+            j += 1
+        run = list(order[k:j])
+        cut = len(run) - len(run) % block
+        segments += [run[i:i + block] for i in range(0, cut, block)]
+        leftover += run[cut:]
+        k = j
+    segments += [leftover[i:i + block] for i in range(0, len(leftover) - len(leftover) % block, block)]
+    need = D * (S // block)
+    used = [p for seg in segments[:need] for p in seg]
+    X = np.empty((S, D), dtype=np.int64)
+    for k, seg in enumerate(segments[:need]):
+        p, b = k % D, k // D
+        X[b * block:(b + 1) * block, p] = seg
+    spares = np.array(sorted(set(order.tolist()) - set(used)), dtype=np.int64)
+    return X, spares

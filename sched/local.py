@@ -52,7 +52,10 @@ class SwapSearch:
     def _totals(self) -> None:
         self.pp = float(self.bmax.sum())
         self.net = float(self.dpst.max() + 2 * self.pp)
-        self.sec = float(self.dpst.sum())
+        self.hsum = float(self.Hb.sum())
+        # secondary score, to move along plateaus of the max terms: every group's DP cost and
+        # every hop count, not only the largest
+        self.sec = float(self.dpst.sum()) + 2 * self.hsum / self.X.shape[1]
         self.exact = self.m.breakdown(self.X).total_s if self.m.extensions else self.net
 
     def _update(self, X: np.ndarray, Z: np.ndarray, rows: tuple[int, ...]) -> None:
@@ -96,16 +99,22 @@ class SwapSearch:
         own = w_oy.sum(axis=0) if self.symmetric else self._w_cols(om, self.g[s]).sum(axis=1)
         return np.maximum(members.max(axis=0), own)
 
-    def _x_side_pp(self, s: int, p: int, Y: np.ndarray, excl: np.ndarray) -> np.ndarray:
-        """Change of PPcost at boundaries s-1 and s when each y in Y replaces X[s, p]."""
+    def _x_side_pp(self, s: int, p: int, Y: np.ndarray, excl: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Change of PPcost, and of the sum of all hops, at boundaries s-1 and s when each y in
+        Y replaces X[s, p]."""
         X, hop = self.X, self.m.hop
         S = X.shape[0]
         out = np.zeros(len(Y))
+        hs = np.zeros(len(Y))
         if s > 0:
-            out += np.maximum(excl[s - 1, p], hop[X[s - 1, p], Y]) - self.bmax[s - 1]
+            h = hop[X[s - 1, p], Y]
+            out += np.maximum(excl[s - 1, p], h) - self.bmax[s - 1]
+            hs += h - self.Hb[s - 1, p]
         if s < S - 1:
-            out += np.maximum(excl[s, p], hop[Y, X[s + 1, p]]) - self.bmax[s]
-        return out
+            h = hop[Y, X[s + 1, p]]
+            out += np.maximum(excl[s, p], h) - self.bmax[s]
+            hs += h - self.Hb[s, p]
+        return out, hs
 
     def _far_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray):
         """Scores (net, sec) of swapping x with every active peer (its own stage excluded)."""
@@ -133,22 +142,27 @@ class SwapSearch:
         v2 = dpx.max() if S > 2 else -np.inf
         other = np.where(np.arange(S) == i1, v2, v1)[:, None]
         new_dp = np.maximum(np.maximum(new_s, new_t), other)
-        sec = self.sec - self.dpst[s] - self.dpst[:, None] + new_s + new_t
-        dpp = self._x_side_pp(s, p, Y, excl).reshape(S, D)
+        sec_dp = self.sec - 2 * self.hsum / D - self.dpst[s] - self.dpst[:, None] + new_s + new_t
+        dpp, dhs = self._x_side_pp(s, p, Y, excl)
+        dpp, dhs = dpp.reshape(S, D), dhs.reshape(S, D)
         if S > 1:
-            up = np.maximum(excl, m.hop[X[:-1], x]) - self.bmax[:, None]
-            down = np.maximum(excl, m.hop[x, X[1:]]) - self.bmax[:, None]
-            dpp[1:] += up
-            dpp[:-1] += down
+            h_up, h_down = m.hop[X[:-1], x], m.hop[x, X[1:]]
+            dpp[1:] += np.maximum(excl, h_up) - self.bmax[:, None]
+            dpp[:-1] += np.maximum(excl, h_down) - self.bmax[:, None]
+            dhs[1:] += h_up - self.Hb
+            dhs[:-1] += h_down - self.Hb
         net = new_dp + 2 * (self.pp + dpp)
+        sec = sec_dp + 2 * (self.hsum + dhs) / D
         for t in (s - 1, s + 1):  # neighbouring stages share boundaries with x: score them exactly
             if 0 <= t < S:
-                net[t] = new_dp[t] + 2 * self._near_pp(s, p, t)
+                pp, hs = self._near_pp(s, p, t)
+                net[t] = new_dp[t] + 2 * pp
+                sec[t] = sec_dp[t] + 2 * hs / D
         net[s] = np.inf  # within a stage, the matchings re-pair pipelines
         return net, sec
 
-    def _near_pp(self, s: int, p: int, t: int) -> np.ndarray:
-        """PPcost after swapping X[s, p] with each X[t, q], t = s +- 1."""
+    def _near_pp(self, s: int, p: int, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """PPcost and the sum of all hops after swapping X[s, p] with each X[t, q], t = s +- 1."""
         X, hop = self.X, self.m.hop
         S, D = X.shape
         x = X[s, p]
@@ -158,21 +172,27 @@ class SwapSearch:
         row_t[np.arange(D), np.arange(D)] = x
         lo, hi = (s, t) if s < t else (t, s)
         r_lo, r_hi = (row_s, row_t) if s < t else (row_t, row_s)
-        out = self.pp - self.bmax[lo]
-        out = out + hop[r_lo, r_hi].max(axis=1)
+        mid = hop[r_lo, r_hi]
+        out = self.pp - self.bmax[lo] + mid.max(axis=1)
+        hs = self.hsum - self.Hb[lo].sum() + mid.sum(axis=1)
         if lo > 0:
-            out += hop[X[lo - 1][None, :], r_lo].max(axis=1) - self.bmax[lo - 1]
+            h = hop[X[lo - 1][None, :], r_lo]
+            out += h.max(axis=1) - self.bmax[lo - 1]
+            hs += h.sum(axis=1) - self.Hb[lo - 1].sum()
         if hi < S - 1:
-            out += hop[r_hi, X[hi + 1][None, :]].max(axis=1) - self.bmax[hi]
-        return out
+            h = hop[r_hi, X[hi + 1][None, :]]
+            out += h.max(axis=1) - self.bmax[hi]
+            hs += h.sum(axis=1) - self.Hb[hi].sum()
+        return out, hs
 
     def _spare_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray):
         new_s = row_s[self.Z]
         dpx = self.dpst.copy()
         dpx[s] = -np.inf
         other = dpx.max() if len(dpx) > 1 else -np.inf
-        net = np.maximum(new_s, other) + 2 * (self.pp + self._x_side_pp(s, p, self.Z, excl))
-        sec = self.sec - self.dpst[s] + new_s
+        dpp, dhs = self._x_side_pp(s, p, self.Z, excl)
+        net = np.maximum(new_s, other) + 2 * (self.pp + dpp)
+        sec = self.sec - self.dpst[s] + new_s + 2 * dhs / self.X.shape[1]
         return net, sec
 
     # -- moves ----------------------------------------------------------------------------
@@ -261,7 +281,7 @@ class SwapSearch:
 
         With the paper objective, sweeps over the critical peers alone come first (they are
         few, and only they can lower the cost); a full sweep then looks for swaps that lower
-        the secondary score (the sum of the groups' DP costs) before the next round.
+        the secondary score (the sum of the groups' DP costs and of all hops) before the next round.
         """
         self._load(X.copy(), Z.copy())
         S, D = X.shape

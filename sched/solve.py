@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
+from .construct import aligned_blocks, consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
 from .cost import CostBreakdown, CostModel
 from .search import SearchConfig, ShapeSearch
 from .spec import CommSpec, ModelSpec
@@ -96,6 +96,7 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
 def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
     order = locality_order(model.hop, regions)
     seeds = [dp_aligned(order, S, D), pp_aligned(order, S, D), consecutive(model.n, S, D)]
+    seeds += [aligned_blocks(order, regions, S, D, b) for b in range(2, S) if S % b == 0]
     seeds += [random_allocation(model.n, S, D, rng) for _ in range(count)]
     return seeds
 

@@ -109,3 +109,30 @@ def test_layer_ranges_cover_the_model():
     assert alloc.layer_ranges == ((0, 6), (6, 12), (12, 18), (18, 24))
     d = alloc.to_dict()
     assert d["cost"]["total_s"] == pytest.approx(d["cost"]["dp_s"] + 2 * d["cost"]["pp_s"])
+
+
+def test_aligned_blocks_span_the_constructions():
+    from dtfm.sched.construct import aligned_blocks
+
+    order = np.arange(16)
+    regions = ["a"] * 4 + ["b"] * 4 + ["c"] * 8
+    X1, _ = aligned_blocks(order, regions, 4, 4, 1)
+    assert (X1 == dp_aligned(order, 4, 4)[0]).all()
+    X4, _ = aligned_blocks(order, regions, 4, 4, 4)
+    assert (X4 == pp_aligned(order, 4, 4)[0]).all()
+    X2, spares = aligned_blocks(order, regions, 4, 4, 2)
+    # region a's two segments sit at stages 0-1 of pipelines 0 and 1
+    assert X2[:2, 0].tolist() == [0, 1] and X2[:2, 1].tolist() == [2, 3] and len(spares) == 0
+    assert sorted(X2.ravel().tolist()) == list(range(16))
+
+
+def test_spot_instances_host_whole_stage_blocks():
+    # four-GPU machines take four stages of one pipeline, single GPUs the other four
+    sc = load_scenario("spot")
+    dl, bw = sc.delay_ms(), sc.bandwidth_gbps()
+    alloc = solve(dl, bw, PAPER_GPT3_XL, stages=8, dp=8, regions=sc.peer_regions(), generations=0, time_budget_s=60)
+    regions = sc.peer_regions()
+    inst = [i for i in range(64) if regions[i] != "standalone"]
+    single = [i for i in range(64) if regions[i] == "standalone"]
+    by_hand = evaluate(dl, bw, PAPER_GPT3_XL, [inst[4 * k:4 * k + 4] + single[4 * k:4 * k + 4] for k in range(8)])
+    assert alloc.cost.paper_s <= by_hand.paper_s + 1e-9
