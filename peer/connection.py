@@ -77,8 +77,9 @@ class Connection:
         self._reader = reader
         self._config = config
         self._handlers = handlers
-        self._send = SendCipher(hs.send_key)
-        self._recv = RecvCipher(hs.recv_key)
+        self._send = SendCipher(hs.send_key, hs.suite)
+        self._recv = RecvCipher(hs.recv_key, hs.suite)
+        self.cipher_suite: str = hs.suite
         self._last_rekey = trio.current_time()
         self._last_sent = trio.current_time()
         self._inbound = frames.Inbound(
@@ -216,7 +217,7 @@ class Connection:
                 await self._hand_to_writer(self._send.seal(frames.encode_rekey()))
                 self._send.ratchet()
                 self._last_rekey = now
-            size = PREFIX_BYTES + len(frame) + TAG_BYTES
+            size = PREFIX_BYTES + len(frame) + self._send.tag_bytes
             i = self._out_index
             self._out_index ^= 1
             if len(self._outs[i]) < size:
@@ -382,7 +383,7 @@ class Connection:
                 try:
                     with trio.move_on_after(idle) as scope:
                         prefix = bytes(await self._reader.read_exactly(PREFIX_BYTES))
-                        n = parse_prefix(prefix, self._max_record)
+                        n = parse_prefix(prefix, self._max_record, self._recv.tag_bytes)
                         if len(bufs[i]) < n:
                             bufs[i] = bytearray(max(n, min(2 * len(bufs[i]), self._max_record)))
                         record = memoryview(bufs[i])[:n]

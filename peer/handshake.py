@@ -13,6 +13,9 @@ h = BLAKE2b(msg1 | "DTFM" | version | e_r) is the transcript; each side signs
 "dtfm-hs-resp"/"dtfm-hs-init" | h with its Ed25519 identity key. Every key is derived from the
 ephemeral X25519 secret *and* the swarm key, so only swarm members can complete a handshake,
 and past traffic stays secret if an identity key later leaks. Session keys: one per direction.
+Each side lists the record ciphers it runs fast; both pick AEGIS-256 if both list it, else
+ChaCha20-Poly1305 (`session.choose_suite`). The lists travel inside the AEAD-protected
+blobs, so nobody without the swarm key can downgrade them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import nacl.utils
 
 from .errors import HandshakeError, ProtocolError
 from .identity import Identity, short_id, swarm_key_fingerprint, verify_signature
+from .session import SUITES, choose_suite, local_suites
 from .wire import get_bytes, get_dict, get_int, get_list, get_str, pack, unpack_untrusted
 
 PROTOCOL_VERSION = 1
@@ -54,6 +58,7 @@ class HandshakeResult:
     hello: PeerHello
     send_key: bytes
     recv_key: bytes
+    suite: str = "chacha20poly1305"  # the record cipher both sides chose
 
     @property
     def short_id(self) -> str:
@@ -73,9 +78,14 @@ def _mac1(swarm_key: bytes, header: bytes) -> bytes:
 
 
 class _Side:
-    def __init__(self, identity: Identity, swarm_key: bytes, hello: PeerHello) -> None:
+    def __init__(
+        self, identity: Identity, swarm_key: bytes, hello: PeerHello, suites: list[str] | None = None
+    ) -> None:
         if len(swarm_key) != 32:
             raise ValueError("the swarm key is 32 bytes")
+        self._suites = list(local_suites() if suites is None else suites)
+        if not self._suites or any(name not in SUITES for name in self._suites):
+            raise ValueError(f"cipher suites must be among {sorted(SUITES)}")
         self._identity = identity
         self._swarm_key = bytes(swarm_key)
         self._hello = hello
@@ -97,10 +107,13 @@ class _Side:
             "sig": self._identity.sign(label + transcript),
             "region": self._hello.region,
             "listen": [self._hello.listen_address[0], self._hello.listen_address[1]],
+            "ciphers": self._suites,
         }
         return nacl.bindings.crypto_aead_chacha20poly1305_ietf_encrypt(pack(body), transcript, _NONCE0, key)
 
-    def _open_identity(self, blob: bytes, key: bytes, transcript: bytes, label: bytes) -> tuple[bytes, PeerHello]:
+    def _open_identity(
+        self, blob: bytes, key: bytes, transcript: bytes, label: bytes
+    ) -> tuple[bytes, PeerHello, list[str]]:
         try:
             plain = nacl.bindings.crypto_aead_chacha20poly1305_ietf_decrypt(blob, transcript, _NONCE0, key)
         except (nacl.exceptions.CryptoError, ValueError, TypeError):
@@ -118,11 +131,12 @@ class _Side:
             raise ProtocolError("listen address must be [host, port]")
         host = get_str({"h": listen[0]}, "h", MAX_HOST_LEN)
         port = get_int({"p": listen[1]}, "p", 0, 65535)
+        ciphers = [get_str({"c": c}, "c", 32) for c in get_list(d, "ciphers", 8)]
         if not verify_signature(peer_id, label + transcript, sig):
             raise HandshakeError(f"peer {short_id(peer_id)} failed to prove its identity key")
         if peer_id == self._identity.peer_id:
             raise HandshakeError("connected to ourselves (same identity key)")
-        return peer_id, PeerHello(region=region, listen_address=(host, port))
+        return peer_id, PeerHello(region=region, listen_address=(host, port)), ciphers
 
 
 def _check_reject(msg: bytes) -> None:
@@ -149,9 +163,10 @@ class Initiator(_Side):
         e_r = bytes(msg2[5:37])
         transcript = hashlib.blake2b(self._msg1 + bytes(msg2[:37]), digest_size=32).digest()
         keys = self._derive(e_r, transcript)
-        peer_id, hello = self._open_identity(bytes(msg2[37:]), keys["hs-r"], transcript, b"dtfm-hs-resp")
+        peer_id, hello, theirs = self._open_identity(bytes(msg2[37:]), keys["hs-r"], transcript, b"dtfm-hs-resp")
+        suite = choose_suite(self._suites, theirs)
         msg3 = self._identity_blob(keys["hs-i"], transcript, b"dtfm-hs-init")
-        return msg3, HandshakeResult(peer_id, hello, send_key=keys["i2r"], recv_key=keys["r2i"])
+        return msg3, HandshakeResult(peer_id, hello, send_key=keys["i2r"], recv_key=keys["r2i"], suite=suite)
 
 
 class Responder(_Side):
@@ -180,5 +195,6 @@ class Responder(_Side):
         return msg2_head + self._identity_blob(self._keys["hs-r"], self._transcript, b"dtfm-hs-resp")
 
     def on_finish(self, msg3: bytes) -> HandshakeResult:
-        peer_id, hello = self._open_identity(bytes(msg3), self._keys["hs-i"], self._transcript, b"dtfm-hs-init")
-        return HandshakeResult(peer_id, hello, send_key=self._keys["r2i"], recv_key=self._keys["i2r"])
+        peer_id, hello, theirs = self._open_identity(bytes(msg3), self._keys["hs-i"], self._transcript, b"dtfm-hs-init")
+        suite = choose_suite(theirs, self._suites)
+        return HandshakeResult(peer_id, hello, send_key=self._keys["r2i"], recv_key=self._keys["i2r"], suite=suite)

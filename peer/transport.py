@@ -25,7 +25,7 @@ from .errors import ConnectionClosed, HandshakeError, ProtocolError
 from .handshake import MAX_HANDSHAKE_BYTES, HandshakeResult, Initiator, PeerHello, Responder, reject_message
 from .identity import Identity
 from .ratelimit import HandshakeAdmission
-from .session import encode_prefix
+from .session import SUITES, encode_prefix
 from .shaping import LinkShape, LinkShaper, PriorityShape
 from .streamio import StreamReader
 
@@ -89,6 +89,9 @@ class TransportConfig:
     # with socket I/O; 0 keeps all crypto on the event loop. Threads pay off with idle cores
     # to spare; on a busy 2-core host they cost about 0.6 CPU s per GiB in hand-offs.
     crypto_thread_min_bytes: int = 0
+    # Record ciphers offered in the handshake, preferred first; None offers what this machine
+    # runs fast (AEGIS-256 with hardware AES, and ChaCha20-Poly1305).
+    cipher_suites: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.max_control_frame_bytes < 1024:
@@ -109,6 +112,10 @@ class TransportConfig:
             raise ValueError("rekey_after_records must be in 1..2^62")
         if self.max_half_open_handshakes < 1 or self.handshake_burst < 1:
             raise ValueError("max_half_open_handshakes and handshake_burst must be >= 1")
+        if self.cipher_suites is not None and (
+            not self.cipher_suites or any(c not in SUITES for c in self.cipher_suites)
+        ):
+            raise ValueError(f"cipher_suites must be a non-empty subset of {sorted(SUITES)}")
         if self.crypto_thread_min_bytes < 0:
             raise ValueError("crypto_thread_min_bytes must be >= 0")
         if self.max_concurrent_handlers < 1 or self.max_queued_control_frames < 1:
@@ -158,6 +165,7 @@ class Transport:
         self.config = config
         self.listen_address: tuple[str, int] = ("", 0)
         self._swarm_key = bytes(swarm_key)
+        self._suites = None if config.cipher_suites is None else list(config.cipher_suites)
         self._shaper = shaper
         self._handlers: dict[int, Handler] = {}
         self._on_connect: list[Callable[[Connection], None]] = []
@@ -264,7 +272,7 @@ class Transport:
         await self._run_connection(stream, reader, hs, self.peer_id, remote, task_status)
 
     async def _handshake_initiator(self, stream, reader) -> HandshakeResult:
-        init = Initiator(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address))
+        init = Initiator(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites)
         await _send_hs(stream, init.first_message())
         msg3, hs = init.on_response(await _recv_hs(reader))
         await _send_hs(stream, msg3)
@@ -317,7 +325,7 @@ class Transport:
         await self._run_connection(stream, reader, hs, hs.peer_id, remote, trio.TASK_STATUS_IGNORED)
 
     async def _handshake_responder(self, stream, reader, remote) -> HandshakeResult:
-        resp = Responder(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address))
+        resp = Responder(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites)
         try:
             msg2 = resp.on_hello(await _recv_hs(reader))
         except HandshakeError as e:

@@ -6,11 +6,30 @@ from dtfm.peer.errors import HandshakeError, ProtocolError
 from dtfm.peer.handshake import Initiator, PeerHello, Responder, reject_message
 from dtfm.peer.identity import Identity
 from dtfm.peer.session import RecvCipher, SendCipher
+from dtfm.peer.session import RecvCipher as _Recv
+from dtfm.peer.session import SendCipher as _Send
 
 KEY = bytes(range(32))
 A, B = Identity.generate(), Identity.generate()
 HELLO_A = PeerHello("eu", ("10.0.0.1", 7000))
 HELLO_B = PeerHello("us", ("10.0.0.2", 7001))
+
+
+def test_cipher_suite_negotiation():
+    both = ["aegis256", "chacha20poly1305"]
+    for mine, theirs, expect in [
+        (both, both, "aegis256"),
+        (both, ["chacha20poly1305"], "chacha20poly1305"),
+        (["chacha20poly1305"], both, "chacha20poly1305"),
+    ]:
+        ri, rr = run(Initiator(A, KEY, HELLO_A, mine), Responder(B, KEY, HELLO_B, theirs))
+        assert ri.suite == rr.suite == expect
+        s, r = SendCipher(ri.send_key, ri.suite), RecvCipher(rr.recv_key, rr.suite)
+        assert r.open(bytes(s.seal(b"frame"))) == b"frame"
+    with pytest.raises(ProtocolError, match="no common cipher"):
+        run(Initiator(A, KEY, HELLO_A, ["aegis256"]), Responder(B, KEY, HELLO_B, ["chacha20poly1305"]))
+    with pytest.raises(ValueError):
+        Initiator(A, KEY, HELLO_A, ["rot13"])
 
 
 def run(init, resp):
@@ -90,7 +109,14 @@ def test_garbage_raises_protocol_error_only(data):
         resp.on_finish(data)
 
 
-def test_session_cipher_detects_replay_reorder_tamper_and_ratchets():
+@pytest.mark.parametrize("suite", ["chacha20poly1305", "aegis256"])
+def test_session_cipher_detects_replay_reorder_tamper_and_ratchets(suite):
+    def SendCipher(key):  # noqa: N802
+        return _Send(key, suite)
+
+    def RecvCipher(key):  # noqa: N802
+        return _Recv(key, suite)
+
     s, r = SendCipher(KEY), RecvCipher(KEY)
     r1, r2 = bytes(s.seal(b"one")), bytes(s.seal(b"two"))
     with pytest.raises(ProtocolError):

@@ -350,3 +350,18 @@ async def test_large_records_sealed_and_opened_on_worker_threads():
                     assert body == i and bytes(got) == payload[i:]
                 many.start_soon(one)
         n.cancel_scope.cancel()
+
+
+async def test_chacha_fallback_when_one_side_lacks_aegis():
+    chacha_only = TransportConfig(**{**TransportConfig.test().__dict__, "cipher_suites": ("chacha20poly1305",)})
+    a, b = make(config=chacha_only), make()
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        conn = await a.connect(host, port)
+        assert conn.cipher_suite == "chacha20poly1305"
+        assert b.connection(a.peer_id).cipher_suite == "chacha20poly1305"
+        body, got = await conn.request(ECHO, "x", payload=bytes(range(256)) * 1000)
+        assert body == "x" and bytes(got) == bytes(range(256)) * 1000
+        n.cancel_scope.cancel()
+    with pytest.raises(ValueError):
+        TransportConfig(cipher_suites=("rot13",))
