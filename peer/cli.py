@@ -43,9 +43,8 @@ def _add_data_dir(p: argparse.ArgumentParser) -> None:
                         "~/.local/share/dtfm)")
 
 
-def _add_config_file(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, metavar="FILE",
-                   help="TOML configuration file (see docs/daemon.md); flags override it")
+def _add_config_file(p: argparse.ArgumentParser, text: str) -> None:
+    p.add_argument("--config", type=Path, metavar="FILE", help=text)
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
@@ -96,14 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "peers, find the rest, and serve the control socket until "
                                    "SIGINT/SIGTERM or `dtfm-peer leave`; then tell the peers and "
                                    "exit 0. Creates the identity key if the data dir has none.")
-    _add_config_file(p)
+    _add_config_file(p, "TOML configuration file (see docs/daemon.md); flags override it")
     _add_config_flags(p)
 
     for name, text in (("status", "show the running daemon's status"),
                        ("leave", "make the running daemon leave the swarm and exit")):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         _add_data_dir(p)
-        _add_config_file(p)
+        _add_config_file(p, "the daemon's TOML configuration file, to find its data dir "
+                            "(--data-dir wins)")
         if name == "status":
             p.add_argument("--json", action="store_true",
                            help="print the full status as JSON (ids in full)")
