@@ -365,3 +365,31 @@ async def test_chacha_fallback_when_one_side_lacks_aegis():
         n.cancel_scope.cancel()
     with pytest.raises(ValueError):
         TransportConfig(cipher_suites=("rot13",))
+
+
+async def test_peer_silent_after_handshake_is_dropped_at_idle_timeout(autojump_clock):
+    from dtfm.peer.handshake import Initiator, PeerHello
+    from dtfm.peer.session import encode_prefix
+    from dtfm.peer.streamio import StreamReader
+
+    server = make()
+    gone = trio.Event()
+    closed_at = []
+    server.on_disconnect(lambda c, r: (closed_at.append((trio.current_time(), r)), gone.set()))
+    async with trio.open_nursery() as n:
+        await n.start(server.run)
+        left, right = trio.testing.memory_stream_pair()
+        n.start_soon(server.accept_stream, right, ("10.0.0.5", 1))
+        init = Initiator(Identity.generate(), KEY, PeerHello("", ("", 0)))
+        msg1 = init.first_message()
+        await left.send_all(encode_prefix(len(msg1)) + msg1)
+        reader = StreamReader(left)
+        size = int.from_bytes(await reader.read_exactly(4), "big")
+        msg3, _ = init.on_response(bytes(await reader.read_exactly(size)))
+        await left.send_all(encode_prefix(len(msg3)) + msg3)
+        t0 = trio.current_time()
+        await gone.wait()  # we never send another byte (nor read the server's keepalives)
+        elapsed, reason = closed_at[0][0] - t0, closed_at[0][1]
+        assert elapsed == pytest.approx(TransportConfig.test().idle_timeout_s, abs=0.01)
+        assert "nothing received" in reason
+        n.cancel_scope.cancel()
