@@ -53,21 +53,21 @@ SUITES: dict[str, Suite] = {
         lib.crypto_aead_chacha20poly1305_ietf_encrypt,
         lib.crypto_aead_chacha20poly1305_ietf_decrypt,
     ),
-    AEGIS256: Suite(
+}
+if hasattr(lib, "crypto_aead_aegis256_encrypt"):  # libsodium >= 1.0.19 (pynacl >= 1.6)
+    SUITES[AEGIS256] = Suite(
         AEGIS256,
         lib.crypto_aead_aegis256_abytes(),
         lib.crypto_aead_aegis256_npubbytes(),
         lib.crypto_aead_aegis256_encrypt,
         lib.crypto_aead_aegis256_decrypt,
-    ),
-}
-MAX_TAG_BYTES = max(s.tag_bytes for s in SUITES.values())
-TAG_BYTES = MAX_TAG_BYTES  # for size limits: no suite's record is larger than this implies
+    )
+TAG_BYTES = 32  # for size limits: no suite's tag is longer (AEGIS-256 32, ChaCha20-Poly1305 16)
 
 
 def local_suites() -> list[str]:
     """Suites this machine runs fast, in order of preference (AEGIS needs hardware AES)."""
-    if lib.crypto_aead_aes256gcm_is_available() == 1:
+    if AEGIS256 in SUITES and lib.crypto_aead_aes256gcm_is_available() == 1:
         return [AEGIS256, CHACHA20_POLY1305]
     return [CHACHA20_POLY1305]
 
