@@ -1,4 +1,5 @@
-"""One authenticated, encrypted connection to a peer: framing, request/response, keepalive."""
+"""One authenticated, encrypted connection to a peer: request/response, one-way messages,
+payload chunking, handler dispatch and keepalive, over the record layer in `records`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from . import frames
 from .errors import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout
 from .handshake import HandshakeResult
 from .identity import short_id
-from .session import PREFIX_BYTES, TAG_BYTES, RecvCipher, SendCipher, parse_prefix
+from .records import RecordReader, RecordWriter, max_record_bytes
+from .session import TAG_BYTES, RecvCipher, SendCipher
 from .shaping import LinkShape, LinkShaper, PriorityShape
 from .streamio import StreamReader
 from .wire import MAX_MSG_TYPE, pack
@@ -70,40 +72,46 @@ class Connection:
         self.listen_address: tuple[str, int] = hs.hello.listen_address
         self.remote_address: tuple[str, int] = remote_address
         self.initiator_id = initiator_id
-        self.last_seen: float = trio.current_time()
         self.closed = False
         self.close_reason = ""
+        self.cipher_suite: str = hs.suite
         self._stream = stream
-        self._reader = reader
         self._config = config
         self._handlers = handlers
-        self._send = SendCipher(hs.send_key, hs.suite)
-        self._recv = RecvCipher(hs.recv_key, hs.suite)
-        self.cipher_suite: str = hs.suite
-        self._last_rekey = trio.current_time()
-        self._last_sent = trio.current_time()
-        self._inbound = frames.Inbound(
-            max_control_frame_bytes=config.max_control_frame_bytes,
-            max_payload_bytes=config.max_payload_bytes,
-            max_inflight_payload_bytes=config.max_inflight_payload_bytes,
-            max_inflight_payloads=config.max_inflight_payloads,
-        )
         self._shape: LinkShape = (
             shaper.open_link(self.peer_id, self.region)
             if shaper is not None
             else PriorityShape(max_control_frames=config.max_queued_control_frames)
         )
-        self._max_record = max(config.max_control_frame_bytes, frames.CHUNK_HEADER_BYTES + config.chunk_bytes) + TAG_BYTES
-        self._scratch = bytearray(min(self._max_record, 64 * 1024))  # decrypted frames
-        self._outs = [bytearray(4096), bytearray(4096)]  # sealed records, used alternately
-        self._out_index = 0
-        self._to_writer, self._from_writer = trio.open_memory_channel(0)
-        self._writer_running = False
-        self._offload = config.crypto_thread_min_bytes
+        max_record = max_record_bytes(config.max_control_frame_bytes, config.chunk_bytes, TAG_BYTES)
+        self._out = RecordWriter(
+            stream,
+            SendCipher(hs.send_key, hs.suite),
+            max_record=max_record,
+            rekey_after_records=config.rekey_after_records,
+            rekey_interval_s=config.rekey_interval_s,
+            send_stall_timeout_s=config.send_stall_timeout_s,
+            thread_min_bytes=config.crypto_thread_min_bytes,
+            peer=self.short_id,
+        )
+        inbound = frames.Inbound(
+            max_control_frame_bytes=config.max_control_frame_bytes,
+            max_payload_bytes=config.max_payload_bytes,
+            max_inflight_payload_bytes=config.max_inflight_payload_bytes,
+            max_inflight_payloads=config.max_inflight_payloads,
+        )
+        self._in = RecordReader(
+            reader,
+            RecvCipher(hs.recv_key, hs.suite),
+            inbound,
+            max_record=max_record,
+            idle_timeout_s=config.idle_timeout_s,
+            thread_min_bytes=config.crypto_thread_min_bytes,
+            peer=self.short_id,
+        )
         self._pending: dict[int, _Pending] = {}
         self._next_id = 1
         self._handler_slots = config.max_concurrent_handlers
-        self._send_lock = trio.Lock()
         self._cancel_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
@@ -201,64 +209,7 @@ class Connection:
                 await self._shape.submit(frames.encode_chunk(msg_id, view[off : off + step]), False)
 
     async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
-        """Encrypt one frame (renewing the key first when due) and hand it to the writer.
-
-        Records are sealed into one of two alternating buffers while the writer task still
-        sends the previous one; with `crypto_thread_min_bytes` set, large records are sealed
-        on a worker thread (libsodium releases the GIL), overlapping encryption and sending.
-        `flush` waits until the record is on the socket.
-        """
-        async with self._send_lock:
-            now = trio.current_time()
-            if (
-                self._send.counter >= self._config.rekey_after_records
-                or now - self._last_rekey >= self._config.rekey_interval_s
-            ):
-                await self._hand_to_writer(self._send.seal(frames.encode_rekey()))
-                self._send.ratchet()
-                self._last_rekey = now
-            size = PREFIX_BYTES + len(frame) + self._send.tag_bytes
-            i = self._out_index
-            self._out_index ^= 1
-            if len(self._outs[i]) < size:
-                self._outs[i] = bytearray(max(size, min(2 * len(self._outs[i]), PREFIX_BYTES + self._max_record)))
-            if self._offload and len(frame) >= self._offload:
-                record = await trio.to_thread.run_sync(self._send.seal_into, frame, self._outs[i])
-            else:
-                record = self._send.seal_into(frame, self._outs[i])
-            await self._hand_to_writer(record)
-            if flush:
-                await self._hand_to_writer(None)
-            self._last_sent = now
-
-    async def _hand_to_writer(self, record: bytearray | memoryview | None) -> None:
-        # The channel is unbuffered: a hand-off completes once the writer has finished the
-        # previous record, so the buffer sealed two records ago is free again.
-        if self._writer_running:
-            await self._to_writer.send(record)
-        elif record is not None:
-            await self._write(record)
-
-    async def _writer(self) -> None:
-        try:
-            async for record in self._from_writer:
-                if record is not None:
-                    await self._write(record)
-        except ConnectionClosed as e:
-            self._mark_closed(str(e))
-            if self._cancel_scope is not None:
-                self._cancel_scope.cancel()
-        finally:
-            self._writer_running = False
-
-    async def _write(self, record: bytearray | memoryview) -> None:
-        try:
-            with trio.fail_after(self._config.send_stall_timeout_s):
-                await self._stream.send_all(record)
-        except trio.TooSlowError:
-            raise ConnectionClosed(f"send to {self.short_id} stalled") from None
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            raise ConnectionClosed(f"connection to {self.short_id} lost: {e}") from None
+        await self._out.transmit(frame, flush=flush)
 
     async def _transmit_from_shape(self, frame: bytes) -> None:
         try:
@@ -277,15 +228,14 @@ class Connection:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._cancel_scope = nursery.cancel_scope
-                self._writer_running = True
-                nursery.start_soon(self._writer)
+                nursery.start_soon(self._run_writer)
                 nursery.start_soon(self._run_shape)
                 nursery.start_soon(self._keepalive)
                 if on_ready is not None:
                     on_ready()
                 task_status.started()
                 try:
-                    await self._read_loop()
+                    await self._in.run(self._dispatch)
                 except ProtocolError as e:
                     logger.debug("closing connection to %s (%s): bad input: %s", self.short_id, self.remote_address[0], e)
                     await self._close_quietly(f"protocol error: {e}")
@@ -315,6 +265,19 @@ class Connection:
             self.closed = True
             self.close_reason = reason
 
+    @property
+    def last_seen(self) -> float:
+        """trio.current_time() when the last record from the peer arrived."""
+        return self._in.last_seen
+
+    async def _run_writer(self) -> None:
+        try:
+            await self._out.run()
+        except ConnectionClosed as e:
+            self._mark_closed(str(e))
+            if self._cancel_scope is not None:
+                self._cancel_scope.cancel()
+
     async def _run_shape(self) -> None:
         try:
             await self._shape.run(self._transmit_from_shape)
@@ -324,77 +287,10 @@ class Connection:
     async def _keepalive(self) -> None:
         interval = self._config.keepalive_interval_s
         while True:
-            await trio.sleep_until(self._last_sent + interval)
-            if trio.current_time() - self._last_sent >= interval:
+            await trio.sleep_until(self._out.last_sent + interval)
+            if trio.current_time() - self._out.last_sent >= interval:
                 await self._shape.submit(frames.encode_msg(KEEPALIVE, 0, self._take_id(), 0, pack(None), 0), False)
-                self._last_sent = trio.current_time()
-
-    async def _read_loop(self) -> None:
-        """Process records in order while the next one is being received.
-
-        A receiver task reads whole records into two alternating buffers and hands them over
-        an unbuffered channel (a hand-off completes once the previous record is processed, so
-        its buffer is free again). With `crypto_thread_min_bytes` set, large records are
-        decrypted and parsed on a worker thread while the next one arrives.
-        """
-        send, recv = trio.open_memory_channel(0)
-        error: ProtocolError | ConnectionClosed | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive_records, send)
-            try:
-                await self._process_records(recv)
-            except (ProtocolError, ConnectionClosed) as e:
-                error = e  # raised outside the nursery, so callers see it unwrapped
-            nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-
-    async def _process_records(self, recv: trio.MemoryReceiveChannel) -> None:
-        async for item in recv:
-            if isinstance(item, BaseException):
-                raise item
-            prefix, record = item
-            if self._offload and len(record) >= self._offload:
-                event = await trio.to_thread.run_sync(self._open_frame, prefix, record)
-            else:
-                event = self._open_frame(prefix, record)
-            self.last_seen = trio.current_time()
-            if event is None:
-                continue
-            if isinstance(event, frames.Message):
-                self._dispatch(event)
-            elif isinstance(event, frames.Rekey):
-                self._recv.ratchet()
-            elif isinstance(event, frames.Close):
-                raise ConnectionClosed(f"closed by peer: {event.reason}")
-
-    def _open_frame(self, prefix: bytes, record: memoryview) -> frames.Message | frames.Rekey | frames.Close | None:
-        n = len(record)
-        if len(self._scratch) < n:
-            self._scratch = bytearray(max(n, min(2 * len(self._scratch), self._max_record)))
-        return self._inbound.on_frame(self._recv.open_into(prefix, record, self._scratch))
-
-    async def _receive_records(self, send: trio.MemorySendChannel) -> None:
-        idle = self._config.idle_timeout_s
-        bufs = [bytearray(4096), bytearray(4096)]
-        i = 0
-        async with send:
-            while True:
-                try:
-                    with trio.move_on_after(idle) as scope:
-                        prefix = bytes(await self._reader.read_exactly(PREFIX_BYTES))
-                        n = parse_prefix(prefix, self._max_record, self._recv.tag_bytes)
-                        if len(bufs[i]) < n:
-                            bufs[i] = bytearray(max(n, min(2 * len(bufs[i]), self._max_record)))
-                        record = memoryview(bufs[i])[:n]
-                        await self._reader.read_into(record)
-                    if scope.cancelled_caught:
-                        raise ConnectionClosed(f"nothing received from {self.short_id} for {idle} s")
-                except (ProtocolError, ConnectionClosed) as e:
-                    await send.send(e)
-                    return
-                await send.send((prefix, record))
-                i ^= 1
+                self._out.last_sent = trio.current_time()
 
     # ---- receiving ----------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ async def test_one_way_messages_arrive_in_order():
         with trio.fail_after(10):
             await done.wait()
         assert sorted(got) == list(range(200))
-        assert conn._send.counter < TransportConfig.test().rekey_after_records + 1
+        assert conn._out.cipher.counter < TransportConfig.test().rekey_after_records + 1
         n.cancel_scope.cancel()
 
 
@@ -148,7 +148,7 @@ async def test_ping_overtakes_a_large_transfer():
             bulk_done.set()
 
         n.start_soon(bulk)
-        while conn._send.counter < 20:  # the transfer is under way
+        while conn._out.cipher.counter < 20:  # the transfer is under way
             await trio.sleep(0)
         await conn.ping(timeout_s=30)
         events.append("ping")
@@ -205,7 +205,7 @@ async def test_keepalive_holds_idle_connection_and_keys_renew_on_timer(autojump_
         conn = await pair(n, a, b)
         await trio.sleep(120)  # 12 idle timeouts of silence, bridged by keepalives
         assert not conn.closed and b.connection(a.peer_id) is not None
-        assert conn._last_rekey >= 110  # renewed on the timer (every 10 s in the test profile)
+        assert conn._out.last_rekey >= 110  # renewed on the timer (every 10 s in the test profile)
         assert (await conn.request(ECHO, "still here"))[0] == "still here"
         n.cancel_scope.cancel()
 
