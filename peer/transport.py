@@ -242,8 +242,11 @@ class Transport:
             raise ConnectionClosed("transport closed")
         if self._nursery is None:
             raise RuntimeError("Transport.serve() or Transport.run() must be running to connect")
-        with trio.fail_after(self.config.handshake_timeout_s):
-            stream = await trio.open_tcp_stream(host, port)
+        try:
+            with trio.fail_after(self.config.handshake_timeout_s):
+                stream = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError:
+            raise TimeoutError(f"connecting to {host}:{port} timed out") from None
         return await self._nursery.start(self._dialled, stream, (host, port))
 
     async def connect_stream(self, stream: trio.abc.Stream, remote_address: tuple[str, int]) -> Connection:
