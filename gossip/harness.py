@@ -49,6 +49,7 @@ class Harness:
         self.transports = []
         self.services: list[GossipService] = []
         self._scopes: list[trio.CancelScope] = []
+        self._full_cache: dict[tuple[bytes, int], bool] = {}
         # (observer, subject) -> [(virtual time, state)]: every state change each node saw
         self.history: dict[tuple[int, int], list[tuple[float, MemberState]]] = defaultdict(list)
 
@@ -127,6 +128,30 @@ class Harness:
         """Nodes whose view holds a latency and bandwidth for every live pair."""
         return sum(1 for k in self.alive_nodes() if self.services[k].view().complete
                    and len(self.services[k].view().peers) == len(self.alive_nodes()))
+
+    def full_rows(self) -> int:
+        """Nodes that hold, from every live peer, a report with a full row (latency and
+        bandwidth to every other live peer): a complete matrix measured from both ends.
+        Cheap enough to poll at 512 peers."""
+        live = self.alive_nodes()
+        want = len(live) - 1
+        count = 0
+        for k in live:
+            reports = self.services[k].records.reports
+            if len(reports) < len(live):
+                continue
+            ok = True
+            for r in reports.values():
+                key = (r.measurer, r.seq)
+                full = self._full_cache.get(key)
+                if full is None:
+                    full = self._full_cache[key] = (len(r.entries) >= want and
+                                                    all(e.bandwidth_gbps > 0 for e in r.entries))
+                if not full:
+                    ok = False
+                    break
+            count += ok
+        return count
 
     def bytes_sent(self) -> int:
         return sum(self.net.bytes_sent.values())

@@ -64,6 +64,7 @@ class MemNetwork:
         self.cut: set[tuple[bytes, bytes]] = set()
         self.bytes_sent: dict[bytes, int] = defaultdict(int)
         self.frames_sent: dict[bytes, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.bytes_by_type: dict[int, int] = defaultdict(int)
         self._busy_until: dict[tuple[bytes, bytes], float] = {}
         self._heap: list = []
         self._count = itertools.count()
@@ -107,6 +108,7 @@ class MemNetwork:
                   droppable: bool) -> None:
         self.bytes_sent[src.peer_id] += size
         self.frames_sent[src.peer_id][frame[2]] += 1
+        self.bytes_by_type[frame[2]] += size
         target = self.nodes.get(dst)
         if target is None or target.killed or (src.peer_id, dst) in self.cut:
             return

@@ -11,6 +11,7 @@ prefixed with a domain tag; the signature covers exactly those bytes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from ._wire import ProtocolError, get_bytes, get_float, get_int, get_list, pack
 from .members import PEER_ID_LEN
 from .messages import MAX_SEQ, MsgType
 
-__all__ = ["Entry", "Report", "RecordStore", "RecordSync", "MAX_RTT_MS", "MAX_GBPS"]
+__all__ = ["Entry", "Report", "RecordStore", "RecordSync", "digest_hash", "MAX_RTT_MS", "MAX_GBPS"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ MAX_SAMPLES = 100_000
 MAX_ENTRIES = 4096
 MAX_TIMESTAMP = 2.0**40
 SIGNATURE_LEN = 64
+DIGEST_HASH_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -110,16 +112,23 @@ class Report:
 
 @dataclass(frozen=True)
 class RecordSync:
-    """Anti-entropy: phase 0 sends our digest (reply with yours and what I lack), phase 1
-    answers with digest and reports (reply with what I lack), phase 2 only carries reports."""
+    """Anti-entropy exchange between A and B.
+
+    phase 0 (A->B): hash of A's digest; B stops here when its own hash is equal.
+    phase 1 (B->A): B's digest.
+    phase 2 (A->B): A's digest and the reports B lacks.
+    phase 3 (B->A): the reports A lacks.
+    """
 
     phase: int
+    digest_hash: bytes
     digest: tuple[tuple[bytes, int], ...]
     reports: tuple[Report, ...]
     type = MsgType.RECORD_SYNC
 
     def to_wire(self) -> dict:
-        return {"phase": self.phase, "digest": [[m, s] for m, s in self.digest],
+        return {"phase": self.phase, "hash": self.digest_hash,
+                "digest": [[m, s] for m, s in self.digest],
                 "reports": [r.to_wire() for r in self.reports]}
 
     @classmethod
@@ -133,7 +142,16 @@ class RecordSync:
             d = {"m": item[0], "s": item[1]}
             digest.append((get_bytes(d, "m", PEER_ID_LEN, PEER_ID_LEN), get_int(d, "s", 0, MAX_SEQ)))
         reports = tuple(Report.from_wire(x) for x in get_list(body, "reports", MAX_ENTRIES))
-        return cls(get_int(body, "phase", 0, 2), tuple(digest), reports)
+        return cls(get_int(body, "phase", 0, 3), get_bytes(body, "hash", 0, DIGEST_HASH_LEN),
+                   tuple(digest), reports)
+
+
+def digest_hash(digest) -> bytes:
+    h = hashlib.blake2b(digest_size=DIGEST_HASH_LEN, person=b"dtfm-digest")
+    for m, seq in sorted(digest):
+        h.update(m)
+        h.update(seq.to_bytes(8, "big"))
+    return h.digest()
 
 
 class RecordStore:
@@ -145,6 +163,8 @@ class RecordStore:
         self.reports: dict[bytes, Report] = {}
         self._floor: dict[bytes, int] = {}  # retired measurers: refuse seq <= this
         self.version = 0  # bumped on every change, for cached views
+        self._hash = b""
+        self._hash_version = -1
 
     def offer(self, r: Report, *, now_wall: float, is_member: Callable[[bytes], bool]) -> str | None:
         """Accept a report; None if accepted, else the reason it was refused."""
@@ -179,6 +199,12 @@ class RecordStore:
 
     def digest(self) -> tuple[tuple[bytes, int], ...]:
         return tuple((m, r.seq) for m, r in self.reports.items())
+
+    def digest_hash(self) -> bytes:
+        if self._hash_version != self.version:
+            self._hash = digest_hash(self.digest())
+            self._hash_version = self.version
+        return self._hash
 
     def newer_than(self, digest, max_bytes: int) -> tuple[Report, ...]:
         """Reports we hold that the digest's owner lacks, within a byte budget."""

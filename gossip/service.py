@@ -61,6 +61,7 @@ class GossipService:
         self.gate = BulkGate()
         self._seq = 0
         self._published_version = -1
+        self._published_at = float("-inf")
         self._timer_scope: trio.CancelScope | None = None
         self._out_send, self._out_recv = trio.open_memory_channel(1024)
         self._listeners: list[Callable[[Member], None]] = []
@@ -212,12 +213,14 @@ class GossipService:
         msg = RecordSync.from_wire(body)
         self._accept(msg.reports)
         reply = None
-        if msg.phase == 0:
-            reply = RecordSync(1, self.records.digest(), self._newer(msg.digest))
+        if msg.phase == 0 and msg.digest_hash != self.records.digest_hash():
+            reply = RecordSync(1, b"", self.records.digest(), ())
         elif msg.phase == 1:
+            reply = RecordSync(2, b"", self.records.digest(), self._newer(msg.digest))
+        elif msg.phase == 2:
             newer = self._newer(msg.digest)
             if newer:
-                reply = RecordSync(2, (), newer)
+                reply = RecordSync(3, b"", (), newer)
         if reply is not None:
             try:
                 await conn.send(MsgType.RECORD_SYNC, reply.to_wire(), droppable=True)
@@ -236,12 +239,22 @@ class GossipService:
     # ---- records and measurement
 
     def _publish(self) -> None:
+        """Sign and hold a new report when the measurements changed: at once when the row is
+        complete, else at most every publish_interval_s x max(1, N / 16) (a row is re-sent to
+        every peer on each change, so a large swarm re-publishes partial rows less often)."""
         if self.planner.version == self._published_version:
             return
+        now = trio.current_time()
+        n = self.swim.live_count()
+        entries = self.planner.entries()
+        full = sum(1 for e in entries if e.bandwidth_gbps > 0) >= n - 1
+        interval = self.config.publish_interval_s * max(1.0, n / 16)
+        if not full and now - self._published_at < interval:
+            return
         self._published_version = self.planner.version
+        self._published_at = now
         self._seq = max(self._seq + 1, int(self._wall() * 1000))
-        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0,
-                               self.planner.entries())
+        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0, entries)
         self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
 
     async def _sync_loop(self) -> None:
@@ -253,7 +266,7 @@ class GossipService:
             if not peers:
                 continue
             m = self._rng.choice(peers)
-            self._dispatch_sync(m, RecordSync(0, self.records.digest(), ()))
+            self._dispatch_sync(m, RecordSync(0, self.records.digest_hash(), (), ()))
 
     def _dispatch_sync(self, m: Member, msg: RecordSync) -> None:
         try:

@@ -104,7 +104,7 @@ def test_unsorted_duplicate_or_self_entries_refused():
 @settings(max_examples=200)
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.binary(max_size=70),
                     lambda c: st.lists(c, max_size=7) | st.dictionaries(
-                        st.sampled_from(["phase", "digest", "reports"]), c, max_size=3), max_leaves=25))
+                        st.sampled_from(["phase", "hash", "digest", "reports"]), c, max_size=3), max_leaves=25))
 def test_sync_garbage_raises_only_protocol_error(body):
     try:
         RecordSync.from_wire(body)
@@ -118,13 +118,17 @@ def test_sync_roundtrip_and_digest_exchange():
         store.offer(report(ident), now_wall=NOW, is_member=is_member)
     b.offer(report(CAROL, seq=2), now_wall=NOW, is_member=is_member)
     a.offer(report(CAROL, seq=1), now_wall=NOW, is_member=is_member)
-    msg = RecordSync(1, b.digest(), b.newer_than(a.digest(), 1 << 20))
+    assert a.digest_hash() != b.digest_hash()
+    msg = RecordSync(2, b"", b.digest(), b.newer_than(a.digest(), 1 << 20))
     msg = RecordSync.from_wire(unpack_untrusted(pack(msg.to_wire()), max_len=1 << 20))
     assert {r.measurer for r in msg.reports} == {BOB.peer_id, CAROL.peer_id}
     for r in msg.reports:
         assert a.offer(r, now_wall=NOW, is_member=is_member) is None
     assert [r.measurer for r in a.newer_than(msg.digest, 1 << 20)] == [ALICE.peer_id]
     assert a.newer_than(msg.digest, 1) != ()  # always at least one per message
+    for r in a.newer_than(msg.digest, 1 << 20):
+        b.offer(r, now_wall=NOW, is_member=is_member)
+    assert a.digest_hash() == b.digest_hash()
 
 
 def _reports_from_matrix(ids, rtt, bw):

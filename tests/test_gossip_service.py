@@ -94,7 +94,7 @@ async def test_forged_report_over_the_wire_is_refused(autojump_clock):
         outsider = Identity(b"\x07" * 32)
         stranger = Report.create(outsider, 1, h.wall(), 0.0, [Entry(victim, 1.0, 1.0, 1)])
         conn = await h.transports[3].connect(*h.transports[0].listen_address)
-        await conn.send(MsgType.RECORD_SYNC, RecordSync(2, (), (fake, stranger)).to_wire())
+        await conn.send(MsgType.RECORD_SYNC, RecordSync(3, b"", (), (fake, stranger)).to_wire())
         await trio.sleep(1)
         held = h.services[0].records.reports
         assert outsider.peer_id not in held
