@@ -225,14 +225,13 @@ class ShapeSearch:
         every fourth round starts afresh from a random partition.
         """
         pop: list[tuple[float, np.ndarray, np.ndarray]] = []
-        best = None
-        for X, Z in seeds:
-            c0 = self.m.total(X)
-            if best is None or c0 < best[0] - 1e-12:
-                best = (c0, X, Z)  # a construction as given is already a candidate
+        # every construction as given is a candidate; the cheapest are polished first
+        scored = sorted(((self.m.total(X), k) for k, (X, _) in enumerate(seeds)))
+        best = (scored[0][0], *seeds[scored[0][1]])
+        for _, k in scored:
             if self.out_of_time() and pop:
                 break
-            cand = self.polish(X, Z)
+            cand = self.polish(*seeds[k])
             pop.append(cand)
             if cand[0] < best[0] - 1e-12:
                 best = cand
@@ -244,7 +243,7 @@ class ShapeSearch:
             if self.generations % 4 == 0:  # restart from a random partition: keeps exploring
                 perm = self.rng.permutation(self.m.n).astype(np.int64)
                 X, Z = perm[:self.S * self.D].reshape(self.S, self.D), perm[self.S * self.D:]
-            elif self.generations % 2:  # iterated local search: kick the best allocation
+            elif self.generations % 2 or len(pop) < 2:  # iterated local search: kick the best
                 kicks = int(self.rng.integers(2, max(3, self.m.n // 4) + 1))
                 X, Z = self.mutate(best[1], best[2], kicks)
             else:
