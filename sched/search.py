@@ -225,13 +225,20 @@ class ShapeSearch:
         every fourth round starts afresh from a random partition.
         """
         pop: list[tuple[float, np.ndarray, np.ndarray]] = []
-        # every construction as given is a candidate; the cheapest are polished first
-        scored = sorted(((self.m.total(X), k) for k, (X, _) in enumerate(seeds)))
-        best = (scored[0][0], *seeds[scored[0][1]])
-        for _, k in scored:
+        # every construction, as given and re-matched, is a candidate; the cheapest are polished first
+        starts = []
+        for k, (X, Z) in enumerate(seeds):
+            start = (self.m.total(X), k, X, Z)
+            if not self.out_of_time():
+                R = self.realize(X)
+                start = min(start, (self.m.total(R), k, R, Z), key=lambda c: c[0])
+            starts.append(start)
+        starts.sort(key=lambda c: (c[0], c[1]))
+        best = (starts[0][0], starts[0][2], starts[0][3])
+        for _, k, X, Z in starts:
             if self.out_of_time() and pop:
                 break
-            cand = self.polish(*seeds[k])
+            cand = self.polish(X, Z)
             pop.append(cand)
             if cand[0] < best[0] - 1e-12:
                 best = cand
