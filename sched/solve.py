@@ -97,6 +97,11 @@ def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
     order = locality_order(model.hop, regions)
     seeds = [dp_aligned(order, S, D), pp_aligned(order, S, D), consecutive(model.n, S, D)]
     seeds += [aligned_blocks(order, regions, S, D, b) for b in range(2, S) if S % b == 0]
+    if model.compute_on and np.ptp(model.speed) > 0:
+        # fastest first: the slowest peers become spares, and groups of like speed let the
+        # uneven split give slow groups fewer layers
+        fast = order[np.argsort(-model.speed[order], kind="stable")]
+        seeds += [dp_aligned(fast, S, D), pp_aligned(fast, S, D)]
     seeds += [random_allocation(model.n, S, D, rng) for _ in range(count)]
     return seeds
 
