@@ -7,12 +7,15 @@ from .cost import CostBreakdown, CostModel, split_layers
 from .matching import bottleneck_matching
 from .path import open_path
 from .scenario import Scenario, ScenarioError, builtin_scenarios, load_scenario
-from .search import SearchConfig
-from .solve import Allocation, candidate_shapes, evaluate, solve
+from .search import SEARCH_PROFILES, SearchConfig
+from .simulate import SimResult
+from .simulate import simulate as simulate_iteration
+from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
 from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_preset
 
 __all__ = [
     "Allocation", "CommSpec", "CostBreakdown", "CostModel", "ModelSpec", "PAPER_GPT3_XL", "PRESETS",
-    "Scenario", "ScenarioError", "SearchConfig", "Workload", "bottleneck_matching", "builtin_scenarios",
-    "candidate_shapes", "evaluate", "get_preset", "load_scenario", "open_path", "solve", "split_layers",
+    "SEARCH_PROFILES", "Scenario", "ScenarioError", "SearchConfig", "SimResult", "Workload",
+    "bottleneck_matching", "builtin_scenarios", "candidate_shapes", "cost_model", "evaluate", "get_preset",
+    "load_scenario", "open_path", "simulate_iteration", "solve", "split_layers",
 ]

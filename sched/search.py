@@ -19,7 +19,7 @@ from .local import SwapSearch
 from .matching import bottleneck_matching
 from .path import EXACT_MAX_NODES, open_path
 
-__all__ = ["SearchConfig", "ShapeSearch"]
+__all__ = ["SearchConfig", "SEARCH_PROFILES", "ShapeSearch"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,13 @@ class SearchConfig:
             raise ValueError("population must be at least 2")
         if self.generations is not None and self.generations < 0:
             raise ValueError("generations must be non-negative")
+
+
+SEARCH_PROFILES = {
+    "default": SearchConfig(),  # offline planning, as the benchmark runs it
+    "quick": SearchConfig(time_budget_s=2.0),  # a coordinator rescheduling between steps
+    "test": SearchConfig(time_budget_s=60.0, generations=2, population=4),  # repeatable, bounded
+}
 
 
 class ShapeSearch:
