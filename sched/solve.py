@@ -145,8 +145,14 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
             raise ValueError(f"no shape of {n} peers fits a model of {spec.layers} layers")
     else:
         S = int(stages)
-        D = int(dp) if dp is not None else n // max(S, 1)
-        if S < 1 or D < 1 or S * D > n:
+        if S < 1:
+            raise ValueError(f"stages must be at least 1, got {S}")
+        if S > n:
+            raise ValueError(f"{S} stages need at least {S} peers, the network has {n}")
+        if S > spec.layers:
+            raise ValueError(f"{S} stages cannot split a model of {spec.layers} layers")
+        D = int(dp) if dp is not None else n // S
+        if D < 1 or S * D > n:
             raise ValueError(f"{S} stages x {D} pipelines needs {S * D} peers, the network has {n}")
         if S * D < n and not allow_spares:
             raise ValueError(f"{n} peers do not form {S} x {D}: allow spares or change the shape")
