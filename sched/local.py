@@ -4,7 +4,8 @@ For a chosen peer x (stage s, pipeline p) every swap partner y is scored at once
 the two changed DP groups from the groups' row sums (O(D) per candidate), the four changed
 stage boundaries from each boundary's two largest hops, the rest of the objective unchanged.
 Partners in the neighbouring stages (whose boundaries overlap x's) are scored from their
-rebuilt boundaries, vectorised over pipelines. Within one stage, pipelines are re-paired by the exact bottleneck matchings instead.
+rebuilt boundaries, vectorised over pipelines. Within one stage, pipelines are re-paired by
+the exact bottleneck matchings instead.
 
 With the paper objective the incremental score is exact. With the extensions (compute, memory,
 uneven layers) it screens: the best few candidates are re-scored exactly before one is taken.

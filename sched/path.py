@@ -74,8 +74,10 @@ def _two_opt(E: np.ndarray, order: np.ndarray) -> np.ndarray:
         bwd = E[o[1:], o[:-1]]
         flip = np.concatenate(([0.0], np.cumsum(bwd - fwd)))  # change of inner edges k < j
         inner = flip[idx_j] - flip[idx_i]
-        left = np.where(idx_i > 0, E[o[np.maximum(idx_i - 1, 0)], o[idx_j]] - E[o[np.maximum(idx_i - 1, 0)], o[idx_i]], 0.0)
-        right = np.where(idx_j < n - 1, E[o[idx_i], o[np.minimum(idx_j + 1, n - 1)]] - E[o[idx_j], o[np.minimum(idx_j + 1, n - 1)]], 0.0)
+        before = o[np.maximum(idx_i - 1, 0)]  # node ahead of the segment (unused when i = 0)
+        after = o[np.minimum(idx_j + 1, n - 1)]  # node behind it (unused when j = n - 1)
+        left = np.where(idx_i > 0, E[before, o[idx_j]] - E[before, o[idx_i]], 0.0)
+        right = np.where(idx_j < n - 1, E[o[idx_i], after] - E[o[idx_j], after], 0.0)
         gain = inner + left + right
         k = int(np.argmin(gain))
         if gain[k] >= -1e-12:
