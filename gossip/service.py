@@ -129,6 +129,15 @@ class GossipService:
                  "bandwidth_gbps": e.bandwidth_gbps or None, "samples": e.samples}
                 for e in sorted(self.planner.entries(), key=lambda e: e.target)]
 
+    def status(self) -> dict:
+        """JSON-able status for `dtfm-peer status`: members, this peer's own measurements, and
+        the N x N view (ids in hex, one-way ms and Gbps, null where unknown)."""
+        view = self.view()
+        n = len(view.peers)
+        return {"members": self.members_table(), "latency": self.latency_table(),
+                "view": {**view.as_dict(), "measured_links": view.pairs_known(),
+                         "expected_links": n * (n - 1)}}
+
     def view(self) -> NetworkView:
         """The N x N view over the live members, in peer-id order."""
         peers = tuple(self.live_peers())

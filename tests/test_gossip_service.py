@@ -76,6 +76,10 @@ async def test_graceful_leave_and_status_tables(autojump_clock):
         assert {r["region"] for r in rows} == {"a", "b", "c"}
         lat = h.services[0].latency_table()
         assert len(lat) == 5 and all(r["rtt_ms"] > 0 and r["bandwidth_gbps"] > 0 for r in lat)
+        st = h.services[0].status()
+        assert st["view"]["complete"] and st["view"]["measured_links"] == st["view"]["expected_links"] == 30
+        assert st["view"]["peers"] == sorted(r["id"] for r in rows)
+        assert st["view"]["delay_ms"][0][0] == 0.0 and st["view"]["bandwidth_gbps"][0][0] is None
         await h.services[4].leave()
         await wait_for(lambda: all(h.state_seen(k, 4) == MemberState.LEFT for k in range(6) if k != 4), 5)
         nursery.cancel_scope.cancel()
