@@ -1,0 +1,88 @@
+import random
+
+import pytest
+import trio
+
+from dtfm.gossip.measure import (BULK_DATA, BULK_RESERVE, BulkGate, MeasurePlanner, compute_speed_ms,
+                                 measure_bandwidth, measure_rtt, serve_bulk, serve_ping)
+from dtfm.gossip.messages import MsgType
+from dtfm.peer.errors import ProtocolError, RequestTimeout
+
+A, B, C = (bytes([i]) * 32 for i in (1, 2, 3))
+
+
+class FakeLink:
+    """A PeerLink answering after a fixed delay; a transfer costs bytes / rate more."""
+
+    def __init__(self, peer_id, rtt_s, rate_bytes_s, gate, lost=()):
+        self.peer_id = peer_id
+        self.rtt_s = rtt_s
+        self.rate = rate_bytes_s
+        self.gate = gate  # the other end's gate
+        self.lost = set(lost)
+        self.calls = 0
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s=None):
+        self.calls += 1
+        if self.calls in self.lost:
+            await trio.sleep(timeout_s)
+            raise RequestTimeout("lost")
+        await trio.sleep(self.rtt_s + (len(payload) / self.rate if payload else 0.0))
+        if msg_type == MsgType.MEASURE_PING:
+            return await serve_ping(body), None
+        return serve_bulk(self.gate, A, body, payload, trio.current_time(), 5.0), None
+
+
+async def test_rtt_median_and_lost_pings(autojump_clock):
+    link = FakeLink(B, 0.04, 1e6, BulkGate(), lost={2})
+    rtts = await measure_rtt(link, 5, 0.01, timeout_s=1.0)
+    assert len(rtts) == 4 and all(r == pytest.approx(0.04) for r in rtts)
+
+
+async def test_bandwidth_from_timed_transfer_and_busy_link(autojump_clock):
+    remote_gate, gate = BulkGate(), BulkGate()
+    link = FakeLink(B, 0.02, 1e6, remote_gate)  # 1 MB/s = 0.008 Gbps
+    gbps = await measure_bandwidth(link, gate, 500_000, rtt_s=0.05, timeout_s=5.0)
+    assert gbps == pytest.approx(0.008)  # the reservation's round trip (20 ms) is subtracted
+    assert not gate.probing
+    # the other end is probing us: it refuses the reservation
+    remote_gate.probing.add(A)
+    assert await measure_bandwidth(link, gate, 500_000, rtt_s=0.02, timeout_s=5.0) is None
+    # we are serving a reservation from B: no probe of our own to B
+    gate.serving[B] = trio.current_time() + 5
+    assert await measure_bandwidth(link, gate, 500_000, rtt_s=0.02, timeout_s=5.0) is None
+
+
+def test_serve_bulk_checks_fields_and_payload():
+    gate = BulkGate()
+    assert serve_bulk(gate, B, {"op": BULK_RESERVE, "n": 10}, None, 0.0, 5.0) == {"ok": True}
+    assert gate.busy(B, 1.0) and not gate.busy(B, 6.0)
+    assert serve_bulk(gate, B, {"op": BULK_DATA, "n": 10}, b"x" * 10, 1.0, 5.0) == {"n": 10}
+    assert not gate.busy(B, 1.0)
+    for body, payload in [({"op": BULK_DATA, "n": 10}, b"x" * 9), ({"op": 7, "n": 10}, None),
+                          ({"op": BULK_DATA, "n": -1}, b""), ([1], None), ({"op": BULK_DATA, "n": 3}, None)]:
+        with pytest.raises(ProtocolError):
+            serve_bulk(gate, B, body, payload, 0.0, 5.0)
+
+
+def test_planner_order_rate_limit_and_remeasure():
+    p = MeasurePlanner(remeasure_s=100.0, bulk_interval_s=2.0, jitter=0.25, rng=random.Random(1))
+    first = p.next_target([B, C], 0.0)
+    p.record(first, [0.01, 0.03, 0.02], 1.5, 0.0)
+    assert 1.5 <= p.bulk_wait_s(0.0) <= 2.5
+    second = p.next_target([B, C], 1.0)
+    assert second != first
+    p.record(second, [0.02], None, 1.0)  # link was busy: rtt only, stays a candidate
+    assert p.next_target([B, C], 2.0) == second
+    p.record(second, [0.02], 1.0, 2.0)
+    assert p.next_target([B, C], 50.0) is None
+    assert p.next_target([B, C], 100.0) == first  # stalest first once due
+    entries = {e.target: e for e in p.entries()}
+    assert entries[first].rtt_ms == pytest.approx(20.0) and entries[first].samples == 3
+    p.forget(first)
+    assert first not in {e.target for e in p.entries()}
+
+
+def test_compute_speed_probe_runs_one_block():
+    ms = compute_speed_ms(d_model=32, n_heads=2, seq_len=8, batch=2, repeats=1)
+    assert ms > 0
