@@ -4,12 +4,15 @@ the older one."""
 
 from __future__ import annotations
 
+import heapq
+
 from .members import Update
 
 __all__ = ["BroadcastQueue"]
 
 # Bytes one packed member entry takes beyond its host and region strings.
 _ENTRY_OVERHEAD = 56
+_MIN_SIZE = _ENTRY_OVERHEAD + 34
 
 
 def entry_size(u: Update) -> int:
@@ -33,7 +36,8 @@ class BroadcastQueue:
         one counts a transmission and is dropped once sent `limit` times."""
         if not self._items:
             return []
-        ranked = sorted(self._items.items(), key=lambda kv: (kv[1][1], -kv[1][2]))
+        most = max(1, budget_bytes // _MIN_SIZE)  # no more than this many can fit
+        ranked = heapq.nsmallest(most, self._items.items(), key=lambda kv: (kv[1][1], -kv[1][2]))
         out: list[Update] = []
         used = 0
         for pid, (m, sent, order) in ranked:
