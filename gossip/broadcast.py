@@ -4,8 +4,6 @@ the older one."""
 
 from __future__ import annotations
 
-import heapq
-
 from .members import Update
 
 __all__ = ["BroadcastQueue"]
@@ -21,36 +19,46 @@ def entry_size(u: Update) -> int:
 
 class BroadcastQueue:
     def __init__(self) -> None:
-        self._items: dict[bytes, tuple[Update, int, int]] = {}  # id -> (entry, transmits, order)
-        self._order = 0
+        # transmissions so far -> {peer id: update}, oldest first (dicts keep insertion order)
+        self._buckets: dict[int, dict[bytes, Update]] = {}
+        self._sent: dict[bytes, int] = {}
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._sent)
 
     def queue(self, m: Update) -> None:
-        self._order += 1
-        self._items[m.member.peer_id] = (m, 0, self._order)
+        pid = m.member.peer_id
+        old = self._sent.pop(pid, None)
+        if old is not None:
+            del self._buckets[old][pid]
+        self._buckets.setdefault(0, {})[pid] = m
+        self._sent[pid] = 0
 
     def take(self, budget_bytes: int, limit: int) -> list[Update]:
         """Updates fitting in budget_bytes, least transmitted (then newest) first; each taken
         one counts a transmission and is dropped once sent `limit` times."""
-        if not self._items:
-            return []
-        most = max(1, budget_bytes // _MIN_SIZE)  # no more than this many can fit
-        ranked = heapq.nsmallest(most, self._items.items(), key=lambda kv: (kv[1][1], -kv[1][2]))
         out: list[Update] = []
-        used = 0
-        for pid, (m, sent, order) in ranked:
-            size = entry_size(m)
-            if used + size > budget_bytes:
-                continue
-            used += size
-            out.append(m)
-            if sent + 1 >= limit:
-                del self._items[pid]
-            else:
-                self._items[pid] = (m, sent + 1, order)
+        room = budget_bytes
+        for sent in sorted(self._buckets):
+            if room < _MIN_SIZE:
+                break
+            for pid, m in reversed(self._buckets[sent].items()):
+                size = entry_size(m)
+                if size <= room:
+                    out.append(m)
+                    room -= size
+                if room < _MIN_SIZE:
+                    break
+        for m in out:
+            pid = m.member.peer_id
+            sent = self._sent.pop(pid)
+            del self._buckets[sent][pid]
+            if not self._buckets[sent]:
+                del self._buckets[sent]
+            if sent + 1 < limit:
+                self._buckets.setdefault(sent + 1, {})[pid] = m
+                self._sent[pid] = sent + 1
         return out
 
     def pending(self) -> list[Update]:
-        return [m for m, _, _ in self._items.values()]
+        return [m for bucket in self._buckets.values() for m in bucket.values()]

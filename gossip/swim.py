@@ -69,6 +69,7 @@ class Swim:
         self._relays: dict[int, _Relay] = {}
         self._changes: list[Member] = []
         self._live = 1
+        self._pool: list[bytes] | None = None  # every other member ever seen, for gossip targets
         self.broadcasts.queue(Update(self.me, self.me_id))  # announce ourselves
         self.next_probe = now + rng.uniform(0, config.probe_interval_s)
         self.next_gossip = now + rng.uniform(0, config.gossip_interval_s)
@@ -182,6 +183,7 @@ class Swim:
             logger.debug("member %s: %s -> %s (inc %d)", new.short_id,
                          old.state.name if old else "-", new.state.name, new.incarnation)
         if old is None:
+            self._pool = None
             pos = self._rng.randint(self._probe_index, len(self._probe_order))
             self._probe_order.insert(pos, m.peer_id)
         if new.state == MemberState.SUSPECT:
@@ -363,10 +365,16 @@ class Swim:
     def _gossip_round(self, now: float) -> list[Send]:
         if not len(self.broadcasts):
             return []
-        pool = [m for m in self.members.values() if m.peer_id != self.me_id and (
-            not m.state.gone or now - self.changed_at.get(m.peer_id, now) < self.config.gossip_to_dead_s)]
+        if self._pool is None:
+            self._pool = [pid for pid in self.members if pid != self.me_id]
+        # Sample a few more than needed and keep the eligible ones (memberlist's
+        # kRandomNodes): live members, and the dead or left for gossip_to_dead_s.
+        k = self.config.gossip_nodes
+        cands = self._rng.sample(self._pool, min(len(self._pool), 2 * k + 2))
+        targets = [self.members[p] for p in cands if not self.members[p].state.gone
+                   or now - self.changed_at.get(p, now) < self.config.gossip_to_dead_s][:k]
         out = []
-        for m in self._rng.sample(pool, min(self.config.gossip_nodes, len(pool))):
+        for m in targets:
             ups = self._piggyback()
             if not ups:
                 break
