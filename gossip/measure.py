@@ -20,7 +20,7 @@ from ._wire import ProtocolError, get_int
 from .messages import MsgType
 from .records import MAX_GBPS, MAX_RTT_MS, Entry
 
-__all__ = ["PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
+__all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
            "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk"]
 
 logger = logging.getLogger(__name__)
@@ -28,6 +28,41 @@ logger = logging.getLogger(__name__)
 BULK_RESERVE = 0
 BULK_DATA = 1
 MAX_BULK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MeasurePing:
+    """A ping of an RTT measurement; the reply echoes it."""
+
+    n: int
+    type = MsgType.MEASURE_PING
+
+    def to_wire(self) -> dict:
+        return {"n": self.n}
+
+    @classmethod
+    def from_wire(cls, body: object) -> "MeasurePing":
+        if not isinstance(body, dict):
+            raise ProtocolError("ping: expected a map")
+        return cls(get_int(body, "n", 0, 1 << 30))
+
+
+@dataclass(frozen=True)
+class BulkProbe:
+    """A bandwidth probe: op BULK_RESERVE (no payload) or BULK_DATA (payload of n bytes)."""
+
+    op: int
+    n: int
+    type = MsgType.MEASURE_BULK
+
+    def to_wire(self) -> dict:
+        return {"op": self.op, "n": self.n}
+
+    @classmethod
+    def from_wire(cls, body: object) -> "BulkProbe":
+        if not isinstance(body, dict):
+            raise ProtocolError("bulk probe: expected a map")
+        return cls(get_int(body, "op", BULK_RESERVE, BULK_DATA), get_int(body, "n", 1, MAX_BULK_BYTES))
 
 
 class PeerLink(Protocol):
@@ -43,7 +78,8 @@ async def measure_rtt(link: PeerLink, samples: int, spacing_s: float, timeout_s:
     for i in range(samples):
         t0 = trio.current_time()
         try:
-            body, _ = await link.request(MsgType.MEASURE_PING, {"n": i}, timeout_s=timeout_s)
+            body, _ = await link.request(MsgType.MEASURE_PING, MeasurePing(i).to_wire(),
+                                         timeout_s=timeout_s)
         except Exception as e:  # RequestTimeout, ConnectionClosed: the sample is lost
             logger.debug("ping %s: %s", link.peer_id[:4].hex(), e)
             continue
@@ -74,7 +110,7 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
     gate.probing.add(pid)
     try:
         t0 = trio.current_time()
-        body, _ = await link.request(MsgType.MEASURE_BULK, {"op": BULK_RESERVE, "n": nbytes},
+        body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_RESERVE, nbytes).to_wire(),
                                      timeout_s=timeout_s)
         if not isinstance(body, dict) or body.get("ok") is not True:
             return None
@@ -82,7 +118,7 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
         # may have queued behind the other end's own big probe.
         rtt_s = min(rtt_s, trio.current_time() - t0)
         t0 = trio.current_time()
-        body, _ = await link.request(MsgType.MEASURE_BULK, {"op": BULK_DATA, "n": nbytes},
+        body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_DATA, nbytes).to_wire(),
                                      payload=bytes(nbytes), timeout_s=timeout_s)
         elapsed = trio.current_time() - t0
     except Exception as e:  # RequestTimeout, ConnectionClosed
@@ -100,17 +136,13 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
 
 async def serve_ping(body) -> dict:
     await trio.lowlevel.checkpoint()
-    if not isinstance(body, dict):
-        raise ProtocolError("ping: expected a map")
-    return {"n": get_int(body, "n", 0, 1 << 30)}
+    return MeasurePing.from_wire(body).to_wire()
 
 
 def serve_bulk(gate: BulkGate, peer_id: bytes, body, payload: bytes | None, now: float,
                hold_s: float) -> dict:
-    if not isinstance(body, dict):
-        raise ProtocolError("bulk probe: expected a map")
-    op = get_int(body, "op", BULK_RESERVE, BULK_DATA)
-    n = get_int(body, "n", 1, MAX_BULK_BYTES)
+    probe = BulkProbe.from_wire(body)
+    op, n = probe.op, probe.n
     if op == BULK_RESERVE:
         if gate.busy(peer_id, now):
             return {"ok": False}

@@ -3,7 +3,7 @@ import random
 import pytest
 import trio
 
-from dtfm.gossip.measure import (BULK_DATA, BULK_RESERVE, BulkGate, MeasurePlanner, compute_speed_ms,
+from dtfm.gossip.measure import (BULK_DATA, BULK_RESERVE, BulkGate, BulkProbe, MeasurePing, MeasurePlanner, compute_speed_ms,
                                  measure_bandwidth, measure_rtt, serve_bulk, serve_ping)
 from dtfm.gossip.messages import MsgType
 from dtfm.peer.errors import ProtocolError, RequestTimeout
@@ -86,3 +86,14 @@ def test_planner_order_rate_limit_and_remeasure():
 def test_compute_speed_probe_runs_one_block():
     ms = compute_speed_ms(d_model=32, n_heads=2, seq_len=8, batch=2, repeats=1)
     assert ms > 0
+
+
+def test_measurement_messages_roundtrip_and_refuse_garbage():
+    assert MeasurePing.from_wire(MeasurePing(3).to_wire()) == MeasurePing(3)
+    assert BulkProbe.from_wire(BulkProbe(BULK_DATA, 10).to_wire()) == BulkProbe(BULK_DATA, 10)
+    for bad in [None, [], {"n": -1}, {"n": "1"}, {"n": 1.0}]:
+        with pytest.raises(ProtocolError):
+            MeasurePing.from_wire(bad)
+    for bad in [{"op": 2, "n": 1}, {"op": 0, "n": 0}, {"op": 0}, {"op": 0, "n": 2**40}]:
+        with pytest.raises(ProtocolError):
+            BulkProbe.from_wire(bad)
