@@ -57,7 +57,7 @@ async def test_gossip_over_real_transport_with_emulated_links():
         off = ~np.eye(4, dtype=bool)
         ratio_d = view.delay_ms[off] / want_d[off]
         ratio_b = view.bandwidth_gbps[off] / want_b[off]
-        assert np.all(ratio_d > 0.9) and np.all(ratio_d < 3.0), ratio_d
+        assert np.all(ratio_d > 0.9) and np.all(ratio_d < 5.0), ratio_d
         assert np.all(ratio_b > 0.3) and np.all(ratio_b < 1.5), ratio_b
         rows = services[0].members_table()
         assert {r["region"] for r in rows} == {"A", "B"}
