@@ -119,6 +119,10 @@ class EmulatedLinks:
         if region is not None:
             self._cut_regions.discard(region)
 
+    @property
+    def cut_peers(self) -> frozenset[bytes]:
+        return frozenset(self._cut_peers)
+
     def is_cut(self, peer_id: bytes, region: str) -> bool:
         return peer_id in self._cut_peers or region in self._cut_regions
 

@@ -23,6 +23,7 @@ from .swarmstate import (KEY_FILE, PeerEntry, SwarmError, SwarmState, default_ru
                          load_state, pid_alive, save_state, send_signal)
 
 STOP_GRACE_S = 10.0
+NOMINAL_COMPUTE_MS = 10.0
 
 
 # ---- talking to one peer --------------------------------------------------------------------
@@ -71,6 +72,23 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+def gossip_profile(state: SwarmState) -> str:
+    """lan timings while every emulated round trip fits well inside its 0.5 s probe timeout,
+    wan timings (3 s timeout, more patience) beyond."""
+    from dtfm.sched.scenario import load_scenario
+
+    max_rtt_ms = 2 * float(load_scenario(state.scenario).delay_ms().max()) * state.time_scale
+    return "lan" if max_rtt_ms < 200 else "wan"
+
+
+def nominal_compute_ms(state: SwarmState, region: str) -> float:
+    """Every peer shares this machine's CPU, so a measured speed would say nothing about the
+    scenario: peers report a nominal speed, scaled by their region's compute_scale."""
+    from dtfm.sched.scenario import load_scenario
+
+    return NOMINAL_COMPUTE_MS / load_scenario(state.scenario).region(region).compute_scale
+
+
 def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str]) -> None:
     others = [p for p in state.peers if p.name != peer.name]
     bootstrap = [a for p in others[:3] for a in ("--bootstrap", p.address)]
@@ -79,6 +97,8 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region,
            "--emulate", state.scenario,
            "--time-scale", repr(state.time_scale), "--bandwidth-scale", repr(state.bandwidth_scale),
+           "--gossip-profile", gossip_profile(state),
+           "--compute-ms", repr(nominal_compute_ms(state, peer.region)),
            *bootstrap, *extra]
     Path(peer.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(peer.log_file, "ab") as log:
@@ -213,9 +233,12 @@ def measured_matrices(report: dict, ids: list[str], time_scale: float,
 
     raw_d = [[pick(raw_delay, i, j) for j in range(n)] for i in range(n)]
     raw_b = [[pick(raw_bw, i, j) for j in range(n)] for i in range(n)]
+    # The emulator stretches delays by time_scale and carries bandwidth x bandwidth_scale /
+    # time_scale: divide both back out.
+    bw_factor = time_scale / bandwidth_scale
     return {
         "delay_ms": [[None if v is None else v / time_scale for v in row] for row in raw_d],
-        "bandwidth_gbps": [[None if v is None else v / bandwidth_scale for v in row] for row in raw_b],
+        "bandwidth_gbps": [[None if v is None else v * bw_factor for v in row] for row in raw_b],
         "raw_delay_ms": raw_d,
         "raw_bandwidth_gbps": raw_b,
         "complete": bool(view.get("complete", False)),
@@ -415,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: %(default)s)")
         p.add_argument("--time-scale", type=float, default=1.0,
                        help="multiply every emulated delay by this (default: %(default)s)")
-        p.add_argument("--bandwidth-scale", type=float, default=0.01,
+        p.add_argument("--bandwidth-scale", type=float, default=0.05,
                        help="multiply every emulated bandwidth by this, so loopback can carry "
                             "the scenario's links (default: %(default)s)")
         p.add_argument("--timeout", type=float, default=180.0,

@@ -143,6 +143,55 @@ class LogConfig:
             raise ConfigError(f"log.level {self.level!r}: choose one of {', '.join(LOG_LEVELS)}")
 
 
+GOSSIP_PROFILES = ("lan", "wan", "local", "test")
+
+
+@dataclass(frozen=True)
+class GossipSection:
+    """Membership, failure detection and network measurement. TOML table [gossip]."""
+
+    # lan: memberlist's LAN timings (1 s probes); wan: slow links (5 s probes, more patience);
+    # local: one machine (fast probes and gossip, for test swarms).
+    profile: str = option("lan", "gossip timing profile: lan, wan or local",
+                          flag="--gossip-profile", metavar="NAME")
+    # 0 measures this peer's speed with a short torch workload at start (a few seconds);
+    # a positive figure skips the probe (and the torch import) and reports it as given.
+    compute_ms: float = option(0.0, "this peer's time for one transformer-block forward and "
+                               "backward in ms; 0 measures it", flag="--compute-ms", metavar="MS")
+
+    def __post_init__(self) -> None:
+        if self.profile not in GOSSIP_PROFILES:
+            raise ConfigError(f"gossip.profile {self.profile!r}: choose one of "
+                              f"{', '.join(GOSSIP_PROFILES)}")
+        if not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
+            raise ConfigError("gossip.compute_ms must be a non-negative number")
+
+
+@dataclass(frozen=True)
+class EmulationSection:
+    """Link emulation for test swarms on one machine. TOML table [emulation]."""
+
+    scenario: str = option(
+        "", "emulate the links of this scenario (built-in name or TOML file) for every frame "
+        "this peer sends; its --region must be one of the scenario's regions",
+        flag="--emulate", metavar="SCENARIO")
+    # > 1 slows the whole emulated network uniformly (delays x, bandwidth /), so a small model
+    # sees the communication-to-compute ratio of a large one.
+    time_scale: float = option(1.0, "multiply emulated delays and divide emulated bandwidth "
+                               "by this", flag="--time-scale", metavar="X")
+    # Loopback and Python crypto carry a few Gbps in all: scale the scenario's links down.
+    bandwidth_scale: float = option(1.0, "multiply every emulated bandwidth by this",
+                                    flag="--bandwidth-scale", metavar="X")
+    drop_fraction: float = option(0.0, "fraction of droppable frames (gossip datagrams) lost",
+                                  flag="--drop", metavar="FRACTION")
+
+    def __post_init__(self) -> None:
+        _positive("emulation", "time_scale", self.time_scale)
+        _positive("emulation", "bandwidth_scale", self.bandwidth_scale)
+        if not 0.0 <= self.drop_fraction < 1.0:
+            raise ConfigError("emulation.drop_fraction must be in [0, 1)")
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """Everything `dtfm-peer join` needs, one section per concern."""
@@ -153,6 +202,8 @@ class DaemonConfig:
     log: LogConfig = LogConfig()
     # Frame limits, timeouts, key renewal, handshake admission: see dtfm.peer.transport.
     transport: TransportConfig = TransportConfig()
+    gossip: GossipSection = GossipSection()
+    emulation: EmulationSection = EmulationSection()
 
     @classmethod
     def default(cls) -> "DaemonConfig":
@@ -177,13 +228,21 @@ SECTIONS: dict[str, type] = {
 
 # ---- converting raw values (TOML or flag text) to field types --------------------------------
 
-def _convert(where: str, hint: Any, value: Any, base_dir: Path | None) -> Any:
+def _convert(where: str, hint: Any, value: Any, base_dir: Path | None, *,
+             text: bool = False) -> Any:
+    """`value` as the field type `hint`; `text=True` also parses numbers given as text (flags)."""
+    if text and hint in (int, float) and isinstance(value, str):
+        try:
+            value = hint(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
+                              f"got {value!r}") from None
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
-            return _convert(where, inner[0], value, base_dir)
+            return _convert(where, inner[0], value, base_dir, text=text)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where} must be a list, got {value!r}")
@@ -298,7 +357,7 @@ def apply_flags(base: DaemonConfig, namespace: Any) -> DaemonConfig:
         if value is None:
             continue
         hint = typing.get_type_hints(SECTIONS[section])[f.name]
-        typed = _convert(f.metadata["flag"], hint, value, None)
+        typed = _convert(f.metadata["flag"], hint, value, None, text=True)
         changes.setdefault(section, {})[f.name] = typed
     sections = {}
     for section, fields in changes.items():
@@ -306,6 +365,10 @@ def apply_flags(base: DaemonConfig, namespace: Any) -> DaemonConfig:
             sections[section] = dataclasses.replace(getattr(base, section), **fields)
         except AddressError as e:
             raise ConfigError(str(e)) from None
+        except ConfigError:
+            raise
+        except ValueError as e:   # checks of sections defined elsewhere
+            raise ConfigError(f"{e}") from None
     return dataclasses.replace(base, **sections)
 
 

@@ -31,7 +31,7 @@ async def run_until_signal(daemon: Daemon) -> None:
             nursery.cancel_scope.cancel()
 
 
-def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
+def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper=None) -> Daemon:
     from .identity import IDENTITY_FILE, Identity, load_swarm_key, swarm_key_fingerprint
     from .transport import Transport
 
@@ -45,14 +45,16 @@ def build_daemon(config: DaemonConfig, data_dir: DataDir) -> Daemon:
         logger.info("created identity %s in %s", identity.short_id, data_dir.root)
     fingerprint = swarm_key_fingerprint(swarm_key)
     logger.info("peer %s, swarm key fingerprint %s", identity.short_id, fingerprint)
-    transport = Transport(identity, swarm_key, config.transport, region=config.peer.region)
+    transport = Transport(identity, swarm_key, config.transport, region=config.peer.region,
+                          shaper=shaper)
     daemon = Daemon(config, identity, transport, data_dir)
     # Not secret; lets two operators compare keys when a handshake is refused.
     daemon.add_status_provider("swarm_key_fingerprint", lambda: fingerprint)
     return daemon
 
 
-def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = ()) -> int:
+def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = (), *,
+               gossip: bool = True) -> int:
     """Run until told to leave; returns the exit status. User errors raise (see cli).
 
     Each of `setups` is called with the daemon before it starts, to add services, status
@@ -61,7 +63,12 @@ def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = ()) -> int:
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
-        daemon = build_daemon(config, data_dir)
+        from .services import build_shaper, gossip_setup
+
+        shaper = build_shaper(config)
+        daemon = build_daemon(config, data_dir, shaper)
+        if gossip:
+            gossip_setup(config, shaper)(daemon)
         for setup in setups:
             setup(daemon)
         trio.run(run_until_signal, daemon)

@@ -1,0 +1,118 @@
+"""What the daemon runs besides discovery: gossip membership and measurement, link emulation.
+
+`build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
+transport exists); `gossip_setup` returns the setup hook that runs a GossipService inside the
+daemon's nursery, shows it under "gossip" in `dtfm-peer status`, and answers the `emulate`
+control op (`dtfm-swarm partition` / `heal`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import trio
+
+from .config import ConfigError, DaemonConfig
+from .control import ControlCommandError
+
+logger = logging.getLogger(__name__)
+
+MAX_CUT_PEERS = 4096
+
+
+def build_shaper(config: DaemonConfig):
+    """The EmulatedLinks for this peer, or None when no scenario is emulated."""
+    em = config.emulation
+    if not em.scenario:
+        return None
+    from dtfm.gossip import EmulatedLinks, EmulationConfig
+    from dtfm.sched.scenario import ScenarioError, load_scenario
+
+    try:
+        scenario = load_scenario(em.scenario)
+    except ScenarioError as e:
+        raise ConfigError(f"--emulate: {e}") from None
+    region = config.peer.region
+    names = [r.name for r in scenario.regions]
+    if region not in names:
+        raise ConfigError(f"--emulate {em.scenario}: this peer's --region {region or '(none)'!r} "
+                          f"is not in the scenario; choose one of {', '.join(names)}")
+    return EmulatedLinks(scenario, region, EmulationConfig(
+        time_scale=em.time_scale, bandwidth_scale=em.bandwidth_scale,
+        drop_fraction=em.drop_fraction))
+
+
+def gossip_config(config: DaemonConfig):
+    from dtfm.gossip import GossipConfig
+
+    profile = getattr(GossipConfig, config.gossip.profile)()
+    # A sync message must fit in one control frame of the transport.
+    limit = config.transport.max_control_frame_bytes // 2
+    if profile.max_sync_bytes > limit:
+        profile = profile.with_(max_sync_bytes=limit)
+    return profile
+
+
+def gossip_setup(config: DaemonConfig, shaper=None):
+    """A setup hook for run_daemon: gossip runs as a daemon service."""
+
+    def setup(daemon) -> None:
+        holder: dict[str, Any] = {}
+
+        async def run_gossip(daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            from dtfm.gossip import GossipService
+
+            compute_ms = config.gossip.compute_ms or None
+            service = GossipService(daemon.transport, daemon.identity, gossip_config(config),
+                                    region=config.peer.region, compute_ms=compute_ms,
+                                    address=_advertised(daemon))
+            holder["service"] = service
+            async with trio.open_nursery() as nursery:
+                await nursery.start(service.run)
+                task_status.started()
+                bootstrap = [(a.host, a.port) for a in config.peer.bootstrap
+                             if a != daemon.listen_address]
+                if bootstrap:
+                    reached = await service.join(bootstrap)
+                    logger.info("gossip joined through %d of %d bootstrap peers", reached,
+                                len(bootstrap))
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    with trio.move_on_after(2.0) as scope:
+                        scope.shield = True
+                        await service.leave()
+
+        def status() -> dict | None:
+            service = holder.get("service")
+            return None if service is None else service.status()
+
+        async def emulate(args: dict) -> dict:
+            if shaper is None:
+                raise ControlCommandError("this peer emulates no links: start it with --emulate")
+            if args.get("heal") is True:
+                shaper.heal()
+            cut = args.get("cut", [])
+            if not isinstance(cut, list) or len(cut) > MAX_CUT_PEERS:
+                raise ControlCommandError("cut must be a list of peer ids (hex)")
+            for ref in cut:
+                try:
+                    shaper.cut(peer_id=bytes.fromhex(ref))
+                except (TypeError, ValueError):
+                    raise ControlCommandError(f"bad peer id {ref!r}: give 64 hex digits") from None
+            return {"cut_peers": sorted(p.hex() for p in shaper.cut_peers)}
+
+        daemon.add_service(run_gossip, name="gossip")
+        daemon.add_status_provider("gossip", status)
+        daemon.add_control_op("emulate", emulate)
+
+    return setup
+
+
+def _advertised(daemon) -> tuple[str, int]:
+    addr = daemon.listen_address
+    host, port = addr.host, addr.port
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return host, port
