@@ -24,6 +24,9 @@ from .swarmstate import (KEY_FILE, PeerEntry, SwarmError, SwarmState, default_ru
 
 STOP_GRACE_S = 10.0
 NOMINAL_COMPUTE_MS = 10.0
+# Peers outlive the command that starts them; holding their Popen objects keeps Python from
+# warning, when one is collected, that a child it started is still running.
+_STARTED: dict[int, subprocess.Popen] = {}
 
 
 # ---- talking to one peer --------------------------------------------------------------------
@@ -104,6 +107,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
     with open(peer.log_file, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True)
+    _STARTED[proc.pid] = proc
     peer.pid = proc.pid
 
 
@@ -126,6 +130,11 @@ def stop_peer(peer: PeerEntry, *, graceful: bool = True) -> None:
 
 
 def _reap(pid: int) -> None:
+    proc = _STARTED.get(pid)
+    if proc is not None:
+        if proc.poll() is not None:
+            del _STARTED[pid]
+        return
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -344,7 +353,10 @@ def cmd_kill(args: argparse.Namespace) -> int:
     peer = state.find(args.peer)
     if not peer.alive():
         raise SwarmError(f"{peer.name} is not running")
-    sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
+    try:
+        sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
+    except KeyError:
+        raise SwarmError(f"no signal {args.signal!r}: use a name such as KILL, TERM or STOP") from None
     assert peer.pid is not None
     send_signal(peer.pid, sig)
     print(f"sent {sig.name} to {peer.name} (pid {peer.pid})", file=sys.stderr)
@@ -404,7 +416,39 @@ def cmd_heal(args: argparse.Namespace) -> int:
     return 0
 
 
+def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
+    """Run the scheduler on the swarm's measured view for the demo model (train's `tiny`)."""
+    import numpy as np
+
+    from dtfm.sched import ModelSpec, solve
+
+    measured = report["measured"]
+    delay = np.array([[0.0 if v is None else v for v in row] for row in measured["delay_ms"]])
+    bw = np.array([[np.inf if v is None else v for v in row] for row in measured["bandwidth_gbps"]])
+    np.fill_diagonal(bw, np.inf)
+    spec = ModelSpec("tiny", layers=4, hidden=128, heads=4, seq_len=128, vocab=256,
+                     micro_batch_size=2, global_batch_seqs=8 * len(delay))
+    regions = [p["region"] for p in report["peers"]]
+    # Every peer takes part: with communication alone in the objective, leaving peers out as
+    # spares would always look cheaper.
+    return solve(delay, bw, spec, stages="auto", regions=regions, time_budget_s=time_budget_s,
+                 allow_spares=False)
+
+
+def format_allocation(report: dict, alloc) -> str:
+    names = [f"{p['name']}({p['region']})" for p in report["peers"]]
+    lines = [f"allocation on the measured view: {alloc.stages} stages x {alloc.dp} pipelines, "
+             f"predicted cost {alloc.cost.paper_s:.3f} s (DP {alloc.cost.dp_s:.3f} + "
+             f"2 x PP {alloc.cost.pp_s:.3f})"]
+    for k, pipe in enumerate(alloc.pipelines):
+        lines.append(f"  pipeline {k}: " + " -> ".join(names[i] for i in pipe))
+    if alloc.spares:
+        lines.append("  spares: " + ", ".join(names[i] for i in alloc.spares))
+    return "\n".join(lines)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Start a swarm, measure it, schedule on the measurements, train in that shape, stop."""
     args.no_wait_measurements = False
     args.keep_on_failure = False
     args.log_json = False
@@ -412,7 +456,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         state = load_state(args.run_dir)
         report = status_report(state)
-        print(format_status(report))
+        print(format_status(report), flush=True)
+        alloc = schedule_measured(report)
+        print("\n" + format_allocation(report, alloc), flush=True)
+        cmd = [sys.executable, "-m", "dtfm.train", "--preset", "tiny", "--steps", str(args.steps),
+               "--stages", str(alloc.stages), "--dp", str(alloc.dp), "--micro-batches", "4",
+               "--batch", str(8 * alloc.dp)]
+        print(f"\ntraining the tiny model as {alloc.stages} x {alloc.dp} on this machine "
+              f"(stage replicas in threads over the in-memory Comm): {' '.join(cmd[1:])}",
+              flush=True)
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            raise SwarmError(f"training exited with status {rc}")
     finally:
         cmd_down(argparse.Namespace(run_dir=args.run_dir, kill=False))
     return 0
@@ -483,8 +538,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_heal)
 
     p = sub.add_parser("demo", parents=[common],
-                       help="start a small multi-region swarm, show it, and stop it")
+                       help="start a small multi-region swarm, measure its links, schedule the "
+                            "tiny model on the measurements, train it in that shape, stop")
     add_up_args(p, 6)
+    p.add_argument("--steps", type=int, default=60, help="training steps (default: %(default)s)")
     p.set_defaults(func=cmd_demo)
     return parser
 

@@ -1,0 +1,94 @@
+"""A scripted multi-region swarm of real daemons on loopback (bounded in time).
+
+The emulated worldwide links must be measured back within 20% (delay) and 30% (bandwidth) for
+every pair; a SIGKILLed peer is declared dead by every other peer, and comes back alive under
+the same id when restarted with its data dir.
+"""
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtfm.gossip import swarm
+from dtfm.gossip.swarmstate import load_state
+from dtfm.sched.scenario import load_scenario
+
+N_PEERS = 6
+
+
+def member_states(state, peer_id: str) -> list[str | None]:
+    """How every other running peer sees peer_id (None: not answering or not a member)."""
+    out = []
+    for p in state.peers:
+        if p.peer_id == peer_id or not p.alive():
+            continue
+        rep = swarm.peer_status(p)
+        members = {m["id"]: m["state"] for m in ((rep or {}).get("gossip") or {}).get("members", [])}
+        out.append(members.get(peer_id))
+    return out
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)  # polling other processes; there is no event to wait on across them
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def run_dir():
+    # Short: the peers' control sockets live inside it.
+    d = Path(tempfile.mkdtemp(prefix="dtfm-sw-"))
+    try:
+        yield d
+    finally:
+        try:
+            swarm.main(["down", "--run-dir", str(d), "--kill"])
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
+    rc = swarm.main(["up", "--run-dir", str(run_dir), "--scenario", "worldwide",
+                     "--peers", str(N_PEERS), "--timeout", "240"])
+    assert rc == 0
+    state = load_state(run_dir)
+    report = swarm.status_report(state)
+    assert [p["state"] for p in report["peers"]] == ["running"] * N_PEERS
+    measured = report["measured"]
+    assert measured["complete"]
+    expected = load_scenario("worldwide").scaled(N_PEERS)
+    assert [p["region"] for p in report["peers"]] == expected.peer_regions()
+    delay = np.array(measured["delay_ms"], dtype=float)
+    bw = np.array(measured["bandwidth_gbps"], dtype=float)
+    want_delay, want_bw = expected.delay_ms(), expected.bandwidth_gbps()
+    off = ~np.eye(N_PEERS, dtype=bool)
+    delay_err = np.abs(delay[off] - want_delay[off]) / want_delay[off]
+    bw_err = np.abs(bw[off] - want_bw[off]) / want_bw[off]
+    assert delay_err.max() <= 0.20, f"delay off by up to {delay_err.max():.0%}"
+    assert bw_err.max() <= 0.30, f"bandwidth off by up to {bw_err.max():.0%}"
+
+    victim = state.peers[-1]
+    victim_id = victim.peer_id
+    assert swarm.main(["kill", victim.name, "--run-dir", str(run_dir)]) == 0
+    wait_for(lambda: all(s == "dead" for s in member_states(state, victim_id)), 150,
+             "every peer to declare the killed peer dead")
+
+    assert swarm.main(["restart", victim.name, "--run-dir", str(run_dir)]) == 0
+    state = load_state(run_dir)
+
+    def back_alive():
+        rep = swarm.peer_status(state.find(victim.name))
+        return (rep is not None and rep["peer_id"] == victim_id
+                and all(s == "alive" for s in member_states(state, victim_id)))
+
+    wait_for(back_alive, 90, "the restarted peer to be alive again under the same id")

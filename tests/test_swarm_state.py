@@ -1,0 +1,65 @@
+"""dtfm-swarm's pure parts: run-dir state, peer lookup, the measured view in scenario units."""
+
+import pytest
+
+from dtfm.gossip import swarm
+from dtfm.gossip.swarmstate import PeerEntry, SwarmError, SwarmState, load_state, save_state
+
+
+def make_state(tmp_path):
+    state = SwarmState(scenario="worldwide", scenario_name="worldwide", time_scale=2.0,
+                       bandwidth_scale=0.1)
+    for k, region in enumerate(["Oregon", "Tokyo", "Tokyo"]):
+        state.peers.append(PeerEntry(name=f"p{k:02d}", index=k, region=region, port=9000 + k,
+                                     data_dir=str(tmp_path / f"p{k:02d}"),
+                                     peer_id=f"{k:02d}" * 32))
+    return state
+
+
+def test_state_round_trips_through_the_run_dir(tmp_path):
+    state = make_state(tmp_path)
+    save_state(tmp_path, state)
+    assert load_state(tmp_path) == state
+    assert not list(tmp_path.glob(".swarm.*.tmp"))
+
+
+def test_missing_run_dir_says_how_to_start(tmp_path):
+    with pytest.raises(SwarmError, match="dtfm-swarm up"):
+        load_state(tmp_path / "nothing")
+
+
+def test_find_by_name_index_and_id_prefix(tmp_path):
+    state = make_state(tmp_path)
+    assert state.find("p01").index == 1
+    assert state.find("2").name == "p02"
+    assert state.find("0101").name == "p01"
+    with pytest.raises(SwarmError, match="no peer"):
+        state.find("p09")
+
+
+def test_measured_view_is_reordered_and_unscaled(tmp_path):
+    state = make_state(tmp_path)
+    ids = [p.peer_id for p in state.peers]
+    # The observer lists peers in another order: p02, p00, p01.
+    view_order = [ids[2], ids[0], ids[1]]
+    raw_delay = {(a, b): 10.0 * (1 + a + b) for a in range(3) for b in range(3) if a != b}
+    matrix = [[0.0 if a == b else raw_delay[(a, b)] for b in range(3)] for a in range(3)]
+    report = {"gossip": {"view": {"peers": view_order, "delay_ms": matrix,
+                                  "bandwidth_gbps": [[None, 0.05, 0.05], [0.05, None, 0.02],
+                                                     [0.05, 0.02, None]],
+                                  "complete": True}}}
+    m = swarm.measured_matrices(report, ids, time_scale=2.0, bandwidth_scale=0.1)
+    # p00 is row 1 of the observer's view, p01 row 2: raw 10 * (1 + 1 + 2) = 40 ms, / time scale.
+    assert m["raw_delay_ms"][0][1] == 40.0
+    assert m["delay_ms"][0][1] == 20.0
+    # Bandwidth back in scenario units: raw x time_scale / bandwidth_scale.
+    assert m["bandwidth_gbps"][0][1] == pytest.approx(0.02 * 2.0 / 0.1)
+    assert m["complete"] is True
+    missing = swarm.measured_matrices(report, ids + ["ff" * 32], 1.0, 1.0)
+    assert missing["delay_ms"][3][0] is None
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path, capsys):
+    assert swarm.main(["status", "--run-dir", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtfm-swarm: no swarm in") and "Traceback" not in err
