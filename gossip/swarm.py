@@ -113,6 +113,8 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
 
 def stop_peer(peer: PeerEntry, *, graceful: bool = True) -> None:
     if not peer.alive():
+        if peer.pid is not None:
+            _reap(peer.pid)
         return
     assert peer.pid is not None
     if graceful:
@@ -126,13 +128,18 @@ def stop_peer(peer: PeerEntry, *, graceful: bool = True) -> None:
             time.sleep(0.05)
     if pid_alive(peer.pid):
         send_signal(peer.pid, signal.SIGKILL)
-    _reap(peer.pid)
+    _reap(peer.pid, wait_s=5.0)
 
 
-def _reap(pid: int) -> None:
+def _reap(pid: int, wait_s: float = 0.0) -> None:
+    """Collect the exit status of a peer this process started, so it leaves no zombie."""
     proc = _STARTED.get(pid)
     if proc is not None:
-        if proc.poll() is not None:
+        try:
+            proc.wait(timeout=wait_s) if wait_s else proc.poll()
+        except subprocess.TimeoutExpired:
+            return
+        if proc.returncode is not None:
             del _STARTED[pid]
         return
     try:
