@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 
 from dtfm.gossip import swarm
+from dtfm.gossip.swarmproc import peer_status
+from dtfm.gossip.swarmreport import status_report
 from dtfm.gossip.swarmstate import load_state
 from dtfm.sched.scenario import load_scenario
 
@@ -26,7 +28,7 @@ def member_states(state, peer_id: str) -> list[str | None]:
     for p in state.peers:
         if p.peer_id == peer_id or not p.alive():
             continue
-        rep = swarm.peer_status(p)
+        rep = peer_status(p)
         members = {m["id"]: m["state"] for m in ((rep or {}).get("gossip") or {}).get("members", [])}
         out.append(members.get(peer_id))
     return out
@@ -62,7 +64,7 @@ def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
                      "--peers", str(N_PEERS), "--timeout", "240"])
     assert rc == 0
     state = load_state(run_dir)
-    report = swarm.status_report(state)
+    report = status_report(state)
     assert [p["state"] for p in report["peers"]] == ["running"] * N_PEERS
     measured = report["measured"]
     assert measured["complete"]
@@ -87,7 +89,7 @@ def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
     state = load_state(run_dir)
 
     def back_alive():
-        rep = swarm.peer_status(state.find(victim.name))
+        rep = peer_status(state.find(victim.name))
         return (rep is not None and rep["peer_id"] == victim_id
                 and all(s == "alive" for s in member_states(state, victim_id)))
 

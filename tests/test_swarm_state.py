@@ -3,6 +3,7 @@
 import pytest
 
 from dtfm.gossip import swarm
+from dtfm.gossip.swarmreport import measured_matrices
 from dtfm.gossip.swarmstate import PeerEntry, SwarmError, SwarmState, load_state, save_state
 
 
@@ -48,14 +49,14 @@ def test_measured_view_is_reordered_and_unscaled(tmp_path):
                                   "bandwidth_gbps": [[None, 0.05, 0.05], [0.05, None, 0.02],
                                                      [0.05, 0.02, None]],
                                   "complete": True}}}
-    m = swarm.measured_matrices(report, ids, time_scale=2.0, bandwidth_scale=0.1)
+    m = measured_matrices(report, ids, time_scale=2.0, bandwidth_scale=0.1)
     # p00 is row 1 of the observer's view, p01 row 2: raw 10 * (1 + 1 + 2) = 40 ms, / time scale.
     assert m["raw_delay_ms"][0][1] == 40.0
     assert m["delay_ms"][0][1] == 20.0
     # Bandwidth back in scenario units: raw x time_scale / bandwidth_scale.
     assert m["bandwidth_gbps"][0][1] == pytest.approx(0.02 * 2.0 / 0.1)
     assert m["complete"] is True
-    missing = swarm.measured_matrices(report, ids + ["ff" * 32], 1.0, 1.0)
+    missing = measured_matrices(report, ids + ["ff" * 32], 1.0, 1.0)
     assert missing["delay_ms"][3][0] is None
 
 

@@ -1,0 +1,193 @@
+"""The peer processes of a scripted swarm: starting, stopping, asking, waiting for convergence."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .swarmstate import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
+
+STOP_GRACE_S = 10.0
+NOMINAL_COMPUTE_MS = 10.0
+# Peers outlive the command that starts them; holding their Popen objects keeps Python from
+# warning, when one is collected, that a child it started is still running.
+_STARTED: dict[int, subprocess.Popen] = {}
+
+
+# ---- talking to one peer --------------------------------------------------------------------
+
+def _control_socket(peer: PeerEntry) -> Path:
+    from dtfm.peer.paths import DataDir
+
+    return DataDir(Path(peer.data_dir)).control_socket
+
+
+def peer_request(peer: PeerEntry, op: str, args: dict | None = None, timeout_s: float = 5.0) -> Any:
+    """One control request to a peer's daemon; raises SwarmError when it is not answering."""
+    from dtfm.peer.config import ControlConfig
+    from dtfm.peer.control import ControlClient, ControlClientError, DaemonNotRunning
+
+    config = ControlConfig(request_timeout_s=timeout_s)
+    try:
+        with ControlClient(_control_socket(peer), config, data_dir=Path(peer.data_dir)) as c:
+            return c.request(op, args or {})
+    except (DaemonNotRunning, ControlClientError) as e:
+        raise SwarmError(f"{peer.name}: {e}") from None
+
+
+def peer_status(peer: PeerEntry) -> dict | None:
+    if not peer.alive():
+        return None
+    try:
+        return peer_request(peer, "status")
+    except SwarmError:
+        return None
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (held open together so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def gossip_profile(state: SwarmState) -> str:
+    """lan timings while every emulated round trip fits well inside its 0.5 s probe timeout,
+    wan timings (3 s timeout, more patience) beyond."""
+    from dtfm.sched.scenario import load_scenario
+
+    max_rtt_ms = 2 * float(load_scenario(state.scenario).delay_ms().max()) * state.time_scale
+    return "lan" if max_rtt_ms < 200 else "wan"
+
+
+def nominal_compute_ms(state: SwarmState, region: str) -> float:
+    """Every peer shares this machine's CPU, so a measured speed would say nothing about the
+    scenario: peers report a nominal speed, scaled by their region's compute_scale."""
+    from dtfm.sched.scenario import load_scenario
+
+    return NOMINAL_COMPUTE_MS / load_scenario(state.scenario).region(region).compute_scale
+
+
+def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str]) -> None:
+    others = [p for p in state.peers if p.name != peer.name]
+    bootstrap = [a for p in others[:3] for a in ("--bootstrap", p.address)]
+    cmd = [sys.executable, "-m", "dtfm.peer", "join",
+           "--listen", peer.address, "--data-dir", peer.data_dir,
+           "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region,
+           "--emulate", state.scenario,
+           "--time-scale", repr(state.time_scale), "--bandwidth-scale", repr(state.bandwidth_scale),
+           "--gossip-profile", gossip_profile(state),
+           "--compute-ms", repr(nominal_compute_ms(state, peer.region)),
+           *bootstrap, *extra]
+    Path(peer.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(peer.log_file, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, close_fds=True)
+    _STARTED[proc.pid] = proc
+    peer.pid = proc.pid
+
+
+def stop_peer(peer: PeerEntry, *, graceful: bool = True) -> None:
+    if not peer.alive():
+        if peer.pid is not None:
+            _reap(peer.pid)
+        return
+    assert peer.pid is not None
+    if graceful:
+        try:
+            peer_request(peer, "leave", timeout_s=2.0)
+        except SwarmError:
+            send_signal(peer.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and pid_alive(peer.pid):
+            _reap(peer.pid)
+            time.sleep(0.05)
+    if pid_alive(peer.pid):
+        send_signal(peer.pid, signal.SIGKILL)
+    _reap(peer.pid, wait_s=5.0)
+
+
+def _reap(pid: int, wait_s: float = 0.0) -> None:
+    """Collect the exit status of a peer this process started, so it leaves no zombie."""
+    proc = _STARTED.get(pid)
+    if proc is not None:
+        try:
+            proc.wait(timeout=wait_s) if wait_s else proc.poll()
+        except subprocess.TimeoutExpired:
+            return
+        if proc.returncode is not None:
+            del _STARTED[pid]
+        return
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+# ---- convergence ----------------------------------------------------------------------------
+
+def swarm_view(report: dict) -> tuple[int, int, int]:
+    """(alive members, measured links, expected links) as one peer's status reports them."""
+    gossip = report.get("gossip") or {}
+    members = gossip.get("members") or []
+    alive = sum(1 for m in members if m.get("state") == "alive")
+    view = gossip.get("view") or {}
+    return alive, int(view.get("measured_links", 0)), int(view.get("expected_links", 0))
+
+
+def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bool,
+                   out=sys.stderr) -> None:
+    """Block until every live peer sees every live peer alive (and, if asked, a complete view)."""
+    deadline = time.monotonic() + timeout_s
+    live = [p for p in state.peers if p.alive()]
+    n = len(live)
+    tty = out.isatty()
+    last = ""
+    while True:
+        joined = measured = expected = 0
+        reports = {}
+        for p in live:
+            rep = peer_status(p)
+            if rep is None:
+                continue
+            reports[p.name] = rep
+            p.peer_id = str(rep.get("peer_id", p.peer_id))
+            alive, m, e = swarm_view(rep)
+            joined += alive == n
+            measured += m
+            expected += e
+        complete = expected > 0 and measured >= expected
+        line = (f"peers answering {len(reports)}/{n}, seeing all {joined}/{n}"
+                + (f", measurements {measured}/{expected}" if need_measurements else ""))
+        if line != last:
+            print(("\r" if tty else "") + line, end="" if tty else "\n", file=out, flush=True)
+            last = line
+        if joined == n and (complete or not need_measurements):
+            if tty:
+                print(file=out)
+            return
+        dead = [p.name for p in live if not p.alive()]
+        if dead:
+            raise SwarmError(f"peer(s) {', '.join(dead)} exited while starting: see their "
+                             f"daemon.log in the run directory")
+        if time.monotonic() > deadline:
+            if tty:
+                print(file=out)
+            raise SwarmError(f"the swarm did not converge within {timeout_s:g} s ({line}): see "
+                             f"the peers' daemon.log files, or raise --timeout")
+        time.sleep(0.25)
