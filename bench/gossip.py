@@ -31,7 +31,7 @@ from dtfm.gossip.members import MemberState
 from dtfm.gossip.messages import MsgType
 from dtfm.gossip.records import Entry, RecordStore, Report
 from dtfm.gossip.simulator import SwimSimulator
-from dtfm.sched.scenario import load_scenario
+from dtfm.scenarios import load_scenario
 
 MEASURE_TYPES = (MsgType.MEASURE_PING, MsgType.MEASURE_BULK)
 CONFIG = GossipConfig.lan().with_(bandwidth_probe_bytes=256 * 1024, bandwidth_probe_interval_s=0.1,

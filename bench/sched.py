@@ -21,7 +21,8 @@ import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from dtfm.sched import PAPER_GPT3_XL, CommSpec, SearchConfig, load_scenario, solve  # noqa: E402
+from dtfm.scenarios import load_scenario  # noqa: E402
+from dtfm.sched import PAPER_GPT3_XL, CommSpec, SearchConfig, solve  # noqa: E402
 from dtfm.sched.construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation  # noqa: E402
 from dtfm.sched.search import ShapeSearch  # noqa: E402
 from dtfm.sched.simulate import simulate  # noqa: E402

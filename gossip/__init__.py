@@ -2,7 +2,6 @@
 signed measurement reports with anti-entropy, the N x N network view, and link emulation."""
 
 from .config import GossipConfig
-from .emulation import EmulatedLinks, EmulationConfig
 from .members import Member, MemberState, Update, merge_entry, merge_tables
 from .messages import MsgType
 from .records import Entry, RecordStore, Report
@@ -12,7 +11,7 @@ from .swim import Send, Swim
 from .view import NetworkView, build_view
 
 __all__ = [
-    "EmulatedLinks", "EmulationConfig", "GossipConfig", "GossipService", "Member", "MemberState", "MsgType", "NetworkView", "Entry",
+    "GossipConfig", "GossipService", "Member", "MemberState", "MsgType", "NetworkView", "Entry",
     "Report", "RecordStore", "Send", "Swim", "Update", "build_view", "merge_entry", "merge_tables",
     "remaining_suspicion_time",
 ]

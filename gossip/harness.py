@@ -15,10 +15,9 @@ from collections import defaultdict
 
 import trio
 
-from dtfm.peer.identity import Identity
+from dtfm.net import Identity, LinkModel, MemNetwork, scenario_link
 
 from .config import GossipConfig
-from .memnet import LinkModel, MemNetwork, scenario_link
 from .members import MemberState
 from .service import GossipService
 

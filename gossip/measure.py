@@ -1,7 +1,7 @@
 """Network and compute measurement: round-trip time, bandwidth and compute speed.
 
 Written against a small async interface, `PeerLink.request(msg_type, body, *, payload,
-timeout_s) -> (body, payload)` (what `dtfm.peer.transport.Connection` provides), so the same
+timeout_s) -> (body, payload)` (what `dtfm.net.transport.Connection` provides), so the same
 code runs over the real transport and over the in-memory network. `MeasurePlanner` decides
 whom to measure next and when, without I/O.
 """

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from dtfm.peer.identity import verify_signature
+from dtfm.net import verify_signature
 
 from ._wire import ProtocolError, get_bytes, get_float, get_int, get_list, pack
 from .members import PEER_ID_LEN

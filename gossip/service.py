@@ -5,7 +5,7 @@
         await nursery.start(service.run)
         await service.join([("10.0.0.2", 7000)])
 
-The transport is `dtfm.peer.transport.Transport` or anything of its shape (the in-memory
+The transport is `dtfm.net.transport.Transport` or anything of its shape (the in-memory
 `MemTransport` in tests and the harness).
 """
 

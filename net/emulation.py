@@ -1,7 +1,7 @@
 """Link emulation inside the transport: a real delay line and a real rate limiter per link,
 with the one-way delay and bandwidth of a scenario file, loss and cut links.
 
-`EmulatedLinks` implements `dtfm.peer.shaping.LinkShaper`: a connection, once it knows the
+`EmulatedLinks` implements `dtfm.net.shaping.LinkShaper`: a connection, once it knows the
 peer's region, opens a `EmulatedLink` and sends every outgoing plaintext frame through it.
 Each frame first passes a token bucket at the link's bandwidth (the sender waits when the
 queue is full: backpressure, as a socket buffer gives), then sits in the delay line until its

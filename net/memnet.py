@@ -1,4 +1,4 @@
-"""In-memory network with the shape of `dtfm.peer.transport` (Transport, Connection), for
+"""In-memory network with the shape of `dtfm.net.transport` (Transport, Connection), for
 many gossip nodes in one process under trio's MockClock.
 
 Frames go through msgpack both ways (so the wire dataclasses are exercised) and cross a
@@ -20,9 +20,8 @@ from typing import Awaitable, Callable
 
 import trio
 
-from dtfm.peer.errors import ConnectionClosed, ProtocolError, RequestTimeout
-
-from ._wire import pack, unpack_untrusted
+from .errors import ConnectionClosed, ProtocolError, RequestTimeout
+from .wire import pack, unpack_untrusted
 
 __all__ = ["MemNetwork", "MemTransport", "MemConnection", "Reply"]
 
@@ -46,7 +45,7 @@ def uniform_link(delay_s: float = 0.001, bps: float = 1e9) -> LinkModel:
 
 
 def scenario_link(scenario, time_scale: float = 1.0) -> LinkModel:
-    """Links of a `dtfm.sched.scenario.Scenario`: one-way ms and Gbps per region pair."""
+    """Links of a `dtfm.scenarios.Scenario`: one-way ms and Gbps per region pair."""
     def model(a: str, b: str) -> tuple[float, float]:
         delay_ms, gbps = scenario.link(a, b)
         return delay_ms / 1000.0 * time_scale, gbps * 1e9 / time_scale

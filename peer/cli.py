@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import (ConfigError, DaemonConfig, apply_flags, default_text, dest_name,
-                     flag_fields, load_toml)
+from dtfm.net import KeyFileError
+
+from .config import ConfigError, DaemonConfig, apply_flags, default_text, dest_name, flag_fields, load_toml
 from .control import ControlClient, ControlClientError, DaemonNotRunning
 from .daemon import ListenError
-from .errors import KeyFileError
 from .paths import DataDir, DataDirError, default_data_dir
 
 PROG = "dtfm-peer"
@@ -125,7 +125,7 @@ def _client_config(args: argparse.Namespace) -> tuple[DaemonConfig, DataDir]:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from .identity import IDENTITY_FILE, Identity
+    from dtfm.net import IDENTITY_FILE, Identity
 
     data_dir = DataDir((args.data_dir or default_data_dir()).absolute())
     data_dir.ensure()
@@ -142,7 +142,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm_key(args: argparse.Namespace) -> int:
-    from .identity import new_swarm_key
+    from dtfm.net import new_swarm_key
 
     key = new_swarm_key()
     if args.out is None:

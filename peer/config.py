@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .addr import Address, AddressError
-from .transport import TransportConfig
+from dtfm.net import Address, AddressError, TransportConfig
 
 REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -200,7 +199,7 @@ class DaemonConfig:
     discovery: DiscoveryConfig = DiscoveryConfig()
     control: ControlConfig = ControlConfig()
     log: LogConfig = LogConfig()
-    # Frame limits, timeouts, key renewal, handshake admission: see dtfm.peer.transport.
+    # Frame limits, timeouts, key renewal, handshake admission: see dtfm.net.transport.
     transport: TransportConfig = TransportConfig()
     gossip: GossipSection = GossipSection()
     emulation: EmulationSection = EmulationSection()

@@ -23,9 +23,9 @@ from typing import Any
 
 import trio
 
+from dtfm.net import ProtocolError, pack, unpack_untrusted
+
 from .config import ControlConfig
-from .errors import ProtocolError
-from .wire import pack, unpack_untrusted
 
 logger = logging.getLogger(__name__)
 

@@ -16,21 +16,17 @@ import logging
 import os
 import random
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import trio
 
-from .addr import Address
+from dtfm.net import Address, Identity, Transport, pack
+
 from .config import DaemonConfig
 from .control import ControlServer
 from .discovery import Discovery
 from .paths import DataDir
 from .status import CORE_KEYS
-from .wire import pack
-
-if TYPE_CHECKING:
-    from .identity import Identity
-    from .transport import Transport
 
 logger = logging.getLogger(__name__)
 

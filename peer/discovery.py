@@ -15,18 +15,23 @@ from __future__ import annotations
 import logging
 import math
 import random
-from typing import TYPE_CHECKING
 
 import trio
 
-from .addr import Address
+from dtfm.net import (
+    Address,
+    Connection,
+    ConnectionClosed,
+    HandshakeError,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    Transport,
+)
+
 from .config import DiscoveryConfig
-from .errors import ConnectionClosed, HandshakeError, ProtocolError, RemoteError, RequestTimeout
 from .peerbook import PeerBook, backoff_delay_s
 from .pex import DaemonMsg, Leaving, PeerExchange, PeerRecord, dialable_address
-
-if TYPE_CHECKING:
-    from .transport import Connection, Transport
 
 logger = logging.getLogger(__name__)
 

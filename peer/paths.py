@@ -1,7 +1,7 @@
 """Where a peer keeps its files: the data directory and the control socket inside it.
 
     DATA_DIR/                 0700, created by the daemon or `dtfm-peer keygen`
-        identity.key          the Ed25519 identity (dtfm.peer.identity), 0600
+        identity.key          the Ed25519 identity (dtfm.net.identity), 0600
         daemon.lock           held (flock) by the running daemon; one daemon per data dir
         control/              0700
             peer.sock         the control socket, 0600

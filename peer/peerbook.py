@@ -12,7 +12,7 @@ import random
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .addr import Address
+from dtfm.net import Address
 
 
 def backoff_delay_s(failures: int, initial_s: float, max_s: float, rng: random.Random) -> float:

@@ -8,10 +8,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from .addr import MAX_HOST_LEN, Address, AddressError
-from .errors import ProtocolError
-from .identity import PEER_ID_BYTES
-from .wire import get_bytes, get_int, get_list, get_str
+from dtfm.net import (
+    MAX_HOST_LEN,
+    PEER_ID_BYTES,
+    Address,
+    AddressError,
+    ProtocolError,
+    get_bytes,
+    get_int,
+    get_list,
+    get_str,
+)
 
 MAX_EXCHANGE_PEERS = 1024
 MAX_REGION_LEN = 64

@@ -8,9 +8,12 @@ from collections.abc import Callable, Sequence
 
 import trio
 
+from dtfm.net import IDENTITY_FILE, Identity, Transport, load_swarm_key, swarm_key_fingerprint
+
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
 from .paths import DataDir, DataDirLock, default_data_dir
+from .services import build_shaper, gossip_setup
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +35,6 @@ async def run_until_signal(daemon: Daemon) -> None:
 
 
 def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper=None) -> Daemon:
-    from .identity import IDENTITY_FILE, Identity, load_swarm_key, swarm_key_fingerprint
-    from .transport import Transport
-
     if config.peer.swarm_key_file is None:
         raise ConfigError("joining needs the swarm key: pass --swarm-key FILE (make one with "
                           "`dtfm-peer swarm-key new > FILE` and copy it to every peer)")
@@ -63,8 +63,6 @@ def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = (), *,
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
-        from .services import build_shaper, gossip_setup
-
         shaper = build_shaper(config)
         daemon = build_daemon(config, data_dir, shaper)
         if gossip:

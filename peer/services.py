@@ -13,6 +13,10 @@ from typing import Any
 
 import trio
 
+from dtfm.gossip import GossipConfig, GossipService
+from dtfm.net import EmulatedLinks, EmulationConfig
+from dtfm.scenarios import ScenarioError, load_scenario
+
 from .config import ConfigError, DaemonConfig
 from .control import ControlCommandError
 
@@ -26,8 +30,6 @@ def build_shaper(config: DaemonConfig):
     em = config.emulation
     if not em.scenario:
         return None
-    from dtfm.gossip import EmulatedLinks, EmulationConfig
-    from dtfm.sched.scenario import ScenarioError, load_scenario
 
     try:
         scenario = load_scenario(em.scenario)
@@ -44,8 +46,6 @@ def build_shaper(config: DaemonConfig):
 
 
 def gossip_config(config: DaemonConfig):
-    from dtfm.gossip import GossipConfig
-
     profile = getattr(GossipConfig, config.gossip.profile)()
     # A sync message must fit in one control frame of the transport.
     limit = config.transport.max_control_frame_bytes // 2
@@ -61,8 +61,6 @@ def gossip_setup(config: DaemonConfig, shaper=None):
         holder: dict[str, Any] = {}
 
         async def run_gossip(daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            from dtfm.gossip import GossipService
-
             compute_ms = config.gossip.compute_ms or None
             service = GossipService(daemon.transport, daemon.identity, gossip_config(config),
                                     region=config.peer.region, compute_ms=compute_ms,

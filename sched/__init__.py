@@ -6,7 +6,6 @@ Pure numpy/scipy: no torch, no network. The swarm calls `solve` on its measured 
 from .cost import CostBreakdown, CostModel, split_layers
 from .matching import bottleneck_matching
 from .path import open_path
-from .scenario import Scenario, ScenarioError, builtin_scenarios, load_scenario
 from .search import SEARCH_PROFILES, SearchConfig
 from .simulate import SimResult
 from .simulate import simulate as simulate_iteration
@@ -15,7 +14,7 @@ from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_pre
 
 __all__ = [
     "Allocation", "CommSpec", "CostBreakdown", "CostModel", "ModelSpec", "PAPER_GPT3_XL", "PRESETS",
-    "SEARCH_PROFILES", "Scenario", "ScenarioError", "SearchConfig", "SimResult", "Workload",
-    "bottleneck_matching", "builtin_scenarios", "candidate_shapes", "cost_model", "evaluate", "get_preset",
-    "load_scenario", "open_path", "simulate_iteration", "solve", "split_layers",
+    "SEARCH_PROFILES", "SearchConfig", "SimResult", "Workload",
+    "bottleneck_matching", "candidate_shapes", "cost_model", "evaluate", "get_preset",
+    "open_path", "simulate_iteration", "solve", "split_layers",
 ]

@@ -13,8 +13,9 @@ import time
 
 import numpy as np
 
+from dtfm.scenarios import ScenarioError, load_scenario
+
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
-from .scenario import ScenarioError, load_scenario
 from .search import SearchConfig, ShapeSearch
 from .simulate import simulate
 from .solve import cost_model, solve

@@ -16,18 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .swarmproc import free_ports, peer_request, start_peer, stop_peer, wait_converged
-from .swarmreport import format_allocation, format_status, schedule_measured, status_report
-from .swarmstate import (KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state,
-                         save_state, send_signal)
+from dtfm.net import new_swarm_key
+from dtfm.scenarios import ScenarioError, load_scenario
 
+from .proc import free_ports, peer_request, start_peer, stop_peer, wait_converged
+from .report import format_allocation, format_status, schedule_measured, status_report
+from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state, save_state, send_signal
 
 # ---- subcommands ----------------------------------------------------------------------------
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from dtfm.peer.identity import new_swarm_key
-    from dtfm.sched.scenario import ScenarioError, load_scenario
-
     run_dir: Path = args.run_dir
     try:
         existing = load_state(run_dir)

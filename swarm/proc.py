@@ -11,7 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .swarmstate import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
+from dtfm.peer import ControlClient, ControlClientError, ControlConfig, DaemonNotRunning, DataDir
+from dtfm.scenarios import load_scenario
+
+from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
 
 STOP_GRACE_S = 10.0
 NOMINAL_COMPUTE_MS = 10.0
@@ -23,15 +26,11 @@ _STARTED: dict[int, subprocess.Popen] = {}
 # ---- talking to one peer --------------------------------------------------------------------
 
 def _control_socket(peer: PeerEntry) -> Path:
-    from dtfm.peer.paths import DataDir
-
     return DataDir(Path(peer.data_dir)).control_socket
 
 
 def peer_request(peer: PeerEntry, op: str, args: dict | None = None, timeout_s: float = 5.0) -> Any:
     """One control request to a peer's daemon; raises SwarmError when it is not answering."""
-    from dtfm.peer.config import ControlConfig
-    from dtfm.peer.control import ControlClient, ControlClientError, DaemonNotRunning
 
     config = ControlConfig(request_timeout_s=timeout_s)
     try:
@@ -69,7 +68,6 @@ def free_ports(n: int) -> list[int]:
 def gossip_profile(state: SwarmState) -> str:
     """lan timings while every emulated round trip fits well inside its 0.5 s probe timeout,
     wan timings (3 s timeout, more patience) beyond."""
-    from dtfm.sched.scenario import load_scenario
 
     max_rtt_ms = 2 * float(load_scenario(state.scenario).delay_ms().max()) * state.time_scale
     return "lan" if max_rtt_ms < 200 else "wan"
@@ -78,7 +76,6 @@ def gossip_profile(state: SwarmState) -> str:
 def nominal_compute_ms(state: SwarmState, region: str) -> float:
     """Every peer shares this machine's CPU, so a measured speed would say nothing about the
     scenario: peers report a nominal speed, scaled by their region's compute_scale."""
-    from dtfm.sched.scenario import load_scenario
 
     return NOMINAL_COMPUTE_MS / load_scenario(state.scenario).region(region).compute_scale
 

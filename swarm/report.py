@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .swarmproc import peer_status
-from .swarmstate import SwarmState
+import numpy as np
+
+from dtfm.sched import ModelSpec, solve
+
+from .proc import peer_status
+from .state import SwarmState
 
 
 def status_report(state: SwarmState) -> dict:
@@ -95,9 +99,6 @@ def format_status(report: dict) -> str:
 
 def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
     """Run the scheduler on the swarm's measured view for the demo model (train's `tiny`)."""
-    import numpy as np
-
-    from dtfm.sched import ModelSpec, solve
 
     measured = report["measured"]
     delay = np.array([[0.0 if v is None else v for v in row] for row in measured["delay_ms"]])

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from dtfm.net.identity import parse_swarm_key
 from dtfm.peer import logs
 from dtfm.peer.cli import build_parser, main, user_error_text
 from dtfm.peer.config import ConfigError, ControlConfig
 from dtfm.peer.control import ControlServer
-from dtfm.peer.identity import parse_swarm_key
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_duration, format_text
 

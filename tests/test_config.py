@@ -5,10 +5,19 @@ from pathlib import Path
 
 import pytest
 
-from dtfm.peer.addr import Address, AddressError
+from dtfm.net.addr import Address, AddressError
 from dtfm.peer.cli import build_parser
-from dtfm.peer.config import (ConfigError, DaemonConfig, DiscoveryConfig, LogConfig, PeerConfig,
-                              apply_flags, flag_fields, load_toml, merge)
+from dtfm.peer.config import (
+    ConfigError,
+    DaemonConfig,
+    DiscoveryConfig,
+    LogConfig,
+    PeerConfig,
+    apply_flags,
+    flag_fields,
+    load_toml,
+    merge,
+)
 from dtfm.peer.paths import DataDir, DataDirError, DataDirLock, default_data_dir
 
 

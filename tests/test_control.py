@@ -8,17 +8,24 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from dtfm.net.errors import ProtocolError
+from dtfm.net.wire import pack
 from dtfm.peer.config import ControlConfig
-from dtfm.peer.control import (ControlClient, ControlClientError, ControlCommandError,
-                               ControlRequest, ControlServer, DaemonNotRunning, encode_frame,
-                               read_frame_untrusted)
-from dtfm.peer.errors import ProtocolError
-from dtfm.peer.wire import pack
+from dtfm.peer.control import (
+    ControlClient,
+    ControlClientError,
+    ControlCommandError,
+    ControlRequest,
+    ControlServer,
+    DaemonNotRunning,
+    encode_frame,
+    read_frame_untrusted,
+)
 
 CONFIG = ControlConfig(max_request_bytes=4096, max_response_bytes=64 * 1024, request_timeout_s=5.0)
 

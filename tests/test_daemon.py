@@ -1,6 +1,6 @@
 """The daemon's discovery and lifecycle in one process, on an in-memory network under MockClock.
 
-`FakeTransport` has the shape of dtfm.peer.transport.Transport: listen, dial, handshake refusal
+`FakeTransport` has the shape of dtfm.net.transport.Transport: listen, dial, handshake refusal
 on a swarm key mismatch, request/one-way messages through the real msgpack codec, connect and
 disconnect callbacks. Times below are virtual seconds.
 """
@@ -12,21 +12,20 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from dtfm.peer.addr import Address
-from dtfm.peer.config import DaemonConfig, DiscoveryConfig, PeerConfig
+from dtfm.net.addr import Address
+from dtfm.net.errors import ConnectionClosed, HandshakeError, ProtocolError, RemoteError, RequestTimeout
+from dtfm.net.identity import Identity
+from dtfm.net.wire import pack, unpack_untrusted
+from dtfm.peer.config import DaemonConfig, PeerConfig
 from dtfm.peer.daemon import Daemon
-from dtfm.peer.errors import (ConnectionClosed, HandshakeError, ProtocolError, RemoteError,
-                              RequestTimeout)
-from dtfm.peer.identity import Identity
 from dtfm.peer.paths import DataDir
 from dtfm.peer.peerbook import PeerBook, backoff_delay_s
 from dtfm.peer.pex import PeerExchange, PeerRecord
-from dtfm.peer.wire import pack, unpack_untrusted
 
 KEY = b"k" * 32
 

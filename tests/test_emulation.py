@@ -5,8 +5,8 @@ import random
 import pytest
 import trio
 
-from dtfm.gossip.emulation import WIRE_OVERHEAD_BYTES, EmulatedLinks, EmulationConfig
-from dtfm.sched.scenario import parse_scenario
+from dtfm.net.emulation import WIRE_OVERHEAD_BYTES, EmulatedLinks, EmulationConfig
+from dtfm.scenarios import parse_scenario
 
 SCENARIO = parse_scenario({
     "name": "two-sites",

@@ -13,13 +13,13 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dtfm.peer import frames
-from dtfm.peer.handshake import Initiator, PeerHello
-from dtfm.peer.identity import Identity
-from dtfm.peer.session import RecvCipher, SendCipher
-from dtfm.peer.streamio import StreamReader
-from dtfm.peer.transport import Transport, TransportConfig
-from dtfm.peer.wire import pack
+from dtfm.net import frames
+from dtfm.net.handshake import Initiator, PeerHello
+from dtfm.net.identity import Identity
+from dtfm.net.session import RecvCipher, SendCipher
+from dtfm.net.streamio import StreamReader
+from dtfm.net.transport import Transport, TransportConfig
+from dtfm.net.wire import pack
 
 KEY = bytes(range(32))
 MiB = 1 << 20
@@ -194,7 +194,7 @@ def make_server():
 
 @pytest.mark.parametrize("name", list(attacks()))
 async def test_bad_input_after_handshake_closes_only_that_connection(name, caplog):
-    caplog.set_level(logging.DEBUG, logger="dtfm.peer")
+    caplog.set_level(logging.DEBUG, logger="dtfm.net")
     server = make_server()
     timer = StepTimer()
     # Objects left by earlier tests must not make a full collection land inside a measured step:
@@ -337,7 +337,7 @@ def test_random_bytes_before_handshake(blobs):
 @settings(max_examples=40, deadline=None)
 @given(st.binary(max_size=100))
 def test_inbound_frame_parser_raises_only_protocol_error(data):
-    from dtfm.peer.errors import ProtocolError
+    from dtfm.net.errors import ProtocolError
 
     inbound = frames.Inbound(
         max_control_frame_bytes=MiB, max_payload_bytes=MiB, max_inflight_payload_bytes=2 * MiB, max_inflight_payloads=4

@@ -3,10 +3,21 @@ import random
 import pytest
 import trio
 
-from dtfm.gossip.measure import (BULK_DATA, BULK_RESERVE, BulkGate, BulkProbe, MeasurePing, MeasurePlanner, compute_speed_ms,
-                                 measure_bandwidth, measure_rtt, serve_bulk, serve_ping)
+from dtfm.gossip.measure import (
+    BULK_DATA,
+    BULK_RESERVE,
+    BulkGate,
+    BulkProbe,
+    MeasurePing,
+    MeasurePlanner,
+    compute_speed_ms,
+    measure_bandwidth,
+    measure_rtt,
+    serve_bulk,
+    serve_ping,
+)
 from dtfm.gossip.messages import MsgType
-from dtfm.peer.errors import ProtocolError, RequestTimeout
+from dtfm.net.errors import ProtocolError, RequestTimeout
 
 A, B, C = (bytes([i]) * 32 for i in (1, 2, 3))
 

@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from dtfm.gossip.records import MAX_GBPS, Entry, RecordStore, RecordSync, Report
 from dtfm.gossip.view import build_view
-from dtfm.peer.errors import ProtocolError
-from dtfm.peer.identity import Identity
-from dtfm.peer.wire import pack, unpack_untrusted
+from dtfm.net.errors import ProtocolError
+from dtfm.net.identity import Identity
+from dtfm.net.wire import pack, unpack_untrusted
 
 NOW = 1.8e9
 ALICE = Identity(b"\x01" * 32)

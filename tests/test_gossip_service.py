@@ -1,7 +1,6 @@
 """GossipService over the in-memory network under MockClock: many services in one process."""
 
 import numpy as np
-import pytest
 import trio
 
 from dtfm.gossip.config import GossipConfig
@@ -9,8 +8,8 @@ from dtfm.gossip.harness import Harness
 from dtfm.gossip.members import MemberState
 from dtfm.gossip.messages import MsgType
 from dtfm.gossip.records import Entry, RecordSync, Report
-from dtfm.peer.identity import Identity
-from dtfm.sched.scenario import load_scenario
+from dtfm.net.identity import Identity
+from dtfm.scenarios import load_scenario
 
 CFG = GossipConfig.test()
 

@@ -10,10 +10,10 @@ import pytest
 import trio
 
 from dtfm.gossip import GossipConfig, GossipService, MemberState
-from dtfm.gossip.emulation import EmulatedLinks, EmulationConfig
-from dtfm.peer.identity import Identity
-from dtfm.peer.transport import Transport, TransportConfig
-from dtfm.sched.scenario import parse_scenario
+from dtfm.net.emulation import EmulatedLinks, EmulationConfig
+from dtfm.net.identity import Identity
+from dtfm.net.transport import Transport, TransportConfig
+from dtfm.scenarios import parse_scenario
 
 KEY = bytes(range(32))
 SCENARIO = parse_scenario({

@@ -1,5 +1,4 @@
 import math
-import random
 
 import pytest
 from hypothesis import given, settings
@@ -10,8 +9,8 @@ from dtfm.gossip.config import GossipConfig
 from dtfm.gossip.members import Member, MemberState, Update, merge_entry, merge_tables
 from dtfm.gossip.messages import Ack, Gossip, MsgType, Nack, Ping, PingReq, PushPull, decode_swim
 from dtfm.gossip.suspicion import Suspicion, remaining_suspicion_time
-from dtfm.peer.errors import ProtocolError
-from dtfm.peer.wire import pack, unpack_untrusted
+from dtfm.net.errors import ProtocolError
+from dtfm.net.wire import pack, unpack_untrusted
 
 ids = st.sampled_from([bytes([i]) * 32 for i in range(4)])
 members = st.builds(Member, ids, st.integers(0, 5), st.sampled_from(list(MemberState)),

@@ -2,12 +2,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.peer.errors import HandshakeError, ProtocolError
-from dtfm.peer.handshake import Initiator, PeerHello, Responder, reject_message
-from dtfm.peer.identity import Identity
-from dtfm.peer.session import RecvCipher, SendCipher
-from dtfm.peer.session import RecvCipher as _Recv
-from dtfm.peer.session import SendCipher as _Send
+from dtfm.net.errors import HandshakeError, ProtocolError
+from dtfm.net.handshake import Initiator, PeerHello, Responder, reject_message
+from dtfm.net.identity import Identity
+from dtfm.net.session import RecvCipher, SendCipher
+from dtfm.net.session import RecvCipher as _Recv
+from dtfm.net.session import SendCipher as _Send
 
 KEY = bytes(range(32))
 A, B = Identity.generate(), Identity.generate()

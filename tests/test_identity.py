@@ -3,8 +3,8 @@ import stat
 
 import pytest
 
-from dtfm.peer.errors import KeyFileError
-from dtfm.peer.identity import (
+from dtfm.net.errors import KeyFileError
+from dtfm.net.identity import (
     Identity,
     load_swarm_key,
     new_swarm_key,

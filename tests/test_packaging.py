@@ -25,10 +25,10 @@ def test_wheel_installs_and_imports_outside_repo(tmp_path):
         check=True, cwd=tmp_path,
     )
     code = (
-        "import dtfm, dtfm.peer, dtfm.gossip, dtfm.sched, dtfm.train, dtfm.sched.scenarios\n"
+        "import dtfm, dtfm.scenarios, dtfm.net, dtfm.sched, dtfm.train, dtfm.gossip, dtfm.peer, dtfm.swarm\n"
         "from importlib.resources import files\n"
         "print(dtfm.__file__)\n"
-        "print(sorted(p.name for p in files('dtfm.sched.scenarios').iterdir() if p.name.endswith('.toml')))\n"
+        "print(sorted(p.name for p in files('dtfm.scenarios').iterdir() if p.name.endswith('.toml')))\n"
     )
     env = dict(os.environ, PYTHONPATH=str(target))
     out = subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path, env=env,

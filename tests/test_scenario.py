@@ -3,7 +3,7 @@ import math
 import numpy as np
 import pytest
 
-from dtfm.sched.scenario import ScenarioError, builtin_scenarios, load_scenario, parse_scenario
+from dtfm.scenarios import ScenarioError, builtin_scenarios, load_scenario, parse_scenario
 
 
 def test_builtin_scenarios_load_with_paper_peer_counts():

@@ -5,7 +5,8 @@ import json
 import pytest
 from test_sched_cost import paper_cost_literal
 
-from dtfm.sched import PAPER_GPT3_XL, load_scenario
+from dtfm.scenarios import load_scenario
+from dtfm.sched import PAPER_GPT3_XL
 from dtfm.sched.cli import main
 
 

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, evaluate, load_scenario, split_layers
+from dtfm.scenarios import load_scenario
+from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, evaluate, split_layers
 
 
 def paper_cost_literal(delay_ms, bandwidth_gbps, pipelines, c_grad_gb, c_act_gb):

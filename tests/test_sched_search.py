@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, candidate_shapes, evaluate, load_scenario, solve
+from dtfm.scenarios import load_scenario
+from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, candidate_shapes, evaluate, solve
 from dtfm.sched.construct import consecutive, dp_aligned, locality_order, pp_aligned
 from dtfm.sched.local import SwapSearch
 

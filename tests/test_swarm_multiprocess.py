@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dtfm.gossip import swarm
-from dtfm.gossip.swarmproc import peer_status
-from dtfm.gossip.swarmreport import status_report
-from dtfm.gossip.swarmstate import load_state
-from dtfm.sched.scenario import load_scenario
+from dtfm.scenarios import load_scenario
+from dtfm.swarm import cli as swarm
+from dtfm.swarm.proc import peer_status
+from dtfm.swarm.report import status_report
+from dtfm.swarm.state import load_state
 
 N_PEERS = 6
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from dtfm.gossip import swarm
-from dtfm.gossip.swarmreport import measured_matrices
-from dtfm.gossip.swarmstate import PeerEntry, SwarmError, SwarmState, load_state, save_state
+from dtfm.swarm import cli as swarm
+from dtfm.swarm.report import measured_matrices
+from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, load_state, save_state
 
 
 def make_state(tmp_path):

@@ -4,9 +4,9 @@ import pytest
 import trio
 import trio.testing
 
-from dtfm.peer.errors import ConnectionClosed, HandshakeError, RemoteError, RequestTimeout
-from dtfm.peer.identity import Identity
-from dtfm.peer.transport import Reply, Transport, TransportConfig
+from dtfm.net.errors import ConnectionClosed, HandshakeError, RemoteError, RequestTimeout
+from dtfm.net.identity import Identity
+from dtfm.net.transport import Reply, Transport, TransportConfig
 
 KEY = bytes(range(32))
 ECHO = 40
@@ -92,7 +92,7 @@ async def test_one_way_messages_arrive_in_order():
 
 async def test_wrong_swarm_key_refused_on_both_sides(caplog):
     a, b = make(key=bytes(32)), make()
-    caplog.set_level(logging.WARNING, logger="dtfm.peer.transport")
+    caplog.set_level(logging.WARNING, logger="dtfm.net.transport")
     async with trio.open_nursery() as n:
         _, (host, port) = await start_tcp(n, a, b)
         with pytest.raises(HandshakeError, match="swarm key mismatch"):
@@ -368,9 +368,9 @@ async def test_chacha_fallback_when_one_side_lacks_aegis():
 
 
 async def test_peer_silent_after_handshake_is_dropped_at_idle_timeout(autojump_clock):
-    from dtfm.peer.handshake import Initiator, PeerHello
-    from dtfm.peer.session import encode_prefix
-    from dtfm.peer.streamio import StreamReader
+    from dtfm.net.handshake import Initiator, PeerHello
+    from dtfm.net.session import encode_prefix
+    from dtfm.net.streamio import StreamReader
 
     server = make()
     gone = trio.Event()

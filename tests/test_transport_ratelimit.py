@@ -1,6 +1,6 @@
 import pytest
 
-from dtfm.peer.ratelimit import HandshakeAdmission, TokenBuckets
+from dtfm.net.ratelimit import HandshakeAdmission, TokenBuckets
 
 
 def test_token_bucket_burst_then_rate():

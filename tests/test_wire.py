@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.peer.errors import ProtocolError
-from dtfm.peer.wire import (
+from dtfm.net.errors import ProtocolError
+from dtfm.net.wire import (
     check_tensor,
     get_bytes,
     get_float,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["Region", "Scenario", "ScenarioError", "load_scenario", "builtin_scenarios"]
+__all__ = ["Region", "Scenario", "ScenarioError", "builtin_scenarios", "load_scenario", "parse_scenario"]
 
 
 class ScenarioError(ValueError):
@@ -193,7 +193,7 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
 
 
 def builtin_scenarios() -> list[str]:
-    return sorted(p.name[:-5] for p in files("dtfm.sched.scenarios").iterdir() if p.name.endswith(".toml"))
+    return sorted(p.name[:-5] for p in files("dtfm.scenarios").iterdir() if p.name.endswith(".toml"))
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
@@ -206,7 +206,7 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
             raise ScenarioError(f"cannot read scenario file {path}: {e.strerror}") from None
         source = str(path)
     elif str(name_or_path) in builtin_scenarios():
-        text = (files("dtfm.sched.scenarios") / f"{name_or_path}.toml").read_text()
+        text = (files("dtfm.scenarios") / f"{name_or_path}.toml").read_text()
         source = f"{name_or_path}.toml"
     else:
         raise ScenarioError(

@@ -1,0 +1,45 @@
+"""dtfm.net: how bytes move between peers, securely.
+
+Ed25519 identities and the swarm key, the bounded msgpack wire codec, the X25519 handshake,
+per-direction AEAD records, the transport and its connections, link shaping (and the test-swarm
+link emulator, which is a shaper), and an in-memory network with the same interface for tests.
+"""
+
+from .addr import MAX_HOST_LEN, Address, AddressError
+from .emulation import EmulatedLinks, EmulationConfig
+from .errors import ConnectionClosed, HandshakeError, KeyFileError, ProtocolError, RemoteError, RequestTimeout
+from .identity import (
+                       IDENTITY_FILE,
+                       PEER_ID_BYTES,
+                       Identity,
+                       load_swarm_key,
+                       new_swarm_key,
+                       short_id,
+                       swarm_key_fingerprint,
+                       verify_signature,
+)
+from .memnet import LinkModel, MemConnection, MemNetwork, MemTransport, scenario_link, uniform_link
+from .shaping import LinkShape, LinkShaper
+from .transport import Connection, Reply, Transport, TransportConfig
+from .wire import (
+                       check_tensor,
+                       get_bool,
+                       get_bytes,
+                       get_dict,
+                       get_float,
+                       get_int,
+                       get_list,
+                       get_str,
+                       pack,
+                       tensor_header,
+                       unpack_untrusted,
+)
+
+__all__ = [
+    "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig",
+    "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
+    "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "ProtocolError", "RemoteError", "Reply",
+    "RequestTimeout", "Transport", "TransportConfig", "check_tensor", "get_bool", "get_bytes", "get_dict",
+    "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "new_swarm_key", "pack", "scenario_link",
+    "short_id", "swarm_key_fingerprint", "tensor_header", "uniform_link", "unpack_untrusted", "verify_signature",
+]
