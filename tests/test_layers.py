@@ -1,0 +1,167 @@
+"""The folders are layers, and every import points down.
+
+Each package may import only the packages listed for it in `ALLOWED`, and only through the
+names in that package's `__all__`. Imports inside functions and under `TYPE_CHECKING` count the
+same as module-level ones: a cycle hidden in a function is still a cycle. docs/daemon.md shows
+the same table.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Bottom up. A package may import the packages in its set, and nothing else of dtfm.
+ALLOWED: dict[str, frozenset[str]] = {
+    "scenarios": frozenset(),
+    "net": frozenset({"scenarios"}),
+    "sched": frozenset({"scenarios"}),
+    "train": frozenset({"net", "sched"}),
+    "gossip": frozenset({"net", "scenarios"}),
+    "control": frozenset({"scenarios", "net", "sched", "train", "gossip"}),
+    "peer": frozenset({"scenarios", "net", "sched", "train", "gossip", "control"}),
+    "swarm": frozenset({"scenarios", "net", "sched", "train", "gossip", "control", "peer"}),
+}
+
+# Third-party packages a layer must not import directly: the scheduler knows no network and no
+# torch; the training math knows no event loop or sockets; the transport knows no torch.
+FORBIDDEN_THIRD_PARTY: dict[str, frozenset[str]] = {
+    "scenarios": frozenset({"torch", "trio", "nacl", "msgpack"}),
+    "sched": frozenset({"torch", "trio", "nacl", "msgpack"}),
+    "train": frozenset({"trio", "nacl", "socket"}),
+    "net": frozenset({"torch"}),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    file: str
+    line: int
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.what}"
+
+
+def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, absolute module, imported names) for every import anywhere in the tree."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                out.append((node.lineno, alias.name, ()))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                module = node.module or ""
+            else:
+                base = ["dtfm", package][: 2 - (node.level - 1)] if node.level <= 2 else []
+                module = ".".join(base + ([node.module] if node.module else []))
+            out.append((node.lineno, module, tuple(a.name for a in node.names)))
+    return out
+
+
+def check_source(source: str, package: str, filename: str, exports: dict[str, set[str]]) -> list[Violation]:
+    """Violations of the layer rules in one module of `package`."""
+    found = []
+    for line, module, names in _imports(ast.parse(source, filename), package):
+        parts = module.split(".")
+        top = parts[0]
+        if top in FORBIDDEN_THIRD_PARTY.get(package, ()):
+            found.append(Violation(filename, line, f"{package} must not import {top}"))
+        if top != "dtfm":
+            continue
+        if len(parts) == 1:  # `from dtfm import net`, `from .. import x`
+            targets = [n for n in names if n in ALLOWED] or ["dtfm"]
+            for t in targets:
+                if t == "dtfm" or t not in ALLOWED[package]:
+                    found.append(Violation(filename, line, f"{package} imports dtfm.{t}"))
+            continue
+        target = parts[1]
+        if target == package:
+            continue
+        if target not in ALLOWED:
+            found.append(Violation(filename, line, f"{package} imports unknown package dtfm.{target}"))
+            continue
+        if target not in ALLOWED[package]:
+            found.append(Violation(filename, line, f"{package} imports {module}: points up or sideways"))
+            continue
+        if len(parts) > 2:
+            found.append(Violation(filename, line, f"{package} imports the module {module}: "
+                                                   f"import names from dtfm.{target} instead"))
+            continue
+        private = [n for n in names if n not in exports.get(target, set())]
+        if not names:
+            found.append(Violation(filename, line, f"`import {module}`: import names from it"))
+        elif private:
+            found.append(Violation(filename, line, f"{package} imports {', '.join(private)} from "
+                                                   f"dtfm.{target}, which is not in its __all__"))
+    return found
+
+
+def _packages() -> list[str]:
+    return [p for p in ALLOWED if (ROOT / p / "__init__.py").exists()]
+
+
+def _exports() -> dict[str, set[str]]:
+    return {p: set(importlib.import_module(f"dtfm.{p}").__all__) for p in _packages()}
+
+
+def test_every_top_level_package_has_a_layer():
+    found = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert found - {"tests", "bench"} <= set(ALLOWED), found - set(ALLOWED)
+
+
+@pytest.mark.parametrize("package", _packages())
+def test_package_exports_are_declared_and_exist(package):
+    mod = importlib.import_module(f"dtfm.{package}")
+    assert isinstance(getattr(mod, "__all__", None), list), f"dtfm.{package} has no __all__"
+    missing = [n for n in mod.__all__ if not hasattr(mod, n)]
+    assert not missing, f"dtfm.{package}.__all__ names missing attributes: {missing}"
+    assert len(set(mod.__all__)) == len(mod.__all__)
+
+
+def test_every_import_points_down():
+    exports = _exports()
+    violations = []
+    for package in _packages():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            violations += check_source(path.read_text(), package, str(path.relative_to(ROOT)), exports)
+    assert not violations, "\n".join(map(str, violations))
+
+
+def test_dtfm_itself_imports_no_layer():
+    tree = ast.parse((ROOT / "__init__.py").read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+EXPORTS = {"net": {"Transport"}, "gossip": {"GossipService"}, "peer": {"DaemonConfig"}, "sched": {"solve"}}
+
+
+@pytest.mark.parametrize("source, package, expected", [
+    ("from dtfm.net import Transport", "gossip", None),
+    ("from dtfm.peer import DaemonConfig", "gossip", "points up"),
+    ("def f():\n    from dtfm.peer import DaemonConfig", "net", "points up"),
+    ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dtfm.gossip import GossipService",
+     "net", "points up"),
+    ("from dtfm.sched import solve", "gossip", "points up or sideways"),
+    ("from dtfm.net.transport import Transport", "gossip", "import names from dtfm.net instead"),
+    ("from dtfm.net import _Secret", "gossip", "not in its __all__"),
+    ("import dtfm.net", "gossip", "import names from it"),
+    ("from ..peer import DaemonConfig", "net", "points up"),
+    ("from .. import peer", "net", "imports dtfm.peer"),
+    ("from . import frames", "net", None),
+    ("import torch", "sched", "must not import torch"),
+    ("import trio", "train", "must not import trio"),
+])
+def test_checker_catches_what_it_should(source, package, expected):
+    found = check_source(source, package, "m.py", EXPORTS)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0].what, found
