@@ -1,0 +1,472 @@
+"""The signed allocation: who runs which stage of which model, for which run, and whether a
+peer accepts it.
+
+An `Allocation` names D pipelines of S peers, the S layer ranges, the model and training
+configuration, the data set (by the sha256 of its tokens) and the steps to run. The issuer
+signs its canonical encoding (msgpack of a fixed-order list, configuration maps with sorted
+keys, floats as float64), prefixed with a domain tag; `Allocation.decode` accepts only that
+canonical form, so one allocation has exactly one body and one signature check.
+
+`check_allocation` is the pure decision a peer makes once `SignedAllocation.open` has checked
+the signature: is everyone named alive, is this peer in it, is the model the one this peer
+knows by that preset name, is the data the same, is it newer than what it already applied.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+from dtfm.net import (
+    PEER_ID_BYTES,
+    Identity,
+    ProtocolError,
+    get_bool,
+    get_bytes,
+    get_dict,
+    get_float,
+    get_int,
+    get_list,
+    get_str,
+    pack,
+    short_id,
+    unpack_untrusted,
+    verify_signature,
+)
+from dtfm.train import GPTSpec, Plan, TrainConfig, split_batch
+
+__all__ = [
+    "ALLOCATION_DOMAIN", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
+    "AcceptContext", "Allocation", "Refusal", "SignedAllocation", "check_allocation",
+]
+
+ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before signing
+FORMAT_VERSION = 1  # first field of the body; a peer refuses a format it cannot read
+MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
+MAX_PEERS = 4096  # pipeline peers and spares together
+MAX_STAGES = 1024
+MAX_LAYERS = 1 << 16
+MAX_COUNTER = 2**63 - 1  # epochs, terms, steps
+MAX_ITERATION_S = 1e9
+MAX_PRESET_LEN = 64
+MAX_DATA_NAME_LEN = 256
+RUN_ID_BYTES = 16
+SIGNATURE_BYTES = 64
+MAX_REASON_LEN = 1024
+MAX_CODE_LEN = 32
+MAX_NAMED = 8  # peers named in one refusal; the rest are counted
+# Model and train configuration values: generous bounds, the dataclasses check the rest.
+MAX_CONFIG_FIELDS = 64
+MAX_CONFIG_INT = 2**53
+MAX_CONFIG_FLOAT = 1e15
+MAX_CONFIG_STR = 256
+
+REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "data-mismatch",
+                 "dead-peer", "unknown-peer", "not-covered")
+
+_BODY = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
+         "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
+         "predicted_iteration_s")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_CODE = re.compile(r"[a-z][a-z-]*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Allocation:
+    """pipelines[d][s] runs stage s of pipeline d, which builds layers layer_ranges[s]."""
+
+    epoch: int  # >= 1; grows with every new allocation of a run
+    term: int  # the issuing coordinator's term; 0 until elections exist
+    issuer: bytes  # peer id (Ed25519 public key) of the peer that signs it
+    run_id: bytes  # 16 random bytes naming the run, so two runs' allocations never mix
+    pipelines: tuple[tuple[bytes, ...], ...]  # D x S peer ids
+    layer_ranges: tuple[tuple[int, int], ...]  # S contiguous ranges from 0 to model.n_layer
+    preset: str  # model preset name; every peer must know it with the same spec
+    model: GPTSpec
+    train: TrainConfig
+    data_hash: str  # sha256 hex of the corpus tokens (`Corpus.fingerprint`)
+    data_name: str  # what the issuer's corpus is called, for error messages
+    start_step: int  # the step to start from
+    end_step: int  # train until this step, exclusive
+    checkpoint_every: int = 0  # save each stage every K steps; 0: never
+    predicted_iteration_s: float = 0.0  # the scheduler's predicted step time; 0: none
+    spares: tuple[bytes, ...] = ()  # live peers given no stage
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
+        object.__setattr__(self, "layer_ranges", tuple(tuple(r) for r in self.layer_ranges))
+        object.__setattr__(self, "spares", tuple(self.spares))
+        _check_int("epoch", self.epoch, 1, MAX_COUNTER)
+        _check_int("term", self.term, 0, MAX_COUNTER)
+        _check_bytes("issuer", self.issuer, PEER_ID_BYTES)
+        _check_bytes("run_id", self.run_id, RUN_ID_BYTES)
+        _check_str("preset", self.preset, 1, MAX_PRESET_LEN)
+        _check_str("data_name", self.data_name, 0, MAX_DATA_NAME_LEN)
+        if type(self.data_hash) is not str or not _SHA256_HEX.fullmatch(self.data_hash):
+            raise ValueError(f"data_hash must be 64 lowercase hex characters, got {self.data_hash!r}")
+        if not isinstance(self.model, GPTSpec):
+            raise ValueError(f"model must be a GPTSpec, got {type(self.model).__name__}")
+        if not isinstance(self.train, TrainConfig):
+            raise ValueError(f"train must be a TrainConfig, got {type(self.train).__name__}")
+        _config_to_wire(self.model, "model")  # in the wire's bounds, so every allocation encodes
+        _config_to_wire(self.train, "train")
+        _check_int("start_step", self.start_step, 0, MAX_COUNTER)
+        _check_int("end_step", self.end_step, 1, MAX_COUNTER)
+        if self.start_step >= self.end_step:
+            raise ValueError(f"start_step {self.start_step} must come before end_step {self.end_step}")
+        _check_int("checkpoint_every", self.checkpoint_every, 0, MAX_COUNTER)
+        t = self.predicted_iteration_s
+        if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t <= MAX_ITERATION_S:
+            raise ValueError(f"predicted_iteration_s must be a number in [0, {MAX_ITERATION_S:g}], got {t!r}")
+        object.__setattr__(self, "predicted_iteration_s", float(t))
+        self._check_grid()
+        pos = {peer: (d, s) for d, p in enumerate(self.pipelines) for s, peer in enumerate(p)}
+        object.__setattr__(self, "_pos", pos)
+
+    def _check_grid(self) -> None:
+        n_stages = len(self.layer_ranges)
+        if not 1 <= n_stages <= MAX_STAGES:
+            raise ValueError(f"an allocation needs 1 to {MAX_STAGES} stages, got {n_stages}")
+        if not self.pipelines:
+            raise ValueError("an allocation needs at least one pipeline")
+        if any(len(p) != n_stages for p in self.pipelines):
+            raise ValueError(f"every pipeline must list one peer for each of the {n_stages} stages")
+        peers = [x for p in self.pipelines for x in p]
+        if len(peers) + len(self.spares) > MAX_PEERS:
+            raise ValueError(f"more than {MAX_PEERS} peers")
+        for x in peers + list(self.spares):
+            _check_bytes("peer id", x, PEER_ID_BYTES)
+        if len(set(peers)) != len(peers):
+            raise ValueError("a peer may hold only one stage of one pipeline")
+        if len(set(self.spares)) != len(self.spares):
+            raise ValueError("a spare is listed twice")
+        if set(self.spares) & set(peers):
+            raise ValueError("a spare also holds a stage")
+        start = 0
+        for r in self.layer_ranges:
+            if len(r) != 2:
+                raise ValueError(f"layer range {r!r} is not a pair")
+            _check_int("layer", r[0], 0, MAX_LAYERS)
+            _check_int("layer", r[1], 0, MAX_LAYERS)
+            if r[0] != start or r[1] <= r[0]:
+                raise ValueError(f"layer ranges {self.layer_ranges} must be contiguous, non-empty, from 0")
+            start = r[1]
+        if start != self.model.n_layer:
+            raise ValueError(f"layer ranges cover {start} layers, the model has {self.model.n_layer}")
+        split_batch(self.train.global_batch_seqs, len(self.pipelines), self.train.micro_batches)
+
+    # ------------------------------------------------------------------ the grid
+
+    @property
+    def stages(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def dp(self) -> int:
+        return len(self.pipelines)
+
+    @property
+    def peers(self) -> tuple[bytes, ...]:
+        """Every peer with a stage, pipeline by pipeline."""
+        return tuple(x for p in self.pipelines for x in p)
+
+    @property
+    def term_epoch(self) -> tuple[int, int]:
+        """What orders allocations of one run: a newer term wins, then a newer epoch."""
+        return (self.term, self.epoch)
+
+    def position(self, peer: bytes) -> tuple[int, int]:
+        """(pipeline, stage) of `peer`; KeyError if it holds no stage."""
+        return self._pos[peer]
+
+    def plan(self) -> Plan:
+        return Plan(self.pipelines, self.layer_ranges, self.epoch)
+
+    def neighbours(self, peer: bytes) -> frozenset[bytes]:
+        """The peers `peer` exchanges tensors with in a step (train/worker.py, train/collective.py).
+
+        Its whole pipeline: activations and gradients to the stages beside it, the gradient-norm
+        all-reduce over the pipeline, the tied embedding between first and last stage. In its DP
+        group: the ring all-reduce's two ring neighbours, and on the last stage every member (the
+        loss all-reduce). A spare has none; KeyError for a peer not in the allocation."""
+        if peer in self.spares:
+            return frozenset()
+        d, s = self.position(peer)
+        out = set(self.pipelines[d])
+        group = [p[s] for p in self.pipelines]
+        if s == self.stages - 1:
+            out.update(group)
+        else:
+            out.update((group[(d - 1) % self.dp], group[(d + 1) % self.dp]))
+        out.discard(peer)
+        return frozenset(out)
+
+    # ------------------------------------------------------------------ the wire
+
+    def encode(self) -> bytes:
+        """The canonical body: the same allocation gives the same bytes on any machine."""
+        return pack([
+            FORMAT_VERSION, self.run_id, self.term, self.epoch, self.issuer, self.preset,
+            _config_to_wire(self.model, "model"), _config_to_wire(self.train, "train"),
+            [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
+            self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
+            float(self.predicted_iteration_s),
+        ])
+
+    @classmethod
+    def decode(cls, data: bytes) -> Allocation:
+        """The allocation in a body from the network; raises only ProtocolError."""
+        obj = unpack_untrusted(data, max_len=MAX_ALLOCATION_BYTES)
+        if type(obj) is not list or len(obj) != len(_BODY):
+            raise ProtocolError(f"allocation: expected a list of {len(_BODY)} fields")
+        d = dict(zip(_BODY, obj))
+        version = get_int(d, "version", 0, MAX_COUNTER)
+        if version != FORMAT_VERSION:
+            raise ProtocolError(f"allocation format {version}, this peer reads {FORMAT_VERSION}: "
+                                "run the same dtfm version on every peer")
+        pipelines = [_id_list(p, "pipeline", MAX_STAGES) for p in get_list(d, "pipelines", MAX_PEERS)]
+        ranges = [_layer_range(r) for r in get_list(d, "layer_ranges", MAX_STAGES)]
+        try:
+            alloc = cls(
+                epoch=get_int(d, "epoch", 1, MAX_COUNTER), term=get_int(d, "term", 0, MAX_COUNTER),
+                issuer=get_bytes(d, "issuer", PEER_ID_BYTES, PEER_ID_BYTES),
+                run_id=get_bytes(d, "run_id", RUN_ID_BYTES, RUN_ID_BYTES),
+                pipelines=pipelines, layer_ranges=ranges, preset=get_str(d, "preset", MAX_PRESET_LEN),
+                model=_config_from_wire(GPTSpec, d["model"], "model"),
+                train=_config_from_wire(TrainConfig, d["train"], "train"),
+                data_hash=get_str(d, "data_hash", 64), data_name=get_str(d, "data_name", MAX_DATA_NAME_LEN),
+                start_step=get_int(d, "start_step", 0, MAX_COUNTER), end_step=get_int(d, "end_step", 1, MAX_COUNTER),
+                checkpoint_every=get_int(d, "checkpoint_every", 0, MAX_COUNTER),
+                predicted_iteration_s=get_float(d, "predicted_iteration_s", 0.0, MAX_ITERATION_S),
+                spares=_id_list(d["spares"], "spares", MAX_PEERS),
+            )
+        except (ValueError, TypeError) as e:
+            raise ProtocolError(f"allocation: {e}") from None
+        if alloc.encode() != bytes(data):
+            raise ProtocolError("allocation: body is not in its canonical encoding")
+        return alloc
+
+
+@dataclass(frozen=True)
+class SignedAllocation:
+    """An encoded allocation and its issuer's signature of ALLOCATION_DOMAIN + body."""
+
+    body: bytes
+    signature: bytes
+
+    @classmethod
+    def sign(cls, alloc: Allocation, identity: Identity) -> SignedAllocation:
+        if identity.peer_id != alloc.issuer:
+            raise ValueError(f"allocation names issuer {short_id(alloc.issuer)}, "
+                             f"cannot be signed by {identity.short_id}")
+        body = alloc.encode()
+        return cls(body, identity.sign(ALLOCATION_DOMAIN + body))
+
+    def open(self) -> Allocation:
+        """The allocation, once its issuer's signature checks out; raises only ProtocolError."""
+        alloc = Allocation.decode(self.body)
+        if not verify_signature(alloc.issuer, ALLOCATION_DOMAIN + self.body, self.signature):
+            raise ProtocolError(f"bad signature: allocation not signed by its issuer {short_id(alloc.issuer)}")
+        return alloc
+
+    def to_wire(self) -> dict:
+        return {"body": self.body, "sig": self.signature}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> SignedAllocation:
+        d = get_dict(obj, "signed allocation")
+        return cls(get_bytes(d, "body", 1, MAX_ALLOCATION_BYTES), get_bytes(d, "sig", SIGNATURE_BYTES, SIGNATURE_BYTES))
+
+
+# ---------------------------------------------------------------------- acceptance
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a peer refuses an allocation: a short machine code and a reason for the issuer."""
+
+    code: str  # one of REFUSAL_CODES, or a code of the service that applies allocations
+    reason: str
+
+    def __post_init__(self) -> None:
+        if type(self.code) is not str or len(self.code) > MAX_CODE_LEN or not _CODE.fullmatch(self.code):
+            raise ValueError(f"bad refusal code {self.code!r}")
+        _check_str("reason", self.reason, 0, MAX_REASON_LEN)
+
+    def to_wire(self) -> dict:
+        return {"code": self.code, "reason": self.reason}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> Refusal:
+        d = get_dict(obj, "refusal")
+        code, reason = get_str(d, "code", MAX_CODE_LEN), get_str(d, "reason", MAX_REASON_LEN)
+        if not _CODE.fullmatch(code):
+            raise ProtocolError(f"refusal: bad code {code!r}")
+        return cls(code, reason)
+
+
+@dataclass(frozen=True)
+class AcceptContext:
+    """What a peer knows when an allocation arrives."""
+
+    me: bytes
+    live: frozenset[bytes]  # members gossip says are alive; `me` is always counted
+    known_presets: Mapping[str, GPTSpec]
+    data_hash: str  # sha256 hex of this peer's corpus
+    data_name: str  # what this peer's corpus is called
+    applied: tuple[int, int] | None = None  # (term, epoch) last applied for run_id
+    run_id: bytes | None = None  # the run `applied` belongs to
+    known: frozenset[bytes] = field(default_factory=frozenset)  # every member heard of, alive or not
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "live", frozenset(self.live) | {self.me})
+        object.__setattr__(self, "known", frozenset(self.known) | self.live)
+
+
+def check_allocation(alloc: Allocation, ctx: AcceptContext) -> Refusal | None:
+    """None if this peer accepts `alloc` (its signature already checked), else why not."""
+    named = set(alloc.peers) | set(alloc.spares)
+    if _is_stale(alloc, ctx):
+        return _refuse("stale", f"term {alloc.term} epoch {alloc.epoch} is not newer than term {ctx.applied[0]} "
+                                f"epoch {ctx.applied[1]}, already applied for this run")
+    if ctx.me not in named:
+        return _refuse("not-member", f"this peer ({short_id(ctx.me)}) has neither a stage nor a spare place")
+    spec = ctx.known_presets.get(alloc.preset)
+    if spec is None:
+        return _refuse("unknown-preset", f"this peer knows no model preset {alloc.preset!r} (it knows "
+                                         f"{', '.join(sorted(ctx.known_presets))}): run the same dtfm version")
+    if spec != alloc.model:
+        return _refuse("preset-mismatch", f"preset {alloc.preset!r} differs here in {_spec_diff(spec, alloc.model)}: "
+                                          "run the same dtfm version on every peer")
+    if alloc.data_hash != ctx.data_hash:
+        return _refuse("data-mismatch", f"the run trains on {alloc.data_name[:100]!r} (sha256 {alloc.data_hash[:12]}), "
+                                        f"this peer has {ctx.data_name[:100]!r} (sha256 {ctx.data_hash[:12]}): start "
+                                        f"this daemon with `--data FILE` pointing at a copy of the issuer's file")
+    dead = (named - ctx.live) & ctx.known
+    if dead:
+        return _refuse("dead-peer", f"peers not alive here: {_names(dead)}")
+    unknown = named - ctx.known
+    if unknown:
+        return _refuse("unknown-peer", f"peers unknown here: {_names(unknown)}")
+    uncovered = ctx.live - named
+    if uncovered:
+        return _refuse("not-covered", f"live peers with neither a stage nor a spare place: {_names(uncovered)}")
+    return None
+
+
+def _is_stale(alloc: Allocation, ctx: AcceptContext) -> bool:
+    if ctx.applied is None:
+        return False
+    if alloc.run_id != ctx.run_id:
+        return False
+    return alloc.term_epoch <= tuple(ctx.applied)
+
+
+def _refuse(code: str, reason: str) -> Refusal:
+    return Refusal(code, reason[:MAX_REASON_LEN])
+
+
+def _names(peers: set[bytes]) -> str:
+    ids = sorted(short_id(p) for p in peers)
+    more = f" and {len(ids) - MAX_NAMED} more" if len(ids) > MAX_NAMED else ""
+    return ", ".join(ids[:MAX_NAMED]) + more
+
+
+def _spec_diff(mine: GPTSpec, theirs: GPTSpec) -> str:
+    diffs = [f"{f.name} (here {getattr(mine, f.name)!r}, allocation {getattr(theirs, f.name)!r})"
+             for f in fields(GPTSpec) if getattr(mine, f.name) != getattr(theirs, f.name)]
+    return "; ".join(diffs)
+
+
+# ---------------------------------------------------------------------- field checks
+
+
+def _check_int(what: str, v: object, lo: int, hi: int) -> None:
+    if type(v) is not int or not lo <= v <= hi:
+        raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
+def _check_bytes(what: str, v: object, n: int) -> None:
+    if type(v) is not bytes or len(v) != n:
+        raise ValueError(f"{what} must be {n} bytes, got {v!r:.80}")
+
+
+def _check_str(what: str, v: object, lo: int, hi: int) -> None:
+    if type(v) is not str or not lo <= len(v) <= hi:
+        raise ValueError(f"{what} must be a string of {lo} to {hi} characters, got {v!r:.80}")
+
+
+def _id_list(obj: object, what: str, max_len: int) -> list[bytes]:
+    items = get_list({what: obj}, what, max_len)
+    return [get_bytes({what: x}, what, PEER_ID_BYTES, PEER_ID_BYTES) for x in items]
+
+
+def _layer_range(obj: object) -> tuple[int, int]:
+    pair = get_list({"layer range": obj}, "layer range", 2)
+    if len(pair) != 2:
+        raise ProtocolError("layer range: expected [first, end]")
+    d = dict(zip(("first layer", "end layer"), pair))
+    return get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[tuple[str, type], ...]:
+    """(name, type) of each field of a config dataclass, sorted by name (the wire's key order)."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in sorted(fields(cls), key=lambda f: f.name):
+        if hints[f.name] not in (bool, int, float, str):
+            raise TypeError(f"{cls.__name__}.{f.name}: a {hints[f.name]} field cannot travel in an allocation")
+        out.append((f.name, hints[f.name]))
+    return tuple(out)
+
+
+def _config_to_wire(cfg: object, what: str) -> dict:
+    """The config as a map with sorted keys; ValueError on a value the wire would refuse."""
+    out = {}
+    for name, kind in _schema(type(cfg)):
+        v = getattr(cfg, name)
+        if not _fits(kind, v):
+            raise ValueError(f"{what}.{name} = {v!r:.80} cannot travel in an allocation")
+        out[name] = float(v) if kind is float else v
+    return out
+
+
+def _fits(kind: type, v: object) -> bool:
+    if kind is float:
+        return type(v) in (int, float) and math.isfinite(v) and abs(v) <= MAX_CONFIG_FLOAT
+    if kind is int:
+        return type(v) is int and 0 <= v <= MAX_CONFIG_INT
+    if kind is str:
+        return type(v) is str and len(v) <= MAX_CONFIG_STR
+    return type(v) is bool
+
+
+def _config_from_wire(cls: type, obj: object, what: str):
+    """A GPTSpec or TrainConfig from its map; every field present, typed and in bounds."""
+    d = get_dict(obj, what)
+    schema = _schema(cls)
+    if len(d) > MAX_CONFIG_FIELDS:
+        raise ProtocolError(f"{what}: more than {MAX_CONFIG_FIELDS} fields")
+    unknown = sorted(set(d) - {name for name, _ in schema})
+    if unknown:
+        raise ProtocolError(f"{what}: unknown fields {unknown[:MAX_NAMED]}: run the same dtfm version on every peer")
+    values = {}
+    for name, kind in schema:
+        if kind is bool:
+            values[name] = get_bool(d, name)
+        elif kind is int:
+            values[name] = get_int(d, name, 0, MAX_CONFIG_INT)
+        elif kind is float:
+            values[name] = get_float(d, name, -MAX_CONFIG_FLOAT, MAX_CONFIG_FLOAT)
+        else:
+            values[name] = get_str(d, name, MAX_CONFIG_STR)
+    try:
+        return cls.from_dict(values)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(f"{what}: {e}") from None
+

@@ -1,0 +1,433 @@
+"""The signed allocation: canonical codec, signature, acceptance, and the neighbour rule
+checked against the messages of a real in-process training step."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtfm.control.allocation import (
+    ALLOCATION_DOMAIN,
+    MAX_ALLOCATION_BYTES,
+    REFUSAL_CODES,
+    AcceptContext,
+    Allocation,
+    Refusal,
+    SignedAllocation,
+    check_allocation,
+)
+from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted
+from dtfm.train import (
+    PRESETS,
+    TEST_CONFIG,
+    GPTSpec,
+    InMemoryComm,
+    InMemoryHub,
+    LocalCluster,
+    Plan,
+    TrainConfig,
+    load_corpus,
+)
+
+IDENTITIES = [Identity(bytes([i]) * 32) for i in range(1, 14)]
+IDS = [i.peer_id for i in IDENTITIES]
+ISSUER = IDENTITIES[0]
+MALLORY = Identity(b"\xee" * 32)
+DATA_HASH = hashlib.sha256(b"the issuer's corpus").hexdigest()
+OTHER_HASH = hashlib.sha256(b"another corpus").hexdigest()
+RUN = bytes(range(16))
+TINY = PRESETS["tiny"]
+CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)  # 8 sequences: up to 4 pipelines
+
+wire_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20) | st.binary(max_size=40),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=8), children, max_size=5),
+    max_leaves=30,
+)
+
+
+def even_ranges(n_layer: int, stages: int) -> list[tuple[int, int]]:
+    cuts = [n_layer * s // stages for s in range(stages + 1)]
+    return list(itertools.pairwise(cuts))
+
+
+def make(d: int = 2, s: int = 2, spares: int = 0, **kw) -> Allocation:
+    """D x S peers from IDS (the issuer holds stage 0 of pipeline 0), then `spares` more."""
+    fields = {
+        "epoch": 3, "term": 1, "issuer": ISSUER.peer_id, "run_id": RUN,
+        "pipelines": [IDS[k * s:(k + 1) * s] for k in range(d)], "layer_ranges": even_ranges(TINY.n_layer, s),
+        "preset": "tiny", "model": TINY, "train": CFG, "data_hash": DATA_HASH, "data_name": "corpus.txt",
+        "start_step": 5, "end_step": 100, "checkpoint_every": 10, "predicted_iteration_s": 1.25,
+        "spares": IDS[d * s:d * s + spares],
+    }
+    fields.update(kw)
+    return Allocation(**fields)
+
+
+def body_list(alloc: Allocation) -> list:
+    return unpack_untrusted(alloc.encode(), max_len=MAX_ALLOCATION_BYTES)
+
+
+# ---------------------------------------------------------------------- codec and signature
+
+
+def test_round_trip_encode_decode_and_sign_open():
+    a = make(spares=2)
+    assert Allocation.decode(a.encode()) == a
+    signed = SignedAllocation.sign(a, ISSUER)
+    wire = unpack_untrusted(pack(signed.to_wire()), max_len=1 << 20)
+    assert SignedAllocation.from_wire(wire) == signed
+    assert SignedAllocation.from_wire(wire).open() == a
+
+
+def test_helpers_describe_the_grid():
+    a = make(d=3, s=2, spares=1)
+    assert (a.dp, a.stages, a.peers) == (3, 2, tuple(IDS[:6]))
+    assert a.position(IDS[3]) == (1, 1)
+    assert a.term_epoch == (1, 3)
+    assert a.neighbours(IDS[6]) == frozenset()  # the spare
+    with pytest.raises(KeyError):
+        a.position(IDS[7])
+    with pytest.raises(KeyError):
+        a.neighbours(IDS[7])
+
+
+@st.composite
+def allocation_fields(draw) -> dict:
+    d, s, n_spares = draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(0, 3))
+    n_layer = draw(st.integers(s, s + 4))
+    cuts = sorted(draw(st.sets(st.integers(1, max(n_layer - 1, 1)), min_size=s - 1, max_size=s - 1)))
+    ids = draw(st.lists(st.binary(min_size=32, max_size=32), min_size=d * s + n_spares,
+                        max_size=d * s + n_spares, unique=True))
+    n_head = draw(st.integers(1, 4))
+    model = GPTSpec(draw(st.text(max_size=12)), n_layer=n_layer, n_embd=n_head * draw(st.integers(1, 8)),
+                    n_head=n_head, seq_len=draw(st.integers(1, 64)), tied_head=draw(st.booleans()))
+    micro = draw(st.integers(1, 3))
+    train = TrainConfig(seed=draw(st.integers(0, 2**32)), global_batch_seqs=draw(st.integers(d * micro, 64)),
+                        micro_batches=micro, lr=draw(st.floats(1e-6, 1.0)),
+                        wire_dtype=draw(st.sampled_from(["float32", "float16", "bfloat16"])))
+    start = draw(st.integers(0, 2**40))
+    return {
+        "epoch": draw(st.integers(1, 2**63 - 1)), "term": draw(st.integers(0, 2**63 - 1)),
+        "issuer": draw(st.sampled_from(ids)), "run_id": draw(st.binary(min_size=16, max_size=16)),
+        "pipelines": [ids[k * s:(k + 1) * s] for k in range(d)],
+        "layer_ranges": list(zip([0, *cuts], [*cuts, n_layer])), "preset": draw(st.text(min_size=1, max_size=10)),
+        "model": model, "train": train, "data_hash": draw(st.binary(min_size=32, max_size=32)).hex(),
+        "data_name": draw(st.text(max_size=30)), "start_step": start, "end_step": start + draw(st.integers(1, 2**20)),
+        "checkpoint_every": draw(st.integers(0, 1000)), "predicted_iteration_s": draw(st.integers(0, 10**6)),
+        "spares": ids[d * s:],
+    }
+
+
+@settings(max_examples=60, deadline=None)
+@given(allocation_fields())
+def test_encoding_is_canonical(fields):
+    a = Allocation(**fields)
+    # The same allocation built another way: tuples for lists, floats for ints, a fresh config.
+    b = Allocation(**{**fields, "pipelines": tuple(map(tuple, fields["pipelines"])),
+                      "layer_ranges": tuple(fields["layer_ranges"]), "spares": tuple(fields["spares"]),
+                      "predicted_iteration_s": float(fields["predicted_iteration_s"]),
+                      "train": TrainConfig.from_dict(fields["train"].to_dict())})
+    assert a == b
+    assert a.encode() == b.encode()
+    decoded = Allocation.decode(a.encode())
+    assert decoded == a and decoded.encode() == a.encode()
+
+
+def test_body_is_a_fixed_list_with_sorted_config_maps():
+    body = body_list(make())
+    assert body[0] == 1 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
+    model, train = body[6], body[7]
+    assert list(model) == sorted(model) and list(train) == sorted(train)
+    assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
+
+
+def _with(body: list, index: int, value) -> bytes:
+    body = list(body)
+    body[index] = value
+    return pack(body)
+
+
+def test_only_the_canonical_encoding_is_accepted():
+    body = body_list(make())
+    unsorted = dict(reversed(list(body[6].items())))  # the same model, keys out of order
+    with pytest.raises(ProtocolError, match="canonical"):
+        Allocation.decode(_with(body, 6, unsorted))
+    with pytest.raises(ProtocolError, match="canonical"):
+        Allocation.decode(_with(body, 16, 2))  # predicted_iteration_s as an int, not a float64
+    train = dict(body[7], lr=3)  # an int where the config holds a float
+    with pytest.raises(ProtocolError, match="canonical"):
+        Allocation.decode(_with(body, 7, train))
+
+
+@pytest.mark.parametrize("index, value, match", [
+    (0, 2, "format 2"),
+    (2, -1, "'term'"),
+    (3, 0, "'epoch'"),
+    (4, b"short", "'issuer'"),
+    (1, b"x" * 15, "'run_id'"),
+    (6, {**TINY.to_dict(), "dropout": 0.1}, "unknown fields"),
+    (6, {k: v for k, v in TINY.to_dict().items() if k != "n_head"}, "missing field 'n_head'"),
+    (6, {**TINY.to_dict(), "n_head": 3}, "not divisible"),
+    (6, {**TINY.to_dict(), "n_layer": "4"}, "expected an int"),
+    (7, {**CFG.to_dict(), "wire_dtype": "int8"}, "wire_dtype"),
+    (7, {**CFG.to_dict(), "lr": True}, "expected a number"),
+    (8, [IDS[:2], IDS[1:3]], "only one stage"),
+    (8, [IDS[:2], IDS[2:3]], "every pipeline"),
+    (8, [], "at least one pipeline"),
+    (9, [[0, 2], [3, 4]], "contiguous"),
+    (9, [[0, 2], [2, 5]], "the model has 4"),
+    (9, [[0, 2, 4]], "layer range"),
+    (10, [IDS[0]], "spare also holds"),
+    (10, [IDS[5], IDS[5]], "listed twice"),
+    (11, "ab" * 31, "data_hash"),
+    (11, DATA_HASH.upper(), "data_hash"),
+    (13, 100, "must come before"),
+    (16, float("1e10"), "predicted_iteration_s"),
+])
+def test_malformed_fields_are_refused(index, value, match):
+    with pytest.raises(ProtocolError, match=match):
+        Allocation.decode(_with(body_list(make()), index, value))
+
+
+def test_a_batch_too_small_for_the_pipelines_is_refused():
+    train = dataclasses.replace(TEST_CONFIG, micro_batches=4)  # 8 sequences, 4 pipelines x 4 micro-batches
+    with pytest.raises(ValueError, match="too small"):
+        make(d=4, s=2, train=train)
+    body = body_list(make(d=4, s=2, train=dataclasses.replace(train, micro_batches=2)))
+    with pytest.raises(ProtocolError, match="too small"):
+        Allocation.decode(_with(body, 7, {**body[7], "micro_batches": 4}))
+
+
+def test_the_largest_allocation_fits_its_bound():
+    ids = [i.to_bytes(32, "big") for i in range(1, 4097)]
+    model = dataclasses.replace(TINY, n_layer=1024)
+    a = make(pipelines=[ids[k * 1024:(k + 1) * 1024] for k in range(4)], layer_ranges=even_ranges(1024, 1024),
+             model=model)
+    assert len(a.encode()) <= MAX_ALLOCATION_BYTES
+    assert Allocation.decode(a.encode()) == a
+    with pytest.raises(ValueError, match="more than 4096"):
+        dataclasses.replace(a, spares=[(5000).to_bytes(32, "big")])
+    with pytest.raises(ProtocolError, match="exceeds the limit"):
+        Allocation.decode(b"\x00" * (MAX_ALLOCATION_BYTES + 1))
+
+
+def test_body_changed_after_signing_is_refused():
+    signed = SignedAllocation.sign(make(), ISSUER)
+    body = body_list(make())
+    for index, value in [(3, 4), (8, [IDS[1::-1], IDS[2:4]]), (12, "other.txt")]:
+        forged = SignedAllocation(_with(body, index, value), signed.signature)
+        Allocation.decode(forged.body)  # well formed, so only the signature stops it
+        with pytest.raises(ProtocolError, match="bad signature"):
+            forged.open()
+
+
+def test_allocation_signed_by_another_key_is_refused():
+    body = make().encode()
+    with pytest.raises(ProtocolError, match="bad signature"):
+        SignedAllocation(body, MALLORY.sign(ALLOCATION_DOMAIN + body)).open()
+    with pytest.raises(ProtocolError, match="bad signature"):  # the issuer's key, without the domain tag
+        SignedAllocation(body, ISSUER.sign(body)).open()
+    with pytest.raises(ValueError, match="cannot be signed"):
+        SignedAllocation.sign(make(), MALLORY)
+
+
+def test_issuer_swapped_is_refused():
+    signed = SignedAllocation.sign(make(), ISSUER)
+    swapped = _with(body_list(make()), 4, MALLORY.peer_id)
+    with pytest.raises(ProtocolError, match="bad signature"):
+        SignedAllocation(swapped, signed.signature).open()
+    # Mallory re-signs under her own name: a valid allocation, but issued by Mallory, not the coordinator.
+    resigned = SignedAllocation(swapped, MALLORY.sign(ALLOCATION_DOMAIN + swapped)).open()
+    assert resigned.issuer == MALLORY.peer_id
+
+
+@settings(max_examples=200, deadline=None)
+@given(wire_values)
+def test_garbage_objects_raise_only_protocol_error(obj):
+    with pytest.raises(ProtocolError):
+        Allocation.decode(pack(obj))
+    for from_wire in (SignedAllocation.from_wire, Refusal.from_wire):
+        try:
+            from_wire(obj)
+        except ProtocolError:
+            pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.binary(min_size=64, max_size=64))
+def test_random_bytes_raise_only_protocol_error(data, signature):
+    with pytest.raises(ProtocolError):
+        SignedAllocation(data, signature).open()
+
+
+VALID_BODY = body_list(make(spares=1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, len(VALID_BODY) - 1), wire_values)
+def test_one_field_replaced_by_garbage_raises_only_protocol_error(index, value):
+    body = _with(VALID_BODY, index, value)
+    try:
+        a = Allocation.decode(body)
+    except ProtocolError:
+        return
+    assert a.encode() == body  # only a well-formed, canonical replacement gets through
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_truncated_or_flipped_bodies_raise_only_protocol_error(data):
+    body = make(spares=1).encode()
+    cut = data.draw(st.integers(0, len(body) - 1))
+    with pytest.raises(ProtocolError):
+        Allocation.decode(body[:cut])
+    i, bit = data.draw(st.integers(0, len(body) - 1)), data.draw(st.integers(0, 7))
+    flipped = bytearray(body)
+    flipped[i] ^= 1 << bit
+    try:
+        Allocation.decode(bytes(flipped))
+    except ProtocolError:
+        pass
+
+
+# ---------------------------------------------------------------------- agreement with Plan
+
+
+def _outcome(build):
+    try:
+        return build()
+    except ValueError:
+        return None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.sampled_from(IDS[:6]), max_size=4), max_size=4),
+       st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=4), st.integers(0, 5))
+def test_allocation_and_plan_agree_on_what_is_valid(pipelines, ranges, epoch):
+    n_layer = ranges[-1][1] if ranges and ranges[-1][1] >= 1 else 4
+    model = dataclasses.replace(TINY, n_layer=n_layer)
+    train = dataclasses.replace(TEST_CONFIG, global_batch_seqs=64, micro_batches=1)
+    plan = _outcome(lambda: Plan(pipelines, ranges, epoch))
+    alloc = _outcome(lambda: make(pipelines=pipelines, layer_ranges=ranges, model=model, train=train,
+                                  epoch=max(epoch, 1)))
+    assert (plan is None) == (alloc is None)
+    if alloc is not None:
+        assert alloc.plan() == Plan(pipelines, ranges, alloc.epoch)
+        assert alloc.plan().stages == alloc.stages and alloc.plan().dp == alloc.dp
+        assert all(alloc.plan().position(p) == alloc.position(p) for p in alloc.peers)
+
+
+# ---------------------------------------------------------------------- acceptance
+
+
+def ctx(alloc: Allocation, **kw) -> AcceptContext:
+    """The context of a peer (IDS[1]) that agrees with `alloc` on everything."""
+    live = frozenset(alloc.peers) | frozenset(alloc.spares)
+    fields = {"me": IDS[1], "live": live, "known_presets": PRESETS, "data_hash": alloc.data_hash,
+              "data_name": "corpus.txt", "applied": None, "run_id": None}
+    fields.update(kw)
+    return AcceptContext(**fields)
+
+
+A = make(spares=1)  # IDS[0..3] hold stages, IDS[4] is a spare
+STRANGER = IDS[9]
+
+ACCEPTANCE = [
+    # (case, allocation, context overrides, expected code)
+    ("accepted", A, {}, None),
+    ("accepted as a spare", A, {"me": IDS[4]}, None),
+    ("accepted, newer epoch", A, {"applied": (1, 2), "run_id": RUN}, None),
+    ("accepted, newer term", A, {"applied": (0, 9), "run_id": RUN}, None),
+    ("accepted, other run", A, {"applied": (5, 9), "run_id": b"\x00" * 16}, None),
+    ("stale, same", A, {"applied": (1, 3), "run_id": RUN}, "stale"),
+    ("stale, older epoch", A, {"applied": (1, 4), "run_id": RUN}, "stale"),
+    ("stale, older term", A, {"applied": (2, 1), "run_id": RUN}, "stale"),
+    ("not a member", A, {"me": STRANGER, "live": frozenset(A.peers) | {IDS[4]}}, "not-member"),
+    ("unknown preset", dataclasses.replace(A, preset="huge"), {}, "unknown-preset"),
+    ("preset differs", dataclasses.replace(A, model=dataclasses.replace(TINY, n_embd=64)), {}, "preset-mismatch"),
+    ("data differs", A, {"data_hash": OTHER_HASH, "data_name": "mine.txt"}, "data-mismatch"),
+    ("dead peer", A, {"live": frozenset(IDS[:3]), "known": frozenset(IDS[:5])}, "dead-peer"),
+    ("unknown peer", A, {"live": frozenset(IDS[:3]) | {IDS[4]}}, "unknown-peer"),
+    ("live peer left out", A, {"live": frozenset(IDS[:6])}, "not-covered"),
+]
+
+
+@pytest.mark.parametrize("case, alloc, overrides, code", ACCEPTANCE, ids=[c[0] for c in ACCEPTANCE])
+def test_check_allocation(case, alloc, overrides, code):
+    refusal = check_allocation(alloc, ctx(alloc, **overrides))
+    assert (refusal and refusal.code) == code
+    if refusal is not None:
+        assert refusal.reason and Refusal.from_wire(unpack_untrusted(pack(refusal.to_wire()), max_len=4096)) == refusal
+
+
+def test_every_refusal_code_has_a_case():
+    assert {c[3] for c in ACCEPTANCE} - {None} == set(REFUSAL_CODES)
+
+
+def test_refusal_reasons_tell_the_operator_what_to_do():
+    data = check_allocation(A, ctx(A, data_hash=OTHER_HASH, data_name="mine.txt"))
+    assert "'corpus.txt'" in data.reason and "'mine.txt'" in data.reason
+    assert DATA_HASH[:12] in data.reason and OTHER_HASH[:12] in data.reason and "--data FILE" in data.reason
+    dead = check_allocation(A, ctx(A, live=frozenset(IDS[:3]), known=frozenset(IDS[:5])))
+    assert short_id(IDS[3]) in dead.reason and short_id(IDS[4]) in dead.reason and short_id(IDS[2]) not in dead.reason
+    many = frozenset(IDS[:5]) | {bytes([0xa0 + i]) * 32 for i in range(20)}
+    left_out = check_allocation(A, ctx(A, live=many))
+    assert "and 12 more" in left_out.reason  # 20 named, 8 shown
+    mismatch = check_allocation(dataclasses.replace(A, model=dataclasses.replace(TINY, n_embd=64)), ctx(A))
+    assert "n_embd" in mismatch.reason and "128" in mismatch.reason and "64" in mismatch.reason
+
+
+def test_refusal_codes_are_checked():
+    with pytest.raises(ValueError):
+        Refusal("Not A Code", "x")
+    with pytest.raises(ProtocolError, match="bad code"):
+        Refusal.from_wire({"code": "drop table", "reason": ""})
+
+
+# ---------------------------------------------------------------------- neighbours vs a real run
+
+
+class RecordingComm(InMemoryComm):
+    def isend(self, peer, tag, tensor):
+        with self.hub.lock:
+            self.hub.pairs.add((self.me, peer))
+        return super().isend(peer, tag, tensor)
+
+
+class RecordingHub(InMemoryHub):
+    """An in-memory hub that records who sends to whom."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+        self.pairs: set[tuple[bytes, bytes]] = set()
+
+    def endpoint(self, me):
+        return RecordingComm(self, me)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=256 << 10)
+
+
+@pytest.mark.parametrize("d, s, tied", [(2, 2, False), (4, 2, False), (2, 4, False), (2, 3, True)])
+def test_neighbours_are_exactly_who_a_step_talks_to(corpus, d, s, tied):
+    model = dataclasses.replace(TINY, tied_head=tied)
+    a = make(d, s, spares=1, model=model)
+    hub = RecordingHub()
+    with LocalCluster(a.model, a.train, a.plan(), corpus) as cluster:
+        cluster.hub = hub
+        cluster.step()
+    for peer in a.peers:
+        talked = {dst for src, dst in hub.pairs if src == peer} | {src for src, dst in hub.pairs if dst == peer}
+        assert a.neighbours(peer) == talked, a.position(peer)
+    assert a.neighbours(a.spares[0]) == frozenset()
