@@ -22,6 +22,7 @@ from .memnet import LinkModel, MemConnection, MemNetwork, MemTransport, scenario
 from .shaping import LinkShape, LinkShaper
 from .transport import Connection, Reply, Transport, TransportConfig
 from .wire import (
+                       TENSOR_ITEMSIZE,
                        check_tensor,
                        get_bool,
                        get_bytes,
@@ -39,7 +40,7 @@ __all__ = [
     "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig",
     "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
     "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "ProtocolError", "RemoteError", "Reply",
-    "RequestTimeout", "Transport", "TransportConfig", "check_tensor", "get_bool", "get_bytes", "get_dict",
+    "RequestTimeout", "TENSOR_ITEMSIZE", "Transport", "TransportConfig", "check_tensor", "get_bool", "get_bytes", "get_dict",
     "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "new_swarm_key", "pack", "scenario_link",
     "short_id", "swarm_key_fingerprint", "tensor_header", "uniform_link", "unpack_untrusted", "verify_signature",
 ]

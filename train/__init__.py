@@ -3,8 +3,8 @@ checkpoints and stage transfer; talks to other peers only through `Comm`."""
 
 from .checkpoint import CheckpointError, encode_stage, list_checkpoints, load_checkpoint, save_checkpoint
 from .collective import all_reduce_small, ring_all_reduce
-from .comm import (Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle,
-                   tensor_from_bytes, tensor_header)
+from .codec import TORCH_DTYPES, tensor_from_wire, tensor_to_wire
+from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
 from .local import LocalCluster
 from .model import GPTStage, assemble, generate, split_layers
@@ -18,8 +18,8 @@ from .worker import StageState, StepResult, run_step
 __all__ = [
     "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus", "EventHandle",
     "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "Link", "LocalCluster", "PRESETS", "Plan", "SendHandle",
-    "StageState", "StepResult", "TEST_CONFIG", "TrainConfig", "TransferError", "TransferManifest",
+    "StageState", "StepResult", "TEST_CONFIG", "TORCH_DTYPES", "TrainConfig", "TransferError", "TransferManifest",
     "TransferReceiver", "all_reduce_small", "assemble", "encode_stage", "encode_transfer", "generate", "get_preset", "list_checkpoints",
     "load_checkpoint", "load_corpus", "reference_state", "reference_step", "ring_all_reduce", "run_step",
-    "save_checkpoint", "split_batch", "split_layers", "tensor_from_bytes", "tensor_header",
+    "save_checkpoint", "split_batch", "split_layers", "tensor_from_wire", "tensor_to_wire",
 ]

@@ -3,14 +3,14 @@
 Synchronous on purpose: stage workers run torch compute in threads, so every call blocks (with
 a timeout) or, for sends, returns a handle to wait on later. Peers are opaque ids (str or
 bytes); a message is one tensor addressed by (destination, tag) and received by (source, tag),
-FIFO per (source, tag). A tensor maps naturally onto a frame: a header (dtype name, shape) plus
-its raw bytes (`tensor_header` / `tensor_from_bytes`), which is how the peer transport carries it.
+FIFO per (source, tag). A tensor maps naturally onto a message: a header (dtype name, shape)
+plus its raw bytes (`codec.py`), which is how the peer transport carries it and how the
+in-memory hub passes it on.
 Collectives are built on send/recv in `collective.py`, so a transport implements only these.
 """
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -19,20 +19,13 @@ from typing import Callable, Hashable, Protocol
 
 import torch
 
+from .codec import tensor_from_wire, tensor_to_wire
+
 __all__ = [
     "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link", "EventHandle",
-    "tensor_header", "tensor_from_bytes", "TENSOR_DTYPES",
 ]
 
 PeerId = Hashable  # str or bytes in practice
-
-# Dtypes a tensor may have on the wire, by name; anything else is refused.
-TENSOR_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
-}
-_DTYPE_NAMES = {v: k for k, v in TENSOR_DTYPES.items()}
-
 
 class CommError(Exception):
     """A message could not be sent or received."""
@@ -61,33 +54,6 @@ class Comm(Protocol):
 
     def recv(self, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
         """The next tensor `peer` sent under `tag`; raise CommTimeout after `timeout_s`."""
-
-
-def tensor_header(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
-    """(dtype name, shape) describing `t` on the wire."""
-    try:
-        return _DTYPE_NAMES[t.dtype], tuple(t.shape)
-    except KeyError:
-        raise CommError(f"dtype {t.dtype} cannot travel on the wire") from None
-
-
-def tensor_from_bytes(dtype: str, shape: tuple[int, ...], data: bytes, max_bytes: int) -> torch.Tensor:
-    """Rebuild a tensor from its header and raw bytes, checking everything; raises ValueError."""
-    if dtype not in TENSOR_DTYPES:
-        raise ValueError(f"unknown tensor dtype {dtype!r}")
-    if not isinstance(shape, (tuple, list)) or len(shape) > 8:
-        raise ValueError("tensor shape must be a sequence of at most 8 dimensions")
-    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
-        raise ValueError(f"bad tensor shape {shape!r}")
-    dt = TENSOR_DTYPES[dtype]
-    n = math.prod(shape)  # Python ints: no overflow for hostile shapes
-    nbytes = n * torch.empty((), dtype=dt).element_size()
-    if nbytes > max_bytes:
-        raise ValueError(f"tensor of {nbytes} bytes exceeds the limit of {max_bytes}")
-    if len(data) != nbytes:
-        raise ValueError(f"tensor needs {nbytes} bytes, got {len(data)}")
-    flat = torch.frombuffer(bytearray(data), dtype=dt) if n else torch.empty(0, dtype=dt)
-    return flat.reshape(tuple(shape))
 
 
 class EventHandle:
@@ -237,14 +203,14 @@ class InMemoryComm:
         self.hub, self.me = hub, me
 
     def isend(self, peer: PeerId, tag: str, tensor: torch.Tensor) -> SendHandle:
-        tensor_header(tensor)  # same dtype rule as the wire
-        payload = tensor.detach().to("cpu", copy=True).contiguous()
-        nbytes = payload.numel() * payload.element_size()
+        header, view = tensor_to_wire(tensor)  # encoded as on the wire, so the same dtype rule holds
+        payload = bytearray(view)  # the copy that frees the caller's tensor
+        nbytes = len(payload)
         what = f"send {tag!r} to {peer!r}"
         sent_at, arrives_at = self.hub._schedule(self.me, peer, nbytes) if self.hub.link else (0.0, 0.0)
         q = self.hub._channel(self.me, peer, tag, sending=True)
         try:
-            self.hub._wait(lambda t: q.put((arrives_at, payload), timeout=t), self.send_timeout_s, what)
+            self.hub._wait(lambda t: q.put((arrives_at, (header, payload)), timeout=t), self.send_timeout_s, what)
         finally:
             self.hub._release(self.me, peer, tag, q, sending=True)
         with self.hub._lock:
@@ -255,11 +221,11 @@ class InMemoryComm:
         what = f"receive {tag!r} from {peer!r}"
         q = self.hub._channel(peer, self.me, tag, sending=False)
         try:
-            arrives_at, payload = self.hub._wait(lambda t: q.get(timeout=t), timeout_s, what)
+            arrives_at, (header, payload) = self.hub._wait(lambda t: q.get(timeout=t), timeout_s, what)
         finally:
             self.hub._release(peer, self.me, tag, q, sending=False)
         self.hub._sleep_until(arrives_at, what)  # on an emulated link: not before it arrives
-        return payload
+        return tensor_from_wire(header, payload, max_bytes=len(payload))  # no copy: the hub hands it over
 
     @property
     def open_channels(self) -> int:

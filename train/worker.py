@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .codec import TORCH_DTYPES
 from .collective import all_reduce_small, ring_all_reduce
-from .comm import Comm, CommError, TENSOR_DTYPES
+from .comm import Comm, CommError
 from .data import Corpus, split_batch
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
@@ -136,7 +137,7 @@ def _forward(ctx: _Ctx):
     """All micro-batches forward; each output is sent downstream as soon as it exists."""
     st, cfg, spec = ctx.state, ctx.state.cfg, ctx.state.spec
     mod, dev, to = st.module, st.device, cfg.comm_timeout_s
-    wire = TENSOR_DTYPES[cfg.wire_dtype]
+    wire = TORCH_DTYPES[cfg.wire_dtype]
     outs, ins, losses, handles = [], [], [], []
     for m, idx in enumerate(ctx.micro):
         if mod.is_first or mod.is_last:
@@ -166,7 +167,7 @@ def _forward(ctx: _Ctx):
 def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
     """All micro-batches backward, last first; each input gradient is sent upstream at once."""
     cfg, mod = ctx.state.cfg, ctx.state.module
-    wire, to = TENSOR_DTYPES[cfg.wire_dtype], cfg.comm_timeout_s
+    wire, to = TORCH_DTYPES[cfg.wire_dtype], cfg.comm_timeout_s
     handles = []
     for m in reversed(range(len(outs))):
         if mod.is_last:
