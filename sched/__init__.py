@@ -3,7 +3,8 @@
 Pure numpy/scipy: no torch, no network. The swarm calls `solve` on its measured view.
 """
 
-from .cost import CostBreakdown, CostModel, split_layers
+from .cost import CostBreakdown, CostModel
+from .layers import layer_ranges, split_layers
 from .matching import bottleneck_matching
 from .path import open_path
 from .search import SEARCH_PROFILES, SearchConfig
@@ -15,6 +16,6 @@ from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_pre
 __all__ = [
     "Allocation", "CommSpec", "CostBreakdown", "CostModel", "ModelSpec", "PAPER_GPT3_XL", "PRESETS",
     "SEARCH_PROFILES", "SearchConfig", "SimResult", "Workload",
-    "bottleneck_matching", "candidate_shapes", "cost_model", "evaluate", "get_preset",
+    "bottleneck_matching", "candidate_shapes", "cost_model", "evaluate", "get_preset", "layer_ranges",
     "open_path", "simulate_iteration", "solve", "split_layers",
 ]

@@ -16,14 +16,14 @@ The extensions, each off unless its inputs are given:
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from .layers import split_layers
 from .spec import Workload
 
-__all__ = ["CostModel", "CostBreakdown", "split_layers", "INFEASIBLE_PENALTY_S"]
+__all__ = ["CostModel", "CostBreakdown", "INFEASIBLE_PENALTY_S"]
 
 # Cost added per layer that does not fit in memory: large enough that any feasible allocation wins.
 INFEASIBLE_PENALTY_S = 1e4
@@ -52,27 +52,6 @@ class CostBreakdown:
     @property
     def feasible(self) -> bool:
         return self.penalty_s == 0
-
-
-def split_layers(layers: int, speeds: np.ndarray, caps: np.ndarray) -> tuple[np.ndarray, int]:
-    """Layer counts per stage minimising max(count / speed), each in [1, cap]; and the shortfall.
-
-    Greedy water-filling: each layer goes to the stage whose time after taking it is lowest,
-    which is optimal for this min-max objective. Ties go to the lower stage index.
-    """
-    n = len(speeds)
-    counts = np.ones(n, dtype=np.int64)
-    heap = [((2.0) / speeds[s], s) for s in range(n) if caps[s] > 1]
-    heapq.heapify(heap)
-    left = layers - n
-    while left > 0 and heap:
-        _, s = heapq.heappop(heap)
-        counts[s] += 1
-        left -= 1
-        if counts[s] < caps[s]:
-            heapq.heappush(heap, ((counts[s] + 1) / speeds[s], s))
-    shortfall = max(left, 0) + int(np.maximum(counts - caps, 0).sum())
-    return counts, shortfall
 
 
 class CostModel:

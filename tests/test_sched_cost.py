@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dtfm.scenarios import load_scenario
-from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, evaluate, split_layers
+from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, evaluate, layer_ranges, split_layers
 
 
 def paper_cost_literal(delay_ms, bandwidth_gbps, pipelines, c_grad_gb, c_act_gb):
@@ -81,6 +81,18 @@ def test_split_layers_gives_faster_stages_more():
     assert counts.tolist() == [3, 3] and short == 0
     counts, short = split_layers(6, np.array([1.0, 1.0]), np.array([2, 2]))
     assert sum(counts) == 4 and short == 2
+
+
+def test_layer_ranges_are_split_layers_as_contiguous_ranges():
+    assert layer_ranges(6, 2, [1.0, 2.0]) == [(0, 2), (2, 6)]
+    assert layer_ranges(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    speeds = np.array([0.5, 3.0, 1.0, 2.0])
+    counts, _ = split_layers(23, speeds, np.full(4, 23))
+    assert [b - a for a, b in layer_ranges(23, 4, speeds)] == counts.tolist()
+    with pytest.raises(ValueError, match="cannot split"):
+        layer_ranges(3, 4)
+    with pytest.raises(ValueError, match="speeds"):
+        layer_ranges(4, 2, [1.0, 2.0, 3.0])
 
 
 def _flat(n, ms=10.0, gbps=1.0):

@@ -3,36 +3,72 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dtfm.sched import CostModel, Workload
 from dtfm.train import (PRESETS, ByteTokenizer, GPTSpec, GPTStage, Plan, TrainConfig, get_preset, load_corpus,
-                        split_batch, split_layers)
+                        split_batch)
 
 SPEC = GPTSpec("t", n_layer=4, n_embd=32, n_head=4, seq_len=16)
 
 
-@given(st.integers(1, 64), st.data())
-def test_split_layers_contiguous_cover_at_least_one_each(n_layer, data):
-    stages = data.draw(st.integers(1, n_layer))
-    weights = data.draw(st.none() | st.lists(st.floats(0.1, 10), min_size=stages, max_size=stages))
-    ranges = split_layers(n_layer, stages, weights)
-    assert ranges[0][0] == 0 and ranges[-1][1] == n_layer
-    assert all(b > a for a, b in ranges)
-    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(stages - 1))
-    if weights is None:
-        sizes = [b - a for a, b in ranges]
-        assert max(sizes) - min(sizes) <= 1
+def _counts(ranges) -> list[int]:
+    assert ranges[0][0] == 0
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(len(ranges) - 1))
+    return [b - a for a, b in ranges]
 
 
-def test_split_layers_follows_weights():
-    assert split_layers(8, 2, [3, 1]) == [(0, 6), (6, 8)]
-    assert split_layers(5, 3, [1, 3, 1]) == [(0, 1), (1, 4), (4, 5)]
-    with pytest.raises(ValueError):
-        split_layers(2, 3)
+def _slowest(counts, speeds) -> float:
+    return max(c / w for c, w in zip(counts, speeds))
+
+
+@settings(max_examples=200)
+@given(st.integers(1, 12), st.data())
+def test_grid_split_is_contiguous_and_min_max_optimal(n_layer, data):
+    """Every stage gets a contiguous, non-empty range, and no other split of the layers makes
+    the slowest stage (layers / speed) faster: checked against all splits."""
+    stages = data.draw(st.integers(1, min(n_layer, 4)))
+    speeds = data.draw(st.none() | st.lists(st.floats(0.1, 10), min_size=stages, max_size=stages))
+    ranges = Plan.grid(n_layer, stages, 1, speeds).layer_ranges
+    counts = _counts(ranges)
+    assert ranges[-1][1] == n_layer and len(ranges) == stages and min(counts) >= 1
+    w = speeds or [1.0] * stages
+    best = min(_slowest([b - a for a, b in zip((0,) + cut, cut + (n_layer,))], w)
+               for cut in itertools.combinations(range(1, n_layer), stages - 1))
+    assert _slowest(counts, w) == best
+    if speeds is None:
+        assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+
+
+@settings(max_examples=50)
+@given(st.integers(1, 48), st.data())
+def test_grid_split_is_the_split_the_scheduler_costs(n_layer, data):
+    stages = data.draw(st.integers(1, min(n_layer, 6)))
+    speeds = data.draw(st.lists(st.floats(0.1, 10), min_size=stages, max_size=stages))
+    wl = Workload(stages=stages, dp=1, layers=n_layer, grad_gb_total=1.0, act_gb=0.1, layer_compute_s=1.0)
+    dl, bw = np.full((stages, stages), 10.0), np.full((stages, stages), 1.0)
+    X = np.arange(stages).reshape(stages, 1)  # peer s runs stage s, at speeds[s]
+    costed = CostModel(dl, bw, wl, compute=np.array(speeds), uneven_layers=True).breakdown(X).layers
+    assert tuple(_counts(Plan.grid(n_layer, stages, 1, speeds).layer_ranges)) == costed
+    even = CostModel(dl, bw, wl).breakdown(X).layers
+    assert tuple(_counts(Plan.grid(n_layer, stages, 2).layer_ranges)) == even
+
+
+def test_grid_split_follows_speeds_and_refuses_the_impossible():
+    assert Plan.grid(8, 2, 1, [3, 1]).layer_ranges == ((0, 6), (6, 8))
+    assert Plan.grid(5, 3, 1, [1, 3, 1]).layer_ranges == ((0, 1), (1, 4), (4, 5))
+    assert Plan.grid(2, 2, 1, [1, 100]).layer_ranges == ((0, 1), (1, 2))  # at least one layer each
+    with pytest.raises(ValueError, match="cannot split"):
+        Plan.grid(2, 3, 1)
+    for bad in ([1.0], [1.0, 0.0], [1.0, float("nan")], [1.0, -2.0]):
+        with pytest.raises(ValueError, match="speeds"):
+            Plan.grid(4, 2, 1, bad)
 
 
 def test_stages_compose_to_the_whole_model():

@@ -7,7 +7,7 @@ from .codec import TORCH_DTYPES, tensor_from_wire, tensor_to_wire
 from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
 from .local import LocalCluster
-from .model import GPTStage, assemble, generate, split_layers
+from .model import GPTStage, assemble, generate
 from .optim import AdamW
 from .plan import Plan
 from .reference import reference_state, reference_step
@@ -21,5 +21,5 @@ __all__ = [
     "StageState", "StepResult", "TEST_CONFIG", "TORCH_DTYPES", "TrainConfig", "TransferError", "TransferManifest",
     "TransferReceiver", "all_reduce_small", "assemble", "encode_stage", "encode_transfer", "generate", "get_preset", "list_checkpoints",
     "load_checkpoint", "load_corpus", "reference_state", "reference_step", "ring_all_reduce", "run_step",
-    "save_checkpoint", "split_batch", "split_layers", "tensor_from_wire", "tensor_to_wire",
+    "save_checkpoint", "split_batch", "tensor_from_wire", "tensor_to_wire",
 ]

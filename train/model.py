@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from .spec import GPTSpec
 
-__all__ = ["GPTStage", "split_layers", "init_generator", "assemble", "generate"]
+__all__ = ["GPTStage", "init_generator", "assemble", "generate"]
 
 
 def init_generator(seed: int, key: str) -> torch.Generator:
@@ -139,30 +139,6 @@ class GPTStage(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def split_layers(n_layer: int, stages: int, weights: list[float] | None = None) -> list[tuple[int, int]]:
-    """Contiguous layer ranges for `stages` stages, sized in proportion to `weights`.
-
-    Every stage gets at least one layer; the counts follow n_layer * w / sum(w) by largest
-    remainder (ties to the earlier stage). Without weights the split is as even as possible.
-    """
-    if stages < 1 or n_layer < stages:
-        raise ValueError(f"cannot split {n_layer} layers into {stages} stages")
-    w = [1.0] * stages if weights is None else [float(x) for x in weights]
-    if len(w) != stages or any(not x > 0 for x in w):
-        raise ValueError("need one positive weight per stage")
-    target = [n_layer * x / sum(w) for x in w]
-    counts = [max(1, int(math.floor(t))) for t in target]
-    while sum(counts) < n_layer:  # give a layer to the stage furthest below its share
-        counts[max(range(stages), key=lambda i: (target[i] - counts[i], -i))] += 1
-    while sum(counts) > n_layer:  # take one from the stage furthest above its share
-        counts[max((i for i in range(stages) if counts[i] > 1), key=lambda i: (counts[i] - target[i], -i))] -= 1
-    ranges, start = [], 0
-    for c in counts:
-        ranges.append((start, start + c))
-        start += c
-    return ranges
 
 
 def assemble(spec: GPTSpec, stages: list["GPTStage"], seed: int = 0) -> "GPTStage":

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtfm.sched import layer_ranges
+
 from .comm import PeerId
-from .model import split_layers
 
 __all__ = ["Plan"]
 
@@ -42,8 +43,10 @@ class Plan:
     @classmethod
     def grid(cls, n_layer: int, stages: int, dp: int, weights: list[float] | None = None,
              prefix: str = "peer", epoch: int = 0) -> "Plan":
-        """Peers named f"{prefix}{d}.{s}", layers split evenly or by `weights`."""
-        ranges = split_layers(n_layer, stages, weights)
+        """Peers named f"{prefix}{d}.{s}"; layers split as the scheduler costs them
+        (`dtfm.sched.layer_ranges`): evenly, or by `weights`, the stages' relative speeds, so
+        that the slowest stage's layers / weight is as small as it can be."""
+        ranges = layer_ranges(n_layer, stages, weights)
         return cls(tuple(tuple(f"{prefix}{d}.{s}" for s in range(stages)) for d in range(dp)), tuple(ranges), epoch)
 
     @property
