@@ -1,5 +1,5 @@
 """dtfm.gossip: membership and failure detection (SWIM with Lifeguard), network measurement,
-signed measurement reports with anti-entropy, the N x N network view, and link emulation."""
+signed measurement reports with anti-entropy, and the N x N network view."""
 
 from .config import GossipConfig
 from .members import Member, MemberState, Update, merge_entry, merge_tables

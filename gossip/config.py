@@ -52,6 +52,10 @@ class GossipConfig:
     publish_interval_s: float = 2.0
     # Record anti-entropy (digest push-pull) with one random member.
     record_sync_interval_s: float = 2.0
+    # An exchange that has not moved on for this long is dropped. It must exceed a round trip
+    # plus the transfer of max_sync_bytes; a late reply after it is ignored (the next round
+    # repairs what it would have).
+    record_sync_timeout_s: float = 10.0
     # Records whose timestamp is further than this from our clock are refused.
     record_skew_s: float = 600.0
     # Upper bound of the bytes of records sent in one sync message; keep it well below the
@@ -77,8 +81,8 @@ class GossipConfig:
             raise ValueError("rtt_samples and bandwidth_probe_bytes must be >= 1")
         if not 0 <= self.measure_jitter < 1:
             raise ValueError("measure_jitter must be in [0, 1)")
-        if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0:
-            raise ValueError("record_sync_interval_s and publish_interval_s must be positive")
+        if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0 or self.record_sync_timeout_s <= 0:
+            raise ValueError("record_sync_interval_s, record_sync_timeout_s and publish_interval_s must be positive")
 
     @classmethod
     def lan(cls) -> "GossipConfig":

@@ -1,7 +1,7 @@
 """Network and compute measurement: round-trip time, bandwidth and compute speed.
 
 Written against a small async interface, `PeerLink.request(msg_type, body, *, payload,
-timeout_s) -> (body, payload)` (what `dtfm.net.transport.Connection` provides), so the same
+timeout_s) -> (body, payload)` (what `dtfm.net.Connection` provides), so the same
 code runs over the real transport and over the in-memory network. `MeasurePlanner` decides
 whom to measure next and when, without I/O.
 """
@@ -16,7 +16,8 @@ from typing import Protocol
 
 import trio
 
-from ._wire import ProtocolError, get_int
+from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout, get_int
+
 from .messages import MsgType
 from .records import MAX_GBPS, MAX_RTT_MS, Entry
 
@@ -28,6 +29,9 @@ logger = logging.getLogger(__name__)
 BULK_RESERVE = 0
 BULK_DATA = 1
 MAX_BULK_BYTES = 64 * 1024 * 1024
+# What a request to a reachable peer may fail with: no reply in time, the connection went
+# away, or the peer answered with an error (busy, no handler). Anything else is a bug.
+_REQUEST_ERRORS = (RequestTimeout, ConnectionClosed, RemoteError)
 
 
 @dataclass(frozen=True)
@@ -80,7 +84,7 @@ async def measure_rtt(link: PeerLink, samples: int, spacing_s: float, timeout_s:
         try:
             body, _ = await link.request(MsgType.MEASURE_PING, MeasurePing(i).to_wire(),
                                          timeout_s=timeout_s)
-        except Exception as e:  # RequestTimeout, ConnectionClosed: the sample is lost
+        except _REQUEST_ERRORS as e:  # the sample is lost
             logger.debug("ping %s: %s", link.peer_id[:4].hex(), e)
             continue
         if isinstance(body, dict) and body.get("n") == i:
@@ -121,7 +125,7 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
         body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_DATA, nbytes).to_wire(),
                                      payload=bytes(nbytes), timeout_s=timeout_s)
         elapsed = trio.current_time() - t0
-    except Exception as e:  # RequestTimeout, ConnectionClosed
+    except _REQUEST_ERRORS as e:
         logger.debug("bandwidth probe to %s failed: %s", pid[:4].hex(), e)
         return None
     finally:

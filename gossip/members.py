@@ -12,12 +12,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ._wire import ProtocolError, get_bytes, get_int, get_list, get_str
+from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list, get_str
 
 __all__ = ["MemberState", "Member", "merge_entry", "merge_tables", "MAX_INCARNATION"]
 
 MAX_INCARNATION = 2**63 - 1
-PEER_ID_LEN = 32
 MAX_HOST_LEN = 255
 MAX_REGION_LEN = 64
 
@@ -43,8 +42,8 @@ class Member:
     region: str
 
     def __post_init__(self) -> None:
-        if len(self.peer_id) != PEER_ID_LEN:
-            raise ValueError("peer_id must be 32 bytes")
+        if len(self.peer_id) != PEER_ID_BYTES:
+            raise ValueError(f"peer_id must be {PEER_ID_BYTES} bytes")
         if not 0 <= self.incarnation <= MAX_INCARNATION:
             raise ValueError("incarnation out of range")
 
@@ -72,7 +71,7 @@ class Member:
             raise ProtocolError("member entry: expected a list of 6 fields")
         d = dict(zip(("id", "inc", "state", "host", "port", "region"), obj))
         return cls(
-            peer_id=get_bytes(d, "id", PEER_ID_LEN, PEER_ID_LEN),
+            peer_id=get_bytes(d, "id", PEER_ID_BYTES, PEER_ID_BYTES),
             incarnation=get_int(d, "inc", 0, MAX_INCARNATION),
             state=MemberState(get_int(d, "state", 0, len(MemberState) - 1)),
             host=get_str(d, "host", MAX_HOST_LEN),
@@ -119,7 +118,7 @@ class Update:
     def from_wire(cls, obj: object) -> "Update":
         if not isinstance(obj, list) or len(obj) != 7:
             raise ProtocolError("update: expected a list of 7 fields")
-        by = get_bytes({"by": obj[6]}, "by", PEER_ID_LEN, PEER_ID_LEN)
+        by = get_bytes({"by": obj[6]}, "by", PEER_ID_BYTES, PEER_ID_BYTES)
         return cls(Member.from_wire(obj[:6]), by)
 
 

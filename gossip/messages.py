@@ -9,8 +9,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ._wire import ProtocolError, get_bool, get_bytes, get_int, get_list
-from .members import PEER_ID_LEN, Member, Update, members_from_wire, updates_from_wire
+from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_int
+
+from .members import Member, Update, members_from_wire, updates_from_wire
 
 __all__ = ["MsgType", "Ping", "Ack", "PingReq", "Nack", "Gossip", "PushPull", "decode_swim",
            "MAX_SEQ", "MAX_UPDATES", "MAX_MEMBERS"]
@@ -55,7 +56,7 @@ class Ping:
     @classmethod
     def from_wire(cls, body: object) -> "Ping":
         d = _need_map(body)
-        return cls(get_int(d, "seq", 0, MAX_SEQ), get_bytes(d, "target", PEER_ID_LEN, PEER_ID_LEN),
+        return cls(get_int(d, "seq", 0, MAX_SEQ), get_bytes(d, "target", PEER_ID_BYTES, PEER_ID_BYTES),
                    updates_from_wire(d, "u", MAX_UPDATES))
 
 

@@ -1,4 +1,4 @@
-"""Signed measurement reports, their acceptance rules and anti-entropy digests.
+"""Signed measurement reports, their acceptance rules and digests (exchanged by sync.py).
 
 A report is one measurer's signed row of the N x N view: for each target it measured, the
 round-trip time (median of `samples` pings) and the bandwidth of a timed transfer; plus its
@@ -17,13 +17,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from dtfm.net import verify_signature
+from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_float, get_int, get_list, pack, verify_signature
 
-from ._wire import ProtocolError, get_bytes, get_float, get_int, get_list, pack
-from .members import PEER_ID_LEN
-from .messages import MAX_SEQ, MsgType
+from .messages import MAX_SEQ
 
-__all__ = ["Entry", "Report", "RecordStore", "RecordSync", "digest_hash", "MAX_RTT_MS", "MAX_GBPS"]
+__all__ = ["Entry", "Report", "RecordStore", "digest_hash", "MAX_RTT_MS", "MAX_GBPS", "MAX_ENTRIES",
+           "DIGEST_HASH_LEN"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +55,7 @@ class Entry:
         rtt = get_float(d, "rtt", 0.0, MAX_RTT_MS)
         if rtt <= 0.0:
             raise ProtocolError("entry: round trip must be positive")
-        return cls(get_bytes(d, "target", PEER_ID_LEN, PEER_ID_LEN), rtt,
+        return cls(get_bytes(d, "target", PEER_ID_BYTES, PEER_ID_BYTES), rtt,
                    get_float(d, "bw", 0.0, MAX_GBPS), get_int(d, "n", 1, MAX_SAMPLES))
 
 
@@ -98,7 +97,7 @@ class Report:
         if not isinstance(obj, list) or len(obj) != 6:
             raise ProtocolError("report: expected a list of 6 fields")
         d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig"), obj))
-        measurer = get_bytes(d, "measurer", PEER_ID_LEN, PEER_ID_LEN)
+        measurer = get_bytes(d, "measurer", PEER_ID_BYTES, PEER_ID_BYTES)
         entries = tuple(Entry.from_wire(x) for x in get_list(d, "entries", MAX_ENTRIES))
         targets = [e.target for e in entries]
         if targets != sorted(set(targets)):
@@ -108,42 +107,6 @@ class Report:
         return cls(measurer, get_int(d, "seq", 0, MAX_SEQ), get_float(d, "ts", 0.0, MAX_TIMESTAMP),
                    get_float(d, "compute", 0.0, MAX_COMPUTE_MS), entries,
                    get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN))
-
-
-@dataclass(frozen=True)
-class RecordSync:
-    """Anti-entropy exchange between A and B.
-
-    phase 0 (A->B): hash of A's digest; B stops here when its own hash is equal.
-    phase 1 (B->A): B's digest.
-    phase 2 (A->B): A's digest and the reports B lacks.
-    phase 3 (B->A): the reports A lacks.
-    """
-
-    phase: int
-    digest_hash: bytes
-    digest: tuple[tuple[bytes, int], ...]
-    reports: tuple[Report, ...]
-    type = MsgType.RECORD_SYNC
-
-    def to_wire(self) -> dict:
-        return {"phase": self.phase, "hash": self.digest_hash,
-                "digest": [[m, s] for m, s in self.digest],
-                "reports": [r.to_wire() for r in self.reports]}
-
-    @classmethod
-    def from_wire(cls, body: object) -> "RecordSync":
-        if not isinstance(body, dict):
-            raise ProtocolError("record sync: expected a map")
-        digest = []
-        for item in get_list(body, "digest", MAX_ENTRIES):
-            if not isinstance(item, list) or len(item) != 2:
-                raise ProtocolError("digest item: expected [measurer, seq]")
-            d = {"m": item[0], "s": item[1]}
-            digest.append((get_bytes(d, "m", PEER_ID_LEN, PEER_ID_LEN), get_int(d, "s", 0, MAX_SEQ)))
-        reports = tuple(Report.from_wire(x) for x in get_list(body, "reports", MAX_ENTRIES))
-        return cls(get_int(body, "phase", 0, 3), get_bytes(body, "hash", 0, DIGEST_HASH_LEN),
-                   tuple(digest), reports)
 
 
 def digest_hash(digest) -> bytes:

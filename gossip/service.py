@@ -5,8 +5,9 @@
         await nursery.start(service.run)
         await service.join([("10.0.0.2", 7000)])
 
-The transport is `dtfm.net.transport.Transport` or anything of its shape (the in-memory
-`MemTransport` in tests and the harness).
+The transport is `dtfm.net.Transport` or anything of its shape (the in-memory `MemTransport`
+in tests and the harness). The decisions are the sans-IO machines' (`Swim`, `RecordSyncer`,
+`MeasurePlanner`); this class feeds them messages and time and does what they return.
 """
 
 from __future__ import annotations
@@ -18,12 +19,15 @@ from typing import Callable
 
 import trio
 
+from dtfm.net import ConnectionClosed, ProtocolError
+
 from .config import GossipConfig
 from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwidth, measure_rtt, serve_bulk, serve_ping
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
-from .records import RecordStore, RecordSync, Report
+from .records import RecordStore, Report
 from .swim import Send, Swim
+from .sync import RecordSync, RecordSyncer
 from .view import NetworkView, build_view
 
 __all__ = ["GossipService"]
@@ -32,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 _SWIM_TYPES = (MsgType.PING, MsgType.ACK, MsgType.PING_REQ, MsgType.NACK, MsgType.GOSSIP,
                MsgType.PUSH_PULL)
+# What connect() raises when the peer cannot be reached or refuses us (a HandshakeError is a
+# ProtocolError, a TimeoutError an OSError). Anything else is a bug and propagates.
+_CONNECT_ERRORS = (ConnectionClosed, ProtocolError, OSError)
 
 
 class GossipService:
@@ -55,6 +62,8 @@ class GossipService:
         me = Member(identity.peer_id, 0, MemberState.ALIVE, host, port, region)
         self.swim = Swim(self.config, me, self._rng, trio.current_time())
         self.records = RecordStore(self.config.record_skew_s)
+        self.sync = RecordSyncer(self.records, max_sync_bytes=self.config.max_sync_bytes,
+                                 timeout_s=self.config.record_sync_timeout_s)
         self.planner = MeasurePlanner(self.config.remeasure_interval_s,
                                       self.config.bandwidth_probe_interval_s,
                                       self.config.measure_jitter, self._rng)
@@ -95,7 +104,7 @@ class GossipService:
             with trio.move_on_after(timeout_s):
                 try:
                     conn = await self.transport.connect(host, port)
-                except Exception as e:  # ConnectionClosed, HandshakeError, OSError
+                except _CONNECT_ERRORS as e:
                     logger.warning("cannot reach bootstrap peer %s:%d: %s", host, port, e)
                     continue
                 if conn.peer_id == self.identity.peer_id:
@@ -163,7 +172,7 @@ class GossipService:
             with trio.move_on_after(self.config.measure_timeout_s):
                 try:
                     conn = await self.transport.connect(*address)
-                except Exception as e:  # ConnectionClosed, HandshakeError, OSError
+                except _CONNECT_ERRORS as e:
                     logger.debug("cannot connect to %s at %s: %s", peer_id[:4].hex(), address, e)
                     return None
             if conn is not None and conn.peer_id != peer_id:
@@ -177,7 +186,7 @@ class GossipService:
                 continue
             try:
                 await conn.send(s.msg.type, s.msg.to_wire(), droppable=True)
-            except Exception as e:  # ConnectionClosed
+            except ConnectionClosed as e:
                 logger.debug("send to %s failed: %s", s.to[:4].hex(), e)
 
     async def _timer_loop(self) -> None:
@@ -219,26 +228,15 @@ class GossipService:
                           self.config.measure_timeout_s)
 
     async def _on_sync(self, conn, msg_type, body, payload):
-        msg = RecordSync.from_wire(body)
-        self._accept(msg.reports)
-        reply = None
-        if msg.phase == 0 and msg.digest_hash != self.records.digest_hash():
-            reply = RecordSync(1, b"", self.records.digest(), ())
-        elif msg.phase == 1:
-            reply = RecordSync(2, b"", self.records.digest(), self._newer(msg.digest))
-        elif msg.phase == 2:
-            newer = self._newer(msg.digest)
-            if newer:
-                reply = RecordSync(3, b"", (), newer)
-        if reply is not None:
+        msg = RecordSync.from_wire(body)  # ProtocolError: the transport closes the connection
+        actions = self.sync.handle(conn.peer_id, msg, trio.current_time())
+        self._accept(actions.accept)
+        if actions.reply is not None:
             try:
-                await conn.send(MsgType.RECORD_SYNC, reply.to_wire(), droppable=True)
-            except Exception as e:  # ConnectionClosed
+                await conn.send(MsgType.RECORD_SYNC, actions.reply.to_wire(), droppable=True)
+            except ConnectionClosed as e:
                 logger.debug("record sync reply to %s failed: %s", conn.short_id, e)
         return None
-
-    def _newer(self, digest) -> tuple[Report, ...]:
-        return self.records.newer_than(digest, self.config.max_sync_bytes)
 
     def _accept(self, reports) -> None:
         now = self._wall()
@@ -275,7 +273,9 @@ class GossipService:
             if not peers:
                 continue
             m = self._rng.choice(peers)
-            self._dispatch_sync(m, RecordSync(0, self.records.digest_hash(), (), ()))
+            now = trio.current_time()
+            self.sync.tick(now)
+            self._dispatch_sync(m, self.sync.start(m.peer_id, now))
 
     def _dispatch_sync(self, m: Member, msg: RecordSync) -> None:
         try:

@@ -14,7 +14,8 @@ import itertools
 import random
 from collections import defaultdict
 
-from ._wire import pack, unpack_untrusted
+from dtfm.net import pack, unpack_untrusted
+
 from .config import GossipConfig
 from .members import Member, MemberState
 from .messages import decode_swim

@@ -17,7 +17,7 @@ from dtfm.gossip.measure import (
     serve_ping,
 )
 from dtfm.gossip.messages import MsgType
-from dtfm.net.errors import ProtocolError, RequestTimeout
+from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout
 
 A, B, C = (bytes([i]) * 32 for i in (1, 2, 3))
 
@@ -62,6 +62,36 @@ async def test_bandwidth_from_timed_transfer_and_busy_link(autojump_clock):
     # we are serving a reservation from B: no probe of our own to B
     gate.serving[B] = trio.current_time() + 5
     assert await measure_bandwidth(link, gate, 500_000, rtt_s=0.02, timeout_s=5.0) is None
+
+
+class RaisingLink:
+    """A PeerLink whose every request fails with `error`."""
+
+    peer_id = B
+
+    def __init__(self, error):
+        self.error = error
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s=None):
+        await trio.lowlevel.checkpoint()
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [RequestTimeout("lost"), ConnectionClosed("gone"), RemoteError("busy")])
+async def test_failed_requests_lose_the_measurement(error):
+    assert await measure_rtt(RaisingLink(error), 3, 0.0, timeout_s=1.0) == []
+    gate = BulkGate()
+    assert await measure_bandwidth(RaisingLink(error), gate, 1000, rtt_s=0.01, timeout_s=1.0) is None
+    assert not gate.probing
+
+
+async def test_a_bug_below_the_measurement_is_not_swallowed():
+    with pytest.raises(TypeError):
+        await measure_rtt(RaisingLink(TypeError("bug")), 3, 0.0, timeout_s=1.0)
+    gate = BulkGate()
+    with pytest.raises(TypeError):
+        await measure_bandwidth(RaisingLink(TypeError("bug")), gate, 1000, rtt_s=0.01, timeout_s=1.0)
+    assert not gate.probing  # the link is released all the same
 
 
 def test_serve_bulk_checks_fields_and_payload():

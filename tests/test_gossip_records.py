@@ -5,9 +5,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.gossip.records import MAX_GBPS, Entry, RecordStore, RecordSync, Report
+from dtfm.gossip.records import MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
+from dtfm.gossip.sync import RecordSync, RecordSyncer, SyncActions, SyncPhase, SyncRole, SyncStep
 from dtfm.gossip.view import build_view
-from dtfm.net.errors import ProtocolError
+from dtfm.net import ProtocolError
 from dtfm.net.identity import Identity
 from dtfm.net.wire import pack, unpack_untrusted
 
@@ -119,7 +120,7 @@ def test_sync_roundtrip_and_digest_exchange():
     b.offer(report(CAROL, seq=2), now_wall=NOW, is_member=is_member)
     a.offer(report(CAROL, seq=1), now_wall=NOW, is_member=is_member)
     assert a.digest_hash() != b.digest_hash()
-    msg = RecordSync(2, b"", b.digest(), b.newer_than(a.digest(), 1 << 20))
+    msg = RecordSync(SyncStep.OFFER, b"", b.digest(), b.newer_than(a.digest(), 1 << 20))
     msg = RecordSync.from_wire(unpack_untrusted(pack(msg.to_wire()), max_len=1 << 20))
     assert {r.measurer for r in msg.reports} == {BOB.peer_id, CAROL.peer_id}
     for r in msg.reports:
@@ -129,6 +130,192 @@ def test_sync_roundtrip_and_digest_exchange():
     for r in a.newer_than(msg.digest, 1 << 20):
         b.offer(r, now_wall=NOW, is_member=is_member)
     assert a.digest_hash() == b.digest_hash()
+
+
+# ---- the record-sync state machine, phase x input -> next phase + actions
+#
+# This side ("us") holds Alice's report and Carol's seq 1; the peer, Bob, holds his own and
+# Carol's seq 2. So we offer Alice's, and Bob's reports to us are his and Carol's newer one.
+
+TIMEOUT = 10.0
+INIT, RESP = SyncRole.INITIATOR, SyncRole.RESPONDER
+IDLE, HASH_SENT, OFFER_SENT, DIGEST_SENT = (SyncPhase.IDLE, SyncPhase.HASH_SENT, SyncPhase.OFFER_SENT,
+                                            SyncPhase.DIGEST_SENT)
+PEER = BOB.peer_id
+
+
+def stores():
+    ours, theirs = RecordStore(600), RecordStore(600)
+    for store, reps in [(ours, [report(ALICE), report(CAROL, seq=1)]), (theirs, [report(BOB), report(CAROL, seq=2)])]:
+        for r in reps:
+            assert store.offer(r, now_wall=NOW, is_member=is_member) is None
+    return ours, theirs
+
+
+def peer_message(name):
+    ours, theirs = stores()
+    both = RecordStore(600)
+    for r in [report(ALICE), report(BOB), report(CAROL, seq=2)]:
+        both.offer(r, now_wall=NOW, is_member=is_member)
+    lacking = theirs.newer_than(ours.digest(), 1 << 20)
+    return {
+        "HASH, differs": RecordSync(SyncStep.HASH, theirs.digest_hash(), (), ()),
+        "HASH, equal": RecordSync(SyncStep.HASH, ours.digest_hash(), (), ()),
+        "DIGEST": RecordSync(SyncStep.DIGEST, b"", theirs.digest(), ()),
+        "OFFER": RecordSync(SyncStep.OFFER, b"", theirs.digest(), lacking),
+        "OFFER, holds all we do": RecordSync(SyncStep.OFFER, b"", both.digest(), lacking),
+        "REPORTS": RecordSync(SyncStep.REPORTS, b"", (), lacking),
+    }[name]
+
+
+def deliver(m, msg, now=0.0):
+    """Through the wire codec, as the service receives it."""
+    return m.handle(PEER, RecordSync.from_wire(unpack_untrusted(pack(msg.to_wire()), max_len=1 << 20)), now)
+
+
+def syncer_in(role, phase, **kw):
+    """A machine driven, by real transitions at t = 0, into `phase` for `role` with the peer."""
+    m = RecordSyncer(stores()[0], max_sync_bytes=1 << 20, timeout_s=TIMEOUT, **kw)
+    if phase in (HASH_SENT, OFFER_SENT):
+        m.start(PEER, 0.0)
+    if phase is OFFER_SENT:
+        deliver(m, peer_message("DIGEST"))
+    if phase is DIGEST_SENT:
+        deliver(m, peer_message("HASH, differs"))
+    assert m.phase(PEER, role) is phase
+    return m
+
+
+A_ID, B_ID, C_ID = ALICE.peer_id, BOB.peer_id, CAROL.peer_id
+
+
+@pytest.mark.parametrize("role, phase, given, then, reply, reply_reports, accepted", [
+    # initiator
+    (INIT, IDLE, "DIGEST", IDLE, None, (), ()),  # unsolicited or late: dropped
+    (INIT, IDLE, "REPORTS", IDLE, None, (), ()),
+    (INIT, HASH_SENT, "DIGEST", OFFER_SENT, SyncStep.OFFER, (A_ID,), ()),
+    (INIT, HASH_SENT, "REPORTS", HASH_SENT, None, (), (B_ID, C_ID)),  # late, from a replaced round
+    (INIT, OFFER_SENT, "REPORTS", IDLE, None, (), (B_ID, C_ID)),
+    (INIT, OFFER_SENT, "DIGEST", OFFER_SENT, None, (), ()),  # a duplicate digest
+    # responder
+    (RESP, IDLE, "HASH, differs", DIGEST_SENT, SyncStep.DIGEST, (), ()),
+    (RESP, IDLE, "HASH, equal", IDLE, None, (), ()),  # steady state: one hash, nothing else
+    (RESP, IDLE, "OFFER", IDLE, None, (), ()),  # unsolicited: its reports are not taken
+    (RESP, DIGEST_SENT, "OFFER", IDLE, SyncStep.REPORTS, (A_ID,), (B_ID, C_ID)),
+    (RESP, DIGEST_SENT, "OFFER, holds all we do", IDLE, None, (), (B_ID, C_ID)),
+    (RESP, DIGEST_SENT, "HASH, differs", DIGEST_SENT, SyncStep.DIGEST, (), ()),  # a new round
+    (RESP, DIGEST_SENT, "HASH, equal", IDLE, None, (), ()),
+])
+def test_sync_transitions(role, phase, given, then, reply, reply_reports, accepted):
+    m = syncer_in(role, phase)
+    other = INIT if role is RESP else RESP
+    actions = deliver(m, peer_message(given))
+    assert m.phase(PEER, role) is then
+    assert m.phase(PEER, other) is IDLE  # the other role's session is untouched
+    assert (actions.reply.step if actions.reply else None) is reply
+    assert (tuple(r.measurer for r in actions.reply.reports) if actions.reply else ()) == reply_reports
+    assert tuple(sorted(r.measurer for r in actions.accept)) == accepted
+    if reply in (SyncStep.DIGEST, SyncStep.OFFER):
+        assert actions.reply.digest == m.store.digest()
+
+
+def test_sync_start_emits_our_hash_and_replaces_a_round_in_progress():
+    m = syncer_in(INIT, OFFER_SENT)
+    msg = m.start(PEER, 5.0)
+    assert msg == RecordSync(SyncStep.HASH, m.store.digest_hash(), (), ())
+    assert m.phase(PEER, INIT) is HASH_SENT
+    # the replaced round's reports are still taken; the new round goes on
+    assert len(deliver(m, peer_message("REPORTS"), 6.0).accept) == 2
+    assert m.phase(PEER, INIT) is HASH_SENT
+    assert deliver(m, peer_message("DIGEST"), TIMEOUT + 4.0).reply.step is SyncStep.OFFER  # deadline moved
+
+
+def test_sync_rounds_both_ways_with_one_peer_at_once():
+    m = syncer_in(INIT, HASH_SENT)
+    assert deliver(m, peer_message("HASH, differs")).reply.step is SyncStep.DIGEST
+    assert (m.phase(PEER, INIT), m.phase(PEER, RESP)) == (HASH_SENT, DIGEST_SENT)
+    assert deliver(m, peer_message("DIGEST")).reply.step is SyncStep.OFFER
+    assert (m.phase(PEER, INIT), m.phase(PEER, RESP)) == (OFFER_SENT, DIGEST_SENT)
+    assert deliver(m, peer_message("OFFER")).reply.step is SyncStep.REPORTS
+    assert (m.phase(PEER, INIT), m.phase(PEER, RESP)) == (OFFER_SENT, IDLE)
+
+
+@pytest.mark.parametrize("role, phase, expected", [
+    (INIT, HASH_SENT, "DIGEST"), (INIT, OFFER_SENT, "REPORTS"), (RESP, DIGEST_SENT, "OFFER"),
+])
+def test_sync_timeout_back_to_idle(role, phase, expected):
+    m = syncer_in(role, phase)
+    m.tick(TIMEOUT - 0.001)
+    assert m.phase(PEER, role) is phase
+    m.tick(TIMEOUT)
+    assert m.phase(PEER, role) is IDLE
+    # without a tick: the expected message is taken just before the deadline, dropped at it
+    assert deliver(syncer_in(role, phase), peer_message(expected), TIMEOUT - 0.001) != SyncActions()
+    m = syncer_in(role, phase)
+    assert deliver(m, peer_message(expected), TIMEOUT) == SyncActions()
+    assert m.phase(PEER, role) is IDLE
+
+
+def _digest_items(n):
+    return [[bytes([1 + i % 250, i // 250]) + bytes(30), 1] for i in range(n)]
+
+
+BAD_SYNC_BODIES = {
+    "oversize digest": {"phase": 1, "hash": b"", "digest": _digest_items(MAX_ENTRIES + 1), "reports": []},
+    "short measurer": {"phase": 1, "hash": b"", "digest": [[b"\x02" * 31, 1]], "reports": []},
+    "negative seq": {"phase": 1, "hash": b"", "digest": [[b"\x02" * 32, -1]], "reports": []},
+    "one-field item": {"phase": 1, "hash": b"", "digest": [[b"\x02" * 32]], "reports": []},
+    "item not a list": {"phase": 2, "hash": b"", "digest": [b"\x02" * 32], "reports": []},
+    "measurer twice": {"phase": 2, "hash": b"", "digest": [[b"\x02" * 32, 1], [b"\x02" * 32, 2]], "reports": []},
+    "digest not a list": {"phase": 1, "hash": b"", "digest": {}, "reports": []},
+    "short hash": {"phase": 0, "hash": b"\x01" * 15, "digest": [], "reports": []},
+    "HASH with a digest": {"phase": 0, "hash": b"\x01" * 16, "digest": [[b"\x02" * 32, 1]], "reports": []},
+    "DIGEST with reports": {"phase": 1, "hash": b"", "digest": [], "reports": [report().to_wire()]},
+    "REPORTS with a digest": {"phase": 3, "hash": b"", "digest": [[b"\x02" * 32, 1]], "reports": []},
+    "DIGEST with a hash": {"phase": 1, "hash": b"\x01" * 16, "digest": [], "reports": []},
+    "unknown step": {"phase": 4, "hash": b"", "digest": [], "reports": []},
+}
+
+
+@pytest.mark.parametrize("role, phase", [(INIT, IDLE), (INIT, HASH_SENT), (INIT, OFFER_SENT), (RESP, DIGEST_SENT)])
+@pytest.mark.parametrize("bad", sorted(BAD_SYNC_BODIES))
+def test_sync_malformed_message_raises_protocol_error_and_changes_nothing(role, phase, bad):
+    m = syncer_in(role, phase)
+    with pytest.raises(ProtocolError):
+        m.handle(PEER, RecordSync.from_wire(unpack_untrusted(pack(BAD_SYNC_BODIES[bad]), max_len=1 << 20)), 0.0)
+    assert m.phase(PEER, role) is phase
+
+
+def test_sync_responder_sessions_are_capped():
+    m = RecordSyncer(stores()[0], max_sync_bytes=1 << 20, timeout_s=TIMEOUT, max_sessions=2)
+    hash_msg = peer_message("HASH, differs")
+    peers = [bytes([9, i]) * 16 for i in range(3)]
+    assert [m.handle(p, hash_msg, 0.0).reply is not None for p in peers] == [True, True, False]
+    assert m.phase(peers[2], RESP) is IDLE
+    assert m.handle(peers[0], hash_msg, 1.0).reply is not None  # a session in progress may go on
+    assert m.handle(peers[2], hash_msg, TIMEOUT).reply is not None  # once one has expired
+
+
+def test_two_syncers_converge_through_the_wire():
+    ours, theirs = stores()
+    a = RecordSyncer(ours, max_sync_bytes=1 << 20, timeout_s=TIMEOUT)
+    b = RecordSyncer(theirs, max_sync_bytes=1 << 20, timeout_s=TIMEOUT)
+    ends = {A_ID: (a, ours), B_ID: (b, theirs)}
+    queue = [(B_ID, A_ID, a.start(B_ID, 0.0))]  # (to, from, message)
+    sent = []
+    while queue:
+        to, src, msg = queue.pop(0)
+        sent.append(msg.step)
+        machine, store = ends[to]
+        actions = machine.handle(src, RecordSync.from_wire(unpack_untrusted(pack(msg.to_wire()), max_len=1 << 20)), 1.0)
+        for r in actions.accept:
+            assert store.offer(r, now_wall=NOW, is_member=is_member) is None
+        if actions.reply is not None:
+            queue.append((src, to, actions.reply))
+    assert sent == [SyncStep.HASH, SyncStep.DIGEST, SyncStep.OFFER, SyncStep.REPORTS]
+    assert ours.digest_hash() == theirs.digest_hash() and len(ours.reports) == 3
+    assert (a.phase(B_ID, INIT), b.phase(A_ID, RESP)) == (IDLE, IDLE)
+    assert b.handle(A_ID, a.start(B_ID, 2.0), 2.0).reply is None  # in step: the hash is all
 
 
 def _reports_from_matrix(ids, rtt, bw):

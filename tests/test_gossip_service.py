@@ -1,13 +1,17 @@
 """GossipService over the in-memory network under MockClock: many services in one process."""
 
 import numpy as np
+import pytest
 import trio
 
 from dtfm.gossip.config import GossipConfig
 from dtfm.gossip.harness import Harness
 from dtfm.gossip.members import MemberState
 from dtfm.gossip.messages import MsgType
-from dtfm.gossip.records import Entry, RecordSync, Report
+from dtfm.gossip.records import Entry, Report
+from dtfm.gossip.service import GossipService
+from dtfm.gossip.sync import RecordSync, SyncPhase, SyncRole, SyncStep
+from dtfm.net import ConnectionClosed, HandshakeError, MemNetwork
 from dtfm.net.identity import Identity
 from dtfm.scenarios import load_scenario
 
@@ -89,18 +93,46 @@ async def test_forged_report_over_the_wire_is_refused(autojump_clock):
         h = Harness(4, CFG, seed=6, measure=False)
         await h.start(nursery)
         await wait_for(h.all_know_all, 10)
-        victim = h.ids[0]
-        # node 3 forges a report claiming to be node 1's, and replays node 2's real one
+        victim, sender = h.ids[0], h.ids[3]
+        # node 3 forges a report claiming to be node 1's, passes on an outsider's, and offers
+        # one genuine report of its own, in a proper exchange with node 0
         entries = [Entry(victim, 0.001, 999.0, 5)]
         fake = Report(h.ids[1], 10**15, h.wall(), 0.0, tuple(entries),
                       h.identities[3].sign(Report(h.ids[1], 10**15, h.wall(), 0.0, tuple(entries)).signing_bytes()))
         outsider = Identity(b"\x07" * 32)
         stranger = Report.create(outsider, 1, h.wall(), 0.0, [Entry(victim, 1.0, 1.0, 1)])
+        genuine = Report.create(h.identities[3], 10**15, h.wall(), 0.0, [Entry(victim, 2.0, 1.0, 1)])
         conn = await h.transports[3].connect(*h.transports[0].listen_address)
-        await conn.send(MsgType.RECORD_SYNC, RecordSync(3, b"", (), (fake, stranger)).to_wire())
-        await trio.sleep(1)
+        sync0 = h.services[0].sync
+        await conn.send(MsgType.RECORD_SYNC, RecordSync(SyncStep.HASH, bytes(16), (), ()).to_wire())
+        await wait_for(lambda: sync0.phase(sender, SyncRole.RESPONDER) is SyncPhase.DIGEST_SENT, 1, 0.001)
+        await conn.send(MsgType.RECORD_SYNC, RecordSync(SyncStep.OFFER, b"", (), (fake, stranger, genuine)).to_wire())
+        await wait_for(lambda: sync0.phase(sender, SyncRole.RESPONDER) is SyncPhase.IDLE, 1, 0.001)
         held = h.services[0].records.reports
+        assert held[sender] == genuine
         assert outsider.peer_id not in held
         assert h.ids[1] not in held or held[h.ids[1]].seq != 10**15
-        assert all(not r.entries for r in held.values())  # only the genuine, empty reports
+        assert all(not r.entries for p, r in held.items() if p != sender)  # only the genuine, empty reports
         nursery.cancel_scope.cancel()
+
+
+async def test_unreachable_bootstrap_is_logged_and_a_bug_propagates(autojump_clock):
+    net = MemNetwork()
+    ident = Identity(b"\x05" * 32)
+    service = GossipService(net.add(ident.peer_id), ident, CFG, measure=False)
+    calls = []
+
+    async def refused(host, port):
+        calls.append((host, port))
+        raise [ConnectionClosed("gone"), HandshakeError("refused by peer"), OSError("unreachable")][len(calls) - 1]
+
+    service.transport.connect = refused
+    assert await service.join([("10.0.0.1", 1), ("10.0.0.2", 2), ("10.0.0.3", 3)], timeout_s=1.0) == 0
+    assert len(calls) == 3
+
+    async def buggy(host, port):
+        raise TypeError("a bug in the transport")
+
+    service.transport.connect = buggy
+    with pytest.raises(TypeError):
+        await service.join([("10.0.0.1", 1)], timeout_s=1.0)

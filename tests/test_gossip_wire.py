@@ -136,3 +136,5 @@ def test_config_profiles_and_validation():
         GossipConfig(indirect_checks=-1)
     with pytest.raises(ValueError):
         GossipConfig(probe_interval_s=float("nan"))
+    with pytest.raises(ValueError):
+        GossipConfig(record_sync_timeout_s=0.0)

@@ -1,0 +1,241 @@
+"""Anti-entropy of signed measurement reports, as a sans-IO state machine.
+
+One exchange between an initiator A and a responder B is up to four messages, each a
+`RecordSync` whose step (`SyncStep`, the wire's `phase` field) names it:
+
+    HASH     A -> B   a 16-byte hash of A's digest {measurer: seq}; B stops when its own is equal
+    DIGEST   B -> A   B's digest
+    OFFER    A -> B   A's digest and the reports B lacks
+    REPORTS  B -> A   the reports A lacks (not sent when there are none)
+
+`RecordSyncer` keeps a session per (role, peer) and does no I/O and reads no clock: the caller
+passes `now`, sends the HASH that `start()` returns, feeds every received message to
+`handle(src, msg, now)`, offers the reports of the returned `SyncActions` to the store and sends
+their reply back to `src`. Two peers may each run a round with the other at once: HASH and
+OFFER go to the responder's session, DIGEST and REPORTS to the initiator's.
+
+    role       phase         input             next phase    emits
+    initiator  any           start()           HASH_SENT     HASH
+    initiator  HASH_SENT     DIGEST            OFFER_SENT    OFFER
+    initiator  OFFER_SENT    REPORTS           IDLE          (accepts the reports)
+    initiator  HASH_SENT     REPORTS           HASH_SENT     (accepts them: the answer to the
+                                                             round this one replaced)
+    responder  any           HASH, equal       IDLE          -
+    responder  any           HASH, differs     DIGEST_SENT   DIGEST
+    responder  DIGEST_SENT   OFFER             IDLE          REPORTS, if B holds any A lacks
+                                                             (and accepts the offered reports)
+
+Any other (phase, input) pair leaves the phase as it is and emits nothing: the messages are
+droppable datagrams, so a reply arriving after its session timed out or was replaced is normal,
+not a protocol error. A session that sees no transition for `timeout_s` is back to IDLE.
+Malformed messages fail in `RecordSync.from_wire` with `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list
+
+from .messages import MAX_SEQ, MsgType
+from .records import DIGEST_HASH_LEN, MAX_ENTRIES, RecordStore, Report
+
+__all__ = ["RecordSync", "RecordSyncer", "SyncActions", "SyncPhase", "SyncRole", "SyncStep", "MAX_SESSIONS"]
+
+logger = logging.getLogger(__name__)
+
+MAX_SESSIONS = 4096  # responder sessions at once (one per peer that sent a HASH); more are refused
+
+
+class SyncStep(enum.IntEnum):
+    """Which message of the exchange; the numbers are on the wire."""
+
+    HASH = 0
+    DIGEST = 1
+    OFFER = 2
+    REPORTS = 3
+
+
+# step: (hash length, may carry a digest, may carry reports)
+_SHAPE = {
+    SyncStep.HASH: (DIGEST_HASH_LEN, False, False),
+    SyncStep.DIGEST: (0, True, False),
+    SyncStep.OFFER: (0, True, True),
+    SyncStep.REPORTS: (0, False, True),
+}
+
+
+@dataclass(frozen=True)
+class RecordSync:
+    """One message of the anti-entropy exchange."""
+
+    step: SyncStep
+    digest_hash: bytes  # HASH only
+    digest: tuple[tuple[bytes, int], ...]  # (measurer, seq); DIGEST and OFFER only
+    reports: tuple[Report, ...]  # OFFER and REPORTS only
+    type = MsgType.RECORD_SYNC
+
+    def to_wire(self) -> dict:
+        return {"phase": int(self.step), "hash": self.digest_hash,
+                "digest": [[m, s] for m, s in self.digest],
+                "reports": [r.to_wire() for r in self.reports]}
+
+    @classmethod
+    def from_wire(cls, body: object) -> "RecordSync":
+        if not isinstance(body, dict):
+            raise ProtocolError("record sync: expected a map")
+        step = SyncStep(get_int(body, "phase", 0, len(SyncStep) - 1))
+        digest_hash = get_bytes(body, "hash", 0, DIGEST_HASH_LEN)
+        digest = _digest_from_wire(get_list(body, "digest", MAX_ENTRIES))
+        reports = tuple(Report.from_wire(x) for x in get_list(body, "reports", MAX_ENTRIES))
+        hash_len, with_digest, with_reports = _SHAPE[step]
+        if len(digest_hash) != hash_len:
+            raise ProtocolError(f"record sync {step.name}: hash of {len(digest_hash)} bytes, expected {hash_len}")
+        if digest and not with_digest:
+            raise ProtocolError(f"record sync {step.name}: carries a digest")
+        if reports and not with_reports:
+            raise ProtocolError(f"record sync {step.name}: carries reports")
+        return cls(step, digest_hash, digest, reports)
+
+
+def _digest_from_wire(items: list) -> tuple[tuple[bytes, int], ...]:
+    digest = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ProtocolError("digest item: expected [measurer, seq]")
+        d = {"m": item[0], "s": item[1]}
+        digest.append((get_bytes(d, "m", PEER_ID_BYTES, PEER_ID_BYTES), get_int(d, "s", 0, MAX_SEQ)))
+    if len({m for m, _ in digest}) != len(digest):
+        raise ProtocolError("digest: a measurer listed twice")
+    return tuple(digest)
+
+
+class SyncRole(enum.Enum):
+    INITIATOR = "initiator"  # sent the HASH
+    RESPONDER = "responder"  # received it
+
+
+class SyncPhase(enum.Enum):
+    IDLE = "idle"
+    HASH_SENT = "hash sent"  # initiator: waits for the responder's DIGEST
+    OFFER_SENT = "offer sent"  # initiator: waits for the REPORTS it lacks
+    DIGEST_SENT = "digest sent"  # responder: waits for the OFFER
+
+
+_ROLE = {SyncStep.HASH: SyncRole.RESPONDER, SyncStep.DIGEST: SyncRole.INITIATOR,
+         SyncStep.OFFER: SyncRole.RESPONDER, SyncStep.REPORTS: SyncRole.INITIATOR}
+
+
+@dataclass(frozen=True)
+class SyncActions:
+    """What the caller does after `handle`: offer `accept` to the store, then send `reply`."""
+
+    accept: tuple[Report, ...] = ()
+    reply: RecordSync | None = None
+
+
+_NOTHING = SyncActions()
+
+
+@dataclass(frozen=True)
+class _Session:
+    phase: SyncPhase
+    expires_at: float
+
+
+class RecordSyncer:
+    """Sessions of the exchange with each peer, over one `RecordStore` it reads but never
+    changes (the caller offers the reports it is handed).
+
+    Initiator sessions are made by `start()`, one per sync round, and expire; responder
+    sessions are made by peers' HASHes, at most `max_sessions` at once.
+    """
+
+    def __init__(self, store: RecordStore, *, max_sync_bytes: int, timeout_s: float,
+                 max_sessions: int = MAX_SESSIONS) -> None:
+        if timeout_s <= 0 or max_sync_bytes < 1 or max_sessions < 1:
+            raise ValueError("need timeout_s > 0, max_sync_bytes >= 1 and max_sessions >= 1")
+        self.store = store
+        self.max_sync_bytes = max_sync_bytes
+        self.timeout_s = timeout_s
+        self.max_sessions = max_sessions
+        self._sessions: dict[SyncRole, dict[bytes, _Session]] = {r: {} for r in SyncRole}
+
+    def phase(self, peer_id: bytes, role: SyncRole) -> SyncPhase:
+        s = self._sessions[role].get(peer_id)
+        return SyncPhase.IDLE if s is None else s.phase
+
+    def start(self, peer_id: bytes, now: float) -> RecordSync:
+        """Begin a round with peer_id (replacing one in progress): the HASH to send it."""
+        self._enter(SyncRole.INITIATOR, peer_id, SyncPhase.HASH_SENT, now)
+        return RecordSync(SyncStep.HASH, self.store.digest_hash(), (), ())
+
+    def tick(self, now: float) -> None:
+        """Sessions past their timeout go back to IDLE."""
+        for role, sessions in self._sessions.items():
+            for peer_id in [p for p, s in sessions.items() if now >= s.expires_at]:
+                self._expire(role, peer_id)
+
+    def handle(self, src: bytes, msg: RecordSync, now: float) -> SyncActions:
+        role = _ROLE[msg.step]
+        phase = self._current(role, src, now)
+        if msg.step is SyncStep.HASH:  # a new round, in any phase
+            if msg.digest_hash == self.store.digest_hash():
+                self._enter(role, src, SyncPhase.IDLE, now)
+                return _NOTHING
+            if not self._enter(role, src, SyncPhase.DIGEST_SENT, now):
+                return _NOTHING
+            return SyncActions(reply=RecordSync(SyncStep.DIGEST, b"", self.store.digest(), ()))
+        if msg.step is SyncStep.DIGEST and phase is SyncPhase.HASH_SENT:
+            self._enter(role, src, SyncPhase.OFFER_SENT, now)
+            offer = RecordSync(SyncStep.OFFER, b"", self.store.digest(), self._newer(msg.digest))
+            return SyncActions(reply=offer)
+        if msg.step is SyncStep.OFFER and phase is SyncPhase.DIGEST_SENT:
+            self._enter(role, src, SyncPhase.IDLE, now)
+            # Computed before the offered reports are accepted: those are covered by the
+            # offer's own digest, so accepting them first would not change it.
+            newer = self._newer(msg.digest)
+            reply = RecordSync(SyncStep.REPORTS, b"", (), newer) if newer else None
+            return SyncActions(msg.reports, reply)
+        if msg.step is SyncStep.REPORTS and phase is SyncPhase.OFFER_SENT:
+            self._enter(role, src, SyncPhase.IDLE, now)
+            return SyncActions(accept=msg.reports)
+        if msg.step is SyncStep.REPORTS and phase is SyncPhase.HASH_SENT:
+            return SyncActions(accept=msg.reports)  # late, from the round start() replaced
+        logger.debug("record sync %s from %s unexpected in phase %s (%s): dropped", msg.step.name,
+                     src[:4].hex(), phase.value, role.value)
+        return _NOTHING
+
+    def _newer(self, digest) -> tuple[Report, ...]:
+        return self.store.newer_than(digest, self.max_sync_bytes)
+
+    def _current(self, role: SyncRole, peer_id: bytes, now: float) -> SyncPhase:
+        sessions = self._sessions[role]
+        s = sessions.get(peer_id)
+        if s is None:
+            return SyncPhase.IDLE
+        if now >= s.expires_at:
+            self._expire(role, peer_id)
+            return SyncPhase.IDLE
+        return s.phase
+
+    def _expire(self, role: SyncRole, peer_id: bytes) -> None:
+        s = self._sessions[role].pop(peer_id)
+        logger.debug("record sync with %s (%s) timed out in phase %s", peer_id[:4].hex(), role.value, s.phase.value)
+
+    def _enter(self, role: SyncRole, peer_id: bytes, phase: SyncPhase, now: float) -> bool:
+        """Move a session to `phase`; False if it would be a new responder session over the cap."""
+        sessions = self._sessions[role]
+        if phase is SyncPhase.IDLE:
+            sessions.pop(peer_id, None)
+            return True
+        if role is SyncRole.RESPONDER and peer_id not in sessions and len(sessions) >= self.max_sessions:
+            self.tick(now)
+            if len(sessions) >= self.max_sessions:
+                logger.warning("record sync: %d sessions in progress, dropped a HASH from %s",
+                               len(sessions), peer_id[:4].hex())
+                return False
+        sessions[peer_id] = _Session(phase, now + self.timeout_s)
+        return True
