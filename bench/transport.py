@@ -25,9 +25,9 @@ import time
 
 import trio
 
+from dtfm.net import Reply, Transport, TransportConfig
 from dtfm.net.identity import Identity
 from dtfm.net.session import CHACHA20_POLY1305, SendCipher
-from dtfm.net.transport import Reply, Transport, TransportConfig
 
 MiB = 1 << 20
 KEY = bytes(range(32))

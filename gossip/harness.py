@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import trio
 
-from dtfm.net import Identity, LinkModel, MemNetwork, scenario_link
+from dtfm.net import Identity, LinkModel, MemNetwork, MemTransport, scenario_link
 
 from .config import GossipConfig
 from .members import MemberState
@@ -45,7 +45,7 @@ class Harness:
         self.identities = [Identity(self._rng.randbytes(32)) for _ in range(n)]
         self.ids = [i.peer_id for i in self.identities]
         self.index = {p: k for k, p in enumerate(self.ids)}
-        self.transports = []
+        self.transports: list[MemTransport] = []
         self.services: list[GossipService] = []
         self._scopes: list[trio.CancelScope] = []
         self._full_cache: dict[tuple[bytes, int], bool] = {}

@@ -6,6 +6,8 @@ link emulator, which is a shaper), and an in-memory network with the same interf
 """
 
 from .addr import MAX_HOST_LEN, Address, AddressError
+from .config import TransportConfig
+from .connection import Connection
 from .emulation import EmulatedLinks, EmulationConfig
 from .errors import ConnectionClosed, HandshakeError, KeyFileError, ProtocolError, RemoteError, RequestTimeout
 from .identity import (
@@ -18,9 +20,11 @@ from .identity import (
                        swarm_key_fingerprint,
                        verify_signature,
 )
-from .memnet import LinkModel, MemConnection, MemNetwork, MemTransport, scenario_link, uniform_link
+from .interface import Handler, PeerConnection, PeerTransport, Reply
+from .memnet import LinkModel, MemNetwork, scenario_link, uniform_link
+from .memtransport import MemConnection, MemTransport
 from .shaping import LinkShape, LinkShaper
-from .transport import Connection, Reply, Transport, TransportConfig
+from .transport import Transport
 from .wire import (
                        TENSOR_ITEMSIZE,
                        check_tensor,
@@ -37,10 +41,11 @@ from .wire import (
 )
 
 __all__ = [
-    "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig",
+    "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig", "Handler",
     "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
-    "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "ProtocolError", "RemoteError", "Reply",
-    "RequestTimeout", "TENSOR_ITEMSIZE", "Transport", "TransportConfig", "check_tensor", "get_bool", "get_bytes", "get_dict",
+    "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
+    "ProtocolError", "RemoteError", "Reply", "RequestTimeout", "TENSOR_ITEMSIZE", "Transport", "TransportConfig",
+    "check_tensor", "get_bool", "get_bytes", "get_dict",
     "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "new_swarm_key", "pack", "scenario_link",
     "short_id", "swarm_key_fingerprint", "tensor_header", "uniform_link", "unpack_untrusted", "verify_signature",
 ]

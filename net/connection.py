@@ -4,55 +4,29 @@ payload chunking, handler dispatch and keepalive, over the record layer in `reco
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
 
 import trio
 
 from . import frames
-from .errors import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout
+from .config import TransportConfig
+from .dispatch import KEEPALIVE, PING, Dispatcher, Requests, encode_body
+from .errors import ConnectionClosed, ProtocolError
 from .handshake import HandshakeResult
 from .identity import short_id
+from .interface import Handler, Payload
 from .records import RecordReader, RecordWriter, max_record_bytes
 from .session import TAG_BYTES, RecvCipher, SendCipher
 from .shaping import LinkShape, LinkShaper, PriorityShape
 from .streamio import StreamReader
-from .wire import MAX_MSG_TYPE, pack
-
-if TYPE_CHECKING:
-    from .transport import TransportConfig
+from .wire import pack
 
 logger = logging.getLogger(__name__)
 
-# Message types 0-3 belong to the transport itself; the daemon uses 4-31.
-PING = 0  # request with an empty body, answered by the transport
-KEEPALIVE = 1  # one-way, ignored; keeps an idle connection from timing out
-
-# (conn, msg_type, body, payload) -> reply body (or Reply) for requests; payload is a writable
-# memoryview of the raw bytes, or None.
-Handler = Callable[["Connection", int, object, "memoryview | None"], Awaitable[object]]
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A handler's reply that carries a raw payload as well as a body."""
-
-    body: object
-    payload: bytes | bytearray | memoryview | None = None
-
-
-class _Pending:
-    __slots__ = ("event", "result", "error")
-
-    def __init__(self) -> None:
-        self.event = trio.Event()
-        self.result: tuple[object, memoryview | None] | None = None
-        self.error: BaseException | None = None
-
 
 class Connection:
-    """A live connection to one peer. Created by `Transport` once the handshake succeeds."""
+    """A live connection to one peer (the TCP implementation of `PeerConnection`). Created by
+    `Transport` once the handshake succeeds."""
 
     def __init__(
         self,
@@ -62,7 +36,7 @@ class Connection:
         *,
         initiator_id: bytes,
         remote_address: tuple[str, int],
-        config: "TransportConfig",
+        config: TransportConfig,
         handlers: dict[int, Handler],
         shaper: LinkShaper | None,
     ) -> None:
@@ -109,9 +83,9 @@ class Connection:
             thread_min_bytes=config.crypto_thread_min_bytes,
             peer=self.short_id,
         )
-        self._pending: dict[int, _Pending] = {}
+        self._requests = Requests(self.short_id)
+        self._dispatcher = Dispatcher(self, handlers, config.max_concurrent_handlers)
         self._next_id = 1
-        self._handler_slots = config.max_concurrent_handlers
         self._cancel_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
@@ -124,37 +98,27 @@ class Connection:
     async def request(
         self,
         msg_type: int,
-        body: Any,
+        body: object,
         *,
-        payload: bytes | bytearray | memoryview | None = None,
+        payload: Payload | None = None,
         timeout_s: float | None = None,
     ) -> tuple[object, memoryview | None]:
         """Send a request and wait for its reply `(body, payload)`; a payload arrives as a
         writable memoryview of bytes (`bytes(p)`, `torch.frombuffer(p, dtype=...)`)."""
         timeout = self._config.request_timeout_s if timeout_s is None else timeout_s
         msg_id = self._take_id()
-        pending = _Pending()
-        self._pending[msg_id] = pending
-        try:
-            with trio.move_on_after(timeout):
-                await self._send_message(msg_type, frames.FLAG_REQUEST, msg_id, 0, body, payload, False)
-                await pending.event.wait()
-        finally:
-            self._pending.pop(msg_id, None)
-        if pending.error is not None:
-            raise pending.error
-        if pending.result is None:
-            if self.closed:
-                raise ConnectionClosed(self.close_reason)
-            raise RequestTimeout(f"no reply from {self.short_id} to message type {msg_type} within {timeout} s")
-        return pending.result
+
+        async def send() -> None:
+            await self._send_message(msg_type, frames.FLAG_REQUEST, msg_id, 0, body, payload, False)
+
+        return await self._requests.call(self, msg_id, msg_type, send, timeout)
 
     async def send(
         self,
         msg_type: int,
-        body: Any,
+        body: object,
         *,
-        payload: bytes | bytearray | memoryview | None = None,
+        payload: Payload | None = None,
         droppable: bool = False,
     ) -> None:
         """Send a one-way message. `droppable` lets a full queue or a lossy link drop it."""
@@ -190,15 +154,9 @@ class Connection:
     async def _send_message(self, msg_type, flags, msg_id, reply_to, body, payload, droppable) -> None:
         if self.closed:
             raise ConnectionClosed(self.close_reason)
-        if not 0 <= msg_type <= MAX_MSG_TYPE:
-            raise ValueError(f"message type {msg_type} out of range")
-        encoded = pack(body)
-        n = 0 if payload is None else len(payload)
-        if n > self._config.max_payload_bytes:
-            raise ValueError(f"payload of {n} bytes exceeds max_payload_bytes")
+        n = 0 if payload is None else memoryview(payload).nbytes
+        encoded = encode_body(msg_type, body, n, self._config)
         frame = frames.encode_msg(msg_type, flags, msg_id, reply_to, encoded, n)
-        if len(frame) > self._config.max_control_frame_bytes:
-            raise ValueError(f"message body of {len(encoded)} bytes exceeds max_control_frame_bytes")
         await self._shape.submit(frame, droppable and n == 0)
         if n:
             view = memoryview(payload).cast("B")
@@ -244,9 +202,7 @@ class Connection:
                 nursery.cancel_scope.cancel()
         finally:
             self._mark_closed("connection closed")
-            for p in self._pending.values():
-                p.error = ConnectionClosed(self.close_reason)
-                p.event.set()
+            self._requests.close(self.close_reason)
             with trio.CancelScope(shield=True):
                 await self._stream.aclose()
             self._done.set()
@@ -296,85 +252,32 @@ class Connection:
 
     def _dispatch(self, msg: frames.Message) -> None:
         if msg.flags & frames.FLAG_RESPONSE:
-            p = self._pending.get(msg.reply_to)
-            if p is None:
-                logger.debug("late or unknown reply %d from %s", msg.reply_to, self.short_id)
-                return
             if msg.flags & frames.FLAG_ERROR:
-                p.error = RemoteError(f"{self.short_id}: {str(msg.body)[:200]}")
+                self._requests.error(msg.reply_to, msg.body)
             else:
-                p.result = (msg.body, msg.payload)
-            p.event.set()
+                self._requests.reply(msg.reply_to, msg.body, msg.payload)
             return
-        is_request = bool(msg.flags & frames.FLAG_REQUEST)
-        if msg.msg_type == KEEPALIVE and not is_request:
-            return
-        if msg.msg_type == PING:
-            handler: Handler | None = _ping_handler
-        else:
-            handler = self._handlers.get(msg.msg_type)
-        if handler is None:
-            logger.debug("no handler for message type %d from %s", msg.msg_type, self.short_id)
-            if is_request:
-                self._spawn(self._reply_error, msg, f"unknown message type {msg.msg_type}")
-            return
-        if self._handler_slots <= 0:
-            logger.warning("too many requests in progress from %s: dropped message type %d", self.short_id, msg.msg_type)
-            if is_request:
-                self._spawn(self._reply_error, msg, "busy")
-            return
-        self._handler_slots -= 1
-        self._spawn(self._run_handler, handler, msg)
+        assert self._nursery is not None  # run() is dispatching
+        self._dispatcher.deliver(self._nursery, msg.msg_type, msg.msg_id, msg.body, msg.payload,
+                                 bool(msg.flags & frames.FLAG_REQUEST))
 
-    def _spawn(self, fn, *args) -> None:
-        assert self._nursery is not None
-        self._nursery.start_soon(fn, *args)
+    # ---- hooks for the dispatcher ---------------------------------------------------------
 
-    async def _reply_error(self, msg: frames.Message, reason: str) -> None:
+    async def _respond(self, msg_type: int, msg_id: int, body: object, payload: Payload | None) -> None:
+        await self._send_message(msg_type, frames.FLAG_RESPONSE, self._take_id(), msg_id, body, payload, False)
+
+    async def _respond_error(self, msg_id: int, reason: str) -> None:
+        flags = frames.FLAG_RESPONSE | frames.FLAG_ERROR
         try:
-            await self._send_message(0, frames.FLAG_RESPONSE | frames.FLAG_ERROR, self._take_id(), msg.msg_id, reason, None, True)
+            await self._send_message(0, flags, self._take_id(), msg_id, reason, None, True)
         except ConnectionClosed:
             pass
 
-    async def _run_handler(self, handler: Handler, msg: frames.Message) -> None:
-        is_request = bool(msg.flags & frames.FLAG_REQUEST)
-        try:
-            try:
-                result = await handler(self, msg.msg_type, msg.body, msg.payload)
-            except ProtocolError as e:
-                logger.debug("bad message type %d from %s: %s", msg.msg_type, self.short_id, e)
-                await self._close_quietly(f"protocol error in message type {msg.msg_type}: {e}")
-                if self._cancel_scope is not None:
-                    self._cancel_scope.cancel()
-                return
-            except (ConnectionClosed, RequestTimeout, RemoteError) as e:
-                logger.debug("handler for message type %d from %s failed: %s", msg.msg_type, self.short_id, e)
-                if is_request:
-                    await self._reply_error(msg, "handler failed")
-                return
-            except Exception:
-                logger.exception("handler for message type %d from %s crashed", msg.msg_type, self.short_id)
-                if is_request:
-                    await self._reply_error(msg, "internal error")
-                return
-            if not is_request:
-                return
-            body, payload = (result.body, result.payload) if isinstance(result, Reply) else (result, None)
-            try:
-                await self._send_message(msg.msg_type, frames.FLAG_RESPONSE, self._take_id(), msg.msg_id, body, payload, False)
-            except ConnectionClosed:
-                pass
-            except ValueError as e:  # the handler's reply cannot be encoded or is too large
-                logger.error("reply to message type %d from %s not sent: %s", msg.msg_type, self.short_id, e)
-                await self._reply_error(msg, "reply not encodable")
-        finally:
-            self._handler_slots += 1
+    async def _abort(self, reason: str) -> None:
+        await self._close_quietly(reason)
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
 
 
 class _Stop(Exception):
     """Ends the shape's run loop once the connection can no longer send."""
-
-
-async def _ping_handler(conn: Connection, msg_type: int, body: object, payload: object) -> None:
-    return None
-

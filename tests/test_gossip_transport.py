@@ -10,9 +10,7 @@ import pytest
 import trio
 
 from dtfm.gossip import GossipConfig, GossipService, MemberState
-from dtfm.net.emulation import EmulatedLinks, EmulationConfig
-from dtfm.net.identity import Identity
-from dtfm.net.transport import Transport, TransportConfig
+from dtfm.net import EmulatedLinks, EmulationConfig, Identity, Transport, TransportConfig
 from dtfm.scenarios import parse_scenario
 
 KEY = bytes(range(32))

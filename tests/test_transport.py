@@ -4,9 +4,9 @@ import pytest
 import trio
 import trio.testing
 
+from dtfm.net import Reply, Transport, TransportConfig
 from dtfm.net.errors import ConnectionClosed, HandshakeError, RemoteError, RequestTimeout
 from dtfm.net.identity import Identity
-from dtfm.net.transport import Reply, Transport, TransportConfig
 
 KEY = bytes(range(32))
 ECHO = 40
