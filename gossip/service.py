@@ -5,8 +5,8 @@
         await nursery.start(service.run)
         await service.join([("10.0.0.2", 7000)])
 
-The transport is `dtfm.net.Transport` or anything of its shape (the in-memory `MemTransport`
-in tests and the harness). The decisions are the sans-IO machines' (`Swim`, `RecordSyncer`,
+The transport is any `dtfm.net.PeerTransport`: the TCP `Transport` in the daemon, the in-memory
+`MemTransport` in tests and the harness. The decisions are the sans-IO machines' (`Swim`, `RecordSyncer`,
 `MeasurePlanner`); this class feeds them messages and time and does what they return.
 """
 
@@ -213,7 +213,7 @@ class GossipService:
     # ---- handlers
 
     async def _on_swim(self, conn, msg_type, body, payload):
-        msg = decode_swim(msg_type, body)  # ProtocolError: the transport drops the frame
+        msg = decode_swim(msg_type, body)  # ProtocolError: the transport closes that connection
         self._dispatch(self.swim.handle(conn.peer_id, msg, trio.current_time()))
         self._after_change()
         await trio.lowlevel.checkpoint()
