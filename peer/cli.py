@@ -19,12 +19,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtfm.net import KeyFileError
+from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
 
-from .config import ConfigError, DaemonConfig, apply_flags, default_text, dest_name, flag_fields, load_toml
+from . import logs
+from .config import ConfigError, DaemonConfig
 from .control import ControlClient, ControlClientError, DaemonNotRunning
 from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
+from .runner import run_daemon
+from .settings import apply_flags, default_text, flag_settings, load_toml
+from .status import format_text, to_json
 
 PROG = "dtfm-peer"
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
@@ -48,18 +52,16 @@ def _add_config_file(p: argparse.ArgumentParser, text: str) -> None:
 
 
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per config field that declares one; help and default come from the field."""
-    for section, f in flag_fields():
-        meta = f.metadata
-        kwargs: dict = {"dest": dest_name(section, f), "default": None,
-                        "help": meta["help"] + default_text(section, f)}
-        if f.type in ("bool", bool):
+    """One flag per setting that declares one; help and default come from the setting."""
+    for s in flag_settings():
+        kwargs: dict = {"dest": s.dest, "default": None, "help": s.help + default_text(s)}
+        if s.hint is bool:
             kwargs.update(action="store_const", const=True)
         else:
-            kwargs["metavar"] = meta.get("metavar")
-            if meta.get("repeat"):
+            kwargs["metavar"] = s.metavar
+            if s.repeat:
                 kwargs["action"] = "append"
-        p.add_argument(meta["flag"], **kwargs)
+        p.add_argument(s.flag, **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,8 +127,6 @@ def _client_config(args: argparse.Namespace) -> tuple[DaemonConfig, DataDir]:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from dtfm.net import IDENTITY_FILE, Identity
-
     data_dir = DataDir((args.data_dir or default_data_dir()).absolute())
     data_dir.ensure()
     existed = (data_dir.root / IDENTITY_FILE).exists()
@@ -142,8 +142,6 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_swarm_key(args: argparse.Namespace) -> int:
-    from dtfm.net import new_swarm_key
-
     key = new_swarm_key()
     if args.out is None:
         print(key)
@@ -161,8 +159,6 @@ def cmd_swarm_key(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import format_text, to_json
-
     config, data_dir = _client_config(args)
     with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
         report = c.request("status")
@@ -194,9 +190,6 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from . import logs
-    from .runner import run_daemon
-
     config = load_toml(args.config) if args.config else DaemonConfig.default()
     config = apply_flags(config, args)
     logs.configure(config.log.level, json_lines=config.log.json)

@@ -1,24 +1,27 @@
-"""Daemon configuration: one frozen dataclass per concern, merged from defaults, a TOML file
-and command-line flags (flags win).
+"""Daemon configuration: one frozen dataclass per concern, each a TOML table of the same name
+(`[peer]`, `[discovery]`, ...), merged from defaults, a TOML file and command-line flags (flags
+win; reading them is dtfm.peer.settings).
 
-Each section dataclass is a TOML table of the same name (`[peer]`, `[discovery]`, ...). A field
-declared with `option(..., flag="--name")` is also a `dtfm-peer join` flag; the flag's help and
-default come from the field, so they cannot drift. Adding a setting is adding one field.
+A field declared with `option(..., flag="--name")` is also a `dtfm-peer join` flag; the flag's
+help and default come from the field, so they cannot drift. Adding a setting is adding one
+field. The tables of lower layers are their own config dataclasses: [transport] is
+dtfm.net.TransportConfig, [gossip] embeds dtfm.gossip.GossipConfig and [emulation]
+dtfm.net.EmulationConfig, with those classes' names, defaults, checks and profiles.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import re
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from dtfm.net import Address, AddressError, TransportConfig
+from dtfm.gossip import GossipConfig
+from dtfm.net import Address, EmulationConfig, TransportConfig
 
 REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -142,21 +145,70 @@ class LogConfig:
             raise ConfigError(f"log.level {self.level!r}: choose one of {', '.join(LOG_LEVELS)}")
 
 
-GOSSIP_PROFILES = ("lan", "wan", "local", "test")
+def _profiles(cls: type) -> tuple[str, ...]:
+    """The named profiles of a config class: its classmethods that take no argument and return
+    an instance (GossipConfig.lan, .wan, ...), in the order the class defines them."""
+    names = []
+    for name, attr in vars(cls).items():
+        if not isinstance(attr, classmethod):
+            continue
+        method = getattr(cls, name)
+        if not inspect.signature(method).parameters and typing.get_type_hints(method).get("return") is cls:
+            names.append(name)
+    return tuple(names)
+
+
+GOSSIP_PROFILES = _profiles(GossipConfig)
+
+
+def _one_of(names: tuple[str, ...]) -> str:
+    """'a, b or c'."""
+    return f"{', '.join(names[:-1])} or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
+def lower_layer_error(section: str, keys: list[str], error: ValueError) -> ConfigError:
+    """A lower layer's refusal of settings as a ConfigError naming the keys of `section` it is
+    about: those of `keys` its message mentions, else all of `keys`."""
+    text = str(error)
+    named = [k for k in keys if re.search(rf"\b{re.escape(k)}\b", text)] or keys
+    return ConfigError(f"{', '.join(f'{section}.{k}' for k in named)}: {text}")
+
+
+# A section that embeds the config dataclass of the layer it drives says so with EMBEDDED:
+# every field of that class is a key of the section's table (its name, type, default and checks
+# are the lower layer's), `settings` is the resulting config and `with_settings(**changes)`
+# applies keys. EMBEDDED_FLAGS names the keys that are also `join` flags.
+
+@dataclass(frozen=True)
+class Flag:
+    """A `dtfm-peer join` flag for one key of an embedded config."""
+
+    key: str
+    flag: str
+    help: str
+    metavar: str | None = None
 
 
 @dataclass(frozen=True)
 class GossipSection:
-    """Membership, failure detection and network measurement. TOML table [gossip]."""
+    """Membership, failure detection and network measurement. TOML table [gossip]: a named
+    profile of dtfm.gossip.GossipConfig, any of its fields set over the profile, and this
+    peer's compute speed."""
 
-    # lan: memberlist's LAN timings (1 s probes); wan: slow links (5 s probes, more patience);
-    # local: one machine (fast probes and gossip, for test swarms).
-    profile: str = option("lan", "gossip timing profile: lan, wan or local",
+    EMBEDDED: ClassVar[type] = GossipConfig
+    EMBEDDED_FLAGS: ClassVar[tuple[Flag, ...]] = ()
+
+    # One of GossipConfig's named profiles: its timings for a data centre, slow links, one
+    # machine or tests (see dtfm.gossip.config).
+    profile: str = option("lan", f"gossip timing profile: {_one_of(GOSSIP_PROFILES)}",
                           flag="--gossip-profile", metavar="NAME")
     # 0 measures this peer's speed with a short torch workload at start (a few seconds);
     # a positive figure skips the probe (and the torch import) and reports it as given.
     compute_ms: float = option(0.0, "this peer's time for one transformer-block forward and "
                                "backward in ms; 0 measures it", flag="--compute-ms", metavar="MS")
+    # GossipConfig fields set in [gossip], as sorted (name, value) pairs; they win over the
+    # profile's values whichever layer (file or flag) chose the profile.
+    overrides: tuple[tuple[str, int | float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.profile not in GOSSIP_PROFILES:
@@ -164,31 +216,50 @@ class GossipSection:
                               f"{', '.join(GOSSIP_PROFILES)}")
         if not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
             raise ConfigError("gossip.compute_ms must be a non-negative number")
+        try:
+            self._resolve()
+        except ValueError as e:
+            raise lower_layer_error("gossip", [k for k, _ in self.overrides], e) from None
+
+    def _resolve(self) -> GossipConfig:
+        return dataclasses.replace(getattr(GossipConfig, self.profile)(), **dict(self.overrides))
+
+    @property
+    def settings(self) -> GossipConfig:
+        """The profile with the overrides applied."""
+        return self._resolve()
+
+    def with_settings(self, **changes: Any) -> GossipSection:
+        merged = {**dict(self.overrides), **changes}
+        return dataclasses.replace(self, overrides=tuple(sorted(merged.items())))
 
 
 @dataclass(frozen=True)
 class EmulationSection:
-    """Link emulation for test swarms on one machine. TOML table [emulation]."""
+    """Link emulation for test swarms on one machine. TOML table [emulation]: the scenario to
+    emulate and any field of dtfm.net.EmulationConfig."""
+
+    EMBEDDED: ClassVar[type] = EmulationConfig
+    EMBEDDED_FLAGS: ClassVar[tuple[Flag, ...]] = (
+        # > 1 slows the whole emulated network uniformly (delays x, bandwidth /), so a small
+        # model sees the communication-to-compute ratio of a large one.
+        Flag("time_scale", "--time-scale", "multiply emulated delays and divide emulated "
+             "bandwidth by this", "X"),
+        # Loopback and Python crypto carry a few Gbps in all: scale the scenario's links down.
+        Flag("bandwidth_scale", "--bandwidth-scale", "multiply every emulated bandwidth by this",
+             "X"),
+        Flag("drop_fraction", "--drop", "fraction of droppable frames (gossip datagrams) lost",
+             "FRACTION"),
+    )
 
     scenario: str = option(
         "", "emulate the links of this scenario (built-in name or TOML file) for every frame "
         "this peer sends; its --region must be one of the scenario's regions",
         flag="--emulate", metavar="SCENARIO")
-    # > 1 slows the whole emulated network uniformly (delays x, bandwidth /), so a small model
-    # sees the communication-to-compute ratio of a large one.
-    time_scale: float = option(1.0, "multiply emulated delays and divide emulated bandwidth "
-                               "by this", flag="--time-scale", metavar="X")
-    # Loopback and Python crypto carry a few Gbps in all: scale the scenario's links down.
-    bandwidth_scale: float = option(1.0, "multiply every emulated bandwidth by this",
-                                    flag="--bandwidth-scale", metavar="X")
-    drop_fraction: float = option(0.0, "fraction of droppable frames (gossip datagrams) lost",
-                                  flag="--drop", metavar="FRACTION")
+    settings: EmulationConfig = EmulationConfig()
 
-    def __post_init__(self) -> None:
-        _positive("emulation", "time_scale", self.time_scale)
-        _positive("emulation", "bandwidth_scale", self.bandwidth_scale)
-        if not 0.0 <= self.drop_fraction < 1.0:
-            raise ConfigError("emulation.drop_fraction must be in [0, 1)")
+    def with_settings(self, **changes: Any) -> EmulationSection:
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, **changes))
 
 
 @dataclass(frozen=True)
@@ -205,11 +276,11 @@ class DaemonConfig:
     emulation: EmulationSection = EmulationSection()
 
     @classmethod
-    def default(cls) -> "DaemonConfig":
+    def default(cls) -> DaemonConfig:
         return cls()
 
     @classmethod
-    def test(cls) -> "DaemonConfig":
+    def test(cls) -> DaemonConfig:
         """Loopback, port 0, fast retries and exchanges: for tests and local swarms."""
         return cls(
             peer=PeerConfig(listen=Address("127.0.0.1", 0)),
@@ -219,162 +290,3 @@ class DaemonConfig:
             control=ControlConfig(request_timeout_s=5.0),
             transport=TransportConfig.test(),
         )
-
-
-SECTIONS: dict[str, type] = {
-    f.name: typing.get_type_hints(DaemonConfig)[f.name] for f in dataclasses.fields(DaemonConfig)}
-
-
-# ---- converting raw values (TOML or flag text) to field types --------------------------------
-
-def _convert(where: str, hint: Any, value: Any, base_dir: Path | None, *,
-             text: bool = False) -> Any:
-    """`value` as the field type `hint`; `text=True` also parses numbers given as text (flags)."""
-    if text and hint in (int, float) and isinstance(value, str):
-        try:
-            value = hint(value)
-        except ValueError:
-            raise ConfigError(f"{where} must be {'an integer' if hint is int else 'a number'}, "
-                              f"got {value!r}") from None
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1:
-            return _convert(where, inner[0], value, base_dir, text=text)
-    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where} must be a list, got {value!r}")
-        return tuple(_convert(f"{where}[{i}]", args[0], v, base_dir) for i, v in enumerate(value))
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where} must be an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"{where} must be a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where} must be a string, got {value!r}")
-    if hint is Path:
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{where} must be a path, got {value!r}")
-        p = Path(value).expanduser()
-        return p if p.is_absolute() or base_dir is None else base_dir / p
-    if hint is Address:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where} must be a \"HOST:PORT\" string, got {value!r}")
-        try:
-            return Address.parse(value)
-        except AddressError as e:
-            raise ConfigError(f"{where}: {e}") from None
-    raise TypeError(f"{where}: unsupported config field type {hint!r}")
-
-
-def _build_section(section: str, cls: type, current: Any, raw: dict[str, Any],
-                   base_dir: Path | None) -> Any:
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    changes = {}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"unknown setting {section}.{key}; known: {', '.join(sorted(known))}")
-        changes[key] = _convert(f"{section}.{key}", hints[key], value, base_dir)
-    try:
-        return dataclasses.replace(current, **changes)
-    except ConfigError:
-        raise
-    except ValueError as e:   # AddressError, and checks of sections defined elsewhere
-        raise ConfigError(f"[{section}]: {e}") from None
-
-
-def merge(base: DaemonConfig, raw: dict[str, Any], *, base_dir: Path | None = None) -> DaemonConfig:
-    """Apply a nested mapping (`{"peer": {"region": "eu"}}`) onto `base`; validated.
-
-    Relative paths resolve against `base_dir` (the config file's folder) when given.
-    """
-    if not isinstance(raw, dict):
-        raise ConfigError("configuration must be a table")
-    sections = {}
-    for name, table in raw.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"unknown section [{name}]; known: {', '.join(SECTIONS)}")
-        if not isinstance(table, dict):
-            raise ConfigError(f"[{name}] must be a table")
-        sections[name] = _build_section(name, SECTIONS[name], getattr(base, name), table,
-                                        base_dir)
-    return dataclasses.replace(base, **sections)
-
-
-def load_toml(path: Path, base: DaemonConfig | None = None) -> DaemonConfig:
-    """Read a TOML config file onto `base` (default profile); ConfigError names the file."""
-    base = DaemonConfig.default() if base is None else base
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    try:
-        return merge(base, raw, base_dir=path.resolve().parent)
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
-
-
-def flag_fields() -> list[tuple[str, dataclasses.Field]]:
-    """(section name, field) for every field that is also a command-line flag."""
-    out = []
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            if f.metadata.get("flag"):
-                out.append((section, f))
-    return out
-
-
-def dest_name(section: str, f: dataclasses.Field) -> str:
-    return f"cfg__{section}__{f.name}"
-
-
-def apply_flags(base: DaemonConfig, namespace: Any) -> DaemonConfig:
-    """`base` with the flags given on the command line applied (absent flags keep base's).
-
-    Flag values arrive as text (a list of texts for repeatable flags, True for switches);
-    errors name the flag. Relative paths stay relative to the working directory.
-    """
-    changes: dict[str, dict[str, Any]] = {}
-    for section, f in flag_fields():
-        value = getattr(namespace, dest_name(section, f), None)
-        if value is None:
-            continue
-        hint = typing.get_type_hints(SECTIONS[section])[f.name]
-        typed = _convert(f.metadata["flag"], hint, value, None, text=True)
-        changes.setdefault(section, {})[f.name] = typed
-    sections = {}
-    for section, fields in changes.items():
-        try:
-            sections[section] = dataclasses.replace(getattr(base, section), **fields)
-        except AddressError as e:
-            raise ConfigError(str(e)) from None
-        except ConfigError:
-            raise
-        except ValueError as e:   # checks of sections defined elsewhere
-            raise ConfigError(f"{e}") from None
-    return dataclasses.replace(base, **sections)
-
-
-def default_text(section: str, f: dataclasses.Field) -> str:
-    value = getattr(getattr(DaemonConfig.default(), section), f.name)
-    if value is None or value == () or value == "":
-        return ""
-    if isinstance(value, bool):
-        return ""
-    return f" (default: {value})"

@@ -1,9 +1,10 @@
 """What the daemon runs besides discovery: gossip membership and measurement, link emulation.
 
 `build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
-transport exists); `gossip_setup` returns the setup hook that runs a GossipService inside the
-daemon's nursery, shows it under "gossip" in `dtfm-peer status`, and answers the `emulate`
-control op (`dtfm-swarm partition` / `heal`).
+transport exists); `gossip_setup` returns the setup hook that runs a GossipService with the
+[gossip] settings inside the daemon's nursery, shows it under "gossip" in `dtfm-peer status`,
+and answers the `emulate` control op (`dtfm-swarm partition` / `heal`). Both sections hold the
+lower layer's own config (EmulationConfig, GossipConfig), passed on as it is.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import trio
 
 from dtfm.gossip import GossipConfig, GossipService
-from dtfm.net import EmulatedLinks, EmulationConfig
+from dtfm.net import EmulatedLinks
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .config import ConfigError, DaemonConfig
@@ -40,18 +41,15 @@ def build_shaper(config: DaemonConfig):
     if region not in names:
         raise ConfigError(f"--emulate {em.scenario}: this peer's --region {region or '(none)'!r} "
                           f"is not in the scenario; choose one of {', '.join(names)}")
-    return EmulatedLinks(scenario, region, EmulationConfig(
-        time_scale=em.time_scale, bandwidth_scale=em.bandwidth_scale,
-        drop_fraction=em.drop_fraction))
+    return EmulatedLinks(scenario, region, em.settings)
 
 
-def gossip_config(config: DaemonConfig):
-    profile = getattr(GossipConfig, config.gossip.profile)()
-    # A sync message must fit in one control frame of the transport.
+def gossip_config(config: DaemonConfig) -> GossipConfig:
+    """The [gossip] settings, max_sync_bytes capped so a sync message fits in one control
+    frame of the transport."""
+    settings = config.gossip.settings
     limit = config.transport.max_control_frame_bytes // 2
-    if profile.max_sync_bytes > limit:
-        profile = profile.with_(max_sync_bytes=limit)
-    return profile
+    return settings.with_(max_sync_bytes=limit) if settings.max_sync_bytes > limit else settings
 
 
 def gossip_setup(config: DaemonConfig, shaper=None):

@@ -94,6 +94,10 @@ def test_join_errors_are_one_line(tmp_path, capsys, restore_logging):
     (tmp_path / "bad.toml").write_text("[peer]\nlisten = 'x'\n")
     assert main(["join", "--config", str(tmp_path / "bad.toml")]) == 1
     assert "peer.listen: 'x': expected HOST:PORT" in capsys.readouterr().err
+    # A value the emulator's own config refuses, given as a flag.
+    assert main(["join", "--data-dir", str(tmp_path), "--drop", "2"]) == 1
+    assert capsys.readouterr().err == ("dtfm-peer: error: emulation.drop_fraction: drop_fraction must be "
+                                       "in [0, 1], got 2.0\n")
 
 
 def test_usage_errors_exit_2(capsys):

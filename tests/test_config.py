@@ -1,24 +1,29 @@
 """Daemon configuration: defaults < TOML file < command-line flags, with validation."""
 
 import dataclasses
+import inspect
+import math
 from pathlib import Path
 
 import pytest
 
+from dtfm.gossip import GossipConfig
+from dtfm.net import EmulationConfig
 from dtfm.net.addr import Address, AddressError
 from dtfm.peer.cli import build_parser
 from dtfm.peer.config import (
+    GOSSIP_PROFILES,
     ConfigError,
     DaemonConfig,
     DiscoveryConfig,
+    EmulationSection,
+    GossipSection,
     LogConfig,
     PeerConfig,
-    apply_flags,
-    flag_fields,
-    load_toml,
-    merge,
 )
 from dtfm.peer.paths import DataDir, DataDirError, DataDirLock, default_data_dir
+from dtfm.peer.services import gossip_config
+from dtfm.peer.settings import apply_flags, flag_settings, load_toml, merge, section_settings
 
 
 def join_args(*argv):
@@ -141,11 +146,16 @@ def test_merge_equals_field_by_field_replace():
         discovery=DiscoveryConfig(exchange_max_peers=9))
 
 
+def join_help() -> str:
+    return " ".join(build_parser()._subparsers._group_actions[0].choices["join"].format_help().split())
+
+
 def test_every_flag_field_appears_in_join_help():
-    help_text = build_parser()._subparsers._group_actions[0].choices["join"].format_help()
-    for _section, f in flag_fields():
-        assert f.metadata["flag"] in help_text
+    help_text = join_help()
+    for s in flag_settings():
+        assert s.flag in help_text
     assert "(default: 0.0.0.0:7450)" in help_text   # taken from the dataclass default
+    assert f"(default: {EmulationConfig().time_scale})" in help_text   # the emulator's own default
 
 
 def test_default_data_dir():
@@ -180,5 +190,132 @@ def test_transport_section_maps_onto_transport_config(tmp_path):
     assert cfg.transport.request_timeout_s == 7.0
     assert cfg.transport.max_half_open_handshakes == 8
     path.write_text("[transport]\nkeepalive_interval_s = 50\nidle_timeout_s = 60\n")
-    with pytest.raises(ConfigError, match=r"\[transport\]: idle_timeout_s must exceed"):
+    with pytest.raises(ConfigError, match=r"transport.idle_timeout_s: idle_timeout_s must exceed"):
         load_toml(path)
+
+
+# ---- [gossip] and [emulation]: the lower layers' own config classes --------------------------
+
+def test_profiles_are_gossip_configs_named_profiles():
+    # Every no-argument classmethod of GossipConfig that builds one is a profile.
+    expected = tuple(name for name, attr in vars(GossipConfig).items()
+                     if isinstance(attr, classmethod) and not inspect.signature(getattr(GossipConfig, name)).parameters)
+    assert set(expected) >= {"lan", "wan", "local", "test"}
+    assert GOSSIP_PROFILES == expected
+    assert f"gossip timing profile: {', '.join(expected[:-1])} or {expected[-1]}" in join_help()
+    with pytest.raises(ConfigError) as info:
+        apply_flags(DaemonConfig(), join_args("--gossip-profile", "moon"))
+    assert str(info.value) == f"gossip.profile 'moon': choose one of {', '.join(expected)}"
+    for name in expected:
+        cfg = apply_flags(DaemonConfig(), join_args("--gossip-profile", name))
+        assert cfg.gossip.settings == getattr(GossipConfig, name)()
+
+
+def test_gossip_table_sets_fields_over_the_profile_whichever_layer_picks_it(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text('[gossip]\nprobe_timeout_s = 0.8\nrecord_skew_s = 60\ncompute_ms = 12.5\n')
+    cfg = load_toml(path)
+    assert cfg.gossip.settings == GossipConfig.lan().with_(probe_timeout_s=0.8, record_skew_s=60.0)
+    assert cfg.gossip.compute_ms == 12.5
+    cfg = apply_flags(cfg, join_args("--gossip-profile", "wan"))
+    assert cfg.gossip.settings == GossipConfig.wan().with_(probe_timeout_s=0.8, record_skew_s=60.0)
+    assert gossip_config(cfg) == cfg.gossip.settings   # fits the transport's frames: unchanged
+
+
+def test_gossip_sync_bytes_are_capped_by_the_transport_frame(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text('[transport]\nmax_control_frame_bytes = 131072\n')
+    assert gossip_config(load_toml(path)).max_sync_bytes == 65536
+
+
+def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
+    path = tmp_path / "e.toml"
+    path.write_text('[emulation]\nscenario = "worldwide"\ntime_scale = 2\nqueue_frames = 64\n'
+                    'share_region_bandwidth = true\n')
+    cfg = load_toml(path)
+    assert cfg.emulation.scenario == "worldwide"
+    assert cfg.emulation.settings == EmulationConfig(time_scale=2.0, queue_frames=64,
+                                                     share_region_bandwidth=True)
+    cfg = apply_flags(cfg, join_args("--bandwidth-scale", "0.05", "--drop", "0.1"))
+    assert cfg.emulation.settings == EmulationConfig(time_scale=2.0, bandwidth_scale=0.05, drop_fraction=0.1,
+                                                     queue_frames=64, share_region_bandwidth=True)
+    assert DaemonConfig().emulation.settings == EmulationConfig()
+
+
+def test_table_keys_are_the_lower_layers_fields():
+    gossip = section_settings("gossip")
+    emulation = section_settings("emulation")
+    assert set(gossip) == {"profile", "compute_ms"} | {f.name for f in dataclasses.fields(GossipConfig)}
+    assert set(emulation) == {"scenario"} | {f.name for f in dataclasses.fields(EmulationConfig)}
+    with pytest.raises(ConfigError, match="unknown setting emulation.nope"):
+        merge(DaemonConfig(), {"emulation": {"nope": 1}})
+
+
+def _bad_values(config_cls, base):
+    """(key, value) pairs that the lower layer's own config class refuses on top of `base`:
+    every check it makes on a single field, found by trying values, not by listing them."""
+    tries = (math.nan, math.inf, -1, 0, 0.5, 1, 1.5, 2 ** 40)
+    found = []
+    for f in dataclasses.fields(config_cls):
+        kind = type(getattr(base, f.name))
+        for value in tries:
+            if kind is int and not (isinstance(value, int) or math.isfinite(value) and value == int(value)):
+                continue
+            if kind is bool:
+                continue
+            typed = kind(value) if math.isfinite(value) else value
+            try:
+                dataclasses.replace(base, **{f.name: typed})
+            except ValueError:
+                found.append((f.name, typed))
+    return found
+
+
+GOSSIP_BAD = _bad_values(GossipConfig, GossipConfig.lan())
+EMULATION_BAD = _bad_values(EmulationConfig, EmulationConfig())
+
+
+def test_the_lower_layers_do_refuse_values():
+    gossip_keys = {k for k, _ in GOSSIP_BAD}
+    assert {"probe_interval_s", "probe_timeout_s", "measure_jitter", "rtt_samples",
+            "suspicion_max_timeout_mult"} <= gossip_keys
+    assert {k for k, _ in EMULATION_BAD} >= {"time_scale", "bandwidth_scale", "drop_fraction",
+                                              "burst_bytes", "queue_frames"}
+
+
+@pytest.mark.parametrize("section,key,value", [("gossip", k, v) for k, v in GOSSIP_BAD]
+                         + [("emulation", k, v) for k, v in EMULATION_BAD])
+def test_lower_layer_refusals_are_config_errors_naming_the_key(tmp_path, section, key, value):
+    with pytest.raises(ConfigError, match=rf"\b{section}\.{key}\b"):
+        merge(DaemonConfig(), {section: {key: value}})
+    # The same through a file, where the message also names the file.
+    path = tmp_path / "bad.toml"
+    text = "nan" if value != value else ("inf" if value == math.inf else repr(value))
+    path.write_text(f"[{section}]\n{key} = {text}\n")
+    with pytest.raises(ConfigError, match=rf"{path}: .*\b{section}\.{key}\b"):
+        load_toml(path)
+
+
+@pytest.mark.parametrize("flag,value,key", [
+    ("--time-scale", "0", "emulation.time_scale"),
+    ("--bandwidth-scale", "-1", "emulation.bandwidth_scale"),
+    ("--drop", "1.5", "emulation.drop_fraction"),
+    ("--time-scale", "nan", "emulation.time_scale"),
+    ("--compute-ms", "-3", "gossip.compute_ms"),
+])
+def test_flag_values_the_lower_layers_refuse_name_the_key(flag, value, key):
+    with pytest.raises(ConfigError, match=key):
+        apply_flags(DaemonConfig(), join_args(flag, value))
+
+
+def test_gossip_override_that_conflicts_with_a_later_profile_names_it():
+    cfg = merge(DaemonConfig(), {"gossip": {"profile": "wan", "probe_timeout_s": 4.0}})
+    with pytest.raises(ConfigError, match=r"^gossip\.probe_timeout_s: probe_timeout_s must be"):
+        apply_flags(cfg, join_args("--gossip-profile", "lan"))
+
+
+def test_sections_build_directly():
+    assert GossipSection(profile="test").settings == GossipConfig.test()
+    with pytest.raises(ConfigError, match="gossip.rtt_samples"):
+        GossipSection(overrides=(("rtt_samples", 0),))
+    assert EmulationSection().with_settings(drop_fraction=0.5).settings.drop_fraction == 0.5
