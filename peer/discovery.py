@@ -27,6 +27,7 @@ from dtfm.net import (
     RemoteError,
     RequestTimeout,
     Transport,
+    short_id,
 )
 
 from .config import DiscoveryConfig
@@ -38,10 +39,6 @@ logger = logging.getLogger(__name__)
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 DIAL_ERRORS = (OSError, ProtocolError, ConnectionClosed, RequestTimeout, RemoteError,
                trio.TooSlowError)
-
-
-def _short(peer_id: bytes) -> str:
-    return peer_id[:4].hex()
 
 
 class Discovery:
@@ -144,7 +141,7 @@ class Discovery:
         now = trio.current_time()
         new = [r for r in exchange.peers if self.book.learn(r.peer_id, r.address, r.region, now)]
         for record in new:
-            logger.debug("learnt peer %s at %s from %s", _short(record.peer_id), record.address,
+            logger.debug("learnt peer %s at %s from %s", short_id(record.peer_id), record.address,
                          conn.short_id)
         if new:
             self._wake_dialler.set()
@@ -192,9 +189,9 @@ class Discovery:
         try:
             conn = await self._dial(address)
         except HandshakeError as e:
-            logger.warning("peer %s at %s refused the handshake: %s", _short(peer_id), address, e)
+            logger.warning("peer %s at %s refused the handshake: %s", short_id(peer_id), address, e)
         except DIAL_ERRORS as e:
-            logger.debug("dialling peer %s at %s failed: %s", _short(peer_id), address, e)
+            logger.debug("dialling peer %s at %s failed: %s", short_id(peer_id), address, e)
         else:
             if conn.peer_id == peer_id:
                 entry = self.book.entries.get(peer_id)
@@ -202,9 +199,9 @@ class Discovery:
                     self._on_connect(conn)
                 return
             logger.warning("address %s answered as peer %s, not %s", address, conn.short_id,
-                           _short(peer_id))
+                           short_id(peer_id))
         if self.book.dial_failed(peer_id, trio.current_time()):
-            logger.info("gave up on peer %s at %s", _short(peer_id), address)
+            logger.info("gave up on peer %s at %s", short_id(peer_id), address)
         self._wake_dialler.set()
 
     async def _bootstrap_loop(self, address: Address) -> None:
