@@ -2,6 +2,9 @@
 
     dtfm-sched solve --scenario worldwide --model gpt3-xl-paper --stages 8 --dp 8 --json
     dtfm-sched compare --scenario worldwide --model gpt3-xl-paper --time-budget 20
+
+Exit status: 0 success, 1 an error explained on stderr (`dtfm-sched: error: ...`), 2 bad
+command line.
 """
 
 from __future__ import annotations
@@ -18,32 +21,64 @@ from dtfm.scenarios import ScenarioError, load_scenario
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
 from .search import SearchConfig, ShapeSearch
 from .simulate import simulate
-from .solve import cost_model, solve
+from .solve import candidate_shapes, cost_model, solve
 from .spec import PRESETS, get_preset
 
 __all__ = ["main"]
 
+PROG = "dtfm-sched"
+
+
+class CliError(Exception):
+    """A failure to report on stderr as `dtfm-sched: error: ...`, exit status 1."""
+
+
+def _number(kind: type, low: float, what: str):
+    """An argparse type: a `kind` number >= low."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+def _stages(text: str) -> int | str:
+    return "auto" if text == "auto" else _number(int, 1, "a positive integer or 'auto'")(text)
+
+
+_POSITIVE_INT = _number(int, 1, "a positive integer")
+
 
 def _parser() -> argparse.ArgumentParser:
     defaults = SearchConfig()
-    p = argparse.ArgumentParser(prog="dtfm-sched", description="DT-FM allocation scheduler")
+    p = argparse.ArgumentParser(prog=PROG, description="DT-FM allocation scheduler",
+                                epilog="Exit status: 0 success, 1 an error explained on stderr, "
+                                       "2 bad command line.")
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("solve", "search an allocation"), ("compare", "the search against baselines")):
         c = sub.add_parser(name, help=text)
         c.add_argument("--scenario", required=True, help="built-in scenario name or TOML file")
         c.add_argument("--model", default="gpt3-xl-paper", choices=sorted(PRESETS), help="model preset")
-        c.add_argument("--stages", default=None, help="pipeline stages, or 'auto' (default: the preset's)")
-        c.add_argument("--dp", type=int, default=None, help="pipelines (default: peers // stages)")
+        c.add_argument("--stages", type=_stages, default=None,
+                       help="pipeline stages, or 'auto' (default: the preset's)")
+        c.add_argument("--dp", type=_POSITIVE_INT, default=None, help="pipelines (default: peers // stages)")
         c.add_argument("--seed", type=int, default=0)
-        c.add_argument("--time-budget", type=float, default=defaults.time_budget_s, help="seconds of search")
-        c.add_argument("--generations", type=int, default=None, help="cap evolution rounds (repeatable runs)")
+        c.add_argument("--time-budget", type=_number(float, 1e-9, "a positive number"),
+                       default=defaults.time_budget_s, help="seconds of search")
+        c.add_argument("--generations", type=_number(int, 0, "a non-negative integer"), default=None,
+                       help="cap evolution rounds (repeatable runs)")
         c.add_argument("--no-spares", action="store_true", help="every peer must take part")
         c.add_argument("--uneven-layers", action="store_true", help="let faster stages hold more layers")
-        c.add_argument("--peers", type=int, default=None, help="scale the scenario to this many peers")
+        c.add_argument("--peers", type=_POSITIVE_INT, default=None, help="scale the scenario to this many peers")
         c.add_argument("--json", action="store_true", help="print JSON")
         c.add_argument("--plot", default=None, metavar="FILE.png", help="draw the allocation (matplotlib)")
         if name == "compare":
-            c.add_argument("--random-samples", type=int, default=5000, help="random allocations to sample")
+            c.add_argument("--random-samples", type=_POSITIVE_INT, default=5000,
+                           help="random allocations to sample")
     return p
 
 
@@ -55,13 +90,39 @@ def _inputs(args):
     memory = None
     if all(r.memory_gib is not None for r in sc.regions):
         memory = np.array([r.memory_gib for r in sc.regions for _ in range(r.peers)])
-    stages = args.stages
-    if stages not in (None, "auto"):
-        stages = int(stages)
-    return sc, spec, sc.compute_scale(), memory, stages
+    _check_shape(args, sc, spec, memory)
+    return sc, spec, sc.compute_scale(), memory, args.stages
+
+
+def _check_shape(args, sc, spec, memory) -> None:
+    """CliError, naming the flags, when the shape asked for cannot be built from the scenario's
+    peers (`solve` refuses the same with a ValueError, for callers of the API)."""
+    n, stages, dp = sc.n_peers, args.stages, args.dp
+    if stages is None:  # the preset's shape where the scenario has the peers for it, else auto
+        S0, D0 = getattr(spec, "default_stages", 0), getattr(spec, "default_dp", 0)
+        stages, dp = (S0, dp or D0) if 0 < S0 * D0 <= n else ("auto", dp)
+    if stages == "auto":
+        shapes = candidate_shapes(n, spec, allow_spares=not args.no_spares, uneven_layers=args.uneven_layers,
+                                  memory_gib=memory)
+        if not any(dp is None or D == dp for _, D in shapes):
+            with_dp = "" if dp is None else f" as {dp} pipelines"
+            raise CliError(f"no shape of the {n} peers of {sc.name}{with_dp} fits model {spec.name} "
+                           f"({spec.layers} layers): change --peers, --dp or --model")
+        return
+    if stages > spec.layers:
+        raise CliError(f"--stages {stages}: model {spec.name} has only {spec.layers} layers")
+    if stages > n:
+        raise CliError(f"--stages {stages} needs at least {stages} peers, {sc.name} has {n}: raise --peers")
+    dp = dp or n // stages
+    if stages * dp > n:
+        raise CliError(f"{stages} stages x {dp} pipelines needs {stages * dp} peers, {sc.name} has {n}: "
+                       f"raise --peers or shrink --stages/--dp")
+    if stages * dp < n and args.no_spares:
+        raise CliError(f"--no-spares: the {n} peers of {sc.name} do not form {stages} x {dp}")
 
 
 def _solve(args) -> int:
+    plot = _plotter(args.plot)
     sc, spec, compute, memory, stages = _inputs(args)
     alloc = solve(sc.delay_ms(), sc.bandwidth_gbps(), spec, stages=stages, dp=args.dp, compute=compute,
                   memory_gib=memory, regions=sc.peer_regions(), seed=args.seed, time_budget_s=args.time_budget,
@@ -82,12 +143,14 @@ def _solve(args) -> int:
             print(f"pipeline {p}: " + " -> ".join(f"{i}({regions[i]})" for i in pipe))
         if alloc.spares:
             print("spares: " + ", ".join(f"{i}({regions[i]})" for i in alloc.spares))
-    if args.plot:
-        _plot(args.plot, sc, alloc.matrix, alloc.spares, f"{sc.name}: cost {alloc.cost.paper_s:.2f} s")
+    if plot:
+        plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares,
+             f"{sc.name}: cost {alloc.cost.paper_s:.2f} s")
     return 0
 
 
 def _compare(args) -> int:
+    plot = _plotter(args.plot)
     sc, spec, compute, memory, stages = _inputs(args)
     dl, bw = sc.delay_ms(), sc.bandwidth_gbps()
     t0 = time.perf_counter()
@@ -124,18 +187,23 @@ def _compare(args) -> int:
         print(f"{'method':32s} {'cost s':>10s} {'DP s':>9s} {'PP s':>9s} {'simulated s':>12s}")
         for r in table:
             print(f"{r['method']:32s} {r['cost_s']:10.3f} {r['dp_s']:9.3f} {r['pp_s']:9.3f} {r['simulated_s']:12.3f}")
-    if args.plot:
-        _plot(args.plot, sc, alloc.matrix, alloc.spares, f"{sc.name}: search {alloc.cost.paper_s:.2f} s")
+    if plot:
+        plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares,
+             f"{sc.name}: search {alloc.cost.paper_s:.2f} s")
     return 0
 
 
-def _plot(path, sc, X, spares, title) -> None:
+def _plotter(path: str | None):
+    """plot_allocation when --plot is given, checked before the search runs."""
+    if path is None:
+        return None
     try:
-        from .plot import plot_allocation
-    except ImportError:
-        print("--plot needs matplotlib: pip install 'dtfm[plot]'", file=sys.stderr)
-        return
-    plot_allocation(path, sc.delay_ms(), sc.peer_regions(), X, spares, title)
+        from .plot import plot_allocation  # matplotlib is an optional extra
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "matplotlib":
+            raise
+        raise CliError("--plot needs matplotlib: pip install 'dtfm[plot]'") from None
+    return plot_allocation
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,9 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "solve":
             return _solve(args)
         return _compare(args)
-    except (ScenarioError, ValueError) as e:
-        print(f"dtfm-sched: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        return 130
+    except (CliError, ScenarioError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

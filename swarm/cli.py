@@ -4,6 +4,9 @@ Starts one `dtfm-peer join` process per peer on loopback, with regions assigned 
 file says (scaled down to the requested count, keeping proportions) and every link emulated
 inside the peers' transports (delay line + rate limiter per destination region). State lives in
 a run directory so every subcommand works from any shell.
+
+Exit status: 0 success, 1 an error explained on stderr (`dtfm-swarm: error: ...`), 2 bad
+command line, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -16,12 +19,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dtfm.net import new_swarm_key
+from dtfm.net import EmulationConfig, new_swarm_key
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import free_ports, peer_request, start_peer, stop_peer, wait_converged
-from .report import format_allocation, format_status, schedule_measured, status_report
+from .report import DEMO_PRESET, format_allocation, format_status, schedule_measured, status_report
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state, save_state, send_signal
+
+PROG = "dtfm-swarm"
 
 # ---- subcommands ----------------------------------------------------------------------------
 
@@ -41,8 +46,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     n = args.peers or scenario.n_peers
     if not 2 <= n <= 256:
         raise SwarmError(f"--peers must be between 2 and 256, got {n}")
-    if args.time_scale <= 0 or args.bandwidth_scale <= 0:
-        raise SwarmError("--time-scale and --bandwidth-scale must be positive")
+    try:  # the peers' link emulator checks the scales; refuse them before starting any
+        EmulationConfig(time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale)
+    except ValueError as e:
+        raise SwarmError(f"--time-scale / --bandwidth-scale: {e}") from None
     small = scenario.scaled(n)
     scenario_ref = str(Path(args.scenario).resolve()) if Path(args.scenario).exists() else args.scenario
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -167,10 +174,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(format_status(report), flush=True)
         alloc = schedule_measured(report)
         print("\n" + format_allocation(report, alloc), flush=True)
-        cmd = [sys.executable, "-m", "dtfm.train", "--preset", "tiny", "--steps", str(args.steps),
+        cmd = [sys.executable, "-m", "dtfm.train", "--preset", DEMO_PRESET, "--steps", str(args.steps),
                "--stages", str(alloc.stages), "--dp", str(alloc.dp), "--micro-batches", "4",
                "--batch", str(8 * alloc.dp)]
-        print(f"\ntraining the tiny model as {alloc.stages} x {alloc.dp} on this machine "
+        print(f"\ntraining the {DEMO_PRESET} model as {alloc.stages} x {alloc.dp} on this machine "
               f"(stage replicas in threads over the in-memory Comm): {' '.join(cmd[1:])}",
               flush=True)
         rc = subprocess.call(cmd)
@@ -183,9 +190,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dtfm-swarm",
+        prog=PROG,
         description="Run a scripted multi-region test swarm of dtfm peers on this machine, "
-                    "with inter-region links emulated from a scenario file.")
+                    "with inter-region links emulated from a scenario file.",
+        epilog="Exit status: 0 success, 1 an error explained on stderr, 2 bad command line, "
+               "130 interrupted.")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run-dir", type=Path, default=default_run_dir(),
                         help="where the swarm keeps its state, keys and peer data dirs "
@@ -199,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--peers", type=int, default=peers_default,
                        help="number of peers; regions keep the scenario's proportions "
                             "(default: %(default)s)")
-        p.add_argument("--time-scale", type=float, default=1.0,
+        p.add_argument("--time-scale", type=float, default=EmulationConfig().time_scale,
                        help="multiply every emulated delay by this (default: %(default)s)")
         p.add_argument("--bandwidth-scale", type=float, default=0.05,
                        help="multiply every emulated bandwidth by this, so loopback can carry "
@@ -259,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except SwarmError as e:
-        print(f"dtfm-swarm: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("dtfm-swarm: interrupted", file=sys.stderr)
+        print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
 
 

@@ -12,6 +12,9 @@ from dtfm.sched import ModelSpec, solve
 from .proc import peer_status
 from .state import SwarmState
 
+# The dtfm.train preset `dtfm-swarm demo` schedules on the measured view and then trains.
+DEMO_PRESET = "tiny"
+
 
 def status_report(state: SwarmState) -> dict:
     """The whole swarm as one JSON-able dict, the measured matrix as seen by one live peer."""
@@ -97,15 +100,24 @@ def format_status(report: dict) -> str:
     return "\n".join(lines)
 
 
-def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
-    """Run the scheduler on the swarm's measured view for the demo model (train's `tiny`)."""
+def demo_model(n_peers: int) -> ModelSpec:
+    """train's DEMO_PRESET in the scheduler's terms: 8 sequences per peer per step, in
+    micro-batches of 2."""
+    from dtfm.train import get_preset  # torch: only the demo pays for importing it
 
+    gpt = get_preset(DEMO_PRESET)
+    return ModelSpec(gpt.name, layers=gpt.n_layer, hidden=gpt.n_embd, heads=gpt.n_head,
+                     seq_len=gpt.seq_len, vocab=gpt.vocab, micro_batch_size=2,
+                     global_batch_seqs=8 * n_peers)
+
+
+def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
+    """Run the scheduler on the swarm's measured view for the demo model."""
     measured = report["measured"]
     delay = np.array([[0.0 if v is None else v for v in row] for row in measured["delay_ms"]])
     bw = np.array([[np.inf if v is None else v for v in row] for row in measured["bandwidth_gbps"]])
     np.fill_diagonal(bw, np.inf)
-    spec = ModelSpec("tiny", layers=4, hidden=128, heads=4, seq_len=128, vocab=256,
-                     micro_batch_size=2, global_batch_seqs=8 * len(delay))
+    spec = demo_model(len(delay))
     regions = [p["region"] for p in report["peers"]]
     # Every peer takes part: with communication alone in the objective, leaving peers out as
     # spares would always look cheaper.

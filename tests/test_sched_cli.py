@@ -52,16 +52,38 @@ def test_text_output_and_scaled_scenario(capsys):
     assert "4 stages x 3 pipelines" in out and "pipeline 0:" in out
 
 
-def test_errors_are_one_line_without_traceback(capsys):
-    rc, _, err = run(capsys, "solve", "--scenario", "atlantis")
-    assert rc == 2 and "no scenario 'atlantis'" in err
-    rc, _, err = run(capsys, "solve", "--scenario", "worldwide", "--stages", "16", "--dp", "8")
-    assert rc == 2 and "needs 128 peers" in err
+@pytest.mark.parametrize("argv,message", [
+    (["--scenario", "atlantis"], "no scenario 'atlantis'"),
+    (["--scenario", "worldwide", "--stages", "16", "--dp", "8"], "needs 128 peers, worldwide has 64"),
+    (["--scenario", "worldwide", "--stages", "25"], "--stages 25: model gpt3-xl-paper has only 24 layers"),
+    (["--scenario", "regional", "--peers", "4", "--stages", "8"], "--stages 8 needs at least 8 peers"),
+    (["--scenario", "regional", "--peers", "10", "--stages", "4", "--no-spares"], "do not form 4 x 2"),
+    (["--scenario", "regional", "--peers", "3", "--stages", "auto", "--dp", "5"], "no shape of the 3 peers"),
+])
+def test_user_errors_exit_1_with_one_line(capsys, argv, message):
+    rc, out, err = run(capsys, "solve", *argv)
+    assert rc == 1 and out == ""
+    assert err.startswith("dtfm-sched: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--scenario", "worldwide", "--stages", "many"],
+    ["--scenario", "worldwide", "--dp", "0"],
+    ["--scenario", "worldwide", "--time-budget", "-1"],
+    ["--scenario", "worldwide", "--model", "nosuch"],
+    ["--stages", "4"],
+])
+def test_bad_command_lines_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main(["solve", *argv])
+    assert info.value.code == 2
+    assert "dtfm-sched solve: error:" in capsys.readouterr().err
 
 
 def test_plot_writes_a_png(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     png = tmp_path / "alloc.png"
     rc, _, _ = run(capsys, "solve", "--scenario", "universities", "--peers", "8", "--stages", "4",
                    "--time-budget", "30", "--generations", "1", "--plot", str(png))
-    assert rc == 0 and png.stat().st_size > 0
+    assert rc == 0
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

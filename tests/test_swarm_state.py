@@ -3,8 +3,9 @@
 import pytest
 
 from dtfm.swarm import cli as swarm
-from dtfm.swarm.report import measured_matrices
+from dtfm.swarm.report import DEMO_PRESET, demo_model, measured_matrices
 from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, load_state, save_state
+from dtfm.train import get_preset
 
 
 def make_state(tmp_path):
@@ -63,4 +64,33 @@ def test_measured_view_is_reordered_and_unscaled(tmp_path):
 def test_cli_errors_are_one_line_without_traceback(tmp_path, capsys):
     assert swarm.main(["status", "--run-dir", str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("dtfm-swarm: no swarm in") and "Traceback" not in err
+    assert err.startswith(f"dtfm-swarm: error: no swarm in {tmp_path / 'none'}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--scenario", "atlantis"], "no scenario 'atlantis'"),
+    (["--peers", "1"], "--peers must be between 2 and 256"),
+    (["--time-scale", "0"], "--time-scale / --bandwidth-scale: time_scale must be a positive number"),
+    (["--bandwidth-scale", "nan"], "bandwidth_scale must be a positive number"),
+])
+def test_up_refuses_bad_settings_before_starting_peers(tmp_path, capsys, flags, message):
+    run_dir = tmp_path / "run"
+    assert swarm.main(["up", "--run-dir", str(run_dir), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dtfm-swarm: error: ") and message in err and err.count("\n") == 1
+    assert not run_dir.exists()
+
+
+def test_bad_command_line_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        swarm.main(["up", "--peers", "many"])
+    assert info.value.code == 2
+    assert "dtfm-swarm up: error: argument --peers" in capsys.readouterr().err
+
+
+def test_demo_model_is_trains_preset():
+    gpt = get_preset(DEMO_PRESET)
+    spec = demo_model(6)
+    assert (spec.name, spec.layers, spec.hidden, spec.heads, spec.seq_len, spec.vocab) == (
+        gpt.name, gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.seq_len, gpt.vocab)
+    assert spec.global_batch_seqs == 48

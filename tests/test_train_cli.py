@@ -48,14 +48,37 @@ def test_checkpoint_resume_continues_the_same_run(capsys, data, tmp_path):
     assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
 
 
-def test_cli_errors_are_one_line_without_traceback(capsys, tmp_path):
-    assert main(["--resume", "--quiet"]) == 2
-    assert "--resume needs --checkpoint-dir" in capsys.readouterr().err
-    assert main(["--data", str(tmp_path / "missing"), "--quiet"]) == 2
-    assert "does not exist" in capsys.readouterr().err
-    assert main(["--resume", "--checkpoint-dir", str(tmp_path), "--quiet"]) == 2
-    assert "no checkpoint for layers" in capsys.readouterr().err
-    assert main(["--stages", "2", "--dp", "4", "--micro-batches", "4", "--batch", "8", "--quiet"]) == 2
+@pytest.mark.parametrize("argv,message", [
+    (["--data", "{tmp}/missing"], "data path {tmp}/missing does not exist"),
+    (["--resume", "--checkpoint-dir", "{tmp}"], "no checkpoint for layers"),
+    (["--stages", "2", "--dp", "4", "--micro-batches", "4", "--batch", "8"], "global batch 8 is too small"),
+    (["--stages", "5"], "5 stages"),
+    (["--lr", "0"], "lr must be positive"),
+    (["--wire-dtype", "int8"], "wire_dtype must be one of"),
+])
+def test_user_errors_exit_1_with_one_line(capsys, tmp_path, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main([*argv, "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("python -m dtfm.train: error: ")
+    assert message.replace("{tmp}", str(tmp_path)) in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--sample", "5", "--prompt", ""], "--sample needs a non-empty --prompt"),
+    (["--stages", "0"], "argument --stages: '0' is less than 1"),
+    (["--layer-weights", "1,x"], "not a comma-separated list of numbers"),
+    (["--keep", "0"], "argument --keep"),
+    (["--preset", "huge"], "invalid choice"),
+])
+def test_bad_command_lines_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--quiet"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m dtfm.train: error: " in err and message in err
 
 
 def test_cli_defaults_come_from_the_config():

@@ -1,5 +1,9 @@
 """`python -m dtfm.train`: train a preset on one machine, S x D stage replicas in threads on the
-in-memory Comm, with a progress line and optional JSON lines (one per step)."""
+in-memory Comm, with a progress line and optional JSON lines (one per step).
+
+Exit status: 0 success, 1 an error explained on stderr (`python -m dtfm.train: error: ...`),
+2 bad command line, 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -14,35 +18,65 @@ import torch
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from .data import ByteTokenizer, load_corpus, split_batch
-from .model import assemble, generate
 from .local import LocalCluster
+from .model import assemble, generate
 from .plan import Plan
 from .spec import PRESETS, TrainConfig, get_preset
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
+
+PROG = "python -m dtfm.train"
 
 # CLI names that differ from the config field they set (the rest are the field name, dashed).
 _RENAMED = {"global_batch_seqs": "batch", "grad_clip_norm": "grad-clip"}
 
 
+class CliError(Exception):
+    """A failure to report on stderr as `python -m dtfm.train: error: ...`, exit status 1."""
+
+
+def _count(low: int):
+    """An argparse type: an integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is less than {low}")
+        return value
+    return parse
+
+
+def _weights(text: str) -> list[float]:
+    try:
+        return [float(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m dtfm.train", description=__doc__,
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                                 epilog="Exit status: 0 success, 1 an error explained on stderr, "
+                                        "2 bad command line, 130 interrupted.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
-    ap.add_argument("--steps", type=int, default=200, help="steps to train (from the resumed step, if any)")
-    ap.add_argument("--stages", type=int, default=1, help="pipeline stages S")
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel pipelines D")
-    ap.add_argument("--layer-weights", default=None,
+    ap.add_argument("--steps", type=_count(0), default=200, help="steps to train (from the resumed step, if any)")
+    ap.add_argument("--stages", type=_count(1), default=1, help="pipeline stages S")
+    ap.add_argument("--dp", type=_count(1), default=1, help="data-parallel pipelines D")
+    ap.add_argument("--layer-weights", type=_weights, default=None,
                     help="comma-separated relative stage sizes, e.g. 1,2,1; unset: even split")
     ap.add_argument("--data", default=None, help="text file or folder; unset: the Python standard library's source")
     ap.add_argument("--device", default="cpu", help="torch device for every stage (cpu, cuda)")
     ap.add_argument("--checkpoint-dir", default=None, help="write stage checkpoints here; unset: none")
-    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints; 0: only at the end")
-    ap.add_argument("--keep", type=int, default=3, help="checkpoints kept per stage")
+    ap.add_argument("--checkpoint-every", type=_count(0), default=0,
+                    help="steps between checkpoints; 0: only at the end")
+    ap.add_argument("--keep", type=_count(1), default=3, help="checkpoints kept per stage")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--log-json", action="store_true", help="print one JSON object per step on stdout")
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-    ap.add_argument("--sample", type=int, default=0, help="after training, print this many sampled bytes on stderr")
+    ap.add_argument("--sample", type=_count(0), default=0,
+                    help="after training, print this many sampled bytes on stderr")
     ap.add_argument("--prompt", default="def ", help="text the --sample continues")
     cfg = ap.add_argument_group("training config (dtfm.train.TrainConfig)")
     for f in dataclasses.fields(TrainConfig):
@@ -107,20 +141,29 @@ def _print_sample(spec, cfg, stages, step: int, args) -> None:
     print(f"--- sample after {step} steps ---\n{text}\n---", file=sys.stderr)
 
 
-def _setup(args):
-    """Config, model, plan, corpus and resumed states from the arguments; ValueError/CheckpointError."""
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
-    spec = get_preset(args.preset)
-    weights = [float(w) for w in args.layer_weights.split(",")] if args.layer_weights else None
-    plan = Plan.grid(spec.n_layer, args.stages, args.dp, weights)
-    split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)
+def _setup(args, parser: argparse.ArgumentParser):
+    """Config, model, plan, corpus and resumed states from the arguments.
+
+    Flags that cannot go together are a bad command line (exit 2); values the config, the plan,
+    the batch split or the corpus loader refuse are a CliError, a missing or foreign checkpoint
+    a CheckpointError."""
     if args.sample and not args.prompt:
-        raise ValueError("--sample needs a non-empty --prompt")
+        parser.error("--sample needs a non-empty --prompt")
     if args.resume and not args.checkpoint_dir:
-        raise ValueError("--resume needs --checkpoint-dir")
+        parser.error("--resume needs --checkpoint-dir")
+    spec = get_preset(args.preset)
+    try:  # each of these only checks the values given on the command line
+        cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
+        plan = Plan.grid(spec.n_layer, args.stages, args.dp, args.layer_weights)
+        split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)
+    except ValueError as e:
+        raise CliError(str(e)) from None
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("no CUDA device is available: use --device cpu")
-    corpus = load_corpus(args.data)
+        raise CliError("no CUDA device is available: use --device cpu")
+    try:
+        corpus = load_corpus(args.data)
+    except ValueError as e:  # no such path, or no text in it
+        raise CliError(str(e)) from None
     states = _resume_states(args.checkpoint_dir, spec, cfg, plan, args.device) if args.resume else None
     return cfg, spec, plan, corpus, states
 
@@ -146,13 +189,20 @@ def _train(args, cl: LocalCluster, cfg: TrainConfig, spec, plan: Plan) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        cfg, spec, plan, corpus, states = _setup(args)
-    except (ValueError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _run(args, parser)
+    except KeyboardInterrupt:
+        return 130
+    except (CliError, CheckpointError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args, parser: argparse.ArgumentParser) -> int:
+    cfg, spec, plan, corpus, states = _setup(args, parser)
     torch.set_num_threads(1 if len(plan.peers) > 1 else torch.get_num_threads())
     with LocalCluster(spec, cfg, plan, corpus, states=states, device=args.device) as cl:
         if not args.quiet:
