@@ -7,6 +7,7 @@ from .codec import TORCH_DTYPES, tensor_from_wire, tensor_to_wire
 from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
 from .local import LocalCluster
+from .messages import MessageRules
 from .model import GPTStage, assemble, generate
 from .optim import AdamW
 from .plan import Plan
@@ -17,7 +18,7 @@ from .worker import StageState, StepResult, run_step
 
 __all__ = [
     "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus", "EventHandle",
-    "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "Link", "LocalCluster", "PRESETS", "Plan", "SendHandle",
+    "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "Link", "LocalCluster", "MessageRules", "PRESETS", "Plan", "SendHandle",
     "StageState", "StepResult", "TEST_CONFIG", "TORCH_DTYPES", "TrainConfig", "TransferError", "TransferManifest",
     "TransferReceiver", "all_reduce_small", "assemble", "encode_stage", "encode_transfer", "generate", "get_preset", "list_checkpoints",
     "load_checkpoint", "load_corpus", "reference_state", "reference_step", "ring_all_reduce", "run_step",
