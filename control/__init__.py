@@ -5,4 +5,17 @@ that runs a stage inside the daemon, and the issuer's hand-out protocol. Sits ab
 sched and train, below the daemon, which only starts it as a service.
 """
 
-__all__: list[str] = []
+from .allocation import (ALLOCATION_DOMAIN, MAX_ALLOCATION_BYTES, REFUSAL_CODES, AcceptContext, Allocation,
+                         Refusal, SignedAllocation, check_allocation)
+from .comm import CommConfig, TensorRouter, TransportComm
+from .messages import ControlMsg
+from .plane import ControlPlane, TrainerConfig, TrainError, TrainRequest
+from .runner import RunEnd, StageRunner, StepReport, params_sha256
+from .schedule import Shape, choose_shape, sched_spec
+
+__all__ = [
+    "ALLOCATION_DOMAIN", "AcceptContext", "Allocation", "CommConfig", "ControlMsg", "ControlPlane",
+    "MAX_ALLOCATION_BYTES", "REFUSAL_CODES", "Refusal", "RunEnd", "Shape", "SignedAllocation", "StageRunner",
+    "StepReport", "TensorRouter", "TrainError", "TrainRequest", "TrainerConfig", "TransportComm",
+    "check_allocation", "choose_shape", "params_sha256", "sched_spec",
+]

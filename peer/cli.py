@@ -5,6 +5,7 @@
     dtfm-peer join --swarm-key FILE ...   run the daemon in the foreground
     dtfm-peer status [--json]             ask the running daemon how it is doing
     dtfm-peer leave                       make the running daemon leave and exit
+    dtfm-peer train start|stop ...        train a model on the swarm, or end the run
 
 Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
 """
@@ -12,6 +13,7 @@ Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -115,7 +117,52 @@ def build_parser() -> argparse.ArgumentParser:
                                 "to exit")
             p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                            help="how long to wait for the daemon to exit (default: 30)")
+    p = sub.add_parser("train", help="start or stop training on the swarm",
+                       description="Start training on the swarm from this daemon, or stop the run.")
+    tsub = p.add_subparsers(dest="train_command", required=True, metavar="ACTION")
+    text = ("schedule the live peers on the measured network and train: this daemon runs the "
+            "DT-FM scheduler on its gossiped view, signs the allocation, hands it to every peer "
+            "and starts them once all accepted")
+    t = tsub.add_parser("start", help=text.split(":")[0], description=text[0].upper() + text[1:] + ".")
+    _add_data_dir(t)
+    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    t.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
+    t.add_argument("--steps", type=_positive_int, default=100, help="steps to train (default: %(default)s)")
+    t.add_argument("--seed", type=_non_negative_int, default=0,
+                   help="seeds the weights and the data order; the same seed gives the same losses "
+                        "whatever the shape (default: %(default)s)")
+    t.add_argument("--stages", default="auto", metavar="S|auto",
+                   help="pipeline stages; auto lets the scheduler pick the shape (default: %(default)s)")
+    t.add_argument("--dp", type=_positive_int, default=None, metavar="D",
+                   help="data-parallel pipelines (with --stages S; default: as many as the live peers fill)")
+    t.add_argument("--checkpoint-every", type=_non_negative_int, default=0, metavar="K",
+                   help="every peer saves its stage in its data dir every K steps; 0 never (default: 0)")
+    t.add_argument("--data", default=None, metavar="FILE",
+                   help="the text file or folder to train on, as this daemon reads it; every peer "
+                        "must hold the same content (default: the daemon's --data)")
+    t.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for every peer to accept (default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print the allocation as JSON")
+    t = tsub.add_parser("stop", help="end the run at the next step boundary on every peer",
+                        description="End the run this daemon takes part in, on the same step "
+                                    "boundary on every peer.")
+    _add_data_dir(t)
+    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -189,6 +236,40 @@ def cmd_leave(args: argparse.Namespace) -> int:
                    f"{args.timeout:g} s")
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    config, data_dir = _client_config(args)
+    if args.train_command == "stop":
+        with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
+            reply = c.request("train_stop")
+        print(f"the run stops before step {reply['at_step']} ({reply['told']} peers told)", file=sys.stderr)
+        return 0
+    stages = args.stages
+    if stages != "auto":
+        try:
+            stages = _positive_int(stages)
+        except (ValueError, argparse.ArgumentTypeError):
+            raise CliError(f"--stages must be a positive integer or auto, got {args.stages!r}") from None
+    elif args.dp is not None:
+        raise CliError("--dp needs --stages S")
+    request = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "stages": stages,
+               "dp": args.dp, "checkpoint_every": args.checkpoint_every,
+               "data": str(Path(args.data).absolute()) if args.data else None}
+    control = dataclasses.replace(config.control, request_timeout_s=args.timeout)
+    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
+        reply = c.request("train_start", request)
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+        return 0
+    print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x {reply['dp']} "
+          f"pipelines; predicted {reply['predicted_iteration_s']:.3f} s per step")
+    for d, pipe in enumerate(reply["pipelines"]):
+        print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
+    if reply["spares"]:
+        print("  spares: " + ", ".join(p[:8] for p in reply["spares"]))
+    print(f"progress: dtfm-peer status; log: {reply['log']}")
+    return 0
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     config = load_toml(args.config) if args.config else DaemonConfig.default()
     config = apply_flags(config, args)
@@ -217,7 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "join": cmd_join,
-                "status": cmd_status, "leave": cmd_leave}
+                "status": cmd_status, "leave": cmd_leave, "train": cmd_train}
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

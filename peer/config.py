@@ -263,6 +263,23 @@ class EmulationSection:
 
 
 @dataclass(frozen=True)
+class TrainerSection:
+    """The stage this peer trains when an allocation gives it one. TOML table [trainer]."""
+
+    # Every peer of a run must hold the same content: the allocation carries its hash.
+    data: Path | None = option(None, "the text file or folder of text files this peer trains on; "
+                               "every peer of a run needs the same content (default: the Python "
+                               "standard library's source)", flag="--data", metavar="PATH")
+    # Several daemons on one machine want 1 each; a machine of its own wants its core count.
+    torch_threads: int = option(1, "torch threads of the stage worker", flag="--torch-threads",
+                                metavar="N")
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.torch_threads, int) or self.torch_threads < 1:
+            raise ConfigError("trainer.torch_threads must be a positive integer")
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     """Everything `dtfm-peer join` needs, one section per concern."""
 
@@ -274,6 +291,7 @@ class DaemonConfig:
     transport: TransportConfig = TransportConfig()
     gossip: GossipSection = GossipSection()
     emulation: EmulationSection = EmulationSection()
+    trainer: TrainerSection = TrainerSection()
 
     @classmethod
     def default(cls) -> DaemonConfig:

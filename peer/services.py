@@ -1,4 +1,5 @@
-"""What the daemon runs besides discovery: gossip membership and measurement, link emulation.
+"""What the daemon runs besides discovery: gossip membership and measurement, link emulation,
+and the control plane that trains (allocations, the stage worker, `train start` / `stop`).
 
 `build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
 transport exists); `gossip_setup` returns the setup hook that runs a GossipService with the
@@ -14,6 +15,7 @@ from typing import Any
 
 import trio
 
+from dtfm.control import ControlPlane, TrainerConfig, TrainError, TrainRequest
 from dtfm.gossip import GossipConfig, GossipService
 from dtfm.net import EmulatedLinks
 from dtfm.scenarios import ScenarioError, load_scenario
@@ -64,15 +66,27 @@ def gossip_setup(config: DaemonConfig, shaper=None):
                                     region=config.peer.region, compute_ms=compute_ms,
                                     address=_advertised(daemon))
             holder["service"] = service
+            data = str(config.trainer.data) if config.trainer.data is not None else None
+            plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
+                                 TrainerConfig(torch_threads=config.trainer.torch_threads, data_path=data))
             async with trio.open_nursery() as nursery:
                 await nursery.start(service.run)
+                await nursery.start(plane.run)
+                holder["plane"] = plane
                 task_status.started()
                 bootstrap = [(a.host, a.port) for a in config.peer.bootstrap
                              if a != daemon.listen_address]
-                if bootstrap:
+                # Bootstrap peers may still be starting: retry with backoff until one answers
+                # or gossip has found the swarm some other way.
+                delay_s = config.discovery.retry_initial_s
+                while bootstrap:
                     reached = await service.join(bootstrap)
-                    logger.info("gossip joined through %d of %d bootstrap peers", reached,
-                                len(bootstrap))
+                    if reached or len(service.live_peers()) > 1:
+                        logger.info("gossip joined through %d of %d bootstrap peers", reached,
+                                    len(bootstrap))
+                        break
+                    await trio.sleep(delay_s)
+                    delay_s = min(2 * delay_s, config.discovery.retry_max_s)
                 try:
                     await trio.sleep_forever()
                 finally:
@@ -99,9 +113,34 @@ def gossip_setup(config: DaemonConfig, shaper=None):
                     raise ControlCommandError(f"bad peer id {ref!r}: give 64 hex digits") from None
             return {"cut_peers": sorted(p.hex() for p in shaper.cut_peers)}
 
+        def training_status() -> dict | None:
+            plane = holder.get("plane")
+            return None if plane is None else plane.status()
+
+        def plane() -> ControlPlane:
+            found = holder.get("plane")
+            if found is None:
+                raise ControlCommandError("the control plane is not running yet")
+            return found
+
+        async def train_start(args: dict) -> dict:
+            try:
+                return await plane().start_training(TrainRequest.from_args(args))
+            except TrainError as e:
+                raise ControlCommandError(str(e)) from None
+
+        async def train_stop(args: dict) -> dict:
+            try:
+                return await plane().stop_training()
+            except TrainError as e:
+                raise ControlCommandError(str(e)) from None
+
         daemon.add_service(run_gossip, name="gossip")
         daemon.add_status_provider("gossip", status)
+        daemon.add_status_provider("training", training_status)
         daemon.add_control_op("emulate", emulate)
+        daemon.add_control_op("train_start", train_start)
+        daemon.add_control_op("train_stop", train_stop)
 
     return setup
 

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,8 +22,9 @@ from dtfm.net import EmulationConfig, new_swarm_key
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import free_ports, peer_request, start_peer, stop_peer, wait_converged
-from .report import DEMO_PRESET, format_allocation, format_status, schedule_measured, status_report
+from .report import DEMO_PRESET, format_status, status_report
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state, save_state, send_signal
+from .train import issuer_of, plot_loss, read_log, start_training, sync_log, wait_step
 
 PROG = "dtfm-swarm"
 
@@ -79,6 +79,40 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise
     save_state(run_dir, state)
     print(f"swarm up: {n} peers; `dtfm-swarm status --run-dir {run_dir}` shows it", file=sys.stderr)
+    if getattr(args, "train", False):
+        _train(state, args)
+    return 0
+
+
+def _train_request(args: argparse.Namespace) -> dict:
+    if args.dp is not None and args.stages is None:
+        raise SwarmError("--dp needs --stages S")
+    return {"preset": args.preset, "steps": args.steps, "seed": args.seed,
+            "stages": args.stages if args.stages is not None else "auto", "dp": args.dp,
+            "checkpoint_every": args.checkpoint_every}
+
+
+def _train(state: SwarmState, args: argparse.Namespace) -> dict:
+    """`train start` on the first live peer: it schedules, hands out and starts the run."""
+    peer = next((p for p in state.peers if p.alive()), None)
+    if peer is None:
+        raise SwarmError("no peer is running")
+    reply = start_training(state, peer, _train_request(args))
+    print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x "
+          f"{reply['dp']} pipelines, issued by {peer.name}; predicted {reply['predicted_iteration_s']:.3f} s "
+          f"per step", file=sys.stderr)
+    return reply
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    _train(load_state(args.run_dir), args)
+    return 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    state = load_state(args.run_dir)
+    issued = wait_step(state, args.run_dir, args.step, args.timeout)
+    print(f"step {issued['completed']} completed; log in {args.run_dir / 'train.jsonl'}", file=sys.stderr)
     return 0
 
 
@@ -121,6 +155,9 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
+    found = issuer_of(state)
+    if found is not None:
+        sync_log(args.run_dir, found[0])
     running = [p for p in state.peers if p.alive()]
     for peer in running:
         stop_peer(peer, graceful=not args.kill)
@@ -163,29 +200,53 @@ def cmd_heal(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Start a swarm, measure it, schedule on the measurements, train in that shape, stop."""
+    """Start a swarm, measure it, let one daemon schedule and hand out the tiny model, train it
+    across the daemons, report, stop."""
     args.no_wait_measurements = False
     args.keep_on_failure = False
     args.log_json = False
+    args.train = False
     cmd_up(args)
+    run_dir: Path = args.run_dir
     try:
-        state = load_state(args.run_dir)
-        report = status_report(state)
-        print(format_status(report), flush=True)
-        alloc = schedule_measured(report)
-        print("\n" + format_allocation(report, alloc), flush=True)
-        cmd = [sys.executable, "-m", "dtfm.train", "--preset", DEMO_PRESET, "--steps", str(args.steps),
-               "--stages", str(alloc.stages), "--dp", str(alloc.dp), "--micro-batches", "4",
-               "--batch", str(8 * alloc.dp)]
-        print(f"\ntraining the {DEMO_PRESET} model as {alloc.stages} x {alloc.dp} on this machine "
-              f"(stage replicas in threads over the in-memory Comm): {' '.join(cmd[1:])}",
-              flush=True)
-        rc = subprocess.call(cmd)
-        if rc != 0:
-            raise SwarmError(f"training exited with status {rc}")
+        state = load_state(run_dir)
+        print(format_status(status_report(state)), flush=True)
+        reply = _train(state, args)
+        names = {p.peer_id: f"{p.name}({p.region})" for p in state.peers}
+        print(f"\nallocation: {reply['stages']} stages x {reply['dp']} pipelines, layers "
+              f"{reply['layer_ranges']}, predicted {reply['predicted_iteration_s']:.3f} s per step")
+        for d, pipe in enumerate(reply["pipelines"]):
+            print(f"  pipeline {d}: " + " -> ".join(names.get(p, p[:8]) for p in pipe))
+        if reply["spares"]:
+            print("  spares: " + ", ".join(names.get(p, p[:8]) for p in reply["spares"]))
+        print(flush=True)
+        shown = 0
+        for step in range(args.steps):
+            wait_step(state, run_dir, step, timeout_s=args.step_timeout)
+            for row in read_log(run_dir / "train.jsonl")[shown:]:
+                print(f"step {row['step']:4d}  loss {row['loss']:.4f}  {row['iteration_s']:.2f} s  "
+                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
+                shown += 1
+        _demo_report(run_dir, reply)
     finally:
-        cmd_down(argparse.Namespace(run_dir=args.run_dir, kill=False))
+        cmd_down(argparse.Namespace(run_dir=run_dir, kill=False))
     return 0
+
+
+def _demo_report(run_dir: Path, reply: dict) -> None:
+    rows = read_log(run_dir / "train.jsonl")
+    measured = sorted(r["iteration_s"] for r in rows[1:]) or [float("nan")]
+    median = measured[len(measured) // 2]
+    lines = [f"allocation: {reply['stages']} x {reply['dp']}, pipelines "
+             + "; ".join(" -> ".join(p[:8] for p in pipe) for pipe in reply["pipelines"]),
+             f"loss: {rows[0]['loss']:.4f} at step 0 -> {rows[-1]['loss']:.4f} at step {rows[-1]['step']}",
+             f"iteration time: predicted {reply['predicted_iteration_s']:.3f} s, measured median "
+             f"{median:.3f} s (first step left out)"]
+    plot = plot_loss(run_dir)
+    lines.append(f"loss plot: {plot}" if plot else
+                 "loss plot: install matplotlib (pip install matplotlib) and run the demo again for loss.png")
+    (run_dir / "report.txt").write_text("\n".join(lines) + "\n")
+    print("\n" + "\n".join(lines) + f"\nreport: {run_dir / 'report.txt'}", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -216,6 +277,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=180.0,
                        help="seconds to wait for the swarm to converge (default: %(default)s)")
 
+    def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
+        p.add_argument("--preset", default=DEMO_PRESET, help="model preset (default: %(default)s)")
+        p.add_argument("--steps", type=int, default=steps, help="training steps (default: %(default)s)")
+        p.add_argument("--seed", type=int, default=0,
+                       help="same seed, same losses, whatever the shape (default: %(default)s)")
+        p.add_argument("--stages", type=int, default=None,
+                       help="pipeline stages (default: the scheduler picks the shape)")
+        p.add_argument("--dp", type=int, default=None, help="data-parallel pipelines (with --stages)")
+        p.add_argument("--checkpoint-every", type=int, default=0,
+                       help="each peer saves its stage every K steps (default: never)")
+
     p = sub.add_parser("up", parents=[common], help="start a swarm and wait until it converges")
     add_up_args(p, 8)
     p.add_argument("--no-wait-measurements", action="store_true",
@@ -223,7 +295,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-on-failure", action="store_true",
                    help="leave the peers running when the swarm does not converge, to debug")
     p.add_argument("--log-json", action="store_true", help="peers log JSON lines")
+    p.add_argument("--train", action="store_true",
+                   help="once every link is measured, start training on the swarm (see `train`)")
+    add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("train", parents=[common],
+                       help="start training on the running swarm: one daemon schedules, hands out "
+                            "the allocation and starts every peer")
+    add_train_args(p, steps=100)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("wait", parents=[common],
+                       help="wait until the swarm completed a training step; copies the run's "
+                            "train.jsonl into the run dir")
+    p.add_argument("--step", type=int, required=True, help="the step to wait for (0 is the first)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="give up after this many seconds (default: %(default)s)")
+    p.set_defaults(func=cmd_wait)
 
     p = sub.add_parser("status", parents=[common], help="one table of the whole swarm")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -255,10 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_heal)
 
     p = sub.add_parser("demo", parents=[common],
-                       help="start a small multi-region swarm, measure its links, schedule the "
-                            "tiny model on the measurements, train it in that shape, stop")
-    add_up_args(p, 6)
-    p.add_argument("--steps", type=int, default=60, help="training steps (default: %(default)s)")
+                       help="start a multi-region swarm, measure its links; one daemon schedules the "
+                            "tiny model on the measurements and the daemons train it together; report, stop")
+    add_up_args(p, 8)
+    add_train_args(p, steps=30)
+    p.add_argument("--step-timeout", type=float, default=300.0,
+                   help="give up when one step takes longer than this (default: %(default)s)")
     p.set_defaults(func=cmd_demo)
     return parser
 
@@ -273,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dtfm-swarm status | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

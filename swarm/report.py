@@ -25,10 +25,15 @@ def status_report(state: SwarmState) -> dict:
         if rep is not None:
             p.peer_id = str(rep.get("peer_id", p.peer_id))
             observer = observer or rep
-        peers_out.append({"name": p.name, "index": p.index, "id": p.peer_id, "region": p.region,
-                          "address": p.address, "pid": p.pid,
-                          "state": "running" if rep is not None else
-                          ("unresponsive" if p.alive() else "stopped")})
+        entry = {"name": p.name, "index": p.index, "id": p.peer_id, "region": p.region,
+                 "address": p.address, "pid": p.pid,
+                 "state": "running" if rep is not None else ("unresponsive" if p.alive() else "stopped")}
+        training = (rep or {}).get("training") or {}
+        if training.get("epoch") is not None:
+            entry.update({"stage": training.get("stage"), "pipeline": training.get("pipeline"),
+                          "epoch": training.get("epoch"), "step": training.get("step"),
+                          "training": training.get("state")})
+        peers_out.append(entry)
     report: dict[str, Any] = {"scenario": state.scenario_name, "run_dir": None,
                               "time_scale": state.time_scale,
                               "bandwidth_scale": state.bandwidth_scale, "peers": peers_out}
@@ -74,10 +79,12 @@ def measured_matrices(report: dict, ids: list[str], time_scale: float,
 
 
 def format_status(report: dict) -> str:
-    rows = [["NAME", "ID", "REGION", "ADDRESS", "PID", "PROCESS", "MEMBER"]]
+    rows = [["NAME", "ID", "REGION", "ADDRESS", "PID", "PROCESS", "MEMBER", "STAGE", "STEP", "TRAINING"]]
     for p in report["peers"]:
+        stage = "-" if p.get("stage") is None else f"{p['stage']}/{p['pipeline']}"
         rows.append([p["name"], (p["id"] or "-")[:8], p["region"], p["address"],
-                     str(p["pid"] or "-"), p["state"], p.get("member_state", "-")])
+                     str(p["pid"] or "-"), p["state"], p.get("member_state", "-"), stage,
+                     "-" if p.get("step") is None else str(p["step"]), p.get("training") or "-"])
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
     lines = [f"swarm: scenario {report['scenario']}, {len(report['peers'])} peers, "
              f"time scale {report['time_scale']:g}, bandwidth scale {report['bandwidth_scale']:g}"]

@@ -1,0 +1,120 @@
+"""One peer's stage of a run: its `StageState`, stepped in a worker thread until the run ends.
+
+The trio task that calls `StageRunner.run` owns the thread (`trio.to_thread.run_sync`). The
+thread runs whole steps; between steps it checks the stop step, so a stop lands on a step
+boundary. A step that fails (a neighbour died, a message timed out) leaves the stage as it was
+before that step (`run_step` applies nothing until every message of the step has arrived) and
+ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import trio
+
+from dtfm.train import Comm, CommError, Corpus, Plan, StageState, StepResult, run_step, save_checkpoint
+
+__all__ = ["RunEnd", "StageRunner", "StepReport", "params_sha256"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What a peer tells the issuer (and its own status) about one completed step."""
+
+    epoch: int
+    step: int
+    loss: float | None  # global mean loss, on last stages only
+    iteration_s: float  # this peer's wall time for the step
+    compute_s: float
+    pipeline_s: float
+    sync_s: float
+
+    def to_wire(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "loss": self.loss, "iteration_s": self.iteration_s,
+                "compute_s": self.compute_s, "pipeline_s": self.pipeline_s, "sync_s": self.sync_s}
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How a stage's run ended: `completed` is the last step this peer completed (-1: none)."""
+
+    completed: int
+    reason: str  # "finished", "stopped", or what failed
+    failed: bool
+    params_sha256: str = ""  # of the stage's parameters at the end: DP replicas must agree
+
+
+class StageRunner:
+    def __init__(self, state: StageState, plan: Plan, me: bytes, comm: Comm, corpus: Corpus, *,
+                 end_step: int, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
+                 torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None):
+        self.state, self.plan, self.me, self.comm, self.corpus = state, plan, me, comm, corpus
+        self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        self.torch_threads = torch_threads
+        self.on_step = on_step
+        self._end_step = end_step
+        self._stopped = False
+        self._lock = threading.Lock()
+        self.last: StepReport | None = None
+        self.running = False
+
+    @property
+    def end_step(self) -> int:
+        with self._lock:
+            return self._end_step
+
+    def stop_at(self, step: int) -> None:
+        """End the run before step `step` (never later than already planned)."""
+        with self._lock:
+            if step < self._end_step:
+                self._end_step = max(step, self.state.step)
+                self._stopped = True
+
+    async def run(self) -> RunEnd:
+        """Run steps until the end step or a failure; the thread stays owned by this task."""
+        self.running = True
+        try:
+            return await trio.to_thread.run_sync(self._loop, abandon_on_cancel=False)
+        finally:
+            self.running = False
+
+    def _loop(self) -> RunEnd:
+        torch.set_num_threads(self.torch_threads)
+        while self.state.step < self.end_step:
+            step = self.state.step
+            t0 = time.perf_counter()
+            try:
+                result: StepResult = run_step(self.state, self.plan, self.me, self.comm, self.corpus)
+            except CommError as e:
+                logger.warning("step %d failed: %s; last completed step %d", step, e, step - 1)
+                return RunEnd(step - 1, str(e), True, params_sha256(self.state))
+            report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
+                                result.compute_s, result.pipeline_s, result.sync_s)
+            self.last = report
+            if self.on_step is not None:
+                self.on_step(report)
+            if self.checkpoint_every and self.checkpoint_dir and self.state.step % self.checkpoint_every == 0:
+                path = save_checkpoint(self.checkpoint_dir, self.state)
+                logger.info("saved checkpoint of step %d to %s", self.state.step, path)
+        with self._lock:
+            reason = "stopped" if self._stopped else "finished"
+        return RunEnd(self.state.step - 1, reason, False, params_sha256(self.state))
+
+
+def params_sha256(state: StageState) -> str:
+    """sha256 over the stage's parameters, by name: equal on replicas that hold equal weights."""
+    h = hashlib.sha256()
+    for name in sorted(state.params):
+        h.update(name.encode())
+        h.update(state.params[name].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
