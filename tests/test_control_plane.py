@@ -1,0 +1,134 @@
+"""The control plane's message handlers against hostile or mistaken input: each is refused
+with its reason (or closes the connection, for a malformed body) and nothing is applied."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dtfm.control import Allocation, ControlPlane, SignedAllocation, TrainerConfig, TrainError, TrainRequest
+from dtfm.gossip import Member, MemberState
+from dtfm.net import Identity, ProtocolError
+from dtfm.train import PRESETS, TEST_CONFIG, Corpus
+
+IDS = [Identity(bytes([i]) * 32) for i in range(1, 6)]
+ISSUER, OTHER, MALLORY = IDS[0], IDS[1], Identity(b"\xee" * 32)
+CORPUS = Corpus(np.frombuffer(b"hello swarm " * 4096, dtype=np.uint8).copy(), "test-corpus")
+CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)
+
+
+class FakeGossip:
+    def __init__(self, peers):
+        self._members = [Member(p.peer_id, 0, MemberState.ALIVE, "127.0.0.1", 7000 + k, "r")
+                         for k, p in enumerate(peers)]
+
+    def live_peers(self):
+        return sorted(m.peer_id for m in self._members)
+
+    def members(self):
+        return list(self._members)
+
+    def on_member_change(self, cb):
+        pass
+
+
+class FakeTransport:
+    def handle(self, msg_type, handler):
+        pass
+
+    def on_connect(self, cb):
+        pass
+
+    def on_disconnect(self, cb):
+        pass
+
+    def connection(self, peer_id):
+        return None
+
+
+@dataclasses.dataclass
+class Conn:
+    peer_id: bytes
+    short_id: str = "peer"
+
+
+def make_plane(tmp_path: Path, me: Identity) -> ControlPlane:
+    plane = ControlPlane(FakeTransport(), me, FakeGossip(IDS[:4]), tmp_path, TrainerConfig())
+    plane._corpora[None] = CORPUS
+    return plane
+
+
+def alloc(**kw) -> Allocation:
+    fields = dict(epoch=1, term=0, issuer=ISSUER.peer_id, run_id=b"r" * 16,
+                  pipelines=[[IDS[0].peer_id, IDS[1].peer_id], [IDS[2].peer_id, IDS[3].peer_id]],
+                  layer_ranges=[(0, 2), (2, 4)], preset="tiny", model=PRESETS["tiny"], train=CFG,
+                  data_hash=CORPUS.fingerprint, data_name=CORPUS.name, start_step=0, end_step=10)
+    fields.update(kw)
+    return Allocation(**fields)
+
+
+async def test_forged_allocation_is_refused_with_the_reason(tmp_path):
+    plane = make_plane(tmp_path, OTHER)
+    signed = SignedAllocation.sign(alloc(), ISSUER)
+    forged = SignedAllocation(signed.body, bytes(64))
+    reply = await plane._on_allocation(Conn(ISSUER.peer_id), 64, forged.to_wire(), None)
+    assert reply["accepted"] is False and reply["code"] == "bad-allocation"
+    assert "signature" in reply["reason"]
+    assert plane._run is None
+
+
+async def test_garbage_allocation_is_refused(tmp_path):
+    plane = make_plane(tmp_path, OTHER)
+    reply = await plane._on_allocation(Conn(ISSUER.peer_id), 64, {"body": b"\x00", "sig": b"x"}, None)
+    assert reply["accepted"] is False and reply["code"] == "bad-allocation"
+    assert plane._run is None
+
+
+async def test_allocation_for_another_data_set_names_the_flag(tmp_path):
+    plane = make_plane(tmp_path, OTHER)
+    other = alloc(data_hash="0" * 64, data_name="issuer.txt")
+    reply = await plane._on_allocation(Conn(ISSUER.peer_id), 64, SignedAllocation.sign(other, ISSUER).to_wire(), None)
+    assert reply["accepted"] is False and reply["code"] == "data-mismatch"
+    assert "--data" in reply["reason"] and plane._run is None
+
+
+async def test_allocation_naming_an_unknown_peer_is_refused(tmp_path):
+    plane = make_plane(tmp_path, OTHER)
+    bad = alloc(pipelines=[[IDS[0].peer_id, IDS[1].peer_id], [IDS[2].peer_id, MALLORY.peer_id]])
+    reply = await plane._on_allocation(Conn(ISSUER.peer_id), 64, SignedAllocation.sign(bad, ISSUER).to_wire(), None)
+    assert reply["accepted"] is False and reply["code"] in ("unknown-peer", "dead-peer")
+    assert plane._run is None
+
+
+async def test_start_stop_and_step_reports_are_checked(tmp_path):
+    plane = make_plane(tmp_path, OTHER)
+    # no accepted epoch: START is refused, STOP is refused, nothing runs
+    assert (await plane._on_start(Conn(ISSUER.peer_id), 65, {"run": b"r" * 16, "epoch": 1}, None))["started"] is False
+    assert (await plane._on_stop(Conn(ISSUER.peer_id), 66, {"run": b"r" * 16, "at_step": 3}, None))["stopped"] is False
+    with pytest.raises(ProtocolError):
+        await plane._on_start(Conn(ISSUER.peer_id), 65, [1, 2], None)
+    with pytest.raises(ProtocolError):
+        await plane._on_stop(Conn(ISSUER.peer_id), 66, "stop", None)
+    with pytest.raises(ProtocolError):
+        await plane._on_step(Conn(ISSUER.peer_id), 67, {"epoch": "x", "step": 1}, None)
+    # a report for a run this peer did not issue is ignored
+    await plane._on_step(Conn(ISSUER.peer_id), 67, {"run": b"r" * 16, "epoch": 1, "step": 0, "loss": 1.0,
+                                                     "iteration_s": 1.0, "compute_s": 0.1, "pipeline_s": 0.5,
+                                                     "sync_s": 0.1}, None)
+    assert plane._issued is None
+
+
+@pytest.mark.parametrize("args, match", [
+    ({"preset": "huge"}, "unknown preset"),
+    ({"steps": 0}, "steps"),
+    ({"steps": True}, "steps"),
+    ({"dp": 2}, "--dp needs --stages"),
+    ({"stages": -1}, "stages"),
+    ({"data": 5}, "data"),
+])
+def test_train_requests_are_checked(args, match):
+    with pytest.raises(TrainError, match=match):
+        TrainRequest.from_args(args)
