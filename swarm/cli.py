@@ -159,9 +159,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     if found is not None:
         sync_log(args.run_dir, found[0])
     running = [p for p in state.peers if p.alive()]
-    for peer in running:
+    for peer in state.peers:  # a peer killed earlier is only reaped: it leaves no zombie behind
         stop_peer(peer, graceful=not args.kill)
-    for peer in state.peers:
         peer.pid = None
     save_state(args.run_dir, state)
     print(f"stopped {len(running)} peers; logs stay in {args.run_dir}", file=sys.stderr)
