@@ -39,6 +39,34 @@ def check_handler(handlers: Mapping[int, Handler], msg_type: int) -> None:
         raise ValueError(f"message type {msg_type} already has a handler")
 
 
+class Registry:
+    """What both transports keep the same way: handlers by message type, connect and disconnect
+    callbacks, and the live connection to each peer (`_by_peer`, kept by the subclass)."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[int, Handler] = {}
+        self._on_connect: list[Callable[[PeerConnection], None]] = []
+        self._on_disconnect: list[Callable[[PeerConnection, str], None]] = []
+        self._by_peer: dict[bytes, PeerConnection] = {}
+
+    def handle(self, msg_type: int, handler: Handler) -> None:
+        check_handler(self._handlers, msg_type)
+        self._handlers[msg_type] = handler
+
+    def on_connect(self, cb: Callable[[PeerConnection], None]) -> None:
+        self._on_connect.append(cb)
+
+    def on_disconnect(self, cb: Callable[[PeerConnection, str], None]) -> None:
+        self._on_disconnect.append(cb)
+
+    def connection(self, peer_id: bytes):
+        conn = self._by_peer.get(peer_id)
+        return conn if conn is not None and not conn.closed else None
+
+    def connections(self) -> list:
+        return [c for c in self._by_peer.values() if not c.closed]
+
+
 def encode_body(msg_type: int, body: object, payload_len: int, config: TransportConfig) -> bytes:
     """The msgpack body of an outgoing message; ValueError when it breaks a limit."""
     if not 0 <= msg_type <= MAX_MSG_TYPE:

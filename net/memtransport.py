@@ -24,17 +24,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
 from .config import TransportConfig
-from .dispatch import Dispatcher, Requests, check_handler, encode_body
+from .dispatch import Dispatcher, Registry, Requests, encode_body
 from .errors import ConnectionClosed, HandshakeError, ProtocolError
 from .frames import MAX_CLOSE_REASON_BYTES
 from .identity import short_id
-from .interface import Handler, Payload, PeerConnection
+from .interface import Payload
 from .wire import unpack_untrusted
 
 if TYPE_CHECKING:
@@ -60,11 +59,12 @@ class MemFrame(NamedTuple):
     droppable: bool
 
 
-class MemTransport:
+class MemTransport(Registry):
     """One node's end of a MemNetwork. Create it with `MemNetwork.add()`, run `serve()`."""
 
     def __init__(self, net: MemNetwork, peer_id: bytes, region: str, address: tuple[str, int],
                  config: TransportConfig) -> None:
+        super().__init__()
         self.net = net
         self.peer_id = peer_id
         self.short_id = short_id(peer_id)
@@ -73,33 +73,12 @@ class MemTransport:
         self.config = config
         self.killed = False
         self.stalled_until = -math.inf
-        self._handlers: dict[int, Handler] = {}
-        self._by_peer: dict[bytes, MemConnection] = {}
         self._links: dict[int, MemConnection] = {}
-        self._on_connect: list[Callable[[PeerConnection], None]] = []
-        self._on_disconnect: list[Callable[[PeerConnection, str], None]] = []
         self._inbox_send, self._inbox = trio.open_memory_channel[MemFrame](INBOX_FRAMES)
         self._nursery: trio.Nursery | None = None
         self._closed = False
 
-    # ---- PeerTransport ---------------------------------------------------------------------
-
-    def handle(self, msg_type: int, handler: Handler) -> None:
-        check_handler(self._handlers, msg_type)
-        self._handlers[msg_type] = handler
-
-    def on_connect(self, cb: Callable[[PeerConnection], None]) -> None:
-        self._on_connect.append(cb)
-
-    def on_disconnect(self, cb: Callable[[PeerConnection, str], None]) -> None:
-        self._on_disconnect.append(cb)
-
-    def connection(self, peer_id: bytes) -> MemConnection | None:
-        conn = self._by_peer.get(peer_id)
-        return conn if conn is not None and not conn.closed else None
-
-    def connections(self) -> list[MemConnection]:
-        return [c for c in self._by_peer.values() if not c.closed]
+    # ---- PeerTransport (registration and lookup: Registry) ---------------------------------
 
     async def connect(self, host: str, port: int) -> MemConnection:
         """A connection to the node at host:port, reusing a live one; ConnectionClosed when

@@ -15,17 +15,15 @@ connection from the same dialler replaces an older one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import trio
 
 from .config import TransportConfig
 from .connection import Connection
-from .dispatch import check_handler
+from .dispatch import Registry
 from .errors import ConnectionClosed, HandshakeError, ProtocolError
 from .handshake import MAX_HANDSHAKE_BYTES, HandshakeResult, Initiator, PeerHello, Responder, reject_message
 from .identity import Identity
-from .interface import Handler, PeerConnection
 from .ratelimit import HandshakeAdmission
 from .session import encode_prefix
 from .shaping import LinkShaper
@@ -36,7 +34,7 @@ __all__ = ["Transport"]
 logger = logging.getLogger(__name__)
 
 
-class Transport:
+class Transport(Registry):
     """The TCP implementation of `PeerTransport`."""
 
     def __init__(
@@ -50,6 +48,7 @@ class Transport:
     ) -> None:
         if len(swarm_key) != 32:
             raise ValueError("the swarm key is 32 bytes")
+        super().__init__()
         self.identity = identity
         self.peer_id = identity.peer_id
         self.region = region
@@ -58,35 +57,12 @@ class Transport:
         self._swarm_key = bytes(swarm_key)
         self._suites = None if config.cipher_suites is None else list(config.cipher_suites)
         self._shaper = shaper
-        self._handlers: dict[int, Handler] = {}
-        self._on_connect: list[Callable[[PeerConnection], None]] = []
-        self._on_disconnect: list[Callable[[PeerConnection, str], None]] = []
-        self._by_peer: dict[bytes, Connection] = {}
         self._all: set[Connection] = set()
         self._admission = HandshakeAdmission(
             config.handshake_rate_per_s, config.handshake_burst, config.max_half_open_handshakes
         )
         self._nursery: trio.Nursery | None = None
         self._closed = False
-
-    # ---- registration ------------------------------------------------------------------
-
-    def handle(self, msg_type: int, handler: Handler) -> None:
-        check_handler(self._handlers, msg_type)
-        self._handlers[msg_type] = handler
-
-    def on_connect(self, cb: Callable[[PeerConnection], None]) -> None:
-        self._on_connect.append(cb)
-
-    def on_disconnect(self, cb: Callable[[PeerConnection, str], None]) -> None:
-        self._on_disconnect.append(cb)
-
-    def connection(self, peer_id: bytes) -> Connection | None:
-        conn = self._by_peer.get(peer_id)
-        return conn if conn is not None and not conn.closed else None
-
-    def connections(self) -> list[Connection]:
-        return [c for c in self._by_peer.values() if not c.closed]
 
     # ---- running -----------------------------------------------------------------------
 
