@@ -11,11 +11,11 @@ from .comm import CommConfig, TensorRouter, TransportComm
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig, TrainError, TrainRequest
 from .runner import RunEnd, StageRunner, StepReport, params_sha256
-from .schedule import Shape, choose_shape, sched_spec
+from .schedule import PLACEMENTS, Shape, choose_shape, random_shape, sched_spec
 
 __all__ = [
-    "ALLOCATION_DOMAIN", "AcceptContext", "Allocation", "CommConfig", "ControlMsg", "ControlPlane",
+    "ALLOCATION_DOMAIN", "AcceptContext", "PLACEMENTS", "Allocation", "CommConfig", "ControlMsg", "ControlPlane",
     "MAX_ALLOCATION_BYTES", "REFUSAL_CODES", "Refusal", "RunEnd", "Shape", "SignedAllocation", "StageRunner",
     "StepReport", "TensorRouter", "TrainError", "TrainRequest", "TrainerConfig", "TransportComm",
-    "check_allocation", "choose_shape", "params_sha256", "sched_spec",
+    "check_allocation", "choose_shape", "params_sha256", "random_shape", "sched_spec",
 ]

@@ -36,7 +36,7 @@ from .allocation import AcceptContext, Allocation, SignedAllocation, check_alloc
 from .comm import CommConfig, TensorRouter, TransportComm
 from .messages import ControlMsg
 from .runner import RunEnd, StageRunner, StepReport
-from .schedule import choose_shape
+from .schedule import PLACEMENTS, choose_shape, random_shape
 
 __all__ = ["ControlPlane", "TrainerConfig", "TrainRequest", "TrainError"]
 
@@ -85,6 +85,7 @@ class TrainRequest:
     checkpoint_every: int = 0
     data_path: str | None = None
     train: TrainConfig | None = None  # None: TrainConfig() with this seed
+    placement: str = "scheduler"  # or "random": a random allocation of the given shape (a baseline)
 
     @classmethod
     def from_args(cls, args: dict) -> "TrainRequest":
@@ -104,12 +105,17 @@ class TrainRequest:
         stages = args.get("stages")
         if stages == "auto":
             stages = None
+        placement = args.get("placement", "scheduler")
+        if placement not in PLACEMENTS:
+            raise TrainError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=num("seed", 0, 0, 2**63 - 1),
                   stages=num("stages", stages, 1, 4096) if stages is not None else None,
                   dp=num("dp", None, 1, 4096), checkpoint_every=num("checkpoint_every", 0, 0, 10**9),
-                  data_path=data)
+                  data_path=data, placement=placement)
         if req.dp is not None and req.stages is None:
             raise TrainError("--dp needs --stages")
+        if placement == "random" and req.stages is None:
+            raise TrainError("a random placement needs --stages S (and --dp D)")
         return req
 
 
@@ -415,9 +421,12 @@ class ControlPlane:
         if req.stages is not None and req.dp is None:
             req = replace(req, dp=max(1, len(view.peers) // req.stages))
         try:
-            shape = await trio.to_thread.run_sync(lambda: choose_shape(
-                view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,
-                time_budget_s=self.config.schedule_time_s, seed=req.seed))
+            if req.placement == "random":
+                shape = random_shape(view, spec, cfg, stages=req.stages, dp=req.dp, seed=req.seed)
+            else:
+                shape = await trio.to_thread.run_sync(lambda: choose_shape(
+                    view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,
+                    time_budget_s=self.config.schedule_time_s, seed=req.seed))
         except ValueError as e:
             raise TrainError(f"cannot schedule: {e}") from None
         epoch = 1
@@ -454,7 +463,7 @@ class ControlPlane:
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
-                "steps": req.steps, "data": corpus.name, "log": str(self._issued.log_path)}
+                "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(self._issued.log_path)}
 
     async def _start_self(self, alloc: Allocation) -> dict:
         run = self._run

@@ -8,10 +8,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import CostModel, ModelSpec, simulate_iteration, solve
+from dtfm.sched import CostModel, ModelSpec, layer_ranges, simulate_iteration, solve
 from dtfm.train import GPTSpec, TrainConfig
 
-__all__ = ["Shape", "choose_shape", "sched_spec"]
+__all__ = ["PLACEMENTS", "Shape", "choose_shape", "random_shape", "sched_spec"]
+
+# How the issuer places peers: the DT-FM scheduler, or a uniformly random allocation of the same
+# shape (the baseline the scheduler is measured against).
+PLACEMENTS = ("scheduler", "random")
 
 # A speed-1.0 peer's achieved TFLOP/s, for turning a measured block time into the scheduler's
 # compute term: only ratios between peers and against the network matter.
@@ -45,9 +49,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     if not view.complete:
         raise ValueError(f"the network view is incomplete ({view.pairs_known()} of {n * (n - 1)} links "
                          "measured): wait until gossip has measured every link")
-    delay = np.nan_to_num(view.delay_ms, nan=0.0)
-    bw = np.where(np.isnan(view.bandwidth_gbps), np.inf, view.bandwidth_gbps)
-    np.fill_diagonal(bw, np.inf)
+    delay, bw = _matrices(view)
     labels = [regions.get(p, "") for p in view.peers] if regions else None
     d_for_spec = dp or max(1, n // (stages or 1))
     mspec = sched_spec(spec, cfg, d_for_spec)
@@ -58,3 +60,33 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     ids = view.peers
     return Shape(tuple(tuple(ids[i] for i in pipe) for pipe in alloc.pipelines), alloc.layer_ranges,
                  tuple(ids[i] for i in alloc.spares), float(sim.iteration_s), float(alloc.cost.paper_s))
+
+
+def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int, seed: int = 0) -> Shape:
+    """A uniformly random allocation of `stages` x `dp` over the view's peers, even layer split,
+    with the simulator's prediction on the view: the baseline the scheduler's allocation is
+    compared with. ValueError when the view is incomplete or the shape does not fit."""
+    n = len(view.peers)
+    if not view.complete:
+        raise ValueError(f"the network view is incomplete ({view.pairs_known()} of {n * (n - 1)} links "
+                         "measured): wait until gossip has measured every link")
+    if stages * dp > n:
+        raise ValueError(f"{stages} stages x {dp} pipelines need {stages * dp} peers, {n} are live")
+    ranges = tuple(layer_ranges(spec.n_layer, stages))
+    order = np.random.default_rng(seed).permutation(n)
+    X = order[:stages * dp].reshape(dp, stages).T  # (S, D)
+    delay, bw = _matrices(view)
+    model = CostModel(delay, bw, sched_spec(spec, cfg, dp).workload(stages, dp))
+    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches)
+    ids = view.peers
+    return Shape(tuple(tuple(ids[i] for i in X[:, d]) for d in range(dp)), ranges,
+                 tuple(ids[i] for i in order[stages * dp:]), float(sim.iteration_s),
+                 float(model.breakdown(X).paper_s))
+
+
+def _matrices(view: NetworkView) -> tuple[np.ndarray, np.ndarray]:
+    """The view's delay (ms, unknown 0) and bandwidth (Gbps, unknown and self infinite)."""
+    delay = np.nan_to_num(view.delay_ms, nan=0.0)
+    bw = np.where(np.isnan(view.bandwidth_gbps), np.inf, view.bandwidth_gbps)
+    np.fill_diagonal(bw, np.inf)
+    return delay, bw

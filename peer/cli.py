@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
+from dtfm.control import PLACEMENTS
 
 from . import logs
 from .config import ConfigError, DaemonConfig
@@ -137,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="data-parallel pipelines (with --stages S; default: as many as the live peers fill)")
     t.add_argument("--checkpoint-every", type=_non_negative_int, default=0, metavar="K",
                    help="every peer saves its stage in its data dir every K steps; 0 never (default: 0)")
+    t.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
+                   help="who runs what: the DT-FM scheduler on the measured view, or a random "
+                        "allocation of the --stages x --dp shape, as a baseline (default: %(default)s)")
     t.add_argument("--data", default=None, metavar="FILE",
                    help="the text file or folder to train on, as this daemon reads it; every peer "
                         "must hold the same content (default: the daemon's --data)")
@@ -252,7 +256,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     elif args.dp is not None:
         raise CliError("--dp needs --stages S")
     request = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "stages": stages,
-               "dp": args.dp, "checkpoint_every": args.checkpoint_every,
+               "dp": args.dp, "checkpoint_every": args.checkpoint_every, "placement": args.placement,
                "data": str(Path(args.data).absolute()) if args.data else None}
     control = dataclasses.replace(config.control, request_timeout_s=args.timeout)
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
