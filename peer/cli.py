@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
 from dtfm.control import PLACEMENTS
+from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
 
 from . import logs
 from .config import ConfigError, DaemonConfig
