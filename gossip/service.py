@@ -23,7 +23,7 @@ from dtfm.net import ConnectionClosed, ProtocolError
 
 from .config import GossipConfig
 from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwidth, measure_rtt, serve_bulk, serve_ping
-from .members import Member, MemberState
+from .members import Member, MemberState, Update
 from .messages import MsgType, decode_swim
 from .records import RecordStore, Report
 from .swim import Send, Swim
@@ -110,6 +110,8 @@ class GossipService:
                 if conn.peer_id == self.identity.peer_id:
                     continue
                 h, p = conn.listen_address
+                if h in ("", "0.0.0.0", "::"):  # it listens on every interface: use the one we reached
+                    h = conn.remote_address[0]
                 self._dispatch(self.swim.add_seed(conn.peer_id, h, p, conn.region, trio.current_time()))
                 reached += 1
         self._after_change()
@@ -119,6 +121,16 @@ class GossipService:
         """Announce a graceful leave and give the announcement time to spread."""
         self._dispatch(self.swim.leave(trio.current_time()))
         await trio.sleep(self.config.gossip_interval_s * 3 if linger_s is None else linger_s)
+
+    def set_address(self, host: str, port: int) -> None:
+        """Advertise host:port as this member's address from now on (learnt after start, e.g.
+        confirmed by peers): a new incarnation of our own entry, gossiped like a refutation."""
+        me = self.swim.me
+        if me.address == (host, port) or self.swim.leaving:
+            return
+        new = Member(me.peer_id, me.incarnation + 1, MemberState.ALIVE, host, port, me.region)
+        self.swim.members[me.peer_id] = new
+        self.swim.broadcasts.queue(Update(new, me.peer_id))
 
     def members(self) -> list[Member]:
         return sorted(self.swim.members.values(), key=lambda m: m.peer_id)
