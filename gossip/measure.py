@@ -8,7 +8,10 @@ whom to measure next and when, without I/O.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import random
 import statistics
 from dataclasses import dataclass
@@ -22,13 +25,15 @@ from .messages import MsgType
 from .records import MAX_GBPS, MAX_RTT_MS, Entry
 
 __all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
-           "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk"]
+           "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
+           "PROBE_HASH_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 BULK_RESERVE = 0
 BULK_DATA = 1
 MAX_BULK_BYTES = 64 * 1024 * 1024
+PROBE_HASH_BYTES = 16
 # What a request to a reachable peer may fail with: no reply in time, the connection went
 # away, or the peer answered with an error (busy, no handler). Anything else is a bug.
 _REQUEST_ERRORS = (RequestTimeout, ConnectionClosed, RemoteError)
@@ -105,12 +110,24 @@ class BulkGate:
         return peer_id in self.probing or self.serving.get(peer_id, -1.0) > now
 
 
+def probe_hash(payload: bytes) -> bytes:
+    """What the target of a bandwidth probe answers: proof that the whole payload arrived."""
+    return hashlib.blake2b(payload, digest_size=PROBE_HASH_BYTES, person=b"dtfm-bulk").digest()
+
+
 async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: float,
                             timeout_s: float) -> float | None:
-    """Gbps of one timed transfer of nbytes, or None when the link is busy or it failed."""
+    """Gbps of one timed transfer of nbytes, or None when the link is busy or it failed.
+
+    The payload is random and the reply must carry its hash (`probe_hash`), so the clock stops
+    only once the target proves it received every byte: it cannot answer early to inflate
+    the link. Payload and hash are made before the clock starts.
+    """
     pid = link.peer_id
     if gate.busy(pid, trio.current_time()):
         return None
+    payload = os.urandom(nbytes)
+    expected = probe_hash(payload)
     gate.probing.add(pid)
     try:
         t0 = trio.current_time()
@@ -123,19 +140,35 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
         rtt_s = min(rtt_s, trio.current_time() - t0)
         t0 = trio.current_time()
         body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_DATA, nbytes).to_wire(),
-                                     payload=bytes(nbytes), timeout_s=timeout_s)
+                                     payload=payload, timeout_s=timeout_s)
         elapsed = trio.current_time() - t0
     except _REQUEST_ERRORS as e:
         logger.debug("bandwidth probe to %s failed: %s", pid[:4].hex(), e)
         return None
     finally:
         gate.probing.discard(pid)
-    if not isinstance(body, dict) or body.get("n") != nbytes:
+    problem = _reply_problem(body, nbytes, expected)
+    if problem is not None:
+        logger.warning("bandwidth probe to %s discarded: %s", pid[:4].hex(), problem)
         return None
     transfer_s = elapsed - rtt_s
     if transfer_s <= 0:
         return MAX_GBPS
     return min(MAX_GBPS, nbytes * 8 / transfer_s / 1e9)
+
+
+def _reply_problem(body: object, nbytes: int, expected: bytes) -> str | None:
+    """Why a reply to BULK_DATA does not prove the payload arrived; None when it does."""
+    if not isinstance(body, dict):
+        return "reply is not a map"
+    if body.get("n") != nbytes:
+        return f"reply counts {body.get('n')!r} bytes, sent {nbytes}"
+    digest = body.get("hash")
+    if not isinstance(digest, bytes):
+        return "reply carries no hash of the payload"
+    if not hmac.compare_digest(digest, expected):
+        return "reply carries a wrong hash of the payload"
+    return None
 
 
 async def serve_ping(body) -> dict:
@@ -155,7 +188,7 @@ def serve_bulk(gate: BulkGate, peer_id: bytes, body, payload: bytes | None, now:
     gate.serving.pop(peer_id, None)
     if payload is None or len(payload) != n:
         raise ProtocolError("bulk probe: payload length does not match")
-    return {"n": n}
+    return {"n": n, "hash": probe_hash(payload)}
 
 
 @dataclass

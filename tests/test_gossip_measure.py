@@ -13,6 +13,7 @@ from dtfm.gossip.measure import (
     compute_speed_ms,
     measure_bandwidth,
     measure_rtt,
+    probe_hash,
     serve_bulk,
     serve_ping,
 )
@@ -64,6 +65,56 @@ async def test_bandwidth_from_timed_transfer_and_busy_link(autojump_clock):
     assert await measure_bandwidth(link, gate, 500_000, rtt_s=0.02, timeout_s=5.0) is None
 
 
+class LyingLink(FakeLink):
+    """A target that answers the transfer without proving it received the payload."""
+
+    def __init__(self, answer, **kw):
+        super().__init__(B, 0.02, 1e6, BulkGate(), **kw)
+        self.answer = answer
+        self.payloads = []
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s=None):
+        if BulkProbe.from_wire(body).op == BULK_RESERVE:
+            return await super().request(msg_type, body, payload=payload, timeout_s=timeout_s)
+        self.payloads.append(payload)
+        await trio.sleep(self.rtt_s)  # at the header, before the payload would have arrived
+        return self.answer(payload), None
+
+
+@pytest.mark.parametrize("answer", [
+    lambda p: {"n": len(p)},  # the reply of old: counts the bytes, proves nothing
+    lambda p: {"n": len(p), "hash": probe_hash(bytes(len(p)))},  # the hash of zeros
+    lambda p: {"n": len(p), "hash": probe_hash(p)[:-1] + b"\x00"},
+    lambda p: {"n": len(p), "hash": probe_hash(p).hex()},
+    lambda p: {"n": len(p) - 1, "hash": probe_hash(p)},
+    lambda p: ["n", len(p)],
+], ids=["no hash", "zeros", "wrong hash", "hash as text", "wrong count", "not a map"])
+async def test_a_reply_without_the_payload_hash_yields_no_bandwidth(autojump_clock, answer, caplog):
+    link, gate = LyingLink(answer), BulkGate()
+    assert await measure_bandwidth(link, gate, 500_000, rtt_s=0.02, timeout_s=5.0) is None
+    assert not gate.probing
+    assert "bandwidth probe to 02020202 discarded" in caplog.text
+
+
+class RecordingLink(FakeLink):
+    def __init__(self):
+        super().__init__(B, 0.02, 1e6, BulkGate())
+        self.payloads = []
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s=None):
+        if payload is not None:
+            self.payloads.append(payload)
+        return await super().request(msg_type, body, payload=payload, timeout_s=timeout_s)
+
+
+async def test_probe_payload_is_random_and_the_target_proves_it(autojump_clock):
+    link, gate = RecordingLink(), BulkGate()
+    for _ in range(2):
+        assert await measure_bandwidth(link, gate, 500_000, rtt_s=0.05, timeout_s=5.0) == pytest.approx(0.008)
+    first, second = link.payloads
+    assert len(first) == 500_000 and first != second and first != bytes(500_000)
+
+
 class RaisingLink:
     """A PeerLink whose every request fails with `error`."""
 
@@ -98,7 +149,8 @@ def test_serve_bulk_checks_fields_and_payload():
     gate = BulkGate()
     assert serve_bulk(gate, B, {"op": BULK_RESERVE, "n": 10}, None, 0.0, 5.0) == {"ok": True}
     assert gate.busy(B, 1.0) and not gate.busy(B, 6.0)
-    assert serve_bulk(gate, B, {"op": BULK_DATA, "n": 10}, b"x" * 10, 1.0, 5.0) == {"n": 10}
+    reply = serve_bulk(gate, B, {"op": BULK_DATA, "n": 10}, b"x" * 10, 1.0, 5.0)
+    assert reply == {"n": 10, "hash": probe_hash(b"x" * 10)} and len(reply["hash"]) == 16
     assert not gate.busy(B, 1.0)
     for body, payload in [({"op": BULK_DATA, "n": 10}, b"x" * 9), ({"op": 7, "n": 10}, None),
                           ({"op": BULK_DATA, "n": -1}, b""), ([1], None), ({"op": BULK_DATA, "n": 3}, None)]:
