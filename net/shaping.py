@@ -16,7 +16,7 @@ from typing import Protocol
 
 import trio
 
-from .frames import CHUNK
+from .frames import ABORT, CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ class LinkShape(Protocol):
         """Started in the connection's nursery; loops forever delivering queued frames."""
 
     async def submit(self, frame: bytes, droppable: bool) -> None:
-        """Queue a frame (may apply backpressure); may drop it if droppable."""
+        """Queue a frame (may apply backpressure); may drop it if droppable. CHUNK and ABORT
+        frames must leave in the order they were submitted."""
 
 
 class LinkShaper(Protocol):
@@ -37,6 +38,8 @@ class LinkShaper(Protocol):
 
 class PriorityShape:
     """Two bounded FIFO queues, control frames first, payload chunks when none are waiting.
+
+    An ABORT frame travels in the chunk queue, behind the chunks of its payload sent before it.
 
     A full control queue drops droppable frames (logged) and makes others wait.
     """
@@ -50,7 +53,7 @@ class PriorityShape:
         self.dropped = 0
 
     async def submit(self, frame: bytes, droppable: bool) -> None:
-        is_chunk = frame[0] == CHUNK
+        is_chunk = frame[0] in (CHUNK, ABORT)
         q = self._chunks if is_chunk else self._control
         if len(q) >= self._max[is_chunk]:
             if droppable and not is_chunk:
