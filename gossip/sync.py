@@ -29,6 +29,13 @@ Any other (phase, input) pair leaves the phase as it is and emits nothing: the m
 droppable datagrams, so a reply arriving after its session timed out or was replaced is normal,
 not a protocol error. A session that sees no transition for `timeout_s` is back to IDLE.
 Malformed messages fail in `RecordSync.from_wire` with `ProtocolError`.
+
+The reports a message carries are trimmed before they reach `accept` (`SyncLimits`): of each
+measurer only the newest, only those newer than the store holds, at most
+`max_reports_per_message`, and no more than the sender's budget of
+`reports_per_source_per_s` allows (a token bucket per sender holding up to `burst_reports`).
+So a message of 4,096 copies of one report costs one signature check, and a flood costs at
+most the cap; what is trimmed away arrives again in a later round.
 """
 
 from __future__ import annotations
@@ -42,11 +49,57 @@ from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list
 from .messages import MAX_SEQ, MsgType
 from .records import DIGEST_HASH_LEN, MAX_ENTRIES, RecordStore, Report
 
-__all__ = ["RecordSync", "RecordSyncer", "SyncActions", "SyncPhase", "SyncRole", "SyncStep", "MAX_SESSIONS"]
+__all__ = ["RecordSync", "RecordSyncer", "SyncActions", "SyncLimits", "SyncPhase", "SyncRole", "SyncStep",
+           "VerifyBudget", "MAX_SESSIONS"]
 
 logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 4096  # responder sessions at once (one per peer that sent a HASH); more are refused
+MAX_BUCKETS = 1024  # senders whose verification budget is remembered while it refills
+
+
+@dataclass(frozen=True)
+class SyncLimits:
+    """How many received reports go on to a signature check (about 50 us each)."""
+
+    # Per message. An honest message carries one report per measurer within max_sync_bytes
+    # (at most about 64 at the default 256 KiB); a flood of 4,096 would cost 0.2 s.
+    max_reports_per_message: int = 256
+    # Per sender, refilling continuously: an honest peer sends us a few report-carrying
+    # messages per sync interval. Lower bounds the CPU one member can spend of ours (256/s is
+    # about 1.3% of a core); higher lets a burst of new rows in faster.
+    reports_per_source_per_s: float = 256.0
+    # The bucket's size: what one sender may spend at once after being quiet.
+    burst_reports: int = 512
+
+    def __post_init__(self) -> None:
+        if self.max_reports_per_message < 1 or self.burst_reports < 1:
+            raise ValueError("max_reports_per_message and burst_reports must be >= 1")
+        if not self.reports_per_source_per_s > 0:
+            raise ValueError("reports_per_source_per_s must be positive")
+
+
+class VerifyBudget:
+    """A token bucket per sender: how many of its reports may still be verified now."""
+
+    def __init__(self, rate_per_s: float, burst: int, max_buckets: int = MAX_BUCKETS) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self.max_buckets = max_buckets
+        self._buckets: dict[bytes, tuple[float, float]] = {}  # sender: (tokens, at time)
+
+    def available(self, src: bytes, now: float) -> float:
+        tokens, at = self._buckets.get(src, (float(self.burst), now))
+        return min(float(self.burst), tokens + max(0.0, now - at) * self.rate_per_s)
+
+    def take(self, src: bytes, want: int, now: float) -> int:
+        """Spend up to `want` tokens of src's; how many were granted."""
+        granted = max(0, min(want, int(self.available(src, now))))
+        self._buckets[src] = (self.available(src, now) - granted, now)
+        if len(self._buckets) > self.max_buckets:  # a full bucket is the same as none
+            for p in [p for p in self._buckets if self.available(p, now) >= self.burst]:
+                del self._buckets[p]
+        return granted
 
 
 class SyncStep(enum.IntEnum):
@@ -154,13 +207,15 @@ class RecordSyncer:
     """
 
     def __init__(self, store: RecordStore, *, max_sync_bytes: int, timeout_s: float,
-                 max_sessions: int = MAX_SESSIONS) -> None:
+                 max_sessions: int = MAX_SESSIONS, limits: SyncLimits = SyncLimits()) -> None:
         if timeout_s <= 0 or max_sync_bytes < 1 or max_sessions < 1:
             raise ValueError("need timeout_s > 0, max_sync_bytes >= 1 and max_sessions >= 1")
         self.store = store
         self.max_sync_bytes = max_sync_bytes
         self.timeout_s = timeout_s
         self.max_sessions = max_sessions
+        self.limits = limits
+        self.budget = VerifyBudget(limits.reports_per_source_per_s, limits.burst_reports)
         self._sessions: dict[SyncRole, dict[bytes, _Session]] = {r: {} for r in SyncRole}
 
     def phase(self, peer_id: bytes, role: SyncRole) -> SyncPhase:
@@ -198,15 +253,35 @@ class RecordSyncer:
             # offer's own digest, so accepting them first would not change it.
             newer = self._newer(msg.digest)
             reply = RecordSync(SyncStep.REPORTS, b"", (), newer) if newer else None
-            return SyncActions(msg.reports, reply)
+            return SyncActions(self._admit(src, msg.reports, now), reply)
         if msg.step is SyncStep.REPORTS and phase is SyncPhase.OFFER_SENT:
             self._enter(role, src, SyncPhase.IDLE, now)
-            return SyncActions(accept=msg.reports)
+            return SyncActions(accept=self._admit(src, msg.reports, now))
         if msg.step is SyncStep.REPORTS and phase is SyncPhase.HASH_SENT:
-            return SyncActions(accept=msg.reports)  # late, from the round start() replaced
+            # late, from the round start() replaced
+            return SyncActions(accept=self._admit(src, msg.reports, now))
         logger.debug("record sync %s from %s unexpected in phase %s (%s): dropped", msg.step.name,
                      src[:4].hex(), phase.value, role.value)
         return _NOTHING
+
+    def _admit(self, src: bytes, reports: tuple[Report, ...], now: float) -> tuple[Report, ...]:
+        """The reports of a message worth a signature check, within the limits."""
+        newest: dict[bytes, Report] = {}
+        for r in reports:
+            held = newest.get(r.measurer)
+            if held is None or r.seq > held.seq:
+                newest[r.measurer] = r
+        fresh = [r for r in newest.values() if self.store.is_newer(r.measurer, r.seq)]
+        cap = self.limits.max_reports_per_message
+        if len(fresh) > cap:
+            logger.warning("record sync from %s: %d new reports in one message, dropped all but %d",
+                           src[:4].hex(), len(fresh), cap)
+            fresh = fresh[:cap]
+        granted = self.budget.take(src, len(fresh), now)
+        if granted < len(fresh):
+            logger.warning("record sync from %s: over its verification budget, dropped %d reports",
+                           src[:4].hex(), len(fresh) - granted)
+        return tuple(fresh[:granted])
 
     def _newer(self, digest) -> tuple[Report, ...]:
         return self.store.newer_than(digest, self.max_sync_bytes)
