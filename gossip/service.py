@@ -242,7 +242,7 @@ class GossipService:
     async def _on_sync(self, conn, msg_type, body, payload):
         msg = RecordSync.from_wire(body)  # ProtocolError: the transport closes the connection
         actions = self.sync.handle(conn.peer_id, msg, trio.current_time())
-        self._accept(actions.accept)
+        await self._accept(actions.accept)
         if actions.reply is not None:
             try:
                 await conn.send(MsgType.RECORD_SYNC, actions.reply.to_wire(), droppable=True)
@@ -250,10 +250,9 @@ class GossipService:
                 logger.debug("record sync reply to %s failed: %s", conn.short_id, e)
         return None
 
-    def _accept(self, reports) -> None:
-        now = self._wall()
-        for r in reports:
-            self.records.offer(r, now_wall=now, is_member=self._is_member)
+    async def _accept(self, reports) -> None:
+        """Offer reports to the store, verifying their signatures in slices that yield."""
+        await self.records.offer_all(reports, now_wall=self._wall(), is_member=self._is_member)
 
     # ---- records and measurement
 
