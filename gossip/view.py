@@ -1,26 +1,37 @@
 """The N x N network view built from measurement reports, in scenario units.
 
-Where both ends measured a link, the view combines them robustly. Each peer gets a bias: the
-median, over its links measured from both ends, of log(its figure / the other end's figure).
-An honest peer's bias is near zero; a peer that scales its reports about its own links by f
-has a bias near log f. When both ends' biases are within `bias_threshold`, the view takes the
-geometric mean of the two figures (always between them); otherwise it takes the figure of the
-end with the smaller bias, so a liar cannot move the estimate off the honest end's figure.
+A member can only affect links it is an end of, and there only pessimistically:
+
+- Link (a, b) is described by a's report (its entry for b) and b's report (its entry for a),
+  nothing else. A report counts only under the measurer that signed it, so no third member
+  can speak for the link.
+- When both ends measured it, the view takes the worse figure: the higher round trip, the
+  lower bandwidth. When the two differ by more than `tolerance` (a ratio), the link is
+  `disputed`. Honest ends agree within their measurement noise, so the worse figure costs
+  at most that noise; a mean would let a liar pull the honest figure towards its own.
+- When one end measured it, the view takes that end's figure and marks the link `one_sided`.
+
+So, for a link an honest end has measured, the view's delay is at least that end's and its
+bandwidth at most that end's: lying can only make the liar's own links look worse, which
+pushes work away from it, never towards it. A link between two honest members stays between
+their two measurements. What a member says about its own compute speed is its own claim.
 """
 
 from __future__ import annotations
 
-import math
-import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from .records import Report
 
-__all__ = ["NetworkView", "build_view"]
+__all__ = ["NetworkView", "build_view", "DISAGREEMENT_RATIO"]
 
-DEFAULT_BIAS_THRESHOLD = math.log(1.5)
+# Two ends' figures of one link further apart than this ratio flag the link as disputed.
+# Honest round trips (medians of pings) and timed transfers agree far closer; the figure the
+# view takes does not depend on it, only the flag does.
+DISAGREEMENT_RATIO = 1.5
 
 
 @dataclass(frozen=True)
@@ -30,76 +41,88 @@ class NetworkView:
     bandwidth_gbps: np.ndarray  # (N, N); inf on the diagonal, nan unknown
     compute_ms: np.ndarray  # (N,) reference block forward+backward; nan unknown
     complete: bool  # every pair has a latency and a bandwidth from at least one end
+    disputed: np.ndarray | None = None  # (N, N) bool: the two ends disagree beyond the tolerance
+    one_sided: np.ndarray | None = None  # (N, N) bool: a figure comes from one end only
+
+    def __post_init__(self) -> None:
+        n = len(self.peers)
+        for name in ("disputed", "one_sided"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, np.zeros((n, n), dtype=bool))
 
     def pairs_known(self) -> int:
         off = ~np.eye(len(self.peers), dtype=bool)
         return int(np.sum(off & np.isfinite(self.delay_ms) & np.isfinite(self.bandwidth_gbps)))
+
+    def disputed_links(self) -> list[tuple[bytes, bytes]]:
+        """Links (a, b), a < b in peer-id order, whose two ends disagree beyond the tolerance."""
+        rows, cols = np.nonzero(np.triu(self.disputed, 1))
+        return [(self.peers[i], self.peers[j]) for i, j in zip(rows, cols)]
 
     def unscaled(self, time_scale: float = 1.0, bandwidth_scale: float = 1.0) -> "NetworkView":
         """Divide an emulator's scales out: measured figures back in scenario units (the
         emulator multiplies delays by time_scale and bandwidth by bandwidth_scale / time_scale)."""
         return NetworkView(self.peers, self.delay_ms / time_scale,
                            self.bandwidth_gbps * time_scale / bandwidth_scale, self.compute_ms,
-                           self.complete)
+                           self.complete, self.disputed, self.one_sided)
 
     def as_dict(self) -> dict:
         def clean(a):
             return [[None if not np.isfinite(x) else float(x) for x in row] for row in a]
         return {"peers": [p.hex() for p in self.peers], "delay_ms": clean(self.delay_ms),
-                "bandwidth_gbps": clean(self.bandwidth_gbps), "complete": self.complete}
+                "bandwidth_gbps": clean(self.bandwidth_gbps), "complete": self.complete,
+                "disputed": [[a.hex(), b.hex()] for a, b in self.disputed_links()],
+                "one_sided_links": int(np.sum(np.triu(self.one_sided, 1)))}
 
 
-def _row_bias(m: np.ndarray) -> np.ndarray:
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.log(m / m.T)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # rows without any pair: nan
-        bias = np.nanmedian(np.where(np.isfinite(ratio), ratio, np.nan), axis=1)
-    return np.where(np.isfinite(bias), bias, 0.0)
-
-
-def combine(m: np.ndarray, threshold: float) -> np.ndarray:
-    """Symmetric estimate from one-sided measurements m[i, j] (nan: not measured)."""
-    bias = np.abs(_row_bias(m))
+def combine(m: np.ndarray, *, worse_is_higher: bool, tolerance: float):
+    """Symmetric figures from one-sided measurements m[i, j] (nan: not measured): the worse of
+    the two ends' figures, whether they disagree beyond `tolerance`, whether only one end has one."""
     a, b = m, m.T
-    both = np.isfinite(a) & np.isfinite(b)
-    with np.errstate(invalid="ignore"):
-        geo = np.sqrt(a * b)
-    trusted_i = bias[:, None] <= threshold
-    trusted_j = bias[None, :] <= threshold
-    pick_i = bias[:, None] < bias[None, :]
-    pick_j = bias[None, :] < bias[:, None]
-    out = np.where(both & trusted_i & trusted_j, geo,
-          np.where(both & pick_i, a, np.where(both & pick_j, b, np.where(both, geo, np.nan))))
-    out = np.where(~both & np.isfinite(a), a, out)
-    out = np.where(~both & np.isfinite(b), b, out)
-    return out
+    known_a, known_b = np.isfinite(a), np.isfinite(b)
+    out = np.fmax(a, b) if worse_is_higher else np.fmin(a, b)  # fmax/fmin skip a nan
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.fmax(a, b) / np.fmin(a, b)
+    disputed = known_a & known_b & (ratio > tolerance)
+    return out, disputed, known_a ^ known_b
 
 
-def build_view(peers, reports: dict[bytes, Report], *,
-               bias_threshold: float = DEFAULT_BIAS_THRESHOLD) -> NetworkView:
-    peers = tuple(peers)
-    index = {p: i for i, p in enumerate(peers)}
-    n = len(peers)
+def _matrices(index: dict[bytes, int], reports) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = len(index)
     rtt = np.full((n, n), np.nan)
     bw = np.full((n, n), np.nan)
     compute = np.full(n, np.nan)
-    for measurer, r in reports.items():
-        i = index.get(measurer)
-        if i is None:
+    items = reports.items() if isinstance(reports, Mapping) else ((r.measurer, r) for r in reports)
+    for key, r in items:
+        i = index.get(r.measurer)
+        if i is None or key != r.measurer:  # a report filed under another name speaks for nobody
             continue
-        if r.compute_ms > 0:
+        if np.isfinite(r.compute_ms) and r.compute_ms > 0:
             compute[i] = r.compute_ms
         for e in r.entries:
             j = index.get(e.target)
-            if j is None:
+            if j is None or j == i:
                 continue
-            rtt[i, j] = e.rtt_ms
-            if e.bandwidth_gbps > 0:
+            if np.isfinite(e.rtt_ms) and e.rtt_ms > 0:
+                rtt[i, j] = e.rtt_ms
+            if np.isfinite(e.bandwidth_gbps) and e.bandwidth_gbps > 0:  # 0: not measured yet
                 bw[i, j] = e.bandwidth_gbps
-    delay = combine(rtt, bias_threshold) / 2.0
-    band = combine(bw, bias_threshold)
+    return rtt, bw, compute
+
+
+def build_view(peers, reports: Mapping[bytes, Report], *,
+               tolerance: float = DISAGREEMENT_RATIO) -> NetworkView:
+    """The view over `peers` (rows in that order) from each measurer's report (a mapping from
+    measurer to its report, or an iterable of reports)."""
+    if not tolerance >= 1.0:
+        raise ValueError(f"tolerance is a ratio >= 1, got {tolerance}")
+    peers = tuple(peers)
+    rtt, bw, compute = _matrices({p: i for i, p in enumerate(peers)}, reports)
+    rtt, rtt_disputed, rtt_one = combine(rtt, worse_is_higher=True, tolerance=tolerance)
+    band, bw_disputed, bw_one = combine(bw, worse_is_higher=False, tolerance=tolerance)
+    delay = rtt / 2.0
     np.fill_diagonal(delay, 0.0)
     np.fill_diagonal(band, np.inf)
     complete = bool(np.all(np.isfinite(delay)) and np.all(~np.isnan(band)))
-    return NetworkView(peers, delay, band, compute, complete)
+    return NetworkView(peers, delay, band, compute, complete, rtt_disputed | bw_disputed,
+                       rtt_one | bw_one)

@@ -326,43 +326,33 @@ def _reports_from_matrix(ids, rtt, bw):
     return out
 
 
-def test_view_combines_both_ends_and_flags_completeness():
+def test_view_takes_the_worse_end_and_flags_disputes_and_completeness():
     ids = [Identity(bytes([i + 1]) * 32) for i in range(3)]
-    rtt = np.array([[0, 10, 20], [12, 0, 30], [20, 30, 0]], float)
-    bw = np.array([[0, 1, 2], [1, 0, 4], [2, 4, 0]], float)
+    rtt = np.array([[0, 10, 20], [12, 0, 30], [20, 60, 0]], float)
+    bw = np.array([[0, 1, 2], [1.2, 0, 4], [2, 4, 0]], float)
     view = build_view([i.peer_id for i in ids], _reports_from_matrix(ids, rtt, bw))
     assert view.complete
-    assert view.delay_ms[0, 1] == view.delay_ms[1, 0] == pytest.approx(math.sqrt(120) / 2)
-    assert view.delay_ms[0, 2] == 10.0 and view.bandwidth_gbps[1, 2] == 4.0
+    assert view.delay_ms[0, 1] == view.delay_ms[1, 0] == 6.0  # the higher round trip, halved
+    assert view.bandwidth_gbps[0, 1] == view.bandwidth_gbps[1, 0] == 1.0  # the lower bandwidth
+    assert view.delay_ms[1, 2] == 30.0 and view.bandwidth_gbps[1, 2] == 4.0
+    assert view.disputed_links() == [(ids[1].peer_id, ids[2].peer_id)]  # 30 against 60 ms
+    assert view.as_dict()["disputed"] == [[ids[1].peer_id.hex(), ids[2].peer_id.hex()]]
+    assert not view.one_sided.any() and view.as_dict()["one_sided_links"] == 0
     assert np.all(np.diag(view.delay_ms) == 0) and np.all(np.isinf(np.diag(view.bandwidth_gbps)))
     partial = build_view([i.peer_id for i in ids] + [b"\x09" * 32], _reports_from_matrix(ids, rtt, bw))
     assert not partial.complete and partial.pairs_known() == 6
     slow = view.unscaled(time_scale=2.0, bandwidth_scale=4.0)
     assert slow.delay_ms[0, 2] == 5.0 and slow.bandwidth_gbps[1, 2] == 2.0
+    assert slow.disputed_links() == view.disputed_links()
 
 
-@settings(max_examples=30, deadline=None)
-@given(st.integers(4, 9), st.sampled_from([0.1, 0.4, 3.0, 20.0]), st.integers(0, 2**32 - 1))
-def test_a_liar_cannot_move_estimates_outside_honest_measurements(n, factor, seed):
-    rng = np.random.default_rng(seed)
-    true_rtt = rng.uniform(1, 200, (n, n))
-    true_rtt = (true_rtt + true_rtt.T) / 2
-    true_bw = rng.uniform(0.05, 10, (n, n))
-    true_bw = (true_bw + true_bw.T) / 2
-    noise = lambda: rng.uniform(0.9, 1.1, (n, n))  # honest measurements within 10%
-    rtt, bw = true_rtt * noise(), true_bw * noise()
-    liar = int(rng.integers(n))
-    rtt[liar] *= factor  # the liar scales every figure it reports about its own links
-    bw[liar] /= factor
-    ids = [Identity(bytes([i + 1]) * 32) for i in range(n)]
-    view = build_view([i.peer_id for i in ids], _reports_from_matrix(ids, rtt, bw))
-    for j in range(n):
-        if j == liar:
-            continue
-        honest_rtt, honest_bw = rtt[j, liar], bw[j, liar]  # the only honest figure of this link
-        assert view.delay_ms[liar, j] * 2 == pytest.approx(honest_rtt)
-        assert view.bandwidth_gbps[liar, j] == pytest.approx(honest_bw)
-        for k in range(n):
-            if k not in (j, liar):  # honest pairs stay between their two measurements
-                lo, hi = sorted([rtt[j, k], rtt[k, j]])
-                assert lo - 1e-9 <= view.delay_ms[j, k] * 2 <= hi + 1e-9
+def test_view_takes_a_one_sided_figure_and_marks_it():
+    ids = [Identity(bytes([i + 1]) * 32) for i in range(3)]
+    a, b, c = (i.peer_id for i in ids)
+    reports = {a: Report.create(ids[0], 1, NOW, 1.0, [Entry(b, 10.0, 0.0, 3), Entry(c, 20.0, 2.0, 3)]),
+               b: Report.create(ids[1], 1, NOW, 1.0, [Entry(a, 12.0, 1.0, 3), Entry(c, 30.0, 4.0, 3)])}
+    view = build_view([a, b, c], reports)
+    assert view.complete and view.delay_ms[0, 1] == 6.0 and view.bandwidth_gbps[0, 1] == 1.0
+    assert view.one_sided[0, 1]  # bandwidth from b only (a's probe has not run yet)
+    assert view.one_sided[0, 2] and view.one_sided[2, 1] and view.as_dict()["one_sided_links"] == 3
+    assert view.delay_ms[2, 0] == 10.0 and view.bandwidth_gbps[2, 1] == 4.0
