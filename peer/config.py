@@ -68,8 +68,18 @@ class PeerConfig:
     region: str = option(
         "", "region label shown to peers and used for scheduling, e.g. us-west",
         flag="--region", metavar="NAME")
+    # Behind NAT or with several interfaces, the address peers must dial. Unset, a peer that
+    # listens on a wildcard advertises the address its peers see it at, once one of them has
+    # dialled it back there; port 0 means the listen port.
+    advertise: Address | None = option(
+        None, "address other peers dial to reach this one (default: the listen address, or "
+        "for 0.0.0.0 / :: the address peers see and confirm by dialling back)",
+        flag="--advertise", metavar="HOST:PORT")
 
     def __post_init__(self) -> None:
+        if self.advertise is not None and self.advertise.is_unspecified:
+            raise ConfigError(f"peer.advertise {self.advertise}: give an address peers can "
+                              f"dial, not a wildcard")
         if self.region and not REGION_RE.match(self.region):
             raise ConfigError(f"peer.region {self.region!r}: use 1-64 letters, digits, '.', "
                               f"'_' or '-'")
@@ -95,11 +105,34 @@ class DiscoveryConfig:
     # How long `leave` waits for peers to hear the goodbye before closing connections.
     leave_timeout_s: float = option(2.0, "time allowed for telling peers we are leaving")
     departed_keep: int = option(32, "how many departed peers `status` remembers")
+    # The peer book holds connected peers plus addresses heard from others; only the latter
+    # are capped. Larger remembers more of a big swarm; smaller bounds what a liar can plant.
+    max_known_peers: int = option(1024, "most addresses learnt from others kept at once")
+    # One member's lies cannot fill the book: its own oldest unverified entries make room.
+    max_peers_per_source: int = option(128, "most unverified addresses kept from one peer")
+    # Dials in flight at once (learnt peers, bootstrap redials, address confirmations); the
+    # rest wait in the peer book.
+    max_concurrent_dials: int = option(8, "most dials in flight at once")
+    # Exchanges from one peer beyond this rate are answered but what they carry is ignored.
+    exchange_rate_per_s: float = option(1.0, "address lists accepted per second from one peer")
+    exchange_burst: int = option(4, "address lists accepted at once from one peer")
+    # A peer asked "what address do you see me at" dials back first: allow a full dial.
+    address_query_timeout_s: float = option(
+        15.0, "wait this long for a peer to confirm the address it sees this peer at")
 
     def __post_init__(self) -> None:
         for name in ("retry_initial_s", "retry_max_s", "connect_timeout_s",
-                     "exchange_interval_s", "exchange_timeout_s", "leave_timeout_s"):
+                     "exchange_interval_s", "exchange_timeout_s", "leave_timeout_s",
+                     "exchange_rate_per_s", "address_query_timeout_s"):
             _positive("discovery", name, getattr(self, name))
+        if not 1 <= self.max_known_peers <= 1_000_000:
+            raise ConfigError("discovery.max_known_peers must be in 1..1000000")
+        if not 1 <= self.max_peers_per_source <= self.max_known_peers:
+            raise ConfigError("discovery.max_peers_per_source must be in 1..max_known_peers")
+        if not 1 <= self.max_concurrent_dials <= 1024:
+            raise ConfigError("discovery.max_concurrent_dials must be in 1..1024")
+        if not 1 <= self.exchange_burst <= 1024:
+            raise ConfigError("discovery.exchange_burst must be in 1..1024")
         if self.retry_max_s < self.retry_initial_s:
             raise ConfigError("discovery.retry_max_s must be >= discovery.retry_initial_s")
         if not 1 <= self.exchange_max_peers <= 1024:
@@ -116,9 +149,13 @@ class ControlConfig:
     # Status grows with the swarm and with what services add; 4 MiB holds thousands of peers.
     max_response_bytes: int = option(4 * 1024 * 1024, "largest reply frame a client accepts")
     request_timeout_s: float = option(10.0, "a client gives up on a silent daemon after this")
-    max_clients: int = option(16, "concurrent control connections; more wait")
+    # Each holds a task and a buffer; a client over the limit is refused with "busy".
+    max_clients: int = option(16, "concurrent control connections; more are refused")
     # A client that sends nothing for this long is dropped, freeing its slot.
     idle_timeout_s: float = option(60.0, "close a control connection that is silent this long")
+    # `train start` waits for every peer to accept (the client's --timeout, 300 s by default):
+    # an op running longer than this is cancelled and answered with an error.
+    handler_timeout_s: float = option(900.0, "longest time one control op may run")
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_request_bytes <= 16 * 1024 * 1024:
@@ -127,6 +164,7 @@ class ControlConfig:
             raise ConfigError("control.max_response_bytes must be in 1 KiB..256 MiB")
         _positive("control", "request_timeout_s", self.request_timeout_s)
         _positive("control", "idle_timeout_s", self.idle_timeout_s)
+        _positive("control", "handler_timeout_s", self.handler_timeout_s)
         if not 1 <= self.max_clients <= 1024:
             raise ConfigError("control.max_clients must be in 1..1024")
 
@@ -304,7 +342,9 @@ class DaemonConfig:
             peer=PeerConfig(listen=Address("127.0.0.1", 0)),
             discovery=DiscoveryConfig(retry_initial_s=0.05, retry_max_s=0.5,
                                       connect_timeout_s=2.0, exchange_interval_s=0.5,
-                                      exchange_timeout_s=2.0, leave_timeout_s=1.0),
+                                      exchange_timeout_s=2.0, leave_timeout_s=1.0,
+                                      exchange_rate_per_s=4.0, exchange_burst=8,
+                                      address_query_timeout_s=5.0),
             control=ControlConfig(request_timeout_s=5.0),
             transport=TransportConfig.test(),
         )

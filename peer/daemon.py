@@ -2,7 +2,8 @@
 control socket, hosts services, and leaves cleanly.
 
 Lifecycle of `Daemon.run()`, all inside one nursery:
-  1. the transport listens (port 0 picks a free one);
+  1. the transport listens (port 0 picks a free one) and the advertised address is decided
+     (dtfm.peer.advertise);
   2. the control socket answers `status`, `leave`, and ops that services register;
   3. services added with `add_service` start, in order, each awaited until it calls started();
   4. discovery runs: bootstrap redials, address exchange, dialling learnt peers;
@@ -102,6 +103,8 @@ class Daemon:
             except OSError as e:
                 raise ListenError(f"cannot listen on {listen}: {e.strerror or e}") from None
             self.listen_address = Address(host, port)
+            self.discovery.start_advertising(self.listen_address, self.config.peer.advertise,
+                                             self.config.peer.bootstrap)
             self.started_at = trio.current_time()
             await nursery.start(self.control.serve)
             logger.info("peer %s listening on %s region=%s control=%s", self.short_id,
@@ -139,9 +142,12 @@ class Daemon:
             "peer_id": d.peer_id.hex(), "short_id": d.peer_id[:4].hex(),
             "address": str(d.address), "region": d.region, "left_s_ago": max(0.0, now - d.at),
             "reason": d.reason} for d in reversed(self.discovery.book.departed.values())]
+        advertised = self.discovery.advertised
         report: dict[str, Any] = {
             "peer_id": self.peer_id.hex(), "short_id": self.short_id,
-            "listen": str(self.listen_address), "region": self.config.peer.region,
+            "listen": str(self.listen_address),
+            "advertise": None if advertised is None else str(advertised),
+            "region": self.config.peer.region,
             "pid": os.getpid(), "data_dir": str(self.data_dir.root),
             "uptime_s": now - (self.started_at if self.started_at is not None else now),
             "peers": peers, "departed": departed,

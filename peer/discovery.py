@@ -6,6 +6,13 @@ and goodbyes.
 - On every new connection, and every `exchange_interval_s` with one random peer, the two peers
   swap lists of their connected peers (PEER_EXCHANGE); new addresses are dialled.
 - A peer that sends LEAVING is listed as departed and not redialled.
+- A peer listening on a wildcard asks the peers it meets which address they see it at
+  (ADDRESS_QUERY) and advertises the first one confirmed by a dial back (dtfm.peer.advertise).
+
+Bounded against members that lie or flood: address lists are accepted from one peer at most
+`exchange_rate_per_s` (burst `exchange_burst`), the peer book is capped (`max_known_peers`,
+`max_peers_per_source`), and at most `max_concurrent_dials` dials run at once; the peer book
+is the queue of the rest.
 
 The decisions (whom to dial when, whom to forget) live in the sans-IO `PeerBook`.
 """
@@ -15,11 +22,13 @@ from __future__ import annotations
 import logging
 import math
 import random
+from collections.abc import Callable
 
 import trio
 
 from dtfm.net import (
     Address,
+    AddressError,
     Connection,
     ConnectionClosed,
     HandshakeError,
@@ -30,9 +39,11 @@ from dtfm.net import (
     short_id,
 )
 
+from .advertise import Advertiser
 from .config import DiscoveryConfig
 from .peerbook import PeerBook, backoff_delay_s
-from .pex import DaemonMsg, Leaving, PeerExchange, PeerRecord, dialable_address
+from .pex import AddressQuery, AddressSeen, DaemonMsg, Leaving, PeerExchange, PeerRecord, dialable_address
+from .ratelimit import SourceRate
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +60,120 @@ class Discovery:
         self.rng = random.Random() if rng is None else rng
         self.book = PeerBook(transport.peer_id, retry_initial_s=config.retry_initial_s,
                              retry_max_s=config.retry_max_s, departed_keep=config.departed_keep,
-                             rng=self.rng)
+                             max_entries=config.max_known_peers,
+                             max_per_source=config.max_peers_per_source, rng=self.rng)
+        self.exchange_rate = SourceRate(config.exchange_rate_per_s, config.exchange_burst)
+        self.query_rate = SourceRate(config.exchange_rate_per_s, config.exchange_burst)
+        # Every dial (learnt peers, bootstrap redials, confirming an address) holds a slot.
+        self.dial_slots = trio.CapacityLimiter(config.max_concurrent_dials)
+        self.advertiser: Advertiser | None = None
+        self._advertise_listeners: list[Callable[[Address], None]] = []
+        self._asking = False
+        self._dial_tasks = 0
         self.leaving = False
         self._wake_dialler = trio.Event()
         self._gone: dict[bytes, trio.Event] = {}
         self._nursery: trio.Nursery | None = None
         transport.handle(DaemonMsg.PEER_EXCHANGE, self._on_peer_exchange)
         transport.handle(DaemonMsg.LEAVING, self._on_leaving)
+        transport.handle(DaemonMsg.ADDRESS_QUERY, self._on_address_query)
         transport.on_connect(self._on_connect)
         transport.on_disconnect(self._on_disconnect)
+
+    # ---- the advertised address ---------------------------------------------------------------
+
+    def start_advertising(self, listen: Address, configured: Address | None,
+                          bootstrap: tuple[Address, ...]) -> Address | None:
+        """Decide the advertised address once the transport listens (`listen` holds the bound
+        port); returns it, or None while it waits for a peer to confirm one."""
+        self.advertiser = Advertiser(listen, configured, bootstrap)
+        address = self.advertiser.address
+        if address is not None:
+            self.transport.listen_address = (address.host, address.port)
+            logger.info("advertising %s to peers", address)
+        else:
+            logger.info("listening on %s: will advertise the address peers see and confirm",
+                        listen)
+        return address
+
+    @property
+    def advertised(self) -> Address | None:
+        return None if self.advertiser is None else self.advertiser.address
+
+    def on_advertise(self, callback: Callable[[Address], None]) -> None:
+        """Call callback(address) when a confirmed address is adopted after start."""
+        self._advertise_listeners.append(callback)
+
+    def _maybe_ask(self, conn: "Connection") -> None:
+        if (self.advertiser is not None and self.advertiser.needs_confirmation
+                and not self._asking and self._nursery is not None and not self.leaving):
+            self._asking = True
+            self._nursery.start_soon(self._ask_address, conn)
+
+    async def _ask_address(self, conn: "Connection") -> None:
+        assert self.advertiser is not None
+        body = AddressQuery(self.advertiser.query_port()).to_wire()
+        try:
+            for _ in range(2):   # once more if a dial back replaced this connection
+                try:
+                    reply, _ = await conn.request(DaemonMsg.ADDRESS_QUERY, body,
+                                                  timeout_s=self.config.address_query_timeout_s)
+                    seen = AddressSeen.from_wire(reply)
+                except ConnectionClosed as e:
+                    live = self.transport.connection(conn.peer_id)
+                    if live is None or live is conn:
+                        logger.debug("address query to %s failed: %s", conn.short_id, e)
+                        return
+                    conn = live
+                    continue
+                break
+            else:
+                return
+        except ProtocolError as e:
+            logger.debug("bad address query reply from %s: %s", conn.short_id, e)
+            await conn.close(f"bad address query reply: {e}")
+            return
+        except (RequestTimeout, RemoteError, OSError) as e:
+            logger.debug("address query to %s failed: %s", conn.short_id, e)
+            return
+        finally:
+            self._asking = False
+        adopted, why = self.advertiser.observed(seen, conn.peer_id)
+        if adopted is None:
+            logger.debug("peer %s sees us at %s: not adopted: %s", conn.short_id, seen.address,
+                         why)
+            return
+        self.transport.listen_address = (adopted.host, adopted.port)
+        logger.info("advertising %s to peers: peer %s sees us there and dialled us back",
+                    adopted, conn.short_id)
+        for callback in self._advertise_listeners:
+            callback(adopted)
+
+    async def _on_address_query(self, conn: "Connection", msg_type: int, body: object,
+                                payload: bytes | None) -> dict:
+        query = AddressQuery.from_wire(body)
+        try:
+            seen = Address(conn.remote_address[0], query.port)
+        except AddressError as e:
+            raise ProtocolError(f"address query: {e}") from None
+        confirmed = False
+        if not self.query_rate.allow(conn.peer_id, trio.current_time()):
+            logger.debug("address query from %s over its rate: not dialling back",
+                         conn.short_id)
+        else:
+            confirmed = await self._dials_back(conn.peer_id, seen)
+        return AddressSeen(seen, confirmed).to_wire()
+
+    async def _dials_back(self, peer_id: bytes, address: Address) -> bool:
+        """True if a dial to `address` completes a handshake with `peer_id`."""
+        try:
+            other = await self._dial(address)
+        except DIAL_ERRORS as e:
+            logger.debug("dial back to %s at %s failed: %s", short_id(peer_id), address, e)
+            return False
+        return other.peer_id == peer_id
+
+    # ---- running -----------------------------------------------------------------------------
 
     async def run(self, bootstrap: tuple[Address, ...], own_address: Address, *,
                   task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -91,6 +207,7 @@ class Discovery:
     # ---- connection events -------------------------------------------------------------------
 
     def _on_connect(self, conn: "Connection") -> None:
+        self._maybe_ask(conn)
         address = dialable_address(tuple(conn.listen_address), tuple(conn.remote_address))
         if address is None:
             logger.info("peer %s connected from %s:%s (does not listen)", conn.short_id,
@@ -128,7 +245,9 @@ class Discovery:
 
     async def _on_peer_exchange(self, conn: "Connection", msg_type: int, body: object,
                                 payload: bytes | None) -> dict:
-        self._learn(conn, PeerExchange.from_wire(body, max_peers=self.config.exchange_max_peers))
+        exchange = PeerExchange.from_wire(body, max_peers=self.config.exchange_max_peers)
+        if not self._learn(conn, exchange):
+            return PeerExchange(()).to_wire()
         return self._exchange_body(exclude=conn.peer_id).to_wire()
 
     # ---- address exchange --------------------------------------------------------------------
@@ -137,14 +256,21 @@ class Discovery:
         sample = self.book.sample_connected(self.config.exchange_max_peers, exclude=exclude)
         return PeerExchange(tuple(PeerRecord(e.peer_id, e.address, e.region) for e in sample))
 
-    def _learn(self, conn: "Connection", exchange: PeerExchange) -> None:
+    def _learn(self, conn: "Connection", exchange: PeerExchange) -> bool:
+        """Take in a peer's address list; False if it came over that peer's rate."""
         now = trio.current_time()
-        new = [r for r in exchange.peers if self.book.learn(r.peer_id, r.address, r.region, now)]
+        if not self.exchange_rate.allow(conn.peer_id, now):
+            logger.debug("address list from %s over its rate (%g/s): ignored", conn.short_id,
+                         self.config.exchange_rate_per_s)
+            return False
+        new = [r for r in exchange.peers
+               if self.book.learn(r.peer_id, r.address, r.region, now, source=conn.peer_id)]
         for record in new:
             logger.debug("learnt peer %s at %s from %s", short_id(record.peer_id), record.address,
                          conn.short_id)
         if new:
             self._wake_dialler.set()
+        return True
 
     async def _exchange_with(self, conn: "Connection") -> None:
         body = self._exchange_body(exclude=conn.peer_id).to_wire()
@@ -167,25 +293,36 @@ class Discovery:
                 continue
             conn = self.transport.connection(self.rng.choice(peers).peer_id)
             if conn is not None:
+                self._maybe_ask(conn)
                 await self._exchange_with(conn)
 
     # ---- dialling ----------------------------------------------------------------------------
 
     async def _dial(self, address: Address) -> "Connection":
-        with trio.fail_after(self.config.connect_timeout_s):
-            return await self.transport.connect(address.host, address.port)
+        async with self.dial_slots:
+            with trio.fail_after(self.config.connect_timeout_s):
+                return await self.transport.connect(address.host, address.port)
 
     async def _dial_loop(self) -> None:
         assert self._nursery is not None
         while True:
-            for peer_id, address in self.book.due(trio.current_time()):
+            free = self.config.max_concurrent_dials - self._dial_tasks
+            for peer_id, address in self.book.due(trio.current_time(), limit=free):
+                self._dial_tasks += 1
                 self._nursery.start_soon(self._dial_learnt, peer_id, address)
-            next_at = self.book.next_due_at()
+            next_at = self.book.next_due_at() if self._dial_tasks < self.config.max_concurrent_dials else None
             with trio.move_on_at(math.inf if next_at is None else next_at):
                 await self._wake_dialler.wait()
             self._wake_dialler = trio.Event()
 
     async def _dial_learnt(self, peer_id: bytes, address: Address) -> None:
+        try:
+            await self._dial_learnt_once(peer_id, address)
+        finally:
+            self._dial_tasks -= 1
+            self._wake_dialler.set()
+
+    async def _dial_learnt_once(self, peer_id: bytes, address: Address) -> None:
         try:
             conn = await self._dial(address)
         except HandshakeError as e:

@@ -4,12 +4,19 @@ Sans-IO: every method takes `now` (seconds, trio time) and returns decisions; th
 the dialling. Addresses learnt from other peers are dialled once, redialled with exponential
 backoff after failures, and forgotten after `forget_after_failures` failed dials in a row.
 A peer that said it is leaving is not redialled until it connects to us again.
+
+Bounded against members that lie: an address heard from another peer is *unverified* until a
+connection to it completes a handshake. At most `max_entries` entries are kept from what peers
+tell us, and at most `max_per_source` unverified ones from any one peer; a new address that
+does not fit replaces the oldest unverified entry (of that peer when it is over its share,
+else of anyone) that is not being dialled, or is refused. `due(now, limit)` hands out at most
+`limit` dials, so the book is also the bounded queue of dials waiting for a free slot.
 """
 
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from dtfm.net import Address
@@ -34,6 +41,8 @@ class PeerEntry:
     dialling: bool = False
     failures: int = 0
     next_dial_at: float = 0.0
+    source: bytes | None = None   # the peer that told us this address (None: it connected)
+    verified: bool = False        # a handshake at this peer's address completed once
 
 
 @dataclass(frozen=True)
@@ -48,8 +57,14 @@ class Departure:
 class PeerBook:
     def __init__(self, self_id: bytes, *, retry_initial_s: float, retry_max_s: float,
                  forget_after_failures: int = 8, departed_keep: int = 32,
+                 max_entries: int = 1024, max_per_source: int = 128,
                  rng: random.Random | None = None):
+        if not 1 <= max_per_source <= max_entries:
+            raise ValueError("need 1 <= max_per_source <= max_entries")
         self.self_id = self_id
+        self.max_entries = max_entries
+        self.max_per_source = max_per_source
+        self._unverified_from: Counter[bytes] = Counter()
         self.retry_initial_s = retry_initial_s
         self.retry_max_s = retry_max_s
         self.forget_after_failures = forget_after_failures
@@ -60,13 +75,17 @@ class PeerBook:
 
     # ---- events ------------------------------------------------------------------------------
 
-    def learn(self, peer_id: bytes, address: Address, region: str, now: float) -> bool:
-        """A peer's address heard from someone else; True if it is new and will be dialled."""
+    def learn(self, peer_id: bytes, address: Address, region: str, now: float, *,
+              source: bytes | None = None) -> bool:
+        """A peer's address heard from `source`; True if it is new and will be dialled. False
+        also when the book is full of entries that may not be replaced."""
         if peer_id == self.self_id or peer_id in self.departed or address.port == 0:
             return False
         entry = self.entries.get(peer_id)
         if entry is None:
-            self.entries[peer_id] = PeerEntry(peer_id, address, region, next_dial_at=now)
+            if not self._make_room(source):
+                return False
+            self._add(PeerEntry(peer_id, address, region, next_dial_at=now, source=source))
             return True
         if not entry.connected and not entry.dialling and entry.address != address:
             entry.address = address  # a fresher address for a peer we cannot reach
@@ -77,7 +96,12 @@ class PeerBook:
         self.departed.pop(peer_id, None)
         entry = self.entries.get(peer_id)
         if entry is None:
-            entry = self.entries[peer_id] = PeerEntry(peer_id, address, region)
+            # A connected peer always has an entry (the transport bounds connections); it
+            # takes the place of an unverified one when the book is full.
+            if len(self.entries) >= self.max_entries:
+                self._evict_oldest_unverified(None)
+            entry = self._add(PeerEntry(peer_id, address, region))
+        self._verify(entry)
         entry.address = address
         entry.region = region
         entry.connected = True
@@ -98,7 +122,7 @@ class PeerBook:
 
     def left(self, peer_id: bytes, now: float, reason: str) -> Departure | None:
         """The peer said goodbye: forget it and remember the departure for `status`."""
-        entry = self.entries.pop(peer_id, None)
+        entry = self._remove(peer_id)
         if entry is None:
             return None
         departure = Departure(peer_id, entry.address, entry.region, now, reason)
@@ -117,7 +141,7 @@ class PeerBook:
             return False
         entry.failures += 1
         if entry.failures >= self.forget_after_failures:
-            del self.entries[peer_id]
+            self._remove(peer_id)
             return True
         entry.next_dial_at = now + backoff_delay_s(entry.failures, self.retry_initial_s,
                                                    self.retry_max_s, self.rng)
@@ -125,14 +149,23 @@ class PeerBook:
 
     # ---- decisions ---------------------------------------------------------------------------
 
-    def due(self, now: float) -> list[tuple[bytes, Address]]:
-        """Peers to dial now; each is marked as being dialled until connected/dial_failed."""
-        out = []
-        for entry in self.entries.values():
-            if not entry.connected and not entry.dialling and entry.next_dial_at <= now:
-                entry.dialling = True
-                out.append((entry.peer_id, entry.address))
-        return out
+    def due(self, now: float, limit: int | None = None) -> list[tuple[bytes, Address]]:
+        """Up to `limit` peers to dial now, longest waiting first; each is marked as being
+        dialled until connected/dial_failed. The others stay due for a later call."""
+        waiting = [e for e in self.entries.values()
+                   if not e.connected and not e.dialling and e.next_dial_at <= now]
+        if limit is not None:
+            waiting = sorted(waiting, key=lambda e: e.next_dial_at)[:max(0, limit)]
+        for entry in waiting:
+            entry.dialling = True
+        return [(e.peer_id, e.address) for e in waiting]
+
+    def dialling_count(self) -> int:
+        return sum(1 for e in self.entries.values() if e.dialling)
+
+    def unverified_from(self, source: bytes) -> int:
+        """How many unverified addresses `source` told us that the book still holds."""
+        return self._unverified_from[source]
 
     def next_due_at(self) -> float | None:
         times = [e.next_dial_at for e in self.entries.values()
@@ -148,3 +181,50 @@ class PeerBook:
         if len(pool) <= n:
             return pool
         return self.rng.sample(pool, n)
+
+    # ---- bounds ------------------------------------------------------------------------------
+
+    def _add(self, entry: PeerEntry) -> PeerEntry:
+        self.entries[entry.peer_id] = entry
+        if not entry.verified and entry.source is not None:
+            self._unverified_from[entry.source] += 1
+        return entry
+
+    def _remove(self, peer_id: bytes) -> PeerEntry | None:
+        entry = self.entries.pop(peer_id, None)
+        if entry is not None:
+            self._uncount(entry)
+        return entry
+
+    def _verify(self, entry: PeerEntry) -> None:
+        if not entry.verified:
+            self._uncount(entry)
+            entry.verified = True
+
+    def _uncount(self, entry: PeerEntry) -> None:
+        if entry.verified or entry.source is None:
+            return
+        self._unverified_from[entry.source] -= 1
+        if self._unverified_from[entry.source] <= 0:
+            del self._unverified_from[entry.source]
+
+    def _make_room(self, source: bytes | None) -> bool:
+        """Room for one more unverified entry from `source`: evict if needed; False if none
+        may go."""
+        if source is not None and self._unverified_from[source] >= self.max_per_source:
+            return self._evict_oldest_unverified(source)
+        if len(self.entries) >= self.max_entries:
+            return self._evict_oldest_unverified(None)
+        return True
+
+    def _evict_oldest_unverified(self, source: bytes | None) -> bool:
+        """Drop the oldest unverified entry not being dialled (from `source`, or from anyone
+        when None); False if there is none."""
+        for entry in self.entries.values():   # insertion order: oldest first
+            if entry.verified or entry.dialling or entry.connected:
+                continue
+            if source is not None and entry.source != source:
+                continue
+            self._remove(entry.peer_id)
+            return True
+        return False

@@ -1,4 +1,5 @@
-"""Daemon messages between peers: address exchange and goodbye.
+"""Daemon messages between peers: address exchange, goodbye, and "what address do you see me
+at".
 
 Message types 16-31 of dtfm.peer's range belong to the daemon. ONLY APPEND TO THIS ENUM.
 """
@@ -14,6 +15,7 @@ from dtfm.net import (
     Address,
     AddressError,
     ProtocolError,
+    get_bool,
     get_bytes,
     get_int,
     get_list,
@@ -28,6 +30,7 @@ MAX_REASON_LEN = 200
 class DaemonMsg(IntEnum):
     PEER_EXCHANGE = 16  # request: our connected peers; reply: theirs
     LEAVING = 17        # one-way: the sender is leaving the swarm
+    ADDRESS_QUERY = 18  # request: the port the sender listens on; reply: where it was seen
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,46 @@ class Leaving:
     @classmethod
     def from_wire(cls, obj: object) -> "Leaving":
         return cls(get_str(obj, "reason", MAX_REASON_LEN))
+
+
+@dataclass(frozen=True)
+class AddressQuery:
+    """Body of an ADDRESS_QUERY request: "what address do you see me at?". The sender claims
+    the port it listens on; the answering peer dials that port on the host the connection came
+    from before it confirms."""
+
+    port: int
+
+    def to_wire(self) -> dict:
+        return {"port": self.port}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "AddressQuery":
+        return cls(get_int(obj, "port", 1, 65535))
+
+
+@dataclass(frozen=True)
+class AddressSeen:
+    """Reply to an ADDRESS_QUERY: the host the asker's connection came from, the port it
+    claimed, and whether a dial there reached the asker (same verified peer id)."""
+
+    address: Address
+    confirmed: bool
+
+    def to_wire(self) -> dict:
+        return {"host": self.address.host, "port": self.address.port,
+                "confirmed": self.confirmed}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> "AddressSeen":
+        host = get_str(obj, "host", MAX_HOST_LEN)
+        port = get_int(obj, "port", 1, 65535)
+        confirmed = get_bool(obj, "confirmed")
+        try:
+            address = Address(host, port)
+        except AddressError as e:
+            raise ProtocolError(f"address seen: {e}") from None
+        return cls(address, confirmed)
 
 
 def dialable_address(advertised: tuple[str, int], remote: tuple[str, int]) -> Address | None:

@@ -66,6 +66,7 @@ def gossip_setup(config: DaemonConfig, shaper=None):
                                     region=config.peer.region, compute_ms=compute_ms,
                                     address=_advertised(daemon))
             holder["service"] = service
+            daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
             data = str(config.trainer.data) if config.trainer.data is not None else None
             plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
                                  TrainerConfig(torch_threads=config.trainer.torch_threads, data_path=data))
@@ -146,8 +147,7 @@ def gossip_setup(config: DaemonConfig, shaper=None):
 
 
 def _advertised(daemon) -> tuple[str, int]:
-    addr = daemon.listen_address
-    host, port = addr.host, addr.port
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return host, port
+    """The member address gossip starts with: the advertised one, or ("", 0), which nobody
+    dials, while a peer on a wildcard waits for its peers to confirm one."""
+    address = daemon.discovery.advertised
+    return ("", 0) if address is None else (address.host, address.port)

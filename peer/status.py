@@ -2,7 +2,7 @@
 
 The report is a plain map (it crosses the control socket as msgpack and prints as JSON):
 
-    peer_id, short_id, listen, region, pid, data_dir, uptime_s,
+    peer_id, short_id, listen, advertise, region, pid, data_dir, uptime_s,
     peers:    [{peer_id, short_id, address, region, last_seen_s_ago, connected_for_s}]
     departed: [{peer_id, short_id, address, region, left_s_ago, reason}]
     ...       one more key per status provider (Daemon.add_status_provider)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "region", "pid", "data_dir",
+CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "pid", "data_dir",
                        "uptime_s", "peers", "departed"})
 
 
@@ -46,6 +46,7 @@ def format_text(report: dict[str, Any]) -> str:
     lines = [
         f"peer      {report.get('short_id', '?')}  ({report.get('peer_id', '?')})",
         f"listen    {report.get('listen', '?')}",
+        f"advertise {report.get('advertise') or '- (waiting for a peer to confirm an address)'}",
         f"region    {report.get('region') or '-'}",
         f"uptime    {format_duration(float(report.get('uptime_s', 0)))}",
         f"data dir  {report.get('data_dir', '?')}",
