@@ -97,8 +97,9 @@ _ACCEPTED = {"ok": True}
 class CommConfig:
     """Flow control of tensor traffic. Every peer of a swarm uses the same values."""
 
-    # Unacknowledged bytes a sender keeps in flight to one peer: more keeps a long, fast link full
-    # (bandwidth x round trip); less bounds what a receiver holds in handlers waiting for room.
+    # Unacknowledged bytes a sender keeps in flight to one peer (but never less than two of the
+    # tensor being sent): more keeps a long, fast link full (bandwidth x round trip); less bounds
+    # what a receiver holds in handlers waiting for room.
     window_bytes: int = 64 * MiB
     # Unacknowledged tensors to one peer. The transport allows 16 payloads in flight and 64
     # handlers per connection, shared with gossip and control: stay well under both.
@@ -535,8 +536,10 @@ class TransportComm:
             size = item.payload.nbytes
             box.held = 1
             try:
+                # at least two of this size in flight, so the link does not idle during an ack
+                window_bytes = max(cfg.window_bytes, 2 * size)
                 while box.error is None and box.inflight and (
-                        len(box.inflight) >= cfg.window_messages or box.unacked_bytes + size > cfg.window_bytes):
+                        len(box.inflight) >= cfg.window_messages or box.unacked_bytes + size > window_bytes):
                     await box.room.wait()
             except BaseException:
                 item.finish(CommClosed(f"communicator closed before {item.tag!r} went to {box.name}"))

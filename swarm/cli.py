@@ -18,6 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
+from dtfm.control import PLACEMENTS
 from dtfm.net import EmulationConfig, new_swarm_key
 from dtfm.scenarios import ScenarioError, load_scenario
 
@@ -59,7 +60,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         f.write(new_swarm_key() + "\n")
     ports = free_ports(n)
     state = SwarmState(scenario=scenario_ref, scenario_name=scenario.name,
-                       time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale)
+                       time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale,
+                       emulated=not getattr(args, "no_emulation", False))
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -89,7 +91,7 @@ def _train_request(args: argparse.Namespace) -> dict:
         raise SwarmError("--dp needs --stages S")
     return {"preset": args.preset, "steps": args.steps, "seed": args.seed,
             "stages": args.stages if args.stages is not None else "auto", "dp": args.dp,
-            "checkpoint_every": args.checkpoint_every}
+            "checkpoint_every": args.checkpoint_every, "placement": args.placement}
 
 
 def _train(state: SwarmState, args: argparse.Namespace) -> dict:
@@ -105,7 +107,9 @@ def _train(state: SwarmState, args: argparse.Namespace) -> dict:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    _train(load_state(args.run_dir), args)
+    reply = _train(load_state(args.run_dir), args)
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
     return 0
 
 
@@ -173,8 +177,14 @@ def _select(state: SwarmState, ref: str) -> list[PeerEntry]:
     return in_region or [state.find(ref)]
 
 
+def _need_emulation(state: SwarmState, what: str) -> None:
+    if not state.emulated:
+        raise SwarmError(f"this swarm runs without link emulation (`up --no-emulation`): it cannot {what}")
+
+
 def cmd_partition(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
+    _need_emulation(state, "cut links")
     side_a, side_b = _select(state, args.a), _select(state, args.b)
     ids_b = [p.peer_id for p in side_b]
     ids_a = [p.peer_id for p in side_a]
@@ -191,6 +201,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 def cmd_heal(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
+    _need_emulation(state, "restore links")
     for p in state.peers:
         if p.alive():
             peer_request(p, "emulate", {"heal": True})
@@ -286,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dp", type=int, default=None, help="data-parallel pipelines (with --stages)")
         p.add_argument("--checkpoint-every", type=int, default=0,
                        help="each peer saves its stage every K steps (default: never)")
+        p.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
+                       help="the DT-FM scheduler's allocation, or a random one of the --stages x --dp "
+                            "shape as a baseline (default: %(default)s)")
 
     p = sub.add_parser("up", parents=[common], help="start a swarm and wait until it converges")
     add_up_args(p, 8)
@@ -294,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-on-failure", action="store_true",
                    help="leave the peers running when the swarm does not converge, to debug")
     p.add_argument("--log-json", action="store_true", help="peers log JSON lines")
+    p.add_argument("--no-emulation", action="store_true",
+                   help="plain loopback between the peers: no emulated delay or bandwidth; the "
+                        "scenario only names their regions")
     p.add_argument("--train", action="store_true",
                    help="once every link is measured, start training on the swarm (see `train`)")
     add_train_args(p, steps=100)
@@ -303,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="start training on the running swarm: one daemon schedules, hands out "
                             "the allocation and starts every peer")
     add_train_args(p, steps=100)
+    p.add_argument("--json", action="store_true", help="print the issuer's reply (the allocation) as JSON")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("wait", parents=[common],

@@ -69,6 +69,8 @@ def gossip_profile(state: SwarmState) -> str:
     """lan timings while every emulated round trip fits well inside its 0.5 s probe timeout,
     wan timings (3 s timeout, more patience) beyond."""
 
+    if not state.emulated:
+        return "lan"
     max_rtt_ms = 2 * float(load_scenario(state.scenario).delay_ms().max()) * state.time_scale
     return "lan" if max_rtt_ms < 200 else "wan"
 
@@ -83,11 +85,11 @@ def nominal_compute_ms(state: SwarmState, region: str) -> float:
 def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str]) -> None:
     others = [p for p in state.peers if p.name != peer.name]
     bootstrap = [a for p in others[:3] for a in ("--bootstrap", p.address)]
+    emulate = (["--emulate", state.scenario, "--time-scale", repr(state.time_scale),
+                "--bandwidth-scale", repr(state.bandwidth_scale)] if state.emulated else [])
     cmd = [sys.executable, "-m", "dtfm.peer", "join",
            "--listen", peer.address, "--data-dir", peer.data_dir,
-           "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region,
-           "--emulate", state.scenario,
-           "--time-scale", repr(state.time_scale), "--bandwidth-scale", repr(state.bandwidth_scale),
+           "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region, *emulate,
            "--gossip-profile", gossip_profile(state),
            "--compute-ms", repr(nominal_compute_ms(state, peer.region)),
            *bootstrap, *extra]

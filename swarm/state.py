@@ -63,6 +63,7 @@ class SwarmState:
     time_scale: float
     bandwidth_scale: float
     peers: list[PeerEntry] = field(default_factory=list)
+    emulated: bool = True  # False: plain loopback, the scenario only names the regions
     version: int = STATE_VERSION
 
     def find(self, ref: str) -> PeerEntry:

@@ -1,0 +1,254 @@
+"""The daemons training together, against baselines measured in the same run.
+
+    .venv/bin/python bench/swarm.py [--only loopback,comm,transport,worldwide] [--steps 12] [--world-steps 8]
+
+1. loopback: `tiny` as 2 stages x 2 pipelines in four `dtfm-peer` daemons on plain loopback
+   (`dtfm-swarm up --no-emulation`) vs `LocalCluster` 2 x 2 in this process: tokens/s ratio
+   (target >= 0.8). Median over the steps after the first two.
+2. comm: 64 MiB tensors through `TransportComm` from one process to another (stage 0 -> 1
+   activations of a model whose boundary tensor is 64 MiB) vs `bench/transport.py`'s encrypted
+   transport figure (64 MiB payloads, same total): throughput ratio (target >= 0.8).
+3. transport: CPU-seconds per GiB of the encrypted transport on each side vs raw TCP on that side
+   plus libsodium's AEAD alone (target <= 1.5).
+4. worldwide: 8 daemons on the emulated worldwide scenario; the scheduler's allocation, then a
+   random allocation of the same shape: measured median iteration time vs the simulator's
+   prediction for each, and the measured speedup next to the predicted one.
+
+Wall-clock figures share this machine's cores with everything else running on it; CPU-s per
+GiB do not. Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+from dtfm.control import CommConfig, TensorRouter, TransportComm
+from dtfm.net import Identity, Transport, TransportConfig
+from dtfm.train import GPTSpec, LocalCluster, MessageRules, Plan, TrainConfig, get_preset, load_corpus
+
+HERE = Path(__file__).resolve().parent
+MiB = 1 << 20
+
+
+def swarm(run_dir: Path, *args: str, timeout_s: float = 900, stdout: bool = False) -> str:
+    """Run `dtfm-swarm ARGS`; its stderr (or stdout), or RuntimeError with its stderr."""
+    cmd = [sys.executable, "-m", "dtfm.swarm", *args, "--run-dir", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"dtfm-swarm {args[0]} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+    return out.stdout if stdout else out.stderr
+
+
+def transport_figures(total_mib: int) -> dict:
+    """bench/transport.py's JSON line, run as its own process with 64 MiB payloads."""
+    cmd = [sys.executable, str(HERE / "transport.py"), "--total-mib", str(total_mib), "--payload-mib", "64"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"bench/transport.py failed: {out.stderr.strip()[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "train.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[dict]]:
+    """`dtfm-swarm train` on a running swarm, wait for the last step; the issuer's reply and the log."""
+    reply = json.loads(swarm(run_dir, "train", "--json", "--steps", str(steps), *train_args, stdout=True))
+    swarm(run_dir, "wait", "--step", str(steps - 1), "--timeout", "900")
+    return reply, read_rows(run_dir)
+
+
+def median_after(rows: list[dict], key: str, skip: int) -> float:
+    return statistics.median(r[key] for r in rows[skip:])
+
+
+# ---- 1. four daemons on loopback vs LocalCluster ------------------------------------------------
+
+
+def bench_loopback(steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
+        run_dir = Path(tmp) / "swarm"
+        swarm(run_dir, "up", "--scenario", "datacenter", "--peers", "4", "--no-emulation", "--timeout", "120")
+        try:
+            _, rows = train_run(run_dir, steps, "--stages", "2", "--dp", "2")
+        finally:
+            swarm(run_dir, "down")
+    daemons = median_after(rows, "tokens_per_s", 2)
+    spec, cfg = get_preset("tiny"), TrainConfig()
+    with LocalCluster(spec, cfg, Plan.grid(spec.n_layer, 2, 2), load_corpus()) as cl:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            cl.step()
+            times.append(time.perf_counter() - t0)
+    local = cfg.global_batch_seqs * spec.seq_len / statistics.median(times[2:])
+    return {"loopback_daemons_tokens_per_s": round(daemons), "loopback_local_cluster_tokens_per_s": round(local),
+            "ratio_daemons_over_local_cluster": round(daemons / local, 3),
+            "loopback_losses_equal": [round(r["loss"], 6) for r in rows[:3]]}
+
+
+# ---- 2. 64 MiB tensors through the Comm between two processes -----------------------------------
+
+SPEC64 = GPTSpec("bench64", n_layer=2, n_embd=1024, n_head=16, seq_len=1024)
+CFG64 = TrainConfig(global_batch_seqs=16, micro_batches=1)  # one (16, 1024, 1024) float32 = 64 MiB
+EPOCH, RUN = 1, b"bench-swarm-comm"
+
+
+def _plan64(sender: bytes, receiver: bytes) -> Plan:
+    return Plan(((sender, receiver),), ((0, 1), (1, 2)), EPOCH)
+
+
+def _comm_receiver(key: bytes, q_out, q_in, messages: int) -> None:
+    async def main():
+        t = Transport(Identity.generate(), key, TransportConfig.default())
+        router = TensorRouter(t)
+        async with trio.open_nursery() as nursery:
+            _, port = await nursery.start(t.serve, "127.0.0.1", 0)
+            q_out.put((t.peer_id, port))
+            sender = await trio.to_thread.run_sync(q_in.get)
+            plan = _plan64(sender, t.peer_id)
+            comm = TransportComm(t, MessageRules.for_peer(plan, SPEC64, CFG64, t.peer_id, []), run=RUN,
+                                 router=router, config=CommConfig.default())
+            await nursery.start(comm.run)
+
+            def consume():
+                for k in range(messages):
+                    x = comm.recv(sender, f"{EPOCH}.{k}/act/0", 120.0)
+                    if k == 0:
+                        t0 = time.perf_counter()
+                    del x
+                return time.perf_counter() - t0
+
+            elapsed = await trio.to_thread.run_sync(consume)
+            q_out.put(elapsed)
+            await trio.to_thread.run_sync(q_in.get)  # the sender is done with us
+            comm.close()
+            await t.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def bench_comm(messages: int) -> dict:
+    key = os.urandom(32)
+    ctx = mp.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    p = ctx.Process(target=_comm_receiver, args=(key, q_out, q_in, messages + 1))
+    p.start()
+    try:
+        receiver, port = q_out.get(timeout=60)
+
+        async def main():
+            t = Transport(Identity.generate(), key, TransportConfig.default())
+            router = TensorRouter(t)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(t.serve, "127.0.0.1", 0)
+                q_in.put(t.peer_id)
+                plan = _plan64(t.peer_id, receiver)
+                comm = TransportComm(t, MessageRules.for_peer(plan, SPEC64, CFG64, t.peer_id, []), run=RUN,
+                                     router=router, config=CommConfig.default())
+                await nursery.start(comm.run)
+                await comm.connect({receiver: ("127.0.0.1", port)}, 30.0)
+                x = torch.randn(16, 1024, 1024)
+
+                def send_all():
+                    handles = [comm.isend(receiver, f"{EPOCH}.{k}/act/0", x) for k in range(messages + 1)]
+                    for h in handles:
+                        h.wait(120.0)
+
+                await trio.to_thread.run_sync(send_all)
+                elapsed = await trio.to_thread.run_sync(q_out.get)
+                q_in.put("done")
+                comm.close()
+                await t.aclose()
+                nursery.cancel_scope.cancel()
+                return elapsed
+
+        elapsed = trio.run(main)
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    # the first tensor starts the receiver's clock: `messages` more arrived in `elapsed`
+    return {"comm_64MiB_GBps": round(messages * 64 * MiB / elapsed / 1e9, 3), "comm_messages": messages}
+
+
+# ---- 4. emulated worldwide: scheduler vs random allocation, measured vs predicted -------------
+
+
+def bench_worldwide(steps: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
+        run_dir = Path(tmp) / "swarm"
+        swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--timeout", "300")
+        try:
+            sched_reply, sched_rows = train_run(run_dir, steps)
+            shape = ("--stages", str(sched_reply["stages"]), "--dp", str(sched_reply["dp"]))
+            rand_reply, rand_rows = train_run(run_dir, steps, *shape, "--placement", "random", "--seed", "1")
+        finally:
+            swarm(run_dir, "down")
+    out = {"world_shape": f"{sched_reply['stages']}x{sched_reply['dp']}"}
+    for name, reply, rows in (("scheduler", sched_reply, sched_rows), ("random", rand_reply, rand_rows)):
+        measured = median_after(rows, "iteration_s", 1)
+        out[f"world_{name}_predicted_s"] = round(reply["predicted_iteration_s"], 3)
+        out[f"world_{name}_measured_s"] = round(measured, 3)
+        out[f"world_{name}_measured_over_predicted"] = round(measured / reply["predicted_iteration_s"], 3)
+    out["world_speedup_measured"] = round(out["world_random_measured_s"] / out["world_scheduler_measured_s"], 3)
+    out["world_speedup_predicted"] = round(out["world_random_predicted_s"] / out["world_scheduler_predicted_s"], 3)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="loopback,comm,transport,worldwide",
+                    help="comma-separated parts to run (default: %(default)s)")
+    ap.add_argument("--steps", type=int, default=12, help="training steps on loopback (default: %(default)s)")
+    ap.add_argument("--world-steps", type=int, default=8,
+                    help="training steps per allocation on the worldwide swarm (default: %(default)s)")
+    ap.add_argument("--comm-messages", type=int, default=8, help="64 MiB tensors timed (default: %(default)s)")
+    args = ap.parse_args(argv)
+    parts = set(args.only.split(","))
+    torch.set_num_threads(1)
+    result: dict = {}
+
+    def show(d: dict) -> None:
+        for k, v in d.items():
+            print(f"{k:48s} {v}", flush=True)
+        result.update(d)
+
+    if "loopback" in parts:
+        show(bench_loopback(args.steps))
+    if "comm" in parts or "transport" in parts:
+        tr = transport_figures(max(256, args.comm_messages * 64))
+        if "comm" in parts:
+            comm = bench_comm(args.comm_messages)
+            comm["transport_encrypted_GBps"] = tr["b_transport_encrypted_GBps"]
+            comm["ratio_comm_over_transport"] = round(comm["comm_64MiB_GBps"] / tr["b_transport_encrypted_GBps"], 3)
+            show(comm)
+        if "transport" in parts:
+            crypto = tr["d_sodium_cpu_s_per_GiB"]
+            show({f"transport_{side}_cpu_s_per_GiB": tr[f"b_{side}_cpu_s_per_GiB"] for side in ("sender", "receiver")}
+                 | {f"raw_tcp_{side}_cpu_s_per_GiB": tr[f"a_{side}_cpu_s_per_GiB"] for side in ("sender", "receiver")}
+                 | {"sodium_cpu_s_per_GiB": crypto}
+                 | {f"ratio_{side}_over_raw_plus_crypto": round(
+                     tr[f"b_{side}_cpu_s_per_GiB"] / (tr[f"a_{side}_cpu_s_per_GiB"] + crypto), 3)
+                    for side in ("sender", "receiver")})
+    if "worldwide" in parts:
+        show(bench_worldwide(args.world_steps))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
