@@ -160,6 +160,8 @@ class _Issued:
                 "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s > 0 else None,
                 "predicted_iteration_s": self.alloc.predicted_iteration_s,
                 "compute_s": max(r.compute_s for r in got.values()),
+                "pipeline_s": max(r.pipeline_s for r in got.values()),
+                "sync_s": max(r.sync_s for r in got.values()),
                 "time": time.time()}
         self.recent = (self.recent + [line])[-MAX_RECENT_STEPS:]
         with open(self.log_path, "a") as f:
