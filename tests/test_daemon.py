@@ -5,6 +5,7 @@ on a swarm key mismatch, request/one-way messages through the real msgpack codec
 disconnect callbacks. Times below are virtual seconds.
 """
 
+import dataclasses
 import errno
 import logging
 import random
@@ -31,9 +32,13 @@ KEY = b"k" * 32
 
 
 class FakeNet:
+    """Listeners by (host, port); one listening on a wildcard is found at its machine's host.
+    With `blackhole`, a dial to an address nobody listens on hangs instead of being refused."""
+
     def __init__(self):
         self.listeners: dict[tuple[str, int], "FakeTransport"] = {}
         self.next_port = 40000
+        self.blackhole = False
 
     def port(self) -> int:
         self.next_port += 1
@@ -91,13 +96,16 @@ class FakeConnection:
 
 
 class FakeTransport:
-    def __init__(self, net, identity, swarm_key, region=""):
+    def __init__(self, net, identity, swarm_key, region="", host="127.0.0.9"):
         self.net, self.identity, self.swarm_key, self.region = net, identity, swarm_key, region
+        self.host = host          # the machine's address: where its dials come from
         self.peer_id = identity.peer_id
         self.listen_address = ("", 0)
         self.handlers, self.conns = {}, {}
         self.connect_cbs, self.disconnect_cbs = [], []
         self.dials = 0
+        self.inflight = self.max_inflight = 0
+        self.unreachable = False  # a firewall drops every dial to this machine
         self.dead = False
         self._scope = None
 
@@ -118,22 +126,33 @@ class FakeTransport:
 
     async def serve(self, host, port, *, task_status=trio.TASK_STATUS_IGNORED):
         port = port or self.net.port()
-        if (host, port) in self.net.listeners:
+        key = (self.host if host in ("0.0.0.0", "::") else host, port)
+        if key in self.net.listeners:
             raise OSError(errno.EADDRINUSE, "Address already in use")
         self.listen_address = (host, port)
-        self.net.listeners[(host, port)] = self
+        self.net.listeners[key] = self
         try:
             with trio.CancelScope() as self._scope:
                 task_status.started((host, port))
                 await trio.sleep_forever()
         finally:
-            del self.net.listeners[(host, port)]
+            del self.net.listeners[key]
 
     async def connect(self, host, port):
         self.dials += 1
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            return await self._connect(host, port)
+        finally:
+            self.inflight -= 1
+
+    async def _connect(self, host, port):
         await trio.sleep(0.02)
         other = self.net.listeners.get((host, port))
-        if other is None or other.dead or self.dead:
+        if (other is None or other.unreachable) and self.net.blackhole:
+            await trio.sleep_forever()
+        if other is None or other.dead or self.dead or other.unreachable:
             raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
         if other.swarm_key != self.swarm_key:
             logging.getLogger("fake.transport").warning(
@@ -142,7 +161,7 @@ class FakeTransport:
         if other.peer_id in self.conns:
             return self.conns[other.peer_id]
         mine = FakeConnection(self, other, (host, port))
-        theirs = FakeConnection(other, self, ("127.0.0.9", self.net.port()))
+        theirs = FakeConnection(other, self, (self.host, self.net.port()))
         mine.twin, theirs.twin = theirs, mine
         self.conns[other.peer_id] = mine
         other.conns[self.peer_id] = theirs
@@ -188,14 +207,15 @@ class Swarm:
         self.net = FakeNet()
         self.rng = random.Random(7)
 
-    async def start(self, name, *, bootstrap=(), key=KEY, port=0, region="", services=()):
+    async def start(self, name, *, bootstrap=(), key=KEY, port=0, region="", services=(),
+                    listen="127.0.0.1", host="127.0.0.9", advertise=None, discovery=None):
         config = DaemonConfig.test()
         config = DaemonConfig(
-            peer=PeerConfig(listen=Address("127.0.0.1", port), bootstrap=tuple(bootstrap),
-                            region=region),
-            discovery=config.discovery, control=config.control)
+            peer=PeerConfig(listen=Address(listen, port), bootstrap=tuple(bootstrap),
+                            region=region, advertise=advertise),
+            discovery=discovery or config.discovery, control=config.control)
         ident = Identity(bytes([len(name)]) + name.encode().ljust(31, b"."))
-        transport = FakeTransport(self.net, ident, key, region)
+        transport = FakeTransport(self.net, ident, key, region, host=host)
         data_dir = DataDir(self.root / name)
         data_dir.ensure()
         daemon = Daemon(config, ident, transport, data_dir, rng=random.Random(self.rng.random()))
@@ -500,4 +520,203 @@ async def test_peer_whose_exchange_handler_fails_stays_connected(autojump, short
         await trio.sleep(5)   # several periodic exchanges fail; b keeps running
         assert seen(b) == [a.short_id]
         assert not b.done.is_set()
+        nursery.cancel_scope.cancel()
+
+
+# ---- the advertised address ------------------------------------------------------------------
+
+from dtfm.peer.advertise import Advertiser  # noqa: E402
+from dtfm.peer.config import DiscoveryConfig  # noqa: E402
+from dtfm.peer.pex import AddressSeen  # noqa: E402
+from dtfm.peer.ratelimit import SourceRate  # noqa: E402
+
+HOSTS = ("10.77.0.1", "10.77.0.2", "10.77.0.3")
+
+
+async def test_peers_on_a_wildcard_advertise_the_address_their_peers_confirm(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a", listen="0.0.0.0", port=7450, host=HOSTS[0])
+        first = Address(HOSTS[0], 7450)
+        b = await swarm.start("b", listen="0.0.0.0", port=7450, host=HOSTS[1], bootstrap=[first])
+        c = await swarm.start("c", listen="0.0.0.0", port=7450, host=HOSTS[2], bootstrap=[first])
+        assert a.status()["advertise"] is None   # nothing dialable until a peer confirms
+        daemons = (a, b, c)
+        await wait_until(lambda: all(len(seen(d)) == 2 for d in daemons)
+                         and all(d.discovery.advertised is not None for d in daemons))
+        for d, host in zip(daemons, HOSTS):
+            assert d.status()["advertise"] == f"{host}:7450"
+            assert d.transport.listen_address == (host, 7450)   # the handshake carries it too
+            for p in d.status()["peers"]:
+                assert p["address"].startswith("10.77.0.") and p["address"].endswith(":7450")
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_address_the_asked_peer_cannot_dial_back_is_not_adopted(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a", listen="0.0.0.0", port=7450, host=HOSTS[0])
+        b = await swarm.start("b", listen="0.0.0.0", port=7450, host=HOSTS[1],
+                              bootstrap=[Address(HOSTS[0], 7450)])
+        b.transport.unreachable = True      # b dials out, nobody can dial in
+        await wait_until(lambda: a.discovery.advertised is not None, within_s=10)
+        await trio.sleep(5.0)
+        assert a.discovery.advertised == Address(HOSTS[0], 7450)
+        assert b.discovery.advertised is None
+        assert b.status()["advertise"] is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_advertise_option_is_used_as_given(autojump, short_tmp):
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a", listen="0.0.0.0", port=7450, host=HOSTS[0],
+                              advertise=Address("203.0.113.5", 0))
+        assert a.discovery.advertised == Address("203.0.113.5", 7450)
+        assert a.transport.listen_address == ("203.0.113.5", 7450)
+        nursery.cancel_scope.cancel()
+
+
+PID = b"p" * 32
+
+
+@pytest.mark.parametrize("listen, configured, bootstrap, initial", [
+    ("0.0.0.0:7450", None, (), None),
+    ("0.0.0.0:7450", None, ("10.0.0.1:7450",), None),
+    ("0.0.0.0:7450", None, ("127.0.0.1:7450", "localhost:7451"), "127.0.0.1:7450"),
+    ("[::]:7450", None, ("[::1]:7450",), "[::1]:7450"),
+    ("0.0.0.0:7450", "198.51.100.7:9000", (), "198.51.100.7:9000"),
+    ("10.0.0.2:7450", None, ("10.0.0.1:7450",), "10.0.0.2:7450"),
+    ("127.0.0.1:7450", None, (), "127.0.0.1:7450"),
+])
+def test_advertiser_initial_address(listen, configured, bootstrap, initial):
+    adv = Advertiser(Address.parse(listen), configured and Address.parse(configured),
+                     tuple(Address.parse(b) for b in bootstrap))
+    assert adv.address == (initial and Address.parse(initial))
+    assert adv.needs_confirmation == (initial is None)
+
+
+@pytest.mark.parametrize("bootstrap, seen, confirmed, adopted", [
+    (("10.0.0.1:7450",), "10.0.0.2:7450", True, True),
+    (("10.0.0.1:7450",), "10.0.0.2:7450", False, False),    # the dial back failed
+    (("10.0.0.1:7450",), "10.0.0.2:7451", True, False),     # not our port
+    (("10.0.0.1:7450",), "127.0.0.1:7450", True, False),    # loopback, peers elsewhere
+    ((), "127.0.0.1:7450", True, False),
+    (("10.0.0.1:7450",), "0.0.0.0:7450", True, False),
+])
+def test_advertiser_adopts_only_a_confirmed_routable_address(bootstrap, seen, confirmed, adopted):
+    adv = Advertiser(Address("0.0.0.0", 7450), None, tuple(Address.parse(b) for b in bootstrap))
+    address, why = adv.observed(AddressSeen(Address.parse(seen), confirmed), PID)
+    assert (address is not None) == adopted, why
+    assert adv.address == (Address.parse(seen) if adopted else None)
+    if adopted:   # the first confirmed address stays
+        again, _ = adv.observed(AddressSeen(Address("10.0.0.9", 7450), True), PID)
+        assert again is None and adv.address == Address.parse(seen)
+
+
+# ---- bounds against members that flood --------------------------------------------------------
+
+def test_source_rate_is_a_token_bucket_per_source():
+    rate = SourceRate(2.0, 3, max_sources=2)
+    assert [rate.allow(b"a", 0.0) for _ in range(4)] == [True, True, True, False]
+    assert rate.allow(b"b", 0.0)              # another source has its own bucket
+    assert not rate.allow(b"a", 0.4)          # 0.8 of a token
+    assert rate.allow(b"a", 0.5)              # 1.0: one more
+    assert not rate.allow(b"a", 0.5)
+    assert [rate.allow(b"a", 100.0) for _ in range(4)] == [True, True, True, False]  # capped
+    rate.allow(b"c", 100.0)
+    assert len(rate) == 2                     # sources are bounded too
+
+
+def _pid(i: int) -> bytes:
+    return i.to_bytes(4, "big") + b"." * 28
+
+
+def test_peer_book_bounds_total_and_per_source_evicting_the_oldest_unverified():
+    book = PeerBook(b"self" + b"." * 28, retry_initial_s=1, retry_max_s=8, max_entries=4,
+                    max_per_source=2, rng=random.Random(1))
+    s1, s2, s3 = b"1" * 32, b"2" * 32, b"3" * 32
+    addr = Address("10.0.0.1", 7450)
+    assert book.learn(_pid(1), addr, "", 0.0, source=s1)
+    assert book.learn(_pid(2), addr, "", 1.0, source=s1)
+    assert book.learn(_pid(3), addr, "", 2.0, source=s1)      # s1 over its share: its oldest goes
+    assert list(book.entries) == [_pid(2), _pid(3)]
+    assert book.unverified_from(s1) == 2
+    book.connected(_pid(9), addr, "", 3.0)                      # a connected peer is verified
+    assert book.learn(_pid(4), addr, "", 4.0, source=s2)
+    assert len(book.entries) == 4
+    assert book.due(5.0, limit=1) == [(_pid(2), addr)]          # _pid(2) is being dialled now
+    assert book.learn(_pid(5), addr, "", 6.0, source=s3)        # full: oldest unverified idle goes
+    assert list(book.entries) == [_pid(2), _pid(9), _pid(4), _pid(5)]
+    book.connected(_pid(2), addr, "", 7.0)                      # verified: no longer s1's
+    assert book.unverified_from(s1) == 0
+    assert book.learn(_pid(6), addr, "", 8.0, source=s3)        # evicts _pid(4)
+    assert book.learn(_pid(7), addr, "", 9.0, source=s2)        # evicts _pid(5)
+    assert book.due(10.0, limit=5) and book.dialling_count() == 2
+    assert not book.learn(_pid(8), addr, "", 11.0, source=s3)   # nothing may go: refused
+    assert set(book.entries) == {_pid(2), _pid(9), _pid(6), _pid(7)}
+
+
+def test_peer_book_due_hands_out_at_most_the_limit_longest_waiting_first():
+    book = PeerBook(b"self" + b"." * 28, retry_initial_s=1, retry_max_s=8, rng=random.Random(1))
+    for i in range(5):
+        book.learn(_pid(i), Address("10.0.0.1", 7000 + i), "", 4.0 - i)
+    assert [p for p, _ in book.due(10.0, limit=2)] == [_pid(4), _pid(3)]
+    assert [p for p, _ in book.due(10.0, limit=0)] == []
+    assert [p for p, _ in book.due(10.0)] == [_pid(0), _pid(1), _pid(2)]
+
+
+async def test_flooding_member_cannot_grow_the_book_nor_the_dials(autojump, short_tmp, caplog):
+    bounds = dataclasses.replace(DaemonConfig.test().discovery, max_known_peers=64,
+                                 max_peers_per_source=16, max_concurrent_dials=4,
+                                 exchange_rate_per_s=1.0, exchange_burst=2)
+    rng = random.Random(3)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        swarm.net.blackhole = True           # attacker-chosen addresses hang until the timeout
+        a = await swarm.start("victim", discovery=bounds)
+        evil = FakeTransport(swarm.net, Identity(b"e" * 32), KEY)
+        await nursery.start(evil.serve, "127.0.0.1", 0)
+        conn = await evil.connect(a.listen_address.host, a.listen_address.port)
+        caplog.set_level(logging.DEBUG, logger="dtfm.peer.discovery")
+        t0 = trio.current_time()
+        sent = 0
+        for _ in range(2000):                # 128,000 addresses at 50 lists per second
+            records = [PeerRecord(rng.randbytes(32), Address(f"198.18.{rng.randrange(256)}.1",
+                                                             rng.randrange(1, 65536)), "")
+                       for _ in range(64)]
+            await conn.request(16, PeerExchange(tuple(records)).to_wire())
+            sent += 1
+            book = a.discovery.book
+            assert len(book.entries) <= bounds.max_known_peers
+            assert book.unverified_from(evil.peer_id) <= bounds.max_peers_per_source
+            assert a.transport.inflight <= bounds.max_concurrent_dials
+        elapsed = trio.current_time() - t0
+        assert a.transport.max_inflight == bounds.max_concurrent_dials   # bounded, and used
+        ignored = sum("over its rate" in r.getMessage() for r in caplog.records)
+        accepted = sent - ignored
+        assert accepted <= bounds.exchange_burst + bounds.exchange_rate_per_s * elapsed + 2
+        assert conn.closed is False          # flooding within the limits is not an error
+        nursery.cancel_scope.cancel()
+
+
+async def test_gossip_member_address_learnt_after_start_reaches_every_member(autojump):
+    from dtfm.gossip.config import GossipConfig
+    from dtfm.gossip.harness import Harness
+
+    async with trio.open_nursery() as nursery:
+        h = Harness(3, GossipConfig.test(), seed=1, measure=False)
+        await h.start(nursery)
+        await wait_until(h.all_know_all, within_s=30)
+        svc = h.services[0]
+        before = svc.swim.me.incarnation
+        svc.set_address("10.77.0.1", 7450)
+        assert svc.swim.me.address == ("10.77.0.1", 7450)
+        assert svc.swim.me.incarnation == before + 1
+
+        def everyone_sees_it():
+            return all(m.address == ("10.77.0.1", 7450)
+                       for s in h.services for m in s.members() if m.peer_id == svc.identity.peer_id)
+
+        await wait_until(everyone_sees_it, within_s=30)
         nursery.cancel_scope.cancel()
