@@ -2,11 +2,21 @@ import math
 
 import numpy as np
 import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.gossip.records import MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
-from dtfm.gossip.sync import RecordSync, RecordSyncer, SyncActions, SyncPhase, SyncRole, SyncStep
+from dtfm.gossip.sync import (
+    RecordSync,
+    RecordSyncer,
+    SyncActions,
+    SyncLimits,
+    SyncPhase,
+    SyncRole,
+    SyncStep,
+    VerifyBudget,
+)
 from dtfm.gossip.view import build_view
 from dtfm.net import ProtocolError
 from dtfm.net.identity import Identity
@@ -294,6 +304,111 @@ def test_sync_responder_sessions_are_capped():
     assert m.phase(peers[2], RESP) is IDLE
     assert m.handle(peers[0], hash_msg, 1.0).reply is not None  # a session in progress may go on
     assert m.handle(peers[2], hash_msg, TIMEOUT).reply is not None  # once one has expired
+
+
+class CountingVerify:
+    """A store's signature check that counts its calls."""
+
+    def __init__(self, check=Report.verify):
+        self.calls = 0
+        self.check = check
+
+    def __call__(self, r):
+        self.calls += 1
+        return self.check(r)
+
+
+def unsigned(measurer, seq):
+    return Report(measurer, seq, NOW, 0.0, (), b"\x00" * 64)
+
+
+def carried(m, reports, now=0.0, src=PEER):
+    """The reports of one REPORTS message from src that go on to the signature check."""
+    m.start(src, now)
+    return m.handle(src, RecordSync(SyncStep.REPORTS, b"", (), tuple(reports)), now).accept
+
+
+async def test_a_message_of_4096_duplicates_verifies_each_distinct_report_once():
+    verify = CountingVerify()
+    store = RecordStore(600, verify=verify)
+    m = RecordSyncer(store, max_sync_bytes=1 << 20, timeout_s=TIMEOUT)
+    a, b = report(ALICE, seq=5), report(BOB, seq=3)
+    forged = Report(C_ID, 9, NOW, 5.0, report(CAROL).entries, BOB.sign(b"not carol's"))
+    message = [a, b, forged] * 1365 + [a]
+    assert len(message) == MAX_ENTRIES
+    accept = carried(m, message)
+    assert accept == (a, b, forged)
+    assert await store.offer_all(accept, now_wall=NOW, is_member=is_member) == [None, None, "bad signature"]
+    assert verify.calls == 3
+    # Again: what we hold is not newer, so only the forgery is checked again.
+    assert carried(m, message, now=1.0) == (forged,)
+    # One measurer's 4,096 sequence numbers: the newest alone.
+    newest = report(ALICE, seq=MAX_ENTRIES + 5)
+    assert carried(m, [unsigned(A_ID, s) for s in range(6, MAX_ENTRIES + 5)] + [newest], now=2.0) == (newest,)
+
+
+async def test_a_flood_reaches_the_signature_check_only_up_to_the_caps():
+    verify = CountingVerify(lambda r: False)
+    store = RecordStore(600, verify=verify)
+    limits = SyncLimits(max_reports_per_message=256, reports_per_source_per_s=256.0, burst_reports=512)
+    m = RecordSyncer(store, max_sync_bytes=1 << 20, timeout_s=TIMEOUT, limits=limits)
+    flood = [unsigned(i.to_bytes(32, "big"), 1) for i in range(1, MAX_ENTRIES + 1)]
+    accept = carried(m, flood)
+    assert accept == tuple(flood[:256])
+    await store.offer_all(accept, now_wall=NOW, is_member=lambda p: True)
+    assert verify.calls == 256
+    assert len(carried(m, flood)) == 256  # the rest of the sender's burst
+    assert len(carried(m, flood)) == 0  # spent
+    assert len(carried(m, flood, now=0.5)) == 128  # refilled at 256 a second
+    assert len(carried(m, flood, now=0.5, src=C_ID)) == 256  # another sender has its own budget
+
+
+def test_verify_budget_refills_and_forgets_full_buckets():
+    budget = VerifyBudget(rate_per_s=10.0, burst=20, max_buckets=2)
+    assert budget.take(A_ID, 15, 0.0) == 15 and budget.take(A_ID, 15, 0.0) == 5
+    assert budget.take(A_ID, 15, 1.0) == 10 and budget.available(A_ID, 100.0) == 20
+    assert budget.take(B_ID, 1, 1.0) == 1 and budget.take(C_ID, 1, 1.0) == 1
+    assert budget.take(b"\x09" * 32, 1, 5.0) == 1  # past max_buckets: the refilled ones go
+    assert len(budget._buckets) <= 2 and budget.available(A_ID, 5.0) == 20
+    for bad in [dict(max_reports_per_message=0), dict(burst_reports=0), dict(reports_per_source_per_s=0.0)]:
+        with pytest.raises(ValueError):
+            SyncLimits(**bad)
+
+
+async def test_verification_yields_to_other_tasks_between_slices():
+    verify = CountingVerify(lambda r: True)
+    store = RecordStore(600, verify=verify)
+    reports = [unsigned(i.to_bytes(32, "big"), 1) for i in range(1, 101)]
+    me = trio.lowlevel.current_task()
+    steps = []  # signatures checked in each step of this task
+
+    class Steps(trio.abc.Instrument):
+        last = 0
+
+        def after_task_step(self, task):
+            if task is me:
+                steps.append(verify.calls - self.last)
+                self.last = verify.calls
+
+    seen = []  # signatures checked when the other task ran
+
+    async def other():
+        while True:
+            seen.append(verify.calls)
+            await trio.sleep(0)
+
+    instrument = Steps()
+    trio.lowlevel.add_instrument(instrument)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            reasons = await store.offer_all(reports, now_wall=NOW, is_member=lambda p: True)
+            nursery.cancel_scope.cancel()
+    finally:
+        trio.lowlevel.remove_instrument(instrument)
+    assert reasons == [None] * 100 and verify.calls == 100
+    assert max(steps) == 32 and sum(steps) == 100 and len([s for s in steps if s]) == 4
+    assert 32 <= seen[0] < 100  # the other task ran before the batch was done
 
 
 def test_two_syncers_converge_through_the_wire():
