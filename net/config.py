@@ -25,16 +25,34 @@ class TransportConfig:
     # Incomplete payloads a peer may have in flight to us at once, in count and in bytes.
     max_inflight_payloads: int = 16
     max_inflight_payload_bytes: int = 4096 * MiB
+    # Incomplete incoming payloads over all connections together, in bytes: the memory many
+    # connections may commit at once. A payload that does not fit is refused (a request gets
+    # an error reply saying so), not allocated; its connection stays up.
+    max_total_payload_bytes: int = 8192 * MiB
     # Default time a request waits for its reply (sending included).
     request_timeout_s: float = 30.0
-    # TCP connect plus the three handshake messages.
+    # TCP connect plus the three handshake messages; on the accepting side, from the hello to
+    # the third message.
     handshake_timeout_s: float = 10.0
+    # An accepted connection must deliver its whole hello within this long; until then it holds
+    # no handshake slot, only a pending-connection place (bounded below).
+    hello_timeout_s: float = 3.0
+    # Accepted connections still waiting for their hello, over all sources and per source host
+    # (an IPv6 source counts by its /64). Excess connections are closed at once.
+    max_pending_connections: int = 256
+    max_pending_per_host: int = 16
+    # The initiator's wall clock travels in the hello under the swarm-key MAC; hellos further
+    # than this from the responder's clock are refused, and a hello seen once within the window
+    # is refused again. Too small refuses peers with drifting clocks.
+    handshake_clock_skew_s: float = 120.0
     # Session keys are ratcheted after this long or this many records, whichever comes first;
     # the record counter is 64 bits, so the count limit sits far below a wrap.
     rekey_interval_s: float = 120.0
     rekey_after_records: int = 2**32
-    # Handshakes in progress at once, over all sources; excess connections are closed at once.
+    # Handshakes in progress (hello received, third message awaited) at once, over all sources
+    # and per source host (an IPv6 source counts by its /64); excess connections are closed.
     max_half_open_handshakes: int = 64
+    max_half_open_per_host: int = 8
     # Handshake attempts per source host: sustained rate and burst (token bucket).
     handshake_rate_per_s: float = 5.0
     handshake_burst: int = 20
@@ -65,18 +83,23 @@ class TransportConfig:
             raise ValueError("chunk_bytes must be in 1..64 MiB")
         if self.max_payload_bytes < 0 or self.max_inflight_payload_bytes < self.max_payload_bytes:
             raise ValueError("need 0 <= max_payload_bytes <= max_inflight_payload_bytes")
+        if self.max_total_payload_bytes < self.max_payload_bytes:
+            raise ValueError("max_total_payload_bytes must be >= max_payload_bytes")
         if self.max_inflight_payloads < 1:
             raise ValueError("max_inflight_payloads must be >= 1")
         for name in ("request_timeout_s", "handshake_timeout_s", "rekey_interval_s", "keepalive_interval_s",
-                     "send_stall_timeout_s", "close_timeout_s", "handshake_rate_per_s"):
+                     "send_stall_timeout_s", "close_timeout_s", "handshake_rate_per_s", "hello_timeout_s",
+                     "handshake_clock_skew_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.idle_timeout_s <= 2 * self.keepalive_interval_s:
             raise ValueError("idle_timeout_s must exceed 2 x keepalive_interval_s")
         if not 1 <= self.rekey_after_records <= 2**62:
             raise ValueError("rekey_after_records must be in 1..2^62")
-        if self.max_half_open_handshakes < 1 or self.handshake_burst < 1:
-            raise ValueError("max_half_open_handshakes and handshake_burst must be >= 1")
+        for name in ("max_half_open_handshakes", "max_half_open_per_host", "handshake_burst",
+                     "max_pending_connections", "max_pending_per_host"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
         if self.cipher_suites is not None and (
             not self.cipher_suites or any(c not in SUITES for c in self.cipher_suites)
         ):
@@ -98,8 +121,11 @@ class TransportConfig:
             max_payload_bytes=64 * MiB,
             chunk_bytes=64 * 1024,
             max_inflight_payload_bytes=128 * MiB,
+            max_total_payload_bytes=256 * MiB,
             request_timeout_s=5.0,
             handshake_timeout_s=2.0,
+            hello_timeout_s=1.0,
+            max_pending_connections=64,
             rekey_interval_s=10.0,
             rekey_after_records=64,
             max_half_open_handshakes=16,

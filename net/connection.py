@@ -9,6 +9,7 @@ from collections.abc import Callable
 import trio
 
 from . import frames
+from .budget import PayloadBudget
 from .config import TransportConfig
 from .dispatch import KEEPALIVE, PING, Dispatcher, Requests, encode_body
 from .errors import ConnectionClosed, ProtocolError
@@ -39,6 +40,7 @@ class Connection:
         config: TransportConfig,
         handlers: dict[int, Handler],
         shaper: LinkShaper | None,
+        budget: PayloadBudget | None = None,
     ) -> None:
         self.peer_id: bytes = hs.peer_id
         self.short_id: str = short_id(hs.peer_id)
@@ -68,16 +70,17 @@ class Connection:
             thread_min_bytes=config.crypto_thread_min_bytes,
             peer=self.short_id,
         )
-        inbound = frames.Inbound(
+        self._inbound = frames.Inbound(
             max_control_frame_bytes=config.max_control_frame_bytes,
             max_payload_bytes=config.max_payload_bytes,
             max_inflight_payload_bytes=config.max_inflight_payload_bytes,
             max_inflight_payloads=config.max_inflight_payloads,
+            budget=budget,
         )
         self._in = RecordReader(
             reader,
             RecvCipher(hs.recv_key, hs.suite),
-            inbound,
+            self._inbound,
             max_record=max_record,
             idle_timeout_s=config.idle_timeout_s,
             thread_min_bytes=config.crypto_thread_min_bytes,
@@ -159,12 +162,31 @@ class Connection:
         frame = frames.encode_msg(msg_type, flags, msg_id, reply_to, encoded, n)
         await self._shape.submit(frame, droppable and n == 0)
         if n:
+            await self._send_chunks(msg_id, payload, n)
+
+    async def _send_chunks(self, msg_id: int, payload: Payload, n: int) -> None:
+        sent_all = False
+        try:
             view = memoryview(payload).cast("B")
             step = self._config.chunk_bytes
             for off in range(0, n, step):
                 if self.closed:
                     raise ConnectionClosed(self.close_reason)
                 await self._shape.submit(frames.encode_chunk(msg_id, view[off : off + step]), False)
+            sent_all = True
+        finally:
+            if not sent_all and not self.closed and self._nursery is not None:
+                # Given up part-way (a request timeout, a cancelled sender): without an ABORT
+                # the receiver would hold the partial payload for the life of the connection.
+                # Sent from the connection's nursery, as the sender here may be cancelled.
+                try:
+                    self._nursery.start_soon(self._send_abort, msg_id)
+                except RuntimeError:  # the connection's nursery is closing
+                    pass
+
+    async def _send_abort(self, msg_id: int) -> None:
+        logger.debug("gave up the payload of message %d to %s part-way: abort sent", msg_id, self.short_id)
+        await self._shape.submit(frames.encode_abort(msg_id), False)
 
     async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
         await self._out.transmit(frame, flush=flush)
@@ -202,6 +224,7 @@ class Connection:
                 nursery.cancel_scope.cancel()
         finally:
             self._mark_closed("connection closed")
+            self._inbound.close()
             self._requests.close(self.close_reason)
             with trio.CancelScope(shield=True):
                 await self._stream.aclose()
@@ -251,13 +274,20 @@ class Connection:
     # ---- receiving ----------------------------------------------------------------------
 
     def _dispatch(self, msg: frames.Message) -> None:
+        assert self._nursery is not None  # run() is dispatching
+        if msg.flags & frames.FLAG_RESPONSE and msg.refused:
+            self._requests.refused(msg.reply_to, msg.refused)
+            return
+        if msg.refused:
+            self._dispatcher.refuse(self._nursery, msg.msg_type, msg.msg_id, msg.refused,
+                                    bool(msg.flags & frames.FLAG_REQUEST))
+            return
         if msg.flags & frames.FLAG_RESPONSE:
             if msg.flags & frames.FLAG_ERROR:
                 self._requests.error(msg.reply_to, msg.body)
             else:
                 self._requests.reply(msg.reply_to, msg.body, msg.payload)
             return
-        assert self._nursery is not None  # run() is dispatching
         self._dispatcher.deliver(self._nursery, msg.msg_type, msg.msg_id, msg.body, msg.payload,
                                  bool(msg.flags & frames.FLAG_REQUEST))
 

@@ -125,6 +125,14 @@ class Requests:
             p.error = RemoteError(f"{self._peer}: {str(reason)[:200]}")
             p.event.set()
 
+    def refused(self, reply_to: int, reason: str) -> None:
+        """The reply to reply_to came with a payload this end refused (its payload budget)."""
+        p = self._take(reply_to)
+        if p is not None:
+            logger.warning("reply from %s dropped: %s", self._peer, reason)
+            p.error = RemoteError(f"reply from {self._peer} not received: {reason}")
+            p.event.set()
+
     def close(self, reason: str) -> None:
         """The connection closed: every waiting request raises ConnectionClosed(reason)."""
         for p in self._pending.values():
@@ -181,6 +189,13 @@ class Dispatcher:
             return
         self._slots -= 1
         nursery.start_soon(self._run, handler, msg_type, msg_id, body, payload, is_request)
+
+    def refuse(self, nursery: trio.Nursery, msg_type: int, msg_id: int, reason: str, is_request: bool) -> None:
+        """A message whose payload this end refused (its payload budget): not handled; a
+        request is answered with the reason."""
+        logger.warning("message type %d from %s dropped: %s", msg_type, self._conn.short_id, reason)
+        if is_request:
+            nursery.start_soon(self._conn._respond_error, msg_id, reason)
 
     def cancel(self) -> None:
         """The connection closed: stop the handlers still running."""

@@ -2,12 +2,20 @@
 
 Three messages, each sent as `u32 length | body`:
 
-    1. I -> R  "DTFM" | version | e_i (32) | mac1 (16)
-               mac1 = BLAKE2b-MAC(swarm key, "DTFM" | version | e_i): proves knowledge of the
-               swarm key before the responder spends anything; a mismatch gets a plaintext
-               refusal "DTFM" | 0xff | reason, so both sides can say what went wrong.
+    1. I -> R  "DTFM" | version | t_ms (u64) | e_i (32) | mac1 (16)
+               t_ms is the initiator's wall clock in milliseconds;
+               mac1 = BLAKE2b-MAC(swarm key, "DTFM" | version | t_ms | e_i).
     2. R -> I  "DTFM" | version | e_r (32) | AEAD(k_r, h, {id, sig, region, listen})
     3. I -> R  AEAD(k_i, h, {id, sig, region, listen})
+
+What mac1 proves: that the hello was made by a holder of the swarm key, within
+`HelloGuard.skew_s` of the responder's clock, and was not seen before (the responder's
+`HelloGuard` remembers every hello of the window). So someone without the key can neither make
+a hello nor replay one recorded off the wire to make the responder spend a key exchange. It
+proves nothing about who the sender is: every swarm member can make fresh hellos, and the
+responder spends a key exchange and a handshake slot on each (admission control bounds that
+per source). A refused hello (wrong MAC, version, clock or a replay) gets one generic plaintext
+refusal, "DTFM" | 0xff | "handshake refused"; the responder keeps the detail for its own log.
 
 h = BLAKE2b(msg1 | "DTFM" | version | e_r) is the transcript; each side signs
 "dtfm-hs-resp"/"dtfm-hs-init" | h with its Ed25519 identity key. Every key is derived from the
@@ -22,6 +30,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import nacl.bindings
@@ -30,17 +40,27 @@ import nacl.utils
 
 from .errors import HandshakeError, ProtocolError
 from .identity import Identity, short_id, swarm_key_fingerprint, verify_signature
+from .replay import HelloGuard
 from .session import SUITES, choose_suite, local_suites
 from .wire import get_bytes, get_dict, get_int, get_list, get_str, pack, unpack_untrusted
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"DTFM"
 REJECT = 0xFF
 MAX_HANDSHAKE_BYTES = 2048
 MAX_REGION_LEN = 64
 MAX_HOST_LEN = 255
+DEFAULT_CLOCK_SKEW_S = 120.0
+# The only refusal a responder sends, whatever the reason: the reason stays in its own log.
+REFUSAL = "handshake refused"
 _MAC_BYTES = 16
-_MSG1_LEN = len(MAGIC) + 1 + 32 + _MAC_BYTES
+_TIME_BYTES = 8
+_HEADER_LEN = len(MAGIC) + 1 + _TIME_BYTES + 32
+MSG1_LEN = _HEADER_LEN + _MAC_BYTES
+_REFUSAL_HINT = (
+    "check that both peers hold the same swarm key, run the same dtfm version, and have clocks "
+    "within two minutes of each other"
+)
 _NONCE0 = bytes(12)
 
 
@@ -141,16 +161,24 @@ class _Side:
 
 def _check_reject(msg: bytes) -> None:
     if len(msg) >= 5 and msg[:4] == MAGIC and msg[4] == REJECT:
-        reason = msg[5:].decode("utf-8", "replace")
+        reason = msg[5 : 5 + 128].decode("utf-8", "replace")
         printable = "".join(c if c.isprintable() else "?" for c in reason)
-        raise HandshakeError(f"refused by peer: {printable}")
+        raise HandshakeError(f"refused by peer: {printable} ({_REFUSAL_HINT})")
 
 
 class Initiator(_Side):
-    """The connecting side: `first_message()`, then `on_response(msg2) -> (msg3, result)`."""
+    """The connecting side: `first_message()`, then `on_response(msg2) -> (msg3, result)`.
+
+    `wall_clock()` gives the time (seconds since the epoch) put in the hello."""
+
+    def __init__(self, identity: Identity, swarm_key: bytes, hello: PeerHello, suites: list[str] | None = None,
+                 *, wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__(identity, swarm_key, hello, suites)
+        self._wall_clock = wall_clock
 
     def first_message(self) -> bytes:
-        header = MAGIC + bytes([PROTOCOL_VERSION]) + self._e_pub
+        t_ms = min(max(0, int(self._wall_clock() * 1000)), 2**64 - 1)
+        header = MAGIC + bytes([PROTOCOL_VERSION]) + t_ms.to_bytes(_TIME_BYTES, "big") + self._e_pub
         self._msg1 = header + _mac1(self._swarm_key, header)
         return self._msg1
 
@@ -172,23 +200,36 @@ class Initiator(_Side):
 class Responder(_Side):
     """The accepting side: `on_hello(msg1) -> msg2`, then `on_finish(msg3) -> result`.
 
-    A `HandshakeError` from `on_hello` carries `reject_message(str(e))` worth sending back.
+    A `HandshakeError` from `on_hello` says why the hello was refused, for the responder's own
+    log; the peer is sent `reject_message(REFUSAL)` and nothing more. `guard` checks the hello's
+    time and that it was not seen before; share one among a transport's responders (a fresh one
+    per responder checks only the time). `wall_clock()` is the responder's clock for that check.
     """
+
+    def __init__(self, identity: Identity, swarm_key: bytes, hello: PeerHello, suites: list[str] | None = None,
+                 *, guard: HelloGuard | None = None, wall_clock: Callable[[], float] = time.time) -> None:
+        super().__init__(identity, swarm_key, hello, suites)
+        self._guard = guard if guard is not None else HelloGuard(DEFAULT_CLOCK_SKEW_S, max_entries=1)
+        self._wall_clock = wall_clock
 
     def on_hello(self, msg1: bytes) -> bytes:
         if len(msg1) < 5 or msg1[:4] != MAGIC:
             raise ProtocolError("not a dtfm handshake")
         if msg1[4] != PROTOCOL_VERSION:
             raise HandshakeError(f"protocol version {msg1[4]} not supported (we speak {PROTOCOL_VERSION})")
-        if len(msg1) != _MSG1_LEN:
+        if len(msg1) != MSG1_LEN:
             raise ProtocolError("malformed handshake hello")
         header, mac = bytes(msg1[:-_MAC_BYTES]), bytes(msg1[-_MAC_BYTES:])
         if not hmac.compare_digest(mac, _mac1(self._swarm_key, header)):
             raise HandshakeError(
                 "swarm key mismatch: the connecting peer does not hold this swarm's key "
-                f"(fingerprint {swarm_key_fingerprint(self._swarm_key)}); it is not in this swarm"
+                f"(ours has fingerprint {swarm_key_fingerprint(self._swarm_key)})"
             )
-        e_i = header[5:37]
+        sent_s = int.from_bytes(header[5 : 5 + _TIME_BYTES], "big") / 1000
+        stale = self._guard.check(mac, sent_s, self._wall_clock())
+        if stale is not None:
+            raise HandshakeError(stale)
+        e_i = header[5 + _TIME_BYTES : _HEADER_LEN]
         msg2_head = MAGIC + bytes([PROTOCOL_VERSION]) + self._e_pub
         self._transcript = hashlib.blake2b(bytes(msg1) + msg2_head, digest_size=32).digest()
         self._keys = self._derive(e_i, self._transcript)

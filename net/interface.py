@@ -101,9 +101,15 @@ class PeerTransport(Protocol):
         """Call `cb(conn, reason)` when an established connection closes, whoever closed it."""
         ...
 
-    async def connect(self, host: str, port: int) -> PeerConnection:
+    async def connect(self, host: str, port: int, *, peer_id: bytes | None = None) -> PeerConnection:
         """A connection to the peer listening at host:port, reusing a live one. Raises when the
-        peer cannot be reached (OSError, TimeoutError, HandshakeError, ConnectionClosed)."""
+        peer cannot be reached (OSError, TimeoutError, HandshakeError, ConnectionClosed).
+
+        Connections are known by the peer id their handshake verified, never by the listen
+        address a peer announces. With `peer_id`, only a live connection to that peer is
+        reused, and a peer at host:port that proves another id is refused (HandshakeError
+        naming both ids; no connection is kept). Pass it whenever the caller knows whom it
+        means to reach."""
         ...
 
     def connection(self, peer_id: bytes) -> PeerConnection | None:

@@ -80,22 +80,28 @@ class MemTransport(Registry):
 
     # ---- PeerTransport (registration and lookup: Registry) ---------------------------------
 
-    async def connect(self, host: str, port: int) -> MemConnection:
+    async def connect(self, host: str, port: int, *, peer_id: bytes | None = None) -> MemConnection:
         """A connection to the node at host:port, reusing a live one; ConnectionClosed when
-        the node is gone or the link is cut."""
+        the node is gone or the link is cut. With `peer_id`, only a connection to that peer
+        is reused and a node at host:port with another id is refused (HandshakeError)."""
         await trio.lowlevel.checkpoint()
-        for conn in self.connections():
-            if (host, port) in (conn.remote_address, conn.listen_address):
-                return conn
+        other = self.net.by_address.get((host, port))
+        # The network knows who listens where: a node's announced listen address plays no part.
+        known = peer_id if peer_id is not None else None if other is None else other.peer_id
+        if known is not None and (conn := self.connection(known)) is not None:
+            return conn
         if self._closed or self.killed:
             raise ConnectionClosed("transport closed")
         if self._nursery is None:
             raise RuntimeError("MemTransport.serve() must be running to connect")
-        other = self.net.by_address.get((host, port))
         if other is None or other.killed or other._nursery is None or (self.peer_id, other.peer_id) in self.net.cut:
             raise ConnectionClosed(f"cannot connect to {host}:{port}")
         if other.peer_id == self.peer_id:
             raise HandshakeError(f"{host}:{port} is this peer")
+        if peer_id is not None and other.peer_id != peer_id:
+            raise HandshakeError(
+                f"{host}:{port} is peer {other.short_id}, not the expected peer {short_id(peer_id)}"
+            )
         link = next(self.net.link_ids)
         mine = MemConnection(self, other, link)
         other._register(MemConnection(other, self, link))

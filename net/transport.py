@@ -10,21 +10,46 @@ Every connection runs in the transport's nursery (the one `serve()` or `run()` o
 `connect()` needs one of them running. Between two peers at most one connection survives: when
 both dial each other at once, both sides keep the one dialled by the smaller peer id; a newer
 connection from the same dialler replaces an older one.
+
+Connections are known by the peer id their handshake verified, never by the listen address a
+peer announces (any swarm member can announce any address). `connect(host, port,
+peer_id=...)` reuses only a live connection to that id, and refuses a fresh one whose
+handshake proves another id; without `peer_id` it reuses a connection whose handshake over a
+dial to that very host:port proved the peer's id.
+
+Accepting: a connection first waits for its hello as a pending connection (bounded in count
+overall and per source, `hello_timeout_s`); the hello then needs a handshake slot and a token
+from its source's bucket (`ratelimit.HandshakeAdmission`) before the responder spends anything
+on it. Refusals tell the other side only "handshake refused"; the reason goes to the DEBUG log
+with the remote address.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 import trio
 
+from .budget import PayloadBudget
 from .config import TransportConfig
 from .connection import Connection
 from .dispatch import Registry
 from .errors import ConnectionClosed, HandshakeError, ProtocolError
-from .handshake import MAX_HANDSHAKE_BYTES, HandshakeResult, Initiator, PeerHello, Responder, reject_message
-from .identity import Identity
+from .handshake import (
+    MAX_HANDSHAKE_BYTES,
+    REFUSAL,
+    HandshakeResult,
+    Initiator,
+    PeerHello,
+    Responder,
+    reject_message,
+)
+from .identity import Identity, short_id
 from .ratelimit import HandshakeAdmission
+from .replay import HelloGuard
 from .session import encode_prefix
 from .shaping import LinkShaper
 from .streamio import StreamReader
@@ -32,6 +57,8 @@ from .streamio import StreamReader
 __all__ = ["Transport"]
 
 logger = logging.getLogger(__name__)
+
+MAX_DIALLED_ADDRESSES = 4096  # host:port -> verified peer id, remembered for reuse
 
 
 class Transport(Registry):
@@ -45,6 +72,7 @@ class Transport(Registry):
         *,
         region: str = "",
         shaper: LinkShaper | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if len(swarm_key) != 32:
             raise ValueError("the swarm key is 32 bytes")
@@ -59,8 +87,18 @@ class Transport(Registry):
         self._shaper = shaper
         self._all: set[Connection] = set()
         self._admission = HandshakeAdmission(
-            config.handshake_rate_per_s, config.handshake_burst, config.max_half_open_handshakes
+            config.handshake_rate_per_s,
+            config.handshake_burst,
+            config.max_half_open_handshakes,
+            max_half_open_per_host=config.max_half_open_per_host,
+            max_pending=config.max_pending_connections,
+            max_pending_per_host=config.max_pending_per_host,
         )
+        # Wall-clock time (seconds since the epoch) for hello timestamps; injectable for tests.
+        self._wall_clock = wall_clock
+        self._hello_guard = HelloGuard(config.handshake_clock_skew_s)
+        self._payload_budget = PayloadBudget(config.max_total_payload_bytes)
+        self._dialled_ids: OrderedDict[tuple[str, int], bytes] = OrderedDict()
         self._nursery: trio.Nursery | None = None
         self._closed = False
 
@@ -97,11 +135,14 @@ class Transport(Registry):
 
     # ---- dialling ----------------------------------------------------------------------
 
-    async def connect(self, host: str, port: int) -> Connection:
-        """A connection to the peer listening at host:port, reusing a live one."""
-        for conn in self.connections():
-            if (host, port) in (conn.remote_address, conn.listen_address):
-                return conn
+    async def connect(self, host: str, port: int, *, peer_id: bytes | None = None) -> Connection:
+        """A connection to the peer listening at host:port, reusing a live one.
+
+        With `peer_id`, only a connection to that verified id is reused, and a fresh dial whose
+        handshake proves another id is closed with a `HandshakeError` naming both."""
+        conn = self._reusable(host, port, peer_id)
+        if conn is not None:
+            return conn
         if self._closed:
             raise ConnectionClosed("transport closed")
         if self._nursery is None:
@@ -111,15 +152,24 @@ class Transport(Registry):
                 stream = await trio.open_tcp_stream(host, port)
         except trio.TooSlowError:
             raise TimeoutError(f"connecting to {host}:{port} timed out") from None
-        return await self._nursery.start(self._dialled, stream, (host, port))
+        return await self._nursery.start(self._dialled, stream, (host, port), peer_id, True)
 
-    async def connect_stream(self, stream: trio.abc.Stream, remote_address: tuple[str, int]) -> Connection:
+    def _reusable(self, host: str, port: int, peer_id: bytes | None) -> Connection | None:
+        if peer_id is not None:
+            return self.connection(peer_id)
+        known = self._dialled_ids.get((host, port))
+        return None if known is None else self.connection(known)
+
+    async def connect_stream(
+        self, stream: trio.abc.Stream, remote_address: tuple[str, int], *, peer_id: bytes | None = None
+    ) -> Connection:
         """Handshake as the dialling side over an already open stream (in-memory tests)."""
         if self._nursery is None:
             raise RuntimeError("Transport.serve() or Transport.run() must be running to connect")
-        return await self._nursery.start(self._dialled, stream, remote_address)
+        return await self._nursery.start(self._dialled, stream, remote_address, peer_id, False)
 
-    async def _dialled(self, stream: trio.abc.Stream, remote: tuple[str, int], *, task_status) -> None:
+    async def _dialled(self, stream: trio.abc.Stream, remote: tuple[str, int], expected: bytes | None,
+                       remember: bool, *, task_status) -> None:
         reader = StreamReader(stream)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
@@ -136,10 +186,21 @@ class Transport(Registry):
         except BaseException:
             await trio.aclose_forcefully(stream)
             raise
+        if expected is not None and hs.peer_id != expected:
+            await trio.aclose_forcefully(stream)
+            raise HandshakeError(
+                f"{remote[0]}:{remote[1]} is peer {short_id(hs.peer_id)}, not the expected peer {short_id(expected)}"
+            )
+        if remember:
+            self._dialled_ids[remote] = hs.peer_id
+            self._dialled_ids.move_to_end(remote)
+            if len(self._dialled_ids) > MAX_DIALLED_ADDRESSES:
+                self._dialled_ids.popitem(last=False)
         await self._run_connection(stream, reader, hs, self.peer_id, remote, task_status)
 
     async def _handshake_initiator(self, stream, reader) -> HandshakeResult:
-        init = Initiator(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites)
+        init = Initiator(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites,
+                         wall_clock=self._wall_clock)
         await _send_hs(stream, init.first_message())
         msg3, hs = init.on_response(await _recv_hs(reader))
         await _send_hs(stream, msg3)
@@ -161,22 +222,16 @@ class Transport(Registry):
 
     async def accept_stream(self, stream: trio.abc.Stream, remote: tuple[str, int]) -> None:
         """Handshake as the accepting side and serve the connection until it ends."""
-        refusal = self._admission.admit(remote[0], trio.current_time())
-        if refusal is not None or self._closed:
-            logger.debug("refused connection from %s:%d: %s", remote[0], remote[1], refusal or "closing")
+        refusal = "closing" if self._closed else self._admission.arrive(remote[0])
+        if refusal is not None:
+            logger.debug("refused connection from %s:%d: %s", remote[0], remote[1], refusal)
             await trio.aclose_forcefully(stream)
             return
         reader = StreamReader(stream)
         try:
-            with trio.fail_after(self.config.handshake_timeout_s):
-                hs = await self._handshake_responder(stream, reader, remote)
-        except trio.TooSlowError:
-            logger.debug("handshake from %s:%d timed out", remote[0], remote[1])
-            hs = None
-        except _AlreadyLogged:
-            hs = None
-        except HandshakeError as e:
-            logger.warning("refused handshake from %s:%d: %s", remote[0], remote[1], e)
+            hs = await self._accept_handshake(stream, reader, remote)
+        except _Refused as e:
+            logger.debug("refused handshake from %s:%d: %s", remote[0], remote[1], e)
             hs = None
         except (ProtocolError, ConnectionClosed) as e:
             logger.debug("bad handshake from %s:%d: %s", remote[0], remote[1], e)
@@ -184,24 +239,47 @@ class Transport(Registry):
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             logger.debug("handshake from %s:%d broke: %s", remote[0], remote[1], e)
             hs = None
-        finally:
-            self._admission.finished()
         if hs is None:
             await trio.aclose_forcefully(stream)
             return
         await self._run_connection(stream, reader, hs, hs.peer_id, remote, trio.TASK_STATUS_IGNORED)
 
-    async def _handshake_responder(self, stream, reader, remote) -> HandshakeResult:
-        resp = Responder(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites)
+    async def _accept_handshake(self, stream, reader, remote) -> HandshakeResult:
+        """Wait for the hello as a pending connection, then take a handshake slot for it."""
+        host = remote[0]
+        msg1: bytes | None = None
         try:
-            msg2 = resp.on_hello(await _recv_hs(reader))
+            with trio.move_on_after(self.config.hello_timeout_s):
+                msg1 = await _recv_hs(reader)
+        finally:
+            self._admission.left(host)
+        if msg1 is None:
+            raise _Refused(f"no hello within {self.config.hello_timeout_s} s")
+        refusal = self._admission.admit(host, trio.current_time())
+        if refusal is not None:
+            raise _Refused(refusal)
+        try:
+            with trio.move_on_after(self.config.handshake_timeout_s):
+                return await self._handshake_responder(stream, reader, msg1)
+            raise _Refused(f"handshake timed out after {self.config.handshake_timeout_s} s")
+        finally:
+            self._admission.finished(host)
+
+    async def _handshake_responder(self, stream, reader, msg1: bytes) -> HandshakeResult:
+        resp = Responder(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites,
+                         guard=self._hello_guard, wall_clock=self._wall_clock)
+        try:
+            msg2 = resp.on_hello(msg1)
         except HandshakeError as e:
-            logger.warning("refused handshake from %s:%d: %s", remote[0], remote[1], e)
+            # The reason stays here: the peer, member or not, learns only that we refused.
             with trio.move_on_after(self.config.close_timeout_s):
-                await _send_hs(stream, reject_message(str(e)))
-            raise _AlreadyLogged() from e
+                await _send_hs(stream, reject_message(REFUSAL))
+            raise _Refused(str(e)) from None
         await _send_hs(stream, msg2)
-        return resp.on_finish(await _recv_hs(reader))
+        try:
+            return resp.on_finish(await _recv_hs(reader))
+        except HandshakeError as e:
+            raise _Refused(str(e)) from None
 
     # ---- connection registry -----------------------------------------------------------
 
@@ -215,6 +293,7 @@ class Transport(Registry):
             config=self.config,
             handlers=self._handlers,
             shaper=self._shaper,
+            budget=self._payload_budget,
         )
         self._all.add(conn)
         announced = False
@@ -249,8 +328,8 @@ class Transport(Registry):
                     cb(conn, conn.close_reason)
 
 
-class _AlreadyLogged(Exception):
-    """A refused handshake whose reason was logged before the refusal was sent."""
+class _Refused(Exception):
+    """An incoming connection or handshake refused; `str()` is the reason for the local log."""
 
 
 def _keeps_existing(existing: Connection, new: Connection) -> bool:

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dtfm.net import frames
-from dtfm.net.handshake import Initiator, PeerHello
-from dtfm.net.identity import Identity
+from dtfm.net.errors import HandshakeError
+from dtfm.net.handshake import MSG1_LEN, PROTOCOL_VERSION, REFUSAL, Initiator, PeerHello, reject_message
+from dtfm.net.identity import Identity, swarm_key_fingerprint
 from dtfm.net.session import RecvCipher, SendCipher
 from dtfm.net.streamio import StreamReader
 from dtfm.net.transport import Transport, TransportConfig
@@ -24,7 +25,10 @@ from dtfm.net.wire import pack
 KEY = bytes(range(32))
 MiB = 1 << 20
 ECHO = 40
-CONFIG = TransportConfig(**{**TransportConfig.test().__dict__, "max_control_frame_bytes": 1 * MiB})
+# The transport-wide payload budget holds two of the 16 MiB payloads the bomb below declares.
+CONFIG = TransportConfig(**{**TransportConfig.test().__dict__, "max_control_frame_bytes": 1 * MiB,
+                            "max_payload_bytes": 32 * MiB, "max_total_payload_bytes": 40 * MiB})
+BOMB_PAYLOAD_BYTES = 16 * MiB
 
 
 class StepTimer(trio.abc.Instrument):
@@ -142,8 +146,11 @@ def attacks():
         await raw.stream.send_eof()
 
     async def inflight(raw):
+        # Big payloads, each started with a chunk, so each one the receiver takes commits memory:
+        # the budget takes two, refuses the next ones, and the 17th is one too many to track.
         for i in range(CONFIG.max_inflight_payloads + 1):
-            await raw.send_frame(msg(pack(None), payload_len=CONFIG.max_payload_bytes // 4, msg_id=i + 1))
+            await raw.send_frame(msg(pack(None), payload_len=BOMB_PAYLOAD_BYTES, msg_id=i + 1))
+            await raw.send_frame(struct.pack(">BQ", frames.CHUNK, i + 1) + bytes(CONFIG.chunk_bytes))
 
     return {
         "oversize prefix 2^32-1": lambda raw: raw.send_raw(b"\xff\xff\xff\xff" + b"\x00" * 1000),
@@ -211,6 +218,7 @@ async def test_bad_input_after_handshake_closes_only_that_connection(name, caplo
             raw = await RawPeer.connect(port)
             await attacks()[name](raw)
             await raw.wait_closed()
+            assert server._payload_budget.used_bytes == 0  # whatever it held came back on closing
             assert (await standing.request(ECHO, "still served"))[0] == "still served"
             await healthy_round_trip(n, port)
             n.cancel_scope.cancel()
@@ -221,6 +229,9 @@ async def test_bad_input_after_handshake_closes_only_that_connection(name, caplo
     if name in EXPECTED_REASON:
         reason = EXPECTED_REASON[name]
         assert any("bad input" in r.getMessage() and reason in r.getMessage() for r in caplog.records), reason
+    if name == "too many payloads in flight":
+        refused = [r for r in caplog.records if r.levelno == logging.WARNING and "payload budget" in r.getMessage()]
+        assert len(refused) == CONFIG.max_inflight_payloads - 2
 
 
 EXPECTED_REASON = {
@@ -261,46 +272,85 @@ async def test_bombs_stay_under_50_mib():
         "too many payloads in flight",
     ]
     server = make_server()
+    peaks = {}
     async with trio.open_nursery() as n:
         _, port = await n.start(server.serve, "127.0.0.1", 0)
         tracemalloc.start()
         try:
-            base = tracemalloc.get_traced_memory()[0]
             for name in bombs:
+                tracemalloc.reset_peak()
+                base = tracemalloc.get_traced_memory()[0]
                 raw = await RawPeer.connect(port)
                 await attacks()[name](raw)
                 await raw.wait_closed()
-            peak = tracemalloc.get_traced_memory()[1] - base
+                peaks[name] = tracemalloc.get_traced_memory()[1] - base
         finally:
             tracemalloc.stop()
         await healthy_round_trip(n, port)
         n.cancel_scope.cancel()
-    assert peak < 50 * MiB, f"{peak / MiB:.1f} MiB"
+    assert max(peaks.values()) < 50 * MiB, {k: f"{v / MiB:.1f} MiB" for k, v in peaks.items()}
+    # The payload bomb really committed memory: the two payloads the budget let in, no more.
+    assert peaks["too many payloads in flight"] >= 2 * BOMB_PAYLOAD_BYTES
+    assert server._payload_budget.used_bytes == 0
 
 
-async def test_wrong_key_and_replayed_handshake_are_refused():
+async def test_wrong_key_is_refused_without_the_keys_fingerprint():
     server = make_server()
     async with trio.open_nursery() as n:
         _, port = await n.start(server.serve, "127.0.0.1", 0)
-        with pytest.raises(Exception, match="swarm key mismatch"):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        msg1 = Initiator(Identity.generate(), bytes(32), PeerHello("", ("", 0))).first_message()
+        await stream.send_all(struct.pack(">I", len(msg1)) + msg1)
+        answer = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(4096):
+                answer += chunk
+        await stream.aclose()
+        refusal = reject_message(REFUSAL)
+        assert answer == struct.pack(">I", len(refusal)) + refusal  # that, and nothing else
+        assert swarm_key_fingerprint(KEY).encode() not in answer
+        with pytest.raises(HandshakeError, match="refused by peer: handshake refused") as e:
             await RawPeer.connect(port, key=bytes(32))
-        # replay a recorded hello and finish: the server's fresh ephemeral key defeats it
+        assert swarm_key_fingerprint(KEY) not in str(e.value)
+        await healthy_round_trip(n, port)
+        n.cancel_scope.cancel()
+
+
+async def test_replayed_handshake_is_refused_as_a_replay(caplog):
+    caplog.set_level(logging.DEBUG, logger="dtfm.net.transport")
+    server = make_server()
+    connected = []
+    server.on_connect(connected.append)
+    async with trio.open_nursery() as n:
+        _, port = await n.start(server.serve, "127.0.0.1", 0)
+        # a member's handshake, recorded off the wire
+        member = Identity.generate()
         stream = await trio.open_tcp_stream("127.0.0.1", port)
         reader = StreamReader(stream)
-        init = Initiator(Identity.generate(), KEY, PeerHello("", ("", 0)))
+        init = Initiator(member, KEY, PeerHello("", ("", 0)))
         msg1 = init.first_message()
         await stream.send_all(struct.pack(">I", len(msg1)) + msg1)
         n2 = int.from_bytes(await reader.read_exactly(4), "big")
         msg3, _ = init.on_response(bytes(await reader.read_exactly(n2)))
+        await stream.send_all(struct.pack(">I", len(msg3)) + msg3)
+        with trio.fail_after(10):
+            while not connected:
+                await trio.sleep(0.01)
         await stream.aclose()
+        # played again by someone without the key: refused at the hello, before any key exchange
+        # (so the recorded third message never gets read)
         replay = await trio.open_tcp_stream("127.0.0.1", port)
         await replay.send_all(struct.pack(">I", len(msg1)) + msg1)
-        await replay.send_all(struct.pack(">I", len(msg3)) + msg3)
+        answer = b""
         with trio.fail_after(10):
-            while await replay.receive_some(4096):
-                pass
+            while chunk := await replay.receive_some(4096):
+                answer += chunk
         await replay.aclose()
-        assert server.connections() == [] or all(c.closed for c in server.connections())
+        refusal = reject_message(REFUSAL)
+        assert answer == struct.pack(">I", len(refusal)) + refusal
+        assert any("refused handshake from 127.0.0.1:" in r.getMessage() and "replayed hello" in r.getMessage()
+                   for r in caplog.records)
+        assert [c.peer_id for c in connected] == [member.peer_id]  # only the original got through
         await healthy_round_trip(n, port)
         n.cancel_scope.cancel()
 
@@ -324,8 +374,9 @@ async def _garbage_scenario(blobs):
 @given(
     st.lists(
         st.binary(max_size=300)
-        | st.builds(lambda b: b"\x00\x00\x00\x35" + b, st.binary(min_size=53, max_size=53))
-        | st.builds(lambda b: b"\x00\x00\x00\x35DTFM\x01" + b, st.binary(max_size=60)),
+        | st.builds(lambda b: struct.pack(">I", MSG1_LEN) + b, st.binary(min_size=MSG1_LEN, max_size=MSG1_LEN))
+        | st.builds(lambda b: struct.pack(">I", MSG1_LEN) + b"DTFM" + bytes([PROTOCOL_VERSION]) + b,
+                    st.binary(max_size=60)),
         min_size=1,
         max_size=6,
     )

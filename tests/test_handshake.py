@@ -3,8 +3,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.net.errors import HandshakeError, ProtocolError
-from dtfm.net.handshake import Initiator, PeerHello, Responder, reject_message
-from dtfm.net.identity import Identity
+from dtfm.net.handshake import MSG1_LEN, REFUSAL, Initiator, PeerHello, Responder, reject_message
+from dtfm.net.identity import Identity, swarm_key_fingerprint
+from dtfm.net.replay import HelloGuard
 from dtfm.net.session import RecvCipher, SendCipher
 from dtfm.net.session import RecvCipher as _Recv
 from dtfm.net.session import SendCipher as _Send
@@ -51,12 +52,51 @@ def test_handshake_agrees_keys_and_identities():
     assert r.open(bytes(s.seal(b"frame"))) == b"frame"
 
 
-def test_swarm_key_mismatch_is_refused_with_clear_reason_on_both_sides():
+def test_swarm_key_mismatch_is_refused_with_detail_kept_by_the_responder():
     init, resp = Initiator(A, KEY, HELLO_A), Responder(B, bytes(32), HELLO_B)
     with pytest.raises(HandshakeError, match="swarm key mismatch") as e:
         resp.on_hello(init.first_message())
-    with pytest.raises(HandshakeError, match="refused by peer: swarm key mismatch"):
-        init.on_response(reject_message(str(e.value)))
+    assert swarm_key_fingerprint(bytes(32)) in str(e.value)  # for the responder's own log
+    # what the initiator is sent says nothing about the key
+    assert reject_message(REFUSAL) == b"DTFM\xff" + REFUSAL.encode()
+    with pytest.raises(HandshakeError, match="refused by peer: handshake refused .*same swarm key") as e:
+        init.on_response(reject_message(REFUSAL))
+    assert swarm_key_fingerprint(KEY) not in str(e.value) and swarm_key_fingerprint(bytes(32)) not in str(e.value)
+
+
+class Clock:
+    def __init__(self, t):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def test_hello_carries_the_initiators_clock_under_the_mac():
+    now = 1_700_000_000.0
+    guard = HelloGuard(skew_s=120)
+    for offset_s, ok in [(-121, False), (-119, True), (119, True), (121, False)]:
+        init = Initiator(A, KEY, HELLO_A, wall_clock=Clock(now + offset_s))
+        resp = Responder(B, KEY, HELLO_B, guard=guard, wall_clock=Clock(now))
+        if ok:
+            resp.on_hello(init.first_message())
+        else:
+            with pytest.raises(HandshakeError, match="ago|future"):
+                resp.on_hello(init.first_message())
+    msg1 = bytearray(Initiator(A, KEY, HELLO_A, wall_clock=Clock(now - 500)).first_message())
+    assert len(msg1) == MSG1_LEN
+    msg1[5:13] = int(now * 1000).to_bytes(8, "big")  # a stale hello made to look fresh
+    with pytest.raises(HandshakeError, match="swarm key mismatch"):
+        Responder(B, KEY, HELLO_B, wall_clock=Clock(now)).on_hello(bytes(msg1))
+
+
+def test_replayed_hello_is_refused_by_a_responder_sharing_the_guard():
+    guard = HelloGuard(skew_s=120)
+    msg1 = Initiator(A, KEY, HELLO_A).first_message()
+    Responder(B, KEY, HELLO_B, guard=guard).on_hello(msg1)
+    with pytest.raises(HandshakeError, match="replayed hello"):
+        Responder(B, KEY, HELLO_B, guard=guard).on_hello(msg1)
+    Responder(B, KEY, HELLO_B, guard=guard).on_hello(Initiator(A, KEY, HELLO_A).first_message())  # a fresh one
 
 
 def test_version_mismatch():
@@ -83,7 +123,7 @@ def test_msg3_replayed_into_another_session_fails():
     init, resp = Initiator(A, KEY, HELLO_A), Responder(B, KEY, HELLO_B)
     msg1 = init.first_message()
     msg3, _ = init.on_response(resp.on_hello(msg1))
-    resp2 = Responder(B, KEY, HELLO_B)
+    resp2 = Responder(B, KEY, HELLO_B)  # a responder that never saw the hello (no shared guard)
     resp2.on_hello(msg1)  # replayed hello: new responder ephemeral, so old msg3 cannot finish
     with pytest.raises(HandshakeError):
         resp2.on_finish(msg3)

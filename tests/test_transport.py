@@ -4,9 +4,11 @@ import pytest
 import trio
 import trio.testing
 
-from dtfm.net import Reply, Transport, TransportConfig
+from dtfm.net import Reply, Transport, TransportConfig, frames
 from dtfm.net.errors import ConnectionClosed, HandshakeError, RemoteError, RequestTimeout
-from dtfm.net.identity import Identity
+from dtfm.net.handshake import Initiator, PeerHello
+from dtfm.net.identity import Identity, swarm_key_fingerprint
+from dtfm.net.session import encode_prefix
 
 KEY = bytes(range(32))
 ECHO = 40
@@ -90,15 +92,18 @@ async def test_one_way_messages_arrive_in_order():
         n.cancel_scope.cancel()
 
 
-async def test_wrong_swarm_key_refused_on_both_sides(caplog):
+async def test_wrong_swarm_key_refused_without_telling_the_key(caplog):
     a, b = make(key=bytes(32)), make()
-    caplog.set_level(logging.WARNING, logger="dtfm.net.transport")
+    caplog.set_level(logging.DEBUG, logger="dtfm.net.transport")
     async with trio.open_nursery() as n:
         _, (host, port) = await start_tcp(n, a, b)
-        with pytest.raises(HandshakeError, match="swarm key mismatch"):
+        with pytest.raises(HandshakeError, match="refused by peer: handshake refused") as e:
             await a.connect(host, port)
-        # the refusing side logs its reason before it answers
-        assert any("swarm key mismatch" in r.getMessage() for r in caplog.records)
+        assert swarm_key_fingerprint(KEY) not in str(e.value)
+        # the refusing side keeps the reason for its own log: DEBUG, with the remote address
+        assert any(r.levelno == logging.DEBUG and "swarm key mismatch" in r.getMessage()
+                   and "refused handshake from 127.0.0.1:" in r.getMessage() for r in caplog.records)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         assert b.connections() == [] and a.connections() == []
         n.cancel_scope.cancel()
 
@@ -165,6 +170,14 @@ def test_config_validation():
         TransportConfig(max_payload_bytes=10, max_inflight_payload_bytes=5)
     with pytest.raises(ValueError):
         TransportConfig(request_timeout_s=0)
+    with pytest.raises(ValueError):
+        TransportConfig(max_payload_bytes=10, max_total_payload_bytes=5)
+    for name in ("hello_timeout_s", "handshake_clock_skew_s"):
+        with pytest.raises(ValueError):
+            TransportConfig(**{name: 0})
+    for name in ("max_half_open_per_host", "max_pending_connections", "max_pending_per_host"):
+        with pytest.raises(ValueError):
+            TransportConfig(**{name: 0})
     with pytest.raises(ValueError):
         make().handle(0, None)
 
@@ -241,38 +254,85 @@ async def test_crossed_dials_leave_one_connection(autojump_clock):
         n.cancel_scope.cancel()
 
 
-async def test_handshake_flood_is_limited_per_address_and_capped(autojump_clock):
-    cfg = TransportConfig(
-        **{**TransportConfig.test().__dict__, "handshake_rate_per_s": 1.0, "handshake_burst": 3, "max_half_open_handshakes": 5}
-    )
-    server, good = make(config=cfg), make()
+def accept(nursery, server, host):
+    """A connection to `server` from `host`; the client's end of it."""
+    left, right = trio.testing.memory_stream_pair()
+    nursery.start_soon(server.accept_stream, right, (host, 1))
+    return left
+
+
+async def stalled_hello(nursery, server, host):
+    """A swarm member that sends a valid hello and then nothing: it holds a handshake slot."""
+    left = accept(nursery, server, host)
+    msg1 = Initiator(Identity.generate(), KEY, PeerHello("", ("", 0))).first_message()
+    await left.send_all(encode_prefix(len(msg1)) + msg1)
+    return left
+
+
+FLOOD = TransportConfig(**{
+    **TransportConfig.test().__dict__, "handshake_rate_per_s": 1.0, "handshake_burst": 3,
+    "max_half_open_handshakes": 5, "max_half_open_per_host": 3, "max_pending_connections": 8,
+    "max_pending_per_host": 4, "hello_timeout_s": 1.0, "handshake_timeout_s": 2.0,
+})
+
+
+async def good_handshake(nursery, server, good, host="10.0.0.1"):
+    conn = await good.connect_stream(accept(nursery, server, host), ("server", 1))
+    assert (await conn.request(ECHO, "ok"))[0] == "ok"
+    await conn.close()
+
+
+async def test_silent_connections_hold_no_handshake_slot_and_expire(autojump_clock):
+    server, good = make(config=FLOOD), make()
     async with trio.open_nursery() as n:
         await n.start(server.run)
         await n.start(good.run)
-        silent = []
-        for i in range(10):  # one address: only its burst of 3 gets a handshake slot
-            left, right = trio.testing.memory_stream_pair()
-            silent.append(left)
-            n.start_soon(server.accept_stream, right, ("10.6.6.6", 1000 + i))
+        silent = [accept(n, server, "10.6.6.6") for _ in range(10)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert (server._admission.pending, server._admission.half_open) == (4, 0)  # its share of pending
+        await good_handshake(n, server, good)  # not blocked by them
+        silent += [accept(n, server, "2001:db8::%d" % i) for i in range(1, 10)]  # one /64: one source
+        await trio.testing.wait_all_tasks_blocked()
+        assert server._admission.pending == 8 and trio.current_time() < FLOOD.hello_timeout_s
+        with pytest.raises(HandshakeError, match="closed the connection during the handshake"):
+            await good.connect_stream(accept(n, server, "10.0.0.1"), ("server", 1))  # pending is full
+        await trio.sleep_until(FLOOD.hello_timeout_s)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server._admission.pending == 0  # closed at the hello timeout
+        assert [await s.receive_some(1) for s in silent] == [b""] * len(silent)
+        await good_handshake(n, server, good)
+        n.cancel_scope.cancel()
+
+
+async def test_stalled_handshakes_are_capped_per_source_and_overall(autojump_clock):
+    server, good = make(config=FLOOD), make()
+    async with trio.open_nursery() as n:
+        await n.start(server.run)
+        await n.start(good.run)
+        for i in range(6):  # one IPv6 /64: only its share of 3 slots
+            await stalled_hello(n, server, f"2001:db8::{i + 1}")
         await trio.testing.wait_all_tasks_blocked()
         assert server._admission.half_open == 3
-        for i in range(2):  # two more sources fill the global cap of 5
-            left, right = trio.testing.memory_stream_pair()
-            silent.append(left)
-            n.start_soon(server.accept_stream, right, (f"10.7.7.{i}", 1))
+        await good_handshake(n, server, good)  # two slots are left for others
+        for i in range(3):  # a second source fills the global cap of 5
+            await stalled_hello(n, server, "10.8.8.8")
         await trio.testing.wait_all_tasks_blocked()
         assert server._admission.half_open == 5
-        assert trio.current_time() == 0.0
-        left, right = trio.testing.memory_stream_pair()
-        n.start_soon(server.accept_stream, right, ("10.0.0.1", 1))
-        with pytest.raises((HandshakeError, ConnectionClosed, trio.BrokenResourceError)):
-            await good.connect_stream(left, ("server", 1))
-        await trio.sleep(cfg.handshake_timeout_s + 0.1)  # the silent handshakes expire
+        with pytest.raises(HandshakeError, match="closed the connection during the handshake"):
+            await good.connect_stream(accept(n, server, "10.0.0.1"), ("server", 1))
+        await trio.sleep(FLOOD.handshake_timeout_s + 0.1)  # the stalled handshakes expire
         assert server._admission.half_open == 0
-        left, right = trio.testing.memory_stream_pair()
-        n.start_soon(server.accept_stream, right, ("10.0.0.1", 1))
-        conn = await good.connect_stream(left, ("server", 1))
-        assert (await conn.request(ECHO, "ok"))[0] == "ok"
+        await good_handshake(n, server, good, host="10.0.0.2")
+        stranger = make(key=bytes(32))
+        await n.start(stranger.run)
+        for _ in range(3):  # refused hellos free their slot at once, but each took a token
+            with pytest.raises(HandshakeError, match="handshake refused"):
+                await stranger.connect_stream(accept(n, server, "10.5.5.5"), ("server", 1))
+        assert server._admission.half_open == 0
+        with pytest.raises(HandshakeError, match="closed the connection during the handshake"):
+            await good.connect_stream(accept(n, server, "10.5.5.5"), ("server", 1))  # no token left
+        await trio.sleep(1.0)
+        await good_handshake(n, server, good, host="10.5.5.5")
         n.cancel_scope.cancel()
 
 

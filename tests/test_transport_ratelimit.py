@@ -1,6 +1,8 @@
 import pytest
 
-from dtfm.net.ratelimit import HandshakeAdmission, TokenBuckets
+from dtfm.net.budget import PayloadBudget
+from dtfm.net.ratelimit import HandshakeAdmission, TokenBuckets, source_key
+from dtfm.net.replay import HelloGuard
 
 
 def test_token_bucket_burst_then_rate():
@@ -20,6 +22,19 @@ def test_token_bucket_table_is_bounded():
     assert len(b) == 3
 
 
+@pytest.mark.parametrize("host, key", [
+    ("10.0.0.1", "10.0.0.1"),
+    ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),
+    ("2001:db8:1:2:ffff::1", "2001:db8:1:2::/64"),
+    ("2001:db8:1:3::1", "2001:db8:1:3::/64"),
+    ("::ffff:10.0.0.1", "10.0.0.1"),
+    ("fe80::1%eth0", "fe80::/64"),
+    ("server", "server"),
+])
+def test_sources_count_by_host_and_ipv6_by_64(host, key):
+    assert source_key(host) == key
+
+
 def test_admission_caps_half_open_and_rate():
     adm = HandshakeAdmission(rate_per_s=1.0, burst=2, max_half_open=3)
     assert adm.admit("x", 0.0) is None
@@ -27,12 +42,81 @@ def test_admission_caps_half_open_and_rate():
     assert "rate limit" in adm.admit("x", 0.0)
     assert adm.admit("y", 0.0) is None
     assert "in progress" in adm.admit("z", 0.0)
-    adm.finished()
+    adm.finished("y")
     assert adm.admit("z", 0.0) is None
     assert adm.half_open == 3
+
+
+def test_half_open_per_source_and_one_ipv6_64_is_one_source():
+    adm = HandshakeAdmission(rate_per_s=100.0, burst=100, max_half_open=10, max_half_open_per_host=2)
+    assert adm.admit("2001:db8::1", 0.0) is None
+    assert adm.admit("2001:db8::2", 0.0) is None
+    assert "from 2001:db8::/64" in adm.admit("2001:db8::ffff:3", 0.0)  # same /64: its share is taken
+    assert adm.admit("2001:db8:0:1::1", 0.0) is None  # the next /64 is another source
+    adm.finished("2001:db8::1")
+    assert adm.admit("2001:db8::7", 0.0) is None
+    assert adm.half_open == 3
+
+
+def test_pending_connections_capped_per_source_and_overall():
+    adm = HandshakeAdmission(rate_per_s=1.0, burst=1, max_half_open=1, max_pending=3, max_pending_per_host=2)
+    assert adm.arrive("a") is None and adm.arrive("a") is None
+    assert "from a" in adm.arrive("a")
+    assert adm.arrive("b") is None
+    assert "awaiting their hello (3)" in adm.arrive("c")
+    adm.left("a")
+    assert adm.arrive("c") is None
+    assert adm.pending == 3 and adm.half_open == 0  # waiting for a hello holds no handshake slot
+
+
+def test_token_bucket_is_taken_by_hellos_only():
+    adm = HandshakeAdmission(rate_per_s=1.0, burst=1, max_half_open=4, max_pending=100, max_pending_per_host=100)
+    for _ in range(50):  # connections that never send a hello cost the source no tokens
+        assert adm.arrive("x") is None
+        adm.left("x")
+    assert adm.admit("x", 0.0) is None
+    assert "rate limit" in adm.admit("x", 0.0)
 
 
 @pytest.mark.parametrize("args", [(0, 1, 1), (1, 0, 1), (1, 1, 0)])
 def test_bad_parameters(args):
     with pytest.raises(ValueError):
         HandshakeAdmission(*args)
+    with pytest.raises(ValueError):
+        HandshakeAdmission(1, 1, 1, max_pending=0)
+
+
+# ---- hello freshness ----------------------------------------------------------------------------
+
+
+def test_hello_guard_window_and_replay():
+    g = HelloGuard(skew_s=60)
+    assert g.check(b"m1", 1000.0, 1000.0) is None
+    assert g.check(b"m1", 1000.0, 1001.0) == "replayed hello"
+    assert "ago" in g.check(b"m2", 939.0, 1000.0)
+    assert "future" in g.check(b"m3", 1061.0, 1000.0)
+    assert g.check(b"m4", 940.0, 1000.0) is None and g.check(b"m5", 1060.0, 1000.0) is None
+    assert "ago" in g.check(b"m1", 1000.0, 1061.0)  # out of the window: refused by its time
+    assert len(g) == 1  # m1 and m4 expired, m5 is still inside the window
+
+
+def test_hello_guard_stays_bounded_and_never_forgets_into_a_replay():
+    g = HelloGuard(skew_s=60, max_entries=3)
+    for i in range(3):
+        assert g.check(bytes([i]), 100.0 + i, 100.0) is None
+    assert g.check(bytes([9]), 110.0, 100.0) is None  # full: the oldest (t=100) is forgotten
+    assert len(g) == 3 and g.floor == 100.0
+    assert g.check(bytes([0]), 100.0, 100.0) == "hello older than the replay record reaches"
+    assert g.check(bytes([1]), 101.0, 100.0) == "replayed hello"
+    assert g.check(b"new", 100.5, 100.0) == "hello older than the replay record reaches"  # full: floor 101
+    assert g.check(b"newer", 120.0, 100.0) is None and g.floor == 101.0 and len(g) == 3
+
+
+def test_payload_budget():
+    b = PayloadBudget(100)
+    assert b.reserve(60) and not b.reserve(41) and b.reserve(40)
+    assert b.used_bytes == 100
+    b.release(100)
+    assert b.used_bytes == 0
+    with pytest.raises(ValueError):
+        b.release(1)
