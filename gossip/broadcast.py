@@ -1,33 +1,31 @@
 """Queue of membership updates to piggyback, each retransmitted a bounded number of times
-(memberlist's TransmitLimitedQueue): fewest-sent first, a newer update about a peer replaces
-the older one."""
+(memberlist's TransmitLimitedQueue): fewest-sent first, a newer update replaces the older one
+of its kind about the same peer (a claim replaces a claim, an accusation an accusation)."""
 
 from __future__ import annotations
 
-from .members import Update
+from .claims import Claim, Update
 
 __all__ = ["BroadcastQueue"]
 
-# Bytes one packed member entry takes beyond its host and region strings.
-_ENTRY_OVERHEAD = 56
-_MIN_SIZE = _ENTRY_OVERHEAD + 34
+_MIN_SIZE = 120  # the smallest update: a claim with empty host and region
 
 
-def entry_size(u: Update) -> int:
-    return _ENTRY_OVERHEAD + 34 + len(u.member.host) + len(u.member.region)
+def _key(u: Update) -> tuple[bool, bytes]:
+    return (isinstance(u, Claim), u.subject)
 
 
 class BroadcastQueue:
     def __init__(self) -> None:
-        # transmissions so far -> {peer id: update}, oldest first (dicts keep insertion order)
-        self._buckets: dict[int, dict[bytes, Update]] = {}
-        self._sent: dict[bytes, int] = {}
+        # transmissions so far -> {(is claim, peer id): update}, oldest first (dicts keep insertion order)
+        self._buckets: dict[int, dict[tuple, Update]] = {}
+        self._sent: dict[tuple, int] = {}
 
     def __len__(self) -> int:
         return len(self._sent)
 
     def queue(self, m: Update) -> None:
-        pid = m.member.peer_id
+        pid = _key(m)
         old = self._sent.pop(pid, None)
         if old is not None:
             del self._buckets[old][pid]
@@ -43,14 +41,14 @@ class BroadcastQueue:
             if room < _MIN_SIZE:
                 break
             for pid, m in reversed(self._buckets[sent].items()):
-                size = entry_size(m)
+                size = m.wire_size
                 if size <= room:
                     out.append(m)
                     room -= size
                 if room < _MIN_SIZE:
                     break
         for m in out:
-            pid = m.member.peer_id
+            pid = _key(m)
             sent = self._sent.pop(pid)
             del self._buckets[sent][pid]
             if not self._buckets[sent]:

@@ -32,6 +32,26 @@ class GossipConfig:
     gossip_to_dead_s: float = 30.0
     # Full-state push-pull with one random member; 0 disables. Scaled up past 32 members.
     push_pull_interval_s: float = 30.0
+    # Bytes of updates in one push-pull page; a full state is sent as several pages. Keep it
+    # well below the transport's max_control_frame_bytes.
+    max_push_pull_bytes: int = 32 * 1024
+    # Dead and left members are removed from the table this long after they went (at least
+    # gossip_to_dead_s). Longer: a lagging member's stale news is recognised for longer; the
+    # table of a swarm with churn grows with it.
+    reap_after_s: float = 120.0
+    # A removed member's last claim is kept this long more (not gossiped) so that replays and
+    # stale relays of its older claims are refused, and it is sent back to that peer if it
+    # rejoins from an older incarnation (so it refutes above it).
+    tombstone_s: float = 3600.0
+    # Members in the table at most, ourselves included; new ones beyond it are refused.
+    max_members: int = 4096
+    # New members one source may introduce (besides itself): a burst, then this many per second.
+    # The peer we join through may hand us a whole table once.
+    new_member_burst: int = 64
+    new_members_per_s: float = 1.0
+    # A claim may raise a known member's incarnation by at most this much (a peer refutes with
+    # +1; a restarted peer jumps to one past what the swarm holds).
+    max_incarnation_jump: int = 1 << 20
     # Lifeguard local health: probe interval and timeout stretch up to this factor when this
     # member itself seems slow (missed nacks, refutations).
     awareness_max_multiplier: int = 8
@@ -81,6 +101,12 @@ class GossipConfig:
             raise ValueError("rtt_samples and bandwidth_probe_bytes must be >= 1")
         if not 0 <= self.measure_jitter < 1:
             raise ValueError("measure_jitter must be in [0, 1)")
+        if self.reap_after_s < self.gossip_to_dead_s:
+            raise ValueError("reap_after_s must be at least gossip_to_dead_s")
+        if self.max_push_pull_bytes < 1024 or self.max_piggyback_bytes < 512:
+            raise ValueError("max_push_pull_bytes must be >= 1024 and max_piggyback_bytes >= 512")
+        if self.max_members < 2 or self.max_incarnation_jump < 1:
+            raise ValueError("max_members must be >= 2 and max_incarnation_jump >= 1")
         if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0 or self.record_sync_timeout_s <= 0:
             raise ValueError("record_sync_interval_s, record_sync_timeout_s and publish_interval_s must be positive")
 

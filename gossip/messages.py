@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_int
 
-from .members import Member, Update, members_from_wire, updates_from_wire
+from .claims import Update, updates_from_wire
 
 __all__ = ["MsgType", "Ping", "Ack", "PingReq", "Nack", "Gossip", "PushPull", "decode_swim",
-           "MAX_SEQ", "MAX_UPDATES", "MAX_MEMBERS"]
+           "MAX_SEQ", "MAX_UPDATES", "MAX_PUSH_PULL_UPDATES"]
 
 MAX_SEQ = 2**63 - 1
 MAX_UPDATES = 64  # piggybacked updates per message
-MAX_MEMBERS = 4096  # entries in one push-pull
+MAX_PUSH_PULL_UPDATES = 1024  # updates in one page of a push-pull (a full state takes several)
 
 
 class MsgType(enum.IntEnum):
@@ -78,19 +78,17 @@ class Ack:
 @dataclass(frozen=True)
 class PingReq:
     seq: int
-    target: Member  # whom to probe, with its address
+    target: bytes  # whom to probe; the relay pings the address its own table holds
     updates: tuple[Update, ...] = ()
     type = MsgType.PING_REQ
 
     def to_wire(self) -> dict:
-        return {"seq": self.seq, "target": self.target.to_wire(), "u": _updates(self.updates)}
+        return {"seq": self.seq, "target": self.target, "u": _updates(self.updates)}
 
     @classmethod
     def from_wire(cls, body: object) -> "PingReq":
         d = _need_map(body)
-        if "target" not in d:
-            raise ProtocolError("missing field 'target'")
-        return cls(get_int(d, "seq", 0, MAX_SEQ), Member.from_wire(d["target"]),
+        return cls(get_int(d, "seq", 0, MAX_SEQ), get_bytes(d, "target", PEER_ID_BYTES, PEER_ID_BYTES),
                    updates_from_wire(d, "u", MAX_UPDATES))
 
 
@@ -122,17 +120,20 @@ class Gossip:
 
 @dataclass(frozen=True)
 class PushPull:
-    members: tuple[Member, ...]
+    """One page of a full-state exchange: the claims (and accusations) of some members. A
+    state is sent as as many pages as it takes; only the first asks for a reply."""
+
+    updates: tuple[Update, ...]
     reply: bool  # True: the sender wants our full state back
     type = MsgType.PUSH_PULL
 
     def to_wire(self) -> dict:
-        return {"m": _updates(self.members), "reply": self.reply}
+        return {"m": _updates(self.updates), "reply": self.reply}
 
     @classmethod
     def from_wire(cls, body: object) -> "PushPull":
         d = _need_map(body)
-        return cls(members_from_wire(d, "m", MAX_MEMBERS), get_bool(d, "reply"))
+        return cls(updates_from_wire(d, "m", MAX_PUSH_PULL_UPDATES), get_bool(d, "reply"))
 
 
 _SWIM = {MsgType.PING: Ping, MsgType.ACK: Ack, MsgType.PING_REQ: PingReq, MsgType.NACK: Nack,

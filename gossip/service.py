@@ -21,9 +21,10 @@ import trio
 
 from dtfm.net import ConnectionClosed, ProtocolError
 
+from .claims import ClaimVerifier
 from .config import GossipConfig
 from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwidth, measure_rtt, serve_bulk, serve_ping
-from .members import Member, MemberState, Update
+from .members import Member, MemberState
 from .messages import MsgType, decode_swim
 from .records import RecordStore, Report
 from .swim import Send, Swim
@@ -46,7 +47,7 @@ class GossipService:
                  region: str = "", rng: random.Random | None = None,
                  wall_clock: Callable[[], float] = time.time, compute_ms: float | None = None,
                  measure: bool = True, sender_tasks: int = 4,
-                 address: tuple[str, int] | None = None) -> None:
+                 address: tuple[str, int] | None = None, verifier: ClaimVerifier | None = None) -> None:
         self.transport = transport
         self.identity = identity
         self.config = config or GossipConfig.lan()
@@ -60,7 +61,7 @@ class GossipService:
         # the one given when it listens on a wildcard address.
         host, port = address or transport.listen_address
         me = Member(identity.peer_id, 0, MemberState.ALIVE, host, port, region)
-        self.swim = Swim(self.config, me, self._rng, trio.current_time())
+        self.swim = Swim(self.config, identity, me, self._rng, trio.current_time(), verifier=verifier)
         self.records = RecordStore(self.config.record_skew_s)
         self.sync = RecordSyncer(self.records, max_sync_bytes=self.config.max_sync_bytes,
                                  timeout_s=self.config.record_sync_timeout_s)
@@ -112,7 +113,7 @@ class GossipService:
                 h, p = conn.listen_address
                 if h in ("", "0.0.0.0", "::"):  # it listens on every interface: use the one we reached
                     h = conn.remote_address[0]
-                self._dispatch(self.swim.add_seed(conn.peer_id, h, p, conn.region, trio.current_time()))
+                self._dispatch(self.swim.add_seed(conn.peer_id, (h, p), trio.current_time()))
                 reached += 1
         self._after_change()
         return reached
@@ -124,13 +125,8 @@ class GossipService:
 
     def set_address(self, host: str, port: int) -> None:
         """Advertise host:port as this member's address from now on (learnt after start, e.g.
-        confirmed by peers): a new incarnation of our own entry, gossiped like a refutation."""
-        me = self.swim.me
-        if me.address == (host, port) or self.swim.leaving:
-            return
-        new = Member(me.peer_id, me.incarnation + 1, MemberState.ALIVE, host, port, me.region)
-        self.swim.members[me.peer_id] = new
-        self.swim.broadcasts.queue(Update(new, me.peer_id))
+        confirmed by peers): a new signed claim one incarnation up, gossiped like a refutation."""
+        self.swim.set_address(host, port, trio.current_time())
 
     def members(self) -> list[Member]:
         return sorted(self.swim.members.values(), key=lambda m: m.peer_id)

@@ -14,8 +14,9 @@ import itertools
 import random
 from collections import defaultdict
 
-from dtfm.net import pack, unpack_untrusted
+from dtfm.net import Identity, pack, unpack_untrusted
 
+from .claims import ClaimVerifier
 from .config import GossipConfig
 from .members import Member, MemberState
 from .messages import decode_swim
@@ -36,7 +37,11 @@ class SwimSimulator:
         self.drop_fraction = drop_fraction
         self.rng = random.Random(seed)
         self.now = 0.0
-        self.ids = [self.rng.randbytes(32) for _ in range(n)]
+        self.identities = [Identity(self.rng.randbytes(32)) for _ in range(n)]
+        self.ids = [i.peer_id for i in self.identities]
+        # One verifier for all nodes (speed): an update one node signed counts as verified for
+        # all; forged ones are still checked, and refused, by each node.
+        self.verifier = ClaimVerifier()
         self.index = {p: k for k, p in enumerate(self.ids)}
         self.nodes: list[Swim] = []
         self.dead: set[int] = set()
@@ -49,7 +54,8 @@ class SwimSimulator:
         self._tick_at = [float("nan")] * n
         for k, pid in enumerate(self.ids):
             me = Member(pid, 0, MemberState.ALIVE, "sim", 10000 + k, "")
-            self.nodes.append(Swim(config, me, random.Random(self.rng.random()), 0.0))
+            self.nodes.append(Swim(config, self.identities[k], me, random.Random(self.rng.random()), 0.0,
+                                   verifier=self.verifier))
         for k in range(1, n):  # everyone joins through node 0
             at = self.rng.uniform(0, join_spread_s) if join_spread_s else 0.0
             self._push(at, ("join", k))
@@ -101,7 +107,7 @@ class SwimSimulator:
                 self._send_all(k, node.tick(t))
             elif kind == "join":
                 seed = self.nodes[0].me
-                self._send_all(k, node.add_seed(seed.peer_id, seed.host, seed.port, seed.region, t))
+                self._send_all(k, node.add_seed(seed.peer_id, seed.address, t))
             elif kind == "msg":
                 _, _, src, msg_type, data = item
                 msg = (decode_swim(msg_type, unpack_untrusted(data, max_len=1 << 24))

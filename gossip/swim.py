@@ -4,23 +4,45 @@
 with `handle(src, msg, now)`, calls `tick(now)` at `next_deadline()`, and sends the `Send`s both
 return. The same machine runs over the real transport (GossipService) and over the in-memory
 harness under MockClock.
+
+Membership is built from signed updates only (`claims.py`), under these rules:
+
+- a member enters the table only with its own claim; a source other than the member itself
+  spends a token of its admission rate (`admission.py`), and the table holds at most
+  `max_members`;
+- a claim replaces the held one only if it orders after it (newer incarnation, left over
+  alive) and raises the incarnation by at most `max_incarnation_jump`;
+- an accusation counts only for the incarnation whose claim we hold and only from a member we
+  know; it makes the accused suspect, and distinct verified accusers confirm the suspicion.
+  Dead is only ever our own conclusion, when our suspicion times out: a dead accusation from
+  someone else is one more confirmation;
+- a member refutes an accusation of its current incarnation, and a claim of its own (from an
+  earlier life) newer than its current one, with a claim one incarnation higher;
+- dead and left members are removed `reap_after_s` after they went; their last claim stays
+  as a tombstone for `tombstone_s` so older claims are refused.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections import Counter
 from dataclasses import dataclass
 
+from .admission import AdmissionLimiter
 from .broadcast import BroadcastQueue
+from .claims import Accusation, Claim, ClaimVerifier, Update
 from .config import GossipConfig
-from .members import Member, MemberState, Update, merge_entry
-from .messages import Ack, Gossip, Nack, Ping, PingReq, PushPull, SwimMessage
+from .members import MAX_INCARNATION, Member, MemberState
+from .messages import MAX_PUSH_PULL_UPDATES, Ack, Gossip, Nack, Ping, PingReq, PushPull, SwimMessage
 from .suspicion import Suspicion
+from .table import Entry, MemberTable
 
 __all__ = ["Swim", "Send"]
 
 logger = logging.getLogger(__name__)
+
+_SEED_TRIES = 10  # push-pulls with a seed, one per probe interval, until its claim arrives
 
 
 @dataclass(frozen=True)
@@ -52,11 +74,18 @@ class _Relay:
 
 
 class Swim:
-    def __init__(self, config: GossipConfig, me: Member, rng: random.Random, now: float) -> None:
+    def __init__(self, config: GossipConfig, identity, me: Member, rng: random.Random, now: float, *,
+                 verifier: ClaimVerifier | None = None) -> None:
+        if me.peer_id != identity.peer_id:
+            raise ValueError("me must be the identity's own entry")
         self.config = config
+        self.identity = identity
         self.me_id = me.peer_id
-        self.members: dict[bytes, Member] = {me.peer_id: me.with_state(MemberState.ALIVE)}
-        self.changed_at: dict[bytes, float] = {me.peer_id: now}
+        self.table = MemberTable()
+        self.verifier = verifier or ClaimVerifier()
+        self.admission = AdmissionLimiter(config.new_members_per_s, config.new_member_burst,
+                                          max_sources=config.max_members)
+        self.refused: Counter[str] = Counter()  # updates refused, by reason
         self.broadcasts = BroadcastQueue()
         self.suspicions: dict[bytes, Suspicion] = {}
         self.awareness = 0
@@ -68,9 +97,11 @@ class Swim:
         self._probe: _Probe | None = None
         self._relays: dict[int, _Relay] = {}
         self._changes: list[Member] = []
-        self._live = 1
-        self._pool: list[bytes] | None = None  # every other member ever seen, for gossip targets
-        self.broadcasts.queue(Update(self.me, self.me_id))  # announce ourselves
+        self._pool: list[bytes] | None = None  # every other member in the table, for gossip targets
+        self._seeds: dict[bytes, tuple[tuple[str, int], int]] = {}  # seed -> (address, tries left)
+        claim = self._sign(me.incarnation, MemberState.ALIVE, me.host, me.port, me.region)
+        self.table.set(claim, None, MemberState.ALIVE, now)
+        self.broadcasts.queue(claim)  # announce ourselves
         self.next_probe = now + rng.uniform(0, config.probe_interval_s)
         self.next_gossip = now + rng.uniform(0, config.gossip_interval_s)
         pp = config.push_pull_interval_s
@@ -79,18 +110,23 @@ class Swim:
     # ---- queries
 
     @property
+    def members(self) -> dict[bytes, Member]:
+        """Every member in the table (ourselves included), as the view of its entry."""
+        return self.table.members
+
+    @property
     def me(self) -> Member:
-        return self.members[self.me_id]
+        return self.table.members[self.me_id]
 
     def live_count(self) -> int:
         """Members not dead or left, ourselves included."""
-        return self._live
+        return self.table.live
 
     def live_members(self) -> list[Member]:
-        return [m for m in self.members.values() if not m.state.gone]
+        return [m for m in self.table.members.values() if not m.state.gone]
 
     def address_of(self, peer_id: bytes) -> tuple[str, int] | None:
-        m = self.members.get(peer_id)
+        m = self.table.members.get(peer_id)
         return m.address if m else None
 
     def drain_changes(self) -> list[Member]:
@@ -125,15 +161,19 @@ class Swim:
     def _piggyback(self, *extra: Update) -> tuple[Update, ...]:
         limit = self.config.retransmit_limit(self.live_count())
         taken = self.broadcasts.take(self.config.max_piggyback_bytes, limit)
-        return tuple(extra) + tuple(u for u in taken if all(u.member.peer_id != e.member.peer_id for e in extra))
+        same = {(type(e), e.subject) for e in extra}
+        return tuple(extra) + tuple(u for u in taken if (type(u), u.subject) not in same)
 
     def _direct(self, target: Member | None = None) -> tuple[Update, ...]:
-        """Piggyback for a direct ping or ack: our own current entry always (so whoever still
+        """Piggyback for a direct ping or ack: our own current claim always (so whoever still
         suspects us hears our refutation at the next contact) and, pinging a suspect, its
-        suspicion (Lifeguard's buddy system: it can refute at once)."""
-        extra = [Update(self.me, self.me_id)]
+        claim and the accusation (Lifeguard's buddy system: it can refute at once)."""
+        extra: list[Update] = [self.table.entries[self.me_id].claim]
         if target is not None and target.state == MemberState.SUSPECT:
-            extra.append(Update(target, self.me_id))
+            e = self.table.entries[target.peer_id]
+            extra.append(e.claim)
+            if e.accusation is not None:
+                extra.append(e.accusation)
         return self._piggyback(*extra)
 
     def _send(self, to: Member | bytes, msg: SwimMessage) -> Send:
@@ -141,100 +181,208 @@ class Swim:
             return Send(to.peer_id, to.address, msg)
         return Send(to, self.address_of(to), msg)
 
-    # ---- membership changes
+    def _push_pull(self, to: bytes, address, reply: bool, extra: tuple[Update, ...] = ()) -> list[Send]:
+        """Our full state to `to`, in pages of at most max_push_pull_bytes; only the first asks
+        for a reply."""
+        budget = self.config.max_push_pull_bytes
+        pages: list[list[Update]] = [[]]
+        size = 0
+        for u in list(extra) + self.table.updates(self.me_id):
+            if pages[-1] and (size + u.wire_size > budget or len(pages[-1]) >= MAX_PUSH_PULL_UPDATES):
+                pages.append([])
+                size = 0
+            pages[-1].append(u)
+            size += u.wire_size
+        return [Send(to, address, PushPull(tuple(p), reply=reply and i == 0)) for i, p in enumerate(pages)]
 
-    def add_seed(self, peer_id: bytes, host: str, port: int, region: str, now: float) -> list[Send]:
-        """A peer reached through a bootstrap address: record it and push-pull with it."""
-        if peer_id != self.me_id and peer_id not in self.members:
-            self._apply(Update(Member(peer_id, 0, MemberState.ALIVE, host, port, region), peer_id), now)
-        return [self._send(peer_id, PushPull(tuple(self.members.values()), reply=True))]
+    # ---- our own claims
+
+    def _sign(self, incarnation: int, state: MemberState, host: str, port: int, region: str) -> Claim:
+        c = Claim.create(self.identity, incarnation, state, host, port, region)
+        self.verifier.remember(c)
+        return c
+
+    def _accuse(self, accused: bytes, incarnation: int, state: MemberState) -> Accusation:
+        a = Accusation.create(self.identity, accused, incarnation, state)
+        self.verifier.remember(a)
+        return a
+
+    def _claim_me(self, claim: Claim, now: float) -> None:
+        self._set(claim, None, claim.state, now, announce=claim)
+
+    def add_seed(self, peer_id: bytes, address: tuple[str, int], now: float) -> list[Send]:
+        """A peer reached through a bootstrap address: push-pull with it. Its reply (its own
+        claim first) brings us the swarm: it may introduce a whole table of members, once."""
+        if peer_id == self.me_id:
+            return []
+        self.admission.grant(peer_id, self.config.max_members, now)
+        self._seeds[peer_id] = (address, _SEED_TRIES)
+        return self._push_pull(peer_id, address, reply=True)
+
+    def _retry_seeds(self, now: float, out: list[Send]) -> None:
+        """Push-pull again, once per probe interval, with seeds whose claim has not come back
+        (the exchange was lost)."""
+        for pid, (address, tries) in list(self._seeds.items()):
+            if pid in self.table.entries or tries <= 0:
+                del self._seeds[pid]
+                continue
+            self._seeds[pid] = (address, tries - 1)
+            out.extend(self._push_pull(pid, address, reply=True))
 
     def leave(self, now: float) -> list[Send]:
         """Announce a graceful leave; gossip it at once to a few members."""
         if self.leaving:
             return []
         self.leaving = True
-        self._live -= 1
-        left = self.me.with_state(MemberState.LEFT)
-        self.members[self.me_id] = left
-        self._changes.append(left)
-        self.broadcasts.queue(Update(left, self.me_id))
+        me = self.me
+        self._claim_me(self._sign(me.incarnation, MemberState.LEFT, me.host, me.port, me.region), now)
         return self._gossip_round(now)
 
-    def _apply(self, u: Update, now: float) -> bool:
-        m = u.member
-        if m.peer_id == self.me_id:
-            self._apply_about_me(m)
-            return False
-        old = self.members.get(m.peer_id)
-        new = merge_entry(old, m)
-        if new is old:
-            s = self.suspicions.get(m.peer_id)
-            if (s is not None and old is not None and old.state == MemberState.SUSPECT
-                    and m.state == MemberState.SUSPECT and m.incarnation == old.incarnation
-                    and s.confirm(u.by, now)):
-                self.broadcasts.queue(u)
-            return False
-        self.members[m.peer_id] = new
-        self.changed_at[m.peer_id] = now
-        self._live += (0 if old is None or old.state.gone else -1) + (0 if new.state.gone else 1)
-        if old is None or old.state != new.state:
+    def set_address(self, host: str, port: int, now: float) -> None:
+        """Advertise host:port from now on: a new claim one incarnation up."""
+        me = self.me
+        if me.address == (host, port) or self.leaving or me.incarnation >= MAX_INCARNATION:
+            return
+        self._claim_me(self._sign(me.incarnation + 1, MemberState.ALIVE, host, port, me.region), now)
+
+    # ---- applying updates
+
+    def _refuse(self, u: Update, src: bytes, reason: str) -> None:
+        self.refused[reason] += 1
+        logger.debug("%s about %s from %s refused: %s", type(u).__name__.lower(), u.subject[:4].hex(),
+                     src[:4].hex(), reason)
+
+    def _set(self, claim: Claim, acc: Accusation | None, state: MemberState, now: float, *,
+             announce: Update) -> None:
+        pid = claim.peer_id
+        old = self.table.set(claim, acc, state, now)
+        new = self.table.members[pid]
+        if old is None or old.state != state:
             self._changes.append(new)
             logger.debug("member %s: %s -> %s (inc %d)", new.short_id,
-                         old.state.name if old else "-", new.state.name, new.incarnation)
-        if old is None:
+                         old.state.name if old else "-", state.name, new.incarnation)
+        if old is None and pid != self.me_id:
             self._pool = None
             pos = self._rng.randint(self._probe_index, len(self._probe_order))
-            self._probe_order.insert(pos, m.peer_id)
-        if new.state == MemberState.SUSPECT:
-            n = self.live_count()
-            k = int(self.config.suspicion_mult) - 2
-            if n - 2 < k:
-                k = 0
-            self.suspicions[m.peer_id] = Suspicion(
-                u.by, k, self.config.suspicion_min_s(n), self.config.suspicion_max_s(n), now)
+            self._probe_order.insert(pos, pid)
+        if state != MemberState.SUSPECT:
+            self.suspicions.pop(pid, None)
+        self.broadcasts.queue(announce)
+
+    def _apply(self, u: Update, src: bytes, now: float) -> None:
+        if isinstance(u, Claim):
+            self._apply_claim(u, src, now)
         else:
-            self.suspicions.pop(m.peer_id, None)
-        self.broadcasts.queue(Update(new, u.by))
-        return True
+            self._apply_accusation(u, src, now)
 
-    def _apply_about_me(self, m: Member) -> None:
-        me = self.me
-        if self.leaving:
+    def _apply_claim(self, c: Claim, src: bytes, now: float) -> None:
+        pid = c.peer_id
+        if pid == self.me_id:
+            self._claim_about_me(c, src, now)
             return
-        if m.key() <= me.key() and m.state == MemberState.ALIVE:
+        e = self.table.get(pid)
+        if e is not None:
+            if c == e.claim or c.key() <= e.claim.key():
+                return  # held already, or older
+            if c.incarnation - e.claim.incarnation > self.config.max_incarnation_jump:
+                return self._refuse(c, src, "incarnation jump too large")
+        else:
+            t = self.table.tombstone(pid)
+            if t is not None and c.key() <= t.key():
+                return self._refuse(c, src, "not newer than the claim of a removed member")
+            if len(self.table) >= self.config.max_members:
+                return self._refuse(c, src, "member table full")
+            if src != pid and not self.admission.allow(src, now):
+                return self._refuse(c, src, "source over its rate of new members")
+        if not self.verifier.verify(c):
+            return self._refuse(c, src, "bad signature")
+        if e is None and src != pid:
+            self.admission.take(src, now)
+        if e is not None and c.incarnation == e.claim.incarnation and c.state == MemberState.ALIVE:
+            self._set(c, e.accusation, e.state, now, announce=c)  # an accusation of it stands
+        else:
+            self._set(c, None, c.state, now, announce=c)
+
+    def _apply_accusation(self, a: Accusation, src: bytes, now: float) -> None:
+        pid = a.accused
+        if pid == self.me_id:
+            self._accusation_about_me(a, src, now)
             return
-        if m.incarnation < me.incarnation:
+        e = self.table.get(pid)
+        if e is None or e.state.gone:
+            return  # unknown, or gone already
+        if a.incarnation != e.claim.incarnation:
+            if a.incarnation > e.claim.incarnation:
+                self._refuse(a, src, "accuses an incarnation never claimed")
+            return  # else: refuted already
+        if a.accuser != self.me_id and a.accuser not in self.table.entries:
+            return self._refuse(a, src, "accuser is not a member")
+        s = self.suspicions.get(pid)
+        if s is not None and a.accuser in s.confirmers:
             return
-        # Someone holds a suspicion, a death or a newer life of us: refute with a higher
-        # incarnation (Lifeguard: being suspected also counts against our own health).
-        if m.state != MemberState.ALIVE:
+        if not self.verifier.verify(a):
+            return self._refuse(a, src, "bad signature")
+        if s is not None:
+            if s.confirm(a.accuser, now):
+                self.broadcasts.queue(a)
+            return
+        n = self.live_count()
+        k = int(self.config.suspicion_mult) - 2
+        if n - 2 < k:
+            k = 0
+        self.suspicions[pid] = Suspicion(a.accuser, k, self.config.suspicion_min_s(n),
+                                         self.config.suspicion_max_s(n), now)
+        self._set(e.claim, a, MemberState.SUSPECT, now, announce=a)
+
+    def _claim_about_me(self, c: Claim, src: bytes, now: float) -> None:
+        mine = self.table.entries[self.me_id].claim
+        if self.leaving or c == mine or c.key() <= mine.key():
+            return
+        if not self.verifier.verify(c):
+            return self._refuse(c, src, "bad signature")
+        # Our own claim from an earlier life, newer than our current one: refute above it.
+        self._refute(c.incarnation, c.state != MemberState.ALIVE, now)
+
+    def _accusation_about_me(self, a: Accusation, src: bytes, now: float) -> None:
+        if self.leaving or a.incarnation != self.me.incarnation:
+            return  # refuted already, or about an incarnation we never claimed
+        if not self.verifier.verify(a):
+            return self._refuse(a, src, "bad signature")
+        self._refute(a.incarnation, True, now)
+
+    def _refute(self, incarnation: int, accused: bool, now: float) -> None:
+        if incarnation >= MAX_INCARNATION:
+            logger.warning("cannot refute at incarnation %d: it is the largest", incarnation)
+            return
+        # Lifeguard: being accused also counts against our own health.
+        if accused:
             self._adjust_awareness(1)
-        new = Member(self.me_id, m.incarnation + 1, MemberState.ALIVE, me.host, me.port, me.region)
-        self.members[self.me_id] = new
-        logger.debug("refuting %s about us at incarnation %d", m.state.name, new.incarnation)
-        self.broadcasts.queue(Update(new, self.me_id))
+        me = self.me
+        logger.debug("refuting incarnation %d with %d", incarnation, incarnation + 1)
+        self._claim_me(self._sign(incarnation + 1, MemberState.ALIVE, me.host, me.port, me.region), now)
 
-    def _apply_all(self, updates, now: float) -> None:
-        for u in updates:
-            self._apply(u, now)
+    def _tombstone_of(self, peer_id: bytes) -> tuple[Update, ...]:
+        """A removed peer's last claim, for that peer itself when it comes back at an older
+        incarnation: it refutes above it, and its new claim is taken."""
+        t = self.table.tombstone(peer_id) if peer_id not in self.table.entries else None
+        return (t,) if t is not None else ()
 
     # ---- messages
 
     def handle(self, src: bytes, msg: SwimMessage, now: float) -> list[Send]:
         """Feed one received message; src is the authenticated sender."""
-        if isinstance(msg, PushPull):
-            for m in msg.members:
-                self._apply(Update(m, src), now)
-            if msg.reply:
-                return [self._send(src, PushPull(tuple(self.members.values()), reply=False))]
-            return []
         if isinstance(msg, Nack):
             p = self._probe
             if p is not None and p.seq == msg.seq:
                 p.nacks += 1
             return []
-        self._apply_all(msg.updates, now)
+        for u in msg.updates:
+            self._apply(u, src, now)
+        if isinstance(msg, PushPull):
+            back = self._tombstone_of(src)
+            if msg.reply:
+                return self._push_pull(src, self.address_of(src), reply=False, extra=back)
+            return [Send(src, None, Gossip(back))] if back else []
         if isinstance(msg, Ping):
             if msg.target != self.me_id or self.leaving:
                 return []
@@ -242,10 +390,13 @@ class Swim:
         if isinstance(msg, Ack):
             return self._on_ack(msg, now)
         if isinstance(msg, PingReq):
+            target = self.table.members.get(msg.target)
+            if target is None or target.state.gone or msg.target == self.me_id:
+                return []  # we probe only members we know, at the address they claimed
             seq = self._next_seq()
             t = self.config.probe_timeout_s
             self._relays[seq] = _Relay(src, msg.seq, now + 0.8 * t, now + t)
-            return [self._send(msg.target, Ping(seq, msg.target.peer_id, self._piggyback()))]
+            return [self._send(target, Ping(seq, target.peer_id, self._piggyback()))]
         return []  # Gossip: updates applied above
 
     def _on_ack(self, msg: Ack, now: float) -> list[Send]:
@@ -269,6 +420,7 @@ class Swim:
         if now >= self.next_probe:
             self._finish_probe(now)
             self._start_probe(now, out)
+            self._retry_seeds(now, out)
         if now >= self.next_gossip:
             if len(self.broadcasts):
                 out.extend(self._gossip_round(now))
@@ -277,8 +429,17 @@ class Swim:
             self.next_push_pull = now + self.config.push_pull_scaled_s(self.live_count())
             target = self._random_members(1, exclude=())
             if target:
-                out.append(self._send(target[0], PushPull(tuple(self.members.values()), reply=True)))
+                out.extend(self._push_pull(target[0].peer_id, target[0].address, reply=True))
+        self._reap(now)
         return out
+
+    def _reap(self, now: float) -> None:
+        cfg = self.config
+        for pid in self.table.reap(now, cfg.reap_after_s):
+            self._pool = None
+            self.suspicions.pop(pid, None)
+            logger.debug("member %s: removed, gone for %g s", pid[:4].hex(), cfg.reap_after_s)
+        self.table.expire_tombstones(now, cfg.tombstone_s, cfg.max_members)
 
     def _tick_relays(self, now: float, out: list[Send]) -> None:
         for seq, r in list(self._relays.items()):
@@ -293,10 +454,11 @@ class Swim:
             if now < s.deadline:
                 continue
             del self.suspicions[pid]
-            m = self.members[pid]
-            if m.state == MemberState.SUSPECT:
-                logger.info("member %s: suspicion timed out, marking dead", m.short_id)
-                self._apply(Update(m.with_state(MemberState.DEAD), self.me_id), now)
+            e = self.table.get(pid)
+            if e is not None and e.state == MemberState.SUSPECT:
+                logger.info("member %s: suspicion timed out, marking dead", e.member.short_id)
+                a = self._accuse(pid, e.claim.incarnation, MemberState.DEAD)
+                self._set(e.claim, a, MemberState.DEAD, now, announce=a)
 
     def _tick_probe(self, now: float, out: list[Send]) -> None:
         p = self._probe
@@ -306,7 +468,7 @@ class Swim:
         relays = self._random_members(self.config.indirect_checks, exclude=(p.target.peer_id,))
         p.nacks_expected = len(relays)
         for m in relays:
-            out.append(self._send(m, PingReq(p.seq, p.target, self._piggyback())))
+            out.append(self._send(m, PingReq(p.seq, p.target.peer_id, self._piggyback())))
         if now >= p.end_at:
             self._finish_probe(now)
 
@@ -326,7 +488,7 @@ class Swim:
             return
         if cur.state == MemberState.ALIVE:
             logger.info("member %s: no ack, suspecting", cur.short_id)
-        self._apply(Update(cur.with_state(MemberState.SUSPECT), self.me_id), now)
+        self._apply_accusation(self._accuse(cur.peer_id, cur.incarnation, MemberState.SUSPECT), self.me_id, now)
 
     def _start_probe(self, now: float, out: list[Send]) -> None:
         mult = self._multiplier()
@@ -344,16 +506,16 @@ class Swim:
     def _next_target(self) -> Member | None:
         for _ in range(len(self._probe_order) + 1):
             if self._probe_index >= len(self._probe_order):
-                self._probe_order = [pid for pid in self._probe_order
-                                     if not self.members[pid].state.gone]
+                self._probe_order = [pid for pid in self._probe_order if pid in self.members
+                                     and not self.members[pid].state.gone]
                 self._rng.shuffle(self._probe_order)
                 self._probe_index = 0
                 if not self._probe_order:
                     return None
             pid = self._probe_order[self._probe_index]
             self._probe_index += 1
-            m = self.members[pid]
-            if not m.state.gone:
+            m = self.members.get(pid)
+            if m is not None and not m.state.gone:
                 return m
         return None
 
@@ -371,8 +533,9 @@ class Swim:
         # kRandomNodes): live members, and the dead or left for gossip_to_dead_s.
         k = self.config.gossip_nodes
         cands = self._rng.sample(self._pool, min(len(self._pool), 2 * k + 2))
-        targets = [self.members[p] for p in cands if not self.members[p].state.gone
-                   or now - self.changed_at.get(p, now) < self.config.gossip_to_dead_s][:k]
+        entries = self.table.entries
+        targets = [entries[p].member for p in cands if not entries[p].state.gone
+                   or now - entries[p].changed_at < self.config.gossip_to_dead_s][:k]
         out = []
         for m in targets:
             ups = self._piggyback()

@@ -5,23 +5,39 @@ import random
 import pytest
 
 from dtfm.gossip.broadcast import BroadcastQueue
+from dtfm.gossip.claims import Accusation, Claim
 from dtfm.gossip.config import GossipConfig
-from dtfm.gossip.members import Member, MemberState, Update
+from dtfm.gossip.members import Member, MemberState
 from dtfm.gossip.messages import Ack, Gossip, Nack, Ping, PingReq, PushPull
 from dtfm.gossip.swim import Swim
+from dtfm.net import Identity
 
 CFG = GossipConfig.lan()
-A, B, C, D = (bytes([i + 1]) * 32 for i in range(4))
+KEYS = {i.peer_id: i for i in (Identity(bytes([k + 1]) * 32) for k in range(24))}
+PIDS = list(KEYS)
+A, B, C, D = PIDS[:4]
+
+
+def host(pid):
+    return "10.0.0.%d" % (PIDS.index(pid) + 1)
 
 
 def member(pid, inc=0, state=MemberState.ALIVE):
-    return Member(pid, inc, state, "10.0.0.%d" % pid[0], 7000, "r")
+    return Member(pid, inc, state, host(pid), 7000, "r")
+
+
+def claim(pid, inc=0, state=MemberState.ALIVE):
+    return Claim.create(KEYS[pid], inc, state, host(pid), 7000, "r")
+
+
+def accuse(by, of, inc=0, state=MemberState.SUSPECT):
+    return Accusation.create(KEYS[by], of, inc, state)
 
 
 def node_with(pid, others, now=0.0):
-    s = Swim(CFG, member(pid), random.Random(1), now)
+    s = Swim(CFG, KEYS[pid], member(pid), random.Random(1), now)
     for o in others:
-        s.handle(o, PushPull((member(o),), reply=False), now)
+        s.handle(o, PushPull((claim(o),), reply=False), now)
     s.drain_changes()
     s.broadcasts = BroadcastQueue()  # start quiet: only the events under test are gossiped
     return s
@@ -47,7 +63,7 @@ def test_probe_then_indirect_then_suspect_at_exact_times():
     sends = s.tick(t0 + CFG.probe_timeout_s)
     reqs = [x for x in sends if isinstance(x.msg, PingReq)]
     assert sorted(x.to for x in reqs) == sorted(set([B, C, D]) - {target})
-    assert all(x.msg.target.peer_id == target for x in reqs)
+    assert all(x.msg.target == target for x in reqs)
     # still nothing by the end of the probe interval: suspect
     s.tick(t0 + CFG.probe_interval_s)
     assert s.members[target].state == MemberState.SUSPECT
@@ -74,13 +90,13 @@ def test_ack_prevents_suspicion_and_relays_answer():
 
 def test_indirect_probe_relay_acks_or_nacks():
     s = node_with(B, [A, C])
-    out = s.handle(A, PingReq(7, member(C)), 10.0)
+    out = s.handle(A, PingReq(7, C), 10.0)
     assert len(out) == 1 and out[0].to == C and isinstance(out[0].msg, Ping)
     relay_seq = out[0].msg.seq
     back = s.handle(C, Ack(relay_seq), 10.1)
     assert [(x.to, x.msg) for x in back] == [(A, Ack(7))]
     # a second request that the target never answers: a nack at 80% of the probe timeout
-    out = s.handle(A, PingReq(8, member(C)), 20.0)
+    out = s.handle(A, PingReq(8, C), 20.0)
     nacks = [x for x in run_to(s, 20.0 + CFG.probe_timeout_s) if isinstance(x[1].msg, Nack)]
     assert nacks == [(20.0 + 0.8 * CFG.probe_timeout_s, nacks[0][1])]
     assert nacks[0][1].to == A and nacks[0][1].msg.seq == 8
@@ -94,28 +110,32 @@ def test_ping_answered_with_ack_and_misdirected_ping_ignored():
 
 def test_refutes_suspicion_with_higher_incarnation():
     s = node_with(A, [B])
-    s.handle(B, Gossip((Update(member(A, 0, MemberState.SUSPECT), B),)), 1.0)
+    s.handle(B, Gossip((accuse(B, A, 0),)), 1.0)
     assert s.me.incarnation == 1 and s.me.state == MemberState.ALIVE
     assert s.awareness == 1
     pending = s.broadcasts.pending()
-    assert any(u.member.peer_id == A and u.member.incarnation == 1 for u in pending)
-    # a dead notice at a higher incarnation (we were restarted): refute above it
-    s.handle(B, Gossip((Update(member(A, 5, MemberState.DEAD), B),)), 2.0)
+    assert any(isinstance(u, Claim) and u.peer_id == A and u.incarnation == 1 for u in pending)
+    # an accusation of an incarnation we never claimed changes nothing
+    s.handle(B, Gossip((accuse(B, A, 5, MemberState.DEAD),)), 2.0)
+    assert s.me.incarnation == 1
+    # our own claim of an earlier life at a higher incarnation (we were restarted): refute above it
+    s.handle(B, Gossip((claim(A, 5),)), 2.0)
     assert s.me.incarnation == 6 and s.me.state == MemberState.ALIVE
 
 
 def test_confirmations_shorten_suspicion():
-    others = [bytes([i]) * 32 for i in range(10, 20)]
+    others = PIDS[10:20]
     s = node_with(A, others)
     x = others[0]
-    s.handle(others[1], Gossip((Update(member(x, 0, MemberState.SUSPECT), others[1]),)), 0.0)
+    s.handle(others[1], Gossip((accuse(others[1], x),)), 0.0)
     n = s.live_count()
     assert s.suspicions[x].deadline == pytest.approx(CFG.suspicion_max_s(n), abs=1e-3)
-    s.handle(others[2], Gossip((Update(member(x, 0, MemberState.SUSPECT), others[2]),)), 1.0)
-    s.handle(others[3], Gossip((Update(member(x, 0, MemberState.SUSPECT), others[3]),)), 1.0)
+    s.handle(others[2], Gossip((accuse(others[2], x),)), 1.0)
+    s.handle(others[3], Gossip((accuse(others[3], x, 0, MemberState.DEAD),)), 1.0)  # dead: one more confirmation
+    assert s.members[x].state == MemberState.SUSPECT
     assert s.suspicions[x].deadline == pytest.approx(CFG.suspicion_min_s(n), abs=1e-3)  # k = 2 confirmations reached
     # the suspect refutes: suspicion cancelled
-    s.handle(x, Gossip((Update(member(x, 1), x),)), 2.0)
+    s.handle(x, Gossip((claim(x, 1),)), 2.0)
     assert x not in s.suspicions and s.members[x].state == MemberState.ALIVE
 
 
@@ -123,7 +143,7 @@ def test_leave_is_gossiped_and_stops_probing():
     s = node_with(A, [B, C])
     sends = s.leave(5.0)
     assert sends and all(isinstance(x.msg, Gossip) for x in sends)
-    assert any(u.member.state == MemberState.LEFT for x in sends for u in x.msg.updates)
+    assert any(isinstance(u, Claim) and u.state == MemberState.LEFT for x in sends for u in x.msg.updates)
     assert not [x for x in run_to(s, 20.0) if isinstance(x[1].msg, Ping)]
     other = node_with(B, [A, C])
     other.handle(A, sends[0].msg, 5.1)
@@ -133,7 +153,7 @@ def test_leave_is_gossiped_and_stops_probing():
 
 def test_push_pull_merges_and_replies_once():
     s = node_with(A, [])
-    out = s.handle(B, PushPull((member(B), member(C, 2)), reply=True), 0.0)
+    out = s.handle(B, PushPull((claim(B), claim(C, 2)), reply=True), 0.0)
     assert s.members[C].incarnation == 2 and s.live_count() == 3
-    assert len(out) == 1 and out[0].msg.reply is False and len(out[0].msg.members) == 3
-    assert s.handle(B, PushPull((member(B),), reply=False), 0.0) == []
+    assert len(out) == 1 and out[0].msg.reply is False and len(out[0].msg.updates) == 3
+    assert s.handle(B, PushPull((claim(B),), reply=False), 0.0) == []

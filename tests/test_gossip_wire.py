@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,18 +6,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.gossip.broadcast import BroadcastQueue
+from dtfm.gossip.claims import Accusation, Claim, ClaimVerifier
 from dtfm.gossip.config import GossipConfig
-from dtfm.gossip.members import Member, MemberState, Update, merge_entry, merge_tables
+from dtfm.gossip.members import MAX_INCARNATION, Member, MemberState, merge_entry, merge_tables
 from dtfm.gossip.messages import Ack, Gossip, MsgType, Nack, Ping, PingReq, PushPull, decode_swim
 from dtfm.gossip.suspicion import Suspicion, remaining_suspicion_time
+from dtfm.net import Identity
 from dtfm.net.errors import ProtocolError
 from dtfm.net.wire import pack, unpack_untrusted
 
-ids = st.sampled_from([bytes([i]) * 32 for i in range(4)])
+KEYS = [Identity(bytes([i + 1]) * 32) for i in range(4)]
+ids = st.sampled_from([k.peer_id for k in KEYS])
 members = st.builds(Member, ids, st.integers(0, 5), st.sampled_from(list(MemberState)),
                     st.sampled_from(["10.0.0.1", "10.0.0.2"]), st.integers(0, 65535),
                     st.sampled_from(["", "Oregon"]))
-updates = st.builds(Update, members, ids)
+claims = st.builds(lambda k, inc, left, host, port, region: Claim.create(
+    KEYS[k], inc, MemberState.LEFT if left else MemberState.ALIVE, host, port, region),
+    st.integers(0, 3), st.integers(0, MAX_INCARNATION), st.booleans(), st.sampled_from(["10.0.0.1", "h" * 255]),
+    st.integers(0, 65535), st.sampled_from(["", "Oregon", "r" * 64]))
+accusations = st.builds(lambda by, of, inc, dead: Accusation.create(
+    KEYS[by], KEYS[(by + of) % 4].peer_id, inc, MemberState.DEAD if dead else MemberState.SUSPECT),
+    st.integers(0, 3), st.integers(1, 3), st.integers(0, MAX_INCARNATION), st.booleans())
+updates = claims | accusations
 tables = st.lists(members, max_size=6).map(lambda ms: _table(ms))
 
 
@@ -58,12 +69,35 @@ def test_swim_precedence_at_one_incarnation():
 @given(st.lists(updates, max_size=5), st.integers(0, 2**63 - 1), members)
 def test_messages_roundtrip(ups, seq, target):
     ups = tuple(ups)
-    for msg in [Ping(seq, target.peer_id, ups), Ack(seq, ups), PingReq(seq, target, ups), Nack(seq),
-                Gossip(ups), PushPull(tuple(u.member for u in ups), True)]:
+    for msg in [Ping(seq, target.peer_id, ups), Ack(seq, ups), PingReq(seq, target.peer_id, ups), Nack(seq),
+                Gossip(ups), PushPull(ups, True)]:
         assert roundtrip(msg) == msg
+        assert all(u.verify() for u in roundtrip(msg).updates) if hasattr(msg, "updates") else True
 
 
-@settings(max_examples=150)
+@given(updates)
+def test_wire_size_bounds_the_packed_update(u):
+    assert len(pack(u.to_wire())) <= u.wire_size
+
+
+def test_signatures_cover_every_field_and_the_verifier_caches_valid_ones():
+    c = Claim.create(KEYS[0], 3, MemberState.ALIVE, "10.0.0.1", 7000, "r")
+    a = Accusation.create(KEYS[1], KEYS[0].peer_id, 3, MemberState.SUSPECT)
+    assert c.verify() and a.verify()
+    for field, value in [("incarnation", 4), ("state", MemberState.LEFT), ("host", "10.0.0.2"),
+                         ("port", 7001), ("region", "s"), ("signature", bytes(64))]:
+        assert not dataclasses.replace(c, **{field: value}).verify(), field
+    for field, value in [("accuser", KEYS[2].peer_id), ("incarnation", 2), ("state", MemberState.DEAD)]:
+        assert not dataclasses.replace(a, **{field: value}).verify(), field
+    v = ClaimVerifier(max_entries=2)
+    assert v.verify(c) and v.verify(c) and v.checks == 1  # the second one is a cache hit
+    assert not v.verify(dataclasses.replace(c, port=7001)) and v.checks == 2  # same key, other fields
+    assert v.verify(a) and v.checks == 3
+    assert v.verify(Claim.create(KEYS[2], 0, MemberState.ALIVE, "h", 1, "")) and v.checks == 4
+    assert v.verify(c) and v.checks == 5  # evicted (two entries at most): checked again
+
+
+@settings(max_examples=300)
 @given(st.sampled_from(list(MsgType)[:6]), st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5) | st.binary(max_size=40),
     lambda c: st.lists(c, max_size=7) | st.dictionaries(st.sampled_from(["seq", "u", "target", "m", "reply"]), c, max_size=5),
@@ -77,9 +111,19 @@ def test_garbage_raises_only_protocol_error(msg_type, body):
 
 def test_field_checks():
     good = Ping(1, b"\x01" * 32, ()).to_wire()
+    c = Claim.create(KEYS[0], 0, MemberState.ALIVE, "h", 1, "").to_wire()
+    a = Accusation.create(KEYS[1], KEYS[0].peer_id, 0, MemberState.SUSPECT).to_wire()
+    assert decode_swim(MsgType.PING, {**good, "u": [c, a]}).updates[1].accuser == KEYS[1].peer_id
     for bad in [{**good, "seq": -1}, {**good, "seq": True}, {**good, "target": b"x" * 31},
-                {**good, "u": [[b"\x01" * 32, 0, 9, "h", 1, "", b"\x01" * 32]]},
-                {**good, "u": [[b"\x01" * 32, 0, 0, "h", 70000, "", b"\x01" * 32]]},
+                {**good, "u": [c[:3] + [9] + c[4:]]},  # no such state
+                {**good, "u": [c[:3] + [1] + c[4:]]},  # a claim says alive or left only
+                {**good, "u": [a[:4] + [0] + a[5:]]},  # an accusation says suspect or dead only
+                {**good, "u": [c[:5] + [70000] + c[6:]]},
+                {**good, "u": [c[:2] + [2**63] + c[3:]]},  # incarnation past the largest
+                {**good, "u": [c[:7] + [b"s" * 63]]},  # short signature
+                {**good, "u": [a[:2] + [a[1]] + a[3:]]},  # accuses itself
+                {**good, "u": [[2] + c[1:]]}, {**good, "u": [[]]}, {**good, "u": [c + [1]]},
+                {**good, "u": [c] * 65},  # more than a message carries
                 {k: v for k, v in good.items() if k != "seq"}, [1, 2]]:
         with pytest.raises(ProtocolError):
             decode_swim(MsgType.PING, bad)
@@ -110,15 +154,19 @@ def test_suspicion_counts_distinct_confirmations_only():
 
 def test_broadcast_queue_limits_and_replacement():
     q = BroadcastQueue()
-    m = Member(b"\x01" * 32, 0, MemberState.ALIVE, "h", 1, "")
-    q.queue(Update(m, m.peer_id))
-    q.queue(Update(m.with_state(MemberState.SUSPECT), m.peer_id))
-    assert len(q) == 1
-    assert q.take(10_000, 2)[0].member.state == MemberState.SUSPECT
-    assert len(q.take(10_000, 2)) == 1
+    pid = KEYS[0].peer_id
+    q.queue(Claim.create(KEYS[0], 0, MemberState.ALIVE, "h", 1, ""))
+    q.queue(Claim.create(KEYS[0], 1, MemberState.ALIVE, "h", 1, ""))
+    assert len(q) == 1  # the newer claim replaced the older one
+    q.queue(Accusation.create(KEYS[1], pid, 1, MemberState.SUSPECT))
+    q.queue(Accusation.create(KEYS[2], pid, 1, MemberState.SUSPECT))
+    assert len(q) == 2  # ... and the newer accusation the older one, beside the claim
+    taken = q.take(10_000, 2)
+    assert [type(u) for u in taken] == [Accusation, Claim] and taken[0].accuser == KEYS[2].peer_id
+    assert len(q.take(10_000, 2)) == 2
     assert q.take(10_000, 2) == []
-    q.queue(Update(m, m.peer_id))
-    assert q.take(10, 2) == []  # does not fit
+    q.queue(Claim.create(KEYS[0], 0, MemberState.ALIVE, "h", 1, ""))
+    assert q.take(100, 2) == []  # does not fit
 
 
 def test_config_profiles_and_validation():
