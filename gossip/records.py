@@ -155,7 +155,7 @@ class RecordStore:
         reasons, verified = [], 0
         for r in reports:
             if verified >= slice_size:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
                 verified = 0
             if self.screen(r, now_wall=now_wall, is_member=is_member) is None:
                 verified += 1

@@ -1,5 +1,3 @@
-import math
-
 import numpy as np
 import pytest
 import trio
@@ -370,7 +368,7 @@ def test_verify_budget_refills_and_forgets_full_buckets():
     assert budget.take(B_ID, 1, 1.0) == 1 and budget.take(C_ID, 1, 1.0) == 1
     assert budget.take(b"\x09" * 32, 1, 5.0) == 1  # past max_buckets: the refilled ones go
     assert len(budget._buckets) <= 2 and budget.available(A_ID, 5.0) == 20
-    for bad in [dict(max_reports_per_message=0), dict(burst_reports=0), dict(reports_per_source_per_s=0.0)]:
+    for bad in [{"max_reports_per_message": 0}, {"burst_reports": 0}, {"reports_per_source_per_s": 0.0}]:
         with pytest.raises(ValueError):
             SyncLimits(**bad)
 
@@ -395,7 +393,7 @@ async def test_verification_yields_to_other_tasks_between_slices():
     async def other():
         while True:
             seen.append(verify.calls)
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     instrument = Steps()
     trio.lowlevel.add_instrument(instrument)

@@ -7,7 +7,6 @@ their measurement noise of the truth.
 """
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
