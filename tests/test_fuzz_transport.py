@@ -120,6 +120,11 @@ def msg(body_bytes, msg_type=ECHO, flags=frames.FLAG_REQUEST, payload_len=0, msg
     return struct.pack(">BBBQQQ", frames.MSG, msg_type, flags, msg_id, 0, payload_len) + body_bytes
 
 
+def chunk_records(msg_id, data):
+    """The plaintext records that carry `data` as the next piece of msg_id's payload."""
+    return [frames.encode_chunk(msg_id, data)]
+
+
 def attacks():
     """name -> async function(raw peer) doing something a healthy peer never does."""
     deep = b"\x91" * 1025 + b"\xc0"
@@ -150,7 +155,8 @@ def attacks():
         # the budget takes two, refuses the next ones, and the 17th is one too many to track.
         for i in range(CONFIG.max_inflight_payloads + 1):
             await raw.send_frame(msg(pack(None), payload_len=BOMB_PAYLOAD_BYTES, msg_id=i + 1))
-            await raw.send_frame(struct.pack(">BQ", frames.CHUNK, i + 1) + bytes(CONFIG.chunk_bytes))
+            for record in chunk_records(i + 1, bytes(CONFIG.chunk_bytes)):
+                await raw.send_frame(record)
 
     return {
         "oversize prefix 2^32-1": lambda raw: raw.send_raw(b"\xff\xff\xff\xff" + b"\x00" * 1000),

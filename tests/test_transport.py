@@ -453,3 +453,150 @@ async def test_peer_silent_after_handshake_is_dropped_at_idle_timeout(autojump_c
         assert elapsed == pytest.approx(TransportConfig.test().idle_timeout_s, abs=0.01)
         assert "nothing received" in reason
         n.cancel_scope.cancel()
+
+
+# ---- payloads given up part-way, and the transport-wide payload budget ----------------------
+
+
+class OneLaneShaper:
+    """Every frame in one FIFO; `hold` (an Event) keeps back every chunk after the first until
+    it is set, `chunk_s` spaces chunks out."""
+
+    def __init__(self, chunk_s=0.0, hold=None):
+        self.chunk_s = chunk_s
+        self.hold = hold
+        self.sent = []
+
+    def open_link(self, peer_id, region):
+        return OneLane(self)
+
+
+class OneLane:
+    def __init__(self, shaper):
+        self.shaper = shaper
+        self._send, self._recv = trio.open_memory_channel(0)
+
+    async def submit(self, frame, droppable):
+        await self._send.send(frame)
+
+    async def run(self, transmit):
+        chunks = 0
+        async for frame in self._recv:
+            if frame[0] == frames.CHUNK:
+                chunks += 1
+                if chunks > 1 and self.shaper.hold is not None:
+                    await self.shaper.hold.wait()
+                await trio.sleep(self.shaper.chunk_s)
+            self.shaper.sent.append(frame[0])
+            await transmit(frame)
+
+
+def inbound_of(transport, peer_id):
+    return transport.connection(peer_id)._inbound
+
+
+async def test_payload_given_up_mid_send_is_aborted_and_freed(autojump_clock):
+    cfg = TransportConfig.test()
+    shaper = OneLaneShaper(chunk_s=0.1)
+    a, b = make(shaper=shaper), make()
+    async with trio.open_nursery() as n:
+        conn = await pair(n, a, b)
+        payload = bytes(10 * cfg.chunk_bytes)  # a second to send
+        for _ in range(2 * cfg.max_inflight_payloads):  # a slow bandwidth probe, over and over
+            with pytest.raises(RequestTimeout):
+                await conn.request(ECHO, "probe", payload=payload, timeout_s=0.35)
+        await trio.sleep(0.5)
+        assert shaper.sent.count(frames.ABORT) == 2 * cfg.max_inflight_payloads
+        inbound = inbound_of(b, a.peer_id)
+        assert inbound.inflight_bytes == 0 and b._payload_budget.used_bytes == 0
+        assert not conn.closed
+        body, got = await conn.request(ECHO, "whole", payload=payload[:3 * cfg.chunk_bytes])
+        assert body == "whole" and len(got) == 3 * cfg.chunk_bytes
+        n.cancel_scope.cancel()
+
+
+BUDGET = TransportConfig(**{
+    **TransportConfig.test().__dict__, "max_payload_bytes": 512 * 1024,
+    "max_inflight_payload_bytes": 512 * 1024, "max_total_payload_bytes": 768 * 1024,
+})
+
+
+async def test_payload_budget_is_shared_by_all_connections(autojump_clock, caplog):
+    caplog.set_level(logging.WARNING, logger="dtfm.net")
+    hold = trio.Event()
+    server = make(config=BUDGET)
+    slow, other = make(config=BUDGET, shaper=OneLaneShaper(hold=hold)), make(config=BUDGET)
+    big = bytes(range(256)) * 2048  # 512 KiB
+    async with trio.open_nursery() as n:
+        for t in (server, slow, other):
+            await n.start(t.run)
+        slow_conn = await slow.connect_stream(accept(n, server, "10.0.0.1"), ("server", 1))
+        other_conn = await other.connect_stream(accept(n, server, "10.0.0.2"), ("server", 1))
+        done = trio.Event()
+
+        async def slow_request():
+            body, got = await slow_conn.request(ECHO, "slow", payload=big, timeout_s=60)
+            assert bytes(got) == big
+            done.set()
+
+        n.start_soon(slow_request)
+        await trio.testing.wait_all_tasks_blocked()
+        assert server._payload_budget.used_bytes == len(big)  # held by the stalled payload
+        with pytest.raises(RemoteError, match=r"payload of 524288 bytes refused: .*payload budget"):
+            await other_conn.request(ECHO, "big", payload=big)
+        assert any("payload budget" in r.getMessage() and other.identity.short_id in r.getMessage()
+                   for r in caplog.records)
+        assert server._payload_budget.used_bytes == len(big) and not other_conn.closed
+        assert bytes((await other_conn.request(ECHO, "fits", payload=big[:200_000]))[1]) == big[:200_000]
+        hold.set()
+        await done.wait()
+        assert server._payload_budget.used_bytes == 0
+        assert bytes((await other_conn.request(ECHO, "now", payload=big))[1]) == big
+        # a connection that closes with a payload half received gives its share back
+        hold2 = slow._shaper.hold = trio.Event()
+        n.start_soon(_expect_closed, slow_conn.request(ECHO, "again", payload=big, timeout_s=60))
+        await trio.testing.wait_all_tasks_blocked()
+        assert server._payload_budget.used_bytes == len(big)
+        await server.connection(slow.peer_id).close("bye")
+        assert server._payload_budget.used_bytes == 0
+        hold2.set()
+        n.cancel_scope.cancel()
+
+
+async def _expect_closed(coro):
+    with pytest.raises(ConnectionClosed):
+        await coro
+
+
+def test_inbound_abort_refusal_and_close_keep_the_accounting():
+    from dtfm.net.budget import PayloadBudget
+    from dtfm.net.errors import ProtocolError
+    from dtfm.net.wire import pack
+
+    budget = PayloadBudget(100)
+    one, two = (frames.Inbound(max_control_frame_bytes=1024, max_payload_bytes=100, max_inflight_payload_bytes=100,
+                               max_inflight_payloads=2, budget=budget) for _ in range(2))
+
+    def header(msg_id, n):
+        return frames.encode_msg(40, frames.FLAG_REQUEST, msg_id, 0, pack(None), n)
+
+    assert one.on_frame(header(1, 60)) is None
+    refused = two.on_frame(header(1, 60))  # the other connection's payload does not fit
+    assert refused.payload is None and "payload budget (60 of 100 bytes in use)" in refused.refused
+    assert (refused.msg_id, refused.flags) == (1, frames.FLAG_REQUEST)  # so the request can be answered
+    assert one.on_frame(frames.encode_abort(1)) is None  # given up: freed
+    assert budget.used_bytes == 0 and one.inflight_bytes == 0
+    assert two.on_frame(frames.encode_abort(1)) is None  # a refused one can be given up too
+    with pytest.raises(ProtocolError, match="abort for unknown message id 1"):
+        one.on_frame(frames.encode_abort(1))
+    with pytest.raises(ProtocolError, match="malformed abort"):
+        one.on_frame(frames.encode_abort(7) + b"x")
+    assert one.on_frame(header(2, 40)) is None and two.on_frame(header(2, 60)) is None
+    assert budget.used_bytes == 100
+    assert "payload budget" in two.on_frame(header(3, 1)).refused
+    with pytest.raises(ProtocolError, match="more than 2 payloads in flight"):  # refused ones count too
+        two.on_frame(header(4, 1))
+    two.close()  # its connection went away
+    assert budget.used_bytes == 40 and two.inflight_bytes == 0
+    one.close()
+    assert budget.used_bytes == 0

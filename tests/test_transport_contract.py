@@ -18,6 +18,7 @@ import trio.testing
 from dtfm.net import (
     Connection,
     ConnectionClosed,
+    HandshakeError,
     Identity,
     MemConnection,
     MemNetwork,
@@ -30,6 +31,7 @@ from dtfm.net import (
     RequestTimeout,
     Transport,
     TransportConfig,
+    short_id,
     uniform_link,
 )
 
@@ -203,6 +205,47 @@ async def test_handler_registration_rules(peers, clock):
             peers.a.t.handle(msg_type, peers.a.echo)
     with pytest.raises(ValueError):
         peers.a.t.handle(ECHO, peers.a.echo)
+
+
+async def add_peer(peers: Peers, nursery: trio.Nursery, region: str = "asia") -> Side:
+    """A third transport of the same kind (on the same in-memory network)."""
+    if peers.kind == "tcp":
+        t = Transport(Identity.generate(), KEY, CONFIG, region=region)
+        await nursery.start(t.serve, "127.0.0.1", 0)
+    else:
+        t = peers.a.t.net.add(Identity.generate().peer_id, region)
+        await nursery.start(t.serve)
+    side = Side(t)
+    side.install()
+    return side
+
+
+async def test_connections_are_known_by_verified_peer_id_not_announced_address(peers, nursery, clock):
+    a = peers.a.t
+    c, mallory = await add_peer(peers, nursery), await add_peer(peers, nursery)
+    mallory.t.listen_address = c.t.listen_address  # a swarm member announcing another's address
+    await mallory.t.connect(*a.listen_address)
+    with trio.fail_after(5):
+        while a.connection(mallory.t.peer_id) is None:
+            await trio.sleep(0.01)
+    assert a.connection(mallory.t.peer_id).listen_address == c.t.listen_address
+    ac = await a.connect(*c.t.listen_address)  # a dial to c's address reaches c, not mallory
+    assert ac.peer_id == c.t.peer_id
+    assert await a.connect(*c.t.listen_address) is ac
+    assert await a.connect(*c.t.listen_address, peer_id=c.t.peer_id) is ac
+    assert await a.connect(*peers.b.t.listen_address, peer_id=peers.b.t.peer_id) is peers.ab
+    assert (await ac.request(ECHO, "c"))[0] == "c"
+
+
+async def test_dial_that_reaches_another_peer_is_refused(peers, nursery, clock):
+    a, c = peers.a, await add_peer(peers, nursery)
+    expected = Identity.generate().peer_id
+    with pytest.raises(HandshakeError) as e:
+        await a.t.connect(*c.t.listen_address, peer_id=expected)
+    assert f"is peer {short_id(c.t.peer_id)}, not the expected peer {short_id(expected)}" in str(e.value)
+    assert a.t.connection(c.t.peer_id) is None and a.t.connection(expected) is None
+    assert [conn.peer_id for conn in a.connected] == [peers.b.t.peer_id]  # no connect callback for it
+    assert (await (await a.t.connect(*c.t.listen_address, peer_id=c.t.peer_id)).request(ECHO, 1))[0] == 1
 
 
 # ---- messages ----------------------------------------------------------------------------------
