@@ -1,0 +1,266 @@
+"""A deterministic simulated network of `ElectionState` nodes, with virtual time.
+
+Messages cross a link after its delay (a matrix, e.g. a scenario's one-way delays) times a
+random jitter; a fraction is dropped, duplicated, or delayed further (which reorders them).
+Partitions cut every message between groups at delivery; crashed nodes lose their state and
+what is sent to them, and restart from their store (term and vote) and their disk (applied
+(term, epoch) and voters). Each node has its own clock offset, so clocks can jump.
+
+Actions run in order, as a driver must run them, and the simulation checks as they happen:
+
+- one vote per (node, term), across restarts;
+- a granted vote is sent only once the store holds it;
+- at most one coordinator per term, and each elected by votes of a majority of its voters;
+- a node that stood after the current partition formed wins only on a side with a majority;
+- a node applies only allocations of the coordinator elected in that term, and its applied
+  (term, epoch) only grows.
+
+Violations are collected in `violations` (the tests assert it stays empty). Same seed, same
+run: all randomness comes from one `random.Random`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dtfm.net import pack, short_id, unpack_untrusted
+from dtfm.scenarios import load_scenario
+
+from .election import (BecameCoordinator, CoordinatorKnown, ElectionConfig, ElectionState, Persist, ElectionRole, ElectionSend,
+                       SteppedDown)
+from .election_messages import Vote, decode_election
+from .election_store import MemoryElectionStore
+
+__all__ = ["ElectionSim", "NetConditions", "scenario_delays_s"]
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def scenario_delays_s(name: str, n: int, rng: random.Random) -> list[list[float]]:
+    """(n, n) one-way delays in seconds of n peers spread over a scenario's regions, shuffled."""
+    matrix = load_scenario(name).scaled(n).delay_ms()
+    order = list(range(n))
+    rng.shuffle(order)
+    return [[float(matrix[order[i], order[j]]) / 1000 for j in range(n)] for i in range(n)]
+
+
+@dataclass
+class NetConditions:
+    jitter: float = 0.3  # each delay is multiplied by uniform(1, 1 + jitter)
+    drop_fraction: float = 0.0
+    duplicate_fraction: float = 0.0
+    reorder_s: float = 0.0  # extra delay, uniform in [0, reorder_s]: later messages overtake
+    delay_scale: float = 1.0
+
+
+class ElectionSim:
+    def __init__(self, n: int, config: ElectionConfig, *, delays_s: Sequence[Sequence[float]] | None = None,
+                 seed: int = 0, codec: bool = True, conditions: NetConditions | None = None) -> None:
+        self.config = config
+        self.rng = random.Random(seed)
+        self.codec = codec  # False: hand message objects over (faster); True: through the wire codec
+        self.net = conditions or NetConditions()
+        self.delays_s = [list(row) for row in delays_s] if delays_s is not None else [[0.01] * n for _ in range(n)]
+        self.ids = sorted(self.rng.randbytes(32) for _ in range(n))
+        self.index = {p: k for k, p in enumerate(self.ids)}
+        self.voters = tuple(self.ids)
+        self.now = 0.0
+        self.stores = [MemoryElectionStore() for _ in range(n)]
+        self.disk_applied: list[tuple[int, int]] = [(0, 0)] * n
+        self.disk_voters: list[tuple[bytes, ...]] = [self.voters] * n
+        self.offsets = [0.0] * n
+        self.groups = [0] * n
+        self.partition_since: float | None = None
+        self.nodes: list[ElectionState | None] = [None] * n
+        self.winners: dict[int, int] = {}  # term -> node elected
+        self.wins: list[tuple[float, int, int]] = []  # (time, node, term)
+        self.step_downs: list[tuple[float, int, int, str]] = []
+        self.votes: dict[tuple[int, int], bytes] = {}  # (node, term) -> voted for
+        self.stood_at: dict[tuple[int, int], float] = {}  # (node, term) -> when it stood
+        self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.refused = 0
+        self.sent = 0
+        self.violations: list[str] = []
+        self._heap: list = []
+        self._count = itertools.count()
+        self._tick_at = [float("nan")] * n
+        for k in range(n):
+            self._boot(k)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def n(self) -> int:
+        return len(self.ids)
+
+    def local_now(self, k: int) -> float:
+        return self.now + self.offsets[k]
+
+    def coordinators(self) -> list[int]:
+        return [k for k, node in enumerate(self.nodes) if node is not None and node.role is ElectionRole.COORDINATOR]
+
+    def live(self) -> list[int]:
+        return [k for k, node in enumerate(self.nodes) if node is not None]
+
+    # ------------------------------------------------------------------ moves
+
+    def crash(self, k: int) -> None:
+        self.nodes[k] = None
+
+    def restart(self, k: int) -> None:
+        if self.nodes[k] is None:
+            self._boot(k)
+
+    def partition(self, groups: Sequence[int]) -> None:
+        """groups[k]: the side of node k; messages between sides are lost."""
+        self.groups = list(groups)
+        self.partition_since = self.now
+
+    def heal(self) -> None:
+        self.groups = [0] * self.n
+        self.partition_since = None
+
+    def jump_clock(self, k: int, delta_s: float) -> None:
+        self.offsets[k] += delta_s
+        if self.nodes[k] is not None:
+            self._run(k, self.nodes[k].tick(self.local_now(k)))
+
+    def campaign(self, k: int) -> None:
+        if self.nodes[k] is not None:
+            self._run(k, self.nodes[k].campaign(self.local_now(k)))
+
+    def issue(self, k: int, *, rogue: bool = False) -> bool:
+        """Node k hands out the next allocation of its term to every voter (rogue: even when it is
+        not coordinator, as a faulty peer would). False if it issued nothing."""
+        node = self.nodes[k]
+        if node is None or not (rogue or node.role is ElectionRole.COORDINATOR):
+            return False
+        term, (a_term, a_epoch) = node.term, node.last_applied
+        epoch = a_epoch + 1 if a_term == term else 1
+        self._offer(k, k, term, epoch)
+        for j in range(self.n):
+            if j != k:
+                self._transmit(k, j, ("alloc", term, epoch))
+        return True
+
+    # ------------------------------------------------------------------ running
+
+    def run_until(self, t_end: float) -> None:
+        while self._heap and self._heap[0][0] <= t_end:
+            t, _, item = heapq.heappop(self._heap)
+            self.now = t
+            kind, k = item[0], item[1]
+            node = self.nodes[k]
+            if node is None:
+                continue
+            if kind == "tick":
+                if t == self._tick_at[k]:
+                    self._tick_at[k] = float("nan")
+                    self._run(k, node.tick(self.local_now(k)))
+            else:
+                _, _, src, payload = item
+                if self.groups[src] != self.groups[k]:
+                    continue
+                if type(payload) is tuple:
+                    self._offer(k, src, payload[1], payload[2])
+                    continue
+                msg = decode_election(unpack_untrusted(payload, max_len=MAX_BODY_BYTES)) if self.codec else payload
+                self._run(k, node.handle(self.ids[src], msg, self.local_now(k)))
+        self.now = max(self.now, t_end)
+
+    def run_for(self, dt_s: float) -> None:
+        self.run_until(self.now + dt_s)
+
+    # ------------------------------------------------------------------ internals
+
+    def _boot(self, k: int) -> None:
+        term, voted_for = self.stores[k].load()
+        self.nodes[k] = ElectionState(self.ids[k], self.config, random.Random(self.rng.random()), self.local_now(k),
+                                      term=term, voted_for=voted_for, voters=self.disk_voters[k],
+                                      applied=self.disk_applied[k])
+        self._schedule(k)
+
+    def _push(self, t: float, item) -> None:
+        heapq.heappush(self._heap, (t, next(self._count), item))
+
+    def _schedule(self, k: int) -> None:
+        node = self.nodes[k]
+        if node is None:
+            return
+        t = max(self.now, node.next_deadline() - self.offsets[k])
+        if t != self._tick_at[k] and t != float("inf"):
+            self._tick_at[k] = t
+            self._push(t, ("tick", k))
+
+    def _transmit(self, src: int, dst: int, msg) -> None:
+        self.sent += 1
+        net = self.net
+        if net.drop_fraction and self.rng.random() < net.drop_fraction:
+            return
+        copies = 2 if net.duplicate_fraction and self.rng.random() < net.duplicate_fraction else 1
+        payload = pack(msg.to_wire()) if self.codec and not isinstance(msg, tuple) else msg
+        for _ in range(copies):
+            d = self.delays_s[src][dst] * net.delay_scale * self.rng.uniform(1.0, 1.0 + net.jitter)
+            if net.reorder_s:
+                d += self.rng.uniform(0.0, net.reorder_s)
+            self._push(self.now + d, ("msg", dst, src, payload))
+
+    def _violation(self, what: str) -> None:
+        self.violations.append(f"t={self.now:.3f}: {what}")
+
+    def _run(self, k: int, actions: list) -> None:
+        """Execute node k's actions in order, checking the invariants as they happen."""
+        store = self.stores[k]
+        for a in actions:
+            if isinstance(a, Persist):
+                if a.voted_for is not None:
+                    prev = self.votes.setdefault((k, a.term), a.voted_for)
+                    if prev != a.voted_for:
+                        self._violation(f"node {k} voted twice in term {a.term}")
+                    if a.voted_for == self.ids[k]:
+                        self.stood_at[(k, a.term)] = self.now
+                store.persist(a.term, a.voted_for)
+            elif isinstance(a, ElectionSend):
+                if isinstance(a.msg, Vote) and a.msg.granted and store.load() != (a.msg.term, a.to):
+                    self._violation(f"node {k} sent a vote in term {a.msg.term} before persisting it")
+                self._transmit(k, self.index[a.to], a.msg)
+            elif isinstance(a, BecameCoordinator):
+                self._check_win(k, a.term)
+            elif isinstance(a, SteppedDown):
+                self.step_downs.append((self.now, k, a.term, a.reason))
+            elif not isinstance(a, CoordinatorKnown):
+                self._violation(f"unknown action {a!r}")
+        self._schedule(k)
+
+    def _check_win(self, k: int, term: int) -> None:
+        node = self.nodes[k]
+        if self.winners.setdefault(term, k) != k:
+            self._violation(f"two coordinators in term {term}: nodes {self.winners[term]} and {k}")
+        votes = [v for v in node.voters if self.votes.get((self.index[v], term)) == self.ids[k]]
+        if len(votes) < node.majority:
+            self._violation(f"node {k} coordinator of term {term} with {len(votes)} of {len(node.voters)} votes")
+        stood = self.stood_at.get((k, term), -1.0)
+        if self.partition_since is not None and stood >= self.partition_since:
+            side = [v for v in node.voters if self.groups[self.index[v]] == self.groups[k]]
+            if len(side) < node.majority:
+                self._violation(f"node {k} elected in term {term} on a minority side of {len(side)}")
+        self.wins.append((self.now, k, term))
+
+    def _offer(self, k: int, issuer: int, term: int, epoch: int) -> None:
+        """Node k receives issuer's allocation (term, epoch): applies it if its election state allows."""
+        node = self.nodes[k]
+        if node.may_apply(self.ids[issuer], term, epoch) is not None:
+            self.refused += 1
+            return
+        if self.winners.get(term) != issuer:
+            self._violation(f"node {k} applied term {term} of {short_id(self.ids[issuer])}, "
+                            f"not the coordinator elected in it")
+        if (term, epoch) <= self.disk_applied[k]:
+            self._violation(f"node {k} applied ({term}, {epoch}) after {self.disk_applied[k]}")
+        node.applied(term, epoch)
+        self.disk_applied[k] = (term, epoch)
+        self.applied[k].append((term, epoch))
