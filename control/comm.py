@@ -484,7 +484,7 @@ class TransportComm:
             if self._transport.connection(peer) is not None:
                 return
         try:
-            conn = await self._transport.connect(host, port)
+            conn = await self._transport.connect(host, port, peer_id=peer)
         except (OSError, TimeoutError, ProtocolError, ConnectionClosed) as e:
             errors.append(f"{_name(peer)} at {host}:{port}: {e}")
             return
