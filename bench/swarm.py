@@ -205,6 +205,8 @@ def bench_worldwide(steps: int) -> dict:
         out[f"world_{name}_predicted_s"] = round(reply["predicted_iteration_s"], 3)
         out[f"world_{name}_measured_s"] = round(measured, 3)
         out[f"world_{name}_measured_over_predicted"] = round(measured / reply["predicted_iteration_s"], 3)
+        for phase in ("compute_s", "pipeline_s", "sync_s"):  # the slowest peer's, per step
+            out[f"world_{name}_{phase}"] = round(median_after(rows, phase, 1), 3)
     out["world_speedup_measured"] = round(out["world_random_measured_s"] / out["world_scheduler_measured_s"], 3)
     out["world_speedup_predicted"] = round(out["world_random_predicted_s"] / out["world_scheduler_predicted_s"], 3)
     return out

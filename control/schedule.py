@@ -27,7 +27,7 @@ class Shape:
     pipelines: tuple[tuple[bytes, ...], ...]  # [d][s]: peer id
     layer_ranges: tuple[tuple[int, int], ...]
     spares: tuple[bytes, ...]
-    predicted_iteration_s: float  # the GPipe simulator on the measured view
+    predicted_iteration_s: float  # the GPipe simulator on the measured view, with the trainer's syncs
     objective_s: float  # the paper's cost (DP + 2 x PP) of this allocation
 
 
@@ -56,7 +56,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     alloc = solve(delay, bw, mspec, stages="auto" if stages is None else stages, dp=dp, regions=labels,
                   time_budget_s=time_budget_s, seed=seed, allow_spares=stages is not None)
     model = CostModel(delay, bw, sched_spec(spec, cfg, alloc.dp).workload(alloc.stages, alloc.dp))
-    sim = simulate_iteration(model, alloc.matrix, micro_batches=cfg.micro_batches)
+    sim = simulate_iteration(model, alloc.matrix, micro_batches=cfg.micro_batches, engine_syncs=True)
     ids = view.peers
     return Shape(tuple(tuple(ids[i] for i in pipe) for pipe in alloc.pipelines), alloc.layer_ranges,
                  tuple(ids[i] for i in alloc.spares), float(sim.iteration_s), float(alloc.cost.paper_s))
@@ -77,7 +77,7 @@ def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     X = order[:stages * dp].reshape(dp, stages).T  # (S, D)
     delay, bw = _matrices(view)
     model = CostModel(delay, bw, sched_spec(spec, cfg, dp).workload(stages, dp))
-    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches)
+    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True)
     ids = view.peers
     return Shape(tuple(tuple(ids[i] for i in X[:, d]) for d in range(dp)), ranges,
                  tuple(ids[i] for i in order[stages * dp:]), float(sim.iteration_s),

@@ -35,8 +35,13 @@ class SimResult:
 
 
 def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
-             overlap_allreduce: bool = True) -> SimResult:
-    """Predict the iteration time of allocation X ((S, D): X[s, p] peer of stage s, pipeline p)."""
+             overlap_allreduce: bool = True, engine_syncs: bool = False) -> SimResult:
+    """Predict the iteration time of allocation X ((S, D): X[s, p] peer of stage s, pipeline p).
+
+    engine_syncs adds the round trips dtfm's trainer spends besides the paper's terms: a stage
+    ends its pipeline phase when its last activation and gradient are acknowledged, the last
+    stages sum the loss across pipelines, and every stage sums the squared gradient norm with the
+    rest of its pipeline (for clipping) after its all-reduce, each message acknowledged."""
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     wl = model.workload
@@ -69,6 +74,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 start = np.maximum(end, link_f[s])
                 link_f[s] = start + hold_f[s]
                 arrive[s + 1, m] = link_f[s] + lat_f[s]
+    arrive_f = arrive.copy()
     arrive[:] = 0.0
     for m in range(M):
         for s in range(S - 1, -1, -1):
@@ -78,10 +84,45 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 start = np.maximum(end, link_b[s - 1])
                 link_b[s - 1] = start + hold_b[s - 1]
                 arrive[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
-    grads_ready = busy.max(axis=1)  # (S,) every replica of the stage is done
     ar = model.dp_rows(X, layers).max(axis=1) if D > 1 else np.zeros(S)
-    start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
-    done = start + ar
-    return SimResult(iteration_s=float(done.max()), pipeline_s=float(grads_ready.max()),
+    if engine_syncs:
+        done, iteration = _engine_syncs(lat, X, busy, arrive_f, arrive, ar, overlap_allreduce)
+        grads_ready = busy.max(axis=1)
+    else:
+        grads_ready = busy.max(axis=1)  # (S,) every replica of the stage is done
+        start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
+        done = start + ar
+        iteration = float(done.max())
+    return SimResult(iteration_s=iteration, pipeline_s=float(grads_ready.max()),
                      stage_done_s=tuple(float(v) for v in done), allreduce_s=tuple(float(v) for v in ar),
                      compute_busy_s=float((M * step).max()))
+
+
+def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, arrive_f: np.ndarray, arrive_b: np.ndarray,
+                  ar: np.ndarray, overlap_allreduce: bool) -> tuple[np.ndarray, float]:
+    """Per-stage all-reduce ends and the iteration end with the trainer's acknowledged sends,
+    loss sum and gradient-norm sum (see `simulate`)."""
+    S, D = X.shape
+    end = busy.copy()  # (S, D) when each peer's pipeline phase ends
+    for s in range(S):
+        for d in range(D):
+            me = X[s, d]
+            if s + 1 < S:  # the last activation sent downstream, acknowledged
+                end[s, d] = max(end[s, d], arrive_f[s + 1, -1, d] + lat[X[s + 1, d], me])
+            if s > 0:  # the last gradient sent upstream, acknowledged
+                end[s, d] = max(end[s, d], arrive_b[s - 1, -1, d] + lat[X[s - 1, d], me])
+    if D > 1:  # the last stages sum the loss: each waits for the others' and for its acks
+        last = X[-1]
+        t = end[-1].copy()
+        end[-1] = [max(max(t[e] + lat[last[e], last[d]], t[d] + lat[last[d], last[e]] + lat[last[e], last[d]])
+                       for e in range(D) if e != d) for d in range(D)]
+    ready = end.max(axis=1)
+    start = ready if overlap_allreduce else np.full(S, ready.max())
+    done = start + ar  # (S,) each stage's group all-reduce ends together
+    finish = np.zeros((S, D))
+    for d in range(D):  # the gradient norm, summed over the pipeline
+        for s in range(S):
+            me = X[s, d]
+            finish[s, d] = max([done[s]] + [max(done[r] + lat[X[r, d], me], done[s] + lat[me, X[r, d]] + lat[X[r, d], me])
+                                            for r in range(S) if r != s])
+    return done, float(finish.max())

@@ -65,3 +65,28 @@ def test_a_slow_peer_slows_every_pipeline_sharing_its_allreduce():
     even = simulate(CostModel(delay, bw, wl), X)
     slow = simulate(CostModel(delay, bw, wl, compute=np.array([1, 1, 1, 0.5])), X)
     assert slow.iteration_s > even.iteration_s + 4 * 0.1 * 0.9
+
+
+def test_engine_syncs_add_the_acknowledgements_and_the_norm_round_trip():
+    delay, bw = net(2, 20, 1.0)
+    wl = Workload(stages=2, dp=1, layers=2, grad_gb_total=0.0, act_gb=0.5, micro_batches=1)
+    model = CostModel(delay, bw, wl)
+    X = np.array([[0], [1]])
+    plain = simulate(model, X)
+    assert plain.iteration_s == pytest.approx(2 * (4.0 + 0.020))  # forward then backward transfer
+    r = simulate(model, X, engine_syncs=True)
+    # stage 1's gradient is acknowledged at 8.06; the norm then costs stage 1 a round trip to stage 0
+    assert r.iteration_s == pytest.approx(8.06 + 2 * 0.020)
+    assert r.pipeline_s == plain.pipeline_s
+
+
+def test_engine_syncs_sum_the_loss_across_pipelines_before_the_allreduce():
+    delay, bw = net(2, 20, 1.0)
+    wl = Workload(stages=1, dp=2, layers=1, grad_gb_total=1.0, act_gb=0.0, micro_batches=1)
+    model = CostModel(delay, bw, wl)
+    X = np.array([[0, 1]])
+    plain = simulate(model, X)
+    r = simulate(model, X, engine_syncs=True)
+    ar = r.allreduce_s[0]
+    assert plain.iteration_s == pytest.approx(ar)
+    assert r.iteration_s == pytest.approx(2 * 0.020 + ar)  # the loss sum and its acknowledgement first
