@@ -177,16 +177,16 @@ def test_three_daemons_one_bootstrap_then_leave_and_sigterm(swarm_root):
 def test_wrong_swarm_key_is_refused_on_both_sides(swarm_root):
     root, start = swarm_root
     assert cli("swarm-key", "new", "--out", root / "other.key").returncode == 0
-    a = start("a").ready()
+    a = start("a", extra=["--log-level", "debug"]).ready()  # a refusal's reason is logged at DEBUG
     x = start("x", bootstrap=[a.listen], key=root / "other.key").ready()
     wait_for("x to log the refusal", lambda: "refused the handshake" in x.log_text())
     wait_for("a to log the refusal", lambda: "refused handshake from" in a.log_text())
-    assert "swarm key mismatch" in x.log_text()
-    assert "swarm key mismatch" in a.log_text()
+    assert "handshake refused" in x.log_text()  # all that x is told
+    assert "swarm key mismatch" in a.log_text()  # a keeps the reason
     sa, sx = a.status(), x.status()
     assert sa["peers"] == [] and sx["peers"] == []
     assert sa["swarm_key_fingerprint"] != sx["swarm_key_fingerprint"]
-    assert f"fingerprint {sa['swarm_key_fingerprint']}" in x.log_text()
+    assert sa["swarm_key_fingerprint"] not in x.log_text()
     x.proc.send_signal(signal.SIGINT)
     assert x.proc.wait(DEADLINE_S) == 0
 
