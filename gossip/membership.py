@@ -1,0 +1,258 @@
+"""The membership rules of SWIM over signed updates, without the protocol around them.
+
+`Membership` holds the table and decides what each received claim or accusation does to it
+(`swim.py`'s docstring lists the rules); `Swim` adds probes, messages and timers on top.
+
+- a member enters the table only with its own claim; a source other than the member itself
+  spends a token of its admission rate (`admission.py`), and the table holds at most
+  `max_members`;
+- a claim replaces the held one only if it orders after it (newer incarnation, left over
+  alive) and raises the incarnation by at most `max_incarnation_jump`;
+- an accusation counts only for the incarnation whose claim we hold and only from a member we
+  know; it makes the accused suspect, and distinct verified accusers confirm the suspicion.
+  Dead is only ever our own conclusion, when our suspicion times out: a dead accusation from
+  someone else is one more confirmation;
+- a member refutes an accusation of its current incarnation, and a claim of its own (from an
+  earlier life) newer than its current one, with a claim one incarnation higher;
+- dead and left members are removed `reap_after_s` after they went; their last claim stays
+  as a tombstone for `tombstone_s` so older claims are refused.
+
+Signatures are checked only for updates that would change the table (a held or older one is
+dropped first), through a `ClaimVerifier` that remembers the valid ones.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from .admission import AdmissionLimiter
+from .broadcast import BroadcastQueue
+from .claims import Accusation, Claim, ClaimVerifier, Update
+from .config import GossipConfig
+from .members import MAX_INCARNATION, Member, MemberState
+from .suspicion import Suspicion
+from .table import MemberTable
+
+__all__ = ["Membership"]
+
+logger = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(self, config: GossipConfig, identity, me: Member, now: float, *,
+                 verifier: ClaimVerifier | None = None) -> None:
+        if me.peer_id != identity.peer_id:
+            raise ValueError("me must be the identity's own entry")
+        self.config = config
+        self.identity = identity
+        self.me_id = me.peer_id
+        self.table = MemberTable()
+        self.verifier = verifier or ClaimVerifier()
+        self.admission = AdmissionLimiter(config.new_members_per_s, config.new_member_burst,
+                                          max_sources=config.max_members)
+        self.refused: Counter[str] = Counter()  # updates refused, by reason
+        self.broadcasts = BroadcastQueue()
+        self.suspicions: dict[bytes, Suspicion] = {}
+        self.awareness = 0  # Lifeguard's local health score
+        self.leaving = False
+        self._changes: list[Member] = []
+        claim = self._sign(me.incarnation, MemberState.ALIVE, me.host, me.port, me.region)
+        self.table.set(claim, None, MemberState.ALIVE, now)
+        self.broadcasts.queue(claim)  # announce ourselves
+
+    def _on_new_member(self, peer_id: bytes) -> None:
+        """Called when a member enters the table."""
+
+    def _on_removed(self, peer_id: bytes) -> None:
+        """Called when a member leaves the table (reaped)."""
+
+    # ---- queries
+
+    @property
+    def members(self) -> dict[bytes, Member]:
+        """Every member in the table (ourselves included), as the view of its entry."""
+        return self.table.members
+
+    @property
+    def me(self) -> Member:
+        return self.table.members[self.me_id]
+
+    def live_count(self) -> int:
+        """Members not dead or left, ourselves included."""
+        return self.table.live
+
+    def live_members(self) -> list[Member]:
+        return [m for m in self.table.members.values() if not m.state.gone]
+
+    def address_of(self, peer_id: bytes) -> tuple[str, int] | None:
+        m = self.table.members.get(peer_id)
+        return m.address if m else None
+
+    def drain_changes(self) -> list[Member]:
+        """Entries whose state changed since the last call (for observers)."""
+        out, self._changes = self._changes, []
+        return out
+
+    def _adjust_awareness(self, delta: int) -> None:
+        top = self.config.awareness_max_multiplier - 1
+        self.awareness = max(0, min(top, self.awareness + delta))
+
+    def _sign(self, incarnation: int, state: MemberState, host: str, port: int, region: str) -> Claim:
+        c = Claim.create(self.identity, incarnation, state, host, port, region)
+        self.verifier.remember(c)
+        return c
+
+    def _accuse(self, accused: bytes, incarnation: int, state: MemberState) -> Accusation:
+        a = Accusation.create(self.identity, accused, incarnation, state)
+        self.verifier.remember(a)
+        return a
+
+    def _claim_me(self, claim: Claim, now: float) -> None:
+        self._set(claim, None, claim.state, now, announce=claim)
+
+    def set_address(self, host: str, port: int, now: float) -> None:
+        """Advertise host:port from now on: a new claim one incarnation up."""
+        me = self.me
+        if me.address == (host, port) or self.leaving or me.incarnation >= MAX_INCARNATION:
+            return
+        self._claim_me(self._sign(me.incarnation + 1, MemberState.ALIVE, host, port, me.region), now)
+
+    # ---- applying updates
+
+    def _refuse(self, u: Update, src: bytes, reason: str) -> None:
+        self.refused[reason] += 1
+        logger.debug("%s about %s from %s refused: %s", type(u).__name__.lower(), u.subject[:4].hex(),
+                     src[:4].hex(), reason)
+
+    def _set(self, claim: Claim, acc: Accusation | None, state: MemberState, now: float, *,
+             announce: Update) -> None:
+        pid = claim.peer_id
+        old = self.table.set(claim, acc, state, now)
+        new = self.table.members[pid]
+        if old is None or old.state != state:
+            self._changes.append(new)
+            logger.debug("member %s: %s -> %s (inc %d)", new.short_id,
+                         old.state.name if old else "-", state.name, new.incarnation)
+        if old is None and pid != self.me_id:
+            self._on_new_member(pid)
+        if state != MemberState.SUSPECT:
+            self.suspicions.pop(pid, None)
+        self.broadcasts.queue(announce)
+
+    def _apply(self, u: Update, src: bytes, now: float) -> None:
+        if isinstance(u, Claim):
+            self._apply_claim(u, src, now)
+        else:
+            self._apply_accusation(u, src, now)
+
+    def _apply_claim(self, c: Claim, src: bytes, now: float) -> None:
+        pid = c.peer_id
+        if pid == self.me_id:
+            self._claim_about_me(c, src, now)
+            return
+        e = self.table.get(pid)
+        if e is not None:
+            if c == e.claim or c.key() <= e.claim.key():
+                return  # held already, or older
+            if c.incarnation - e.claim.incarnation > self.config.max_incarnation_jump:
+                return self._refuse(c, src, "incarnation jump too large")
+        else:
+            t = self.table.tombstone(pid)
+            if t is not None and c.key() <= t.key():
+                return self._refuse(c, src, "not newer than the claim of a removed member")
+            if len(self.table) >= self.config.max_members:
+                return self._refuse(c, src, "member table full")
+            if src != pid and not self.admission.allow(src, now):
+                return self._refuse(c, src, "source over its rate of new members")
+        if not self.verifier.verify(c):
+            return self._refuse(c, src, "bad signature")
+        if e is None and src != pid:
+            self.admission.take(src, now)
+        if e is not None and c.incarnation == e.claim.incarnation and c.state == MemberState.ALIVE:
+            self._set(c, e.accusation, e.state, now, announce=c)  # an accusation of it stands
+        else:
+            self._set(c, None, c.state, now, announce=c)
+
+    def _apply_accusation(self, a: Accusation, src: bytes, now: float) -> None:
+        pid = a.accused
+        if pid == self.me_id:
+            self._accusation_about_me(a, src, now)
+            return
+        e = self.table.get(pid)
+        if e is None or e.state.gone:
+            return  # unknown, or gone already
+        if a.incarnation != e.claim.incarnation:
+            if a.incarnation > e.claim.incarnation:
+                self._refuse(a, src, "accuses an incarnation never claimed")
+            return  # else: refuted already
+        if a.accuser != self.me_id and a.accuser not in self.table.entries:
+            return self._refuse(a, src, "accuser is not a member")
+        s = self.suspicions.get(pid)
+        if s is not None and a.accuser in s.confirmers:
+            return
+        if not self.verifier.verify(a):
+            return self._refuse(a, src, "bad signature")
+        if s is not None:
+            if s.confirm(a.accuser, now):
+                self.broadcasts.queue(a)
+            return
+        n = self.live_count()
+        k = int(self.config.suspicion_mult) - 2
+        if n - 2 < k:
+            k = 0
+        self.suspicions[pid] = Suspicion(a.accuser, k, self.config.suspicion_min_s(n),
+                                         self.config.suspicion_max_s(n), now)
+        self._set(e.claim, a, MemberState.SUSPECT, now, announce=a)
+
+    def _claim_about_me(self, c: Claim, src: bytes, now: float) -> None:
+        mine = self.table.entries[self.me_id].claim
+        if self.leaving or c == mine or c.key() <= mine.key():
+            return
+        if not self.verifier.verify(c):
+            return self._refuse(c, src, "bad signature")
+        # Our own claim from an earlier life, newer than our current one: refute above it.
+        self._refute(c.incarnation, c.state != MemberState.ALIVE, now)
+
+    def _accusation_about_me(self, a: Accusation, src: bytes, now: float) -> None:
+        if self.leaving or a.incarnation != self.me.incarnation:
+            return  # refuted already, or about an incarnation we never claimed
+        if not self.verifier.verify(a):
+            return self._refuse(a, src, "bad signature")
+        self._refute(a.incarnation, True, now)
+
+    def _refute(self, incarnation: int, accused: bool, now: float) -> None:
+        if incarnation >= MAX_INCARNATION:
+            logger.warning("cannot refute at incarnation %d: it is the largest", incarnation)
+            return
+        # Lifeguard: being accused also counts against our own health.
+        if accused:
+            self._adjust_awareness(1)
+        me = self.me
+        logger.debug("refuting incarnation %d with %d", incarnation, incarnation + 1)
+        self._claim_me(self._sign(incarnation + 1, MemberState.ALIVE, me.host, me.port, me.region), now)
+
+    def _tombstone_of(self, peer_id: bytes) -> tuple[Update, ...]:
+        """A removed peer's last claim, for that peer itself when it comes back at an older
+        incarnation: it refutes above it, and its new claim is taken."""
+        t = self.table.tombstone(peer_id) if peer_id not in self.table.entries else None
+        return (t,) if t is not None else ()
+
+    def _reap(self, now: float) -> None:
+        cfg = self.config
+        for pid in self.table.reap(now, cfg.reap_after_s):
+            self._on_removed(pid)
+            self.suspicions.pop(pid, None)
+            logger.debug("member %s: removed, gone for %g s", pid[:4].hex(), cfg.reap_after_s)
+        self.table.expire_tombstones(now, cfg.tombstone_s, cfg.max_members)
+
+    def _tick_suspicions(self, now: float) -> None:
+        for pid, s in list(self.suspicions.items()):
+            if now < s.deadline:
+                continue
+            del self.suspicions[pid]
+            e = self.table.get(pid)
+            if e is not None and e.state == MemberState.SUSPECT:
+                logger.info("member %s: suspicion timed out, marking dead", e.member.short_id)
+                a = self._accuse(pid, e.claim.incarnation, MemberState.DEAD)
+                self._set(e.claim, a, MemberState.DEAD, now, announce=a)
