@@ -5,14 +5,18 @@ Frame kinds (first byte):
     MSG    kind | msg_type u8 | flags u8 | msg_id u64 | reply_to u64 | payload_len u64 | body
            one message: a msgpack body, and if payload_len > 0 a raw payload that follows in
            CHUNK frames. Requests carry their msg_id; responses name it in reply_to.
-    CHUNK  kind | msg_id u64 | bytes      the next piece of msg_id's payload
+    CHUNK  kind | msg_id u64 | length u32 the next `length` bytes of msg_id's payload are the
+           whole plaintext of the next record (a data record: payload bytes, no frame kind)
     REKEY  kind                           the sender's last record under its current key
     CLOSE  kind | reason (utf-8)          the sender is closing the connection
     ABORT  kind | msg_id u64              the sender gave up msg_id's payload part-way (a
                                           timeout); the receiver drops what it holds of it
 
 Chunks of different messages may interleave, and MSG frames travel between chunks, so a large
-tensor never holds up a small control message.
+tensor never holds up a small control message; a CHUNK frame and its data record are sealed
+and sent together. Keeping the payload bytes alone in their record lets the sender seal them
+straight from the caller's buffer and the receiver receive and open them in place, in the
+payload's own buffer (`ChunkData`), with no copy on either side.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 
 from .budget import PayloadBudget
 from .errors import ProtocolError
+from .session import TAG_BYTES
 from .wire import unpack_untrusted
 
 MSG, CHUNK, REKEY, CLOSE, ABORT = 1, 2, 3, 4, 5
@@ -34,10 +39,12 @@ FLAG_ERROR = 0x04
 _KNOWN_FLAGS = FLAG_REQUEST | FLAG_RESPONSE | FLAG_ERROR
 
 _MSG = struct.Struct(">BBBQQQ")
-_CHUNK = struct.Struct(">BQ")
+_CHUNK = struct.Struct(">BQI")
 _ABORT = struct.Struct(">BQ")
 MSG_HEADER_BYTES = _MSG.size
 CHUNK_HEADER_BYTES = _CHUNK.size
+# Room after a payload's last byte, so that a chunk record's tag can be received in place.
+PAYLOAD_TAIL_BYTES = TAG_BYTES
 MAX_CLOSE_REASON_BYTES = 256
 
 
@@ -45,8 +52,38 @@ def encode_msg(msg_type: int, flags: int, msg_id: int, reply_to: int, body: byte
     return _MSG.pack(MSG, msg_type, flags, msg_id, reply_to, payload_len) + body
 
 
-def encode_chunk(msg_id: int, data: bytes | memoryview) -> bytes:
-    return _CHUNK.pack(CHUNK, msg_id) + data
+def encode_chunk(msg_id: int, n: int) -> bytes:
+    """The CHUNK frame announcing that the next record holds `n` payload bytes of msg_id."""
+    return _CHUNK.pack(CHUNK, msg_id, n)
+
+
+class Chunk:
+    """An outgoing chunk for the link shape: its CHUNK frame and its bytes, sealed as two records
+    straight from the sender's buffer (`data`). Looks like a frame to shapes (`len()` counts
+    header and bytes, `[0]` is the kind). The record writer moves `state` from QUEUED through
+    SEALING to SEALED; `detach()` copies the bytes of a chunk still QUEUED, so that the sender
+    may reuse its buffer."""
+
+    QUEUED, SEALING, SEALED = 0, 1, 2
+    __slots__ = ("msg_id", "data", "state")
+
+    def __init__(self, msg_id: int, data: memoryview) -> None:
+        self.msg_id = msg_id
+        self.data = data
+        self.state = Chunk.QUEUED
+
+    def header(self) -> bytes:
+        return _CHUNK.pack(CHUNK, self.msg_id, self.data.nbytes)
+
+    def detach(self) -> None:
+        if self.state == Chunk.QUEUED:
+            self.data = memoryview(bytes(self.data))
+
+    def __len__(self) -> int:
+        return CHUNK_HEADER_BYTES + self.data.nbytes
+
+    def __getitem__(self, i: int) -> int:
+        return CHUNK if i == 0 else (self.header() + bytes(self.data))[i]
 
 
 def encode_rekey() -> bytes:
@@ -82,6 +119,18 @@ def alloc_payload(n: int) -> memoryview:
     chunks land in them.
     """
     return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+
+
+@dataclass(frozen=True)
+class ChunkData:
+    """The next record holds the next `size` bytes of message `msg_id`'s payload. It is received
+    into `into` (the payload's buffer at that place, `size` bytes and then room for the record's
+    tag) and opened there; then `Inbound.on_chunk_data` takes it. `into` is None for a refused
+    payload: the record is opened elsewhere and dropped."""
+
+    msg_id: int
+    size: int
+    into: memoryview | None
 
 
 @dataclass(frozen=True)
@@ -125,8 +174,9 @@ class Inbound:
         # Payloads refused for the budget: message id -> bytes still to come, read and dropped.
         self._refused: dict[int, int] = {}
 
-    def on_frame(self, frame: memoryview | bytes) -> Message | Rekey | Close | None:
-        """The event completed by `frame`, or None when it was a chunk of an unfinished payload."""
+    def on_frame(self, frame: memoryview | bytes) -> Message | ChunkData | Rekey | Close | None:
+        """The event completed by `frame`: None for a payload's announcement or an abort,
+        `ChunkData` for a CHUNK frame (the next record is that chunk's bytes)."""
         if len(frame) == 0:
             raise ProtocolError("empty frame")
         kind = frame[0]
@@ -213,24 +263,41 @@ class Inbound:
         self._partial[msg_id] = _Partial(header, payload_len)
         return None
 
-    def _on_chunk(self, frame: memoryview | bytes) -> Message | None:
-        if len(frame) <= CHUNK_HEADER_BYTES:
-            raise ProtocolError("empty or truncated chunk")
-        _, msg_id = _CHUNK.unpack_from(frame, 0)
+    def _on_chunk(self, frame: memoryview | bytes) -> ChunkData:
+        if len(frame) < 9:
+            raise ProtocolError("truncated chunk frame")
+        msg_id = int.from_bytes(frame[1:9], "big")
         p = self._partial.get(msg_id)
+        if p is None and msg_id not in self._refused:
+            raise ProtocolError(f"chunk for unknown message id {msg_id}")
+        if len(frame) != CHUNK_HEADER_BYTES:
+            raise ProtocolError("malformed chunk frame")
+        _, _, n = _CHUNK.unpack_from(frame, 0)
+        if n == 0:
+            raise ProtocolError("empty chunk")
         if p is None:
-            self._drop_refused_chunk(msg_id, len(frame) - CHUNK_HEADER_BYTES)
-            return None
-        n = len(frame) - CHUNK_HEADER_BYTES
+            if n > self._refused[msg_id]:
+                raise ProtocolError(f"payload of message {msg_id} overruns its announced length")
+            return ChunkData(msg_id, n, None)
         if p.filled + n > p.expected:
             raise ProtocolError(f"payload of message {msg_id} overruns its announced length")
         if p.buf is None:
-            p.buf = alloc_payload(p.expected)
-        p.buf[p.filled : p.filled + n] = memoryview(frame)[CHUNK_HEADER_BYTES:]
-        p.filled += n
+            p.buf = alloc_payload(p.expected + PAYLOAD_TAIL_BYTES)
+        return ChunkData(msg_id, n, p.buf[p.filled : p.filled + n + PAYLOAD_TAIL_BYTES])
+
+    def on_chunk_data(self, chunk: ChunkData) -> Message | None:
+        """The record announced by `chunk` was opened (in place): the payload's next bytes are
+        in. Returns the message once its payload is complete."""
+        if chunk.into is None:
+            self._drop_refused_chunk(chunk.msg_id, chunk.size)
+            return None
+        p = self._partial.get(chunk.msg_id)
+        if p is None:
+            raise ProtocolError(f"chunk for unknown message id {chunk.msg_id}")
+        p.filled += chunk.size
         if p.filled < p.expected:
             return None
-        del self._partial[msg_id]
+        del self._partial[chunk.msg_id]
         self._forget(p.expected)
         h = p.header
-        return Message(h.msg_type, h.flags, h.msg_id, h.reply_to, h.body, p.buf)
+        return Message(h.msg_type, h.flags, h.msg_id, h.reply_to, h.body, p.buf[: p.expected])

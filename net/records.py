@@ -2,22 +2,29 @@
 
 `RecordWriter` encrypts plaintext frames (renewing keys when due) and writes them; `RecordReader`
 reads records, refuses oversize ones before reading their body, decrypts and turns frames into
-events. Both pipeline work across two alternating buffers: the writer seals record k+1 while
-record k is still being sent, the reader receives record k+1 while record k is processed.
-With `crypto_thread_min_bytes` set, large records are sealed/opened on worker threads
-(libsodium releases the GIL), so the crypto overlaps the socket I/O.
+events. A payload chunk travels as two records, its CHUNK frame and then its bytes (see
+`frames`): the writer seals both straight from the sender's buffer into one reused output
+buffer and writes them with one call; the reader receives the bytes' record straight into the
+payload's buffer and opens it there. Large payloads are thus never copied in Python: each
+byte is read once by the kernel and once by the cipher on each side.
+
+Without worker threads all of it runs in the calling task (the link shape's for the writer,
+the connection's reader task): socket reads and writes wait only when they would block. With
+`crypto_thread_min_bytes` set, large records are sealed/opened on worker threads (libsodium
+releases the GIL), and the writer pipelines over two buffers: it seals record k+1 while a
+writer task still sends record k.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import trio
 
 from . import frames
 from .errors import ConnectionClosed, ProtocolError
 from .session import PREFIX_BYTES, RecvCipher, SendCipher, parse_prefix
-from .streamio import StreamReader
+from .streamio import StreamReader, StreamWriter
 
 
 def max_record_bytes(max_control_frame_bytes: int, chunk_bytes: int, tag_bytes: int) -> int:
@@ -26,6 +33,19 @@ def max_record_bytes(max_control_frame_bytes: int, chunk_bytes: int, tag_bytes: 
 
 def _grow(buf: bytearray, n: int, cap: int) -> bytearray:
     return buf if len(buf) >= n else bytearray(max(n, min(2 * len(buf), cap)))
+
+
+async def detach_chunks(chunks: Iterable[frames.Chunk]) -> None:
+    """Make queued chunks independent of the sender's buffer: copy the bytes of those not yet
+    sealed, and wait for one being sealed on a worker thread (even if cancelled: the thread
+    reads the buffer until it is done)."""
+    chunks = list(chunks)
+    for c in chunks:
+        c.detach()
+    with trio.CancelScope(shield=True):
+        for c in chunks:
+            while c.state == frames.Chunk.SEALING:
+                await trio.sleep(0.001)
 
 
 class RecordWriter:
@@ -44,8 +64,8 @@ class RecordWriter:
         self.cipher = cipher
         self.last_sent = trio.current_time()
         self.last_rekey = trio.current_time()
-        self._stream = stream
-        self._max_record = max_record
+        self._writer = StreamWriter(stream)
+        self._max_out = 2 * (PREFIX_BYTES + cipher.tag_bytes) + frames.CHUNK_HEADER_BYTES + max_record
         self._rekey_after_records = rekey_after_records
         self._rekey_interval_s = rekey_interval_s
         self._stall_s = send_stall_timeout_s
@@ -58,7 +78,11 @@ class RecordWriter:
         self._running = False
 
     async def run(self) -> None:
-        """The writer task: sends handed-off records in order; raises `ConnectionClosed`."""
+        """With worker threads, the writer task: sends handed-off records in order while the
+        next one is sealed; raises `ConnectionClosed`. Without, `transmit` writes its records
+        itself and this returns at once."""
+        if not self._thread_min:
+            return
         self._running = True
         try:
             async for record in self._from_writer:
@@ -67,28 +91,45 @@ class RecordWriter:
         finally:
             self._running = False
 
-    async def transmit(self, frame: bytes, *, flush: bool = False) -> None:
-        """Encrypt one frame (renewing the key first when due) and hand it to the writer.
-
-        `flush` waits until the record is on the socket.
-        """
+    async def transmit(self, frame: bytes | frames.Chunk, *, flush: bool = False) -> None:
+        """Encrypt one frame, or a chunk's two records (renewing the key first when due), and
+        write it or hand it to the writer task. `flush` waits until it is on the socket."""
         async with self._lock:
             now = trio.current_time()
-            if self.cipher.counter >= self._rekey_after_records or now - self.last_rekey >= self._rekey_interval_s:
-                await self._hand_off(self.cipher.seal(frames.encode_rekey()))
-                self.cipher.ratchet()
+            cipher = self.cipher
+            if cipher.counter >= self._rekey_after_records or now - self.last_rekey >= self._rekey_interval_s:
+                await self._hand_off(cipher.seal(frames.encode_rekey()))
+                cipher.ratchet()
                 self.last_rekey = now
             i = self._out_index
-            self._out_index ^= 1
-            self._outs[i] = _grow(self._outs[i], PREFIX_BYTES + len(frame) + self.cipher.tag_bytes, PREFIX_BYTES + self._max_record)
-            if self._thread_min and len(frame) >= self._thread_min:
-                record = await trio.to_thread.run_sync(self.cipher.seal_into, frame, self._outs[i])
+            if self._running:
+                self._out_index ^= 1  # the other buffer may still be on its way out
+            overhead = PREFIX_BYTES + cipher.tag_bytes
+            if type(frame) is frames.Chunk:
+                header, data = frame.header(), frame.data
+                size = 2 * overhead + len(header) + data.nbytes
+                out = self._outs[i] = _grow(self._outs[i], size, self._max_out)
+                frame.state = frames.Chunk.SEALING
+                try:
+                    if self._thread_min and data.nbytes >= self._thread_min:
+                        end = await trio.to_thread.run_sync(self._seal_chunk, header, data, out)
+                    else:
+                        end = self._seal_chunk(header, data, out)
+                finally:
+                    frame.state = frames.Chunk.SEALED
             else:
-                record = self.cipher.seal_into(frame, self._outs[i])
-            await self._hand_off(record)
+                out = self._outs[i] = _grow(self._outs[i], overhead + len(frame), self._max_out)
+                if self._thread_min and len(frame) >= self._thread_min:
+                    end = await trio.to_thread.run_sync(cipher.seal_at, frame, out, 0)
+                else:
+                    end = cipher.seal_at(frame, out, 0)
+            await self._hand_off(memoryview(out)[:end])
             if flush:
                 await self._hand_off(None)
             self.last_sent = now
+
+    def _seal_chunk(self, header: bytes, data: memoryview, out: bytearray) -> int:
+        return self.cipher.seal_at(data, out, self.cipher.seal_at(header, out, 0))
 
     async def _hand_off(self, record: bytearray | memoryview | None) -> None:
         # The channel is unbuffered: a hand-off completes once the writer has finished the
@@ -99,9 +140,12 @@ class RecordWriter:
             await self._write(record)
 
     async def _write(self, record: bytearray | memoryview) -> None:
+        waits = self._writer.waits
         try:
             with trio.fail_after(self._stall_s):
-                await self._stream.send_all(record)
+                await self._writer.send_all(record)
+                if self._writer.waits == waits:  # never blocked: still a checkpoint
+                    await trio.lowlevel.checkpoint()
         except trio.TooSlowError:
             raise ConnectionClosed(f"send to {self._peer} stalled") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
@@ -128,63 +172,47 @@ class RecordReader:
         self._idle_s = idle_timeout_s
         self._thread_min = thread_min_bytes
         self._peer = peer
-        self._scratch = bytearray(4096)
+        self._buf = bytearray(4096)
 
     async def run(self, on_message: Callable[[frames.Message], None]) -> None:
         """Deliver messages in order until the peer closes; raises `ProtocolError` for bad
         input and `ConnectionClosed` (reason in str) when the connection ends."""
-        send, recv = trio.open_memory_channel(0)
-        error: ProtocolError | ConnectionClosed | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._receive, send)
-            try:
-                await self._process(recv, on_message)
-            except (ProtocolError, ConnectionClosed) as e:
-                error = e  # raised outside the nursery, so callers see it unwrapped
-            nursery.cancel_scope.cancel()
-        if error is not None:
-            raise error
-
-    async def _process(self, recv: trio.MemoryReceiveChannel, on_message) -> None:
-        async for item in recv:
-            if isinstance(item, BaseException):
-                raise item
-            prefix, record = item
-            if self._thread_min and len(record) >= self._thread_min:
-                event = await trio.to_thread.run_sync(self._open_frame, prefix, record)
+        reader, cipher, inbound = self._reader, self.cipher, self._inbound
+        tag = cipher.tag_bytes
+        chunk: frames.ChunkData | None = None  # announced by the last record: the next one's bytes
+        while True:
+            waits = reader.waits
+            with trio.move_on_after(self._idle_s) as scope:
+                prefix = bytes(await reader.read_exactly(PREFIX_BYTES))
+                n = parse_prefix(prefix, self._max_record, tag)
+                if chunk is not None and n != chunk.size + tag:
+                    raise ProtocolError(f"chunk record of {n} bytes, announced {chunk.size} + tag")
+                if chunk is not None and chunk.into is not None:
+                    record = chunk.into[:n]  # in place: the payload's buffer, then room for the tag
+                else:
+                    self._buf = _grow(self._buf, n, self._max_record)
+                    record = memoryview(self._buf)[:n]
+                await reader.read_into(record)
+            if scope.cancelled_caught:
+                raise ConnectionClosed(f"nothing received from {self._peer} for {self._idle_s} s")
+            if self._thread_min and n >= self._thread_min:
+                plain = await trio.to_thread.run_sync(cipher.open_in_place, prefix, record)
             else:
-                event = self._open_frame(prefix, record)
+                plain = cipher.open_in_place(prefix, record)
             self.last_seen = trio.current_time()
-            if event is None:
-                continue
-            if isinstance(event, frames.Message):
-                on_message(event)
-            elif isinstance(event, frames.Rekey):
-                self.cipher.ratchet()
-            elif isinstance(event, frames.Close):
-                raise ConnectionClosed(f"closed by peer: {event.reason}")
-
-    def _open_frame(self, prefix: bytes, record: memoryview) -> frames.Message | frames.Rekey | frames.Close | None:
-        self._scratch = _grow(self._scratch, len(record), self._max_record)
-        return self._inbound.on_frame(self.cipher.open_into(prefix, record, self._scratch))
-
-    async def _receive(self, send: trio.MemorySendChannel) -> None:
-        """Receive whole records into two alternating buffers (see `RecordWriter._hand_off`)."""
-        bufs = [bytearray(4096), bytearray(4096)]
-        i = 0
-        async with send:
-            while True:
-                try:
-                    with trio.move_on_after(self._idle_s) as scope:
-                        prefix = bytes(await self._reader.read_exactly(PREFIX_BYTES))
-                        n = parse_prefix(prefix, self._max_record, self.cipher.tag_bytes)
-                        bufs[i] = _grow(bufs[i], n, self._max_record)
-                        record = memoryview(bufs[i])[:n]
-                        await self._reader.read_into(record)
-                    if scope.cancelled_caught:
-                        raise ConnectionClosed(f"nothing received from {self._peer} for {self._idle_s} s")
-                except (ProtocolError, ConnectionClosed) as e:
-                    await send.send(e)
-                    return
-                await send.send((prefix, record))
-                i ^= 1
+            if chunk is not None:
+                event = inbound.on_chunk_data(chunk)
+                chunk = None
+            else:
+                event = inbound.on_frame(plain)
+            if event is not None:
+                if isinstance(event, frames.Message):
+                    on_message(event)
+                elif isinstance(event, frames.ChunkData):
+                    chunk = event
+                elif isinstance(event, frames.Rekey):
+                    cipher.ratchet()
+                elif isinstance(event, frames.Close):
+                    raise ConnectionClosed(f"closed by peer: {event.reason}")
+            if reader.waits == waits:  # everything was buffered: still a checkpoint per record
+                await trio.lowlevel.checkpoint()

@@ -121,27 +121,31 @@ class SendCipher(_Direction):
 
     def seal_into(self, frame: bytes | bytearray | memoryview, out: bytearray) -> memoryview:
         """Like `seal`, writing into the caller's reusable buffer; returns the record's view."""
-        n = len(frame)
-        size = PREFIX_BYTES + n + self.tag_bytes
-        if len(out) < size:
+        return memoryview(out)[: self.seal_at(frame, out, 0)]
+
+    def seal_at(self, frame: bytes | bytearray | memoryview, out: bytearray, pos: int) -> int:
+        """Write the record of `frame` (prefix, ciphertext, tag) into `out` at `pos`, reading
+        `frame` once and copying nothing; returns the position after the record."""
+        n = len(frame) if type(frame) is not memoryview else frame.nbytes
+        end = pos + PREFIX_BYTES + n + self.tag_bytes
+        if len(out) < end:
             raise ValueError("output buffer too small")
-        _PREFIX.pack_into(out, 0, n + self.tag_bytes)
-        nonce = self._next_nonce()
-        cbuf = ffi.from_buffer(out)
+        prefix = _PREFIX.pack(n + self.tag_bytes)
+        out[pos : pos + PREFIX_BYTES] = prefix
         rc = self.suite.encrypt(
-            ffi.cast("unsigned char *", cbuf) + PREFIX_BYTES,
+            ffi.cast("unsigned char *", ffi.from_buffer(out)) + (pos + PREFIX_BYTES),
             self._len,
             ffi.from_buffer(frame),
             n,
-            bytes(out[:PREFIX_BYTES]),
+            prefix,
             PREFIX_BYTES,
             ffi.NULL,
-            nonce,
+            self._next_nonce(),
             self._key,
         )
         if rc != 0:
             raise RuntimeError("libsodium encryption failed")
-        return memoryview(out)[:size]
+        return end
 
 
 class RecvCipher(_Direction):
@@ -170,6 +174,18 @@ class RecvCipher(_Direction):
         if rc != 0:
             raise ProtocolError("record failed authentication (tampered, replayed or reordered)")
         return memoryview(out)[:m]
+
+    def open_in_place(self, prefix: bytes, record: memoryview) -> memoryview:
+        """Decrypt `record` (ciphertext and tag, the body after `prefix`) over itself; returns
+        the plaintext view, `record` without its tag. On failure the contents are undefined."""
+        n = record.nbytes
+        if n < self.tag_bytes:
+            raise ProtocolError("record shorter than its tag")
+        buf = ffi.from_buffer(record, require_writable=True)
+        rc = self.suite.decrypt(buf, self._len, ffi.NULL, buf, n, prefix, PREFIX_BYTES, self._next_nonce(), self._key)
+        if rc != 0:
+            raise ProtocolError("record failed authentication (tampered, replayed or reordered)")
+        return record[: n - self.tag_bytes]
 
     def open(self, record: bytes) -> bytes:
         """Decrypt one whole record (prefix included); for tests and small frames."""
