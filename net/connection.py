@@ -4,6 +4,7 @@ payload chunking, handler dispatch and keepalive, over the record layer in `reco
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 
 import trio
@@ -16,7 +17,7 @@ from .errors import ConnectionClosed, ProtocolError
 from .handshake import HandshakeResult
 from .identity import short_id
 from .interface import Handler, Payload
-from .records import RecordReader, RecordWriter, max_record_bytes
+from .records import RecordReader, RecordWriter, detach_chunks, max_record_bytes
 from .session import TAG_BYTES, RecvCipher, SendCipher
 from .shaping import LinkShape, LinkShaper, PriorityShape
 from .streamio import StreamReader
@@ -166,15 +167,25 @@ class Connection:
 
     async def _send_chunks(self, msg_id: int, payload: Payload, n: int) -> None:
         sent_all = False
+        # Chunks are sealed straight from the caller's buffer; those still queued when this
+        # returns are copied, so the caller may reuse the buffer (bytes cannot change).
+        queued: deque[frames.Chunk] | None = None if isinstance(payload, bytes) else deque()
         try:
             view = memoryview(payload).cast("B")
             step = self._config.chunk_bytes
             for off in range(0, n, step):
                 if self.closed:
                     raise ConnectionClosed(self.close_reason)
-                await self._shape.submit(frames.encode_chunk(msg_id, view[off : off + step]), False)
+                chunk = frames.Chunk(msg_id, view[off : off + step])
+                await self._shape.submit(chunk, False)
+                if queued is not None:
+                    while queued and queued[0].state == frames.Chunk.SEALED:
+                        queued.popleft()
+                    queued.append(chunk)
             sent_all = True
         finally:
+            if queued:
+                await detach_chunks(queued)
             if not sent_all and not self.closed and self._nursery is not None:
                 # Given up part-way (a request timeout, a cancelled sender): without an ABORT
                 # the receiver would hold the partial payload for the life of the connection.
