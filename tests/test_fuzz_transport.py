@@ -122,7 +122,7 @@ def msg(body_bytes, msg_type=ECHO, flags=frames.FLAG_REQUEST, payload_len=0, msg
 
 def chunk_records(msg_id, data):
     """The plaintext records that carry `data` as the next piece of msg_id's payload."""
-    return [frames.encode_chunk(msg_id, data)]
+    return [frames.encode_chunk(msg_id, len(data)), data]
 
 
 def attacks():
