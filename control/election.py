@@ -48,12 +48,28 @@ from dataclasses import dataclass, fields, replace
 from dtfm.net import short_id
 
 from .allocation import Refusal
-from .election_messages import (MAX_TERM, ElectionMessage, Heartbeat, HeartbeatAck, PreVote, PreVoteReply,
-                                RequestVote, Vote, check_voters)
+from .election_messages import (
+    MAX_TERM,
+    ElectionMessage,
+    Heartbeat,
+    HeartbeatAck,
+    PreVote,
+    PreVoteReply,
+    RequestVote,
+    Vote,
+    check_voters,
+)
 
 __all__ = [
-    "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionState", "Persist",
-    "ElectionRole", "ElectionSend", "SteppedDown",
+    "BecameCoordinator",
+    "CoordinatorKnown",
+    "ElectionAction",
+    "ElectionConfig",
+    "ElectionRole",
+    "ElectionSend",
+    "ElectionState",
+    "Persist",
+    "SteppedDown",
 ]
 
 logger = logging.getLogger(__name__)
@@ -160,6 +176,7 @@ class CoordinatorKnown:
 class SteppedDown:
     term: int
     reason: str
+    standing_again: bool = False  # a voter is ahead: it stands in a higher term at once
 
 
 ElectionAction = ElectionSend | Persist | BecameCoordinator | CoordinatorKnown | SteppedDown
@@ -362,29 +379,30 @@ class ElectionState:
         heard = sum(1 for v in self.voters if v == self.me or self._acked_at.get(v, _LONG_AGO) >= since)
         return heard >= self.majority
 
-    def _step_down(self, out: list[ElectionAction], reason: str) -> None:
+    def _step_down(self, out: list[ElectionAction], reason: str, standing_again: bool = False) -> None:
         self.role = ElectionRole.FOLLOWER
         self._next_heartbeat = _NEVER
         self._deadline = self._now + self._timeout()
         self._recognise(None, out)
-        out.append(SteppedDown(self.term, reason))
+        out.append(SteppedDown(self.term, reason, standing_again))
         logger.info("stepped down in term %d: %s", self.term, reason)
 
     # ------------------------------------------------------------------ terms
 
-    def _set_term(self, term: int, voted_for: bytes | None, out: list[ElectionAction]) -> None:
+    def _set_term(self, term: int, voted_for: bytes | None, out: list[ElectionAction], persist: bool = True) -> None:
         if term != self.term:
             self.term = term
             self._recognise(None, out)
         self.voted_for = voted_for
-        out.append(Persist(term, voted_for))
+        if persist:
+            out.append(Persist(term, voted_for))
 
-    def _adopt(self, term: int, out: list[ElectionAction], why: str) -> None:
+    def _adopt(self, term: int, out: list[ElectionAction], why: str, persist: bool = True) -> None:
         """Follow a higher term seen in a message (no vote in it yet)."""
         if self.role is ElectionRole.COORDINATOR:
             self._step_down(out, why)
         self.role = ElectionRole.FOLLOWER
-        self._set_term(term, None, out)
+        self._set_term(term, None, out, persist)
 
     def _recognise(self, coordinator: bytes | None, out: list[ElectionAction]) -> None:
         if coordinator != self.coordinator:
@@ -418,7 +436,8 @@ class ElectionState:
             return
         if m.term > self.term:
             if self.config.pre_vote:  # a voter ahead: stand again at once, above its term
-                self._step_down(out, f"voter {short_id(src)} is in term {m.term}: standing in term {m.term + 1}")
+                why = f"voter {short_id(src)} is in term {m.term}: standing in term {m.term + 1}"
+                self._step_down(out, why, standing_again=True)
                 self._become_candidate(m.term + 1, out)
             else:
                 self._adopt(m.term, out, f"voter {short_id(src)} is in term {m.term}")
@@ -465,13 +484,16 @@ class ElectionState:
             logger.debug("vote for %s in term %d refused: its coordinator is alive", short_id(src), m.term)
             out.append(ElectionSend(src, Vote(self.term, False)))
             return
-        if m.term > self.term:
-            self._adopt(m.term, out, f"vote request of term {m.term} from {short_id(src)}")
+        newer = m.term > self.term
+        if newer:  # one Persist below covers the new term and the vote
+            self._adopt(m.term, out, f"vote request of term {m.term} from {short_id(src)}", persist=False)
         why = self._refuses_candidate(src, (m.applied_term, m.applied_epoch))
         if why is None and self.voted_for not in (None, src):
             why = f"voted for {short_id(self.voted_for)} in term {self.term}"
         if why is not None:
             logger.debug("vote for %s in term %d refused: %s", short_id(src), m.term, why)
+            if newer:
+                out.append(Persist(self.term, None))
             out.append(ElectionSend(src, Vote(self.term, False)))
             return
         if self.voted_for is None:

@@ -16,6 +16,7 @@ are sorted without repeats.
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict, get_int, get_list
@@ -56,15 +57,15 @@ def _bool(what: str, v: object) -> None:
 
 
 def check_voters(voters: object) -> tuple[bytes, ...]:
-    """`voters` as a tuple: 1 to MAX_VOTERS peer ids, sorted, no repeats; else ValueError."""
+    """`voters` as a tuple: 1 to MAX_VOTERS peer ids, sorted, no repeats; else TypeError or ValueError."""
     if not isinstance(voters, (tuple, list)):
-        raise ValueError(f"voters must be a sequence of peer ids, got {type(voters).__name__}")
+        raise TypeError(f"voters must be a sequence of peer ids, got {type(voters).__name__}")
     out = tuple(voters)
     if not 1 <= len(out) <= MAX_VOTERS:
         raise ValueError(f"a configuration has 1 to {MAX_VOTERS} voters, got {len(out)}")
     for v in out:
         _peer("voter", v)
-    if any(a >= b for a, b in zip(out, out[1:])):
+    if any(a >= b for a, b in itertools.pairwise(out)):
         raise ValueError("voters must be sorted, without repeats")
     return out
 

@@ -30,12 +30,20 @@ from dataclasses import dataclass
 from dtfm.net import pack, short_id, unpack_untrusted
 from dtfm.scenarios import load_scenario
 
-from .election import (BecameCoordinator, CoordinatorKnown, ElectionConfig, ElectionState, Persist, ElectionRole, ElectionSend,
-                       SteppedDown)
+from .election import (
+    BecameCoordinator,
+    CoordinatorKnown,
+    ElectionConfig,
+    ElectionRole,
+    ElectionSend,
+    ElectionState,
+    Persist,
+    SteppedDown,
+)
 from .election_messages import Vote, decode_election
 from .election_store import MemoryElectionStore
 
-__all__ = ["ElectionSim", "NetConditions", "scenario_delays_s"]
+__all__ = ["ElectionSim", "NetConditions", "returning_peer", "scenario_delays_s", "takeover_times"]
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -78,7 +86,7 @@ class ElectionSim:
         self.nodes: list[ElectionState | None] = [None] * n
         self.winners: dict[int, int] = {}  # term -> node elected
         self.wins: list[tuple[float, int, int]] = []  # (time, node, term)
-        self.step_downs: list[tuple[float, int, int, str]] = []
+        self.step_downs: list[tuple[float, int, int, SteppedDown]] = []
         self.votes: dict[tuple[int, int], bytes] = {}  # (node, term) -> voted for
         self.stood_at: dict[tuple[int, int], float] = {}  # (node, term) -> when it stood
         self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
@@ -231,7 +239,7 @@ class ElectionSim:
             elif isinstance(a, BecameCoordinator):
                 self._check_win(k, a.term)
             elif isinstance(a, SteppedDown):
-                self.step_downs.append((self.now, k, a.term, a.reason))
+                self.step_downs.append((self.now, k, a.term, a))
             elif not isinstance(a, CoordinatorKnown):
                 self._violation(f"unknown action {a!r}")
         self._schedule(k)
@@ -264,3 +272,78 @@ class ElectionSim:
         node.applied(term, epoch)
         self.disk_applied[k] = (term, epoch)
         self.applied[k].append((term, epoch))
+
+
+# ---------------------------------------------------------------------- figures
+
+
+def _settled(sim: ElectionSim, limit_s: float) -> int:
+    """Run until exactly one node is coordinator and every live node follows it; that node."""
+    end = sim.now + limit_s
+    while sim.now < end:
+        sim.run_for(0.05)
+        coords = sim.coordinators()
+        if len(coords) == 1 and all(sim.nodes[k].coordinator == sim.ids[coords[0]] for k in sim.live()):
+            return coords[0]
+    raise RuntimeError(f"no settled coordinator within {limit_s:g} s (seed of the run decides; see violations)")
+
+
+def takeover_times(config: ElectionConfig, n: int, crashes: int, *, seed: int, scenario: str = "worldwide",
+                   conditions: NetConditions | None = None) -> tuple[list[float], ElectionSim]:
+    """Seconds from a coordinator's crash to the next coordinator's election, `crashes` times.
+
+    n nodes on the scenario's one-way delays (times the jitter); each crash comes at a random
+    phase of the heartbeat period; the crashed node restarts from its store once the next
+    coordinator is elected, and the swarm settles before the next crash."""
+    rng = random.Random(seed)
+    sim = ElectionSim(n, config, delays_s=scenario_delays_s(scenario, n, rng), seed=rng.getrandbits(64),
+                      codec=False, conditions=conditions)
+    limit_s = 20 * config.election_timeout_max_s + n * config.stagger_s
+    times = []
+    for _ in range(crashes):
+        k = _settled(sim, limit_s)
+        sim.run_for(sim.rng.uniform(0, config.heartbeat_interval_s))
+        term, crashed_at, seen = sim.nodes[k].term, sim.now, len(sim.wins)
+        sim.crash(k)
+        while not any(w[2] > term for w in sim.wins[seen:]):
+            if sim.now - crashed_at > limit_s:
+                raise RuntimeError(f"no coordinator within {limit_s:g} s of a crash")
+            sim.run_for(0.01)
+        times.append(next(w[0] for w in sim.wins[seen:] if w[2] > term) - crashed_at)
+        sim.restart(k)
+    return times, sim
+
+
+def returning_peer(config: ElectionConfig, n: int, *, seed: int, away_s: float, inflate_terms: int = 0,
+                   after_s: float = 20.0, scenario: str = "worldwide") -> dict:
+    """A follower is cut off for away_s and returns (inflate_terms > 0: it is down as long and
+    restarts with its stored term raised by that much). What happens to the coordinator then:
+    `deposed` (it stepped down and waited for an election), `changed` (another node won a
+    term), `stood_again` (it stood in a higher term at once), and the terms that passed."""
+    rng = random.Random(seed)
+    sim = ElectionSim(n, config, delays_s=scenario_delays_s(scenario, n, rng), seed=rng.getrandbits(64), codec=False)
+    c = _settled(sim, 20 * config.election_timeout_max_s + n * config.stagger_s)
+    f = sim.rng.choice([k for k in range(n) if k != c])
+    term, wins, downs = sim.nodes[c].term, len(sim.wins), len(sim.step_downs)
+    if inflate_terms:
+        sim.crash(f)
+        sim.run_for(away_s)
+        stored_term, _ = sim.stores[f].load()
+        sim.stores[f].persist(stored_term + inflate_terms, None)
+        sim.restart(f)
+    else:
+        sim.partition([1 if k == f else 0 for k in range(n)])
+        sim.run_for(away_s)
+        returned_term = sim.nodes[f].term
+        sim.heal()
+    returned_term = sim.nodes[f].term
+    sim.run_for(after_s)
+    mine = [d for _, k, _, d in sim.step_downs[downs:] if k == c]
+    return {
+        "deposed": any(not d.standing_again for d in mine),
+        "changed": any(k != c for _, k, _ in sim.wins[wins:]),
+        "stood_again": any(d.standing_again for d in mine),
+        "returned_term_ahead": returned_term - term,
+        "terms": max(sim.nodes[k].term for k in sim.live()) - term,
+        "violations": list(sim.violations),
+    }
