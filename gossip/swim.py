@@ -27,6 +27,7 @@ __all__ = ["Swim", "Send"]
 logger = logging.getLogger(__name__)
 
 _SEED_TRIES = 10  # push-pulls with a seed, one per probe interval, until its claim arrives
+_PAGE_OVERHEAD = 64  # bytes of a push-pull page besides its updates
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Swim(Membership):
     def _push_pull(self, to: bytes, address, reply: bool, extra: tuple[Update, ...] = ()) -> list[Send]:
         """Our full state to `to`, in pages of at most max_push_pull_bytes; only the first asks
         for a reply."""
-        budget = self.config.max_push_pull_bytes
+        budget = self.config.max_push_pull_bytes - _PAGE_OVERHEAD
         pages: list[list[Update]] = [[]]
         size = 0
         for u in list(extra) + self.table.updates(self.me_id):
@@ -143,10 +144,12 @@ class Swim(Membership):
 
     def add_seed(self, peer_id: bytes, address: tuple[str, int], now: float) -> list[Send]:
         """A peer reached through a bootstrap address: push-pull with it. Its reply (its own
-        claim first) brings us the swarm: it may introduce a whole table of members, once."""
+        claim first) brings us the swarm: it may introduce a whole table of members while we
+        join (for as long as we retry it), then only as many as any other source."""
         if peer_id == self.me_id:
             return []
-        self.admission.grant(peer_id, self.config.max_members, now)
+        self.admission.grant(peer_id, self.config.max_members, now,
+                             _SEED_TRIES * self.config.probe_interval_s)
         self._seeds[peer_id] = (address, _SEED_TRIES)
         return self._push_pull(peer_id, address, reply=True)
 

@@ -77,6 +77,9 @@ class MemberTable:
                 break
             del self._tombstones[pid]
 
+    def tombstone_count(self) -> int:
+        return len(self._tombstones)
+
     def tombstone(self, peer_id: bytes) -> Claim | None:
         """The last claim of a removed member."""
         t = self._tombstones.get(peer_id)
