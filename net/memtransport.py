@@ -87,8 +87,11 @@ class MemTransport(Registry):
         await trio.lowlevel.checkpoint()
         other = self.net.by_address.get((host, port))
         # The network knows who listens where: a node's announced listen address plays no part.
-        known = peer_id if peer_id is not None else None if other is None else other.peer_id
-        if known is not None and (conn := self.connection(known)) is not None:
+        known = peer_id
+        if known is None and other is not None:
+            known = other.peer_id
+        conn = None if known is None else self.connection(known)
+        if conn is not None:
             return conn
         if self._closed or self.killed:
             raise ConnectionClosed("transport closed")
