@@ -10,6 +10,7 @@ from dtfm.gossip.members import MemberState
 from dtfm.gossip.messages import MsgType
 from dtfm.gossip.records import Entry, Report
 from dtfm.gossip.service import GossipService
+from dtfm.gossip.suspicion import remaining_suspicion_time
 from dtfm.gossip.sync import RecordSync, SyncPhase, SyncRole, SyncStep
 from dtfm.net import ConnectionClosed, HandshakeError, MemNetwork
 from dtfm.net.identity import Identity
@@ -55,6 +56,18 @@ async def test_kill_is_detected_and_restart_comes_back_under_same_id(autojump_cl
         h.kill(2)
         bound = CFG.suspicion_max_s(8) + 3 * CFG.probe_interval_s
         await wait_for(lambda: all(h.state_seen(k, 2) == MemberState.DEAD for k in h.alive_nodes()), bound)
+        # each member declares it dead when its own suspicion times out: between the timeouts
+        # that 2 and 0 confirmations (k = suspicion_mult - 2) give among 8 members (4 s and 24 s
+        # after it suspected; a confirmation that comes after the shortened timeout ends it then)
+        lo, hi = (remaining_suspicion_time(n, 2, 0.0, CFG.suspicion_min_s(8), CFG.suspicion_max_s(8))
+                  for n in (2, 0))
+        assert (lo, hi) == (4.0, 24.0)
+        for k in h.alive_nodes():
+            suspected = min(t for t, st in h.history[(k, 2)] if st == MemberState.SUSPECT and t >= t_kill)
+            dead = h.first_time(k, 2, MemberState.DEAD)
+            assert lo - 1e-9 <= dead - suspected <= hi + 1e-9, (k, dead - suspected)
+            assert t_kill + lo <= dead <= t_kill + bound
+        first_dead = min(h.first_time(k, 2, MemberState.DEAD) for k in h.alive_nodes())
         for k in h.alive_nodes():
             assert h.ids[2] not in h.services[k].records.reports
             assert len(h.services[k].view().peers) == 7
@@ -65,7 +78,8 @@ async def test_kill_is_detected_and_restart_comes_back_under_same_id(autojump_cl
         assert inc > 0  # refuted its own death
         assert all(h.services[k].swim.members[h.ids[2]].address == h.transports[2].listen_address
                    for k in range(8))
-        assert trio.current_time() - t_kill > 0
+        # it restarted 5 s after the last member declared it dead, well before any reaped it
+        assert trio.current_time() - first_dead < CFG.reap_after_s
         nursery.cancel_scope.cancel()
 
 
