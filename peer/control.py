@@ -6,7 +6,12 @@ sends a request map `{"op": NAME, "args": {...}}`; the daemon answers
 one connection. Both sides refuse a frame longer than their limit before reading it.
 
 Only the daemon's own user may connect: the socket is 0600 in a 0700 directory, and the
-daemon checks each caller's uid with SO_PEERCRED (Linux) and closes on a mismatch.
+daemon checks each caller's uid with SO_PEERCRED (Linux) and closes on a mismatch. On a system
+without SO_PEERCRED the server refuses to start rather than serve callers it cannot identify.
+
+Bounded: at most `max_clients` connections are served at once (one more is answered "busy"
+and closed), a connection silent for `idle_timeout_s` is dropped, and an op that runs longer
+than `handler_timeout_s` is cancelled and answered with an error.
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class DaemonNotRunning(Exception):
 
 class ControlClientError(Exception):
     """The daemon answered badly or refused; str() is for the user."""
+
+
+class ControlSocketError(Exception):
+    """The control socket cannot be served safely here; str() says why and what to do."""
 
 
 # ---- messages ---------------------------------------------------------------------------------
@@ -122,6 +131,11 @@ async def read_frame_untrusted(stream: trio.abc.ReceiveStream, max_len: int) -> 
     return unpack_untrusted(body, max_len=max_len)
 
 
+def peer_credentials_supported() -> bool:
+    """Whether this system tells a Unix socket server who connected (SO_PEERCRED)."""
+    return getattr(stdsocket, "SO_PEERCRED", None) is not None
+
+
 def peer_uid(sock: trio.socket.SocketType) -> int | None:
     """The uid of the process at the other end of a Unix socket; None where unsupported."""
     so_peercred = getattr(stdsocket, "SO_PEERCRED", None)
@@ -140,7 +154,7 @@ class ControlServer:
         self.config = config
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
         self._handlers: dict[str, ControlHandler] = {}
-        self._slots = trio.CapacityLimiter(config.max_clients)
+        self.clients = 0   # connections being served now, at most config.max_clients
 
     def register(self, op: str, handler: ControlHandler) -> None:
         if op in self._handlers:
@@ -155,6 +169,10 @@ class ControlServer:
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; the socket file is removed on the way out."""
+        if not peer_credentials_supported():
+            raise ControlSocketError(
+                "this system has no SO_PEERCRED, so the control socket cannot check which user "
+                "connects; refusing to serve it (run the daemon on Linux)")
         sock = await self._bind()
         try:
             listener = trio.SocketListener(sock)
@@ -184,26 +202,38 @@ class ControlServer:
     async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
         while True:
             stream = await listener.accept()
+            if self.clients >= self.config.max_clients:
+                logger.warning("control connection refused: %d clients already connected",
+                               self.clients)
+                async with stream:   # a fresh socket's buffer takes the short reply at once
+                    await self._reply_quietly(stream, {"ok": False, "error": (
+                        f"the daemon is busy: {self.clients} control connections are open; "
+                        f"try again")}, timeout_s=1.0)
+                continue
+            self.clients += 1
             nursery.start_soon(self._serve_client, stream)
 
     async def _serve_client(self, stream: trio.SocketStream) -> None:
-        async with stream:
-            try:
-                uid = peer_uid(stream.socket)
-            except OSError as e:
-                logger.debug("control connection without credentials: %s", e)
-                return
-            if uid is not None and uid != self.allowed_uid:
-                logger.warning("control connection from uid %d refused: only uid %d may "
-                               "control this daemon", uid, self.allowed_uid)
-                await self._reply_quietly(stream, {"ok": False, "error":
-                                                   "permission denied: another user's daemon"})
-                return
-            async with self._slots:
+        try:
+            async with stream:
+                try:
+                    uid = peer_uid(stream.socket)
+                except OSError as e:
+                    logger.debug("control connection without credentials: %s", e)
+                    return
+                if uid is None or uid != self.allowed_uid:
+                    logger.warning("control connection from uid %s refused: only uid %d may "
+                                   "control this daemon", uid, self.allowed_uid)
+                    await self._reply_quietly(stream, {"ok": False, "error":
+                                                       "permission denied: another user's daemon"})
+                    return
                 await self.handle_stream(stream)
+        finally:
+            self.clients -= 1
 
-    async def _reply_quietly(self, stream: trio.abc.SendStream, reply: dict) -> None:
-        with trio.move_on_after(self.config.request_timeout_s):
+    async def _reply_quietly(self, stream: trio.abc.SendStream, reply: dict, *,
+                             timeout_s: float | None = None) -> None:
+        with trio.move_on_after(self.config.request_timeout_s if timeout_s is None else timeout_s):
             try:
                 await stream.send_all(encode_frame(reply, self.config.max_response_bytes))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -247,7 +277,13 @@ class ControlServer:
             return {"ok": False, "error": f"unknown command {request.op!r}; this daemon knows: "
                                           f"{', '.join(self.ops)}"}
         try:
-            result = await handler(request.args)
+            with trio.move_on_after(self.config.handler_timeout_s) as scope:
+                result = await handler(request.args)
+            if scope.cancelled_caught:
+                logger.warning("control command %s cancelled after %g s", request.op,
+                               self.config.handler_timeout_s)
+                return {"ok": False, "error": f"{request.op} did not finish within "
+                                              f"{self.config.handler_timeout_s:g} s"}
         except ControlCommandError as e:
             return {"ok": False, "error": str(e)}
         except Exception as e:

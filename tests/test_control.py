@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dtfm.net.errors import ProtocolError
 from dtfm.net.wire import pack
+from dtfm.peer import control
 from dtfm.peer.config import ControlConfig
 from dtfm.peer.control import (
     ControlClient,
@@ -22,6 +23,7 @@ from dtfm.peer.control import (
     ControlCommandError,
     ControlRequest,
     ControlServer,
+    ControlSocketError,
     DaemonNotRunning,
     encode_frame,
     read_frame_untrusted,
@@ -290,3 +292,109 @@ def test_random_bytes_never_crash_the_server(data):
     # Whatever arrives, each reply is a well-formed {ok: ...} map; garbage gets at most one.
     assert all(isinstance(r, dict) and isinstance(r.get("ok"), bool) for r in replies)
     assert sum(1 for r in replies if not r["ok"]) <= 1
+
+
+# ---- bounds: credentials, clients, time ----------------------------------------------------------
+
+def test_no_peer_credentials_means_no_control_socket(sock_dir, monkeypatch):
+    monkeypatch.delattr(socket, "SO_PEERCRED")
+    server = make_server(sock_dir / "s")
+
+    async def main():
+        with pytest.raises(ControlSocketError, match="SO_PEERCRED"):
+            await server.serve()
+
+    trio.run(main)
+    assert not (sock_dir / "s").exists()
+
+
+async def test_caller_whose_uid_cannot_be_read_is_refused(sock_dir, monkeypatch):
+    monkeypatch.setattr(control, "peer_uid", lambda sock: None)
+    path = sock_dir / "s"
+
+    def call():
+        with ControlClient(path, CONFIG) as c:
+            return c.request("echo")
+
+    with pytest.raises(ControlClientError, match="permission denied"):
+        await serve_and_call(make_server(path), call)
+
+
+class _Stream(trio.abc.Stream):
+    """One end of an in-memory connection, with the `socket` attribute the server reads."""
+
+    def __init__(self, inner):
+        self.inner, self.socket = inner, None
+
+    async def send_all(self, data):
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self):
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+
+class _Listener:
+    def __init__(self):
+        self.send, self.recv = trio.open_memory_channel(100)
+
+    async def accept(self):
+        return await self.recv.receive()
+
+    def connect(self):
+        client, daemon_side = trio.testing.memory_stream_pair()
+        self.send.send_nowait(_Stream(daemon_side))
+        return client
+
+
+async def test_clients_beyond_max_clients_are_refused_until_a_slot_frees(autojump_clock, monkeypatch):
+    monkeypatch.setattr(control, "peer_uid", lambda sock: os.getuid())
+    server = make_server(Path("/nonexistent"))
+    server.config = ControlConfig(max_clients=2, idle_timeout_s=60.0)
+    listener = _Listener()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server._accept_loop, listener, nursery)
+        silent = [listener.connect() for _ in range(2)]   # connect and send nothing
+        await trio.sleep(1.0)
+        assert server.clients == 2
+        third = listener.connect()
+        reply = await read_frame_untrusted(third, CONFIG.max_response_bytes)
+        assert reply["ok"] is False and "busy" in reply["error"]
+        assert await read_frame_untrusted(third, CONFIG.max_response_bytes) is None   # closed
+        assert server.clients == 2
+        await trio.sleep(60.0)               # the silent ones are dropped after idle_timeout_s
+        assert server.clients == 0
+        for s in silent:
+            assert await read_frame_untrusted(s, CONFIG.max_response_bytes) is None
+        fourth = listener.connect()
+        await fourth.send_all(request_frame("echo", {"n": 4}))
+        reply = await read_frame_untrusted(fourth, CONFIG.max_response_bytes)
+        assert reply == {"ok": True, "result": {"args": {"n": 4}}}
+        nursery.cancel_scope.cancel()
+
+
+async def test_client_that_stops_inside_a_frame_is_dropped_after_the_idle_timeout(autojump_clock):
+    server = ControlServer(Path("/nonexistent"), ControlConfig(idle_timeout_s=30.0))
+    client, daemon_side = trio.testing.memory_stream_pair()
+    await client.send_all(request_frame("echo")[:6])    # the length and two bytes, then silence
+    t0 = trio.current_time()
+    await server.handle_stream(daemon_side)
+    assert trio.current_time() - t0 == pytest.approx(30.0)
+
+
+async def test_an_op_that_runs_too_long_is_cancelled_with_an_error_reply(autojump_clock):
+    server = ControlServer(Path("/nonexistent"), ControlConfig(handler_timeout_s=5.0))
+
+    async def hang(args):
+        await trio.sleep_forever()
+
+    server.register("hang", hang)
+    t0 = trio.current_time()
+    replies = await exchange(server, request_frame("hang"))
+    assert replies == [{"ok": False, "error": "hang did not finish within 5 s"}]
+    assert trio.current_time() - t0 == pytest.approx(5.0)
