@@ -503,7 +503,7 @@ class ControlPlane:
                         m = {x.peer_id: x for x in self.gossip.members()}.get(peer)
                         if m is None:
                             raise ConnectionClosed("not a member")
-                        conn = await self.transport.connect(*m.address)
+                        conn = await self.transport.connect(*m.address, peer_id=peer)
                     reply, _ = await conn.request(msg_type, body, timeout_s=timeout_s)
                     answers[peer] = reply if isinstance(reply, dict) else {"reason": "malformed answer"}
             except (trio.TooSlowError, RequestTimeout):
