@@ -1,7 +1,7 @@
 """`dtfm-peer`: run a swarm peer and talk to it.
 
     dtfm-peer keygen                      create this machine's identity key
-    dtfm-peer swarm-key new > FILE        make a secret that defines a swarm
+    dtfm-peer swarm-key new --out FILE    make a secret that defines a swarm (file mode 0600)
     dtfm-peer join --swarm-key FILE ...   run the daemon in the foreground
     dtfm-peer status [--json]             ask the running daemon how it is doing
     dtfm-peer leave                       make the running daemon leave and exit
@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
 
 from . import logs
 from .config import ConfigError, DaemonConfig
-from .control import ControlClient, ControlClientError, DaemonNotRunning
+from .control import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
 from .runner import run_daemon
@@ -35,7 +36,7 @@ from .status import format_text, to_json
 
 PROG = "dtfm-peer"
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
-               ListenError)
+               ListenError, ControlSocketError)
 
 
 class CliError(Exception):
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Run a dtfm swarm peer: a daemon that joins a private swarm of machines "
                     "training one model together, and commands to inspect and stop it.",
-        epilog="Typical first run: `dtfm-peer swarm-key new > swarm.key` on one machine, copy "
+        epilog="Typical first run: `dtfm-peer swarm-key new --out swarm.key` on one machine, copy "
                "swarm.key to the others, then on each: `dtfm-peer join --swarm-key swarm.key "
                "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -88,12 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="A swarm key is a shared 32-byte secret: only peers holding "
                                    "it can join the swarm. Keep it like a password.")
     sk = p.add_subparsers(dest="swarm_key_command", metavar="ACTION", required=True)
-    p = sk.add_parser("new", help="print a new random swarm key",
-                      description="Print a new random swarm key, e.g. "
-                                  "`dtfm-peer swarm-key new > swarm.key`.")
+    p = sk.add_parser("new", help="make a new random swarm key",
+                      description="Make a new random swarm key: `dtfm-peer swarm-key new --out "
+                                  "swarm.key` writes it readable by you only (mode 0600); "
+                                  "without --out it is printed.")
     p.add_argument("--out", type=Path, metavar="FILE",
-                   help="write the key to FILE (mode 0600, never overwritten) instead of "
-                        "printing it")
+                   help="write the key to FILE (mode 0600) instead of printing it; an existing "
+                        "FILE is kept unless --force")
+    p.add_argument("--force", action="store_true", help="with --out, replace an existing FILE")
 
     p = sub.add_parser("join", help="run the peer daemon in the foreground",
                        description="Join the swarm: listen for peers, connect to the bootstrap "
@@ -195,18 +198,44 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_swarm_key(args: argparse.Namespace) -> int:
     key = new_swarm_key()
     if args.out is None:
+        if args.force:
+            raise CliError("--force goes with --out FILE")
         print(key)
         return 0
-    try:
-        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        raise CliError(f"{args.out} exists; not overwriting a swarm key") from None
-    except OSError as e:
-        raise CliError(f"cannot create {args.out}: {e.strerror}") from None
-    with os.fdopen(fd, "w") as f:
-        f.write(key + "\n")
-    print(f"wrote a new swarm key to {args.out}", file=sys.stderr)
+    write_private_file(args.out, key + "\n", replace=args.force)
+    print(f"wrote a new swarm key to {args.out} (mode 0600)", file=sys.stderr)
     return 0
+
+
+def write_private_file(path: Path, text: str, *, replace: bool) -> None:
+    """Write `text` to `path` with mode 0600 whatever the umask: into a new temporary file
+    beside it (O_EXCL, 0600), then linked into place (refused if `path` exists) or, with
+    `replace`, renamed over it. Readers never see a partial or world-readable file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise CliError(f"cannot create {path}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(tmp, path)
+        else:
+            os.link(tmp, path)
+    except FileExistsError:
+        raise CliError(f"{path} exists; not overwriting a swarm key (use --force to replace "
+                       f"it)") from None
+    except OSError as e:
+        raise CliError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import stat
 from collections.abc import Callable, Sequence
 
 import trio
@@ -37,8 +39,9 @@ async def run_until_signal(daemon: Daemon) -> None:
 def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper=None) -> Daemon:
     if config.peer.swarm_key_file is None:
         raise ConfigError("joining needs the swarm key: pass --swarm-key FILE (make one with "
-                          "`dtfm-peer swarm-key new > FILE` and copy it to every peer)")
+                          "`dtfm-peer swarm-key new --out FILE` and copy it to every peer)")
     swarm_key = load_swarm_key(config.peer.swarm_key_file)
+    warn_if_readable_by_others(config.peer.swarm_key_file)
     existed = (data_dir.root / IDENTITY_FILE).exists()
     identity = Identity.load_or_create(data_dir.root)
     if not existed:
@@ -51,6 +54,19 @@ def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper=None) -> Daemon
     # Not secret; lets two operators compare keys when a handshake is refused.
     daemon.add_status_provider("swarm_key_fingerprint", lambda: fingerprint)
     return daemon
+
+
+def warn_if_readable_by_others(path) -> bool:
+    """Log a warning when a secret file may be read by its group or by others; True if so."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return False
+    if not mode & 0o077:
+        return False
+    logger.warning("swarm key file %s has mode %04o: other users can read the key and join "
+                   "the swarm; fix it with `chmod 600 %s`", path, mode, path)
+    return True
 
 
 def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = (), *,

@@ -227,3 +227,42 @@ def test_python_m_entry_point_exists():
     import importlib.util
     assert importlib.util.find_spec("dtfm.peer.__main__") is not None
     assert os.access(Path(__file__).parent.parent / "peer" / "__main__.py", os.R_OK)
+
+
+def test_swarm_key_out_is_0600_under_any_umask_and_force_replaces(tmp_path, capsys):
+    out = tmp_path / "swarm.key"
+    old = os.umask(0)
+    try:
+        assert main(["swarm-key", "new", "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o600
+    key = out.read_text()
+    assert main(["swarm-key", "new", "--out", str(out)]) == 1
+    assert "--force" in capsys.readouterr().err
+    out.chmod(0o644)
+    assert main(["swarm-key", "new", "--out", str(out), "--force"]) == 0
+    assert out.read_text() != key and len(parse_swarm_key(out.read_text())) == 32
+    assert out.stat().st_mode & 0o777 == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["swarm.key"]   # no temporary left
+
+
+def test_a_swarm_key_readable_by_others_is_warned_about(tmp_path, caplog):
+    import dataclasses
+
+    from dtfm.peer.config import DaemonConfig
+    from dtfm.peer.runner import build_daemon
+
+    key = tmp_path / "swarm.key"
+    assert main(["swarm-key", "new", "--out", str(key)]) == 0
+    config = DaemonConfig.test()
+    config = dataclasses.replace(config, peer=dataclasses.replace(config.peer, swarm_key_file=key))
+    data_dir = DataDir(tmp_path / "d")
+    data_dir.ensure()
+    with caplog.at_level(logging.WARNING, logger="dtfm.peer.runner"):
+        build_daemon(config, data_dir)
+        assert caplog.records == []
+        key.chmod(0o640)
+        build_daemon(config, data_dir)
+    [record] = caplog.records
+    assert str(key) in record.getMessage() and f"chmod 600 {key}" in record.getMessage()
