@@ -179,7 +179,7 @@ class GossipService:
         if conn is None and address is not None:
             with trio.move_on_after(self.config.measure_timeout_s):
                 try:
-                    conn = await self.transport.connect(*address)
+                    conn = await self.transport.connect(*address, peer_id=peer_id)
                 except _CONNECT_ERRORS as e:
                     logger.debug("cannot connect to %s at %s: %s", peer_id[:4].hex(), address, e)
                     return None

@@ -1,4 +1,4 @@
-"""The failure-detection figures of issue 5, deterministic under the discrete-event
+"""The failure-detection figures of docs/gossip.md, deterministic under the discrete-event
 simulator (memberlist LAN defaults: 1 s probes, suspicion 4 x log10(N) probe intervals)."""
 
 import pytest
