@@ -537,10 +537,11 @@ async def test_peers_on_a_wildcard_advertise_the_address_their_peers_confirm(aut
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, short_tmp)
         a = await swarm.start("a", listen="0.0.0.0", port=7450, host=HOSTS[0])
+        assert a.status()["advertise"] is None   # nothing dialable until a peer confirms
+        assert a.transport.listen_address == ("0.0.0.0", 7450)
         first = Address(HOSTS[0], 7450)
         b = await swarm.start("b", listen="0.0.0.0", port=7450, host=HOSTS[1], bootstrap=[first])
         c = await swarm.start("c", listen="0.0.0.0", port=7450, host=HOSTS[2], bootstrap=[first])
-        assert a.status()["advertise"] is None   # nothing dialable until a peer confirms
         daemons = (a, b, c)
         await wait_until(lambda: all(len(seen(d)) == 2 for d in daemons)
                          and all(d.discovery.advertised is not None for d in daemons))
