@@ -10,6 +10,12 @@ Measures, receivers always in a second process so that sender and receiver use s
       negotiated (AEGIS-256 with hardware AES) and with ChaCha20-Poly1305;
   (e) handshake time (TCP connect + handshake) and transport ping round trip.
 Prints the figures and ratios; the last line is one JSON object.
+
+CPU seconds per GiB are measured per process (`time.process_time`, all threads). (a) and (b)
+run `--repeats` times and report the lowest CPU figure of each side and the best throughput:
+other jobs on the machine only ever add to both, so the minimum is the steadiest estimate.
+The ratios `ratio_b_<side>_cpu_over_a_plus_d` compare each side of the transport with raw TCP
+on that side plus sealing alone: the CPU the transport spends beyond moving and encrypting bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ MiB = 1 << 20
 KEY = bytes(range(32))
 BENCH = 100  # message types in the training range, for this benchmark only
 CPU = 101
-RECORD = MiB + 9 + 16  # chunk header + tag, as in the transport
+RECORD = MiB + 16  # a chunk's data record with a ChaCha20-Poly1305 tag, as in the transport
 
 
 def _recv_all_server(q, framed: bool) -> None:
@@ -133,7 +139,8 @@ def _transport_server(q, crypto_thread_min_bytes: int = 0) -> None:
 
 
 async def _transport_client(
-    port: int, total: int, payload_bytes: int, pings: int, handshakes: int, crypto_thread_min_bytes: int = 0
+    port: int, total: int, payload_bytes: int, pings: int, handshakes: int, crypto_thread_min_bytes: int = 0,
+    repeats: int = 1,
 ) -> dict:
     t = Transport(Identity.generate(), KEY, TransportConfig(crypto_thread_min_bytes=crypto_thread_min_bytes))
     result = {}
@@ -153,17 +160,22 @@ async def _transport_client(
         result["ping_rtt_ms_p99"] = sorted(rtts)[int(0.99 * (len(rtts) - 1))] * 1e3
         payload = bytes(payload_bytes)
         count = max(1, total // payload_bytes)
-        server_cpu0 = (await conn.request(CPU, None))[0]
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        for _ in range(count - 1):
-            await conn.send(BENCH, {}, payload=payload)
-        await conn.request(BENCH, {}, payload=payload, timeout_s=600)
-        dt = time.perf_counter() - t0
         gib = count * payload_bytes / (1 << 30)
-        result["sender_cpu_s_per_GiB"] = (time.process_time() - cpu0) / gib
-        result["receiver_cpu_s_per_GiB"] = ((await conn.request(CPU, None))[0] - server_cpu0) / gib
-        result["transport_Bps"] = count * payload_bytes / dt
+        sender, receiver, rate = [], [], []
+        for _ in range(repeats):
+            server_cpu0 = (await conn.request(CPU, None))[0]
+            cpu0 = time.process_time()
+            t0 = time.perf_counter()
+            for _ in range(count - 1):
+                await conn.send(BENCH, {}, payload=payload)
+            await conn.request(BENCH, {}, payload=payload, timeout_s=600)
+            dt = time.perf_counter() - t0
+            sender.append((time.process_time() - cpu0) / gib)
+            receiver.append(((await conn.request(CPU, None))[0] - server_cpu0) / gib)
+            rate.append(count * payload_bytes / dt)
+        result["sender_cpu_s_per_GiB"] = min(sender)
+        result["receiver_cpu_s_per_GiB"] = min(receiver)
+        result["transport_Bps"] = max(rate)
         # ping while a 64 MiB transfer is in flight: control frames overtake payload chunks
         loaded = []
 
@@ -180,14 +192,14 @@ async def _transport_client(
     return result
 
 
-def bench_transport(total: int, payload_bytes: int, pings: int, handshakes: int, threads: int) -> dict:
+def bench_transport(total: int, payload_bytes: int, pings: int, handshakes: int, threads: int, repeats: int) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_transport_server, args=(q, threads))
     p.start()
     try:
         port = q.get(timeout=30)
-        return trio.run(_transport_client, port, total, payload_bytes, pings, handshakes, threads)
+        return trio.run(_transport_client, port, total, payload_bytes, pings, handshakes, threads, repeats)
     finally:
         p.terminate()
         p.join(10)
@@ -213,13 +225,16 @@ def main(argv=None) -> None:
     ap.add_argument("--payload-mib", type=int, default=64, help="payload size per transport message")
     ap.add_argument("--pings", type=int, default=1000)
     ap.add_argument("--handshakes", type=int, default=50)
+    ap.add_argument("--repeats", type=int, default=3, help="runs of (a) and (b); CPU figures are the lowest")
     ap.add_argument("--crypto-thread-min-bytes", type=int, default=0,
                     help="TransportConfig.crypto_thread_min_bytes on both sides (0: no worker threads)")
     args = ap.parse_args(argv)
     total = args.total_mib * MiB
-    raw, raw_send_cpu, raw_recv_cpu = bench_socket(total, framed=False)
+    raws = [bench_socket(total, framed=False) for _ in range(args.repeats)]
+    raw, raw_send_cpu, raw_recv_cpu = (max(r[0] for r in raws), min(r[1] for r in raws), min(r[2] for r in raws))
     framed, _, _ = bench_socket(total, framed=True)
-    tr = bench_transport(total, args.payload_mib * MiB, args.pings, args.handshakes, args.crypto_thread_min_bytes)
+    tr = bench_transport(total, args.payload_mib * MiB, args.pings, args.handshakes, args.crypto_thread_min_bytes,
+                         args.repeats)
     sodium, sodium_cpu = bench_sodium(total, tr["suite"])
     chacha, _ = bench_sodium(total, CHACHA20_POLY1305)
     gbps = lambda x: round(x / 1e9, 3)  # noqa: E731
@@ -242,12 +257,16 @@ def main(argv=None) -> None:
         "a_receiver_cpu_s_per_GiB": round(raw_recv_cpu, 3),
         "b_sender_cpu_s_per_GiB": round(tr["sender_cpu_s_per_GiB"], 3),
         "b_receiver_cpu_s_per_GiB": round(tr["receiver_cpu_s_per_GiB"], 3),
+        # target <= 1.5: each side within 1.5x of raw TCP on that side plus the cipher alone
+        "ratio_b_sender_cpu_over_a_plus_d": round(tr["sender_cpu_s_per_GiB"] / (raw_send_cpu + sodium_cpu), 3),
+        "ratio_b_receiver_cpu_over_a_plus_d": round(tr["receiver_cpu_s_per_GiB"] / (raw_recv_cpu + sodium_cpu), 3),
         "ratio_sodium_cpu_over_max_side_cpu": round(
             sodium_cpu / max(tr["sender_cpu_s_per_GiB"], tr["receiver_cpu_s_per_GiB"]), 3
         ),
         "ratio_b_over_c": round(tr["transport_Bps"] / framed, 3),
         "payload_MiB": args.payload_mib,
         "crypto_thread_min_bytes": args.crypto_thread_min_bytes,
+        "repeats": args.repeats,
         "total_MiB": args.total_mib,
     }
     for k, v in out.items():

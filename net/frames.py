@@ -24,9 +24,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import numpy as np
-
 from .budget import PayloadBudget
+from .bufpool import BufferPool, alloc_buffer
 from .errors import ProtocolError
 from .session import TAG_BYTES
 from .wire import unpack_untrusted
@@ -45,6 +44,9 @@ MSG_HEADER_BYTES = _MSG.size
 CHUNK_HEADER_BYTES = _CHUNK.size
 # Room after a payload's last byte, so that a chunk record's tag can be received in place.
 PAYLOAD_TAIL_BYTES = TAG_BYTES
+# Free payload buffers a connection keeps for reuse (see `bufpool`): enough for two payloads of
+# 64 MiB in turn, one being filled while the application still holds the last.
+PAYLOAD_POOL_BYTES = 160 << 20
 MAX_CLOSE_REASON_BYTES = 256
 
 
@@ -112,13 +114,8 @@ class Message:
 
 
 def alloc_payload(n: int) -> memoryview:
-    """A writable byte buffer of `n` bytes without zero-filling it up front.
-
-    `bytearray(n)` writes every byte before use, which for a large payload both costs as much
-    as decrypting it and blocks the event loop; numpy's allocation leaves pages untouched until
-    chunks land in them.
-    """
-    return memoryview(np.empty(n, dtype=np.uint8)).cast("B")
+    """A writable byte buffer of `n` bytes without zero-filling it up front (see `bufpool`)."""
+    return alloc_buffer(n)
 
 
 @dataclass(frozen=True)
@@ -173,6 +170,7 @@ class Inbound:
         self._budget = budget
         # Payloads refused for the budget: message id -> bytes still to come, read and dropped.
         self._refused: dict[int, int] = {}
+        self._buffers = BufferPool(PAYLOAD_POOL_BYTES)
 
     def on_frame(self, frame: memoryview | bytes) -> Message | ChunkData | Rekey | Close | None:
         """The event completed by `frame`: None for a payload's announcement or an abort,
@@ -282,7 +280,7 @@ class Inbound:
         if p.filled + n > p.expected:
             raise ProtocolError(f"payload of message {msg_id} overruns its announced length")
         if p.buf is None:
-            p.buf = alloc_payload(p.expected + PAYLOAD_TAIL_BYTES)
+            p.buf = self._buffers.take(p.expected + PAYLOAD_TAIL_BYTES)
         return ChunkData(msg_id, n, p.buf[p.filled : p.filled + n + PAYLOAD_TAIL_BYTES])
 
     def on_chunk_data(self, chunk: ChunkData) -> Message | None:

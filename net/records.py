@@ -140,12 +140,13 @@ class RecordWriter:
             await self._write(record)
 
     async def _write(self, record: bytearray | memoryview) -> None:
-        waits = self._writer.waits
+        writer = self._writer
+        waits = writer.waits
+        writer.deadline = trio.current_time() + self._stall_s
         try:
-            with trio.fail_after(self._stall_s):
-                await self._writer.send_all(record)
-                if self._writer.waits == waits:  # never blocked: still a checkpoint
-                    await trio.lowlevel.checkpoint()
+            await writer.send_all(record)
+            if writer.waits == waits:  # never blocked: still a checkpoint
+                await trio.lowlevel.checkpoint()
         except trio.TooSlowError:
             raise ConnectionClosed(f"send to {self._peer} stalled") from None
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
@@ -182,7 +183,8 @@ class RecordReader:
         chunk: frames.ChunkData | None = None  # announced by the last record: the next one's bytes
         while True:
             waits = reader.waits
-            with trio.move_on_after(self._idle_s) as scope:
+            reader.deadline = trio.current_time() + self._idle_s
+            try:
                 prefix = bytes(await reader.read_exactly(PREFIX_BYTES))
                 n = parse_prefix(prefix, self._max_record, tag)
                 if chunk is not None and n != chunk.size + tag:
@@ -193,8 +195,8 @@ class RecordReader:
                     self._buf = _grow(self._buf, n, self._max_record)
                     record = memoryview(self._buf)[:n]
                 await reader.read_into(record)
-            if scope.cancelled_caught:
-                raise ConnectionClosed(f"nothing received from {self._peer} for {self._idle_s} s")
+            except trio.TooSlowError:
+                raise ConnectionClosed(f"nothing received from {self._peer} for {self._idle_s} s") from None
             if self._thread_min and n >= self._thread_min:
                 plain = await trio.to_thread.run_sync(cipher.open_in_place, prefix, record)
             else:

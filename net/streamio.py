@@ -8,6 +8,7 @@ go through `receive_some` / `send_all`.
 
 from __future__ import annotations
 
+import math
 import os
 
 import trio
@@ -27,7 +28,9 @@ class StreamReader:
     """Reads exact byte counts with few copies; reads the socket's descriptor directly.
 
     The view returned by `read_exactly` is valid until the next call. `waits` counts the times
-    a read had to wait for the stream (each one a checkpoint).
+    a read had to wait for the stream (each one a checkpoint). A read still waiting at
+    `deadline` (trio time) raises `trio.TooSlowError`; the deadline costs nothing while data
+    is there.
     """
 
     def __init__(self, stream: trio.abc.ReceiveStream, initial_bytes: int = _MIN_BUFFER) -> None:
@@ -38,6 +41,7 @@ class StreamReader:
         self._start = 0
         self._end = 0
         self.waits = 0
+        self.deadline = math.inf
 
     def _make_room(self, n: int) -> None:
         have = self._end - self._start
@@ -84,7 +88,8 @@ class StreamReader:
         if sock is None:
             self.waits += 1
             try:
-                data = await self._stream.receive_some(view.nbytes)
+                with trio.fail_at(self.deadline):
+                    data = await self._stream.receive_some(view.nbytes)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 raise ConnectionClosed(f"connection lost: {e}") from None
             got = len(data)
@@ -100,7 +105,8 @@ class StreamReader:
                     raise ConnectionClosed(f"connection lost: {e}") from None
                 self.waits += 1
                 try:
-                    await trio.lowlevel.wait_readable(sock)
+                    with trio.fail_at(self.deadline):
+                        await trio.lowlevel.wait_readable(sock)
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as e:
                     raise ConnectionClosed(f"connection lost: {e}") from None
         if got == 0:
@@ -109,7 +115,8 @@ class StreamReader:
 
 
 class StreamWriter:
-    """Writes whole buffers; on a socket, straight to its descriptor. `waits` as in `StreamReader`.
+    """Writes whole buffers; on a socket, straight to its descriptor. `waits` and `deadline`
+    as in `StreamReader`.
 
     Raises `OSError`, `trio.BrokenResourceError` or `trio.ClosedResourceError` when the
     connection is gone.
@@ -119,12 +126,14 @@ class StreamWriter:
         self._stream = stream
         self._sock = _raw_socket(stream)
         self.waits = 0
+        self.deadline = math.inf
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         sock = self._sock
         if sock is None:
             self.waits += 1
-            await self._stream.send_all(data)
+            with trio.fail_at(self.deadline):
+                await self._stream.send_all(data)
             return
         view = memoryview(data)
         n = view.nbytes
@@ -134,7 +143,8 @@ class StreamWriter:
                 pos += os.write(sock.fileno(), view[pos:])
             except BlockingIOError:
                 self.waits += 1
-                await trio.lowlevel.wait_writable(sock)
+                with trio.fail_at(self.deadline):
+                    await trio.lowlevel.wait_writable(sock)
                 continue
             if pos >= n:
                 return

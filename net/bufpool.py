@@ -1,0 +1,67 @@
+"""`BufferPool`: receive buffers for large payloads, recycled once the application drops them.
+
+A fresh buffer costs the kernel a page fault and a zeroed page for every 4 KiB the first
+chunk lands on, about as much CPU as opening (decrypting) those bytes. Training sends tensors of
+the same few sizes step after step, so a buffer given back when its payload dies is, most of
+the time, exactly the one the next payload needs, with its pages already in place.
+
+A buffer is handed out as a `memoryview` of a numpy array that shares the pooled memory; every
+view, slice, numpy array or torch tensor made from it keeps that array alive, and only when the
+array is gone does the memory return to the pool (from whichever thread dropped it). A returned
+buffer still holds the old payload's bytes; the receiver overwrites all of it before it hands
+the new payload out. Free buffers are kept up to `max_bytes`; beyond that they are released.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+__all__ = ["BufferPool", "alloc_buffer"]
+
+
+def alloc_buffer(n: int) -> memoryview:
+    """A writable byte buffer of `n` bytes without zero-filling it up front.
+
+    `bytearray(n)` writes every byte before use, which for a large payload both costs as much
+    as decrypting it and blocks the event loop; numpy's allocation leaves pages untouched until
+    chunks land in them.
+    """
+    return memoryview(np.empty(n, dtype=np.uint8))
+
+
+class BufferPool:
+    def __init__(self, max_bytes: int, min_buffer_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes  # free buffers kept, in bytes
+        self.min_buffer_bytes = min_buffer_bytes  # smaller buffers are not pooled
+        self.free_bytes = 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> memoryview:
+        """A buffer of `n` bytes, recycled when one of that size is free; contents undefined."""
+        if n < self.min_buffer_bytes or self.max_bytes < n:
+            return alloc_buffer(n)
+        with self._lock:
+            free = self._free.get(n)
+            memory = free.pop() if free else None
+            if memory is not None:
+                self.free_bytes -= n
+        if memory is None:
+            memory = np.empty(n, dtype=np.uint8)
+        handed = memory.view()  # the exporter of every view: the memory returns when it dies
+        weakref.finalize(handed, self._give_back, memory).atexit = False
+        return memoryview(handed)
+
+    def _give_back(self, memory: np.ndarray) -> None:
+        with self._lock:
+            if self.free_bytes + memory.nbytes <= self.max_bytes:
+                self._free.setdefault(memory.nbytes, []).append(memory)
+                self.free_bytes += memory.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self.free_bytes = 0
