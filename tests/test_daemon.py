@@ -525,10 +525,9 @@ async def test_peer_whose_exchange_handler_fails_stays_connected(autojump, short
 
 # ---- the advertised address ------------------------------------------------------------------
 
-from dtfm.peer.advertise import Advertiser  # noqa: E402
-from dtfm.peer.config import DiscoveryConfig  # noqa: E402
-from dtfm.peer.pex import AddressSeen  # noqa: E402
-from dtfm.peer.ratelimit import SourceRate  # noqa: E402
+from dtfm.peer.advertise import Advertiser
+from dtfm.peer.pex import AddressSeen
+from dtfm.peer.ratelimit import SourceRate
 
 HOSTS = ("10.77.0.1", "10.77.0.2", "10.77.0.3")
 
