@@ -1,0 +1,182 @@
+"""The payload path of the record layer: in-place opening, chunks as a CHUNK frame plus a data
+record, reuse of receive buffers, and the sender's buffer after `send()` returns."""
+
+import gc
+import os
+
+import pytest
+import trio
+import trio.testing
+
+from dtfm.net import frames
+from dtfm.net.bufpool import BufferPool
+from dtfm.net.errors import ConnectionClosed, ProtocolError
+from dtfm.net.records import RecordReader, RecordWriter, detach_chunks
+from dtfm.net.session import PREFIX_BYTES, SUITES, RecvCipher, SendCipher
+from dtfm.net.streamio import StreamReader
+
+KEY = bytes(range(32))
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("suite", sorted(SUITES))
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 31, 32, 33, 255, 4097, MiB + 7])
+def test_open_in_place_matches_sealed_plaintext(suite, n):
+    plain = os.urandom(n)
+    out = bytearray(2 * (n + 64) + 64)
+    end = SendCipher(KEY, suite).seal_at(b"header", out, 0)
+    end2 = SendCipher(KEY, suite).seal_at(plain, out, end)  # a second, independent stream
+    recv = RecvCipher(KEY, suite)
+    record = memoryview(out)[end + PREFIX_BYTES : end2]
+    assert bytes(recv.open_in_place(bytes(out[end : end + PREFIX_BYTES]), record)) == plain
+    tampered = bytearray(out[end:end2])
+    tampered[-1] ^= 1
+    with pytest.raises(ProtocolError, match="failed authentication"):
+        RecvCipher(KEY, suite).open_in_place(bytes(tampered[:PREFIX_BYTES]), memoryview(tampered)[PREFIX_BYTES:])
+
+
+def inbound(**kw):
+    return frames.Inbound(
+        max_control_frame_bytes=MiB, max_payload_bytes=64 * MiB, max_inflight_payload_bytes=128 * MiB,
+        max_inflight_payloads=4, **kw,
+    )
+
+
+def test_chunk_frames_point_into_the_payload_buffer():
+    ib = inbound()
+    assert ib.on_frame(frames.encode_msg(70, 0, 5, 0, b"\xc0", 10)) is None
+    first = ib.on_frame(frames.encode_chunk(5, 6))
+    assert isinstance(first, frames.ChunkData) and first.size == 6
+    assert len(first.into) >= 6 + frames.PAYLOAD_TAIL_BYTES
+    first.into[:6] = b"abcdef"
+    assert ib.on_chunk_data(first) is None
+    second = ib.on_frame(frames.encode_chunk(5, 4))
+    second.into[:4] = b"ghij"
+    msg = ib.on_chunk_data(second)
+    assert bytes(msg.payload) == b"abcdefghij" and ib.inflight_bytes == 0
+    with pytest.raises(ProtocolError, match="unknown message id"):
+        ib.on_frame(frames.encode_chunk(5, 1))
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (frames.encode_chunk(5, 11), "overruns"),
+        (frames.encode_chunk(5, 0), "empty chunk"),
+        (frames.encode_chunk(5, 4) + b"x", "malformed chunk"),
+        (frames.encode_chunk(5, 4)[:8], "truncated chunk"),
+    ],
+)
+def test_bad_chunk_frames(frame, reason):
+    ib = inbound()
+    ib.on_frame(frames.encode_msg(70, 0, 5, 0, b"\xc0", 10))
+    with pytest.raises(ProtocolError, match=reason):
+        ib.on_frame(frame)
+
+
+def test_buffer_pool_recycles_a_buffer_once_every_view_is_gone():
+    pool = BufferPool(max_bytes=8 * MiB, min_buffer_bytes=MiB)
+    a = pool.take(2 * MiB)
+    derived = a[10:20]  # any view keeps the memory out of the pool
+    del a
+    gc.collect()
+    assert pool.free_bytes == 0
+    del derived
+    gc.collect()
+    assert pool.free_bytes == 2 * MiB
+    b = pool.take(2 * MiB)
+    assert pool.free_bytes == 0 and b.nbytes == 2 * MiB
+    small = pool.take(100)  # below min_buffer_bytes: not pooled
+    del b, small
+    gc.collect()
+    assert pool.free_bytes == 2 * MiB
+    big = [pool.take(5 * MiB) for _ in range(2)]  # more than max_bytes of free buffers: released
+    del big
+    gc.collect()
+    assert pool.free_bytes <= 8 * MiB
+
+
+async def test_queued_chunks_are_detached_from_the_senders_buffer():
+    buf = bytearray(b"0123456789")
+    sealed = frames.Chunk(1, memoryview(buf)[:5])
+    sealed.state = frames.Chunk.SEALED
+    queued = frames.Chunk(1, memoryview(buf)[5:])
+    await detach_chunks([sealed, queued])
+    buf[:] = b"x" * 10
+    assert bytes(queued.data) == b"56789"
+    assert len(queued) == frames.CHUNK_HEADER_BYTES + 5 and queued[0] == frames.CHUNK
+
+
+def pair_over_memory_streams(suite="chacha20poly1305", **writer_kw):
+    left, right = trio.testing.memory_stream_pair()
+    writer = RecordWriter(
+        left, SendCipher(KEY, suite), max_record=MiB + 64, rekey_after_records=writer_kw.get("rekey", 2**32),
+        rekey_interval_s=1e9, send_stall_timeout_s=5, thread_min_bytes=0, peer="a",
+    )
+    reader = RecordReader(
+        StreamReader(right), RecvCipher(KEY, suite), inbound(), max_record=MiB + 64, idle_timeout_s=5,
+        thread_min_bytes=0, peer="b",
+    )
+    return writer, reader
+
+
+async def test_chunks_cross_the_record_layer_across_key_renewals():
+    writer, reader = pair_over_memory_streams(rekey=3)
+    payload = os.urandom(3 * MiB + 5)
+    got = []
+
+    async def send():
+        await writer.transmit(frames.encode_msg(70, 0, 9, 0, b"\xc0", len(payload)))
+        view = memoryview(payload)
+        for off in range(0, len(payload), MiB):
+            await writer.transmit(frames.Chunk(9, view[off : off + MiB]))
+        await writer.transmit(frames.encode_close("done"))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(send)
+        with pytest.raises(ConnectionClosed, match="done"):
+            await reader.run(got.append)
+    assert len(got) == 1 and bytes(got[0].payload) == payload
+
+
+async def test_a_data_record_of_another_length_than_announced_is_refused():
+    writer, reader = pair_over_memory_streams()
+
+    async def send():
+        await writer.transmit(frames.encode_msg(70, 0, 9, 0, b"\xc0", 100))
+        await writer.transmit(frames.encode_chunk(9, 50))
+        await writer.transmit(bytes(40))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(send)
+        with pytest.raises(ProtocolError, match="announced 50"):
+            await reader.run(lambda m: None)
+
+
+async def test_a_payload_buffer_may_be_reused_once_send_returns():
+    from dtfm.net import Transport, TransportConfig
+    from dtfm.net.identity import Identity
+
+    cfg = TransportConfig.test()
+    a, b = Transport(Identity.generate(), KEY, cfg), Transport(Identity.generate(), KEY, cfg)
+    got = []
+    done = trio.Event()
+
+    async def keep(conn, msg_type, body, payload):
+        got.append(bytes(payload))
+        if len(got) == 3:
+            done.set()
+
+    a.handle(70, keep)
+    async with trio.open_nursery() as n:
+        host, port = await n.start(a.serve, "127.0.0.1", 0)
+        await n.start(b.run)
+        conn = await b.connect(host, port)
+        buf = bytearray(5 * cfg.chunk_bytes + 3)
+        for i in range(3):
+            buf[:] = bytes([i + 1]) * len(buf)
+            await conn.send(70, i, payload=buf)  # refilled at once: queued chunks must not see it
+        with trio.fail_after(10):
+            await done.wait()
+        assert got == [bytes([i + 1]) * len(buf) for i in range(3)]
+        n.cancel_scope.cancel()
