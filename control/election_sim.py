@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -199,8 +200,11 @@ class ElectionSim:
         node = self.nodes[k]
         if node is None:
             return
-        t = max(self.now, node.next_deadline() - self.offsets[k])
-        if t != self._tick_at[k] and t != float("inf"):
+        deadline = node.next_deadline()
+        t = max(self.now, deadline - self.offsets[k])
+        while t + self.offsets[k] < deadline:  # rounding: the node must see its deadline reached
+            t = math.nextafter(t, math.inf)
+        if t != self._tick_at[k] and t != math.inf:
             self._tick_at[k] = t
             self._push(t, ("tick", k))
 
