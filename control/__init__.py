@@ -8,6 +8,11 @@ sched and train, below the daemon, which only starts it as a service.
 from .allocation import (ALLOCATION_DOMAIN, MAX_ALLOCATION_BYTES, REFUSAL_CODES, AcceptContext, Allocation,
                          Refusal, SignedAllocation, check_allocation)
 from .comm import CommConfig, TensorRouter, TransportComm
+from .election import (BecameCoordinator, CoordinatorKnown, ElectionAction, ElectionConfig, ElectionRole, ElectionSend,
+                       ElectionState, Persist, SteppedDown)
+from .election_messages import (ElectionMessage, Heartbeat, HeartbeatAck, PreVote, PreVoteReply, RequestVote, Vote,
+                                decode_election)
+from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig, TrainError, TrainRequest
 from .runner import RunEnd, StageRunner, StepReport, params_sha256
@@ -18,4 +23,8 @@ __all__ = [
     "MAX_ALLOCATION_BYTES", "REFUSAL_CODES", "Refusal", "RunEnd", "Shape", "SignedAllocation", "StageRunner",
     "StepReport", "TensorRouter", "TrainError", "TrainRequest", "TrainerConfig", "TransportComm",
     "check_allocation", "choose_shape", "params_sha256", "random_shape", "sched_spec",
+    "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage", "ElectionRole",
+    "ElectionSend", "ElectionState", "ElectionStore", "ElectionStoreError", "FileElectionStore", "Heartbeat",
+    "HeartbeatAck", "MemoryElectionStore", "Persist", "PreVote", "PreVoteReply", "RequestVote", "SteppedDown", "Vote",
+    "decode_election",
 ]
