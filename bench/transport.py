@@ -237,7 +237,7 @@ def main(argv=None) -> None:
                          args.repeats)
     sodium, sodium_cpu = bench_sodium(total, tr["suite"])
     chacha, _ = bench_sodium(total, CHACHA20_POLY1305)
-    gbps = lambda x: round(x / 1e9, 3)  # noqa: E731
+    gbps = lambda x: round(x / 1e9, 3)
     out = {
         "a_raw_tcp_GBps": gbps(raw),
         "b_transport_encrypted_GBps": gbps(tr["transport_Bps"]),

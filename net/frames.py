@@ -67,7 +67,7 @@ class Chunk:
     may reuse its buffer."""
 
     QUEUED, SEALING, SEALED = 0, 1, 2
-    __slots__ = ("msg_id", "data", "state")
+    __slots__ = ("data", "msg_id", "state")
 
     def __init__(self, msg_id: int, data: memoryview) -> None:
         self.msg_id = msg_id

@@ -86,7 +86,7 @@ def ratchet(key: bytes) -> bytes:
 
 
 class _Direction:
-    __slots__ = ("_key", "counter", "_nonce", "_len", "suite", "tag_bytes")
+    __slots__ = ("_key", "_len", "_nonce", "counter", "suite", "tag_bytes")
 
     def __init__(self, key: bytes, suite: str = CHACHA20_POLY1305) -> None:
         if len(key) != KEY_BYTES:
