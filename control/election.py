@@ -3,11 +3,11 @@
 `ElectionState` does no I/O and reads no clock: the driver passes `now`, feeds received
 messages to `handle(src, msg, now)`, calls `tick(now)` at `next_deadline()`, and executes the
 returned actions *in order*: a `Persist` (write term and vote to disk, fsync, before anything
-after it) always precedes the `ElectionSend` of the vote it records. A restarted node is built from
-what its store loads (`ElectionStore.load`).
+after it) always precedes the `ElectionSend` of the vote it records. A restarted node is built
+from what its store loads (`ElectionStore.load`).
 
     role           event                                      next role      emits
-    follower       election timer (random in [min, max])      pre-candidate  PreVote to the voters
+    follower       election timer (see Timers)                pre-candidate  PreVote to the voters
     pre-candidate  pre-votes of a majority                    candidate      Persist(term+1, me), RequestVote
     candidate      votes of a majority                        coordinator    BecameCoordinator, Heartbeat
     coordinator    heartbeat timer                            coordinator    Heartbeat to the voters
@@ -24,8 +24,16 @@ was cut off, even with an inflated term, cannot depose a coordinator a majority 
 The coordinator itself may stand again: if a voter answers its heartbeat with a higher term,
 it stands in the term after that one at once (no pre-vote), and its followers grant it.
 
-Configuration. The voters are the peers of the last applied allocation (`set_voters`); until a
-node has voters it votes but never stands. `campaign(now)` stands at once (`train start`).
+Timers. A follower stands after uniform(election_timeout_min_s, election_timeout_max_s) plus
+rank * stagger_s without hearing its coordinator, its rank being its place in an order of the
+voters every peer of the term computes alike (a hash of term and peer id, the coordinator
+last): after a crash the first-ranked peer stands about one stagger before the next, so two
+candidates rarely split a vote, even when the round trips are as long as the random spread.
+
+Configuration. The voters are the peers of the last applied allocation (`set_voters`); a
+follower also takes the coordinator's voters from a heartbeat whose applied (term, epoch) is
+not older than its own. Until a node has voters it votes but never stands. `campaign(now)`
+stands at once (`train start`).
 
 Allocations. `may_apply(issuer, term, epoch)` refuses an allocation unless `issuer` is the
 coordinator this node recognises for `term`, `term` is its current term, and (term, epoch) is
@@ -43,11 +51,12 @@ import enum
 import hashlib
 import logging
 import random
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 from dtfm.net import short_id
 
 from .allocation import Refusal
+from .election_config import ElectionConfig
 from .election_messages import (
     MAX_TERM,
     ElectionMessage,
@@ -76,66 +85,6 @@ logger = logging.getLogger(__name__)
 
 _NEVER = float("inf")
 _LONG_AGO = float("-inf")
-
-
-@dataclass(frozen=True)
-class ElectionConfig:
-    # A follower that hears no coordinator for a random time in [min, max] stands. Longer:
-    # slower take-over after a crash; shorter than a few round trips: needless elections. The
-    # spread makes two peers standing at once (a split vote) rare.
-    election_timeout_min_s: float = 2.0
-    election_timeout_max_s: float = 2.3
-    # Each voter adds rank * stagger_s to its timeout, its rank in an order of the voters that
-    # every peer of a term computes alike (a hash of term and peer id; the coordinator last),
-    # so peers stand one after another instead of at once. At least a pre-vote round trip plus
-    # the vote request's way (~3 one-way delays) beyond the random spread; 0: random only.
-    stagger_s: float = 1.2
-    # The coordinator's heartbeat period. Shorter: followers' leases and the coordinator's
-    # check-quorum see a lost heartbeat sooner, at N messages per period.
-    heartbeat_interval_s: float = 0.2
-    # A voter that heard its coordinator within lease_s refuses to (pre-)vote for another; a
-    # coordinator without acks from a majority within lease_s steps down. Several heartbeats
-    # long, and at most election_timeout_min_s, so voters grant once a follower's timer fired.
-    lease_s: float = 1.6
-    # Pre-vote, leases and re-standing on a higher term; False: plain Raft (a baseline).
-    pre_vote: bool = True
-    # The coordinator steps down without acks from a majority within lease_s.
-    check_quorum: bool = True
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type in ("bool", bool):
-                if type(v) is not bool:
-                    raise ValueError(f"{f.name} must be a bool, got {v!r}")
-            elif type(v) not in (int, float) or not 0 <= v < 1e6 or (v == 0 and f.name != "stagger_s"):
-                raise ValueError(f"{f.name} must be a positive number of seconds, got {v!r}")
-        if not self.election_timeout_max_s > self.election_timeout_min_s:
-            raise ValueError("election_timeout_max_s must exceed election_timeout_min_s (the timeouts are random)")
-        if not 3 * self.heartbeat_interval_s <= self.election_timeout_min_s:
-            raise ValueError("heartbeat_interval_s must be at most a third of election_timeout_min_s")
-        if not 2 * self.heartbeat_interval_s < self.lease_s <= self.election_timeout_min_s:
-            raise ValueError("lease_s must exceed two heartbeat intervals and be at most election_timeout_min_s")
-
-    @classmethod
-    def wan(cls) -> ElectionConfig:
-        """Peers across continents: one-way delays up to ~300 ms (the worldwide scenario)."""
-        return cls()
-
-    @classmethod
-    def lan(cls) -> ElectionConfig:
-        """One data centre or region: delays of a few ms."""
-        return cls(election_timeout_min_s=0.5, election_timeout_max_s=0.6, heartbeat_interval_s=0.05, lease_s=0.4,
-                   stagger_s=0.1)
-
-    @classmethod
-    def test(cls) -> ElectionConfig:
-        """Unit tests and simulations with delays of ~10 ms."""
-        return cls(election_timeout_min_s=0.3, election_timeout_max_s=0.36, heartbeat_interval_s=0.03, lease_s=0.24,
-                   stagger_s=0.06)
-
-    def with_(self, **changes) -> ElectionConfig:
-        return replace(self, **changes)
 
 
 class ElectionRole(enum.Enum):
