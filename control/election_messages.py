@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar, Self
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict, get_int, get_list
 
@@ -83,12 +84,14 @@ def _applied(d: dict) -> dict:
 
 
 @dataclass(frozen=True)
-class PreVote:
-    term: int  # the term the candidate would stand in: its own term + 1
+class _Ballot:
+    """A candidate's request to the voters: PreVote or RequestVote, the same fields."""
+
+    term: int
     candidate: bytes
     applied_term: int  # (term, epoch) of the last allocation the candidate applied; (0, 0): none
     applied_epoch: int
-    kind = ElectionKind.PRE_VOTE
+    kind: ClassVar[ElectionKind]
 
     def __post_init__(self) -> None:
         _int("term", self.term, 1)
@@ -101,9 +104,16 @@ class PreVote:
                 "ae": self.applied_epoch}
 
     @classmethod
-    def from_wire(cls, d: dict) -> PreVote:
+    def from_wire(cls, d: dict) -> Self:
         return _checked(cls, term=get_int(d, "t", 1, MAX_TERM),
                         candidate=get_bytes(d, "c", PEER_ID_BYTES, PEER_ID_BYTES), **_applied(d))
+
+
+@dataclass(frozen=True)
+class PreVote(_Ballot):
+    """`term` is the term the candidate would stand in: its own term + 1."""
+
+    kind = ElectionKind.PRE_VOTE
 
 
 @dataclass(frozen=True)
@@ -128,27 +138,10 @@ class PreVoteReply:
 
 
 @dataclass(frozen=True)
-class RequestVote:
-    term: int  # the term the candidate stands in (already its own)
-    candidate: bytes
-    applied_term: int
-    applied_epoch: int
+class RequestVote(_Ballot):
+    """`term` is the term the candidate stands in (already its own)."""
+
     kind = ElectionKind.REQUEST_VOTE
-
-    def __post_init__(self) -> None:
-        _int("term", self.term, 1)
-        _peer("candidate", self.candidate)
-        _int("applied_term", self.applied_term, 0)
-        _int("applied_epoch", self.applied_epoch, 0)
-
-    def to_wire(self) -> dict:
-        return {"k": int(self.kind), "t": self.term, "c": self.candidate, "at": self.applied_term,
-                "ae": self.applied_epoch}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> RequestVote:
-        return _checked(cls, term=get_int(d, "t", 1, MAX_TERM),
-                        candidate=get_bytes(d, "c", PEER_ID_BYTES, PEER_ID_BYTES), **_applied(d))
 
 
 @dataclass(frozen=True)

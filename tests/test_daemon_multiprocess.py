@@ -11,9 +11,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import polling
 import pytest
 
 from dtfm.peer.config import ControlConfig
@@ -37,15 +37,7 @@ def cli(*args, env=None, timeout=DEADLINE_S):
 
 
 def wait_for(what, condition, deadline_s=DEADLINE_S):
-    """Poll `condition()` until it returns something truthy; fail naming `what`."""
-    end = time.monotonic() + deadline_s
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > end:
-            pytest.fail(f"gave up waiting for {what}")
-        time.sleep(0.05)
+    return polling.wait_for(what, condition, deadline_s, interval_s=0.05)
 
 
 class Peer:

@@ -16,9 +16,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import polling
 import pytest
 
 from dtfm.peer.config import ControlConfig
@@ -122,15 +122,9 @@ class Daemon:
 
 
 def wait_for(what, condition, daemons, deadline_s=DEADLINE_S):
-    end = time.monotonic() + deadline_s
-    while True:
-        result = condition()
-        if result:
-            return result
-        if time.monotonic() > end:
-            logs = "\n".join(f"--- {d.name}\n{d.log_path.read_text()[-3000:]}" for d in daemons)
-            pytest.fail(f"gave up waiting for {what}\n{logs}")
-        time.sleep(0.1)
+    """`polling.wait_for`, with the daemons' logs when it gives up."""
+    return polling.wait_for(what, condition, deadline_s, detail=lambda: "\n".join(
+        f"--- {d.name}\n{d.log_path.read_text()[-3000:]}" for d in daemons))
 
 
 def members(status) -> dict[str, tuple[str, str]]:

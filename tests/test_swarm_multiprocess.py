@@ -7,7 +7,6 @@ the same id when restarted with its data dir.
 
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_status
 from dtfm.swarm.report import status_report
 from dtfm.swarm.state import load_state
+from polling import wait_for
 
 N_PEERS = 6
 
@@ -32,16 +32,6 @@ def member_states(state, peer_id: str) -> list[str | None]:
         members = {m["id"]: m["state"] for m in ((rep or {}).get("gossip") or {}).get("members", [])}
         out.append(members.get(peer_id))
     return out
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)  # polling other processes; there is no event to wait on across them
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture
@@ -82,8 +72,8 @@ def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
     victim = state.peers[-1]
     victim_id = victim.peer_id
     assert swarm.main(["kill", victim.name, "--run-dir", str(run_dir)]) == 0
-    wait_for(lambda: all(s == "dead" for s in member_states(state, victim_id)), 150,
-             "every peer to declare the killed peer dead")
+    wait_for("every peer to declare the killed peer dead",
+             lambda: all(s == "dead" for s in member_states(state, victim_id)), 150, interval_s=0.5)
 
     assert swarm.main(["restart", victim.name, "--run-dir", str(run_dir)]) == 0
     state = load_state(run_dir)
@@ -93,4 +83,4 @@ def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
         return (rep is not None and rep["peer_id"] == victim_id
                 and all(s == "alive" for s in member_states(state, victim_id)))
 
-    wait_for(back_alive, 90, "the restarted peer to be alive again under the same id")
+    wait_for("the restarted peer to be alive again under the same id", back_alive, 90, interval_s=0.5)

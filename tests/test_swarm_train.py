@@ -19,6 +19,7 @@ from dtfm.swarm.proc import peer_status
 from dtfm.swarm.state import load_state
 from dtfm.swarm.train import read_log
 from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
+from polling import wait_for
 
 N_PEERS = 8
 STEPS = 4
@@ -33,16 +34,6 @@ def reference_losses(steps: int, seed: int = 0) -> list[float]:
 
 def training_of(state) -> dict[str, dict]:
     return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)  # polling other processes; there is no event to wait on across them
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +68,9 @@ def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
         assert row["loss"] == pytest.approx(ref, abs=1e-5)
         assert row["epoch"] == 1 and row["iteration_s"] > 0 and row["tokens_per_s"] > 0
     state = load_state(run_dir)
-    ends = wait_for(lambda: (t := training_of(state)) and all("last_end" in v for v in t.values()) and t,
-                    60, "every peer to finish")
+    ends = wait_for("every peer to finish",
+                    lambda: (t := training_of(state)) and all("last_end" in v for v in t.values()) and t,
+                    60, interval_s=0.5)
     groups: dict[int, set[str]] = {}
     for v in ends.values():
         assert v["last_end"]["failed"] is False and v["last_end"]["completed"] == STEPS - 1
@@ -103,7 +95,7 @@ def test_sigkill_of_a_training_peer_stops_the_others_cleanly(run_dir):
         return len(t) == N_PEERS - 1 and all(v.get("state") == "stopped" for v in t.values()) and t
 
     # Failure detection with the wan timings takes about 35 s; twice that is the bound.
-    stopped = wait_for(all_stopped, 90, "every other peer to stop training")
+    stopped = wait_for("every other peer to stop training", all_stopped, 90, interval_s=0.5)
     elapsed = time.monotonic() - killed_at
     assert elapsed < 90
     for v in stopped.values():
