@@ -11,4 +11,9 @@ class ControlMsg(IntEnum):
     START = 65       # request: the issuer's go for an epoch every peer accepted
     STOP = 66        # request: end the run at the next step boundary (or abort an epoch)
     STEP = 67        # one-way: a peer's report of a completed step, to the issuer
+    FETCH_MANIFEST = 68  # request: the manifest of a stage held at a step; reply: the manifest
+    FETCH_CHUNK = 69     # request: one chunk of that stage; reply: the chunk as the payload
+    ELECTION = 70    # one-way: a coordinator-election message (control/election_messages.py)
+    RUN_STATE = 71   # request: what a peer holds of a run (allocation, steps, stages, checkpoints)
     TENSOR = 72      # request: one tensor of a training step; reply once it is buffered
+    TRAIN_OP = 73    # request: `train start` / `train reschedule` forwarded to the coordinator
