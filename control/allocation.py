@@ -41,11 +41,11 @@ from dtfm.train import GPTSpec, Plan, TrainConfig, split_batch
 
 __all__ = [
     "ALLOCATION_DOMAIN", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
-    "AcceptContext", "Allocation", "Refusal", "SignedAllocation", "check_allocation",
+    "AcceptContext", "Allocation", "Holding", "Refusal", "SignedAllocation", "check_allocation",
 ]
 
 ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before signing
-FORMAT_VERSION = 1  # first field of the body; a peer refuses a format it cannot read
+FORMAT_VERSION = 2  # first field of the body; a peer refuses a format it cannot read
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_PEERS = 4096  # pipeline peers and spares together
 MAX_STAGES = 1024
@@ -57,6 +57,7 @@ MAX_DATA_NAME_LEN = 256
 RUN_ID_BYTES = 16
 SIGNATURE_BYTES = 64
 MAX_REASON_LEN = 1024
+MAX_HOLDERS = 64  # holders listed per stage of the previous layout
 MAX_CODE_LEN = 32
 MAX_NAMED = 8  # peers named in one refusal; the rest are counted
 # Model and train configuration values: generous bounds, the dataclasses check the rest.
@@ -70,9 +71,39 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 
 _BODY = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
          "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
-         "predicted_iteration_s")
+         "predicted_iteration_s", "holdings", "absent", "reason")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _CODE = re.compile(r"[a-z][a-z-]*")
+
+
+@dataclass(frozen=True)
+class Holding:
+    """Where a stage of the previous layout is held at the allocation's start step: the peers
+    that hold it (or its checkpoint) and the sha256 digest of its transfer manifest
+    (`control.recovery.manifest_digest`), which binds every chunk a peer fetches."""
+
+    layer_range: tuple[int, int]
+    digest: str
+    holders: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_range", tuple(self.layer_range))
+        object.__setattr__(self, "holders", tuple(self.holders))
+        if len(self.layer_range) != 2:
+            raise ValueError(f"layer range {self.layer_range!r} is not a pair")
+        for x in self.layer_range:
+            _check_int("layer", x, 0, MAX_LAYERS)
+        if type(self.digest) is not str or not _SHA256_HEX.fullmatch(self.digest):
+            raise ValueError(f"holding digest must be 64 lowercase hex characters, got {self.digest!r:.80}")
+        if not 1 <= len(self.holders) <= MAX_HOLDERS:
+            raise ValueError(f"a holding lists 1 to {MAX_HOLDERS} holders")
+        for x in self.holders:
+            _check_bytes("holder", x, PEER_ID_BYTES)
+        if len(set(self.holders)) != len(self.holders):
+            raise ValueError("a holder is listed twice")
+
+    def to_wire(self) -> list:
+        return [self.layer_range[0], self.layer_range[1], self.digest, list(self.holders)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,9 +126,17 @@ class Allocation:
     checkpoint_every: int = 0  # save each stage every K steps; 0: never
     predicted_iteration_s: float = 0.0  # the scheduler's predicted step time; 0: none
     spares: tuple[bytes, ...] = ()  # live peers given no stage
+    # The previous layout's stages at start_step, where to fetch them and their digests; empty
+    # when the run starts from fresh weights (start_step 0).
+    holdings: tuple[Holding, ...] = ()
+    absent: tuple[bytes, ...] = ()  # members the issuer could not reach: neither stage nor spare
+    reason: str = ""  # why this epoch: "train start", "peer 3fa2c1d0 is dead", ...
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
+        object.__setattr__(self, "holdings", tuple(self.holdings))
+        object.__setattr__(self, "absent", tuple(self.absent))
+        _check_str("reason", self.reason, 0, MAX_REASON_LEN)
         object.__setattr__(self, "layer_ranges", tuple(tuple(r) for r in self.layer_ranges))
         object.__setattr__(self, "spares", tuple(self.spares))
         _check_int("epoch", self.epoch, 1, MAX_COUNTER)
@@ -146,6 +185,24 @@ class Allocation:
             raise ValueError("a spare is listed twice")
         if set(self.spares) & set(peers):
             raise ValueError("a spare also holds a stage")
+        if len(self.absent) > MAX_PEERS:
+            raise ValueError(f"more than {MAX_PEERS} absent peers")
+        for x in self.absent:
+            _check_bytes("peer id", x, PEER_ID_BYTES)
+        if set(self.absent) & (set(peers) | set(self.spares)):
+            raise ValueError("an absent peer also has a place")
+        if self.holdings:
+            if len(self.holdings) > MAX_STAGES:
+                raise ValueError(f"more than {MAX_STAGES} holdings")
+            end = 0
+            for h in self.holdings:
+                if not isinstance(h, Holding):
+                    raise ValueError("holdings must be Holding values")
+                if h.layer_range[0] != end or h.layer_range[1] <= end:
+                    raise ValueError("the holdings' layer ranges must be contiguous, non-empty, from 0")
+                end = h.layer_range[1]
+            if end != self.model.n_layer:
+                raise ValueError(f"the holdings cover {end} layers, the model has {self.model.n_layer}")
         start = 0
         for r in self.layer_ranges:
             if len(r) != 2:
@@ -214,7 +271,8 @@ class Allocation:
             _config_to_wire(self.model, "model"), _config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
-            float(self.predicted_iteration_s),
+            float(self.predicted_iteration_s), [h.to_wire() for h in self.holdings], list(self.absent),
+            self.reason,
         ])
 
     @classmethod
@@ -243,6 +301,8 @@ class Allocation:
                 checkpoint_every=get_int(d, "checkpoint_every", 0, MAX_COUNTER),
                 predicted_iteration_s=get_float(d, "predicted_iteration_s", 0.0, MAX_ITERATION_S),
                 spares=_id_list(d["spares"], "spares", MAX_PEERS),
+                holdings=[_holding(h) for h in get_list(d, "holdings", MAX_STAGES)],
+                absent=_id_list(d["absent"], "absent", MAX_PEERS), reason=get_str(d, "reason", MAX_REASON_LEN),
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None
@@ -352,7 +412,7 @@ def check_allocation(alloc: Allocation, ctx: AcceptContext) -> Refusal | None:
     unknown = named - ctx.known
     if unknown:
         return _refuse("unknown-peer", f"peers unknown here: {_names(unknown)}")
-    uncovered = ctx.live - named
+    uncovered = ctx.live - named - set(alloc.absent)
     if uncovered:
         return _refuse("not-covered", f"live peers with neither a stage nor a spare place: {_names(uncovered)}")
     return None
@@ -403,6 +463,18 @@ def _check_str(what: str, v: object, lo: int, hi: int) -> None:
 def _id_list(obj: object, what: str, max_len: int) -> list[bytes]:
     items = get_list({what: obj}, what, max_len)
     return [get_bytes({what: x}, what, PEER_ID_BYTES, PEER_ID_BYTES) for x in items]
+
+
+def _holding(obj: object) -> Holding:
+    items = get_list({"holding": obj}, "holding", 4)
+    if len(items) != 4:
+        raise ProtocolError("holding: expected [first, end, digest, holders]")
+    d = dict(zip(("first layer", "end layer", "digest", "holders"), items))
+    try:
+        return Holding((get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)),
+                       get_str(d, "digest", 64), tuple(_id_list(d["holders"], "holders", MAX_HOLDERS)))
+    except ValueError as e:
+        raise ProtocolError(f"holding: {e}") from None
 
 
 def _layer_range(obj: object) -> tuple[int, int]:

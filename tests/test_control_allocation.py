@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.control.allocation import (
+    FORMAT_VERSION,
+    Holding,
     ALLOCATION_DOMAIN,
     MAX_ALLOCATION_BYTES,
     REFUSAL_CODES,
@@ -123,6 +125,11 @@ def allocation_fields(draw) -> dict:
         "data_name": draw(st.text(max_size=30)), "start_step": start, "end_step": start + draw(st.integers(1, 2**20)),
         "checkpoint_every": draw(st.integers(0, 1000)), "predicted_iteration_s": draw(st.integers(0, 10**6)),
         "spares": ids[d * s:],
+        "holdings": [Holding(r, draw(st.binary(min_size=32, max_size=32)).hex(),
+                             tuple(draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3, unique=True))))
+                     for r in zip([0, *cuts], [*cuts, n_layer])] if draw(st.booleans()) else [],
+        "absent": [draw(st.binary(min_size=32, max_size=32))] if draw(st.booleans()) else [],
+        "reason": draw(st.text(max_size=40)),
     }
 
 
@@ -143,7 +150,7 @@ def test_encoding_is_canonical(fields):
 
 def test_body_is_a_fixed_list_with_sorted_config_maps():
     body = body_list(make())
-    assert body[0] == 1 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
+    assert body[0] == FORMAT_VERSION == 2 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
     model, train = body[6], body[7]
     assert list(model) == sorted(model) and list(train) == sorted(train)
     assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
@@ -168,7 +175,8 @@ def test_only_the_canonical_encoding_is_accepted():
 
 
 @pytest.mark.parametrize("index, value, match", [
-    (0, 2, "format 2"),
+    (0, 3, "format 3"),
+    (0, 1, "format 1"),
     (2, -1, "'term'"),
     (3, 0, "'epoch'"),
     (4, b"short", "'issuer'"),
@@ -431,3 +439,21 @@ def test_neighbours_are_exactly_who_a_step_talks_to(corpus, d, s, tied):
         talked = {dst for src, dst in hub.pairs if src == peer} | {src for src, dst in hub.pairs if dst == peer}
         assert a.neighbours(peer) == talked, a.position(peer)
     assert a.neighbours(a.spares[0]) == frozenset()
+
+
+def test_holdings_must_cover_the_model_in_order_and_travel_signed():
+    a = make()
+    h = [Holding(r, "ab" * 32, (IDS[0],)) for r in a.layer_ranges]
+    b = dataclasses.replace(a, holdings=h, absent=[bytes([99]) * 32], reason="peer 1234 is dead")
+    signed = SignedAllocation.sign(b, ISSUER)
+    assert signed.open() == b and signed.open().holdings[0].holders == (IDS[0],)
+    with pytest.raises(ValueError, match="contiguous"):
+        dataclasses.replace(a, holdings=list(reversed(h)))
+    with pytest.raises(ValueError, match="cover"):
+        dataclasses.replace(a, holdings=h[:-1])
+    with pytest.raises(ValueError, match="absent peer"):
+        dataclasses.replace(a, absent=[a.peers[0]])
+    with pytest.raises(ValueError, match="digest"):
+        Holding((0, 1), "xyz", (IDS[0],))
+    with pytest.raises(ValueError, match="holders"):
+        Holding((0, 1), "ab" * 32, ())
