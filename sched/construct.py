@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["locality_order", "dp_aligned", "pp_aligned", "aligned_blocks", "consecutive", "random_allocation"]
+__all__ = ["locality_order", "dp_aligned", "pp_aligned", "aligned_blocks", "consecutive", "random_allocation",
+           "given"]
 
 
 def locality_order(hop: np.ndarray, regions=None) -> np.ndarray:
@@ -81,3 +82,18 @@ def aligned_blocks(order: np.ndarray, regions, S: int, D: int, block: int) -> tu
         X[b * block:(b + 1) * block, p] = seg
     spares = np.array(sorted(set(order.tolist()) - set(used)), dtype=np.int64)
     return X, spares
+
+
+def given(pipelines, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """An allocation handed in as D pipelines of S peer indices (a warm start), checked: every
+    pipeline as long, peers distinct and in [0, n). The peers left out are the spares."""
+    pipes = [[int(v) for v in p] for p in pipelines]
+    if not pipes or not pipes[0] or any(len(p) != len(pipes[0]) for p in pipes):
+        raise ValueError("an initial allocation needs at least one pipeline of at least one stage, "
+                         "every pipeline as long")
+    X = np.array(pipes, dtype=np.int64).T  # (S, D)
+    if X.min() < 0 or X.max() >= n:
+        raise ValueError(f"an initial allocation names peers outside 0..{n - 1}")
+    if len(np.unique(X)) != X.size:
+        raise ValueError("an initial allocation places a peer twice")
+    return X.copy(), np.setdiff1d(np.arange(n, dtype=np.int64), X.ravel())

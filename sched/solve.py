@@ -6,6 +6,9 @@
 
 `stages="auto"` tries every shape that fits the model and returns the cheapest. Peers left
 out (when N is not S x D, or when leaving them out is cheaper) are reported as spares.
+`initial=` warm-starts the search from an earlier allocation (a coordinator re-planning after
+the swarm changed): it joins the starting population, first, so the result costs no more than
+it under the search's objective and, among equally cheap allocations, stays close to it.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .construct import aligned_blocks, consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
+from .construct import aligned_blocks, consecutive, dp_aligned, given, locality_order, pp_aligned, random_allocation
 from .cost import CostBreakdown, CostModel
 from .search import SearchConfig, ShapeSearch
 from .spec import CommSpec, ModelSpec
@@ -107,11 +110,13 @@ def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
 
 
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
-                 regions, seed, deadline_s, config) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
+                 regions, seed, deadline_s, config, initial=None) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers)
     search = ShapeSearch(model, S, D, config, seed, deadline_s)
     seeds = _seeds(model, S, D, regions, np.random.default_rng([seed, 1]), config.random_seeds)
+    if initial is not None:  # first: on a tie with a construction the warm start wins
+        seeds.insert(0, initial)
     cost, X, Z = search.run(seeds)
     stats = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
@@ -122,15 +127,19 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
           stages: int | str | None = None, dp: int | None = None, compute: np.ndarray | None = None,
           memory_gib: np.ndarray | None = None, regions=None, seed: int = 0,
           time_budget_s: float = 20.0, generations: int | None = None, allow_spares: bool = True,
-          uneven_layers: bool = False, config: SearchConfig | None = None) -> Allocation:
+          uneven_layers: bool = False, config: SearchConfig | None = None, initial=None) -> Allocation:
     """Search an allocation of the N peers of the (N, N) matrices for the model in `spec`.
 
     stages: an int, "auto" (every shape in candidate_shapes, best returned), or None (the
     spec's default shape when it fits, else "auto"). dp: pipelines; default N // stages.
     regions: optional per-peer labels, used only to build the region-aligned starting points.
+    initial: optional warm start, D pipelines of S peer indices (e.g. the allocation in use,
+    with its lost peers replaced): it starts the search of the shape it has (with stages="auto",
+    only that shape's; ValueError if no shape tried has it). None (the default) changes nothing.
     """
     start = time.perf_counter()
     n = np.asarray(delay_ms).shape[0]
+    warm = None if initial is None else given(initial, n)
     cfg = config or SearchConfig(time_budget_s=time_budget_s, generations=generations)
     if stages is None:
         d = getattr(spec, "default_stages", 0) * getattr(spec, "default_dp", 0)
@@ -157,13 +166,18 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
         if S * D < n and not allow_spares:
             raise ValueError(f"{n} peers do not form {S} x {D}: allow spares or change the shape")
         shapes = [(S, D)]
+    if warm is not None and warm[0].shape not in shapes:
+        S0, D0 = warm[0].shape
+        raise ValueError(f"the initial allocation is {S0} stages x {D0} pipelines, a shape this search "
+                         f"does not try ({', '.join(f'{a} x {b}' for a, b in shapes)})")
     best = None
     for k, (S, D) in enumerate(shapes):
         share = (cfg.time_budget_s - (time.perf_counter() - start)) / (len(shapes) - k)
         deadline = time.perf_counter() + max(share, 0.0)
         found = _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                              uneven_layers=uneven_layers, regions=regions, seed=seed,
-                             deadline_s=deadline, config=cfg)
+                             deadline_s=deadline, config=cfg,
+                             initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
     _, model, X, Z, stats = best
