@@ -1,0 +1,492 @@
+"""Weight recovery: a peer that takes on a stage it does not hold fetches it from the peers
+that held it, in hash-verified chunks, from several holders at once.
+
+    server = RecoveryServer(transport)                  # once per daemon
+    await server.offer(run_id, state)                   # at a step boundary, or offer_checkpoint
+    ...
+    result = await fetch_stage(transport, holders, run_id=run_id, step=k, layer_range=(a, b),
+                               digest=alloc_digest, max_total_bytes=limit)
+    state = result.receiver.finish(spec, cfg, (a, b))   # or assemble_stage(...) from several
+
+A holder *offers* a stage: it encodes the StageState once (`encode_transfer`: the safetensors
+blob of parameters and Adam moments cut into chunks, and a `TransferManifest` with the
+checkpoint description and every chunk's sha256) and keeps it under (run, step, layer range).
+The offer's *digest* is `manifest_digest`, the sha256 of the manifest's canonical encoding:
+replicas of a stage with equal weights, step and config, encoded with the same chunk size,
+have the same digest. The coordinator puts the digest of each stage it wants recovered in the
+signed allocation, so a fetcher trusts no holder: it trusts the digest.
+
+Protocol (two requests on the peer transport):
+
+- FETCH_MANIFEST (68): {"run": 16 bytes, "step": int, "layers": [a, b]} -> {"manifest":
+  manifest.to_wire(), "digest": hex} or {"error": why} when the peer holds no such offer.
+- FETCH_CHUNK (69): {"run", "step", "layers", "digest": hex, "index": int} -> {"ok": true}
+  with the chunk as the reply's payload, or {"error": why} when the peer holds no offer with
+  that digest. An index beyond the offer's chunks is a protocol error.
+
+Every body is checked field by field (no extra fields, ints in range, 64 hex digits); a
+malformed body raises `ProtocolError`, which closes that connection.
+
+The fetcher asks the holders in turn for the manifest and takes the first whose digest equals
+the allocation's and that passes `TransferManifest.from_wire` (bounded by `max_total_bytes`).
+Then `parallel` chunk requests run at once, spread round-robin over every holder still in
+good standing (a holder not yet asked for the manifest is simply asked for chunks under the
+digest; an error reply means it does not hold that stage). Each chunk is checked against its
+hash as it arrives. A chunk that fails its hash, a timeout, a closed connection or an error
+reply drops that holder (logged with its short id) and the chunk goes back in the queue for
+another. When no holder is left, `RecoveryError` names the stage, the step and every holder
+with why it failed. Every network wait has a timeout.
+
+A new layout with other layer ranges is built from the parts of several old stages by
+`assemble_stage`; `needed_stages` says which old stages a new range needs.
+
+The chunk size is part of the digest: every peer of a swarm offers with the same chunk size
+(`DEFAULT_CHUNK_BYTES`), and the manifest (about 70 bytes per chunk) must fit one control frame.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import trio
+
+from dtfm.net import (
+    ConnectionClosed,
+    PeerConnection,
+    PeerTransport,
+    ProtocolError,
+    RemoteError,
+    Reply,
+    RequestTimeout,
+    get_bytes,
+    get_dict,
+    get_int,
+    get_list,
+    get_str,
+    short_id,
+)
+from dtfm.train import (
+    CheckpointError,
+    GPTSpec,
+    StageState,
+    TrainConfig,
+    TransferError,
+    TransferManifest,
+    TransferReceiver,
+    encode_transfer,
+    load_checkpoint,
+)
+from dtfm.train.checkpoint import stage_from_tensors
+from dtfm.train.transfer import DEFAULT_CHUNK_BYTES
+
+from .allocation import RUN_ID_BYTES
+from .messages import ControlMsg
+
+__all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "assemble_stage", "fetch_stage",
+           "manifest_digest", "needed_stages"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_INT = 2**63 - 1
+_MAX_LAYER = 1 << 20
+_MAX_CHUNKS = 1 << 31
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_BLOCK = re.compile(r"^h\.(\d+)\.")
+_MANIFEST_FIELDS = frozenset({"run", "step", "layers"})
+_CHUNK_FIELDS = _MANIFEST_FIELDS | {"digest", "index"}
+
+Key = tuple[bytes, int, tuple[int, int]]  # (run, step, layer range)
+Source = tuple[bytes, "tuple[str, int] | None"]  # (peer id, listen address or None)
+
+
+class RecoveryError(Exception):
+    """A stage could not be recovered (every holder failed) or assembled (a tensor is missing)."""
+
+
+def manifest_digest(manifest: TransferManifest) -> str:
+    """sha256 hex of the manifest's canonical encoding: what the allocation names a stage by."""
+    return hashlib.sha256(json.dumps(manifest.to_wire(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- request bodies
+
+
+def _key_untrusted(d: dict) -> Key:
+    run = get_bytes(d, "run", RUN_ID_BYTES, RUN_ID_BYTES)
+    step = get_int(d, "step", 0, _MAX_INT)
+    layers = get_list(d, "layers", 2)
+    if len(layers) != 2 or any(type(x) is not int for x in layers):
+        raise ProtocolError("field 'layers': expected two ints [a, b]")
+    a, b = layers
+    if not 0 <= a < b <= _MAX_LAYER:
+        raise ProtocolError(f"field 'layers': [{a}, {b}) is not a layer range")
+    return run, step, (a, b)
+
+
+def parse_manifest_request(body: object) -> Key:
+    """A FETCH_MANIFEST body, every field checked; raises ProtocolError only."""
+    d = get_dict(body, "fetch-manifest request")
+    if set(d) != _MANIFEST_FIELDS:
+        raise ProtocolError(f"fetch-manifest fields {sorted(map(str, d))}, expected {sorted(_MANIFEST_FIELDS)}")
+    return _key_untrusted(d)
+
+
+def parse_chunk_request(body: object) -> tuple[Key, str, int]:
+    """A FETCH_CHUNK body: (key, digest, index); raises ProtocolError only."""
+    d = get_dict(body, "fetch-chunk request")
+    if set(d) != _CHUNK_FIELDS:
+        raise ProtocolError(f"fetch-chunk fields {sorted(map(str, d))}, expected {sorted(_CHUNK_FIELDS)}")
+    digest = get_str(d, "digest", 64)
+    if not _HEX64.match(digest):
+        raise ProtocolError("field 'digest': expected 64 lowercase hex digits")
+    return _key_untrusted(d), digest, get_int(d, "index", 0, _MAX_CHUNKS)
+
+
+def _key_body(run: bytes, step: int, layer_range: tuple[int, int]) -> dict:
+    return {"run": run, "step": step, "layers": [layer_range[0], layer_range[1]]}
+
+
+# ----------------------------------------------------------------------------- holder side
+
+
+@dataclass
+class Offer:
+    """A stage this peer serves: encoded once, served chunk by chunk."""
+
+    run: bytes
+    step: int
+    layer_range: tuple[int, int]
+    manifest: TransferManifest
+    chunks: list[bytes]
+    digest: str
+    served_bytes: int = 0
+
+    @property
+    def key(self) -> Key:
+        return self.run, self.step, self.layer_range
+
+    def describe(self) -> dict:
+        """For status: run, step, layers, digest, bytes, chunks, bytes served."""
+        return {"run": self.run.hex(), "step": self.step, "layers": list(self.layer_range), "digest": self.digest,
+                "bytes": self.manifest.total_bytes, "chunks": len(self.chunks), "served_bytes": self.served_bytes}
+
+
+class RecoveryServer:
+    """Serves the stages this peer offers to peers that recover them."""
+
+    def __init__(self, transport: PeerTransport, *, max_offers: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        if max_offers < 1:
+            raise ValueError("max_offers must be at least 1")
+        self.transport, self.max_offers, self.chunk_bytes = transport, max_offers, chunk_bytes
+        self._offers: dict[Key, Offer] = {}  # insertion order: the oldest is dropped first
+        self.served_bytes = 0
+        transport.handle(ControlMsg.FETCH_MANIFEST, self._on_manifest)
+        transport.handle(ControlMsg.FETCH_CHUNK, self._on_chunk)
+
+    async def offer(self, run_id: bytes, state: StageState) -> Offer:
+        """Offer `state` (as it is now: call between steps) under (run_id, state.step, its layers)."""
+        if len(run_id) != RUN_ID_BYTES:
+            raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
+        manifest, chunks = await trio.to_thread.run_sync(encode_transfer, state, self.chunk_bytes)
+        return self._keep(Offer(run_id, state.step, tuple(state.layer_range), manifest, chunks,
+                                manifest_digest(manifest)))
+
+    async def offer_checkpoint(self, run_id: bytes, json_path: str | Path) -> Offer:
+        """Offer a checkpoint from disk (hash-checked as it is loaded); CheckpointError if bad."""
+        state = await trio.to_thread.run_sync(load_checkpoint, json_path)
+        return await self.offer(run_id, state)
+
+    def _keep(self, offer: Offer) -> Offer:
+        self._offers.pop(offer.key, None)
+        self._offers[offer.key] = offer
+        while len(self._offers) > self.max_offers:
+            old = self._offers.pop(next(iter(self._offers)))
+            logger.info("dropped the offer of layers %s at step %d (keeping %d)", old.layer_range, old.step,
+                        self.max_offers)
+        logger.info("offering layers %s at step %d: %d bytes in %d chunks, digest %s", offer.layer_range,
+                    offer.step, offer.manifest.total_bytes, len(offer.chunks), offer.digest[:16])
+        return offer
+
+    def withdraw(self, run_id: bytes) -> int:
+        """Stop serving every offer of `run_id`; how many there were."""
+        keys = [k for k in self._offers if k[0] == run_id]
+        for k in keys:
+            del self._offers[k]
+        return len(keys)
+
+    def offers(self) -> list[dict]:
+        return [o.describe() for o in self._offers.values()]
+
+    async def _on_manifest(self, conn: PeerConnection, msg_type: int, body: object, payload) -> dict:
+        key = parse_manifest_request(body)
+        offer = self._offers.get(key)
+        if offer is None:
+            logger.debug("%s asked for layers %s at step %d, not held", conn.short_id, key[2], key[1])
+            return {"error": f"layers {list(key[2])} at step {key[1]} of this run are not held here"}
+        return {"manifest": offer.manifest.to_wire(), "digest": offer.digest}
+
+    async def _on_chunk(self, conn: PeerConnection, msg_type: int, body: object, payload) -> object:
+        key, digest, index = parse_chunk_request(body)
+        offer = self._offers.get(key)
+        if offer is None or offer.digest != digest:
+            logger.debug("%s asked for a chunk of layers %s at step %d (digest %s), not held", conn.short_id,
+                         key[2], key[1], digest[:16])
+            return {"error": f"layers {list(key[2])} at step {key[1]} with digest {digest[:16]} are not held here"}
+        if index >= len(offer.chunks):
+            raise ProtocolError(f"chunk {index} of {len(offer.chunks)}")
+        chunk = offer.chunks[index]
+        offer.served_bytes += len(chunk)
+        self.served_bytes += len(chunk)
+        return Reply({"ok": True}, chunk)
+
+
+# ----------------------------------------------------------------------------- fetcher side
+
+
+@dataclass
+class FetchResult:
+    receiver: TransferReceiver  # complete: every chunk in and verified
+    bytes: int  # chunk bytes received, retries included
+    seconds: float
+    per_source: dict[bytes, int] = field(default_factory=dict)  # chunks each holder delivered
+    failed: dict[bytes, str] = field(default_factory=dict)  # holders dropped, and why
+
+
+Connect = Callable[[bytes, "tuple[str, int] | None"], Awaitable[PeerConnection]]
+_NET_ERRORS = (ConnectionClosed, RequestTimeout, RemoteError, ProtocolError, OSError, trio.TooSlowError)
+
+
+class _Fetch:
+    """One fetch's state: holders in good standing, the receiver, the counters."""
+
+    def __init__(self, transport, sources, run_id, step, layer_range, digest, timeout_s, connect):
+        self.transport, self.timeout_s, self._connect = transport, timeout_s, connect
+        self.key_body = _key_body(run_id, step, tuple(layer_range))
+        self.step, self.layer_range, self.digest = step, tuple(layer_range), digest
+        self.addr = dict(sources)
+        self.live = list(dict.fromkeys(p for p, _ in sources))
+        self.conns: dict[bytes, PeerConnection] = {}
+        self.locks: dict[bytes, trio.Lock] = {}
+        self.failed: dict[bytes, str] = {}
+        self.per_source: dict[bytes, int] = {}
+        self.receiver: TransferReceiver | None = None
+        self.nbytes = 0
+        self._rr = 0
+
+    def drop(self, peer: bytes, reason: str) -> None:
+        if peer in self.live:
+            self.live.remove(peer)
+            self.failed[peer] = reason
+            logger.warning("recovery of layers %s at step %d: dropped holder %s: %s", self.layer_range, self.step,
+                           short_id(peer), reason)
+
+    def next_source(self) -> bytes:
+        self._rr += 1
+        return self.live[self._rr % len(self.live)]
+
+    async def conn(self, peer: bytes) -> PeerConnection:
+        async with self.locks.setdefault(peer, trio.Lock()):  # one dial per holder, not one per worker
+            return await self._conn_locked(peer)
+
+    async def _conn_locked(self, peer: bytes) -> PeerConnection:
+        c = self.conns.get(peer)
+        if c is not None and not c.closed:
+            return c
+        with trio.fail_after(self.timeout_s):
+            if self._connect is not None:
+                c = await self._connect(peer, self.addr.get(peer))
+            else:
+                c = self.transport.connection(peer)
+                if c is None:
+                    addr = self.addr.get(peer)
+                    if addr is None:
+                        raise ConnectionClosed("no connection and no address")
+                    c = await self.transport.connect(addr[0], addr[1], peer_id=peer)
+        self.conns[peer] = c
+        return c
+
+    async def manifest_from(self, peer: bytes, max_total_bytes: int) -> TransferManifest:
+        """The manifest `peer` holds, checked against the digest; raises RecoveryError with why not."""
+        try:
+            c = await self.conn(peer)
+            reply, _ = await c.request(ControlMsg.FETCH_MANIFEST, self.key_body, timeout_s=self.timeout_s)
+        except _NET_ERRORS as e:
+            raise RecoveryError(_why(e)) from None
+        if type(reply) is not dict or not (set(reply) == {"manifest", "digest"} or set(reply) == {"error"}):
+            raise RecoveryError("malformed manifest reply")
+        if "error" in reply:
+            raise RecoveryError(f"refused: {str(reply['error'])[:200]}")
+        try:
+            manifest = TransferManifest.from_wire(reply["manifest"], max_total_bytes)
+        except TransferError as e:
+            raise RecoveryError(f"bad manifest: {e}") from None
+        got = manifest_digest(manifest)
+        if got != self.digest:
+            raise RecoveryError(f"holds digest {got[:16]}, expected {self.digest[:16]}")
+        m_range, m_step = tuple(manifest.meta["layer_range"]), manifest.meta["step"]
+        if m_range != self.layer_range or m_step != self.step:
+            raise RecoveryError(f"manifest describes layers {m_range} at step {m_step}")
+        return manifest
+
+    async def chunk_worker(self, indices: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:
+        """Fetch chunks from the queue, each from the next holder in turn until one delivers it;
+        cancel the fetch when no holder is left."""
+        async for index in indices:
+            while True:
+                if not self.live:
+                    scope.cancel()
+                    return
+                if await self._one_chunk(self.next_source(), index):
+                    break
+
+    async def _one_chunk(self, peer: bytes, index: int) -> bool:
+        body = dict(self.key_body, digest=self.digest, index=index)
+        try:
+            c = await self.conn(peer)
+            reply, payload = await c.request(ControlMsg.FETCH_CHUNK, body, timeout_s=self.timeout_s)
+        except _NET_ERRORS as e:
+            self.drop(peer, _why(e))
+            return False
+        if type(reply) is dict and set(reply) == {"error"}:
+            self.drop(peer, f"refused: {str(reply['error'])[:200]}")
+            return False
+        if reply != {"ok": True} or payload is None:
+            self.drop(peer, f"malformed reply to chunk {index}")
+            return False
+        try:
+            self.receiver.feed(index, bytes(payload))  # the one copy: the payload's buffer is the transport's
+        except TransferError as e:
+            self.drop(peer, str(e))
+            return False
+        self.nbytes += len(payload)
+        self.per_source[peer] = self.per_source.get(peer, 0) + 1
+        return True
+
+    def error(self) -> RecoveryError:
+        why = "; ".join(f"{short_id(p)}: {r}" for p, r in self.failed.items()) or "no holders given"
+        return RecoveryError(f"cannot recover layers {list(self.layer_range)} at step {self.step}: "
+                             f"every holder failed ({why})")
+
+
+def _why(e: BaseException) -> str:
+    if isinstance(e, (trio.TooSlowError, RequestTimeout)):
+        return "timed out"
+    return f"{type(e).__name__}: {e}"[:200]
+
+
+async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, run_id: bytes, step: int,
+                      layer_range: tuple[int, int], digest: str, max_total_bytes: int, parallel: int = 4,
+                      timeout_s: float = 30.0, connect: Connect | None = None) -> FetchResult:
+    """Fetch the stage named by `digest` from its holders `sources` [(peer id, address or None)].
+
+    `connect(peer, address)` overrides how a holder is reached (by default the transport's live
+    connection, else `transport.connect`). Raises RecoveryError when every holder failed."""
+    if parallel < 1 or not timeout_s > 0:
+        raise ValueError("parallel must be >= 1 and timeout_s > 0")
+    f = _Fetch(transport, sources, run_id, step, layer_range, digest, timeout_s, connect)
+    t0 = trio.current_time()
+    manifest = None
+    for peer in list(f.live):
+        try:
+            manifest = await f.manifest_from(peer, max_total_bytes)
+            break
+        except RecoveryError as e:
+            f.drop(peer, str(e))
+    if manifest is None:
+        raise f.error()
+    f.receiver = TransferReceiver(manifest)
+    n = len(manifest.chunk_sha256)
+    send, recv = trio.open_memory_channel(n)  # bounded by the manifest's chunk count
+    for i in range(n):
+        send.send_nowait(i)
+    send.close()  # a worker whose holder fails retries its chunk itself, with the next holder
+    async with trio.open_nursery() as nursery:
+        for _ in range(min(parallel, n)):
+            nursery.start_soon(f.chunk_worker, recv, nursery.cancel_scope)
+    if not f.receiver.complete:
+        raise f.error()
+    seconds = trio.current_time() - t0
+    logger.info("recovered layers %s at step %d: %d bytes in %.2f s from %s", f.layer_range, step, f.nbytes,
+                seconds, ", ".join(f"{short_id(p)} ({k})" for p, k in f.per_source.items()))
+    return FetchResult(f.receiver, f.nbytes, seconds, f.per_source, f.failed)
+
+
+# ----------------------------------------------------------------------------- re-layout
+
+
+def needed_stages(old_ranges: Sequence[tuple[int, int]], new_range: tuple[int, int]) -> list[int]:
+    """Indices of the old stages that stage `new_range` takes tensors from: those with blocks
+    in it, the old first stage when it starts at 0 (embeddings), the old last when it ends at
+    the model's last layer (final norm, head, tied embedding copy)."""
+    a, b = new_range
+    need = {i for i, (oa, ob) in enumerate(old_ranges) if oa < b and a < ob}
+    if a == 0:
+        need.add(0)
+    if b == old_ranges[-1][1]:
+        need.add(len(old_ranges) - 1)
+    return sorted(need)
+
+
+def _param_name(key: str) -> str:
+    return key.split("/", 1)[1] if "/" in key else key
+
+
+def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: int) -> dict[str, torch.Tensor]:
+    if isinstance(part, dict):
+        return part
+    m = part.manifest.meta
+    try:
+        m_spec, m_cfg = GPTSpec.from_dict(m["spec"]), TrainConfig.from_dict(m["config"])
+        m_step, m_ostep = int(m["step"]), int(m["optim_step"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise RecoveryError(f"bad stage description: {e}") from None
+    if m_spec != spec or m_cfg != cfg or (m_step, m_ostep) != (step, optim_step):
+        raise RecoveryError(f"a part of layers {m.get('layer_range')} is of another model, config or step "
+                            f"({m_step}, optimizer step {m_ostep}; expected {step}, {optim_step})")
+    try:
+        return part.tensors()
+    except TransferError as e:
+        raise RecoveryError(str(e)) from None
+
+
+def assemble_stage(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
+                   parts: Sequence[TransferReceiver | dict[str, torch.Tensor]], step: int, optim_step: int,
+                   device: str = "cpu") -> StageState:
+    """Stage `layer_range` from the tensors of old stages (`param/<name>`, `exp_avg/<name>`,
+    `exp_avg_sq/<name>`, as `TransferReceiver.tensors()` gives them).
+
+    Blocks come from whichever part holds them; `wte`/`wpe` from the old first stage (the part
+    with `wpe`); `ln_f` and `lm_head` from the old last stage (the part with `ln_f`); a new last
+    stage's tied `wte` copy from the old last stage's copy if it has one, else from the old
+    first stage. Moments follow their parameter. Both copies of a tied embedding are equal
+    bit for bit (their gradients are summed the same way on both and their updates are
+    identical), so either source trains alike. Raises RecoveryError if a tensor is missing."""
+    a, b = layer_range
+    tensors = [_part_tensors(p, spec, cfg, step, optim_step) for p in parts]
+    first = next((t for t in tensors if "param/wpe.weight" in t), None)
+    last = next((t for t in tensors if "param/ln_f.weight" in t), None)
+    chosen: dict[str, torch.Tensor] = {}
+    for t in tensors:
+        for key, v in t.items():
+            block = _BLOCK.match(_param_name(key))
+            if block is not None and a <= int(block.group(1)) < b:
+                chosen.setdefault(key, v)
+    if a == 0 and first is not None:
+        chosen.update({k: v for k, v in first.items() if _param_name(k).split(".")[0] in ("wte", "wpe")})
+    if b == spec.n_layer and last is not None:
+        chosen.update({k: v for k, v in last.items() if _param_name(k).split(".")[0] in ("ln_f", "lm_head")})
+        if spec.tied_head and a > 0:
+            src = last if "param/wte.weight" in last else first
+            if src is not None:
+                chosen.update({k: v for k, v in src.items() if _param_name(k) == "wte.weight"})
+    try:
+        return stage_from_tensors(spec, cfg, (a, b), chosen, step, optim_step, device)
+    except CheckpointError as e:
+        raise RecoveryError(f"cannot assemble layers {[a, b]} at step {step}: {e}") from None
