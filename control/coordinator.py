@@ -1,0 +1,352 @@
+"""`ElectionService`: the trio driver of the coordinator election inside a daemon.
+
+`ElectionState` (control/election.py) decides; this module does its I/O. Every input (a
+message from the network, the election timer, `set_voters`, `campaign`) is one synchronous
+call into the state machine, and the actions it returns are appended to one FIFO, `_actions`.
+One task, the loop, executes that FIFO in order and fires the timer:
+
+    loop:  execute the next action            Persist: the store writes (term, vote), in a thread
+              (while there is one)            ElectionSend: into the destination's outbox
+                                              BecameCoordinator / CoordinatorKnown / SteppedDown:
+                                                log, wake the waiters, call the on_event callbacks
+           else wait until next_deadline(),
+              or until an input wakes it,
+              and tick() when it is due
+
+So a Persist completes before any action after it runs, whichever input produced that action:
+inputs that arrive while the store writes only queue their actions behind it, and no vote
+(nor anything decided after it) leaves before the term and vote that go with it are on disk.
+A Persist that fails stops the service: `run()` raises the store's error, and nothing queued
+after it is sent.
+
+Sends never block the loop. Each destination has a bounded outbox (OUTBOX_MESSAGES; a message
+that does not fit is dropped: Raft tolerates loss) and one task draining it: it reuses the live
+connection to the peer, or dials `address_of(peer)` within DIAL_TIMEOUT_S; after a failed dial
+it drops messages until a back-off (REDIAL_MIN_S, doubling to REDIAL_MAX_S) has passed, so a dead
+peer is not redialled every heartbeat, while a connection the peer opens itself is used at
+once. A send that fails or takes over SEND_TIMEOUT_S is dropped, logged at DEBUG. A sender idle
+for SENDER_IDLE_S ends; the next message to that peer starts another.
+
+Queries (`role`, `term`, `coordinator`, ...) read the state machine, which may be a moment ahead
+of the disk while a Persist runs. `is_coordinator`, the waits and the events follow the
+executed actions instead: a BecameCoordinator is reported only after the term and vote that
+elected it are durable.
+
+Time is trio's (`trio.current_time()`), so the service runs under MockClock; a memory store
+(`MemoryElectionStore`) is written inline, any other store in a worker thread (FileElectionStore
+fsyncs). Build the service inside trio: the election timer starts at construction.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterable
+
+import trio
+
+from dtfm.net import ConnectionClosed, HandshakeError, ProtocolError, short_id
+
+from .allocation import Refusal
+from .election import (
+    BecameCoordinator,
+    CoordinatorKnown,
+    ElectionAction,
+    ElectionRole,
+    ElectionSend,
+    ElectionState,
+    Persist,
+    SteppedDown,
+)
+from .election_config import ElectionConfig
+from .election_messages import ElectionMessage, check_voters, decode_election
+from .election_store import MemoryElectionStore
+from .messages import ControlMsg
+
+__all__ = ["ElectionEvent", "ElectionService"]
+
+logger = logging.getLogger(__name__)
+
+OUTBOX_MESSAGES = 16  # per destination; more waiting than this: the newest is dropped
+DIAL_TIMEOUT_S = 2.0  # a dial to a peer without a live connection
+SEND_TIMEOUT_S = 2.0  # one message on a connection
+REDIAL_MIN_S = 1.0  # after a failed dial, messages to that peer are dropped this long ...
+REDIAL_MAX_S = 8.0  # ... doubling after each failure up to this
+SENDER_IDLE_S = 60.0  # a destination's sender task ends after this long without a message
+MAX_PENDING_ACTIONS = 4096  # actions not yet executed; beyond it, incoming messages are dropped
+
+ElectionEvent = BecameCoordinator | CoordinatorKnown | SteppedDown
+
+
+class ElectionService:
+    """Runs one peer's `ElectionState` over a `PeerTransport`; see the module docstring."""
+
+    def __init__(self, transport, me: bytes, store, config: ElectionConfig, *,
+                 address_of: Callable[[bytes], tuple[str, int] | None] = lambda p: None,
+                 rng: random.Random | None = None, wall_clock: Callable[[], float] = time.time) -> None:
+        self._transport = transport
+        self.me = me
+        self._short = short_id(me)
+        self._store = store
+        self._persist_inline = isinstance(store, MemoryElectionStore)  # no I/O: no thread needed
+        self.config = config
+        self._address_of = address_of
+        self._wall_clock = wall_clock
+        term, voted_for = store.load()
+        self._state = ElectionState(me, config, rng or random.Random(), trio.current_time(),
+                                    term=term, voted_for=voted_for)
+        self._actions: collections.deque[ElectionAction] = collections.deque()
+        self._wake = trio.Event()  # set by every input; the loop waits on it
+        self._changed = trio.Event()  # set (and replaced) when an event action is executed
+        self._callbacks: list[Callable[[object], None]] = []
+        self._outboxes: dict[bytes, trio.MemorySendChannel] = {}
+        self._nursery: trio.Nursery | None = None
+        self._running = False
+        self._stopped = False
+        self._failure: BaseException | None = None
+        self._leading: int | None = None  # the term of an executed BecameCoordinator, until SteppedDown
+        self._known: tuple[int, bytes | None] = (term, None)  # the last executed CoordinatorKnown
+        self._role = self._state.role
+        self._since = wall_clock()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def role(self) -> str:
+        return self._state.role.value
+
+    @property
+    def term(self) -> int:
+        return self._state.term
+
+    @property
+    def coordinator(self) -> bytes | None:
+        return self._state.coordinator
+
+    @property
+    def voted_for(self) -> bytes | None:
+        """Whom this peer voted for in the current term (what the store holds, or is writing)."""
+        return self._state.voted_for
+
+    @property
+    def voters(self) -> tuple[bytes, ...]:
+        return self._state.voters
+
+    @property
+    def last_applied(self) -> tuple[int, int]:
+        return self._state.last_applied
+
+    @property
+    def is_coordinator(self) -> bool:
+        """This peer is the coordinator of the current term, and that is on disk."""
+        return (self._leading == self._state.term and self._state.role is ElectionRole.COORDINATOR
+                and self._failure is None)
+
+    def status(self) -> dict:
+        s = self._state
+        return {"role": s.role.value, "term": s.term,
+                "coordinator": None if s.coordinator is None else s.coordinator.hex(),
+                "voters": len(s.voters), "applied": list(s.last_applied), "since": self._since}
+
+    # ------------------------------------------------------------------ inputs from the control plane
+
+    def set_voters(self, voters: Iterable[bytes]) -> None:
+        """The configuration of an applied allocation (or the first one); sorted here."""
+        self._input(self._state.set_voters, check_voters(sorted(voters)))
+
+    def campaign(self) -> None:
+        """Stand now (`train start` on this peer) rather than at the election timer."""
+        self._input(self._state.campaign)
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None:
+        return self._state.may_apply(issuer, term, epoch)
+
+    def applied(self, term: int, epoch: int) -> None:
+        self._state.applied(term, epoch)
+
+    def on_event(self, cb: Callable[[object], None]) -> None:
+        """Call `cb(action)` with each BecameCoordinator, SteppedDown and CoordinatorKnown, in
+        order, from the service's loop, once the actions before it are executed."""
+        self._callbacks.append(cb)
+
+    async def wait_for_coordinator(self, timeout_s: float) -> bytes | None:
+        """The coordinator of the current term once it is known here; None after timeout_s."""
+        with trio.move_on_after(timeout_s):
+            while True:
+                term, coordinator = self._known
+                if coordinator is not None and term == self._state.term:
+                    return coordinator
+                await self._changed.wait()
+        return None
+
+    async def wait_until_coordinator(self, timeout_s: float) -> bool:
+        """True once this peer is the coordinator; False after timeout_s."""
+        with trio.move_on_after(timeout_s):
+            while not self.is_coordinator:
+                await self._changed.wait()
+            return True
+        return False
+
+    # ------------------------------------------------------------------ running
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Handle ELECTION messages and run the election until cancelled. Raises the store's
+        error when a Persist fails (after which nothing more is sent)."""
+        if self._running or self._stopped:
+            raise RuntimeError("ElectionService.run() may be called once")
+        self._running = True
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self._transport.handle(ControlMsg.ELECTION, self._on_message)
+                task_status.started()
+                await self._loop()
+                nursery.cancel_scope.cancel()  # the loop returns only when a Persist failed
+        finally:
+            self._stopped = True
+            self._nursery = None
+            self._wake_waiters()
+        if self._failure is not None:
+            raise self._failure
+
+    async def _loop(self) -> None:
+        while self._failure is None:
+            if self._actions:
+                await self._execute(self._actions.popleft())
+                continue
+            deadline = self._state.next_deadline()
+            if trio.current_time() >= deadline:
+                self._input(self._state.tick)
+                await trio.lowlevel.checkpoint()
+                continue
+            self._wake = trio.Event()
+            with trio.move_on_at(deadline):
+                await self._wake.wait()
+
+    def _input(self, call: Callable[..., list[ElectionAction]], *args) -> None:
+        """One call into the state machine (with now), its actions queued for the loop."""
+        if self._stopped or self._failure is not None:
+            return
+        actions = call(*args, trio.current_time())
+        self._actions.extend(actions)
+        role = self._state.role
+        if role is not self._role:
+            self._role, self._since = role, self._wall_clock()
+        self._wake.set()  # new actions, or a deadline that may have moved earlier
+
+    async def _on_message(self, conn, msg_type: int, body: object, payload) -> None:
+        msg = decode_election(body)  # ProtocolError: the transport closes the connection
+        if payload is not None:
+            raise ProtocolError("an election message carries no payload")
+        if len(self._actions) >= MAX_PENDING_ACTIONS:
+            logger.warning("%s: %d election actions pending, %s from %s dropped", self._short, len(self._actions),
+                           type(msg).__name__, conn.short_id)
+            return
+        self._input(self._state.handle, conn.peer_id, msg)
+
+    # ------------------------------------------------------------------ actions
+
+    async def _execute(self, action: ElectionAction) -> None:
+        if isinstance(action, ElectionSend):
+            self._enqueue(action.to, action.msg)
+        elif isinstance(action, Persist):
+            await self._persist(action)
+        else:
+            self._publish(action)
+
+    async def _persist(self, p: Persist) -> None:
+        try:
+            if self._persist_inline:
+                self._store.persist(p.term, p.voted_for)
+            else:
+                await trio.to_thread.run_sync(self._store.persist, p.term, p.voted_for)
+        except Exception as e:
+            logger.error("%s: cannot persist term %d and vote: %s; the election service stops", self._short,
+                         p.term, e)
+            self._failure = e
+            self._actions.clear()
+
+    def _publish(self, event: ElectionEvent) -> None:
+        if isinstance(event, BecameCoordinator):
+            self._leading = event.term
+            logger.info("%s: coordinator of term %d", self._short, event.term)
+        elif isinstance(event, SteppedDown):
+            self._leading = None
+            logger.info("%s: stepped down in term %d: %s", self._short, event.term, event.reason)
+        elif isinstance(event, CoordinatorKnown):
+            self._known = (event.term, event.coordinator)
+            if event.coordinator is not None and event.coordinator != self.me:
+                logger.info("%s: following %s in term %d", self._short, short_id(event.coordinator), event.term)
+        self._wake_waiters()
+        for cb in self._callbacks:
+            cb(event)
+
+    def _wake_waiters(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # ------------------------------------------------------------------ sending
+
+    def _enqueue(self, peer: bytes, msg: ElectionMessage) -> None:
+        if peer == self.me or self._nursery is None:
+            return
+        box = self._outboxes.get(peer)
+        if box is None:
+            box, inbox = trio.open_memory_channel[ElectionMessage](OUTBOX_MESSAGES)
+            self._outboxes[peer] = box
+            self._nursery.start_soon(self._sender, peer, box, inbox)
+        try:
+            box.send_nowait(msg)
+        except (trio.WouldBlock, trio.BrokenResourceError):  # full, or its sender was cancelled
+            logger.debug("%s: outbox to %s full, %s dropped", self._short, short_id(peer), type(msg).__name__)
+
+    async def _sender(self, peer: bytes, box: trio.MemorySendChannel,
+                      inbox: trio.MemoryReceiveChannel) -> None:
+        """Drain one destination's outbox until idle for SENDER_IDLE_S (or cancelled)."""
+        redial_at, backoff = -math.inf, REDIAL_MIN_S
+        try:
+            async with inbox:
+                while True:
+                    msg = None
+                    with trio.move_on_after(SENDER_IDLE_S):
+                        msg = await inbox.receive()
+                    if msg is None:
+                        return  # idle, its outbox empty: no checkpoint until it is forgotten below
+                    conn = self._transport.connection(peer)
+                    if conn is None:
+                        if trio.current_time() < redial_at:
+                            logger.debug("%s: %s to %s dropped: no connection", self._short, type(msg).__name__,
+                                         short_id(peer))
+                            continue
+                        conn = await self._dial(peer)
+                        if conn is None:
+                            redial_at, backoff = trio.current_time() + backoff, min(2 * backoff, REDIAL_MAX_S)
+                            continue
+                        backoff = REDIAL_MIN_S
+                    await self._send(conn, msg)
+        finally:
+            if self._outboxes.get(peer) is box:
+                del self._outboxes[peer]
+            box.close()
+
+    async def _dial(self, peer: bytes):
+        address = self._address_of(peer)
+        if address is None:
+            logger.debug("%s: no address for %s: election message dropped", self._short, short_id(peer))
+            return None
+        try:
+            with trio.fail_after(DIAL_TIMEOUT_S):
+                return await self._transport.connect(*address, peer_id=peer)
+        except (OSError, trio.TooSlowError, HandshakeError, ConnectionClosed) as e:
+            logger.debug("%s: cannot reach %s at %s:%d: %s", self._short, short_id(peer), *address, e)
+            return None
+
+    async def _send(self, conn, msg: ElectionMessage) -> None:
+        try:
+            with trio.fail_after(SEND_TIMEOUT_S):
+                await conn.send(ControlMsg.ELECTION, msg.to_wire(), droppable=True)
+        except (ConnectionClosed, trio.TooSlowError, OSError) as e:
+            logger.debug("%s: %s to %s dropped: %s", self._short, type(msg).__name__, conn.short_id, e)

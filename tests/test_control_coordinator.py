@@ -1,0 +1,390 @@
+"""ElectionService, the trio driver of the election, over the in-memory network under MockClock:
+election, take-over after a kill, partitions, a returning peer, durability, bad input."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+import trio
+import trio.testing
+
+from dtfm.control.coordinator import ElectionService
+from dtfm.control.election import BecameCoordinator, CoordinatorKnown, ElectionConfig, SteppedDown
+from dtfm.control.election_messages import RequestVote, Vote, decode_election
+from dtfm.control.election_store import ElectionStoreError, FileElectionStore, MemoryElectionStore
+from dtfm.control.messages import ControlMsg
+from dtfm.net import MemNetwork, TransportConfig, unpack_untrusted, uniform_link
+
+CFG = ElectionConfig.test()
+DELAY_S = 0.01  # one-way, every link
+WALL0 = 1.7e9
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+class FailingStore(MemoryElectionStore):
+    """Loads fine; every write fails, as a full disk would."""
+
+    def persist(self, term, voted_for):
+        raise ElectionStoreError("cannot write election.json: No space left on device")
+
+
+class Swarm:
+    """n ElectionServices on one MemNetwork; records every event and every election frame sent."""
+
+    def __init__(self, n: int, *, seed: int = 0, config: ElectionConfig = CFG, stores=None) -> None:
+        self.rng = random.Random(seed)
+        self.n = n
+        self.config = config
+        self.ids = sorted(self.rng.randbytes(32) for _ in range(n))
+        self.index = {p: k for k, p in enumerate(self.ids)}
+        self.net = MemNetwork(uniform_link(DELAY_S), config=TransportConfig.test(), seed=seed)
+        self.stores = stores if stores is not None else [MemoryElectionStore() for _ in range(n)]
+        self.transports: list = [None] * n
+        self.services: list[ElectionService | None] = [None] * n
+        self.scopes: list[trio.CancelScope | None] = [None] * n
+        self.events: list[tuple[float, int, object]] = []  # (time, node, event)
+        self.failures: dict[int, BaseException] = {}
+        self.sent: list[tuple[float, int, int, object]] = []  # (time, src, dst, message) as they leave
+        self.dials: dict[tuple[int, int], int] = defaultdict(int)  # (src, dst) -> dials
+        self.on_send = None  # called with (src, dst, message) as a frame leaves
+        transmit = self.net.transmit
+
+        def recording_transmit(src, dst, frame, size):
+            if frame.msg_type == ControlMsg.ELECTION and frame.kind == 0 and src.peer_id in self.index:
+                msg = decode_election(unpack_untrusted(frame.data, max_len=1 << 16))
+                s, d = self.index[src.peer_id], self.index.get(dst.peer_id, -1)
+                self.sent.append((trio.current_time(), s, d, msg))
+                if self.on_send is not None:
+                    self.on_send(s, d, msg)
+            transmit(src, dst, frame, size)
+
+        self.net.transmit = recording_transmit
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        await nursery.start(self.net.run)
+        for k in range(self.n):
+            await self.start_node(k)
+
+    async def start_node(self, k: int) -> None:
+        t = self.net.add(self.ids[k])
+        connect = t.connect
+
+        async def counting_connect(host, port, *, peer_id=None):
+            self.dials[(k, self.index.get(peer_id, -1))] += 1
+            return await connect(host, port, peer_id=peer_id)
+
+        t.connect = counting_connect
+        svc = ElectionService(t, self.ids[k], self.stores[k], self.config, address_of=self.address_of,
+                              rng=random.Random(self.rng.random()), wall_clock=lambda: WALL0 + trio.current_time())
+        svc.on_event(lambda e, k=k: self.events.append((trio.current_time(), k, e)))
+        self.transports[k], self.services[k], self.scopes[k] = t, svc, trio.CancelScope()
+        await self.nursery.start(self._run_node, k)
+
+    async def _run_node(self, k: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self.scopes[k]:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.transports[k].serve)
+                await nursery.start(self._run_service, k)
+                task_status.started()
+
+    async def _run_service(self, k: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await self.services[k].run(task_status=task_status)
+        except ElectionStoreError as e:
+            self.failures[k] = e
+
+    def address_of(self, peer: bytes):
+        return self.transports[self.index[peer]].listen_address
+
+    def kill(self, k: int) -> None:
+        self.transports[k].kill()
+        self.scopes[k].cancel()
+
+    def alive(self) -> list[int]:
+        return [k for k in range(self.n) if not self.transports[k].killed and k not in self.failures]
+
+    def partition(self, *groups) -> None:
+        for i, g in enumerate(groups):
+            for h in groups[i + 1:]:
+                for a in g:
+                    for b in h:
+                        self.net.cut_link(self.ids[a], self.ids[b])
+
+    def set_voters(self) -> None:
+        for k in self.alive():
+            self.services[k].set_voters(self.ids)
+
+    def coordinators(self, among=None) -> list[int]:
+        return [k for k in (self.alive() if among is None else among) if self.services[k].is_coordinator]
+
+    def agreed(self, among=None) -> int | None:
+        """The node every one of `among` (default: the living) recognises and that is coordinator."""
+        among = self.alive() if among is None else among
+        known = {self.services[k].coordinator for k in among}
+        if len(known) != 1 or None in known:
+            return None
+        c = self.index[known.pop()]
+        return c if self.coordinators(among) == [c] else None
+
+    def became(self, after: float = -1.0) -> list[tuple[float, int, int]]:
+        """(time, node, term) of each BecameCoordinator after `after`."""
+        return [(t, k, e.term) for t, k, e in self.events if isinstance(e, BecameCoordinator) and t > after]
+
+    def check_one_coordinator_per_term(self) -> None:
+        by_term = defaultdict(set)
+        for _, k, term in self.became():
+            by_term[term].add(k)
+        assert all(len(ks) == 1 for ks in by_term.values()), dict(by_term)
+
+
+async def until(pred, limit_s: float, step_s: float = 0.005) -> float:
+    """Poll pred() until true (fail after limit_s of virtual time); the time it became true."""
+    with trio.fail_after(limit_s):
+        while not pred():
+            await trio.sleep(step_s)
+    return trio.current_time()
+
+
+async def elect(s: Swarm, k: int) -> int:
+    """Voters set on all, node k campaigns; returns its term once every node follows it."""
+    s.set_voters()
+    s.services[k].campaign()
+    assert await s.services[k].wait_until_coordinator(1.0)
+    await until(lambda: s.agreed() == k, 1.0)
+    return s.services[k].term
+
+
+async def test_campaign_elects_one_coordinator_all_recognise(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(5, seed=1)
+        await s.start(nursery)
+        s.set_voters()
+        t0 = trio.current_time()
+        s.services[2].campaign()
+        assert await s.services[2].wait_until_coordinator(1.0)
+        # pre-votes out and back, then the vote requests out and back: four one-way delays (plus
+        # microseconds on the wire at 1 Gb/s)
+        assert trio.current_time() - t0 == pytest.approx(4 * DELAY_S, abs=1e-4)
+        for k in (0, 1, 3, 4):
+            assert await s.services[k].wait_for_coordinator(1.0) == s.ids[2]
+            assert not s.services[k].is_coordinator
+        leader = s.services[2]
+        assert (leader.role, leader.term, leader.coordinator, leader.voters) == ("coordinator", 1, s.ids[2],
+                                                                                 tuple(s.ids))
+        assert leader.status() == {"role": "coordinator", "term": 1, "coordinator": s.ids[2].hex(), "voters": 5,
+                                   "applied": [0, 0], "since": pytest.approx(WALL0 + t0 + 4 * DELAY_S, abs=1e-4)}
+        assert s.services[0].status()["role"] == "follower"
+        # it stays the only coordinator while heartbeats flow
+        await trio.sleep(20 * CFG.election_timeout_max_s)
+        assert s.became() == [(pytest.approx(t0 + 4 * DELAY_S, abs=1e-4), 2, 1)]
+        assert all(s.services[k].term == 1 and s.services[k].coordinator == s.ids[2] for k in range(5))
+        # each follower reported the coordinator once, as an event
+        known = [(k, e.coordinator) for _, k, e in s.events if isinstance(e, CoordinatorKnown)]
+        assert sorted(known) == [(k, s.ids[2]) for k in range(5)]
+        # allocations: only the coordinator's, of its term, newer than the last applied
+        assert s.services[0].may_apply(s.ids[2], 1, 1) is None
+        assert s.services[0].may_apply(s.ids[3], 1, 1).code == "not-coordinator"
+        s.services[0].applied(1, 1)
+        assert s.services[0].last_applied == (1, 1)
+        assert s.services[0].may_apply(s.ids[2], 1, 1).code == "stale"
+        s.check_one_coordinator_per_term()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_killed_coordinator_is_replaced_within_the_timeouts(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(5, seed=2)
+        await s.start(nursery)
+        term = await elect(s, 0)
+        await trio.sleep(1.0)
+        t_kill = trio.current_time()
+        s.kill(0)
+        t_new = await until(lambda: s.agreed() is not None, 5.0)
+        new = s.agreed()
+        took = t_new - t_kill
+        # the followers heard the last heartbeat at most one interval (plus a delay) before the
+        # kill; the first-ranked survivor stands within election_timeout_max_s of it (the dead
+        # coordinator ranks last), and its pre-votes and votes take four one-way delays
+        assert CFG.election_timeout_min_s - CFG.heartbeat_interval_s - DELAY_S <= took
+        assert took <= CFG.election_timeout_max_s + 4 * DELAY_S + 1e-9
+        assert s.services[new].term > term
+        assert all(s.services[k].term == s.services[new].term for k in s.alive())
+        # the dead peer is redialled with back-off, not at every heartbeat
+        dials_before = s.dials[(new, 0)]
+        await trio.sleep(10.0)
+        assert s.dials[(new, 0)] - dials_before <= 4
+        assert s.agreed() == new
+        s.check_one_coordinator_per_term()
+        nursery.cancel_scope.cancel()
+
+
+async def test_partition_minority_coordinator_steps_down_majority_elects_heal_joins(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(5, seed=3)
+        await s.start(nursery)
+        term = await elect(s, 0)
+        await trio.sleep(0.5)
+        t_cut = trio.current_time()
+        minority, majority = [0, 1], [2, 3, 4]
+        s.partition(minority, majority)
+        # check-quorum: no acks from a majority within lease_s -> steps down at a heartbeat tick;
+        # the last acked heartbeat left up to a heartbeat interval and a round trip before the cut
+        t_down = await until(lambda: s.services[0].role != "coordinator", 2.0, step_s=0.001)
+        assert CFG.lease_s - CFG.heartbeat_interval_s - 2 * DELAY_S <= t_down - t_cut
+        assert t_down - t_cut <= CFG.lease_s + CFG.heartbeat_interval_s
+        stepped = [e for _, k, e in s.events if k == 0 and isinstance(e, SteppedDown)]
+        assert len(stepped) == 1 and "majority" in stepped[0].reason
+        t_new = await until(lambda: s.agreed(majority) is not None, 5.0)
+        assert t_new - t_cut <= CFG.election_timeout_max_s + CFG.stagger_s + 4 * DELAY_S
+        new = s.agreed(majority)
+        # a long partition: the minority never elects, and its terms do not even rise (pre-vote)
+        await trio.sleep(10.0)
+        assert [k for _, k, _ in s.became(after=t_cut)] == [new]
+        assert s.coordinators(minority) == []
+        assert [s.services[k].term for k in minority] == [term, term]
+        assert s.agreed(majority) == new
+        s.net.heal()
+        try:
+            await until(lambda: s.agreed() == new, 2.0)
+        except trio.TooSlowError:
+            for k in range(5):
+                print(k, s.services[k].status(), s.services[k].is_coordinator)
+            raise
+        assert {s.services[k].term for k in range(5)} == {term + 1}
+        await trio.sleep(2.0)
+        assert s.agreed() == new and [k for _, k, _ in s.became(after=t_cut)] == [new]
+        s.check_one_coordinator_per_term()
+        nursery.cancel_scope.cancel()
+
+
+async def test_returning_peer_with_a_higher_term_keeps_the_coordinator(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(5, seed=4)
+        await s.start(nursery)
+        term = await elect(s, 0)
+        # cut off for ten election timeouts: its timers fire, its pre-votes are lost
+        s.partition([4], [0, 1, 2, 3])
+        await trio.sleep(10 * CFG.election_timeout_max_s)
+        assert s.services[4].term == term and s.services[4].role == "pre-candidate"
+        s.net.heal()
+        await trio.sleep(1.0)
+        assert s.agreed() == 0 and {s.services[k].term for k in range(5)} == {term}
+        # again, but it restarts with a term raised by 5 in its store
+        s.partition([4], [0, 1, 2, 3])
+        await trio.sleep(1.0)
+        s.kill(4)
+        s.stores[4].term += 5
+        s.stores[4].voted_for = None
+        t_back = trio.current_time()
+        await s.start_node(4)
+        s.services[4].set_voters(s.ids)  # the configuration the daemon keeps with its allocation
+        assert s.services[4].term == term + 5
+        s.net.heal()
+        await until(lambda: s.agreed() == 0 and s.services[0].term == term + 6, 3.0)
+        # the same coordinator, one term above the returning peer's: it stood again at once
+        assert [k for _, k, _ in s.became(after=t_back)] == [0]
+        assert [e.standing_again for _, k, e in s.events if k == 0 and isinstance(e, SteppedDown)] == [True]
+        await trio.sleep(2.0)
+        assert s.agreed() == 0 and {s.services[k].term for k in range(5)} == {term + 6}
+        s.check_one_coordinator_per_term()
+        nursery.cancel_scope.cancel()
+
+
+async def test_file_store_vote_on_disk_before_it_leaves_and_survives_restart(tmp_path):
+    # Real time: the store writes in worker threads, and MockClock's autojump would race ahead
+    # while they fsync. The election itself takes four link delays.
+    dirs = [tmp_path / f"peer{k}" for k in range(3)]
+    async with trio.open_nursery() as nursery:
+        s = Swarm(3, seed=5, stores=[FileElectionStore(d) for d in dirs])
+        checked = []
+
+        def vote_on_disk(src, dst, msg):
+            if isinstance(msg, Vote) and msg.granted:
+                assert FileElectionStore(dirs[src]).load() == (msg.term, s.ids[dst])
+                checked.append((src, msg.term))
+            if isinstance(msg, RequestVote):
+                assert FileElectionStore(dirs[src]).load() == (msg.term, s.ids[src])
+                checked.append((src, msg.term))
+
+        s.on_send = vote_on_disk
+        await s.start(nursery)
+        term = await elect(s, 0)
+        assert sorted(checked) == [(0, term), (0, term), (1, term), (2, term)]
+        assert s.services[1].voted_for == s.ids[0]
+        s.kill(1)
+        await trio.sleep(0.1)
+        # a new service on the same directory loads the term and the vote
+        again = ElectionService(s.net.add(s.ids[1]), s.ids[1], FileElectionStore(dirs[1]), CFG)
+        assert (again.term, again.voted_for, again.role) == (term, s.ids[0], "follower")
+        await s.start_node(1)
+        s.services[1].set_voters(s.ids)
+        assert (s.services[1].term, s.services[1].voted_for) == (term, s.ids[0])
+        await until(lambda: s.agreed() == 0, 2.0)
+        s.check_one_coordinator_per_term()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_failed_persist_stops_the_service_and_the_vote_never_leaves(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(3, seed=6, stores=[MemoryElectionStore(), FailingStore(), MemoryElectionStore()])
+        await s.start(nursery)
+        s.set_voters()
+        s.services[0].campaign()
+        assert await s.services[0].wait_until_coordinator(1.0)  # with 2's vote
+        t_fail = await until(lambda: 1 in s.failures, 1.0)
+        assert "No space left" in str(s.failures[1])
+        assert not [m for _, k, _, m in s.sent if k == 1 and isinstance(m, Vote)]
+        assert await s.services[2].wait_for_coordinator(1.0) == s.ids[0]
+        # a stopped service ignores what arrives and what the control plane asks
+        svc = s.services[1]
+        svc.campaign()
+        await trio.sleep(1.0)
+        assert svc.role == "follower" and not svc.is_coordinator
+        assert [m for t, k, _, m in s.sent if k == 1 and t >= t_fail] == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_run_raises_the_store_error_and_sends_nothing(autojump_clock):
+    net = MemNetwork(uniform_link(DELAY_S), config=TransportConfig.test())
+    me, other = b"\x01" * 32, b"\x02" * 32
+    t = net.add(me)
+    svc = ElectionService(t, me, FailingStore(), CFG.with_(pre_vote=False))
+    sent = []
+    net.transmit = lambda *a: sent.append(a)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        await nursery.start(t.serve)
+        svc.set_voters([other, me])
+        svc.campaign()  # Persist(1, me) then RequestVote: the persist fails, nothing leaves
+        with pytest.raises(ElectionStoreError, match="No space left"):
+            await svc.run()
+        assert sent == []
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("body, payload", [({"k": 99}, None), ({"k": 3, "t": -1, "g": True}, None), ("vote", None),
+                                           (Vote(0, False).to_wire(), b"extra")])
+async def test_a_malformed_election_message_closes_the_connection(autojump_clock, body, payload):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(3, seed=7)
+        await s.start(nursery)
+        await elect(s, 0)
+        rogue = s.net.add(b"\x07" * 32)
+        await nursery.start(rogue.serve)
+        conn = await rogue.connect(*s.transports[1].listen_address)
+        await conn.send(ControlMsg.ELECTION, Vote(0, False).to_wire())  # well formed: ignored
+        await trio.sleep(0.1)
+        assert not conn.closed
+        await conn.send(ControlMsg.ELECTION, body, payload=payload)
+        await until(lambda: conn.closed, 1.0)
+        assert "protocol error" in conn.close_reason
+        await trio.sleep(1.0)
+        assert s.agreed() == 0 and s.services[1].term == 1
+        nursery.cancel_scope.cancel()
