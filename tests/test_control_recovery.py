@@ -110,8 +110,8 @@ async def swarm(n: int, server_cls=RecoveryServer):
 
 
 async def fetch(me: Node, holders, digest: str, **kw):
-    args = dict(run_id=RUN, step=STEP, layer_range=LAYERS, digest=digest, max_total_bytes=LIMIT, timeout_s=5.0)
-    args.update(kw)
+    args = {"run_id": RUN, "step": STEP, "layer_range": LAYERS, "digest": digest, "max_total_bytes": LIMIT,
+            "timeout_s": 5.0, **kw}
     with trio.fail_after(30):
         return await fetch_stage(me.transport, [h if isinstance(h, tuple) else h.source for h in holders], **args)
 
@@ -174,12 +174,11 @@ class CorruptServer(RecoveryServer):
 
 async def test_holder_serving_corrupt_chunks_is_dropped(caplog):
     state = make_state()
-    async with swarm(3) as (me, good1, good2):
-        async with swarm(1, CorruptServer) as (bad,):
-            digest = (await bad.server.offer(RUN, state)).digest
-            for h in (good1, good2):
-                await h.server.offer(RUN, state)
-            result = await fetch(me, [bad, good1, good2], digest)  # the liar even gives the manifest
+    async with swarm(3) as (me, good1, good2), swarm(1, CorruptServer) as (bad,):
+        digest = (await bad.server.offer(RUN, state)).digest
+        for h in (good1, good2):
+            await h.server.offer(RUN, state)
+        result = await fetch(me, [bad, good1, good2], digest)  # the liar even gives the manifest
     assert "fails its hash" in result.failed[bad.id]
     assert bad.id not in result.per_source and set(result.per_source) == {good1.id, good2.id}
     assert params_sha256(result.receiver.finish(SPEC, CFG, LAYERS)) == params_sha256(state)
@@ -207,11 +206,10 @@ class HangingServer(RecoveryServer):
 
 async def test_holder_that_stops_answering_is_dropped_after_the_timeout():
     state = make_state()
-    async with swarm(2) as (me, good):
-        async with swarm(1, HangingServer) as (slow,):
-            digest = (await slow.server.offer(RUN, state)).digest
-            await good.server.offer(RUN, state)
-            result = await fetch(me, [slow, good], digest, timeout_s=0.5)
+    async with swarm(2) as (me, good), swarm(1, HangingServer) as (slow,):
+        digest = (await slow.server.offer(RUN, state)).digest
+        await good.server.offer(RUN, state)
+        result = await fetch(me, [slow, good], digest, timeout_s=0.5)
     assert result.failed == {slow.id: "timed out"}
     assert result.per_source == {good.id: len(result.receiver.manifest.chunk_sha256)}
 
@@ -232,20 +230,20 @@ async def test_every_holder_gone_raises_naming_each():
     assert "not held here" in msg and "holds digest" in msg
 
 
+class WithdrawingServer(RecoveryServer):
+    """Withdraws the run as soon as it has handed out a manifest."""
+
+    async def _on_manifest(self, conn, msg_type, body, payload):
+        reply = await super()._on_manifest(conn, msg_type, body, payload)
+        self.withdraw(RUN)
+        return reply
+
+
 async def test_stage_lost_mid_fetch_raises():
-    """The only holder withdraws after the manifest: its refusals end the fetch with a RecoveryError."""
-    state = make_state()
-    async with swarm(2) as (me, holder):
-        digest = (await holder.server.offer(RUN, state)).digest
-        real = holder.server._on_manifest
-
-        async def manifest_then_withdraw(*args):
-            reply = await real(*args)
-            holder.server.withdraw(RUN)
-            return reply
-
-        holder.transport._handlers[ControlMsg.FETCH_MANIFEST] = manifest_then_withdraw
-        with pytest.raises(RecoveryError, match=short_id(holder.id)):
+    """The only holder withdraws after the manifest: its refusal ends the fetch with a RecoveryError."""
+    async with swarm(1) as (me,), swarm(1, WithdrawingServer) as (holder,):
+        digest = (await holder.server.offer(RUN, make_state())).digest
+        with pytest.raises(RecoveryError, match=f"{short_id(holder.id)}: refused"):
             await fetch(me, [holder], digest)
 
 
