@@ -222,6 +222,7 @@ class RecoveryServer:
         return len(keys)
 
     def offers(self) -> list[dict]:
+        """The offers, oldest first, for status (`Offer.describe`)."""
         return [o.describe() for o in self._offers.values()]
 
     async def _on_manifest(self, conn: PeerConnection, msg_type: int, body: object, payload) -> dict:
@@ -253,7 +254,7 @@ class RecoveryServer:
 @dataclass
 class FetchResult:
     receiver: TransferReceiver  # complete: every chunk in and verified
-    bytes: int  # chunk bytes received, retries included
+    bytes: int  # bytes of verified chunks received (the stage's size)
     seconds: float
     per_source: dict[bytes, int] = field(default_factory=dict)  # chunks each holder delivered
     failed: dict[bytes, str] = field(default_factory=dict)  # holders dropped, and why
@@ -372,7 +373,7 @@ class _Fetch:
     def error(self) -> RecoveryError:
         why = "; ".join(f"{short_id(p)}: {r}" for p, r in self.failed.items()) or "no holders given"
         return RecoveryError(f"cannot recover layers {list(self.layer_range)} at step {self.step}: "
-                             f"every holder failed ({why})")
+                             f"every holder failed ({why}); recover from another holder or a checkpoint")
 
 
 def _why(e: BaseException) -> str:
@@ -425,6 +426,8 @@ def needed_stages(old_ranges: Sequence[tuple[int, int]], new_range: tuple[int, i
     """Indices of the old stages that stage `new_range` takes tensors from: those with blocks
     in it, the old first stage when it starts at 0 (embeddings), the old last when it ends at
     the model's last layer (final norm, head, tied embedding copy)."""
+    if not old_ranges:
+        raise ValueError("no old layer ranges")
     a, b = new_range
     need = {i for i, (oa, ob) in enumerate(old_ranges) if oa < b and a < ob}
     if a == 0:

@@ -10,6 +10,8 @@ from contextlib import asynccontextmanager
 import pytest
 import torch
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dtfm.control.messages import ControlMsg
 from dtfm.control.recovery import (
@@ -305,6 +307,24 @@ def test_malformed_chunk_requests_raise_protocol_error(change):
     assert parse_chunk_request(GOOD_CHUNK) == ((RUN, 3, (0, 2)), "ab" * 32, 0)
 
 
+_WIRE = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) | st.text(max_size=70)
+    | st.binary(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(sorted(GOOD_CHUNK)) | st.text(max_size=5),
+                                                                 inner, max_size=6),
+    max_leaves=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_WIRE)
+def test_garbage_bodies_raise_only_protocol_error(body):
+    for parse in (parse_manifest_request, parse_chunk_request):
+        try:
+            parse(body)
+        except ProtocolError:
+            pass
+
+
 @pytest.mark.parametrize("msg_type, body", [
     (ControlMsg.FETCH_MANIFEST, dict(GOOD, step="3")),
     (ControlMsg.FETCH_CHUNK, dict(GOOD_CHUNK, digest="no")),
@@ -326,6 +346,29 @@ async def test_malformed_request_closes_the_connection(msg_type, body):
 
 
 # ----------------------------------------------------------------------------- re-layout
+
+
+async def test_new_stage_from_old_stages_fetched_over_the_network():
+    """Old layout (0, 2), (2, 4), each held by two peers; the new stage (1, 3) fetches both
+    (needed_stages) by their digests and assembles its blocks from them."""
+    old_ranges = [(0, 2), (2, 4)]
+    olds = [make_state(r) for r in old_ranges]
+    async with swarm(5) as (me, *holders):
+        digests = []
+        for i, state in enumerate(olds):
+            for h in holders[2 * i:2 * i + 2]:
+                digests.append((await h.server.offer(RUN, state)).digest)
+        parts = []
+        for i in needed_stages(old_ranges, (1, 3)):
+            result = await fetch(me, holders[2 * i:2 * i + 2], digests[2 * i], layer_range=old_ranges[i])
+            assert len(result.per_source) == 2
+            parts.append(result.receiver)
+    new = assemble_stage(SPEC, CFG, (1, 3), parts, STEP, STEP)
+    have = {**olds[0].params, **olds[1].params}
+    assert sorted(new.params) == sorted(n for n in have if n.startswith(("h.1.", "h.2.")))
+    for n, p in new.params.items():
+        assert torch.equal(p, have[n])
+        assert torch.equal(new.optim.exp_avg_sq[n], {**olds[0].optim.exp_avg_sq, **olds[1].optim.exp_avg_sq}[n])
 
 
 def test_needed_stages():
