@@ -32,6 +32,8 @@ class SearchConfig:
     random_seeds: int = 2  # random starting partitions besides the constructions
     regroup_max_peers: int = 32  # up to here, also try every swap, and every re-split of two groups,
     #                              with pipelines re-matched exactly (slow, but escapes more local optima)
+    warm_only: bool = False  # with solve(initial=): start from it alone (no constructions, no random
+    #                          starts); with generations=0 a local repair that stays near it
 
     def __post_init__(self) -> None:
         if self.time_budget_s <= 0:

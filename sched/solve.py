@@ -116,7 +116,7 @@ def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, u
     search = ShapeSearch(model, S, D, config, seed, deadline_s)
     seeds = _seeds(model, S, D, regions, np.random.default_rng([seed, 1]), config.random_seeds)
     if initial is not None:  # first: on a tie with a construction the warm start wins
-        seeds.insert(0, initial)
+        seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
     stats = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}

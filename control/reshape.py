@@ -1,0 +1,451 @@
+"""Re-allocation when the swarm changes: which allocation to run next, and what it costs to get there.
+
+A pure planner (no I/O). The coordinator calls `reshape` when peers die, leave or join, or the
+measured network drifts; it weighs every way of going on against the allocation in use:
+
+- keep: the current allocation unchanged (only while all its peers are live); new live peers
+  become spares.
+- repair: each dead peer replaced by a live spare, same S and D; the spare for a hole is chosen
+  (one assignment over all holes) for its links to the hole's pipeline neighbours and DP group.
+- shrink: same layer ranges, D reduced to the pipelines still whole, or made whole by spares:
+  one candidate per count of repaired pipelines (0 moves when no spare fills a hole); the
+  survivors of the dropped pipelines become spares.
+- grow: live spares (joined or returned peers) form extra whole pipelines of the same S, laid
+  out by the scheduler among themselves; every peer of a new pipeline moves.
+- reschedule: the DT-FM scheduler on all live peers, same S, D = live // S (capped so that
+  `split_batch` accepts it; and also the current D when that leaves spares), warm-started from the current allocation (survivors in their
+  places, holes filled as repair does). The cost model does not care in which order the
+  pipelines are listed, so the result's pipelines are relabelled to keep as many peers as
+  possible in their old (stage, pipeline) place; the reversed stage order, as cheap on a
+  symmetric network, is tried too, and the cheaper of the two (score below) is offered.
+- restage: when fewer than S peers are live, no allocation of the current S exists: the
+  scheduler on the live peers with every other stage count (layer ranges change).
+
+The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no moves.
+
+Costs. A peer that takes on a layer range other than the one it holds *moves*: it fetches every
+old stage that its new range needs (the blocks in it, the embeddings for a first stage, the head
+for a last stage: the rule of `control.recovery.needed_stages`) and that it does not hold
+itself, each stage about 16 bytes per parameter (fp32 weights, two Adam moments and the rest;
+`stage_bytes` overrides it), from the live holder it reaches fastest (latency + bytes over the
+view's bandwidth). A peer fetches its stages one after another, the movers in parallel, so
+`move_s` is the slowest mover's total. A stage with no live holder left is *lost* (the plan
+lists it; it must come from a checkpoint) and costs no fetch time here.
+
+Each candidate's iteration time is the GPipe simulator's with the trainer's syncs, on the view,
+as `choose_shape` predicts it; its score is predicted_iteration_s x remaining_steps + move_s.
+
+Choice, with hysteresis. If the current allocation has a dead peer (or `force`), the lowest
+score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
+gains, per step, more than `min_gain` of the current iteration time AND over the remaining
+steps more than its own move_s; among those, the lowest score wins. Two allocations predicted
+within a few percent of each other therefore never flap back and forth on measurement noise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from dtfm.gossip import NetworkView
+from dtfm.sched import CostModel, SearchConfig, candidate_shapes, layer_ranges, simulate_iteration, solve
+from dtfm.train import GPTSpec, TrainConfig
+
+from .schedule import Shape, _matrices, sched_spec
+
+__all__ = ["BYTES_PER_PARAM", "KINDS", "Current", "ReshapePlan", "default_stage_bytes", "relabel_pipelines",
+           "reshape"]
+
+logger = logging.getLogger(__name__)
+
+# fp32 weights + two fp32 Adam moments + gradient buffer: what a peer fetches per parameter.
+BYTES_PER_PARAM = 16
+KINDS = ("keep", "repair", "shrink", "grow", "reschedule", "restage")  # also the tie-break order
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Current:
+    """The allocation being replaced."""
+
+    pipelines: tuple[tuple[bytes, ...], ...]  # [d][s]: peer id
+    layer_ranges: tuple[tuple[int, int], ...]  # [s]: [start, end) blocks of stage s
+
+    def __post_init__(self) -> None:
+        S = len(self.layer_ranges)
+        if not self.pipelines or S < 1 or any(len(p) != S for p in self.pipelines):
+            raise ValueError(f"a current allocation needs at least one pipeline, each of {S} stages "
+                             "(one per layer range)")
+        ids = [peer for pipe in self.pipelines for peer in pipe]
+        if len(set(ids)) != len(ids):
+            raise ValueError("a current allocation places a peer twice")
+        ends = [0] + [b for _, b in self.layer_ranges]
+        if any(a != ends[s] or b <= a for s, (a, b) in enumerate(self.layer_ranges)):
+            raise ValueError(f"layer ranges {self.layer_ranges} are not contiguous from 0")
+
+    @property
+    def stages(self) -> int:
+        return len(self.layer_ranges)
+
+    @property
+    def dp(self) -> int:
+        return len(self.pipelines)
+
+
+@dataclass(frozen=True)
+class ReshapePlan:
+    shape: Shape  # the allocation to run next
+    kind: str  # one of KINDS
+    moves: int  # peers that take on a layer range other than the one they hold
+    bytes_moved: int  # estimated bytes those peers fetch
+    move_s: float  # estimated fetch time: each mover's stages in turn, the movers in parallel
+    gain_s: float  # (current predicted iteration - new) x remaining steps; nan when the current cannot be predicted
+    candidates: tuple[dict, ...]  # every candidate: kind, shape "SxD", predicted_s, moves, bytes, move_s, score
+    fetches: tuple[tuple[bytes, Range, bytes | None], ...] = ()  # (mover, old stage range, source; None: lost)
+    lost_ranges: tuple[Range, ...] = ()  # old stages no live peer holds: to recover from a checkpoint
+
+    def summary(self) -> str:
+        """One log line: the choice and every candidate."""
+        s = self.shape
+        head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)} predicted "
+                f"{s.predicted_iteration_s:.3f} s, {self.moves} moves, {self.bytes_moved / 1e6:.1f} MB "
+                f"in {self.move_s:.2f} s, gain {self.gain_s:.1f} s")
+        if self.lost_ranges:
+            head += f", lost {list(self.lost_ranges)}"
+        rest = "; ".join(f"{c['kind']} {c['shape']} {c['predicted_s']:.3f}s {c['moves']}mv score {c['score']:.1f}"
+                         for c in self.candidates)
+        return f"{head} [{rest}]"
+
+
+def default_stage_bytes(spec: GPTSpec) -> Callable[[Range], int]:
+    """Bytes of a stage's state: BYTES_PER_PARAM per parameter of its blocks, plus the embeddings
+    on the first stage and the final norm and head (or tied embedding copy) on the last."""
+    def stage_bytes(r: Range) -> int:
+        a, b = r
+        params = (b - a) * spec.layer_params
+        if a == 0:
+            params += (spec.vocab + spec.seq_len) * spec.n_embd
+        if b == spec.n_layer:
+            params += spec.vocab * spec.n_embd + (2 if spec.bias else 1) * spec.n_embd
+        return BYTES_PER_PARAM * params
+    return stage_bytes
+
+
+def relabel_pipelines(X: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """X's pipelines (columns of an (S, D) array) reordered so that as many cells as possible
+    hold the peer that `old` ((S, D0), -1 for none) has there; pipelines without a match go last.
+    The cost model and the simulator do not depend on the order of pipelines."""
+    D, D0 = X.shape[1], old.shape[1]
+    same = (X[:, :, None] == old[:, None, :]) & (old[:, None, :] >= 0)
+    rows, cols = linear_sum_assignment(same.sum(axis=0), maximize=True)
+    target = {int(r): int(c) for r, c in zip(rows, cols)}
+    order = sorted(range(D), key=lambda i: (target.get(i, D0 + i), i))
+    return X[:, order]
+
+
+@dataclass
+class _Cand:
+    kind: str
+    X: np.ndarray  # (S, D) view indices
+    ranges: tuple[Range, ...]
+    predicted_s: float = 0.0
+    objective_s: float = 0.0
+    moves: int = 0
+    bytes: int = 0
+    move_s: float = 0.0
+    score: float = 0.0
+    fetches: tuple = ()
+    lost: tuple = ()
+
+
+class _Planner:
+    def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config):
+        self.view, self.spec, self.cfg = view, spec, cfg
+        self.ids = view.peers
+        self.index = {p: i for i, p in enumerate(self.ids)}
+        self.live = [i for i, p in enumerate(self.ids) if p in live]
+        self.live_set = set(self.live)
+        self.delay, self.bw = _matrices(view)
+        self.steps = remaining_steps
+        self.stage_bytes = stage_bytes or default_stage_bytes(spec)
+        self.regions = regions
+        self.seed, self.config = seed, config
+        self.d_max = cfg.global_batch_seqs // cfg.micro_batches  # split_batch: every micro-batch a sample
+        self.current = current
+        self._models: dict[tuple[int, int], CostModel] = {}
+        if current is not None:
+            # (S, D) view indices of the current allocation; -1 where the peer is dead or unknown
+            self.cur = np.array([[self.index[p] if p in self.index and self.index[p] in self.live_set else -1
+                                  for p in pipe] for pipe in current.pipelines], dtype=np.int64).T
+            self.old_ranges = tuple(current.layer_ranges)
+            self.held = {int(i): s for s, row in enumerate(self.cur) for i in row if i >= 0}
+
+    # -- evaluation -----------------------------------------------------------------------
+    def model(self, S: int, D: int) -> CostModel:
+        m = self._models.get((S, D))
+        if m is None:
+            m = CostModel(self.delay, self.bw, sched_spec(self.spec, self.cfg, D).workload(S, D))
+            self._models[(S, D)] = m
+        return m
+
+    def evaluate(self, kind: str, X: np.ndarray, ranges) -> _Cand:
+        S, D = X.shape
+        m = self.model(S, D)
+        c = _Cand(kind, X, tuple(ranges))
+        c.predicted_s = float(simulate_iteration(m, X, micro_batches=self.cfg.micro_batches, engine_syncs=True).iteration_s)
+        c.objective_s = float(m.breakdown(X).paper_s)
+        self._moves(c)
+        c.score = c.predicted_s * self.steps + c.move_s
+        return c
+
+    def _moves(self, c: _Cand) -> None:
+        if self.current is None:
+            return  # the first allocation: every stage starts from the seed, nothing to fetch
+        old, n_layer = self.old_ranges, self.spec.n_layer
+        fetches, lost, moves, total, slowest = [], set(), 0, 0, 0.0
+        for s, row in enumerate(c.X):
+            a, b = c.ranges[s]
+            for i in map(int, row):
+                mine = self.held.get(i)
+                if mine is not None and old[mine] == (a, b):
+                    continue
+                moves += 1
+                need = {k for k, (oa, ob) in enumerate(old) if oa < b and a < ob}
+                need |= ({0} if a == 0 else set()) | ({len(old) - 1} if b == n_layer else set())
+                t = 0.0
+                for k in sorted(need - {mine}):
+                    size = int(self.stage_bytes(old[k]))
+                    total += size
+                    holders = [int(h) for h in self.cur[k] if h >= 0]
+                    if not holders:
+                        lost.add(old[k])
+                        fetches.append((self.ids[i], old[k], None))
+                        continue
+                    secs = [self.delay[h, i] / 1e3 + size * 8 / (self.bw[h, i] * 1e9) for h in holders]
+                    j = int(np.argmin(secs))
+                    t += secs[j]
+                    fetches.append((self.ids[i], old[k], self.ids[holders[j]]))
+                slowest = max(slowest, t)
+        c.moves, c.bytes, c.move_s = moves, total, float(slowest)
+        c.fetches, c.lost = tuple(fetches), tuple(sorted(lost))
+
+    # -- filling holes --------------------------------------------------------------------
+    def fill(self, X: np.ndarray, pool: Sequence[int]) -> np.ndarray | None:
+        """X with its -1 cells filled from `pool`, stage by stage, each stage's holes assigned at
+        once for the least sum of hops to the pipeline's neighbours and DP costs to the group."""
+        X = X.copy()
+        S, D = X.shape
+        pool = [int(p) for p in pool]
+        if int((X < 0).sum()) > len(pool):
+            return None
+        m = self.model(S, D)
+        grad = m.uniform_grad_gb()
+        for s in range(S):
+            holes = np.flatnonzero(X[s] < 0)
+            if not len(holes):
+                continue
+            cand = np.array(pool, dtype=np.int64)
+            cost = np.zeros((len(holes), len(cand)))
+            group = X[s][X[s] >= 0]
+            if len(group):
+                dp = (m.dp_a + grad * m.dp_b)[np.ix_(cand, group)] + (m.dp_a + grad * m.dp_b)[np.ix_(group, cand)].T
+                cost += dp.sum(axis=1)[None, :]
+            for h, p in enumerate(holes):
+                if s > 0 and X[s - 1, p] >= 0:
+                    cost[h] += 2 * m.hop[X[s - 1, p], cand]
+                if s < S - 1 and X[s + 1, p] >= 0:
+                    cost[h] += 2 * m.hop[cand, X[s + 1, p]]
+            rows, cols = linear_sum_assignment(cost)
+            for r, k in zip(rows, cols):
+                X[s, holes[r]] = cand[k]
+            taken = {int(cand[k]) for k in cols}
+            pool = [p for p in pool if p not in taken]
+        return X
+
+    def spares(self, X: np.ndarray) -> list[int]:
+        used = set(map(int, X.ravel()))
+        return [i for i in self.live if i not in used]
+
+    # -- the scheduler on a subset of peers ------------------------------------------------
+    def schedule(self, peers: Sequence[int], S: int, D: int, budget_s: float, initial=None,
+                 local: bool = False) -> np.ndarray:
+        """The scheduler on `peers` (view indices) for S x D, warm-started from `initial` ((S, D)
+        view indices); `local`: only polish `initial` (swaps and re-matching, no evolution)."""
+        peers = list(peers)
+        sub = np.ix_(peers, peers)
+        labels = [self.regions.get(self.ids[i], "") for i in peers] if self.regions else None
+        cfg = self.config or SearchConfig(time_budget_s=max(budget_s, 1e-3))
+        if local:
+            cfg = replace(cfg, generations=0, warm_only=True)
+        pos = {p: k for k, p in enumerate(peers)}
+        init = None if initial is None else [[pos[int(v)] for v in col] for col in initial.T]
+        alloc = solve(self.delay[sub], self.bw[sub], sched_spec(self.spec, self.cfg, D), stages=S, dp=D,
+                      regions=labels, seed=self.seed, config=cfg, initial=init)
+        return np.array(peers, dtype=np.int64)[alloc.matrix]
+
+    def oriented(self, kind: str, X: np.ndarray, ranges, old: np.ndarray | None) -> _Cand:
+        """The better (by score) of X and X with its stage order reversed, pipelines relabelled
+        towards `old`."""
+        options = [X] if X.shape[0] == 1 else [X, X[::-1]]
+        best = None
+        for Y in options:
+            if old is not None and old.shape[0] == Y.shape[0]:
+                Y = relabel_pipelines(Y, old)
+            c = self.evaluate(kind, np.ascontiguousarray(Y), ranges)
+            if best is None or c.score < best.score - 1e-12:
+                best = c
+        return best
+
+
+def _same_s(pl: _Planner, budget_s: float) -> list[_Cand]:
+    cur, ranges = pl.cur, pl.old_ranges
+    S, D = cur.shape
+    holes = cur < 0
+    spares = pl.spares(cur)
+    out = []
+    if not holes.any():
+        out.append(pl.evaluate("keep", cur, ranges))
+    elif int(holes.sum()) <= len(spares) and D <= pl.d_max:
+        out.append(pl.evaluate("repair", pl.fill(cur, spares), ranges))
+    if holes.any():  # shrink: the whole pipelines, plus the r easiest to repair
+        whole = [p for p in range(D) if not holes[:, p].any()]
+        broken = sorted((p for p in range(D) if holes[:, p].any()), key=lambda p: (int(holes[:, p].sum()), p))
+        for r in range(len(broken)):
+            cols = sorted(whole + broken[:r])
+            need = int(holes[:, broken[:r]].sum())
+            if not cols or need > len(spares) or len(cols) > pl.d_max:
+                continue
+            X = cur[:, cols]
+            pool = [i for i in pl.live if i not in set(map(int, X[X >= 0]))]  # the dropped survivors are spares too
+            out.append(pl.evaluate("shrink", pl.fill(X, pool), ranges))
+    new = spares
+    grow_max = min(len(new) // S, pl.d_max - D) if not holes.any() else 0
+    # reschedule at D = live // S (capped), and at the current D too when spares would be left
+    widths = sorted({w for w in (min(len(pl.live) // S, pl.d_max), min(D, len(pl.live) // S)) if w >= 1})
+    n_solves = grow_max + 2 * len(widths)
+    for g in range(1, grow_max + 1):
+        Xg = pl.schedule(new, S, g, budget_s / n_solves)
+        both = [pl.evaluate("grow", np.hstack([cur, Y]), ranges) for Y in ([Xg] if S == 1 else [Xg, Xg[::-1]])]
+        out.append(min(both, key=lambda c: c.score))
+    for D2 in widths:
+        keep_cols = sorted(range(D), key=lambda p: (int(holes[:, p].sum()), p))[:D2]
+        X0 = np.full((S, D2), -1, dtype=np.int64)
+        X0[:, :len(keep_cols)] = cur[:, sorted(keep_cols)]
+        X0 = pl.fill(X0, [i for i in pl.live if i not in set(map(int, X0[X0 >= 0]))])
+        for local in (False, True):  # the whole search, and a local repair that stays near X0
+            Xs = pl.schedule(pl.live, S, D2, budget_s / n_solves, initial=X0, local=local)
+            out.append(pl.oriented("reschedule", Xs, ranges, cur))
+    return out
+
+
+def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarray | None) -> list[_Cand]:
+    """The scheduler on the live peers for each allowed shape (stages None: every shape)."""
+    n = len(pl.live)
+    if stages is not None:
+        D = dp if dp is not None else min(n // stages, pl.d_max)
+        shapes = [(stages, D)] if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer else []
+    else:
+        probe = sched_spec(pl.spec, pl.cfg, 1)
+        shapes = [(S, D) for S, D in candidate_shapes(n, probe, allow_spares=True) if D <= pl.d_max]
+        shapes = [(S, D) for S, D in shapes if dp is None or D == dp]
+        if old is not None:
+            shapes = [(S, D) for S, D in shapes if S != old.shape[0]]
+    out = []
+    for S, D in shapes:
+        X = pl.schedule(pl.live, S, D, budget_s / len(shapes))
+        out.append(pl.oriented(kind, X, tuple(layer_ranges(pl.spec.n_layer, S)), old))
+    return out
+
+
+def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Current | None,
+            live: frozenset[bytes], remaining_steps: int, stage_bytes: Callable[[Range], int] | None = None,
+            regions: dict[bytes, str] | None = None, time_budget_s: float = 2.0, seed: int = 0,
+            min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
+            config: SearchConfig | None = None) -> ReshapePlan:
+    """The next allocation of the live peers of `view` (see the module docstring).
+
+    current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
+    takes them; None: every shape). live: ids of the peers that may be placed (a peer missing
+    from the view is never placed). remaining_steps: steps still to train, which a faster
+    allocation saves time on. stage_bytes: bytes a peer fetches for an old stage's range
+    (default `default_stage_bytes(spec)`). config: a SearchConfig for the scheduler runs
+    (repeatable runs in tests), else `time_budget_s` is shared among them.
+    ValueError when the view is incomplete or no allocation fits the live peers."""
+    n = len(view.peers)
+    if not view.complete:
+        raise ValueError(f"the network view is incomplete ({view.pairs_known()} of {n * (n - 1)} links "
+                         "measured): wait until gossip has measured every link")
+    if remaining_steps < 0 or not 0 <= min_gain:
+        raise ValueError("remaining_steps and min_gain must be non-negative")
+    if current is not None and current.layer_ranges[-1][1] != spec.n_layer:
+        raise ValueError(f"the current layer ranges end at {current.layer_ranges[-1][1]}, the model has "
+                         f"{spec.n_layer} layers")
+    pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config)
+    if not pl.live:
+        raise ValueError("no live peer is in the network view: nothing to allocate")
+    if pl.d_max < 1:
+        raise ValueError(f"global batch {cfg.global_batch_seqs} is smaller than {cfg.micro_batches} "
+                         "micro-batches: no pipeline can run")
+    keep = None
+    if current is None:
+        cands = _shapes(pl, "reschedule", stages, dp, time_budget_s, None)
+    else:
+        cands = _same_s(pl, time_budget_s) if len(pl.live) >= current.stages else []
+        if not cands:
+            cands = _shapes(pl, "restage", None, None, time_budget_s, pl.cur)
+        keep = next((c for c in cands if c.kind == "keep"), None)
+    cands = _distinct(cands)
+    if not cands:
+        raise ValueError(f"no allocation fits the {len(pl.live)} live peers of the view "
+                         f"(a model of {spec.n_layer} layers, at most {pl.d_max} pipelines for a global "
+                         f"batch of {cfg.global_batch_seqs} in {cfg.micro_batches} micro-batches)")
+    ref = keep.predicted_s if keep is not None else _current_prediction(pl)
+    rank = {k: i for i, k in enumerate(KINDS)}
+    order = sorted(cands, key=lambda c: (c.score, rank[c.kind], c.moves))
+    if keep is not None and not force:
+        per_step = min_gain * keep.predicted_s
+        better = [c for c in order if c is not keep and keep.predicted_s - c.predicted_s > per_step
+                  and (keep.predicted_s - c.predicted_s) * remaining_steps > c.move_s]
+        chosen = better[0] if better else keep
+    else:
+        others = [c for c in order if c is not keep]
+        chosen = others[0] if others else order[0]
+    plan = _plan(pl, chosen, cands, ref)
+    logger.info("%s", plan.summary())
+    return plan
+
+
+def _distinct(cands: list[_Cand]) -> list[_Cand]:
+    """The candidates less repeats of one allocation under one kind."""
+    out, seen = [], set()
+    for c in cands:
+        key = (c.kind, c.X.shape, c.X.tobytes())
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _current_prediction(pl: _Planner) -> float:
+    """The current allocation's predicted iteration on the view, nan when a peer left the view."""
+    if pl.current is None or any(p not in pl.index for pipe in pl.current.pipelines for p in pipe):
+        return float("nan")
+    X = np.array([[pl.index[p] for p in pipe] for pipe in pl.current.pipelines], dtype=np.int64).T
+    m = pl.model(*X.shape)
+    return float(simulate_iteration(m, X, micro_batches=pl.cfg.micro_batches, engine_syncs=True).iteration_s)
+
+
+def _plan(pl: _Planner, c: _Cand, cands: list[_Cand], ref: float) -> ReshapePlan:
+    ids = pl.ids
+    shape = Shape(tuple(tuple(ids[int(i)] for i in col) for col in c.X.T), c.ranges,
+                  tuple(ids[i] for i in pl.spares(c.X)), c.predicted_s, c.objective_s)
+    table = tuple({"kind": o.kind, "shape": f"{o.X.shape[0]}x{o.X.shape[1]}", "predicted_s": o.predicted_s,
+                   "moves": o.moves, "bytes": o.bytes, "move_s": o.move_s, "score": o.score, "chosen": o is c}
+                  for o in cands)
+    return ReshapePlan(shape, c.kind, c.moves, c.bytes, c.move_s, (ref - c.predicted_s) * pl.steps, table,
+                       c.fetches, c.lost)
