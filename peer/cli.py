@@ -6,6 +6,7 @@
     dtfm-peer status [--json]             ask the running daemon how it is doing
     dtfm-peer leave                       make the running daemon leave and exit
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
+    dtfm-peer train reschedule            ask the coordinator for a new allocation now
 
 Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
 """
@@ -32,7 +33,7 @@ from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
 from .runner import run_daemon
 from .settings import apply_flags, default_text, flag_settings, load_toml
-from .status import format_text, to_json
+from .status import format_duration, format_text, to_json
 
 PROG = "dtfm-peer"
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
@@ -121,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "to exit")
             p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                            help="how long to wait for the daemon to exit (default: 30)")
-    p = sub.add_parser("train", help="start or stop training on the swarm",
-                       description="Start training on the swarm from this daemon, or stop the run.")
+    p = sub.add_parser("train", help="start, stop or reschedule training on the swarm",
+                       description="Start training on the swarm from this daemon, stop the run, or "
+                                   "ask its coordinator for a new allocation now.")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="ACTION")
     text = ("schedule the live peers on the measured network and train: this daemon runs the "
             "DT-FM scheduler on its gossiped view, signs the allocation, hands it to every peer "
@@ -155,6 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
                                     "boundary on every peer.")
     _add_data_dir(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    t = tsub.add_parser("reschedule", help="ask the coordinator for a new allocation now",
+                        description="Ask the run's coordinator for a new allocation now: it schedules "
+                                    "the live peers on its current view and reconfigures the run (see "
+                                    "docs/control.md), as it does by itself when a peer dies or joins. "
+                                    "Any peer of the run may be asked: one that is not the coordinator "
+                                    "forwards the request to it. Prints the coordinator's answer: its "
+                                    "kind, the old -> new shape (stages x pipelines) and the stage "
+                                    "moves; --json prints all of it.")
+    _add_data_dir(t)
+    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    t.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the coordinator's answer (default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
     return parser
 
 
@@ -244,8 +259,79 @@ def cmd_status(args: argparse.Namespace) -> int:
         report = c.request("status")
     if not isinstance(report, dict):
         raise CliError("the daemon sent a status that is not a map")
-    print(to_json(report) if args.json else format_text(report))
+    print(to_json(report) if args.json else format_status_text(report))
     return 0
+
+
+def format_status_text(report: dict, now: float | None = None) -> str:
+    """`format_text`, with the training section in words rather than as one JSON line."""
+    training = report.get("training")
+    if not isinstance(training, dict):
+        return format_text(report)
+    rest = format_text({k: v for k, v in report.items() if k != "training"})
+    return rest + "\n" + "\n".join(format_training(training, time.time() if now is None else now))
+
+
+def _short(peer_id: object) -> str:
+    return peer_id[:8] if isinstance(peer_id, str) and peer_id else "-"
+
+
+def _bytes(n: object) -> str:
+    if not isinstance(n, (int, float)):
+        return "? bytes"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"  # pragma: no cover
+
+
+def format_training(t: dict, now: float) -> list[str]:
+    """The status report's `training` map as lines: state and place in the run, the election
+    (role, term, coordinator), the last reconfiguration, the last step and, on the
+    coordinator, the run's progress. Every field is optional (older or idle daemons)."""
+    pad = " " * 10
+    head = [str(t.get("state", "?"))]
+    if t.get("run_id"):
+        head.append(f"run {_short(t['run_id'])}")
+    if t.get("preset"):
+        head.append(f"{t['preset']}, {t.get('stages', '?')} stages x {t.get('dp', '?')} pipelines")
+    if t.get("epoch") is not None:
+        head.append(f"epoch {t['epoch']}")
+    if t.get("stage") is not None:
+        head.append(f"stage {t['stage']} of pipeline {t.get('pipeline')}")
+    if t.get("step") is not None:
+        head.append(f"last step {t['step']}")
+    lines = ["training  " + ", ".join(head)]
+    if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
+        lines.append(f"{pad}role {t.get('role') or '-'}, term {t.get('term', '-')}, "
+                     f"coordinator {_short(t.get('coordinator'))}")
+    reconf = t.get("last_reconfig")
+    if isinstance(reconf, dict):
+        at = reconf.get("at")
+        ago = format_duration(now - at) + " ago" if isinstance(at, (int, float)) else "at an unknown time"
+        lines.append(f"{pad}last reconfiguration: {ago} {reconf.get('reason') or 'no reason given'}: "
+                     f"{reconf.get('old_shape') or '-'} -> {reconf.get('new_shape') or '-'}, "
+                     f"{_bytes(reconf.get('bytes_moved'))} moved"
+                     + (f", resumed at step {reconf['resume_step']}" if reconf.get("resume_step") is not None else ""))
+    last = t.get("last_step")
+    if isinstance(last, dict):
+        loss = last.get("loss")
+        lines.append(f"{pad}last step {last.get('step')}: "
+                     + (f"loss {loss:.4f}, " if isinstance(loss, (int, float)) else "")
+                     + f"{last.get('iteration_s', 0.0):.3f} s")
+    issued = t.get("issued")
+    if isinstance(issued, dict):
+        lines.append(f"{pad}issued run {_short(issued.get('run_id'))}: {issued.get('state')}, completed "
+                     f"{issued.get('completed')} of {issued.get('end_step')} steps"
+                     + (f" ({issued['reason']})" if issued.get("reason") else "")
+                     + (f", log {issued['log']}" if issued.get("log") else ""))
+    end = t.get("last_end")
+    if isinstance(end, dict):
+        lines.append(f"{pad}last run ended: {end.get('reason', '?')} after step {end.get('completed')}"
+                     + (" (failed)" if end.get("failed") else ""))
+    return lines
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
@@ -271,6 +357,8 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
+    if args.train_command == "reschedule":
+        return _train_reschedule(args, config, data_dir)
     if args.train_command == "stop":
         with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
             reply = c.request("train_stop")
@@ -301,6 +389,38 @@ def cmd_train(args: argparse.Namespace) -> int:
         print("  spares: " + ", ".join(p[:8] for p in reply["spares"]))
     print(f"progress: dtfm-peer status; log: {reply['log']}")
     return 0
+
+
+def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
+    control = dataclasses.replace(config.control, request_timeout_s=args.timeout)
+    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
+        reply = c.request("train_reschedule", {})
+    if not isinstance(reply, dict):
+        raise CliError("the daemon sent an answer to `train reschedule` that is not a map")
+    print(json.dumps(reply, indent=2, sort_keys=True) if args.json else format_reschedule(reply))
+    return 0
+
+
+def format_reschedule(reply: dict) -> str:
+    """One line for the coordinator's answer: kind, old -> new shape, moves (and more when
+    given). Every field is optional."""
+    kind = reply.get("kind") or reply.get("event") or reply.get("result") or "answered"
+    parts = [str(kind)]
+    if reply.get("old_shape") is not None or reply.get("new_shape") is not None:
+        parts.append(f"{reply.get('old_shape') or '-'} -> {reply.get('new_shape') or '-'}")
+    if reply.get("moves") is not None:
+        parts.append(f"{reply['moves']} moves")
+    if reply.get("bytes_moved") is not None:
+        parts.append(f"{_bytes(reply['bytes_moved'])} to move")
+    old_s, new_s = reply.get("predicted_old_s"), reply.get("predicted_new_s")
+    if isinstance(new_s, (int, float)):
+        parts.append("predicted " + (f"{old_s:.3f} s -> " if isinstance(old_s, (int, float)) else "")
+                     + f"{new_s:.3f} s per step")
+    if reply.get("epoch") is not None:
+        parts.append(f"epoch {reply['epoch']}")
+    if reply.get("reason"):
+        parts.append(str(reply["reason"]))
+    return ", ".join(parts)
 
 
 def cmd_join(args: argparse.Namespace) -> int:

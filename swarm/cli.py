@@ -23,9 +23,9 @@ from dtfm.net import EmulationConfig, new_swarm_key
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import free_ports, peer_request, start_peer, stop_peer, wait_converged
-from .report import DEMO_PRESET, format_status, status_report
+from .report import DEMO_PRESET, format_event, format_reconfigurations, format_status, status_report
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state, save_state, send_signal
-from .train import issuer_of, plot_loss, read_log, start_training, sync_log, wait_step
+from .train import EVENTS_NAME, LOG_NAME, current_run, plot_loss, read_log, start_training, sync_logs, wait_step
 
 PROG = "dtfm-swarm"
 
@@ -99,7 +99,7 @@ def _train(state: SwarmState, args: argparse.Namespace) -> dict:
     peer = next((p for p in state.peers if p.alive()), None)
     if peer is None:
         raise SwarmError("no peer is running")
-    reply = start_training(state, peer, _train_request(args))
+    reply = start_training(state, peer, _train_request(args), run_dir=args.run_dir)
     print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x "
           f"{reply['dp']} pipelines, issued by {peer.name}; predicted {reply['predicted_iteration_s']:.3f} s "
           f"per step", file=sys.stderr)
@@ -115,8 +115,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
-    issued = wait_step(state, args.run_dir, args.step, args.timeout)
-    print(f"step {issued['completed']} completed; log in {args.run_dir / 'train.jsonl'}", file=sys.stderr)
+    last = wait_step(state, args.run_dir, args.step, args.timeout)
+    print(f"step {last['step']} completed; log in {args.run_dir / LOG_NAME}", file=sys.stderr)
+    return 0
+
+
+def cmd_events(args: argparse.Namespace) -> int:
+    """The run's events, merged from every peer's data dir (the run dir's copy is refreshed)."""
+    state = load_state(args.run_dir)
+    _, events = sync_logs(args.run_dir, state)
+    if args.json:
+        print(json.dumps(events, indent=2, sort_keys=True))
+    elif not events:
+        print(f"no events yet: no coordinator has written {EVENTS_NAME} in a peer's data dir", file=sys.stderr)
+    else:
+        for e in events:
+            print(format_event(e))
     return 0
 
 
@@ -159,9 +173,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 def cmd_down(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
-    found = issuer_of(state)
-    if found is not None:
-        sync_log(args.run_dir, found[0])
+    sync_logs(args.run_dir, state)
     running = [p for p in state.peers if p.alive()]
     for peer in state.peers:  # a peer killed earlier is only reaped: it leaves no zombie behind
         stop_peer(peer, graceful=not args.kill)
@@ -230,28 +242,36 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if reply["spares"]:
             print("  spares: " + ", ".join(names.get(p, p[:8]) for p in reply["spares"]))
         print(flush=True)
-        shown = 0
+        shown = -1
         for step in range(args.steps):
             wait_step(state, run_dir, step, timeout_s=args.step_timeout)
-            for row in read_log(run_dir / "train.jsonl")[shown:]:
-                print(f"step {row['step']:4d}  loss {row['loss']:.4f}  {row['iteration_s']:.2f} s  "
-                      f"{row['tokens_per_s']:.0f} tokens/s", flush=True)
-                shown += 1
+            for row in read_log(run_dir / LOG_NAME):
+                if row["step"] > shown:
+                    print(_step_line(row), flush=True)
+                    shown = row["step"]
         _demo_report(run_dir, reply)
     finally:
         cmd_down(argparse.Namespace(run_dir=run_dir, kill=False))
     return 0
 
 
+def _step_line(row: dict) -> str:
+    loss = "-" if row.get("loss") is None else f"{row['loss']:.4f}"
+    tokens = "-" if row.get("tokens_per_s") is None else f"{row['tokens_per_s']:.0f}"
+    term = "" if row.get("term") is None else f"  term {row['term']}"
+    return f"step {row['step']:4d}  loss {loss}  {row.get('iteration_s', 0.0):.2f} s  {tokens} tokens/s{term}"
+
+
 def _demo_report(run_dir: Path, reply: dict) -> None:
-    rows = read_log(run_dir / "train.jsonl")
+    rows = read_log(run_dir / LOG_NAME)
     measured = sorted(r["iteration_s"] for r in rows[1:]) or [float("nan")]
     median = measured[len(measured) // 2]
     lines = [f"allocation: {reply['stages']} x {reply['dp']}, pipelines "
              + "; ".join(" -> ".join(p[:8] for p in pipe) for pipe in reply["pipelines"]),
              f"loss: {rows[0]['loss']:.4f} at step 0 -> {rows[-1]['loss']:.4f} at step {rows[-1]['step']}",
-             f"iteration time: predicted {reply['predicted_iteration_s']:.3f} s, measured median "
-             f"{median:.3f} s (first step left out)"]
+             (f"iteration time: predicted {reply['predicted_iteration_s']:.3f} s, measured median "
+             f"{median:.3f} s (first step left out)")]
+    lines += format_reconfigurations(read_log(run_dir / EVENTS_NAME), current_run(run_dir).get("started_at"))
     plot = plot_loss(run_dir)
     lines.append(f"loss plot: {plot}" if plot else
                  "loss plot: install matplotlib (pip install matplotlib) and run the demo again for loss.png")
@@ -324,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("wait", parents=[common],
-                       help="wait until the swarm completed a training step; copies the run's "
-                            "train.jsonl into the run dir")
+                       help="wait until the swarm completed a training step; merges every "
+                            "coordinator's train.jsonl and events.jsonl into the run dir")
     p.add_argument("--step", type=int, required=True, help="the step to wait for (0 is the first)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="give up after this many seconds (default: %(default)s)")
@@ -334,6 +354,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", parents=[common], help="one table of the whole swarm")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("events", parents=[common],
+                       help="the run's events (coordinator elected, reconfigured, rolled back, stopped), "
+                            "merged from every peer's data dir into the run dir's events.jsonl",
+                       description="Print the events the coordinators wrote in their data dirs, merged, "
+                                   "deduplicated and sorted by time, one a line: time, event, term, epoch, "
+                                   "trigger, old -> new shape, predicted step times, moves, bytes moved, "
+                                   "resume step.")
+    p.add_argument("--json", action="store_true", help="print the merged events as a JSON list")
+    p.set_defaults(func=cmd_events)
 
     p = sub.add_parser("kill", parents=[common], help="signal one peer (SIGKILL by default)")
     p.add_argument("peer", help="peer name (p03), index, or peer-id prefix")

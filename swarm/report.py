@@ -3,6 +3,7 @@ units, and an allocation computed on it."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -17,8 +18,11 @@ DEMO_PRESET = "tiny"
 
 
 def status_report(state: SwarmState) -> dict:
-    """The whole swarm as one JSON-able dict, the measured matrix as seen by one live peer."""
+    """The whole swarm as one JSON-able dict, the measured matrix as seen by one live peer.
+    `peers` stay in the scenario's order (the matrices follow it); each says its training
+    role, term and whether it is the coordinator, which the report names at the top."""
     peers_out = []
+    trainings = []
     observer = None
     for p in state.peers:
         rep = peer_status(p)
@@ -33,10 +37,20 @@ def status_report(state: SwarmState) -> dict:
             entry.update({"stage": training.get("stage"), "pipeline": training.get("pipeline"),
                           "epoch": training.get("epoch"), "step": training.get("step"),
                           "training": training.get("state")})
+        entry.update({"role": training.get("role"), "term": training.get("term"),
+                      "sees_coordinator": training.get("coordinator")})
         peers_out.append(entry)
+        trainings.append(training)
     report: dict[str, Any] = {"scenario": state.scenario_name, "run_dir": None,
                               "time_scale": state.time_scale,
                               "bandwidth_scale": state.bandwidth_scale, "peers": peers_out}
+    chosen = pick_coordinator(peers_out, trainings)
+    for k, entry in enumerate(peers_out):
+        entry["coordinator"] = k == chosen
+    terms = [e["term"] for e in peers_out if isinstance(e["term"], int)]
+    report["coordinator"] = None if chosen is None else peers_out[chosen]["name"]
+    report["term"] = (peers_out[chosen]["term"] if chosen is not None and peers_out[chosen]["term"] is not None
+                      else max(terms, default=None))
     if observer is not None:
         gossip_members = {m.get("id"): m for m in (observer.get("gossip") or {}).get("members", [])}
         for entry in peers_out:
@@ -47,6 +61,31 @@ def status_report(state: SwarmState) -> dict:
         report["measured"] = measured_matrices(observer, [p["id"] for p in peers_out],
                                                state.time_scale, state.bandwidth_scale)
     return report
+
+
+def pick_coordinator(peers: list[dict], trainings: list[dict]) -> int | None:
+    """Index of the swarm's coordinator in `peers`: the peer that says it coordinates at the
+    highest term; else the one most peers recognise at the highest term they know; else (older
+    daemons, no election) the issuer of the latest run. None when nothing names one."""
+    own = [(e["term"] if isinstance(e.get("term"), int) else -1, -k)
+           for k, e in enumerate(peers) if e.get("role") == "coordinator"]
+    if own:
+        return -max(own)[1]
+    votes: dict[tuple[int, str], int] = {}
+    for e in peers:
+        seen = e.get("sees_coordinator")
+        if isinstance(seen, str) and seen:
+            key = (e["term"] if isinstance(e.get("term"), int) else -1, seen)
+            votes[key] = votes.get(key, 0) + 1
+    if votes:
+        (_, seen), _ = max(votes.items(), key=lambda kv: (kv[0][0], kv[1]))
+        for k, e in enumerate(peers):
+            if e.get("id") and (seen.startswith(e["id"]) or e["id"].startswith(seen)):
+                return k
+        return None
+    issued = [(float((t.get("issued") or {}).get("started_at") or 0.0), -k)
+              for k, t in enumerate(trainings) if isinstance(t.get("issued"), dict)]
+    return -max(issued)[1] if issued else None
 
 
 def measured_matrices(report: dict, ids: list[str], time_scale: float,
@@ -78,33 +117,111 @@ def measured_matrices(report: dict, ids: list[str], time_scale: float,
     }
 
 
+def _row_order(p: dict) -> tuple:
+    """Region, then the training peers by stage and pipeline, then spares and idle peers."""
+    placed = p.get("stage") is not None
+    return (p["region"], not placed, p.get("stage") if placed else 0,
+            p.get("pipeline") if placed and p.get("pipeline") is not None else 0, p["name"])
+
+
 def format_status(report: dict) -> str:
-    rows = [["NAME", "ID", "REGION", "ADDRESS", "PID", "PROCESS", "MEMBER", "STAGE", "STEP", "TRAINING"]]
-    for p in report["peers"]:
+    rows = [["REGION", "NAME", "ID", "ROLE", "TERM", "STAGE", "EPOCH", "STEP", "TRAINING",
+             "PROCESS", "MEMBER", "ADDRESS", "PID"]]
+    for p in sorted(report["peers"], key=_row_order):
         stage = "-" if p.get("stage") is None else f"{p['stage']}/{p['pipeline']}"
-        rows.append([p["name"], (p["id"] or "-")[:8], p["region"], p["address"],
-                     str(p["pid"] or "-"), p["state"], p.get("member_state", "-"), stage,
-                     "-" if p.get("step") is None else str(p["step"]), p.get("training") or "-"])
+        rows.append([p["region"], p["name"] + ("*" if p.get("coordinator") else ""),
+                     (p["id"] or "-")[:8], p.get("role") or "-", _dash(p.get("term")), stage,
+                     _dash(p.get("epoch")), _dash(p.get("step")), p.get("training") or "-",
+                     p["state"], p.get("member_state", "-"), p["address"], _dash(p["pid"])])
     widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    coordinator = report.get("coordinator")
     lines = [f"swarm: scenario {report['scenario']}, {len(report['peers'])} peers, "
-             f"time scale {report['time_scale']:g}, bandwidth scale {report['bandwidth_scale']:g}"]
+             + (f"coordinator {coordinator}* (term {_dash(report.get('term'))})" if coordinator
+                else f"no coordinator known (term {_dash(report.get('term'))})")
+             + f", time scale {report['time_scale']:g}, bandwidth scale {report['bandwidth_scale']:g}"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    measured = report.get("measured")
-    if measured:
-        names = [p["name"] for p in report["peers"]]
-        lines.append("")
-        lines.append("measured one-way delay (ms) / bandwidth (Gbps), scenario units"
-                     + ("" if measured["complete"] else " -- incomplete"))
-        width = 11
-        lines.append(" " * 5 + "".join(n.rjust(width) for n in names))
-        for i, name in enumerate(names):
-            cells = []
-            for j in range(len(names)):
-                d, b = measured["delay_ms"][i][j], measured["bandwidth_gbps"][i][j]
-                cells.append(("-" if i == j or d is None or b is None
-                              else f"{d:.0f}/{b:.2f}").rjust(width))
-            lines.append(name.ljust(5) + "".join(cells))
+    lines += _format_measured(report)
     return "\n".join(lines)
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _format_measured(report: dict) -> list[str]:
+    measured = report.get("measured")
+    if not measured:
+        return []
+    names = [p["name"] for p in report["peers"]]
+    lines = ["", "measured one-way delay (ms) / bandwidth (Gbps), scenario units"
+             + ("" if measured["complete"] else " -- incomplete")]
+    width = 11
+    lines.append(" " * 5 + "".join(n.rjust(width) for n in names))
+    for i, name in enumerate(names):
+        cells = []
+        for j in range(len(names)):
+            d, b = measured["delay_ms"][i][j], measured["bandwidth_gbps"][i][j]
+            cells.append(("-" if i == j or d is None or b is None
+                          else f"{d:.0f}/{b:.2f}").rjust(width))
+        lines.append(name.ljust(5) + "".join(cells))
+    return lines
+
+
+# ---- events ---------------------------------------------------------------------------------
+
+RECONFIG_EVENTS = ("reconfigure", "rollback", "stopped")
+
+
+def format_bytes(n: Any) -> str:
+    if not isinstance(n, (int, float)):
+        return "-"
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.3f} s" if isinstance(value, (int, float)) else "?"
+
+
+def format_event(e: dict, t0: float | None = None) -> str:
+    """One line: time (clock time, or +seconds since `t0`), event, term, epoch, trigger, and for
+    a reconfiguration the shapes, predicted step times, moves, bytes moved and resume step."""
+    at = e.get("time")
+    if not isinstance(at, (int, float)):
+        when = "?"
+    elif t0 is not None:
+        when = f"+{at - t0:.1f}s"
+    else:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at))
+    parts = [when, str(e.get("event", "?")), f"term {_dash(e.get('term'))}", f"epoch {_dash(e.get('epoch'))}"]
+    if e.get("trigger"):
+        parts.append(str(e["trigger"]))
+    if e.get("new_shape") is not None or e.get("old_shape") is not None:
+        parts.append(f"{e.get('old_shape') or '-'} -> {e.get('new_shape') or '-'}")
+    if e.get("predicted_new_s") is not None or e.get("predicted_old_s") is not None:
+        parts.append(f"predicted {_seconds(e.get('predicted_old_s'))} -> {_seconds(e.get('predicted_new_s'))}")
+    if e.get("moves") is not None:
+        parts.append(f"{e['moves']} moves")
+    if e.get("bytes_moved") is not None:
+        parts.append(f"{format_bytes(e['bytes_moved'])} moved")
+    if e.get("resume_step") is not None:
+        parts.append(f"resume at step {e['resume_step']}")
+    return "  ".join(parts)
+
+
+def format_reconfigurations(events: list[dict], t0: float | None = None) -> list[str]:
+    """The report's part on the run's reconfigurations; [] when there were none."""
+    reconf = [e for e in events if e.get("event") in RECONFIG_EVENTS]
+    elections = [e for e in events if e.get("event") == "coordinator"]
+    if not reconf and len(elections) <= 1:
+        return []
+    lines = [f"reconfigurations: {len(reconf)}; coordinators elected: {len(elections)}"]
+    lines += ["  " + format_event(e, t0) for e in events
+              if e.get("event") in RECONFIG_EVENTS or e.get("event") == "coordinator"]
+    return lines
 
 
 def demo_model(n_peers: int) -> ModelSpec:
@@ -134,9 +251,9 @@ def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
 
 def format_allocation(report: dict, alloc) -> str:
     names = [f"{p['name']}({p['region']})" for p in report["peers"]]
-    lines = [f"allocation on the measured view: {alloc.stages} stages x {alloc.dp} pipelines, "
+    lines = [(f"allocation on the measured view: {alloc.stages} stages x {alloc.dp} pipelines, "
              f"predicted cost {alloc.cost.paper_s:.3f} s (DP {alloc.cost.dp_s:.3f} + "
-             f"2 x PP {alloc.cost.pp_s:.3f})"]
+             f"2 x PP {alloc.cost.pp_s:.3f})")]
     for k, pipe in enumerate(alloc.pipelines):
         lines.append(f"  pipeline {k}: " + " -> ".join(names[i] for i in pipe))
     if alloc.spares:

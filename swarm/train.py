@@ -1,81 +1,237 @@
-"""Training on a scripted swarm: start a run on one peer, follow it, keep its log in the run dir.
+"""Training on a scripted swarm: start a run, follow it, keep its logs in the run dir.
 
-The issuer daemon writes `train.jsonl` (one line per step every peer completed) in its data
-dir; `sync_log` copies it into the run dir (atomically), so `RUN_DIR/train.jsonl` is the run's
-log whichever peer issued it.
+The coordinator daemon writes, in its data dir, `train.jsonl` (one line per step every peer
+completed) and `events.jsonl` (one line per event: elected, reconfigured, rolled back, stopped).
+The coordinator can change during a run; the new one writes into its own data dir, and may
+back-fill the last steps it learns of from the peers, so the logs of two coordinators overlap.
+`sync_logs` merges the files of EVERY peer's data dir (a dead peer's dir is still readable)
+into the run dir, atomically:
+
+    RUN_DIR/train.jsonl    one line per step, steps sorted; of several lines for one step the
+                           one with the highest (term, epoch) wins
+    RUN_DIR/events.jsonl   every event once, sorted by time
+    RUN_DIR/run.json       {"run_id", "started_at"} of the run `dtfm-swarm train` started: lines
+                           of earlier runs (still in some data dir) are left out of the merge
+
+`wait_step` follows the merged log, so it keeps working whichever peer coordinates.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from .proc import peer_request, peer_status
 from .state import PeerEntry, SwarmError, SwarmState
 
-__all__ = ["issuer_of", "plot_loss", "read_log", "start_training", "sync_log", "wait_step"]
+__all__ = ["EVENTS_NAME", "LOG_NAME", "merge_events", "merge_train", "plot_loss", "read_log",
+           "run_end", "start_training", "sync_logs", "wait_step", "write_jsonl"]
 
 LOG_NAME = "train.jsonl"
+EVENTS_NAME = "events.jsonl"
+RUN_NAME = "run.json"
+# A run that looks ended must look so this long before `wait` gives up: a coordinator that
+# just died leaves the survivors "stopped" until the next one reconfigures them.
+END_SETTLE_S = 5.0
+LIVE_STATES = frozenset({"training", "accepted", "handing out", "reconfiguring"})
+ELECTING_ROLES = frozenset({"candidate", "pre-candidate"})
 
 
-def start_training(state: SwarmState, peer: PeerEntry, args: dict, timeout_s: float = 180.0) -> dict:
-    """`train_start` on `peer`: it schedules on its view, hands the allocation out and starts."""
-    return peer_request(peer, "train_start", args, timeout_s=timeout_s)
+def start_training(state: SwarmState, peer: PeerEntry, args: dict, timeout_s: float = 180.0,
+                   run_dir: Path | None = None) -> dict:
+    """`train_start` on `peer`: the swarm schedules, hands the allocation out and starts. With
+    `run_dir`, records the run there so the merged logs leave out earlier runs' lines."""
+    started_at = time.time()
+    reply = peer_request(peer, "train_start", args, timeout_s=timeout_s)
+    if run_dir is not None:
+        _write_atomic(run_dir / RUN_NAME,
+                      json.dumps({"run_id": reply.get("run_id"), "started_at": started_at}) + "\n")
+    return reply
 
 
-def issuer_of(state: SwarmState) -> tuple[PeerEntry, dict] | None:
-    """The peer whose status shows the latest issued run, with that status's training part."""
-    best = None
+# ---- reading and writing JSON lines ---------------------------------------------------------
+
+def read_log(path: Path) -> list[dict]:
+    """The JSON objects of a JSON-lines file, in file order; [] when there is none. A line that
+    is not a JSON object (one a daemon is appending right now) is skipped."""
+    try:
+        text = path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    rows = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
+    """Write `rows` as JSON lines: into a temporary file beside `path`, then renamed over it,
+    so a reader sees the old file or the new one, never a part."""
+    _write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    return path
+
+
+# ---- merging the coordinators' logs (pure) ----------------------------------------------------
+
+def _num(value: Any, default: float) -> float:
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
+
+
+def _rank(row: dict) -> tuple[float, float, float]:
+    """Which line of one step wins: the higher (term, epoch); then the later one."""
+    return (_num(row.get("term"), -1), _num(row.get("epoch"), -1), _num(row.get("time"), 0.0))
+
+
+def merge_train(sources: Iterable[list[dict]]) -> list[dict]:
+    """One line per step, sorted by step, from the train logs of several coordinators."""
+    best: dict[int, dict] = {}
+    for rows in sources:
+        for row in rows:
+            step = row.get("step")
+            if not isinstance(step, int) or isinstance(step, bool):
+                continue
+            if step not in best or _rank(row) > _rank(best[step]):
+                best[step] = row
+    return [best[k] for k in sorted(best)]
+
+
+def merge_events(sources: Iterable[list[dict]]) -> list[dict]:
+    """Every distinct event once, sorted by time (then by content, so the order is stable)."""
+    seen: dict[str, dict] = {}
+    for rows in sources:
+        for row in rows:
+            seen.setdefault(json.dumps(row, sort_keys=True), row)
+    return [seen[k] for k in sorted(seen, key=lambda k: (_num(seen[k].get("time"), 0.0), k))]
+
+
+def _of_run(row: dict, run: dict) -> bool:
+    """False for a line that belongs to an earlier run than `run` (RUN_DIR/run.json)."""
+    run_id, line_run = run.get("run_id"), row.get("run", row.get("run_id"))
+    if run_id and isinstance(line_run, str) and line_run != run_id:
+        return False
+    started_at, at = run.get("started_at"), row.get("time")
+    return not (isinstance(started_at, (int, float)) and isinstance(at, (int, float)) and at < started_at)
+
+
+# ---- the run dir ------------------------------------------------------------------------------
+
+def current_run(run_dir: Path) -> dict:
+    try:
+        run = json.loads((run_dir / RUN_NAME).read_text())
+    except (OSError, ValueError):
+        return {}
+    return run if isinstance(run, dict) else {}
+
+
+def sync_logs(run_dir: Path, state: SwarmState) -> tuple[list[dict], list[dict]]:
+    """Merge every peer's train.jsonl and events.jsonl into the run dir (each file written only
+    when some peer has one); returns (train lines, events)."""
+    run = current_run(run_dir)
+    train_src, event_src = [], []
     for peer in state.peers:
-        st = peer_status(peer)
-        issued = ((st or {}).get("training") or {}).get("issued")
-        if issued is not None and (best is None or issued.get("started_at", 0) >= best[1].get("started_at", 0)):
-            best = (peer, issued)
+        for name, into in ((LOG_NAME, train_src), (EVENTS_NAME, event_src)):
+            path = Path(peer.data_dir) / name
+            if path.exists():
+                # elections are the swarm's history, not one run's: they are always kept
+                into.append([r for r in read_log(path)
+                             if _of_run(r, run) or (into is event_src and r.get("event") == "coordinator")])
+    rows, events = merge_train(train_src), merge_events(event_src)
+    if train_src:
+        write_jsonl(run_dir / LOG_NAME, rows)
+    if event_src:
+        write_jsonl(run_dir / EVENTS_NAME, events)
+    return rows, events
+
+
+# ---- following a run ----------------------------------------------------------------------
+
+def _latest_issued(statuses: list[dict]) -> dict | None:
+    """The run record of the coordinator with the highest term; else the latest issued one."""
+    best, best_key = None, None
+    for st in statuses:
+        training = st.get("training") or {}
+        issued = training.get("issued")
+        if not isinstance(issued, dict):
+            continue
+        key = (training.get("role") == "coordinator", _num(training.get("term"), -1),
+               _num(issued.get("started_at"), 0.0))
+        if best_key is None or key > best_key:
+            best, best_key = issued, key
     return best
 
 
-def sync_log(run_dir: Path, issuer: PeerEntry) -> Path | None:
-    """Copy the issuer's training log into the run dir; the path, or None when there is none."""
-    src = Path(issuer.data_dir) / LOG_NAME
-    if not src.exists():
+def run_end(statuses: list[dict], events: list[dict]) -> str | None:
+    """Why the run looks over, from the live peers' statuses and the merged events; None while
+    some peer trains, an election runs, or nothing says it ended."""
+    trainings = [st.get("training") or {} for st in statuses]
+    if any(t.get("state") in LIVE_STATES or t.get("role") in ELECTING_ROLES for t in trainings):
         return None
-    dst = run_dir / LOG_NAME
-    tmp = dst.with_name(f".{LOG_NAME}.{os.getpid()}.tmp")
-    tmp.write_bytes(src.read_bytes())
-    os.replace(tmp, dst)
-    return dst
+    last = events[-1] if events else None
+    if last is not None and last.get("event") == "stopped":
+        return (f"training stopped (term {last.get('term')}, epoch {last.get('epoch')}): "
+                f"{last.get('trigger') or last.get('reason') or 'no reason given'}")
+    issued = _latest_issued(statuses)
+    if issued is None:
+        return None
+    state = issued.get("state")
+    if state in ("stopped", "refused"):
+        return (f"training {state} after step {issued.get('completed')}: "
+                f"{issued.get('reason') or 'no reason given'}")
+    if state == "finished":
+        return f"training finished at step {issued.get('completed')}"
+    return None
 
 
-def read_log(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, poll_s: float = 0.5) -> dict:
-    """Block until the swarm completed step `step`; SwarmError with the reason if training
-    stopped first or the time ran out. Returns the issuer's run status."""
+def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, poll_s: float = 0.5,
+              settle_s: float = END_SETTLE_S) -> dict:
+    """Block until the merged log reaches step `step`; returns that log's last line. SwarmError
+    with the reason if the run ended first (and stayed ended for `settle_s`: a coordinator may
+    be taking over) or the time ran out."""
     deadline = time.monotonic() + timeout_s
-    last: dict[str, Any] = {}
+    ended_since: float | None = None
+    rows: list[dict] = []
     while True:
-        found = issuer_of(state)
-        if found is not None:
-            peer, issued = found
-            last = issued
-            sync_log(run_dir, peer)
-            if issued.get("completed", -1) >= step:
-                return issued
-            if issued.get("state") in ("stopped", "refused"):
-                raise SwarmError(f"training {issued['state']} after step {issued.get('completed')}: "
-                                 f"{issued.get('reason') or 'no reason given'}")
-            if issued.get("state") == "finished":
-                raise SwarmError(f"training finished at step {issued.get('completed')}, before step {step}")
-        if time.monotonic() > deadline:
-            where = f"last completed step {last.get('completed')}" if last else "no run found"
-            raise SwarmError(f"step {step} not reached within {timeout_s:g} s ({where})")
+        rows, events = sync_logs(run_dir, state)
+        if rows and rows[-1]["step"] >= step:
+            return rows[-1]
+        statuses = [st for st in (peer_status(p) for p in state.peers) if st is not None]
+        why = run_end(statuses, events)
+        now = time.monotonic()
+        if why is None:
+            ended_since = None
+        else:
+            ended_since = now if ended_since is None else ended_since
+            if now - ended_since >= settle_s:
+                raise SwarmError(f"{why}; step {step} not reached")
+        if now > deadline:
+            where = f"last completed step {rows[-1]['step']}" if rows else "no step logged yet"
+            raise SwarmError(f"step {step} not reached within {timeout_s:g} s ({where}"
+                             + (f"; {why}" if why else "") + ")")
         time.sleep(poll_s)
 
 

@@ -1,0 +1,403 @@
+"""Observing a self-healing swarm without daemons: the status table and its coordinator, the
+logs merged from every coordinator's data dir, `dtfm-swarm events`, the report's
+reconfigurations, and `dtfm-peer status` / `train reschedule` rendering."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import trio
+
+from dtfm.peer.cli import format_reschedule, format_status_text, format_training
+from dtfm.peer.cli import main as peer_main
+from dtfm.peer.config import ControlConfig
+from dtfm.peer.control import ControlServer
+from dtfm.peer.paths import DataDir
+from dtfm.peer.status import format_text
+from dtfm.swarm import cli as swarm_cli
+from dtfm.swarm import report as report_mod
+from dtfm.swarm import train as train_mod
+from dtfm.swarm.report import format_event, format_reconfigurations, format_status, pick_coordinator, status_report
+from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, save_state
+from dtfm.swarm.train import merge_events, merge_train, read_log, run_end, sync_logs, wait_step, write_jsonl
+
+ID = {name: (f"{k:x}" * 64)[:64] for k, name in enumerate(["p00", "p01", "p02", "p03", "p04", "p05"], start=10)}
+
+
+def make_state(tmp_path: Path, regions=("eu", "us", "eu", "us", "eu", "asia")) -> SwarmState:
+    state = SwarmState(scenario="worldwide", scenario_name="worldwide", time_scale=1.0, bandwidth_scale=0.05)
+    for k, region in enumerate(regions):
+        name = f"p{k:02d}"
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        state.peers.append(PeerEntry(name=name, index=k, region=region, port=7000 + k,
+                                     data_dir=str(tmp_path / name), peer_id=ID[name]))
+    return state
+
+
+def training(stage=None, pipeline=None, role=None, term=None, coordinator=None, state="training", **more):
+    t = {"state": state, "epoch": 2 if stage is not None else None, "stage": stage, "pipeline": pipeline,
+         "step": 17 if stage is not None else None, "role": role, "term": term, "coordinator": coordinator}
+    t.update(more)
+    return {k: v for k, v in t.items() if v is not None}
+
+
+# A 2 x 2 run over p00..p03 coordinated by p03 in term 5; p04 a spare, p05 idle (older daemon).
+STATUSES = {
+    "p00": training(1, 0, "follower", 5, ID["p03"]),
+    "p01": training(0, 1, "follower", 5, ID["p03"]),
+    "p02": training(0, 0, "follower", 5, ID["p03"]),
+    "p03": training(1, 1, "coordinator", 5, ID["p03"], issued={"state": "training", "completed": 17,
+                                                               "started_at": 100.0}),
+    "p04": {"state": "accepted", "role": "spare", "term": 5, "coordinator": ID["p03"], "epoch": 2},
+    "p05": {"state": "idle"},
+}
+
+
+@pytest.fixture
+def fake_status(monkeypatch):
+    statuses = dict(STATUSES)
+
+    def peer_status(peer):
+        t = statuses.get(peer.name)
+        return None if t is None else {"peer_id": ID[peer.name], "training": t}
+
+    monkeypatch.setattr(report_mod, "peer_status", peer_status)
+    monkeypatch.setattr(train_mod, "peer_status", peer_status)
+    return statuses
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+def test_status_json_has_role_term_and_one_coordinator(tmp_path, fake_status):
+    rep = status_report(make_state(tmp_path))
+    peers = {p["name"]: p for p in rep["peers"]}
+    assert [p["name"] for p in rep["peers"]] == [f"p{k:02d}" for k in range(6)]  # scenario order kept
+    assert rep["coordinator"] == "p03" and rep["term"] == 5
+    assert [n for n, p in peers.items() if p["coordinator"]] == ["p03"]
+    assert peers["p03"]["role"] == "coordinator" and peers["p00"]["role"] == "follower"
+    assert peers["p04"]["role"] == "spare" and peers["p05"]["role"] is None
+    assert peers["p00"]["term"] == 5 and peers["p05"]["term"] is None
+    assert peers["p00"]["sees_coordinator"] == ID["p03"]
+    assert (peers["p00"]["stage"], peers["p00"]["pipeline"], peers["p00"]["step"]) == (1, 0, 17)
+    json.dumps(rep)
+
+
+def test_status_table_groups_by_region_then_stage_and_marks_the_coordinator(tmp_path, fake_status):
+    text = format_status(status_report(make_state(tmp_path)))
+    lines = text.splitlines()
+    assert "coordinator p03* (term 5)" in lines[0]
+    header = lines[1].split()
+    assert header[:5] == ["REGION", "NAME", "ID", "ROLE", "TERM"]
+    rows = [line.split() for line in lines[2:8]]
+    # asia; eu: stage 0/0 (p02), 1/0 (p00), then the spare p04; us: 0/1 (p01), 1/1 (p03)
+    assert [(r[0], r[1]) for r in rows] == [("asia", "p05"), ("eu", "p02"), ("eu", "p00"), ("eu", "p04"),
+                                            ("us", "p01"), ("us", "p03*")]
+    by_name = {r[1]: r for r in rows}
+    assert by_name["p03*"][3:6] == ["coordinator", "5", "1/1"]
+    assert by_name["p04"][3:6] == ["spare", "5", "-"]
+    assert by_name["p05"][3:6] == ["-", "-", "-"]
+    assert sum("*" in r[1] for r in rows) == 1
+
+
+def test_idle_peers_come_after_the_training_ones_of_their_region(tmp_path, fake_status):
+    fake_status["p02"] = {"state": "idle"}
+    rows = [line.split() for line in format_status(status_report(make_state(tmp_path))).splitlines()[2:8]]
+    assert [r[1] for r in rows if r[0] == "eu"] == ["p00", "p02", "p04"]
+
+
+def test_no_coordinator_known_says_so(tmp_path, fake_status):
+    for name in STATUSES:
+        fake_status[name] = {"state": "stopped", "role": "candidate", "term": 6}
+    rep = status_report(make_state(tmp_path))
+    assert rep["coordinator"] is None and rep["term"] == 6
+    assert not any(p["coordinator"] for p in rep["peers"])
+    assert "no coordinator known (term 6)" in format_status(rep).splitlines()[0]
+
+
+@pytest.mark.parametrize("peers, trainings, want", [
+    # two claim to coordinate (a deposed one has not heard yet): the higher term wins
+    ([{"id": "aa", "role": "coordinator", "term": 3}, {"id": "bb", "role": "coordinator", "term": 4}], [{}, {}], 1),
+    # the coordinator is dead: the peer most recognise at the highest term is marked
+    ([{"id": "aa" * 32, "role": "follower", "term": 4, "sees_coordinator": "bb" * 32},
+      {"id": "bb" * 32, "term": None}, {"id": "cc" * 32, "role": "follower", "term": 3,
+                                        "sees_coordinator": "aa" * 32}], [{}, {}, {}], 1),
+    # older daemons without an election: the issuer of the latest run
+    ([{"id": "aa"}, {"id": "bb"}, {"id": "cc"}],
+     [{"issued": {"started_at": 5.0}}, {}, {"issued": {"started_at": 9.0}}], 2),
+    ([{"id": "aa"}, {"id": "bb"}], [{}, {}], None),
+])
+def test_pick_coordinator(peers, trainings, want):
+    assert pick_coordinator(peers, trainings) == want
+
+
+# ---- merging the logs -------------------------------------------------------------------------
+
+def step(k, term, epoch=1, **more):
+    return {"step": k, "loss": 5.0 - k / 10 + term / 1000, "epoch": epoch, "term": term,
+            "iteration_s": 0.5, "time": 1000.0 + k + term, **more}
+
+
+def test_overlapping_lines_of_two_coordinators_give_contiguous_steps_with_the_later_term():
+    old = [step(k, 3) for k in range(8)]                        # coordinator of term 3, died after step 7
+    new = [step(k, 4) for k in range(5, 8)] + [step(k, 4, epoch=2) for k in range(8, 12)]  # back-filled 5..7
+    for sources in ([old, new], [new, old]):
+        merged = merge_train(sources)
+        assert [r["step"] for r in merged] == list(range(12))
+        assert [r["term"] for r in merged] == [3] * 5 + [4] * 7
+    # epoch breaks a tie of terms; a line without a step is left out
+    merged = merge_train([[step(3, 4, epoch=1)], [step(3, 4, epoch=2)], [{"loss": 1.0}]])
+    assert [(r["step"], r["epoch"]) for r in merged] == [(3, 2)]
+
+
+def test_events_are_deduplicated_and_sorted_by_time():
+    a = [{"time": 10.0, "event": "coordinator", "term": 1}, {"time": 30.0, "event": "reconfigure", "term": 1}]
+    b = [{"time": 20.0, "event": "coordinator", "term": 2}, {"time": 30.0, "event": "reconfigure", "term": 1},
+         {"time": 40.0, "event": "reconfigure", "term": 2}]
+    merged = merge_events([b, a, b])
+    assert [(e["time"], e["event"], e["term"]) for e in merged] == [
+        (10.0, "coordinator", 1), (20.0, "coordinator", 2), (30.0, "reconfigure", 1), (40.0, "reconfigure", 2)]
+    assert merge_events([merged]) == merged  # idempotent
+
+
+def test_write_jsonl_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "train.jsonl"
+    write_jsonl(path, [{"step": 0}])
+    assert read_log(path) == [{"step": 0}]
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(train_mod.os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        write_jsonl(path, [{"step": 0}, {"step": 1}])
+    assert read_log(path) == [{"step": 0}]  # the old file, whole
+    assert sorted(os.listdir(tmp_path)) == ["train.jsonl"]  # no temporary file left behind
+
+
+def test_read_log_skips_a_half_written_line(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"step": 0}\n\n{"step": 1}\n{"step": 2, "lo')
+    assert read_log(path) == [{"step": 0}, {"step": 1}]
+    assert read_log(tmp_path / "missing.jsonl") == []
+
+
+def test_sync_logs_merges_every_data_dir_into_the_run_dir(tmp_path):
+    state = make_state(tmp_path)
+    write_jsonl(tmp_path / "p01" / "train.jsonl", [step(k, 3) for k in range(6)])  # dead by now: still read
+    write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 4) for k in range(4, 9)])
+    write_jsonl(tmp_path / "p01" / "events.jsonl", [{"time": 1.0, "event": "coordinator", "term": 3}])
+    write_jsonl(tmp_path / "p03" / "events.jsonl", [{"time": 2.0, "event": "coordinator", "term": 4},
+                                                    {"time": 3.0, "event": "reconfigure", "term": 4}])
+    rows, events = sync_logs(tmp_path, state)
+    assert [(r["step"], r["term"]) for r in rows] == [(k, 3) for k in range(4)] + [(k, 4) for k in range(4, 9)]
+    assert read_log(tmp_path / "train.jsonl") == rows
+    assert [e["time"] for e in read_log(tmp_path / "events.jsonl")] == [1.0, 2.0, 3.0] == [e["time"] for e in events]
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+
+
+def test_sync_logs_leaves_out_earlier_runs(tmp_path):
+    state = make_state(tmp_path)
+    # run 1 was coordinated by p00; run 2 (this one) by p02, whose file holds only its steps
+    write_jsonl(tmp_path / "p00" / "train.jsonl", [{"step": k, "term": 9, "epoch": 1, "time": 100.0 + k}
+                                                   for k in range(10)])
+    write_jsonl(tmp_path / "p00" / "events.jsonl", [{"time": 50.0, "event": "coordinator", "term": 9},
+                                                    {"time": 105.0, "event": "reconfigure", "term": 9}])
+    write_jsonl(tmp_path / "p02" / "train.jsonl", [{"step": k, "term": 9, "epoch": 1, "time": 500.0 + k,
+                                                    "run": "ab" * 16} for k in range(3)]
+                + [{"step": 3, "term": 9, "epoch": 1, "time": 504.0, "run": "cd" * 16}])
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": "ab" * 16, "started_at": 400.0}))
+    rows, events = sync_logs(tmp_path, state)
+    assert [r["time"] for r in rows] == [500.0, 501.0, 502.0]
+    assert [e["event"] for e in events] == ["coordinator"]  # elections are kept, old reconfigurations not
+
+
+def test_wait_follows_a_coordinator_change(tmp_path, fake_status, monkeypatch):
+    state = make_state(tmp_path)
+    write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 5) for k in range(3)])
+    polls = []
+
+    def sleep(_):  # between polls: p03 dies after step 3, p01 takes over in term 6 and goes on
+        polls.append(len(polls))
+        if len(polls) == 1:
+            write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 5) for k in range(4)])
+            for name in fake_status:
+                fake_status[name] = {"state": "stopped", "role": "candidate", "term": 6}
+            fake_status.pop("p03")
+        elif len(polls) == 2:
+            write_jsonl(tmp_path / "p01" / "train.jsonl", [step(k, 6) for k in range(2, 7)])
+
+    monkeypatch.setattr(train_mod.time, "sleep", sleep)
+    last = wait_step(state, tmp_path, 6, timeout_s=60, settle_s=0.0)
+    assert last["step"] == 6 and last["term"] == 6
+    rows = read_log(tmp_path / "train.jsonl")
+    assert [(r["step"], r["term"]) for r in rows] == [(0, 5), (1, 5)] + [(k, 6) for k in range(2, 7)]
+
+
+def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
+    state = make_state(tmp_path)
+    write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 5) for k in range(3)])
+    for name in list(fake_status):
+        fake_status[name] = {"state": "stopped", "role": "follower", "term": 5}
+    fake_status["p03"] = {"state": "stopped", "role": "coordinator", "term": 5,
+                          "issued": {"state": "stopped", "completed": 2, "reason": "stage 1 is held nowhere"}}
+    monkeypatch.setattr(train_mod.time, "sleep", lambda _: None)
+    with pytest.raises(SwarmError, match="stage 1 is held nowhere; step 10 not reached"):
+        wait_step(state, tmp_path, 10, timeout_s=60, settle_s=0.0)
+
+
+@pytest.mark.parametrize("statuses, events, want", [
+    ([{"training": {"state": "training"}}], [], None),
+    ([{"training": {"state": "stopped", "role": "candidate"}},
+      {"training": {"issued": {"state": "finished", "completed": 9}}}], [], None),  # an election runs
+    ([{"training": {"state": "stopped"}}], [{"time": 1, "event": "stopped", "term": 2, "epoch": 3,
+                                            "trigger": "no resume point"}],
+     "training stopped (term 2, epoch 3): no resume point"),
+    ([{"training": {"state": "finished", "issued": {"state": "finished", "completed": 9}}}], [],
+     "training finished at step 9"),
+    # the coordinator's record wins over an older issuer's
+    ([{"training": {"state": "stopped", "issued": {"state": "finished", "completed": 9, "started_at": 9.0}}},
+      {"training": {"state": "stopped", "role": "coordinator", "term": 3,
+                    "issued": {"state": "refused", "completed": -1, "reason": "no", "started_at": 1.0}}}], [],
+     "training refused after step -1: no"),
+    ([{"training": {"state": "idle"}}, {}], [], None),
+])
+def test_run_end(statuses, events, want):
+    assert run_end(statuses, events) == want
+
+
+# ---- events and the report -----------------------------------------------------------------
+
+EVENTS = [
+    {"time": 1000.0, "event": "coordinator", "term": 1, "epoch": 1, "trigger": "train start"},
+    {"time": 1060.5, "event": "reconfigure", "term": 2, "epoch": 2, "trigger": "peer 3fa2c1d0 is dead",
+     "old_shape": "2x4", "new_shape": "2x3", "predicted_old_s": 1.25, "predicted_new_s": 1.5,
+     "moves": 2, "bytes_moved": 12_500_000, "resume_step": 41},
+]
+
+
+def test_format_event_says_everything_in_one_line():
+    line = format_event(EVENTS[1], t0=1000.0)
+    assert line == ("+60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3  "
+                    "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resume at step 41")
+    assert format_event({"event": "stopped"}) == "?  stopped  term -  epoch -"
+
+
+def test_events_command(tmp_path, capsys):
+    state = make_state(tmp_path)
+    save_state(tmp_path, state)
+    write_jsonl(tmp_path / "p00" / "events.jsonl", [EVENTS[0]])
+    write_jsonl(tmp_path / "p02" / "events.jsonl", [EVENTS[1], EVENTS[0]])
+    assert swarm_cli.main(["events", "--run-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert "  coordinator  term 1  epoch 1  train start" in lines[0]
+    assert lines[1].endswith("reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3  "
+                             "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resume at step 41")
+    assert swarm_cli.main(["events", "--run-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == EVENTS
+    assert read_log(tmp_path / "events.jsonl") == EVENTS
+
+
+def test_events_command_without_events(tmp_path, capsys):
+    save_state(tmp_path, make_state(tmp_path))
+    assert swarm_cli.main(["events", "--run-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and "no events yet" in out.err
+
+
+def test_report_lists_the_reconfigurations(tmp_path, monkeypatch):
+    assert format_reconfigurations(EVENTS[:1]) == []  # the first election alone is no news
+    monkeypatch.setattr(swarm_cli, "plot_loss", lambda run_dir: None)
+    write_jsonl(tmp_path / "train.jsonl", [step(k, 1) for k in range(3)])
+    write_jsonl(tmp_path / "events.jsonl", EVENTS)
+    (tmp_path / "run.json").write_text(json.dumps({"run_id": None, "started_at": 1000.0}))
+    reply = {"stages": 2, "dp": 4, "pipelines": [["aa" * 32, "bb" * 32]], "predicted_iteration_s": 1.25}
+    swarm_cli._demo_report(tmp_path, reply)
+    text = (tmp_path / "report.txt").read_text()
+    assert "reconfigurations: 1; coordinators elected: 1" in text
+    assert "  +60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3" in text
+    write_jsonl(tmp_path / "events.jsonl", [])
+    swarm_cli._demo_report(tmp_path, reply)
+    assert "reconfiguration" not in (tmp_path / "report.txt").read_text()
+
+
+# ---- dtfm-peer ----------------------------------------------------------------------------------
+
+PEER_TRAINING = {
+    "state": "training", "run_id": "12" * 16, "preset": "tiny", "stages": 2, "dp": 3, "epoch": 3, "stage": 1,
+    "pipeline": 2, "step": 44, "role": "follower", "term": 4, "coordinator": "3fa2c1d0" + "0" * 56,
+    "last_reconfig": {"at": 1000.0, "reason": "peer 77aa0011 is dead", "epoch": 3, "term": 4,
+                      "old_shape": "2x4", "new_shape": "2x3", "predicted_old_s": 1.0, "predicted_new_s": 1.2,
+                      "moves": 2, "bytes_moved": 3_400_000, "resume_step": 41},
+}
+
+
+def test_peer_status_shows_role_term_coordinator_and_last_reconfiguration():
+    lines = format_training(PEER_TRAINING, now=1125.0)
+    assert lines[0] == ("training  training, run 12121212, tiny, 2 stages x 3 pipelines, epoch 3, "
+                        "stage 1 of pipeline 2, last step 44")
+    assert lines[1] == "          role follower, term 4, coordinator 3fa2c1d0"
+    assert lines[2] == ("          last reconfiguration: 2m 05s ago peer 77aa0011 is dead: 2x4 -> 2x3, "
+                        "3.4 MB moved, resumed at step 41")
+
+
+def test_peer_status_of_an_older_or_idle_daemon():
+    assert format_training({"state": "idle"}, now=0.0) == ["training  idle"]
+    coord = format_training({"state": "training", "role": "coordinator", "term": 2, "coordinator": None,
+                             "issued": {"run_id": "ab" * 16, "state": "training", "completed": 5,
+                                        "end_step": 10}}, now=0.0)
+    assert coord[1] == "          role coordinator, term 2, coordinator -"
+    assert coord[2] == "          issued run abababab: training, completed 5 of 10 steps"
+
+
+def test_peer_status_text_replaces_the_training_json_line():
+    report = {"peer_id": "ab" * 32, "short_id": "abababab", "listen": "x", "uptime_s": 1.0,
+              "peers": [], "departed": [], "gossip": {"n": 1}, "training": PEER_TRAINING}
+    text = format_status_text(report, now=1125.0)
+    assert text.startswith(format_text({k: v for k, v in report.items() if k != "training"}) + "\n")
+    assert "last reconfiguration: 2m 05s ago" in text and '"last_reconfig"' not in text
+    no_training = {k: v for k, v in report.items() if k != "training"}
+    assert format_status_text(no_training) == format_text(no_training)
+
+
+def test_format_reschedule():
+    assert format_reschedule({"kind": "reconfigured", "old_shape": "2x4", "new_shape": "2x3", "moves": 2}) \
+        == "reconfigured, 2x4 -> 2x3, 2 moves"
+    assert format_reschedule({"kind": "unchanged", "reason": "the current allocation is the best"}) \
+        == "unchanged, the current allocation is the best"
+
+
+async def test_train_reschedule_asks_the_daemon(capsys):
+    asked = []
+    reply = {"kind": "reconfigured", "old_shape": "2x4", "new_shape": "2x3", "moves": 2, "epoch": 4}
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        server = ControlServer(data_dir.control_socket, ControlConfig())
+
+        async def reschedule(args):
+            asked.append(args)
+            return reply
+
+        server.register("train_reschedule", reschedule)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            text_rc = await trio.to_thread.run_sync(peer_main, ["train", "reschedule", "--data-dir", d])
+            text = capsys.readouterr().out
+            json_rc = await trio.to_thread.run_sync(peer_main, ["train", "reschedule", "--json", "--data-dir", d])
+            as_json = capsys.readouterr().out
+            nursery.cancel_scope.cancel()
+    assert (text_rc, json_rc) == (0, 0)
+    assert asked == [{}, {}]
+    assert text == "reconfigured, 2x4 -> 2x3, 2 moves, epoch 4\n"
+    assert json.loads(as_json) == reply
+
+
+def test_train_reschedule_help(capsys):
+    with pytest.raises(SystemExit) as info:
+        peer_main(["train", "reschedule", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "coordinator" in out and "forwards" in out and "--json" in out
