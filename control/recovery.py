@@ -272,7 +272,7 @@ class _Fetch:
         self.key_body = _key_body(run_id, step, tuple(layer_range))
         self.step, self.layer_range, self.digest = step, tuple(layer_range), digest
         self.addr = dict(sources)
-        self.live = list(dict.fromkeys(p for p, _ in sources))
+        self.live = [p for p in dict.fromkeys(p for p, _ in sources) if p != transport.peer_id]  # not itself
         self.conns: dict[bytes, PeerConnection] = {}
         self.locks: dict[bytes, trio.Lock] = {}
         self.failed: dict[bytes, str] = {}

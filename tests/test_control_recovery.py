@@ -241,6 +241,23 @@ class WithdrawingServer(RecoveryServer):
         return reply
 
 
+async def test_connect_override_and_self_skipped():
+    state = make_state()
+    async with swarm(3) as (me, h1, h2):
+        digest = (await h1.server.offer(RUN, state)).digest
+        await h2.server.offer(RUN, state)
+        dialled = []
+
+        async def connect(peer, addr):
+            dialled.append(peer)
+            node = {h1.id: h1, h2.id: h2}[peer]
+            return await me.transport.connect(*node.addr, peer_id=peer)
+
+        await me.server.offer(RUN, state)  # holding it itself, it never asks itself
+        result = await fetch(me, [(me.id, me.addr), (h1.id, None), (h2.id, None)], digest, connect=connect)
+        assert sorted(dialled) == sorted([h1.id, h2.id]) and set(result.per_source) == {h1.id, h2.id}
+
+
 async def test_stage_lost_mid_fetch_raises():
     """The only holder withdraws after the manifest: its refusal ends the fetch with a RecoveryError."""
     async with swarm(1) as (me,), swarm(1, WithdrawingServer) as (holder,):
