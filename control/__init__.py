@@ -1,13 +1,15 @@
 """dtfm.control: agreement on who does what, and running it.
 
-Signed allocations and their acceptance, the Comm over the peer transport, the trainer service
-that runs a stage inside the daemon, and the issuer's hand-out protocol. Sits above gossip,
+Signed allocations and their acceptance, the coordinator election and its driver, the Comm over
+the peer transport, the trainer service that runs a stage inside the daemon, the coordinator's
+hand-out protocol, reconfiguration (resume point, re-allocation) and weight recovery. Sits above gossip,
 sched and train, below the daemon, which only starts it as a service.
 """
 
-from .allocation import (ALLOCATION_DOMAIN, MAX_ALLOCATION_BYTES, REFUSAL_CODES, AcceptContext, Allocation,
+from .allocation import (ALLOCATION_DOMAIN, MAX_ALLOCATION_BYTES, REFUSAL_CODES, AcceptContext, Allocation, Holding,
                          Refusal, SignedAllocation, check_allocation)
 from .comm import CommConfig, TensorRouter, TransportComm
+from .coordinator import ElectionService
 from .election import (BecameCoordinator, CoordinatorKnown, ElectionAction, ElectionConfig, ElectionRole, ElectionSend,
                        ElectionState, Persist, SteppedDown)
 from .election_messages import (ElectionMessage, Heartbeat, HeartbeatAck, PreVote, PreVoteReply, RequestVote, Vote,
@@ -15,6 +17,9 @@ from .election_messages import (ElectionMessage, Heartbeat, HeartbeatAck, PreVot
 from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig, TrainError, TrainRequest
+from .recovery import RecoveryError, RecoveryServer, assemble_stage, fetch_stage, manifest_digest, needed_stages
+from .reshape import Current, ReshapePlan, reshape
+from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point
 from .runner import RunEnd, StageRunner, StepReport, params_sha256
 from .schedule import PLACEMENTS, Shape, choose_shape, random_shape, sched_spec
 
@@ -26,5 +31,7 @@ __all__ = [
     "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage", "ElectionRole",
     "ElectionSend", "ElectionState", "ElectionStore", "ElectionStoreError", "FileElectionStore", "Heartbeat",
     "HeartbeatAck", "MemoryElectionStore", "Persist", "PreVote", "PreVoteReply", "RequestVote", "SteppedDown", "Vote",
-    "decode_election",
+    "decode_election", "ElectionService", "Holding", "RecoveryError", "RecoveryServer", "assemble_stage",
+    "fetch_stage", "manifest_digest", "needed_stages", "Current", "ReshapePlan", "reshape", "PeerRunState",
+    "ResumeError", "ResumePoint", "resume_point",
 ]

@@ -5,6 +5,11 @@ thread runs whole steps; between steps it checks the stop step, so a stop lands 
 boundary. A step that fails (a neighbour died, a message timed out) leaves the stage as it was
 before that step (`run_step` applies nothing until every message of the step has arrived) and
 ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically.
+
+Before each step the runner copies the stage (parameters and optimizer state) into a snapshot
+it reuses, so a peer that completed a step some other stage did not can go back one step when
+the swarm resumes from the step before (see control/runstate.py). It costs one copy of the
+stage in memory and one memory copy per step.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 import trio
 
 from dtfm.train import Comm, CommError, Corpus, Plan, StageState, StepResult, run_step, save_checkpoint
+from dtfm.train.checkpoint import stage_from_tensors
 
 __all__ = ["RunEnd", "StageRunner", "StepReport", "params_sha256"]
 
@@ -67,6 +73,8 @@ class StageRunner:
         self._lock = threading.Lock()
         self.last: StepReport | None = None
         self.running = False
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._snapshot_at: tuple[int, int] | None = None  # (step, optimizer step) of the snapshot
 
     @property
     def end_step(self) -> int:
@@ -92,6 +100,7 @@ class StageRunner:
         torch.set_num_threads(self.torch_threads)
         while self.state.step < self.end_step:
             step = self.state.step
+            self._take_snapshot()
             t0 = time.perf_counter()
             try:
                 result: StepResult = run_step(self.state, self.plan, self.me, self.comm, self.corpus)
@@ -109,6 +118,40 @@ class StageRunner:
         with self._lock:
             reason = "stopped" if self._stopped else "finished"
         return RunEnd(self.state.step - 1, reason, False, params_sha256(self.state))
+
+
+    # ---- one step back ----------------------------------------------------------------------
+
+    def _take_snapshot(self) -> None:
+        tensors = _stage_tensors(self.state)
+        with self._lock:
+            if self._snapshot is None or self._snapshot.keys() != tensors.keys():
+                self._snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+            else:
+                for k, v in tensors.items():
+                    self._snapshot[k].copy_(v.detach())
+            self._snapshot_at = (self.state.step, self.state.optim.step_count)
+
+    @property
+    def snapshot_step(self) -> int | None:
+        """The step of the snapshot taken before the last step this runner ran (None: none)."""
+        with self._lock:
+            return None if self._snapshot_at is None else self._snapshot_at[0]
+
+    def snapshot_state(self) -> StageState | None:
+        """A new StageState equal to the stage before its last step; call only once the run ended."""
+        with self._lock:
+            if self._snapshot is None or self._snapshot_at is None:
+                return None
+            step, ostep = self._snapshot_at
+            s = self.state
+            return stage_from_tensors(s.spec, s.cfg, s.layer_range, self._snapshot, step, ostep, str(s.device))
+
+
+def _stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
+    out = {f"param/{n}": p for n, p in state.params.items()}
+    out.update(state.optim.state_tensors())
+    return out
 
 
 def params_sha256(state: StageState) -> str:

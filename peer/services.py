@@ -1,5 +1,6 @@
 """What the daemon runs besides discovery: gossip membership and measurement, link emulation,
-and the control plane that trains (allocations, the stage worker, `train start` / `stop`).
+and the control plane that trains (the coordinator election, allocations, the stage worker,
+reconfiguration, `train start` / `stop` / `reschedule`).
 
 `build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
 transport exists); `gossip_setup` returns the setup hook that runs a GossipService with the
@@ -126,7 +127,13 @@ def gossip_setup(config: DaemonConfig, shaper=None):
 
         async def train_start(args: dict) -> dict:
             try:
-                return await plane().start_training(TrainRequest.from_args(args))
+                return await plane().start_training(TrainRequest.from_args(args), args=args)
+            except TrainError as e:
+                raise ControlCommandError(str(e)) from None
+
+        async def train_reschedule(args: dict) -> dict:
+            try:
+                return await plane().reschedule()
             except TrainError as e:
                 raise ControlCommandError(str(e)) from None
 
@@ -142,6 +149,7 @@ def gossip_setup(config: DaemonConfig, shaper=None):
         daemon.add_control_op("emulate", emulate)
         daemon.add_control_op("train_start", train_start)
         daemon.add_control_op("train_stop", train_stop)
+        daemon.add_control_op("train_reschedule", train_reschedule)
 
     return setup
 
