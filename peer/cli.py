@@ -411,13 +411,15 @@ def format_reschedule(reply: dict) -> str:
     if reply.get("moves") is not None:
         parts.append(f"{reply['moves']} moves")
     if reply.get("bytes_moved") is not None:
-        parts.append(f"{_bytes(reply['bytes_moved'])} to move")
+        parts.append(f"{_bytes(reply['bytes_moved'])} moved")
     old_s, new_s = reply.get("predicted_old_s"), reply.get("predicted_new_s")
     if isinstance(new_s, (int, float)):
         parts.append("predicted " + (f"{old_s:.3f} s -> " if isinstance(old_s, (int, float)) else "")
                      + f"{new_s:.3f} s per step")
     if reply.get("epoch") is not None:
         parts.append(f"epoch {reply['epoch']}")
+    if reply.get("resume_step") is not None:
+        parts.append(("rolled back to" if reply.get("rollback") else "resumed at") + f" step {reply['resume_step']}")
     if reply.get("reason"):
         parts.append(str(reply["reason"]))
     return ", ".join(parts)

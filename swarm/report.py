@@ -209,6 +209,12 @@ def format_event(e: dict, t0: float | None = None) -> str:
         parts.append(f"{format_bytes(e['bytes_moved'])} moved")
     if e.get("resume_step") is not None:
         parts.append(f"resume at step {e['resume_step']}")
+    if e.get("kind"):
+        parts.append(f"({e['kind']})")
+    if e.get("reason") and e.get("reason") != e.get("trigger"):
+        parts.append(str(e["reason"]))
+    if isinstance(e.get("peer"), str) and e["peer"]:
+        parts.append(f"by {e['peer'][:8]}")
     return "  ".join(parts)
 
 
@@ -220,7 +226,7 @@ def format_reconfigurations(events: list[dict], t0: float | None = None) -> list
         return []
     lines = [f"reconfigurations: {len(reconf)}; coordinators elected: {len(elections)}"]
     lines += ["  " + format_event(e, t0) for e in events
-              if e.get("event") in RECONFIG_EVENTS or e.get("event") == "coordinator"]
+              if e.get("event") in RECONFIG_EVENTS or e.get("event") in ("coordinator", "stepped-down")]
     return lines
 
 

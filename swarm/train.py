@@ -38,7 +38,8 @@ RUN_NAME = "run.json"
 # A run that looks ended must look so this long before `wait` gives up: a coordinator that
 # just died leaves the survivors "stopped" until the next one reconfigures them.
 END_SETTLE_S = 5.0
-LIVE_STATES = frozenset({"training", "accepted", "handing out", "reconfiguring"})
+LIVE_STATES = frozenset({"training", "accepted", "spare", "handing out", "reconfiguring"})
+ELECTION_EVENTS = frozenset({"coordinator", "stepped-down"})
 ELECTING_ROLES = frozenset({"candidate", "pre-candidate"})
 
 
@@ -159,7 +160,7 @@ def sync_logs(run_dir: Path, state: SwarmState) -> tuple[list[dict], list[dict]]
             if path.exists():
                 # elections are the swarm's history, not one run's: they are always kept
                 into.append([r for r in read_log(path)
-                             if _of_run(r, run) or (into is event_src and r.get("event") == "coordinator")])
+                             if _of_run(r, run) or (into is event_src and r.get("event") in ELECTION_EVENTS)])
     rows, events = merge_train(train_src), merge_events(event_src)
     if train_src:
         write_jsonl(run_dir / LOG_NAME, rows)

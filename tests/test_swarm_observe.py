@@ -203,14 +203,15 @@ def test_sync_logs_leaves_out_earlier_runs(tmp_path):
     write_jsonl(tmp_path / "p00" / "train.jsonl", [{"step": k, "term": 9, "epoch": 1, "time": 100.0 + k}
                                                    for k in range(10)])
     write_jsonl(tmp_path / "p00" / "events.jsonl", [{"time": 50.0, "event": "coordinator", "term": 9},
-                                                    {"time": 105.0, "event": "reconfigure", "term": 9}])
+                                                    {"time": 105.0, "event": "reconfigure", "term": 9},
+                                                    {"time": 106.0, "event": "stepped-down", "term": 9}])
     write_jsonl(tmp_path / "p02" / "train.jsonl", [{"step": k, "term": 9, "epoch": 1, "time": 500.0 + k,
                                                     "run": "ab" * 16} for k in range(3)]
                 + [{"step": 3, "term": 9, "epoch": 1, "time": 504.0, "run": "cd" * 16}])
     (tmp_path / "run.json").write_text(json.dumps({"run_id": "ab" * 16, "started_at": 400.0}))
     rows, events = sync_logs(tmp_path, state)
     assert [r["time"] for r in rows] == [500.0, 501.0, 502.0]
-    assert [e["event"] for e in events] == ["coordinator"]  # elections are kept, old reconfigurations not
+    assert [e["event"] for e in events] == ["coordinator", "stepped-down"]  # elections kept, old reconfigurations not
 
 
 def test_wait_follows_a_coordinator_change(tmp_path, fake_status, monkeypatch):
@@ -262,6 +263,7 @@ def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
                     "issued": {"state": "refused", "completed": -1, "reason": "no", "started_at": 1.0}}}], [],
      "training refused after step -1: no"),
     ([{"training": {"state": "idle"}}, {}], [], None),
+    ([{"training": {"state": "spare"}}], [{"time": 1, "event": "stopped", "trigger": "x"}], None),
 ])
 def test_run_end(statuses, events, want):
     assert run_end(statuses, events) == want
@@ -282,6 +284,12 @@ def test_format_event_says_everything_in_one_line():
     assert line == ("+60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3  "
                     "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resume at step 41")
     assert format_event({"event": "stopped"}) == "?  stopped  term -  epoch -"
+    # as control/plane.py writes them: the writer, the plan's kind, a stop's reason
+    stopped = {"time": 1070.0, "event": "stopped", "peer": "ab" * 32, "term": 3, "epoch": 4,
+               "trigger": "peer 77aa0011 is dead", "reason": "layers (0, 2) are held nowhere"}
+    assert format_event(stopped, t0=1000.0) == ("+70.0s  stopped  term 3  epoch 4  peer 77aa0011 is dead  "
+                                                "layers (0, 2) are held nowhere  by abababab")
+    assert format_event({**EVENTS[1], "kind": "reshape"}).endswith("resume at step 41  (reshape)")
 
 
 def test_events_command(tmp_path, capsys):
@@ -365,6 +373,12 @@ def test_peer_status_text_replaces_the_training_json_line():
 def test_format_reschedule():
     assert format_reschedule({"kind": "reconfigured", "old_shape": "2x4", "new_shape": "2x3", "moves": 2}) \
         == "reconfigured, 2x4 -> 2x3, 2 moves"
+    # the coordinator's reconfiguration record, as control/plane.py answers
+    info = {"at": 1.0, "reason": "operator asked", "epoch": 3, "term": 2, "old_shape": "2x4", "new_shape": "4x2",
+            "kind": "reshape", "predicted_old_s": 1.5, "predicted_new_s": 1.25, "moves": 4, "bytes_moved": 2_000_000,
+            "resume_step": 12, "rollback": False, "stop_s": 0.4}
+    assert format_reschedule(info) == ("reshape, 2x4 -> 4x2, 4 moves, 2.0 MB moved, predicted 1.500 s -> 1.250 s "
+                                       "per step, epoch 3, resumed at step 12, operator asked")
     assert format_reschedule({"kind": "unchanged", "reason": "the current allocation is the best"}) \
         == "unchanged, the current allocation is the best"
 
