@@ -1,0 +1,86 @@
+"""The resume point of a reconfigured swarm, and the run state a peer reports."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtfm.control import PeerRunState, ResumeError, StepReport, resume_point
+from dtfm.net import ProtocolError, pack, unpack_untrusted
+
+RUN, OTHER = b"r" * 16, b"o" * 16
+RANGES = ((0, 2), (2, 4))
+P = [bytes([i]) * 32 for i in range(1, 9)]
+
+
+def st_(layers, at, prev=None, *, run=RUN, ckpts=(), running=False) -> PeerRunState:
+    return PeerRunState(run, 1, 2, layers, at, prev, running, tuple(ckpts))
+
+
+def test_every_peer_at_one_step_resumes_there_with_every_holder():
+    states = {P[0]: st_((0, 2), 7, 6), P[1]: st_((2, 4), 7, 6), P[2]: st_((0, 2), 7, 6), P[3]: st_((2, 4), 7, 6)}
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 7 and not rp.rollback
+    assert rp.memory == {(0, 2): (P[0], P[2]), (2, 4): (P[1], P[3])}
+
+
+def test_a_replica_one_step_ahead_goes_back_with_its_snapshot():
+    # P[0] completed step 7 (its stage is at 8), the others did not: the swarm resumes at 7 and
+    # P[0] holds stage (0, 2) at 7 through its snapshot.
+    states = {P[0]: st_((0, 2), 8, 7), P[1]: st_((2, 4), 7, 6), P[2]: st_((0, 2), 7, 6)}
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 7 and rp.memory[(0, 2)] == (P[0], P[2]) and rp.memory[(2, 4)] == (P[1],)
+
+
+def test_the_newest_step_every_stage_holds_wins():
+    states = {P[0]: st_((0, 2), 8, 7), P[1]: st_((2, 4), 8, 7)}
+    assert resume_point(RUN, RANGES, states).step == 8
+
+
+def test_a_lost_stage_rolls_the_swarm_back_to_the_newest_common_checkpoint():
+    # Nobody holds (2, 4) in memory; checkpoints of it at 4 and 6, of (0, 2) at 6 (and memory at 9).
+    states = {P[0]: st_((0, 2), 9, 8, ckpts=[(0, 2, 6)]), P[1]: st_(None, None, ckpts=[(2, 4, 4), (2, 4, 6)])}
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.rollback and rp.step == 6
+    assert rp.holders((2, 4)) == (P[1],) and rp.holders((0, 2)) == (P[0],)
+
+
+def test_no_holder_and_no_checkpoint_stops_with_the_lost_layers_named():
+    states = {P[0]: st_((0, 2), 9, 8)}
+    with pytest.raises(ResumeError, match="layers 2-3") as e:
+        resume_point(RUN, RANGES, states)
+    assert "never" in str(e.value)
+
+
+def test_stages_held_at_no_common_step_is_an_error():
+    states = {P[0]: st_((0, 2), 9, 8), P[1]: st_((2, 4), 4, 3)}
+    with pytest.raises(ResumeError, match="no common step"):
+        resume_point(RUN, RANGES, states)
+
+
+def test_states_of_another_run_do_not_count():
+    states = {P[0]: st_((0, 2), 7), P[1]: st_((2, 4), 7, run=OTHER)}
+    with pytest.raises(ResumeError):
+        resume_point(RUN, RANGES, states)
+
+
+def test_run_state_round_trips_through_the_wire():
+    s = PeerRunState(RUN, 3, 5, (0, 2), 9, 8, True, ((0, 2, 6),),
+                     (StepReport(5, 8, 4.5, 1.0, 0.5, 0.7, 0.2), StepReport(5, 7, None, 1.0, 0.5, 0.7, 0.2)))
+    assert PeerRunState.from_wire(unpack_untrusted(pack(s.to_wire()), max_len=1 << 16)) == s
+    idle = PeerRunState(None, 0, 0, None, None, None, False)
+    assert PeerRunState.from_wire(unpack_untrusted(pack(idle.to_wire()), max_len=1 << 16)) == idle
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.sampled_from(["run", "term", "epoch", "layers", "at", "prev", "running", "checkpoints",
+                                        "reports", "x"]),
+                       st.one_of(st.none(), st.integers(-5, 2**64), st.binary(max_size=20), st.text(max_size=5),
+                                 st.booleans(), st.lists(st.integers(-1, 10), max_size=4),
+                                 st.lists(st.lists(st.integers(-1, 10), max_size=4), max_size=3))))
+def test_garbage_run_states_raise_only_protocol_error(d):
+    try:
+        PeerRunState.from_wire(d)
+    except ProtocolError:
+        pass

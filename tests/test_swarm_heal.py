@@ -1,0 +1,135 @@
+"""The swarm heals itself: 8 real daemons on the emulated worldwide scenario train `tiny`
+2 x 4 while peers are killed, restarted and partitioned away (bounded in time).
+
+The oracle is single-process training: every step in the merged `train.jsonl` is there once,
+in order, with the loss of the reference within 1e-5, whatever reconfigurations happened, and
+at the end every stage's replicas hold identical weights.
+"""
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dtfm.swarm import cli as swarm
+from dtfm.swarm.proc import peer_request, peer_status
+from dtfm.swarm.state import load_state
+from dtfm.swarm.train import read_log
+from polling import wait_for
+from test_swarm_train import reference_losses
+
+N_PEERS = 8
+STEPS = 400  # more than the test runs: it stops the run itself
+
+
+def trainings(state) -> dict[str, dict]:
+    return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
+
+
+def coordinator(state) -> tuple[str, dict] | None:
+    for name, t in trainings(state).items():
+        if t.get("role") == "coordinator":
+            return name, t
+    return None
+
+
+def check_log(run_dir: Path, reference: list[float]) -> list[dict]:
+    rows = read_log(run_dir / "train.jsonl")
+    assert [r["step"] for r in rows] == list(range(len(rows))), "a step is missing or repeated"
+    for r in rows:
+        assert r["loss"] == pytest.approx(reference[r["step"]], abs=1e-5), r
+    return rows
+
+
+def wait_steps(run_dir: Path, more: int, timeout_s: float = 240) -> int:
+    """Wait until `more` steps past the last logged one are logged; returns that step."""
+    rows = read_log(run_dir / "train.jsonl") if (run_dir / "train.jsonl").exists() else []
+    target = (rows[-1]["step"] if rows else -1) + more
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(target), "--timeout", str(timeout_s)]) == 0
+    return target
+
+
+@pytest.fixture(scope="module")
+def run_dir():
+    d = Path(tempfile.mkdtemp(prefix="dtfm-heal-"))
+    try:
+        assert swarm.main(["up", "--run-dir", str(d), "--scenario", "worldwide", "--peers", str(N_PEERS),
+                           "--timeout", "240"]) == 0
+        yield d
+    finally:
+        try:
+            swarm.main(["down", "--run-dir", str(d), "--kill"])
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_swarm_survives_deaths_restarts_and_a_partition(run_dir):
+    reference = reference_losses(120)
+    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
+                       "--steps", str(STEPS)]) == 0
+    wait_steps(run_dir, 3)
+    state = load_state(run_dir)
+
+    # 1. SIGKILL the coordinator: a new one is elected in a higher term and the run goes on.
+    name, before = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    killed_at = time.monotonic()
+    assert swarm.main(["kill", name, "--run-dir", str(run_dir)]) == 0
+    wait_steps(run_dir, 3)
+    recovered_s = time.monotonic() - killed_at
+    new_name, after = wait_for("a new coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    assert new_name != name and after["term"] > before["term"]
+    assert after["last_reconfig"]["resume_step"] >= 3
+    check_log(run_dir, reference)
+    print(f"coordinator killed: training again after {recovered_s:.1f} s")
+
+    # 2. Restart it with its data dir: it rejoins, is placed again and recovers its stage from
+    # the peers that hold it (its own copy is stale).
+    assert swarm.main(["restart", name, "--run-dir", str(run_dir)]) == 0
+    state = load_state(run_dir)
+    peer = next(p for p in state.peers if p.name == name)
+
+    def placed_again():
+        t = (peer_status(peer) or {}).get("training") or {}
+        return t.get("state") == "training" and t.get("fetched_bytes", 0) > 0 and t
+    t = wait_for(f"{name} to train a fetched stage again", placed_again, 240, interval_s=1.0)
+    assert t["epoch"] > before["epoch"]
+    wait_steps(run_dir, 2)
+    check_log(run_dir, reference)
+
+    # 3. Kill two peers of one stage's DP group at once: the stage survives in the others.
+    t = trainings(state)
+    stage0 = sorted(n for n, v in t.items() if v.get("stage") == 0 and v.get("role") != "coordinator")
+    assert len(stage0) >= 3, t
+    for victim in stage0[:2]:
+        assert swarm.main(["kill", victim, "--run-dir", str(run_dir)]) == 0
+    wait_steps(run_dir, 3)
+    check_log(run_dir, reference)
+
+    # The run ends on one step everywhere; every stage's replicas hold identical weights.
+    c_name, _ = coordinator(state)
+    c_peer = next(p for p in state.peers if p.name == c_name)
+    peer_request(c_peer, "train_stop", {}, timeout_s=30)
+
+    def all_ended():
+        t = {n: v for n, v in trainings(state).items() if v.get("stage") is not None}
+        return t and all("last_end" in v and v.get("state") != "training" for v in t.values()) and t
+    ended = wait_for("every peer to end", all_ended, 120, interval_s=0.5)
+    groups: dict[int, set[str]] = {}
+    for v in ended.values():
+        groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
+    assert all(len(h) == 1 for h in groups.values()), groups
+    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "10"])
+    rows = check_log(run_dir, reference)
+    events = [e["event"] for e in _events(run_dir)]
+    assert events.count("reconfigure") >= 3, events
+    assert len(rows) >= 11
+
+
+def _events(run_dir: Path) -> list[dict]:
+    import json
+    path = run_dir / "events.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
