@@ -148,6 +148,12 @@ def relabel_pipelines(X: np.ndarray, old: np.ndarray) -> np.ndarray:
     return X[:, order]
 
 
+def _better(a: "_Cand", b: "_Cand") -> bool:
+    """a scores lower than b, or as low (to rounding) with fewer moves."""
+    tol = 1e-9 * max(1.0, abs(b.score))
+    return a.score < b.score - tol or (a.score <= b.score + tol and a.moves < b.moves)
+
+
 @dataclass
 class _Cand:
     kind: str
@@ -289,17 +295,55 @@ class _Planner:
         return np.array(peers, dtype=np.int64)[alloc.matrix]
 
     def oriented(self, kind: str, X: np.ndarray, ranges, old: np.ndarray | None) -> _Cand:
-        """The better (by score) of X and X with its stage order reversed, pipelines relabelled
-        towards `old`."""
+        """The best (by score) of X, X with its stage order reversed, and each with fewer moves
+        where that costs nothing (`fewer_moves`), pipelines relabelled towards `old`."""
         options = [X] if X.shape[0] == 1 else [X, X[::-1]]
+        same_s = old is not None and old.shape[0] == X.shape[0]
+        if same_s:
+            options += [self.fewer_moves(Y) for Y in options]
         best = None
         for Y in options:
-            if old is not None and old.shape[0] == Y.shape[0]:
+            if same_s:
                 Y = relabel_pipelines(Y, old)
             c = self.evaluate(kind, np.ascontiguousarray(Y), ranges)
-            if best is None or c.score < best.score - 1e-12:
+            if best is None or _better(c, best):
                 best = c
         return best
+
+    def fewer_moves(self, X: np.ndarray) -> np.ndarray:
+        """X with peers put back on the stage they hold, by swaps (with a placed peer or a spare)
+        that do not raise the cost model's objective: the scheduler breaks ties between equally
+        cheap layouts (peers of one site, interchangeable) blind to where the weights are."""
+        S, D = X.shape
+        m = self.model(S, D)
+        X = X.copy()
+        spares = self.spares(X)
+        bound = m.total(X) * (1 + 1e-9) + 1e-12
+        old = {i: s for i, s in self.held.items()}
+        for _ in range(S * D):
+            done = True
+            for s, p in np.argwhere(np.ones_like(X, dtype=bool)):
+                x = int(X[s, p])
+                if old.get(x) == s:
+                    continue
+                where = {int(v): (t, q) for (t, q), v in np.ndenumerate(X)}
+                for y in [y for y, h in old.items() if h == s]:
+                    t, q = where.get(y, (None, None))
+                    if t == s or (t is None and y not in spares):
+                        continue
+                    Y = X.copy()  # y back on its stage: one move fewer, whatever x's fate
+                    Y[s, p] = y
+                    if t is not None:
+                        Y[t, q] = x
+                    if m.total(Y) <= bound:
+                        X = Y
+                        if t is None:
+                            spares = [z for z in spares if z != y] + [x]
+                        done = False
+                        break
+            if done:
+                break
+        return X
 
 
 def _same_s(pl: _Planner, budget_s: float) -> list[_Cand]:
