@@ -148,7 +148,7 @@ def relabel_pipelines(X: np.ndarray, old: np.ndarray) -> np.ndarray:
     return X[:, order]
 
 
-def _better(a: "_Cand", b: "_Cand") -> bool:
+def _better(a: _Cand, b: _Cand) -> bool:
     """a scores lower than b, or as low (to rounding) with fewer moves."""
     tol = 1e-9 * max(1.0, abs(b.score))
     return a.score < b.score - tol or (a.score <= b.score + tol and a.moves < b.moves)
@@ -347,43 +347,48 @@ class _Planner:
 
 
 def _same_s(pl: _Planner, budget_s: float) -> list[_Cand]:
+    """keep, repair, shrink, grow and reschedule: every candidate with the current stages."""
     cur, ranges = pl.cur, pl.old_ranges
     S, D = cur.shape
     holes = cur < 0
     spares = pl.spares(cur)
-    out = []
-    if not holes.any():
-        out.append(pl.evaluate("keep", cur, ranges))
-    elif int(holes.sum()) <= len(spares) and D <= pl.d_max:
-        out.append(pl.evaluate("repair", pl.fill(cur, spares), ranges))
-    if holes.any():  # shrink: the whole pipelines, plus the r easiest to repair
-        whole = [p for p in range(D) if not holes[:, p].any()]
-        broken = sorted((p for p in range(D) if holes[:, p].any()), key=lambda p: (int(holes[:, p].sum()), p))
-        for r in range(len(broken)):
-            cols = sorted(whole + broken[:r])
-            need = int(holes[:, broken[:r]].sum())
-            if not cols or need > len(spares) or len(cols) > pl.d_max:
-                continue
-            X = cur[:, cols]
-            pool = [i for i in pl.live if i not in set(map(int, X[X >= 0]))]  # the dropped survivors are spares too
-            out.append(pl.evaluate("shrink", pl.fill(X, pool), ranges))
-    new = spares
-    grow_max = min(len(new) // S, pl.d_max - D) if not holes.any() else 0
+    grow_max = 0 if holes.any() else min(len(spares) // S, pl.d_max - D)
     # reschedule at D = live // S (capped), and at the current D too when spares would be left
     widths = sorted({w for w in (min(len(pl.live) // S, pl.d_max), min(D, len(pl.live) // S)) if w >= 1})
-    n_solves = grow_max + 2 * len(widths)
-    for g in range(1, grow_max + 1):
-        Xg = pl.schedule(new, S, g, budget_s / n_solves)
+    share = budget_s / (grow_max + 2 * len(widths))
+    out = [pl.evaluate("keep", cur, ranges)] if not holes.any() else _mend(pl, holes, spares)
+    for g in range(1, grow_max + 1):  # spares form g new pipelines, laid out among themselves
+        Xg = pl.schedule(spares, S, g, share)
         both = [pl.evaluate("grow", np.hstack([cur, Y]), ranges) for Y in ([Xg] if S == 1 else [Xg, Xg[::-1]])]
         out.append(min(both, key=lambda c: c.score))
-    for D2 in widths:
-        keep_cols = sorted(range(D), key=lambda p: (int(holes[:, p].sum()), p))[:D2]
+    for D2 in widths:  # warm start: the pipelines with fewest holes, holes and new pipelines filled
+        keep_cols = sorted(sorted(range(D), key=lambda p: (int(holes[:, p].sum()), p))[:D2])
         X0 = np.full((S, D2), -1, dtype=np.int64)
-        X0[:, :len(keep_cols)] = cur[:, sorted(keep_cols)]
+        X0[:, :len(keep_cols)] = cur[:, keep_cols]
         X0 = pl.fill(X0, [i for i in pl.live if i not in set(map(int, X0[X0 >= 0]))])
         for local in (False, True):  # the whole search, and a local repair that stays near X0
-            Xs = pl.schedule(pl.live, S, D2, budget_s / n_solves, initial=X0, local=local)
+            Xs = pl.schedule(pl.live, S, D2, share, initial=X0, local=local)
             out.append(pl.oriented("reschedule", Xs, ranges, cur))
+    return out
+
+
+def _mend(pl: _Planner, holes: np.ndarray, spares: list[int]) -> list[_Cand]:
+    """repair (every hole filled by a spare) and shrink (the whole pipelines, plus the r easiest
+    to repair, for every r that the spares allow)."""
+    cur, ranges = pl.cur, pl.old_ranges
+    D = cur.shape[1]
+    out = []
+    if int(holes.sum()) <= len(spares) and D <= pl.d_max:
+        out.append(pl.evaluate("repair", pl.fill(cur, spares), ranges))
+    whole = [p for p in range(D) if not holes[:, p].any()]
+    broken = sorted((p for p in range(D) if holes[:, p].any()), key=lambda p: (int(holes[:, p].sum()), p))
+    for r in range(len(broken)):
+        cols = sorted(whole + broken[:r])
+        if not cols or int(holes[:, broken[:r]].sum()) > len(spares) or len(cols) > pl.d_max:
+            continue
+        X = cur[:, cols]
+        pool = [i for i in pl.live if i not in set(map(int, X[X >= 0]))]  # the dropped survivors are spares too
+        out.append(pl.evaluate("shrink", pl.fill(X, pool), ranges))
     return out
 
 

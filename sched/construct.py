@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["locality_order", "dp_aligned", "pp_aligned", "aligned_blocks", "consecutive", "random_allocation",
-           "given"]
+__all__ = [
+    "aligned_blocks",
+    "consecutive",
+    "dp_aligned",
+    "given",
+    "locality_order",
+    "pp_aligned",
+    "random_allocation",
+]
 
 
 def locality_order(hop: np.ndarray, regions=None) -> np.ndarray:

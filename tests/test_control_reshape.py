@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from dtfm.control.reshape import (KINDS, Current, ReshapePlan, default_stage_bytes, relabel_pipelines,
-                                  reshape)
+from dtfm.control.reshape import KINDS, Current, ReshapePlan, default_stage_bytes, relabel_pipelines, reshape
 from dtfm.control.schedule import _matrices, sched_spec
 from dtfm.gossip import NetworkView
 from dtfm.sched import SEARCH_PROFILES, CostModel, simulate_iteration, solve
@@ -201,7 +200,7 @@ def test_relabelling_with_a_different_width():
 
 
 def test_errors():
-    view, regions = sites([4, 4])
+    view, _ = sites([4, 4])
     cur = current([0, 1, 2, 3], [4, 5, 6, 7])
     bad = NetworkView(view.peers, np.where(np.eye(8, dtype=bool), 0, np.nan), view.bandwidth_gbps, view.compute_ms,
                       False)

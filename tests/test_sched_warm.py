@@ -37,7 +37,7 @@ def test_default_unchanged(key):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_warm_start_no_worse_than_initial(seed):
-    delay, bw, regions = _net("worldwide", 12)
+    delay, bw, _ = _net("worldwide", 12)
     rng = np.random.default_rng(seed)
     perm = rng.permutation(12)
     initial = [list(map(int, perm[3 * d:3 * d + 3])) for d in range(3)]  # 3 pipelines of 3 stages
@@ -62,7 +62,7 @@ def test_warm_start_from_the_optimum_stays_there():
 
 
 def test_warm_start_with_auto_uses_its_shape():
-    delay, bw, regions = _net("worldwide", 12)
+    delay, bw, _ = _net("worldwide", 12)
     initial = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
     a = solve(delay, bw, PAPER_GPT3_XL, stages="auto", seed=0, config=TEST, initial=initial)
     assert a.cost.total_s <= evaluate(delay, bw, PAPER_GPT3_XL, initial).total_s + 1e-12
