@@ -201,8 +201,10 @@ def format_event(e: dict, t0: float | None = None) -> str:
         parts.append(str(e["trigger"]))
     if e.get("new_shape") is not None or e.get("old_shape") is not None:
         parts.append(f"{e.get('old_shape') or '-'} -> {e.get('new_shape') or '-'}")
-    if e.get("predicted_new_s") is not None or e.get("predicted_old_s") is not None:
-        parts.append(f"predicted {_seconds(e.get('predicted_old_s'))} -> {_seconds(e.get('predicted_new_s'))}")
+    if e.get("predicted_old_s") is not None:
+        parts.append(f"predicted {_seconds(e['predicted_old_s'])} -> {_seconds(e.get('predicted_new_s'))}")
+    elif e.get("predicted_new_s") is not None:
+        parts.append(f"predicted {_seconds(e['predicted_new_s'])}")
     if e.get("moves") is not None:
         parts.append(f"{e['moves']} moves")
     if e.get("bytes_moved") is not None:

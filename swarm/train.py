@@ -38,7 +38,8 @@ RUN_NAME = "run.json"
 # A run that looks ended must look so this long before `wait` gives up: a coordinator that
 # just died leaves the survivors "stopped" until the next one reconfigures them.
 END_SETTLE_S = 5.0
-LIVE_STATES = frozenset({"training", "accepted", "spare", "handing out", "reconfiguring"})
+# (A spare's state says nothing: the coordinator of a run it does not train in shows "spare".)
+LIVE_STATES = frozenset({"training", "accepted", "handing out", "reconfiguring"})
 ELECTION_EVENTS = frozenset({"coordinator", "stepped-down"})
 ELECTING_ROLES = frozenset({"candidate", "pre-candidate"})
 
@@ -192,10 +193,12 @@ def run_end(statuses: list[dict], events: list[dict]) -> str | None:
     trainings = [st.get("training") or {} for st in statuses]
     if any(t.get("state") in LIVE_STATES or t.get("role") in ELECTING_ROLES for t in trainings):
         return None
-    last = events[-1] if events else None
+    run_events = [e for e in events if e.get("event") not in ELECTION_EVENTS]
+    last = run_events[-1] if run_events else None
     if last is not None and last.get("event") == "stopped":
+        why = ": ".join(str(w) for w in dict.fromkeys([last.get("trigger"), last.get("reason")]) if w)
         return (f"training stopped (term {last.get('term')}, epoch {last.get('epoch')}): "
-                f"{last.get('trigger') or last.get('reason') or 'no reason given'}")
+                f"{why or 'no reason given'}")
     issued = _latest_issued(statuses)
     if issued is None:
         return None

@@ -263,7 +263,17 @@ def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
                     "issued": {"state": "refused", "completed": -1, "reason": "no", "started_at": 1.0}}}], [],
      "training refused after step -1: no"),
     ([{"training": {"state": "idle"}}, {}], [], None),
-    ([{"training": {"state": "spare"}}], [{"time": 1, "event": "stopped", "trigger": "x"}], None),
+    # an election after the stop does not resume the run; a reconfiguration after it does
+    ([{"training": {"state": "stopped"}}], [{"time": 1, "event": "stopped", "trigger": "t", "term": 1, "epoch": 1},
+                                            {"time": 2, "event": "coordinator", "term": 2}],
+     "training stopped (term 1, epoch 1): t"),
+    ([{"training": {"state": "stopped"}}], [{"time": 1, "event": "stopped", "trigger": "t"},
+                                            {"time": 2, "event": "reconfigure", "term": 2}], None),
+    # seen live: the new coordinator (a "spare" of the run) wrote that the run cannot go on
+    ([{"training": {"state": "spare", "role": "coordinator"}}, {"training": {"state": "stopped"}}],
+     [{"time": 1, "event": "stopped", "term": 3, "epoch": 2, "trigger": "coordinator changed (term 3)",
+       "reason": "no reachable peer holds layers 0-1"}],
+     "training stopped (term 3, epoch 2): coordinator changed (term 3): no reachable peer holds layers 0-1"),
 ])
 def test_run_end(statuses, events, want):
     assert run_end(statuses, events) == want
@@ -290,6 +300,10 @@ def test_format_event_says_everything_in_one_line():
     assert format_event(stopped, t0=1000.0) == ("+70.0s  stopped  term 3  epoch 4  peer 77aa0011 is dead  "
                                                 "layers (0, 2) are held nowhere  by abababab")
     assert format_event({**EVENTS[1], "kind": "reshape"}).endswith("resume at step 41  (reshape)")
+    start = {"time": 1000.0, "event": "start", "term": 1, "epoch": 1, "trigger": "train start", "old_shape": None,
+             "new_shape": "2x2", "predicted_new_s": 0.017, "moves": 0, "bytes_moved": 0, "resume_step": 0}
+    assert format_event(start, t0=1000.0) == ("+0.0s  start  term 1  epoch 1  train start  - -> 2x2  "
+                                              "predicted 0.017 s  0 moves  0 B moved  resume at step 0")
 
 
 def test_events_command(tmp_path, capsys):
