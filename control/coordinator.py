@@ -22,9 +22,9 @@ after it is sent.
 Sends never block the loop. Each destination has a bounded outbox (OUTBOX_MESSAGES; a message
 that does not fit is dropped: Raft tolerates loss) and one task draining it: it reuses the live
 connection to the peer, or dials `address_of(peer)` within DIAL_TIMEOUT_S; after a failed dial
-it drops messages until a back-off (REDIAL_MIN_S, doubling to REDIAL_MAX_S) has passed, so a dead
-peer is not redialled every heartbeat, while a connection the peer opens itself is used at
-once. A send that fails or takes over SEND_TIMEOUT_S is dropped, logged at DEBUG. A sender idle
+it drops messages until a back-off has passed (election_timeout_min_s, doubling up to
+REDIAL_BACKOFF_MAX election_timeout_max_s), so a dead peer is not redialled every heartbeat, while
+a connection the peer opens itself is used at once. A send that fails or takes over SEND_TIMEOUT_S is dropped, logged at DEBUG. A sender idle
 for SENDER_IDLE_S ends; the next message to that peer starts another.
 
 Queries (`role`, `term`, `coordinator`, ...) read the state machine, which may be a moment ahead
@@ -63,7 +63,7 @@ from .election import (
 )
 from .election_config import ElectionConfig
 from .election_messages import ElectionMessage, check_voters, decode_election
-from .election_store import MemoryElectionStore
+from .election_store import ElectionStoreError, MemoryElectionStore
 from .messages import ControlMsg
 
 __all__ = ["ElectionEvent", "ElectionService"]
@@ -73,8 +73,9 @@ logger = logging.getLogger(__name__)
 OUTBOX_MESSAGES = 16  # per destination; more waiting than this: the newest is dropped
 DIAL_TIMEOUT_S = 2.0  # a dial to a peer without a live connection
 SEND_TIMEOUT_S = 2.0  # one message on a connection
-REDIAL_MIN_S = 1.0  # after a failed dial, messages to that peer are dropped this long ...
-REDIAL_MAX_S = 8.0  # ... doubling after each failure up to this
+REDIAL_BACKOFF_MAX = 4  # after failed dials, redial after election_timeout_min_s, doubling up to this many
+                        # election_timeout_max_s: a dead peer costs a dial per timeout or less, and a
+                        # healed partition reconnects within a few timeouts
 SENDER_IDLE_S = 60.0  # a destination's sender task ends after this long without a message
 MAX_PENDING_ACTIONS = 4096  # actions not yet executed; beyond it, incoming messages are dropped
 
@@ -141,9 +142,9 @@ class ElectionService:
 
     @property
     def is_coordinator(self) -> bool:
-        """This peer is the coordinator of the current term, and that is on disk."""
+        """This peer is the coordinator of the current term, that is on disk, and the service runs."""
         return (self._leading == self._state.term and self._state.role is ElectionRole.COORDINATOR
-                and self._failure is None)
+                and not self._stopped)
 
     def status(self) -> dict:
         s = self._state
@@ -263,7 +264,7 @@ class ElectionService:
                 self._store.persist(p.term, p.voted_for)
             else:
                 await trio.to_thread.run_sync(self._store.persist, p.term, p.voted_for)
-        except Exception as e:
+        except (ElectionStoreError, OSError) as e:  # anything else is a bug and propagates as one
             logger.error("%s: cannot persist term %d and vote: %s; the election service stops", self._short,
                          p.term, e)
             self._failure = e
@@ -306,7 +307,9 @@ class ElectionService:
     async def _sender(self, peer: bytes, box: trio.MemorySendChannel,
                       inbox: trio.MemoryReceiveChannel) -> None:
         """Drain one destination's outbox until idle for SENDER_IDLE_S (or cancelled)."""
-        redial_at, backoff = -math.inf, REDIAL_MIN_S
+        first = self.config.election_timeout_min_s
+        most = REDIAL_BACKOFF_MAX * self.config.election_timeout_max_s
+        redial_at, backoff = -math.inf, first
         try:
             async with inbox:
                 while True:
@@ -323,9 +326,9 @@ class ElectionService:
                             continue
                         conn = await self._dial(peer)
                         if conn is None:
-                            redial_at, backoff = trio.current_time() + backoff, min(2 * backoff, REDIAL_MAX_S)
+                            redial_at, backoff = trio.current_time() + backoff, min(2 * backoff, most)
                             continue
-                        backoff = REDIAL_MIN_S
+                        backoff = first
                     await self._send(conn, msg)
         finally:
             if self._outboxes.get(peer) is box:
