@@ -185,6 +185,7 @@ class _Issued:
         self.state = "handing out"
         self.reason = ""
         self.started_at = time.time()
+        self.fetched = 0  # bytes the peers fetched to take on their stages
 
     def add(self, peer: bytes, rep: StepReport) -> dict | None:
         if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
@@ -613,7 +614,10 @@ class ControlPlane:
             raise ProtocolError("STOP at_step must be a non-negative integer")
         if body.get("final") is True:  # an operator's stop: the run is over, nobody reconfigures it
             self._stopping = run.alloc.run_id
-        self._stop_local(run, at)
+        if body.get("abort") is True:  # the coordinator reconfigures after a loss: end the step now
+            self._abort_run("aborted for a reconfiguration")
+        else:
+            self._stop_local(run, at)
         return {"stopped": True}
 
     def _stop_local(self, run: _Run, at_step: int) -> None:
@@ -631,7 +635,8 @@ class ControlPlane:
             if not isinstance(reason, str):
                 raise ProtocolError("STEP failed must be a string")
             run = self._run
-            if self.election.is_coordinator and run is not None and body.get("run") == run.alloc.run_id:
+            if (self.election.is_coordinator and run is not None and body.get("run") == run.alloc.run_id
+                    and body.get("epoch") == run.alloc.epoch):  # a late report of an older epoch: already handled
                 self._trigger(f"peer {conn.short_id}: {reason[:200]}")
             return
         try:
@@ -826,6 +831,7 @@ class ControlPlane:
         if late:
             logger.warning("peers %s did not confirm the start", ", ".join(late))
         issued.state = "training"
+        self._next_drift_check = trio.current_time() + self.config.drift_check_s
         issued.fetched = sum(int(a.get("fetched_bytes", 0) or 0) for a in answers.values())
 
     async def _start_self(self, alloc: Allocation) -> dict:
@@ -834,10 +840,13 @@ class ControlPlane:
             return {"started": False, "reason": "not accepted here"}
         return self._start_local(run)
 
-    async def _stop_self(self, alloc: Allocation, at_step: int) -> dict:
+    async def _stop_self(self, alloc: Allocation, at_step: int, *, abort: bool = False) -> dict:
         run = self._run
         if run is not None and run.alloc.run_id == alloc.run_id:
-            self._stop_local(run, at_step)
+            if abort:
+                self._abort_run("aborted for a reconfiguration")
+            else:
+                self._stop_local(run, at_step)
         return {"stopped": True}
 
     async def stop_training(self) -> dict:
@@ -918,12 +927,14 @@ class ControlPlane:
                 if not reasons and trio.current_time() >= self._next_drift_check and run.active:
                     self._next_drift_check = trio.current_time() + self.config.drift_check_s
                     if await self._drifted(run.alloc):
-                        reasons = ["the network drifted"]
+                        reasons = ["a faster allocation is predicted on the measured network"]
             if reasons:
                 try:
                     await self.reconfigure("; ".join(reasons))
                     self._attempts = 0
-                except TrainError as e:
+                except Exception as e:  # a failed reconfiguration must not take the daemon down
+                    if not isinstance(e, TrainError):
+                        logger.exception("reconfiguration (%s) failed", "; ".join(reasons))
                     self._attempts += 1
                     logger.warning("reconfiguration %d failed: %s", self._attempts, e)
                     run = self._run
@@ -1010,9 +1021,15 @@ class ControlPlane:
         if running:
             ats = [s.at for s in states.values() if s.run_id == cur.run_id and s.at is not None]
             at = max(ats) + 1
-            logger.info("reconfiguring (%s): stopping %d peers before step %d", trigger, len(running), at)
-            await self._ask_all(running, ControlMsg.STOP, {"run": cur.run_id, "at_step": at},
-                                self.config.request_timeout_s, local=lambda: self._stop_self(cur, at))
+            # With a peer of the epoch gone no step can complete: abort the current one at once
+            # (it changes nothing) instead of waiting for every receive to time out.
+            lost = not set(cur.peers) <= set(states) or any(
+                s.run_id == cur.run_id and not s.running and s.layers is not None for s in states.values())
+            logger.info("reconfiguring (%s): %s %d peers%s", trigger, "aborting the step of" if lost else "stopping",
+                        len(running), "" if lost else f" before step {at}")
+            await self._ask_all(running, ControlMsg.STOP, {"run": cur.run_id, "at_step": at, "abort": lost},
+                                self.config.request_timeout_s,
+                                local=lambda: self._stop_self(cur, at, abort=lost))
             with trio.move_on_after(self.config.stop_timeout_s):
                 while running:
                     await trio.sleep(0.2)
@@ -1063,6 +1080,7 @@ class ControlPlane:
                 if r.step < rp.step:
                     backfill.setdefault(r.step, []).append(r)
         await self._hand_out(alloc, backfill=backfill)
+        self._triggers.clear()  # what happened before the new epoch started is accounted for
         t_done = trio.current_time()
         moved = getattr(self._issued, "fetched", 0)
         info = {"at": time.time(), "reason": trigger, "epoch": alloc.epoch, "term": alloc.term,
@@ -1119,8 +1137,8 @@ class ControlPlane:
         self._stopping = alloc.run_id
         self._event("stopped", term=self.election.term, epoch=alloc.epoch, trigger=trigger, reason=why)
 
-    def _event(self, kind: str, **fields) -> None:
-        line = {"time": time.time(), "event": kind, "peer": self.me.hex(), **fields}
+    def _event(self, event: str, **fields) -> None:
+        line = {"time": time.time(), "event": event, "peer": self.me.hex(), **fields}
         try:
             with open(self.data_dir / "events.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")

@@ -68,7 +68,7 @@ def run_dir():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_swarm_survives_deaths_restarts_and_a_partition(run_dir):
-    reference = reference_losses(120)
+    reference = reference_losses(40)
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
                        "--steps", str(STEPS)]) == 0
     wait_steps(run_dir, 3)
@@ -102,9 +102,14 @@ def test_swarm_survives_deaths_restarts_and_a_partition(run_dir):
 
     # 3. Kill two peers of one stage's DP group at once: the stage survives in the others.
     t = trainings(state)
-    stage0 = sorted(n for n, v in t.items() if v.get("stage") == 0 and v.get("role") != "coordinator")
-    assert len(stage0) >= 3, t
-    for victim in stage0[:2]:
+    by_stage: dict[int, list[str]] = {}
+    for n, v in sorted(t.items()):
+        if v.get("stage") is not None and v.get("state") == "training":
+            by_stage.setdefault(v["stage"], []).append(n)
+    stage, holders = max(by_stage.items(), key=lambda kv: len(kv[1]))
+    assert len(holders) >= 3, {n: (v.get("stage"), v.get("state"), v.get("role")) for n, v in t.items()}
+    victims = [n for n in holders if t[n].get("role") != "coordinator"][:2]
+    for victim in victims:
         assert swarm.main(["kill", victim, "--run-dir", str(run_dir)]) == 0
     wait_steps(run_dir, 3)
     check_log(run_dir, reference)
