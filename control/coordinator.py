@@ -19,18 +19,24 @@ inputs that arrive while the store writes only queue their actions behind it, an
 A Persist that fails stops the service: `run()` raises the store's error, and nothing queued
 after it is sent.
 
+Incoming messages. The ELECTION handler decodes the body (`decode_election`); a malformed body,
+or one with a payload, raises ProtocolError and the transport closes that connection. Past
+MAX_PENDING_ACTIONS actions not yet executed (a store that writes slowly), incoming messages are
+dropped rather than queued.
+
 Sends never block the loop. Each destination has a bounded outbox (OUTBOX_MESSAGES; a message
 that does not fit is dropped: Raft tolerates loss) and one task draining it: it reuses the live
-connection to the peer, or dials `address_of(peer)` within DIAL_TIMEOUT_S; after a failed dial
+connection to the peer, or dials `address_of(peer)` within DIAL_TIMEOUT_S. After a failed dial
 it drops messages until a back-off has passed (election_timeout_min_s, doubling up to
-REDIAL_BACKOFF_MAX election_timeout_max_s), so a dead peer is not redialled every heartbeat, while
-a connection the peer opens itself is used at once. A send that fails or takes over SEND_TIMEOUT_S is dropped, logged at DEBUG. A sender idle
-for SENDER_IDLE_S ends; the next message to that peer starts another.
+REDIAL_BACKOFF_MAX election_timeout_max_s), so a dead peer is not redialled every heartbeat;
+a connection the peer opens itself is used at once. A send that fails or takes longer than
+SEND_TIMEOUT_S is dropped, logged at DEBUG. A sender idle for SENDER_IDLE_S ends; the next
+message to that peer starts another.
 
-Queries (`role`, `term`, `coordinator`, ...) read the state machine, which may be a moment ahead
-of the disk while a Persist runs. `is_coordinator`, the waits and the events follow the
-executed actions instead: a BecameCoordinator is reported only after the term and vote that
-elected it are durable.
+Queries (`role`, `term`, `coordinator`, `may_apply`, ...) read the state machine, which may be
+a moment ahead of the disk while a Persist runs. `is_coordinator`, the waits and the events
+follow the executed actions instead: a BecameCoordinator is reported only after the term and
+vote that elected it are durable.
 
 Time is trio's (`trio.current_time()`), so the service runs under MockClock; a memory store
 (`MemoryElectionStore`) is written inline, any other store in a worker thread (FileElectionStore
@@ -235,6 +241,7 @@ class ElectionService:
         self._actions.extend(actions)
         role = self._state.role
         if role is not self._role:
+            logger.debug("%s: %s -> %s in term %d", self._short, self._role.value, role.value, self._state.term)
             self._role, self._since = role, self._wall_clock()
         self._wake.set()  # new actions, or a deadline that may have moved earlier
 
@@ -311,29 +318,29 @@ class ElectionService:
         most = REDIAL_BACKOFF_MAX * self.config.election_timeout_max_s
         redial_at, backoff = -math.inf, first
         try:
-            async with inbox:
-                while True:
-                    msg = None
-                    with trio.move_on_after(SENDER_IDLE_S):
-                        msg = await inbox.receive()
-                    if msg is None:
-                        return  # idle, its outbox empty: no checkpoint until it is forgotten below
-                    conn = self._transport.connection(peer)
+            while True:
+                msg = None
+                with trio.move_on_after(SENDER_IDLE_S):
+                    msg = await inbox.receive()
+                if msg is None:
+                    return  # idle, the outbox empty; forgotten below before any checkpoint
+                conn = self._transport.connection(peer)
+                if conn is None:
+                    if trio.current_time() < redial_at:
+                        logger.debug("%s: %s to %s dropped: no connection", self._short, type(msg).__name__,
+                                     short_id(peer))
+                        continue
+                    conn = await self._dial(peer)
                     if conn is None:
-                        if trio.current_time() < redial_at:
-                            logger.debug("%s: %s to %s dropped: no connection", self._short, type(msg).__name__,
-                                         short_id(peer))
-                            continue
-                        conn = await self._dial(peer)
-                        if conn is None:
-                            redial_at, backoff = trio.current_time() + backoff, min(2 * backoff, most)
-                            continue
-                        backoff = first
-                    await self._send(conn, msg)
+                        redial_at, backoff = trio.current_time() + backoff, min(2 * backoff, most)
+                        continue
+                    backoff = first
+                await self._send(conn, msg)
         finally:
             if self._outboxes.get(peer) is box:
                 del self._outboxes[peer]
             box.close()
+            inbox.close()
 
     async def _dial(self, peer: bytes):
         address = self._address_of(peer)

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from dtfm.control.coordinator import ElectionService
+from dtfm.control.coordinator import DIAL_TIMEOUT_S, ElectionService
 from dtfm.control.election import BecameCoordinator, CoordinatorKnown, ElectionConfig, SteppedDown
 from dtfm.control.election_messages import RequestVote, Vote, decode_election
 from dtfm.control.election_store import ElectionStoreError, FileElectionStore, MemoryElectionStore
@@ -53,6 +53,7 @@ class Swarm:
         self.sent: list[tuple[float, int, int, object]] = []  # (time, src, dst, message) as they leave
         self.dials: dict[tuple[int, int], int] = defaultdict(int)  # (src, dst) -> dials
         self.on_send = None  # called with (src, dst, message) as a frame leaves
+        self.hang: set[int] = set()  # dials to these nodes never complete (a black-holed address)
         transmit = self.net.transmit
 
         def recording_transmit(src, dst, frame, size):
@@ -78,6 +79,8 @@ class Swarm:
 
         async def counting_connect(host, port, *, peer_id=None):
             self.dials[(k, self.index.get(peer_id, -1))] += 1
+            if self.index.get(peer_id) in self.hang:
+                await trio.sleep_forever()
             return await connect(host, port, peer_id=peer_id)
 
         t.connect = counting_connect
@@ -223,6 +226,25 @@ async def test_a_killed_coordinator_is_replaced_within_the_timeouts(autojump_clo
         assert 1 <= dials <= 10.0 / (2 * CFG.election_timeout_min_s)  # heartbeats: 10.0 / heartbeat_interval_s
         assert s.agreed() == new
         s.check_one_coordinator_per_term()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_whose_dials_hang_delays_no_one(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(4, seed=8)
+        await s.start(nursery)
+        s.hang.add(3)
+        s.kill(3)
+        s.set_voters()
+        t0 = trio.current_time()
+        s.services[0].campaign()
+        assert await s.services[0].wait_until_coordinator(1.0)
+        assert trio.current_time() - t0 == pytest.approx(4 * DELAY_S, abs=1e-4)
+        await trio.sleep(10.0)
+        # heartbeats kept flowing to 1 and 2 (3 of 4 voters ack: no step-down), while the dials
+        # to 3 each waited out their timeout and then a back-off
+        assert s.agreed() == 0 and s.became() == [(pytest.approx(t0 + 4 * DELAY_S, abs=1e-4), 0, 1)]
+        assert 2 <= s.dials[(0, 3)] <= 10.0 / (DIAL_TIMEOUT_S + CFG.election_timeout_min_s) + 1
         nursery.cancel_scope.cancel()
 
 
