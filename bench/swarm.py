@@ -1,6 +1,6 @@
 """The daemons training together, against baselines measured in the same run.
 
-    .venv/bin/python bench/swarm.py [--only loopback,comm,transport,worldwide] [--steps 12] [--world-steps 8]
+    .venv/bin/python bench/swarm.py [--only loopback,comm,transport,worldwide,recovery] [--steps 12] [--world-steps 8]
 
 1. loopback: `tiny` as 2 stages x 2 pipelines in four `dtfm-peer` daemons on plain loopback
    (`dtfm-swarm up --no-emulation`) vs `LocalCluster` 2 x 2 in this process: tokens/s ratio
@@ -13,6 +13,13 @@
 4. worldwide: 8 daemons on the emulated worldwide scenario; the scheduler's allocation, then a
    random allocation of the same shape: measured median iteration time vs the simulator's
    prediction for each, and the measured speedup next to the predicted one.
+5. recovery: 8 daemons on the emulated worldwide scenario train 2 x 4; a follower with a stage
+   is SIGKILLed, later the coordinator: the time from the kill to the next completed step, split
+   into detection (kill to the coordinator's reconfiguration; for the coordinator: to the new
+   coordinator's election), stop (run states, aborting the failed step), scheduling, offers
+   (holders encode their stages), weight transfer (the slowest peer's fetch), the rest of the
+   hand-out, and the first step; bytes moved per reconfiguration. The baseline is the median
+   iteration time of the same run before the kill.
 
 Wall-clock figures share this machine's cores with everything else running on it; CPU-s per
 GiB do not. Prints one JSON object as its last line.
@@ -212,9 +219,69 @@ def bench_worldwide(steps: int) -> dict:
     return out
 
 
+# ---- 5. recovery after a SIGKILL ----------------------------------------------------------------
+
+
+def _training(run_dir: Path) -> dict[str, dict]:
+    from dtfm.swarm.proc import peer_status
+    from dtfm.swarm.state import load_state
+    return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in load_state(run_dir).peers if p.alive()}
+
+
+def _recover_once(run_dir: Path, victim: str, label: str) -> dict:
+    rows = read_rows(run_dir)
+    epoch = max(r["epoch"] for r in rows)
+    killed = time.time()
+    swarm(run_dir, "kill", victim)
+    deadline = time.monotonic() + 600
+    while True:  # the first step of a newer epoch
+        swarm(run_dir, "wait", "--step", str(rows[-1]["step"] + 1), "--timeout", "600")
+        rows = read_rows(run_dir)
+        after = [r for r in rows if r["epoch"] > epoch and r["time"] > killed and not r.get("backfilled")]
+        if after or time.monotonic() > deadline:
+            break
+    first = min(after, key=lambda r: r["step"])
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    rec = [e for e in events if e.get("event") in ("reconfigure", "rollback") and e.get("started_at", 0) >= killed]
+    rec = min(rec, key=lambda e: e["started_at"])
+    elected = [e["time"] for e in events if e.get("event") == "coordinator" and killed <= e["time"] <= rec["started_at"]]
+    first_step_s = first["time"] - (rec["started_at"] + rec["stop_s"] + rec["schedule_s"] + rec["offer_s"]
+                                    + rec["handout_s"])
+    out = {"recovery_s": first["time"] - killed,
+           "detection_s": (min(elected) if elected else rec["started_at"]) - killed,
+           "election_s": rec["started_at"] - min(elected) if elected else 0.0,
+           "stop_s": rec["stop_s"], "scheduling_s": rec["schedule_s"], "offers_s": rec["offer_s"],
+           "weight_transfer_s": rec["transfer_s"], "handout_s": rec["handout_s"] - rec["transfer_s"],
+           "first_step_s": first_step_s, "bytes_moved": rec["bytes_moved"],
+           "shape": f"{rec['old_shape']}->{rec['new_shape']} ({rec.get('kind')})"}
+    return {f"{label}_{k}": round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def bench_recovery() -> dict:
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
+        run_dir = Path(tmp) / "swarm"
+        swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--timeout", "300")
+        try:
+            swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
+            swarm(run_dir, "wait", "--step", "4", "--timeout", "600")
+            base = median_after(read_rows(run_dir), "iteration_s", 1)
+            t = _training(run_dir)
+            follower = sorted(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")[0]
+            out = {"recovery_baseline_iteration_s": round(base, 3)}
+            out.update(_recover_once(run_dir, follower, "follower_kill"))
+            swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
+            coordinator = next(n for n, v in _training(run_dir).items() if v.get("role") == "coordinator")
+            out.update(_recover_once(run_dir, coordinator, "coordinator_kill"))
+        finally:
+            swarm(run_dir, "down")
+    out["follower_kill_recovery_in_iterations"] = round(out["follower_kill_recovery_s"] / base, 2)
+    out["coordinator_kill_recovery_in_iterations"] = round(out["coordinator_kill_recovery_s"] / base, 2)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="loopback,comm,transport,worldwide",
+    ap.add_argument("--only", default="loopback,comm,transport,worldwide,recovery",
                     help="comma-separated parts to run (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=12, help="training steps on loopback (default: %(default)s)")
     ap.add_argument("--world-steps", type=int, default=8,
@@ -247,6 +314,8 @@ def main(argv=None) -> None:
                     for side in ("sender", "receiver")})
     if "worldwide" in parts:
         show(bench_worldwide(args.world_steps))
+    if "recovery" in parts:
+        show(bench_recovery())
     print(json.dumps(result))
 
 

@@ -186,6 +186,7 @@ class _Issued:
         self.reason = ""
         self.started_at = time.time()
         self.fetched = 0  # bytes the peers fetched to take on their stages
+        self.fetch_s = 0.0  # the slowest peer's fetch
 
     def add(self, peer: bytes, rep: StepReport) -> dict | None:
         if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
@@ -360,6 +361,7 @@ class ControlPlane:
             self._run = _Run(alloc, None, None, None)
             self._run.done.set()
             return {"accepted": True, "role": "spare"}
+        t_fetch = trio.current_time()
         try:
             state, fetched = await self._stage_for(alloc, prev)
         except (RecoveryError, CheckpointError, ValueError, OSError) as e:
@@ -375,6 +377,7 @@ class ControlPlane:
         run = _Run(alloc, state, comm, None)
         run.fetched_bytes = fetched
         self._run = run
+        t_connect = trio.current_time()
         assert self._nursery is not None
         await self._nursery.start(self._serve_run, run)
         try:
@@ -391,7 +394,8 @@ class ControlPlane:
         logger.info("accepted term %d epoch %d: stage %d of pipeline %d, layers %s, steps %d..%d%s", alloc.term,
                     alloc.epoch, s, d, alloc.layer_ranges[s], alloc.start_step, alloc.end_step - 1,
                     f", {fetched} bytes fetched" if fetched else "")
-        return {"accepted": True, "role": "stage", "stage": s, "pipeline": d, "fetched_bytes": fetched}
+        return {"accepted": True, "role": "stage", "stage": s, "pipeline": d, "fetched_bytes": fetched,
+                "fetch_s": (t_connect - t_fetch) if fetched else 0.0}
 
     async def _stage_for(self, alloc: Allocation, prev: _Run | None) -> tuple[StageState, int]:
         """This peer's stage of `alloc` at its start step, and the bytes fetched for it."""
@@ -832,7 +836,8 @@ class ControlPlane:
             logger.warning("peers %s did not confirm the start", ", ".join(late))
         issued.state = "training"
         self._next_drift_check = trio.current_time() + self.config.drift_check_s
-        issued.fetched = sum(int(a.get("fetched_bytes", 0) or 0) for a in answers.values())
+        issued.fetched = int(sum(_num(a.get("fetched_bytes")) for a in answers.values()))
+        issued.fetch_s = max([_num(a.get("fetch_s")) for a in answers.values()] + [0.0])
 
     async def _start_self(self, alloc: Allocation) -> dict:
         run = self._run
@@ -1009,7 +1014,7 @@ class ControlPlane:
             return await self._reconfigure(trigger, force)
 
     async def _reconfigure(self, trigger: str, force: bool) -> dict:
-        t0 = trio.current_time()
+        t0, started_at = trio.current_time(), time.time()
         run = self._run
         if run is None or not self.election.is_coordinator:
             raise TrainError("not the coordinator of a run")
@@ -1065,6 +1070,7 @@ class ControlPlane:
             raise TrainError(f"no allocation fits the reachable peers: {e}") from None
         t_planned = trio.current_time()
         holdings = await self._collect_offers(cur, rp)
+        t_offered = trio.current_time()
         shape = plan.shape
         new_named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
         alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
@@ -1088,7 +1094,9 @@ class ControlPlane:
                 "kind": plan.kind, "predicted_old_s": cur.predicted_iteration_s,
                 "predicted_new_s": alloc.predicted_iteration_s, "moves": plan.moves, "bytes_moved": moved,
                 "resume_step": rp.step, "rollback": rp.rollback,
-                "stop_s": t_stopped - t0, "schedule_s": t_planned - t_stopped, "handout_s": t_done - t_planned}
+                "started_at": started_at, "stop_s": t_stopped - t0, "schedule_s": t_planned - t_stopped,
+                "offer_s": t_offered - t_planned, "transfer_s": getattr(self._issued, "fetch_s", 0.0),
+                "handout_s": t_done - t_offered}
         self._last_reconfig = info
         self._event("rollback" if rp.rollback else "reconfigure", trigger=trigger, **{
             k: v for k, v in info.items() if k not in ("at", "reason")})
@@ -1197,6 +1205,10 @@ class ControlPlane:
                              "started_at": issued.started_at, "epoch": issued.alloc.epoch}
         out["pid"] = os.getpid()
         return out
+
+
+def _num(v: object) -> float:
+    return float(v) if type(v) in (int, float) and 0 <= v < 1e18 else 0
 
 
 def _tensors_of(state: StageState) -> dict:
