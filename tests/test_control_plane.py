@@ -8,8 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import trio
+import trio.testing
 
-from dtfm.control import Allocation, ControlPlane, SignedAllocation, TrainerConfig, TrainError, TrainRequest
+from dtfm.control import Allocation, ControlPlane, PeerRunState, SignedAllocation, TrainerConfig, TrainError, TrainRequest
 from dtfm.gossip import Member, MemberState
 from dtfm.net import Identity, ProtocolError
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus
@@ -132,3 +134,44 @@ async def test_start_stop_and_step_reports_are_checked(tmp_path):
 def test_train_requests_are_checked(args, match):
     with pytest.raises(TrainError, match=match):
         TrainRequest.from_args(args)
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def test_allocation_of_an_unrecognised_coordinator_is_refused(tmp_path, autojump_clock):
+    # This peer knows no coordinator of term 3: the issuer may not allocate, whatever it signs.
+    plane = make_plane(tmp_path, OTHER)
+    signed = SignedAllocation.sign(alloc(term=3), ISSUER)
+    reply = await plane._on_allocation(Conn(ISSUER.peer_id), 64, signed.to_wire(), None)
+    assert reply["accepted"] is False and reply["code"] == "not-coordinator"
+    assert plane._run is None and plane.election.last_applied == (0, 0)
+
+
+async def test_a_resumed_epoch_without_holders_is_refused_never_reinitialised(tmp_path, autojump_clock):
+    plane = make_plane(tmp_path, OTHER)
+    a = alloc(start_step=5)
+    refusal = None
+    plane.election.may_apply = lambda issuer, term, epoch: refusal  # the issuer is the coordinator
+    plane.election.applied = lambda term, epoch: None
+    plane.election.set_voters = lambda voters: None
+    reply = await plane.accept(a)
+    assert reply["accepted"] is False and reply["code"] == "build-failed"
+    assert "names no holders" in reply["reason"]
+
+
+async def test_run_state_requests_are_checked(tmp_path, autojump_clock):
+    plane = make_plane(tmp_path, OTHER)
+    state = PeerRunState.from_wire(await plane._on_run_state(Conn(ISSUER.peer_id), 71, {"op": "query"}, None))
+    assert state.run_id is None and state.layers is None and not state.running
+    # only the coordinator asks for offers
+    reply = await plane._on_run_state(Conn(ISSUER.peer_id), 71,
+                                      {"op": "offer", "run": b"r" * 16, "step": 1, "layers": [0, 2]}, None)
+    assert "error" in reply
+    for bad in ({"op": "nuke"}, {"op": "offer", "run": b"short", "step": 1, "layers": [0, 2]},
+                {"op": "offer", "run": b"r" * 16, "step": -1, "layers": [0, 2]},
+                {"op": "offer", "run": b"r" * 16, "step": 1, "layers": "all"}, [1, 2]):
+        with pytest.raises(ProtocolError):
+            await plane._on_run_state(Conn(ISSUER.peer_id), 71, bad, None)
