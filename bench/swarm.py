@@ -266,7 +266,7 @@ def bench_recovery() -> dict:
             swarm(run_dir, "wait", "--step", "4", "--timeout", "600")
             base = median_after(read_rows(run_dir), "iteration_s", 1)
             t = _training(run_dir)
-            follower = sorted(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")[0]
+            follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
             out = {"recovery_baseline_iteration_s": round(base, 3)}
             out.update(_recover_once(run_dir, follower, "follower_kill"))
             swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
