@@ -15,18 +15,36 @@ Actions run in order, as a driver must run them, and the simulation checks as th
 - a node applies only allocations of the coordinator elected in that term, and its applied
   (term, epoch) only grows.
 
+Allocations and training (a model of control/plane.py and control/coordinate.py, no tensors).
+A coordinator hands out a `SimAllocation` (issuer, term, epoch = its last applied epoch + 1,
+start step, peers, layer ranges) over the same network; a node applies it only when
+`may_apply` says yes, retrying for `2 * heartbeat + 1 s` while the refusal is
+`not-coordinator` of a term not older than its own (`_election_refusal`), then `applied` and
+`set_voters(peers)`. `train` runs steps on every epoch whose peers all hold it, run and are
+connected; a peer of an epoch that is gone or cut off makes the step fail on the others, and
+`train(split=...)` lets some peers complete a step the others fail (one step apart). Each
+completed step goes as a STEP report over the network to the issuer, which appends the step to
+the shared `train_log` once every peer of its epoch reported it. `reconfigure` is the
+coordinator's `_reconfigure`: run states of the nodes it reaches (its side of the partition;
+instantaneous), stop, a majority of the voters or nothing, the real `resume_point`, back-fill
+of the steps below it from the peers' last `MAX_REPORTS` reports, and the next epoch from
+the resume step with the reached nodes as peers. In memory, lost in a crash: the stage
+(layers, `at`, `prev`), the run, the reports, the issued epoch and the steps logged; on disk:
+the term and vote, the applied (term, epoch), the voters and the train log.
+
 Violations are collected in `violations` (the tests assert it stays empty). Same seed, same
 run: all randomness comes from one `random.Random`.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtfm.net import pack, short_id, unpack_untrusted
 from dtfm.scenarios import load_scenario
@@ -43,10 +61,50 @@ from .election import (
 )
 from .election_messages import Vote, decode_election
 from .election_store import MemoryElectionStore
+from .runstate import MAX_REPORTS, PeerRunState, ResumeError, resume_point
 
-__all__ = ["ElectionSim", "NetConditions", "returning_peer", "scenario_delays_s", "takeover_times"]
+__all__ = ["ElectionSim", "NetConditions", "SimAllocation", "returning_peer", "scenario_delays_s",
+           "takeover_times"]
 
 MAX_BODY_BYTES = 1 << 20
+RUN_ID = b"r" * 16
+LAYOUTS = {1: ((0, 4),), 2: ((0, 2), (2, 4))}  # stages -> layer ranges of a 4-layer model
+
+
+@dataclass(frozen=True)
+class SimAllocation:
+    issuer: int
+    term: int
+    epoch: int
+    start_step: int
+    peers: tuple[int, ...]  # node indices, sorted
+    layer_ranges: tuple[tuple[int, int], ...] = LAYOUTS[1]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.term, self.epoch)
+
+    def layers_of(self, k: int) -> tuple[int, int]:
+        return self.layer_ranges[self.peers.index(k) % len(self.layer_ranges)]
+
+
+@dataclass
+class _Stage:
+    """A node's stage of the run (the daemon's `_run` and its `StageRunner`), in memory."""
+
+    alloc: SimAllocation
+    at: int  # the next step (steps 0 .. at-1 applied)
+    prev: int | None = None  # the step of the one-step-back snapshot
+    running: bool = True
+
+
+@dataclass
+class _Issued:
+    """The issuer's record of the epoch it handed out (control/coordinate.py `_Issued`)."""
+
+    alloc: SimAllocation
+    completed: int
+    reports: dict[int, set[int]] = field(default_factory=dict)  # step -> nodes that reported it
 
 
 def scenario_delays_s(name: str, n: int, rng: random.Random) -> list[list[float]]:
@@ -91,6 +149,16 @@ class ElectionSim:
         self.votes: dict[tuple[int, int], bytes] = {}  # (node, term) -> voted for
         self.stood_at: dict[tuple[int, int], float] = {}  # (node, term) -> when it stood
         self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        # (node, (term, epoch), the coordinator it recognised then, its term then), per application
+        self.applications: list[tuple[int, tuple[int, int], bytes | None, int]] = []
+        self.stages: list[_Stage | None] = [None] * n
+        self.step_reports: list[collections.deque] = [collections.deque(maxlen=MAX_REPORTS) for _ in range(n)]
+        self.issued: list[_Issued | None] = [None] * n
+        self.logged: list[set[int]] = [set() for _ in range(n)]  # steps each node wrote (in memory)
+        # every line of every node's train.jsonl: step, term, epoch (as the daemon writes them),
+        # holder (whose file), backfilled, and `trained`: the (term, epoch) the step ran in
+        self.train_log: list[dict] = []
+        self.stopped: list[str] = []  # reasons the run stopped (ResumeError)
         self.refused = 0
         self.sent = 0
         self.violations: list[str] = []
@@ -119,6 +187,9 @@ class ElectionSim:
 
     def crash(self, k: int) -> None:
         self.nodes[k] = None
+        self.stages[k] = self.issued[k] = None
+        self.step_reports[k].clear()
+        self.logged[k] = set()
 
     def restart(self, k: int) -> None:
         if self.nodes[k] is None:
@@ -142,19 +213,98 @@ class ElectionSim:
         if self.nodes[k] is not None:
             self._run(k, self.nodes[k].campaign(self.local_now(k)))
 
-    def issue(self, k: int, *, rogue: bool = False) -> bool:
-        """Node k hands out the next allocation of its term to every voter (rogue: even when it is
-        not coordinator, as a faulty peer would). False if it issued nothing."""
+    def issue(self, k: int, *, rogue: bool = False, start_step: int = 0, peers: Sequence[int] | None = None,
+              stages: int = 1) -> SimAllocation | None:
+        """Node k hands out the next allocation of its term (epoch: its last applied + 1, as the
+        daemon numbers them) to its peers, all nodes by default (rogue: even when it is not
+        coordinator, as a faulty peer would). None if it issued nothing."""
         node = self.nodes[k]
         if node is None or not (rogue or node.role is ElectionRole.COORDINATOR):
-            return False
-        term, (a_term, a_epoch) = node.term, node.last_applied
-        epoch = a_epoch + 1 if a_term == term else 1
-        self._offer(k, k, term, epoch)
-        for j in range(self.n):
+            return None
+        peers = tuple(sorted(set(range(self.n) if peers is None else peers) | {k}))
+        alloc = SimAllocation(k, node.term, node.last_applied[1] + 1, start_step, peers,
+                              LAYOUTS[min(stages, len(peers), 2)])
+        self.issued[k] = _Issued(alloc, start_step - 1)
+        self._offer(k, alloc)
+        for j in peers:
             if j != k:
-                self._transmit(k, j, ("alloc", term, epoch))
-        return True
+                self._transmit(k, j, ("alloc", alloc))
+        return alloc
+
+    def reconfigure(self, k: int, *, stages: int = 2) -> str:
+        """Coordinator k's reconfiguration (`_reconfigure`); what came of it, in words."""
+        node = self.nodes[k]
+        if node is None or node.role is not ElectionRole.COORDINATOR:
+            return "not coordinator"
+        reached = [j for j in self.live() if self.groups[j] == self.groups[k]]
+        if len(set(reached) & {self.index[v] for v in node.voters}) < node.majority:
+            return "minority"
+        cur = self.stages[k].alloc if self.stages[k] is not None else None
+        if cur is None and node.last_applied != (0, 0):
+            return "no run"  # a restarted coordinator has no `_run`: the daemon does not reconfigure
+        for j in reached:  # STOP at a common boundary: steps only run in `train`, so at once
+            if self.stages[j] is not None:
+                self.stages[j].running = False
+        start, backfill = 0, {}
+        if cur is not None:
+            states = {self.ids[j]: self.run_state(j) for j in reached}
+            try:
+                start = resume_point(RUN_ID, cur.layer_ranges, states).step
+            except ResumeError as e:
+                self.stopped.append(str(e))
+                return f"stopped: {e}"
+            for j in reached:
+                for term, epoch, step in self.step_reports[j]:
+                    if step < start:
+                        backfill.setdefault(step, []).append((term, epoch))
+        alloc = self.issue(k, start_step=start, peers=reached, stages=stages)
+        for step, trained in sorted(backfill.items()):
+            if step not in self.logged[k]:
+                self._log(k, step, alloc.term, trained[0], backfilled=True)
+        return "issued"
+
+    def run_state(self, k: int) -> PeerRunState:
+        """What node k answers to RUN_STATE (control/plane.py `run_state`)."""
+        st = self.stages[k]
+        if st is None:
+            return PeerRunState(None, *self.disk_applied[k], None, None, None, False)
+        return PeerRunState(RUN_ID, *st.alloc.key, st.alloc.layers_of(k), st.at, st.prev, st.running)
+
+    def train(self, steps: int = 1, *, split: Sequence[int] = (), ahead_tries_next: bool = False) -> int:
+        """Every epoch whose peers all hold it, run, are up and connected runs `steps` steps;
+        the peers of an epoch that cannot step fail the step (they stay where they are). With
+        `split`, the last of these steps is completed only by the peers in `split` and failed by
+        the others; those ahead stop before the next step, or (`ahead_tries_next`, what
+        `StageRunner` does when no STOP came first) snapshot it, start it, and fail it too.
+        Returns the steps completed, summed over the epochs."""
+        done = 0
+        for alloc in sorted({st.alloc for st in self.stages if st is not None and st.running}, key=lambda a: a.key):
+            mine = [j for j in alloc.peers if self.stages[j] is not None and self.stages[j].alloc == alloc]
+            ok = len(mine) == len(alloc.peers) and all(
+                self.stages[j].running and self.groups[j] == self.groups[alloc.issuer] for j in mine)
+            for s in range(steps if ok else 0):
+                last = s == steps - 1 and split
+                for j in mine:
+                    if not last or j in split:
+                        self._complete(j)
+                done += 1
+            if ok and not split:
+                continue
+            for j in mine:  # the step that fails: StageRunner took its snapshot before it
+                st = self.stages[j]
+                if st.running and st.prev is not None and (j not in split or ahead_tries_next):
+                    st.prev = st.at
+                st.running = False
+        return done
+
+    def merged_log(self) -> dict[int, dict]:
+        """step -> the line of the highest (term, epoch) (what `dtfm-swarm` merges)."""
+        best: dict[int, dict] = {}
+        for line in self.train_log:
+            if line["step"] not in best or (line["term"], line["epoch"]) > (best[line["step"]]["term"],
+                                                                           best[line["step"]]["epoch"]):
+                best[line["step"]] = line
+        return best
 
     # ------------------------------------------------------------------ running
 
@@ -170,12 +320,17 @@ class ElectionSim:
                 if t == self._tick_at[k]:
                     self._tick_at[k] = float("nan")
                     self._run(k, node.tick(self.local_now(k)))
+            elif kind == "retry":
+                self._offer(k, item[2], item[3])
             else:
                 _, _, src, payload = item
                 if self.groups[src] != self.groups[k]:
                     continue
+                if type(payload) is tuple and payload[0] == "alloc":
+                    self._offer(k, payload[1], self.now + 2 * self.config.heartbeat_interval_s + 1.0)
+                    continue
                 if type(payload) is tuple:
-                    self._offer(k, src, payload[1], payload[2])
+                    self._on_report(k, src, *payload[1:])
                     continue
                 msg = decode_election(unpack_untrusted(payload, max_len=MAX_BODY_BYTES)) if self.codec else payload
                 self._run(k, node.handle(self.ids[src], msg, self.local_now(k)))
@@ -262,20 +417,57 @@ class ElectionSim:
                 self._violation(f"node {k} elected in term {term} on a minority side of {len(side)}")
         self.wins.append((self.now, k, term))
 
-    def _offer(self, k: int, issuer: int, term: int, epoch: int) -> None:
-        """Node k receives issuer's allocation (term, epoch): applies it if its election state allows."""
+    def _offer(self, k: int, alloc: SimAllocation, wait_until: float = -math.inf) -> None:
+        """Node k receives an allocation: applies it if its election state allows (`accept`);
+        until `wait_until` it waits for a coordinator it does not know yet (`_election_refusal`)."""
         node = self.nodes[k]
-        if node.may_apply(self.ids[issuer], term, epoch) is not None:
-            self.refused += 1
+        issuer, term, epoch = alloc.issuer, alloc.term, alloc.epoch
+        refusal = node.may_apply(self.ids[issuer], term, epoch)
+        if refusal is not None:
+            if refusal.code == "not-coordinator" and term >= node.term and self.now + 0.1 <= wait_until:
+                self._push(self.now + 0.1, ("retry", k, alloc, wait_until))
+            else:
+                self.refused += 1
             return
         if self.winners.get(term) != issuer:
             self._violation(f"node {k} applied term {term} of {short_id(self.ids[issuer])}, "
                             f"not the coordinator elected in it")
         if (term, epoch) <= self.disk_applied[k]:
             self._violation(f"node {k} applied ({term}, {epoch}) after {self.disk_applied[k]}")
+        self.applications.append((k, (term, epoch), node.coordinator, node.term))
         node.applied(term, epoch)
         self.disk_applied[k] = (term, epoch)
         self.applied[k].append((term, epoch))
+        self.disk_voters[k] = tuple(self.ids[j] for j in alloc.peers)
+        self._run(k, node.set_voters(self.disk_voters[k], self.local_now(k)))
+        self.stages[k] = _Stage(alloc, alloc.start_step)
+
+    def _complete(self, k: int) -> None:
+        """Node k completes the step its stage is at and reports it to the issuer."""
+        st = self.stages[k]
+        step, alloc = st.at, st.alloc
+        st.prev, st.at = step, step + 1
+        self.step_reports[k].append((alloc.term, alloc.epoch, step))
+        if alloc.issuer == k:
+            self._on_report(k, k, alloc.term, alloc.epoch, step)
+        else:
+            self._transmit(k, alloc.issuer, ("step", alloc.term, alloc.epoch, step))
+
+    def _on_report(self, k: int, src: int, term: int, epoch: int, step: int) -> None:
+        """The issuer k gets a STEP report (`_Issued.add`: matched on the epoch, as the daemon does)."""
+        issued = self.issued[k]
+        if issued is None or epoch != issued.alloc.epoch or step <= issued.completed or src not in issued.alloc.peers:
+            return
+        issued.reports.setdefault(step, set()).add(src)
+        while len(issued.reports.get(issued.completed + 1, ())) == len(issued.alloc.peers):
+            del issued.reports[issued.completed + 1]
+            issued.completed += 1
+            self._log(k, issued.completed, issued.alloc.term, issued.alloc.key)
+
+    def _log(self, k: int, step: int, term: int, trained: tuple[int, int], backfilled: bool = False) -> None:
+        self.logged[k].add(step)
+        self.train_log.append({"step": step, "term": term, "epoch": trained[1], "holder": k,
+                               "backfilled": backfilled, "trained": trained})
 
 
 # ---------------------------------------------------------------------- figures
