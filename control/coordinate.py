@@ -136,6 +136,10 @@ class _Issued:
 
 
 
+class _Paused(TrainError):
+    """No reachable peer holds some stage: the run waits for one."""
+
+
 class CoordinatorRole:
     """The coordinator's methods of `ControlPlane` (a mixin: see the module docstring)."""
 
@@ -300,7 +304,7 @@ class CoordinatorRole:
         issued = self._issued
         if issued is not None and issued.alloc.run_id == run.alloc.run_id and issued.state == "finished":
             return True
-        return run.end is not None and not run.end.failed
+        return run.end is not None and run.end.reason == "finished"
 
     async def _coordinate(self) -> None:
         """The coordinator's loop: reconfigure on triggers; look for joined peers and drift."""
@@ -317,6 +321,9 @@ class CoordinatorRole:
                 await trio.sleep(0.5)  # the other peers' reports of the same event
                 reasons += [r for r in self._triggers if r not in reasons]
                 self._triggers = []
+            elif self._paused_live is not None:
+                if frozenset(self.gossip.live_peers()) != self._paused_live:
+                    reasons = ["the reachable peers changed while the run waited for a holder"]
             else:
                 reasons = await self._joined()
                 if not reasons and trio.current_time() >= self._next_drift_check and run.active:
@@ -327,6 +334,9 @@ class CoordinatorRole:
                 try:
                     await self.reconfigure("; ".join(reasons))
                     self._attempts = 0
+                    self._paused_live = None
+                except _Paused:
+                    pass  # retried when the reachable peers change
                 except Exception as e:  # a failed reconfiguration must not take the daemon down
                     if not isinstance(e, TrainError):
                         logger.exception("reconfiguration (%s) failed", "; ".join(reasons))
@@ -443,8 +453,16 @@ class CoordinatorRole:
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
         except ResumeError as e:
-            self._stop_run(cur, str(e), trigger)
-            raise TrainError(str(e)) from None
+            # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
+            # holder restarting) and resumes when the reachable peers change; it never goes on
+            # with re-initialised weights.
+            self._paused_live = frozenset(self.gossip.live_peers())
+            why = f"{e}; waiting for a holder to come back"
+            logger.error("training pauses: %s", why)
+            if self._issued is not None and self._issued.alloc.run_id == cur.run_id:
+                self._issued.state, self._issued.reason = "stopped", why
+            self._event("stopped", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)
+            raise _Paused(why) from None
         if rp.step >= cur.end_step:
             raise TrainError("the run already reached its last step")
         view = self.gossip.view()

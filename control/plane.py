@@ -164,6 +164,7 @@ class ControlPlane(CoordinatorRole):
         self._stopping: bytes | None = None  # the run an operator stopped: not reconfigured
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._attempts = 0
+        self._paused_live: frozenset[bytes] | None = None  # live peers when the run paused for a holder
         self._nursery: trio.Nursery | None = None
         self._load_applied()
 
@@ -182,6 +183,7 @@ class ControlPlane(CoordinatorRole):
             self._nursery = nursery
             await nursery.start(self.election.run)
             nursery.start_soon(self._coordinate)
+            nursery.start_soon(self._watch_coordinator)
             task_status.started()
             try:
                 await trio.sleep_forever()
@@ -626,6 +628,32 @@ class ControlPlane(CoordinatorRole):
                 self._trigger(f"coordinator changed (term {event.term})")
         elif isinstance(event, SteppedDown):
             self._event("stepped-down", term=event.term, trigger=event.reason)
+
+    async def _watch_coordinator(self) -> None:
+        """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops at the
+        next step boundary: a minority side does not train on without a coordinator. A grace of
+        three election timeouts keeps a slow heartbeat from stopping a healthy run."""
+        el = self.config.election
+        grace_s = 3 * el.election_timeout_max_s
+        lost_since = None
+        while True:
+            await trio.sleep(5 * el.heartbeat_interval_s)
+            run = self._run
+            if run is None or not run.active or not run.started.is_set() or run.runner is None:
+                lost_since = None
+                continue
+            issuer = run.alloc.issuer
+            if (self.election.is_coordinator and issuer == self.me) or (
+                    self.election.role == "follower" and self.election.coordinator == issuer):
+                lost_since = None
+                continue
+            now = trio.current_time()
+            lost_since = now if lost_since is None else lost_since
+            if now - lost_since >= grace_s:
+                logger.warning("the coordinator of epoch %d (%s) is gone for %.0f s: stopping at the next step "
+                               "boundary", run.alloc.epoch, short_id(issuer), now - lost_since)
+                run.runner.stop_at(run.state.step + 1)
+                lost_since = None
 
     async def _become_coordinator(self) -> bytes | None:
         """Make sure there is a coordinator, standing if there is none; returns it (None: none)."""
