@@ -322,8 +322,8 @@ class CoordinatorRole:
                 reasons += [r for r in self._triggers if r not in reasons]
                 self._triggers = []
             elif self._paused_live is not None:
-                if frozenset(self.gossip.live_peers()) != self._paused_live:
-                    reasons = ["the reachable peers changed while the run waited for a holder"]
+                if await self._holders_back(run):
+                    reasons = ["peers that were out of reach answer again"]
             else:
                 reasons = await self._joined()
                 if not reasons and trio.current_time() >= self._next_drift_check and run.active:
@@ -349,6 +349,14 @@ class CoordinatorRole:
                                            "; ".join(reasons))
                         else:
                             self._triggers.extend(r for r in reasons if r not in self._triggers)
+
+    async def _holders_back(self, run) -> bool:
+        """While the run waits for a holder: does a peer that was out of reach answer now?"""
+        named = set(run.alloc.peers) | set(run.alloc.spares) | set(self.gossip.live_peers())
+        missing = named - set(self._paused_live or ()) - {self.me}
+        if not missing:
+            return False
+        return bool(await self._query_states(missing, timeout_s=min(self.config.request_timeout_s, 5.0)))
 
     async def _joined(self) -> list[str]:
         """Live members outside the allocation that answer: peers that joined or came back."""
@@ -456,7 +464,7 @@ class CoordinatorRole:
             # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
             # holder restarting) and resumes when the reachable peers change; it never goes on
             # with re-initialised weights.
-            self._paused_live = frozenset(self.gossip.live_peers())
+            self._paused_live = frozenset(states)
             why = f"{e}; waiting for a holder to come back"
             logger.error("training pauses: %s", why)
             if self._issued is not None and self._issued.alloc.run_id == cur.run_id:

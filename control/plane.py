@@ -630,9 +630,10 @@ class ControlPlane(CoordinatorRole):
             self._event("stepped-down", term=event.term, trigger=event.reason)
 
     async def _watch_coordinator(self) -> None:
-        """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops at the
-        next step boundary: a minority side does not train on without a coordinator. A grace of
-        three election timeouts keeps a slow heartbeat from stopping a healthy run."""
+        """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops
+        training, discarding the step in progress: a minority side does not train on without a
+        coordinator. A grace of three election timeouts keeps a slow heartbeat from stopping a
+        healthy run."""
         el = self.config.election
         grace_s = 3 * el.election_timeout_max_s
         lost_since = None
@@ -650,9 +651,9 @@ class ControlPlane(CoordinatorRole):
             now = trio.current_time()
             lost_since = now if lost_since is None else lost_since
             if now - lost_since >= grace_s:
-                logger.warning("the coordinator of epoch %d (%s) is gone for %.0f s: stopping at the next step "
-                               "boundary", run.alloc.epoch, short_id(issuer), now - lost_since)
-                run.runner.stop_at(run.state.step + 1)
+                logger.warning("the coordinator of epoch %d (%s) is gone for %.0f s: this peer stops training",
+                               run.alloc.epoch, short_id(issuer), now - lost_since)
+                self._abort_run(f"the coordinator of epoch {run.alloc.epoch} is gone")  # the step changes nothing
                 lost_since = None
 
     async def _become_coordinator(self) -> bytes | None:
