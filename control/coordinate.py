@@ -468,8 +468,8 @@ class CoordinatorRole:
             why = f"{e}; waiting for a holder to come back"
             logger.error("training pauses: %s", why)
             if self._issued is not None and self._issued.alloc.run_id == cur.run_id:
-                self._issued.state, self._issued.reason = "stopped", why
-            self._event("stopped", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)
+                self._issued.state, self._issued.reason = "paused", why
+            self._event("paused", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)
             raise _Paused(why) from None
         if rp.step >= cur.end_step:
             raise TrainError("the run already reached its last step")
