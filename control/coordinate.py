@@ -184,6 +184,7 @@ class CoordinatorRole:
                                run_id=secrets.token_bytes(16), reason="train start")
             log_path = self.data_dir / "train.jsonl"
             log_path.unlink(missing_ok=True)
+            self._paused_live, self._attempts = None, 0
             await self._hand_out(alloc)
             self._event("start", term=alloc.term, epoch=alloc.epoch, trigger="train start", old_shape=None,
                         new_shape=f"{alloc.stages}x{alloc.dp}", predicted_new_s=alloc.predicted_iteration_s,
