@@ -159,6 +159,7 @@ class ElectionSim:
         # holder (whose file), backfilled, and `trained`: the (term, epoch) the step ran in
         self.train_log: list[dict] = []
         self.stopped: list[str] = []  # reasons the run stopped (ResumeError)
+        self.rollbacks: list[tuple[int, int]] = []  # (resume step, the current epoch's start step)
         self.refused = 0
         self.sent = 0
         self.violations: list[str] = []
@@ -231,6 +232,10 @@ class ElectionSim:
                 self._transmit(k, j, ("alloc", alloc))
         return alloc
 
+    def start_training(self, k: int, *, stages: int = 2) -> SimAllocation | None:
+        """`train start` on coordinator k: the first epoch, from step 0, over the nodes it reaches."""
+        return self.issue(k, peers=[j for j in self.live() if self.groups[j] == self.groups[k]], stages=stages)
+
     def reconfigure(self, k: int, *, stages: int = 2) -> str:
         """Coordinator k's reconfiguration (`_reconfigure`); what came of it, in words."""
         node = self.nodes[k]
@@ -239,24 +244,26 @@ class ElectionSim:
         reached = [j for j in self.live() if self.groups[j] == self.groups[k]]
         if len(set(reached) & {self.index[v] for v in node.voters}) < node.majority:
             return "minority"
-        cur = self.stages[k].alloc if self.stages[k] is not None else None
-        if cur is None and node.last_applied != (0, 0):
-            return "no run"  # a restarted coordinator has no `_run`: the daemon does not reconfigure
+        if self.stages[k] is None:
+            return "no run"  # like the daemon's, a coordinator without `_run` (restarted) does nothing
+        cur = self.stages[k].alloc
         for j in reached:  # STOP at a common boundary: steps only run in `train`, so at once
             if self.stages[j] is not None:
                 self.stages[j].running = False
-        start, backfill = 0, {}
-        if cur is not None:
-            states = {self.ids[j]: self.run_state(j) for j in reached}
-            try:
-                start = resume_point(RUN_ID, cur.layer_ranges, states).step
-            except ResumeError as e:
-                self.stopped.append(str(e))
-                return f"stopped: {e}"
-            for j in reached:
-                for term, epoch, step in self.step_reports[j]:
-                    if step < start:
-                        backfill.setdefault(step, []).append((term, epoch))
+        states = {self.ids[j]: self.run_state(j) for j in reached}
+        try:
+            rp = resume_point(RUN_ID, cur.layer_ranges, states)
+        except ResumeError as e:
+            self.stopped.append(str(e))
+            return f"stopped: {e}"
+        start = rp.step
+        if rp.rollback or start < cur.start_step:  # the latter: stale stages of an older epoch, not flagged
+            self.rollbacks.append((start, cur.start_step))
+        backfill: dict[int, list[tuple[int, int]]] = {}
+        for j in reached:
+            for term, epoch, step in self.step_reports[j]:
+                if step < start:
+                    backfill.setdefault(step, []).append((term, epoch))
         alloc = self.issue(k, start_step=start, peers=reached, stages=stages)
         for step, trained in sorted(backfill.items()):
             if step not in self.logged[k]:

@@ -1,0 +1,177 @@
+"""The election and the allocation acceptance together, with a model of training steps, under a
+hypothesis rule-based state machine over the simulated network (control/election_sim.py).
+
+Modelled: the real `ElectionState` on every node (votes, leases, check-quorum, terms persisted
+in a store, the applied (term, epoch) and the voters on disk); allocations as small records
+(issuer, term, epoch, start step, peers, a 1- or 2-stage layout) sent over the simulated
+network, so they are dropped, duplicated, reordered, delayed and cut by partitions; their
+acceptance exactly by the daemon's rule (`may_apply`, waiting like `_election_refusal` for a
+coordinator not known yet, then `applied` and `set_voters`); steps run by the peers of an epoch
+only while all of them hold it, run and are connected, a lost peer failing the step on the
+others, and peers one step apart (some complete a step the others fail); STEP reports over the
+network to the issuer, which logs a step once every peer reported it; the coordinator's
+reconfiguration: run states of the nodes it reaches, a majority of the voters or nothing, the
+real `resume_point`, back-fill of the steps below it, the next epoch from there; crashes that
+lose everything in memory (stage, run, reports, what the issuer logged) but not the disk.
+
+Not modelled: tensors, signatures, the other checks of `check_allocation`, gossip (reachable
+means up and on the same side of the partition, and run states, STOP and START are
+instantaneous), checkpoints and so rollbacks, the scheduler (the peers of a new epoch are the
+nodes the coordinator reaches), stage transfers, `train stop`, the retry limit of failed
+reconfigurations, and the daemon's triggers (a rule says when the coordinator reconfigures).
+
+Invariants, after every rule: never two coordinators in one term; a node applies an allocation
+only of its current term and from the coordinator it recognises for it, who is the one elected
+in it; each node's applied (term, epoch) strictly increases; the merged train log (per step
+the line of the highest (term, epoch), as `dtfm-swarm` merges it) has every step from 0 once;
+each step ran in one (term, epoch) (no checkpoints, so no rollback); no node logs a step twice.
+At the end, after a heal and a quiet period: every live node applied the same newest
+(term, epoch), and the merged log holds every step the swarm completed.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from dtfm.control.election import ElectionConfig
+from dtfm.control.election_sim import ElectionSim, NetConditions
+
+CFG = ElectionConfig.test()
+CLEAN = NetConditions(jitter=1.0)
+
+
+def check_log(sim: ElectionSim) -> list[int]:
+    """The log invariants; returns the merged log's steps."""
+    merged = sim.merged_log()
+    steps = sorted(merged)
+    assert steps == list(range(len(steps))), f"merged train log has holes: {steps}"
+    trained: dict[int, set] = {}
+    lines: dict[tuple[int, int], int] = {}
+    for line in sim.train_log:
+        trained.setdefault(line["step"], set()).add(line["trained"])
+        key = (line["holder"], line["step"])
+        lines[key] = lines.get(key, 0) + 1
+    back = min((step for step, _ in sim.rollbacks), default=float("inf"))
+    again = {s: t for s, t in trained.items() if len(t) > 1 and s < back}
+    assert not again, f"steps run in two epochs without a rollback: {again}"
+    twice = [k for k, c in lines.items() if c > 1]
+    assert not twice, f"(node, step) logged twice: {twice}"
+    return steps
+
+
+def check_applications(sim: ElectionSim) -> None:
+    for k, (term, epoch), recognised, node_term in sim.applications:
+        assert node_term == term, f"node {k} applied ({term}, {epoch}) in its term {node_term}"
+        assert recognised == sim.ids[sim.winners[term]], f"node {k} applied ({term}, {epoch}) of a coordinator " \
+                                                         "it did not recognise"
+    for k, seq in enumerate(sim.applied):
+        assert all(a < b for a, b in zip(seq, seq[1:])), f"node {k} applied {seq}"
+
+
+class AcceptanceMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.sim: ElectionSim | None = None
+
+    @initialize(n=st.integers(3, 6), seed=st.integers(0, 2**32), stages=st.sampled_from([1, 2]))
+    def start(self, n, seed, stages):
+        self.sim = ElectionSim(n, CFG, seed=seed, codec=False, conditions=CLEAN)
+        self.sim.run_for(2.0)
+        for c in self.sim.coordinators():
+            self.sim.start_training(c, stages=stages)
+        self.sim.run_for(0.5)
+
+    def _k(self, i):
+        return i % self.sim.n
+
+    @rule(dt=st.floats(0.01, 3.0))
+    def run(self, dt):
+        self.sim.run_for(dt)
+
+    @rule(i=st.integers(0, 8))
+    def crash(self, i):
+        self.sim.crash(self._k(i))
+
+    @rule(i=st.integers(0, 8))
+    def restart(self, i):
+        self.sim.restart(self._k(i))
+
+    @rule(sides=st.lists(st.integers(0, 2), min_size=9, max_size=9))
+    def partition(self, sides):
+        self.sim.partition(sides[:self.sim.n])
+
+    @rule()
+    def heal(self):
+        self.sim.heal()
+
+    @rule(drop=st.sampled_from([0.0, 0.1, 0.5]), dup=st.sampled_from([0.0, 0.2]),
+          reorder=st.sampled_from([0.0, 0.05, 0.5]), scale=st.sampled_from([0.5, 1.0, 10.0]))
+    def network(self, drop, dup, reorder, scale):
+        self.sim.net = NetConditions(jitter=1.0, drop_fraction=drop, duplicate_fraction=dup, reorder_s=reorder,
+                                     delay_scale=scale)
+
+    @rule(i=st.integers(0, 8), delta=st.sampled_from([-5.0, -0.2, 0.2, 1.0, 30.0]))
+    def jump_clock(self, i, delta):
+        self.sim.jump_clock(self._k(i), delta)
+
+    @rule(i=st.integers(0, 8))
+    def campaign(self, i):
+        self.sim.campaign(self._k(i))
+
+    @rule(steps=st.integers(1, 3))
+    def train(self, steps):
+        self.sim.train(steps)
+        self.sim.run_for(0.1)
+
+    @rule(ahead=st.lists(st.booleans(), min_size=9, max_size=9))
+    def split_step(self, ahead):
+        """Some peers complete a step the others fail (a peer lost half-way through it)."""
+        self.sim.train(1, split=[k for k in range(self.sim.n) if ahead[k]])
+
+    @rule(stages=st.sampled_from([1, 2]))
+    def reconfigure(self, stages):
+        for c in self.sim.coordinators():
+            self.sim.reconfigure(c, stages=stages)
+
+    @invariant()
+    def safe(self):
+        if self.sim is None:
+            return
+        assert self.sim.violations == []
+        terms = [self.sim.nodes[k].term for k in self.sim.coordinators()]
+        assert len(terms) == len(set(terms)), "two coordinators in one term"
+        check_applications(self.sim)
+        check_log(self.sim)
+
+    def teardown(self):
+        sim = self.sim
+        if sim is None:
+            return
+        sim.heal()
+        sim.net = CLEAN
+        for k in range(sim.n):
+            sim.restart(k)
+        outcome = ""
+        for _ in range(4):  # the daemon's triggers: coordinator changed, peers joined, hand-out failed
+            sim.run_for(3.0)
+            [c] = sim.coordinators()
+            if len({sim.disk_applied[k] for k in sim.live()}) == 1 and sim.stages[c] is not None \
+                    and sim.stages[c].alloc.key == sim.disk_applied[c] and outcome == "issued":
+                break
+            outcome = sim.reconfigure(c)
+            if outcome == "no run" or "no reachable peer holds" in outcome:
+                return  # a restarted coordinator (see the report) or every holder of a stage lost
+        newest = {sim.disk_applied[k] for k in sim.live()}
+        assert len(newest) == 1, f"{outcome}: live nodes applied {sorted(newest)}"
+        if sim.train(2):
+            sim.run_for(1.0)
+            steps = check_log(sim)
+            assert steps[-1] == max(s.at for s in sim.stages if s is not None) - 1
+        assert sim.violations == []
+
+
+TestAcceptance = AcceptanceMachine.TestCase
+TestAcceptance.settings = settings(max_examples=40, stateful_step_count=30, deadline=None, derandomize=True,
+                                   suppress_health_check=[HealthCheck.too_slow], phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
