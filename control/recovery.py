@@ -73,6 +73,7 @@ from dtfm.net import (
     short_id,
 )
 from dtfm.train import (
+    DEFAULT_CHUNK_BYTES,
     CheckpointError,
     GPTSpec,
     StageState,
@@ -82,9 +83,8 @@ from dtfm.train import (
     TransferReceiver,
     encode_transfer,
     load_checkpoint,
+    stage_from_tensors,
 )
-from dtfm.train.checkpoint import stage_from_tensors
-from dtfm.train.transfer import DEFAULT_CHUNK_BYTES
 
 from .allocation import RUN_ID_BYTES
 from .messages import ControlMsg

@@ -18,15 +18,24 @@ import hashlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import trio
 
-from dtfm.train import Comm, CommError, Corpus, Plan, StageState, StepResult, run_step, save_checkpoint
-from dtfm.train.checkpoint import stage_from_tensors
+from dtfm.train import (
+    Comm,
+    CommError,
+    Corpus,
+    Plan,
+    StageState,
+    StepResult,
+    run_step,
+    save_checkpoint,
+    stage_from_tensors,
+)
 
 __all__ = ["RunEnd", "StageRunner", "StepReport", "params_sha256"]
 

@@ -1,9 +1,16 @@
 """dtfm.train: GPT stages, GPipe pipeline, data-parallel all-reduce, optimizer, data,
 checkpoints and stage transfer; talks to other peers only through `Comm`."""
 
-from .checkpoint import CheckpointError, encode_stage, list_checkpoints, load_checkpoint, save_checkpoint
-from .collective import all_reduce_small, ring_all_reduce
+from .checkpoint import (
+                         CheckpointError,
+                         encode_stage,
+                         list_checkpoints,
+                         load_checkpoint,
+                         save_checkpoint,
+                         stage_from_tensors,
+)
 from .codec import TORCH_DTYPES, tensor_from_wire, tensor_to_wire
+from .collective import all_reduce_small, ring_all_reduce
 from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
 from .local import LocalCluster
@@ -13,14 +20,54 @@ from .optim import AdamW
 from .plan import Plan
 from .reference import reference_state, reference_step
 from .spec import PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
-from .transfer import TransferError, TransferManifest, TransferReceiver, encode_transfer
+from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
 from .worker import StageState, StepResult, run_step
 
 __all__ = [
-    "AdamW", "ByteTokenizer", "CheckpointError", "Comm", "CommClosed", "CommError", "CommTimeout", "Corpus", "EventHandle",
-    "GPTSpec", "GPTStage", "InMemoryComm", "InMemoryHub", "Link", "LocalCluster", "MessageRules", "PRESETS", "Plan", "SendHandle",
-    "StageState", "StepResult", "TEST_CONFIG", "TORCH_DTYPES", "TrainConfig", "TransferError", "TransferManifest",
-    "TransferReceiver", "all_reduce_small", "assemble", "encode_stage", "encode_transfer", "generate", "get_preset", "list_checkpoints",
-    "load_checkpoint", "load_corpus", "reference_state", "reference_step", "ring_all_reduce", "run_step",
-    "save_checkpoint", "split_batch", "tensor_from_wire", "tensor_to_wire",
+                         "DEFAULT_CHUNK_BYTES",
+                         "PRESETS",
+                         "TEST_CONFIG",
+                         "TORCH_DTYPES",
+                         "AdamW",
+                         "ByteTokenizer",
+                         "CheckpointError",
+                         "Comm",
+                         "CommClosed",
+                         "CommError",
+                         "CommTimeout",
+                         "Corpus",
+                         "EventHandle",
+                         "GPTSpec",
+                         "GPTStage",
+                         "InMemoryComm",
+                         "InMemoryHub",
+                         "Link",
+                         "LocalCluster",
+                         "MessageRules",
+                         "Plan",
+                         "SendHandle",
+                         "StageState",
+                         "StepResult",
+                         "TrainConfig",
+                         "TransferError",
+                         "TransferManifest",
+                         "TransferReceiver",
+                         "all_reduce_small",
+                         "assemble",
+                         "encode_stage",
+                         "encode_transfer",
+                         "generate",
+                         "get_preset",
+                         "list_checkpoints",
+                         "load_checkpoint",
+                         "load_corpus",
+                         "reference_state",
+                         "reference_step",
+                         "ring_all_reduce",
+                         "run_step",
+                         "save_checkpoint",
+                         "split_batch",
+                         "stage_from_tensors",
+                         "tensor_from_wire",
+                         "tensor_to_wire",
 ]
