@@ -6,32 +6,109 @@ hand-out protocol, reconfiguration (resume point, re-allocation) and weight reco
 sched and train, below the daemon, which only starts it as a service.
 """
 
-from .allocation import (ALLOCATION_DOMAIN, MAX_ALLOCATION_BYTES, REFUSAL_CODES, AcceptContext, Allocation, Holding,
-                         Refusal, SignedAllocation, check_allocation)
+from .allocation import (
+                         ALLOCATION_DOMAIN,
+                         MAX_ALLOCATION_BYTES,
+                         REFUSAL_CODES,
+                         AcceptContext,
+                         Allocation,
+                         Holding,
+                         Refusal,
+                         SignedAllocation,
+                         check_allocation,
+)
 from .comm import CommConfig, TensorRouter, TransportComm
 from .coordinator import ElectionService
-from .election import (BecameCoordinator, CoordinatorKnown, ElectionAction, ElectionConfig, ElectionRole, ElectionSend,
-                       ElectionState, Persist, SteppedDown)
-from .election_messages import (ElectionMessage, Heartbeat, HeartbeatAck, PreVote, PreVoteReply, RequestVote, Vote,
-                                decode_election)
+from .election import (
+                         BecameCoordinator,
+                         CoordinatorKnown,
+                         ElectionAction,
+                         ElectionConfig,
+                         ElectionRole,
+                         ElectionSend,
+                         ElectionState,
+                         Persist,
+                         SteppedDown,
+)
+from .election_messages import (
+                         ElectionMessage,
+                         Heartbeat,
+                         HeartbeatAck,
+                         PreVote,
+                         PreVoteReply,
+                         RequestVote,
+                         Vote,
+                         decode_election,
+)
 from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig, TrainError, TrainRequest
 from .recovery import RecoveryError, RecoveryServer, assemble_stage, fetch_stage, manifest_digest, needed_stages
 from .reshape import Current, ReshapePlan, reshape
-from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point
 from .runner import RunEnd, StageRunner, StepReport, params_sha256
+from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point
 from .schedule import PLACEMENTS, Shape, choose_shape, random_shape, sched_spec
 
 __all__ = [
-    "ALLOCATION_DOMAIN", "AcceptContext", "PLACEMENTS", "Allocation", "CommConfig", "ControlMsg", "ControlPlane",
-    "MAX_ALLOCATION_BYTES", "REFUSAL_CODES", "Refusal", "RunEnd", "Shape", "SignedAllocation", "StageRunner",
-    "StepReport", "TensorRouter", "TrainError", "TrainRequest", "TrainerConfig", "TransportComm",
-    "check_allocation", "choose_shape", "params_sha256", "random_shape", "sched_spec",
-    "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage", "ElectionRole",
-    "ElectionSend", "ElectionState", "ElectionStore", "ElectionStoreError", "FileElectionStore", "Heartbeat",
-    "HeartbeatAck", "MemoryElectionStore", "Persist", "PreVote", "PreVoteReply", "RequestVote", "SteppedDown", "Vote",
-    "decode_election", "ElectionService", "Holding", "RecoveryError", "RecoveryServer", "assemble_stage",
-    "fetch_stage", "manifest_digest", "needed_stages", "Current", "ReshapePlan", "reshape", "PeerRunState",
-    "ResumeError", "ResumePoint", "resume_point",
+                         "ALLOCATION_DOMAIN",
+                         "MAX_ALLOCATION_BYTES",
+                         "PLACEMENTS",
+                         "REFUSAL_CODES",
+                         "AcceptContext",
+                         "Allocation",
+                         "BecameCoordinator",
+                         "CommConfig",
+                         "ControlMsg",
+                         "ControlPlane",
+                         "CoordinatorKnown",
+                         "Current",
+                         "ElectionAction",
+                         "ElectionConfig",
+                         "ElectionMessage",
+                         "ElectionRole",
+                         "ElectionSend",
+                         "ElectionService",
+                         "ElectionState",
+                         "ElectionStore",
+                         "ElectionStoreError",
+                         "FileElectionStore",
+                         "Heartbeat",
+                         "HeartbeatAck",
+                         "Holding",
+                         "MemoryElectionStore",
+                         "PeerRunState",
+                         "Persist",
+                         "PreVote",
+                         "PreVoteReply",
+                         "RecoveryError",
+                         "RecoveryServer",
+                         "Refusal",
+                         "RequestVote",
+                         "ReshapePlan",
+                         "ResumeError",
+                         "ResumePoint",
+                         "RunEnd",
+                         "Shape",
+                         "SignedAllocation",
+                         "StageRunner",
+                         "StepReport",
+                         "SteppedDown",
+                         "TensorRouter",
+                         "TrainError",
+                         "TrainRequest",
+                         "TrainerConfig",
+                         "TransportComm",
+                         "Vote",
+                         "assemble_stage",
+                         "check_allocation",
+                         "choose_shape",
+                         "decode_election",
+                         "fetch_stage",
+                         "manifest_digest",
+                         "needed_stages",
+                         "params_sha256",
+                         "random_shape",
+                         "reshape",
+                         "resume_point",
+                         "sched_spec",
 ]

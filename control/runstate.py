@@ -22,7 +22,7 @@ from dtfm.net import ProtocolError, get_bool, get_dict, get_float, get_int, get_
 
 from .runner import StepReport
 
-__all__ = ["MAX_REPORTS", "PeerRunState", "ResumePoint", "ResumeError", "describe", "resume_point"]
+__all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "describe", "resume_point"]
 
 MAX_REPORTS = 32  # step reports a peer keeps and sends with its run state
 MAX_CHECKPOINTS = 16

@@ -11,7 +11,15 @@ import pytest
 import trio
 import trio.testing
 
-from dtfm.control import Allocation, ControlPlane, PeerRunState, SignedAllocation, TrainerConfig, TrainError, TrainRequest
+from dtfm.control import (
+    Allocation,
+    ControlPlane,
+    PeerRunState,
+    SignedAllocation,
+    TrainerConfig,
+    TrainError,
+    TrainRequest,
+)
 from dtfm.gossip import Member, MemberState
 from dtfm.net import Identity, ProtocolError
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus
