@@ -16,8 +16,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import trio
 
+from dtfm.gossip import build_view
 from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout, short_id
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
@@ -325,6 +327,8 @@ class CoordinatorRole:
             elif self._paused_live is not None:
                 if await self._holders_back(run):
                     reasons = ["peers that were out of reach answer again"]
+                elif trio.current_time() >= self._paused_retry_at:
+                    reasons = ["retrying the paused run"]
             else:
                 reasons = await self._joined()
                 if not reasons and trio.current_time() >= self._next_drift_check and run.active:
@@ -351,6 +355,31 @@ class CoordinatorRole:
                         else:
                             self._triggers.extend(r for r in reasons if r not in self._triggers)
 
+    def _pause(self, cur: Allocation, why: str, trigger: str, reachable) -> None:
+        """The run waits: retried when a peer out of reach answers, or after a while."""
+        self._paused_live = frozenset(reachable)
+        self._paused_retry_at = trio.current_time() + 6 * self.config.check_interval_s
+        logger.error("training pauses: %s", why)
+        if self._issued is not None and self._issued.alloc.run_id == cur.run_id:
+            self._issued.state, self._issued.reason = "paused", why
+        self._event("paused", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)
+        raise _Paused(why)
+
+    def _measured_view(self, candidates) -> tuple:
+        """The view over `candidates`, leaving out (worst first) peers whose links gossip has
+        not measured yet: a restarted or joined peer is placed once it has been measured."""
+        peers = sorted(candidates)
+        left: list[bytes] = []
+        while True:
+            view = build_view(tuple(peers), self.gossip.records.reports)
+            if view.complete or len(peers) <= 1:
+                return view, left
+            known = np.isfinite(view.delay_ms) & np.isfinite(view.bandwidth_gbps)
+            unknown = ~known & ~np.eye(len(peers), dtype=bool)
+            worst = peers[int(np.argmax(unknown.sum(axis=0) + unknown.sum(axis=1)))]
+            peers.remove(worst)
+            left.append(worst)
+
     async def _holders_back(self, run) -> bool:
         """While the run waits for a holder: does a peer that was out of reach answer now?"""
         named = set(run.alloc.peers) | set(run.alloc.spares) | set(self.gossip.live_peers())
@@ -367,8 +396,8 @@ class CoordinatorRole:
         if not outside:
             return []
         states = await self._query_states(outside, timeout_s=min(self.config.request_timeout_s, 5.0))
-        view = self.gossip.view()
-        ready = [p for p in states if p in view.peers and view.complete]
+        view, _ = self._measured_view(set(states) | set(self.gossip.live_peers()) | {self.me})
+        ready = [p for p in states if p in view.peers]
         return [f"peer {short_id(p)} joined" for p in sorted(ready)]
 
     async def _drifted(self, alloc: Allocation) -> bool:
@@ -465,17 +494,13 @@ class CoordinatorRole:
             # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
             # holder restarting) and resumes when the reachable peers change; it never goes on
             # with re-initialised weights.
-            self._paused_live = frozenset(states)
-            why = f"{e}; waiting for a holder to come back"
-            logger.error("training pauses: %s", why)
-            if self._issued is not None and self._issued.alloc.run_id == cur.run_id:
-                self._issued.state, self._issued.reason = "paused", why
-            self._event("paused", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)
-            raise _Paused(why) from None
+            self._pause(cur, f"{e}; waiting for a holder to come back", trigger, reachable)
         if rp.step >= cur.end_step:
             raise TrainError("the run already reached its last step")
-        view = self.gossip.view()
-        live = frozenset(reachable & set(view.peers))
+        view, unmeasured = self._measured_view(reachable)
+        if unmeasured:
+            logger.info("left out until their links are measured: %s", ", ".join(short_id(p) for p in unmeasured))
+        live = frozenset(view.peers)
         try:
             plan = await trio.to_thread.run_sync(lambda: reshape(
                 view, cur.model, cur.train, current=Current(cur.pipelines, cur.layer_ranges), live=live,
@@ -483,8 +508,7 @@ class CoordinatorRole:
                 time_budget_s=self.config.schedule_time_s, seed=cur.epoch, min_gain=self.config.min_gain,
                 force=force))
         except ValueError as e:
-            self._stop_run(cur, f"no allocation fits the reachable peers: {e}", trigger)
-            raise TrainError(f"no allocation fits the reachable peers: {e}") from None
+            self._pause(cur, f"no allocation fits the reachable peers: {e}", trigger, reachable)
         t_planned = trio.current_time()
         holdings = await self._collect_offers(cur, rp)
         t_offered = trio.current_time()

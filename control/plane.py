@@ -164,7 +164,8 @@ class ControlPlane(CoordinatorRole):
         self._stopping: bytes | None = None  # the run an operator stopped: not reconfigured
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._attempts = 0
-        self._paused_live: frozenset[bytes] | None = None  # live peers when the run paused for a holder
+        self._paused_live: frozenset[bytes] | None = None  # reachable peers when the run paused
+        self._paused_retry_at = 0.0
         self._nursery: trio.Nursery | None = None
         self._load_applied()
 
