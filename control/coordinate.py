@@ -253,9 +253,13 @@ class CoordinatorRole:
 
     async def stop_training(self) -> dict:
         run = self._run
-        if run is None or run.end is not None or run.runner is None:
+        if run is None or self._run_over(run):
             raise TrainError("no training run is in progress on this peer")
-        now = run.state.step if run.state is not None else run.alloc.start_step
+        issued = self._issued if self._issued is not None and self._issued.alloc.run_id == run.alloc.run_id else None
+        if run.state is not None:
+            now = run.state.step
+        else:  # a spare (the coordinator may be one): the run's progress as the coordinator logged it
+            now = issued.completed + 1 if issued is not None else run.alloc.start_step
         at = now + 2  # every peer is within one step of every other: this boundary is ahead of all
         self._stopping = run.alloc.run_id  # a stopped run is over: the coordinator does not reconfigure it
         told = set(run.alloc.peers) | {run.alloc.issuer}
