@@ -30,7 +30,9 @@ instantaneous), stop, a majority of the voters or nothing, the real `resume_poin
 of the steps below it from the peers' last `MAX_REPORTS` reports, and the next epoch from
 the resume step with the reached nodes as peers. In memory, lost in a crash: the stage
 (layers, `at`, `prev`), the run, the reports, the issued epoch and the steps logged; on disk:
-the term and vote, the applied (term, epoch), the voters and the train log.
+the term and vote, the applied (term, epoch), the voters and the train log. Two knobs depart
+from the daemon where it is wrong: `one_voter_change` (a new epoch adds or removes one voter at
+most, keeping the others as spares) and `lose_reports=False` (random loss spares STEP reports).
 
 Violations are collected in `violations` (the tests assert it stays empty). Same seed, same
 run: all randomness comes from one `random.Random`.
@@ -79,6 +81,11 @@ class SimAllocation:
     start_step: int
     peers: tuple[int, ...]  # node indices, sorted
     layer_ranges: tuple[tuple[int, int], ...] = LAYOUTS[1]
+    spares: tuple[int, ...] = ()  # voters without a stage
+
+    @property
+    def voters(self) -> tuple[int, ...]:
+        return tuple(sorted(self.peers + self.spares))
 
     @property
     def key(self) -> tuple[int, int]:
@@ -126,8 +133,11 @@ class NetConditions:
 
 class ElectionSim:
     def __init__(self, n: int, config: ElectionConfig, *, delays_s: Sequence[Sequence[float]] | None = None,
-                 seed: int = 0, codec: bool = True, conditions: NetConditions | None = None) -> None:
+                 seed: int = 0, codec: bool = True, conditions: NetConditions | None = None,
+                 lose_reports: bool = True, one_voter_change: bool = False) -> None:
         self.config = config
+        self.one_voter_change = one_voter_change  # True: reconfigure adds or removes one voter at most
+        self.lose_reports = lose_reports  # False: drop_fraction spares STEP reports (a connection that stays up)
         self.rng = random.Random(seed)
         self.codec = codec  # False: hand message objects over (faster); True: through the wire codec
         self.net = conditions or NetConditions()
@@ -159,7 +169,7 @@ class ElectionSim:
         # holder (whose file), backfilled, and `trained`: the (term, epoch) the step ran in
         self.train_log: list[dict] = []
         self.stopped: list[str] = []  # reasons the run stopped (ResumeError)
-        self.rollbacks: list[tuple[int, int]] = []  # (resume step, the current epoch's start step)
+        self.rollbacks: list[tuple[int, int, bool]] = []  # (resume step, last logged step, flagged by resume_point)
         self.refused = 0
         self.sent = 0
         self.violations: list[str] = []
@@ -215,7 +225,7 @@ class ElectionSim:
             self._run(k, self.nodes[k].campaign(self.local_now(k)))
 
     def issue(self, k: int, *, rogue: bool = False, start_step: int = 0, peers: Sequence[int] | None = None,
-              stages: int = 1) -> SimAllocation | None:
+              stages: int = 1, spares: Sequence[int] = ()) -> SimAllocation | None:
         """Node k hands out the next allocation of its term (epoch: its last applied + 1, as the
         daemon numbers them) to its peers, all nodes by default (rogue: even when it is not
         coordinator, as a faulty peer would). None if it issued nothing."""
@@ -224,10 +234,10 @@ class ElectionSim:
             return None
         peers = tuple(sorted(set(range(self.n) if peers is None else peers) | {k}))
         alloc = SimAllocation(k, node.term, node.last_applied[1] + 1, start_step, peers,
-                              LAYOUTS[min(stages, len(peers), 2)])
+                              LAYOUTS[min(stages, len(peers), 2)], tuple(sorted(set(spares) - set(peers))))
         self.issued[k] = _Issued(alloc, start_step - 1)
         self._offer(k, alloc)
-        for j in peers:
+        for j in alloc.voters:
             if j != k:
                 self._transmit(k, j, ("alloc", alloc))
         return alloc
@@ -257,24 +267,39 @@ class ElectionSim:
             self.stopped.append(str(e))
             return f"stopped: {e}"
         start = rp.step
-        if rp.rollback or start < cur.start_step:  # the latter: stale stages of an older epoch, not flagged
-            self.rollbacks.append((start, cur.start_step))
+        logged = max((line["step"] for line in self.train_log), default=-1)
+        if rp.rollback or start <= logged:  # steps already logged run again (the daemon flags only the former)
+            self.rollbacks.append((start, logged, rp.rollback))
         backfill: dict[int, list[tuple[int, int]]] = {}
         for j in reached:
             for term, epoch, step in self.step_reports[j]:
                 if step < start:
                     backfill.setdefault(step, []).append((term, epoch))
-        alloc = self.issue(k, start_step=start, peers=reached, stages=stages)
+        peers, spares = self._next_voters(node, reached)
+        alloc = self.issue(k, start_step=start, peers=peers, stages=stages, spares=spares)
         for step, trained in sorted(backfill.items()):
             if step not in self.logged[k]:
                 self._log(k, step, alloc.term, trained[0], backfilled=True)
         return "issued"
+
+    def _next_voters(self, node: ElectionState, reached: list[int]) -> tuple[list[int], list[int]]:
+        """Peers and spares of the next epoch: every node reached (the daemon), or with
+        `one_voter_change` one voter added or removed at most, the others kept as spares or left out."""
+        old = {self.index[v] for v in node.voters}
+        if not self.one_voter_change:
+            return reached, []
+        removed, added = sorted(old - set(reached)), sorted(set(reached) - old)
+        if removed:
+            return sorted(old & set(reached)), removed[1:]
+        return sorted(old | set(added[:1])), []
 
     def run_state(self, k: int) -> PeerRunState:
         """What node k answers to RUN_STATE (control/plane.py `run_state`)."""
         st = self.stages[k]
         if st is None:
             return PeerRunState(None, *self.disk_applied[k], None, None, None, False)
+        if k not in st.alloc.peers:  # a spare: the run, no stage
+            return PeerRunState(RUN_ID, *st.alloc.key, None, None, None, False)
         return PeerRunState(RUN_ID, *st.alloc.key, st.alloc.layers_of(k), st.at, st.prev, st.running)
 
     def train(self, steps: int = 1, *, split: Sequence[int] = (), ahead_tries_next: bool = False) -> int:
@@ -373,7 +398,8 @@ class ElectionSim:
     def _transmit(self, src: int, dst: int, msg) -> None:
         self.sent += 1
         net = self.net
-        if net.drop_fraction and self.rng.random() < net.drop_fraction:
+        lossy = net.drop_fraction and (self.lose_reports or not (type(msg) is tuple and msg[0] == "step"))
+        if lossy and self.rng.random() < net.drop_fraction:
             return
         copies = 2 if net.duplicate_fraction and self.rng.random() < net.duplicate_fraction else 1
         payload = pack(msg.to_wire()) if self.codec and not isinstance(msg, tuple) else msg
@@ -445,7 +471,7 @@ class ElectionSim:
         node.applied(term, epoch)
         self.disk_applied[k] = (term, epoch)
         self.applied[k].append((term, epoch))
-        self.disk_voters[k] = tuple(self.ids[j] for j in alloc.peers)
+        self.disk_voters[k] = tuple(self.ids[j] for j in alloc.voters)
         self._run(k, node.set_voters(self.disk_voters[k], self.local_now(k)))
         self.stages[k] = _Stage(alloc, alloc.start_step)
 
