@@ -71,7 +71,7 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 
 _BODY = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
          "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
-         "predicted_iteration_s", "holdings", "absent", "reason")
+         "predicted_iteration_s", "holdings", "absent", "reason", "voters")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _CODE = re.compile(r"[a-z][a-z-]*")
 
@@ -131,11 +131,16 @@ class Allocation:
     holdings: tuple[Holding, ...] = ()
     absent: tuple[bytes, ...] = ()  # members the issuer could not reach: neither stage nor spare
     reason: str = ""  # why this epoch: "train start", "peer 3fa2c1d0 is dead", ...
+    # The election's configuration from this epoch on (sorted; the issuer is one). It differs
+    # from the previous epoch's by one peer at most, so every majority of the old voters meets
+    # every majority of the new. Empty: the peers and spares.
+    voters: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
         object.__setattr__(self, "holdings", tuple(self.holdings))
         object.__setattr__(self, "absent", tuple(self.absent))
+        object.__setattr__(self, "voters", tuple(self.voters))
         _check_str("reason", self.reason, 0, MAX_REASON_LEN)
         object.__setattr__(self, "layer_ranges", tuple(tuple(r) for r in self.layer_ranges))
         object.__setattr__(self, "spares", tuple(self.spares))
@@ -185,6 +190,13 @@ class Allocation:
             raise ValueError("a spare is listed twice")
         if set(self.spares) & set(peers):
             raise ValueError("a spare also holds a stage")
+        if self.voters:
+            if len(self.voters) > MAX_PEERS or list(self.voters) != sorted(set(self.voters)):
+                raise ValueError("voters must be sorted, without repeats")
+            for x in self.voters:
+                _check_bytes("voter", x, PEER_ID_BYTES)
+            if self.issuer not in self.voters:
+                raise ValueError("the issuer must be one of the voters")
         if len(self.absent) > MAX_PEERS:
             raise ValueError(f"more than {MAX_PEERS} absent peers")
         for x in self.absent:
@@ -232,6 +244,11 @@ class Allocation:
         return tuple(x for p in self.pipelines for x in p)
 
     @property
+    def configuration(self) -> tuple[bytes, ...]:
+        """The voters from this epoch on."""
+        return self.voters or tuple(sorted(set(self.peers) | set(self.spares)))
+
+    @property
     def term_epoch(self) -> tuple[int, int]:
         """What orders allocations of one run: a newer term wins, then a newer epoch."""
         return (self.term, self.epoch)
@@ -272,7 +289,7 @@ class Allocation:
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
             float(self.predicted_iteration_s), [h.to_wire() for h in self.holdings], list(self.absent),
-            self.reason,
+            self.reason, list(self.voters),
         ])
 
     @classmethod
@@ -303,6 +320,7 @@ class Allocation:
                 spares=_id_list(d["spares"], "spares", MAX_PEERS),
                 holdings=[_holding(h) for h in get_list(d, "holdings", MAX_STAGES)],
                 absent=_id_list(d["absent"], "absent", MAX_PEERS), reason=get_str(d, "reason", MAX_REASON_LEN),
+                voters=_id_list(d["voters"], "voters", MAX_PEERS),
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None

@@ -105,29 +105,38 @@ class _Issued:
         self.fetched = 0  # bytes the peers fetched to take on their stages
         self.fetch_s = 0.0  # the slowest peer's fetch
 
-    def add(self, peer: bytes, rep: StepReport) -> dict | None:
+    def add(self, peer: bytes, rep: StepReport) -> list[dict]:
+        """Record a report; the lines of the steps it completes. Every peer reports each step,
+        and peers step together: once a later step has every report, an earlier one whose
+        report was lost is logged with the reports it has (`partial`), never left as a hole."""
         if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
-            return None
+            return []
         self.reports.setdefault(rep.step, {})[peer] = rep
-        got = self.reports.get(self.completed + 1, {})
-        if len(got) < len(self.alloc.peers):
-            return None
-        step = self.completed + 1
-        del self.reports[step]
-        self.completed = step
-        return self.write(step, list(got.values()), self.alloc.epoch)
+        n, lines = len(self.alloc.peers), []
+        while True:
+            step = self.completed + 1
+            got = self.reports.get(step, {})
+            if len(got) < n and not any(len(r) == n for s, r in self.reports.items() if s > step):
+                return lines
+            self.reports.pop(step, None)
+            self.completed = step
+            lines.append(self.write(step, list(got.values()), self.alloc.epoch, partial=len(got) < n))
 
-    def write(self, step: int, reports: list[StepReport], epoch: int, backfilled: bool = False) -> dict:
+    def write(self, step: int, reports: list[StepReport], epoch: int, backfilled: bool = False,
+              partial: bool = False) -> dict:
         losses = [r.loss for r in reports if r.loss is not None]
-        iteration_s = max(r.iteration_s for r in reports)
+
+        def most(key: str) -> float | None:
+            return max((getattr(r, key) for r in reports), default=None)
+        iteration_s = most("iteration_s")
         tokens = self.alloc.train.global_batch_seqs * self.alloc.model.seq_len
         line = {"step": step, "loss": losses[0] if losses else None, "epoch": epoch, "term": self.alloc.term,
-                "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s > 0 else None,
+                "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s else None,
                 "predicted_iteration_s": self.alloc.predicted_iteration_s,
-                "compute_s": max(r.compute_s for r in reports),
-                "pipeline_s": max(r.pipeline_s for r in reports),
-                "sync_s": max(r.sync_s for r in reports),
+                "compute_s": most("compute_s"), "pipeline_s": most("pipeline_s"), "sync_s": most("sync_s"),
                 "time": time.time()}
+        if partial:
+            line["partial"] = True
         if backfilled:
             line["backfilled"] = True
         self.logged.add(step)
@@ -183,7 +192,9 @@ class CoordinatorRole:
                                start_step=0, end_step=req.steps, checkpoint_every=req.checkpoint_every,
                                predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
                                absent=self._absent({p for pipe in shape.pipelines for p in pipe} | set(shape.spares)),
-                               run_id=secrets.token_bytes(16), reason="train start")
+                               run_id=secrets.token_bytes(16), reason="train start",
+                               voters=self._next_voters({p for pipe in shape.pipelines for p in pipe}
+                                                        | set(shape.spares), set(members)))
             log_path = self.data_dir / "train.jsonl"
             log_path.unlink(missing_ok=True)
             self._paused_live, self._attempts = None, 0
@@ -198,6 +209,25 @@ class CoordinatorRole:
                 "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
                 "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(log_path)}
 
+    def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
+        """The next configuration: one step from the current voters toward the named peers (an
+        unreachable voter out first, then a named peer in, then a reachable voter out), so every
+        majority of the old voters meets every majority of the new and one term never gets two
+        coordinators. Further differences go at the next epochs."""
+        old = set(self.election.voters) or set(named)
+        new = set(old)
+        gone = sorted(old - named - reachable - {self.me})
+        joining = sorted(named - old)
+        leaving = sorted(old - named - {self.me})
+        if gone:
+            new.discard(gone[0])
+        elif joining:
+            new.add(joining[0])
+        elif leaving:
+            new.discard(leaving[0])
+        new.add(self.me)  # the issuer is a voter (it was elected by this configuration)
+        return tuple(sorted(new))
+
     def _absent(self, named: set[bytes]) -> tuple[bytes, ...]:
         """Every member this peer knows of that has no place: peers whose gossip still counts
         one of them alive must not refuse the allocation for leaving it out."""
@@ -210,7 +240,8 @@ class CoordinatorRole:
         self._issued = issued = _Issued(alloc, self.data_dir / "train.jsonl", logged)
         for step, reports in sorted((backfill or {}).items()):
             if step not in logged and step < alloc.start_step:
-                issued.write(step, reports, reports[0].epoch, backfilled=True)
+                newest = max(r.epoch for r in reports)  # a step re-run after a rollback: its last run
+                issued.write(step, [r for r in reports if r.epoch == newest], newest, backfilled=True)
         targets = list(alloc.peers) + list(alloc.spares)
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
@@ -524,7 +555,12 @@ class CoordinatorRole:
                            data_name=cur.data_name, start_step=rp.step, end_step=cur.end_step,
                            checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                            spares=shape.spares, holdings=holdings, absent=self._absent(new_named),
-                           reason=trigger[:1024])
+                           reason=trigger[:1024], voters=self._next_voters(new_named, reachable))
+        # Steps already completed and logged that the swarm runs again: the holders of the newer
+        # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
+        # (a peer that completed step j means every peer completed j - 1: the steps move together)
+        done = set(self._logged.get(cur.run_id, ())) | {r.step - 1 for st in states.values() for r in st.reports}
+        rolled_back = rp.rollback or rp.step <= max(done, default=-1)
         backfill: dict[int, list[StepReport]] = {}
         for s in states.values():
             for r in s.reports:
@@ -538,17 +574,17 @@ class CoordinatorRole:
                 "old_shape": f"{cur.stages}x{cur.dp}", "new_shape": f"{alloc.stages}x{alloc.dp}",
                 "kind": plan.kind, "predicted_old_s": cur.predicted_iteration_s,
                 "predicted_new_s": alloc.predicted_iteration_s, "moves": plan.moves, "bytes_moved": moved,
-                "resume_step": rp.step, "rollback": rp.rollback,
+                "resume_step": rp.step, "rollback": rolled_back,
                 "started_at": started_at, "stop_s": t_stopped - t0, "schedule_s": t_planned - t_stopped,
                 "offer_s": t_offered - t_planned, "transfer_s": getattr(self._issued, "fetch_s", 0.0),
                 "handout_s": t_done - t_offered}
         self._last_reconfig = info
-        self._event("rollback" if rp.rollback else "reconfigure", trigger=trigger, **{
+        self._event("rollback" if rolled_back else "reconfigure", trigger=trigger, **{
             k: v for k, v in info.items() if k not in ("at", "reason")})
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", trigger, info["old_shape"], info["new_shape"], plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, moved, rp.step,
-                    " (rolled back to a checkpoint)" if rp.rollback else "")
+                    " (rolled back: steps already logged run again)" if rolled_back else "")
         return {k: v for k, v in info.items()}
 
     async def _collect_offers(self, cur: Allocation, rp) -> tuple[Holding, ...]:

@@ -307,7 +307,7 @@ class ElectionSim:
         the peers of an epoch that cannot step fail the step (they stay where they are). With
         `split`, the last of these steps is completed only by the peers in `split` and failed by
         the others; those ahead stop before the next step, or (`ahead_tries_next`, what
-        `StageRunner` does when no STOP came first) snapshot it, start it, and fail it too.
+        `StageRunner` does when no STOP came first) start it and fail it too.
         Returns the steps completed, summed over the epochs."""
         done = 0
         for alloc in sorted({st.alloc for st in self.stages if st is not None and st.running}, key=lambda a: a.key):
@@ -322,11 +322,8 @@ class ElectionSim:
                 done += 1
             if ok and not split:
                 continue
-            for j in mine:  # the step that fails: StageRunner took its snapshot before it
-                st = self.stages[j]
-                if st.running and st.prev is not None and (j not in split or ahead_tries_next):
-                    st.prev = st.at
-                st.running = False
+            for j in mine:  # the step that fails changes nothing: StageRunner keeps the snapshot
+                self.stages[j].running = False  # of the last completed step
         return done
 
     def merged_log(self) -> dict[int, dict]:
@@ -492,8 +489,10 @@ class ElectionSim:
         if issued is None or epoch != issued.alloc.epoch or step <= issued.completed or src not in issued.alloc.peers:
             return
         issued.reports.setdefault(step, set()).add(src)
-        while len(issued.reports.get(issued.completed + 1, ())) == len(issued.alloc.peers):
-            del issued.reports[issued.completed + 1]
+        n = len(issued.alloc.peers)
+        while len(issued.reports.get(issued.completed + 1, ())) == n or any(
+                len(r) == n for s, r in issued.reports.items() if s > issued.completed + 1):
+            issued.reports.pop(issued.completed + 1, None)  # a step with a lost report: logged all the same
             issued.completed += 1
             self._log(k, issued.completed, issued.alloc.term, issued.alloc.key)
 

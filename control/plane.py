@@ -209,12 +209,24 @@ class ControlPlane(CoordinatorRole):
                              "in the same swarm") from None
         self._applied[run] = (term, epoch)
         self.election.applied(term, epoch)
+        body = d.get("allocation")
+        if isinstance(body, str):
+            try:
+                alloc = Allocation.decode(bytes.fromhex(body))
+            except (ValueError, ProtocolError) as e:
+                raise TrainError(f"{path} holds a damaged allocation ({e})") from None
+            if alloc.run_id == run and alloc.term_epoch == (term, epoch):
+                # The run this peer was part of: a restarted peer that is elected coordinator
+                # takes it over from here (it holds no stage: the others' run states decide).
+                self._run = _Run(alloc, None, None, None)
+                self._run.done.set()
 
     def _save_applied(self, alloc: Allocation) -> None:
         path = self.data_dir / "applied.json"
         tmp = path.with_name(".applied.json.tmp")
         with open(tmp, "w") as f:
-            json.dump({"run": alloc.run_id.hex(), "term": alloc.term, "epoch": alloc.epoch}, f)
+            json.dump({"run": alloc.run_id.hex(), "term": alloc.term, "epoch": alloc.epoch,
+                       "allocation": alloc.encode().hex()}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -273,7 +285,7 @@ class ControlPlane(CoordinatorRole):
         prev = self._run if self._run is not None and self._run.state is not None else self._prev
         self._applied[alloc.run_id] = (alloc.term, alloc.epoch)
         self.election.applied(alloc.term, alloc.epoch)
-        self.election.set_voters(tuple(sorted(set(alloc.peers) | set(alloc.spares))))
+        self.election.set_voters(alloc.configuration)
         await trio.to_thread.run_sync(self._save_applied, alloc)
         self._prev = prev
         if self.me not in alloc.peers:
@@ -500,14 +512,17 @@ class ControlPlane(CoordinatorRole):
                                      {"run": alloc.run_id, **rep.to_wire()})
 
     async def _send_one_way(self, peer: bytes, msg_type: int, body: dict) -> None:
-        conn = self.transport.connection(peer)
-        if conn is None:
-            return
         try:
             with trio.move_on_after(self.config.request_timeout_s):
+                conn = self.transport.connection(peer)
+                if conn is None:
+                    address = self._address_of(peer)
+                    if address is None:
+                        return
+                    conn = await self.transport.connect(*address, peer_id=peer)
                 await conn.send(msg_type, body)
-        except ConnectionClosed:
-            pass
+        except (ConnectionClosed, ProtocolError, OSError) as e:
+            logger.debug("could not send message %d to %s: %s", msg_type, short_id(peer), e)
 
     async def _on_start(self, conn, msg_type, body, payload) -> dict:
         run = self._run
@@ -575,12 +590,11 @@ class ControlPlane(CoordinatorRole):
         issued = self._issued
         if issued is None or run_id != issued.alloc.run_id:
             return
-        line = issued.add(peer, rep)
-        if line is not None:
+        for line in issued.add(peer, rep):
             issued.state = "training"
-            logger.info("step %d: loss %s, %.2f s, %.0f tokens/s", line["step"],
-                        "-" if line["loss"] is None else f"{line['loss']:.4f}", line["iteration_s"],
-                        line["tokens_per_s"] or 0)
+            logger.info("step %d: loss %s, %.2f s, %.0f tokens/s%s", line["step"],
+                        "-" if line["loss"] is None else f"{line['loss']:.4f}", line["iteration_s"] or 0,
+                        line["tokens_per_s"] or 0, " (some reports lost)" if line.get("partial") else "")
             if line["step"] + 1 >= issued.alloc.end_step:
                 issued.state = "finished"
 
@@ -625,7 +639,7 @@ class ControlPlane(CoordinatorRole):
         if isinstance(event, BecameCoordinator):
             self._event("coordinator", term=event.term, trigger="elected")
             run = self._run
-            if run is not None and run.alloc.issuer != self.me and not self._run_over(run):
+            if run is not None and not self._run_over(run) and (run.alloc.issuer != self.me or self._issued is None):
                 self._trigger(f"coordinator changed (term {event.term})")
         elif isinstance(event, SteppedDown):
             self._event("stepped-down", term=event.term, trigger=event.reason)
@@ -724,6 +738,8 @@ class ControlPlane(CoordinatorRole):
                 out["state"] = "stopped" if run.end.failed else run.end.reason
             elif run.runner is None and self.me not in a.peers:
                 out["state"] = "spare"
+            elif run.state is None:
+                out["state"] = "waiting"  # restarted: holds no stage until the coordinator places it
             elif run.started.is_set():
                 out["state"] = "training"
             else:

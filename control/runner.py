@@ -6,10 +6,11 @@ boundary. A step that fails (a neighbour died, a message timed out) leaves the s
 before that step (`run_step` applies nothing until every message of the step has arrived) and
 ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically.
 
-Before each step the runner copies the stage (parameters and optimizer state) into a snapshot
-it reuses, so a peer that completed a step some other stage did not can go back one step when
-the swarm resumes from the step before (see control/runstate.py). It costs one copy of the
-stage in memory and one memory copy per step.
+Before each step the runner copies the stage (parameters and optimizer state); once the step
+completed, that copy is the snapshot, so a peer that completed a step some other stage did not
+can go back one step when the swarm resumes from the step before (see control/runstate.py),
+even if it failed the step after. It costs two copies of the stage in memory and one memory
+copy per step.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class StageRunner:
         self._lock = threading.Lock()
         self.last: StepReport | None = None
         self.running = False
-        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._snapshot: dict[str, torch.Tensor] | None = None  # the stage before the last completed step
         self._snapshot_at: tuple[int, int] | None = None  # (step, optimizer step) of the snapshot
+        self._pending: dict[str, torch.Tensor] | None = None  # the stage before the step running now
+        self._pending_at: tuple[int, int] | None = None
 
     @property
     def end_step(self) -> int:
@@ -116,6 +119,7 @@ class StageRunner:
             except CommError as e:
                 logger.warning("step %d failed: %s; last completed step %d", step, e, step - 1)
                 return RunEnd(step - 1, str(e), True, params_sha256(self.state))
+            self._commit_snapshot()
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
                                 result.compute_s, result.pipeline_s, result.sync_s)
             self.last = report
@@ -132,14 +136,20 @@ class StageRunner:
     # ---- one step back ----------------------------------------------------------------------
 
     def _take_snapshot(self) -> None:
+        """Copy the stage before a step; it becomes the snapshot only once the step completed, so
+        a failed step never overwrites the way back to the step before the last completed one."""
         tensors = _stage_tensors(self.state)
+        if self._pending is None or self._pending.keys() != tensors.keys():
+            self._pending = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        else:
+            for k, v in tensors.items():
+                self._pending[k].copy_(v.detach())
+        self._pending_at = (self.state.step, self.state.optim.step_count)
+
+    def _commit_snapshot(self) -> None:
         with self._lock:
-            if self._snapshot is None or self._snapshot.keys() != tensors.keys():
-                self._snapshot = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
-            else:
-                for k, v in tensors.items():
-                    self._snapshot[k].copy_(v.detach())
-            self._snapshot_at = (self.state.step, self.state.optim.step_count)
+            self._snapshot, self._pending = self._pending, self._snapshot
+            self._snapshot_at = self._pending_at
 
     @property
     def snapshot_step(self) -> int | None:

@@ -183,3 +183,39 @@ async def test_run_state_requests_are_checked(tmp_path, autojump_clock):
                 {"op": "offer", "run": b"r" * 16, "step": 1, "layers": "all"}, [1, 2]):
         with pytest.raises(ProtocolError):
             await plane._on_run_state(Conn(ISSUER.peer_id), 71, bad, None)
+
+
+async def test_next_configuration_changes_one_voter_at_a_time(tmp_path, autojump_clock):
+    plane = make_plane(tmp_path, OTHER)
+    ids = sorted(p.peer_id for p in IDS[:4])
+    plane.election.set_voters(ids)
+    a, b, c, d = ids
+    me = OTHER.peer_id
+    assert me in ids
+    # two voters gone (unreachable, not named): one leaves now, the other at a later epoch
+    gone = [x for x in ids if x != me][:2]
+    named = set(ids) - set(gone)
+    nxt = plane._next_voters(named, reachable=named)
+    assert len(set(ids) ^ set(nxt)) == 1 and set(nxt) < set(ids)
+    # two new peers named: one joins the voters now
+    new = [bytes([0xA0]) * 32, bytes([0xB0]) * 32]
+    nxt = plane._next_voters(set(ids) | set(new), reachable=set(ids) | set(new))
+    assert set(nxt) - set(ids) == {min(new)} and set(ids) <= set(nxt)
+    # nothing to change: the same voters; the issuer is always one
+    assert plane._next_voters(set(ids), reachable=set(ids)) == tuple(ids)
+    assert me in plane._next_voters({me}, reachable={me})
+
+
+async def test_a_restarted_peer_knows_the_run_it_applied(tmp_path, autojump_clock):
+    plane = make_plane(tmp_path, OTHER)
+    a = alloc(term=2, epoch=3)
+    plane._save_applied(a)
+    again = make_plane(tmp_path, OTHER)
+    assert again.election.last_applied == (2, 3) and again._applied[a.run_id] == (2, 3)
+    assert again._run is not None and again._run.alloc == a and again._run.state is None
+    assert again.status()["state"] == "waiting"
+    state = again.run_state()
+    assert state.run_id == a.run_id and (state.term, state.epoch) == (2, 3) and state.layers is None
+    (tmp_path / "applied.json").write_text('{"run": "zz"}')
+    with pytest.raises(TrainError, match="damaged"):
+        make_plane(tmp_path, OTHER)
