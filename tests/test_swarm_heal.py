@@ -2,7 +2,8 @@
 2 x 4 while peers are killed, restarted and partitioned away (bounded in time).
 
 The oracle is single-process training: every step in the merged `train.jsonl` is there once,
-in order, with the loss of the reference within 1e-5, whatever reconfigurations happened, and
+in order, with the loss of the reference within 1e-5 (relative), whatever reconfigurations
+happened, and
 at the end every stage's replicas hold identical weights.
 """
 
@@ -50,7 +51,9 @@ def check_log(run_dir: Path, reference: list[float]) -> list[dict]:
     rows = read_log(run_dir / "train.jsonl")
     assert [r["step"] for r in rows] == list(range(len(rows))), "a step is missing or repeated"
     for r in rows:
-        assert r["loss"] == pytest.approx(reference[r["step"]], abs=1e-5), r
+        # 1e-5 of the loss: a new D changes the float32 summation order of the batch, and those
+        # differences grow over the steps (to ~1.5e-5 absolute by step 25 at a loss near 3)
+        assert r["loss"] == pytest.approx(reference[r["step"]], rel=1e-5, abs=1e-5), r
     return rows
 
 
