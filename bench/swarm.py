@@ -15,8 +15,9 @@
    prediction for each, and the measured speedup next to the predicted one.
 5. recovery: 8 daemons on the emulated worldwide scenario train 2 x 4; a follower with a stage
    is SIGKILLed, later the coordinator: the time from the kill to the next completed step, split
-   into detection (kill to the coordinator's reconfiguration; for the coordinator: to the new
-   coordinator's election), stop (run states, aborting the failed step), scheduling, offers
+   into detection (kill to the coordinator's reconfiguration; for the killed coordinator:
+   detection and election, kill to the new coordinator's election, then the take-over to its
+   reconfiguration), stop (run states, aborting the failed step), scheduling, offers
    (holders encode their stages), weight transfer (the slowest peer's fetch), the rest of the
    hand-out, and the first step; bytes moved per reconfiguration. The baseline is the median
    iteration time of the same run before the kill.
@@ -247,9 +248,11 @@ def _recover_once(run_dir: Path, victim: str, label: str) -> dict:
     elected = [e["time"] for e in events if e.get("event") == "coordinator" and killed <= e["time"] <= rec["started_at"]]
     first_step_s = first["time"] - (rec["started_at"] + rec["stop_s"] + rec["schedule_s"] + rec["offer_s"]
                                     + rec["handout_s"])
-    out = {"recovery_s": first["time"] - killed,
-           "detection_s": (min(elected) if elected else rec["started_at"]) - killed,
-           "election_s": rec["started_at"] - min(elected) if elected else 0.0,
+    if elected:  # the coordinator was killed: its followers notice only by the election timeout
+        phases = {"detection_and_election_s": min(elected) - killed, "takeover_s": rec["started_at"] - min(elected)}
+    else:
+        phases = {"detection_s": rec["started_at"] - killed}
+    out = {"recovery_s": first["time"] - killed, **phases,
            "stop_s": rec["stop_s"], "scheduling_s": rec["schedule_s"], "offers_s": rec["offer_s"],
            "weight_transfer_s": rec["transfer_s"], "handout_s": rec["handout_s"] - rec["transfer_s"],
            "first_step_s": first_step_s, "bytes_moved": rec["bytes_moved"],
