@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, rule
+from sim_faults import SimFaults
 
 from dtfm.control.election import ElectionConfig
 from dtfm.control.election_sim import ElectionSim, NetConditions
@@ -75,7 +75,7 @@ def check_applications(sim: ElectionSim) -> None:
         assert all(a < b for a, b in itertools.pairwise(seq)), f"node {k} applied {seq}"
 
 
-class AcceptanceMachine(RuleBasedStateMachine):
+class AcceptanceMachine(SimFaults):
     def __init__(self):
         super().__init__()
         self.sim: ElectionSim | None = None
@@ -89,38 +89,6 @@ class AcceptanceMachine(RuleBasedStateMachine):
             self.sim.start_training(c, stages=stages)
         self.sim.run_for(0.5)
 
-    def _k(self, i):
-        return i % self.sim.n
-
-    @rule(dt=st.floats(0.01, 3.0))
-    def run(self, dt):
-        self.sim.run_for(dt)
-
-    @rule(i=st.integers(0, 8))
-    def crash(self, i):
-        self.sim.crash(self._k(i))
-
-    @rule(i=st.integers(0, 8))
-    def restart(self, i):
-        self.sim.restart(self._k(i))
-
-    @rule(sides=st.lists(st.integers(0, 2), min_size=9, max_size=9))
-    def partition(self, sides):
-        self.sim.partition(sides[:self.sim.n])
-
-    @rule()
-    def heal(self):
-        self.sim.heal()
-
-    @rule(drop=st.sampled_from([0.0, 0.1, 0.5]), dup=st.sampled_from([0.0, 0.2]),
-          reorder=st.sampled_from([0.0, 0.05, 0.5]), scale=st.sampled_from([0.5, 1.0, 10.0]))
-    def network(self, drop, dup, reorder, scale):
-        self.sim.net = NetConditions(jitter=1.0, drop_fraction=drop, duplicate_fraction=dup, reorder_s=reorder,
-                                     delay_scale=scale)
-
-    @rule(i=st.integers(0, 8), delta=st.sampled_from([-5.0, -0.2, 0.2, 1.0, 30.0]))
-    def jump_clock(self, i, delta):
-        self.sim.jump_clock(self._k(i), delta)
 
     @rule(i=st.integers(0, 8))
     def campaign(self, i):

@@ -10,7 +10,8 @@ import statistics
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from hypothesis.stateful import initialize, invariant, rule
+from sim_faults import SimFaults
 
 from dtfm.control.election import (
     BecameCoordinator,
@@ -464,7 +465,7 @@ def test_a_restarted_node_keeps_its_vote():
 # ---------------------------------------------------------------------- the protocol under faults
 
 
-class ElectionMachine(RuleBasedStateMachine):
+class ElectionMachine(SimFaults):
     """Five or so nodes on a simulated network, under every move the network can make."""
 
     def __init__(self):
@@ -478,12 +479,6 @@ class ElectionMachine(RuleBasedStateMachine):
         self.sim.run_for(2.0)  # the first coordinator
         self.applied_before = [(0, 0)] * n
 
-    def _k(self, i):
-        return i % self.sim.n
-
-    @rule(dt=st.floats(0.01, 3.0))
-    def run(self, dt):
-        self.sim.run_for(dt)
 
     @rule()
     def settle(self):
@@ -497,31 +492,6 @@ class ElectionMachine(RuleBasedStateMachine):
             self.sim.issue(k)
         self.sim.run_for(0.5)
 
-    @rule(i=st.integers(0, 8))
-    def crash(self, i):
-        self.sim.crash(self._k(i))
-
-    @rule(i=st.integers(0, 8))
-    def restart(self, i):
-        self.sim.restart(self._k(i))
-
-    @rule(sides=st.lists(st.integers(0, 2), min_size=9, max_size=9))
-    def partition(self, sides):
-        self.sim.partition(sides[:self.sim.n])
-
-    @rule()
-    def heal(self):
-        self.sim.heal()
-
-    @rule(drop=st.sampled_from([0.0, 0.1, 0.5]), dup=st.sampled_from([0.0, 0.2]),
-          reorder=st.sampled_from([0.0, 0.05, 0.5]), scale=st.sampled_from([0.5, 1.0, 10.0]))
-    def network(self, drop, dup, reorder, scale):
-        self.sim.net = NetConditions(jitter=1.0, drop_fraction=drop, duplicate_fraction=dup, reorder_s=reorder,
-                                     delay_scale=scale)
-
-    @rule(i=st.integers(0, 8), delta=st.sampled_from([-5.0, -0.2, 0.2, 1.0, 30.0]))
-    def jump_clock(self, i, delta):
-        self.sim.jump_clock(self._k(i), delta)
 
     @rule(i=st.integers(0, 8))
     def issue(self, i):
