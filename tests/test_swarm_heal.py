@@ -7,13 +7,13 @@ happened, and
 at the end every stage's replicas hold identical weights.
 """
 
-import shutil
-import tempfile
+import json
 import time
 from pathlib import Path
 
 import pytest
 from polling import wait_for
+from swarms import swarm_up
 from test_swarm_train import reference_losses
 
 from dtfm.swarm import cli as swarm
@@ -67,16 +67,8 @@ def wait_steps(run_dir: Path, more: int, timeout_s: float = 240) -> int:
 
 @pytest.fixture(scope="module")
 def run_dir():
-    d = Path(tempfile.mkdtemp(prefix="dtfm-heal-"))
-    try:
-        assert swarm.main(["up", "--run-dir", str(d), "--scenario", "worldwide", "--peers", str(N_PEERS),
-                           "--timeout", "240"]) == 0
+    with swarm_up("dtfm-heal-", peers=N_PEERS) as d:
         yield d
-    finally:
-        try:
-            swarm.main(["down", "--run-dir", str(d), "--kill"])
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -180,6 +172,5 @@ def test_swarm_survives_deaths_restarts_and_a_partition(run_dir):
 
 
 def _events(run_dir: Path) -> list[dict]:
-    import json
     path = run_dir / "events.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []

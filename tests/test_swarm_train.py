@@ -7,19 +7,17 @@ whatever the S x D shape, and at the end every DP group's replicas hold identica
 A SIGKILLed training peer makes every other daemon stop training, say why, and keep answering.
 """
 
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
+from polling import wait_for
+from swarms import swarm_up
 
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_status
 from dtfm.swarm.state import load_state
 from dtfm.swarm.train import read_log
 from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
-from polling import wait_for
 
 N_PEERS = 8
 STEPS = 4
@@ -38,16 +36,8 @@ def training_of(state) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def run_dir():
-    d = Path(tempfile.mkdtemp(prefix="dtfm-tr-"))  # short: control sockets live inside it
-    try:
-        assert swarm.main(["up", "--run-dir", str(d), "--scenario", "worldwide", "--peers", str(N_PEERS),
-                           "--timeout", "240"]) == 0
+    with swarm_up("dtfm-tr-", peers=N_PEERS) as d:
         yield d
-    finally:
-        try:
-            swarm.main(["down", "--run-dir", str(d), "--kill"])
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
