@@ -104,9 +104,13 @@ def _num(value: Any, default: float) -> float:
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def _rank(row: dict) -> tuple[float, float, float]:
-    """Which line of one step wins: the higher (term, epoch); then the later one."""
-    return (_num(row.get("term"), -1), _num(row.get("epoch"), -1), _num(row.get("time"), 0.0))
+def _rank(row: dict) -> tuple:
+    """Which line of one step wins: the newer epoch (epochs grow across terms; a step run again
+    after a rollback has the newer one); within an epoch a line with the loss over one without
+    (a lost report), the line its own coordinator logged from every report over one back-filled
+    or logged from some reports; then the higher term, then the later line."""
+    return (_num(row.get("epoch"), -1), row.get("loss") is not None, not row.get("backfilled"),
+            not row.get("partial"), _num(row.get("term"), -1), _num(row.get("time"), 0.0))
 
 
 def merge_train(sources: Iterable[list[dict]]) -> list[dict]:

@@ -429,3 +429,16 @@ def test_train_reschedule_help(capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "coordinator" in out and "forwards" in out and "--json" in out
+
+
+def test_a_back_filled_line_never_hides_the_line_its_coordinator_logged():
+    real = {"step": 7, "epoch": 4, "term": 2, "loss": 3.94, "time": 10.0}
+    backfill = {"step": 7, "epoch": 4, "term": 3, "loss": None, "backfilled": True, "time": 20.0}
+    rerun = {"step": 7, "epoch": 5, "term": 3, "loss": 3.94, "time": 30.0}  # run again after a rollback
+    assert merge_train([[backfill], [real]]) == [real]
+    assert merge_train([[real, rerun], [backfill]]) == [rerun]
+    partial = {"step": 8, "epoch": 4, "term": 2, "loss": None, "partial": True, "time": 11.0}
+    full = {"step": 8, "epoch": 4, "term": 3, "loss": 3.9, "backfilled": True, "time": 21.0}
+    assert merge_train([[partial], [full]]) == [full]  # the loss first: the partial line lost it
+    own = {"step": 8, "epoch": 4, "term": 2, "loss": 3.9, "time": 11.0}
+    assert merge_train([[own], [full]]) == [own]  # then its own coordinator's line
