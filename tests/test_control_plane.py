@@ -19,10 +19,11 @@ from dtfm.control import (
     TrainerConfig,
     TrainError,
     TrainRequest,
+    manifest_digest,
 )
 from dtfm.gossip import Member, MemberState
 from dtfm.net import Identity, ProtocolError
-from dtfm.train import PRESETS, TEST_CONFIG, Corpus
+from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, save_checkpoint
 
 IDS = [Identity(bytes([i]) * 32) for i in range(1, 6)]
 ISSUER, OTHER, MALLORY = IDS[0], IDS[1], Identity(b"\xee" * 32)
@@ -219,3 +220,15 @@ async def test_a_restarted_peer_knows_the_run_it_applied(tmp_path, autojump_cloc
     (tmp_path / "applied.json").write_text('{"run": "zz"}')
     with pytest.raises(TrainError, match="damaged"):
         make_plane(tmp_path, OTHER)
+
+
+async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autojump_clock):
+    plane = make_plane(tmp_path, OTHER)
+    state = StageState(PRESETS["tiny"], CFG, (0, 2))
+    state.step = 4
+    save_checkpoint(tmp_path / "checkpoints", state)
+    assert (0, 2, 4) in plane.run_state().checkpoints
+    reply = await plane.offer(b"r" * 16, 4, (0, 2))
+    manifest, _ = encode_transfer(state)
+    assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
+    assert "error" in await plane.offer(b"r" * 16, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
