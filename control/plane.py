@@ -60,6 +60,7 @@ from dtfm.train import (
     list_checkpoints,
     load_checkpoint,
     load_corpus,
+    stage_tensors,
 )
 
 from .allocation import AcceptContext, Allocation, Holding, Refusal, SignedAllocation, check_allocation
@@ -348,7 +349,7 @@ class ControlPlane(CoordinatorRole):
             h = alloc.holdings[i]
             local = await self._own_copy(alloc, h) if self.me in h.holders else None
             if local is not None:
-                parts.append(_tensors_of(local))
+                parts.append(stage_tensors(local))
                 optim_step = local.optim.step_count
                 continue
             sources = [(p, self._address_of(p)) for p in h.holders if p != self.me]
@@ -577,14 +578,7 @@ class ControlPlane(CoordinatorRole):
                     and body.get("epoch") == run.alloc.epoch):  # a late report of an older epoch: already handled
                 self._trigger(f"peer {conn.short_id}: {reason[:200]}")
             return
-        try:
-            rep = StepReport(int(body["epoch"]), int(body["step"]),
-                             None if body.get("loss") is None else float(body["loss"]),
-                             float(body["iteration_s"]), float(body["compute_s"]),
-                             float(body["pipeline_s"]), float(body["sync_s"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProtocolError(f"bad STEP report: {e}") from None
-        self._record_step(conn.peer_id, rep, body.get("run"))
+        self._record_step(conn.peer_id, StepReport.from_wire(body), body.get("run"))
 
     def _record_step(self, peer: bytes, rep: StepReport, run_id) -> None:
         issued = self._issued
@@ -764,8 +758,3 @@ class ControlPlane(CoordinatorRole):
         out["pid"] = os.getpid()
         return out
 
-
-def _tensors_of(state: StageState) -> dict:
-    out = {f"param/{n}": p.detach() for n, p in state.params.items()}
-    out.update(state.optim.state_tensors())
-    return out

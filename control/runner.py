@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import trio
 
+from dtfm.net import ProtocolError, get_dict, get_float, get_int
 from dtfm.train import (
     Comm,
     CommError,
@@ -36,9 +37,13 @@ from dtfm.train import (
     run_step,
     save_checkpoint,
     stage_from_tensors,
+    stage_tensors,
 )
 
 __all__ = ["RunEnd", "StageRunner", "StepReport", "params_sha256"]
+
+MAX_STEP = 2**63 - 1
+MAX_SECONDS = 1e9
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +63,18 @@ class StepReport:
     def to_wire(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "loss": self.loss, "iteration_s": self.iteration_s,
                 "compute_s": self.compute_s, "pipeline_s": self.pipeline_s, "sync_s": self.sync_s}
+
+    @classmethod
+    def from_wire(cls, obj: object) -> StepReport:
+        """A report from the network; raises only ProtocolError. The loss may be any float (a
+        diverging run reports inf or nan, and that is worth logging, not a protocol error)."""
+        d = get_dict(obj, "step report")
+        loss = d.get("loss")
+        if loss is not None and type(loss) not in (int, float):
+            raise ProtocolError("step report: loss must be a number or null")
+        return cls(get_int(d, "epoch", 0, MAX_STEP), get_int(d, "step", 0, MAX_STEP),
+                   None if loss is None else float(loss),
+                   *(get_float(d, k, 0.0, MAX_SECONDS) for k in ("iteration_s", "compute_s", "pipeline_s", "sync_s")))
 
 
 @dataclass(frozen=True)
@@ -138,12 +155,12 @@ class StageRunner:
     def _take_snapshot(self) -> None:
         """Copy the stage before a step; it becomes the snapshot only once the step completed, so
         a failed step never overwrites the way back to the step before the last completed one."""
-        tensors = _stage_tensors(self.state)
+        tensors = stage_tensors(self.state)
         if self._pending is None or self._pending.keys() != tensors.keys():
-            self._pending = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+            self._pending = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
         else:
             for k, v in tensors.items():
-                self._pending[k].copy_(v.detach())
+                self._pending[k].copy_(v)
         self._pending_at = (self.state.step, self.state.optim.step_count)
 
     def _commit_snapshot(self) -> None:
@@ -165,12 +182,6 @@ class StageRunner:
             step, ostep = self._snapshot_at
             s = self.state
             return stage_from_tensors(s.spec, s.cfg, s.layer_range, self._snapshot, step, ostep, str(s.device))
-
-
-def _stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
-    out = {f"param/{n}": p for n, p in state.params.items()}
-    out.update(state.optim.state_tensors())
-    return out
 
 
 def params_sha256(state: StageState) -> str:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtfm.net import ProtocolError, get_bool, get_dict, get_float, get_int, get_list, short_id
+from dtfm.net import ProtocolError, get_bool, get_dict, get_int, get_list, short_id
 
 from .runner import StepReport
 
@@ -69,15 +69,7 @@ class PeerRunState:
                 raise ProtocolError("run state: a checkpoint is [first, end, step]")
             k = dict(zip("abs", items))
             ckpts.append((get_int(k, "a", 0, MAX_LAYER), get_int(k, "b", 1, MAX_LAYER), get_int(k, "s", 0, MAX_STEP)))
-        reports = []
-        for r in get_list(d, "reports", MAX_REPORTS):
-            r = get_dict(r, "step report")
-            loss = r.get("loss")
-            if loss is not None:
-                loss = get_float(r, "loss", -1e30, 1e30)
-            reports.append(StepReport(get_int(r, "epoch", 0, MAX_STEP), get_int(r, "step", 0, MAX_STEP), loss,
-                                      get_float(r, "iteration_s", 0, 1e9), get_float(r, "compute_s", 0, 1e9),
-                                      get_float(r, "pipeline_s", 0, 1e9), get_float(r, "sync_s", 0, 1e9)))
+        reports = [StepReport.from_wire(r) for r in get_list(d, "reports", MAX_REPORTS)]
         return cls(run or None, get_int(d, "term", 0, MAX_STEP), get_int(d, "epoch", 0, MAX_STEP), layers,
                    _opt_int(d, "at"), _opt_int(d, "prev"), get_bool(d, "running"), tuple(ckpts), tuple(reports))
 

@@ -84,3 +84,12 @@ def test_garbage_run_states_raise_only_protocol_error(d):
         PeerRunState.from_wire(d)
     except ProtocolError:
         pass
+
+
+def test_step_reports_from_the_wire_are_checked_and_a_diverging_loss_travels():
+    rep = StepReport(3, 9, float("inf"), 1.0, 0.5, 0.7, 0.2)
+    assert StepReport.from_wire(rep.to_wire()) == rep
+    for bad in ({**rep.to_wire(), "step": "9"}, {**rep.to_wire(), "loss": "low"}, {**rep.to_wire(), "sync_s": -1.0},
+                {k: v for k, v in rep.to_wire().items() if k != "epoch"}, [1, 2]):
+        with pytest.raises(ProtocolError):
+            StepReport.from_wire(bad)

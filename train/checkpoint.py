@@ -24,8 +24,17 @@ from safetensors.torch import save as st_save
 from .spec import GPTSpec, TrainConfig
 from .worker import StageState
 
-__all__ = ["encode_stage", "decode_tensors", "stage_from_tensors", "save_checkpoint", "load_checkpoint",
-           "list_checkpoints", "CheckpointError", "FORMAT"]
+__all__ = [
+    "FORMAT",
+    "CheckpointError",
+    "decode_tensors",
+    "encode_stage",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
+    "stage_from_tensors",
+    "stage_tensors",
+]
 
 FORMAT = "dtfm-stage/1"
 _STEP_FILE = re.compile(r"^step-(\d{8})\.json$")
@@ -35,9 +44,16 @@ class CheckpointError(ValueError):
     """A checkpoint or transferred stage is malformed, inconsistent or fails its hash."""
 
 
+def stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
+    """The stage's named tensors as a checkpoint holds them: `param/<name>` and the Adam moments
+    (`exp_avg/<name>`, `exp_avg_sq/<name>`), detached, where they live (not copied)."""
+    tensors = {f"param/{n}": p.detach() for n, p in state.params.items()}
+    tensors.update(state.optim.state_tensors())
+    return tensors
+
+
 def encode_stage(state: StageState) -> tuple[bytes, dict]:
-    tensors = {f"param/{n}": p.detach().to("cpu").contiguous() for n, p in state.params.items()}
-    tensors.update({k: v.to("cpu").contiguous() for k, v in state.optim.state_tensors().items()})
+    tensors = {k: v.to("cpu").contiguous() for k, v in stage_tensors(state).items()}
     blob = st_save(tensors)
     meta = {
         "format": FORMAT,
