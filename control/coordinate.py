@@ -310,12 +310,7 @@ class CoordinatorRole:
                     if peer == self.me and local is not None:
                         answers[peer] = await local()
                         return
-                    conn = self.transport.connection(peer)
-                    if conn is None:
-                        address = self._address_of(peer)
-                        if address is None:
-                            raise ConnectionClosed("not a member")
-                        conn = await self.transport.connect(*address, peer_id=peer)
+                    conn = await self._connection(peer)
                     reply, _ = await conn.request(msg_type, body, timeout_s=timeout_s)
                     answers[peer] = reply if isinstance(reply, dict) else {"reason": "malformed answer"}
             except (trio.TooSlowError, RequestTimeout):

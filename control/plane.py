@@ -192,6 +192,17 @@ class ControlPlane(CoordinatorRole):
             finally:
                 self._abort_run("the daemon is leaving")
 
+    async def _connection(self, peer: bytes):
+        """The live connection to `peer`, else a new one to its gossiped address (ConnectionClosed
+        when it is no member with an address). The caller bounds the wait."""
+        conn = self.transport.connection(peer)
+        if conn is not None:
+            return conn
+        address = self._address_of(peer)
+        if address is None:
+            raise ConnectionClosed(f"{short_id(peer)} is not a member with an address")
+        return await self.transport.connect(*address, peer_id=peer)
+
     def _address_of(self, peer: bytes) -> tuple[str, int] | None:
         for m in self.gossip.members():
             if m.peer_id == peer and m.address[1]:
@@ -515,12 +526,7 @@ class ControlPlane(CoordinatorRole):
     async def _send_one_way(self, peer: bytes, msg_type: int, body: dict) -> None:
         try:
             with trio.move_on_after(self.config.request_timeout_s):
-                conn = self.transport.connection(peer)
-                if conn is None:
-                    address = self._address_of(peer)
-                    if address is None:
-                        return
-                    conn = await self.transport.connect(*address, peer_id=peer)
+                conn = await self._connection(peer)
                 await conn.send(msg_type, body)
         except (ConnectionClosed, ProtocolError, OSError) as e:
             logger.debug("could not send message %d to %s: %s", msg_type, short_id(peer), e)
