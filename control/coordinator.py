@@ -179,6 +179,10 @@ class ElectionService:
         order, from the service's loop, once the actions before it are executed."""
         self._callbacks.append(cb)
 
+    async def changed(self) -> None:
+        """Return at the next election event executed here (a coordinator known, elected, gone)."""
+        await self._changed.wait()
+
     async def wait_for_coordinator(self, timeout_s: float) -> bytes | None:
         """The coordinator of the current term once it is known here; None after timeout_s."""
         with trio.move_on_after(timeout_s):

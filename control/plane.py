@@ -273,8 +273,7 @@ class ControlPlane(CoordinatorRole):
                 refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch)
                 if refusal is None or refusal.code != "not-coordinator" or alloc.term < self.election.term:
                     return refusal
-                await self.election.wait_for_coordinator(0.1)
-                await trio.sleep(0.02)
+                await self.election.changed()
         return self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch)
 
     async def accept(self, alloc: Allocation) -> dict:
@@ -680,9 +679,7 @@ class ControlPlane(CoordinatorRole):
         if self.me not in self.election.voters:
             self.election.set_voters(tuple(sorted(set(self.gossip.live_peers()) | {self.me})))
         self.election.campaign()
-        with trio.move_on_after(self.config.elect_timeout_s):
-            while not self.election.is_coordinator and self.election.coordinator is None:
-                await self.election.wait_for_coordinator(0.5)
+        await self.election.wait_for_coordinator(self.config.elect_timeout_s)
         return self.election.coordinator
 
     async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
