@@ -108,7 +108,8 @@ class _Issued:
     def add(self, peer: bytes, rep: StepReport) -> list[dict]:
         """Record a report; the lines of the steps it completes. Every peer reports each step,
         and peers step together: once a later step has every report, an earlier one whose
-        report was lost is logged with the reports it has (`partial`), never left as a hole."""
+        report was lost is logged with the reports it has (`partial`); a step with no report at
+        all is passed over, for a back-fill from the peers' own reports at the next epoch."""
         if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
             return []
         self.reports.setdefault(rep.step, {})[peer] = rep
@@ -120,7 +121,10 @@ class _Issued:
                 return lines
             self.reports.pop(step, None)
             self.completed = step
-            lines.append(self.write(step, list(got.values()), self.alloc.epoch, partial=len(got) < n))
+            if got:
+                lines.append(self.write(step, list(got.values()), self.alloc.epoch, partial=len(got) < n))
+            else:  # every report of it lost: nothing to log; a later back-fill from the peers' reports fills it
+                logger.warning("no report of step %d arrived; it is logged when a coordinator back-fills it", step)
 
     def write(self, step: int, reports: list[StepReport], epoch: int, backfilled: bool = False,
               partial: bool = False) -> dict:

@@ -492,9 +492,10 @@ class ElectionSim:
         n = len(issued.alloc.peers)
         while len(issued.reports.get(issued.completed + 1, ())) == n or any(
                 len(r) == n for s, r in issued.reports.items() if s > issued.completed + 1):
-            issued.reports.pop(issued.completed + 1, None)  # a step with a lost report: logged all the same
+            got = issued.reports.pop(issued.completed + 1, None)  # a step with a lost report: logged all the same
             issued.completed += 1
-            self._log(k, issued.completed, issued.alloc.term, issued.alloc.key)
+            if got:  # with no report at all: passed over, for a later back-fill
+                self._log(k, issued.completed, issued.alloc.term, issued.alloc.key)
 
     def _log(self, k: int, step: int, term: int, trained: tuple[int, int], backfilled: bool = False) -> None:
         self.logged[k].add(step)

@@ -24,7 +24,7 @@ from .runner import StepReport
 
 __all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "describe", "resume_point"]
 
-MAX_REPORTS = 32  # step reports a peer keeps and sends with its run state
+MAX_REPORTS = 256  # step reports a peer keeps and sends with its run state (~30 KB)
 MAX_CHECKPOINTS = 16
 MAX_STEP = 2**63 - 1
 MAX_LAYER = 1 << 16
