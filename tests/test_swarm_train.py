@@ -23,11 +23,27 @@ N_PEERS = 8
 STEPS = 4
 
 
+class ReferenceLosses:
+    """The single-process reference's loss per step, computed as far as it is asked for (a swarm
+    that trains on while a test waits may log more steps than were foreseen)."""
+
+    def __init__(self, seed: int = 0):
+        cfg = TrainConfig(seed=seed)  # what `train start` uses: the defaults of `python -m dtfm.train`
+        self._state = reference_state(get_preset("tiny"), cfg)
+        self._corpus = load_corpus()
+        self._losses: list[float] = []
+
+    def __getitem__(self, step: int) -> float:
+        if step < 0:
+            raise IndexError(step)
+        while len(self._losses) <= step:
+            self._losses.append(reference_step(self._state, self._corpus))
+        return self._losses[step]
+
+
 def reference_losses(steps: int, seed: int = 0) -> list[float]:
-    cfg = TrainConfig(seed=seed)  # what `train start` uses: the defaults of `python -m dtfm.train`
-    state = reference_state(get_preset("tiny"), cfg)
-    corpus = load_corpus()
-    return [reference_step(state, corpus) for _ in range(steps)]
+    ref = ReferenceLosses(seed)
+    return [ref[i] for i in range(steps)]
 
 
 def training_of(state) -> dict[str, dict]:
