@@ -56,6 +56,8 @@ class TrainRequest:
     data_path: str | None = None
     train: TrainConfig | None = None  # None: TrainConfig() with this seed
     placement: str = "scheduler"  # or "random": a random allocation of the given shape (a baseline)
+    min_peers: int = 1  # the first configuration forms once this many peers are live and measured
+    wait_s: float = 0.0  # how long to wait for them before giving up
 
     @classmethod
     def from_args(cls, args: dict) -> TrainRequest:
@@ -78,10 +80,14 @@ class TrainRequest:
         placement = args.get("placement", "scheduler")
         if placement not in PLACEMENTS:
             raise TrainError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
+        wait_s = args.get("wait_s", 0.0)
+        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not 0 <= wait_s <= 86400:
+            raise TrainError("wait_s must be a number of seconds in [0, 86400]")
         req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=num("seed", 0, 0, 2**63 - 1),
                   stages=num("stages", stages, 1, 4096) if stages is not None else None,
                   dp=num("dp", None, 1, 4096), checkpoint_every=num("checkpoint_every", 0, 0, 10**9),
-                  data_path=data, placement=placement)
+                  data_path=data, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
+                  wait_s=float(wait_s))
         if req.dp is not None and req.stages is None:
             raise TrainError("--dp needs --stages")
         if placement == "random" and req.stages is None:
@@ -161,8 +167,11 @@ class CoordinatorRole:
     # ---- coordinator: train start -------------------------------------------------------------
 
     async def start_training(self, req: TrainRequest, *, forwarded: bool = False, args: dict | None = None) -> dict:
-        """Stand for coordinator if there is none; the coordinator schedules on the gossiped
-        view, hands the allocation out and starts every peer."""
+        """Wait for `req.min_peers` live, measured peers; stand for coordinator if there is none;
+        the coordinator schedules on the gossiped view, hands the allocation out and starts every
+        peer."""
+        if not forwarded:  # (a forwarding peer has waited)
+            await self._await_swarm(req)
         coordinator = self.me if forwarded else await self._become_coordinator()
         if coordinator is None:
             raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
@@ -212,6 +221,33 @@ class CoordinatorRole:
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
                 "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(log_path)}
+
+    async def _await_swarm(self, req: TrainRequest) -> None:
+        """Return once `req.min_peers` peers (this one included) are live and their links measured,
+        so the first configuration is the swarm the operator expects; TrainError after
+        `req.wait_s`. The count is in `status()` while it waits."""
+        deadline = trio.current_time() + req.wait_s
+        said = -1
+        try:
+            while True:
+                live = set(self.gossip.live_peers()) | {self.me}
+                view, _ = self._measured_view(live)
+                have = len(view.peers)
+                self._swarm_wait = {"have": have, "want": req.min_peers, "live": len(live)}
+                if have >= req.min_peers:
+                    return
+                if have != said:
+                    logger.info("train start waits for %d peers: %d live, %d of them measured",
+                                req.min_peers, len(live), have)
+                    said = have
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    raise TrainError(f"only {have} of the {req.min_peers} peers asked for (--min-peers) are "
+                                     f"live and measured after {req.wait_s:g} s ({len(live)} live): "
+                                     "are the others started, with this swarm's bootstrap address?")
+                await trio.sleep(min(1.0, left))
+        finally:
+            self._swarm_wait = None
 
     def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
         """The next configuration: one step from the current voters toward the named peers (an

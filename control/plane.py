@@ -166,6 +166,7 @@ class ControlPlane(CoordinatorRole):
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._attempts = 0
         self._paused_live: frozenset[bytes] | None = None  # reachable peers when the run paused
+        self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
         self._paused_retry_at = 0.0
         self._nursery: trio.Nursery | None = None
         self._load_applied()
@@ -758,6 +759,8 @@ class ControlPlane(CoordinatorRole):
                              "completed": issued.completed, "end_step": issued.alloc.end_step,
                              "log": str(issued.log_path), "recent": issued.recent[-8:],
                              "started_at": issued.started_at, "epoch": issued.alloc.epoch}
+        if self._swarm_wait is not None:
+            out["waiting_for_peers"] = dict(self._swarm_wait)
         out["pid"] = os.getpid()
         return out
 

@@ -149,8 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data", default=None, metavar="FILE",
                    help="the text file or folder to train on, as this daemon reads it; every peer "
                         "must hold the same content (default: the daemon's --data)")
+    t.add_argument("--min-peers", type=_positive_int, default=1, metavar="N",
+                   help="wait until N peers (this one included) are live and their links measured, "
+                        "then form the first configuration and schedule them; gives up after "
+                        "--timeout (default: %(default)s, start at once)")
     t.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="how long to wait for every peer to accept (default: %(default)s)")
+                   help="how long to wait for --min-peers and for every peer to accept "
+                        "(default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
     t = tsub.add_parser("stop", help="end the run at the next step boundary on every peer",
                         description="End the run this daemon takes part in, on the same step "
@@ -307,6 +312,10 @@ def format_training(t: dict, now: float) -> list[str]:
     if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
         lines.append(f"{pad}role {t.get('role') or '-'}, term {t.get('term', '-')}, "
                      f"coordinator {_short(t.get('coordinator'))}")
+    wait = t.get("waiting_for_peers")
+    if isinstance(wait, dict):
+        lines.append(f"{pad}train start waits for {wait.get('want', '?')} peers: {wait.get('live', '?')} live, "
+                     f"{wait.get('have', '?')} measured")
     reconf = t.get("last_reconfig")
     if isinstance(reconf, dict):
         at = reconf.get("at")
@@ -375,7 +384,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     request = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "stages": stages,
                "dp": args.dp, "checkpoint_every": args.checkpoint_every, "placement": args.placement,
                "data": str(Path(args.data).absolute()) if args.data else None}
-    control = dataclasses.replace(config.control, request_timeout_s=args.timeout)
+    if args.min_peers > 1:
+        request["min_peers"] = args.min_peers
+        request["wait_s"] = args.timeout
+        print(f"waiting for {args.min_peers} live, measured peers (at most {args.timeout:g} s; "
+              "`dtfm-peer status` shows the count)", file=sys.stderr)
+    # the scheduling and the hand-out after the wait get their own --timeout
+    control = dataclasses.replace(config.control, request_timeout_s=args.timeout * (2 if args.min_peers > 1 else 1))
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
         reply = c.request("train_start", request)
     if args.json:

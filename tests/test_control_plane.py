@@ -22,6 +22,7 @@ from dtfm.control import (
     manifest_digest,
 )
 from dtfm.gossip import Member, MemberState
+from dtfm.gossip.records import Entry, Report
 from dtfm.net import Identity, ProtocolError
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, save_checkpoint
 
@@ -139,6 +140,9 @@ async def test_start_stop_and_step_reports_are_checked(tmp_path):
     ({"dp": 2}, "--dp needs --stages"),
     ({"stages": -1}, "stages"),
     ({"data": 5}, "data"),
+    ({"min_peers": 0}, "min_peers"),
+    ({"min_peers": 2, "wait_s": -1}, "wait_s"),
+    ({"min_peers": 2, "wait_s": "soon"}, "wait_s"),
 ])
 def test_train_requests_are_checked(args, match):
     with pytest.raises(TrainError, match=match):
@@ -232,3 +236,42 @@ async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autoj
     manifest, _ = encode_transfer(state)
     assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
     assert "error" in await plane.offer(b"r" * 16, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
+
+
+class MeasuredGossip(FakeGossip):
+    """FakeGossip with measurement reports: `measure(ids)` has each of `ids` report the others."""
+
+    def __init__(self, peers):
+        super().__init__(peers)
+        self.records = type("Records", (), {"reports": {}})()
+
+    def measure(self, ids):
+        for a in ids:
+            self.records.reports[a.peer_id] = Report.create(
+                a, 1, 0.0, 1.0, [Entry(b.peer_id, 10.0, 1.0, 5) for b in ids if b is not a])
+
+
+async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_clock):
+    # Four peers are live but only two are measured: `--min-peers 3` waits (and says so in the
+    # status) until a third is measured; `--min-peers 4` gives up after its wait with the count.
+    gossip = MeasuredGossip(IDS[:4])
+    plane = ControlPlane(FakeTransport(), IDS[0], gossip, tmp_path, TrainerConfig())
+    gossip.measure(IDS[:2])
+    done = trio.Event()
+
+    async def start():
+        await plane._await_swarm(TrainRequest(min_peers=3, wait_s=60))
+        done.set()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(start)
+        await trio.sleep(20)
+        assert not done.is_set()
+        assert plane.status()["waiting_for_peers"] == {"have": 2, "want": 3, "live": 4}
+        gossip.measure(IDS[:3])
+        with trio.fail_after(2):
+            await done.wait()
+    assert "waiting_for_peers" not in plane.status()
+    start_at = trio.current_time()
+    with pytest.raises(TrainError, match="only 3 of the 4 peers"):
+        await plane._await_swarm(TrainRequest(min_peers=4, wait_s=5))
+    assert trio.current_time() - start_at == pytest.approx(5)
