@@ -110,12 +110,14 @@ class _Issued:
         self.started_at = time.time()
         self.fetched = 0  # bytes the peers fetched to take on their stages
         self.fetch_s = 0.0  # the slowest peer's fetch
+        self.gaps: set[int] = set()  # completed steps of which no report arrived
+        self.filling = False  # the peers are being asked for the gaps' reports
 
     def add(self, peer: bytes, rep: StepReport) -> list[dict]:
         """Record a report; the lines of the steps it completes. Every peer reports each step,
         and peers step together: once a later step has every report, an earlier one whose
         report was lost is logged with the reports it has (`partial`); a step with no report at
-        all is passed over, for a back-fill from the peers' own reports at the next epoch."""
+        all is passed over into `gaps`, filled from the reports the peers keep (`fill_gaps`)."""
         if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
             return []
         self.reports.setdefault(rep.step, {})[peer] = rep
@@ -129,8 +131,22 @@ class _Issued:
             self.completed = step
             if got:
                 lines.append(self.write(step, list(got.values()), self.alloc.epoch, partial=len(got) < n))
-            else:  # every report of it lost: nothing to log; a later back-fill from the peers' reports fills it
-                logger.warning("no report of step %d arrived; it is logged when a coordinator back-fills it", step)
+            else:  # every report of it lost: the peers are asked for the reports they keep
+                logger.warning("no report of step %d arrived; asking the peers for theirs", step)
+                self.gaps.add(step)
+
+    def fill(self, reports: list[StepReport]) -> list[dict]:
+        """Log the gaps these reports (the peers' own, of any step) cover, back-filled; gaps
+        they do not cover are given up here (a later epoch's back-fill may still find them)."""
+        lines = []
+        for step in sorted(self.gaps):
+            got = [r for r in reports if r.step == step and r.epoch == self.alloc.epoch]
+            if got and step not in self.logged:
+                lines.append(self.write(step, got, self.alloc.epoch, backfilled=True))
+            elif not got:
+                logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
+        self.gaps.clear()
+        return lines
 
     def write(self, step: int, reports: list[StepReport], epoch: int, backfilled: bool = False,
               partial: bool = False) -> dict:
@@ -248,6 +264,18 @@ class CoordinatorRole:
                 await trio.sleep(min(1.0, left))
         finally:
             self._swarm_wait = None
+
+    async def _fill_gaps(self, issued: _Issued) -> None:
+        """Ask the epoch's peers for the reports they keep and log the steps whose every report
+        was lost on the way here, so `train.jsonl` has no hole while the epoch runs on."""
+        try:
+            states = await self._query_states(issued.alloc.peers)
+            if self._issued is issued:
+                for line in issued.fill([r for st in states.values() for r in st.reports]):
+                    logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
+                                "-" if line["loss"] is None else f"{line['loss']:.4f}")
+        finally:
+            issued.filling = False
 
     def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
         """The next configuration: one step from the current voters toward the named peers (an

@@ -597,6 +597,9 @@ class ControlPlane(CoordinatorRole):
                         line["tokens_per_s"] or 0, " (some reports lost)" if line.get("partial") else "")
             if line["step"] + 1 >= issued.alloc.end_step:
                 issued.state = "finished"
+        if issued.gaps and not issued.filling and self._nursery is not None:
+            issued.filling = True
+            self._nursery.start_soon(self._fill_gaps, issued)
 
     def _on_member_change(self, member: Member) -> None:
         run = self._run

@@ -4,6 +4,7 @@ with its reason (or closes the connection, for a malformed body) and nothing is 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,8 @@ from dtfm.control import (
     TrainRequest,
     manifest_digest,
 )
+from dtfm.control.coordinate import _Issued
+from dtfm.control.runner import StepReport
 from dtfm.gossip import Member, MemberState
 from dtfm.gossip.records import Entry, Report
 from dtfm.net import Identity, ProtocolError
@@ -275,3 +278,43 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     with pytest.raises(TrainError, match="only 3 of the 4 peers"):
         await plane._await_swarm(TrainRequest(min_peers=4, wait_s=5))
     assert trio.current_time() - start_at == pytest.approx(5)
+
+
+def report(epoch: int, step: int) -> StepReport:
+    return StepReport(epoch, step, 5.0 - step / 10, 1.0, 0.5, 0.3, 0.2)
+
+
+async def test_a_step_whose_every_report_was_lost_is_filled_from_the_peers(tmp_path, autojump_clock):
+    # Step 1's reports all went missing on the way to the coordinator: once step 2 has every
+    # report, the coordinator asks the peers for the reports they keep and logs step 1 from them,
+    # while the epoch runs on; a step no peer kept is given up without a line.
+    plane = make_plane(tmp_path, ISSUER)
+    a = alloc()
+    plane._issued = issued = _Issued(a, tmp_path / "train.jsonl", set())
+    asked = []
+
+    async def query_states(peers, **kw):
+        asked.append(sorted(peers))
+        return {p: PeerRunState(a.run_id, 0, a.epoch, None, None, None, True, (),
+                                tuple(report(a.epoch, s) for s in (0, 1, 2, 3))) for p in peers}
+    plane._query_states = query_states
+    async with trio.open_nursery() as nursery:
+        plane._nursery = nursery
+        for step in (0, 2):
+            for p in a.peers:
+                plane._record_step(p, report(a.epoch, step), a.run_id)
+        assert issued.gaps == {1} and issued.filling
+    assert asked == [sorted(a.peers)] and not issued.filling and not issued.gaps
+    lines = [json.loads(x) for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert [(x["step"], x.get("backfilled", False)) for x in lines] == [(0, False), (2, False), (1, True)]
+    assert lines[2]["loss"] == report(a.epoch, 1).loss and lines[2]["epoch"] == a.epoch
+    # Steps 4 and 5 lost, then 6 complete: the peers kept up to step 3 only.
+    for p in a.peers:
+        plane._record_step(p, report(a.epoch, 3), a.run_id)
+    async with trio.open_nursery() as nursery:
+        plane._nursery = nursery
+        for p in a.peers:
+            plane._record_step(p, report(a.epoch, 6), a.run_id)
+    assert issued.completed == 6 and not issued.gaps
+    steps = [json.loads(x)["step"] for x in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert steps == [0, 2, 1, 3, 6]
