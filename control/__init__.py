@@ -42,8 +42,9 @@ from .election_messages import (
 )
 from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
-from .plane import ControlPlane, TrainerConfig, TrainError, TrainRequest
+from .plane import ControlPlane, TrainerConfig
 from .recovery import RecoveryError, RecoveryServer, assemble_stage, fetch_stage, manifest_digest, needed_stages
+from .request import TrainError, TrainRequest
 from .reshape import Current, ReshapePlan, reshape
 from .runner import RunEnd, StageRunner, StepReport, params_sha256
 from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point

@@ -13,164 +13,30 @@ import json
 import logging
 import secrets
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 import trio
 
 from dtfm.gossip import build_view
 from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout, short_id
-from dtfm.train import PRESETS, TrainConfig, get_preset
+from dtfm.train import TrainConfig, get_preset
 
 from .allocation import Allocation, Holding, SignedAllocation
 from .messages import ControlMsg
+from .request import TrainError, TrainRequest
 from .reshape import Current, reshape
 from .runner import StepReport
 from .runstate import PeerRunState, ResumeError, describe, resume_point
-from .schedule import PLACEMENTS, choose_shape, random_shape
+from .schedule import choose_shape, random_shape
+from .steplog import _Issued
 
-__all__ = ["CoordinatorRole", "TrainError", "TrainRequest"]
+__all__ = ["CoordinatorRole"]
 
 logger = logging.getLogger("dtfm.control.plane")
 
-MAX_RECENT_STEPS = 64
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ATTEMPTS = 5  # reconfigurations of one trigger before the run stops
-
-
-class TrainError(Exception):
-    """A `train start` / `train stop` that cannot be done, with the reason for the operator."""
-
-
-@dataclass(frozen=True)
-class TrainRequest:
-    """What `dtfm-peer train start` asks for."""
-
-    preset: str = "tiny"
-    steps: int = 100
-    seed: int = 0
-    stages: int | None = None  # None: the scheduler picks the shape
-    dp: int | None = None
-    checkpoint_every: int = 0
-    data_path: str | None = None
-    train: TrainConfig | None = None  # None: TrainConfig() with this seed
-    placement: str = "scheduler"  # or "random": a random allocation of the given shape (a baseline)
-    min_peers: int = 1  # the first configuration forms once this many peers are live and measured
-    wait_s: float = 0.0  # how long to wait for them before giving up
-
-    @classmethod
-    def from_args(cls, args: dict) -> TrainRequest:
-        def num(key, default, lo, hi):
-            v = args.get(key, default)
-            if v is None:
-                return None
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise TrainError(f"{key} must be an integer in [{lo}, {hi}]")
-            return v
-        preset = args.get("preset", "tiny")
-        if preset not in PRESETS:
-            raise TrainError(f"unknown preset {preset!r}: choose one of {', '.join(sorted(PRESETS))}")
-        data = args.get("data")
-        if data is not None and not isinstance(data, str):
-            raise TrainError("data must be a path")
-        stages = args.get("stages")
-        if stages == "auto":
-            stages = None
-        placement = args.get("placement", "scheduler")
-        if placement not in PLACEMENTS:
-            raise TrainError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
-        wait_s = args.get("wait_s", 0.0)
-        if not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool) or not 0 <= wait_s <= 86400:
-            raise TrainError("wait_s must be a number of seconds in [0, 86400]")
-        req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=num("seed", 0, 0, 2**63 - 1),
-                  stages=num("stages", stages, 1, 4096) if stages is not None else None,
-                  dp=num("dp", None, 1, 4096), checkpoint_every=num("checkpoint_every", 0, 0, 10**9),
-                  data_path=data, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
-                  wait_s=float(wait_s))
-        if req.dp is not None and req.stages is None:
-            raise TrainError("--dp needs --stages")
-        if placement == "random" and req.stages is None:
-            raise TrainError("a random placement needs --stages S (and --dp D)")
-        return req
-
-
-class _Issued:
-    """The coordinator's record of the epoch it handed out: step reports and the training log."""
-
-    def __init__(self, alloc: Allocation, log_path: Path, logged: set[int]):
-        self.alloc = alloc
-        self.log_path = log_path
-        self.reports: dict[int, dict[bytes, StepReport]] = {}
-        self.completed = alloc.start_step - 1
-        self.logged = logged  # steps of this run this peer wrote to its log
-        self.recent: list[dict] = []
-        self.state = "handing out"
-        self.reason = ""
-        self.started_at = time.time()
-        self.fetched = 0  # bytes the peers fetched to take on their stages
-        self.fetch_s = 0.0  # the slowest peer's fetch
-        self.gaps: set[int] = set()  # completed steps of which no report arrived
-        self.filling = False  # the peers are being asked for the gaps' reports
-
-    def add(self, peer: bytes, rep: StepReport) -> list[dict]:
-        """Record a report; the lines of the steps it completes. Every peer reports each step,
-        and peers step together: once a later step has every report, an earlier one whose
-        report was lost is logged with the reports it has (`partial`); a step with no report at
-        all is passed over into `gaps`, filled from the reports the peers keep (`fill_gaps`)."""
-        if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
-            return []
-        self.reports.setdefault(rep.step, {})[peer] = rep
-        n, lines = len(self.alloc.peers), []
-        while True:
-            step = self.completed + 1
-            got = self.reports.get(step, {})
-            if len(got) < n and not any(len(r) == n for s, r in self.reports.items() if s > step):
-                return lines
-            self.reports.pop(step, None)
-            self.completed = step
-            if got:
-                lines.append(self.write(step, list(got.values()), self.alloc.epoch, partial=len(got) < n))
-            else:  # every report of it lost: the peers are asked for the reports they keep
-                logger.warning("no report of step %d arrived; asking the peers for theirs", step)
-                self.gaps.add(step)
-
-    def fill(self, reports: list[StepReport]) -> list[dict]:
-        """Log the gaps these reports (the peers' own, of any step) cover, back-filled; gaps
-        they do not cover are given up here (a later epoch's back-fill may still find them)."""
-        lines = []
-        for step in sorted(self.gaps):
-            got = [r for r in reports if r.step == step and r.epoch == self.alloc.epoch]
-            if got and step not in self.logged:
-                lines.append(self.write(step, got, self.alloc.epoch, backfilled=True))
-            elif not got:
-                logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
-        self.gaps.clear()
-        return lines
-
-    def write(self, step: int, reports: list[StepReport], epoch: int, backfilled: bool = False,
-              partial: bool = False) -> dict:
-        losses = [r.loss for r in reports if r.loss is not None]
-
-        def most(key: str) -> float | None:
-            return max((getattr(r, key) for r in reports), default=None)
-        iteration_s = most("iteration_s")
-        tokens = self.alloc.train.global_batch_seqs * self.alloc.model.seq_len
-        line = {"step": step, "loss": losses[0] if losses else None, "epoch": epoch, "term": self.alloc.term,
-                "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s else None,
-                "predicted_iteration_s": self.alloc.predicted_iteration_s,
-                "compute_s": most("compute_s"), "pipeline_s": most("pipeline_s"), "sync_s": most("sync_s"),
-                "time": time.time()}
-        if partial:
-            line["partial"] = True
-        if backfilled:
-            line["backfilled"] = True
-        self.logged.add(step)
-        self.recent = (self.recent + [line])[-MAX_RECENT_STEPS:]
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-        return line
-
 
 
 class _Paused(TrainError):
@@ -193,7 +59,7 @@ class CoordinatorRole:
             raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
                              "is a majority of the swarm reachable?")
         if coordinator != self.me:
-            return await self._forward(coordinator, "start", args if args is not None else _request_args(req))
+            return await self._forward(coordinator, "start", args if args is not None else req.to_args())
         corpus = await self.corpus(req.data_path)
         spec = get_preset(req.preset)
         cfg = req.train or TrainConfig(seed=req.seed)
@@ -700,15 +566,3 @@ class CoordinatorRole:
 
 def _num(v: object) -> float:
     return float(v) if type(v) in (int, float) and 0 <= v < 1e18 else 0
-
-
-def _request_args(req: TrainRequest) -> dict:
-    out = {"preset": req.preset, "steps": req.steps, "seed": req.seed, "checkpoint_every": req.checkpoint_every,
-           "placement": req.placement}
-    if req.stages is not None:
-        out["stages"] = req.stages
-    if req.dp is not None:
-        out["dp"] = req.dp
-    if req.data_path is not None:
-        out["data"] = req.data_path
-    return out

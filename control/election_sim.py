@@ -107,7 +107,7 @@ class _Stage:
 
 @dataclass
 class _Issued:
-    """The issuer's record of the epoch it handed out (control/coordinate.py `_Issued`)."""
+    """The issuer's record of the epoch it handed out (control/steplog.py `_Issued`)."""
 
     alloc: SimAllocation
     completed: int

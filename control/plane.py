@@ -65,16 +65,18 @@ from dtfm.train import (
 
 from .allocation import AcceptContext, Allocation, Holding, Refusal, SignedAllocation, check_allocation
 from .comm import CommConfig, TensorRouter, TransportComm
-from .coordinate import CoordinatorRole, TrainError, TrainRequest, _Issued
+from .coordinate import CoordinatorRole
 from .coordinator import ElectionService
 from .election import BecameCoordinator, ElectionConfig, SteppedDown
 from .election_store import FileElectionStore
 from .messages import ControlMsg
 from .recovery import RecoveryError, RecoveryServer, assemble_stage, fetch_stage, needed_stages
+from .request import TrainError, TrainRequest
 from .runner import RunEnd, StageRunner, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
+from .steplog import _Issued
 
-__all__ = ["ControlPlane", "TrainError", "TrainRequest", "TrainerConfig"]
+__all__ = ["ControlPlane", "TrainerConfig"]
 
 logger = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ from dtfm.control import (
     TrainRequest,
     manifest_digest,
 )
-from dtfm.control.coordinate import _Issued
 from dtfm.control.runner import StepReport
+from dtfm.control.steplog import _Issued
 from dtfm.gossip import Member, MemberState
 from dtfm.gossip.records import Entry, Report
 from dtfm.net import Identity, ProtocolError
