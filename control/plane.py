@@ -70,6 +70,7 @@ from .coordinator import ElectionService
 from .election import BecameCoordinator, ElectionConfig, SteppedDown
 from .election_store import FileElectionStore
 from .messages import ControlMsg
+from .reconfigure import ReconfigureRole
 from .recovery import RecoveryError, RecoveryServer, assemble_stage, fetch_stage, needed_stages
 from .request import TrainError, TrainRequest
 from .runner import RunEnd, StageRunner, StepReport
@@ -139,7 +140,7 @@ class _Run:
         return self.runner is not None and self.end is None and not self.done.is_set()
 
 
-class ControlPlane(CoordinatorRole):
+class ControlPlane(CoordinatorRole, ReconfigureRole):
     def __init__(self, transport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: TrainerConfig | None = None, comm_config: CommConfig | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
