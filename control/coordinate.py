@@ -1,11 +1,12 @@
 """The coordinator's side of the control plane: starting and stopping a run, the hand-out of
-an allocation, and the helpers every coordinator step uses: asking peers at once, their run
-states, the measured view, the events log (see control/plane.py for the protocol).
+an allocation, the step reports it logs, the train operations other peers forward to it, and
+the helpers every coordinator step uses: asking peers at once, their run states, the measured
+view, the events log (see control/plane.py for the protocol).
 
 `CoordinatorRole` is mixed into `ControlPlane`: every daemon can become the coordinator, and the
 coordinator is also a peer of the run, so both roles share the plane's state (its run, the
 election, the transport). Reconfiguring a running swarm is in control/reconfigure.py; what a
-peer does is in control/plane.py.
+peer does in an epoch is in control/epoch.py.
 """
 
 from __future__ import annotations
@@ -20,15 +21,15 @@ import numpy as np
 import trio
 
 from dtfm.gossip import build_view
-from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout, short_id
-from dtfm.train import TrainConfig, get_preset
+from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout, get_dict, get_str, short_id
+from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 from .allocation import Allocation, SignedAllocation
 from .messages import ControlMsg
 from .request import TrainError, TrainRequest
 from .runner import StepReport
 from .runstate import PeerRunState
-from .schedule import choose_shape, random_shape
+from .schedule import Shape, choose_shape, random_shape
 from .steplog import _Issued
 
 __all__ = ["CoordinatorRole"]
@@ -60,15 +61,7 @@ class CoordinatorRole:
         regions = {p: m.region for p, m in members.items()}
         if req.stages is not None and req.dp is None:
             req = replace(req, dp=max(1, len(view.peers) // req.stages))
-        try:
-            if req.placement == "random":
-                shape = random_shape(view, spec, cfg, stages=req.stages, dp=req.dp, seed=req.seed)
-            else:
-                shape = await trio.to_thread.run_sync(lambda: choose_shape(
-                    view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,
-                    time_budget_s=self.config.schedule_time_s, seed=req.seed))
-        except ValueError as e:
-            raise TrainError(f"cannot schedule: {e}") from None
+        shape = await self._first_shape(req, spec, cfg, view, regions)
         async with self._reconf_lock:
             run = self._run
             if run is not None and run.active:
@@ -95,6 +88,18 @@ class CoordinatorRole:
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
                 "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(log_path)}
+
+    async def _first_shape(self, req: TrainRequest, spec: GPTSpec, cfg: TrainConfig, view, regions) -> Shape:
+        """The new run's shape: the scheduler's on the gossiped view, or (`--placement random`)
+        a random one of the given stages x dp."""
+        try:
+            if req.placement == "random":
+                return random_shape(view, spec, cfg, stages=req.stages, dp=req.dp, seed=req.seed)
+            return await trio.to_thread.run_sync(lambda: choose_shape(
+                view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,
+                time_budget_s=self.config.schedule_time_s, seed=req.seed))
+        except ValueError as e:
+            raise TrainError(f"cannot schedule: {e}") from None
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,
@@ -227,7 +232,76 @@ class CoordinatorRole:
                                       self.config.request_timeout_s, local=lambda: self._stop_self(run.alloc, at))
         return {"at_step": at, "told": sum(1 for a in answers.values() if a.get("stopped"))}
 
-    # ---- asking the peers, their run states, the measured view, events -----------------------
+    # ---- step reports -------------------------------------------------------------------------
+
+    async def _on_step(self, conn, msg_type, body, payload) -> None:
+        if not isinstance(body, dict):
+            raise ProtocolError("STEP body must be a map")
+        if "failed" in body:
+            reason = body.get("failed")
+            if not isinstance(reason, str):
+                raise ProtocolError("STEP failed must be a string")
+            run = self._run
+            if (self.election.is_coordinator and run is not None and body.get("run") == run.alloc.run_id
+                    and body.get("epoch") == run.alloc.epoch):  # a late report of an older epoch: already handled
+                self._trigger(f"peer {conn.short_id}: {reason[:200]}")
+            return
+        self._record_step(conn.peer_id, StepReport.from_wire(body), body.get("run"))
+
+    def _record_step(self, peer: bytes, rep: StepReport, run_id) -> None:
+        issued = self._issued
+        if issued is None or run_id != issued.alloc.run_id:
+            return
+        for line in issued.add(peer, rep):
+            issued.state = "training"
+            logger.info("step %d: loss %s, %.2f s, %.0f tokens/s%s", line["step"],
+                        "-" if line["loss"] is None else f"{line['loss']:.4f}", line["iteration_s"] or 0,
+                        line["tokens_per_s"] or 0, " (some reports lost)" if line.get("partial") else "")
+            if line["step"] + 1 >= issued.alloc.end_step:
+                issued.state = "finished"
+        if issued.gaps and not issued.filling and self._nursery is not None:
+            issued.filling = True
+            self._nursery.start_soon(self._fill_gaps, issued)
+
+    # ---- train operations, forwarded to the coordinator ---------------------------------------
+
+    async def _become_coordinator(self) -> bytes | None:
+        """Make sure there is a coordinator, standing if there is none; returns it (None: none)."""
+        if self.election.is_coordinator:
+            return self.me
+        if self.election.coordinator is not None:
+            return self.election.coordinator
+        if self.me not in self.election.voters:
+            self.election.set_voters(tuple(sorted(set(self.gossip.live_peers()) | {self.me})))
+        self.election.campaign()
+        await self.election.wait_for_coordinator(self.config.elect_timeout_s)
+        return self.election.coordinator
+
+    async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
+        d = get_dict(body, "TRAIN_OP")
+        op = get_str(d, "op", 16)
+        args = get_dict(d.get("args", {}), "TRAIN_OP args")
+        if not self.election.is_coordinator:
+            c = self.election.coordinator
+            return {"error": f"this peer is not the coordinator ({short_id(c) if c else 'none known'})"}
+        try:
+            if op == "start":
+                return {"ok": await self.start_training(TrainRequest.from_args(args), forwarded=True)}
+            if op == "reschedule":
+                return {"ok": await self.reschedule(forwarded=True)}
+        except TrainError as e:
+            return {"error": str(e)}
+        raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
+
+    async def _forward(self, coordinator: bytes, op: str, args: dict) -> dict:
+        answers = await self._ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "args": args},
+                                      self.config.accept_timeout_s + 60, local=None)
+        a = answers[coordinator]
+        if "ok" in a and isinstance(a["ok"], dict):
+            return a["ok"]
+        raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
+
+    # ---- asking the peers, their run states, the measured view, events ------------------------
 
     async def _ask_all(self, peers: list[bytes], msg_type: int, body: dict, timeout_s: float, *, local) -> dict:
         answers: dict[bytes, dict] = {}

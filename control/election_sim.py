@@ -15,7 +15,7 @@ Actions run in order, as a driver must run them, and the simulation checks as th
 - a node applies only allocations of the coordinator elected in that term, and its applied
   (term, epoch) only grows.
 
-Allocations and training (a model of control/plane.py and control/coordinate.py, no tensors).
+Allocations and training (a model of control/epoch.py and control/coordinate.py, no tensors).
 A coordinator hands out a `SimAllocation` (issuer, term, epoch = its last applied epoch + 1,
 start step, peers, layer ranges) over the same network; a node applies it only when
 `may_apply` says yes, retrying for `2 * heartbeat + 1 s` while the refusal is
@@ -294,7 +294,7 @@ class ElectionSim:
         return sorted(old | set(added[:1])), []
 
     def run_state(self, k: int) -> PeerRunState:
-        """What node k answers to RUN_STATE (control/plane.py `run_state`)."""
+        """What node k answers to RUN_STATE (control/holdings.py `run_state`)."""
         st = self.stages[k]
         if st is None:
             return PeerRunState(None, *self.disk_applied[k], None, None, None, False)

@@ -127,7 +127,7 @@ class ReconfigureRole:
         self._event("paused", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)
         raise _Paused(why)
 
-    # ---- what calls for a reconfiguration -------------------------------------------------------
+    # ---- what calls for a reconfiguration -----------------------------------------------------
 
     async def _holders_back(self, run) -> bool:
         """While the run waits for a holder: does a peer that was out of reach answer now?"""
@@ -169,7 +169,7 @@ class ReconfigureRole:
     def _regions(self) -> dict[bytes, str]:
         return {m.peer_id: m.region for m in self.gossip.members()}
 
-    # ---- reconfiguration ---------------------------------------------------------------------
+    # ---- reconfiguration ----------------------------------------------------------------------
 
     async def reschedule(self, *, forwarded: bool = False) -> dict:
         """`dtfm-peer train reschedule`: a new allocation now, on the coordinator."""

@@ -294,7 +294,7 @@ def test_format_event_says_everything_in_one_line():
     assert line == ("+60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3  "
                     "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resume at step 41")
     assert format_event({"event": "stopped"}) == "?  stopped  term -  epoch -"
-    # as control/plane.py writes them: the writer, the plan's kind, a stop's reason
+    # as the coordinator writes them: the writer, the plan's kind, a stop's reason
     stopped = {"time": 1070.0, "event": "stopped", "peer": "ab" * 32, "term": 3, "epoch": 4,
                "trigger": "peer 77aa0011 is dead", "reason": "layers (0, 2) are held nowhere"}
     assert format_event(stopped, t0=1000.0) == ("+70.0s  stopped  term 3  epoch 4  peer 77aa0011 is dead  "
@@ -387,7 +387,7 @@ def test_peer_status_text_replaces_the_training_json_line():
 def test_format_reschedule():
     assert format_reschedule({"kind": "reconfigured", "old_shape": "2x4", "new_shape": "2x3", "moves": 2}) \
         == "reconfigured, 2x4 -> 2x3, 2 moves"
-    # the coordinator's reconfiguration record, as control/plane.py answers
+    # the coordinator's reconfiguration record, as control/reconfigure.py answers
     info = {"at": 1.0, "reason": "operator asked", "epoch": 3, "term": 2, "old_shape": "2x4", "new_shape": "4x2",
             "kind": "reshape", "predicted_old_s": 1.5, "predicted_new_s": 1.25, "moves": 4, "bytes_moved": 2_000_000,
             "resume_step": 12, "rollback": False, "stop_s": 0.4}
