@@ -43,7 +43,8 @@ from .election_messages import (
 from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig
-from .recovery import RecoveryError, RecoveryServer, assemble_stage, fetch_stage, manifest_digest, needed_stages
+from .recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
+from .relayout import assemble_stage, needed_stages
 from .request import TrainError, TrainRequest
 from .reshape import Current, ReshapePlan, reshape
 from .runner import RunEnd, StageRunner, StepReport, params_sha256

@@ -32,7 +32,8 @@ from dtfm.train import (
 from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation, check_allocation
 from .comm import TransportComm
 from .messages import ControlMsg
-from .recovery import RecoveryError, assemble_stage, fetch_stage, needed_stages
+from .recovery import RecoveryError, fetch_stage
+from .relayout import assemble_stage, needed_stages
 from .request import TrainError
 from .runner import RunEnd, StageRunner, StepReport
 

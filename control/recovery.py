@@ -38,7 +38,7 @@ another. When no holder is left, `RecoveryError` names the stage, the step and e
 with why it failed. Every network wait has a timeout.
 
 A new layout with other layer ranges is built from the parts of several old stages by
-`assemble_stage`; `needed_stages` says which old stages a new range needs.
+`assemble_stage` (control/relayout.py); `needed_stages` says which old stages a new range needs.
 
 The chunk size is part of the digest: every peer of a swarm offers with the same chunk size
 (`DEFAULT_CHUNK_BYTES`), and the manifest (about 70 bytes per chunk) must fit one control frame.
@@ -54,7 +54,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 import trio
 
 from dtfm.net import (
@@ -74,23 +73,18 @@ from dtfm.net import (
 )
 from dtfm.train import (
     DEFAULT_CHUNK_BYTES,
-    CheckpointError,
-    GPTSpec,
     StageState,
-    TrainConfig,
     TransferError,
     TransferManifest,
     TransferReceiver,
     encode_transfer,
     load_checkpoint,
-    stage_from_tensors,
 )
 
 from .allocation import RUN_ID_BYTES
 from .messages import ControlMsg
 
-__all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "assemble_stage", "fetch_stage",
-           "manifest_digest", "needed_stages"]
+__all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +92,6 @@ _MAX_INT = 2**63 - 1
 _MAX_LAYER = 1 << 20
 _MAX_CHUNKS = 1 << 31
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_BLOCK = re.compile(r"^h\.(\d+)\.")
 _MANIFEST_FIELDS = frozenset({"run", "step", "layers"})
 _CHUNK_FIELDS = _MANIFEST_FIELDS | {"digest", "index"}
 
@@ -417,79 +410,3 @@ async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, ru
     logger.info("recovered layers %s at step %d: %d bytes in %.2f s from %s", f.layer_range, step, f.nbytes,
                 seconds, ", ".join(f"{short_id(p)} ({k})" for p, k in f.per_source.items()))
     return FetchResult(f.receiver, f.nbytes, seconds, f.per_source, f.failed)
-
-
-# ----------------------------------------------------------------------------- re-layout
-
-
-def needed_stages(old_ranges: Sequence[tuple[int, int]], new_range: tuple[int, int]) -> list[int]:
-    """Indices of the old stages that stage `new_range` takes tensors from: those with blocks
-    in it, the old first stage when it starts at 0 (embeddings), the old last when it ends at
-    the model's last layer (final norm, head, tied embedding copy)."""
-    if not old_ranges:
-        raise ValueError("no old layer ranges")
-    a, b = new_range
-    need = {i for i, (oa, ob) in enumerate(old_ranges) if oa < b and a < ob}
-    if a == 0:
-        need.add(0)
-    if b == old_ranges[-1][1]:
-        need.add(len(old_ranges) - 1)
-    return sorted(need)
-
-
-def _param_name(key: str) -> str:
-    return key.split("/", 1)[1] if "/" in key else key
-
-
-def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: int) -> dict[str, torch.Tensor]:
-    if isinstance(part, dict):
-        return part
-    m = part.manifest.meta
-    try:
-        m_spec, m_cfg = GPTSpec.from_dict(m["spec"]), TrainConfig.from_dict(m["config"])
-        m_step, m_ostep = int(m["step"]), int(m["optim_step"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise RecoveryError(f"bad stage description: {e}") from None
-    if m_spec != spec or m_cfg != cfg or (m_step, m_ostep) != (step, optim_step):
-        raise RecoveryError(f"a part of layers {m.get('layer_range')} is of another model, config or step "
-                            f"({m_step}, optimizer step {m_ostep}; expected {step}, {optim_step})")
-    try:
-        return part.tensors()
-    except TransferError as e:
-        raise RecoveryError(str(e)) from None
-
-
-def assemble_stage(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
-                   parts: Sequence[TransferReceiver | dict[str, torch.Tensor]], step: int, optim_step: int,
-                   device: str = "cpu") -> StageState:
-    """Stage `layer_range` from the tensors of old stages (`param/<name>`, `exp_avg/<name>`,
-    `exp_avg_sq/<name>`, as `TransferReceiver.tensors()` gives them).
-
-    Blocks come from whichever part holds them; `wte`/`wpe` from the old first stage (the part
-    with `wpe`); `ln_f` and `lm_head` from the old last stage (the part with `ln_f`); a new last
-    stage's tied `wte` copy from the old last stage's copy if it has one, else from the old
-    first stage. Moments follow their parameter. Both copies of a tied embedding are equal
-    bit for bit (their gradients are summed the same way on both and their updates are
-    identical), so either source trains alike. Raises RecoveryError if a tensor is missing."""
-    a, b = layer_range
-    tensors = [_part_tensors(p, spec, cfg, step, optim_step) for p in parts]
-    first = next((t for t in tensors if "param/wpe.weight" in t), None)
-    last = next((t for t in tensors if "param/ln_f.weight" in t), None)
-    chosen: dict[str, torch.Tensor] = {}
-    for t in tensors:
-        for key, v in t.items():
-            block = _BLOCK.match(_param_name(key))
-            if block is not None and a <= int(block.group(1)) < b:
-                chosen.setdefault(key, v)
-    if a == 0 and first is not None:
-        chosen.update({k: v for k, v in first.items() if _param_name(k).split(".")[0] in ("wte", "wpe")})
-    if b == spec.n_layer and last is not None:
-        chosen.update({k: v for k, v in last.items() if _param_name(k).split(".")[0] in ("ln_f", "lm_head")})
-        if spec.tied_head and a > 0:
-            src = last if "param/wte.weight" in last else first
-            if src is not None:
-                chosen.update({k: v for k, v in src.items() if _param_name(k) == "wte.weight"})
-    try:
-        return stage_from_tensors(spec, cfg, (a, b), chosen, step, optim_step, device)
-    except CheckpointError as e:
-        raise RecoveryError(f"cannot assemble layers {[a, b]} at step {step}: {e}") from None

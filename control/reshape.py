@@ -25,7 +25,7 @@ The first allocation (`current=None`) is the scheduler alone, like `choose_shape
 
 Costs. A peer that takes on a layer range other than the one it holds *moves*: it fetches every
 old stage that its new range needs (the blocks in it, the embeddings for a first stage, the head
-for a last stage: the rule of `control.recovery.needed_stages`) and that it does not hold
+for a last stage: the rule of `control.relayout.needed_stages`) and that it does not hold
 itself, each stage about 16 bytes per parameter (fp32 weights, two Adam moments and the rest;
 `stage_bytes` overrides it), from the live holder it reaches fastest (latency + bytes over the
 view's bandwidth). A peer fetches its stages one after another, the movers in parallel, so

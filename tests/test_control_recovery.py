@@ -17,13 +17,12 @@ from dtfm.control.messages import ControlMsg
 from dtfm.control.recovery import (
     RecoveryError,
     RecoveryServer,
-    assemble_stage,
     fetch_stage,
     manifest_digest,
-    needed_stages,
     parse_chunk_request,
     parse_manifest_request,
 )
+from dtfm.control.relayout import assemble_stage, needed_stages
 from dtfm.control.runner import params_sha256
 from dtfm.net import ConnectionClosed, Identity, ProtocolError, Transport, TransportConfig, short_id
 from dtfm.train import (
