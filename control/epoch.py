@@ -151,7 +151,7 @@ class PeerRole:
             return {"accepted": False, "code": "connect-failed", "reason": f"{short_id(self.me)}: {e}"}
         run.runner = StageRunner(state, plan, self.me, comm, corpus, end_step=alloc.end_step,
                                  checkpoint_every=alloc.checkpoint_every,
-                                 checkpoint_dir=self.data_dir / "checkpoints",
+                                 checkpoint_dir=self._checkpoint_root(alloc.run_id),
                                  torch_threads=self.config.torch_threads,
                                  on_step=self._reporter(alloc))
         d, s = alloc.position(self.me)

@@ -13,6 +13,8 @@ the new allocation names keeps it instead of fetching.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import trio
 
 from dtfm.net import ProtocolError, get_bytes, get_dict, get_int, get_str
@@ -48,7 +50,7 @@ class HolderRole:
                 return run.state
             if run.runner is not None and run.runner.snapshot_step == step:
                 return run.runner.snapshot_state()
-        for path in reversed(list_checkpoints(self.data_dir / "checkpoints", layers)):
+        for path in reversed(list_checkpoints(self._checkpoint_root(run_id), layers)):
             if path.name == f"step-{step:08d}.json":
                 state = load_checkpoint(path)
                 return state
@@ -60,8 +62,16 @@ class HolderRole:
             return None
         return found[1]
 
-    def _checkpoints(self) -> tuple[tuple[int, int, int], ...]:
-        root = self.data_dir / "checkpoints"
+    def _checkpoint_root(self, run_id: bytes) -> Path:
+        """Where this peer saves its checkpoints of run `run_id`: one folder per run, so a run
+        never takes another run's checkpoint of the same layers and step for its own."""
+        return self.data_dir / "checkpoints" / run_id.hex()
+
+    def _checkpoints(self, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
+        """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
+        if run_id is None:
+            return ()
+        root = self._checkpoint_root(run_id)
         out = []
         if root.is_dir():
             for d in sorted(root.iterdir()):
@@ -79,7 +89,7 @@ class HolderRole:
     def run_state(self) -> PeerRunState:
         run = self._run
         if run is None:
-            return PeerRunState(None, *self.election.last_applied, None, None, None, False, self._checkpoints(),
+            return PeerRunState(None, *self.election.last_applied, None, None, None, False, (),
                                 tuple(self._reports))
         held = run if run.state is not None else self._prev
         layers = at = prev = None
@@ -89,7 +99,7 @@ class HolderRole:
                 at = run.state.step
                 prev = run.runner.snapshot_step if run.runner is not None else None
         return PeerRunState(run.alloc.run_id, run.alloc.term, run.alloc.epoch, layers, at, prev, run.active,
-                            self._checkpoints(), tuple(self._reports))
+                            self._checkpoints(run.alloc.run_id), tuple(self._reports))
 
     async def _on_run_state(self, conn, msg_type, body, payload) -> dict:
         d = get_dict(body, "RUN_STATE")

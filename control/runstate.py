@@ -100,7 +100,7 @@ def resume_point(run_id: bytes, layer_ranges: tuple[tuple[int, int], ...],
         if s.layers in held:
             for step in s.steps_held():
                 held[s.layers].setdefault(step, []).append(peer)
-    for peer, s in sorted(states.items()):  # a checkpoint of this layout, whichever run state it reports
+    for peer, s in sorted(mine.items()):  # a peer's checkpoints are of the run it reports
         for a, b, step in s.checkpoints:
             if (a, b) in saved:
                 saved[(a, b)].setdefault(step, []).append(peer)

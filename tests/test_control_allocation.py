@@ -128,7 +128,8 @@ def allocation_fields(draw) -> dict:
         "holdings": [Holding(r, draw(st.binary(min_size=32, max_size=32)).hex(),
                              tuple(draw(st.lists(st.sampled_from(ids), min_size=1, max_size=3, unique=True))))
                      for r in zip([0, *cuts], [*cuts, n_layer])] if draw(st.booleans()) else [],
-        "absent": [draw(st.binary(min_size=32, max_size=32))] if draw(st.booleans()) else [],
+        "absent": [draw(st.binary(min_size=32, max_size=32).filter(lambda b: b not in ids))]
+                  if draw(st.booleans()) else [],
         "reason": draw(st.text(max_size=40)),
     }
 

@@ -230,15 +230,23 @@ async def test_a_restarted_peer_knows_the_run_it_applied(tmp_path, autojump_cloc
 
 
 async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autojump_clock):
+    # Checkpoints live in one folder per run: run r's is listed and offered; another run's
+    # checkpoint of the same layers is neither (its weights are not this run's).
     plane = make_plane(tmp_path, OTHER)
+    run, other_run = b"r" * 16, b"o" * 16
     state = StageState(PRESETS["tiny"], CFG, (0, 2))
     state.step = 4
-    save_checkpoint(tmp_path / "checkpoints", state)
-    assert (0, 2, 4) in plane.run_state().checkpoints
-    reply = await plane.offer(b"r" * 16, 4, (0, 2))
+    save_checkpoint(plane._checkpoint_root(run), state)
+    state.step = 8
+    save_checkpoint(plane._checkpoint_root(other_run), state)
+    assert plane._checkpoints(run) == ((0, 2, 4),) and plane._checkpoints(other_run) == ((0, 2, 8),)
+    assert plane.run_state().checkpoints == ()  # no run applied: none to report
+    state.step = 4
+    reply = await plane.offer(run, 4, (0, 2))
     manifest, _ = encode_transfer(state)
     assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
-    assert "error" in await plane.offer(b"r" * 16, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
+    assert "error" in await plane.offer(run, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
+    assert "error" in await plane.offer(run, 8, (0, 2))  # another run's step 8
 
 
 class MeasuredGossip(FakeGossip):

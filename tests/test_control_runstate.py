@@ -46,6 +46,15 @@ def test_a_lost_stage_rolls_the_swarm_back_to_the_newest_common_checkpoint():
     assert rp.holders((2, 4)) == (P[1],) and rp.holders((0, 2)) == (P[0],)
 
 
+def test_checkpoints_of_another_run_are_not_this_runs():
+    # P[1]'s checkpoints of the same layers, at later steps, belong to the run it reports (an
+    # earlier one): taking them would go on with another run's weights.
+    states = {P[0]: st_((0, 2), 9, 8, ckpts=[(0, 2, 6)]),
+              P[1]: st_(None, None, run=OTHER, ckpts=[(2, 4, 12), (2, 4, 16), (0, 2, 16)])}
+    with pytest.raises(ResumeError, match="layers 2-3"):
+        resume_point(RUN, RANGES, states)
+
+
 def test_no_holder_and_no_checkpoint_stops_with_the_lost_layers_named():
     states = {P[0]: st_((0, 2), 9, 8)}
     with pytest.raises(ResumeError, match="layers 2-3") as e:
