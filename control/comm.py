@@ -32,6 +32,11 @@ Failure. When the connection to a peer closes with no replacement, or the owner 
 `fail(peer, reason)`, everything waiting on that peer raises `CommError` at once, naming it;
 `abort(reason)` wakes every waiter with `CommClosed`.
 
+Modules. `TransportComm` and its router are here, with the worker's side (`isend`, `recv`) and
+the connections; its trio-side sending is `CommSender` (control/comm_send.py: queues, windows,
+acknowledgements), its receiving `CommReceiver` (control/comm_receive.py: checks, buffers),
+both mixed in; the TENSOR message and its replies are in control/comm_wire.py.
+
 Threads. Workers call `isend`/`recv` from their threads; the trio side is reached through the
 `TrioToken` captured when the comm is created (it must be created inside trio), and thread-side
 waits use `threading` primitives with timeouts.
@@ -39,58 +44,26 @@ waits use `threading` primitives with timeouts.
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
-from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import trio
 
-from dtfm.net import (
-    ConnectionClosed,
-    PeerConnection,
-    PeerTransport,
-    ProtocolError,
-    RemoteError,
-    RequestTimeout,
-    get_bytes,
-    get_dict,
-    get_int,
-    get_list,
-    get_str,
-    short_id,
-)
-from dtfm.train import (
-    TORCH_DTYPES,
-    CommClosed,
-    CommError,
-    CommTimeout,
-    EventHandle,
-    MessageRules,
-    tensor_from_wire,
-    tensor_to_wire,
-)
+from dtfm.net import ConnectionClosed, PeerConnection, PeerTransport, ProtocolError
+from dtfm.train import CommClosed, CommError, CommTimeout, EventHandle, MessageRules, tensor_to_wire
 
+from .comm_receive import ENTRY_OVERHEAD_BYTES, CommReceiver, _Inbox
+from .comm_send import CommSender, _Outbox, _Outgoing, _SendBuffers
+from .comm_wire import MAX_RUN_BYTES, _address, _name, _refuse, _Tensor
 from .messages import ControlMsg
 
 __all__ = ["CommConfig", "TensorRouter", "TransportComm"]
 
-logger = logging.getLogger(__name__)
-
 MiB = 1 << 20
-# What a buffered tensor costs beyond its bytes (tensor object, header, queue entry); it also
-# bounds how many empty tensors a buffer can hold.
-ENTRY_OVERHEAD_BYTES = 1024
-MAX_RUN_BYTES = 32
-MAX_TAG_FIELD_CHARS = 256
-_MAX_INT = 2**63 - 1
-_FIELDS = frozenset({"run", "epoch", "seq", "tag", "dtype", "shape"})
-_ACCEPTED = {"ok": True}
 
 
 @dataclass(frozen=True)
@@ -146,128 +119,6 @@ class CommConfig:
         return max(largest, min(want, self.max_buffer_bytes))
 
 
-def _name(peer: object) -> str:
-    return short_id(peer) if isinstance(peer, bytes) else repr(peer)
-
-
-def _nbytes(expected: tuple[str, tuple[int, ...]]) -> int:
-    return TORCH_DTYPES[expected[0]].itemsize * math.prod(expected[1])
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    """A TENSOR request's body, with every field checked."""
-
-    run: bytes
-    epoch: int
-    seq: int
-    tag: str
-    header: dict
-
-    @classmethod
-    def from_wire(cls, body: object) -> _Tensor:
-        d = get_dict(body, "tensor message")
-        if set(d) != _FIELDS:
-            raise ProtocolError(f"tensor message fields {sorted(map(str, d))}, expected {sorted(_FIELDS)}")
-        get_str(d, "dtype", 16)
-        get_list(d, "shape", 8)
-        return cls(get_bytes(d, "run", 1, MAX_RUN_BYTES), get_int(d, "epoch", 0, _MAX_INT),
-                   get_int(d, "seq", 0, _MAX_INT), get_str(d, "tag", MAX_TAG_FIELD_CHARS), d)
-
-
-class _Inbox:
-    """Tensors from one neighbour waiting for the worker, admitted in sequence order."""
-
-    def __init__(self, peer: bytes, limit_bytes: int):
-        self.peer, self.name, self.limit_bytes = peer, _name(peer), limit_bytes
-        self.cv = threading.Condition()  # guards everything below but `changed`
-        self.queues: dict[str, deque] = {}
-        self.buffered_bytes = self.peak_bytes = 0
-        self.next_seq = 0
-        self.claimed: set[int] = set()  # sequence numbers a handler is working on
-        self.failed: str | None = None
-        self.changed = trio.Event()  # trio side: set (and renewed) when a waiting handler may proceed
-
-    def poke(self) -> None:
-        """Wake the handlers waiting on this inbox (trio thread only)."""
-        event, self.changed = self.changed, trio.Event()
-        event.set()
-
-
-class _SendBuffers:
-    """Byte buffers of sent tensors, reused for later copies of the same size: a fresh large
-    allocation costs a page fault per page, about as much again as the copy into it."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes, self._bytes = max_bytes, 0
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                self._bytes -= nbytes
-                return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give(self, buf: torch.Tensor) -> None:
-        """Take `buf` back once the transport has read it."""
-        with self._lock:
-            if self._bytes + buf.numel() <= self.max_bytes:
-                self._free.setdefault(buf.numel(), []).append(buf)
-                self._bytes += buf.numel()
-
-
-@dataclass(eq=False)
-class _Outgoing:
-    tag: str
-    body: dict
-    payload: memoryview
-    handle: EventHandle
-    buffer: torch.Tensor | None = None  # the payload's memory when it came from _SendBuffers
-    finished: bool = False
-
-    def finish(self, error: BaseException | None) -> None:
-        if not self.finished:
-            self.finished = True
-            self.payload = memoryview(b"")  # the bytes are on the wire or useless now
-            if error is None:
-                self.handle.done()
-            else:
-                self.handle.fail(error)
-
-
-class _Outbox:
-    """Tensors for one destination: a FIFO queue and a window of unacknowledged ones (trio side)."""
-
-    def __init__(self, peer: bytes, capacity: int):
-        self.peer, self.name = peer, _name(peer)
-        self.send_ch, self.recv_ch = trio.open_memory_channel(capacity)
-        self.inflight: set[_Outgoing] = set()
-        self.unacked_bytes = self.peak_unacked_messages = 0
-        self.held = 0  # taken from the queue, waiting for room in the window (0 or 1)
-        self.error: CommError | None = None
-        self.room = trio.Event()
-
-    def poke(self) -> None:
-        event, self.room = self.room, trio.Event()
-        event.set()
-
-    def fail(self, error: CommError) -> None:
-        """Fail every tensor queued or in flight, and every later one: the stream is broken."""
-        if self.error is None:
-            self.error = error
-        for item in list(self.inflight):
-            item.finish(self.error)
-        while True:
-            try:
-                self.recv_ch.receive_nowait().finish(self.error)
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-        self.poke()
-
-
 class TensorRouter:
     """Owns the transport's TENSOR handler (registered once per daemon) and routes tensors and
     connection events to the attached `TransportComm`; refuses tensors while none is."""
@@ -303,12 +154,7 @@ class TensorRouter:
             self._comm._on_lost(conn.peer_id, reason)
 
 
-def _refuse(name: str, tag: str, why: str, duplicate: bool = False) -> dict:
-    logger.debug("refused tensor %r from %s: %s", tag[:MAX_TAG_FIELD_CHARS], name, why)
-    return {"ok": False, "why": why[:200], "dup": duplicate}
-
-
-class TransportComm:
+class TransportComm(CommSender, CommReceiver):
     """`dtfm.train.Comm` between daemons over the peer transport, for one run and epoch."""
 
     def __init__(self, transport: PeerTransport, rules: MessageRules, *, run: bytes, router: TensorRouter,
@@ -499,176 +345,3 @@ class TransportComm:
     def _on_lost(self, peer: bytes, reason: str) -> None:
         if self._watching:  # before `connect`, a lost connection is simply dialled again
             self.fail(peer, f"connection lost ({reason})")
-
-    # ---- sending (trio) ------------------------------------------------------------------
-
-    def _enqueue(self, peer: bytes, item: _Outgoing) -> None:
-        if self._closed is not None or self._nursery is None:
-            item.finish(CommClosed(f"communicator not running: cannot send {item.tag!r} to {_name(peer)}"))
-            return
-        box = self._outboxes.get(peer)
-        if box is None:
-            box = self._outboxes[peer] = _Outbox(peer, self.config.max_queued_messages)
-            if peer in self._lost:
-                box.fail(CommError(f"peer {box.name} failed: {self._lost[peer]}"))
-            self._nursery.start_soon(self._send_loop, box)
-        if box.error is not None:
-            item.finish(box.error)
-            return
-        try:
-            box.send_ch.send_nowait(item)
-        except trio.WouldBlock:
-            item.finish(CommError(f"more than {self.config.max_queued_messages} tensors queued for {box.name}"))
-            box.fail(CommError(f"send queue to {box.name} overflowed"))
-
-    def _fail_outbox(self, peer: bytes, reason: str) -> None:
-        self._lost.setdefault(peer, reason)
-        box = self._outboxes.get(peer)
-        if box is not None:
-            box.fail(CommError(f"peer {box.name} failed: {reason}"))
-        inbox = self._inboxes.get(peer)
-        if inbox is not None:
-            inbox.poke()
-
-    async def _send_loop(self, box: _Outbox) -> None:
-        cfg = self.config
-        async for item in box.recv_ch:
-            size = item.payload.nbytes
-            box.held = 1
-            try:
-                # at least two of this size in flight, so the link does not idle during an ack
-                window_bytes = max(cfg.window_bytes, 2 * size)
-                while box.error is None and box.inflight and (
-                        len(box.inflight) >= cfg.window_messages or box.unacked_bytes + size > window_bytes):
-                    await box.room.wait()
-            except BaseException:
-                item.finish(CommClosed(f"communicator closed before {item.tag!r} went to {box.name}"))
-                raise
-            finally:
-                box.held = 0
-            if box.error is not None:
-                item.finish(box.error)
-                continue
-            box.inflight.add(item)
-            box.unacked_bytes += size
-            box.peak_unacked_messages = max(box.peak_unacked_messages, len(box.inflight))
-            self._nursery.start_soon(self._deliver, box, item, size)
-
-    async def _deliver(self, box: _Outbox, item: _Outgoing, size: int) -> None:
-        error: CommError | None = CommClosed(f"communicator closed while sending {item.tag!r} to {box.name}")
-        try:
-            error = await self._request(box, item)
-        finally:
-            box.inflight.discard(item)
-            box.unacked_bytes -= size
-            item.finish(error)
-            if error is not None:  # a later tensor would wait for this one's sequence number forever
-                box.fail(CommError(f"stream to {box.name} broken at {item.tag!r}: {error}"))
-            box.poke()
-            if item.buffer is not None:  # the request is over: the transport has let go of the bytes
-                self._buffers.give(item.buffer)
-
-    async def _request(self, box: _Outbox, item: _Outgoing) -> CommError | None:
-        """Send one tensor and wait for its acknowledgement; the error, or None."""
-        conn = self._transport.connection(box.peer)
-        deadline = trio.current_time() + self.config.ack_timeout_s
-        resent = False
-        while True:
-            if box.error is not None:
-                return box.error
-            if conn is None:
-                return CommError(f"no connection to {box.name}")
-            try:
-                reply, _ = await conn.request(ControlMsg.TENSOR, item.body, payload=item.payload,
-                                              timeout_s=max(deadline - trio.current_time(), 1e-3))
-            except ConnectionClosed as e:
-                new = self._transport.connection(box.peer)
-                if new is None or new is conn:
-                    return CommError(f"connection to {box.name} lost: {e}")
-                conn, resent = new, True  # replaced (both ends dialled): the receiver drops a duplicate
-                continue
-            except RequestTimeout:
-                return CommTimeout(f"{box.name} did not acknowledge {item.tag!r} within {self.config.ack_timeout_s} s")
-            except (RemoteError, ValueError) as e:
-                return CommError(f"{box.name} did not take {item.tag!r}: {e}")
-            return _verdict(reply, box.name, item.tag, resent)
-
-    # ---- receiving (trio, from the router) ------------------------------------------------
-
-    async def _receive(self, src: bytes, msg: _Tensor, payload: memoryview | None) -> dict:
-        name = _name(src)
-        if self._closed is not None:
-            return _refuse(name, msg.tag, "communicator closed")
-        if msg.run != self.run_id or msg.epoch != self.rules.epoch:
-            return _refuse(name, msg.tag, f"run {msg.run.hex()[:8]} epoch {msg.epoch}, this peer is in "
-                                          f"run {self.run_id.hex()[:8]} epoch {self.rules.epoch}")
-        inbox = self._inboxes.get(src)
-        if inbox is None:
-            return _refuse(name, msg.tag, f"not a neighbour of this peer in epoch {self.rules.epoch}")
-        expected = self.rules.expect(src, msg.tag)
-        if expected is None:
-            return _refuse(name, msg.tag, "not a tag this peer sends here under the plan")
-        dtype, shape = msg.header["dtype"], msg.header["shape"]
-        if dtype != expected[0]:
-            return _refuse(name, msg.tag, f"dtype {dtype!r}, the tag carries {expected[0]}")
-        if tuple(shape) != expected[1] or any(type(s) is not int for s in shape):
-            return _refuse(name, msg.tag, f"shape {shape!r}, the tag carries {list(expected[1])}")
-        nbytes = _nbytes(expected)
-        if payload is None and nbytes == 0:
-            payload = memoryview(b"")  # an empty payload travels as none
-        try:
-            tensor = tensor_from_wire(msg.header, payload, max_bytes=nbytes)
-        except ProtocolError as e:
-            return _refuse(name, msg.tag, str(e))
-        return await self._admit(inbox, msg, tensor, nbytes + ENTRY_OVERHEAD_BYTES)
-
-    async def _admit(self, inbox: _Inbox, msg: _Tensor, tensor: torch.Tensor, cost: int) -> dict:
-        """Wait for `msg.seq`'s turn and room in the buffer, then buffer the tensor."""
-        deadline = trio.current_time() + self.config.handler_wait_timeout_s
-        window, seq, mine = self.config.window_messages, msg.seq, False
-        try:
-            while True:
-                with inbox.cv:
-                    if self._closed is not None or inbox.failed is not None:
-                        return _refuse(inbox.name, msg.tag, f"no longer receiving: {self._closed or inbox.failed}")
-                    if seq < inbox.next_seq:
-                        return _refuse(inbox.name, msg.tag, f"duplicate sequence number {seq}", duplicate=True)
-                    if seq >= inbox.next_seq + window:
-                        return _refuse(inbox.name, msg.tag, f"sequence number {seq} outside the window "
-                                                            f"[{inbox.next_seq}, {inbox.next_seq + window})")
-                    if not mine and seq not in inbox.claimed:
-                        inbox.claimed.add(seq)
-                        mine = True
-                    if mine and seq == inbox.next_seq and (
-                            inbox.buffered_bytes == 0 or inbox.buffered_bytes + cost <= inbox.limit_bytes):
-                        inbox.queues.setdefault(msg.tag, deque()).append((tensor, cost))
-                        inbox.buffered_bytes += cost
-                        inbox.peak_bytes = max(inbox.peak_bytes, inbox.buffered_bytes)
-                        inbox.next_seq += 1
-                        inbox.cv.notify_all()
-                        return _ACCEPTED
-                    changed, waiting_for = inbox.changed, inbox.next_seq
-                with trio.move_on_at(deadline) as scope:
-                    await changed.wait()
-                if scope.cancelled_caught:
-                    why = "no room in the buffer" if seq == waiting_for else f"sequence number {waiting_for} never came"
-                    return _refuse(inbox.name, msg.tag, f"{why} within {self.config.handler_wait_timeout_s} s")
-        finally:
-            if mine:
-                with inbox.cv:
-                    inbox.claimed.discard(seq)
-            inbox.poke()
-
-
-def _verdict(reply: object, name: str, tag: str, resent: bool) -> CommError | None:
-    """The receiver's answer to one tensor: None when it has it, else the error."""
-    if type(reply) is not dict or type(reply.get("ok")) is not bool:
-        return CommError(f"{name} answered {tag!r} with a malformed reply")
-    if reply["ok"] or (resent and reply.get("dup") is True):
-        return None
-    why = reply.get("why")
-    return CommError(f"{name} refused {tag!r}: {why if isinstance(why, str) else 'no reason given'}")
-
-
-def _address(view: memoryview) -> int:
-    return np.frombuffer(view, dtype=np.uint8).ctypes.data

@@ -11,7 +11,8 @@ import pytest
 import torch
 import trio
 
-from dtfm.control.comm import ENTRY_OVERHEAD_BYTES, CommConfig, TensorRouter, TransportComm
+from dtfm.control.comm import CommConfig, TensorRouter, TransportComm
+from dtfm.control.comm_receive import ENTRY_OVERHEAD_BYTES
 from dtfm.control.messages import ControlMsg
 from dtfm.net import ConnectionClosed, Identity, Transport, TransportConfig, short_id
 from dtfm.train import (
