@@ -10,14 +10,15 @@ canonical form, so one allocation has exactly one body and one signature check.
 `check_allocation` is the pure decision a peer makes once `SignedAllocation.open` has checked
 the signature: is everyone named alive, is this peer in it, is the model the one this peer
 knows by that preset name, is the data the same, is it newer than what it already applied.
+
+The bounds and checks of its fields, the holdings of the previous layout (`Holding`) and the
+wire form of the configuration maps are in control/allocation_fields.py.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -25,7 +26,6 @@ from dtfm.net import (
     PEER_ID_BYTES,
     Identity,
     ProtocolError,
-    get_bool,
     get_bytes,
     get_dict,
     get_float,
@@ -39,32 +39,39 @@ from dtfm.net import (
 )
 from dtfm.train import GPTSpec, Plan, TrainConfig, split_batch
 
+from .allocation_fields import (
+    _SHA256_HEX,
+    MAX_COUNTER,
+    MAX_DATA_NAME_LEN,
+    MAX_ITERATION_S,
+    MAX_LAYERS,
+    MAX_NAMED,
+    MAX_PEERS,
+    MAX_PRESET_LEN,
+    MAX_REASON_LEN,
+    MAX_STAGES,
+    RUN_ID_BYTES,
+    SIGNATURE_BYTES,
+    Holding,
+    _check_bytes,
+    _check_int,
+    _check_str,
+    _config_from_wire,
+    _config_to_wire,
+    _holding,
+    _id_list,
+    _layer_range,
+)
+
 __all__ = [
     "ALLOCATION_DOMAIN", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
-    "AcceptContext", "Allocation", "Holding", "Refusal", "SignedAllocation", "check_allocation",
+    "AcceptContext", "Allocation", "Refusal", "SignedAllocation", "check_allocation",
 ]
 
 ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before signing
 FORMAT_VERSION = 2  # first field of the body; a peer refuses a format it cannot read
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
-MAX_PEERS = 4096  # pipeline peers and spares together
-MAX_STAGES = 1024
-MAX_LAYERS = 1 << 16
-MAX_COUNTER = 2**63 - 1  # epochs, terms, steps
-MAX_ITERATION_S = 1e9
-MAX_PRESET_LEN = 64
-MAX_DATA_NAME_LEN = 256
-RUN_ID_BYTES = 16
-SIGNATURE_BYTES = 64
-MAX_REASON_LEN = 1024
-MAX_HOLDERS = 64  # holders listed per stage of the previous layout
 MAX_CODE_LEN = 32
-MAX_NAMED = 8  # peers named in one refusal; the rest are counted
-# Model and train configuration values: generous bounds, the dataclasses check the rest.
-MAX_CONFIG_FIELDS = 64
-MAX_CONFIG_INT = 2**53
-MAX_CONFIG_FLOAT = 1e15
-MAX_CONFIG_STR = 256
 
 REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "data-mismatch",
                  "dead-peer", "unknown-peer", "not-covered")
@@ -72,38 +79,7 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 _BODY = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
          "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
          "predicted_iteration_s", "holdings", "absent", "reason", "voters")
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _CODE = re.compile(r"[a-z][a-z-]*")
-
-
-@dataclass(frozen=True)
-class Holding:
-    """Where a stage of the previous layout is held at the allocation's start step: the peers
-    that hold it (or its checkpoint) and the sha256 digest of its transfer manifest
-    (`control.recovery.manifest_digest`), which binds every chunk a peer fetches."""
-
-    layer_range: tuple[int, int]
-    digest: str
-    holders: tuple[bytes, ...]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "layer_range", tuple(self.layer_range))
-        object.__setattr__(self, "holders", tuple(self.holders))
-        if len(self.layer_range) != 2:
-            raise ValueError(f"layer range {self.layer_range!r} is not a pair")
-        for x in self.layer_range:
-            _check_int("layer", x, 0, MAX_LAYERS)
-        if type(self.digest) is not str or not _SHA256_HEX.fullmatch(self.digest):
-            raise ValueError(f"holding digest must be 64 lowercase hex characters, got {self.digest!r:.80}")
-        if not 1 <= len(self.holders) <= MAX_HOLDERS:
-            raise ValueError(f"a holding lists 1 to {MAX_HOLDERS} holders")
-        for x in self.holders:
-            _check_bytes("holder", x, PEER_ID_BYTES)
-        if len(set(self.holders)) != len(self.holders):
-            raise ValueError("a holder is listed twice")
-
-    def to_wire(self) -> list:
-        return [self.layer_range[0], self.layer_range[1], self.digest, list(self.holders)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,6 +155,13 @@ class Allocation:
             raise ValueError("an allocation needs at least one pipeline")
         if any(len(p) != n_stages for p in self.pipelines):
             raise ValueError(f"every pipeline must list one peer for each of the {n_stages} stages")
+        self._check_places()
+        self._check_holdings()
+        self._check_layers()
+        split_batch(self.train.global_batch_seqs, len(self.pipelines), self.train.micro_batches)
+
+    def _check_places(self) -> None:
+        """Peers, spares, voters and absent peers: valid ids, each in one place at most."""
         peers = [x for p in self.pipelines for x in p]
         if len(peers) + len(self.spares) > MAX_PEERS:
             raise ValueError(f"more than {MAX_PEERS} peers")
@@ -203,18 +186,25 @@ class Allocation:
             _check_bytes("peer id", x, PEER_ID_BYTES)
         if set(self.absent) & (set(peers) | set(self.spares)):
             raise ValueError("an absent peer also has a place")
-        if self.holdings:
-            if len(self.holdings) > MAX_STAGES:
-                raise ValueError(f"more than {MAX_STAGES} holdings")
-            end = 0
-            for h in self.holdings:
-                if not isinstance(h, Holding):
-                    raise ValueError("holdings must be Holding values")
-                if h.layer_range[0] != end or h.layer_range[1] <= end:
-                    raise ValueError("the holdings' layer ranges must be contiguous, non-empty, from 0")
-                end = h.layer_range[1]
-            if end != self.model.n_layer:
-                raise ValueError(f"the holdings cover {end} layers, the model has {self.model.n_layer}")
+
+    def _check_holdings(self) -> None:
+        """The holdings, if any, cover the model's layers in contiguous ranges from 0."""
+        if not self.holdings:
+            return
+        if len(self.holdings) > MAX_STAGES:
+            raise ValueError(f"more than {MAX_STAGES} holdings")
+        end = 0
+        for h in self.holdings:
+            if not isinstance(h, Holding):
+                raise ValueError("holdings must be Holding values")
+            if h.layer_range[0] != end or h.layer_range[1] <= end:
+                raise ValueError("the holdings' layer ranges must be contiguous, non-empty, from 0")
+            end = h.layer_range[1]
+        if end != self.model.n_layer:
+            raise ValueError(f"the holdings cover {end} layers, the model has {self.model.n_layer}")
+
+    def _check_layers(self) -> None:
+        """The stages' layer ranges cover the model's layers in contiguous ranges from 0."""
         start = 0
         for r in self.layer_ranges:
             if len(r) != 2:
@@ -226,7 +216,6 @@ class Allocation:
             start = r[1]
         if start != self.model.n_layer:
             raise ValueError(f"layer ranges cover {start} layers, the model has {self.model.n_layer}")
-        split_batch(self.train.global_batch_seqs, len(self.pipelines), self.train.micro_batches)
 
     # ------------------------------------------------------------------ the grid
 
@@ -459,104 +448,4 @@ def _spec_diff(mine: GPTSpec, theirs: GPTSpec) -> str:
              for f in fields(GPTSpec) if getattr(mine, f.name) != getattr(theirs, f.name)]
     return "; ".join(diffs)
 
-
-# ---------------------------------------------------------------------- field checks
-
-
-def _check_int(what: str, v: object, lo: int, hi: int) -> None:
-    if type(v) is not int or not lo <= v <= hi:
-        raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
-
-
-def _check_bytes(what: str, v: object, n: int) -> None:
-    if type(v) is not bytes or len(v) != n:
-        raise ValueError(f"{what} must be {n} bytes, got {v!r:.80}")
-
-
-def _check_str(what: str, v: object, lo: int, hi: int) -> None:
-    if type(v) is not str or not lo <= len(v) <= hi:
-        raise ValueError(f"{what} must be a string of {lo} to {hi} characters, got {v!r:.80}")
-
-
-def _id_list(obj: object, what: str, max_len: int) -> list[bytes]:
-    items = get_list({what: obj}, what, max_len)
-    return [get_bytes({what: x}, what, PEER_ID_BYTES, PEER_ID_BYTES) for x in items]
-
-
-def _holding(obj: object) -> Holding:
-    items = get_list({"holding": obj}, "holding", 4)
-    if len(items) != 4:
-        raise ProtocolError("holding: expected [first, end, digest, holders]")
-    d = dict(zip(("first layer", "end layer", "digest", "holders"), items))
-    try:
-        return Holding((get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)),
-                       get_str(d, "digest", 64), tuple(_id_list(d["holders"], "holders", MAX_HOLDERS)))
-    except ValueError as e:
-        raise ProtocolError(f"holding: {e}") from None
-
-
-def _layer_range(obj: object) -> tuple[int, int]:
-    pair = get_list({"layer range": obj}, "layer range", 2)
-    if len(pair) != 2:
-        raise ProtocolError("layer range: expected [first, end]")
-    d = dict(zip(("first layer", "end layer"), pair))
-    return get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)
-
-
-@functools.cache
-def _schema(cls: type) -> tuple[tuple[str, type], ...]:
-    """(name, type) of each field of a config dataclass, sorted by name (the wire's key order)."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in sorted(fields(cls), key=lambda f: f.name):
-        if hints[f.name] not in (bool, int, float, str):
-            raise TypeError(f"{cls.__name__}.{f.name}: a {hints[f.name]} field cannot travel in an allocation")
-        out.append((f.name, hints[f.name]))
-    return tuple(out)
-
-
-def _config_to_wire(cfg: object, what: str) -> dict:
-    """The config as a map with sorted keys; ValueError on a value the wire would refuse."""
-    out = {}
-    for name, kind in _schema(type(cfg)):
-        v = getattr(cfg, name)
-        if not _fits(kind, v):
-            raise ValueError(f"{what}.{name} = {v!r:.80} cannot travel in an allocation")
-        out[name] = float(v) if kind is float else v
-    return out
-
-
-def _fits(kind: type, v: object) -> bool:
-    if kind is float:
-        return type(v) in (int, float) and math.isfinite(v) and abs(v) <= MAX_CONFIG_FLOAT
-    if kind is int:
-        return type(v) is int and 0 <= v <= MAX_CONFIG_INT
-    if kind is str:
-        return type(v) is str and len(v) <= MAX_CONFIG_STR
-    return type(v) is bool
-
-
-def _config_from_wire(cls: type, obj: object, what: str):
-    """A GPTSpec or TrainConfig from its map; every field present, typed and in bounds."""
-    d = get_dict(obj, what)
-    schema = _schema(cls)
-    if len(d) > MAX_CONFIG_FIELDS:
-        raise ProtocolError(f"{what}: more than {MAX_CONFIG_FIELDS} fields")
-    unknown = sorted(set(d) - {name for name, _ in schema})
-    if unknown:
-        raise ProtocolError(f"{what}: unknown fields {unknown[:MAX_NAMED]}: run the same dtfm version on every peer")
-    values = {}
-    for name, kind in schema:
-        if kind is bool:
-            values[name] = get_bool(d, name)
-        elif kind is int:
-            values[name] = get_int(d, name, 0, MAX_CONFIG_INT)
-        elif kind is float:
-            values[name] = get_float(d, name, -MAX_CONFIG_FLOAT, MAX_CONFIG_FLOAT)
-        else:
-            values[name] = get_str(d, name, MAX_CONFIG_STR)
-    try:
-        return cls.from_dict(values)
-    except (ValueError, TypeError) as e:
-        raise ProtocolError(f"{what}: {e}") from None
 

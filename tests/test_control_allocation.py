@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from dtfm.control.allocation import (
     FORMAT_VERSION,
-    Holding,
     ALLOCATION_DOMAIN,
     MAX_ALLOCATION_BYTES,
     REFUSAL_CODES,
@@ -24,6 +23,7 @@ from dtfm.control.allocation import (
     SignedAllocation,
     check_allocation,
 )
+from dtfm.control.allocation_fields import Holding
 from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted
 from dtfm.train import (
     PRESETS,
