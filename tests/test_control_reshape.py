@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from dtfm.control.reshape import KINDS, Current, ReshapePlan, default_stage_bytes, relabel_pipelines, reshape
+from dtfm.control.reshape import KINDS, Current, ReshapePlan, reshape
+from dtfm.control.reshape_candidates import default_stage_bytes, relabel_pipelines
 from dtfm.control.schedule import _matrices, sched_spec
 from dtfm.gossip import NetworkView
 from dtfm.sched import SEARCH_PROFILES, CostModel, simulate_iteration, solve

@@ -1,0 +1,352 @@
+"""The candidates of a re-allocation (`reshape`, control/reshape.py) and what each costs.
+
+Every way of going on from the allocation in use:
+
+- keep: the current allocation unchanged (only while all its peers are live); new live peers
+  become spares.
+- repair: each dead peer replaced by a live spare, same S and D; the spare for a hole is chosen
+  (one assignment over all holes) for its links to the hole's pipeline neighbours and DP group.
+- shrink: same layer ranges, D reduced to the pipelines still whole, or made whole by spares:
+  one candidate per count of repaired pipelines (0 moves when no spare fills a hole); the
+  survivors of the dropped pipelines become spares.
+- grow: live spares (joined or returned peers) form extra whole pipelines of the same S, laid
+  out by the scheduler among themselves; every peer of a new pipeline moves.
+- reschedule: the DT-FM scheduler on all live peers, same S, D = live // S (capped so that
+  `split_batch` accepts it; and also the current D when that leaves spares), warm-started from the current allocation (survivors in their
+  places, holes filled as repair does). The cost model does not care in which order the
+  pipelines are listed, so the result's pipelines are relabelled to keep as many peers as
+  possible in their old (stage, pipeline) place; the reversed stage order, as cheap on a
+  symmetric network, is tried too, and the cheaper of the two (score below) is offered.
+- restage: when fewer than S peers are live, no allocation of the current S exists: the
+  scheduler on the live peers with every other stage count (layer ranges change).
+
+Costs. A peer that takes on a layer range other than the one it holds *moves*: it fetches every
+old stage that its new range needs (the blocks in it, the embeddings for a first stage, the head
+for a last stage: the rule of `control.relayout.needed_stages`) and that it does not hold
+itself, each stage about 16 bytes per parameter (fp32 weights, two Adam moments and the rest;
+`stage_bytes` overrides it), from the live holder it reaches fastest (latency + bytes over the
+view's bandwidth). A peer fetches its stages one after another, the movers in parallel, so
+`move_s` is the slowest mover's total. A stage with no live holder left is *lost* (the plan
+lists it; it must come from a checkpoint) and costs no fetch time here.
+
+Each candidate's iteration time is the GPipe simulator's with the trainer's syncs, on the view,
+as `choose_shape` predicts it; its score is predicted_iteration_s x remaining_steps + move_s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from dtfm.sched import CostModel, SearchConfig, candidate_shapes, layer_ranges, simulate_iteration, solve
+from dtfm.train import GPTSpec
+
+from .schedule import _matrices, sched_spec
+
+__all__ = ["BYTES_PER_PARAM", "default_stage_bytes", "relabel_pipelines"]
+
+# fp32 weights + two fp32 Adam moments + gradient buffer: what a peer fetches per parameter.
+BYTES_PER_PARAM = 16
+
+Range = tuple[int, int]
+
+
+def default_stage_bytes(spec: GPTSpec) -> Callable[[Range], int]:
+    """Bytes of a stage's state: BYTES_PER_PARAM per parameter of its blocks, plus the embeddings
+    on the first stage and the final norm and head (or tied embedding copy) on the last."""
+    def stage_bytes(r: Range) -> int:
+        a, b = r
+        params = (b - a) * spec.layer_params
+        if a == 0:
+            params += (spec.vocab + spec.seq_len) * spec.n_embd
+        if b == spec.n_layer:
+            params += spec.vocab * spec.n_embd + (2 if spec.bias else 1) * spec.n_embd
+        return BYTES_PER_PARAM * params
+    return stage_bytes
+
+
+def relabel_pipelines(X: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """X's pipelines (columns of an (S, D) array) reordered so that as many cells as possible
+    hold the peer that `old` ((S, D0), -1 for none) has there; pipelines without a match go last.
+    The cost model and the simulator do not depend on the order of pipelines."""
+    D, D0 = X.shape[1], old.shape[1]
+    same = (X[:, :, None] == old[:, None, :]) & (old[:, None, :] >= 0)
+    rows, cols = linear_sum_assignment(same.sum(axis=0), maximize=True)
+    target = {int(r): int(c) for r, c in zip(rows, cols)}
+    order = sorted(range(D), key=lambda i: (target.get(i, D0 + i), i))
+    return X[:, order]
+
+
+def _better(a: _Cand, b: _Cand) -> bool:
+    """a scores lower than b, or as low (to rounding) with fewer moves."""
+    tol = 1e-9 * max(1.0, abs(b.score))
+    return a.score < b.score - tol or (a.score <= b.score + tol and a.moves < b.moves)
+
+
+@dataclass
+class _Cand:
+    kind: str
+    X: np.ndarray  # (S, D) view indices
+    ranges: tuple[Range, ...]
+    predicted_s: float = 0.0
+    objective_s: float = 0.0
+    moves: int = 0
+    bytes: int = 0
+    move_s: float = 0.0
+    score: float = 0.0
+    fetches: tuple = ()
+    lost: tuple = ()
+
+
+class _Planner:
+    def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config):
+        self.view, self.spec, self.cfg = view, spec, cfg
+        self.ids = view.peers
+        self.index = {p: i for i, p in enumerate(self.ids)}
+        self.live = [i for i, p in enumerate(self.ids) if p in live]
+        self.live_set = set(self.live)
+        self.delay, self.bw = _matrices(view)
+        self.steps = remaining_steps
+        self.stage_bytes = stage_bytes or default_stage_bytes(spec)
+        self.regions = regions
+        self.seed, self.config = seed, config
+        self.d_max = cfg.global_batch_seqs // cfg.micro_batches  # split_batch: every micro-batch a sample
+        self.current = current
+        self._models: dict[tuple[int, int], CostModel] = {}
+        if current is not None:
+            # (S, D) view indices of the current allocation; -1 where the peer is dead or unknown
+            self.cur = np.array([[self.index[p] if p in self.index and self.index[p] in self.live_set else -1
+                                  for p in pipe] for pipe in current.pipelines], dtype=np.int64).T
+            self.old_ranges = tuple(current.layer_ranges)
+            self.held = {int(i): s for s, row in enumerate(self.cur) for i in row if i >= 0}
+
+    # -- evaluation -----------------------------------------------------------------------
+    def model(self, S: int, D: int) -> CostModel:
+        m = self._models.get((S, D))
+        if m is None:
+            m = CostModel(self.delay, self.bw, sched_spec(self.spec, self.cfg, D).workload(S, D))
+            self._models[(S, D)] = m
+        return m
+
+    def evaluate(self, kind: str, X: np.ndarray, ranges) -> _Cand:
+        S, D = X.shape
+        m = self.model(S, D)
+        c = _Cand(kind, X, tuple(ranges))
+        c.predicted_s = float(simulate_iteration(m, X, micro_batches=self.cfg.micro_batches, engine_syncs=True).iteration_s)
+        c.objective_s = float(m.breakdown(X).paper_s)
+        self._moves(c)
+        c.score = c.predicted_s * self.steps + c.move_s
+        return c
+
+    def _moves(self, c: _Cand) -> None:
+        if self.current is None:
+            return  # the first allocation: every stage starts from the seed, nothing to fetch
+        old, n_layer = self.old_ranges, self.spec.n_layer
+        fetches, lost, moves, total, slowest = [], set(), 0, 0, 0.0
+        for s, row in enumerate(c.X):
+            a, b = c.ranges[s]
+            for i in map(int, row):
+                mine = self.held.get(i)
+                if mine is not None and old[mine] == (a, b):
+                    continue
+                moves += 1
+                need = {k for k, (oa, ob) in enumerate(old) if oa < b and a < ob}
+                need |= ({0} if a == 0 else set()) | ({len(old) - 1} if b == n_layer else set())
+                t = 0.0
+                for k in sorted(need - {mine}):
+                    size = int(self.stage_bytes(old[k]))
+                    total += size
+                    holders = [int(h) for h in self.cur[k] if h >= 0]
+                    if not holders:
+                        lost.add(old[k])
+                        fetches.append((self.ids[i], old[k], None))
+                        continue
+                    secs = [self.delay[h, i] / 1e3 + size * 8 / (self.bw[h, i] * 1e9) for h in holders]
+                    j = int(np.argmin(secs))
+                    t += secs[j]
+                    fetches.append((self.ids[i], old[k], self.ids[holders[j]]))
+                slowest = max(slowest, t)
+        c.moves, c.bytes, c.move_s = moves, total, float(slowest)
+        c.fetches, c.lost = tuple(fetches), tuple(sorted(lost))
+
+    # -- filling holes --------------------------------------------------------------------
+    def fill(self, X: np.ndarray, pool: Sequence[int]) -> np.ndarray | None:
+        """X with its -1 cells filled from `pool`, stage by stage, each stage's holes assigned at
+        once for the least sum of hops to the pipeline's neighbours and DP costs to the group."""
+        X = X.copy()
+        S, D = X.shape
+        pool = [int(p) for p in pool]
+        if int((X < 0).sum()) > len(pool):
+            return None
+        m = self.model(S, D)
+        grad = m.uniform_grad_gb()
+        for s in range(S):
+            holes = np.flatnonzero(X[s] < 0)
+            if not len(holes):
+                continue
+            cand = np.array(pool, dtype=np.int64)
+            cost = np.zeros((len(holes), len(cand)))
+            group = X[s][X[s] >= 0]
+            if len(group):
+                dp = (m.dp_a + grad * m.dp_b)[np.ix_(cand, group)] + (m.dp_a + grad * m.dp_b)[np.ix_(group, cand)].T
+                cost += dp.sum(axis=1)[None, :]
+            for h, p in enumerate(holes):
+                if s > 0 and X[s - 1, p] >= 0:
+                    cost[h] += 2 * m.hop[X[s - 1, p], cand]
+                if s < S - 1 and X[s + 1, p] >= 0:
+                    cost[h] += 2 * m.hop[cand, X[s + 1, p]]
+            rows, cols = linear_sum_assignment(cost)
+            for r, k in zip(rows, cols):
+                X[s, holes[r]] = cand[k]
+            taken = {int(cand[k]) for k in cols}
+            pool = [p for p in pool if p not in taken]
+        return X
+
+    def spares(self, X: np.ndarray) -> list[int]:
+        used = set(map(int, X.ravel()))
+        return [i for i in self.live if i not in used]
+
+    # -- the scheduler on a subset of peers ------------------------------------------------
+    def schedule(self, peers: Sequence[int], S: int, D: int, budget_s: float, initial=None,
+                 local: bool = False) -> np.ndarray:
+        """The scheduler on `peers` (view indices) for S x D, warm-started from `initial` ((S, D)
+        view indices); `local`: only polish `initial` (swaps and re-matching, no evolution)."""
+        peers = list(peers)
+        sub = np.ix_(peers, peers)
+        labels = [self.regions.get(self.ids[i], "") for i in peers] if self.regions else None
+        cfg = self.config or SearchConfig(time_budget_s=max(budget_s, 1e-3))
+        if local:
+            cfg = replace(cfg, generations=0, warm_only=True)
+        pos = {p: k for k, p in enumerate(peers)}
+        init = None if initial is None else [[pos[int(v)] for v in col] for col in initial.T]
+        alloc = solve(self.delay[sub], self.bw[sub], sched_spec(self.spec, self.cfg, D), stages=S, dp=D,
+                      regions=labels, seed=self.seed, config=cfg, initial=init)
+        return np.array(peers, dtype=np.int64)[alloc.matrix]
+
+    def oriented(self, kind: str, X: np.ndarray, ranges, old: np.ndarray | None) -> _Cand:
+        """The best (by score) of X, X with its stage order reversed, and each with fewer moves
+        where that costs nothing (`fewer_moves`), pipelines relabelled towards `old`."""
+        options = [X] if X.shape[0] == 1 else [X, X[::-1]]
+        same_s = old is not None and old.shape[0] == X.shape[0]
+        if same_s:
+            options += [self.fewer_moves(Y) for Y in options]
+        best = None
+        for Y in options:
+            if same_s:
+                Y = relabel_pipelines(Y, old)
+            c = self.evaluate(kind, np.ascontiguousarray(Y), ranges)
+            if best is None or _better(c, best):
+                best = c
+        return best
+
+    def fewer_moves(self, X: np.ndarray) -> np.ndarray:
+        """X with peers put back on the stage they hold, by swaps (with a placed peer or a spare)
+        that do not raise the cost model's objective: the scheduler breaks ties between equally
+        cheap layouts (peers of one site, interchangeable) blind to where the weights are."""
+        S, D = X.shape
+        m = self.model(S, D)
+        X = X.copy()
+        spares = self.spares(X)
+        bound = m.total(X) * (1 + 1e-9) + 1e-12
+        old = {i: s for i, s in self.held.items()}
+        for _ in range(S * D):
+            done = True
+            for s, p in np.argwhere(np.ones_like(X, dtype=bool)):
+                x = int(X[s, p])
+                if old.get(x) == s:
+                    continue
+                where = {int(v): (t, q) for (t, q), v in np.ndenumerate(X)}
+                for y in [y for y, h in old.items() if h == s]:
+                    t, q = where.get(y, (None, None))
+                    if t == s or (t is None and y not in spares):
+                        continue
+                    Y = X.copy()  # y back on its stage: one move fewer, whatever x's fate
+                    Y[s, p] = y
+                    if t is not None:
+                        Y[t, q] = x
+                    if m.total(Y) <= bound:
+                        X = Y
+                        if t is None:
+                            spares = [z for z in spares if z != y] + [x]
+                        done = False
+                        break
+            if done:
+                break
+        return X
+
+
+def _same_s(pl: _Planner, budget_s: float) -> list[_Cand]:
+    """keep, repair, shrink, grow and reschedule: every candidate with the current stages."""
+    cur, ranges = pl.cur, pl.old_ranges
+    S, D = cur.shape
+    holes = cur < 0
+    spares = pl.spares(cur)
+    grow_max = 0 if holes.any() else min(len(spares) // S, pl.d_max - D)
+    # reschedule at D = live // S (capped), and at the current D too when spares would be left
+    widths = sorted({w for w in (min(len(pl.live) // S, pl.d_max), min(D, len(pl.live) // S)) if w >= 1})
+    share = budget_s / (grow_max + 2 * len(widths))
+    out = [pl.evaluate("keep", cur, ranges)] if not holes.any() else _mend(pl, holes, spares)
+    for g in range(1, grow_max + 1):  # spares form g new pipelines, laid out among themselves
+        Xg = pl.schedule(spares, S, g, share)
+        both = [pl.evaluate("grow", np.hstack([cur, Y]), ranges) for Y in ([Xg] if S == 1 else [Xg, Xg[::-1]])]
+        out.append(min(both, key=lambda c: c.score))
+    for D2 in widths:  # warm start: the pipelines with fewest holes, holes and new pipelines filled
+        keep_cols = sorted(sorted(range(D), key=lambda p: (int(holes[:, p].sum()), p))[:D2])
+        X0 = np.full((S, D2), -1, dtype=np.int64)
+        X0[:, :len(keep_cols)] = cur[:, keep_cols]
+        X0 = pl.fill(X0, [i for i in pl.live if i not in set(map(int, X0[X0 >= 0]))])
+        for local in (False, True):  # the whole search, and a local repair that stays near X0
+            Xs = pl.schedule(pl.live, S, D2, share, initial=X0, local=local)
+            out.append(pl.oriented("reschedule", Xs, ranges, cur))
+    return out
+
+
+def _mend(pl: _Planner, holes: np.ndarray, spares: list[int]) -> list[_Cand]:
+    """repair (every hole filled by a spare) and shrink (the whole pipelines, plus the r easiest
+    to repair, for every r that the spares allow)."""
+    cur, ranges = pl.cur, pl.old_ranges
+    D = cur.shape[1]
+    out = []
+    if int(holes.sum()) <= len(spares) and D <= pl.d_max:
+        out.append(pl.evaluate("repair", pl.fill(cur, spares), ranges))
+    whole = [p for p in range(D) if not holes[:, p].any()]
+    broken = sorted((p for p in range(D) if holes[:, p].any()), key=lambda p: (int(holes[:, p].sum()), p))
+    for r in range(len(broken)):
+        cols = sorted(whole + broken[:r])
+        if not cols or int(holes[:, broken[:r]].sum()) > len(spares) or len(cols) > pl.d_max:
+            continue
+        X = cur[:, cols]
+        pool = [i for i in pl.live if i not in set(map(int, X[X >= 0]))]  # the dropped survivors are spares too
+        out.append(pl.evaluate("shrink", pl.fill(X, pool), ranges))
+    return out
+
+
+def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarray | None) -> list[_Cand]:
+    """The scheduler on the live peers for each allowed shape (stages None: every shape)."""
+    n = len(pl.live)
+    if stages is not None:
+        D = dp if dp is not None else min(n // stages, pl.d_max)
+        shapes = [(stages, D)] if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer else []
+    else:
+        probe = sched_spec(pl.spec, pl.cfg, 1)
+        shapes = [(S, D) for S, D in candidate_shapes(n, probe, allow_spares=True) if D <= pl.d_max]
+        shapes = [(S, D) for S, D in shapes if dp is None or D == dp]
+        if old is not None:
+            shapes = [(S, D) for S, D in shapes if S != old.shape[0]]
+    out = []
+    for S, D in shapes:
+        X = pl.schedule(pl.live, S, D, budget_s / len(shapes))
+        out.append(pl.oriented(kind, X, tuple(layer_ranges(pl.spec.n_layer, S)), old))
+    return out
+
+
+def _current_prediction(pl: _Planner) -> float:
+    """The current allocation's predicted iteration on the view, nan when a peer left the view."""
+    if pl.current is None or any(p not in pl.index for pipe in pl.current.pipelines for p in pipe):
+        return float("nan")
+    X = np.array([[pl.index[p] for p in pipe] for pipe in pl.current.pipelines], dtype=np.int64).T
+    m = pl.model(*X.shape)
+    return float(simulate_iteration(m, X, micro_batches=pl.cfg.micro_batches, engine_syncs=True).iteration_s)
