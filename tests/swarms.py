@@ -1,4 +1,5 @@
-"""Scripted swarms for the multi-process tests: a run dir that is torn down whatever happens."""
+"""Scripted swarms for the multi-process tests: a run dir that is torn down whatever happens, the
+single-process reference they are compared with, and what the tests ask of a swarm."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from dtfm.swarm import cli as swarm
+from dtfm.swarm.proc import peer_status
+from dtfm.swarm.train import read_log
+from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
 
 
 @contextmanager
@@ -24,3 +30,68 @@ def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeou
             swarm.main(["down", "--run-dir", str(d), "--kill"])
         finally:
             shutil.rmtree(d, ignore_errors=True)
+
+
+class ReferenceLosses:
+    """The single-process reference's loss per step, computed as far as it is asked for (a swarm
+    that trains on while a test waits may log more steps than were foreseen)."""
+
+    def __init__(self, seed: int = 0):
+        cfg = TrainConfig(seed=seed)  # what `train start` uses: the defaults of `python -m dtfm.train`
+        self._state = reference_state(get_preset("tiny"), cfg)
+        self._corpus = load_corpus()
+        self._losses: list[float] = []
+
+    def __getitem__(self, step: int) -> float:
+        if step < 0:
+            raise IndexError(step)
+        while len(self._losses) <= step:
+            self._losses.append(reference_step(self._state, self._corpus))
+        return self._losses[step]
+
+
+def reference_losses(steps: int, seed: int = 0) -> list[float]:
+    ref = ReferenceLosses(seed)
+    return [ref[i] for i in range(steps)]
+
+
+def trainings(state) -> dict[str, dict]:
+    """Each live peer's `training` status."""
+    return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
+
+
+def coordinator(state) -> tuple[str, dict] | None:
+    for name, t in trainings(state).items():
+        if t.get("role") == "coordinator":
+            return name, t
+    return None
+
+
+def placed(state) -> dict | None:
+    """Every live peer holds a stage or a spare place in one epoch, and the stages train."""
+    t = trainings(state)
+    epochs = {v.get("epoch") for v in t.values()}
+    if len(t) != len(state.peers) or len(epochs) != 1 or None in epochs:
+        return None
+    ok = all(v.get("state") == "training" or v.get("state") == "spare" or v.get("role") == "spare"
+             for v in t.values())
+    return t if ok else None
+
+
+def check_log(run_dir: Path, reference: ReferenceLosses) -> list[dict]:
+    """Every step in the run dir's merged train.jsonl once, in order, with the reference's loss."""
+    rows = read_log(run_dir / "train.jsonl")
+    assert [r["step"] for r in rows] == list(range(len(rows))), "a step is missing or repeated"
+    for r in rows:
+        # 1e-5 of the loss: a new D changes the float32 summation order of the batch, and those
+        # differences grow over the steps (to ~1.5e-5 absolute by step 25 at a loss near 3)
+        assert r["loss"] == pytest.approx(reference[r["step"]], rel=1e-5, abs=1e-5), r
+    return rows
+
+
+def wait_steps(run_dir: Path, more: int, timeout_s: float = 240) -> int:
+    """Wait until `more` steps past the last logged one are logged; returns that step."""
+    rows = read_log(run_dir / "train.jsonl") if (run_dir / "train.jsonl").exists() else []
+    target = (rows[-1]["step"] if rows else -1) + more
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(target), "--timeout", str(timeout_s)]) == 0
+    return target

@@ -13,56 +13,14 @@ from pathlib import Path
 
 import pytest
 from polling import wait_for
-from swarms import swarm_up
-from test_swarm_train import ReferenceLosses
+from swarms import ReferenceLosses, check_log, coordinator, placed, swarm_up, trainings, wait_steps
 
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_request, peer_status
 from dtfm.swarm.state import load_state
-from dtfm.swarm.train import read_log
 
 N_PEERS = 8
 STEPS = 400  # more than the test runs: it stops the run itself
-
-
-def trainings(state) -> dict[str, dict]:
-    return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
-
-
-def coordinator(state) -> tuple[str, dict] | None:
-    for name, t in trainings(state).items():
-        if t.get("role") == "coordinator":
-            return name, t
-    return None
-
-
-def placed(state) -> dict | None:
-    """Every live peer holds a stage or a spare place in one epoch, and the stages train."""
-    t = trainings(state)
-    epochs = {v.get("epoch") for v in t.values()}
-    if len(t) != len(state.peers) or len(epochs) != 1 or None in epochs:
-        return None
-    ok = all(v.get("state") == "training" or v.get("state") == "spare" or v.get("role") == "spare"
-             for v in t.values())
-    return t if ok else None
-
-
-def check_log(run_dir: Path, reference: ReferenceLosses) -> list[dict]:
-    rows = read_log(run_dir / "train.jsonl")
-    assert [r["step"] for r in rows] == list(range(len(rows))), "a step is missing or repeated"
-    for r in rows:
-        # 1e-5 of the loss: a new D changes the float32 summation order of the batch, and those
-        # differences grow over the steps (to ~1.5e-5 absolute by step 25 at a loss near 3)
-        assert r["loss"] == pytest.approx(reference[r["step"]], rel=1e-5, abs=1e-5), r
-    return rows
-
-
-def wait_steps(run_dir: Path, more: int, timeout_s: float = 240) -> int:
-    """Wait until `more` steps past the last logged one are logged; returns that step."""
-    rows = read_log(run_dir / "train.jsonl") if (run_dir / "train.jsonl").exists() else []
-    target = (rows[-1]["step"] if rows else -1) + more
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(target), "--timeout", str(timeout_s)]) == 0
-    return target
 
 
 @pytest.fixture(scope="module")

@@ -11,43 +11,15 @@ import time
 
 import pytest
 from polling import wait_for
-from swarms import swarm_up
+from swarms import reference_losses, swarm_up, trainings
 
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_status
 from dtfm.swarm.state import load_state
 from dtfm.swarm.train import read_log
-from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
 
 N_PEERS = 8
 STEPS = 4
-
-
-class ReferenceLosses:
-    """The single-process reference's loss per step, computed as far as it is asked for (a swarm
-    that trains on while a test waits may log more steps than were foreseen)."""
-
-    def __init__(self, seed: int = 0):
-        cfg = TrainConfig(seed=seed)  # what `train start` uses: the defaults of `python -m dtfm.train`
-        self._state = reference_state(get_preset("tiny"), cfg)
-        self._corpus = load_corpus()
-        self._losses: list[float] = []
-
-    def __getitem__(self, step: int) -> float:
-        if step < 0:
-            raise IndexError(step)
-        while len(self._losses) <= step:
-            self._losses.append(reference_step(self._state, self._corpus))
-        return self._losses[step]
-
-
-def reference_losses(steps: int, seed: int = 0) -> list[float]:
-    ref = ReferenceLosses(seed)
-    return [ref[i] for i in range(steps)]
-
-
-def training_of(state) -> dict[str, dict]:
-    return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +47,7 @@ def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
         assert row["epoch"] == rows[0]["epoch"] and row["iteration_s"] > 0 and row["tokens_per_s"] > 0
     state = load_state(run_dir)
     ends = wait_for("every peer to finish",
-                    lambda: (t := training_of(state)) and all("last_end" in v for v in t.values()) and t,
+                    lambda: (t := trainings(state)) and all("last_end" in v for v in t.values()) and t,
                     60, interval_s=0.5)
     groups: dict[int, set[str]] = {}
     for v in ends.values():
@@ -97,7 +69,7 @@ def test_sigkill_of_a_training_peer_stops_the_others_cleanly(run_dir):
     killed_at = time.monotonic()
 
     def all_stopped():
-        t = {name: v for name, v in training_of(state).items() if name != victim.name}
+        t = {name: v for name, v in trainings(state).items() if name != victim.name}
         return len(t) == N_PEERS - 1 and all(v.get("state") == "stopped" for v in t.values()) and t
 
     # Failure detection with the wan timings takes about 35 s; twice that is the bound.

@@ -1,0 +1,38 @@
+"""A failed multi-process swarm test reports what the swarm did: its merged events and the
+control plane's lines of every daemon's log (the run dir itself is removed afterwards)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+# the control plane's decisions: hand-outs, reconfigurations, pauses, lost reports, elections
+_KEY_LINES = re.compile(r"issuing|reconfigur|run states|paus|report|back-fill|elected|stepped|stops|stopped|"
+                        r"left out|refus|abort|ERROR|WARNING")
+MAX_LINES_PER_PEER = 60
+
+
+def swarm_digest(run_dir: Path) -> str:
+    out = []
+    events = run_dir / "events.jsonl"
+    if events.exists():
+        out += ["== events.jsonl (merged)", events.read_text()[-20_000:]]
+    for log in sorted(run_dir.glob("p*/daemon.log")):
+        try:
+            lines = [x for x in log.read_text(errors="replace").splitlines() if _KEY_LINES.search(x)]
+        except OSError:
+            continue
+        out += [f"== {log.parent.name}/daemon.log ({len(lines)} key lines, the last {MAX_LINES_PER_PEER})",
+                *(x[:400] for x in lines[-MAX_LINES_PER_PEER:])]
+    return "\n".join(out)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    run_dir = getattr(item, "funcargs", {}).get("run_dir")
+    if rep.failed and call.when == "call" and isinstance(run_dir, Path) and run_dir.is_dir():
+        rep.sections.append(("swarm digest", swarm_digest(run_dir)))
