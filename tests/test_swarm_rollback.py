@@ -14,6 +14,7 @@ from polling import wait_for
 from swarms import ReferenceLosses, check_log, coordinator, placed, swarm_up, trainings, wait_steps
 
 from dtfm.swarm import cli as swarm
+from dtfm.swarm.proc import peer_request
 from dtfm.swarm.state import load_state
 from dtfm.swarm.train import sync_logs
 
@@ -65,6 +66,11 @@ def test_a_stage_no_live_peer_holds_is_restored_from_checkpoints(run_dir):
     state = load_state(run_dir)
     wait_for("every peer placed in one epoch", lambda: placed(state), 240, interval_s=1.0)
     wait_steps(run_dir, 2)
+    c_name, _ = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    peer_request(next(p for p in state.peers if p.name == c_name), "train_stop", {}, timeout_s=30)
+    wait_for("every peer to end", lambda: all(v.get("state") != "training" for v in trainings(state).values()),
+             120, interval_s=0.5)
+    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "10"])
     rows = check_log(run_dir, reference)
     events = sync_logs(run_dir, state)[1]
     rollbacks = [e for e in events if e["event"] == "rollback"]
