@@ -20,7 +20,8 @@ import trio
 from dtfm.net import ProtocolError, get_bytes, get_dict, get_int, get_str
 from dtfm.train import CheckpointError, StageState, list_checkpoints, load_checkpoint
 
-from .allocation import Allocation, Holding
+from .allocation import Allocation
+from .allocation_fields import Holding
 from .runstate import PeerRunState
 
 __all__ = ["HolderRole"]
