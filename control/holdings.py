@@ -18,7 +18,7 @@ from pathlib import Path
 import trio
 
 from dtfm.net import ProtocolError, get_bytes, get_dict, get_int, get_str
-from dtfm.train import CheckpointError, StageState, list_checkpoints, load_checkpoint
+from dtfm.train import CheckpointError, StageState, checkpoint_at, load_checkpoint, saved_checkpoints
 
 from .allocation import Allocation
 from .allocation_fields import Holding
@@ -51,11 +51,8 @@ class HolderRole:
                 return run.state
             if run.runner is not None and run.runner.snapshot_step == step:
                 return run.runner.snapshot_state()
-        for path in reversed(list_checkpoints(self._checkpoint_root(run_id), layers)):
-            if path.name == f"step-{step:08d}.json":
-                state = load_checkpoint(path)
-                return state
-        return None
+        path = checkpoint_at(self._checkpoint_root(run_id), layers, step)
+        return load_checkpoint(path) if path is not None else None
 
     def _offered_state(self, run_id: bytes, step: int, layers: tuple[int, int], digest: str) -> StageState | None:
         found = self._offered.get((run_id, step, tuple(layers)))
@@ -72,19 +69,10 @@ class HolderRole:
         """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
         if run_id is None:
             return ()
-        root = self._checkpoint_root(run_id)
-        out = []
-        if root.is_dir():
-            for d in sorted(root.iterdir()):
-                parts = d.name.split("-")
-                if len(parts) != 3 or parts[0] != "stage":
-                    continue
-                try:
-                    a, b = int(parts[1]), int(parts[2])
-                except ValueError:
-                    continue
-                for path in list_checkpoints(root, (a, b))[-2:]:
-                    out.append((a, b, int(path.stem.split("-")[1])))
+        steps: dict[tuple[int, int], list[int]] = {}
+        for a, b, step in saved_checkpoints(self._checkpoint_root(run_id)):
+            steps.setdefault((a, b), []).append(step)
+        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
         return tuple(out[-16:])
 
     def run_state(self) -> PeerRunState:

@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.train import (CheckpointError, GPTSpec, StageState, TrainConfig, TransferError, TransferManifest,
-                        TransferReceiver, encode_transfer, list_checkpoints, load_checkpoint, save_checkpoint)
+                        TransferReceiver, checkpoint_at, encode_transfer, list_checkpoints, load_checkpoint,
+                        save_checkpoint, saved_checkpoints)
 
 SPEC = GPTSpec("t", n_layer=4, n_embd=32, n_head=4, seq_len=16)
 CFG = TrainConfig(global_batch_seqs=8, micro_batches=2)
@@ -47,6 +48,10 @@ def test_save_load_round_trip_and_keep_last_k(tmp_path):
     meta = json.loads(path.read_text())
     assert meta["step"] == 5 and meta["layer_range"] == [1, 3] and meta["spec"]["n_embd"] == 32
     assert_same(load_checkpoint(path), s)
+    assert saved_checkpoints(tmp_path) == [(1, 3, 4), (1, 3, 5)]
+    assert checkpoint_at(tmp_path, (1, 3), 5) == path and checkpoint_at(tmp_path, (1, 3), 3) is None
+    (tmp_path / "notes").mkdir()  # not a stage folder: ignored
+    assert saved_checkpoints(tmp_path) == [(1, 3, 4), (1, 3, 5)] and saved_checkpoints(tmp_path / "none") == []
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):

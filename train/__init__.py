@@ -3,10 +3,12 @@ checkpoints and stage transfer; talks to other peers only through `Comm`."""
 
 from .checkpoint import (
     CheckpointError,
+    checkpoint_at,
     encode_stage,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
+    saved_checkpoints,
     stage_from_tensors,
     stage_tensors,
 )

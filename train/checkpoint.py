@@ -29,8 +29,10 @@ __all__ = [
     "CheckpointError",
     "decode_tensors",
     "encode_stage",
+    "checkpoint_at",
     "list_checkpoints",
     "load_checkpoint",
+    "saved_checkpoints",
     "save_checkpoint",
     "stage_from_tensors",
     "stage_tensors",
@@ -38,6 +40,7 @@ __all__ = [
 
 FORMAT = "dtfm-stage/1"
 _STEP_FILE = re.compile(r"^step-(\d{8})\.json$")
+_STAGE_DIR = re.compile(r"^stage-(\d{3,})-(\d{3,})$")
 
 
 class CheckpointError(ValueError):
@@ -157,6 +160,27 @@ def list_checkpoints(root: str | os.PathLike, layer_range: tuple[int, int]) -> l
     if not d.is_dir():
         return []
     return sorted(p for p in d.iterdir() if _STEP_FILE.match(p.name))
+
+
+def checkpoint_at(root: str | os.PathLike, layer_range: tuple[int, int], step: int) -> Path | None:
+    """The JSON path of the stage's checkpoint of `step`, if there is one."""
+    path = _stage_dir(Path(root), layer_range) / f"step-{step:08d}.json"
+    return path if path.is_file() else None
+
+
+def saved_checkpoints(root: str | os.PathLike) -> list[tuple[int, int, int]]:
+    """(first layer, end layer, step) of every checkpoint under `root`: stages in folder order,
+    each stage's steps oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for d in sorted(root.iterdir()):
+        m = _STAGE_DIR.match(d.name)
+        if m and d.is_dir():
+            a, b = int(m[1]), int(m[2])
+            out += [(a, b, int(_STEP_FILE.match(p.name)[1])) for p in list_checkpoints(root, (a, b))]
+    return out
 
 
 def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> StageState:
