@@ -15,6 +15,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -164,15 +165,14 @@ class CoordinatorRole:
         one of them alive must not refuse the allocation for leaving it out."""
         return tuple(sorted({m.peer_id for m in self.gossip.members()} - named - {self.me})[:4096])
 
-    async def _hand_out(self, alloc: Allocation, *, backfill: dict[int, list[StepReport]] | None = None) -> None:
-        """ALLOCATION to every named peer, then START; TrainError with every refusal."""
+    async def _hand_out(self, alloc: Allocation, *, backfill: Sequence[StepReport] = ()) -> None:
+        """Log the steps before the resume point that `backfill` (the peers' reports) covers and
+        this peer has not logged; ALLOCATION to every named peer, then START; TrainError with
+        every refusal."""
         signed = SignedAllocation.sign(alloc, self.identity)
         logged = self._logged.setdefault(alloc.run_id, set())
         self._issued = issued = _Issued(alloc, self.data_dir / "train.jsonl", logged)
-        for step, reports in sorted((backfill or {}).items()):
-            if step not in logged and step < alloc.start_step:
-                newest = max(r.epoch for r in reports)  # a step re-run after a rollback: its last run
-                issued.write(step, [r for r in reports if r.epoch == newest], newest, backfilled=True)
+        issued.backfill(backfill, {r.step for r in backfill if r.step < alloc.start_step})
         targets = list(alloc.peers) + list(alloc.spares)
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,

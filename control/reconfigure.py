@@ -26,7 +26,6 @@ from .allocation_fields import Holding
 from .messages import ControlMsg
 from .request import TrainError
 from .reshape import Current, ReshapePlan, reshape
-from .runner import StepReport
 from .runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
 from .schedule import Shape
 
@@ -208,7 +207,7 @@ class ReconfigureRole:
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
         done = set(self._logged.get(cur.run_id, ())) | {r.step - 1 for st in states.values() for r in st.reports}
         rolled_back = rp.rollback or rp.step <= max(done, default=-1)
-        await self._hand_out(alloc, backfill=_backfill(states, rp.step))
+        await self._hand_out(alloc, backfill=[r for st in states.values() for r in st.reports])
         self._triggers.clear()  # what happened before the new epoch started is accounted for
         t_done = trio.current_time()
         times = {"started_at": started_at, "stop_s": t_stopped - t0, "schedule_s": t_planned - t_stopped,
@@ -350,13 +349,3 @@ class ReconfigureRole:
         self._stopping = alloc.run_id
         self._event("stopped", term=self.election.term, epoch=alloc.epoch, trigger=trigger, reason=why)
 
-
-def _backfill(states: dict[bytes, PeerRunState], before: int) -> dict[int, list[StepReport]]:
-    """The peers' reports of the steps before `before`, by step (the new epoch's coordinator logs
-    those it has not logged)."""
-    out: dict[int, list[StepReport]] = {}
-    for s in states.values():
-        for r in s.reports:
-            if r.step < before:
-                out.setdefault(r.step, []).append(r)
-    return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from .allocation import Allocation
@@ -61,16 +62,28 @@ class _Issued:
                 logger.warning("no report of step %d arrived; asking the peers for theirs", step)
                 self.gaps.add(step)
 
-    def fill(self, reports: list[StepReport]) -> list[dict]:
-        """Log the gaps these reports (the peers' own, of any step) cover, back-filled; gaps
-        they do not cover are given up here (a later epoch's back-fill may still find them)."""
+    def backfill(self, reports: Iterable[StepReport], steps: Iterable[int]) -> list[dict]:
+        """Log those of `steps` not logged yet from the peers' own reports, marked `backfilled`:
+        each from the reports of its newest epoch (a step re-run after a rollback: its last
+        run). Steps no report covers are left out. Returns the lines."""
+        by_step: dict[int, list[StepReport]] = {}
+        for r in reports:
+            by_step.setdefault(r.step, []).append(r)
         lines = []
-        for step in sorted(self.gaps):
-            got = [r for r in reports if r.step == step and r.epoch == self.alloc.epoch]
-            if got and step not in self.logged:
-                lines.append(self.write(step, got, self.alloc.epoch, backfilled=True))
-            elif not got:
-                logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
+        for step in sorted(set(steps) - self.logged):
+            got = by_step.get(step)
+            if got:
+                newest = max(r.epoch for r in got)
+                lines.append(self.write(step, [r for r in got if r.epoch == newest], newest, backfilled=True))
+        return lines
+
+    def fill(self, reports: Iterable[StepReport]) -> list[dict]:
+        """Log the gaps these reports (the peers' own, of any step) cover with this epoch's
+        reports; gaps they do not cover are given up here (a later epoch's back-fill may still
+        find them)."""
+        lines = self.backfill([r for r in reports if r.epoch == self.alloc.epoch], self.gaps)
+        for step in sorted(self.gaps - self.logged):
+            logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
         self.gaps.clear()
         return lines
 

@@ -326,3 +326,14 @@ async def test_a_step_whose_every_report_was_lost_is_filled_from_the_peers(tmp_p
     assert issued.completed == 6 and not issued.gaps
     steps = [json.loads(x)["step"] for x in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert steps == [0, 2, 1, 3, 6]
+
+
+def test_backfill_logs_each_step_once_from_its_newest_run(tmp_path):
+    # Steps 0-3 from the peers' reports: step 2 ran in epochs 1 and 3 (re-run after a rollback),
+    # the epoch-3 run is logged; step 1 is logged already; step 3 has no report.
+    issued = _Issued(alloc(epoch=4, start_step=4), tmp_path / "train.jsonl", {1})
+    reports = [report(1, 0), report(1, 1), report(1, 2), dataclasses.replace(report(3, 2), loss=9.0)]
+    lines = issued.backfill(reports, {0, 1, 2, 3})
+    assert [(x["step"], x["epoch"], x["loss"], x["backfilled"]) for x in lines] == [
+        (0, 1, report(1, 0).loss, True), (2, 3, 9.0, True)]
+    assert issued.logged == {0, 1, 2} and issued.backfill(reports, {0, 2}) == []
