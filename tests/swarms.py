@@ -17,19 +17,26 @@ from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, re
 
 
 @contextmanager
-def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeout_s: int = 240):
-    """`dtfm-swarm up` in a fresh run dir (short: the control sockets live inside it); every
-    peer is killed and the dir removed on the way out."""
+def scratch_run_dir(prefix: str):
+    """A fresh run dir (short: the control sockets live inside it); every peer started in it is
+    killed and the dir removed on the way out."""
     d = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        assert swarm.main(["up", "--run-dir", str(d), "--scenario", scenario, "--peers", str(peers),
-                           "--timeout", str(timeout_s)]) == 0
         yield d
     finally:
         try:
             swarm.main(["down", "--run-dir", str(d), "--kill"])
         finally:
             shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeout_s: int = 240):
+    """`dtfm-swarm up` in a scratch run dir."""
+    with scratch_run_dir(prefix) as d:
+        assert swarm.main(["up", "--run-dir", str(d), "--scenario", scenario, "--peers", str(peers),
+                           "--timeout", str(timeout_s)]) == 0
+        yield d
 
 
 class ReferenceLosses:

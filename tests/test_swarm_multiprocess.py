@@ -5,19 +5,17 @@ every pair; a SIGKILLed peer is declared dead by every other peer, and comes bac
 the same id when restarted with its data dir.
 """
 
-import shutil
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
+from polling import wait_for
+from swarms import scratch_run_dir
 
 from dtfm.scenarios import load_scenario
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_status
 from dtfm.swarm.report import status_report
 from dtfm.swarm.state import load_state
-from polling import wait_for
 
 N_PEERS = 6
 
@@ -36,15 +34,8 @@ def member_states(state, peer_id: str) -> list[str | None]:
 
 @pytest.fixture
 def run_dir():
-    # Short: the peers' control sockets live inside it.
-    d = Path(tempfile.mkdtemp(prefix="dtfm-sw-"))
-    try:
+    with scratch_run_dir("dtfm-sw-") as d:
         yield d
-    finally:
-        try:
-            swarm.main(["down", "--run-dir", str(d), "--kill"])
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.slow
