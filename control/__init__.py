@@ -18,36 +18,37 @@ from .allocation import (
 )
 from .allocation_fields import Holding
 from .comm import CommConfig, TensorRouter, TransportComm
-from .coordinator import ElectionService
 from .election import (
                          BecameCoordinator,
                          CoordinatorKnown,
                          ElectionAction,
                          ElectionConfig,
+                         ElectionMessage,
                          ElectionRole,
                          ElectionSend,
+                         ElectionService,
                          ElectionState,
-                         Persist,
-                         SteppedDown,
-)
-from .election_messages import (
-                         ElectionMessage,
+                         ElectionStore,
+                         ElectionStoreError,
+                         FileElectionStore,
                          Heartbeat,
                          HeartbeatAck,
+                         MemoryElectionStore,
+                         Persist,
                          PreVote,
                          PreVoteReply,
                          RequestVote,
+                         SteppedDown,
                          Vote,
                          decode_election,
 )
-from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
+from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
+from .epoch.relayout import assemble_stage, needed_stages
+from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig
-from .recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
-from .relayout import assemble_stage, needed_stages
 from .request import TrainError, TrainRequest
 from .reshape import Current, ReshapePlan, reshape
-from .runner import RunEnd, StageRunner, StepReport, params_sha256
 from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point
 from .schedule import PLACEMENTS, Shape, choose_shape, random_shape, sched_spec
 

@@ -6,7 +6,7 @@ view, the events log (see control/plane.py for the protocol).
 `CoordinatorRole` is mixed into `ControlPlane`: every daemon can become the coordinator, and the
 coordinator is also a peer of the run, so both roles share the plane's state (its run, the
 election, the transport). Reconfiguring a running swarm is in control/reconfigure.py; what a
-peer does in an epoch is in control/epoch.py.
+peer does in an epoch is in control/peer_role.py.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeou
 from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 from .allocation import Allocation, SignedAllocation
+from .epoch.runner import StepReport
 from .messages import ControlMsg
 from .request import TrainError, TrainRequest
-from .runner import StepReport
 from .runstate import PeerRunState
 from .schedule import Shape, choose_shape, random_shape
 from .steplog import _Issued

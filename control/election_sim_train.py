@@ -1,5 +1,5 @@
-"""The training model of the election simulation (control/election_sim.py): allocations,
-steps, reports and reconfiguration, as control/epoch.py and control/coordinate.py run them,
+"""The training model of the election simulation (control/election/sim.py): allocations,
+steps, reports and reconfiguration, as control/peer_role.py and control/coordinate.py run them,
 without tensors.
 
 A coordinator hands out a `SimAllocation` (issuer, term, epoch = its last applied epoch + 1,
@@ -35,7 +35,7 @@ from dtfm.net import short_id
 from .election import ElectionRole, ElectionState
 from .runstate import PeerRunState, ResumeError, resume_point
 
-__all__ = ["LAYOUTS", "RUN_ID", "SimAllocation", "SimTraining"]
+__all__ = ["LAYOUTS", "RUN_ID", "SimAllocation", "SimIssued", "SimStage", "SimTraining"]
 
 RUN_ID = b"r" * 16
 LAYOUTS = {1: ((0, 4),), 2: ((0, 2), (2, 4))}  # stages -> layer ranges of a 4-layer model
@@ -64,7 +64,7 @@ class SimAllocation:
 
 
 @dataclass
-class _Stage:
+class SimStage:
     """A node's stage of the run (the daemon's `_run` and its `StageRunner`), in memory."""
 
     alloc: SimAllocation
@@ -74,7 +74,7 @@ class _Stage:
 
 
 @dataclass
-class _Issued:
+class SimIssued:
     """The issuer's record of the epoch it handed out (control/steplog.py `_Issued`)."""
 
     alloc: SimAllocation
@@ -96,7 +96,7 @@ class SimTraining:
         peers = tuple(sorted(set(range(self.n) if peers is None else peers) | {k}))
         alloc = SimAllocation(k, node.term, node.last_applied[1] + 1, start_step, peers,
                               LAYOUTS[min(stages, len(peers), 2)], tuple(sorted(set(spares) - set(peers))))
-        self.issued[k] = _Issued(alloc, start_step - 1)
+        self.issued[k] = SimIssued(alloc, start_step - 1)
         self._offer(k, alloc)
         for j in alloc.voters:
             if j != k:
@@ -221,7 +221,7 @@ class SimTraining:
         self.applied[k].append((term, epoch))
         self.disk_voters[k] = tuple(self.ids[j] for j in alloc.voters)
         self._run(k, node.set_voters(self.disk_voters[k], self.local_now(k)))
-        self.stages[k] = _Stage(alloc, alloc.start_step)
+        self.stages[k] = SimStage(alloc, alloc.start_step)
 
     def _complete(self, k: int) -> None:
         """Node k completes the step its stage is at and reports it to the issuer."""

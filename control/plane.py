@@ -26,7 +26,7 @@ epoch out. A minority side never reconfigures and so does not train.
 `ControlPlane` holds the state and wires the messages, gossip and election events to the roles
 it mixes in, each in its own module:
 
-    control/epoch.py        PeerRole: accepting an allocation, START, STOP, running the stage
+    control/peer_role.py    PeerRole: accepting an allocation, START, STOP, running the stage
     control/holdings.py     HolderRole: the stages this peer holds, its run state, offers
     control/coordinate.py   CoordinatorRole: train start and stop, the hand-out, step reports
     control/reconfigure.py  ReconfigureRole: the coordinator's loop and reconfiguration
@@ -53,16 +53,14 @@ from dtfm.train import Corpus, StageState, load_corpus
 from .allocation import Allocation
 from .comm import CommConfig, TensorRouter
 from .coordinate import CoordinatorRole
-from .coordinator import ElectionService
-from .election import BecameCoordinator, ElectionConfig, SteppedDown
-from .election_store import FileElectionStore
-from .epoch import PeerRole, _Run
+from .election import BecameCoordinator, ElectionConfig, ElectionService, FileElectionStore, SteppedDown
+from .epoch.recovery import RecoveryServer
+from .epoch.runner import StepReport
 from .holdings import HolderRole
 from .messages import ControlMsg
+from .peer_role import PeerRole, _Run
 from .reconfigure import ReconfigureRole
-from .recovery import RecoveryServer
 from .request import TrainError
-from .runner import StepReport
 from .runstate import MAX_REPORTS
 from .steplog import _Issued
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .allocation import Allocation
-from .runner import StepReport
+from .epoch.runner import StepReport
 
 logger = logging.getLogger("dtfm.control.plane")  # one log for the whole control plane
 

@@ -1,5 +1,5 @@
 """The election and the allocation acceptance together, with a model of training steps, under a
-hypothesis rule-based state machine over the simulated network (control/election_sim.py).
+hypothesis rule-based state machine over the simulated network (control/election/sim.py).
 
 Modelled: the real `ElectionState` on every node (votes, leases, check-quorum, terms persisted
 in a store, the applied (term, epoch) and the voters on disk); allocations as small records
@@ -46,7 +46,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from sim_faults import SimFaults
 
 from dtfm.control.election import ElectionConfig
-from dtfm.control.election_sim import ElectionSim, NetConditions
+from dtfm.control.election.sim import ElectionSim, NetConditions
 
 CFG = ElectionConfig.test()
 CLEAN = NetConditions(jitter=1.0)

@@ -22,7 +22,7 @@ from dtfm.control import (
     TrainRequest,
     manifest_digest,
 )
-from dtfm.control.runner import StepReport
+from dtfm.control.epoch.runner import StepReport
 from dtfm.control.steplog import _Issued
 from dtfm.gossip import Member, MemberState
 from dtfm.gossip.records import Entry, Report

@@ -49,8 +49,10 @@ class Violation:
         return f"{self.file}:{self.line}: {self.what}"
 
 
-def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, tuple[str, ...]]]:
-    """(line, absolute module, imported names) for every import anywhere in the tree."""
+def _imports(tree: ast.AST, where: list[str]) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, absolute module, imported names) for every import anywhere in the tree of a module
+    of the package `where` (["dtfm", "control", "election"]); a relative import that climbs
+    above dtfm gives the module "" ."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -59,17 +61,25 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, tuple[str, ...
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0:
                 module = node.module or ""
+            elif node.level > len(where):
+                module = ""
             else:
-                base = ["dtfm", package][: 2 - (node.level - 1)] if node.level <= 2 else []
+                base = where[: len(where) - (node.level - 1)]
                 module = ".".join(base + ([node.module] if node.module else []))
             out.append((node.lineno, module, tuple(a.name for a in node.names)))
     return out
 
 
 def check_source(source: str, package: str, filename: str, exports: dict[str, set[str]]) -> list[Violation]:
-    """Violations of the layer rules in one module of `package`."""
+    """Violations of the layer rules in one module of `package`; `filename` (relative to the
+    repository root) places the module in a subpackage, for its relative imports."""
+    folders = list(Path(filename).parent.parts)
+    where = ["dtfm"] + (folders if folders[:1] == [package] else [package])
     found = []
-    for line, module, names in _imports(ast.parse(source, filename), package):
+    for line, module, names in _imports(ast.parse(source, filename), where):
+        if not module:
+            found.append(Violation(filename, line, "a relative import climbs above dtfm"))
+            continue
         parts = module.split(".")
         top = parts[0]
         if top in FORBIDDEN_THIRD_PARTY.get(package, ()):
@@ -161,6 +171,21 @@ EXPORTS = {"net": {"Transport"}, "gossip": {"GossipService"}, "peer": {"DaemonCo
 ])
 def test_checker_catches_what_it_should(source, package, expected):
     found = check_source(source, package, "m.py", EXPORTS)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0].what, found
+
+
+@pytest.mark.parametrize("source, filename, expected", [
+    ("from ..net import Transport", "gossip/sub/m.py", None),  # dtfm.gossip.net: its own package
+    ("from ...net import Transport", "gossip/sub/m.py", None),
+    ("from ...peer import DaemonConfig", "gossip/sub/m.py", "points up"),
+    ("from ....peer import DaemonConfig", "gossip/sub/m.py", "climbs above dtfm"),
+    ("from . import frames", "gossip/sub/__init__.py", None),
+])
+def test_relative_imports_resolve_from_the_module_s_own_folder(source, filename, expected):
+    found = check_source(source, "gossip", filename, EXPORTS)
     if expected is None:
         assert found == []
     else:

@@ -13,8 +13,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.control.messages import ControlMsg
-from dtfm.control.recovery import (
+from dtfm.control.epoch.recovery import (
     RecoveryError,
     RecoveryServer,
     fetch_stage,
@@ -22,8 +21,9 @@ from dtfm.control.recovery import (
     parse_chunk_request,
     parse_manifest_request,
 )
-from dtfm.control.relayout import assemble_stage, needed_stages
-from dtfm.control.runner import params_sha256
+from dtfm.control.epoch.relayout import assemble_stage, needed_stages
+from dtfm.control.epoch.runner import params_sha256
+from dtfm.control.messages import ControlMsg
 from dtfm.net import ConnectionClosed, Identity, ProtocolError, Transport, TransportConfig, short_id
 from dtfm.train import (
     TEST_CONFIG,

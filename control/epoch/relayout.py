@@ -3,7 +3,7 @@
 When a reconfiguration changes the layer ranges, a peer's new stage takes its blocks from every
 old stage that held them, the embeddings from the old first stage and the final norm and head
 from the old last; `needed_stages` says which old stages a new range needs, so the peer fetches
-only those (control/recovery.py). Parameters and their Adam moments move together, and the
+only those (control/epoch/recovery.py). Parameters and their Adam moments move together, and the
 stage resumes at the same step and optimizer step, so training goes on as if it had not been
 re-split.
 """

@@ -36,20 +36,20 @@ from dataclasses import dataclass
 from dtfm.net import pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 
-from .election import (
+from ..election_sim_train import SimIssued, SimStage, SimTraining
+from ..runstate import MAX_REPORTS
+from .config import ElectionConfig
+from .messages import Vote, decode_election
+from .state import (
     BecameCoordinator,
     CoordinatorKnown,
-    ElectionConfig,
     ElectionRole,
     ElectionSend,
     ElectionState,
     Persist,
     SteppedDown,
 )
-from .election_messages import Vote, decode_election
-from .election_sim_train import SimTraining, _Issued, _Stage
-from .election_store import MemoryElectionStore
-from .runstate import MAX_REPORTS
+from .store import MemoryElectionStore
 
 __all__ = ["ElectionSim", "NetConditions", "returning_peer", "scenario_delays_s", "takeover_times"]
 
@@ -103,9 +103,9 @@ class ElectionSim(SimTraining):
         self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         # (node, (term, epoch), the coordinator it recognised then, its term then), per application
         self.applications: list[tuple[int, tuple[int, int], bytes | None, int]] = []
-        self.stages: list[_Stage | None] = [None] * n
+        self.stages: list[SimStage | None] = [None] * n
         self.step_reports: list[collections.deque] = [collections.deque(maxlen=MAX_REPORTS) for _ in range(n)]
-        self.issued: list[_Issued | None] = [None] * n
+        self.issued: list[SimIssued | None] = [None] * n
         self.logged: list[set[int]] = [set() for _ in range(n)]  # steps each node wrote (in memory)
         # every line of every node's train.jsonl: step, term, epoch (as the daemon writes them),
         # holder (whose file), backfilled, and `trained`: the (term, epoch) the step ran in

@@ -38,7 +38,7 @@ another. When no holder is left, `RecoveryError` names the stage, the step and e
 with why it failed. Every network wait has a timeout.
 
 A new layout with other layer ranges is built from the parts of several old stages by
-`assemble_stage` (control/relayout.py); `needed_stages` says which old stages a new range needs.
+`assemble_stage` (control/epoch/relayout.py); `needed_stages` says which old stages a new range needs.
 
 The chunk size is part of the digest: every peer of a swarm offers with the same chunk size
 (`DEFAULT_CHUNK_BYTES`), and the manifest (about 70 bytes per chunk) must fit one control frame.
@@ -81,8 +81,8 @@ from dtfm.train import (
     load_checkpoint,
 )
 
-from .allocation_fields import RUN_ID_BYTES
-from .messages import ControlMsg
+from ..allocation_fields import RUN_ID_BYTES
+from ..messages import ControlMsg
 
 __all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"]
 

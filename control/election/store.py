@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dtfm.net import PEER_ID_BYTES
 
-from .election_messages import MAX_TERM
+from .messages import MAX_TERM
 
 __all__ = ["ELECTION_FILE", "ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore"]
 

@@ -1,6 +1,6 @@
 """`ElectionService`: the trio driver of the coordinator election inside a daemon.
 
-`ElectionState` (control/election.py) decides; this module does its I/O. Every input (a
+`ElectionState` (control/election/state.py) decides; this module does its I/O. Every input (a
 message from the network, the election timer, `set_voters`, `campaign`) is one synchronous
 call into the state machine, and the actions it returns are appended to one FIFO, `_actions`.
 One task, the loop, executes that FIFO in order and fires the timer:
@@ -56,8 +56,11 @@ import trio
 
 from dtfm.net import ConnectionClosed, HandshakeError, ProtocolError, short_id
 
-from .allocation import Refusal
-from .election import (
+from ..allocation import Refusal
+from ..messages import ControlMsg
+from .config import ElectionConfig
+from .messages import ElectionMessage, check_voters, decode_election
+from .state import (
     BecameCoordinator,
     CoordinatorKnown,
     ElectionAction,
@@ -67,10 +70,7 @@ from .election import (
     Persist,
     SteppedDown,
 )
-from .election_config import ElectionConfig
-from .election_messages import ElectionMessage, check_voters, decode_election
-from .election_store import ElectionStoreError, MemoryElectionStore
-from .messages import ControlMsg
+from .store import ElectionStoreError, MemoryElectionStore
 
 __all__ = ["ElectionEvent", "ElectionService"]
 

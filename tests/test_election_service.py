@@ -10,10 +10,20 @@ import pytest
 import trio
 import trio.testing
 
-from dtfm.control.coordinator import DIAL_TIMEOUT_S, ElectionService
-from dtfm.control.election import BecameCoordinator, CoordinatorKnown, ElectionConfig, SteppedDown
-from dtfm.control.election_messages import RequestVote, Vote, decode_election
-from dtfm.control.election_store import ElectionStoreError, FileElectionStore, MemoryElectionStore
+from dtfm.control.election import (
+    BecameCoordinator,
+    CoordinatorKnown,
+    ElectionConfig,
+    ElectionService,
+    ElectionStoreError,
+    FileElectionStore,
+    MemoryElectionStore,
+    RequestVote,
+    SteppedDown,
+    Vote,
+    decode_election,
+)
+from dtfm.control.election.service import DIAL_TIMEOUT_S
 from dtfm.control.messages import ControlMsg
 from dtfm.net import MemNetwork, TransportConfig, uniform_link, unpack_untrusted
 

@@ -55,9 +55,9 @@ from dataclasses import dataclass
 
 from dtfm.net import short_id
 
-from .allocation import Refusal
-from .election_config import ElectionConfig
-from .election_messages import (
+from ..allocation import Refusal
+from .config import ElectionConfig
+from .messages import (
     MAX_TERM,
     ElectionMessage,
     Heartbeat,
@@ -73,7 +73,6 @@ __all__ = [
     "BecameCoordinator",
     "CoordinatorKnown",
     "ElectionAction",
-    "ElectionConfig",
     "ElectionRole",
     "ElectionSend",
     "ElectionState",

@@ -20,20 +20,20 @@ from dtfm.control.election import (
     ElectionRole,
     ElectionSend,
     ElectionState,
-    Persist,
-    SteppedDown,
-)
-from dtfm.control.election_messages import (
+    ElectionStoreError,
+    FileElectionStore,
     Heartbeat,
     HeartbeatAck,
+    MemoryElectionStore,
+    Persist,
     PreVote,
     PreVoteReply,
     RequestVote,
+    SteppedDown,
     Vote,
     decode_election,
 )
-from dtfm.control.election_sim import ElectionSim, NetConditions, returning_peer, takeover_times
-from dtfm.control.election_store import ElectionStoreError, FileElectionStore, MemoryElectionStore
+from dtfm.control.election.sim import ElectionSim, NetConditions, returning_peer, takeover_times
 from dtfm.net import ProtocolError, pack, unpack_untrusted
 
 A, B, C, D, E = (bytes([i]) * 32 for i in range(1, 6))
