@@ -10,6 +10,7 @@ MockClock (`MockClock(autojump_threshold=0)` runs an hour of gossip in seconds).
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import defaultdict
 
@@ -69,7 +70,7 @@ class Harness:
         svc = GossipService(t, self.identities[k], self.config, region=self.regions[k],
                             rng=random.Random(self._rng.random()), wall_clock=self.wall,
                             compute_ms=self._compute_ms, measure=self._measure)
-        svc.on_member_change(lambda m, k=k: self._observe(k, m))
+        svc.on_member_change(functools.partial(self._observe, k))
         scope = trio.CancelScope()
         if k < len(self.transports):  # a restart
             self.transports[k], self.services[k], self._scopes[k] = t, svc, scope

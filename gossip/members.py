@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import overload
 
 from dtfm.net import PEER_ID_BYTES
 
@@ -63,6 +64,12 @@ class Member:
     def with_state(self, state: MemberState, incarnation: int | None = None) -> "Member":
         inc = self.incarnation if incarnation is None else incarnation
         return Member(self.peer_id, inc, state, self.host, self.port, self.region)
+
+
+@overload
+def merge_entry(a: Member | None, b: Member) -> Member: ...
+@overload
+def merge_entry(a: Member | None, b: Member | None) -> Member | None: ...
 
 
 def merge_entry(a: Member | None, b: Member | None) -> Member | None:

@@ -136,10 +136,10 @@ class PushPull:
         return cls(updates_from_wire(d, "m", MAX_PUSH_PULL_UPDATES), get_bool(d, "reply"))
 
 
-_SWIM = {MsgType.PING: Ping, MsgType.ACK: Ack, MsgType.PING_REQ: PingReq, MsgType.NACK: Nack,
-         MsgType.GOSSIP: Gossip, MsgType.PUSH_PULL: PushPull}
-
 SwimMessage = Ping | Ack | PingReq | Nack | Gossip | PushPull
+
+_SWIM: dict[int, type[SwimMessage]] = {MsgType.PING: Ping, MsgType.ACK: Ack, MsgType.PING_REQ: PingReq,
+                                       MsgType.NACK: Nack, MsgType.GOSSIP: Gossip, MsgType.PUSH_PULL: PushPull}
 
 
 def decode_swim(msg_type: int, body: object) -> SwimMessage:

@@ -202,7 +202,8 @@ class RecordStore:
     def newer_than(self, digest, max_bytes: int) -> tuple[Report, ...]:
         """Reports we hold that the digest's owner lacks, within a byte budget."""
         theirs = dict(digest)
-        out, used = [], 0
+        out: list[Report] = []
+        used = 0
         for m, r in self.reports.items():
             if r.seq > theirs.get(m, -1):
                 if out and used + r.wire_size > max_bytes:

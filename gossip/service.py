@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import trio
@@ -40,6 +41,15 @@ _SWIM_TYPES = (MsgType.PING, MsgType.ACK, MsgType.PING_REQ, MsgType.NACK, MsgTyp
 # What connect() raises when the peer cannot be reached or refuses us (a HandshakeError is a
 # ProtocolError, a TimeoutError an OSError). Anything else is a bug and propagates.
 _CONNECT_ERRORS = (ConnectionClosed, ProtocolError, OSError)
+
+
+@dataclass(frozen=True)
+class _SyncSend:
+    """A record sync to send, queued with Swim's sends (`Send`'s fields, for another message)."""
+
+    to: bytes
+    address: tuple[str, int] | None
+    msg: RecordSync
 
 
 class GossipService:
@@ -73,7 +83,7 @@ class GossipService:
         self._published_version = -1
         self._published_at = float("-inf")
         self._timer_scope: trio.CancelScope | None = None
-        self._out_send, self._out_recv = trio.open_memory_channel(1024)
+        self._out_send, self._out_recv = trio.open_memory_channel[Send | _SyncSend](1024)
         self._listeners: list[Callable[[Member], None]] = []
         self._view_cache: tuple | None = None
         for t in _SWIM_TYPES:
@@ -286,7 +296,7 @@ class GossipService:
 
     def _dispatch_sync(self, m: Member, msg: RecordSync) -> None:
         try:
-            self._out_send.send_nowait(Send(m.peer_id, m.address, msg))
+            self._out_send.send_nowait(_SyncSend(m.peer_id, m.address, msg))
         except trio.WouldBlock:
             logger.warning("outgoing gossip queue full: dropping a record sync")
 

@@ -67,7 +67,7 @@ class SwimSimulator:
         for s in sends:
             data = pack(s.msg.to_wire()) if self.codec else s.msg
             self.frames[k] += 1
-            self.bytes[k] += (len(data) if self.codec else 0) + FRAME_OVERHEAD
+            self.bytes[k] += (len(data) if isinstance(data, bytes) else 0) + FRAME_OVERHEAD
             dst = self.index[s.to]
             if dst in self.dead or self.rng.random() < self.drop_fraction:
                 continue

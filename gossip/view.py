@@ -20,7 +20,7 @@ their two measurements. What a member says about its own compute speed is its ow
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -33,6 +33,8 @@ __all__ = ["NetworkView", "build_view", "DISAGREEMENT_RATIO"]
 # view takes does not depend on it, only the flag does.
 DISAGREEMENT_RATIO = 1.5
 
+_NO_FLAGS = np.zeros((0, 0), dtype=bool)  # a NetworkView's flag matrix left out
+
 
 @dataclass(frozen=True)
 class NetworkView:
@@ -41,13 +43,14 @@ class NetworkView:
     bandwidth_gbps: np.ndarray  # (N, N); inf on the diagonal, nan unknown
     compute_ms: np.ndarray  # (N,) reference block forward+backward; nan unknown
     complete: bool  # every pair has a latency and a bandwidth from at least one end
-    disputed: np.ndarray | None = None  # (N, N) bool: the two ends disagree beyond the tolerance
-    one_sided: np.ndarray | None = None  # (N, N) bool: a figure comes from one end only
+    # (N, N) bool flags; left out (an empty matrix): all false
+    disputed: np.ndarray = field(default_factory=lambda: _NO_FLAGS)  # the two ends disagree beyond the tolerance
+    one_sided: np.ndarray = field(default_factory=lambda: _NO_FLAGS)  # a figure comes from one end only
 
     def __post_init__(self) -> None:
         n = len(self.peers)
         for name in ("disputed", "one_sided"):
-            if getattr(self, name) is None:
+            if getattr(self, name) is _NO_FLAGS:
                 object.__setattr__(self, name, np.zeros((n, n), dtype=bool))
 
     def pairs_known(self) -> int:
