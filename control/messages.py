@@ -13,7 +13,7 @@ class ControlMsg(IntEnum):
     STEP = 67        # one-way: a peer's report of a completed step, to the issuer
     FETCH_MANIFEST = 68  # request: the manifest of a stage held at a step; reply: the manifest
     FETCH_CHUNK = 69     # request: one chunk of that stage; reply: the chunk as the payload
-    ELECTION = 70    # one-way: a coordinator-election message (control/election_messages.py)
+    ELECTION = 70    # one-way: a coordinator-election message (control/election/messages.py)
     RUN_STATE = 71   # request: what a peer holds of a run (allocation, steps, stages, checkpoints)
     TENSOR = 72      # request: one tensor of a training step; reply once it is buffered
     TRAIN_OP = 73    # request: `train start` / `train reschedule` forwarded to the coordinator

@@ -33,7 +33,8 @@ class StageState:
     """A stage's weights and optimizer state; `step` is the next step it will run."""
 
     def __init__(self, spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int], device: str = "cpu"):
-        self.spec, self.cfg, self.layer_range = spec, cfg, tuple(layer_range)
+        first, end = layer_range
+        self.spec, self.cfg, self.layer_range = spec, cfg, (first, end)
         self.module = GPTStage(spec, self.layer_range, cfg.seed).to(device)
         self.params = dict(self.module.named_parameters())
         self.optim = AdamW(self.params, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)

@@ -127,6 +127,13 @@ class ElectionSim(SimTraining):
     def n(self) -> int:
         return len(self.ids)
 
+    def node(self, k: int) -> ElectionState:
+        """The state of node k, which must be up."""
+        node = self.nodes[k]
+        if node is None:
+            raise RuntimeError(f"node {k} is down")
+        return node
+
     def local_now(self, k: int) -> float:
         return self.now + self.offsets[k]
 
@@ -159,12 +166,14 @@ class ElectionSim(SimTraining):
 
     def jump_clock(self, k: int, delta_s: float) -> None:
         self.offsets[k] += delta_s
-        if self.nodes[k] is not None:
-            self._run(k, self.nodes[k].tick(self.local_now(k)))
+        node = self.nodes[k]
+        if node is not None:
+            self._run(k, node.tick(self.local_now(k)))
 
     def campaign(self, k: int) -> None:
-        if self.nodes[k] is not None:
-            self._run(k, self.nodes[k].campaign(self.local_now(k)))
+        node = self.nodes[k]
+        if node is not None:
+            self._run(k, node.campaign(self.local_now(k)))
 
     # ------------------------------------------------------------------ running
 
@@ -265,7 +274,7 @@ class ElectionSim(SimTraining):
         self._schedule(k)
 
     def _check_win(self, k: int, term: int) -> None:
-        node = self.nodes[k]
+        node = self.node(k)
         if self.winners.setdefault(term, k) != k:
             self._violation(f"two coordinators in term {term}: nodes {self.winners[term]} and {k}")
         votes = [v for v in node.voters if self.votes.get((self.index[v], term)) == self.ids[k]]
@@ -287,7 +296,7 @@ def _settled(sim: ElectionSim, limit_s: float) -> int:
     while sim.now < end:
         sim.run_for(0.05)
         coords = sim.coordinators()
-        if len(coords) == 1 and all(sim.nodes[k].coordinator == sim.ids[coords[0]] for k in sim.live()):
+        if len(coords) == 1 and all(sim.node(k).coordinator == sim.ids[coords[0]] for k in sim.live()):
             return coords[0]
     raise RuntimeError(f"no settled coordinator within {limit_s:g} s (seed of the run decides; see violations)")
 
@@ -307,7 +316,7 @@ def takeover_times(config: ElectionConfig, n: int, crashes: int, *, seed: int, s
     for _ in range(crashes):
         k = _settled(sim, limit_s)
         sim.run_for(sim.rng.uniform(0, config.heartbeat_interval_s))
-        term, crashed_at, seen = sim.nodes[k].term, sim.now, len(sim.wins)
+        term, crashed_at, seen = sim.node(k).term, sim.now, len(sim.wins)
         sim.crash(k)
         while not any(w[2] > term for w in sim.wins[seen:]):
             if sim.now - crashed_at > limit_s:
@@ -328,7 +337,7 @@ def returning_peer(config: ElectionConfig, n: int, *, seed: int, away_s: float, 
     sim = ElectionSim(n, config, delays_s=scenario_delays_s(scenario, n, rng), seed=rng.getrandbits(64), codec=False)
     c = _settled(sim, 20 * config.election_timeout_max_s + n * config.stagger_s)
     f = sim.rng.choice([k for k in range(n) if k != c])
-    term, wins, downs = sim.nodes[c].term, len(sim.wins), len(sim.step_downs)
+    term, wins, downs = sim.node(c).term, len(sim.wins), len(sim.step_downs)
     if inflate_terms:
         sim.crash(f)
         sim.run_for(away_s)
@@ -338,9 +347,9 @@ def returning_peer(config: ElectionConfig, n: int, *, seed: int, away_s: float, 
     else:
         sim.partition([1 if k == f else 0 for k in range(n)])
         sim.run_for(away_s)
-        returned_term = sim.nodes[f].term
+        returned_term = sim.node(f).term
         sim.heal()
-    returned_term = sim.nodes[f].term
+    returned_term = sim.node(f).term
     sim.run_for(after_s)
     mine = [d for _, k, _, d in sim.step_downs[downs:] if k == c]
     return {
@@ -348,6 +357,6 @@ def returning_peer(config: ElectionConfig, n: int, *, seed: int, away_s: float, 
         "changed": any(k != c for _, k, _ in sim.wins[wins:]),
         "stood_again": any(d.standing_again for d in mine),
         "returned_term_ahead": returned_term - term,
-        "terms": max(sim.nodes[k].term for k in sim.live()) - term,
+        "terms": max(sim.node(k).term for k in sim.live()) - term,
         "violations": list(sim.violations),
     }

@@ -144,7 +144,8 @@ class ElectionState:
         self.role = ElectionRole.FOLLOWER
         self.coordinator: bytes | None = None  # the coordinator of self.term, as known here
         self.voters: tuple[bytes, ...] = check_voters(voters) if voters is not None else ()
-        self.last_applied: tuple[int, int] = tuple(applied)
+        applied_term, applied_epoch = applied
+        self.last_applied: tuple[int, int] = (applied_term, applied_epoch)
         self._now = now
         self._rank_cache: tuple = (None, 0)
         self._heard_at = _LONG_AGO  # when the recognised coordinator was last heard

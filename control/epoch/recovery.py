@@ -46,6 +46,7 @@ The chunk size is part of the digest: every peer of a swarm offers with the same
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
@@ -188,7 +189,7 @@ class RecoveryServer:
         if len(run_id) != RUN_ID_BYTES:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
         manifest, chunks = await trio.to_thread.run_sync(encode_transfer, state, self.chunk_bytes)
-        return self._keep(Offer(run_id, state.step, tuple(state.layer_range), manifest, chunks,
+        return self._keep(Offer(run_id, state.step, state.layer_range, manifest, chunks,
                                 manifest_digest(manifest)))
 
     async def offer_checkpoint(self, run_id: bytes, json_path: str | Path) -> Offer:
@@ -249,8 +250,9 @@ class FetchResult:
     receiver: TransferReceiver  # complete: every chunk in and verified
     bytes: int  # bytes of verified chunks received (the stage's size)
     seconds: float
-    per_source: dict[bytes, int] = field(default_factory=dict)  # chunks each holder delivered
-    failed: dict[bytes, str] = field(default_factory=dict)  # holders dropped, and why
+    # below, `bytes` is the field above: the builtin is builtins.bytes
+    per_source: dict[builtins.bytes, int] = field(default_factory=dict)  # chunks each holder delivered
+    failed: dict[builtins.bytes, str] = field(default_factory=dict)  # holders dropped, and why
 
 
 Connect = Callable[[bytes, "tuple[str, int] | None"], Awaitable[PeerConnection]]
@@ -258,7 +260,7 @@ _NET_ERRORS = (ConnectionClosed, RequestTimeout, RemoteError, ProtocolError, OSE
 
 
 class _Fetch:
-    """One fetch's state: holders in good standing, the receiver, the counters."""
+    """One fetch's state: holders in good standing and the counters."""
 
     def __init__(self, transport, sources, run_id, step, layer_range, digest, timeout_s, connect):
         self.transport, self.timeout_s, self._connect = transport, timeout_s, connect
@@ -270,7 +272,6 @@ class _Fetch:
         self.locks: dict[bytes, trio.Lock] = {}
         self.failed: dict[bytes, str] = {}
         self.per_source: dict[bytes, int] = {}
-        self.receiver: TransferReceiver | None = None
         self.nbytes = 0
         self._rr = 0
 
@@ -329,7 +330,8 @@ class _Fetch:
             raise RecoveryError(f"manifest describes layers {m_range} at step {m_step}")
         return manifest
 
-    async def chunk_worker(self, indices: trio.MemoryReceiveChannel, scope: trio.CancelScope) -> None:
+    async def chunk_worker(self, receiver: TransferReceiver, indices: trio.MemoryReceiveChannel,
+                           scope: trio.CancelScope) -> None:
         """Fetch chunks from the queue, each from the next holder in turn until one delivers it;
         cancel the fetch when no holder is left."""
         async for index in indices:
@@ -337,10 +339,10 @@ class _Fetch:
                 if not self.live:
                     scope.cancel()
                     return
-                if await self._one_chunk(self.next_source(), index):
+                if await self._one_chunk(receiver, self.next_source(), index):
                     break
 
-    async def _one_chunk(self, peer: bytes, index: int) -> bool:
+    async def _one_chunk(self, receiver: TransferReceiver, peer: bytes, index: int) -> bool:
         body = dict(self.key_body, digest=self.digest, index=index)
         try:
             c = await self.conn(peer)
@@ -355,7 +357,7 @@ class _Fetch:
             self.drop(peer, f"malformed reply to chunk {index}")
             return False
         try:
-            self.receiver.feed(index, bytes(payload))  # the one copy: the payload's buffer is the transport's
+            receiver.feed(index, bytes(payload))  # the one copy: the payload's buffer is the transport's
         except TransferError as e:
             self.drop(peer, str(e))
             return False
@@ -395,7 +397,7 @@ async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, ru
             f.drop(peer, str(e))
     if manifest is None:
         raise f.error()
-    f.receiver = TransferReceiver(manifest)
+    receiver = TransferReceiver(manifest)
     n = len(manifest.chunk_sha256)
     send, recv = trio.open_memory_channel(n)  # bounded by the manifest's chunk count
     for i in range(n):
@@ -403,10 +405,10 @@ async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, ru
     send.close()  # a worker whose holder fails retries its chunk itself, with the next holder
     async with trio.open_nursery() as nursery:
         for _ in range(min(parallel, n)):
-            nursery.start_soon(f.chunk_worker, recv, nursery.cancel_scope)
-    if not f.receiver.complete:
+            nursery.start_soon(f.chunk_worker, receiver, recv, nursery.cancel_scope)
+    if not receiver.complete:
         raise f.error()
     seconds = trio.current_time() - t0
     logger.info("recovered layers %s at step %d: %d bytes in %.2f s from %s", f.layer_range, step, f.nbytes,
                 seconds, ", ".join(f"{short_id(p)} ({k})" for p, k in f.per_source.items()))
-    return FetchResult(f.receiver, f.nbytes, seconds, f.per_source, f.failed)
+    return FetchResult(receiver, f.nbytes, seconds, f.per_source, f.failed)
