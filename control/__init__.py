@@ -12,11 +12,11 @@ from .allocation import (
                          REFUSAL_CODES,
                          AcceptContext,
                          Allocation,
+                         Holding,
                          Refusal,
                          SignedAllocation,
                          check_allocation,
 )
-from .allocation_fields import Holding
 from .comm import CommConfig, TensorRouter, TransportComm
 from .coordinator import ElectionService
 from .election import (

@@ -21,8 +21,7 @@ import trio
 
 from dtfm.net import short_id
 
-from .allocation import Allocation
-from .allocation_fields import Holding
+from .allocation import Allocation, Holding
 from .messages import ControlMsg
 from .request import TrainError
 from .reshape import Current, ReshapePlan, reshape
