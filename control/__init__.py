@@ -18,7 +18,6 @@ from .allocation import (
                          check_allocation,
 )
 from .comm import CommConfig, TensorRouter, TransportComm
-from .coordinator import ElectionService
 from .election import (
                          BecameCoordinator,
                          CoordinatorKnown,
@@ -40,6 +39,7 @@ from .election_messages import (
                          Vote,
                          decode_election,
 )
+from .election_service import ElectionService
 from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig

@@ -53,8 +53,8 @@ from dtfm.train import Corpus, StageState, load_corpus
 from .allocation import Allocation
 from .comm import CommConfig, TensorRouter
 from .coordinate import CoordinatorRole
-from .coordinator import ElectionService
 from .election import BecameCoordinator, ElectionConfig, SteppedDown
+from .election_service import ElectionService
 from .election_store import FileElectionStore
 from .epoch import PeerRole, _Run
 from .holdings import HolderRole

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from dtfm.control.coordinator import DIAL_TIMEOUT_S, ElectionService
+from dtfm.control.election_service import DIAL_TIMEOUT_S, ElectionService
 from dtfm.control.election import BecameCoordinator, CoordinatorKnown, ElectionConfig, SteppedDown
 from dtfm.control.election_messages import RequestVote, Vote, decode_election
 from dtfm.control.election_store import ElectionStoreError, FileElectionStore, MemoryElectionStore
