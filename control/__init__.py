@@ -18,6 +18,10 @@ from .allocation import (
                          check_allocation,
 )
 from .comm import CommConfig, TensorRouter, TransportComm
+from .coordinator.request import TrainError, TrainRequest
+from .coordinator.reshape import ReshapePlan, reshape
+from .coordinator.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
+from .coordinator.schedule import PLACEMENTS, Placement, choose_shape, random_shape, sched_spec
 from .election import (
                          BecameCoordinator,
                          CoordinatorKnown,
@@ -45,11 +49,7 @@ from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig
 from .recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
 from .relayout import assemble_stage, needed_stages
-from .request import TrainError, TrainRequest
-from .reshape import Current, ReshapePlan, reshape
 from .runner import RunEnd, StageRunner, StepReport, params_sha256
-from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point
-from .schedule import PLACEMENTS, Shape, choose_shape, random_shape, sched_spec
 
 __all__ = [
                          "ALLOCATION_DOMAIN",
@@ -63,7 +63,6 @@ __all__ = [
                          "ControlMsg",
                          "ControlPlane",
                          "CoordinatorKnown",
-                         "Current",
                          "ElectionAction",
                          "ElectionConfig",
                          "ElectionMessage",
@@ -79,6 +78,7 @@ __all__ = [
                          "Holding",
                          "MemoryElectionStore",
                          "PeerRunState",
+                         "Placement",
                          "Persist",
                          "PreVote",
                          "PreVoteReply",
@@ -90,7 +90,6 @@ __all__ = [
                          "ResumeError",
                          "ResumePoint",
                          "RunEnd",
-                         "Shape",
                          "SignedAllocation",
                          "StageRunner",
                          "StepReport",

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from dtfm.net import pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 
+from .coordinator.runstate import MAX_REPORTS
 from .election import (
     BecameCoordinator,
     CoordinatorKnown,
@@ -49,7 +50,6 @@ from .election import (
 from .election_messages import Vote, decode_election
 from .election_sim_train import SimTraining, _Issued, _Stage
 from .election_store import MemoryElectionStore
-from .runstate import MAX_REPORTS
 
 __all__ = ["ElectionSim", "NetConditions", "returning_peer", "scenario_delays_s", "takeover_times"]
 

@@ -31,10 +31,10 @@ from dtfm.train import (
 
 from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation, check_allocation
 from .comm import TransportComm
+from .coordinator.request import TrainError
 from .messages import ControlMsg
 from .recovery import RecoveryError, fetch_stage
 from .relayout import assemble_stage, needed_stages
-from .request import TrainError
 from .runner import RunEnd, StageRunner, StepReport
 
 __all__ = ["PeerRole"]

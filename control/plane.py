@@ -31,7 +31,7 @@ it mixes in, each in its own module:
     control/coordinate.py   CoordinatorRole: train start and stop, the hand-out, step reports
     control/reconfigure.py  ReconfigureRole: the coordinator's loop and reconfiguration
     control/steplog.py      the coordinator's step log (`train.jsonl`)
-    control/request.py      TrainRequest, TrainError
+    control/coordinator/request.py  TrainRequest, TrainError
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from dtfm.train import Corpus, StageState, load_corpus
 
 from .allocation import Allocation
 from .comm import CommConfig, TensorRouter
+from .coordinator.request import TrainError
+from .coordinator.runstate import MAX_REPORTS
 from .coordinate import CoordinatorRole
 from .election import BecameCoordinator, ElectionConfig, SteppedDown
 from .election_service import ElectionService
@@ -61,9 +63,7 @@ from .holdings import HolderRole
 from .messages import ControlMsg
 from .reconfigure import ReconfigureRole
 from .recovery import RecoveryServer
-from .request import TrainError
 from .runner import StepReport
-from .runstate import MAX_REPORTS
 from .steplog import _Issued
 
 __all__ = ["ControlPlane", "TrainerConfig"]
