@@ -12,12 +12,16 @@ from .allocation import (
                          REFUSAL_CODES,
                          AcceptContext,
                          Allocation,
+                         Holding,
                          Refusal,
                          SignedAllocation,
                          check_allocation,
 )
-from .allocation_fields import Holding
 from .comm import CommConfig, TensorRouter, TransportComm
+from .coordinator.request import TrainError, TrainRequest
+from .coordinator.reshape import ReshapePlan, reshape
+from .coordinator.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
+from .coordinator.schedule import PLACEMENTS, Placement, choose_shape, random_shape, sched_spec
 from .election import (
                          BecameCoordinator,
                          CoordinatorKnown,
@@ -47,10 +51,6 @@ from .epoch.relayout import assemble_stage, needed_stages
 from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
 from .messages import ControlMsg
 from .plane import ControlPlane, TrainerConfig
-from .request import TrainError, TrainRequest
-from .reshape import Current, ReshapePlan, reshape
-from .runstate import PeerRunState, ResumeError, ResumePoint, resume_point
-from .schedule import PLACEMENTS, Shape, choose_shape, random_shape, sched_spec
 
 __all__ = [
                          "ALLOCATION_DOMAIN",
@@ -64,7 +64,6 @@ __all__ = [
                          "ControlMsg",
                          "ControlPlane",
                          "CoordinatorKnown",
-                         "Current",
                          "ElectionAction",
                          "ElectionConfig",
                          "ElectionMessage",
@@ -80,6 +79,7 @@ __all__ = [
                          "Holding",
                          "MemoryElectionStore",
                          "PeerRunState",
+                         "Placement",
                          "Persist",
                          "PreVote",
                          "PreVoteReply",
@@ -91,7 +91,6 @@ __all__ = [
                          "ResumeError",
                          "ResumePoint",
                          "RunEnd",
-                         "Shape",
                          "SignedAllocation",
                          "StageRunner",
                          "StepReport",

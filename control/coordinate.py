@@ -26,11 +26,11 @@ from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeou
 from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 from .allocation import Allocation, SignedAllocation
+from .coordinator.request import TrainError, TrainRequest
+from .coordinator.runstate import PeerRunState
+from .coordinator.schedule import Placement, choose_shape, random_shape
 from .epoch.runner import StepReport
 from .messages import ControlMsg
-from .request import TrainError, TrainRequest
-from .runstate import PeerRunState
-from .schedule import Shape, choose_shape, random_shape
 from .steplog import _Issued
 
 __all__ = ["CoordinatorRole"]
@@ -90,7 +90,7 @@ class CoordinatorRole:
                 "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
                 "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(log_path)}
 
-    async def _first_shape(self, req: TrainRequest, spec: GPTSpec, cfg: TrainConfig, view, regions) -> Shape:
+    async def _first_shape(self, req: TrainRequest, spec: GPTSpec, cfg: TrainConfig, view, regions) -> Placement:
         """The new run's shape: the scheduler's on the gossiped view, or (`--placement random`)
         a random one of the given stages x dp."""
         try:

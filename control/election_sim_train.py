@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from dtfm.net import short_id
 
+from .coordinator.runstate import PeerRunState, ResumeError, resume_point
 from .election import ElectionRole, ElectionState
-from .runstate import PeerRunState, ResumeError, resume_point
 
 __all__ = ["LAYOUTS", "RUN_ID", "SimAllocation", "SimIssued", "SimStage", "SimTraining"]
 

@@ -20,9 +20,8 @@ import trio
 from dtfm.net import ProtocolError, get_bytes, get_dict, get_int, get_str
 from dtfm.train import CheckpointError, StageState, checkpoint_at, load_checkpoint, saved_checkpoints
 
-from .allocation import Allocation
-from .allocation_fields import Holding
-from .runstate import PeerRunState
+from .allocation import Allocation, Holding
+from .coordinator.runstate import PeerRunState
 
 __all__ = ["HolderRole"]
 

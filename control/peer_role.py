@@ -31,11 +31,11 @@ from dtfm.train import (
 
 from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation, check_allocation
 from .comm import TransportComm
+from .coordinator.request import TrainError
 from .epoch.recovery import RecoveryError, fetch_stage
 from .epoch.relayout import assemble_stage, needed_stages
 from .epoch.runner import RunEnd, StageRunner, StepReport
 from .messages import ControlMsg
-from .request import TrainError
 
 __all__ = ["PeerRole"]
 

@@ -31,7 +31,7 @@ it mixes in, each in its own module:
     control/coordinate.py   CoordinatorRole: train start and stop, the hand-out, step reports
     control/reconfigure.py  ReconfigureRole: the coordinator's loop and reconfiguration
     control/steplog.py      the coordinator's step log (`train.jsonl`)
-    control/request.py      TrainRequest, TrainError
+    control/coordinator/request.py  TrainRequest, TrainError
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from dtfm.train import Corpus, StageState, load_corpus
 
 from .allocation import Allocation
 from .comm import CommConfig, TensorRouter
+from .coordinator.request import TrainError
+from .coordinator.runstate import MAX_REPORTS
 from .coordinate import CoordinatorRole
 from .election import BecameCoordinator, ElectionConfig, ElectionService, FileElectionStore, SteppedDown
 from .epoch.recovery import RecoveryServer
@@ -60,8 +62,6 @@ from .holdings import HolderRole
 from .messages import ControlMsg
 from .peer_role import PeerRole, _Run
 from .reconfigure import ReconfigureRole
-from .request import TrainError
-from .runstate import MAX_REPORTS
 from .steplog import _Issued
 
 __all__ = ["ControlPlane", "TrainerConfig"]

@@ -21,13 +21,12 @@ import trio
 
 from dtfm.net import short_id
 
-from .allocation import Allocation
-from .allocation_fields import Holding
+from .allocation import Allocation, Holding
+from .coordinator.request import TrainError
+from .coordinator.reshape import ReshapePlan, reshape
+from .coordinator.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
+from .coordinator.schedule import Placement
 from .messages import ControlMsg
-from .request import TrainError
-from .reshape import Current, ReshapePlan, reshape
-from .runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
-from .schedule import Shape
 
 __all__ = ["ReconfigureRole"]
 
@@ -154,7 +153,7 @@ class ReconfigureRole:
         live = frozenset(self.gossip.live_peers()) | {self.me}
         if not view.complete or not set(alloc.peers) <= live:
             return False
-        cur = Current(alloc.pipelines, alloc.layer_ranges)
+        cur = alloc.plan()
         issued = self._issued
         done = issued.completed + 1 if issued is not None else alloc.start_step
         try:
@@ -201,7 +200,7 @@ class ReconfigureRole:
         t_planned = trio.current_time()
         holdings = await self._collect_offers(cur, rp)
         t_offered = trio.current_time()
-        alloc = self._next_allocation(cur, plan.shape, rp, holdings, trigger, set(states))
+        alloc = self._next_allocation(cur, plan.placement, rp, holdings, trigger, set(states))
         # Steps already completed and logged that the swarm runs again: the holders of the newer
         # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
@@ -271,7 +270,7 @@ class ReconfigureRole:
         live = frozenset(view.peers)
         try:
             plan = await trio.to_thread.run_sync(lambda: reshape(
-                view, cur.model, cur.train, current=Current(cur.pipelines, cur.layer_ranges), live=live,
+                view, cur.model, cur.train, current=cur.plan(), live=live,
                 remaining_steps=cur.end_step - rp.step, regions=self._regions(),
                 time_budget_s=self.config.schedule_time_s, seed=cur.epoch, min_gain=self.config.min_gain,
                 force=force))
@@ -279,7 +278,7 @@ class ReconfigureRole:
             self._pause(cur, f"no allocation fits the reachable peers: {e}", trigger, reachable)
         return rp, plan
 
-    def _next_allocation(self, cur: Allocation, shape: Shape, rp: ResumePoint, holdings: tuple[Holding, ...],
+    def _next_allocation(self, cur: Allocation, shape: Placement, rp: ResumePoint, holdings: tuple[Holding, ...],
                          trigger: str, reachable: set[bytes]) -> Allocation:
         """The next epoch of the run: the new layout from the resume point, with the holdings."""
         new_named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 from dtfm.net import pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 
+from ..coordinator.runstate import MAX_REPORTS
 from ..election_sim_train import SimIssued, SimStage, SimTraining
-from ..runstate import MAX_REPORTS
 from .config import ElectionConfig
 from .messages import Vote, decode_election
 from .state import (

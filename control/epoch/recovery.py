@@ -82,7 +82,7 @@ from dtfm.train import (
     load_checkpoint,
 )
 
-from ..allocation_fields import RUN_ID_BYTES
+from ..allocation import RUN_ID_BYTES
 from ..messages import ControlMsg
 
 __all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"]

@@ -1,6 +1,6 @@
 """What an operator's `train start` asks for (`TrainRequest`, read and checked from the
 arguments the CLI or a forwarding peer sends) and the error a train operation answers with
-(`TrainError`, its message meant for the operator).
+(`TrainError`, its message meant for the operator). The operations are in docs/control.md.
 """
 
 from __future__ import annotations

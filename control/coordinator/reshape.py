@@ -1,6 +1,8 @@
-"""The candidates of a re-allocation (`reshape`, control/reshape.py) and what each costs.
+"""Re-allocation when the swarm changes: which allocation to run next, and what it costs to get
+there. A pure planner (no I/O); the protocol around it is in docs/control.md.
 
-Every way of going on from the allocation in use:
+The coordinator calls `reshape` when peers die, leave or join, or the measured network drifts.
+It weighs every way of going on against the allocation in use (`current`, a `train.Plan`):
 
 - keep: the current allocation unchanged (only while all its peers are live); new live peers
   become spares.
@@ -12,13 +14,16 @@ Every way of going on from the allocation in use:
 - grow: live spares (joined or returned peers) form extra whole pipelines of the same S, laid
   out by the scheduler among themselves; every peer of a new pipeline moves.
 - reschedule: the DT-FM scheduler on all live peers, same S, D = live // S (capped so that
-  `split_batch` accepts it; and also the current D when that leaves spares), warm-started from the current allocation (survivors in their
-  places, holes filled as repair does). The cost model does not care in which order the
-  pipelines are listed, so the result's pipelines are relabelled to keep as many peers as
-  possible in their old (stage, pipeline) place; the reversed stage order, as cheap on a
-  symmetric network, is tried too, and the cheaper of the two (score below) is offered.
+  `split_batch` accepts it; and also the current D when that leaves spares), warm-started from
+  the current allocation (survivors in their places, holes filled as repair does). The cost
+  model does not care in which order the pipelines are listed, so the result's pipelines are
+  relabelled to keep as many peers as possible in their old (stage, pipeline) place; the
+  reversed stage order, as cheap on a symmetric network, is tried too, and the cheaper of the
+  two (score below) is offered.
 - restage: when fewer than S peers are live, no allocation of the current S exists: the
   scheduler on the live peers with every other stage count (layer ranges change).
+
+The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no moves.
 
 Costs. A peer that takes on a layer range other than the one it holds *moves*: it fetches every
 old stage that its new range needs (the blocks in it, the embeddings for a first stage, the head
@@ -31,27 +36,149 @@ lists it; it must come from a checkpoint) and costs no fetch time here.
 
 Each candidate's iteration time is the GPipe simulator's with the trainer's syncs, on the view,
 as `choose_shape` predicts it; its score is predicted_iteration_s x remaining_steps + move_s.
+
+Choice, with hysteresis. If the current allocation has a dead peer (or `force`), the lowest
+score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
+gains, per step, more than `min_gain` of the current iteration time AND over the remaining
+steps more than its own move_s; among those, the lowest score wins. Two allocations predicted
+within a few percent of each other therefore never flap back and forth on measurement noise.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
+from dtfm.gossip import NetworkView
 from dtfm.sched import CostModel, SearchConfig, candidate_shapes, layer_ranges, simulate_iteration, solve
-from dtfm.train import GPTSpec
+from dtfm.train import GPTSpec, Plan, TrainConfig
 
-from .schedule import _matrices, sched_spec
+from .schedule import Placement, sched_spec, view_matrices
 
-__all__ = ["BYTES_PER_PARAM", "default_stage_bytes", "relabel_pipelines"]
+__all__ = ["BYTES_PER_PARAM", "KINDS", "Range", "ReshapePlan", "default_stage_bytes", "relabel_pipelines", "reshape"]
+
+logger = logging.getLogger(__name__)
 
 # fp32 weights + two fp32 Adam moments + gradient buffer: what a peer fetches per parameter.
 BYTES_PER_PARAM = 16
 
 Range = tuple[int, int]
+
+KINDS = ("keep", "repair", "shrink", "grow", "reschedule", "restage")  # also the tie-break order
+
+
+@dataclass(frozen=True)
+class ReshapePlan:
+    placement: Placement  # the allocation to run next
+    kind: str  # one of KINDS
+    moves: int  # peers that take on a layer range other than the one they hold
+    bytes_moved: int  # estimated bytes those peers fetch
+    move_s: float  # estimated fetch time: each mover's stages in turn, the movers in parallel
+    gain_s: float  # (current predicted iteration - new) x remaining steps; nan when the current cannot be predicted
+    candidates: tuple[dict, ...]  # every candidate: kind, shape "SxD", predicted_s, moves, bytes, move_s, score
+    fetches: tuple[tuple[bytes, Range, bytes | None], ...] = ()  # (mover, old stage range, source; None: lost)
+    lost_ranges: tuple[Range, ...] = ()  # old stages no live peer holds: to recover from a checkpoint
+
+    def summary(self) -> str:
+        """One log line: the choice and every candidate."""
+        s = self.placement
+        head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)} predicted "
+                f"{s.predicted_iteration_s:.3f} s, {self.moves} moves, {self.bytes_moved / 1e6:.1f} MB "
+                f"in {self.move_s:.2f} s, gain {self.gain_s:.1f} s")
+        if self.lost_ranges:
+            head += f", lost {list(self.lost_ranges)}"
+        rest = "; ".join(f"{c['kind']} {c['shape']} {c['predicted_s']:.3f}s {c['moves']}mv score {c['score']:.1f}"
+                         for c in self.candidates)
+        return f"{head} [{rest}]"
+
+
+def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan | None,
+            live: frozenset[bytes], remaining_steps: int, stage_bytes: Callable[[Range], int] | None = None,
+            regions: dict[bytes, str] | None = None, time_budget_s: float = 2.0, seed: int = 0,
+            min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
+            config: SearchConfig | None = None) -> ReshapePlan:
+    """The next allocation of the live peers of `view` (see the module docstring).
+
+    current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
+    takes them; None: every shape). live: ids of the peers that may be placed (a peer missing
+    from the view is never placed). remaining_steps: steps still to train, which a faster
+    allocation saves time on. stage_bytes: bytes a peer fetches for an old stage's range
+    (default `default_stage_bytes(spec)`). config: a SearchConfig for the scheduler runs
+    (repeatable runs in tests), else `time_budget_s` is shared among them.
+    ValueError when the view is incomplete or no allocation fits the live peers."""
+    n = len(view.peers)
+    if not view.complete:
+        raise ValueError(f"the network view is incomplete ({view.pairs_known()} of {n * (n - 1)} links "
+                         "measured): wait until gossip has measured every link")
+    if remaining_steps < 0 or not 0 <= min_gain:
+        raise ValueError("remaining_steps and min_gain must be non-negative")
+    if current is not None and current.n_layer != spec.n_layer:
+        raise ValueError(f"the current layer ranges end at {current.n_layer}, the model has {spec.n_layer} layers")
+    pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config)
+    if not pl.live:
+        raise ValueError("no live peer is in the network view: nothing to allocate")
+    if pl.d_max < 1:
+        raise ValueError(f"global batch {cfg.global_batch_seqs} is smaller than {cfg.micro_batches} "
+                         "micro-batches: no pipeline can run")
+    keep = None
+    if current is None:
+        cands = _shapes(pl, "reschedule", stages, dp, time_budget_s, None)
+    else:
+        cands = _same_s(pl, time_budget_s) if len(pl.live) >= current.stages else []
+        if not cands:
+            cands = _shapes(pl, "restage", None, None, time_budget_s, pl.cur)
+        keep = next((c for c in cands if c.kind == "keep"), None)
+    cands = _distinct(cands)
+    if not cands:
+        raise ValueError(f"no allocation fits the {len(pl.live)} live peers of the view "
+                         f"(a model of {spec.n_layer} layers, at most {pl.d_max} pipelines for a global "
+                         f"batch of {cfg.global_batch_seqs} in {cfg.micro_batches} micro-batches)")
+    ref = keep.predicted_s if keep is not None else _current_prediction(pl)
+    plan = _plan(pl, _choose(cands, keep, min_gain, remaining_steps, force), cands, ref)
+    logger.info("%s", plan.summary())
+    return plan
+
+
+def _choose(cands: list[_Cand], keep: _Cand | None, min_gain: float, remaining_steps: int, force: bool) -> _Cand:
+    """The candidate to run, with hysteresis (see the module docstring)."""
+    rank = {k: i for i, k in enumerate(KINDS)}
+    order = sorted(cands, key=lambda c: (c.score, rank[c.kind], c.moves))
+    if keep is not None and not force:
+        per_step = min_gain * keep.predicted_s
+        better = [c for c in order if c is not keep and keep.predicted_s - c.predicted_s > per_step
+                  and (keep.predicted_s - c.predicted_s) * remaining_steps > c.move_s]
+        return better[0] if better else keep
+    others = [c for c in order if c is not keep]
+    return others[0] if others else order[0]
+
+
+def _distinct(cands: list[_Cand]) -> list[_Cand]:
+    """The candidates less repeats of one allocation under one kind."""
+    out, seen = [], set()
+    for c in cands:
+        key = (c.kind, c.X.shape, c.X.tobytes())
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def _plan(pl: _Planner, c: _Cand, cands: list[_Cand], ref: float) -> ReshapePlan:
+    ids = pl.ids
+    placement = Placement(tuple(tuple(ids[int(i)] for i in col) for col in c.X.T), c.ranges,
+                          tuple(ids[i] for i in pl.spares(c.X)), c.predicted_s, c.objective_s)
+    table = tuple({"kind": o.kind, "shape": f"{o.X.shape[0]}x{o.X.shape[1]}", "predicted_s": o.predicted_s,
+                   "moves": o.moves, "bytes": o.bytes, "move_s": o.move_s, "score": o.score, "chosen": o is c}
+                  for o in cands)
+    return ReshapePlan(placement, c.kind, c.moves, c.bytes, c.move_s, (ref - c.predicted_s) * pl.steps, table,
+                       c.fetches, c.lost)
+
+
+# ---------------------------------------------------------------------- candidates and costs
 
 
 def default_stage_bytes(spec: GPTSpec) -> Callable[[Range], int]:
@@ -102,13 +229,15 @@ class _Cand:
 
 
 class _Planner:
+    """The live peers of a view and the allocation in use: builds and costs the candidates."""
+
     def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config):
         self.view, self.spec, self.cfg = view, spec, cfg
         self.ids = view.peers
         self.index = {p: i for i, p in enumerate(self.ids)}
         self.live = [i for i, p in enumerate(self.ids) if p in live]
         self.live_set = set(self.live)
-        self.delay, self.bw = _matrices(view)
+        self.delay, self.bw = view_matrices(view)
         self.steps = remaining_steps
         self.stage_bytes = stage_bytes or default_stage_bytes(spec)
         self.regions = regions
@@ -230,15 +359,14 @@ class _Planner:
         """The best (by score) of X, X with its stage order reversed, and each with fewer moves
         where that costs nothing (`fewer_moves`), pipelines relabelled towards `old`."""
         options = [X] if X.shape[0] == 1 else [X, X[::-1]]
-        same_s = old is not None and old.shape[0] == X.shape[0]
-        if same_s:
+        towards = old if old is not None and old.shape[0] == X.shape[0] else None
+        if towards is not None:
             options += [self.fewer_moves(Y) for Y in options]
-        best = None
-        for Y in options:
-            if same_s:
-                Y = relabel_pipelines(Y, old)
-            c = self.evaluate(kind, np.ascontiguousarray(Y), ranges)
-            if best is None or _better(c, best):
+            options = [relabel_pipelines(Y, towards) for Y in options]
+        found = [self.evaluate(kind, np.ascontiguousarray(Y), ranges) for Y in options]
+        best = found[0]
+        for c in found[1:]:
+            if _better(c, best):
                 best = c
         return best
 
@@ -297,9 +425,9 @@ def _same_s(pl: _Planner, budget_s: float) -> list[_Cand]:
         keep_cols = sorted(sorted(range(D), key=lambda p: (int(holes[:, p].sum()), p))[:D2])
         X0 = np.full((S, D2), -1, dtype=np.int64)
         X0[:, :len(keep_cols)] = cur[:, keep_cols]
-        X0 = pl.fill(X0, [i for i in pl.live if i not in set(map(int, X0[X0 >= 0]))])
-        for local in (False, True):  # the whole search, and a local repair that stays near X0
-            Xs = pl.schedule(pl.live, S, D2, share, initial=X0, local=local)
+        warm = pl.fill(X0, [i for i in pl.live if i not in set(map(int, X0[X0 >= 0]))])
+        for local in (False, True):  # the whole search, and a local repair that stays near the warm start
+            Xs = pl.schedule(pl.live, S, D2, share, initial=warm, local=local)
             out.append(pl.oriented("reschedule", Xs, ranges, cur))
     return out
 
@@ -310,8 +438,9 @@ def _mend(pl: _Planner, holes: np.ndarray, spares: list[int]) -> list[_Cand]:
     cur, ranges = pl.cur, pl.old_ranges
     D = cur.shape[1]
     out = []
-    if int(holes.sum()) <= len(spares) and D <= pl.d_max:
-        out.append(pl.evaluate("repair", pl.fill(cur, spares), ranges))
+    repaired = pl.fill(cur, spares) if int(holes.sum()) <= len(spares) and D <= pl.d_max else None
+    if repaired is not None:
+        out.append(pl.evaluate("repair", repaired, ranges))
     whole = [p for p in range(D) if not holes[:, p].any()]
     broken = sorted((p for p in range(D) if holes[:, p].any()), key=lambda p: (int(holes[:, p].sum()), p))
     for r in range(len(broken)):
@@ -320,7 +449,9 @@ def _mend(pl: _Planner, holes: np.ndarray, spares: list[int]) -> list[_Cand]:
             continue
         X = cur[:, cols]
         pool = [i for i in pl.live if i not in set(map(int, X[X >= 0]))]  # the dropped survivors are spares too
-        out.append(pl.evaluate("shrink", pl.fill(X, pool), ranges))
+        shrunk = pl.fill(X, pool)
+        if shrunk is not None:
+            out.append(pl.evaluate("shrink", shrunk, ranges))
     return out
 
 

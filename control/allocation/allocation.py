@@ -11,8 +11,9 @@ canonical form, so one allocation has exactly one body and one signature check.
 the signature: is everyone named alive, is this peer in it, is the model the one this peer
 knows by that preset name, is the data the same, is it newer than what it already applied.
 
-The bounds and checks of its fields, the holdings of the previous layout (`Holding`) and the
-wire form of the configuration maps are in control/allocation_fields.py.
+The grid (pipelines x layer ranges) is a `train.Plan`, which checks its shape; the bounds and
+checks of the other fields, the holdings of the previous layout (`Holding`) and the wire form of
+the configuration maps are in fields.py beside this module. The protocol is in docs/control.md.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, fields
 
 from dtfm.net import (
@@ -39,8 +41,7 @@ from dtfm.net import (
 )
 from dtfm.train import GPTSpec, Plan, TrainConfig, split_batch
 
-from .allocation_fields import (
-    _SHA256_HEX,
+from .fields import (
     MAX_COUNTER,
     MAX_DATA_NAME_LEN,
     MAX_ITERATION_S,
@@ -51,20 +52,20 @@ from .allocation_fields import (
     MAX_REASON_LEN,
     MAX_STAGES,
     RUN_ID_BYTES,
+    SHA256_HEX,
     SIGNATURE_BYTES,
     Holding,
-    _check_bytes,
-    _check_int,
-    _check_str,
-    _config_from_wire,
-    _config_to_wire,
-    _holding,
-    _id_list,
-    _layer_range,
+    check_bytes,
+    check_int,
+    check_str,
+    config_from_wire,
+    config_to_wire,
+    layer_range_from_wire,
+    peer_ids_from_wire,
 )
 
 __all__ = [
-    "ALLOCATION_DOMAIN", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
+    "ALLOCATION_DOMAIN", "FORMAT_VERSION", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
     "AcceptContext", "Allocation", "Refusal", "SignedAllocation", "check_allocation",
 ]
 
@@ -111,80 +112,89 @@ class Allocation:
     # from the previous epoch's by one peer at most, so every majority of the old voters meets
     # every majority of the new. Empty: the peers and spares.
     voters: tuple[bytes, ...] = ()
+    # The grid as train.Plan holds it (this allocation's epoch); it checks the grid's shape.
+    _plan: Plan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
         object.__setattr__(self, "holdings", tuple(self.holdings))
         object.__setattr__(self, "absent", tuple(self.absent))
         object.__setattr__(self, "voters", tuple(self.voters))
-        _check_str("reason", self.reason, 0, MAX_REASON_LEN)
+        check_str("reason", self.reason, 0, MAX_REASON_LEN)
         object.__setattr__(self, "layer_ranges", tuple(tuple(r) for r in self.layer_ranges))
         object.__setattr__(self, "spares", tuple(self.spares))
-        _check_int("epoch", self.epoch, 1, MAX_COUNTER)
-        _check_int("term", self.term, 0, MAX_COUNTER)
-        _check_bytes("issuer", self.issuer, PEER_ID_BYTES)
-        _check_bytes("run_id", self.run_id, RUN_ID_BYTES)
-        _check_str("preset", self.preset, 1, MAX_PRESET_LEN)
-        _check_str("data_name", self.data_name, 0, MAX_DATA_NAME_LEN)
-        if type(self.data_hash) is not str or not _SHA256_HEX.fullmatch(self.data_hash):
+        check_int("epoch", self.epoch, 1, MAX_COUNTER)
+        check_int("term", self.term, 0, MAX_COUNTER)
+        check_bytes("issuer", self.issuer, PEER_ID_BYTES)
+        check_bytes("run_id", self.run_id, RUN_ID_BYTES)
+        check_str("preset", self.preset, 1, MAX_PRESET_LEN)
+        check_str("data_name", self.data_name, 0, MAX_DATA_NAME_LEN)
+        if type(self.data_hash) is not str or not SHA256_HEX.fullmatch(self.data_hash):
             raise ValueError(f"data_hash must be 64 lowercase hex characters, got {self.data_hash!r}")
         if not isinstance(self.model, GPTSpec):
             raise ValueError(f"model must be a GPTSpec, got {type(self.model).__name__}")
         if not isinstance(self.train, TrainConfig):
             raise ValueError(f"train must be a TrainConfig, got {type(self.train).__name__}")
-        _config_to_wire(self.model, "model")  # in the wire's bounds, so every allocation encodes
-        _config_to_wire(self.train, "train")
-        _check_int("start_step", self.start_step, 0, MAX_COUNTER)
-        _check_int("end_step", self.end_step, 1, MAX_COUNTER)
+        config_to_wire(self.model, "model")  # in the wire's bounds, so every allocation encodes
+        config_to_wire(self.train, "train")
+        check_int("start_step", self.start_step, 0, MAX_COUNTER)
+        check_int("end_step", self.end_step, 1, MAX_COUNTER)
         if self.start_step >= self.end_step:
             raise ValueError(f"start_step {self.start_step} must come before end_step {self.end_step}")
-        _check_int("checkpoint_every", self.checkpoint_every, 0, MAX_COUNTER)
+        check_int("checkpoint_every", self.checkpoint_every, 0, MAX_COUNTER)
         t = self.predicted_iteration_s
         if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t <= MAX_ITERATION_S:
             raise ValueError(f"predicted_iteration_s must be a number in [0, {MAX_ITERATION_S:g}], got {t!r}")
         object.__setattr__(self, "predicted_iteration_s", float(t))
-        self._check_grid()
-        pos = {peer: (d, s) for d, p in enumerate(self.pipelines) for s, peer in enumerate(p)}
-        object.__setattr__(self, "_pos", pos)
-
-    def _check_grid(self) -> None:
-        n_stages = len(self.layer_ranges)
-        if not 1 <= n_stages <= MAX_STAGES:
-            raise ValueError(f"an allocation needs 1 to {MAX_STAGES} stages, got {n_stages}")
-        if not self.pipelines:
-            raise ValueError("an allocation needs at least one pipeline")
-        if any(len(p) != n_stages for p in self.pipelines):
-            raise ValueError(f"every pipeline must list one peer for each of the {n_stages} stages")
+        object.__setattr__(self, "_plan", self._grid())
         self._check_places()
         self._check_holdings()
-        self._check_layers()
-        split_batch(self.train.global_batch_seqs, len(self.pipelines), self.train.micro_batches)
+        split_batch(self.train.global_batch_seqs, self.dp, self.train.micro_batches)
+
+    def _grid(self) -> Plan:
+        """The grid: peer ids and layer indices within the wire's bounds, the shape as `Plan`
+        checks it (one peer per stage of each pipeline, a peer in one place, layer ranges
+        contiguous and non-empty from 0), and the model's layers covered."""
+        if len(self.layer_ranges) > MAX_STAGES:
+            raise ValueError(f"an allocation has at most {MAX_STAGES} stages, got {len(self.layer_ranges)}")
+        peers = [x for p in self.pipelines for x in p]
+        if len(peers) > MAX_PEERS:
+            raise ValueError(f"more than {MAX_PEERS} peers")
+        for x in peers:
+            check_bytes("peer id", x, PEER_ID_BYTES)
+        for r in self.layer_ranges:
+            if len(r) != 2:
+                raise ValueError(f"layer range {r!r} is not a pair")
+            check_int("layer", r[0], 0, MAX_LAYERS)
+            check_int("layer", r[1], 0, MAX_LAYERS)
+        plan = Plan(self.pipelines, self.layer_ranges, self.epoch)
+        if plan.n_layer != self.model.n_layer:
+            raise ValueError(f"layer ranges cover {plan.n_layer} layers, the model has {self.model.n_layer}")
+        return plan
 
     def _check_places(self) -> None:
-        """Peers, spares, voters and absent peers: valid ids, each in one place at most."""
-        peers = [x for p in self.pipelines for x in p]
+        """Spares, voters and absent peers: valid ids, each in one place at most."""
+        peers = set(self.peers)
         if len(peers) + len(self.spares) > MAX_PEERS:
             raise ValueError(f"more than {MAX_PEERS} peers")
-        for x in peers + list(self.spares):
-            _check_bytes("peer id", x, PEER_ID_BYTES)
-        if len(set(peers)) != len(peers):
-            raise ValueError("a peer may hold only one stage of one pipeline")
+        for x in self.spares:
+            check_bytes("peer id", x, PEER_ID_BYTES)
         if len(set(self.spares)) != len(self.spares):
             raise ValueError("a spare is listed twice")
-        if set(self.spares) & set(peers):
+        if set(self.spares) & peers:
             raise ValueError("a spare also holds a stage")
         if self.voters:
             if len(self.voters) > MAX_PEERS or list(self.voters) != sorted(set(self.voters)):
                 raise ValueError("voters must be sorted, without repeats")
             for x in self.voters:
-                _check_bytes("voter", x, PEER_ID_BYTES)
+                check_bytes("voter", x, PEER_ID_BYTES)
             if self.issuer not in self.voters:
                 raise ValueError("the issuer must be one of the voters")
         if len(self.absent) > MAX_PEERS:
             raise ValueError(f"more than {MAX_PEERS} absent peers")
         for x in self.absent:
-            _check_bytes("peer id", x, PEER_ID_BYTES)
-        if set(self.absent) & (set(peers) | set(self.spares)):
+            check_bytes("peer id", x, PEER_ID_BYTES)
+        if set(self.absent) & (peers | set(self.spares)):
             raise ValueError("an absent peer also has a place")
 
     def _check_holdings(self) -> None:
@@ -203,29 +213,15 @@ class Allocation:
         if end != self.model.n_layer:
             raise ValueError(f"the holdings cover {end} layers, the model has {self.model.n_layer}")
 
-    def _check_layers(self) -> None:
-        """The stages' layer ranges cover the model's layers in contiguous ranges from 0."""
-        start = 0
-        for r in self.layer_ranges:
-            if len(r) != 2:
-                raise ValueError(f"layer range {r!r} is not a pair")
-            _check_int("layer", r[0], 0, MAX_LAYERS)
-            _check_int("layer", r[1], 0, MAX_LAYERS)
-            if r[0] != start or r[1] <= r[0]:
-                raise ValueError(f"layer ranges {self.layer_ranges} must be contiguous, non-empty, from 0")
-            start = r[1]
-        if start != self.model.n_layer:
-            raise ValueError(f"layer ranges cover {start} layers, the model has {self.model.n_layer}")
-
     # ------------------------------------------------------------------ the grid
 
     @property
     def stages(self) -> int:
-        return len(self.layer_ranges)
+        return self._plan.stages
 
     @property
     def dp(self) -> int:
-        return len(self.pipelines)
+        return self._plan.dp
 
     @property
     def peers(self) -> tuple[bytes, ...]:
@@ -244,10 +240,11 @@ class Allocation:
 
     def position(self, peer: bytes) -> tuple[int, int]:
         """(pipeline, stage) of `peer`; KeyError if it holds no stage."""
-        return self._pos[peer]
+        return self._plan.position(peer)
 
     def plan(self) -> Plan:
-        return Plan(self.pipelines, self.layer_ranges, self.epoch)
+        """The grid, for the trainer: pipelines, layer ranges and this allocation's epoch."""
+        return self._plan
 
     def neighbours(self, peer: bytes) -> frozenset[bytes]:
         """The peers `peer` exchanges tensors with in a step (train/worker.py, train/collective.py).
@@ -274,7 +271,7 @@ class Allocation:
         """The canonical body: the same allocation gives the same bytes on any machine."""
         return pack([
             FORMAT_VERSION, self.run_id, self.term, self.epoch, self.issuer, self.preset,
-            _config_to_wire(self.model, "model"), _config_to_wire(self.train, "train"),
+            config_to_wire(self.model, "model"), config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
             float(self.predicted_iteration_s), [h.to_wire() for h in self.holdings], list(self.absent),
@@ -292,24 +289,26 @@ class Allocation:
         if version != FORMAT_VERSION:
             raise ProtocolError(f"allocation format {version}, this peer reads {FORMAT_VERSION}: "
                                 "run the same dtfm version on every peer")
-        pipelines = [_id_list(p, "pipeline", MAX_STAGES) for p in get_list(d, "pipelines", MAX_PEERS)]
-        ranges = [_layer_range(r) for r in get_list(d, "layer_ranges", MAX_STAGES)]
+        pipelines = tuple(tuple(peer_ids_from_wire(p, "pipeline", MAX_STAGES))
+                          for p in get_list(d, "pipelines", MAX_PEERS))
+        ranges = tuple(layer_range_from_wire(r) for r in get_list(d, "layer_ranges", MAX_STAGES))
         try:
             alloc = cls(
                 epoch=get_int(d, "epoch", 1, MAX_COUNTER), term=get_int(d, "term", 0, MAX_COUNTER),
                 issuer=get_bytes(d, "issuer", PEER_ID_BYTES, PEER_ID_BYTES),
                 run_id=get_bytes(d, "run_id", RUN_ID_BYTES, RUN_ID_BYTES),
                 pipelines=pipelines, layer_ranges=ranges, preset=get_str(d, "preset", MAX_PRESET_LEN),
-                model=_config_from_wire(GPTSpec, d["model"], "model"),
-                train=_config_from_wire(TrainConfig, d["train"], "train"),
+                model=config_from_wire(GPTSpec, d["model"], "model"),
+                train=config_from_wire(TrainConfig, d["train"], "train"),
                 data_hash=get_str(d, "data_hash", 64), data_name=get_str(d, "data_name", MAX_DATA_NAME_LEN),
                 start_step=get_int(d, "start_step", 0, MAX_COUNTER), end_step=get_int(d, "end_step", 1, MAX_COUNTER),
                 checkpoint_every=get_int(d, "checkpoint_every", 0, MAX_COUNTER),
                 predicted_iteration_s=get_float(d, "predicted_iteration_s", 0.0, MAX_ITERATION_S),
-                spares=_id_list(d["spares"], "spares", MAX_PEERS),
-                holdings=[_holding(h) for h in get_list(d, "holdings", MAX_STAGES)],
-                absent=_id_list(d["absent"], "absent", MAX_PEERS), reason=get_str(d, "reason", MAX_REASON_LEN),
-                voters=_id_list(d["voters"], "voters", MAX_PEERS),
+                spares=tuple(peer_ids_from_wire(d["spares"], "spares", MAX_PEERS)),
+                holdings=tuple(Holding.from_wire(h) for h in get_list(d, "holdings", MAX_STAGES)),
+                absent=tuple(peer_ids_from_wire(d["absent"], "absent", MAX_PEERS)),
+                reason=get_str(d, "reason", MAX_REASON_LEN),
+                voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None
@@ -362,7 +361,7 @@ class Refusal:
     def __post_init__(self) -> None:
         if type(self.code) is not str or len(self.code) > MAX_CODE_LEN or not _CODE.fullmatch(self.code):
             raise ValueError(f"bad refusal code {self.code!r}")
-        _check_str("reason", self.reason, 0, MAX_REASON_LEN)
+        check_str("reason", self.reason, 0, MAX_REASON_LEN)
 
     def to_wire(self) -> dict:
         return {"code": self.code, "reason": self.reason}
@@ -397,9 +396,10 @@ class AcceptContext:
 def check_allocation(alloc: Allocation, ctx: AcceptContext) -> Refusal | None:
     """None if this peer accepts `alloc` (its signature already checked), else why not."""
     named = set(alloc.peers) | set(alloc.spares)
-    if _is_stale(alloc, ctx):
-        return _refuse("stale", f"term {alloc.term} epoch {alloc.epoch} is not newer than term {ctx.applied[0]} "
-                                f"epoch {ctx.applied[1]}, already applied for this run")
+    applied = ctx.applied
+    if applied is not None and alloc.run_id == ctx.run_id and alloc.term_epoch <= tuple(applied):
+        return _refuse("stale", f"term {alloc.term} epoch {alloc.epoch} is not newer than term {applied[0]} "
+                                f"epoch {applied[1]}, already applied for this run")
     if ctx.me not in named:
         return _refuse("not-member", f"this peer ({short_id(ctx.me)}) has neither a stage nor a spare place")
     spec = ctx.known_presets.get(alloc.preset)
@@ -425,19 +425,11 @@ def check_allocation(alloc: Allocation, ctx: AcceptContext) -> Refusal | None:
     return None
 
 
-def _is_stale(alloc: Allocation, ctx: AcceptContext) -> bool:
-    if ctx.applied is None:
-        return False
-    if alloc.run_id != ctx.run_id:
-        return False
-    return alloc.term_epoch <= tuple(ctx.applied)
-
-
 def _refuse(code: str, reason: str) -> Refusal:
     return Refusal(code, reason[:MAX_REASON_LEN])
 
 
-def _names(peers: set[bytes]) -> str:
+def _names(peers: AbstractSet[bytes]) -> str:
     ids = sorted(short_id(p) for p in peers)
     more = f" and {len(ids) - MAX_NAMED} more" if len(ids) > MAX_NAMED else ""
     return ", ".join(ids[:MAX_NAMED]) + more

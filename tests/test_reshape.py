@@ -1,14 +1,13 @@
-"""control.reshape: the next allocation when the swarm changes, on synthetic views of a few sites."""
+"""The coordinator's reshape: the next allocation when the swarm changes, on synthetic views of a few sites."""
 
 import numpy as np
 import pytest
 
-from dtfm.control.reshape import KINDS, Current, ReshapePlan, reshape
-from dtfm.control.reshape_candidates import default_stage_bytes, relabel_pipelines
-from dtfm.control.schedule import _matrices, sched_spec
+from dtfm.control.coordinator.reshape import KINDS, ReshapePlan, default_stage_bytes, relabel_pipelines, reshape
+from dtfm.control.coordinator.schedule import sched_spec, view_matrices
 from dtfm.gossip import NetworkView
 from dtfm.sched import SEARCH_PROFILES, CostModel, simulate_iteration, solve
-from dtfm.train import GPTSpec, TrainConfig
+from dtfm.train import GPTSpec, Plan, TrainConfig
 
 # Activations outweigh gradients (long sequences, a narrow model): more pipelines pay off when
 # the links allow it, so growing can be predicted faster.
@@ -42,26 +41,26 @@ def sites(counts, slow=(), factor=10.0):
     return NetworkView(ids, delay, bw, np.full(n, np.nan), True), {p: f"site{k}" for p, k in zip(ids, site)}
 
 
-def current(*pipes) -> Current:
-    return Current(tuple(tuple(pid(i) for i in p) for p in pipes), RANGES)
+def current(*pipes) -> Plan:
+    return Plan(tuple(tuple(pid(i) for i in p) for p in pipes), RANGES)
 
 
 def plan(view, regions, cur, live=None, **kw) -> ReshapePlan:
     live = frozenset(view.peers if live is None else live)
     kw.setdefault("remaining_steps", 1000)
     p = reshape(view, SPEC, CFG, current=cur, live=live, regions=regions, config=SEARCH, **kw)
-    placed = {peer for pipe in p.shape.pipelines for peer in pipe}
-    assert placed <= live and not placed & set(p.shape.spares)  # a dead peer is never placed
-    assert set(p.shape.spares) == (live & set(view.peers)) - placed
+    placed = {peer for pipe in p.placement.pipelines for peer in pipe}
+    assert placed <= live and not placed & set(p.placement.spares)  # a dead peer is never placed
+    assert set(p.placement.spares) == (live & set(view.peers)) - placed
     assert p.kind in KINDS and any(c["chosen"] and c["kind"] == p.kind for c in p.candidates)
     return p
 
 
 def idx(p: ReshapePlan):
-    return [[p_[0] - 1 for p_ in pipe] for pipe in p.shape.pipelines]
+    return [[p_[0] - 1 for p_ in pipe] for pipe in p.placement.pipelines]
 
 
-def moves_oracle(cur: Current, pipelines, ranges) -> int:
+def moves_oracle(cur: Plan, pipelines, ranges) -> int:
     """Peers whose new layer range is not the one they held."""
     held = {peer: cur.layer_ranges[s] for pipe in cur.pipelines for s, peer in enumerate(pipe)}
     return sum(held.get(peer) != ranges[s] for pipe in pipelines for s, peer in enumerate(pipe))
@@ -71,7 +70,7 @@ def test_first_allocation_is_the_scheduler():
     view, regions = sites([4, 4, 4])
     p = plan(view, regions, None, stages=4, dp=2)
     assert p.kind == "reschedule" and p.moves == 0 and p.bytes_moved == 0
-    assert p.shape.layer_ranges == RANGES
+    assert p.placement.layer_ranges == RANGES
     assert sorted(sorted(pipe) for pipe in idx(p)) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # a site per pipeline
 
 
@@ -92,7 +91,7 @@ def test_dead_peer_without_spares_shrinks_with_no_move():
     p = plan(view, regions, cur, live=set(view.peers) - {pid(5)})
     assert p.kind == "shrink" and p.moves == 0 and p.bytes_moved == 0 and p.move_s == 0
     assert idx(p) == [[0, 1, 2, 3]]  # the whole pipeline keeps its stages
-    assert sorted(p.shape.spares) == [pid(4), pid(6), pid(7)]
+    assert sorted(p.placement.spares) == [pid(4), pid(6), pid(7)]
 
 
 def test_three_of_four_holders_dead_restages():
@@ -100,11 +99,11 @@ def test_three_of_four_holders_dead_restages():
     cur = current([0, 1, 2, 3])
     p = plan(view, regions, cur, live={pid(0), pid(4)})
     assert p.kind == "restage"
-    S = len(p.shape.layer_ranges)
-    assert S < 4 and p.shape.layer_ranges[0][0] == 0 and p.shape.layer_ranges[-1][1] == SPEC.n_layer
+    S = len(p.placement.layer_ranges)
+    assert S < 4 and p.placement.layer_ranges[0][0] == 0 and p.placement.layer_ranges[-1][1] == SPEC.n_layer
     assert set(p.lost_ranges) <= {(1, 2), (2, 3), (3, 4)} and p.lost_ranges  # only a checkpoint has them
     assert all(c["kind"] == "restage" for c in p.candidates)
-    assert p.moves == moves_oracle(cur, p.shape.pipelines, p.shape.layer_ranges)
+    assert p.moves == moves_oracle(cur, p.placement.pipelines, p.placement.layer_ranges)
 
 
 def test_joined_peers_grow_when_faster():
@@ -114,8 +113,8 @@ def test_joined_peers_grow_when_faster():
     assert p.kind == "grow" and p.moves == 4
     assert idx(p)[0] == [0, 1, 2, 3] and sorted(idx(p)[1]) == [4, 5, 6, 7]
     keep = next(c for c in p.candidates if c["kind"] == "keep")
-    assert p.shape.predicted_iteration_s < keep["predicted_s"] * 0.9
-    assert p.gain_s == pytest.approx((keep["predicted_s"] - p.shape.predicted_iteration_s) * 1000)
+    assert p.placement.predicted_iteration_s < keep["predicted_s"] * 0.9
+    assert p.gain_s == pytest.approx((keep["predicted_s"] - p.placement.predicted_iteration_s) * 1000)
 
 
 def test_joined_peers_stay_spares_when_growing_is_slower():
@@ -123,9 +122,9 @@ def test_joined_peers_stay_spares_when_growing_is_slower():
     cur = current([0, 1, 2, 3])
     p = plan(view, regions, cur)
     assert p.kind == "keep" and p.moves == 0 and idx(p) == [[0, 1, 2, 3]]
-    assert sorted(p.shape.spares) == [pid(i) for i in range(4, 8)]
+    assert sorted(p.placement.spares) == [pid(i) for i in range(4, 8)]
     grow = [c for c in p.candidates if c["kind"] == "grow"]
-    assert grow and all(c["predicted_s"] > p.shape.predicted_iteration_s for c in grow)
+    assert grow and all(c["predicted_s"] > p.placement.predicted_iteration_s for c in grow)
 
 
 def test_small_drift_keeps():
@@ -134,7 +133,7 @@ def test_small_drift_keeps():
     p = plan(view, regions, cur)
     assert p.kind == "keep" and p.moves == 0 and p.gain_s == 0
     # something faster exists, by less than min_gain: hysteresis, not blindness, keeps
-    keep_s = p.shape.predicted_iteration_s
+    keep_s = p.placement.predicted_iteration_s
     assert any(keep_s * 0.9 < c["predicted_s"] < keep_s for c in p.candidates)
 
 
@@ -143,7 +142,7 @@ def test_small_drift_forced_reschedules():
     view, regions = sites([4, 4, 4], slow=range(4, 8), factor=1.05)
     p = plan(view, regions, cur, force=True)
     assert p.kind != "keep" and p.gain_s > 0
-    assert p.shape.predicted_iteration_s < next(c for c in p.candidates if c["kind"] == "keep")["predicted_s"]
+    assert p.placement.predicted_iteration_s < next(c for c in p.candidates if c["kind"] == "keep")["predicted_s"]
 
 
 def test_large_drift_reschedules_with_few_moves():
@@ -151,9 +150,9 @@ def test_large_drift_reschedules_with_few_moves():
     view, regions = sites([4, 4, 4], slow=range(4, 8), factor=10)  # pipeline 1's links 10x slower
     p = plan(view, regions, cur)
     assert p.kind == "reschedule"
-    assert p.moves == 4 == moves_oracle(cur, p.shape.pipelines, p.shape.layer_ranges)
+    assert p.moves == 4 == moves_oracle(cur, p.placement.pipelines, p.placement.layer_ranges)
     assert idx(p)[0] == [0, 1, 2, 3] and sorted(idx(p)[1]) == [8, 9, 10, 11]  # site 2 replaces pipeline 1
-    assert sorted(p.shape.spares) == [pid(i) for i in range(4, 8)]
+    assert sorted(p.placement.spares) == [pid(i) for i in range(4, 8)]
     assert p.gain_s > p.move_s > 0
 
 
@@ -169,19 +168,19 @@ def test_warm_reschedule_moves_fewer_peers_than_a_fresh_solve():
     cur = current([0, 1, 2, 3], [4, 5, 6, 7])
     view, regions = sites([4, 4, 4], slow=range(4, 8), factor=10)
     warm = plan(view, regions, cur, force=True)
-    delay, bw = _matrices(view)
+    delay, bw = view_matrices(view)
     fresh = solve(delay, bw, sched_spec(SPEC, CFG, 2), stages=4, dp=2, regions=[regions[p] for p in view.peers],
                   seed=0, config=SEARCH)
     fresh_moves = moves_oracle(cur, [[view.peers[i] for i in pipe] for pipe in fresh.pipelines], RANGES)
     assert warm.moves == 4 and fresh_moves >= 2 * warm.moves
-    assert warm.shape.objective_s <= fresh.cost.paper_s + 1e-9
+    assert warm.placement.objective_s <= fresh.cost.paper_s + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_relabelling_never_changes_the_prediction(seed):
     view, _ = sites([4, 4, 4])
     rng = np.random.default_rng(seed)
-    delay, bw = _matrices(view)
+    delay, bw = view_matrices(view)
     model = CostModel(delay, bw, sched_spec(SPEC, CFG, 3).workload(4, 3))
     X = rng.permutation(12)[:12].reshape(4, 3)
     Y = X[:, rng.permutation(3)]
@@ -210,12 +209,8 @@ def test_errors():
     with pytest.raises(ValueError, match="no live peer"):
         reshape(view, SPEC, CFG, current=cur, live=frozenset({b"x" * 32}), remaining_steps=10)
     with pytest.raises(ValueError, match="layers"):
-        reshape(view, SPEC, CFG, current=Current(cur.pipelines, ((0, 1), (1, 2), (2, 3), (3, 5))),
+        reshape(view, SPEC, CFG, current=Plan(cur.pipelines, ((0, 1), (1, 2), (2, 3), (3, 5))),
                 live=frozenset(view.peers), remaining_steps=10)
-    with pytest.raises(ValueError, match="contiguous"):
-        Current(cur.pipelines, ((0, 1), (2, 3), (3, 4), (4, 5)))
-    with pytest.raises(ValueError, match="twice"):
-        Current(((pid(0), pid(1)), (pid(1), pid(2))), ((0, 2), (2, 4)))
     with pytest.raises(ValueError, match="too small|micro-batches"):
         reshape(view, SPEC, TrainConfig(global_batch_seqs=2, micro_batches=4), current=cur,
                 live=frozenset(view.peers), remaining_steps=10)

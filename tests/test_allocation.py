@@ -13,17 +13,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.control.allocation import (
-    FORMAT_VERSION,
     ALLOCATION_DOMAIN,
+    FORMAT_VERSION,
     MAX_ALLOCATION_BYTES,
     REFUSAL_CODES,
     AcceptContext,
     Allocation,
+    Holding,
     Refusal,
     SignedAllocation,
     check_allocation,
 )
-from dtfm.control.allocation_fields import Holding
 from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted
 from dtfm.train import (
     PRESETS,

@@ -1,23 +1,30 @@
-"""The fields of a signed allocation (control/allocation.py): their bounds and checks, the
+"""The fields of a signed allocation (allocation.py beside it): their bounds and checks, the
 holdings of the previous layout, and the wire form of the model and training configuration.
 
 A configuration (`GPTSpec`, `TrainConfig`) travels as a map with sorted keys, every field a
 bool, int, float (as float64) or str within generous bounds (the dataclasses check the rest);
-`_config_from_wire` refuses a missing, unknown or mistyped field with a `ProtocolError`. The
-`_check_*` functions raise ValueError, for the dataclasses' own checks.
+`config_from_wire` refuses a missing, unknown or mistyped field with a `ProtocolError`. The
+`check_*` functions raise ValueError, for the dataclasses' own checks. The allocation's format
+is in docs/control.md.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import typing
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict, get_float, get_int, get_list, get_str
+from dtfm.train import GPTSpec, TrainConfig
 
-__all__ = ["Holding"]
+__all__ = [
+    "MAX_COUNTER", "MAX_DATA_NAME_LEN", "MAX_HOLDERS", "MAX_ITERATION_S", "MAX_LAYERS", "MAX_NAMED", "MAX_PEERS",
+    "MAX_PRESET_LEN", "MAX_REASON_LEN", "MAX_STAGES", "RUN_ID_BYTES", "SHA256_HEX", "SIGNATURE_BYTES", "Holding",
+    "check_bytes", "check_int", "check_str", "config_from_wire", "config_to_wire", "layer_range_from_wire",
+    "peer_ids_from_wire",
+]
 
 MAX_PEERS = 4096  # pipeline peers and spares together
 MAX_STAGES = 1024
@@ -37,25 +44,26 @@ MAX_CONFIG_INT = 2**53
 MAX_CONFIG_FLOAT = 1e15
 MAX_CONFIG_STR = 256
 
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
-def _check_int(what: str, v: object, lo: int, hi: int) -> None:
+def check_int(what: str, v: object, lo: int, hi: int) -> None:
     if type(v) is not int or not lo <= v <= hi:
         raise ValueError(f"{what} must be an integer in [{lo}, {hi}], got {v!r}")
 
 
-def _check_bytes(what: str, v: object, n: int) -> None:
+def check_bytes(what: str, v: object, n: int) -> None:
     if type(v) is not bytes or len(v) != n:
         raise ValueError(f"{what} must be {n} bytes, got {v!r:.80}")
 
 
-def _check_str(what: str, v: object, lo: int, hi: int) -> None:
+def check_str(what: str, v: object, lo: int, hi: int) -> None:
     if type(v) is not str or not lo <= len(v) <= hi:
         raise ValueError(f"{what} must be a string of {lo} to {hi} characters, got {v!r:.80}")
 
 
-def _id_list(obj: object, what: str, max_len: int) -> list[bytes]:
+def peer_ids_from_wire(obj: object, what: str, max_len: int) -> list[bytes]:
+    """A list of at most `max_len` peer ids; raises only ProtocolError."""
     items = get_list({what: obj}, what, max_len)
     return [get_bytes({what: x}, what, PEER_ID_BYTES, PEER_ID_BYTES) for x in items]
 
@@ -75,35 +83,37 @@ class Holding:
         object.__setattr__(self, "holders", tuple(self.holders))
         if len(self.layer_range) != 2:
             raise ValueError(f"layer range {self.layer_range!r} is not a pair")
-        for x in self.layer_range:
-            _check_int("layer", x, 0, MAX_LAYERS)
-        if type(self.digest) is not str or not _SHA256_HEX.fullmatch(self.digest):
+        for layer in self.layer_range:
+            check_int("layer", layer, 0, MAX_LAYERS)
+        if type(self.digest) is not str or not SHA256_HEX.fullmatch(self.digest):
             raise ValueError(f"holding digest must be 64 lowercase hex characters, got {self.digest!r:.80}")
         if not 1 <= len(self.holders) <= MAX_HOLDERS:
             raise ValueError(f"a holding lists 1 to {MAX_HOLDERS} holders")
         for x in self.holders:
-            _check_bytes("holder", x, PEER_ID_BYTES)
+            check_bytes("holder", x, PEER_ID_BYTES)
         if len(set(self.holders)) != len(self.holders):
             raise ValueError("a holder is listed twice")
 
     def to_wire(self) -> list:
         return [self.layer_range[0], self.layer_range[1], self.digest, list(self.holders)]
 
+    @classmethod
+    def from_wire(cls, obj: object) -> Holding:
+        """A holding from its [first, end, digest, holders] list; raises only ProtocolError."""
+        items = get_list({"holding": obj}, "holding", 4)
+        if len(items) != 4:
+            raise ProtocolError("holding: expected [first, end, digest, holders]")
+        d = dict(zip(("first layer", "end layer", "digest", "holders"), items))
+        try:
+            return cls((get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)),
+                       get_str(d, "digest", 64), tuple(peer_ids_from_wire(d["holders"], "holders", MAX_HOLDERS)))
+        except ValueError as e:
+            raise ProtocolError(f"holding: {e}") from None
 
 
-def _holding(obj: object) -> Holding:
-    items = get_list({"holding": obj}, "holding", 4)
-    if len(items) != 4:
-        raise ProtocolError("holding: expected [first, end, digest, holders]")
-    d = dict(zip(("first layer", "end layer", "digest", "holders"), items))
-    try:
-        return Holding((get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)),
-                       get_str(d, "digest", 64), tuple(_id_list(d["holders"], "holders", MAX_HOLDERS)))
-    except ValueError as e:
-        raise ProtocolError(f"holding: {e}") from None
-
-
-def _layer_range(obj: object) -> tuple[int, int]:
+def layer_range_from_wire(obj: object) -> tuple[int, int]:
+    """A [first, end] pair of layer indices; raises only ProtocolError (the order is the
+    allocation's to check)."""
     pair = get_list({"layer range": obj}, "layer range", 2)
     if len(pair) != 2:
         raise ProtocolError("layer range: expected [first, end]")
@@ -111,19 +121,27 @@ def _layer_range(obj: object) -> tuple[int, int]:
     return get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)
 
 
-@functools.cache
-def _schema(cls: type) -> tuple[tuple[str, type], ...]:
+Config = TypeVar("Config", GPTSpec, TrainConfig)
+
+
+_SCHEMAS: dict[type, tuple[tuple[str, type], ...]] = {}
+
+
+def _schema(cls: type[GPTSpec] | type[TrainConfig]) -> tuple[tuple[str, type], ...]:
     """(name, type) of each field of a config dataclass, sorted by name (the wire's key order)."""
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in sorted(fields(cls), key=lambda f: f.name):
-        if hints[f.name] not in (bool, int, float, str):
-            raise TypeError(f"{cls.__name__}.{f.name}: a {hints[f.name]} field cannot travel in an allocation")
-        out.append((f.name, hints[f.name]))
-    return tuple(out)
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        out = []
+        for f in sorted(fields(cls), key=lambda f: f.name):
+            if hints[f.name] not in (bool, int, float, str):
+                raise TypeError(f"{cls.__name__}.{f.name}: a {hints[f.name]} field cannot travel in an allocation")
+            out.append((f.name, hints[f.name]))
+        schema = _SCHEMAS[cls] = tuple(out)
+    return schema
 
 
-def _config_to_wire(cfg: object, what: str) -> dict:
+def config_to_wire(cfg: GPTSpec | TrainConfig, what: str) -> dict:
     """The config as a map with sorted keys; ValueError on a value the wire would refuse."""
     out = {}
     for name, kind in _schema(type(cfg)):
@@ -136,7 +154,7 @@ def _config_to_wire(cfg: object, what: str) -> dict:
 
 def _fits(kind: type, v: object) -> bool:
     if kind is float:
-        return type(v) in (int, float) and math.isfinite(v) and abs(v) <= MAX_CONFIG_FLOAT
+        return (type(v) is int or type(v) is float) and math.isfinite(v) and abs(v) <= MAX_CONFIG_FLOAT
     if kind is int:
         return type(v) is int and 0 <= v <= MAX_CONFIG_INT
     if kind is str:
@@ -144,7 +162,7 @@ def _fits(kind: type, v: object) -> bool:
     return type(v) is bool
 
 
-def _config_from_wire(cls: type, obj: object, what: str):
+def config_from_wire(cls: type[Config], obj: object, what: str) -> Config:
     """A GPTSpec or TrainConfig from its map; every field present, typed and in bounds."""
     d = get_dict(obj, what)
     schema = _schema(cls)
@@ -153,7 +171,7 @@ def _config_from_wire(cls: type, obj: object, what: str):
     unknown = sorted(set(d) - {name for name, _ in schema})
     if unknown:
         raise ProtocolError(f"{what}: unknown fields {unknown[:MAX_NAMED]}: run the same dtfm version on every peer")
-    values = {}
+    values: dict[str, object] = {}
     for name, kind in schema:
         if kind is bool:
             values[name] = get_bool(d, name)

@@ -12,6 +12,7 @@ newest step at which *every* stage of the layout is held by some reachable peer,
 (its stage or its snapshot) or, failing that, in a checkpoint: the swarm then rolls back to the
 newest step every stage has a checkpoint of. When some stage is held nowhere, there is no
 resume point and training stops with the reason: weights are never silently re-initialised.
+The protocol is in docs/control.md.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 from dtfm.net import ProtocolError, get_bool, get_dict, get_int, get_list, short_id
 
-from .epoch.runner import StepReport
+from ..epoch.runner import StepReport
 
 __all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "describe", "resume_point"]
 
