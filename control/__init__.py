@@ -18,6 +18,7 @@ from .allocation import (
 )
 from .allocation_fields import Holding
 from .comm import CommConfig, TensorRouter, TransportComm
+from .config import PlaneConfig
 from .coordinator import ElectionService
 from .election import (
                          BecameCoordinator,
@@ -42,7 +43,7 @@ from .election_messages import (
 )
 from .election_store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 from .messages import ControlMsg
-from .plane import ControlPlane, TrainerConfig
+from .plane import ControlPlane
 from .recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
 from .relayout import assemble_stage, needed_stages
 from .request import TrainError, TrainRequest
@@ -79,6 +80,7 @@ __all__ = [
                          "Holding",
                          "MemoryElectionStore",
                          "PeerRunState",
+                         "PlaneConfig",
                          "Persist",
                          "PreVote",
                          "PreVoteReply",
@@ -98,7 +100,6 @@ __all__ = [
                          "TensorRouter",
                          "TrainError",
                          "TrainRequest",
-                         "TrainerConfig",
                          "TransportComm",
                          "Vote",
                          "assemble_stage",

@@ -16,7 +16,7 @@ from typing import Any
 
 import trio
 
-from dtfm.control import ControlPlane, TrainerConfig, TrainError, TrainRequest
+from dtfm.control import ControlPlane, PlaneConfig, TrainError, TrainRequest
 from dtfm.gossip import GossipConfig, GossipService
 from dtfm.net import EmulatedLinks
 from dtfm.scenarios import ScenarioError, load_scenario
@@ -70,7 +70,7 @@ def gossip_setup(config: DaemonConfig, shaper=None):
             daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
             data = str(config.trainer.data) if config.trainer.data is not None else None
             plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
-                                 TrainerConfig(torch_threads=config.trainer.torch_threads, data_path=data))
+                                 PlaneConfig(torch_threads=config.trainer.torch_threads, data_path=data))
             async with trio.open_nursery() as nursery:
                 await nursery.start(service.run)
                 await nursery.start(plane.run)
