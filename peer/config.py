@@ -142,8 +142,8 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
-class ControlConfig:
-    """The local control socket. TOML table [control]."""
+class SocketConfig:
+    """The local control socket (`dtfm-peer status`, `leave`, `train`). TOML table [socket]."""
 
     max_request_bytes: int = option(64 * 1024, "largest request frame the daemon accepts")
     # Status grows with the swarm and with what services add; 4 MiB holds thousands of peers.
@@ -159,14 +159,14 @@ class ControlConfig:
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_request_bytes <= 16 * 1024 * 1024:
-            raise ConfigError("control.max_request_bytes must be in 1 KiB..16 MiB")
+            raise ConfigError("socket.max_request_bytes must be in 1 KiB..16 MiB")
         if not 1024 <= self.max_response_bytes <= 256 * 1024 * 1024:
-            raise ConfigError("control.max_response_bytes must be in 1 KiB..256 MiB")
-        _positive("control", "request_timeout_s", self.request_timeout_s)
-        _positive("control", "idle_timeout_s", self.idle_timeout_s)
-        _positive("control", "handler_timeout_s", self.handler_timeout_s)
+            raise ConfigError("socket.max_response_bytes must be in 1 KiB..256 MiB")
+        _positive("socket", "request_timeout_s", self.request_timeout_s)
+        _positive("socket", "idle_timeout_s", self.idle_timeout_s)
+        _positive("socket", "handler_timeout_s", self.handler_timeout_s)
         if not 1 <= self.max_clients <= 1024:
-            raise ConfigError("control.max_clients must be in 1..1024")
+            raise ConfigError("socket.max_clients must be in 1..1024")
 
 
 @dataclass(frozen=True)
@@ -323,7 +323,7 @@ class DaemonConfig:
 
     peer: PeerConfig = PeerConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
-    control: ControlConfig = ControlConfig()
+    socket: SocketConfig = SocketConfig()
     log: LogConfig = LogConfig()
     # Frame limits, timeouts, key renewal, handshake admission: see dtfm.net.transport.
     transport: TransportConfig = TransportConfig()
@@ -345,6 +345,6 @@ class DaemonConfig:
                                       exchange_timeout_s=2.0, leave_timeout_s=1.0,
                                       exchange_rate_per_s=4.0, exchange_burst=8,
                                       address_query_timeout_s=5.0),
-            control=ControlConfig(request_timeout_s=5.0),
+            socket=SocketConfig(request_timeout_s=5.0),
             transport=TransportConfig.test(),
         )

@@ -22,7 +22,7 @@ from dtfm.net import EmulatedLinks
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .config import ConfigError, DaemonConfig
-from .control import ControlCommandError
+from .socket import ControlCommandError
 
 logger = logging.getLogger(__name__)
 

@@ -23,6 +23,12 @@ from .config import ConfigError, DaemonConfig, lower_layer_error
 SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(DaemonConfig)[f.name] for f in dataclasses.fields(DaemonConfig)}
 
+# Tables that were renamed: an old file names the new table instead of failing as unknown.
+RENAMED_SECTIONS = {
+    "control": ("socket", "the local control socket's settings"),
+    "trainer": ("plane", "the control plane's settings, with data and torch_threads"),
+}
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -167,6 +173,9 @@ def merge(base: DaemonConfig, raw: dict[str, Any], *, base_dir: Path | None = No
         raise ConfigError("configuration must be a table")
     sections = {}
     for name, table in raw.items():
+        if name in RENAMED_SECTIONS and name not in SECTIONS:
+            new, what = RENAMED_SECTIONS[name]
+            raise ConfigError(f"[{name}] is now [{new}] ({what}): rename the table")
         if name not in SECTIONS:
             raise ConfigError(f"unknown section [{name}]; known: {', '.join(SECTIONS)}")
         if not isinstance(table, dict):

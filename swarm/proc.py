@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtfm.peer import ControlClient, ControlClientError, ControlConfig, DaemonNotRunning, DataDir
+from dtfm.peer import ControlClient, ControlClientError, SocketConfig, DaemonNotRunning, DataDir
 from dtfm.scenarios import load_scenario
 
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
@@ -32,7 +32,7 @@ def _control_socket(peer: PeerEntry) -> Path:
 def peer_request(peer: PeerEntry, op: str, args: dict | None = None, timeout_s: float = 5.0) -> Any:
     """One control request to a peer's daemon; raises SwarmError when it is not answering."""
 
-    config = ControlConfig(request_timeout_s=timeout_s)
+    config = SocketConfig(request_timeout_s=timeout_s)
     try:
         with ControlClient(_control_socket(peer), config, data_dir=Path(peer.data_dir)) as c:
             return c.request(op, args or {})

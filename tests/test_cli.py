@@ -13,8 +13,8 @@ import trio
 from dtfm.net.identity import parse_swarm_key
 from dtfm.peer import logs
 from dtfm.peer.cli import build_parser, main, user_error_text
-from dtfm.peer.config import ConfigError, ControlConfig
-from dtfm.peer.control import ControlServer
+from dtfm.peer.config import ConfigError, SocketConfig
+from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_duration, format_text
 
@@ -161,7 +161,7 @@ async def test_status_command_against_a_control_server(capsys):
     with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
         data_dir = DataDir(Path(d))
         data_dir.ensure()
-        server = ControlServer(data_dir.control_socket, ControlConfig())
+        server = ControlServer(data_dir.control_socket, SocketConfig())
 
         async def status(args):
             return REPORT

@@ -110,7 +110,8 @@ def test_flag_values_are_checked_and_named():
     ('[discovery]\nexchange_max_peers = 1.5\n', "must be an integer"),
     ('[discovery]\nexchange_max_peers = true\n', "must be an integer"),
     ('[log]\njson = "yes"\n', "must be true or false"),
-    ('[control]\nmax_request_bytes = 10\n', "max_request_bytes"),
+    ('[socket]\nmax_request_bytes = 10\n', "socket.max_request_bytes"),
+    ('[control]\nmax_clients = 4\n', r"\[control\] is now \[socket\]"),
     ('[peer\n', "not valid TOML"),
 ])
 def test_bad_toml_is_refused_with_its_name(tmp_path, toml, message):
