@@ -28,11 +28,11 @@ from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
 
 from . import logs
 from .config import ConfigError, DaemonConfig
-from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
 from .runner import run_daemon
 from .settings import apply_flags, default_text, flag_settings, load_toml
+from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .status import format_duration, format_text, to_json
 
 PROG = "dtfm-peer"

@@ -24,9 +24,9 @@ import trio
 from dtfm.net import Address, Identity, Transport, pack
 
 from .config import DaemonConfig
-from .socket import ControlServer
 from .discovery import Discovery
 from .paths import DataDir
+from .socket import ControlServer
 from .status import CORE_KEYS
 
 logger = logging.getLogger(__name__)
