@@ -143,16 +143,25 @@ class PlaneConfig:
         """A test swarm of daemons on one loaded machine: the election's lan timings (its test
         profile, a 0.24 s lease, is for simulations; a 2-core machine running a swarm stalls a
         daemon's event loop longer than that), quick checks and polls, and timeouts that still
-        let CPU stages build. The scheduler keeps its time, so it picks the same allocations,
-        and tensor flow control its defaults (CommConfig.test fails a step whose worker waits
-        5 s for the CPU)."""
+        let CPU stages build. The drift check is halved, not more: each one runs the scheduler
+        for schedule_time_s on a machine the stages share, and a static emulated network seldom
+        drifts. The scheduler keeps its time, so it picks the same allocations, and tensor flow
+        control its defaults (CommConfig.test fails a step whose worker waits 5 s for the CPU).
+        Emulated links slower than a data centre's want `with_election(ElectionConfig.wan())`:
+        the lan lease (0.4 s) is shorter than a worldwide round trip."""
         election = ElectionConfig.lan()
         return cls(
             election=election, **_election_waits(election),
             accept_timeout_s=60.0, request_timeout_s=5.0, elect_timeout_s=15.0, stop_timeout_s=20.0,
-            check_interval_s=1.0, drift_check_s=20.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
+            check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
             forward_timeout_s=120.0, swarm_poll_s=0.2,
         )
 
     def with_(self, **changes: Any) -> PlaneConfig:
         return replace(self, **changes)
+
+    def with_election(self, election: ElectionConfig) -> PlaneConfig:
+        """These settings on other election timings, with the waits that follow them
+        (coordinator_check_s, coordinator_lost_after_s, heartbeat_wait_s) as its profiles
+        derive them."""
+        return replace(self, election=election, **_election_waits(election))

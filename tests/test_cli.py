@@ -98,6 +98,10 @@ def test_join_errors_are_one_line(tmp_path, capsys, restore_logging):
     assert main(["join", "--data-dir", str(tmp_path), "--drop", "2"]) == 1
     assert capsys.readouterr().err == ("dtfm-peer: error: emulation.drop_fraction: drop_fraction must be "
                                        "in [0, 1], got 2.0\n")
+    # A data path that does not exist stops `join` before anything starts (no key is needed yet).
+    assert main(["join", "--data-dir", str(tmp_path), "--data", "/nonexistent"]) == 1
+    assert capsys.readouterr().err == ("dtfm-peer: error: plane.data (--data) /nonexistent: no such file or "
+                                       "folder; give the text file or folder of text files this peer trains on\n")
 
 
 def test_usage_errors_exit_2(capsys):

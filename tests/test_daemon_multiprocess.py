@@ -28,6 +28,9 @@ retry_initial_s = 0.05
 retry_max_s = 0.5
 exchange_interval_s = 0.5
 leave_timeout_s = 2.0
+
+[plane]
+profile = "test"
 """
 
 
