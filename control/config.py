@@ -16,16 +16,6 @@ from .election_config import ElectionConfig
 __all__ = ["PlaneConfig"]
 
 
-def _election_waits(election: ElectionConfig) -> dict[str, float]:
-    """The plane's waits that follow the election's timings (see their fields), rounded so
-    that binary fractions do not show (3 * 2.3 is 6.8999999999999995)."""
-    return {
-        "coordinator_check_s": round(5 * election.heartbeat_interval_s, 9),
-        "coordinator_lost_after_s": round(3 * election.election_timeout_max_s, 9),
-        "heartbeat_wait_s": round(2 * election.heartbeat_interval_s + 1.0, 9),
-    }
-
-
 @dataclass(frozen=True)
 class PlaneConfig:
     """What one daemon's control plane waits for, how long, and how often it looks; the
@@ -129,14 +119,12 @@ class PlaneConfig:
     def lan(cls) -> PlaneConfig:
         """One data centre or region: the election's lan timings (and the waits that follow
         them); everything else as wan."""
-        election = ElectionConfig.lan()
-        return cls(election=election, **_election_waits(election))
+        return cls().with_election(ElectionConfig.lan())
 
     @classmethod
     def wan(cls) -> PlaneConfig:
         """Peers across continents: the defaults."""
-        election = ElectionConfig.wan()
-        return cls(election=election, **_election_waits(election))
+        return cls().with_election(ElectionConfig.wan())
 
     @classmethod
     def test(cls) -> PlaneConfig:
@@ -149,19 +137,20 @@ class PlaneConfig:
         control its defaults (CommConfig.test fails a step whose worker waits 5 s for the CPU).
         Emulated links slower than a data centre's want `with_election(ElectionConfig.wan())`:
         the lan lease (0.4 s) is shorter than a worldwide round trip."""
-        election = ElectionConfig.lan()
         return cls(
-            election=election, **_election_waits(election),
             accept_timeout_s=60.0, request_timeout_s=5.0, elect_timeout_s=15.0, stop_timeout_s=20.0,
             check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
             forward_timeout_s=120.0, swarm_poll_s=0.2,
-        )
+        ).with_election(ElectionConfig.lan())
 
     def with_(self, **changes: Any) -> PlaneConfig:
         return replace(self, **changes)
 
     def with_election(self, election: ElectionConfig) -> PlaneConfig:
-        """These settings on other election timings, with the waits that follow them
-        (coordinator_check_s, coordinator_lost_after_s, heartbeat_wait_s) as its profiles
-        derive them."""
-        return replace(self, election=election, **_election_waits(election))
+        """These settings on other election timings, with the waits that follow them as the
+        profiles derive them: 5 heartbeats, 3 election timeouts, 2 heartbeats and 1 s (rounded,
+        so that binary fractions do not show: 3 * 2.3 is 6.8999999999999995)."""
+        return replace(self, election=election,
+                       coordinator_check_s=round(5 * election.heartbeat_interval_s, 9),
+                       coordinator_lost_after_s=round(3 * election.election_timeout_max_s, 9),
+                       heartbeat_wait_s=round(2 * election.heartbeat_interval_s + 1.0, 9))

@@ -111,8 +111,8 @@ class ReconfigureRole:
             run = self._run
             if run is not None and not self._run_over(run) and self.election.is_coordinator:
                 if self._attempts >= self.config.max_reconfig_attempts:
-                    self._stop_run(run.alloc, f"{self.config.max_reconfig_attempts} reconfigurations failed, the last: {e}",
-                                   "; ".join(reasons))
+                    self._stop_run(run.alloc, f"{self.config.max_reconfig_attempts} reconfigurations failed, "
+                                   f"the last: {e}", "; ".join(reasons))
                 else:
                     self._triggers.extend(r for r in reasons if r not in self._triggers)
 
@@ -134,7 +134,8 @@ class ReconfigureRole:
         missing = named - set(self._paused_live or ()) - {self.me}
         if not missing:
             return False
-        return bool(await self._query_states(missing, timeout_s=min(self.config.request_timeout_s, self.config.probe_timeout_s)))
+        timeout_s = min(self.config.request_timeout_s, self.config.probe_timeout_s)
+        return bool(await self._query_states(missing, timeout_s=timeout_s))
 
     async def _joined(self) -> list[str]:
         """Live members outside the allocation that answer: peers that joined or came back."""
@@ -143,7 +144,8 @@ class ReconfigureRole:
         outside = [p for p in self.gossip.live_peers() if p not in named and p != self.me]
         if not outside:
             return []
-        states = await self._query_states(outside, timeout_s=min(self.config.request_timeout_s, self.config.probe_timeout_s))
+        timeout_s = min(self.config.request_timeout_s, self.config.probe_timeout_s)
+        states = await self._query_states(outside, timeout_s=timeout_s)
         view, _ = self._measured_view(set(states) | set(self.gossip.live_peers()) | {self.me})
         ready = [p for p in states if p in view.peers]
         return [f"peer {short_id(p)} joined" for p in sorted(ready)]

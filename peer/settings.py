@@ -75,7 +75,7 @@ def section_settings(section: str) -> dict[str, Setting]:
                               meta.get("help", ""), meta.get("metavar"), meta.get("repeat", False))
     embedded = getattr(cls, "EMBEDDED", None)
     if embedded is not None:
-        flags = {fl.key: fl for fl in cls.EMBEDDED_FLAGS}
+        flags = {fl.key: fl for fl in getattr(cls, "EMBEDDED_FLAGS", ())}
         skip = set(getattr(cls, "EMBEDDED_SET_BY_SECTION", ()))
         for key, hint in _embedded_keys(embedded):
             if key in skip:
@@ -252,6 +252,6 @@ def apply_flags(base: DaemonConfig, namespace: Any) -> DaemonConfig:
     for s in flag_settings():
         value = getattr(namespace, s.dest, None)
         if value is not None:
-            changes.setdefault(s.section, {})[s] = _convert(s.flag, s.hint, value, None, text=True)
+            changes.setdefault(s.section, {})[s] = _convert(s.flag or s.key, s.hint, value, None, text=True)
     sections = {name: _apply(name, getattr(base, name), ch) for name, ch in changes.items()}
     return dataclasses.replace(base, **sections)

@@ -1,4 +1,5 @@
-"""The daemon's Unix control socket (dtfm.peer.socket), in process: framing, limits, dispatch, uid check, client errors."""
+"""The daemon's Unix control socket (dtfm.peer.socket), in process: framing, limits, dispatch,
+uid check, client errors."""
 
 import os
 import socket
