@@ -22,6 +22,7 @@ from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
 from .coordinator.schedule import PLACEMENTS, Placement, choose_shape, random_shape, sched_spec
+from .config import PlaneConfig
 from .election import (
                          BecameCoordinator,
                          CoordinatorKnown,
@@ -50,7 +51,7 @@ from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage, manifest
 from .epoch.relayout import assemble_stage, needed_stages
 from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
 from .messages import ControlMsg
-from .plane import ControlPlane, TrainerConfig
+from .plane import ControlPlane
 
 __all__ = [
                          "ALLOCATION_DOMAIN",
@@ -80,6 +81,7 @@ __all__ = [
                          "MemoryElectionStore",
                          "PeerRunState",
                          "Placement",
+                         "PlaneConfig",
                          "Persist",
                          "PreVote",
                          "PreVoteReply",
@@ -98,7 +100,6 @@ __all__ = [
                          "TensorRouter",
                          "TrainError",
                          "TrainRequest",
-                         "TrainerConfig",
                          "TransportComm",
                          "Vote",
                          "assemble_stage",

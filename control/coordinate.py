@@ -125,7 +125,7 @@ class CoordinatorRole:
                     raise TrainError(f"only {have} of the {req.min_peers} peers asked for (--min-peers) are "
                                      f"live and measured after {req.wait_s:g} s ({len(live)} live): "
                                      "are the others started, with this swarm's bootstrap address?")
-                await trio.sleep(min(1.0, left))
+                await trio.sleep(min(self.config.swarm_poll_s, left))
         finally:
             self._swarm_wait = None
 
@@ -295,7 +295,7 @@ class CoordinatorRole:
 
     async def _forward(self, coordinator: bytes, op: str, args: dict) -> dict:
         answers = await self._ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "args": args},
-                                      self.config.accept_timeout_s + 60, local=None)
+                                      self.config.forward_timeout_s, local=None)
         a = answers[coordinator]
         if "ok" in a and isinstance(a["ok"], dict):
             return a["ok"]

@@ -114,7 +114,7 @@ class PeerRole:
     async def _election_refusal(self, alloc: Allocation) -> Refusal | None:
         """The election's say on the allocation; waits a moment for the first heartbeat of a
         new coordinator, which may arrive after its allocation."""
-        with trio.move_on_after(2 * self.config.election.heartbeat_interval_s + 1.0):
+        with trio.move_on_after(self.config.heartbeat_wait_s):
             while True:
                 refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch)
                 if refusal is None or refusal.code != "not-coordinator" or alloc.term < self.election.term:
@@ -135,7 +135,7 @@ class PeerRole:
         rules = MessageRules.for_peer(plan, alloc.model, alloc.train, self.me,
                                       [tuple(p.shape) for p in state.params.values()])
         comm = TransportComm(self.transport, rules, run=alloc.run_id, router=self.router,
-                             config=self.comm_config)
+                             config=self.config.comm)
         members = {m.peer_id: m for m in self.gossip.members()}
         addresses = {p: members[p].address for p in rules.peers if p in members}
         run = _Run(alloc, state, comm, None)

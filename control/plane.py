@@ -40,7 +40,6 @@ import collections
 import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +50,12 @@ from dtfm.net import ConnectionClosed, Identity, ProtocolError, short_id
 from dtfm.train import Corpus, StageState, load_corpus
 
 from .allocation import Allocation
-from .comm import CommConfig, TensorRouter
+from .comm import TensorRouter
+from .config import PlaneConfig
+from .coordinate import CoordinatorRole
 from .coordinator.request import TrainError
 from .coordinator.runstate import MAX_REPORTS
-from .coordinate import CoordinatorRole
-from .election import BecameCoordinator, ElectionConfig, ElectionService, FileElectionStore, SteppedDown
+from .election import BecameCoordinator, ElectionService, FileElectionStore, SteppedDown
 from .epoch.recovery import RecoveryServer
 from .epoch.runner import StepReport
 from .holdings import HolderRole
@@ -64,50 +64,11 @@ from .peer_role import PeerRole, _Run
 from .reconfigure import ReconfigureRole
 from .steplog import _Issued
 
-__all__ = ["ControlPlane", "TrainerConfig"]
+__all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """The daemon's trainer settings."""
-
-    # torch threads of the stage worker; several daemons on one machine want 1 each.
-    torch_threads: int = 1
-    # How long a peer may take to build its stage (fetching it included) and connect its
-    # neighbours before the coordinator gives up on the hand-out.
-    accept_timeout_s: float = 120.0
-    # START, STOP and RUN_STATE requests, one per peer.
-    request_timeout_s: float = 10.0
-    # Scheduler time when `train start` picks the shape, and for each reconfiguration.
-    schedule_time_s: float = 3.0
-    # Torch data set of this peer (`--data`); None: the standard library's source.
-    data_path: str | None = None
-    # The coordinator election's timings.
-    election: ElectionConfig = field(default_factory=ElectionConfig.wan)
-    # How long `train start` waits for this peer to be elected (or learn the coordinator).
-    elect_timeout_s: float = 30.0
-    # How long the coordinator waits for running peers to stop at a step boundary.
-    stop_timeout_s: float = 60.0
-    # The coordinator looks for joined peers this often, and for network drift every drift_check_s.
-    check_interval_s: float = 5.0
-    drift_check_s: float = 60.0
-    # A new allocation must be predicted faster by this fraction (and by more than its weight
-    # moves) before a drifting network reschedules.
-    min_gain: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.torch_threads < 1:
-            raise ValueError("torch_threads must be >= 1")
-        for name in ("accept_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
-                     "stop_timeout_s", "check_interval_s", "drift_check_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        if not 0 <= self.min_gain < 10:
-            raise ValueError("min_gain must be in [0, 10)")
 
 
 class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
@@ -115,12 +76,11 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
     while the election makes it one (see the module docstring)."""
 
     def __init__(self, transport, identity: Identity, gossip: GossipService, data_dir: Path,
-                 config: TrainerConfig | None = None, comm_config: CommConfig | None = None):
+                 config: PlaneConfig | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
-        self.config = config or TrainerConfig()
-        self.comm_config = comm_config or CommConfig()
+        self.config = config or PlaneConfig()
         self.router = TensorRouter(transport)
         self.recovery = RecoveryServer(transport)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
@@ -260,13 +220,12 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
     async def _watch_coordinator(self) -> None:
         """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops
         training, discarding the step in progress: a minority side does not train on without a
-        coordinator. A grace of three election timeouts keeps a slow heartbeat from stopping a
-        healthy run."""
-        el = self.config.election
-        grace_s = 3 * el.election_timeout_max_s
+        coordinator. A grace (`coordinator_lost_after_s`, three election timeouts) keeps a slow
+        heartbeat from stopping a healthy run."""
+        grace_s = self.config.coordinator_lost_after_s
         lost_since = None
         while True:
-            await trio.sleep(5 * el.heartbeat_interval_s)
+            await trio.sleep(self.config.coordinator_check_s)
             run = self._run
             if run is None or not run.active or not run.started.is_set() or run.runner is None:
                 lost_since = None

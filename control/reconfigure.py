@@ -5,8 +5,8 @@ failed step, the coordinator changing, an operator's `train reschedule`) and loo
 peers and a drifting network. A reconfiguration stops the epoch at a common step boundary,
 checks that it reaches a majority of the voters, picks the resume point and plans the new
 layout, has the holders offer their stages and hands the new epoch out. A run that has no
-holder of some stage pauses until one answers; after `MAX_ATTEMPTS` failed reconfigurations
-the run stops.
+holder of some stage pauses until one answers; after `max_reconfig_attempts` failed
+reconfigurations the run stops.
 
 `ReconfigureRole` is mixed into `ControlPlane` beside `CoordinatorRole` (control/coordinate.py),
 whose hand-out, run-state queries and events it uses through `self`.
@@ -33,7 +33,6 @@ __all__ = ["ReconfigureRole"]
 logger = logging.getLogger("dtfm.control.plane")  # one log for the whole control plane
 
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
-MAX_ATTEMPTS = 5  # reconfigurations of one trigger before the run stops
 
 
 class _Paused(TrainError):
@@ -79,7 +78,7 @@ class ReconfigureRole:
         retry time), else joined peers, else (every `drift_check_s`) a drifted network."""
         reasons, self._triggers = self._triggers, []
         if reasons:
-            await trio.sleep(0.5)  # the other peers' reports of the same event
+            await trio.sleep(self.config.report_gather_s)  # the other peers' reports of the same event
             reasons += [r for r in self._triggers if r not in reasons]
             self._triggers = []
         elif self._paused_live is not None:
@@ -96,7 +95,7 @@ class ReconfigureRole:
         return reasons
 
     async def _try_reconfigure(self, reasons: list[str]) -> None:
-        """Reconfigure; a failure is retried on the next loop, up to `MAX_ATTEMPTS` times."""
+        """Reconfigure; a failure is retried on the next loop, up to `max_reconfig_attempts` times."""
         try:
             await self.reconfigure("; ".join(reasons))
             self._attempts = 0
@@ -110,16 +109,16 @@ class ReconfigureRole:
             logger.warning("reconfiguration %d failed: %s", self._attempts, e)
             run = self._run
             if run is not None and not self._run_over(run) and self.election.is_coordinator:
-                if self._attempts >= MAX_ATTEMPTS:
-                    self._stop_run(run.alloc, f"{MAX_ATTEMPTS} reconfigurations failed, the last: {e}",
-                                   "; ".join(reasons))
+                if self._attempts >= self.config.max_reconfig_attempts:
+                    self._stop_run(run.alloc, f"{self.config.max_reconfig_attempts} reconfigurations failed, "
+                                   f"the last: {e}", "; ".join(reasons))
                 else:
                     self._triggers.extend(r for r in reasons if r not in self._triggers)
 
     def _pause(self, cur: Allocation, why: str, trigger: str, reachable) -> None:
         """The run waits: retried when a peer out of reach answers, or after a while."""
         self._paused_live = frozenset(reachable)
-        self._paused_retry_at = trio.current_time() + 6 * self.config.check_interval_s
+        self._paused_retry_at = trio.current_time() + self.config.paused_retry_s
         logger.error("training pauses: %s", why)
         if self._issued is not None and self._issued.alloc.run_id == cur.run_id:
             self._issued.state, self._issued.reason = "paused", why
@@ -134,7 +133,8 @@ class ReconfigureRole:
         missing = named - set(self._paused_live or ()) - {self.me}
         if not missing:
             return False
-        return bool(await self._query_states(missing, timeout_s=min(self.config.request_timeout_s, 5.0)))
+        timeout_s = min(self.config.request_timeout_s, self.config.probe_timeout_s)
+        return bool(await self._query_states(missing, timeout_s=timeout_s))
 
     async def _joined(self) -> list[str]:
         """Live members outside the allocation that answer: peers that joined or came back."""
@@ -143,7 +143,8 @@ class ReconfigureRole:
         outside = [p for p in self.gossip.live_peers() if p not in named and p != self.me]
         if not outside:
             return []
-        states = await self._query_states(outside, timeout_s=min(self.config.request_timeout_s, 5.0))
+        timeout_s = min(self.config.request_timeout_s, self.config.probe_timeout_s)
+        states = await self._query_states(outside, timeout_s=timeout_s)
         view, _ = self._measured_view(set(states) | set(self.gossip.live_peers()) | {self.me})
         ready = [p for p in states if p in view.peers]
         return [f"peer {short_id(p)} joined" for p in sorted(ready)]
@@ -236,7 +237,7 @@ class ReconfigureRole:
                             local=lambda: self._stop_self(cur, at, abort=lost))
         with trio.move_on_after(self.config.stop_timeout_s):
             while running:
-                await trio.sleep(0.2)
+                await trio.sleep(self.config.stop_poll_s)
                 states = await self._query_states(asked)
                 running = [p for p, s in states.items() if s.running and s.run_id == cur.run_id]
         if running:

@@ -1,11 +1,11 @@
 """dtfm.peer: the daemon process (`dtfm-peer`): configuration, CLI, control socket, peer
 discovery and the services the daemon runs on top of the transport."""
 
-from .config import ConfigError, ControlConfig, DaemonConfig
-from .control import ControlClient, ControlClientError, DaemonNotRunning
+from .config import PLANE_PROFILES, ConfigError, DaemonConfig, SocketConfig
 from .paths import DataDir, DataDirError, default_data_dir
+from .socket import ControlClient, ControlClientError, DaemonNotRunning
 
 __all__ = [
-    "ConfigError", "ControlClient", "ControlClientError", "ControlConfig", "DaemonConfig", "DaemonNotRunning",
-    "DataDir", "DataDirError", "default_data_dir",
+    "PLANE_PROFILES", "ConfigError", "ControlClient", "ControlClientError", "DaemonConfig", "DaemonNotRunning",
+    "DataDir", "DataDirError", "SocketConfig", "default_data_dir",
 ]

@@ -28,11 +28,11 @@ from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
 
 from . import logs
 from .config import ConfigError, DaemonConfig
-from .control import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
 from .runner import run_daemon
 from .settings import apply_flags, default_text, flag_settings, load_toml
+from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .status import format_duration, format_text, to_json
 
 PROG = "dtfm-peer"
@@ -260,7 +260,7 @@ def write_private_file(path: Path, text: str, *, replace: bool) -> None:
 
 def cmd_status(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
-    with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
+    with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
         report = c.request("status")
     if not isinstance(report, dict):
         raise CliError("the daemon sent a status that is not a map")
@@ -345,7 +345,7 @@ def format_training(t: dict, now: float) -> list[str]:
 
 def cmd_leave(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
-    with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
+    with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
         reply = c.request("leave")
     pid = reply.get("pid") if isinstance(reply, dict) else None
     if args.no_wait:
@@ -354,7 +354,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
-            with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root):
+            with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root):
                 pass
         except DaemonNotRunning:
             print(f"daemon (pid {pid}) left", file=sys.stderr)
@@ -369,7 +369,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.train_command == "reschedule":
         return _train_reschedule(args, config, data_dir)
     if args.train_command == "stop":
-        with ControlClient(data_dir.control_socket, config.control, data_dir=data_dir.root) as c:
+        with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
             reply = c.request("train_stop")
         print(f"the run stops before step {reply['at_step']} ({reply['told']} peers told)", file=sys.stderr)
         return 0
@@ -390,7 +390,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"waiting for {args.min_peers} live, measured peers (at most {args.timeout:g} s; "
               "`dtfm-peer status` shows the count)", file=sys.stderr)
     # the scheduling and the hand-out after the wait get their own --timeout
-    control = dataclasses.replace(config.control, request_timeout_s=args.timeout * (2 if args.min_peers > 1 else 1))
+    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout * (2 if args.min_peers > 1 else 1))
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
         reply = c.request("train_start", request)
     if args.json:
@@ -407,7 +407,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
-    control = dataclasses.replace(config.control, request_timeout_s=args.timeout)
+    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
         reply = c.request("train_reschedule", {})
     if not isinstance(reply, dict):

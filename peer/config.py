@@ -5,8 +5,9 @@ win; reading them is dtfm.peer.settings).
 A field declared with `option(..., flag="--name")` is also a `dtfm-peer join` flag; the flag's
 help and default come from the field, so they cannot drift. Adding a setting is adding one
 field. The tables of lower layers are their own config dataclasses: [transport] is
-dtfm.net.TransportConfig, [gossip] embeds dtfm.gossip.GossipConfig and [emulation]
-dtfm.net.EmulationConfig, with those classes' names, defaults, checks and profiles.
+dtfm.net.TransportConfig, [gossip] embeds dtfm.gossip.GossipConfig, [emulation]
+dtfm.net.EmulationConfig and [plane] dtfm.control.PlaneConfig, with those classes' names,
+defaults, checks and profiles.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from dtfm.control import ElectionConfig, PlaneConfig
 from dtfm.gossip import GossipConfig
 from dtfm.net import Address, EmulationConfig, TransportConfig
 
@@ -142,8 +144,8 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
-class ControlConfig:
-    """The local control socket. TOML table [control]."""
+class SocketConfig:
+    """The local control socket (`dtfm-peer status`, `leave`, `train`). TOML table [socket]."""
 
     max_request_bytes: int = option(64 * 1024, "largest request frame the daemon accepts")
     # Status grows with the swarm and with what services add; 4 MiB holds thousands of peers.
@@ -159,14 +161,14 @@ class ControlConfig:
 
     def __post_init__(self) -> None:
         if not 1024 <= self.max_request_bytes <= 16 * 1024 * 1024:
-            raise ConfigError("control.max_request_bytes must be in 1 KiB..16 MiB")
+            raise ConfigError("socket.max_request_bytes must be in 1 KiB..16 MiB")
         if not 1024 <= self.max_response_bytes <= 256 * 1024 * 1024:
-            raise ConfigError("control.max_response_bytes must be in 1 KiB..256 MiB")
-        _positive("control", "request_timeout_s", self.request_timeout_s)
-        _positive("control", "idle_timeout_s", self.idle_timeout_s)
-        _positive("control", "handler_timeout_s", self.handler_timeout_s)
+            raise ConfigError("socket.max_response_bytes must be in 1 KiB..256 MiB")
+        _positive("socket", "request_timeout_s", self.request_timeout_s)
+        _positive("socket", "idle_timeout_s", self.idle_timeout_s)
+        _positive("socket", "handler_timeout_s", self.handler_timeout_s)
         if not 1 <= self.max_clients <= 1024:
-            raise ConfigError("control.max_clients must be in 1..1024")
+            raise ConfigError("socket.max_clients must be in 1..1024")
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,8 @@ def _profiles(cls: type) -> tuple[str, ...]:
 
 
 GOSSIP_PROFILES = _profiles(GossipConfig)
+PLANE_PROFILES = _profiles(PlaneConfig)
+ELECTION_PROFILES = _profiles(ElectionConfig)
 
 
 def _one_of(names: tuple[str, ...]) -> str:
@@ -208,14 +212,18 @@ def lower_layer_error(section: str, keys: list[str], error: ValueError) -> Confi
     """A lower layer's refusal of settings as a ConfigError naming the keys of `section` it is
     about: those of `keys` its message mentions, else all of `keys`."""
     text = str(error)
-    named = [k for k in keys if re.search(rf"\b{re.escape(k)}\b", text)] or keys
+    # A nested config's message names its own field: "lease_s" for the key "election.lease_s".
+    named = [k for k in keys if re.search(rf"\b{re.escape(k.rpartition('.')[2])}\b", text)] or keys
     return ConfigError(f"{', '.join(f'{section}.{k}' for k in named)}: {text}")
 
 
 # A section that embeds the config dataclass of the layer it drives says so with EMBEDDED:
 # every field of that class is a key of the section's table (its name, type, default and checks
 # are the lower layer's), `settings` is the resulting config and `with_settings(**changes)`
-# applies keys. EMBEDDED_FLAGS names the keys that are also `join` flags.
+# applies keys. EMBEDDED_FLAGS names the keys that are also `join` flags. A field that is
+# itself a config dataclass (PlaneConfig's election) gives a key per field of it, "outer.NAME",
+# which TOML writes as a dotted key or a sub-table ([plane.election]).
+# EMBEDDED_SET_BY_SECTION names fields that are no keys because the section sets them.
 
 @dataclass(frozen=True)
 class Flag:
@@ -301,20 +309,81 @@ class EmulationSection:
 
 
 @dataclass(frozen=True)
-class TrainerSection:
-    """The stage this peer trains when an allocation gives it one. TOML table [trainer]."""
+class PlaneSection:
+    """The control plane: the coordinator election, allocations, reconfiguration, and the stage
+    this peer trains. TOML table [plane]: a named profile of dtfm.control.PlaneConfig (and
+    optionally another election profile), any of its fields set over the profile (those of its
+    nested ElectionConfig and CommConfig as `election.NAME` and `comm.NAME`, or in tables
+    [plane.election] and [plane.comm]), and the data this peer trains on."""
 
-    # Every peer of a run must hold the same content: the allocation carries its hash.
+    EMBEDDED: ClassVar[type] = PlaneConfig
+    EMBEDDED_FLAGS: ClassVar[tuple[Flag, ...]] = (
+        # Several daemons on one machine want 1 each; a machine of its own wants its core count.
+        Flag("torch_threads", "--torch-threads", "torch threads of the stage worker", "N"),
+    )
+    # PlaneConfig fields that are no keys: the section sets them from its own fields.
+    EMBEDDED_SET_BY_SECTION: ClassVar[tuple[str, ...]] = ("data_path",)
+
+    # One of PlaneConfig's named profiles: its timings for a data centre, peers across
+    # continents, or a test swarm on one machine (see dtfm.control.config).
+    profile: str = option("wan", f"control plane timing profile: {_one_of(PLANE_PROFILES)}",
+                          flag="--plane-profile", metavar="NAME")
+    # One of ElectionConfig's named profiles instead of the plane profile's election (with the
+    # waits that follow it): a test swarm that emulates worldwide links wants the test profile's
+    # checks and the wan election, whose lease outlasts a worldwide round trip.
+    election_profile: str = option("", "coordinator election timing profile: "
+                                   f"{_one_of(ELECTION_PROFILES)} (default: the plane profile's)",
+                                   flag="--election-profile", metavar="NAME")
+    # Every peer of a run must hold the same content: the allocation carries its hash. Checked
+    # here, so a daemon with a mistyped path does not start.
     data: Path | None = option(None, "the text file or folder of text files this peer trains on; "
                                "every peer of a run needs the same content (default: the Python "
                                "standard library's source)", flag="--data", metavar="PATH")
-    # Several daemons on one machine want 1 each; a machine of its own wants its core count.
-    torch_threads: int = option(1, "torch threads of the stage worker", flag="--torch-threads",
-                                metavar="N")
+    # PlaneConfig fields set in [plane], as sorted (name, value) pairs, nested ones as
+    # "election.NAME" / "comm.NAME"; they win over the profile's values whichever layer (file
+    # or flag) chose the profile.
+    overrides: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.torch_threads, int) or self.torch_threads < 1:
-            raise ConfigError("trainer.torch_threads must be a positive integer")
+        if self.profile not in PLANE_PROFILES:
+            raise ConfigError(f"plane.profile {self.profile!r}: choose one of "
+                              f"{', '.join(PLANE_PROFILES)}")
+        if self.election_profile and self.election_profile not in ELECTION_PROFILES:
+            raise ConfigError(f"plane.election_profile {self.election_profile!r}: choose one of "
+                              f"{', '.join(ELECTION_PROFILES)}")
+        if self.data is not None and not self.data.exists():
+            raise ConfigError(f"plane.data (--data) {self.data}: no such file or folder; give the text "
+                              f"file or folder of text files this peer trains on")
+        try:
+            self._resolve()
+        except ValueError as e:
+            raise lower_layer_error("plane", [k for k, _ in self.overrides], e) from None
+
+    def _resolve(self) -> PlaneConfig:
+        base = getattr(PlaneConfig, self.profile)()
+        if self.election_profile:
+            base = base.with_election(getattr(ElectionConfig, self.election_profile)())
+        top: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {}
+        for key, value in self.overrides:
+            outer, dot, inner = key.partition(".")
+            if dot:
+                nested.setdefault(outer, {})[inner] = value
+            else:
+                top[key] = value
+        for outer, changes in nested.items():
+            top[outer] = dataclasses.replace(getattr(base, outer), **changes)
+        data = str(self.data) if self.data is not None else None
+        return dataclasses.replace(base, data_path=data, **top)
+
+    @property
+    def settings(self) -> PlaneConfig:
+        """The profile with the overrides and the data path applied."""
+        return self._resolve()
+
+    def with_settings(self, **changes: Any) -> PlaneSection:
+        merged = {**dict(self.overrides), **changes}
+        return dataclasses.replace(self, overrides=tuple(sorted(merged.items())))
 
 
 @dataclass(frozen=True)
@@ -323,13 +392,13 @@ class DaemonConfig:
 
     peer: PeerConfig = PeerConfig()
     discovery: DiscoveryConfig = DiscoveryConfig()
-    control: ControlConfig = ControlConfig()
+    socket: SocketConfig = SocketConfig()
     log: LogConfig = LogConfig()
     # Frame limits, timeouts, key renewal, handshake admission: see dtfm.net.transport.
     transport: TransportConfig = TransportConfig()
     gossip: GossipSection = GossipSection()
     emulation: EmulationSection = EmulationSection()
-    trainer: TrainerSection = TrainerSection()
+    plane: PlaneSection = PlaneSection()
 
     @classmethod
     def default(cls) -> DaemonConfig:
@@ -337,7 +406,8 @@ class DaemonConfig:
 
     @classmethod
     def test(cls) -> DaemonConfig:
-        """Loopback, port 0, fast retries and exchanges: for tests and local swarms."""
+        """Loopback, port 0, fast retries and exchanges, the plane's test timings: for tests and
+        local swarms."""
         return cls(
             peer=PeerConfig(listen=Address("127.0.0.1", 0)),
             discovery=DiscoveryConfig(retry_initial_s=0.05, retry_max_s=0.5,
@@ -345,6 +415,7 @@ class DaemonConfig:
                                       exchange_timeout_s=2.0, leave_timeout_s=1.0,
                                       exchange_rate_per_s=4.0, exchange_burst=8,
                                       address_query_timeout_s=5.0),
-            control=ControlConfig(request_timeout_s=5.0),
+            socket=SocketConfig(request_timeout_s=5.0),
             transport=TransportConfig.test(),
+            plane=PlaneSection(profile="test"),
         )

@@ -24,9 +24,9 @@ import trio
 from dtfm.net import Address, Identity, Transport, pack
 
 from .config import DaemonConfig
-from .control import ControlServer
 from .discovery import Discovery
 from .paths import DataDir
+from .socket import ControlServer
 from .status import CORE_KEYS
 
 logger = logging.getLogger(__name__)
@@ -48,9 +48,9 @@ class Daemon:
         self.data_dir = data_dir
         self.discovery = Discovery(transport, config.discovery,
                                    rng=random.Random() if rng is None else rng)
-        self.control = ControlServer(data_dir.control_socket, config.control)
-        self.control.register("status", self._op_status)
-        self.control.register("leave", self._op_leave)
+        self.socket = ControlServer(data_dir.control_socket, config.socket)
+        self.socket.register("status", self._op_status)
+        self.socket.register("leave", self._op_leave)
         self.listen_address: Address | None = None
         self.started_at: float | None = None
         self._services: list[tuple[str, Service]] = []
@@ -84,7 +84,7 @@ class Daemon:
 
     def add_control_op(self, op: str, handler: Callable[[dict], Awaitable[Any]]) -> None:
         """Answer control requests `op` with `await handler(args)`."""
-        self.control.register(op, handler)
+        self.socket.register(op, handler)
 
     def request_leave(self, reason: str = "leaving") -> None:
         """Start a clean exit (idempotent)."""
@@ -106,7 +106,7 @@ class Daemon:
             self.discovery.start_advertising(self.listen_address, self.config.peer.advertise,
                                              self.config.peer.bootstrap)
             self.started_at = trio.current_time()
-            await nursery.start(self.control.serve)
+            await nursery.start(self.socket.serve)
             logger.info("peer %s listening on %s region=%s control=%s", self.short_id,
                         self.listen_address, self.config.peer.region or "-",
                         self.data_dir.control_socket)

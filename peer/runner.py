@@ -15,7 +15,7 @@ from dtfm.net import IDENTITY_FILE, Identity, Transport, load_swarm_key, swarm_k
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
 from .paths import DataDir, DataDirLock, default_data_dir
-from .services import build_shaper, gossip_setup
+from .services import build_shaper, services_setup
 
 logger = logging.getLogger(__name__)
 
@@ -70,19 +70,19 @@ def warn_if_readable_by_others(path) -> bool:
 
 
 def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = (), *,
-               gossip: bool = True) -> int:
+               services: bool = True) -> int:
     """Run until told to leave; returns the exit status. User errors raise (see cli).
 
-    Each of `setups` is called with the daemon before it starts, to add services, status
-    providers and control ops."""
+    `services`: run gossip and the control plane (dtfm.peer.services). Each of `setups` is
+    called with the daemon before it starts, to add services, status providers and control ops."""
     data_dir = DataDir((config.peer.data_dir or default_data_dir()).absolute())
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
         shaper = build_shaper(config)
         daemon = build_daemon(config, data_dir, shaper)
-        if gossip:
-            gossip_setup(config, shaper)(daemon)
+        if services:
+            services_setup(config, shaper)(daemon)
         for setup in setups:
             setup(daemon)
         trio.run(run_until_signal, daemon)

@@ -1,35 +1,40 @@
 """What the daemon runs besides discovery: gossip membership and measurement, link emulation,
 and the control plane that trains (the coordinator election, allocations, the stage worker,
-reconfiguration, `train start` / `stop` / `reschedule`).
+reconfiguration; docs/control.md).
 
 `build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
-transport exists); `gossip_setup` returns the setup hook that runs a GossipService with the
-[gossip] settings inside the daemon's nursery, shows it under "gossip" in `dtfm-peer status`,
-and answers the `emulate` control op (`dtfm-swarm partition` / `heal`). Both sections hold the
-lower layer's own config (EmulationConfig, GossipConfig), passed on as it is.
+transport exists). `services_setup` returns the setup hook that adds two services to the
+daemon: `GossipPart` runs a GossipService with the [gossip] settings, shows it under "gossip"
+in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partition` / `heal`);
+`PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
+under "training" and answers `train_start`, `train_stop` and `train_reschedule`. The sections
+hold the lower layers' own configs (EmulationConfig, GossipConfig, PlaneConfig), passed on as
+they are.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from dtfm.control import ControlPlane, TrainerConfig, TrainError, TrainRequest
+from dtfm.control import ControlPlane, TrainError, TrainRequest
 from dtfm.gossip import GossipConfig, GossipService
 from dtfm.net import EmulatedLinks
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .config import ConfigError, DaemonConfig
-from .control import ControlCommandError
+from .daemon import Daemon
+from .socket import ControlCommandError
 
 logger = logging.getLogger(__name__)
 
 MAX_CUT_PEERS = 4096
 
 
-def build_shaper(config: DaemonConfig):
+def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:
     """The EmulatedLinks for this peer, or None when no scenario is emulated."""
     em = config.emulation
     if not em.scenario:
@@ -55,106 +60,140 @@ def gossip_config(config: DaemonConfig) -> GossipConfig:
     return settings.with_(max_sync_bytes=limit) if settings.max_sync_bytes > limit else settings
 
 
-def gossip_setup(config: DaemonConfig, shaper=None):
-    """A setup hook for run_daemon: gossip runs as a daemon service."""
+def services_setup(config: DaemonConfig, shaper: EmulatedLinks | None = None) -> Callable[[Daemon], None]:
+    """A setup hook for run_daemon: gossip, then the control plane on it, run as daemon
+    services. Gossip joins through the bootstrap peers only once the plane has started, so the
+    plane's handlers and member-change hook are in place before the swarm can reach it."""
 
-    def setup(daemon) -> None:
-        holder: dict[str, Any] = {}
-
-        async def run_gossip(daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-            compute_ms = config.gossip.compute_ms or None
-            service = GossipService(daemon.transport, daemon.identity, gossip_config(config),
-                                    region=config.peer.region, compute_ms=compute_ms,
-                                    address=_advertised(daemon))
-            holder["service"] = service
-            daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
-            data = str(config.trainer.data) if config.trainer.data is not None else None
-            plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
-                                 TrainerConfig(torch_threads=config.trainer.torch_threads, data_path=data))
-            async with trio.open_nursery() as nursery:
-                await nursery.start(service.run)
-                await nursery.start(plane.run)
-                holder["plane"] = plane
-                task_status.started()
-                bootstrap = [(a.host, a.port) for a in config.peer.bootstrap
-                             if a != daemon.listen_address]
-                # Bootstrap peers may still be starting: retry with backoff until one answers
-                # or gossip has found the swarm some other way.
-                delay_s = config.discovery.retry_initial_s
-                while bootstrap:
-                    reached = await service.join(bootstrap)
-                    if reached or len(service.live_peers()) > 1:
-                        logger.info("gossip joined through %d of %d bootstrap peers", reached,
-                                    len(bootstrap))
-                        break
-                    await trio.sleep(delay_s)
-                    delay_s = min(2 * delay_s, config.discovery.retry_max_s)
-                try:
-                    await trio.sleep_forever()
-                finally:
-                    with trio.move_on_after(2.0) as scope:
-                        scope.shield = True
-                        await service.leave()
-
-        def status() -> dict | None:
-            service = holder.get("service")
-            return None if service is None else service.status()
-
-        async def emulate(args: dict) -> dict:
-            if shaper is None:
-                raise ControlCommandError("this peer emulates no links: start it with --emulate")
-            if args.get("heal") is True:
-                shaper.heal()
-            cut = args.get("cut", [])
-            if not isinstance(cut, list) or len(cut) > MAX_CUT_PEERS:
-                raise ControlCommandError("cut must be a list of peer ids (hex)")
-            for ref in cut:
-                try:
-                    shaper.cut(peer_id=bytes.fromhex(ref))
-                except (TypeError, ValueError):
-                    raise ControlCommandError(f"bad peer id {ref!r}: give 64 hex digits") from None
-            return {"cut_peers": sorted(p.hex() for p in shaper.cut_peers)}
-
-        def training_status() -> dict | None:
-            plane = holder.get("plane")
-            return None if plane is None else plane.status()
-
-        def plane() -> ControlPlane:
-            found = holder.get("plane")
-            if found is None:
-                raise ControlCommandError("the control plane is not running yet")
-            return found
-
-        async def train_start(args: dict) -> dict:
-            try:
-                return await plane().start_training(TrainRequest.from_args(args), args=args)
-            except TrainError as e:
-                raise ControlCommandError(str(e)) from None
-
-        async def train_reschedule(args: dict) -> dict:
-            try:
-                return await plane().reschedule()
-            except TrainError as e:
-                raise ControlCommandError(str(e)) from None
-
-        async def train_stop(args: dict) -> dict:
-            try:
-                return await plane().stop_training()
-            except TrainError as e:
-                raise ControlCommandError(str(e)) from None
-
-        daemon.add_service(run_gossip, name="gossip")
-        daemon.add_status_provider("gossip", status)
-        daemon.add_status_provider("training", training_status)
-        daemon.add_control_op("emulate", emulate)
-        daemon.add_control_op("train_start", train_start)
-        daemon.add_control_op("train_stop", train_stop)
-        daemon.add_control_op("train_reschedule", train_reschedule)
+    def setup(daemon: Daemon) -> None:
+        gossip = GossipPart(config, shaper)
+        plane = PlanePart(config, gossip)
+        daemon.add_service(gossip.run, name="gossip")
+        daemon.add_service(plane.run, name="plane")
+        daemon.add_service(gossip.join_bootstrap, name="gossip-bootstrap")
+        daemon.add_status_provider("gossip", gossip.status)
+        daemon.add_status_provider("training", plane.status)
+        daemon.add_control_op("emulate", gossip.emulate)
+        for op, handler in plane.control_ops().items():
+            daemon.add_control_op(op, handler)
 
     return setup
 
 
-def _advertised(daemon) -> tuple[str, int]:
+class GossipPart:
+    """The daemon's gossip service and the `emulate` op on its link emulator."""
+
+    def __init__(self, config: DaemonConfig, shaper: EmulatedLinks | None = None):
+        self.config = config
+        self.shaper = shaper
+        self.service: GossipService | None = None  # once `run` has started it
+
+    async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        config = self.config
+        service = GossipService(daemon.transport, daemon.identity, gossip_config(config),
+                                region=config.peer.region, compute_ms=config.gossip.compute_ms or None,
+                                address=_advertised(daemon))
+        daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(service.run)
+            self.service = service
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                with trio.move_on_after(2.0) as scope:
+                    scope.shield = True
+                    await service.leave()
+
+    async def join_bootstrap(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Join the swarm through the bootstrap peers. They may still be starting: retry with
+        backoff until one answers or gossip has found the swarm some other way."""
+        service = self.service
+        if service is None:
+            raise RuntimeError("the gossip service must start before its bootstrap join")
+        task_status.started()
+        config = self.config
+        bootstrap = [(a.host, a.port) for a in config.peer.bootstrap if a != daemon.listen_address]
+        delay_s = config.discovery.retry_initial_s
+        while bootstrap:
+            reached = await service.join(bootstrap)
+            if reached or len(service.live_peers()) > 1:
+                logger.info("gossip joined through %d of %d bootstrap peers", reached, len(bootstrap))
+                break
+            await trio.sleep(delay_s)
+            delay_s = min(2 * delay_s, config.discovery.retry_max_s)
+
+    def status(self) -> dict | None:
+        return None if self.service is None else self.service.status()
+
+    async def emulate(self, args: dict) -> dict:
+        shaper = self.shaper
+        if shaper is None:
+            raise ControlCommandError("this peer emulates no links: start it with --emulate")
+        if args.get("heal") is True:
+            shaper.heal()
+        cut = args.get("cut", [])
+        if not isinstance(cut, list) or len(cut) > MAX_CUT_PEERS:
+            raise ControlCommandError("cut must be a list of peer ids (hex)")
+        for ref in cut:
+            try:
+                shaper.cut(peer_id=bytes.fromhex(ref))
+            except (TypeError, ValueError):
+                raise ControlCommandError(f"bad peer id {ref!r}: give 64 hex digits") from None
+        return {"cut_peers": sorted(p.hex() for p in shaper.cut_peers)}
+
+
+class PlanePart:
+    """The daemon's control plane, on the gossip service of `gossip`, and the train ops."""
+
+    def __init__(self, config: DaemonConfig, gossip: GossipPart):
+        self.config = config
+        self.gossip = gossip
+        self.plane: ControlPlane | None = None  # once `run` has started it
+
+    async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        service = self.gossip.service
+        if service is None:
+            raise RuntimeError("the gossip service must start before the control plane")
+        plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
+                             self.config.plane.settings)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(plane.run)
+            self.plane = plane
+            task_status.started()
+
+    def status(self) -> dict | None:
+        return None if self.plane is None else self.plane.status()
+
+    def control_ops(self) -> dict[str, Callable[[dict], Awaitable[Any]]]:
+        return {"train_start": self.train_start, "train_stop": self.train_stop,
+                "train_reschedule": self.train_reschedule}
+
+    def _running(self) -> ControlPlane:
+        if self.plane is None:
+            raise ControlCommandError("the control plane is not running yet")
+        return self.plane
+
+    async def train_start(self, args: dict) -> dict:
+        try:
+            return await self._running().start_training(TrainRequest.from_args(args), args=args)
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+
+    async def train_reschedule(self, args: dict) -> dict:
+        try:
+            return await self._running().reschedule()
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+
+    async def train_stop(self, args: dict) -> dict:
+        try:
+            return await self._running().stop_training()
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+
+
+def _advertised(daemon: Daemon) -> tuple[str, int]:
     """The member address gossip starts with: the advertised one, or ("", 0), which nobody
     dials, while a peer on a wildcard waits for its peers to confirm one."""
     address = daemon.discovery.advertised

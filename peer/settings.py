@@ -23,6 +23,12 @@ from .config import ConfigError, DaemonConfig, lower_layer_error
 SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(DaemonConfig)[f.name] for f in dataclasses.fields(DaemonConfig)}
 
+# Tables that were renamed: an old file names the new table instead of failing as unknown.
+RENAMED_SECTIONS = {
+    "control": ("socket", "the local control socket's settings"),
+    "trainer": ("plane", "the control plane's settings, with data and torch_threads"),
+}
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -44,7 +50,10 @@ class Setting:
 
     def value(self, config: DaemonConfig) -> Any:
         section = getattr(config, self.section)
-        return getattr(section.settings if self.embedded else section, self.key)
+        value = section.settings if self.embedded else section
+        for name in self.key.split("."):
+            value = getattr(value, name)
+        return value
 
 
 def _own_fields(cls: type) -> list[dataclasses.Field]:
@@ -66,15 +75,31 @@ def section_settings(section: str) -> dict[str, Setting]:
                               meta.get("help", ""), meta.get("metavar"), meta.get("repeat", False))
     embedded = getattr(cls, "EMBEDDED", None)
     if embedded is not None:
-        flags = {fl.key: fl for fl in cls.EMBEDDED_FLAGS}
-        inner = typing.get_type_hints(embedded)
-        for f in dataclasses.fields(embedded):
-            if f.name in out:
-                raise TypeError(f"[{section}]: {f.name} is both a section and an embedded field")
-            fl = flags.get(f.name)
-            out[f.name] = Setting(section, f.name, inner[f.name], True,
-                                  fl.flag if fl else None, fl.help if fl else "",
-                                  fl.metavar if fl else None)
+        flags = {fl.key: fl for fl in getattr(cls, "EMBEDDED_FLAGS", ())}
+        skip = set(getattr(cls, "EMBEDDED_SET_BY_SECTION", ()))
+        for key, hint in _embedded_keys(embedded):
+            if key in skip:
+                continue
+            if key in out:
+                raise TypeError(f"[{section}]: {key} is both a section and an embedded field")
+            fl = flags.get(key)
+            out[key] = Setting(section, key, hint, True, fl.flag if fl else None, fl.help if fl else "",
+                               fl.metavar if fl else None)
+    return out
+
+
+def _embedded_keys(cls: type) -> list[tuple[str, Any]]:
+    """(key, type) of every field of an embedded config; a field that is a config dataclass
+    itself gives one key per field of it, "outer.NAME"."""
+    hints = typing.get_type_hints(cls)
+    out: list[tuple[str, Any]] = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            inner = typing.get_type_hints(hint)
+            out += [(f"{f.name}.{g.name}", inner[g.name]) for g in dataclasses.fields(hint)]
+        else:
+            out.append((f.name, hint))
     return out
 
 
@@ -167,18 +192,33 @@ def merge(base: DaemonConfig, raw: dict[str, Any], *, base_dir: Path | None = No
         raise ConfigError("configuration must be a table")
     sections = {}
     for name, table in raw.items():
+        if name in RENAMED_SECTIONS and name not in SECTIONS:
+            new, what = RENAMED_SECTIONS[name]
+            raise ConfigError(f"[{name}] is now [{new}] ({what}): rename the table")
         if name not in SECTIONS:
             raise ConfigError(f"unknown section [{name}]; known: {', '.join(SECTIONS)}")
         if not isinstance(table, dict):
             raise ConfigError(f"[{name}] must be a table")
         known = section_settings(name)
         changes = {}
-        for key, value in table.items():
+        for key, value in _flatten(table, known).items():
             if key not in known:
                 raise ConfigError(f"unknown setting {name}.{key}; known: {', '.join(sorted(known))}")
             changes[known[key]] = _convert(f"{name}.{key}", known[key].hint, value, base_dir)
         sections[name] = _apply(name, getattr(base, name), changes)
     return dataclasses.replace(base, **sections)
+
+
+def _flatten(table: dict[str, Any], known: dict[str, Setting]) -> dict[str, Any]:
+    """The table with the sub-tables of nested configs ([plane.election], or the dotted keys
+    `election.lease_s = 1.0`, which TOML reads alike) as "outer.NAME" keys."""
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict) and any(k.startswith(f"{key}.") for k in known):
+            out.update({f"{key}.{inner}": v for inner, v in value.items()})
+        else:
+            out[key] = value
+    return out
 
 
 def load_toml(path: Path, base: DaemonConfig | None = None) -> DaemonConfig:
@@ -212,6 +252,6 @@ def apply_flags(base: DaemonConfig, namespace: Any) -> DaemonConfig:
     for s in flag_settings():
         value = getattr(namespace, s.dest, None)
         if value is not None:
-            changes.setdefault(s.section, {})[s] = _convert(s.flag, s.hint, value, None, text=True)
+            changes.setdefault(s.section, {})[s] = _convert(s.flag or s.key, s.hint, value, None, text=True)
     sections = {name: _apply(name, getattr(base, name), ch) for name, ch in changes.items()}
     return dataclasses.replace(base, **sections)

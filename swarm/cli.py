@@ -20,9 +20,10 @@ from pathlib import Path
 
 from dtfm.control import PLACEMENTS
 from dtfm.net import EmulationConfig, new_swarm_key
+from dtfm.peer import PLANE_PROFILES
 from dtfm.scenarios import ScenarioError, load_scenario
 
-from .proc import free_ports, peer_request, start_peer, stop_peer, wait_converged
+from .proc import LAN_ELECTION_MAX_RTT_MS, free_ports, peer_request, start_peer, stop_peer, wait_converged
 from .report import DEMO_PRESET, format_event, format_reconfigurations, format_status, status_report
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state, save_state, send_signal
 from .train import EVENTS_NAME, LOG_NAME, current_run, plot_loss, read_log, start_training, sync_logs, wait_step
@@ -61,7 +62,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     ports = free_ports(n)
     state = SwarmState(scenario=scenario_ref, scenario_name=scenario.name,
                        time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale,
-                       emulated=not getattr(args, "no_emulation", False))
+                       emulated=not getattr(args, "no_emulation", False), plane_profile=args.plane_profile)
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -328,6 +329,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-on-failure", action="store_true",
                    help="leave the peers running when the swarm does not converge, to debug")
     p.add_argument("--log-json", action="store_true", help="peers log JSON lines")
+    # test: every peer shares this machine, so the swarm runs the test profile's quick checks and
+    # short timeouts (and the wan election where the emulated links are too slow for the lan one:
+    # see dtfm.swarm.proc.plane_flags); wan or lan: the timings of a real deployment.
+    p.add_argument("--plane-profile", choices=PLANE_PROFILES, default="test",
+                   help="the peers' control plane timings (dtfm-peer join --plane-profile); the "
+                        "election's are wan where emulated round trips exceed "
+                        f"{LAN_ELECTION_MAX_RTT_MS:g} ms (default: %(default)s)")
     p.add_argument("--no-emulation", action="store_true",
                    help="plain loopback between the peers: no emulated delay or bandwidth; the "
                         "scenario only names their regions")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dtfm.peer import ControlClient, ControlClientError, ControlConfig, DaemonNotRunning, DataDir
+from dtfm.peer import ControlClient, ControlClientError, DaemonNotRunning, DataDir, SocketConfig
 from dtfm.scenarios import load_scenario
 
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
@@ -32,7 +32,7 @@ def _control_socket(peer: PeerEntry) -> Path:
 def peer_request(peer: PeerEntry, op: str, args: dict | None = None, timeout_s: float = 5.0) -> Any:
     """One control request to a peer's daemon; raises SwarmError when it is not answering."""
 
-    config = ControlConfig(request_timeout_s=timeout_s)
+    config = SocketConfig(request_timeout_s=timeout_s)
     try:
         with ControlClient(_control_socket(peer), config, data_dir=Path(peer.data_dir)) as c:
             return c.request(op, args or {})
@@ -65,14 +65,38 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+# The coordinator steps down without acks from a majority within its lease, each ack at least a
+# round trip old: the lan election's 0.4 s lease holds while emulated round trips stay under a
+# quarter of it (the rest is the heartbeat interval and a loaded machine's stalls).
+LAN_ELECTION_MAX_RTT_MS = 100.0
+
+
+def max_rtt_ms(state: SwarmState) -> float:
+    """The longest emulated round trip between two of the scenario's regions; 0 on plain loopback."""
+
+    if not state.emulated:
+        return 0.0
+    return 2 * float(load_scenario(state.scenario).delay_ms().max()) * state.time_scale
+
+
 def gossip_profile(state: SwarmState) -> str:
     """lan timings while every emulated round trip fits well inside its 0.5 s probe timeout,
     wan timings (3 s timeout, more patience) beyond."""
 
-    if not state.emulated:
-        return "lan"
-    max_rtt_ms = 2 * float(load_scenario(state.scenario).delay_ms().max()) * state.time_scale
-    return "lan" if max_rtt_ms < 200 else "wan"
+    return "lan" if max_rtt_ms(state) < 200 else "wan"
+
+
+def plane_flags(state: SwarmState) -> list[str]:
+    """The control plane's profile (`up --plane-profile`, test by default: every daemon shares
+    this machine, and the test profile's quick checks and short timeouts, which still let CPU
+    stages build, make the swarm reconfigure in seconds), with the wan election where the
+    emulated round trips outgrow the lan election's lease (the worldwide scenario's reach
+    476 ms)."""
+
+    flags = ["--plane-profile", state.plane_profile]
+    if state.plane_profile != "wan" and max_rtt_ms(state) >= LAN_ELECTION_MAX_RTT_MS:
+        flags += ["--election-profile", "wan"]
+    return flags
 
 
 def nominal_compute_ms(state: SwarmState, region: str) -> float:
@@ -90,7 +114,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
     cmd = [sys.executable, "-m", "dtfm.peer", "join",
            "--listen", peer.address, "--data-dir", peer.data_dir,
            "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region, *emulate,
-           "--gossip-profile", gossip_profile(state),
+           "--gossip-profile", gossip_profile(state), *plane_flags(state),
            "--compute-ms", repr(nominal_compute_ms(state, peer.region)),
            *bootstrap, *extra]
     Path(peer.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)

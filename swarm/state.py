@@ -64,6 +64,7 @@ class SwarmState:
     bandwidth_scale: float
     peers: list[PeerEntry] = field(default_factory=list)
     emulated: bool = True  # False: plain loopback, the scenario only names the regions
+    plane_profile: str = "test"  # the peers' control plane profile (`up --plane-profile`)
     version: int = STATE_VERSION
 
     def find(self, ref: str) -> PeerEntry:

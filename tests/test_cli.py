@@ -13,8 +13,8 @@ import trio
 from dtfm.net.identity import parse_swarm_key
 from dtfm.peer import logs
 from dtfm.peer.cli import build_parser, main, user_error_text
-from dtfm.peer.config import ConfigError, ControlConfig
-from dtfm.peer.control import ControlServer
+from dtfm.peer.config import ConfigError, SocketConfig
+from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_duration, format_text
 
@@ -98,6 +98,10 @@ def test_join_errors_are_one_line(tmp_path, capsys, restore_logging):
     assert main(["join", "--data-dir", str(tmp_path), "--drop", "2"]) == 1
     assert capsys.readouterr().err == ("dtfm-peer: error: emulation.drop_fraction: drop_fraction must be "
                                        "in [0, 1], got 2.0\n")
+    # A data path that does not exist stops `join` before anything starts (no key is needed yet).
+    assert main(["join", "--data-dir", str(tmp_path), "--data", "/nonexistent"]) == 1
+    assert capsys.readouterr().err == ("dtfm-peer: error: plane.data (--data) /nonexistent: no such file or "
+                                       "folder; give the text file or folder of text files this peer trains on\n")
 
 
 def test_usage_errors_exit_2(capsys):
@@ -161,7 +165,7 @@ async def test_status_command_against_a_control_server(capsys):
     with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
         data_dir = DataDir(Path(d))
         data_dir.ensure()
-        server = ControlServer(data_dir.control_socket, ControlConfig())
+        server = ControlServer(data_dir.control_socket, SocketConfig())
 
         async def status(args):
             return REPORT

@@ -7,12 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from dtfm.control import CommConfig, ElectionConfig, PlaneConfig
 from dtfm.gossip import GossipConfig
 from dtfm.net import EmulationConfig
 from dtfm.net.addr import Address, AddressError
 from dtfm.peer.cli import build_parser
 from dtfm.peer.config import (
+    ELECTION_PROFILES,
     GOSSIP_PROFILES,
+    PLANE_PROFILES,
     ConfigError,
     DaemonConfig,
     DiscoveryConfig,
@@ -20,6 +23,7 @@ from dtfm.peer.config import (
     GossipSection,
     LogConfig,
     PeerConfig,
+    PlaneSection,
 )
 from dtfm.peer.paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from dtfm.peer.services import gossip_config
@@ -110,7 +114,12 @@ def test_flag_values_are_checked_and_named():
     ('[discovery]\nexchange_max_peers = 1.5\n', "must be an integer"),
     ('[discovery]\nexchange_max_peers = true\n', "must be an integer"),
     ('[log]\njson = "yes"\n', "must be true or false"),
-    ('[control]\nmax_request_bytes = 10\n', "max_request_bytes"),
+    ('[socket]\nmax_request_bytes = 10\n', "socket.max_request_bytes"),
+    ('[control]\nmax_clients = 4\n', r"\[control\] is now \[socket\]"),
+    ('[trainer]\ntorch_threads = 2\n', r"\[trainer\] is now \[plane\]"),
+    ('[plane]\ntorch_threads = 0\n', "plane.torch_threads"),
+    ('[plane]\nelection.nope = 1\n', r"unknown setting plane\.election\.nope"),
+    ('[plane]\ndata = "absent"\n', r"plane\.data \(--data\) .*absent: no such file or folder"),
     ('[peer\n', "not valid TOML"),
 ])
 def test_bad_toml_is_refused_with_its_name(tmp_path, toml, message):
@@ -261,7 +270,7 @@ def _bad_values(config_cls, base):
         for value in tries:
             if kind is int and not (isinstance(value, int) or math.isfinite(value) and value == int(value)):
                 continue
-            if kind is bool:
+            if kind not in (int, float):  # bools, and PlaneConfig's path and nested configs
                 continue
             typed = kind(value) if math.isfinite(value) else value
             try:
@@ -273,6 +282,9 @@ def _bad_values(config_cls, base):
 
 GOSSIP_BAD = _bad_values(GossipConfig, GossipConfig.lan())
 EMULATION_BAD = _bad_values(EmulationConfig, EmulationConfig())
+PLANE_BAD = (_bad_values(PlaneConfig, PlaneConfig.wan())
+             + [(f"election.{k}", v) for k, v in _bad_values(ElectionConfig, ElectionConfig.wan())]
+             + [(f"comm.{k}", v) for k, v in _bad_values(CommConfig, CommConfig())])
 
 
 def test_the_lower_layers_do_refuse_values():
@@ -281,10 +293,13 @@ def test_the_lower_layers_do_refuse_values():
             "suspicion_max_timeout_mult"} <= gossip_keys
     assert {k for k, _ in EMULATION_BAD} >= {"time_scale", "bandwidth_scale", "drop_fraction",
                                               "burst_bytes", "queue_frames"}
+    assert {"torch_threads", "report_gather_s", "probe_timeout_s", "max_reconfig_attempts",
+            "election.lease_s", "comm.window_messages"} <= {k for k, _ in PLANE_BAD}
 
 
 @pytest.mark.parametrize("section,key,value", [("gossip", k, v) for k, v in GOSSIP_BAD]
-                         + [("emulation", k, v) for k, v in EMULATION_BAD])
+                         + [("emulation", k, v) for k, v in EMULATION_BAD]
+                         + [("plane", k, v) for k, v in PLANE_BAD])
 def test_lower_layer_refusals_are_config_errors_naming_the_key(tmp_path, section, key, value):
     with pytest.raises(ConfigError, match=rf"\b{section}\.{key}\b"):
         merge(DaemonConfig(), {section: {key: value}})
@@ -302,6 +317,7 @@ def test_lower_layer_refusals_are_config_errors_naming_the_key(tmp_path, section
     ("--drop", "1.5", "emulation.drop_fraction"),
     ("--time-scale", "nan", "emulation.time_scale"),
     ("--compute-ms", "-3", "gossip.compute_ms"),
+    ("--torch-threads", "0", "plane.torch_threads"),
 ])
 def test_flag_values_the_lower_layers_refuse_name_the_key(flag, value, key):
     with pytest.raises(ConfigError, match=key):
@@ -319,3 +335,87 @@ def test_sections_build_directly():
     with pytest.raises(ConfigError, match="gossip.rtt_samples"):
         GossipSection(overrides=(("rtt_samples", 0),))
     assert EmulationSection().with_settings(drop_fraction=0.5).settings.drop_fraction == 0.5
+
+
+# ---- [plane]: dtfm.control.PlaneConfig -----------------------------------------------------
+
+def test_plane_profiles_are_plane_configs_named_profiles():
+    assert PLANE_PROFILES == ("lan", "wan", "test")
+    assert "control plane timing profile: lan, wan or test" in join_help()
+    assert DaemonConfig().plane.settings == PlaneConfig.wan() == PlaneConfig()
+    assert DaemonConfig.test().plane.settings == PlaneConfig.test()
+    for name in PLANE_PROFILES:
+        cfg = apply_flags(DaemonConfig(), join_args("--plane-profile", name))
+        assert cfg.plane.settings == getattr(PlaneConfig, name)()
+    with pytest.raises(ConfigError) as info:
+        apply_flags(DaemonConfig(), join_args("--plane-profile", "moon"))
+    assert str(info.value) == "plane.profile 'moon': choose one of lan, wan, test"
+
+
+def test_plane_profiles_keep_the_waits_that_follow_the_election():
+    for name in PLANE_PROFILES:
+        p = getattr(PlaneConfig, name)()
+        assert p.coordinator_check_s == pytest.approx(5 * p.election.heartbeat_interval_s)
+        assert p.coordinator_lost_after_s == pytest.approx(3 * p.election.election_timeout_max_s)
+        assert p.heartbeat_wait_s == pytest.approx(2 * p.election.heartbeat_interval_s + 1.0)
+    assert PlaneConfig.wan().election == ElectionConfig.wan()
+    assert PlaneConfig.lan().election == PlaneConfig.test().election == ElectionConfig.lan()
+    # The named waits are today's bare numbers under wan.
+    wan = PlaneConfig.wan()
+    assert (wan.report_gather_s, wan.probe_timeout_s, wan.paused_retry_s, wan.stop_poll_s, wan.swarm_poll_s,
+            wan.max_reconfig_attempts) == (0.5, 5.0, 6 * wan.check_interval_s, 0.2, 1.0, 5)
+    assert wan.forward_timeout_s == wan.accept_timeout_s + 60
+    assert (wan.coordinator_check_s, wan.coordinator_lost_after_s, wan.heartbeat_wait_s) == (1.0, 6.9, 1.4)
+
+
+def test_plane_election_profile_brings_its_waits_and_overrides_still_win():
+    cfg = apply_flags(DaemonConfig(), join_args("--plane-profile", "test", "--election-profile", "wan"))
+    assert cfg.plane.settings == PlaneConfig.test().with_election(ElectionConfig.wan())
+    assert cfg.plane.settings.coordinator_lost_after_s == PlaneConfig.wan().coordinator_lost_after_s
+    assert cfg.plane.settings.check_interval_s == PlaneConfig.test().check_interval_s
+    assert set(ELECTION_PROFILES) == {"lan", "wan", "test"}
+    with pytest.raises(ConfigError, match=r"plane\.election_profile 'moon': choose one of"):
+        apply_flags(DaemonConfig(), join_args("--election-profile", "moon"))
+    cfg = merge(cfg, {"plane": {"coordinator_lost_after_s": 9.0}})
+    assert cfg.plane.settings.coordinator_lost_after_s == 9.0
+
+
+def test_plane_table_sets_fields_and_nested_fields_over_the_profile(tmp_path):
+    (tmp_path / "corpus.txt").write_text("text")
+    path = tmp_path / "p.toml"
+    path.write_text('[plane]\nprofile = "lan"\ndata = "corpus.txt"\ntorch_threads = 2\n'
+                    'report_gather_s = 0.25\nelection.stagger_s = 0.2\n'
+                    '[plane.comm]\nwindow_messages = 4\n')
+    cfg = load_toml(path)
+    lan = PlaneConfig.lan()
+    expected = lan.with_(data_path=str(tmp_path / "corpus.txt"), torch_threads=2, report_gather_s=0.25,
+                         election=lan.election.with_(stagger_s=0.2),
+                         comm=dataclasses.replace(lan.comm, window_messages=4))
+    assert cfg.plane.settings == expected
+    # A later profile keeps the table's fields.
+    cfg = apply_flags(cfg, join_args("--plane-profile", "wan"))
+    assert cfg.plane.settings.election == ElectionConfig.wan().with_(stagger_s=0.2)
+    assert cfg.plane.settings.report_gather_s == 0.25
+    keys = section_settings("plane")
+    assert {"profile", "election_profile", "data", "election.lease_s", "comm.ack_timeout_s"} <= set(keys)
+    assert "data_path" not in keys and "election" not in keys
+
+
+def test_plane_refusal_of_a_nested_field_names_it():
+    with pytest.raises(ConfigError, match=r"^plane\.election\.lease_s: lease_s must exceed"):
+        merge(DaemonConfig(), {"plane": {"election": {"lease_s": 5.0}, "check_interval_s": 2.0}})
+
+
+def test_join_data_that_does_not_exist_fails_at_once_naming_the_flag(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        apply_flags(DaemonConfig(), join_args("--data", str(tmp_path / "nonexistent")))
+    assert str(info.value) == (f"plane.data (--data) {tmp_path / 'nonexistent'}: no such file or folder; "
+                               "give the text file or folder of text files this peer trains on")
+    cfg = apply_flags(DaemonConfig(), join_args("--data", str(tmp_path), "--torch-threads", "3"))
+    assert cfg.plane.settings.data_path == str(tmp_path) and cfg.plane.settings.torch_threads == 3
+
+
+def test_plane_section_builds_directly():
+    assert PlaneSection(profile="test").settings == PlaneConfig.test()
+    with pytest.raises(ConfigError, match="plane.max_reconfig_attempts"):
+        PlaneSection(overrides=(("max_reconfig_attempts", 0),))

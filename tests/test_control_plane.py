@@ -16,8 +16,8 @@ from dtfm.control import (
     Allocation,
     ControlPlane,
     PeerRunState,
+    PlaneConfig,
     SignedAllocation,
-    TrainerConfig,
     TrainError,
     TrainRequest,
     manifest_digest,
@@ -71,7 +71,7 @@ class Conn:
 
 
 def make_plane(tmp_path: Path, me: Identity) -> ControlPlane:
-    plane = ControlPlane(FakeTransport(), me, FakeGossip(IDS[:4]), tmp_path, TrainerConfig())
+    plane = ControlPlane(FakeTransport(), me, FakeGossip(IDS[:4]), tmp_path, PlaneConfig())
     plane._corpora[None] = CORPUS
     return plane
 
@@ -266,7 +266,7 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     # Four peers are live but only two are measured: `--min-peers 3` waits (and says so in the
     # status) until a third is measured; `--min-peers 4` gives up after its wait with the count.
     gossip = MeasuredGossip(IDS[:4])
-    plane = ControlPlane(FakeTransport(), IDS[0], gossip, tmp_path, TrainerConfig())
+    plane = ControlPlane(FakeTransport(), IDS[0], gossip, tmp_path, PlaneConfig())
     gossip.measure(IDS[:2])
     done = trio.Event()
 

@@ -213,7 +213,7 @@ class Swarm:
         config = DaemonConfig(
             peer=PeerConfig(listen=Address(listen, port), bootstrap=tuple(bootstrap),
                             region=region, advertise=advertise),
-            discovery=discovery or config.discovery, control=config.control)
+            discovery=discovery or config.discovery, socket=config.socket)
         ident = Identity(bytes([len(name)]) + name.encode().ljust(31, b"."))
         transport = FakeTransport(self.net, ident, key, region, host=host)
         data_dir = DataDir(self.root / name)

@@ -16,8 +16,8 @@ from pathlib import Path
 import polling
 import pytest
 
-from dtfm.peer.config import ControlConfig
-from dtfm.peer.control import ControlClient, ControlClientError, DaemonNotRunning
+from dtfm.peer.config import SocketConfig
+from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +28,9 @@ retry_initial_s = 0.05
 retry_max_s = 0.5
 exchange_interval_s = 0.5
 leave_timeout_s = 2.0
+
+[plane]
+profile = "test"
 """
 
 
@@ -58,7 +61,7 @@ class Peer:
         """The daemon's answer to `op`, or None while it is not (yet) answering."""
         sock = self.data_dir / "control" / "peer.sock"
         try:
-            with ControlClient(sock, ControlConfig(request_timeout_s=5.0)) as c:
+            with ControlClient(sock, SocketConfig(request_timeout_s=5.0)) as c:
                 return c.request(op)
         except (DaemonNotRunning, ControlClientError):
             return None

@@ -21,8 +21,8 @@ from pathlib import Path
 import polling
 import pytest
 
-from dtfm.peer.config import ControlConfig
-from dtfm.peer.control import ControlClient, ControlClientError, DaemonNotRunning
+from dtfm.peer.config import SocketConfig
+from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(110)]
 
@@ -105,7 +105,7 @@ class Daemon:
     def status(self):
         try:
             with ControlClient(self.data_dir / "control" / "peer.sock",
-                               ControlConfig(request_timeout_s=5.0)) as c:
+                               SocketConfig(request_timeout_s=5.0)) as c:
                 return c.request("status")
         except (DaemonNotRunning, ControlClientError):
             return None

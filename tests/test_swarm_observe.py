@@ -12,8 +12,8 @@ import trio
 
 from dtfm.peer.cli import format_reschedule, format_status_text, format_training
 from dtfm.peer.cli import main as peer_main
-from dtfm.peer.config import ControlConfig
-from dtfm.peer.control import ControlServer
+from dtfm.peer.config import SocketConfig
+from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_text
 from dtfm.swarm import cli as swarm_cli
@@ -403,7 +403,7 @@ async def test_train_reschedule_asks_the_daemon(capsys):
     with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
         data_dir = DataDir(Path(d))
         data_dir.ensure()
-        server = ControlServer(data_dir.control_socket, ControlConfig())
+        server = ControlServer(data_dir.control_socket, SocketConfig())
 
         async def reschedule(args):
             asked.append(args)

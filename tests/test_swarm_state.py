@@ -3,6 +3,7 @@
 import pytest
 
 from dtfm.swarm import cli as swarm
+from dtfm.swarm.proc import gossip_profile, plane_flags
 from dtfm.swarm.report import DEMO_PRESET, demo_model, measured_matrices
 from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, load_state, save_state
 from dtfm.train import get_preset
@@ -94,3 +95,23 @@ def test_demo_model_is_trains_preset():
     assert (spec.name, spec.layers, spec.hidden, spec.heads, spec.seq_len, spec.vocab) == (
         gpt.name, gpt.n_layer, gpt.n_embd, gpt.n_head, gpt.seq_len, gpt.vocab)
     assert spec.global_batch_seqs == 48
+
+
+@pytest.mark.parametrize("scenario,emulated,profile,flags", [
+    # worldwide round trips (up to 476 ms) outgrow the lan election's 0.4 s lease
+    ("worldwide", True, "test", ["--plane-profile", "test", "--election-profile", "wan"]),
+    ("worldwide", False, "test", ["--plane-profile", "test"]),
+    ("datacenter", True, "test", ["--plane-profile", "test"]),
+    ("universities", True, "lan", ["--plane-profile", "lan"]),
+    ("worldwide", True, "wan", ["--plane-profile", "wan"]),
+])
+def test_peers_run_the_plane_profile_with_an_election_that_fits_the_links(scenario, emulated, profile, flags):
+    state = SwarmState(scenario=scenario, scenario_name=scenario, time_scale=1.0, bandwidth_scale=0.05,
+                       emulated=emulated, plane_profile=profile)
+    assert plane_flags(state) == flags
+    assert gossip_profile(state) == ("wan" if scenario == "worldwide" and emulated else "lan")
+
+
+def test_up_runs_the_test_plane_profile_unless_told():
+    assert swarm.build_parser().parse_args(["up"]).plane_profile == "test"
+    assert swarm.build_parser().parse_args(["up", "--plane-profile", "wan"]).plane_profile == "wan"

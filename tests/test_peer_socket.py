@@ -1,4 +1,5 @@
-"""The control socket protocol, in process: framing, limits, dispatch, uid check, client errors."""
+"""The daemon's Unix control socket (dtfm.peer.socket), in process: framing, limits, dispatch,
+uid check, client errors."""
 
 import os
 import socket
@@ -15,9 +16,9 @@ from hypothesis import strategies as st
 
 from dtfm.net.errors import ProtocolError
 from dtfm.net.wire import pack
-from dtfm.peer import control
-from dtfm.peer.config import ControlConfig
-from dtfm.peer.control import (
+from dtfm.peer import socket as peer_socket
+from dtfm.peer.config import SocketConfig
+from dtfm.peer.socket import (
     ControlClient,
     ControlClientError,
     ControlCommandError,
@@ -29,7 +30,7 @@ from dtfm.peer.control import (
     read_frame_untrusted,
 )
 
-CONFIG = ControlConfig(max_request_bytes=4096, max_response_bytes=64 * 1024, request_timeout_s=5.0)
+CONFIG = SocketConfig(max_request_bytes=4096, max_response_bytes=64 * 1024, request_timeout_s=5.0)
 
 
 @pytest.fixture
@@ -218,7 +219,7 @@ def test_no_daemon_is_a_clear_error(sock_dir):
 
 async def test_oversize_reply_is_refused_by_the_client(sock_dir):
     path = sock_dir / "s"
-    server = ControlServer(path, ControlConfig(max_response_bytes=1024 * 1024))
+    server = ControlServer(path, SocketConfig(max_response_bytes=1024 * 1024))
 
     async def big(args):
         return "x" * 200_000
@@ -226,7 +227,7 @@ async def test_oversize_reply_is_refused_by_the_client(sock_dir):
     server.register("big", big)
 
     def call():
-        with ControlClient(path, ControlConfig(max_response_bytes=64 * 1024)) as c:
+        with ControlClient(path, SocketConfig(max_response_bytes=64 * 1024)) as c:
             return c.request("big")
 
     with pytest.raises(ControlClientError, match="exceeds"):
@@ -234,7 +235,7 @@ async def test_oversize_reply_is_refused_by_the_client(sock_dir):
 
 
 async def test_silent_client_is_dropped_after_the_idle_timeout(sock_dir, autojump_clock):
-    server = ControlServer(sock_dir / "s", ControlConfig(idle_timeout_s=30.0))
+    server = ControlServer(sock_dir / "s", SocketConfig(idle_timeout_s=30.0))
     client, daemon_side = trio.testing.memory_stream_pair()
     t0 = trio.current_time()
     await server.handle_stream(daemon_side)   # returns: nothing arrived for 30 s
@@ -309,7 +310,7 @@ def test_no_peer_credentials_means_no_control_socket(sock_dir, monkeypatch):
 
 
 async def test_caller_whose_uid_cannot_be_read_is_refused(sock_dir, monkeypatch):
-    monkeypatch.setattr(control, "peer_uid", lambda sock: None)
+    monkeypatch.setattr(peer_socket, "peer_uid", lambda sock: None)
     path = sock_dir / "s"
 
     def call():
@@ -353,9 +354,9 @@ class _Listener:
 
 
 async def test_clients_beyond_max_clients_are_refused_until_a_slot_frees(autojump_clock, monkeypatch):
-    monkeypatch.setattr(control, "peer_uid", lambda sock: os.getuid())
+    monkeypatch.setattr(peer_socket, "peer_uid", lambda sock: os.getuid())
     server = make_server(Path("/nonexistent"))
-    server.config = ControlConfig(max_clients=2, idle_timeout_s=60.0)
+    server.config = SocketConfig(max_clients=2, idle_timeout_s=60.0)
     listener = _Listener()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server._accept_loop, listener, nursery)
@@ -379,7 +380,7 @@ async def test_clients_beyond_max_clients_are_refused_until_a_slot_frees(autojum
 
 
 async def test_client_that_stops_inside_a_frame_is_dropped_after_the_idle_timeout(autojump_clock):
-    server = ControlServer(Path("/nonexistent"), ControlConfig(idle_timeout_s=30.0))
+    server = ControlServer(Path("/nonexistent"), SocketConfig(idle_timeout_s=30.0))
     client, daemon_side = trio.testing.memory_stream_pair()
     await client.send_all(request_frame("echo")[:6])    # the length and two bytes, then silence
     t0 = trio.current_time()
@@ -388,7 +389,7 @@ async def test_client_that_stops_inside_a_frame_is_dropped_after_the_idle_timeou
 
 
 async def test_an_op_that_runs_too_long_is_cancelled_with_an_error_reply(autojump_clock):
-    server = ControlServer(Path("/nonexistent"), ControlConfig(handler_timeout_s=5.0))
+    server = ControlServer(Path("/nonexistent"), SocketConfig(handler_timeout_s=5.0))
 
     async def hang(args):
         await trio.sleep_forever()

@@ -30,7 +30,7 @@ import trio
 
 from dtfm.net import ProtocolError, pack, unpack_untrusted
 
-from .config import ControlConfig
+from .config import SocketConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def peer_uid(sock: trio.socket.SocketType) -> int | None:
 class ControlServer:
     """Answers control requests on a Unix socket; ops are registered by the daemon."""
 
-    def __init__(self, path: Path, config: ControlConfig, *, allowed_uid: int | None = None):
+    def __init__(self, path: Path, config: SocketConfig, *, allowed_uid: int | None = None):
         self.path = Path(path)
         self.config = config
         self.allowed_uid = os.getuid() if allowed_uid is None else allowed_uid
@@ -304,10 +304,10 @@ def _unlink_quietly(path: Path) -> None:
 class ControlClient:
     """A blocking connection to the daemon's control socket."""
 
-    def __init__(self, path: Path, config: ControlConfig | None = None, *,
+    def __init__(self, path: Path, config: SocketConfig | None = None, *,
                  data_dir: Path | None = None):
         self.path = Path(path)
-        self.config = ControlConfig() if config is None else config
+        self.config = SocketConfig() if config is None else config
         self.data_dir = self.path.parent.parent if data_dir is None else data_dir
         self._sock: stdsocket.socket | None = None
 

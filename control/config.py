@@ -1,0 +1,156 @@
+"""The control plane's settings: `PlaneConfig`, one frozen dataclass nesting the election's
+(`ElectionConfig`) and the tensor traffic's (`CommConfig`), with named profiles.
+
+Every timing the plane waits on is a field here, with its trade-off; the protocol they time is
+in docs/control.md. The daemon embeds this class as its `[plane]` table (dtfm.peer.config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .comm import CommConfig
+from .election import ElectionConfig
+
+__all__ = ["PlaneConfig"]
+
+
+@dataclass(frozen=True)
+class PlaneConfig:
+    """What one daemon's control plane waits for, how long, and how often it looks; the
+    defaults are the `wan` profile."""
+
+    # Torch threads of the stage worker; several daemons on one machine want 1 each.
+    torch_threads: int = 1
+    # How long a peer may take to build its stage (fetching it included) and connect its
+    # neighbours before the coordinator gives up on the hand-out. Longer tolerates slow fetches
+    # and loaded machines; shorter notices a peer lost during the hand-out sooner.
+    accept_timeout_s: float = 120.0
+    # START, STOP and RUN_STATE requests, one per peer. Longer waits out a slow peer; shorter
+    # reconfigures around a silent one sooner.
+    request_timeout_s: float = 10.0
+    # Scheduler time when `train start` picks the shape, and for each reconfiguration: more
+    # searches further, and every reconfiguration waits for it.
+    schedule_time_s: float = 3.0
+    # Torch data set of this peer (`--data`); None: the standard library's source.
+    data_path: str | None = None
+    # The coordinator election's timings.
+    election: ElectionConfig = field(default_factory=ElectionConfig.wan)
+    # Flow control of tensor traffic between the stages; every peer of a swarm uses the same.
+    comm: CommConfig = field(default_factory=CommConfig.default)
+    # How long `train start` waits for this peer to be elected (or learn the coordinator).
+    elect_timeout_s: float = 30.0
+    # How long the coordinator waits for running peers to stop at a step boundary before it
+    # aborts their step; longer lets a slow step finish, shorter reconfigures sooner.
+    stop_timeout_s: float = 60.0
+    # The coordinator looks for joined peers this often: shorter places a joined or returned peer
+    # sooner, at a RUN_STATE query per outside peer per check.
+    check_interval_s: float = 5.0
+    # ... and for network drift this often: shorter follows a changing network sooner, at one
+    # scheduler run (schedule_time_s) per check.
+    drift_check_s: float = 60.0
+    # A new allocation must be predicted faster by this fraction (and by more than its weight
+    # moves) before a drifting network reschedules.
+    min_gain: float = 0.1
+    # After a trigger the coordinator waits this long for the other peers' reports of the same
+    # event (a death every neighbour notices), so one reconfiguration covers them all; each
+    # reconfiguration starts that much later.
+    report_gather_s: float = 0.5
+    # Cap on the RUN_STATE probes of peers outside the run (joined, or returned while the run is
+    # paused; request_timeout_s when shorter). A probe that times out is retried at the next
+    # check, so shorter keeps the coordinator's loop brisk while an unreachable peer stays one.
+    probe_timeout_s: float = 5.0
+    # A run paused for want of a holder retries this long after it paused even if no peer out of
+    # reach answers: shorter recovers sooner from a holder that answers unseen, at a failed
+    # reconfiguration per retry.
+    paused_retry_s: float = 30.0
+    # While stopping an epoch the coordinator polls the peers' run states this often: shorter
+    # notices the stop sooner, at a RUN_STATE round per poll.
+    stop_poll_s: float = 0.2
+    # A training peer checks this often that its epoch's coordinator is still the one it
+    # recognises (5 heartbeats of the election).
+    coordinator_check_s: float = 1.0
+    # ... and stops training, discarding the step in progress, once it has been gone this long
+    # (3 election timeouts): shorter stops a minority sooner, but must outlast a re-election or
+    # a slow heartbeat stops a healthy run.
+    coordinator_lost_after_s: float = 6.9
+    # An allocation from a coordinator this peer does not recognise yet waits this long for its
+    # first heartbeat (2 heartbeats and 1 s), which may arrive after the allocation; longer
+    # accepts a slower new coordinator, shorter refuses a stale one sooner.
+    heartbeat_wait_s: float = 1.4
+    # A `train start` or `reschedule` forwarded to the coordinator waits this long for its
+    # answer: the hand-out's accept_timeout_s plus a minute for scheduling and starting.
+    forward_timeout_s: float = 180.0
+    # `train start --min-peers` re-counts the live, measured peers this often.
+    swarm_poll_s: float = 1.0
+    # Failed reconfigurations of one trigger before the coordinator stops the run: more rides
+    # out longer trouble, fewer gives up (and says why) sooner.
+    max_reconfig_attempts: int = 5
+
+    def __post_init__(self) -> None:
+        if type(self.torch_threads) is not int or self.torch_threads < 1:
+            raise ValueError(f"torch_threads must be an integer >= 1, got {self.torch_threads!r}")
+        if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
+            raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
+        for name in ("accept_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
+                     "stop_timeout_s", "check_interval_s", "drift_check_s", "report_gather_s", "probe_timeout_s",
+                     "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
+                     "heartbeat_wait_s", "forward_timeout_s", "swarm_poll_s"):
+            v = getattr(self, name)
+            if type(v) not in (int, float) or not 0 < v < 1e6:
+                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if type(self.min_gain) not in (int, float) or not 0 <= self.min_gain < 10:
+            raise ValueError(f"min_gain must be in [0, 10), got {self.min_gain!r}")
+        if self.data_path is not None and not isinstance(self.data_path, str):
+            raise ValueError(f"data_path must be a path string or None, got {self.data_path!r}")
+        if not isinstance(self.election, ElectionConfig):
+            raise ValueError(f"election must be an ElectionConfig, got {self.election!r}")
+        if not isinstance(self.comm, CommConfig):
+            raise ValueError(f"comm must be a CommConfig, got {self.comm!r}")
+        if not self.forward_timeout_s > self.accept_timeout_s:
+            raise ValueError("forward_timeout_s must exceed accept_timeout_s: a forwarded `train start` "
+                             "waits for the whole hand-out")
+        if not self.coordinator_lost_after_s > self.election.election_timeout_max_s:
+            raise ValueError("coordinator_lost_after_s must exceed the election's election_timeout_max_s, "
+                             "or a re-election stops a healthy run")
+
+    @classmethod
+    def lan(cls) -> PlaneConfig:
+        """One data centre or region: the election's lan timings (and the waits that follow
+        them); everything else as wan."""
+        return cls().with_election(ElectionConfig.lan())
+
+    @classmethod
+    def wan(cls) -> PlaneConfig:
+        """Peers across continents: the defaults."""
+        return cls().with_election(ElectionConfig.wan())
+
+    @classmethod
+    def test(cls) -> PlaneConfig:
+        """A test swarm of daemons on one loaded machine: the election's lan timings (its test
+        profile, a 0.24 s lease, is for simulations; a 2-core machine running a swarm stalls a
+        daemon's event loop longer than that), quick checks and polls, and timeouts that still
+        let CPU stages build. The drift check is halved, not more: each one runs the scheduler
+        for schedule_time_s on a machine the stages share, and a static emulated network seldom
+        drifts. The scheduler keeps its time, so it picks the same allocations, and tensor flow
+        control its defaults (CommConfig.test fails a step whose worker waits 5 s for the CPU).
+        Emulated links slower than a data centre's want `with_election(ElectionConfig.wan())`:
+        the lan lease (0.4 s) is shorter than a worldwide round trip."""
+        return cls(
+            accept_timeout_s=60.0, request_timeout_s=5.0, elect_timeout_s=15.0, stop_timeout_s=20.0,
+            check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
+            forward_timeout_s=120.0, swarm_poll_s=0.2,
+        ).with_election(ElectionConfig.lan())
+
+    def with_(self, **changes: Any) -> PlaneConfig:
+        return replace(self, **changes)
+
+    def with_election(self, election: ElectionConfig) -> PlaneConfig:
+        """These settings on other election timings, with the waits that follow them as the
+        profiles derive them: 5 heartbeats, 3 election timeouts, 2 heartbeats and 1 s (rounded,
+        so that binary fractions do not show: 3 * 2.3 is 6.8999999999999995)."""
+        return replace(self, election=election,
+                       coordinator_check_s=round(5 * election.heartbeat_interval_s, 9),
+                       coordinator_lost_after_s=round(3 * election.election_timeout_max_s, 9),
+                       heartbeat_wait_s=round(2 * election.heartbeat_interval_s + 1.0, 9))
