@@ -54,7 +54,6 @@ from dtfm.control import (
     Allocation,
     BecameCoordinator,
     CoordinatorKnown,
-    Current,
     ElectionConfig,
     ElectionRole,
     ElectionSend,
@@ -73,13 +72,13 @@ from dtfm.gossip import NetworkView
 from dtfm.net import Identity, pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 from dtfm.sched import SEARCH_PROFILES
-from dtfm.train import PRESETS, GPTSpec, TrainConfig
+from dtfm.train import PRESETS, GPTSpec, Plan, TrainConfig
 
 
 def _internal():
     """The names this test needs that no dtfm package exports at its top level; when modules
     move, fix the paths here (and only here)."""
-    from dtfm.control.election_sim import ElectionSim, NetConditions
+    from dtfm.control.election.sim import ElectionSim, NetConditions
     return ElectionSim, NetConditions
 
 
@@ -214,7 +213,7 @@ def _alloc_shape(c: AllocCase):
     if c.placement == "random_shape":
         return random_shape(view, spec, c.train, stages=c.stages, dp=c.dp, seed=c.seed)
     return reshape(view, spec, c.train, current=None, live=frozenset(view.peers), remaining_steps=1000,
-                   regions=regions, seed=c.seed, stages=c.stages, dp=c.dp, config=SEARCH).shape
+                   regions=regions, seed=c.seed, stages=c.stages, dp=c.dp, config=SEARCH).placement
 
 
 def golden_allocations() -> str:
@@ -258,10 +257,10 @@ def golden_allocations() -> str:
 def plan_lines(title: str, p) -> list[str]:
     out = [f"== {title}", f"  kind {p.kind} moves {p.moves} bytes_moved {p.bytes_moved} move_s {f9(p.move_s)} "
                           f"gain_s {f9(p.gain_s)}",
-           f"  pipelines {' | '.join(names(q) for q in p.shape.pipelines)}",
-           f"  layer_ranges {[list(r) for r in p.shape.layer_ranges]}",
-           f"  spares {names(p.shape.spares)}",
-           f"  predicted_iteration_s {f9(p.shape.predicted_iteration_s)} objective_s {f9(p.shape.objective_s)}",
+           f"  pipelines {' | '.join(names(q) for q in p.placement.pipelines)}",
+           f"  layer_ranges {[list(r) for r in p.placement.layer_ranges]}",
+           f"  spares {names(p.placement.spares)}",
+           f"  predicted_iteration_s {f9(p.placement.predicted_iteration_s)} objective_s {f9(p.placement.objective_s)}",
            f"  lost_ranges {[list(r) for r in p.lost_ranges]}"]
     out += [f"  fetch {name(m)} {list(r)} from {name(src)}" for m, r, src in p.fetches]
     for c in p.candidates:
@@ -279,34 +278,34 @@ def golden_reshape() -> str:
         kw.setdefault("remaining_steps", 1000)
         return reshape(view, spec, cfg, current=cur, live=live, regions=regions, config=SEARCH, **kw)
 
-    def current(p) -> Current:
-        return Current(p.shape.pipelines, p.shape.layer_ranges)
+    def current(p) -> Plan:
+        return Plan(p.placement.pipelines, p.placement.layer_ranges)
 
     out = ["# reshape() on seeded worldwide views, model 'small', TrainConfig(global_batch_seqs=64,",
            "# micro_batches=4), SEARCH_PROFILES['test'], remaining_steps 1000 unless said; floats to 1e-9.", ""]
     w10, r10 = scenario_view("worldwide", 10, 7)
     first = plan(w10, r10, None, stages=4, dp=2, seed=1)
     out += plan_lines("first allocation: 10 peers, 4x2 (2 spares), seed 1", first)
-    lost = first.shape.pipelines[1][2]
+    lost = first.placement.pipelines[1][2]
     out += plan_lines(f"peer lost with spares: {name(lost)} (stage 2 of pipeline 1), seed 2",
                       plan(w10, r10, current(first), live=set(w10.peers) - {lost}, seed=2))
     w8, r8 = scenario_view("worldwide", 8, 8)
     first8 = plan(w8, r8, None, stages=4, dp=2, seed=3)
     out += plan_lines("first allocation: 8 peers, 4x2 (no spare), seed 3", first8)
-    lost8 = first8.shape.pipelines[0][1]
+    lost8 = first8.placement.pipelines[0][1]
     out += plan_lines(f"peer lost without spares: {name(lost8)}, seed 4",
                       plan(w8, r8, current(first8), live=set(w8.peers) - {lost8}, seed=4))
     w12, r12 = scenario_view("worldwide", 12, 8)
     out += plan_lines("peers joined: the 8-peer allocation on a 12-peer view, seed 5",
                       plan(w12, r12, current(first8), seed=5))
-    slow = tuple(IDS.index(p) for p in first.shape.pipelines[0])
+    slow = tuple(IDS.index(p) for p in first.placement.pipelines[0])
     wd, rd = scenario_view("worldwide", 10, 7, slow=slow, factor=4.0)
-    out += plan_lines(f"drift: links among pipeline 0 ({names(first.shape.pipelines[0])}) 4x slower, seed 6",
+    out += plan_lines(f"drift: links among pipeline 0 ({names(first.placement.pipelines[0])}) 4x slower, seed 6",
                       plan(wd, rd, current(first), seed=6))
     out += plan_lines("small drift: links among pipeline 0 1.05x slower, seed 6",
                       plan(*scenario_view("worldwide", 10, 7, slow=slow, factor=1.05), current(first), seed=6))
     out += plan_lines("forced reschedule, nothing changed, seed 7", plan(w10, r10, current(first), seed=7, force=True))
-    survivors = {first.shape.pipelines[0][0], first.shape.pipelines[1][3], first.shape.spares[0]}
+    survivors = {first.placement.pipelines[0][0], first.placement.pipelines[1][3], first.placement.spares[0]}
     out += plan_lines(f"restage: only {names(sorted(survivors, key=IDS.index))} live, seed 8",
                       plan(w10, r10, current(first), live=survivors, seed=8, remaining_steps=200))
     # A model whose activations outweigh its gradients (tests/test_control_reshape.py's): more
@@ -316,12 +315,12 @@ def golden_reshape() -> str:
     s10, rs = scenario_view("spot", 10, 9)
     first = plan(s10, rs, None, stages=4, dp=2, seed=1)
     out += plan_lines("first allocation: spot, 10 peers, 4x2, seed 1", first)
-    lost = first.shape.pipelines[1][1]
+    lost = first.placement.pipelines[1][1]
     out += plan_lines(f"peer lost with spares: {name(lost)} (stage 1 of pipeline 1), seed 2",
                       plan(s10, rs, current(first), live=set(s10.peers) - {lost}, seed=2))
     d10, rd = scenario_view("datacenter", 10, 9)
     first = plan(d10, rd, None, stages=4, dp=2, seed=1)
-    one = Current(first.shape.pipelines[:1], first.shape.layer_ranges)
+    one = Plan(first.placement.pipelines[:1], first.placement.layer_ranges)
     out += plan_lines(f"peers joined: datacenter, 10 peers, the allocation {names(one.pipelines[0])} alone, seed 3",
                       plan(d10, rd, one, seed=3))
     return "\n".join(out)
