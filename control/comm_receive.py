@@ -18,8 +18,7 @@ from collections import deque
 import torch
 import trio
 
-from dtfm.net import ProtocolError
-from dtfm.train import tensor_from_wire
+from dtfm.train import CodecError, tensor_from_wire
 
 from .comm_wire import _ACCEPTED, _name, _nbytes, _refuse, _Tensor
 
@@ -75,7 +74,7 @@ class CommReceiver:
             payload = memoryview(b"")  # an empty payload travels as none
         try:
             tensor = tensor_from_wire(msg.header, payload, max_bytes=nbytes)
-        except ProtocolError as e:
+        except CodecError as e:  # untrusted bytes: refused like any other bad tensor
             return _refuse(name, msg.tag, str(e))
         return await self._admit(inbox, msg, tensor, nbytes + ENTRY_OVERHEAD_BYTES)
 

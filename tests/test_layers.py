@@ -22,7 +22,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "scenarios": frozenset(),
     "net": frozenset({"scenarios"}),
     "sched": frozenset({"scenarios"}),
-    "train": frozenset({"net", "sched"}),
+    "train": frozenset({"sched"}),  # the layer split (`layer_ranges`) that Plan.grid shares with the scheduler
     "gossip": frozenset({"net", "scenarios"}),
     "control": frozenset({"scenarios", "net", "sched", "train", "gossip"}),
     "peer": frozenset({"scenarios", "net", "sched", "train", "gossip", "control"}),
