@@ -17,8 +17,8 @@ from .allocation import (
                          check_allocation,
 )
 from .allocation_fields import Holding
-from .comm import CommConfig, TensorRouter, TransportComm
 from .coordinator import ElectionService
+from .dataplane import CommConfig, TensorRouter, TransportComm
 from .election import (
                          BecameCoordinator,
                          CoordinatorKnown,

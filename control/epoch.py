@@ -30,7 +30,7 @@ from dtfm.train import (
 )
 
 from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation, check_allocation
-from .comm import TransportComm
+from .dataplane import TransportComm
 from .messages import ControlMsg
 from .recovery import RecoveryError, fetch_stage
 from .relayout import assemble_stage, needed_stages

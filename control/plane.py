@@ -51,9 +51,9 @@ from dtfm.net import ConnectionClosed, Identity, ProtocolError, short_id
 from dtfm.train import Corpus, StageState, load_corpus
 
 from .allocation import Allocation
-from .comm import CommConfig, TensorRouter
 from .coordinate import CoordinatorRole
 from .coordinator import ElectionService
+from .dataplane import CommConfig, TensorRouter
 from .election import BecameCoordinator, ElectionConfig, SteppedDown
 from .election_store import FileElectionStore
 from .epoch import PeerRole, _Run

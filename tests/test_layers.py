@@ -49,8 +49,9 @@ class Violation:
         return f"{self.file}:{self.line}: {self.what}"
 
 
-def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, tuple[str, ...]]]:
-    """(line, absolute module, imported names) for every import anywhere in the tree."""
+def _imports(tree: ast.AST, where: list[str]) -> list[tuple[int, str, tuple[str, ...]]]:
+    """(line, absolute module, imported names) for every import anywhere in the tree of a module
+    in the package `where` (["dtfm", "control", "dataplane"] for control/dataplane/x.py)."""
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -60,16 +61,19 @@ def _imports(tree: ast.AST, package: str) -> list[tuple[int, str, tuple[str, ...
             if node.level == 0:
                 module = node.module or ""
             else:
-                base = ["dtfm", package][: 2 - (node.level - 1)] if node.level <= 2 else []
+                base = where[: len(where) - (node.level - 1)] if node.level <= len(where) else []
                 module = ".".join(base + ([node.module] if node.module else []))
             out.append((node.lineno, module, tuple(a.name for a in node.names)))
     return out
 
 
 def check_source(source: str, package: str, filename: str, exports: dict[str, set[str]]) -> list[Violation]:
-    """Violations of the layer rules in one module of `package`."""
+    """Violations of the layer rules in one module of `package` (at `filename` from the root, or
+    directly in the package's folder when `filename` does not start with it)."""
+    folders = list(Path(filename).parent.parts)
+    where = ["dtfm"] + (folders if folders[:1] == [package] else [package])
     found = []
-    for line, module, names in _imports(ast.parse(source, filename), package):
+    for line, module, names in _imports(ast.parse(source, filename), where):
         parts = module.split(".")
         top = parts[0]
         if top in FORBIDDEN_THIRD_PARTY.get(package, ()):
@@ -156,11 +160,26 @@ EXPORTS = {"net": {"Transport"}, "gossip": {"GossipService"}, "peer": {"DaemonCo
     ("from ..peer import DaemonConfig", "net", "points up"),
     ("from .. import peer", "net", "imports dtfm.peer"),
     ("from . import frames", "net", None),
+    ("from ..messages import ControlMsg", "control", "unknown package dtfm.messages"),
     ("import torch", "sched", "must not import torch"),
     ("import trio", "train", "must not import trio"),
 ])
 def test_checker_catches_what_it_should(source, package, expected):
     found = check_source(source, package, "m.py", EXPORTS)
+    if expected is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and expected in found[0].what, found
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from ..messages import ControlMsg", None),  # dtfm.control.messages, its own package
+    ("from ...net import Transport", None),
+    ("from ...peer import DaemonConfig", "points up"),
+    ("from ... import gossip", None),
+])
+def test_checker_resolves_relative_imports_in_a_subpackage(source, expected):
+    found = check_source(source, "control", "control/dataplane/m.py", EXPORTS)
     if expected is None:
         assert found == []
     else:
