@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .comm import CommConfig
+from .dataplane import CommConfig
 from .election import ElectionConfig
 
 __all__ = ["PlaneConfig"]

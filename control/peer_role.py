@@ -30,11 +30,11 @@ from dtfm.train import (
 )
 
 from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation, check_allocation
-from .comm import TransportComm
 from .coordinator.request import TrainError
 from .epoch.recovery import RecoveryError, fetch_stage
 from .epoch.relayout import assemble_stage, needed_stages
 from .epoch.runner import RunEnd, StageRunner, StepReport
+from .dataplane import TransportComm
 from .messages import ControlMsg
 
 __all__ = ["PeerRole"]

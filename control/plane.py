@@ -50,7 +50,6 @@ from dtfm.net import ConnectionClosed, Identity, ProtocolError, short_id
 from dtfm.train import Corpus, StageState, load_corpus
 
 from .allocation import Allocation
-from .comm import TensorRouter
 from .config import PlaneConfig
 from .coordinate import CoordinatorRole
 from .coordinator.request import TrainError
@@ -58,6 +57,7 @@ from .coordinator.runstate import MAX_REPORTS
 from .election import BecameCoordinator, ElectionService, FileElectionStore, SteppedDown
 from .epoch.recovery import RecoveryServer
 from .epoch.runner import StepReport
+from .dataplane import TensorRouter
 from .holdings import HolderRole
 from .messages import ControlMsg
 from .peer_role import PeerRole, _Run

@@ -26,8 +26,6 @@ from .memtransport import MemConnection, MemTransport
 from .shaping import LinkShape, LinkShaper
 from .transport import Transport
 from .wire import (
-                       TENSOR_ITEMSIZE,
-                       check_tensor,
                        get_bool,
                        get_bytes,
                        get_dict,
@@ -36,7 +34,6 @@ from .wire import (
                        get_list,
                        get_str,
                        pack,
-                       tensor_header,
                        unpack_untrusted,
 )
 
@@ -44,8 +41,8 @@ __all__ = [
     "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig", "Handler",
     "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
     "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
-    "ProtocolError", "RemoteError", "Reply", "RequestTimeout", "TENSOR_ITEMSIZE", "Transport", "TransportConfig",
-    "check_tensor", "get_bool", "get_bytes", "get_dict",
+    "ProtocolError", "RemoteError", "Reply", "RequestTimeout", "Transport", "TransportConfig",
+    "get_bool", "get_bytes", "get_dict",
     "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "new_swarm_key", "pack", "scenario_link",
-    "short_id", "swarm_key_fingerprint", "tensor_header", "uniform_link", "unpack_untrusted", "verify_signature",
+    "short_id", "swarm_key_fingerprint", "uniform_link", "unpack_untrusted", "verify_signature",
 ]

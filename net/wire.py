@@ -1,4 +1,4 @@
-"""The wire codec: msgpack with hard limits, field checkers, tensor headers.
+"""The wire codec: msgpack with hard limits, field checkers.
 
 `unpack_untrusted` is the only place that decodes msgpack from the network. It raises only
 `ProtocolError`, whatever the input, and bounds memory and time by the input length:
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Any
 
 import msgpack
@@ -241,68 +240,3 @@ def get_list(d: dict, key: str, max_len: int) -> list:
     if len(v) > max_len:
         raise ProtocolError(f"field {key!r}: list longer than {max_len}")
     return v
-
-
-# ----------------------------------------------------------------------------- tensors
-#
-# A tensor travels as a header {"dtype": name, "shape": [dims]} in the message body and its
-# elements, row-major and little-endian, as the message payload. This layer knows dtypes only
-# by name and item size; the torch mapping lives with training (dtfm.train).
-
-# Every dtype a tensor may travel as, with its item size in bytes; anything else is refused.
-TENSOR_ITEMSIZE: Mapping[str, int] = MappingProxyType({
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-})
-MAX_TENSOR_DIMS = 8
-
-
-def tensor_header(dtype: str, shape: tuple[int, ...]) -> dict:
-    """The msgpack-able header describing a tensor sent as raw little-endian bytes."""
-    if dtype not in TENSOR_ITEMSIZE:
-        raise ValueError(f"dtype {dtype!r} cannot travel on the wire")
-    if len(shape) > MAX_TENSOR_DIMS or any(type(s) is not int or s < 0 for s in shape):
-        raise ValueError(f"bad tensor shape {shape!r}")
-    return {"dtype": dtype, "shape": list(shape)}
-
-
-def check_tensor(
-    header: object, payload: bytes | bytearray | memoryview | None, *, max_bytes: int
-) -> tuple[str, tuple[int, ...]]:
-    """Check a received tensor header against its payload; returns (dtype, shape).
-
-    Raises only `ProtocolError`. The shape is bounded by `max_bytes` dimension by dimension,
-    in Python ints, zero dimensions counted as one: a hostile shape can neither overflow nor
-    hide behind a zero (an empty tensor of shape (0, 2^40, 2^40) is refused too), so no
-    stride of an accepted shape exceeds `max_bytes`."""
-    header = get_dict(header, "tensor header")
-    dtype = get_str(header, "dtype", 16)
-    itemsize = TENSOR_ITEMSIZE.get(dtype)
-    if itemsize is None:
-        raise ProtocolError(f"tensor dtype {dtype!r} not allowed")
-    dims = get_list(header, "shape", MAX_TENSOR_DIMS)
-    numel, span = 1, itemsize  # span: bytes of the shape with its zero dimensions as one
-    if span > max_bytes:
-        raise ProtocolError(f"tensor dtype {dtype!r} is larger than {max_bytes} bytes")
-    for s in dims:
-        if type(s) is not int or s < 0:
-            raise ProtocolError(f"bad tensor dimension {s!r}")
-        span *= max(s, 1)
-        if span > max_bytes:
-            raise ProtocolError(f"tensor shape spans more than {max_bytes} bytes")
-        numel *= s
-    if payload is None:
-        raise ProtocolError("tensor header without payload")
-    nbytes = numel * itemsize
-    got = payload.nbytes if isinstance(payload, memoryview) else len(payload)
-    if got != nbytes:
-        raise ProtocolError(f"tensor payload is {got} bytes, header says {nbytes}")
-    return dtype, tuple(dims)

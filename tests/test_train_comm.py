@@ -1,4 +1,4 @@
-"""In-memory Comm, tensor framing, and the collectives built on it."""
+"""In-memory Comm and the collectives built on it (the tensor format: tests/test_train_codec.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ import threading
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from dtfm.net import TENSOR_ITEMSIZE, ProtocolError, pack, tensor_header, unpack_untrusted
-from dtfm.train import (TORCH_DTYPES, CommClosed, CommError, CommTimeout, InMemoryHub, all_reduce_small,
-                        ring_all_reduce, tensor_from_wire, tensor_to_wire)
+from dtfm.train import CommClosed, CommError, CommTimeout, InMemoryHub, all_reduce_small, ring_all_reduce
 from dtfm.train.collective import make_buckets
-from dtfm.train.spec import WIRE_DTYPES
 
 
 def run_all(fns):
@@ -116,88 +111,6 @@ def test_collective_refuses_wrong_shape_from_peer():
 def test_make_buckets_keeps_order_and_limit():
     ts = [torch.zeros(100), torch.zeros(100), torch.zeros(1000), torch.zeros(10)]
     assert make_buckets(ts, 800) == [[0, 1], [2], [3]]
-
-
-@pytest.mark.parametrize("name", sorted(TENSOR_ITEMSIZE))
-def test_every_wire_dtype_round_trips_through_torch(name):
-    """Train accepts exactly the net layer's dtypes (all of which torch has), byte for byte."""
-    dt = TORCH_DTYPES[name]
-    assert dt.itemsize == TENSOR_ITEMSIZE[name]
-    t = (torch.arange(24) % 7 - 3).to(dt).reshape(2, 3, 4)
-    header, payload = tensor_to_wire(t)
-    assert header == tensor_header(name, (2, 3, 4))
-    assert payload.nbytes == 24 * TENSOR_ITEMSIZE[name]
-    body = unpack_untrusted(pack({"t": header}), max_len=1024)["t"]  # as it would arrive
-    back = tensor_from_wire(body, bytearray(payload), max_bytes=payload.nbytes)
-    assert back.dtype == dt and back.shape == t.shape and torch.equal(back, t)
-
-
-def test_torch_dtypes_are_the_wire_dtypes_and_cover_training():
-    assert set(TORCH_DTYPES) == set(TENSOR_ITEMSIZE)
-    assert set(WIRE_DTYPES) <= set(TORCH_DTYPES)
-    with pytest.raises(ValueError, match="cannot travel"):
-        tensor_to_wire(torch.zeros(2, dtype=torch.complex64))
-    with pytest.raises(ValueError, match="cannot travel"):
-        InMemoryHub().endpoint("a").isend("b", "t", torch.zeros(2, dtype=torch.uint16))
-
-
-def test_tensor_to_wire_views_a_contiguous_tensor_and_copies_otherwise():
-    t = torch.zeros(4)
-    _, view = tensor_to_wire(t)
-    t[0] = 1.0
-    assert bytes(view[:4]) == torch.tensor([1.0]).numpy().tobytes()  # no copy was made
-    u = torch.arange(6.0).reshape(2, 3).T  # not contiguous
-    header, view = tensor_to_wire(u)
-    assert header["shape"] == [3, 2]
-    assert torch.equal(tensor_from_wire(header, bytes(view), max_bytes=24), u)
-    scalar = torch.tensor(2.5, dtype=torch.bfloat16, requires_grad=True)
-    header, view = tensor_to_wire(scalar)
-    assert header["shape"] == [] and tensor_from_wire(header, bytes(view), max_bytes=2).item() == 2.5
-
-
-def test_tensor_from_wire_uses_a_writable_buffer_without_copying():
-    buf = bytearray(torch.arange(4, dtype=torch.int32).numpy().tobytes())
-    t = tensor_from_wire(tensor_header("int32", (2, 2)), buf, max_bytes=16)
-    buf[0] = 9
-    assert t[0, 0].item() == 9  # the tensor lives in the caller's buffer
-    ro = bytes(buf)
-    t = tensor_from_wire(tensor_header("int32", (4,)), ro, max_bytes=16)  # read-only: copied
-    t[0] = 5
-    assert ro[0] == 9
-    odd = memoryview(bytearray(17))[1:]  # misaligned for float64: copied, still correct
-    odd[8:16] = torch.tensor([1.5], dtype=torch.float64).numpy().tobytes()
-    assert tensor_from_wire(tensor_header("float64", (2,)), odd, max_bytes=16).tolist() == [0.0, 1.5]
-    assert tensor_from_wire(tensor_header("float32", (0, 3)), b"", max_bytes=16).shape == (0, 3)
-
-
-def test_tensor_from_wire_limits():
-    with pytest.raises(ProtocolError, match="spans more"):
-        tensor_from_wire(tensor_header("float32", (1 << 30,)), b"", max_bytes=1 << 20)
-    with pytest.raises(ProtocolError, match="not allowed"):
-        tensor_from_wire({"dtype": "object", "shape": [1]}, b"\0" * 8, max_bytes=64)
-    with pytest.raises(ProtocolError, match="spans more"):  # 2**64 elements must not wrap around to 0
-        tensor_from_wire(tensor_header("float32", (1 << 32, 1 << 32)), b"", max_bytes=64)
-    with pytest.raises(ProtocolError, match="spans more"):  # empty, but torch could not stride it
-        tensor_from_wire(tensor_header("uint8", (0, 1 << 40, 1 << 40)), b"", max_bytes=1 << 62)
-    with pytest.raises(ProtocolError, match="0 and 1"):
-        tensor_from_wire(tensor_header("bool", (2,)), b"\x01\x02", max_bytes=64)
-
-
-garbage_headers = st.fixed_dictionaries({
-    "dtype": st.sampled_from(sorted(TENSOR_ITEMSIZE)) | st.text(max_size=10) | st.integers(),
-    "shape": st.lists(st.integers(-5, 1 << 64) | st.booleans() | st.none(), max_size=10) | st.none(),
-}) | st.none() | st.lists(st.integers(), max_size=3) | st.text(max_size=10)
-
-
-@settings(max_examples=300, deadline=None)
-@given(garbage_headers, st.binary(max_size=64) | st.none())
-def test_garbage_tensor_from_wire_raises_protocol_error_only(header, data):
-    try:
-        t = tensor_from_wire(header, None if data is None else bytearray(data), max_bytes=64)
-    except ProtocolError:
-        return
-    assert t.numel() * t.element_size() == len(data)
-    assert tuple(t.shape) == tuple(header["shape"]) and t.dtype == TORCH_DTYPES[header["dtype"]]
 
 
 def test_emulated_link_keeps_order_and_completes_handles():

@@ -8,16 +8,12 @@ from hypothesis import strategies as st
 
 from dtfm.net.errors import ProtocolError
 from dtfm.net.wire import (
-    MAX_TENSOR_DIMS,
-    TENSOR_ITEMSIZE,
-    check_tensor,
     get_bytes,
     get_float,
     get_int,
     get_list,
     get_str,
     pack,
-    tensor_header,
     unpack_untrusted,
 )
 
@@ -151,72 +147,3 @@ def test_field_checkers(call, ok):
             call()
     else:
         assert call() == ok
-
-
-def test_tensor_header_and_check():
-    h = unpack_untrusted(pack(tensor_header("float32", (2, 3))), max_len=MiB)
-    assert check_tensor(h, b"\0" * 24, max_bytes=1024) == ("float32", (2, 3))
-    with pytest.raises(ProtocolError):
-        check_tensor(h, b"\0" * 23, max_bytes=1024)
-    with pytest.raises(ProtocolError):
-        check_tensor(h, b"\0" * 24, max_bytes=16)
-    with pytest.raises(ProtocolError):
-        check_tensor({"dtype": "object", "shape": [1]}, b"\0" * 8, max_bytes=1024)
-    with pytest.raises(ProtocolError):
-        check_tensor({"dtype": "uint8", "shape": [-1]}, b"", max_bytes=1024)
-    with pytest.raises(ProtocolError):
-        check_tensor({"dtype": "uint8", "shape": [2**40, 2**40]}, b"", max_bytes=2**62)
-    with pytest.raises(ProtocolError):
-        check_tensor({"dtype": "uint8", "shape": [1] * 9}, b"\0", max_bytes=1024)
-    with pytest.raises(ProtocolError):  # empty, but its strides would not fit in 64 bits
-        check_tensor({"dtype": "uint8", "shape": [0, 2**40, 2**40]}, b"", max_bytes=2**62)
-    with pytest.raises(ProtocolError):
-        check_tensor(h, None, max_bytes=1024)
-    with pytest.raises(ProtocolError):
-        check_tensor([h], b"\0" * 24, max_bytes=1024)
-    with pytest.raises(ProtocolError):
-        check_tensor({"dtype": "uint8", "shape": [True]}, b"\0", max_bytes=1024)
-    with pytest.raises(ValueError):
-        tensor_header("object", (1,))
-    with pytest.raises(ValueError):
-        tensor_header("uint8", (-1,))
-
-
-def test_tensor_payload_length_is_counted_in_bytes():
-    h = tensor_header("float32", (4,))
-    floats = memoryview(bytearray(16)).cast("f")  # 4 items, 16 bytes
-    assert check_tensor(h, floats, max_bytes=16) == ("float32", (4,))
-
-
-tensor_shapes = st.lists(st.integers(0, 5), max_size=MAX_TENSOR_DIMS).map(tuple)
-
-
-@settings(deadline=None)
-@given(st.sampled_from(sorted(TENSOR_ITEMSIZE)), tensor_shapes)
-def test_every_dtype_header_round_trips(dtype, shape):
-    itemsize = TENSOR_ITEMSIZE[dtype]
-    nbytes = math.prod(shape) * itemsize
-    span = math.prod(max(s, 1) for s in shape) * itemsize  # what the limit is checked against
-    h = unpack_untrusted(pack(tensor_header(dtype, shape)), max_len=MiB)
-    assert check_tensor(h, bytes(nbytes), max_bytes=span) == (dtype, shape)
-    with pytest.raises(ProtocolError):
-        check_tensor(h, bytes(nbytes), max_bytes=span - 1)
-    with pytest.raises(ProtocolError):
-        check_tensor(h, bytes(nbytes + itemsize), max_bytes=span + itemsize)
-
-
-garbage_headers = wire_values | st.fixed_dictionaries({
-    "dtype": st.sampled_from(sorted(TENSOR_ITEMSIZE)) | st.text(max_size=20) | wire_values,
-    "shape": st.lists(st.integers(-3, 2**64 - 1) | wire_values, max_size=12) | wire_values,
-})
-
-
-@settings(max_examples=300, deadline=None)
-@given(garbage_headers, st.binary(max_size=64) | st.none())
-def test_garbage_tensor_headers_raise_only_protocol_error(header, payload):
-    try:
-        dtype, shape = check_tensor(header, payload, max_bytes=64)
-    except ProtocolError:
-        return
-    assert math.prod(shape) * TENSOR_ITEMSIZE[dtype] == len(payload) <= 64
-    assert math.prod(max(s, 1) for s in shape) * TENSOR_ITEMSIZE[dtype] <= 64

@@ -12,7 +12,16 @@ from .checkpoint import (
     stage_from_tensors,
     stage_tensors,
 )
-from .codec import TORCH_DTYPES, tensor_from_wire, tensor_to_wire
+from .codec import (
+    MAX_TENSOR_DIMS,
+    TENSOR_ITEMSIZE,
+    TORCH_DTYPES,
+    CodecError,
+    check_tensor,
+    tensor_from_wire,
+    tensor_header,
+    tensor_to_wire,
+)
 from .collective import all_reduce_small, ring_all_reduce
 from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
 from .data import ByteTokenizer, Corpus, load_corpus, split_batch
@@ -28,12 +37,15 @@ from .worker import StageState, StepResult, run_step
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
+    "MAX_TENSOR_DIMS",
     "PRESETS",
     "TEST_CONFIG",
+    "TENSOR_ITEMSIZE",
     "TORCH_DTYPES",
     "AdamW",
     "ByteTokenizer",
     "CheckpointError",
+    "CodecError",
     "Comm",
     "CommClosed",
     "CommError",
@@ -57,6 +69,7 @@ __all__ = [
     "TransferReceiver",
     "all_reduce_small",
     "assemble",
+    "check_tensor",
     "checkpoint_at",
     "encode_stage",
     "encode_transfer",
@@ -75,5 +88,6 @@ __all__ = [
     "stage_from_tensors",
     "stage_tensors",
     "tensor_from_wire",
+    "tensor_header",
     "tensor_to_wire",
 ]

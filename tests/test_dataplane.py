@@ -1,5 +1,5 @@
-"""TransportComm: training steps between real transports on loopback, hostile tensors, lost
-neighbours and back-pressure."""
+"""The data plane (control/dataplane/): TransportComm's training steps between real transports
+on loopback, hostile tensors, lost neighbours and back-pressure."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ import pytest
 import torch
 import trio
 
-from dtfm.control.comm import CommConfig, TensorRouter, TransportComm
-from dtfm.control.comm_receive import ENTRY_OVERHEAD_BYTES
-from dtfm.control.messages import ControlMsg
+from dtfm.control import ControlMsg
+from dtfm.control.dataplane import ENTRY_OVERHEAD_BYTES, CommConfig, TensorRouter, TransportComm
 from dtfm.net import ConnectionClosed, Identity, Transport, TransportConfig, short_id
 from dtfm.train import (
     PRESETS,
@@ -171,7 +170,7 @@ async def test_steps_over_transports_equal_local_cluster(corpus, stages, dp):
 
 
 async def test_hostile_tensors_are_refused_and_the_run_goes_on(corpus, caplog):
-    caplog.set_level(logging.DEBUG, logger="dtfm.control.comm")
+    caplog.set_level(logging.DEBUG, logger="dtfm.control.dataplane")
     names = Plan.grid(TINY.n_layer, 2, 1)
     async with swarm(3) as (nursery, nodes):
         plan = id_plan(names, nodes[:2])

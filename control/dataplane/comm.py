@@ -32,10 +32,9 @@ Failure. When the connection to a peer closes with no replacement, or the owner 
 `fail(peer, reason)`, everything waiting on that peer raises `CommError` at once, naming it;
 `abort(reason)` wakes every waiter with `CommClosed`.
 
-Modules. `TransportComm` and its router are here, with the worker's side (`isend`, `recv`) and
-the connections; its trio-side sending is `CommSender` (control/comm_send.py: queues, windows,
-acknowledgements), its receiving `CommReceiver` (control/comm_receive.py: checks, buffers),
-both mixed in; the TENSOR message and its replies are in control/comm_wire.py.
+Ownership. `TransportComm` owns a `Sender` (send.py) and a `Receiver` (receive.py), each with
+its own state, and the trio bridge, the run's nursery and the connections; `TensorRouter`
+owns the transport's TENSOR handler. docs/control.md has the protocol.
 
 Threads. Workers call `isend`/`recv` from their threads; the trio side is reached through the
 `TrioToken` captured when the comm is created (it must be created inside trio), and thread-side
@@ -44,79 +43,22 @@ waits use `threading` primitives with timeouts.
 
 from __future__ import annotations
 
-import math
 import threading
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 
 import torch
 import trio
 
 from dtfm.net import ConnectionClosed, PeerConnection, PeerTransport, ProtocolError
-from dtfm.train import CommClosed, CommError, CommTimeout, EventHandle, MessageRules, tensor_to_wire
+from dtfm.train import CommError, EventHandle, MessageRules
 
-from .comm_receive import ENTRY_OVERHEAD_BYTES, CommReceiver, _Inbox
-from .comm_send import CommSender, _Outbox, _Outgoing, _SendBuffers
-from .comm_wire import MAX_RUN_BYTES, _address, _name, _refuse, _Tensor
-from .messages import ControlMsg
+from ..messages import ControlMsg
+from .config import CommConfig
+from .receive import Receiver
+from .send import Sender
+from .wire import MAX_RUN_BYTES, TensorMsg, peer_name, refuse
 
-__all__ = ["CommConfig", "TensorRouter", "TransportComm"]
-
-MiB = 1 << 20
-
-
-@dataclass(frozen=True)
-class CommConfig:
-    """Flow control of tensor traffic. Every peer of a swarm uses the same values."""
-
-    # Unacknowledged bytes a sender keeps in flight to one peer (but never less than two of the
-    # tensor being sent): more keeps a long, fast link full (bandwidth x round trip); less bounds
-    # what a receiver holds in handlers waiting for room.
-    window_bytes: int = 64 * MiB
-    # Unacknowledged tensors to one peer. The transport allows 16 payloads in flight and 64
-    # handlers per connection, shared with gossip and control: stay well under both.
-    window_messages: int = 8
-    # A neighbour's receive buffer holds this many of its largest message (or what it sends in a
-    # row, if more): above 1 the next tensor lands while the worker computes on this one.
-    buffer_factor: float = 2.0
-    # Cap on one neighbour's receive buffer (never below its largest message): bounds memory
-    # when a neighbour sends much in a row (a ring all-reduce step of a large model).
-    max_buffer_bytes: int = 1024 * MiB
-    # Tensors `isend` may queue for one peer; beyond it the send fails (a stuck peer, or a bug).
-    max_queued_messages: int = 1 << 16
-    # A sent tensor not acknowledged within this long fails (transfer and wait for room included).
-    ack_timeout_s: float = 300.0
-    # How long a receiving handler waits for room in the buffer (or for earlier sequence
-    # numbers) before it refuses the tensor; a worker slower than this fails the step.
-    handler_wait_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        if self.window_bytes < 1 or not 1 <= self.window_messages <= 12:
-            raise ValueError("window_bytes must be >= 1 and window_messages in 1..12")
-        if not self.buffer_factor >= 1.0:
-            raise ValueError("buffer_factor must be >= 1")
-        if self.max_buffer_bytes < 1 or self.max_queued_messages < 1:
-            raise ValueError("max_buffer_bytes and max_queued_messages must be >= 1")
-        if not self.handler_wait_timeout_s > 0 or not self.ack_timeout_s > self.handler_wait_timeout_s:
-            raise ValueError("need 0 < handler_wait_timeout_s < ack_timeout_s")
-
-    @classmethod
-    def default(cls) -> CommConfig:
-        return cls()
-
-    @classmethod
-    def test(cls) -> CommConfig:
-        """Small windows and short timeouts, so back-pressure and failures show within seconds."""
-        return cls(window_bytes=8 * MiB, window_messages=4, max_buffer_bytes=64 * MiB, max_queued_messages=4096,
-                   ack_timeout_s=10.0, handler_wait_timeout_s=5.0)
-
-    def buffer_limit(self, rules: MessageRules, src: bytes) -> int:
-        """Bytes (with per-entry overhead) buffered at most for tensors from `src`."""
-        largest = rules.max_message_bytes(src) + ENTRY_OVERHEAD_BYTES
-        msgs, nbytes = rules.burst(src)
-        want = max(math.ceil(self.buffer_factor * largest), nbytes + msgs * ENTRY_OVERHEAD_BYTES)
-        return max(largest, min(want, self.max_buffer_bytes))
+__all__ = ["TensorRouter", "TransportComm"]
 
 
 class TensorRouter:
@@ -140,9 +82,9 @@ class TensorRouter:
             self._comm = None
 
     async def _handle(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> object:
-        msg = _Tensor.from_wire(body)
+        msg = TensorMsg.from_wire(body)
         if self._comm is None:
-            return _refuse(conn.short_id, msg.tag, "no training run in progress")
+            return refuse(conn.short_id, msg.tag, "no training run in progress")
         return await self._comm._receive(conn.peer_id, msg, payload)
 
     def _on_connect(self, conn: PeerConnection) -> None:
@@ -154,7 +96,7 @@ class TensorRouter:
             self._comm._on_lost(conn.peer_id, reason)
 
 
-class TransportComm(CommSender, CommReceiver):
+class TransportComm:
     """`dtfm.train.Comm` between daemons over the peer transport, for one run and epoch."""
 
     def __init__(self, transport: PeerTransport, rules: MessageRules, *, run: bytes, router: TensorRouter,
@@ -170,86 +112,34 @@ class TransportComm(CommSender, CommReceiver):
         self._transport, self._router = transport, router
         self._token = trio.lowlevel.current_trio_token()  # raises outside trio: create it inside
         self._trio_thread = threading.get_ident()
-        self._inboxes = {p: _Inbox(p, config.buffer_limit(rules, p)) for p in rules.neighbours}
-        self._outboxes: dict[bytes, _Outbox] = {}
-        self._lost: dict[bytes, str] = {}  # trio side: peers failed, and why
-        self._buffers = _SendBuffers(config.window_bytes)
-        self._send_lock = threading.Lock()  # orders sequence numbers with the queueing of their tensors
-        self._next_seq: dict[bytes, int] = {}
-        self._closed: str | None = None
+        self._sender = Sender(transport, config, self.run_id, rules.epoch, self._token)
+        self._receiver = Receiver(rules, config, self.run_id)
         self._stop = trio.Event()
+        self._running = False  # between `run`'s start and its end
         self._connected: dict[bytes, trio.Event] = {}
         self._watching = False  # whether a lost connection fails its peer (from `connect` on)
-        self._nursery: trio.Nursery | None = None
 
     # ---- the worker's side (any thread) ------------------------------------------------
 
     def isend(self, peer: bytes, tag: str, tensor: torch.Tensor) -> EventHandle:
         """Queue `tensor` (copied now) for `peer`; the handle completes when `peer` has buffered it."""
-        if self._closed is not None:
-            raise CommClosed(f"communicator closed: {self._closed}")
-        header, view = tensor_to_wire(tensor)
-        buffer = None
-        if tensor.device.type == "cpu" and view.nbytes and _address(view) == tensor.data_ptr():
-            buffer = self._buffers.take(view.nbytes)  # the one copy: the view aliased the caller's tensor
-            buffer.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-            view = memoryview(buffer.numpy())
-        handle = EventHandle(f"send {tag!r} to {_name(peer)}")
-        with self._send_lock:
-            seq = self._next_seq.get(peer, 0)
-            self._next_seq[peer] = seq + 1
-            body = {"run": self.run_id, "epoch": self.rules.epoch, "seq": seq, "tag": tag, **header}
-            item = _Outgoing(tag, body, view, handle, buffer)
-            try:  # FIFO: the trio side queues tensors in the order of their sequence numbers
-                self._token.run_sync_soon(self._enqueue, peer, item)
-            except trio.RunFinishedError:
-                raise CommClosed("communicator closed: its event loop has ended") from None
-        return handle
+        return self._sender.submit(peer, tag, tensor)
 
     def recv(self, peer: bytes, tag: str, timeout_s: float) -> torch.Tensor:
         """The next tensor `peer` sent under `tag`; CommError at once if `peer` fails."""
-        inbox = self._inboxes.get(peer)
-        if inbox is None or self.rules.expect(peer, tag) is None:
-            raise CommError(f"the plan has no message {tag!r} from {_name(peer)} to this peer")
-        deadline = time.monotonic() + timeout_s
-        with inbox.cv:
-            while True:
-                queue = inbox.queues.get(tag)
-                if queue:
-                    tensor, cost = queue.popleft()
-                    if not queue:
-                        del inbox.queues[tag]
-                    inbox.buffered_bytes -= cost
-                    break
-                if self._closed is not None:
-                    raise CommClosed(f"communicator closed while waiting for {tag!r} from {inbox.name}: "
-                                     f"{self._closed}")
-                if inbox.failed is not None:
-                    raise CommError(f"peer {inbox.name} failed while this peer waited for {tag!r}: {inbox.failed}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CommTimeout(f"nothing under {tag!r} from {inbox.name} within {timeout_s} s")
-                inbox.cv.wait(left)
-        self._in_trio(inbox.poke)  # room for the handlers waiting on this buffer
+        tensor = self._receiver.take(peer, tag, timeout_s)
+        self._in_trio(self._receiver.wake, peer)  # room for the handlers waiting on this buffer
         return tensor
 
     def fail(self, peer: bytes, reason: str) -> None:
         """Give up on `peer` (e.g. gossip declared it dead): its waiters raise CommError now."""
-        inbox = self._inboxes.get(peer)
-        if inbox is not None:
-            with inbox.cv:
-                if inbox.failed is None:
-                    inbox.failed = reason
-                inbox.cv.notify_all()
-        self._in_trio(self._fail_outbox, peer, reason)
+        self._receiver.fail(peer, reason)
+        self._in_trio(self._fail_peer, peer, reason)
 
     def abort(self, reason: str) -> None:
         """Stop: every wait, send and handler of this comm ends with CommClosed."""
-        if self._closed is None:
-            self._closed = reason
-        for inbox in self._inboxes.values():
-            with inbox.cv:
-                inbox.cv.notify_all()
+        self._sender.close(reason)
+        self._receiver.close(reason)
         self._in_trio(self._stop.set)
 
     def close(self) -> None:
@@ -257,21 +147,9 @@ class TransportComm(CommSender, CommReceiver):
 
     def stats(self, peer: bytes) -> dict[str, int]:
         """Buffer and window figures for `peer` (a snapshot; for status and tests)."""
-        out = {"buffered_bytes": 0, "peak_buffered_bytes": 0, "buffer_limit_bytes": 0, "unacked_messages": 0,
-               "peak_unacked_messages": 0, "unacked_bytes": 0, "queued_messages": 0}
-        inbox = self._inboxes.get(peer)
-        if inbox is not None:
-            with inbox.cv:
-                out.update(buffered_bytes=inbox.buffered_bytes, peak_buffered_bytes=inbox.peak_bytes,
-                           buffer_limit_bytes=inbox.limit_bytes)
-        box = self._outboxes.get(peer)
-        if box is not None:
-            queued = box.recv_ch.statistics().current_buffer_used + box.held
-            out.update(unacked_messages=len(box.inflight), peak_unacked_messages=box.peak_unacked_messages,
-                       unacked_bytes=box.unacked_bytes, queued_messages=queued)
-        return out
+        return {**self._receiver.stats(peer), **self._sender.stats(peer)}
 
-    def _in_trio(self, fn, *args) -> None:
+    def _in_trio(self, fn: Callable[..., object], *args: object) -> None:
         if threading.get_ident() == self._trio_thread:
             fn(*args)
             return
@@ -280,25 +158,28 @@ class TransportComm(CommSender, CommReceiver):
         except trio.RunFinishedError:
             pass
 
+    def _fail_peer(self, peer: bytes, reason: str) -> None:
+        self._sender.fail(peer, reason)
+        self._receiver.wake(peer)
+
     # ---- running (trio) ------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Receive through the router and run the senders, until `close()` or cancellation."""
         self._router.attach(self)
         try:
             async with trio.open_nursery() as nursery:
-                self._nursery = nursery
+                self._sender.start(nursery)
+                self._running = True
                 task_status.started()
                 await self._stop.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            self._nursery = None
+            self._running = False
             self._router.detach(self)
-            self.abort(self._closed or "stopped")
-            for box in self._outboxes.values():
-                box.fail(CommClosed(f"communicator closed: {self._closed}"))
-            for inbox in self._inboxes.values():
-                inbox.poke()
+            self.abort("stopped")  # an earlier reason stays
+            self._sender.stop()
+            self._receiver.wake_all()
 
     async def connect(self, addresses: Mapping[bytes, tuple[str, int]], timeout_s: float) -> None:
         """Open connections to the peers this peer exchanges tensors with (`rules.peers`).
@@ -306,7 +187,7 @@ class TransportComm(CommSender, CommReceiver):
         Of each pair, the peer with the smaller id dials and the other waits for it (half the
         time, then dials too), so the two seldom race to replace each other's connection.
         Raises CommError naming the peers that could not be reached within `timeout_s`."""
-        if self._nursery is None:
+        if not self._running:
             raise RuntimeError("TransportComm.run() must be running to connect")
         self._watching = True
         errors: list[str] = []
@@ -315,7 +196,7 @@ class TransportComm(CommSender, CommReceiver):
                 for peer, (host, port) in addresses.items():
                     if peer != self.me:
                         nursery.start_soon(self._connect_one, peer, host, port, timeout_s / 2, errors)
-        missing = [_name(p) for p in addresses if p != self.me and self._transport.connection(p) is None]
+        missing = [peer_name(p) for p in addresses if p != self.me and self._transport.connection(p) is None]
         if errors or missing:
             raise CommError(f"no connection within {timeout_s} s to {', '.join(missing) or 'every peer'}"
                             + (f": {'; '.join(errors)}" if errors else ""))
@@ -332,10 +213,15 @@ class TransportComm(CommSender, CommReceiver):
         try:
             conn = await self._transport.connect(host, port, peer_id=peer)
         except (OSError, TimeoutError, ProtocolError, ConnectionClosed) as e:
-            errors.append(f"{_name(peer)} at {host}:{port}: {e}")
+            errors.append(f"{peer_name(peer)} at {host}:{port}: {e}")
             return
         if conn.peer_id != peer:
-            errors.append(f"{host}:{port} is peer {conn.short_id}, not {_name(peer)}")
+            errors.append(f"{host}:{port} is peer {conn.short_id}, not {peer_name(peer)}")
+
+    # ---- the router's calls (trio) -------------------------------------------------------
+
+    async def _receive(self, src: bytes, msg: TensorMsg, payload: memoryview | None) -> dict:
+        return await self._receiver.receive(src, msg, payload)
 
     def _on_connect(self, peer: bytes) -> None:
         event = self._connected.pop(peer, None)
