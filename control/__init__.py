@@ -19,7 +19,7 @@ from .allocation import (
 )
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
-from .coordinator.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
+from .epoch.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
 from .coordinator.schedule import PLACEMENTS, Placement, choose_shape, random_shape, sched_spec
 from .config import PlaneConfig
 from .dataplane import CommConfig, TensorRouter, TransportComm

@@ -1,110 +1,248 @@
-"""The control plane of one daemon: it takes part in the coordinator election, accepts
-allocations and runs its stage, and, while it is the coordinator, issues allocations, follows
-the run and reconfigures the swarm when it changes.
+"""The control plane's IO shell (see docs/control.md, "The shell").
 
-Hand-out (coordinator, then every peer of the allocation, the coordinator included):
-
-1. ALLOCATION: the signed allocation goes to every peer. Each checks everything
-   (`check_allocation`, and with the election that the issuer is the coordinator of the
-   allocation's term and that (term, epoch) is newer than what it applied), ends the epoch it
-   was running, gets its stage (its own, a fresh one at step 0, or fetched from the holders the
-   allocation names, each chunk verified), opens its neighbour connections, then answers.
-2. START: once every peer accepted, the coordinator tells all to start.
-3. STEP: after each step every peer reports to the coordinator, which writes `train.jsonl`.
-   A peer whose step failed tells the coordinator why.
-4. STOP (`train stop` on any peer of the run): every peer ends before the same step.
-
-Reconfiguration (coordinator): a peer of the allocation dies or leaves, a step fails, a peer
-joins or comes back, the coordinator changes, the network drifts (`reshape` predicts a better
-allocation by more than the cost of moving weights) or an operator asks. The coordinator asks
-every peer for its run state (RUN_STATE), stops the peers still stepping at a common step
-boundary, checks that it reaches a majority of the voters, picks the resume step
-(`resume_point`: the newest step every stage is held at), plans the new layout (`reshape`), has
-the holders offer their stages (manifest digests go into the allocation) and hands the new
-epoch out. A minority side never reconfigures and so does not train.
-
-`ControlPlane` holds the state and wires the messages, gossip and election events to the roles
-it mixes in, each in its own module:
-
-    control/peer_role.py    PeerRole: accepting an allocation, START, STOP, running the stage
-    control/holdings.py     HolderRole: the stages this peer holds, its run state, offers
-    control/coordinate.py   CoordinatorRole: train start and stop, the hand-out, step reports
-    control/reconfigure.py  ReconfigureRole: the coordinator's loop and reconfiguration
-    control/steplog.py      the coordinator's step log (`train.jsonl`)
-    control/coordinator/request.py  TrainRequest, TrainError
+`ControlPlane` owns the IO: it registers the message handlers, owns the nursery, the election
+service, the tensor router and the recovery server, the stage objects of this peer's epochs
+(tensors, comm, runner thread), the corpora and the data dir. It feeds messages, member
+changes, election events, the runner's steps and time to the two machines, `EpochMachine`
+(this peer's part in each epoch) and `Coordinator` (the coordinator's decisions), executes
+their actions in order, and builds `status()` from their snapshots.
 """
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import trio
 
-from dtfm.gossip import GossipService, Member
-from dtfm.net import ConnectionClosed, Identity, ProtocolError, short_id
-from dtfm.train import Corpus, StageState, load_corpus
+from dtfm.gossip import GossipService, Member, NetworkView, build_view
+from dtfm.net import (
+    ConnectionClosed,
+    Identity,
+    ProtocolError,
+    RemoteError,
+    RequestTimeout,
+    get_bytes,
+    get_dict,
+    get_int,
+    get_str,
+    short_id,
+)
+from dtfm.train import (
+    PRESETS,
+    CheckpointError,
+    CommError,
+    Corpus,
+    MessageRules,
+    StageState,
+    TrainConfig,
+    checkpoint_at,
+    get_preset,
+    load_checkpoint,
+    load_corpus,
+    saved_checkpoints,
+    stage_tensors,
+)
 
-from .allocation import Allocation
+from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from .allocation import AcceptContext, Allocation, Holding, SignedAllocation
 from .config import PlaneConfig
-from .coordinate import CoordinatorRole
-from .coordinator.request import TrainError
-from .coordinator.runstate import MAX_REPORTS
+from .coordinator.machine import (
+    Coordinator,
+    CoordinatorTimings,
+    Elected,
+    Reschedule,
+    StartRun,
+    StepFailed,
+    StepReported,
+    SteppedDownEvent,
+    Trigger,
+    Wake,
+)
+from .coordinator.machine import Tick as CoordinatorTick
+from .dataplane import TensorRouter, TransportComm
 from .election import BecameCoordinator, ElectionService, FileElectionStore, SteppedDown
-from .epoch.recovery import RecoveryServer
-from .epoch.runner import StepReport
-from .dataplane import TensorRouter
-from .holdings import HolderRole
+from .epoch.machine import (
+    AbortRunner,
+    AllocationOffered,
+    ApplyToElection,
+    BuildFailed,
+    BuildStage,
+    EndEpoch,
+    EpochDone,
+    EpochMachine,
+    FailNeighbour,
+    MemberGone,
+    PersistApplied,
+    RunnerEnded,
+    StageBuilt,
+    StartAsked,
+    StartRunner,
+    StepDone,
+    StopAsked,
+    StopRunnerAt,
+    Tick,
+    WaitForCoordinator,
+)
+from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage
+from .epoch.relayout import assemble_stage, needed_stages
+from .epoch.runner import RunEnd, StageRunner, StepReport
+from .epoch.runstate import PeerRunState
 from .messages import ControlMsg
-from .peer_role import PeerRole, _Run
-from .reconfigure import ReconfigureRole
-from .steplog import _Issued
+from .coordinator.request import TrainError, TrainRequest
+from .coordinator.reshape import ReshapePlan, reshape
+from .coordinator.schedule import Placement, choose_shape, random_shape
 
 __all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
+MAX_CHECKPOINTS_LISTED = 16
 
 
-class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
-    """One daemon's control plane: a peer of every run it is placed in, and the coordinator
-    while the election makes it one (see the module docstring)."""
+class _ElectionReader:
+    """The election service as the machines read it."""
+
+    def __init__(self, service: ElectionService):
+        self._s = service
+
+    @property
+    def term(self) -> int:
+        return self._s.term
+
+    @property
+    def coordinator(self) -> bytes | None:
+        return self._s.coordinator
+
+    @property
+    def voters(self) -> tuple[bytes, ...]:
+        return self._s.voters
+
+    @property
+    def last_applied(self) -> tuple[int, int]:
+        return self._s.last_applied
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self._s.is_coordinator
+
+    @property
+    def is_follower(self) -> bool:
+        return self._s.role == "follower"
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int):
+        return self._s.may_apply(issuer, term, epoch)
+
+
+class GossipSwarm:
+    """The gossiped swarm as the coordinator reads it."""
+
+    def __init__(self, gossip: GossipService, me: bytes):
+        self.gossip, self.me = gossip, me
+
+    def live_peers(self) -> list[bytes]:
+        return list(self.gossip.live_peers())
+
+    def known_peers(self) -> list[bytes]:
+        return [m.peer_id for m in self.gossip.members()]
+
+    def regions(self) -> dict[bytes, str]:
+        return {m.peer_id: m.region for m in self.gossip.members()}
+
+    def view(self) -> NetworkView:
+        return self.gossip.view()
+
+    def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]:
+        """The view over `candidates`, leaving out (worst first) peers whose links gossip has
+        not measured yet: a restarted or joined peer is placed once it has been measured."""
+        peers = sorted(set(candidates))
+        left: list[bytes] = []
+        while True:
+            view = build_view(tuple(peers), self.gossip.records.reports)
+            if view.complete or len(peers) <= 1:
+                return view, left
+            known = np.isfinite(view.delay_ms) & np.isfinite(view.bandwidth_gbps)
+            unknown = ~known & ~np.eye(len(peers), dtype=bool)
+            worst = peers[int(np.argmax(unknown.sum(axis=0) + unknown.sum(axis=1)))]
+            peers.remove(worst)
+            left.append(worst)
+
+
+class SchedulerPlanner:
+    """`reshape` with the plane's budget and hysteresis."""
+
+    def __init__(self, config: PlaneConfig):
+        self.config = config
+
+    def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
+                regions: dict[bytes, str], seed: int, force: bool) -> ReshapePlan:
+        return reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
+                       remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
+                       seed=seed, min_gain=self.config.min_gain, force=force)
+
+
+class _Stage:
+    """The IO objects of this peer's stage in one epoch: the state, its comm, its runner."""
+
+    def __init__(self, alloc: Allocation, state: StageState, comm: TransportComm):
+        self.alloc, self.state, self.comm = alloc, state, comm
+        self.runner: StageRunner | None = None
+        self.started = trio.Event()
+        self.done = trio.Event()  # its tasks and worker thread are over
+        self.cancel = trio.CancelScope()
+
+
+@dataclass
+class _Pending:
+    """An operator's request or a peer's ALLOCATION waiting for the machine's Reply."""
+
+    event: trio.Event
+    reply: Reply | None = None
+
+
+class ControlPlane:
+    """One daemon's control plane (see the module docstring)."""
 
     def __init__(self, transport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: PlaneConfig | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
-        self.config = config or PlaneConfig()
+        self.config = config or PlaneConfig.wan()
         self.router = TensorRouter(transport)
         self.recovery = RecoveryServer(transport)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
                                         address_of=self._address_of)
+        reader = _ElectionReader(self.election)
+        cfg = self.config
+        self.epoch = EpochMachine(self.me, reader, heartbeat_wait_s=cfg.heartbeat_wait_s,
+                                  coordinator_lost_after_s=cfg.coordinator_lost_after_s)
+        self.coordinator = Coordinator(
+            self.me, lambda a: SignedAllocation.sign(a, identity), reader, self.epoch, GossipSwarm(gossip, self.me),
+            SchedulerPlanner(cfg),
+            CoordinatorTimings(accept_timeout_s=cfg.accept_timeout_s, request_timeout_s=cfg.request_timeout_s,
+                               stop_timeout_s=cfg.stop_timeout_s, check_interval_s=cfg.check_interval_s,
+                               drift_check_s=cfg.drift_check_s, report_gather_s=cfg.report_gather_s,
+                               probe_timeout_s=cfg.probe_timeout_s, paused_retry_s=cfg.paused_retry_s,
+                               stop_poll_s=cfg.stop_poll_s, max_reconfig_attempts=cfg.max_reconfig_attempts),
+            wall_offset=time.time() - _now_or_zero())
         self._corpora: dict[str | None, Corpus] = {}
-        self._run: _Run | None = None
-        self._prev: _Run | None = None  # the epoch before, whose stage may still be needed
-        self._issued: _Issued | None = None
-        self._logged: dict[bytes, set[int]] = {}  # run id -> steps this peer logged
-        self._applied: dict[bytes, tuple[int, int]] = {}  # run_id -> (term, epoch) applied
-        self._reports: collections.deque[StepReport] = collections.deque(maxlen=MAX_REPORTS)
-        self._last_end: dict | None = None
-        self._last_reconfig: dict | None = None
-        self._triggers: list[str] = []
-        self._wake = trio.Event()
-        self._reconf_lock = trio.Lock()
-        self._next_drift_check = 0.0
-        self._stopping: bytes | None = None  # the run an operator stopped: not reconfigured
+        self._stages: dict[int, _Stage] = {}  # epoch -> this peer's stage objects (current and previous)
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
-        self._attempts = 0
-        self._paused_live: frozenset[bytes] | None = None  # reachable peers when the run paused
+        self._pending: dict[tuple, _Pending] = {}
+        self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
-        self._paused_retry_at = 0.0
         self._nursery: trio.Nursery | None = None
+        self._coord_wake = trio.Event()
         self._load_applied()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -118,16 +256,192 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
         self.transport.handle(ControlMsg.TRAIN_OP, self._on_train_op)
         self.gossip.on_member_change(self._on_member_change)
         self.election.on_event(self._on_election_event)
+        self.coordinator.wall_offset = time.time() - trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.election.run)
-            nursery.start_soon(self._coordinate)
-            nursery.start_soon(self._watch_coordinator)
+            nursery.start_soon(self._coordinator_timer)
+            nursery.start_soon(self._epoch_timer)
             task_status.started()
             try:
                 await trio.sleep_forever()
             finally:
-                self._abort_run("the daemon is leaving")
+                self._abort_stage("the daemon is leaving")
+
+    def _key(self, *parts: object) -> tuple:
+        self._keys += 1
+        return (*parts, self._keys)
+
+    async def _coordinator_timer(self) -> None:
+        while True:
+            with trio.move_on_at(self.coordinator.next_deadline()):
+                await self._coord_wake.wait()
+            self._coord_wake = trio.Event()
+            self._feed_coordinator(CoordinatorTick())
+
+    async def _epoch_timer(self) -> None:
+        while True:
+            await trio.sleep(self.config.coordinator_check_s)
+            self._feed_epoch_now(Tick())
+
+    # ---- feeding the machines and executing their actions ------------------------------------
+
+    def _feed_coordinator(self, event) -> None:
+        try:
+            actions = self.coordinator.handle(event, trio.current_time())
+        except Exception:
+            logger.exception("the coordinator failed on %s: the run stops", type(event).__name__)
+            cur = self.epoch.current
+            if cur is not None:
+                self.epoch.mark_stopped(cur.run_id)
+            return
+        self._coord_wake.set()
+        for a in actions:
+            self._execute_now(a)
+
+    async def _feed_epoch(self, event) -> None:
+        """Feed an event whose actions may wait (an allocation: end the epoch, persist, build)."""
+        for a in self.epoch.handle(event, trio.current_time()):
+            await self._execute_epoch(a)
+
+    def _feed_epoch_now(self, event) -> None:
+        """Feed an event whose actions do not wait (start, stop, steps, ticks, members)."""
+        for a in self.epoch.handle(event, trio.current_time()):
+            self._execute_now(a)
+
+    def _execute_now(self, a) -> None:
+        """Execute an action that does not wait (every action of the coordinator)."""
+        if isinstance(a, Ask):
+            self._start_soon(self._ask_and_feed, a)
+        elif isinstance(a, Compute):
+            self._start_soon(self._compute_and_feed, a)
+        elif isinstance(a, Send):
+            if a.peer == self.me:
+                self._on_local_step(a.body)
+            else:
+                self._start_soon(self._send_one_way, a.peer, a.msg, a.body)
+        elif isinstance(a, LogLine):
+            self._append_jsonl(self._log_path, {**a.line, "time": time.time()})
+        elif isinstance(a, ResetLog):
+            self._log_path.unlink(missing_ok=True)
+        elif isinstance(a, Emit):
+            self._append_jsonl(self.data_dir / "events.jsonl",
+                               {"time": time.time(), "event": a.event, "peer": self.me.hex(), **a.fields})
+        elif isinstance(a, Reply):
+            pending = self._pending.get(a.key)
+            if pending is not None:
+                pending.reply = a
+                pending.event.set()
+        elif isinstance(a, AbortRunner):
+            self._abort_stage(a.reason)
+        elif isinstance(a, FailNeighbour):
+            stage = self._current_stage()
+            if stage is not None:
+                stage.comm.fail(a.peer, a.why)
+        elif isinstance(a, StartRunner):
+            stage = self._stages.get(a.epoch)
+            if stage is not None and stage.runner is not None:
+                stage.started.set()
+        elif isinstance(a, StopRunnerAt):
+            stage = self._stages.get(a.epoch)
+            if stage is not None and stage.runner is not None:
+                stage.runner.stop_at(a.step)
+                logger.info("stopping the run before step %d", a.step)
+        elif isinstance(a, WaitForCoordinator):
+            self._start_soon(self._wait_for_coordinator, a)
+        else:
+            raise TypeError(f"cannot execute {a!r} here")
+
+    async def _execute_epoch(self, a) -> None:
+        """Execute an action of the epoch machine, in order (some wait)."""
+        if isinstance(a, EndEpoch):
+            await self._end_stage(a.epoch, a.reason)
+        elif isinstance(a, ApplyToElection):
+            self.election.applied(a.term, a.epoch)
+            self.election.set_voters(a.voters)
+        elif isinstance(a, PersistApplied):
+            await trio.to_thread.run_sync(self._save_applied, a.alloc)
+        elif isinstance(a, BuildStage):
+            await self._build_stage(a)
+        else:
+            self._execute_now(a)
+
+    def _start_soon(self, fn, *args) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn, *args)
+
+    async def _request(self, key: tuple, event) -> Reply:
+        """Feed `event` to the epoch machine and wait for its Reply with `key`."""
+        pending = self._pending[key] = _Pending(trio.Event())
+        try:
+            await self._feed_epoch(event)
+            await pending.event.wait()
+            assert pending.reply is not None
+            return pending.reply
+        finally:
+            self._pending.pop(key, None)
+
+    def _ask_now(self, key: tuple, event) -> dict:
+        """Feed an event the epoch machine answers at once; its Reply's value."""
+        for a in self.epoch.handle(event, trio.current_time()):
+            if isinstance(a, Reply) and a.key == key:
+                reply = a
+            else:
+                self._execute_now(a)
+        return dict(reply.value)
+
+    async def _ask_and_feed(self, a: Ask) -> None:
+        answers = await self._ask_all(a.peers, a.msg, a.body, a.timeout_s)
+        self._feed_coordinator(Answers(a.key, answers))
+
+    async def _compute_and_feed(self, a: Compute) -> None:
+        try:
+            value = await trio.to_thread.run_sync(a.fn)
+        except ValueError as e:
+            self._feed_coordinator(Computed(a.key, error=str(e)))
+            return
+        self._feed_coordinator(Computed(a.key, value))
+
+    async def _wait_for_coordinator(self, a: WaitForCoordinator) -> None:
+        with trio.move_on_at(a.until):
+            await self.election.changed()
+        await self._feed_epoch(replace(a.offer, ctx=self._accept_context(a.offer.alloc)))
+
+    # ---- asking peers -------------------------------------------------------------------------
+
+    async def _ask_all(self, peers: Iterable[bytes], msg_type: int, body: dict, timeout_s: float) -> dict:
+        answers: dict[bytes, dict] = {}
+
+        async def ask(peer: bytes) -> None:
+            try:
+                with trio.fail_after(timeout_s):
+                    if peer == self.me:
+                        answers[peer] = await self._local_answer(msg_type, body)
+                        return
+                    conn = await self._connection(peer)
+                    reply, _ = await conn.request(msg_type, body, timeout_s=timeout_s)
+                    answers[peer] = reply if isinstance(reply, dict) else {"reason": "malformed answer"}
+            except (trio.TooSlowError, RequestTimeout):
+                answers[peer] = {"reason": f"no answer within {timeout_s:g} s"}
+            except (ConnectionClosed, RemoteError, ProtocolError, OSError) as e:
+                answers[peer] = {"reason": f"unreachable: {e}"}
+
+        async with trio.open_nursery() as nursery:
+            for p in sorted(set(peers)):
+                nursery.start_soon(ask, p)
+        return answers
+
+    async def _local_answer(self, msg_type: int, body: dict) -> dict:
+        """This peer's own answer to a request its coordinator makes (as the remote handlers)."""
+        if msg_type == ControlMsg.ALLOCATION:
+            return await self._accept_signed(body)
+        if msg_type == ControlMsg.START:
+            return await self._start_asked(self.me, body)
+        if msg_type == ControlMsg.STOP:
+            return await self._stop_asked(self.me, body)
+        if msg_type == ControlMsg.RUN_STATE:
+            return await self._run_state_asked(self.me, body)
+        raise AssertionError(f"no local answer to message {msg_type}")
 
     async def _connection(self, peer: bytes):
         """The live connection to `peer`, else a new one to its gossiped address (ConnectionClosed
@@ -146,6 +460,28 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
                 return m.address
         return None
 
+    async def _send_one_way(self, peer: bytes, msg_type: int, body: dict) -> None:
+        try:
+            with trio.move_on_after(self.config.request_timeout_s):
+                conn = await self._connection(peer)
+                await conn.send(msg_type, body)
+        except (ConnectionClosed, ProtocolError, OSError) as e:
+            logger.debug("could not send message %d to %s: %s", msg_type, short_id(peer), e)
+
+    # ---- files --------------------------------------------------------------------------------
+
+    @property
+    def _log_path(self) -> Path:
+        return self.data_dir / "train.jsonl"
+
+    @staticmethod
+    def _append_jsonl(path: Path, line: dict) -> None:
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:
+            logger.warning("cannot write %s: %s", path.name, e)
+
     def _load_applied(self) -> None:
         path = self.data_dir / "applied.json"
         try:
@@ -156,19 +492,15 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TrainError(f"{path} is damaged ({e}): move it away only if this peer never trains again "
                              "in the same swarm") from None
-        self._applied[run] = (term, epoch)
         self.election.applied(term, epoch)
+        alloc = None
         body = d.get("allocation")
         if isinstance(body, str):
             try:
                 alloc = Allocation.decode(bytes.fromhex(body))
             except (ValueError, ProtocolError) as e:
                 raise TrainError(f"{path} holds a damaged allocation ({e})") from None
-            if alloc.run_id == run and alloc.term_epoch == (term, epoch):
-                # The run this peer was part of: a restarted peer that is elected coordinator
-                # takes it over from here (it holds no stage: the others' run states decide).
-                self._run = _Run(alloc, None, None, None)
-                self._run.done.set()
+        self.epoch.restore(run, term, epoch, alloc)
 
     def _save_applied(self, alloc: Allocation) -> None:
         path = self.data_dir / "applied.json"
@@ -179,6 +511,21 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+
+    def checkpoint_root(self, run_id: bytes) -> Path:
+        """Where this peer saves its checkpoints of run `run_id`: one folder per run, so a run
+        never takes another run's checkpoint of the same layers and step for its own."""
+        return self.data_dir / "checkpoints" / run_id.hex()
+
+    def checkpoints(self, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
+        """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
+        if run_id is None:
+            return ()
+        steps: dict[tuple[int, int], list[int]] = {}
+        for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
+            steps.setdefault((a, b), []).append(step)
+        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
+        return tuple(out[-MAX_CHECKPOINTS_LISTED:])
 
     # ---- corpus -------------------------------------------------------------------------------
 
@@ -191,112 +538,472 @@ class ControlPlane(PeerRole, HolderRole, CoordinatorRole, ReconfigureRole):
                 raise TrainError(str(e)) from None
         return self._corpora[key]
 
+    # ---- message handlers ---------------------------------------------------------------------
+
+    async def _on_allocation(self, conn, msg_type, body, payload) -> dict:
+        return await self._accept_signed(body, sender=conn.short_id)
+
+    async def _accept_signed(self, body, sender: str = "itself") -> dict:
+        try:
+            alloc = SignedAllocation.from_wire(body).open()
+        except ProtocolError as e:
+            logger.warning("refused an allocation from %s: %s", sender, e)
+            return {"accepted": False, "code": "bad-allocation", "reason": str(e)}
+        return await self.accept(alloc)
+
+    def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
+        corpus = corpus or self._corpora.get(self.config.data_path)
+        assert corpus is not None
+        live = frozenset(self.gossip.live_peers()) | {self.me}
+        return AcceptContext(me=self.me, live=live, known_presets=PRESETS, data_hash=corpus.fingerprint,
+                             data_name=corpus.name, known=frozenset(m.peer_id for m in self.gossip.members()))
+
+    async def accept(self, alloc: Allocation) -> dict:
+        """Check, get the stage, connect the neighbours; the answer goes to the coordinator."""
+        corpus = await self.corpus()
+        key = self._key("allocation")
+        reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus)))
+        answer = dict(reply.value)
+        if not answer.get("accepted"):
+            logger.warning("refused allocation term %d epoch %d from %s: %s", alloc.term, alloc.epoch,
+                           short_id(alloc.issuer), answer.get("reason"))
+        return answer
+
+    async def _on_start(self, conn, msg_type, body, payload) -> dict:
+        return await self._start_asked(conn.peer_id, body)
+
+    async def _start_asked(self, sender: bytes, body) -> dict:
+        if not isinstance(body, dict):
+            raise ProtocolError("START body must be a map")
+        key = self._key("start")
+        return self._ask_now(key, StartAsked(key, sender, body.get("run"), body.get("epoch")))
+
+    async def _on_stop(self, conn, msg_type, body, payload) -> dict:
+        return await self._stop_asked(conn.peer_id, body)
+
+    async def _stop_asked(self, sender: bytes, body) -> dict:
+        if not isinstance(body, dict):
+            raise ProtocolError("STOP body must be a map")
+        cur = self.epoch.current
+        if cur is not None and body.get("run") == cur.run_id:
+            at = body.get("at_step")
+            if not isinstance(at, int) or isinstance(at, bool) or at < 0:
+                raise ProtocolError("STOP at_step must be a non-negative integer")
+        else:
+            at = 0
+        key = self._key("stop")
+        ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
+                       abort=body.get("abort") is True)
+        return self._ask_now(key, ev)
+
+    async def _on_step(self, conn, msg_type, body, payload) -> None:
+        if not isinstance(body, dict):
+            raise ProtocolError("STEP body must be a map")
+        self._step_message(conn.peer_id, body)
+
+    def _on_local_step(self, body: dict) -> None:
+        self._step_message(self.me, body)
+
+    def _step_message(self, sender: bytes, body: dict) -> None:
+        if "failed" in body:
+            reason = body.get("failed")
+            if not isinstance(reason, str):
+                raise ProtocolError("STEP failed must be a string")
+            self._feed_coordinator(StepFailed(sender, body.get("run"), body.get("epoch"), reason))
+            return
+        self._feed_coordinator(StepReported(sender, body.get("run"), StepReport.from_wire(body)))
+
+    async def _on_run_state(self, conn, msg_type, body, payload) -> dict:
+        return await self._run_state_asked(conn.peer_id, body)
+
+    async def _run_state_asked(self, sender: bytes, body) -> dict:
+        d = get_dict(body, "RUN_STATE")
+        op = get_str(d, "op", 16)
+        if op == "query":
+            return self.run_state().to_wire()
+        if op != "offer":
+            raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
+        run_id = get_bytes(d, "run", 16, 16)
+        step = get_int(d, "step", 0, 2**63 - 1)
+        layers = d.get("layers")
+        if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
+            raise ProtocolError("RUN_STATE: layers must be [first, end]")
+        if sender != self.election.coordinator and sender != self.me:
+            return {"error": "only the coordinator asks for offers"}
+        return await self.offer(run_id, step, (layers[0], layers[1]))
+
+    def run_state(self) -> PeerRunState:
+        cur = self.epoch.current
+        return self.epoch.run_state(self.checkpoints(cur.run_id if cur is not None else None))
+
+    # ---- the stages this peer holds -----------------------------------------------------------
+
+    def _state_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | None:
+        """This peer's stage of `layers` at `step`: its stage, its one-step-back snapshot, or a
+        checkpoint. Only once its worker stopped."""
+        held = self.epoch.held_at(run_id, layers, step)
+        if held is not None:
+            where, epoch = held
+            stage = self._stages.get(epoch)
+            if stage is not None:
+                if where == "stage" and stage.state.step == step:
+                    return stage.state
+                if where == "snapshot" and stage.runner is not None and stage.runner.snapshot_step == step:
+                    return stage.runner.snapshot_state()
+        path = checkpoint_at(self.checkpoint_root(run_id), layers, step)
+        return load_checkpoint(path) if path is not None else None
+
+    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int]) -> dict:
+        try:
+            state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
+        except CheckpointError as e:
+            return {"error": f"checkpoint unreadable: {e}"}
+        if state is None:
+            return {"error": f"layers {layers} at step {step} are not held here"}
+        offer = await self.recovery.offer(run_id, state)
+        self._offered = {k: v for k, v in self._offered.items() if k[0] == run_id and k[1] >= step - 1}
+        self._offered[(run_id, step, tuple(layers))] = (offer.digest, state)
+        return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
+
+    def _offered_state(self, run_id: bytes, step: int, layers: tuple[int, int], digest: str) -> StageState | None:
+        found = self._offered.get((run_id, step, tuple(layers)))
+        if found is None or found[0] != digest or found[1].step != step:  # a stage trained on since
+            return None
+        return found[1]
+
+    async def _own_copy(self, alloc: Allocation, h: Holding) -> StageState | None:
+        """This peer's copy of a holding, if its digest is the allocation's."""
+        state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
+        if state is None:
+            await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
+            state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
+        return state
+
+    # ---- building and running this peer's stage -----------------------------------------------
+
+    async def _build_stage(self, a: BuildStage) -> None:
+        """Build the stage of an applied allocation, serve its comm, connect the neighbours and
+        make its runner; then tell the epoch machine."""
+        alloc = a.alloc
+        t_fetch = trio.current_time()
+        try:
+            state, fetched = await self._stage_for(alloc)
+        except (RecoveryError, CheckpointError, ValueError, OSError) as e:
+            logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)
+            await self._feed_epoch(BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}"))
+            return
+        plan = alloc.plan()
+        rules = MessageRules.for_peer(plan, alloc.model, alloc.train, self.me,
+                                      [tuple(p.shape) for p in state.params.values()])
+        comm = TransportComm(self.transport, rules, run=alloc.run_id, router=self.router, config=self.config.comm)
+        members = {m.peer_id: m for m in self.gossip.members()}
+        addresses = {p: members[p].address for p in rules.peers if p in members}
+        stage = _Stage(alloc, state, comm)
+        self._stages = {e: s for e, s in self._stages.items() if self._is_prev(e)}
+        self._stages[alloc.epoch] = stage
+        t_connect = trio.current_time()
+        assert self._nursery is not None
+        await self._nursery.start(self._serve_stage, stage)
+        try:
+            await comm.connect(addresses, self.config.accept_timeout_s / 2)
+        except (CommError, OSError, ConnectionClosed, RequestTimeout, ProtocolError, trio.TooSlowError) as e:
+            self._abort_stage(f"could not connect the neighbours: {e}")
+            await self._feed_epoch(BuildFailed(a.key, alloc.epoch, "connect-failed", f"{short_id(self.me)}: {e}"))
+            return
+        token = trio.lowlevel.current_trio_token()
+        stage.runner = StageRunner(state, plan, self.me, comm, await self.corpus(), end_step=alloc.end_step,
+                                   checkpoint_every=alloc.checkpoint_every,
+                                   checkpoint_dir=self.checkpoint_root(alloc.run_id),
+                                   torch_threads=self.config.torch_threads,
+                                   on_step=lambda rep: token.run_sync_soon(self._step_done, rep))
+        d, s = alloc.position(self.me)
+        logger.info("accepted term %d epoch %d: stage %d of pipeline %d, layers %s, steps %d..%d%s", alloc.term,
+                    alloc.epoch, s, d, alloc.layer_ranges[s], alloc.start_step, alloc.end_step - 1,
+                    f", {fetched} bytes fetched" if fetched else "")
+        await self._feed_epoch(StageBuilt(a.key, alloc.epoch, state.step, fetched,
+                                          (t_connect - t_fetch) if fetched else 0.0))
+
+    def _is_prev(self, epoch: int) -> bool:
+        prev = self.epoch.prev
+        return prev is not None and prev.alloc.epoch == epoch
+
+    def _step_done(self, rep: StepReport) -> None:
+        self._feed_epoch_now(StepDone(rep))
+
+    async def _stage_for(self, alloc: Allocation) -> tuple[StageState, int]:
+        """This peer's stage of `alloc` at its start step, and the bytes fetched for it."""
+        s = alloc.position(self.me)[1]
+        layers = alloc.layer_ranges[s]
+        if not alloc.holdings:
+            if alloc.start_step > 0:
+                raise ValueError(f"starting at step {alloc.start_step} needs the stage's weights and the "
+                                 "allocation names no holders")
+            return await trio.to_thread.run_sync(lambda: StageState(alloc.model, alloc.train, layers)), 0
+        own = {h.layer_range: h for h in alloc.holdings}.get(layers)
+        if own is not None and self.me in own.holders:
+            state = await self._own_copy(alloc, own)
+            if state is not None:
+                return state, 0
+        old_ranges = [h.layer_range for h in alloc.holdings]
+        parts: list = []
+        fetched, optim_step = 0, None
+        for i in needed_stages(old_ranges, layers):
+            h = alloc.holdings[i]
+            local = await self._own_copy(alloc, h) if self.me in h.holders else None
+            if local is not None:
+                parts.append(stage_tensors(local))
+                optim_step = local.optim.step_count
+                continue
+            sources = [(p, self._address_of(p)) for p in h.holders if p != self.me]
+            result = await fetch_stage(self.transport, sources, run_id=alloc.run_id, step=alloc.start_step,
+                                       layer_range=h.layer_range, digest=h.digest, max_total_bytes=MAX_STAGE_BYTES,
+                                       timeout_s=self.config.request_timeout_s)
+            fetched += result.bytes
+            parts.append(result.receiver)
+            optim_step = int(result.receiver.manifest.meta["optim_step"])
+            logger.info("fetched layers %s at step %d: %d bytes in %.2f s from %s", h.layer_range,
+                        alloc.start_step, result.bytes, result.seconds,
+                        ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
+        state = await trio.to_thread.run_sync(lambda: assemble_stage(
+            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0))
+        return state, fetched
+
+    async def _serve_stage(self, stage: _Stage, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the epoch's comm tasks and, once started, its runner thread."""
+        try:
+            with stage.cancel:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(stage.comm.run)
+                    task_status.started()
+                    await stage.started.wait()
+                    assert stage.runner is not None
+                    end = await stage.runner.run()
+                    self._log_end(stage.alloc, end)
+                    self._feed_epoch_now(RunnerEnded(stage.alloc.epoch, end, time.time()))
+                    nursery.cancel_scope.cancel()
+        finally:
+            stage.comm.close()
+            stage.done.set()
+            self.epoch.handle(EpochDone(stage.alloc.epoch), trio.current_time())
+
+    @staticmethod
+    def _log_end(alloc: Allocation, end: RunEnd) -> None:
+        if end.failed:
+            logger.error("training stopped at epoch %d: %s; last completed step %d", alloc.epoch, end.reason,
+                         end.completed)
+        else:
+            logger.info("training %s at epoch %d after step %d", end.reason, alloc.epoch, end.completed)
+
+    def _current_stage(self) -> _Stage | None:
+        cur = self.epoch.current
+        return self._stages.get(cur.epoch) if cur is not None else None
+
+    def _abort_stage(self, reason: str, epoch: int | None = None) -> None:
+        """Abort this peer's current step, or epoch `epoch`'s (a runner not started yet is
+        cancelled)."""
+        stage = self._current_stage() if epoch is None else self._stages.get(epoch)
+        if stage is None:
+            return
+        stage.comm.abort(reason)
+        if stage.runner is None or not stage.started.is_set():
+            stage.cancel.cancel()
+
+    async def _end_stage(self, epoch: int, reason: str) -> None:
+        """End this peer's epoch `epoch` and wait until its worker let go of the stage."""
+        stage = self._stages.get(epoch)
+        if stage is None or stage.done.is_set():
+            return
+        self._abort_stage(reason, epoch)
+        with trio.move_on_after(self.config.stop_timeout_s):
+            await stage.done.wait()
+        if not stage.done.is_set():
+            raise TrainError(f"the stage worker did not stop within {self.config.stop_timeout_s:g} s")
+
     # ---- membership and election events -------------------------------------------------------
 
     def _on_member_change(self, member: Member) -> None:
-        run = self._run
-        if run is None:
+        cur = self.epoch.current
+        if cur is None:
             return
-        named = set(run.alloc.peers) | set(run.alloc.spares)
-        if member.state.gone and member.peer_id in run.alloc.peers:
+        named = set(cur.peers) | set(cur.spares)
+        if member.state.gone and member.peer_id in cur.peers:
             why = f"peer {member.short_id} is {member.state.name.lower()}"
-            if run.comm is not None:
-                run.comm.fail(member.peer_id, why)
-            if not run.started.is_set() and run.runner is not None:
-                self._abort_run(why)
-            self._trigger(why)
+            self._feed_epoch_now(MemberGone(member.peer_id, why))
+            self._feed_coordinator(Trigger(why))
         elif not member.state.gone and member.peer_id not in named:
-            self._wake.set()  # a joined or returned peer: the coordinator's next check looks at it
+            self._feed_coordinator(Wake())  # a joined or returned peer: the coordinator looks at it
 
     def _on_election_event(self, event) -> None:
         if isinstance(event, BecameCoordinator):
-            self._event("coordinator", term=event.term, trigger="elected")
-            run = self._run
-            if run is not None and not self._run_over(run) and (run.alloc.issuer != self.me or self._issued is None):
-                self._trigger(f"coordinator changed (term {event.term})")
+            self._feed_coordinator(Elected(event.term))
         elif isinstance(event, SteppedDown):
-            self._event("stepped-down", term=event.term, trigger=event.reason)
+            self._feed_coordinator(SteppedDownEvent(event.term, event.reason))
 
-    async def _watch_coordinator(self) -> None:
-        """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops
-        training, discarding the step in progress: a minority side does not train on without a
-        coordinator. A grace (`coordinator_lost_after_s`, three election timeouts) keeps a slow
-        heartbeat from stopping a healthy run."""
-        grace_s = self.config.coordinator_lost_after_s
-        lost_since = None
-        while True:
-            await trio.sleep(self.config.coordinator_check_s)
-            run = self._run
-            if run is None or not run.active or not run.started.is_set() or run.runner is None:
-                lost_since = None
-                continue
-            issuer = run.alloc.issuer
-            if (self.election.is_coordinator and issuer == self.me) or (
-                    self.election.role == "follower" and self.election.coordinator == issuer):
-                lost_since = None
-                continue
-            now = trio.current_time()
-            lost_since = now if lost_since is None else lost_since
-            if now - lost_since >= grace_s:
-                logger.warning("the coordinator of epoch %d (%s) is gone for %.0f s: this peer stops training",
-                               run.alloc.epoch, short_id(issuer), now - lost_since)
-                self._abort_run(f"the coordinator of epoch {run.alloc.epoch} is gone")  # the step changes nothing
-                lost_since = None
+    # ---- operator operations ------------------------------------------------------------------
+
+    async def _operator(self, event_type, *args) -> Any:
+        key = self._key("op")
+        pending = self._pending[key] = _Pending(trio.Event())
+        try:
+            self._feed_coordinator(event_type(key, *args))
+            await pending.event.wait()
+        finally:
+            self._pending.pop(key, None)
+        reply = pending.reply
+        assert reply is not None
+        if reply.error is not None:
+            raise TrainError(reply.error)
+        return reply.value
+
+    async def start_training(self, req: TrainRequest, *, forwarded: bool = False, args: dict | None = None) -> dict:
+        """Wait for `req.min_peers` live, measured peers; stand for coordinator if there is none;
+        the coordinator schedules on the gossiped view, hands the allocation out and starts every
+        peer."""
+        if not forwarded:  # (a forwarding peer has waited)
+            await self._await_swarm(req)
+        coordinator = self.me if forwarded else await self._become_coordinator()
+        if coordinator is None:
+            raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
+                             "is a majority of the swarm reachable?")
+        if coordinator != self.me:
+            return await self._forward(coordinator, "start", args if args is not None else req.to_args())
+        corpus = await self.corpus(req.data_path)
+        spec = get_preset(req.preset)
+        cfg = req.train or TrainConfig(seed=req.seed)
+        view = self.gossip.view()
+        regions = {m.peer_id: m.region for m in self.gossip.members() if not m.state.gone}
+        if req.stages is not None and req.dp is None:
+            req = replace(req, dp=max(1, len(view.peers) // req.stages))
+        shape = await self._first_shape(req, spec, cfg, view, regions)
+        alloc = await self._operator(StartRun, secrets.token_bytes(16), shape, req.preset, spec, cfg,
+                                     corpus.fingerprint, corpus.name, req.steps, req.checkpoint_every)
+        return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,
+                "dp": alloc.dp, "coordinator": self.me.hex(),
+                "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
+                "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
+                "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
+                "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(self._log_path)}
+
+    async def _first_shape(self, req: TrainRequest, spec, cfg: TrainConfig, view, regions) -> Placement:
+        """The new run's shape: the scheduler's on the gossiped view, or (`--placement random`)
+        a random one of the given stages x dp."""
+        try:
+            if req.placement == "random":
+                return random_shape(view, spec, cfg, stages=req.stages, dp=req.dp, seed=req.seed)
+            return await trio.to_thread.run_sync(lambda: choose_shape(
+                view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,
+                time_budget_s=self.config.schedule_time_s, seed=req.seed))
+        except ValueError as e:
+            raise TrainError(f"cannot schedule: {e}") from None
+
+    async def _await_swarm(self, req: TrainRequest) -> None:
+        """Return once `req.min_peers` peers (this one included) are live and their links measured,
+        so the first configuration is the swarm the operator expects; TrainError after
+        `req.wait_s`. The count is in `status()` while it waits."""
+        deadline = trio.current_time() + req.wait_s
+        said = -1
+        swarm = GossipSwarm(self.gossip, self.me)
+        try:
+            while True:
+                live = set(self.gossip.live_peers()) | {self.me}
+                view, _ = swarm.measured_view(live)
+                have = len(view.peers)
+                self._swarm_wait = {"have": have, "want": req.min_peers, "live": len(live)}
+                if have >= req.min_peers:
+                    return
+                if have != said:
+                    logger.info("train start waits for %d peers: %d live, %d of them measured",
+                                req.min_peers, len(live), have)
+                    said = have
+                left = deadline - trio.current_time()
+                if left <= 0:
+                    raise TrainError(f"only {have} of the {req.min_peers} peers asked for (--min-peers) are "
+                                     f"live and measured after {req.wait_s:g} s ({len(live)} live): "
+                                     "are the others started, with this swarm's bootstrap address?")
+                await trio.sleep(min(self.config.swarm_poll_s, left))
+        finally:
+            self._swarm_wait = None
+
+    async def _become_coordinator(self) -> bytes | None:
+        """Make sure there is a coordinator, standing if there is none; returns it (None: none)."""
+        if self.election.is_coordinator:
+            return self.me
+        if self.election.coordinator is not None:
+            return self.election.coordinator
+        if self.me not in self.election.voters:
+            self.election.set_voters(tuple(sorted(set(self.gossip.live_peers()) | {self.me})))
+        self.election.campaign()
+        await self.election.wait_for_coordinator(self.config.elect_timeout_s)
+        return self.election.coordinator
+
+    async def stop_training(self) -> dict:
+        """`train stop` on any peer of the run: every peer ends before the same step, and the run
+        is over (nobody reconfigures it)."""
+        cur = self.epoch.current
+        if cur is None or self.coordinator_run_over():
+            raise TrainError("no training run is in progress on this peer")
+        at = self.epoch.stop_boundary(self.coordinator.logged_completed(cur.run_id))
+        self.epoch.mark_stopped(cur.run_id)
+        told = set(cur.peers) | {cur.issuer}
+        if self.election.coordinator is not None:
+            told.add(self.election.coordinator)
+        answers = await self._ask_all(sorted(told), ControlMsg.STOP,
+                                      {"run": cur.run_id, "at_step": at, "final": True},
+                                      self.config.request_timeout_s)
+        return {"at_step": at, "told": sum(1 for a in answers.values() if a.get("stopped"))}
+
+    def coordinator_run_over(self) -> bool:
+        st = self.coordinator.status()
+        cur = self.epoch.current
+        finished = cur is not None and st.run_id == cur.run_id and st.phase.value == "finished"
+        return self.epoch.run_over() or finished
+
+    async def reschedule(self, *, forwarded: bool = False) -> dict:
+        """`dtfm-peer train reschedule`: a new allocation now, on the coordinator."""
+        if not self.election.is_coordinator:
+            c = self.election.coordinator
+            if c is None or forwarded:
+                raise TrainError("no coordinator is known: is training running?")
+            return await self._forward(c, "reschedule", {})
+        if self.epoch.current is None or self.coordinator_run_over():
+            raise TrainError("no training run is in progress")
+        return await self._operator(Reschedule)
+
+    async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
+        d = get_dict(body, "TRAIN_OP")
+        op = get_str(d, "op", 16)
+        args = get_dict(d.get("args", {}), "TRAIN_OP args")
+        if not self.election.is_coordinator:
+            c = self.election.coordinator
+            return {"error": f"this peer is not the coordinator ({short_id(c) if c else 'none known'})"}
+        try:
+            if op == "start":
+                return {"ok": await self.start_training(TrainRequest.from_args(args), forwarded=True)}
+            if op == "reschedule":
+                return {"ok": await self.reschedule(forwarded=True)}
+        except TrainError as e:
+            return {"error": str(e)}
+        raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
+
+    async def _forward(self, coordinator: bytes, op: str, args: dict) -> dict:
+        answers = await self._ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "args": args},
+                                      self.config.forward_timeout_s)
+        a = answers[coordinator]
+        if "ok" in a and isinstance(a["ok"], dict):
+            return a["ok"]
+        raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
 
     # ---- status -------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"state": "idle"}
-        el = self.election.status()
-        out["election"] = el
-        out["role"] = el["role"]
-        out["term"] = el["term"]
-        out["coordinator"] = el["coordinator"]
-        run = self._run
-        if run is not None:
-            a = run.alloc
-            out.update({"run_id": a.run_id.hex(), "epoch": a.epoch, "issuer": a.issuer.hex(),
-                        "preset": a.preset, "stages": a.stages, "dp": a.dp, "end_step": a.end_step,
-                        "start_step": a.start_step, "predicted_iteration_s": a.predicted_iteration_s,
-                        "epoch_reason": a.reason})
-            if self.me in a.peers:
-                d, s = a.position(self.me)
-                pipe = a.pipelines[d]
-                out.update({"stage": s, "pipeline": d, "layers": list(a.layer_ranges[s]),
-                            "prev": pipe[s - 1].hex() if s > 0 else None,
-                            "next": pipe[s + 1].hex() if s + 1 < a.stages else None,
-                            "dp_group": [p[s].hex() for p in a.pipelines], "fetched_bytes": run.fetched_bytes})
-            elif not self.election.is_coordinator:
-                out["role"] = "spare"
-            if run.end is not None:
-                out["state"] = "stopped" if run.end.failed else run.end.reason
-            elif run.runner is None and self.me not in a.peers:
-                out["state"] = "spare"
-            elif run.state is None:
-                out["state"] = "waiting"  # restarted: holds no stage until the coordinator places it
-            elif run.started.is_set():
-                out["state"] = "training"
-            else:
-                out["state"] = "accepted"
-            if run.state is not None:
-                out["step"] = run.state.step - 1  # last completed
-            last = run.runner.last if run.runner is not None else None
-            if last is not None:
-                out["last_step"] = {"step": last.step, "loss": last.loss, "iteration_s": last.iteration_s,
-                                    "compute_s": last.compute_s, "pipeline_s": last.pipeline_s,
-                                    "sync_s": last.sync_s}
-        if self._last_end is not None:
-            out["last_end"] = self._last_end
-        if self._last_reconfig is not None:
-            out["last_reconfig"] = self._last_reconfig
-        issued = self._issued
-        if issued is not None:
-            out["issued"] = {"run_id": issued.alloc.run_id.hex(), "state": issued.state, "reason": issued.reason,
-                             "completed": issued.completed, "end_step": issued.alloc.end_step,
-                             "log": str(issued.log_path), "recent": issued.recent[-8:],
-                             "started_at": issued.started_at, "epoch": issued.alloc.epoch}
-        if self._swarm_wait is not None:
-            out["waiting_for_peers"] = dict(self._swarm_wait)
-        out["pid"] = os.getpid()
-        return out
+        from .status import plane_status
+        return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
+                            self.coordinator.status(), self._log_path, self._swarm_wait).to_wire()
+
+
+def _now_or_zero() -> float:
+    try:
+        return trio.current_time()
+    except RuntimeError:
+        return 0.0
 

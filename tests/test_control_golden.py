@@ -17,11 +17,9 @@ recomputes and compares line by line:
   jumps, allocations handed out and applied through `may_apply` / `applied` / `set_voters`),
   every message through the wire codec. It depends on the election alone and stays valid when
   the simulation and its training model are replaced.
-- election_sim.txt: `ElectionSim` (control/election_sim.py) with election moves only, and
-  election_sim_training.txt: `ElectionSim` with its hand-written training model
-  (control/election_sim_train.py). The second is expected to be re-recorded when that model is
-  replaced by the daemon's machines; the first as long as the simulation draws its randomness
-  the same way.
+- election_sim.txt: `ElectionSim` (control/election/sim.py) with election moves only, valid as
+  long as the simulation draws its randomness the same way. (The simulation with the plane's
+  machines on top is tested by tests/test_plane_sim.py.)
 
 Re-record (after a change that is meant to change them, and say why in the commit):
 
@@ -639,24 +637,17 @@ def _sim_state(sim) -> str:
     return ", ".join(parts)
 
 
-def _sim_lines(sim, training: bool) -> list[str]:
+def _sim_lines(sim) -> list[str]:
     out = [f"  wins (time, node, term): {[(f'{t:.6f}', k, term) for t, k, term in sim.wins]}",
            f"  step downs (time, node, term, standing again): "
            f"{[(f'{t:.6f}', k, term, d.standing_again) for t, k, term, d in sim.step_downs]}",
            f"  votes (node, term) -> node: "
            f"{sorted((k, term, sim.index[v]) for (k, term), v in sim.votes.items())}",
-           f"  applications (node, (term, epoch), recognised, its term): "
-           f"{[(k, te, None if r is None else sim.index[r], t) for k, te, r, t in sim.applications]}",
-           f"  sent {sim.sent} refused {sim.refused} violations {sim.violations}"]
-    if training:
-        log = [(x["step"], x["term"], x["epoch"], x["holder"], x["backfilled"], x["trained"]) for x in sim.train_log]
-        out += [f"  train log (step, term, epoch, holder, backfilled, trained in): {log}",
-                f"  stopped {sim.stopped} rollbacks {sim.rollbacks}",
-                f"  merged steps {sorted(sim.merged_log())}"]
+           f"  sent {sim.sent} violations {sim.violations}"]
     return out
 
 
-def _sim_run(title: str, sim, moves, training: bool) -> list[str]:
+def _sim_run(title: str, sim, moves) -> list[str]:
     out = [f"== {title}"]
     for what, *args in moves:
         coords = sim.coordinators()
@@ -667,19 +658,10 @@ def _sim_run(title: str, sim, moves, training: bool) -> list[str]:
             sim.run_for(args[0])
         elif what == "network":
             sim.net = _internal()[1](**args[0])
-        elif what in ("start_training", "reconfigure") and c is None:
-            got = "no coordinator"
-        elif what == "start_training":
-            a = sim.start_training(c, stages=args[1])
-            got = None if a is None else f"{a.key} peers {a.peers} ranges {a.layer_ranges}"
-        elif what == "reconfigure":
-            got = sim.reconfigure(c, stages=args[1])
-        elif what == "train":
-            got = sim.train(args[0], split=[c] if len(args) > 1 and args[1] == "split" else ())
         else:
             getattr(sim, what)(*args)
         out.append(f"  {sim.now:10.6f} {what} {args}{' -> ' + str(got) if got != '' else ''}: {_sim_state(sim)}")
-    return out + ["-- at the end:", *_sim_lines(sim, training), ""]
+    return out + ["-- at the end:", *_sim_lines(sim), ""]
 
 
 SIM_ELECTION = [
@@ -698,31 +680,6 @@ SIM_ELECTION = [
      [("run", 2.0), ("partition", [0, 0, 1, 1]), ("run", 3.0), ("heal",), ("run", 3.0)]),
 ]
 
-SIM_TRAINING = [
-    ("4 nodes, 2 stages, seed 3: train, one step apart, reconfigure, a follower crashes, reconfigure, "
-     "the coordinator crashes",
-     dict(n=4, config=TEST_ELECTION, seed=3, codec=False, conditions={"jitter": 1.0}, lose_reports=True),
-     [("run", 2.0), ("start_training", "coord", 2), ("run", 0.5), ("train", 3), ("run", 0.5), ("train", 1, "split"),
-      ("reconfigure", "coord", 2), ("run", 0.5), ("train", 2), ("run", 0.5), ("crash", 3), ("train", 1),
-      ("reconfigure", "coord", 2), ("run", 0.5), ("train", 3), ("run", 0.5), ("crash", "coord"), ("run", 1.0),
-      ("reconfigure", "coord", 2)]),
-    ("5 nodes, 1 stage, one voter change, seed 21: lossy reports, the coordinator crashes and returns",
-     dict(n=5, config=TEST_ELECTION, seed=21, codec=True, conditions={"jitter": 1.0}, lose_reports=True,
-          one_voter_change=True),
-     [("run", 2.0), ("start_training", "coord", 1), ("run", 0.5), ("train", 2), ("run", 0.3),
-      ("network", dict(jitter=1.0, drop_fraction=0.5)), ("train", 2), ("run", 0.3),
-      ("network", dict(jitter=1.0)), ("crash", "coord"), ("run", 2.0), ("reconfigure", "coord", 1),
-      ("restart", 0), ("restart", 1), ("restart", 2), ("restart", 3), ("restart", 4), ("run", 2.0),
-      ("reconfigure", "coord", 2), ("run", 0.5), ("train", 3), ("run", 0.5)]),
-    ("6 nodes, 2 stages, seed 5: 4 | 2 partition during training, heal, reconfigure",
-     dict(n=6, config=TEST_ELECTION, seed=5, codec=False, conditions={"jitter": 1.0}),
-     [("run", 2.0), ("start_training", "coord", 2), ("run", 0.5), ("train", 2), ("run", 0.5),
-      ("partition", [0, 0, 0, 0, 1, 1]), ("train", 1), ("run", 3.0), ("reconfigure", "coord", 2), ("run", 0.5),
-      ("train", 2), ("run", 0.5),
-      ("heal",), ("run", 3.0), ("reconfigure", "coord", 2), ("run", 0.5), ("train", 2), ("run", 0.5)]),
-]
-
-
 def _sim(kw: dict):
     ElectionSim, NetConditions = _internal()
     kw = dict(kw)
@@ -733,20 +690,11 @@ def _sim(kw: dict):
 
 
 def golden_election_sim() -> str:
-    out = ["# ElectionSim (control/election_sim.py), election moves only: the state after each move",
-           "# (nK role term cCoordinator), then the wins, step-downs, votes and applications.",
+    out = ["# ElectionSim (control/election/sim.py), election moves only: the state after each move",
+           "# (nK role term cCoordinator), then the wins, step-downs and votes.",
            "# Valid as long as the simulation draws its randomness as it does today.", ""]
     for title, kw, moves in SIM_ELECTION:
-        out += _sim_run(title, _sim(kw), moves, training=False)
-    return "\n".join(out)
-
-
-def golden_election_sim_training() -> str:
-    out = ["# ElectionSim with its hand-written training model (control/election_sim_train.py).",
-           "# EXPECTED TO BE RE-RECORDED when that model is replaced by the daemon's machines (issue 17);",
-           "# until then it pins the model's behaviour.", ""]
-    for title, kw, moves in SIM_TRAINING:
-        out += _sim_run(title, _sim(kw), moves, training=True)
+        out += _sim_run(title, _sim(kw), moves)
     return "\n".join(out)
 
 
@@ -758,7 +706,6 @@ GOLDEN: dict[str, Callable[[], str]] = {
     "reshape": golden_reshape,
     "election": golden_election,
     "election_sim": golden_election_sim,
-    "election_sim_training": golden_election_sim_training,
 }
 
 

@@ -34,6 +34,7 @@ from dtfm.control.election import (
     decode_election,
 )
 from dtfm.control.election.sim import ElectionSim, NetConditions, returning_peer, takeover_times
+from dtfm.control.sim import PlaneSim
 from dtfm.net import ProtocolError, pack, unpack_untrusted
 
 A, B, C, D, E = (bytes([i]) * 32 for i in range(1, 6))
@@ -466,7 +467,8 @@ def test_a_restarted_node_keeps_its_vote():
 
 
 class ElectionMachine(SimFaults):
-    """Five or so nodes on a simulated network, under every move the network can make."""
+    """Five or so nodes on a simulated network, under every move the network can make, handing
+    out allocations that every node's epoch machine accepts or refuses."""
 
     def __init__(self):
         super().__init__()
@@ -475,7 +477,7 @@ class ElectionMachine(SimFaults):
     @initialize(n=st.integers(3, 6), seed=st.integers(0, 2**32), pre_vote=st.booleans())
     def start(self, n, seed, pre_vote):
         cfg = CFG if pre_vote else PLAIN
-        self.sim = ElectionSim(n, cfg, seed=seed, conditions=NetConditions(jitter=1.0))
+        self.sim = PlaneSim(n, cfg, seed=seed, conditions=NetConditions(jitter=1.0))
         self.sim.run_for(2.0)  # the first coordinator
         self.applied_before = [(0, 0)] * n
 
@@ -526,7 +528,7 @@ TestElectionMachine.settings = settings(max_examples=30, stateful_step_count=25,
 
 
 def test_the_simulation_elects_applies_and_its_checks_fire():
-    sim = ElectionSim(5, CFG, seed=1)
+    sim = PlaneSim(5, CFG, seed=1)
     sim.run_for(3.0)
     [c] = sim.coordinators()
     term = sim.nodes[c].term

@@ -15,8 +15,8 @@ Actions run in order, as a driver must run them, and the simulation checks as th
 - a node applies only allocations of the coordinator elected in that term, and its applied
   (term, epoch) only grows.
 
-The nodes also run a model of the training (allocations, steps, STEP reports, reconfiguration):
-`SimTraining` in control/election_sim_train.py, mixed into `ElectionSim`. The figures of
+The control plane's machines run on top of it in `PlaneSim` (control/sim.py), through the
+hooks `_booted`, `_election_event`, `_on_message` and `_dispatch`. The figures of
 bench/election.py (`takeover_times`, `returning_peer`) are at the end of this module.
 
 Violations are collected in `violations` (the tests assert it stays empty). Same seed, same
@@ -25,7 +25,6 @@ run: all randomness comes from one `random.Random`.
 
 from __future__ import annotations
 
-import collections
 import heapq
 import itertools
 import math
@@ -36,8 +35,6 @@ from dataclasses import dataclass
 from dtfm.net import pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 
-from ..coordinator.runstate import MAX_REPORTS
-from ..election_sim_train import SimIssued, SimStage, SimTraining
 from .config import ElectionConfig
 from .messages import Vote, decode_election
 from .state import (
@@ -73,18 +70,17 @@ class NetConditions:
     delay_scale: float = 1.0
 
 
-class ElectionSim(SimTraining):
+class ElectionSim:
     def __init__(self, n: int, config: ElectionConfig, *, delays_s: Sequence[Sequence[float]] | None = None,
                  seed: int = 0, codec: bool = True, conditions: NetConditions | None = None,
-                 lose_reports: bool = True, one_voter_change: bool = False) -> None:
+                 lose_reports: bool = True, ids: Sequence[bytes] | None = None) -> None:
         self.config = config
-        self.one_voter_change = one_voter_change  # True: reconfigure adds or removes one voter at most
-        self.lose_reports = lose_reports  # False: drop_fraction spares STEP reports (a connection that stays up)
+        self.lose_reports = lose_reports  # False: drop_fraction spares the plane's messages (a connection that stays up)
         self.rng = random.Random(seed)
         self.codec = codec  # False: hand message objects over (faster); True: through the wire codec
         self.net = conditions or NetConditions()
         self.delays_s = [list(row) for row in delays_s] if delays_s is not None else [[0.01] * n for _ in range(n)]
-        self.ids = sorted(self.rng.randbytes(32) for _ in range(n))
+        self.ids = sorted(ids) if ids is not None else sorted(self.rng.randbytes(32) for _ in range(n))
         self.index = {p: k for k, p in enumerate(self.ids)}
         self.voters = tuple(self.ids)
         self.now = 0.0
@@ -100,19 +96,6 @@ class ElectionSim(SimTraining):
         self.step_downs: list[tuple[float, int, int, SteppedDown]] = []
         self.votes: dict[tuple[int, int], bytes] = {}  # (node, term) -> voted for
         self.stood_at: dict[tuple[int, int], float] = {}  # (node, term) -> when it stood
-        self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-        # (node, (term, epoch), the coordinator it recognised then, its term then), per application
-        self.applications: list[tuple[int, tuple[int, int], bytes | None, int]] = []
-        self.stages: list[SimStage | None] = [None] * n
-        self.step_reports: list[collections.deque] = [collections.deque(maxlen=MAX_REPORTS) for _ in range(n)]
-        self.issued: list[SimIssued | None] = [None] * n
-        self.logged: list[set[int]] = [set() for _ in range(n)]  # steps each node wrote (in memory)
-        # every line of every node's train.jsonl: step, term, epoch (as the daemon writes them),
-        # holder (whose file), backfilled, and `trained`: the (term, epoch) the step ran in
-        self.train_log: list[dict] = []
-        self.stopped: list[str] = []  # reasons the run stopped (ResumeError)
-        self.rollbacks: list[tuple[int, int, bool]] = []  # (resume step, last logged step, flagged by resume_point)
-        self.refused = 0
         self.sent = 0
         self.violations: list[str] = []
         self._heap: list = []
@@ -143,13 +126,10 @@ class ElectionSim(SimTraining):
     def live(self) -> list[int]:
         return [k for k, node in enumerate(self.nodes) if node is not None]
 
-    # ------------------------------------------------------------------ moves (training: SimTraining)
+    # ------------------------------------------------------------------ moves
 
     def crash(self, k: int) -> None:
         self.nodes[k] = None
-        self.stages[k] = self.issued[k] = None
-        self.step_reports[k].clear()
-        self.logged[k] = set()
 
     def restart(self, k: int) -> None:
         if self.nodes[k] is None:
@@ -189,20 +169,17 @@ class ElectionSim(SimTraining):
                 if t == self._tick_at[k]:
                     self._tick_at[k] = float("nan")
                     self._run(k, node.tick(self.local_now(k)))
-            elif kind == "retry":
-                self._offer(k, item[2], item[3])
-            else:
+            elif kind == "msg":
                 _, _, src, payload = item
                 if self.groups[src] != self.groups[k]:
                     continue
-                if type(payload) is tuple and payload[0] == "alloc":
-                    self._offer(k, payload[1], self.now + 2 * self.config.heartbeat_interval_s + 1.0)
-                    continue
-                if type(payload) is tuple:
-                    self._on_report(k, src, *payload[1:])
+                if type(payload) is tuple:  # the plane's messages (PlaneSim)
+                    self._on_message(k, src, payload)
                     continue
                 msg = decode_election(unpack_untrusted(payload, max_len=MAX_BODY_BYTES)) if self.codec else payload
                 self._run(k, node.handle(self.ids[src], msg, self.local_now(k)))
+            else:
+                self._dispatch(item)
         self.now = max(self.now, t_end)
 
     def run_for(self, dt_s: float) -> None:
@@ -216,6 +193,21 @@ class ElectionSim(SimTraining):
                                       term=term, voted_for=voted_for, voters=self.disk_voters[k],
                                       applied=self.disk_applied[k])
         self._schedule(k)
+        self._booted(k)
+
+    # ------------------------------------------------------------------ hooks (PlaneSim)
+
+    def _booted(self, k: int) -> None:
+        """Node k (re)started."""
+
+    def _election_event(self, k: int, action: BecameCoordinator | SteppedDown) -> None:
+        """Node k's election became coordinator or stepped down (after the checks)."""
+
+    def _on_message(self, k: int, src: int, payload: tuple) -> None:
+        raise AssertionError(f"no plane in this simulation: {payload[0]!r}")
+
+    def _dispatch(self, item: tuple) -> None:
+        raise AssertionError(f"unknown item {item[0]!r}")
 
     def _push(self, t: float, item) -> None:
         heapq.heappush(self._heap, (t, next(self._count), item))
@@ -235,7 +227,7 @@ class ElectionSim(SimTraining):
     def _transmit(self, src: int, dst: int, msg) -> None:
         self.sent += 1
         net = self.net
-        lossy = net.drop_fraction and (self.lose_reports or not (type(msg) is tuple and msg[0] == "step"))
+        lossy = net.drop_fraction and (self.lose_reports or type(msg) is not tuple)
         if lossy and self.rng.random() < net.drop_fraction:
             return
         copies = 2 if net.duplicate_fraction and self.rng.random() < net.duplicate_fraction else 1
@@ -267,8 +259,10 @@ class ElectionSim(SimTraining):
                 self._transmit(k, self.index[a.to], a.msg)
             elif isinstance(a, BecameCoordinator):
                 self._check_win(k, a.term)
+                self._election_event(k, a)
             elif isinstance(a, SteppedDown):
                 self.step_downs.append((self.now, k, a.term, a))
+                self._election_event(k, a)
             elif not isinstance(a, CoordinatorKnown):
                 self._violation(f"unknown action {a!r}")
         self._schedule(k)

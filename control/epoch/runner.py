@@ -9,7 +9,7 @@ ends the run with the reason. Checkpoints are written every `checkpoint_every` s
 Before each step the runner copies the stage (parameters and optimizer state); once the step
 completed, that copy is the snapshot, so a peer that completed a step some other stage did not
 can go back one step when the swarm resumes from the step before (see
-control/coordinator/runstate.py), even if it failed the step after. It costs two copies of the
+control/epoch/runstate.py), even if it failed the step after. It costs two copies of the
 stage in memory and one memory copy per step.
 """
 

@@ -1,0 +1,99 @@
+"""The vocabulary between the plane's machines and its shell (see docs/control.md).
+
+The machines (`EpochMachine`, `Coordinator`) decide by `handle(event, now) -> list[Action]`;
+they own no socket, clock, file or thread. The shell (control/plane.py) feeds them events and
+time and executes their actions in order. Requests the shell makes for a machine (`Ask`,
+`Compute`) come back as `Answers` and `Computed` events carrying the request's key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "Action", "Answers", "Ask", "Compute", "Computed", "Emit", "LogLine", "Reply", "ResetLog", "Send",
+]
+
+
+# ---- actions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Send request `msg` with `body` to every one of `peers` at once (this peer's own answer
+    comes from its own handlers) and feed back one `Answers(key, ...)` once all answered or
+    `timeout_s` passed; a peer that did not answer has `{"reason": why}`."""
+
+    key: tuple
+    peers: tuple[bytes, ...]
+    msg: int
+    body: dict
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Send:
+    """One-way message to `peer`, best effort."""
+
+    peer: bytes
+    msg: int
+    body: dict
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Run `fn` off the event loop (the scheduler: seconds of CPU) and feed back
+    `Computed(key, value)`, or `Computed(key, error=str(e))` when it raises ValueError."""
+
+    key: tuple
+    fn: Callable[[], Any] = field(compare=False)
+
+
+@dataclass(frozen=True)
+class LogLine:
+    """Append one line to the run's step log (`train.jsonl`); the shell stamps the wall time."""
+
+    line: dict
+
+
+@dataclass(frozen=True)
+class ResetLog:
+    """A new run starts: the step log starts empty."""
+
+
+@dataclass(frozen=True)
+class Emit:
+    """An event of the plane (`events.jsonl` and `dtfm-swarm events`)."""
+
+    event: str
+    fields: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The outcome of an operator's request the shell is waiting on: `value`, or `error`."""
+
+    key: tuple
+    value: Any = None
+    error: str | None = None
+
+
+Action = Ask | Send | Compute | LogLine | ResetLog | Emit | Reply
+
+
+# ---- events that answer the shell's requests ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Answers:
+    key: tuple
+    answers: Mapping[bytes, dict]
+
+
+@dataclass(frozen=True)
+class Computed:
+    key: tuple
+    value: Any = None
+    error: str | None = None

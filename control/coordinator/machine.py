@@ -1,0 +1,862 @@
+"""The coordinator side of the control plane as a sans-IO machine (see docs/control.md, "The
+coordinator machine").
+
+`Coordinator` owns what the coordinator decides while the election makes this peer one: the
+hand-out of an allocation (ALLOCATION, then START), the step log of the epoch it handed out,
+and reconfiguration: triggers, the phases STOPPING -> PLANNING -> OFFERING -> HANDING_OUT ->
+TRAINING (or PAUSED, STOPPED), the retry count, the pause and its retry time, the drift timer,
+the next configuration of voters, the common stop boundary and the offers' majority digest.
+It asks peers (`Ask`) and runs the scheduler (`Compute`) through the shell, which feeds the
+answers back; it reads the election, this peer's epoch machine and the gossiped swarm, and
+changes none of them.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from dtfm.gossip import NetworkView
+from dtfm.net import ProtocolError, short_id
+from dtfm.train import GPTSpec, TrainConfig
+
+from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
+from ..allocation import Allocation, Holding, SignedAllocation
+from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
+from ..messages import ControlMsg
+from ..epoch.runner import StepReport
+from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
+from .reshape import ReshapePlan
+from .schedule import Placement
+from .steplog import StepLog
+
+__all__ = [
+    "MAX_OFFER_HOLDERS", "Coordinator", "CoordinatorStatus", "CoordinatorTimings", "Elected", "Phase", "Planner",
+    "Reschedule", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "Swarm", "Tick", "Trigger", "Wake",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
+MAX_ABSENT = 4096
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"  # no run handed out by this peer
+    HANDING_OUT = "handing out"
+    TRAINING = "training"
+    STOPPING = "stopping"  # a reconfiguration stops the epoch at a common step boundary
+    PLANNING = "planning"  # resume point and the new layout
+    OFFERING = "offering"  # holders offer the stages at the resume step
+    PAUSED = "paused"  # some stage has no reachable holder: waits for one
+    REFUSED = "refused"  # a peer refused the hand-out
+    STOPPED = "stopped"  # the run cannot go on
+    FINISHED = "finished"
+
+
+class Swarm(Protocol):
+    """What the coordinator reads of the gossiped swarm."""
+
+    def live_peers(self) -> Iterable[bytes]: ...
+    def known_peers(self) -> Iterable[bytes]: ...
+    def regions(self) -> dict[bytes, str]: ...
+    def view(self) -> NetworkView: ...
+    def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]: ...
+
+
+class Planner(Protocol):
+    """The scheduler, as the coordinator calls it (off the event loop: see `Compute`)."""
+
+    def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
+                regions: dict[bytes, str], seed: int, force: bool) -> ReshapePlan: ...
+
+
+@dataclass(frozen=True)
+class CoordinatorTimings:
+    accept_timeout_s: float
+    request_timeout_s: float
+    stop_timeout_s: float
+    check_interval_s: float
+    drift_check_s: float
+    report_gather_s: float
+    probe_timeout_s: float
+    paused_retry_s: float
+    stop_poll_s: float
+    max_reconfig_attempts: int
+
+
+# ---- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True)
+class Wake:
+    """A member joined or came back: look at once instead of at the next check."""
+
+
+@dataclass(frozen=True)
+class Trigger:
+    """Something calls for a reconfiguration: a peer of the allocation lost, a step failed."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class StepReported:
+    peer: bytes
+    run_id: object
+    report: StepReport
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    peer: bytes
+    run_id: object
+    epoch: object
+    reason: str
+
+
+@dataclass(frozen=True)
+class Elected:
+    term: int
+
+
+@dataclass(frozen=True)
+class SteppedDownEvent:
+    term: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartRun:
+    """`train start` on the coordinator: the shell has scheduled the first placement; answered
+    by `Reply(key, allocation)`."""
+
+    key: tuple
+    run_id: bytes
+    placement: Placement
+    preset: str
+    model: GPTSpec
+    train: TrainConfig
+    data_hash: str
+    data_name: str
+    steps: int
+    checkpoint_every: int
+
+
+@dataclass(frozen=True)
+class Reschedule:
+    """An operator asks for a new allocation now; answered by `Reply(key, record)`."""
+
+    key: tuple
+
+
+CoordinatorEvent = (Tick | Wake | Trigger | StepReported | StepFailed | Elected | SteppedDownEvent | StartRun
+                    | Reschedule | Answers | Computed)
+
+
+# ---- procedures ------------------------------------------------------------------------------
+
+
+class _Failed(Exception):
+    """A procedure cannot go on, with the reason (kept inside this module)."""
+
+    def __init__(self, reason: str, *, paused: bool = False):
+        super().__init__(reason)
+        self.paused = paused
+
+
+@dataclass
+class _Procedure:
+    """The one hand-out or reconfiguration in progress."""
+
+    id: int
+    kind: str  # "start" | "reconfigure"
+    trigger: str
+    reply: tuple | None = None  # the operator request waiting on it
+    force: bool = False
+    cur: Allocation | None = None
+    t0: float = 0.0
+    marks: dict[str, float] = field(default_factory=dict)
+    asked: frozenset[bytes] = frozenset()
+    running: list[bytes] = field(default_factory=list)
+    stop_deadline: float = 0.0
+    poll_at: float | None = None
+    states: dict[bytes, PeerRunState] = field(default_factory=dict)
+    rp: ResumePoint | None = None
+    plan: ReshapePlan | None = None
+    offers: dict[tuple[int, int], Mapping[bytes, dict]] = field(default_factory=dict)
+    alloc: Allocation | None = None
+    answers: Mapping[bytes, dict] = field(default_factory=dict)
+    refused: str = ""
+    rolled_back: bool = False
+    retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
+
+
+@dataclass(frozen=True)
+class CoordinatorStatus:
+    """A typed snapshot for `status`: the epoch this peer handed out, and its last
+    reconfiguration."""
+
+    phase: Phase
+    run_id: bytes | None
+    epoch: int | None
+    reason: str
+    completed: int | None
+    end_step: int | None
+    recent: tuple[dict, ...]
+    started_at: float | None
+    last_reconfig: dict | None
+
+
+class Coordinator:
+    """The coordinator's decisions (see the module docstring). `sign` signs an allocation with
+    this peer's key; `wall_offset` turns the machine's `now` into wall-clock time for records."""
+
+    def __init__(self, me: bytes, sign: Callable[[Allocation], SignedAllocation], election: ElectionView,
+                 epoch: EpochMachine, swarm: Swarm, planner: Planner, timings: CoordinatorTimings, *,
+                 wall_offset: float = 0.0):
+        self.me = me
+        self.sign = sign
+        self.election = election
+        self.epoch = epoch
+        self.swarm = swarm
+        self.planner = planner
+        self.t = timings
+        self.wall_offset = wall_offset
+        self.phase = Phase.IDLE
+        self.reason = ""
+        self.steplog: StepLog | None = None  # the epoch this peer handed out last
+        self.logged: dict[bytes, set[int]] = {}  # run id -> steps this peer logged
+        self.last_reconfig: dict | None = None
+        self._triggers: list[str] = []
+        self._gather_until: float | None = None  # triggers are collected until then
+        self._attempts = 0
+        self._paused_live: frozenset[bytes] | None = None  # reachable peers when the run paused
+        self._paused_retry_at = 0.0
+        self._next_check = 0.0
+        self._next_drift_check = 0.0
+        self._proc: _Procedure | None = None
+        self._queue: list[StartRun | Reschedule] = []
+        self._probe: str | None = None  # "joined" | "holders" | "drift" while one is out
+        self._keys = itertools.count()
+        self._now = 0.0
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self._proc is not None
+
+    def next_deadline(self) -> float:
+        """When the machine wants a Tick (it waits for answers meanwhile, not for time)."""
+        if self._proc is not None:
+            return self._proc.poll_at if self._proc.poll_at is not None else math.inf
+        if self._probe is not None:
+            return math.inf
+        times = [self._next_check]
+        if self._gather_until is not None:
+            times.append(self._gather_until)
+        return min(times)
+
+    def logged_completed(self, run_id: bytes) -> int | None:
+        log = self.steplog
+        return log.completed if log is not None and log.alloc.run_id == run_id else None
+
+    def status(self) -> CoordinatorStatus:
+        log = self.steplog
+        return CoordinatorStatus(
+            phase=self.phase, run_id=log.alloc.run_id if log else None, epoch=log.alloc.epoch if log else None,
+            reason=self.reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
+            recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
+            last_reconfig=self.last_reconfig)
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def handle(self, event: CoordinatorEvent, now: float) -> list[Action | object]:
+        self._now = now
+        out: list = []
+        if isinstance(event, Tick | Wake):
+            if isinstance(event, Wake):
+                self._next_check = now
+            out += self._poll_stop(now)
+        elif isinstance(event, Trigger):
+            self._trigger(event.reason)
+            self._next_check = now
+        elif isinstance(event, StepReported):
+            out += self._step(event)
+        elif isinstance(event, StepFailed):
+            cur = self.epoch.current
+            if (self.election.is_coordinator and cur is not None and event.run_id == cur.run_id
+                    and event.epoch == cur.epoch):  # a late report of an older epoch: already handled
+                self._trigger(f"peer {short_id(event.peer)}: {event.reason[:200]}")
+                self._next_check = now
+        elif isinstance(event, Elected):
+            out.append(self._emit("coordinator", term=event.term, trigger="elected"))
+            cur = self.epoch.current
+            if cur is not None and not self._over() and (cur.issuer != self.me or self.steplog is None):
+                self._trigger(f"coordinator changed (term {event.term})")
+                self._next_check = now
+        elif isinstance(event, SteppedDownEvent):
+            out.append(self._emit("stepped-down", term=event.term, trigger=event.reason))
+        elif isinstance(event, StartRun | Reschedule):
+            self._queue.append(event)
+        elif isinstance(event, Answers):
+            out += self._answers(event)
+        elif isinstance(event, Computed):
+            out += self._computed(event)
+        else:
+            raise TypeError(f"not a coordinator event: {event!r}")
+        out += self._next(now)
+        return out
+
+    # ---- the loop: what to do next ------------------------------------------------------------
+
+    def _next(self, now: float) -> list:
+        if self._proc is not None or self._probe is not None:
+            return []
+        if self._queue:
+            op = self._queue.pop(0)
+            if isinstance(op, StartRun):
+                return self._start_run(op, now)
+            if not self.election.is_coordinator:
+                return [Reply(op.key, error="this peer is no longer the coordinator")]
+            if self.epoch.current is None or self._over():
+                return [Reply(op.key, error="no training run is in progress")]
+            return self._reconfigure("operator asked", now, force=True, reply=op.key)
+        if now < self._next_check and not (self._gather_until is not None and now >= self._gather_until):
+            return []
+        self._next_check = now + self.t.check_interval_s
+        cur = self.epoch.current
+        if not self.election.is_coordinator or cur is None or self._over():
+            self._triggers.clear()
+            self._gather_until = None
+            return []
+        if self._triggers:
+            if self._gather_until is None:  # the other peers' reports of the same event
+                self._gather_until = now + self.t.report_gather_s
+                return []
+            if now < self._gather_until:
+                return []
+            reasons, self._triggers, self._gather_until = self._triggers, [], None
+            return self._reconfigure("; ".join(reasons), now, retry=reasons)
+        if self._paused_live is not None:
+            missing = self._named(cur) | set(self.swarm.live_peers())
+            missing -= set(self._paused_live) | {self.me}
+            if missing:
+                self._probe = "holders"
+                return [self._ask(("probe", "holders"), missing, ControlMsg.RUN_STATE, {"op": "query"},
+                                  self.t.probe_timeout_s)]
+            if now >= self._paused_retry_at:
+                return self._reconfigure("retrying the paused run", now, retry=["retrying the paused run"])
+            return []
+        outside = [p for p in self.swarm.live_peers() if p not in self._named(cur) and p != self.me]
+        if outside:
+            self._probe = "joined"
+            return [self._ask(("probe", "joined"), outside, ControlMsg.RUN_STATE, {"op": "query"},
+                              self.t.probe_timeout_s)]
+        if now >= self._next_drift_check and self.epoch.run is not None and self.epoch.run.active:
+            self._next_drift_check = now + self.t.drift_check_s
+            return self._drift_check(cur)
+        return []
+
+    def _probed(self, what: str, answers: Mapping[bytes, dict], now: float) -> list:
+        self._probe = None
+        states = _states(answers)
+        if what == "holders":
+            if states:
+                reason = "peers that were out of reach answer again"
+                return self._reconfigure(reason, now, retry=[reason])
+            if now >= self._paused_retry_at:
+                return self._reconfigure("retrying the paused run", now, retry=["retrying the paused run"])
+            return []
+        cur = self.epoch.current
+        if cur is None or not self.election.is_coordinator:
+            return []
+        view, _ = self.swarm.measured_view(set(states) | set(self.swarm.live_peers()) | {self.me})
+        ready = [p for p in states if p in view.peers]
+        if not ready:
+            return []
+        reasons = [f"peer {short_id(p)} joined" for p in sorted(ready)]
+        return self._reconfigure("; ".join(reasons), now, retry=reasons)
+
+    def _drift_check(self, cur: Allocation) -> list:
+        view = self.swarm.view()
+        live = frozenset(self.swarm.live_peers()) | {self.me}
+        if not view.complete or not set(cur.peers) <= live:
+            return []
+        log = self.steplog
+        done = log.completed + 1 if log is not None and log.alloc.run_id == cur.run_id else cur.start_step
+        regions = self.swarm.regions()
+        self._probe = "drift"
+        return [Compute(("drift",), lambda: self.planner.reshape(
+            view, cur, live=live & frozenset(view.peers), remaining_steps=max(1, cur.end_step - done),
+            regions=regions, seed=0, force=False))]
+
+    def _trigger(self, reason: str) -> None:
+        if reason not in self._triggers:
+            self._triggers.append(reason)
+
+    def _over(self) -> bool:
+        """No run, or it finished or was stopped: nothing to reconfigure."""
+        if self.epoch.run_over():
+            return True
+        cur, log = self.epoch.current, self.steplog
+        return (cur is not None and log is not None and log.alloc.run_id == cur.run_id
+                and self.phase is Phase.FINISHED)
+
+    # ---- requests and their answers -----------------------------------------------------------
+
+    def _ask(self, key: tuple, peers: Iterable[bytes], msg: int, body: dict, timeout_s: float) -> Ask:
+        return Ask(key, tuple(sorted(set(peers))), msg, body, timeout_s)
+
+    def _answers(self, ev: Answers) -> list:
+        key = ev.key
+        if key[0] == "probe":
+            return self._probed(key[1], ev.answers, self._now)
+        if key[0] == "gaps":
+            return self._gaps_filled(key[1], ev.answers)
+        proc = self._proc
+        if proc is None or key[0] != "proc" or key[1] != proc.id:
+            return []  # a procedure that failed meanwhile
+        try:
+            return self._advance(proc, key[2], key[3], ev.answers, self._now)
+        except _Failed as e:
+            return self._failed(proc, e)
+
+    def _computed(self, ev: Computed) -> list:
+        if ev.key == ("drift",):
+            self._probe = None
+            plan = ev.value
+            if ev.error is None and isinstance(plan, ReshapePlan) and plan.kind != "keep":
+                reason = "a faster allocation is predicted on the measured network"
+                return self._reconfigure(reason, self._now, retry=[reason])
+            return []
+        proc = self._proc
+        if proc is None or ev.key[:2] != ("proc", proc.id):
+            return []
+        try:
+            return self._planned(proc, ev, self._now)
+        except _Failed as e:
+            return self._failed(proc, e)
+
+    # ---- train start --------------------------------------------------------------------------
+
+    def _start_run(self, op: StartRun, now: float) -> list:
+        if not self.election.is_coordinator:
+            return [Reply(op.key, error="this peer is no longer the coordinator")]
+        run = self.epoch.run
+        if run is not None and run.active:
+            return [Reply(op.key, error="a run is in progress: `train stop` it first")]
+        shape = op.placement
+        named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
+        alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
+                           pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=op.preset,
+                           model=op.model, train=op.train, data_hash=op.data_hash, data_name=op.data_name,
+                           start_step=0, end_step=op.steps, checkpoint_every=op.checkpoint_every,
+                           predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
+                           absent=self._absent(named), run_id=op.run_id, reason="train start",
+                           voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}))
+        self._paused_live, self._attempts = None, 0
+        proc = _Procedure(next(self._keys), "start", "train start", reply=op.key, t0=now)
+        self._proc = proc
+        return self._hand_out(proc, alloc, (), now)
+
+    # ---- reconfiguration ----------------------------------------------------------------------
+
+    def _reconfigure(self, trigger: str, now: float, *, force: bool = False, reply: tuple | None = None,
+                     retry: Sequence[str] = ()) -> list:
+        cur = self.epoch.current
+        proc = _Procedure(next(self._keys), "reconfigure", trigger, reply=reply, force=force, cur=cur, t0=now)
+        proc.retry = list(retry)
+        self._proc = proc
+        if cur is None or not self.election.is_coordinator:
+            return self._failed(proc, _Failed("not the coordinator of a run"))
+        self.phase = Phase.STOPPING
+        proc.asked = frozenset(self._named(cur) | set(self.swarm.live_peers()) | {self.me})
+        return [self._proc_ask(proc, "states", proc.asked, {"op": "query"}, self.t.request_timeout_s)]
+
+    def _proc_ask(self, proc: _Procedure, step: str, peers: Iterable[bytes], body: dict, timeout_s: float,
+                  msg: int = ControlMsg.RUN_STATE, sub: Any = None) -> Ask:
+        return self._ask(("proc", proc.id, step, sub), peers, msg, body, timeout_s)
+
+    def _advance(self, proc: _Procedure, step: str, sub: Any, answers: Mapping[bytes, dict], now: float) -> list:
+        cur = proc.cur
+        if step == "states":
+            assert cur is not None
+            proc.states = _states(answers)
+            proc.running = [p for p, s in proc.states.items() if s.running and s.run_id == cur.run_id]
+            if not proc.running:
+                return self._plan(proc, now)
+            ats = [s.at for s in proc.states.values() if s.run_id == cur.run_id and s.at is not None]
+            at = max(ats) + 1
+            # With a peer of the epoch gone no step can complete: abort the current one at once
+            # (it changes nothing) instead of waiting for every receive to time out.
+            lost = not set(cur.peers) <= set(proc.states) or any(
+                s.run_id == cur.run_id and not s.running and s.layers is not None for s in proc.states.values())
+            logger.info("reconfiguring (%s): %s %d peers%s", proc.trigger,
+                        "aborting the step of" if lost else "stopping", len(proc.running),
+                        "" if lost else f" before step {at}")
+            return [self._proc_ask(proc, "stop", proc.running, {"run": cur.run_id, "at_step": at, "abort": lost},
+                                   self.t.request_timeout_s, msg=ControlMsg.STOP)]
+        if step == "stop":
+            proc.stop_deadline = now + self.t.stop_timeout_s
+            proc.poll_at = now + self.t.stop_poll_s
+            return []
+        if step == "poll":
+            assert cur is not None
+            proc.states = _states(answers)
+            proc.running = [p for p, s in proc.states.items() if s.running and s.run_id == cur.run_id]
+            if not proc.running:
+                return self._plan(proc, now)
+            if now + self.t.stop_poll_s <= proc.stop_deadline:
+                proc.poll_at = now + self.t.stop_poll_s
+                return []
+            logger.warning("peers %s did not stop in time for the reconfiguration%s",
+                           ", ".join(short_id(p) for p in proc.running),
+                           ": this peer aborts its own step" if self.me in proc.running else "")
+            out: list = [AbortRunner("did not stop in time for a reconfiguration")] if self.me in proc.running else []
+            return out + [self._proc_ask(proc, "final", proc.asked, {"op": "query"}, self.t.request_timeout_s)]
+        if step == "final":
+            proc.states = _states(answers)
+            return self._plan(proc, now)
+        if step == "offer":
+            return self._offered(proc, sub, answers, now)
+        if step == "alloc":
+            return self._allocation_answers(proc, answers, now)
+        if step == "unstop":
+            raise _Failed(proc.refused)
+        if step == "start":
+            return self._started(proc, answers, now)
+        raise AssertionError(f"unknown procedure step {step!r}")
+
+    def _poll_stop(self, now: float) -> list:
+        proc = self._proc
+        if proc is None or proc.poll_at is None or now < proc.poll_at:
+            return []
+        proc.poll_at = None
+        return [self._proc_ask(proc, "poll", proc.asked, {"op": "query"}, self.t.request_timeout_s)]
+
+    def _plan(self, proc: _Procedure, now: float) -> list:
+        """With a majority of the voters reachable: the resume point, then the new layout over
+        the reachable, measured peers (the scheduler, off the loop)."""
+        cur = proc.cur
+        assert cur is not None
+        proc.marks["stopped"] = now
+        self.phase = Phase.PLANNING
+        states = proc.states
+        reachable = set(states)
+        voters = set(self.election.voters)
+        if voters and len(reachable & voters) < len(voters) // 2 + 1:
+            raise _Failed(f"only {len(reachable & voters)} of {len(voters)} voters are reachable: "
+                          "a minority does not reconfigure")
+        logger.info("run states: %s", describe(states))
+        try:
+            rp = resume_point(cur.run_id, cur.layer_ranges, states)
+        except ResumeError as e:
+            # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
+            # holder restarting) and resumes when the reachable peers change; it never goes on
+            # with re-initialised weights.
+            return self._pause(proc, f"{e}; waiting for a holder to come back", reachable, now)
+        if rp.step >= cur.end_step:
+            raise _Failed("the run already reached its last step")
+        proc.rp = rp
+        view, unmeasured = self.swarm.measured_view(reachable)
+        if unmeasured:
+            logger.info("left out until their links are measured: %s", ", ".join(short_id(p) for p in unmeasured))
+        live = frozenset(view.peers)
+        regions = self.swarm.regions()
+        remaining = cur.end_step - rp.step
+        return [Compute(("proc", proc.id, "plan"), lambda: self.planner.reshape(
+            view, cur, live=live, remaining_steps=remaining, regions=regions, seed=cur.epoch, force=proc.force))]
+
+    def _planned(self, proc: _Procedure, ev: Computed, now: float) -> list:
+        cur, rp = proc.cur, proc.rp
+        assert cur is not None and rp is not None
+        if ev.error is not None:
+            return self._pause(proc, f"no allocation fits the reachable peers: {ev.error}", set(proc.states), now)
+        proc.plan = ev.value
+        proc.marks["planned"] = now
+        self.phase = Phase.OFFERING
+        out = []
+        for r in cur.layer_ranges:
+            holders = list(rp.holders(r))[:MAX_OFFER_HOLDERS]
+            body = {"op": "offer", "run": cur.run_id, "step": rp.step, "layers": list(r)}
+            out.append(self._proc_ask(proc, "offer", holders, body, self.t.accept_timeout_s, sub=r))
+        return out
+
+    def _offered(self, proc: _Procedure, r: tuple[int, int], answers: Mapping[bytes, dict], now: float) -> list:
+        """Once every stage's holders answered: the digest most of them give goes into the
+        allocation, with the holders that gave it."""
+        cur, rp, plan = proc.cur, proc.rp, proc.plan
+        assert cur is not None and rp is not None and plan is not None
+        proc.offers[r] = answers
+        if len(proc.offers) < len(cur.layer_ranges):
+            return []
+        holdings = []
+        for r in cur.layer_ranges:
+            by_digest: dict[str, list[bytes]] = {}
+            for p, a in proc.offers[r].items():
+                if isinstance(a.get("digest"), str):
+                    by_digest.setdefault(a["digest"], []).append(p)
+                else:
+                    logger.warning("%s offers no layers %s at step %d: %s", short_id(p), r, rp.step,
+                                   a.get("error") or a.get("reason"))
+            if not by_digest:
+                why = f"no holder of layers {r} could offer them at step {rp.step}"
+                return self._stop_run(proc, why, "offers")
+            digest, peers = max(by_digest.items(), key=lambda kv: len(kv[1]))
+            if len(by_digest) > 1:
+                logger.error("holders of layers %s disagree at step %d: %s", r, rp.step,
+                             {d[:12]: [short_id(p) for p in ps] for d, ps in by_digest.items()})
+            holdings.append(Holding(r, digest, tuple(sorted(peers))))
+        proc.marks["offered"] = now
+        alloc = self._next_allocation(cur, plan.placement, rp, tuple(holdings), proc.trigger, set(proc.states))
+        # Steps already completed and logged that the swarm runs again: the holders of the newer
+        # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
+        # (a peer that completed step j means every peer completed j - 1: the steps move together)
+        done = set(self.logged.get(cur.run_id, ())) | {r.step - 1 for st in proc.states.values() for r in st.reports}
+        proc.rolled_back = rp.rollback or rp.step <= max(done, default=-1)
+        reports = [r for st in proc.states.values() for r in st.reports]
+        return self._hand_out(proc, alloc, reports, now)
+
+    def _next_allocation(self, cur: Allocation, shape: Placement, rp: ResumePoint, holdings: tuple[Holding, ...],
+                         trigger: str, reachable: set[bytes]) -> Allocation:
+        """The next epoch of the run: the new layout from the resume point, with the holdings."""
+        named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
+        return Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
+                          run_id=cur.run_id, pipelines=shape.pipelines, layer_ranges=shape.layer_ranges,
+                          preset=cur.preset, model=cur.model, train=cur.train, data_hash=cur.data_hash,
+                          data_name=cur.data_name, start_step=rp.step, end_step=cur.end_step,
+                          checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
+                          spares=shape.spares, holdings=holdings, absent=self._absent(named),
+                          reason=trigger[:1024], voters=self._next_voters(named, reachable))
+
+    def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
+        return next_voters(tuple(self.election.voters), named, reachable, self.me)
+
+    def _absent(self, named: set[bytes]) -> tuple[bytes, ...]:
+        """Every member this peer knows of that has no place: peers whose gossip still counts
+        one of them alive must not refuse the allocation for leaving it out."""
+        return tuple(sorted(set(self.swarm.known_peers()) - named - {self.me})[:MAX_ABSENT])
+
+    @staticmethod
+    def _named(alloc: Allocation) -> set[bytes]:
+        return set(alloc.peers) | set(alloc.spares)
+
+    # ---- the hand-out -------------------------------------------------------------------------
+
+    def _hand_out(self, proc: _Procedure, alloc: Allocation, backfill: Sequence[StepReport], now: float) -> list:
+        """Log the steps before the resume point that `backfill` (the peers' reports) covers and
+        this peer has not logged; ALLOCATION to every named peer, then START."""
+        proc.alloc = alloc
+        self.phase = Phase.HANDING_OUT
+        self.reason = ""
+        signed = self.sign(alloc)
+        logged = self.logged.setdefault(alloc.run_id, set())
+        out: list = []
+        if proc.kind == "start":
+            logged.clear()
+            out.append(ResetLog())
+        self.steplog = log = StepLog(alloc, logged, started_at=now + self.wall_offset)
+        out += [LogLine(line) for line in log.backfill(backfill, {r.step for r in backfill
+                                                                       if r.step < alloc.start_step})]
+        logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
+                    "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
+                    len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
+        targets = list(alloc.peers) + list(alloc.spares)
+        out.append(self._proc_ask(proc, "alloc", targets, signed.to_wire(), self.t.accept_timeout_s,
+                                  msg=ControlMsg.ALLOCATION))
+        return out
+
+    def _allocation_answers(self, proc: _Procedure, answers: Mapping[bytes, dict], now: float) -> list:
+        alloc = proc.alloc
+        assert alloc is not None
+        proc.answers = answers
+        refused = {p: a for p, a in answers.items() if not a.get("accepted")}
+        if refused:
+            proc.refused = "the allocation was refused: " + "; ".join(
+                f"{short_id(p)}: {a.get('reason', 'no answer')}" for p, a in refused.items())
+            self.phase, self.reason = Phase.REFUSED, proc.refused
+            rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
+            return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0},
+                                   self.t.request_timeout_s, msg=ControlMsg.STOP)]
+        return [self._proc_ask(proc, "start", alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
+                               self.t.request_timeout_s, msg=ControlMsg.START)]
+
+    def _started(self, proc: _Procedure, answers: Mapping[bytes, dict], now: float) -> list:
+        alloc, log = proc.alloc, self.steplog
+        assert alloc is not None and log is not None
+        late = [short_id(p) for p, a in answers.items() if not a.get("started")]
+        if late:
+            logger.warning("peers %s did not confirm the start", ", ".join(late))
+        self.phase = Phase.TRAINING
+        self._next_drift_check = now + self.t.drift_check_s
+        log.fetched = int(sum(_num(a.get("fetched_bytes")) for a in proc.answers.values()))
+        log.fetch_s = max([_num(a.get("fetch_s")) for a in proc.answers.values()] + [0.0])
+        self._proc = None
+        self._attempts = 0
+        self._paused_live = None
+        if proc.kind == "start":
+            return [self._emit("start", term=alloc.term, epoch=alloc.epoch, trigger="train start", old_shape=None,
+                               new_shape=f"{alloc.stages}x{alloc.dp}", predicted_new_s=alloc.predicted_iteration_s,
+                               moves=0, bytes_moved=0, resume_step=0),
+                    Reply(proc.reply or (), alloc)]
+        self._triggers.clear()  # what happened before the new epoch started is accounted for
+        self._gather_until = None
+        return self._reconfigured(proc, now)
+
+    def _reconfigured(self, proc: _Procedure, now: float) -> list:
+        """Record a reconfiguration (`last_reconfig` in status, an event, one INFO line)."""
+        cur, alloc, plan, rp, log = proc.cur, proc.alloc, proc.plan, proc.rp, self.steplog
+        assert cur is not None and alloc is not None and plan is not None and rp is not None and log is not None
+        m = proc.marks
+        info = {"at": now + self.wall_offset, "reason": proc.trigger, "epoch": alloc.epoch, "term": alloc.term,
+                "old_shape": f"{cur.stages}x{cur.dp}", "new_shape": f"{alloc.stages}x{alloc.dp}",
+                "kind": plan.kind, "predicted_old_s": cur.predicted_iteration_s,
+                "predicted_new_s": alloc.predicted_iteration_s, "moves": plan.moves, "bytes_moved": log.fetched,
+                "resume_step": rp.step, "rollback": proc.rolled_back, "started_at": proc.t0 + self.wall_offset,
+                "stop_s": m["stopped"] - proc.t0, "schedule_s": m["planned"] - m["stopped"],
+                "offer_s": m["offered"] - m["planned"], "transfer_s": log.fetch_s, "handout_s": now - m["offered"]}
+        self.last_reconfig = info
+        logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
+                    "resuming at step %d%s", proc.trigger, info["old_shape"], info["new_shape"], plan.kind,
+                    cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
+                    " (rolled back: steps already logged run again)" if proc.rolled_back else "")
+        out: list = [self._emit("rollback" if proc.rolled_back else "reconfigure", trigger=proc.trigger,
+                                **{k: v for k, v in info.items() if k not in ("at", "reason")})]
+        if proc.reply is not None:
+            out.append(Reply(proc.reply, dict(info)))
+        return out
+
+    # ---- failure, pause, stop -----------------------------------------------------------------
+
+    def _pause(self, proc: _Procedure, why: str, reachable: Iterable[bytes], now: float) -> list:
+        """The run waits: retried when a peer out of reach answers, or after a while."""
+        cur = proc.cur
+        assert cur is not None
+        self._paused_live = frozenset(reachable)
+        self._paused_retry_at = now + self.t.paused_retry_s
+        logger.error("training pauses: %s", why)
+        self.phase, self.reason = Phase.PAUSED, why
+        self._proc = None
+        out: list = [self._emit("paused", term=self.election.term, epoch=cur.epoch, trigger=proc.trigger, reason=why)]
+        if proc.reply is not None:
+            out.append(Reply(proc.reply, error=why))
+        return out
+
+    def _stop_run(self, proc: _Procedure, why: str, trigger: str) -> list:
+        cur = proc.cur
+        assert cur is not None
+        logger.error("training stops: %s", why)
+        self.phase, self.reason = Phase.STOPPED, why
+        self.epoch.mark_stopped(cur.run_id)
+        self._proc = None
+        out: list = [self._emit("stopped", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)]
+        if proc.reply is not None:
+            out.append(Reply(proc.reply, error=why))
+        return out
+
+    def _failed(self, proc: _Procedure, e: _Failed) -> list:
+        """A failed start answers its operator; a failed reconfiguration is retried on the next
+        check, up to `max_reconfig_attempts` times, then the run stops."""
+        self._proc = None
+        why = str(e)
+        if proc.kind == "start":
+            return [Reply(proc.reply or (), error=why)]
+        out: list = [Reply(proc.reply, error=why)] if proc.reply is not None else []
+        self._attempts += 1
+        logger.warning("reconfiguration %d failed: %s", self._attempts, why)
+        cur = self.epoch.current
+        if cur is not None and not self._over() and self.election.is_coordinator:
+            if self._attempts >= self.t.max_reconfig_attempts:
+                proc.cur = cur
+                return out + self._stop_run(
+                    proc, f"{self.t.max_reconfig_attempts} reconfigurations failed, the last: {why}", proc.trigger)
+            self._triggers.extend(r for r in proc.retry or [proc.trigger] if r not in self._triggers)
+        return out
+
+    # ---- step reports -------------------------------------------------------------------------
+
+    def _step(self, ev: StepReported) -> list:
+        log = self.steplog
+        if log is None or ev.run_id != log.alloc.run_id:
+            return []
+        out: list = []
+        for line in log.add(ev.peer, ev.report):
+            if self.phase is Phase.HANDING_OUT:
+                self.phase = Phase.TRAINING
+            logger.info("step %d: loss %s, %.2f s, %.0f tokens/s%s", line["step"],
+                        "-" if line["loss"] is None else f"{line['loss']:.4f}", line["iteration_s"] or 0,
+                        line["tokens_per_s"] or 0, " (some reports lost)" if line.get("partial") else "")
+            out.append(LogLine(line))
+            if log.finished:
+                self.phase = Phase.FINISHED
+        if log.gaps and not log.filling:
+            logger.warning("no report of steps %s arrived; asking the peers for theirs", sorted(log.gaps))
+            log.filling = True
+            out.append(self._ask(("gaps", log.alloc.epoch), log.alloc.peers, ControlMsg.RUN_STATE, {"op": "query"},
+                                 self.t.request_timeout_s))
+        return out
+
+    def _gaps_filled(self, epoch: int, answers: Mapping[bytes, dict]) -> list:
+        log = self.steplog
+        if log is None or log.alloc.epoch != epoch:
+            return []
+        log.filling = False
+        lines, left = log.fill([r for st in _states(answers).values() for r in st.reports])
+        for line in lines:
+            logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
+                        "-" if line["loss"] is None else f"{line['loss']:.4f}")
+        for step in left:
+            logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
+        return [LogLine(line) for line in lines]
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def _emit(self, event: str, **fields: Any) -> Emit:
+        return Emit(event, fields)
+
+
+def next_voters(old_voters: tuple[bytes, ...], named: set[bytes], reachable: set[bytes],
+                me: bytes) -> tuple[bytes, ...]:
+    """The next configuration: one step from the current voters toward the named peers (an
+    unreachable voter out first, then a named peer in, then a reachable voter out), so every
+    majority of the old voters meets every majority of the new and one term never gets two
+    coordinators. Further differences go at the next epochs."""
+    old = set(old_voters) or set(named)
+    new = set(old)
+    gone = sorted(old - named - reachable - {me})
+    joining = sorted(named - old)
+    leaving = sorted(old - named - {me})
+    if gone:
+        new.discard(gone[0])
+    elif joining:
+        new.add(joining[0])
+    elif leaving:
+        new.discard(leaving[0])
+    new.add(me)  # the issuer is a voter (it was elected by this configuration)
+    return tuple(sorted(new))
+
+
+def _states(answers: Mapping[bytes, dict]) -> dict[bytes, PeerRunState]:
+    out = {}
+    for p, a in answers.items():
+        try:
+            out[p] = PeerRunState.from_wire(a)
+        except ProtocolError as e:
+            logger.debug("run state of %s: %s", short_id(p), e)
+    return out
+
+
+def _num(v: object) -> float:
+    return float(v) if type(v) in (int, float) and 0 <= v < 1e18 else 0.0  # type: ignore[arg-type]

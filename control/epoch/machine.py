@@ -1,0 +1,518 @@
+"""The peer side of the control plane as a sans-IO machine: this peer's part in each epoch
+(see docs/control.md, "The epoch machine").
+
+`EpochMachine` owns what the peer decided and knows about the run: the (term, epoch) it applied
+per run, its current and previous epoch (the allocation and what its stage is at), the step
+reports it keeps, how its last epoch ended, and whether an operator stopped the run. It decides
+whether to accept an allocation, where the stage comes from, who may start and stop it, what it
+answers to RUN_STATE, and when to stop training because its coordinator is gone. The stage
+itself (tensors, comm, runner thread) belongs to the shell, which reports what happens to it
+(`StageBuilt`, `StepDone`, `RunnerEnded`, `EpochDone`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+from dtfm.net import short_id
+
+from ..actions import Action, Reply, Send
+from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
+from ..messages import ControlMsg
+from .runner import RunEnd, StepReport
+from .runstate import MAX_REPORTS, PeerRunState
+
+__all__ = [
+    "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed", "BuildStage", "ElectionView", "EndEpoch",
+    "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
+    "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
+    "StopRunnerAt", "Tick", "WaitForCoordinator",
+]
+
+
+class ElectionView(Protocol):
+    """What the epoch machine and the coordinator read of the election (never change)."""
+
+    @property
+    def term(self) -> int: ...
+    @property
+    def coordinator(self) -> bytes | None: ...
+    @property
+    def voters(self) -> tuple[bytes, ...]: ...
+    @property
+    def last_applied(self) -> tuple[int, int]: ...
+    @property
+    def is_coordinator(self) -> bool: ...
+    @property
+    def is_follower(self) -> bool: ...
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None: ...
+
+
+# ---- events ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AllocationOffered:
+    """A signed allocation arrived (signature checked) or this peer's coordinator hands one to
+    itself; `ctx` is what the peer knows (its `applied` is filled in here). Answered by a
+    `Reply(key, answer)` once the stage is built, or at once when refused."""
+
+    key: tuple
+    alloc: Allocation
+    ctx: AcceptContext
+    waited_until: float | None = None  # set when re-offered after a WaitForCoordinator
+
+
+@dataclass(frozen=True)
+class StageBuilt:
+    key: tuple
+    epoch: int
+    at: int  # the stage's next step
+    fetched_bytes: int = 0
+    fetch_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BuildFailed:
+    key: tuple
+    epoch: int
+    code: str  # build-failed | connect-failed
+    reason: str
+
+
+@dataclass(frozen=True)
+class StartAsked:
+    key: tuple
+    sender: bytes
+    run_id: object
+    epoch: object
+
+
+@dataclass(frozen=True)
+class StopAsked:
+    key: tuple
+    sender: bytes
+    run_id: object
+    at_step: int
+    final: bool = False  # an operator's stop: the run is over, nobody reconfigures it
+    abort: bool = False  # a reconfiguration after a loss: end the step now
+
+
+@dataclass(frozen=True)
+class StepDone:
+    report: StepReport
+
+
+@dataclass(frozen=True)
+class RunnerEnded:
+    epoch: int
+    end: RunEnd
+    wall_time: float
+
+
+@dataclass(frozen=True)
+class EpochDone:
+    """The epoch's tasks and worker are over (after RunnerEnded, or cancelled before it ran)."""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class MemberGone:
+    peer: bytes
+    why: str
+
+
+@dataclass(frozen=True)
+class Tick:
+    pass
+
+
+EpochEvent = (AllocationOffered | StageBuilt | BuildFailed | StartAsked | StopAsked | StepDone | RunnerEnded
+              | EpochDone | MemberGone | Tick)
+
+
+# ---- actions (besides the shared ones) --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WaitForCoordinator:
+    """Offer `alloc` again (with `waited_until=until`) at the next election change, or at `until`."""
+
+    offer: AllocationOffered
+    until: float
+
+
+@dataclass(frozen=True)
+class EndEpoch:
+    """End this peer's epoch `epoch` and wait until its worker let go of the stage."""
+
+    epoch: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class PersistApplied:
+    """Write the applied allocation durably (DATA_DIR/applied.json) before anything follows."""
+
+    alloc: Allocation
+
+
+@dataclass(frozen=True)
+class ApplyToElection:
+    """Tell the election the applied (term, epoch) and the new configuration."""
+
+    term: int
+    epoch: int
+    voters: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class BuildStage:
+    """Build this peer's stage of `alloc` from `prev` (the epoch before, whose stage may serve),
+    connect its neighbours, make its runner; then feed StageBuilt or BuildFailed."""
+
+    key: tuple
+    alloc: Allocation
+    prev: Allocation | None
+
+
+@dataclass(frozen=True)
+class StartRunner:
+    epoch: int
+
+
+@dataclass(frozen=True)
+class StopRunnerAt:
+    epoch: int
+    step: int
+
+
+@dataclass(frozen=True)
+class AbortRunner:
+    """Abort the current epoch's step (and its comm); a runner not started is cancelled."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class FailNeighbour:
+    """A neighbour of the running epoch is gone: its receives fail now."""
+
+    peer: bytes
+    why: str
+
+
+# ---- state -----------------------------------------------------------------------------------
+
+
+class EpochPhase(enum.Enum):
+    SPARE = "spare"  # placed in no pipeline
+    WAITING = "waiting"  # a restarted peer: it knows the run it applied, it holds no stage
+    BUILDING = "building"
+    ACCEPTED = "accepted"  # built and connected, waiting for START
+    TRAINING = "training"
+    ENDED = "ended"  # the runner ended; `end` says how
+    REFUSED = "refused"  # building or connecting failed
+
+
+@dataclass
+class EpochRecord:
+    """This peer's part in one epoch, as the machine knows it."""
+
+    alloc: Allocation
+    phase: EpochPhase
+    at: int | None = None  # the stage's next step; None: no stage built
+    prev: int | None = None  # the step of the runner's one-step-back snapshot
+    end: RunEnd | None = None
+    done: bool = False  # its tasks and worker are over
+    fetched_bytes: int = 0
+
+    @property
+    def built(self) -> bool:
+        return self.at is not None
+
+    @property
+    def active(self) -> bool:
+        """Its runner exists and has not ended."""
+        return self.phase in (EpochPhase.ACCEPTED, EpochPhase.TRAINING) and not self.done
+
+
+@dataclass(frozen=True)
+class EpochStatus:
+    """A typed snapshot for `status`."""
+
+    phase: EpochPhase | None
+    alloc: Allocation | None
+    step: int | None  # the last step completed (at - 1)
+    fetched_bytes: int
+    last_report: StepReport | None
+    last_end: dict | None
+    end: RunEnd | None  # how the current epoch's runner ended
+
+
+class EpochMachine:
+    """This peer's part in every epoch (see the module docstring)."""
+
+    def __init__(self, me: bytes, election: ElectionView, *, heartbeat_wait_s: float,
+                 coordinator_lost_after_s: float):
+        self.me = me
+        self.election = election
+        self.heartbeat_wait_s = heartbeat_wait_s
+        self.coordinator_lost_after_s = coordinator_lost_after_s
+        self.applied: dict[bytes, tuple[int, int]] = {}  # run id -> (term, epoch) applied
+        self.run: EpochRecord | None = None
+        self.prev: EpochRecord | None = None  # the epoch before, whose stage may still serve
+        self.reports: collections.deque[StepReport] = collections.deque(maxlen=MAX_REPORTS)
+        self.last_end: dict | None = None
+        self._stopped_by_operator: bytes | None = None  # the run an operator stopped
+        self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
+
+    # ---- restore ------------------------------------------------------------------------------
+
+    def restore(self, run_id: bytes, term: int, epoch: int, alloc: Allocation | None) -> None:
+        """What DATA_DIR/applied.json held at start: the (term, epoch) applied and, when it is the
+        same run, its allocation (a restarted peer holds no stage; as coordinator it takes the
+        run over from the others' run states)."""
+        self.applied[run_id] = (term, epoch)
+        if alloc is not None and alloc.run_id == run_id and alloc.term_epoch == (term, epoch):
+            self.run = EpochRecord(alloc, EpochPhase.WAITING, done=True)
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def current(self) -> Allocation | None:
+        return self.run.alloc if self.run is not None else None
+
+    def stopped_by_operator(self, run_id: bytes) -> bool:
+        return self._stopped_by_operator == run_id
+
+    def mark_stopped(self, run_id: bytes) -> None:
+        """The run is over (an operator stopped it, or it cannot go on): nobody reconfigures it."""
+        self._stopped_by_operator = run_id
+
+    def run_over(self) -> bool:
+        """No run, or it finished or was stopped: nothing to reconfigure."""
+        run = self.run
+        if run is None:
+            return True
+        if self._stopped_by_operator == run.alloc.run_id:
+            return True
+        return run.end is not None and run.end.reason == "finished"
+
+    def run_state(self, checkpoints: tuple[tuple[int, int, int], ...] = ()) -> PeerRunState:
+        """This peer's answer to a RUN_STATE query; `checkpoints`: those of the current run."""
+        run = self.run
+        if run is None:
+            return PeerRunState(None, *self.election.last_applied, None, None, None, False, (), tuple(self.reports))
+        layers = at = prev = None
+        if run.built:
+            d, s = run.alloc.position(self.me)
+            layers, at, prev = run.alloc.layer_ranges[s], run.at, run.prev
+        return PeerRunState(run.alloc.run_id, run.alloc.term, run.alloc.epoch, layers, at, prev, run.active,
+                            checkpoints, tuple(self.reports))
+
+    def held_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> tuple[str, int] | None:
+        """Where this peer holds `layers` of `run_id` at `step` in memory, once its worker
+        stopped: ("stage", epoch) or ("snapshot", epoch); None: not in memory."""
+        for rec in (self.run, self.prev):
+            if rec is None or not rec.built or rec.alloc.run_id != run_id or rec.active:
+                continue
+            s = rec.alloc.position(self.me)[1]
+            if tuple(rec.alloc.layer_ranges[s]) != tuple(layers):
+                continue
+            if rec.at == step:
+                return ("stage", rec.alloc.epoch)
+            if rec.prev == step:
+                return ("snapshot", rec.alloc.epoch)
+        return None
+
+    def stop_boundary(self, logged_completed: int | None) -> int:
+        """The step before which an operator's stop ends the run: two steps ahead of this peer
+        (every peer is within one step of every other). `logged_completed`: the coordinator's
+        last logged step, for a spare that holds no stage."""
+        run = self.run
+        assert run is not None
+        if run.at is not None:
+            now = run.at
+        else:
+            now = logged_completed + 1 if logged_completed is not None else run.alloc.start_step
+        return now + 2
+
+    def status(self) -> EpochStatus:
+        run = self.run
+        return EpochStatus(
+            phase=run.phase if run is not None else None, alloc=run.alloc if run is not None else None,
+            step=(run.at - 1) if run is not None and run.at is not None else None,
+            fetched_bytes=run.fetched_bytes if run is not None else 0,
+            last_report=self.reports[-1] if self.reports and run is not None
+            and self.reports[-1].epoch == run.alloc.epoch else None,
+            last_end=self.last_end, end=run.end if run is not None else None)
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def handle(self, event: EpochEvent, now: float) -> list[Action | object]:
+        if isinstance(event, AllocationOffered):
+            return self._offered(event, now)
+        if isinstance(event, StageBuilt):
+            return self._built(event)
+        if isinstance(event, BuildFailed):
+            return self._build_failed(event)
+        if isinstance(event, StartAsked):
+            return self._start(event)
+        if isinstance(event, StopAsked):
+            return self._stop(event)
+        if isinstance(event, StepDone):
+            return self._step_done(event.report)
+        if isinstance(event, RunnerEnded):
+            return self._runner_ended(event)
+        if isinstance(event, EpochDone):
+            return self._epoch_done(event.epoch)
+        if isinstance(event, MemberGone):
+            return self._member_gone(event)
+        if isinstance(event, Tick):
+            return self._tick(now)
+        raise TypeError(f"not an epoch event: {event!r}")
+
+    def _offered(self, ev: AllocationOffered, now: float) -> list:
+        alloc = ev.alloc
+        ctx = dataclasses.replace(ev.ctx, applied=self.applied.get(alloc.run_id), run_id=alloc.run_id)
+        refusal = check_allocation(alloc, ctx)
+        if refusal is None:
+            refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch)
+            if (refusal is not None and alloc.issuer != self.me and refusal.code == "not-coordinator"
+                    and alloc.term >= self.election.term):
+                # The first heartbeat of a new coordinator may come after its allocation.
+                until = ev.waited_until if ev.waited_until is not None else now + self.heartbeat_wait_s
+                if now < until:
+                    return [WaitForCoordinator(dataclasses.replace(ev, waited_until=until), until)]
+        if refusal is not None:
+            return [Reply(ev.key, {"accepted": False, "code": refusal.code, "reason": refusal.reason},
+                          error=refusal.reason)]
+        out: list = []
+        if self.run is not None and not self.run.done:
+            out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
+        prev = self.run if self.run is not None and self.run.built else self.prev
+        self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
+        out += [ApplyToElection(alloc.term, alloc.epoch, alloc.configuration), PersistApplied(alloc)]
+        self.prev = prev
+        self._lost_since = None
+        if self.me not in alloc.peers:
+            self.run = EpochRecord(alloc, EpochPhase.SPARE, done=True)
+            return out + [Reply(ev.key, {"accepted": True, "role": "spare"})]
+        self.run = EpochRecord(alloc, EpochPhase.BUILDING)
+        return out + [BuildStage(ev.key, alloc, prev.alloc if prev is not None else None)]
+
+    def _current(self, epoch: int) -> EpochRecord | None:
+        run = self.run
+        return run if run is not None and run.alloc.epoch == epoch else None
+
+    def _built(self, ev: StageBuilt) -> list:
+        run = self._current(ev.epoch)
+        if run is None or run.phase is not EpochPhase.BUILDING:
+            return [Reply(ev.key, {"accepted": False, "code": "build-failed", "reason": "replaced while building"})]
+        run.phase, run.at, run.fetched_bytes = EpochPhase.ACCEPTED, ev.at, ev.fetched_bytes
+        d, s = run.alloc.position(self.me)
+        return [Reply(ev.key, {"accepted": True, "role": "stage", "stage": s, "pipeline": d,
+                               "fetched_bytes": ev.fetched_bytes, "fetch_s": ev.fetch_s if ev.fetched_bytes else 0.0})]
+
+    def _build_failed(self, ev: BuildFailed) -> list:
+        run = self._current(ev.epoch)
+        if run is not None and run.phase is EpochPhase.BUILDING:
+            run.phase = EpochPhase.REFUSED
+        return [Reply(ev.key, {"accepted": False, "code": ev.code, "reason": ev.reason}, error=ev.reason)]
+
+    def _start(self, ev: StartAsked) -> list:
+        run = self.run
+        if run is None or ev.run_id != run.alloc.run_id or ev.epoch != run.alloc.epoch:
+            return [Reply(ev.key, {"started": False, "reason": "no such epoch accepted here"})]
+        if ev.sender != run.alloc.issuer:
+            return [Reply(ev.key, {"started": False, "reason": "only the issuer starts an epoch"})]
+        if run.phase is EpochPhase.ACCEPTED and not run.done:
+            run.phase = EpochPhase.TRAINING
+            return [StartRunner(run.alloc.epoch), Reply(ev.key, {"started": True})]
+        return [Reply(ev.key, {"started": True})]
+
+    def _stop(self, ev: StopAsked) -> list:
+        run = self.run
+        if run is None or ev.run_id != run.alloc.run_id:
+            return [Reply(ev.key, {"stopped": False, "reason": "not in that run"})]
+        allowed = set(run.alloc.peers) | {run.alloc.issuer, self.me}
+        if self.election.coordinator is not None:
+            allowed.add(self.election.coordinator)
+        if ev.sender not in allowed:
+            return [Reply(ev.key, {"stopped": False, "reason": "only a peer of the run may stop it"})]
+        if ev.final:
+            self._stopped_by_operator = run.alloc.run_id
+        if ev.abort:
+            out: list = [AbortRunner("aborted for a reconfiguration")]
+        elif run.phase is EpochPhase.TRAINING and not run.done:
+            out = [StopRunnerAt(run.alloc.epoch, ev.at_step)]
+        else:
+            out = [AbortRunner("stopped before it started")]
+        return out + [Reply(ev.key, {"stopped": True})]
+
+    def _step_done(self, rep: StepReport) -> list:
+        self.reports.append(rep)
+        run = self._current(rep.epoch)
+        if run is None:
+            return []
+        run.prev, run.at = rep.step, rep.step + 1
+        return [Send(run.alloc.issuer, ControlMsg.STEP, {"run": run.alloc.run_id, **rep.to_wire()})]
+
+    def _runner_ended(self, ev: RunnerEnded) -> list:
+        run = self._current(ev.epoch)
+        if run is None:
+            return []
+        end = ev.end
+        run.end, run.phase = end, EpochPhase.ENDED
+        if end.completed >= 0 and (run.at is None or run.at < end.completed + 1):
+            run.at = end.completed + 1
+        self.last_end = {"epoch": run.alloc.epoch, "completed": end.completed, "reason": end.reason,
+                         "failed": end.failed, "at": ev.wall_time, "params_sha256": end.params_sha256}
+        if not end.failed:
+            return []
+        coordinator = self.election.coordinator or run.alloc.issuer
+        return [Send(coordinator, ControlMsg.STEP, {"run": run.alloc.run_id, "epoch": run.alloc.epoch,
+                                                    "failed": end.reason[:512], "step": max(end.completed, 0)})]
+
+    def _epoch_done(self, epoch: int) -> list:
+        for rec in (self.run, self.prev):
+            if rec is not None and rec.alloc.epoch == epoch:
+                rec.done = True
+                if rec.phase in (EpochPhase.BUILDING, EpochPhase.ACCEPTED, EpochPhase.TRAINING):
+                    rec.phase = EpochPhase.ENDED
+        return []
+
+    def _member_gone(self, ev: MemberGone) -> list:
+        run = self.run
+        if run is None or ev.peer not in run.alloc.peers or run.done:
+            return []
+        out: list = [FailNeighbour(ev.peer, ev.why)]
+        if run.phase is EpochPhase.ACCEPTED:
+            out.append(AbortRunner(ev.why))
+        return out
+
+    def _tick(self, now: float) -> list:
+        """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops
+        training, discarding the step in progress: a minority side does not train on without a
+        coordinator. The grace keeps a slow heartbeat from stopping a healthy run."""
+        run = self.run
+        if run is None or run.phase is not EpochPhase.TRAINING or run.done or run.end is not None:
+            self._lost_since = None
+            return []
+        issuer, el = run.alloc.issuer, self.election
+        if (el.is_coordinator and issuer == self.me) or (el.is_follower and el.coordinator == issuer):
+            self._lost_since = None
+            return []
+        self._lost_since = now if self._lost_since is None else self._lost_since
+        if now - self._lost_since < self.coordinator_lost_after_s:
+            return []
+        self._lost_since = None
+        return [AbortRunner(f"the coordinator of epoch {run.alloc.epoch} ({short_id(issuer)}) is gone")]
+

@@ -1,0 +1,687 @@
+"""The whole control plane in a deterministic simulation: every node runs the daemon's own
+machines (`ElectionState`, `EpochMachine`, `Coordinator`) over the election's simulated network
+(control/election/sim.py), with virtual time (see docs/control.md, "Simulation").
+
+The simulation plays the shell: it delivers every message the machines send (ALLOCATION, START,
+STOP, STEP, RUN_STATE as plain wire maps, dropped, duplicated, reordered, delayed and cut like
+the election's), answers a request when every peer answered or its timeout passed, runs the
+scheduler stand-in at once, fires the machines' timers, and plays each node's stage. Stages are
+a cheap deterministic stand-in for the tiny model: a stage's weights at step s are a hash chain
+`w(s) = H(w(s-1), s)` from the run's seed, so the loss a step logs (a number drawn from its
+weights) is the reference's only if the stage was resumed from the right weights; fetching a
+stage is looking its digest up in a content store (hash-verified, as the daemon's fetch), and a
+checkpoint is a (layers, step) -> weights entry on the node's disk, kept across a crash.
+
+Checked as it runs (in `violations`), besides the election's own checks: a node applies an
+allocation only from the coordinator it recognises for that term (the one elected in it), its
+applied (term, epoch) only grows, and every line any node logs has the reference loss of its
+step. `merged_log` and `check_log` give the log invariants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dtfm.net import Identity, short_id
+from dtfm.sched import layer_ranges
+from dtfm.train import PRESETS, TrainConfig, get_preset
+
+from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from .allocation import AcceptContext, Allocation, SignedAllocation
+from .coordinator.machine import (
+    Coordinator,
+    CoordinatorTimings,
+    Elected,
+    Planner,
+    StartRun,
+    StepFailed,
+    StepReported,
+    SteppedDownEvent,
+    Tick,
+    Trigger,
+    next_voters,
+)
+from .election import BecameCoordinator, ElectionConfig, ElectionRole, ElectionState, SteppedDown
+from .election.sim import ElectionSim, NetConditions
+from .epoch.machine import (
+    AbortRunner,
+    AllocationOffered,
+    ApplyToElection,
+    BuildFailed,
+    BuildStage,
+    EndEpoch,
+    EpochDone,
+    EpochMachine,
+    EpochPhase,
+    FailNeighbour,
+    MemberGone,
+    PersistApplied,
+    RunnerEnded,
+    StageBuilt,
+    StartAsked,
+    StartRunner,
+    StepDone,
+    StopAsked,
+    StopRunnerAt,
+    WaitForCoordinator,
+)
+from .epoch.machine import Tick as EpochTick
+from .messages import ControlMsg
+from .coordinator.reshape import ReshapePlan
+from .coordinator.schedule import Placement
+from .epoch.runner import RunEnd, StepReport
+
+__all__ = ["PlaneSim", "reference_loss", "reference_weights"]
+
+PRESET = "tiny"
+DATA_HASH = "0" * 64
+RETRY_S = 0.1  # an allocation waiting for its coordinator is offered again this often
+
+
+def reference_weights(seed: int, step: int) -> bytes:
+    """The stand-in model's weights before step `step` (a hash chain from the run's seed)."""
+    w = hashlib.sha256(struct.pack(">q", seed)).digest()
+    for s in range(step):
+        w = hashlib.sha256(w + struct.pack(">q", s)).digest()
+    return w
+
+
+def _next_weights(w: bytes, step: int) -> bytes:
+    return hashlib.sha256(w + struct.pack(">q", step)).digest()
+
+
+def reference_loss(weights_after: bytes) -> float:
+    """The loss a step reports: drawn from the weights it produced."""
+    return 1.0 + int.from_bytes(weights_after[:4], "big") / 2**32
+
+
+@dataclass
+class SimStage:
+    """A node's stage objects (the shell's `_Stage`): weights before step `at`, and before the
+    last completed step (the runner's snapshot)."""
+
+    alloc: Allocation
+    weights: bytes
+    at: int
+    snapshot: tuple[int, bytes] | None = None
+    started: bool = False
+    stop_at: int | None = None
+    ended: bool = False
+
+
+@dataclass
+class _Outstanding:
+    """A request a node's coordinator made: answers so far."""
+
+    ask: Ask
+    answers: dict[bytes, dict] = field(default_factory=dict)
+
+
+class SimSwarm:
+    """Node k's gossip, as the coordinator reads it: the live nodes on its side, all measured."""
+
+    def __init__(self, sim: PlaneSim, k: int):
+        self.sim, self.k = sim, k
+
+    def live_peers(self) -> list[bytes]:
+        return [self.sim.ids[j] for j in self.sim.reachable(self.k) if j != self.k]
+
+    def known_peers(self) -> list[bytes]:
+        return list(self.sim.ids)
+
+    def regions(self) -> dict[bytes, str]:
+        return {p: "sim" for p in self.sim.ids}
+
+    def view(self):
+        return _View(tuple(sorted(self.live_peers() + [self.sim.ids[self.k]])))
+
+    def measured_view(self, candidates):
+        return _View(tuple(sorted(set(candidates)))), []
+
+
+@dataclass(frozen=True)
+class _View:
+    peers: tuple[bytes, ...]
+    complete: bool = True
+
+
+class SimPlanner:
+    """The scheduler's stand-in: every live peer in `stages`-stage pipelines (the rest spares).
+    Cheap and deterministic; the scheduler's own choices are tested in tests/test_reshape.py."""
+
+    def __init__(self, sim: PlaneSim):
+        self.sim = sim
+
+    def placement(self, live: Sequence[bytes]) -> Placement:
+        peers = sorted(live)
+        stages = max(1, min(self.sim.stages, len(peers), PRESETS[PRESET].n_layer))
+        dp = max(1, len(peers) // stages)
+        pipelines = tuple(tuple(peers[d * stages + s] for s in range(stages)) for d in range(dp))
+        spares = tuple(peers[dp * stages:])
+        ranges = tuple(layer_ranges(PRESETS[PRESET].n_layer, stages))
+        return Placement(pipelines, ranges, spares, 1.0, 1.0)
+
+    def reshape(self, view, cur: Allocation, *, live, remaining_steps, regions, seed, force) -> ReshapePlan:
+        if not live:
+            raise ValueError("no live peer")
+        return ReshapePlan(self.placement(sorted(live)), "reschedule", 0, 0, 0.0, 0.0, ())
+
+
+class PlaneSim(ElectionSim):
+    """`ElectionSim` whose nodes also run the plane's machines (see the module docstring)."""
+
+    def __init__(self, n: int, config: ElectionConfig, *, seed: int = 0, stages: int = 2,
+                 checkpoint_every: int = 0, conditions: NetConditions | None = None, lose_reports: bool = True,
+                 delays_s=None, timings: CoordinatorTimings | None = None):
+        rng = random.Random(seed)
+        keys = [Identity(rng.randbytes(32)) for _ in range(n)]
+        by_id = {k.peer_id: k for k in keys}
+        self.stages = stages
+        self.checkpoint_every = checkpoint_every
+        self.timings = timings or CoordinatorTimings(
+            accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
+            drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
+            max_reconfig_attempts=5)
+        self.run_seed = seed
+        self.content: dict[str, bytes] = {}  # digest -> weights (what a fetch verifies against)
+        self.disk_alloc: list[Allocation | None] = [None] * n
+        self.checkpoints: list[dict[tuple[bytes, tuple[int, int], int], bytes]] = [{} for _ in range(n)]
+        self.epochs: list[EpochMachine | None] = [None] * n
+        self.coords: list[Coordinator | None] = [None] * n
+        self.sim_stages: list[dict[int, SimStage]] = [{} for _ in range(n)]  # node -> epoch -> stage
+        self.outstanding: list[dict[tuple, _Outstanding]] = [{} for _ in range(n)]
+        self.replies: list[dict[tuple, Reply]] = [{} for _ in range(n)]
+        self.train_log: list[dict] = []  # every line any node logged, with `holder`
+        self.events: list[tuple[float, int, str, dict]] = []
+        self.applications: list[tuple[int, tuple[int, int], bytes | None, int]] = []
+        self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self._keys = sorted(by_id)
+        self._signers = by_id
+        self._ctick_at = [float("nan")] * n
+        self._seq = 0
+        super().__init__(n, config, seed=rng.getrandbits(64), codec=False, conditions=conditions,
+                         lose_reports=lose_reports, delays_s=delays_s, ids=self._keys)
+
+    # ------------------------------------------------------------------ queries
+
+    def reachable(self, k: int) -> list[int]:
+        return [j for j in self.live() if self.groups[j] == self.groups[k]]
+
+    def epoch(self, k: int) -> EpochMachine:
+        e = self.epochs[k]
+        assert e is not None
+        return e
+
+    def merged_log(self) -> dict[int, dict]:
+        """step -> the line of the highest (term, epoch) (what `dtfm-swarm` merges)."""
+        best: dict[int, dict] = {}
+        for line in self.train_log:
+            key = (line["term"], line["epoch"])
+            if line["step"] not in best or key > (best[line["step"]]["term"], best[line["step"]]["epoch"]):
+                best[line["step"]] = line
+        return best
+
+    # ------------------------------------------------------------------ moves
+
+    def start_training(self, k: int, *, steps: int = 10**6) -> bool:
+        """`train start` on node k (its coordinator): the first epoch over the nodes it reaches."""
+        coord = self.coords[k]
+        if coord is None or not self._reader(k).is_coordinator:
+            return False
+        placement = SimPlanner(self).placement([self.ids[j] for j in self.reachable(k)])
+        self._seq += 1
+        ev = StartRun(("start", self._seq), self._run_id(), placement, PRESET, get_preset(PRESET),
+                      TrainConfig(seed=self.run_seed), DATA_HASH, "sim", steps, self.checkpoint_every)
+        self._coordinator(k, ev)
+        return True
+
+    def issue(self, k: int, *, rogue: bool = False) -> Allocation | None:
+        """Node k hands the next allocation of its term (epoch: its last applied + 1) to the
+        nodes it reaches, without starting it (rogue: even when it is not coordinator, as a
+        faulty peer would); the peers' acceptance decides. None if it issued nothing."""
+        node = self.nodes[k]
+        if node is None or not (rogue or node.role is ElectionRole.COORDINATOR):
+            return None
+        me = self.ids[k]
+        placement = SimPlanner(self).placement([self.ids[j] for j in self.reachable(k)])
+        named = {p for pipe in placement.pipelines for p in pipe} | set(placement.spares)
+        alloc = Allocation(epoch=node.last_applied[1] + 1, term=node.term, issuer=me, pipelines=placement.pipelines,
+                           layer_ranges=placement.layer_ranges, preset=PRESET, model=get_preset(PRESET),
+                           train=TrainConfig(seed=self.run_seed), data_hash=DATA_HASH, data_name="sim", start_step=0,
+                           end_step=10**6, checkpoint_every=0, predicted_iteration_s=1.0, spares=placement.spares,
+                           run_id=self._run_id(), reason="issued",
+                           voters=next_voters(node.voters, named, named, me))
+        body = SignedAllocation.sign(alloc, self._signers[me]).to_wire()
+        self._seq += 1
+        for p in sorted(named):
+            if p == me:
+                self._local_answer(k, ControlMsg.ALLOCATION, body)
+            else:
+                self._transmit(k, self.index[p], ("ask", ("issued", self._seq), ControlMsg.ALLOCATION, body))
+        return alloc
+
+    def train(self, steps: int = 1, *, split: Sequence[int] = ()) -> int:
+        """Every epoch whose peers all train it, on one side, runs `steps` steps; the peers of an
+        epoch that cannot step fail the step. With `split`, the last of these steps is completed
+        only by the peers in `split`, which then fail the next one, and failed by the others.
+        Returns the steps completed, summed over the epochs."""
+        done = 0
+        allocs = {}
+        for k in self.live():
+            for st in self.sim_stages[k].values():
+                if st.started and not st.ended:
+                    allocs[(st.alloc.term, st.alloc.epoch)] = st.alloc
+        for key in sorted(allocs):
+            alloc = allocs[key]
+            ks = [self.index[p] for p in alloc.peers]
+            mine = [j for j in ks if self.nodes[j] is not None and alloc.epoch in self.sim_stages[j]
+                    and self.sim_stages[j][alloc.epoch].started and not self.sim_stages[j][alloc.epoch].ended]
+            ok = len(mine) == len(ks) and len({self.groups[j] for j in mine}) == 1
+            for s in range(steps if ok else 0):
+                last = s == steps - 1 and bool(split)
+                stepping = [j for j in mine if not last or j in split]
+                if any(self.sim_stages[j][alloc.epoch].at >= self._end_of(j, alloc) for j in stepping):
+                    break
+                for j in stepping:
+                    self._complete(j, alloc.epoch)
+                done += 1
+            if ok and not split:
+                continue
+            for j in mine:
+                st = self.sim_stages[j][alloc.epoch]
+                self._end_runner(j, st, RunEnd(st.at - 1, "a neighbour's step failed", True))
+        return done
+
+    def crash(self, k: int) -> None:
+        super().crash(k)
+        self.epochs[k] = self.coords[k] = None
+        self.sim_stages[k] = {}
+        self.outstanding[k] = {}
+        self.replies[k] = {}
+        self._ctick_at[k] = float("nan")
+
+    # ------------------------------------------------------------------ the election sim's hooks
+
+    def _booted(self, k: int) -> None:
+        reader = self._reader(k)
+        epoch = EpochMachine(self.ids[k], reader, heartbeat_wait_s=2 * self.config.heartbeat_interval_s + 1.0,
+                             coordinator_lost_after_s=3 * self.config.election_timeout_max_s)
+        alloc = self.disk_alloc[k]
+        if alloc is not None:
+            epoch.restore(alloc.run_id, alloc.term, alloc.epoch, alloc)
+        self.epochs[k] = epoch
+        signer = self._signers[self.ids[k]]
+        self.coords[k] = Coordinator(self.ids[k], lambda a: SignedAllocation.sign(a, signer), reader, epoch, SimSwarm(self, k),
+                                     SimPlanner(self), self.timings)
+        self._schedule_coordinator(k)
+        self._push(self.now + 3 * self.config.heartbeat_interval_s, ("etick", k))
+
+    def _election_event(self, k: int, a) -> None:
+        if isinstance(a, BecameCoordinator):
+            self._coordinator(k, Elected(a.term))
+        elif isinstance(a, SteppedDown):
+            self._coordinator(k, SteppedDownEvent(a.term, a.reason))
+
+    def _dispatch(self, item) -> None:
+        kind, k = item[0], item[1]
+        if self.nodes[k] is None:
+            return
+        if kind == "ctick":
+            if item[2] == self._ctick_at[k]:
+                self._ctick_at[k] = float("nan")
+                self._coordinator(k, Tick())
+        elif kind == "etick":
+            self._epoch(k, EpochTick())
+            self._push(self.now + 3 * self.config.heartbeat_interval_s, ("etick", k))
+        elif kind == "timeout":
+            out = self.outstanding[k].pop(item[2], None)
+            if out is not None:
+                self._answered(k, out, complete=True)
+        elif kind == "reoffer":
+            self._epoch(k, item[2])
+        else:
+            raise AssertionError(f"unknown item {item!r}")
+
+    def _on_message(self, k: int, src: int, payload: tuple) -> None:
+        kind = payload[0]
+        if kind == "ask":
+            _, key, msg, body = payload
+            self._answer(k, src, key, msg, body)
+        elif kind == "answer":
+            _, key, answer = payload
+            out = self.outstanding[k].get(key)
+            if out is not None and self.ids[src] in out.ask.peers and self.ids[src] not in out.answers:
+                out.answers[self.ids[src]] = answer
+                self._answered(k, out)
+        elif kind == "send":
+            _, msg, body = payload
+            self._one_way(k, src, msg, body)
+        else:
+            raise AssertionError(f"unknown message {payload!r}")
+
+    # ------------------------------------------------------------------ the shell's part
+
+    def _reader(self, k: int) -> _Reader:
+        return _Reader(self, k)
+
+    def _run_id(self) -> bytes:
+        return hashlib.sha256(b"run" + struct.pack(">q", self.run_seed)).digest()[:16]
+
+    def _end_of(self, k: int, alloc: Allocation) -> int:
+        st = self.sim_stages[k][alloc.epoch]
+        return min(alloc.end_step, st.stop_at) if st.stop_at is not None else alloc.end_step
+
+    def _schedule_coordinator(self, k: int) -> None:
+        coord = self.coords[k]
+        if coord is None:
+            return
+        t = max(self.now, coord.next_deadline() - self.offsets[k])
+        if t != self._ctick_at[k] and t != math.inf:
+            self._ctick_at[k] = t
+            self._push(t, ("ctick", k, t))
+
+    def _coordinator(self, k: int, event) -> None:
+        coord = self.coords[k]
+        if coord is None:
+            return
+        for a in coord.handle(event, self.local_now(k)):
+            self._execute(k, a)
+        self._schedule_coordinator(k)
+
+    def _epoch(self, k: int, event) -> None:
+        epoch = self.epochs[k]
+        if epoch is None:
+            return
+        for a in epoch.handle(event, self.local_now(k)):
+            self._execute(k, a)
+
+    def _execute(self, k: int, a) -> None:
+        me = self.ids[k]
+        if isinstance(a, Ask):
+            out = _Outstanding(a)
+            self.outstanding[k][a.key] = out
+            self._push(self.now + a.timeout_s, ("timeout", k, a.key))
+            for p in a.peers:
+                if p == me:
+                    out.answers[me] = self._local_answer(k, a.msg, a.body)
+                else:
+                    self._transmit(k, self.index[p], ("ask", a.key, a.msg, a.body))
+            self._answered(k, out)
+        elif isinstance(a, Send):
+            if a.peer == me:
+                self._one_way(k, k, a.msg, a.body)
+            else:
+                self._transmit(k, self.index[a.peer], ("send", a.msg, a.body))
+        elif isinstance(a, Compute):
+            try:
+                value, error = a.fn(), None
+            except ValueError as e:
+                value, error = None, str(e)
+            self._coordinator(k, Computed(a.key, value, error))
+        elif isinstance(a, LogLine):
+            line = dict(a.line, holder=k)
+            self.train_log.append(line)
+            self._check_line(line)
+        elif isinstance(a, (ResetLog, Emit)):
+            if isinstance(a, Emit):
+                self.events.append((self.now, k, a.event, dict(a.fields)))
+        elif isinstance(a, Reply):
+            self.replies[k][a.key] = a
+        elif isinstance(a, WaitForCoordinator):
+            self._push(min(self.now + RETRY_S, a.until - self.offsets[k]), ("reoffer", k, a.offer))
+        elif isinstance(a, EndEpoch):
+            st = self.sim_stages[k].get(a.epoch)
+            if st is not None and not st.ended:
+                st.ended = True
+                self._epoch(k, EpochDone(a.epoch))
+        elif isinstance(a, ApplyToElection):
+            self._apply(k, a)
+        elif isinstance(a, PersistApplied):
+            self.disk_alloc[k] = a.alloc
+        elif isinstance(a, BuildStage):
+            self._build(k, a)
+        elif isinstance(a, StartRunner):
+            st = self.sim_stages[k].get(a.epoch)
+            if st is not None:
+                st.started = True
+        elif isinstance(a, StopRunnerAt):
+            st = self.sim_stages[k].get(a.epoch)
+            if st is not None:
+                st.stop_at = max(a.step, st.at)
+                if st.at >= st.stop_at:
+                    self._end_runner(k, st, RunEnd(st.at - 1, "stopped", False))
+        elif isinstance(a, AbortRunner):
+            cur = self.epoch(k).current
+            st = self.sim_stages[k].get(cur.epoch) if cur is not None else None
+            if st is not None and not st.ended:
+                if st.started:
+                    self._end_runner(k, st, RunEnd(st.at - 1, a.reason, True))
+                else:
+                    st.ended = True
+                    self._epoch(k, EpochDone(st.alloc.epoch))
+        elif isinstance(a, FailNeighbour):
+            pass  # its next step fails in `train`
+        else:
+            raise AssertionError(f"unknown action {a!r}")
+
+    def _answered(self, k: int, out: _Outstanding, complete: bool = False) -> None:
+        if not complete and len(out.answers) < len(out.ask.peers):
+            return
+        self.outstanding[k].pop(out.ask.key, None)
+        answers = {p: out.answers.get(p, {"reason": f"no answer within {out.ask.timeout_s:g} s"})
+                   for p in out.ask.peers}
+        self._coordinator(k, Answers(out.ask.key, answers))
+
+    def _answer(self, k: int, src: int, key: tuple, msg: int, body: dict) -> None:
+        """Node k answers node src's request (once its reply is known: an allocation waits for
+        its coordinator and its stage)."""
+        self._seq += 1
+        if msg == ControlMsg.ALLOCATION:
+            local = ("alloc", self._seq)
+            self._offer_signed(k, local, body, reply_to=(src, key))
+            return
+        answer = self._handle_request(k, self.ids[src], msg, body)
+        self._transmit(k, src, ("answer", key, answer))
+
+    def _local_answer(self, k: int, msg: int, body: dict) -> dict:
+        if msg == ControlMsg.ALLOCATION:
+            self._seq += 1
+            local = ("alloc", self._seq)
+            self._offer_signed(k, local, body, reply_to=None)
+            reply = self.replies[k].pop(local, None)
+            if reply is None:  # waits for a coordinator it does not know: it is its own, so it does not
+                return {"accepted": False, "code": "not-coordinator", "reason": "not recognised"}
+            return dict(reply.value)
+        return self._handle_request(k, self.ids[k], msg, body)
+
+    def _handle_request(self, k: int, sender: bytes, msg: int, body: dict) -> dict:
+        epoch = self.epoch(k)
+        self._seq += 1
+        key = ("req", self._seq)
+        if msg == ControlMsg.START:
+            self._epoch(k, StartAsked(key, sender, body.get("run"), body.get("epoch")))
+        elif msg == ControlMsg.STOP:
+            self._epoch(k, StopAsked(key, sender, body.get("run"), int(body.get("at_step", 0)),
+                                     final=body.get("final") is True, abort=body.get("abort") is True))
+        elif msg == ControlMsg.RUN_STATE:
+            if body["op"] == "query":
+                cur = epoch.current
+                return epoch.run_state(self._checkpoints_of(k, cur.run_id if cur is not None else None)).to_wire()
+            weights = self._held(k, body["run"], tuple(body["layers"]), body["step"])
+            if weights is None:
+                return {"error": "not held here"}
+            digest = hashlib.sha256(repr((tuple(body["layers"]), body["step"])).encode() + weights).hexdigest()
+            self.content[digest] = weights
+            return {"digest": digest, "bytes": 1}
+        else:
+            raise AssertionError(f"no request {msg}")
+        reply = self.replies[k].pop(key)
+        return dict(reply.value)
+
+    def _offer_signed(self, k: int, key: tuple, body: dict, reply_to: tuple[int, tuple] | None) -> None:
+        alloc = SignedAllocation.from_wire(body).open()
+        self._pending_allocs = getattr(self, "_pending_allocs", {})
+        if reply_to is not None:
+            self._pending_allocs[(k, key)] = reply_to
+        live = frozenset(self.ids[j] for j in self.reachable(k))
+        ctx = AcceptContext(me=self.ids[k], live=live, known_presets=PRESETS, data_hash=DATA_HASH, data_name="sim",
+                            known=frozenset(self.ids))
+        self._epoch(k, AllocationOffered(key, alloc, ctx))
+        self._flush_reply(k, key)
+
+    def _flush_reply(self, k: int, key: tuple) -> None:
+        target = getattr(self, "_pending_allocs", {}).get((k, key))
+        reply = self.replies[k].get(key)
+        if target is None or reply is None:
+            return
+        del self._pending_allocs[(k, key)]
+        del self.replies[k][key]
+        src, remote_key = target
+        self._transmit(k, src, ("answer", remote_key, dict(reply.value)))
+
+    def _one_way(self, k: int, src: int, msg: int, body: dict) -> None:
+        if msg != ControlMsg.STEP:
+            raise AssertionError(f"no one-way message {msg}")
+        if "failed" in body:
+            self._coordinator(k, StepFailed(self.ids[src], body.get("run"), body.get("epoch"), body["failed"]))
+        else:
+            self._coordinator(k, StepReported(self.ids[src], body.get("run"), StepReport.from_wire(body)))
+
+    def _apply(self, k: int, a: ApplyToElection) -> None:
+        node = self.nodes[k]
+        assert node is not None
+        issuer = self.epoch(k).current.issuer if self.epoch(k).current is not None else None
+        if self.winners.get(a.term) != self.index.get(issuer):
+            self._violation(f"node {k} applied term {a.term} of {short_id(issuer or b'?')}, "
+                            "not the coordinator elected in it")
+        if (a.term, a.epoch) <= self.disk_applied[k]:
+            self._violation(f"node {k} applied ({a.term}, {a.epoch}) after {self.disk_applied[k]}")
+        self.applications.append((k, (a.term, a.epoch), node.coordinator if issuer != self.ids[k] else self.ids[k],
+                                  node.term))
+        node.applied(a.term, a.epoch)
+        self.disk_applied[k] = (a.term, a.epoch)
+        self.applied[k].append((a.term, a.epoch))
+        self.disk_voters[k] = a.voters
+        self._run(k, node.set_voters(a.voters, self.local_now(k)))
+
+    def _build(self, k: int, a: BuildStage) -> None:
+        alloc = a.alloc
+        me = self.ids[k]
+        weights: bytes | None
+        if not alloc.holdings:
+            weights = reference_weights(self.run_seed, 0) if alloc.start_step == 0 else None
+        else:
+            s = alloc.position(me)[1]
+            layers = alloc.layer_ranges[s]
+            got = []
+            for h in alloc.holdings:
+                if not (h.layer_range[0] < layers[1] and layers[0] < h.layer_range[1]):
+                    continue  # a stage this one needs nothing of
+                sources = [self.index[p] for p in h.holders if self.nodes[self.index[p]] is not None
+                           and self.groups[self.index[p]] == self.groups[k]]
+                w = self.content.get(h.digest)
+                got.append(w if sources or me in h.holders else None)
+            weights = got[0] if got and all(w is not None and w == got[0] for w in got) else None
+            if got and all(w is not None for w in got) and len(set(got)) > 1:
+                self._violation(f"node {k}: the holdings of epoch {alloc.epoch} are of different weights")
+        if weights is None:
+            self._epoch(k, BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(me)}: no holder reachable"))
+        else:
+            self.sim_stages[k] = {e: st for e, st in self.sim_stages[k].items()
+                                  if self.epoch(k).prev is not None and self.epoch(k).prev.alloc.epoch == e}
+            self.sim_stages[k][alloc.epoch] = SimStage(alloc, weights, alloc.start_step)
+            self._epoch(k, StageBuilt(a.key, alloc.epoch, alloc.start_step))
+        self._flush_reply(k, a.key)
+
+    def _held(self, k: int, run_id: bytes, layers: tuple[int, int], step: int) -> bytes | None:
+        held = self.epoch(k).held_at(run_id, layers, step)
+        if held is not None:
+            where, epoch = held
+            st = self.sim_stages[k].get(epoch)
+            if st is not None:
+                if where == "stage" and st.at == step:
+                    return st.weights
+                if where == "snapshot" and st.snapshot is not None and st.snapshot[0] == step:
+                    return st.snapshot[1]
+        return self.checkpoints[k].get((run_id, layers, step))
+
+    def _checkpoints_of(self, k: int, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
+        if run_id is None:
+            return ()
+        out = sorted((a, b, step) for (r, (a, b), step) in self.checkpoints[k] if r == run_id)
+        return tuple(out[-16:])
+
+    def _complete(self, k: int, epoch: int) -> None:
+        st = self.sim_stages[k][epoch]
+        step = st.at
+        st.snapshot = (step, st.weights)
+        st.weights, st.at = _next_weights(st.weights, step), step + 1
+        if self.checkpoint_every and st.at % self.checkpoint_every == 0:
+            s = st.alloc.position(self.ids[k])[1]
+            self.checkpoints[k][(st.alloc.run_id, st.alloc.layer_ranges[s], st.at)] = st.weights
+        rep = StepReport(epoch, step, reference_loss(st.weights), 0.1, 0.05, 0.03, 0.02)
+        self._epoch(k, StepDone(rep))
+        if st.at >= self._end_of(k, st.alloc):
+            reason = "finished" if st.at >= st.alloc.end_step else "stopped"
+            self._end_runner(k, st, RunEnd(step, reason, False))
+
+    def _end_runner(self, k: int, st: SimStage, end: RunEnd) -> None:
+        if st.ended:
+            return
+        st.ended = True
+        self._epoch(k, RunnerEnded(st.alloc.epoch, end, self.now))
+        self._epoch(k, EpochDone(st.alloc.epoch))
+
+    def _check_line(self, line: dict) -> None:
+        want = reference_loss(reference_weights(self.run_seed, line["step"] + 1))
+        if line["loss"] != want:
+            self._violation(f"node {line['holder']} logged step {line['step']} with loss {line['loss']}, "
+                            f"the reference gives {want}")
+
+
+class _Reader:
+    """Node k's ElectionState as the machines read it."""
+
+    def __init__(self, sim: PlaneSim, k: int):
+        self.sim, self.k = sim, k
+
+    @property
+    def _node(self) -> ElectionState:
+        node = self.sim.nodes[self.k]
+        assert node is not None
+        return node
+
+    @property
+    def term(self) -> int:
+        return self._node.term
+
+    @property
+    def coordinator(self) -> bytes | None:
+        return self._node.coordinator
+
+    @property
+    def voters(self) -> tuple[bytes, ...]:
+        return self._node.voters
+
+    @property
+    def last_applied(self) -> tuple[int, int]:
+        return self._node.last_applied
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self._node.role is ElectionRole.COORDINATOR
+
+    @property
+    def is_follower(self) -> bool:
+        return self._node.role is ElectionRole.FOLLOWER
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int):
+        return self._node.may_apply(issuer, term, epoch)
+
+
+del EpochPhase, MemberGone, Trigger, Planner

@@ -1,0 +1,87 @@
+"""The plane's status: one typed snapshot built from the machines' own, serialised in one place
+(`PlaneStatus.to_wire`, what `dtfm-peer status` shows under "training" and `dtfm-swarm` reads).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .coordinator.machine import CoordinatorStatus, Phase
+from .epoch.machine import EpochPhase, EpochStatus
+
+__all__ = ["PlaneStatus", "plane_status"]
+
+
+@dataclass(frozen=True)
+class PlaneStatus:
+    me: bytes
+    election: dict[str, Any]  # ElectionService.status()
+    is_coordinator: bool
+    epoch: EpochStatus
+    coordinator: CoordinatorStatus
+    log_path: Path
+    swarm_wait: dict | None
+    pid: int
+
+    def state(self) -> str:
+        """What this peer is doing: idle, spare, waiting, building, accepted, training, or how
+        its last epoch ended (finished, stopped, or the failure's text as `stopped`)."""
+        e = self.epoch
+        if e.phase is None:
+            return "idle"
+        if e.phase is EpochPhase.ENDED and e.end is not None:
+            return "stopped" if e.end.failed else e.end.reason
+        if e.phase is EpochPhase.ENDED:
+            return "stopped"
+        if e.phase is EpochPhase.REFUSED:
+            return "stopped"
+        return e.phase.value
+
+    def to_wire(self) -> dict[str, Any]:
+        el = self.election
+        out: dict[str, Any] = {"state": self.state(), "election": el, "role": el["role"], "term": el["term"],
+                               "coordinator": el["coordinator"]}
+        e = self.epoch
+        a = e.alloc
+        if a is not None:
+            out.update({"run_id": a.run_id.hex(), "epoch": a.epoch, "issuer": a.issuer.hex(),
+                        "preset": a.preset, "stages": a.stages, "dp": a.dp, "end_step": a.end_step,
+                        "start_step": a.start_step, "predicted_iteration_s": a.predicted_iteration_s,
+                        "epoch_reason": a.reason})
+            if self.me in a.peers:
+                d, s = a.position(self.me)
+                pipe = a.pipelines[d]
+                out.update({"stage": s, "pipeline": d, "layers": list(a.layer_ranges[s]),
+                            "prev": pipe[s - 1].hex() if s > 0 else None,
+                            "next": pipe[s + 1].hex() if s + 1 < a.stages else None,
+                            "dp_group": [p[s].hex() for p in a.pipelines], "fetched_bytes": e.fetched_bytes})
+            elif not self.is_coordinator:
+                out["role"] = "spare"
+            if e.step is not None:
+                out["step"] = e.step
+            last = e.last_report
+            if last is not None:
+                out["last_step"] = {"step": last.step, "loss": last.loss, "iteration_s": last.iteration_s,
+                                    "compute_s": last.compute_s, "pipeline_s": last.pipeline_s,
+                                    "sync_s": last.sync_s}
+        if e.last_end is not None:
+            out["last_end"] = e.last_end
+        c = self.coordinator
+        if c.last_reconfig is not None:
+            out["last_reconfig"] = c.last_reconfig
+        if c.run_id is not None and c.phase is not Phase.IDLE:
+            out["issued"] = {"run_id": c.run_id.hex(), "state": c.phase.value, "reason": c.reason,
+                             "completed": c.completed, "end_step": c.end_step, "log": str(self.log_path),
+                             "recent": list(c.recent), "started_at": c.started_at, "epoch": c.epoch}
+        if self.swarm_wait is not None:
+            out["waiting_for_peers"] = dict(self.swarm_wait)
+        out["pid"] = self.pid
+        return out
+
+
+def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
+                 coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None) -> PlaneStatus:
+    return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid())
