@@ -160,7 +160,8 @@ class SimPlanner:
     def placement(self, live: Sequence[bytes]) -> Placement:
         peers = sorted(live)
         stages = max(1, min(self.sim.stages, len(peers), PRESETS[PRESET].n_layer))
-        dp = max(1, len(peers) // stages)
+        cfg = TrainConfig(seed=self.sim.run_seed)
+        dp = max(1, min(len(peers) // stages, cfg.global_batch_seqs // cfg.micro_batches))
         pipelines = tuple(tuple(peers[d * stages + s] for s in range(stages)) for d in range(dp))
         spares = tuple(peers[dp * stages:])
         ranges = tuple(layer_ranges(PRESETS[PRESET].n_layer, stages))
@@ -200,6 +201,7 @@ class PlaneSim(ElectionSim):
         self.events: list[tuple[float, int, str, dict]] = []
         self.applications: list[tuple[int, tuple[int, int], bytes | None, int]] = []
         self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+        self.lives = [0] * n  # crashes of each node: what it logged in memory is lost with each
         self._keys = sorted(by_id)
         self._signers = by_id
         self._ctick_at = [float("nan")] * n
@@ -297,7 +299,31 @@ class PlaneSim(ElectionSim):
                 self._end_runner(j, st, RunEnd(st.at - 1, "a neighbour's step failed", True))
         return done
 
+    def _run_to_stops(self, alloc: Allocation) -> None:
+        """A runner told to stop before a step trains on to it (steps otherwise run only in
+        `train`): once every peer of the epoch has its stop, they step together to the first
+        boundary, or fail the next step when a peer of the epoch is gone."""
+        ks = [self.index[p] for p in alloc.peers]
+        stages = [self.sim_stages[j].get(alloc.epoch) if self.nodes[j] is not None else None for j in ks]
+        live = [st for st in stages if st is not None and st.started and not st.ended]
+        if any(st.stop_at is None for st in live):
+            return
+        if len(live) < len(ks) or len({self.groups[j] for j in ks if self.nodes[j] is not None}) > 1:
+            for j, st in zip(ks, stages):
+                if st is not None and st.started and not st.ended:
+                    self._end_runner(j, st, RunEnd(st.at - 1, "a neighbour's step failed", True))
+            return
+        stop = min(st.stop_at for st in live if st.stop_at is not None)
+        while all(st.at < stop for st in live):
+            for j in ks:
+                self._complete(j, alloc.epoch)
+        for j, st in zip(ks, stages):
+            if st is not None and not st.ended:
+                self._end_runner(j, st, RunEnd(st.at - 1, "stopped", False))
+
     def crash(self, k: int) -> None:
+        if self.nodes[k] is not None:
+            self.lives[k] += 1
         super().crash(k)
         self.epochs[k] = self.coords[k] = None
         self.sim_stages[k] = {}
@@ -380,8 +406,13 @@ class PlaneSim(ElectionSim):
         coord = self.coords[k]
         if coord is None:
             return
-        t = max(self.now, coord.next_deadline() - self.offsets[k])
-        if t != self._ctick_at[k] and t != math.inf:
+        deadline = coord.next_deadline()
+        if deadline == math.inf:
+            return
+        t = max(self.now, deadline - self.offsets[k])
+        while t + self.offsets[k] < deadline:  # rounding: the machine must see its deadline reached
+            t = math.nextafter(t, math.inf)
+        if t != self._ctick_at[k]:
             self._ctick_at[k] = t
             self._push(t, ("ctick", k, t))
 
@@ -424,7 +455,7 @@ class PlaneSim(ElectionSim):
                 value, error = None, str(e)
             self._coordinator(k, Computed(a.key, value, error))
         elif isinstance(a, LogLine):
-            line = dict(a.line, holder=k)
+            line = dict(a.line, holder=k, life=self.lives[k])
             self.train_log.append(line)
             self._check_line(line)
         elif isinstance(a, (ResetLog, Emit)):
@@ -451,10 +482,9 @@ class PlaneSim(ElectionSim):
                 st.started = True
         elif isinstance(a, StopRunnerAt):
             st = self.sim_stages[k].get(a.epoch)
-            if st is not None:
+            if st is not None and not st.ended:
                 st.stop_at = max(a.step, st.at)
-                if st.at >= st.stop_at:
-                    self._end_runner(k, st, RunEnd(st.at - 1, "stopped", False))
+                self._run_to_stops(st.alloc)
         elif isinstance(a, AbortRunner):
             cur = self.epoch(k).current
             st = self.sim_stages[k].get(cur.epoch) if cur is not None else None

@@ -247,7 +247,8 @@ class Coordinator:
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
         self._queue: list[StartRun | Reschedule] = []
-        self._probe: str | None = None  # "joined" | "holders" | "drift" while one is out
+        self._probe: str | None = None  # "joined" | "holders" | "epoch" | "drift" while one is out
+        self._check_epoch: int | None = None  # re-elected in this term: is its epoch still running?
         self._keys = itertools.count()
         self._now = 0.0
 
@@ -303,8 +304,11 @@ class Coordinator:
         elif isinstance(event, Elected):
             out.append(self._emit("coordinator", term=event.term, trigger="elected"))
             cur = self.epoch.current
-            if cur is not None and not self._over() and (cur.issuer != self.me or self.steplog is None):
-                self._trigger(f"coordinator changed (term {event.term})")
+            if cur is not None and not self._over():
+                if cur.issuer != self.me or self.steplog is None:
+                    self._trigger(f"coordinator changed (term {event.term})")
+                else:  # re-elected: its epoch may have broken while it was not the coordinator
+                    self._check_epoch = event.term
                 self._next_check = now
         elif isinstance(event, SteppedDownEvent):
             out.append(self._emit("stepped-down", term=event.term, trigger=event.reason))
@@ -341,6 +345,10 @@ class Coordinator:
             self._triggers.clear()
             self._gather_until = None
             return []
+        if self._check_epoch is not None and not self._triggers:
+            self._probe = "epoch"
+            return [self._ask(("probe", "epoch"), cur.peers, ControlMsg.RUN_STATE, {"op": "query"},
+                              self.t.probe_timeout_s)]
         if self._triggers:
             if self._gather_until is None:  # the other peers' reports of the same event
                 self._gather_until = now + self.t.report_gather_s
@@ -382,6 +390,14 @@ class Coordinator:
         cur = self.epoch.current
         if cur is None or not self.election.is_coordinator:
             return []
+        if what == "epoch":
+            term, self._check_epoch = self._check_epoch, None
+            stalled = [p for p in cur.peers if p not in states or not states[p].running
+                       or (states[p].run_id, states[p].epoch) != (cur.run_id, cur.epoch)]
+            if not stalled:
+                return []
+            reason = f"coordinator changed (term {term}): its epoch no longer runs everywhere"
+            return self._reconfigure(reason, now, retry=[reason])
         view, _ = self.swarm.measured_view(set(states) | set(self.swarm.live_peers()) | {self.me})
         ready = [p for p in states if p in view.peers]
         if not ready:
@@ -459,13 +475,16 @@ class Coordinator:
             return [Reply(op.key, error="a run is in progress: `train stop` it first")]
         shape = op.placement
         named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
-        alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
-                           pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=op.preset,
-                           model=op.model, train=op.train, data_hash=op.data_hash, data_name=op.data_name,
-                           start_step=0, end_step=op.steps, checkpoint_every=op.checkpoint_every,
-                           predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
-                           absent=self._absent(named), run_id=op.run_id, reason="train start",
-                           voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}))
+        try:
+            alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
+                               pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=op.preset,
+                               model=op.model, train=op.train, data_hash=op.data_hash, data_name=op.data_name,
+                               start_step=0, end_step=op.steps, checkpoint_every=op.checkpoint_every,
+                               predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
+                               absent=self._absent(named), run_id=op.run_id, reason="train start",
+                               voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}))
+        except ValueError as e:
+            return [Reply(op.key, error=f"cannot build the allocation: {e}")]
         self._paused_live, self._attempts = None, 0
         proc = _Procedure(next(self._keys), "start", "train start", reply=op.key, t0=now)
         self._proc = proc
@@ -620,7 +639,10 @@ class Coordinator:
                              {d[:12]: [short_id(p) for p in ps] for d, ps in by_digest.items()})
             holdings.append(Holding(r, digest, tuple(sorted(peers))))
         proc.marks["offered"] = now
-        alloc = self._next_allocation(cur, plan.placement, rp, tuple(holdings), proc.trigger, set(proc.states))
+        try:
+            alloc = self._next_allocation(cur, plan.placement, rp, tuple(holdings), proc.trigger, set(proc.states))
+        except ValueError as e:
+            raise _Failed(f"cannot build the next allocation: {e}") from None
         # Steps already completed and logged that the swarm runs again: the holders of the newer
         # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
         # (a peer that completed step j means every peer completed j - 1: the steps move together)

@@ -272,6 +272,7 @@ class EpochMachine:
         self.last_end: dict | None = None
         self._stopped_by_operator: bytes | None = None  # the run an operator stopped
         self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
+        self._restarted = False  # restored a stage's place, not the stage: the coordinator is told once
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -281,7 +282,9 @@ class EpochMachine:
         run over from the others' run states)."""
         self.applied[run_id] = (term, epoch)
         if alloc is not None and alloc.run_id == run_id and alloc.term_epoch == (term, epoch):
-            self.run = EpochRecord(alloc, EpochPhase.WAITING, done=True)
+            placed = self.me in alloc.peers
+            self.run = EpochRecord(alloc, EpochPhase.WAITING if placed else EpochPhase.SPARE, done=True)
+            self._restarted = placed
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -503,6 +506,16 @@ class EpochMachine:
         training, discarding the step in progress: a minority side does not train on without a
         coordinator. The grace keeps a slow heartbeat from stopping a healthy run."""
         run = self.run
+        if self._restarted and run is not None and run.phase is EpochPhase.WAITING:
+            # This peer restarted and lost its stage: the epoch it was placed in cannot step
+            # any more. Its coordinator may not notice (a restart quicker than gossip's failure
+            # detection, every stage holder restarted): say so as a failed step.
+            coordinator = self.election.coordinator
+            if coordinator is None:
+                return []
+            self._restarted = False
+            return [Send(coordinator, ControlMsg.STEP, {"run": run.alloc.run_id, "epoch": run.alloc.epoch,
+                                                        "failed": "restarted: holds no stage", "step": 0})]
         if run is None or run.phase is not EpochPhase.TRAINING or run.done or run.end is not None:
             self._lost_since = None
             return []

@@ -1,0 +1,139 @@
+"""The control plane's own machines (`ElectionState`, `EpochMachine`, `Coordinator`) on every
+node of a simulated network (`PlaneSim`, control/sim.py), under crash, restart, partition,
+heal, drop, duplicate, reorder, delay and clock jumps.
+
+The stand-in model's weights are a hash chain over the steps, so a logged loss is the
+reference's only if its stage was resumed from the right weights (checked as the simulation
+runs, in `violations`). After every rule: never two coordinators in one term; a node applies an
+allocation only in its current term and from the coordinator it recognises, the one elected in
+it; each node's applied (term, epoch) strictly increases; the merged train log (per step the
+line of the highest (term, epoch), as `dtfm-swarm` merges it) has every step from 0; a node
+logs a step once in one life unless the swarm rolled back to it. At the end, after a heal, the
+restart of every node and a quiet period in which the swarm trains: every live node applied the
+same newest (term, epoch) and the merged log holds every step the swarm completed, unless the
+run cannot go on (every holder of a stage lost, no checkpoint) and says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+from sim_faults import SimFaults
+
+from dtfm.control.coordinator.machine import Phase
+from dtfm.control.election import ElectionConfig
+from dtfm.control.election.sim import NetConditions
+from dtfm.control.epoch.machine import EpochPhase
+from dtfm.control.sim import PlaneSim
+
+CFG = ElectionConfig.test()
+CLEAN = NetConditions(jitter=1.0)
+
+
+def check_log(sim: PlaneSim) -> list[int]:
+    """The log invariants; returns the merged log's steps."""
+    merged = sim.merged_log()
+    steps = sorted(merged)
+    assert steps == list(range(len(steps))), f"merged train log has holes: {steps}"
+    back = min((e[3]["resume_step"] for e in sim.events if e[2] == "rollback"), default=float("inf"))
+    again = [k for k, n in Counter((x["holder"], x["life"], x["step"]) for x in sim.train_log
+                                   if x["step"] < back).items() if n > 1]
+    assert not again, f"(node, life, step) logged twice without a rollback: {again}"
+    return steps
+
+
+def check_applications(sim: PlaneSim) -> None:
+    for k, (term, epoch), recognised, node_term in sim.applications:
+        assert node_term == term, f"node {k} applied ({term}, {epoch}) in its term {node_term}"
+        assert recognised == sim.ids[sim.winners[term]], f"node {k} applied ({term}, {epoch}) of a coordinator " \
+                                                         "it did not recognise"
+    for k, seq in enumerate(sim.applied):
+        assert all(a < b for a, b in itertools.pairwise(seq)), f"node {k} applied {seq}"
+
+
+def settle(sim: PlaneSim, rounds: int = 12) -> str:
+    """Heal, restart every node, a clean network: the swarm reconfigures itself and trains.
+    What came of it: "training", or why the run cannot go on."""
+    sim.heal()
+    sim.net = CLEAN
+    for k in range(sim.n):
+        sim.restart(k)
+    for _ in range(rounds):
+        sim.run_for(1.0)
+        sim.train(1)
+        coords = sim.coordinators()
+        if len(coords) != 1:
+            continue
+        phase = sim.coords[coords[0]].phase
+        if phase in (Phase.PAUSED, Phase.STOPPED):
+            return f"{phase.value}: {sim.coords[coords[0]].reason}"
+        epochs = {sim.epoch(k).current.term_epoch if sim.epoch(k).current else None for k in sim.live()}
+        training = all(sim.epoch(k).run is not None and sim.epoch(k).run.phase in (
+            EpochPhase.TRAINING, EpochPhase.SPARE) for k in sim.live())
+        if len(epochs) == 1 and training and sim.train(2) == 2:
+            sim.run_for(0.5)
+            return "training"
+    return "not settled"
+
+
+class PlaneMachine(SimFaults):
+    def __init__(self):
+        super().__init__()
+        self.sim: PlaneSim | None = None
+
+    @initialize(n=st.integers(3, 6), seed=st.integers(0, 2**32), stages=st.sampled_from([1, 2]),
+                checkpoint_every=st.sampled_from([0, 2]))
+    def start(self, n, seed, stages, checkpoint_every):
+        self.sim = PlaneSim(n, CFG, seed=seed, stages=stages, checkpoint_every=checkpoint_every, conditions=CLEAN)
+        self.sim.run_for(2.0)
+        for c in self.sim.coordinators():
+            self.sim.start_training(c)
+        self.sim.run_for(0.5)
+
+    @rule(i=st.integers(0, 8))
+    def campaign(self, i):
+        self.sim.campaign(self._k(i))
+
+    @rule(steps=st.integers(1, 3))
+    def train(self, steps):
+        self.sim.train(steps)
+        self.sim.run_for(0.1)
+
+    @rule(ahead=st.lists(st.booleans(), min_size=9, max_size=9))
+    def split_step(self, ahead):
+        """Some peers complete a step the others fail (a peer lost half-way through it)."""
+        self.sim.train(1, split=[k for k in range(self.sim.n) if ahead[k]])
+
+    @invariant()
+    def safe(self):
+        if self.sim is None:
+            return
+        assert self.sim.violations == []
+        terms = [self.sim.nodes[k].term for k in self.sim.coordinators()]
+        assert len(terms) == len(set(terms)), "two coordinators in one term"
+        check_applications(self.sim)
+        check_log(self.sim)
+
+    def teardown(self):
+        sim = self.sim
+        if sim is None:
+            return
+        outcome = settle(sim)
+        assert sim.violations == []
+        if outcome != "training":
+            assert "no reachable peer holds" in outcome or "no holder" in outcome, outcome
+            return
+        newest = {sim.disk_applied[k] for k in sim.live()}
+        assert len(newest) == 1, f"live nodes applied {sorted(newest)}"
+        steps = check_log(sim)
+        done = max(st.at for k in sim.live() for st in sim.sim_stages[k].values())
+        assert steps[-1] == done - 1
+
+
+TestPlane = PlaneMachine.TestCase
+TestPlane.settings = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True,
+                              suppress_health_check=[HealthCheck.too_slow])

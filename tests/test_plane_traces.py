@@ -1,0 +1,215 @@
+"""Reconfiguration scenarios as traces of the plane's machines under a virtual clock
+(`PlaneSim`, control/sim.py): a follower killed, the coordinator killed and restarted with its
+data dir, two of a data-parallel group at once, a 3 | 5 partition with the coordinator in the
+minority, and both holders of a stage lost and restored from checkpoints.
+
+Each scenario is a short script; its trace (the plane's events, the merged step log, each
+node's final state) is compared with tests/data/plane_traces/NAME.txt, which a reader can
+check against the protocol in docs/control.md. After a deliberate change of behaviour,
+re-record with `DTFM_RECORD_TRACES=1 pytest tests/test_plane_traces.py` and read the diff.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dtfm.control.election import ElectionConfig
+from dtfm.control.election.sim import NetConditions
+from dtfm.control.sim import PlaneSim
+
+TRACES = Path(__file__).resolve().parent / "data" / "plane_traces"
+RECORD = os.environ.get("DTFM_RECORD_TRACES") == "1"
+CFG = ElectionConfig.test()
+EVENT_FIELDS = ("term", "epoch", "kind", "old_shape", "new_shape", "resume_step", "rollback", "reason", "trigger")
+
+
+class Script:
+    """Drives a PlaneSim and writes down what happened, in words."""
+
+    def __init__(self, sim: PlaneSim):
+        self.sim = sim
+        self.lines: list[str] = []
+        self._events = 0
+
+    def name(self, peer: bytes) -> str:
+        return f"n{self.sim.index[peer]}"
+
+    def _names(self, text: str) -> str:
+        for p in self.sim.ids:
+            text = text.replace(p.hex()[:8], self.name(p))
+        return text
+
+    def note(self, what: str) -> None:
+        self._flush()
+        self.lines.append(f"{self.sim.now:8.3f}  > {what}")
+
+    def _flush(self) -> None:
+        for t, k, event, fields in self.sim.events[self._events:]:
+            shown = " ".join(f"{f}={self._names(str(fields[f]))}" for f in EVENT_FIELDS if f in fields)
+            self.lines.append(f"{t:8.3f}  n{k} {event} {shown}")
+        self._events = len(self.sim.events)
+
+    def run(self, seconds: float) -> None:
+        self.sim.run_for(seconds)
+        self._flush()
+
+    def train(self, steps: int, **kw) -> int:
+        done = self.sim.train(steps, **kw)
+        self.note(f"train {steps}: {done} steps completed")
+        return done
+
+    def coordinator(self) -> int:
+        [c] = self.sim.coordinators()
+        return c
+
+    def finish(self) -> str:
+        self._flush()
+        sim = self.sim
+        merged = sim.merged_log()
+        steps = sorted(merged)
+        back = [s for s in steps if merged[s].get("backfilled")]
+        self.lines.append(f"log: steps {steps[0] if steps else '-'}..{steps[-1] if steps else '-'}, "
+                          f"{len(steps)} steps, back-filled {back}")
+        assert steps == list(range(len(steps))), f"holes in the log: {steps}"
+        for k in range(sim.n):
+            if sim.nodes[k] is None:
+                self.lines.append(f"n{k}: down")
+                continue
+            run = sim.epoch(k).run
+            if run is None:
+                self.lines.append(f"n{k}: no run")
+                continue
+            where = "spare"
+            if k in [sim.index[p] for p in run.alloc.peers]:
+                d, s = run.alloc.position(sim.ids[k])
+                where = f"stage {s} of pipeline {d}"
+            self.lines.append(f"n{k}: {sim.nodes[k].role.value} term {sim.nodes[k].term}, epoch "
+                              f"{run.alloc.epoch} {run.phase.value}, {where}, at step {run.at}")
+        assert sim.violations == [], sim.violations
+        return "\n".join(self.lines) + "\n"
+
+
+def _started(n: int, *, seed: int, stages: int = 2, checkpoint_every: int = 0) -> tuple[Script, int]:
+    s = Script(PlaneSim(n, CFG, seed=seed, stages=stages, checkpoint_every=checkpoint_every,
+                        conditions=NetConditions(jitter=1.0)))
+    s.run(2.0)
+    c = s.coordinator()
+    s.note(f"train start on n{c}")
+    s.sim.start_training(c)
+    s.run(0.5)
+    return s, c
+
+
+def follower_killed() -> str:
+    s, c = _started(4, seed=3)
+    s.train(3)
+    s.run(0.5)
+    k = next(j for j in range(4) if j != c)
+    s.note(f"n{k} is killed")
+    s.sim.crash(k)
+    s.train(1)
+    s.run(2.0)
+    s.train(3)
+    s.run(0.5)
+    return s.finish()
+
+
+def coordinator_killed_and_restarted() -> str:
+    s, c = _started(5, seed=4)
+    s.train(3)
+    s.run(0.5)
+    s.note(f"the coordinator n{c} is killed")
+    s.sim.crash(c)
+    s.train(1)
+    s.run(3.0)
+    s.train(2)
+    s.run(0.5)
+    s.note(f"n{c} restarts with its data dir")
+    s.sim.restart(c)
+    s.run(3.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
+def two_of_a_dp_group() -> str:
+    s, c = _started(6, seed=5)
+    s.train(2)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None and alloc.dp >= 2
+    lost = [s.sim.index[alloc.pipelines[d][0]] for d in range(2)]
+    if c in lost:  # keep the coordinator: this scenario is about the stage's replicas
+        lost = [s.sim.index[alloc.pipelines[d][1]] for d in range(2)]
+    s.note(f"n{lost[0]} and n{lost[1]}, two replicas of one stage, are killed at once")
+    for k in lost:
+        s.sim.crash(k)
+    s.train(1)
+    s.run(2.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
+def partition_coordinator_in_minority() -> str:
+    s, c = _started(8, seed=6)
+    s.train(2)
+    s.run(0.5)
+    minority = [c] + [j for j in range(8) if j != c][:2]
+    s.note(f"partition: n{', n'.join(map(str, minority))} | the other five")
+    s.sim.partition([1 if k in minority else 0 for k in range(8)])
+    s.train(1)
+    s.run(4.0)
+    s.train(2)
+    s.run(0.5)
+    s.note("heal")
+    s.sim.heal()
+    s.run(4.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
+def stage_restored_from_checkpoints() -> str:
+    s, c = _started(4, seed=7, checkpoint_every=2)
+    s.train(5)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None
+    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
+    lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
+    s.note(f"both holders of stage {stage} (n{lost[0]}, n{lost[1]}) are killed")
+    for k in lost:
+        s.sim.crash(k)
+    s.train(1)
+    s.run(2.0)
+    s.note("they restart with their data dirs (their checkpoints)")
+    for k in lost:
+        s.sim.restart(k)
+    s.run(4.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
+SCENARIOS: dict[str, Callable[[], str]] = {f.__name__: f for f in (
+    follower_killed, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
+    stage_restored_from_checkpoints)}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_trace(name):
+    got = SCENARIOS[name]()
+    path = TRACES / f"{name}.txt"
+    if RECORD:
+        TRACES.mkdir(parents=True, exist_ok=True)
+        path.write_text(got)
+    want = path.read_text()
+    if got != want:
+        diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), "recorded", "now"))
+        pytest.fail(f"the trace of {name} changed (re-record with DTFM_RECORD_TRACES=1 if that is meant):\n{diff}")
