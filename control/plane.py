@@ -889,6 +889,8 @@ class ControlPlane:
         a random one of the given stages x dp."""
         try:
             if req.placement == "random":
+                if req.stages is None or req.dp is None:  # TrainRequest and start_training fill both in
+                    raise ValueError("a random placement needs --stages and --dp")
                 return random_shape(view, spec, cfg, stages=req.stages, dp=req.dp, seed=req.seed)
             return await trio.to_thread.run_sync(lambda: choose_shape(
                 view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,

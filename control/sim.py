@@ -585,13 +585,14 @@ class PlaneSim(ElectionSim):
     def _apply(self, k: int, a: ApplyToElection) -> None:
         node = self.nodes[k]
         assert node is not None
-        issuer = self.epoch(k).current.issuer if self.epoch(k).current is not None else None
-        if self.winners.get(a.term) != self.index.get(issuer):
-            self._violation(f"node {k} applied term {a.term} of {short_id(issuer or b'?')}, "
+        cur = self.epoch(k).current
+        assert cur is not None  # the machine applies the allocation before it says so
+        if self.winners.get(a.term) != self.index.get(cur.issuer):
+            self._violation(f"node {k} applied term {a.term} of {short_id(cur.issuer)}, "
                             "not the coordinator elected in it")
         if (a.term, a.epoch) <= self.disk_applied[k]:
             self._violation(f"node {k} applied ({a.term}, {a.epoch}) after {self.disk_applied[k]}")
-        self.applications.append((k, (a.term, a.epoch), node.coordinator if issuer != self.ids[k] else self.ids[k],
+        self.applications.append((k, (a.term, a.epoch), node.coordinator if cur.issuer != self.ids[k] else self.ids[k],
                                   node.term))
         node.applied(a.term, a.epoch)
         self.disk_applied[k] = (a.term, a.epoch)
@@ -622,8 +623,9 @@ class PlaneSim(ElectionSim):
         if weights is None:
             self._epoch(k, BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(me)}: no holder reachable"))
         else:
+            prev = self.epoch(k).prev
             self.sim_stages[k] = {e: st for e, st in self.sim_stages[k].items()
-                                  if self.epoch(k).prev is not None and self.epoch(k).prev.alloc.epoch == e}
+                                  if prev is not None and prev.alloc.epoch == e}
             self.sim_stages[k][alloc.epoch] = SimStage(alloc, weights, alloc.start_step)
             self._epoch(k, StageBuilt(a.key, alloc.epoch, alloc.start_step))
         self._flush_reply(k, a.key)

@@ -47,7 +47,8 @@ class SendHandle(Protocol):
 class Comm(Protocol):
     """What training needs from the network. `me` is this peer's id."""
 
-    me: PeerId
+    @property
+    def me(self) -> PeerId: ...
 
     def isend(self, peer: PeerId, tag: str, tensor: torch.Tensor) -> SendHandle:
         """Start sending `tensor` (copied now: the caller may reuse it) to `peer` under `tag`."""

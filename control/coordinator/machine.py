@@ -881,4 +881,7 @@ def _states(answers: Mapping[bytes, dict]) -> dict[bytes, PeerRunState]:
 
 
 def _num(v: object) -> float:
-    return float(v) if type(v) in (int, float) and 0 <= v < 1e18 else 0.0  # type: ignore[arg-type]
+    """A count or a duration a peer reported, or 0 for anything else."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return 0.0
+    return float(v) if 0 <= v < 1e18 else 0.0

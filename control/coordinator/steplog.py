@@ -47,7 +47,7 @@ class StepLog:
         if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
             return []
         self.reports.setdefault(rep.step, {})[peer] = rep
-        n, lines = len(self.alloc.peers), []
+        n, lines = len(self.alloc.peers), list[dict]()
         while True:
             step = self.completed + 1
             got = self.reports.get(step, {})

@@ -44,7 +44,7 @@ waits use `threading` primitives with timeouts.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 import trio
@@ -121,12 +121,13 @@ class TransportComm:
 
     # ---- the worker's side (any thread) ------------------------------------------------
 
-    def isend(self, peer: bytes, tag: str, tensor: torch.Tensor) -> EventHandle:
+    def isend(self, peer: Hashable, tag: str, tensor: torch.Tensor) -> EventHandle:
         """Queue `tensor` (copied now) for `peer`; the handle completes when `peer` has buffered it."""
-        return self._sender.submit(peer, tag, tensor)
+        return self._sender.submit(_peer_id(peer), tag, tensor)
 
-    def recv(self, peer: bytes, tag: str, timeout_s: float) -> torch.Tensor:
+    def recv(self, peer: Hashable, tag: str, timeout_s: float) -> torch.Tensor:
         """The next tensor `peer` sent under `tag`; CommError at once if `peer` fails."""
+        peer = _peer_id(peer)
         tensor = self._receiver.take(peer, tag, timeout_s)
         self._in_trio(self._receiver.wake, peer)  # room for the handlers waiting on this buffer
         return tensor
@@ -231,3 +232,10 @@ class TransportComm:
     def _on_lost(self, peer: bytes, reason: str) -> None:
         if self._watching:  # before `connect`, a lost connection is simply dialled again
             self.fail(peer, f"connection lost ({reason})")
+
+
+def _peer_id(peer: Hashable) -> bytes:
+    """Peers of the transport are their 32-byte ids."""
+    if not isinstance(peer, bytes):
+        raise CommError(f"not a peer id: {peer!r}")
+    return peer
