@@ -1,9 +1,10 @@
 """dtfm.control: agreement on who does what, and running it.
 
-Signed allocations and their acceptance, the coordinator election and its driver, the Comm over
-the peer transport, the trainer service that runs a stage inside the daemon, the coordinator's
-hand-out protocol, reconfiguration (resume point, re-allocation) and weight recovery. Sits above gossip,
-sched and train, below the daemon, which only starts it as a service.
+The coordinator election (election/), signed allocations (allocation/), the plane's two sans-IO
+machines, `EpochMachine` (epoch/) and `Coordinator` (coordinator/), with `ControlPlane`, the IO
+shell that runs them inside the daemon, the Comm over the peer transport (dataplane/), and
+weight recovery. Sits above gossip, sched and train, below the daemon, which only starts it as
+a service. See docs/control.md.
 """
 
 from .allocation import (

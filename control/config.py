@@ -27,6 +27,9 @@ class PlaneConfig:
     # neighbours before the coordinator gives up on the hand-out. Longer tolerates slow fetches
     # and loaded machines; shorter notices a peer lost during the hand-out sooner.
     accept_timeout_s: float = 120.0
+    # Of that, how long a peer waits for the connections to its neighbours once its stage is
+    # built: shorter refuses a hand-out to an unreachable neighbour sooner.
+    connect_timeout_s: float = 60.0
     # START, STOP and RUN_STATE requests, one per peer. Longer waits out a slow peer; shorter
     # reconfigures around a silent one sooner.
     request_timeout_s: float = 10.0
@@ -93,7 +96,7 @@ class PlaneConfig:
             raise ValueError(f"torch_threads must be an integer >= 1, got {self.torch_threads!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
-        for name in ("accept_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
+        for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
                      "stop_timeout_s", "check_interval_s", "drift_check_s", "report_gather_s", "probe_timeout_s",
                      "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
                      "heartbeat_wait_s", "forward_timeout_s", "swarm_poll_s"):
@@ -108,6 +111,9 @@ class PlaneConfig:
             raise ValueError(f"election must be an ElectionConfig, got {self.election!r}")
         if not isinstance(self.comm, CommConfig):
             raise ValueError(f"comm must be a CommConfig, got {self.comm!r}")
+        if not self.connect_timeout_s < self.accept_timeout_s:
+            raise ValueError("connect_timeout_s must be less than accept_timeout_s: the connections are part of "
+                             "the hand-out")
         if not self.forward_timeout_s > self.accept_timeout_s:
             raise ValueError("forward_timeout_s must exceed accept_timeout_s: a forwarded `train start` "
                              "waits for the whole hand-out")
@@ -138,8 +144,8 @@ class PlaneConfig:
         Emulated links slower than a data centre's want `with_election(ElectionConfig.wan())`:
         the lan lease (0.4 s) is shorter than a worldwide round trip."""
         return cls(
-            accept_timeout_s=60.0, request_timeout_s=5.0, elect_timeout_s=15.0, stop_timeout_s=20.0,
-            check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
+            accept_timeout_s=60.0, connect_timeout_s=30.0, request_timeout_s=5.0, elect_timeout_s=15.0,
+            stop_timeout_s=20.0, check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
             forward_timeout_s=120.0, swarm_poll_s=0.2,
         ).with_election(ElectionConfig.lan())
 

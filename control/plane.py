@@ -1,11 +1,12 @@
 """The control plane's IO shell (see docs/control.md, "The shell").
 
 `ControlPlane` owns the IO: it registers the message handlers, owns the nursery, the election
-service, the tensor router and the recovery server, the stage objects of this peer's epochs
-(tensors, comm, runner thread), the corpora and the data dir. It feeds messages, member
-changes, election events, the runner's steps and time to the two machines, `EpochMachine`
-(this peer's part in each epoch) and `Coordinator` (the coordinator's decisions), executes
-their actions in order, and builds `status()` from their snapshots.
+service, the stage host (control/epoch/stages.py: the tensors, comm and runner thread of this
+peer's epochs, the tensor router and the recovery server), the corpora, the data dir's files
+(applied.json, train.jsonl, events.jsonl) and the operator's requests. It feeds messages,
+member changes, election events, the runner's steps and time to the two machines,
+`EpochMachine` (this peer's part in each epoch) and `Coordinator` (the coordinator's
+decisions), executes their actions in order, and builds `status()` from their snapshots.
 """
 
 from __future__ import annotations
@@ -38,22 +39,14 @@ from dtfm.net import (
 )
 from dtfm.train import (
     PRESETS,
-    CheckpointError,
-    CommError,
     Corpus,
-    MessageRules,
-    StageState,
     TrainConfig,
-    checkpoint_at,
     get_preset,
-    load_checkpoint,
     load_corpus,
-    saved_checkpoints,
-    stage_tensors,
 )
 
 from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
-from .allocation import AcceptContext, Allocation, Holding, SignedAllocation
+from .allocation import AcceptContext, Allocation, SignedAllocation
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
@@ -62,44 +55,37 @@ from .coordinator.machine import (
     Reschedule,
     StartRun,
     StepFailed,
-    StepReported,
     SteppedDownEvent,
+    StepReported,
     Trigger,
     Wake,
 )
 from .coordinator.machine import Tick as CoordinatorTick
-from .dataplane import TensorRouter, TransportComm
+from .coordinator.request import TrainError, TrainRequest
+from .coordinator.reshape import ReshapePlan, reshape
+from .coordinator.schedule import Placement, choose_shape, random_shape
 from .election import BecameCoordinator, ElectionService, FileElectionStore, SteppedDown
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
     ApplyToElection,
-    BuildFailed,
     BuildStage,
     EndEpoch,
-    EpochDone,
     EpochMachine,
     FailNeighbour,
     MemberGone,
     PersistApplied,
-    RunnerEnded,
-    StageBuilt,
     StartAsked,
     StartRunner,
-    StepDone,
     StopAsked,
     StopRunnerAt,
     Tick,
     WaitForCoordinator,
 )
-from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage
-from .epoch.relayout import assemble_stage, needed_stages
-from .epoch.runner import RunEnd, StageRunner, StepReport
+from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
+from .epoch.stages import StageError, StageHost
 from .messages import ControlMsg
-from .coordinator.request import TrainError, TrainRequest
-from .coordinator.reshape import ReshapePlan, reshape
-from .coordinator.schedule import Placement, choose_shape, random_shape
 
 __all__ = ["ControlPlane"]
 
@@ -190,17 +176,6 @@ class SchedulerPlanner:
                        seed=seed, min_gain=self.config.min_gain, force=force)
 
 
-class _Stage:
-    """The IO objects of this peer's stage in one epoch: the state, its comm, its runner."""
-
-    def __init__(self, alloc: Allocation, state: StageState, comm: TransportComm):
-        self.alloc, self.state, self.comm = alloc, state, comm
-        self.runner: StageRunner | None = None
-        self.started = trio.Event()
-        self.done = trio.Event()  # its tasks and worker thread are over
-        self.cancel = trio.CancelScope()
-
-
 @dataclass
 class _Pending:
     """An operator's request or a peer's ALLOCATION waiting for the machine's Reply."""
@@ -218,8 +193,6 @@ class ControlPlane:
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
         self.config = config or PlaneConfig.wan()
-        self.router = TensorRouter(transport)
-        self.recovery = RecoveryServer(transport)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
                                         address_of=self._address_of)
         reader = _ElectionReader(self.election)
@@ -236,8 +209,8 @@ class ControlPlane:
                                stop_poll_s=cfg.stop_poll_s, max_reconfig_attempts=cfg.max_reconfig_attempts),
             wall_offset=time.time() - _now_or_zero())
         self._corpora: dict[str | None, Corpus] = {}
-        self._stages: dict[int, _Stage] = {}  # epoch -> this peer's stage objects (current and previous)
-        self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
+        self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
+                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -259,6 +232,7 @@ class ControlPlane:
         self.coordinator.wall_offset = time.time() - trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
+            self.stages.attach(nursery)
             await nursery.start(self.election.run)
             nursery.start_soon(self._coordinator_timer)
             nursery.start_soon(self._epoch_timer)
@@ -266,7 +240,7 @@ class ControlPlane:
             try:
                 await trio.sleep_forever()
             finally:
-                self._abort_stage("the daemon is leaving")
+                self.stages.abort("the daemon is leaving")
 
     def _key(self, *parts: object) -> tuple:
         self._keys += 1
@@ -333,20 +307,13 @@ class ControlPlane:
                 pending.reply = a
                 pending.event.set()
         elif isinstance(a, AbortRunner):
-            self._abort_stage(a.reason)
+            self.stages.abort(a.reason)
         elif isinstance(a, FailNeighbour):
-            stage = self._current_stage()
-            if stage is not None:
-                stage.comm.fail(a.peer, a.why)
+            self.stages.fail_neighbour(a.peer, a.why)
         elif isinstance(a, StartRunner):
-            stage = self._stages.get(a.epoch)
-            if stage is not None and stage.runner is not None:
-                stage.started.set()
+            self.stages.start(a.epoch)
         elif isinstance(a, StopRunnerAt):
-            stage = self._stages.get(a.epoch)
-            if stage is not None and stage.runner is not None:
-                stage.runner.stop_at(a.step)
-                logger.info("stopping the run before step %d", a.step)
+            self.stages.stop_at(a.epoch, a.step)
         elif isinstance(a, WaitForCoordinator):
             self._start_soon(self._wait_for_coordinator, a)
         else:
@@ -355,14 +322,18 @@ class ControlPlane:
     async def _execute_epoch(self, a) -> None:
         """Execute an action of the epoch machine, in order (some wait)."""
         if isinstance(a, EndEpoch):
-            await self._end_stage(a.epoch, a.reason)
+            try:
+                await self.stages.end(a.epoch, a.reason)
+            except StageError as e:
+                raise TrainError(str(e)) from None
         elif isinstance(a, ApplyToElection):
             self.election.applied(a.term, a.epoch)
             self.election.set_voters(a.voters)
         elif isinstance(a, PersistApplied):
             await trio.to_thread.run_sync(self._save_applied, a.alloc)
         elif isinstance(a, BuildStage):
-            await self._build_stage(a)
+            members = {m.peer_id: m.address for m in self.gossip.members()}
+            await self._feed_epoch(await self.stages.build(a, members))
         else:
             self._execute_now(a)
 
@@ -512,21 +483,6 @@ class ControlPlane:
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
-    def checkpoint_root(self, run_id: bytes) -> Path:
-        """Where this peer saves its checkpoints of run `run_id`: one folder per run, so a run
-        never takes another run's checkpoint of the same layers and step for its own."""
-        return self.data_dir / "checkpoints" / run_id.hex()
-
-    def checkpoints(self, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
-        """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
-        if run_id is None:
-            return ()
-        steps: dict[tuple[int, int], list[int]] = {}
-        for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
-            steps.setdefault((a, b), []).append(step)
-        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
-        return tuple(out[-MAX_CHECKPOINTS_LISTED:])
-
     # ---- corpus -------------------------------------------------------------------------------
 
     async def corpus(self, path: str | None = None) -> Corpus:
@@ -630,194 +586,11 @@ class ControlPlane:
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         if sender != self.election.coordinator and sender != self.me:
             return {"error": "only the coordinator asks for offers"}
-        return await self.offer(run_id, step, (layers[0], layers[1]))
+        return await self.stages.offer(run_id, step, (layers[0], layers[1]))
 
     def run_state(self) -> PeerRunState:
         cur = self.epoch.current
-        return self.epoch.run_state(self.checkpoints(cur.run_id if cur is not None else None))
-
-    # ---- the stages this peer holds -----------------------------------------------------------
-
-    def _state_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | None:
-        """This peer's stage of `layers` at `step`: its stage, its one-step-back snapshot, or a
-        checkpoint. Only once its worker stopped."""
-        held = self.epoch.held_at(run_id, layers, step)
-        if held is not None:
-            where, epoch = held
-            stage = self._stages.get(epoch)
-            if stage is not None:
-                if where == "stage" and stage.state.step == step:
-                    return stage.state
-                if where == "snapshot" and stage.runner is not None and stage.runner.snapshot_step == step:
-                    return stage.runner.snapshot_state()
-        path = checkpoint_at(self.checkpoint_root(run_id), layers, step)
-        return load_checkpoint(path) if path is not None else None
-
-    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int]) -> dict:
-        try:
-            state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
-        except CheckpointError as e:
-            return {"error": f"checkpoint unreadable: {e}"}
-        if state is None:
-            return {"error": f"layers {layers} at step {step} are not held here"}
-        offer = await self.recovery.offer(run_id, state)
-        self._offered = {k: v for k, v in self._offered.items() if k[0] == run_id and k[1] >= step - 1}
-        self._offered[(run_id, step, tuple(layers))] = (offer.digest, state)
-        return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
-
-    def _offered_state(self, run_id: bytes, step: int, layers: tuple[int, int], digest: str) -> StageState | None:
-        found = self._offered.get((run_id, step, tuple(layers)))
-        if found is None or found[0] != digest or found[1].step != step:  # a stage trained on since
-            return None
-        return found[1]
-
-    async def _own_copy(self, alloc: Allocation, h: Holding) -> StageState | None:
-        """This peer's copy of a holding, if its digest is the allocation's."""
-        state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
-        if state is None:
-            await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
-            state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
-        return state
-
-    # ---- building and running this peer's stage -----------------------------------------------
-
-    async def _build_stage(self, a: BuildStage) -> None:
-        """Build the stage of an applied allocation, serve its comm, connect the neighbours and
-        make its runner; then tell the epoch machine."""
-        alloc = a.alloc
-        t_fetch = trio.current_time()
-        try:
-            state, fetched = await self._stage_for(alloc)
-        except (RecoveryError, CheckpointError, ValueError, OSError) as e:
-            logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)
-            await self._feed_epoch(BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}"))
-            return
-        plan = alloc.plan()
-        rules = MessageRules.for_peer(plan, alloc.model, alloc.train, self.me,
-                                      [tuple(p.shape) for p in state.params.values()])
-        comm = TransportComm(self.transport, rules, run=alloc.run_id, router=self.router, config=self.config.comm)
-        members = {m.peer_id: m for m in self.gossip.members()}
-        addresses = {p: members[p].address for p in rules.peers if p in members}
-        stage = _Stage(alloc, state, comm)
-        self._stages = {e: s for e, s in self._stages.items() if self._is_prev(e)}
-        self._stages[alloc.epoch] = stage
-        t_connect = trio.current_time()
-        assert self._nursery is not None
-        await self._nursery.start(self._serve_stage, stage)
-        try:
-            await comm.connect(addresses, self.config.accept_timeout_s / 2)
-        except (CommError, OSError, ConnectionClosed, RequestTimeout, ProtocolError, trio.TooSlowError) as e:
-            self._abort_stage(f"could not connect the neighbours: {e}")
-            await self._feed_epoch(BuildFailed(a.key, alloc.epoch, "connect-failed", f"{short_id(self.me)}: {e}"))
-            return
-        token = trio.lowlevel.current_trio_token()
-        stage.runner = StageRunner(state, plan, self.me, comm, await self.corpus(), end_step=alloc.end_step,
-                                   checkpoint_every=alloc.checkpoint_every,
-                                   checkpoint_dir=self.checkpoint_root(alloc.run_id),
-                                   torch_threads=self.config.torch_threads,
-                                   on_step=lambda rep: token.run_sync_soon(self._step_done, rep))
-        d, s = alloc.position(self.me)
-        logger.info("accepted term %d epoch %d: stage %d of pipeline %d, layers %s, steps %d..%d%s", alloc.term,
-                    alloc.epoch, s, d, alloc.layer_ranges[s], alloc.start_step, alloc.end_step - 1,
-                    f", {fetched} bytes fetched" if fetched else "")
-        await self._feed_epoch(StageBuilt(a.key, alloc.epoch, state.step, fetched,
-                                          (t_connect - t_fetch) if fetched else 0.0))
-
-    def _is_prev(self, epoch: int) -> bool:
-        prev = self.epoch.prev
-        return prev is not None and prev.alloc.epoch == epoch
-
-    def _step_done(self, rep: StepReport) -> None:
-        self._feed_epoch_now(StepDone(rep))
-
-    async def _stage_for(self, alloc: Allocation) -> tuple[StageState, int]:
-        """This peer's stage of `alloc` at its start step, and the bytes fetched for it."""
-        s = alloc.position(self.me)[1]
-        layers = alloc.layer_ranges[s]
-        if not alloc.holdings:
-            if alloc.start_step > 0:
-                raise ValueError(f"starting at step {alloc.start_step} needs the stage's weights and the "
-                                 "allocation names no holders")
-            return await trio.to_thread.run_sync(lambda: StageState(alloc.model, alloc.train, layers)), 0
-        own = {h.layer_range: h for h in alloc.holdings}.get(layers)
-        if own is not None and self.me in own.holders:
-            state = await self._own_copy(alloc, own)
-            if state is not None:
-                return state, 0
-        old_ranges = [h.layer_range for h in alloc.holdings]
-        parts: list = []
-        fetched, optim_step = 0, None
-        for i in needed_stages(old_ranges, layers):
-            h = alloc.holdings[i]
-            local = await self._own_copy(alloc, h) if self.me in h.holders else None
-            if local is not None:
-                parts.append(stage_tensors(local))
-                optim_step = local.optim.step_count
-                continue
-            sources = [(p, self._address_of(p)) for p in h.holders if p != self.me]
-            result = await fetch_stage(self.transport, sources, run_id=alloc.run_id, step=alloc.start_step,
-                                       layer_range=h.layer_range, digest=h.digest, max_total_bytes=MAX_STAGE_BYTES,
-                                       timeout_s=self.config.request_timeout_s)
-            fetched += result.bytes
-            parts.append(result.receiver)
-            optim_step = int(result.receiver.manifest.meta["optim_step"])
-            logger.info("fetched layers %s at step %d: %d bytes in %.2f s from %s", h.layer_range,
-                        alloc.start_step, result.bytes, result.seconds,
-                        ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
-        state = await trio.to_thread.run_sync(lambda: assemble_stage(
-            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0))
-        return state, fetched
-
-    async def _serve_stage(self, stage: _Stage, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Owns the epoch's comm tasks and, once started, its runner thread."""
-        try:
-            with stage.cancel:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(stage.comm.run)
-                    task_status.started()
-                    await stage.started.wait()
-                    assert stage.runner is not None
-                    end = await stage.runner.run()
-                    self._log_end(stage.alloc, end)
-                    self._feed_epoch_now(RunnerEnded(stage.alloc.epoch, end, time.time()))
-                    nursery.cancel_scope.cancel()
-        finally:
-            stage.comm.close()
-            stage.done.set()
-            self.epoch.handle(EpochDone(stage.alloc.epoch), trio.current_time())
-
-    @staticmethod
-    def _log_end(alloc: Allocation, end: RunEnd) -> None:
-        if end.failed:
-            logger.error("training stopped at epoch %d: %s; last completed step %d", alloc.epoch, end.reason,
-                         end.completed)
-        else:
-            logger.info("training %s at epoch %d after step %d", end.reason, alloc.epoch, end.completed)
-
-    def _current_stage(self) -> _Stage | None:
-        cur = self.epoch.current
-        return self._stages.get(cur.epoch) if cur is not None else None
-
-    def _abort_stage(self, reason: str, epoch: int | None = None) -> None:
-        """Abort this peer's current step, or epoch `epoch`'s (a runner not started yet is
-        cancelled)."""
-        stage = self._current_stage() if epoch is None else self._stages.get(epoch)
-        if stage is None:
-            return
-        stage.comm.abort(reason)
-        if stage.runner is None or not stage.started.is_set():
-            stage.cancel.cancel()
-
-    async def _end_stage(self, epoch: int, reason: str) -> None:
-        """End this peer's epoch `epoch` and wait until its worker let go of the stage."""
-        stage = self._stages.get(epoch)
-        if stage is None or stage.done.is_set():
-            return
-        self._abort_stage(reason, epoch)
-        with trio.move_on_after(self.config.stop_timeout_s):
-            await stage.done.wait()
-        if not stage.done.is_set():
-            raise TrainError(f"the stage worker did not stop within {self.config.stop_timeout_s:g} s")
+        return self.epoch.run_state(self.stages.checkpoints(cur.run_id if cur is not None else None))
 
     # ---- membership and election events -------------------------------------------------------
 
@@ -942,7 +715,7 @@ class ControlPlane:
         """`train stop` on any peer of the run: every peer ends before the same step, and the run
         is over (nobody reconfigures it)."""
         cur = self.epoch.current
-        if cur is None or self.coordinator_run_over():
+        if cur is None or self._run_over():
             raise TrainError("no training run is in progress on this peer")
         at = self.epoch.stop_boundary(self.coordinator.logged_completed(cur.run_id))
         self.epoch.mark_stopped(cur.run_id)
@@ -954,7 +727,7 @@ class ControlPlane:
                                       self.config.request_timeout_s)
         return {"at_step": at, "told": sum(1 for a in answers.values() if a.get("stopped"))}
 
-    def coordinator_run_over(self) -> bool:
+    def _run_over(self) -> bool:
         st = self.coordinator.status()
         cur = self.epoch.current
         finished = cur is not None and st.run_id == cur.run_id and st.phase.value == "finished"
@@ -967,7 +740,7 @@ class ControlPlane:
             if c is None or forwarded:
                 raise TrainError("no coordinator is known: is training running?")
             return await self._forward(c, "reschedule", {})
-        if self.epoch.current is None or self.coordinator_run_over():
+        if self.epoch.current is None or self._run_over():
             raise TrainError("no training run is in progress")
         return await self._operator(Reschedule)
 

@@ -342,8 +342,8 @@ class PlaneSim(ElectionSim):
             epoch.restore(alloc.run_id, alloc.term, alloc.epoch, alloc)
         self.epochs[k] = epoch
         signer = self._signers[self.ids[k]]
-        self.coords[k] = Coordinator(self.ids[k], lambda a: SignedAllocation.sign(a, signer), reader, epoch, SimSwarm(self, k),
-                                     SimPlanner(self), self.timings)
+        self.coords[k] = Coordinator(self.ids[k], lambda a: SignedAllocation.sign(a, signer), reader, epoch,
+                                     SimSwarm(self, k), SimPlanner(self), self.timings)
         self._schedule_coordinator(k)
         self._push(self.now + 3 * self.config.heartbeat_interval_s, ("etick", k))
 

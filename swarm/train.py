@@ -39,7 +39,7 @@ RUN_NAME = "run.json"
 # just died leaves the survivors "stopped" until the next one reconfigures them.
 END_SETTLE_S = 5.0
 # (A spare's state says nothing: the coordinator of a run it does not train in shows "spare".)
-LIVE_STATES = frozenset({"training", "accepted", "handing out", "reconfiguring"})
+LIVE_STATES = frozenset({"training", "accepted", "building", "handing out", "reconfiguring"})
 ELECTION_EVENTS = frozenset({"coordinator", "stepped-down"})
 ELECTING_ROLES = frozenset({"candidate", "pre-candidate"})
 

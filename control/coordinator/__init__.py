@@ -1,3 +1,8 @@
-"""The coordinator's side of the control plane: the scheduler's placement (schedule.py), the
-re-allocation planner (reshape.py), the resume point (runstate.py) and what `train start` asks
-for (request.py). The protocol is in docs/control.md."""
+"""The coordinator's side of the control plane (protocol: docs/control.md).
+
+    machine.py   Coordinator: hand-out, step log, reconfiguration, sans-IO (events in, actions out)
+    steplog.py   StepLog: the epoch it handed out, its step reports and the log lines they complete
+    schedule.py  the scheduler's placement on the gossiped view
+    reshape.py   the re-allocation planner
+    request.py   what `train start` asks for
+"""

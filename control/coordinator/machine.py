@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
+# Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
+# returned, one just declared dead): gossip converges, so they are retried without counting.
+MEMBERSHIP_REFUSALS = frozenset({"not-covered", "dead-peer", "unknown-peer"})
 
 
 class Phase(enum.Enum):
@@ -170,9 +173,9 @@ CoordinatorEvent = (Tick | Wake | Trigger | StepReported | StepFailed | Elected 
 class _Failed(Exception):
     """A procedure cannot go on, with the reason (kept inside this module)."""
 
-    def __init__(self, reason: str, *, paused: bool = False):
+    def __init__(self, reason: str, *, counts: bool = True):
         super().__init__(reason)
-        self.paused = paused
+        self.counts = counts  # toward max_reconfig_attempts
 
 
 @dataclass
@@ -199,6 +202,7 @@ class _Procedure:
     answers: Mapping[bytes, dict] = field(default_factory=dict)
     refused: str = ""
     rolled_back: bool = False
+    transient: bool = False  # every refusal of the hand-out was a membership disagreement
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
 
 
@@ -553,7 +557,7 @@ class Coordinator:
         if step == "alloc":
             return self._allocation_answers(proc, answers, now)
         if step == "unstop":
-            raise _Failed(proc.refused)
+            raise _Failed(proc.refused, counts=not proc.transient)
         if step == "start":
             return self._started(proc, answers, now)
         raise AssertionError(f"unknown procedure step {step!r}")
@@ -708,6 +712,7 @@ class Coordinator:
         if refused:
             proc.refused = "the allocation was refused: " + "; ".join(
                 f"{short_id(p)}: {a.get('reason', 'no answer')}" for p, a in refused.items())
+            proc.transient = all(a.get("code") in MEMBERSHIP_REFUSALS for a in refused.values())
             self.phase, self.reason = Phase.REFUSED, proc.refused
             rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
             return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0},
@@ -796,8 +801,11 @@ class Coordinator:
         if proc.kind == "start":
             return [Reply(proc.reply or (), error=why)]
         out: list = [Reply(proc.reply, error=why)] if proc.reply is not None else []
-        self._attempts += 1
-        logger.warning("reconfiguration %d failed: %s", self._attempts, why)
+        if e.counts:
+            self._attempts += 1
+            logger.warning("reconfiguration %d failed: %s", self._attempts, why)
+        else:
+            logger.warning("reconfiguration failed while the peers' membership views differ (retried): %s", why)
         cur = self.epoch.current
         if cur is not None and not self._over() and self.election.is_coordinator:
             if self._attempts >= self.t.max_reconfig_attempts:

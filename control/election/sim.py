@@ -75,7 +75,8 @@ class ElectionSim:
                  seed: int = 0, codec: bool = True, conditions: NetConditions | None = None,
                  lose_reports: bool = True, ids: Sequence[bytes] | None = None) -> None:
         self.config = config
-        self.lose_reports = lose_reports  # False: drop_fraction spares the plane's messages (a connection that stays up)
+        # False: drop_fraction spares the plane's messages (a connection that stays up)
+        self.lose_reports = lose_reports
         self.rng = random.Random(seed)
         self.codec = codec  # False: hand message objects over (faster); True: through the wire codec
         self.net = conditions or NetConditions()

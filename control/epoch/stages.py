@@ -1,0 +1,296 @@
+"""The stage objects of this peer's epochs, the IO half of the epoch machine (see
+docs/control.md, "The shell").
+
+`StageHost` owns what a stage is made of in the daemon: its tensors (`StageState`), its comm
+(`TransportComm`), its runner thread (`StageRunner`), the tasks that serve them, the stages it
+encoded for the recovery server (offers), and the checkpoints on disk. It builds a stage the way
+the epoch machine chose (`BuildStage`: fresh, its own copy, or fetched from holders and
+re-laid out), runs and stops it, and reports what happens to it as epoch-machine events
+(`StepDone`, `RunnerEnded`, `EpochDone`) through `on_event`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from dtfm.net import ConnectionClosed, PeerTransport, ProtocolError, RequestTimeout, short_id
+from dtfm.train import (
+    CheckpointError,
+    CommError,
+    Corpus,
+    MessageRules,
+    StageState,
+    checkpoint_at,
+    load_checkpoint,
+    saved_checkpoints,
+    stage_tensors,
+)
+
+from ..allocation import Allocation, Holding
+from ..config import PlaneConfig
+from ..dataplane import TensorRouter, TransportComm
+from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
+from .recovery import RecoveryError, RecoveryServer, fetch_stage
+from .relayout import assemble_stage, needed_stages
+from .runner import RunEnd, StageRunner, StepReport
+
+__all__ = ["MAX_CHECKPOINTS_LISTED", "MAX_STAGE_BYTES", "StageHost"]
+
+logger = logging.getLogger(__name__)
+
+MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
+MAX_CHECKPOINTS_LISTED = 16
+
+
+class StageError(Exception):
+    """The worker of an epoch did not let go of its stage in time."""
+
+
+class _Stage:
+    """The IO objects of this peer's stage in one epoch: the state, its comm, its runner."""
+
+    def __init__(self, alloc: Allocation, state: StageState, comm: TransportComm):
+        self.alloc, self.state, self.comm = alloc, state, comm
+        self.runner: StageRunner | None = None
+        self.started = trio.Event()
+        self.done = trio.Event()  # its tasks and worker thread are over
+        self.cancel = trio.CancelScope()
+
+
+class StageHost:
+    """This peer's stages (see the module docstring). `epoch` is read, never changed;
+    `on_event` feeds an epoch-machine event whose actions do not wait."""
+
+    def __init__(self, me: bytes, transport: PeerTransport, epoch: EpochMachine, data_dir: Path,
+                 config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
+                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None]):
+        self.me, self.transport, self.epoch = me, transport, epoch
+        self.data_dir, self.config = data_dir, config
+        self.address_of, self.corpus, self.on_event = address_of, corpus, on_event
+        self.router = TensorRouter(transport)
+        self.recovery = RecoveryServer(transport)
+        self._stages: dict[int, _Stage] = {}  # epoch -> stage objects (the current and previous epoch)
+        self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
+        self._nursery: trio.Nursery | None = None
+
+    def attach(self, nursery: trio.Nursery) -> None:
+        """The nursery the stages' tasks run in (the plane's)."""
+        self._nursery = nursery
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def checkpoint_root(self, run_id: bytes) -> Path:
+        """Where this peer saves its checkpoints of run `run_id`: one folder per run, so a run
+        never takes another run's checkpoint of the same layers and step for its own."""
+        return self.data_dir / "checkpoints" / run_id.hex()
+
+    def checkpoints(self, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
+        """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
+        if run_id is None:
+            return ()
+        steps: dict[tuple[int, int], list[int]] = {}
+        for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
+            steps.setdefault((a, b), []).append(step)
+        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
+        return tuple(out[-MAX_CHECKPOINTS_LISTED:])
+
+    # ---- offers -------------------------------------------------------------------------------
+
+    def _state_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | None:
+        """This peer's stage of `layers` at `step`: its stage, its one-step-back snapshot, or a
+        checkpoint. Only once its worker stopped."""
+        held = self.epoch.held_at(run_id, layers, step)
+        if held is not None:
+            where, epoch = held
+            stage = self._stages.get(epoch)
+            if stage is not None:
+                if where == "stage" and stage.state.step == step:
+                    return stage.state
+                if where == "snapshot" and stage.runner is not None and stage.runner.snapshot_step == step:
+                    return stage.runner.snapshot_state()
+        path = checkpoint_at(self.checkpoint_root(run_id), layers, step)
+        return load_checkpoint(path) if path is not None else None
+
+    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int]) -> dict:
+        """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`."""
+        try:
+            state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
+        except CheckpointError as e:
+            return {"error": f"checkpoint unreadable: {e}"}
+        if state is None:
+            return {"error": f"layers {layers} at step {step} are not held here"}
+        offer = await self.recovery.offer(run_id, state)
+        self._offered = {k: v for k, v in self._offered.items() if k[0] == run_id and k[1] >= step - 1}
+        self._offered[(run_id, step, tuple(layers))] = (offer.digest, state)
+        return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
+
+    def _offered_state(self, run_id: bytes, step: int, layers: tuple[int, int], digest: str) -> StageState | None:
+        found = self._offered.get((run_id, step, tuple(layers)))
+        if found is None or found[0] != digest or found[1].step != step:  # a stage trained on since
+            return None
+        return found[1]
+
+    async def _own_copy(self, alloc: Allocation, h: Holding) -> StageState | None:
+        """This peer's copy of a holding, if its digest is the allocation's."""
+        state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
+        if state is None:
+            await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
+            state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
+        return state
+
+    # ---- building -----------------------------------------------------------------------------
+
+    async def build(self, a: BuildStage, addresses: dict[bytes, tuple[str, int]]) -> StageBuilt | BuildFailed:
+        """Build the stage of an applied allocation, serve its comm, connect the neighbours
+        (`addresses`) and make its runner; the event that says how it went."""
+        alloc = a.alloc
+        t_fetch = trio.current_time()
+        try:
+            state, fetched = await self._stage_for(alloc)
+        except (RecoveryError, CheckpointError, ValueError, OSError) as e:
+            logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)
+            return BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}")
+        plan = alloc.plan()
+        rules = MessageRules.for_peer(plan, alloc.model, alloc.train, self.me,
+                                      [tuple(p.shape) for p in state.params.values()])
+        comm = TransportComm(self.transport, rules, run=alloc.run_id, router=self.router, config=self.config.comm)
+        stage = _Stage(alloc, state, comm)
+        prev = self.epoch.prev
+        self._stages = {e: s for e, s in self._stages.items() if prev is not None and prev.alloc.epoch == e}
+        self._stages[alloc.epoch] = stage
+        t_connect = trio.current_time()
+        assert self._nursery is not None
+        await self._nursery.start(self._serve, stage)
+        try:
+            await comm.connect({p: addresses[p] for p in rules.peers if p in addresses},
+                               self.config.connect_timeout_s)
+        except (CommError, OSError, ConnectionClosed, RequestTimeout, ProtocolError, trio.TooSlowError) as e:
+            self.abort(f"could not connect the neighbours: {e}", alloc.epoch)
+            return BuildFailed(a.key, alloc.epoch, "connect-failed", f"{short_id(self.me)}: {e}")
+        token = trio.lowlevel.current_trio_token()
+        stage.runner = StageRunner(state, plan, self.me, comm, await self.corpus(), end_step=alloc.end_step,
+                                   checkpoint_every=alloc.checkpoint_every,
+                                   checkpoint_dir=self.checkpoint_root(alloc.run_id),
+                                   torch_threads=self.config.torch_threads,
+                                   on_step=lambda rep: token.run_sync_soon(self._step_done, rep))
+        d, s = alloc.position(self.me)
+        logger.info("accepted term %d epoch %d: stage %d of pipeline %d, layers %s, steps %d..%d%s", alloc.term,
+                    alloc.epoch, s, d, alloc.layer_ranges[s], alloc.start_step, alloc.end_step - 1,
+                    f", {fetched} bytes fetched" if fetched else "")
+        return StageBuilt(a.key, alloc.epoch, state.step, fetched, (t_connect - t_fetch) if fetched else 0.0)
+
+    async def _stage_for(self, alloc: Allocation) -> tuple[StageState, int]:
+        """This peer's stage of `alloc` at its start step, and the bytes fetched for it."""
+        s = alloc.position(self.me)[1]
+        layers = alloc.layer_ranges[s]
+        if not alloc.holdings:
+            if alloc.start_step > 0:
+                raise ValueError(f"starting at step {alloc.start_step} needs the stage's weights and the "
+                                 "allocation names no holders")
+            return await trio.to_thread.run_sync(lambda: StageState(alloc.model, alloc.train, layers)), 0
+        own = {h.layer_range: h for h in alloc.holdings}.get(layers)
+        if own is not None and self.me in own.holders:
+            state = await self._own_copy(alloc, own)
+            if state is not None:
+                return state, 0
+        old_ranges = [h.layer_range for h in alloc.holdings]
+        parts: list = []
+        fetched, optim_step = 0, None
+        for i in needed_stages(old_ranges, layers):
+            h = alloc.holdings[i]
+            local = await self._own_copy(alloc, h) if self.me in h.holders else None
+            if local is not None:
+                parts.append(stage_tensors(local))
+                optim_step = local.optim.step_count
+                continue
+            sources = [(p, self.address_of(p)) for p in h.holders if p != self.me]
+            result = await fetch_stage(self.transport, sources, run_id=alloc.run_id, step=alloc.start_step,
+                                       layer_range=h.layer_range, digest=h.digest, max_total_bytes=MAX_STAGE_BYTES,
+                                       timeout_s=self.config.request_timeout_s)
+            fetched += result.bytes
+            parts.append(result.receiver)
+            optim_step = int(result.receiver.manifest.meta["optim_step"])
+            logger.info("fetched layers %s at step %d: %d bytes in %.2f s from %s", h.layer_range,
+                        alloc.start_step, result.bytes, result.seconds,
+                        ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
+        state = await trio.to_thread.run_sync(lambda: assemble_stage(
+            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0))
+        return state, fetched
+
+    # ---- running ------------------------------------------------------------------------------
+
+    async def _serve(self, stage: _Stage, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Owns the epoch's comm tasks and, once started, its runner thread."""
+        try:
+            with stage.cancel:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(stage.comm.run)
+                    task_status.started()
+                    await stage.started.wait()
+                    assert stage.runner is not None
+                    end = await stage.runner.run()
+                    _log_end(stage.alloc, end)
+                    self.on_event(RunnerEnded(stage.alloc.epoch, end, time.time()))
+                    nursery.cancel_scope.cancel()
+        finally:
+            stage.comm.close()
+            stage.done.set()
+            self.on_event(EpochDone(stage.alloc.epoch))
+
+    def _step_done(self, rep: StepReport) -> None:
+        self.on_event(StepDone(rep))
+
+    def _current(self) -> _Stage | None:
+        cur = self.epoch.current
+        return self._stages.get(cur.epoch) if cur is not None else None
+
+    def start(self, epoch: int) -> None:
+        stage = self._stages.get(epoch)
+        if stage is not None and stage.runner is not None:
+            stage.started.set()
+
+    def stop_at(self, epoch: int, step: int) -> None:
+        stage = self._stages.get(epoch)
+        if stage is not None and stage.runner is not None:
+            stage.runner.stop_at(step)
+            logger.info("stopping the run before step %d", step)
+
+    def fail_neighbour(self, peer: bytes, why: str) -> None:
+        stage = self._current()
+        if stage is not None:
+            stage.comm.fail(peer, why)
+
+    def abort(self, reason: str, epoch: int | None = None) -> None:
+        """Abort this peer's current step, or epoch `epoch`'s (a runner not started yet is
+        cancelled)."""
+        stage = self._current() if epoch is None else self._stages.get(epoch)
+        if stage is None:
+            return
+        stage.comm.abort(reason)
+        if stage.runner is None or not stage.started.is_set():
+            stage.cancel.cancel()
+
+    async def end(self, epoch: int, reason: str) -> None:
+        """End this peer's epoch `epoch` and wait until its worker let go of the stage;
+        StageError when it does not within stop_timeout_s."""
+        stage = self._stages.get(epoch)
+        if stage is None or stage.done.is_set():
+            return
+        self.abort(reason, epoch)
+        with trio.move_on_after(self.config.stop_timeout_s):
+            await stage.done.wait()
+        if not stage.done.is_set():
+            raise StageError(f"the stage worker did not stop within {self.config.stop_timeout_s:g} s")
+
+
+def _log_end(alloc: Allocation, end: RunEnd) -> None:
+    if end.failed:
+        logger.error("training stopped at epoch %d: %s; last completed step %d", alloc.epoch, end.reason,
+                     end.completed)
+    else:
+        logger.info("training %s at epoch %d after step %d", end.reason, alloc.epoch, end.completed)
