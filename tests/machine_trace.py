@@ -1,0 +1,276 @@
+"""What the machine tests share (tests/test_epoch_machine.py, tests/test_coordinator_machine.py):
+six named peers, allocations among them, an election the test sets by hand, and each action of
+a machine written as one line, so a test can compare what a machine did with a transcript.
+
+The peers are named n0 .. n5 in the order of their ids (the order the machines sort them in);
+`named` puts those names in place of the short ids inside reasons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+
+from dtfm.control import AcceptContext, Allocation, ControlMsg, Refusal, SignedAllocation, StepReport
+from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from dtfm.control.coordinator import machine as c
+from dtfm.control.epoch import machine as e
+from dtfm.control.epoch.machine import (
+    AbortRunner,
+    ApplyToElection,
+    BuildStage,
+    EndEpoch,
+    FailNeighbour,
+    PersistApplied,
+    StartRunner,
+    StopRunnerAt,
+    WaitForCoordinator,
+)
+from dtfm.net import Identity, short_id
+from dtfm.train import PRESETS, TEST_CONFIG
+
+KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 7)), key=lambda k: k.peer_id)
+N = [k.peer_id for k in KEYS]  # n0 .. n5
+NAMES = {p: f"n{i}" for i, p in enumerate(N)}
+RUN = b"r" * 16
+CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)
+DATA_HASH = "ab" * 32
+DATA_NAME = "corpus.txt"
+TINY = PRESETS["tiny"]  # 4 layers: two stages of two
+
+
+def alloc(**kw) -> Allocation:
+    """Term 1 epoch 1 of RUN, issued by n0: pipelines [n0 n1] and [n2 n3], layers 0-2 and 2-4."""
+    fields: dict = {
+        "epoch": 1, "term": 1, "issuer": N[0], "run_id": RUN, "pipelines": ((N[0], N[1]), (N[2], N[3])),
+        "layer_ranges": ((0, 2), (2, 4)), "preset": "tiny", "model": TINY, "train": CFG, "data_hash": DATA_HASH,
+        "data_name": DATA_NAME, "start_step": 0, "end_step": 100}
+    return Allocation(**(fields | kw))
+
+
+def context(me: bytes, live=tuple(N[:4]), known=None, data_hash: str = DATA_HASH) -> AcceptContext:
+    """What `me` knows when an allocation arrives: `live` members (every peer of `known`, by
+    default the six, is heard of)."""
+    return AcceptContext(me=me, live=frozenset(live), known_presets=PRESETS, data_hash=data_hash,
+                         data_name="mine.txt", known=frozenset(N if known is None else known))
+
+
+def report(epoch: int, step: int, loss: float | None = None) -> StepReport:
+    return StepReport(epoch, step, round(5.0 - step / 10, 2) if loss is None else loss, 1.0, 0.5, 0.3, 0.2)
+
+
+@dataclass
+class FakeElection:
+    """The election as the machines read it (`ElectionView`), set by the test; `may_apply` is
+    the election's own rule (control/election/state.py)."""
+
+    me: bytes
+    term: int = 1
+    coordinator: bytes | None = None
+    voters: tuple[bytes, ...] = ()
+    last_applied: tuple[int, int] = (0, 0)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.coordinator == self.me
+
+    @property
+    def is_follower(self) -> bool:
+        return self.coordinator is not None and self.coordinator != self.me
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None:
+        if term < self.term:
+            return Refusal("stale", f"term {term} is older than this peer's term {self.term}")
+        if term > self.term or self.coordinator is None:
+            return Refusal("not-coordinator", f"this peer knows no coordinator of term {term} yet")
+        if issuer != self.coordinator:
+            return Refusal("not-coordinator", f"{short_id(issuer)} is not the coordinator of term {term}")
+        if (term, epoch) <= self.last_applied:
+            return Refusal("stale", f"term {term} epoch {epoch} is not newer than {self.last_applied}")
+        return None
+
+    def apply(self, a: ApplyToElection) -> None:
+        """What the shell does with ApplyToElection."""
+        assert (a.term, a.epoch) > self.last_applied
+        self.last_applied = (a.term, a.epoch)
+        self.voters = a.voters
+
+
+# ---- actions as lines ----------------------------------------------------------------------------
+
+
+def named(text: str) -> str:
+    for p, name in NAMES.items():
+        text = text.replace(short_id(p), name)
+    return text
+
+
+def peers(ps) -> str:
+    return " ".join(NAMES.get(p, short_id(p)) for p in ps)
+
+
+def label(key: tuple) -> str:
+    """A request's key as the transcript names it: the coordinator's ("proc", id, step, sub) by
+    its step, ("probe", what) and ("gaps", epoch) as they are, a test's own key joined."""
+    if key and key[0] == "proc":
+        step = key[2]
+        sub = key[3] if len(key) > 3 else None
+        return f"{step} {sub[0]}-{sub[1]}" if isinstance(sub, tuple) else str(step)
+    return " ".join(str(k) for k in key)
+
+
+def show_alloc(a: Allocation) -> str:
+    grid = " | ".join(peers(p) for p in a.pipelines)
+    out = f"term {a.term} epoch {a.epoch} steps {a.start_step}..{a.end_step} [{grid}]"
+    if a.spares:
+        out += f" spares {peers(a.spares)}"
+    if a.holdings:
+        out += " holdings " + " ".join(f"{h.layer_range[0]}-{h.layer_range[1]}:{h.digest[:8]}@{peers(h.holders)}"
+                                       for h in a.holdings)
+    out += f" voters {peers(a.configuration)}"
+    if a.absent:
+        out += f" absent {peers(a.absent)}"
+    return out
+
+
+def _body(msg: int, body: dict) -> str:
+    if msg == ControlMsg.STEP:
+        return " ".join(f"{k}={body[k]}" for k in ("epoch", "step", "loss", "failed") if k in body)
+    if msg == ControlMsg.ALLOCATION:
+        return show_alloc(SignedAllocation.from_wire(body).open())
+    if msg == ControlMsg.RUN_STATE and body.get("op") == "offer":
+        a, b = body["layers"]
+        return f"offer step={body['step']} layers={a}-{b}"
+    return " ".join(f"{k}={v}" for k, v in body.items() if k not in ("run", "op")) or str(body.get("op", ""))
+
+
+def _value(v) -> str:
+    if isinstance(v, Allocation):
+        return f"allocation term {v.term} epoch {v.epoch}"
+    if isinstance(v, dict) and "new_shape" in v:  # a reconfiguration's record
+        return " ".join(f"{f}={named(str(v[f]))}" for f in EMIT_FIELDS if f in v)
+    if isinstance(v, dict):
+        reason = v.get("reason")
+        shown = " ".join(f"{k}={x}" for k, x in v.items() if k != "reason")
+        return shown + (f" ({named(reason)})" if reason is not None else "")
+    return repr(v)
+
+
+EMIT_FIELDS = ("term", "epoch", "trigger", "old_shape", "new_shape", "kind", "resume_step", "rollback", "reason")
+
+
+def show(a: object, *, keys: bool = True) -> str:
+    """One action as a line of the transcript (`keys`: with the key a Reply answers)."""
+    if isinstance(a, Ask):
+        return f"ask {label(a.key)}: {ControlMsg(a.msg).name} {_body(a.msg, a.body)} -> {peers(a.peers)}"
+    if isinstance(a, Send):
+        return f"send {ControlMsg(a.msg).name} to {peers([a.peer])}: {named(_body(a.msg, a.body))}"
+    if isinstance(a, Compute):
+        return f"compute {label(a.key)}"
+    if isinstance(a, LogLine):
+        x = a.line
+        flags = "".join(f" {f}" for f in ("partial", "backfilled") if x.get(f))
+        return f"log step {x['step']} loss {x['loss']} epoch {x['epoch']}{flags}"
+    if isinstance(a, ResetLog):
+        return "reset log"
+    if isinstance(a, Emit):
+        shown = " ".join(f"{f}={named(str(a.fields[f]))}" for f in EMIT_FIELDS if f in a.fields)
+        return f"emit {a.event} {shown}".rstrip()
+    if isinstance(a, Reply):
+        to = f" {label(a.key)}" if keys else ""
+        if a.error is not None and not isinstance(a.value, dict):
+            return f"reply{to}: error ({named(a.error)})"
+        return f"reply{to}: {_value(a.value)}"
+    if isinstance(a, WaitForCoordinator):
+        return f"wait for the coordinator until {a.until:g}"
+    if isinstance(a, EndEpoch):
+        return f"end epoch {a.epoch} ({a.reason})"
+    if isinstance(a, PersistApplied):
+        return f"persist term {a.alloc.term} epoch {a.alloc.epoch}"
+    if isinstance(a, ApplyToElection):
+        return f"apply term {a.term} epoch {a.epoch} voters {peers(a.voters)}"
+    if isinstance(a, BuildStage):
+        return f"build epoch {a.alloc.epoch} from " + (f"epoch {a.prev.epoch}" if a.prev is not None else "nothing")
+    if isinstance(a, StartRunner):
+        return f"start runner of epoch {a.epoch}"
+    if isinstance(a, StopRunnerAt):
+        return f"stop runner of epoch {a.epoch} before step {a.step}"
+    if isinstance(a, AbortRunner):
+        return f"abort runner ({named(a.reason)})"
+    if isinstance(a, FailNeighbour):
+        return f"fail neighbour {peers([a.peer])} ({a.why})"
+    raise AssertionError(f"no line for {a!r}")
+
+
+def _answer(peer: bytes, a: dict) -> str:
+    name = NAMES.get(peer, short_id(peer))
+    if "running" in a:
+        where = "-" if a.get("layers") is None else f"{a['layers'][0]}-{a['layers'][1]}"
+        return f"{name} {where}@{a.get('at')}{' running' if a['running'] else ''}"
+    for k in ("accepted", "started", "stopped"):
+        if k in a:
+            return f"{name} {'' if a[k] else 'not '}{k}"
+    if "digest" in a:
+        return f"{name} {str(a['digest'])[:8]}"
+    if "error" in a:
+        return f"{name} error"
+    return f"{name} -"
+
+
+def describe(ev: object) -> str:
+    """One input of a machine (an event of either) as a line of the transcript."""
+    if isinstance(ev, e.AllocationOffered):
+        a = ev.alloc
+        return (f"ALLOCATION term {a.term} epoch {a.epoch} from {peers([a.issuer])}"
+                + (f" (again, waited until {ev.waited_until:g})" if ev.waited_until is not None else ""))
+    if isinstance(ev, e.StageBuilt):
+        return f"stage of epoch {ev.epoch} built at step {ev.at}"
+    if isinstance(ev, e.BuildFailed):
+        return f"building epoch {ev.epoch} failed: {ev.code}"
+    if isinstance(ev, e.StartAsked):
+        return f"START epoch {ev.epoch} from {peers([ev.sender])}"
+    if isinstance(ev, e.StopAsked):
+        how = "".join(f" {f}" for f in ("final", "abort") if getattr(ev, f))
+        return f"STOP before step {ev.at_step}{how} from {peers([ev.sender])}"
+    if isinstance(ev, e.StepDone):
+        return f"step {ev.report.step} of epoch {ev.report.epoch} done"
+    if isinstance(ev, e.RunnerEnded):
+        return f"runner of epoch {ev.epoch} ended after step {ev.end.completed}: {ev.end.reason}"
+    if isinstance(ev, e.EpochDone):
+        return f"epoch {ev.epoch} let go of its stage"
+    if isinstance(ev, e.MemberGone):
+        return f"{peers([ev.peer])} is gone"
+    if isinstance(ev, e.Tick | c.Tick):
+        return "tick"
+    if isinstance(ev, c.Wake):
+        return "wake"
+    if isinstance(ev, c.Trigger):
+        return f"trigger: {named(ev.reason)}"
+    if isinstance(ev, c.StepReported):
+        return f"STEP {ev.report.step} of epoch {ev.report.epoch} from {peers([ev.peer])}"
+    if isinstance(ev, c.StepFailed):
+        return f"STEP of epoch {ev.epoch} failed at {peers([ev.peer])}: {ev.reason}"
+    if isinstance(ev, c.Elected):
+        return f"elected in term {ev.term}"
+    if isinstance(ev, c.SteppedDownEvent):
+        return f"stepped down in term {ev.term}"
+    if isinstance(ev, c.StartRun):
+        return f"train start {len(ev.placement.layer_ranges)}x{len(ev.placement.pipelines)}"
+    if isinstance(ev, c.Reschedule):
+        return "train reschedule"
+    if isinstance(ev, Answers):
+        return f"answers {label(ev.key)}: " + ", ".join(_answer(p, a) for p, a in sorted(ev.answers.items()))
+    if isinstance(ev, Computed):
+        return f"computed {label(ev.key)}" + (f": error ({ev.error})" if ev.error is not None else "")
+    return repr(ev)
+
+
+def same_transcript(got: list[str], want: str) -> None:
+    """Compare a transcript with the expected one (indentation of `want` is ignored); a
+    mismatch fails with the diff."""
+    want_lines = [x.strip() for x in want.strip().splitlines() if x.strip()]
+    got_lines = [x.strip() for x in got]
+    if got_lines != want_lines:
+        diff = "\n".join(difflib.unified_diff(want_lines, got_lines, "expected", "got", lineterm=""))
+        raise AssertionError(f"the transcript differs:\n{diff}")
