@@ -247,11 +247,13 @@ class ControlPlane:
         return (*parts, self._keys)
 
     async def _coordinator_timer(self) -> None:
+        """Tick the coordinator at its deadline, or at once when another event may have moved
+        the deadline (`_feed_coordinator` sets `_coord_wake`; this loop's own Tick does not)."""
         while True:
             with trio.move_on_at(self.coordinator.next_deadline()):
                 await self._coord_wake.wait()
-            self._coord_wake = trio.Event()
             self._feed_coordinator(CoordinatorTick())
+            self._coord_wake = trio.Event()
 
     async def _epoch_timer(self) -> None:
         while True:

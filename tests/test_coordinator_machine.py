@@ -310,9 +310,6 @@ def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refu
     assert named(n.c.status().reason) == "the allocation was refused: n2: another data set"
 
 
-@pytest.mark.xfail(strict=True, reason="a train start whose hand-out was refused leaves its epoch applied at the "
-                                       "coordinator and its run not over: a lost peer (or a joined one) then makes the "
-                                       "coordinator reconfigure the run the operator was told failed")
 def test_a_refused_run_is_not_reconfigured():
     n = Node()
     n.train_start(PLACEMENT)
@@ -847,10 +844,6 @@ def to_offers(n: Node) -> None:
     n.lines.clear()
 
 
-@pytest.mark.xfail(strict=True, reason="the only holder of a stage that does not answer the offer in time (or "
-                                       "answers an error) stops the run for good (_offered calls _stop_run), though "
-                                       "it held the stage a moment before: a transient failure, which the docs say "
-                                       "is retried (or pauses the run)")
 def test_a_holder_that_fails_to_offer_its_stage_does_not_end_the_run():
     n = Node()
     to_offers(n)
@@ -858,20 +851,12 @@ def test_a_holder_that_fails_to_offer_its_stage_does_not_end_the_run():
     assert n.c.phase is not Phase.STOPPED and not n.epoch.run_over(), n.lines
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="a holder's offer whose digest is a string but not a sha256 hex digest makes handle raise "
-                          "ValueError (Holding checks the digest outside the try around _next_allocation): one "
-                          "peer's answer stops the run (the shell stops it on any exception)")
 def test_a_malformed_offer_is_left_out():
     n = Node()
     to_offers(n)
     n.answer("offer 2-4", {N[1]: {"digest": "not a digest", "bytes": 1}}, 5.9)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="a run state that says running without a step (valid on the wire: PeerRunState.from_wire "
-                          "takes running=True with at=None), when no answer has a step, makes handle raise ValueError "
-                          "(max() of no steps in _advance 'states'): one peer's answer stops the run")
 def test_a_run_state_running_without_a_step_does_not_break_the_coordinator():
     # every peer restarted (no stage), and n1 claims to be stepping
     n = Node()

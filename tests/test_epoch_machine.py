@@ -288,9 +288,6 @@ def test_a_resumed_epoch_without_holders_fails_to_build_and_never_runs():
     assert p.m.held_at(RUN, (2, 4), 5) is None
 
 
-@pytest.mark.xfail(strict=True, reason="START of an epoch whose build failed (or that ended before it started) is "
-                                       "answered started=True though no runner runs: _start answers True for "
-                                       "every phase but ACCEPTED")
 def test_start_of_an_epoch_that_cannot_run_is_not_confirmed():
     p = Peer(N[1])
     [*_, build] = p.offer(alloc(), 0.0)

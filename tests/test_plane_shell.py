@@ -222,17 +222,17 @@ async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autoj
     other_run = b"o" * 16
     state = StageState(PRESETS["tiny"], CFG, (0, 2))
     state.step = 4
-    save_checkpoint(plane.checkpoint_root(RUN), state)
+    save_checkpoint(plane.stages.checkpoint_root(RUN), state)
     state.step = 8
-    save_checkpoint(plane.checkpoint_root(other_run), state)
-    assert plane.checkpoints(RUN) == ((0, 2, 4),) and plane.checkpoints(other_run) == ((0, 2, 8),)
+    save_checkpoint(plane.stages.checkpoint_root(other_run), state)
+    assert plane.stages.checkpoints(RUN) == ((0, 2, 4),) and plane.stages.checkpoints(other_run) == ((0, 2, 8),)
     assert plane.run_state().checkpoints == ()  # no run applied: none to report
     state.step = 4
-    reply = await plane.offer(RUN, 4, (0, 2))
+    reply = await plane.stages.offer(RUN, 4, (0, 2))
     manifest, _ = encode_transfer(state)
     assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
-    assert "error" in await plane.offer(RUN, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
-    assert "error" in await plane.offer(RUN, 8, (0, 2))  # another run's step 8
+    assert "error" in await plane.stages.offer(RUN, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
+    assert "error" in await plane.stages.offer(RUN, 8, (0, 2))  # another run's step 8
 
 
 async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_clock):
@@ -265,10 +265,6 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     assert "waiting_for_peers" not in plane.status()
 
 
-@pytest.mark.xfail(strict=True, reason="the shell's coordinator timer spins: _feed_coordinator sets _coord_wake after "
-                                       "every event, the timer's own Tick included, so _coordinator_timer never waits "
-                                       "(about 10,000 Ticks a second of an idle daemon's CPU; a MockClock never "
-                                       "advances)")
 async def test_an_idle_plane_does_not_spin(tmp_path):
     async with running(tmp_path, OTHER):
         cpu = time.process_time()

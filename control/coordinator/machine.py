@@ -17,6 +17,7 @@ import enum
 import itertools
 import logging
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
 # returned, one just declared dead): gossip converges, so they are retried without counting.
 MEMBERSHIP_REFUSALS = frozenset({"not-covered", "dead-peer", "unknown-peer"})
@@ -521,10 +523,11 @@ class Coordinator:
             if not proc.running:
                 return self._plan(proc, now)
             ats = [s.at for s in proc.states.values() if s.run_id == cur.run_id and s.at is not None]
-            at = max(ats) + 1
+            at = max(ats) + 1 if ats else 0
             # With a peer of the epoch gone no step can complete: abort the current one at once
-            # (it changes nothing) instead of waiting for every receive to time out.
-            lost = not set(cur.peers) <= set(proc.states) or any(
+            # (it changes nothing) instead of waiting for every receive to time out. So too when
+            # no peer says where it is: there is no boundary to stop at.
+            lost = not ats or not set(cur.peers) <= set(proc.states) or any(
                 s.run_id == cur.run_id and not s.running and s.layers is not None for s in proc.states.values())
             logger.info("reconfiguring (%s): %s %d peers%s", proc.trigger,
                         "aborting the step of" if lost else "stopping", len(proc.running),
@@ -629,14 +632,14 @@ class Coordinator:
         for r in cur.layer_ranges:
             by_digest: dict[str, list[bytes]] = {}
             for p, a in proc.offers[r].items():
-                if isinstance(a.get("digest"), str):
-                    by_digest.setdefault(a["digest"], []).append(p)
+                digest = a.get("digest")
+                if isinstance(digest, str) and _SHA256_HEX.fullmatch(digest):
+                    by_digest.setdefault(digest, []).append(p)
                 else:
                     logger.warning("%s offers no layers %s at step %d: %s", short_id(p), r, rp.step,
                                    a.get("error") or a.get("reason"))
-            if not by_digest:
-                why = f"no holder of layers {r} could offer them at step {rp.step}"
-                return self._stop_run(proc, why, "offers")
+            if not by_digest:  # (it held them a moment ago: retried, up to max_reconfig_attempts)
+                raise _Failed(f"no holder of layers {r} could offer them at step {rp.step}")
             digest, peers = max(by_digest.items(), key=lambda kv: len(kv[1]))
             if len(by_digest) > 1:
                 logger.error("holders of layers %s disagree at step %d: %s", r, rp.step,
@@ -799,6 +802,8 @@ class Coordinator:
         self._proc = None
         why = str(e)
         if proc.kind == "start":
+            if proc.alloc is not None:  # the operator is told it failed: nobody reconfigures it
+                self.epoch.mark_stopped(proc.alloc.run_id)
             return [Reply(proc.reply or (), error=why)]
         out: list = [Reply(proc.reply, error=why)] if proc.reply is not None else []
         if e.counts:

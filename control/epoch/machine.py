@@ -439,7 +439,9 @@ class EpochMachine:
         if run.phase is EpochPhase.ACCEPTED and not run.done:
             run.phase = EpochPhase.TRAINING
             return [StartRunner(run.alloc.epoch), Reply(ev.key, {"started": True})]
-        return [Reply(ev.key, {"started": True})]
+        if run.phase is EpochPhase.TRAINING and not run.done:
+            return [Reply(ev.key, {"started": True})]  # a START sent twice
+        return [Reply(ev.key, {"started": False, "reason": f"the epoch is {run.phase.value} here"})]
 
     def _stop(self, ev: StopAsked) -> list:
         run = self.run
