@@ -3,18 +3,21 @@ handed an allocation by one of them, train `tiny` across processes over the encr
 transport (bounded in time).
 
 The oracle is single-process training: every step's loss equals the reference within 1e-5,
-whatever the S x D shape, and at the end every DP group's replicas hold identical weights.
-A SIGKILLed training peer makes every other daemon stop training, say why, and keep answering.
+whatever the S x D shape, and at the end every DP group's replicas hold identical weights; so
+too when the coordinator is SIGKILLed mid-run and restarted with its data dir (the swarm
+heals). A SIGKILLed training peer makes every other daemon stop its step, say why, and keep
+answering.
 """
 
+import json
 import time
 
 import pytest
 from polling import wait_for
-from swarms import reference_losses, swarm_up, trainings
+from swarms import ReferenceLosses, check_log, coordinator, reference_losses, swarm_up, trainings, wait_steps
 
 from dtfm.swarm import cli as swarm
-from dtfm.swarm.proc import peer_status
+from dtfm.swarm.proc import peer_request, peer_status
 from dtfm.swarm.state import load_state
 from dtfm.swarm.train import read_log
 
@@ -56,6 +59,64 @@ def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
         groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
     assert sorted(groups) == list(range(stages))
     assert all(len(hashes) == 1 for hashes in groups.values()), groups
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
+    """The coordinator is SIGKILLed while the swarm trains 2 x 4: a new one is elected in a
+    higher term and the run goes on; restarted with its data dir, the old coordinator is placed
+    again and fetches its stage. The merged `train.jsonl` has every step once with the
+    reference's loss (1e-5) and every stage's replicas end with identical weights. (The other
+    reconfigurations, a DP group losing two replicas, a partition, a rollback to checkpoints,
+    are traces of the machines under a virtual clock: tests/test_plane_traces.py.)"""
+    reference = ReferenceLosses()
+    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
+                       "--steps", "400"]) == 0
+    wait_steps(run_dir, 3)
+    state = load_state(run_dir)
+
+    name, before = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    killed_at = time.monotonic()
+    assert swarm.main(["kill", name, "--run-dir", str(run_dir)]) == 0
+    wait_steps(run_dir, 3)
+    recovered_s = time.monotonic() - killed_at
+    new_name, after = wait_for("a new coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    assert new_name != name and after["term"] > before["term"]
+    assert after["last_reconfig"]["resume_step"] >= 3
+    check_log(run_dir, reference)
+    print(f"coordinator killed: training again after {recovered_s:.1f} s")
+
+    assert swarm.main(["restart", name, "--run-dir", str(run_dir)]) == 0
+    state = load_state(run_dir)
+    peer = next(p for p in state.peers if p.name == name)
+
+    def placed_again():
+        t = (peer_status(peer) or {}).get("training") or {}
+        return t.get("state") == "training" and t.get("fetched_bytes", 0) > 0 and t
+    t = wait_for(f"{name} to train a fetched stage again", placed_again, 240, interval_s=1.0)
+    assert t["epoch"] > before["epoch"]
+    wait_steps(run_dir, 2)
+
+    # The run ends on one step everywhere (at once: the reference's float32 noise has more
+    # chances to reach 1e-5 the longer the run); every stage's replicas hold identical weights.
+    c_name, _ = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    c_peer = next(p for p in state.peers if p.name == c_name)
+    peer_request(c_peer, "train_stop", {}, timeout_s=30)
+
+    def all_ended():
+        t = {n: v for n, v in trainings(state).items() if v.get("stage") is not None}
+        return t and all("last_end" in v and v.get("state") != "training" for v in t.values()) and t
+    ended = wait_for("every peer to end", all_ended, 120, interval_s=0.5)
+    groups: dict[int, set[str]] = {}
+    for v in ended.values():
+        groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
+    assert all(len(h) == 1 for h in groups.values()), groups
+    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "10"])
+    rows = check_log(run_dir, reference)
+    events = [json.loads(x)["event"] for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    assert events.count("reconfigure") + events.count("rollback") >= 2, events
+    assert len(rows) >= 8
 
 
 @pytest.mark.slow
