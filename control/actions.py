@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .events import PlaneEvent
+
 __all__ = [
     "Action", "Answers", "Ask", "Compute", "Computed", "Emit", "LogLine", "Reply", "ResetLog", "Send",
 ]
@@ -67,8 +69,15 @@ class ResetLog:
 class Emit:
     """An event of the plane (`events.jsonl` and `dtfm-swarm events`)."""
 
-    event: str
-    fields: Mapping[str, Any]
+    record: PlaneEvent
+
+    @property
+    def event(self) -> str:
+        return self.record.kind.value
+
+    @property
+    def fields(self) -> Mapping[str, Any]:
+        return self.record.to_wire()
 
 
 @dataclass(frozen=True)

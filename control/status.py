@@ -71,7 +71,7 @@ class PlaneStatus:
             out["last_end"] = e.last_end
         c = self.coordinator
         if c.last_reconfig is not None:
-            out["last_reconfig"] = c.last_reconfig
+            out["last_reconfig"] = c.last_reconfig.to_wire()
         if c.run_id is not None and c.phase is not Phase.IDLE:
             out["issued"] = {"run_id": c.run_id.hex(), "state": c.phase.value, "reason": c.reason,
                              "completed": c.completed, "end_step": c.end_step, "log": str(self.log_path),

@@ -496,8 +496,8 @@ def test_a_reconfiguration_goes_through_its_phases_in_order():
     """)
     assert n.planner.calls == [{"live": N[:3], "remaining_steps": 98, "seed": 1, "force": False}]
     rec = n.c.status().last_reconfig
-    assert rec is not None and rec["bytes_moved"] == 10 and rec["transfer_s"] == 0.5
-    assert (rec["stop_s"], rec["schedule_s"], rec["offer_s"], rec["handout_s"]) == pytest.approx((1.0, 0.1, 0.2, 0.3))
+    assert rec is not None and rec.bytes_moved == 10 and rec.transfer_s == 0.5
+    assert (rec.stop_s, rec.schedule_s, rec.offer_s, rec.handout_s) == pytest.approx((1.0, 0.1, 0.2, 0.3))
     assert n.c.status().epoch == 2 and n.election.last_applied == (1, 2) and n.election.voters == tuple(N[:3])
 
 

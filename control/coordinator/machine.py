@@ -29,9 +29,10 @@ from dtfm.train import GPTSpec, TrainConfig
 from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, Holding, SignedAllocation
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
-from ..messages import ControlMsg
 from ..epoch.runner import StepReport
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
+from ..events import EventKind, PlaneEvent, Reconfiguration
+from ..messages import ControlMsg
 from .reshape import ReshapePlan
 from .schedule import Placement
 from .steplog import StepLog
@@ -221,7 +222,7 @@ class CoordinatorStatus:
     end_step: int | None
     recent: tuple[dict, ...]
     started_at: float | None
-    last_reconfig: dict | None
+    last_reconfig: Reconfiguration | None
 
 
 class Coordinator:
@@ -243,7 +244,7 @@ class Coordinator:
         self.reason = ""
         self.steplog: StepLog | None = None  # the epoch this peer handed out last
         self.logged: dict[bytes, set[int]] = {}  # run id -> steps this peer logged
-        self.last_reconfig: dict | None = None
+        self.last_reconfig: Reconfiguration | None = None
         self._triggers: list[str] = []
         self._gather_until: float | None = None  # triggers are collected until then
         self._attempts = 0
@@ -308,7 +309,7 @@ class Coordinator:
                 self._trigger(f"peer {short_id(event.peer)}: {event.reason[:200]}")
                 self._next_check = now
         elif isinstance(event, Elected):
-            out.append(self._emit("coordinator", term=event.term, trigger="elected"))
+            out.append(Emit(PlaneEvent(EventKind.COORDINATOR, event.term, "elected")))
             cur = self.epoch.current
             if cur is not None and not self._over():
                 if cur.issuer != self.me or self.steplog is None:
@@ -317,7 +318,7 @@ class Coordinator:
                     self._check_epoch = event.term
                 self._next_check = now
         elif isinstance(event, SteppedDownEvent):
-            out.append(self._emit("stepped-down", term=event.term, trigger=event.reason))
+            out.append(Emit(PlaneEvent(EventKind.STEPPED_DOWN, event.term, event.reason)))
         elif isinstance(event, StartRun | Reschedule):
             self._queue.append(event)
         elif isinstance(event, Answers):
@@ -737,9 +738,9 @@ class Coordinator:
         self._attempts = 0
         self._paused_live = None
         if proc.kind == "start":
-            return [self._emit("start", term=alloc.term, epoch=alloc.epoch, trigger="train start", old_shape=None,
-                               new_shape=f"{alloc.stages}x{alloc.dp}", predicted_new_s=alloc.predicted_iteration_s,
-                               moves=0, bytes_moved=0, resume_step=0),
+            return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,
+                                    start_shape=f"{alloc.stages}x{alloc.dp}",
+                                    start_predicted_s=alloc.predicted_iteration_s)),
                     Reply(proc.reply or (), alloc)]
         self._triggers.clear()  # what happened before the new epoch started is accounted for
         self._gather_until = None
@@ -750,22 +751,23 @@ class Coordinator:
         cur, alloc, plan, rp, log = proc.cur, proc.alloc, proc.plan, proc.rp, self.steplog
         assert cur is not None and alloc is not None and plan is not None and rp is not None and log is not None
         m = proc.marks
-        info = {"at": now + self.wall_offset, "reason": proc.trigger, "epoch": alloc.epoch, "term": alloc.term,
-                "old_shape": f"{cur.stages}x{cur.dp}", "new_shape": f"{alloc.stages}x{alloc.dp}",
-                "kind": plan.kind, "predicted_old_s": cur.predicted_iteration_s,
-                "predicted_new_s": alloc.predicted_iteration_s, "moves": plan.moves, "bytes_moved": log.fetched,
-                "resume_step": rp.step, "rollback": proc.rolled_back, "started_at": proc.t0 + self.wall_offset,
-                "stop_s": m["stopped"] - proc.t0, "schedule_s": m["planned"] - m["stopped"],
-                "offer_s": m["offered"] - m["planned"], "transfer_s": log.fetch_s, "handout_s": now - m["offered"]}
+        info = Reconfiguration(
+            at=now + self.wall_offset, reason=proc.trigger, epoch=alloc.epoch, term=alloc.term,
+            old_shape=f"{cur.stages}x{cur.dp}", new_shape=f"{alloc.stages}x{alloc.dp}", kind=plan.kind,
+            predicted_old_s=cur.predicted_iteration_s, predicted_new_s=alloc.predicted_iteration_s, moves=plan.moves,
+            bytes_moved=log.fetched, resume_step=rp.step, rollback=proc.rolled_back,
+            started_at=proc.t0 + self.wall_offset, stop_s=m["stopped"] - proc.t0,
+            schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
+            handout_s=now - m["offered"])
         self.last_reconfig = info
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
-                    "resuming at step %d%s", proc.trigger, info["old_shape"], info["new_shape"], plan.kind,
+                    "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
                     " (rolled back: steps already logged run again)" if proc.rolled_back else "")
-        out: list = [self._emit("rollback" if proc.rolled_back else "reconfigure", trigger=proc.trigger,
-                                **{k: v for k, v in info.items() if k not in ("at", "reason")})]
+        kind = EventKind.ROLLBACK if proc.rolled_back else EventKind.RECONFIGURE
+        out: list = [Emit(PlaneEvent(kind, alloc.term, proc.trigger, epoch=alloc.epoch, reconfiguration=info))]
         if proc.reply is not None:
-            out.append(Reply(proc.reply, dict(info)))
+            out.append(Reply(proc.reply, info.to_wire()))
         return out
 
     # ---- failure, pause, stop -----------------------------------------------------------------
@@ -779,7 +781,7 @@ class Coordinator:
         logger.error("training pauses: %s", why)
         self.phase, self.reason = Phase.PAUSED, why
         self._proc = None
-        out: list = [self._emit("paused", term=self.election.term, epoch=cur.epoch, trigger=proc.trigger, reason=why)]
+        out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.election.term, proc.trigger, epoch=cur.epoch, reason=why))]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
@@ -791,7 +793,7 @@ class Coordinator:
         self.phase, self.reason = Phase.STOPPED, why
         self.epoch.mark_stopped(cur.run_id)
         self._proc = None
-        out: list = [self._emit("stopped", term=self.election.term, epoch=cur.epoch, trigger=trigger, reason=why)]
+        out: list = [Emit(PlaneEvent(EventKind.STOPPED, self.election.term, trigger, epoch=cur.epoch, reason=why))]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
@@ -856,10 +858,6 @@ class Coordinator:
             logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
         return [LogLine(line) for line in lines]
 
-    # ---- events -------------------------------------------------------------------------------
-
-    def _emit(self, event: str, **fields: Any) -> Emit:
-        return Emit(event, fields)
 
 
 def next_voters(old_voters: tuple[bytes, ...], named: set[bytes], reachable: set[bytes],

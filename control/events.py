@@ -1,0 +1,80 @@
+"""The plane's events (events.jsonl, `dtfm-swarm events`) and a reconfiguration's record
+(`last_reconfig` in status): frozen dataclasses with their kinds as an enum, serialised in
+one place (`to_wire`). See docs/control.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["EventKind", "PlaneEvent", "Reconfiguration"]
+
+
+class EventKind(enum.Enum):
+    COORDINATOR = "coordinator"  # this peer was elected
+    STEPPED_DOWN = "stepped-down"
+    START = "start"  # a run's first epoch was handed out
+    RECONFIGURE = "reconfigure"
+    ROLLBACK = "rollback"  # a reconfiguration that runs logged steps again
+    PAUSED = "paused"  # some stage has no reachable holder
+    STOPPED = "stopped"  # the run cannot go on
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    """What one reconfiguration did, and how long each of its phases took."""
+
+    at: float  # wall time it completed
+    reason: str  # its trigger
+    epoch: int
+    term: int
+    old_shape: str  # "SxD"
+    new_shape: str
+    kind: str  # the reshape kind: keep, repair, shrink, grow, reschedule, restage
+    predicted_old_s: float
+    predicted_new_s: float
+    moves: int
+    bytes_moved: int
+    resume_step: int
+    rollback: bool
+    started_at: float  # wall time
+    stop_s: float
+    schedule_s: float
+    offer_s: float
+    transfer_s: float
+    handout_s: float
+
+    def to_wire(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class PlaneEvent:
+    """One line of events.jsonl (the shell adds the time and this peer's id)."""
+
+    kind: EventKind
+    term: int
+    trigger: str
+    epoch: int | None = None
+    reason: str | None = None  # why a run paused or stopped
+    start_shape: str | None = None  # START: "SxD"
+    start_predicted_s: float | None = None  # START: the predicted iteration time
+    reconfiguration: Reconfiguration | None = None  # RECONFIGURE, ROLLBACK
+
+    def to_wire(self) -> dict[str, Any]:
+        if self.reconfiguration is not None:
+            rec = self.reconfiguration.to_wire()
+            return {"trigger": self.trigger, **{k: v for k, v in rec.items() if k not in ("at", "reason")}}
+        out: dict[str, Any] = {"term": self.term}
+        if self.epoch is not None:
+            out["epoch"] = self.epoch
+        out["trigger"] = self.trigger
+        if self.kind is EventKind.START:
+            out.update(old_shape=None, new_shape=self.start_shape, predicted_new_s=self.start_predicted_s, moves=0,
+                       bytes_moved=0, resume_step=0)
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
