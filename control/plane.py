@@ -95,40 +95,6 @@ MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a man
 MAX_CHECKPOINTS_LISTED = 16
 
 
-class _ElectionReader:
-    """The election service as the machines read it."""
-
-    def __init__(self, service: ElectionService):
-        self._s = service
-
-    @property
-    def term(self) -> int:
-        return self._s.term
-
-    @property
-    def coordinator(self) -> bytes | None:
-        return self._s.coordinator
-
-    @property
-    def voters(self) -> tuple[bytes, ...]:
-        return self._s.voters
-
-    @property
-    def last_applied(self) -> tuple[int, int]:
-        return self._s.last_applied
-
-    @property
-    def is_coordinator(self) -> bool:
-        return self._s.is_coordinator
-
-    @property
-    def is_follower(self) -> bool:
-        return self._s.role == "follower"
-
-    def may_apply(self, issuer: bytes, term: int, epoch: int):
-        return self._s.may_apply(issuer, term, epoch)
-
-
 class GossipSwarm:
     """The gossiped swarm as the coordinator reads it."""
 
@@ -195,19 +161,18 @@ class ControlPlane:
         self.config = config or PlaneConfig.wan()
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
                                         address_of=self._address_of)
-        reader = _ElectionReader(self.election)
         cfg = self.config
-        self.epoch = EpochMachine(self.me, reader, heartbeat_wait_s=cfg.heartbeat_wait_s,
+        self.epoch = EpochMachine(self.me, self.election, heartbeat_wait_s=cfg.heartbeat_wait_s,
                                   coordinator_lost_after_s=cfg.coordinator_lost_after_s)
         self.coordinator = Coordinator(
-            self.me, lambda a: SignedAllocation.sign(a, identity), reader, self.epoch, GossipSwarm(gossip, self.me),
-            SchedulerPlanner(cfg),
+            self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
+            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg),
             CoordinatorTimings(accept_timeout_s=cfg.accept_timeout_s, request_timeout_s=cfg.request_timeout_s,
                                stop_timeout_s=cfg.stop_timeout_s, check_interval_s=cfg.check_interval_s,
                                drift_check_s=cfg.drift_check_s, report_gather_s=cfg.report_gather_s,
                                probe_timeout_s=cfg.probe_timeout_s, paused_retry_s=cfg.paused_retry_s,
                                stop_poll_s=cfg.stop_poll_s, max_reconfig_attempts=cfg.max_reconfig_attempts),
-            wall_offset=time.time() - _now_or_zero())
+        )
         self._corpora: dict[str | None, Corpus] = {}
         self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
                                 address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now)
@@ -776,11 +741,3 @@ class ControlPlane:
         from .status import plane_status
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             self.coordinator.status(), self._log_path, self._swarm_wait).to_wire()
-
-
-def _now_or_zero() -> float:
-    try:
-        return trio.current_time()
-    except RuntimeError:
-        return 0.0
-

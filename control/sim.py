@@ -37,15 +37,15 @@ from .coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
     Elected,
-    Planner,
     StartRun,
     StepFailed,
-    StepReported,
     SteppedDownEvent,
+    StepReported,
     Tick,
-    Trigger,
     next_voters,
 )
+from .coordinator.reshape import ReshapePlan
+from .coordinator.schedule import Placement
 from .election import BecameCoordinator, ElectionConfig, ElectionRole, ElectionState, SteppedDown
 from .election.sim import ElectionSim, NetConditions
 from .epoch.machine import (
@@ -57,9 +57,7 @@ from .epoch.machine import (
     EndEpoch,
     EpochDone,
     EpochMachine,
-    EpochPhase,
     FailNeighbour,
-    MemberGone,
     PersistApplied,
     RunnerEnded,
     StageBuilt,
@@ -71,10 +69,8 @@ from .epoch.machine import (
     WaitForCoordinator,
 )
 from .epoch.machine import Tick as EpochTick
-from .messages import ControlMsg
-from .coordinator.reshape import ReshapePlan
-from .coordinator.schedule import Placement
 from .epoch.runner import RunEnd, StepReport
+from .messages import ControlMsg
 
 __all__ = ["PlaneSim", "reference_loss", "reference_weights"]
 
@@ -205,6 +201,8 @@ class PlaneSim(ElectionSim):
         self._keys = sorted(by_id)
         self._signers = by_id
         self._ctick_at = [float("nan")] * n
+        # (node, its key of an ALLOCATION it was asked) -> (asker, the asker's key): answered once built
+        self._pending_allocs: dict[tuple[int, tuple], tuple[int, tuple]] = {}
         self._seq = 0
         super().__init__(n, config, seed=rng.getrandbits(64), codec=False, conditions=conditions,
                          lose_reports=lose_reports, delays_s=delays_s, ids=self._keys)
@@ -555,7 +553,6 @@ class PlaneSim(ElectionSim):
 
     def _offer_signed(self, k: int, key: tuple, body: dict, reply_to: tuple[int, tuple] | None) -> None:
         alloc = SignedAllocation.from_wire(body).open()
-        self._pending_allocs = getattr(self, "_pending_allocs", {})
         if reply_to is not None:
             self._pending_allocs[(k, key)] = reply_to
         live = frozenset(self.ids[j] for j in self.reachable(k))
@@ -565,7 +562,7 @@ class PlaneSim(ElectionSim):
         self._flush_reply(k, key)
 
     def _flush_reply(self, k: int, key: tuple) -> None:
-        target = getattr(self, "_pending_allocs", {}).get((k, key))
+        target = self._pending_allocs.get((k, key))
         reply = self.replies[k].get(key)
         if target is None or reply is None:
             return
@@ -715,5 +712,3 @@ class _Reader:
     def may_apply(self, issuer: bytes, term: int, epoch: int):
         return self._node.may_apply(issuer, term, epoch)
 
-
-del EpochPhase, MemberGone, Trigger, Planner

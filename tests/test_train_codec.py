@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import wire_values
 
 from dtfm.net import pack, unpack_untrusted
 from dtfm.train import (
@@ -26,18 +27,6 @@ from dtfm.train.spec import WIRE_DTYPES
 
 MiB = 1 << 20
 
-# whatever a msgpack body can hold
-wire_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-    | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=8), children, max_size=5),
-    max_leaves=30,
-)
 
 
 @pytest.mark.parametrize("name", sorted(TENSOR_ITEMSIZE))

@@ -5,6 +5,7 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies import wire_values
 
 from dtfm.net.errors import ProtocolError
 from dtfm.net.wire import (
@@ -19,17 +20,6 @@ from dtfm.net.wire import (
 
 MiB = 1 << 20
 
-wire_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**63), 2**64 - 1)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20)
-    | st.binary(max_size=20),
-    lambda children: st.lists(children, max_size=5)
-    | st.dictionaries(st.text(max_size=8), children, max_size=5),
-    max_leaves=30,
-)
 
 
 @settings(deadline=None)

@@ -147,6 +147,10 @@ class ElectionService:
         return self._state.last_applied
 
     @property
+    def is_follower(self) -> bool:
+        return self._state.role is ElectionRole.FOLLOWER
+
+    @property
     def is_coordinator(self) -> bool:
         """This peer is the coordinator of the current term, that is on disk, and the service runs."""
         return (self._leading == self._state.term and self._state.role is ElectionRole.COORDINATOR
