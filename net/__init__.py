@@ -9,6 +9,7 @@ from .addr import MAX_HOST_LEN, Address, AddressError
 from .config import TransportConfig
 from .connection import Connection
 from .emulation import EmulatedLinks, EmulationConfig
+from .dispatch import Refusals
 from .errors import ConnectionClosed, HandshakeError, KeyFileError, ProtocolError, RemoteError, RequestTimeout
 from .identity import (
                        IDENTITY_FILE,
@@ -41,7 +42,7 @@ __all__ = [
     "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig", "Handler",
     "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
     "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
-    "ProtocolError", "RemoteError", "Reply", "RequestTimeout", "Transport", "TransportConfig",
+    "ProtocolError", "Refusals", "RemoteError", "Reply", "RequestTimeout", "Transport", "TransportConfig",
     "get_bool", "get_bytes", "get_dict",
     "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "new_swarm_key", "pack", "scenario_link",
     "short_id", "swarm_key_fingerprint", "uniform_link", "unpack_untrusted", "verify_signature",

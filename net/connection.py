@@ -12,7 +12,7 @@ import trio
 from . import frames
 from .budget import PayloadBudget
 from .config import TransportConfig
-from .dispatch import KEEPALIVE, PING, Dispatcher, Requests, encode_body
+from .dispatch import KEEPALIVE, PING, Dispatcher, Refusals, Requests, encode_body
 from .errors import ConnectionClosed, ProtocolError
 from .handshake import HandshakeResult
 from .identity import short_id
@@ -42,6 +42,7 @@ class Connection:
         handlers: dict[int, Handler],
         shaper: LinkShaper | None,
         budget: PayloadBudget | None = None,
+        refusals: Refusals | None = None,
     ) -> None:
         self.peer_id: bytes = hs.peer_id
         self.short_id: str = short_id(hs.peer_id)
@@ -88,7 +89,7 @@ class Connection:
             peer=self.short_id,
         )
         self._requests = Requests(self.short_id)
-        self._dispatcher = Dispatcher(self, handlers, config.max_concurrent_handlers)
+        self._dispatcher = Dispatcher(self, handlers, config.max_concurrent_handlers, refusals)
         self._next_id = 1
         self._cancel_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None

@@ -5,7 +5,9 @@
 - `encode_body`: the limits every outgoing message is checked against;
 - `Requests`: this end's requests waiting for replies (timeouts, late replies, closing);
 - `Dispatcher`: runs handlers for incoming messages, at most `max_concurrent_handlers` at a
-  time, and turns their outcome into a reply, an error reply or a closed connection.
+  time, and turns their outcome into a reply, an error reply or a closed connection;
+- `Refusals`: how many incoming messages each transport refused, by reason and message type.
+  No input ends a service: a handler's exception refuses that one message, counted here.
 
 A connection that uses a `Dispatcher` provides three hooks (`Answering`).
 """
@@ -39,11 +41,40 @@ def check_handler(handlers: Mapping[int, Handler], msg_type: int) -> None:
         raise ValueError(f"message type {msg_type} already has a handler")
 
 
-class Registry:
-    """What both transports keep the same way: handlers by message type, connect and disconnect
-    callbacks, and the live connection to each peer (`_by_peer`, kept by the subclass)."""
+class Refusals:
+    """Counts of refused incoming messages by (reason, message type). Bounded: reasons are the
+    fixed names below and message types are at most MAX_MSG_TYPE + 1."""
+
+    MALFORMED = "malformed"  # the handler raised ProtocolError: the connection was closed
+    FAILED = "failed"  # the handler crashed on it (a bug, logged with its traceback)
+    BUSY = "busy"  # too many handlers in progress for that connection
+    UNKNOWN = "unknown"  # no handler for its type
 
     def __init__(self) -> None:
+        self._counts: dict[tuple[str, int], int] = {}
+
+    def count(self, reason: str, msg_type: int) -> None:
+        key = (reason, msg_type)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def get(self, reason: str, msg_type: int) -> int:
+        return self._counts.get((reason, msg_type), 0)
+
+    def total(self) -> int:
+        return sum(self._counts.values())
+
+    def to_wire(self) -> dict[str, int]:
+        """`{"malformed/70": 3, ...}`, sorted: the daemon's status shows it."""
+        return {f"{r}/{t}": n for (r, t), n in sorted(self._counts.items())}
+
+
+class Registry:
+    """What both transports keep the same way: handlers by message type, connect and disconnect
+    callbacks, the live connection to each peer (`_by_peer`, kept by the subclass) and the
+    count of refused input."""
+
+    def __init__(self) -> None:
+        self.refusals = Refusals()
         self._handlers: dict[int, Handler] = {}
         self._on_connect: list[Callable[[PeerConnection], None]] = []
         self._on_disconnect: list[Callable[[PeerConnection, str], None]] = []
@@ -164,9 +195,11 @@ class Answering(PeerConnection, Protocol):
 class Dispatcher:
     """Runs the handlers for one connection's incoming requests and one-way messages."""
 
-    def __init__(self, conn: Answering, handlers: Mapping[int, Handler], max_concurrent: int) -> None:
+    def __init__(self, conn: Answering, handlers: Mapping[int, Handler], max_concurrent: int,
+                 refusals: Refusals | None = None) -> None:
         self._conn = conn
         self._handlers = handlers
+        self._refusals = refusals if refusals is not None else Refusals()
         self._slots = max_concurrent
         self._running: set[trio.CancelScope] = set()
 
@@ -179,11 +212,13 @@ class Dispatcher:
         handler = _ping_handler if msg_type == PING else self._handlers.get(msg_type)
         if handler is None:
             logger.debug("no handler for message type %d from %s", msg_type, peer)
+            self._refusals.count(Refusals.UNKNOWN, msg_type)
             if is_request:
                 nursery.start_soon(self._conn._respond_error, msg_id, f"unknown message type {msg_type}")
             return
         if self._slots <= 0:
             logger.warning("too many requests in progress from %s: dropped message type %d", peer, msg_type)
+            self._refusals.count(Refusals.BUSY, msg_type)
             if is_request:
                 nursery.start_soon(self._conn._respond_error, msg_id, "busy")
             return
@@ -212,6 +247,7 @@ class Dispatcher:
                     result = await handler(conn, msg_type, body, payload)
                 except ProtocolError as e:
                     logger.debug("bad message type %d from %s: %s", msg_type, peer, e)
+                    self._refusals.count(Refusals.MALFORMED, msg_type)
                     await conn._abort(f"protocol error in message type {msg_type}: {e}")
                     return
                 except (ConnectionClosed, RequestTimeout, RemoteError) as e:
@@ -221,6 +257,7 @@ class Dispatcher:
                     return
                 except Exception:
                     logger.exception("handler for message type %d from %s crashed", msg_type, peer)
+                    self._refusals.count(Refusals.FAILED, msg_type)
                     if is_request:
                         await conn._respond_error(msg_id, "internal error")
                     return

@@ -197,7 +197,7 @@ class MemConnection:
         self._remote = remote
         self._config = local.config
         self._requests = Requests(self.short_id)
-        self._dispatcher = Dispatcher(self, local._handlers, local.config.max_concurrent_handlers)
+        self._dispatcher = Dispatcher(self, local._handlers, local.config.max_concurrent_handlers, local.refusals)
         self._next_id = 1
 
     def __repr__(self) -> str:

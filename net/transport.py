@@ -294,6 +294,7 @@ class Transport(Registry):
             handlers=self._handlers,
             shaper=self._shaper,
             budget=self._payload_budget,
+            refusals=self.refusals,
         )
         self._all.add(conn)
         announced = False

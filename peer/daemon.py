@@ -151,6 +151,7 @@ class Daemon:
             "pid": os.getpid(), "data_dir": str(self.data_dir.root),
             "uptime_s": now - (self.started_at if self.started_at is not None else now),
             "peers": peers, "departed": departed,
+            "refused": self.transport.refusals.to_wire(),
         }
         for name, provider in self._providers.items():
             report[name] = _provided(name, provider)

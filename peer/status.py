@@ -5,6 +5,7 @@ The report is a plain map (it crosses the control socket as msgpack and prints a
     peer_id, short_id, listen, advertise, region, pid, data_dir, uptime_s,
     peers:    [{peer_id, short_id, address, region, last_seen_s_ago, connected_for_s}]
     departed: [{peer_id, short_id, address, region, left_s_ago, reason}]
+    refused:  {"REASON/TYPE": count} incoming messages refused (malformed, failed, busy, unknown)
     ...       one more key per status provider (Daemon.add_status_provider)
 
 Ids are hex text so the JSON form is usable as is.
@@ -16,7 +17,7 @@ import json
 from typing import Any
 
 CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "pid", "data_dir",
-                       "uptime_s", "peers", "departed"})
+                       "uptime_s", "peers", "departed", "refused"})
 
 
 def format_duration(seconds: float) -> str:
@@ -65,6 +66,10 @@ def format_text(report: dict[str, Any]) -> str:
                  format_duration(p["left_s_ago"]) + " ago", p.get("reason") or "-"]
                 for p in departed]
         lines += _table(["PEER", "ADDRESS", "REGION", "LEFT", "REASON"], rows)
+    refused = report.get("refused") or {}
+    if refused:
+        lines.append(f"refused   {sum(refused.values())} incoming messages: "
+                     + ", ".join(f"{k} x{n}" for k, n in refused.items()))
     for key in sorted(k for k in report if k not in CORE_KEYS):
         value = report[key]
         text = value if isinstance(value, str) else json.dumps(value, default=_json_default,

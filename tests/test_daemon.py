@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from dtfm.net.addr import Address
 from dtfm.net.errors import ConnectionClosed, HandshakeError, ProtocolError, RemoteError, RequestTimeout
+from dtfm.net.dispatch import Refusals
 from dtfm.net.identity import Identity
 from dtfm.net.wire import pack, unpack_untrusted
 from dtfm.peer.config import DaemonConfig, PeerConfig
@@ -108,6 +109,7 @@ class FakeTransport:
         self.unreachable = False  # a firewall drops every dial to this machine
         self.dead = False
         self._scope = None
+        self.refusals = Refusals()
 
     def handle(self, msg_type, handler):
         self.handlers[msg_type] = handler

@@ -26,6 +26,7 @@ from dtfm.net import (
     PeerConnection,
     PeerTransport,
     ProtocolError,
+    Refusals,
     RemoteError,
     Reply,
     RequestTimeout,
@@ -287,6 +288,11 @@ async def test_handler_failures_become_error_replies(peers, clock):
     await peers.ab.send(CRASH, {})  # a one-way message whose handler crashes: nothing comes back
     assert (await peers.ab.request(ECHO, 1))[0] == 1  # still connected
     assert not peers.ab.closed and not peers.a.disconnected and not peers.b.disconnected
+    # each refused message is counted by the receiving transport, by reason and type
+    refused = peers.b.t.refusals
+    assert refused.get(Refusals.UNKNOWN, 77) == 1 and refused.get(Refusals.FAILED, CRASH) == 2
+    assert refused.to_wire() == {f"failed/{CRASH}": 2, "unknown/77": 1}
+    assert peers.a.t.refusals.total() == 0
 
 
 async def test_outgoing_limits_raise_value_error(peers, clock):
@@ -308,6 +314,7 @@ async def test_too_many_handlers_at_once_get_busy(peers, clock):
         await peers.b.wait_slow(CONFIG.max_concurrent_handlers)
         with pytest.raises(RemoteError, match="busy"):
             await peers.ab.request(ECHO, 1)
+        assert peers.b.t.refusals.get(Refusals.BUSY, ECHO) == 1
         await peers.ab.close("done")
 
 
@@ -361,6 +368,7 @@ async def test_handler_protocol_error_closes_the_connection(peers, clock, caplog
                 await peers.ab.request(BAD, {}, timeout_s=30)
         await wait_gone(peers.a, peers.b)
     reason = f"protocol error in message type {BAD}: bad body"
+    assert peers.b.t.refusals.get(Refusals.MALFORMED, BAD) == 1
     assert peers.b.disconnected == [(peers.ba, reason)]
     assert peers.a.disconnected == [(peers.ab, f"closed by peer: {reason}")]
     assert peers.ab.closed and peers.ba.closed
