@@ -24,23 +24,50 @@ from .codec import (
 )
 from .collective import all_reduce_small, ring_all_reduce
 from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
-from .data import ByteTokenizer, Corpus, load_corpus, split_batch
+from .data import (
+    TOKEN_DTYPES,
+    Corpus,
+    load_corpus,
+    load_token_file,
+    split_batch,
+    tokenize_to_file,
+    write_token_file,
+)
+from .hf import (
+    HFError,
+    export_checkpoint_dir,
+    export_hf,
+    hf_digest,
+    hf_stage_state,
+    load_hf,
+    load_hf_spec,
+    load_hf_stage,
+    model_tokenizer,
+    spec_to_hf_config,
+    stage_param_names,
+)
 from .local import LocalCluster
 from .messages import MessageRules
 from .model import GPTStage, assemble, generate
 from .optim import AdamW
 from .plan import Plan
 from .reference import reference_state, reference_step
-from .spec import PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
+from .sample import sample_text
+from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
 from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
 from .worker import StageState, StepResult, run_step
 
 __all__ = [
+    "ACTIVATIONS",
     "DEFAULT_CHUNK_BYTES",
     "MAX_TENSOR_DIMS",
     "PRESETS",
     "TEST_CONFIG",
+    "Tokenizer",
+    "TokenizerError",
     "TENSOR_ITEMSIZE",
+    "TOKEN_DTYPES",
     "TORCH_DTYPES",
     "AdamW",
     "ByteTokenizer",
@@ -54,6 +81,8 @@ __all__ = [
     "EventHandle",
     "GPTSpec",
     "GPTStage",
+    "HFError",
+    "HFTokenizer",
     "InMemoryComm",
     "InMemoryHub",
     "Link",
@@ -73,21 +102,37 @@ __all__ = [
     "checkpoint_at",
     "encode_stage",
     "encode_transfer",
+    "export_checkpoint_dir",
+    "export_hf",
     "generate",
     "get_preset",
+    "hf_digest",
+    "hf_stage_state",
     "list_checkpoints",
     "load_checkpoint",
     "load_corpus",
+    "load_hf",
+    "load_hf_spec",
+    "load_hf_stage",
+    "load_token_file",
+    "load_tokenizer",
+    "model_tokenizer",
     "reference_state",
     "reference_step",
     "ring_all_reduce",
     "run_step",
+    "sample_text",
     "save_checkpoint",
     "saved_checkpoints",
+    "spec_to_hf_config",
     "split_batch",
     "stage_from_tensors",
+    "stage_param_names",
     "stage_tensors",
     "tensor_from_wire",
     "tensor_header",
     "tensor_to_wire",
+    "tokenize_to_file",
+    "write_byte_tokenizer",
+    "write_token_file",
 ]

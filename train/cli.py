@@ -1,6 +1,10 @@
 """`python -m dtfm.train`: train a preset on one machine, S x D stage replicas in threads on the
 in-memory Comm, with a progress line and optional JSON lines (one per step).
 
+Other commands: `python -m dtfm.train sample` (text from a model folder), `... tokenize` (a text
+corpus into a token file), `... export` (stage checkpoints into a Hugging Face GPT-2 folder);
+each has its own --help.
+
 Exit status: 0 success, 1 an error explained on stderr (`python -m dtfm.train: error: ...`),
 2 bad command line, 130 interrupted.
 """
@@ -11,17 +15,20 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 
 import torch
 
-from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from .data import ByteTokenizer, load_corpus, split_batch
+from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
+from .data import TOKEN_DTYPES, load_corpus, split_batch, tokenize_to_file
+from .hf import HFError, export_checkpoint_dir, export_hf, hf_stage_state, load_hf_spec, model_tokenizer
 from .local import LocalCluster
 from .model import assemble, generate
 from .plan import Plan
 from .spec import PRESETS, TrainConfig, get_preset
+from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
 
 __all__ = ["build_parser", "main"]
 
@@ -57,10 +64,21 @@ def _weights(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 epilog="Exit status: 0 success, 1 an error explained on stderr, "
-                                        "2 bad command line, 130 interrupted.",
+                                 epilog="Commands: `sample`, `tokenize`, `export` (see `python -m dtfm.train "
+                                        "COMMAND --help`). Exit status: 0 success, 1 an error explained on "
+                                        "stderr, 2 bad command line, 130 interrupted.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model shape; unset: tiny")
+    ap.add_argument("--init-from", default=None, metavar="DIR",
+                    help="start from the weights of a Hugging Face GPT-2 folder (its shape replaces --preset)")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="tokenize text data with this Hugging Face folder's tokenizer; unset: bytes, or "
+                         "the --init-from folder's tokenizer")
+    ap.add_argument("--token-dtype", default=None, choices=TOKEN_DTYPES,
+                    help="read --data as a token file of this dtype; unset: a .bin file is uint16 "
+                         "(*.uint32.bin: uint32), anything else text")
+    ap.add_argument("--export", default=None, metavar="DIR",
+                    help="after training, write the model here as a Hugging Face GPT-2 folder")
     ap.add_argument("--steps", type=_count(0), default=200, help="steps to train (from the resumed step, if any)")
     ap.add_argument("--stages", type=_count(1), default=1, help="pipeline stages S")
     ap.add_argument("--dp", type=_count(1), default=1, help="data-parallel pipelines D")
@@ -131,8 +149,7 @@ def _resume_states(root: str, spec, cfg, plan: Plan, device: str) -> dict:
     return states
 
 
-def _print_sample(spec, cfg, stages, step: int, args) -> None:
-    tok = ByteTokenizer()
+def _print_sample(spec, cfg, stages, step: int, args, tok) -> None:
     model = assemble(spec, stages, cfg.seed).eval()
     prompt = torch.from_numpy(tok.encode(args.prompt).astype("int64"))
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -151,7 +168,17 @@ def _setup(args, parser: argparse.ArgumentParser):
         parser.error("--sample needs a non-empty --prompt")
     if args.resume and not args.checkpoint_dir:
         parser.error("--resume needs --checkpoint-dir")
-    spec = get_preset(args.preset)
+    if args.init_from and (args.preset or args.resume):
+        parser.error("--init-from sets the model: leave out --preset and --resume")
+    if args.tokenizer and (args.token_dtype or (args.data or "").endswith(".bin")):
+        parser.error("--data is a token file, already tokenized: leave out --tokenizer")
+    if args.export and os.path.exists(args.export):
+        raise CliError(f"--export {args.export} exists: choose a new folder")
+    try:
+        spec = load_hf_spec(args.init_from) if args.init_from else get_preset(args.preset or "tiny")
+        tok = _tokenizer(args)
+    except (HFError, TokenizerError) as e:
+        raise CliError(str(e)) from None
     try:  # each of these only checks the values given on the command line
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
         plan = Plan.grid(spec.n_layer, args.stages, args.dp, args.layer_weights)
@@ -161,11 +188,29 @@ def _setup(args, parser: argparse.ArgumentParser):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CliError("no CUDA device is available: use --device cpu")
     try:
-        corpus = load_corpus(args.data)
-    except ValueError as e:  # no such path, or no text in it
+        corpus = load_corpus(args.data, tokenizer=tok, token_dtype=args.token_dtype)
+        corpus.check_vocab(spec.vocab)
+    except ValueError as e:  # no such path, no text in it, ids the model has no embedding for
         raise CliError(str(e)) from None
     states = _resume_states(args.checkpoint_dir, spec, cfg, plan, args.device) if args.resume else None
-    return cfg, spec, plan, corpus, states
+    if args.init_from:
+        try:
+            states = {p: hf_stage_state(args.init_from, cfg, plan.layer_ranges[plan.position(p)[1]], spec,
+                                        device=args.device) for p in plan.peers}
+        except HFError as e:
+            raise CliError(str(e)) from None
+    return cfg, spec, plan, corpus, tok, states
+
+
+def _tokenizer(args) -> ByteTokenizer | HFTokenizer:
+    """--tokenizer's, else for text data the --init-from folder's (bytes for a model trained on
+    bytes), else bytes."""
+    if args.tokenizer:
+        return load_tokenizer(args.tokenizer)
+    token_file = args.token_dtype or (args.data or "").endswith(".bin")
+    if args.init_from and not token_file:
+        return model_tokenizer(args.init_from)  # type: ignore[return-value]
+    return ByteTokenizer()
 
 
 def _train(args, cl: LocalCluster, cfg: TrainConfig, spec, plan: Plan) -> None:
@@ -188,27 +233,79 @@ def _train(args, cl: LocalCluster, cfg: TrainConfig, spec, plan: Plan) -> None:
                 save_checkpoint(args.checkpoint_dir, cl.states[peer], args.keep)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+def build_tokenize_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"{PROG} tokenize",
+                                 description="Tokenize a text file or folder into a token file (raw uint16 or "
+                                             "uint32 ids, nanoGPT's train.bin convention) for --data.",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tokenizer", required=True, metavar="DIR", help="Hugging Face folder with tokenizer files")
+    ap.add_argument("--data", required=True, help="text file or folder")
+    ap.add_argument("--out", required=True, help="token file to write (name it *.bin; *.uint32.bin for uint32)")
+    ap.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
+                    help="unset: uint32 for a *.uint32.bin name or a vocabulary over 65536 ids, else uint16")
+    return ap
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=f"{PROG} export",
+                                 description="Write the stage checkpoints of a --checkpoint-dir as one Hugging "
+                                             "Face GPT-2 folder (model.safetensors, config.json, tokenizer).",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--checkpoint-dir", required=True, help="folder of stage checkpoints")
+    ap.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
+    ap.add_argument("--step", type=_count(0), default=None, help="unset: the newest step every stage has")
+    ap.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                    help="copy this Hugging Face folder's tokenizer files; unset: the byte tokenizer")
+    ap.add_argument("--force", action="store_true", help="replace --out if it exists")
+    return ap
+
+
+def _tokenize(argv: list[str]) -> int:
+    args = build_tokenize_parser().parse_args(argv)
+    tok = load_tokenizer(args.tokenizer)
+    dtype = args.token_dtype or ("uint32" if args.out.endswith(".uint32.bin") or tok.vocab > 65536 else "uint16")
     try:
-        return _run(args, parser)
+        out, n = tokenize_to_file(args.data, tok, args.out, dtype)
+    except (OSError, ValueError) as e:  # no such data path, a vocabulary too large for the dtype
+        raise CliError(str(e)) from None
+    print(f"{out}: {n:,} {dtype} tokens", file=sys.stderr)
+    return 0
+
+
+def _export(argv: list[str]) -> int:
+    args = build_export_parser().parse_args(argv)
+    out = export_checkpoint_dir(args.checkpoint_dir, args.out, args.step, tokenizer_from=args.tokenizer_from,
+                                overwrite=args.force)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if argv and argv[0] == "sample":
+        from .sample import sample_main
+        return sample_main(argv[1:])
+    try:
+        if argv and argv[0] in ("tokenize", "export"):
+            return (_tokenize if argv[0] == "tokenize" else _export)(argv[1:])
+        parser = build_parser()
+        return _run(parser.parse_args(argv), parser)
     except KeyboardInterrupt:
         return 130
-    except (CliError, CheckpointError) as e:
+    except (CliError, CheckpointError, HFError, TokenizerError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 1
 
 
 def _run(args, parser: argparse.ArgumentParser) -> int:
-    cfg, spec, plan, corpus, states = _setup(args, parser)
+    cfg, spec, plan, corpus, tok, states = _setup(args, parser)
     torch.set_num_threads(1 if len(plan.peers) > 1 else torch.get_num_threads())
     with LocalCluster(spec, cfg, plan, corpus, states=states, device=args.device) as cl:
         if not args.quiet:
             print(f"{spec.name}: {spec.params / 1e6:.2f} M parameters, {plan.stages} stage(s) {plan.layer_ranges} x "
                   f"{plan.dp} pipeline(s), {cfg.micro_batches} micro-batches, corpus {corpus.name} "
-                  f"({len(corpus.tokens) / 1e6:.1f} MB), from step {cl.step_index}", file=sys.stderr)
+                  f"({len(corpus.tokens) / 1e6:.1f} M tokens), from step {cl.step_index}", file=sys.stderr)
         try:
             _train(args, cl, cfg, spec, plan)
         except KeyboardInterrupt:
@@ -216,5 +313,10 @@ def _run(args, parser: argparse.ArgumentParser) -> int:
                   file=sys.stderr)
             return 130
         if args.sample > 0:
-            _print_sample(spec, cfg, [cl.states[p].module for p in plan.pipeline(0)], cl.step_index, args)
+            _print_sample(spec, cfg, [cl.states[p].module for p in plan.pipeline(0)], cl.step_index, args, tok)
+        if args.export:
+            out = export_hf(spec, [stage_tensors(cl.states[p]) for p in plan.pipeline(0)], args.export,
+                            tokenizer_from=args.tokenizer or (args.init_from if isinstance(tok, HFTokenizer)
+                                                              else None))
+            print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -1,9 +1,13 @@
-"""Training data: a corpus every machine has, a byte tokenizer, deterministic sampling.
+"""Training data: a corpus every machine has, tokenizers, deterministic sampling.
 
 The default corpus is the source of the running interpreter's standard library; `--data`
-names any text file or folder instead. Sample i of step k starts at an offset drawn from
-(seed, k, i) alone, so a step's batch does not depend on which peer holds which pipeline nor
-on how many pipelines there are: a pipeline simply takes its range of sample indices.
+names any text file or folder instead, or a pre-tokenized token file (`.bin`: token ids as
+raw little-endian uint16, nanoGPT's `train.bin` convention, or uint32 for a `*.uint32.bin`),
+read through a memory map so it may be larger than memory. Text is tokenized as UTF-8 bytes
+by default, or by a Hugging Face tokenizer (`tokenizer.py`). Sample i of step k starts at an
+offset drawn from (seed, k, i) alone, so a step's batch does not depend on which peer holds
+which pipeline nor on how many pipelines there are: a pipeline simply takes its range of
+sample indices.
 """
 
 from __future__ import annotations
@@ -11,38 +15,59 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+import tempfile
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["ByteTokenizer", "Corpus", "load_corpus", "split_batch"]
+from .tokenizer import ByteTokenizer, Tokenizer, token_dtype_for
+
+__all__ = ["TOKEN_DTYPES", "ByteTokenizer", "Corpus", "load_corpus", "load_token_file", "split_batch",
+           "tokenize_to_file", "write_token_file"]
 
 _TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".toml", ".json", ".c", ".h")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: vocabulary 256, lossless for any text."""
-
-    vocab = 256
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
-
-    def decode(self, tokens) -> str:
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+TOKEN_DTYPES = ("uint8", "uint16", "uint32")  # what a corpus's token ids may be stored as
+_CHUNK_TOKENS = 1 << 22  # tokens hashed or scanned at a time: a memory-mapped corpus is never read whole
 
 
 @dataclass(frozen=True)
 class Corpus:
-    tokens: np.ndarray  # uint8 byte tokens, the whole corpus
+    tokens: np.ndarray  # token ids (uint8 bytes, or uint16/uint32), in memory or memory-mapped
     name: str
 
-    @property
+    def __post_init__(self) -> None:
+        if self.tokens.ndim != 1 or self.tokens.dtype.name not in TOKEN_DTYPES:
+            raise ValueError(f"corpus tokens must be a 1-d array of {'/'.join(TOKEN_DTYPES)}, "
+                             f"got {self.tokens.dtype} {self.tokens.shape}")
+
+    def _chunks(self):
+        for i in range(0, len(self.tokens), _CHUNK_TOKENS):
+            yield np.ascontiguousarray(self.tokens[i:i + _CHUNK_TOKENS])
+
+    @cached_property
     def fingerprint(self) -> str:
-        """sha256 of the tokens: peers of one run must agree on it."""
-        return hashlib.sha256(self.tokens.tobytes()).hexdigest()
+        """sha256 of the tokens (for uint16/uint32 ids, with the dtype's name first), computed
+        once, a chunk at a time: peers of one run must agree on it."""
+        h = hashlib.sha256()
+        if self.tokens.dtype != np.uint8:
+            h.update(f"dtfm-tokens/{self.tokens.dtype.name}\n".encode())
+        for c in self._chunks():
+            h.update(c.astype(c.dtype.newbyteorder("<"), copy=False).tobytes())
+        return h.hexdigest()
+
+    @cached_property
+    def max_token(self) -> int:
+        """The largest token id in the corpus (-1 when empty), computed once, a chunk at a time."""
+        return max((int(c.max()) for c in self._chunks() if len(c)), default=-1)
+
+    def check_vocab(self, vocab: int) -> None:
+        """ValueError unless every token id is below the model's vocabulary size."""
+        if self.max_token >= vocab:
+            raise ValueError(f"corpus {self.name} holds token id {self.max_token}, the model's vocabulary has "
+                             f"{vocab} ids: tokenize with the model's own tokenizer")
 
     def sample_offsets(self, seed: int, step: int, indices: range, seq_len: int) -> np.ndarray:
         hi = len(self.tokens) - seq_len - 1
@@ -60,16 +85,136 @@ class Corpus:
 
 
 def _files_under(root: Path) -> list[Path]:
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__") and not d.startswith("."))
         out.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(_TEXT_SUFFIXES))
     return out
 
 
-def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 32 << 20) -> Corpus:
+def _token_dtype_of(path: Path, token_dtype: str | None) -> str:
+    dt = token_dtype or ("uint32" if path.name.endswith(".uint32.bin") else "uint16")
+    if dt not in TOKEN_DTYPES:
+        raise ValueError(f"token dtype must be one of {TOKEN_DTYPES}, got {dt!r}")
+    return dt
+
+
+def load_token_file(path: str | os.PathLike, token_dtype: str | None = None) -> Corpus:
+    """A pre-tokenized corpus: raw little-endian token ids, memory-mapped (never read whole).
+
+    `token_dtype` defaults to uint16 (nanoGPT's train.bin), or uint32 for `*.uint32.bin`."""
+    path = Path(path)
+    dt = np.dtype(_token_dtype_of(path, token_dtype)).newbyteorder("<")
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ValueError(f"cannot read token file {path}: {e.strerror}") from None
+    if size == 0:
+        raise ValueError(f"token file {path} is empty")
+    if size % dt.itemsize:
+        raise ValueError(f"token file {path} has {size} bytes, not a whole number of {dt.name} tokens: "
+                         "is the token dtype right?")
+    return Corpus(np.memmap(path, dtype=dt, mode="r"), str(path))
+
+
+def write_token_file(path: str | os.PathLike, tokens: np.ndarray, token_dtype: str = "uint16") -> Path:
+    """Write token ids as a token file (atomically: a temporary file, fsynced, renamed)."""
+    path = Path(path)
+    dt = np.dtype(token_dtype).newbyteorder("<")
+    arr = np.asarray(tokens)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dt).max):
+        raise ValueError(f"token ids outside {dt.name}'s range")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(arr.astype(dt).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _cut(data: bytes) -> int:
+    """Where to end a block of text to tokenize: before the last newline that follows a
+    non-space character (a pre-token boundary for GPT-2's byte-level BPE: no pre-token
+    spans it), else at the last whole UTF-8 character."""
+    i = data.rfind(b"\n")
+    while i > 0 and data[i - 1] in b" \t\r\n\x0b\x0c":
+        i = data.rfind(b"\n", 0, i)
+    if i > 0:
+        return i
+    end = len(data)
+    i = end
+    while i > 0 and (data[i - 1] & 0xC0) == 0x80:  # continuation bytes: back to the character's start
+        i -= 1
+    if i == 0 or data[i - 1] < 0xC0:
+        return end
+    lead = data[i - 1]
+    need = 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+    return end if end - (i - 1) >= need else i - 1
+
+
+def tokenize_to_file(src: str | os.PathLike, tokenizer: Tokenizer, out: str | os.PathLike,
+                     token_dtype: str | None = None, block_bytes: int = 1 << 22) -> tuple[Path, int]:
+    """Tokenize the text file or folder `src` into the token file `out` without holding it in
+    memory: text is encoded in blocks of about `block_bytes`, each ended before a newline that
+    follows a non-space character (files are joined by a newline, as `load_corpus` joins
+    them). With GPT-2's byte-level BPE this gives the ids of tokenizing the whole text at once.
+    Returns (out, number of tokens)."""
+    src, out = Path(src), Path(out)
+    dt = np.dtype(token_dtype or token_dtype_for(tokenizer.vocab).name)
+    if dt.name not in ("uint16", "uint32") or tokenizer.vocab > np.iinfo(dt).max + 1:
+        raise ValueError(f"a vocabulary of {tokenizer.vocab} ids needs uint16 or uint32 tokens, not {dt.name}")
+    if not src.exists():
+        raise ValueError(f"data path {src} does not exist: pass a text file or a folder of text files")
+    files = [src] if src.is_file() else _files_under(src)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    count = 0
+
+    def emit(f, piece: bytes) -> None:
+        nonlocal count
+        ids = tokenizer.encode(piece.decode("utf-8", errors="replace"))
+        f.write(np.asarray(ids).astype(dt.newbyteorder("<")).tobytes())
+        count += len(ids)
+
+    try:
+        with os.fdopen(fd, "wb") as f:
+            rest = b""
+            for k, path in enumerate(files):
+                with open(path, "rb") as fh:
+                    rest += b"\n" if k else b""
+                    while block := fh.read(block_bytes):
+                        data = rest + block
+                        cut = _cut(data)
+                        if cut > 0:
+                            emit(f, data[:cut])
+                        rest = data[cut:]
+            if rest:
+                emit(f, rest)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out, count
+
+
+def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 32 << 20,
+                tokenizer: Tokenizer | None = None, token_dtype: str | None = None) -> Corpus:
     """The text at `path` (a file, or the text files under a folder in sorted order), or by
-    default the standard library's source; at most max_bytes are kept."""
+    default the standard library's source; at most max_bytes of text are kept, tokenized as
+    bytes or by `tokenizer`. A `.bin` file (or any file with `token_dtype`) is a token file
+    instead (`load_token_file`), memory-mapped whole."""
+    if path is not None and (token_dtype is not None or str(path).endswith(".bin")):
+        if tokenizer is not None and not isinstance(tokenizer, ByteTokenizer):
+            raise ValueError(f"{path} is a token file, already tokenized: leave the tokenizer out")
+        if not Path(path).is_file():
+            raise ValueError(f"token file {path} does not exist")
+        return load_token_file(path, token_dtype)
     if path is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         files, name = _files_under(root), f"stdlib:{root}"
@@ -91,7 +236,10 @@ def load_corpus(path: str | os.PathLike | None = None, max_bytes: int = 32 << 20
     data = b"\n".join(parts)[:max_bytes]
     if not data:
         raise ValueError(f"no text found at {name}")
-    return Corpus(np.frombuffer(data, dtype=np.uint8).copy(), name)
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        return Corpus(np.frombuffer(data, dtype=np.uint8).copy(), name)
+    ids = tokenizer.encode(data.decode("utf-8", errors="replace"))
+    return Corpus(np.asarray(ids).astype(token_dtype_for(tokenizer.vocab)), f"{name} ({tokenizer.name})")
 
 
 def split_batch(global_batch: int, pipelines: int, micro_batches: int) -> list[list[range]]:

@@ -39,6 +39,7 @@ class LocalCluster:
         self.spec, self.cfg, self.corpus, self.track_memory = spec, cfg, corpus, track_memory
         self.device, self.link = device, link  # link(src, dst) -> comm.Link: emulated network, or None
         split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)  # fail now, not inside a worker
+        corpus.check_vocab(spec.vocab)
         self.hub = InMemoryHub(link=self.link)
         self.plan = plan
         self.states: dict = {}

@@ -47,9 +47,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(spec.n_embd, spec.mlp_ratio * spec.n_embd, bias=spec.bias)
         self.c_proj = nn.Linear(spec.mlp_ratio * spec.n_embd, spec.n_embd, bias=spec.bias)
+        self.approximate = "tanh" if spec.activation == "gelu_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x)))  # (B, T, C)
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))  # (B, T, C)
 
 
 class Block(nn.Module):
@@ -156,10 +157,14 @@ def assemble(spec: GPTSpec, stages: list["GPTStage"], seed: int = 0) -> "GPTStag
 
 @torch.no_grad()
 def generate(model: "GPTStage", prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample `new_tokens` after `prompt` (T,) int64 from a whole model; returns (T + new_tokens,)."""
+             generator: torch.Generator | None = None, top_k: int | None = None) -> torch.Tensor:
+    """Sample `new_tokens` after `prompt` (T,) int64 from a whole model; returns (T + new_tokens,).
+
+    temperature <= 0 takes the most likely token; `top_k` keeps only the k likeliest tokens."""
     if not (model.is_first and model.is_last):
         raise ValueError("generation needs the whole model (see assemble)")
+    if prompt.numel() < 1:
+        raise ValueError("generation needs a prompt of at least one token")
     dev = next(model.parameters()).device
     seq = prompt.to(dev).reshape(1, -1)
     for _ in range(new_tokens):
@@ -167,6 +172,9 @@ def generate(model: "GPTStage", prompt: torch.Tensor, new_tokens: int, temperatu
         if temperature <= 0:
             nxt = logits.argmax().reshape(1)
         else:
+            if top_k is not None and top_k < logits.numel():
+                kth = torch.topk(logits, top_k).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
             probs = torch.softmax(logits / temperature, dim=-1).cpu()
             nxt = torch.multinomial(probs, 1, generator=generator).to(dev)
         seq = torch.cat([seq, nxt.reshape(1, 1)], dim=1)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["GPTSpec", "TrainConfig", "PRESETS", "get_preset", "WIRE_DTYPES"]
+__all__ = ["ACTIVATIONS", "GPTSpec", "TrainConfig", "PRESETS", "get_preset", "WIRE_DTYPES"]
 
 # Dtypes activations and their gradients may travel in between stages.
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
+
+# The MLP's GELU: "gelu" is the exact (erf) form, "gelu_tanh" the tanh approximation that
+# OpenAI's GPT-2 checkpoints were trained with (Hugging Face's "gelu_new").
+ACTIVATIONS = ("gelu", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,7 @@ class GPTSpec:
     # Biases in linear layers and norms. Off by default (nanoGPT: a little better and faster);
     # the attention key bias would otherwise get a gradient that is zero but for rounding.
     bias: bool = False
+    activation: str = "gelu"  # one of ACTIVATIONS; a model imported from GPT-2 keeps its own
 
     def __post_init__(self) -> None:
         for name in ("n_layer", "n_embd", "n_head", "seq_len", "vocab", "mlp_ratio"):
@@ -37,6 +42,8 @@ class GPTSpec:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
 
     @property
     def layer_params(self) -> int:
