@@ -352,10 +352,7 @@ def _check_shapes(spec: GPTSpec, tensors: Mapping[str, torch.Tensor]) -> None:
 def _stage_tensors(spec: GPTSpec, weights: _Weights, layer_range: tuple[int, int]) -> dict[str, torch.Tensor]:
     names = stage_param_names(spec, layer_range)
     want = [n for n in names if not (n == "lm_head.weight" and spec.tied_head)]
-    raw = weights.read(want)
-    if not spec.bias:  # the folder has (zero) biases that a bias-free model does not hold
-        raw = {n: t for n, t in raw.items() if n in names}
-    tensors = _to_dtfm(spec, raw)
+    tensors = _to_dtfm(spec, weights.read(want))  # a bias-free model leaves the folder's zero biases
     _check_shapes(spec, tensors)
     return tensors
 
@@ -516,9 +513,10 @@ def export_hf(spec: GPTSpec, stages: Mapping[str, torch.Tensor] | Iterable[Mappi
         else:
             write_byte_tokenizer(tmp, spec.seq_len)
         for f in tmp.iterdir():
+            os.chmod(f, 0o644)  # weights are not secret; safetensors creates its file 0600
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _fsync_dir(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
