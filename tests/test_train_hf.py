@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dtfm.train import (GPTSpec, GPTStage, HFError, LocalCluster, Plan, TrainConfig, assemble, export_checkpoint_dir,
@@ -95,6 +96,31 @@ def test_gpt2_built_by_transformers_imports_with_the_same_logits(tmp_path):
         with torch.no_grad():
             h = stage.eval()(h)
     assert (h - want).abs().max() < TOL
+
+
+def test_openai_style_sharded_half_precision_files_import(tmp_path):
+    """Keys without the `transformer.` prefix and with the old causal-mask buffers (as OpenAI's
+    converted GPT-2 files have), float16 tensors, and two shards listed in an index."""
+    hf = small_gpt2(tmp_path / "src")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_bytes((tmp_path / "src" / "config.json").read_bytes())
+    sd = {k.removeprefix("transformer."): v.half().contiguous() for k, v in hf.state_dict().items()
+          if k != "lm_head.weight"}
+    sd["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 32, 32))
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fname, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(tmp_path / "gpt2" / fname), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (tmp_path / "gpt2" / "model.safetensors.index.json").write_text(json.dumps(index))
+    spec, params = load_hf(tmp_path / "gpt2")
+    assert all(t.dtype == torch.float32 for t in params.values())
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(4))
+    half = GPT2LMHeadModel.from_pretrained(tmp_path / "src").half().float().eval()  # the same rounding
+    with torch.no_grad():
+        want = half(x).logits
+    assert (dtfm_logits(spec, params, x) - want).abs().max() < TOL
+    assert load_hf_stage(tmp_path / "gpt2", (3, 4), spec)[1].keys() == {*stage_param_names(spec, (3, 4))}
 
 
 def test_stage_param_names_are_what_the_stage_registers():

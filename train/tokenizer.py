@@ -104,7 +104,7 @@ def load_tokenizer(folder: str | os.PathLike) -> HFTokenizer:
         if tj.is_file():
             tok = tk.Tokenizer.from_file(str(tj))
         else:
-            tok = tk.ByteLevelBPETokenizer(str(vocab), str(merges))
+            tok = tk.ByteLevelBPETokenizer.from_file(str(vocab), str(merges))
     except Exception as e:  # tokenizers raises its own exception types for unreadable files
         raise TokenizerError(f"cannot read the tokenizer in {folder}: {e}") from None
     return HFTokenizer(tok, f"hf:{folder.name}")
