@@ -25,7 +25,20 @@ from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import LAN_ELECTION_MAX_RTT_MS, free_ports, peer_request, start_peer, stop_peer, wait_converged
 from .report import DEMO_PRESET, format_event, format_reconfigurations, format_status, status_report
-from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, default_run_dir, load_state, save_state, send_signal
+from .state import (
+    KEY_FILE,
+    STATE_FILE,
+    PeerEntry,
+    SwarmError,
+    SwarmState,
+    check_run_dir,
+    default_run_dir,
+    ensure_run_dir,
+    load_state,
+    save_state,
+    send_signal,
+    write_secret_file,
+)
 from .train import EVENTS_NAME, LOG_NAME, current_run, plot_loss, read_log, start_training, sync_logs, wait_step
 
 PROG = "dtfm-swarm"
@@ -34,10 +47,14 @@ PROG = "dtfm-swarm"
 
 def cmd_up(args: argparse.Namespace) -> int:
     run_dir: Path = args.run_dir
-    try:
-        existing = load_state(run_dir)
-    except SwarmError:
-        existing = None
+    existing = None
+    if os.path.lexists(run_dir):
+        check_run_dir(run_dir)  # another user's or an open dir is refused, not reused
+        if (run_dir / STATE_FILE).exists():
+            try:
+                existing = load_state(run_dir)
+            except SwarmError:
+                existing = None  # another version's state: replaced below
     if existing is not None and any(p.alive() for p in existing.peers):
         raise SwarmError(f"a swarm is already running in {run_dir}: stop it with "
                          f"`dtfm-swarm down --run-dir {run_dir}` first")
@@ -54,11 +71,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise SwarmError(f"--time-scale / --bandwidth-scale: {e}") from None
     small = scenario.scaled(n)
     scenario_ref = str(Path(args.scenario).resolve()) if Path(args.scenario).exists() else args.scenario
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    key_file = run_dir / KEY_FILE
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(new_swarm_key() + "\n")
+    ensure_run_dir(run_dir)
+    write_secret_file(run_dir / KEY_FILE, (new_swarm_key() + "\n").encode("ascii"))
     ports = free_ports(n)
     state = SwarmState(scenario=scenario_ref, scenario_name=scenario.name,
                        time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale,

@@ -1,11 +1,19 @@
 """The run directory of a scripted test swarm: which peer processes run where.
 
-    RUN_DIR/
+    RUN_DIR/              mode 0700, owned by the user running dtfm-swarm
         swarm.json        this state, rewritten atomically (temp file + rename)
-        swarm.key         the swarm key every peer of the swarm uses
+        swarm.key         the swarm key every peer of the swarm uses (mode 0600)
         p00/ p01/ ...     each peer's data dir (identity, control socket, daemon.log)
 
 Every `dtfm-swarm` subcommand reads and writes this file, so the commands work from any shell.
+
+The run dir holds a secret (the swarm key) and PIDs that `down` and `kill` signal, so it is
+taken only as this user's own: `ensure_run_dir` creates it (mode 0700) or refuses an existing
+one that another user owns, that others may enter, or that is a symbolic link, and
+`load_state` refuses to read state from such a dir. Secrets are written by `write_secret_file`,
+which never writes through a file or a link that is already there. The default place is per
+user (`$XDG_RUNTIME_DIR/dtfm-swarm`, else `~/.cache/dtfm/swarm`), never a guessable name in
+the shared temporary directory.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,11 +36,68 @@ class SwarmError(Exception):
 
 
 def default_run_dir() -> Path:
-    """Short, per-user and writable: Unix socket paths inside it must stay under 104 bytes."""
+    """Per user: `$XDG_RUNTIME_DIR/dtfm-swarm` (a private directory the login session owns)
+    when it is set, absolute, short (Unix socket paths inside the run dir must stay under 104
+    bytes) and writable; else `~/.cache/dtfm/swarm`."""
     runtime = os.environ.get("XDG_RUNTIME_DIR", "")
     if runtime and os.path.isabs(runtime) and len(runtime) < 40 and os.access(runtime, os.W_OK):
         return Path(runtime) / "dtfm-swarm"
-    return Path(tempfile.gettempdir()) / f"dtfm-swarm-{os.getuid()}"
+    return Path.home() / ".cache" / "dtfm" / "swarm"
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Refuse an existing run dir that is not this user's own and private: a symbolic link,
+    not a directory, owned by another user, or open to group or others (mode & 0o077).
+    FileNotFoundError when there is none."""
+    st = os.lstat(run_dir)
+    if stat.S_ISLNK(st.st_mode):
+        raise SwarmError(f"run dir {run_dir} is a symbolic link: pass the directory itself with "
+                         f"--run-dir, or remove the link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise SwarmError(f"run dir {run_dir} exists and is not a directory: remove it or pass "
+                         f"another --run-dir")
+    if st.st_uid != os.getuid():
+        raise SwarmError(f"run dir {run_dir} belongs to another user (uid {st.st_uid}), who could "
+                         f"read the swarm key or swap the peers' PIDs: pass a --run-dir of your own")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise SwarmError(f"run dir {run_dir} has mode {mode:04o}: other users can enter it; "
+                         f"`chmod 700 {run_dir}` if you made it, or remove it and start again")
+
+
+def ensure_run_dir(run_dir: Path) -> None:
+    """Create run_dir with mode 0700 (its parents as usual), or check that the one already
+    there is this user's own and private (`check_run_dir`); SwarmError otherwise."""
+    try:
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        os.mkdir(run_dir, 0o700)  # never exist_ok: a directory already there is checked
+    except FileExistsError:
+        check_run_dir(run_dir)
+        return
+    except OSError as e:
+        raise SwarmError(f"cannot create run dir {run_dir}: {e.strerror or e}") from None
+    os.chmod(run_dir, 0o700)  # whatever the umask
+
+
+def write_secret_file(path: Path, data: bytes) -> None:
+    """Write data to a new file at path readable by this user only (mode 0600). Whatever is
+    at path (a stale file, a planted file or symbolic link) is removed first and never written
+    through: the file is created with O_EXCL | O_NOFOLLOW. The directory must be this user's
+    own and private (`ensure_run_dir`), or another user could plant a file again in between."""
+    try:
+        os.unlink(path)  # a symbolic link itself, not what it points to
+    except FileNotFoundError:
+        pass
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -90,8 +156,10 @@ class SwarmState:
 
 
 def load_state(run_dir: Path) -> SwarmState:
+    """The state in run_dir, which must be this user's own and private (`check_run_dir`)."""
     path = run_dir / STATE_FILE
     try:
+        check_run_dir(run_dir)
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise SwarmError(f"no swarm in {run_dir}: start one with `dtfm-swarm up` "
@@ -106,7 +174,7 @@ def load_state(run_dir: Path) -> SwarmState:
 
 
 def save_state(run_dir: Path, state: SwarmState) -> None:
-    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ensure_run_dir(run_dir)
     data = json.dumps(asdict(state), indent=2)
     fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".swarm.", suffix=".tmp")
     try:

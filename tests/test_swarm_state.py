@@ -1,11 +1,26 @@
 """dtfm-swarm's pure parts: run-dir state, peer lookup, the measured view in scenario units."""
 
+import os
+import stat
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import gossip_profile, plane_flags
 from dtfm.swarm.report import DEMO_PRESET, demo_model, measured_matrices
-from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, load_state, save_state
+from dtfm.swarm.state import (
+    KEY_FILE,
+    PeerEntry,
+    SwarmError,
+    SwarmState,
+    default_run_dir,
+    ensure_run_dir,
+    load_state,
+    save_state,
+    write_secret_file,
+)
 from dtfm.train import get_preset
 
 
@@ -115,3 +130,103 @@ def test_peers_run_the_plane_profile_with_an_election_that_fits_the_links(scenar
 def test_up_runs_the_test_plane_profile_unless_told():
     assert swarm.build_parser().parse_args(["up"]).plane_profile == "test"
     assert swarm.build_parser().parse_args(["up", "--plane-profile", "wan"]).plane_profile == "wan"
+
+
+# ---- the run dir against other local users
+
+def test_up_creates_a_private_run_dir_and_key(tmp_path):
+    run_dir = tmp_path / "a" / "run"
+    ensure_run_dir(run_dir)
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    write_secret_file(run_dir / KEY_FILE, b"secret\n")
+    st = (run_dir / KEY_FILE).stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and (run_dir / KEY_FILE).read_bytes() == b"secret\n"
+    ensure_run_dir(run_dir)  # its own dir, private: taken again
+    write_secret_file(run_dir / KEY_FILE, b"newer\n")  # a stale key is replaced
+    assert (run_dir / KEY_FILE).read_bytes() == b"newer\n"
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o770, 0o777, 0o701])
+def test_a_run_dir_open_to_others_is_refused(tmp_path, mode, capsys):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.chmod(run_dir, mode)
+    with pytest.raises(SwarmError, match=f"run dir {run_dir} has mode {mode:04o}: other users can enter it; `chmod 700"):
+        ensure_run_dir(run_dir)
+    with pytest.raises(SwarmError, match="has mode"):
+        load_state(run_dir)
+    assert swarm.main(["up", "--run-dir", str(run_dir), "--peers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dtfm-swarm: error: run dir {run_dir} has mode") and err.count("\n") == 1
+    assert list(run_dir.iterdir()) == []  # no key written into it
+
+
+def test_a_run_dir_of_another_user_is_refused(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    state = make_state(tmp_path)
+    save_state(run_dir, state)
+    planted_uid = os.getuid() + 1  # we are someone else than the dir's owner
+    monkeypatch.setattr(os, "getuid", lambda: planted_uid)
+    with pytest.raises(SwarmError, match=f"run dir {run_dir} belongs to another user \\(uid {planted_uid - 1}\\)"):
+        ensure_run_dir(run_dir)
+    with pytest.raises(SwarmError, match="belongs to another user"):
+        load_state(run_dir)  # its PIDs are not signalled
+    for command in (["up", "--peers", "2"], ["down"], ["status"]):
+        assert swarm.main([command[0], "--run-dir", str(run_dir), *command[1:]]) == 1
+        assert "belongs to another user" in capsys.readouterr().err
+    assert not (run_dir / KEY_FILE).exists()
+
+
+def test_a_symlinked_run_dir_is_refused(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "run"
+    link.symlink_to(target)
+    with pytest.raises(SwarmError, match="is a symbolic link"):
+        ensure_run_dir(link)
+
+
+def test_a_planted_key_link_is_replaced_not_followed(tmp_path):
+    run_dir = tmp_path / "run"
+    ensure_run_dir(run_dir)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched")
+    (run_dir / KEY_FILE).symlink_to(victim)
+    write_secret_file(run_dir / KEY_FILE, b"secret\n")
+    assert victim.read_bytes() == b"untouched"
+    key = run_dir / KEY_FILE
+    assert not key.is_symlink() and key.read_bytes() == b"secret\n"
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    # a dangling link (to where the attacker would read it) is not followed either
+    key.unlink()
+    (run_dir / KEY_FILE).symlink_to(tmp_path / "drop")
+    write_secret_file(run_dir / KEY_FILE, b"secret\n")
+    assert not (tmp_path / "drop").exists() and key.read_bytes() == b"secret\n"
+
+
+def test_a_planted_key_file_is_replaced_with_a_private_one(tmp_path):
+    run_dir = tmp_path / "run"
+    ensure_run_dir(run_dir)
+    planted = run_dir / KEY_FILE
+    planted.write_bytes(b"")
+    os.chmod(planted, 0o666)
+    held = open(planted, "rb")  # the planter keeps a descriptor: it must not see the key
+    try:
+        write_secret_file(planted, b"secret\n")
+        assert held.read() == b""
+    finally:
+        held.close()
+    assert stat.S_IMODE(planted.stat().st_mode) == 0o600 and planted.read_bytes() == b"secret\n"
+
+
+def test_default_run_dir_is_per_user_never_the_shared_temp_dir(tmp_path, monkeypatch):
+    runtime = Path(tempfile.mkdtemp(prefix="rt-"))  # short: the peers' sockets live below it
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        assert default_run_dir() == runtime / "dtfm-swarm"
+    finally:
+        runtime.rmdir()
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_run_dir() == tmp_path / "home" / ".cache" / "dtfm" / "swarm"
+    assert not str(default_run_dir()).startswith(tempfile.gettempdir() + os.sep + "dtfm")
