@@ -1,40 +1,67 @@
-"""How fast one source may add members to our table: a token bucket per source.
+"""How fast members may enter our table: token buckets per source identity and per remote
+address.
 
 Anyone holding the swarm key can make identities and sign claims for them, so signatures
 alone do not stop one member from flooding the table with fake members (each then probed at
-an address of the attacker's choosing). A member introducing itself is always admitted; the
-members a source introduces on behalf of others cost a token each, refilled at a fixed rate
-up to a burst. The peer we join through gets one allowance of a whole table, once: it is the
-one source we chose, and it must hand us the swarm; the allowance lapses after a while.
+an address of the attacker's choosing), and a limit per identity alone stops nothing: a fresh
+identity costs nothing. So every new member costs a token twice:
+
+- of the *source* (the authenticated peer that sent the claim), when the source introduces a
+  member other than itself;
+- of the source's *remote address* (`address_group`: the IPv4 address, or the /64 of an IPv6
+  address), always, a member's claim about itself included.
+
+Buckets hold a burst and refill at a fixed rate. The peer we join through gets one allowance
+of a whole table, once, for its identity and its address: it is the one source we chose, and
+it must hand us the swarm; the allowance lapses after a while.
 """
 
 from __future__ import annotations
 
-__all__ = ["AdmissionLimiter"]
+import ipaddress
+from collections.abc import Hashable
+
+__all__ = ["AdmissionLimiter", "address_group"]
+
+
+def address_group(host: str) -> str:
+    """The unit one party is assumed to hold at most one of: an IPv4 address; the /64 network
+    of an IPv6 address (one subnet: a host gets a whole /64); an IPv4-mapped IPv6 address is
+    its IPv4 address. A name that is no IP address (an in-memory test network's) is itself."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])  # a link-local zone is the same host
+    except ValueError:
+        return host.lower()
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class AdmissionLimiter:
-    """Tokens per source: `burst` at most, `rate_per_s` refill; at most `max_sources` tracked
-    (the fullest bucket is forgotten first: it is the one a newcomer would start with)."""
+    """Tokens per key (a source's peer id, or an address group): `burst` at most, `rate_per_s`
+    refill; at most `max_sources` tracked (the fullest bucket is forgotten first: it is the one
+    a newcomer would start with)."""
 
     def __init__(self, rate_per_s: float, burst: int, max_sources: int = 4096) -> None:
         self.rate_per_s = rate_per_s
         self.burst = burst
         self.max_sources = max_sources
         # source -> (tokens, as of, end of a grant)
-        self._buckets: dict[bytes, tuple[float, float, float]] = {}
+        self._buckets: dict[Hashable, tuple[float, float, float]] = {}
 
-    def tokens(self, source: bytes, now: float) -> float:
+    def tokens(self, source: Hashable, now: float) -> float:
         tokens, at, until = self._buckets.get(source, (float(self.burst), now, float("-inf")))
         if now <= until:
             return tokens  # a grant: neither capped nor refilled while it lasts
         return min(float(self.burst), tokens + (now - at) * self.rate_per_s)
 
-    def allow(self, source: bytes, now: float) -> bool:
+    def allow(self, source: Hashable, now: float) -> bool:
         """Whether source has a token left (does not take it)."""
         return self.tokens(source, now) >= 1.0
 
-    def take(self, source: bytes, now: float) -> None:
+    def take(self, source: Hashable, now: float) -> None:
         tokens = self.tokens(source, now)
         until = self._buckets.get(source, (0.0, 0.0, float("-inf")))[2]
         self._buckets[source] = (max(0.0, tokens - 1.0), now, until)
@@ -42,6 +69,6 @@ class AdmissionLimiter:
             fullest = max(self._buckets, key=lambda s: self.tokens(s, now))
             del self._buckets[fullest]
 
-    def grant(self, source: bytes, tokens: int, now: float, duration_s: float) -> None:
+    def grant(self, source: Hashable, tokens: int, now: float, duration_s: float) -> None:
         """Raise source's allowance to `tokens` for duration_s (the peer we join through)."""
         self._buckets[source] = (max(float(tokens), self.tokens(source, now)), now, now + duration_s)

@@ -49,6 +49,21 @@ class GossipConfig:
     # The peer we join through may hand us a whole table once.
     new_member_burst: int = 64
     new_members_per_s: float = 1.0
+    # New members that may come in from one remote address (an IPv4 address, an IPv6 /64),
+    # a member's claim about itself included (identities are free, addresses are not): a burst,
+    # then this many per second. Many peers behind one address (one host's test swarm) join
+    # at this rate once past the burst; the peer we join through is exempt while we join.
+    new_member_burst_per_address: int = 64
+    new_members_per_address_per_s: float = 1.0
+    # A new member counts as alive (in live_peers, the view, the scheduler) only once it has
+    # acked a ping sent over a connection that we dialled to the address it claims, whose
+    # handshake proved its identity. At most max_verifying such pings are in flight; each
+    # (dial, handshake, ack) must finish within verify_timeout_s, and a member is tried
+    # verify_attempts times before only the regular probes are left to it.
+    # A member's regular probes verify it as well while it is unconfirmed.
+    max_verifying: int = 16
+    verify_timeout_s: float = 1.0
+    verify_attempts: int = 4
     # A claim may raise a known member's incarnation by at most this much (a peer refutes with
     # +1; a restarted peer jumps to one past what the swarm holds).
     max_incarnation_jump: int = 1 << 20
@@ -105,6 +120,8 @@ class GossipConfig:
             raise ValueError("reap_after_s must be at least gossip_to_dead_s")
         if self.max_push_pull_bytes < 1024 or self.max_piggyback_bytes < 512:
             raise ValueError("max_push_pull_bytes must be >= 1024 and max_piggyback_bytes >= 512")
+        if self.max_verifying < 1 or self.verify_timeout_s <= 0 or self.verify_attempts < 1:
+            raise ValueError("max_verifying and verify_attempts must be >= 1, verify_timeout_s positive")
         if self.max_members < 2 or self.max_incarnation_jump < 1:
             raise ValueError("max_members must be >= 2 and max_incarnation_jump >= 1")
         if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0 or self.record_sync_timeout_s <= 0:
@@ -120,7 +137,7 @@ class GossipConfig:
         """Links with hundreds of ms of latency (memberlist's DefaultWANConfig)."""
         return cls(probe_interval_s=5.0, probe_timeout_s=3.0, suspicion_mult=6.0,
                    gossip_interval_s=0.5, gossip_nodes=4, push_pull_interval_s=60.0,
-                   measure_timeout_s=10.0)
+                   measure_timeout_s=10.0, verify_timeout_s=5.0)
 
     @classmethod
     def local(cls) -> "GossipConfig":

@@ -3,9 +3,16 @@
 `Membership` holds the table and decides what each received claim or accusation does to it
 (`swim.py`'s docstring lists the rules); `Swim` adds probes, messages and timers on top.
 
-- a member enters the table only with its own claim; a source other than the member itself
-  spends a token of its admission rate (`admission.py`), and the table holds at most
-  `max_members`;
+- a member enters the table only with its own claim; the claim spends a token of its
+  remote address's admission rate, and of the source's when the source is not the member
+  itself (`admission.py`);
+- the table holds at most `max_members`; when it is full, a new member takes the place of a
+  dead or left member, else of the member longest in the table that never confirmed, never
+  of a confirmed live one, ourselves, or one `protected` names (the daemon: the peers the
+  current allocation names); with no such place it is refused;
+- a member is *confirmed* once it acked a ping sent over a connection dialled to the address
+  it claims (`Swim`'s verification); only confirmed members count as alive (`live_count`,
+  `live_members`) and are reported to observers (`drain_changes`);
 - a claim replaces the held one only if it orders after it (newer incarnation, left over
   alive) and raises the incarnation by at most `max_incarnation_jump`;
 - an accusation counts only for the incarnation whose claim we hold and only from a member we
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from .admission import AdmissionLimiter
 from .broadcast import BroadcastQueue
@@ -51,7 +59,13 @@ class Membership:
         self.verifier = verifier or ClaimVerifier()
         self.admission = AdmissionLimiter(config.new_members_per_s, config.new_member_burst,
                                           max_sources=config.max_members)
+        self.address_admission = AdmissionLimiter(config.new_members_per_address_per_s,
+                                                  config.new_member_burst_per_address,
+                                                  max_sources=config.max_members)
+        # Members never evicted to make room (the daemon passes the peers its allocation names).
+        self.protected: Callable[[bytes], bool] = _nobody
         self.refused: Counter[str] = Counter()  # updates refused, by reason
+        self.evicted = 0  # members removed to make room for new ones
         self.broadcasts = BroadcastQueue()
         self.suspicions: dict[bytes, Suspicion] = {}
         self.awareness = 0  # Lifeguard's local health score
@@ -59,10 +73,17 @@ class Membership:
         self._changes: list[Member] = []
         claim = self._sign(me.incarnation, MemberState.ALIVE, me.host, me.port, me.region)
         self.table.set(claim, None, MemberState.ALIVE, now)
+        self.table.confirm(self.me_id)
         self.broadcasts.queue(claim)  # announce ourselves
 
     def _on_new_member(self, peer_id: bytes) -> None:
         """Called when a member enters the table."""
+
+    def _on_confirmed(self, peer_id: bytes) -> None:
+        """Called when a member is confirmed."""
+
+    def _on_unconfirmed_address(self, peer_id: bytes) -> None:
+        """Called when an unconfirmed member enters the table or claims another address."""
 
     def _on_removed(self, peer_id: bytes) -> None:
         """Called when a member leaves the table (reaped)."""
@@ -79,20 +100,34 @@ class Membership:
         return self.table.members[self.me_id]
 
     def live_count(self) -> int:
-        """Members not dead or left, ourselves included."""
-        return self.table.live
+        """Members that count as alive: confirmed, not dead or left, ourselves included."""
+        return self.table.confirmed_live
 
     def live_members(self) -> list[Member]:
-        return [m for m in self.table.members.values() if not m.state.gone]
+        """Members that count as alive (see live_count)."""
+        confirmed = self.table.is_confirmed
+        return [m for m in self.table.members.values() if not m.state.gone and confirmed(m.peer_id)]
+
+    def is_confirmed(self, peer_id: bytes) -> bool:
+        """Whether peer_id acked a ping at the address it claims (we are, always)."""
+        return self.table.is_confirmed(peer_id)
 
     def address_of(self, peer_id: bytes) -> tuple[str, int] | None:
         m = self.table.members.get(peer_id)
         return m.address if m else None
 
     def drain_changes(self) -> list[Member]:
-        """Entries whose state changed since the last call (for observers)."""
+        """Confirmed members whose state changed, and members confirmed, since the last call
+        (for observers): a member is first reported when it is confirmed."""
         out, self._changes = self._changes, []
         return out
+
+    def _confirm(self, peer_id: bytes) -> None:
+        if self.table.confirm(peer_id):
+            m = self.table.members[peer_id]
+            logger.debug("member %s: confirmed at %s:%d", m.short_id, m.host, m.port)
+            self._changes.append(m)
+            self._on_confirmed(peer_id)
 
     def _adjust_awareness(self, delta: int) -> None:
         top = self.config.awareness_max_multiplier - 1
@@ -130,28 +165,44 @@ class Membership:
         pid = claim.peer_id
         old = self.table.set(claim, acc, state, now)
         new = self.table.members[pid]
-        if old is None or old.state != state:
+        if (old is None or old.state != state) and self.table.is_confirmed(pid):
             self._changes.append(new)
             logger.debug("member %s: %s -> %s (inc %d)", new.short_id,
                          old.state.name if old else "-", state.name, new.incarnation)
         if old is None and pid != self.me_id:
             self._on_new_member(pid)
+        if (old is None or old.member.address != new.address) and not self.table.is_confirmed(pid):
+            self._on_unconfirmed_address(pid)
         if state != MemberState.SUSPECT:
             self.suspicions.pop(pid, None)
         self.broadcasts.queue(announce)
 
-    def _apply(self, u: Update, src: bytes, now: float) -> None:
+    def _apply(self, u: Update, src: bytes, now: float, group: str | None = None) -> None:
+        """group: the address group of the connection u came over (None: not known)."""
         if isinstance(u, Claim):
-            self._apply_claim(u, src, now)
+            self._apply_claim(u, src, now, group)
         else:
             self._apply_accusation(u, src, now)
 
-    def _apply_claim(self, c: Claim, src: bytes, now: float) -> None:
+    def _room_for(self) -> bytes | None:
+        """The member to remove for a new one when the table is full: the longest gone, else
+        the longest unconfirmed; never ourselves, a protected or a confirmed live member.
+        None: no room."""
+        for pid in self.table.gone():
+            if pid != self.me_id and not self.protected(pid):
+                return pid
+        for pid in self.table.unconfirmed():
+            if not self.protected(pid):
+                return pid
+        return None
+
+    def _apply_claim(self, c: Claim, src: bytes, now: float, group: str | None = None) -> None:
         pid = c.peer_id
         if pid == self.me_id:
             self._claim_about_me(c, src, now)
             return
         e = self.table.get(pid)
+        evict: bytes | None = None
         if e is not None:
             if c == e.claim or c.key() <= e.claim.key():
                 return  # held already, or older
@@ -161,14 +212,23 @@ class Membership:
             t = self.table.tombstone(pid)
             if t is not None and c.key() <= t.key():
                 return self._refuse(c, src, "not newer than the claim of a removed member")
-            if len(self.table) >= self.config.max_members:
-                return self._refuse(c, src, "member table full")
             if src != pid and not self.admission.allow(src, now):
                 return self._refuse(c, src, "source over its rate of new members")
+            if group is not None and not self.address_admission.allow(group, now):
+                return self._refuse(c, src, "address over its rate of new members")
+            if len(self.table) >= self.config.max_members:
+                evict = self._room_for()
+                if evict is None:
+                    return self._refuse(c, src, "member table full")
         if not self.verifier.verify(c):
             return self._refuse(c, src, "bad signature")
-        if e is None and src != pid:
-            self.admission.take(src, now)
+        if e is None:
+            if src != pid:
+                self.admission.take(src, now)
+            if group is not None:
+                self.address_admission.take(group, now)
+            if evict is not None:
+                self._evict(evict, now)
         if e is not None and c.incarnation == e.claim.incarnation and c.state == MemberState.ALIVE:
             self._set(c, e.accusation, e.state, now, announce=c)  # an accusation of it stands
         else:
@@ -238,6 +298,13 @@ class Membership:
         t = self.table.tombstone(peer_id) if peer_id not in self.table.entries else None
         return (t,) if t is not None else ()
 
+    def _evict(self, peer_id: bytes, now: float) -> None:
+        self.table.remove(peer_id, now)
+        self.suspicions.pop(peer_id, None)
+        self.evicted += 1
+        logger.debug("member %s: removed to make room in a full table", peer_id[:4].hex())
+        self._on_removed(peer_id)
+
     def _reap(self, now: float) -> None:
         cfg = self.config
         for pid in self.table.reap(now, cfg.reap_after_s):
@@ -256,3 +323,7 @@ class Membership:
                 logger.info("member %s: suspicion timed out, marking dead", e.member.short_id)
                 a = self._accuse(pid, e.claim.incarnation, MemberState.DEAD)
                 self._set(e.claim, a, MemberState.DEAD, now, announce=a)
+
+
+def _nobody(peer_id: bytes) -> bool:
+    return False

@@ -28,6 +28,7 @@ from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwid
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
 from .records import RecordStore, Report
+from .status import gossip_status
 from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
 from .view import NetworkView, build_view
@@ -50,6 +51,7 @@ class _SyncSend:
     to: bytes
     address: tuple[str, int] | None
     msg: RecordSync
+    dial: bool = False
 
 
 class GossipService:
@@ -62,6 +64,9 @@ class GossipService:
         self.identity = identity
         self.config = config or GossipConfig.lan()
         self.region = region
+        # Verification nonces must be unguessable by peers: from the OS unless the caller
+        # seeds everything (tests, the harness).
+        nonces = random.SystemRandom() if rng is None else rng
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self.compute_ms = compute_ms
@@ -71,7 +76,8 @@ class GossipService:
         # the one given when it listens on a wildcard address.
         host, port = address or transport.listen_address
         me = Member(identity.peer_id, 0, MemberState.ALIVE, host, port, region)
-        self.swim = Swim(self.config, identity, me, self._rng, trio.current_time(), verifier=verifier)
+        self.swim = Swim(self.config, identity, me, self._rng, trio.current_time(), verifier=verifier,
+                         nonces=nonces)
         self.records = RecordStore(self.config.record_skew_s)
         self.sync = RecordSyncer(self.records, max_sync_bytes=self.config.max_sync_bytes,
                                  timeout_s=self.config.record_sync_timeout_s)
@@ -84,6 +90,9 @@ class GossipService:
         self._published_at = float("-inf")
         self._timer_scope: trio.CancelScope | None = None
         self._out_send, self._out_recv = trio.open_memory_channel[Send | _SyncSend](1024)
+        # Sends that need a dial first, served by their own tasks so that a slow or silent
+        # address (a fake member's) never holds up the sends over open connections.
+        self._dial_send, self._dial_recv = trio.open_memory_channel[Send | _SyncSend](64)
         self._listeners: list[Callable[[Member], None]] = []
         self._view_cache: tuple | None = None
         for t in _SWIM_TYPES:
@@ -95,13 +104,21 @@ class GossipService:
     # ---- public API
 
     def on_member_change(self, cb: Callable[[Member], None]) -> None:
-        """Call cb(member) whenever a member's state changes (joined, suspect, dead, left)."""
+        """Call cb(member) whenever a member is confirmed (joined) or a confirmed member's
+        state changes (suspect, dead, left)."""
         self._listeners.append(cb)
+
+    def keep_members(self, protected: Callable[[bytes], bool]) -> None:
+        """Never remove a member for which protected(peer_id) is true to make room in a full
+        table (the daemon passes the peers its current allocation names)."""
+        self.swim.protected = protected
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             for _ in range(self._sender_tasks):
                 nursery.start_soon(self._sender)
+            for _ in range(self.config.max_verifying):
+                nursery.start_soon(self._dialler)
             nursery.start_soon(self._timer_loop)
             nursery.start_soon(self._sync_loop)
             if self._measure:
@@ -123,7 +140,8 @@ class GossipService:
                 h, p = conn.listen_address
                 if h in ("", "0.0.0.0", "::"):  # it listens on every interface: use the one we reached
                     h = conn.remote_address[0]
-                self._dispatch(self.swim.add_seed(conn.peer_id, (h, p), trio.current_time()))
+                self._dispatch(self.swim.add_seed(conn.peer_id, (h, p), trio.current_time(),
+                                                  origin=conn.remote_address[0]))
                 reached += 1
         self._after_change()
         return reached
@@ -139,31 +157,20 @@ class GossipService:
         self.swim.set_address(host, port, trio.current_time())
 
     def members(self) -> list[Member]:
+        """Every member in the table, confirmed or not (live_peers: the ones that count)."""
         return sorted(self.swim.members.values(), key=lambda m: m.peer_id)
 
     def live_peers(self) -> list[bytes]:
-        return sorted(m.peer_id for m in self.swim.members.values() if not m.state.gone)
-
-    def members_table(self) -> list[dict]:
-        """Rows for a status display: id, region, address, state, incarnation."""
-        return [{"id": m.peer_id.hex(), "short_id": m.short_id, "region": m.region,
-                 "address": f"{m.host}:{m.port}", "state": m.state.name.lower(),
-                 "incarnation": m.incarnation} for m in self.members()]
-
-    def latency_table(self) -> list[dict]:
-        """This peer's own measurements: one row per measured peer."""
-        return [{"target": e.target[:4].hex(), "rtt_ms": e.rtt_ms,
-                 "bandwidth_gbps": e.bandwidth_gbps or None, "samples": e.samples}
-                for e in sorted(self.planner.entries(), key=lambda e: e.target)]
+        """The members that count as alive: confirmed, neither dead nor left (this peer too)."""
+        return sorted(m.peer_id for m in self.swim.live_members())
 
     def status(self) -> dict:
-        """JSON-able status for `dtfm-peer status`: members, this peer's own measurements, and
-        the N x N view (ids in hex, one-way ms and Gbps, null where unknown)."""
-        view = self.view()
-        n = len(view.peers)
-        return {"members": self.members_table(), "latency": self.latency_table(),
-                "view": {**view.as_dict(), "measured_links": view.pairs_known(),
-                         "expected_links": n * (n - 1)}}
+        """JSON-able status for `dtfm-peer status`, bounded whatever the table holds
+        (`gossip_status`): counts by state, the first members, this peer's own measurements,
+        and the N x N view (ids in hex, one-way ms and Gbps, null where unknown)."""
+        swim = self.swim
+        return gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
+                             self.live_peers(), self.records.reports, self.view)
 
     def view(self) -> NetworkView:
         """The N x N view over the live members, in peer-id order."""
@@ -197,15 +204,49 @@ class GossipService:
                 return None
         return conn
 
+    async def _dial(self, address: tuple[str, int], peer_id: bytes):
+        """A connection whose handshake, on a dial to address, proved peer_id (one dialled
+        there before is reused); None if there is none within verify_timeout_s."""
+        with trio.move_on_after(self.config.verify_timeout_s):
+            try:
+                conn = await self.transport.connect(*address)
+            except _CONNECT_ERRORS as e:
+                logger.debug("cannot verify %s at %s: %s", peer_id[:4].hex(), address, e)
+                return None
+            if conn.peer_id != peer_id:
+                logger.debug("cannot verify %s at %s: peer %s listens there", peer_id[:4].hex(), address,
+                             conn.peer_id[:4].hex())
+                return None
+            return conn
+        return None
+
     async def _sender(self) -> None:
         async for s in self._out_recv:
-            conn = await self._link(s.to, s.address)
+            conn = None if s.dial else self.transport.connection(s.to)
             if conn is None:
+                if s.address is None:
+                    continue
+                try:
+                    self._dial_send.send_nowait(s)
+                except trio.WouldBlock:
+                    logger.debug("dial queue full: dropping a message to %s", s.to[:4].hex())
                 continue
-            try:
-                await conn.send(s.msg.type, s.msg.to_wire(), droppable=True)
-            except ConnectionClosed as e:
-                logger.debug("send to %s failed: %s", s.to[:4].hex(), e)
+            await self._deliver(conn, s)
+
+    async def _dialler(self) -> None:
+        async for s in self._dial_recv:
+            if s.dial and s.address is not None:
+                conn = await self._dial(s.address, s.to)
+            else:
+                conn = await self._link(s.to, s.address)
+            if conn is not None:
+                await self._deliver(conn, s)
+
+    async def _deliver(self, conn, s: Send | _SyncSend) -> None:
+        try:
+            await conn.send(s.msg.type, s.msg.to_wire(), droppable=True)
+        except ConnectionClosed as e:
+            logger.debug("send to %s failed: %s", s.to[:4].hex(), e)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -225,14 +266,16 @@ class GossipService:
                 cb(m)
 
     def _is_member(self, peer_id: bytes) -> bool:
+        """Whose reports we take: members that count as alive."""
         m = self.swim.members.get(peer_id)
-        return m is not None and not m.state.gone
+        return m is not None and not m.state.gone and self.swim.is_confirmed(peer_id)
 
     # ---- handlers
 
     async def _on_swim(self, conn, msg_type, body, payload):
         msg = decode_swim(msg_type, body)  # ProtocolError: the transport closes that connection
-        self._dispatch(self.swim.handle(conn.peer_id, msg, trio.current_time()))
+        self._dispatch(self.swim.handle(conn.peer_id, msg, trio.current_time(),
+                                        origin=conn.remote_address[0]))
         self._after_change()
         await trio.lowlevel.checkpoint()
         return None

@@ -107,12 +107,12 @@ class SwimSimulator:
                 self._send_all(k, node.tick(t))
             elif kind == "join":
                 seed = self.nodes[0].me
-                self._send_all(k, node.add_seed(seed.peer_id, seed.address, t))
+                self._send_all(k, node.add_seed(seed.peer_id, seed.address, t, origin="sim0"))
             elif kind == "msg":
                 _, _, src, msg_type, data = item
                 msg = (decode_swim(msg_type, unpack_untrusted(data, max_len=1 << 24))
                        if self.codec else data)
-                self._send_all(k, node.handle(self.ids[src], msg, t))
+                self._send_all(k, node.handle(self.ids[src], msg, t, origin=f"sim{src}"))
             self._observe(k)
         self.now = t_end
 

@@ -8,6 +8,14 @@ harness under MockClock.
 The membership rules (what a signed claim or accusation does to the table) live in
 `membership.py`, which `Swim` extends with SWIM's probes, Lifeguard's local health and
 buddy system, dissemination by piggyback and gossip rounds, and paged push-pull.
+
+Verification: a member enters the table unconfirmed and counts as alive only once it has
+acked a verification ping, a `Ping` whose `seq` is a random nonce, sent as a `Send` with
+`dial=True`: the caller delivers it only over a connection it dialled to the member's claimed
+address and whose handshake proved the member's identity. So a fake member, claimed at an
+address where nobody holding its key listens, never counts (it cannot learn the nonce to
+ack). Gossip rounds, push-pulls, indirect probes and relayed probes go to confirmed members
+only; unconfirmed ones get our verification pings and their turn of the regular probes.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import logging
 import random
 from dataclasses import dataclass
 
+from .admission import address_group
 from .claims import ClaimVerifier, Update
 from .config import GossipConfig
 from .members import Member, MemberState
@@ -35,6 +44,9 @@ class Send:
     to: bytes
     address: tuple[str, int] | None  # where to connect if there is no connection yet
     msg: SwimMessage
+    # True: send only over a connection dialled to `address` whose handshake proved `to`
+    # (a reused one must have been dialled there too), else drop it (a verification ping)
+    dial: bool = False
 
 
 @dataclass
@@ -47,6 +59,15 @@ class _Probe:
     indirect_sent: bool = False
     nacks_expected: int = 0
     nacks: int = 0
+    relays: frozenset[bytes] = frozenset()  # asked to probe it: their acks count too
+    dial: bool = False  # an unconfirmed target: a nonce seq, sent over a dialled connection
+
+
+@dataclass
+class _Verify:
+    peer_id: bytes
+    address: tuple[str, int]
+    deadline: float
 
 
 @dataclass
@@ -59,10 +80,16 @@ class _Relay:
 
 
 class Swim(Membership):
+    """nonces: where verification nonces come from (default: rng). A caller facing real
+    peers passes an unpredictable source (`random.SystemRandom()`)."""
+
     def __init__(self, config: GossipConfig, identity, me: Member, rng: random.Random, now: float, *,
-                 verifier: ClaimVerifier | None = None) -> None:
+                 verifier: ClaimVerifier | None = None, nonces: random.Random | None = None) -> None:
+        self._verify_queue: dict[bytes, int] = {}  # unconfirmed member -> attempts left, FIFO
+        self._verifying: dict[int, _Verify] = {}  # nonce -> verification in flight
         super().__init__(config, identity, me, now, verifier=verifier)
         self._rng = rng
+        self._nonces = nonces if nonces is not None else rng
         self._seq = 0
         self._probe_order: list[bytes] = []
         self._probe_index = 0
@@ -86,6 +113,8 @@ class Swim(Membership):
             t = min(t, r.expire_at if r.nacked else r.nack_at)
         for s in self.suspicions.values():
             t = min(t, s.deadline)
+        for v in self._verifying.values():
+            t = min(t, v.deadline)
         return t
 
     def _multiplier(self) -> int:
@@ -133,23 +162,86 @@ class Swim(Membership):
         return [Send(to, address, PushPull(tuple(p), reply=reply and i == 0)) for i, p in enumerate(pages)]
 
     def _on_new_member(self, peer_id: bytes) -> None:
-        self._pool = None
         pos = self._rng.randint(self._probe_index, len(self._probe_order))
         self._probe_order.insert(pos, peer_id)
 
+    def _on_confirmed(self, peer_id: bytes) -> None:
+        self._pool = None
+        self._verify_queue.pop(peer_id, None)
+
+    def _on_unconfirmed_address(self, peer_id: bytes) -> None:
+        self._verify_queue.pop(peer_id, None)
+        self._verify_queue[peer_id] = self.config.verify_attempts  # (again) at the back
+
     def _on_removed(self, peer_id: bytes) -> None:
         self._pool = None
+        self._verify_queue.pop(peer_id, None)
+
+    # ---- verification
+
+    def _verify(self, now: float, out: list[Send]) -> None:
+        """Expire verifications past their deadline (the member goes to the back of the queue
+        while it has attempts left) and start queued ones while fewer than max_verifying are
+        in flight."""
+        cfg = self.config
+        for nonce, v in list(self._verifying.items()):
+            if now >= v.deadline:
+                del self._verifying[nonce]
+                left = self._verify_queue.pop(v.peer_id, 0)
+                if left > 0 and v.peer_id in self.table.entries and not self.is_confirmed(v.peer_id):
+                    self._verify_queue[v.peer_id] = left
+        if len(self._verifying) >= cfg.max_verifying or not self._verify_queue:
+            return
+        busy = {v.peer_id for v in self._verifying.values()}
+        for pid in list(self._verify_queue):
+            if len(self._verifying) >= cfg.max_verifying:
+                break
+            if pid in busy:
+                continue
+            m = self.table.members.get(pid)
+            if m is None or self.is_confirmed(pid):
+                del self._verify_queue[pid]
+                continue
+            if m.state.gone or not m.host or not m.port:
+                continue  # no address to dial (yet): stays queued for a claim with one
+            left = self._verify_queue.pop(pid) - 1
+            if left > 0:
+                self._verify_queue[pid] = left  # to the back, for a later attempt
+            nonce = self._nonce()
+            self._verifying[nonce] = _Verify(pid, m.address, now + cfg.verify_timeout_s)
+            mine = self.table.entries[self.me_id].claim  # (no broadcasts: it may be a fake)
+            out.append(Send(pid, m.address, Ping(nonce, pid, (mine,)), dial=True))
+
+    def _nonce(self) -> int:
+        """A seq nobody can guess, distinct from those in flight."""
+        while True:
+            nonce = self._nonces.getrandbits(63)
+            if nonce not in self._verifying and nonce not in self._relays:
+                return nonce
+
+    def _on_verify_ack(self, v: _Verify, now: float) -> None:
+        m = self.table.members.get(v.peer_id)
+        if m is None or self.is_confirmed(v.peer_id):
+            return
+        if m.address != v.address:  # it claims another address since: verify that one
+            self._on_unconfirmed_address(v.peer_id)
+            return
+        self._confirm(v.peer_id)
 
     # ---- joining and leaving
 
-    def add_seed(self, peer_id: bytes, address: tuple[str, int], now: float) -> list[Send]:
+    def add_seed(self, peer_id: bytes, address: tuple[str, int], now: float, *,
+                 origin: str | None = None) -> list[Send]:
         """A peer reached through a bootstrap address: push-pull with it. Its reply (its own
         claim first) brings us the swarm: it may introduce a whole table of members while we
-        join (for as long as we retry it), then only as many as any other source."""
+        join (for as long as we retry it), then only as many as any other source. origin:
+        the host of the connection to it (whose address group gets the same allowance)."""
         if peer_id == self.me_id:
             return []
-        self.admission.grant(peer_id, self.config.max_members, now,
-                             _SEED_TRIES * self.config.probe_interval_s)
+        grant_s = _SEED_TRIES * self.config.probe_interval_s
+        self.admission.grant(peer_id, self.config.max_members, now, grant_s)
+        if origin is not None:
+            self.address_admission.grant(address_group(origin), self.config.max_members, now, grant_s)
         self._seeds[peer_id] = (address, _SEED_TRIES)
         return self._push_pull(peer_id, address, reply=True)
 
@@ -174,15 +266,22 @@ class Swim(Membership):
 
     # ---- messages
 
-    def handle(self, src: bytes, msg: SwimMessage, now: float) -> list[Send]:
-        """Feed one received message; src is the authenticated sender."""
+    def handle(self, src: bytes, msg: SwimMessage, now: float, *, origin: str | None = None) -> list[Send]:
+        """Feed one received message; src is the authenticated sender, origin the remote host
+        of the connection it came over (new members are admitted per its address group; None:
+        not known, only the per-source limit applies)."""
+        out = self._handle(src, msg, now, None if origin is None else address_group(origin))
+        self._verify(now, out)
+        return out
+
+    def _handle(self, src: bytes, msg: SwimMessage, now: float, group: str | None) -> list[Send]:
         if isinstance(msg, Nack):
             p = self._probe
             if p is not None and p.seq == msg.seq:
                 p.nacks += 1
             return []
         for u in msg.updates:
-            self._apply(u, src, now)
+            self._apply(u, src, now, group)
         if isinstance(msg, PushPull):
             back = self._tombstone_of(src)
             if msg.reply:
@@ -193,22 +292,29 @@ class Swim(Membership):
                 return []
             return [self._send(src, Ack(msg.seq, self._direct()))]
         if isinstance(msg, Ack):
-            return self._on_ack(msg, now)
+            return self._on_ack(src, msg, now)
         if isinstance(msg, PingReq):
             target = self.table.members.get(msg.target)
-            if target is None or target.state.gone or msg.target == self.me_id:
-                return []  # we probe only members we know, at the address they claimed
+            if target is None or target.state.gone or msg.target == self.me_id or not self.is_confirmed(msg.target):
+                return []  # we probe only confirmed members, at the address they claimed
             seq = self._next_seq()
             t = self.config.probe_timeout_s
             self._relays[seq] = _Relay(src, msg.seq, now + 0.8 * t, now + t)
             return [self._send(target, Ping(seq, target.peer_id, self._piggyback()))]
         return []  # Gossip: updates applied above
 
-    def _on_ack(self, msg: Ack, now: float) -> list[Send]:
+    def _on_ack(self, src: bytes, msg: Ack, now: float) -> list[Send]:
+        v = self._verifying.get(msg.seq)
+        if v is not None and v.peer_id == src:
+            del self._verifying[msg.seq]
+            self._on_verify_ack(v, now)
+            return []
         p = self._probe
-        if p is not None and p.seq == msg.seq and not p.acked:
+        if p is not None and p.seq == msg.seq and not p.acked and (src == p.target.peer_id or src in p.relays):
             p.acked = True
             self._adjust_awareness(-1)
+            if p.dial and src == p.target.peer_id:  # a probe of an unconfirmed member verifies it too
+                self._on_verify_ack(_Verify(src, p.target.address, p.end_at), now)
             return []
         r = self._relays.pop(msg.seq, None)
         if r is not None:
@@ -219,6 +325,7 @@ class Swim(Membership):
 
     def tick(self, now: float) -> list[Send]:
         out: list[Send] = []
+        self._verify(now, out)
         self._tick_relays(now, out)
         self._tick_suspicions(now)
         self._tick_probe(now, out)
@@ -253,6 +360,7 @@ class Swim(Membership):
         p.indirect_sent = True
         relays = self._random_members(self.config.indirect_checks, exclude=(p.target.peer_id,))
         p.nacks_expected = len(relays)
+        p.relays = frozenset(m.peer_id for m in relays)
         for m in relays:
             out.append(self._send(m, PingReq(p.seq, p.target.peer_id, self._piggyback())))
         if now >= p.end_at:
@@ -284,10 +392,12 @@ class Swim(Membership):
         target = self._next_target()
         if target is None:
             return
-        seq = self._next_seq()
+        # An unconfirmed member is probed as it is verified: a nonce, over a dialled connection.
+        dial = not self.is_confirmed(target.peer_id)
+        seq = self._nonce() if dial else self._next_seq()
         self._probe = _Probe(target, seq, now + self.config.probe_timeout_s * mult,
-                             now + self.config.probe_interval_s * mult)
-        out.append(self._send(target, Ping(seq, target.peer_id, self._direct(target))))
+                             now + self.config.probe_interval_s * mult, dial=dial)
+        out.append(Send(target.peer_id, target.address, Ping(seq, target.peer_id, self._direct(target)), dial=dial))
 
     def _next_target(self) -> Member | None:
         for _ in range(len(self._probe_order) + 1):
@@ -306,15 +416,16 @@ class Swim(Membership):
         return None
 
     def _random_members(self, k: int, exclude) -> list[Member]:
-        pool = [m for m in self.members.values()
-                if m.peer_id != self.me_id and not m.state.gone and m.peer_id not in exclude]
+        confirmed = self.is_confirmed
+        pool = [m for m in self.members.values() if m.peer_id != self.me_id and not m.state.gone
+                and m.peer_id not in exclude and confirmed(m.peer_id)]
         return self._rng.sample(pool, min(k, len(pool)))
 
     def _gossip_round(self, now: float) -> list[Send]:
         if not len(self.broadcasts):
             return []
         if self._pool is None:
-            self._pool = [pid for pid in self.members if pid != self.me_id]
+            self._pool = [pid for pid in self.members if pid != self.me_id and self.is_confirmed(pid)]
         # Sample a few more than needed and keep the eligible ones (memberlist's
         # kRandomNodes): live members, and the dead or left for gossip_to_dead_s.
         k = self.config.gossip_nodes

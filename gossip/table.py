@@ -1,5 +1,6 @@
 """The membership table: each member's newest signed claim, the accusation its state rests
-on, and the derived `Member` view; removal of long-gone members, with tombstones.
+on, and the derived `Member` view; which members are confirmed (answered a ping at the address
+they claim); removal of long-gone members, with tombstones.
 
 Pure bookkeeping: which update may change an entry is decided in `swim.py`.
 """
@@ -28,7 +29,10 @@ class MemberTable:
         self.entries: dict[bytes, Entry] = {}
         self.members: dict[bytes, Member] = {}
         self.live = 0  # entries neither dead nor left
+        self.confirmed_live = 0  # of those, the confirmed ones
         self._gone: dict[bytes, float] = {}  # dead or left -> since, oldest first
+        self._confirmed: set[bytes] = set()
+        self._unconfirmed: dict[bytes, None] = {}  # the others, in the order they entered
         self._tombstones: dict[bytes, tuple[Claim, float]] = {}  # removed -> (last claim, when), oldest first
 
     def __len__(self) -> int:
@@ -50,11 +54,47 @@ class MemberTable:
         self._tombstones.pop(pid, None)
         was_live = old is not None and not old.state.gone
         self.live += (not state.gone) - was_live
+        if old is None:
+            self._unconfirmed[pid] = None
+        elif pid in self._confirmed:
+            self.confirmed_live += (not state.gone) - was_live
         if state.gone and (old is None or not old.state.gone):
             self._gone[pid] = now
         elif not state.gone:
             self._gone.pop(pid, None)
         return old
+
+    def confirm(self, peer_id: bytes) -> bool:
+        """Mark a member confirmed (for as long as it stays in the table); True if it was not."""
+        if peer_id not in self.entries or peer_id in self._confirmed:
+            return False
+        self._confirmed.add(peer_id)
+        del self._unconfirmed[peer_id]
+        self.confirmed_live += not self.entries[peer_id].state.gone
+        return True
+
+    def is_confirmed(self, peer_id: bytes) -> bool:
+        return peer_id in self._confirmed
+
+    def unconfirmed(self) -> list[bytes]:
+        """Members never confirmed, in the order they entered the table."""
+        return list(self._unconfirmed)
+
+    def gone(self) -> list[bytes]:
+        """Dead and left members, longest gone first."""
+        return list(self._gone)
+
+    def remove(self, peer_id: bytes, now: float) -> None:
+        """Take a member out at once (to make room), keeping a tombstone of its claim."""
+        e = self.entries.pop(peer_id)
+        del self.members[peer_id]
+        self._gone.pop(peer_id, None)
+        self.live -= not e.state.gone
+        if peer_id in self._confirmed:
+            self._confirmed.discard(peer_id)
+            self.confirmed_live -= not e.state.gone
+        self._unconfirmed.pop(peer_id, None)
+        self._tombstones[peer_id] = (e.claim, now)
 
     def reap(self, now: float, after_s: float) -> list[bytes]:
         """Remove members dead or left for after_s or longer, keeping a tombstone of each."""
@@ -64,10 +104,7 @@ class MemberTable:
                 break
             out.append(pid)
         for pid in out:
-            del self._gone[pid]
-            e = self.entries.pop(pid)
-            del self.members[pid]
-            self._tombstones[pid] = (e.claim, now)
+            self.remove(pid, now)
         return out
 
     def expire_tombstones(self, now: float, keep_s: float, max_count: int) -> None:

@@ -67,8 +67,10 @@ class MemNetwork:
         self.link_ids = itertools.count(1)  # one per connection, shared by its two ends
 
     def add(self, peer_id: bytes, region: str = "") -> MemTransport:
-        """A new node; a peer id added again (a restart) gets a new address."""
-        t = MemTransport(self, peer_id, region, ("mem", next(self._ports)), self.config)
+        """A new node; a peer id added again (a restart) gets a new address. Each node has a
+        host of its own, as peers on separate machines do (gossip admits members per host)."""
+        port = next(self._ports)
+        t = MemTransport(self, peer_id, region, (f"mem{port - 10000}", port), self.config)
         self.nodes[peer_id] = t
         self.by_address[t.listen_address] = t
         return t

@@ -15,6 +15,7 @@ from dtfm.gossip.members import MAX_INCARNATION, Member, MemberState
 from dtfm.gossip.messages import Gossip, MsgType, Ping, PingReq, PushPull, decode_swim
 from dtfm.gossip.swim import Swim
 from dtfm.net import Identity, pack, unpack_untrusted
+from verifying import answer_verifications
 
 CFG = GossipConfig.lan()
 KEYS = {i.peer_id: i for i in (Identity(bytes([k + 1]) * 32) for k in range(12))}
@@ -45,7 +46,7 @@ def forged_accusation(named, of, inc, state, signer):
 def node(pid=H, others=(M, V, W, X), cfg=CFG, now=0.0):
     s = Swim(cfg, KEYS[pid], claim(pid).member(), random.Random(1), now)
     for o in others:
-        s.handle(o, PushPull((claim(o),), reply=False), now)
+        answer_verifications(s, s.handle(o, PushPull((claim(o),), reply=False), now), now)
     s.drain_changes()
     return s
 
@@ -212,16 +213,20 @@ def test_the_peer_we_join_through_hands_us_the_whole_swarm_once():
     for k in big:
         seed.handle(k.peer_id, PushPull((Claim.create(k, 0, ALIVE, "10.1.0.1", 7000, ""),), reply=False), 0.0)
     joiner = node(H, others=())
-    sends = joiner.add_seed(V, ("10.0.0.3", 7000), 1.0)
+    sends = joiner.add_seed(V, ("10.0.0.3", 7000), 1.0, origin="10.0.0.3")
     [req] = sends
-    reply = seed.handle(H, req.msg, 1.0)
+    reply = [x for x in seed.handle(H, req.msg, 1.0) if isinstance(x.msg, PushPull)]
+    verifying = []
     for page in reply:
-        joiner.handle(V, decode_swim(MsgType.PUSH_PULL, unpack_untrusted(pack(page.msg.to_wire()), max_len=1 << 20)), 1.1)
-    assert joiner.live_count() == 302 and not joiner.refused
-    # only while we join: later the seed is an ordinary source
+        msg = decode_swim(MsgType.PUSH_PULL, unpack_untrusted(pack(page.msg.to_wire()), max_len=1 << 20))
+        verifying += [x for x in joiner.handle(V, msg, 1.1, origin="10.0.0.3") if x.dial]
+    assert len(joiner.members) == 302 and not joiner.refused  # past both bursts: the seed's grant
+    # none counts as alive before it answers at its address; a few are verified at a time
+    assert joiner.live_count() == 1 and len(verifying) == CFG.max_verifying
+    # only while we join: later the seed is an ordinary source, at an ordinary address
     more = [Claim.create(k, 0, ALIVE, "10.1.0.2", 7000, "") for k in sybils(100, seed=4)]
-    joiner.handle(V, PushPull(tuple(more), reply=False), 1.0 + 10 * CFG.probe_interval_s + 0.1)
-    assert joiner.live_count() == 302 + CFG.new_member_burst
+    joiner.handle(V, PushPull(tuple(more), reply=False), 1.0 + 10 * CFG.probe_interval_s + 0.1, origin="10.0.0.3")
+    assert len(joiner.members) == 302 + CFG.new_member_burst
 
 
 def test_full_state_goes_in_pages_that_each_fit_and_decode():
@@ -243,15 +248,29 @@ def test_full_state_goes_in_pages_that_each_fit_and_decode():
     assert len(got) == len(s.members) + 1
 
 
-def test_table_cap_refuses_new_members_but_keeps_working():
+def test_a_full_table_makes_room_from_unconfirmed_members_only():
     cfg = CFG.with_(max_members=8)
-    s = node(cfg=cfg)
+    s = node(cfg=cfg)  # 5 confirmed members
     fakes = [Claim.create(k, 0, ALIVE, "10.3.0.1", 7000, "") for k in sybils(10, seed=6)]
     s.handle(M, PushPull(tuple(fakes), reply=False), 0.0)
-    assert len(s.members) == 8 and s.refused == {"member table full": 7}
+    # the table is full after 3; each later fake takes the place of the longest-held fake
+    assert len(s.members) == 8 and s.evicted == 7 and not s.refused
+    assert set(s.members) == set(PIDS[:5]) | {c.peer_id for c in fakes[7:]}
+    # members the allocation names are never taken out, however unconfirmed: no room left
+    held = {c.peer_id for c in fakes[7:]}
+    s.protected = held.__contains__
+    more = [Claim.create(k, 0, ALIVE, "10.3.0.2", 7000, "") for k in sybils(2, seed=16)]
+    s.handle(W, PushPull(tuple(more), reply=False), 0.0)
+    assert s.refused == {"member table full": 2} and set(s.members) == set(PIDS[:5]) | held
     gossip(s, V, claim(V, 1))  # known members still update
     assert s.members[V].incarnation == 1
     assert s.handle(W, PushPull((claim(W),), reply=True), 2.0)  # and push-pull still answers
+    # a dead member goes first (its tombstone stays), before any unconfirmed one
+    s.protected = lambda pid: False
+    gossip(s, V, claim(V, 2, LEFT), now=3.0)
+    late = Claim.create(sybils(1, seed=17)[0], 0, ALIVE, "10.3.0.3", 7000, "")
+    gossip(s, X, late, now=3.0)
+    assert V not in s.members and late.peer_id in s.members and s.table.tombstone(V) == claim(V, 2, LEFT)
 
 
 def test_ping_req_about_a_non_member_is_not_relayed():
@@ -308,7 +327,9 @@ def test_a_long_churn_keeps_the_table_and_push_pull_bounded():
         s.tick(t + 5.0)
     assert len(s.members) <= 5 + cfg.reap_after_s / 10.0 + 1
     assert s.table.tombstone_count() <= cfg.tombstone_s / 10.0 + 1
-    assert len(s.handle(W, PushPull((claim(W),), reply=True), t + 6.0)) == 1
+    # (W, never answering our probes here, was found dead and reaped long ago: its claim
+    # brings it back, unconfirmed, and we verify it)
+    assert len([x for x in s.handle(W, PushPull((claim(W),), reply=True), t + 6.0) if not x.dial]) == 1
 
 
 # ---- over the in-memory network

@@ -88,12 +88,14 @@ async def test_graceful_leave_and_status_tables(autojump_clock):
         h = Harness(6, CFG, seed=5, measure=True, regions=["a", "a", "b", "b", "c", "c"])
         await h.start(nursery)
         await wait_for(lambda: h.complete_views() == 6, 60)
-        rows = h.services[0].members_table()
-        assert len(rows) == 6 and {r["state"] for r in rows} == {"alive"}
-        assert {r["region"] for r in rows} == {"a", "b", "c"}
-        lat = h.services[0].latency_table()
-        assert len(lat) == 5 and all(r["rtt_ms"] > 0 and r["bandwidth_gbps"] > 0 for r in lat)
         st = h.services[0].status()
+        rows = st["members"]
+        assert len(rows) == 6 and {r["state"] for r in rows} == {"alive"}
+        assert st["counts"] == {"alive": 6, "suspect": 0, "unconfirmed": 0, "dead": 0, "left": 0, "total": 6}
+        assert st["truncated"] == []
+        assert {r["region"] for r in rows} == {"a", "b", "c"}
+        lat = st["latency"]
+        assert len(lat) == 5 and all(r["rtt_ms"] > 0 and r["bandwidth_gbps"] > 0 for r in lat)
         assert st["view"]["complete"] and st["view"]["measured_links"] == st["view"]["expected_links"] == 30
         assert st["view"]["peers"] == sorted(r["id"] for r in rows)
         assert st["view"]["delay_ms"][0][0] == 0.0 and st["view"]["bandwidth_gbps"][0][0] is None

@@ -11,6 +11,7 @@ from dtfm.gossip.members import Member, MemberState
 from dtfm.gossip.messages import Ack, Gossip, Nack, Ping, PingReq, PushPull
 from dtfm.gossip.swim import Swim
 from dtfm.net import Identity
+from verifying import answer_verifications
 
 CFG = GossipConfig.lan()
 KEYS = {i.peer_id: i for i in (Identity(bytes([k + 1]) * 32) for k in range(24))}
@@ -37,7 +38,7 @@ def accuse(by, of, inc=0, state=MemberState.SUSPECT):
 def node_with(pid, others, now=0.0):
     s = Swim(CFG, KEYS[pid], member(pid), random.Random(1), now)
     for o in others:
-        s.handle(o, PushPull((claim(o),), reply=False), now)
+        answer_verifications(s, s.handle(o, PushPull((claim(o),), reply=False), now), now)
     s.drain_changes()
     s.broadcasts = BroadcastQueue()  # start quiet: only the events under test are gossiped
     return s
@@ -154,6 +155,11 @@ def test_leave_is_gossiped_and_stops_probing():
 def test_push_pull_merges_and_replies_once():
     s = node_with(A, [])
     out = s.handle(B, PushPull((claim(B), claim(C, 2)), reply=True), 0.0)
-    assert s.members[C].incarnation == 2 and s.live_count() == 3
-    assert len(out) == 1 and out[0].msg.reply is False and len(out[0].msg.updates) == 3
+    assert s.members[C].incarnation == 2 and len(s.members) == 3
+    assert s.live_count() == 1  # B and C count once they answer at their addresses
+    verifying = sorted((x.to, x.address) for x in out if x.dial)
+    assert verifying == sorted([(B, (host(B), 7000)), (C, (host(C), 7000))])
+    [reply] = answer_verifications(s, out, 0.0)
+    assert s.live_count() == 3
+    assert reply.msg.reply is False and len(reply.msg.updates) == 3
     assert s.handle(B, PushPull((claim(B),), reply=False), 0.0) == []

@@ -57,7 +57,7 @@ async def test_gossip_over_real_transport_with_emulated_links():
         ratio_b = view.bandwidth_gbps[off] / want_b[off]
         assert np.all(ratio_d > 0.9) and np.all(ratio_d < 5.0), ratio_d
         assert np.all(ratio_b > 0.3) and np.all(ratio_b < 1.5), ratio_b
-        rows = services[0].members_table()
+        rows = services[0].status()["members"]
         assert {r["region"] for r in rows} == {"A", "B"}
         # kill one peer's transport: the others declare it dead
         victim = services[3]

@@ -1,0 +1,123 @@
+"""Gossip's part of `dtfm-peer status`, bounded whatever the member table holds.
+
+The status crosses the control socket in one frame (4 MiB by default), and a member table can
+hold `max_members` (4,096) entries, most of them fakes in a flood. So the report carries:
+
+    counts:     members by status state (alive, suspect, unconfirmed, dead, left) and total
+    members:    the first MAX_MEMBERS_LISTED members, alive first (then suspect, unconfirmed,
+                dead, left; by peer id within a state)
+    latency:    this peer's own measurements, the first MAX_LATENCY_LISTED by target
+    view:       the N x N view over the live members, matrices included only for
+                N <= MAX_VIEW_PEERS, disputed links the first MAX_DISPUTED_LISTED; always
+                `peers` (N), `measured_links`, `expected_links`, `complete`
+    truncated:  the names of the lists cut short (empty: nothing left out)
+
+An unconfirmed member (not dead or left, never answered a ping at the address it claims)
+shows the state `unconfirmed`: it does not count as alive anywhere.
+
+Worst-case size, from the field limits of a claim (a host of 255 and a region of 64
+characters, up to 4 bytes each in UTF-8): a member row packs to at most ~1.5 KiB, so 256 rows
+take ~0.4 MiB; a latency row ~70 bytes; the view at 256 peers two 256 x 256 float matrices,
+~1.2 MiB. The whole gossip part stays under 2 MiB (tests/test_gossip_flood.py checks the worst
+case); the daemon fits the whole report into its reply frame (`dtfm.peer.status.fit_report`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from .members import Member
+from .records import Entry, Report
+from .view import NetworkView
+
+__all__ = ["gossip_status", "status_state", "MAX_MEMBERS_LISTED", "MAX_LATENCY_LISTED",
+           "MAX_VIEW_PEERS", "MAX_DISPUTED_LISTED", "STATUS_STATES"]
+
+MAX_MEMBERS_LISTED = 256
+MAX_LATENCY_LISTED = 256
+MAX_VIEW_PEERS = 256  # dtfm-swarm runs at most 256 peers: its whole view is listed
+MAX_DISPUTED_LISTED = 64
+
+STATUS_STATES = ("alive", "suspect", "unconfirmed", "dead", "left")  # the order members are listed in
+_RANK = {name: k for k, name in enumerate(STATUS_STATES)}
+
+
+def status_state(m: Member, confirmed: bool) -> str:
+    """A member's state as status shows it: `unconfirmed` for a member neither gone nor
+    confirmed, else its state's name."""
+    if not confirmed and not m.state.gone:
+        return "unconfirmed"
+    return m.state.name.lower()
+
+
+def _member_row(m: Member, state: str) -> dict:
+    return {"id": m.peer_id.hex(), "short_id": m.short_id, "region": m.region,
+            "address": f"{m.host}:{m.port}", "state": state, "incarnation": m.incarnation}
+
+
+def _latency_row(e: Entry) -> dict:
+    return {"target": e.target[:4].hex(), "rtt_ms": e.rtt_ms,
+            "bandwidth_gbps": e.bandwidth_gbps or None, "samples": e.samples}
+
+
+def links_known(peers: Sequence[bytes], reports: Mapping[bytes, Report]) -> int:
+    """Ordered pairs of distinct `peers` with a delay and a bandwidth known from either end
+    (what `NetworkView.pairs_known` counts), without building the N x N matrices."""
+    live = set(peers)
+    rtt: set[tuple[bytes, bytes]] = set()
+    bw: set[tuple[bytes, bytes]] = set()
+    for key, r in reports.items():
+        if key != r.measurer or r.measurer not in live:
+            continue
+        for e in r.entries:
+            if e.target not in live or e.target == r.measurer:
+                continue
+            pair = (min(r.measurer, e.target), max(r.measurer, e.target))
+            if np.isfinite(e.rtt_ms) and e.rtt_ms > 0:
+                rtt.add(pair)
+            if np.isfinite(e.bandwidth_gbps) and e.bandwidth_gbps > 0:
+                bw.add(pair)
+    return 2 * len(rtt & bw)
+
+
+def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], bool],
+                  latency: Iterable[Entry], live: Sequence[bytes], reports: Mapping[bytes, Report],
+                  view: Callable[[], NetworkView], *, max_members: int = MAX_MEMBERS_LISTED,
+                  max_latency: int = MAX_LATENCY_LISTED, max_view_peers: int = MAX_VIEW_PEERS,
+                  max_disputed: int = MAX_DISPUTED_LISTED) -> dict:
+    """The gossip status report (module docstring). `live`: the members that count as alive,
+    the view's peers; `view()` is called only when it is listed (len(live) <= max_view_peers)."""
+    truncated: list[str] = []
+    counts = dict.fromkeys(STATUS_STATES, 0)
+    rows: list[tuple[int, bytes, Member, str]] = []
+    for m in members:
+        state = status_state(m, is_confirmed(m.peer_id))
+        counts[state] += 1
+        rows.append((_RANK[state], m.peer_id, m, state))
+    total = len(rows)
+    if total > max_members:
+        truncated.append("members")
+    rows.sort(key=lambda r: (r[0], r[1]))
+    entries = sorted(latency, key=lambda e: e.target)
+    if len(entries) > max_latency:
+        truncated.append("latency")
+    n = len(live)
+    if n <= max_view_peers:
+        v = view()
+        as_dict = v.as_dict()
+        if len(as_dict["disputed"]) > max_disputed:
+            truncated.append("view.disputed")
+            as_dict["disputed"] = as_dict["disputed"][:max_disputed]
+        view_part = {**as_dict, "measured_links": v.pairs_known()}
+    else:
+        truncated.append("view")
+        view_part = {"measured_links": links_known(live, reports)}
+    view_part.update({"peer_count": n, "expected_links": n * (n - 1)})
+    if "complete" not in view_part:
+        view_part["complete"] = view_part["measured_links"] == n * (n - 1)
+    return {"counts": {**counts, "total": total},
+            "members": [_member_row(m, state) for _, _, m, state in rows[:max_members]],
+            "latency": [_latency_row(e) for e in entries[:max_latency]],
+            "view": view_part, "truncated": truncated}
