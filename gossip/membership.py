@@ -82,8 +82,9 @@ class Membership:
     def _on_confirmed(self, peer_id: bytes) -> None:
         """Called when a member is confirmed."""
 
-    def _on_unconfirmed_address(self, peer_id: bytes) -> None:
-        """Called when an unconfirmed member enters the table or claims another address."""
+    def _on_unconfirmed_address(self, peer_id: bytes, group: str | None) -> None:
+        """Called when an unconfirmed member enters the table or claims another address;
+        group: the address group its claim came from (None: not known)."""
 
     def _on_removed(self, peer_id: bytes) -> None:
         """Called when a member leaves the table (reaped)."""
@@ -161,7 +162,7 @@ class Membership:
                      src[:4].hex(), reason)
 
     def _set(self, claim: Claim, acc: Accusation | None, state: MemberState, now: float, *,
-             announce: Update) -> None:
+             announce: Update, group: str | None = None) -> None:
         pid = claim.peer_id
         old = self.table.set(claim, acc, state, now)
         new = self.table.members[pid]
@@ -172,7 +173,7 @@ class Membership:
         if old is None and pid != self.me_id:
             self._on_new_member(pid)
         if (old is None or old.member.address != new.address) and not self.table.is_confirmed(pid):
-            self._on_unconfirmed_address(pid)
+            self._on_unconfirmed_address(pid, group)
         if state != MemberState.SUSPECT:
             self.suspicions.pop(pid, None)
         self.broadcasts.queue(announce)
@@ -230,9 +231,9 @@ class Membership:
             if evict is not None:
                 self._evict(evict, now)
         if e is not None and c.incarnation == e.claim.incarnation and c.state == MemberState.ALIVE:
-            self._set(c, e.accusation, e.state, now, announce=c)  # an accusation of it stands
+            self._set(c, e.accusation, e.state, now, announce=c, group=group)  # an accusation of it stands
         else:
-            self._set(c, None, c.state, now, announce=c)
+            self._set(c, None, c.state, now, announce=c, group=group)
 
     def _apply_accusation(self, a: Accusation, src: bytes, now: float) -> None:
         pid = a.accused

@@ -85,7 +85,12 @@ class Swim(Membership):
 
     def __init__(self, config: GossipConfig, identity, me: Member, rng: random.Random, now: float, *,
                  verifier: ClaimVerifier | None = None, nonces: random.Random | None = None) -> None:
-        self._verify_queue: dict[bytes, int] = {}  # unconfirmed member -> attempts left, FIFO
+        # Unconfirmed members waiting for a verification ping, queued per address group their
+        # claim came from (member -> attempts left, oldest first), served in turn so that one
+        # party's flood delays the others' members by a turn per group, not per member.
+        self._verify_queues: dict[str | None, dict[bytes, int]] = {}
+        self._queued_in: dict[bytes, str | None] = {}  # member -> the group it is queued under
+        self._verify_turn = 0  # the group served first next time (round robin)
         self._verifying: dict[int, _Verify] = {}  # nonce -> verification in flight
         super().__init__(config, identity, me, now, verifier=verifier)
         self._rng = rng
@@ -167,15 +172,32 @@ class Swim(Membership):
 
     def _on_confirmed(self, peer_id: bytes) -> None:
         self._pool = None
-        self._verify_queue.pop(peer_id, None)
+        self._dequeue(peer_id)
 
-    def _on_unconfirmed_address(self, peer_id: bytes) -> None:
-        self._verify_queue.pop(peer_id, None)
-        self._verify_queue[peer_id] = self.config.verify_attempts  # (again) at the back
+    def _on_unconfirmed_address(self, peer_id: bytes, group: str | None) -> None:
+        self._dequeue(peer_id)
+        m = self.table.members[peer_id]
+        if m.host and m.port:  # else nothing to dial until it claims an address
+            self._enqueue(peer_id, self.config.verify_attempts, group)  # (again) at the back
 
     def _on_removed(self, peer_id: bytes) -> None:
         self._pool = None
-        self._verify_queue.pop(peer_id, None)
+        self._dequeue(peer_id)
+
+    def _enqueue(self, peer_id: bytes, attempts: int, group: str | None) -> None:
+        self._verify_queues.setdefault(group, {})[peer_id] = attempts
+        self._queued_in[peer_id] = group
+
+    def _dequeue(self, peer_id: bytes) -> tuple[int, str | None]:
+        """(attempts left, group) of a queued member, removed from its queue; (0, None) if none."""
+        if peer_id not in self._queued_in:
+            return 0, None
+        group = self._queued_in.pop(peer_id)
+        queue = self._verify_queues[group]
+        left = queue.pop(peer_id)
+        if not queue:
+            del self._verify_queues[group]
+        return left, group
 
     # ---- verification
 
@@ -187,30 +209,51 @@ class Swim(Membership):
         for nonce, v in list(self._verifying.items()):
             if now >= v.deadline:
                 del self._verifying[nonce]
-                left = self._verify_queue.pop(v.peer_id, 0)
+                left, group = self._dequeue(v.peer_id)
                 if left > 0 and v.peer_id in self.table.entries and not self.is_confirmed(v.peer_id):
-                    self._verify_queue[v.peer_id] = left
-        if len(self._verifying) >= cfg.max_verifying or not self._verify_queue:
+                    self._enqueue(v.peer_id, left, group)
+        if len(self._verifying) >= cfg.max_verifying or not self._verify_queues:
             return
         busy = {v.peer_id for v in self._verifying.values()}
-        for pid in list(self._verify_queue):
-            if len(self._verifying) >= cfg.max_verifying:
-                break
-            if pid in busy:
-                continue
+        groups = list(self._verify_queues)
+        start = self._verify_turn % len(groups)
+        order = groups[start:] + groups[:start]
+        served = 0
+        progress = True
+        while progress and len(self._verifying) < cfg.max_verifying:
+            progress = False  # one member of each group per pass
+            for group in order:
+                if len(self._verifying) >= cfg.max_verifying:
+                    break
+                pid = self._next_to_verify(group, busy)
+                if pid is None:
+                    continue
+                progress = True
+                served += 1
+                busy.add(pid)
+                m = self.table.members[pid]
+                left, _ = self._dequeue(pid)
+                if left > 1:
+                    self._enqueue(pid, left - 1, group)  # to the back, for a later attempt
+                nonce = self._nonce()
+                self._verifying[nonce] = _Verify(pid, m.address, now + cfg.verify_timeout_s)
+                mine = self.table.entries[self.me_id].claim  # (no broadcasts: it may be a fake)
+                out.append(Send(pid, m.address, Ping(nonce, pid, (mine,)), dial=True))
+        self._verify_turn = start + served
+
+    def _next_to_verify(self, group: str | None, busy: set[bytes]) -> bytes | None:
+        """The first member of group's queue that can be pinged now (dropping the ones gone
+        from the table or confirmed); None if none can."""
+        queue = self._verify_queues.get(group)
+        for pid in list(queue or ()):
             m = self.table.members.get(pid)
             if m is None or self.is_confirmed(pid):
-                del self._verify_queue[pid]
+                self._dequeue(pid)
                 continue
-            if m.state.gone or not m.host or not m.port:
-                continue  # no address to dial (yet): stays queued for a claim with one
-            left = self._verify_queue.pop(pid) - 1
-            if left > 0:
-                self._verify_queue[pid] = left  # to the back, for a later attempt
-            nonce = self._nonce()
-            self._verifying[nonce] = _Verify(pid, m.address, now + cfg.verify_timeout_s)
-            mine = self.table.entries[self.me_id].claim  # (no broadcasts: it may be a fake)
-            out.append(Send(pid, m.address, Ping(nonce, pid, (mine,)), dial=True))
+            if pid in busy or m.state.gone:
+                continue  # in flight, or suspected dead by now: stays queued
+            return pid
+        return None
 
     def _nonce(self) -> int:
         """A seq nobody can guess, distinct from those in flight."""
@@ -224,7 +267,8 @@ class Swim(Membership):
         if m is None or self.is_confirmed(v.peer_id):
             return
         if m.address != v.address:  # it claims another address since: verify that one
-            self._on_unconfirmed_address(v.peer_id)
+            _, group = self._dequeue(v.peer_id)
+            self._on_unconfirmed_address(v.peer_id, group)
             return
         self._confirm(v.peer_id)
 

@@ -27,7 +27,7 @@ from .config import DaemonConfig
 from .discovery import Discovery
 from .paths import DataDir
 from .socket import ControlServer
-from .status import CORE_KEYS
+from .status import CORE_KEYS, REPLY_OVERHEAD_BYTES, fit_report
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Daemon:
         return report
 
     async def _op_status(self, args: dict) -> dict[str, Any]:
-        return self.status()
+        return fit_report(self.status(), self.config.socket.max_response_bytes - REPLY_OVERHEAD_BYTES)
 
     async def _op_leave(self, args: dict) -> dict[str, Any]:
         self.request_leave("asked to leave over the control socket")

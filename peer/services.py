@@ -157,6 +157,7 @@ class PlanePart:
             raise RuntimeError("the gossip service must start before the control plane")
         plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
                              self.config.plane.settings)
+        service.keep_members(lambda peer_id: named_by(plane, peer_id))
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)
             self.plane = plane
@@ -191,6 +192,15 @@ class PlanePart:
             return await self._running().stop_training()
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
+
+
+def named_by(plane: ControlPlane, peer_id: bytes) -> bool:
+    """Whether the allocation this peer applied names peer_id (at a stage or as a spare), or
+    peer_id votes in the election: gossip never removes such a member to make room."""
+    cur = plane.epoch.current
+    if cur is not None and (peer_id in cur.peers or peer_id in cur.spares):
+        return True
+    return peer_id in plane.election.voters
 
 
 def _advertised(daemon: Daemon) -> tuple[str, int]:

@@ -7,8 +7,14 @@ The report is a plain map (it crosses the control socket as msgpack and prints a
     departed: [{peer_id, short_id, address, region, left_s_ago, reason}]
     refused:  {"REASON/TYPE": count} incoming messages refused (malformed, failed, busy, unknown)
     ...       one more key per status provider (Daemon.add_status_provider)
+    truncated: [names], only when the report had to be cut to fit its reply frame (fit_report)
 
 Ids are hex text so the JSON form is usable as is.
+
+The report always fits one control reply frame (`socket.max_response_bytes`): each part bounds
+itself (gossip lists counts and its first members, `dtfm.gossip.status`), and `fit_report`
+cuts whatever is still too big, biggest first: a list keeps its first entries, any other
+section becomes `{"truncated": true, "bytes": N}`; the names cut are listed under `truncated`.
 """
 
 from __future__ import annotations
@@ -16,8 +22,45 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dtfm.net import pack
+
 CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "pid", "data_dir",
-                       "uptime_s", "peers", "departed", "refused"})
+                       "uptime_s", "peers", "departed", "refused", "truncated"})
+
+# Bytes of the reply map around a report ({"ok": true, "result": ...}), with room to spare.
+REPLY_OVERHEAD_BYTES = 64
+
+
+def fit_report(report: dict[str, Any], max_bytes: int) -> dict[str, Any]:
+    """The report itself when its msgpack encoding takes at most max_bytes; else a copy with
+    its biggest sections cut until it does (module docstring). Scalars are never cut, so a
+    max_bytes below their size (a few hundred bytes) is not met."""
+    if len(pack(report)) <= max_bytes:
+        return report
+    out = dict(report)
+    cut: list[str] = []
+    sizes = sorted(((len(pack(v)), k) for k, v in report.items()
+                    if isinstance(v, (dict, list)) and k != "truncated"), reverse=True)
+    for size, key in sizes:
+        out["truncated"] = cut + [key]
+        total = len(pack(out))
+        value = report[key]
+        if isinstance(value, list):
+            room = max_bytes - (total - size) - 8  # (8: a longer list header)
+            kept: list[Any] = []
+            for item in value:
+                room -= len(pack(item))
+                if room < 0:
+                    break
+                kept.append(item)
+            out[key] = kept
+        else:
+            out[key] = {"truncated": True, "bytes": size}
+        cut.append(key)
+        out["truncated"] = list(cut)
+        if len(pack(out)) <= max_bytes:
+            break
+    return out
 
 
 def format_duration(seconds: float) -> str:
@@ -67,9 +110,12 @@ def format_text(report: dict[str, Any]) -> str:
                 for p in departed]
         lines += _table(["PEER", "ADDRESS", "REGION", "LEFT", "REASON"], rows)
     refused = report.get("refused") or {}
-    if refused:
+    if refused and not refused.get("truncated"):
         lines.append(f"refused   {sum(refused.values())} incoming messages: "
                      + ", ".join(f"{k} x{n}" for k, n in refused.items()))
+    truncated = report.get("truncated") or []
+    if truncated:
+        lines.append(f"truncated {', '.join(map(str, truncated))} (too big for one reply: see the counts)")
     for key in sorted(k for k in report if k not in CORE_KEYS):
         value = report[key]
         text = value if isinstance(value, str) else json.dumps(value, default=_json_default,
