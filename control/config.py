@@ -90,6 +90,23 @@ class PlaneConfig:
     # Failed reconfigurations of one trigger before the coordinator stops the run: more rides
     # out longer trouble, fewer gives up (and says why) sooner.
     max_reconfig_attempts: int = 5
+    # The step deadline (docs/control.md, "Gray failures"): once no step of the coordinator's
+    # epoch has completed for max(step_deadline_floor_s, median + step_deadline_mads x MAD of the
+    # recent step intervals), it probes the peers that have not reported the step. A lower floor
+    # and fewer MADs notice a frozen peer or a cut link sooner, at more probes of merely slow
+    # steps (a probe that is answered costs one RUN_STATE round and excludes nobody).
+    step_deadline_floor_s: float = 3.0
+    step_deadline_mads: float = 6.0
+    # ... and the deadline of an epoch's first steps, before three intervals are known: it must
+    # outlast the connections warming up and the first step's allocations.
+    step_deadline_first_s: float = 20.0
+    # A laggard answers that probe within this, its pings to its neighbours get half of it:
+    # longer tolerates a stalled event loop on a loaded machine, shorter takes a frozen peer
+    # out sooner.
+    deadline_probe_timeout_s: float = 4.0
+    # A link cut during a step is pinged from one end this often until it answers: shorter
+    # uses a healed link sooner, at one ping per cut link per retest.
+    link_retest_s: float = 2.0
 
     def __post_init__(self) -> None:
         if type(self.torch_threads) is not int or self.torch_threads < 1:
@@ -99,10 +116,13 @@ class PlaneConfig:
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
                      "stop_timeout_s", "check_interval_s", "drift_check_s", "report_gather_s", "probe_timeout_s",
                      "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
-                     "heartbeat_wait_s", "forward_timeout_s", "swarm_poll_s"):
+                     "heartbeat_wait_s", "forward_timeout_s", "swarm_poll_s", "step_deadline_floor_s",
+                     "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not 0 < v < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if type(self.step_deadline_mads) not in (int, float) or not 0 <= self.step_deadline_mads < 1000:
+            raise ValueError(f"step_deadline_mads must be in [0, 1000), got {self.step_deadline_mads!r}")
         if type(self.min_gain) not in (int, float) or not 0 <= self.min_gain < 10:
             raise ValueError(f"min_gain must be in [0, 10), got {self.min_gain!r}")
         if self.data_path is not None and not isinstance(self.data_path, str):

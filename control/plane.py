@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from dtfm.gossip import GossipService, Member, NetworkView, build_view
+from dtfm.gossip import GossipService, Member, NetworkView, build_view, measure_rtt
 from dtfm.net import (
     ConnectionClosed,
     Identity,
@@ -61,6 +61,8 @@ from .coordinator.machine import (
     Wake,
 )
 from .coordinator.machine import Tick as CoordinatorTick
+from .coordinator.deadline import DeadlineRules
+from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import Placement, choose_shape, random_shape
@@ -136,10 +138,11 @@ class SchedulerPlanner:
         self.config = config
 
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
-                regions: dict[bytes, str], seed: int, force: bool) -> ReshapePlan:
+                regions: dict[bytes, str], seed: int, force: bool,
+                cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         return reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
-                       seed=seed, min_gain=self.config.min_gain, force=force)
+                       seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut)
 
 
 @dataclass
@@ -171,7 +174,11 @@ class ControlPlane:
                                stop_timeout_s=cfg.stop_timeout_s, check_interval_s=cfg.check_interval_s,
                                drift_check_s=cfg.drift_check_s, report_gather_s=cfg.report_gather_s,
                                probe_timeout_s=cfg.probe_timeout_s, paused_retry_s=cfg.paused_retry_s,
-                               stop_poll_s=cfg.stop_poll_s, max_reconfig_attempts=cfg.max_reconfig_attempts),
+                               stop_poll_s=cfg.stop_poll_s, max_reconfig_attempts=cfg.max_reconfig_attempts,
+                               deadline=DeadlineRules(floor_s=cfg.step_deadline_floor_s, mads=cfg.step_deadline_mads,
+                                                      first_s=cfg.step_deadline_first_s),
+                               deadline_probe_timeout_s=cfg.deadline_probe_timeout_s,
+                               link_retest_s=cfg.link_retest_s),
         )
         self._corpora: dict[str | None, Corpus] = {}
         self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
@@ -544,6 +551,10 @@ class ControlPlane:
         op = get_str(d, "op", 16)
         if op == "query":
             return self.run_state().to_wire()
+        if op == "reach":
+            if sender != self.election.coordinator and sender != self.me:
+                return {"error": "only the coordinator asks a peer to reach others"}
+            return await self._reach(ReachRequest.from_wire(d))
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -554,6 +565,25 @@ class ControlPlane:
         if sender != self.election.coordinator and sender != self.me:
             return {"error": "only the coordinator asks for offers"}
         return await self.stages.offer(run_id, step, (layers[0], layers[1]))
+
+    async def _reach(self, req: ReachRequest) -> dict:
+        """Ping each asked peer (gossip's round-trip measurement), each within the request's time."""
+        reached: list[bytes] = []
+
+        async def ping(peer: bytes) -> None:
+            with trio.move_on_after(req.timeout_s):
+                try:
+                    conn = await self._connection(peer)
+                except (ConnectionClosed, ProtocolError, OSError):
+                    return
+                if await measure_rtt(conn, 1, 0.0, req.timeout_s):
+                    reached.append(peer)
+
+        peers = sorted(set(req.peers) - {self.me})
+        async with trio.open_nursery() as nursery:
+            for p in peers:
+                nursery.start_soon(ping, p)
+        return ReachAnswer(tuple(sorted(reached)), tuple(p for p in peers if p not in reached)).to_wire()
 
     def run_state(self) -> PeerRunState:
         cur = self.epoch.current

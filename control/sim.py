@@ -163,7 +163,8 @@ class SimPlanner:
         ranges = tuple(layer_ranges(PRESETS[PRESET].n_layer, stages))
         return Placement(pipelines, ranges, spares, 1.0, 1.0)
 
-    def reshape(self, view, cur: Allocation, *, live, remaining_steps, regions, seed, force) -> ReshapePlan:
+    def reshape(self, view, cur: Allocation, *, live, remaining_steps, regions, seed, force,
+                cut=frozenset()) -> ReshapePlan:
         if not live:
             raise ValueError("no live peer")
         return ReshapePlan(self.placement(sorted(live)), "reschedule", 0, 0, 0.0, 0.0, ())

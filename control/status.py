@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,12 @@ class PlaneStatus:
     log_path: Path
     swarm_wait: dict | None
     pid: int
+    now: float = 0.0  # wall time of the snapshot
 
     def state(self) -> str:
-        """What this peer is doing: idle, spare, waiting, building, accepted, training, or how
-        its last epoch ended (finished, stopped, or the failure's text as `stopped`)."""
+        """What this peer is doing: idle, spare, waiting, building, accepted, training (stalled,
+        on the coordinator, while the run's step is overdue), or how its last epoch ended
+        (finished, stopped, or the failure's text as `stopped`)."""
         e = self.epoch
         if e.phase is None:
             return "idle"
@@ -38,6 +41,9 @@ class PlaneStatus:
             return "stopped"
         if e.phase is EpochPhase.REFUSED:
             return "stopped"
+        c = self.coordinator
+        if e.phase is EpochPhase.TRAINING and c.phase is Phase.TRAINING and c.stalled_since is not None:
+            return "stalled"  # the coordinator of a run whose step is overdue
         return e.phase.value
 
     def to_wire(self) -> dict[str, Any]:
@@ -76,6 +82,12 @@ class PlaneStatus:
             out["issued"] = {"run_id": c.run_id.hex(), "state": c.phase.value, "reason": c.reason,
                              "completed": c.completed, "end_step": c.end_step, "log": str(self.log_path),
                              "recent": list(c.recent), "started_at": c.started_at, "epoch": c.epoch}
+            if c.stalled_since is not None:  # a training run that makes no progress says so, and why
+                if c.phase is Phase.TRAINING:
+                    out["issued"]["state"] = "stalled"
+                out["issued"].update(reason=c.stalled_reason, stalled_s=max(0.0, self.now - c.stalled_since))
+            if c.cut_links:
+                out["issued"]["cut_links"] = c.cut_links
         if self.swarm_wait is not None:
             out["waiting_for_peers"] = dict(self.swarm_wait)
         out["pid"] = self.pid
@@ -84,4 +96,4 @@ class PlaneStatus:
 
 def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
                  coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None) -> PlaneStatus:
-    return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid())
+    return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time())

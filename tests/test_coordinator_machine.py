@@ -12,6 +12,7 @@ from its own epoch machine, as in the daemon. The protocol is in docs/control.md
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -49,6 +50,7 @@ from dtfm.control.coordinator.machine import (
     Trigger,
     next_voters,
 )
+from dtfm.control.coordinator.links import used_cut_links
 from dtfm.control.coordinator.steplog import StepLog
 from dtfm.control.epoch.machine import (
     AbortRunner,
@@ -111,12 +113,19 @@ class FakePlanner:
         self.kind = "reschedule"
         self.error: str | None = None
 
-    def reshape(self, view, cur, *, live, remaining_steps, regions, seed, force):
+    def reshape(self, view, cur, *, live, remaining_steps, regions, seed, force, cut=frozenset()):
         self.calls.append({"live": sorted(live), "remaining_steps": remaining_steps, "seed": seed, "force": force})
+        if cut:
+            self.calls[-1]["cut"] = sorted(cut)
         if self.error is not None:
             raise ValueError(self.error)
-        ps, stages = sorted(live), len(cur.layer_ranges)
-        dp = len(ps) // stages
+        stages = len(cur.layer_ranges)
+        dp = len(live) // stages
+        # the first order of the live peers (sorted, then its permutations) whose pipelines use
+        # no cut link, else sorted
+        orders = itertools.permutations(sorted(live)) if cut else iter([tuple(sorted(live))])
+        ps = next((o for o in orders if not used_cut_links(
+            [o[d * stages:(d + 1) * stages] for d in range(dp)], cut)), tuple(sorted(live)))
         placement = Placement(tuple(tuple(ps[d * stages:(d + 1) * stages]) for d in range(dp)), cur.layer_ranges,
                               tuple(ps[dp * stages:]), 2.0, 2.0)
         return ReshapePlan(placement, self.kind, 0, 0, 0.0, 0.0, ())

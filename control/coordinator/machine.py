@@ -33,6 +33,8 @@ from ..epoch.runner import StepReport
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
 from ..events import EventKind, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
+from .deadline import DeadlineRules, StepWatch, judge, laggards, missed_deadline, probe_targets
+from .links import CutLinks, ReachAnswer, ReachRequest, used_cut_links
 from .reshape import ReshapePlan
 from .schedule import Placement
 from .steplog import StepLog
@@ -79,7 +81,8 @@ class Planner(Protocol):
     """The scheduler, as the coordinator calls it (off the event loop: see `Compute`)."""
 
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
-                regions: dict[bytes, str], seed: int, force: bool) -> ReshapePlan: ...
+                regions: dict[bytes, str], seed: int, force: bool,
+                cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan: ...
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,9 @@ class CoordinatorTimings:
     paused_retry_s: float
     stop_poll_s: float
     max_reconfig_attempts: int
+    deadline: DeadlineRules | None = None  # the step deadline (None: steps are not watched)
+    deadline_probe_timeout_s: float = 4.0  # a laggard answers a deadline probe within this
+    link_retest_s: float = 2.0  # a cut link is pinged again this often
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -206,6 +212,7 @@ class _Procedure:
     refused: str = ""
     rolled_back: bool = False
     transient: bool = False  # every refusal of the hand-out was a membership disagreement
+    stuck: bool = False  # a step missed its deadline: abort it, do not wait for a boundary
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
 
 
@@ -223,6 +230,9 @@ class CoordinatorStatus:
     recent: tuple[dict, ...]
     started_at: float | None
     last_reconfig: Reconfiguration | None
+    stalled_since: float | None = None  # wall time of the last progress of a run that makes none
+    stalled_reason: str = ""
+    cut_links: str = ""  # links left out of allocations until measured healthy again
 
 
 class Coordinator:
@@ -258,6 +268,12 @@ class Coordinator:
         self._check_epoch: int | None = None  # re-elected in this term: is its epoch still running?
         self._keys = itertools.count()
         self._now = 0.0
+        self.watch: StepWatch | None = None  # the step deadline of the epoch this peer started
+        self.links = CutLinks()
+        self._silent: frozenset[bytes] = frozenset()  # missed a deadline and a probe: not asked again
+        self._stuck = False  # the next reconfiguration aborts a step that missed its deadline
+        self._next_link_test = 0.0
+        self._deadline_probe: tuple[int, int, tuple[bytes, ...]] | None = None  # (epoch, step, laggards)
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -271,9 +287,11 @@ class Coordinator:
             return self._proc.poll_at if self._proc.poll_at is not None else math.inf
         if self._probe is not None:
             return math.inf
-        times = [self._next_check]
+        times = [self._next_check, self._watch_due()]
         if self._gather_until is not None:
             times.append(self._gather_until)
+        if self.links:
+            times.append(self._next_link_test)
         return min(times)
 
     def logged_completed(self, run_id: bytes) -> int | None:
@@ -286,7 +304,7 @@ class Coordinator:
             phase=self.phase, run_id=log.alloc.run_id if log else None, epoch=log.alloc.epoch if log else None,
             reason=self.reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
             recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
-            last_reconfig=self.last_reconfig)
+            last_reconfig=self.last_reconfig, cut_links=self.links.describe(), **self._stall())
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -344,6 +362,10 @@ class Coordinator:
             if self.epoch.current is None or self._over():
                 return [Reply(op.key, error="no training run is in progress")]
             return self._reconfigure("operator asked", now, force=True, reply=op.key)
+        if not self._triggers:
+            out = self._deadline_check(now) or self._link_retest(now)
+            if out:
+                return out
         if now < self._next_check and not (self._gather_until is not None and now >= self._gather_until):
             return []
         self._next_check = now + self.t.check_interval_s
@@ -379,13 +401,18 @@ class Coordinator:
             self._probe = "joined"
             return [self._ask(("probe", "joined"), outside, ControlMsg.RUN_STATE, {"op": "query"},
                               self.t.probe_timeout_s)]
-        if now >= self._next_drift_check and self.epoch.run is not None and self.epoch.run.active:
+        if (now >= self._next_drift_check and self.epoch.run is not None and self.epoch.run.active
+                and now < self._watch_due()):  # an overdue step is the deadline's to explain
             self._next_drift_check = now + self.t.drift_check_s
             return self._drift_check(cur)
         return []
 
     def _probed(self, what: str, answers: Mapping[bytes, dict], now: float) -> list:
         self._probe = None
+        if what == "deadline":
+            return self._deadline_answers(answers, now)
+        if what == "links":
+            return self._links_answers(answers, now)
         states = _states(answers)
         if what == "holders":
             if states:
@@ -420,10 +447,11 @@ class Coordinator:
         log = self.steplog
         done = log.completed + 1 if log is not None and log.alloc.run_id == cur.run_id else cur.start_step
         regions = self.swarm.regions()
+        cut = self.links.pairs()
         self._probe = "drift"
         return [Compute(("drift",), lambda: self.planner.reshape(
             view, cur, live=live & frozenset(view.peers), remaining_steps=max(1, cur.end_step - done),
-            regions=regions, seed=0, force=False))]
+            regions=regions, seed=0, force=False, cut=cut))]
 
     def _trigger(self, reason: str) -> None:
         if reason not in self._triggers:
@@ -436,6 +464,116 @@ class Coordinator:
         cur, log = self.epoch.current, self.steplog
         return (cur is not None and log is not None and log.alloc.run_id == cur.run_id
                 and self.phase is Phase.FINISHED)
+
+    # ---- the step deadline and cut links (control/coordinator/deadline.py, links.py) ----------
+
+    def _watch_due(self) -> float:
+        """When the step of the epoch this peer started is overdue (inf: not watched now)."""
+        w, log = self.watch, self.steplog
+        if (w is None or log is None or log.alloc.epoch != w.epoch or self.phase is not Phase.TRAINING
+                or self._proc is not None):
+            return math.inf
+        return w.due_at()
+
+    def _deadline_check(self, now: float) -> list:
+        """An overdue step: ask its laggards to reach their neighbours."""
+        log, cur = self.steplog, self.epoch.current
+        if now < self._watch_due() or log is None or cur is None or not self.election.is_coordinator:
+            return []
+        if (cur.run_id, cur.epoch) != (log.alloc.run_id, log.alloc.epoch) or self._over():
+            return []
+        step = log.completed + 1
+        lagging = laggards(log.alloc.peers, log.reports.get(step, {}))
+        if not lagging:
+            return []
+        assert self.watch is not None
+        targets = probe_targets(lagging, {p: log.alloc.neighbours(p) for p in lagging})
+        logger.warning("step %d is overdue (%.1f s since the last, deadline %.1f s): probing %s", step,
+                       now - self.watch.last_at, self.watch.deadline_s(), ", ".join(short_id(p) for p in lagging))
+        self._deadline_probe = (log.alloc.epoch, step, tuple(lagging))
+        self._probe = "deadline"
+        t = self.t.deadline_probe_timeout_s
+        return [self._ask(("probe", "deadline"), lagging, ControlMsg.RUN_STATE,
+                          ReachRequest(tuple(targets), t / 2).to_wire(), t)]
+
+    def _deadline_answers(self, answers: Mapping[bytes, dict], now: float) -> list:
+        """A silent laggard is out, a link whose ends answer but not each other is cut: either
+        reconfigures at once, aborting the stuck step; else the step is only slow."""
+        probe, self._deadline_probe = self._deadline_probe, None
+        log, w = self.steplog, self.watch
+        if (probe is None or log is None or w is None or log.alloc.epoch != probe[0] or log.completed >= probe[1]
+                or self.phase is not Phase.TRAINING or not self.election.is_coordinator):
+            return []  # the step completed meanwhile, or the epoch changed
+        epoch, step, lagging = probe
+        verdict = judge(lagging, {p: log.alloc.neighbours(p) for p in lagging}, answers)
+        if not verdict.stuck:
+            w.probe_answered(now)
+            logger.info("step %d is slow, not stuck: every laggard answered and reaches its neighbours; "
+                        "next look at %.1f s", step, w.due_at() - now)
+            return []
+        for p in verdict.silent:
+            self._trigger(missed_deadline(p, step, w.deadline_s(), self.t.deadline_probe_timeout_s))
+        for a, b in verdict.cut:
+            why = (f"link {short_id(a)}-{short_id(b)} failed step {step}: both ends answer a probe, "
+                   "not each other's pings")
+            self.links.add((a, b), why)
+            self._trigger(why)
+        self._silent, self._stuck, self._next_check = frozenset(verdict.silent), True, now
+        self._next_link_test = now + self.t.link_retest_s
+        if not verdict.silent:
+            return []
+        # A frozen peer reads this when it wakes: it aborts its step instead of sending on in
+        # an epoch the others left (what it sends meanwhile is refused by epoch anyway).
+        return [self._ask(("fence", epoch), verdict.silent, ControlMsg.STOP,
+                          {"run": log.alloc.run_id, "at_step": step, "abort": True}, self.t.request_timeout_s)]
+
+    def _link_retest(self, now: float) -> list:
+        """Ping each cut link from one end; a ping that comes back clears it."""
+        if not self.links or now < self._next_link_test or not self.election.is_coordinator:
+            return []
+        self._next_link_test = now + self.t.link_retest_s
+        self.links.forget_peers(set(self.swarm.live_peers()) | {self.me})
+        if not self.links:
+            return []
+        pairs = self.links.pairs()
+        self._probe = "links"
+        t = self.t.deadline_probe_timeout_s
+        return [self._ask(("probe", "links"), {a for a, _ in pairs}, ControlMsg.RUN_STATE,
+                          ReachRequest(tuple(sorted({b for _, b in pairs})), t / 2).to_wire(), t)]
+
+    def _links_answers(self, answers: Mapping[bytes, dict], now: float) -> list:
+        healed = []
+        for a, b in sorted(self.links.pairs()):
+            try:
+                if b in ReachAnswer.from_wire(answers.get(a)).reached:
+                    healed.append((a, b))
+            except ProtocolError:
+                continue
+        for link in healed:
+            logger.info("link %s-%s answers again: allocations may use it", short_id(link[0]), short_id(link[1]))
+            self.links.clear(link)
+        if (healed and self.phase is Phase.PAUSED and self._paused_live is not None and self.election.is_coordinator
+                and self.epoch.current is not None and not self._over()):
+            reason = "; ".join(f"link {short_id(a)}-{short_id(b)} answers again" for a, b in healed)
+            return self._reconfigure(reason, now, retry=[reason])
+        return []
+
+    def _stall(self) -> dict:
+        """Since when (wall time) and why the run makes no progress, for `status`."""
+        w, log = self.watch, self.steplog
+        since = (w.last_at if w is not None else self._now) + self.wall_offset
+        if self.phase is Phase.PAUSED:
+            return {"stalled_since": since, "stalled_reason": self.reason}
+        if w is None or log is None or self.phase is not Phase.TRAINING or self._now < w.last_at + w.deadline_s():
+            return {}
+        if self._probe == "deadline":
+            why = "probing the peers that have not reported it"
+        elif w.answered:
+            why = "every peer that has not reported it answers and reaches its neighbours: a slow step"
+        else:
+            why = "the peers that have not reported it are probed next"
+        return {"stalled_since": since,
+                "stalled_reason": f"step {log.completed + 1} is overdue (deadline {w.deadline_s():.1f} s): {why}"}
 
     # ---- requests and their answers -----------------------------------------------------------
 
@@ -508,7 +646,8 @@ class Coordinator:
         if cur is None or not self.election.is_coordinator:
             return self._failed(proc, _Failed("not the coordinator of a run"))
         self.phase = Phase.STOPPING
-        proc.asked = frozenset(self._named(cur) | set(self.swarm.live_peers()) | {self.me})
+        proc.stuck, self._stuck = self._stuck, False
+        proc.asked = frozenset(self._named(cur) | set(self.swarm.live_peers()) | {self.me}) - self._silent
         return [self._proc_ask(proc, "states", proc.asked, {"op": "query"}, self.t.request_timeout_s)]
 
     def _proc_ask(self, proc: _Procedure, step: str, peers: Iterable[bytes], body: dict, timeout_s: float,
@@ -528,7 +667,7 @@ class Coordinator:
             # With a peer of the epoch gone no step can complete: abort the current one at once
             # (it changes nothing) instead of waiting for every receive to time out. So too when
             # no peer says where it is: there is no boundary to stop at.
-            lost = not ats or not set(cur.peers) <= set(proc.states) or any(
+            lost = proc.stuck or not ats or not set(cur.peers) <= set(proc.states) or any(
                 s.run_id == cur.run_id and not s.running and s.layers is not None for s in proc.states.values())
             logger.info("reconfiguring (%s): %s %d peers%s", proc.trigger,
                         "aborting the step of" if lost else "stopping", len(proc.running),
@@ -603,8 +742,10 @@ class Coordinator:
         live = frozenset(view.peers)
         regions = self.swarm.regions()
         remaining = cur.end_step - rp.step
+        cut = self.links.pairs()
         return [Compute(("proc", proc.id, "plan"), lambda: self.planner.reshape(
-            view, cur, live=live, remaining_steps=remaining, regions=regions, seed=cur.epoch, force=proc.force))]
+            view, cur, live=live, remaining_steps=remaining, regions=regions, seed=cur.epoch, force=proc.force,
+            cut=cut))]
 
     def _planned(self, proc: _Procedure, ev: Computed, now: float) -> list:
         cur, rp = proc.cur, proc.rp
@@ -612,6 +753,11 @@ class Coordinator:
         if ev.error is not None:
             return self._pause(proc, f"no allocation fits the reachable peers: {ev.error}", set(proc.states), now)
         proc.plan = ev.value
+        through = used_cut_links(proc.plan.placement.pipelines, self.links.pairs())
+        if through:
+            return self._pause(proc, "stalled: every allocation of the reachable peers uses a cut link ("
+                               + "; ".join(self.links.why(x) for x in through) + "); waiting for it to heal",
+                               set(proc.states), now)
         proc.marks["planned"] = now
         self.phase = Phase.OFFERING
         out = []
@@ -737,6 +883,9 @@ class Coordinator:
         self._proc = None
         self._attempts = 0
         self._paused_live = None
+        self._silent = frozenset()
+        if self.t.deadline is not None:
+            self.watch = StepWatch(self.t.deadline, alloc.epoch, now)
         if proc.kind == "start":
             return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,
                                     start_shape=f"{alloc.stages}x{alloc.dp}",
@@ -830,6 +979,8 @@ class Coordinator:
             return []
         out: list = []
         for line in log.add(ev.peer, ev.report):
+            if self.watch is not None and self.watch.epoch == log.alloc.epoch:
+                self.watch.completed(self._now)
             if self.phase is Phase.HANDING_OUT:
                 self.phase = Phase.TRAINING
             logger.info("step %d: loss %s, %.2f s, %.0f tokens/s%s", line["step"],

@@ -37,6 +37,11 @@ lists it; it must come from a checkpoint) and costs no fetch time here.
 Each candidate's iteration time is the GPipe simulator's with the trainer's syncs, on the view,
 as `choose_shape` predicts it; its score is predicted_iteration_s x remaining_steps + move_s.
 
+Cut links (`cut_links`: pairs of peers whose link failed a step and has not been measured
+healthy since) get a delay and bandwidth no working link has, so the scheduler steers around
+them, and a candidate that would still exchange tensors over one (control/coordinator/links.py
+`exchanges`) is predicted CUT_PENALTY_S slower per step: any candidate that avoids them wins.
+
 Choice, with hysteresis. If the current allocation has a dead peer (or `force`), the lowest
 score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
 gains, per step, more than `min_gain` of the current iteration time AND over the remaining
@@ -47,7 +52,7 @@ within a few percent of each other therefore never flap back and forth on measur
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -57,9 +62,10 @@ from dtfm.gossip import NetworkView
 from dtfm.sched import CostModel, SearchConfig, candidate_shapes, layer_ranges, simulate_iteration, solve
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
+from .links import used_cut_links
 from .schedule import Placement, sched_spec, view_matrices
 
-__all__ = ["BYTES_PER_PARAM", "KINDS", "Range", "ReshapePlan", "default_stage_bytes", "relabel_pipelines", "reshape"]
+__all__ = ["BYTES_PER_PARAM", "CUT_PENALTY_S", "KINDS", "Range", "ReshapePlan", "default_stage_bytes", "relabel_pipelines", "reshape"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +73,11 @@ logger = logging.getLogger(__name__)
 BYTES_PER_PARAM = 16
 
 Range = tuple[int, int]
+
+# A cut link in the scheduler's matrices, and what a layout over one costs per step on top.
+CUT_DELAY_MS = 1e6
+CUT_BANDWIDTH_GBPS = 1e-6
+CUT_PENALTY_S = 1e6
 
 KINDS = ("keep", "repair", "shrink", "grow", "reschedule", "restage")  # also the tie-break order
 
@@ -100,7 +111,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             live: frozenset[bytes], remaining_steps: int, stage_bytes: Callable[[Range], int] | None = None,
             regions: dict[bytes, str] | None = None, time_budget_s: float = 2.0, seed: int = 0,
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
-            config: SearchConfig | None = None) -> ReshapePlan:
+            config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = ()) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -108,7 +119,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     from the view is never placed). remaining_steps: steps still to train, which a faster
     allocation saves time on. stage_bytes: bytes a peer fetches for an old stage's range
     (default `default_stage_bytes(spec)`). config: a SearchConfig for the scheduler runs
-    (repeatable runs in tests), else `time_budget_s` is shared among them.
+    (repeatable runs in tests), else `time_budget_s` is shared among them. cut_links: pairs of
+    peers whose link is cut (see the module docstring).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -118,7 +130,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
         raise ValueError("remaining_steps and min_gain must be non-negative")
     if current is not None and current.n_layer != spec.n_layer:
         raise ValueError(f"the current layer ranges end at {current.n_layer}, the model has {spec.n_layer} layers")
-    pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config)
+    pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
+                  frozenset(cut_links))
     if not pl.live:
         raise ValueError("no live peer is in the network view: nothing to allocate")
     if pl.d_max < 1:
@@ -231,13 +244,19 @@ class _Cand:
 class _Planner:
     """The live peers of a view and the allocation in use: builds and costs the candidates."""
 
-    def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config):
+    def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
+                 cut=frozenset()):
         self.view, self.spec, self.cfg = view, spec, cfg
         self.ids = view.peers
         self.index = {p: i for i, p in enumerate(self.ids)}
         self.live = [i for i, p in enumerate(self.ids) if p in live]
         self.live_set = set(self.live)
         self.delay, self.bw = view_matrices(view)
+        self.cut = frozenset((a, b) for a, b in cut if a in self.index and b in self.index)
+        for a, b in self.cut:
+            i, j = self.index[a], self.index[b]
+            self.delay[i, j] = self.delay[j, i] = CUT_DELAY_MS
+            self.bw[i, j] = self.bw[j, i] = CUT_BANDWIDTH_GBPS
         self.steps = remaining_steps
         self.stage_bytes = stage_bytes or default_stage_bytes(spec)
         self.regions = regions
@@ -265,6 +284,8 @@ class _Planner:
         m = self.model(S, D)
         c = _Cand(kind, X, tuple(ranges))
         c.predicted_s = float(simulate_iteration(m, X, micro_batches=self.cfg.micro_batches, engine_syncs=True).iteration_s)
+        if self.cut and used_cut_links([[self.ids[int(i)] for i in col] for col in X.T], self.cut):
+            c.predicted_s += CUT_PENALTY_S
         c.objective_s = float(m.breakdown(X).paper_s)
         self._moves(c)
         c.score = c.predicted_s * self.steps + c.move_s
