@@ -142,6 +142,8 @@ def _body(msg: int, body: dict) -> str:
     if msg == ControlMsg.RUN_STATE and body.get("op") == "offer":
         a, b = body["layers"]
         return f"offer step={body['step']} layers={a}-{b}"
+    if msg == ControlMsg.RUN_STATE and body.get("op") == "reach":
+        return f"reach {peers(body['peers'])} within {body['timeout_s']:g} s"
     return " ".join(f"{k}={v}" for k, v in body.items() if k not in ("run", "op")) or str(body.get("op", ""))
 
 
@@ -213,6 +215,8 @@ def _answer(peer: bytes, a: dict) -> str:
             return f"{name} {'' if a[k] else 'not '}{k}"
     if "digest" in a:
         return f"{name} {str(a['digest'])[:8]}"
+    if "reached" in a:
+        return f"{name} reached {peers(a['reached']) or '-'}" + (f" not {peers(a['unreached'])}" if a["unreached"] else "")
     if "error" in a:
         return f"{name} error"
     return f"{name} -"

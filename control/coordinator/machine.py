@@ -471,8 +471,8 @@ class Coordinator:
         """When the step of the epoch this peer started is overdue (inf: not watched now)."""
         w, log = self.watch, self.steplog
         if (w is None or log is None or log.alloc.epoch != w.epoch or self.phase is not Phase.TRAINING
-                or self._proc is not None):
-            return math.inf
+                or self._proc is not None or self._triggers or self._stuck):
+            return math.inf  # (with triggers pending, the reconfiguration is under way)
         return w.due_at()
 
     def _deadline_check(self, now: float) -> list:
