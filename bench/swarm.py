@@ -1,6 +1,6 @@
 """The daemons training together, against baselines measured in the same run.
 
-    .venv/bin/python bench/swarm.py [--only loopback,comm,transport,worldwide,recovery] [--steps 12] [--world-steps 8]
+    .venv/bin/python bench/swarm.py [--only loopback,comm,transport,worldwide,recovery,gray] [--steps 12] [--world-steps 8]
 
 1. loopback: `tiny` as 2 stages x 2 pipelines in four `dtfm-peer` daemons on plain loopback
    (`dtfm-swarm up --no-emulation`) vs `LocalCluster` 2 x 2 in this process: tokens/s ratio
@@ -21,6 +21,10 @@
    (holders encode their stages), weight transfer (the slowest peer's fetch), the rest of the
    hand-out, and the first step; bytes moved per reconfiguration. The baseline is the median
    iteration time of the same run before the kill.
+6. gray: the same swarm; a follower with a stage is frozen (SIGSTOP), later woken, then the link
+   between two pipeline neighbours is cut, later healed: the time from each fault to the next
+   completed step, split as in 5 (detection: the step deadline and the probe of the laggards),
+   and its cause as the reconfiguration's event names it.
 
 Wall-clock figures share this machine's cores with everything else running on it; CPU-s per
 GiB do not. Prints one JSON object as its last line.
@@ -32,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -233,11 +238,16 @@ def _training(run_dir: Path) -> dict[str, dict]:
     return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in load_state(run_dir).peers if p.alive()}
 
 
-def _recover_once(run_dir: Path, victim: str, label: str) -> dict:
+def _recover_once(run_dir: Path, victim: str, label: str, fault=None) -> dict:
+    """The time from a fault (SIGKILL of `victim`, or `fault()`) to the next completed step of a
+    newer epoch, and its phases."""
     rows = read_rows(run_dir)
     epoch = max(r["epoch"] for r in rows)
     killed = time.time()
-    swarm(run_dir, "kill", victim)
+    if fault is None:
+        swarm(run_dir, "kill", victim)
+    else:
+        fault()
     deadline = time.monotonic() + 600
     while True:  # the first step of a newer epoch
         swarm(run_dir, "wait", "--step", str(rows[-1]["step"] + 1), "--timeout", "600")
@@ -256,7 +266,7 @@ def _recover_once(run_dir: Path, victim: str, label: str) -> dict:
         phases = {"detection_and_election_s": min(elected) - killed, "takeover_s": rec["started_at"] - min(elected)}
     else:
         phases = {"detection_s": rec["started_at"] - killed}
-    out = {"recovery_s": first["time"] - killed, **phases,
+    out = {"recovery_s": first["time"] - killed, **phases, "cause": rec.get("trigger", ""),
            "stop_s": rec["stop_s"], "scheduling_s": rec["schedule_s"], "offers_s": rec["offer_s"],
            "weight_transfer_s": rec["transfer_s"], "handout_s": rec["handout_s"] - rec["transfer_s"],
            "first_step_s": first_step_s, "bytes_moved": rec["bytes_moved"],
@@ -286,9 +296,54 @@ def bench_recovery() -> dict:
     return out
 
 
+# ---- 6. gray failures: a frozen peer, a cut link ----------------------------------------------
+
+
+def bench_gray() -> dict:
+    """A follower with a stage is frozen (SIGSTOP: its sockets stay open, it answers nothing),
+    later woken; then the link between two pipeline neighbours is cut, later healed. For each:
+    seconds from the fault to the next completed step, split as for a SIGKILL (detection is the
+    step deadline plus the probe)."""
+    from dtfm.swarm.state import load_state
+    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
+        run_dir = Path(tmp) / "swarm"
+        swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--timeout", "300", *WAN_PLANE)
+        try:
+            swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
+            swarm(run_dir, "wait", "--step", "6", "--timeout", "600")
+            base = median_after(read_rows(run_dir), "iteration_s", 1)
+            t = _training(run_dir)
+            follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
+            pid = next(p.pid for p in load_state(run_dir).peers if p.name == follower)
+            out = {"gray_baseline_iteration_s": round(base, 3)}
+            try:
+                out.update(_recover_once(run_dir, follower, "frozen_peer", lambda: os.kill(pid, signal.SIGSTOP)))
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            deadline = time.monotonic() + 300
+            while (_training(run_dir).get(follower) or {}).get("state") != "training":  # placed again
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the woken {follower} was not placed again within 300 s")
+                time.sleep(1.0)
+            out["frozen_peer_woken_placed_again"] = True
+            swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
+            t = _training(run_dir)
+            a = next(n for n, v in t.items() if v.get("stage") == 0 and v.get("next"))
+            b = next(n for n, v in t.items() if v.get("stage") == 1 and v.get("pipeline") == t[a]["pipeline"])
+            try:
+                out.update(_recover_once(run_dir, a, "cut_link", lambda: swarm(run_dir, "partition", a, b)))
+            finally:
+                swarm(run_dir, "heal")
+        finally:
+            swarm(run_dir, "down")
+    out["frozen_peer_recovery_in_iterations"] = round(out["frozen_peer_recovery_s"] / base, 2)
+    out["cut_link_recovery_in_iterations"] = round(out["cut_link_recovery_s"] / base, 2)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--only", default="loopback,comm,transport,worldwide,recovery",
+    ap.add_argument("--only", default="loopback,comm,transport,worldwide,recovery,gray",
                     help="comma-separated parts to run (default: %(default)s)")
     ap.add_argument("--steps", type=int, default=12, help="training steps on loopback (default: %(default)s)")
     ap.add_argument("--world-steps", type=int, default=8,
@@ -323,6 +378,8 @@ def main(argv=None) -> None:
         show(bench_worldwide(args.world_steps))
     if "recovery" in parts:
         show(bench_recovery())
+    if "gray" in parts:
+        show(bench_gray())
     print(json.dumps(result))
 
 

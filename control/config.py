@@ -97,9 +97,11 @@ class PlaneConfig:
     # steps (a probe that is answered costs one RUN_STATE round and excludes nobody).
     step_deadline_floor_s: float = 3.0
     step_deadline_mads: float = 6.0
-    # ... and the deadline of an epoch's first steps, before three intervals are known: it must
-    # outlast the connections warming up and the first step's allocations.
-    step_deadline_first_s: float = 20.0
+    # ... and the deadline of an epoch's first step, and of the next while fewer than three step
+    # intervals are known (a reconfigured epoch starts from the last epoch's, scaled by the
+    # predicted step times): it must outlast the connections warming up and the first step's
+    # allocations.
+    step_deadline_first_s: float = 15.0
     # A laggard answers that probe within this, its pings to its neighbours get half of it:
     # longer tolerates a stalled event loop on a loaded machine, shorter takes a frozen peer
     # out sooner.

@@ -338,3 +338,14 @@ def test_a_slow_step_shows_as_stalled_until_it_completes():
     for p in N[:4]:
         n.feed(StepReported(p, RUN, report(1, 6)), last + 5.0)
     assert n.c.status().stalled_since is None and n.c.next_deadline() == last + 5.0 + 3.0
+
+
+def test_a_new_epoch_starts_from_the_last_epochs_step_times_scaled_to_its_prediction():
+    old = StepWatch(RULES, epoch=1, started=0.0)
+    for t in (1.0, 3.0, 5.0, 7.0, 9.0):
+        old.completed(t)
+    new = StepWatch(RULES, epoch=2, started=20.0, prior=old.prior_for(0.5))  # predicted twice as fast
+    assert new.due_at() == 20.0 + 20.0  # the first step warms up: first_s
+    new.completed(30.0)
+    assert list(new.intervals) == [1.0] * 4 and new.due_at() == 30.0 + 3.0  # the floor, at once
+    assert old.prior_for(float("nan")) == []

@@ -10,6 +10,8 @@ answering.
 """
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -117,6 +119,88 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
     events = [json.loads(x)["event"] for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
     assert events.count("reconfigure") + events.count("rollback") >= 2, events
     assert len(rows) >= 8
+
+
+def _first_step_after(run_dir, epoch: int, since: float, timeout_s: float) -> dict:
+    """The first step logged in an epoch after `epoch` at a wall time after `since`."""
+    def logged():
+        swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "5"])
+        rows = [r for r in read_log(run_dir / "train.jsonl")
+                if r["epoch"] > epoch and r.get("time", 0) > since and not r.get("backfilled")]
+        return min(rows, key=lambda r: r["time"]) if rows else None
+    return wait_for(f"a step of an epoch after {epoch}", logged, timeout_s, interval_s=0.5)
+
+
+GRAY_BOUND_S = 20.0  # from a freeze or a cut to the next completed step (docs/control.md, "Gray failures")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_frozen_peer_and_a_cut_link_cost_seconds(run_dir):
+    """A training peer is frozen (SIGSTOP: its sockets stay open, it answers nothing): the
+    coordinator's step deadline and an unanswered probe take it out, and the run goes on within
+    GRAY_BOUND_S, the event naming the cause. Woken (SIGCONT), it refuses nothing stale into the
+    run and is placed again. Then the link between two pipeline neighbours is cut: the run goes
+    on within the same bound without that link; healed, the link is cleared. Every step logged
+    once with the reference's loss."""
+    reference = ReferenceLosses()
+    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
+                       "--steps", "400"]) == 0
+    wait_steps(run_dir, 4)
+    state = load_state(run_dir)
+    t = wait_for("a coordinator", lambda: coordinator(state) and trainings(state), 30, interval_s=0.5)
+    victim = next(p for p in state.peers if t[p.name].get("stage") is not None and t[p.name].get("role") != "coordinator")
+    epoch = t[victim.name]["epoch"]
+
+    frozen_at = time.time()
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        first = _first_step_after(run_dir, epoch, frozen_at, 90)
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    frozen_s = first["time"] - frozen_at
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    causes = [e["trigger"] for e in events if e["event"] in ("reconfigure", "rollback") and e["time"] > frozen_at]
+    assert causes and "missed the step deadline" in causes[0] and victim.peer_id[:8] in causes[0], causes
+    assert frozen_s < GRAY_BOUND_S, frozen_s
+
+    def placed_again():
+        v = (peer_status(victim) or {}).get("training") or {}
+        return v.get("state") == "training" and v.get("epoch", 0) > first["epoch"] and v
+    wait_for(f"{victim.name} to be placed again", placed_again, 180, interval_s=1.0)
+    wait_steps(run_dir, 4)  # the new epoch's step times are known
+
+    # two pipeline neighbours, neither the coordinator (a cut between the coordinator and a peer
+    # is that peer out of the coordinator's reach: it leaves the run like a frozen one)
+    t = trainings(state)
+    by_id = {p.peer_id: p for p in state.peers}
+    a, b = next((p, by_id[t[p.name]["next"]]) for p in state.peers
+                if t[p.name].get("stage") == 0 and t[p.name].get("next") and t[p.name].get("role") != "coordinator"
+                and t[by_id[t[p.name]["next"]].name].get("role") != "coordinator")
+    epoch = t[a.name]["epoch"]
+    cut_at = time.time()
+    assert swarm.main(["partition", a.name, b.name, "--run-dir", str(run_dir)]) == 0
+    try:
+        first = _first_step_after(run_dir, epoch, cut_at, 90)
+        cut_s = first["time"] - cut_at
+        t = trainings(state)
+        assert t[a.name].get("pipeline") != t[b.name].get("pipeline") or t[a.name].get("stage") is None \
+            or t[b.name].get("stage") is None, (t[a.name], t[b.name])
+        assert cut_s < GRAY_BOUND_S, cut_s
+    finally:
+        assert swarm.main(["heal", "--run-dir", str(run_dir)]) == 0
+
+    def cleared():
+        c = coordinator(state)
+        return c is not None and not (c[1].get("issued") or {}).get("cut_links") and c
+    wait_for("the healed link to be cleared", cleared, 30, interval_s=0.5)
+    wait_steps(run_dir, 1)
+    check_log(run_dir, reference)
+    print(f"frozen peer: training again after {frozen_s:.1f} s; cut link: after {cut_s:.1f} s")
+    c_name, _ = coordinator(state)
+    peer_request(next(p for p in state.peers if p.name == c_name), "train_stop", {}, timeout_s=30)
+    wait_for("every peer to end", lambda: all(v.get("state") != "training" for v in trainings(state).values()),
+             120, interval_s=0.5)
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ class DeadlineRules:
 
     floor_s: float  # the deadline is never shorter
     mads: float  # deadline = median + mads x MAD of the recent intervals
-    first_s: float  # the deadline while fewer than `min_samples` intervals are known
+    first_s: float  # the deadline of an epoch's first step, and while fewer than `min_samples` intervals are known
     window: int = 32  # intervals kept
     min_samples: int = 3
 
@@ -57,14 +57,16 @@ class DeadlineRules:
 
 
 class StepWatch:
-    """One epoch's completed steps as the coordinator saw them, and when the next is due."""
+    """One epoch's completed steps as the coordinator saw them, and when the next is due.
+    `prior`: the previous epoch's intervals, scaled to this epoch's predicted step time, which
+    the epoch's own intervals replace as they come."""
 
-    def __init__(self, rules: DeadlineRules, epoch: int, started: float):
+    def __init__(self, rules: DeadlineRules, epoch: int, started: float, prior: Iterable[float] = ()):
         self.rules = rules
         self.epoch = epoch
         self.last_at = started  # the epoch's start, then its last completed step
         self.steps = 0  # steps completed in this epoch
-        self.intervals: deque[float] = deque(maxlen=rules.window)
+        self.intervals: deque[float] = deque(prior, maxlen=rules.window)
         self.answered = 0  # probes answered since the last completed step
         self.extended_to: float | None = None  # after an answered probe: due then
 
@@ -81,10 +83,18 @@ class StepWatch:
         return self.rules.deadline_s(list(self.intervals))
 
     def due_at(self) -> float:
-        """When the next step is overdue."""
+        """When the next step is overdue (the epoch's first step, which warms up, gets at least
+        `first_s`)."""
         if self.extended_to is not None:
             return self.extended_to
+        if self.steps == 0:
+            return self.last_at + max(self.rules.first_s, self.deadline_s())
         return self.last_at + self.deadline_s()
+
+    def prior_for(self, scale: float) -> list[float]:
+        """This epoch's intervals for the next epoch, times `scale` (the ratio of the epochs'
+        predicted step times)."""
+        return [x * scale for x in self.intervals] if 0 < scale < 1e6 else []
 
     def probe_answered(self, now: float) -> None:
         """Every laggard answered and reached its neighbours: the step is slow, not stuck. The

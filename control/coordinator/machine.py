@@ -885,7 +885,10 @@ class Coordinator:
         self._paused_live = None
         self._silent = frozenset()
         if self.t.deadline is not None:
-            self.watch = StepWatch(self.t.deadline, alloc.epoch, now)
+            old, prior = self.watch, list[float]()
+            if old is not None and proc.cur is not None and proc.cur.run_id == alloc.run_id:
+                prior = old.prior_for(alloc.predicted_iteration_s / max(proc.cur.predicted_iteration_s, 1e-9))
+            self.watch = StepWatch(self.t.deadline, alloc.epoch, now, prior)
         if proc.kind == "start":
             return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,
                                     start_shape=f"{alloc.stages}x{alloc.dp}",
