@@ -49,6 +49,10 @@ def status_report(state: SwarmState) -> dict:
         entry["coordinator"] = k == chosen
     terms = [e["term"] for e in peers_out if isinstance(e["term"], int)]
     report["coordinator"] = None if chosen is None else peers_out[chosen]["name"]
+    issued = (trainings[chosen].get("issued") if chosen is not None else None) or {}
+    if isinstance(issued, dict) and issued.get("run_id"):  # the run as its coordinator sees it
+        report["run"] = {k: issued.get(k) for k in ("run_id", "state", "completed", "end_step", "reason",
+                                                     "stalled_s", "cut_links")}
     report["term"] = (peers_out[chosen]["term"] if chosen is not None and peers_out[chosen]["term"] is not None
                       else max(terms, default=None))
     if observer is not None:
@@ -139,6 +143,17 @@ def format_status(report: dict) -> str:
              + (f"coordinator {coordinator}* (term {_dash(report.get('term'))})" if coordinator
                 else f"no coordinator known (term {_dash(report.get('term'))})")
              + f", time scale {report['time_scale']:g}, bandwidth scale {report['bandwidth_scale']:g}"]
+    run = report.get("run")
+    if run:
+        line = (f"run {str(run['run_id'])[:8]}: {run['state']}, completed {_dash(run['completed'])} of "
+                f"{_dash(run['end_step'])} steps")
+        if isinstance(run.get("stalled_s"), (int, float)):
+            line += f", no progress for {run['stalled_s']:.0f} s"
+        if run.get("reason"):
+            line += f": {run['reason']}"
+        if run.get("cut_links"):
+            line += f" (cut links: {run['cut_links']})"
+        lines.append(line)
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines += _format_measured(report)
     return "\n".join(lines)

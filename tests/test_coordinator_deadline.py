@@ -349,3 +349,24 @@ def test_a_new_epoch_starts_from_the_last_epochs_step_times_scaled_to_its_predic
     new.completed(30.0)
     assert list(new.intervals) == [1.0] * 4 and new.due_at() == 30.0 + 3.0  # the floor, at once
     assert old.prior_for(float("nan")) == []
+
+
+def test_the_coordinators_status_says_stalled_with_the_reason_and_how_long():
+    from pathlib import Path
+
+    from dtfm.control.status import PlaneStatus
+
+    n = Node(timings=WATCHED)
+    last = watched(n)
+    n.tick()
+    st = PlaneStatus(N[0], {"role": "coordinator", "term": 1, "coordinator": N[0].hex()}, True, n.epoch.status(),
+                     n.c.status(), Path("train.jsonl"), None, 1, now=last + 5.0).to_wire()
+    assert st["state"] == "stalled" and st["issued"]["state"] == "stalled"
+    assert st["issued"]["stalled_s"] == pytest.approx(5.0)
+    assert st["issued"]["reason"].startswith("step 6 is overdue")
+    n.answer("probe deadline", everyone=reached(*N[:4]), at=last + 4.0)
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, report(1, 6)), last + 5.0)
+    st = PlaneStatus(N[0], {"role": "coordinator", "term": 1, "coordinator": N[0].hex()}, True, n.epoch.status(),
+                     n.c.status(), Path("train.jsonl"), None, 1, now=last + 5.0).to_wire()
+    assert st["state"] == "training" and st["issued"]["state"] == "training" and "stalled_s" not in st["issued"]

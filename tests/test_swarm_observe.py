@@ -442,3 +442,14 @@ def test_a_back_filled_line_never_hides_the_line_its_coordinator_logged():
     assert merge_train([[partial], [full]]) == [full]  # the loss first: the partial line lost it
     own = {"step": 8, "epoch": 4, "term": 2, "loss": 3.9, "time": 11.0}
     assert merge_train([[own], [full]]) == [own]  # then its own coordinator's line
+
+
+def test_status_says_when_the_run_is_stalled_and_why(tmp_path, fake_status):
+    fake_status["p03"] = training(1, 1, "coordinator", 5, ID["p03"], state="stalled", issued={
+        "run_id": "ab" * 16, "state": "stalled", "completed": 17, "end_step": 400, "stalled_s": 12.4,
+        "reason": "step 18 is overdue (deadline 3.0 s): probing the peers that have not reported it",
+        "cut_links": "8139770e-8a875fff"})
+    text = format_status(status_report(make_state(tmp_path)))
+    assert text.splitlines()[1] == (
+        "run abababab: stalled, completed 17 of 400 steps, no progress for 12 s: step 18 is overdue (deadline "
+        "3.0 s): probing the peers that have not reported it (cut links: 8139770e-8a875fff)")
