@@ -31,7 +31,8 @@ from dtfm.control import (
 )
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
-from dtfm.net import Identity, ProtocolError
+from dtfm.control.coordinator.links import ReachAnswer, ReachRequest
+from dtfm.net import Identity, ProtocolError, RequestTimeout
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, save_checkpoint
 
 IDS = [Identity(bytes([i]) * 32) for i in range(1, 6)]
@@ -108,11 +109,12 @@ def config(tmp_path: Path) -> PlaneConfig:
 
 
 @asynccontextmanager
-async def running(tmp_path: Path, me: Identity, gossip: FakeGossip | None = None):
+async def running(tmp_path: Path, me: Identity, gossip: FakeGossip | None = None,
+                  transport: FakeTransport | None = None):
     """A running plane (its handlers registered, its election and timers running) and its
     transport. On the real clock: the plane's coordinator timer does not let a MockClock
     advance (see test_an_idle_plane_does_not_spin)."""
-    transport = FakeTransport(me)
+    transport = transport or FakeTransport(me)
     plane = ControlPlane(transport, me, gossip or FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
@@ -294,3 +296,32 @@ def test_a_train_request_goes_to_the_coordinator_as_it_was_read():
     req = TrainRequest.from_args({"preset": "tiny", "steps": 7, "stages": 2, "dp": 2, "data": "x.txt",
                                   "min_peers": 3, "wait_s": 9})
     assert TrainRequest.from_args(req.to_args()) == dataclasses.replace(req, min_peers=1, wait_s=0.0)
+
+
+class PingConn:
+    """A connection that answers a gossip ping, or never does (a cut link, a frozen peer)."""
+
+    def __init__(self, peer_id: bytes, up: bool):
+        self.peer_id, self.up = peer_id, up
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s):
+        if not self.up:
+            await trio.sleep(timeout_s)
+            raise RequestTimeout(f"no reply within {timeout_s} s")
+        return {"n": body["n"]}, None
+
+
+async def test_reach_pings_the_asked_peers_within_the_time_and_only_for_the_coordinator(tmp_path):
+    transport = FakeTransport(OTHER)
+    transport.connection = lambda peer_id: PingConn(peer_id, peer_id != IDS[3].peer_id)  # type: ignore
+    async with running(tmp_path, OTHER, transport=transport) as (plane, net):
+        body = ReachRequest((IDS[2].peer_id, IDS[3].peer_id, OTHER.peer_id), 0.2).to_wire()
+        t0 = trio.current_time()
+        answer = ReachAnswer.from_wire(await net.request(OTHER, ControlMsg.RUN_STATE, body))  # its own coordinator
+        assert answer == ReachAnswer((IDS[2].peer_id,), (IDS[3].peer_id,))  # (itself is not pinged)
+        assert 0.2 <= trio.current_time() - t0 < 2.0
+        assert await net.request(ISSUER, ControlMsg.RUN_STATE, body) == {
+            "error": "only the coordinator asks a peer to reach others"}
+        for bad in ({"op": "reach", "peers": [b"x"], "timeout_s": 1.0}, {"op": "reach", "peers": [], "timeout_s": 0}):
+            with pytest.raises(ProtocolError):
+                await net.request(OTHER, ControlMsg.RUN_STATE, bad)

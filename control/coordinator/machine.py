@@ -373,6 +373,7 @@ class Coordinator:
         if not self.election.is_coordinator or cur is None or self._over():
             self._triggers.clear()
             self._gather_until = None
+            self._stuck = False
             return []
         if self._check_epoch is not None and not self._triggers:
             self._probe = "epoch"
@@ -529,7 +530,8 @@ class Coordinator:
 
     def _link_retest(self, now: float) -> list:
         """Ping each cut link from one end; a ping that comes back clears it."""
-        if not self.links or now < self._next_link_test or not self.election.is_coordinator:
+        if (not self.links or now < self._next_link_test or not self.election.is_coordinator
+                or self.epoch.current is None or self._over()):
             return []
         self._next_link_test = now + self.t.link_retest_s
         self.links.forget_peers(set(self.swarm.live_peers()) | {self.me})
@@ -883,7 +885,7 @@ class Coordinator:
         self._proc = None
         self._attempts = 0
         self._paused_live = None
-        self._silent = frozenset()
+        self._silent, self._stuck = frozenset(), False
         if self.t.deadline is not None:
             old, prior = self.watch, list[float]()
             if old is not None and proc.cur is not None and proc.cur.run_id == alloc.run_id:
