@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from dtfm.control.coordinator.reshape import KINDS, ReshapePlan, default_stage_bytes, relabel_pipelines, reshape
+from dtfm.control.coordinator.reshape import CUT_PENALTY_S, KINDS, ReshapePlan, default_stage_bytes, relabel_pipelines, reshape
 from dtfm.control.coordinator.schedule import sched_spec, view_matrices
 from dtfm.gossip import NetworkView
 from dtfm.sched import SEARCH_PROFILES, CostModel, simulate_iteration, solve
@@ -223,3 +223,22 @@ def test_summary_names_every_candidate():
     line = p.summary()
     assert line.startswith("reshape: repair 4x2") and line.count(";") == len(p.candidates) - 1
     assert {"kind", "shape", "predicted_s", "moves", "bytes", "move_s", "score"} <= set(p.candidates[0])
+
+
+def test_a_cut_link_is_routed_around_with_a_spare():
+    # peers 1 and 2 (stages 1 and 2 of the first pipeline) answer, not each other; 8 is a spare
+    from dtfm.control.coordinator.links import used_cut_links
+    view, regions = sites([4, 5])
+    cur = current([0, 1, 2, 3], [4, 5, 6, 7])
+    cut = [(pid(1), pid(2))]
+    p = plan(view, regions, cur, cut_links=cut)
+    assert p.kind != "keep" and used_cut_links(p.placement.pipelines, cut) == []
+    assert p.placement.predicted_iteration_s < CUT_PENALTY_S
+    keep = next(c for c in p.candidates if c["kind"] == "keep")
+    assert keep["predicted_s"] >= CUT_PENALTY_S  # the current layout over the cut link
+
+
+def test_a_cut_link_no_layout_avoids_costs_every_candidate_the_penalty():
+    view, regions = sites([4])
+    p = plan(view, regions, current([0, 1, 2, 3]), cut_links=[(pid(0), pid(3))])  # one pipeline: all pairs talk
+    assert p.placement.predicted_iteration_s >= CUT_PENALTY_S

@@ -41,6 +41,9 @@ Cut links (`cut_links`: pairs of peers whose link failed a step and has not been
 healthy since) get a delay and bandwidth no working link has, so the scheduler steers around
 them, and a candidate that would still exchange tensors over one (control/coordinator/links.py
 `exchanges`) is predicted CUT_PENALTY_S slower per step: any candidate that avoids them wins.
+The scheduler's cost model weighs only a pipeline's neighbours and DP groups, not every pair
+that exchanges tensors in a step, so each candidate over a cut link also gets a *detour*: the
+same layout with peers swapped (placed ones, spares) until it uses none (kind reschedule).
 
 Choice, with hysteresis. If the current allocation has a dead peer (or `force`), the lowest
 score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
@@ -145,7 +148,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
         if not cands:
             cands = _shapes(pl, "restage", None, None, time_budget_s, pl.cur)
         keep = next((c for c in cands if c.kind == "keep"), None)
-    cands = _distinct(cands)
+    cands = _distinct(cands + _detours(pl, cands))
     if not cands:
         raise ValueError(f"no allocation fits the {len(pl.live)} live peers of the view "
                          f"(a model of {spec.n_layer} layers, at most {pl.d_max} pipelines for a global "
@@ -355,6 +358,42 @@ class _Planner:
             pool = [p for p in pool if p not in taken]
         return X
 
+    def cut_in_use(self, X: np.ndarray) -> int:
+        return len(used_cut_links([[self.ids[int(i)] for i in col] for col in X.T], self.cut))
+
+    def avoid_cut(self, X: np.ndarray) -> np.ndarray | None:
+        """X with swaps (see `_detours`) until no cut link is in use; None if none get there."""
+        S, D = X.shape
+        m = self.model(S, D)
+        X = X.copy()
+        left = self.cut_in_use(X)
+        for _ in range(S * D):
+            if left == 0:
+                return X
+            best: tuple[float, np.ndarray, int] | None = None
+            ends = {self.index[p] for link in used_cut_links([[self.ids[int(i)] for i in col] for col in X.T],
+                                                             self.cut) for p in link}
+            for (s, d), x in np.ndenumerate(X):
+                if int(x) not in ends:
+                    continue
+                for y in [int(v) for v in X.ravel()] + self.spares(X):
+                    if y == int(x):
+                        continue
+                    Y = X.copy()
+                    where = np.argwhere(X == y)
+                    Y[s, d] = y
+                    if len(where):
+                        Y[tuple(where[0])] = x
+                    n = self.cut_in_use(Y)
+                    if n < left:
+                        cost = float(m.total(Y))
+                        if best is None or (n, cost) < (best[2], best[0]):
+                            best = (cost, Y, n)
+            if best is None:
+                return None
+            X, left = best[1], best[2]
+        return X if left == 0 else None
+
     def spares(self, X: np.ndarray) -> list[int]:
         used = set(map(int, X.ravel()))
         return [i for i in self.live if i not in used]
@@ -473,6 +512,21 @@ def _mend(pl: _Planner, holes: np.ndarray, spares: list[int]) -> list[_Cand]:
         shrunk = pl.fill(X, pool)
         if shrunk is not None:
             out.append(pl.evaluate("shrink", shrunk, ranges))
+    return out
+
+
+def _detours(pl: _Planner, cands: list[_Cand]) -> list[_Cand]:
+    """For each candidate over a cut link, the same layout with peers swapped (among the placed
+    and the spares) until it uses none, each swap the cheapest by the cost model that leaves
+    fewer cut links in use: the scheduler sees only the links its cost model weighs (a
+    pipeline's neighbours, a DP group), not every pair that exchanges tensors in a step."""
+    if not pl.cut:
+        return []
+    out = []
+    for c in cands:
+        X = pl.avoid_cut(c.X)
+        if X is not None and not np.array_equal(X, c.X):
+            out.append(pl.evaluate("reschedule", X, c.ranges))
     return out
 
 
