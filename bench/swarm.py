@@ -327,9 +327,11 @@ def bench_gray() -> dict:
                 time.sleep(1.0)
             out["frozen_peer_woken_placed_again"] = True
             swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
-            t = _training(run_dir)
-            a = next(n for n, v in t.items() if v.get("stage") == 0 and v.get("next"))
-            b = next(n for n, v in t.items() if v.get("stage") == 1 and v.get("pipeline") == t[a]["pipeline"])
+            t = _training(run_dir)  # two pipeline neighbours, neither the coordinator (a link cut between
+            # the coordinator and a peer puts the peer out of its reach: it leaves like a frozen one)
+            a, b = next((n, m) for n, v in t.items() for m, w in t.items()
+                        if v.get("stage") == 0 and w.get("stage") == 1 and v.get("pipeline") == w.get("pipeline")
+                        and "coordinator" not in (v.get("role"), w.get("role")))
             try:
                 out.update(_recover_once(run_dir, a, "cut_link", lambda: swarm(run_dir, "partition", a, b)))
             finally:
