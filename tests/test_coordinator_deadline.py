@@ -370,3 +370,23 @@ def test_the_coordinators_status_says_stalled_with_the_reason_and_how_long():
     st = PlaneStatus(N[0], {"role": "coordinator", "term": 1, "coordinator": N[0].hex()}, True, n.epoch.status(),
                      n.c.status(), Path("train.jsonl"), None, 1, now=last + 5.0).to_wire()
     assert st["state"] == "training" and st["issued"]["state"] == "training" and "stalled_s" not in st["issued"]
+
+
+def test_a_peer_frozen_right_after_its_report_is_asked_too_and_is_out():
+    # n3 reported step 6 and froze: the others wait for its acknowledgements. They are the
+    # laggards; n3, their neighbour, is asked with them and does not answer.
+    n = Node(timings=WATCHED)
+    last = watched(n)
+    n.feed(StepReported(N[3], RUN, report(1, 6)), last + 0.9)
+    n.lines.clear()
+    n.tick()
+    n.answer("probe deadline", {N[0]: reached(N[1], N[2]), N[1]: reached(N[0], N[2], unreached=[N[3]]),
+                                N[2]: reached(N[0], N[1], unreached=[N[3]])}, at=last + 7.0)
+    n.transcript("""
+        9 tick
+          ask probe deadline: RUN_STATE reach n0 n1 n2 n3 within 2 s -> n0 n1 n2 n3
+        13 answers probe deadline: n0 reached n1 n2, n1 reached n0 n2 not n3, n2 reached n0 n1 not n3, n3 -
+          ask fence 1: STOP at_step=6 abort=True -> n3
+    """)
+    n.tick()
+    assert n.lines[-2:] == ["  ask states: RUN_STATE query -> n0 n1 n2", "  phase: stopping"]

@@ -8,11 +8,12 @@ next step never completes. `StepWatch` learns the epoch's step times and says wh
 step is overdue: `median + mads x MAD` of the recent intervals between completed steps, never
 under `floor_s` (the epoch's first steps, before there are enough intervals, get `first_s`).
 The coordinator then probes the *laggards*, the peers of the epoch whose report of the overdue
-step is missing: each is asked to reach its neighbours in the plan (a gossip ping). `judge`
-reads the answers: a laggard that does not answer is out; a laggard that answers but cannot
-reach a neighbour that answered too names a cut link; when every laggard answers and reaches
-its neighbours, the step is only slow: suspicion is cleared and the deadline backs off
-(doubling per answered probe until the next step completes).
+step is missing, and their neighbours in the plan (a peer that froze right after its report
+holds the others up: they wait for its acknowledgements): each is asked to reach the others (a
+gossip ping). `judge` reads the answers: a peer asked that does not answer is out; one that
+answers but cannot reach a neighbour that answered too names a cut link; when every peer asked
+answers and reaches its neighbours, the step is only slow: suspicion is cleared and the
+deadline backs off (doubling per answered probe until the next step completes).
 """
 
 from __future__ import annotations

@@ -488,14 +488,17 @@ class Coordinator:
         if not lagging:
             return []
         assert self.watch is not None
-        targets = probe_targets(lagging, {p: log.alloc.neighbours(p) for p in lagging})
-        logger.warning("step %d is overdue (%.1f s since the last, deadline %.1f s): probing %s", step,
-                       now - self.watch.last_at, self.watch.deadline_s(), ", ".join(short_id(p) for p in lagging))
-        self._deadline_probe = (log.alloc.epoch, step, tuple(lagging))
+        # the laggards and their neighbours: a peer that froze right after its report holds
+        # up the others, who wait for its acknowledgements
+        asked = sorted(set(lagging) | set(probe_targets(lagging, {p: log.alloc.neighbours(p) for p in lagging})))
+        logger.warning("step %d is overdue (%.1f s since the last, deadline %.1f s): %s have not reported it; "
+                       "probing them and their neighbours", step, now - self.watch.last_at, self.watch.deadline_s(),
+                       ", ".join(short_id(p) for p in lagging))
+        self._deadline_probe = (log.alloc.epoch, step, tuple(asked))
         self._probe = "deadline"
         t = self.t.deadline_probe_timeout_s
-        return [self._ask(("probe", "deadline"), lagging, ControlMsg.RUN_STATE,
-                          ReachRequest(tuple(targets), t / 2).to_wire(), t)]
+        return [self._ask(("probe", "deadline"), asked, ControlMsg.RUN_STATE,
+                          ReachRequest(tuple(asked), t / 2).to_wire(), t)]
 
     def _deadline_answers(self, answers: Mapping[bytes, dict], now: float) -> list:
         """A silent laggard is out, a link whose ends answer but not each other is cut: either
@@ -505,11 +508,11 @@ class Coordinator:
         if (probe is None or log is None or w is None or log.alloc.epoch != probe[0] or log.completed >= probe[1]
                 or self.phase is not Phase.TRAINING or not self.election.is_coordinator):
             return []  # the step completed meanwhile, or the epoch changed
-        epoch, step, lagging = probe
-        verdict = judge(lagging, {p: log.alloc.neighbours(p) for p in lagging}, answers)
+        epoch, step, asked = probe
+        verdict = judge(asked, {p: log.alloc.neighbours(p) for p in asked}, answers)
         if not verdict.stuck:
             w.probe_answered(now)
-            logger.info("step %d is slow, not stuck: every laggard answered and reaches its neighbours; "
+            logger.info("step %d is slow, not stuck: every peer asked answered and reaches its neighbours; "
                         "next look at %.1f s", step, w.due_at() - now)
             return []
         for p in verdict.silent:
