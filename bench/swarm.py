@@ -242,7 +242,8 @@ def _recover_once(run_dir: Path, victim: str, label: str, fault=None) -> dict:
     """The time from a fault (SIGKILL of `victim`, or `fault()`) to the next completed step of a
     newer epoch, and its phases."""
     rows = read_rows(run_dir)
-    epoch = max(r["epoch"] for r in rows)
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    epoch = max([r["epoch"] for r in rows] + [e["epoch"] for e in events if isinstance(e.get("epoch"), int)])
     killed = time.time()
     if fault is None:
         swarm(run_dir, "kill", victim)
