@@ -7,52 +7,56 @@ weight recovery. Sits above gossip, sched and train, below the daemon, which onl
 a service. See docs/control.md.
 """
 
-from .allocation import (
-                         ALLOCATION_DOMAIN,
-                         MAX_ALLOCATION_BYTES,
-                         REFUSAL_CODES,
-                         AcceptContext,
-                         Allocation,
-                         Holding,
-                         Refusal,
-                         SignedAllocation,
-                         check_allocation,
-)
-from .coordinator.request import TrainError, TrainRequest
-from .coordinator.reshape import ReshapePlan, reshape
-from .epoch.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
-from .coordinator.schedule import PLACEMENTS, Placement, choose_shape, random_shape, sched_spec
-from .config import PlaneConfig
-from .dataplane import CommConfig, TensorRouter, TransportComm
-from .election import (
-                         BecameCoordinator,
-                         CoordinatorKnown,
-                         ElectionAction,
-                         ElectionConfig,
-                         ElectionMessage,
-                         ElectionRole,
-                         ElectionSend,
-                         ElectionService,
-                         ElectionState,
-                         ElectionStore,
-                         ElectionStoreError,
-                         FileElectionStore,
-                         Heartbeat,
-                         HeartbeatAck,
-                         MemoryElectionStore,
-                         Persist,
-                         PreVote,
-                         PreVoteReply,
-                         RequestVote,
-                         SteppedDown,
-                         Vote,
-                         decode_election,
-)
-from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
-from .epoch.relayout import assemble_stage, needed_stages
-from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
-from .messages import ControlMsg
-from .plane import ControlPlane
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .allocation import (
+                             ALLOCATION_DOMAIN,
+                             MAX_ALLOCATION_BYTES,
+                             REFUSAL_CODES,
+                             AcceptContext,
+                             Allocation,
+                             Holding,
+                             Refusal,
+                             SignedAllocation,
+                             check_allocation,
+    )
+    from .coordinator.request import PLACEMENTS, TrainError, TrainRequest
+    from .coordinator.reshape import ReshapePlan, reshape
+    from .epoch.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
+    from .coordinator.schedule import Placement, choose_shape, random_shape, sched_spec
+    from .config import PlaneConfig
+    from .dataplane import CommConfig, TensorRouter, TransportComm
+    from .election import (
+                             BecameCoordinator,
+                             CoordinatorKnown,
+                             ElectionAction,
+                             ElectionConfig,
+                             ElectionMessage,
+                             ElectionRole,
+                             ElectionSend,
+                             ElectionService,
+                             ElectionState,
+                             ElectionStore,
+                             ElectionStoreError,
+                             FileElectionStore,
+                             Heartbeat,
+                             HeartbeatAck,
+                             MemoryElectionStore,
+                             Persist,
+                             PreVote,
+                             PreVoteReply,
+                             RequestVote,
+                             SteppedDown,
+                             Vote,
+                             decode_election,
+    )
+    from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
+    from .epoch.relayout import assemble_stage, needed_stages
+    from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
+    from .messages import ControlMsg
+    from .plane import ControlPlane
 
 __all__ = [
                          "ALLOCATION_DOMAIN",
@@ -116,3 +120,45 @@ __all__ = [
                          "resume_point",
                          "sched_spec",
 ]
+
+# Where each name above is defined. A name is imported from its module on first use (PEP 562):
+# a command that needs only light parts of the package (`dtfm-peer status` reads the daemon's
+# config classes) does not load torch, scipy or the rest. tests/test_layers.py checks that this
+# table, the imports above and __all__ name the same things.
+LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".allocation": (
+        "ALLOCATION_DOMAIN", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES", "AcceptContext", "Allocation",
+        "Holding", "Refusal", "SignedAllocation", "check_allocation",
+    ),
+    ".coordinator.request": ("PLACEMENTS", "TrainError", "TrainRequest"),
+    ".coordinator.reshape": ("ReshapePlan", "reshape"),
+    ".epoch.runstate": ("PeerRunState", "ResumeError", "ResumePoint", "resume_point"),
+    ".coordinator.schedule": ("Placement", "choose_shape", "random_shape", "sched_spec"),
+    ".config": ("PlaneConfig",),
+    ".dataplane": ("CommConfig", "TensorRouter", "TransportComm"),
+    ".election": (
+        "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage",
+        "ElectionRole", "ElectionSend", "ElectionService", "ElectionState", "ElectionStore",
+        "ElectionStoreError", "FileElectionStore", "Heartbeat", "HeartbeatAck", "MemoryElectionStore",
+        "Persist", "PreVote", "PreVoteReply", "RequestVote", "SteppedDown", "Vote", "decode_election",
+    ),
+    ".epoch.recovery": ("RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"),
+    ".epoch.relayout": ("assemble_stage", "needed_stages"),
+    ".epoch.runner": ("RunEnd", "StageRunner", "StepReport", "params_sha256"),
+    ".messages": ("ControlMsg",),
+    ".plane": ("ControlPlane",),
+}
+_MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))

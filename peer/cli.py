@@ -14,6 +14,7 @@ Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import dataclasses
 import json
 import os
@@ -30,7 +31,6 @@ from . import logs
 from .config import ConfigError, DaemonConfig
 from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
-from .runner import run_daemon
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .status import format_duration, format_text, to_json
@@ -42,6 +42,14 @@ USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, Contro
 
 class CliError(Exception):
     """A failure to report on stderr as `dtfm-peer: error: ...`, exit status 1."""
+
+
+def version_text() -> str:
+    """What `--version` prints: the installed distribution's version."""
+    try:
+        return f"%(prog)s {importlib.metadata.version('dtfm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 # ---- argument parsing -------------------------------------------------------------------------
@@ -77,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Typical first run: `dtfm-peer swarm-key new --out swarm.key` on one machine, copy "
                "swarm.key to the others, then on each: `dtfm-peer join --swarm-key swarm.key "
                "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`.")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("keygen", help="create this peer's identity key (once per data dir)",
@@ -444,6 +453,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     config = load_toml(args.config) if args.config else DaemonConfig.default()
     config = apply_flags(config, args)
     logs.configure(config.log.level, json_lines=config.log.json)
+    from .runner import run_daemon  # the daemon's services load torch: only `join` pays for it
+
     return run_daemon(config)
 
 

@@ -10,6 +10,7 @@ command line.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -31,6 +32,14 @@ PROG = "dtfm-sched"
 
 class CliError(Exception):
     """A failure to report on stderr as `dtfm-sched: error: ...`, exit status 1."""
+
+
+def version_text() -> str:
+    """What `--version` prints: the installed distribution's version."""
+    try:
+        return f"%(prog)s {importlib.metadata.version('dtfm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 def _number(kind: type, low: float, what: str):
@@ -58,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="DT-FM allocation scheduler",
                                 epilog="Exit status: 0 success, 1 an error explained on stderr, "
                                        "2 bad command line.")
+    p.add_argument("--version", action="version", version=version_text())
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("solve", "search an allocation"), ("compare", "the search against baselines")):
         c = sub.add_parser(name, help=text)

@@ -12,6 +12,7 @@ command line, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import signal
@@ -42,6 +43,14 @@ from .state import (
 from .train import EVENTS_NAME, LOG_NAME, current_run, plot_loss, read_log, start_training, sync_logs, wait_step
 
 PROG = "dtfm-swarm"
+
+def version_text() -> str:
+    """What `--version` prints: the installed distribution's version."""
+    try:
+        return f"%(prog)s {importlib.metadata.version('dtfm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "%(prog)s (version unknown: dtfm is not installed)"
+
 
 # ---- subcommands ----------------------------------------------------------------------------
 
@@ -301,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "with inter-region links emulated from a scenario file.",
         epilog="Exit status: 0 success, 1 an error explained on stderr, 2 bad command line, "
                "130 interrupted.")
+    parser.add_argument("--version", action="version", version=version_text())
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--run-dir", type=Path, default=default_run_dir(),
                         help="where the swarm keeps its state, keys and peer data dirs "

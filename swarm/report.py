@@ -4,11 +4,12 @@ units, and an allocation computed on it."""
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dtfm.sched import ModelSpec, solve
+if TYPE_CHECKING:
+    from dtfm.sched import ModelSpec
 
 from .proc import peer_status
 from .state import SwarmState
@@ -250,7 +251,8 @@ def format_reconfigurations(events: list[dict], t0: float | None = None) -> list
 def demo_model(n_peers: int) -> ModelSpec:
     """train's DEMO_PRESET in the scheduler's terms: 8 sequences per peer per step, in
     micro-batches of 2."""
-    from dtfm.train import get_preset  # torch: only the demo pays for importing it
+    from dtfm.sched import ModelSpec  # scipy: `status` and `down` need no scheduler
+    from dtfm.train import get_preset
 
     gpt = get_preset(DEMO_PRESET)
     return ModelSpec(gpt.name, layers=gpt.n_layer, hidden=gpt.n_embd, heads=gpt.n_head,
@@ -260,6 +262,8 @@ def demo_model(n_peers: int) -> ModelSpec:
 
 def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
     """Run the scheduler on the swarm's measured view for the demo model."""
+    from dtfm.sched import solve
+
     measured = report["measured"]
     delay = np.array([[0.0 if v is None else v for v in row] for row in measured["delay_ms"]])
     bw = np.array([[np.inf if v is None else v for v in row] for row in measured["bandwidth_gbps"]])

@@ -207,3 +207,50 @@ def test_checker_resolves_relative_imports_in_a_subpackage(source, expected):
         assert found == []
     else:
         assert len(found) == 1 and expected in found[0].what, found
+
+
+# ---- lazy exports ---------------------------------------------------------------------------
+
+def _lazy_inits() -> list[str]:
+    """The __init__.py files (relative to the root) that import their names on first use."""
+    return [str(p.relative_to(ROOT)) for package in _packages() for p in sorted((ROOT / package).rglob("__init__.py"))
+            if "LAZY_EXPORTS" in p.read_text()]
+
+
+def _type_checking_imports(tree: ast.Module) -> dict[str, tuple[str, ...]]:
+    """module -> names of the `from .x import ...` statements under `if TYPE_CHECKING:`."""
+    out: dict[str, tuple[str, ...]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for stmt in node.body:
+                assert isinstance(stmt, ast.ImportFrom), ast.dump(stmt)
+                module = "." * stmt.level + (stmt.module or "")
+                out[module] = out.get(module, ()) + tuple(a.asname or a.name for a in stmt.names)
+    return out
+
+
+def test_the_cli_path_packages_are_lazy():
+    # the packages whose eager imports pulled torch and scipy into `dtfm-peer status`
+    assert {"train/__init__.py", "control/__init__.py", "control/election/__init__.py",
+            "control/dataplane/__init__.py"} <= set(_lazy_inits())
+
+
+@pytest.mark.parametrize("init", _lazy_inits())
+def test_lazy_exports_match_the_typed_imports_and_all(init):
+    """What mypy sees (the TYPE_CHECKING imports), what the package hands out at run time
+    (LAZY_EXPORTS) and what it declares public (__all__) name the same things, and every lazy
+    name is the object its module defines."""
+    module_name = "dtfm." + ".".join(Path(init).parent.parts)
+    pkg = importlib.import_module(module_name)
+    table = {m: tuple(names) for m, names in pkg.LAZY_EXPORTS.items()}
+    assert _type_checking_imports(ast.parse((ROOT / init).read_text())) == table
+    lazy = [n for names in table.values() for n in names]
+    assert len(set(lazy)) == len(lazy)
+    assert set(lazy) <= set(pkg.__all__), set(lazy) - set(pkg.__all__)
+    for module, names in table.items():
+        defining = importlib.import_module(module, module_name)
+        for name in names:
+            assert getattr(pkg, name) is getattr(defining, name), f"{module_name}.{name}"
+    assert set(pkg.__all__) <= set(dir(pkg))
+    with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
+        getattr(pkg, "NoSuchName")

@@ -1,62 +1,66 @@
 """dtfm.train: GPT stages, GPipe pipeline, data-parallel all-reduce, optimizer, data,
 checkpoints and stage transfer; talks to other peers only through `Comm`."""
 
-from .checkpoint import (
-    CheckpointError,
-    checkpoint_at,
-    encode_stage,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    saved_checkpoints,
-    stage_from_tensors,
-    stage_tensors,
-)
-from .codec import (
-    MAX_TENSOR_DIMS,
-    TENSOR_ITEMSIZE,
-    TORCH_DTYPES,
-    CodecError,
-    check_tensor,
-    tensor_from_wire,
-    tensor_header,
-    tensor_to_wire,
-)
-from .collective import all_reduce_small, ring_all_reduce
-from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
-from .data import (
-    TOKEN_DTYPES,
-    Corpus,
-    load_corpus,
-    load_token_file,
-    split_batch,
-    tokenize_to_file,
-    write_token_file,
-)
-from .hf import (
-    HFError,
-    export_checkpoint_dir,
-    export_hf,
-    hf_digest,
-    hf_stage_state,
-    load_hf,
-    load_hf_spec,
-    load_hf_stage,
-    model_tokenizer,
-    spec_to_hf_config,
-    stage_param_names,
-)
-from .local import LocalCluster
-from .messages import MessageRules
-from .model import GPTStage, assemble, generate
-from .optim import AdamW
-from .plan import Plan
-from .reference import reference_state, reference_step
-from .sample import sample_text
-from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
-from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
-from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
-from .worker import StageState, StepResult, run_step
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .checkpoint import (
+        CheckpointError,
+        checkpoint_at,
+        encode_stage,
+        list_checkpoints,
+        load_checkpoint,
+        save_checkpoint,
+        saved_checkpoints,
+        stage_from_tensors,
+        stage_tensors,
+    )
+    from .codec import (
+        MAX_TENSOR_DIMS,
+        TENSOR_ITEMSIZE,
+        TORCH_DTYPES,
+        CodecError,
+        check_tensor,
+        tensor_from_wire,
+        tensor_header,
+        tensor_to_wire,
+    )
+    from .collective import all_reduce_small, ring_all_reduce
+    from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
+    from .data import (
+        TOKEN_DTYPES,
+        Corpus,
+        load_corpus,
+        load_token_file,
+        split_batch,
+        tokenize_to_file,
+        write_token_file,
+    )
+    from .hf import (
+        HFError,
+        export_checkpoint_dir,
+        export_hf,
+        hf_digest,
+        hf_stage_state,
+        load_hf,
+        load_hf_spec,
+        load_hf_stage,
+        model_tokenizer,
+        spec_to_hf_config,
+        stage_param_names,
+    )
+    from .local import LocalCluster
+    from .messages import MessageRules
+    from .model import GPTStage, assemble, generate
+    from .optim import AdamW
+    from .plan import Plan
+    from .reference import reference_state, reference_step
+    from .sample import sample_text
+    from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
+    from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
+    from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
+    from .worker import StageState, StepResult, run_step
 
 __all__ = [
     "ACTIVATIONS",
@@ -136,3 +140,61 @@ __all__ = [
     "write_byte_tokenizer",
     "write_token_file",
 ]
+
+# Where each name above is defined. A name is imported from its module on first use (PEP 562):
+# a command that needs only light parts of the package (`dtfm-peer status` reads the daemon's
+# config classes) does not load torch, scipy or the rest. tests/test_layers.py checks that this
+# table, the imports above and __all__ name the same things.
+LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".checkpoint": (
+        "CheckpointError", "checkpoint_at", "encode_stage", "list_checkpoints", "load_checkpoint",
+        "save_checkpoint", "saved_checkpoints", "stage_from_tensors", "stage_tensors",
+    ),
+    ".codec": (
+        "MAX_TENSOR_DIMS", "TENSOR_ITEMSIZE", "TORCH_DTYPES", "CodecError", "check_tensor",
+        "tensor_from_wire", "tensor_header", "tensor_to_wire",
+    ),
+    ".collective": ("all_reduce_small", "ring_all_reduce"),
+    ".comm": (
+        "Comm", "CommClosed", "CommError", "CommTimeout", "EventHandle", "InMemoryComm", "InMemoryHub",
+        "Link", "SendHandle",
+    ),
+    ".data": (
+        "TOKEN_DTYPES", "Corpus", "load_corpus", "load_token_file", "split_batch", "tokenize_to_file",
+        "write_token_file",
+    ),
+    ".hf": (
+        "HFError", "export_checkpoint_dir", "export_hf", "hf_digest", "hf_stage_state", "load_hf",
+        "load_hf_spec", "load_hf_stage", "model_tokenizer", "spec_to_hf_config", "stage_param_names",
+    ),
+    ".local": ("LocalCluster",),
+    ".messages": ("MessageRules",),
+    ".model": ("GPTStage", "assemble", "generate"),
+    ".optim": ("AdamW",),
+    ".plan": ("Plan",),
+    ".reference": ("reference_state", "reference_step"),
+    ".sample": ("sample_text",),
+    ".spec": ("ACTIVATIONS", "PRESETS", "TEST_CONFIG", "GPTSpec", "TrainConfig", "get_preset"),
+    ".tokenizer": (
+        "ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer",
+        "write_byte_tokenizer",
+    ),
+    ".transfer": (
+        "DEFAULT_CHUNK_BYTES", "TransferError", "TransferManifest", "TransferReceiver", "encode_transfer",
+    ),
+    ".worker": ("StageState", "StepResult", "run_step"),
+}
+_MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import os
@@ -42,6 +43,14 @@ class CliError(Exception):
     """A failure to report on stderr as `python -m dtfm.train: error: ...`, exit status 1."""
 
 
+def version_text() -> str:
+    """What `--version` prints: the installed distribution's version."""
+    try:
+        return f"%(prog)s {importlib.metadata.version('dtfm')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "%(prog)s (version unknown: dtfm is not installed)"
+
+
 def _count(low: int):
     """An argparse type: an integer >= low."""
     def parse(text: str) -> int:
@@ -68,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "COMMAND --help`). Exit status: 0 success, 1 an error explained on "
                                         "stderr, 2 bad command line, 130 interrupted.",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--version", action="version", version=version_text())
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model shape; unset: tiny")
     ap.add_argument("--init-from", default=None, metavar="DIR",
                     help="start from the weights of a Hugging Face GPT-2 folder (its shape replaces --preset)")

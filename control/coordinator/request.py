@@ -9,9 +9,11 @@ from dataclasses import dataclass
 
 from dtfm.train import PRESETS, TrainConfig
 
-from .schedule import PLACEMENTS
+__all__ = ["PLACEMENTS", "TrainError", "TrainRequest"]
 
-__all__ = ["TrainError", "TrainRequest"]
+# How the issuer places peers: the DT-FM scheduler, or a uniformly random allocation of the same
+# shape (the baseline the scheduler is measured against).
+PLACEMENTS = ("scheduler", "random")
 
 
 class TrainError(Exception):

@@ -11,11 +11,9 @@ from dtfm.gossip import NetworkView
 from dtfm.sched import CostModel, ModelSpec, layer_ranges, simulate_iteration, solve
 from dtfm.train import GPTSpec, TrainConfig
 
-__all__ = ["PLACEMENTS", "Placement", "choose_shape", "random_shape", "sched_spec", "view_matrices"]
+from .request import PLACEMENTS
 
-# How the issuer places peers: the DT-FM scheduler, or a uniformly random allocation of the same
-# shape (the baseline the scheduler is measured against).
-PLACEMENTS = ("scheduler", "random")
+__all__ = ["PLACEMENTS", "Placement", "choose_shape", "random_shape", "sched_spec", "view_matrices"]
 
 # A speed-1.0 peer's achieved TFLOP/s, for turning a measured block time into the scheduler's
 # compute term: only ratios between peers and against the network matter.

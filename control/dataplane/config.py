@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dtfm.train import MessageRules
+if TYPE_CHECKING:
+    from dtfm.train import MessageRules
 
 __all__ = ["ENTRY_OVERHEAD_BYTES", "CommConfig"]
 

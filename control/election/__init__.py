@@ -9,29 +9,33 @@
                  bench/election.py; not imported here (import dtfm.control.election.sim)
 """
 
-from .config import ElectionConfig
-from .messages import (
-    ElectionMessage,
-    Heartbeat,
-    HeartbeatAck,
-    PreVote,
-    PreVoteReply,
-    RequestVote,
-    Vote,
-    decode_election,
-)
-from .service import ElectionEvent, ElectionService
-from .state import (
-    BecameCoordinator,
-    CoordinatorKnown,
-    ElectionAction,
-    ElectionRole,
-    ElectionSend,
-    ElectionState,
-    Persist,
-    SteppedDown,
-)
-from .store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import ElectionConfig
+    from .messages import (
+        ElectionMessage,
+        Heartbeat,
+        HeartbeatAck,
+        PreVote,
+        PreVoteReply,
+        RequestVote,
+        Vote,
+        decode_election,
+    )
+    from .service import ElectionEvent, ElectionService
+    from .state import (
+        BecameCoordinator,
+        CoordinatorKnown,
+        ElectionAction,
+        ElectionRole,
+        ElectionSend,
+        ElectionState,
+        Persist,
+        SteppedDown,
+    )
+    from .store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 
 __all__ = [
     "BecameCoordinator",
@@ -58,3 +62,35 @@ __all__ = [
     "Vote",
     "decode_election",
 ]
+
+# Where each name above is defined. A name is imported from its module on first use (PEP 562):
+# a command that needs only light parts of the package (`dtfm-peer status` reads the daemon's
+# config classes) does not load torch, scipy or the rest. tests/test_layers.py checks that this
+# table, the imports above and __all__ name the same things.
+LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".config": ("ElectionConfig",),
+    ".messages": (
+        "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote", "PreVoteReply", "RequestVote", "Vote",
+        "decode_election",
+    ),
+    ".service": ("ElectionEvent", "ElectionService"),
+    ".state": (
+        "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionRole", "ElectionSend",
+        "ElectionState", "Persist", "SteppedDown",
+    ),
+    ".store": ("ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore"),
+}
+_MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))
