@@ -154,8 +154,7 @@ def _solve(args) -> int:
         if alloc.spares:
             print("spares: " + ", ".join(f"{i}({regions[i]})" for i in alloc.spares))
     if plot:
-        plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares,
-             f"{sc.name}: cost {alloc.cost.paper_s:.2f} s")
+        plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares, plot_title(sc.name, alloc))
     return 0
 
 
@@ -199,8 +198,16 @@ def _compare(args) -> int:
             print(f"{r['method']:32s} {r['cost_s']:10.3f} {r['dp_s']:9.3f} {r['pp_s']:9.3f} {r['simulated_s']:12.3f}")
     if plot:
         plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares,
-             f"{sc.name}: search {alloc.cost.paper_s:.2f} s")
+             plot_title(sc.name, alloc, "search: "))
     return 0
+
+
+def plot_title(scenario: str, alloc, what: str = "") -> str:
+    """The allocation plot's title: the shape, and which cost the number is."""
+    c = alloc.cost
+    return (f"{scenario}: {what}{alloc.stages} stages x {alloc.dp} pipelines\n"
+            f"communication cost per iteration (DT-FM's): {c.paper_s:.2f} s\n"
+            f"= data-parallel {c.dp_s:.2f} s + 2 x pipeline {c.pp_s:.2f} s")
 
 
 def _plotter(path: str | None):
@@ -208,11 +215,12 @@ def _plotter(path: str | None):
     if path is None:
         return None
     try:
-        from .plot import plot_allocation  # matplotlib is an optional extra
+        from .plot import plot_allocation  # matplotlib: only --plot loads it
     except ModuleNotFoundError as e:
         if e.name is None or e.name.split(".")[0] != "matplotlib":
             raise
-        raise CliError("--plot needs matplotlib: pip install 'dtfm[plot]'") from None
+        raise CliError("--plot needs matplotlib, part of dtfm's install: reinstall dtfm "
+                       "(pip install -e .) in this environment") from None
     return plot_allocation
 
 

@@ -1,8 +1,9 @@
-"""Drawing an allocation (needs matplotlib, the optional `plot` extra; imported only by --plot).
+"""Drawing an allocation (matplotlib; imported only by --plot).
 
 Left: pipelines across regions, one row per pipeline, one column per stage, each peer coloured
 by its region, spares at the right. Right: the latency matrix as a heat map with peers ordered
-stage by stage as allocated, so DP groups appear as blocks on the diagonal.
+pipeline by pipeline (each pipeline's stages in order, spares last), so the low-latency blocks
+the scheduler found for each pipeline's neighbours sit on the diagonal.
 """
 
 from __future__ import annotations
@@ -29,16 +30,23 @@ def plot_allocation(path, delay_ms: np.ndarray, regions: list[str], X: np.ndarra
         ax.scatter([S + 0.5], [k], c=[colour[regions[z]]], marker="x", s=80)
     ax.set_xlabel("stage")
     ax.set_ylabel("pipeline")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     for r in names:
         ax.scatter([], [], c=[colour[r]], label=r)
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    order = np.concatenate([X.ravel(), np.asarray(spares, dtype=np.int64)])
+    order = np.concatenate([X.T.ravel(), np.asarray(spares, dtype=np.int64)])
     im = hm.imshow(delay_ms[np.ix_(order, order)], cmap="viridis")
-    for s in range(1, S):
-        hm.axhline(s * D - 0.5, color="w", lw=0.5)
-        hm.axvline(s * D - 0.5, color="w", lw=0.5)
-    hm.set_title("one-way latency (ms), peers in stage order")
+    for d in range(1, D + (1 if len(spares) else 0)):
+        hm.axhline(d * S - 0.5, color="w", lw=0.5)
+        hm.axvline(d * S - 0.5, color="w", lw=0.5)
+    ticks = [d * S + (S - 1) / 2 for d in range(D)] + ([D * S + (len(spares) - 1) / 2] if len(spares) else [])
+    labels = [f"pipeline {d}" for d in range(D)] + (["spares"] if len(spares) else [])
+    step = max(1, len(ticks) // 16)  # at most ~16 labels on an axis
+    hm.set_xticks(ticks[::step], labels[::step], fontsize=7, rotation=90)
+    hm.set_yticks(ticks[::step], labels[::step], fontsize=7)
+    hm.set_xlabel(f"to peer: pipeline by pipeline, stages 0..{S - 1} in each")
+    hm.set_ylabel("from peer")
+    hm.set_title("one-way latency (ms) between the allocated peers")
     fig.colorbar(im, ax=hm)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -15,17 +15,28 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from dtfm.control import PLACEMENTS
-from dtfm.net import EmulationConfig, new_swarm_key
+from dtfm.net import IDENTITY_FILE, EmulationConfig, new_swarm_key
 from dtfm.peer import PLANE_PROFILES
 from dtfm.scenarios import ScenarioError, load_scenario
 
-from .proc import LAN_ELECTION_MAX_RTT_MS, free_ports, peer_request, start_peer, stop_peer, wait_converged
-from .report import DEMO_PRESET, format_event, format_reconfigurations, format_status, status_report
+from .proc import (
+    LAN_ELECTION_MAX_RTT_MS,
+    free_ports,
+    peer_request,
+    start_peer,
+    stop_peer,
+    stop_peers,
+    wait_converged,
+)
+from .report import DEMO_PRESET, format_event, format_status, status_report
 from .state import (
     KEY_FILE,
     STATE_FILE,
@@ -40,9 +51,22 @@ from .state import (
     send_signal,
     write_secret_file,
 )
-from .train import EVENTS_NAME, LOG_NAME, current_run, plot_loss, read_log, start_training, sync_logs, wait_step
+from .runreport import REPORT_NAME, write_report
+from .train import EVENTS_NAME, LOG_NAME, RUN_NAME, read_log, start_training, sync_logs, wait_step
 
 PROG = "dtfm-swarm"
+MIN_PEERS, MAX_PEERS = 2, 256
+FOREGROUND_POLL_S = 0.5
+# What a swarm writes in its run dir besides the peers' data dirs (`up --fresh` deletes these).
+RUN_FILES = (STATE_FILE, KEY_FILE, LOG_NAME, EVENTS_NAME, RUN_NAME, "report.txt", "loss.png")
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds like Ctrl-C, so the peers this command started are stopped."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise Terminated()
 
 def version_text() -> str:
     """What `--version` prints: the installed distribution's version."""
@@ -71,13 +95,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         scenario = load_scenario(args.scenario)
     except ScenarioError as e:
         raise SwarmError(str(e)) from None
-    n = args.peers or scenario.n_peers
-    if not 2 <= n <= 256:
-        raise SwarmError(f"--peers must be between 2 and 256, got {n}")
+    n = args.peers if args.peers is not None else scenario.n_peers
+    if not MIN_PEERS <= n <= MAX_PEERS:
+        raise SwarmError(f"--peers must be between {MIN_PEERS} and {MAX_PEERS}, got {n} "
+                         f"(the scenario's own count)")
     try:  # the peers' link emulator checks the scales; refuse them before starting any
         EmulationConfig(time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale)
     except ValueError as e:
         raise SwarmError(f"--time-scale / --bandwidth-scale: {e}") from None
+    reuse_run_dir(run_dir, existing, fresh=args.fresh, resume=args.resume)
     small = scenario.scaled(n)
     scenario_ref = str(Path(args.scenario).resolve()) if Path(args.scenario).exists() else args.scenario
     ensure_run_dir(run_dir)
@@ -105,9 +131,58 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise
     save_state(run_dir, state)
     print(f"swarm up: {n} peers; `dtfm-swarm status --run-dir {run_dir}` shows it", file=sys.stderr)
-    if getattr(args, "train", False):
-        _train(state, args)
-    return 0
+    if not getattr(args, "foreground", False):
+        if getattr(args, "train", False):
+            _train(state, args)
+        return 0
+    try:
+        if getattr(args, "train", False):
+            _train(state, args)
+        print("running in the foreground: Ctrl-C or SIGTERM stops every peer", file=sys.stderr)
+        while any(p.alive() for p in state.peers):
+            time.sleep(FOREGROUND_POLL_S)
+        raise SwarmError(f"every peer exited: see their daemon.log in {run_dir}")
+    finally:
+        stop_peers(state.peers, graceful=True)
+        save_state(run_dir, state)
+        print(f"stopped the peers; logs stay in {run_dir}", file=sys.stderr)
+
+
+def reuse_run_dir(run_dir: Path, existing: SwarmState | None, *, fresh: bool, resume: bool) -> None:
+    """Refuse a run dir an earlier swarm used, unless told what to do with it: --fresh deletes
+    what dtfm-swarm wrote there (peer data dirs, logs, state), --resume restarts the peers in
+    their old data dirs (their identities, checkpoints and the runs they remember)."""
+    used = used_files(run_dir, existing)
+    if not used:
+        return
+    if resume:
+        print(f"resuming in {run_dir}: the peers keep the identities and runs of its last swarm",
+              file=sys.stderr)
+        return
+    if not fresh:
+        what = ", ".join(p.name for p in used[:6]) + (", ..." if len(used) > 6 else "")
+        raise SwarmError(f"{run_dir} holds an earlier swarm ({what}): pass --fresh to delete it "
+                         f"and start anew, --resume to restart its peers with their identities "
+                         f"and runs, or another --run-dir")
+    for path in used:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    print(f"deleted the earlier swarm's files in {run_dir}", file=sys.stderr)
+
+
+def used_files(run_dir: Path, existing: SwarmState | None) -> list[Path]:
+    """What an earlier dtfm-swarm left in `run_dir`: its files, and the peer data dirs its state
+    names (or that look like one: pNN/ with a daemon.log or an identity key)."""
+    if not run_dir.is_dir():
+        return []
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    dirs = {Path(p.data_dir) for p in existing.peers} if existing is not None else set()
+    dirs |= {d for d in run_dir.glob("p[0-9][0-9]*")
+             if d.is_dir() and ((d / "daemon.log").exists() or (d / IDENTITY_FILE).exists())}
+    found += sorted(d for d in dirs if d.exists() and d.parent.resolve() == run_dir.resolve())
+    return found
 
 
 def _train_request(args: argparse.Namespace) -> dict:
@@ -199,9 +274,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
     sync_logs(args.run_dir, state)
     running = [p for p in state.peers if p.alive()]
-    for peer in state.peers:  # a peer killed earlier is only reaped: it leaves no zombie behind
-        stop_peer(peer, graceful=not args.kill)
-        peer.pid = None
+    stop_peers(state.peers, graceful=not args.kill)  # a peer killed earlier is only reaped
     save_state(args.run_dir, state)
     print(f"stopped {len(running)} peers; logs stay in {args.run_dir}", file=sys.stderr)
     return 0
@@ -250,6 +323,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     across the daemons, report, stop."""
     args.no_wait_measurements = False
     args.keep_on_failure = False
+    args.fresh, args.resume, args.foreground = True, False, False
     args.log_json = False
     args.train = False
     cmd_up(args)
@@ -273,7 +347,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 if row["step"] > shown:
                     print(_step_line(row), flush=True)
                     shown = row["step"]
-        _demo_report(run_dir, reply)
+        sync_logs(run_dir, state)
+        print("\n" + "\n".join(write_report(run_dir)) + f"\nreport: {run_dir / REPORT_NAME}", flush=True)
     finally:
         cmd_down(argparse.Namespace(run_dir=run_dir, kill=False))
     return 0
@@ -286,21 +361,38 @@ def _step_line(row: dict) -> str:
     return f"step {row['step']:4d}  loss {loss}  {row.get('iteration_s', 0.0):.2f} s  {tokens} tokens/s{term}"
 
 
-def _demo_report(run_dir: Path, reply: dict) -> None:
-    rows = read_log(run_dir / LOG_NAME)
-    measured = sorted(r["iteration_s"] for r in rows[1:]) or [float("nan")]
-    median = measured[len(measured) // 2]
-    lines = [f"allocation: {reply['stages']} x {reply['dp']}, pipelines "
-             + "; ".join(" -> ".join(p[:8] for p in pipe) for pipe in reply["pipelines"]),
-             f"loss: {rows[0]['loss']:.4f} at step 0 -> {rows[-1]['loss']:.4f} at step {rows[-1]['step']}",
-             (f"iteration time: predicted {reply['predicted_iteration_s']:.3f} s, measured median "
-             f"{median:.3f} s (first step left out)")]
-    lines += format_reconfigurations(read_log(run_dir / EVENTS_NAME), current_run(run_dir).get("started_at"))
-    plot = plot_loss(run_dir)
-    lines.append(f"loss plot: {plot}" if plot else
-                 "loss plot: install matplotlib (pip install matplotlib) and run the demo again for loss.png")
-    (run_dir / "report.txt").write_text("\n".join(lines) + "\n")
-    print("\n" + "\n".join(lines) + f"\nreport: {run_dir / 'report.txt'}", flush=True)
+def cmd_report(args: argparse.Namespace) -> int:
+    """report.txt and loss.png from the run dir (merging the peers' logs first where their data
+    dirs are readable), printed too."""
+    run_dir: Path = args.run_dir
+    try:
+        sync_logs(run_dir, load_state(run_dir))
+    except SwarmError:
+        pass  # a copied run dir without swarm.json: report what is there
+    lines = write_report(run_dir)
+    print("\n".join(lines) + f"\nreport: {run_dir / REPORT_NAME}", flush=True)
+    return 0
+
+
+def number(kind: type, low: float, what: str, high: float | None = None):
+    """An argparse type: a `kind` number in [low, high]; anything else exits 2 with usage."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (value >= low and (high is None or value <= high)):  # also refuses nan
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    parse.__name__ = what  # argparse names the type in its messages
+    return parse
+
+
+POSITIVE_INT = number(int, 1, "a positive integer")
+NON_NEGATIVE_INT = number(int, 0, "a non-negative integer")
+POSITIVE_SECONDS = number(float, 1e-9, "a positive number of seconds")
+POSITIVE_SCALE = number(float, 1e-9, "a positive number")
+PEER_COUNT = number(int, MIN_PEERS, f"a peer count from {MIN_PEERS} to {MAX_PEERS}", MAX_PEERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,45 +401,71 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a scripted multi-region test swarm of dtfm peers on this machine, "
                     "with inter-region links emulated from a scenario file.",
         epilog="Exit status: 0 success, 1 an error explained on stderr, 2 bad command line, "
-               "130 interrupted.")
+               "130 interrupted, 143 terminated (SIGTERM).")
     parser.add_argument("--version", action="version", version=version_text())
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--run-dir", type=Path, default=default_run_dir(),
-                        help="where the swarm keeps its state, keys and peer data dirs "
+    common.add_argument("--run-dir", type=Path, default=default_run_dir(), metavar="DIR",
+                        help="where the swarm keeps its state, keys, logs and peer data dirs "
                              "(default: %(default)s)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def command(name: str, help: str, description: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], help=help, description=description)
+
     def add_up_args(p: argparse.ArgumentParser, peers_default: int | None) -> None:
-        p.add_argument("--scenario", default="worldwide",
+        p.add_argument("--scenario", default="worldwide", metavar="NAME|FILE",
                        help="built-in scenario name (datacenter, spot, universities, regional, "
                             "worldwide) or a scenario TOML file (default: %(default)s)")
-        p.add_argument("--peers", type=int, default=peers_default,
-                       help="number of peers; regions keep the scenario's proportions "
-                            "(default: %(default)s)")
-        p.add_argument("--time-scale", type=float, default=EmulationConfig().time_scale,
-                       help="multiply every emulated delay by this (default: %(default)s)")
-        p.add_argument("--bandwidth-scale", type=float, default=0.05,
-                       help="multiply every emulated bandwidth by this, so loopback can carry "
+        p.add_argument("--peers", type=PEER_COUNT, default=peers_default, metavar="N",
+                       help=f"number of peers, {MIN_PEERS} to {MAX_PEERS}; regions keep the scenario's "
+                            "proportions (default: %(default)s)")
+        p.add_argument("--time-scale", type=POSITIVE_SCALE, default=EmulationConfig().time_scale,
+                       metavar="X",
+                       help="multiply every emulated delay by X and divide every emulated bandwidth "
+                            "by it (default: %(default)s)")
+        p.add_argument("--bandwidth-scale", type=POSITIVE_SCALE, default=0.05, metavar="X",
+                       help="multiply every emulated bandwidth by X, so loopback can carry "
                             "the scenario's links (default: %(default)s)")
-        p.add_argument("--timeout", type=float, default=180.0,
-                       help="seconds to wait for the swarm to converge (default: %(default)s)")
+        p.add_argument("--timeout", type=POSITIVE_SECONDS, default=180.0, metavar="SECONDS",
+                       help="how long to wait for the swarm to converge (default: %(default)s)")
 
     def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
-        p.add_argument("--preset", default=DEMO_PRESET, help="model preset (default: %(default)s)")
-        p.add_argument("--steps", type=int, default=steps, help="training steps (default: %(default)s)")
-        p.add_argument("--seed", type=int, default=0,
+        p.add_argument("--preset", default=DEMO_PRESET, metavar="NAME",
+                       help="model preset of python -m dtfm.train (default: %(default)s)")
+        p.add_argument("--steps", type=POSITIVE_INT, default=steps, metavar="N",
+                       help="training steps (default: %(default)s)")
+        p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, metavar="N",
                        help="same seed, same losses, whatever the shape (default: %(default)s)")
-        p.add_argument("--stages", type=int, default=None,
+        p.add_argument("--stages", type=POSITIVE_INT, default=None, metavar="S",
                        help="pipeline stages (default: the scheduler picks the shape)")
-        p.add_argument("--dp", type=int, default=None, help="data-parallel pipelines (with --stages)")
-        p.add_argument("--checkpoint-every", type=int, default=0,
+        p.add_argument("--dp", type=POSITIVE_INT, default=None, metavar="D",
+                       help="data-parallel pipelines (with --stages)")
+        p.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=0, metavar="K",
                        help="each peer saves its stage every K steps (default: never)")
         p.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
                        help="the DT-FM scheduler's allocation, or a random one of the --stages x --dp "
                             "shape as a baseline (default: %(default)s)")
 
-    p = sub.add_parser("up", parents=[common], help="start a swarm and wait until it converges")
+    def add_reuse_args(p: argparse.ArgumentParser) -> None:
+        reuse = p.add_mutually_exclusive_group()
+        reuse.add_argument("--fresh", action="store_true",
+                           help="delete an earlier swarm's files in the run dir (peer data dirs, "
+                                "logs, state) and start anew")
+        reuse.add_argument("--resume", action="store_true",
+                           help="restart an earlier swarm's peers in their data dirs: their "
+                                "identities, checkpoints and the runs they remember")
+
+    p = command("up", "start a swarm and wait until it converges",
+                "Start one `dtfm-peer join` daemon per peer on loopback, regions as the scenario "
+                "says, every inter-region link emulated, and wait until every peer sees every "
+                "other (and, unless --no-wait-measurements, has measured every link). The daemons "
+                "keep running after `up` returns (`dtfm-swarm down` stops them), or with "
+                "--foreground until `up` is interrupted (Ctrl-C, SIGTERM). A run dir an earlier "
+                "swarm used needs --fresh or --resume.")
     add_up_args(p, 8)
+    add_reuse_args(p)
+    p.add_argument("--foreground", action="store_true",
+                   help="stay in the foreground once the swarm is up; Ctrl-C or SIGTERM stops every peer")
     p.add_argument("--no-wait-measurements", action="store_true",
                    help="return once membership converged, before every link is measured")
     p.add_argument("--keep-on-failure", action="store_true",
@@ -368,66 +486,87 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("train", parents=[common],
-                       help="start training on the running swarm: one daemon schedules, hands out "
-                            "the allocation and starts every peer")
+    p = command("train", "start training on the running swarm",
+                "Start training on the running swarm: the first live daemon schedules the live "
+                "peers on its measured view, hands out the allocation and starts every peer. "
+                "`dtfm-swarm wait` follows the run; `dtfm-swarm report` draws it.")
     add_train_args(p, steps=100)
     p.add_argument("--json", action="store_true", help="print the issuer's reply (the allocation) as JSON")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("wait", parents=[common],
-                       help="wait until the swarm completed a training step; merges every "
-                            "coordinator's train.jsonl and events.jsonl into the run dir")
-    p.add_argument("--step", type=int, required=True, help="the step to wait for (0 is the first)")
-    p.add_argument("--timeout", type=float, default=600.0,
+    p = command("wait", "wait until the swarm completed a training step",
+                "Wait until the swarm completed a training step; merges every coordinator's "
+                "train.jsonl and events.jsonl into the run dir as it goes. Fails when the run "
+                "ends before the step.")
+    p.add_argument("--step", type=NON_NEGATIVE_INT, required=True, metavar="N",
+                   help="the step to wait for (0 is the first)")
+    p.add_argument("--timeout", type=POSITIVE_SECONDS, default=600.0, metavar="SECONDS",
                    help="give up after this many seconds (default: %(default)s)")
     p.set_defaults(func=cmd_wait)
 
-    p = sub.add_parser("status", parents=[common], help="one table of the whole swarm")
+    p = command("status", "one table of the whole swarm",
+                "One table of the whole swarm: each peer's region, name (* marks the "
+                "coordinator), id, election role and term, STAGE/PIPELINE in the run, epoch, "
+                "last step, process and gossip state; then the measured delay and bandwidth "
+                "between every two peers in the scenario's units.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 
-    p = sub.add_parser("events", parents=[common],
-                       help="the run's events (coordinator elected, reconfigured, rolled back, stopped), "
-                            "merged from every peer's data dir into the run dir's events.jsonl",
-                       description="Print the events the coordinators wrote in their data dirs, merged, "
-                                   "deduplicated and sorted by time, one a line: time, event, term, epoch, "
-                                   "trigger, old -> new shape, predicted step times, moves, bytes moved, "
-                                   "resume step.")
+    p = command("events", "the run's events, merged from every peer's data dir",
+                "Print the events the coordinators wrote in their data dirs, merged, "
+                "deduplicated and sorted by time, one a line: time, event, term, epoch, "
+                "trigger, old -> new shape, predicted step times, moves, bytes moved, "
+                "resume step.")
     p.add_argument("--json", action="store_true", help="print the merged events as a JSON list")
     p.set_defaults(func=cmd_events)
 
-    p = sub.add_parser("kill", parents=[common], help="signal one peer (SIGKILL by default)")
+    p = command("report", "write report.txt and loss.png from the run dir, without running again",
+                "Redraw a run from its run dir: merges the peers' logs when their data dirs are "
+                "there, then writes report.txt (scenario, peers and their regions, seed, "
+                "allocation, loss, tokens/s, iteration time, total time, reconfigurations) and "
+                "loss.png (loss and tokens/s per step, reconfigurations marked). Works on a "
+                "stopped swarm and on a copied run dir.")
+    p.set_defaults(func=cmd_report)
+
+    p = command("kill", "signal one peer (SIGKILL by default)",
+                "Send a signal to one peer's daemon: KILL (the default) to test failure handling, "
+                "TERM for a clean leave, STOP/CONT to freeze it.")
     p.add_argument("peer", help="peer name (p03), index, or peer-id prefix")
-    p.add_argument("--signal", default="KILL", help="signal name (default: %(default)s)")
+    p.add_argument("--signal", default="KILL", metavar="NAME", help="signal name (default: %(default)s)")
     p.set_defaults(func=cmd_kill)
 
-    p = sub.add_parser("restart", parents=[common],
-                       help="stop one peer if running and start it again with its data dir")
+    p = command("restart", "stop one peer if running and start it again with its data dir",
+                "Stop one peer if it runs and start it again with the same data dir (identity, "
+                "checkpoints), address and region.")
     p.add_argument("peer", help="peer name (p03), index, or peer-id prefix")
     p.add_argument("--log-json", action="store_true", help="the peer logs JSON lines")
     p.set_defaults(func=cmd_restart)
 
-    p = sub.add_parser("down", parents=[common], help="stop every peer (gracefully by default)")
+    p = command("down", "stop every peer (gracefully by default)",
+                "Stop every peer: each is asked to leave (SIGKILL after a grace period, or at "
+                "once with --kill). The run dir keeps the logs and data dirs.")
     p.add_argument("--kill", action="store_true", help="SIGKILL instead of a graceful leave")
     p.set_defaults(func=cmd_down)
 
-    p = sub.add_parser("partition", parents=[common],
-                       help="cut the emulated links between two regions or peers")
+    p = command("partition", "cut the emulated links between two regions or peers",
+                "Cut the emulated links between two sides, each a region name or one peer; "
+                "`heal` restores them.")
     p.add_argument("a", help="region name, or one peer")
     p.add_argument("b", help="region name, or one peer")
     p.add_argument("--one-way", action="store_true", help="cut only the direction a -> b")
     p.set_defaults(func=cmd_partition)
 
-    p = sub.add_parser("heal", parents=[common], help="restore every cut link")
+    p = command("heal", "restore every cut link", "Restore every emulated link `partition` cut.")
     p.set_defaults(func=cmd_heal)
 
-    p = sub.add_parser("demo", parents=[common],
-                       help="start a multi-region swarm, measure its links; one daemon schedules the "
-                            "tiny model on the measurements and the daemons train it together; report, stop")
+    p = command("demo", "start a swarm, measure it, train the tiny model on it, report, stop",
+                "Start a multi-region swarm and measure its links; one daemon schedules the tiny "
+                "model on the measurements and the daemons train it together; write report.txt "
+                "and loss.png; stop. The demo always starts clean: it deletes an earlier swarm's "
+                "files in the run dir (see `up --fresh`).")
     add_up_args(p, 8)
     add_train_args(p, steps=30)
-    p.add_argument("--step-timeout", type=float, default=300.0,
+    p.add_argument("--step-timeout", type=POSITIVE_SECONDS, default=300.0, metavar="SECONDS",
                    help="give up when one step takes longer than this (default: %(default)s)")
     p.set_defaults(func=cmd_demo)
     return parser
@@ -435,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, through the clean-up that stops the peers started here
+    # (only the main thread may set a handler: a caller's thread keeps the default)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return args.func(args)
     except SwarmError as e:
@@ -443,9 +586,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"{PROG}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except BrokenPipeError:  # `dtfm-swarm status | head`: the reader went away
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

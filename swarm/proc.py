@@ -17,6 +17,7 @@ from dtfm.scenarios import load_scenario
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
 
 STOP_GRACE_S = 10.0
+PROGRESS_EVERY_S = 10.0  # without a terminal, how often `up` logs the measurements' progress
 NOMINAL_COMPUTE_MS = 10.0
 # Peers outlive the command that starts them; holding their Popen objects keeps Python from
 # warning, when one is collected, that a child it started is still running.
@@ -145,6 +146,28 @@ def stop_peer(peer: PeerEntry, *, graceful: bool = True) -> None:
     _reap(peer.pid, wait_s=5.0)
 
 
+def stop_peers(peers: list[PeerEntry], *, graceful: bool = True) -> None:
+    """Stop every peer (all asked to leave at once, then waited for; SIGKILL for those still
+    running after STOP_GRACE_S) and reap those that had died; each one's pid is cleared."""
+    live = [p for p in peers if p.alive()]
+    if graceful:
+        for peer in live:
+            assert peer.pid is not None
+            try:
+                peer_request(peer, "leave", timeout_s=2.0)
+            except SwarmError:
+                send_signal(peer.pid, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(p.pid is not None and pid_alive(p.pid) for p in live):
+            for peer in live:
+                if peer.pid is not None:
+                    _reap(peer.pid)
+            time.sleep(0.05)
+    for peer in peers:
+        stop_peer(peer, graceful=False)
+        peer.pid = None
+
+
 def _reap(pid: int, wait_s: float = 0.0) -> None:
     """Collect the exit status of a peer this process started, so it leaves no zombie."""
     proc = _STARTED.get(pid)
@@ -181,6 +204,8 @@ def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bo
     n = len(live)
     tty = out.isatty()
     last = ""
+    last_printed_at = -float("inf")
+    last_phase: tuple[int, int] | None = None
     while True:
         joined = measured = expected = 0
         reports = {}
@@ -195,12 +220,20 @@ def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bo
             measured += m
             expected += e
         complete = expected > 0 and measured >= expected
+        # measured/expected: directed links each peer's own view has measurements for, summed
+        # over the peers (n peers x n - 1 links each when complete)
         line = (f"peers answering {len(reports)}/{n}, seeing all {joined}/{n}"
-                + (f", measurements {measured}/{expected}" if need_measurements else ""))
-        if line != last:
+                + (f", links measured {measured}/{expected} (each peer's view of the "
+                   f"{max(n - 1, 0) * n} directed links)" if need_measurements else ""))
+        now = time.monotonic()
+        phase = (len(reports), joined)
+        done = joined == n and (complete or not need_measurements)
+        # a terminal rewrites one line; a log gets a line when the peers' count changes, at most
+        # one every PROGRESS_EVERY_S while only the measurements move, and the last one
+        if line != last and (tty or phase != last_phase or done or now - last_printed_at >= PROGRESS_EVERY_S):
             print(("\r" if tty else "") + line, end="" if tty else "\n", file=out, flush=True)
-            last = line
-        if joined == n and (complete or not need_measurements):
+            last, last_phase, last_printed_at = line, phase, now
+        if done:
             if tty:
                 print(file=out)
             return

@@ -10,8 +10,10 @@ into the run dir, atomically:
     RUN_DIR/train.jsonl    one line per step, steps sorted; of several lines for one step the
                            one with the highest (term, epoch) wins
     RUN_DIR/events.jsonl   every event once, sorted by time
-    RUN_DIR/run.json       {"run_id", "started_at"} of the run `dtfm-swarm train` started: lines
-                           of earlier runs (still in some data dir) are left out of the merge
+    RUN_DIR/run.json       {"run_id", "started_at", "issuer", "request", "allocation"} of the run
+                           `dtfm-swarm train` started: lines of earlier runs (still in some data
+                           dir) are left out of the merge; `dtfm-swarm report` names the preset,
+                           seed and allocation from it
 
 `wait_step` follows the merged log, so it keeps working whichever peer coordinates.
 """
@@ -29,7 +31,7 @@ from typing import Any
 from .proc import peer_request, peer_status
 from .state import PeerEntry, SwarmError, SwarmState
 
-__all__ = ["EVENTS_NAME", "LOG_NAME", "merge_events", "merge_train", "plot_loss", "read_log",
+__all__ = ["EVENTS_NAME", "LOG_NAME", "RUN_NAME", "current_run", "merge_events", "merge_train", "read_log",
            "run_end", "start_training", "sync_logs", "wait_step", "write_jsonl"]
 
 LOG_NAME = "train.jsonl"
@@ -51,8 +53,9 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, timeout_s: fl
     started_at = time.time()
     reply = peer_request(peer, "train_start", args, timeout_s=timeout_s)
     if run_dir is not None:
-        _write_atomic(run_dir / RUN_NAME,
-                      json.dumps({"run_id": reply.get("run_id"), "started_at": started_at}) + "\n")
+        record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
+                  "request": args, "allocation": reply}
+        _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
     return reply
 
 
@@ -241,27 +244,3 @@ def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, pol
             raise SwarmError(f"step {step} not reached within {timeout_s:g} s ({where}"
                              + (f"; {why}" if why else "") + ")")
         time.sleep(poll_s)
-
-
-def plot_loss(run_dir: Path) -> Path | None:
-    """`loss.png` from the run dir's train.jsonl; None when matplotlib is not installed."""
-    try:
-        import matplotlib
-    except ImportError:
-        return None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in read_log(run_dir / LOG_NAME) if r.get("loss") is not None]
-    if not rows:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("tiny GPT on the swarm")
-    fig.tight_layout()
-    out = run_dir / "loss.png"
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out

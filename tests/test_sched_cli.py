@@ -2,12 +2,13 @@
 
 import json
 
+import numpy as np
 import pytest
 from test_sched_cost import paper_cost_literal
 
 from dtfm.scenarios import load_scenario
-from dtfm.sched import PAPER_GPT3_XL
-from dtfm.sched.cli import main
+from dtfm.sched import PAPER_GPT3_XL, get_preset, solve
+from dtfm.sched.cli import main, plot_title
 
 
 def run(capsys, *argv):
@@ -87,3 +88,33 @@ def test_plot_writes_a_png(tmp_path, capsys):
                    "--time-budget", "30", "--generations", "1", "--plot", str(png))
     assert rc == 0
     assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_plot_names_its_cost_and_orders_the_heat_map_by_pipeline(tmp_path, monkeypatch):
+    import matplotlib.figure
+
+    drawn = {}
+
+    def savefig(fig, path, **kw):
+        left, heat = fig.axes[0], fig.axes[1]
+        drawn["title"] = left.get_title()
+        drawn["labels"] = (heat.get_xlabel(), heat.get_ylabel())
+        drawn["ticks"] = [t.get_text() for t in heat.get_yticklabels()]
+        drawn["matrix"] = heat.get_images()[0].get_array()
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    X = np.array([[0, 2], [1, 3]])  # stage x pipeline: pipeline 0 is peers 0 -> 1, pipeline 1 is 2 -> 3
+    delay = np.array([[0, 1, 50, 50], [1, 0, 50, 50], [50, 50, 0, 2], [50, 50, 2, 0]], dtype=float)
+    from dtfm.sched.plot import plot_allocation
+
+    plot_allocation(tmp_path / "a.png", delay, ["eu", "eu", "us", "us"], X, [], "t")
+    # pipeline by pipeline: the in-pipeline blocks lie on the diagonal
+    assert drawn["matrix"].tolist() == [[0, 1, 50, 50], [1, 0, 50, 50], [50, 50, 0, 2], [50, 50, 2, 0]]
+    assert drawn["ticks"] == ["pipeline 0", "pipeline 1"]
+    assert drawn["labels"] == ("to peer: pipeline by pipeline, stages 0..1 in each", "from peer")
+    sc = load_scenario("universities").scaled(8)
+    alloc = solve(sc.delay_ms(), sc.bandwidth_gbps(), get_preset("gpt-tiny"), stages=4, time_budget_s=1,
+                  generations=1)
+    title = plot_title("universities", alloc)
+    assert title.startswith("universities: 4 stages x 2 pipelines\ncommunication cost per iteration (DT-FM's): ")
+    assert f"= data-parallel {alloc.cost.dp_s:.2f} s + 2 x pipeline {alloc.cost.pp_s:.2f} s" in title

@@ -18,6 +18,7 @@ from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_text
 from dtfm.swarm import cli as swarm_cli
 from dtfm.swarm import report as report_mod
+from dtfm.swarm import runreport
 from dtfm.swarm import train as train_mod
 from dtfm.swarm.report import format_event, format_reconfigurations, format_status, pick_coordinator, status_report
 from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, save_state
@@ -329,20 +330,75 @@ def test_events_command_without_events(tmp_path, capsys):
     assert out.out == "" and "no events yet" in out.err
 
 
-def test_report_lists_the_reconfigurations(tmp_path, monkeypatch):
-    assert format_reconfigurations(EVENTS[:1]) == []  # the first election alone is no news
-    monkeypatch.setattr(swarm_cli, "plot_loss", lambda run_dir: None)
-    write_jsonl(tmp_path / "train.jsonl", [step(k, 1) for k in range(3)])
-    write_jsonl(tmp_path / "events.jsonl", EVENTS)
-    (tmp_path / "run.json").write_text(json.dumps({"run_id": None, "started_at": 1000.0}))
-    reply = {"stages": 2, "dp": 4, "pipelines": [["aa" * 32, "bb" * 32]], "predicted_iteration_s": 1.25}
-    swarm_cli._demo_report(tmp_path, reply)
+def _run_dir_of_a_finished_run(tmp_path: Path, events=EVENTS) -> SwarmState:
+    """What a stopped swarm leaves: swarm.json, run.json, train.jsonl, events.jsonl (no daemon)."""
+    state = make_state(tmp_path)
+    save_state(tmp_path, state)
+    rows = [step(k, 1, tokens_per_s=1000.0 + k, predicted_iteration_s=0.4) for k in range(60)]
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    write_jsonl(tmp_path / "events.jsonl", events)
+    allocation = {"run_id": "ab" * 16, "stages": 2, "dp": 2, "pipelines": [[ID["p04"], ID["p01"]],
+                                                                          [ID["p00"], ID["p03"]]],
+                  "spares": [ID["p05"]], "layer_ranges": [[0, 1], [2, 3]], "predicted_iteration_s": 0.4}
+    (tmp_path / "run.json").write_text(json.dumps({
+        "run_id": "ab" * 16, "started_at": 1000.0, "issuer": "p00", "allocation": allocation,
+        "request": {"preset": "small", "steps": 60, "seed": 7, "placement": "scheduler"}}))
+    return state
+
+
+def test_report_redraws_a_stopped_run_from_its_run_dir(tmp_path, capsys):
+    _run_dir_of_a_finished_run(tmp_path)
+    assert swarm_cli.main(["report", "--run-dir", str(tmp_path)]) == 0
     text = (tmp_path / "report.txt").read_text()
-    assert "reconfigurations: 1; coordinators elected: 1" in text
+    assert capsys.readouterr().out.startswith(text)
+    lines = text.splitlines()
+    assert lines[0] == "run abababab, preset small, 60 steps, seed 7, placement scheduler"
+    assert lines[1] == ("swarm: scenario worldwide, 6 peers: p00(eu), p01(us), p02(eu), p03(us), "
+                        "p04(eu), p05(asia)")
+    assert "  pipeline 0: p04(eu) -> p01(us)" in lines and "  spares: p05(asia)" in lines
+    assert "iteration time: predicted 0.400 s, measured median 0.500 s (first step left out)" in lines
+    assert "throughput: median 1030 tokens/s" in lines
+    assert any(line.startswith("time: 60.0 s from train start (") and line.endswith("to step 59")
+               for line in lines)
+    assert "reconfigurations: 1; coordinators elected: 1" in lines
     assert "  +60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3" in text
-    write_jsonl(tmp_path / "events.jsonl", [])
-    swarm_cli._demo_report(tmp_path, reply)
-    assert "reconfiguration" not in (tmp_path / "report.txt").read_text()
+    assert lines[-1] == f"loss plot: {tmp_path / 'loss.png'}"
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_reconfigurations_or_steps_says_so(tmp_path):
+    _run_dir_of_a_finished_run(tmp_path, events=EVENTS[:1])  # the first election alone is no news
+    assert format_reconfigurations(EVENTS[:1]) == []
+    assert "reconfigurations: none" in runreport.write_report(tmp_path)
+    (tmp_path / "train.jsonl").unlink()
+    lines = runreport.write_report(tmp_path)
+    assert "steps: none logged yet" in lines and lines[-1] == "loss plot: none (no step logged)"
+
+
+def test_report_plot_marks_reconfigurations_and_names_the_preset(tmp_path, monkeypatch):
+    _run_dir_of_a_finished_run(tmp_path)
+    drawn = {}
+    import matplotlib.figure
+
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def savefig(fig, out, **kw):
+        loss_ax = fig.axes[0]
+        drawn["title"] = loss_ax.get_title()
+        drawn["vlines"] = [line.get_xdata()[0] for line in loss_ax.get_lines() if line.get_linestyle() == ":"]
+        drawn["ylabels"] = [a.get_ylabel() for a in fig.axes]
+        return real_savefig(fig, out, **kw)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", savefig)
+    runreport.write_report(tmp_path)
+    assert drawn["title"] == "preset small on the swarm: 6 peers, scenario worldwide, 2 stages x 2 pipelines"
+    assert drawn["vlines"] == [41]  # the reconfiguration's resume step
+    assert set(drawn["ylabels"]) == {"loss", "iteration time (s)", "tokens/s"}
+
+
+def test_report_of_an_empty_dir_is_an_error(tmp_path, capsys):
+    assert swarm_cli.main(["report", "--run-dir", str(tmp_path)]) == 1
+    assert "no run in" in capsys.readouterr().err
 
 
 # ---- dtfm-peer ----------------------------------------------------------------------------------

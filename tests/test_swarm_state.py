@@ -1,5 +1,7 @@
-"""dtfm-swarm's pure parts: run-dir state, peer lookup, the measured view in scenario units."""
+"""dtfm-swarm's pure parts: run-dir state, peer lookup, the measured view in scenario units,
+the command line."""
 
+import argparse
 import os
 import stat
 import tempfile
@@ -83,25 +85,46 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path, capsys):
     assert err.startswith(f"dtfm-swarm: error: no swarm in {tmp_path / 'none'}") and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--scenario", "atlantis"], "no scenario 'atlantis'"),
-    (["--peers", "1"], "--peers must be between 2 and 256"),
-    (["--time-scale", "0"], "--time-scale / --bandwidth-scale: time_scale must be a positive number"),
-    (["--bandwidth-scale", "nan"], "bandwidth_scale must be a positive number"),
-])
-def test_up_refuses_bad_settings_before_starting_peers(tmp_path, capsys, flags, message):
+def test_up_refuses_an_unknown_scenario_before_starting_peers(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert swarm.main(["up", "--run-dir", str(run_dir), *flags]) == 1
+    assert swarm.main(["up", "--run-dir", str(run_dir), "--scenario", "atlantis"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("dtfm-swarm: error: ") and message in err and err.count("\n") == 1
+    assert err.startswith("dtfm-swarm: error: ") and "no scenario 'atlantis'" in err and err.count("\n") == 1
     assert not run_dir.exists()
 
 
-def test_bad_command_line_exits_2(capsys):
+@pytest.mark.parametrize("argv,message", [
+    (["up", "--peers", "many"], "argument --peers: 'many' is not a peer count from 2 to 256"),
+    (["up", "--peers", "0"], "argument --peers: '0' is not a peer count from 2 to 256"),
+    (["up", "--peers", "1"], "argument --peers: '1' is not a peer count"),
+    (["up", "--peers", "257"], "argument --peers: '257' is not a peer count"),
+    (["demo", "--peers", "0"], "argument --peers: '0' is not a peer count"),
+    (["up", "--time-scale", "0"], "argument --time-scale: '0' is not a positive number"),
+    (["up", "--bandwidth-scale", "nan"], "argument --bandwidth-scale: 'nan' is not a positive number"),
+    (["up", "--timeout", "-1"], "argument --timeout: '-1' is not a positive number of seconds"),
+    (["train", "--steps", "0"], "argument --steps: '0' is not a positive integer"),
+    (["train", "--stages", "0"], "argument --stages: '0' is not a positive integer"),
+    (["train", "--checkpoint-every", "-1"], "argument --checkpoint-every: '-1' is not a non-negative integer"),
+    (["wait", "--step", "-1"], "argument --step: '-1' is not a non-negative integer"),
+    (["up", "--fresh", "--resume"], "argument --resume: not allowed with argument --fresh"),
+])
+def test_bad_values_exit_2_with_usage_before_anything_starts(tmp_path, capsys, argv, message):
+    run_dir = tmp_path / "run"
     with pytest.raises(SystemExit) as info:
-        swarm.main(["up", "--peers", "many"])
+        swarm.main([*argv, "--run-dir", str(run_dir)])
     assert info.value.code == 2
-    assert "dtfm-swarm up: error: argument --peers" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dtfm-swarm") and f"error: {message}" in err, err
+    assert not run_dir.exists()
+
+
+def test_every_subcommand_has_a_description():
+    parser = swarm.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        assert p.description and len(p.description) > 40, name
+        assert name in parser.format_help()
+    assert "RUN_DIR" not in sub.choices["up"].format_help()  # metavars say what to give
 
 
 def test_demo_model_is_trains_preset():
@@ -230,3 +253,137 @@ def test_default_run_dir_is_per_user_never_the_shared_temp_dir(tmp_path, monkeyp
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_run_dir() == tmp_path / "home" / ".cache" / "dtfm" / "swarm"
     assert not str(default_run_dir()).startswith(tempfile.gettempdir() + os.sep + "dtfm")
+# ---- the run dir of an earlier swarm ----------------------------------------------------------
+
+def _used_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(mode=0o700)
+    state = make_state(run_dir)
+    for p in state.peers:
+        (run_dir / p.name).mkdir(parents=True)
+        (run_dir / p.name / "daemon.log").write_text("old\n")
+    save_state(run_dir, state)
+    for name in ("swarm.key", "train.jsonl", "report.txt"):
+        (run_dir / name).write_text("old\n")
+    (run_dir / "notes.txt").write_text("the user's own\n")
+    return run_dir
+
+
+def test_up_refuses_a_used_run_dir_without_fresh_or_resume(tmp_path, capsys, monkeypatch):
+    run_dir = _used_run_dir(tmp_path)
+    monkeypatch.setattr(swarm, "start_peer", lambda *a: pytest.fail("started a peer"))
+    assert swarm.main(["up", "--run-dir", str(run_dir), "--peers", "2"]) == 1
+    err = capsys.readouterr().err
+    assert (f"dtfm-swarm: error: {run_dir} holds an earlier swarm (swarm.json, swarm.key, train.jsonl, "
+            "report.txt, p00, p01, ...): pass --fresh") in err and "--resume" in err
+    assert (run_dir / "p00" / "daemon.log").exists() and (run_dir / "train.jsonl").exists()
+
+
+def test_fresh_deletes_what_the_swarm_wrote_and_nothing_else(tmp_path):
+    run_dir = _used_run_dir(tmp_path)
+    (run_dir / "p77").mkdir()  # no daemon.log, no identity: not a peer dir
+    swarm.reuse_run_dir(run_dir, load_state(run_dir), fresh=True, resume=False)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", "p77"]
+    swarm.reuse_run_dir(run_dir, None, fresh=False, resume=False)  # clean now: nothing to refuse
+
+
+def test_resume_keeps_the_earlier_swarm(tmp_path, capsys):
+    run_dir = _used_run_dir(tmp_path)
+    swarm.reuse_run_dir(run_dir, load_state(run_dir), fresh=False, resume=True)
+    assert (run_dir / "p00" / "daemon.log").exists()
+    assert "resuming in" in capsys.readouterr().err
+
+
+# ---- signals: `up` stops what it started --------------------------------------------------------
+
+# `dtfm-swarm up` with `sleep` processes for peers: as a daemon, each runs in a session of its own,
+# so only `up` itself can stop it. MODE "starting": SIGTERM arrives while `up` waits for the swarm
+# to converge; "foreground": `up --foreground` runs until the test sends SIGTERM.
+FAKE_UP = r"""
+import os, signal, subprocess, sys, time
+from dtfm.swarm import cli, proc
+
+run_dir, mode = sys.argv[1], sys.argv[2]
+
+def start_peer(run_dir, state, peer, extra):
+    p = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    proc._STARTED[p.pid] = p
+    peer.pid = p.pid
+    print("pid", p.pid, flush=True)
+
+def wait_converged(state, timeout_s, *, need_measurements):
+    if mode == "starting":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+cli.start_peer, cli.wait_converged = start_peer, wait_converged
+sys.exit(cli.main(["up", "--run-dir", run_dir, "--scenario", "datacenter", "--peers", "3", "--no-emulation"]
+                  + (["--foreground"] if mode == "foreground" else [])))
+"""
+
+
+@pytest.mark.parametrize("mode", ["starting", "foreground"])
+def test_sigterm_to_up_stops_every_peer_it_started(tmp_path, mode):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dtfm.swarm.state import pid_alive
+
+    cmd = [sys.executable, "-c", FAKE_UP, str(tmp_path / "run"), mode]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = []
+    try:
+        if mode == "foreground":
+            for line in proc.stderr:  # the peers are up; `up` stays
+                if "running in the foreground" in line:
+                    break
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        pids = [int(line.split()[1]) for line in out.splitlines() if line.startswith("pid ")]
+        assert proc.returncode == 143, err
+        assert "dtfm-swarm: terminated" in err
+        assert len(pids) == 3
+        deadline = time.monotonic() + 5
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in pids if pid_alive(p)]
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_converging_without_a_terminal_logs_changes_not_every_poll(tmp_path, monkeypatch):
+    import io
+
+    from dtfm.swarm import proc
+
+    state = make_state(tmp_path)
+    for p in state.peers:
+        p.pid = os.getpid()
+    n = len(state.peers)
+    polls = {p.name: 0 for p in state.peers}
+
+    def peer_status(peer):  # every peer sees all; each poll measures one more link
+        polls[peer.name] += 1
+        members = [{"id": q.peer_id, "state": "alive"} for q in state.peers]
+        return {"peer_id": peer.peer_id, "gossip": {"members": members, "view": {
+            "measured_links": min(polls[peer.name], n * (n - 1)), "expected_links": n * (n - 1)}}}
+
+    clock = [0.0]
+    monkeypatch.setattr(proc, "peer_status", peer_status)
+    monkeypatch.setattr(proc.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(proc.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    out = io.StringIO()  # not a terminal
+    proc.wait_converged(state, 60.0, need_measurements=True, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("peers answering 3/3, seeing all 3/3, links measured 3/18 (each peer's view of the "
+                        "6 directed links)")
+    assert lines[-1].endswith("links measured 18/18 (each peer's view of the 6 directed links)")
+    assert len(lines) == 2  # 6 polls of 0.25 s: no periodic line in between
