@@ -17,6 +17,7 @@ import argparse
 import importlib.metadata
 import dataclasses
 import json
+import math
 import os
 import secrets
 import sys
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "exit 0. Creates the identity key if the data dir has none.")
     _add_config_file(p, "TOML configuration file (see docs/daemon.md); flags override it")
     _add_config_flags(p)
+    p.set_defaults(subparser=p)  # a flag value the settings refuse is a usage error (exit 2)
 
     for name, text in (("status", "show the running daemon's status"),
                        ("leave", "make the running daemon leave the swarm and exit")):
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-wait", action="store_true",
                            help="return once the daemon accepted, without waiting for it "
                                 "to exit")
-            p.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+            p.add_argument("--timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                            help="how long to wait for the daemon to exit (default: 30)")
     p = sub.add_parser("train", help="start, stop or reschedule training on the swarm",
                        description="Start training on the swarm from this daemon, stop the run, or "
@@ -146,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=_non_negative_int, default=0,
                    help="seeds the weights and the data order; the same seed gives the same losses "
                         "whatever the shape (default: %(default)s)")
-    t.add_argument("--stages", default="auto", metavar="S|auto",
+    t.add_argument("--stages", type=_stages, default="auto", metavar="S|auto",
                    help="pipeline stages; auto lets the scheduler pick the shape (default: %(default)s)")
     t.add_argument("--dp", type=_positive_int, default=None, metavar="D",
                    help="data-parallel pipelines (with --stages S; default: as many as the live peers fill)")
@@ -162,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wait until N peers (this one included) are live and their links measured, "
                         "then form the first configuration and schedule them; gives up after "
                         "--timeout (default: %(default)s, start at once)")
-    t.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long to wait for --min-peers and for every peer to accept "
                         "(default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
@@ -181,24 +183,49 @@ def build_parser() -> argparse.ArgumentParser:
                                     "moves; --json prints all of it.")
     _add_data_dir(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    t.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long to wait for the coordinator's answer (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
     return parser
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
     return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _stages(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r}") from None
 
 
 # ---- commands ---------------------------------------------------------------------------------
@@ -383,12 +410,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"the run stops before step {reply['at_step']} ({reply['told']} peers told)", file=sys.stderr)
         return 0
     stages = args.stages
-    if stages != "auto":
-        try:
-            stages = _positive_int(stages)
-        except (ValueError, argparse.ArgumentTypeError):
-            raise CliError(f"--stages must be a positive integer or auto, got {args.stages!r}") from None
-    elif args.dp is not None:
+    if stages == "auto" and args.dp is not None:
         raise CliError("--dp needs --stages S")
     request = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "stages": stages,
                "dp": args.dp, "checkpoint_every": args.checkpoint_every, "placement": args.placement,
@@ -451,7 +473,10 @@ def format_reschedule(reply: dict) -> str:
 
 def cmd_join(args: argparse.Namespace) -> int:
     config = load_toml(args.config) if args.config else DaemonConfig.default()
-    config = apply_flags(config, args)
+    try:
+        config = apply_flags(config, args)
+    except ConfigError as e:
+        args.subparser.error(str(e))  # exits 2, with the usage
     logs.configure(config.log.level, json_lines=config.log.json)
     from .runner import run_daemon  # the daemon's services load torch: only `join` pays for it
 

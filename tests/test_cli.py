@@ -94,14 +94,19 @@ def test_join_errors_are_one_line(tmp_path, capsys, restore_logging):
     (tmp_path / "bad.toml").write_text("[peer]\nlisten = 'x'\n")
     assert main(["join", "--config", str(tmp_path / "bad.toml")]) == 1
     assert "peer.listen: 'x': expected HOST:PORT" in capsys.readouterr().err
-    # A value the emulator's own config refuses, given as a flag.
-    assert main(["join", "--data-dir", str(tmp_path), "--drop", "2"]) == 1
-    assert capsys.readouterr().err == ("dtfm-peer: error: emulation.drop_fraction: drop_fraction must be "
-                                       "in [0, 1], got 2.0\n")
+    # A value the emulator's own config refuses, given as a flag: a bad command line (exit 2).
+    with pytest.raises(SystemExit) as info:
+        main(["join", "--data-dir", str(tmp_path), "--drop", "2"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith("dtfm-peer join: error: emulation.drop_fraction: drop_fraction must "
+                                            "be in [0, 1], got 2.0\n")
     # A data path that does not exist stops `join` before anything starts (no key is needed yet).
-    assert main(["join", "--data-dir", str(tmp_path), "--data", "/nonexistent"]) == 1
-    assert capsys.readouterr().err == ("dtfm-peer: error: plane.data (--data) /nonexistent: no such file or "
-                                       "folder; give the text file or folder of text files this peer trains on\n")
+    with pytest.raises(SystemExit) as info:
+        main(["join", "--data-dir", str(tmp_path), "--data", "/nonexistent"])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.endswith("dtfm-peer join: error: plane.data (--data) /nonexistent: no such "
+                                            "file or folder; give the text file or folder of text files this "
+                                            "peer trains on\n")
 
 
 def test_usage_errors_exit_2(capsys):

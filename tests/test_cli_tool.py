@@ -1,0 +1,80 @@
+"""The command-line tools as a user meets them: quick to answer without loading torch,
+`--version` everywhere, exit status 2 for every bad value."""
+
+import subprocess
+import sys
+
+import pytest
+
+from dtfm.peer.cli import main as peer_main
+from dtfm.sched.cli import main as sched_main
+from dtfm.swarm.cli import main as swarm_main
+from dtfm.train.cli import main as train_main
+
+# Import each CLI, build its parser and print its help (as `--help` does), then list which heavy
+# modules got loaded. Run in a fresh interpreter: this test process has torch already.
+PROBE = r"""
+import contextlib, io, sys
+from dtfm.peer.cli import build_parser as peer_parser
+from dtfm.swarm.cli import build_parser as swarm_parser
+from dtfm.swarm.cli import cmd_status
+for parser, argv in ((peer_parser(), ["--help"]), (peer_parser(), ["status", "--help"]),
+                     (peer_parser(), ["leave", "--help"]), (peer_parser(), ["join", "--help"]),
+                     (swarm_parser(), ["--help"]), (swarm_parser(), ["status", "--help"])):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        parser.parse_args(argv)
+print(" ".join(m for m in ("torch", "scipy", "matplotlib", "safetensors") if m in sys.modules))
+"""
+
+
+def test_status_leave_and_help_load_no_torch_scipy_or_matplotlib():
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_dtfm_peer_status_without_a_daemon_loads_no_torch(tmp_path):
+    probe = ("import sys\nfrom dtfm.peer.cli import main\n"
+             f"rc = main(['status', '--data-dir', {str(tmp_path)!r}])\n"
+             "print(rc, 'torch' in sys.modules, 'scipy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["1", "False", "False"]
+    assert "no daemon is running for data dir" in out.stderr
+
+
+@pytest.mark.parametrize("main,prog", [(peer_main, "dtfm-peer"), (swarm_main, "dtfm-swarm"),
+                                       (sched_main, "dtfm-sched"), (train_main, "python -m dtfm.train")])
+def test_version_on_every_command(capsys, main, prog):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{prog} ") and out.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["join", "--listen", "127.0.0.1:99999"], "dtfm-peer join: error: --listen: port 99999 is outside 0..65535"),
+    (["join", "--listen", "localhost"], "dtfm-peer join: error: --listen: 'localhost': expected HOST:PORT"),
+    (["join", "--log-level", "loud"], "dtfm-peer join: error: log.level 'loud': choose one of debug"),
+    (["train", "start", "--stages", "0"],
+     "dtfm-peer train start: error: argument --stages: must be a positive integer or auto, got '0'"),
+    (["train", "start", "--steps", "0"], "argument --steps: must be a positive integer, got 0"),
+    (["train", "start", "--timeout", "-1"], "argument --timeout: must be a positive number of seconds, got '-1'"),
+    (["leave", "--timeout", "nan"], "argument --timeout: must be a positive number of seconds, got 'nan'"),
+    (["status", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_bad_values_exit_2_with_usage(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        peer_main([*argv, "--data-dir", str(tmp_path / "d")])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: dtfm-peer") and message in err, err
+    assert not (tmp_path / "d").exists()  # nothing created: no identity, no data dir
+
+
+def test_sched_and_train_bad_values_exit_2(capsys):
+    for main, argv in ((sched_main, ["solve", "--scenario", "worldwide", "--stages", "0"]),
+                       (train_main, ["--stages", "0"])):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+    capsys.readouterr()
