@@ -48,7 +48,8 @@ from .handshake import (
     reject_message,
 )
 from .identity import Identity, short_id
-from .ratelimit import HandshakeAdmission
+from .lograte import LogLimiter
+from .ratelimit import HandshakeAdmission, source_key
 from .replay import HelloGuard
 from .session import encode_prefix
 from .shaping import LinkShaper
@@ -59,6 +60,10 @@ __all__ = ["Transport"]
 logger = logging.getLogger(__name__)
 
 MAX_DIALLED_ADDRESSES = 4096  # host:port -> verified peer id, remembered for reuse
+# Refused handshakes are logged at WARNING at most once a minute per source host (ten lines a
+# minute in all), with the count of those left out.
+REFUSAL_LOG_INTERVAL_S = 60.0
+REFUSAL_LOG_BURST = 10
 
 
 class Transport(Registry):
@@ -86,6 +91,7 @@ class Transport(Registry):
         self._suites = None if config.cipher_suites is None else list(config.cipher_suites)
         self._shaper = shaper
         self._all: set[Connection] = set()
+        self._refusal_log = LogLimiter(REFUSAL_LOG_INTERVAL_S, burst=REFUSAL_LOG_BURST)
         self._admission = HandshakeAdmission(
             config.handshake_rate_per_s,
             config.handshake_burst,
@@ -231,7 +237,10 @@ class Transport(Registry):
         try:
             hs = await self._accept_handshake(stream, reader, remote)
         except _Refused as e:
-            logger.debug("refused handshake from %s:%d: %s", remote[0], remote[1], e)
+            if e.warn:
+                self._warn_refused(remote, str(e))
+            else:
+                logger.debug("refused handshake from %s:%d: %s", remote[0], remote[1], e)
             hs = None
         except (ProtocolError, ConnectionClosed) as e:
             logger.debug("bad handshake from %s:%d: %s", remote[0], remote[1], e)
@@ -243,6 +252,16 @@ class Transport(Registry):
             await trio.aclose_forcefully(stream)
             return
         await self._run_connection(stream, reader, hs, hs.peer_id, remote, trio.TASK_STATUS_IGNORED)
+
+    def _warn_refused(self, remote: tuple[str, int], reason: str) -> None:
+        """A refused handshake, at WARNING with its reason: the connecting side learns only that it
+        was refused, so this log is where an operator finds out why (another swarm's key, a
+        stale clock, another protocol version). At most one line per source host a minute."""
+        left_out = self._refusal_log.admit(source_key(remote[0]), trio.current_time())
+        if left_out is not None:
+            more = (f" ({left_out} more from {remote[0]} in the last {self._refusal_log.interval_s:g} s "
+                    "not logged)" if left_out else "")
+            logger.warning("refused handshake from %s:%d: %s%s", remote[0], remote[1], reason, more)
 
     async def _accept_handshake(self, stream, reader, remote) -> HandshakeResult:
         """Wait for the hello as a pending connection, then take a handshake slot for it."""
@@ -257,7 +276,7 @@ class Transport(Registry):
             raise _Refused(f"no hello within {self.config.hello_timeout_s} s")
         refusal = self._admission.admit(host, trio.current_time())
         if refusal is not None:
-            raise _Refused(refusal)
+            raise _Refused(refusal, warn=True)
         try:
             with trio.move_on_after(self.config.handshake_timeout_s):
                 return await self._handshake_responder(stream, reader, msg1)
@@ -274,12 +293,12 @@ class Transport(Registry):
             # The reason stays here: the peer, member or not, learns only that we refused.
             with trio.move_on_after(self.config.close_timeout_s):
                 await _send_hs(stream, reject_message(REFUSAL))
-            raise _Refused(str(e)) from None
+            raise _Refused(str(e), warn=True) from None
         await _send_hs(stream, msg2)
         try:
             return resp.on_finish(await _recv_hs(reader))
         except HandshakeError as e:
-            raise _Refused(str(e)) from None
+            raise _Refused(str(e), warn=True) from None
 
     # ---- connection registry -----------------------------------------------------------
 
@@ -330,7 +349,13 @@ class Transport(Registry):
 
 
 class _Refused(Exception):
-    """An incoming connection or handshake refused; `str()` is the reason for the local log."""
+    """An incoming connection or handshake refused; `str()` is the reason for the local log.
+    `warn`: an operator should hear of it (a peer with the wrong key, a flood the admission
+    limits refused), not a connection that merely went quiet."""
+
+    def __init__(self, reason: str, *, warn: bool = False):
+        super().__init__(reason)
+        self.warn = warn
 
 
 def _keeps_existing(existing: Connection, new: Connection) -> bool:
