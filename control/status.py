@@ -56,7 +56,7 @@ class PlaneStatus:
             out.update({"run_id": a.run_id.hex(), "epoch": a.epoch, "issuer": a.issuer.hex(),
                         "preset": a.preset, "stages": a.stages, "dp": a.dp, "end_step": a.end_step,
                         "start_step": a.start_step, "predicted_iteration_s": a.predicted_iteration_s,
-                        "epoch_reason": a.reason})
+                        "epoch_reason": a.reason, "tokens_per_step": a.train.global_batch_seqs * a.model.seq_len})
             if self.me in a.peers:
                 d, s = a.position(self.me)
                 pipe = a.pipelines[d]

@@ -52,6 +52,8 @@ class Connection:
         self.initiator_id = initiator_id
         self.closed = False
         self.close_reason = ""
+        self.payload_bytes_sent = 0
+        self.payload_bytes_received = 0
         self.cipher_suite: str = hs.suite
         self._stream = stream
         self._config = config
@@ -164,6 +166,7 @@ class Connection:
         frame = frames.encode_msg(msg_type, flags, msg_id, reply_to, encoded, n)
         await self._shape.submit(frame, droppable and n == 0)
         if n:
+            self.payload_bytes_sent += n  # handed over to send
             await self._send_chunks(msg_id, payload, n)
 
     async def _send_chunks(self, msg_id: int, payload: Payload, n: int) -> None:
@@ -287,6 +290,8 @@ class Connection:
 
     def _dispatch(self, msg: frames.Message) -> None:
         assert self._nursery is not None  # run() is dispatching
+        if msg.payload is not None:
+            self.payload_bytes_received += msg.payload.nbytes
         if msg.flags & frames.FLAG_RESPONSE and msg.refused:
             self._requests.refused(msg.reply_to, msg.refused)
             return

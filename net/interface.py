@@ -52,6 +52,10 @@ class PeerConnection(Protocol):
     remote_address: tuple[str, int]  # the other end of this connection
     closed: bool
     close_reason: str  # why it closed; "" while open
+    # Payload bytes (tensors, weight chunks: not the message bodies) handed to this connection to
+    # send (replies included) and received on it; the daemon's status and metrics show them.
+    payload_bytes_sent: int
+    payload_bytes_received: int
 
     @property
     def last_seen(self) -> float:

@@ -192,6 +192,8 @@ class MemConnection:
         self.link = link
         self.closed = False
         self.close_reason = ""
+        self.payload_bytes_sent = 0
+        self.payload_bytes_received = 0
         self.last_seen = trio.current_time()
         self._local = local
         self._remote = remote
@@ -243,6 +245,7 @@ class MemConnection:
                 raise ConnectionClosed(self.close_reason)
         frame = MemFrame(self.link, kind, msg_type, ref, data, bytearray(payload) if n else None,
                          droppable and n == 0)
+        self.payload_bytes_sent += n  # handed over to send
         local.net.transmit(local, self._remote, frame, FRAME_OVERHEAD + len(data) + n)
         await trio.lowlevel.checkpoint()
 
@@ -274,6 +277,8 @@ class MemConnection:
             self._shut(f"protocol error: {e}", notify=True)
             return
         payload = None if frame.payload is None else memoryview(frame.payload)
+        if payload is not None:
+            self.payload_bytes_received += payload.nbytes
         if frame.kind == REPLY:
             self._requests.reply(frame.ref, body, payload)
         elif frame.kind == ERROR:

@@ -185,6 +185,27 @@ class LogConfig:
             raise ConfigError(f"log.level {self.level!r}: choose one of {', '.join(LOG_LEVELS)}")
 
 
+@dataclass(frozen=True)
+class MetricsConfig:
+    """The Prometheus endpoint (docs/daemon.md, "Metrics"). TOML table [metrics]."""
+
+    # Unset: no endpoint. It serves whoever can reach it (no authentication, as is usual for
+    # /metrics): bind it to loopback or a monitoring network, not to the internet.
+    listen: Address | None = option(
+        None, "serve Prometheus metrics at http://HOST:PORT/metrics (default: off)",
+        flag="--metrics-listen", metavar="HOST:PORT")
+    # A scraper sends a short GET: longer requests, and slower ones, are cut off.
+    max_request_bytes: int = option(8192, "longest HTTP request head accepted")
+    request_timeout_s: float = option(5.0, "time allowed to send the request and read the answer")
+    # Scrapes at once; more are closed at once rather than queued.
+    max_connections: int = option(16, "most scrapes served at once")
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 64 or self.max_connections < 1:
+            raise ConfigError("metrics.max_request_bytes must be >= 64 and metrics.max_connections >= 1")
+        _positive("metrics", "request_timeout_s", self.request_timeout_s)
+
+
 def _profiles(cls: type) -> tuple[str, ...]:
     """The named profiles of a config class: its classmethods that take no argument and return
     an instance (GossipConfig.lan, .wan, ...), in the order the class defines them."""
@@ -399,6 +420,7 @@ class DaemonConfig:
     gossip: GossipSection = GossipSection()
     emulation: EmulationSection = EmulationSection()
     plane: PlaneSection = PlaneSection()
+    metrics: MetricsConfig = MetricsConfig()
 
     @classmethod
     def default(cls) -> DaemonConfig:

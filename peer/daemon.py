@@ -137,6 +137,8 @@ class Daemon:
                 "address": str(entry.address), "region": entry.region,
                 "last_seen_s_ago": max(0.0, now - last_seen),
                 "connected_for_s": max(0.0, now - (entry.connected_since or now)),
+                "payload_bytes_sent": conn.payload_bytes_sent if conn is not None else 0,
+                "payload_bytes_received": conn.payload_bytes_received if conn is not None else 0,
             })
         departed = [{
             "peer_id": d.peer_id.hex(), "short_id": d.peer_id[:4].hex(),

@@ -7,7 +7,9 @@ transport exists). `services_setup` returns the setup hook that adds two service
 daemon: `GossipPart` runs a GossipService with the [gossip] settings, shows it under "gossip"
 in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partition` / `heal`);
 `PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
-under "training" and answers `train_start`, `train_stop` and `train_reschedule`. The sections
+under "training" and answers `train_start`, `train_stop` and `train_reschedule`; with
+`--metrics-listen`, `MetricsPart` (peer/metrics.py) serves the daemon's status as Prometheus
+metrics. The sections
 hold the lower layers' own configs (EmulationConfig, GossipConfig, PlaneConfig), passed on as
 they are.
 """
@@ -76,6 +78,12 @@ def services_setup(config: DaemonConfig, shaper: EmulatedLinks | None = None) ->
         daemon.add_control_op("emulate", gossip.emulate)
         for op, handler in plane.control_ops().items():
             daemon.add_control_op(op, handler)
+        if config.metrics.listen is not None:
+            from .metrics import MetricsPart  # prometheus_client: only a daemon that serves metrics loads it
+
+            metrics = MetricsPart(config.metrics)
+            daemon.add_service(metrics.run, name="metrics")
+            daemon.add_status_provider("metrics", metrics.status)
 
     return setup
 

@@ -56,6 +56,7 @@ class FakeConnection:
         self.remote_address = remote_address
         self.last_seen = trio.current_time()
         self.closed = False
+        self.payload_bytes_sent = self.payload_bytes_received = 0
         self.twin: "FakeConnection | None" = None
 
     async def _deliver(self, msg_type, body, payload):

@@ -11,10 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 import polling
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from dtfm.peer.config import SocketConfig
 from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
@@ -115,16 +117,35 @@ def swarm_root():
         shutil.rmtree(root, ignore_errors=True)
 
 
+def scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        assert answer.status == 200
+        return answer.read().decode()
+
+
 def peer_ids(status):
     return sorted(p["short_id"] for p in status["peers"])
 
 
 def test_two_daemons_find_each_other(swarm_root):
     root, start = swarm_root
-    a = start("a").ready()
+    a = start("a", extra=["--metrics-listen", "127.0.0.1:0"]).ready()
     b = start("b", bootstrap=[a.listen]).ready()
     wait_for("a and b to connect", lambda: peer_ids(a.status()) == [b.short_id]
              and peer_ids(b.status()) == [a.short_id])
+    # a's Prometheus endpoint, scraped and parsed: both members alive, one connected peer
+    url = a.status()["metrics"]["url"]
+
+    def connected_and_alive():
+        text = scrape(url)
+        samples = {s.name: s for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name != "dtfm_members" or s.labels == {"state": "alive"}}
+        if samples["dtfm_connected_peers"].value == 1 and samples["dtfm_members"].value == 2:
+            return samples
+        return None
+
+    samples = wait_for("a's metrics to show b connected and both members alive", connected_and_alive)
+    assert samples["dtfm_peer_info"].labels["region"] == "r-a"
     sa = a.cli_status()
     assert sa["region"] == "r-a"
     (entry,) = sa["peers"]

@@ -261,6 +261,10 @@ async def test_request_reply_with_payloads(peers, clock):
     floats = array.array("f", [1.0, 2.0, 3.0])  # a typed buffer travels as its bytes
     _, got = await peers.ba.request(ECHO, "f32", payload=memoryview(floats))
     assert bytes(got) == floats.tobytes()
+    # payload bytes are counted on both ends, replies included; bodies are not
+    both = len(payload) + len(floats.tobytes())  # each end sent one request and one reply
+    for conn in (peers.ab, peers.ba):
+        assert conn.payload_bytes_sent == conn.payload_bytes_received == both
 
 
 async def test_one_way_messages_arrive_and_get_no_reply(peers, clock):
