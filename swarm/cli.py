@@ -5,8 +5,12 @@ file says (scaled down to the requested count, keeping proportions) and every li
 inside the peers' transports (delay line + rate limiter per destination region). State lives in
 a run directory so every subcommand works from any shell.
 
+A run dir an earlier swarm used is refused unless `up` is told what to do with it (`--fresh`
+deletes what the swarm wrote there, `--resume` restarts its peers with their identities and
+runs); SIGTERM unwinds like Ctrl-C, through the clean-up that stops the peers a command started.
+
 Exit status: 0 success, 1 an error explained on stderr (`dtfm-swarm: error: ...`), 2 bad
-command line, 130 interrupted.
+command line (any bad value), 130 interrupted, 143 terminated.
 """
 
 from __future__ import annotations
