@@ -432,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "the scenario's links (default: %(default)s)")
         p.add_argument("--timeout", type=POSITIVE_SECONDS, default=180.0, metavar="SECONDS",
                        help="how long to wait for the swarm to converge (default: %(default)s)")
+        # test: every peer shares this machine, so the swarm runs the test profile's quick checks and
+        # short timeouts (and the wan election where the emulated links are too slow for the lan one:
+        # see dtfm.swarm.proc.plane_flags); wan or lan: the timings of a real deployment.
+        p.add_argument("--plane-profile", choices=PLANE_PROFILES, default="test",
+                       help="the peers' control plane timings (dtfm-peer join --plane-profile); the "
+                            "election's are wan where emulated round trips exceed "
+                            f"{LAN_ELECTION_MAX_RTT_MS:g} ms (default: %(default)s)")
 
     def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
         p.add_argument("--preset", default=DEMO_PRESET, metavar="NAME",
@@ -475,13 +482,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-on-failure", action="store_true",
                    help="leave the peers running when the swarm does not converge, to debug")
     p.add_argument("--log-json", action="store_true", help="peers log JSON lines")
-    # test: every peer shares this machine, so the swarm runs the test profile's quick checks and
-    # short timeouts (and the wan election where the emulated links are too slow for the lan one:
-    # see dtfm.swarm.proc.plane_flags); wan or lan: the timings of a real deployment.
-    p.add_argument("--plane-profile", choices=PLANE_PROFILES, default="test",
-                   help="the peers' control plane timings (dtfm-peer join --plane-profile); the "
-                        "election's are wan where emulated round trips exceed "
-                        f"{LAN_ELECTION_MAX_RTT_MS:g} ms (default: %(default)s)")
     p.add_argument("--no-emulation", action="store_true",
                    help="plain loopback between the peers: no emulated delay or bandwidth; the "
                         "scenario only names their regions")

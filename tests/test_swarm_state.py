@@ -387,3 +387,13 @@ def test_converging_without_a_terminal_logs_changes_not_every_poll(tmp_path, mon
                         "6 directed links)")
     assert lines[-1].endswith("links measured 18/18 (each peer's view of the 6 directed links)")
     assert len(lines) == 2  # 6 polls of 0.25 s: no periodic line in between
+
+
+def test_demo_gets_as_far_as_starting_peers(tmp_path, monkeypatch, capsys):
+    """`dtfm-swarm demo` (the README's first command) has every setting `up` reads."""
+    def start_peer(run_dir, state, peer, extra):
+        raise SwarmError(f"would start {peer.name} with the {state.plane_profile} plane profile")
+
+    monkeypatch.setattr(swarm, "start_peer", start_peer)
+    assert swarm.main(["demo", "--run-dir", str(tmp_path / "run"), "--peers", "2"]) == 1
+    assert "would start p00 with the test plane profile" in capsys.readouterr().err
