@@ -3,14 +3,19 @@
     state.py     ElectionState, the sans-IO machine, its roles and actions
     config.py    ElectionConfig and its profiles
     messages.py  the six election messages and their wire form
+    certificate.py  signed votes, the Certificate of an election, and its (cached) check
+    limits.py    the wire's bounds (MAX_TERM, MAX_VOTERS) and the check of a configuration
     store.py     the durable term and vote (file or memory)
     service.py   ElectionService, the trio driver of ElectionState inside a daemon
     sim.py       a deterministic simulated network of ElectionState nodes, for tests and
                  bench/election.py; not imported here (import dtfm.control.election.sim)
 """
 
+from .certificate import Certificate, CertificateCheck, config_digest, vote_payload
 from .config import ElectionConfig
 from .messages import (
+    MAX_TERM,
+    MAX_VOTERS,
     ElectionMessage,
     Heartbeat,
     HeartbeatAck,
@@ -30,11 +35,16 @@ from .state import (
     ElectionState,
     Persist,
     SteppedDown,
+    VoteSigner,
 )
 from .store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 
 __all__ = [
+    "MAX_TERM",
+    "MAX_VOTERS",
     "BecameCoordinator",
+    "Certificate",
+    "CertificateCheck",
     "CoordinatorKnown",
     "ElectionAction",
     "ElectionConfig",
@@ -56,5 +66,8 @@ __all__ = [
     "RequestVote",
     "SteppedDown",
     "Vote",
+    "VoteSigner",
+    "config_digest",
     "decode_election",
+    "vote_payload",
 ]
