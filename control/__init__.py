@@ -26,6 +26,7 @@ from .config import PlaneConfig
 from .dataplane import CommConfig, TensorRouter, TransportComm
 from .election import (
                          BecameCoordinator,
+                         Certificate,
                          CoordinatorKnown,
                          ElectionAction,
                          ElectionConfig,
@@ -62,6 +63,7 @@ __all__ = [
                          "AcceptContext",
                          "Allocation",
                          "BecameCoordinator",
+                         "Certificate",
                          "CommConfig",
                          "ControlMsg",
                          "ControlPlane",

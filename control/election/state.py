@@ -303,7 +303,8 @@ class ElectionState:
                            *self.last_applied)
             return out
         issuer = certificate.candidate if certificate is not None else None
-        if certificate is not None and issuer != self.me and certificate.term == term >= self.term:
+        known = term == self.term and self.coordinator == issuer
+        if certificate is not None and issuer != self.me and certificate.term == term >= self.term and not known:
             if self.may_apply(certificate.candidate, term, epoch, certificate, voters) is None:
                 self._follow(certificate, out, f"allocation of term {term} from {short_id(certificate.candidate)}")
         self.last_applied = (term, epoch)
