@@ -39,7 +39,7 @@ from dtfm.control.election import (
 )
 from dtfm.control.election.sim import ElectionSim, NetConditions, returning_peer, takeover_times
 from dtfm.control.sim import PlaneSim
-from dtfm.net import Identity, ProtocolError, pack, unpack_untrusted
+from dtfm.net import Identity, ProtocolError, pack, unpack_untrusted, verify_signature
 
 # Real Ed25519 keys (votes are signatures): A < B < ... < E by peer id; X and Y are outsiders.
 KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 8)), key=lambda k: k.peer_id)
@@ -577,6 +577,292 @@ def test_a_restarted_node_keeps_its_vote():
                           voters=FIVE)
     assert sends(again.handle(C, request(1, C), 0.0))[0].msg == Vote(1, False, 1, b"")
     assert sends(again.handle(A, request(1, A), 0.0))[0].msg == vote(B, 1, A)
+
+
+# ---------------------------------------------------------------------- lying insiders
+
+
+def _state(n: ElectionState) -> tuple:
+    return (n.term, n.voted_for, n.role, n.coordinator, n.certificate, n.voters, n.last_applied, n.next_deadline())
+
+
+@pytest.mark.parametrize("src, msg", [
+    # a never-elected identity names itself coordinator, its configuration itself alone
+    (X, Heartbeat(4, X, 1, 9, 9, cert(4, X, (X,), voters=(X,)))),
+    # ... with a configuration of this swarm's voters and itself, signing for itself alone
+    (X, Heartbeat(4, X, 1, 9, 9, Certificate(4, X, FIVE[:2] + (X,), ((0, bytes(64)), (2, SIGNERS[X].sign(b"x")))))),
+    # a voter does the same
+    (C, Heartbeat(4, C, 1, 9, 9, cert(4, C, (C,), voters=(C,)))),
+    # a certificate that is a majority of its own voters, a minority of this peer's
+    (C, Heartbeat(4, C, 1, 0, 0, cert(4, C, (C, X), voters=(A, C, X)))),
+    # a majority of this peer's voters, one of them forged
+    (C, Heartbeat(4, C, 1, 0, 0, Certificate(4, C, FIVE, cert(4, C, (B, C, D)).votes[:2] + ((3, bytes(64)),)))),
+    # a true certificate of A, sent by C
+    (C, hb(4, A)),
+    # votes and answers nobody asked for, in the largest term
+    (A, PreVoteReply(1, False, HUGE)),
+    (A, PreVoteReply(2, True, HUGE)),
+    (A, Vote(HUGE, False, HUGE, b"")),
+    (A, Vote(3, False, HUGE, b"")),
+    (A, vote(A, 3, B)),
+    (A, HeartbeatAck(HUGE, 1, False, 0, 0)),
+    # requests of outsiders: no answer, no term
+    (X, PreVote(4, X, 9, 9)),
+    (X, request(4, X, (9, 9))),
+    # a voter's request for a term too far ahead, and its pre-vote
+    (A, request(HUGE, A)),
+    (A, PreVote(HUGE, A, 0, 0)),
+])
+def test_a_liars_message_changes_nothing(src, msg):
+    n = node(B, term=3)
+    before = _state(n)
+    out = n.handle(src, msg, 0.0)
+    assert _state(n) == before
+    assert not [a for a in out if isinstance(a, Persist) or (isinstance(a, ElectionSend) and a.msg.kind in (0, 2))]
+    if src in (X, Y) or isinstance(msg, (Heartbeat, PreVoteReply, Vote, HeartbeatAck)):
+        assert out == []  # an outsider gets no answer; nobody gets one to an answer or a forgery
+
+
+def test_a_forged_heartbeat_does_not_make_a_follower_drop_its_coordinator():
+    n = follower_of(A, term=3, now=1.0)
+    before = _state(n)
+    for m in (Heartbeat(4, X, 1, 9, 9, cert(4, X, (X,), voters=(X,))), Heartbeat(3, X, 1, 9, 9, cert(3, X, (X,),
+                                                                                                      voters=(X,)))):
+        assert n.handle(X, m, 1.1) == []
+    assert _state(n) == before
+
+
+@pytest.mark.parametrize("config", [CFG, PLAIN])
+def test_answers_to_this_peers_own_round_move_its_term_within_the_jump_only(config):
+    n = node(A, config=config, term=3)
+    n.tick(10.0)
+    if config.pre_vote:
+        assert n.role is ElectionRole.PRE_CANDIDATE
+        assert n.handle(B, PreVoteReply(4, False, 4 + CFG.max_term_jump), 10.0) == [] and n.term == 3
+        assert n.handle(X, PreVoteReply(4, False, 5), 10.0) == [] and n.term == 3  # not a voter
+        n.handle(B, PreVoteReply(4, False, 3 + CFG.max_term_jump), 10.0)
+        assert n.term == 3 + CFG.max_term_jump and n.role is ElectionRole.FOLLOWER
+    else:
+        assert n.role is ElectionRole.CANDIDATE and n.term == 4
+        assert n.handle(B, Vote(4, False, 5 + CFG.max_term_jump, b""), 10.0) == [] and n.term == 4
+        assert n.handle(B, Vote(3, False, 9, b""), 10.0) == [] and n.term == 4  # another round's answer
+        n.handle(B, Vote(4, False, 4 + CFG.max_term_jump, b""), 10.0)
+        assert n.term == 4 + CFG.max_term_jump and n.role is ElectionRole.FOLLOWER
+
+
+def test_a_coordinator_stands_again_only_for_an_ack_of_its_own_heartbeat_within_the_jump():
+    n = coordinator(A)
+    assert n.handle(B, HeartbeatAck(5, 99, False, 0, 0), 0.1) == []  # no heartbeat 99 was sent
+    assert n.handle(B, HeartbeatAck(1 + CFG.max_term_jump, 1, False, 0, 0), 0.1) == []
+    assert n.handle(X, HeartbeatAck(5, 1, False, 0, 0), 0.1) == []  # not a voter
+    assert n.role is ElectionRole.COORDINATOR and n.term == 1
+    n.handle(B, HeartbeatAck(CFG.max_term_jump, 1, False, 0, 0), 0.1)
+    assert n.role is ElectionRole.CANDIDATE and n.term == 1 + CFG.max_term_jump
+
+
+def test_a_certified_term_is_taken_at_any_size_and_then_the_peer_never_stands():
+    n = follower_of(A, term=3)
+    out = n.handle(C, hb(HUGE, C), 1.0)
+    assert n.term == MAX_TERM == HUGE and n.coordinator == C and Persist(HUGE, None) in out
+    assert n.term_exhausted
+    for t in (10.0, 20.0, 30.0):  # its coordinator is gone: its timer fires, it does not stand
+        assert n.tick(t) == [] and n.role is ElectionRole.FOLLOWER
+    assert n.campaign(40.0) == []
+    # it still votes, and a coordinator at the largest term cannot be deposed by an ack past it
+    assert sends(n.handle(D, request(HUGE, D), 41.0))[0].msg.granted
+
+
+def test_at_the_largest_term_no_arithmetic_overflows():
+    n = node(A, term=HUGE - 1)
+    n.campaign(0.0)
+    for v in (B, C):
+        n.handle(v, PreVoteReply(HUGE, True, HUGE - 1), 0.0)
+    for v in (B, C):
+        n.handle(v, vote(v, HUGE, A), 0.0)
+    assert n.role is ElectionRole.COORDINATOR and n.term == HUGE
+    assert n.handle(B, HeartbeatAck(HUGE, 1, False, 0, 0), 0.1) == []  # would stand in 2^63: ignored
+    n.tick(0.1 + 3 * CFG.lease_s)  # no acks: steps down
+    assert n.role is ElectionRole.FOLLOWER
+    assert n.tick(100.0) == [] and n.role is ElectionRole.FOLLOWER
+
+
+def test_a_peer_without_a_configuration_takes_only_a_certificate_that_names_it():
+    n = node(B, voters=None)
+    three = (A, C, D)
+    assert n.handle(A, hb(1, A, voters=three, signers=(A, C)), 0.0) == []  # names no configuration of B
+    out = n.handle(A, hb(1, A, voters=(A, B, C), signers=(A, C)), 0.0)
+    assert CoordinatorKnown(1, A) in out and n.coordinator == A
+    assert n.voters == ()  # never from a heartbeat
+    # its first allocation: only one that makes it a voter
+    c = cert(1, A, (A, C), voters=three)
+    assert n.may_apply(A, 1, 1, c, three).code == "not-voter"
+    assert n.may_apply(A, 1, 1, c, (A, B, C, D)) is None
+    n.apply_allocation(1, 1, (A, B, C, D), c, 0.1)
+    assert n.voters == (A, B, C, D) and n.last_applied == (1, 1)
+
+
+def test_a_certificate_is_verified_once():
+    n = follower_of(A, term=3)
+    c = hb(4, A).certificate
+    checked = n.signatures_checked
+    for epoch in range(1, 20):
+        assert n.may_apply(A, 4, epoch, c, FIVE) is None
+    assert n.signatures_checked == checked + 3
+
+
+def test_after_a_configuration_change_the_coordinator_is_certified_again():
+    n = coordinator(A)
+    c1 = n.certificate
+    four = (A, B, C, D)
+    out = n.apply_allocation(1, 1, four, c1, 0.1)
+    asks = sends(out, RequestVote)
+    assert {a.to for a in asks} == {B, C, D} and asks[0].msg.config == config_digest(four) and asks[0].msg.term == 1
+    # a voter that voted for A in term 1 signs again, over the new configuration, without a second vote
+    voter = node(C, term=1, voted_for=A, applied=(1, 1), voters=four)
+    answer = voter.handle(A, asks[0].msg, 0.11)
+    assert answer == [ElectionSend(A, vote(C, 1, A, four))]
+    n.handle(C, vote(C, 1, A, four), 0.12)
+    assert n.certificate == c1
+    n.handle(D, vote(D, 1, A, four), 0.12)
+    assert n.certificate == cert(1, A, (A, C, D), voters=four) and n.role is ElectionRole.COORDINATOR
+    assert sends(n.tick(0.2), Heartbeat)[0].msg.certificate == n.certificate
+
+
+class ByzantineElection(SimFaults):
+    """A liar holding a real key (a voter or not) sends well-formed election messages with
+    arbitrary fields, and allocations, to the real machines of the election simulation: votes
+    it signs, certificates it forges or assembles from the votes it was sent, terms up to the
+    largest. The simulation's checks (true certificates, one coordinator per term unless the
+    liar signed for both, applied (term, epoch) only grows) hold, and no machine raises."""
+
+    def __init__(self):
+        super().__init__()
+        self.sim = None
+
+    @initialize(n=st.integers(3, 5), seed=st.integers(0, 2**32), codec=st.booleans())
+    def start(self, n, seed, codec):
+        liar_votes = seed % 3 != 0  # from the seed: hypothesis's simplest boolean would leave it out mostly
+        self.sim = ElectionSim(n + (0 if liar_votes else 1), CFG, seed=seed, codec=codec, liars=(n - 1,),
+                               conditions=NetConditions(jitter=1.0), liars_vote=liar_votes)
+        self.liar = n - 1
+        self.key = self.sim.signers[self.sim.ids[self.liar]]
+        self.sim.run_for(1.5)
+        self.applied_before = list(self.sim.disk_applied)
+
+    def _certificate(self, how: int, term: int, candidate: bytes) -> Certificate:
+        sim, me = self.sim, self.sim.ids[self.liar]
+        if how == 0:  # a configuration of its own
+            return Certificate.of(term, me, (me,), {me: self.key.sign(vote_payload(term, me, config_digest((me,))))})
+        voters = tuple(sorted(set(sim.voters) | {me}))
+        payload = vote_payload(term, candidate, config_digest(voters))
+        sigs = {v: (self.key.sign(payload) if v == me else bytes(64)) for v in voters}
+        if how == 2:  # the votes it was sent, for itself (forgeries to make up a majority)
+            payload = vote_payload(term, me, config_digest(voters))
+            sigs = {me: self.key.sign(payload)}
+            for src, m in sim.inbox[self.liar]:
+                if isinstance(m, Vote) and m.granted and m.term == term and verify_signature(sim.ids[src], payload,
+                                                                                             m.signature):
+                    sigs[sim.ids[src]] = m.signature
+            for v in voters:
+                if len(sigs) < len(voters) // 2 + 1:
+                    sigs.setdefault(v, bytes(64))
+        return Certificate.of(term, candidate if how != 2 else me, voters, sigs)
+
+    @rule(equivocate=st.booleans(), crash_first=st.booleans())
+    def stand(self, equivocate, crash_first):
+        """The liar stands as an honest candidate would (and, equivocating, also votes for
+        whoever asks it in that term), then claims the term with what it got; crash_first: once
+        the coordinator crashed and its lease ran out, when the voters grant."""
+        sim, me = self.sim, self.sim.ids[self.liar]
+        if crash_first:
+            for k in sim.coordinators():
+                sim.crash(k)
+            sim.run_for(CFG.lease_s + 0.01)
+        live = sim.live()
+        if not live:
+            return
+        term = min(MAX_TERM, max(sim.node(k).term for k in live) + 1)
+        applied = max(sim.disk_applied[k] for k in live)
+        voters = tuple(sorted(set(sim.voters) | {me}))
+        for k in live:
+            sim.inject(self.liar, k, RequestVote(term, me, *applied, config_digest(voters)))
+        sim.run_for(0.05)
+        if equivocate:
+            for src, m in list(sim.inbox[self.liar]):
+                if isinstance(m, RequestVote) and m.term == term and src != self.liar:
+                    sig = self.key.sign(vote_payload(term, m.candidate, m.config))
+                    sim.inject(self.liar, src, Vote(term, True, term, sig))
+        c = self._certificate(2, term, me)
+        for k in live:
+            sim.inject(self.liar, k, Heartbeat(term, me, 1, *applied, c))
+        sim.run_for(0.05)
+        sim.offer(self.liar, term, 1, voters, c)
+
+    _LIE = st.tuples(st.integers(0, 6), st.integers(0, 8), st.integers(0, 8), st.sampled_from([0, 1, 2, 1025]),
+                     st.booleans(), st.booleans(), st.integers(0, 2), st.integers(0, 9))
+
+    @rule(lies=st.lists(_LIE, min_size=1, max_size=12))
+    def lie(self, lies):
+        for one in lies:
+            self._lie(*one)
+        self.sim.run_for(0.05)
+
+    def _lie(self, kind, dst, pick, up, huge, flag, how, seq):
+        sim, me = self.sim, self.sim.ids[self.liar]
+        dst = dst % sim.n
+        if dst == self.liar:
+            return
+        target = sim.nodes[dst]
+        base = target.term if target is not None else 0
+        term = MAX_TERM - (up % 3) if huge else max(1, base + up)
+        other = sim.ids[pick % sim.n]
+        digest = config_digest(target.voters) if target is not None and target.voters else bytes(32)
+        if kind == 0:
+            msg = PreVote(term, me, seq, seq)
+        elif kind == 1:
+            msg = PreVoteReply(term, flag, term if flag else MAX_TERM)
+        elif kind == 2:
+            msg = RequestVote(term, me, seq, seq, digest)
+        elif kind == 3:  # a vote: its own true signature for the destination, or another's bytes
+            sig = self.key.sign(vote_payload(term, sim.ids[dst], digest)) if flag else bytes(64)
+            msg = Vote(term, True, term, sig) if how else Vote(term, False, MAX_TERM, b"")
+        elif kind == 4:
+            c = self._certificate(how, term, me)
+            msg = Heartbeat(term, c.candidate, seq, seq, seq, c) if c.candidate == me else None
+        elif kind == 5:
+            msg = HeartbeatAck(term, seq, flag, seq, seq)
+        else:  # an allocation, certified as well as it can
+            c = self._certificate(how, term, me if flag else other)
+            sim.offer(self.liar, term, base + seq + 1, tuple(sorted(set(sim.voters) | {me})), c)
+            return
+        if msg is not None:
+            sim.inject(self.liar, dst, msg)
+
+    @rule()
+    def hand_out(self):
+        """Every node that believes it is coordinator applies and offers its next allocation."""
+        sim = self.sim
+        for k in sim.coordinators():
+            node = sim.node(k)
+            sim.offer(k, node.term, node.last_applied[1] + 1, node.voters, node.certificate)
+
+    @rule(i=st.integers(0, 8))
+    def campaign(self, i):
+        self.sim.campaign(self._k(i))
+
+    @invariant()
+    def safe(self):
+        if self.sim is None:
+            return
+        assert self.sim.violations == []
+        for k in range(self.sim.n):
+            assert self.sim.disk_applied[k] >= self.applied_before[k]
+        self.applied_before = list(self.sim.disk_applied)
+
+
+TestByzantineElection = ByzantineElection.TestCase
+TestByzantineElection.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
+                                          suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------------- the protocol under faults

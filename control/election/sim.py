@@ -85,7 +85,8 @@ class NetConditions:
 class ElectionSim:
     def __init__(self, n: int, config: ElectionConfig, *, delays_s: Sequence[Sequence[float]] | None = None,
                  seed: int = 0, codec: bool = True, conditions: NetConditions | None = None,
-                 lose_reports: bool = True, keys: Sequence[Identity] | None = None, liars: Sequence[int] = ()) -> None:
+                 lose_reports: bool = True, keys: Sequence[Identity] | None = None, liars: Sequence[int] = (),
+                 liars_vote: bool = True) -> None:
         self.config = config
         # False: drop_fraction spares the plane's messages (a connection that stays up)
         self.lose_reports = lose_reports
@@ -102,7 +103,8 @@ class ElectionSim:
         self.inbox: dict[int, collections.deque] = {k: collections.deque(maxlen=INBOX_MESSAGES) for k in self.liars}
         self.certificates: dict[tuple[int, bytes], Certificate] = {}  # (term, coordinator) -> its certificate
         self._genuine: set[bytes] = set()  # digests of certificates whose signatures all verify
-        self.voters = tuple(self.ids)
+        # the first configuration: every node (liars_vote False: every node but the liars)
+        self.voters = tuple(p for k, p in enumerate(self.ids) if liars_vote or k not in self.liars)
         self.now = 0.0
         self.stores = [MemoryElectionStore() for _ in range(n)]
         self.disk_applied: list[tuple[int, int]] = [(0, 0)] * n
@@ -175,6 +177,28 @@ class ElectionSim:
         node = self.nodes[k]
         if node is not None:
             self._run(k, node.tick(self.local_now(k)))
+
+    def offer(self, src: int, term: int, epoch: int, voters: tuple[bytes, ...], cert: Certificate | None) -> int:
+        """Node (or liar) src's allocation of (term, epoch) configuring `voters`, with `cert`,
+        offered to every live node at once (no network; PlaneSim runs the real hand-out): each
+        applies it if its `may_apply` says yes. Checked: an allocation is applied only from the
+        coordinator a true certificate elects in its term, and applied (term, epoch) only grows.
+        Returns how many applied it."""
+        applied = 0
+        issuer = self.ids[src]
+        for k in self.live():
+            node = self.node(k)
+            if node.may_apply(issuer, term, epoch, cert, voters) is not None:
+                continue
+            why = self._certified(cert, term, issuer)
+            if why is not None:
+                self._violation(f"node {k} applied term {term} epoch {epoch} of {src} on {why}")
+            if (term, epoch) <= self.disk_applied[k]:
+                self._violation(f"node {k} applied ({term}, {epoch}) after {self.disk_applied[k]}")
+            self.disk_applied[k], self.disk_voters[k] = (term, epoch), voters
+            self._run(k, node.apply_allocation(term, epoch, voters, cert, self.local_now(k)))
+            applied += 1
+        return applied
 
     def campaign(self, k: int) -> None:
         node = self.nodes[k]
