@@ -136,7 +136,8 @@ class Certificate:
             if type(x) is not list or len(x) != 2:
                 raise ProtocolError("certificate: a vote is a pair [index, signature]")
             pair = {"i": x[0], "s": x[1]}
-            votes.append((get_int(pair, "i", 0, MAX_VOTERS - 1), get_bytes(pair, "s", SIGNATURE_BYTES, SIGNATURE_BYTES)))
+            index = get_int(pair, "i", 0, MAX_VOTERS - 1)
+            votes.append((index, get_bytes(pair, "s", SIGNATURE_BYTES, SIGNATURE_BYTES)))
         try:
             return cls(get_int(d, "t", 1, MAX_TERM), get_bytes(d, "c", PEER_ID_BYTES, PEER_ID_BYTES), voters,
                        tuple(votes))

@@ -17,24 +17,23 @@ Ed25519 public key. Both are deterministic, so a simulation stays reproducible.
     coordinator    ack of a heartbeat, higher term (bounded)  candidate      Persist(t+1, me), RequestVote
     any            certified Heartbeat of a term >= its own   follower       Persist if newer, HeartbeatAck
 
-Proof of election (finding 1 of the 2026-11-25 review). A granted vote is the voter's signature
-of (term, candidate, digest of the candidate's configuration) (certificate.py). A candidate
-counts only votes of its configuration whose signature verifies; elected, it holds them as its
-`certificate` and sends it with every heartbeat, and the coordinator puts it beside every
-allocation it hands out. A peer recognises a coordinator only on a certificate whose votes
-from the voters of its own configuration are a majority of them, every signature checked
-(once per certificate: `CertificateCheck` caches by digest); it never takes its voters from a
-heartbeat. A peer without a configuration yet (a fresh swarm, or a peer that joins) takes a
-certificate that is a majority of the certificate's own configuration, which must name this
-peer; nothing proves to such a peer that this configuration is the swarm's (any insider can
-mint identities that elect it): the operator's signed start, carried by a new run's first
-allocation, closes that gap.
+Proof of election. A granted vote is the voter's signature of (term, candidate, digest of the
+candidate's configuration) (certificate.py). A candidate counts only votes of its configuration
+whose signature verifies; elected, it holds them as its `certificate` and sends it with every
+heartbeat, and the coordinator puts it beside every allocation it hands out. A peer recognises
+a coordinator only on a certificate whose votes from the voters of its own configuration are a
+majority of them, every signature checked (once per certificate: `CertificateCheck` caches by
+digest); it never takes its voters from a heartbeat. A peer without a configuration yet (a
+fresh swarm, or a peer that joins) takes a certificate that is a majority of the certificate's
+own configuration, which must name this peer; nothing proves to such a peer that this
+configuration is the swarm's (any insider can mint identities that elect it): the operator's
+signed start, carried by a new run's first allocation, closes that gap.
 
 Who counts. Messages of the election count only from voters of this peer's configuration
 (without one: from anyone, so a fresh swarm can elect its first coordinator). A PreVote or a
 RequestVote of anyone else gets no answer, a heartbeat of anyone else changes nothing.
 
-Terms (finding 2). A higher term is taken only (a) with a certificate for it (at any size: a
+Terms. A higher term is taken only (a) with a certificate for it (at any size: a
 majority voted in it), (b) from a voter answering this peer's own outstanding pre-vote, vote
 or heartbeat, or (c) with a vote this peer grants to a voter; in (b) and (c) at most
 `config.max_term_jump` above its own. Nothing else moves it. No term arithmetic passes MAX_TERM:
