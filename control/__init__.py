@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .dataplane import CommConfig, TensorRouter, TransportComm
     from .election import (
                              BecameCoordinator,
+                             Certificate,
                              CoordinatorKnown,
                              ElectionAction,
                              ElectionConfig,
@@ -66,6 +67,7 @@ __all__ = [
                          "AcceptContext",
                          "Allocation",
                          "BecameCoordinator",
+                         "Certificate",
                          "CommConfig",
                          "ControlMsg",
                          "ControlPlane",
@@ -137,7 +139,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".config": ("PlaneConfig",),
     ".dataplane": ("CommConfig", "TensorRouter", "TransportComm"),
     ".election": (
-        "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage",
+        "BecameCoordinator", "Certificate", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage",
         "ElectionRole", "ElectionSend", "ElectionService", "ElectionState", "ElectionStore",
         "ElectionStoreError", "FileElectionStore", "Heartbeat", "HeartbeatAck", "MemoryElectionStore",
         "Persist", "PreVote", "PreVoteReply", "RequestVote", "SteppedDown", "Vote", "decode_election",

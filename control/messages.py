@@ -7,7 +7,7 @@ __all__ = ["ControlMsg"]
 
 
 class ControlMsg(IntEnum):
-    ALLOCATION = 64  # request: a signed allocation; reply: accepted once built and connected, or why not
+    ALLOCATION = 64  # request: a signed allocation and its "cert"; reply: accepted once built and connected, or why not
     START = 65       # request: the issuer's go for an epoch every peer accepted
     STOP = 66        # request: end the run at the next step boundary (or abort an epoch)
     STEP = 67        # one-way: a peer's report of a completed step, to the issuer

@@ -66,7 +66,7 @@ from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import Placement, choose_shape, random_shape
-from .election import BecameCoordinator, ElectionService, FileElectionStore, SteppedDown
+from .election import BecameCoordinator, Certificate, ElectionService, FileElectionStore, SteppedDown
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -163,7 +163,7 @@ class ControlPlane:
         self.data_dir = Path(data_dir)
         self.config = config or PlaneConfig.wan()
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
-                                        address_of=self._address_of)
+                                        signer=identity, address_of=self._address_of)
         cfg = self.config
         self.epoch = EpochMachine(self.me, self.election, heartbeat_wait_s=cfg.heartbeat_wait_s,
                                   coordinator_lost_after_s=cfg.coordinator_lost_after_s)
@@ -301,8 +301,7 @@ class ControlPlane:
             except StageError as e:
                 raise TrainError(str(e)) from None
         elif isinstance(a, ApplyToElection):
-            self.election.applied(a.term, a.epoch)
-            self.election.set_voters(a.voters)
+            self.election.apply_allocation(a.term, a.epoch, a.voters, a.certificate)
         elif isinstance(a, PersistApplied):
             await trio.to_thread.run_sync(self._save_applied, a.alloc)
         elif isinstance(a, BuildStage):
@@ -437,7 +436,6 @@ class ControlPlane:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TrainError(f"{path} is damaged ({e}): move it away only if this peer never trains again "
                              "in the same swarm") from None
-        self.election.applied(term, epoch)
         alloc = None
         body = d.get("allocation")
         if isinstance(body, str):
@@ -445,6 +443,7 @@ class ControlPlane:
                 alloc = Allocation.decode(bytes.fromhex(body))
             except (ValueError, ProtocolError) as e:
                 raise TrainError(f"{path} holds a damaged allocation ({e})") from None
+        self.election.restore(term, epoch, alloc.configuration if alloc is not None else None)
         self.epoch.restore(run, term, epoch, alloc)
 
     def _save_applied(self, alloc: Allocation) -> None:
@@ -476,10 +475,11 @@ class ControlPlane:
     async def _accept_signed(self, body, sender: str = "itself") -> dict:
         try:
             alloc = SignedAllocation.from_wire(body).open()
+            cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
         except ProtocolError as e:
             logger.warning("refused an allocation from %s: %s", sender, e)
             return {"accepted": False, "code": "bad-allocation", "reason": str(e)}
-        return await self.accept(alloc)
+        return await self.accept(alloc, cert)
 
     def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
         corpus = corpus or self._corpora.get(self.config.data_path)
@@ -488,11 +488,12 @@ class ControlPlane:
         return AcceptContext(me=self.me, live=live, known_presets=PRESETS, data_hash=corpus.fingerprint,
                              data_name=corpus.name, known=frozenset(m.peer_id for m in self.gossip.members()))
 
-    async def accept(self, alloc: Allocation) -> dict:
+    async def accept(self, alloc: Allocation, certificate: Certificate | None = None) -> dict:
         """Check, get the stage, connect the neighbours; the answer goes to the coordinator."""
         corpus = await self.corpus()
         key = self._key("allocation")
-        reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus)))
+        reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus),
+                                                           certificate=certificate))
         answer = dict(reply.value)
         if not answer.get("accepted"):
             logger.warning("refused allocation term %d epoch %d from %s: %s", alloc.term, alloc.epoch,

@@ -46,7 +46,7 @@ from .coordinator.machine import (
 )
 from .coordinator.reshape import ReshapePlan
 from .coordinator.schedule import Placement
-from .election import BecameCoordinator, ElectionConfig, ElectionRole, ElectionState, SteppedDown
+from .election import BecameCoordinator, Certificate, ElectionConfig, ElectionRole, ElectionState, SteppedDown
 from .election.sim import ElectionSim, NetConditions
 from .epoch.machine import (
     AbortRunner,
@@ -199,14 +199,13 @@ class PlaneSim(ElectionSim):
         self.applications: list[tuple[int, tuple[int, int], bytes | None, int]] = []
         self.applied: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self.lives = [0] * n  # crashes of each node: what it logged in memory is lost with each
-        self._keys = sorted(by_id)
         self._signers = by_id
         self._ctick_at = [float("nan")] * n
         # (node, its key of an ALLOCATION it was asked) -> (asker, the asker's key): answered once built
         self._pending_allocs: dict[tuple[int, tuple], tuple[int, tuple]] = {}
         self._seq = 0
         super().__init__(n, config, seed=rng.getrandbits(64), codec=False, conditions=conditions,
-                         lose_reports=lose_reports, delays_s=delays_s, ids=self._keys)
+                         lose_reports=lose_reports, delays_s=delays_s, keys=keys)
 
     # ------------------------------------------------------------------ queries
 
@@ -258,6 +257,8 @@ class PlaneSim(ElectionSim):
                            run_id=self._run_id(), reason="issued",
                            voters=next_voters(node.voters, named, named, me))
         body = SignedAllocation.sign(alloc, self._signers[me]).to_wire()
+        if node.certificate is not None:
+            body["cert"] = node.certificate.to_wire()
         self._seq += 1
         for p in sorted(named):
             if p == me:
@@ -554,12 +555,13 @@ class PlaneSim(ElectionSim):
 
     def _offer_signed(self, k: int, key: tuple, body: dict, reply_to: tuple[int, tuple] | None) -> None:
         alloc = SignedAllocation.from_wire(body).open()
+        cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
         if reply_to is not None:
             self._pending_allocs[(k, key)] = reply_to
         live = frozenset(self.ids[j] for j in self.reachable(k))
         ctx = AcceptContext(me=self.ids[k], live=live, known_presets=PRESETS, data_hash=DATA_HASH, data_name="sim",
                             known=frozenset(self.ids))
-        self._epoch(k, AllocationOffered(key, alloc, ctx))
+        self._epoch(k, AllocationOffered(key, alloc, ctx, certificate=cert))
         self._flush_reply(k, key)
 
     def _flush_reply(self, k: int, key: tuple) -> None:
@@ -590,13 +592,13 @@ class PlaneSim(ElectionSim):
                             "not the coordinator elected in it")
         if (a.term, a.epoch) <= self.disk_applied[k]:
             self._violation(f"node {k} applied ({a.term}, {a.epoch}) after {self.disk_applied[k]}")
-        self.applications.append((k, (a.term, a.epoch), node.coordinator if cur.issuer != self.ids[k] else self.ids[k],
-                                  node.term))
-        node.applied(a.term, a.epoch)
         self.disk_applied[k] = (a.term, a.epoch)
         self.applied[k].append((a.term, a.epoch))
         self.disk_voters[k] = a.voters
-        self._run(k, node.set_voters(a.voters, self.local_now(k)))
+        self._run(k, node.apply_allocation(a.term, a.epoch, a.voters, a.certificate, self.local_now(k)))
+        node = self.node(k)
+        self.applications.append((k, (a.term, a.epoch), node.coordinator if cur.issuer != self.ids[k] else self.ids[k],
+                                  node.term))
 
     def _build(self, k: int, a: BuildStage) -> None:
         alloc = a.alloc
@@ -710,6 +712,11 @@ class _Reader:
     def is_follower(self) -> bool:
         return self._node.role is ElectionRole.FOLLOWER
 
-    def may_apply(self, issuer: bytes, term: int, epoch: int):
-        return self._node.may_apply(issuer, term, epoch)
+    @property
+    def certificate(self) -> Certificate | None:
+        return self._node.certificate
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
+                  voters: tuple[bytes, ...] = ()):
+        return self._node.may_apply(issuer, term, epoch, certificate, voters)
 

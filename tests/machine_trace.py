@@ -63,7 +63,8 @@ def report(epoch: int, step: int, loss: float | None = None) -> StepReport:
 @dataclass
 class FakeElection:
     """The election as the machines read it (`ElectionView`), set by the test; `may_apply` is
-    the election's own rule (control/election/state.py)."""
+    the election's own rule (control/election/state.py) but for the certificate, which the
+    machines only pass on."""
 
     me: bytes
     term: int = 1
@@ -79,7 +80,11 @@ class FakeElection:
     def is_follower(self) -> bool:
         return self.coordinator is not None and self.coordinator != self.me
 
-    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None:
+    @property
+    def certificate(self):
+        return None  # the machines only carry it; tests/test_election.py checks it
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate=None, voters=()) -> Refusal | None:
         if term < self.term:
             return Refusal("stale", f"term {term} is older than this peer's term {self.term}")
         if term > self.term or self.coordinator is None:

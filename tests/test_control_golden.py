@@ -51,6 +51,7 @@ import pytest
 from dtfm.control import (
     Allocation,
     BecameCoordinator,
+    Certificate,
     CoordinatorKnown,
     ElectionConfig,
     ElectionRole,
@@ -85,6 +86,7 @@ RECORD = os.environ.get("DTFM_RECORD_GOLDEN") == "1"
 
 IDENTITIES = [Identity(bytes([i + 1]) * 32) for i in range(16)]
 IDS = [i.peer_id for i in IDENTITIES]
+SIGNERS = {i.peer_id: i for i in IDENTITIES}
 NAMES = {p: f"p{k:02d}" for k, p in enumerate(IDS)}
 RUN_ID = bytes(range(16))
 DATA_HASH = hashlib.sha256(b"dtfm golden corpus").hexdigest()
@@ -413,12 +415,12 @@ class ElectionNet:
             self.say(k, "** hand-out: not coordinator")
             return
         voters = tuple(sorted(voters if voters is not None else node.voters))
-        term, epoch = node.term, node.last_applied[1] + 1
+        term, epoch, cert = node.term, node.last_applied[1] + 1, node.certificate
         self.say(k, f"** hand-out term {term} epoch {epoch} voters {names(voters)}")
-        self._offer(k, k, term, epoch, voters)
+        self._offer(k, k, term, epoch, voters, cert)
         for v in voters:
             if v != self.ids[k]:
-                self._send(k, self.ids.index(v), "alloc", pack([term, epoch, list(voters)]))
+                self._send(k, self.ids.index(v), "alloc", pack([term, epoch, list(voters), cert.to_wire()]))
 
     def run_until(self, t_end: float) -> None:
         while self.heap and self.heap[0][0] <= t_end:
@@ -436,8 +438,8 @@ class ElectionNet:
             if self.groups[src] != self.groups[k]:
                 continue
             if what == "alloc":
-                term, epoch, voters = unpack_untrusted(payload, max_len=1 << 20)
-                self._offer(k, src, term, epoch, tuple(voters))
+                term, epoch, voters, cert = unpack_untrusted(payload, max_len=1 << 20)
+                self._offer(k, src, term, epoch, tuple(voters), Certificate.from_wire(cert))
             else:
                 self._run(k, node.handle(self.ids[src], decode_election(unpack_untrusted(payload, max_len=1 << 20)),
                                          self.local(k)))
@@ -461,8 +463,9 @@ class ElectionNet:
         term, voted_for = self.stores[k].load()
         rng = random.Random(self.seed * 1000 + k * 10 + self.boots[k])
         self.boots[k] += 1
-        self.nodes[k] = ElectionState(self.ids[k], self.config, rng, self.local(k), term=term, voted_for=voted_for,
-                                      voters=self.disk_voters[k], applied=self.disk_applied[k])
+        self.nodes[k] = ElectionState(self.ids[k], self.config, rng, self.local(k), signer=SIGNERS[self.ids[k]],
+                                      term=term, voted_for=voted_for, voters=self.disk_voters[k],
+                                      applied=self.disk_applied[k])
         self._schedule(k)
 
     def _schedule(self, k: int) -> None:
@@ -490,16 +493,15 @@ class ElectionNet:
                 d += self.rng.uniform(0.0, self.reorder_s)
             heapq.heappush(self.heap, (self.now + d, next(self.count), "msg", dst, (src, what, payload)))
 
-    def _offer(self, k: int, src: int, term: int, epoch: int, voters: tuple[bytes, ...]) -> None:
+    def _offer(self, k: int, src: int, term: int, epoch: int, voters: tuple[bytes, ...], cert) -> None:
         node = self.nodes[k]
-        refusal = node.may_apply(self.ids[src], term, epoch)
+        refusal = node.may_apply(self.ids[src], term, epoch, cert, voters)
         if refusal is not None:
             self.say(k, f"refuses term {term} epoch {epoch} of {name(self.ids[src])}: {refusal.code}")
             return
-        node.applied(term, epoch)
         self.disk_applied[k], self.disk_voters[k] = (term, epoch), voters
         self.say(k, f"applies term {term} epoch {epoch} of {name(self.ids[src])}")
-        self._run(k, node.set_voters(voters, self.local(k)))
+        self._run(k, node.apply_allocation(term, epoch, voters, cert, self.local(k)))
 
     def _run(self, k: int, actions: list) -> None:
         for a in actions:

@@ -11,13 +11,18 @@ import trio
 import trio.testing
 
 from dtfm.control.election import (
+    MAX_TERM,
     BecameCoordinator,
     CoordinatorKnown,
     ElectionConfig,
+    ElectionSend,
     ElectionService,
+    ElectionState,
     ElectionStoreError,
     FileElectionStore,
     MemoryElectionStore,
+    Persist,
+    PreVote,
     RequestVote,
     SteppedDown,
     Vote,
@@ -25,7 +30,7 @@ from dtfm.control.election import (
 )
 from dtfm.control.election.service import DIAL_TIMEOUT_S
 from dtfm.control.messages import ControlMsg
-from dtfm.net import MemNetwork, TransportConfig, uniform_link, unpack_untrusted
+from dtfm.net import Identity, MemNetwork, TransportConfig, uniform_link, unpack_untrusted
 
 CFG = ElectionConfig.test()
 DELAY_S = 0.01  # one-way, every link
@@ -51,7 +56,9 @@ class Swarm:
         self.rng = random.Random(seed)
         self.n = n
         self.config = config
-        self.ids = sorted(self.rng.randbytes(32) for _ in range(n))
+        keys = [Identity(self.rng.randbytes(32)) for _ in range(n)]  # real keys: votes are signatures
+        self.signers = {key.peer_id: key for key in keys}
+        self.ids = sorted(self.signers)
         self.index = {p: k for k, p in enumerate(self.ids)}
         self.net = MemNetwork(uniform_link(DELAY_S), config=TransportConfig.test(), seed=seed)
         self.stores = stores if stores is not None else [MemoryElectionStore() for _ in range(n)]
@@ -94,8 +101,9 @@ class Swarm:
             return await connect(host, port, peer_id=peer_id)
 
         t.connect = counting_connect
-        svc = ElectionService(t, self.ids[k], self.stores[k], self.config, address_of=self.address_of,
-                              rng=random.Random(self.rng.random()), wall_clock=lambda: WALL0 + trio.current_time())
+        svc = ElectionService(t, self.ids[k], self.stores[k], self.config, signer=self.signers[self.ids[k]],
+                              address_of=self.address_of, rng=random.Random(self.rng.random()),
+                              wall_clock=lambda: WALL0 + trio.current_time())
         svc.on_event(lambda e, k=k: self.events.append((trio.current_time(), k, e)))
         self.transports[k], self.services[k], self.scopes[k] = t, svc, trio.CancelScope()
         await self.nursery.start(self._run_node, k)
@@ -192,7 +200,8 @@ async def test_campaign_elects_one_coordinator_all_recognise(autojump_clock):
         assert (leader.role, leader.term, leader.coordinator, leader.voters) == ("coordinator", 1, s.ids[2],
                                                                                  tuple(s.ids))
         assert leader.status() == {"role": "coordinator", "term": 1, "coordinator": s.ids[2].hex(), "voters": 5,
-                                   "applied": [0, 0], "since": pytest.approx(WALL0 + t0 + 4 * DELAY_S, abs=1e-4)}
+                                   "applied": [0, 0], "since": pytest.approx(WALL0 + t0 + 4 * DELAY_S, abs=1e-4),
+                                   "term_exhausted": False}
         assert s.services[0].status()["role"] == "follower"
         # it stays the only coordinator while heartbeats flow
         await trio.sleep(20 * CFG.election_timeout_max_s)
@@ -201,12 +210,16 @@ async def test_campaign_elects_one_coordinator_all_recognise(autojump_clock):
         # each follower reported the coordinator once, as an event
         known = [(k, e.coordinator) for _, k, e in s.events if isinstance(e, CoordinatorKnown)]
         assert sorted(known) == [(k, s.ids[2]) for k in range(5)]
-        # allocations: only the coordinator's, of its term, newer than the last applied
-        assert s.services[0].may_apply(s.ids[2], 1, 1) is None
-        assert s.services[0].may_apply(s.ids[3], 1, 1).code == "not-coordinator"
-        s.services[0].applied(1, 1)
+        # allocations: only the coordinator's, with its certificate, of its term, newer than the last applied
+        cert = leader.certificate
+        assert cert.term == 1 and cert.candidate == s.ids[2] and s.services[0].certificate == cert
+        ids = tuple(s.ids)
+        assert s.services[0].may_apply(s.ids[2], 1, 1, cert, ids) is None
+        assert s.services[0].may_apply(s.ids[2], 1, 1, None, ids).code == "bad-certificate"
+        assert s.services[0].may_apply(s.ids[3], 1, 1, cert, ids).code == "bad-certificate"
+        s.services[0].apply_allocation(1, 1, ids, cert)
         assert s.services[0].last_applied == (1, 1)
-        assert s.services[0].may_apply(s.ids[2], 1, 1).code == "stale"
+        assert s.services[0].may_apply(s.ids[2], 1, 1, cert, ids).code == "stale"
         s.check_one_coordinator_per_term()
         nursery.cancel_scope.cancel()
 
@@ -359,7 +372,8 @@ async def test_file_store_vote_on_disk_before_it_leaves_and_survives_restart(tmp
         s.kill(1)
         await trio.sleep(0.1)
         # a new service on the same directory loads the term and the vote
-        again = ElectionService(s.net.add(s.ids[1]), s.ids[1], FileElectionStore(dirs[1]), config)
+        again = ElectionService(s.net.add(s.ids[1]), s.ids[1], FileElectionStore(dirs[1]), config,
+                                signer=s.signers[s.ids[1]])
         assert (again.term, again.voted_for, again.role) == (term, s.ids[0], "follower")
         await s.start_node(1)
         s.services[1].set_voters(s.ids)
@@ -392,9 +406,10 @@ async def test_a_failed_persist_stops_the_service_and_the_vote_never_leaves(auto
 
 async def test_run_raises_the_store_error_and_sends_nothing(autojump_clock):
     net = MemNetwork(uniform_link(DELAY_S), config=TransportConfig.test())
-    me, other = b"\x01" * 32, b"\x02" * 32
+    key = Identity(b"\x01" * 32)
+    me, other = key.peer_id, b"\x02" * 32
     t = net.add(me)
-    svc = ElectionService(t, me, FailingStore(), CFG.with_(pre_vote=False))
+    svc = ElectionService(t, me, FailingStore(), CFG.with_(pre_vote=False), signer=key)
     sent = []
     net.transmit = lambda *a: sent.append(a)
     async with trio.open_nursery() as nursery:
@@ -409,7 +424,8 @@ async def test_run_raises_the_store_error_and_sends_nothing(autojump_clock):
 
 
 @pytest.mark.parametrize("body, payload", [({"k": 99}, None), ({"k": 3, "t": -1, "g": True}, None), ("vote", None),
-                                           (Vote(0, False).to_wire(), b"extra")])
+                                           (Vote(1, False, 1, b"").to_wire(), b"extra"),
+                                           ({**Vote(1, False, 1, b"").to_wire(), "sig": b"x" * 64}, None)])
 async def test_a_malformed_election_message_closes_the_connection(autojump_clock, body, payload):
     async with trio.open_nursery() as nursery:
         s = Swarm(3, seed=7)
@@ -418,7 +434,7 @@ async def test_a_malformed_election_message_closes_the_connection(autojump_clock
         rogue = s.net.add(b"\x07" * 32)
         await nursery.start(rogue.serve)
         conn = await rogue.connect(*s.transports[1].listen_address)
-        await conn.send(ControlMsg.ELECTION, Vote(0, False).to_wire())  # well formed: ignored
+        await conn.send(ControlMsg.ELECTION, Vote(1, False, 1, b"").to_wire())  # well formed: ignored
         await trio.sleep(0.1)
         assert not conn.closed
         await conn.send(ControlMsg.ELECTION, body, payload=payload)
@@ -426,4 +442,51 @@ async def test_a_malformed_election_message_closes_the_connection(autojump_clock
         assert "protocol error" in conn.close_reason
         await trio.sleep(1.0)
         assert s.agreed() == 0 and s.services[1].term == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_input_is_logged_and_the_service_goes_on(autojump_clock, monkeypatch, caplog):
+    """An input the machine raises on, or one that would persist what the store refuses, is
+    refused: nothing of it leaves, the machine is back at the queued (term, vote), the daemon runs."""
+    async with trio.open_nursery() as nursery:
+        s = Swarm(3, seed=9)
+        await s.start(nursery)
+        term = await elect(s, 0)
+        victim = s.ids[1]
+        real = ElectionState.campaign
+
+        def bad_campaign(self, now):
+            if self.me != victim:
+                return real(self, now)
+            self.term = MAX_TERM + 1  # what a bug in the machine might do
+            return [Persist(MAX_TERM + 1, None), ElectionSend(s.ids[0], PreVote(MAX_TERM, victim, 0, 0))]
+
+        def raising_campaign(self, now):
+            raise RuntimeError("a bug in the election machine")
+
+        t0 = trio.current_time()
+        for patched, words in ((bad_campaign, "would persist term must be"), (raising_campaign, "raised")):
+            monkeypatch.setattr(ElectionState, "campaign", patched)
+            s.services[1].campaign()
+            await trio.sleep(1.0)
+            assert any(words in r.getMessage() for r in caplog.records), words
+        assert not [m for t, k, _, m in s.sent if k == 1 and t >= t0 and isinstance(m, PreVote)]
+        assert s.services[1].term == term and s.stores[1].term == term and 1 not in s.failures
+        assert s.agreed() == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_at_the_largest_term_a_peer_does_not_stand_and_says_so(autojump_clock, caplog):
+    async with trio.open_nursery() as nursery:
+        s = Swarm(3, seed=10)
+        s.stores[1].term = MAX_TERM
+        await s.start(nursery)
+        s.set_voters()
+        svc = s.services[1]
+        assert svc.status()["term_exhausted"] is True and svc.term == MAX_TERM
+        svc.campaign()
+        await trio.sleep(5 * CFG.election_timeout_max_s)  # its own timer fires too
+        assert not [m for _, k, _, m in s.sent if k == 1 and isinstance(m, (PreVote, RequestVote))]
+        assert svc.role == "follower" and 1 not in s.failures
+        assert any("largest" in r.getMessage() for r in caplog.records)
         nursery.cancel_scope.cancel()

@@ -20,6 +20,7 @@ import trio.testing
 
 from dtfm.control import (
     Allocation,
+    Certificate,
     ControlMsg,
     ControlPlane,
     PeerRunState,
@@ -29,6 +30,7 @@ from dtfm.control import (
     TrainRequest,
     manifest_digest,
 )
+from dtfm.control.election import config_digest, vote_payload
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
 from dtfm.control.coordinator.links import ReachAnswer, ReachRequest
@@ -179,14 +181,20 @@ async def test_start_stop_step_and_run_state_messages_are_checked(tmp_path):
                 await net.request(ISSUER, ControlMsg.RUN_STATE, bad)
 
 
-async def test_an_allocation_of_an_unrecognised_coordinator_waits_for_its_heartbeat_then_is_refused(tmp_path):
-    # This peer knows no coordinator of term 3: the allocation waits heartbeat_wait_s for the
-    # issuer's first heartbeat, which does not come; whatever it signs, nothing is applied.
+async def test_an_allocation_without_a_certificate_of_its_issuer_is_refused_at_once(tmp_path):
+    # An allocation is applied only with the certificate of its issuer's election beside it:
+    # whatever the issuer signs, without one (or with another peer's) nothing is applied.
     async with running(tmp_path, OTHER) as (plane, net):
-        t0 = trio.current_time()
-        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(alloc(term=3), ISSUER).to_wire())
-        assert trio.current_time() - t0 >= plane.config.heartbeat_wait_s
-        assert reply["accepted"] is False and reply["code"] == "not-coordinator"
+        body = SignedAllocation.sign(alloc(term=3), ISSUER).to_wire()
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, body)
+        assert reply["accepted"] is False and reply["code"] == "bad-certificate"
+        me = (IDS[2].peer_id,)
+        vote = IDS[2].sign(vote_payload(3, me[0], config_digest(me)))
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION,
+                                  body | {"cert": Certificate.of(3, me[0], me, {me[0]: vote}).to_wire()})
+        assert reply["accepted"] is False and reply["code"] == "bad-certificate"
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, body | {"cert": {"t": 3}})
+        assert reply["accepted"] is False and reply["code"] == "bad-allocation"
         assert plane.epoch.current is None and plane.election.last_applied == (0, 0)
 
 
@@ -201,7 +209,8 @@ async def test_a_resumed_epoch_without_holders_fails_to_build_and_a_restarted_pe
         assert await plane.election.wait_until_coordinator(10)
         term = plane.election.term
         a = alloc(term=term, start_step=5)
-        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire())
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
+                                  | {"cert": plane.election.certificate.to_wire()})
         assert reply["accepted"] is False and reply["code"] == "build-failed"
         assert "names no holders" in reply["reason"]
         assert plane.election.last_applied == (term, 1) and plane.status()["state"] == "stopped"

@@ -855,7 +855,11 @@ class Coordinator:
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
         targets = list(alloc.peers) + list(alloc.spares)
-        out.append(self._proc_ask(proc, "alloc", targets, signed.to_wire(), self.t.accept_timeout_s,
+        body = signed.to_wire()
+        cert = self.election.certificate
+        if cert is not None:  # the proof of this peer's election in the allocation's term
+            body["cert"] = cert.to_wire()
+        out.append(self._proc_ask(proc, "alloc", targets, body, self.t.accept_timeout_s,
                                   msg=ControlMsg.ALLOCATION))
         return out
 

@@ -3,6 +3,8 @@
     state.py     ElectionState, the sans-IO machine, its roles and actions
     config.py    ElectionConfig and its profiles
     messages.py  the six election messages and their wire form
+    certificate.py  signed votes, the Certificate of an election, and its (cached) check
+    limits.py    the wire's bounds (MAX_TERM, MAX_VOTERS) and the check of a configuration
     store.py     the durable term and vote (file or memory)
     service.py   ElectionService, the trio driver of ElectionState inside a daemon
     sim.py       a deterministic simulated network of ElectionState nodes, for tests and
@@ -13,8 +15,11 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .certificate import Certificate, CertificateCheck, config_digest, vote_payload
     from .config import ElectionConfig
     from .messages import (
+        MAX_TERM,
+        MAX_VOTERS,
         ElectionMessage,
         Heartbeat,
         HeartbeatAck,
@@ -34,11 +39,16 @@ if TYPE_CHECKING:
         ElectionState,
         Persist,
         SteppedDown,
+        VoteSigner,
     )
     from .store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 
 __all__ = [
+    "MAX_TERM",
+    "MAX_VOTERS",
     "BecameCoordinator",
+    "Certificate",
+    "CertificateCheck",
     "CoordinatorKnown",
     "ElectionAction",
     "ElectionConfig",
@@ -60,7 +70,10 @@ __all__ = [
     "RequestVote",
     "SteppedDown",
     "Vote",
+    "VoteSigner",
+    "config_digest",
     "decode_election",
+    "vote_payload",
 ]
 
 # Where each name above is defined. A name is imported from its module on first use (PEP 562):
@@ -68,15 +81,16 @@ __all__ = [
 # config classes) does not load torch, scipy or the rest. tests/test_layers.py checks that this
 # table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".certificate": ("Certificate", "CertificateCheck", "config_digest", "vote_payload"),
     ".config": ("ElectionConfig",),
     ".messages": (
-        "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote", "PreVoteReply", "RequestVote", "Vote",
+        "MAX_TERM", "MAX_VOTERS", "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote", "PreVoteReply", "RequestVote", "Vote",
         "decode_election",
     ),
     ".service": ("ElectionEvent", "ElectionService"),
     ".state": (
         "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionRole", "ElectionSend",
-        "ElectionState", "Persist", "SteppedDown",
+        "ElectionState", "Persist", "SteppedDown", "VoteSigner",
     ),
     ".store": ("ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore"),
 }

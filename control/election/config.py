@@ -30,11 +30,20 @@ class ElectionConfig:
     pre_vote: bool = True
     # The coordinator steps down without acks from a majority within lease_s.
     check_quorum: bool = True
+    # The most a peer's term moves up on a message without a certificate for the new term (an
+    # answer to its own pre-vote, vote or heartbeat, or a vote it grants). Larger: a peer that
+    # fell further behind without noticing (plain Raft's inflated terms) still catches up from
+    # a voter's word; smaller: a lying voter needs more messages to push terms up (reaching the
+    # largest term takes it 2^63 / max_term_jump of them). A certified term is taken at any size.
+    max_term_jump: int = 1024
 
     def __post_init__(self) -> None:
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type in ("bool", bool):
+            if f.name == "max_term_jump":
+                if type(v) is not int or not 1 <= v <= 2**32:
+                    raise ValueError(f"max_term_jump must be an integer in [1, 2^32], got {v!r}")
+            elif f.type in ("bool", bool):
                 if type(v) is not bool:
                     raise ValueError(f"{f.name} must be a bool, got {v!r}")
             elif type(v) not in (int, float) or not 0 <= v < 1e6 or (v == 0 and f.name != "stagger_s"):

@@ -3,32 +3,35 @@
 All six travel as one control message type; the wire map's `k` field (`ElectionKind`) names
 which. `decode_election` is the one entry point for a body from the network and raises only
 `ProtocolError`: every field is checked for type and range, peer ids are 32 bytes, voter lists
-are sorted without repeats.
+are sorted without repeats, a certificate is bounded (MAX_VOTERS) and consistent with the
+message that carries it before any signature in it is looked at (certificate.py).
 
     PreVote        candidate -> voters   "would you vote for me in `term`?" (changes nothing)
     PreVoteReply   voter -> candidate    granted or not, and the voter's own term
-    RequestVote    candidate -> voters   the real request; a granted vote is persisted first
-    Vote           voter -> candidate    granted or not, in the voter's (possibly newer) term
-    Heartbeat      coordinator -> voters term, coordinator, voters, last applied (term, epoch)
+    RequestVote    candidate -> voters   the real request, with the digest of the candidate's
+                                         configuration; a granted vote is persisted first
+    Vote           voter -> candidate    the answer to a RequestVote of `term`: granted (with the
+                                         voter's signature of the vote) or not, and the voter's term
+    Heartbeat      coordinator -> voters term, coordinator, last applied (term, epoch), and the
+                                         certificate of the coordinator's election
     HeartbeatAck   voter -> coordinator  echoes the heartbeat's seq; ok: the voter follows it
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass
 from typing import ClassVar, Self
 
-from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict, get_int, get_list
+from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict, get_int
+
+from .certificate import DIGEST_BYTES, Certificate
+from .limits import MAX_TERM, MAX_VOTERS, SIGNATURE_BYTES, check_voters
 
 __all__ = [
     "MAX_TERM", "MAX_VOTERS", "ElectionKind", "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote",
     "PreVoteReply", "RequestVote", "Vote", "check_voters", "decode_election",
 ]
-
-MAX_TERM = 2**63 - 1  # terms, epochs and heartbeat sequence numbers
-MAX_VOTERS = 4096  # as many as an allocation may name
 
 
 class ElectionKind(enum.IntEnum):
@@ -55,20 +58,6 @@ def _peer(what: str, v: object) -> None:
 def _bool(what: str, v: object) -> None:
     if type(v) is not bool:
         raise ValueError(f"{what} must be a bool, got {v!r}")
-
-
-def check_voters(voters: object) -> tuple[bytes, ...]:
-    """`voters` as a tuple: 1 to MAX_VOTERS peer ids, sorted, no repeats; else TypeError or ValueError."""
-    if not isinstance(voters, (tuple, list)):
-        raise TypeError(f"voters must be a sequence of peer ids, got {type(voters).__name__}")
-    out = tuple(voters)
-    if not 1 <= len(out) <= MAX_VOTERS:
-        raise ValueError(f"a configuration has 1 to {MAX_VOTERS} voters, got {len(out)}")
-    for v in out:
-        _peer("voter", v)
-    if any(a >= b for a, b in itertools.pairwise(out)):
-        raise ValueError("voters must be sorted, without repeats")
-    return out
 
 
 def _checked(cls, **values):
@@ -139,60 +128,91 @@ class PreVoteReply:
 
 @dataclass(frozen=True)
 class RequestVote(_Ballot):
-    """`term` is the term the candidate stands in (already its own)."""
+    """`term` is the term the candidate stands in (already its own); `config` the digest of the
+    configuration it stands in (`config_digest`), which a granted vote signs."""
 
+    config: bytes
     kind = ElectionKind.REQUEST_VOTE
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if type(self.config) is not bytes or len(self.config) != DIGEST_BYTES:
+            raise ValueError(f"config must be a {DIGEST_BYTES}-byte digest, got {self.config!r:.80}")
+
+    def to_wire(self) -> dict:
+        return {**super().to_wire(), "d": self.config}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> RequestVote:
+        return _checked(cls, term=get_int(d, "t", 1, MAX_TERM),
+                        candidate=get_bytes(d, "c", PEER_ID_BYTES, PEER_ID_BYTES), **_applied(d),
+                        config=get_bytes(d, "d", DIGEST_BYTES, DIGEST_BYTES))
 
 
 @dataclass(frozen=True)
 class Vote:
-    term: int  # the voter's term after handling the request
+    term: int  # the term of the RequestVote answered
     granted: bool
+    voter_term: int  # the voter's term after handling the request: above `term` when it is ahead
+    signature: bytes  # granted: the voter's signature of the vote (certificate.vote_payload); else empty
     kind = ElectionKind.VOTE
 
     def __post_init__(self) -> None:
-        _int("term", self.term, 0)
+        _int("term", self.term, 1)
         _bool("granted", self.granted)
+        _int("voter_term", self.voter_term, 0)
+        if type(self.signature) is not bytes:
+            raise ValueError("signature must be bytes")
+        if self.granted and (len(self.signature) != SIGNATURE_BYTES or self.voter_term != self.term):
+            raise ValueError(f"a granted vote carries a {SIGNATURE_BYTES}-byte signature, in the term it grants")
+        if not self.granted and self.signature:
+            raise ValueError("a refused vote carries no signature")
 
     def to_wire(self) -> dict:
-        return {"k": int(self.kind), "t": self.term, "g": self.granted}
+        return {"k": int(self.kind), "t": self.term, "g": self.granted, "vt": self.voter_term, "sig": self.signature}
 
     @classmethod
     def from_wire(cls, d: dict) -> Vote:
-        return _checked(cls, term=get_int(d, "t", 0, MAX_TERM), granted=get_bool(d, "g"))
+        return _checked(cls, term=get_int(d, "t", 1, MAX_TERM), granted=get_bool(d, "g"),
+                        voter_term=get_int(d, "vt", 0, MAX_TERM), signature=get_bytes(d, "sig", 0, SIGNATURE_BYTES))
 
 
 @dataclass(frozen=True)
 class Heartbeat:
     term: int
-    coordinator: bytes  # must be the sender and one of the voters
+    coordinator: bytes  # must be the sender
     seq: int  # echoed by the ack, so the coordinator knows when the acked heartbeat left
-    voters: tuple[bytes, ...]  # the coordinator's configuration, sorted
     applied_term: int  # the coordinator's last applied (term, epoch)
     applied_epoch: int
+    certificate: Certificate  # of the coordinator's election in `term`: its voters are its configuration
     kind = ElectionKind.HEARTBEAT
 
     def __post_init__(self) -> None:
         _int("term", self.term, 1)
         _peer("coordinator", self.coordinator)
         _int("seq", self.seq, 0)
-        object.__setattr__(self, "voters", check_voters(self.voters))
-        if self.coordinator not in self.voters:
-            raise ValueError("the coordinator is not one of the voters")
         _int("applied_term", self.applied_term, 0)
         _int("applied_epoch", self.applied_epoch, 0)
+        if not isinstance(self.certificate, Certificate):
+            raise ValueError("a heartbeat carries the certificate of its coordinator's election")
+        if self.certificate.term != self.term or self.certificate.candidate != self.coordinator:
+            raise ValueError("the certificate is not of this coordinator in this term")
+
+    @property
+    def voters(self) -> tuple[bytes, ...]:
+        """The configuration the coordinator was elected in (its certificate's)."""
+        return self.certificate.voters
 
     def to_wire(self) -> dict:
         return {"k": int(self.kind), "t": self.term, "c": self.coordinator, "s": self.seq,
-                "v": list(self.voters), "at": self.applied_term, "ae": self.applied_epoch}
+                "at": self.applied_term, "ae": self.applied_epoch, "cert": self.certificate.to_wire()}
 
     @classmethod
     def from_wire(cls, d: dict) -> Heartbeat:
-        items = get_list(d, "v", MAX_VOTERS)
-        voters = tuple(get_bytes({"v": x}, "v", PEER_ID_BYTES, PEER_ID_BYTES) for x in items)
         return _checked(cls, term=get_int(d, "t", 1, MAX_TERM),
                         coordinator=get_bytes(d, "c", PEER_ID_BYTES, PEER_ID_BYTES),
-                        seq=get_int(d, "s", 0, MAX_TERM), voters=voters, **_applied(d))
+                        seq=get_int(d, "s", 0, MAX_TERM), **_applied(d),
+                        certificate=Certificate.from_wire(d.get("cert")))
 
 
 @dataclass(frozen=True)
@@ -224,8 +244,8 @@ class HeartbeatAck:
 ElectionMessage = PreVote | PreVoteReply | RequestVote | Vote | Heartbeat | HeartbeatAck
 
 _CLASSES = {cls.kind: cls for cls in (PreVote, PreVoteReply, RequestVote, Vote, Heartbeat, HeartbeatAck)}
-_FIELDS = {ElectionKind.PRE_VOTE: 5, ElectionKind.PRE_VOTE_REPLY: 4, ElectionKind.REQUEST_VOTE: 5,
-           ElectionKind.VOTE: 3, ElectionKind.HEARTBEAT: 7, ElectionKind.HEARTBEAT_ACK: 6}
+_FIELDS = {ElectionKind.PRE_VOTE: 5, ElectionKind.PRE_VOTE_REPLY: 4, ElectionKind.REQUEST_VOTE: 6,
+           ElectionKind.VOTE: 5, ElectionKind.HEARTBEAT: 7, ElectionKind.HEARTBEAT_ACK: 6}
 
 
 def decode_election(obj: object) -> ElectionMessage:

@@ -17,7 +17,9 @@ So a Persist completes before any action after it runs, whichever input produced
 inputs that arrive while the store writes only queue their actions behind it, and no vote
 (nor anything decided after it) leaves before the term and vote that go with it are on disk.
 A Persist that fails stops the service: `run()` raises the store's error, and nothing queued
-after it is sent.
+after it is sent. An input is refused, not fatal, when the state machine raises on it or asks
+for a Persist the store would refuse (`persist_problem`): its actions are dropped, the error
+logged, and the machine reverts to the (term, vote) queued before it (`ElectionState.revert`).
 
 Incoming messages. The ELECTION handler decodes the body (`decode_election`); a malformed body,
 or one with a payload, raises ProtocolError and the transport closes that connection. Past
@@ -59,6 +61,7 @@ from dtfm.net import ConnectionClosed, HandshakeError, ProtocolError, short_id
 from ..allocation import Refusal
 from ..messages import ControlMsg
 from .config import ElectionConfig
+from .certificate import Certificate
 from .messages import ElectionMessage, check_voters, decode_election
 from .state import (
     BecameCoordinator,
@@ -69,8 +72,9 @@ from .state import (
     ElectionState,
     Persist,
     SteppedDown,
+    VoteSigner,
 )
-from .store import ElectionStoreError, MemoryElectionStore
+from .store import ElectionStoreError, MemoryElectionStore, persist_problem
 
 __all__ = ["ElectionEvent", "ElectionService"]
 
@@ -91,7 +95,7 @@ ElectionEvent = BecameCoordinator | CoordinatorKnown | SteppedDown
 class ElectionService:
     """Runs one peer's `ElectionState` over a `PeerTransport`; see the module docstring."""
 
-    def __init__(self, transport, me: bytes, store, config: ElectionConfig, *,
+    def __init__(self, transport, me: bytes, store, config: ElectionConfig, *, signer: VoteSigner,
                  address_of: Callable[[bytes], tuple[str, int] | None] = lambda p: None,
                  rng: random.Random | None = None, wall_clock: Callable[[], float] = time.time) -> None:
         self._transport = transport
@@ -103,8 +107,10 @@ class ElectionService:
         self._address_of = address_of
         self._wall_clock = wall_clock
         term, voted_for = store.load()
-        self._state = ElectionState(me, config, rng or random.Random(), trio.current_time(),
+        self._state = ElectionState(me, config, rng or random.Random(), trio.current_time(), signer=signer,
                                     term=term, voted_for=voted_for)
+        self._queued: tuple[int, bytes | None] = (term, voted_for)  # the last Persist queued (or loaded)
+        self._durable: tuple[int, bytes | None] = (term, voted_for)  # the last Persist written (or loaded)
         self._actions: collections.deque[ElectionAction] = collections.deque()
         self._wake = trio.Event()  # set by every input; the loop waits on it
         self._changed = trio.Event()  # set (and replaced) when an event action is executed
@@ -147,6 +153,12 @@ class ElectionService:
         return self._state.last_applied
 
     @property
+    def certificate(self) -> Certificate | None:
+        """The certificate of the recognised coordinator's election (this peer's own when it is
+        the coordinator): what its allocations carry."""
+        return self._state.certificate
+
+    @property
     def is_follower(self) -> bool:
         return self._state.role is ElectionRole.FOLLOWER
 
@@ -160,23 +172,30 @@ class ElectionService:
         s = self._state
         return {"role": s.role.value, "term": s.term,
                 "coordinator": None if s.coordinator is None else s.coordinator.hex(),
-                "voters": len(s.voters), "applied": list(s.last_applied), "since": self._since}
+                "voters": len(s.voters), "applied": list(s.last_applied), "since": self._since,
+                "term_exhausted": s.term_exhausted}
 
     # ------------------------------------------------------------------ inputs from the control plane
 
     def set_voters(self, voters: Iterable[bytes]) -> None:
-        """The configuration of an applied allocation (or the first one); sorted here."""
+        """A first configuration (`train start` on a peer that applied no allocation); sorted here."""
         self._input(self._state.set_voters, check_voters(sorted(voters)))
+
+    def restore(self, term: int, epoch: int, voters: Iterable[bytes] | None) -> None:
+        """At start: the allocation this peer applied before it stopped (its configuration)."""
+        self._input(self._state.restore, term, epoch, None if voters is None else check_voters(sorted(voters)))
+
+    def apply_allocation(self, term: int, epoch: int, voters: Iterable[bytes], certificate: Certificate | None) -> None:
+        """An allocation this peer applies (`may_apply` said yes): (term, epoch), configuration, certificate."""
+        self._input(self._state.apply_allocation, term, epoch, check_voters(sorted(voters)), certificate)
 
     def campaign(self) -> None:
         """Stand now (`train start` on this peer) rather than at the election timer."""
         self._input(self._state.campaign)
 
-    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None:
-        return self._state.may_apply(issuer, term, epoch)
-
-    def applied(self, term: int, epoch: int) -> None:
-        self._state.applied(term, epoch)
+    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
+                  voters: tuple[bytes, ...] = ()) -> Refusal | None:
+        return self._state.may_apply(issuer, term, epoch, certificate, voters)
 
     def on_event(self, cb: Callable[[object], None]) -> None:
         """Call `cb(action)` with each BecameCoordinator, SteppedDown and CoordinatorKnown, in
@@ -242,16 +261,38 @@ class ElectionService:
                 await self._wake.wait()
 
     def _input(self, call: Callable[..., list[ElectionAction]], *args) -> None:
-        """One call into the state machine (with now), its actions queued for the loop."""
+        """One call into the state machine (with now), its actions queued for the loop; a
+        refused input (see the module docstring) queues nothing but the machine's revert."""
         if self._stopped or self._failure is not None:
             return
-        actions = call(*args, trio.current_time())
+        try:
+            actions = call(*args, trio.current_time())
+        except Exception:  # a bug the input ran into: refuse the input, keep the daemon
+            logger.exception("%s: election input %s refused: the election machine raised", self._short,
+                             getattr(call, "__name__", call))
+            self._revert()
+            return
+        for a in actions:
+            problem = persist_problem(a.term, a.voted_for) if isinstance(a, Persist) else None
+            if problem is not None:
+                logger.error("%s: election input %s refused: it would persist %s", self._short,
+                             getattr(call, "__name__", call), problem)
+                self._revert()
+                return
+        for a in actions:
+            if isinstance(a, Persist):
+                self._queued = (a.term, a.voted_for)
         self._actions.extend(actions)
         role = self._state.role
         if role is not self._role:
             logger.debug("%s: %s -> %s in term %d", self._short, self._role.value, role.value, self._state.term)
             self._role, self._since = role, self._wall_clock()
         self._wake.set()  # new actions, or a deadline that may have moved earlier
+
+    def _revert(self) -> None:
+        actions = self._state.revert(*self._queued, trio.current_time())
+        self._actions.extend(actions)
+        self._wake.set()
 
     async def _on_message(self, conn, msg_type: int, body: object, payload) -> None:
         msg = decode_election(body)  # ProtocolError: the transport closes the connection
@@ -279,6 +320,13 @@ class ElectionService:
                 self._store.persist(p.term, p.voted_for)
             else:
                 await trio.to_thread.run_sync(self._store.persist, p.term, p.voted_for)
+            self._durable = (p.term, p.voted_for)
+        except ValueError as e:  # the store's own check (persist_problem), missed before queueing
+            logger.error("%s: persist of term %d refused: %s; the actions after it are dropped", self._short,
+                         p.term, e)
+            self._actions.clear()
+            self._queued = self._durable
+            self._revert()
         except (ElectionStoreError, OSError) as e:  # anything else is a bug and propagates as one
             logger.error("%s: cannot persist term %d and vote: %s; the election service stops", self._short,
                          p.term, e)

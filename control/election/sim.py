@@ -10,10 +10,19 @@ Actions run in order, as a driver must run them, and the simulation checks as th
 
 - one vote per (node, term), across restarts;
 - a granted vote is sent only once the store holds it;
-- at most one coordinator per term, and each elected by votes of a majority of its voters;
+- at most one coordinator per term, and each elected by votes of a majority of its voters: its
+  certificate's signatures verify, and each vote in it of an honest node is that node's vote
+  of the term;
+- a node recognises a coordinator only with such a certificate (its `certificate`);
 - a node that stood after the current partition formed wins only on a side with a majority;
 - a node applies only allocations of the coordinator elected in that term, and its applied
   (term, epoch) only grows.
+
+Liars (`liars`, node indices): nodes that run no machine. Their keys are real (`signers`), the
+messages sent to them are kept in `inbox`, and a test sends anything in their name with
+`inject`. A liar that is a voter can sign two votes in one term; majority voting cannot stop
+that, so two coordinators of a term are a violation only if their certificates share no
+liar's vote.
 
 The control plane's machines run on top of it in `PlaneSim` (control/sim.py), through the
 hooks `_booted`, `_election_event`, `_on_message` and `_dispatch`. The figures of
@@ -25,6 +34,7 @@ run: all randomness comes from one `random.Random`.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import math
@@ -32,11 +42,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dtfm.net import pack, unpack_untrusted
+from dtfm.net import Identity, pack, unpack_untrusted, verify_signature
 from dtfm.scenarios import load_scenario
 
+from .certificate import Certificate, majority, vote_payload
 from .config import ElectionConfig
-from .messages import Vote, decode_election
+from .messages import ElectionMessage, Vote, decode_election
 from .state import (
     BecameCoordinator,
     CoordinatorKnown,
@@ -51,6 +62,7 @@ from .store import MemoryElectionStore
 __all__ = ["ElectionSim", "NetConditions", "returning_peer", "scenario_delays_s", "takeover_times"]
 
 MAX_BODY_BYTES = 1 << 20
+INBOX_MESSAGES = 256  # kept per liar
 
 
 def scenario_delays_s(name: str, n: int, rng: random.Random) -> list[list[float]]:
@@ -73,7 +85,8 @@ class NetConditions:
 class ElectionSim:
     def __init__(self, n: int, config: ElectionConfig, *, delays_s: Sequence[Sequence[float]] | None = None,
                  seed: int = 0, codec: bool = True, conditions: NetConditions | None = None,
-                 lose_reports: bool = True, ids: Sequence[bytes] | None = None) -> None:
+                 lose_reports: bool = True, keys: Sequence[Identity] | None = None, liars: Sequence[int] = (),
+                 liars_vote: bool = True) -> None:
         self.config = config
         # False: drop_fraction spares the plane's messages (a connection that stays up)
         self.lose_reports = lose_reports
@@ -81,9 +94,17 @@ class ElectionSim:
         self.codec = codec  # False: hand message objects over (faster); True: through the wire codec
         self.net = conditions or NetConditions()
         self.delays_s = [list(row) for row in delays_s] if delays_s is not None else [[0.01] * n for _ in range(n)]
-        self.ids = sorted(ids) if ids is not None else sorted(self.rng.randbytes(32) for _ in range(n))
+        # real Ed25519 keys from the seed (Ed25519 signs deterministically: same seed, same run)
+        keys = list(keys) if keys is not None else [Identity(self.rng.randbytes(32)) for _ in range(n)]
+        self.signers = {key.peer_id: key for key in keys}
+        self.ids = sorted(self.signers)
         self.index = {p: k for k, p in enumerate(self.ids)}
-        self.voters = tuple(self.ids)
+        self.liars = frozenset(liars)
+        self.inbox: dict[int, collections.deque] = {k: collections.deque(maxlen=INBOX_MESSAGES) for k in self.liars}
+        self.certificates: dict[tuple[int, bytes], Certificate] = {}  # (term, coordinator) -> its certificate
+        self._genuine: set[bytes] = set()  # digests of certificates whose signatures all verify
+        # the first configuration: every node (liars_vote False: every node but the liars)
+        self.voters = tuple(p for k, p in enumerate(self.ids) if liars_vote or k not in self.liars)
         self.now = 0.0
         self.stores = [MemoryElectionStore() for _ in range(n)]
         self.disk_applied: list[tuple[int, int]] = [(0, 0)] * n
@@ -133,8 +154,14 @@ class ElectionSim:
         self.nodes[k] = None
 
     def restart(self, k: int) -> None:
-        if self.nodes[k] is None:
+        if self.nodes[k] is None and k not in self.liars:
             self._boot(k)
+
+    def inject(self, k: int, dst: int, msg: ElectionMessage) -> None:
+        """Liar k sends `msg` to node dst, through the network like any message."""
+        if k not in self.liars:
+            raise ValueError(f"node {k} is not a liar")
+        self._transmit(k, dst, msg)
 
     def partition(self, groups: Sequence[int]) -> None:
         """groups[k]: the side of node k; messages between sides are lost."""
@@ -151,6 +178,28 @@ class ElectionSim:
         if node is not None:
             self._run(k, node.tick(self.local_now(k)))
 
+    def offer(self, src: int, term: int, epoch: int, voters: tuple[bytes, ...], cert: Certificate | None) -> int:
+        """Node (or liar) src's allocation of (term, epoch) configuring `voters`, with `cert`,
+        offered to every live node at once (no network; PlaneSim runs the real hand-out): each
+        applies it if its `may_apply` says yes. Checked: an allocation is applied only from the
+        coordinator a true certificate elects in its term, and applied (term, epoch) only grows.
+        Returns how many applied it."""
+        applied = 0
+        issuer = self.ids[src]
+        for k in self.live():
+            node = self.node(k)
+            if node.may_apply(issuer, term, epoch, cert, voters) is not None:
+                continue
+            why = self._certified(cert, term, issuer)
+            if why is not None:
+                self._violation(f"node {k} applied term {term} epoch {epoch} of {src} on {why}")
+            if (term, epoch) <= self.disk_applied[k]:
+                self._violation(f"node {k} applied ({term}, {epoch}) after {self.disk_applied[k]}")
+            self.disk_applied[k], self.disk_voters[k] = (term, epoch), voters
+            self._run(k, node.apply_allocation(term, epoch, voters, cert, self.local_now(k)))
+            applied += 1
+        return applied
+
     def campaign(self, k: int) -> None:
         node = self.nodes[k]
         if node is not None:
@@ -165,6 +214,10 @@ class ElectionSim:
             kind, k = item[0], item[1]
             node = self.nodes[k]
             if node is None:
+                if kind == "msg" and k in self.liars and type(item[3]) is not tuple:
+                    payload = item[3]
+                    self.inbox[k].append((item[2], decode_election(unpack_untrusted(payload, max_len=MAX_BODY_BYTES))
+                                          if self.codec else payload))
                 continue
             if kind == "tick":
                 if t == self._tick_at[k]:
@@ -189,10 +242,12 @@ class ElectionSim:
     # ------------------------------------------------------------------ internals
 
     def _boot(self, k: int) -> None:
+        if k in self.liars:
+            return
         term, voted_for = self.stores[k].load()
         self.nodes[k] = ElectionState(self.ids[k], self.config, random.Random(self.rng.random()), self.local_now(k),
-                                      term=term, voted_for=voted_for, voters=self.disk_voters[k],
-                                      applied=self.disk_applied[k])
+                                      signer=self.signers[self.ids[k]], term=term, voted_for=voted_for,
+                                      voters=self.disk_voters[k], applied=self.disk_applied[k])
         self._schedule(k)
         self._booted(k)
 
@@ -264,17 +319,65 @@ class ElectionSim:
             elif isinstance(a, SteppedDown):
                 self.step_downs.append((self.now, k, a.term, a))
                 self._election_event(k, a)
-            elif not isinstance(a, CoordinatorKnown):
+            elif isinstance(a, CoordinatorKnown):
+                self._check_recognised(k, a)
+            else:
                 self._violation(f"unknown action {a!r}")
         self._schedule(k)
 
+    def _certified(self, cert: Certificate | None, term: int, coordinator: bytes) -> str | None:
+        """None if `cert` is a true record of `coordinator`'s election in `term`, else why not:
+        every signature verifies, and an honest node's vote in it is the vote it persisted."""
+        if cert is None:
+            return "no certificate"
+        if cert.term != term or cert.candidate != coordinator:
+            return f"a certificate of {self.index.get(cert.candidate)} in term {cert.term}"
+        if cert.digest not in self._genuine:
+            payload = vote_payload(term, coordinator, cert.config)
+            for v, sig in cert.signed():
+                if not verify_signature(v, payload, sig):
+                    return f"a forged vote of {self.index.get(v)}"
+            self._genuine.add(cert.digest)
+        true = 0
+        for v in cert.signers:
+            j = self.index.get(v)
+            if j is None or j in self.liars or self.votes.get((j, term)) == coordinator:
+                true += 1
+        if true < majority(len(cert.voters)):
+            return f"{true} true votes of {len(cert.voters)} voters"
+        return None
+
+    def _liar_signed(self, *certs: Certificate | None) -> bool:
+        return all(c is not None and any(self.index.get(v) in self.liars for v in c.signers) for c in certs)
+
+    def _check_recognised(self, k: int, a: CoordinatorKnown) -> None:
+        node = self.node(k)
+        if a.coordinator is None or (node.term, node.coordinator) != (a.term, a.coordinator):
+            return  # gone again within the same input
+        why = self._certified(node.certificate, a.term, a.coordinator)
+        if why is not None:
+            self._violation(f"node {k} recognises {self.index.get(a.coordinator)} in term {a.term} on {why}")
+            return
+        assert node.certificate is not None
+        self.certificates.setdefault((a.term, a.coordinator), node.certificate)
+        rivals = [(c, cert) for (t, c), cert in self.certificates.items() if t == a.term and c != a.coordinator]
+        for c, cert in rivals:
+            if not self._liar_signed(cert, node.certificate):
+                self._violation(f"node {k} recognises {self.index.get(a.coordinator)} in term {a.term}, "
+                                f"which {self.index.get(c)} was elected in")
+
     def _check_win(self, k: int, term: int) -> None:
         node = self.node(k)
+        cert = node.certificate
+        if cert is not None and cert.term == term:
+            self.certificates.setdefault((term, self.ids[k]), cert)
         if self.winners.setdefault(term, k) != k:
-            self._violation(f"two coordinators in term {term}: nodes {self.winners[term]} and {k}")
-        votes = [v for v in node.voters if self.votes.get((self.index[v], term)) == self.ids[k]]
-        if len(votes) < node.majority:
-            self._violation(f"node {k} coordinator of term {term} with {len(votes)} of {len(node.voters)} votes")
+            other = self.certificates.get((term, self.ids[self.winners[term]]))
+            if not self._liar_signed(cert, other):
+                self._violation(f"two coordinators in term {term}: nodes {self.winners[term]} and {k}")
+        why = self._certified(cert, term, self.ids[k])
+        if why is not None:
+            self._violation(f"node {k} coordinator of term {term} on {why}")
         stood = self.stood_at.get((k, term), -1.0)
         if self.partition_since is not None and stood >= self.partition_since:
             side = [v for v in node.voters if self.groups[self.index[v]] == self.groups[k]]

@@ -1,27 +1,50 @@
-"""Coordinator election, Raft-style, as a sans-IO state machine.
+"""Coordinator election, Raft-style with signed votes, as a sans-IO state machine.
 
 `ElectionState` does no I/O and reads no clock: the driver passes `now`, feeds received
 messages to `handle(src, msg, now)`, calls `tick(now)` at `next_deadline()`, and executes the
 returned actions *in order*: a `Persist` (write term and vote to disk, fsync, before anything
 after it) always precedes the `ElectionSend` of the vote it records. A restarted node is built
-from what its store loads (`ElectionStore.load`).
+from what its store loads (`ElectionStore.load`). Votes are signed by an injected `VoteSigner`
+(the peer's `Identity`); signatures are verified with the voter's peer id, which is its
+Ed25519 public key. Both are deterministic, so a simulation stays reproducible.
 
     role           event                                      next role      emits
     follower       election timer (see Timers)                pre-candidate  PreVote to the voters
     pre-candidate  pre-votes of a majority                    candidate      Persist(term+1, me), RequestVote
-    candidate      votes of a majority                        coordinator    BecameCoordinator, Heartbeat
-    coordinator    heartbeat timer                            coordinator    Heartbeat to the voters
+    candidate      signed votes of a majority                 coordinator    BecameCoordinator, Heartbeat
+    coordinator    heartbeat timer                            coordinator    Heartbeat (+ certificate) to the voters
     coordinator    acks from < a majority within lease_s      follower       SteppedDown (check-quorum)
-    coordinator    ack with a higher term from a voter        candidate      Persist(t+1, me), RequestVote
-    any            Heartbeat of a term >= its own             follower       Persist if newer, HeartbeatAck
-    any            message of a higher term                   follower       Persist(t, None)
+    coordinator    ack of a heartbeat, higher term (bounded)  candidate      Persist(t+1, me), RequestVote
+    any            certified Heartbeat of a term >= its own   follower       Persist if newer, HeartbeatAck
 
-Votes. A voter grants one vote per term, persisted before it is sent, and only to a candidate
-of its configuration (when it has one) whose last applied (term, epoch) is not older than its
-own. A pre-vote changes nothing on the voter. While a voter has heard its coordinator within
-`lease_s` it refuses pre-votes and votes for anyone else, without taking their term: a peer that
-was cut off, even with an inflated term, cannot depose a coordinator a majority still hears.
-The coordinator itself may stand again: if a voter answers its heartbeat with a higher term,
+Proof of election. A granted vote is the voter's signature of (term, candidate, digest of the
+candidate's configuration) (certificate.py). A candidate counts only votes of its configuration
+whose signature verifies; elected, it holds them as its `certificate` and sends it with every
+heartbeat, and the coordinator puts it beside every allocation it hands out. A peer recognises
+a coordinator only on a certificate whose votes from the voters of its own configuration are a
+majority of them, every signature checked (once per certificate: `CertificateCheck` caches by
+digest); it never takes its voters from a heartbeat. A peer without a configuration yet (a
+fresh swarm, or a peer that joins) takes a certificate that is a majority of the certificate's
+own configuration, which must name this peer; nothing proves to such a peer that this
+configuration is the swarm's (any insider can mint identities that elect it): the operator's
+signed start, carried by a new run's first allocation, closes that gap.
+
+Who counts. Messages of the election count only from voters of this peer's configuration
+(without one: from anyone, so a fresh swarm can elect its first coordinator). A PreVote or a
+RequestVote of anyone else gets no answer, a heartbeat of anyone else changes nothing.
+
+Terms. A higher term is taken only (a) with a certificate for it (at any size: a
+majority voted in it), (b) from a voter answering this peer's own outstanding pre-vote, vote
+or heartbeat, or (c) with a vote this peer grants to a voter; in (b) and (c) at most
+`config.max_term_jump` above its own. Nothing else moves it. No term arithmetic passes MAX_TERM:
+a peer at MAX_TERM refuses to stand (logged; `term_exhausted`) and keeps following.
+
+Votes. A voter grants one vote per term, persisted before it is signed and sent, and only to a
+candidate of its configuration whose last applied (term, epoch) is not older than its own (and
+whose configuration digest is its own when both applied the same allocation). A pre-vote
+changes nothing on the voter. While a voter has heard its coordinator within `lease_s` it
+refuses pre-votes and votes for anyone else, without taking their term. The coordinator
+itself may stand again: if a voter answers its heartbeat with a higher term (within the jump),
 it stands in the term after that one at once (no pre-vote), and its followers grant it.
 
 Timers. A follower stands after uniform(election_timeout_min_s, election_timeout_max_s) plus
@@ -30,14 +53,21 @@ voters every peer of the term computes alike (a hash of term and peer id, the co
 last): after a crash the first-ranked peer stands about one stagger before the next, so two
 candidates rarely split a vote, even when the round trips are as long as the random spread.
 
-Configuration. The voters are the peers of the last applied allocation (`set_voters`); a
-follower also takes the coordinator's voters from a heartbeat whose applied (term, epoch) is
-not older than its own. Until a node has voters it votes but never stands. `campaign(now)`
-stands at once (`train start`).
+Configuration. The voters are the configuration of the last applied allocation
+(`apply_allocation`, or `restore` from the disk at start); `set_voters` sets a first
+configuration only (`train start` on a peer that applied none). Until a node has voters it
+votes but never stands. `campaign(now)` stands at once (`train start`). When the coordinator
+applies a configuration its certificate is not of, it asks the new voters to sign its term
+again over the new configuration (they voted for it already, or not at all in this term) and
+carries the new certificate once a majority did: peers that applied the new configuration
+recognise it after a restart too.
 
-Allocations. `may_apply(issuer, term, epoch)` refuses an allocation unless `issuer` is the
-coordinator this node recognises for `term`, `term` is its current term, and (term, epoch) is
-newer than the last applied; `applied(term, epoch)` records one. The applied (term, epoch) only
+Allocations. `may_apply(issuer, term, epoch, certificate, voters)` refuses an allocation unless
+its certificate is of `issuer` in `term`, checks against this peer's configuration as above
+(`issuer` a voter of it; without a configuration, the allocation's `voters` must name this
+peer), `term` is not older than this peer's (nor another coordinator's term here), and (term,
+epoch) is newer than the last applied. `apply_allocation` records it: a certified newer term
+is taken, the issuer recognised, the configuration replaced. The applied (term, epoch) only
 grows.
 
 Time. A clock that goes backwards shifts every stored instant by the same amount, so
@@ -52,10 +82,12 @@ import hashlib
 import logging
 import random
 from dataclasses import dataclass
+from typing import Protocol
 
-from dtfm.net import short_id
+from dtfm.net import short_id, verify_signature
 
 from ..allocation import Refusal
+from .certificate import Certificate, CertificateCheck, config_digest, majority, vote_payload
 from .config import ElectionConfig
 from .messages import (
     MAX_TERM,
@@ -78,12 +110,21 @@ __all__ = [
     "ElectionState",
     "Persist",
     "SteppedDown",
+    "VoteSigner",
 ]
 
 logger = logging.getLogger(__name__)
 
 _NEVER = float("inf")
 _LONG_AGO = float("-inf")
+
+
+class VoteSigner(Protocol):
+    """Signs this peer's votes: `net.Identity` is one."""
+
+    peer_id: bytes
+
+    def sign(self, data: bytes) -> bytes: ...
 
 
 class ElectionRole(enum.Enum):
@@ -130,27 +171,50 @@ class SteppedDown:
 ElectionAction = ElectionSend | Persist | BecameCoordinator | CoordinatorKnown | SteppedDown
 
 
+@dataclass
+class _Round:
+    """Signed votes gathered for `candidate` (this peer) in one configuration."""
+
+    voters: tuple[bytes, ...]
+    config: bytes
+    votes: dict[bytes, bytes]  # voter -> its signature of the vote
+
+    @property
+    def complete(self) -> bool:
+        return len(self.votes) >= majority(len(self.voters))
+
+
 class ElectionState:
-    def __init__(self, me: bytes, config: ElectionConfig, rng: random.Random, now: float, *, term: int = 0,
-                 voted_for: bytes | None = None, voters: tuple[bytes, ...] | None = None,
+    def __init__(self, me: bytes, config: ElectionConfig, rng: random.Random, now: float, *, signer: VoteSigner,
+                 term: int = 0, voted_for: bytes | None = None, voters: tuple[bytes, ...] | None = None,
                  applied: tuple[int, int] = (0, 0)) -> None:
-        if not 0 <= term <= MAX_TERM:
+        if type(term) is not int or not 0 <= term <= MAX_TERM:
             raise ValueError(f"term must be in [0, {MAX_TERM}], got {term}")
+        if signer.peer_id != me:
+            raise ValueError(f"the signer's key ({short_id(signer.peer_id)}) is not this peer's ({short_id(me)})")
         self.me = me
         self.config = config
         self._rng = rng
+        self._signer = signer
         self.term = term
         self.voted_for = voted_for
         self.role = ElectionRole.FOLLOWER
         self.coordinator: bytes | None = None  # the coordinator of self.term, as known here
-        self.voters: tuple[bytes, ...] = check_voters(voters) if voters is not None else ()
+        self.certificate: Certificate | None = None  # the coordinator's, once recognised (own when coordinator)
+        self.voters: tuple[bytes, ...] = ()
+        self._config: bytes | None = None  # config_digest(self.voters)
+        if voters is not None:
+            self._set_configuration(voters)
         applied_term, applied_epoch = applied
         self.last_applied: tuple[int, int] = (applied_term, applied_epoch)
+        self._checker = CertificateCheck()
         self._now = now
         self._rank_cache: tuple = (None, 0)
         self._heard_at = _LONG_AGO  # when the recognised coordinator was last heard
         self._deadline = now + self._timeout()  # election timer; pre-vote or vote round's end
-        self._grants: set[bytes] = set()  # of the current pre-vote or vote round
+        self._grants: set[bytes] = set()  # pre-votes of the current pre-vote round
+        self._round: _Round | None = None  # votes of the current candidacy
+        self._recert: _Round | None = None  # the coordinator's votes over a new configuration
         self._since = now  # coordinator since
         self._next_heartbeat = _NEVER
         self._seq = 0
@@ -161,40 +225,129 @@ class ElectionState:
 
     @property
     def majority(self) -> int:
-        return len(self.voters) // 2 + 1
+        return majority(len(self.voters))
+
+    @property
+    def term_exhausted(self) -> bool:
+        """At the largest term: this peer never stands again (it can still follow and vote)."""
+        return self.term >= MAX_TERM
+
+    @property
+    def signatures_checked(self) -> int:
+        """Vote signatures of certificates verified so far (each certificate once)."""
+        return self._checker.verified
 
     def next_deadline(self) -> float:
         return self._next_heartbeat if self.role is ElectionRole.COORDINATOR else self._deadline
 
-    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None:
-        """None if an allocation of `issuer` at (term, epoch) may be applied here, else why not."""
+    def check_certificate(self, cert: Certificate) -> str | None:
+        """None if `cert` proves its candidate's election to this peer (module docstring), else why not."""
+        if self.voters:
+            if cert.candidate not in self.voters:
+                return f"its candidate {short_id(cert.candidate)} is not a voter of this peer's configuration"
+            assert self._config is not None
+            return self._checker.check(cert, self.voters, self._config)
+        if self.me not in cert.voters:
+            return "this peer has no configuration yet, and the certificate's does not name it"
+        return self._checker.check(cert, cert.voters, cert.config)
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
+                  voters: tuple[bytes, ...] = ()) -> Refusal | None:
+        """None if an allocation of `issuer` at (term, epoch), configuring `voters`, that carries
+        `certificate` may be applied here, else why not."""
+        if certificate is None:
+            return Refusal("bad-certificate", "the allocation carries no certificate of its issuer's election")
+        if certificate.term != term or certificate.candidate != issuer:
+            return Refusal("bad-certificate", f"its certificate elects {short_id(certificate.candidate)} in term "
+                                              f"{certificate.term}, not its issuer {short_id(issuer)} in term {term}")
         if term < self.term:
             return Refusal("stale", f"term {term} is older than this peer's term {self.term}")
-        if term > self.term or self.coordinator is None:
-            return Refusal("not-coordinator", f"this peer knows no coordinator of term {term} yet")
-        if issuer != self.coordinator:
+        if term == self.term and self.coordinator not in (None, issuer):
             return Refusal("not-coordinator", f"{short_id(issuer)} is not the coordinator of term {term} "
                                               f"({short_id(self.coordinator)} is)")
         if (term, epoch) <= self.last_applied:
             return Refusal("stale", f"term {term} epoch {epoch} is not newer than term {self.last_applied[0]} "
                                     f"epoch {self.last_applied[1]}, already applied")
+        if self.voters:
+            if issuer not in self.voters:
+                return Refusal("not-voter", f"the issuer {short_id(issuer)} is not a voter of this peer's "
+                                            "configuration")
+            why = self.check_certificate(certificate)
+        elif self.me not in voters:
+            return Refusal("not-voter", "this peer has no configuration yet, and the allocation does not make "
+                                        "it a voter")
+        else:
+            why = self._checker.check(certificate, certificate.voters, certificate.config)
+        if why is not None:
+            return Refusal("bad-certificate", f"the certificate of {short_id(issuer)} in term {term}: {why}")
         return None
 
     # ------------------------------------------------------------------ driver inputs
 
     def applied(self, term: int, epoch: int) -> None:
-        """Record an allocation this node applied (after `may_apply` said yes)."""
+        """Record an allocation this node applied (prefer `apply_allocation`, which also takes
+        its configuration and certificate)."""
         if (term, epoch) <= self.last_applied:
             raise ValueError(f"applied (term, epoch) only grows: ({term}, {epoch}) after {self.last_applied}")
         self.last_applied = (term, epoch)
 
-    def set_voters(self, voters: tuple[bytes, ...], now: float) -> list[ElectionAction]:
-        """The configuration of an applied allocation, or the first one (`train start`)."""
+    def apply_allocation(self, term: int, epoch: int, voters: tuple[bytes, ...], certificate: Certificate | None,
+                         now: float) -> list[ElectionAction]:
+        """An allocation this peer applies (`may_apply` said yes): its (term, epoch), its
+        configuration, and the certificate of its issuer, whose term is taken if newer."""
         self._advance(now)
-        self.voters = check_voters(voters)
         out: list[ElectionAction] = []
-        if self.role is ElectionRole.COORDINATOR and self.me not in self.voters:
-            self._step_down(out, "not a voter of the new configuration")
+        if (term, epoch) <= self.last_applied:
+            logger.warning("allocation of term %d epoch %d not recorded: term %d epoch %d is applied", term, epoch,
+                           *self.last_applied)
+            return out
+        issuer = certificate.candidate if certificate is not None else None
+        known = term == self.term and self.coordinator == issuer
+        if certificate is not None and issuer != self.me and certificate.term == term >= self.term and not known:
+            if self.may_apply(certificate.candidate, term, epoch, certificate, voters) is None:
+                self._follow(certificate, out, f"allocation of term {term} from {short_id(certificate.candidate)}")
+        self.last_applied = (term, epoch)
+        self._reconfigure(voters, out)
+        return out
+
+    def restore(self, term: int, epoch: int, voters: tuple[bytes, ...] | None, now: float) -> list[ElectionAction]:
+        """At start: the allocation applied before the restart, from the disk."""
+        self._advance(now)
+        out: list[ElectionAction] = []
+        if self.last_applied != (0, 0) or (term, epoch) <= (0, 0):
+            raise ValueError(f"restore ({term}, {epoch}) on a peer that applied {self.last_applied}")
+        self.last_applied = (term, epoch)
+        if voters:
+            self._reconfigure(voters, out)
+        return out
+
+    def set_voters(self, voters: tuple[bytes, ...], now: float) -> list[ElectionAction]:
+        """A first configuration (`train start` on a peer that applied none); refused (logged)
+        once an allocation was applied: then only allocations change the voters."""
+        self._advance(now)
+        out: list[ElectionAction] = []
+        if self.last_applied != (0, 0):
+            logger.warning("set_voters refused: the configuration of the applied allocation (term %d epoch %d) "
+                           "changes only by allocations", *self.last_applied)
+            return out
+        self._reconfigure(voters, out)
+        return out
+
+    def revert(self, term: int, voted_for: bytes | None, now: float) -> list[ElectionAction]:
+        """Back to the (term, vote) the store holds (or will, once the Persists queued before
+        are written), as a follower: the driver refused an input midway (its Persist, or the
+        machine raised) and dropped its actions."""
+        self._advance(now)
+        out: list[ElectionAction] = []
+        if self.role is ElectionRole.COORDINATOR:
+            self._step_down(out, "an input was refused midway")
+        self.role = ElectionRole.FOLLOWER
+        self._round = self._recert = None
+        if term != self.term:
+            self.term = term
+            self._recognise(None, out)
+        self.voted_for = voted_for
+        self._deadline = self._now + self._timeout()
         return out
 
     def campaign(self, now: float) -> list[ElectionAction]:
@@ -235,6 +388,41 @@ class ElectionState:
             self._on_vote(src, msg, out)
         return out
 
+    # ------------------------------------------------------------------ configuration
+
+    def _set_configuration(self, voters: tuple[bytes, ...]) -> None:
+        self.voters = check_voters(voters)
+        self._config = config_digest(self.voters)
+
+    def _reconfigure(self, voters: tuple[bytes, ...], out: list[ElectionAction]) -> None:
+        self._set_configuration(voters)
+        if self.role is not ElectionRole.COORDINATOR:
+            return
+        if self.me not in self.voters:
+            self._step_down(out, "not a voter of the new configuration")
+            return
+        assert self.certificate is not None and self._config is not None
+        if self.certificate.config == self._config:
+            self._recert = None
+            return
+        self._recert = _Round(self.voters, self._config, {self.me: self._sign(self.term, self.me, self._config)})
+        self._check_recert()
+        self._ask_recert(out)
+
+    def _ask_recert(self, out: list[ElectionAction]) -> None:
+        r = self._recert
+        if r is None:
+            return
+        msg = RequestVote(self.term, self.me, *self.last_applied, r.config)
+        out.extend(ElectionSend(v, msg) for v in r.voters if v not in r.votes)
+
+    def _check_recert(self) -> None:
+        r = self._recert
+        if r is not None and r.complete:
+            self.certificate = Certificate.of(self.term, self.me, r.voters, r.votes)
+            self._recert = None
+            logger.info("certified again in term %d, in the new configuration of %d voters", self.term, len(r.voters))
+
     # ------------------------------------------------------------------ time
 
     def _timeout(self) -> float:
@@ -272,6 +460,10 @@ class ElectionState:
             return True
         return self.coordinator is not None and self._now - self._heard_at < self.config.lease_s
 
+    def _within_jump(self, term: int) -> bool:
+        """`term` is at most max_term_jump above this peer's (and a term at all)."""
+        return term <= MAX_TERM and term - self.term <= self.config.max_term_jump
+
     # ------------------------------------------------------------------ standing
 
     def _stand(self, out: list[ElectionAction]) -> None:
@@ -279,6 +471,11 @@ class ElectionState:
         if self.me not in self.voters:
             self.role = ElectionRole.FOLLOWER
             return  # no configuration yet, or not a voter of it: never stands
+        if self.term_exhausted:
+            self.role = ElectionRole.FOLLOWER
+            logger.warning("term %d is the largest there is: this peer does not stand (it still follows and votes)",
+                           self.term)
+            return
         if self.config.pre_vote:
             self.role = ElectionRole.PRE_CANDIDATE
             self._grants = {self.me}
@@ -293,33 +490,45 @@ class ElectionState:
             self._become_candidate(self.term + 1, out)
 
     def _become_candidate(self, term: int, out: list[ElectionAction]) -> None:
+        if not self.term < term <= MAX_TERM or self._config is None or self.me not in self.voters:
+            logger.warning("not standing in term %d from term %d", term, self.term)
+            self.role = ElectionRole.FOLLOWER
+            return
         self._set_term(term, self.me, out)
         self.role = ElectionRole.CANDIDATE
-        self._grants = {self.me}
+        self._round = _Round(self.voters, self._config, {self.me: self._sign(term, self.me, self._config)})
         self._deadline = self._now + self._timeout()
-        msg = RequestVote(self.term, self.me, *self.last_applied)
+        msg = RequestVote(self.term, self.me, *self.last_applied, self._config)
         out.extend(ElectionSend(v, msg) for v in self.voters if v != self.me)
         self._check_votes(out)
 
+    def _sign(self, term: int, candidate: bytes, config: bytes) -> bytes:
+        return self._signer.sign(vote_payload(term, candidate, config))
+
     def _check_votes(self, out: list[ElectionAction]) -> None:
-        if self.role is ElectionRole.CANDIDATE and len(self._grants & set(self.voters)) >= self.majority:
+        r = self._round
+        if self.role is ElectionRole.CANDIDATE and r is not None and r.complete:
             self.role = ElectionRole.COORDINATOR
             self._since = self._now
             self._acked_at = {}
             self._sent_at = {}
             out.append(BecameCoordinator(self.term))
-            self._recognise(self.me, out)
-            logger.info("coordinator of term %d with %d of %d votes", self.term, len(self._grants), len(self.voters))
+            self._recognise(self.me, out, Certificate.of(self.term, self.me, r.voters, r.votes))
+            logger.info("coordinator of term %d with %d of %d votes", self.term, len(r.votes), len(r.voters))
+            if r.config != self._config and self._config is not None:  # applied a new configuration meanwhile
+                self._reconfigure(self.voters, out)
             self._heartbeat(out)
 
     def _heartbeat(self, out: list[ElectionAction]) -> None:
+        assert self.certificate is not None
         self._seq += 1
         self._sent_at[self._seq] = self._now
         keep = int(self.config.lease_s / self.config.heartbeat_interval_s) + 2
         self._sent_at.pop(self._seq - keep, None)
         self._next_heartbeat = self._now + self.config.heartbeat_interval_s
-        msg = Heartbeat(self.term, self.me, self._seq, self.voters, *self.last_applied)
+        msg = Heartbeat(self.term, self.me, self._seq, *self.last_applied, self.certificate)
         out.extend(ElectionSend(v, msg) for v in self.voters if v != self.me)
+        self._ask_recert(out)
 
     def _quorum_heard(self) -> bool:
         if self._now - self._since < self.config.lease_s:
@@ -332,6 +541,7 @@ class ElectionState:
         self.role = ElectionRole.FOLLOWER
         self._next_heartbeat = _NEVER
         self._deadline = self._now + self._timeout()
+        self._recert = None
         self._recognise(None, out)
         out.append(SteppedDown(self.term, reason, standing_again))
         logger.info("stepped down in term %d: %s", self.term, reason)
@@ -347,44 +557,75 @@ class ElectionState:
             out.append(Persist(term, voted_for))
 
     def _adopt(self, term: int, out: list[ElectionAction], why: str, persist: bool = True) -> None:
-        """Follow a higher term seen in a message (no vote in it yet)."""
+        """Follow a higher term (no vote in it yet); the caller checked the evidence for it."""
         if self.role is ElectionRole.COORDINATOR:
             self._step_down(out, why)
         self.role = ElectionRole.FOLLOWER
+        self._round = None
         self._set_term(term, None, out, persist)
 
-    def _recognise(self, coordinator: bytes | None, out: list[ElectionAction]) -> None:
+    def _recognise(self, coordinator: bytes | None, out: list[ElectionAction], cert: Certificate | None = None) -> None:
+        self.certificate = cert if coordinator is not None else None
         if coordinator != self.coordinator:
             self.coordinator = coordinator
             out.append(CoordinatorKnown(self.term, coordinator))
 
+    def _follow(self, cert: Certificate, out: list[ElectionAction], why: str) -> None:
+        """Recognise the certified coordinator of cert.term (>= this peer's term; checked)."""
+        if cert.term > self.term:
+            self._adopt(cert.term, out, why)
+        if self.coordinator != cert.candidate or self.certificate is None:
+            self._recognise(cert.candidate, out, cert)
+        self.role = ElectionRole.FOLLOWER
+        self._round = None
+        self._heard_at = self._now
+        self._deadline = self._now + self._timeout()
+
     # ------------------------------------------------------------------ messages
+
+    def _counts(self, src: bytes) -> bool:
+        """Messages of the election count from voters of this peer's configuration (any peer
+        while it has none)."""
+        return not self.voters or src in self.voters
 
     def _on_heartbeat(self, src: bytes, m: Heartbeat, out: list[ElectionAction]) -> None:
         if m.coordinator != src:
             logger.debug("heartbeat from %s names coordinator %s: ignored", short_id(src), short_id(m.coordinator))
             return
+        if not self._counts(src):
+            logger.debug("heartbeat from %s, not a voter of this peer's configuration: ignored", short_id(src))
+            return
         if m.term < self.term:
             out.append(ElectionSend(src, HeartbeatAck(self.term, m.seq, False, *self.last_applied)))
             return
-        if m.term > self.term:
-            self._adopt(m.term, out, f"heartbeat of term {m.term} from {short_id(src)}")
-        if self.role is ElectionRole.COORDINATOR:  # a second coordinator in one term: impossible with one vote each
-            logger.error("heartbeat of %s as coordinator of term %d, this peer's own term", short_id(src), m.term)
-            return
-        self.role = ElectionRole.FOLLOWER
-        self._recognise(src, out)
-        self._heard_at = self._now
-        self._deadline = self._now + self._timeout()
-        if (m.applied_term, m.applied_epoch) >= self.last_applied and m.voters != self.voters:
-            self.voters = m.voters  # the coordinator knows the configuration at least as new as ours
+        if m.term == self.term and src == self.coordinator and src != self.me:
+            cert = self.certificate
+            if (cert is None or m.certificate.digest != cert.digest) and self.check_certificate(m.certificate) is None:
+                self.certificate = m.certificate  # certified again (a new configuration)
+        else:
+            if self.role is ElectionRole.COORDINATOR and m.term == self.term:
+                logger.error("heartbeat of %s as coordinator of term %d, this peer's own term", short_id(src), m.term)
+                return
+            why = self.check_certificate(m.certificate)
+            if why is not None:
+                logger.debug("heartbeat of %s in term %d refused: %s", short_id(src), m.term, why)
+                return
+        self._follow(m.certificate, out, f"heartbeat of term {m.term} from {short_id(src)}")
         out.append(ElectionSend(src, HeartbeatAck(self.term, m.seq, True, *self.last_applied)))
 
     def _on_ack(self, src: bytes, m: HeartbeatAck, out: list[ElectionAction]) -> None:
         if self.role is not ElectionRole.COORDINATOR or src not in self.voters:
             return
         if m.term > self.term:
-            if self.config.pre_vote:  # a voter ahead: stand again at once, above its term
+            if m.seq not in self._sent_at:
+                logger.debug("ack of term %d from %s answers no recent heartbeat: ignored", m.term, short_id(src))
+                return
+            stand = self.config.pre_vote
+            if not self._within_jump(m.term + 1 if stand else m.term):
+                logger.warning("voter %s acks in term %d, more than %d above term %d: ignored", short_id(src),
+                               m.term, self.config.max_term_jump, self.term)
+                return
+            if stand:  # a voter ahead: stand again at once, above its term
                 why = f"voter {short_id(src)} is in term {m.term}: standing in term {m.term + 1}"
                 self._step_down(out, why, standing_again=True)
                 self._become_candidate(m.term + 1, out)
@@ -394,65 +635,107 @@ class ElectionState:
         if m.term == self.term and m.ok and m.seq in self._sent_at:
             self._acked_at[src] = max(self._acked_at.get(src, _LONG_AGO), self._sent_at[m.seq])
 
-    def _refuses_candidate(self, src: bytes, applied: tuple[int, int]) -> str | None:
-        if self.voters and src not in self.voters:
-            return "not a voter of this peer's configuration"
+    def _refuses_candidate(self, applied: tuple[int, int], config: bytes | None) -> str | None:
         if applied < self.last_applied:
             return f"its last applied {applied} is older than this peer's {self.last_applied}"
+        if (config is not None and self._config is not None and applied == self.last_applied != (0, 0)
+                and config != self._config):
+            return "it stands in another configuration than the one of the allocation both applied"
         return None
 
     def _on_pre_vote(self, src: bytes, m: PreVote, out: list[ElectionAction]) -> None:
         if m.candidate != src:
             return
-        why = self._refuses_candidate(src, (m.applied_term, m.applied_epoch))
+        if not self._counts(src):
+            logger.debug("pre-vote for %s: not a voter of this peer's configuration, no answer", short_id(src))
+            return
+        why = self._refuses_candidate((m.applied_term, m.applied_epoch), None)
         if self._in_lease():
             why = "its coordinator is alive"
         elif m.term < self.term or (m.term == self.term and (self.voted_for not in (None, src) or self.coordinator)):
             why = f"term {m.term} is not newer than this peer's term {self.term}"
+        elif not self._within_jump(m.term):
+            why = f"term {m.term} is more than {self.config.max_term_jump} above this peer's term {self.term}"
         if why:
             logger.debug("pre-vote for %s in term %d refused: %s", short_id(src), m.term, why)
         out.append(ElectionSend(src, PreVoteReply(m.term, why is None, self.term)))
 
     def _on_pre_vote_reply(self, src: bytes, m: PreVoteReply, out: list[ElectionAction]) -> None:
-        if self.role is ElectionRole.COORDINATOR:
-            return
+        if self.role is not ElectionRole.PRE_CANDIDATE or m.term != self.term + 1 or src not in self.voters:
+            return  # not an answer to this peer's outstanding pre-vote
         if m.voter_term > self.term:
-            self._adopt(m.voter_term, out, f"pre-vote reply of term {m.voter_term}")
+            if self._within_jump(m.voter_term):
+                self._adopt(m.voter_term, out, f"pre-vote reply of term {m.voter_term} from {short_id(src)}")
+            else:
+                logger.debug("pre-vote reply of term %d from %s: too far ahead, ignored", m.voter_term, short_id(src))
             return
-        if self.role is ElectionRole.PRE_CANDIDATE and m.term == self.term + 1 and m.granted:
+        if m.granted:
             self._grants.add(src)
             self._check_pre_votes(out)
 
     def _on_request_vote(self, src: bytes, m: RequestVote, out: list[ElectionAction]) -> None:
         if m.candidate != src:
             return
+        if not self._counts(src):
+            logger.debug("vote for %s: not a voter of this peer's configuration, no answer", short_id(src))
+            return
+        why = None
         if m.term < self.term:
-            out.append(ElectionSend(src, Vote(self.term, False)))
-            return
-        if self._in_lease() and src != self.coordinator:
-            logger.debug("vote for %s in term %d refused: its coordinator is alive", short_id(src), m.term)
-            out.append(ElectionSend(src, Vote(self.term, False)))
-            return
-        newer = m.term > self.term
-        if newer:  # one Persist below covers the new term and the vote
-            self._adopt(m.term, out, f"vote request of term {m.term} from {short_id(src)}", persist=False)
-        why = self._refuses_candidate(src, (m.applied_term, m.applied_epoch))
-        if why is None and self.voted_for not in (None, src):
-            why = f"voted for {short_id(self.voted_for)} in term {self.term}"
+            why = f"term {m.term} is older than this peer's term {self.term}"
+        elif self._in_lease() and src != self.coordinator:
+            why = "its coordinator is alive"
+        elif not self._within_jump(m.term):
+            why = f"term {m.term} is more than {self.config.max_term_jump} above this peer's term {self.term}"
+        else:
+            why = self._refuses_candidate((m.applied_term, m.applied_epoch), m.config)
+            if why is None and m.term == self.term and self.voted_for not in (None, src):
+                assert self.voted_for is not None
+                why = f"voted for {short_id(self.voted_for)} in term {self.term}"
         if why is not None:
             logger.debug("vote for %s in term %d refused: %s", short_id(src), m.term, why)
-            if newer:
-                out.append(Persist(self.term, None))
-            out.append(ElectionSend(src, Vote(self.term, False)))
+            out.append(ElectionSend(src, Vote(m.term, False, self.term, b"")))
             return
+        if m.term > self.term:  # one Persist below covers the new term and the vote
+            self._adopt(m.term, out, f"vote request of term {m.term} from {short_id(src)}", persist=False)
         if self.voted_for is None:
             self._set_term(self.term, src, out)  # Persist(term, src) before the ElectionSend below
         self._deadline = self._now + self._timeout()
-        out.append(ElectionSend(src, Vote(self.term, True)))
+        out.append(ElectionSend(src, Vote(m.term, True, self.term, self._sign(m.term, src, m.config))))
 
     def _on_vote(self, src: bytes, m: Vote, out: list[ElectionAction]) -> None:
-        if m.term > self.term:
-            self._adopt(m.term, out, f"vote reply of term {m.term} from {short_id(src)}")
-        elif self.role is ElectionRole.CANDIDATE and m.term == self.term and m.granted:
-            self._grants.add(src)
-            self._check_votes(out)
+        if m.term != self.term:
+            return  # not an answer to a request of this peer's term
+        if self.role is ElectionRole.CANDIDATE:
+            r = self._round
+            if r is None or src not in r.voters:
+                return
+            if not m.granted:
+                if m.voter_term > self.term:  # a voter ahead answers this peer's request
+                    if self._within_jump(m.voter_term):
+                        self._adopt(m.voter_term, out, f"vote reply of term {m.voter_term} from {short_id(src)}")
+                    else:
+                        logger.debug("vote reply of term %d from %s: too far ahead, ignored", m.voter_term,
+                                     short_id(src))
+                return
+            if self._signed(src, m, r):
+                self._check_votes(out)
+        elif self.role is ElectionRole.COORDINATOR and m.granted:
+            cert = self.certificate
+            assert cert is not None
+            recert = self._recert
+            if recert is not None and src in recert.voters and self._signed(src, m, recert):
+                self._check_recert()
+            elif src in cert.voters and src not in cert.signers and recert is None:
+                late = _Round(cert.voters, cert.config, dict(cert.signed()))
+                if self._signed(src, m, late):  # a late vote: the certificate convinces more peers
+                    self.certificate = Certificate.of(self.term, self.me, late.voters, late.votes)
+
+    def _signed(self, src: bytes, m: Vote, r: _Round) -> bool:
+        """Add src's vote to r if its signature is of this peer in this term in r's configuration."""
+        if src in r.votes:
+            return False
+        if not verify_signature(src, vote_payload(self.term, self.me, r.config), m.signature):
+            logger.debug("vote of %s in term %d: not its signature of this configuration", short_id(src), self.term)
+            return False
+        r.votes[src] = m.signature
+        return True

@@ -20,7 +20,8 @@ from dtfm.net import PEER_ID_BYTES
 
 from .messages import MAX_TERM
 
-__all__ = ["ELECTION_FILE", "ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore"]
+__all__ = ["ELECTION_FILE", "ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore",
+           "persist_problem"]
 
 ELECTION_FILE = "election.json"
 FORMAT_VERSION = 1
@@ -31,11 +32,20 @@ class ElectionStoreError(Exception):
     """The stored term and vote cannot be read or written; the message says what to do."""
 
 
-def _check(term: object, voted_for: object) -> None:
+def persist_problem(term: object, voted_for: object) -> str | None:
+    """Why a store refuses to write (term, voted_for), or None: what the service checks before
+    it queues a Persist, so a refusal is a refused input rather than an exception."""
     if type(term) is not int or not 0 <= term <= MAX_TERM:
-        raise ValueError(f"term must be an integer in [0, {MAX_TERM}], got {term!r}")
+        return f"term must be an integer in [0, {MAX_TERM}], got {term!r}"
     if voted_for is not None and (type(voted_for) is not bytes or len(voted_for) != PEER_ID_BYTES):
-        raise ValueError(f"voted_for must be None or a {PEER_ID_BYTES}-byte peer id, got {voted_for!r:.80}")
+        return f"voted_for must be None or a {PEER_ID_BYTES}-byte peer id, got {voted_for!r:.80}"
+    return None
+
+
+def _check(term: object, voted_for: object) -> None:
+    problem = persist_problem(term, voted_for)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 class MemoryElectionStore:

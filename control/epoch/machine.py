@@ -22,6 +22,7 @@ from dtfm.net import short_id
 
 from ..actions import Action, Reply, Send
 from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
+from ..election import Certificate
 from ..messages import ControlMsg
 from .runner import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
@@ -49,8 +50,11 @@ class ElectionView(Protocol):
     def is_coordinator(self) -> bool: ...
     @property
     def is_follower(self) -> bool: ...
+    @property
+    def certificate(self) -> Certificate | None: ...
 
-    def may_apply(self, issuer: bytes, term: int, epoch: int) -> Refusal | None: ...
+    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
+                  voters: tuple[bytes, ...] = ()) -> Refusal | None: ...
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -66,6 +70,7 @@ class AllocationOffered:
     alloc: Allocation
     ctx: AcceptContext
     waited_until: float | None = None  # set when re-offered after a WaitForCoordinator
+    certificate: Certificate | None = None  # of the issuer's election: carried beside the allocation
 
 
 @dataclass(frozen=True)
@@ -165,11 +170,13 @@ class PersistApplied:
 
 @dataclass(frozen=True)
 class ApplyToElection:
-    """Tell the election the applied (term, epoch) and the new configuration."""
+    """Tell the election the applied (term, epoch), the new configuration, and the certificate
+    of the issuer's election."""
 
     term: int
     epoch: int
     voters: tuple[bytes, ...]
+    certificate: Certificate | None = None
 
 
 @dataclass(frozen=True)
@@ -387,7 +394,8 @@ class EpochMachine:
         ctx = dataclasses.replace(ev.ctx, applied=self.applied.get(alloc.run_id), run_id=alloc.run_id)
         refusal = check_allocation(alloc, ctx)
         if refusal is None:
-            refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch)
+            refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch, ev.certificate,
+                                              alloc.configuration)
             if (refusal is not None and alloc.issuer != self.me and refusal.code == "not-coordinator"
                     and alloc.term >= self.election.term):
                 # The first heartbeat of a new coordinator may come after its allocation.
@@ -402,7 +410,7 @@ class EpochMachine:
             out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
-        out += [ApplyToElection(alloc.term, alloc.epoch, alloc.configuration), PersistApplied(alloc)]
+        out += [ApplyToElection(alloc.term, alloc.epoch, alloc.configuration, ev.certificate), PersistApplied(alloc)]
         self.prev = prev
         self._lost_since = None
         if self.me not in alloc.peers:
