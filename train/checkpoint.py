@@ -1,8 +1,10 @@
 """Stage checkpoints: parameters and optimizer state as safetensors plus a JSON description.
 
 `encode_stage` turns a StageState into (blob, meta): the safetensors bytes of every parameter
-(`param/<name>`) and Adam moment (`exp_avg/<name>`, `exp_avg_sq/<name>`), and a JSON-able dict
-with the step, the model spec, the train config, the layer range and the sha256 of the blob.
+(`param/<name>`), Adam moment (`exp_avg/<name>`, `exp_avg_sq/<name>`) and compression buffer
+(`compress/<kind>/<name>`, with compression on), and a JSON-able dict with the step, the model
+spec, the train config, the compression config (when not exact), the layer range and the
+sha256 of the blob.
 The same pair is what one peer sends another that takes over its stage (`transfer.py`).
 On disk: `<dir>/stage-<a>-<b>/step-<k>.safetensors` and `.json`, each written to a temporary
 file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); the
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from .compress import CompressionConfig
 from .spec import GPTSpec, TrainConfig
 from .worker import StageState
 
@@ -30,6 +33,7 @@ __all__ = [
     "decode_tensors",
     "encode_stage",
     "checkpoint_at",
+    "compression_of",
     "list_checkpoints",
     "load_checkpoint",
     "saved_checkpoints",
@@ -48,10 +52,12 @@ class CheckpointError(ValueError):
 
 
 def stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
-    """The stage's named tensors as a checkpoint holds them: `param/<name>` and the Adam moments
-    (`exp_avg/<name>`, `exp_avg_sq/<name>`), detached, where they live (not copied)."""
+    """The stage's named tensors as a checkpoint holds them: `param/<name>`, the Adam moments
+    (`exp_avg/<name>`, `exp_avg_sq/<name>`) and the compression buffers (`compress/<kind>/<name>`),
+    detached, where they live (not copied)."""
     tensors = {f"param/{n}": p.detach() for n, p in state.params.items()}
     tensors.update(state.optim.state_tensors())
+    tensors.update(state.compress.state_tensors())
     return tensors
 
 
@@ -68,6 +74,8 @@ def encode_stage(state: StageState) -> tuple[bytes, dict]:
         "sha256": hashlib.sha256(blob).hexdigest(),
         "bytes": len(blob),
     }
+    if not state.compress.config.exact:
+        meta["compression"] = state.compress.config.to_dict()
     return blob, meta
 
 
@@ -98,12 +106,26 @@ def _meta_fields(meta: dict) -> tuple[GPTSpec, TrainConfig, tuple[int, int], int
     return spec, cfg, (a, b), step, ostep
 
 
+def compression_of(meta: dict) -> CompressionConfig | None:
+    """The compression config a checkpoint description carries (None: exact); CheckpointError if malformed."""
+    raw = meta.get("compression")
+    if raw is None:
+        return None
+    try:
+        if not isinstance(raw, dict):
+            raise TypeError("not a map")
+        return CompressionConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"bad compression config in checkpoint description: {e}") from None
+
+
 def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
                        tensors: dict[str, torch.Tensor], step: int, optim_step: int,
-                       device: str = "cpu") -> StageState:
-    """Build a stage from named tensors (of one or several sources); every name must be present."""
+                       device: str = "cpu", compression: CompressionConfig | None = None) -> StageState:
+    """Build a stage from named tensors (of one or several sources); every name must be present,
+    the compression buffers too when `compression` is not exact."""
     try:
-        state = StageState(spec, cfg, layer_range, device)
+        state = StageState(spec, cfg, layer_range, device, compression)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     with torch.no_grad():
@@ -114,6 +136,7 @@ def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, 
             p.copy_(src)
         try:
             state.optim.load_state_tensors(tensors, optim_step)
+            state.compress.load_state_tensors(tensors)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
     state.step = step
@@ -193,4 +216,4 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> StageState:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     tensors = decode_tensors(blob, meta)
     spec, cfg, rng, step, ostep = _meta_fields(meta)
-    return stage_from_tensors(spec, cfg, rng, tensors, step, ostep, device)
+    return stage_from_tensors(spec, cfg, rng, tensors, step, ostep, device, compression_of(meta))

@@ -4,6 +4,10 @@
 new plan at a step boundary (a different D, or different layer ranges): a peer whose stage
 changes assembles its new stage from the holders of the old ones through the transfer
 encoding (chunked, hash-verified), exactly what peers of a swarm exchange.
+
+`compression` (a `CompressionConfig`, exact by default) is every stage's compression; each
+peer's Comm counts the bytes it sends per axis (`bytes_sent`, `last_step_bytes`: payload
+lengths as produced, summed over all peers).
 """
 
 from __future__ import annotations
@@ -14,12 +18,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from .comm import CommClosed, InMemoryHub
+from .compress import AXES, ByteCounter, CompressionConfig, CountingComm
 from .data import Corpus, split_batch
 from .plan import Plan
 from .spec import GPTSpec, TrainConfig
 from .transfer import TransferError, TransferReceiver, encode_transfer
 from .checkpoint import stage_from_tensors
-from .worker import StageState, StepResult, run_step
+from .worker import StageState, StepResult, check_compression, run_step
 
 __all__ = ["LocalCluster"]
 
@@ -33,19 +38,24 @@ def _one_thread() -> None:
 class LocalCluster:
     def __init__(self, spec: GPTSpec, cfg: TrainConfig, plan: Plan, corpus: Corpus,
                  states: dict | None = None, track_memory: bool = False, device: str = "cpu",
-                 link=None):
+                 link=None, compression: CompressionConfig | None = None):
         if plan.n_layer != spec.n_layer:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {spec.n_layer}")
         self.spec, self.cfg, self.corpus, self.track_memory = spec, cfg, corpus, track_memory
         self.device, self.link = device, link  # link(src, dst) -> comm.Link: emulated network, or None
+        self.compression = compression or CompressionConfig()
         split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)  # fail now, not inside a worker
         corpus.check_vocab(spec.vocab)
+        check_compression(spec, plan, self.compression)
         self.hub = InMemoryHub(link=self.link)
+        self.counter = ByteCounter()
+        self.last_step_bytes: dict[str, int] = dict.fromkeys(AXES, 0)
         self.plan = plan
         self.states: dict = {}
         if states is None:
             for p in plan.peers:
-                self.states[p] = StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]], device)
+                self.states[p] = StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]], device,
+                                            self.compression)
         else:
             self.states = dict(states)
             self._check_states()
@@ -59,13 +69,22 @@ class LocalCluster:
         for p in self.plan.peers:
             if p not in self.states or self.states[p].layer_range != self.plan.layer_ranges[self.plan.position(p)[1]]:
                 raise ValueError(f"peer {p!r} has no state for its stage")
+            if self.states[p].compress.config != self.compression:
+                raise ValueError(f"peer {p!r} holds a stage compressed with {self.states[p].compress.config.describe()!r}, "
+                                 f"the cluster runs {self.compression.describe()!r}")
 
     @property
     def step_index(self) -> int:
         return next(iter(self.states.values())).step
 
+    @property
+    def bytes_sent(self) -> dict[str, int]:
+        """Payload bytes sent so far by all peers, per axis (pp_fwd, pp_bwd, dp, other)."""
+        return self.counter.snapshot()
+
     def step(self) -> float:
         """Run one step on every peer; the global loss of that step."""
+        before = self.counter.snapshot()
         futs = {p: self._pool.submit(self._run, p) for p in self.plan.peers}
         results, errors = {}, []
         for p, f in futs.items():
@@ -77,6 +96,8 @@ class LocalCluster:
             real = [e for e in errors if not isinstance(e, CommClosed)]
             raise (real or errors)[0]
         self.last_results = results
+        after = self.counter.snapshot()
+        self.last_step_bytes = {a: after[a] - before[a] for a in AXES}
         losses = {r.loss for r in results.values() if r.loss is not None}
         if len(losses) != 1:
             raise RuntimeError(f"last stages disagree on the loss: {losses}")
@@ -84,8 +105,8 @@ class LocalCluster:
 
     def _run(self, peer) -> StepResult:
         try:
-            return run_step(self.states[peer], self.plan, peer, self.hub.endpoint(peer), self.corpus,
-                            self.track_memory)
+            return run_step(self.states[peer], self.plan, peer, CountingComm(self.hub.endpoint(peer), self.counter),
+                            self.corpus, self.track_memory)
         except BaseException:
             self.hub.abort()
             raise
@@ -98,6 +119,7 @@ class LocalCluster:
         if plan.n_layer != self.spec.n_layer:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {self.spec.n_layer}")
         split_batch(self.cfg.global_batch_seqs, plan.dp, self.cfg.micro_batches)
+        check_compression(self.spec, plan, self.compression)
         sources = {}  # one holder per distinct old layer range
         for p, st in self.states.items():
             sources.setdefault(st.layer_range, st)
@@ -117,7 +139,8 @@ class LocalCluster:
                         received[src_rng] = self._fetch(st, chunk_bytes)
                     tensors.update(received[src_rng])
             step, ostep = self.step_index, sources[next(iter(sources))].optim.step_count
-            new_states[p] = stage_from_tensors(self.spec, self.cfg, rng, tensors, step, ostep, self.device)
+            new_states[p] = stage_from_tensors(self.spec, self.cfg, rng, tensors, step, ostep, self.device,
+                                               self.compression)
             logger.info("peer %r took over layers %s at step %d", p, rng, step)
         self.plan, self.states = plan, new_states
         self._check_states()

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointError, decode_tensors, encode_stage, stage_from_tensors, _meta_fields
+from .checkpoint import CheckpointError, compression_of, decode_tensors, encode_stage, stage_from_tensors, _meta_fields
+from .compress import CompressionConfig
 from .spec import GPTSpec, TrainConfig
 from .worker import StageState
 
@@ -131,15 +132,22 @@ class TransferReceiver:
             raise TransferError(str(e)) from None
 
     def finish(self, spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
-               device: str = "cpu") -> StageState:
+               device: str = "cpu", compression: CompressionConfig | None = None) -> StageState:
         """The received stage, which must be the stage the receiver expects (its own model,
-        config and layer range: nothing is allocated from what the sender claims)."""
+        config, compression and layer range: nothing is allocated from what the sender claims)."""
         m_spec, m_cfg, m_range, step, ostep = _meta_fields(self.manifest.meta)
         if m_spec != spec or m_cfg != cfg or m_range != tuple(layer_range):
             raise TransferError(f"the sender offers layers {m_range} of {m_spec.name!r}, "
                                 f"expected layers {tuple(layer_range)} of {spec.name!r} with this run's config")
         try:
-            return stage_from_tensors(spec, cfg, m_range, self.tensors(), step, ostep, device)
+            mine, theirs = compression or CompressionConfig(), compression_of(self.manifest.meta) or CompressionConfig()
+        except CheckpointError as e:
+            raise TransferError(str(e)) from None
+        if mine != theirs:
+            raise TransferError(f"the sender's stage was trained with compression {theirs.describe()!r}, "
+                                f"this run uses {mine.describe()!r}")
+        try:
+            return stage_from_tensors(spec, cfg, m_range, self.tensors(), step, ostep, device, compression)
         except TransferError:
             raise
         except CheckpointError as e:

@@ -1,6 +1,10 @@
 """One peer's share of a training step: its stage's GPipe pass, the DP all-reduce, global
 clipping and the optimizer step.
 
+With a `CompressionConfig` (train/compress/) activations and their gradients travel as
+quantized payloads, and the DP step is exact, CocktailSGD-style (compressed sum every step) or
+DiLoCo-style (local steps, a compressed synchronisation every H steps).
+
 GPipe as in the DT-FM system: M micro-batches forward, then M backward (last first). Each
 activation is sent downstream the moment its micro-batch leaves the stage, each input
 gradient upstream the moment it is computed, so transfers overlap the next micro-batch's
@@ -17,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import TORCH_DTYPES
+from .codec import TORCH_DTYPES, CodecError
 from .collective import all_reduce_small, ring_all_reduce
 from .comm import Comm, CommError
+from .compress import CompressionConfig, StageCompression, decode_activation, encode_activation
 from .data import Corpus, split_batch
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
@@ -30,14 +35,16 @@ __all__ = ["StageState", "StepResult", "run_step"]
 
 
 class StageState:
-    """A stage's weights and optimizer state; `step` is the next step it will run."""
+    """A stage's weights, optimizer and compression state; `step` is the next step it will run."""
 
-    def __init__(self, spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int], device: str = "cpu"):
+    def __init__(self, spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int], device: str = "cpu",
+                 compression: CompressionConfig | None = None):
         first, end = layer_range
         self.spec, self.cfg, self.layer_range = spec, cfg, (first, end)
         self.module = GPTStage(spec, self.layer_range, cfg.seed).to(device)
         self.params = dict(self.module.named_parameters())
         self.optim = AdamW(self.params, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.compress = StageCompression(compression or CompressionConfig(), self.params, first)
         self.step = 0
         self.last_grad_norm = 0.0  # global gradient norm of the last step, before clipping
 
@@ -109,6 +116,7 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     d, s = plan.position(me)
     if plan.layer_ranges[s] != state.layer_range:
         raise ValueError(f"peer {me!r} holds layers {state.layer_range}, the plan gives it {plan.layer_ranges[s]}")
+    check_compression(state.spec, plan, state.compress.config)
     pipe = plan.pipeline(d)
     key = f"{plan.epoch}.{step}"
     ctx = _Ctx(state, comm, corpus, step, key, pipe[s - 1] if s > 0 else None,
@@ -127,18 +135,45 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     if state.module.is_last:
         local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
         loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", cfg.comm_timeout_s)[0])
-    _sync_and_update(state, plan, me, comm, d, s, key)  # all messages precede the update: a failed
+    local_seqs = sum(len(r) for r in ctx.micro)
+    _sync_and_update(state, plan, me, comm, d, s, key, local_seqs)  # all messages precede the update: a failed
     t_end = time.perf_counter()                           # step leaves the state as it was
     state.step += 1
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
                       ctx.saved.peak if ctx.saved else 0)
 
 
+def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> None:
+    """Refuse combinations the compressed step does not support (ValueError)."""
+    if config.dp_method == "diloco" and spec.tied_head and plan.stages > 1:
+        raise ValueError("DiLoCo compression does not support a tied head split across stages: "
+                         "the two copies would be synchronised separately")
+
+
+def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor):
+    """isend an activation or its gradient: in the wire dtype, or as the run's compressed payload."""
+    comp = ctx.state.compress.config
+    if comp.pp_method == "exact":
+        return ctx.comm.isend(peer, tag, t.to(TORCH_DTYPES[ctx.state.cfg.wire_dtype]))
+    return ctx.comm.isend(peer, tag, encode_activation(t, comp))
+
+
+def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple) -> torch.Tensor:
+    """The float32 activation (or gradient) of `shape` that `peer` sent under `tag`."""
+    comp, dev = ctx.state.compress.config, ctx.state.device
+    got = ctx.comm.recv(peer, tag, ctx.state.cfg.comm_timeout_s)
+    if comp.pp_method == "exact":
+        return _expect(got, shape, peer, tag).to(dev, torch.float32)
+    try:
+        return decode_activation(got, shape, comp).to(dev)
+    except CodecError as e:
+        raise CommError(f"peer {peer!r} sent a bad compressed payload under {tag!r}: {e}") from None
+
+
 def _forward(ctx: _Ctx):
     """All micro-batches forward; each output is sent downstream as soon as it exists."""
     st, cfg, spec = ctx.state, ctx.state.cfg, ctx.state.spec
-    mod, dev, to = st.module, st.device, cfg.comm_timeout_s
-    wire = TORCH_DTYPES[cfg.wire_dtype]
+    mod, dev = st.module, st.device
     outs, ins, losses, handles = [], [], [], []
     for m, idx in enumerate(ctx.micro):
         if mod.is_first or mod.is_last:
@@ -147,8 +182,7 @@ def _forward(ctx: _Ctx):
             x = x_tok.to(dev)
         else:
             tag = f"{ctx.key}/act/{m}"
-            got = _expect(ctx.comm.recv(ctx.prev, tag, to), (len(idx), spec.seq_len, spec.n_embd), ctx.prev, tag)
-            x = got.to(dev, torch.float32).requires_grad_()
+            x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd)).requires_grad_()
         t0 = time.perf_counter()
         hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
         with hooks:
@@ -159,7 +193,7 @@ def _forward(ctx: _Ctx):
                 out = mod(x)
         ctx.compute_s += time.perf_counter() - t0
         if ctx.nxt is not None:
-            handles.append(ctx.comm.isend(ctx.nxt, f"{ctx.key}/act/{m}", out.detach().to(wire)))
+            handles.append(_send_boundary(ctx, ctx.nxt, f"{ctx.key}/act/{m}", out.detach()))
         outs.append(out)
         ins.append(x)
     return outs, ins, losses, handles
@@ -167,8 +201,7 @@ def _forward(ctx: _Ctx):
 
 def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
     """All micro-batches backward, last first; each input gradient is sent upstream at once."""
-    cfg, mod = ctx.state.cfg, ctx.state.module
-    wire, to = TORCH_DTYPES[cfg.wire_dtype], cfg.comm_timeout_s
+    mod = ctx.state.module
     handles = []
     for m in reversed(range(len(outs))):
         if mod.is_last:
@@ -176,25 +209,36 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
             outs[m].backward()
         else:
             tag = f"{ctx.key}/grad/{m}"
-            g = _expect(ctx.comm.recv(ctx.nxt, tag, to), tuple(outs[m].shape), ctx.nxt, tag)
-            g = g.to(ctx.state.device, torch.float32)
+            g = _recv_boundary(ctx, ctx.nxt, tag, tuple(outs[m].shape))
             t0 = time.perf_counter()
             outs[m].backward(g)
         ctx.compute_s += time.perf_counter() - t0
         if ctx.prev is not None:
-            handles.append(ctx.comm.isend(ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad.to(wire)))
+            handles.append(_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad))
         outs[m] = ins[m] = None  # free this micro-batch's activations
     return handles
 
 
-def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str) -> None:
-    """All-reduce gradients over the DP group, sync a tied embedding, clip by the global norm, step."""
+def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str,
+                     local_seqs: int) -> None:
+    """Reduce gradients over the DP group (exactly, compressed, or not at all between DiLoCo
+    synchronisations), sync a tied embedding, clip by the norm, step; then a DiLoCo
+    synchronisation when one is due. All messages of the step precede any change of the state,
+    but for a DiLoCo synchronisation, which restores the state if it fails."""
     cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
+    comp, group = state.compress, plan.dp_group(s)
+    mode = comp.dp_mode(step)
     for p in state.params.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in state.params.values()]
-    ring_all_reduce(comm, plan.dp_group(s), grads, f"{key}/dp", to, cfg.bucket_bytes)
+    if mode == "exact":
+        ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes)
+    elif mode == "cocktail":
+        comp.cocktail_reduce(comm, group, grads, cfg.seed, step, f"{key}/dpc", to)
+    else:  # diloco: an inner step on this pipeline's own gradient, as the mean over its own samples
+        for g in grads:
+            g.mul_(cfg.global_batch_seqs / local_seqs)
     if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
         other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
         g = state.params["wte.weight"].grad
@@ -214,4 +258,27 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
+    saved = _snapshot(state) if comp.sync_due(step) else None
     state.optim.step(cfg.lr_at(step))
+    if mode == "exact":
+        comp.track_anchor(list(state.params.values()))
+    if saved is not None:
+        try:
+            comp.diloco_sync(comm, group, list(state.params.values()), f"{key}/dpc", to)
+        except BaseException:
+            _restore(state, saved)
+            raise
+
+
+def _snapshot(state: StageState) -> dict[str, torch.Tensor]:
+    """Copies of the weights and optimizer moments (what an inner step changes)."""
+    out = {f"param/{n}": p.detach().clone() for n, p in state.params.items()}
+    out.update({k: v.clone() for k, v in state.optim.state_tensors().items()})
+    return out
+
+
+@torch.no_grad()
+def _restore(state: StageState, saved: dict[str, torch.Tensor]) -> None:
+    for n, p in state.params.items():
+        p.copy_(saved[f"param/{n}"])
+    state.optim.load_state_tensors(saved, state.optim.step_count - 1)

@@ -1,0 +1,24 @@
+"""dtfm.train.compress: compressed communication on both axes of training.
+
+Pipeline: blockwise int8/int4 activations and activation gradients, optionally Hadamard-rotated
+(`encode_activation` / `decode_activation`). Data-parallel: CocktailSGD-style sparsified,
+quantized gradients with error feedback every step, or DiLoCo-style compressed pseudo-gradients
+every H steps with a Nesterov outer step (`StageCompression`). Payloads are uint8 tensors whose
+sizes follow from the plan and the `CompressionConfig`; decoders raise only `CodecError`.
+"""
+
+from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes, encode_dense, encode_sparse,
+                    hadamard, sparse_payload_bytes)
+from .config import (COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
+                     get_compression)
+from .counting import AXES, ByteCounter, CountingComm, axis_of
+from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset
+from .pp import activation_payload_bytes, decode_activation, encode_activation
+
+__all__ = [
+    "AXES", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "STATE_PREFIX",
+    "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "StageCompression",
+    "activation_payload_bytes", "allgather_payloads", "axis_of", "decode_activation", "decode_dense",
+    "decode_sparse", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
+    "get_compression", "hadamard", "random_subset", "sparse_payload_bytes",
+]

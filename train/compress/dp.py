@@ -1,0 +1,218 @@
+"""A stage's compression state and the data-parallel operations on it.
+
+`StageCompression` owns what compression adds to a stage: the error-feedback residual (what
+compression has not sent yet), and for DiLoCo the anchor (the weights of the last
+synchronisation) and the outer momentum, each one flat float32 buffer over the stage's
+parameters in their order, exposed per parameter as named tensors (`compress/ef/<name>`,
+`compress/anchor/<name>`, `compress/outer_m/<name>`) for checkpoints and stage transfer.
+
+Both DP methods exchange compressed payloads by all-gather (each member sends its payload to
+every other member) and every member decodes all of them, its own included, and adds them in
+group order: the same bytes through the same float operations, so every replica applies the
+same bits and replicas stay identical. Everything is exchanged before anything changes, so a
+step that fails in the exchange leaves the state as it was.
+
+Cocktail (every step): the residual accumulates the local gradient; a random subset of its
+elements, drawn from a seed every member derives from (run seed, step, stage), is compressed
+(top-k per chunk, low-bit values); the residual keeps whatever was not sent exactly. The sum
+of the decoded contributions is the step's gradient.
+
+DiLoCo (every H steps): each replica's pseudo-gradient (anchor - weights) is added to its
+residual, which is compressed the same way without the random draw; the mean of the decoded
+contributions drives a Nesterov SGD outer step from the anchor, and every replica takes the
+result as its weights and new anchor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..comm import Comm, CommError, PeerId
+from .codec import CodecError, decode_sparse, encode_sparse, sparse_payload_bytes
+from .config import CompressionConfig
+
+__all__ = ["StageCompression", "allgather_payloads", "random_subset", "STATE_PREFIX"]
+
+STATE_PREFIX = "compress/"
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def random_subset(n: int, fraction: float, seed: int) -> torch.Tensor:
+    """ceil(fraction n) distinct indices of range(n), the same for the same arguments on every
+    machine and every library version: an arithmetic progression (a i + b) mod n with a coprime
+    to n, a and b drawn from sha256 of the seed."""
+    r = min(n, max(1, math.ceil(fraction * n)))
+    if r == n:
+        return torch.arange(n, dtype=torch.int64)
+    a = 1 + _seed("a", seed) % (n - 1)
+    while math.gcd(a, n) != 1:
+        a += 1
+    b = _seed("b", seed) % n
+    return (torch.arange(r, dtype=torch.int64) * a + b) % n
+
+
+def allgather_payloads(comm: Comm, group: Sequence[PeerId], payload: torch.Tensor, tag: str,
+                       timeout_s: float) -> list[torch.Tensor]:
+    """Every member's uint8 payload, in group order (this member's is `payload` itself)."""
+    handles = [comm.isend(p, tag, payload) for p in group if p != comm.me]
+    out = []
+    for p in group:
+        if p == comm.me:
+            out.append(payload)
+            continue
+        got = comm.recv(p, tag, timeout_s)
+        if got.dtype != torch.uint8 or got.dim() != 1:
+            raise CommError(f"peer {p!r} sent {got.dtype} {tuple(got.shape)} under {tag!r}, expected a uint8 payload")
+        out.append(got)
+    for h in handles:
+        h.wait(timeout_s)
+    return out
+
+
+class StageCompression:
+    """Compression settings and state of one stage replica (see the module docstring)."""
+
+    def __init__(self, config: CompressionConfig, params: dict[str, torch.nn.Parameter], stage_key: int):
+        self.config = config
+        self.stage_key = stage_key  # the stage's first layer: part of the random draw's seed
+        self.names = list(params)
+        self.shapes = [tuple(p.shape) for p in params.values()]
+        self.numel = sum(p.numel() for p in params.values())
+        dev = next(iter(params.values())).device if params else torch.device("cpu")
+        self.buffers: dict[str, torch.Tensor] = {}  # kind -> flat float32 (numel,)
+        if config.dp_method != "exact":
+            self.buffers["ef"] = torch.zeros(self.numel, dtype=torch.float32, device=dev)
+        if config.dp_method == "diloco":
+            self.buffers["anchor"] = self._flat([p.detach() for p in params.values()]).clone()
+            self.buffers["outer_m"] = torch.zeros(self.numel, dtype=torch.float32, device=dev)
+
+    # ------------------------------------------------------------------ state as named tensors
+
+    def _views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out, off = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            k = math.prod(shape)
+            out[name] = flat[off:off + k].view(shape)
+            off += k
+        return out
+
+    @staticmethod
+    def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        if not tensors:
+            return torch.zeros(0)
+        return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """`compress/<kind>/<param name>` for every buffer: views, not copies."""
+        return {f"{STATE_PREFIX}{kind}/{n}": v for kind, flat in self.buffers.items()
+                for n, v in self._views(flat).items()}
+
+    @torch.no_grad()
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore every buffer by name; raises ValueError on a missing name or a wrong shape."""
+        for key, dst in self.state_tensors().items():
+            src = tensors.get(key)
+            if src is None or tuple(src.shape) != tuple(dst.shape) or not src.is_floating_point():
+                raise ValueError(f"compression state {key!r} is missing or has the wrong shape")
+            dst.copy_(src)
+
+    # ------------------------------------------------------------------ schedule
+
+    def dp_mode(self, step: int) -> str:
+        """How step `step` treats gradients: "exact" (ring all-reduce), "cocktail" or "diloco" (local)."""
+        if self.config.dp_method == "exact" or step < self.config.dp_warmup_steps:
+            return "exact"
+        return self.config.dp_method
+
+    def sync_due(self, step: int) -> bool:
+        """Whether a DiLoCo synchronisation follows the update of step `step`."""
+        c = self.config
+        return c.dp_method == "diloco" and step >= c.dp_warmup_steps and \
+            (step + 1 - c.dp_warmup_steps) % c.inner_steps == 0
+
+    def payload_bytes(self) -> int:
+        """Bytes of one member's DP payload for a stage of this size (as `encode_sparse` makes it)."""
+        return sparse_payload_bytes(self._domain(), self.config.dp_chunk_elems, self.config.dp_topk_per_chunk,
+                                    self.config.dp_value_bits)
+
+    def _domain(self) -> int:
+        c = self.config
+        if c.dp_method == "cocktail":
+            return min(self.numel, max(1, math.ceil(c.dp_random_fraction * self.numel)))
+        return self.numel
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _exchange(self, comm: Comm, group: Sequence[PeerId], x: torch.Tensor, tag: str,
+                  timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of every member's decoded contribution in group order, this member's own)."""
+        c = self.config
+        k, chunk, bits = c.dp_topk_per_chunk, c.dp_chunk_elems, c.dp_value_bits
+        mine = encode_sparse(x, chunk, k, bits)
+        payloads = allgather_payloads(comm, group, mine, tag, timeout_s)
+        decoded = []
+        for p, payload in zip(group, payloads):
+            try:
+                decoded.append(decode_sparse(payload, x.numel(), chunk, k, bits))
+            except CodecError as e:
+                raise CommError(f"peer {p!r} sent a bad compressed payload under {tag!r}: {e}") from None
+        total = decoded[0].clone()
+        for dec in decoded[1:]:
+            total += dec
+        return total.to(x.device), decoded[list(group).index(comm.me)].to(x.device)
+
+    @staticmethod
+    def _check_group(comm: Comm, group: Sequence[PeerId]) -> None:
+        if len(set(group)) != len(group) or comm.me not in group:
+            raise ValueError(f"group {group!r} must list distinct peers including this one ({comm.me!r})")
+
+    @torch.no_grad()
+    def cocktail_reduce(self, comm: Comm, group: Sequence[PeerId], grads: Sequence[torch.Tensor], seed: int,
+                        step: int, tag: str, timeout_s: float) -> None:
+        """Replace `grads` (this member's, in parameter order) by the group's compressed sum."""
+        self._check_group(comm, group)
+        ef = self.buffers["ef"]
+        acc = ef + self._flat(grads).to(ef.device)
+        idx = random_subset(self.numel, self.config.dp_random_fraction, _seed("cocktail", seed, step, self.stage_key))
+        idx = idx.to(ef.device)
+        total, own = self._exchange(comm, group, acc[idx], tag, timeout_s)
+        acc[idx] -= own  # what was not sent stays, exactly where nothing of it was sent
+        ef.copy_(acc)
+        dense = torch.zeros_like(acc)
+        dense[idx] = total
+        for g, v in zip(grads, self._views(dense).values()):
+            g.copy_(v)
+
+    @torch.no_grad()
+    def diloco_sync(self, comm: Comm, group: Sequence[PeerId], params: Sequence[torch.Tensor], tag: str,
+                    timeout_s: float) -> None:
+        """Average the compressed pseudo-gradients of the group and take the outer step: every
+        member ends with the same weights, which become the new anchor."""
+        self._check_group(comm, group)
+        c, ef, anchor, mom = self.config, self.buffers["ef"], self.buffers["anchor"], self.buffers["outer_m"]
+        acc = ef + (anchor - self._flat([p.detach() for p in params]).to(anchor.device))
+        total, own = self._exchange(comm, group, acc, tag, timeout_s)
+        avg = total / len(group)
+        acc -= own
+        ef.copy_(acc)
+        if c.outer_momentum > 0:
+            mom.mul_(c.outer_momentum).add_(avg)
+            update = avg.add(mom, alpha=c.outer_momentum) if c.outer_nesterov else mom
+        else:
+            update = avg
+        anchor.sub_(update, alpha=c.outer_lr)
+        for p, v in zip(params, self._views(anchor).values()):
+            p.copy_(v)
+
+    @torch.no_grad()
+    def track_anchor(self, params: Sequence[torch.Tensor]) -> None:
+        """During exact warm-up steps the anchor follows the (synchronised) weights."""
+        if "anchor" in self.buffers:
+            self.buffers["anchor"].copy_(self._flat([p.detach() for p in params]))
