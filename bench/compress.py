@@ -35,8 +35,7 @@ PP_GOAL, DP_GOAL, LOSS_GOAL = 7.0, 100.0, 0.02
 DEFAULT_METHODS = ("exact", "pp-int8", "pp-int4", "cocktail", "diloco", DEFAULT_SLOW_LINK)
 
 
-def run_method(name: str, spec, cfg: TrainConfig, plan: Plan, corpus, steps: int) -> dict:
-    comp = get_compression(name)
+def run_method(name: str, comp, spec, cfg: TrainConfig, plan: Plan, corpus, steps: int) -> dict:
     losses, per_axis = [], dict.fromkeys(AXES, 0)
     t0 = time.perf_counter()
     with LocalCluster(spec, cfg, plan, corpus, compression=comp) as cl:
@@ -117,14 +116,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                     help=f"comma-separated presets from {sorted(COMPRESSION_PRESETS)}; exact is always run")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=PRESET[:FIELD=VALUE,...]",
+                    help="an extra method: a preset with CompressionConfig fields overridden; repeatable")
     ap.add_argument("--recommended", default=DEFAULT_SLOW_LINK, help="the method the JSON line's top level reports")
     ap.add_argument("--out", default="runs/bench-compress", help="folder for loss.png and results.json")
     args = ap.parse_args(argv)
     names = [m for m in args.methods.split(",") if m]
-    for m in names:
-        get_compression(m)
+    configs = {m: get_compression(m) for m in names}
+    for v in args.variant:
+        name, _, rest = v.partition("=")
+        preset, _, opts = rest.partition(":")
+        try:
+            configs[name] = get_compression(preset).with_options([o for o in opts.split(",") if o])
+        except ValueError as e:
+            ap.error(f"--variant {v}: {e}")
+        names.append(name)
     if "exact" not in names:
         names.insert(0, "exact")
+        configs["exact"] = get_compression("exact")
     if args.recommended not in names:
         ap.error(f"--recommended {args.recommended} is not among --methods")
     torch.set_num_threads(1)
@@ -138,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} steps, corpus {corpus.name}", file=sys.stderr)
     runs = []
     for name in names:
-        r = run_method(name, spec, cfg, plan, corpus, args.steps)
+        r = run_method(name, configs[name], spec, cfg, plan, corpus, args.steps)
         runs.append(r)
         print(f"  {name:<10} mean loss of the last {args.last}: {statistics.fmean(r['losses'][-args.last:]):.4f} "
               f"({r['wall_s']:.0f} s)", file=sys.stderr)

@@ -396,3 +396,34 @@ def test_diloco_refuses_a_tied_head_across_stages(corpus):
     spec = dataclasses.replace(SPEC, tied_head=True)
     with pytest.raises(ValueError, match="tied head"):
         LocalCluster(spec, CFG, Plan.grid(4, 2, 2), corpus, compression=DILOCO)
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_cli_compressed_resume_continues_every_replica(capsys, tmp_path):
+    import json
+
+    from dtfm.train.cli import main
+
+    data = tmp_path / "corpus.txt"
+    data.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
+    common = ["--stages", "2", "--dp", "2", "--batch", "4", "--micro-batches", "1", "--data", str(data), "--log-json",
+              "--quiet", "--compress", "slow-link", "--compress-option", "dp_warmup_steps=1",
+              "--compress-option", "inner_steps=2"]
+
+    def run(*argv):
+        assert main([*argv, *common]) == 0
+        return [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+
+    straight = run("--steps", "4")
+    assert [r["bytes_sent"]["dp"] > 0 for r in straight] == [True, False, True, False]  # exact, then H = 2
+    assert straight[0]["bytes_sent"]["pp_fwd"] < 4 * 128 * 128 * 4 / 7
+    ck = str(tmp_path / "ck")
+    first = run("--steps", "2", "--checkpoint-dir", ck)
+    second = run("--steps", "2", "--checkpoint-dir", ck, "--resume")
+    assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
+    assert (tmp_path / "ck" / "pipeline-1").is_dir()
+    assert main(["--steps", "1", "--checkpoint-dir", ck, "--resume", *common[:-4]]) == 1
+    assert "compression" in capsys.readouterr().err
+    assert main(["--steps", "1", "--compress-option", "inner_steps=zero", *common[:-4]]) == 1
+    assert "inner_steps" in capsys.readouterr().err

@@ -23,6 +23,7 @@ import time
 import torch
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
+from .compress import COMPRESSION_PRESETS, CompressionConfig, get_compression
 from .data import TOKEN_DTYPES, load_corpus, split_batch, tokenize_to_file
 from .hf import HFError, export_checkpoint_dir, export_hf, hf_stage_state, load_hf_spec, model_tokenizer
 from .local import LocalCluster
@@ -30,6 +31,7 @@ from .model import assemble, generate
 from .plan import Plan
 from .spec import PRESETS, TrainConfig, get_preset
 from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
+from .worker import check_compression
 
 __all__ = ["build_parser", "main"]
 
@@ -92,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=_count(0), default=200, help="steps to train (from the resumed step, if any)")
     ap.add_argument("--stages", type=_count(1), default=1, help="pipeline stages S")
     ap.add_argument("--dp", type=_count(1), default=1, help="data-parallel pipelines D")
+    ap.add_argument("--compress", default="exact", choices=list(COMPRESSION_PRESETS),
+                    help="compression preset (docs/compression.md): exact sends full-width tensors; slow-link "
+                         "is the choice for slow networks (int4 activations, DiLoCo with sparse 2-bit sync)")
+    ap.add_argument("--compress-option", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override one field of the --compress preset (dtfm.train.compress.CompressionConfig), "
+                         "e.g. inner_steps=16; repeatable")
     ap.add_argument("--layer-weights", type=_weights, default=None,
                     help="comma-separated relative stage sizes, e.g. 1,2,1; unset: even split")
     ap.add_argument("--data", default=None, help="text file or folder; unset: the Python standard library's source")
@@ -136,25 +144,42 @@ class Progress:
             print(line, file=sys.stderr, flush=True)
 
 
-def _resume_states(root: str, spec, cfg, plan: Plan, device: str) -> dict:
-    """Newest step every stage has a checkpoint for, loaded for every replica."""
+def checkpoint_roots(root: str, plan: Plan, comp: CompressionConfig) -> list[str]:
+    """Where pipeline d's stages are checkpointed: `root` for all of them when the replicas of a
+    stage are identical (exact DP), else `root/pipeline-<d>` each (the error-feedback residual and,
+    with DiLoCo, the weights between synchronisations and the inner AdamW moments are per replica)."""
+    if comp.dp_method == "exact":
+        return [root] * plan.dp
+    return [f"{root}/pipeline-{d}" for d in range(plan.dp)]
+
+
+def _resume_states(root: str, spec, cfg, plan: Plan, device: str, comp: CompressionConfig) -> dict:
+    """Newest step every stage (of every replica, with per-replica state) has a checkpoint for."""
+    roots = checkpoint_roots(root, plan, comp)
     per_stage = []
-    for rng in plan.layer_ranges:
-        paths = list_checkpoints(root, rng)
-        if not paths:
-            raise CheckpointError(f"no checkpoint for layers {rng} in {root}: resume with the same --stages "
-                                  f"and --layer-weights as the run that wrote it")
-        per_stage.append({int(p.stem.split("-")[1]): p for p in paths})
-    common = set.intersection(*(set(d) for d in per_stage))
+    for r in sorted(set(roots)):
+        for rng in plan.layer_ranges:
+            paths = list_checkpoints(r, rng)
+            if not paths:
+                raise CheckpointError(f"no checkpoint for layers {rng} in {r}: resume with the same --stages, "
+                                      f"--layer-weights, --compress (and, with DP compression, --dp) as the run "
+                                      f"that wrote it")
+            per_stage.append({(r, rng, int(p.stem.split("-")[1])): p for p in paths})
+    common = set.intersection(*({k[2] for k in d} for d in per_stage))
     if not common:
         raise CheckpointError(f"the stages in {root} share no checkpointed step")
     step = max(common)
+    paths = {k: p for d in per_stage for k, p in d.items()}
     states = {}
     for s, rng in enumerate(plan.layer_ranges):
-        for peer in plan.dp_group(s):
-            st = load_checkpoint(per_stage[s][step], device)
+        for d, peer in enumerate(plan.dp_group(s)):
+            path = paths[(roots[d], rng, step)]
+            st = load_checkpoint(path, device)
             if st.spec != spec or st.cfg != cfg:
-                raise CheckpointError(f"checkpoint {per_stage[s][step]} was made with another model or config")
+                raise CheckpointError(f"checkpoint {path} was made with another model or config")
+            if st.compress.config != comp:
+                raise CheckpointError(f"checkpoint {path} was made with compression "
+                                      f"{st.compress.config.describe()!r}, not {comp.describe()!r}")
             states[peer] = st
     return states
 
@@ -202,14 +227,19 @@ def _setup(args, parser: argparse.ArgumentParser):
         corpus.check_vocab(spec.vocab)
     except ValueError as e:  # no such path, no text in it, ids the model has no embedding for
         raise CliError(str(e)) from None
-    states = _resume_states(args.checkpoint_dir, spec, cfg, plan, args.device) if args.resume else None
+    try:
+        comp = get_compression(args.compress).with_options(args.compress_option)
+        check_compression(spec, plan, comp)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    states = _resume_states(args.checkpoint_dir, spec, cfg, plan, args.device, comp) if args.resume else None
     if args.init_from:
         try:
             states = {p: hf_stage_state(args.init_from, cfg, plan.layer_ranges[plan.position(p)[1]], spec,
                                         device=args.device) for p in plan.peers}
         except HFError as e:
             raise CliError(str(e)) from None
-    return cfg, spec, plan, corpus, tok, states
+    return cfg, spec, plan, corpus, tok, states, comp
 
 
 def _tokenizer(args) -> ByteTokenizer | HFTokenizer:
@@ -224,6 +254,7 @@ def _tokenizer(args) -> ByteTokenizer | HFTokenizer:
 
 
 def _train(args, cl: LocalCluster, cfg: TrainConfig, spec, plan: Plan) -> None:
+    roots = checkpoint_roots(args.checkpoint_dir, plan, cl.compression) if args.checkpoint_dir else []
     progress = Progress(args.steps, not args.quiet)
     tokens_per_step = cfg.global_batch_seqs * spec.seq_len
     for i in range(args.steps):
@@ -235,12 +266,14 @@ def _train(args, cl: LocalCluster, cfg: TrainConfig, spec, plan: Plan) -> None:
         if args.log_json:
             print(json.dumps({"step": step, "loss": round(loss, 6), "grad_norm": round(norm, 6),
                               "lr": cfg.lr_at(step), "tokens": tokens_per_step, "step_s": round(dt, 4),
-                              "tokens_per_s": round(tokens_per_step / dt, 1)}), flush=True)
+                              "tokens_per_s": round(tokens_per_step / dt, 1),
+                              "bytes_sent": cl.last_step_bytes}), flush=True)
         progress.update(step, loss, tokens_per_step / dt)
         every = args.checkpoint_every and cl.step_index % args.checkpoint_every == 0
         if args.checkpoint_dir and (every or i == args.steps - 1):
-            for peer in plan.pipeline(0):  # replicas of a stage are identical: one copy each
-                save_checkpoint(args.checkpoint_dir, cl.states[peer], args.keep)
+            for d in sorted({roots.index(r) for r in roots}):  # identical replicas: pipeline 0 only
+                for peer in plan.pipeline(d):
+                    save_checkpoint(roots[d], cl.states[peer], args.keep)
 
 
 def build_tokenize_parser() -> argparse.ArgumentParser:
@@ -309,13 +342,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, parser: argparse.ArgumentParser) -> int:
-    cfg, spec, plan, corpus, tok, states = _setup(args, parser)
+    cfg, spec, plan, corpus, tok, states, comp = _setup(args, parser)
     torch.set_num_threads(1 if len(plan.peers) > 1 else torch.get_num_threads())
-    with LocalCluster(spec, cfg, plan, corpus, states=states, device=args.device) as cl:
+    with LocalCluster(spec, cfg, plan, corpus, states=states, device=args.device, compression=comp) as cl:
         if not args.quiet:
             print(f"{spec.name}: {spec.params / 1e6:.2f} M parameters, {plan.stages} stage(s) {plan.layer_ranges} x "
                   f"{plan.dp} pipeline(s), {cfg.micro_batches} micro-batches, corpus {corpus.name} "
-                  f"({len(corpus.tokens) / 1e6:.1f} M tokens), from step {cl.step_index}", file=sys.stderr)
+                  f"({len(corpus.tokens) / 1e6:.1f} M tokens), from step {cl.step_index}; compression "
+                  f"{args.compress}: {comp.describe()}", file=sys.stderr)
         try:
             _train(args, cl, cfg, spec, plan)
         except KeyboardInterrupt:

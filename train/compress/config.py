@@ -98,6 +98,27 @@ class CompressionConfig:
                 dp += f", {self.dp_warmup_steps} exact warm-up steps"
         return f"pipeline {pp}; data-parallel {dp}"
 
+    def with_options(self, items: list[str]) -> "CompressionConfig":
+        """This config with "field=value" overrides (as the command line gives them); ValueError if bad."""
+        types = {f.name: type(f.default) for f in fields(self)}
+        changes: dict[str, object] = {}
+        for item in items:
+            key, sep, text = item.partition("=")
+            key = key.strip().replace("-", "_")
+            if not sep or key not in types:
+                raise ValueError(f"compression option {item!r} is not FIELD=VALUE with FIELD one of {sorted(types)}")
+            kind = types[key]
+            try:
+                if kind is bool:
+                    if text.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError(text)
+                    changes[key] = text.lower() in ("true", "1")
+                else:
+                    changes[key] = kind(text)
+            except ValueError:
+                raise ValueError(f"compression option {key}: {text!r} is not a {kind.__name__}") from None
+        return replace(self, **changes)  # type: ignore[arg-type]  # checked by __post_init__
+
     def to_dict(self) -> dict:
         return asdict(self)
 
