@@ -24,7 +24,7 @@ from dtfm.train.compress import (COMPRESSION_PRESETS, CodecError, CompressionCon
 SPEC = GPTSpec("c", n_layer=4, n_embd=32, n_head=4, seq_len=16)
 CFG = TrainConfig(global_batch_seqs=12, micro_batches=2, lr=3e-3, comm_timeout_s=20.0)
 COCKTAIL = CompressionConfig(dp_method="cocktail", dp_random_fraction=0.25, dp_topk_fraction=0.25,
-                             dp_value_bits=4, dp_chunk_elems=256)
+                             dp_value_bits=4, dp_chunk_elems=256, outer_lr=1.0, outer_momentum=0.0)
 DILOCO = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="diloco", dp_topk_fraction=0.05,
                            dp_value_bits=2, dp_chunk_elems=1024, inner_steps=2)
 
@@ -161,7 +161,7 @@ def test_garbage_raises_codec_error_only(raw, method, rot):
 
 # ----------------------------------------------------------------------------- sparse (DP) codec
 
-@pytest.mark.parametrize("chunk,k,bits", [(256, 64, 4), (1024, 16, 2), (64, 64, 8), (512, 100, 2)])
+@pytest.mark.parametrize("chunk,k,bits", [(256, 64, 4), (1024, 16, 2), (64, 64, 8), (512, 100, 2), (128, 128, 2)])
 def test_sparse_round_trip_sends_the_top_k_of_each_chunk(chunk, k, bits):
     x = torch.randn(3000, generator=gen(7))
     p = encode_sparse(x, chunk, k, bits)
@@ -233,20 +233,28 @@ class SoloComm:
     me = "solo"
 
 
-def test_error_feedback_carries_what_compression_drops():
-    params = {"w": torch.nn.Parameter(torch.zeros(40, 50)), "b": torch.nn.Parameter(torch.zeros(300))}
-    comp = StageCompression(COCKTAIL, params, 0)
-    residual0 = torch.randn(comp.numel, generator=gen(9)) * 0.1
-    comp.buffers["ef"].copy_(residual0)
-    grads = [torch.randn(40, 50, generator=gen(10)), torch.randn(300, generator=gen(11))]
-    want = residual0 + torch.cat([g.reshape(-1) for g in grads])
-    comp.cocktail_reduce(SoloComm(), ["solo"], grads, seed=0, step=3, tag="0.3/dpc", timeout_s=1.0)
-    sent = torch.cat([g.reshape(-1) for g in grads])
-    residual = comp.buffers["ef"]
-    assert 0 < int((sent != 0).sum()) <= math.ceil(0.25 * comp.numel)
+@pytest.mark.parametrize("comp", [COCKTAIL, dataclasses.replace(DILOCO, outer_lr=1.0, outer_momentum=0.0)],
+                         ids=["cocktail", "diloco"])
+def test_error_feedback_carries_what_compression_drops(comp):
+    params = {"w": torch.nn.Parameter(torch.randn(40, 50, generator=gen(10)) * 0.1),
+              "b": torch.nn.Parameter(torch.randn(300, generator=gen(11)) * 0.1)}
+    sc = StageCompression(comp, params, 0)
+    residual0 = torch.randn(sc.numel, generator=gen(9)) * 0.1
+    sc.buffers["ef"].copy_(residual0)
+    anchor0 = sc.buffers["anchor"].clone()
+    with torch.no_grad():
+        for p in params.values():
+            p.sub_(torch.randn(p.shape, generator=gen(12)) * 0.01)  # a local step
+    want = residual0 + (anchor0 - torch.cat([p.detach().reshape(-1) for p in params.values()]))
+    sc.sync(SoloComm(), ["solo"], list(params.values()), seed=0, step=3, tag="0.3/dpc", timeout_s=1.0)
+    sent = anchor0 - sc.buffers["anchor"]  # a group of one with outer lr 1, no momentum: its own decoded payload
+    residual = sc.buffers["ef"]
+    density = comp.dp_topk_fraction * (comp.dp_random_fraction if comp.dp_method == "cocktail" else 1)
+    assert 0 < int((sent != 0).sum()) <= math.ceil(density * sc.numel) + comp.dp_topk_per_chunk
     assert torch.equal(residual[sent == 0], want[sent == 0])  # unsent: carried exactly
     assert torch.allclose(sent + residual, want, rtol=0, atol=1e-6)  # sent + residual = input
     assert float(residual.norm()) < float(want.norm())
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in params.values()]), sc.buffers["anchor"])
 
 
 # ----------------------------------------------------------------------------- in the cluster

@@ -169,11 +169,11 @@ def _resume_states(root: str, spec, cfg, plan: Plan, device: str, comp: Compress
     if not common:
         raise CheckpointError(f"the stages in {root} share no checkpointed step")
     step = max(common)
-    paths = {k: p for d in per_stage for k, p in d.items()}
+    found = {k: p for d in per_stage for k, p in d.items()}
     states = {}
     for s, rng in enumerate(plan.layer_ranges):
         for d, peer in enumerate(plan.dp_group(s)):
-            path = paths[(roots[d], rng, step)]
+            path = found[(roots[d], rng, step)]
             st = load_checkpoint(path, device)
             if st.spec != spec or st.cfg != cfg:
                 raise CheckpointError(f"checkpoint {path} was made with another model or config")

@@ -2,8 +2,9 @@
 clipping and the optimizer step.
 
 With a `CompressionConfig` (train/compress/) activations and their gradients travel as
-quantized payloads, and the DP step is exact, CocktailSGD-style (compressed sum every step) or
-DiLoCo-style (local steps, a compressed synchronisation every H steps).
+quantized payloads, and the DP step is exact or local: each pipeline steps on its own gradient,
+and the replicas synchronise compressed pseudo-gradients every step (CocktailSGD-style) or
+every H steps (DiLoCo-style).
 
 GPipe as in the DT-FM system: M micro-batches forward, then M backward (last first). Each
 activation is sent downstream the moment its micro-batch leaves the stage, each input
@@ -145,8 +146,8 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
 
 def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> None:
     """Refuse combinations the compressed step does not support (ValueError)."""
-    if config.dp_method == "diloco" and spec.tied_head and plan.stages > 1:
-        raise ValueError("DiLoCo compression does not support a tied head split across stages: "
+    if config.dp_method != "exact" and spec.tied_head and plan.stages > 1:
+        raise ValueError(f"{config.dp_method} compression does not support a tied head split across stages: "
                          "the two copies would be synchronised separately")
 
 
@@ -221,24 +222,21 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
 
 def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str,
                      local_seqs: int) -> None:
-    """Reduce gradients over the DP group (exactly, compressed, or not at all between DiLoCo
-    synchronisations), sync a tied embedding, clip by the norm, step; then a DiLoCo
-    synchronisation when one is due. All messages of the step precede any change of the state,
-    but for a DiLoCo synchronisation, which restores the state if it fails."""
+    """All-reduce gradients over the DP group (or, with DP compression, keep this pipeline's own),
+    sync a tied embedding, clip by the norm, step; then a compressed synchronisation when one
+    is due. All messages of the step precede any change of the state, but for a compressed
+    synchronisation, which restores the state if it fails."""
     cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
     comp, group = state.compress, plan.dp_group(s)
-    mode = comp.dp_mode(step)
     for p in state.params.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in state.params.values()]
-    if mode == "exact":
-        ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes)
-    elif mode == "cocktail":
-        comp.cocktail_reduce(comm, group, grads, cfg.seed, step, f"{key}/dpc", to)
-    else:  # diloco: an inner step on this pipeline's own gradient, as the mean over its own samples
+    if comp.local(step):  # this pipeline's own step, on the mean gradient over its own samples
         for g in grads:
             g.mul_(cfg.global_batch_seqs / local_seqs)
+    else:
+        ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes)
     if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
         other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
         g = state.params["wte.weight"].grad
@@ -260,11 +258,11 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
             g.mul_(coef)
     saved = _snapshot(state) if comp.sync_due(step) else None
     state.optim.step(cfg.lr_at(step))
-    if mode == "exact":
+    if not comp.local(step):
         comp.track_anchor(list(state.params.values()))
     if saved is not None:
         try:
-            comp.diloco_sync(comm, group, list(state.params.values()), f"{key}/dpc", to)
+            comp.sync(comm, group, list(state.params.values()), cfg.seed, step, f"{key}/dpc", to)
         except BaseException:
             _restore(state, saved)
             raise

@@ -26,9 +26,10 @@ block, so the other elements are not all rounded to zero.
 
 Sparse payload (`encode_sparse` / `decode_sparse`) over m candidates in chunks of C, k sent per chunk:
 
-    b"ds", version, value bits (2, 4, 8), index format (0 bitmap, 1 uint16), log2 C, 0, 0, fp32 max
+    b"ds", version, value bits (2, 4, 8), index format (0 bitmap, 1 uint16, 2 none), log2 C, 0, 0, fp32 max
     fp16 ratio per chunk;  codes (mid-rise: level c means (c - (2^b - 1)/2) steps), packed;
-    indices: a C-bit map per chunk with exactly k bits set, or k ascending uint16 per chunk
+    indices: a C-bit map per chunk with exactly k bits set, or k ascending uint16 per chunk,
+    or nothing when k = C (every element is sent: dense low-bit quantization)
 
 The index format is the smaller of the two for (C, k): a bitmap costs C bits per chunk, a list
 16 k bits.
@@ -220,7 +221,7 @@ def _sparse_params(chunk: int, k: int, bits: int) -> tuple[int, int]:
         raise ValueError(f"k = {k} values per chunk of {chunk}")
     if bits not in (2, 4, 8):
         raise ValueError(f"value bits must be 2, 4 or 8, got {bits}")
-    index_format = 0 if chunk <= 16 * k else 1
+    index_format = 2 if k == chunk else 0 if chunk <= 16 * k else 1
     return index_format, chunk.bit_length() - 1
 
 
@@ -228,7 +229,7 @@ def sparse_payload_bytes(m: int, chunk: int, k: int, bits: int) -> int:
     """Size of `encode_sparse`'s payload for m candidates."""
     fmt, _ = _sparse_params(chunk, k, bits)
     nch = -(-m // chunk)
-    index = nch * chunk // 8 if fmt == 0 else 2 * nch * k
+    index = (nch * chunk // 8, 2 * nch * k, 0)[fmt]
     return _HEADER + 2 * nch + -(-nch * k * bits // 8) + index
 
 
@@ -242,14 +243,19 @@ def encode_sparse(x: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tenso
     if nch * chunk != m:
         x = torch.cat((x, x.new_zeros(nch * chunk - m)))
     xc = x.reshape(nch, chunk)
-    idx = torch.topk(xc.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values  # (nch, k)
+    if k == chunk:
+        idx = torch.arange(chunk, dtype=torch.int64, device=x.device).expand(nch, chunk)
+    else:
+        idx = torch.topk(xc.abs(), k, dim=1, sorted=False).indices.sort(dim=1).values  # (nch, k)
     vals = torch.gather(xc, 1, idx)
     gmax, rel = _scales(vals.abs().amax(dim=1) if nch else vals.new_zeros(0))
     half = ((1 << bits) - 1) / 2
     step = (rel.to(torch.float32) * gmax / half).to(x.device)[:, None]
     q = torch.where(step > 0, vals / torch.where(step > 0, step, 1.0), 0.0) + half
     codes = q.round_().clamp_(0, (1 << bits) - 1).to(torch.uint8).reshape(-1)
-    if fmt == 0:
+    if fmt == 2:
+        index = torch.empty(0, dtype=torch.uint8)
+    elif fmt == 0:
         mask = torch.zeros(nch, chunk, dtype=torch.uint8, device=x.device)
         mask.scatter_(1, idx, 1)
         index = _pack(mask.reshape(-1), 1)
@@ -276,7 +282,9 @@ def decode_sparse(payload: object, m: int, chunk: int, k: int, bits: int) -> tor
     nval = -(-nch * k * bits // 8)
     codes = _unpack(buf[off:off + nval], bits, nch * k).to(torch.float32).reshape(nch, k)
     off += nval
-    if fmt == 0:
+    if fmt == 2:
+        idx = torch.arange(chunk, dtype=torch.int64).expand(nch, chunk)
+    elif fmt == 0:
         mask = _unpack(buf[off:], 1, nch * chunk).reshape(nch, chunk)
         if bool((mask.sum(dim=1, dtype=torch.int64) != k).any()):
             raise CodecError(f"sparse index map does not select exactly {k} of each chunk")

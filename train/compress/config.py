@@ -3,9 +3,9 @@
 Two independent choices. The pipeline axis (activations forward, their gradients backward)
 is quantized blockwise to int8 or int4, optionally after a Hadamard rotation of each block.
 The data-parallel axis is exact (a ring all-reduce of fp32 gradients), `cocktail` (every
-step: random sparsification, top-k, low-bit values, error feedback) or `diloco` (H local
-AdamW steps, then the group averages the compressed pseudo-gradient and a Nesterov outer
-step moves every replica to the same weights). Every replica of a run must hold the same
+step: random sparsification, top-k, low-bit values, error feedback, of each replica's model
+delta) or `diloco` (H local AdamW steps, then the group averages the compressed
+pseudo-gradient and a Nesterov outer step moves every replica to the same weights). Every replica of a run must hold the same
 config: payload sizes, random subsets and the synchronisation steps all derive from it.
 """
 
@@ -42,9 +42,10 @@ class CompressionConfig:
     dp_chunk_elems: int = 1024  # candidates per chunk: the unit of top-k, of index coding and of a scale
     dp_warmup_steps: int = 0  # steps of exact DP all-reduce before compression starts (early gradients are large)
     inner_steps: int = 16  # diloco: local AdamW steps between synchronisations (H); more: fewer bytes, drift
-    outer_lr: float = 0.7  # diloco: outer SGD learning rate on the averaged pseudo-gradient
-    outer_momentum: float = 0.9  # diloco: outer (Nesterov) momentum; 0 leaves error feedback alone
-    outer_nesterov: bool = True  # diloco: Nesterov momentum (as in DiLoCo) rather than heavy ball
+    # (cocktail synchronises after every step)
+    outer_lr: float = 0.7  # outer SGD learning rate on the averaged pseudo-gradient (1, momentum 0: plain average)
+    outer_momentum: float = 0.9  # outer (Nesterov) momentum; 0 leaves it to error feedback
+    outer_nesterov: bool = True  # Nesterov momentum (as in DiLoCo) rather than heavy ball
 
     def __post_init__(self) -> None:
         if self.pp_method not in PP_METHODS:
@@ -100,7 +101,8 @@ class CompressionConfig:
 
     def with_options(self, items: list[str]) -> "CompressionConfig":
         """This config with "field=value" overrides (as the command line gives them); ValueError if bad."""
-        types = {f.name: type(f.default) for f in fields(self)}
+        kinds: dict[str, type] = {"str": str, "bool": bool, "int": int, "float": float}
+        types = {f.name: kinds[str(f.type)] for f in fields(self)}
         changes: dict[str, object] = {}
         for item in items:
             key, sep, text = item.partition("=")
@@ -132,8 +134,8 @@ class CompressionConfig:
 
 
 _PP4 = CompressionConfig(pp_method="int4", pp_hadamard=True, pp_block_elems=64)
-_DILOCO = CompressionConfig(dp_method="diloco", dp_topk_fraction=0.03, dp_value_bits=2, dp_chunk_elems=4096,
-                            inner_steps=8, outer_lr=0.7, outer_momentum=0.9, dp_warmup_steps=20)
+_DILOCO = CompressionConfig(dp_method="diloco", dp_topk_fraction=0.25, dp_value_bits=4, dp_chunk_elems=1024,
+                            inner_steps=16, outer_lr=0.7, outer_momentum=0.9)
 # What a run over slow links should use (see docs/compression.md): both axes compressed.
 DEFAULT_SLOW_LINK = "slow-link"
 
@@ -144,10 +146,11 @@ COMPRESSION_PRESETS = MappingProxyType({
     "pp-int8": CompressionConfig(pp_method="int8", pp_hadamard=False, pp_block_elems=64),
     # Pipeline only: ~7.5x fewer activation bytes; the rotation keeps outlier blocks usable.
     "pp-int4": _PP4,
-    # DP only, every step: random 10 %, top 20 % of those, 4-bit values, error feedback.
+    # DP only, every step: random 10 %, top 20 % of those, 4-bit values, error feedback, of each
+    # replica's model delta; the group's mean is applied as it is (outer lr 1, no momentum).
     "cocktail": CompressionConfig(dp_method="cocktail", dp_random_fraction=0.1, dp_topk_fraction=0.2,
-                                  dp_value_bits=4, dp_chunk_elems=1024, dp_warmup_steps=20),
-    # DP only, every H steps: top 3 % of the pseudo-gradient, 2-bit values, error feedback, Nesterov outer step.
+                                  dp_value_bits=4, dp_chunk_elems=1024, outer_lr=1.0, outer_momentum=0.0),
+    # DP only, every 16 steps: top 25 % of the pseudo-gradient, 4-bit values, error feedback, Nesterov outer step.
     "diloco": _DILOCO,
     DEFAULT_SLOW_LINK: replace(_DILOCO, pp_method=_PP4.pp_method, pp_hadamard=_PP4.pp_hadamard,
                                pp_block_elems=_PP4.pp_block_elems),
