@@ -28,6 +28,17 @@ if TYPE_CHECKING:
     )
     from .collective import all_reduce_small, ring_all_reduce
     from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
+    from .compress import (
+        COMPRESSION_PRESETS,
+        ByteCounter,
+        CompressionConfig,
+        CountingComm,
+        StageCompression,
+        activation_payload_bytes,
+        decode_activation,
+        encode_activation,
+        get_compression,
+    )
     from .data import (
         TOKEN_DTYPES,
         Corpus,
@@ -60,10 +71,11 @@ if TYPE_CHECKING:
     from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
     from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
     from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
-    from .worker import StageState, StepResult, run_step
+    from .worker import StageState, StepResult, check_compression, run_step
 
 __all__ = [
     "ACTIVATIONS",
+    "COMPRESSION_PRESETS",
     "DEFAULT_CHUNK_BYTES",
     "MAX_TENSOR_DIMS",
     "PRESETS",
@@ -74,6 +86,7 @@ __all__ = [
     "TOKEN_DTYPES",
     "TORCH_DTYPES",
     "AdamW",
+    "ByteCounter",
     "ByteTokenizer",
     "CheckpointError",
     "CodecError",
@@ -81,7 +94,9 @@ __all__ = [
     "CommClosed",
     "CommError",
     "CommTimeout",
+    "CompressionConfig",
     "Corpus",
+    "CountingComm",
     "EventHandle",
     "GPTSpec",
     "GPTStage",
@@ -94,6 +109,7 @@ __all__ = [
     "MessageRules",
     "Plan",
     "SendHandle",
+    "StageCompression",
     "StageState",
     "StepResult",
     "TrainConfig",
@@ -101,14 +117,19 @@ __all__ = [
     "TransferManifest",
     "TransferReceiver",
     "all_reduce_small",
+    "activation_payload_bytes",
     "assemble",
+    "check_compression",
     "check_tensor",
     "checkpoint_at",
+    "decode_activation",
+    "encode_activation",
     "encode_stage",
     "encode_transfer",
     "export_checkpoint_dir",
     "export_hf",
     "generate",
+    "get_compression",
     "get_preset",
     "hf_digest",
     "hf_stage_state",
@@ -155,6 +176,10 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
         "tensor_from_wire", "tensor_header", "tensor_to_wire",
     ),
     ".collective": ("all_reduce_small", "ring_all_reduce"),
+    ".compress": (
+        "COMPRESSION_PRESETS", "ByteCounter", "CompressionConfig", "CountingComm", "StageCompression",
+        "activation_payload_bytes", "decode_activation", "encode_activation", "get_compression",
+    ),
     ".comm": (
         "Comm", "CommClosed", "CommError", "CommTimeout", "EventHandle", "InMemoryComm", "InMemoryHub",
         "Link", "SendHandle",
@@ -182,7 +207,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".transfer": (
         "DEFAULT_CHUNK_BYTES", "TransferError", "TransferManifest", "TransferReceiver", "encode_transfer",
     ),
-    ".worker": ("StageState", "StepResult", "run_step"),
+    ".worker": ("StageState", "StepResult", "check_compression", "run_step"),
 }
 _MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
 

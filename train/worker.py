@@ -32,7 +32,7 @@ from .optim import AdamW, clip_coefficient
 from .plan import Plan
 from .spec import GPTSpec, TrainConfig
 
-__all__ = ["StageState", "StepResult", "run_step"]
+__all__ = ["StageState", "StepResult", "check_compression", "run_step"]
 
 
 class StageState:
