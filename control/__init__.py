@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from .epoch.relayout import assemble_stage, needed_stages
     from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
     from .messages import ControlMsg
+    from .operator import OperatorError, OperatorOp, SignedOp, check_op, check_operator_start, sign_op
     from .plane import ControlPlane
 
 __all__ = [
@@ -86,6 +87,8 @@ __all__ = [
                          "HeartbeatAck",
                          "Holding",
                          "MemoryElectionStore",
+                         "OperatorError",
+                         "OperatorOp",
                          "PeerRunState",
                          "Placement",
                          "PlaneConfig",
@@ -101,6 +104,7 @@ __all__ = [
                          "ResumePoint",
                          "RunEnd",
                          "SignedAllocation",
+                         "SignedOp",
                          "StageRunner",
                          "StepReport",
                          "SteppedDown",
@@ -111,6 +115,8 @@ __all__ = [
                          "Vote",
                          "assemble_stage",
                          "check_allocation",
+                         "check_op",
+                         "check_operator_start",
                          "choose_shape",
                          "decode_election",
                          "fetch_stage",
@@ -121,6 +127,7 @@ __all__ = [
                          "reshape",
                          "resume_point",
                          "sched_spec",
+                         "sign_op",
 ]
 
 # Where each name above is defined. A name is imported from its module on first use (PEP 562):
@@ -148,6 +155,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".epoch.relayout": ("assemble_stage", "needed_stages"),
     ".epoch.runner": ("RunEnd", "StageRunner", "StepReport", "params_sha256"),
     ".messages": ("ControlMsg",),
+    ".operator": ("OperatorError", "OperatorOp", "SignedOp", "check_op", "check_operator_start", "sign_op"),
     ".plane": ("ControlPlane",),
 }
 _MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}

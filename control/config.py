@@ -87,6 +87,11 @@ class PlaneConfig:
     forward_timeout_s: float = 180.0
     # `train start --min-peers` re-counts the live, measured peers this often.
     swarm_poll_s: float = 1.0
+    # An operator's signed start, stop or reschedule is taken this long before or after the
+    # time it was signed (a start also for its --min-peers wait after it): more tolerates
+    # worse clocks, less shortens the time in which a copied signed operation could be sent
+    # again (a start is never taken twice by one coordinator, a reschedule only when newer).
+    operator_skew_s: float = 300.0
     # Failed reconfigurations of one trigger before the coordinator stops the run: more rides
     # out longer trouble, fewer gives up (and says why) sooner.
     max_reconfig_attempts: int = 5
@@ -119,7 +124,7 @@ class PlaneConfig:
                      "stop_timeout_s", "check_interval_s", "drift_check_s", "report_gather_s", "probe_timeout_s",
                      "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
                      "heartbeat_wait_s", "forward_timeout_s", "swarm_poll_s", "step_deadline_floor_s",
-                     "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s"):
+                     "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s", "operator_skew_s"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not 0 < v < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -40,8 +39,8 @@ from dtfm.net import (
 from dtfm.train import (
     PRESETS,
     Corpus,
+    GPTSpec,
     TrainConfig,
-    get_preset,
     load_corpus,
 )
 
@@ -57,6 +56,7 @@ from .coordinator.machine import (
     StepFailed,
     SteppedDownEvent,
     StepReported,
+    StopRun,
     Trigger,
     Wake,
 )
@@ -88,6 +88,7 @@ from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageError, StageHost
 from .messages import ControlMsg
+from .operator import OperatorError, SignedOp, check_op
 
 __all__ = ["ControlPlane"]
 
@@ -144,6 +145,20 @@ class SchedulerPlanner:
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut)
 
+    def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+                        regions: dict[bytes, str]) -> Placement:
+        """A new run's shape: the scheduler's on the gossiped view, or (`--placement random`) a
+        random one of the asked stages x dp (ValueError when none fits)."""
+        dp = req.dp
+        if req.stages is not None and dp is None:
+            dp = max(1, len(view.peers) // req.stages)
+        if req.placement == "random":
+            if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
+                raise ValueError("a random placement needs --stages and --dp")
+            return random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
+        return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
+                            time_budget_s=self.config.schedule_time_s, seed=req.seed)
+
 
 @dataclass
 class _Pending:
@@ -157,16 +172,17 @@ class ControlPlane:
     """One daemon's control plane (see the module docstring)."""
 
     def __init__(self, transport, identity: Identity, gossip: GossipService, data_dir: Path,
-                 config: PlaneConfig | None = None):
+                 config: PlaneConfig | None = None, *, operators: Iterable[bytes] = ()):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
         self.config = config or PlaneConfig.wan()
+        self.operators = frozenset(operators)  # the swarm's operators' public keys (the swarm key file)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
                                         signer=identity, address_of=self._address_of)
         cfg = self.config
         self.epoch = EpochMachine(self.me, self.election, heartbeat_wait_s=cfg.heartbeat_wait_s,
-                                  coordinator_lost_after_s=cfg.coordinator_lost_after_s)
+                                  coordinator_lost_after_s=cfg.coordinator_lost_after_s, operators=self.operators)
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
             GossipSwarm(gossip, self.me), SchedulerPlanner(cfg),
@@ -178,9 +194,11 @@ class ControlPlane:
                                deadline=DeadlineRules(floor_s=cfg.step_deadline_floor_s, mads=cfg.step_deadline_mads,
                                                       first_s=cfg.step_deadline_first_s),
                                deadline_probe_timeout_s=cfg.deadline_probe_timeout_s,
-                               link_retest_s=cfg.link_retest_s),
+                               link_retest_s=cfg.link_retest_s, operator_skew_s=cfg.operator_skew_s),
+            operators=self.operators,
         )
-        self._corpora: dict[str | None, Corpus] = {}
+        self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
+        self._corpus_lock = trio.Lock()
         self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
                                 address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now)
         self._pending: dict[tuple, _Pending] = {}
@@ -458,14 +476,16 @@ class ControlPlane:
 
     # ---- corpus -------------------------------------------------------------------------------
 
-    async def corpus(self, path: str | None = None) -> Corpus:
-        key = path if path is not None else self.config.data_path
-        if key not in self._corpora:
-            try:
-                self._corpora[key] = await trio.to_thread.run_sync(load_corpus, key)
-            except ValueError as e:
-                raise TrainError(str(e)) from None
-        return self._corpora[key]
+    async def corpus(self) -> Corpus:
+        """This peer's data set, the one it was started with (`join --data`; the standard
+        library's source by default), loaded once: no path from the network is ever opened."""
+        async with self._corpus_lock:
+            if self._corpus is None:
+                try:
+                    self._corpus = await trio.to_thread.run_sync(load_corpus, self.config.data_path)
+                except ValueError as e:
+                    raise TrainError(str(e)) from None
+            return self._corpus
 
     # ---- message handlers ---------------------------------------------------------------------
 
@@ -482,7 +502,7 @@ class ControlPlane:
         return await self.accept(alloc, cert)
 
     def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
-        corpus = corpus or self._corpora.get(self.config.data_path)
+        corpus = corpus or self._corpus
         assert corpus is not None
         live = frozenset(self.gossip.live_peers()) | {self.me}
         return AcceptContext(me=self.me, live=live, known_presets=PRESETS, data_hash=corpus.fingerprint,
@@ -522,9 +542,10 @@ class ControlPlane:
                 raise ProtocolError("STOP at_step must be a non-negative integer")
         else:
             at = 0
+        op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
         key = self._key("stop")
         ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                       abort=body.get("abort") is True)
+                       abort=body.get("abort") is True, op=op)
         return self._ask_now(key, ev)
 
     async def _on_step(self, conn, msg_type, body, payload) -> None:
@@ -626,10 +647,15 @@ class ControlPlane:
             raise TrainError(reply.error)
         return reply.value
 
-    async def start_training(self, req: TrainRequest, *, forwarded: bool = False, args: dict | None = None) -> dict:
-        """Wait for `req.min_peers` live, measured peers; stand for coordinator if there is none;
-        the coordinator schedules on the gossiped view, hands the allocation out and starts every
-        peer."""
+    async def start_training(self, signed: SignedOp, *, forwarded: bool = False) -> dict:
+        """An operator's signed start: wait for its `min_peers` live, measured peers; stand for
+        coordinator if there is none; the coordinator schedules on the gossiped view, hands the
+        allocation out and starts every peer. A start that no operator of the swarm signed is
+        refused first, before any wait or work."""
+        try:
+            req = check_op(signed, "start", self.operators).request()
+        except (OperatorError, ValueError) as e:
+            raise TrainError(str(e)) from None
         if not forwarded:  # (a forwarding peer has waited)
             await self._await_swarm(req)
         coordinator = self.me if forwarded else await self._become_coordinator()
@@ -637,37 +663,15 @@ class ControlPlane:
             raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
                              "is a majority of the swarm reachable?")
         if coordinator != self.me:
-            return await self._forward(coordinator, "start", args if args is not None else req.to_args())
-        corpus = await self.corpus(req.data_path)
-        spec = get_preset(req.preset)
-        cfg = req.train or TrainConfig(seed=req.seed)
-        view = self.gossip.view()
-        regions = {m.peer_id: m.region for m in self.gossip.members() if not m.state.gone}
-        if req.stages is not None and req.dp is None:
-            req = replace(req, dp=max(1, len(view.peers) // req.stages))
-        shape = await self._first_shape(req, spec, cfg, view, regions)
-        alloc = await self._operator(StartRun, secrets.token_bytes(16), shape, req.preset, spec, cfg,
-                                     corpus.fingerprint, corpus.name, req.steps, req.checkpoint_every)
+            return await self._forward(coordinator, "start", signed)
+        corpus = await self.corpus()
+        alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name)
         return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,
                 "dp": alloc.dp, "coordinator": self.me.hex(),
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
-                "predicted_iteration_s": alloc.predicted_iteration_s, "objective_s": shape.objective_s,
-                "placement": req.placement, "steps": req.steps, "data": corpus.name, "log": str(self._log_path)}
-
-    async def _first_shape(self, req: TrainRequest, spec, cfg: TrainConfig, view, regions) -> Placement:
-        """The new run's shape: the scheduler's on the gossiped view, or (`--placement random`)
-        a random one of the given stages x dp."""
-        try:
-            if req.placement == "random":
-                if req.stages is None or req.dp is None:  # TrainRequest and start_training fill both in
-                    raise ValueError("a random placement needs --stages and --dp")
-                return random_shape(view, spec, cfg, stages=req.stages, dp=req.dp, seed=req.seed)
-            return await trio.to_thread.run_sync(lambda: choose_shape(
-                view, spec, cfg, stages=req.stages, dp=req.dp, regions=regions,
-                time_budget_s=self.config.schedule_time_s, seed=req.seed))
-        except ValueError as e:
-            raise TrainError(f"cannot schedule: {e}") from None
+                "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
+                "steps": req.steps, "data": corpus.name, "log": str(self._log_path)}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,
@@ -709,21 +713,17 @@ class ControlPlane:
         await self.election.wait_for_coordinator(self.config.elect_timeout_s)
         return self.election.coordinator
 
-    async def stop_training(self) -> dict:
-        """`train stop` on any peer of the run: every peer ends before the same step, and the run
-        is over (nobody reconfigures it)."""
+    async def stop_training(self, signed: SignedOp) -> dict:
+        """An operator's signed stop, on any peer: the coordinator tells every peer of the run
+        to end before the same step, and the run is over (nobody reconfigures it)."""
         cur = self.epoch.current
         if cur is None or self._run_over():
             raise TrainError("no training run is in progress on this peer")
-        at = self.epoch.stop_boundary(self.coordinator.logged_completed(cur.run_id))
-        self.epoch.mark_stopped(cur.run_id)
-        told = set(cur.peers) | {cur.issuer}
-        if self.election.coordinator is not None:
-            told.add(self.election.coordinator)
-        answers = await self._ask_all(sorted(told), ControlMsg.STOP,
-                                      {"run": cur.run_id, "at_step": at, "final": True},
-                                      self.config.request_timeout_s)
-        return {"at_step": at, "told": sum(1 for a in answers.values() if a.get("stopped"))}
+        try:
+            check_op(signed, "stop", self.operators, run_id=cur.run_id)
+        except OperatorError as e:
+            raise TrainError(str(e)) from None
+        return await self._on_coordinator("stop", signed, StopRun)
 
     def _run_over(self) -> bool:
         st = self.coordinator.status()
@@ -731,40 +731,69 @@ class ControlPlane:
         finished = cur is not None and st.run_id == cur.run_id and st.phase.value == "finished"
         return self.epoch.run_over() or finished
 
-    async def reschedule(self, *, forwarded: bool = False) -> dict:
-        """`dtfm-peer train reschedule`: a new allocation now, on the coordinator."""
+    async def reschedule(self, signed: SignedOp) -> dict:
+        """An operator's signed reschedule, on any peer: a new allocation now, on the coordinator."""
+        try:
+            check_op(signed, "reschedule", self.operators)
+        except OperatorError as e:
+            raise TrainError(str(e)) from None
+        return await self._on_coordinator("reschedule", signed, Reschedule)
+
+    async def _on_coordinator(self, op: str, signed: SignedOp, event_type, *, forwarded: bool = False) -> dict:
+        """Feed an operator's stop or reschedule to the coordinator machine here, or forward it to
+        the coordinator this peer knows."""
         if not self.election.is_coordinator:
             c = self.election.coordinator
             if c is None or forwarded:
                 raise TrainError("no coordinator is known: is training running?")
-            return await self._forward(c, "reschedule", {})
-        if self.epoch.current is None or self._run_over():
-            raise TrainError("no training run is in progress")
-        return await self._operator(Reschedule)
+            return await self._forward(c, op, signed)
+        return await self._operator(event_type, signed)
 
     async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
+        """An operator's start, stop or reschedule forwarded by a peer: the signed operation and
+        nothing else (no path, no unsigned argument); refused before any work unless an operator
+        of the swarm signed it (the machine checks the rest)."""
         d = get_dict(body, "TRAIN_OP")
         op = get_str(d, "op", 16)
-        args = get_dict(d.get("args", {}), "TRAIN_OP args")
+        if op not in ("start", "stop", "reschedule"):
+            raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
+        if "signed" not in d:
+            return {"error": f"a {op} must carry the operator's signed operation (run the same dtfm version)"}
+        signed = SignedOp.from_wire(d["signed"])
+        try:
+            check_op(signed, op, self.operators)
+        except OperatorError as e:
+            logger.warning("refused a forwarded train %s from %s: %s", op, conn.short_id, e)
+            return {"error": str(e)}
         if not self.election.is_coordinator:
             c = self.election.coordinator
             return {"error": f"this peer is not the coordinator ({short_id(c) if c else 'none known'})"}
         try:
             if op == "start":
-                return {"ok": await self.start_training(TrainRequest.from_args(args), forwarded=True)}
-            if op == "reschedule":
-                return {"ok": await self.reschedule(forwarded=True)}
+                return {"ok": await self.start_training(signed, forwarded=True)}
+            if op == "stop":
+                return {"ok": await self._on_coordinator(op, signed, StopRun, forwarded=True)}
+            return {"ok": await self._on_coordinator(op, signed, Reschedule, forwarded=True)}
         except TrainError as e:
             return {"error": str(e)}
-        raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
 
-    async def _forward(self, coordinator: bytes, op: str, args: dict) -> dict:
-        answers = await self._ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "args": args},
+    async def _forward(self, coordinator: bytes, op: str, signed: SignedOp) -> dict:
+        answers = await self._ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "signed": signed.to_wire()},
                                       self.config.forward_timeout_s)
         a = answers[coordinator]
         if "ok" in a and isinstance(a["ok"], dict):
             return a["ok"]
         raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
+
+    async def operator_info(self) -> dict:
+        """What an operator's CLI needs to sign: the swarm's operators, the run in progress here,
+        and the data set this peer trains on."""
+        corpus = await self.corpus()
+        cur = self.epoch.current
+        live = cur is not None and not self._run_over()
+        return {"operators": sorted(p.hex() for p in self.operators),
+                "run_id": cur.run_id.hex() if cur is not None and live else None,
+                "data_hash": corpus.fingerprint, "data_name": corpus.name}
 
     # ---- status -------------------------------------------------------------------------------
 

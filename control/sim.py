@@ -27,7 +27,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dtfm.net import Identity, short_id
+from dtfm.net import Identity, OperatorKey, short_id
 from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
@@ -71,6 +71,7 @@ from .epoch.machine import (
 from .epoch.machine import Tick as EpochTick
 from .epoch.runner import RunEnd, StepReport
 from .messages import ControlMsg
+from .operator import SignedOp, sign_op
 
 __all__ = ["PlaneSim", "reference_loss", "reference_weights"]
 
@@ -163,6 +164,9 @@ class SimPlanner:
         ranges = tuple(layer_ranges(PRESETS[PRESET].n_layer, stages))
         return Placement(pipelines, ranges, spares, 1.0, 1.0)
 
+    def first_placement(self, view, req, model, train, regions) -> Placement:
+        return self.placement(view.peers)
+
     def reshape(self, view, cur: Allocation, *, live, remaining_steps, regions, seed, force,
                 cut=frozenset()) -> ReshapePlan:
         if not live:
@@ -186,6 +190,8 @@ class PlaneSim(ElectionSim):
             drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
             max_reconfig_attempts=5)
         self.run_seed = seed
+        # The swarm's operator: its key is not drawn from `rng`, so the fault schedule is the same.
+        self.operator = OperatorKey(hashlib.sha256(b"sim operator" + struct.pack(">q", seed)).digest())
         self.content: dict[str, bytes] = {}  # digest -> weights (what a fetch verifies against)
         self.disk_alloc: list[Allocation | None] = [None] * n
         self.checkpoints: list[dict[tuple[bytes, tuple[int, int], int], bytes]] = [{} for _ in range(n)]
@@ -233,12 +239,16 @@ class PlaneSim(ElectionSim):
         coord = self.coords[k]
         if coord is None or not self._reader(k).is_coordinator:
             return False
-        placement = SimPlanner(self).placement([self.ids[j] for j in self.reachable(k)])
         self._seq += 1
-        ev = StartRun(("start", self._seq), self._run_id(), placement, PRESET, get_preset(PRESET),
-                      TrainConfig(seed=self.run_seed), DATA_HASH, "sim", steps, self.checkpoint_every)
+        ev = StartRun(("start", self._seq), self.signed_start(k, steps, self.checkpoint_every), DATA_HASH, "sim")
         self._coordinator(k, ev)
         return True
+
+    def signed_start(self, k: int, steps: int, checkpoint_every: int) -> SignedOp:
+        """The operator's start of the simulation's run, signed at node k's time."""
+        args = {"preset": PRESET, "steps": steps, "seed": self.run_seed, "checkpoint_every": checkpoint_every,
+                "placement": "scheduler", "data_hash": DATA_HASH, "data_name": "sim"}
+        return sign_op(self.operator, "start", now_s=max(0.0, self.local_now(k)), run_id=self._run_id(), args=args)
 
     def issue(self, k: int, *, rogue: bool = False) -> Allocation | None:
         """Node k hands the next allocation of its term (epoch: its last applied + 1) to the
@@ -255,7 +265,8 @@ class PlaneSim(ElectionSim):
                            train=TrainConfig(seed=self.run_seed), data_hash=DATA_HASH, data_name="sim", start_step=0,
                            end_step=10**6, checkpoint_every=0, predicted_iteration_s=1.0, spares=placement.spares,
                            run_id=self._run_id(), reason="issued",
-                           voters=next_voters(node.voters, named, named, me))
+                           voters=next_voters(node.voters, named, named, me),
+                           operator_start=self.signed_start(k, 10**6, 0).encode())
         body = SignedAllocation.sign(alloc, self._signers[me]).to_wire()
         if node.certificate is not None:
             body["cert"] = node.certificate.to_wire()
@@ -336,14 +347,16 @@ class PlaneSim(ElectionSim):
     def _booted(self, k: int) -> None:
         reader = self._reader(k)
         epoch = EpochMachine(self.ids[k], reader, heartbeat_wait_s=2 * self.config.heartbeat_interval_s + 1.0,
-                             coordinator_lost_after_s=3 * self.config.election_timeout_max_s)
+                             coordinator_lost_after_s=3 * self.config.election_timeout_max_s,
+                             operators={self.operator.public_key})
         alloc = self.disk_alloc[k]
         if alloc is not None:
             epoch.restore(alloc.run_id, alloc.term, alloc.epoch, alloc)
         self.epochs[k] = epoch
         signer = self._signers[self.ids[k]]
         self.coords[k] = Coordinator(self.ids[k], lambda a: SignedAllocation.sign(a, signer), reader, epoch,
-                                     SimSwarm(self, k), SimPlanner(self), self.timings)
+                                     SimSwarm(self, k), SimPlanner(self), self.timings,
+                                     operators=frozenset({self.operator.public_key}))
         self._schedule_coordinator(k)
         self._push(self.now + 3 * self.config.heartbeat_interval_s, ("etick", k))
 
@@ -536,8 +549,9 @@ class PlaneSim(ElectionSim):
         if msg == ControlMsg.START:
             self._epoch(k, StartAsked(key, sender, body.get("run"), body.get("epoch")))
         elif msg == ControlMsg.STOP:
+            op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
             self._epoch(k, StopAsked(key, sender, body.get("run"), int(body.get("at_step", 0)),
-                                     final=body.get("final") is True, abort=body.get("abort") is True))
+                                     final=body.get("final") is True, abort=body.get("abort") is True, op=op))
         elif msg == ControlMsg.RUN_STATE:
             if body["op"] == "query":
                 cur = epoch.current

@@ -16,7 +16,9 @@ from .identity import (
                        PEER_ID_BYTES,
                        Identity,
                        load_swarm_key,
+                       load_swarm_operators,
                        new_swarm_key,
+                       operator_line,
                        short_id,
                        swarm_key_fingerprint,
                        verify_signature,
@@ -24,6 +26,7 @@ from .identity import (
 from .interface import Handler, PeerConnection, PeerTransport, Reply
 from .memnet import LinkModel, MemNetwork, scenario_link, uniform_link
 from .memtransport import MemConnection, MemTransport
+from .operator import OperatorKey, operator_key_path
 from .shaping import LinkShape, LinkShaper
 from .transport import Transport
 from .wire import (
@@ -44,6 +47,7 @@ __all__ = [
     "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
     "ProtocolError", "Refusals", "RemoteError", "Reply", "RequestTimeout", "Transport", "TransportConfig",
     "get_bool", "get_bytes", "get_dict",
-    "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "new_swarm_key", "pack", "scenario_link",
+    "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "load_swarm_operators", "new_swarm_key",
+    "operator_key_path", "operator_line", "OperatorKey", "pack", "scenario_link",
     "short_id", "swarm_key_fingerprint", "uniform_link", "unpack_untrusted", "verify_signature",
 ]

@@ -2,7 +2,9 @@
 
 The peer id is the 32-byte Ed25519 public key. The private seed lives in
 `<data_dir>/identity.key` (mode 0600, directory 0700) as one line of text.
-The swarm key file holds one line, `dtfm-swarm-key-v1:<64 hex chars>`.
+The swarm key file holds one line, `dtfm-swarm-key-v1:<64 hex chars>`, then one line
+`dtfm-operator-v1:<64 hex chars>` per operator of the swarm: the Ed25519 public keys whose
+signatures start, stop and reschedule training runs (their private keys: net/operator.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .errors import KeyFileError
 IDENTITY_FILE = "identity.key"
 _IDENTITY_PREFIX = "dtfm-identity-v1:"
 _SWARM_KEY_PREFIX = "dtfm-swarm-key-v1:"
+_OPERATOR_PREFIX = "dtfm-operator-v1:"
+MAX_OPERATORS = 64  # operator lines a swarm key file may hold
 PEER_ID_BYTES = 32
 SIGNATURE_BYTES = 64
 SWARM_KEY_BYTES = 32
@@ -121,29 +125,65 @@ def new_swarm_key() -> str:
 
 
 def parse_swarm_key(text: str) -> bytes:
-    key = _parse_hex_line(text.strip(), _SWARM_KEY_PREFIX, SWARM_KEY_BYTES)
+    """The swarm secret of a swarm key file's text (its operator lines are checked too)."""
+    return parse_swarm_file(text)[0]
+
+
+def parse_swarm_file(text: str) -> tuple[bytes, tuple[bytes, ...]]:
+    """(the swarm secret, the operators' public keys) of a swarm key file's text."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    key = _parse_hex_line(lines[0], _SWARM_KEY_PREFIX, SWARM_KEY_BYTES) if lines else None
     if key is None:
         raise KeyFileError(
-            f"garbled swarm key (expected one line '{_SWARM_KEY_PREFIX}<64 hex>'): "
-            "make one with `dtfm-peer swarm-key new > FILE` and share that file"
+            f"garbled swarm key (expected a first line '{_SWARM_KEY_PREFIX}<64 hex>'): "
+            "make one with `dtfm-peer swarm-key new --out FILE` and share that file"
         )
-    return key
+    operators: list[bytes] = []
+    for n, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        op = _parse_hex_line(line, _OPERATOR_PREFIX, PEER_ID_BYTES)
+        if op is None:
+            raise KeyFileError(f"garbled swarm key file: line {n} is not '{_OPERATOR_PREFIX}<64 hex>' "
+                               "(an operator's public key, as `dtfm-peer operator-key new` prints it)")
+        if op not in operators:
+            operators.append(op)
+    if len(operators) > MAX_OPERATORS:
+        raise KeyFileError(f"the swarm key file names {len(operators)} operators, at most {MAX_OPERATORS}")
+    return key, tuple(operators)
+
+
+def operator_line(public_key: bytes) -> str:
+    """The swarm key file's line that names an operator (no newline)."""
+    if len(public_key) != PEER_ID_BYTES:
+        raise ValueError("an operator's public key is 32 bytes")
+    return _OPERATOR_PREFIX + bytes(public_key).hex()
 
 
 def load_swarm_key(path: Path) -> bytes:
     """The 32-byte swarm secret stored in `path`."""
+    return load_swarm_file(path)[0]
+
+
+def load_swarm_operators(path: Path) -> tuple[bytes, ...]:
+    """The operators' public keys the swarm key file `path` names (maybe none)."""
+    return load_swarm_file(path)[1]
+
+
+def load_swarm_file(path: Path) -> tuple[bytes, tuple[bytes, ...]]:
+    """(the swarm secret, the operators' public keys) stored in the swarm key file `path`."""
     path = Path(path)
     try:
         text = path.read_text(encoding="ascii")
     except FileNotFoundError:
         raise KeyFileError(
-            f"no swarm key file at {path}: create one with `dtfm-peer swarm-key new > {path}` "
+            f"no swarm key file at {path}: create one with `dtfm-peer swarm-key new --out {path}` "
             "or copy the file from a swarm member"
         ) from None
     except (OSError, UnicodeDecodeError) as e:
         raise KeyFileError(f"cannot read swarm key file {path}: {e}") from None
     try:
-        return parse_swarm_key(text)
+        return parse_swarm_file(text)
     except KeyFileError as e:
         raise KeyFileError(f"{path}: {e}") from None
 

@@ -1,12 +1,15 @@
 """`dtfm-peer`: run a swarm peer and talk to it.
 
     dtfm-peer keygen                      create this machine's identity key
-    dtfm-peer swarm-key new --out FILE    make a secret that defines a swarm (file mode 0600)
+    dtfm-peer swarm-key new --out FILE    make a secret that defines a swarm (file mode 0600), and
+                                          its operator key FILE.operator
+    dtfm-peer operator-key new --out FILE make another operator's key
     dtfm-peer join --swarm-key FILE ...   run the daemon in the foreground
     dtfm-peer status [--json]             ask the running daemon how it is doing
     dtfm-peer leave                       make the running daemon leave and exit
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
     dtfm-peer train reschedule            ask the coordinator for a new allocation now
+                                          (each signed with the operator key)
 
 Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
 """
@@ -25,8 +28,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtfm.control import PLACEMENTS
-from dtfm.net import IDENTITY_FILE, Identity, KeyFileError, new_swarm_key
+from dtfm.control import PLACEMENTS, sign_op
+from dtfm.net import (
+    IDENTITY_FILE,
+    Identity,
+    KeyFileError,
+    OperatorKey,
+    new_swarm_key,
+    operator_key_path,
+    operator_line,
+)
 
 from . import logs
 from .config import ConfigError, DaemonConfig
@@ -61,6 +72,12 @@ def _add_data_dir(p: argparse.ArgumentParser) -> None:
                         "~/.local/share/dtfm)")
 
 
+def _add_operator_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--operator-key", type=Path, metavar="FILE",
+                   help="the operator key that signs the operation (default: the one beside the daemon's "
+                        "swarm key file, SWARM_KEY_FILE.operator)")
+
+
 def _add_config_file(p: argparse.ArgumentParser, text: str) -> None:
     p.add_argument("--config", type=Path, metavar="FILE", help=text)
 
@@ -85,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "training one model together, and commands to inspect and stop it.",
         epilog="Typical first run: `dtfm-peer swarm-key new --out swarm.key` on one machine, copy "
                "swarm.key to the others, then on each: `dtfm-peer join --swarm-key swarm.key "
-               "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`.")
+               "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`; then `dtfm-peer train start` "
+               "where swarm.key.operator is.")
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -100,14 +118,30 @@ def build_parser() -> argparse.ArgumentParser:
                        description="A swarm key is a shared 32-byte secret: only peers holding "
                                    "it can join the swarm. Keep it like a password.")
     sk = p.add_subparsers(dest="swarm_key_command", metavar="ACTION", required=True)
-    p = sk.add_parser("new", help="make a new random swarm key",
+    p = sk.add_parser("new", help="make a new random swarm key and its operator key",
                       description="Make a new random swarm key: `dtfm-peer swarm-key new --out "
-                                  "swarm.key` writes it readable by you only (mode 0600); "
-                                  "without --out it is printed.")
+                                  "swarm.key` writes it readable by you only (mode 0600), with a new "
+                                  "operator key beside it, swarm.key.operator (mode 0600), whose public "
+                                  "key swarm.key names: only that key's holder starts, stops and "
+                                  "reschedules training. Copy swarm.key to every peer; keep "
+                                  "swarm.key.operator where you run `dtfm-peer train`. Without --out the "
+                                  "swarm key is printed, with no operator.")
     p.add_argument("--out", type=Path, metavar="FILE",
-                   help="write the key to FILE (mode 0600) instead of printing it; an existing "
-                        "FILE is kept unless --force")
-    p.add_argument("--force", action="store_true", help="with --out, replace an existing FILE")
+                   help="write the key to FILE and the operator key to FILE.operator (mode 0600) "
+                        "instead of printing it; existing files are kept unless --force")
+    p.add_argument("--force", action="store_true", help="with --out, replace existing files")
+
+    p = sub.add_parser("operator-key", help="make an operator key",
+                       description="An operator key signs `dtfm-peer train start|stop|reschedule`. "
+                                   "A swarm takes them from the operators its swarm key file names.")
+    ok = p.add_subparsers(dest="operator_key_command", metavar="ACTION", required=True)
+    p = ok.add_parser("new", help="make a new operator key (for another operator of a swarm)",
+                      description="Write a new operator key to FILE (mode 0600) and print the line that "
+                                  "names it as an operator: append that line to the swarm key file on "
+                                  "every peer and restart them, then sign with `dtfm-peer train ... "
+                                  "--operator-key FILE`.")
+    p.add_argument("--out", type=Path, metavar="FILE", required=True, help="where to write the key (mode 0600)")
+    p.add_argument("--force", action="store_true", help="replace an existing FILE")
 
     p = sub.add_parser("join", help="run the peer daemon in the foreground",
                        description="Join the swarm: listen for peers, connect to the bootstrap "
@@ -137,11 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Start training on the swarm from this daemon, stop the run, or "
                                    "ask its coordinator for a new allocation now.")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="ACTION")
-    text = ("schedule the live peers on the measured network and train: this daemon runs the "
+    text = ("schedule the live peers on the measured network and train: the coordinator runs the "
             "DT-FM scheduler on its gossiped view, signs the allocation, hands it to every peer "
-            "and starts them once all accepted")
+            "and starts them once all accepted. Every peer trains on the data it was started "
+            "with (`join --data`); the start names this daemon's by its hash, and a peer that "
+            "holds other data refuses the run")
     t = tsub.add_parser("start", help=text.split(":")[0], description=text[0].upper() + text[1:] + ".")
     _add_data_dir(t)
+    _add_operator_key(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     t.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
     t.add_argument("--steps", type=_positive_int, default=100, help="steps to train (default: %(default)s)")
@@ -157,9 +194,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
                    help="who runs what: the DT-FM scheduler on the measured view, or a random "
                         "allocation of the --stages x --dp shape, as a baseline (default: %(default)s)")
-    t.add_argument("--data", default=None, metavar="FILE",
-                   help="the text file or folder to train on, as this daemon reads it; every peer "
-                        "must hold the same content (default: the daemon's --data)")
     t.add_argument("--min-peers", type=_positive_int, default=1, metavar="N",
                    help="wait until N peers (this one included) are live and their links measured, "
                         "then form the first configuration and schedule them; gives up after "
@@ -170,8 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
     t = tsub.add_parser("stop", help="end the run at the next step boundary on every peer",
                         description="End the run this daemon takes part in, on the same step "
-                                    "boundary on every peer.")
+                                    "boundary on every peer: the coordinator tells them, with your "
+                                    "signed stop.")
     _add_data_dir(t)
+    _add_operator_key(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     t = tsub.add_parser("reschedule", help="ask the coordinator for a new allocation now",
                         description="Ask the run's coordinator for a new allocation now: it schedules "
@@ -182,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "kind, the old -> new shape (stages x pipelines) and the stage "
                                     "moves; --json prints all of it.")
     _add_data_dir(t)
+    _add_operator_key(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long to wait for the coordinator's answer (default: %(default)s)")
@@ -257,9 +294,29 @@ def cmd_swarm_key(args: argparse.Namespace) -> int:
         if args.force:
             raise CliError("--force goes with --out FILE")
         print(key)
+        print("(no operator key: `dtfm-peer swarm-key new --out FILE` makes one beside FILE and names it "
+              "in FILE)", file=sys.stderr)
         return 0
-    write_private_file(args.out, key + "\n", replace=args.force)
-    print(f"wrote a new swarm key to {args.out} (mode 0600)", file=sys.stderr)
+    if args.out.exists() and not args.force:
+        raise CliError(f"{args.out} exists; not overwriting a swarm key (use --force to replace it)")
+    op_path = operator_key_path(args.out)
+    operator = OperatorKey.create(op_path, replace=args.force)
+    try:
+        write_private_file(args.out, key + "\n" + operator_line(operator.public_key) + "\n", replace=args.force)
+    except CliError:
+        op_path.unlink(missing_ok=True)
+        raise
+    print(f"wrote a new swarm key to {args.out} and its operator key to {op_path} (mode 0600): copy "
+          f"{args.out} to every peer, keep {op_path} where you run `dtfm-peer train`", file=sys.stderr)
+    return 0
+
+
+def cmd_operator_key(args: argparse.Namespace) -> int:
+    key = OperatorKey.create(args.out, replace=args.force)
+    print(f"wrote a new operator key to {args.out} (mode 0600); add the line below to the swarm key file "
+          "of every peer and restart them, then sign with `dtfm-peer train ... --operator-key "
+          f"{args.out}`", file=sys.stderr)
+    print(operator_line(key.public_key))
     return 0
 
 
@@ -400,30 +457,70 @@ def cmd_leave(args: argparse.Namespace) -> int:
                    f"{args.timeout:g} s")
 
 
+def _operator_key(args: argparse.Namespace, info: dict) -> OperatorKey:
+    """The operator key that signs: --operator-key, else the one beside the daemon's swarm key
+    file; it must be one of the operators the swarm key file names."""
+    path = args.operator_key
+    if path is None:
+        swarm_key_file = info.get("swarm_key_file")
+        if not isinstance(swarm_key_file, str):
+            raise CliError("the daemon names no swarm key file: give the operator key with --operator-key FILE")
+        path = operator_key_path(Path(swarm_key_file))
+    key = OperatorKey.load(path)
+    operators = info.get("operators")
+    if not isinstance(operators, list) or key.public_key.hex() not in operators:
+        raise CliError(f"the operator key {path} ({key.short_id}) is not one of this swarm's operators: the "
+                       "swarm key file lists them (`dtfm-peer operator-key new` prints the line to add)")
+    return key
+
+
+def _train_info(c: ControlClient) -> dict:
+    info = c.request("train_info", {})
+    if not isinstance(info, dict):
+        raise CliError("the daemon sent an answer to `train_info` that is not a map")
+    return info
+
+
+def _current_run(info: dict, what: str) -> bytes:
+    run = info.get("run_id")
+    if not isinstance(run, str):
+        raise CliError(f"no training run is in progress on this peer: nothing to {what}")
+    return bytes.fromhex(run)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
     if args.train_command == "reschedule":
         return _train_reschedule(args, config, data_dir)
     if args.train_command == "stop":
         with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
-            reply = c.request("train_stop")
+            info = _train_info(c)
+            key = _operator_key(args, info)
+            op = sign_op(key, "stop", now_s=time.time(), run_id=_current_run(info, "stop"))
+            reply = c.request("train_stop", {"op": op.to_wire()})
         print(f"the run stops before step {reply['at_step']} ({reply['told']} peers told)", file=sys.stderr)
         return 0
     stages = args.stages
     if stages == "auto" and args.dp is not None:
         raise CliError("--dp needs --stages S")
-    request = {"preset": args.preset, "steps": args.steps, "seed": args.seed, "stages": stages,
-               "dp": args.dp, "checkpoint_every": args.checkpoint_every, "placement": args.placement,
-               "data": str(Path(args.data).absolute()) if args.data else None}
+    request: dict = {"preset": args.preset, "steps": args.steps, "seed": args.seed,
+                     "checkpoint_every": args.checkpoint_every, "placement": args.placement,
+                     "min_peers": args.min_peers, "wait_s": float(args.timeout) if args.min_peers > 1 else 0.0}
+    if stages != "auto":
+        request["stages"] = stages
+    if args.dp is not None:
+        request["dp"] = args.dp
     if args.min_peers > 1:
-        request["min_peers"] = args.min_peers
-        request["wait_s"] = args.timeout
         print(f"waiting for {args.min_peers} live, measured peers (at most {args.timeout:g} s; "
               "`dtfm-peer status` shows the count)", file=sys.stderr)
     # the scheduling and the hand-out after the wait get their own --timeout
     control = dataclasses.replace(config.socket, request_timeout_s=args.timeout * (2 if args.min_peers > 1 else 1))
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        reply = c.request("train_start", request)
+        info = _train_info(c)
+        key = _operator_key(args, info)
+        request.update(data_hash=info.get("data_hash"), data_name=info.get("data_name") or "")
+        op = sign_op(key, "start", now_s=time.time(), args=request)
+        reply = c.request("train_start", {"op": op.to_wire()})
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
@@ -440,7 +537,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
     control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        reply = c.request("train_reschedule", {})
+        info = _train_info(c)
+        key = _operator_key(args, info)
+        op = sign_op(key, "reschedule", now_s=time.time(), run_id=_current_run(info, "reschedule"))
+        reply = c.request("train_reschedule", {"op": op.to_wire()})
     if not isinstance(reply, dict):
         raise CliError("the daemon sent an answer to `train reschedule` that is not a map")
     print(json.dumps(reply, indent=2, sort_keys=True) if args.json else format_reschedule(reply))
@@ -503,7 +603,7 @@ def user_error_text(exc: BaseException) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "join": cmd_join,
+    commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "operator-key": cmd_operator_key, "join": cmd_join,
                 "status": cmd_status, "leave": cmd_leave, "train": cmd_train}
     try:
         return commands[args.command](args)

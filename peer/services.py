@@ -7,9 +7,10 @@ transport exists). `services_setup` returns the setup hook that adds two service
 daemon: `GossipPart` runs a GossipService with the [gossip] settings, shows it under "gossip"
 in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partition` / `heal`);
 `PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
-under "training" and answers `train_start`, `train_stop` and `train_reschedule`; with
-`--metrics-listen`, `MetricsPart` (peer/metrics.py) serves the daemon's status as Prometheus
-metrics. The sections
+under "training" and answers `train_info` (what an operator signs against), and `train_start`,
+`train_stop` and `train_reschedule`, each carrying an operator's signed operation (the plane
+checks it against the operators the swarm key file names); with `--metrics-listen`,
+`MetricsPart` (peer/metrics.py) serves the daemon's status as Prometheus metrics. The sections
 hold the lower layers' own configs (EmulationConfig, GossipConfig, PlaneConfig), passed on as
 they are.
 """
@@ -22,9 +23,9 @@ from typing import Any
 
 import trio
 
-from dtfm.control import ControlPlane, TrainError, TrainRequest
+from dtfm.control import ControlPlane, SignedOp, TrainError
 from dtfm.gossip import GossipConfig, GossipService
-from dtfm.net import EmulatedLinks
+from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_id
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .config import ConfigError, DaemonConfig
@@ -163,8 +164,14 @@ class PlanePart:
         service = self.gossip.service
         if service is None:
             raise RuntimeError("the gossip service must start before the control plane")
+        operators = self.operators()
+        if operators:
+            logger.info("operators of this swarm: %s", ", ".join(short_id(p) for p in operators))
+        else:
+            logger.warning("the swarm key file names no operator: no run can be started, stopped or rescheduled "
+                           "(make a swarm key with `dtfm-peer swarm-key new --out FILE`, which adds one)")
         plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
-                             self.config.plane.settings)
+                             self.config.plane.settings, operators=operators)
         service.keep_members(lambda peer_id: named_by(plane, peer_id))
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)
@@ -174,8 +181,13 @@ class PlanePart:
     def status(self) -> dict | None:
         return None if self.plane is None else self.plane.status()
 
+    def operators(self) -> tuple[bytes, ...]:
+        """The operators' public keys the swarm key file names."""
+        path = self.config.peer.swarm_key_file
+        return load_swarm_operators(path) if path is not None else ()
+
     def control_ops(self) -> dict[str, Callable[[dict], Awaitable[Any]]]:
-        return {"train_start": self.train_start, "train_stop": self.train_stop,
+        return {"train_info": self.train_info, "train_start": self.train_start, "train_stop": self.train_stop,
                 "train_reschedule": self.train_reschedule}
 
     def _running(self) -> ControlPlane:
@@ -183,21 +195,31 @@ class PlanePart:
             raise ControlCommandError("the control plane is not running yet")
         return self.plane
 
+    async def train_info(self, args: dict) -> dict:
+        """What `dtfm-peer train` signs against: the swarm's operators, the run in progress, this
+        peer's data set, and the swarm key file (the operator key is kept beside it)."""
+        try:
+            info = await self._running().operator_info()
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+        path = self.config.peer.swarm_key_file
+        return {**info, "swarm_key_file": str(path.absolute()) if path is not None else None}
+
     async def train_start(self, args: dict) -> dict:
         try:
-            return await self._running().start_training(TrainRequest.from_args(args), args=args)
+            return await self._running().start_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
     async def train_reschedule(self, args: dict) -> dict:
         try:
-            return await self._running().reschedule()
+            return await self._running().reschedule(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
     async def train_stop(self, args: dict) -> dict:
         try:
-            return await self._running().stop_training()
+            return await self._running().stop_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
@@ -209,6 +231,17 @@ def named_by(plane: ControlPlane, peer_id: bytes) -> bool:
     if cur is not None and (peer_id in cur.peers or peer_id in cur.spares):
         return True
     return peer_id in plane.election.voters
+
+
+def _signed(args: dict) -> SignedOp:
+    """The operator's signed operation a train op carries."""
+    if not isinstance(args, dict) or "op" not in args:
+        raise ControlCommandError("a train operation must carry the operator's signed operation: use "
+                                  "`dtfm-peer train` of the same dtfm version as the daemon")
+    try:
+        return SignedOp.from_wire(args["op"])
+    except ProtocolError as e:
+        raise ControlCommandError(f"the operator's signed operation is malformed: {e}") from None
 
 
 def _advertised(daemon: Daemon) -> tuple[str, int]:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from dtfm.control import PLACEMENTS
-from dtfm.net import IDENTITY_FILE, EmulationConfig, new_swarm_key
+from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import PLANE_PROFILES
 from dtfm.scenarios import ScenarioError, load_scenario
 
@@ -111,7 +111,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     small = scenario.scaled(n)
     scenario_ref = str(Path(args.scenario).resolve()) if Path(args.scenario).exists() else args.scenario
     ensure_run_dir(run_dir)
-    write_secret_file(run_dir / KEY_FILE, (new_swarm_key() + "\n").encode("ascii"))
+    key_file = run_dir / KEY_FILE
+    # The swarm's one operator: `dtfm-swarm train` signs with its key, kept beside the swarm key.
+    operator = OperatorKey.create(operator_key_path(key_file), replace=True)
+    key_text = new_swarm_key() + "\n" + operator_line(operator.public_key) + "\n"
+    write_secret_file(key_file, key_text.encode("ascii"))
     ports = free_ports(n)
     state = SwarmState(scenario=scenario_ref, scenario_name=scenario.name,
                        time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale,

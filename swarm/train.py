@@ -28,11 +28,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .proc import peer_request, peer_status
-from .state import PeerEntry, SwarmError, SwarmState
+from dtfm.control import SignedOp, sign_op
+from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 
-__all__ = ["EVENTS_NAME", "LOG_NAME", "RUN_NAME", "current_run", "merge_events", "merge_train", "read_log",
-           "run_end", "start_training", "sync_logs", "wait_step", "write_jsonl"]
+from .proc import peer_request, peer_status
+from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
+
+__all__ = ["EVENTS_NAME", "LOG_NAME", "RUN_NAME", "current_run", "merge_events", "merge_train", "operator_op",
+           "read_log", "run_end", "start_training", "stop_training", "sync_logs", "wait_step", "write_jsonl"]
 
 LOG_NAME = "train.jsonl"
 EVENTS_NAME = "events.jsonl"
@@ -46,17 +49,41 @@ ELECTION_EVENTS = frozenset({"coordinator", "stepped-down"})
 ELECTING_ROLES = frozenset({"candidate", "pre-candidate"})
 
 
-def start_training(state: SwarmState, peer: PeerEntry, args: dict, timeout_s: float = 180.0,
-                   run_dir: Path | None = None) -> dict:
-    """`train_start` on `peer`: the swarm schedules, hands the allocation out and starts. With
-    `run_dir`, records the run there so the merged logs leave out earlier runs' lines."""
+def operator_op(run_dir: Path, peer: PeerEntry, kind: str, args: dict | None = None) -> SignedOp:
+    """An operation of the swarm's operator (its key is beside the run dir's swarm key), signed
+    now: a start names `peer`'s data set by its hash; a stop or reschedule, `peer`'s run."""
+    try:
+        key = OperatorKey.load(operator_key_path(run_dir / KEY_FILE))
+    except KeyFileError as e:
+        raise SwarmError(f"{e} (a swarm started by `dtfm-swarm up` has one)") from None
+    info = peer_request(peer, "train_info", {}, timeout_s=60.0)
+    if kind == "start":
+        args = {**(args or {}), "data_hash": info.get("data_hash"), "data_name": info.get("data_name") or ""}
+        return sign_op(key, "start", now_s=time.time(), args=args)
+    run = info.get("run_id")
+    if not isinstance(run, str):
+        raise SwarmError(f"{peer.name}: no training run is in progress")
+    return sign_op(key, kind, now_s=time.time(), run_id=bytes.fromhex(run))
+
+
+def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path, timeout_s: float = 180.0) -> dict:
+    """`train_start` on `peer`, signed by the swarm's operator: the swarm schedules, hands the
+    allocation out and starts. Records the run in `run_dir` so the merged logs leave out
+    earlier runs' lines."""
     started_at = time.time()
-    reply = peer_request(peer, "train_start", args, timeout_s=timeout_s)
-    if run_dir is not None:
-        record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
-                  "request": args, "allocation": reply}
-        _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
+    args = {k: v for k, v in args.items() if v is not None and v != "auto"}
+    op = operator_op(run_dir, peer, "start", args)
+    reply = peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
+    record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
+              "request": args, "allocation": reply}
+    _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
     return reply
+
+
+def stop_training(run_dir: Path, peer: PeerEntry, timeout_s: float = 30.0) -> dict:
+    """`train_stop` on `peer`, signed by the swarm's operator: the run ends on every peer."""
+    op = operator_op(run_dir, peer, "stop")
+    return peer_request(peer, "train_stop", {"op": op.to_wire()}, timeout_s=timeout_s)
 
 
 # ---- reading and writing JSON lines ---------------------------------------------------------

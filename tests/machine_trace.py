@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from dtfm.control import AcceptContext, Allocation, ControlMsg, Refusal, SignedAllocation, StepReport
+from dtfm.control import AcceptContext, Allocation, ControlMsg, Refusal, SignedAllocation, SignedOp, StepReport, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
 from dtfm.control.coordinator import machine as c
 from dtfm.control.epoch import machine as e
@@ -27,7 +27,7 @@ from dtfm.control.epoch.machine import (
     StopRunnerAt,
     WaitForCoordinator,
 )
-from dtfm.net import Identity, short_id
+from dtfm.net import Identity, OperatorKey, short_id
 from dtfm.train import PRESETS, TEST_CONFIG
 
 KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 7)), key=lambda k: k.peer_id)
@@ -38,15 +38,32 @@ CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)
 DATA_HASH = "ab" * 32
 DATA_NAME = "corpus.txt"
 TINY = PRESETS["tiny"]  # 4 layers: two stages of two
+OPERATOR = OperatorKey(b"\x07" * 32)  # the swarm's operator
+OPERATORS = frozenset({OPERATOR.public_key})
+INTRUDER = OperatorKey(b"\x08" * 32)  # a key the swarm does not name
+
+
+def start_op(run: bytes = RUN, *, steps: int = 100, seed: int = CFG.seed, checkpoint_every: int = 0,
+             data_hash: str = DATA_HASH, at_s: float = 0.0, key: OperatorKey = OPERATOR, **args) -> SignedOp:
+    """The operator's signed start of `run` (tiny, by default what `alloc()` runs)."""
+    request = {"preset": "tiny", "steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
+               "placement": "scheduler", "data_hash": data_hash, "data_name": DATA_NAME, **args}
+    return sign_op(key, "start", now_s=at_s, run_id=run, args=request)
 
 
 def alloc(**kw) -> Allocation:
-    """Term 1 epoch 1 of RUN, issued by n0: pipelines [n0 n1] and [n2 n3], layers 0-2 and 2-4."""
+    """Term 1 epoch 1 of RUN, issued by n0: pipelines [n0 n1] and [n2 n3], layers 0-2 and 2-4;
+    it carries the operator's start of its run (its steps, seed, checkpoints and data)."""
     fields: dict = {
         "epoch": 1, "term": 1, "issuer": N[0], "run_id": RUN, "pipelines": ((N[0], N[1]), (N[2], N[3])),
         "layer_ranges": ((0, 2), (2, 4)), "preset": "tiny", "model": TINY, "train": CFG, "data_hash": DATA_HASH,
         "data_name": DATA_NAME, "start_step": 0, "end_step": 100}
-    return Allocation(**(fields | kw))
+    fields |= kw
+    if "operator_start" not in kw:
+        fields["operator_start"] = start_op(fields["run_id"], steps=fields["end_step"], seed=fields["train"].seed,
+                                            checkpoint_every=fields.get("checkpoint_every", 0),
+                                            data_hash=fields["data_hash"]).encode()
+    return Allocation(**fields)
 
 
 def context(me: bytes, live=tuple(N[:4]), known=None, data_hash: str = DATA_HASH) -> AcceptContext:
@@ -149,6 +166,8 @@ def _body(msg: int, body: dict) -> str:
         return f"offer step={body['step']} layers={a}-{b}"
     if msg == ControlMsg.RUN_STATE and body.get("op") == "reach":
         return f"reach {peers(body['peers'])} within {body['timeout_s']:g} s"
+    if msg == ControlMsg.STOP and "op" in body:
+        return " ".join(f"{k}={v}" for k, v in body.items() if k not in ("run", "op")) + " signed"
     return " ".join(f"{k}={v}" for k, v in body.items() if k not in ("run", "op")) or str(body.get("op", ""))
 
 
@@ -241,7 +260,8 @@ def describe(ev: object) -> str:
         return f"START epoch {ev.epoch} from {peers([ev.sender])}"
     if isinstance(ev, e.StopAsked):
         how = "".join(f" {f}" for f in ("final", "abort") if getattr(ev, f))
-        return f"STOP before step {ev.at_step}{how} from {peers([ev.sender])}"
+        signed = " (signed)" if ev.op is not None else ""
+        return f"STOP before step {ev.at_step}{how}{signed} from {peers([ev.sender])}"
     if isinstance(ev, e.StepDone):
         return f"step {ev.report.step} of epoch {ev.report.epoch} done"
     if isinstance(ev, e.RunnerEnded):
@@ -265,9 +285,11 @@ def describe(ev: object) -> str:
     if isinstance(ev, c.SteppedDownEvent):
         return f"stepped down in term {ev.term}"
     if isinstance(ev, c.StartRun):
-        return f"train start {len(ev.placement.layer_ranges)}x{len(ev.placement.pipelines)}"
+        return "train start"
     if isinstance(ev, c.Reschedule):
         return "train reschedule"
+    if isinstance(ev, c.StopRun):
+        return "train stop"
     if isinstance(ev, Answers):
         return f"answers {label(ev.key)}: " + ", ".join(_answer(p, a) for p, a in sorted(ev.answers.items()))
     if isinstance(ev, Computed):

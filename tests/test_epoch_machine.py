@@ -9,6 +9,10 @@ import dataclasses
 
 import pytest
 from machine_trace import (
+    DATA_HASH,
+    INTRUDER,
+    OPERATOR,
+    OPERATORS,
     RUN,
     TINY,
     FakeElection,
@@ -19,9 +23,10 @@ from machine_trace import (
     report,
     same_transcript,
     show,
+    start_op,
 )
 
-from dtfm.control import Allocation, RunEnd
+from dtfm.control import Allocation, RunEnd, sign_op
 from dtfm.control.actions import Reply
 from dtfm.control.epoch.machine import (
     AllocationOffered,
@@ -43,6 +48,7 @@ from dtfm.control.epoch.machine import (
 
 HEARTBEAT_WAIT_S = 1.4
 LOST_AFTER_S = 6.0
+STOP = sign_op(OPERATOR, "stop", now_s=3.0, run_id=RUN)  # the operator's stop of RUN
 
 
 class Peer:
@@ -54,7 +60,7 @@ class Peer:
         self.me = me
         self.election = FakeElection(me, term=term, coordinator=coordinator, voters=tuple(N[:4]))
         self.m = EpochMachine(me, self.election, heartbeat_wait_s=HEARTBEAT_WAIT_S,
-                              coordinator_lost_after_s=LOST_AFTER_S)
+                              coordinator_lost_after_s=LOST_AFTER_S, operators=OPERATORS)
         self.lines: list[str] = []
         self._keys = 0
 
@@ -105,8 +111,9 @@ def test_an_epoch_is_accepted_built_started_stepped_and_stopped():
     p.feed(StopAsked(p.key("t"), N[1], b"o" * 16, 5), 3.5)
     p.feed(StopAsked(p.key("t"), N[5], RUN, 5), 3.5)
     p.feed(StopAsked(p.key("t"), N[3], RUN, 5), 3.5)
+    p.feed(StopAsked(p.key("t"), N[0], RUN, 5), 3.5)
     assert not p.m.run_over() and not p.m.stopped_by_operator(RUN)
-    p.feed(StopAsked(p.key("t"), N[2], RUN, 4, final=True), 3.6)
+    p.feed(StopAsked(p.key("t"), N[0], RUN, 4, final=True, op=STOP), 3.6)
     assert p.m.run_over() and p.m.stopped_by_operator(RUN)
     p.feed(StepDone(report(1, 2)), 4.0)
     p.feed(StepDone(report(1, 3)), 5.0)
@@ -135,11 +142,13 @@ def test_an_epoch_is_accepted_built_started_stepped_and_stopped():
         3.5 STOP before step 5 from n1
           reply: stopped=False (not in that run)
         3.5 STOP before step 5 from n5
-          reply: stopped=False (only a peer of the run may stop it)
+          reply: stopped=False (only the coordinator stops an epoch)
         3.5 STOP before step 5 from n3
+          reply: stopped=False (only the coordinator stops an epoch)
+        3.5 STOP before step 5 from n0
           stop runner of epoch 1 before step 5
           reply: stopped=True
-        3.6 STOP before step 4 final from n2
+        3.6 STOP before step 4 final (signed) from n0
           stop runner of epoch 1 before step 4
           reply: stopped=True
         4 step 2 of epoch 1 done
@@ -213,6 +222,71 @@ def test_an_allocation_is_refused_with_the_reason(what, changes, knows, code, wo
     for w in words:
         assert w in reason, (w, reason)
     assert p.m.current is None and p.m.applied == {} and p.election.last_applied == (0, 0)
+
+
+OPERATOR_REFUSALS = [
+    # (what, the allocation's operator start, words of the reason)
+    ("no operator's start", b"", ["no operator's signed start"]),
+    ("not a signed operation", b"\x92\xc4\x01x\xc4\x01y", ["operator start is malformed"]),
+    ("signed by a key the swarm does not name", start_op(key=INTRUDER).encode(), ["not an operator of this swarm"]),
+    ("the start of another run", start_op(b"o" * 16).encode(), ["for run 6f6f6f6f, not run 72727272"]),
+    ("a stop, not a start", sign_op(OPERATOR, "stop", now_s=0.0, run_id=RUN).encode(), ["carries an operator's stop"]),
+    ("a start of other data", start_op(data_hash="cd" * 32).encode(), ["differs from the operator's start in data"]),
+    ("a start of other steps and seed", start_op(steps=7, seed=3).encode(), ["in steps, seed"]),
+]
+
+
+@pytest.mark.parametrize("what, signed, words", OPERATOR_REFUSALS, ids=[r[0] for r in OPERATOR_REFUSALS])
+def test_a_run_not_started_by_an_operator_is_refused(what, signed, words):
+    # Every allocation carries its run's signed start; the first one of a new run (and any
+    # later one) without a valid start by an operator of the swarm is refused before anything.
+    p = Peer(N[1])
+    [reply] = p.offer(alloc(operator_start=signed))
+    assert isinstance(reply, Reply) and reply.value["code"] == "no-operator", reply
+    for w in words:
+        assert w in reply.value["reason"], (w, reply.value["reason"])
+    assert p.m.current is None and p.m.applied == {} and p.election.last_applied == (0, 0)
+    p.accept(alloc())  # the same allocation with the operator's start is taken
+    assert p.m.current == alloc() and p.m.status().phase is EpochPhase.TRAINING
+
+
+STOP_RULES = [
+    # (what, sender, the coordinator the peer recognises, final, the signed stop, stopped, words)
+    ("an epoch's stop from the coordinator", N[0], N[0], False, None, True, []),
+    ("an epoch's stop from the epoch's issuer, no longer coordinator", N[0], N[4], False, None, True, []),
+    ("an epoch's stop from a newer coordinator", N[4], N[4], False, None, True, []),
+    ("an epoch's stop from a peer of the run", N[3], N[0], False, None, False, ["only the coordinator"]),
+    ("the operator's stop from the coordinator", N[0], N[0], True, STOP, True, []),
+    ("the operator's stop from a newer coordinator", N[4], N[4], True, STOP, True, []),
+    ("the operator's stop from a peer of the run", N[3], N[0], True, STOP, False, ["recognises"]),
+    ("the operator's stop from the old issuer", N[0], N[4], True, STOP, False, ["recognises"]),
+    ("a final stop without the operator's", N[0], N[0], True, None, False, ["none was given"]),
+    ("a stop signed by another key", N[0], N[0], True, sign_op(INTRUDER, "stop", now_s=0.0, run_id=RUN), False,
+     ["not an operator of this swarm"]),
+    ("the operator's stop of another run", N[0], N[0], True, sign_op(OPERATOR, "stop", now_s=0.0, run_id=b"o" * 16),
+     False, ["not run 72727272"]),
+    ("the operator's reschedule as a stop", N[0], N[0], True, sign_op(OPERATOR, "reschedule", now_s=0.0, run_id=RUN),
+     False, ["carries an operator's reschedule"]),
+    ("a forged signature", N[0], N[0], True, dataclasses.replace(STOP, signature=bytes(64)), False,
+     ["bad operator signature"]),
+]
+
+
+@pytest.mark.parametrize("what, sender, coordinator, final, op, stopped, words", STOP_RULES,
+                         ids=[r[0] for r in STOP_RULES])
+def test_who_may_stop_an_epoch_and_end_the_run(what, sender, coordinator, final, op, stopped, words):
+    # A run ends for everyone only by the operator's signed stop of that run, carried by the
+    # coordinator this peer recognises; an epoch is stopped (for a reconfiguration) only by
+    # that coordinator or the epoch's issuer. Peers of the run cannot end it.
+    p = Peer(N[1])
+    p.accept(alloc())
+    p.election.coordinator = coordinator
+    [*_, reply] = p.feed(StopAsked(p.key("t"), sender, RUN, 4, final=final, op=op), 1.0)
+    assert reply.value["stopped"] is stopped, reply
+    for w in words:
+        assert w in reply.value["reason"], (w, reply.value["reason"])
+    assert p.m.stopped_by_operator(RUN) is (stopped and final)
+    assert p.m.run_over() is (stopped and final)
 
 
 def test_an_allocation_already_applied_is_refused_as_stale():

@@ -19,9 +19,9 @@ from polling import wait_for
 from swarms import ReferenceLosses, check_log, coordinator, reference_losses, swarm_up, trainings, wait_steps
 
 from dtfm.swarm import cli as swarm
-from dtfm.swarm.proc import peer_request, peer_status
+from dtfm.swarm.proc import peer_status
 from dtfm.swarm.state import load_state
-from dtfm.swarm.train import read_log
+from dtfm.swarm.train import read_log, stop_training
 
 N_PEERS = 8
 STEPS = 4
@@ -104,7 +104,7 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
     # chances to reach 1e-5 the longer the run); every stage's replicas hold identical weights.
     c_name, _ = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
     c_peer = next(p for p in state.peers if p.name == c_name)
-    peer_request(c_peer, "train_stop", {}, timeout_s=30)
+    stop_training(run_dir, c_peer)
 
     def all_ended():
         t = {n: v for n, v in trainings(state).items() if v.get("stage") is not None}

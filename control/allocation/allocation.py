@@ -47,6 +47,7 @@ from .fields import (
     MAX_ITERATION_S,
     MAX_LAYERS,
     MAX_NAMED,
+    MAX_OPERATOR_START_BYTES,
     MAX_PEERS,
     MAX_PRESET_LEN,
     MAX_REASON_LEN,
@@ -70,7 +71,7 @@ __all__ = [
 ]
 
 ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before signing
-FORMAT_VERSION = 2  # first field of the body; a peer refuses a format it cannot read
+FORMAT_VERSION = 3  # first field of the body; a peer refuses a format it cannot read
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_CODE_LEN = 32
 
@@ -79,7 +80,7 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 
 _BODY = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
          "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
-         "predicted_iteration_s", "holdings", "absent", "reason", "voters")
+         "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
 _CODE = re.compile(r"[a-z][a-z-]*")
 
 
@@ -112,6 +113,10 @@ class Allocation:
     # from the previous epoch's by one peer at most, so every majority of the old voters meets
     # every majority of the new. Empty: the peers and spares.
     voters: tuple[bytes, ...] = ()
+    # The run's start as its operator signed it (control/operator.py `SignedOp.encode()`),
+    # carried by every allocation of the run: each peer checks that an operator of the swarm
+    # started it (`check_operator_start`). Empty: none, and peers refuse the allocation.
+    operator_start: bytes = b""
     # The grid as train.Plan holds it (this allocation's epoch); it checks the grid's shape.
     _plan: Plan = field(init=False, repr=False, compare=False)
 
@@ -121,6 +126,8 @@ class Allocation:
         object.__setattr__(self, "absent", tuple(self.absent))
         object.__setattr__(self, "voters", tuple(self.voters))
         check_str("reason", self.reason, 0, MAX_REASON_LEN)
+        if type(self.operator_start) is not bytes or len(self.operator_start) > MAX_OPERATOR_START_BYTES:
+            raise ValueError(f"operator_start must be at most {MAX_OPERATOR_START_BYTES} bytes")
         object.__setattr__(self, "layer_ranges", tuple(tuple(r) for r in self.layer_ranges))
         object.__setattr__(self, "spares", tuple(self.spares))
         check_int("epoch", self.epoch, 1, MAX_COUNTER)
@@ -275,7 +282,7 @@ class Allocation:
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
             float(self.predicted_iteration_s), [h.to_wire() for h in self.holdings], list(self.absent),
-            self.reason, list(self.voters),
+            self.reason, list(self.voters), self.operator_start,
         ])
 
     @classmethod
@@ -309,6 +316,7 @@ class Allocation:
                 absent=tuple(peer_ids_from_wire(d["absent"], "absent", MAX_PEERS)),
                 reason=get_str(d, "reason", MAX_REASON_LEN),
                 voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
+                operator_start=get_bytes(d, "operator_start", 0, MAX_OPERATOR_START_BYTES),
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None

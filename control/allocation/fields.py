@@ -20,7 +20,8 @@ from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict
 from dtfm.train import GPTSpec, TrainConfig
 
 __all__ = [
-    "MAX_COUNTER", "MAX_DATA_NAME_LEN", "MAX_HOLDERS", "MAX_ITERATION_S", "MAX_LAYERS", "MAX_NAMED", "MAX_PEERS",
+    "MAX_COUNTER", "MAX_DATA_NAME_LEN", "MAX_HOLDERS", "MAX_ITERATION_S", "MAX_LAYERS", "MAX_NAMED",
+    "MAX_OPERATOR_START_BYTES", "MAX_PEERS",
     "MAX_PRESET_LEN", "MAX_REASON_LEN", "MAX_STAGES", "RUN_ID_BYTES", "SHA256_HEX", "SIGNATURE_BYTES", "Holding",
     "check_bytes", "check_int", "check_str", "config_from_wire", "config_to_wire", "layer_range_from_wire",
     "peer_ids_from_wire",
@@ -36,6 +37,7 @@ MAX_DATA_NAME_LEN = 256
 RUN_ID_BYTES = 16
 SIGNATURE_BYTES = 64
 MAX_REASON_LEN = 1024
+MAX_OPERATOR_START_BYTES = 8192  # the run's signed start (control/operator.py)
 MAX_HOLDERS = 64  # holders listed per stage of the previous layout
 MAX_NAMED = 8  # peers named in one refusal; the rest are counted
 # Model and train configuration values: generous bounds, the dataclasses check the rest.

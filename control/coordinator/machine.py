@@ -9,6 +9,11 @@ the next configuration of voters, the common stop boundary and the offers' major
 It asks peers (`Ask`) and runs the scheduler (`Compute`) through the shell, which feeds the
 answers back; it reads the election, this peer's epoch machine and the gossiped swarm, and
 changes none of them.
+
+Operator operations (`StartRun`, `Reschedule`, `StopRun`) carry the operator's signed operation
+(control/operator.py). Each is refused at once, before any costly work (the scheduler's
+`Compute`, an `Ask`), unless it is signed by an operator of the swarm, for the run it acts on,
+within the clock-skew window, not taken before, and no other operation of its kind is waiting.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Protocol
 
 from dtfm.gossip import NetworkView
 from dtfm.net import ProtocolError, short_id
-from dtfm.train import GPTSpec, TrainConfig
+from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, Holding, SignedAllocation
@@ -35,19 +40,23 @@ from ..events import EventKind, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
 from .deadline import DeadlineRules, StepWatch, judge, laggards, missed_deadline, probe_targets
 from .links import CutLinks, ReachAnswer, ReachRequest, used_cut_links
+from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
+from .request import TrainRequest
 from .reshape import ReshapePlan
 from .schedule import Placement
 from .steplog import StepLog
 
 __all__ = [
     "MAX_OFFER_HOLDERS", "Coordinator", "CoordinatorStatus", "CoordinatorTimings", "Elected", "Phase", "Planner",
-    "Reschedule", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "Swarm", "Tick", "Trigger", "Wake",
+    "Reschedule", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "StopRun", "Swarm", "Tick", "Trigger",
+    "Wake",
 ]
 
 logger = logging.getLogger(__name__)
 
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
+MAX_STARTS_KEPT = 64  # run ids of signed starts taken, kept while they could be replayed
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
 # returned, one just declared dead): gossip converges, so they are retried without counting.
@@ -84,6 +93,9 @@ class Planner(Protocol):
                 regions: dict[bytes, str], seed: int, force: bool,
                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan: ...
 
+    def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+                        regions: dict[bytes, str]) -> Placement: ...
+
 
 @dataclass(frozen=True)
 class CoordinatorTimings:
@@ -100,6 +112,9 @@ class CoordinatorTimings:
     deadline: DeadlineRules | None = None  # the step deadline (None: steps are not watched)
     deadline_probe_timeout_s: float = 4.0  # a laggard answers a deadline probe within this
     link_retest_s: float = 2.0  # a cut link is pinged again this often
+    # An operator's signed operation is taken this long before or after its time (clock skew;
+    # a start also for its --min-peers wait after it): an older one is not taken again.
+    operator_skew_s: float = 300.0
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -150,30 +165,46 @@ class SteppedDownEvent:
 
 @dataclass(frozen=True)
 class StartRun:
-    """`train start` on the coordinator: the shell has scheduled the first placement; answered
-    by `Reply(key, allocation)`."""
+    """`train start` on the coordinator: the operator's signed start, and this peer's own data
+    set (the run trains on it, so it must be the one the start names); answered by
+    `Reply(key, allocation)`."""
 
     key: tuple
-    run_id: bytes
-    placement: Placement
-    preset: str
-    model: GPTSpec
-    train: TrainConfig
+    op: SignedOp | None
     data_hash: str
     data_name: str
-    steps: int
-    checkpoint_every: int
 
 
 @dataclass(frozen=True)
 class Reschedule:
-    """An operator asks for a new allocation now; answered by `Reply(key, record)`."""
+    """An operator's signed reschedule: a new allocation now; answered by `Reply(key, record)`."""
 
     key: tuple
+    op: SignedOp | None = None
+
+
+@dataclass(frozen=True)
+class StopRun:
+    """An operator's signed stop: every peer of the run ends before the same step and the run
+    is over; answered by `Reply(key, {"at_step", "told"})`."""
+
+    key: tuple
+    op: SignedOp | None = None
+
+
+@dataclass(frozen=True)
+class _Start:
+    """A start that passed the cheap checks, waiting for the procedure in progress."""
+
+    key: tuple
+    signed: SignedOp
+    op: OperatorOp
+    req: TrainRequest
+    data_name: str
 
 
 CoordinatorEvent = (Tick | Wake | Trigger | StepReported | StepFailed | Elected | SteppedDownEvent | StartRun
-                    | Reschedule | Answers | Computed)
+                    | Reschedule | StopRun | Answers | Computed)
 
 
 # ---- procedures ------------------------------------------------------------------------------
@@ -214,6 +245,7 @@ class _Procedure:
     transient: bool = False  # every refusal of the hand-out was a membership disagreement
     stuck: bool = False  # a step missed its deadline: abort it, do not wait for a boundary
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
+    start: _Start | None = None  # kind "start": the operator's start
 
 
 @dataclass(frozen=True)
@@ -237,11 +269,12 @@ class CoordinatorStatus:
 
 class Coordinator:
     """The coordinator's decisions (see the module docstring). `sign` signs an allocation with
-    this peer's key; `wall_offset` turns the machine's `now` into wall-clock time for records."""
+    this peer's key; `wall_offset` turns the machine's `now` into wall-clock time for records and
+    for the operators' signed times; `operators`: the swarm's operators' public keys."""
 
     def __init__(self, me: bytes, sign: Callable[[Allocation], SignedAllocation], election: ElectionView,
                  epoch: EpochMachine, swarm: Swarm, planner: Planner, timings: CoordinatorTimings, *,
-                 wall_offset: float = 0.0):
+                 wall_offset: float = 0.0, operators: frozenset[bytes] = frozenset()):
         self.me = me
         self.sign = sign
         self.election = election
@@ -250,6 +283,7 @@ class Coordinator:
         self.planner = planner
         self.t = timings
         self.wall_offset = wall_offset
+        self.operators = frozenset(operators)
         self.phase = Phase.IDLE
         self.reason = ""
         self.steplog: StepLog | None = None  # the epoch this peer handed out last
@@ -263,7 +297,10 @@ class Coordinator:
         self._next_check = 0.0
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
-        self._queue: list[StartRun | Reschedule] = []
+        self._queue: list[_Start | Reschedule] = []  # at most one of each kind
+        self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
+        self._rescheduled: tuple[bytes, int] | None = None  # (run, time in ms) of the last reschedule taken
+        self._stops: dict[tuple, tuple[tuple, int]] = {}  # STOP request key -> (operator's key, boundary)
         self._probe: str | None = None  # "joined" | "holders" | "epoch" | "drift" while one is out
         self._check_epoch: int | None = None  # re-elected in this term: is its epoch still running?
         self._keys = itertools.count()
@@ -337,8 +374,12 @@ class Coordinator:
                 self._next_check = now
         elif isinstance(event, SteppedDownEvent):
             out.append(Emit(PlaneEvent(EventKind.STEPPED_DOWN, event.term, event.reason)))
-        elif isinstance(event, StartRun | Reschedule):
-            self._queue.append(event)
+        elif isinstance(event, StartRun):
+            out += self._start_asked(event, now)
+        elif isinstance(event, Reschedule):
+            out += self._reschedule_asked(event, now)
+        elif isinstance(event, StopRun):
+            out += self._stop_asked(event, now)
         elif isinstance(event, Answers):
             out += self._answers(event)
         elif isinstance(event, Computed):
@@ -355,7 +396,7 @@ class Coordinator:
             return []
         if self._queue:
             op = self._queue.pop(0)
-            if isinstance(op, StartRun):
+            if isinstance(op, _Start):
                 return self._start_run(op, now)
             if not self.election.is_coordinator:
                 return [Reply(op.key, error="this peer is no longer the coordinator")]
@@ -591,6 +632,8 @@ class Coordinator:
             return self._probed(key[1], ev.answers, self._now)
         if key[0] == "gaps":
             return self._gaps_filled(key[1], ev.answers)
+        if key[0] == "opstop":
+            return self._stopped(key, ev.answers)
         proc = self._proc
         if proc is None or key[0] != "proc" or key[1] != proc.id:
             return []  # a procedure that failed meanwhile
@@ -610,6 +653,8 @@ class Coordinator:
         proc = self._proc
         if proc is None or ev.key[:2] != ("proc", proc.id):
             return []
+        if proc.kind == "start":
+            return self._first_placed(proc, ev, self._now)
         try:
             return self._planned(proc, ev, self._now)
         except _Failed as e:
@@ -617,28 +662,145 @@ class Coordinator:
 
     # ---- train start --------------------------------------------------------------------------
 
-    def _start_run(self, op: StartRun, now: float) -> list:
+    def _wall(self, now: float) -> float:
+        return now + self.wall_offset
+
+    def _start_asked(self, ev: StartRun, now: float) -> list:
+        """The cheap refusals of an operator's start, at once: its signature, operator and time,
+        a start taken before, no coordinator, a run in progress, another start waiting, data
+        this peer does not hold. Then it waits for the procedure in progress, if any."""
+        try:
+            op = check_op(ev.op, "start", self.operators)
+            req = op.request()
+            check_time(op, self._wall(now), self.t.operator_skew_s, extra_s=req.wait_s)
+            if op.run_id in self.epoch.applied or self._starts_taken.get(op.run_id, -math.inf) >= self._wall(now):
+                raise OperatorError(f"run {op.run_id.hex()[:8]} was started already: sign a new start")
+        except (OperatorError, ValueError) as e:
+            logger.warning("refused a train start: %s", e)
+            return [Reply(ev.key, error=str(e))]
+        refusal = self._start_refusal()
+        if refusal is None and any(isinstance(q, _Start) for q in self._queue):
+            refusal = "another train start is waiting: try again once it is answered"
+        if refusal is None and req.data_hash != ev.data_hash:
+            refusal = (f"the start names data set {req.data_name[:100]!r} (sha256 {str(req.data_hash)[:12]}), the "
+                       f"coordinator holds {ev.data_name[:100]!r} (sha256 {ev.data_hash[:12]}): every peer trains on "
+                       "the data it was started with (`dtfm-peer join --data`); start them with the same content")
+        if refusal is not None:
+            return [Reply(ev.key, error=refusal)]
+        assert ev.op is not None
+        self._queue.append(_Start(ev.key, ev.op, op, req, ev.data_name))
+        return []
+
+    def _start_refusal(self) -> str | None:
         if not self.election.is_coordinator:
-            return [Reply(op.key, error="this peer is no longer the coordinator")]
+            return "this peer is no longer the coordinator"
         run = self.epoch.run
         if run is not None and run.active:
-            return [Reply(op.key, error="a run is in progress: `train stop` it first")]
-        shape = op.placement
+            return "a run is in progress: `train stop` it first"
+        return None
+
+    def _take_start(self, op: OperatorOp, now: float, wait_s: float) -> None:
+        """Remember a start's run id while its signature could be taken again."""
+        wall = self._wall(now)
+        self._starts_taken = {r: t for r, t in self._starts_taken.items() if t >= wall}
+        while len(self._starts_taken) >= MAX_STARTS_KEPT:
+            self._starts_taken.pop(min(self._starts_taken, key=self._starts_taken.__getitem__))
+        self._starts_taken[op.run_id] = op.issued_at_s + self.t.operator_skew_s + wait_s
+
+    def _start_run(self, start: _Start, now: float) -> list:
+        """The first placement, off the loop (the scheduler, or a random one of the asked shape)."""
+        refusal = self._start_refusal()
+        if refusal is not None:
+            return [Reply(start.key, error=refusal)]
+        self._take_start(start.op, now, start.req.wait_s)
+        req = start.req
+        spec = get_preset(req.preset)
+        cfg = req.train or TrainConfig(seed=req.seed)
+        view, regions = self.swarm.view(), self.swarm.regions()
+        self._paused_live, self._attempts = None, 0
+        proc = _Procedure(next(self._keys), "start", "train start", reply=start.key, t0=now)
+        proc.start = start
+        self._proc = proc
+        return [Compute(("proc", proc.id, "first"), lambda: self.planner.first_placement(view, req, spec, cfg,
+                                                                                        regions))]
+
+    def _first_placed(self, proc: _Procedure, ev: Computed, now: float) -> list:
+        start = proc.start
+        assert start is not None
+        if ev.error is not None or not isinstance(ev.value, Placement):
+            self._proc = None
+            return [Reply(start.key, error=f"cannot schedule: {ev.error}")]
+        refusal = self._start_refusal()  # (things may have changed while the scheduler ran)
+        if refusal is not None:
+            self._proc = None
+            return [Reply(start.key, error=refusal)]
+        req, op, shape = start.req, start.op, ev.value
         named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
         try:
             alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
-                               pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=op.preset,
-                               model=op.model, train=op.train, data_hash=op.data_hash, data_name=op.data_name,
-                               start_step=0, end_step=op.steps, checkpoint_every=op.checkpoint_every,
+                               pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=req.preset,
+                               model=get_preset(req.preset), train=req.train or TrainConfig(seed=req.seed),
+                               data_hash=str(req.data_hash), data_name=start.data_name, start_step=0,
+                               end_step=req.steps, checkpoint_every=req.checkpoint_every,
                                predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
                                absent=self._absent(named), run_id=op.run_id, reason="train start",
-                               voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}))
+                               voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}),
+                               operator_start=start.signed.encode())
         except ValueError as e:
-            return [Reply(op.key, error=f"cannot build the allocation: {e}")]
-        self._paused_live, self._attempts = None, 0
-        proc = _Procedure(next(self._keys), "start", "train start", reply=op.key, t0=now)
-        self._proc = proc
+            self._proc = None
+            return [Reply(start.key, error=f"cannot build the allocation: {e}")]
         return self._hand_out(proc, alloc, (), now)
+
+    def _reschedule_asked(self, ev: Reschedule, now: float) -> list:
+        """An operator's reschedule of the current run, newer than the last one taken, within
+        the skew window; then it waits for the procedure in progress, if any."""
+        cur = self.epoch.current
+        try:
+            if not self.election.is_coordinator:
+                raise OperatorError("this peer is no longer the coordinator")
+            if cur is None or self._over():
+                raise OperatorError("no training run is in progress")
+            op = check_op(ev.op, "reschedule", self.operators, run_id=cur.run_id)
+            check_time(op, self._wall(now), self.t.operator_skew_s)
+            last = self._rescheduled
+            if last is not None and last[0] == cur.run_id and op.issued_at_ms <= last[1]:
+                raise OperatorError("this reschedule (or a newer one) was taken already: sign a new one")
+            if any(isinstance(q, Reschedule) for q in self._queue):
+                raise OperatorError("another reschedule is waiting: try again once it is answered")
+        except OperatorError as e:
+            logger.warning("refused a train reschedule: %s", e)
+            return [Reply(ev.key, error=str(e))]
+        self._rescheduled = (cur.run_id, op.issued_at_ms)
+        self._queue.append(ev)
+        return []
+
+    def _stop_asked(self, ev: StopRun, now: float) -> list:
+        """An operator's stop of the current run: STOP, with the operator's signed stop, to every
+        peer of the run before the same step; nobody reconfigures the run after it."""
+        cur = self.epoch.current
+        try:
+            if not self.election.is_coordinator:
+                raise OperatorError("this peer is no longer the coordinator")
+            if cur is None or self._over():
+                raise OperatorError("no training run is in progress")
+            check_op(ev.op, "stop", self.operators, run_id=cur.run_id)
+        except OperatorError as e:
+            logger.warning("refused a train stop: %s", e)
+            return [Reply(ev.key, error=str(e))]
+        assert ev.op is not None
+        at = self.epoch.stop_boundary(self.logged_completed(cur.run_id))
+        self.epoch.mark_stopped(cur.run_id)
+        key = ("opstop", next(self._keys))
+        self._stops[key] = (ev.key, at)
+        logger.info("an operator stops run %s before step %d", cur.run_id.hex()[:8], at)
+        return [self._ask(key, self._named(cur) | {cur.issuer, self.me}, ControlMsg.STOP,
+                          {"run": cur.run_id, "at_step": at, "final": True, "op": ev.op.to_wire()},
+                          self.t.request_timeout_s)]
+
+    def _stopped(self, key: tuple, answers: Mapping[bytes, dict]) -> list:
+        reply_key, at = self._stops.pop(key, ((), 0))
+        told = sum(1 for a in answers.values() if a.get("stopped"))
+        return [Reply(reply_key, {"at_step": at, "told": told})]
 
     # ---- reconfiguration ----------------------------------------------------------------------
 
@@ -820,7 +982,8 @@ class Coordinator:
                           data_name=cur.data_name, start_step=rp.step, end_step=cur.end_step,
                           checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                           spares=shape.spares, holdings=holdings, absent=self._absent(named),
-                          reason=trigger[:1024], voters=self._next_voters(named, reachable))
+                          reason=trigger[:1024], voters=self._next_voters(named, reachable),
+                          operator_start=cur.operator_start)
 
     def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
         return next_voters(tuple(self.election.voters), named, reachable, self.me)

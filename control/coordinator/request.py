@@ -1,10 +1,13 @@
 """What an operator's `train start` asks for (`TrainRequest`, read and checked from the
-arguments the CLI or a forwarding peer sends) and the error a train operation answers with
-(`TrainError`, its message meant for the operator). The operations are in docs/control.md.
+arguments of the operator's signed start, control/operator.py) and the error a train operation
+answers with (`TrainError`, its message meant for the operator). A request names its data set by
+the sha256 of its tokens (and a name for messages), never by a path: every peer trains on the
+data it was started with (`dtfm-peer join --data`). The operations are in docs/control.md.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from dtfm.train import PRESETS, TrainConfig
@@ -14,6 +17,9 @@ __all__ = ["PLACEMENTS", "TrainError", "TrainRequest"]
 # How the issuer places peers: the DT-FM scheduler, or a uniformly random allocation of the same
 # shape (the baseline the scheduler is measured against).
 PLACEMENTS = ("scheduler", "random")
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+MAX_DATA_NAME_LEN = 256
 
 
 class TrainError(Exception):
@@ -30,7 +36,8 @@ class TrainRequest:
     stages: int | None = None  # None: the scheduler picks the shape
     dp: int | None = None
     checkpoint_every: int = 0
-    data_path: str | None = None
+    data_hash: str | None = None  # sha256 hex of the data set's tokens (`Corpus.fingerprint`)
+    data_name: str = ""  # what the data set is called, for messages
     train: TrainConfig | None = None  # None: TrainConfig() with this seed
     placement: str = "scheduler"  # or "random": a random allocation of the given shape (a baseline)
     min_peers: int = 1  # the first configuration forms once this many peers are live and measured
@@ -48,9 +55,15 @@ class TrainRequest:
         preset = args.get("preset", "tiny")
         if preset not in PRESETS:
             raise TrainError(f"unknown preset {preset!r}: choose one of {', '.join(sorted(PRESETS))}")
-        data = args.get("data")
-        if data is not None and not isinstance(data, str):
-            raise TrainError("data must be a path")
+        if "data" in args:
+            raise TrainError("a train start names its data set by hash (data_hash), never by path: every peer "
+                             "trains on the data it was started with (`dtfm-peer join --data`)")
+        data_hash = args.get("data_hash")
+        if data_hash is not None and (type(data_hash) is not str or not _SHA256_HEX.fullmatch(data_hash)):
+            raise TrainError("data_hash must be 64 lowercase hex digits (the sha256 of the data set's tokens)")
+        data_name = args.get("data_name", "")
+        if type(data_name) is not str or len(data_name) > MAX_DATA_NAME_LEN:
+            raise TrainError(f"data_name must be a string of at most {MAX_DATA_NAME_LEN} characters")
         stages = args.get("stages")
         if stages == "auto":
             stages = None
@@ -63,7 +76,7 @@ class TrainRequest:
         req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=num("seed", 0, 0, 2**63 - 1),
                   stages=num("stages", stages, 1, 4096) if stages is not None else None,
                   dp=num("dp", None, 1, 4096), checkpoint_every=num("checkpoint_every", 0, 0, 10**9),
-                  data_path=data, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
+                  data_hash=data_hash, data_name=data_name, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
                   wait_s=float(wait_s))
         if req.dp is not None and req.stages is None:
             raise TrainError("--dp needs --stages")
@@ -72,14 +85,17 @@ class TrainRequest:
         return req
 
     def to_args(self) -> dict:
-        """The request as `from_args` reads it, forwarded to the coordinator (`min_peers` and
-        `wait_s` stay behind: the forwarding peer has waited)."""
+        """The request as `from_args` reads it: what the operator signs (the coordinator
+        ignores `min_peers`, which the peer asked first waited for; `wait_s` widens the time in
+        which the signed start is taken)."""
         out = {"preset": self.preset, "steps": self.steps, "seed": self.seed,
-               "checkpoint_every": self.checkpoint_every, "placement": self.placement}
+               "checkpoint_every": self.checkpoint_every, "placement": self.placement,
+               "min_peers": self.min_peers, "wait_s": self.wait_s}
         if self.stages is not None:
             out["stages"] = self.stages
         if self.dp is not None:
             out["dp"] = self.dp
-        if self.data_path is not None:
-            out["data"] = self.data_path
+        if self.data_hash is not None:
+            out["data_hash"] = self.data_hash
+            out["data_name"] = self.data_name
         return out

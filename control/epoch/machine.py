@@ -4,8 +4,9 @@
 `EpochMachine` owns what the peer decided and knows about the run: the (term, epoch) it applied
 per run, its current and previous epoch (the allocation and what its stage is at), the step
 reports it keeps, how its last epoch ended, and whether an operator stopped the run. It decides
-whether to accept an allocation, where the stage comes from, who may start and stop it, what it
-answers to RUN_STATE, and when to stop training because its coordinator is gone. The stage
+whether to accept an allocation (an operator of the swarm must have started its run), where the
+stage comes from, who may start and stop it (a run's final stop only from the recognised
+coordinator, carrying the operator's signed stop of that run), what it answers to RUN_STATE, and when to stop training because its coordinator is gone. The stage
 itself (tensors, comm, runner thread) belongs to the shell, which reports what happens to it
 (`StageBuilt`, `StepDone`, `RunnerEnded`, `EpochDone`).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,6 +26,7 @@ from ..actions import Action, Reply, Send
 from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
 from ..election import Certificate
 from ..messages import ControlMsg
+from ..operator import OperatorError, SignedOp, check_op, check_operator_start
 from .runner import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
 
@@ -106,6 +109,7 @@ class StopAsked:
     at_step: int
     final: bool = False  # an operator's stop: the run is over, nobody reconfigures it
     abort: bool = False  # a reconfiguration after a loss: end the step now
+    op: SignedOp | None = None  # with `final`: the operator's signed stop of the run
 
 
 @dataclass(frozen=True)
@@ -267,9 +271,10 @@ class EpochMachine:
     """This peer's part in every epoch (see the module docstring)."""
 
     def __init__(self, me: bytes, election: ElectionView, *, heartbeat_wait_s: float,
-                 coordinator_lost_after_s: float):
+                 coordinator_lost_after_s: float, operators: AbstractSet[bytes] = frozenset()):
         self.me = me
         self.election = election
+        self.operators = frozenset(operators)  # the swarm's operators' public keys
         self.heartbeat_wait_s = heartbeat_wait_s
         self.coordinator_lost_after_s = coordinator_lost_after_s
         self.applied: dict[bytes, tuple[int, int]] = {}  # run id -> (term, epoch) applied
@@ -392,7 +397,7 @@ class EpochMachine:
     def _offered(self, ev: AllocationOffered, now: float) -> list:
         alloc = ev.alloc
         ctx = dataclasses.replace(ev.ctx, applied=self.applied.get(alloc.run_id), run_id=alloc.run_id)
-        refusal = check_allocation(alloc, ctx)
+        refusal = check_allocation(alloc, ctx) or check_operator_start(alloc, self.operators)
         if refusal is None:
             refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch, ev.certificate,
                                               alloc.configuration)
@@ -452,16 +457,25 @@ class EpochMachine:
         return [Reply(ev.key, {"started": False, "reason": f"the epoch is {run.phase.value} here"})]
 
     def _stop(self, ev: StopAsked) -> list:
+        """An operator's stop (`final`: the run is over) only from the coordinator this peer
+        recognises, with the operator's signed stop of this run; an epoch's stop (a
+        reconfiguration's) from that coordinator or the epoch's issuer."""
         run = self.run
         if run is None or ev.run_id != run.alloc.run_id:
             return [Reply(ev.key, {"stopped": False, "reason": "not in that run"})]
-        allowed = set(run.alloc.peers) | {run.alloc.issuer, self.me}
-        if self.election.coordinator is not None:
-            allowed.add(self.election.coordinator)
-        if ev.sender not in allowed:
-            return [Reply(ev.key, {"stopped": False, "reason": "only a peer of the run may stop it"})]
+        coordinator = self.election.coordinator
+        recognised = ev.sender == coordinator and (ev.sender != self.me or self.election.is_coordinator)
         if ev.final:
+            if not recognised:
+                return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator this peer recognises "
+                                                                  "carries an operator's stop"})]
+            try:
+                check_op(ev.op, "stop", self.operators, run_id=run.alloc.run_id)
+            except OperatorError as e:
+                return [Reply(ev.key, {"stopped": False, "reason": str(e)})]
             self._stopped_by_operator = run.alloc.run_id
+        elif not recognised and ev.sender not in (run.alloc.issuer, self.me):
+            return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator stops an epoch"})]
         if ev.abort:
             out: list = [AbortRunner("aborted for a reconfiguration")]
         elif run.phase is EpochPhase.TRAINING and not run.done:
