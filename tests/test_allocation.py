@@ -151,7 +151,7 @@ def test_encoding_is_canonical(fields):
 
 def test_body_is_a_fixed_list_with_sorted_config_maps():
     body = body_list(make())
-    assert body[0] == FORMAT_VERSION == 2 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
+    assert body[0] == FORMAT_VERSION == 3 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
     model, train = body[6], body[7]
     assert list(model) == sorted(model) and list(train) == sorted(train)
     assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
@@ -176,8 +176,8 @@ def test_only_the_canonical_encoding_is_accepted():
 
 
 @pytest.mark.parametrize("index, value, match", [
-    (0, 3, "format 3"),
-    (0, 1, "format 1"),
+    (0, 4, "format 4"),
+    (0, 2, "format 2"),
     (2, -1, "'term'"),
     (3, 0, "'epoch'"),
     (4, b"short", "'issuer'"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from dtfm.net import KeyFileError, OperatorKey, load_swarm_operators, operator_line
 from dtfm.net.identity import parse_swarm_key
 from dtfm.peer import logs
 from dtfm.peer.cli import build_parser, main, user_error_text
@@ -253,7 +254,56 @@ def test_swarm_key_out_is_0600_under_any_umask_and_force_replaces(tmp_path, caps
     assert main(["swarm-key", "new", "--out", str(out), "--force"]) == 0
     assert out.read_text() != key and len(parse_swarm_key(out.read_text())) == 32
     assert out.stat().st_mode & 0o777 == 0o600
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["swarm.key"]   # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["swarm.key", "swarm.key.operator"]   # no temporary left
+
+
+def test_a_swarm_key_names_the_operator_key_made_beside_it(tmp_path, capsys):
+    # `swarm-key new --out FILE` also makes FILE.operator (0600, whatever the umask) and names its
+    # public key in FILE, so `join --swarm-key FILE` learns the operator and `train` signs with it.
+    out = tmp_path / "swarm.key"
+    old = os.umask(0)
+    try:
+        assert main(["swarm-key", "new", "--out", str(out)]) == 0
+    finally:
+        os.umask(old)
+    op_file = tmp_path / "swarm.key.operator"
+    assert op_file.stat().st_mode & 0o777 == 0o600
+    key = OperatorKey.load(op_file)
+    assert load_swarm_operators(out) == (key.public_key,)
+    # another operator: its own key, and a line to add to the swarm key file
+    other = tmp_path / "bob.operator"
+    capsys.readouterr()
+    assert main(["operator-key", "new", "--out", str(other)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == operator_line(OperatorKey.load(other).public_key)
+    assert main(["operator-key", "new", "--out", str(other)]) == 1  # never over an existing key
+    assert "--force" in capsys.readouterr().err
+    out.write_text(out.read_text() + line + "\n")
+    assert load_swarm_operators(out) == (key.public_key, OperatorKey.load(other).public_key)
+    out.write_text(out.read_text() + "dtfm-operator-v1:zz\n")
+    with pytest.raises(KeyFileError, match="line 4"):
+        load_swarm_operators(out)
+
+
+def test_an_operator_key_readable_by_others_or_garbled_is_refused(tmp_path):
+    path = tmp_path / "op"
+    key = OperatorKey.create(path)
+    assert OperatorKey.load(path).public_key == key.public_key
+    for mode in (0o640, 0o604):
+        path.chmod(mode)
+        with pytest.raises(KeyFileError, match=f"mode {mode:04o}: other users may read it"):
+            OperatorKey.load(path)
+    path.chmod(0o600)
+    with pytest.raises(KeyFileError, match="exists"):
+        OperatorKey.create(path)
+    path.write_text("dtfm-operator-key-v1:1234\n")
+    with pytest.raises(KeyFileError, match="garbled"):
+        OperatorKey.load(path)
+    with pytest.raises(KeyFileError, match="no operator key at .*--operator-key"):
+        OperatorKey.load(tmp_path / "absent")
+    (tmp_path / "link").symlink_to(path)
+    with pytest.raises(KeyFileError, match="cannot read"):
+        OperatorKey.load(tmp_path / "link")
 
 
 def test_a_swarm_key_readable_by_others_is_warned_about(tmp_path, caplog):

@@ -20,7 +20,10 @@ from machine_trace import (
     CFG,
     DATA_HASH,
     DATA_NAME,
+    INTRUDER,
     KEYS,
+    OPERATOR,
+    OPERATORS,
     RUN,
     TINY,
     FakeElection,
@@ -33,9 +36,10 @@ from machine_trace import (
     report,
     same_transcript,
     show,
+    start_op,
 )
 
-from dtfm.control import ControlMsg, Placement, ReshapePlan, SignedAllocation
+from dtfm.control import ControlMsg, Placement, ReshapePlan, RunEnd, SignedAllocation, SignedOp, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Reply
 from dtfm.control.coordinator.machine import (
     Coordinator,
@@ -46,6 +50,7 @@ from dtfm.control.coordinator.machine import (
     StartRun,
     StepFailed,
     StepReported,
+    StopRun,
     Tick,
     Trigger,
     next_voters,
@@ -61,12 +66,14 @@ from dtfm.control.epoch.machine import (
     EpochDone,
     EpochMachine,
     EpochPhase,
+    RunnerEnded,
     StageBuilt,
     StartAsked,
     StopAsked,
 )
 
 ME = N[0]
+WALL = 1.7e9  # the machine's `now` 0 is this wall-clock time
 TIMINGS = CoordinatorTimings(accept_timeout_s=5.0, request_timeout_s=1.0, stop_timeout_s=3.0, check_interval_s=2.0,
                              drift_check_s=1000.0, report_gather_s=0.5, probe_timeout_s=1.0, paused_retry_s=20.0,
                              stop_poll_s=0.25, max_reconfig_attempts=3)
@@ -112,6 +119,15 @@ class FakePlanner:
         self.calls: list[dict] = []
         self.kind = "reschedule"
         self.error: str | None = None
+        self.first: Placement | None = None  # a new run's placement
+        self.firsts: list[dict] = []  # the calls for it
+
+    def first_placement(self, view, req, model, train, regions):
+        self.firsts.append({"peers": sorted(view.peers), "stages": req.stages, "dp": req.dp})
+        if self.error is not None:
+            raise ValueError(self.error)
+        assert self.first is not None
+        return self.first
 
     def reshape(self, view, cur, *, live, remaining_steps, regions, seed, force, cut=frozenset()):
         self.calls.append({"live": sorted(live), "remaining_steps": remaining_steps, "seed": seed, "force": force})
@@ -137,11 +153,12 @@ class Node:
 
     def __init__(self, *, live=N[1:4], voters=N[:4], timings: CoordinatorTimings = TIMINGS):
         self.election = FakeElection(ME, term=1, coordinator=ME, voters=tuple(voters))
-        self.epoch = EpochMachine(ME, self.election, heartbeat_wait_s=1.0, coordinator_lost_after_s=10.0)
+        self.epoch = EpochMachine(ME, self.election, heartbeat_wait_s=1.0, coordinator_lost_after_s=10.0,
+                                  operators=OPERATORS)
         self.swarm = FakeSwarm(live)
         self.planner = FakePlanner()
         self.c = Coordinator(ME, lambda a: SignedAllocation.sign(a, KEYS[0]), self.election, self.epoch, self.swarm,
-                             self.planner, timings)
+                             self.planner, timings, wall_offset=WALL, operators=OPERATORS)
         self.now = 0.0
         self.asks: dict[str, Ask] = {}
         self.computes: dict[str, Compute] = {}
@@ -207,7 +224,9 @@ class Node:
         if ask.msg == ControlMsg.START:
             event: object = StartAsked(key, ME, ask.body["run"], ask.body["epoch"])
         elif ask.msg == ControlMsg.STOP:
-            event = StopAsked(key, ME, ask.body["run"], ask.body["at_step"], abort=ask.body.get("abort") is True)
+            op = SignedOp.from_wire(ask.body["op"]) if "op" in ask.body else None
+            event = StopAsked(key, ME, ask.body["run"], ask.body["at_step"], abort=ask.body.get("abort") is True,
+                              final=ask.body.get("final") is True, op=op)
         else:
             a = SignedAllocation.from_wire(ask.body).open()
             event = AllocationOffered(key, a, context(ME, live=self.swarm.live | {ME}))
@@ -241,8 +260,13 @@ class Node:
     # ---- set-ups --------------------------------------------------------------------------------
 
     def train_start(self, placement: Placement, at: float = 0.0, steps: int = 100) -> list:
-        return self.feed(StartRun(("op", "start"), RUN, placement, "tiny", TINY, CFG, DATA_HASH, DATA_NAME, steps, 0),
-                         at)
+        """The operator's start of RUN, signed at `at`; the first placement (`placement`) is
+        computed at once."""
+        self.planner.first = placement
+        out = self.feed(StartRun(("op", "start"), start_op(steps=steps, at_s=WALL + at), DATA_HASH, DATA_NAME), at)
+        if "first" in self.computes:
+            out += self.compute("first", at)
+        return out
 
     def training(self, steps: int = 2) -> None:
         """Train start of 2 x 2 over n0..n3, every peer accepts and starts; `steps` steps logged."""
@@ -256,6 +280,15 @@ class Node:
 
 
 D01, D23 = "01" * 32, "23" * 32  # digests of offered stages
+
+
+def reschedule_op(at: float, run: bytes = RUN, key=OPERATOR) -> SignedOp:
+    """The operator's reschedule of `run`, signed at the machine's time `at`."""
+    return sign_op(key, "reschedule", now_s=WALL + at, run_id=run)
+
+
+def stop_op(at: float, run: bytes = RUN, key=OPERATOR) -> SignedOp:
+    return sign_op(key, "stop", now_s=WALL + at, run_id=run)
 PLACEMENT = Placement(((N[0], N[1]), (N[2], N[3])), ((0, 2), (2, 4)), (), 1.0, 1.0)
 
 
@@ -277,7 +310,9 @@ def test_train_start_hands_the_allocation_out_then_starts_every_peer():
              everyone={"accepted": True, "role": "stage"})
     n.answer("start", everyone={"started": True}, at=0.2)
     n.transcript("""
-        0 train start 2x2
+        0 train start
+          compute first
+        0 computed first
           reset log
           ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
           phase: handing out
@@ -292,10 +327,10 @@ def test_train_start_hands_the_allocation_out_then_starts_every_peer():
     st = n.c.status()
     assert (st.run_id, st.epoch, st.completed, st.end_step) == (RUN, 1, -1, 100)
     assert n.c.next_deadline() == pytest.approx(2.2)  # the next look for joined peers
-    n.train_start(PLACEMENT, at=0.3)  # again, while the run is in progress
+    n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.3)
     n.transcript("""
-        0.3 train start 2x2
-          reply op start: error (a run is in progress: `train stop` it first)
+        0.3 train start
+          reply op again: error (a run is in progress: `train stop` it first)
     """)
 
 
@@ -306,7 +341,9 @@ def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refu
              everyone={"accepted": True, "role": "stage"})
     n.answer("unstop", everyone={"stopped": True}, at=0.2)
     n.transcript("""
-        0 train start 2x2
+        0 train start
+          compute first
+        0 computed first
           reset log
           ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
           phase: handing out
@@ -339,7 +376,7 @@ def test_train_start_on_a_peer_that_is_not_the_coordinator_fails():
     n.election.coordinator = N[1]
     n.train_start(PLACEMENT)
     n.transcript("""
-        0 train start 2x2
+        0 train start
           reply op start: error (this peer is no longer the coordinator)
     """)
 
@@ -667,16 +704,16 @@ def test_stages_held_only_in_checkpoints_roll_the_swarm_back():
 
 def test_an_operators_reschedule_is_answered():
     n = Node()
-    n.feed(Reschedule(("op", 1)), 0.0)
+    n.feed(Reschedule(("op", 1), reschedule_op(0.0)), 0.0)
     n.transcript("""
         0 train reschedule
           reply op 1: error (no training run is in progress)
     """)
     n.training()
     n.election.coordinator = N[1]
-    n.feed(Reschedule(("op", 2)), 3.0)
+    n.feed(Reschedule(("op", 2), reschedule_op(3.0)), 3.0)
     n.election.coordinator = ME
-    n.feed(Reschedule(("op", 3)), 3.1)
+    n.feed(Reschedule(("op", 3), reschedule_op(3.1)), 3.1)
     running = {N[0]: state((0, 2), 2, running=True), N[1]: state((2, 4), 2, running=True),
                N[2]: state((0, 2), 2, running=True), N[3]: state((2, 4), 2, running=True)}
     n.answer("states", running, 3.2)
@@ -718,6 +755,114 @@ def test_an_operators_reschedule_is_answered():
           phase: training
     """)
     assert n.planner.calls[-1]["force"] is True
+
+
+def _costly(actions) -> list:
+    """The actions that do work or ask peers: none may follow a refused operation."""
+    return [a for a in actions if isinstance(a, Ask | Compute)]
+
+
+START_REFUSALS = [
+    # (what, the signed start (at the machine's time 10), words of the refusal)
+    ("unsigned", None, "none was given"),
+    ("signed by a key the swarm does not name", start_op(b"s" * 16, at_s=WALL + 10, key=INTRUDER),
+     "not an operator of this swarm"),
+    ("a forged signature", dataclasses.replace(start_op(b"s" * 16, at_s=WALL + 10), signature=bytes(64)),
+     "bad operator signature"),
+    ("the operator's stop", sign_op(OPERATOR, "stop", now_s=WALL + 10, run_id=b"s" * 16), "carries an operator's stop"),
+    ("signed long ago", start_op(b"s" * 16, at_s=WALL + 10 - 301), "signed 301 s ago, more than the 300 s"),
+    ("dated in the future", start_op(b"s" * 16, at_s=WALL + 10 + 400), "400 s in the future"),
+    ("a replay of the run's start", start_op(at_s=WALL + 10), "run 72727272 was started already"),
+    ("for other data", start_op(b"s" * 16, at_s=WALL + 10, data_hash="cd" * 32), "the coordinator holds"),
+]
+
+
+@pytest.mark.parametrize("what, op, words", START_REFUSALS, ids=[r[0] for r in START_REFUSALS])
+def test_a_start_not_signed_by_an_operator_now_is_refused_before_any_work(what, op, words):
+    # The run of the replayed start was started and stopped: nothing is in progress, so only the
+    # operation itself is refused; no scheduler runs and no peer is asked.
+    n = Node()
+    n.training()
+    n.feed(StopRun(("op", "stop"), stop_op(5.0)), 5.0)
+    [asked] = [k for k in n.asks if k.startswith("opstop")]
+    n.answer(asked, everyone={"stopped": True}, at=5.1)
+    n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), 5.2), 5.2)  # n0's own runner ends
+    n.epoch.handle(EpochDone(1), 5.2)
+    n.lines.clear()
+    out = n.feed(StartRun(("op", "new"), op, DATA_HASH, DATA_NAME), 10.0)
+    assert _costly(out) == [] and n.planner.firsts == [n.planner.firsts[0]]
+    [reply] = out
+    assert isinstance(reply, Reply) and reply.error is not None and words in named(reply.error), reply.error
+    out = n.feed(StartRun(("op", "ok"), start_op(b"s" * 16, at_s=WALL + 10), DATA_HASH, DATA_NAME), 10.0)
+    assert [label(a.key) for a in _costly(out)] == ["first"]  # the operator's own start goes on
+
+
+def test_a_start_is_refused_before_any_work_while_another_is_in_progress_or_by_a_follower():
+    n = Node()
+    first = n.feed(StartRun(("op", "a"), start_op(b"a" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.0)
+    assert [label(a.key) for a in _costly(first)] == ["first"]
+    out = n.feed(StartRun(("op", "b"), start_op(b"b" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.1)
+    assert _costly(out) == [] and [r.error for r in out] == [
+        "another train start is in progress: try again once it is answered"]
+    n.election.coordinator = N[1]
+    out = n.feed(StartRun(("op", "c"), start_op(b"c" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.2)
+    assert _costly(out) == [] and [r.error for r in out] == ["this peer is no longer the coordinator"]
+
+
+def test_a_start_signed_before_its_min_peers_wait_is_taken_within_that_wait():
+    n = Node()
+    late = start_op(b"s" * 16, at_s=WALL - 1000, min_peers=4, wait_s=900.0)
+    out = n.feed(StartRun(("op", "late"), late, DATA_HASH, DATA_NAME), 0.0)
+    assert [label(a.key) for a in _costly(out)] == ["first"]
+
+
+def test_reschedules_not_signed_by_an_operator_for_this_run_now_are_refused_before_any_work():
+    n = Node()
+    n.training()
+    refused = [
+        (None, "none was given"),
+        (reschedule_op(3.0, key=INTRUDER), "not an operator of this swarm"),
+        (reschedule_op(3.0, run=b"o" * 16), "not run 72727272"),
+        (stop_op(3.0), "carries an operator's stop"),
+        (reschedule_op(3.0 - 400), "signed 400 s ago"),
+    ]
+    for k, (op, words) in enumerate(refused):
+        out = n.feed(Reschedule(("op", k), op), 3.0)
+        assert _costly(out) == [] and len(out) == 1 and words in named(out[0].error), (words, out)
+    ok = reschedule_op(3.0)
+    assert [label(a.key) for a in _costly(n.feed(Reschedule(("op", "ok"), ok), 3.0))] == ["states"]
+    for k, op in enumerate((ok, reschedule_op(2.0))):  # the same again, or an older one: a replay
+        out = n.feed(Reschedule(("op", "again", k), op), 3.1)
+        assert _costly(out) == [] and "was taken already" in out[0].error
+    out = n.feed(Reschedule(("op", "newer"), reschedule_op(3.2)), 3.2)
+    assert out == []  # newer: it waits for the reconfiguration in progress
+    out = n.feed(Reschedule(("op", "more"), reschedule_op(3.3)), 3.3)
+    assert _costly(out) == [] and "another reschedule is waiting" in out[0].error
+    assert len(n.planner.calls) == 0
+
+
+def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop():
+    n = Node()
+    n.training()
+    for k, (op, words) in enumerate([(None, "none was given"), (stop_op(3.0, key=INTRUDER), "not an operator"),
+                                     (stop_op(3.0, run=b"o" * 16), "not run 72727272"),
+                                     (reschedule_op(3.0), "carries an operator's reschedule")]):
+        out = n.feed(StopRun(("op", k), op), 3.0)
+        assert _costly(out) == [] and words in named(out[0].error), (words, out)
+    assert not n.epoch.run_over()
+    n.lines.clear()
+    n.feed(StopRun(("op", "stop"), stop_op(3.0)), 3.0)
+    n.answer("opstop 1", {N[1]: {"stopped": True}, N[2]: {"stopped": True}, N[3]: {"stopped": False}}, 3.1)
+    n.feed(Reschedule(("op", "late"), reschedule_op(3.2)), 3.2)
+    n.transcript("""
+        3 train stop
+          ask opstop 1: STOP at_step=2 final=True signed -> n0 n1 n2 n3
+        3.1 answers opstop 1: n0 stopped, n1 stopped, n2 stopped, n3 not stopped
+          reply op stop: at_step=2 told=3
+        3.2 train reschedule
+          reply op late: error (no training run is in progress)
+    """)
+    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
 
 
 def test_a_new_coordinator_takes_the_run_over_and_back_fills_the_log():

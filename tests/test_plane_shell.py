@@ -26,15 +26,18 @@ from dtfm.control import (
     PeerRunState,
     PlaneConfig,
     SignedAllocation,
+    SignedOp,
     TrainError,
     TrainRequest,
     manifest_digest,
+    sign_op,
 )
 from dtfm.control.election import config_digest, vote_payload
+from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
 from dtfm.control.coordinator.links import ReachAnswer, ReachRequest
-from dtfm.net import Identity, ProtocolError, RequestTimeout
+from dtfm.net import Identity, OperatorKey, ProtocolError, RequestTimeout, pack
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, save_checkpoint
 
 IDS = [Identity(bytes([i]) * 32) for i in range(1, 6)]
@@ -43,6 +46,15 @@ RUN = b"r" * 16
 CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)
 TEXT = b"hello swarm " * 4096
 CORPUS = Corpus(np.frombuffer(TEXT, dtype=np.uint8).copy(), "corpus")
+OPERATOR = OperatorKey(b"\x07" * 32)
+INTRUDER = OperatorKey(b"\x08" * 32)
+
+
+def start_op(key: OperatorKey = OPERATOR, run: bytes = RUN, steps: int = 10, **args) -> SignedOp:
+    """The operator's start of `run`, signed now, on this test's corpus."""
+    request = {"preset": "tiny", "steps": steps, "seed": CFG.seed, "checkpoint_every": 0, "placement": "scheduler",
+               "data_hash": CORPUS.fingerprint, "data_name": CORPUS.name, **args}
+    return sign_op(key, "start", now_s=time.time(), run_id=run, args=request)
 
 
 class FakeGossip:
@@ -117,7 +129,8 @@ async def running(tmp_path: Path, me: Identity, gossip: FakeGossip | None = None
     transport. On the real clock: the plane's coordinator timer does not let a MockClock
     advance (see test_an_idle_plane_does_not_spin)."""
     transport = transport or FakeTransport(me)
-    plane = ControlPlane(transport, me, gossip or FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    plane = ControlPlane(transport, me, gossip or FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)
@@ -130,7 +143,8 @@ def alloc(**kw) -> Allocation:
         "epoch": 1, "term": 0, "issuer": ISSUER.peer_id, "run_id": RUN,
         "pipelines": [[IDS[0].peer_id, IDS[1].peer_id], [IDS[2].peer_id, IDS[3].peer_id]],
         "layer_ranges": [(0, 2), (2, 4)], "preset": "tiny", "model": PRESETS["tiny"], "train": CFG,
-        "data_hash": CORPUS.fingerprint, "data_name": CORPUS.name, "start_step": 0, "end_step": 10}
+        "data_hash": CORPUS.fingerprint, "data_name": CORPUS.name, "start_step": 0, "end_step": 10,
+        "operator_start": start_op().encode()}
     return Allocation(**(fields | kw))
 
 
@@ -251,13 +265,14 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     # status) until a third is measured, then goes on to the election (none here: no network);
     # `--min-peers 4` gives up after its wait with the count.
     gossip = FakeGossip(IDS[:4])
-    plane = ControlPlane(FakeTransport(ISSUER), ISSUER, gossip, tmp_path, config(tmp_path))
+    plane = ControlPlane(FakeTransport(ISSUER), ISSUER, gossip, tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
     gossip.measure(IDS[:2])
     outcome: list[str] = []
 
     async def start():
         try:
-            await plane.start_training(TrainRequest(min_peers=3, wait_s=60))
+            await plane.start_training(start_op(min_peers=3, wait_s=60))
         except TrainError as e:
             outcome.append(str(e))
     async with trio.open_nursery() as nursery:
@@ -271,7 +286,7 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     assert outcome and outcome[0].startswith("no coordinator was elected"), outcome
     start_at = trio.current_time()
     with pytest.raises(TrainError, match="only 3 of the 4 peers"):
-        await plane.start_training(TrainRequest(min_peers=4, wait_s=5))
+        await plane.start_training(start_op(min_peers=4, wait_s=5))
     assert trio.current_time() - start_at == pytest.approx(5)
     assert "waiting_for_peers" not in plane.status()
 
@@ -289,7 +304,10 @@ async def test_an_idle_plane_does_not_spin(tmp_path):
     ({"steps": True}, "steps"),
     ({"dp": 2}, "--dp needs --stages"),
     ({"stages": -1}, "stages"),
-    ({"data": 5}, "data"),
+    ({"data": 5}, "never by path"),
+    ({"data": "/etc/passwd"}, "never by path"),
+    ({"data_hash": "/etc/passwd"}, "data_hash must be 64 lowercase hex"),
+    ({"data_hash": "ab" * 32, "data_name": 5}, "data_name"),
     ({"placement": "best"}, "placement"),
     ({"placement": "random"}, "random placement needs --stages"),
     ({"min_peers": 0}, "min_peers"),
@@ -301,10 +319,52 @@ def test_train_requests_are_checked(args, match):
         TrainRequest.from_args(args)
 
 
-def test_a_train_request_goes_to_the_coordinator_as_it_was_read():
-    req = TrainRequest.from_args({"preset": "tiny", "steps": 7, "stages": 2, "dp": 2, "data": "x.txt",
-                                  "min_peers": 3, "wait_s": 9})
-    assert TrainRequest.from_args(req.to_args()) == dataclasses.replace(req, min_peers=1, wait_s=0.0)
+def test_a_train_request_is_signed_as_it_was_read():
+    req = TrainRequest.from_args({"preset": "tiny", "steps": 7, "stages": 2, "dp": 2, "data_hash": "ab" * 32,
+                                  "data_name": "x.txt", "min_peers": 3, "wait_s": 9})
+    assert TrainRequest.from_args(req.to_args()) == req
+    assert "data" not in req.to_args() and req.to_args()["data_hash"] == "ab" * 32
+
+
+async def test_a_forwarded_start_is_refused_before_any_work_and_no_path_is_ever_opened(tmp_path, monkeypatch):
+    # A forwarded TRAIN_OP carries the operator's signed operation and nothing else: an old-style
+    # request naming a path, an unsigned one, one signed by a key the swarm does not name, a
+    # forged one, and a signed start that tries to name a path are all refused before this peer
+    # loads anything (its own data set included); nothing of a message is ever opened as a path.
+    opened: list[object] = []
+    import dtfm.control.plane as plane_module
+    real_load = plane_module.load_corpus
+    monkeypatch.setattr(plane_module, "load_corpus", lambda path: opened.append(path) or real_load(path))
+    body = pack([1, "start", OPERATOR.public_key, b"s" * 16, int(time.time() * 1000),
+                 {"data": "/etc/passwd", "data_hash": CORPUS.fingerprint, "preset": "tiny"}])
+    path_start = SignedOp(body, OPERATOR.sign(OPERATOR_DOMAIN + body))
+    async with running(tmp_path, OTHER) as (plane, net):
+        answers = [
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "args": {"data": "/etc/passwd"}}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": start_op(INTRUDER).to_wire()}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {
+                "op": "start", "signed": dataclasses.replace(start_op(), signature=bytes(64)).to_wire()}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": path_start.to_wire()}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "stop", "signed": start_op().to_wire()}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {
+                "op": "reschedule", "signed": sign_op(INTRUDER, "reschedule", now_s=time.time(),
+                                                      run_id=RUN).to_wire()}),
+        ]
+        words = ["must carry the operator's signed operation", "not an operator of this swarm",
+                 "bad operator signature", "a start's arguments are", "carries an operator's start",
+                 "not an operator of this swarm"]
+        for answer, w in zip(answers, words):
+            assert w in answer["error"], (w, answer)
+        with pytest.raises(ProtocolError):
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": {"body": 5}})
+        with pytest.raises(TrainError, match="not an operator of this swarm"):  # the local socket's op too
+            await plane.start_training(start_op(INTRUDER))
+        assert opened == [] and plane.epoch.current is None
+        # a valid start reaches this peer, which is not the coordinator: still nothing opened
+        answer = await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": start_op().to_wire()})
+        assert "not the coordinator" in answer["error"] and opened == []
+        # this peer's own data set is the only one it ever loads
+        assert (await plane.corpus()).fingerprint == CORPUS.fingerprint and opened == [plane.config.data_path]
 
 
 class PingConn:

@@ -5,11 +5,14 @@ reconfigurations, and `dtfm-peer status` / `train reschedule` rendering."""
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import trio
 
+from dtfm.control import SignedOp, check_op
+from dtfm.net import OperatorKey
 from dtfm.peer.cli import format_reschedule, format_status_text, format_training
 from dtfm.peer.cli import main as peer_main
 from dtfm.peer.config import SocketConfig
@@ -453,30 +456,51 @@ def test_format_reschedule():
         == "unchanged, the current allocation is the best"
 
 
-async def test_train_reschedule_asks_the_daemon(capsys):
+async def test_train_reschedule_asks_the_daemon_signed_by_the_operator_key(capsys):
     asked = []
     reply = {"kind": "reconfigured", "old_shape": "2x4", "new_shape": "2x3", "moves": 2, "epoch": 4}
+    run = b"r" * 16
     with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
         data_dir = DataDir(Path(d))
         data_dir.ensure()
+        operator = OperatorKey.create(Path(d) / "swarm.key.operator")  # beside the daemon's swarm key
+        info = {"operators": [operator.public_key.hex()], "run_id": run.hex(), "data_hash": "ab" * 32,
+                "data_name": "corpus", "swarm_key_file": str(Path(d) / "swarm.key")}
         server = ControlServer(data_dir.control_socket, SocketConfig())
 
         async def reschedule(args):
             asked.append(args)
             return reply
 
+        async def train_info(args):
+            return info
+
         server.register("train_reschedule", reschedule)
+        server.register("train_info", train_info)
         async with trio.open_nursery() as nursery:
             await nursery.start(server.serve)
             text_rc = await trio.to_thread.run_sync(peer_main, ["train", "reschedule", "--data-dir", d])
             text = capsys.readouterr().out
             json_rc = await trio.to_thread.run_sync(peer_main, ["train", "reschedule", "--json", "--data-dir", d])
             as_json = capsys.readouterr().out
+            # another operator's key, one the swarm does not name, and none at all: clear errors
+            other = OperatorKey.create(Path(d) / "other.operator")
+            other_rc = await trio.to_thread.run_sync(peer_main, [
+                "train", "reschedule", "--data-dir", d, "--operator-key", str(other.path)])
+            other_err = capsys.readouterr().err
+            (Path(d) / "swarm.key.operator").unlink()
+            none_rc = await trio.to_thread.run_sync(peer_main, ["train", "reschedule", "--data-dir", d])
+            none_err = capsys.readouterr().err
             nursery.cancel_scope.cancel()
     assert (text_rc, json_rc) == (0, 0)
-    assert asked == [{}, {}]
+    assert len(asked) == 2
+    for a in asked:
+        op = check_op(SignedOp.from_wire(a["op"]), "reschedule", {operator.public_key}, run_id=run)
+        assert abs(op.issued_at_s - time.time()) < 60
     assert text == "reconfigured, 2x4 -> 2x3, 2 moves, epoch 4\n"
     assert json.loads(as_json) == reply
+    assert other_rc == 1 and "is not one of this swarm's operators" in other_err
+    assert none_rc == 1 and "no operator key at" in none_err and "--operator-key" in none_err
 
 
 def test_train_reschedule_help(capsys):

@@ -679,8 +679,9 @@ class Coordinator:
             logger.warning("refused a train start: %s", e)
             return [Reply(ev.key, error=str(e))]
         refusal = self._start_refusal()
-        if refusal is None and any(isinstance(q, _Start) for q in self._queue):
-            refusal = "another train start is waiting: try again once it is answered"
+        if refusal is None and (any(isinstance(q, _Start) for q in self._queue)
+                                or (self._proc is not None and self._proc.kind == "start")):
+            refusal = "another train start is in progress: try again once it is answered"
         if refusal is None and req.data_hash != ev.data_hash:
             refusal = (f"the start names data set {req.data_name[:100]!r} (sha256 {str(req.data_hash)[:12]}), the "
                        f"coordinator holds {ev.data_name[:100]!r} (sha256 {ev.data_hash[:12]}): every peer trains on "
