@@ -664,6 +664,9 @@ class ControlPlane:
                              "is a majority of the swarm reachable?")
         if coordinator != self.me:
             return await self._forward(coordinator, "start", signed)
+        refusal = self.coordinator.start_refusal()  # (cheap, before this peer's data set is loaded)
+        if refusal is not None:
+            raise TrainError(refusal)
         corpus = await self.corpus()
         alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name)
         return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,

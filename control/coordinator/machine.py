@@ -678,7 +678,7 @@ class Coordinator:
         except (OperatorError, ValueError) as e:
             logger.warning("refused a train start: %s", e)
             return [Reply(ev.key, error=str(e))]
-        refusal = self._start_refusal()
+        refusal = self.start_refusal()
         if refusal is None and (any(isinstance(q, _Start) for q in self._queue)
                                 or (self._proc is not None and self._proc.kind == "start")):
             refusal = "another train start is in progress: try again once it is answered"
@@ -692,7 +692,8 @@ class Coordinator:
         self._queue.append(_Start(ev.key, ev.op, op, req, ev.data_name))
         return []
 
-    def _start_refusal(self) -> str | None:
+    def start_refusal(self) -> str | None:
+        """Why a start cannot be taken now (no coordinator, a run in progress), or None."""
         if not self.election.is_coordinator:
             return "this peer is no longer the coordinator"
         run = self.epoch.run
@@ -710,7 +711,7 @@ class Coordinator:
 
     def _start_run(self, start: _Start, now: float) -> list:
         """The first placement, off the loop (the scheduler, or a random one of the asked shape)."""
-        refusal = self._start_refusal()
+        refusal = self.start_refusal()
         if refusal is not None:
             return [Reply(start.key, error=refusal)]
         self._take_start(start.op, now, start.req.wait_s)
@@ -731,7 +732,7 @@ class Coordinator:
         if ev.error is not None or not isinstance(ev.value, Placement):
             self._proc = None
             return [Reply(start.key, error=f"cannot schedule: {ev.error}")]
-        refusal = self._start_refusal()  # (things may have changed while the scheduler ran)
+        refusal = self.start_refusal()  # (things may have changed while the scheduler ran)
         if refusal is not None:
             self._proc = None
             return [Reply(start.key, error=refusal)]
