@@ -73,7 +73,7 @@ from dtfm.control.epoch.machine import (
 )
 
 ME = N[0]
-WALL = 1.7e9  # the machine's `now` 0 is this wall-clock time
+WALL = 1.7e9  # a wall clock for the operators' times: the machine's `now` 0 is this time (Node(wall=WALL))
 TIMINGS = CoordinatorTimings(accept_timeout_s=5.0, request_timeout_s=1.0, stop_timeout_s=3.0, check_interval_s=2.0,
                              drift_check_s=1000.0, report_gather_s=0.5, probe_timeout_s=1.0, paused_retry_s=20.0,
                              stop_poll_s=0.25, max_reconfig_attempts=3)
@@ -151,14 +151,15 @@ class Node:
     """n0: its election (set by the test), its epoch machine and its coordinator, with the
     requests the coordinator has out (by label) and the transcript."""
 
-    def __init__(self, *, live=N[1:4], voters=N[:4], timings: CoordinatorTimings = TIMINGS):
+    def __init__(self, *, live=N[1:4], voters=N[:4], timings: CoordinatorTimings = TIMINGS, wall: float = 0.0):
         self.election = FakeElection(ME, term=1, coordinator=ME, voters=tuple(voters))
         self.epoch = EpochMachine(ME, self.election, heartbeat_wait_s=1.0, coordinator_lost_after_s=10.0,
                                   operators=OPERATORS)
         self.swarm = FakeSwarm(live)
         self.planner = FakePlanner()
         self.c = Coordinator(ME, lambda a: SignedAllocation.sign(a, KEYS[0]), self.election, self.epoch, self.swarm,
-                             self.planner, timings, wall_offset=WALL, operators=OPERATORS)
+                             self.planner, timings, wall_offset=wall, operators=OPERATORS)
+        self.wall = wall
         self.now = 0.0
         self.asks: dict[str, Ask] = {}
         self.computes: dict[str, Compute] = {}
@@ -263,7 +264,7 @@ class Node:
         """The operator's start of RUN, signed at `at`; the first placement (`placement`) is
         computed at once."""
         self.planner.first = placement
-        out = self.feed(StartRun(("op", "start"), start_op(steps=steps, at_s=WALL + at), DATA_HASH, DATA_NAME), at)
+        out = self.feed(StartRun(("op", "start"), start_op(steps=steps, at_s=self.wall + at), DATA_HASH, DATA_NAME), at)
         if "first" in self.computes:
             out += self.compute("first", at)
         return out
@@ -282,13 +283,13 @@ class Node:
 D01, D23 = "01" * 32, "23" * 32  # digests of offered stages
 
 
-def reschedule_op(at: float, run: bytes = RUN, key=OPERATOR) -> SignedOp:
-    """The operator's reschedule of `run`, signed at the machine's time `at`."""
-    return sign_op(key, "reschedule", now_s=WALL + at, run_id=run)
+def reschedule_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
+    """The operator's reschedule of `run`, signed at the machine's time `at` (of a Node(wall=wall))."""
+    return sign_op(key, "reschedule", now_s=wall + at, run_id=run)
 
 
-def stop_op(at: float, run: bytes = RUN, key=OPERATOR) -> SignedOp:
-    return sign_op(key, "stop", now_s=WALL + at, run_id=run)
+def stop_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
+    return sign_op(key, "stop", now_s=wall + at, run_id=run)
 PLACEMENT = Placement(((N[0], N[1]), (N[2], N[3])), ((0, 2), (2, 4)), (), 1.0, 1.0)
 
 
@@ -327,7 +328,7 @@ def test_train_start_hands_the_allocation_out_then_starts_every_peer():
     st = n.c.status()
     assert (st.run_id, st.epoch, st.completed, st.end_step) == (RUN, 1, -1, 100)
     assert n.c.next_deadline() == pytest.approx(2.2)  # the next look for joined peers
-    n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.3)
+    n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=0.3), DATA_HASH, DATA_NAME), 0.3)
     n.transcript("""
         0.3 train start
           reply op again: error (a run is in progress: `train stop` it first)
@@ -781,9 +782,9 @@ START_REFUSALS = [
 def test_a_start_not_signed_by_an_operator_now_is_refused_before_any_work(what, op, words):
     # The run of the replayed start was started and stopped: nothing is in progress, so only the
     # operation itself is refused; no scheduler runs and no peer is asked.
-    n = Node()
+    n = Node(wall=WALL)
     n.training()
-    n.feed(StopRun(("op", "stop"), stop_op(5.0)), 5.0)
+    n.feed(StopRun(("op", "stop"), stop_op(5.0, wall=WALL)), 5.0)
     [asked] = [k for k in n.asks if k.startswith("opstop")]
     n.answer(asked, everyone={"stopped": True}, at=5.1)
     n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), 5.2), 5.2)  # n0's own runner ends
@@ -798,7 +799,7 @@ def test_a_start_not_signed_by_an_operator_now_is_refused_before_any_work(what, 
 
 
 def test_a_start_is_refused_before_any_work_while_another_is_in_progress_or_by_a_follower():
-    n = Node()
+    n = Node(wall=WALL)
     first = n.feed(StartRun(("op", "a"), start_op(b"a" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.0)
     assert [label(a.key) for a in _costly(first)] == ["first"]
     out = n.feed(StartRun(("op", "b"), start_op(b"b" * 16, at_s=WALL), DATA_HASH, DATA_NAME), 0.1)
@@ -810,50 +811,50 @@ def test_a_start_is_refused_before_any_work_while_another_is_in_progress_or_by_a
 
 
 def test_a_start_signed_before_its_min_peers_wait_is_taken_within_that_wait():
-    n = Node()
+    n = Node(wall=WALL)
     late = start_op(b"s" * 16, at_s=WALL - 1000, min_peers=4, wait_s=900.0)
     out = n.feed(StartRun(("op", "late"), late, DATA_HASH, DATA_NAME), 0.0)
     assert [label(a.key) for a in _costly(out)] == ["first"]
 
 
 def test_reschedules_not_signed_by_an_operator_for_this_run_now_are_refused_before_any_work():
-    n = Node()
+    n = Node(wall=WALL)
     n.training()
     refused = [
         (None, "none was given"),
-        (reschedule_op(3.0, key=INTRUDER), "not an operator of this swarm"),
-        (reschedule_op(3.0, run=b"o" * 16), "not run 72727272"),
-        (stop_op(3.0), "carries an operator's stop"),
-        (reschedule_op(3.0 - 400), "signed 400 s ago"),
+        (reschedule_op(3.0, key=INTRUDER, wall=WALL), "not an operator of this swarm"),
+        (reschedule_op(3.0, run=b"o" * 16, wall=WALL), "not run 72727272"),
+        (stop_op(3.0, wall=WALL), "carries an operator's stop"),
+        (reschedule_op(3.0 - 400, wall=WALL), "signed 400 s ago"),
     ]
     for k, (op, words) in enumerate(refused):
         out = n.feed(Reschedule(("op", k), op), 3.0)
         assert _costly(out) == [] and len(out) == 1 and words in named(out[0].error), (words, out)
-    ok = reschedule_op(3.0)
+    ok = reschedule_op(3.0, wall=WALL)
     assert [label(a.key) for a in _costly(n.feed(Reschedule(("op", "ok"), ok), 3.0))] == ["states"]
-    for k, op in enumerate((ok, reschedule_op(2.0))):  # the same again, or an older one: a replay
+    for k, op in enumerate((ok, reschedule_op(2.0, wall=WALL))):  # the same again, or an older one: a replay
         out = n.feed(Reschedule(("op", "again", k), op), 3.1)
         assert _costly(out) == [] and "was taken already" in out[0].error
-    out = n.feed(Reschedule(("op", "newer"), reschedule_op(3.2)), 3.2)
+    out = n.feed(Reschedule(("op", "newer"), reschedule_op(3.2, wall=WALL)), 3.2)
     assert out == []  # newer: it waits for the reconfiguration in progress
-    out = n.feed(Reschedule(("op", "more"), reschedule_op(3.3)), 3.3)
+    out = n.feed(Reschedule(("op", "more"), reschedule_op(3.3, wall=WALL)), 3.3)
     assert _costly(out) == [] and "another reschedule is waiting" in out[0].error
     assert len(n.planner.calls) == 0
 
 
 def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop():
-    n = Node()
+    n = Node(wall=WALL)
     n.training()
-    for k, (op, words) in enumerate([(None, "none was given"), (stop_op(3.0, key=INTRUDER), "not an operator"),
-                                     (stop_op(3.0, run=b"o" * 16), "not run 72727272"),
-                                     (reschedule_op(3.0), "carries an operator's reschedule")]):
+    for k, (op, words) in enumerate([(None, "none was given"), (stop_op(3.0, key=INTRUDER, wall=WALL), "not an operator"),
+                                     (stop_op(3.0, run=b"o" * 16, wall=WALL), "not run 72727272"),
+                                     (reschedule_op(3.0, wall=WALL), "carries an operator's reschedule")]):
         out = n.feed(StopRun(("op", k), op), 3.0)
         assert _costly(out) == [] and words in named(out[0].error), (words, out)
     assert not n.epoch.run_over()
     n.lines.clear()
-    n.feed(StopRun(("op", "stop"), stop_op(3.0)), 3.0)
+    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
     n.answer("opstop 1", {N[1]: {"stopped": True}, N[2]: {"stopped": True}, N[3]: {"stopped": False}}, 3.1)
-    n.feed(Reschedule(("op", "late"), reschedule_op(3.2)), 3.2)
+    n.feed(Reschedule(("op", "late"), reschedule_op(3.2, wall=WALL)), 3.2)
     n.transcript("""
         3 train stop
           ask opstop 1: STOP at_step=2 final=True signed -> n0 n1 n2 n3
