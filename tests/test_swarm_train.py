@@ -198,7 +198,7 @@ def test_a_frozen_peer_and_a_cut_link_cost_seconds(run_dir):
     check_log(run_dir, reference)
     print(f"frozen peer: training again after {frozen_s:.1f} s; cut link: after {cut_s:.1f} s")
     c_name, _ = coordinator(state)
-    peer_request(next(p for p in state.peers if p.name == c_name), "train_stop", {}, timeout_s=30)
+    stop_training(run_dir, next(p for p in state.peers if p.name == c_name))
     wait_for("every peer to end", lambda: all(v.get("state") != "training" for v in trainings(state).values()),
              120, interval_s=0.5)
 
