@@ -66,7 +66,7 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-# The coordinator steps down without acks from a majority within its lease, each ack at least a
+# The coordinator steps down without acks from a quorum within its lease, each ack at least a
 # round trip old: the lan election's 0.4 s lease holds while emulated round trips stay under a
 # quarter of it (the rest is the heartbeat interval and a loaded machine's stalls).
 LAN_ELECTION_MAX_RTT_MS = 100.0

@@ -604,7 +604,7 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
         10.5 answers states: n0 0-2@2, n1 -, n2 -, n3 -
-          emit stopped term=1 epoch=1 trigger=peer n3 is dead reason=3 reconfigurations failed, the last: only 1 of 4 voters are reachable: a minority does not reconfigure
+          emit stopped term=1 epoch=1 trigger=peer n3 is dead reason=3 reconfigurations failed, the last: only 1 of 4 voters are reachable, 3 needed: a side without a quorum does not reconfigure
           phase: stopped
         20 tick
     """)

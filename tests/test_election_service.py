@@ -273,20 +273,20 @@ async def test_a_peer_whose_dials_hang_delays_no_one(autojump_clock):
 
 async def test_partition_minority_coordinator_steps_down_majority_elects_heal_joins(autojump_clock):
     async with trio.open_nursery() as nursery:
-        s = Swarm(5, seed=3)
+        s = Swarm(6, seed=3)
         await s.start(nursery)
         term = await elect(s, 0)
         await trio.sleep(0.5)
         t_cut = trio.current_time()
-        minority, majority = [0, 1], [2, 3, 4]
+        minority, majority = [0, 1], [2, 3, 4, 5]  # the other side is a quorum of six (4)
         s.partition(minority, majority)
-        # check-quorum: no acks from a majority within lease_s -> steps down at a heartbeat tick;
+        # check-quorum: no acks from a quorum within lease_s -> steps down at a heartbeat tick;
         # the last acked heartbeat left up to a heartbeat interval and a round trip before the cut
         t_down = await until(lambda: s.services[0].role != "coordinator", 2.0, step_s=0.001)
         assert CFG.lease_s - CFG.heartbeat_interval_s - 2 * DELAY_S <= t_down - t_cut
         assert t_down - t_cut <= CFG.lease_s + CFG.heartbeat_interval_s
         stepped = [e for _, k, e in s.events if k == 0 and isinstance(e, SteppedDown)]
-        assert len(stepped) == 1 and "majority" in stepped[0].reason
+        assert len(stepped) == 1 and "quorum" in stepped[0].reason
         t_new = await until(lambda: s.agreed(majority) is not None, 5.0)
         # the last heartbeat arrived up to a delay after the cut; the first-ranked peer of the
         # majority stands within election_timeout_max_s plus a stagger (1 of the minority may rank
@@ -303,10 +303,10 @@ async def test_partition_minority_coordinator_steps_down_majority_elects_heal_jo
         try:
             await until(lambda: s.agreed() == new, 2.0)
         except trio.TooSlowError:
-            for k in range(5):
+            for k in range(6):
                 print(k, s.services[k].status(), s.services[k].is_coordinator)
             raise
-        assert {s.services[k].term for k in range(5)} == {term + 1}
+        assert {s.services[k].term for k in range(6)} == {term + 1}
         await trio.sleep(2.0)
         assert s.agreed() == new and [k for _, k, _ in s.became(after=t_cut)] == [new]
         s.check_one_coordinator_per_term()

@@ -110,8 +110,8 @@ class Allocation:
     absent: tuple[bytes, ...] = ()  # members the issuer could not reach: neither stage nor spare
     reason: str = ""  # why this epoch: "train start", "peer 3fa2c1d0 is dead", ...
     # The election's configuration from this epoch on (sorted; the issuer is one). It differs
-    # from the previous epoch's by one peer at most, so every majority of the old voters meets
-    # every majority of the new. Empty: the peers and spares.
+    # from the previous epoch's by one peer at most, so every quorum of the old voters meets
+    # every quorum of the new (control/election/certificate.py). Empty: the peers and spares.
     voters: tuple[bytes, ...] = ()
     # The run's start as its operator signed it (control/operator.py `SignedOp.encode()`),
     # carried by every allocation of the run: each peer checks that an operator of the swarm

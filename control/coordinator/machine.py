@@ -33,6 +33,7 @@ from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, Holding, SignedAllocation
+from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
 from ..epoch.runner import StepReport
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
@@ -882,7 +883,7 @@ class Coordinator:
         return [self._proc_ask(proc, "poll", proc.asked, {"op": "query"}, self.t.request_timeout_s)]
 
     def _plan(self, proc: _Procedure, now: float) -> list:
-        """With a majority of the voters reachable: the resume point, then the new layout over
+        """With a quorum of the voters reachable (as the election counts one): the resume point, then the new layout over
         the reachable, measured peers (the scheduler, off the loop)."""
         cur = proc.cur
         assert cur is not None
@@ -891,9 +892,9 @@ class Coordinator:
         states = proc.states
         reachable = set(states)
         voters = set(self.election.voters)
-        if voters and len(reachable & voters) < len(voters) // 2 + 1:
-            raise _Failed(f"only {len(reachable & voters)} of {len(voters)} voters are reachable: "
-                          "a minority does not reconfigure")
+        if voters and len(reachable & voters) < quorum(len(voters)):
+            raise _Failed(f"only {len(reachable & voters)} of {len(voters)} voters are reachable, "
+                          f"{quorum(len(voters))} needed: a side without a quorum does not reconfigure")
         logger.info("run states: %s", describe(states))
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
@@ -1192,8 +1193,8 @@ def next_voters(old_voters: tuple[bytes, ...], named: set[bytes], reachable: set
                 me: bytes) -> tuple[bytes, ...]:
     """The next configuration: one step from the current voters toward the named peers (an
     unreachable voter out first, then a named peer in, then a reachable voter out), so every
-    majority of the old voters meets every majority of the new and one term never gets two
-    coordinators. Further differences go at the next epochs."""
+    quorum of the old voters meets every quorum of the new (in two voters from 4 voters on, see
+    election/certificate.py) and one term never gets two coordinators. Further differences go at the next epochs."""
     old = set(old_voters) or set(named)
     new = set(old)
     gone = sorted(old - named - reachable - {me})

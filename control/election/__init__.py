@@ -15,7 +15,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .certificate import Certificate, CertificateCheck, config_digest, vote_payload
+    from .certificate import Certificate, CertificateCheck, config_digest, quorum, vote_payload
     from .config import ElectionConfig
     from .messages import (
         MAX_TERM,
@@ -73,6 +73,7 @@ __all__ = [
     "VoteSigner",
     "config_digest",
     "decode_election",
+    "quorum",
     "vote_payload",
 ]
 
@@ -81,7 +82,7 @@ __all__ = [
 # config classes) does not load torch, scipy or the rest. tests/test_layers.py checks that this
 # table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
-    ".certificate": ("Certificate", "CertificateCheck", "config_digest", "vote_payload"),
+    ".certificate": ("Certificate", "CertificateCheck", "config_digest", "quorum", "vote_payload"),
     ".config": ("ElectionConfig",),
     ".messages": (
         "MAX_TERM", "MAX_VOTERS", "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote", "PreVoteReply", "RequestVote", "Vote",

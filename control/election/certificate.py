@@ -7,15 +7,24 @@ A granted vote is the voter's Ed25519 signature (its peer id is its public key) 
 where the configuration digest (`config_digest`) is blake2b-256 of CONFIG_DOMAIN and the sorted
 voter ids of the configuration the candidate stood in. A voter signs at most one candidate per
 term (its vote is persisted before it is signed and sent), so a certificate, the votes of a
-majority, names the one coordinator of its term.
+quorum, names the one coordinator of its term.
+
+The quorum (`quorum(n)`) of n voters is a plain majority for n <= 3 and ceil((n + 2) / 2) from
+n = 4 on: the smallest count such that any two quorums share at least two voters. One voter
+that lies (signs votes for two candidates in one term) is then never enough to make two
+certificates of one term: they share an honest voter, who signs one vote per term. The cost:
+for an odd number of voters one vote more than a majority, so one crash fewer is tolerated
+(5 voters: 4 votes, 1 crash; 7: 5, 2); for an even number nothing changes. Two quorums of two
+configurations that differ by one voter (an allocation changes at most one) still share two
+voters from 4 voters on.
 
 A `Certificate` holds the term, the candidate, the configuration (its voters, sorted) and the
 votes as (index into the voters, signature), indices increasing. Its wire form is bounded
 (MAX_VOTERS voters, as many votes) and checked field by field before any signature is looked
-at; a certificate is a majority of its own voters by construction.
+at; a certificate is a quorum of its own voters by construction.
 
 `CertificateCheck` verifies a certificate against a configuration (a peer's own, or for a peer
-without one the certificate's): the votes of that configuration's voters must be a majority of
+without one the certificate's): the votes of that configuration's voters must be a quorum of
 it, and each of their signatures must verify. Signatures are checked at most once per
 (certificate, configuration): the answer is cached, keyed by their digests, in a bounded LRU.
 Everything here is pure (nacl's verification is deterministic and does no I/O), so the
@@ -43,7 +52,7 @@ from dtfm.net import (
 from .limits import MAX_TERM, MAX_VOTERS, SIGNATURE_BYTES, check_voters
 
 __all__ = [
-    "CONFIG_DOMAIN", "VOTE_DOMAIN", "Certificate", "CertificateCheck", "config_digest", "majority", "vote_payload",
+    "CONFIG_DOMAIN", "VOTE_DOMAIN", "Certificate", "CertificateCheck", "config_digest", "quorum", "vote_payload",
 ]
 
 VOTE_DOMAIN = b"dtfm-election-vote-v1\x00"
@@ -53,8 +62,12 @@ DIGEST_BYTES = 32
 CACHE_ENTRIES = 256  # (certificate, configuration) pairs whose answer is kept
 
 
-def majority(n: int) -> int:
-    return n // 2 + 1
+def quorum(n: int) -> int:
+    """The votes (acks) that make a decision of n voters: any two such sets share a voter, and
+    from n = 4 on two of them (see the module docstring)."""
+    if n <= 3:
+        return n // 2 + 1
+    return (n + 3) // 2
 
 
 def config_digest(voters: tuple[bytes, ...]) -> bytes:
@@ -71,7 +84,7 @@ def vote_payload(term: int, candidate: bytes, config: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class Certificate:
-    """The votes of a majority of `voters` for `candidate` in `term`."""
+    """The votes of a quorum of `voters` for `candidate` in `term`."""
 
     term: int
     candidate: bytes
@@ -96,8 +109,9 @@ class Certificate:
                 raise ValueError(f"a vote's signature is {SIGNATURE_BYTES} bytes")
         if any(a >= b for (a, _), (b, _) in itertools.pairwise(votes)):
             raise ValueError("vote indices must be increasing")
-        if len(votes) < majority(len(self.voters)):
-            raise ValueError(f"{len(votes)} votes are not a majority of {len(self.voters)} voters")
+        if len(votes) < quorum(len(self.voters)):
+            raise ValueError(f"{len(votes)} votes are not a quorum of {len(self.voters)} voters "
+                             f"({quorum(len(self.voters))})")
         object.__setattr__(self, "votes", votes)
         config = config_digest(self.voters)
         object.__setattr__(self, "config", config)
@@ -155,11 +169,11 @@ class CertificateCheck:
         self.verified = 0  # signatures checked so far (tests read it)
 
     def check(self, cert: Certificate, voters: tuple[bytes, ...], config: bytes) -> str | None:
-        """None if the votes of `voters` (whose digest is `config`) in `cert` are a majority of
+        """None if the votes of `voters` (whose digest is `config`) in `cert` are a quorum of
         them and every one of their signatures verifies; else why not."""
         members = frozenset(voters)
         mine = [(v, s) for v, s in cert.signed() if v in members]
-        need = majority(len(voters))
+        need = quorum(len(voters))
         if len(mine) < need:
             return f"signed by {len(mine)} of the {len(voters)} voters, {need} needed"
         key = cert.digest + config

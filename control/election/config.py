@@ -23,12 +23,12 @@ class ElectionConfig:
     # check-quorum see a lost heartbeat sooner, at N messages per period.
     heartbeat_interval_s: float = 0.2
     # A voter that heard its coordinator within lease_s refuses to (pre-)vote for another; a
-    # coordinator without acks from a majority within lease_s steps down. Several heartbeats
+    # coordinator without acks from a quorum (certificate.quorum) within lease_s steps down. Several heartbeats
     # long, and at most election_timeout_min_s, so voters grant once a follower's timer fired.
     lease_s: float = 1.6
     # Pre-vote, leases and re-standing on a higher term; False: plain Raft (a baseline).
     pre_vote: bool = True
-    # The coordinator steps down without acks from a majority within lease_s.
+    # The coordinator steps down without acks from a quorum of the voters within lease_s.
     check_quorum: bool = True
     # The most a peer's term moves up on a message without a certificate for the new term (an
     # answer to its own pre-vote, vote or heartbeat, or a vote it grants). Larger: a peer that

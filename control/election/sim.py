@@ -10,19 +10,22 @@ Actions run in order, as a driver must run them, and the simulation checks as th
 
 - one vote per (node, term), across restarts;
 - a granted vote is sent only once the store holds it;
-- at most one coordinator per term, and each elected by votes of a majority of its voters: its
-  certificate's signatures verify, and each vote in it of an honest node is that node's vote
-  of the term;
+- at most one coordinator per term, and each elected by votes of a quorum of its voters
+  (certificate.py's `quorum`): its certificate's signatures verify, and each vote in it of an
+  honest node is that node's vote of the term;
 - a node recognises a coordinator only with such a certificate (its `certificate`);
-- a node that stood after the current partition formed wins only on a side with a majority;
+- a node that stood after the current partition formed wins only on a side with a quorum;
 - a node applies only allocations of the coordinator elected in that term, and its applied
   (term, epoch) only grows.
 
 Liars (`liars`, node indices): nodes that run no machine. Their keys are real (`signers`), the
 messages sent to them are kept in `inbox`, and a test sends anything in their name with
-`inject`. A liar that is a voter can sign two votes in one term; majority voting cannot stop
-that, so two coordinators of a term are a violation only if their certificates share no
-liar's vote.
+`inject`. A liar that is a voter can sign two votes in one term; since two quorums of 4 or
+more voters share two voters, one of them honest, that elects no second coordinator. Two
+coordinators of a term are therefore always a violation, except beyond what a quorum can
+tolerate: every voter both certificates hold is a liar, and either two or more liars are
+voters or a certificate is of at most 3 voters (where the quorum is a plain majority and two
+quorums may share a single voter).
 
 The control plane's machines run on top of it in `PlaneSim` (control/sim.py), through the
 hooks `_booted`, `_election_event`, `_on_message` and `_dispatch`. The figures of
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from dtfm.net import Identity, pack, unpack_untrusted, verify_signature
 from dtfm.scenarios import load_scenario
 
-from .certificate import Certificate, majority, vote_payload
+from .certificate import Certificate, quorum, vote_payload
 from .config import ElectionConfig
 from .messages import ElectionMessage, Vote, decode_election
 from .state import (
@@ -343,12 +346,20 @@ class ElectionSim:
             j = self.index.get(v)
             if j is None or j in self.liars or self.votes.get((j, term)) == coordinator:
                 true += 1
-        if true < majority(len(cert.voters)):
+        if true < quorum(len(cert.voters)):
             return f"{true} true votes of {len(cert.voters)} voters"
         return None
 
-    def _liar_signed(self, *certs: Certificate | None) -> bool:
-        return all(c is not None and any(self.index.get(v) in self.liars for v in c.signers) for c in certs)
+    def _beyond_tolerance(self, a: Certificate | None, b: Certificate | None) -> bool:
+        """Whether two certificates of one term for two coordinators are beyond what the quorum
+        rules out (module docstring): every voter both hold is a liar, and two or more liars are
+        voters of them or one is of at most 3 voters."""
+        if a is None or b is None:
+            return False
+        liars = {self.ids[k] for k in self.liars}
+        if not a.signers & b.signers <= liars:
+            return False
+        return len(liars & (set(a.voters) | set(b.voters))) >= 2 or min(len(a.voters), len(b.voters)) <= 3
 
     def _check_recognised(self, k: int, a: CoordinatorKnown) -> None:
         node = self.node(k)
@@ -362,7 +373,7 @@ class ElectionSim:
         self.certificates.setdefault((a.term, a.coordinator), node.certificate)
         rivals = [(c, cert) for (t, c), cert in self.certificates.items() if t == a.term and c != a.coordinator]
         for c, cert in rivals:
-            if not self._liar_signed(cert, node.certificate):
+            if not self._beyond_tolerance(cert, node.certificate):
                 self._violation(f"node {k} recognises {self.index.get(a.coordinator)} in term {a.term}, "
                                 f"which {self.index.get(c)} was elected in")
 
@@ -373,7 +384,7 @@ class ElectionSim:
             self.certificates.setdefault((term, self.ids[k]), cert)
         if self.winners.setdefault(term, k) != k:
             other = self.certificates.get((term, self.ids[self.winners[term]]))
-            if not self._liar_signed(cert, other):
+            if not self._beyond_tolerance(cert, other):
                 self._violation(f"two coordinators in term {term}: nodes {self.winners[term]} and {k}")
         why = self._certified(cert, term, self.ids[k])
         if why is not None:
@@ -381,7 +392,7 @@ class ElectionSim:
         stood = self.stood_at.get((k, term), -1.0)
         if self.partition_since is not None and stood >= self.partition_since:
             side = [v for v in node.voters if self.groups[self.index[v]] == self.groups[k]]
-            if len(side) < node.majority:
+            if len(side) < node.quorum:
                 self._violation(f"node {k} elected in term {term} on a minority side of {len(side)}")
         self.wins.append((self.now, k, term))
 

@@ -10,10 +10,10 @@ Ed25519 public key. Both are deterministic, so a simulation stays reproducible.
 
     role           event                                      next role      emits
     follower       election timer (see Timers)                pre-candidate  PreVote to the voters
-    pre-candidate  pre-votes of a majority                    candidate      Persist(term+1, me), RequestVote
-    candidate      signed votes of a majority                 coordinator    BecameCoordinator, Heartbeat
+    pre-candidate  pre-votes of a quorum                      candidate      Persist(term+1, me), RequestVote
+    candidate      signed votes of a quorum                   coordinator    BecameCoordinator, Heartbeat
     coordinator    heartbeat timer                            coordinator    Heartbeat (+ certificate) to the voters
-    coordinator    acks from < a majority within lease_s      follower       SteppedDown (check-quorum)
+    coordinator    acks from < a quorum within lease_s        follower       SteppedDown (check-quorum)
     coordinator    ack of a heartbeat, higher term (bounded)  candidate      Persist(t+1, me), RequestVote
     any            certified Heartbeat of a term >= its own   follower       Persist if newer, HeartbeatAck
 
@@ -22,9 +22,10 @@ candidate's configuration) (certificate.py). A candidate counts only votes of it
 whose signature verifies; elected, it holds them as its `certificate` and sends it with every
 heartbeat, and the coordinator puts it beside every allocation it hands out. A peer recognises
 a coordinator only on a certificate whose votes from the voters of its own configuration are a
-majority of them, every signature checked (once per certificate: `CertificateCheck` caches by
+quorum of them (certificate.py: a majority, plus one for an odd count from 5 voters on, so that
+one voter signing two votes in a term cannot elect two coordinators), every signature checked (once per certificate: `CertificateCheck` caches by
 digest); it never takes its voters from a heartbeat. A peer without a configuration yet (a
-fresh swarm, or a peer that joins) takes a certificate that is a majority of the certificate's
+fresh swarm, or a peer that joins) takes a certificate that is a quorum of the certificate's
 own configuration, which must name this peer; nothing proves to such a peer that this
 configuration is the swarm's (any insider can mint identities that elect it): the operator's
 signed start, carried by a new run's first allocation, closes that gap.
@@ -34,7 +35,7 @@ Who counts. Messages of the election count only from voters of this peer's confi
 RequestVote of anyone else gets no answer, a heartbeat of anyone else changes nothing.
 
 Terms. A higher term is taken only (a) with a certificate for it (at any size: a
-majority voted in it), (b) from a voter answering this peer's own outstanding pre-vote, vote
+quorum voted in it), (b) from a voter answering this peer's own outstanding pre-vote, vote
 or heartbeat, or (c) with a vote this peer grants to a voter; in (b) and (c) at most
 `config.max_term_jump` above its own. Nothing else moves it. No term arithmetic passes MAX_TERM:
 a peer at MAX_TERM refuses to stand (logged; `term_exhausted`) and keeps following.
@@ -59,7 +60,7 @@ configuration only (`train start` on a peer that applied none). Until a node has
 votes but never stands. `campaign(now)` stands at once (`train start`). When the coordinator
 applies a configuration its certificate is not of, it asks the new voters to sign its term
 again over the new configuration (they voted for it already, or not at all in this term) and
-carries the new certificate once a majority did: peers that applied the new configuration
+carries the new certificate once a quorum did: peers that applied the new configuration
 recognise it after a restart too.
 
 Allocations. `may_apply(issuer, term, epoch, certificate, voters)` refuses an allocation unless
@@ -87,7 +88,7 @@ from typing import Protocol
 from dtfm.net import short_id, verify_signature
 
 from ..allocation import Refusal
-from .certificate import Certificate, CertificateCheck, config_digest, majority, vote_payload
+from .certificate import Certificate, CertificateCheck, config_digest, quorum, vote_payload
 from .config import ElectionConfig
 from .messages import (
     MAX_TERM,
@@ -181,7 +182,7 @@ class _Round:
 
     @property
     def complete(self) -> bool:
-        return len(self.votes) >= majority(len(self.voters))
+        return len(self.votes) >= quorum(len(self.voters))
 
 
 class ElectionState:
@@ -224,8 +225,9 @@ class ElectionState:
     # ------------------------------------------------------------------ queries
 
     @property
-    def majority(self) -> int:
-        return majority(len(self.voters))
+    def quorum(self) -> int:
+        """Votes, pre-votes or acks that decide in this peer's configuration (certificate.quorum)."""
+        return quorum(len(self.voters))
 
     @property
     def term_exhausted(self) -> bool:
@@ -364,7 +366,7 @@ class ElectionState:
         if self.role is ElectionRole.COORDINATOR:
             if now >= self._next_heartbeat:
                 if self.config.check_quorum and not self._quorum_heard():
-                    self._step_down(out, f"no acks from a majority within {self.config.lease_s:g} s")
+                    self._step_down(out, f"no acks from a quorum within {self.config.lease_s:g} s")
                 else:
                     self._heartbeat(out)
         elif now >= self._deadline:
@@ -486,7 +488,7 @@ class ElectionState:
             self._become_candidate(self.term + 1, out)
 
     def _check_pre_votes(self, out: list[ElectionAction]) -> None:
-        if len(self._grants & set(self.voters)) >= self.majority:
+        if len(self._grants & set(self.voters)) >= self.quorum:
             self._become_candidate(self.term + 1, out)
 
     def _become_candidate(self, term: int, out: list[ElectionAction]) -> None:
@@ -535,7 +537,7 @@ class ElectionState:
             return True
         since = self._now - self.config.lease_s
         heard = sum(1 for v in self.voters if v == self.me or self._acked_at.get(v, _LONG_AGO) >= since)
-        return heard >= self.majority
+        return heard >= self.quorum
 
     def _step_down(self, out: list[ElectionAction], reason: str, standing_again: bool = False) -> None:
         self.role = ElectionRole.FOLLOWER
