@@ -128,6 +128,15 @@ def test_profiles_are_valid_and_ordered():
     assert ElectionConfig.test().election_timeout_min_s < ElectionConfig.wan().election_timeout_min_s
 
 
+def test_quorum_tolerates_one_lying_voter_from_four_voters():
+    assert [quorum(n) for n in range(1, 10)] == [1, 2, 2, 3, 4, 4, 5, 5, 6]
+    for n in range(1, 40):
+        assert quorum(n) > n / 2  # two quorums meet
+        if n >= 4:  # ... in two voters, also across configurations one voter apart
+            assert 2 * quorum(n) - n >= 2 and quorum(n) + quorum(n + 1) - (n + 1) >= 2
+            assert quorum(n) - 1 < n / 2 + 1  # the smallest such count
+
+
 # ---------------------------------------------------------------------- votes
 
 
