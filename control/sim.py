@@ -16,6 +16,17 @@ Checked as it runs (in `violations`), besides the election's own checks: a node 
 allocation only from the coordinator it recognises for that term (the one elected in it), its
 applied (term, epoch) only grows, and every line any node logs has the reference loss of its
 step. `merged_log` and `check_log` give the log invariants.
+
+A Byzantine node (`byzantine`): a real key whose owner sends anything, well-formed or not, in
+its own name (`byzantine_ask`, `byzantine_send`, and the election's `inject`); what is
+delivered to it is kept in the election's `inbox` (for replays). "insider": one of the n nodes,
+a voter and a peer of the run, whose daemon (its machines) works honestly besides; "outsider":
+an (n + 1)-th key that is no voter, runs no machine and is never named. The shell's part here
+checks untrusted bodies as the daemon's handlers do (control/plane.py): a malformed request or
+one-way message is refused (`refused`, no answer: the daemon's transport drops it) before any
+machine sees it; whatever gets past that goes to the machines, and an exception in a machine
+ends the run (the test fails). An allocation of the Byzantine node counts as its elected
+coordinator's when its certificate is true (honest votes it was given, and its own).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from dtfm.net import Identity, OperatorKey, short_id
+from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, get_int, get_str, short_id
 from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
@@ -44,6 +55,7 @@ from .coordinator.machine import (
     Tick,
     next_voters,
 )
+from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.reshape import ReshapePlan
 from .coordinator.schedule import Placement
 from .election import BecameCoordinator, Certificate, ElectionConfig, ElectionRole, ElectionState, SteppedDown
@@ -179,10 +191,20 @@ class PlaneSim(ElectionSim):
 
     def __init__(self, n: int, config: ElectionConfig, *, seed: int = 0, stages: int = 2,
                  checkpoint_every: int = 0, conditions: NetConditions | None = None, lose_reports: bool = True,
-                 delays_s=None, timings: CoordinatorTimings | None = None):
+                 delays_s=None, timings: CoordinatorTimings | None = None, byzantine: str | None = None):
+        if byzantine not in (None, "insider", "outsider"):
+            raise ValueError(f"byzantine is None, 'insider' or 'outsider', not {byzantine!r}")
         rng = random.Random(seed)
+        n += byzantine == "outsider"
         keys = [Identity(rng.randbytes(32)) for _ in range(n)]
         by_id = {k.peer_id: k for k in keys}
+        # the Byzantine node: the last key drawn (its index among the sorted ids)
+        self.byzantine = sorted(by_id).index(keys[-1].peer_id) if byzantine else None
+        self.refused: list[tuple[int, int, str]] = []  # (node, sender, why): untrusted input the shell refused
+        # (term, epoch) -> the allocation some node applied; lines whose loss the Byzantine
+        # insider could set (a last stage of their epoch: out of scope, like gradient poisoning)
+        self.allocations: dict[tuple[int, int], Allocation] = {}
+        self.liar_losses: list[dict] = []
         self.stages = stages
         self.checkpoint_every = checkpoint_every
         self.timings = timings or CoordinatorTimings(
@@ -210,8 +232,10 @@ class PlaneSim(ElectionSim):
         # (node, its key of an ALLOCATION it was asked) -> (asker, the asker's key): answered once built
         self._pending_allocs: dict[tuple[int, tuple], tuple[int, tuple]] = {}
         self._seq = 0
+        liars = () if self.byzantine is None else (self.byzantine,)
         super().__init__(n, config, seed=rng.getrandbits(64), codec=False, conditions=conditions,
-                         lose_reports=lose_reports, delays_s=delays_s, keys=keys)
+                         lose_reports=lose_reports, delays_s=delays_s, keys=keys, liars=liars,
+                         liars_vote=byzantine != "outsider", liars_run=byzantine == "insider")
 
     # ------------------------------------------------------------------ queries
 
@@ -222,6 +246,12 @@ class PlaneSim(ElectionSim):
         e = self.epochs[k]
         assert e is not None
         return e
+
+    def elected(self, term: int) -> set[int]:
+        """The nodes elected in `term`: by their own machine, or (the Byzantine node) on a true
+        certificate that a node recognised."""
+        out = {self.winners[term]} if term in self.winners else set()
+        return out | {self.index[c] for t, c in self.certificates if t == term}
 
     def merged_log(self) -> dict[int, dict]:
         """step -> the line of the highest (term, epoch) (what `dtfm-swarm` merges)."""
@@ -331,6 +361,17 @@ class PlaneSim(ElectionSim):
         for j, st in zip(ks, stages):
             if st is not None and not st.ended:
                 self._end_runner(j, st, RunEnd(st.at - 1, "stopped", False))
+
+    def byzantine_ask(self, dst: int, msg: int, body: object) -> None:
+        """The Byzantine node sends request `msg` with `body` to node dst (an answer lands in its inbox)."""
+        assert self.byzantine is not None
+        self._seq += 1
+        self._transmit(self.byzantine, dst, ("ask", ("byzantine", self._seq), msg, body))
+
+    def byzantine_send(self, dst: int, msg: int, body: object) -> None:
+        """The Byzantine node sends one-way message `msg` with `body` to node dst."""
+        assert self.byzantine is not None
+        self._transmit(self.byzantine, dst, ("send", msg, body))
 
     def crash(self, k: int) -> None:
         if self.nodes[k] is not None:
@@ -528,8 +569,16 @@ class PlaneSim(ElectionSim):
             local = ("alloc", self._seq)
             self._offer_signed(k, local, body, reply_to=(src, key))
             return
-        answer = self._handle_request(k, self.ids[src], msg, body)
+        try:
+            answer = self._handle_request(k, self.ids[src], msg, body)
+        except ProtocolError as e:
+            self._refuse(k, src, f"request {msg}: {e}")
+            return
         self._transmit(k, src, ("answer", key, answer))
+
+    def _refuse(self, k: int, src: int, why: str) -> None:
+        self.refused.append((k, src, why))
+        del self.refused[:-64]
 
     def _local_answer(self, k: int, msg: int, body: dict) -> dict:
         if msg == ControlMsg.ALLOCATION:
@@ -542,36 +591,79 @@ class PlaneSim(ElectionSim):
             return dict(reply.value)
         return self._handle_request(k, self.ids[k], msg, body)
 
-    def _handle_request(self, k: int, sender: bytes, msg: int, body: dict) -> dict:
+    def _handle_request(self, k: int, sender: bytes, msg: int, body: object) -> dict:
+        """Node k's answer to `sender`'s request: the body checked as control/plane.py's handlers
+        check it (ProtocolError), then the machines."""
         epoch = self.epoch(k)
         self._seq += 1
         key = ("req", self._seq)
         if msg == ControlMsg.START:
+            if not isinstance(body, dict):
+                raise ProtocolError("START body must be a map")
             self._epoch(k, StartAsked(key, sender, body.get("run"), body.get("epoch")))
         elif msg == ControlMsg.STOP:
+            if not isinstance(body, dict):
+                raise ProtocolError("STOP body must be a map")
+            cur = epoch.current
+            at = 0
+            if cur is not None and body.get("run") == cur.run_id:
+                asked = body.get("at_step")
+                if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
+                    raise ProtocolError("STOP at_step must be a non-negative integer")
+                at = asked
             op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
-            self._epoch(k, StopAsked(key, sender, body.get("run"), int(body.get("at_step", 0)),
-                                     final=body.get("final") is True, abort=body.get("abort") is True, op=op))
+            self._epoch(k, StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
+                                     abort=body.get("abort") is True, op=op))
         elif msg == ControlMsg.RUN_STATE:
-            if body["op"] == "query":
-                cur = epoch.current
-                return epoch.run_state(self._checkpoints_of(k, cur.run_id if cur is not None else None)).to_wire()
-            weights = self._held(k, body["run"], tuple(body["layers"]), body["step"])
-            if weights is None:
-                return {"error": "not held here"}
-            digest = hashlib.sha256(repr((tuple(body["layers"]), body["step"])).encode() + weights).hexdigest()
-            self.content[digest] = weights
-            return {"digest": digest, "bytes": 1}
+            return self._run_state_asked(k, sender, body)
         else:
-            raise AssertionError(f"no request {msg}")
+            raise ProtocolError(f"no handler for message {msg}")
         reply = self.replies[k].pop(key)
         return dict(reply.value)
 
-    def _offer_signed(self, k: int, key: tuple, body: dict, reply_to: tuple[int, tuple] | None) -> None:
-        alloc = SignedAllocation.from_wire(body).open()
-        cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
+    def _run_state_asked(self, k: int, sender: bytes, body: object) -> dict:
+        epoch = self.epoch(k)
+        me = self.ids[k]
+        d = get_dict(body, "RUN_STATE")
+        op = get_str(d, "op", 16)
+        if op == "query":
+            cur = epoch.current
+            return epoch.run_state(self._checkpoints_of(k, cur.run_id if cur is not None else None)).to_wire()
+        coordinator = self.node(k).coordinator
+        if op == "reach":
+            if sender not in (coordinator, me):
+                return {"error": "only the coordinator asks a peer to reach others"}
+            req = ReachRequest.from_wire(d)
+            live = {self.ids[j] for j in self.reachable(k)}
+            peers = sorted(set(req.peers) - {me})
+            return ReachAnswer(tuple(p for p in peers if p in live), tuple(p for p in peers if p not in live)).to_wire()
+        if op != "offer":
+            raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
+        run_id = get_bytes(d, "run", 16, 16)
+        step = get_int(d, "step", 0, 2**63 - 1)
+        layers = d.get("layers")
+        if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
+            raise ProtocolError("RUN_STATE: layers must be [first, end]")
+        if sender not in (coordinator, me):
+            return {"error": "only the coordinator asks for offers"}
+        weights = self._held(k, run_id, (layers[0], layers[1]), step)
+        if weights is None:
+            return {"error": "not held here"}
+        digest = hashlib.sha256(repr((tuple(layers), step)).encode() + weights).hexdigest()
+        self.content[digest] = weights
+        return {"digest": digest, "bytes": 1}
+
+    def _offer_signed(self, k: int, key: tuple, body: object, reply_to: tuple[int, tuple] | None) -> None:
         if reply_to is not None:
             self._pending_allocs[(k, key)] = reply_to
+        try:
+            alloc = SignedAllocation.from_wire(body).open()
+            assert isinstance(body, dict)  # from_wire refused anything else
+            cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
+        except ProtocolError as e:  # as the daemon's _accept_signed answers
+            self.replies[k][key] = Reply(key, {"accepted": False, "code": "bad-allocation", "reason": str(e)})
+            self._flush_reply(k, key)
+            return
         live = frozenset(self.ids[j] for j in self.reachable(k))
         ctx = AcceptContext(me=self.ids[k], live=live, known_presets=PRESETS, data_hash=DATA_HASH, data_name="sim",
                             known=frozenset(self.ids))
@@ -588,24 +680,41 @@ class PlaneSim(ElectionSim):
         src, remote_key = target
         self._transmit(k, src, ("answer", remote_key, dict(reply.value)))
 
-    def _one_way(self, k: int, src: int, msg: int, body: dict) -> None:
+    def _one_way(self, k: int, src: int, msg: int, body: object) -> None:
+        """A one-way message to node k, checked as control/plane.py's _on_step checks it."""
         if msg != ControlMsg.STEP:
-            raise AssertionError(f"no one-way message {msg}")
+            self._refuse(k, src, f"no one-way message {msg}")
+            return
+        if not isinstance(body, dict):
+            self._refuse(k, src, "STEP body must be a map")
+            return
         if "failed" in body:
-            self._coordinator(k, StepFailed(self.ids[src], body.get("run"), body.get("epoch"), body["failed"]))
-        else:
-            self._coordinator(k, StepReported(self.ids[src], body.get("run"), StepReport.from_wire(body)))
+            reason = body.get("failed")
+            if not isinstance(reason, str):
+                self._refuse(k, src, "STEP failed must be a string")
+                return
+            self._coordinator(k, StepFailed(self.ids[src], body.get("run"), body.get("epoch"), reason))
+            return
+        try:
+            report = StepReport.from_wire(body)
+        except ProtocolError as e:
+            self._refuse(k, src, str(e))
+            return
+        self._coordinator(k, StepReported(self.ids[src], body.get("run"), report))
 
     def _apply(self, k: int, a: ApplyToElection) -> None:
         node = self.nodes[k]
         assert node is not None
         cur = self.epoch(k).current
         assert cur is not None  # the machine applies the allocation before it says so
-        if self.winners.get(a.term) != self.index.get(cur.issuer):
+        issuer = self.index.get(cur.issuer)
+        if issuer not in self.elected(a.term) and not (issuer in self.liars and self._certified(
+                a.certificate, a.term, cur.issuer) is None):
             self._violation(f"node {k} applied term {a.term} of {short_id(cur.issuer)}, "
                             "not the coordinator elected in it")
         if (a.term, a.epoch) <= self.disk_applied[k]:
             self._violation(f"node {k} applied ({a.term}, {a.epoch}) after {self.disk_applied[k]}")
+        self.allocations[(a.term, a.epoch)] = cur
         self.disk_applied[k] = (a.term, a.epoch)
         self.applied[k].append((a.term, a.epoch))
         self.disk_voters[k] = a.voters
@@ -685,7 +794,12 @@ class PlaneSim(ElectionSim):
 
     def _check_line(self, line: dict) -> None:
         want = reference_loss(reference_weights(self.run_seed, line["step"] + 1))
-        if line["loss"] != want:
+        alloc = self.allocations.get((line["term"], line["epoch"]))
+        liar = self.ids[self.byzantine] if self.byzantine is not None and self.liars_run else None
+        if line["loss"] != want and alloc is not None and liar in {p[-1] for p in alloc.pipelines}:
+            self.liar_losses.append(line)  # the insider computes this loss: it may lie about it
+            del self.liar_losses[:-64]
+        elif line["loss"] != want:
             self._violation(f"node {line['holder']} logged step {line['step']} with loss {line['loss']}, "
                             f"the reference gives {want}")
 

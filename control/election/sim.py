@@ -18,14 +18,15 @@ Actions run in order, as a driver must run them, and the simulation checks as th
 - a node applies only allocations of the coordinator elected in that term, and its applied
   (term, epoch) only grows.
 
-Liars (`liars`, node indices): nodes that run no machine. Their keys are real (`signers`), the
-messages sent to them are kept in `inbox`, and a test sends anything in their name with
-`inject`. A liar that is a voter can sign two votes in one term; since two quorums of 4 or
-more voters share two voters, one of them honest, that elects no second coordinator. Two
-coordinators of a term are therefore always a violation, except beyond what a quorum can
-tolerate: every voter both certificates hold is a liar, and either two or more liars are
-voters or a certificate is of at most 3 voters (where the quorum is a plain majority and two
-quorums may share a single voter).
+Liars (`liars`, node indices): nodes that run no machine (`liars_run` False) or that run the
+honest machines and besides send anything (`liars_run` True: a compromised peer whose daemon
+still works). Their keys are real (`signers`), the messages delivered to them are kept in
+`inbox` (the plane's too), and a test sends anything in their name with `inject`. A liar
+that is a voter can sign two votes in one term; since two quorums of 4 or more voters share
+two voters, one of them honest, that elects no second coordinator. Two coordinators of a term
+are therefore always a violation, except beyond what a quorum can tolerate: every voter both
+certificates hold is a liar, and either two or more liars are voters or a certificate is of at
+most 3 voters (where the quorum is a plain majority and two quorums may share a single voter).
 
 The control plane's machines run on top of it in `PlaneSim` (control/sim.py), through the
 hooks `_booted`, `_election_event`, `_on_message` and `_dispatch`. The figures of
@@ -89,7 +90,7 @@ class ElectionSim:
     def __init__(self, n: int, config: ElectionConfig, *, delays_s: Sequence[Sequence[float]] | None = None,
                  seed: int = 0, codec: bool = True, conditions: NetConditions | None = None,
                  lose_reports: bool = True, keys: Sequence[Identity] | None = None, liars: Sequence[int] = (),
-                 liars_vote: bool = True) -> None:
+                 liars_vote: bool = True, liars_run: bool = False) -> None:
         self.config = config
         # False: drop_fraction spares the plane's messages (a connection that stays up)
         self.lose_reports = lose_reports
@@ -103,6 +104,7 @@ class ElectionSim:
         self.ids = sorted(self.signers)
         self.index = {p: k for k, p in enumerate(self.ids)}
         self.liars = frozenset(liars)
+        self.liars_run = liars_run  # the liars also run the honest machines
         self.inbox: dict[int, collections.deque] = {k: collections.deque(maxlen=INBOX_MESSAGES) for k in self.liars}
         self.certificates: dict[tuple[int, bytes], Certificate] = {}  # (term, coordinator) -> its certificate
         self._genuine: set[bytes] = set()  # digests of certificates whose signatures all verify
@@ -157,7 +159,7 @@ class ElectionSim:
         self.nodes[k] = None
 
     def restart(self, k: int) -> None:
-        if self.nodes[k] is None and k not in self.liars:
+        if self.nodes[k] is None and (k not in self.liars or self.liars_run):
             self._boot(k)
 
     def inject(self, k: int, dst: int, msg: ElectionMessage) -> None:
@@ -216,11 +218,12 @@ class ElectionSim:
             self.now = t
             kind, k = item[0], item[1]
             node = self.nodes[k]
+            if kind == "msg" and k in self.liars and self.groups[item[2]] == self.groups[k]:
+                payload = item[3]
+                if self.codec and type(payload) is not tuple:
+                    payload = decode_election(unpack_untrusted(payload, max_len=MAX_BODY_BYTES))
+                self.inbox[k].append((item[2], payload))
             if node is None:
-                if kind == "msg" and k in self.liars and type(item[3]) is not tuple:
-                    payload = item[3]
-                    self.inbox[k].append((item[2], decode_election(unpack_untrusted(payload, max_len=MAX_BODY_BYTES))
-                                          if self.codec else payload))
                 continue
             if kind == "tick":
                 if t == self._tick_at[k]:
@@ -245,7 +248,7 @@ class ElectionSim:
     # ------------------------------------------------------------------ internals
 
     def _boot(self, k: int) -> None:
-        if k in self.liars:
+        if k in self.liars and not self.liars_run:
             return
         term, voted_for = self.stores[k].load()
         self.nodes[k] = ElectionState(self.ids[k], self.config, random.Random(self.rng.random()), self.local_now(k),
