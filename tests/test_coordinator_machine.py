@@ -50,6 +50,7 @@ from dtfm.control.coordinator.machine import (
     StartRun,
     StepFailed,
     StepReported,
+    SteppedDownEvent,
     StopRun,
     Tick,
     Trigger,
@@ -546,6 +547,24 @@ def test_a_reconfiguration_goes_through_its_phases_in_order():
     assert rec is not None and rec.bytes_moved == 10 and rec.transfer_s == 0.5
     assert (rec.stop_s, rec.schedule_s, rec.offer_s, rec.handout_s) == pytest.approx((1.0, 0.1, 0.2, 0.3))
     assert n.c.status().epoch == 2 and n.election.last_applied == (1, 2) and n.election.voters == tuple(N[:3])
+
+
+def test_a_coordinator_that_stepped_down_mid_reconfiguration_hands_nothing_out():
+    # As in the test above, but the election deposes n0 while the offers are out: it hands out
+    # no allocation (it would carry no certificate of its own, or its successor's).
+    n = Node()
+    n.training(steps=2)
+    n.swarm.live.discard(N[3])
+    n.feed(Trigger("peer n3 is dead"), 5.0)
+    n.tick()
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2), N[2]: state((0, 2), 2)}, 5.8)
+    n.compute("plan", 6.6)
+    n.answer("offer 0-2", {N[0]: {"digest": D01, "bytes": 1}, N[2]: {"digest": D01, "bytes": 1}}, 6.7)
+    n.election.term, n.election.coordinator = 2, N[1]
+    n.feed(SteppedDownEvent(1, "a voter is in term 2"), 6.75)
+    n.answer("offer 2-4", {N[1]: {"digest": D23, "bytes": 1}}, 6.8)
+    assert "alloc" not in n.asks and n.c.phase is not Phase.HANDING_OUT
+    assert n.election.last_applied == (1, 1)
 
 
 def test_a_minority_of_voters_does_not_reconfigure_and_retries():

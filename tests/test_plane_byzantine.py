@@ -269,8 +269,8 @@ class ByzantinePlane(PlaneMachine):
         run_id = bytes(16) if mode == 8 or cur is None else cur.run_id
         e = (cur.epoch if cur is not None else 0) + (epoch if mode == 9 else 0)
         targets = [k for k in sim.coordinators() if k != self.me] if mode != 9 else [self._honest(dst)]
-        for i in range(times if mode == 6 else 1):
-            step = far + i if mode == 6 else max(0, self._step() + ahead)
+        for i in range(times if mode == 6 else min(times, 3)):
+            step = far + i if mode == 6 else max(0, self._step() + ahead + i)
             body = {"run": run_id, "epoch": e, "step": step, "loss": loss, "iteration_s": 0.1, "compute_s": 0.05,
                     "pipeline_s": 0.03, "sync_s": 0.02}
             if mode == 7:

@@ -752,7 +752,10 @@ class Coordinator:
         except ValueError as e:
             self._proc = None
             return [Reply(start.key, error=f"cannot build the allocation: {e}")]
-        return self._hand_out(proc, alloc, (), now)
+        try:
+            return self._hand_out(proc, alloc, (), now)
+        except _Failed as e:
+            return self._failed(proc, e)
 
     def _reschedule_asked(self, ev: Reschedule, now: float) -> list:
         """An operator's reschedule of the current run, newer than the last one taken, within
@@ -1004,7 +1007,14 @@ class Coordinator:
 
     def _hand_out(self, proc: _Procedure, alloc: Allocation, backfill: Sequence[StepReport], now: float) -> list:
         """Log the steps before the resume point that `backfill` (the peers' reports) covers and
-        this peer has not logged; ALLOCATION to every named peer, then START."""
+        this peer has not logged; ALLOCATION to every named peer, then START. Only while this
+        peer is the coordinator of the allocation's term with its certificate: one that stepped
+        down while the procedure ran (its scheduler or the offers were still out) hands nothing
+        out, rather than an allocation without its proof or with its successor's."""
+        cert = self.election.certificate
+        mine = cert is None or (cert.candidate, cert.term) == (self.me, alloc.term)
+        if not self.election.is_coordinator or not mine:
+            raise _Failed(f"this peer is no longer the coordinator of term {alloc.term}")
         proc.alloc = alloc
         self.phase = Phase.HANDING_OUT
         self.reason = ""
@@ -1022,7 +1032,6 @@ class Coordinator:
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
         targets = list(alloc.peers) + list(alloc.spares)
         body = signed.to_wire()
-        cert = self.election.certificate
         if cert is not None:  # the proof of this peer's election in the allocation's term
             body["cert"] = cert.to_wire()
         out.append(self._proc_ask(proc, "alloc", targets, body, self.t.accept_timeout_s,
