@@ -350,5 +350,5 @@ class ByzantinePlane(PlaneMachine):
 
 
 TestByzantinePlane = ByzantinePlane.TestCase
-TestByzantinePlane.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
+TestByzantinePlane.settings = settings(max_examples=200, stateful_step_count=30, deadline=None, derandomize=True,
                                        suppress_health_check=[HealthCheck.too_slow])
