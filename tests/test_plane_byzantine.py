@@ -6,8 +6,9 @@ whose daemon works honestly besides), in others an outsider (no voter, never nam
 well-formed messages of every control type the simulation carries, with arbitrary fields:
 ELECTION of every kind (terms up to the largest, votes it signs for anyone, two in one term,
 certificates of its own configuration, assembled from the votes it was given, or forged);
-ALLOCATION signed by itself with arbitrary fields and those certificates, or an unsigned or
-garbled body; START, STOP (final, abort, any step); STEP reports (any run, epoch, step, loss,
+ALLOCATION signed by itself with arbitrary fields and those certificates, the run's operator
+start replayed or its own, or an unsigned or garbled body; START, STOP (final, abort, any step,
+an operator's signed stop replayed, one it signed itself, or garbage); STEP reports (any run, epoch, step, loss,
 far-future steps) and failures; RUN_STATE query, offer and reach; message types the simulation
 has no handler for; arbitrary maps with the known keys; and replays of what it was sent.
 
@@ -45,8 +46,9 @@ from dtfm.control.election import (
     vote_payload,
 )
 from dtfm.control.messages import ControlMsg
+from dtfm.control.operator import SignedOp, sign_op
 from dtfm.control.sim import DATA_HASH, PRESET, PlaneSim, SimPlanner
-from dtfm.net import pack, verify_signature
+from dtfm.net import OperatorKey, ProtocolError, pack, verify_signature
 from dtfm.train import TrainConfig, get_preset
 
 # Values of every wire type, in and out of range: what a field may hold in a well-formed map.
@@ -56,9 +58,10 @@ _NUM = st.one_of(st.integers(-3, 12), st.sampled_from([2**31, 2**53 + 1, 2**63 -
 # relative to the current value: mostly near it (where the machines decide), some far off
 _OFFSET = st.sampled_from([0, 0, 0, 1, 1, 2, -1, 3, -3, 50, 10**6, 2**62])
 _ANY = st.one_of(st.just("current"), st.just("current"), st.just("current"), st.just("other"), _LEAVES)
+_OWN_OPERATOR_KEY = OperatorKey(hashlib.sha256(b"the Byzantine node's operator key").digest())
 _KEYS = {
     ControlMsg.START: ("run", "epoch"),
-    ControlMsg.STOP: ("run", "at_step", "final", "abort"),
+    ControlMsg.STOP: ("run", "at_step", "final", "abort", "op"),
     ControlMsg.STEP: ("run", "epoch", "step", "loss", "iteration_s", "compute_s", "pipeline_s", "sync_s", "failed"),
     ControlMsg.RUN_STATE: ("op", "run", "step", "layers", "peers", "timeout_s"),
     ControlMsg.ALLOCATION: ("body", "sig", "cert"),
@@ -196,7 +199,37 @@ class ByzantinePlane(PlaneMachine):
 
     # ---------------------------------------------------------------- allocations
 
-    def _hand_out(self, term, epoch, cert, run, start_step, named, voters_how=0, holdings=False, garble=0):
+    def _signed_ops(self, kind: str) -> list[SignedOp]:
+        """The operator's signed operations of `kind` it has seen: STOP bodies it was sent, the
+        operator start of allocations it was offered."""
+        out = []
+        for _, m in self.sim.inbox[self.me]:
+            if type(m) is tuple and m[0] == "ask" and isinstance(m[3], dict):
+                try:
+                    if m[2] == ControlMsg.STOP and kind == "stop" and m[3].get("op") is not None:
+                        out.append(SignedOp.from_wire(m[3]["op"]))
+                    elif m[2] == ControlMsg.ALLOCATION and kind == "start":
+                        start = SignedAllocation.from_wire(m[3]).open().operator_start
+                        if start:
+                            out.append(SignedOp.decode(start))
+                except (ValueError, KeyError, AttributeError, ProtocolError):
+                    continue
+        return out
+
+    def _op(self, kind: str, how: int, run_id) -> object:
+        """0: none; 1: the operator's, replayed; 2: its own key's; 3: garbage."""
+        if how == 1:
+            seen = self._signed_ops(kind)
+            return seen[-1].to_wire() if seen else None
+        if how == 2:  # signed by a key of its own, no operator of the swarm
+            rid = run_id if type(run_id) is bytes and len(run_id) == 16 else None
+            if rid is None and kind != "start":
+                return None
+            return sign_op(_OWN_OPERATOR_KEY, kind, now_s=max(0.0, self.sim.now), run_id=rid).to_wire()
+        return {"body": b"\x00", "sig": bytes(64)} if how == 3 else None
+
+    def _hand_out(self, term, epoch, cert, run, start_step, named, voters_how=0, holdings=False, garble=0,
+                  op_how=0):
         sim, me = self.sim, self.sim.ids[self.me]
         cur = self._current()
         peers = sorted({sim.ids[k % sim.n] for k in named} | {me})
@@ -215,7 +248,8 @@ class ByzantinePlane(PlaneMachine):
                                train=TrainConfig(seed=sim.run_seed), data_hash=DATA_HASH, data_name="sim",
                                start_step=start_step, end_step=max(start_step + 1, 10**6), checkpoint_every=0,
                                predicted_iteration_s=1.0, spares=placement.spares, run_id=run_id, reason="byzantine",
-                               voters=voters, holdings=cur.holdings if holdings and cur is not None else ())
+                               voters=voters, holdings=cur.holdings if holdings and cur is not None else (),
+                               operator_start=self._start_of(op_how, cur, run_id))
             body = SignedAllocation.sign(alloc, self.key).to_wire()
         except (ValueError, TypeError):  # not an allocation at all: its fields, signed as they are
             raw = pack([2, run_id, term, epoch, me])
@@ -230,27 +264,36 @@ class ByzantinePlane(PlaneMachine):
             sim.byzantine_ask(k, ControlMsg.ALLOCATION, body)
         self._then_train()
 
+    def _start_of(self, how: int, cur, run_id) -> bytes:
+        """The allocation's operator start: the current run's (replayed), its own, or none."""
+        if how == 1 and cur is not None:
+            return cur.operator_start
+        op = self._op("start", how, run_id)
+        return SignedOp.from_wire(op).encode() if how == 2 and op is not None else b""
+
     @rule(term_up=_OFFSET, epoch_up=_OFFSET, how=st.integers(0, 3), run=_ANY, start=_NUM,
           named=st.lists(st.integers(0, 8), min_size=1, max_size=6), voters_how=st.integers(0, 2),
-          holdings=st.booleans(), garble=st.integers(0, 4))
-    def allocation(self, term_up, epoch_up, how, run, start, named, voters_how, holdings, garble):
+          holdings=st.booleans(), garble=st.integers(0, 4), op_how=st.integers(0, 2))
+    def allocation(self, term_up, epoch_up, how, run, start, named, voters_how, holdings, garble, op_how):
         sim = self.sim
         k = self._honest(named[0])
         node = sim.nodes[k]
         term = max(0, (node.term if node is not None else 0) + term_up)
         epoch = max(0, sim.disk_applied[k][1] + epoch_up)
-        self._hand_out(term, epoch, self._certificate(how, term), run, start, named, voters_how, holdings, garble)
+        self._hand_out(term, epoch, self._certificate(how, term), run, start, named, voters_how, holdings, garble,
+                       op_how)
 
     # ---------------------------------------------------------------- the run
 
     @rule(dst=st.integers(0, 8), run=_ANY, epoch=st.one_of(_OFFSET, _LEAVES), stop=st.booleans(),
-          at=st.one_of(_OFFSET, _LEAVES), final=_LEAVES, abort=_LEAVES)
-    def start_or_stop(self, dst, run, epoch, stop, at, final, abort):
+          at=st.one_of(_OFFSET, _LEAVES), final=_LEAVES, abort=_LEAVES, op_how=st.integers(0, 3))
+    def start_or_stop(self, dst, run, epoch, stop, at, final, abort, op_how):
         cur = self._current()
         run_id = self._value(run, cur.run_id if cur is not None else b"", bytes(16))
         if stop:
             at_step = self._step() + at if type(at) is int else at
-            body = {"run": run_id, "at_step": at_step, "final": final, "abort": abort}
+            body = {"run": run_id, "at_step": at_step, "final": final, "abort": abort,
+                    "op": self._op("stop", op_how, run_id)}
             self.sim.byzantine_ask(self._honest(dst), ControlMsg.STOP, body)
         else:
             e = (cur.epoch if cur is not None else 0) + epoch if type(epoch) is int else epoch
