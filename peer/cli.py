@@ -28,7 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtfm.control import PLACEMENTS, sign_op
+from dtfm.control import PLACEMENTS
 from dtfm.net import (
     IDENTITY_FILE,
     Identity,
@@ -489,6 +489,7 @@ def _current_run(info: dict, what: str) -> bytes:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
     config, data_dir = _client_config(args)
     if args.train_command == "reschedule":
         return _train_reschedule(args, config, data_dir)
@@ -535,6 +536,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
+    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
     control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
         info = _train_info(c)

@@ -26,13 +26,15 @@ import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dtfm.control import SignedOp, sign_op
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 
 from .proc import peer_request, peer_status
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
+
+if TYPE_CHECKING:
+    from dtfm.control import SignedOp
 
 __all__ = ["EVENTS_NAME", "LOG_NAME", "RUN_NAME", "current_run", "merge_events", "merge_train", "operator_op",
            "read_log", "run_end", "start_training", "stop_training", "sync_logs", "wait_step", "write_jsonl"]
@@ -52,6 +54,7 @@ ELECTING_ROLES = frozenset({"candidate", "pre-candidate"})
 def operator_op(run_dir: Path, peer: PeerEntry, kind: str, args: dict | None = None) -> SignedOp:
     """An operation of the swarm's operator (its key is beside the run dir's swarm key), signed
     now: a start names `peer`'s data set by its hash; a stop or reschedule, `peer`'s run."""
+    from dtfm.control import sign_op  # the allocation's model types load torch: only when signing
     try:
         key = OperatorKey.load(operator_key_path(run_dir / KEY_FILE))
     except KeyFileError as e:
