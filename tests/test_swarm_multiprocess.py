@@ -39,6 +39,7 @@ def run_dir():
 
 
 @pytest.mark.slow
+@pytest.mark.soak  # 80 s: the link measurement accuracy it checks wants an idle machine
 @pytest.mark.timeout(400)
 def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
     rc = swarm.main(["up", "--run-dir", str(run_dir), "--scenario", "worldwide",
