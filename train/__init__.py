@@ -1,7 +1,7 @@
 """dtfm.train: GPT stages, GPipe pipeline, data-parallel all-reduce, optimizer, data,
 checkpoints and stage transfer; talks to other peers only through `Comm`."""
 
-from importlib import import_module
+from dtfm.lazy import lazy_exports
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -209,17 +209,4 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     ".worker": ("StageState", "StepResult", "check_compression", "run_step"),
 }
-_MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
+__getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

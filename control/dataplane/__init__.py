@@ -7,7 +7,7 @@ message and its replies, config.py the flow-control settings. docs/control.md ("
 the transport") has the protocol.
 """
 
-from importlib import import_module
+from dtfm.lazy import lazy_exports
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,17 +24,4 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".comm": ("TensorRouter", "TransportComm"),
     ".config": ("ENTRY_OVERHEAD_BYTES", "CommConfig"),
 }
-_MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
+__getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

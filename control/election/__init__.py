@@ -11,7 +11,7 @@
                  bench/election.py; not imported here (import dtfm.control.election.sim)
 """
 
-from importlib import import_module
+from dtfm.lazy import lazy_exports
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -95,17 +95,4 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     ".store": ("ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore"),
 }
-_MODULE_OF = {name: module for module, names in LAZY_EXPORTS.items() for name in names}
-
-
-def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_MODULE_OF))
+__getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())
