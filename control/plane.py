@@ -84,11 +84,13 @@ from .epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
+from .epoch.access import parse_fetchers
 from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageError, StageHost
 from .messages import ControlMsg
 from .operator import OperatorError, SignedOp, check_op
+from .refusals import merge_counts
 
 __all__ = ["ControlPlane"]
 
@@ -572,7 +574,8 @@ class ControlPlane:
         d = get_dict(body, "RUN_STATE")
         op = get_str(d, "op", 16)
         if op == "query":
-            return self.run_state().to_wire()
+            refused = self.epoch.check_run_state_reader(sender)
+            return {"error": refused.text} if refused is not None else self.run_state().to_wire()
         if op == "reach":
             if sender != self.election.coordinator and sender != self.me:
                 return {"error": "only the coordinator asks a peer to reach others"}
@@ -584,9 +587,11 @@ class ControlPlane:
         layers = d.get("layers")
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
-        if sender != self.election.coordinator and sender != self.me:
-            return {"error": "only the coordinator asks for offers"}
-        return await self.stages.offer(run_id, step, (layers[0], layers[1]))
+        fetchers = parse_fetchers(d)
+        refused = self.epoch.check_offer_asker(sender)
+        if refused is not None:
+            return {"error": refused.text}
+        return await self.stages.offer(run_id, step, (layers[0], layers[1]), fetchers=fetchers)
 
     async def _reach(self, req: ReachRequest) -> dict:
         """Ping each asked peer (gossip's round-trip measurement), each within the request's time."""
@@ -802,5 +807,7 @@ class ControlPlane:
 
     def status(self) -> dict[str, Any]:
         from .status import plane_status
+        refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
+                                 self.stages.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait).to_wire()
+                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()

@@ -60,6 +60,7 @@ from .coordinator.reshape import ReshapePlan
 from .coordinator.schedule import Placement
 from .election import BecameCoordinator, Certificate, ElectionConfig, ElectionRole, ElectionState, SteppedDown
 from .election.sim import ElectionSim, NetConditions
+from .epoch.access import parse_fetchers
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -627,6 +628,9 @@ class PlaneSim(ElectionSim):
         d = get_dict(body, "RUN_STATE")
         op = get_str(d, "op", 16)
         if op == "query":
+            refused = epoch.check_run_state_reader(sender)
+            if refused is not None:
+                return {"error": refused.text}
             cur = epoch.current
             return epoch.run_state(self._checkpoints_of(k, cur.run_id if cur is not None else None)).to_wire()
         coordinator = self.node(k).coordinator
@@ -644,8 +648,10 @@ class PlaneSim(ElectionSim):
         layers = d.get("layers")
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
-        if sender not in (coordinator, me):
-            return {"error": "only the coordinator asks for offers"}
+        parse_fetchers(d)  # (no fetch in the simulation: the content store stands for it)
+        refused = epoch.check_offer_asker(sender)
+        if refused is not None:
+            return {"error": refused.text}
         weights = self._held(k, run_id, (layers[0], layers[1]), step)
         if weights is None:
             return {"error": "not held here"}
@@ -779,7 +785,8 @@ class PlaneSim(ElectionSim):
         if self.checkpoint_every and st.at % self.checkpoint_every == 0:
             s = st.alloc.position(self.ids[k])[1]
             self.checkpoints[k][(st.alloc.run_id, st.alloc.layer_ranges[s], st.at)] = st.weights
-        rep = StepReport(epoch, step, reference_loss(st.weights), 0.1, 0.05, 0.03, 0.02)
+        last = st.alloc.position(self.ids[k])[1] == st.alloc.stages - 1  # the loss: on last stages only
+        rep = StepReport(epoch, step, reference_loss(st.weights) if last else None, 0.1, 0.05, 0.03, 0.02)
         self._epoch(k, StepDone(rep))
         if st.at >= self._end_of(k, st.alloc):
             reason = "finished" if st.at >= st.alloc.end_step else "stopped"
@@ -794,6 +801,8 @@ class PlaneSim(ElectionSim):
 
     def _check_line(self, line: dict) -> None:
         want = reference_loss(reference_weights(self.run_seed, line["step"] + 1))
+        if line["loss"] is None and line.get("backfilled"):
+            return  # no last-stage peer that reported the step answered: the loss is taken from no other
         alloc = self.allocations.get((line["term"], line["epoch"]))
         liar = self.ids[self.byzantine] if self.byzantine is not None and self.liars_run else None
         if line["loss"] != want and alloc is not None and liar in {p[-1] for p in alloc.pipelines}:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ class PlaneStatus:
     swarm_wait: dict | None
     pid: int
     now: float = 0.0  # wall time of the snapshot
+    refusals: dict[str, int] = field(default_factory=dict)  # refused input per reason (control/refusals.py)
 
     def state(self) -> str:
         """What this peer is doing: idle, spare, waiting, building, accepted, training (stalled,
@@ -90,10 +91,13 @@ class PlaneStatus:
                 out["issued"]["cut_links"] = c.cut_links
         if self.swarm_wait is not None:
             out["waiting_for_peers"] = dict(self.swarm_wait)
+        out["refusals"] = dict(self.refusals)
         out["pid"] = self.pid
         return out
 
 
 def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
-                 coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None) -> PlaneStatus:
-    return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time())
+                 coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None,
+                 refusals: dict[str, int] | None = None) -> PlaneStatus:
+    return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time(),
+                       dict(refusals or {}))

@@ -389,7 +389,8 @@ def test_train_start_on_a_peer_that_is_not_the_coordinator_fails():
 def test_steps_are_logged_once_every_peer_reported_them_and_lost_reports_are_filled_from_the_peers():
     # Step 1's reports all went missing: once step 2 has every report the coordinator asks the
     # peers for the reports they keep and logs step 1 from them. Steps 4 and 5 lost, no peer kept
-    # them: given up without a line. A report lost of step 7: its line is partial.
+    # them: given up without a line. A report lost of step 7: its line is partial. Reports of
+    # another run, from a peer with no stage in the epoch, of another epoch: refused.
     n = Node()
     n.training(steps=0)
     for s in (0, 2):
@@ -449,6 +450,8 @@ def test_steps_are_logged_once_every_peer_reported_them_and_lost_reports_are_fil
     """)
     st = n.c.status()
     assert st.completed == 8 and [x["step"] for x in st.recent] == [0, 2, 1, 3, 6, 7, 8]
+    counts = n.c.refusals.counts()  # (the first stages' reports carry a loss here too: not taken)
+    assert [counts.get(c) for c in ("step-other-run", "step-not-peer", "step-other-epoch")] == [1, 1, 1]
 
 
 def test_a_run_finishes_at_its_last_step():
@@ -476,18 +479,20 @@ def test_backfill_logs_each_step_once_from_its_newest_run():
     # Steps 0-3 from the peers' reports: step 2 ran in epochs 1 and 3 (re-run after a rollback),
     # the epoch-3 run is logged; step 1 is logged already; step 3 has no report.
     log = StepLog(alloc(epoch=4, start_step=4), {1}, started_at=0.0)
-    reports = [report(1, 0), report(1, 1), report(1, 2), report(3, 2, loss=9.0)]
-    lines = log.backfill(reports, {0, 1, 2, 3})
+    known = {1: alloc(epoch=1), 3: alloc(epoch=3, start_step=2)}.get
+    reports = [(N[1], r) for r in (report(1, 0), report(1, 1), report(1, 2), report(3, 2, loss=9.0))]
+    lines = log.backfill(reports, {0, 1, 2, 3}, known)
     assert [(x["step"], x["epoch"], x["loss"], x["backfilled"]) for x in lines] == [
         (0, 1, report(1, 0).loss, True), (2, 3, 9.0, True)]
-    assert log.logged == {0, 1, 2} and log.backfill(reports, {0, 2}) == []
+    assert log.logged == {0, 1, 2} and log.backfill(reports, {0, 2}, known) == []
 
 
 # ---- reconfiguration --------------------------------------------------------------------------------
 
 
 def test_a_reconfiguration_goes_through_its_phases_in_order():
-    # n3 dies in step 2. The coordinator gathers the reports of it, asks every peer for its run
+    # n3 dies in step 2. The coordinator gathers the reports of it (n1's failed step waits for a
+    # check of the run states, and the new epoch makes it moot), asks every peer for its run
     # state, aborts the step of those still running, polls until they stopped, plans from the
     # resume point (n2 completed step 2, n0 and n1 did not: step 2 is where every stage is
     # held), has the holders offer their stages, hands the new epoch out and starts it.
@@ -539,7 +544,7 @@ def test_a_reconfiguration_goes_through_its_phases_in_order():
         7 answers alloc: n0 accepted, n1 accepted, n2 accepted
           ask start: START epoch=2 -> n0 n1
         7.1 answers start: n0 started, n1 started
-          emit reconfigure term=1 epoch=2 trigger=peer n3 is dead; peer n1: CommError: n3 is gone old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False
+          emit reconfigure term=1 epoch=2 trigger=peer n3 is dead old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False
           phase: training
     """)
     assert n.planner.calls == [{"live": N[:3], "remaining_steps": 98, "seed": 1, "force": False}]
@@ -637,9 +642,10 @@ def test_a_stage_without_a_holder_pauses_the_run_until_a_peer_out_of_reach_answe
     # once n4 answers; without an answer it retries after paused_retry_s anyway.
     n = Node()
     n.training()
-    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 5.0)
-    n.tick()
     restarted = state(None, None)
+    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
+    n.answer("probe failed", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.0)
+    n.tick()
     n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.6)
     assert "no reachable peer holds layers 2-3" in n.c.status().reason
     n.tick()
@@ -649,7 +655,9 @@ def test_a_stage_without_a_holder_pauses_the_run_until_a_peer_out_of_reach_answe
     n.tick()
     n.answer("probe holders", {N[4]: state(None, None, run=b"", epoch=0)}, n.now + 0.1)
     n.transcript("""
-        5 STEP of epoch 1 failed at n1: restarted: holds no stage
+        4.9 STEP of epoch 1 failed at n1: restarted: holds no stage
+          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
+        5 answers probe failed: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None
         5.5 tick
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
@@ -688,9 +696,10 @@ def test_stages_held_only_in_checkpoints_roll_the_swarm_back():
     # n0 of layers 0-2). Steps 2 and 3, already logged, run again: the swarm rolls back.
     n = Node()
     n.training(steps=4)
-    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 5.0)
-    n.tick()
     restarted = state(None, None, checkpoints=[(2, 4, 2)])
+    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
+    n.answer("probe failed", {N[1]: restarted, N[3]: restarted}, 5.0, everyone=state((0, 2), 4, running=True))
+    n.tick()
     n.answer("states", {N[0]: state((0, 2), 4, checkpoints=[(0, 2, 2)]), N[1]: restarted,
                         N[2]: state((0, 2), 4), N[3]: restarted}, 5.6)
     n.compute("plan", 5.7)
@@ -699,7 +708,9 @@ def test_stages_held_only_in_checkpoints_roll_the_swarm_back():
     n.answer("alloc", everyone={"accepted": True}, at=6.0)
     n.answer("start", everyone={"started": True}, at=6.1)
     n.transcript("""
-        5 STEP of epoch 1 failed at n1: restarted: holds no stage
+        4.9 STEP of epoch 1 failed at n1: restarted: holds no stage
+          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
+        5 answers probe failed: n0 0-2@4 running, n1 -@None, n2 0-2@4 running, n3 -@None
         5.5 tick
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping

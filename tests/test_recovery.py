@@ -91,13 +91,18 @@ class Node:
         return self.id, self.addr
 
 
+def anyone(peer: bytes, key) -> None:
+    """A recovery server's rule that lets every authenticated peer fetch (the fetch mechanics)."""
+    return None
+
+
 @asynccontextmanager
 async def swarm(n: int, server_cls=RecoveryServer):
     """`n` transports listening on loopback, each with its recovery server."""
     nodes = []
     for _ in range(n):
         t = Transport(Identity.generate(), KEY, TransportConfig.test())
-        nodes.append(Node(t, server_cls(t, chunk_bytes=CHUNK)))
+        nodes.append(Node(t, server_cls(t, chunk_bytes=CHUNK, authorize=anyone)))
     async with trio.open_nursery() as nursery:
         for node in nodes:
             node.addr = await nursery.start(node.transport.serve, "127.0.0.1", 0)

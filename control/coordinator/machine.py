@@ -43,6 +43,8 @@ from .deadline import DeadlineRules, StepWatch, judge, laggards, missed_deadline
 from .links import CutLinks, ReachAnswer, ReachRequest, used_cut_links
 from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from .request import TrainRequest
+from ..refusals import Refusals, Refused
+from .failures import FailedSteps
 from .reshape import ReshapePlan
 from .schedule import Placement
 from .steplog import StepLog
@@ -312,6 +314,8 @@ class Coordinator:
         self._stuck = False  # the next reconfiguration aborts a step that missed its deadline
         self._next_link_test = 0.0
         self._deadline_probe: tuple[int, int, tuple[bytes, ...]] | None = None  # (epoch, step, laggards)
+        self.refusals = Refusals()  # STEP reports and failures refused
+        self._failures = FailedSteps(self.refusals)  # failed-step reports of the current epoch
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -359,11 +363,7 @@ class Coordinator:
         elif isinstance(event, StepReported):
             out += self._step(event)
         elif isinstance(event, StepFailed):
-            cur = self.epoch.current
-            if (self.election.is_coordinator and cur is not None and event.run_id == cur.run_id
-                    and event.epoch == cur.epoch):  # a late report of an older epoch: already handled
-                self._trigger(f"peer {short_id(event.peer)}: {event.reason[:200]}")
-                self._next_check = now
+            self._step_failed(event, now)
         elif isinstance(event, Elected):
             out.append(Emit(PlaneEvent(EventKind.COORDINATOR, event.term, "elected")))
             cur = self.epoch.current
@@ -429,6 +429,10 @@ class Coordinator:
                 return []
             reasons, self._triggers, self._gather_until = self._triggers, [], None
             return self._reconfigure("; ".join(reasons), now, retry=reasons)
+        if self._failures.due(cur, self._completed_of(cur)):
+            self._probe = "failed"  # a failed step triggers once the run states agree
+            return [self._ask(("probe", "failed"), cur.peers, ControlMsg.RUN_STATE, {"op": "query"},
+                              self.t.probe_timeout_s)]
         if self._paused_live is not None:
             missing = self._named(cur) | set(self.swarm.live_peers())
             missing -= set(self._paused_live) | {self.me}
@@ -466,6 +470,11 @@ class Coordinator:
             return []
         cur = self.epoch.current
         if cur is None or not self.election.is_coordinator:
+            return []
+        if what == "failed":
+            for reason in self._failures.judge(cur, states):
+                self._trigger(reason)
+                self._next_check = now
             return []
         if what == "epoch":
             term, self._check_epoch = self._check_epoch, None
@@ -934,9 +943,11 @@ class Coordinator:
         proc.marks["planned"] = now
         self.phase = Phase.OFFERING
         out = []
+        shape = proc.plan.placement  # its peers may fetch the offers (control/epoch/access.py)
+        fetchers = sorted({p for pipe in shape.pipelines for p in pipe} | set(shape.spares))
         for r in cur.layer_ranges:
             holders = list(rp.holders(r))[:MAX_OFFER_HOLDERS]
-            body = {"op": "offer", "run": cur.run_id, "step": rp.step, "layers": list(r)}
+            body = {"op": "offer", "run": cur.run_id, "step": rp.step, "layers": list(r), "for": fetchers}
             out.append(self._proc_ask(proc, "offer", holders, body, self.t.accept_timeout_s, sub=r))
         return out
 
@@ -975,7 +986,7 @@ class Coordinator:
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
         done = set(self.logged.get(cur.run_id, ())) | {r.step - 1 for st in proc.states.values() for r in st.reports}
         proc.rolled_back = rp.rollback or rp.step <= max(done, default=-1)
-        reports = [r for st in proc.states.values() for r in st.reports]
+        reports = [(p, r) for p, st in proc.states.items() for r in st.reports]
         return self._hand_out(proc, alloc, reports, now)
 
     def _next_allocation(self, cur: Allocation, shape: Placement, rp: ResumePoint, holdings: tuple[Holding, ...],
@@ -1005,7 +1016,8 @@ class Coordinator:
 
     # ---- the hand-out -------------------------------------------------------------------------
 
-    def _hand_out(self, proc: _Procedure, alloc: Allocation, backfill: Sequence[StepReport], now: float) -> list:
+    def _hand_out(self, proc: _Procedure, alloc: Allocation, backfill: Sequence[tuple[bytes, StepReport]],
+                  now: float) -> list:
         """Log the steps before the resume point that `backfill` (the peers' reports) covers and
         this peer has not logged; ALLOCATION to every named peer, then START. Only while this
         peer is the coordinator of the allocation's term with its certificate: one that stepped
@@ -1024,9 +1036,10 @@ class Coordinator:
         if proc.kind == "start":
             logged.clear()
             out.append(ResetLog())
-        self.steplog = log = StepLog(alloc, logged, started_at=now + self.wall_offset)
-        out += [LogLine(line) for line in log.backfill(backfill, {r.step for r in backfill
-                                                                       if r.step < alloc.start_step})]
+        known = self._known(proc.cur)
+        self.steplog = log = StepLog(alloc, logged, started_at=now + self.wall_offset, refusals=self.refusals)
+        out += [LogLine(line) for line in log.backfill(backfill, {r.step for _, r in backfill
+                                                                       if r.step < alloc.start_step}, known)]
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
@@ -1160,9 +1173,41 @@ class Coordinator:
 
     # ---- step reports -------------------------------------------------------------------------
 
+    def _completed_of(self, cur: Allocation) -> int | None:
+        """The step log's last completed step of epoch `cur`, None when this peer does not log it."""
+        log = self.steplog
+        if log is None or (log.alloc.run_id, log.alloc.epoch) != (cur.run_id, cur.epoch):
+            return None
+        return log.completed
+
+    def _known(self, cur: Allocation | None) -> Callable[[int], Allocation | None]:
+        """epoch -> its allocation of the run of `cur`, if this peer knows it (to check the
+        reports the peers keep)."""
+        log = self.steplog
+        mine = [a for a in (cur, log.alloc if log is not None else None) if a is not None]
+
+        def known(epoch: int) -> Allocation | None:
+            for a in mine:
+                if a.epoch == epoch:
+                    return a
+            return self.epoch.allocation_of(cur.run_id, epoch) if cur is not None else None
+        return known
+
+    def _step_failed(self, ev: StepFailed, now: float) -> None:
+        """A peer says its step failed: checked (control/coordinator/failures.py), then the
+        run states are asked at once."""
+        cur = self.epoch.current
+        if not self.election.is_coordinator or cur is None:
+            self.refusals.refuse(Refused.FAILED_OTHER_RUN, ev.peer, "no run coordinated here")
+            return
+        if self._failures.add(ev.peer, cur, ev.run_id, ev.epoch, ev.reason, self._completed_of(cur)) is None:
+            logger.info("peer %s says a step of epoch %d failed: %s", short_id(ev.peer), cur.epoch, ev.reason[:200])
+            self._next_check = now
+
     def _step(self, ev: StepReported) -> list:
         log = self.steplog
         if log is None or ev.run_id != log.alloc.run_id:
+            self.refusals.refuse(Refused.STEP_OTHER_RUN, ev.peer, f"step {ev.report.step}")
             return []
         out: list = []
         for line in log.add(ev.peer, ev.report):
@@ -1188,7 +1233,7 @@ class Coordinator:
         if log is None or log.alloc.epoch != epoch:
             return []
         log.filling = False
-        lines, left = log.fill([r for st in _states(answers).values() for r in st.reports])
+        lines, left = log.fill([(p, r) for p, st in _states(answers).items() for r in st.reports])
         for line in lines:
             logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
                         "-" if line["loss"] is None else f"{line['loss']:.4f}")

@@ -1,98 +1,232 @@
 """The coordinator's step log: its record of the epoch it handed out (see docs/control.md).
 
-Every peer of the epoch reports each step (STEP); once a step has every report, or a later step
-has every report, its line is complete. A step whose reports were all lost is a gap,
-back-filled from the reports the peers keep; steps before the resume point of a new epoch are
-back-filled at its hand-out. `StepLog` only returns the lines: the plane's shell stamps them
-with the wall time and appends them to the run's log file.
+Every peer of the epoch reports each step (STEP). Step s is complete once every peer reported
+it, or a later step; and, since a peer that reports a step has completed every step before it,
+once every peer reported a step more than `STEP_WINDOW` past s (a report lost, or late by more
+than that, is not waited for), or the epoch's last step. Its line then carries the reports it has
+(`partial` when some are missing). A step whose reports were all lost, or whose last stages' reports were (its line would have no
+loss), is a gap, back-filled from the reports the peers keep; steps
+before the resume point of a new epoch are back-filled at its hand-out. `StepLog` only returns
+the lines: the plane's shell stamps them with the wall time and appends them to the run's log
+file.
+
+What a peer may report (each refusal counted in the coordinator's `Refusals`):
+
+- only a peer with a stage in the epoch, only for that epoch, and each step once;
+- only steps after the last completed one and at most `STEP_WINDOW` beyond it (peers are within
+  a step of each other): a report further ahead still counts as that peer's progress (one
+  number per peer), but what it says is not kept, so the state is at most `STEP_WINDOW` steps of
+  reports, and no work grows with what a peer sends;
+- the loss only from the last-stage peers: their losses are one global value (summed in pipeline
+  order on every last stage), so they are compared; a disagreement is logged at WARNING and the
+  line says so (`loss_disagreement`: each last-stage peer's loss), and the line's loss is the
+  value most of them give.
+
+Back-filled reports (the peers' own, from their run states) are checked the same way against
+the allocation of their epoch, when this peer knows it (`known`); a report of an epoch it does
+not know, or outside its epoch's steps, is left out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+import math
+from collections.abc import Callable, Iterable
+
+from dtfm.net import short_id
 
 from ..allocation import Allocation
 from ..epoch.runner import StepReport
+from ..epoch.runstate import MAX_REPORTS
+from ..refusals import Refusals, Refused
 
-__all__ = ["MAX_RECENT_STEPS", "StepLog"]
+__all__ = ["MAX_GAPS", "MAX_RECENT_STEPS", "STEP_WINDOW", "StepLog"]
+
+logger = logging.getLogger(__name__)
 
 MAX_RECENT_STEPS = 64  # lines kept for `status`
+# Reports are kept for completed < step <= completed + STEP_WINDOW. Peers step within one step of
+# each other, but their reports reach the coordinator over links that may be slower than a step
+# (the coordinator's own report arrives at once): its view may lag a few steps behind the peers.
+STEP_WINDOW = 8
+MAX_GAPS = MAX_REPORTS  # gaps kept for filling: a peer keeps no more reports than this
+
+Known = Callable[[int], "Allocation | None"]  # epoch -> its allocation, if this peer knows it
 
 
 class StepLog:
     """The coordinator's record of one epoch it handed out: the step reports and the lines they
     complete. `logged` is shared by the epochs of one run (the steps already written)."""
 
-    def __init__(self, alloc: Allocation, logged: set[int], *, started_at: float):
+    def __init__(self, alloc: Allocation, logged: set[int], *, started_at: float,
+                 refusals: Refusals | None = None):
         self.alloc = alloc
-        self.reports: dict[int, dict[bytes, StepReport]] = {}
+        self.reports: dict[int, dict[bytes, StepReport]] = {}  # completed < step <= completed + STEP_WINDOW
         self.completed = alloc.start_step - 1
         self.logged = logged
         self.recent: list[dict] = []
         self.started_at = started_at
         self.fetched = 0  # bytes the peers fetched to take on their stages
         self.fetch_s = 0.0  # the slowest peer's fetch
-        self.gaps: set[int] = set()  # completed steps of which no report arrived
+        self.gaps: set[int] = set()  # completed steps of which no report arrived (the newest MAX_GAPS)
         self.filling = False  # the peers are being asked for the gaps' reports
+        self.refusals = refusals if refusals is not None else Refusals()
+        self.highest: dict[bytes, int] = {p: self.completed for p in alloc.peers}  # each peer's newest step
+        self._behind = len(self.highest)  # peers whose newest step is <= completed + STEP_WINDOW
+        self._at_end = 0  # peers that reported the epoch's last step
+        self._last = frozenset(pipe[-1] for pipe in alloc.pipelines)  # the peers whose loss counts
 
     @property
     def finished(self) -> bool:
         return self.completed + 1 >= self.alloc.end_step
 
     def add(self, peer: bytes, rep: StepReport) -> list[dict]:
-        """Record a report; the lines of the steps it completes. Every peer reports each step,
-        and peers step together: once a later step has every report, an earlier one whose
-        report was lost is logged with the reports it has (`partial`); a step with no report at
-        all is passed over into `gaps`, to be filled from the reports the peers keep (`fill`)."""
-        if rep.epoch != self.alloc.epoch or rep.step <= self.completed or peer not in self.alloc.peers:
+        """Record a report; the lines of the steps it completes (see the module docstring). A
+        step no report (or no last stage's report) of which arrived is passed over into `gaps`,
+        to be filled from the reports the peers keep (`fill`). O(1) per report; O(peers) per
+        completed step."""
+        why = self._refusal(peer, rep)
+        if why is not None:
+            self.refusals.refuse(why, peer, f"epoch {rep.epoch} step {rep.step}, completed {self.completed}")
             return []
-        self.reports.setdefault(rep.step, {})[peer] = rep
-        n, lines = len(self.alloc.peers), list[dict]()
-        while True:
-            step = self.completed + 1
-            got = self.reports.get(step, {})
-            if len(got) < n and not any(len(r) == n for s, r in self.reports.items() if s > step):
-                return lines
-            self.reports.pop(step, None)
-            self.completed = step
-            if got:
-                lines.append(self._line(step, list(got.values()), self.alloc.epoch, partial=len(got) < n))
-            else:
-                self.gaps.add(step)
+        old = self.highest[peer]
+        if rep.step > old:
+            self.highest[peer] = rep.step
+            if old <= self.completed + STEP_WINDOW < rep.step:
+                self._behind -= 1
+            if rep.step == self.alloc.end_step - 1:
+                self._at_end += 1
+        target = self.completed
+        if rep.step > self.completed + STEP_WINDOW:
+            self.refusals.refuse(Refused.STEP_AHEAD, peer, f"step {rep.step}, completed {self.completed}")
+        else:
+            got = self.reports.setdefault(rep.step, {})
+            got[peer] = rep
+            if len(got) == len(self.highest):
+                target = rep.step
+        return self._advance(target)
 
-    def backfill(self, reports: Iterable[StepReport], steps: Iterable[int]) -> list[dict]:
-        """Lines for those of `steps` not logged yet, from the peers' own reports, marked
-        `backfilled`: each from the reports of its newest epoch (a step re-run after a
-        rollback: its last run). Steps no report covers are left out."""
-        by_step: dict[int, list[StepReport]] = {}
-        for r in reports:
-            by_step.setdefault(r.step, []).append(r)
-        lines = []
-        for step in sorted(set(steps) - self.logged):
-            got = by_step.get(step)
-            if got:
-                newest = max(r.epoch for r in got)
-                lines.append(self._line(step, [r for r in got if r.epoch == newest], newest, backfilled=True))
+    def _refusal(self, peer: bytes, rep: StepReport) -> Refused | None:
+        if rep.epoch != self.alloc.epoch:
+            return Refused.STEP_OTHER_EPOCH
+        if peer not in self.highest:
+            return Refused.STEP_NOT_PEER
+        if rep.step <= self.completed:
+            return Refused.STEP_OLD
+        if rep.step >= self.alloc.end_step:
+            return Refused.STEP_AHEAD
+        if peer in self.reports.get(rep.step, {}):
+            return Refused.STEP_REPEATED
+        return None
+
+    def _advance(self, target: int) -> list[dict]:
+        """Complete the steps up to `target` (a step every peer reported), or further: up to
+        the newest kept step every peer reported, up to STEP_WINDOW steps before the oldest of
+        the peers' newest steps (a report lost or late by more than that is not waited for),
+        and to the epoch's last step once every peer reported it."""
+        lines: list[dict] = []
+        n = len(self.highest)
+        while n:
+            full = [s for s, got in self.reports.items() if len(got) == n]  # at most STEP_WINDOW steps
+            if full:
+                target = max(target, *full)
+            if self._behind == 0:
+                target = max(target, min(self.highest.values()) - STEP_WINDOW)
+            if self._at_end == n:  # the last step: no later report will come
+                target = self.alloc.end_step - 1
+            if target <= self.completed:
+                return lines
+            for step in range(max(self.completed + 1, target - MAX_GAPS + 1), target + 1):
+                if step not in self.reports:
+                    self.gaps.add(step)
+            for step in sorted(s for s in self.reports if s <= target):
+                got = self.reports.pop(step)
+                if self._last.isdisjoint(got):  # no last stage's report: no loss yet, filled like a gap
+                    self.gaps.add(step)
+                    continue
+                lines.append(self._line(step, got, self.alloc, partial=len(got) < n))
+            if len(self.gaps) > MAX_GAPS:
+                self.gaps = set(sorted(self.gaps)[-MAX_GAPS:])
+            self.completed = target
+            self._behind = sum(1 for h in self.highest.values() if h <= target + STEP_WINDOW)
         return lines
 
-    def fill(self, reports: Iterable[StepReport]) -> tuple[list[dict], list[int]]:
+    def backfill(self, reports: Iterable[tuple[bytes, StepReport]], steps: Iterable[int], known: Known) -> list[dict]:
+        """Lines for those of `steps` not logged yet, from the peers' own reports (peer, report),
+        marked `backfilled`: each from the reports of its newest epoch (a step re-run after a
+        rollback: its last run). A report counts only if its peer had a stage in its epoch and
+        its step is one of that epoch's (`known` gives the epoch's allocation). Steps no report
+        covers are left out."""
+        wanted = set(steps) - self.logged
+        by_step: dict[int, dict[int, dict[bytes, StepReport]]] = {}  # step -> epoch -> peer -> report
+        allocs: dict[int, tuple[Allocation, frozenset[bytes]] | None] = {}  # epoch -> allocation, its peers
+        for peer, r in reports:
+            if r.step not in wanted:
+                continue
+            if r.epoch not in allocs:
+                a = known(r.epoch)
+                allocs[r.epoch] = (a, frozenset(a.peers)) if a is not None else None
+            found = allocs[r.epoch]
+            why = None
+            if found is None:
+                why = Refused.STEP_UNKNOWN_EPOCH
+            elif peer not in found[1]:
+                why = Refused.STEP_NOT_PEER
+            elif not found[0].start_step <= r.step < found[0].end_step:
+                why = Refused.STEP_OUT_OF_EPOCH
+            if why is not None:
+                self.refusals.refuse(why, peer, f"kept report of epoch {r.epoch} step {r.step}")
+                continue
+            by_step.setdefault(r.step, {}).setdefault(r.epoch, {}).setdefault(peer, r)
+        lines = []
+        for step in sorted(by_step):
+            newest = max(by_step[step])
+            found = allocs[newest]
+            assert found is not None
+            lines.append(self._line(step, by_step[step][newest], found[0], backfilled=True))
+        return lines
+
+    def fill(self, reports: Iterable[tuple[bytes, StepReport]]) -> tuple[list[dict], list[int]]:
         """Lines for the gaps these reports (the peers' own, of any step) cover with this
         epoch's reports, and the gaps they leave (given up here; a later epoch's back-fill may
         still find them)."""
-        lines = self.backfill([r for r in reports if r.epoch == self.alloc.epoch], self.gaps)
+        epoch = self.alloc.epoch
+        lines = self.backfill([(p, r) for p, r in reports if r.epoch == epoch], self.gaps,
+                              lambda e: self.alloc if e == epoch else None)
         left = sorted(self.gaps - self.logged)
         self.gaps.clear()
         return lines, left
 
-    def _line(self, step: int, reports: list[StepReport], epoch: int, backfilled: bool = False,
+    def _loss(self, step: int, reports: dict[bytes, StepReport], alloc: Allocation) -> tuple[float | None, dict]:
+        """The step's loss from the last-stage peers' reports, and the disagreement ({} if none)."""
+        last = [pipe[-1] for pipe in alloc.pipelines]
+        for p, r in reports.items():
+            if r.loss is not None and p not in last:
+                self.refusals.refuse(Refused.LOSS_NOT_LAST_STAGE, p, f"step {step}")
+        given = [(p, reports[p].loss) for p in last if p in reports and reports[p].loss is not None]
+        if not given:
+            return None, {}
+        votes: dict[object, list[float]] = {}
+        for _, loss in given:
+            assert loss is not None
+            votes.setdefault("nan" if math.isnan(loss) else loss, []).append(loss)
+        loss = max(votes.values(), key=len)[0]  # most last stages; a tie: the first pipeline's
+        if len(votes) == 1:
+            return loss, {}
+        differ = {short_id(p): x for p, x in given}
+        logger.warning("step %d: the last stages disagree on the loss: %s; logged %s", step,
+                       ", ".join(f"{k} {v}" for k, v in differ.items()), loss)
+        return loss, differ
+
+    def _line(self, step: int, reports: dict[bytes, StepReport], alloc: Allocation, backfilled: bool = False,
               partial: bool = False) -> dict:
-        losses = [r.loss for r in reports if r.loss is not None]
+        loss, differ = self._loss(step, reports, alloc)
 
         def most(key: str) -> float | None:
-            return max((getattr(r, key) for r in reports), default=None)
+            return max((getattr(r, key) for r in reports.values()), default=None)
         iteration_s = most("iteration_s")
         tokens = self.alloc.train.global_batch_seqs * self.alloc.model.seq_len
-        line: dict = {"step": step, "loss": losses[0] if losses else None, "epoch": epoch, "term": self.alloc.term,
+        line: dict = {"step": step, "loss": loss, "epoch": alloc.epoch, "term": self.alloc.term,
                       "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s else None,
                       "predicted_iteration_s": self.alloc.predicted_iteration_s,
                       "compute_s": most("compute_s"), "pipeline_s": most("pipeline_s"), "sync_s": most("sync_s")}
@@ -100,6 +234,8 @@ class StepLog:
             line["partial"] = True
         if backfilled:
             line["backfilled"] = True
+        if differ:
+            line["loss_disagreement"] = differ
         self.logged.add(step)
         self.recent = (self.recent + [line])[-MAX_RECENT_STEPS:]
         return line

@@ -28,11 +28,14 @@ from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
 from ..election import Certificate
 from ..messages import ControlMsg
 from ..operator import OperatorError, SignedOp, check_op, check_operator_start
+from ..refusals import Refusals, Refused
+from .access import offer_refusal, run_state_refusal
 from .runner import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
 
 __all__ = [
-    "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed", "BuildStage", "ElectionView", "EndEpoch",
+    "MAX_KNOWN_EPOCHS", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed", "BuildStage",
+    "ElectionView", "EndEpoch",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
     "StopRunnerAt", "Tick", "WaitForCoordinator",
@@ -59,6 +62,9 @@ class ElectionView(Protocol):
 
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
                   voters: tuple[bytes, ...] = ()) -> Refusal | None: ...
+
+
+MAX_KNOWN_EPOCHS = 8  # allocations this peer applied that it remembers (to check kept step reports)
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -286,6 +292,8 @@ class EpochMachine:
         self._stopped_by_operator: bytes | None = None  # the run an operator stopped
         self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
         self._restarted = False  # restored a stage's place, not the stage: the coordinator is told once
+        self._known: collections.deque[Allocation] = collections.deque(maxlen=MAX_KNOWN_EPOCHS)  # applied, newest last
+        self.refusals = Refusals()  # RUN_STATE this peer refused
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -296,6 +304,7 @@ class EpochMachine:
         self.applied[run_id] = (term, epoch)
         if alloc is not None and alloc.run_id == run_id and alloc.term_epoch == (term, epoch):
             placed = self.me in alloc.peers
+            self._known.append(alloc)
             self.run = EpochRecord(alloc, EpochPhase.WAITING if placed else EpochPhase.SPARE, done=True)
             self._restarted = placed
 
@@ -332,6 +341,30 @@ class EpochMachine:
             layers, at, prev = run.alloc.layer_ranges[s], run.at, run.prev
         return PeerRunState(run.alloc.run_id, run.alloc.term, run.alloc.epoch, layers, at, prev, run.active,
                             checkpoints, tuple(self.reports))
+
+    def allocation_of(self, run_id: bytes, epoch: int) -> Allocation | None:
+        """The allocation of `epoch` of `run_id`, if this peer applied it lately (the last
+        MAX_KNOWN_EPOCHS)."""
+        for a in reversed(self._known):
+            if a.run_id == run_id and a.epoch == epoch:
+                return a
+        return None
+
+    def check_run_state_reader(self, sender: bytes) -> Refused | None:
+        """None when `sender` may read this peer's run state (control/epoch/access.py); a
+        refusal is counted and logged."""
+        run = self.run
+        in_progress = run is not None and run.phase in (EpochPhase.BUILDING, EpochPhase.ACCEPTED,
+                                                        EpochPhase.TRAINING, EpochPhase.SPARE)
+        why = run_state_refusal(sender, me=self.me, coordinator=self.election.coordinator,
+                                current=run.alloc if run is not None else None,
+                                previous=self.prev.alloc if self.prev is not None else None, in_progress=in_progress)
+        return self.refusals.refuse(why, sender, "RUN_STATE query") if why is not None else None
+
+    def check_offer_asker(self, sender: bytes) -> Refused | None:
+        """None when `sender` may ask this peer for an offer; a refusal is counted and logged."""
+        why = offer_refusal(sender, me=self.me, coordinator=self.election.coordinator)
+        return self.refusals.refuse(why, sender, "RUN_STATE offer") if why is not None else None
 
     def held_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> tuple[str, int] | None:
         """Where this peer holds `layers` of `run_id` at `step` in memory, once its worker
@@ -416,6 +449,7 @@ class EpochMachine:
             out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
+        self._known.append(alloc)
         out += [ApplyToElection(alloc.term, alloc.epoch, alloc.configuration, ev.certificate), PersistApplied(alloc)]
         self.prev = prev
         self._lost_since = None

@@ -1,7 +1,7 @@
 """Weight recovery: a peer that takes on a stage it does not hold fetches it from the peers
 that held it, in hash-verified chunks, from several holders at once.
 
-    server = RecoveryServer(transport)                  # once per daemon
+    server = RecoveryServer(transport, authorize=rule)  # once per daemon; rule(peer, key): who may fetch
     await server.offer(run_id, state)                   # at a step boundary, or offer_checkpoint
     ...
     result = await fetch_stage(transport, holders, run_id=run_id, step=k, layer_range=(a, b),
@@ -25,7 +25,10 @@ Protocol (two requests on the peer transport):
   that digest. An index beyond the offer's chunks is a protocol error.
 
 Every body is checked field by field (no extra fields, ints in range, 64 hex digits); a
-malformed body raises `ProtocolError`, which closes that connection.
+malformed body raises `ProtocolError`, which closes that connection. Then `authorize(peer,
+key)` says whether the asking peer may have that stage (in the daemon: the peers the holder's
+allocations name, control/epoch/access.py); a refused peer gets {"error": why}, and the refusal
+is logged at DEBUG and counted (`refusals`).
 
 The fetcher asks the holders in turn for the manifest and takes the first whose digest equals
 the allocation's and that passes `TransferManifest.from_wire` (bounded by `max_total_bytes`).
@@ -84,6 +87,7 @@ from dtfm.train import (
 
 from ..allocation import RUN_ID_BYTES
 from ..messages import ControlMsg
+from ..refusals import Refusals, Refused
 
 __all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"]
 
@@ -97,6 +101,7 @@ _MANIFEST_FIELDS = frozenset({"run", "step", "layers"})
 _CHUNK_FIELDS = _MANIFEST_FIELDS | {"digest", "index"}
 
 Key = tuple[bytes, int, tuple[int, int]]  # (run, step, layer range)
+Authorize = Callable[[bytes, Key], "Refused | None"]  # (asking peer, key) -> None: it may fetch
 Source = tuple[bytes, "tuple[str, int] | None"]  # (peer id, listen address or None)
 
 
@@ -173,12 +178,15 @@ class Offer:
 
 
 class RecoveryServer:
-    """Serves the stages this peer offers to peers that recover them."""
+    """Serves the stages this peer offers to the peers `authorize` lets fetch them."""
 
-    def __init__(self, transport: PeerTransport, *, max_offers: int = 4, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, transport: PeerTransport, *, authorize: Authorize, max_offers: int = 4,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         if max_offers < 1:
             raise ValueError("max_offers must be at least 1")
         self.transport, self.max_offers, self.chunk_bytes = transport, max_offers, chunk_bytes
+        self.authorize = authorize
+        self.refusals = Refusals()
         self._offers: dict[Key, Offer] = {}  # insertion order: the oldest is dropped first
         self.served_bytes = 0
         transport.handle(ControlMsg.FETCH_MANIFEST, self._on_manifest)
@@ -219,8 +227,18 @@ class RecoveryServer:
         """The offers, oldest first, for status (`Offer.describe`)."""
         return [o.describe() for o in self._offers.values()]
 
+    def _refused(self, conn: PeerConnection, key: Key) -> str | None:
+        why = self.authorize(conn.peer_id, key)
+        if why is None:
+            return None
+        self.refusals.refuse(why, conn.peer_id, f"layers {list(key[2])} at step {key[1]}")
+        return why.text
+
     async def _on_manifest(self, conn: PeerConnection, msg_type: int, body: object, payload) -> dict:
         key = parse_manifest_request(body)
+        refused = self._refused(conn, key)
+        if refused is not None:
+            return {"error": refused}
         offer = self._offers.get(key)
         if offer is None:
             logger.debug("%s asked for layers %s at step %d, not held", conn.short_id, key[2], key[1])
@@ -229,6 +247,9 @@ class RecoveryServer:
 
     async def _on_chunk(self, conn: PeerConnection, msg_type: int, body: object, payload) -> object:
         key, digest, index = parse_chunk_request(body)
+        refused = self._refused(conn, key)
+        if refused is not None:
+            return {"error": refused}
         offer = self._offers.get(key)
         if offer is None or offer.digest != digest:
             logger.debug("%s asked for a chunk of layers %s at step %d (digest %s), not held", conn.short_id,

@@ -34,6 +34,8 @@ from dtfm.train import (
 from ..allocation import Allocation, Holding
 from ..config import PlaneConfig
 from ..dataplane import TensorRouter, TransportComm
+from ..refusals import Refused
+from .access import fetch_refusal
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
 from .recovery import RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
@@ -73,9 +75,10 @@ class StageHost:
         self.data_dir, self.config = data_dir, config
         self.address_of, self.corpus, self.on_event = address_of, corpus, on_event
         self.router = TensorRouter(transport)
-        self.recovery = RecoveryServer(transport)
+        self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
         self._stages: dict[int, _Stage] = {}  # epoch -> stage objects (the current and previous epoch)
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
+        self._fetchers: dict[tuple, frozenset[bytes]] = {}  # (run, step, layers) -> peers the coordinator named
         self._nursery: trio.Nursery | None = None
 
     def attach(self, nursery: trio.Nursery) -> None:
@@ -116,18 +119,32 @@ class StageHost:
         path = checkpoint_at(self.checkpoint_root(run_id), layers, step)
         return load_checkpoint(path) if path is not None else None
 
-    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int]) -> dict:
-        """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`."""
+    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int],
+                    fetchers: frozenset[bytes] = frozenset()) -> dict:
+        """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
+        `fetchers`: the peers the coordinator named with it (the next allocation's), who may
+        fetch it besides the peers of this peer's own allocations."""
         try:
             state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
         except CheckpointError as e:
             return {"error": f"checkpoint unreadable: {e}"}
         if state is None:
             return {"error": f"layers {layers} at step {step} are not held here"}
+        key = (run_id, step, tuple(layers))
+        self._fetchers = {k: v for k, v in self._fetchers.items() if k[0] == run_id and k[1] >= step - 1}
+        self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
         offer = await self.recovery.offer(run_id, state)
         self._offered = {k: v for k, v in self._offered.items() if k[0] == run_id and k[1] >= step - 1}
-        self._offered[(run_id, step, tuple(layers))] = (offer.digest, state)
+        self._offered[key] = (offer.digest, state)
         return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
+
+    def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
+        """The recovery server's rule (control/epoch/access.py): the peers of this peer's
+        allocations of that run, and those the coordinator named with the offer."""
+        run, prev = self.epoch.run, self.epoch.prev
+        return fetch_refusal(peer, key[0], allocations=(run.alloc if run is not None else None,
+                                                        prev.alloc if prev is not None else None),
+                             fetchers=self._fetchers.get(key, frozenset()))
 
     def _offered_state(self, run_id: bytes, step: int, layers: tuple[int, int], digest: str) -> StageState | None:
         found = self._offered.get((run_id, step, tuple(layers)))

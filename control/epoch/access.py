@@ -1,0 +1,75 @@
+"""Who may read this peer's run state, ask it for offers, and fetch the stages it offers: pure
+rules over the allocations the peer applied (see docs/control.md, "Who may send what").
+
+- RUN_STATE `query`: this peer itself, the coordinator it recognises, and the peers of the run
+  (those the current or previous allocation names: stage peers, spares, issuer, voters). A peer
+  with no epoch in progress (none applied, or its stage stopped: a peer the run left out) has
+  nothing current to tell and answers any peer, so a coordinator it does not know yet can
+  find it and place it again.
+- RUN_STATE `offer`: this peer itself and the coordinator it recognises.
+- FETCH_MANIFEST / FETCH_CHUNK: the peers the current or previous allocation of that run names
+  (stage peers and spares), and the peers the coordinator named when it asked for the offer
+  (the next allocation's, which this peer may not have applied when their fetch arrives).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from dtfm.net import PEER_ID_BYTES, get_bytes, get_list
+
+from ..allocation import Allocation
+from ..refusals import Refused
+
+__all__ = ["MAX_FETCHERS", "fetch_refusal", "offer_refusal", "parse_fetchers", "run_peers", "run_state_refusal"]
+
+MAX_FETCHERS = 4096  # peers named with one offer: as many as an allocation names
+
+
+def run_peers(alloc: Allocation | None) -> frozenset[bytes]:
+    """The peers of the run as `alloc` names them: stage peers, spares, its issuer, its voters."""
+    if alloc is None:
+        return frozenset()
+    return frozenset(alloc.peers) | frozenset(alloc.spares) | {alloc.issuer} | frozenset(alloc.configuration)
+
+
+def run_state_refusal(sender: bytes, *, me: bytes, coordinator: bytes | None, current: Allocation | None,
+                      previous: Allocation | None, in_progress: bool) -> Refused | None:
+    """None when `sender` may read this peer's run state. `in_progress`: this peer takes part in
+    an epoch now (building, accepted, training, or a spare of it)."""
+    if sender == me or (coordinator is not None and sender == coordinator) or not in_progress:
+        return None
+    if sender in run_peers(current):
+        return None
+    if previous is not None and current is not None and previous.run_id == current.run_id \
+            and sender in run_peers(previous):
+        return None
+    return Refused.RUN_STATE_OUTSIDER
+
+
+def offer_refusal(sender: bytes, *, me: bytes, coordinator: bytes | None) -> Refused | None:
+    """None when `sender` may ask this peer to offer a stage."""
+    if sender == me or (coordinator is not None and sender == coordinator):
+        return None
+    return Refused.OFFER_NOT_COORDINATOR
+
+
+def fetch_refusal(sender: bytes, run_id: bytes, *, allocations: Collection[Allocation | None],
+                  fetchers: Collection[bytes] = ()) -> Refused | None:
+    """None when `sender` may fetch a stage of run `run_id`: `allocations` are this peer's
+    current and previous ones, `fetchers` the peers the coordinator named with the offer."""
+    if sender in fetchers:
+        return None
+    for a in allocations:
+        if a is not None and a.run_id == run_id and (sender in a.peers or sender in a.spares):
+            return None
+    return Refused.FETCH_NOT_NAMED
+
+
+def parse_fetchers(d: dict) -> frozenset[bytes]:
+    """The `for` field of a RUN_STATE offer (the peers the next allocation names), absent: none;
+    raises ProtocolError only."""
+    if "for" not in d:
+        return frozenset()
+    return frozenset(get_bytes({"peer": p}, "peer", PEER_ID_BYTES, PEER_ID_BYTES)
+                     for p in get_list(d, "for", MAX_FETCHERS))
