@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import random
 
 import pytest
 from machine_trace import (
@@ -40,7 +41,7 @@ from machine_trace import (
 )
 
 from dtfm.control import ControlMsg, Placement, ReshapePlan, RunEnd, SignedAllocation, SignedOp, sign_op
-from dtfm.control.actions import Answers, Ask, Compute, Computed, Reply
+from dtfm.control.actions import Answers, Ask, Compute, Computed, LogLine, Reply
 from dtfm.control.coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
@@ -56,8 +57,12 @@ from dtfm.control.coordinator.machine import (
     Trigger,
     next_voters,
 )
+from dtfm.control.coordinator.failures import FailedSteps
 from dtfm.control.coordinator.links import used_cut_links
-from dtfm.control.coordinator.steplog import StepLog
+from dtfm.control.coordinator.steplog import STEP_WINDOW, StepLog
+from dtfm.control.epoch.runstate import PeerRunState
+from dtfm.control.refusals import Refusals
+from dtfm.net import short_id
 from dtfm.control.epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -277,8 +282,14 @@ class Node:
         self.answer("start", everyone={"started": True}, at=0.2)
         for s in range(steps):
             for p in N[:4]:
-                self.feed(StepReported(p, RUN, report(1, s)), 1.0 + s)
+                self.feed(StepReported(p, RUN, stage_report(p, 1, s)), 1.0 + s)
         self.lines.clear()
+
+
+def stage_report(peer: bytes, epoch: int, step: int):
+    """`peer`'s report in PLACEMENT: the loss on the last stages (n1, n3) only, as a runner's."""
+    r = report(epoch, step)
+    return r if peer in (N[1], N[3]) else dataclasses.replace(r, loss=None)
 
 
 D01, D23 = "01" * 32, "23" * 32  # digests of offered stages
@@ -1015,6 +1026,188 @@ def test_a_failed_step_of_an_older_epoch_is_not_a_trigger():
         3.5 tick
     """)
     assert n.c.next_deadline() == 5.0  # its next look for joined peers
+
+
+# ---- who may report what ----------------------------------------------------------------------------
+
+
+def test_a_failed_step_from_a_peer_outside_the_epoch_triggers_nothing():
+    # The review's forged failure: n4 (a member, no stage) and n5 (not even a member) say a step
+    # failed, with the run's id and epoch; n1, a peer of the epoch, says so of another run.
+    n = Node()
+    n.training()
+    n.feed(StepFailed(N[4], RUN, 1, "forged"), 3.0)
+    n.feed(StepFailed(N[5], RUN, 1, "forged"), 3.0)
+    n.feed(StepFailed(N[1], b"o" * 16, 1, "forged"), 3.0)
+    n.tick(3.5)
+    n.tick(5.0)
+    n.transcript("""
+        3 STEP of epoch 1 failed at n4: forged
+        3 STEP of epoch 1 failed at n5: forged
+        3 STEP of epoch 1 failed at n1: forged
+        3.5 tick
+        5 tick
+    """)
+    assert not n.asks and not n.computes and n.c.phase is Phase.TRAINING
+    assert n.c.refusals.counts() == {"failed-not-peer": 2, "failed-other-run": 1}
+
+
+def test_a_failed_step_while_every_other_peer_steps_does_not_reconfigure(caplog):
+    # n1, a peer of the epoch, says its step failed while it (and everyone) steps on: the run
+    # states contradict it, so it is ignored and logged; checked again at the next check while
+    # the log stands still; a second report of n1 in this epoch is refused; once the epoch steps
+    # more than STEP_WINDOW steps on, it is dropped.
+    n = Node()
+    n.training()
+    stepping = state((0, 2), 2, running=True)
+    n.feed(StepFailed(N[1], RUN, 1, "a neighbour's step failed"), 3.0)
+    n.answer("probe failed", everyone=stepping, at=3.1)
+    n.feed(StepFailed(N[1], RUN, 1, "again"), 3.2)
+    n.tick(5.0)
+    n.answer("probe failed", everyone=stepping, at=5.1)
+    n.transcript("""
+        3 STEP of epoch 1 failed at n1: a neighbour's step failed
+          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
+        3.1 answers probe failed: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2 running, n3 0-2@2 running
+        3.2 STEP of epoch 1 failed at n1: again
+        5 tick
+          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
+        5.1 answers probe failed: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2 running, n3 0-2@2 running
+    """)
+    assert "while every other peer of it is stepping: ignored" in caplog.text
+    for s in range(2, 2 + STEP_WINDOW + 1):
+        for p in N[:4]:
+            n.feed(StepReported(p, RUN, report(1, s)), 6.0)
+    n.lines.clear()
+    n.tick(7.0)
+    n.transcript("""
+        7 tick
+    """)
+    assert n.c.phase is Phase.TRAINING and not n.asks
+    assert n.c.refusals.counts()["failed-contradicted"] == 1 and n.c.refusals.counts()["failed-repeated"] == 1
+
+
+def test_a_failed_step_the_run_states_confirm_reconfigures():
+    # n3's step failed and n2, its neighbour, stopped too: the reconfiguration goes ahead.
+    n = Node()
+    n.training()
+    n.feed(StepFailed(N[3], RUN, 1, "CUDA error"), 3.0)
+    n.answer("probe failed", {N[2]: state((0, 2), 2), N[3]: state((2, 4), 2)}, 3.1,
+             everyone=state((0, 2), 2, running=True))
+    n.tick()
+    n.transcript("""
+        3 STEP of epoch 1 failed at n3: CUDA error
+          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
+        3.1 answers probe failed: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2, n3 2-4@2
+        3.6 tick
+          ask states: RUN_STATE query -> n0 n1 n2 n3
+          phase: stopping
+    """)
+
+
+def _epoch(pipelines=((N[0], N[1]), (N[2], N[3]))):
+    return alloc(pipelines=pipelines, layer_ranges=((0, 2), (2, 4)) if len(pipelines[0]) == 2 else ((0, 4),))
+
+
+@pytest.mark.parametrize("reporters, stopped, unanswered, epoch, triggers", [
+    ((N[1],), (), (), _epoch(), False),  # everyone steps: contradicted
+    ((N[1],), (N[1],), (), _epoch(), False),  # only the reporter says it stopped
+    ((N[1],), (N[1], N[0]), (), _epoch(), True),  # its neighbour stopped too
+    ((N[1],), (), (N[2],), _epoch(), True),  # a peer of the epoch does not answer
+    ((N[1], N[3]), (N[1], N[3]), (), _epoch(), False),  # two reporters alone
+    ((N[0], N[1], N[2], N[3]), (), (), _epoch(), True),  # every peer of the epoch reported
+    ((N[0],), (N[0],), (), _epoch(((N[0],),)), True),  # a one-peer epoch: its word is all there is
+])
+def test_which_run_states_confirm_a_failed_step(reporters, stopped, unanswered, epoch, triggers):
+    failures = FailedSteps(Refusals())
+    for p in reporters:
+        assert failures.add(p, epoch, RUN, 1, "failed", 5) is None
+    assert failures.due(epoch, 5)
+    states = {p: PeerRunState(RUN, 1, 1, epoch.layer_ranges[0], 6, 5, p not in stopped)
+              for p in epoch.peers if p not in unanswered}
+    assert bool(failures.judge(epoch, states)) is triggers
+    assert failures.due(epoch, 5) is not triggers  # a contradicted report stays pending
+
+
+def test_the_loss_is_taken_only_from_the_last_stages():
+    # n0 and n2 (first stages) report a loss: never logged. Step 1's last-stage reports are lost:
+    # the step is filled from the reports the peers keep (n1's, a last stage) instead of being
+    # logged with a first stage's loss.
+    n = Node()
+    n.training(steps=0)
+    for s, first, last in ((0, 0.0123, 4.0), (1, 0.0123, None), (2, 0.0123, 3.8)):
+        for p in (N[0], N[2]):
+            n.feed(StepReported(p, RUN, report(1, s, loss=first)), 1.0 + s)
+        if last is not None:
+            for p in (N[1], N[3]):
+                n.feed(StepReported(p, RUN, report(1, s, loss=last)), 1.0 + s)
+    kept = {N[0]: state((0, 2), 3, running=True, reports=[report(1, 1, loss=0.0123)]),
+            N[1]: state((2, 4), 3, running=True, reports=[report(1, 1, loss=3.9)])}
+    n.answer("gaps 1", kept, 3.1)
+    n.transcript("""
+        1 STEP 0 of epoch 1 from n0
+        1 STEP 0 of epoch 1 from n2
+        1 STEP 0 of epoch 1 from n1
+        1 STEP 0 of epoch 1 from n3
+          log step 0 loss 4.0 epoch 1
+        2 STEP 1 of epoch 1 from n0
+        2 STEP 1 of epoch 1 from n2
+        3 STEP 2 of epoch 1 from n0
+        3 STEP 2 of epoch 1 from n2
+        3 STEP 2 of epoch 1 from n1
+        3 STEP 2 of epoch 1 from n3
+          log step 2 loss 3.8 epoch 1
+          ask gaps 1: RUN_STATE query -> n0 n1 n2 n3
+        3.1 answers gaps 1: n0 0-2@3 running, n1 2-4@3 running, n2 -, n3 -
+          log step 1 loss 3.9 epoch 1 backfilled
+    """)
+    assert n.c.refusals.counts()["loss-not-last-stage"] == 5  # steps 0 and 2 twice, 1 from the kept reports
+
+
+def test_last_stages_that_disagree_on_the_loss_are_flagged(caplog):
+    # The review's attack: n1, a last stage, reports the loss 0.0123; n3, the other last stage,
+    # the true one. The value is one global sum, so they must agree: the line says they do not.
+    n = Node()
+    n.training(steps=0)
+    n.feed(StepReported(N[1], RUN, report(1, 0, loss=0.0123)), 1.0)
+    n.feed(StepReported(N[0], RUN, stage_report(N[0], 1, 0)), 1.0)
+    n.feed(StepReported(N[2], RUN, stage_report(N[2], 1, 0)), 1.0)
+    [line] = [a.line for a in n.feed(StepReported(N[3], RUN, report(1, 0, loss=4.0)), 1.0) if isinstance(a, LogLine)]
+    assert line["loss_disagreement"] == {short_id(N[1]): 0.0123, short_id(N[3]): 4.0}
+    assert "the last stages disagree on the loss" in caplog.text
+    for p, loss in ((N[0], None), (N[1], 3.9), (N[2], None), (N[3], 3.9)):  # agreeing: no flag
+        out = n.feed(StepReported(p, RUN, dataclasses.replace(report(1, 1), loss=loss)), 2.0)
+    [line] = [a.line for a in out if isinstance(a, LogLine)]
+    assert line["loss"] == 3.9 and "loss_disagreement" not in line
+    for p, loss in ((N[0], None), (N[1], math.nan), (N[2], None), (N[3], math.nan)):  # a diverged run agrees too
+        out = n.feed(StepReported(p, RUN, dataclasses.replace(report(1, 2), loss=loss)), 3.0)
+    [line] = [a.line for a in out if isinstance(a, LogLine)]
+    assert math.isnan(line["loss"]) and "loss_disagreement" not in line
+
+
+def test_far_future_step_reports_keep_the_step_log_bounded():
+    # The review's stall: n1, a peer of the run, follows its report with 1,500 reports of random
+    # far-future steps. The log keeps at most STEP_WINDOW steps of reports and one number per
+    # peer; the next honest step is logged.
+    n = Node()
+    n.train_start(PLACEMENT, steps=10**9)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 0)), 1.0)
+    rng = random.Random(6)
+    for _ in range(1500):
+        n.c.handle(StepReported(N[1], RUN, report(1, rng.randrange(2, 10**9))), 1.5)
+    log = n.c.steplog
+    assert log is not None and log.completed == 0
+    assert len(log.reports) <= STEP_WINDOW and sum(map(len, log.reports.values())) <= STEP_WINDOW
+    assert len(log.highest) == 4 and not log.gaps
+    assert n.c.refusals.counts()["step-ahead"] >= 1500 - STEP_WINDOW
+    n.lines.clear()
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 1)), 2.0)
+    assert n.lines[-1] == "  log step 1 loss 4.9 epoch 1" and log.completed == 1
+    assert n.c.refusals.counts().get("loss-not-last-stage") is None
 
 
 def to_offers(n: Node) -> None:

@@ -20,6 +20,7 @@ from machine_trace import (
     alloc,
     context,
     describe,
+    named,
     report,
     same_transcript,
     show,
@@ -28,6 +29,7 @@ from machine_trace import (
 
 from dtfm.control import Allocation, RunEnd, sign_op
 from dtfm.control.actions import Reply
+from dtfm.control.epoch.access import fetch_refusal
 from dtfm.control.epoch.machine import (
     AllocationOffered,
     ApplyToElection,
@@ -45,6 +47,7 @@ from dtfm.control.epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
+from dtfm.control.refusals import Refused
 
 HEARTBEAT_WAIT_S = 1.4
 LOST_AFTER_S = 6.0
@@ -555,6 +558,58 @@ def test_the_run_state_of_a_peer_without_a_run():
     assert (state.run_id, state.term, state.epoch, state.layers, state.at, state.prev, state.running,
             state.checkpoints, state.reports) == (None, 4, 9, None, None, None, False, (), ())
     assert p.m.run_over() and p.m.status().phase is None
+
+
+# ---- who may read the run state, ask for offers, fetch ---------------------------------------------
+
+
+def test_the_run_state_is_answered_only_to_the_coordinator_and_the_peers_of_the_run():
+    # n1 trains epoch 1 (n0's: [n0 n1 | n2 n3], voters n0..n3); n5 has no part in the run.
+    p = Peer(N[1])
+    p.accept(alloc())
+    assert p.m.status().phase is EpochPhase.TRAINING
+    for sender, refused in ((N[1], False), (N[0], False), (N[3], False), (N[5], True), (N[4], True)):
+        assert (p.m.check_run_state_reader(sender) is not None) is refused, named(sender)
+    p.election.coordinator = N[5]  # a coordinator it recognises may ask (a newer term's)
+    assert p.m.check_run_state_reader(N[5]) is None
+    assert p.m.refusals.counts() == {"run-state-outsider": 2}
+    # a spare of the run and its voters are peers of it
+    q = Peer(N[4])
+    q.offer(alloc(spares=(N[4],), voters=(N[0], N[1], N[2], N[3], N[5])), known=N, live=N[:5])
+    assert q.m.status().phase is EpochPhase.SPARE
+    assert q.m.check_run_state_reader(N[5]) is None and q.m.check_run_state_reader(N[2]) is None
+
+
+def test_a_peer_with_no_epoch_in_progress_answers_any_peer():
+    # Nothing current to tell: a fresh peer, and one whose stage stopped (a peer the run left
+    # out, found again by a coordinator it does not know yet).
+    assert Peer(N[1]).m.check_run_state_reader(N[5]) is None
+    p = Peer(N[1])
+    p.accept(alloc())
+    p.feed(RunnerEnded(1, RunEnd(3, "stopped", False), 0.0), 1.0)
+    assert p.m.check_run_state_reader(N[5]) is None and p.m.refusals.counts() == {}
+
+
+def test_only_the_coordinator_asks_for_offers():
+    p = Peer(N[1], coordinator=N[0])
+    p.accept(alloc())
+    assert p.m.check_offer_asker(N[0]) is None and p.m.check_offer_asker(N[1]) is None
+    assert p.m.check_offer_asker(N[2]) is not None and p.m.check_offer_asker(N[5]) is not None
+    assert p.m.refusals.counts() == {"offer-not-coordinator": 2}
+
+
+@pytest.mark.parametrize("sender, current, previous, fetchers, allowed", [
+    (N[2], alloc(), None, (), True),  # a stage peer of the current allocation
+    (N[4], alloc(spares=(N[4],)), None, (), True),  # a spare of it
+    (N[4], alloc(epoch=2), alloc(epoch=1, spares=(N[4],)), (), True),  # named by the previous one
+    (N[5], alloc(), None, (N[5],), True),  # named by the coordinator with the offer (the next allocation)
+    (N[5], alloc(), None, (), False),  # named by none
+    (N[5], alloc(epoch=2), alloc(epoch=1), (N[4],), False),
+    (N[2], alloc(run_id=b"o" * 16), None, (), False),  # a peer of another run
+])
+def test_a_stage_is_fetched_only_by_the_peers_an_allocation_names(sender, current, previous, fetchers, allowed):
+    why = fetch_refusal(sender, RUN, allocations=(current, previous), fetchers=fetchers)
+    assert (why is None) is allowed and (why in (None, Refused.FETCH_NOT_NAMED))
 
 
 def test_an_unknown_event_is_an_error():

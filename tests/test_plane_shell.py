@@ -190,9 +190,34 @@ async def test_start_stop_step_and_run_state_messages_are_checked(tmp_path):
         assert reply == {"error": "only the coordinator asks for offers"}
         for bad in ({"op": "nuke"}, {"op": "offer", "run": b"short", "step": 1, "layers": [0, 2]},
                     {"op": "offer", "run": RUN, "step": -1, "layers": [0, 2]},
-                    {"op": "offer", "run": RUN, "step": 1, "layers": "all"}, [1, 2]):
+                    {"op": "offer", "run": RUN, "step": 1, "layers": "all"},
+                    {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": [b"short"]},
+                    {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": b"x" * 32}, [1, 2]):
             with pytest.raises(ProtocolError):
                 await net.request(ISSUER, ControlMsg.RUN_STATE, bad)
+        assert plane.status()["refusals"] == {"offer-not-coordinator": 1, "step-other-run": 1}
+
+
+async def test_run_state_and_stages_are_answered_only_to_the_peers_of_the_run(tmp_path):
+    # ISSUER, the coordinator of its own swarm, is a spare of its epoch [n1 n2]: IDS[3], a live
+    # member with no part in the run, may neither read its run state nor fetch from it.
+    async with running(tmp_path, ISSUER) as (plane, net):
+        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.campaign()
+        assert await plane.election.wait_until_coordinator(10)
+        a = alloc(term=plane.election.term, pipelines=[[IDS[1].peer_id, IDS[2].peer_id]], spares=(ISSUER.peer_id,),
+                  absent=(IDS[3].peer_id,))
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire())
+        assert reply == {"accepted": True, "role": "spare"}
+        outsider, peer = IDS[3], IDS[1]
+        refused = await net.request(outsider, ControlMsg.RUN_STATE, {"op": "query"})
+        assert refused == {"error": "only the coordinator and the peers of the run read its state"}
+        assert PeerRunState.from_wire(await net.request(peer, ControlMsg.RUN_STATE, {"op": "query"})).run_id == RUN
+        fetch = {"run": RUN, "step": 0, "layers": [0, 2]}
+        assert await net.request(outsider, ControlMsg.FETCH_MANIFEST, fetch) == {
+            "error": "only the peers an allocation names fetch its stages"}
+        assert "not held here" in (await net.request(peer, ControlMsg.FETCH_MANIFEST, fetch))["error"]
+        assert plane.status()["refusals"] == {"fetch-not-named": 1, "run-state-outsider": 1}
 
 
 async def test_an_allocation_without_a_certificate_of_its_issuer_is_refused_at_once(tmp_path):

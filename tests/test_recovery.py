@@ -24,6 +24,7 @@ from dtfm.control.epoch.recovery import (
 from dtfm.control.epoch.relayout import assemble_stage, needed_stages
 from dtfm.control.epoch.runner import params_sha256
 from dtfm.control.messages import ControlMsg
+from dtfm.control.refusals import Refused
 from dtfm.net import ConnectionClosed, Identity, ProtocolError, Transport, TransportConfig, short_id
 from dtfm.train import (
     TEST_CONFIG,
@@ -234,6 +235,27 @@ async def test_every_holder_gone_raises_naming_each():
     for p in (gone, unknown, other.id, empty.id):
         assert short_id(p) in msg
     assert "not held here" in msg and "holds digest" in msg
+
+
+async def test_a_peer_the_holders_allocations_do_not_name_is_refused():
+    # Holder `named` serves only the peers its rule lets fetch (in the daemon, those its
+    # allocations name, control/epoch/access.py): `me` is named, `outsider` is not.
+    state = make_state()
+    async with swarm(3) as (me, outsider, named):
+        allowed = {me.id}
+        named.server.authorize = lambda peer, key: None if peer in allowed and key[0] == RUN \
+            else Refused.FETCH_NOT_NAMED
+        digest = (await named.server.offer(RUN, state)).digest
+        with pytest.raises(RecoveryError) as e:
+            await fetch(outsider, [named], digest)
+        assert "only the peers an allocation names fetch its stages" in str(e.value)
+        conn = await outsider.transport.connect(*named.addr, peer_id=named.id)  # a chunk straight away
+        reply, payload = await conn.request(ControlMsg.FETCH_CHUNK, {"run": RUN, "step": STEP, "layers": list(LAYERS),
+                                                                     "digest": digest, "index": 0}, timeout_s=5)
+        assert set(reply) == {"error"} and payload is None
+        assert named.server.served_bytes == 0 and named.server.refusals.counts() == {"fetch-not-named": 2}
+        result = await fetch(me, [named], digest)
+        assert result.bytes == named.server.served_bytes > 0
 
 
 class WithdrawingServer(RecoveryServer):
