@@ -5,7 +5,9 @@ coordinator machine").
 hand-out of an allocation (ALLOCATION, then START), the step log of the epoch it handed out,
 and reconfiguration: triggers, the phases STOPPING -> PLANNING -> OFFERING -> HANDING_OUT ->
 TRAINING (or PAUSED, STOPPED), the retry count, the pause and its retry time, the drift timer,
-the next configuration of voters, the common stop boundary and the offers' majority digest.
+the next configuration of voters, the common stop boundary and the offers' majority digest, the
+failed-step reports waiting for a check of the run states (failures.py) and the STEP input it
+refused (`refusals`).
 It asks peers (`Ask`) and runs the scheduler (`Compute`) through the shell, which feeds the
 answers back; it reads the election, this peer's epoch machine and the gossiped swarm, and
 changes none of them.

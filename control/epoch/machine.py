@@ -3,13 +3,14 @@
 
 `EpochMachine` owns what the peer decided and knows about the run: the (term, epoch) it applied
 per run, its current and previous epoch (the allocation and what its stage is at), the step
-reports it keeps, how its last epoch ended, and whether an operator stopped the run. It decides
-whether to accept an allocation (an operator of the swarm must have started its run), where the
-stage comes from, who may start and stop it (a run's final stop only from the recognised
-coordinator, carrying the operator's signed stop of that run), what it answers to RUN_STATE,
-and when to stop training because its coordinator is gone. The stage itself (tensors, comm,
-runner thread) belongs to the shell, which reports what happens to it (`StageBuilt`,
-`StepDone`, `RunnerEnded`, `EpochDone`).
+reports it keeps, how its last epoch ended, whether an operator stopped the run, the last
+allocations it applied and the RUN_STATE requests it refused. It decides whether to accept an
+allocation (an operator of the swarm must have started its run), where the stage comes from,
+who may start and stop it (a run's final stop only from the recognised coordinator, carrying the
+operator's signed stop of that run), what it answers to RUN_STATE and to whom
+(control/epoch/access.py), and when to stop training because its coordinator is gone. The stage
+itself (tensors, comm, runner thread) belongs to the shell, which reports what happens to it
+(`StageBuilt`, `StepDone`, `RunnerEnded`, `EpochDone`).
 """
 
 from __future__ import annotations
