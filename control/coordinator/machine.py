@@ -1186,7 +1186,8 @@ class Coordinator:
         """epoch -> its allocation of the run of `cur`, if this peer knows it (to check the
         reports the peers keep)."""
         log = self.steplog
-        mine = [a for a in (cur, log.alloc if log is not None else None) if a is not None]
+        mine = [a for a in (cur, log.alloc if log is not None else None)
+                if a is not None and cur is not None and a.run_id == cur.run_id]
 
         def known(epoch: int) -> Allocation | None:
             for a in mine:
