@@ -1121,12 +1121,24 @@ def _epoch(pipelines=((N[0], N[1]), (N[2], N[3]))):
 def test_which_run_states_confirm_a_failed_step(reporters, stopped, unanswered, epoch, triggers):
     failures = FailedSteps(Refusals())
     for p in reporters:
-        assert failures.add(p, epoch, RUN, 1, "failed", 5) is None
+        assert failures.add(p, epoch, RUN, 1, "failed", 5, 0.0) is None
     assert failures.due(epoch, 5)
     states = {p: PeerRunState(RUN, 1, 1, epoch.layer_ranges[0], 6, 5, p not in stopped)
               for p in epoch.peers if p not in unanswered}
-    assert bool(failures.judge(epoch, states)) is triggers
+    assert bool(failures.judge(epoch, states, 6, 1.0, 10.0)) is triggers
     assert failures.due(epoch, 5) is not triggers  # a contradicted report stays pending
+
+
+def test_a_contradicted_failed_step_stands_once_the_epoch_completes_no_step_for_a_while():
+    # A peer built but never started (its START lost) says it steps: the reporters' word stands
+    # once the epoch completed no step for stall_s since the report; a completed step meanwhile
+    # keeps it contradicted.
+    epoch = _epoch()
+    stepping = {p: PeerRunState(RUN, 1, 1, (0, 2), 6, 5, p != N[1]) for p in epoch.peers}
+    for completed, now, triggers in ((5, 9.0, False), (5, 10.0, True), (6, 10.0, False)):
+        failures = FailedSteps(Refusals())
+        failures.add(N[1], epoch, RUN, 1, "a neighbour's step failed", 5, 0.0)
+        assert bool(failures.judge(epoch, stepping, completed, now, 10.0)) is triggers
 
 
 def test_the_loss_is_taken_only_from_the_last_stages():

@@ -8,10 +8,12 @@ reporter's neighbours too (they wait for it, then fail), so the coordinator asks
 peers for their run states (its `Ask`, the "failed" probe) and triggers when a peer other than
 the reporters no longer steps that epoch (or no answer came), or when every peer of the epoch
 reported a failure. While every other peer steps, the report is ignored, logged and counted
-(`failed-contradicted`); it stays pending and is checked again at the next checks while the step
-log does not move on, and is dropped once the log completes a step more than `STEP_WINDOW`
-past where it stood when the report came (the reporter stepped on). The state is one entry per
-peer of the epoch.
+(`failed-contradicted`); it stays pending and is checked again at the next checks, and is
+dropped once the log completes a step more than `STEP_WINDOW` past where it stood when the
+report came (the reporter stepped on). A peer may say it steps and not (built, its start lost):
+a pending report whose epoch completed no step for `stall_s` (a few steps' time) since it came
+triggers after all, as a peer that stalls the run would. The state is one entry per peer of the
+epoch.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ MAX_REASON = 200
 class _Report:
     reason: str
     completed: int | None  # the step log's last completed step when it came (None: not logged here)
+    at: float  # when it came
     contradicted: bool = False
 
 
@@ -57,7 +60,7 @@ class FailedSteps:
             self._pending.clear()
 
     def add(self, peer: bytes, cur: Allocation, run_id: object, epoch: object, reason: str,
-            completed: int | None) -> Refused | None:
+            completed: int | None, now: float) -> Refused | None:
         """Take a report of the current epoch `cur` (`completed`: the step log's last completed
         step of it, None when this peer does not log it); a refusal is counted and returned."""
         why = None
@@ -74,7 +77,7 @@ class FailedSteps:
         if why is not None:
             return self.refusals.refuse(why, peer, f"failed: {reason[:MAX_REASON]}")
         self._heard.add(peer)
-        self._pending[peer] = _Report(reason[:MAX_REASON], completed)
+        self._pending[peer] = _Report(reason[:MAX_REASON], completed, now)
         return None
 
     def due(self, cur: Allocation | None, completed: int | None) -> bool:
@@ -93,14 +96,21 @@ class FailedSteps:
                     del self._pending[peer]
         return bool(self._pending)
 
-    def judge(self, cur: Allocation | None, answers: Mapping[bytes, PeerRunState]) -> list[str]:
+    def judge(self, cur: Allocation | None, answers: Mapping[bytes, PeerRunState], completed: int | None,
+              now: float, stall_s: float) -> list[str]:
         """The run states of the epoch's peers came back: the trigger reasons of the reports they
-        confirm ([] when every other peer still steps the epoch: the reports stay pending)."""
+        confirm, or that no completed step contradicted for `stall_s` ([] when every other peer
+        still steps the epoch: the reports stay pending)."""
         if cur is None or self._epoch != (cur.run_id, cur.epoch) or not self._pending:
             return []
         stopped = {p for p in cur.peers if not _steps(answers.get(p), cur)}
-        if stopped - set(self._pending) or set(cur.peers) <= set(self._pending):
-            reasons = [f"peer {short_id(p)}: {r.reason}" for p, r in self._pending.items()]
+        stalled = [p for p, r in self._pending.items()
+                   if (completed is None or completed == r.completed) and now - r.at >= stall_s]
+        confirmed = bool(stopped - set(self._pending)) or set(cur.peers) <= set(self._pending)
+        if confirmed or stalled:
+            reasons = [f"peer {short_id(p)}: {r.reason}" + (f" (no step completed in {now - r.at:.3g} s since)"
+                                                            if not confirmed and p in stalled else "")
+                       for p, r in self._pending.items()]
             self._pending.clear()
             return reasons
         for peer, rep in self._pending.items():

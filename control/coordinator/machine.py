@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
 MAX_STARTS_KEPT = 64  # run ids of signed starts taken, kept while they could be replayed
+STALL_STEPS = 3  # steps' time without a completed step after which a failed report stands
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
 # returned, one just declared dead): gossip converges, so they are retried without counting.
@@ -474,7 +475,7 @@ class Coordinator:
         if cur is None or not self.election.is_coordinator:
             return []
         if what == "failed":
-            for reason in self._failures.judge(cur, states):
+            for reason in self._failures.judge(cur, states, self._completed_of(cur), now, self._stall_s(cur)):
                 self._trigger(reason)
                 self._next_check = now
             return []
@@ -1182,6 +1183,14 @@ class Coordinator:
             return None
         return log.completed
 
+    def _stall_s(self, cur: Allocation) -> float:
+        """How long an epoch may complete no step before a failed report stands: STALL_STEPS
+        steps (the last logged step's time, else the predicted), at least one check interval."""
+        log = self.steplog
+        recent = log.recent[-1].get("iteration_s") if log is not None and log.recent else None
+        step_s = recent if isinstance(recent, float) and recent > 0 else cur.predicted_iteration_s
+        return max(self.t.check_interval_s, STALL_STEPS * step_s)
+
     def _known(self, cur: Allocation | None) -> Callable[[int], Allocation | None]:
         """epoch -> its allocation of the run of `cur`, if this peer knows it (to check the
         reports the peers keep)."""
@@ -1203,7 +1212,7 @@ class Coordinator:
         if not self.election.is_coordinator or cur is None:
             self.refusals.refuse(Refused.FAILED_OTHER_RUN, ev.peer, "no run coordinated here")
             return
-        if self._failures.add(ev.peer, cur, ev.run_id, ev.epoch, ev.reason, self._completed_of(cur)) is None:
+        if self._failures.add(ev.peer, cur, ev.run_id, ev.epoch, ev.reason, self._completed_of(cur), now) is None:
             logger.info("peer %s says a step of epoch %d failed: %s", short_id(ev.peer), cur.epoch, ev.reason[:200])
             self._next_check = now
 
