@@ -59,7 +59,7 @@ from dtfm.control.coordinator.machine import (
 )
 from dtfm.control.coordinator.failures import FailedSteps
 from dtfm.control.coordinator.links import used_cut_links
-from dtfm.control.coordinator.steplog import STEP_WINDOW, StepLog
+from dtfm.control.coordinator.steplog import REORDER_STEPS, STEP_WINDOW, StepLog
 from dtfm.control.epoch.runstate import PeerRunState
 from dtfm.control.refusals import Refusals
 from dtfm.net import short_id
@@ -397,71 +397,44 @@ def test_train_start_on_a_peer_that_is_not_the_coordinator_fails():
 # ---- step reports -----------------------------------------------------------------------------------
 
 
+def acted(n: Node) -> list[str]:
+    """What the machine did since the last call (its actions and answers, not the inputs)."""
+    out = [x.strip() for x in n.lines if x.startswith("  ") or " answers " in x]
+    n.lines.clear()
+    return out
+
+
 def test_steps_are_logged_once_every_peer_reported_them_and_lost_reports_are_filled_from_the_peers():
-    # Step 1's reports all went missing: once step 2 has every report the coordinator asks the
-    # peers for the reports they keep and logs step 1 from them. Steps 4 and 5 lost, no peer kept
-    # them: given up without a line. A report lost of step 7: its line is partial. Reports of
-    # another run, from a peer with no stage in the epoch, of another epoch: refused.
+    # Step 1's reports all went missing: the steps after it wait for them (reports may come out
+    # of order) until a step REORDER_STEPS later has every report; then step 1 is passed over,
+    # the coordinator asks the peers for the reports they keep and logs it from them. Step 5's
+    # report lost at n3: once step 6 has every report, its line is partial. Reports of another
+    # run, from a peer with no stage in the epoch, of another epoch: refused.
     n = Node()
     n.training(steps=0)
-    for s in (0, 2):
+    for s in [0] + list(range(2, 1 + REORDER_STEPS)):
         for p in N[:4]:
-            n.feed(StepReported(p, RUN, report(1, s)), 1.0 + s)
-    kept = state((0, 2), 3, running=True, reports=[report(1, s) for s in range(4)])
-    n.answer("gaps 1", everyone=kept, at=3.1)
-    for s in (3, 6):
-        for p in N[:4]:
-            n.feed(StepReported(p, RUN, report(1, s)), 4.0 + s)
-    n.answer("gaps 1", everyone=kept, at=10.1)
-    for p in N[:3]:
-        n.feed(StepReported(p, RUN, report(1, 7)), 11.0)
+            n.feed(StepReported(p, RUN, stage_report(p, 1, s)), 1.0 + s)
+    assert acted(n) == ["log step 0 loss 5.0 epoch 1"]  # steps 2.. wait for step 1's reports
     for p in N[:4]:
-        n.feed(StepReported(p, RUN, report(1, 8)), 12.0)
-    n.feed(StepReported(N[1], b"o" * 16, report(1, 9)), 13.0)  # another run
-    n.feed(StepReported(N[4], RUN, report(1, 9)), 13.0)  # not a peer of the epoch
-    n.feed(StepReported(N[1], RUN, report(0, 9)), 13.0)  # another epoch
-    n.transcript("""
-        1 STEP 0 of epoch 1 from n0
-        1 STEP 0 of epoch 1 from n1
-        1 STEP 0 of epoch 1 from n2
-        1 STEP 0 of epoch 1 from n3
-          log step 0 loss 5.0 epoch 1
-        3 STEP 2 of epoch 1 from n0
-        3 STEP 2 of epoch 1 from n1
-        3 STEP 2 of epoch 1 from n2
-        3 STEP 2 of epoch 1 from n3
-          log step 2 loss 4.8 epoch 1
-          ask gaps 1: RUN_STATE query -> n0 n1 n2 n3
-        3.1 answers gaps 1: n0 0-2@3 running, n1 0-2@3 running, n2 0-2@3 running, n3 0-2@3 running
-          log step 1 loss 4.9 epoch 1 backfilled
-        7 STEP 3 of epoch 1 from n0
-        7 STEP 3 of epoch 1 from n1
-        7 STEP 3 of epoch 1 from n2
-        7 STEP 3 of epoch 1 from n3
-          log step 3 loss 4.7 epoch 1
-        10 STEP 6 of epoch 1 from n0
-        10 STEP 6 of epoch 1 from n1
-        10 STEP 6 of epoch 1 from n2
-        10 STEP 6 of epoch 1 from n3
-          log step 6 loss 4.4 epoch 1
-          ask gaps 1: RUN_STATE query -> n0 n1 n2 n3
-        10.1 answers gaps 1: n0 0-2@3 running, n1 0-2@3 running, n2 0-2@3 running, n3 0-2@3 running
-        11 STEP 7 of epoch 1 from n0
-        11 STEP 7 of epoch 1 from n1
-        11 STEP 7 of epoch 1 from n2
-        12 STEP 8 of epoch 1 from n0
-        12 STEP 8 of epoch 1 from n1
-        12 STEP 8 of epoch 1 from n2
-        12 STEP 8 of epoch 1 from n3
-          log step 7 loss 4.3 epoch 1 partial
-          log step 8 loss 4.2 epoch 1
-        13 STEP 9 of epoch 1 from n1
-        13 STEP 9 of epoch 1 from n4
-        13 STEP 9 of epoch 0 from n1
-    """)
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 1 + REORDER_STEPS)), 5.0)
+    kept = state((0, 2), 5, running=True, reports=[report(1, s) for s in range(5)])
+    n.answer("gaps 1", everyone=kept, at=5.1)
+    assert acted(n) == [f"log step {s} loss {report(1, s).loss} epoch 1" for s in range(2, 2 + REORDER_STEPS)] + [
+        "ask gaps 1: RUN_STATE query -> n0 n1 n2 n3",
+        "5.1 answers gaps 1: n0 0-2@5 running, n1 0-2@5 running, n2 0-2@5 running, n3 0-2@5 running",
+        "log step 1 loss 4.9 epoch 1 backfilled"]
+    for p in N[:3]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 5)), 6.0)
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 6)), 7.0)
+    n.feed(StepReported(N[1], b"o" * 16, report(1, 7)), 8.0)  # another run
+    n.feed(StepReported(N[4], RUN, report(1, 7)), 8.0)  # not a peer of the epoch
+    n.feed(StepReported(N[1], RUN, report(0, 7)), 8.0)  # another epoch
+    assert acted(n) == ["log step 5 loss 4.5 epoch 1 partial", "log step 6 loss 4.4 epoch 1"]
     st = n.c.status()
-    assert st.completed == 8 and [x["step"] for x in st.recent] == [0, 2, 1, 3, 6, 7, 8]
-    counts = n.c.refusals.counts()  # (the first stages' reports carry a loss here too: not taken)
+    assert st.completed == 6 and [x["step"] for x in st.recent] == [0, 2, 3, 4, 1, 5, 6]
+    counts = n.c.refusals.counts()
     assert [counts.get(c) for c in ("step-other-run", "step-not-peer", "step-other-epoch")] == [1, 1, 1]
 
 
@@ -1143,37 +1116,25 @@ def test_a_contradicted_failed_step_stands_once_the_epoch_completes_no_step_for_
 
 def test_the_loss_is_taken_only_from_the_last_stages():
     # n0 and n2 (first stages) report a loss: never logged. Step 1's last-stage reports are lost:
-    # the step is filled from the reports the peers keep (n1's, a last stage) instead of being
-    # logged with a first stage's loss.
+    # instead of a line with a first stage's loss, the step waits for them, then (a step
+    # REORDER_STEPS later complete) is filled from the reports the peers keep: n1's, a last stage's.
     n = Node()
     n.training(steps=0)
-    for s, first, last in ((0, 0.0123, 4.0), (1, 0.0123, None), (2, 0.0123, 3.8)):
+    for s in range(0, 2 + REORDER_STEPS):
         for p in (N[0], N[2]):
-            n.feed(StepReported(p, RUN, report(1, s, loss=first)), 1.0 + s)
-        if last is not None:
+            n.feed(StepReported(p, RUN, report(1, s, loss=0.0123)), 1.0 + s)
+        if s != 1:
             for p in (N[1], N[3]):
-                n.feed(StepReported(p, RUN, report(1, s, loss=last)), 1.0 + s)
-    kept = {N[0]: state((0, 2), 3, running=True, reports=[report(1, 1, loss=0.0123)]),
-            N[1]: state((2, 4), 3, running=True, reports=[report(1, 1, loss=3.9)])}
-    n.answer("gaps 1", kept, 3.1)
-    n.transcript("""
-        1 STEP 0 of epoch 1 from n0
-        1 STEP 0 of epoch 1 from n2
-        1 STEP 0 of epoch 1 from n1
-        1 STEP 0 of epoch 1 from n3
-          log step 0 loss 4.0 epoch 1
-        2 STEP 1 of epoch 1 from n0
-        2 STEP 1 of epoch 1 from n2
-        3 STEP 2 of epoch 1 from n0
-        3 STEP 2 of epoch 1 from n2
-        3 STEP 2 of epoch 1 from n1
-        3 STEP 2 of epoch 1 from n3
-          log step 2 loss 3.8 epoch 1
-          ask gaps 1: RUN_STATE query -> n0 n1 n2 n3
-        3.1 answers gaps 1: n0 0-2@3 running, n1 2-4@3 running, n2 -, n3 -
-          log step 1 loss 3.9 epoch 1 backfilled
-    """)
-    assert n.c.refusals.counts()["loss-not-last-stage"] == 5  # steps 0 and 2 twice, 1 from the kept reports
+                n.feed(StepReported(p, RUN, report(1, s, loss=4.0)), 1.0 + s)
+    kept = {N[0]: state((0, 2), 5, running=True, reports=[report(1, 1, loss=0.0123)]),
+            N[1]: state((2, 4), 5, running=True, reports=[report(1, 1, loss=3.9)])}
+    n.answer("gaps 1", kept, 5.1)
+    assert acted(n) == ["log step 0 loss 4.0 epoch 1"] + [f"log step {s} loss 4.0 epoch 1"
+                                                          for s in range(2, 2 + REORDER_STEPS)] + [
+        "ask gaps 1: RUN_STATE query -> n0 n1 n2 n3",
+        "5.1 answers gaps 1: n0 0-2@5 running, n1 2-4@5 running, n2 -, n3 -",
+        "log step 1 loss 3.9 epoch 1 backfilled"]
+    assert n.c.refusals.counts()["loss-not-last-stage"] == 2 * (2 + REORDER_STEPS) - 1  # and n0's kept one
 
 
 def test_last_stages_that_disagree_on_the_loss_are_flagged(caplog):

@@ -1,11 +1,12 @@
 """The coordinator's step log: its record of the epoch it handed out (see docs/control.md).
 
 Every peer of the epoch reports each step (STEP). Step s is complete once every peer reported
-it, or a later step; and, since a peer that reports a step has completed every step before it,
-once every peer reported a step more than `STEP_WINDOW` past s (a report lost, or late by more
-than that, is not waited for), or the epoch's last step. Its line then carries the reports it has
-(`partial` when some are missing). A step whose reports were all lost, or whose last stages' reports were (its line would have no
-loss), is a gap, back-filled from the reports the peers keep; steps
+it, or a later step (`REORDER_STEPS` later when no report of a last stage of s came: reports
+may come out of order); and, since a peer that reports a step has completed every step before it,
+once every peer reported step s + STEP_WINDOW - 1, the last of the window after s (a report
+lost, or later than that, is not waited for), or the epoch's last step. Its line then carries the reports it has
+(`partial` when some are missing). A step no report of a last stage of which came (all lost: its line would have no loss) is then a
+gap, back-filled from the reports the peers keep; steps
 before the resume point of a new epoch are back-filled at its hand-out. `StepLog` only returns
 the lines: the plane's shell stamps them with the wall time and appends them to the run's log
 file.
@@ -40,7 +41,7 @@ from ..epoch.runner import StepReport
 from ..epoch.runstate import MAX_REPORTS
 from ..refusals import Refusals, Refused
 
-__all__ = ["MAX_GAPS", "MAX_RECENT_STEPS", "STEP_WINDOW", "StepLog"]
+__all__ = ["MAX_GAPS", "MAX_RECENT_STEPS", "REORDER_STEPS", "STEP_WINDOW", "StepLog"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ MAX_RECENT_STEPS = 64  # lines kept for `status`
 # each other, but their reports reach the coordinator over links that may be slower than a step
 # (the coordinator's own report arrives at once): its view may lag a few steps behind the peers.
 STEP_WINDOW = 8
+REORDER_STEPS = 3  # a step whose last stages' reports have not come waits until a step this much later is complete
 MAX_GAPS = MAX_REPORTS  # gaps kept for filling: a peer keeps no more reports than this
 
 Known = Callable[[int], "Allocation | None"]  # epoch -> its allocation, if this peer knows it
@@ -72,7 +74,7 @@ class StepLog:
         self.filling = False  # the peers are being asked for the gaps' reports
         self.refusals = refusals if refusals is not None else Refusals()
         self.highest: dict[bytes, int] = {p: self.completed for p in alloc.peers}  # each peer's newest step
-        self._behind = len(self.highest)  # peers whose newest step is <= completed + STEP_WINDOW
+        self._behind = len(self.highest)  # peers whose newest step is < completed + STEP_WINDOW
         self._at_end = 0  # peers that reported the epoch's last step
         self._last = frozenset(pipe[-1] for pipe in alloc.pipelines)  # the peers whose loss counts
 
@@ -92,19 +94,15 @@ class StepLog:
         old = self.highest[peer]
         if rep.step > old:
             self.highest[peer] = rep.step
-            if old <= self.completed + STEP_WINDOW < rep.step:
+            if old < self.completed + STEP_WINDOW <= rep.step:
                 self._behind -= 1
             if rep.step == self.alloc.end_step - 1:
                 self._at_end += 1
-        target = self.completed
         if rep.step > self.completed + STEP_WINDOW:
             self.refusals.refuse(Refused.STEP_AHEAD, peer, f"step {rep.step}, completed {self.completed}")
         else:
-            got = self.reports.setdefault(rep.step, {})
-            got[peer] = rep
-            if len(got) == len(self.highest):
-                target = rep.step
-        return self._advance(target)
+            self.reports.setdefault(rep.step, {})[peer] = rep
+        return self._advance()
 
     def _refusal(self, peer: bytes, rep: StepReport) -> Refused | None:
         if rep.epoch != self.alloc.epoch:
@@ -119,19 +117,26 @@ class StepLog:
             return Refused.STEP_REPEATED
         return None
 
-    def _advance(self, target: int) -> list[dict]:
-        """Complete the steps up to `target` (a step every peer reported), or further: up to
-        the newest kept step every peer reported, up to STEP_WINDOW steps before the oldest of
-        the peers' newest steps (a report lost or late by more than that is not waited for),
-        and to the epoch's last step once every peer reported it."""
+    def _advance(self) -> list[dict]:
+        """Complete the steps up to the newest kept step every peer reported (but not past a
+        step no last stage's report of which came, fewer than REORDER_STEPS before it: reports
+        may come out of order), up to the
+        steps whose window every peer reported to its end (a report lost or later than that is
+        not waited for), and to the epoch's last step once every peer reported it."""
         lines: list[dict] = []
+        target = self.completed
         n = len(self.highest)
         while n:
             full = [s for s, got in self.reports.items() if len(got) == n]  # at most STEP_WINDOW steps
             if full:
-                target = max(target, *full)
-            if self._behind == 0:
-                target = max(target, min(self.highest.values()) - STEP_WINDOW)
+                # a step with no report of a last stage waits for one (reports may come out of
+                # order) until a step REORDER_STEPS later has every report
+                top = max(full)
+                waiting = [s for s in range(max(self.completed + 1, top - REORDER_STEPS + 1), top)
+                           if s not in self.reports or self._last.isdisjoint(self.reports[s])]
+                target = max(target, min(waiting) - 1 if waiting else top)
+            if self._behind == 0:  # every peer reported the window's last step (or beyond)
+                target = max(target, min(self.highest.values()) - STEP_WINDOW + 1)
             if self._at_end == n:  # the last step: no later report will come
                 target = self.alloc.end_step - 1
             if target <= self.completed:
@@ -148,7 +153,7 @@ class StepLog:
             if len(self.gaps) > MAX_GAPS:
                 self.gaps = set(sorted(self.gaps)[-MAX_GAPS:])
             self.completed = target
-            self._behind = sum(1 for h in self.highest.values() if h <= target + STEP_WINDOW)
+            self._behind = sum(1 for h in self.highest.values() if h < target + STEP_WINDOW)
         return lines
 
     def backfill(self, reports: Iterable[tuple[bytes, StepReport]], steps: Iterable[int], known: Known) -> list[dict]:
