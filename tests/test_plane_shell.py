@@ -207,7 +207,8 @@ async def test_run_state_and_stages_are_answered_only_to_the_peers_of_the_run(tm
         assert await plane.election.wait_until_coordinator(10)
         a = alloc(term=plane.election.term, pipelines=[[IDS[1].peer_id, IDS[2].peer_id]], spares=(ISSUER.peer_id,),
                   absent=(IDS[3].peer_id,))
-        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire())
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
+                                  | {"cert": plane.election.certificate.to_wire()})
         assert reply == {"accepted": True, "role": "spare"}
         outsider, peer = IDS[3], IDS[1]
         refused = await net.request(outsider, ControlMsg.RUN_STATE, {"op": "query"})
