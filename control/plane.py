@@ -464,7 +464,8 @@ class ControlPlane:
             except (ValueError, ProtocolError) as e:
                 raise TrainError(f"{path} holds a damaged allocation ({e})") from None
         self.election.restore(term, epoch, alloc.configuration if alloc is not None else None)
-        self.epoch.restore(run, term, epoch, alloc)
+        reports = self.stages.kept_reports(run) if alloc is not None and alloc.run_id == run else []
+        self.epoch.restore(run, term, epoch, alloc, reports)
 
     def _save_applied(self, alloc: Allocation) -> None:
         path = self.data_dir / "applied.json"

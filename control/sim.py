@@ -218,6 +218,9 @@ class PlaneSim(ElectionSim):
         self.content: dict[str, bytes] = {}  # digest -> weights (what a fetch verifies against)
         self.disk_alloc: list[Allocation | None] = [None] * n
         self.checkpoints: list[dict[tuple[bytes, tuple[int, int], int], bytes]] = [{} for _ in range(n)]
+        # the step reports saved with each checkpoint (those of the steps its weights hold)
+        self.checkpoint_reports: list[dict[tuple[bytes, tuple[int, int], int], tuple[StepReport, ...]]] = [
+            {} for _ in range(n)]
         self.epochs: list[EpochMachine | None] = [None] * n
         self.coords: list[Coordinator | None] = [None] * n
         self.sim_stages: list[dict[int, SimStage]] = [{} for _ in range(n)]  # node -> epoch -> stage
@@ -393,7 +396,13 @@ class PlaneSim(ElectionSim):
                              operators={self.operator.public_key})
         alloc = self.disk_alloc[k]
         if alloc is not None:
-            epoch.restore(alloc.run_id, alloc.term, alloc.epoch, alloc)
+            newest: dict[tuple[int, int], int] = {}
+            for (r, layers, step) in self.checkpoints[k]:
+                if r == alloc.run_id:
+                    newest[layers] = max(step, newest.get(layers, step))
+            kept = {(rep.epoch, rep.step): rep for layers, step in newest.items()
+                    for rep in self.checkpoint_reports[k][(alloc.run_id, layers, step)]}
+            epoch.restore(alloc.run_id, alloc.term, alloc.epoch, alloc, kept.values())
         self.epochs[k] = epoch
         signer = self._signers[self.ids[k]]
         self.coords[k] = Coordinator(self.ids[k], lambda a: SignedAllocation.sign(a, signer), reader, epoch,
@@ -782,11 +791,13 @@ class PlaneSim(ElectionSim):
         step = st.at
         st.snapshot = (step, st.weights)
         st.weights, st.at = _next_weights(st.weights, step), step + 1
-        if self.checkpoint_every and st.at % self.checkpoint_every == 0:
-            s = st.alloc.position(self.ids[k])[1]
-            self.checkpoints[k][(st.alloc.run_id, st.alloc.layer_ranges[s], st.at)] = st.weights
         last = st.alloc.position(self.ids[k])[1] == st.alloc.stages - 1  # the loss: on last stages only
         rep = StepReport(epoch, step, reference_loss(st.weights) if last else None, 0.1, 0.05, 0.03, 0.02)
+        if self.checkpoint_every and st.at % self.checkpoint_every == 0:
+            s = st.alloc.position(self.ids[k])[1]
+            key = (st.alloc.run_id, st.alloc.layer_ranges[s], st.at)
+            self.checkpoints[k][key] = st.weights
+            self.checkpoint_reports[k][key] = (*(r for r in self.epoch(k).reports if r.step < step), rep)
         self._epoch(k, StepDone(rep))
         if st.at >= self._end_of(k, st.alloc):
             reason = "finished" if st.at >= st.alloc.end_step else "stopped"

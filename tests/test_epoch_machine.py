@@ -537,6 +537,20 @@ def test_a_restarted_peer_knows_the_run_it_applied_and_tells_its_coordinator_it_
     """)
 
 
+def test_the_kept_step_reports_are_the_runs_own_restored_ones_included():
+    # A restarted peer's reports come back from its checkpoints (the shell reads them) and go
+    # out with its run state; a new epoch of the run keeps them, a new run starts afresh.
+    p = Peer(N[1], coordinator=None, term=2)
+    p.election.last_applied = (2, 3)
+    p.m.restore(RUN, 2, 3, alloc(term=2, epoch=3), [report(3, 5), report(3, 4)])
+    assert [(r.epoch, r.step) for r in p.m.run_state().reports] == [(3, 4), (3, 5)]
+    p.election.coordinator = N[0]
+    p.offer(alloc(term=2, epoch=4, start_step=6), 1.0)
+    assert [r.step for r in p.m.run_state().reports] == [4, 5]
+    p.offer(alloc(term=2, epoch=5, run_id=b"s" * 16, start_step=0), 2.0)
+    assert p.m.run_state().reports == ()
+
+
 def test_a_restarted_spare_or_a_peer_of_another_run_has_no_stage_to_report():
     spare = Peer(N[4])
     spare.m.restore(RUN, 1, 1, alloc(spares=(N[4],)))

@@ -9,6 +9,7 @@ tests/test_coordinator_machine.py; the protocol is in docs/control.md."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -33,6 +34,7 @@ from dtfm.control import (
     sign_op,
 )
 from dtfm.control.election import config_digest, vote_payload
+from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
 from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
@@ -284,6 +286,37 @@ async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autoj
     assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
     assert "error" in await plane.stages.offer(RUN, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
     assert "error" in await plane.stages.offer(RUN, 8, (0, 2))  # another run's step 8
+
+
+async def test_a_restarted_peer_sends_the_step_reports_its_checkpoints_kept(tmp_path):
+    # Every peer that reported a step may die before the coordinator logs it; the weights of the
+    # step live on in a checkpoint, and so must its line. The runner saves its reports with each
+    # checkpoint; a restarted peer sends those of its newest checkpoint of each stage of the run
+    # it applied in its run state (a damaged note is left out, another run's never counted).
+    def reports(epoch: int, steps: range, last: bool) -> list[dict]:
+        return [StepReport(epoch, s, 1.0 + s if last else None, 0.1, 0.05, 0.03, 0.02).to_wire() for s in steps]
+
+    a = alloc()
+    (tmp_path / "applied.json").write_text(json.dumps({"run": RUN.hex(), "term": 0, "epoch": 1,
+                                                      "allocation": a.encode().hex()}))
+    plane = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    root = plane.stages.checkpoint_root(RUN)
+    first = StageState(PRESETS["tiny"], CFG, (0, 2))  # this peer's stage in epoch 1, steps 0-3
+    for step in (2, 4):
+        first.step = step
+        save_checkpoint(root, first, notes={REPORTS_NOTE: reports(1, range(step), False)})
+    last = StageState(PRESETS["tiny"], CFG, (2, 4))  # and in epoch 2, from step 4
+    last.step = 6
+    save_checkpoint(root, last, notes={REPORTS_NOTE: reports(1, range(4), False) + reports(2, range(4, 6), True)})
+    last.step = 9
+    save_checkpoint(plane.stages.checkpoint_root(b"o" * 16), last, notes={REPORTS_NOTE: reports(1, range(9), True)})
+    again = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    assert [(r.epoch, r.step, r.loss) for r in again.run_state().reports] == [
+        (1, 0, None), (1, 1, None), (1, 2, None), (1, 3, None), (2, 4, 5.0), (2, 5, 6.0)]
+    last.step = 8
+    save_checkpoint(root, last, notes={REPORTS_NOTE: {"not": "a list"}})
+    again = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    assert [(r.epoch, r.step) for r in again.run_state().reports] == [(1, 0), (1, 1), (1, 2), (1, 3)]
 
 
 async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_clock):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.train import (CheckpointError, GPTSpec, StageState, TrainConfig, TransferError, TransferManifest,
-                        TransferReceiver, checkpoint_at, encode_transfer, list_checkpoints, load_checkpoint,
+                        TransferReceiver, checkpoint_at, checkpoint_notes, encode_transfer, list_checkpoints, load_checkpoint,
                         save_checkpoint, saved_checkpoints)
 
 SPEC = GPTSpec("t", n_layer=4, n_embd=32, n_head=4, seq_len=16)
@@ -52,6 +52,19 @@ def test_save_load_round_trip_and_keep_last_k(tmp_path):
     assert checkpoint_at(tmp_path, (1, 3), 5) == path and checkpoint_at(tmp_path, (1, 3), 3) is None
     (tmp_path / "notes").mkdir()  # not a stage folder: ignored
     assert saved_checkpoints(tmp_path) == [(1, 3, 4), (1, 3, 5)] and saved_checkpoints(tmp_path / "none") == []
+
+
+def test_notes_are_kept_with_the_checkpoint(tmp_path):
+    s = trained_state()
+    plain = save_checkpoint(tmp_path, s)
+    assert checkpoint_notes(plain) == {}
+    s.step = 2
+    noted = save_checkpoint(tmp_path, s, notes={"step_reports": [{"step": 1}]})
+    assert checkpoint_notes(noted) == {"step_reports": [{"step": 1}]}
+    assert_same(load_checkpoint(noted), s)
+    noted.write_text("{")
+    with pytest.raises(CheckpointError, match="cannot read"):
+        checkpoint_notes(noted)
 
 
 def test_corrupt_checkpoint_is_refused(tmp_path):

@@ -8,6 +8,7 @@ if TYPE_CHECKING:
     from .checkpoint import (
         CheckpointError,
         checkpoint_at,
+        checkpoint_notes,
         encode_stage,
         list_checkpoints,
         load_checkpoint,
@@ -122,6 +123,7 @@ __all__ = [
     "check_compression",
     "check_tensor",
     "checkpoint_at",
+    "checkpoint_notes",
     "decode_activation",
     "encode_activation",
     "encode_stage",
@@ -168,7 +170,7 @@ __all__ = [
 # table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".checkpoint": (
-        "CheckpointError", "checkpoint_at", "encode_stage", "list_checkpoints", "load_checkpoint",
+        "CheckpointError", "checkpoint_at", "checkpoint_notes", "encode_stage", "list_checkpoints", "load_checkpoint",
         "save_checkpoint", "saved_checkpoints", "stage_from_tensors", "stage_tensors",
     ),
     ".codec": (

@@ -8,7 +8,9 @@ sha256 of the blob.
 The same pair is what one peer sends another that takes over its stage (`transfer.py`).
 On disk: `<dir>/stage-<a>-<b>/step-<k>.safetensors` and `.json`, each written to a temporary
 file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); the
-last `keep` checkpoints of a stage are kept. Nothing is ever unpickled.
+last `keep` checkpoints of a stage are kept. A checkpoint may carry `notes`: JSON its writer
+wants back with the weights (the control plane keeps the step reports of the steps the weights
+hold there, so a step's log line survives whoever logged it). Nothing is ever unpickled.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "decode_tensors",
     "encode_stage",
     "checkpoint_at",
+    "checkpoint_notes",
     "compression_of",
     "list_checkpoints",
     "load_checkpoint",
@@ -156,13 +159,16 @@ def _stage_dir(root: Path, layer_range: tuple[int, int]) -> Path:
     return root / f"stage-{layer_range[0]:03d}-{layer_range[1]:03d}"
 
 
-def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3) -> Path:
-    """Write the stage's checkpoint for step `state.step`; keep the newest `keep`. Returns the JSON path."""
+def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3, notes: dict | None = None) -> Path:
+    """Write the stage's checkpoint for step `state.step`; keep the newest `keep`. `notes`:
+    JSON-able data kept with it (`checkpoint_notes`). Returns the JSON path."""
     if keep < 1:
         raise ValueError("keep must be at least 1")
     d = _stage_dir(Path(root), state.layer_range)
     d.mkdir(parents=True, exist_ok=True)
     blob, meta = encode_stage(state)
+    if notes is not None:
+        meta["notes"] = notes
     base = d / f"step-{state.step:08d}"
     _atomic_write(base.with_suffix(".safetensors"), blob)
     _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
@@ -175,6 +181,17 @@ def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3) -
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
     return base.with_suffix(".json")
+
+
+def checkpoint_notes(path: str | os.PathLike) -> dict:
+    """The notes saved with the checkpoint whose JSON is at `path` ({} when it has none); raises
+    CheckpointError when the JSON cannot be read."""
+    try:
+        meta = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    notes = meta.get("notes") if isinstance(meta, dict) else None
+    return notes if isinstance(notes, dict) else {}
 
 
 def list_checkpoints(root: str | os.PathLike, layer_range: tuple[int, int]) -> list[Path]:

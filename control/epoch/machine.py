@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol
@@ -298,11 +299,14 @@ class EpochMachine:
 
     # ---- restore ------------------------------------------------------------------------------
 
-    def restore(self, run_id: bytes, term: int, epoch: int, alloc: Allocation | None) -> None:
+    def restore(self, run_id: bytes, term: int, epoch: int, alloc: Allocation | None,
+                reports: Iterable[StepReport] = ()) -> None:
         """What DATA_DIR/applied.json held at start: the (term, epoch) applied and, when it is the
         same run, its allocation (a restarted peer holds no stage; as coordinator it takes the
-        run over from the others' run states)."""
+        run over from the others' run states); `reports`: the step reports its checkpoints of
+        that run kept, which it sends with its run state like the reports of this life."""
         self.applied[run_id] = (term, epoch)
+        self.reports.extend(sorted(reports, key=lambda r: (r.step, r.epoch)))
         if alloc is not None and alloc.run_id == run_id and alloc.term_epoch == (term, epoch):
             placed = self.me in alloc.peers
             self._known.append(alloc)
@@ -448,6 +452,8 @@ class EpochMachine:
         out: list = []
         if self.run is not None and not self.run.done:
             out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
+        if self.run is None or self.run.alloc.run_id != alloc.run_id:
+            self.reports.clear()  # the kept reports are the current run's
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
         self._known.append(alloc)

@@ -4,7 +4,11 @@ The trio task that calls `StageRunner.run` owns the thread (`trio.to_thread.run_
 thread runs whole steps; between steps it checks the stop step, so a stop lands on a step
 boundary. A step that fails (a neighbour died, a message timed out) leaves the stage as it was
 before that step (`run_step` applies nothing until every message of the step has arrived) and
-ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically.
+ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically,
+with this peer's latest step reports (`history`, then its own) of the steps the weights hold
+(`REPORTS_NOTE`): a restarted peer sends them in its run state, so the lines of the steps a
+checkpoint holds reach the log even when every peer that reported them died before the
+coordinator logged them.
 
 Before each step the runner copies the stage (parameters and optimizer state); once the step
 completed, that copy is the snapshot, so a peer that completed a step some other stage did not
@@ -17,9 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +45,9 @@ from dtfm.train import (
     stage_tensors,
 )
 
-__all__ = ["RunEnd", "StageRunner", "StepReport", "params_sha256"]
+__all__ = ["REPORTS_NOTE", "RunEnd", "StageRunner", "StepReport", "params_sha256"]
+
+REPORTS_NOTE = "step_reports"  # the checkpoint note with the step reports of the steps it holds
 
 MAX_STEP = 2**63 - 1
 MAX_SECONDS = 1e9
@@ -90,9 +97,12 @@ class RunEnd:
 class StageRunner:
     def __init__(self, state: StageState, plan: Plan, me: bytes, comm: Comm, corpus: Corpus, *,
                  end_step: int, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
-                 torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None):
+                 torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None,
+                 history: Sequence[StepReport] = (), keep_reports: int = 256):
         self.state, self.plan, self.me, self.comm, self.corpus = state, plan, me, comm, corpus
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        # this peer's reports of the run before this runner's, then its own: saved with a checkpoint
+        self._reports: collections.deque[StepReport] = collections.deque(history, maxlen=keep_reports)
         self.torch_threads = torch_threads
         self.on_step = on_step
         self._end_step = end_step
@@ -140,10 +150,12 @@ class StageRunner:
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
                                 result.compute_s, result.pipeline_s, result.sync_s)
             self.last = report
+            self._reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
             if self.checkpoint_every and self.checkpoint_dir and self.state.step % self.checkpoint_every == 0:
-                path = save_checkpoint(self.checkpoint_dir, self.state)
+                held = [r.to_wire() for r in self._reports if r.step < self.state.step]
+                path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
                 logger.info("saved checkpoint of step %d to %s", self.state.step, path)
         with self._lock:
             reason = "stopped" if self._stopped else "finished"

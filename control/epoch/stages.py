@@ -26,6 +26,7 @@ from dtfm.train import (
     MessageRules,
     StageState,
     checkpoint_at,
+    checkpoint_notes,
     load_checkpoint,
     saved_checkpoints,
     stage_tensors,
@@ -39,7 +40,8 @@ from .access import fetch_refusal
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
 from .recovery import RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
-from .runner import RunEnd, StageRunner, StepReport
+from .runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport
+from .runstate import MAX_REPORTS
 
 __all__ = ["MAX_CHECKPOINTS_LISTED", "MAX_STAGE_BYTES", "StageHost"]
 
@@ -101,6 +103,28 @@ class StageHost:
             steps.setdefault((a, b), []).append(step)
         out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
         return tuple(out[-MAX_CHECKPOINTS_LISTED:])
+
+    def kept_reports(self, run_id: bytes) -> list[StepReport]:
+        """The step reports saved with this peer's newest checkpoint of each stage of run
+        `run_id` (see runner.py), each (epoch, step) once; a damaged note is skipped with a warning."""
+        newest: dict[tuple[int, int], int] = {}
+        for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
+            newest[(a, b)] = max(step, newest.get((a, b), step))
+        found: dict[tuple[int, int], StepReport] = {}
+        for layers, step in newest.items():
+            path = checkpoint_at(self.checkpoint_root(run_id), layers, step)
+            if path is None:
+                continue
+            try:
+                held = checkpoint_notes(path).get(REPORTS_NOTE, [])
+                if not isinstance(held, list):
+                    raise ProtocolError("step reports: not a list")
+                for wire in held[-MAX_REPORTS:]:
+                    rep = StepReport.from_wire(wire)
+                    found.setdefault((rep.epoch, rep.step), rep)
+            except (CheckpointError, ProtocolError) as e:
+                logger.warning("the step reports kept with %s are unusable (%s): left out", path, e)
+        return sorted(found.values(), key=lambda r: (r.step, r.epoch))[-MAX_REPORTS:]
 
     # ---- offers -------------------------------------------------------------------------------
 
@@ -194,7 +218,8 @@ class StageHost:
                                    checkpoint_every=alloc.checkpoint_every,
                                    checkpoint_dir=self.checkpoint_root(alloc.run_id),
                                    torch_threads=self.config.torch_threads,
-                                   on_step=lambda rep: token.run_sync_soon(self._step_done, rep))
+                                   on_step=lambda rep: token.run_sync_soon(self._step_done, rep),
+                                   history=tuple(self.epoch.reports), keep_reports=MAX_REPORTS)
         d, s = alloc.position(self.me)
         logger.info("accepted term %d epoch %d: stage %d of pipeline %d, layers %s, steps %d..%d%s", alloc.term,
                     alloc.epoch, s, d, alloc.layer_ranges[s], alloc.start_step, alloc.end_step - 1,

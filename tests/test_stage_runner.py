@@ -1,0 +1,41 @@
+"""The stage runner (control/epoch/runner.py): one peer's stage stepped in a worker thread,
+its checkpoints written with the step reports of the steps they hold."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import trio
+
+from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport
+from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
+                        list_checkpoints, load_checkpoint)
+
+SPEC = dataclasses.replace(PRESETS["tiny"], n_layer=2)
+CFG = dataclasses.replace(TEST_CONFIG, global_batch_seqs=2, micro_batches=1)
+CORPUS = Corpus(np.frombuffer(b"a small corpus for one stage " * 64, dtype=np.uint8).copy(), "corpus")
+
+
+def test_a_checkpoint_keeps_the_reports_of_the_steps_it_holds(tmp_path):
+    # One peer holds the whole model (1 x 1): it runs steps 2-5 of epoch 4 after epochs whose
+    # reports it kept (history), and checkpoints every 2 steps. Each checkpoint holds the
+    # reports of the steps before it, the earlier epochs' ones included, at most `keep_reports`.
+    plan = Plan(((b"me",),), ((0, SPEC.n_layer),), epoch=4)
+    state = StageState(SPEC, CFG, (0, SPEC.n_layer))
+    state.step = 2
+    history = [StepReport(3, s, 9.0, 0.1, 0.05, 0.03, 0.02) for s in range(2)]
+    seen: list[StepReport] = []
+    runner = StageRunner(state, plan, b"me", InMemoryHub().endpoint(b"me"), CORPUS, end_step=6,
+                         checkpoint_every=2, checkpoint_dir=tmp_path, on_step=seen.append, history=history,
+                         keep_reports=4)
+    end = trio.run(runner.run)
+    assert (end.completed, end.reason, end.failed) == (5, "finished", False)
+    assert [(r.epoch, r.step) for r in seen] == [(4, 2), (4, 3), (4, 4), (4, 5)]
+    assert all(r.loss is not None for r in seen)  # the last stage: it computes the loss
+    first, second = list_checkpoints(tmp_path, (0, SPEC.n_layer))
+    assert load_checkpoint(first).step == 4 and load_checkpoint(second).step == 6
+    held = [StepReport.from_wire(w) for w in checkpoint_notes(first)[REPORTS_NOTE]]
+    assert held == [*history, *seen[:2]]
+    held = [StepReport.from_wire(w) for w in checkpoint_notes(second)[REPORTS_NOTE]]
+    assert held == seen  # the four newest
