@@ -1,6 +1,7 @@
 """Daemons that train together: 8 real daemon processes on the emulated worldwide scenario,
 handed an allocation by one of them, train `tiny` across processes over the encrypted peer
-transport (bounded in time).
+transport (bounded in time). A key holder outside the run cannot take the swarm over, brick its
+election or stop the run.
 
 The oracle is single-process training: every step's loss equals the reference within 1e-5,
 whatever the S x D shape, and at the end every DP group's replicas hold identical weights; so
@@ -15,9 +16,14 @@ import signal
 import time
 
 import pytest
+import trio
 from polling import wait_for
 from swarms import ReferenceLosses, check_log, coordinator, reference_losses, swarm_up, trainings, wait_steps
 
+from dtfm.control import ControlMsg
+from dtfm.control.election import Certificate, Heartbeat, PreVoteReply, Vote, config_digest, vote_payload
+from dtfm.control.election.limits import MAX_TERM
+from dtfm.net import Identity, Transport, TransportConfig, load_swarm_key
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_status
 from dtfm.swarm.state import load_state
@@ -61,6 +67,50 @@ def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
         groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
     assert sorted(groups) == list(range(stages))
     assert all(len(hashes) == 1 for hashes in groups.values()), groups
+
+
+async def _attack(state, key: bytes, run_id: bytes, term: int) -> list[dict]:
+    """What a fresh identity with the swarm key, never a member nor elected, sends each daemon
+    (review findings 1, 2 and 5): a heartbeat for the next term that names itself coordinator
+    and sole voter, with its own certificate; unsolicited election replies at the largest term;
+    a final STOP of the run without an operator's signature. Returns the STOP answers."""
+    me = Identity.generate()
+    voters = (me.peer_id,)
+    forged = Certificate.of(term + 1, me.peer_id, voters,
+                            {me.peer_id: me.sign(vote_payload(term + 1, me.peer_id, config_digest(voters)))})
+    heartbeat = Heartbeat(term + 1, me.peer_id, 0, term + 1, 1, forged)
+    transport = Transport(me, key, TransportConfig.test())
+    answers = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(transport.run)
+        for p in state.peers:
+            with trio.fail_after(20):
+                conn = await transport.connect("127.0.0.1", p.port, peer_id=bytes.fromhex(p.peer_id))
+                for msg in (heartbeat, PreVoteReply(MAX_TERM, True, MAX_TERM), Vote(MAX_TERM, False, MAX_TERM, b"")):
+                    await conn.send(ControlMsg.ELECTION, msg.to_wire())
+                answer, _ = await conn.request(ControlMsg.STOP, {"run": run_id, "at_step": 0, "final": True,
+                                                                 "abort": True})
+                answers.append(answer)
+        await transport.aclose()
+    return answers
+
+
+def _an_outsider_changes_nothing(run_dir, state) -> None:
+    """While the swarm trains, an outsider with the swarm key forges a coordinator's heartbeat,
+    sends election replies at the largest term and asks every daemon to end the run without an
+    operator's signature: every daemon lives, follows the same coordinator in the same term,
+    refuses the STOP with the reason, and the run trains on."""
+    name, c = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    term, run_id = c["term"], bytes.fromhex(c["run_id"])
+    answers = trio.run(_attack, state, load_swarm_key(run_dir / "swarm.key"), run_id, term)
+    assert all(a["stopped"] is False and "coordinator" in a["reason"] for a in answers), answers
+    wait_steps(run_dir, 2)
+    t = trainings(state)
+    assert all(p.alive() for p in state.peers) and len(t) == len(state.peers)
+    assert coordinator(state)[0] == name
+    assert {v["term"] for v in t.values()} == {term}, {k: v["term"] for k, v in t.items()}
+    assert not any(v["election"].get("term_exhausted") for v in t.values())
+    assert all(v["state"] in ("training", "spare") for v in t.values()), {k: v["state"] for k, v in t.items()}
 
 
 @pytest.mark.slow
@@ -136,8 +186,9 @@ GRAY_BOUND_S = 20.0  # from a freeze or a cut to the next completed step (docs/c
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_frozen_peer_and_a_cut_link_cost_seconds(run_dir):
-    """A training peer is frozen (SIGSTOP: its sockets stay open, it answers nothing): the
+def test_an_outsider_changes_nothing_a_frozen_peer_and_a_cut_link_cost_seconds(run_dir):
+    """An outsider with the swarm key attacks the election and the run: nothing changes (see
+    `_an_outsider_changes_nothing`). Then a training peer is frozen (SIGSTOP: its sockets stay open, it answers nothing): the
     coordinator's step deadline and an unanswered probe take it out, and the run goes on within
     GRAY_BOUND_S, the event naming the cause. Woken (SIGCONT), it refuses nothing stale into the
     run and is placed again. Then the link between two pipeline neighbours is cut: the run goes
@@ -146,8 +197,10 @@ def test_a_frozen_peer_and_a_cut_link_cost_seconds(run_dir):
     reference = ReferenceLosses()
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
                        "--steps", "400"]) == 0
-    wait_steps(run_dir, 4)
+    wait_steps(run_dir, 2)
     state = load_state(run_dir)
+    _an_outsider_changes_nothing(run_dir, state)
+    wait_steps(run_dir, 2)
     t = wait_for("a coordinator", lambda: coordinator(state) and trainings(state), 30, interval_s=0.5)
     victim = next(p for p in state.peers if t[p.name].get("stage") is not None and t[p.name].get("role") != "coordinator")
     epoch = t[victim.name]["epoch"]
