@@ -153,8 +153,9 @@ class GossipService:
 
     def set_address(self, host: str, port: int) -> None:
         """Advertise host:port as this member's address from now on (learnt after start, e.g.
-        confirmed by peers): a new signed claim one incarnation up, gossiped like a refutation."""
-        self.swim.set_address(host, port, trio.current_time())
+        confirmed by peers): a new signed claim one incarnation up, gossiped like a refutation
+        and sent at once to the members this peer knows (`Swim.advertise_address`)."""
+        self._dispatch(self.swim.advertise_address(host, port, trio.current_time()))
 
     def members(self) -> list[Member]:
         """Every member in the table, confirmed or not (live_peers: the ones that count)."""

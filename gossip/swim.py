@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _SEED_TRIES = 10  # push-pulls with a seed, one per probe interval, until its claim arrives
 _PAGE_OVERHEAD = 64  # bytes of a push-pull page besides its updates
+MAX_ADDRESS_PUSH = 64  # members told a new address of ours directly (the others learn it by gossip)
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,20 @@ class Swim(Membership):
 
     # ---- joining and leaving
 
+    def advertise_address(self, host: str, port: int, now: float) -> list[Send]:
+        """Advertise host:port from now on (a new claim one incarnation up) and tell it at once
+        to up to MAX_ADDRESS_PUSH members, over a connection we hold or at their address: a
+        member that holds our old claim (none yet, before peers confirmed an address) cannot
+        confirm us and so never gossips with us, and would not learn the new one otherwise."""
+        before = self.me.incarnation
+        self.set_address(host, port, now)
+        if self.me.incarnation == before:
+            return []
+        mine = self.table.entries[self.me_id].claim
+        others = [m for m in self.members.values() if m.peer_id != self.me_id and not m.state.gone]
+        others = self._rng.sample(others, min(MAX_ADDRESS_PUSH, len(others)))
+        return [Send(m.peer_id, m.address if m.host and m.port else None, Gossip((mine,))) for m in others]
+
     def add_seed(self, peer_id: bytes, address: tuple[str, int], now: float, *,
                  origin: str | None = None) -> list[Send]:
         """A peer reached through a bootstrap address: push-pull with it. Its reply (its own
@@ -455,8 +470,8 @@ class Swim(Membership):
             pid = self._probe_order[self._probe_index]
             self._probe_index += 1
             m = self.members.get(pid)
-            if m is not None and not m.state.gone:
-                return m
+            if m is not None and not m.state.gone and (m.host and m.port or self.is_confirmed(pid)):
+                return m  # (an unconfirmed member that claims no address yet has nowhere to be probed)
         return None
 
     def _random_members(self, k: int, exclude) -> list[Member]:

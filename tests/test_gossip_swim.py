@@ -163,3 +163,29 @@ def test_push_pull_merges_and_replies_once():
     assert s.live_count() == 3
     assert reply.msg.reply is False and len(reply.msg.updates) == 3
     assert s.handle(B, PushPull((claim(B),), reply=False), 0.0) == []
+
+
+def test_a_member_that_claims_no_address_yet_is_not_probed_and_its_new_address_reaches_everyone():
+    # A daemon listening on a wildcard claims ("", 0) until peers confirm the address they see;
+    # members that learnt that claim cannot ping it, so they must not suspect it (they did, and
+    # declared it dead), and once it claims its address it tells them directly: they do not
+    # confirm it, so they would never gossip with it otherwise.
+    s = node_with(A, [C])
+    nowhere = Claim.create(KEYS[B], 0, MemberState.ALIVE, "", 0, "r")
+    s.handle(C, Gossip((nowhere,)), 0.0)
+    assert B in s.members and not s.is_confirmed(B)
+    out = run_to(s, 30.0)
+    assert not [x for _, x in out if x.to == B]  # never pinged, verified or dialled
+    assert s.members[B].state == MemberState.ALIVE
+
+    b = Swim(CFG, KEYS[B], Member(B, 0, MemberState.ALIVE, "", 0, "r"), random.Random(2), 0.0)
+    b.handle(A, PushPull((claim(A),), reply=False), 0.0)
+    sends = b.advertise_address(host(B), 7000, 1.0)
+    assert [(x.to, x.address) for x in sends] == [(A, (host(A), 7000))]
+    assert b.advertise_address(host(B), 7000, 2.0) == []  # unchanged: nothing to tell
+    told = s.handle(B, sends[0].msg, 31.0)
+    assert s.members[B].address == (host(B), 7000)
+    verify = [x for x in told + s.tick(31.0) if x.to == B and x.dial]
+    assert verify and verify[0].address == (host(B), 7000)
+    answer_verifications(s, verify, 31.0)
+    assert s.is_confirmed(B)

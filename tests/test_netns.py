@@ -133,10 +133,6 @@ def members(status) -> dict[str, tuple[str, str]]:
     return {m["region"]: (m["address"], m["state"]) for m in gossip.get("members", [])}
 
 
-# Soak: it passes alone (about 15 s) but in the full suite a member cut and healed is not
-# confirmed alive again within its 30 s (since members are confirmed by a ping dialled to the
-# address they claim); left out of the default run until that is understood.
-@pytest.mark.soak
 def test_daemons_on_separate_hosts_advertise_real_addresses_and_heal_after_a_cut():
     reason = _netns_unavailable()
     if reason:
