@@ -3,6 +3,9 @@
 Pure numpy/scipy: no torch, no network. The swarm calls `solve` on its measured view.
 """
 
+from .choose import ChoiceReason, CompressionPlan, GroupChoice, LinkChoice, choose_compression
+from .compression import (REFERENCE_CODEC_SPEED, WIRE_PRESETS, CodecAssignment, CodecSpeed, CompressionFields,
+                          CompressionOptions, DataParallelCodec, PipelineCodec, compression_options, wire_codecs)
 from .cost import CostBreakdown, CostModel
 from .layers import layer_ranges, split_layers
 from .matching import bottleneck_matching
@@ -14,8 +17,11 @@ from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
 from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_preset
 
 __all__ = [
-    "Allocation", "CommSpec", "CostBreakdown", "CostModel", "ModelSpec", "PAPER_GPT3_XL", "PRESETS",
-    "SEARCH_PROFILES", "SearchConfig", "SimResult", "Workload",
-    "bottleneck_matching", "candidate_shapes", "cost_model", "evaluate", "get_preset", "layer_ranges",
-    "open_path", "simulate_iteration", "solve", "split_layers",
+    "Allocation", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
+    "CompressionOptions", "CompressionPlan", "CostBreakdown", "CostModel", "DataParallelCodec", "GroupChoice",
+    "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
+    "SEARCH_PROFILES", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",
+    "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
+    "evaluate", "get_preset", "layer_ranges", "open_path", "simulate_iteration", "solve", "split_layers",
+    "wire_codecs",
 ]

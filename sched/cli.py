@@ -2,6 +2,7 @@
 
     dtfm-sched solve --scenario worldwide --model gpt3-xl-paper --stages 8 --dp 8 --json
     dtfm-sched compare --scenario worldwide --model gpt3-xl-paper --time-budget 20
+    dtfm-sched solve --scenario worldwide --compress auto --codec-speed reference
 
 Exit status: 0 success, 1 an error explained on stderr (`dtfm-sched: error: ...`), 2 bad
 command line.
@@ -19,6 +20,8 @@ import numpy as np
 
 from dtfm.scenarios import ScenarioError, load_scenario
 
+from .choose import ChoiceReason, CompressionPlan, choose_compression
+from .compression import REFERENCE_CODEC_SPEED, WIRE_PRESETS, CodecSpeed, CompressionOptions, compression_options
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
 from .search import SearchConfig, ShapeSearch
 from .simulate import simulate
@@ -84,12 +87,44 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--no-spares", action="store_true", help="every peer must take part")
         c.add_argument("--uneven-layers", action="store_true", help="let faster stages hold more layers")
         c.add_argument("--peers", type=_POSITIVE_INT, default=None, help="scale the scenario to this many peers")
+        c.add_argument("--compress", default="exact", metavar="auto|exact|NAME[,NAME...]",
+                       help="codecs the scheduler may use per pipeline link and DP group: auto (every "
+                            f"preset's), exact (none), or presets from {', '.join(WIRE_PRESETS)}; "
+                            "exact links stay possible (default: %(default)s)")
+        c.add_argument("--codec-speed", default="reference", metavar="reference|free|FILE.json",
+                       help="what coding costs on a peer's CPU: the development machine's measured "
+                            "figure, free (an upper bound of what compression saves), or a JSON file of "
+                            "dtfm.train.compress.measure_compress_cost() (default: %(default)s)")
         c.add_argument("--json", action="store_true", help="print JSON")
         c.add_argument("--plot", default=None, metavar="FILE.png", help="draw the allocation (matplotlib)")
         if name == "compare":
             c.add_argument("--random-samples", type=_POSITIVE_INT, default=5000,
                            help="random allocations to sample")
     return p
+
+
+def _compression(args) -> CompressionOptions | None:
+    """The --compress and --codec-speed options; None for exact."""
+    names = [n.strip() for n in args.compress.split(",") if n.strip()]
+    if not names:
+        raise CliError("--compress: name auto, exact or presets")
+    if args.codec_speed == "reference":
+        speed = REFERENCE_CODEC_SPEED
+    elif args.codec_speed == "free":
+        speed = CodecSpeed()
+    else:
+        try:
+            with open(args.codec_speed, encoding="utf-8") as f:
+                speed = CodecSpeed.from_dict(json.load(f))
+        except OSError as e:
+            raise CliError(f"--codec-speed: cannot read {args.codec_speed}: {e.strerror}") from None
+        except (ValueError, TypeError, AttributeError) as e:
+            raise CliError(f"--codec-speed: {args.codec_speed} is not a codec speed JSON object: {e}") from None
+    try:
+        opts = compression_options(names, speed)
+    except ValueError as e:
+        raise CliError(f"--compress: {e}") from None
+    return None if opts.exact else opts
 
 
 def _inputs(args):
@@ -134,41 +169,80 @@ def _check_shape(args, sc, spec, memory) -> None:
 def _solve(args) -> int:
     plot = _plotter(args.plot)
     sc, spec, compute, memory, stages = _inputs(args)
+    opts = _compression(args)
     alloc = solve(sc.delay_ms(), sc.bandwidth_gbps(), spec, stages=stages, dp=args.dp, compute=compute,
                   memory_gib=memory, regions=sc.peer_regions(), seed=args.seed, time_budget_s=args.time_budget,
-                  generations=args.generations, allow_spares=not args.no_spares, uneven_layers=args.uneven_layers)
+                  generations=args.generations, allow_spares=not args.no_spares, uneven_layers=args.uneven_layers,
+                  compression=opts)
     model = cost_model(sc.delay_ms(), sc.bandwidth_gbps(), spec, alloc.stages, alloc.dp, compute=compute,
-                       memory_gib=memory, uneven_layers=args.uneven_layers)
-    sim = simulate(model, alloc.matrix)
-    out = {"scenario": sc.name, "model": spec.name, **alloc.to_dict(), "simulated_iteration_s": sim.iteration_s}
+                       memory_gib=memory, uneven_layers=args.uneven_layers, compression=opts)
+    plan = choose_compression(model, alloc.matrix) if opts is not None else None
+    sim_s = plan.iteration_s if plan is not None else simulate(model, alloc.matrix).iteration_s
+    out = {"scenario": sc.name, "model": spec.name, **alloc.to_dict(), "simulated_iteration_s": sim_s}
+    if plan is not None:
+        out["compression"] = plan.to_dict()
     if args.json:
         print(json.dumps(out))
     else:
         c = alloc.cost
         print(f"{sc.name}: {alloc.stages} stages x {alloc.dp} pipelines, {len(alloc.spares)} spares")
         print(f"cost {c.paper_s:.4f} s (DP {c.dp_s:.4f} + 2 x PP {c.pp_s:.4f}); objective {c.total_s:.4f} s; "
-              f"simulated iteration {sim.iteration_s:.4f} s; searched {alloc.elapsed_s:.1f} s")
+              f"simulated iteration {sim_s:.4f} s; searched {alloc.elapsed_s:.1f} s")
         regions = sc.peer_regions()
         for p, pipe in enumerate(alloc.pipelines):
             print(f"pipeline {p}: " + " -> ".join(f"{i}({regions[i]})" for i in pipe))
         if alloc.spares:
             print("spares: " + ", ".join(f"{i}({regions[i]})" for i in alloc.spares))
+        if plan is not None:
+            print("\n".join(plan_lines(plan, regions)))
     if plot:
         plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares, plot_title(sc.name, alloc))
     return 0
 
 
+def plan_lines(plan: CompressionPlan, regions) -> list[str]:
+    """The compression plan as text: every compressed link and group with what it saves, and
+    why the others stay exact."""
+    lines = [f"compression: predicted iteration {plan.iteration_s:.4f} s (exact {plan.exact_iteration_s:.4f} s; "
+             f"best single setting {plan.best_global[0]} / {plan.best_global[1]}: "
+             f"{plan.best_global_iteration_s:.4f} s)"]
+    for g in plan.groups:
+        if g.codec.exact:
+            continue
+        lines.append(f"  DP group of stage {g.stage}: {g.codec.name}, one sync {g.sync_s:.3f} s every "
+                     f"{g.sync_every} steps (exact {g.exact_sync_s:.3f} s every step); saves {g.saving_s:.3f} s "
+                     f"per iteration ({g.reason.value})")
+    for c in plan.links:
+        if c.codec.exact:
+            continue
+        lines.append(f"  link {c.stage}->{c.stage + 1} of pipeline {c.pipeline}, {c.src}({regions[c.src]}) -> "
+                     f"{c.dst}({regions[c.dst]}): {c.codec.name}, {c.link_s:.4f} s per micro-batch (exact "
+                     f"{c.exact_link_s:.4f} s, compute it overlaps {c.overlap_compute_s:.4f} s); saves "
+                     f"{c.saving_s:.3f} s ({c.reason.value})")
+    for what, items in (("links", plan.links), ("DP groups", plan.groups)):
+        counts: dict[ChoiceReason, int] = {}
+        for item in items:
+            if item.codec.exact:
+                counts[item.reason] = counts.get(item.reason, 0) + 1
+        if counts:
+            lines.append(f"  exact {what}: " + ", ".join(f"{k} {r.value}" for r, k in counts.items()))
+    return lines
+
+
 def _compare(args) -> int:
     plot = _plotter(args.plot)
     sc, spec, compute, memory, stages = _inputs(args)
+    opts = _compression(args)
     dl, bw = sc.delay_ms(), sc.bandwidth_gbps()
     t0 = time.perf_counter()
     alloc = solve(dl, bw, spec, stages=stages, dp=args.dp, compute=compute, memory_gib=memory,
                   regions=sc.peer_regions(), seed=args.seed, time_budget_s=args.time_budget,
-                  generations=args.generations, allow_spares=not args.no_spares, uneven_layers=args.uneven_layers)
+                  generations=args.generations, allow_spares=not args.no_spares, uneven_layers=args.uneven_layers,
+                  compression=opts)
     search_s = time.perf_counter() - t0
     S, D, n = alloc.stages, alloc.dp, sc.n_peers
-    model = cost_model(dl, bw, spec, S, D, compute=compute, memory_gib=memory, uneven_layers=args.uneven_layers)
+    model = cost_model(dl, bw, spec, S, D, compute=compute, memory_gib=memory, uneven_layers=args.uneven_layers,
+                       compression=opts)
     order = locality_order(model.hop, sc.peer_regions())
     matcher = ShapeSearch(model, S, D, SearchConfig(), args.seed, float("inf"))
     rows = {"search": alloc.matrix}

@@ -12,6 +12,12 @@ The extensions, each off unless its inputs are given:
 - memory: a peer holds no more layers than fit; a shortfall is a penalty, not a crash.
 - uneven layers: stages may hold different layer counts, faster groups more; a stage's gradient
   volume follows its layer count.
+- compression (`CompressionOptions` with more than exact): a pipeline link costs the cheapest of
+  its allowed codecs, hop_c = a + r_c c_act / b + coding (r_c the codec's payload / exact bytes
+  at the message size, coding the encode and decode time of c_act's elements); a DP group costs
+  the cheapest allowed codec's, each member's row sum_j (a_ij + P / b_ij) + coding for an
+  all-gather of payloads of P bytes, divided by the codec's period (DiLoCo synchronises every H
+  steps: its traffic is amortised). Exact-only options give exactly the paper's matrices.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .compression import CodecAssignment, CompressionOptions, DataParallelCodec, PipelineCodec
 from .layers import split_layers
 from .spec import Workload
 
@@ -64,7 +71,7 @@ class CostModel:
 
     def __init__(self, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, workload: Workload, *,
                  compute: np.ndarray | None = None, memory_gib: np.ndarray | None = None,
-                 uneven_layers: bool = False) -> None:
+                 uneven_layers: bool = False, compression: CompressionOptions | None = None) -> None:
         delay_ms = np.asarray(delay_ms, dtype=float)
         bandwidth_gbps = np.asarray(bandwidth_gbps, dtype=float)
         n = delay_ms.shape[0]
@@ -81,9 +88,26 @@ class CostModel:
         inv_b = np.zeros((n, n))
         inv_b[off] = 8.0 / bandwidth_gbps[off]  # seconds per GB
         a[~off] = 0.0
-        self.hop = a + wl.act_gb * inv_b  # (N, N) one boundary hop, seconds
-        self.dp_a = 2 * a  # DP pair cost = dp_a + grad_gb * dp_b
-        self.dp_b = 2 * inv_b / wl.dp
+        self.lat_s = a  # (N, N) one-way latency, seconds
+        self.s_per_gb = inv_b  # (N, N) transfer time of one GB, seconds
+        self.options = opts = compression or CompressionOptions()
+        self._dp_coef: dict[DataParallelCodec, tuple[np.ndarray, np.ndarray]] = {}
+        if len(opts.pp) == 1:
+            self.hop = a + wl.act_gb * inv_b  # (N, N) one boundary hop, seconds
+            self.pp_choice = np.zeros((n, n), dtype=np.int64)
+        else:  # every link takes its cheapest allowed codec; on a tie the least lossy (first)
+            hops = np.stack([self.link_hop(c) for c in opts.pp])
+            self.pp_choice = hops.argmin(axis=0)
+            self.hop = hops.min(axis=0)
+        if len(opts.dp) == 1:
+            self.dp_a = 2 * a  # DP pair cost = dp_a + grad_gb * dp_b
+            self.dp_b = 2 * inv_b / wl.dp
+        else:  # a screen for the search: each pair's cheapest codec at the even split's gradient
+            g0 = self.uniform_grad_gb()
+            coefs = [self.dp_coefficients(c) for c in opts.dp]
+            pick = np.stack([ca + g0 * cb for ca, cb in coefs]).argmin(axis=0)
+            self.dp_a = np.choose(pick, [ca for ca, _ in coefs])
+            self.dp_b = np.choose(pick, [cb for _, cb in coefs])
         self.compute = None if compute is None else np.asarray(compute, dtype=float)
         self.memory = None if memory_gib is None else np.asarray(memory_gib, dtype=float)
         for name, v in (("compute", self.compute), ("memory_gib", self.memory)):
@@ -98,8 +122,94 @@ class CostModel:
             self.layer_cap = np.floor(np.maximum(room, 0) + 1e-9).astype(np.int64)
         else:
             self.layer_cap = np.full(n, wl.layers, dtype=np.int64)
-        # The fast search path is exact only for the paper objective with an even split.
-        self.extensions = self.compute_on or self.memory_on or uneven_layers or not wl.uniform_layers
+        # The fast search path is exact only for the paper objective with an even split (and one
+        # DP codec: with several, a group's cost is the best codec's, which its pairs only screen).
+        self.extensions = (self.compute_on or self.memory_on or uneven_layers or not wl.uniform_layers
+                           or len(opts.dp) > 1)
+
+    # -- compression ----------------------------------------------------------------------
+    def pp_messages(self) -> tuple[int, int]:
+        """(messages per link per direction per iteration, elements per message)."""
+        wl = self.workload
+        total = wl.act_gb * 1e9 / wl.act_elem_bytes
+        return wl.micro_batches, max(1, round(total / wl.micro_batches))
+
+    def pp_ratio(self, codec: PipelineCodec) -> float:
+        """Bytes `codec` puts on a pipeline link per exact byte, at this workload's message size."""
+        if codec.exact:
+            return 1.0
+        _, numel = self.pp_messages()
+        eb = self.workload.act_elem_bytes
+        return codec.payload_bytes(numel, eb) / (numel * eb)
+
+    def pp_coding_s(self, codec: PipelineCodec) -> tuple[float, float]:
+        """(encode, decode) seconds per message of `codec` on a link."""
+        enc, dec = codec.coding_ns_per_elem(self.options.speed)
+        _, numel = self.pp_messages()
+        return numel * enc * 1e-9, numel * dec * 1e-9
+
+    def link_hop(self, codec: PipelineCodec) -> np.ndarray:
+        """(N, N) one boundary hop of one iteration, one direction, every link coding with `codec`."""
+        wl = self.workload
+        if codec.exact:
+            return self.lat_s + wl.act_gb * self.s_per_gb
+        m, _ = self.pp_messages()
+        enc, dec = self.pp_coding_s(codec)
+        off = ~np.eye(self.n, dtype=bool)
+        return self.lat_s + wl.act_gb * self.pp_ratio(codec) * self.s_per_gb + off * (m * (enc + dec))
+
+    def dp_ratio(self, codec: DataParallelCodec) -> tuple[float, float]:
+        """(payload bytes per exact gradient byte, candidates per parameter) of `codec` at the
+        even split's stage size; a stage of another size scales linearly (chunk rounding aside)."""
+        if codec.exact:
+            return 1.0, 1.0
+        wl = self.workload
+        numel = round(self.uniform_grad_gb() * 1e9 / wl.grad_elem_bytes)
+        if numel < 1:
+            return 0.0, 0.0
+        return codec.payload_bytes(numel) / (numel * wl.grad_elem_bytes), codec.candidates(numel) / numel
+
+    def dp_coefficients(self, codec: DataParallelCodec, *, amortised: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """(A, B): a member's DP cost towards each other member is A + stage gradient GB x B, for
+        one synchronisation, or (amortised) per iteration."""
+        if codec not in self._dp_coef:
+            D = self.workload.dp
+            if codec.exact:
+                A, B = 2 * self.lat_s, 2 * self.s_per_gb / D
+            else:
+                ratio, cand = self.dp_ratio(codec)
+                per_gb = 1e9 / self.workload.grad_elem_bytes * cand * codec.coding_ns_per_elem(self.options.speed, D) * 1e-9
+                off = ~np.eye(self.n, dtype=bool)
+                A = self.lat_s.copy()
+                B = ratio * self.s_per_gb + off * (per_gb / max(D - 1, 1))  # coding spread over the D - 1 pairs
+            self._dp_coef[codec] = (A, B)
+        A, B = self._dp_coef[codec]
+        p = codec.period_steps
+        return (A / p, B / p) if amortised and p > 1 else (A, B)
+
+    def dp_rows_codec(self, X: np.ndarray, layers: np.ndarray, codec: DataParallelCodec, *,
+                      amortised: bool = True) -> np.ndarray:
+        """(S, D) DP cost of every member of every group, every group coding with `codec`."""
+        A, B = self.dp_coefficients(codec, amortised=amortised)
+        g = np.array([self.workload.grad_gb(c) for c in layers])
+        return A[X[:, :, None], X[:, None, :]].sum(axis=2) + g[:, None] * B[X[:, :, None], X[:, None, :]].sum(axis=2)
+
+    def dp_groups(self, X: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(S,) DP cost per iteration of each group with its cheapest allowed codec, and (S,) that
+        codec's index in the options (the first on a tie)."""
+        if len(self.options.dp) == 1:
+            return self.dp_rows(X, layers).max(axis=1), np.zeros(X.shape[0], dtype=np.int64)
+        costs = np.stack([self.dp_rows_codec(X, layers, c).max(axis=1) for c in self.options.dp])
+        return costs.min(axis=0), costs.argmin(axis=0)
+
+    def assignment(self, X: np.ndarray) -> CodecAssignment:
+        """The codecs this model costs allocation X with: each link's and group's cheapest."""
+        X = np.asarray(X, dtype=np.int64)
+        layers, _ = self.group_layers(X)
+        _, dp_pick = self.dp_groups(X, layers)
+        pp = self.pp_choice[X[:-1], X[1:]]
+        return CodecAssignment(tuple(tuple(self.options.pp[k] for k in row) for row in pp),
+                               tuple(self.options.dp[k] for k in dp_pick))
 
     # -- per-group quantities -------------------------------------------------------------
     def group_layers(self, X: np.ndarray) -> tuple[np.ndarray, int]:
@@ -134,7 +244,7 @@ class CostModel:
     def breakdown(self, X: np.ndarray) -> CostBreakdown:
         X = np.asarray(X, dtype=np.int64)
         layers, shortfall = self.group_layers(X)
-        dp_stage = self.dp_rows(X, layers).max(axis=1)
+        dp_stage, _ = self.dp_groups(X, layers)
         bound = self.hops(X).max(axis=1) if X.shape[0] > 1 else np.zeros(0)
         return CostBreakdown(
             dp_s=float(dp_stage.max()), pp_s=float(bound.sum()),

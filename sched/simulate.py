@@ -12,14 +12,24 @@ as the trainer does. The iteration ends when the last all-reduce does.
 Compute per micro-batch on peer i at stage s: layers[s] * layer_compute_s / compute[i],
 one third forward and two thirds backward. With no layer_compute_s, compute is free and the
 model predicts communication alone.
+
+Compression (`codecs`, a `CodecAssignment`; by default the model's own cheapest codec per link
+and group, all exact for an exact model): a link coding with int8/int4 holds the link for its
+payload's bytes, the sender encodes each micro-batch after computing it and the receiver
+decodes it before computing, both on the peer's compute timeline. A DP group's synchronisation
+is its codec's (an all-gather of compressed payloads, coding included); a DiLoCo group
+synchronises once every H steps, so the iteration time is the mean over one cycle of
+synchronisations (the least common multiple of the groups' periods).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
+from .compression import CodecAssignment
 from .cost import CostModel
 
 __all__ = ["SimResult", "simulate"]
@@ -32,10 +42,17 @@ class SimResult:
     stage_done_s: tuple[float, ...]  # per stage: when its all-reduce ends
     allreduce_s: tuple[float, ...]  # per stage: duration of its all-reduce
     compute_busy_s: float  # the busiest peer's total compute time
+    # per stage: steps per synchronisation (1, or H for DiLoCo); iteration_s is the mean over a
+    # cycle, stage_done_s and allreduce_s are those of a step where every group synchronises
+    sync_every: tuple[int, ...] = ()
+
+# The longest cycle of synchronisation periods simulated (least common multiple of the H's).
+MAX_SYNC_CYCLE = 10_000
 
 
 def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
-             overlap_allreduce: bool = True, engine_syncs: bool = False) -> SimResult:
+             overlap_allreduce: bool = True, engine_syncs: bool = False,
+             codecs: CodecAssignment | None = None) -> SimResult:
     """Predict the iteration time of allocation X ((S, D): X[s, p] peer of stage s, pipeline p).
 
     engine_syncs adds the round trips dtfm's trainer spends besides the paper's terms: a stage
@@ -47,20 +64,30 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     wl = model.workload
     M = micro_batches or wl.micro_batches
     layers, _ = model.group_layers(X)
+    if codecs is None:
+        codecs = model.assignment(X) if not model.options.exact else CodecAssignment.uniform(S, D)
+    codecs.check(S, D)
     # per hop and micro-batch: latency, and the time the link is held
-    n = model.n
-    lat = model.dp_a / 2  # one-way latency in seconds
-    per_gb = np.where(np.eye(n, dtype=bool), 0.0, model.dp_b * wl.dp / 2)  # seconds per GB
+    lat = model.lat_s  # one-way latency in seconds
+    per_gb = model.s_per_gb  # seconds per GB
     vol = wl.act_gb / M
     if wl.layer_compute_s is None:
         step = np.zeros((S, D))
     else:
         step = layers[:, None] * wl.layer_compute_s / model.speed[X]  # (S, D) fwd+bwd per micro-batch
     fwd, bwd = step / 3, 2 * step / 3
+    enc = np.zeros((max(S - 1, 0), D))  # (S-1, D) coding seconds per micro-batch on each link
+    dec = np.zeros((max(S - 1, 0), D))
+    ratio = np.ones((max(S - 1, 0), D))
+    for s in range(S - 1):
+        for p, c in enumerate(codecs.pp[s]):
+            if not c.exact:
+                ratio[s, p] = model.pp_ratio(c)
+                enc[s, p], dec[s, p] = model.pp_coding_s(c)
     if S > 1:
-        hold_f = per_gb[X[:-1], X[1:]] * vol  # (S-1, D) boundary s, stage s -> s+1
+        hold_f = per_gb[X[:-1], X[1:]] * vol * ratio  # (S-1, D) boundary s, stage s -> s+1
         lat_f = lat[X[:-1], X[1:]]
-        hold_b = per_gb[X[1:], X[:-1]] * vol
+        hold_b = per_gb[X[1:], X[:-1]] * vol * ratio
         lat_b = lat[X[1:], X[:-1]]
     busy = np.zeros((S, D))  # when each peer's compute is next free
     link_f = np.zeros((max(S - 1, 0), D))
@@ -69,6 +96,10 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     for m in range(M):
         for s in range(S):
             end = np.maximum(arrive[s, m], busy[s]) + fwd[s]
+            if s > 0:
+                end = end + dec[s - 1]  # decode what arrived (0 on an exact link)
+            if s < S - 1:
+                end = end + enc[s]  # encode what leaves
             busy[s] = end
             if s < S - 1:
                 start = np.maximum(end, link_f[s])
@@ -79,23 +110,50 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     for m in range(M):
         for s in range(S - 1, -1, -1):
             end = np.maximum(arrive[s, m], busy[s]) + bwd[s]
+            if s < S - 1:
+                end = end + dec[s]
+            if s > 0:
+                end = end + enc[s - 1]
             busy[s] = end
             if s > 0:
                 start = np.maximum(end, link_b[s - 1])
                 link_b[s - 1] = start + hold_b[s - 1]
                 arrive[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
-    ar = model.dp_rows(X, layers).max(axis=1) if D > 1 else np.zeros(S)
-    if engine_syncs:
-        done, iteration = _engine_syncs(lat, X, busy, arrive_f, arrive, ar, overlap_allreduce)
-        grads_ready = busy.max(axis=1)
+    if D > 1 and all(c.exact for c in codecs.dp):
+        ar = model.dp_rows_codec(X, layers, codecs.dp[0])
+        ar = ar.max(axis=1)
+    elif D > 1:
+        ar = np.array([model.dp_rows_codec(X[s:s + 1], layers[s:s + 1], c, amortised=False).max()
+                       for s, c in enumerate(codecs.dp)])
     else:
-        grads_ready = busy.max(axis=1)  # (S,) every replica of the stage is done
-        start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
-        done = start + ar
-        iteration = float(done.max())
-    return SimResult(iteration_s=iteration, pipeline_s=float(grads_ready.max()),
+        ar = np.zeros(S)
+    period = [c.period_steps if D > 1 else 1 for c in codecs.dp]
+    cycle = math.lcm(*period)
+    if cycle > MAX_SYNC_CYCLE:
+        raise ValueError(f"the groups' synchronisation periods {sorted(set(period))} repeat only every "
+                         f"{cycle} steps (at most {MAX_SYNC_CYCLE} are simulated)")
+    grads_ready = busy.max(axis=1)  # (S,) every replica of the stage is done
+    # steps of the cycle by the set of groups that synchronise at them (the last of each period)
+    patterns: dict[tuple[bool, ...], int] = {}
+    for k in range(cycle):
+        key = tuple(k % p == p - 1 for p in period)
+        patterns[key] = patterns.get(key, 0) + 1
+    total = 0.0
+    done = np.zeros(S)
+    for key, count in patterns.items():
+        ar_k = np.where(key, ar, 0.0)
+        if engine_syncs:
+            done_k, iteration = _engine_syncs(lat, X, busy, arrive_f, arrive, ar_k, overlap_allreduce)
+        else:
+            start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
+            done_k = start + ar_k
+            iteration = float(done_k.max())
+        total += count * iteration
+        if all(key):
+            done = done_k
+    return SimResult(iteration_s=total / cycle if len(patterns) > 1 else total, pipeline_s=float(grads_ready.max()),
                      stage_done_s=tuple(float(v) for v in done), allreduce_s=tuple(float(v) for v in ar),
-                     compute_busy_s=float((M * step).max()))
+                     compute_busy_s=float((M * step).max()), sync_every=tuple(period))
 
 
 def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, arrive_f: np.ndarray, arrive_b: np.ndarray,

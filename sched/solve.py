@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .construct import aligned_blocks, consecutive, dp_aligned, given, locality_order, pp_aligned, random_allocation
+from .compression import CompressionOptions
 from .cost import CostBreakdown, CostModel
 from .search import SearchConfig, ShapeSearch
 from .spec import CommSpec, ModelSpec
@@ -62,17 +63,19 @@ class Allocation:
 
 
 def cost_model(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, stages: int, dp: int, *,
-               compute=None, memory_gib=None, uneven_layers: bool = False) -> CostModel:
+               compute=None, memory_gib=None, uneven_layers: bool = False,
+               compression: CompressionOptions | None = None) -> CostModel:
     return CostModel(delay_ms, bandwidth_gbps, spec.workload(stages, dp), compute=compute,
-                     memory_gib=memory_gib, uneven_layers=uneven_layers)
+                     memory_gib=memory_gib, uneven_layers=uneven_layers, compression=compression)
 
 
 def evaluate(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, pipelines, *, compute=None,
-             memory_gib=None, uneven_layers: bool = False) -> CostBreakdown:
+             memory_gib=None, uneven_layers: bool = False,
+             compression: CompressionOptions | None = None) -> CostBreakdown:
     """Cost of given pipelines (list of D lists of S peers)."""
     X = np.array(pipelines, dtype=np.int64).T
     return cost_model(delay_ms, bandwidth_gbps, spec, X.shape[0], X.shape[1], compute=compute,
-                      memory_gib=memory_gib, uneven_layers=uneven_layers).breakdown(X)
+                      memory_gib=memory_gib, uneven_layers=uneven_layers, compression=compression).breakdown(X)
 
 
 def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool = True,
@@ -110,9 +113,10 @@ def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
 
 
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
-                 regions, seed, deadline_s, config, initial=None) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
+                 regions, seed, deadline_s, config, initial=None,
+                 compression=None) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
-                       uneven_layers=uneven_layers)
+                       uneven_layers=uneven_layers, compression=compression)
     search = ShapeSearch(model, S, D, config, seed, deadline_s)
     seeds = _seeds(model, S, D, regions, np.random.default_rng([seed, 1]), config.random_seeds)
     if initial is not None:  # first: on a tie with a construction the warm start wins
@@ -127,7 +131,8 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
           stages: int | str | None = None, dp: int | None = None, compute: np.ndarray | None = None,
           memory_gib: np.ndarray | None = None, regions=None, seed: int = 0,
           time_budget_s: float = 20.0, generations: int | None = None, allow_spares: bool = True,
-          uneven_layers: bool = False, config: SearchConfig | None = None, initial=None) -> Allocation:
+          uneven_layers: bool = False, config: SearchConfig | None = None, initial=None,
+          compression: CompressionOptions | None = None) -> Allocation:
     """Search an allocation of the N peers of the (N, N) matrices for the model in `spec`.
 
     stages: an int, "auto" (every shape in candidate_shapes, best returned), or None (the
@@ -136,6 +141,8 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     initial: optional warm start, D pipelines of S peer indices (e.g. the allocation in use,
     with its lost peers replaced): it starts the search of the shape it has (with stages="auto",
     only that shape's; ValueError if no shape tried has it). None (the default) changes nothing.
+    compression: the codecs each link and DP group may use (the cost of a link or group is its
+    cheapest allowed codec's); None: exact, the paper's objective.
     """
     start = time.perf_counter()
     n = np.asarray(delay_ms).shape[0]
@@ -176,7 +183,7 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
         deadline = time.perf_counter() + max(share, 0.0)
         found = _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                              uneven_layers=uneven_layers, regions=regions, seed=seed,
-                             deadline_s=deadline, config=cfg,
+                             deadline_s=deadline, config=cfg, compression=compression,
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found

@@ -32,6 +32,8 @@ class Workload:
     layer_compute_s: float | None = None  # fwd+bwd of one layer, one micro-batch, speed 1.0; None: off
     layer_memory_gib: float | None = None  # memory one layer needs on its peer; None: memory off
     base_memory_gib: float = 0.0  # memory every stage needs besides its layers (buffers, embeddings)
+    act_elem_bytes: int = 2  # bytes of one activation element on an exact wire (sizes compressed payloads)
+    grad_elem_bytes: int = 4  # bytes of one gradient element in the exact all-reduce
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.dp < 1:
@@ -40,6 +42,8 @@ class Workload:
             raise ValueError(f"{self.layers} layers cannot fill {self.stages} stages")
         if self.grad_gb_total < 0 or self.act_gb < 0 or self.micro_batches < 1:
             raise ValueError("volumes must be non-negative and micro_batches at least 1")
+        if self.act_elem_bytes < 1 or self.grad_elem_bytes < 1:
+            raise ValueError("element sizes must be at least one byte")
 
     def grad_gb(self, stage_layers: float) -> float:
         """Gradient volume of a stage holding `stage_layers` layers."""
@@ -145,7 +149,8 @@ class ModelSpec:
             act_per_layer = 16 * self.micro_batch_size * self.seq_len * self.hidden * self.act_bytes * m
             memory = (self.layer_params * self.state_bytes_per_param + act_per_layer) / 2**30
             base = self.embedding_params * self.state_bytes_per_param / 2**30
-        return Workload(stages, dp, self.layers, grad_gb_total, act_gb, m, compute, memory, base or 0.0)
+        return Workload(stages, dp, self.layers, grad_gb_total, act_gb, m, compute, memory, base or 0.0,
+                        act_elem_bytes=self.act_bytes, grad_elem_bytes=self.grad_bytes)
 
 
 PRESETS: dict[str, CommSpec | ModelSpec] = {

@@ -9,6 +9,7 @@ sizes follow from the plan and the `CompressionConfig`; decoders raise only `Cod
 
 from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes, encode_dense, encode_sparse,
                     hadamard, sparse_payload_bytes)
+from .calibrate import measure_compress_cost
 from .config import (COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
                      get_compression)
 from .counting import AXES, ByteCounter, CountingComm, axis_of
@@ -20,5 +21,5 @@ __all__ = [
     "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "StageCompression",
     "activation_payload_bytes", "allgather_payloads", "axis_of", "decode_activation", "decode_dense",
     "decode_sparse", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
-    "get_compression", "hadamard", "random_subset", "sparse_payload_bytes",
+    "get_compression", "hadamard", "measure_compress_cost", "random_subset", "sparse_payload_bytes",
 ]

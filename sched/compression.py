@@ -1,0 +1,305 @@
+"""Compression in the scheduler's terms: what each method puts on the wire, what coding costs.
+
+The scheduler knows no torch, so it mirrors the payload formulas of `dtfm.train.compress`
+(`dense_payload_bytes`, `sparse_payload_bytes`, the cocktail candidate count) in plain
+integer arithmetic; tests/test_sched_compress.py checks them against the codec's own, and
+`WIRE_PRESETS` against `COMPRESSION_PRESETS`, so the two cannot drift apart.
+
+- `PipelineCodec`: one pipeline link's activations and activation gradients. int8/int4 payload
+  of n elements in blocks of B: 12 + 2 ceil(n/B) + ceil(n/B) B bits/8 bytes (header, an fp16
+  ratio per block, the codes of the zero-padded blocks).
+- `DataParallelCodec`: one DP group's synchronisation. Exact is the paper's ring (2 shards of
+  1/D per pair); cocktail and diloco send one sparse payload to every other member
+  (all-gather), cocktail every step over ceil(fraction n) random candidates, diloco every H
+  steps over all n: 12 + 2 c + ceil(c k bits/8) + index bytes for c chunks of k values.
+- `CodecSpeed`: nanoseconds per element of coding on a peer's CPU, measured by
+  `dtfm.train.compress.measure_compress_cost()`; the scheduler takes the figure as input.
+- `CompressionOptions`: the codecs the scheduler may choose from, per axis, least lossy first
+  (exact always first), and the codec speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from types import MappingProxyType
+from typing import Iterable, Protocol
+
+__all__ = ["CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
+           "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "wire_codecs"]
+
+_HEADER_BYTES = 12
+_DENSE_BITS = {"int8": 8, "int4": 4}
+PP_CODEC_METHODS = ("exact", "int8", "int4")
+DP_CODEC_METHODS = ("exact", "cocktail", "diloco")
+
+
+def _pow2(x: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class PipelineCodec:
+    """How one pipeline link codes its activations (forward) and their gradients (backward)."""
+
+    method: str = "exact"  # exact, int8 or int4
+    hadamard: bool = False  # rotate each block first (int4's outlier fix); costs coding time, no bytes
+    block_elems: int = 64  # elements per fp16 scale
+
+    def __post_init__(self) -> None:
+        if self.method not in PP_CODEC_METHODS:
+            raise ValueError(f"pipeline codec method must be one of {PP_CODEC_METHODS}, got {self.method!r}")
+        if not _pow2(self.block_elems) or not 8 <= self.block_elems <= 4096:
+            raise ValueError(f"block_elems must be a power of two in [8, 4096], got {self.block_elems!r}")
+        if self.method == "exact" and (self.hadamard or self.block_elems != 64):
+            object.__setattr__(self, "hadamard", False)  # no blocks without quantization: one exact codec
+            object.__setattr__(self, "block_elems", 64)
+
+    @property
+    def exact(self) -> bool:
+        return self.method == "exact"
+
+    @property
+    def name(self) -> str:
+        if self.exact:
+            return "exact"
+        return f"{self.method}{'+hadamard' if self.hadamard else ''}/{self.block_elems}"
+
+    def payload_bytes(self, numel: int, elem_bytes: int) -> int:
+        """Bytes of one message of `numel` elements (`elem_bytes` each when sent exact)."""
+        if self.exact:
+            return numel * elem_bytes
+        nb = -(-numel // self.block_elems)
+        return _HEADER_BYTES + 2 * nb + nb * self.block_elems * _DENSE_BITS[self.method] // 8
+
+    def coding_ns_per_elem(self, speed: "CodecSpeed") -> tuple[float, float]:
+        """(encode at the sender, decode at the receiver), nanoseconds per element."""
+        if self.exact:
+            return 0.0, 0.0
+        rot = speed.hadamard_ns_per_elem if self.hadamard else 0.0
+        if self.method == "int8":
+            return speed.int8_encode_ns_per_elem + rot, speed.int8_decode_ns_per_elem + rot
+        return speed.int4_encode_ns_per_elem + rot, speed.int4_decode_ns_per_elem + rot
+
+
+@dataclass(frozen=True)
+class DataParallelCodec:
+    """How one stage's DP group synchronises. Fields a method does not use are normalised away,
+    so two codecs that put the same bytes on the wire compare equal."""
+
+    method: str = "exact"  # exact (the paper's ring), cocktail (every step), diloco (every H steps)
+    random_fraction: float = 1.0  # cocktail: share of the elements that are candidates
+    topk_fraction: float = 1.0  # share of each chunk's candidates sent
+    value_bits: int = 8  # bits per sent value
+    chunk_elems: int = 1024  # candidates per chunk
+    inner_steps: int = 1  # diloco: steps between synchronisations (H)
+
+    def __post_init__(self) -> None:
+        if self.method not in DP_CODEC_METHODS:
+            raise ValueError(f"data-parallel codec method must be one of {DP_CODEC_METHODS}, got {self.method!r}")
+        for name in ("random_fraction", "topk_fraction"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                raise ValueError(f"{name} must lie in (0, 1], got {v!r}")
+        if self.value_bits not in (2, 4, 8) or isinstance(self.value_bits, bool):
+            raise ValueError(f"value_bits must be 2, 4 or 8, got {self.value_bits!r}")
+        if not _pow2(self.chunk_elems) or not 64 <= self.chunk_elems <= 65536:
+            raise ValueError(f"chunk_elems must be a power of two in [64, 65536], got {self.chunk_elems!r}")
+        if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
+            raise ValueError(f"inner_steps must be a positive integer, got {self.inner_steps!r}")
+        if self.method == "exact":
+            canon = DataParallelCodec.__dataclass_fields__
+            for f in fields(self):
+                if f.name != "method":
+                    object.__setattr__(self, f.name, canon[f.name].default)
+        elif self.method == "cocktail":
+            object.__setattr__(self, "inner_steps", 1)
+        else:
+            object.__setattr__(self, "random_fraction", 1.0)
+
+    @property
+    def exact(self) -> bool:
+        return self.method == "exact"
+
+    @property
+    def period_steps(self) -> int:
+        """Steps per synchronisation: H for diloco, 1 otherwise."""
+        return self.inner_steps if self.method == "diloco" else 1
+
+    @property
+    def topk_per_chunk(self) -> int:
+        return max(1, round(self.topk_fraction * self.chunk_elems))
+
+    @property
+    def name(self) -> str:
+        if self.exact:
+            return "exact"
+        rnd = f"random {self.random_fraction:g} x " if self.method == "cocktail" else ""
+        every = f", H={self.inner_steps}" if self.method == "diloco" else ""
+        return f"{self.method} {rnd}top {self.topk_fraction:g} x {self.value_bits} bit{every}"
+
+    def candidates(self, numel: int) -> int:
+        """Elements compressed per synchronisation (as `StageCompression` draws them)."""
+        if self.method == "cocktail":
+            return min(numel, max(1, math.ceil(self.random_fraction * numel)))
+        return numel
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of one member's payload for a stage of `numel` parameters (not for exact)."""
+        if self.exact:
+            raise ValueError("the exact all-reduce sends shards, not one payload")
+        m, chunk, k, bits = self.candidates(numel), self.chunk_elems, self.topk_per_chunk, self.value_bits
+        nch = -(-m // chunk)
+        fmt = 2 if k == chunk else 0 if chunk <= 16 * k else 1
+        index = (nch * chunk // 8, 2 * nch * k, 0)[fmt]
+        return _HEADER_BYTES + 2 * nch + -(-nch * k * bits // 8) + index
+
+    def coding_ns_per_elem(self, speed: "CodecSpeed", members: int) -> float:
+        """Nanoseconds per candidate element one member spends coding a synchronisation: its own
+        payload encoded, every member's (its own included) decoded."""
+        if self.exact:
+            return 0.0
+        return speed.sparse_encode_ns_per_elem + members * speed.sparse_decode_ns_per_elem
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """What coding costs on a peer's CPU, in nanoseconds per element of the uncompressed tensor
+    (float32 in, float32 out). All zero: coding is free (an upper bound of what compression saves)."""
+
+    int8_encode_ns_per_elem: float = 0.0
+    int8_decode_ns_per_elem: float = 0.0
+    int4_encode_ns_per_elem: float = 0.0
+    int4_decode_ns_per_elem: float = 0.0
+    hadamard_ns_per_elem: float = 0.0  # the block rotation, added on each side
+    sparse_encode_ns_per_elem: float = 0.0  # per candidate: top-k, quantize, pack, error feedback
+    sparse_decode_ns_per_elem: float = 0.0  # per candidate of one payload decoded and summed
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 <= v < math.inf):
+                raise ValueError(f"{f.name} must be a finite non-negative number, got {v!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CodecSpeed":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown codec speed fields {sorted(unknown)}; expected {sorted(names)}")
+        return cls(**{k: float(v) for k, v in d.items()})
+
+
+# Measured with `measure_compress_cost()` (one torch thread, 4 Mi elements, best of 3) on the
+# 2-core development machine, 2026-11-25, rounded. A GPU codes far faster; a peer should
+# measure its own (`bench/compress_sched.py --codec-speed-out FILE`).
+REFERENCE_CODEC_SPEED = CodecSpeed(
+    int8_encode_ns_per_elem=2.9, int8_decode_ns_per_elem=1.0,
+    int4_encode_ns_per_elem=6.6, int4_decode_ns_per_elem=2.3, hadamard_ns_per_elem=6.6,
+    sparse_encode_ns_per_elem=20.7, sparse_decode_ns_per_elem=5.6)
+
+
+class CompressionFields(Protocol):
+    """The fields of `dtfm.train.compress.CompressionConfig` the wire cost depends on."""
+
+    pp_method: str
+    pp_hadamard: bool
+    pp_block_elems: int
+    dp_method: str
+    dp_random_fraction: float
+    dp_topk_fraction: float
+    dp_value_bits: int
+    dp_chunk_elems: int
+    inner_steps: int
+
+
+def wire_codecs(config: CompressionFields) -> tuple[PipelineCodec, DataParallelCodec]:
+    """The two codecs of a run's compression config (a `CompressionConfig`, read by field name)."""
+    pp = PipelineCodec(config.pp_method, config.pp_hadamard, config.pp_block_elems)
+    dp = DataParallelCodec(config.dp_method, config.dp_random_fraction, config.dp_topk_fraction,
+                           config.dp_value_bits, config.dp_chunk_elems, config.inner_steps)
+    return pp, dp
+
+
+_INT4 = PipelineCodec("int4", True, 64)
+_DILOCO = DataParallelCodec("diloco", topk_fraction=0.25, value_bits=4, chunk_elems=1024, inner_steps=16)
+# The wire side of train's COMPRESSION_PRESETS, name for name (tested equal).
+WIRE_PRESETS = MappingProxyType({
+    "exact": (PipelineCodec(), DataParallelCodec()),
+    "pp-int8": (PipelineCodec("int8", False, 64), DataParallelCodec()),
+    "pp-int4": (_INT4, DataParallelCodec()),
+    "cocktail": (PipelineCodec(), DataParallelCodec("cocktail", 0.1, 0.2, 4, 1024)),
+    "diloco": (PipelineCodec(), _DILOCO),
+    "slow-link": (_INT4, _DILOCO),
+})
+
+# Least lossy first, from the measured loss gaps (docs/compression.md): int8 -0.05 %, int4
+# +0.26 %, diloco +10.9 %, cocktail +42.7 %. On a tie in predicted time the earlier one wins.
+_PP_RANK = {"exact": 0, "int8": 1, "int4": 2}
+_DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
+
+
+@dataclass(frozen=True)
+class CompressionOptions:
+    """The codecs the scheduler may choose from on each axis (exact first, then least lossy
+    first: on a tie the earlier wins) and what coding costs."""
+
+    pp: tuple[PipelineCodec, ...] = (PipelineCodec(),)
+    dp: tuple[DataParallelCodec, ...] = (DataParallelCodec(),)
+    speed: CodecSpeed = CodecSpeed()
+
+    def __post_init__(self) -> None:
+        for axis, codecs in (("pp", self.pp), ("dp", self.dp)):
+            if not codecs or not codecs[0].exact:
+                raise ValueError(f"{axis} options must start with the exact codec")
+            if len(set(codecs)) != len(codecs) or any(c.exact for c in codecs[1:]):
+                raise ValueError(f"{axis} options repeat a codec: {[c.name for c in codecs]}")
+
+    @property
+    def exact(self) -> bool:
+        """Nothing to choose: exact on both axes."""
+        return len(self.pp) == 1 and len(self.dp) == 1
+
+
+def compression_options(names: Iterable[str], speed: CodecSpeed = CodecSpeed()) -> CompressionOptions:
+    """Options with exact plus the codecs of the named presets (`WIRE_PRESETS`); "auto" names
+    them all, "exact" none. ValueError for an unknown name."""
+    chosen: list[str] = []
+    for name in names:
+        if name == "auto":
+            chosen += list(WIRE_PRESETS)
+        elif name in WIRE_PRESETS:
+            chosen.append(name)
+        else:
+            raise ValueError(f"unknown compression {name!r}: choose auto, or presets from {', '.join(WIRE_PRESETS)}")
+    pp = {c for n in chosen for c in [WIRE_PRESETS[n][0]] if not c.exact}
+    dp = {c for n in chosen for c in [WIRE_PRESETS[n][1]] if not c.exact}
+    return CompressionOptions(
+        (PipelineCodec(),) + tuple(sorted(pp, key=lambda c: (_PP_RANK[c.method], c.name))),
+        (DataParallelCodec(),) + tuple(sorted(dp, key=lambda c: (_DP_RANK[c.method], c.name))),
+        speed)
+
+
+@dataclass(frozen=True)
+class CodecAssignment:
+    """A codec for every pipeline link and every DP group of one (S, D) allocation."""
+
+    pp: tuple[tuple[PipelineCodec, ...], ...]  # [s][p]: the link from stage s to s+1 of pipeline p
+    dp: tuple[DataParallelCodec, ...]  # [s]: the DP group of stage s
+
+    @classmethod
+    def uniform(cls, stages: int, dp: int, pp_codec: PipelineCodec = PipelineCodec(),
+                dp_codec: DataParallelCodec = DataParallelCodec()) -> "CodecAssignment":
+        return cls(tuple((pp_codec,) * dp for _ in range(stages - 1)), (dp_codec,) * stages)
+
+    @property
+    def exact(self) -> bool:
+        return all(c.exact for row in self.pp for c in row) and all(c.exact for c in self.dp)
+
+    def check(self, stages: int, dp: int) -> None:
+        if len(self.dp) != stages or len(self.pp) != stages - 1 or any(len(r) != dp for r in self.pp):
+            raise ValueError(f"a codec assignment for {stages} stages x {dp} pipelines needs {stages - 1} x {dp} "
+                             f"links and {stages} groups")

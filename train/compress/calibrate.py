@@ -1,0 +1,62 @@
+"""What coding costs on this CPU, in the scheduler's terms (`dtfm.sched.CodecSpeed`).
+
+`measure_compress_cost()` times the codec's own functions on a representative tensor (a
+normal float32 vector with a few large outliers, as activations have) and returns nanoseconds
+per element: int8 and int4 encode and decode, the Hadamard rotation's extra, and the sparse
+DP codec's encode (top-k, quantize, pack) and decode, per candidate. The best of `repeats`
+runs is kept (the least disturbed by other work). The scheduler takes the figure as input;
+it never runs this itself (`bench/compress_sched.py --codec-speed-out FILE` writes the JSON
+that `dtfm-sched --codec-speed FILE` reads).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from dtfm.sched import CodecSpeed
+
+from .codec import decode_dense, decode_sparse, encode_dense, encode_sparse
+
+__all__ = ["measure_compress_cost"]
+
+
+def _best_ns(fn: Callable[[], object], repeats: int, numel: int) -> float:
+    fn()  # warm-up: allocations, first-call dispatch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e9 / numel
+
+
+def measure_compress_cost(elements: int = 1 << 22, repeats: int = 3, *, block_elems: int = 64,
+                          chunk_elems: int = 1024, topk_fraction: float = 0.25, value_bits: int = 4,
+                          seed: int = 0) -> CodecSpeed:
+    """Nanoseconds per element of each codec on this CPU with torch's current thread count."""
+    if elements < chunk_elems or repeats < 1:
+        raise ValueError(f"need at least {chunk_elems} elements and one repeat")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(elements, generator=g)
+    x[:: max(1, elements // 64)] *= 50.0  # outliers
+    n = elements
+    out: dict[str, float] = {}
+    for method in ("int8", "int4"):
+        payload = encode_dense(x, method, block_elems, False)
+        out[f"{method}_encode_ns_per_elem"] = _best_ns(lambda: encode_dense(x, method, block_elems, False), repeats, n)
+        out[f"{method}_decode_ns_per_elem"] = _best_ns(lambda: decode_dense(payload, (n,), method, block_elems, False),
+                                                       repeats, n)
+    plain = out["int4_encode_ns_per_elem"] + out["int4_decode_ns_per_elem"]
+    rotated = encode_dense(x, "int4", block_elems, True)
+    both = (_best_ns(lambda: encode_dense(x, "int4", block_elems, True), repeats, n)
+            + _best_ns(lambda: decode_dense(rotated, (n,), "int4", block_elems, True), repeats, n))
+    out["hadamard_ns_per_elem"] = max(0.0, (both - plain) / 2)
+    k = max(1, round(topk_fraction * chunk_elems))
+    sparse = encode_sparse(x, chunk_elems, k, value_bits)
+    out["sparse_encode_ns_per_elem"] = _best_ns(lambda: encode_sparse(x, chunk_elems, k, value_bits), repeats, n)
+    out["sparse_decode_ns_per_elem"] = _best_ns(lambda: decode_sparse(sparse, n, chunk_elems, k, value_bits),
+                                                repeats, n)
+    return CodecSpeed(**out)
