@@ -90,8 +90,17 @@ def part4(name: str, spec, dl, bw, regions, S: int, D: int, speeds: dict[str, Co
             "compression_speedup": round(exact_s / plan1.iteration_s, 3),
             "same_allocation": sorted(map(tuple, exact_alloc.matrix.T.tolist())) == sorted(map(tuple, knowing.matrix.T.tolist())),
             "exact_allocation_compresses": counts(plan0), "knowing_allocation_compresses": counts(plan1),
+            "exact_allocation": [[regions[i] for i in p] for p in exact_alloc.pipelines],
+            "knowing_allocation": [[regions[i] for i in p] for p in knowing.pipelines],
         })
     print(f"  {name}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    for r in rows:  # the allocations (regions per pipeline) only where they differ
+        if r["same_allocation"]:
+            del r["exact_allocation"], r["knowing_allocation"]
+    if not rows[0]["same_allocation"]:
+        for what in ("exact", "knowing"):
+            pipes = "; ".join(" -> ".join(p) for p in rows[0][f"{what}_allocation"])
+            print(f"    {what} allocation: {pipes}", file=sys.stderr)
     return rows
 
 
