@@ -138,7 +138,7 @@ def _link_times(model: CostModel, X: np.ndarray) -> np.ndarray:
     m, _ = model.pp_messages()
     vol = wl.act_gb / m
     base_lat = model.lat_s[X[:-1], X[1:]]
-    per_gb = model.s_per_gb[X[:-1], X[1:]]
+    per_gb = model.sim_s_per_gb[X[:-1], X[1:]]
     out = []
     for c in model.options.pp:
         enc, dec = model.pp_coding_s(c)

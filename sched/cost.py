@@ -90,6 +90,9 @@ class CostModel:
         a[~off] = 0.0
         self.lat_s = a  # (N, N) one-way latency, seconds
         self.s_per_gb = inv_b  # (N, N) transfer time of one GB, seconds
+        # the same as the simulator has always computed it (through the DP pair cost), so its
+        # predictions stay identical to the last bit
+        self.sim_s_per_gb = np.where(off, 2 * inv_b / wl.dp * wl.dp / 2, 0.0)
         self.options = opts = compression or CompressionOptions()
         self._dp_coef: dict[DataParallelCodec, tuple[np.ndarray, np.ndarray]] = {}
         if len(opts.pp) == 1:

@@ -69,7 +69,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     codecs.check(S, D)
     # per hop and micro-batch: latency, and the time the link is held
     lat = model.lat_s  # one-way latency in seconds
-    per_gb = model.s_per_gb  # seconds per GB
+    per_gb = model.sim_s_per_gb  # seconds per GB
     vol = wl.act_gb / M
     if wl.layer_compute_s is None:
         step = np.zeros((S, D))
