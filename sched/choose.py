@@ -102,7 +102,8 @@ class CompressionPlan:
         return {"iteration_s": self.iteration_s, "exact_iteration_s": self.exact_iteration_s,
                 "best_global": {"pp": self.best_global[0], "dp": self.best_global[1],
                                 "iteration_s": self.best_global_iteration_s},
-                "links": [c.to_dict() for c in self.links], "groups": [g.to_dict() for g in self.groups]}
+                "links": [c.to_dict() for c in self.links], "groups": [g.to_dict() for g in self.groups],
+                "assignment": self.assignment.to_dict()}
 
 
 class _Judge:

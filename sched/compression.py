@@ -299,7 +299,55 @@ class CodecAssignment:
     def exact(self) -> bool:
         return all(c.exact for row in self.pp for c in row) and all(c.exact for c in self.dp)
 
+    def to_dict(self) -> dict:
+        """Plain data (for an allocation to carry): the distinct codecs once, then indices."""
+        pp_codecs = sorted({c for row in self.pp for c in row}, key=lambda c: c.name)
+        dp_codecs = sorted(set(self.dp), key=lambda c: c.name)
+        return {"pp_codecs": [asdict(c) for c in pp_codecs], "dp_codecs": [asdict(c) for c in dp_codecs],
+                "pp": [[pp_codecs.index(c) for c in row] for row in self.pp],
+                "dp": [dp_codecs.index(c) for c in self.dp]}
+
+    @classmethod
+    def from_dict(cls, d: object, stages: int, dp: int) -> "CodecAssignment":
+        """The assignment in `d` for an allocation of `stages` x `dp`; ValueError for anything
+        else (every field checked: this may come from the network)."""
+        if not isinstance(d, dict) or set(d) != {"pp_codecs", "dp_codecs", "pp", "dp"}:
+            raise ValueError("a codec assignment is a map of pp_codecs, dp_codecs, pp and dp")
+        pp_codecs = [_codec(PipelineCodec, c) for c in _list(d["pp_codecs"], 8)]
+        dp_codecs = [_codec(DataParallelCodec, c) for c in _list(d["dp_codecs"], 8)]
+        rows = _list(d["pp"], max(stages - 1, 0))
+        if len(rows) != stages - 1:
+            raise ValueError(f"a codec assignment for {stages} stages has {stages - 1} rows of links, got {len(rows)}")
+        pp = tuple(tuple(_pick(pp_codecs, k) for k in _list(row, dp)) for row in rows)
+        groups = tuple(_pick(dp_codecs, k) for k in _list(d["dp"], stages))
+        out = cls(pp, groups)
+        out.check(stages, dp)
+        return out
+
     def check(self, stages: int, dp: int) -> None:
         if len(self.dp) != stages or len(self.pp) != stages - 1 or any(len(r) != dp for r in self.pp):
             raise ValueError(f"a codec assignment for {stages} stages x {dp} pipelines needs {stages - 1} x {dp} "
                              f"links and {stages} groups")
+
+
+def _list(v: object, limit: int) -> list:
+    if not isinstance(v, list) or len(v) > limit:
+        raise ValueError(f"expected a list of at most {limit} items")
+    return v
+
+
+def _pick(codecs: list, k: object):
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(codecs):
+        raise ValueError(f"codec index {k!r} is not one of the {len(codecs)} listed")
+    return codecs[k]
+
+
+def _codec(kind, d: object):
+    names = {f.name: f.type for f in fields(kind)}
+    if not isinstance(d, dict) or set(d) != set(names):
+        raise ValueError(f"a {kind.__name__} is a map of {sorted(names)}")
+    for k, v in d.items():
+        want = {"str": str, "bool": bool, "int": int, "float": (int, float)}[str(names[k])]
+        if not isinstance(v, want) or (isinstance(v, bool) and want is not bool):
+            raise ValueError(f"{kind.__name__}.{k} = {v!r} has the wrong type")
+    return kind(**d)

@@ -224,6 +224,21 @@ def test_search_knowing_compression_costs_its_allocation_with_the_cheapest_codec
     assert alloc.cost.paper_s < exact.paper_s
 
 
+def test_an_assignment_round_trips_as_plain_data_and_refuses_anything_else():
+    a = CodecAssignment(((INT8, INT4, PipelineCodec()), (INT4, INT4, INT4)), (DILOCO, DataParallelCodec(), DILOCO))
+    d = json.loads(json.dumps(a.to_dict()))
+    assert CodecAssignment.from_dict(d, 3, 3) == a
+    bad = [None, [], {**d, "extra": 1}, {**d, "dp": [0, 1]}, {**d, "dp": [0, 1, 5]}, {**d, "pp": [[0, 1, 2]]},
+           {**d, "pp": [[0, 1, True], [0, 0, 0]]}, {**d, "pp_codecs": [{"method": "zip"}]},
+           {**d, "dp_codecs": [{**d["dp_codecs"][0], "inner_steps": "16"}]},
+           {**d, "dp_codecs": [{**d["dp_codecs"][0], "inner_steps": 0}]}, {**d, "pp_codecs": [1] * 9}]
+    for b in bad:
+        with pytest.raises(ValueError):
+            CodecAssignment.from_dict(b, 3, 3)
+    with pytest.raises(ValueError):
+        CodecAssignment.from_dict(d, 3, 2)
+
+
 # -- the calibration and the command line ------------------------------------------------------
 
 def test_measure_compress_cost_gives_positive_figures():
