@@ -342,12 +342,15 @@ def _pick(codecs: list, k: object):
     return codecs[k]
 
 
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "bool": bool, "int": int, "float": (int, float)}
+
+
 def _codec(kind, d: object):
     names = {f.name: f.type for f in fields(kind)}
     if not isinstance(d, dict) or set(d) != set(names):
         raise ValueError(f"a {kind.__name__} is a map of {sorted(names)}")
     for k, v in d.items():
-        want = {"str": str, "bool": bool, "int": int, "float": (int, float)}[str(names[k])]
+        want = _FIELD_TYPES[str(names[k])]
         if not isinstance(v, want) or (isinstance(v, bool) and want is not bool):
             raise ValueError(f"{kind.__name__}.{k} = {v!r} has the wrong type")
     return kind(**d)
