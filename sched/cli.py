@@ -186,7 +186,8 @@ def _solve(args) -> int:
     else:
         c = alloc.cost
         print(f"{sc.name}: {alloc.stages} stages x {alloc.dp} pipelines, {len(alloc.spares)} spares")
-        print(f"cost {c.paper_s:.4f} s (DP {c.dp_s:.4f} + 2 x PP {c.pp_s:.4f}); objective {c.total_s:.4f} s; "
+        what = "cost with each link's and group's cheapest codec" if plan is not None else "cost"
+        print(f"{what} {c.paper_s:.4f} s (DP {c.dp_s:.4f} + 2 x PP {c.pp_s:.4f}); objective {c.total_s:.4f} s; "
               f"simulated iteration {sim_s:.4f} s; searched {alloc.elapsed_s:.1f} s")
         regions = sc.peer_regions()
         for p, pipe in enumerate(alloc.pipelines):
