@@ -14,7 +14,9 @@ slow one compresses. Deterministic:
    costs no predicted time;
 4. the lower of the two results (on a tie the less lossy).
 
-So the result is never predicted slower than the best global choice, and every codec other
+With `min_saving_fraction` > 0 a more lossy move must also save that share of the exact
+iteration (the result may then be up to that share slower than the best global choice).
+By default the result is never predicted slower than the best global choice, and every codec other
 than exact in it saves predicted time on its own (`saving_s`: the plan with that link or
 group exact, minus the plan). Options are ordered least lossy first (exact, int8, int4;
 exact, diloco, cocktail: the measured loss gaps), which decides ties.
@@ -109,8 +111,9 @@ class CompressionPlan:
 class _Judge:
     """Predicted iteration times of codec index arrays, memoised."""
 
-    def __init__(self, model: CostModel, X: np.ndarray, sim_kw: dict) -> None:
+    def __init__(self, model: CostModel, X: np.ndarray, sim_kw: dict, margin: float = 0.0) -> None:
         self.m, self.X, self.kw = model, X, sim_kw
+        self.margin = margin  # seconds a more lossy codec must save
         self.pp, self.dp = model.options.pp, model.options.dp
         self.memo: dict[tuple[bytes, bytes], float] = {}
 
@@ -128,8 +131,12 @@ def _lossiness(pp: np.ndarray, dp: np.ndarray) -> int:
     return int(pp.sum() + dp.sum())
 
 
-def _better(t: float, loss: int, t_ref: float, loss_ref: int) -> bool:
+def _better(t: float, loss: int, t_ref: float, loss_ref: int, margin: float = 0.0) -> bool:
+    """t (with lossiness loss) beats t_ref: shorter, or as short and less lossy; more lossy
+    only when shorter by at least `margin` seconds."""
     tol = _REL_TOL * max(1.0, abs(t_ref))
+    if loss > loss_ref:
+        return t < t_ref - max(tol, margin)
     return t < t_ref - tol or (t <= t_ref + tol and loss < loss_ref)
 
 
@@ -162,9 +169,9 @@ def _descend(judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray, group
                 cand = pp.copy()
                 cand[s] = row
                 t, loss = judge.time(cand, dp), _lossiness(cand, dp)
-                if best is None or _better(t, loss, best[0], best[1]):
+                if best is None or _better(t, loss, best[0], best[1], judge.margin):
                     best = (t, loss, cand)
-            if best is not None and _better(best[0], best[1], t_cur, loss_cur):
+            if best is not None and _better(best[0], best[1], t_cur, loss_cur, judge.margin):
                 t_cur, loss_cur, pp = best
                 moved = True
         for s in range(len(dp) if groups else 0):
@@ -172,7 +179,7 @@ def _descend(judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray, group
                 cand = dp.copy()
                 cand[s] = k
                 t, loss = judge.time(pp, cand), _lossiness(pp, cand)
-                if _better(t, loss, t_cur, loss_cur):
+                if _better(t, loss, t_cur, loss_cur, judge.margin):
                     t_cur, loss_cur, dp = t, loss, cand
                     moved = True
         if not moved:
@@ -202,9 +209,16 @@ def _descend(judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray, group
 
 
 def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
-                       overlap_allreduce: bool = True, engine_syncs: bool = False) -> CompressionPlan:
+                       overlap_allreduce: bool = True, engine_syncs: bool = False,
+                       min_saving_fraction: float = 0.0) -> CompressionPlan:
     """The codec of every link and group of allocation X ((S, D): X[s, p] the peer of stage s in
-    pipeline p) from `model.options`, and why (see the module's docstring)."""
+    pipeline p) from `model.options`, and why (see the module's docstring).
+
+    min_saving_fraction: a more lossy choice must shorten the predicted iteration by at least
+    this fraction of the exact iteration (0: any saving; the plan is then never predicted slower
+    than the best global setting; above 0, by at most that fraction)."""
+    if not 0 <= min_saving_fraction < 1:
+        raise ValueError(f"min_saving_fraction must lie in [0, 1), got {min_saving_fraction!r}")
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     kw = {"micro_batches": micro_batches, "overlap_allreduce": overlap_allreduce, "engine_syncs": engine_syncs}
@@ -213,12 +227,13 @@ def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | 
     groups = D > 1
     zeros_pp, zeros_dp = np.zeros((max(S - 1, 0), D), dtype=np.int64), np.zeros(S, dtype=np.int64)
     exact_t = judge.time(zeros_pp, zeros_dp)
+    judge.margin = min_saving_fraction * exact_t
     best_g = None
     for i in range(len(opts.pp) if S > 1 else 1):
         for j in range(len(opts.dp) if groups else 1):
             pp, dp = np.full_like(zeros_pp, i), np.full_like(zeros_dp, j)
             t = judge.time(pp, dp)
-            if best_g is None or _better(t, i + j, best_g[0], best_g[1]):
+            if best_g is None or _better(t, i + j, best_g[0], best_g[1], judge.margin):
                 best_g = (t, i + j, pp, dp, (opts.pp[i].name, opts.dp[j].name))
     assert best_g is not None
     T = _link_times(model, X) if S > 1 else np.zeros((0, D, len(opts.pp)))
@@ -227,7 +242,7 @@ def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | 
         pp, dp = _descend(judge, T, pp0, dp0, groups)
         results.append((judge.time(pp, dp), _lossiness(pp, dp), pp, dp))
     t_best, loss_best, pp, dp = results[0]
-    if _better(results[1][0], results[1][1], t_best, loss_best):
+    if _better(results[1][0], results[1][1], t_best, loss_best, judge.margin):
         t_best, loss_best, pp, dp = results[1]
     return _explain(model, X, judge, T, pp, dp, t_best, exact_t, best_g[4], best_g[0])
 

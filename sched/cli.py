@@ -65,6 +65,13 @@ def _stages(text: str) -> int | str:
 _POSITIVE_INT = _number(int, 1, "a positive integer")
 
 
+def _fraction(text: str) -> float:
+    value = _number(float, 0.0, "a fraction in [0, 1)")(text)
+    if not value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1)")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     defaults = SearchConfig()
     p = argparse.ArgumentParser(prog=PROG, description="DT-FM allocation scheduler",
@@ -95,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="what coding costs on a peer's CPU: the development machine's measured "
                             "figure, free (an upper bound of what compression saves), or a JSON file of "
                             "dtfm.train.compress.measure_compress_cost() (default: %(default)s)")
+        c.add_argument("--min-saving", type=_fraction, default=0.0, metavar="FRACTION",
+                       help="with --compress: compress a link or group only where that saves at least "
+                            "this fraction of the exact iteration (default: %(default)s, any saving)")
         c.add_argument("--json", action="store_true", help="print JSON")
         c.add_argument("--plot", default=None, metavar="FILE.png", help="draw the allocation (matplotlib)")
         if name == "compare":
@@ -176,7 +186,7 @@ def _solve(args) -> int:
                   compression=opts)
     model = cost_model(sc.delay_ms(), sc.bandwidth_gbps(), spec, alloc.stages, alloc.dp, compute=compute,
                        memory_gib=memory, uneven_layers=args.uneven_layers, compression=opts)
-    plan = choose_compression(model, alloc.matrix) if opts is not None else None
+    plan = choose_compression(model, alloc.matrix, min_saving_fraction=args.min_saving) if opts is not None else None
     sim_s = plan.iteration_s if plan is not None else simulate(model, alloc.matrix).iteration_s
     out = {"scenario": sc.name, "model": spec.name, **alloc.to_dict(), "simulated_iteration_s": sim_s}
     if plan is not None:

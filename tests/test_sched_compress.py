@@ -166,6 +166,18 @@ def test_a_link_hidden_behind_compute_stays_exact(compute_s, expect):
     assert link(plan, 0, 0).codec.exact == (expect is ChoiceReason.HIDDEN)
 
 
+def test_a_minimum_saving_keeps_a_hidden_link_exact_even_when_coding_is_free():
+    # free coding: compressing the hidden link still shortens the exposed last transfer (about
+    # 0.2 % of the 45 s iteration); a 1 % minimum saving leaves it exact
+    m, X = two_pipelines(1.0, 100.0, micro_batches=8, layer_compute_s=5.0)
+    assert not link(choose_compression(m, X), 0, 0).codec.exact
+    plan = choose_compression(m, X, min_saving_fraction=0.01)
+    assert link(plan, 0, 0).codec.exact and link(plan, 0, 0).reason is ChoiceReason.HIDDEN
+    assert plan.iteration_s <= plan.best_global_iteration_s + 0.01 * plan.exact_iteration_s
+    with pytest.raises(ValueError):
+        choose_compression(m, X, min_saving_fraction=1.0)
+
+
 def test_coding_slower_than_the_link_stays_exact():
     slow_cpu = CodecSpeed(int8_encode_ns_per_elem=1e4, int8_decode_ns_per_elem=1e4, int4_encode_ns_per_elem=1e4,
                           int4_decode_ns_per_elem=1e4)
