@@ -1,6 +1,8 @@
 """dtfm.sched: the DT-FM allocation scheduler (cost model, search, simulator, scenarios).
 
 Pure numpy/scipy: no torch, no network. The swarm calls `solve` on its measured view.
+With `CompressionOptions` the cost model and the simulator price each codec's payload and
+coding time, and `choose_compression` picks a codec per pipeline link and DP group.
 """
 
 from .choose import ChoiceReason, CompressionPlan, GroupChoice, LinkChoice, choose_compression
