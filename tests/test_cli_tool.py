@@ -1,13 +1,16 @@
 """The command-line tools as a user meets them: quick to answer without loading torch,
 `--version` everywhere, exit status 2 for every bad value."""
 
+import argparse
 import subprocess
 import sys
 
 import pytest
 
+from dtfm.peer.cli import build_parser as peer_parser
 from dtfm.peer.cli import main as peer_main
 from dtfm.sched.cli import main as sched_main
+from dtfm.swarm.cli import build_parser as swarm_parser
 from dtfm.swarm.cli import main as swarm_main
 from dtfm.train.cli import main as train_main
 
@@ -78,3 +81,24 @@ def test_sched_and_train_bad_values_exit_2(capsys):
             main(argv)
         assert info.value.code == 2
     capsys.readouterr()
+
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser, path: str = ""):
+    """Every subcommand under `parser`: its command line (`train start`), its parser and the
+    one-line help its parent's `--help` lists it with. argparse has no public way to walk them."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield f"{path} {name}".strip(), sub, helps.get(name)
+                yield from subcommand_parsers(sub, f"{path} {name}")
+
+
+@pytest.mark.parametrize("build", [peer_parser, swarm_parser])
+def test_every_subcommand_has_a_description_and_a_help_line(build):
+    found = list(subcommand_parsers(build()))
+    assert len(found) >= 8
+    for name, sub, help_line in found:
+        assert sub.description and len(sub.description) > 20, f"{sub.prog} --help: no description"
+        assert help_line, f"{sub.prog}: no line in its parent's --help"
