@@ -674,6 +674,7 @@ class ControlPlane:
         if refusal is not None:
             raise TrainError(refusal)
         corpus = await self.corpus()
+        req.check_data(corpus)
         alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name)
         return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,
                 "dp": alloc.dp, "coordinator": self.me.hex(),

@@ -378,6 +378,19 @@ def test_train_requests_are_checked(args, match):
         TrainRequest.from_args(args)
 
 
+def test_a_data_set_that_cannot_feed_the_model_is_refused_at_train_start():
+    # Before, a data set shorter than a sequence got as far as the peers' first step, where the
+    # error ended the daemon; the coordinator now refuses the run with the reason.
+    req = TrainRequest.from_args({"preset": "tiny"})
+    seq = PRESETS["tiny"].seq_len
+    with pytest.raises(TrainError, match=f"37 tokens, too few for preset 'tiny'.*{seq} tokens"):
+        req.check_data(Corpus(np.zeros(37, dtype=np.uint8), "short.txt"))
+    req.check_data(Corpus(np.zeros(seq + 2, dtype=np.uint8), "enough.txt"))
+    wide = Corpus(np.full(seq + 2, PRESETS["tiny"].vocab, dtype=np.uint16), "tokens.bin")
+    with pytest.raises(TrainError, match="vocabulary"):
+        req.check_data(wide)
+
+
 def test_a_train_request_is_signed_as_it_was_read():
     req = TrainRequest.from_args({"preset": "tiny", "steps": 7, "stages": 2, "dp": 2, "data_hash": "ab" * 32,
                                   "data_name": "x.txt", "min_peers": 3, "wait_s": 9})

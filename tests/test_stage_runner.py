@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import trio
 
-from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport
+from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport, params_sha256
 from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
                         list_checkpoints, load_checkpoint)
 
@@ -39,3 +39,18 @@ def test_a_checkpoint_keeps_the_reports_of_the_steps_it_holds(tmp_path):
     assert held == [*history, *seen[:2]]
     held = [StepReport.from_wire(w) for w in checkpoint_notes(second)[REPORTS_NOTE]]
     assert held == seen  # the four newest
+
+
+def test_an_error_of_this_peers_own_ends_the_run_not_the_daemon(tmp_path):
+    # A step that fails on this peer for its own reason (here a data set too short for a
+    # sequence; out of memory alike) ends the run as failed, with the reason, and leaves the
+    # stage as it was: the coordinator reconfigures; before, the error ended the daemon.
+    plan = Plan(((b"me",),), ((0, SPEC.n_layer),), epoch=1)
+    state = StageState(SPEC, CFG, (0, SPEC.n_layer))
+    before = params_sha256(state)
+    short = Corpus(np.zeros(SPEC.seq_len // 2, dtype=np.uint8), "short.txt")
+    runner = StageRunner(state, plan, b"me", InMemoryHub().endpoint(b"me"), short, end_step=3)
+    end = trio.run(runner.run)
+    assert (end.completed, end.failed) == (-1, True)
+    assert "step 0 failed on this peer: ValueError" in end.reason and "too few" in end.reason
+    assert state.step == 0 and params_sha256(state) == before == end.params_sha256

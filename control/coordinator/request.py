@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dtfm.train import PRESETS, TrainConfig
+from dtfm.train import PRESETS, Corpus, TrainConfig
 
 __all__ = ["PLACEMENTS", "TrainError", "TrainRequest"]
 
@@ -83,6 +83,20 @@ class TrainRequest:
         if placement == "random" and req.stages is None:
             raise TrainError("a random placement needs --stages S (and --dp D)")
         return req
+
+    def check_data(self, corpus: Corpus) -> None:
+        """TrainError unless `corpus` can feed this run's model: enough tokens for one sequence
+        and its target, every token id inside the vocabulary (every peer holds the same data, so
+        the coordinator's check holds for all of them, before anything is handed out)."""
+        spec = PRESETS[self.preset]
+        if len(corpus.tokens) < spec.seq_len + 2:
+            raise TrainError(f"the data set {corpus.name!r} has {len(corpus.tokens)} tokens, too few for preset "
+                             f"{self.preset!r}, which reads sequences of {spec.seq_len} tokens: give every peer "
+                             f"more data with `join --data`")
+        try:
+            corpus.check_vocab(spec.vocab)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
 
     def to_args(self) -> dict:
         """The request as `from_args` reads it: what the operator signs (the coordinator

@@ -2,7 +2,8 @@
 
 The trio task that calls `StageRunner.run` owns the thread (`trio.to_thread.run_sync`). The
 thread runs whole steps; between steps it checks the stop step, so a stop lands on a step
-boundary. A step that fails (a neighbour died, a message timed out) leaves the stage as it was
+boundary. A step that fails (a neighbour died, a message timed out, or this peer's own error: out of
+memory, a data set that cannot feed the model) leaves the stage as it was
 before that step (`run_step` applies nothing until every message of the step has arrived) and
 ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically,
 with this peer's latest step reports (`history`, then its own) of the steps the weights hold
@@ -146,6 +147,10 @@ class StageRunner:
             except CommError as e:
                 logger.warning("step %d failed: %s; last completed step %d", step, e, step - 1)
                 return RunEnd(step - 1, str(e), True, params_sha256(self.state))
+            except Exception as e:  # out of memory, a data set that cannot feed the model, a bug
+                logger.exception("step %d failed on this peer; last completed step %d", step, step - 1)
+                return RunEnd(step - 1, f"step {step} failed on this peer: {type(e).__name__}: {e}"[:500], True,
+                              params_sha256(self.state))
             self._commit_snapshot()
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
                                 result.compute_s, result.pipeline_s, result.sync_s)
