@@ -307,7 +307,7 @@ class ControlPlane:
         elif isinstance(a, StartRunner):
             self.stages.start(a.epoch)
         elif isinstance(a, StopRunnerAt):
-            self.stages.stop_at(a.epoch, a.step)
+            self.stages.stop_at(a.epoch, a.step, final=a.final)
         elif isinstance(a, WaitForCoordinator):
             self._start_soon(self._wait_for_coordinator, a)
         else:

@@ -189,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pipeline stages; auto lets the scheduler pick the shape (default: %(default)s)")
     t.add_argument("--dp", type=_positive_int, default=None, metavar="D",
                    help="data-parallel pipelines (with --stages S; default: as many as the live peers fill)")
-    t.add_argument("--checkpoint-every", type=_non_negative_int, default=0, metavar="K",
-                   help="every peer saves its stage in its data dir every K steps; 0 never (default: 0)")
+    t.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="K",
+                   help="every peer saves its stage in its data dir every K steps, and where the run "
+                        "ends (its last step or `train stop`); 0: only there (default: 20)")
     t.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
                    help="who runs what: the DT-FM scheduler on the measured view, or a random "
                         "allocation of the --stages x --dp shape, as a baseline (default: %(default)s)")

@@ -455,8 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pipeline stages (default: the scheduler picks the shape)")
         p.add_argument("--dp", type=POSITIVE_INT, default=None, metavar="D",
                        help="data-parallel pipelines (with --stages)")
-        p.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=0, metavar="K",
-                       help="each peer saves its stage every K steps (default: never)")
+        p.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=None, metavar="K",
+                       help="each peer saves its stage every K steps and where the run ends; 0: only "
+                            "where it ends (default: 20)")
         p.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
                        help="the DT-FM scheduler's allocation, or a random one of the --stages x --dp "
                             "shape as a baseline (default: %(default)s)")

@@ -44,6 +44,7 @@ from dtfm.control.epoch.machine import (
     StartAsked,
     StepDone,
     StopAsked,
+    StopRunnerAt,
     Tick,
     WaitForCoordinator,
 )
@@ -290,6 +291,18 @@ def test_who_may_stop_an_epoch_and_end_the_run(what, sender, coordinator, final,
         assert w in reply.value["reason"], (w, reply.value["reason"])
     assert p.m.stopped_by_operator(RUN) is (stopped and final)
     assert p.m.run_over() is (stopped and final)
+
+
+@pytest.mark.parametrize("final, op", [(True, STOP), (False, None)])
+def test_only_an_operators_stop_asks_the_runner_to_checkpoint_where_it_ends(final, op):
+    # The run is over after an operator's stop: the runner saves its stage at the boundary (see
+    # control/epoch/runner.py); a reconfiguration's stop keeps it in memory for the next epoch.
+    p = Peer(N[1])
+    [*_, build] = p.offer(alloc(), 0.0)
+    p.feed(StageBuilt(build.key, 1, 0), 0.5)
+    p.feed(StartAsked(p.key("s"), N[0], RUN, 1), 1.0)
+    actions = p.feed(StopAsked(p.key("t"), N[0], RUN, 4, final=final, op=op), 2.0)
+    assert [a for a in actions if isinstance(a, StopRunnerAt)] == [StopRunnerAt(1, 4, final=final)]
 
 
 def test_an_allocation_already_applied_is_refused_as_stale():

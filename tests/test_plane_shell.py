@@ -398,6 +398,14 @@ def test_a_train_request_is_signed_as_it_was_read():
     assert "data" not in req.to_args() and req.to_args()["data_hash"] == "ab" * 32
 
 
+@pytest.mark.parametrize("args, every", [({}, 20), ({"checkpoint_every": None}, 20), ({"checkpoint_every": 0}, 0),
+                                         ({"checkpoint_every": 5}, 5)])
+def test_a_run_checkpoints_every_20_steps_unless_the_operator_says_otherwise(args, every):
+    assert TrainRequest.from_args(args).checkpoint_every == every
+    with pytest.raises(TrainError, match="checkpoint_every"):
+        TrainRequest.from_args({"checkpoint_every": -1})
+
+
 async def test_a_forwarded_start_is_refused_before_any_work_and_no_path_is_ever_opened(tmp_path, monkeypatch):
     # A forwarded TRAIN_OP carries the operator's signed operation and nothing else: an old-style
     # request naming a path, an unsigned one, one signed by a key the swarm does not name, a

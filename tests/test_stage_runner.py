@@ -8,7 +8,9 @@ import dataclasses
 import numpy as np
 import trio
 
-from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport, params_sha256
+import pytest
+
+from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport, end_checkpoint_due, params_sha256
 from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
                         list_checkpoints, load_checkpoint)
 
@@ -54,3 +56,49 @@ def test_an_error_of_this_peers_own_ends_the_run_not_the_daemon(tmp_path):
     assert (end.completed, end.failed) == (-1, True)
     assert "step 0 failed on this peer: ValueError" in end.reason and "too few" in end.reason
     assert state.step == 0 and params_sha256(state) == before == end.params_sha256
+
+
+@pytest.mark.parametrize("reason, final_stop, step, saved, due", [
+    ("finished", False, 10, None, True),  # the run's last step: kept
+    ("finished", False, 10, 10, False),  # a periodic checkpoint saved that step already
+    ("finished", False, 10, 8, True),
+    ("stopped", True, 7, None, True),  # an operator's stop: kept where it ends
+    ("stopped", True, 7, 7, False),
+    ("stopped", False, 7, None, False),  # a reconfiguration's stop: the stage stays in memory
+    ("stopped", True, 0, None, False),  # stopped before any step: nothing trained to keep
+])
+def test_which_ends_are_checkpointed(reason, final_stop, step, saved, due):
+    assert end_checkpoint_due(reason, final_stop=final_stop, step=step, saved_step=saved) is due
+
+
+def _runner(tmp_path, end_step, on_step=None):
+    plan = Plan(((b"me",),), ((0, SPEC.n_layer),), epoch=1)
+    state = StageState(SPEC, CFG, (0, SPEC.n_layer))
+    return StageRunner(state, plan, b"me", InMemoryHub().endpoint(b"me"), CORPUS, end_step=end_step,
+                       checkpoint_every=0, checkpoint_dir=tmp_path, on_step=on_step)
+
+
+@pytest.mark.parametrize("final", [True, False])
+def test_an_operator_stop_is_checkpointed_at_the_boundary_where_the_run_ends(tmp_path, final):
+    # No periodic checkpoints (0); stopped after step 2 completed, before step 3: an operator's
+    # stop saves step 3 (the weights after steps 0-2), a reconfiguration's stop saves nothing.
+    runner = _runner(tmp_path, 50, on_step=lambda rep: runner.stop_at(3, final=final) if rep.step == 1 else None)
+    end = trio.run(runner.run)
+    assert (end.completed, end.reason, end.failed) == (2, "stopped", False)
+    saved = list_checkpoints(tmp_path, (0, SPEC.n_layer))
+    if not final:
+        assert saved == []
+        return
+    [path] = saved
+    loaded = load_checkpoint(path)
+    assert loaded.step == 3 and loaded.optim.step_count == runner.state.optim.step_count
+    assert all(np.array_equal(loaded.params[k].detach().numpy(), v.detach().numpy())
+               for k, v in runner.state.params.items())
+    assert [StepReport.from_wire(w).step for w in checkpoint_notes(path)[REPORTS_NOTE]] == [0, 1, 2]
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # no half-written file
+
+
+def test_a_finished_run_is_checkpointed_at_its_last_step(tmp_path):
+    end = trio.run(_runner(tmp_path, 3).run)
+    assert (end.completed, end.reason) == (2, "finished")
+    assert [load_checkpoint(p).step for p in list_checkpoints(tmp_path, (0, SPEC.n_layer))] == [3]

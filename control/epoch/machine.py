@@ -209,8 +209,12 @@ class StartRunner:
 
 @dataclass(frozen=True)
 class StopRunnerAt:
+    """End the epoch's runner before `step`; `final`: an operator's stop (the run is over, and
+    its stage is checkpointed where it ends)."""
+
     epoch: int
     step: int
+    final: bool = False
 
 
 @dataclass(frozen=True)
@@ -521,7 +525,7 @@ class EpochMachine:
         if ev.abort:
             out: list = [AbortRunner("aborted for a reconfiguration")]
         elif run.phase is EpochPhase.TRAINING and not run.done:
-            out = [StopRunnerAt(run.alloc.epoch, ev.at_step)]
+            out = [StopRunnerAt(run.alloc.epoch, ev.at_step, final=ev.final)]
         else:
             out = [AbortRunner("stopped before it started")]
         return out + [Reply(ev.key, {"stopped": True})]

@@ -5,8 +5,11 @@ thread runs whole steps; between steps it checks the stop step, so a stop lands 
 boundary. A step that fails (a neighbour died, a message timed out, or this peer's own error: out of
 memory, a data set that cannot feed the model) leaves the stage as it was
 before that step (`run_step` applies nothing until every message of the step has arrived) and
-ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, atomically,
-with this peer's latest step reports (`history`, then its own) of the steps the weights hold
+ends the run with the reason. Checkpoints are written every `checkpoint_every` steps, and once
+more where the run ends for good (its last step, or an operator's stop: `stop_at(step,
+final=True)`), at that step boundary; each is written atomically (the safetensors file, then the
+JSON that makes it visible, each a temporary file renamed into place), in the worker thread,
+which a cancellation waits for. Each checkpoint holds this peer's latest step reports (`history`, then its own) of the steps the weights hold
 (`REPORTS_NOTE`): a restarted peer sends them in its run state, so the lines of the steps a
 checkpoint holds reach the log even when every peer that reported them died before the
 coordinator logged them.
@@ -46,7 +49,7 @@ from dtfm.train import (
     stage_tensors,
 )
 
-__all__ = ["REPORTS_NOTE", "RunEnd", "StageRunner", "StepReport", "params_sha256"]
+__all__ = ["REPORTS_NOTE", "RunEnd", "StageRunner", "StepReport", "end_checkpoint_due", "params_sha256"]
 
 REPORTS_NOTE = "step_reports"  # the checkpoint note with the step reports of the steps it holds
 
@@ -108,6 +111,8 @@ class StageRunner:
         self.on_step = on_step
         self._end_step = end_step
         self._stopped = False
+        self._final = False  # an operator's stop: the end is checkpointed
+        self._saved_step: int | None = None  # the step of the last checkpoint written
         self._lock = threading.Lock()
         self.last: StepReport | None = None
         self.running = False
@@ -121,9 +126,12 @@ class StageRunner:
         with self._lock:
             return self._end_step
 
-    def stop_at(self, step: int) -> None:
-        """End the run before step `step` (never later than already planned)."""
+    def stop_at(self, step: int, *, final: bool = False) -> None:
+        """End the run before step `step` (never later than already planned); `final`: an
+        operator's stop, after which the stage is checkpointed at the step where it ends."""
         with self._lock:
+            if final:
+                self._final = True
             if step < self._end_step:
                 self._end_step = max(step, self.state.step)
                 self._stopped = True
@@ -158,13 +166,26 @@ class StageRunner:
             self._reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
-            if self.checkpoint_every and self.checkpoint_dir and self.state.step % self.checkpoint_every == 0:
-                held = [r.to_wire() for r in self._reports if r.step < self.state.step]
-                path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
-                logger.info("saved checkpoint of step %d to %s", self.state.step, path)
+            if self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
+                self._checkpoint("")
         with self._lock:
             reason = "stopped" if self._stopped else "finished"
+            final = self._final
+        if end_checkpoint_due(reason, final_stop=final, step=self.state.step, saved_step=self._saved_step):
+            self._checkpoint(f" (the run {reason})")
         return RunEnd(self.state.step - 1, reason, False, params_sha256(self.state))
+
+    def _checkpoint(self, why: str) -> None:
+        if self.checkpoint_dir is None:
+            return
+        held = [r.to_wire() for r in self._reports if r.step < self.state.step]
+        try:
+            path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
+        except OSError as e:  # (a full disk: training goes on, the stage stays in memory)
+            logger.error("cannot save the checkpoint of step %d in %s: %s", self.state.step, self.checkpoint_dir, e)
+            return
+        self._saved_step = self.state.step
+        logger.info("saved checkpoint of step %d to %s%s", self.state.step, path, why)
 
 
     # ---- one step back ----------------------------------------------------------------------
@@ -199,6 +220,15 @@ class StageRunner:
             step, ostep = self._snapshot_at
             s = self.state
             return stage_from_tensors(s.spec, s.cfg, s.layer_range, self._snapshot, step, ostep, str(s.device))
+
+
+def end_checkpoint_due(reason: str, *, final_stop: bool, step: int, saved_step: int | None) -> bool:
+    """Whether a runner that ended cleanly (`reason` "finished" or "stopped", at step boundary
+    `step`) saves its stage there: when the run is over for good (its last step, or an
+    operator's stop) and that step is not saved already. A reconfiguration's stop is not: the
+    stage stays in memory for the next epoch, and a checkpoint of a large stage costs seconds."""
+    over = reason == "finished" or (reason == "stopped" and final_stop)
+    return over and step > 0 and saved_step != step
 
 
 def params_sha256(state: StageState) -> str:

@@ -296,10 +296,10 @@ class StageHost:
         if stage is not None and stage.runner is not None:
             stage.started.set()
 
-    def stop_at(self, epoch: int, step: int) -> None:
+    def stop_at(self, epoch: int, step: int, *, final: bool = False) -> None:
         stage = self._stages.get(epoch)
         if stage is not None and stage.runner is not None:
-            stage.runner.stop_at(step)
+            stage.runner.stop_at(step, final=final)
             logger.info("stopping the run before step %d", step)
 
     def fail_neighbour(self, peer: bytes, why: str) -> None:
