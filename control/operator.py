@@ -51,7 +51,7 @@ __all__ = [
 
 OPERATOR_DOMAIN = b"dtfm-operator-op-v1\x00"  # prefixed to the body before signing
 OP_FORMAT = 1
-OP_KINDS = ("start", "stop", "reschedule")
+OP_KINDS = ("start", "stop", "reschedule", "resume")
 MAX_OP_BYTES = 4096  # a signed operation, as the allocation and TRAIN_OP carry it
 MAX_ARGS = 16
 MAX_TIME_MS = 2**53
@@ -78,9 +78,9 @@ class Signer(Protocol):
 class OperatorOp:
     """One operator operation (see the module docstring)."""
 
-    kind: str  # start | stop | reschedule
+    kind: str  # start | stop | reschedule | resume
     operator: bytes  # the operator's Ed25519 public key
-    run_id: bytes  # start: the new run's id (fresh random bytes); stop, reschedule: the run
+    run_id: bytes  # start: the new run's id (fresh random bytes); stop, reschedule, resume: the run
     issued_at_ms: int  # wall-clock milliseconds when it was signed
     args: Mapping[str, Any] = field(default_factory=dict)  # start: TrainRequest.to_args(); else empty
 

@@ -52,6 +52,7 @@ from .coordinator.machine import (
     CoordinatorTimings,
     Elected,
     Reschedule,
+    ResumeRun,
     StartRun,
     StepFailed,
     SteppedDownEvent,
@@ -749,6 +750,15 @@ class ControlPlane:
             raise TrainError(str(e)) from None
         return await self._on_coordinator("reschedule", signed, Reschedule)
 
+    async def resume_training(self, signed: SignedOp) -> dict:
+        """An operator's signed resume of a stopped run, on any peer: the coordinator brings it
+        back as a new epoch from the newest step every stage is held at (docs/control.md)."""
+        try:
+            check_op(signed, "resume", self.operators)
+        except OperatorError as e:
+            raise TrainError(str(e)) from None
+        return await self._on_coordinator("resume", signed, ResumeRun)
+
     async def _on_coordinator(self, op: str, signed: SignedOp, event_type, *, forwarded: bool = False) -> dict:
         """Feed an operator's stop or reschedule to the coordinator machine here, or forward it to
         the coordinator this peer knows."""
@@ -765,7 +775,7 @@ class ControlPlane:
         of the swarm signed it (the machine checks the rest)."""
         d = get_dict(body, "TRAIN_OP")
         op = get_str(d, "op", 16)
-        if op not in ("start", "stop", "reschedule"):
+        if op not in ("start", "stop", "reschedule", "resume"):
             raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
         if "signed" not in d:
             return {"error": f"a {op} must carry the operator's signed operation (run the same dtfm version)"}
@@ -783,6 +793,8 @@ class ControlPlane:
                 return {"ok": await self.start_training(signed, forwarded=True)}
             if op == "stop":
                 return {"ok": await self._on_coordinator(op, signed, StopRun, forwarded=True)}
+            if op == "resume":
+                return {"ok": await self._on_coordinator(op, signed, ResumeRun, forwarded=True)}
             return {"ok": await self._on_coordinator(op, signed, Reschedule, forwarded=True)}
         except TrainError as e:
             return {"error": str(e)}
@@ -803,6 +815,7 @@ class ControlPlane:
         live = cur is not None and not self._run_over()
         return {"operators": sorted(p.hex() for p in self.operators),
                 "run_id": cur.run_id.hex() if cur is not None and live else None,
+                "last_run_id": cur.run_id.hex() if cur is not None else None,
                 "data_hash": corpus.fingerprint, "data_name": corpus.name}
 
     # ---- status -------------------------------------------------------------------------------

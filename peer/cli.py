@@ -9,6 +9,7 @@
     dtfm-peer leave                       make the running daemon leave and exit
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
     dtfm-peer train reschedule            ask the coordinator for a new allocation now
+    dtfm-peer train resume [RUN]          continue a stopped run from its newest checkpoint
                                           (each signed with the operator key)
 
 Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
@@ -210,6 +211,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(t)
     _add_operator_key(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    t = tsub.add_parser("resume", help="continue a stopped run from its newest complete checkpoint",
+                        description="Continue a run that `train stop` ended (the swarm's last run), as a "
+                                    "new epoch of the same run with its own parameters, from the newest "
+                                    "step at which every stage is held by a live peer, in memory or in a "
+                                    "checkpoint. Refused, with the reason, for another run, a run still "
+                                    "running or finished, or when some stage is held by no live peer.")
+    t.add_argument("run", nargs="?", default=None, metavar="RUN",
+                   help="the run id, or a prefix of it (default: the swarm's last run)")
+    _add_data_dir(t)
+    _add_operator_key(t)
+    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the run to be handed out again (default: %(default)s)")
+    t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
     t = tsub.add_parser("reschedule", help="ask the coordinator for a new allocation now",
                         description="Ask the run's coordinator for a new allocation now: it schedules "
                                     "the live peers on its current view and reconfigures the run (see "
@@ -494,6 +509,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
     if args.train_command == "reschedule":
         return _train_reschedule(args, config, data_dir)
+    if args.train_command == "resume":
+        return _train_resume(args, config, data_dir)
     if args.train_command == "stop":
         with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
             info = _train_info(c)
@@ -547,6 +564,44 @@ def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: 
     if not isinstance(reply, dict):
         raise CliError("the daemon sent an answer to `train reschedule` that is not a map")
     print(json.dumps(reply, indent=2, sort_keys=True) if args.json else format_reschedule(reply))
+    return 0
+
+
+def resume_run_id(asked: str | None, info: dict) -> bytes:
+    """The run a resume names: RUN (a full id, or a prefix of the swarm's last run), else the
+    swarm's last run as the daemon knows it."""
+    last = info.get("last_run_id")
+    last = last if isinstance(last, str) else None
+    if asked is None:
+        if last is None:
+            raise CliError("this peer knows no run to resume: name it (`dtfm-peer train resume RUN`) or ask a "
+                           "peer that took part in it")
+        return bytes.fromhex(last)
+    asked = asked.lower()
+    if last is not None and last.startswith(asked):
+        return bytes.fromhex(last)
+    if len(asked) == 32 and all(c in "0123456789abcdef" for c in asked):
+        return bytes.fromhex(asked)  # (the coordinator says whether it knows it)
+    raise CliError(f"unknown run {asked!r}: this peer's last run is {last[:8] if last else 'none'}; give a "
+                   "prefix of it or a full 32-digit run id")
+
+
+def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
+    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
+    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
+    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
+        info = _train_info(c)
+        key = _operator_key(args, info)
+        run = resume_run_id(args.run, info)
+        op = sign_op(key, "resume", now_s=time.time(), run_id=run)
+        reply = c.request("train_resume", {"op": op.to_wire()})
+    if not isinstance(reply, dict):
+        raise CliError("the daemon sent an answer to `train resume` that is not a map")
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    else:
+        print(f"run {run.hex()[:8]} resumes at step {reply.get('resume_step', '?')}: "
+              f"{format_reschedule(reply)}")
     return 0
 
 

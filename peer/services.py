@@ -8,7 +8,7 @@ daemon: `GossipPart` runs a GossipService with the [gossip] settings, shows it u
 in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partition` / `heal`);
 `PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
 under "training" and answers `train_info` (what an operator signs against), and `train_start`,
-`train_stop` and `train_reschedule`, each carrying an operator's signed operation (the plane
+`train_stop`, `train_reschedule` and `train_resume`, each carrying an operator's signed operation (the plane
 checks it against the operators the swarm key file names); with `--metrics-listen`,
 `MetricsPart` (peer/metrics.py) serves the daemon's status as Prometheus metrics. The sections
 hold the lower layers' own configs (EmulationConfig, GossipConfig, PlaneConfig), passed on as
@@ -188,7 +188,7 @@ class PlanePart:
 
     def control_ops(self) -> dict[str, Callable[[dict], Awaitable[Any]]]:
         return {"train_info": self.train_info, "train_start": self.train_start, "train_stop": self.train_stop,
-                "train_reschedule": self.train_reschedule}
+                "train_reschedule": self.train_reschedule, "train_resume": self.train_resume}
 
     def _running(self) -> ControlPlane:
         if self.plane is None:
@@ -214,6 +214,12 @@ class PlanePart:
     async def train_reschedule(self, args: dict) -> dict:
         try:
             return await self._running().reschedule(_signed(args))
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+
+    async def train_resume(self, args: dict) -> dict:
+        try:
+            return await self._running().resume_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 

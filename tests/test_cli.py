@@ -325,3 +325,21 @@ def test_a_swarm_key_readable_by_others_is_warned_about(tmp_path, caplog):
         build_daemon(config, data_dir)
     [record] = caplog.records
     assert str(key) in record.getMessage() and f"chmod 600 {key}" in record.getMessage()
+
+
+@pytest.mark.parametrize("asked, last, want, error", [
+    (None, "ab" * 16, "ab" * 16, None),  # the swarm's last run
+    ("abab", "ab" * 16, "ab" * 16, None),  # a prefix of it
+    ("ABAB", "ab" * 16, "ab" * 16, None),
+    ("cd" * 16, "ab" * 16, "cd" * 16, None),  # a full id: the coordinator says whether it knows it
+    (None, None, None, "knows no run to resume"),
+    ("cdcd", "ab" * 16, None, "unknown run 'cdcd': this peer's last run is abababab"),
+    ("zz", None, None, "unknown run 'zz'"),
+])
+def test_train_resume_names_the_run(asked, last, want, error):
+    from dtfm.peer.cli import CliError, resume_run_id
+    if error is None:
+        assert resume_run_id(asked, {"last_run_id": last}) == bytes.fromhex(want)
+    else:
+        with pytest.raises(CliError, match=error):
+            resume_run_id(asked, {"last_run_id": last})

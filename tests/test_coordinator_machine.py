@@ -53,6 +53,8 @@ from dtfm.control.coordinator.machine import (
     StepReported,
     SteppedDownEvent,
     StopRun,
+    ResumeRun,
+    resume_refusal,
     Tick,
     Trigger,
     next_voters,
@@ -298,6 +300,10 @@ D01, D23 = "01" * 32, "23" * 32  # digests of offered stages
 def reschedule_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
     """The operator's reschedule of `run`, signed at the machine's time `at` (of a Node(wall=wall))."""
     return sign_op(key, "reschedule", now_s=wall + at, run_id=run)
+
+
+def resume_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
+    return sign_op(key, "resume", now_s=wall + at, run_id=run)
 
 
 def stop_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
@@ -878,6 +884,86 @@ def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop()
           reply op late: error (no training run is in progress)
     """)
     assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+
+
+def test_an_operators_resume_brings_a_stopped_run_back_from_its_checkpoints():
+    # The operator stopped the run before step 2; n1 and n3 restarted since and hold layers 2-4
+    # only in their stop checkpoints (step 2). A resume while it runs, of another run, unsigned
+    # or by an outsider is refused at once; the resume is a reconfiguration of the same run
+    # from step 2, with the run's own end step.
+    n = Node(wall=WALL)
+    n.training()
+    out = n.feed(ResumeRun(("op", "early"), resume_op(3.0, wall=WALL)), 3.0)
+    assert _costly(out) == [] and "is still running" in out[0].error
+    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
+    n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
+    for k, (op, words) in enumerate([(None, "none was given"), (resume_op(4.0, key=INTRUDER, wall=WALL), "not an operator"),
+                                     (resume_op(4.0, run=b"o" * 16, wall=WALL), "only the swarm's last run (72727272)"),
+                                     (stop_op(4.0, wall=WALL), "carries an operator's stop"),
+                                     (resume_op(-400.0, wall=WALL), "signed 404 s ago")]):
+        out = n.feed(ResumeRun(("op", k), op), 4.0)
+        assert _costly(out) == [] and words in named(out[0].error), (words, out)
+    assert n.epoch.stopped_by_operator(RUN)
+    n.lines.clear()
+    n.feed(ResumeRun(("op", "resume"), resume_op(4.0, wall=WALL)), 4.0)
+    assert not n.epoch.run_over()
+    restarted = state(None, None, checkpoints=[(2, 4, 2)])
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 4.1)
+    n.compute("plan", 4.2)
+    n.answer("offer 0-2", everyone={"digest": D01}, at=4.3)
+    n.answer("offer 2-4", everyone={"digest": D23}, at=4.3)
+    n.answer("alloc", everyone={"accepted": True}, at=4.4)
+    n.answer("start", everyone={"started": True}, at=4.5)
+    n.transcript("""
+        4 train resume
+          ask states: RUN_STATE query -> n0 n1 n2 n3
+          phase: stopping
+        4.1 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None
+          compute plan
+          phase: planning
+        4.2 computed plan
+          ask offer 0-2: RUN_STATE offer step=2 layers=0-2 -> n0 n2
+          ask offer 2-4: RUN_STATE offer step=2 layers=2-4 -> n1 n3
+          phase: offering
+        4.3 answers offer 0-2: n0 01010101, n2 01010101
+        4.3 answers offer 2-4: n1 23232323, n3 23232323
+          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1 | n2 n3] holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
+          phase: handing out
+        4.4 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
+          ask start: START epoch=2 -> n0 n1 n2 n3
+        4.5 answers start: n0 started, n1 started, n2 started, n3 started
+          emit reconfigure term=1 epoch=2 trigger=train resume old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=False
+          reply op resume: term=1 epoch=2 old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=False reason=train resume
+          phase: training
+    """)
+
+
+def test_a_resume_without_a_complete_checkpoint_says_which_stage_is_missing_and_the_run_stays_stopped():
+    n = Node(wall=WALL)
+    n.training()
+    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
+    n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
+    n.lines.clear()
+    n.feed(ResumeRun(("op", "resume"), resume_op(4.0, wall=WALL)), 4.0)
+    restarted = state(None, None)
+    out = n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 4.1)
+    [reply] = [a for a in out if isinstance(a, Reply)]
+    assert "cannot resume run 72727272: no reachable peer holds layers 2-3" in reply.error
+    assert n.epoch.stopped_by_operator(RUN) and n.c.busy is False
+    n.tick(60.0)
+    assert _costly(n.tick(120.0)) == []  # nobody reconfigures it after all
+
+
+@pytest.mark.parametrize("asked, last, stopped, over, words", [
+    (RUN, RUN, True, True, None),
+    (RUN, None, False, True, "this swarm has run nothing yet"),
+    (b"o" * 16, RUN, True, True, "only the swarm's last run (72727272)"),
+    (RUN, RUN, False, True, "finished its 100 steps"),
+    (RUN, RUN, False, False, "is still running"),
+])
+def test_which_runs_may_be_resumed(asked, last, stopped, over, words):
+    refusal = resume_refusal(asked, last, stopped=stopped, over=over, end_step=100)
+    assert (refusal is None) if words is None else (words in refusal)
 
 
 def test_a_new_coordinator_takes_the_run_over_and_back_fills_the_log():

@@ -305,6 +305,18 @@ def test_only_an_operators_stop_asks_the_runner_to_checkpoint_where_it_ends(fina
     assert [a for a in actions if isinstance(a, StopRunnerAt)] == [StopRunnerAt(1, 4, final=final)]
 
 
+def test_a_new_epoch_of_a_run_the_operator_stopped_resumes_it():
+    # `train resume`: the coordinator hands out epoch 2 of the stopped run; a peer that applies
+    # it no longer counts the run as over (its coordinator may reconfigure it again).
+    p = Peer(N[1])
+    p.accept(alloc())
+    p.feed(StopAsked(p.key("t"), N[0], RUN, 4, final=True, op=STOP), 1.0)
+    p.feed(RunnerEnded(1, RunEnd(3, "stopped", False), 1e9), 2.0)
+    assert p.m.run_over() and p.m.stopped_by_operator(RUN)
+    p.offer(alloc(epoch=2, start_step=4), 3.0)
+    assert not p.m.run_over() and not p.m.stopped_by_operator(RUN)
+
+
 def test_an_allocation_already_applied_is_refused_as_stale():
     p = Peer(N[1])
     p.accept(alloc())

@@ -429,16 +429,22 @@ async def test_a_forwarded_start_is_refused_before_any_work_and_no_path_is_ever_
             await net.request(ISSUER, ControlMsg.TRAIN_OP, {
                 "op": "reschedule", "signed": sign_op(INTRUDER, "reschedule", now_s=time.time(),
                                                       run_id=RUN).to_wire()}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {
+                "op": "resume", "signed": sign_op(INTRUDER, "resume", now_s=time.time(), run_id=RUN).to_wire()}),
+            await net.request(ISSUER, ControlMsg.TRAIN_OP, {
+                "op": "resume", "signed": sign_op(OPERATOR, "stop", now_s=time.time(), run_id=RUN).to_wire()}),
         ]
         words = ["must carry the operator's signed operation", "not an operator of this swarm",
                  "bad operator signature", "a start's arguments are", "carries an operator's start",
-                 "not an operator of this swarm"]
+                 "not an operator of this swarm", "not an operator of this swarm", "carries an operator's stop"]
         for answer, w in zip(answers, words):
             assert w in answer["error"], (w, answer)
         with pytest.raises(ProtocolError):
             await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": {"body": 5}})
         with pytest.raises(TrainError, match="not an operator of this swarm"):  # the local socket's op too
             await plane.start_training(start_op(INTRUDER))
+        with pytest.raises(TrainError, match="not an operator of this swarm"):
+            await plane.resume_training(sign_op(INTRUDER, "resume", now_s=time.time(), run_id=RUN))
         assert opened == [] and plane.epoch.current is None
         # a valid start reaches this peer, which is not the coordinator: still nothing opened
         answer = await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": start_op().to_wire()})

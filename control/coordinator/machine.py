@@ -53,8 +53,8 @@ from .steplog import StepLog
 
 __all__ = [
     "MAX_OFFER_HOLDERS", "Coordinator", "CoordinatorStatus", "CoordinatorTimings", "Elected", "Phase", "Planner",
-    "Reschedule", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "StopRun", "Swarm", "Tick", "Trigger",
-    "Wake",
+    "Reschedule", "ResumeRun", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "StopRun", "Swarm", "Tick", "Trigger",
+    "Wake", "resume_refusal",
 ]
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,16 @@ class Reschedule:
 
 
 @dataclass(frozen=True)
+class ResumeRun:
+    """An operator's signed resume of a stopped run: a new epoch of the same run from its newest
+    step every stage is held at (in memory or a checkpoint), with the run's own parameters;
+    answered by `Reply(key, record)` (the reconfiguration's) or an error."""
+
+    key: tuple
+    op: SignedOp | None = None
+
+
+@dataclass(frozen=True)
 class StopRun:
     """An operator's signed stop: every peer of the run ends before the same step and the run
     is over; answered by `Reply(key, {"at_step", "told"})`."""
@@ -210,7 +220,7 @@ class _Start:
 
 
 CoordinatorEvent = (Tick | Wake | Trigger | StepReported | StepFailed | Elected | SteppedDownEvent | StartRun
-                    | Reschedule | StopRun | Answers | Computed)
+                    | Reschedule | ResumeRun | StopRun | Answers | Computed)
 
 
 # ---- procedures ------------------------------------------------------------------------------
@@ -252,6 +262,7 @@ class _Procedure:
     stuck: bool = False  # a step missed its deadline: abort it, do not wait for a boundary
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
     start: _Start | None = None  # kind "start": the operator's start
+    resume: bool = False  # an operator's resume: if it fails, the run stays stopped
 
 
 @dataclass(frozen=True)
@@ -303,7 +314,7 @@ class Coordinator:
         self._next_check = 0.0
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
-        self._queue: list[_Start | Reschedule] = []  # at most one of each kind
+        self._queue: list[_Start | Reschedule | ResumeRun] = []  # at most one of each kind
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
         self._rescheduled: tuple[bytes, int] | None = None  # (run, time in ms) of the last reschedule taken
         self._stops: dict[tuple, tuple[tuple, int]] = {}  # STOP request key -> (operator's key, boundary)
@@ -384,6 +395,8 @@ class Coordinator:
             out += self._reschedule_asked(event, now)
         elif isinstance(event, StopRun):
             out += self._stop_asked(event, now)
+        elif isinstance(event, ResumeRun):
+            out += self._resume_asked(event, now)
         elif isinstance(event, Answers):
             out += self._answers(event)
         elif isinstance(event, Computed):
@@ -404,6 +417,8 @@ class Coordinator:
                 return self._start_run(op, now)
             if not self.election.is_coordinator:
                 return [Reply(op.key, error="this peer is no longer the coordinator")]
+            if isinstance(op, ResumeRun):
+                return self._resume(op, now)
             if self.epoch.current is None or self._over():
                 return [Reply(op.key, error="no training run is in progress")]
             return self._reconfigure("operator asked", now, force=True, reply=op.key)
@@ -815,6 +830,40 @@ class Coordinator:
                           {"run": cur.run_id, "at_step": at, "final": True, "op": ev.op.to_wire()},
                           self.t.request_timeout_s)]
 
+    def _resume_asked(self, ev: ResumeRun, now: float) -> list:
+        """An operator's resume of the run an operator stopped (the swarm's last run), within
+        the skew window; then it waits for the procedure in progress, if any."""
+        cur = self.epoch.current
+        try:
+            if not self.election.is_coordinator:
+                raise OperatorError("this peer is no longer the coordinator")
+            op = check_op(ev.op, "resume", self.operators)
+            check_time(op, self._wall(now), self.t.operator_skew_s)
+            refusal = resume_refusal(op.run_id, cur.run_id if cur is not None else None,
+                                     stopped=cur is not None and self.epoch.stopped_by_operator(cur.run_id),
+                                     over=self._over(), end_step=cur.end_step if cur is not None else 0)
+            if refusal is not None:
+                raise OperatorError(refusal)
+            if any(isinstance(q, ResumeRun) for q in self._queue) or (self._proc is not None and self._proc.resume):
+                raise OperatorError("another resume is in progress: try again once it is answered")
+        except OperatorError as e:
+            logger.warning("refused a train resume: %s", e)
+            return [Reply(ev.key, error=str(e))]
+        self._queue.append(ev)
+        return []
+
+    def _resume(self, ev: ResumeRun, now: float) -> list:
+        """Take a queued resume: the run is no longer stopped, and a reconfiguration brings it
+        back from the resume point (control/epoch/runstate.py); any failure leaves it stopped."""
+        cur = self.epoch.current
+        if cur is None or not self.epoch.stopped_by_operator(cur.run_id):
+            return [Reply(ev.key, error="the run is no longer stopped: nothing to resume")]
+        logger.info("an operator resumes run %s", cur.run_id.hex()[:8])
+        self.epoch.resume(cur.run_id)
+        self.phase, self.reason, self._attempts = Phase.IDLE, "", 0
+        self._paused_live = None
+        return self._reconfigure("train resume", now, force=True, reply=ev.key, resume=True)
+
     def _stopped(self, key: tuple, answers: Mapping[bytes, dict]) -> list:
         reply_key, at = self._stops.pop(key, ((), 0))
         told = sum(1 for a in answers.values() if a.get("stopped"))
@@ -823,9 +872,10 @@ class Coordinator:
     # ---- reconfiguration ----------------------------------------------------------------------
 
     def _reconfigure(self, trigger: str, now: float, *, force: bool = False, reply: tuple | None = None,
-                     retry: Sequence[str] = ()) -> list:
+                     retry: Sequence[str] = (), resume: bool = False) -> list:
         cur = self.epoch.current
-        proc = _Procedure(next(self._keys), "reconfigure", trigger, reply=reply, force=force, cur=cur, t0=now)
+        proc = _Procedure(next(self._keys), "reconfigure", trigger, reply=reply, force=force, cur=cur, t0=now,
+                          resume=resume)
         proc.retry = list(retry)
         self._proc = proc
         if cur is None or not self.election.is_coordinator:
@@ -914,6 +964,8 @@ class Coordinator:
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
         except ResumeError as e:
+            if proc.resume:  # the operator is told which stage no live peer holds
+                raise _Failed(f"cannot resume run {cur.run_id.hex()[:8]}: {e}") from None
             # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
             # holder restarting) and resumes when the reachable peers change; it never goes on
             # with re-initialised weights.
@@ -988,7 +1040,8 @@ class Coordinator:
         # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
         done = set(self.logged.get(cur.run_id, ())) | {r.step - 1 for st in proc.states.values() for r in st.reports}
-        proc.rolled_back = rp.rollback or rp.step <= max(done, default=-1)
+        # (a resume from the checkpoints of the stop boundary runs no logged step again: no rollback)
+        proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done, default=-1)
         reports = [(p, r) for p, st in proc.states.items() for r in st.reports]
         return self._hand_out(proc, alloc, reports, now)
 
@@ -1160,6 +1213,10 @@ class Coordinator:
                 self.epoch.mark_stopped(proc.alloc.run_id)
             return [Reply(proc.reply or (), error=why)]
         out: list = [Reply(proc.reply, error=why)] if proc.reply is not None else []
+        if proc.resume and proc.cur is not None:  # the operator is told; the run stays stopped
+            logger.warning("the resume of run %s failed: %s", proc.cur.run_id.hex()[:8], why)
+            self.epoch.mark_stopped(proc.cur.run_id)
+            return out
         if e.counts:
             self._attempts += 1
             logger.warning("reconfiguration %d failed: %s", self._attempts, why)
@@ -1284,6 +1341,21 @@ def _states(answers: Mapping[bytes, dict]) -> dict[bytes, PeerRunState]:
         except ProtocolError as e:
             logger.debug("run state of %s: %s", short_id(p), e)
     return out
+
+
+def resume_refusal(asked: bytes, last: bytes | None, *, stopped: bool, over: bool, end_step: int) -> str | None:
+    """Why run `asked` cannot be resumed, given the swarm's last run (`last`, as this peer
+    applied it) and how it ended; None when it can (pure)."""
+    if last is None:
+        return f"unknown run {asked.hex()[:8]}: this swarm has run nothing yet"
+    if asked != last:
+        return (f"unknown run {asked.hex()[:8]}: only the swarm's last run ({last.hex()[:8]}) can be resumed "
+                "(its peers hold its stages)")
+    if stopped:
+        return None
+    if over:
+        return f"run {asked.hex()[:8]} finished its {end_step} steps: start a new run to train more"
+    return f"run {asked.hex()[:8]} is still running: `train stop` it first, or let it be"
 
 
 def _num(v: object) -> float:

@@ -330,6 +330,12 @@ class EpochMachine:
         """The run is over (an operator stopped it, or it cannot go on): nobody reconfigures it."""
         self._stopped_by_operator = run_id
 
+    def resume(self, run_id: bytes) -> None:
+        """An operator resumes run `run_id` (the coordinator's own machine): it is no longer
+        stopped, and the coordinator may reconfigure it again."""
+        if self._stopped_by_operator == run_id:
+            self._stopped_by_operator = None
+
     def run_over(self) -> bool:
         """No run, or it finished or was stopped: nothing to reconfigure."""
         run = self.run
@@ -458,6 +464,8 @@ class EpochMachine:
             out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
         if self.run is None or self.run.alloc.run_id != alloc.run_id:
             self.reports.clear()  # the kept reports are the current run's
+        if self._stopped_by_operator == alloc.run_id:  # a new epoch of a stopped run: resumed
+            self._stopped_by_operator = None
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
         self._known.append(alloc)
