@@ -51,7 +51,7 @@ __all__ = [
 
 OPERATOR_DOMAIN = b"dtfm-operator-op-v1\x00"  # prefixed to the body before signing
 OP_FORMAT = 1
-OP_KINDS = ("start", "stop", "reschedule", "resume")
+OP_KINDS = ("start", "stop", "reschedule", "resume", "export")
 MAX_OP_BYTES = 4096  # a signed operation, as the allocation and TRAIN_OP carry it
 MAX_ARGS = 16
 MAX_TIME_MS = 2**53
@@ -78,11 +78,11 @@ class Signer(Protocol):
 class OperatorOp:
     """One operator operation (see the module docstring)."""
 
-    kind: str  # start | stop | reschedule | resume
+    kind: str  # start | stop | reschedule | resume | export
     operator: bytes  # the operator's Ed25519 public key
     run_id: bytes  # start: the new run's id (fresh random bytes); stop, reschedule, resume: the run
     issued_at_ms: int  # wall-clock milliseconds when it was signed
-    args: Mapping[str, Any] = field(default_factory=dict)  # start: TrainRequest.to_args(); else empty
+    args: Mapping[str, Any] = field(default_factory=dict)  # start: TrainRequest.to_args(); export: {"peer"}; else empty
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:
@@ -96,6 +96,8 @@ class OperatorOp:
         object.__setattr__(self, "args", dict(sorted(dict(self.args).items())))
         if self.kind == "start":
             self.request()
+        elif self.kind == "export":
+            self.exporter()
         elif self.args:
             raise ValueError(f"a {self.kind} carries no arguments")
 
@@ -111,6 +113,15 @@ class OperatorOp:
         if req.data_hash is None:
             raise ValueError("a start names its data set by hash (data_hash)")
         return req
+
+    def exporter(self) -> bytes:
+        """An export's one argument: the peer that may fetch the run's stages (ValueError)."""
+        peer = self.args.get("peer")
+        if set(self.args) != {"peer"} or type(peer) is not str or len(peer) != 2 * PEER_ID_BYTES \
+                or not all(c in "0123456789abcdef" for c in peer):
+            raise ValueError("an export names the peer that gathers the run (args {\"peer\": its id in hex}) "
+                             "and nothing else")
+        return bytes.fromhex(peer)
 
     @property
     def issued_at_s(self) -> float:

@@ -86,6 +86,7 @@ from .epoch.machine import (
     WaitForCoordinator,
 )
 from .epoch.access import parse_fetchers
+from .export import ExportError, ExportProgress, answer_export, export_run
 from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageError, StageHost
@@ -209,6 +210,7 @@ class ControlPlane:
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
         self._nursery: trio.Nursery | None = None
         self._coord_wake = trio.Event()
+        self.export_progress: ExportProgress | None = None  # the export running here (`dtfm-peer export`)
         self._load_applied()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -582,6 +584,11 @@ class ControlPlane:
             if sender != self.election.coordinator and sender != self.me:
                 return {"error": "only the coordinator asks a peer to reach others"}
             return await self._reach(ReachRequest.from_wire(d))
+        if op == "export":
+            cur = self.epoch.current
+            return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
+                                       skew_s=self.config.operator_skew_s, stages=self.stages, current=cur,
+                                       state=self.run_state(), refusals=self.stages.recovery.refusals)
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -807,13 +814,38 @@ class ControlPlane:
             return a["ok"]
         raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
 
+    async def export(self, signed: SignedOp, out_dir: Path, *, overwrite: bool = False) -> dict:
+        """An operator's signed export naming this peer: gather the run's stages from their
+        holders and write one Hugging Face folder at `out_dir` (control/export.py)."""
+        try:
+            op = check_op(signed, "export", self.operators)
+            if op.exporter() != self.me:
+                raise OperatorError(f"the export names peer {short_id(op.exporter())}, not this one")
+        except (OperatorError, ValueError) as e:
+            raise TrainError(str(e)) from None
+        if self.export_progress is not None and self.export_progress.phase not in ("done", "failed"):
+            raise TrainError(f"an export of run {self.export_progress.run} is running here: wait for it")
+        progress = self.export_progress = ExportProgress(op.run_id.hex()[:8])
+        try:
+            return await export_run(
+                signed, op.run_id, out_dir, me=self.me, peers=set(self.gossip.live_peers()) | {self.me},
+                ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=self.stages,
+                transport=self.transport, address_of=self._address_of, timeout_s=self.config.accept_timeout_s,
+                progress=progress, overwrite=overwrite)
+        except ExportError as e:
+            progress.phase = "failed"
+            raise TrainError(str(e)) from None
+        finally:
+            if progress.phase != "done":
+                progress.phase = "failed"
+
     async def operator_info(self) -> dict:
         """What an operator's CLI needs to sign: the swarm's operators, the run in progress here,
         and the data set this peer trains on."""
         corpus = await self.corpus()
         cur = self.epoch.current
         live = cur is not None and not self._run_over()
-        return {"operators": sorted(p.hex() for p in self.operators),
+        return {"operators": sorted(p.hex() for p in self.operators), "peer_id": self.me.hex(),
                 "run_id": cur.run_id.hex() if cur is not None and live else None,
                 "last_run_id": cur.run_id.hex() if cur is not None else None,
                 "data_hash": corpus.fingerprint, "data_name": corpus.name}

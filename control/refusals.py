@@ -44,6 +44,8 @@ class Refused(enum.Enum):
     OFFER_NOT_COORDINATOR = ("offer-not-coordinator", "only the coordinator asks for offers")
     # FETCH_MANIFEST / FETCH_CHUNK, at a holder (control/epoch/access.py)
     FETCH_NOT_NAMED = ("fetch-not-named", "only the peers an allocation names fetch its stages")
+    # RUN_STATE export, at a holder (control/export.py, control/epoch/access.py)
+    EXPORT_NOT_SIGNED = ("export-not-signed", "only the peer an operator's signed export names gathers a run")
 
     def __init__(self, code: str, text: str):
         self.code = code

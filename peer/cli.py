@@ -10,6 +10,7 @@
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
     dtfm-peer train reschedule            ask the coordinator for a new allocation now
     dtfm-peer train resume [RUN]          continue a stopped run from its newest checkpoint
+    dtfm-peer export [RUN] --out DIR      gather a run's model from its peers into one folder
                                           (each signed with the operator key)
 
 Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
@@ -239,6 +240,25 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long to wait for the coordinator's answer (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    p = sub.add_parser("export", help="gather a run's model from its peers into one Hugging Face folder",
+                       description="Gather every stage of a run at the newest step they are all held at, "
+                                   "from the peers that hold them (over the swarm's transport, every chunk "
+                                   "checked against its sha256), into one Hugging Face GPT-2 folder on this "
+                                   "machine: model.safetensors, config.json and a tokenizer, which "
+                                   "`GPT2LMHeadModel.from_pretrained(DIR)` and `python -m dtfm.train sample --model "
+                                   "DIR` load. Signed with the operator key: the holders give the stages only "
+                                   "to the peer the signed export names (this daemon).")
+    p.add_argument("run", nargs="?", default=None, metavar="RUN",
+                   help="the run id, or a prefix of it (default: this peer's last run)")
+    p.add_argument("--out", required=True, type=Path, metavar="DIR",
+                   help="the folder to write; written under a temporary name beside it, then renamed")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
+    _add_data_dir(p)
+    _add_operator_key(p)
+    _add_config_file(p, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    p.add_argument("--timeout", type=_positive_seconds, default=3600.0, metavar="SECONDS",
+                   help="how long the whole export may take (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
 
 
@@ -605,6 +625,63 @@ def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: Data
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
+    import threading
+
+    config, data_dir = _client_config(args)
+    out = args.out.absolute()
+    if out.exists() and not args.force:
+        raise CliError(f"{out} exists: choose another folder, or pass --force to replace it")
+    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
+    done = threading.Event()
+
+    def show_progress() -> None:
+        """Poll the daemon's export progress on a second connection; one line per change."""
+        said = None
+        try:
+            with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
+                while not done.wait(1.0):
+                    p = c.request("export_progress", {})
+                    if not isinstance(p, dict) or not p or p.get("phase") in ("done", "failed"):
+                        continue
+                    line = (f"export of run {p.get('run')}: {p.get('phase')}" + (
+                        f", step {p['step']}, {p.get('stages_done')} of {p.get('stages')} stages, "
+                        f"{int(p.get('bytes_fetched') or 0) / 1e6:.1f} MB fetched" if p.get("step") is not None else ""))
+                    if line != said:
+                        print(line, file=sys.stderr)
+                        said = line
+        except Exception:  # progress is a courtesy: the export's own answer says how it went
+            return
+
+    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
+        info = _train_info(c)
+        key = _operator_key(args, info)
+        run = resume_run_id(args.run, info)
+        peer = info.get("peer_id")
+        if not isinstance(peer, str):
+            raise CliError("the daemon did not say its peer id: run the same dtfm version as the daemon")
+        op = sign_op(key, "export", now_s=time.time(), run_id=run, args={"peer": peer})
+        watcher = threading.Thread(target=show_progress, daemon=True)
+        watcher.start()
+        try:
+            reply = c.request("export", {"op": op.to_wire(), "out": str(out), "overwrite": bool(args.force)})
+        finally:
+            done.set()
+            watcher.join(timeout=2.0)
+    if not isinstance(reply, dict):
+        raise CliError("the daemon sent an answer to `export` that is not a map")
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    else:
+        print(f"exported run {run.hex()[:8]} at step {reply.get('step')} ({reply.get('preset')}, "
+              f"{len(reply.get('stages') or [])} stages, {int(reply.get('bytes_fetched') or 0) / 1e6:.1f} MB "
+              f"fetched) to {reply.get('out')}")
+        print(f"load it with GPT2LMHeadModel.from_pretrained({str(out)!r}), or sample: "
+              f"python -m dtfm.train sample --model {out} --prompt TEXT")
+    return 0
+
+
 def format_reschedule(reply: dict) -> str:
     """One line for the coordinator's answer: kind, old -> new shape, moves (and more when
     given). Every field is optional."""
@@ -662,7 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "operator-key": cmd_operator_key, "join": cmd_join,
-                "status": cmd_status, "leave": cmd_leave, "train": cmd_train}
+                "status": cmd_status, "leave": cmd_leave, "train": cmd_train, "export": cmd_export}
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -188,7 +189,8 @@ class PlanePart:
 
     def control_ops(self) -> dict[str, Callable[[dict], Awaitable[Any]]]:
         return {"train_info": self.train_info, "train_start": self.train_start, "train_stop": self.train_stop,
-                "train_reschedule": self.train_reschedule, "train_resume": self.train_resume}
+                "train_reschedule": self.train_reschedule, "train_resume": self.train_resume, "export": self.export,
+                "export_progress": self.export_progress}
 
     def _running(self) -> ControlPlane:
         if self.plane is None:
@@ -222,6 +224,21 @@ class PlanePart:
             return await self._running().resume_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
+
+    async def export(self, args: dict) -> dict:
+        """`dtfm-peer export`: the operator's signed export naming this peer, and the folder to
+        write (an absolute path on this machine: the socket is the local user's)."""
+        out = args.get("out") if isinstance(args, dict) else None
+        if not isinstance(out, str) or not Path(out).is_absolute():
+            raise ControlCommandError("export needs the absolute path of the folder to write (out)")
+        try:
+            return await self._running().export(_signed(args), Path(out), overwrite=args.get("overwrite") is True)
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+
+    async def export_progress(self, args: dict) -> dict:
+        progress = self._running().export_progress
+        return progress.to_wire() if progress is not None else {}
 
     async def train_stop(self, args: dict) -> dict:
         try:

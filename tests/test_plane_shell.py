@@ -288,6 +288,49 @@ async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autoj
     assert "error" in await plane.stages.offer(RUN, 8, (0, 2))  # another run's step 8
 
 
+def export_op(peer: bytes, run: bytes = RUN, key: OperatorKey = OPERATOR, age_s: float = 0.0) -> dict:
+    return sign_op(key, "export", now_s=time.time() - age_s, run_id=run, args={"peer": peer.hex()}).to_wire()
+
+
+async def test_a_holder_gives_a_run_only_to_the_peer_an_operators_export_names(tmp_path):
+    # A live member with no part in the run asks what this peer holds of run r and for an
+    # offer of layers 0-2: refused without the operator's export, with one that names another
+    # peer, of another run, by a key that is not an operator's, or signed too long ago. With
+    # its export, it gets the checkpoints' list and the offer, and may fetch that stage; another
+    # peer still may not.
+    state = StageState(PRESETS["tiny"], CFG, (0, 2))
+    state.step = 4
+    async with running(tmp_path, OTHER) as (plane, net):
+        save_checkpoint(plane.stages.checkpoint_root(RUN), state)
+        asker, other = IDS[3], IDS[2]
+        body = {"op": "export", "run": RUN}
+        for signed, words in [(None, "none was given"), (export_op(other.peer_id), "not the peer that asks"),
+                              (export_op(asker.peer_id, run=b"o" * 16), "not run 72727272"),
+                              (export_op(asker.peer_id, key=INTRUDER), "not an operator of this swarm"),
+                              (export_op(asker.peer_id, age_s=1000), "signed 1000 s ago")]:
+            answer = await net.request(asker, ControlMsg.RUN_STATE, body | ({"signed": signed} if signed else {}))
+            assert words in answer["error"], (words, answer)
+        signed = export_op(asker.peer_id)
+        assert await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed}) == {
+            "held": [[0, 2, 4]], "preset": None}
+        fetch = {"run": RUN, "step": 4, "layers": [0, 2]}
+        assert "error" in await net.request(asker, ControlMsg.FETCH_MANIFEST, fetch)  # not offered to it yet
+        offer = await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed, "step": 4, "layers": [0, 2]})
+        manifest, _ = encode_transfer(state)
+        assert offer["digest"] == manifest_digest(manifest)
+        assert (await net.request(asker, ControlMsg.FETCH_MANIFEST, fetch))["digest"] == offer["digest"]
+        assert await net.request(other, ControlMsg.FETCH_MANIFEST, fetch) == {
+            "error": "only the peers an allocation names fetch its stages"}
+        assert plane.status()["refusals"] == {"export-not-signed": 5, "fetch-not-named": 2}
+        with pytest.raises(ProtocolError):
+            await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed, "step": 4, "layers": [2, 1]})
+        with pytest.raises(TrainError, match="names peer"):  # the local socket's op: an export naming this peer
+            await plane.export(SignedOp.from_wire(export_op(asker.peer_id)), tmp_path / "out")
+        with pytest.raises(TrainError, match="no live peer holds any stage of run 6f6f6f6f"):
+            await plane.export(SignedOp.from_wire(export_op(OTHER.peer_id, run=b"o" * 16)), tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+
+
 async def test_a_restarted_peer_sends_the_step_reports_its_checkpoints_kept(tmp_path):
     # Every peer that reported a step may die before the coordinator logs it; the weights of the
     # step live on in a checkpoint, and so must its line. The runner saves its reports with each

@@ -10,6 +10,9 @@ rules over the allocations the peer applied (see docs/control.md, "Who may send 
 - FETCH_MANIFEST / FETCH_CHUNK: the peers the current or previous allocation of that run names
   (stage peers and spares), and the peers the coordinator named when it asked for the offer
   (the next allocation's, which this peer may not have applied when their fetch arrives).
+- RUN_STATE `export` (what this peer holds of a run, and an offer of one stage of it, which
+  the asking peer may then fetch): only the peer that an operator's signed export of that run
+  names, within the operator clock skew window (`export_refusal`; `dtfm-peer export`).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ from collections.abc import Collection
 from dtfm.net import PEER_ID_BYTES, get_bytes, get_list
 
 from ..allocation import Allocation
+from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from ..refusals import Refused
 
-__all__ = ["MAX_FETCHERS", "fetch_refusal", "offer_refusal", "parse_fetchers", "run_peers", "run_state_refusal"]
+__all__ = ["MAX_FETCHERS", "export_refusal", "fetch_refusal", "offer_refusal", "parse_fetchers", "run_peers", "run_state_refusal"]
 
 MAX_FETCHERS = 4096  # peers named with one offer: as many as an allocation names
 
@@ -64,6 +68,22 @@ def fetch_refusal(sender: bytes, run_id: bytes, *, allocations: Collection[Alloc
         if a is not None and a.run_id == run_id and (sender in a.peers or sender in a.spares):
             return None
     return Refused.FETCH_NOT_NAMED
+
+
+def export_refusal(sender: bytes, signed: SignedOp | None, run_id: bytes, *, operators: Collection[bytes],
+                   now_s: float, skew_s: float) -> tuple[OperatorOp | None, str | None]:
+    """(the export, None) when `sender` may gather run `run_id` (list what this peer holds of
+    it, have one stage offered to it and fetch that): `signed` is an export of that run, signed
+    by one of `operators` within `skew_s` of `now_s` (wall clock), that names `sender`; else
+    (None, why). A copied export lets no other peer fetch, and only for a while."""
+    try:
+        op = check_op(signed, "export", frozenset(operators), run_id=run_id)
+        check_time(op, now_s, skew_s)
+    except OperatorError as e:
+        return None, str(e)
+    if op.exporter() != sender:
+        return None, f"the operator's export names peer {op.exporter().hex()[:8]}, not the peer that asks"
+    return op, None
 
 
 def parse_fetchers(d: dict) -> frozenset[bytes]:

@@ -128,6 +128,12 @@ class StageHost:
 
     # ---- offers -------------------------------------------------------------------------------
 
+    def state_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | None:
+        """This peer's stage of `layers` of run `run_id` at `step` (in memory once its worker
+        stopped, or a checkpoint), None: not held; CheckpointError when the checkpoint is
+        unreadable. Blocking: call it in a thread."""
+        return self._state_at(run_id, layers, step)
+
     def _state_at(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | None:
         """This peer's stage of `layers` at `step`: its stage, its one-step-back snapshot, or a
         checkpoint. Only once its worker stopped."""
