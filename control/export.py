@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 
 from dtfm.net import PeerTransport, ProtocolError, get_bytes, get_dict, get_int, get_list, short_id
-from dtfm.train import PRESETS, CheckpointError, GPTSpec, stage_tensors
+from dtfm.train import CheckpointError, GPTSpec, stage_tensors
 
 from .allocation import Allocation
 from .epoch.access import export_refusal
@@ -55,10 +55,10 @@ class ExportError(Exception):
 
 @dataclass(frozen=True)
 class Held:
-    """What one peer holds of the run: (first layer, end layer, step) entries and the preset."""
+    """What one peer holds of the run: (first layer, end layer, step) entries and the model."""
 
     entries: frozenset[tuple[int, int, int]]
-    preset: str | None
+    spec: GPTSpec | None
 
 
 def parse_held(answer: object) -> Held:
@@ -72,10 +72,22 @@ def parse_held(answer: object) -> Held:
         if not 0 <= a < b <= 10**6 or not 0 <= step < 2**63:
             raise ProtocolError("export answer: a held entry is out of range")
         entries.add((a, b, step))
-    preset = d.get("preset")
-    if preset is not None and (type(preset) is not str or len(preset) > 64):
-        raise ProtocolError("export answer: preset must be a short string")
-    return Held(frozenset(entries), preset)
+    return Held(frozenset(entries), _spec_untrusted(d.get("spec")))
+
+
+def _spec_untrusted(obj: object) -> GPTSpec | None:
+    """A model spec from the network (None: none given); raises only ProtocolError."""
+    if obj is None:
+        return None
+    if not isinstance(obj, dict) or len(obj) > 32 or not all(
+            type(k) is str and (v is None or type(v) in (int, float, str, bool)) for k, v in obj.items()):
+        raise ProtocolError("export answer: spec must be a small map of plain values")
+    if type(obj.get("n_layer")) is not int or not 1 <= obj["n_layer"] <= 10**4:
+        raise ProtocolError("export answer: spec n_layer must be an integer in [1, 10000]")
+    try:
+        return GPTSpec.from_dict(dict(obj))
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"export answer: bad model spec: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class ExportPlan:
     """The step to export, the stages (in layer order) and who holds each at that step."""
 
     step: int
-    preset: str
+    spec: GPTSpec
     ranges: tuple[tuple[int, int], ...]
     holders: Mapping[tuple[int, int], tuple[bytes, ...]]
 
@@ -109,18 +121,17 @@ def _chain(ranges: Iterable[tuple[int, int]], n_layer: int) -> tuple[tuple[int, 
 def choose_export(held: Mapping[bytes, Held], run_name: str) -> ExportPlan:
     """The newest step at which the stages the peers hold cover the whole model (pure);
     ExportError naming what is missing when none does."""
-    presets = Counter(h.preset for h in held.values() if h.preset is not None and h.entries)
-    if not presets:
+    specs = Counter(h.spec for h in held.values() if h.spec is not None and h.entries)
+    if not specs:
         raise ExportError(f"no live peer holds any stage of run {run_name}: are its peers up (they keep "
                           "checkpoints in DATA_DIR/checkpoints/RUN_ID)?")
-    preset = presets.most_common(1)[0][0]
-    if preset not in PRESETS:
-        raise ExportError(f"run {run_name} is of preset {preset!r}, which this peer does not know: run the same "
-                          "dtfm version as the swarm")
-    n_layer = PRESETS[preset].n_layer
+    spec = specs.most_common(1)[0][0]
+    if len(specs) > 1:
+        logger.error("the holders of run %s disagree on its model: %s", run_name, dict(specs))
+    n_layer = spec.n_layer
     at: dict[int, dict[tuple[int, int], list[bytes]]] = {}
     for peer, h in held.items():
-        if h.preset != preset:
+        if h.spec != spec:
             continue
         for a, b, step in h.entries:
             if b <= n_layer:
@@ -128,7 +139,7 @@ def choose_export(held: Mapping[bytes, Held], run_name: str) -> ExportPlan:
     for step in sorted(at, reverse=True):
         chain = _chain(at[step], n_layer)
         if chain is not None:
-            return ExportPlan(step, preset, chain, {r: tuple(sorted(at[step][r])) for r in chain})
+            return ExportPlan(step, spec, chain, {r: tuple(sorted(at[step][r])) for r in chain})
     newest = max(at)
     covered = sorted(at[newest])
     missing = _gaps(covered, n_layer)
@@ -194,7 +205,7 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
         except ProtocolError as e:
             logger.warning("export of run %s: %s sent a malformed answer: %s", name, short_id(peer), e)
     plan = choose_export(held, name)
-    spec: GPTSpec = PRESETS[plan.preset]
+    spec = plan.spec
     progress.phase, progress.step, progress.stages = "fetching", plan.step, len(plan.ranges)
     logger.info("exporting run %s at step %d: %d stages (%s)", name, plan.step, len(plan.ranges),
                 ", ".join(f"layers {a}-{b - 1} from {len(plan.holders[(a, b)])} holders" for a, b in plan.ranges))
@@ -257,7 +268,7 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
         raise ExportError(f"cannot write {out_dir}: {e}") from None
     progress.phase = "done"
     logger.info("exported run %s at step %d to %s", name, plan.step, path)
-    return {"run_id": run_id.hex(), "step": plan.step, "preset": plan.preset, "out": str(path),
+    return {"run_id": run_id.hex(), "step": plan.step, "model": spec.name, "out": str(path),
             "stages": [[a, b] for a, b in plan.ranges], "bytes_fetched": progress.bytes_fetched}
 
 
@@ -292,6 +303,10 @@ async def answer_export(sender: bytes, body: dict, *, operators: Iterable[bytes]
         held = set(stages.checkpoints(run))
         if state.run_id == run and state.layers is not None and state.at is not None and not state.running:
             held.add((state.layers[0], state.layers[1], state.at))
-        preset = current.preset if current is not None and current.run_id == run else None
-        return {"held": [list(e) for e in sorted(held, key=lambda e: e[2])][-MAX_HELD:], "preset": preset}
+        entries = sorted(held, key=lambda e: e[2])[-MAX_HELD:]
+        if current is not None and current.run_id == run:
+            spec = current.model.to_dict()
+        else:  # an earlier run: the model its checkpoints were made with
+            spec = await trio.to_thread.run_sync(stages.checkpoint_spec, run, entries[-1]) if entries else None
+        return {"held": [list(e) for e in entries], "spec": spec}
     return await stages.offer(run, step, layers, fetchers=frozenset({sender}))

@@ -674,7 +674,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
-        print(f"exported run {run.hex()[:8]} at step {reply.get('step')} ({reply.get('preset')}, "
+        print(f"exported run {run.hex()[:8]} at step {reply.get('step')} ({reply.get('model')}, "
               f"{len(reply.get('stages') or [])} stages, {int(reply.get('bytes_fetched') or 0) / 1e6:.1f} MB "
               f"fetched) to {reply.get('out')}")
         print(f"load it with GPT2LMHeadModel.from_pretrained({str(out)!r}), or sample: "

@@ -11,13 +11,17 @@ from dtfm.control import sign_op
 from dtfm.control.export import ExportError, Held, choose_export, parse_held
 from dtfm.control.operator import OperatorOp
 from dtfm.net import OperatorKey, ProtocolError
+from dtfm.train import PRESETS
 
 A, B, C, D = (bytes([i]) * 32 for i in range(1, 5))
 TINY_LAYERS = 4  # PRESETS["tiny"].n_layer
 
 
-def held(*entries, preset="tiny"):
-    return Held(frozenset(entries), preset)
+TINY = PRESETS["tiny"]
+
+
+def held(*entries, spec=TINY):
+    return Held(frozenset(entries), spec)
 
 
 def test_the_newest_step_every_layer_is_held_at_is_exported():
@@ -25,7 +29,7 @@ def test_the_newest_step_every_layer_is_held_at_is_exported():
     # from two layouts: the fewest stages that chain 0 -> 4 are taken, with every holder of each.
     plan = choose_export({A: held((0, 2, 20), (0, 2, 40)), B: held((2, 4, 20)), C: held((0, 2, 20), (2, 4, 20)),
                           D: held((0, 1, 20), (1, 4, 20))}, "r")
-    assert plan.step == 20 and plan.preset == "tiny"
+    assert plan.step == 20 and plan.spec == TINY
     assert plan.ranges == ((0, 1), (1, 4)) and plan.holders == {(0, 1): (D,), (1, 4): (D,)}
     plan = choose_export({A: held((0, 2, 20), (0, 2, 40)), B: held((2, 4, 20)), C: held((0, 2, 20), (2, 4, 20))}, "r")
     assert plan.step == 20 and plan.holders == {(0, 2): (A, C), (2, 4): (B, C)}
@@ -34,7 +38,9 @@ def test_the_newest_step_every_layer_is_held_at_is_exported():
 @pytest.mark.parametrize("peers, words", [
     ({}, "no live peer holds any stage of run r"),
     ({A: held((0, 2, 40), (0, 2, 20)), B: held((3, 4, 40))}, "at step 40, the newest, nobody holds layers 2-2"),
-    ({A: held((0, 2, 4), preset="huge")}, "preset 'huge', which this peer does not know"),
+    ({A: held((0, 2, 4), spec=None)}, "no live peer holds any stage"),  # (a model nobody names)
+    ({A: held((0, 4, 4), spec=PRESETS["small"]), B: held((0, 2, 8)), C: held((4, 12, 8), spec=PRESETS["small"])},
+     "at step 8, the newest, nobody holds layers 0-3"),  # the model most holders name: small
     ({A: held()}, "no live peer holds any stage"),
 ])
 def test_what_is_missing_is_named(peers, words):
@@ -62,7 +68,9 @@ def test_a_chosen_plan_splits_the_model_at_one_step_held_by_the_peers_it_names(e
 
 @pytest.mark.parametrize("answer", [
     5, {"held": 5}, {"held": [[0, 2]]}, {"held": [[0, 2, "4"]]}, {"held": [[2, 0, 4]]}, {"held": [[0, 2, -1]]},
-    {"held": [[0, 2, 4]] * 65}, {"held": [], "preset": 7}, {"held": [], "preset": "x" * 65},
+    {"held": [[0, 2, 4]] * 65}, {"held": [], "spec": 7}, {"held": [], "spec": {"n_layer": "4"}},
+    {"held": [], "spec": {**TINY.to_dict(), "evil": 1}}, {"held": [], "spec": {**TINY.to_dict(), "n_head": [1]}},
+    {"held": [], "spec": {**TINY.to_dict(), "n_layer": 10**9}},
 ])
 def test_a_malformed_holders_answer_is_a_protocol_error(answer):
     with pytest.raises(ProtocolError):
@@ -70,7 +78,7 @@ def test_a_malformed_holders_answer_is_a_protocol_error(answer):
 
 
 def test_a_holders_answer_is_read():
-    assert parse_held({"held": [[0, 2, 4], [0, 2, 4]], "preset": "tiny"}) == held((0, 2, 4))
+    assert parse_held({"held": [[0, 2, 4], [0, 2, 4]], "spec": TINY.to_dict()}) == held((0, 2, 4))
 
 
 def test_an_export_names_the_one_peer_that_gathers_the_run():

@@ -312,7 +312,7 @@ async def test_a_holder_gives_a_run_only_to_the_peer_an_operators_export_names(t
             assert words in answer["error"], (words, answer)
         signed = export_op(asker.peer_id)
         assert await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed}) == {
-            "held": [[0, 2, 4]], "preset": None}
+            "held": [[0, 2, 4]], "spec": PRESETS["tiny"].to_dict()}  # (no run applied: the checkpoint's model)
         fetch = {"run": RUN, "step": 4, "layers": [0, 2]}
         assert "error" in await net.request(asker, ControlMsg.FETCH_MANIFEST, fetch)  # not offered to it yet
         offer = await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed, "step": 4, "layers": [0, 2]})

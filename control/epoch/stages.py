@@ -11,6 +11,7 @@ re-laid out), runs and stops it, and reports what happens to it as epoch-machine
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -103,6 +104,17 @@ class StageHost:
             steps.setdefault((a, b), []).append(step)
         out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
         return tuple(out[-MAX_CHECKPOINTS_LISTED:])
+
+    def checkpoint_spec(self, run_id: bytes, held: tuple[int, int, int]) -> dict | None:
+        """The model spec (`GPTSpec.to_dict`) this peer's checkpoint `held` (first layer, end
+        layer, step) of run `run_id` was made with; None when it cannot be read. Blocking."""
+        path = checkpoint_at(self.checkpoint_root(run_id), (held[0], held[1]), held[2])
+        try:
+            meta = json.loads(path.read_text()) if path is not None else None
+        except (OSError, ValueError):
+            return None
+        spec = meta.get("spec") if isinstance(meta, dict) else None
+        return spec if isinstance(spec, dict) else None
 
     def kept_reports(self, run_id: bytes) -> list[StepReport]:
         """The step reports saved with this peer's newest checkpoint of each stage of run
