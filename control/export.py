@@ -304,9 +304,11 @@ async def answer_export(sender: bytes, body: dict, *, operators: Iterable[bytes]
         if state.run_id == run and state.layers is not None and state.at is not None and not state.running:
             held.add((state.layers[0], state.layers[1], state.at))
         entries = sorted(held, key=lambda e: e[2])[-MAX_HELD:]
+        spec: dict | None = None
         if current is not None and current.run_id == run:
             spec = current.model.to_dict()
         else:  # an earlier run: the model its checkpoints were made with
-            spec = await trio.to_thread.run_sync(stages.checkpoint_spec, run, entries[-1]) if entries else None
+            if entries:
+                spec = await trio.to_thread.run_sync(stages.checkpoint_spec, run, entries[-1])
         return {"held": [list(e) for e in entries], "spec": spec}
     return await stages.offer(run, step, layers, fetchers=frozenset({sender}))
