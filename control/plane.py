@@ -90,6 +90,7 @@ from .export import ExportError, ExportProgress, answer_export, export_run
 from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageError, StageHost
+from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .messages import ControlMsg
 from .operator import OperatorError, SignedOp, check_op
 from .refusals import merge_counts
@@ -469,6 +470,8 @@ class ControlPlane:
         self.election.restore(term, epoch, alloc.configuration if alloc is not None else None)
         reports = self.stages.kept_reports(run) if alloc is not None and alloc.run_id == run else []
         self.epoch.restore(run, term, epoch, alloc, reports)
+        if load_stopped(self.data_dir) == run:
+            self.epoch.mark_stopped(run)
 
     def _save_applied(self, alloc: Allocation) -> None:
         path = self.data_dir / "applied.json"
@@ -479,6 +482,7 @@ class ControlPlane:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        clear_stopped(self.data_dir, alloc.run_id)
 
     # ---- corpus -------------------------------------------------------------------------------
 
@@ -552,7 +556,10 @@ class ControlPlane:
         key = self._key("stop")
         ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
                        abort=body.get("abort") is True, op=op)
-        return self._ask_now(key, ev)
+        answer = self._ask_now(key, ev)
+        if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
+            await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)
+        return answer
 
     async def _on_step(self, conn, msg_type, body, payload) -> None:
         if not isinstance(body, dict):

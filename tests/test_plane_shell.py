@@ -35,6 +35,7 @@ from dtfm.control import (
 )
 from dtfm.control.election import config_digest, vote_payload
 from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
+from dtfm.control.epoch.stopped import clear_stopped, load_stopped
 from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
@@ -266,6 +267,32 @@ async def test_a_resumed_epoch_without_holders_fails_to_build_and_a_restarted_pe
     (tmp_path / "applied.json").write_text('{"run": "zz"}')
     with pytest.raises(TrainError, match="damaged"):
         ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+
+
+async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_over(tmp_path):
+    # Without the kept stop, a coordinator restarted from applied.json would bring the stopped
+    # run back from the checkpoints its peers wrote where it stopped, with no `train resume`.
+    async with running(tmp_path, ISSUER) as (plane, net):
+        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.campaign()
+        assert await plane.election.wait_until_coordinator(10)
+        a = alloc(term=plane.election.term, pipelines=[[ISSUER.peer_id]], layer_ranges=[(0, 4)],
+                  absent=tuple(p.peer_id for p in IDS[1:4]))
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
+                                  | {"cert": plane.election.certificate.to_wire()})
+        assert reply["accepted"] is True
+        stop = sign_op(OPERATOR, "stop", now_s=time.time(), run_id=RUN).to_wire()
+        assert (await net.request(ISSUER, ControlMsg.STOP, {"run": RUN, "at_step": 0, "final": True, "op": stop}))[
+            "stopped"] is True
+        assert plane.epoch.run_over()
+    again = ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    assert again.epoch.current == a and again.epoch.stopped_by_operator(RUN) and again.epoch.run_over()
+    clear_stopped(tmp_path, b"o" * 16)  # another run's new epoch: the stop stands
+    assert load_stopped(tmp_path) == RUN
+    clear_stopped(tmp_path, RUN)  # a new epoch of the run: resumed
+    assert load_stopped(tmp_path) is None
+    (tmp_path / "stopped.json").write_text("{garbage")
+    assert load_stopped(tmp_path) is None
 
 
 async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autojump_clock):
