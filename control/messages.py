@@ -16,4 +16,4 @@ class ControlMsg(IntEnum):
     ELECTION = 70    # one-way: a coordinator-election message (control/election/messages.py)
     RUN_STATE = 71   # request: what a peer holds of a run (allocation, steps, stages, checkpoints)
     TENSOR = 72      # request: one tensor of a training step; reply once it is buffered
-    TRAIN_OP = 73    # request: an operator's signed start, stop or reschedule forwarded to the coordinator
+    TRAIN_OP = 73    # request: an operator's signed start, stop, reschedule or resume forwarded to the coordinator

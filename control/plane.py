@@ -784,7 +784,7 @@ class ControlPlane:
         return await self._operator(event_type, signed)
 
     async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
-        """An operator's start, stop or reschedule forwarded by a peer: the signed operation and
+        """An operator's start, stop, reschedule or resume forwarded by a peer: the signed operation and
         nothing else (no path, no unsigned argument); refused before any work unless an operator
         of the swarm signed it (the machine checks the rest)."""
         d = get_dict(body, "TRAIN_OP")

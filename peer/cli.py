@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="with --out, replace existing files")
 
     p = sub.add_parser("operator-key", help="make an operator key",
-                       description="An operator key signs `dtfm-peer train start|stop|reschedule`. "
+                       description="An operator key signs `dtfm-peer train start|stop|resume|reschedule` and `dtfm-peer export`. "
                                    "A swarm takes them from the operators its swarm key file names.")
     ok = p.add_subparsers(dest="operator_key_command", metavar="ACTION", required=True)
     p = ok.add_parser("new", help="make a new operator key (for another operator of a swarm)",
@@ -169,9 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 "to exit")
             p.add_argument("--timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
                            help="how long to wait for the daemon to exit (default: 30)")
-    p = sub.add_parser("train", help="start, stop or reschedule training on the swarm",
-                       description="Start training on the swarm from this daemon, stop the run, or "
-                                   "ask its coordinator for a new allocation now.")
+    p = sub.add_parser("train", help="start, stop, resume or reschedule training on the swarm",
+                       description="Start training on the swarm from this daemon, stop the run, resume "
+                                   "a stopped run, or ask its coordinator for a new allocation now.")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="ACTION")
     text = ("schedule the live peers on the measured network and train: the coordinator runs the "
             "DT-FM scheduler on its gossiped view, signs the allocation, hands it to every peer "

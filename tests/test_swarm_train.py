@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 from polling import wait_for
-from swarms import ReferenceLosses, check_log, coordinator, reference_losses, swarm_up, trainings, wait_steps
+from swarms import ReferenceLosses, check_log, coordinator, swarm_up, trainings, wait_steps
 
 from dtfm.control import ControlMsg
 from dtfm.control.election import Certificate, Heartbeat, PreVoteReply, Vote, config_digest, vote_payload
@@ -42,8 +42,17 @@ def run_dir():
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return reference_losses(STEPS)
+def reference_run():
+    """Single-process training of STEPS steps, the oracle: the losses and the model after them."""
+    from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
+
+    state, corpus = reference_state(get_preset("tiny"), TrainConfig(seed=0)), load_corpus()
+    return [reference_step(state, corpus) for _ in range(STEPS)], state
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run[0]
 
 
 @pytest.mark.slow
@@ -73,7 +82,7 @@ def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transformers(run_dir, tmp_path):
+def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transformers(run_dir, reference_run, tmp_path):
     """2 x 4, `train stop` after the first step: every peer checkpoints its stage where the run
     ends; `dtfm-peer train resume` continues the run (a new epoch of the same run) and every
     step's loss is the single-process reference's, every DP group's replicas hold identical
@@ -84,7 +93,7 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
     from transformers import GPT2LMHeadModel
 
     from dtfm.peer import cli as peer_cli
-    from dtfm.train import GPTStage, TrainConfig, get_preset, load_corpus, load_hf, reference_state, reference_step
+    from dtfm.train import GPTStage, load_hf
 
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4", "--steps", str(STEPS),
                        "--checkpoint-every", "0"]) == 0
@@ -100,7 +109,8 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
         list(Path(p.data_dir, "checkpoints", run_id).glob(f"stage-*/step-{at:08d}.json")) for p in saved)
     assert peer_cli.main(["train", "resume", run_id[:8], "--data-dir", state.peers[1].data_dir]) == 0
     assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS - 1), "--timeout", "300"]) == 0
-    check_log(run_dir, ReferenceLosses())
+    losses, ref = reference_run
+    check_log(run_dir, losses)
     ends = wait_for("every peer to finish", lambda: (t := trainings(state)) and all(
         v.get("last_end", {}).get("reason") == "finished" for v in t.values()) and t, 60, interval_s=0.5)
     groups: dict[int, set[str]] = {}
@@ -117,10 +127,6 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
     mine.load_state_dict(params)
     with torch.no_grad():
         assert (hf(x).logits - mine.eval()(x)).abs().max() < 1e-5
-    ref = reference_state(get_preset("tiny"), TrainConfig(seed=0))
-    corpus = load_corpus()
-    for _ in range(STEPS):
-        reference_step(ref, corpus)
     for name, p in ref.params.items():  # (a DP of 4 sums the batch in another order than one process)
         assert torch.allclose(params[name], p.detach(), atol=1e-5, rtol=1e-4), name
 
