@@ -102,3 +102,24 @@ def test_a_finished_run_is_checkpointed_at_its_last_step(tmp_path):
     end = trio.run(_runner(tmp_path, 3).run)
     assert (end.completed, end.reason) == (2, "finished")
     assert [load_checkpoint(p).step for p in list_checkpoints(tmp_path, (0, SPEC.n_layer))] == [3]
+
+
+def test_a_cancelled_runner_still_leaves_a_whole_checkpoint_or_none(tmp_path):
+    # The daemon is cancelled (it leaves) right after the operator's stop: the worker thread is
+    # waited for, not abandoned, so the stop's checkpoint is whole (it loads, its hash checks)
+    # and no temporary file is left beside it.
+    async def main():
+        token = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as scope:
+            def on_step(rep):
+                if rep.step == 1:
+                    runner.stop_at(3, final=True)
+                    token.run_sync_soon(scope.cancel)
+            runner = _runner(tmp_path, 50, on_step=on_step)
+            await runner.run()
+        assert scope.cancel_called and not runner.running
+
+    trio.run(main)
+    [path] = list_checkpoints(tmp_path, (0, SPEC.n_layer))
+    assert load_checkpoint(path).step == 3
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
