@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from dtfm.train import PRESETS, Corpus, TrainConfig
+from dtfm.train import PRESETS, TrainConfig
+
+if TYPE_CHECKING:  # (dtfm.train's Corpus loads torch: `dtfm-peer status` must not)
+    from dtfm.train import Corpus
 
 __all__ = ["PLACEMENTS", "TrainError", "TrainRequest"]
 
