@@ -15,7 +15,7 @@ the operator's signature of `OPERATOR_DOMAIN + body`. The CLI signs (`dtfm-peer 
 - a peer takes a run's final STOP only from the coordinator it recognises and only with the
   operator's signed stop of that run (control/epoch/machine.py);
 - every allocation carries the run's signed start, and a peer refuses one whose start is not an
-  operator's, for another run, or for other data, preset, steps or seed
+  operator's, for another run, or for other data, preset, steps, seed, checkpoints or compression
   (`check_operator_start`, called by the epoch machine).
 
 The rules are in docs/control.md ("Operators").
@@ -58,7 +58,7 @@ MAX_TIME_MS = 2**53
 SIGNATURE_BYTES = 64
 # The arguments a signed start may carry (TrainRequest.to_args): nothing else, no path.
 START_KEYS = frozenset({"preset", "steps", "seed", "stages", "dp", "checkpoint_every", "placement", "data_hash",
-                        "data_name", "min_peers", "wait_s"})
+                        "data_name", "min_peers", "wait_s", "compress"})
 
 
 class OperatorError(Exception):
@@ -247,7 +247,7 @@ def check_time(op: OperatorOp, now_s: float, skew_s: float, *, extra_s: float = 
 
 def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Refusal | None:
     """None if `alloc` carries its run's start signed by one of `operators`, for its run, data,
-    preset, steps, seed and checkpoints; else why not (code `no-operator`)."""
+    preset, steps, seed, checkpoints and compression; else why not (code `no-operator`)."""
     if not alloc.operator_start:
         return Refusal("no-operator", "the allocation carries no operator's signed start: only an operator "
                                       "of the swarm starts a run")
@@ -263,7 +263,8 @@ def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Re
     diffs = [name for name, asked, got in (
         ("data", req.data_hash, alloc.data_hash), ("preset", req.preset, alloc.preset),
         ("steps", req.steps, alloc.end_step), ("seed", req.seed, alloc.train.seed),
-        ("checkpoint_every", req.checkpoint_every, alloc.checkpoint_every)) if asked != got]
+        ("checkpoint_every", req.checkpoint_every, alloc.checkpoint_every),
+        ("compression", req.compression, alloc.compression)) if asked != got]
     if diffs:
         return Refusal("no-operator", f"the allocation differs from the operator's start in {', '.join(diffs)}")
     return None

@@ -696,7 +696,8 @@ class ControlPlane:
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
-                "steps": req.steps, "data": corpus.name, "log": str(self._log_path)}
+                "steps": req.steps, "data": corpus.name, "log": str(self._log_path),
+                "compression": alloc.compression.to_spec()}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,

@@ -12,6 +12,7 @@ from typing import Any
 
 from .coordinator.machine import CoordinatorStatus, Phase
 from .epoch.machine import EpochPhase, EpochStatus
+from .epoch.runner import BYTE_AXES
 
 __all__ = ["PlaneStatus", "plane_status"]
 
@@ -57,7 +58,8 @@ class PlaneStatus:
             out.update({"run_id": a.run_id.hex(), "epoch": a.epoch, "issuer": a.issuer.hex(),
                         "preset": a.preset, "stages": a.stages, "dp": a.dp, "end_step": a.end_step,
                         "start_step": a.start_step, "predicted_iteration_s": a.predicted_iteration_s,
-                        "epoch_reason": a.reason, "tokens_per_step": a.train.global_batch_seqs * a.model.seq_len})
+                        "epoch_reason": a.reason, "tokens_per_step": a.train.global_batch_seqs * a.model.seq_len,
+                        "compression": a.compression.to_spec(), "compression_details": a.compression.describe()})
             if self.me in a.peers:
                 d, s = a.position(self.me)
                 pipe = a.pipelines[d]
@@ -74,6 +76,8 @@ class PlaneStatus:
                 out["last_step"] = {"step": last.step, "loss": last.loss, "iteration_s": last.iteration_s,
                                     "compute_s": last.compute_s, "pipeline_s": last.pipeline_s,
                                     "sync_s": last.sync_s}
+                if any(last.bytes_sent):
+                    out["last_step"]["bytes_sent"] = dict(zip(BYTE_AXES, last.bytes_sent))
         if e.last_end is not None:
             out["last_end"] = e.last_end
         c = self.coordinator

@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
                    help="who runs what: the DT-FM scheduler on the measured view, or a random "
                         "allocation of the --stages x --dp shape, as a baseline (default: %(default)s)")
+    t.add_argument("--compress", type=compression_arg, default=None, metavar="NAME[,FIELD=VALUE...]",
+                   help="compress activations and/or data-parallel synchronisation: a preset (exact, "
+                        "pp-int8, pp-int4, cocktail, diloco, slow-link) with fields of its config changed "
+                        "after commas, e.g. diloco,inner_steps=8; slow-link is the choice for slow links "
+                        "(docs/compression.md) (default: exact, the 1e-5 oracle's full-width tensors)")
     t.add_argument("--min-peers", type=_positive_int, default=1, metavar="N",
                    help="wait until N peers (this one included) are live and their links measured, "
                         "then form the first configuration and schedule them; gives up after "
@@ -290,6 +295,16 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return value
+
+
+def compression_arg(text: str) -> str:
+    """`--compress NAME[,FIELD=VALUE...]` checked as `python -m dtfm.train --compress` checks it;
+    the canonical text of the config it names (what the signed start carries)."""
+    from dtfm.train import parse_compression  # (torch: only when the option is given)
+    try:
+        return parse_compression(text).to_spec()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _stages(text: str) -> int | str:
@@ -438,6 +453,9 @@ def format_training(t: dict, now: float) -> list[str]:
     if t.get("step") is not None:
         head.append(f"last step {t['step']}")
     lines = ["training  " + ", ".join(head)]
+    if t.get("compression"):
+        lines.append(f"{pad}compression {t['compression']}"
+                     + (f": {t['compression_details']}" if t.get("compression_details") else ""))
     if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
         lines.append(f"{pad}role {t.get('role') or '-'}, term {t.get('term', '-')}, "
                      f"coordinator {_short(t.get('coordinator'))}")
@@ -456,9 +474,12 @@ def format_training(t: dict, now: float) -> list[str]:
     last = t.get("last_step")
     if isinstance(last, dict):
         loss = last.get("loss")
+        sent = last.get("bytes_sent")
         lines.append(f"{pad}last step {last.get('step')}: "
                      + (f"loss {loss:.4f}, " if isinstance(loss, (int, float)) else "")
-                     + f"{last.get('iteration_s', 0.0):.3f} s")
+                     + f"{last.get('iteration_s', 0.0):.3f} s"
+                     + (", sent " + ", ".join(f"{k} {_bytes(v)}" for k, v in sent.items())
+                        if isinstance(sent, dict) else ""))
     issued = t.get("issued")
     if isinstance(issued, dict):
         lines.append(f"{pad}issued run {_short(issued.get('run_id'))}: {issued.get('state')}, completed "
@@ -549,6 +570,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         request["stages"] = stages
     if args.dp is not None:
         request["dp"] = args.dp
+    if args.compress is not None and args.compress != "exact":
+        request["compress"] = args.compress
     if args.min_peers > 1:
         print(f"waiting for {args.min_peers} live, measured peers (at most {args.timeout:g} s; "
               "`dtfm-peer status` shows the count)", file=sys.stderr)
@@ -564,7 +587,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
     print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x {reply['dp']} "
-          f"pipelines; predicted {reply['predicted_iteration_s']:.3f} s per step")
+          f"pipelines; predicted {reply['predicted_iteration_s']:.3f} s per step"
+          + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
     for d, pipe in enumerate(reply["pipelines"]):
         print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
     if reply["spares"]:

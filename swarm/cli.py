@@ -29,6 +29,7 @@ from pathlib import Path
 from dtfm.control import PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import PLANE_PROFILES
+from dtfm.peer.cli import compression_arg
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import (
@@ -198,7 +199,8 @@ def _train_request(args: argparse.Namespace) -> dict:
         raise SwarmError("--dp needs --stages S")
     return {"preset": args.preset, "steps": args.steps, "seed": args.seed,
             "stages": args.stages if args.stages is not None else "auto", "dp": args.dp,
-            "checkpoint_every": args.checkpoint_every, "placement": args.placement}
+            "checkpoint_every": args.checkpoint_every, "placement": args.placement,
+            "compress": args.compress if args.compress != "exact" else None}  # (None: left out, exact)
 
 
 def _train(state: SwarmState, args: argparse.Namespace) -> dict:
@@ -209,7 +211,8 @@ def _train(state: SwarmState, args: argparse.Namespace) -> dict:
     reply = start_training(state, peer, _train_request(args), run_dir=args.run_dir)
     print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x "
           f"{reply['dp']} pipelines, issued by {peer.name}; predicted {reply['predicted_iteration_s']:.3f} s "
-          f"per step", file=sys.stderr)
+          f"per step" + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact"
+                         else ""), file=sys.stderr)
     return reply
 
 
@@ -461,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
                        help="the DT-FM scheduler's allocation, or a random one of the --stages x --dp "
                             "shape as a baseline (default: %(default)s)")
+        p.add_argument("--compress", type=compression_arg, default=None, metavar="NAME[,FIELD=VALUE...]",
+                       help="compression of activations and DP synchronisation, as `dtfm-peer train start "
+                            "--compress` takes it, e.g. slow-link or diloco,inner_steps=8 (docs/compression.md; "
+                            "default: exact)")
 
     def add_reuse_args(p: argparse.ArgumentParser) -> None:
         reuse = p.add_mutually_exclusive_group()

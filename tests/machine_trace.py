@@ -53,16 +53,19 @@ def start_op(run: bytes = RUN, *, steps: int = 100, seed: int = CFG.seed, checkp
 
 def alloc(**kw) -> Allocation:
     """Term 1 epoch 1 of RUN, issued by n0: pipelines [n0 n1] and [n2 n3], layers 0-2 and 2-4;
-    it carries the operator's start of its run (its steps, seed, checkpoints and data)."""
+    it carries the operator's start of its run (its steps, seed, checkpoints, data and compression)."""
     fields: dict = {
         "epoch": 1, "term": 1, "issuer": N[0], "run_id": RUN, "pipelines": ((N[0], N[1]), (N[2], N[3])),
         "layer_ranges": ((0, 2), (2, 4)), "preset": "tiny", "model": TINY, "train": CFG, "data_hash": DATA_HASH,
         "data_name": DATA_NAME, "start_step": 0, "end_step": 100}
     fields |= kw
     if "operator_start" not in kw:
+        comp = fields.get("compression")
         fields["operator_start"] = start_op(fields["run_id"], steps=fields["end_step"], seed=fields["train"].seed,
                                             checkpoint_every=fields.get("checkpoint_every", 0),
-                                            data_hash=fields["data_hash"]).encode()
+                                            data_hash=fields["data_hash"],
+                                            **({"compress": comp.to_spec()} if comp and not comp.exact else {})
+                                            ).encode()
     return Allocation(**fields)
 
 

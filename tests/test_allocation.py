@@ -28,6 +28,7 @@ from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted
 from dtfm.train import (
     PRESETS,
     TEST_CONFIG,
+    CompressionConfig,
     GPTSpec,
     InMemoryComm,
     InMemoryHub,
@@ -35,6 +36,7 @@ from dtfm.train import (
     Plan,
     TrainConfig,
     load_corpus,
+    parse_compression,
 )
 
 IDENTITIES = [Identity(bytes([i]) * 32) for i in range(1, 14)]
@@ -150,11 +152,61 @@ def test_encoding_is_canonical(fields):
 
 
 def test_body_is_a_fixed_list_with_sorted_config_maps():
-    body = body_list(make())
-    assert body[0] == FORMAT_VERSION == 3 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
+    body = body_list(make())  # an exact run's allocation: format 3, as before compression existed
+    assert FORMAT_VERSION == 4 and body[0] == 3 and len(body) == 22 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
     model, train = body[6], body[7]
     assert list(model) == sorted(model) and list(train) == sorted(train)
     assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
+
+
+DILOCO8 = parse_compression("diloco,inner_steps=8")
+
+
+def test_a_compressed_run_travels_in_format_4_and_an_exact_one_in_format_3():
+    exact = make()
+    assert body_list(exact)[0] == 3 and make(compression=CompressionConfig()).encode() == exact.encode()
+    a = make(compression=DILOCO8, spares=1)
+    body = body_list(a)
+    assert body[0] == 4 and len(body) == 23 and body[:22] == [4] + body_list(dataclasses.replace(a, compression=CompressionConfig()))[1:]
+    assert list(body[22]) == sorted(body[22]) and CompressionConfig.from_dict(body[22]) == DILOCO8
+    signed = SignedAllocation.sign(a, ISSUER)
+    assert signed.open() == a and signed.open().compression == DILOCO8
+    # the compression is signed: changed after signing, the signature fails
+    forged = SignedAllocation(pack([*body[:22], {**body[22], "inner_steps": 16}]), signed.signature)
+    assert Allocation.decode(forged.body).compression.inner_steps == 16
+    with pytest.raises(ProtocolError, match="bad signature"):
+        forged.open()
+
+
+V4 = body_list(make(compression=DILOCO8))
+COMPRESSION_FIELD = [
+    # (what, body, words of the ProtocolError)
+    ("an exact run in format 4 (one allocation, one body)",
+     [*V4[:22], CompressionConfig().to_dict()], "canonical"),
+    ("format 4 without its compression", V4[:22], "format 4 has 23 fields, got 22"),
+    ("format 3 with a compression", [3, *V4[1:]], "format 3 has 22 fields, got 23"),
+    ("an unknown method", [*V4[:22], {**V4[22], "dp_method": "zip"}], "dp_method"),
+    ("an unknown field", [*V4[:22], {**V4[22], "dp_magic": 1}], "unknown fields"),
+    ("a missing field", [*V4[:22], {k: v for k, v in V4[22].items() if k != "inner_steps"}], "inner_steps"),
+    ("a mistyped field", [*V4[:22], {**V4[22], "inner_steps": 8.0}], "inner_steps"),
+    ("an out-of-range field", [*V4[:22], {**V4[22], "outer_momentum": 1.5}], "outer_momentum"),
+    ("not a map", [*V4[:22], "diloco"], "compression"),
+    ("an unknown format", [5, *V4[1:]], "format 5"),
+]
+
+
+@pytest.mark.parametrize("what, body, words", COMPRESSION_FIELD, ids=[c[0] for c in COMPRESSION_FIELD])
+def test_a_bad_compression_field_is_refused(what, body, words):
+    with pytest.raises(ProtocolError, match=words):
+        Allocation.decode(pack(body))
+
+
+def test_dp_compression_with_a_tied_head_across_stages_is_refused():
+    tied = dataclasses.replace(TINY, tied_head=True)
+    with pytest.raises(ValueError, match="tied head"):
+        make(model=tied, compression=DILOCO8)
+    make(model=tied, compression=parse_compression("pp-int8"))  # the pipeline axis alone is fine
+    make(d=2, s=1, model=tied, compression=DILOCO8)  # one stage: one copy
 
 
 def _with(body: list, index: int, value) -> bytes:
@@ -428,12 +480,15 @@ def corpus():
     return load_corpus(max_bytes=256 << 10)
 
 
-@pytest.mark.parametrize("d, s, tied", [(2, 2, False), (4, 2, False), (2, 4, False), (2, 3, True)])
-def test_neighbours_are_exactly_who_a_step_talks_to(corpus, d, s, tied):
+@pytest.mark.parametrize("d, s, tied, compress", [(2, 2, False, "exact"), (4, 2, False, "exact"),
+                                                  (2, 4, False, "exact"), (2, 3, True, "exact"),
+                                                  (4, 2, False, "cocktail"), (3, 2, False, "pp-int4")])
+def test_neighbours_are_exactly_who_a_step_talks_to(corpus, d, s, tied, compress):
     model = dataclasses.replace(TINY, tied_head=tied)
-    a = make(d, s, spares=1, model=model)
+    a = make(d, s, spares=1, model=model, compression=parse_compression(compress),
+             train=dataclasses.replace(CFG, global_batch_seqs=12) if d == 3 else CFG)
     hub = RecordingHub()
-    with LocalCluster(a.model, a.train, a.plan(), corpus) as cluster:
+    with LocalCluster(a.model, a.train, a.plan(), corpus, compression=a.compression) as cluster:
         cluster.hub = hub
         cluster.step()
     for peer in a.peers:

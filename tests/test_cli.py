@@ -114,6 +114,11 @@ def test_usage_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+    for bad, words in (("zip", "unknown compression preset 'zip'"), ("diloco,inner_steps=x", "inner_steps"),
+                       ("pp-int4,pp_block_elems=3", "pp_block_elems")):
+        with pytest.raises(SystemExit) as info:
+            main(["train", "start", "--compress", bad])
+        assert info.value.code == 2 and words in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:
         main(["join", "--listen"])
     assert info.value.code == 2

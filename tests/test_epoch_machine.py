@@ -49,6 +49,7 @@ from dtfm.control.epoch.machine import (
     WaitForCoordinator,
 )
 from dtfm.control.refusals import Refused
+from dtfm.train import parse_compression
 
 HEARTBEAT_WAIT_S = 1.4
 LOST_AFTER_S = 6.0
@@ -237,7 +238,36 @@ OPERATOR_REFUSALS = [
     ("a stop, not a start", sign_op(OPERATOR, "stop", now_s=0.0, run_id=RUN).encode(), ["carries an operator's stop"]),
     ("a start of other data", start_op(data_hash="cd" * 32).encode(), ["differs from the operator's start in data"]),
     ("a start of other steps and seed", start_op(steps=7, seed=3).encode(), ["in steps, seed"]),
+    ("a compressed start, an exact allocation", start_op(compress="diloco").encode(), ["in compression"]),
 ]
+
+
+COMPRESSION_STARTS = [
+    # (what, the operator's --compress, the allocation's, refused)
+    ("both exact", None, "exact", False),
+    ("the same preset", "slow-link", "slow-link", False),
+    ("the same fields, written another way", "diloco,inner_steps=8", "exact,dp_method=diloco,dp_topk_fraction=0.25,"
+     "inner_steps=8", False),
+    ("an exact start, a compressed allocation", None, "pp-int8", True),
+    ("another preset", "pp-int4", "pp-int8", True),
+    ("one field changed", "diloco", "diloco,inner_steps=17", True),
+]
+
+
+@pytest.mark.parametrize("what, signed, runs, refused", COMPRESSION_STARTS, ids=[c[0] for c in COMPRESSION_STARTS])
+def test_the_allocation_runs_the_compression_the_operator_signed(what, signed, runs, refused):
+    p = Peer(N[1])
+    comp = parse_compression(runs)
+    start = start_op(**({"compress": signed} if signed else {})).encode()
+    out = p.offer(alloc(compression=comp, operator_start=start))
+    if refused:
+        [reply] = out
+        assert reply.value["code"] == "no-operator" and "differs from the operator's start in compression" \
+            in reply.value["reason"], reply
+        assert p.m.current is None
+    else:
+        [build] = [x for x in out if isinstance(x, BuildStage)]
+        assert build.alloc.compression == comp
 
 
 @pytest.mark.parametrize("what, signed, words", OPERATOR_REFUSALS, ids=[r[0] for r in OPERATOR_REFUSALS])

@@ -442,6 +442,11 @@ async def test_an_idle_plane_does_not_spin(tmp_path):
     ({"min_peers": 0}, "min_peers"),
     ({"min_peers": 2, "wait_s": -1}, "wait_s"),
     ({"min_peers": 2, "wait_s": "soon"}, "wait_s"),
+    ({"compress": "zip"}, "compress: unknown compression preset 'zip'"),
+    ({"compress": "diloco,inner_steps=0"}, "compress: inner_steps must be at least 1"),
+    ({"compress": "diloco,flux=2"}, "compress: compression option 'flux=2'"),
+    ({"compress": {"dp_method": "diloco"}}, "compress must be"),
+    ({"compress": "diloco," + "x" * 600}, "at most 512"),
 ])
 def test_train_requests_are_checked(args, match):
     with pytest.raises(TrainError, match=match):
@@ -466,6 +471,11 @@ def test_a_train_request_is_signed_as_it_was_read():
                                   "data_name": "x.txt", "min_peers": 3, "wait_s": 9})
     assert TrainRequest.from_args(req.to_args()) == req
     assert "data" not in req.to_args() and req.to_args()["data_hash"] == "ab" * 32
+    assert "compress" not in req.to_args()  # exact: the signed start is what it was before compression
+    comp = TrainRequest.from_args({**req.to_args(), "compress": " diloco, inner_steps=8,pp_method=int4"})
+    assert comp.compression.inner_steps == 8 and comp.compression.pp_method == "int4"
+    assert comp.to_args()["compress"] == "diloco,pp_method=int4,inner_steps=8"
+    assert TrainRequest.from_args(comp.to_args()) == comp
 
 
 @pytest.mark.parametrize("args, every", [({}, 20), ({"checkpoint_every": None}, 20), ({"checkpoint_every": 0}, 0),

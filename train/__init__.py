@@ -9,6 +9,7 @@ if TYPE_CHECKING:
         CheckpointError,
         checkpoint_at,
         checkpoint_notes,
+        compression_of,
         encode_stage,
         list_checkpoints,
         load_checkpoint,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
         decode_activation,
         encode_activation,
         get_compression,
+        parse_compression,
     )
     from .data import (
         TOKEN_DTYPES,
@@ -124,6 +126,7 @@ __all__ = [
     "check_tensor",
     "checkpoint_at",
     "checkpoint_notes",
+    "compression_of",
     "decode_activation",
     "encode_activation",
     "encode_stage",
@@ -133,6 +136,7 @@ __all__ = [
     "generate",
     "get_compression",
     "get_preset",
+    "parse_compression",
     "hf_digest",
     "hf_stage_state",
     "list_checkpoints",
@@ -170,7 +174,7 @@ __all__ = [
 # table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".checkpoint": (
-        "CheckpointError", "checkpoint_at", "checkpoint_notes", "encode_stage", "list_checkpoints", "load_checkpoint",
+        "CheckpointError", "checkpoint_at", "checkpoint_notes", "compression_of", "encode_stage", "list_checkpoints", "load_checkpoint",
         "save_checkpoint", "saved_checkpoints", "stage_from_tensors", "stage_tensors",
     ),
     ".codec": (
@@ -181,6 +185,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".compress": (
         "COMPRESSION_PRESETS", "ByteCounter", "CompressionConfig", "CountingComm", "StageCompression",
         "activation_payload_bytes", "decode_activation", "encode_activation", "get_compression",
+        "parse_compression",
     ),
     ".comm": (
         "Comm", "CommClosed", "CommError", "CommTimeout", "EventHandle", "InMemoryComm", "InMemoryHub",

@@ -23,7 +23,7 @@ import time
 import torch
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
-from .compress import COMPRESSION_PRESETS, CompressionConfig, get_compression
+from .compress import COMPRESSION_PRESETS, CompressionConfig, parse_compression
 from .data import TOKEN_DTYPES, load_corpus, split_batch, tokenize_to_file
 from .hf import HFError, export_checkpoint_dir, export_hf, hf_stage_state, load_hf_spec, model_tokenizer
 from .local import LocalCluster
@@ -94,9 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=_count(0), default=200, help="steps to train (from the resumed step, if any)")
     ap.add_argument("--stages", type=_count(1), default=1, help="pipeline stages S")
     ap.add_argument("--dp", type=_count(1), default=1, help="data-parallel pipelines D")
-    ap.add_argument("--compress", default="exact", choices=list(COMPRESSION_PRESETS),
-                    help="compression preset (docs/compression.md): exact sends full-width tensors; slow-link "
-                         "is the choice for slow networks (int4 activations, DiLoCo with sparse 2-bit sync)")
+    ap.add_argument("--compress", default="exact", metavar="NAME[,FIELD=VALUE...]",
+                    help=f"compression preset ({', '.join(COMPRESSION_PRESETS)}; docs/compression.md), with "
+                         "fields of dtfm.train.compress.CompressionConfig changed after commas, e.g. "
+                         "diloco,inner_steps=8: exact sends full-width tensors; slow-link is the choice for slow "
+                         "networks (int4 activations, DiLoCo with sparse 4-bit sync) (default: %(default)s)")
     ap.add_argument("--compress-option", action="append", default=[], metavar="FIELD=VALUE",
                     help="override one field of the --compress preset (dtfm.train.compress.CompressionConfig), "
                          "e.g. inner_steps=16; repeatable")
@@ -228,7 +230,7 @@ def _setup(args, parser: argparse.ArgumentParser):
     except ValueError as e:  # no such path, no text in it, ids the model has no embedding for
         raise CliError(str(e)) from None
     try:
-        comp = get_compression(args.compress).with_options(args.compress_option)
+        comp = parse_compression(args.compress).with_options(args.compress_option)
         check_compression(spec, plan, comp)
     except ValueError as e:
         raise CliError(str(e)) from None

@@ -11,6 +11,14 @@ every incoming tensor against before it uses a byte of it.
     tied               first <-> last stage with a tied head: the embedding gradient (V, C)
     dp/<ph><i>/b<b>    DP group member r-1 -> r: bucket b's chunk in ring step i of phase
                        ph (rs: reduce-scatter, ag: all-gather); 1-D, the parameters' dtype
+    dpc                every other member of the DP group -> r: its compressed pseudo-gradient
+                       (DP compression: uint8, (payload bytes,))
+
+With a `CompressionConfig` (train/compress/) that quantizes the pipeline, act/<m> and grad/<m>
+are uint8 payloads of exactly the size the codec makes for (B_m, T, C); with DP compression the
+members exchange `dpc` payloads of exactly the size the stage's parameter count gives (and the
+ring's chunks only when exact warm-up steps come first). A payload's size is the plan's, never
+the payload's own.
 
 `MessageRules.for_peer` derives, for one receiving peer, every (source, <what>) pair it may
 receive and the exact dtype and shape each carries, from the plan, the model, the train config
@@ -21,6 +29,7 @@ plan's, and anything else (another tag, another sender, a malformed number) is r
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Hashable, Sequence
 from types import MappingProxyType
@@ -29,6 +38,7 @@ import torch
 
 from .codec import TORCH_DTYPES
 from .collective import make_buckets
+from .compress import CompressionConfig, activation_payload_bytes, sync_payload_bytes
 from .data import split_batch
 from .plan import Plan
 from .spec import GPTSpec, TrainConfig
@@ -73,8 +83,11 @@ class MessageRules:
 
     @classmethod
     def for_peer(cls, plan: Plan, spec: GPTSpec, cfg: TrainConfig, me: PeerId,
-                 param_shapes: Sequence[Sequence[int]], param_dtype: str = "float32") -> MessageRules:
-        """The rules for `me` under `plan`; `param_shapes` are its stage's parameters, in order."""
+                 param_shapes: Sequence[Sequence[int]], param_dtype: str = "float32",
+                 compression: CompressionConfig | None = None) -> MessageRules:
+        """The rules for `me` under `plan`; `param_shapes` are its stage's parameters, in order;
+        `compression` the run's (None: exact)."""
+        comp = compression or CompressionConfig()
         try:
             d, s = plan.position(me)
         except KeyError:
@@ -94,7 +107,11 @@ class MessageRules:
 
         pipe = plan.pipeline(d)
         micro = split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d]
-        boundary = [(cfg.wire_dtype, (len(idx), spec.seq_len, spec.n_embd)) for idx in micro]
+        shapes = [(len(idx), spec.seq_len, spec.n_embd) for idx in micro]
+        if comp.pp_method == "exact":
+            boundary = [(cfg.wire_dtype, shape) for shape in shapes]
+        else:
+            boundary = [("uint8", (activation_payload_bytes(shape, comp),)) for shape in shapes]
         prev, nxt = (pipe[s - 1] if s > 0 else None), (pipe[s + 1] if s + 1 < plan.stages else None)
         for src, kind in ((prev, "act"), (nxt, "grad")):
             if src is not None:  # a whole forward (backward) pass goes out without a wait
@@ -117,10 +134,18 @@ class MessageRules:
             burst(src, 1, _nbytes(exp))
         group = plan.dp_group(s)
         sends_to = set(bursts)  # every relation above is symmetric
-        if len(group) > 1 and param_shapes:
+        ring = comp.dp_method == "exact" or comp.dp_warmup_steps > 0
+        if len(group) > 1 and param_shapes and ring:
             src, ring_burst = _ring(add, group, group.index(me), param_shapes, param_dtype, cfg.bucket_bytes)
             burst(src, *ring_burst)
             sends_to.add(group[(group.index(me) + 1) % len(group)])
+        if len(group) > 1 and param_shapes and comp.dp_method != "exact":  # the all-gather: every member
+            exp = ("uint8", (sync_payload_bytes(comp, sum(math.prod(shape) for shape in param_shapes)),))
+            for src in group:
+                if src != me:
+                    add("dpc", src, exp)
+                    burst(src, 1, _nbytes(exp))
+                    sends_to.add(src)
         return cls(me, plan.epoch, table, {src: (m, b) for src, (m, b) in bursts.items()}, frozenset(sends_to))
 
     def expect(self, src: PeerId, tag: object) -> Expected | None:

@@ -39,7 +39,7 @@ from dtfm.net import (
     unpack_untrusted,
     verify_signature,
 )
-from dtfm.train import GPTSpec, Plan, TrainConfig, split_batch
+from dtfm.train import CompressionConfig, GPTSpec, Plan, TrainConfig, check_compression, split_batch
 
 from .fields import (
     MAX_COUNTER,
@@ -66,21 +66,27 @@ from .fields import (
 )
 
 __all__ = [
-    "ALLOCATION_DOMAIN", "FORMAT_VERSION", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
+    "ALLOCATION_DOMAIN", "FORMATS", "FORMAT_VERSION", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES",
     "AcceptContext", "Allocation", "Refusal", "SignedAllocation", "check_allocation",
 ]
 
 ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before signing
-FORMAT_VERSION = 3  # first field of the body; a peer refuses a format it cannot read
+# First field of the body; a peer refuses a format it cannot read. Format 4 appends the run's
+# compression; an exact run's allocation is written in format 3 (the same bytes as before
+# compression existed), so one allocation still has one body and exact runs mix with peers
+# that read format 3 only.
+FORMAT_VERSION = 4
+FORMATS = (3, 4)
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_CODE_LEN = 32
 
 REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "data-mismatch",
                  "dead-peer", "unknown-peer", "not-covered")
 
-_BODY = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
-         "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
-         "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
+_BODY_V3 = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
+            "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
+            "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
+_BODIES = {3: _BODY_V3, 4: _BODY_V3 + ("compression",)}
 _CODE = re.compile(r"[a-z][a-z-]*")
 
 
@@ -117,6 +123,9 @@ class Allocation:
     # carried by every allocation of the run: each peer checks that an operator of the swarm
     # started it (`check_operator_start`). Empty: none, and peers refuse the allocation.
     operator_start: bytes = b""
+    # How the run compresses activations and DP synchronisation (train/compress/); every peer
+    # builds its stage with it, and the operator's start names the same. Exact: format 3.
+    compression: CompressionConfig = CompressionConfig()
     # The grid as train.Plan holds it (this allocation's epoch); it checks the grid's shape.
     _plan: Plan = field(init=False, repr=False, compare=False)
 
@@ -144,6 +153,9 @@ class Allocation:
             raise ValueError(f"train must be a TrainConfig, got {type(self.train).__name__}")
         config_to_wire(self.model, "model")  # in the wire's bounds, so every allocation encodes
         config_to_wire(self.train, "train")
+        if not isinstance(self.compression, CompressionConfig):
+            raise ValueError(f"compression must be a CompressionConfig, got {type(self.compression).__name__}")
+        config_to_wire(self.compression, "compression")
         check_int("start_step", self.start_step, 0, MAX_COUNTER)
         check_int("end_step", self.end_step, 1, MAX_COUNTER)
         if self.start_step >= self.end_step:
@@ -157,6 +169,7 @@ class Allocation:
         self._check_places()
         self._check_holdings()
         split_batch(self.train.global_batch_seqs, self.dp, self.train.micro_batches)
+        check_compression(self.model, self._plan, self.compression)
 
     def _grid(self) -> Plan:
         """The grid: peer ids and layer indices within the wire's bounds, the shape as `Plan`
@@ -258,14 +271,15 @@ class Allocation:
 
         Its whole pipeline: activations and gradients to the stages beside it, the gradient-norm
         all-reduce over the pipeline, the tied embedding between first and last stage. In its DP
-        group: the ring all-reduce's two ring neighbours, and on the last stage every member (the
-        loss all-reduce). A spare has none; KeyError for a peer not in the allocation."""
+        group: the ring all-reduce's two ring neighbours, and on the last stage, or with a
+        compressed DP synchronisation (an all-gather), every member. A spare has none; KeyError
+        for a peer not in the allocation."""
         if peer in self.spares:
             return frozenset()
         d, s = self.position(peer)
         out = set(self.pipelines[d])
         group = [p[s] for p in self.pipelines]
-        if s == self.stages - 1:
+        if s == self.stages - 1 or self.compression.dp_method != "exact":
             out.update(group)
         else:
             out.update((group[(d - 1) % self.dp], group[(d + 1) % self.dp]))
@@ -276,26 +290,30 @@ class Allocation:
 
     def encode(self) -> bytes:
         """The canonical body: the same allocation gives the same bytes on any machine."""
+        extra = [] if self.compression.exact else [config_to_wire(self.compression, "compression")]
         return pack([
-            FORMAT_VERSION, self.run_id, self.term, self.epoch, self.issuer, self.preset,
+            3 if self.compression.exact else FORMAT_VERSION, self.run_id, self.term, self.epoch, self.issuer, self.preset,
             config_to_wire(self.model, "model"), config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
             float(self.predicted_iteration_s), [h.to_wire() for h in self.holdings], list(self.absent),
-            self.reason, list(self.voters), self.operator_start,
+            self.reason, list(self.voters), self.operator_start, *extra,
         ])
 
     @classmethod
     def decode(cls, data: bytes) -> Allocation:
         """The allocation in a body from the network; raises only ProtocolError."""
         obj = unpack_untrusted(data, max_len=MAX_ALLOCATION_BYTES)
-        if type(obj) is not list or len(obj) != len(_BODY):
-            raise ProtocolError(f"allocation: expected a list of {len(_BODY)} fields")
-        d = dict(zip(_BODY, obj))
-        version = get_int(d, "version", 0, MAX_COUNTER)
-        if version != FORMAT_VERSION:
-            raise ProtocolError(f"allocation format {version}, this peer reads {FORMAT_VERSION}: "
+        if type(obj) is not list or not obj:
+            raise ProtocolError("allocation: expected a list of fields")
+        version = get_int({"version": obj[0]}, "version", 0, MAX_COUNTER)
+        body = _BODIES.get(version)
+        if body is None:
+            raise ProtocolError(f"allocation format {version}, this peer reads {', '.join(map(str, FORMATS))}: "
                                 "run the same dtfm version on every peer")
+        if len(obj) != len(body):
+            raise ProtocolError(f"allocation: format {version} has {len(body)} fields, got {len(obj)}")
+        d = dict(zip(body, obj))
         pipelines = tuple(tuple(peer_ids_from_wire(p, "pipeline", MAX_STAGES))
                           for p in get_list(d, "pipelines", MAX_PEERS))
         ranges = tuple(layer_range_from_wire(r) for r in get_list(d, "layer_ranges", MAX_STAGES))
@@ -317,6 +335,8 @@ class Allocation:
                 reason=get_str(d, "reason", MAX_REASON_LEN),
                 voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
                 operator_start=get_bytes(d, "operator_start", 0, MAX_OPERATOR_START_BYTES),
+                compression=(config_from_wire(CompressionConfig, d["compression"], "compression")
+                             if "compression" in d else CompressionConfig()),
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None

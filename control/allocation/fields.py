@@ -1,7 +1,7 @@
 """The fields of a signed allocation (allocation.py beside it): their bounds and checks, the
 holdings of the previous layout, and the wire form of the model and training configuration.
 
-A configuration (`GPTSpec`, `TrainConfig`) travels as a map with sorted keys, every field a
+A configuration (`GPTSpec`, `TrainConfig`, `CompressionConfig`) travels as a map with sorted keys, every field a
 bool, int, float (as float64) or str within generous bounds (the dataclasses check the rest);
 `config_from_wire` refuses a missing, unknown or mistyped field with a `ProtocolError`. The
 `check_*` functions raise ValueError, for the dataclasses' own checks. The allocation's format
@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_dict, get_float, get_int, get_list, get_str
-from dtfm.train import GPTSpec, TrainConfig
+from dtfm.train import CompressionConfig, GPTSpec, TrainConfig
 
 __all__ = [
     "MAX_COUNTER", "MAX_DATA_NAME_LEN", "MAX_HOLDERS", "MAX_ITERATION_S", "MAX_LAYERS", "MAX_NAMED",
@@ -123,13 +123,13 @@ def layer_range_from_wire(obj: object) -> tuple[int, int]:
     return get_int(d, "first layer", 0, MAX_LAYERS), get_int(d, "end layer", 0, MAX_LAYERS)
 
 
-Config = TypeVar("Config", GPTSpec, TrainConfig)
+Config = TypeVar("Config", GPTSpec, TrainConfig, CompressionConfig)
 
 
 _SCHEMAS: dict[type, tuple[tuple[str, type], ...]] = {}
 
 
-def _schema(cls: type[GPTSpec] | type[TrainConfig]) -> tuple[tuple[str, type], ...]:
+def _schema(cls: type[GPTSpec] | type[TrainConfig] | type[CompressionConfig]) -> tuple[tuple[str, type], ...]:
     """(name, type) of each field of a config dataclass, sorted by name (the wire's key order)."""
     schema = _SCHEMAS.get(cls)
     if schema is None:
@@ -143,7 +143,7 @@ def _schema(cls: type[GPTSpec] | type[TrainConfig]) -> tuple[tuple[str, type], .
     return schema
 
 
-def config_to_wire(cfg: GPTSpec | TrainConfig, what: str) -> dict:
+def config_to_wire(cfg: GPTSpec | TrainConfig | CompressionConfig, what: str) -> dict:
     """The config as a map with sorted keys; ValueError on a value the wire would refuse."""
     out = {}
     for name, kind in _schema(type(cfg)):
@@ -165,7 +165,7 @@ def _fits(kind: type, v: object) -> bool:
 
 
 def config_from_wire(cls: type[Config], obj: object, what: str) -> Config:
-    """A GPTSpec or TrainConfig from its map; every field present, typed and in bounds."""
+    """A GPTSpec, TrainConfig or CompressionConfig from its map; every field present, typed and in bounds."""
     d = get_dict(obj, what)
     schema = _schema(cls)
     if len(d) > MAX_CONFIG_FIELDS:

@@ -775,7 +775,7 @@ class Coordinator:
                                predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
                                absent=self._absent(named), run_id=op.run_id, reason="train start",
                                voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}),
-                               operator_start=start.signed.encode())
+                               operator_start=start.signed.encode(), compression=req.compression)
         except ValueError as e:
             self._proc = None
             return [Reply(start.key, error=f"cannot build the allocation: {e}")]
@@ -1028,8 +1028,11 @@ class Coordinator:
                 raise _Failed(f"no holder of layers {r} could offer them at step {rp.step}")
             digest, peers = max(by_digest.items(), key=lambda kv: len(kv[1]))
             if len(by_digest) > 1:
-                logger.error("holders of layers %s disagree at step %d: %s", r, rp.step,
-                             {d[:12]: [short_id(p) for p in ps] for d, ps in by_digest.items()})
+                # with compressed DP the replicas of a stage differ (their error-feedback residuals,
+                # DiLoCo's inner steps): each keeps its own, and the digest names one for fetchers
+                logger.log(logging.INFO if cur.compression.dp_method != "exact" else logging.ERROR,
+                           "holders of layers %s disagree at step %d: %s", r, rp.step,
+                           {d[:12]: [short_id(p) for p in ps] for d, ps in by_digest.items()})
             holdings.append(Holding(r, digest, tuple(sorted(peers))))
         proc.marks["offered"] = now
         try:
@@ -1056,7 +1059,7 @@ class Coordinator:
                           checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                           spares=shape.spares, holdings=holdings, absent=self._absent(named),
                           reason=trigger[:1024], voters=self._next_voters(named, reachable),
-                          operator_start=cur.operator_start)
+                          operator_start=cur.operator_start, compression=cur.compression)
 
     def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
         return next_voters(tuple(self.election.voters), named, reachable, self.me)

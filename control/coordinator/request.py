@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dtfm.train import PRESETS, TrainConfig
+from dtfm.train import PRESETS, CompressionConfig, TrainConfig, parse_compression
 
 if TYPE_CHECKING:  # (dtfm.train's Corpus loads torch: `dtfm-peer status` must not)
     from dtfm.train import Corpus
@@ -54,6 +54,9 @@ class TrainRequest:
     placement: str = "scheduler"  # or "random": a random allocation of the given shape (a baseline)
     min_peers: int = 1  # the first configuration forms once this many peers are live and measured
     wait_s: float = 0.0  # how long to wait for them before giving up
+    # How the run compresses each axis (docs/compression.md); exact by default, and then the
+    # signed arguments carry no "compress" key (an exact start signs the same bytes as before).
+    compression: CompressionConfig = CompressionConfig()
 
     @classmethod
     def from_args(cls, args: dict) -> TrainRequest:
@@ -88,11 +91,18 @@ class TrainRequest:
         checkpoint_every = num("checkpoint_every", None, 0, 10**9)  # None: the default
         if checkpoint_every is None:
             checkpoint_every = DEFAULT_CHECKPOINT_EVERY
+        compress = args.get("compress", "exact")
+        if type(compress) is not str:
+            raise TrainError("compress must be a compression preset name with FIELD=VALUE options, as a string")
+        try:
+            compression = parse_compression(compress)
+        except ValueError as e:
+            raise TrainError(f"compress: {e}") from None
         req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=num("seed", 0, 0, 2**63 - 1),
                   stages=num("stages", stages, 1, 4096) if stages is not None else None,
                   dp=num("dp", None, 1, 4096), checkpoint_every=checkpoint_every,
                   data_hash=data_hash, data_name=data_name, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
-                  wait_s=float(wait_s))
+                  wait_s=float(wait_s), compression=compression)
         if req.dp is not None and req.stages is None:
             raise TrainError("--dp needs --stages")
         if placement == "random" and req.stages is None:
@@ -127,4 +137,6 @@ class TrainRequest:
         if self.data_hash is not None:
             out["data_hash"] = self.data_hash
             out["data_name"] = self.data_name
+        if not self.compression.exact:
+            out["compress"] = self.compression.to_spec()
         return out

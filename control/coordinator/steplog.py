@@ -18,6 +18,8 @@ What a peer may report (each refusal counted in the coordinator's `Refusals`):
   a step of each other): a report further ahead still counts as that peer's progress (one
   number per peer), but what it says is not kept, so the state is at most `STEP_WINDOW` steps of
   reports, and no work grows with what a peer sends;
+- bytes sent per axis (`bytes_sent`: pipeline forward, pipeline backward, data-parallel, other)
+  are the sum over the reports the line has (of every peer unless the line is `partial`);
 - the loss only from the last-stage peers: their losses are one global value (summed in pipeline
   order on every last stage), so they are compared; a disagreement is logged at WARNING and the
   line says so (`loss_disagreement`: each last-stage peer's loss), and the line's loss is the
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterable
 from dtfm.net import short_id
 
 from ..allocation import Allocation
-from ..epoch.runner import StepReport
+from ..epoch.runner import BYTE_AXES, StepReport
 from ..epoch.runstate import MAX_REPORTS
 from ..refusals import Refusals, Refused
 
@@ -235,6 +237,9 @@ class StepLog:
                       "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s else None,
                       "predicted_iteration_s": self.alloc.predicted_iteration_s,
                       "compute_s": most("compute_s"), "pipeline_s": most("pipeline_s"), "sync_s": most("sync_s")}
+        sent = [sum(r.bytes_sent[i] for r in reports.values()) for i in range(len(BYTE_AXES))]
+        if any(sent):  # payload bytes of the step's reports (of every peer, unless partial)
+            line["bytes_sent"] = dict(zip(BYTE_AXES, sent))
         if partial:
             line["partial"] = True
         if backfilled:

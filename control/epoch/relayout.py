@@ -3,9 +3,10 @@
 When a reconfiguration changes the layer ranges, a peer's new stage takes its blocks from every
 old stage that held them, the embeddings from the old first stage and the final norm and head
 from the old last; `needed_stages` says which old stages a new range needs, so the peer fetches
-only those (control/epoch/recovery.py). Parameters and their Adam moments move together, and the
-stage resumes at the same step and optimizer step, so training goes on as if it had not been
-re-split.
+only those (control/epoch/recovery.py). Parameters and their Adam moments move together, and so
+do the compression buffers of a compressed run (`compress/<kind>/<name>`: error-feedback
+residual, DiLoCo's anchor and outer momentum), and the stage resumes at the same step and
+optimizer step, so training goes on as if it had not been re-split.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import torch
 
 from dtfm.train import (
     CheckpointError,
+    CompressionConfig,
     GPTSpec,
     StageState,
     TrainConfig,
     TransferError,
     TransferReceiver,
+    compression_of,
     stage_from_tensors,
 )
 
@@ -48,18 +51,25 @@ def needed_stages(old_ranges: Sequence[tuple[int, int]], new_range: tuple[int, i
 
 
 def _param_name(key: str) -> str:
-    return key.split("/", 1)[1] if "/" in key else key
+    """The parameter a tensor belongs to: `param/<name>`, `exp_avg/<name>`, `compress/ef/<name>`
+    (parameter names have dots, never slashes)."""
+    return key.rsplit("/", 1)[-1]
 
 
-def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: int) -> dict[str, torch.Tensor]:
+def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: int,
+                  compression: CompressionConfig) -> dict[str, torch.Tensor]:
     if isinstance(part, dict):
         return part
     m = part.manifest.meta
     try:
         m_spec, m_cfg = GPTSpec.from_dict(m["spec"]), TrainConfig.from_dict(m["config"])
         m_step, m_ostep = int(m["step"]), int(m["optim_step"])
-    except (KeyError, TypeError, ValueError) as e:
+        m_comp = compression_of(m) or CompressionConfig()
+    except (KeyError, TypeError, ValueError) as e:  # (CheckpointError is a ValueError)
         raise RecoveryError(f"bad stage description: {e}") from None
+    if m_comp != compression:
+        raise RecoveryError(f"a part of layers {m.get('layer_range')} was trained with compression "
+                            f"{m_comp.describe()!r}, the run uses {compression.describe()!r}")
     if m_spec != spec or m_cfg != cfg or (m_step, m_ostep) != (step, optim_step):
         raise RecoveryError(f"a part of layers {m.get('layer_range')} is of another model, config or step "
                             f"({m_step}, optimizer step {m_ostep}; expected {step}, {optim_step})")
@@ -71,7 +81,7 @@ def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: 
 
 def assemble_stage(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int],
                    parts: Sequence[TransferReceiver | dict[str, torch.Tensor]], step: int, optim_step: int,
-                   device: str = "cpu") -> StageState:
+                   device: str = "cpu", compression: CompressionConfig | None = None) -> StageState:
     """Stage `layer_range` from the tensors of old stages (`param/<name>`, `exp_avg/<name>`,
     `exp_avg_sq/<name>`, as `TransferReceiver.tensors()` gives them).
 
@@ -80,9 +90,12 @@ def assemble_stage(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int]
     stage's tied `wte` copy from the old last stage's copy if it has one, else from the old
     first stage. Moments follow their parameter. Both copies of a tied embedding are equal
     bit for bit (their gradients are summed the same way on both and their updates are
-    identical), so either source trains alike. Raises RecoveryError if a tensor is missing."""
+    identical), so either source trains alike. The compression buffers follow their parameter
+    too; every part must have been trained with `compression` (None: exact). Raises
+    RecoveryError if a tensor is missing."""
     a, b = layer_range
-    tensors = [_part_tensors(p, spec, cfg, step, optim_step) for p in parts]
+    comp = compression or CompressionConfig()
+    tensors = [_part_tensors(p, spec, cfg, step, optim_step, comp) for p in parts]
     first = next((t for t in tensors if "param/wpe.weight" in t), None)
     last = next((t for t in tensors if "param/ln_f.weight" in t), None)
     chosen: dict[str, torch.Tensor] = {}
@@ -100,6 +113,6 @@ def assemble_stage(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, int]
             if src is not None:
                 chosen.update({k: v for k, v in src.items() if _param_name(k) == "wte.weight"})
     try:
-        return stage_from_tensors(spec, cfg, (a, b), chosen, step, optim_step, device)
+        return stage_from_tensors(spec, cfg, (a, b), chosen, step, optim_step, device, comp)
     except CheckpointError as e:
         raise RecoveryError(f"cannot assemble layers {[a, b]} at step {step}: {e}") from None

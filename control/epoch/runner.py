@@ -14,7 +14,12 @@ which a cancellation waits for. Each checkpoint holds this peer's latest step re
 checkpoint holds reach the log even when every peer that reported them died before the
 coordinator logged them.
 
-Before each step the runner copies the stage (parameters and optimizer state); once the step
+The runner counts the bytes its stage sends per axis (train/compress `CountingComm`: pipeline
+forward, pipeline backward, data-parallel, other) and each step's report carries them; the
+coordinator's step log sums them over the peers into the step's line (`bytes_sent`).
+
+Before each step the runner copies the stage (parameters, optimizer state and, in a compressed
+run, the compression state: error-feedback residual, DiLoCo's anchor and outer momentum); once the step
 completed, that copy is the snapshot, so a peer that completed a step some other stage did not
 can go back one step when the swarm resumes from the step before (see
 control/epoch/runstate.py), even if it failed the step after. It costs two copies of the
@@ -35,11 +40,13 @@ from pathlib import Path
 import torch
 import trio
 
-from dtfm.net import ProtocolError, get_dict, get_float, get_int
+from dtfm.net import ProtocolError, get_dict, get_float, get_int, get_list
 from dtfm.train import (
+    ByteCounter,
     Comm,
     CommError,
     Corpus,
+    CountingComm,
     Plan,
     StageState,
     StepResult,
@@ -55,6 +62,8 @@ REPORTS_NOTE = "step_reports"  # the checkpoint note with the step reports of th
 
 MAX_STEP = 2**63 - 1
 MAX_SECONDS = 1e9
+MAX_STEP_BYTES = 2**53  # bytes a peer reports sending on one axis in one step
+BYTE_AXES = ("pp_fwd", "pp_bwd", "dp", "other")  # train/compress `AXES`, in the report's order
 
 logger = logging.getLogger(__name__)
 
@@ -70,22 +79,37 @@ class StepReport:
     compute_s: float
     pipeline_s: float
     sync_s: float
+    # Payload bytes this peer sent in the step per axis (BYTE_AXES: pipeline forward, pipeline
+    # backward, data-parallel, other); all 0 when not counted (a report of an older version).
+    bytes_sent: tuple[int, int, int, int] = (0, 0, 0, 0)
 
     def to_wire(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "loss": self.loss, "iteration_s": self.iteration_s,
-                "compute_s": self.compute_s, "pipeline_s": self.pipeline_s, "sync_s": self.sync_s}
+        out: dict[str, object] = {"epoch": self.epoch, "step": self.step, "loss": self.loss, "iteration_s": self.iteration_s,
+               "compute_s": self.compute_s, "pipeline_s": self.pipeline_s, "sync_s": self.sync_s}
+        if any(self.bytes_sent):
+            out["bytes"] = list(self.bytes_sent)
+        return out
 
     @classmethod
     def from_wire(cls, obj: object) -> StepReport:
         """A report from the network; raises only ProtocolError. The loss may be any float (a
-        diverging run reports inf or nan, and that is worth logging, not a protocol error)."""
+        diverging run reports inf or nan, and that is worth logging, not a protocol error);
+        `bytes`, when present, is one integer in [0, MAX_STEP_BYTES] per axis."""
         d = get_dict(obj, "step report")
         loss = d.get("loss")
         if loss is not None and type(loss) not in (int, float):
             raise ProtocolError("step report: loss must be a number or null")
+        sent = (0, 0, 0, 0)
+        if "bytes" in d:
+            items = get_list(d, "bytes", len(BYTE_AXES))
+            if len(items) != len(BYTE_AXES):
+                raise ProtocolError(f"step report: bytes must list {len(BYTE_AXES)} counts ({', '.join(BYTE_AXES)})")
+            counts = dict(zip(BYTE_AXES, items))
+            sent = tuple(get_int(counts, k, 0, MAX_STEP_BYTES) for k in BYTE_AXES)  # type: ignore[assignment]
+        iteration_s, compute_s, pipeline_s, sync_s = (get_float(d, k, 0.0, MAX_SECONDS)
+                                                      for k in ("iteration_s", "compute_s", "pipeline_s", "sync_s"))
         return cls(get_int(d, "epoch", 0, MAX_STEP), get_int(d, "step", 0, MAX_STEP),
-                   None if loss is None else float(loss),
-                   *(get_float(d, k, 0.0, MAX_SECONDS) for k in ("iteration_s", "compute_s", "pipeline_s", "sync_s")))
+                   None if loss is None else float(loss), iteration_s, compute_s, pipeline_s, sync_s, sent)
 
 
 @dataclass(frozen=True)
@@ -103,7 +127,9 @@ class StageRunner:
                  end_step: int, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
                  torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None,
                  history: Sequence[StepReport] = (), keep_reports: int = 256):
-        self.state, self.plan, self.me, self.comm, self.corpus = state, plan, me, comm, corpus
+        self.state, self.plan, self.me, self.corpus = state, plan, me, corpus
+        self.counter = ByteCounter()  # payload bytes this stage sent, per axis
+        self.comm: Comm = CountingComm(comm, self.counter)
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
         # this peer's reports of the run before this runner's, then its own: saved with a checkpoint
         self._reports: collections.deque[StepReport] = collections.deque(history, maxlen=keep_reports)
@@ -149,6 +175,7 @@ class StageRunner:
         while self.state.step < self.end_step:
             step = self.state.step
             self._take_snapshot()
+            before = self.counter.snapshot()
             t0 = time.perf_counter()
             try:
                 result: StepResult = run_step(self.state, self.plan, self.me, self.comm, self.corpus)
@@ -160,8 +187,11 @@ class StageRunner:
                 return RunEnd(step - 1, f"step {step} failed on this peer: {type(e).__name__}: {e}"[:500], True,
                               params_sha256(self.state))
             self._commit_snapshot()
+            after = self.counter.snapshot()
+            sent = tuple(min(after[k] - before[k], MAX_STEP_BYTES) for k in BYTE_AXES)
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
-                                result.compute_s, result.pipeline_s, result.sync_s)
+                                result.compute_s, result.pipeline_s, result.sync_s,
+                                sent)  # type: ignore[arg-type]
             self.last = report
             self._reports.append(report)
             if self.on_step is not None:
@@ -219,7 +249,8 @@ class StageRunner:
                 return None
             step, ostep = self._snapshot_at
             s = self.state
-            return stage_from_tensors(s.spec, s.cfg, s.layer_range, self._snapshot, step, ostep, str(s.device))
+            return stage_from_tensors(s.spec, s.cfg, s.layer_range, self._snapshot, step, ostep, str(s.device),
+                                      s.compress.config)
 
 
 def end_checkpoint_due(reason: str, *, final_stop: bool, step: int, saved_step: int | None) -> bool:

@@ -195,11 +195,27 @@ class StageHost:
         return found[1]
 
     async def _own_copy(self, alloc: Allocation, h: Holding) -> StageState | None:
-        """This peer's copy of a holding, if its digest is the allocation's."""
-        state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
-        if state is None:
+        """This peer's copy of a holding, if its digest is the allocation's; with compressed DP,
+        whatever its digest (see `_replicas_differ`). ValueError if it was trained with another
+        compression than the allocation's."""
+        key = (alloc.run_id, alloc.start_step, h.layer_range)
+        digest = h.digest
+        if _replicas_differ(alloc):
+            found = self._offered.get(key)
+            if found is None or found[1].step != alloc.start_step:
+                await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
+                found = self._offered.get(key)
+            if found is None:
+                return None
+            digest = found[0]
+        state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, digest)
+        if state is None and not _replicas_differ(alloc):
             await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
-            state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, h.digest)
+            state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, digest)
+        if state is not None and state.compress.config != alloc.compression:
+            raise ValueError(f"this peer's layers {h.layer_range} at step {alloc.start_step} were trained with "
+                             f"compression {state.compress.config.describe()!r}, the run uses "
+                             f"{alloc.compression.describe()!r}")
         return state
 
     # ---- building -----------------------------------------------------------------------------
@@ -216,7 +232,7 @@ class StageHost:
             return BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}")
         plan = alloc.plan()
         rules = MessageRules.for_peer(plan, alloc.model, alloc.train, self.me,
-                                      [tuple(p.shape) for p in state.params.values()])
+                                      [tuple(p.shape) for p in state.params.values()], compression=alloc.compression)
         comm = TransportComm(self.transport, rules, run=alloc.run_id, router=self.router, config=self.config.comm)
         stage = _Stage(alloc, state, comm)
         prev = self.epoch.prev
@@ -252,9 +268,10 @@ class StageHost:
             if alloc.start_step > 0:
                 raise ValueError(f"starting at step {alloc.start_step} needs the stage's weights and the "
                                  "allocation names no holders")
-            return await trio.to_thread.run_sync(lambda: StageState(alloc.model, alloc.train, layers)), 0
+            return await trio.to_thread.run_sync(
+                lambda: StageState(alloc.model, alloc.train, layers, compression=alloc.compression)), 0
         own = {h.layer_range: h for h in alloc.holdings}.get(layers)
-        if own is not None and self.me in own.holders:
+        if own is not None and (self.me in own.holders or _replicas_differ(alloc)):
             state = await self._own_copy(alloc, own)
             if state is not None:
                 return state, 0
@@ -263,7 +280,7 @@ class StageHost:
         fetched, optim_step = 0, None
         for i in needed_stages(old_ranges, layers):
             h = alloc.holdings[i]
-            local = await self._own_copy(alloc, h) if self.me in h.holders else None
+            local = await self._own_copy(alloc, h) if self.me in h.holders or _replicas_differ(alloc) else None
             if local is not None:
                 parts.append(stage_tensors(local))
                 optim_step = local.optim.step_count
@@ -279,7 +296,8 @@ class StageHost:
                         alloc.start_step, result.bytes, result.seconds,
                         ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
         state = await trio.to_thread.run_sync(lambda: assemble_stage(
-            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0))
+            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0,
+            compression=alloc.compression))
         return state, fetched
 
     # ---- running ------------------------------------------------------------------------------
@@ -346,6 +364,14 @@ class StageHost:
             await stage.done.wait()
         if not stage.done.is_set():
             raise StageError(f"the stage worker did not stop within {self.config.stop_timeout_s:g} s")
+
+
+def _replicas_differ(alloc: Allocation) -> bool:
+    """Whether the DP replicas of a stage legitimately hold different states: with compressed DP
+    each keeps its own error-feedback residual and, between DiLoCo synchronisations, its own
+    weights and moments. A peer then keeps its own replica of a stage it holds at the start step
+    (it loses nothing of it); the holding's digest names one replica, for the peers that fetch."""
+    return alloc.compression.dp_method != "exact"
 
 
 def _log_end(alloc: Allocation, end: RunEnd) -> None:

@@ -11,9 +11,9 @@ from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes
                     hadamard, sparse_payload_bytes)
 from .calibrate import measure_compress_cost
 from .config import (COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
-                     get_compression)
+                     get_compression, parse_compression)
 from .counting import AXES, ByteCounter, CountingComm, axis_of
-from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset
+from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset, sync_payload_bytes
 from .pp import activation_payload_bytes, decode_activation, encode_activation
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "StageCompression",
     "activation_payload_bytes", "allgather_payloads", "axis_of", "decode_activation", "decode_dense",
     "decode_sparse", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
-    "get_compression", "hadamard", "measure_compress_cost", "random_subset", "sparse_payload_bytes",
+    "get_compression", "hadamard", "measure_compress_cost", "parse_compression", "random_subset",
+    "sparse_payload_bytes", "sync_payload_bytes",
 ]

@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from types import MappingProxyType
 
-__all__ = ["DP_METHODS", "PP_METHODS", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "CompressionConfig",
-           "get_compression"]
+__all__ = ["DP_METHODS", "PP_METHODS", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "MAX_SPEC_CHARS",
+           "CompressionConfig", "get_compression", "parse_compression"]
 
 PP_METHODS = ("exact", "int8", "int4")
 DP_METHODS = ("exact", "cocktail", "diloco")
 _VALUE_BITS = (2, 4, 8)
+MAX_SPEC_CHARS = 512  # a "NAME[,FIELD=VALUE...]" text: every field changed fits in about 300
 
 
 def _pow2(x: int) -> bool:
@@ -70,7 +71,8 @@ class CompressionConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.inner_steps < 1:
             raise ValueError("inner_steps must be at least 1")
-        if isinstance(self.outer_lr, bool) or not isinstance(self.outer_lr, (int, float)) or not self.outer_lr > 0:
+        lr = self.outer_lr
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr!r}")
         m = self.outer_momentum
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
@@ -124,6 +126,16 @@ class CompressionConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def to_spec(self) -> str:
+        """The config as `parse_compression` reads it: the first preset (in sorted name order)
+        that differs from it in the fewest fields, then those fields in field order, so one
+        config has one text (what an operator's signed start carries)."""
+        def changed(base: CompressionConfig) -> list[str]:
+            return [f.name for f in fields(self) if getattr(self, f.name) != getattr(base, f.name)]
+        name = min(sorted(COMPRESSION_PRESETS), key=lambda n: len(changed(COMPRESSION_PRESETS[n])))
+        return ",".join([name] + [f"{k}={getattr(self, k)!r}".replace("'", "")
+                                  for k in changed(COMPRESSION_PRESETS[name])])
+
     @classmethod
     def from_dict(cls, d: dict) -> "CompressionConfig":
         names = {f.name for f in fields(cls)}
@@ -162,3 +174,13 @@ def get_compression(name: str) -> CompressionConfig:
         return COMPRESSION_PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown compression preset {name!r}; choose one of {sorted(COMPRESSION_PRESETS)}") from None
+
+
+def parse_compression(text: str) -> CompressionConfig:
+    """The config "NAME[,FIELD=VALUE...]" names: preset NAME with those fields changed (as
+    `--compress` takes it); ValueError naming what is wrong."""
+    if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
+        raise ValueError(f"a compression is a preset name and FIELD=VALUE options, at most {MAX_SPEC_CHARS} "
+                         "characters")
+    name, *options = [part.strip() for part in text.split(",")]
+    return get_compression(name).with_options([o for o in options if o])

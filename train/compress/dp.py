@@ -37,7 +37,7 @@ from ..comm import Comm, CommError, PeerId
 from .codec import CodecError, decode_sparse, encode_sparse, sparse_payload_bytes
 from .config import CompressionConfig
 
-__all__ = ["StageCompression", "allgather_payloads", "random_subset", "STATE_PREFIX"]
+__all__ = ["StageCompression", "allgather_payloads", "random_subset", "sync_payload_bytes", "STATE_PREFIX"]
 
 STATE_PREFIX = "compress/"
 
@@ -58,6 +58,20 @@ def random_subset(n: int, fraction: float, seed: int) -> torch.Tensor:
         a += 1
     b = _seed("b", seed) % n
     return (torch.arange(r, dtype=torch.int64) * a + b) % n
+
+
+def _domain(config: CompressionConfig, numel: int) -> int:
+    """Candidates of one synchronisation: a random share of the stage (cocktail) or all of it."""
+    if config.dp_method == "cocktail":
+        return min(numel, max(1, math.ceil(config.dp_random_fraction * numel)))
+    return numel
+
+
+def sync_payload_bytes(config: CompressionConfig, numel: int) -> int:
+    """Bytes of one member's DP payload for a stage of `numel` parameters (as `encode_sparse`
+    makes it): what a receiver expects, computed from the plan, never read from the payload."""
+    return sparse_payload_bytes(_domain(config, numel), config.dp_chunk_elems, config.dp_topk_per_chunk,
+                                config.dp_value_bits)
 
 
 def allgather_payloads(comm: Comm, group: Sequence[PeerId], payload: torch.Tensor, tag: str,
@@ -143,14 +157,7 @@ class StageCompression:
 
     def payload_bytes(self) -> int:
         """Bytes of one member's DP payload for a stage of this size (as `encode_sparse` makes it)."""
-        return sparse_payload_bytes(self._domain(), self.config.dp_chunk_elems, self.config.dp_topk_per_chunk,
-                                    self.config.dp_value_bits)
-
-    def _domain(self) -> int:
-        c = self.config
-        if c.dp_method == "cocktail":
-            return min(self.numel, max(1, math.ceil(c.dp_random_fraction * self.numel)))
-        return self.numel
+        return sync_payload_bytes(self.config, self.numel)
 
     # ------------------------------------------------------------------ the exchange
 
