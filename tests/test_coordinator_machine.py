@@ -1355,3 +1355,19 @@ def test_the_next_deadline():
     assert n.c.next_deadline() == 0.0
     n.train_start(PLACEMENT)
     assert n.c.next_deadline() == math.inf  # waiting for answers, not for time
+
+
+def test_a_step_line_sums_the_bytes_its_reports_sent_per_axis():
+    # Every peer of the epoch (n0-n3, last stages n1 and n3) reports its bytes per axis; the
+    # step's line carries their sums. Reports without counts (older peers) leave the line as before.
+    log = StepLog(alloc(), set(), started_at=0.0)
+    sent = {N[0]: (100, 0, 7, 8), N[1]: (0, 100, 7, 16), N[2]: (200, 0, 7, 8), N[3]: (0, 200, 7, 16)}
+    lines = []
+    for p, b in sent.items():
+        r = report(1, 0, loss=2.5 if p in (N[1], N[3]) else None)
+        lines += log.add(p, dataclasses.replace(r, bytes_sent=b))
+    for p in sent:
+        lines += log.add(p, report(1, 1, loss=2.0 if p in (N[1], N[3]) else None))
+    [first, second] = [x for x in lines if x["step"] in (0, 1)]
+    assert first["bytes_sent"] == {"pp_fwd": 300, "pp_bwd": 300, "dp": 28, "other": 48}
+    assert "bytes_sent" not in second

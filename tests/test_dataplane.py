@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from contextlib import asynccontextmanager
 
 import pytest
@@ -24,9 +25,13 @@ from dtfm.train import (
     MessageRules,
     Plan,
     StageState,
+    activation_payload_bytes,
     load_corpus,
+    parse_compression,
     run_step,
+    split_batch,
 )
+from dtfm.control import params_sha256
 
 KEY = bytes(range(32))
 RUN = bytes(16)
@@ -80,9 +85,11 @@ def param_shapes(state: StageState) -> list:
     return [p.shape for p in state.params.values()]
 
 
-async def start_comms(nursery, nodes, plan, spec, cfg, states, config=None) -> dict[bytes, TransportComm]:
+async def start_comms(nursery, nodes, plan, spec, cfg, states, config=None,
+                      compression=None) -> dict[bytes, TransportComm]:
     """A running, connected TransportComm per peer of `plan`."""
-    rules = {p: MessageRules.for_peer(plan, spec, cfg, p, param_shapes(states[p])) for p in plan.peers}
+    rules = {p: MessageRules.for_peer(plan, spec, cfg, p, param_shapes(states[p]), compression=compression)
+             for p in plan.peers}
     by_id = {node.id: node for node in nodes}
     comms = {}
     for p in plan.peers:
@@ -124,9 +131,9 @@ async def run_steps(plan, states, comms, corpus, steps: int) -> list[float]:
     return losses
 
 
-def assert_equals_local(spec, cfg, names: Plan, plan: Plan, states, losses, corpus):
+def assert_equals_local(spec, cfg, names: Plan, plan: Plan, states, losses, corpus, compression=None):
     """Losses and every parameter equal a LocalCluster run of the same plan, within 1e-6."""
-    with LocalCluster(spec, cfg, names, corpus) as cl:
+    with LocalCluster(spec, cfg, names, corpus, compression=compression) as cl:
         want = cl.run(len(losses))
         for got, w in zip(losses, want):
             assert abs(got - w) <= 1e-6 * abs(w), (losses, want)
@@ -209,6 +216,67 @@ async def test_hostile_tensors_are_refused_and_the_run_goes_on(corpus, caplog):
         for comm in comms.values():
             comm.close()
     assert_equals_local(TINY, TEST_CONFIG, names, plan, states, losses, corpus)
+
+
+async def test_compressed_payloads_of_the_plan_pass_and_hostile_ones_are_refused(corpus, caplog):
+    # int8 activations and CocktailSGD-style DP over real transports: the receiver expects each
+    # payload's exact size from the plan and the run's compression (never from the payload), the
+    # DP replicas stay bit-identical, and a payload of another size or dtype, an oversized one,
+    # or a DP payload from a peer outside the group is refused while the run goes on.
+    caplog.set_level(logging.DEBUG, logger="dtfm.control.dataplane")
+    comp = parse_compression("cocktail,pp_method=int8")
+    names = Plan.grid(TINY.n_layer, 2, 2)
+    async with swarm(4) as (nursery, nodes):
+        plan = id_plan(names, nodes)
+        (a, b), (c, d) = [[next(n for n in nodes if n.id == p) for p in pipe] for pipe in plan.pipelines]
+        states = {p: StageState(TINY, TEST_CONFIG, plan.layer_ranges[plan.position(p)[1]], compression=comp)
+                  for p in plan.peers}
+        comms = await start_comms(nursery, nodes, plan, TINY, TEST_CONFIG, states, compression=comp)
+        losses = await run_steps(plan, states, comms, corpus, 1)
+
+        rules = comms[b.id].rules
+        act_tag, dpc_tag = f"{EPOCH}.1/act/0", f"{EPOCH}.1/dpc"
+        act = rules.expect(a.id, act_tag)
+        dpc = rules.expect(d.id, dpc_tag)
+        n_act, n_dpc = act[1][0], dpc[1][0]
+        assert act[0] == dpc[0] == "uint8" and n_act == activation_payload_bytes(rules_shape(b, plan), comp)
+        assert n_dpc == states[b.id].compress.payload_bytes() < 4 * sum(p.numel() for p in states[b.id].params.values())
+
+        def body(tag, dtype, shape):
+            return {"run": RUN, "epoch": EPOCH, "seq": 5, "tag": tag, "dtype": dtype, "shape": list(shape)}
+
+        from_a, from_d = a.transport.connection(b.id), d.transport.connection(b.id)
+        cases = [
+            (from_a, body(act_tag, "uint8", [n_act + 1]), bytes(n_act + 1), f"shape [{n_act + 1}]"),
+            (from_a, body(act_tag, "uint8", [n_act - 1]), bytes(n_act - 1), f"shape [{n_act - 1}]"),
+            (from_a, body(act_tag, "float32", rules_shape(b, plan)), bytes(4 * math.prod(rules_shape(b, plan))),
+             "dtype 'float32', the tag carries uint8"),
+            (from_a, body(act_tag, "uint8", [n_act]), bytes(2 * n_act), "header says"),  # oversized payload
+            (from_d, body(dpc_tag, "uint8", [n_dpc * 4]), bytes(n_dpc * 4), f"shape [{n_dpc * 4}]"),
+            (from_d, body(dpc_tag, "float32", [n_dpc // 4]), bytes(n_dpc // 4 * 4), "dtype 'float32'"),
+            (from_d, body(dpc_tag, "uint8", [n_dpc]), bytes(n_dpc + 1), "header says"),
+            (from_a, body(dpc_tag, "uint8", [n_dpc]), bytes(n_dpc), "not a tag"),  # a is not in b's DP group
+            (from_d, body(f"{EPOCH}.1/dp/rs0/b0", "float32", [8]), bytes(32), "not a tag"),  # no exact ring here
+        ]
+        with trio.fail_after(10):
+            for conn, msg, payload, why in cases:
+                reply, _ = await conn.request(ControlMsg.TENSOR, msg, payload=payload)
+                assert reply["ok"] is False and why in reply["why"], (why, reply)
+                sender = short_id(a.id if conn is from_a else d.id)
+                assert any(sender in r.getMessage() and why in r.getMessage() for r in caplog.records), why
+        losses += await run_steps(plan, states, comms, corpus, 1)
+        for comm in comms.values():
+            comm.close()
+    for s in range(plan.stages):  # every synchronisation gave both replicas the same bits
+        assert len({params_sha256(states[pipe[s]]) for pipe in plan.pipelines}) == 1
+    assert_equals_local(TINY, TEST_CONFIG, names, plan, states, losses, corpus, compression=comp)
+
+
+def rules_shape(node: Node, plan: Plan) -> tuple[int, int, int]:
+    """The activation shape of micro-batch 0 of `node`'s pipeline."""
+    d, _ = plan.position(node.id)
+    return (len(split_batch(TEST_CONFIG.global_batch_seqs, plan.dp, TEST_CONFIG.micro_batches)[d][0]),
+            TINY.seq_len, TINY.n_embd)
 
 
 # ---- (c) a lost neighbour fails the waiting worker at once ----------------------------------

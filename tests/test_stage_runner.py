@@ -4,15 +4,17 @@ its checkpoints written with the step reports of the steps they hold."""
 from __future__ import annotations
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import pytest
+import torch
 import trio
 
-import pytest
-
 from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport, end_checkpoint_due, params_sha256
+from dtfm.net import ProtocolError
 from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
-                        list_checkpoints, load_checkpoint)
+                        list_checkpoints, load_checkpoint, parse_compression, run_step, stage_tensors)
 
 SPEC = dataclasses.replace(PRESETS["tiny"], n_layer=2)
 CFG = dataclasses.replace(TEST_CONFIG, global_batch_seqs=2, micro_batches=1)
@@ -123,3 +125,61 @@ def test_a_cancelled_runner_still_leaves_a_whole_checkpoint_or_none(tmp_path):
     [path] = list_checkpoints(tmp_path, (0, SPEC.n_layer))
     assert load_checkpoint(path).step == 3
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_compressed_replicas_stay_identical_report_their_bytes_and_roll_back_with_their_compression_state(tmp_path):
+    # Two DP replicas of one stage (2 x 1) run DiLoCo (H = 2) through their stage runners: every
+    # synchronisation leaves them bit-identical; each report carries the bytes sent per axis (the
+    # compressed payload on synchronisation steps only); the checkpoint and the one-step-back
+    # snapshot hold the compression state (residual, anchor, outer momentum): a replica rebuilt
+    # from its snapshot and re-run reaches the very same bits, so a rollback loses nothing.
+    comp = parse_compression("diloco,inner_steps=2")
+    peers = (b"p0", b"p1")
+    plan = Plan(tuple((p,) for p in peers), ((0, SPEC.n_layer),), epoch=1)
+    hub = InMemoryHub()
+    states = {p: StageState(SPEC, CFG, (0, SPEC.n_layer), compression=comp) for p in peers}
+    seen: dict[bytes, list[StepReport]] = {p: [] for p in peers}
+    runners = {p: StageRunner(states[p], plan, p, hub.endpoint(p), CORPUS, end_step=4, checkpoint_every=4,
+                              checkpoint_dir=tmp_path / p.hex(), on_step=seen[p].append) for p in peers}
+    ends = {}
+
+    async def run_all():
+        async def one(p):
+            ends[p] = await runners[p].run()
+        async with trio.open_nursery() as n:
+            for p in peers:
+                n.start_soon(one, p)
+    trio.run(run_all)
+    assert {(e.completed, e.failed) for e in ends.values()} == {(3, False)}
+    assert ends[peers[0]].params_sha256 == ends[peers[1]].params_sha256
+    payload = states[peers[0]].compress.payload_bytes()
+    for p in peers:
+        assert [r.bytes_sent[:3] for r in seen[p]] == [(0, 0, 0), (0, 0, payload), (0, 0, 0), (0, 0, payload)]
+        assert all(r.bytes_sent[3] == 8 for r in seen[p])  # the loss, one float64 to the other replica
+        assert StepReport.from_wire(seen[p][1].to_wire()) == seen[p][1]
+        [ck] = list_checkpoints(tmp_path / p.hex(), (0, SPEC.n_layer))
+        saved = load_checkpoint(ck)
+        assert saved.compress.config == comp
+        for k, v in states[p].compress.state_tensors().items():
+            assert torch.equal(saved.compress.state_tensors()[k], v), k
+
+    # back one step: each replica from its snapshot (step 3), re-run together
+    back = {p: runners[p].snapshot_state() for p in peers}
+    assert all(b.step == 3 and b.compress.config == comp for b in back.values())
+    assert not torch.equal(back[peers[0]].compress.buffers["ef"], states[peers[0]].compress.buffers["ef"])
+    hub = InMemoryHub()
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(run_step, back[p], plan, p, hub.endpoint(p), CORPUS) for p in peers]:
+            f.result(timeout=60)
+    for p in peers:
+        for k, v in stage_tensors(states[p]).items():
+            assert torch.equal(stage_tensors(back[p])[k], v), (p, k)
+
+
+def test_step_reports_bytes_are_checked():
+    rep = StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02, (10, 20, 30, 40))
+    assert StepReport.from_wire(rep.to_wire()) == rep
+    assert "bytes" not in StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02).to_wire()  # none counted: as before
+    for bad in ([1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, -4], [1, 2, 3, 2**60], [1, 2, 3, 4.0], "1234", None):
+        with pytest.raises(ProtocolError, match="bytes"):
+            StepReport.from_wire({**rep.to_wire(), "bytes": bad})

@@ -105,7 +105,10 @@ class StepReport:
             if len(items) != len(BYTE_AXES):
                 raise ProtocolError(f"step report: bytes must list {len(BYTE_AXES)} counts ({', '.join(BYTE_AXES)})")
             counts = dict(zip(BYTE_AXES, items))
-            sent = tuple(get_int(counts, k, 0, MAX_STEP_BYTES) for k in BYTE_AXES)  # type: ignore[assignment]
+            try:
+                sent = tuple(get_int(counts, k, 0, MAX_STEP_BYTES) for k in BYTE_AXES)  # type: ignore[assignment]
+            except ProtocolError as e:
+                raise ProtocolError(f"step report: bytes: {e}") from None
         iteration_s, compute_s, pipeline_s, sync_s = (get_float(d, k, 0.0, MAX_SECONDS)
                                                       for k in ("iteration_s", "compute_s", "pipeline_s", "sync_s"))
         return cls(get_int(d, "epoch", 0, MAX_STEP), get_int(d, "step", 0, MAX_STEP),
