@@ -29,7 +29,6 @@ from pathlib import Path
 from dtfm.control import PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import PLANE_PROFILES
-from dtfm.peer.cli import compression_arg
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import (
@@ -192,6 +191,16 @@ def used_files(run_dir: Path, existing: SwarmState | None) -> list[Path]:
              if d.is_dir() and ((d / "daemon.log").exists() or (d / IDENTITY_FILE).exists())}
     found += sorted(d for d in dirs if d.exists() and d.parent.resolve() == run_dir.resolve())
     return found
+
+
+def compression_arg(text: str) -> str:
+    """`--compress NAME[,FIELD=VALUE...]` checked as `dtfm-peer train start` checks it; the
+    canonical text of the config it names."""
+    from dtfm.train import parse_compression  # (torch: only when the option is given)
+    try:
+        return parse_compression(text).to_spec()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _train_request(args: argparse.Namespace) -> dict:

@@ -343,6 +343,17 @@ def test_one_field_replaced_by_garbage_raises_only_protocol_error(index, value):
     assert a.encode() == body  # only a well-formed, canonical replacement gets through
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, len(V4) - 1), wire_values | st.dictionaries(st.sampled_from(sorted(V4[22])), wire_values))
+def test_a_format_4_field_replaced_by_garbage_raises_only_protocol_error(index, value):
+    body = _with(V4, index, value if index < 22 or not isinstance(value, dict) else {**V4[22], **value})
+    try:
+        a = Allocation.decode(body)
+    except ProtocolError:
+        return
+    assert a.encode() == body
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_truncated_or_flipped_bodies_raise_only_protocol_error(data):

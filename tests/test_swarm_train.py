@@ -361,14 +361,22 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
     pipelines and a spare. A training peer is SIGKILLed: the run goes on (the spare fetches its
     stage, with its error-feedback residual), every step is logged once with the bytes sent per
     axis (the activations' int8 payloads far below float32), and at the end every stage's DP
-    replicas hold identical weights."""
+    replicas hold identical weights. (The run starts once gossip has taken the test before's
+    killed peer out of the view.)"""
     state = load_state(run_dir)
-    c = coordinator(state)
-    if c is not None:  # the test before's run, paused short of a peer
-        with contextlib.suppress(SwarmError):
-            stop_training(run_dir, next(p for p in state.peers if p.name == c[0]))
-    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "3", "--steps", "400",
-                       "--compress", COMPRESS]) == 0
+    live = [p for p in state.peers if p.alive()]
+    wait_for("gossip to count the live peers only", lambda: all(
+        ((peer_status(p) or {}).get("gossip") or {}).get("view", {}).get("peer_count") == len(live) for p in live),
+        60, interval_s=0.5)
+
+    def started():
+        c = coordinator(state)
+        if c is not None:  # the test before's run, paused short of a peer: stopped first
+            with contextlib.suppress(SwarmError):
+                stop_training(run_dir, next(p for p in state.peers if p.name == c[0]))
+        return swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "3", "--steps", "400",
+                           "--compress", COMPRESS]) == 0
+    wait_for("the compressed run to start", started, 90, interval_s=1.0)
     wait_steps(run_dir, 2)
     t = trainings(state)
     assert {v.get("compression") for v in t.values()} == {COMPRESS}, t

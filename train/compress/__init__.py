@@ -7,14 +7,19 @@ every H steps with a Nesterov outer step (`StageCompression`). Payloads are uint
 sizes follow from the plan and the `CompressionConfig`; decoders raise only `CodecError`.
 """
 
-from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes, encode_dense, encode_sparse,
-                    hadamard, sparse_payload_bytes)
-from .calibrate import measure_compress_cost
-from .config import (COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
-                     get_compression, parse_compression)
-from .counting import AXES, ByteCounter, CountingComm, axis_of
-from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset, sync_payload_bytes
-from .pp import activation_payload_bytes, decode_activation, encode_activation
+from typing import TYPE_CHECKING
+
+from dtfm.lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from .calibrate import measure_compress_cost
+    from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes, encode_dense, encode_sparse,
+                        hadamard, sparse_payload_bytes)
+    from .config import (COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
+                         get_compression, parse_compression)
+    from .counting import AXES, ByteCounter, CountingComm, axis_of
+    from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset, sync_payload_bytes
+    from .pp import activation_payload_bytes, decode_activation, encode_activation
 
 __all__ = [
     "AXES", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "STATE_PREFIX",
@@ -24,3 +29,16 @@ __all__ = [
     "get_compression", "hadamard", "measure_compress_cost", "parse_compression", "random_subset",
     "sparse_payload_bytes", "sync_payload_bytes",
 ]
+
+# Imported on first use (PEP 562): the config (and the allocation that carries it) loads no torch.
+LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
+    ".calibrate": ("measure_compress_cost",),
+    ".codec": ("CodecError", "decode_dense", "decode_sparse", "dense_payload_bytes", "encode_dense", "encode_sparse",
+               "hadamard", "sparse_payload_bytes"),
+    ".config": ("COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "CompressionConfig",
+                "get_compression", "parse_compression"),
+    ".counting": ("AXES", "ByteCounter", "CountingComm", "axis_of"),
+    ".dp": ("STATE_PREFIX", "StageCompression", "allgather_payloads", "random_subset", "sync_payload_bytes"),
+    ".pp": ("activation_payload_bytes", "decode_activation", "encode_activation"),
+}
+__getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())
