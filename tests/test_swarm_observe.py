@@ -424,6 +424,16 @@ def test_peer_status_shows_role_term_coordinator_and_last_reconfiguration():
                         "3.4 MB moved, resumed at step 41")
 
 
+def test_peer_status_shows_the_compression_and_the_bytes_per_axis():
+    t = {**PEER_TRAINING, "compression": "slow-link", "compression_details": "pipeline int4+hadamard/64; ...",
+         "last_step": {"step": 44, "loss": 2.5, "iteration_s": 1.5,
+                       "bytes_sent": {"pp_fwd": 139_456, "pp_bwd": 0, "dp": 81_150, "other": 8}}}
+    lines = format_training(t, now=1125.0)
+    assert lines[1] == "          compression slow-link: pipeline int4+hadamard/64; ..."
+    assert ("          last step 44: loss 2.5000, 1.500 s, sent pp_fwd 139.5 kB, pp_bwd 0 B, dp 81.2 kB, "
+            "other 8 B") in lines
+
+
 def test_peer_status_of_an_older_or_idle_daemon():
     assert format_training({"state": "idle"}, now=0.0) == ["training  idle"]
     coord = format_training({"state": "training", "role": "coordinator", "term": 2, "coordinator": None,

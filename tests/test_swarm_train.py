@@ -357,23 +357,28 @@ COMPRESS = "cocktail,pp_method=int8"
 @pytest.mark.timeout(300)
 def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir):
     """A run with int8 activations and CocktailSGD-style DP (`--compress cocktail,pp_method=int8`)
-    on the swarm the test before left (7 live peers, its run paused short of one): 2 stages x 3
-    pipelines and a spare. A training peer is SIGKILLed: the run goes on (the spare fetches its
-    stage, with its error-feedback residual), every step is logged once with the bytes sent per
-    axis (the activations' int8 payloads far below float32), and at the end every stage's DP
-    replicas hold identical weights. (The run starts once gossip has taken the test before's
-    killed peer out of the view.)"""
+    on the swarm the test before left (7 live peers, its run paused short of one; started once
+    gossip has taken that one out of the view): 2 stages x 3 pipelines and a spare. A training
+    peer is SIGKILLed: the run goes on (the spare fetches its stage, with its error-feedback
+    residual), every step is logged once with the bytes sent per axis (the activations' int8
+    payloads far below float32), and at the end every stage's DP replicas hold identical weights."""
     state = load_state(run_dir)
+    t0 = time.monotonic()
+
+    def stop_the_run_before():
+        c = coordinator(state)
+        if c is not None:  # the test before's run, paused short of its killed peer
+            with contextlib.suppress(SwarmError):
+                stop_training(run_dir, next(p for p in state.peers if p.name == c[0]))
+    stop_the_run_before()
     live = [p for p in state.peers if p.alive()]
     wait_for("gossip to count the live peers only", lambda: all(
         ((peer_status(p) or {}).get("gossip") or {}).get("view", {}).get("peer_count") == len(live) for p in live),
         60, interval_s=0.5)
+    print(f"the killed peer out of the view after {time.monotonic() - t0:.1f} s")
 
     def started():
-        c = coordinator(state)
-        if c is not None:  # the test before's run, paused short of a peer: stopped first
-            with contextlib.suppress(SwarmError):
-                stop_training(run_dir, next(p for p in state.peers if p.name == c[0]))
+        stop_the_run_before()
         return swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "3", "--steps", "400",
                            "--compress", COMPRESS]) == 0
     wait_for("the compressed run to start", started, 90, interval_s=1.0)
@@ -409,5 +414,7 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
         sent = r.get("bytes_sent")
         assert r["loss"] == r["loss"] and sent, r
         assert 0 < sent["pp_fwd"] == sent["pp_bwd"] < fp32 / 3.5 and sent["dp"] > 0, r
-    print(f"compressed run, peer killed: training again after {recovered_s:.1f} s; "
+    fetched = sum(v.get("fetched_bytes", 0) for v in ended.values())
+    print(f"compressed run, peer killed: training again after {recovered_s:.1f} s, {fetched} bytes fetched; "
+          f"shape {ended[next(iter(ended))]['stages']} x {ended[next(iter(ended))]['dp']}; "
           f"bytes per step {rows[-1]['bytes_sent']}")
