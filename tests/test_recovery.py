@@ -35,6 +35,7 @@ from dtfm.train import (
     encode_transfer,
     get_preset,
     load_corpus,
+    parse_compression,
     reference_state,
     reference_step,
     save_checkpoint,
@@ -55,14 +56,17 @@ def corpus():
     return load_corpus(max_bytes=256 << 10)
 
 
-def make_state(layer_range=LAYERS, step=STEP, nudge: float = 0.0) -> StageState:
-    """A stage as a holder would have it at `step`, with non-zero moments; `nudge` changes one weight."""
-    st = StageState(SPEC, CFG, layer_range)
+def make_state(layer_range=LAYERS, step=STEP, nudge: float = 0.0, compression=None) -> StageState:
+    """A stage as a holder would have it at `step`, with non-zero moments (and compression
+    buffers); `nudge` changes one weight."""
+    st = StageState(SPEC, CFG, layer_range, compression=compression)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for n in st.params:
             st.optim.exp_avg[n].copy_(torch.randn(st.params[n].shape, generator=gen) * 1e-3)
             st.optim.exp_avg_sq[n].copy_(torch.rand(st.params[n].shape, generator=gen) * 1e-6)
+        for buf in st.compress.buffers.values():
+            buf.copy_(torch.randn(buf.shape, generator=gen))
         next(iter(st.params.values())).view(-1)[0] += nudge
     st.step, st.optim.step_count = step, step
     return st
@@ -412,6 +416,30 @@ async def test_new_stage_from_old_stages_fetched_over_the_network():
     for n, p in new.params.items():
         assert torch.equal(p, have[n])
         assert torch.equal(new.optim.exp_avg_sq[n], {**olds[0].optim.exp_avg_sq, **olds[1].optim.exp_avg_sq}[n])
+
+
+async def test_a_compressed_stage_moves_with_its_compression_state():
+    """A DiLoCo run's stages (residual, anchor, outer momentum) fetched over the network and
+    re-laid out from (0, 2), (2, 4) into (1, 3): every compression buffer follows its parameter,
+    bit for bit; a part trained with another compression, or the run's own without it, is refused."""
+    comp = parse_compression("diloco,inner_steps=4")
+    old_ranges = [(0, 2), (2, 4)]
+    olds = [make_state(r, compression=comp) for r in old_ranges]
+    async with swarm(3) as (me, *holders):
+        digests = [(await h.server.offer(RUN, state)).digest for h, state in zip(holders, olds)]
+        parts = [(await fetch(me, [holders[i]], digests[i], layer_range=old_ranges[i])).receiver
+                 for i in needed_stages(old_ranges, (1, 3))]
+    new = assemble_stage(SPEC, CFG, (1, 3), parts, STEP, STEP, compression=comp)
+    have = {**olds[0].compress.state_tensors(), **olds[1].compress.state_tensors()}
+    got = new.compress.state_tensors()
+    assert sorted(got) == sorted(k for k in have if k.split("/")[-1].startswith(("h.1.", "h.2.")))
+    assert {k.split("/")[1] for k in got} == {"ef", "anchor", "outer_m"}
+    for k, v in got.items():
+        assert torch.equal(v, have[k]), k
+    with pytest.raises(RecoveryError, match="compression"):
+        assemble_stage(SPEC, CFG, (1, 3), parts, STEP, STEP, compression=parse_compression("cocktail"))
+    with pytest.raises(RecoveryError, match="compression"):
+        assemble_stage(SPEC, CFG, (1, 3), parts, STEP, STEP)  # an exact run
 
 
 def test_needed_stages():

@@ -359,9 +359,10 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
     """A run with int8 activations and CocktailSGD-style DP (`--compress cocktail,pp_method=int8`)
     on the swarm the test before left (7 live peers, its run paused short of one; started once
     gossip has taken that one out of the view): 2 stages x 3 pipelines and a spare. A training
-    peer is SIGKILLed: the run goes on (the spare fetches its stage, with its error-feedback
-    residual), every step is logged once with the bytes sent per axis (the activations' int8
-    payloads far below float32), and at the end every stage's DP replicas hold identical weights."""
+    peer is SIGKILLed: the run goes on in a new epoch (each survivor keeps its own replica, error-
+    feedback residual included; a peer new to a stage would fetch one), every step is logged once
+    with the bytes sent per axis (the activations' int8 payloads far below float32), and at the end
+    every stage's DP replicas hold identical weights."""
     state = load_state(run_dir)
     t0 = time.monotonic()
 
