@@ -18,8 +18,9 @@ What a peer may report (each refusal counted in the coordinator's `Refusals`):
   a step of each other): a report further ahead still counts as that peer's progress (one
   number per peer), but what it says is not kept, so the state is at most `STEP_WINDOW` steps of
   reports, and no work grows with what a peer sends;
-- bytes sent per axis (`bytes_sent`: pipeline forward, pipeline backward, data-parallel, other)
-  are the sum over the reports the line has (of every peer unless the line is `partial`);
+- bytes sent per axis (each report's own, bounded by `StepReport.from_wire`): the line's
+  `bytes_sent` (pipeline forward, pipeline backward, data-parallel, other) is their sum over the
+  reports it has (every peer's unless the line is `partial`);
 - the loss only from the last-stage peers: their losses are one global value (summed in pipeline
   order on every last stage), so they are compared; a disagreement is logged at WARNING and the
   line says so (`loss_disagreement`: each last-stage peer's loss), and the line's loss is the
