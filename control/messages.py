@@ -17,3 +17,4 @@ class ControlMsg(IntEnum):
     RUN_STATE = 71   # request: what a peer holds of a run (allocation, steps, stages, checkpoints)
     TENSOR = 72      # request: one tensor of a training step; reply once it is buffered
     TRAIN_OP = 73    # request: an operator's signed start, stop, reschedule or resume forwarded to the coordinator
+    COORDINATOR = 74  # request: who is the coordinator? reply: the answering peer's view and certificate

@@ -101,6 +101,7 @@ logger = logging.getLogger(__name__)
 
 MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
 MAX_CHECKPOINTS_LISTED = 16
+FIND_AGAIN_ELECTIONS = 4  # `train start` without a coordinator asks the peers again after this many election timeouts
 
 
 class GossipSwarm:
@@ -184,7 +185,7 @@ class ControlPlane:
         self.config = config or PlaneConfig.wan()
         self.operators = frozenset(operators)  # the swarm's operators' public keys (the swarm key file)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
-                                        signer=identity, address_of=self._address_of)
+                                        signer=identity, address_of=self._address_of, peers=gossip.live_peers)
         cfg = self.config
         self.epoch = EpochMachine(self.me, self.election, heartbeat_wait_s=cfg.heartbeat_wait_s,
                                   coordinator_lost_after_s=cfg.coordinator_lost_after_s, operators=self.operators)
@@ -680,9 +681,6 @@ class ControlPlane:
         if not forwarded:  # (a forwarding peer has waited)
             await self._await_swarm(req)
         coordinator = self.me if forwarded else await self._become_coordinator()
-        if coordinator is None:
-            raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
-                             "is a majority of the swarm reachable?")
         if coordinator != self.me:
             return await self._forward(coordinator, "start", signed)
         refusal = self.coordinator.start_refusal()  # (cheap, before this peer's data set is loaded)
@@ -727,17 +725,32 @@ class ControlPlane:
         finally:
             self._swarm_wait = None
 
-    async def _become_coordinator(self) -> bytes | None:
-        """Make sure there is a coordinator, standing if there is none; returns it (None: none)."""
+    async def _become_coordinator(self) -> bytes:
+        """The coordinator: the one this peer follows, else one found by asking the live peers
+        (election/discovery.py), else one elected (this peer stands where it may; a peer without
+        a configuration makes the first one only where no peer that answered has one). Raises
+        TrainError saying why after elect_timeout_s (who holds a lease, how many voters answer)."""
         if self.election.is_coordinator:
             return self.me
         if self.election.coordinator is not None:
             return self.election.coordinator
-        if self.me not in self.election.voters:
-            self.election.set_voters(tuple(sorted(set(self.gossip.live_peers()) | {self.me})))
-        self.election.campaign()
-        await self.election.wait_for_coordinator(self.config.elect_timeout_s)
-        return self.election.coordinator
+        deadline = trio.current_time() + self.config.elect_timeout_s
+        ask_s = min(self.config.request_timeout_s, self.config.elect_timeout_s)
+        found = await self.election.find_coordinator(self.gossip.live_peers(), ask_s)
+        while found.coordinator is None:
+            if self.me not in self.election.voters and not found.configured:
+                self.election.set_voters(tuple(sorted(set(self.gossip.live_peers()) | {self.me})))
+            self.election.campaign()  # stands if it is a voter of its configuration
+            left = deadline - trio.current_time()
+            if left <= 0:
+                raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
+                                 f"{found.why}")
+            c = await self.election.wait_for_coordinator(min(left, FIND_AGAIN_ELECTIONS
+                                                             * self.config.election.election_timeout_max_s))
+            if c is not None:
+                return c
+            found = await self.election.find_coordinator(self.gossip.live_peers(), ask_s)
+        return found.coordinator
 
     async def stop_training(self, signed: SignedOp) -> dict:
         """An operator's signed stop, on any peer: the coordinator tells every peer of the run
@@ -778,9 +791,14 @@ class ControlPlane:
         """Feed an operator's stop or reschedule to the coordinator machine here, or forward it to
         the coordinator this peer knows."""
         if not self.election.is_coordinator:
+            if forwarded:
+                raise TrainError("this peer is no longer the coordinator")
             c = self.election.coordinator
-            if c is None or forwarded:
-                raise TrainError("no coordinator is known: is training running?")
+            if c is None:
+                found = await self.election.find_coordinator(self.gossip.live_peers(), self.config.request_timeout_s)
+                if found.coordinator is None:
+                    raise TrainError(f"no coordinator is known: {found.why}")
+                c = found.coordinator
             return await self._forward(c, op, signed)
         return await self._operator(event_type, signed)
 

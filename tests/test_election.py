@@ -18,6 +18,7 @@ from dtfm.control.election import (
     MAX_TERM,
     BecameCoordinator,
     Certificate,
+    CoordinatorAnswer,
     CoordinatorKnown,
     ElectionConfig,
     ElectionRole,
@@ -39,9 +40,10 @@ from dtfm.control.election import (
     quorum,
     vote_payload,
 )
+from dtfm.control.election.discovery import explain
 from dtfm.control.election.sim import ElectionSim, NetConditions, returning_peer, takeover_times
 from dtfm.control.sim import PlaneSim
-from dtfm.net import Identity, ProtocolError, pack, unpack_untrusted, verify_signature
+from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted, verify_signature
 
 # Real Ed25519 keys (votes are signatures): A < B < ... < E by peer id; X and Y are outsiders.
 KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 8)), key=lambda k: k.peer_id)
@@ -349,6 +351,75 @@ def test_without_voters_a_node_votes_but_never_stands():
     n.set_voters((A, B, C), 100.0)
     n.tick(200.0)
     assert n.role is ElectionRole.PRE_CANDIDATE
+
+
+def test_a_peer_outside_the_configuration_learns_the_coordinator_from_a_passed_on_certificate():
+    # A restarted peer (its configuration A..C, term 1) whose swarm went on without it: B was
+    # elected in term 2 by B and C over (B, C, D). The certificate a peer passes on verifies
+    # against A's own configuration (B and C are a quorum of A, B, C): A recognises B and takes
+    # term 2 (persisted), without a lease (a certificate is no sign of life), and stops standing:
+    # its voters answer no pre-vote of a peer outside their configuration.
+    new = cert(2, B, (B, C), voters=(B, C, D))
+    a = node(A, voters=(A, B, C), term=1)
+    out = a.learn(new, 1.0)
+    assert Persist(2, None) in out and CoordinatorKnown(2, B) in out
+    assert (a.term, a.coordinator, a.role, a.heard_of) == (2, B, ElectionRole.FOLLOWER, None)
+    assert not a.in_lease and a.answer(1.0).in_lease is False
+    assert a.tick(100.0) == [] and a.role is ElectionRole.FOLLOWER  # no PreVote to anyone
+    assert a.learn(new, 101.0) == [] and a.learn(cert(1, C, (A, C), voters=(A, B, C)), 101.0) == []
+    # a heartbeat of its coordinator (it became a voter again) or an applied allocation ends that
+    a.handle(B, hb(2, B, voters=(A, B, C)), 102.0)
+    assert a.in_lease
+    a.tick(200.0)
+    assert a.role is ElectionRole.PRE_CANDIDATE
+
+
+def test_a_fresh_peer_only_hears_of_a_coordinator_it_cannot_verify_and_never_of_a_forged_one():
+    # A joiner with no configuration cannot check a certificate that does not name it: it keeps
+    # the newest one that is a quorum of its own configuration as `heard_of` (someone to forward
+    # an operator's request to), recognises nobody, and never stands; a certificate with a
+    # forged vote, or an older one, changes nothing.
+    e = ElectionState(E, CFG, random.Random(0), 0.0, signer=SIGNERS[E])
+    two = cert(2, B, (B, C), voters=(A, B, C))
+    assert e.learn(cert(1, A, (A, B), voters=(A, B, C)), 1.0) == []
+    assert e.heard_of.term == 1
+    assert e.learn(two, 1.0) == [] and e.heard_of == two and e.coordinator is None and e.term == 0
+    forged = Certificate(3, C, (A, B, C), ((0, bytes(64)), (2, SIGNERS[C].sign(b"x"))))
+    assert e.learn(forged, 2.0) == [] and e.heard_of == two
+    assert e.learn(cert(1, A, (A, B), voters=(A, B, C)), 2.0) == [] and e.heard_of == two
+    assert e.tick(100.0) == [] and e.role is ElectionRole.FOLLOWER
+    assert e.answer(100.0) == CoordinatorAnswer(0, "follower", False, False, 0, two)
+    # what it passes on proves nothing by itself: the asker checks it again
+    assert CoordinatorAnswer.from_wire(unpack_untrusted(pack(e.answer(100.0).to_wire()), max_len=1 << 16)) == \
+        e.answer(100.0)
+    # a heartbeat that names it (an allocation made it a voter) is followed, and heard_of dropped
+    e.handle(B, hb(3, B, voters=(B, C, E)), 101.0)
+    assert (e.coordinator, e.heard_of) == (B, None)
+
+
+@pytest.mark.parametrize("wire", [
+    5, {}, {"term": 1, "role": "king", "recognised": False, "lease": False, "voters": 0, "cert": None},
+    {"term": -1, "role": "follower", "recognised": False, "lease": False, "voters": 0, "cert": None},
+    {"term": 1, "role": "follower", "recognised": 1, "lease": False, "voters": 0, "cert": None},
+    {"term": 1, "role": "follower", "recognised": False, "lease": False, "voters": 0, "cert": {"t": 1}},
+])
+def test_a_coordinator_answer_is_checked(wire):
+    with pytest.raises(ProtocolError):
+        CoordinatorAnswer.from_wire(wire)
+
+
+def test_why_no_coordinator_is_found_names_leases_and_voters():
+    lease = CoordinatorAnswer(4, "follower", True, True, 3, cert(4, D, (C, D), voters=(C, D, E)))
+    stale = CoordinatorAnswer(3, "pre-candidate", True, False, 3, cert(3, C, (C, D), voters=(C, D, E)))
+    answers = {C: lease, D: stale, E: "unreachable"}
+    why = explain(3, answers, (A, B, C), A)
+    assert why.startswith("2 of the 3 peers asked answered; ")
+    assert f"{short_id(C)} holds a lease of coordinator {short_id(D)} (term 4)" in why
+    assert f"{short_id(D)} last heard of coordinator {short_id(C)} (term 3), not within its lease" in why
+    assert "2 of the 3 voters of this peer's configuration answer (2 elect a coordinator)" in why
+    assert f"no answer from {short_id(E)} (unreachable)" in why
+    assert "configurations of 3 voters" in explain(1, {C: lease}, (), A)
+    assert "no other live peer is known" in explain(0, {}, (), A)
 
 
 def test_a_single_voter_elects_itself():

@@ -52,7 +52,8 @@ class FailingStore(MemoryElectionStore):
 class Swarm:
     """n ElectionServices on one MemNetwork; records every event and every election frame sent."""
 
-    def __init__(self, n: int, *, seed: int = 0, config: ElectionConfig = CFG, stores=None) -> None:
+    def __init__(self, n: int, *, seed: int = 0, config: ElectionConfig = CFG, stores=None, finder: bool = False) -> None:
+        self.finder = finder  # each service asks the others who the coordinator is when it hears none
         self.rng = random.Random(seed)
         self.n = n
         self.config = config
@@ -103,7 +104,9 @@ class Swarm:
         t.connect = counting_connect
         svc = ElectionService(t, self.ids[k], self.stores[k], self.config, signer=self.signers[self.ids[k]],
                               address_of=self.address_of, rng=random.Random(self.rng.random()),
-                              wall_clock=lambda: WALL0 + trio.current_time())
+                              wall_clock=lambda: WALL0 + trio.current_time(),
+                              peers=(lambda: [p for i, p in enumerate(self.ids) if i in self.alive()])
+                              if self.finder else None)
         svc.on_event(lambda e, k=k: self.events.append((trio.current_time(), k, e)))
         self.transports[k], self.services[k], self.scopes[k] = t, svc, trio.CancelScope()
         await self.nursery.start(self._run_node, k)
@@ -201,7 +204,7 @@ async def test_campaign_elects_one_coordinator_all_recognise(autojump_clock):
                                                                                  tuple(s.ids))
         assert leader.status() == {"role": "coordinator", "term": 1, "coordinator": s.ids[2].hex(), "voters": 5,
                                    "applied": [0, 0], "since": pytest.approx(WALL0 + t0 + 4 * DELAY_S, abs=1e-4),
-                                   "term_exhausted": False}
+                                   "term_exhausted": False, "heard_of": None}
         assert s.services[0].status()["role"] == "follower"
         # it stays the only coordinator while heartbeats flow
         await trio.sleep(20 * CFG.election_timeout_max_s)
@@ -489,4 +492,34 @@ async def test_at_the_largest_term_a_peer_does_not_stand_and_says_so(autojump_cl
         assert not [m for _, k, _, m in s.sent if k == 1 and isinstance(m, (PreVote, RequestVote))]
         assert svc.role == "follower" and 1 not in s.failures
         assert any("largest" in r.getMessage() for r in caplog.records)
+        nursery.cancel_scope.cancel()
+
+
+async def test_peers_outside_the_configuration_find_the_coordinator_by_asking(autojump_clock):
+    # 0..2 elect 0 among themselves; 3 (a joiner: no configuration) and 4 (restarted with the
+    # configuration 0, 1, 2, 4 that the others left for one without it) hear no heartbeat. Asked, the voters pass on
+    # the coordinator's certificate: 4 checks it against its own configuration and follows 0
+    # (and stops standing); 3 can only check it is a quorum of its own voters, so it hears of 0.
+    # Without an operator's request, the background finder gets there within a few rounds.
+    async with trio.open_nursery() as nursery:
+        s = Swarm(5, seed=3, finder=True)
+        await s.start(nursery)
+        for k in range(3):
+            s.services[k].set_voters(s.ids[:3])
+        s.services[4].set_voters(s.ids[:3] + [s.ids[4]])
+        s.services[0].campaign()
+        assert await s.services[0].wait_until_coordinator(1.0)
+        t0 = trio.current_time()
+        found = await s.services[3].find_coordinator(s.ids[:3], 1.0)
+        assert (found.coordinator, found.why, found.configured) == (s.ids[0], "", 3)
+        assert trio.current_time() - t0 < 0.1  # a round trip
+        assert s.services[3].status()["heard_of"] == s.ids[0].hex() and s.services[3].coordinator is None
+        learned = await until(lambda: s.services[4].coordinator == s.ids[0], 2 * 5 * CFG.election_timeout_max_s)
+        assert [m for t, k, _, m in s.sent if k == 4 and isinstance(m, PreVote)]  # it stood, unanswered
+        await trio.sleep(10 * CFG.election_timeout_max_s)
+        assert s.services[4].coordinator == s.ids[0] and s.services[4].role == "follower"
+        assert s.services[3].role == "follower" and s.agreed(range(3)) == 0
+        assert not [m for t, k, _, m in s.sent if k == 4 and isinstance(m, PreVote) and t > learned]
+        # the voters of 0's term: none is ever asked to vote again
+        assert [e for e in s.became() if e[2] > 1] == []
         nursery.cancel_scope.cancel()

@@ -420,6 +420,77 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     assert "waiting_for_peers" not in plane.status()
 
 
+class AnsweringConn:
+    """A peer's connection as the joiner sees it: it answers "who is the coordinator?" with
+    `answer`, and takes forwarded operator requests when it is the coordinator."""
+
+    def __init__(self, peer: bytes, answer: dict, coordinator: bool):
+        self.peer_id, self.short_id = peer, peer.hex()[:8]
+        self.answer, self.coordinator = answer, coordinator
+        self.forwarded: list[dict] = []
+
+    async def request(self, msg_type, body, timeout_s=None):
+        if msg_type == ControlMsg.COORDINATOR:
+            assert body == {}
+            return self.answer, None
+        assert msg_type == ControlMsg.TRAIN_OP and self.coordinator
+        self.forwarded.append(body)
+        return {"ok": {"run_id": RUN.hex(), "coordinator": self.peer_id.hex()}}, None
+
+
+class SwarmTransport(FakeTransport):
+    def __init__(self, identity: Identity, conns: dict[bytes, AnsweringConn]):
+        super().__init__(identity)
+        self.conns = conns
+
+    def connection(self, peer_id):
+        return self.conns.get(peer_id)
+
+
+def certificate(term: int, candidate: Identity, signers, voters) -> Certificate:
+    ids = tuple(sorted(v.peer_id for v in voters))
+    sigs = {v.peer_id: v.sign(vote_payload(term, candidate.peer_id, config_digest(ids))) for v in signers}
+    return Certificate.of(term, candidate.peer_id, ids, sigs)
+
+
+async def test_train_start_on_a_peer_that_never_heard_the_coordinator_is_forwarded_to_it(tmp_path, autojump_clock):
+    # An idle swarm whose coordinator IDS[0] was elected in term 2 by IDS[0..2]; IDS[3] joined
+    # since, so it is in no configuration and no heartbeat reaches it. Its `train start` asks the
+    # live peers, checks the certificate they pass on and forwards the operator's signed start to
+    # the coordinator at once: no election of its own (it never stands), no 30 s wait.
+    joiner = IDS[3]
+    cert = certificate(2, IDS[0], IDS[:2], IDS[:3])
+    answer = {"term": 2, "role": "follower", "recognised": True, "lease": True, "voters": 3, "cert": cert.to_wire()}
+    conns = {p.peer_id: AnsweringConn(p.peer_id, answer, p is IDS[0]) for p in IDS[:3]}
+    gossip = FakeGossip(IDS[:4])
+    plane = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    t0 = trio.current_time()
+    signed = start_op()
+    with trio.fail_after(5):
+        result = await plane.start_training(signed)
+    assert result == {"run_id": RUN.hex(), "coordinator": IDS[0].peer_id.hex()}
+    assert conns[IDS[0].peer_id].forwarded == [{"op": "start", "signed": signed.to_wire()}]
+    assert trio.current_time() - t0 < 1
+    election = plane.status()["election"]
+    assert (election["role"], election["coordinator"], election["heard_of"]) == ("follower", None,
+                                                                                 IDS[0].peer_id.hex())
+    assert plane.election.voters == ()  # no configuration of its own making
+    # the answers pass on a certificate with a forged vote: nobody is trusted, and the operator
+    # reads who holds a lease of which coordinator and how many voters answer
+    forged = Certificate(3, IDS[1].peer_id, cert.voters, ((0, bytes(64)), (1, bytes(64))))
+    bad = {**answer, "term": 3, "cert": forged.to_wire()}
+    conns = {p.peer_id: AnsweringConn(p.peer_id, bad, False) for p in IDS[:3]}
+    other = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path / "x", config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    with pytest.raises(TrainError) as e:
+        await other.start_training(signed)
+    text = str(e.value)
+    assert text.startswith("no coordinator was elected within 30 s: 3 of the 3 peers asked answered; ")
+    assert f"{IDS[0].peer_id.hex()[:8]} holds a lease of coordinator {IDS[1].peer_id.hex()[:8]} (term 3)" in text
+    assert "configurations of 3 voters" in text and other.election.voters == ()
+
+
 async def test_an_idle_plane_does_not_spin(tmp_path):
     async with running(tmp_path, OTHER):
         cpu = time.process_time()

@@ -4,6 +4,7 @@
     config.py    ElectionConfig and its profiles
     messages.py  the six election messages and their wire form
     certificate.py  signed votes, the Certificate of an election, and its (cached) check
+    discovery.py the question "who is the coordinator?", its answer, and why none was found
     limits.py    the wire's bounds (MAX_TERM, MAX_VOTERS) and the check of a configuration
     store.py     the durable term and vote (file or memory)
     service.py   ElectionService, the trio driver of ElectionState inside a daemon
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .certificate import Certificate, CertificateCheck, config_digest, quorum, vote_payload
     from .config import ElectionConfig
+    from .discovery import CoordinatorAnswer, Discovery
     from .messages import (
         MAX_TERM,
         MAX_VOTERS,
@@ -49,7 +51,9 @@ __all__ = [
     "BecameCoordinator",
     "Certificate",
     "CertificateCheck",
+    "CoordinatorAnswer",
     "CoordinatorKnown",
+    "Discovery",
     "ElectionAction",
     "ElectionConfig",
     "ElectionEvent",
@@ -84,6 +88,7 @@ __all__ = [
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".certificate": ("Certificate", "CertificateCheck", "config_digest", "quorum", "vote_payload"),
     ".config": ("ElectionConfig",),
+    ".discovery": ("CoordinatorAnswer", "Discovery"),
     ".messages": (
         "MAX_TERM", "MAX_VOTERS", "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote", "PreVoteReply", "RequestVote", "Vote",
         "decode_election",

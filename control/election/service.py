@@ -35,6 +35,14 @@ a connection the peer opens itself is used at once. A send that fails or takes l
 SEND_TIMEOUT_S is dropped, logged at DEBUG. A sender idle for SENDER_IDLE_S ends; the next
 message to that peer starts another.
 
+Finding the coordinator. A peer outside the coordinator's configuration hears no heartbeat.
+`find_coordinator(peers)` asks peers (ControlMsg.COORDINATOR, at most MAX_ASKED of them, each
+within its timeout) and feeds every certificate of their answers to the state machine's
+`learn`, newest term first (discovery.py); the answer handler serves this peer's own view.
+Given `peers` (the live members), the service asks FINDER_ASKS of them every FIND_EVERY
+election timeouts while it neither is nor recently heard a coordinator, so a joiner's or a
+restarted peer's status names the coordinator without an operator's request.
+
 Queries (`role`, `term`, `coordinator`, `may_apply`, ...) read the state machine, which may be
 a moment ahead of the disk while a Persist runs. `is_coordinator`, the waits and the events
 follow the executed actions instead: a BecameCoordinator is reported only after the term and
@@ -56,12 +64,13 @@ from collections.abc import Callable, Iterable
 
 import trio
 
-from dtfm.net import ConnectionClosed, HandshakeError, ProtocolError, short_id
+from dtfm.net import ConnectionClosed, HandshakeError, ProtocolError, RemoteError, RequestTimeout, short_id
 
 from ..allocation import Refusal
 from ..messages import ControlMsg
 from .config import ElectionConfig
 from .certificate import Certificate
+from .discovery import CoordinatorAnswer, Discovery, explain
 from .messages import ElectionMessage, check_voters, decode_election
 from .state import (
     BecameCoordinator,
@@ -88,6 +97,9 @@ REDIAL_BACKOFF_MAX = 4  # after failed dials, redial after election_timeout_min_
                         # healed partition reconnects within a few timeouts
 SENDER_IDLE_S = 60.0  # a destination's sender task ends after this long without a message
 MAX_PENDING_ACTIONS = 4096  # actions not yet executed; beyond it, incoming messages are dropped
+MAX_ASKED = 32  # peers one find_coordinator asks (a random sample of more)
+FINDER_ASKS = 3  # peers the background finder asks per round
+FIND_EVERY = 5  # the background finder's period, in election_timeout_max_s
 
 ElectionEvent = BecameCoordinator | CoordinatorKnown | SteppedDown
 
@@ -97,7 +109,8 @@ class ElectionService:
 
     def __init__(self, transport, me: bytes, store, config: ElectionConfig, *, signer: VoteSigner,
                  address_of: Callable[[bytes], tuple[str, int] | None] = lambda p: None,
-                 rng: random.Random | None = None, wall_clock: Callable[[], float] = time.time) -> None:
+                 rng: random.Random | None = None, wall_clock: Callable[[], float] = time.time,
+                 peers: Callable[[], Iterable[bytes]] | None = None) -> None:
         self._transport = transport
         self.me = me
         self._short = short_id(me)
@@ -124,6 +137,8 @@ class ElectionService:
         self._known: tuple[int, bytes | None] = (term, None)  # the last executed CoordinatorKnown
         self._role = self._state.role
         self._since = wall_clock()
+        self._peers = peers
+        self._sample = random.Random(me)  # which peers to ask (its own stream: the election's stays as seeded)
 
     # ------------------------------------------------------------------ queries
 
@@ -173,7 +188,8 @@ class ElectionService:
         return {"role": s.role.value, "term": s.term,
                 "coordinator": None if s.coordinator is None else s.coordinator.hex(),
                 "voters": len(s.voters), "applied": list(s.last_applied), "since": self._since,
-                "term_exhausted": s.term_exhausted}
+                "term_exhausted": s.term_exhausted,
+                "heard_of": None if s.heard_of is None else s.heard_of.candidate.hex()}
 
     # ------------------------------------------------------------------ inputs from the control plane
 
@@ -236,6 +252,9 @@ class ElectionService:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self._transport.handle(ControlMsg.ELECTION, self._on_message)
+                self._transport.handle(ControlMsg.COORDINATOR, self._on_query)
+                if self._peers is not None:
+                    nursery.start_soon(self._finder)
                 task_status.started()
                 await self._loop()
                 nursery.cancel_scope.cancel()  # the loop returns only when a Persist failed
@@ -303,6 +322,68 @@ class ElectionService:
                            type(msg).__name__, conn.short_id)
             return
         self._input(self._state.handle, conn.peer_id, msg)
+
+    # ------------------------------------------------------------------ finding the coordinator
+
+    @property
+    def heard_of(self) -> bytes | None:
+        """A coordinator learned of whose certificate this peer cannot check against its own
+        configuration (state.py, `learn`): one to forward an operator's request to."""
+        cert = self._state.heard_of
+        return None if cert is None else cert.candidate
+
+    async def _on_query(self, conn, msg_type: int, body: object, payload) -> dict:
+        if not isinstance(body, dict) or body or payload is not None:
+            raise ProtocolError("a COORDINATOR question is an empty map")
+        return self._state.answer(trio.current_time()).to_wire()
+
+    async def find_coordinator(self, peers: Iterable[bytes], timeout_s: float) -> Discovery:
+        """Ask `peers` who the coordinator is (module docstring): the coordinator this peer
+        now recognises or heard of, else why none was found."""
+        asked = sorted(set(peers) - {self.me})
+        if len(asked) > MAX_ASKED:
+            asked = sorted(self._sample.sample(asked, MAX_ASKED))
+        answers: dict[bytes, CoordinatorAnswer | str] = {}
+
+        async def ask(peer: bytes) -> None:
+            try:
+                with trio.fail_after(timeout_s):
+                    conn = self._transport.connection(peer) or await self._dial(peer)
+                    if conn is None:
+                        answers[peer] = "unreachable"
+                        return
+                    reply, _ = await conn.request(ControlMsg.COORDINATOR, {}, timeout_s=timeout_s)
+                    answers[peer] = CoordinatorAnswer.from_wire(reply)
+            except trio.TooSlowError:
+                answers[peer] = f"no answer within {timeout_s:g} s"
+            except RequestTimeout:
+                answers[peer] = f"no answer within {timeout_s:g} s"
+            except (ProtocolError, ConnectionClosed, RemoteError, OSError) as e:
+                answers[peer] = str(e) or type(e).__name__
+
+        async with trio.open_nursery() as nursery:
+            for p in asked:
+                nursery.start_soon(ask, p)
+        certs = [a.certificate for a in answers.values() if isinstance(a, CoordinatorAnswer) and a.certificate]
+        for cert in sorted(certs, key=lambda c: -c.term):
+            self._input(self._state.learn, cert)
+        configured = sum(1 for a in answers.values() if isinstance(a, CoordinatorAnswer) and a.voters)
+        found = self.me if self.is_coordinator else self._state.coordinator or self.heard_of
+        if found is not None:
+            logger.debug("%s: asked %d peers: the coordinator is %s", self._short, len(asked), short_id(found))
+            return Discovery(found, "", configured)
+        return Discovery(None, explain(len(asked), answers, self._state.voters, self.me), configured)
+
+    async def _finder(self) -> None:
+        while True:
+            await trio.sleep(FIND_EVERY * self.config.election_timeout_max_s)
+            assert self._peers is not None
+            if self.is_coordinator or self._state.answer(trio.current_time()).in_lease:
+                continue
+            peers = sorted(set(self._peers()) - {self.me})
+            if peers:
+                picked = self._sample.sample(peers, min(FINDER_ASKS, len(peers)))
+                await self.find_coordinator(picked, DIAL_TIMEOUT_S + SEND_TIMEOUT_S)
 
     # ------------------------------------------------------------------ actions
 

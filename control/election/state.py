@@ -71,6 +71,16 @@ epoch) is newer than the last applied. `apply_allocation` records it: a certifie
 is taken, the issuer recognised, the configuration replaced. The applied (term, epoch) only
 grows.
 
+Discovery. Heartbeats reach the voters only, so a peer outside the configuration (a fresh
+joiner, a peer restarted after the run went on without it) asks other peers who the
+coordinator is (discovery.py) and hands each certificate it gets to `learn`: one that verifies
+against its own configuration is recognised (the term taken if newer, no lease: a certificate
+proves an election, not a live coordinator), one that is only a quorum of its own configuration
+is kept as `heard_of`, a coordinator to forward an operator's request to, never to follow or
+vote by. A recognised certificate whose configuration leaves this peer out means a quorum of
+its voters moved on without it: it stops standing (nobody would answer its pre-votes) until
+its term changes or it applies an allocation. `answer()` is what this peer tells an asker.
+
 Time. A clock that goes backwards shifts every stored instant by the same amount, so
 intervals keep their length; a jump forwards looks like elapsed time (timers fire early, which
 costs an election at worst, never safety: safety rests on votes alone).
@@ -90,6 +100,7 @@ from dtfm.net import short_id, verify_signature
 from ..allocation import Refusal
 from .certificate import Certificate, CertificateCheck, config_digest, quorum, vote_payload
 from .config import ElectionConfig
+from .discovery import CoordinatorAnswer
 from .messages import (
     MAX_TERM,
     ElectionMessage,
@@ -221,6 +232,8 @@ class ElectionState:
         self._seq = 0
         self._sent_at: dict[int, float] = {}  # heartbeat seq -> when it left (recent ones)
         self._acked_at: dict[bytes, float] = {}  # voter -> when the last heartbeat it acked left
+        self.heard_of: Certificate | None = None  # a coordinator learned of, not recognised (see `learn`)
+        self._superseded = False  # a learned certificate says a quorum of this peer's voters moved on
 
     # ------------------------------------------------------------------ queries
 
@@ -309,6 +322,7 @@ class ElectionState:
             if self.may_apply(certificate.candidate, term, epoch, certificate, voters) is None:
                 self._follow(certificate, out, f"allocation of term {term} from {short_id(certificate.candidate)}")
         self.last_applied = (term, epoch)
+        self._superseded = False
         self._reconfigure(voters, out)
         return out
 
@@ -351,6 +365,50 @@ class ElectionState:
         self.voted_for = voted_for
         self._deadline = self._now + self._timeout()
         return out
+
+    def learn(self, cert: Certificate, now: float) -> list[ElectionAction]:
+        """A coordinator's certificate another peer passed on (its answer to this peer's
+        coordinator query; untrusted). Verified against this peer's configuration, as a
+        heartbeat's would be, it is recognised (its term taken if newer), though it proves an
+        election, not that the coordinator is alive: this peer's lease is not renewed. A
+        certificate that does not verify there but is a quorum of its own configuration, every
+        signature checked, is kept as `heard_of` (the newest such): a coordinator this peer may
+        forward an operator's request to, which it does not follow or vote by. When the
+        recognised certificate's configuration leaves this peer out, a quorum of its own voters
+        moved on without it: it stops standing (nobody would answer) until its term changes or
+        it applies an allocation."""
+        self._advance(now)
+        out: list[ElectionAction] = []
+        if cert.term < self.term or cert.candidate == self.me:
+            return out
+        if cert.term == self.term and (self.role is ElectionRole.COORDINATOR or self.coordinator == cert.candidate):
+            return out
+        why = self.check_certificate(cert)
+        if why is None:
+            self._follow(cert, out, f"certificate of term {cert.term} passed on by a peer", heard=False)
+            self._superseded = self.me not in cert.voters
+            return out
+        if self.heard_of is not None and cert.term <= self.heard_of.term:
+            return out
+        own = self._checker.check(cert, cert.voters, cert.config)
+        if own is None:
+            self.heard_of = cert
+        else:
+            logger.debug("certificate of %s in term %d passed on: %s", short_id(cert.candidate), cert.term, own)
+        return out
+
+    @property
+    def in_lease(self) -> bool:
+        """The coordinator, or a follower that heard its coordinator within lease_s."""
+        return self.role is ElectionRole.COORDINATOR or (self.coordinator is not None
+                                                          and self._now - self._heard_at < self.config.lease_s)
+
+    def answer(self, now: float) -> CoordinatorAnswer:
+        """What this peer tells a peer that asks who the coordinator is (discovery.py)."""
+        self._advance(now)
+        cert = self.certificate if self.certificate is not None else self.heard_of
+        return CoordinatorAnswer(self.term, self.role.value, self.certificate is not None, self.in_lease,
+                                 len(self.voters), cert)
 
     def campaign(self, now: float) -> list[ElectionAction]:
         """Stand now instead of at the election timer (`train start` on this peer)."""
@@ -473,6 +531,9 @@ class ElectionState:
         if self.me not in self.voters:
             self.role = ElectionRole.FOLLOWER
             return  # no configuration yet, or not a voter of it: never stands
+        if self._superseded:
+            self.role = ElectionRole.FOLLOWER
+            return  # its voters elected a coordinator in a configuration without it (`learn`)
         if self.term_exhausted:
             self.role = ElectionRole.FOLLOWER
             logger.warning("term %d is the largest there is: this peer does not stand (it still follows and votes)",
@@ -553,6 +614,7 @@ class ElectionState:
     def _set_term(self, term: int, voted_for: bytes | None, out: list[ElectionAction], persist: bool = True) -> None:
         if term != self.term:
             self.term = term
+            self._superseded = False
             self._recognise(None, out)
         self.voted_for = voted_for
         if persist:
@@ -568,19 +630,24 @@ class ElectionState:
 
     def _recognise(self, coordinator: bytes | None, out: list[ElectionAction], cert: Certificate | None = None) -> None:
         self.certificate = cert if coordinator is not None else None
+        if cert is not None and self.heard_of is not None and self.heard_of.term <= cert.term:
+            self.heard_of = None
         if coordinator != self.coordinator:
             self.coordinator = coordinator
             out.append(CoordinatorKnown(self.term, coordinator))
 
-    def _follow(self, cert: Certificate, out: list[ElectionAction], why: str) -> None:
-        """Recognise the certified coordinator of cert.term (>= this peer's term; checked)."""
+    def _follow(self, cert: Certificate, out: list[ElectionAction], why: str, heard: bool = True) -> None:
+        """Recognise the certified coordinator of cert.term (>= this peer's term; checked);
+        `heard`: from the coordinator itself (its lease starts)."""
         if cert.term > self.term:
             self._adopt(cert.term, out, why)
         if self.coordinator != cert.candidate or self.certificate is None:
             self._recognise(cert.candidate, out, cert)
         self.role = ElectionRole.FOLLOWER
         self._round = None
-        self._heard_at = self._now
+        if heard:
+            self._heard_at = self._now
+            self._superseded = False
         self._deadline = self._now + self._timeout()
 
     # ------------------------------------------------------------------ messages
