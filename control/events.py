@@ -21,6 +21,8 @@ class EventKind(enum.Enum):
     ROLLBACK = "rollback"  # a reconfiguration that runs logged steps again
     PAUSED = "paused"  # some stage has no reachable holder
     STOPPED = "stopped"  # the run cannot go on
+    OPERATOR_STOP = "operator-stop"  # an operator's `train stop`: every peer ends before one step
+    FINISHED = "finished"  # the run completed its last step
 
 
 @dataclass(frozen=True)

@@ -453,7 +453,9 @@ def test_a_run_finishes_at_its_last_step():
     for s in (0, 1):
         for p in N[:4]:
             n.feed(StepReported(p, RUN, report(1, s)), 1.0 + s)
-    assert n.lines[-2:] == ["  log step 1 loss 4.9 epoch 1", "  phase: finished"]
+    assert n.lines[-3:] == ["  log step 1 loss 4.9 epoch 1",  # and events.jsonl says so, once
+                            "  emit finished term=1 epoch=1 trigger=last step reason=all 2 steps completed",
+                            "  phase: finished"]
     n.lines.clear()
     n.feed(Trigger("peer n3 is dead"), 3.0)  # a finished run is not reconfigured
     n.tick(3.5)
@@ -877,6 +879,7 @@ def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop()
     n.feed(Reschedule(("op", "late"), reschedule_op(3.2, wall=WALL)), 3.2)
     n.transcript("""
         3 train stop
+          emit operator-stop term=1 epoch=1 trigger=train stop reason=an operator stopped the run before step 2
           ask opstop 1: STOP at_step=2 final=True signed -> n0 n1 n2 n3
         3.1 answers opstop 1: n0 stopped, n1 stopped, n2 stopped, n3 not stopped
           reply op stop: at_step=2 told=3

@@ -826,7 +826,9 @@ class Coordinator:
         key = ("opstop", next(self._keys))
         self._stops[key] = (ev.key, at)
         logger.info("an operator stops run %s before step %d", cur.run_id.hex()[:8], at)
-        return [self._ask(key, self._named(cur) | {cur.issuer, self.me}, ControlMsg.STOP,
+        emit = Emit(PlaneEvent(EventKind.OPERATOR_STOP, self.election.term, "train stop", epoch=cur.epoch,
+                               reason=f"an operator stopped the run before step {at}"))
+        return [emit, self._ask(key, self._named(cur) | {cur.issuer, self.me}, ControlMsg.STOP,
                           {"run": cur.run_id, "at_step": at, "final": True, "op": ev.op.to_wire()},
                           self.t.request_timeout_s)]
 
@@ -1291,8 +1293,10 @@ class Coordinator:
                         "-" if line["loss"] is None else f"{line['loss']:.4f}", line["iteration_s"] or 0,
                         line["tokens_per_s"] or 0, " (some reports lost)" if line.get("partial") else "")
             out.append(LogLine(line))
-            if log.finished:
+            if log.finished and self.phase is not Phase.FINISHED:
                 self.phase = Phase.FINISHED
+                out.append(Emit(PlaneEvent(EventKind.FINISHED, log.alloc.term, "last step", epoch=log.alloc.epoch,
+                                           reason=f"all {log.alloc.end_step} steps completed")))
         if log.gaps and not log.filling:
             logger.warning("no report of steps %s arrived; asking the peers for theirs", sorted(log.gaps))
             log.filling = True
