@@ -11,6 +11,7 @@ decisions), executes their actions in order, and builds `status()` from their sn
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -91,8 +92,10 @@ from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
+from .events import Reconfiguration
 from .messages import ControlMsg
 from .operator import OperatorError, SignedOp, check_op
+from .progress import MAX_RECONFIGS, RunProgress, run_progress
 from .refusals import merge_counts
 
 __all__ = ["ControlPlane"]
@@ -213,6 +216,7 @@ class ControlPlane:
         self._nursery: trio.Nursery | None = None
         self._coord_wake = trio.Event()
         self.export_progress: ExportProgress | None = None  # the export running here (`dtfm-peer export`)
+        self._reconfigs: collections.deque[Reconfiguration] = collections.deque(maxlen=MAX_RECONFIGS)
         self._load_applied()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -294,12 +298,17 @@ class ControlPlane:
             else:
                 self._start_soon(self._send_one_way, a.peer, a.msg, a.body)
         elif isinstance(a, LogLine):
-            self._append_jsonl(self._log_path, {**a.line, "time": time.time()})
+            line = {**a.line, "time": time.time()}
+            self._append_jsonl(self._log_path, line)
+            self._append_jsonl(self.run_log_path(a.line["run"]), line)
         elif isinstance(a, ResetLog):
             self._log_path.unlink(missing_ok=True)
+            self._reconfigs.clear()
         elif isinstance(a, Emit):
             self._append_jsonl(self.data_dir / "events.jsonl",
                                {"time": time.time(), "event": a.event, "peer": self.me.hex(), **a.fields})
+            if a.record.reconfiguration is not None:
+                self._reconfigs.append(a.record.reconfiguration)
         elif isinstance(a, Reply):
             pending = self._pending.get(a.key)
             if pending is not None:
@@ -441,7 +450,14 @@ class ControlPlane:
 
     @property
     def _log_path(self) -> Path:
+        """The step log of the runs this peer coordinated, the newest run's only (a new run
+        starts it empty); `run_log_path` keeps each run's for good."""
         return self.data_dir / "train.jsonl"
+
+    def run_log_path(self, run_hex: str) -> Path:
+        """One run's step log, never overwritten: a coordinator that takes the run over
+        continues it (in its own data dir) with the lines it back-fills and logs."""
+        return self.data_dir / f"train-{run_hex}.jsonl"
 
     @staticmethod
     def _append_jsonl(path: Path, line: dict) -> None:
@@ -588,6 +604,12 @@ class ControlPlane:
         if op == "query":
             refused = self.epoch.check_run_state_reader(sender)
             return {"error": refused.text} if refused is not None else self.run_state().to_wire()
+        if op == "progress":
+            refused = self.epoch.check_run_state_reader(sender)
+            if refused is not None:
+                return {"error": f"{refused.text}: ask a daemon of the run"}
+            run = get_bytes(d, "run", 16, 16) if d.get("run") is not None else None
+            return self._progress_here(run, get_int(d, "after", -1, 2**62))
         if op == "reach":
             if sender != self.election.coordinator and sender != self.me:
                 return {"error": "only the coordinator asks a peer to reach others"}
@@ -694,7 +716,7 @@ class ControlPlane:
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
-                "steps": req.steps, "data": corpus.name, "log": str(self._log_path),
+                "steps": req.steps, "data": corpus.name, "log": str(self.run_log_path(alloc.run_id.hex())),
                 "compression": alloc.compression.to_spec()}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
@@ -875,6 +897,51 @@ class ControlPlane:
                 "run_id": cur.run_id.hex() if cur is not None and live else None,
                 "last_run_id": cur.run_id.hex() if cur is not None else None,
                 "data_hash": corpus.fingerprint, "data_name": corpus.name}
+
+    # ---- a run's progress (`dtfm-peer train status`) ---------------------------------------------
+
+    def _progress_here(self, run: bytes | None, after: int) -> dict:
+        """This coordinator's account of its run (control/progress.py), or why it has none."""
+        log = self.coordinator.steplog
+        if not self.election.is_coordinator or log is None:
+            c = self.election.coordinator
+            return {"error": f"{short_id(self.me)} is not the coordinator of a run"
+                             + (f" ({short_id(c)} is the coordinator)" if c is not None and c != self.me else "")}
+        alloc = log.alloc
+        if run is not None and run != alloc.run_id:
+            return {"error": f"the coordinator's run is {alloc.run_id.hex()}, not {run.hex()}: an earlier run's "
+                             f"steps are in train-{run.hex()}.jsonl in the data dir of the coordinator that logged them"}
+        st = self.coordinator.status()
+        state = st.phase.value
+        if state not in ("finished", "stopped") and self.epoch.run_over():
+            state = "stopped"
+        return run_progress(run_id=alloc.run_id, coordinator=self.me, state=state, term=alloc.term,
+                            epoch=alloc.epoch, shape=f"{alloc.stages}x{alloc.dp}", completed=log.completed + 1,
+                            steps=alloc.end_step, recent=log.recent, reconfigurations=self._reconfigs,
+                            after_step=after, reason=st.stalled_reason or st.reason).to_wire()
+
+    async def train_progress(self, run: bytes | None, after: int) -> RunProgress:
+        """The run's progress from its coordinator, this peer or the one it finds (within
+        request_timeout_s); TrainError with the reason when there is none to tell."""
+        body = {"op": "progress", "run": run, "after": after}
+        if self.election.is_coordinator:
+            answer = self._progress_here(run, after)
+        else:
+            c = self.election.coordinator
+            if c is None:
+                found = await self.election.find_coordinator(self.gossip.live_peers(), self.config.request_timeout_s)
+                if found.coordinator is None:
+                    raise TrainError(f"no coordinator is known: {found.why}")
+                c = found.coordinator
+            answer = (await self._ask_all([c], ControlMsg.RUN_STATE, body, self.config.request_timeout_s))[c]
+            if "error" not in answer and "run" not in answer:  # no answer (unreachable, timed out)
+                answer = {"error": f"the coordinator {short_id(c)}: {answer['reason']}"}
+        if "error" in answer:
+            raise TrainError(str(answer["error"])[:512])
+        try:
+            return RunProgress.from_wire(answer)
+        except ProtocolError as e:
+            raise TrainError(f"the coordinator's answer is malformed: {e}") from None
 
     # ---- status -------------------------------------------------------------------------------
 

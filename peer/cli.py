@@ -231,6 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long to wait for the run to be handed out again (default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    t = tsub.add_parser("status", help="the run's progress from its coordinator; --follow streams it",
+                        description="Show the run's progress as its coordinator tells it, on any daemon "
+                                    "of the run (this daemon asks the coordinator): state, term, epoch, "
+                                    "shape, steps done, tokens/s and ETA, the last steps (loss, step "
+                                    "time, tokens/s, epoch) and reconfigurations. --follow prints each "
+                                    "new step and reconfiguration as it comes, until the run ends (Ctrl-C "
+                                    "stops following; the run goes on).")
+    t.add_argument("run", nargs="?", default=None, metavar="RUN", type=_run_id,
+                   help="the run id (32 hex digits; default: the coordinator's run)")
+    t.add_argument("--follow", "-f", action="store_true", help="keep printing new steps until the run ends")
+    t.add_argument("--json", action="store_true", help="one JSON object per answer (or line with --follow)")
+    _add_data_dir(t)
+    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     t = tsub.add_parser("reschedule", help="ask the coordinator for a new allocation now",
                         description="Ask the run's coordinator for a new allocation now: it schedules "
                                     "the live peers on its current view and reconfigures the run (see "
@@ -265,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long the whole export may take (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     return parser
+
+
+def _run_id(text: str) -> str:
+    try:
+        if len(bytes.fromhex(text)) == 16:
+            return text.lower()
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be a run id of 32 hex digits, got {text!r}")
 
 
 def _positive_int(text: str) -> int:
@@ -546,6 +568,8 @@ def _current_run(info: dict, what: str) -> bytes:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.train_command == "status":
+        return _train_status(args)
     from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
     config, data_dir = _client_config(args)
     if args.train_command == "reschedule":
@@ -593,8 +617,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
     if reply["spares"]:
         print("  spares: " + ", ".join(p[:8] for p in reply["spares"]))
-    print(f"progress: dtfm-peer status; log: {reply['log']}")
+    print(f"follow it: dtfm-peer train status --follow (on any daemon of the run); log: {reply['log']}")
     return 0
+
+
+def _train_status(args: argparse.Namespace) -> int:
+    from .follow import ASK_COORDINATOR_S, follow
+    config, data_dir = _client_config(args)
+    # the daemon may look for the coordinator, then ask it, each within its request timeout
+    control = dataclasses.replace(config.socket, request_timeout_s=config.socket.request_timeout_s + ASK_COORDINATOR_S)
+    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
+        def ask(request: dict) -> dict:
+            reply = c.request("train_status", request)
+            if not isinstance(reply, dict):
+                raise CliError("the daemon sent an answer to `train status` that is not a map")
+            return reply
+        return follow(ask, sys.stdout, run=args.run, keep_following=args.follow, as_json=args.json)
 
 
 def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:

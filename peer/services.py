@@ -9,7 +9,8 @@ in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partitio
 `PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
 under "training" and answers `train_info` (what an operator signs against), and `train_start`,
 `train_stop`, `train_reschedule` and `train_resume`, each carrying an operator's signed operation (the plane
-checks it against the operators the swarm key file names); with `--metrics-listen`,
+checks it against the operators the swarm key file names), and `train_status` (the run's
+progress, from its coordinator); with `--metrics-listen`,
 `MetricsPart` (peer/metrics.py) serves the daemon's status as Prometheus metrics. The sections
 hold the lower layers' own configs (EmulationConfig, GossipConfig, PlaneConfig), passed on as
 they are.
@@ -190,7 +191,8 @@ class PlanePart:
     def control_ops(self) -> dict[str, Callable[[dict], Awaitable[Any]]]:
         return {"train_info": self.train_info, "train_start": self.train_start, "train_stop": self.train_stop,
                 "train_reschedule": self.train_reschedule, "train_resume": self.train_resume, "export": self.export,
-                "export_progress": self.export_progress}
+                "export_progress": self.export_progress,
+                "train_status": self.train_status}
 
     def _running(self) -> ControlPlane:
         if self.plane is None:
@@ -239,6 +241,25 @@ class PlanePart:
     async def export_progress(self, args: dict) -> dict:
         progress = self._running().export_progress
         return progress.to_wire() if progress is not None else {}
+
+    async def train_status(self, args: dict) -> dict:
+        """The run's progress from its coordinator (control/progress.py): `run` (hex, optional)
+        and `after` (the last step the reader has seen, -1: none)."""
+        run, after = args.get("run"), args.get("after", -1)
+        if run is not None and (not isinstance(run, str) or len(run) != 32):
+            raise ControlCommandError("RUN must be a run id: 32 hex digits (`dtfm-peer status` shows it)")
+        try:
+            run_id = None if run is None else bytes.fromhex(run)
+        except ValueError:
+            raise ControlCommandError(f"RUN must be a run id of 32 hex digits, got {run!r}") from None
+        if type(after) is not int or after < -1:
+            raise ControlCommandError("after must be a step number (or -1)")
+        try:
+            progress = await self._running().train_progress(run_id, after)
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+        wire = progress.to_wire()
+        return {**wire, "run": progress.run_id.hex(), "coordinator": progress.coordinator.hex()}
 
     async def train_stop(self, args: dict) -> dict:
         try:

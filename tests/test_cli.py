@@ -348,3 +348,66 @@ def test_train_resume_names_the_run(asked, last, want, error):
     else:
         with pytest.raises(CliError, match=error):
             resume_run_id(asked, {"last_run_id": last})
+
+
+RUN_HEX = "ab" * 16
+COORD_HEX = "cd" * 32
+
+
+def progress(state: str, completed: int, steps_after: int, *, reconfigs=(), eta=None) -> dict:
+    lines = [{"step": s, "loss": 5.0 - s / 10, "epoch": 2 if s >= 3 else 1, "iteration_s": 0.5,
+              "tokens_per_s": 2048.0} for s in range(steps_after + 1, completed)]
+    return {"run": RUN_HEX, "coordinator": COORD_HEX, "state": state, "term": 2, "epoch": 2, "shape": "2x1",
+            "completed": completed, "steps": 6, "lines": lines, "reconfigurations": list(reconfigs),
+            "tokens_per_s": 2048.0, "eta_s": eta, "reason": ""}
+
+
+async def test_train_status_follows_the_run_until_it_ends(capsys, monkeypatch):
+    # The daemon's answers as the coordinator gives them: the first with steps 0-2, then a
+    # reconfiguration and steps 3-4, then the finished run. The CLI asks each time only for the
+    # steps after the last one it printed, prints each step once with the ETA, the
+    # reconfiguration once, and returns 0 at the end; without --follow it prints one answer.
+    import dtfm.peer.follow as follow_module
+    monkeypatch.setattr(follow_module, "FOLLOW_POLL_S", 0.0)
+    reconfig = {"at": 1.7e9, "epoch": 2, "kind": "shrink", "old_shape": "2x2", "new_shape": "2x1",
+                "resume_step": 3, "rollback": False, "reason": "peer 1a2b3c4d is dead"}
+    answers = [progress("training", 3, -1, eta=1.5), progress("training", 5, 2, reconfigs=[reconfig], eta=0.5),
+               progress("finished", 6, 4, reconfigs=[reconfig])]
+    asked: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        server = ControlServer(data_dir.control_socket, SocketConfig())
+
+        async def train_status(args):
+            asked.append(args)
+            return answers[min(len(asked), len(answers)) - 1]
+
+        server.register("train_status", train_status)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            rc = await trio.to_thread.run_sync(main, ["train", "status", "--follow", "--data-dir", d])
+            followed = capsys.readouterr().out.splitlines()
+            asked_once = len(asked)
+            once_rc = await trio.to_thread.run_sync(main, ["train", "status", RUN_HEX, "--data-dir", d])
+            once = capsys.readouterr().out.splitlines()
+            nursery.cancel_scope.cancel()
+    assert rc == 0 and asked[:asked_once] == [{"run": None, "after": -1}, {"run": RUN_HEX, "after": 2},
+                                              {"run": RUN_HEX, "after": 4}]
+    assert followed == [
+        f"run {RUN_HEX[:8]}: training, term 2, epoch 2, 2x1 (stages x pipelines), 3 of 6 steps, 2048 tokens/s, "
+        f"ETA 1.5s, coordinator {COORD_HEX[:8]}",
+        "step 1/6  loss 5.0000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
+        "step 2/6  loss 4.9000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
+        "step 3/6  loss 4.8000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
+        "reconfigured (epoch 2, shrink): 2x2 -> 2x1, resumed at step 3: peer 1a2b3c4d is dead",
+        "step 4/6  loss 4.7000  0.50 s  2048 tokens/s  epoch 2  ETA 0.5s",
+        "step 5/6  loss 4.6000  0.50 s  2048 tokens/s  epoch 2  ETA 0.5s",
+        "step 6/6  loss 4.5000  0.50 s  2048 tokens/s  epoch 2",
+        f"run {RUN_HEX[:8]} finished: all 6 steps",
+    ]
+    assert once_rc == 0 and asked[asked_once] == {"run": RUN_HEX, "after": -1}
+    assert once[0].startswith(f"run {RUN_HEX[:8]}: finished, term 2") and len(once) == 3  # its last answer
+    with pytest.raises(SystemExit) as e:
+        main(["train", "status", "nope"])
+    assert e.value.code == 2 and "must be a run id of 32 hex digits" in capsys.readouterr().err

@@ -34,8 +34,11 @@ from dtfm.control import (
     sign_op,
 )
 from dtfm.control.election import config_digest, vote_payload
+from dtfm.control.coordinator.machine import Phase
+from dtfm.control.coordinator.steplog import StepLog
 from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
 from dtfm.control.epoch.stopped import clear_stopped, load_stopped
+from dtfm.control.progress import RunProgress
 from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
@@ -489,6 +492,69 @@ async def test_train_start_on_a_peer_that_never_heard_the_coordinator_is_forward
     assert text.startswith("no coordinator was elected within 30 s: 3 of the 3 peers asked answered; ")
     assert f"{IDS[0].peer_id.hex()[:8]} holds a lease of coordinator {IDS[1].peer_id.hex()[:8]} (term 3)" in text
     assert "configurations of 3 voters" in text and other.election.voters == ()
+
+
+class RelayConn:
+    """`asker`'s connection to a plane in this test: each request goes to that plane's handler."""
+
+    def __init__(self, to: FakeTransport, asker: Identity):
+        self.to, self.asker = to, asker
+        self.peer_id, self.short_id = to.peer_id, to.peer_id.hex()[:8]
+
+    async def request(self, msg_type, body, timeout_s=None):
+        return await self.to.request(self.asker, msg_type, body), None
+
+
+async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_run(tmp_path):
+    # ISSUER coordinates the run [n1 n2] (a spare itself); its steps are reported by n1 and n2.
+    # Each logged line goes to train.jsonl (the newest run's) and to train-RUN.jsonl, which no
+    # later run overwrites; every line names the run. Asked for the steps after the last one a
+    # reader saw, it answers with those, the state, shape, tokens/s and ETA, to the peers of the
+    # run only; n1, which never heard of the coordinator, finds it and relays its answer.
+    async with running(tmp_path, ISSUER) as (plane, net):
+        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.campaign()
+        assert await plane.election.wait_until_coordinator(10)
+        a = alloc(term=plane.election.term, pipelines=[[IDS[1].peer_id, IDS[2].peer_id]], spares=(ISSUER.peer_id,),
+                  absent=(IDS[3].peer_id,))
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
+                                  | {"cert": plane.election.certificate.to_wire()})
+        assert reply["accepted"]
+        plane.coordinator.steplog = StepLog(a, set(), started_at=time.time())
+        plane.coordinator.phase = Phase.TRAINING
+        for step in range(3):
+            for p, loss in ((IDS[1], None), (IDS[2], 4.0 - step)):
+                await net.request(p, ControlMsg.STEP, StepReport(1, step, loss, 0.5, 0.3, 0.1, 0.1).to_wire() | {"run": RUN})
+        lines = [json.loads(x) for x in (tmp_path / f"train-{RUN.hex()}.jsonl").read_text().splitlines()]
+        assert [(x["run"], x["step"], x["loss"]) for x in lines] == [(RUN.hex(), s, 4.0 - s) for s in range(3)]
+        assert (tmp_path / "train.jsonl").read_text() == (tmp_path / f"train-{RUN.hex()}.jsonl").read_text()
+
+        answer = await net.request(IDS[1], ControlMsg.RUN_STATE, {"op": "progress", "run": None, "after": 0})
+        p = RunProgress.from_wire(answer)
+        assert (p.run_id, p.coordinator, p.state, p.epoch, p.shape, p.completed, p.steps) == (
+            RUN, ISSUER.peer_id, "training", 1, "2x1", 3, 10)
+        assert [(x.step, x.loss) for x in p.lines] == [(1, 3.0), (2, 2.0)]
+        tokens = CFG.global_batch_seqs * PRESETS["tiny"].seq_len
+        assert p.tokens_per_s == pytest.approx(tokens / 0.5) and p.eta_s == pytest.approx(7 * 0.5)
+        refused = await net.request(IDS[3], ControlMsg.RUN_STATE, {"op": "progress", "run": None, "after": -1})
+        assert "peers of the run" in refused["error"] and "ask a daemon of the run" in refused["error"]
+        other = await net.request(IDS[1], ControlMsg.RUN_STATE, {"op": "progress", "run": b"o" * 16, "after": -1})
+        assert f"train-{(b'o' * 16).hex()}.jsonl" in other["error"]
+        with pytest.raises(ProtocolError):
+            await net.request(IDS[1], ControlMsg.RUN_STATE, {"op": "progress", "run": None, "after": "x"})
+
+        peer = IDS[1]
+        relay = SwarmTransport(peer, {ISSUER.peer_id: RelayConn(net, peer)})
+        follower = ControlPlane(relay, peer, FakeGossip(IDS[:4]), tmp_path / "n1", config(tmp_path),
+                                operators=[OPERATOR.public_key])
+        seen = await follower.train_progress(None, 1)
+        assert seen.coordinator == ISSUER.peer_id and [x.step for x in seen.lines] == [2]
+        assert follower.election.heard_of == ISSUER.peer_id
+        # the run finishes: its last answer says so, with no ETA
+        plane.coordinator.steplog.completed = 9
+        plane.coordinator.phase = Phase.FINISHED
+        done = await follower.train_progress(RUN, 2)
+        assert (done.state, done.completed, done.lines, done.eta_s) == ("finished", 10, (), None)
 
 
 async def test_an_idle_plane_does_not_spin(tmp_path):

@@ -234,7 +234,8 @@ class StepLog:
             return max((getattr(r, key) for r in reports.values()), default=None)
         iteration_s = most("iteration_s")
         tokens = self.alloc.train.global_batch_seqs * self.alloc.model.seq_len
-        line: dict = {"step": step, "loss": loss, "epoch": alloc.epoch, "term": self.alloc.term,
+        line: dict = {"run": self.alloc.run_id.hex(), "step": step, "loss": loss, "epoch": alloc.epoch,
+                      "term": self.alloc.term,
                       "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s else None,
                       "predicted_iteration_s": self.alloc.predicted_iteration_s,
                       "compute_s": most("compute_s"), "pipeline_s": most("pipeline_s"), "sync_s": most("sync_s")}

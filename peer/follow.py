@@ -1,0 +1,103 @@
+"""`dtfm-peer train status [--follow] [RUN]`: a run's progress, from its coordinator, on any
+daemon.
+
+The local daemon answers `train_status` (peer/services.py) with the coordinator's account of its
+run (control/progress.py): it asks the coordinator over the transport when it is not the
+coordinator itself. `follow` polls it every `poll_s`, asking only for the steps after the last
+one printed, and prints each new step (step, loss, step time, tokens/s, epoch, ETA), each new
+reconfiguration, and the run's end; without `--follow` it prints the state and the last lines
+once. Formatting is pure (`format_*`) and the client is passed in, so tests drive it with a
+fake daemon and a fake clock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+from .status import format_duration
+
+__all__ = ["ASK_COORDINATOR_S", "FOLLOW_POLL_S", "follow", "format_header", "format_reconfig", "format_step"]
+
+FOLLOW_POLL_S = 1.0  # one question to the daemon (and from it to the coordinator) per second
+ASK_COORDINATOR_S = 30.0  # what a client allows beyond its socket timeout: the daemon finds and asks the coordinator
+LAST_LINES = 10  # lines printed without --follow, and when following starts
+
+
+def _num(x: Any, fmt: str, none: str = "-") -> str:
+    return none if not isinstance(x, (int, float)) else format(x, fmt)
+
+
+def format_header(p: dict) -> str:
+    """One line: the run, its state, term, epoch, shape, steps done, throughput and ETA."""
+    parts = [f"run {p['run'][:8]}: {p['state']}", f"term {p['term']}", f"epoch {p['epoch']}",
+             f"{p['shape']} (stages x pipelines)", f"{p['completed']} of {p['steps']} steps"]
+    if p.get("tokens_per_s"):
+        parts.append(f"{p['tokens_per_s']:.0f} tokens/s")
+    if p.get("eta_s") is not None:
+        parts.append(f"ETA {format_duration(p['eta_s'])}")
+    parts.append(f"coordinator {p['coordinator'][:8]}")
+    text = ", ".join(parts)
+    return text + (f": {p['reason']}" if p.get("reason") else "")
+
+
+def format_step(line: dict, steps: int, eta_s: float | None) -> str:
+    """`step 41/100  loss 3.2101  0.84 s  1234 tokens/s  epoch 3  ETA 52s` (steps count from 1)."""
+    text = (f"step {line['step'] + 1}/{steps}  loss {_num(line.get('loss'), '.4f')}  "
+            f"{_num(line.get('iteration_s'), '.2f')} s  {_num(line.get('tokens_per_s'), '.0f')} tokens/s  "
+            f"epoch {line['epoch']}")
+    return text + (f"  ETA {format_duration(eta_s)}" if eta_s is not None else "")
+
+
+def format_reconfig(r: dict) -> str:
+    """`reconfigured (epoch 4, shrink): 2x2 -> 2x1, resumed at step 40: peer 1a2b3c4d is dead`."""
+    what = "rolled back to" if r.get("rollback") else "resumed at"
+    text = (f"reconfigured (epoch {r['epoch']}, {r['kind']}): {r['old_shape']} -> {r['new_shape']}, "
+            f"{what} step {r['resume_step']}")
+    return text + (f": {r['reason']}" if r.get("reason") else "")
+
+
+def _end(p: dict) -> str:
+    if p["state"] == "finished":
+        return f"run {p['run'][:8]} finished: all {p['steps']} steps"
+    return f"run {p['run'][:8]} {p['state']} after {p['completed']} of {p['steps']} steps" + (
+        f": {p['reason']}" if p.get("reason") else "")
+
+
+def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = None, keep_following: bool = False,
+           as_json: bool = False, poll_s: float | None = None, sleep: Callable[[float], None] | None = None) -> int:
+    """Print the run's progress (see the module docstring); `request(args)` asks the daemon.
+    Returns the exit status: 0 (a finished or stopped run included)."""
+    args: dict = {"run": run, "after": -1}
+    p = request(args)
+    if as_json and not keep_following:
+        print(json.dumps(p, sort_keys=True), file=out)
+        return 0
+    run = p["run"]
+    print(format_header(p), file=out, flush=True)
+    seen_reconfigs: set[tuple] = set()
+    last = -1
+    first = True
+    while True:
+        lines = p["lines"][-LAST_LINES:] if first else p["lines"]
+        for r in p["reconfigurations"]:
+            key = (r["epoch"], r["at"])
+            if key not in seen_reconfigs:
+                seen_reconfigs.add(key)
+                print(json.dumps(r, sort_keys=True) if as_json else format_reconfig(r), file=out)
+        for line in lines:
+            print(json.dumps(line, sort_keys=True) if as_json else format_step(line, p["steps"], p.get("eta_s")),
+                  file=out)
+            last = max(last, line["step"])
+        out.flush()
+        first = False
+        if not keep_following:
+            return 0
+        if p["state"] in ("finished", "stopped", "refused"):
+            print(_end(p), file=out, flush=True)
+            return 0
+        (sleep or time.sleep)(FOLLOW_POLL_S if poll_s is None else poll_s)
+        args = {"run": run, "after": last}
+        p = request(args)
