@@ -23,6 +23,7 @@ class EventKind(enum.Enum):
     STOPPED = "stopped"  # the run cannot go on
     OPERATOR_STOP = "operator-stop"  # an operator's `train stop`: every peer ends before one step
     FINISHED = "finished"  # the run completed its last step
+    LEAVE = "leave"  # a peer left as planned (`dtfm-peer leave`), handed off at a step boundary if the run named it
 
 
 @dataclass(frozen=True)

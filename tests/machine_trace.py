@@ -295,6 +295,8 @@ def describe(ev: object) -> str:
         return "train stop"
     if isinstance(ev, c.ResumeRun):
         return "train resume"
+    if isinstance(ev, c.PeerLeaving):
+        return f"LEAVE from {peers([ev.peer])}"
     if isinstance(ev, Answers):
         return f"answers {label(ev.key)}: " + ", ".join(_answer(p, a) for p, a in sorted(ev.answers.items()))
     if isinstance(ev, Computed):

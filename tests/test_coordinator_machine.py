@@ -41,11 +41,12 @@ from machine_trace import (
 )
 
 from dtfm.control import ControlMsg, Placement, ReshapePlan, RunEnd, SignedAllocation, SignedOp, sign_op
-from dtfm.control.actions import Answers, Ask, Compute, Computed, LogLine, Reply
+from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply
 from dtfm.control.coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
     Elected,
+    PeerLeaving,
     Phase,
     Reschedule,
     StartRun,
@@ -1374,3 +1375,95 @@ def test_a_step_line_sums_the_bytes_its_reports_sent_per_axis():
     [first, second] = [x for x in lines if x["step"] in (0, 1)]
     assert first["bytes_sent"] == {"pp_fwd": 300, "pp_bwd": 300, "dp": 28, "other": 48}
     assert "bytes_sent" not in second
+
+
+# ---- a planned leave ------------------------------------------------------------------------------
+
+
+def test_a_planned_leave_hands_the_peers_stage_off_at_a_step_boundary_before_it_goes():
+    # n3 says it leaves while the run steps. The coordinator stops every peer before the next
+    # step (no abort: every peer is there), plans without n3, has the holders (n3 among them,
+    # from its memory) offer their stages, hands the epoch out without n3 and answers n3 once
+    # it started: a `leave` event, not a failure or a rollback.
+    n = Node()
+    n.training(steps=2)
+    n.feed(PeerLeaving(("leave", 1), N[3]), 3.0)
+    n.answer("states", {p: state(r, 2, running=True) for p, r in zip(N[:4], [(0, 2), (2, 4), (0, 2), (2, 4)])}, 3.1)
+    n.answer("stop", everyone={"stopped": True}, at=3.2)
+    n.tick()
+    n.answer("poll", {p: state(r, 2) for p, r in zip(N[:4], [(0, 2), (2, 4), (0, 2), (2, 4)])}, 3.5)
+    n.compute("plan", 3.6)
+    n.answer("offer 0-2", {N[0]: {"digest": D01}, N[2]: {"digest": D01}}, 3.7)
+    n.answer("offer 2-4", {N[1]: {"digest": D23}, N[3]: {"digest": D23}}, 3.8)
+    n.answer("alloc", {N[2]: {"accepted": True, "role": "spare"}}, 4.0, everyone={"accepted": True, "role": "stage"})
+    out = n.answer("start", everyone={"started": True}, at=4.1)
+    n.transcript("""
+        3 LEAVE from n3
+          ask states: RUN_STATE query -> n0 n1 n2 n3
+          phase: stopping
+        3.1 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@2 running, n3 2-4@2 running
+          ask stop: STOP at_step=3 abort=False -> n0 n1 n2 n3
+        3.2 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
+        3.45 tick
+          ask poll: RUN_STATE query -> n0 n1 n2 n3
+        3.5 answers poll: n0 0-2@2, n1 2-4@2, n2 0-2@2, n3 2-4@2
+          compute plan
+          phase: planning
+        3.6 computed plan
+          ask offer 0-2: RUN_STATE offer step=2 layers=0-2 -> n0 n2
+          ask offer 2-4: RUN_STATE offer step=2 layers=2-4 -> n1 n3
+          phase: offering
+        3.7 answers offer 0-2: n0 01010101, n2 01010101
+        3.8 answers offer 2-4: n1 23232323, n3 23232323
+          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 absent n3 n4 -> n0 n1 n2
+          phase: handing out
+        4 answers alloc: n0 accepted, n1 accepted, n2 accepted
+          ask start: START epoch=2 -> n0 n1
+        4.1 answers start: n0 started, n1 started
+          emit leave term=1 epoch=2 trigger=peer n3 left (planned) old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False
+          reply leave 1: term=1 epoch=2 old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False reason=peer n3 left (planned)
+          phase: training
+    """)
+    assert n.planner.calls == [{"live": N[:3], "remaining_steps": 98, "seed": 1, "force": False}]
+    emits = [a for a in out if isinstance(a, Emit)]
+    assert [e.event for e in emits] == ["leave"]
+    assert emits[0].fields["trigger"] == f"peer {short_id(N[3])} left (planned)"
+    assert emits[0].fields["rollback"] is False
+    replies = [a for a in out if isinstance(a, Reply)]
+    assert replies and replies[0].key == ("leave", 1) and replies[0].value["handed_off"] is True
+    assert n.c.status().epoch == 2 and N[3] not in n.epoch.current.peers + n.epoch.current.spares
+    # n3 is live in gossip until it leaves it: it is not probed as a joined peer meanwhile
+    n.lines.clear()
+    n.tick(6.2)
+    assert "probe joined" not in n.asks
+
+
+def test_a_leave_of_a_peer_the_run_does_not_name_is_answered_at_once():
+    n = Node()
+    n.training(steps=1)
+    n.swarm.live.add(N[4])  # a peer outside the run, as gossip sees it until it left
+    out = n.feed(PeerLeaving(("leave", 1), N[4]), 3.0)
+    assert [(type(a).__name__, getattr(a, "value", None)) for a in out if isinstance(a, Reply)] == [
+        ("Reply", {"handed_off": False})]
+    assert [a.event for a in out if isinstance(a, Emit)] == ["leave"] and n.c.phase is Phase.TRAINING
+    assert not n.asks  # no reconfiguration, and no probe of n4 as a joined peer
+    n.tick(4.0)
+    assert "probe joined" not in n.asks
+
+
+@pytest.mark.parametrize("coordinator, busy, answered", [
+    (False, False, "this peer is no longer the coordinator"),  # asked of a peer that is not the coordinator
+    (True, True, None),  # a reconfiguration runs: the leave waits for it (then the next one leaves n3 out)
+])
+def test_a_leave_is_refused_by_a_follower_and_waits_for_a_procedure_in_progress(coordinator, busy, answered):
+    n = Node()
+    n.training(steps=1)
+    if busy:
+        n.feed(Reschedule(("op", "r"), reschedule_op(2.0)), 2.0)
+        assert n.c.busy
+    n.election.coordinator = ME if coordinator else N[1]
+    out = n.feed(PeerLeaving(("leave", 1), N[3]), 2.5)
+    errors = [a.error for a in out if isinstance(a, Reply)]
+    assert errors == ([answered] if answered else [])
+    if busy:
+        assert "states" in n.asks and not any(isinstance(a, Ask) for a in out)  # (the reschedule's, asked before)

@@ -52,8 +52,8 @@ from .schedule import Placement
 from .steplog import StepLog
 
 __all__ = [
-    "MAX_OFFER_HOLDERS", "Coordinator", "CoordinatorStatus", "CoordinatorTimings", "Elected", "Phase", "Planner",
-    "Reschedule", "ResumeRun", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "StopRun", "Swarm", "Tick", "Trigger",
+    "MAX_OFFER_HOLDERS", "Coordinator", "CoordinatorStatus", "CoordinatorTimings", "Elected", "PeerLeaving", "Phase",
+    "Planner", "Reschedule", "ResumeRun", "StartRun", "StepFailed", "StepReported", "SteppedDownEvent", "StopRun", "Swarm", "Tick", "Trigger",
     "Wake", "resume_refusal",
 ]
 
@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
 MAX_STARTS_KEPT = 64  # run ids of signed starts taken, kept while they could be replayed
+MAX_LEAVING = 64  # peers that announced a planned leave, remembered (each for leaving_kept_s)
 STALL_STEPS = 3  # steps' time without a completed step after which a failed report stands
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 # Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
@@ -121,6 +122,9 @@ class CoordinatorTimings:
     # An operator's signed operation is taken this long before or after its time (clock skew;
     # a start also for its --min-peers wait after it): an older one is not taken again.
     operator_skew_s: float = 300.0
+    # A peer that announced a planned leave is kept out of allocations this long (it leaves
+    # gossip at once once handed off; a peer that comes back later is placed again).
+    leaving_kept_s: float = 120.0
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -209,6 +213,17 @@ class StopRun:
 
 
 @dataclass(frozen=True)
+class PeerLeaving:
+    """A peer announces a planned leave (`dtfm-peer leave`; the shell took the peer from the
+    authenticated connection it came over: only a peer itself says that it leaves). The next
+    allocation leaves it out, its stages offered from its memory; answered by
+    `Reply(key, {"handed_off": bool})` once no running allocation names it, or an error."""
+
+    key: tuple
+    peer: bytes
+
+
+@dataclass(frozen=True)
 class _Start:
     """A start that passed the cheap checks, waiting for the procedure in progress."""
 
@@ -220,7 +235,7 @@ class _Start:
 
 
 CoordinatorEvent = (Tick | Wake | Trigger | StepReported | StepFailed | Elected | SteppedDownEvent | StartRun
-                    | Reschedule | ResumeRun | StopRun | Answers | Computed)
+                    | Reschedule | ResumeRun | StopRun | PeerLeaving | Answers | Computed)
 
 
 # ---- procedures ------------------------------------------------------------------------------
@@ -263,6 +278,7 @@ class _Procedure:
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
     start: _Start | None = None  # kind "start": the operator's start
     resume: bool = False  # an operator's resume: if it fails, the run stays stopped
+    leave: bool = False  # a planned leave's hand-off: recorded as a leave, not a failure
 
 
 @dataclass(frozen=True)
@@ -314,7 +330,8 @@ class Coordinator:
         self._next_check = 0.0
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
-        self._queue: list[_Start | Reschedule | ResumeRun] = []  # at most one of each kind
+        self._queue: list[_Start | Reschedule | ResumeRun | PeerLeaving] = []  # one of each kind (a leave per peer)
+        self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
         self._rescheduled: tuple[bytes, int] | None = None  # (run, time in ms) of the last reschedule taken
         self._stops: dict[tuple, tuple[tuple, int]] = {}  # STOP request key -> (operator's key, boundary)
@@ -397,6 +414,8 @@ class Coordinator:
             out += self._stop_asked(event, now)
         elif isinstance(event, ResumeRun):
             out += self._resume_asked(event, now)
+        elif isinstance(event, PeerLeaving):
+            out += self._leave_asked(event, now)
         elif isinstance(event, Answers):
             out += self._answers(event)
         elif isinstance(event, Computed):
@@ -415,6 +434,8 @@ class Coordinator:
             op = self._queue.pop(0)
             if isinstance(op, _Start):
                 return self._start_run(op, now)
+            if isinstance(op, PeerLeaving):
+                return self._hand_off(op, now)
             if not self.election.is_coordinator:
                 return [Reply(op.key, error="this peer is no longer the coordinator")]
             if isinstance(op, ResumeRun):
@@ -461,7 +482,8 @@ class Coordinator:
             if now >= self._paused_retry_at:
                 return self._reconfigure("retrying the paused run", now, retry=["retrying the paused run"])
             return []
-        outside = [p for p in self.swarm.live_peers() if p not in self._named(cur) and p != self.me]
+        leaving = self.leaving(now)
+        outside = [p for p in self.swarm.live_peers() if p not in self._named(cur) and p != self.me and p not in leaving]
         if outside:
             self._probe = "joined"
             return [self._ask(("probe", "joined"), outside, ControlMsg.RUN_STATE, {"op": "query"},
@@ -871,13 +893,57 @@ class Coordinator:
         told = sum(1 for a in answers.values() if a.get("stopped"))
         return [Reply(reply_key, {"at_step": at, "told": told})]
 
+    # ---- planned leave ------------------------------------------------------------------------
+
+    def leaving(self, now: float) -> frozenset[bytes]:
+        """The peers that announced a planned leave within `leaving_kept_s`: never placed."""
+        self._leaving = {p: t for p, t in self._leaving.items() if t > now}
+        return frozenset(self._leaving)
+
+    def _leave_asked(self, ev: PeerLeaving, now: float) -> list:
+        """A peer's planned leave: kept out of allocations from now on; when the current run
+        names it, a reconfiguration without it at a step boundary (after the procedure in
+        progress), else answered at once."""
+        if not self.election.is_coordinator:
+            return [Reply(ev.key, error="this peer is no longer the coordinator")]
+        if ev.peer not in self._leaving:
+            while len(self._leaving) >= MAX_LEAVING:
+                self._leaving.pop(min(self._leaving, key=self._leaving.__getitem__))
+        self._leaving[ev.peer] = now + self.t.leaving_kept_s
+        logger.info("peer %s leaves (planned)", short_id(ev.peer))
+        if self._leave_done(ev):
+            return [Reply(ev.key, {"handed_off": False})] + self._left_event(ev.peer)
+        for q in [q for q in self._queue if isinstance(q, PeerLeaving) and q.peer == ev.peer]:
+            self._queue.remove(q)  # asked again: the newer request is the one answered
+        self._queue.append(ev)
+        return []
+
+    def _leave_done(self, ev: PeerLeaving) -> bool:
+        """Whether no running allocation of this peer's names the leaving peer."""
+        cur = self.epoch.current
+        return cur is None or self._over() or ev.peer not in self._named(cur)
+
+    def _left_event(self, peer: bytes) -> list:
+        cur = self.epoch.current
+        return [Emit(PlaneEvent(EventKind.LEAVE, self.election.term, f"peer {short_id(peer)} left (planned)",
+                                epoch=cur.epoch if cur is not None else None))]
+
+    def _hand_off(self, ev: PeerLeaving, now: float) -> list:
+        """The queued leave's turn: a reconfiguration without the leaving peer, unless an
+        earlier one left it out already."""
+        if self._leave_done(ev):
+            return [Reply(ev.key, {"handed_off": False})] + self._left_event(ev.peer)
+        self.leaving(now)
+        self._leaving.setdefault(ev.peer, now + self.t.leaving_kept_s)  # (kept while its hand-off runs)
+        return self._reconfigure(f"peer {short_id(ev.peer)} left (planned)", now, reply=ev.key, leave=True)
+
     # ---- reconfiguration ----------------------------------------------------------------------
 
     def _reconfigure(self, trigger: str, now: float, *, force: bool = False, reply: tuple | None = None,
-                     retry: Sequence[str] = (), resume: bool = False) -> list:
+                     retry: Sequence[str] = (), resume: bool = False, leave: bool = False) -> list:
         cur = self.epoch.current
         proc = _Procedure(next(self._keys), "reconfigure", trigger, reply=reply, force=force, cur=cur, t0=now,
-                          resume=resume)
+                          resume=resume, leave=leave)
         proc.retry = list(retry)
         self._proc = proc
         if cur is None or not self.election.is_coordinator:
@@ -975,7 +1041,8 @@ class Coordinator:
         if rp.step >= cur.end_step:
             raise _Failed("the run already reached its last step")
         proc.rp = rp
-        view, unmeasured = self.swarm.measured_view(reachable)
+        # (a leaving peer answers and offers its stages, but is not placed)
+        view, unmeasured = self.swarm.measured_view(reachable - self.leaving(now))
         if unmeasured:
             logger.info("left out until their links are measured: %s", ", ".join(short_id(p) for p in unmeasured))
         live = frozenset(view.peers)
@@ -1038,7 +1105,8 @@ class Coordinator:
             holdings.append(Holding(r, digest, tuple(sorted(peers))))
         proc.marks["offered"] = now
         try:
-            alloc = self._next_allocation(cur, plan.placement, rp, tuple(holdings), proc.trigger, set(proc.states))
+            alloc = self._next_allocation(cur, plan.placement, rp, tuple(holdings), proc.trigger,
+                                          set(proc.states) - self.leaving(now))
         except ValueError as e:
             raise _Failed(f"cannot build the next allocation: {e}") from None
         # Steps already completed and logged that the swarm runs again: the holders of the newer
@@ -1174,10 +1242,11 @@ class Coordinator:
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
                     " (rolled back: steps already logged run again)" if proc.rolled_back else "")
-        kind = EventKind.ROLLBACK if proc.rolled_back else EventKind.RECONFIGURE
+        kind = (EventKind.ROLLBACK if proc.rolled_back else EventKind.LEAVE if proc.leave
+                else EventKind.RECONFIGURE)
         out: list = [Emit(PlaneEvent(kind, alloc.term, proc.trigger, epoch=alloc.epoch, reconfiguration=info))]
         if proc.reply is not None:
-            out.append(Reply(proc.reply, info.to_wire()))
+            out.append(Reply(proc.reply, {"handed_off": True, **info.to_wire()} if proc.leave else info.to_wire()))
         return out
 
     # ---- failure, pause, stop -----------------------------------------------------------------
