@@ -345,6 +345,20 @@ class EpochMachine:
             return True
         return run.end is not None and run.end.reason == "finished"
 
+    def hand_off_to(self) -> tuple[bytes | None, str]:
+        """Before a planned leave: the coordinator to ask to hand this peer's part off (this
+        peer itself when it is the coordinator), or (None, why nothing is asked): no run in
+        progress names it, or no coordinator is known to take its part over."""
+        cur = self.current
+        if cur is None or self.run_over():
+            return None, "no run in progress"
+        if self.me not in cur.peers and self.me not in cur.spares:
+            return None, f"run {cur.run_id.hex()[:8]} does not name this peer"
+        coordinator = self.election.coordinator
+        if coordinator is None:
+            return None, "no coordinator is known to hand this peer's part off"
+        return coordinator, ""
+
     def run_state(self, checkpoints: tuple[tuple[int, int, int], ...] = ()) -> PeerRunState:
         """This peer's answer to a RUN_STATE query; `checkpoints`: those of the current run."""
         run = self.run
