@@ -85,6 +85,10 @@ class PlaneConfig:
     # A `train start` or `reschedule` forwarded to the coordinator waits this long for its
     # answer: the hand-out's accept_timeout_s plus a minute for scheduling and starting.
     forward_timeout_s: float = 180.0
+    # A planned leave (`dtfm-peer leave`) waits this long for the coordinator to hand the
+    # leaving peer's part off (stop at a step boundary, offers, fetches, hand-out); then it
+    # leaves anyway and the run treats it as failed. Longer covers slower fetches of its stage.
+    leave_hand_off_s: float = 120.0
     # `train start --min-peers` re-counts the live, measured peers this often.
     swarm_poll_s: float = 1.0
     # An operator's signed start, stop or reschedule is taken this long before or after the
@@ -123,7 +127,7 @@ class PlaneConfig:
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
                      "stop_timeout_s", "check_interval_s", "drift_check_s", "report_gather_s", "probe_timeout_s",
                      "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
-                     "heartbeat_wait_s", "forward_timeout_s", "swarm_poll_s", "step_deadline_floor_s",
+                     "heartbeat_wait_s", "forward_timeout_s", "leave_hand_off_s", "swarm_poll_s", "step_deadline_floor_s",
                      "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s", "operator_skew_s"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not 0 < v < 1e6:

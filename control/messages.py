@@ -18,3 +18,4 @@ class ControlMsg(IntEnum):
     TENSOR = 72      # request: one tensor of a training step; reply once it is buffered
     TRAIN_OP = 73    # request: an operator's signed start, stop, reschedule or resume forwarded to the coordinator
     COORDINATOR = 74  # request: who is the coordinator? reply: the answering peer's view and certificate
+    LEAVE = 75       # request: the sender's own planned leave, to the coordinator; reply once its part is handed off

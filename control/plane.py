@@ -52,6 +52,7 @@ from .coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
     Elected,
+    PeerLeaving,
     Reschedule,
     ResumeRun,
     StartRun,
@@ -228,6 +229,7 @@ class ControlPlane:
         self.transport.handle(ControlMsg.STEP, self._on_step)
         self.transport.handle(ControlMsg.RUN_STATE, self._on_run_state)
         self.transport.handle(ControlMsg.TRAIN_OP, self._on_train_op)
+        self.transport.handle(ControlMsg.LEAVE, self._on_leave)
         self.gossip.on_member_change(self._on_member_change)
         self.election.on_event(self._on_election_event)
         self.coordinator.wall_offset = time.time() - trio.current_time()
@@ -861,6 +863,39 @@ class ControlPlane:
         if "ok" in a and isinstance(a["ok"], dict):
             return a["ok"]
         raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
+
+    async def hand_off(self) -> str | None:
+        """Before a planned leave: tell the coordinator, which reconfigures the run without
+        this peer at a step boundary (its stages offered from memory) and answers once the new
+        epoch runs; None when done or there was nothing to hand off, else why not (bounded by
+        leave_hand_off_s)."""
+        target, why = self.epoch.hand_off_to()
+        if target is None:
+            return why or None
+        timeout_s = self.config.leave_hand_off_s
+        if target == self.me:
+            with trio.move_on_after(timeout_s):
+                a = await self._leave_asked(self.me)
+                return a.get("error")
+            return f"the hand-off took longer than {timeout_s:g} s"
+        logger.info("asking the coordinator %s to hand this peer's part off", short_id(target))
+        a = (await self._ask_all([target], ControlMsg.LEAVE, {}, timeout_s))[target]
+        return None if isinstance(a.get("ok"), dict) else f"the coordinator {short_id(target)}: " + str(
+            a.get("error") or a.get("reason"))
+
+    async def _on_leave(self, conn, msg_type, body, payload) -> dict:
+        """A peer's own planned leave (the sender is the authenticated peer of the connection:
+        no peer announces another's leave)."""
+        get_dict(body, "LEAVE")
+        with trio.move_on_after(self.config.leave_hand_off_s):
+            return await self._leave_asked(conn.peer_id)
+        return {"error": f"the hand-off took longer than {self.config.leave_hand_off_s:g} s"}
+
+    async def _leave_asked(self, peer: bytes) -> dict:
+        try:
+            return {"ok": await self._operator(PeerLeaving, peer)}
+        except TrainError as e:
+            return {"error": str(e)}
 
     async def export(self, signed: SignedOp, out_dir: Path, *, overwrite: bool = False) -> dict:
         """An operator's signed export naming this peer: gather the run's stages from their

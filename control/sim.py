@@ -48,6 +48,7 @@ from .coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
     Elected,
+    PeerLeaving,
     StartRun,
     StepFailed,
     SteppedDownEvent,
@@ -235,6 +236,11 @@ class PlaneSim(ElectionSim):
         self._ctick_at = [float("nan")] * n
         # (node, its key of an ALLOCATION it was asked) -> (asker, the asker's key): answered once built
         self._pending_allocs: dict[tuple[int, tuple], tuple[int, tuple]] = {}
+        # (coordinator, its key of a LEAVE it was asked) -> (the leaving node, its key): answered once handed off
+        self._pending_leaves: dict[tuple[int, tuple], tuple[int, tuple]] = {}
+        self._leaving: dict[int, tuple] = {}  # node -> the key of its LEAVE, while it waits for the answer
+        self.leave_timeout_s = 10.0  # a leaving node goes anyway after this (control/config.py leave_hand_off_s)
+        self.left: list[tuple[float, int, str]] = []  # (time, node, how it went: handed off, or why not)
         self._seq = 0
         liars = () if self.byzantine is None else (self.byzantine,)
         super().__init__(n, config, seed=rng.getrandbits(64), codec=False, conditions=conditions,
@@ -377,6 +383,32 @@ class PlaneSim(ElectionSim):
         assert self.byzantine is not None
         self._transmit(self.byzantine, dst, ("send", msg, body))
 
+    def leave(self, k: int) -> None:
+        """`dtfm-peer leave` on node k, as the daemon does it (control/plane.py `hand_off`): it
+        tells the coordinator its epoch machine names, which hands its part off, and goes once
+        answered, after leave_timeout_s, or at once when there is nothing to hand off."""
+        target, why = self.epoch(k).hand_off_to()
+        if target is None:
+            self._went(k, why or "nothing to hand off")
+            return
+        self._seq += 1
+        key = self._leaving[k] = ("leave", self._seq)
+        self._push(self.now + self.leave_timeout_s, ("leave-timeout", k, key))
+        if target == self.ids[k]:
+            self._coordinator(k, PeerLeaving(key, self.ids[k]))
+        else:
+            self._transmit(k, self.index[target], ("ask", key, ControlMsg.LEAVE, {}))
+
+    def _went(self, k: int, how: str) -> None:
+        self._leaving.pop(k, None)
+        self.left.append((self.now, k, how))
+        self.crash(k)
+
+    def _leave_answered(self, k: int, answer: dict) -> None:
+        ok = answer.get("ok")
+        self._went(k, "handed off" if isinstance(ok, dict) and ok.get("handed_off") else
+                   "nothing to hand off" if isinstance(ok, dict) else f"not handed off: {answer.get('error')}")
+
     def crash(self, k: int) -> None:
         if self.nodes[k] is not None:
             self.lives[k] += 1
@@ -385,6 +417,8 @@ class PlaneSim(ElectionSim):
         self.sim_stages[k] = {}
         self.outstanding[k] = {}
         self.replies[k] = {}
+        self._pending_leaves = {x: v for x, v in self._pending_leaves.items() if x[0] != k}
+        self._leaving.pop(k, None)
         self._ctick_at[k] = float("nan")
 
     # ------------------------------------------------------------------ the election sim's hooks
@@ -434,6 +468,9 @@ class PlaneSim(ElectionSim):
                 self._answered(k, out, complete=True)
         elif kind == "reoffer":
             self._epoch(k, item[2])
+        elif kind == "leave-timeout":
+            if self._leaving.get(k) == item[2]:
+                self._went(k, f"no answer within {self.leave_timeout_s:g} s")
         else:
             raise AssertionError(f"unknown item {item!r}")
 
@@ -444,6 +481,9 @@ class PlaneSim(ElectionSim):
             self._answer(k, src, key, msg, body)
         elif kind == "answer":
             _, key, answer = payload
+            if self._leaving.get(k) == key:
+                self._leave_answered(k, answer)
+                return
             out = self.outstanding[k].get(key)
             if out is not None and self.ids[src] in out.ask.peers and self.ids[src] not in out.answers:
                 out.answers[self.ids[src]] = answer
@@ -526,6 +566,14 @@ class PlaneSim(ElectionSim):
             if isinstance(a, Emit):
                 self.events.append((self.now, k, a.event, dict(a.fields)))
         elif isinstance(a, Reply):
+            if self._leaving.get(k) == a.key:  # its own coordinator handed its part off
+                self._leave_answered(k, {"ok": a.value} if a.error is None else {"error": a.error})
+                return
+            asker = self._pending_leaves.pop((k, a.key), None)
+            if asker is not None:  # as control/plane.py's _on_leave answers
+                self._transmit(k, asker[0], ("answer", asker[1], {"ok": a.value} if a.error is None
+                                             else {"error": a.error}))
+                return
             self.replies[k][a.key] = a
         elif isinstance(a, WaitForCoordinator):
             self._push(min(self.now + RETRY_S, a.until - self.offsets[k]), ("reoffer", k, a.offer))
@@ -578,6 +626,16 @@ class PlaneSim(ElectionSim):
         if msg == ControlMsg.ALLOCATION:
             local = ("alloc", self._seq)
             self._offer_signed(k, local, body, reply_to=(src, key))
+            return
+        if msg == ControlMsg.LEAVE:  # the sender's own leave (the transport authenticated it)
+            try:
+                get_dict(body, "LEAVE")
+            except ProtocolError as e:
+                self._refuse(k, src, f"request {msg}: {e}")
+                return
+            local = ("leave", self._seq)
+            self._pending_leaves[(k, local)] = (src, key)
+            self._coordinator(k, PeerLeaving(local, self.ids[src]))
             return
         try:
             answer = self._handle_request(k, self.ids[src], msg, body)

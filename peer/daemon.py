@@ -7,8 +7,10 @@ Lifecycle of `Daemon.run()`, all inside one nursery:
   2. the control socket answers `status`, `leave`, and ops that services register;
   3. services added with `add_service` start, in order, each awaited until it calls started();
   4. discovery runs: bootstrap redials, address exchange, dialling learnt peers;
-  5. on `request_leave()` (the `leave` op, SIGINT or SIGTERM): tell every peer we are leaving,
-     close the transport, cancel everything, return.
+  5. on `request_leave()` (the `leave` op, SIGINT or SIGTERM): run the leave hooks in order
+     while the transport is still up (the control plane hands this peer's part of a run off,
+     gossip announces the leave), tell every peer we are leaving, close the transport, cancel
+     everything, return.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Daemon:
         self._providers: dict[str, StatusProvider] = {}
         self._leave_reason: str | None = None
         self._leave = trio.Event()
+        self._leave_hooks: list[tuple[str, Callable[[], Awaitable[None]]]] = []
 
     @property
     def peer_id(self) -> bytes:
@@ -85,6 +88,11 @@ class Daemon:
     def add_control_op(self, op: str, handler: Callable[[dict], Awaitable[Any]]) -> None:
         """Answer control requests `op` with `await handler(args)`."""
         self.socket.register(op, handler)
+
+    def add_leave_hook(self, hook: Callable[[], Awaitable[None]], *, name: str) -> None:
+        """Run `await hook()` when the daemon leaves, before it says goodbye and closes the
+        transport, in the order added; each bounds its own wait (an exception is logged)."""
+        self._leave_hooks.append((name, hook))
 
     def request_leave(self, reason: str = "leaving") -> None:
         """Start a clean exit (idempotent)."""
@@ -117,6 +125,11 @@ class Daemon:
                                 self.listen_address)
             task_status.started(self.listen_address)
             await self._leave.wait()
+            for name, hook in self._leave_hooks:
+                try:
+                    await hook()
+                except Exception as e:
+                    logger.warning("leave hook %s failed: %s: %s", name, type(e).__name__, e)
             await self.discovery.say_goodbye(self._leave_reason or "leaving")
             with trio.move_on_after(self.config.discovery.leave_timeout_s) as scope:
                 scope.shield = True

@@ -79,6 +79,8 @@ def services_setup(config: DaemonConfig, shaper: EmulatedLinks | None = None) ->
         daemon.add_status_provider("gossip", gossip.status)
         daemon.add_status_provider("training", plane.status)
         daemon.add_control_op("emulate", gossip.emulate)
+        daemon.add_leave_hook(plane.hand_off, name="plane hand-off")  # first: the run goes on without this peer
+        daemon.add_leave_hook(gossip.leave, name="gossip leave")  # then gossip says "left", not "dead"
         for op, handler in plane.control_ops().items():
             daemon.add_control_op(op, handler)
         if config.metrics.listen is not None:
@@ -98,6 +100,7 @@ class GossipPart:
         self.config = config
         self.shaper = shaper
         self.service: GossipService | None = None  # once `run` has started it
+        self._left = False
 
     async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
@@ -112,9 +115,17 @@ class GossipPart:
             try:
                 await trio.sleep_forever()
             finally:
-                with trio.move_on_after(2.0) as scope:
-                    scope.shield = True
-                    await service.leave()
+                if not self._left:  # (the daemon's leave hook announced it while the transport was up)
+                    with trio.move_on_after(2.0) as scope:
+                        scope.shield = True
+                        await service.leave()
+
+    async def leave(self) -> None:
+        """Announce this peer's leave (gossip's LEFT, signed by this peer) and let it spread."""
+        if self.service is not None and not self._left:
+            self._left = True
+            with trio.move_on_after(2.0):
+                await self.service.leave()
 
     async def join_bootstrap(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Join the swarm through the bootstrap peers. They may still be starting: retry with
@@ -182,6 +193,18 @@ class PlanePart:
 
     def status(self) -> dict | None:
         return None if self.plane is None else self.plane.status()
+
+    async def hand_off(self) -> None:
+        """Before a planned leave: the coordinator reconfigures the run without this peer (at a
+        step boundary, its stages offered from memory); bounded by the plane's leave_hand_off_s."""
+        if self.plane is None:
+            return
+        why = await self.plane.hand_off()
+        if why is None:
+            logger.info("this peer's part in the run is handed off: leaving")
+        else:
+            logger.warning("leaving without a hand-off (%s): the run will treat this peer as failed and "
+                           "reconfigure without it, from the last step every stage holds", why)
 
     def operators(self) -> tuple[bytes, ...]:
         """The operators' public keys the swarm key file names."""

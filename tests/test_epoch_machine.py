@@ -694,8 +694,8 @@ def test_an_unknown_event_is_an_error():
     ("a stage peer asks its coordinator", N[1], N[0], True, False, N[0], ""),
     ("the coordinator hands off its own stage", N[0], N[0], True, False, N[0], ""),
     ("a spare asks too (it may be about to fetch a stage)", N[4], N[0], True, False, N[0], ""),
-    ("no run was ever applied", N[1], N[0], False, False, None, "no run in progress"),
-    ("the run was stopped", N[1], N[0], True, True, None, "no run in progress"),
+    ("no run was ever applied: nothing to tell", N[1], N[0], False, False, None, ""),
+    ("the run was stopped: nothing to tell", N[1], N[0], True, True, None, ""),
     ("no coordinator is known", N[1], None, True, False, None, "no coordinator is known"),
 ])
 def test_whom_a_leaving_peer_asks_to_hand_its_part_off(what, me, coordinator, applied, stopped, asks, words):
@@ -706,5 +706,5 @@ def test_whom_a_leaving_peer_asks_to_hand_its_part_off(what, me, coordinator, ap
         p.m.mark_stopped(RUN)
     p.election.coordinator = coordinator
     target, why = p.m.hand_off_to()
-    assert target == asks and words in why
+    assert target == asks and why.startswith(words) and bool(why) == bool(words)
 

@@ -197,9 +197,31 @@ def stage_restored_from_checkpoints() -> str:
     return s.finish()
 
 
+def planned_leaves() -> str:
+    s, c = _started(5, seed=8)
+    s.train(3)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None
+    k = next(s.sim.index[p] for p in alloc.peers if s.sim.index[p] != c)
+    s.note(f"n{k}, a stage peer, leaves (dtfm-peer leave)")
+    s.sim.leave(k)
+    s.run(3.0)
+    s.train(2)
+    s.run(0.5)
+    s.note(f"the coordinator n{c} leaves")
+    s.sim.leave(c)
+    s.run(4.0)
+    s.train(2)
+    s.run(0.5)
+    for t, j, how in s.sim.left:
+        s.lines.append(f"{t:8.3f}  n{j} went: {how}")
+    return s.finish()
+
+
 SCENARIOS: dict[str, Callable[[], str]] = {f.__name__: f for f in (
     follower_killed, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
-    stage_restored_from_checkpoints)}
+    stage_restored_from_checkpoints, planned_leaves)}
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -1136,8 +1136,10 @@ class Coordinator:
 
     def _absent(self, named: set[bytes]) -> tuple[bytes, ...]:
         """Every member this peer knows of that has no place: peers whose gossip still counts
-        one of them alive must not refuse the allocation for leaving it out."""
-        return tuple(sorted(set(self.swarm.known_peers()) - named - {self.me})[:MAX_ABSENT])
+        one of them alive must not refuse the allocation for leaving it out (this peer too
+        when it leaves: it issues an allocation without itself)."""
+        me = set() if self.me in self._leaving else {self.me}
+        return tuple(sorted(set(self.swarm.known_peers()) - named - me)[:MAX_ABSENT])
 
     @staticmethod
     def _named(alloc: Allocation) -> set[bytes]:

@@ -346,17 +346,17 @@ class EpochMachine:
         return run.end is not None and run.end.reason == "finished"
 
     def hand_off_to(self) -> tuple[bytes | None, str]:
-        """Before a planned leave: the coordinator to ask to hand this peer's part off (this
-        peer itself when it is the coordinator), or (None, why nothing is asked): no run in
-        progress names it, or no coordinator is known to take its part over."""
+        """Before a planned leave: (the coordinator to tell, "") while a run is in progress (this
+        peer itself when it is the coordinator; it hands this peer's part off when the run names
+        it); (None, "") when there is no run to tell about; (None, why) when the run names this
+        peer and no coordinator is known to take its part over."""
         cur = self.current
         if cur is None or self.run_over():
-            return None, "no run in progress"
-        if self.me not in cur.peers and self.me not in cur.spares:
-            return None, f"run {cur.run_id.hex()[:8]} does not name this peer"
+            return None, ""
         coordinator = self.election.coordinator
         if coordinator is None:
-            return None, "no coordinator is known to hand this peer's part off"
+            named = self.me in cur.peers or self.me in cur.spares
+            return None, "no coordinator is known to hand this peer's part off" if named else ""
         return coordinator, ""
 
     def run_state(self, checkpoints: tuple[tuple[int, int, int], ...] = ()) -> PeerRunState:
