@@ -6,7 +6,8 @@
     dtfm-peer operator-key new --out FILE make another operator's key
     dtfm-peer join --swarm-key FILE ...   run the daemon in the foreground
     dtfm-peer status [--json]             ask the running daemon how it is doing
-    dtfm-peer leave                       make the running daemon leave and exit
+    dtfm-peer members [--json]            list every member of the swarm with its role and state
+    dtfm-peer leave                       hand the daemon's part of a run off, leave and exit
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
     dtfm-peer train reschedule            ask the coordinator for a new allocation now
     dtfm-peer train resume [RUN]          continue a stopped run from its newest checkpoint
@@ -47,6 +48,7 @@ from .daemon import ListenError
 from .paths import DataDir, DataDirError, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
+from .members import format_members, member_rows
 from .status import format_duration, format_text, to_json
 
 PROG = "dtfm-peer"
@@ -154,21 +156,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(p)
     p.set_defaults(subparser=p)  # a flag value the settings refuse is a usage error (exit 2)
 
-    for name, text in (("status", "show the running daemon's status"),
-                       ("leave", "make the running daemon leave the swarm and exit")):
-        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+    for name, text, more in (
+            ("status", "show the running daemon's status", ""),
+            ("members", "list every member of the swarm the running daemon knows",
+             " Each with its role in the run (coordinator, voter, stage, spare), its stage and pipeline, "
+             "region, address and gossip state (alive, suspect, unconfirmed, dead, left), as the "
+             "local daemon knows them."),
+            ("leave", "make the running daemon leave the swarm and exit",
+             " A peer of a training run first asks the coordinator to hand its part off: the run is "
+             "reconfigured without it at a step boundary, its stages fetched from its memory; then "
+             "gossip is told it left (not failed). If the coordinator does not answer in time "
+             "(plane.leave_hand_off_s), it leaves anyway and the run treats it as failed.")):
+        p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + "." + more)
         _add_data_dir(p)
         _add_config_file(p, "the daemon's TOML configuration file, to find its data dir "
                             "(--data-dir wins)")
-        if name == "status":
+        if name in ("status", "members"):
             p.add_argument("--json", action="store_true",
-                           help="print the full status as JSON (ids in full)")
+                           help="print the full status as JSON (ids in full)" if name == "status" else
+                           "print the members as JSON (ids in full)")
         else:
             p.add_argument("--no-wait", action="store_true",
                            help="return once the daemon accepted, without waiting for it "
                                 "to exit")
-            p.add_argument("--timeout", type=_positive_seconds, default=30.0, metavar="SECONDS",
-                           help="how long to wait for the daemon to exit (default: 30)")
+            p.add_argument("--timeout", type=_positive_seconds, default=180.0, metavar="SECONDS",
+                           help="how long to wait for the daemon to hand its part off and exit "
+                                "(default: 180)")
     p = sub.add_parser("train", help="start, stop, resume or reschedule training on the swarm",
                        description="Start training on the swarm from this daemon, stop the run, resume "
                                    "a stopped run, or ask its coordinator for a new allocation now.")
@@ -515,6 +528,24 @@ def format_training(t: dict, now: float) -> list[str]:
     return lines
 
 
+def cmd_members(args: argparse.Namespace) -> int:
+    config, data_dir = _client_config(args)
+    with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
+        report = c.request("status")
+    if not isinstance(report, dict):
+        raise CliError("the daemon sent a status that is not a map")
+    rows = member_rows(report)
+    if args.json:
+        gossip = report.get("gossip") if isinstance(report.get("gossip"), dict) else {}
+        training = report.get("training") if isinstance(report.get("training"), dict) else {}
+        print(json.dumps({"peer_id": report.get("peer_id"), "coordinator": training.get("coordinator"),
+                          "run_id": training.get("run_id"), "epoch": training.get("epoch"), "members": rows,
+                          "truncated": "members" in (gossip.get("truncated") or [])}, indent=2))
+    else:
+        print(format_members(rows, report))
+    return 0
+
+
 def cmd_leave(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
     with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
@@ -523,6 +554,8 @@ def cmd_leave(args: argparse.Namespace) -> int:
     if args.no_wait:
         print(f"daemon (pid {pid}) is leaving", file=sys.stderr)
         return 0
+    print(f"daemon (pid {pid}) is leaving (a peer of a run first hands its part off at a step boundary)...",
+          file=sys.stderr)
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         try:
@@ -801,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "operator-key": cmd_operator_key, "join": cmd_join,
-                "status": cmd_status, "leave": cmd_leave, "train": cmd_train, "export": cmd_export}
+                "status": cmd_status, "members": cmd_members, "leave": cmd_leave, "train": cmd_train, "export": cmd_export}
     try:
         return commands[args.command](args)
     except KeyboardInterrupt:

@@ -15,6 +15,7 @@ from dtfm.net.identity import parse_swarm_key
 from dtfm.peer import logs
 from dtfm.peer.cli import build_parser, main, user_error_text
 from dtfm.peer.config import ConfigError, SocketConfig
+from dtfm.peer.members import format_members, member_rows
 from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_duration, format_text
@@ -411,3 +412,66 @@ async def test_train_status_follows_the_run_until_it_ends(capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["train", "status", "nope"])
     assert e.value.code == 2 and "must be a run id of 32 hex digits" in capsys.readouterr().err
+
+
+# ---- dtfm-peer members ------------------------------------------------------------------------
+
+A, B, C, D, E = ("a1" * 32, "b2" * 32, "c3" * 32, "d4" * 32, "e5" * 32)
+SWARM_REPORT = {
+    **REPORT, "peer_id": B, "short_id": B[:8],
+    "gossip": {"counts": {"alive": 3, "suspect": 1, "unconfirmed": 0, "dead": 0, "left": 1, "total": 5},
+               "members": [
+                   {"id": A, "short_id": A[:8], "region": "eu", "address": "10.0.0.1:7450", "state": "alive"},
+                   {"id": B, "short_id": B[:8], "region": "us", "address": "10.0.0.2:7450", "state": "alive"},
+                   {"id": C, "short_id": C[:8], "region": "asia", "address": "10.0.0.3:7450", "state": "alive"},
+                   {"id": D, "short_id": D[:8], "region": "eu", "address": "10.0.0.4:7450", "state": "suspect"},
+                   {"id": E, "short_id": E[:8], "region": "us", "address": "10.0.0.5:7450", "state": "left"}],
+               "truncated": []},
+    "training": {"state": "training", "coordinator": A, "run_id": "f0" * 16, "epoch": 3, "stages": 2, "dp": 1,
+                 "pipelines": [[B, C]], "layer_ranges": [[0, 2], [2, 4]], "spares": [D], "voters": [A, B, C]},
+}
+
+
+def test_members_joins_gossips_table_with_the_roles_in_the_applied_allocation():
+    rows = {r["short_id"]: r for r in member_rows(SWARM_REPORT)}
+    assert [(r["roles"], r["stage"], r["pipeline"], r["state"]) for r in rows.values()] == [
+        (["coordinator", "voter"], None, None, "alive"),
+        (["voter", "stage"], 0, 0, "alive"),
+        (["voter", "stage"], 1, 0, "alive"),
+        (["spare"], None, None, "suspect"),
+        ([], None, None, "left")]
+    assert rows[C[:8]]["layers"] == [2, 4] and rows[B[:8]]["me"] and not rows[A[:8]]["me"]
+    text = format_members(list(rows.values()), SWARM_REPORT).splitlines()
+    assert text[0] == "5 members: 3 alive, 1 suspect, 1 left; run f0f0f0f0 epoch 3, 2 stages x 1 pipelines"
+    assert text[1].split() == ["PEER", "ROLE", "STAGE", "PIPELINE", "REGION", "ADDRESS", "STATE"]
+    assert text[3].split() == [B[:8], "*", "voter,stage", "0", "0", "us", "10.0.0.2:7450", "alive"]
+    assert text[6].split() == [E[:8], "-", "-", "-", "us", "10.0.0.5:7450", "left"]
+
+
+def test_members_of_a_daemon_without_a_run_or_gossip_lists_itself():
+    rows = member_rows(REPORT)
+    assert [(r["short_id"], r["roles"], r["state"], r["me"]) for r in rows] == [("abababab", [], "alive", True)]
+
+
+async def test_members_command_against_a_control_server(capsys):
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        server = ControlServer(data_dir.control_socket, SocketConfig())
+
+        async def status(args):
+            return SWARM_REPORT
+
+        server.register("status", status)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            text_rc = await trio.to_thread.run_sync(main, ["members", "--data-dir", d])
+            text = capsys.readouterr().out
+            json_rc = await trio.to_thread.run_sync(main, ["members", "--json", "--data-dir", d])
+            as_json = json.loads(capsys.readouterr().out)
+            nursery.cancel_scope.cancel()
+    assert (text_rc, json_rc) == (0, 0)
+    assert text.startswith("5 members: 3 alive, 1 suspect, 1 left")
+    assert as_json["coordinator"] == A and as_json["run_id"] == "f0" * 16 and not as_json["truncated"]
+    assert [(m["id"], m["roles"], m["state"]) for m in as_json["members"]][:2] == [
+        (A, ["coordinator", "voter"], "alive"), (B, ["voter", "stage"], "alive")]

@@ -23,6 +23,7 @@ from dtfm.swarm.cli import build_parser as swarm_parser
 from dtfm.swarm.cli import cmd_status
 for parser, argv in ((peer_parser(), ["--help"]), (peer_parser(), ["status", "--help"]),
                      (peer_parser(), ["leave", "--help"]), (peer_parser(), ["join", "--help"]),
+                     (peer_parser(), ["members", "--help"]),
                      (swarm_parser(), ["--help"]), (swarm_parser(), ["status", "--help"])):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
         parser.parse_args(argv)
@@ -35,12 +36,13 @@ def test_status_leave_and_help_load_no_torch_scipy_or_matplotlib():
     assert out.stdout.strip() == ""
 
 
-def test_dtfm_peer_status_without_a_daemon_loads_no_torch(tmp_path):
+def test_dtfm_peer_status_and_members_without_a_daemon_load_no_torch(tmp_path):
     probe = ("import sys\nfrom dtfm.peer.cli import main\n"
              f"rc = main(['status', '--data-dir', {str(tmp_path)!r}])\n"
-             "print(rc, 'torch' in sys.modules, 'scipy' in sys.modules)")
+             f"rc2 = main(['members', '--data-dir', {str(tmp_path)!r}])\n"
+             "print(rc, rc2, 'torch' in sys.modules, 'scipy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
-    assert out.stdout.split() == ["1", "False", "False"]
+    assert out.stdout.split() == ["1", "1", "False", "False"]
     assert "no daemon is running for data dir" in out.stderr
 
 
