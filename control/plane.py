@@ -661,7 +661,7 @@ class ControlPlane:
 
     def _on_member_change(self, member: Member) -> None:
         cur = self.epoch.current
-        if cur is None:
+        if cur is None or member.peer_id == self.me:  # (this peer's own leave is no news to it)
             return
         named = set(cur.peers) | set(cur.spares)
         if member.state.gone and member.peer_id in cur.peers:

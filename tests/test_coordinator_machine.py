@@ -1467,3 +1467,31 @@ def test_a_leave_is_refused_by_a_follower_and_waits_for_a_procedure_in_progress(
     assert errors == ([answered] if answered else [])
     if busy:
         assert "states" in n.asks and not any(isinstance(a, Ask) for a in out)  # (the reschedule's, asked before)
+
+
+def test_a_coordinator_that_handed_itself_off_reconfigures_nothing_more():
+    # n0 leaves: its last allocation leaves itself out (named in `absent`, so the peers whose
+    # gossip still counts it alive accept it); its own gossip saying it left, or a failed step
+    # as it goes, triggers nothing: the next coordinator takes the run over.
+    n = Node()
+    n.training(steps=2)
+    n.feed(PeerLeaving(("leave", 0), ME), 3.0)
+    n.answer("states", {p: state(r, 2, running=True) for p, r in zip(N[:4], [(0, 2), (2, 4), (0, 2), (2, 4)])}, 3.1)
+    n.answer("stop", everyone={"stopped": True}, at=3.2)
+    n.tick()
+    n.answer("poll", {p: state(r, 2) for p, r in zip(N[:4], [(0, 2), (2, 4), (0, 2), (2, 4)])}, 3.5)
+    n.compute("plan", 3.6)
+    assert n.planner.calls[-1]["live"] == N[1:4]
+    n.answer("offer 0-2", {N[0]: {"digest": D01}, N[2]: {"digest": D01}}, 3.7)
+    n.answer("offer 2-4", {N[1]: {"digest": D23}, N[3]: {"digest": D23}}, 3.8)
+    handout = n.asks["alloc"]
+    a = SignedAllocation.from_wire(handout.body).open()
+    assert ME not in a.peers + a.spares and ME in a.absent and ME not in handout.peers
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=4.0)
+    out = n.answer("start", everyone={"started": True}, at=4.1)
+    assert [r.value["handed_off"] for r in out if isinstance(r, Reply)] == [True]
+    n.asks.clear()
+    n.feed(Trigger(f"peer {short_id(ME)} is left"), 5.0)
+    n.tick(6.0)
+    n.tick(9.0)
+    assert not n.asks and n.c.phase is Phase.TRAINING

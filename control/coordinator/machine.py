@@ -443,6 +443,10 @@ class Coordinator:
             if self.epoch.current is None or self._over():
                 return [Reply(op.key, error="no training run is in progress")]
             return self._reconfigure("operator asked", now, force=True, reply=op.key)
+        if self.me in self.leaving(now):  # this peer handed its part off and goes: the run is its successor's
+            self._triggers.clear()
+            self._gather_until = None
+            return []
         if not self._triggers:
             out = self._deadline_check(now) or self._link_retest(now)
             if out:
