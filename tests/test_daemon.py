@@ -297,6 +297,35 @@ async def test_leave_tells_peers_and_run_returns(autojump, short_tmp):
         nursery.cancel_scope.cancel()
 
 
+async def test_leave_hooks_run_in_order_before_the_goodbye_while_connections_are_up(autojump, short_tmp, caplog):
+    # (the control plane's hand-off and gossip's LEFT claim need the transport: peer/services.py)
+    async with trio.open_nursery() as nursery:
+        swarm = Swarm(nursery, short_tmp)
+        a = await swarm.start("a")
+        b = await swarm.start("b", bootstrap=[a.listen_address])
+        await wait_until(lambda: seen(a) == [b.short_id] and seen(b) == [a.short_id])
+        ran: list[tuple[str, bool, list]] = []
+
+        async def broken():
+            ran.append(("broken", bool(b.transport.conns), seen(a)))
+            raise RuntimeError("boom")
+
+        async def hand_off():
+            await trio.sleep(1.0)  # a hand-off takes a while: nobody is told meanwhile
+            ran.append(("hand-off", bool(b.transport.conns), seen(a)))
+
+        b.add_leave_hook(broken, name="broken")
+        b.add_leave_hook(hand_off, name="hand-off")
+        with caplog.at_level(logging.WARNING, logger="dtfm.peer.daemon"):
+            b.request_leave("maintenance")
+            with trio.fail_after(5):
+                await b.done.wait()
+        assert ran == [("broken", True, [b.short_id]), ("hand-off", True, [b.short_id])]
+        assert "leave hook broken failed: RuntimeError: boom" in caplog.text
+        assert [x["reason"] for x in a.status()["departed"]] == ["maintenance"]
+        nursery.cancel_scope.cancel()
+
+
 async def test_bootstrap_is_retried_with_backoff_until_it_appears(autojump, short_tmp):
     async with trio.open_nursery() as nursery:
         swarm = Swarm(nursery, short_tmp)
