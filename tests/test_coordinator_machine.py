@@ -1438,10 +1438,18 @@ def test_a_planned_leave_hands_the_peers_stage_off_at_a_step_boundary_before_it_
     assert "probe joined" not in n.asks
 
 
-def test_a_leave_of_a_peer_the_run_does_not_name_is_answered_at_once():
-    n = Node()
-    n.training(steps=1)
-    n.swarm.live.add(N[4])  # a peer outside the run, as gossip sees it until it left
+@pytest.mark.parametrize("spare", [False, True])
+def test_a_leave_of_a_spare_or_a_peer_outside_the_run_is_answered_at_once(spare):
+    n = Node(live=N[1:5] if spare else N[1:4])
+    if spare:  # n4 is the run's spare: no step waits for it
+        n.train_start(dataclasses.replace(PLACEMENT, spares=(N[4],)))
+        n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+        n.answer("start", everyone={"started": True}, at=0.2)
+        assert n.epoch.current.spares == (N[4],)
+    else:
+        n.training(steps=1)
+        n.swarm.live.add(N[4])  # a peer outside the run, as gossip sees it until it left
+    n.asks.clear()
     out = n.feed(PeerLeaving(("leave", 1), N[4]), 3.0)
     assert [(type(a).__name__, getattr(a, "value", None)) for a in out if isinstance(a, Reply)] == [
         ("Reply", {"handed_off": False})]

@@ -217,7 +217,7 @@ class PeerLeaving:
     """A peer announces a planned leave (`dtfm-peer leave`; the shell took the peer from the
     authenticated connection it came over: only a peer itself says that it leaves). The next
     allocation leaves it out, its stages offered from its memory; answered by
-    `Reply(key, {"handed_off": bool})` once no running allocation names it, or an error."""
+    `Reply(key, {"handed_off": bool})` once no running epoch gives it a stage, or an error."""
 
     key: tuple
     peer: bytes
@@ -907,7 +907,7 @@ class Coordinator:
     def _leave_asked(self, ev: PeerLeaving, now: float) -> list:
         """A peer's planned leave: kept out of allocations from now on; when the current run
         names it, a reconfiguration without it at a step boundary (after the procedure in
-        progress), else answered at once."""
+        progress), else (a spare, a peer outside the run) answered at once."""
         if not self.election.is_coordinator:
             return [Reply(ev.key, error="this peer is no longer the coordinator")]
         if ev.peer not in self._leaving:
@@ -923,9 +923,10 @@ class Coordinator:
         return []
 
     def _leave_done(self, ev: PeerLeaving) -> bool:
-        """Whether no running allocation of this peer's names the leaving peer."""
+        """Whether the leaving peer has no stage in the run in progress (a spare goes without a
+        reconfiguration: no step waits for it, and the next allocation leaves it out)."""
         cur = self.epoch.current
-        return cur is None or self._over() or ev.peer not in self._named(cur)
+        return cur is None or self._over() or ev.peer not in cur.peers
 
     def _left_event(self, peer: bytes) -> list:
         cur = self.epoch.current
