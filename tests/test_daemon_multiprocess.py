@@ -178,6 +178,9 @@ def test_three_daemons_one_bootstrap_then_leave_and_sigterm(swarm_root):
         assert b.short_id not in peer_ids(st)
         assert [d["short_id"] for d in st["departed"]] == [b.short_id]
         assert f"peer {b.short_id} left the swarm" in p.log_text()
+        # gossip heard b's own LEFT claim before its connections closed: "left", never "dead"
+        wait_for(f"{p.name}'s gossip to count {b.name} left", lambda p=p: {
+            m["short_id"]: m["state"] for m in p.status()["gossip"]["members"]}.get(b.short_id) == "left")
 
     c.proc.send_signal(signal.SIGTERM)
     assert c.proc.wait(DEADLINE_S) == 0
