@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--swarm-methods", default=DEFAULT_SLOW_LINK,
                     help="part 3: compressed presets run on the daemons, comma-separated")
     ap.add_argument("--swarm-exact-steps", type=int, default=14, help="part 3: steps of the exact run")
-    ap.add_argument("--swarm-steps", type=int, default=34, help="part 3: steps of each compressed run")
+    ap.add_argument("--swarm-steps", type=int, default=50, help="part 3: steps of each compressed run")
     ap.add_argument("--swarm-skip", type=int, default=2, help="part 3: first steps left out")
     ap.add_argument("--out", default="runs/bench-compress", help="folder for loss.png, results.json, swarm.json")
     args = ap.parse_args(argv)

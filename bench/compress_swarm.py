@@ -24,7 +24,7 @@ at unlimited bandwidth (latency, compute and coding alone: the floor compression
 under).
 
     nice .venv/bin/python bench/compress_swarm.py [--bandwidth-scale 0.0285] [--methods slow-link,pp-int4]
-        [--exact-steps 14] [--steps 34] [--skip 2]
+        [--exact-steps 14] [--steps 50] [--skip 2]
 
 The bandwidth scale 0.0285 is bench/compress_sched.py's: the scale at which exact `tiny` on this
 swarm communicates the same share of its iteration (93.5 %) as the paper's GPT-3 XL on its
@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(`--compress` texts without commas: presets)")
     ap.add_argument("--recommended", default="slow-link", help="the method the JSON line's top level reports")
     ap.add_argument("--exact-steps", type=int, default=14)
-    ap.add_argument("--steps", type=int, default=34, help="steps of each compressed run (2 DiLoCo cycles + skip)")
+    ap.add_argument("--steps", type=int, default=50, help="steps of each compressed run (3 DiLoCo cycles + skip)")
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of every figure")
     ap.add_argument("--out", default=None, help="write every figure to this JSON file")
     args = ap.parse_args(argv)
