@@ -129,6 +129,9 @@ def measured_view(run_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
 def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[dict], tuple]:
     reply = json.loads(swarm(run_dir, "train", "--json", "--steps", str(steps), *train_args, stdout=True))
     view = measured_view(run_dir)  # the view the run was scheduled on (links re-measure slowly)
+    from dtfm.swarm.state import load_state
+    region = {p.peer_id: p.region for p in load_state(run_dir).peers}
+    reply["regions"] = [[region.get(p, p[:8]) for p in pipe] for pipe in reply["pipelines"]]
     swarm(run_dir, "wait", "--step", str(steps - 1), "--timeout", "1200", timeout_s=1300)
     rows = [r for r in read_rows(run_dir) if not r.get("backfilled")]
     return reply, rows, view
@@ -241,7 +244,7 @@ def run(args) -> dict:
             "predicted_at_bandwidth_scale": sweep, "prediction": pred,
             "prediction_error": (round(relative_error(pred["iteration_s"], meas["iteration_s"]), 4)
                                  if meas["iteration_s"] else None),
-            "pipelines": reply["pipelines"],
+            "pipelines": reply["pipelines"], "regions": reply["regions"],
         }
     ex_t = results["runs"]["exact"]["measured"]["iteration_s"]
     results["runs"]["exact"]["speedup_measured"] = 1.0
