@@ -36,3 +36,15 @@ def test_wheel_installs_and_imports_outside_repo(tmp_path):
     assert out[0].startswith(str(target))
     assert out[1] == str(sorted(["datacenter.toml", "regional.toml", "spot.toml",
                                  "universities.toml", "worldwide.toml"]))
+
+
+def test_every_package_folder_is_in_the_wheel():
+    # A package folder missing from pyproject's list is left out of a non-editable install
+    # (train/compress was, and `import dtfm.train` failed outside the repository).
+    import tomllib
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"dtfm." + ".".join(p.parent.relative_to(root).parts) if p.parent != root else "dtfm"
+             for p in root.rglob("__init__.py")
+             if not {".venv", "build", "tests", ".git"} & set(p.relative_to(root).parts)}
+    assert found - listed == set(), f"package folders missing from pyproject.toml: {sorted(found - listed)}"
