@@ -16,6 +16,10 @@ from .epoch.runner import BYTE_AXES
 
 __all__ = ["PlaneStatus", "plane_status"]
 
+# The coordinator's phases its own header shows while its epoch is not under way.
+_RUN_STATES_SHOWN = frozenset({Phase.PAUSED, Phase.PLANNING, Phase.OFFERING, Phase.REFUSED, Phase.STOPPED,
+                               Phase.FINISHED})
+
 
 @dataclass(frozen=True)
 class PlaneStatus:
@@ -31,22 +35,37 @@ class PlaneStatus:
     refusals: dict[str, int] = field(default_factory=dict)  # refused input per reason (control/refusals.py)
 
     def state(self) -> str:
-        """What this peer is doing: idle, spare, waiting, building, accepted, training (stalled,
-        on the coordinator, while the run's step is overdue), or how its last epoch ended
-        (finished, stopped, or the failure's text as `stopped`)."""
+        """What this peer is doing: idle, spare, waiting (restarted: it holds no stage of the run
+        it was placed in), building, accepted, training (stalled, on the coordinator, while the
+        run's step is overdue), or how its last epoch ended (finished, stopped, or the failure's
+        text as `stopped`). A run that is over without finishing (an operator's train stop, or
+        one that cannot go on) is `stopped` on every peer that knows it.
+        On the coordinator of the run, while this peer's own epoch is not under way, the run's
+        state: paused, planning, offering, refused, stopped or finished (one word for the peer and
+        the run it issued, never "stopped" beside a run that is "paused")."""
         e = self.epoch
         if e.phase is None:
             return "idle"
+        if e.run_stopped:
+            return "stopped"
+        c = self.coordinator
+        active = e.phase in (EpochPhase.BUILDING, EpochPhase.ACCEPTED, EpochPhase.TRAINING)
+        if not active and self._issued() and c.phase in _RUN_STATES_SHOWN:
+            return c.phase.value
         if e.phase is EpochPhase.ENDED and e.end is not None:
             return "stopped" if e.end.failed else e.end.reason
         if e.phase is EpochPhase.ENDED:
             return "stopped"
         if e.phase is EpochPhase.REFUSED:
             return "stopped"
-        c = self.coordinator
         if e.phase is EpochPhase.TRAINING and c.phase is Phase.TRAINING and c.stalled_since is not None:
             return "stalled"  # the coordinator of a run whose step is overdue
         return e.phase.value
+
+    def _issued(self) -> bool:
+        """This peer issued the run its epoch belongs to (it is, or was, that run's coordinator)."""
+        a, c = self.epoch.alloc, self.coordinator
+        return a is not None and c.run_id == a.run_id and c.phase is not Phase.IDLE
 
     def to_wire(self) -> dict[str, Any]:
         el = self.election
@@ -75,6 +94,10 @@ class PlaneStatus:
                 out["role"] = "spare"
             if e.step is not None:
                 out["step"] = e.step
+            if e.restored:  # from applied.json: what this peer knew before it restarted
+                out["restored"] = True
+            if e.run_stopped:  # the run is over without finishing
+                out["run_stopped"] = True
             last = e.last_report
             if last is not None:
                 out["last_step"] = {"step": last.step, "loss": last.loss, "iteration_s": last.iteration_s,
@@ -90,6 +113,8 @@ class PlaneStatus:
         if c.run_id is not None and c.phase is not Phase.IDLE:
             out["issued"] = {"run_id": c.run_id.hex(), "state": c.phase.value, "reason": c.reason,
                              "completed": c.completed, "end_step": c.end_step, "log": str(self.log_path),
+                             # steps 0..completed are done: `completed` is a step index, this a count
+                             "steps_done": None if c.completed is None else c.completed + 1,
                              "recent": list(c.recent), "started_at": c.started_at, "epoch": c.epoch}
             if c.stalled_since is not None:  # a training run that makes no progress says so, and why
                 if c.phase is Phase.TRAINING:

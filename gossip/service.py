@@ -170,8 +170,11 @@ class GossipService:
         (`gossip_status`): counts by state, the first members, this peer's own measurements,
         and the N x N view (ids in hex, one-way ms and Gbps, null where unknown)."""
         swim = self.swim
+        now = trio.current_time()
+        ages = {p: now - link.measured_at for p, link in self.planner.links.items()}
         return gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
-                             self.live_peers(), self.records.reports, self.view)
+                             self.live_peers(), self.records.reports, self.view, me=self.identity.peer_id,
+                             measured_s_ago=ages)
 
     def view(self) -> NetworkView:
         """The N x N view over the live members, in peer-id order."""

@@ -6,11 +6,22 @@ hold `max_members` (4,096) entries, most of them fakes in a flood. So the report
     counts:     members by status state (alive, suspect, unconfirmed, dead, left) and total
     members:    the first MAX_MEMBERS_LISTED members, alive first (then suspect, unconfirmed,
                 dead, left; by peer id within a state)
-    latency:    this peer's own measurements, the first MAX_LATENCY_LISTED by target
+    latency:    this peer's own measurements, the first MAX_LATENCY_LISTED by target, each
+                with what the other end measured of the same link (its signed report), how
+                long ago this peer measured it, and the link's state (`link_state`)
     view:       the N x N view over the live members, matrices included only for
                 N <= MAX_VIEW_PEERS, disputed links the first MAX_DISPUTED_LISTED; always
                 `peers` (N), `measured_links`, `expected_links`, `complete`
     truncated:  the names of the lists cut short (empty: nothing left out)
+
+A link is `agreed` when both ends measured it and their figures are within
+`DISAGREEMENT_RATIO` of each other, `disputed` when they are further apart (the round trips or
+the bandwidths: `disputed_on` says which), `one-sided` when the other end has not reported it
+(yet). The view (gossip/view.py) takes the worse of the two figures either way, so a disputed
+link only ever looks slower than one end measured it; the flag says the two ends' measurements
+disagree, which on loopback or a LAN (sub-millisecond round trips, CPU-bound transfers) is
+ordinary noise, and between distant machines points at an asymmetric path or a peer whose
+figures are off.
 
 An unconfirmed member (not dead or left, never answered a ping at the address it claims)
 shows the state `unconfirmed`: it does not count as alive anywhere.
@@ -30,10 +41,10 @@ import numpy as np
 
 from .members import Member
 from .records import Entry, Report
-from .view import NetworkView
+from .view import DISAGREEMENT_RATIO, NetworkView
 
-__all__ = ["gossip_status", "status_state", "MAX_MEMBERS_LISTED", "MAX_LATENCY_LISTED",
-           "MAX_VIEW_PEERS", "MAX_DISPUTED_LISTED", "STATUS_STATES"]
+__all__ = ["gossip_status", "link_state", "status_state", "LINK_STATES", "MAX_MEMBERS_LISTED",
+           "MAX_LATENCY_LISTED", "MAX_VIEW_PEERS", "MAX_DISPUTED_LISTED", "STATUS_STATES"]
 
 MAX_MEMBERS_LISTED = 256
 MAX_LATENCY_LISTED = 256
@@ -42,6 +53,7 @@ MAX_DISPUTED_LISTED = 64
 
 STATUS_STATES = ("alive", "suspect", "unconfirmed", "dead", "left")  # the order members are listed in
 _RANK = {name: k for k, name in enumerate(STATUS_STATES)}
+LINK_STATES = ("agreed", "disputed", "one-sided")  # a measured link's state (module docstring)
 
 
 def status_state(m: Member, confirmed: bool) -> str:
@@ -57,9 +69,48 @@ def _member_row(m: Member, state: str) -> dict:
             "address": f"{m.host}:{m.port}", "state": state, "incarnation": m.incarnation}
 
 
-def _latency_row(e: Entry) -> dict:
+def _apart(a: float, b: float, tolerance: float) -> bool:
+    """Both figures known (finite, positive) and more than `tolerance` (a ratio) apart."""
+    if not (np.isfinite(a) and np.isfinite(b) and a > 0 and b > 0):
+        return False
+    return max(a, b) / min(a, b) > tolerance
+
+
+def link_state(mine: Entry, theirs: Entry | None,
+               tolerance: float = DISAGREEMENT_RATIO) -> tuple[str, list[str]]:
+    """(state, disputed_on) of the link this peer measured as `mine` and the other end as
+    `theirs` (None: not reported): `one-sided`, `disputed` (on "rtt" and/or "bandwidth": the
+    two figures are more than `tolerance` apart, as gossip/view.py flags them) or `agreed`."""
+    if theirs is None:
+        return "one-sided", []
+    on = [name for name, a, b in (("rtt", mine.rtt_ms, theirs.rtt_ms),
+                                  ("bandwidth", mine.bandwidth_gbps, theirs.bandwidth_gbps))
+          if _apart(a, b, tolerance)]
+    return ("disputed" if on else "agreed"), on
+
+
+def _latency_row(e: Entry, theirs: Entry | None, measured_s_ago: float | None) -> dict:
+    state, on = link_state(e, theirs)
     return {"target": e.target[:4].hex(), "rtt_ms": e.rtt_ms,
-            "bandwidth_gbps": e.bandwidth_gbps or None, "samples": e.samples}
+            "bandwidth_gbps": e.bandwidth_gbps or None, "samples": e.samples,
+            "peer_rtt_ms": theirs.rtt_ms if theirs is not None else None,
+            "peer_bandwidth_gbps": (theirs.bandwidth_gbps or None) if theirs is not None else None,
+            "measured_s_ago": measured_s_ago, "link": state, "disputed_on": on}
+
+
+def _their_entries(me: bytes | None, reports: Mapping[bytes, Report]) -> dict[bytes, Entry]:
+    """Each other measurer's entry for `me`, from the report signed under its own name."""
+    out: dict[bytes, Entry] = {}
+    if me is None:
+        return out
+    for key, r in reports.items():
+        if key != r.measurer or key == me:
+            continue
+        for e in r.entries:
+            if e.target == me:
+                out[key] = e
+                break
+    return out
 
 
 def links_known(peers: Sequence[bytes], reports: Mapping[bytes, Report]) -> int:
@@ -86,9 +137,12 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
                   latency: Iterable[Entry], live: Sequence[bytes], reports: Mapping[bytes, Report],
                   view: Callable[[], NetworkView], *, max_members: int = MAX_MEMBERS_LISTED,
                   max_latency: int = MAX_LATENCY_LISTED, max_view_peers: int = MAX_VIEW_PEERS,
-                  max_disputed: int = MAX_DISPUTED_LISTED) -> dict:
+                  max_disputed: int = MAX_DISPUTED_LISTED, me: bytes | None = None,
+                  measured_s_ago: Mapping[bytes, float] | None = None) -> dict:
     """The gossip status report (module docstring). `live`: the members that count as alive,
-    the view's peers; `view()` is called only when it is listed (len(live) <= max_view_peers)."""
+    the view's peers; `view()` is called only when it is listed (len(live) <= max_view_peers);
+    `me`: this peer (to find the other ends' figures of its links in `reports`);
+    `measured_s_ago`: per target, how long ago this peer last measured the link."""
     truncated: list[str] = []
     counts = dict.fromkeys(STATUS_STATES, 0)
     rows: list[tuple[int, bytes, Member, str]] = []
@@ -101,6 +155,8 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
         truncated.append("members")
     rows.sort(key=lambda r: (r[0], r[1]))
     entries = sorted(latency, key=lambda e: e.target)
+    theirs = _their_entries(me, reports)
+    ages = dict(measured_s_ago or {})
     if len(entries) > max_latency:
         truncated.append("latency")
     n = len(live)
@@ -119,5 +175,6 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
         view_part["complete"] = view_part["measured_links"] == n * (n - 1)
     return {"counts": {**counts, "total": total},
             "members": [_member_row(m, state) for _, _, m, state in rows[:max_members]],
-            "latency": [_latency_row(e) for e in entries[:max_latency]],
+            "latency": [_latency_row(e, theirs.get(e.target), ages.get(e.target))
+                        for e in entries[:max_latency]],
             "view": view_part, "truncated": truncated}

@@ -49,7 +49,7 @@ from .paths import DataDir, DataDirError, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
-from .status import format_duration, format_text, to_json
+from .status import format_bytes, format_status_text, to_json
 
 PROG = "dtfm-peer"
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
@@ -447,87 +447,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_status_text(report: dict, now: float | None = None) -> str:
-    """`format_text`, with the training section in words rather than as one JSON line."""
-    training = report.get("training")
-    if not isinstance(training, dict):
-        return format_text(report)
-    rest = format_text({k: v for k, v in report.items() if k != "training"})
-    return rest + "\n" + "\n".join(format_training(training, time.time() if now is None else now))
-
-
-def _short(peer_id: object) -> str:
-    return peer_id[:8] if isinstance(peer_id, str) and peer_id else "-"
-
-
-def _bytes(n: object) -> str:
-    if not isinstance(n, (int, float)):
-        return "? bytes"
-    value = float(n)
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(value) < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return f"{value:.1f} GB"  # pragma: no cover
-
-
-def format_training(t: dict, now: float) -> list[str]:
-    """The status report's `training` map as lines: state and place in the run, the election
-    (role, term, coordinator), the last reconfiguration, the last step and, on the
-    coordinator, the run's progress. Every field is optional (older or idle daemons)."""
-    pad = " " * 10
-    head = [str(t.get("state", "?"))]
-    if t.get("run_id"):
-        head.append(f"run {_short(t['run_id'])}")
-    if t.get("preset"):
-        head.append(f"{t['preset']}, {t.get('stages', '?')} stages x {t.get('dp', '?')} pipelines")
-    if t.get("epoch") is not None:
-        head.append(f"epoch {t['epoch']}")
-    if t.get("stage") is not None:
-        head.append(f"stage {t['stage']} of pipeline {t.get('pipeline')}")
-    if t.get("step") is not None:
-        head.append(f"last step {t['step']}")
-    lines = ["training  " + ", ".join(head)]
-    if t.get("compression"):
-        lines.append(f"{pad}compression {t['compression']}"
-                     + (f": {t['compression_details']}" if t.get("compression_details") else ""))
-    if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
-        lines.append(f"{pad}role {t.get('role') or '-'}, term {t.get('term', '-')}, "
-                     f"coordinator {_short(t.get('coordinator'))}")
-    wait = t.get("waiting_for_peers")
-    if isinstance(wait, dict):
-        lines.append(f"{pad}train start waits for {wait.get('want', '?')} peers: {wait.get('live', '?')} live, "
-                     f"{wait.get('have', '?')} measured")
-    reconf = t.get("last_reconfig")
-    if isinstance(reconf, dict):
-        at = reconf.get("at")
-        ago = format_duration(now - at) + " ago" if isinstance(at, (int, float)) else "at an unknown time"
-        lines.append(f"{pad}last reconfiguration: {ago} {reconf.get('reason') or 'no reason given'}: "
-                     f"{reconf.get('old_shape') or '-'} -> {reconf.get('new_shape') or '-'}, "
-                     f"{_bytes(reconf.get('bytes_moved'))} moved"
-                     + (f", resumed at step {reconf['resume_step']}" if reconf.get("resume_step") is not None else ""))
-    last = t.get("last_step")
-    if isinstance(last, dict):
-        loss = last.get("loss")
-        sent = last.get("bytes_sent")
-        lines.append(f"{pad}last step {last.get('step')}: "
-                     + (f"loss {loss:.4f}, " if isinstance(loss, (int, float)) else "")
-                     + f"{last.get('iteration_s', 0.0):.3f} s"
-                     + (", sent " + ", ".join(f"{k} {_bytes(v)}" for k, v in sent.items())
-                        if isinstance(sent, dict) else ""))
-    issued = t.get("issued")
-    if isinstance(issued, dict):
-        lines.append(f"{pad}issued run {_short(issued.get('run_id'))}: {issued.get('state')}, completed "
-                     f"{issued.get('completed')} of {issued.get('end_step')} steps"
-                     + (f" ({issued['reason']})" if issued.get("reason") else "")
-                     + (f", log {issued['log']}" if issued.get("log") else ""))
-    end = t.get("last_end")
-    if isinstance(end, dict):
-        lines.append(f"{pad}last run ended: {end.get('reason', '?')} after step {end.get('completed')}"
-                     + (" (failed)" if end.get("failed") else ""))
-    return lines
-
-
 def cmd_members(args: argparse.Namespace) -> int:
     config, data_dir = _client_config(args)
     with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
@@ -787,7 +706,7 @@ def format_reschedule(reply: dict) -> str:
     if reply.get("moves") is not None:
         parts.append(f"{reply['moves']} moves")
     if reply.get("bytes_moved") is not None:
-        parts.append(f"{_bytes(reply['bytes_moved'])} moved")
+        parts.append(f"{format_bytes(reply['bytes_moved'])} moved")
     old_s, new_s = reply.get("predicted_old_s"), reply.get("predicted_new_s")
     if isinstance(new_s, (int, float)):
         parts.append("predicted " + (f"{old_s:.3f} s -> " if isinstance(old_s, (int, float)) else "")

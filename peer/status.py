@@ -20,12 +20,19 @@ section becomes `{"truncated": true, "bytes": N}`; the names cut are listed unde
 from __future__ import annotations
 
 import json
-from typing import Any
+import textwrap
+import time
+from typing import Any, TypeGuard
 
 from dtfm.net import pack
 
 CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "pid", "data_dir",
                        "uptime_s", "peers", "departed", "refused", "truncated"})
+FORMATTED_KEYS = frozenset({"gossip", "training"})  # sections printed in words, not as JSON
+
+# gossip/view.py's DISAGREEMENT_RATIO, repeated here so that `dtfm-peer status` imports no numpy;
+# tests/test_status_format.py checks that the two agree.
+DISAGREEMENT_RATIO = 1.5
 
 # Bytes of the reply map around a report ({"ok": true, "result": ...}), with room to spare.
 REPLY_OVERHEAD_BYTES = 64
@@ -85,8 +92,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             for r in [header, *rows]]
 
 
-def format_text(report: dict[str, Any]) -> str:
-    """Human-readable status, as `dtfm-peer status` prints it."""
+def format_text(report: dict[str, Any], now: float | None = None) -> str:
+    """Human-readable status, as `dtfm-peer status` prints it: the daemon, its connections,
+    gossip's members and this peer's links as a table, any other section as one JSON line, and
+    the training section last, in words (`format_training`; `now`: wall time, for the ages)."""
     lines = [
         f"peer      {report.get('short_id', '?')}  ({report.get('peer_id', '?')})",
         f"listen    {report.get('listen', '?')}",
@@ -116,12 +125,277 @@ def format_text(report: dict[str, Any]) -> str:
     truncated = report.get("truncated") or []
     if truncated:
         lines.append(f"truncated {', '.join(map(str, truncated))} (too big for one reply: see the counts)")
+    gossip = report.get("gossip")
+    if _in_words(gossip):
+        lines += format_gossip(gossip, report.get("peer_id"))
     for key in sorted(k for k in report if k not in CORE_KEYS):
         value = report[key]
+        if key in FORMATTED_KEYS and _in_words(value):
+            continue
         text = value if isinstance(value, str) else json.dumps(value, default=_json_default,
                                                                  sort_keys=True)
         lines.append(f"{key:<9} {text}")
+    training = report.get("training")
+    if _in_words(training):
+        lines += format_training(training, time.time() if now is None else now)
     return "\n".join(lines)
+
+
+def format_status_text(report: dict[str, Any], now: float | None = None) -> str:
+    """What `dtfm-peer status` prints (`format_text`; `now`: wall time, for the ages)."""
+    return format_text(report, now)
+
+
+def _in_words(section: object) -> TypeGuard[dict[str, Any]]:
+    """A section printed in words: a map the daemon did not cut (fit_report)."""
+    return isinstance(section, dict) and section.get("truncated") is not True
+
+
+def _map(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+# ---- gossip: members and links ----------------------------------------------------------------
+
+DISPUTED_LEGEND = (
+    "(disputed: the two ends of the link measured it more than {ratio}x apart, in round trip or "
+    "bandwidth; the scheduler takes the worse of the two figures, so a disputed link can only look "
+    "slower than it is. On one machine or a LAN this is measurement noise (sub-millisecond round "
+    "trips and CPU-bound transfers vary that much) and harmless; between distant machines it means "
+    "an asymmetric path or a peer whose figures are off.)")
+ONE_SIDED_LEGEND = "(one-sided: the other end has not reported its measurement of the link yet; this end's is used.)"
+
+
+def _wrap(text: str, width: int = 100) -> list[str]:
+    return ["  " + line for line in textwrap.wrap(text, width - 2)]
+
+
+def format_ms(ms: object) -> str:
+    """A round trip: `0.21 ms`, `4.5 ms`, `130 ms`; `-` unknown."""
+    if not isinstance(ms, (int, float)) or not ms > 0:
+        return "-"
+    if ms < 1:
+        return f"{ms:.2f} ms"
+    if ms < 10:
+        return f"{ms:.1f} ms"
+    return f"{ms:.0f} ms"
+
+
+def format_gbps(gbps: object) -> str:
+    """A bandwidth: `1.9 Gbps`, `350 Mbps`; `-` unknown (not measured yet)."""
+    if not isinstance(gbps, (int, float)) or not gbps > 0:
+        return "-"
+    if gbps >= 10:
+        return f"{gbps:.0f} Gbps"
+    if gbps >= 1:
+        return f"{gbps:.1f} Gbps"
+    mbps = gbps * 1000
+    return f"{mbps:.0f} Mbps" if mbps >= 10 else f"{mbps:.1f} Mbps"
+
+
+def _link_note(row: dict[str, Any]) -> str:
+    state = row.get("link")
+    if state == "disputed":
+        on = row.get("disputed_on") or []
+        parts = []
+        if "rtt" in on:
+            parts.append(f"rtt {format_ms(row.get('rtt_ms'))} here, {format_ms(row.get('peer_rtt_ms'))} there")
+        if "bandwidth" in on:
+            parts.append(f"bandwidth {format_gbps(row.get('bandwidth_gbps'))} here, "
+                         f"{format_gbps(row.get('peer_bandwidth_gbps'))} there")
+        return "disputed" + (": " + "; ".join(parts) if parts else "")
+    return str(state) if isinstance(state, str) else "-"
+
+
+def format_gossip(gossip: dict[str, Any], me: object = None) -> list[str]:
+    """Gossip's part of the status (dtfm.gossip.status) as lines: the members by state, then
+    this peer's links as a table (peer, region, round trip, bandwidth, when measured, whether
+    the two ends agree), a legend for the words in it, and the swarm view's counts."""
+    counts = _map(gossip.get("counts"))
+    members = [m for m in gossip.get("members") or [] if isinstance(m, dict)]
+    total = counts.get("total", len(members))
+    states = ", ".join(f"{n} {state}" for state, n in counts.items() if state != "total" and n)
+    lines = [f"members   {total} known" + (f": {states}" if states else "")
+             + " (dtfm-peer members lists them)"]
+    by_short = {str(m.get("short_id")): m for m in members}
+    latency = [r for r in gossip.get("latency") or [] if isinstance(r, dict)]
+    measured = {str(r.get("target")) for r in latency}
+    alive = [m for m in members if m.get("state") == "alive" and m.get("id") != me]
+    unmeasured = [m for m in alive if str(m.get("short_id")) not in measured]
+    view = _map(gossip.get("view"))
+    head = f"links     {len(latency)} measured by this peer"
+    if unmeasured:
+        head += f", {len(unmeasured)} not yet"
+    if view:
+        # the view counts ordered pairs (a link measured from either end counts twice)
+        known, expected = view.get("measured_links"), view.get("expected_links")
+        disputed = view.get("disputed")
+        head += (f"; swarm-wide {known // 2 if isinstance(known, int) else '?'} of "
+                 f"{expected // 2 if isinstance(expected, int) else '?'} peer pairs measured")
+        if isinstance(disputed, list) and disputed:
+            more = "+" if "view.disputed" in (gossip.get("truncated") or []) else ""
+            head += f", {len(disputed)}{more} disputed"
+    lines.append(head)
+    rows = []
+    for r in latency:
+        short = str(r.get("target"))
+        m = by_short.get(short, {})
+        ago = r.get("measured_s_ago")
+        rows.append([short, str(m.get("region") or "-"), format_ms(r.get("rtt_ms")),
+                     format_gbps(r.get("bandwidth_gbps")),
+                     format_duration(float(ago)) + " ago" if isinstance(ago, (int, float)) else "-",
+                     _link_note(r)])
+    for m in unmeasured:
+        rows.append([str(m.get("short_id")), str(m.get("region") or "-"), "-", "-", "never", "not measured yet"])
+    if rows:
+        lines += _table(["PEER", "REGION", "RTT", "BANDWIDTH", "MEASURED", "LINK"], rows)
+    shown = {r.get("link") for r in latency}
+    if "disputed" in shown or (view and view.get("disputed")):
+        lines += _wrap(DISPUTED_LEGEND.format(ratio=DISAGREEMENT_RATIO))
+    if "one-sided" in shown:
+        lines += _wrap(ONE_SIDED_LEGEND)
+    if "latency" in (gossip.get("truncated") or []):
+        lines.append(f"  (the daemon listed the first {len(latency)} of its links)")
+    return lines
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+def plural(n: object, word: str) -> str:
+    """`1 stage`, `2 stages`, `? stages`."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def short(peer_id: object) -> str:
+    return peer_id[:8] if isinstance(peer_id, str) and peer_id else "-"
+
+
+def format_bytes(n: object) -> str:
+    if not isinstance(n, (int, float)):
+        return "? bytes"
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(value) < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{value:.1f} GB"  # pragma: no cover
+
+
+def steps_done(completed: object) -> object:
+    """Steps done when `completed` (a step index, -1: none) is the last one: steps start at 0."""
+    return completed + 1 if isinstance(completed, int) else "?"
+
+
+# What each state of the training section means, where its one word needs saying.
+STATE_NOTES = {
+    "waiting": "this daemon restarted and holds no stage of the run it was placed in: the coordinator "
+               "reconfigures the run around it",
+    "spare": "placed in no pipeline of the run: it takes over a stage when the run is reconfigured",
+    "paused": "the run waits for a peer that holds a missing stage to come back",
+    "stalled": "the run's step is overdue",
+}
+
+
+def format_training(t: dict, now: float) -> list[str]:
+    """The status report's `training` map as lines: state and place in the run, the election
+    (role, term, coordinator), the last reconfiguration, the last step and, on the
+    coordinator, the run's progress. Every field is optional (older or idle daemons)."""
+    pad = " " * 10
+    state = str(t.get("state", "?"))
+    head = [state]
+    if t.get("run_id"):
+        head.append(f"run {short(t['run_id'])}")
+    if t.get("preset"):
+        head.append(f"{t['preset']}, {plural(t.get('stages', '?'), 'stage')} x "
+                    f"{plural(t.get('dp', '?'), 'pipeline')}")
+    if t.get("epoch") is not None:
+        head.append(f"epoch {t['epoch']}")
+    if t.get("stage") is not None:
+        head.append(f"stage {t['stage']} of pipeline {t.get('pipeline')}")
+    if t.get("step") is not None:
+        head.append(f"last step {t['step']}")
+    lines = ["training  " + ", ".join(head)]
+    if t.get("restored"):
+        lines.append(f"{pad}(from before this daemon restarted: the run as this peer last applied it; "
+                     "no coordinator has told it more since)")
+    if state in STATE_NOTES and not (state == "waiting" and not t.get("restored")):
+        lines.append(f"{pad}({state}: {STATE_NOTES[state]})")
+    if t.get("compression"):
+        lines.append(f"{pad}compression {t['compression']}"
+                     + (f": {t['compression_details']}" if t.get("compression_details") else ""))
+    if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
+        coordinator = t.get("coordinator")
+        lines.append(f"{pad}role {t.get('role') or '-'}, term {t.get('term', '-')}, coordinator "
+                     + (short(coordinator) if coordinator else "unknown (none heard from in this term)"))
+    wait = t.get("waiting_for_peers")
+    if isinstance(wait, dict):
+        lines.append(f"{pad}train start waits for {wait.get('want', '?')} peers: {wait.get('live', '?')} live, "
+                     f"{wait.get('have', '?')} measured")
+    reconf = t.get("last_reconfig")
+    if isinstance(reconf, dict):
+        at = reconf.get("at")
+        ago = format_duration(now - at) + " ago" if isinstance(at, (int, float)) else "at an unknown time"
+        lines.append(f"{pad}last reconfiguration: {ago} {reconf.get('reason') or 'no reason given'}: "
+                     f"{reconf.get('old_shape') or '-'} -> {reconf.get('new_shape') or '-'}, "
+                     f"{format_bytes(reconf.get('bytes_moved'))} moved"
+                     + (f", resumed at step {reconf['resume_step']}" if reconf.get("resume_step") is not None else ""))
+    last = t.get("last_step")
+    if isinstance(last, dict):
+        loss = last.get("loss")
+        sent = last.get("bytes_sent")
+        lines.append(f"{pad}last step {last.get('step')}: "
+                     + (f"loss {loss:.4f}, " if isinstance(loss, (int, float)) else "")
+                     + f"{last.get('iteration_s', 0.0):.3f} s"
+                     + (", sent " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sent.items())
+                        if isinstance(sent, dict) else ""))
+    issued = t.get("issued")
+    if isinstance(issued, dict):
+        lines.append(f"{pad}{format_issued(issued)}")
+    end = t.get("last_end")
+    if isinstance(end, dict):
+        lines.append(f"{pad}{format_epoch_end(end, t)}")
+    return lines
+
+
+def format_issued(issued: dict) -> str:
+    """The run this peer issued as coordinator: `issued run R: finished, all 300 steps done`,
+    `issued run R: stopped, 123 of 300 steps done (why)`."""
+    state = issued.get("state")
+    done = issued.get("steps_done", steps_done(issued.get("completed")))
+    end_step = issued.get("end_step")
+    if state == "finished" and done == end_step:
+        progress = f"all {plural(end_step, 'step')} done"
+    else:
+        progress = f"{done} of {plural(end_step, 'step')} done"
+    return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
+            + (f" ({issued['reason']})" if issued.get("reason") else "")
+            + (f", log {issued['log']}" if issued.get("log") else ""))
+
+
+def format_epoch_end(end: dict, t: dict) -> str:
+    """How this peer's last epoch ended. An epoch is one allocation of a run: a failed one is
+    usually followed by a reconfiguration, so the line names the epoch, never 'the run'."""
+    epoch, completed, reason = end.get("epoch"), end.get("completed"), end.get("reason", "?")
+    after = f"after step {completed}" if isinstance(completed, int) and completed >= 0 else "before its first step"
+    current = t.get("epoch")
+    if not end.get("failed"):
+        if reason == "finished":
+            what = "the run finished"
+        elif reason == "stopped" and t.get("run_stopped"):
+            what = "the run was stopped (an operator's train stop, or it could not go on)"
+        elif reason == "stopped":
+            what = "stopped at a step boundary for a reconfiguration of the run"
+        else:
+            what = str(reason)
+        return f"epoch {epoch} ended {after}: {what}"
+    line = f"epoch {epoch} was cut short {after}: {reason}"
+    if isinstance(current, int) and isinstance(epoch, int) and current > epoch:
+        line += f" (the run went on in epoch {current})"
+    elif t.get("run_stopped"):
+        line += " (the run is stopped)"
+    elif t.get("state") not in ("paused", "refused", "finished"):
+        line += " (the run's coordinator reconfigures it, unless it was stopped)"
+    return line
 
 
 def _json_default(obj: object) -> object:

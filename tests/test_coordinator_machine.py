@@ -1503,3 +1503,78 @@ def test_a_coordinator_that_handed_itself_off_reconfigures_nothing_more():
     n.tick(6.0)
     n.tick(9.0)
     assert not n.asks and n.c.phase is Phase.TRAINING
+
+
+# ---- what status says about the run (control/status.py PlaneStatus, peer/status.py) -----------
+
+
+def plane_status(n: Node, *, now: float = 0.0) -> dict:
+    from pathlib import Path
+
+    from dtfm.control.status import PlaneStatus
+    return PlaneStatus(ME, {"role": "coordinator", "term": 1, "coordinator": ME.hex()}, True, n.epoch.status(),
+                       n.c.status(), Path("train.jsonl"), None, 1, now=now).to_wire()
+
+
+def test_status_after_an_operators_stop_says_stopped_everywhere_not_training():
+    # The review's screen: `training  stopped, run ...` above `issued run ...: training,
+    # completed 122 of 200 steps`. The run an operator stopped is stopped in the header and in
+    # the run this coordinator issued, with the step it stops before.
+    from dtfm.peer.status import format_training
+    n = Node(wall=WALL)
+    n.training(steps=2)
+    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
+    st = plane_status(n)  # the peers still run up to the stop's step
+    assert (st["state"], st["issued"]["state"]) == ("stopped", "stopped")
+    assert st["issued"]["reason"] == "an operator stopped the run before step 2 (train stop)"
+    n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
+    n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), WALL + 4.0), 4.0)  # n0's runner ends there
+    st = plane_status(n, now=WALL + 4.0)
+    assert (st["state"], st["issued"]["state"], st.get("run_stopped")) == ("stopped", "stopped", True)
+    assert "stalled_s" not in st["issued"]
+    lines = format_training(st, now=WALL + 5.0)
+    assert lines[0].startswith("training  stopped, run 72727272")
+    assert "issued run 72727272: stopped, 2 of 100 steps done (an operator stopped the run before step 2 " \
+           "(train stop))" in " ".join(lines)
+    assert any(line.strip() == "epoch 1 ended after step 1: the run was stopped (an operator's train stop, or it "
+               "could not go on)" for line in lines)
+    assert not any("training," in line for line in lines[1:])
+
+
+def test_status_of_a_finished_run_counts_every_step():
+    # Steps 0..end_step-1 all done: "all 2 steps done", never "completed 1 of 2".
+    from dtfm.peer.status import format_training
+    n2 = Node()
+    n2.train_start(PLACEMENT, steps=2)
+    n2.answer("alloc", everyone={"accepted": True}, at=0.1)
+    n2.answer("start", everyone={"started": True}, at=0.2)
+    for s in (0, 1):
+        for p in N[:4]:
+            n2.feed(StepReported(p, RUN, report(1, s)), 1.0 + s)
+    n2.epoch.handle(RunnerEnded(1, RunEnd(1, "finished", False), 3.0), 3.0)
+    st = plane_status(n2)
+    assert st["issued"]["state"] == "finished" and st["issued"]["completed"] == 1 and st["issued"]["steps_done"] == 2
+    assert st["state"] == "finished"
+    lines = format_training(st, now=3.0)
+    assert "          issued run 72727272: finished, all 2 steps done, log train.jsonl" in lines
+    assert "          epoch 1 ended after step 1: the run finished" in lines
+
+
+def test_status_of_a_paused_run_on_its_coordinator_says_paused_not_stopped():
+    # n0's own epoch ended when its neighbours restarted; the run it issued pauses for a holder
+    # of layers 2-4: the header says paused, like the run, not "stopped".
+    n = Node()
+    n.training()
+    restarted = state(None, None)
+    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
+    n.answer("probe failed", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.0)
+    n.tick()
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.6)
+    n.epoch.handle(RunnerEnded(1, RunEnd(1, "peer n1 failed: connection lost", True), 5.6), 5.6)
+    assert n.c.phase is Phase.PAUSED
+    st = plane_status(n, now=6.0)
+    assert (st["state"], st["issued"]["state"]) == ("paused", "paused")
+    from dtfm.peer.status import format_training
+    lines = format_training(st, now=6.0)
+    assert lines[0].startswith("training  paused,")
+    assert "          epoch 1 was cut short after step 1: peer n1 failed: connection lost" in lines

@@ -606,6 +606,41 @@ def test_the_kept_step_reports_are_the_runs_own_restored_ones_included():
     assert p.m.run_state().reports == ()
 
 
+def test_a_peer_restarted_after_its_run_finished_knows_it_finished():
+    # Its stage's step reports, kept with the checkpoint written where the run ended, reach the
+    # run's last step: the run finished before the restart. The peer does not wait for a stage,
+    # does not tell a coordinator it lost one, and the run is over (nobody resumes it).
+    a = alloc(term=2, epoch=3, end_step=6)
+    p = Peer(N[1], coordinator=None, term=2)
+    p.election.last_applied = (2, 3)
+    p.m.restore(RUN, 2, 3, a, [report(3, 4), report(3, 5)])
+    st = p.m.status()
+    assert st.phase is EpochPhase.ENDED and st.end == RunEnd(5, "finished", False) and st.restored
+    assert st.last_end is not None and (st.last_end["epoch"], st.last_end["completed"]) == (3, 5)
+    assert p.m.run_over() and p.m.run_state().at is None
+    p.election.coordinator = N[0]
+    p.feed(Tick(), 1.0)
+    p.transcript("1 tick")
+    # one step short of the end: it waits, as before
+    q = Peer(N[1], coordinator=None, term=2)
+    q.election.last_applied = (2, 3)
+    q.m.restore(RUN, 2, 3, a, [report(3, 3), report(3, 4)])
+    assert q.m.status().phase is EpochPhase.WAITING and not q.m.run_over()
+
+
+def test_a_restored_epoch_says_so_until_a_new_one_is_applied():
+    p = Peer(N[1], coordinator=N[0], term=2)
+    p.election.last_applied = (2, 3)
+    p.m.restore(RUN, 2, 3, alloc(term=2, epoch=3), [report(3, 4)])
+    st = p.m.status()
+    assert st.restored and st.phase is EpochPhase.WAITING and not st.run_stopped
+    p.m.mark_stopped(RUN)  # the shell found stopped.json: an operator stopped the run
+    assert p.m.status().run_stopped
+    p.offer(alloc(term=2, epoch=4, start_step=5), 1.0)  # resumed
+    st = p.m.status()
+    assert not st.restored and not st.run_stopped and st.phase is EpochPhase.BUILDING
+
+
 def test_a_restarted_spare_or_a_peer_of_another_run_has_no_stage_to_report():
     spare = Peer(N[4])
     spare.m.restore(RUN, 1, 1, alloc(spares=(N[4],)))

@@ -13,12 +13,12 @@ import trio
 
 from dtfm.control import SignedOp, check_op
 from dtfm.net import OperatorKey
-from dtfm.peer.cli import format_reschedule, format_status_text, format_training
+from dtfm.peer.cli import format_reschedule
 from dtfm.peer.cli import main as peer_main
 from dtfm.peer.config import SocketConfig
 from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
-from dtfm.peer.status import format_text
+from dtfm.peer.status import format_status_text, format_text, format_training
 from dtfm.swarm import cli as swarm_cli
 from dtfm.swarm import report as report_mod
 from dtfm.swarm import runreport
@@ -439,8 +439,8 @@ def test_peer_status_of_an_older_or_idle_daemon():
     coord = format_training({"state": "training", "role": "coordinator", "term": 2, "coordinator": None,
                              "issued": {"run_id": "ab" * 16, "state": "training", "completed": 5,
                                         "end_step": 10}}, now=0.0)
-    assert coord[1] == "          role coordinator, term 2, coordinator -"
-    assert coord[2] == "          issued run abababab: training, completed 5 of 10 steps"
+    assert coord[1] == "          role coordinator, term 2, coordinator unknown (none heard from in this term)"
+    assert coord[2] == "          issued run abababab: training, 6 of 10 steps done"  # steps 0..5
 
 
 def test_peer_status_text_replaces_the_training_json_line():

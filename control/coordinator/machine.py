@@ -335,6 +335,7 @@ class Coordinator:
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
         self._rescheduled: tuple[bytes, int] | None = None  # (run, time in ms) of the last reschedule taken
         self._stops: dict[tuple, tuple[tuple, int]] = {}  # STOP request key -> (operator's key, boundary)
+        self._operator_stop: tuple[bytes, int] | None = None  # (run, boundary) of the last operator's stop taken
         self._probe: str | None = None  # "joined" | "holders" | "epoch" | "drift" while one is out
         self._check_epoch: int | None = None  # re-elected in this term: is its epoch still running?
         self._keys = itertools.count()
@@ -373,11 +374,23 @@ class Coordinator:
 
     def status(self) -> CoordinatorStatus:
         log = self.steplog
+        phase, reason, stall = self.phase, self.reason, self._stall()
+        if (log is not None and phase not in (Phase.FINISHED, Phase.IDLE, Phase.STOPPED, Phase.REFUSED)
+                and self.epoch.stopped_by_operator(log.alloc.run_id)):
+            # A run that is over (an operator's train stop, a start that failed) is stopped
+            # wherever its procedure was: not training, nor stalled while the peers run to the
+            # stop's step.
+            phase, stall = Phase.STOPPED, {}
+            stop = self._operator_stop
+            if stop is not None and stop[0] == log.alloc.run_id:
+                reason = f"an operator stopped the run before step {stop[1]} (train stop)"
+            else:
+                reason = reason or "the run was stopped (an operator's train stop, or it could not go on)"
         return CoordinatorStatus(
-            phase=self.phase, run_id=log.alloc.run_id if log else None, epoch=log.alloc.epoch if log else None,
-            reason=self.reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
+            phase=phase, run_id=log.alloc.run_id if log else None, epoch=log.alloc.epoch if log else None,
+            reason=reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
             recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
-            last_reconfig=self.last_reconfig, cut_links=self.links.describe(), **self._stall())
+            last_reconfig=self.last_reconfig, cut_links=self.links.describe(), **stall)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -849,6 +862,7 @@ class Coordinator:
         assert ev.op is not None
         at = self.epoch.stop_boundary(self.logged_completed(cur.run_id))
         self.epoch.mark_stopped(cur.run_id)
+        self._operator_stop = (cur.run_id, at)
         key = ("opstop", next(self._keys))
         self._stops[key] = (ev.key, at)
         logger.info("an operator stops run %s before step %d", cur.run_id.hex()[:8], at)

@@ -278,6 +278,9 @@ class EpochStatus:
     last_report: StepReport | None
     last_end: dict | None
     end: RunEnd | None  # how the current epoch's runner ended
+    run_stopped: bool = False  # the current run is over without finishing: an operator's train stop,
+    # or the coordinator found it cannot go on (`mark_stopped`)
+    restored: bool = False  # the current epoch is the one applied before this daemon restarted
 
 
 class EpochMachine:
@@ -298,6 +301,7 @@ class EpochMachine:
         self._stopped_by_operator: bytes | None = None  # the run an operator stopped
         self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
         self._restarted = False  # restored a stage's place, not the stage: the coordinator is told once
+        self._restored = False  # the current epoch is the one restored from applied.json (until the next applied)
         self._known: collections.deque[Allocation] = collections.deque(maxlen=MAX_KNOWN_EPOCHS)  # applied, newest last
         self.refusals = Refusals()  # RUN_STATE this peer refused
 
@@ -310,10 +314,21 @@ class EpochMachine:
         run over from the others' run states); `reports`: the step reports its checkpoints of
         that run kept, which it sends with its run state like the reports of this life."""
         self.applied[run_id] = (term, epoch)
-        self.reports.extend(sorted(reports, key=lambda r: (r.step, r.epoch)))
+        kept = sorted(reports, key=lambda r: (r.step, r.epoch))
+        self.reports.extend(kept)
         if alloc is not None and alloc.run_id == run_id and alloc.term_epoch == (term, epoch):
             placed = self.me in alloc.peers
             self._known.append(alloc)
+            self._restored = True
+            last = max((r.step for r in kept), default=-1)
+            if last >= alloc.end_step - 1:
+                # Its stage completed the run's last step before the restart (the run's end is
+                # checkpointed): the run finished; nothing is left to wait for or resume.
+                end = RunEnd(last, "finished", False)
+                self.run = EpochRecord(alloc, EpochPhase.ENDED, end=end, done=True)
+                self.last_end = {"epoch": max(r.epoch for r in kept if r.step == last), "completed": last,
+                                 "reason": "finished", "failed": False, "at": None, "params_sha256": ""}
+                return
             self.run = EpochRecord(alloc, EpochPhase.WAITING if placed else EpochPhase.SPARE, done=True)
             self._restarted = placed
 
@@ -430,7 +445,9 @@ class EpochMachine:
             fetched_bytes=run.fetched_bytes if run is not None else 0,
             last_report=self.reports[-1] if self.reports and run is not None
             and self.reports[-1].epoch == run.alloc.epoch else None,
-            last_end=self.last_end, end=run.end if run is not None else None)
+            last_end=self.last_end, end=run.end if run is not None else None,
+            run_stopped=run is not None and self._stopped_by_operator == run.alloc.run_id,
+            restored=run is not None and self._restored)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -486,6 +503,7 @@ class EpochMachine:
         out += [ApplyToElection(alloc.term, alloc.epoch, alloc.configuration, ev.certificate), PersistApplied(alloc)]
         self.prev = prev
         self._lost_since = None
+        self._restored = False
         if self.me not in alloc.peers:
             self.run = EpochRecord(alloc, EpochPhase.SPARE, done=True)
             return out + [Reply(ev.key, {"accepted": True, "role": "spare"})]

@@ -1,0 +1,187 @@
+"""`dtfm-peer status` for people: gossip's links as a table with their state explained
+(gossip/status.py, peer/status.py), and the training section without contradictions after a
+restart (control/status.py PlaneStatus over the epoch machine's snapshot). The coordinator's
+side (stopped, finished, paused runs) is in tests/test_coordinator_machine.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from machine_trace import RUN, FakeElection, N, alloc, report
+
+from dtfm.control.coordinator.machine import CoordinatorStatus, Phase
+from dtfm.control.epoch.machine import EpochMachine
+from dtfm.control.status import PlaneStatus
+from dtfm.gossip import Entry, Report
+from dtfm.gossip import view as gossip_view
+from dtfm.gossip.status import gossip_status, link_state
+from dtfm.peer import status as peer_status
+from dtfm.peer.status import format_gossip, format_issued, format_status_text, format_training
+
+A, B, C, D = ("a1" * 32, "b2" * 32, "c3" * 32, "d4" * 32)
+
+
+def member(peer: str, region: str, state: str = "alive") -> dict:
+    return {"id": peer, "short_id": peer[:8], "region": region, "address": "127.0.0.1:1", "state": state}
+
+
+GOSSIP = {
+    "counts": {"alive": 4, "suspect": 0, "unconfirmed": 0, "dead": 0, "left": 1, "total": 5},
+    "members": [member(A, "eu-west"), member(B, "us-east"), member(C, "asia"), member(D, "us-west"),
+                member("e5" * 32, "eu-west", "left")],
+    "latency": [
+        {"target": B[:8], "rtt_ms": 0.13782211593865187, "bandwidth_gbps": 1.93, "samples": 5, "peer_rtt_ms": 0.31,
+         "peer_bandwidth_gbps": 2.0, "measured_s_ago": 12.3, "link": "disputed", "disputed_on": ["rtt"]},
+        {"target": C[:8], "rtt_ms": 42.0, "bandwidth_gbps": 0.35, "samples": 5, "peer_rtt_ms": None,
+         "peer_bandwidth_gbps": None, "measured_s_ago": 3.0, "link": "one-sided", "disputed_on": []}],
+    "view": {"peers": [A, B, C, D], "measured_links": 8, "expected_links": 12, "complete": False,
+             "disputed": [[A, B]], "one_sided_links": 1, "peer_count": 4},
+    "truncated": [],
+}
+
+
+# ---- links -------------------------------------------------------------------------------------
+
+
+def test_links_are_a_table_with_the_disputed_link_explained():
+    lines = format_gossip(GOSSIP, A)
+    assert lines[0] == "members   5 known: 4 alive, 1 left (dtfm-peer members lists them)"
+    assert lines[1] == ("links     2 measured by this peer, 1 not yet; swarm-wide 4 of 6 peer pairs measured, "
+                        "1 disputed")
+    assert lines[2].split() == ["PEER", "REGION", "RTT", "BANDWIDTH", "MEASURED", "LINK"]
+    assert lines[3] == "  b2b2b2b2  us-east  0.14 ms  1.9 Gbps   12s ago   disputed: rtt 0.14 ms here, 0.31 ms there"
+    assert lines[4] == "  c3c3c3c3  asia     42 ms    350 Mbps   3.0s ago  one-sided"
+    assert lines[5] == "  d4d4d4d4  us-west  -        -          never     not measured yet"
+    legend = " ".join(line.strip() for line in lines[6:])
+    assert legend.startswith("(disputed: the two ends of the link measured it more than 1.5x apart")
+    assert "the scheduler takes the worse of the two figures" in legend
+    assert "On one machine or a LAN this is measurement noise" in legend
+    assert "(one-sided: the other end has not reported its measurement of the link yet" in legend
+    assert all(len(line) <= 100 for line in lines[6:])
+
+
+def test_the_legend_is_shown_only_for_the_words_in_the_table():
+    agreed = dict(GOSSIP["latency"][0], link="agreed", disputed_on=[])
+    gossip = {**GOSSIP, "latency": [agreed], "view": {**GOSSIP["view"], "disputed": []}}
+    text = "\n".join(format_gossip(gossip, A))
+    assert "agreed" in text and "disputed" not in text and "one-sided" not in text
+    both = dict(agreed, link="disputed", disputed_on=["rtt", "bandwidth"], peer_bandwidth_gbps=0.5)
+    row = format_gossip({**gossip, "latency": [both]}, A)[3]
+    assert row.endswith("disputed: rtt 0.14 ms here, 0.31 ms there; bandwidth 1.9 Gbps here, 500 Mbps there")
+
+
+def test_status_text_has_no_gossip_json_line_and_keeps_other_sections():
+    report = {"peer_id": A, "short_id": A[:8], "listen": "127.0.0.1:7000", "uptime_s": 3.0, "peers": [],
+              "departed": [], "gossip": GOSSIP, "swarm_key_fingerprint": "1234abcd",
+              "training": {"state": "idle", "role": "follower", "term": 0, "coordinator": None}}
+    text = format_status_text(report, now=0.0)
+    assert '"latency"' not in text and "0.13782211593865187" not in text and B not in text
+    assert "swarm_key_fingerprint 1234abcd" in text
+    assert text.splitlines()[-2:] == ["training  idle",
+                                      "          role follower, term 0, coordinator unknown (none heard from in "
+                                      "this term)"]
+    # a gossip section the daemon had to cut to fit its reply stays visible as what it is
+    cut = format_status_text({**report, "gossip": {"truncated": True, "bytes": 9}}, now=0.0)
+    assert 'gossip    {"bytes": 9, "truncated": true}' in cut
+
+
+def test_the_ratio_in_the_legend_is_gossips():
+    assert peer_status.DISAGREEMENT_RATIO == gossip_view.DISAGREEMENT_RATIO
+
+
+def test_link_states_from_both_ends():
+    peer = bytes.fromhex(B)
+    mine = Entry(peer, 10.0, 1.0, 5)
+    assert link_state(mine, None) == ("one-sided", [])
+    assert link_state(mine, Entry(peer, 14.0, 0.7, 5)) == ("agreed", [])
+    assert link_state(mine, Entry(peer, 16.0, 1.0, 5)) == ("disputed", ["rtt"])
+    assert link_state(mine, Entry(peer, 10.0, 0.5, 5)) == ("disputed", ["bandwidth"])
+    assert link_state(mine, Entry(peer, 4.0, 0.0, 5)) == ("disputed", ["rtt"])  # no bandwidth there yet
+
+
+def test_gossip_status_rows_carry_the_other_ends_figures_and_age():
+    me, b, c = (bytes.fromhex(x) for x in (A, B, C))
+    reports = {b: Report(b, 1, 0.0, 1.0, (Entry(me, 0.4, 2.0, 5),)),
+               c: Report(c, 1, 0.0, 1.0, (Entry(b, 0.1, 2.0, 5),)),  # c has not measured me
+               me: Report(me, 1, 0.0, 1.0, (Entry(b, 0.1, 2.0, 5),))}
+    entries = [Entry(b, 0.1, 2.0, 5), Entry(c, 0.2, 0.0, 3)]
+    st = gossip_status([], lambda p: True, entries, [me, b, c], reports,
+                       lambda: gossip_view.build_view((me, b, c), reports), me=me, measured_s_ago={b: 4.0})
+    rows = {r["target"]: r for r in st["latency"]}
+    assert rows[B[:8]] == {"target": B[:8], "rtt_ms": 0.1, "bandwidth_gbps": 2.0, "samples": 5,
+                          "peer_rtt_ms": 0.4, "peer_bandwidth_gbps": 2.0, "measured_s_ago": 4.0,
+                          "link": "disputed", "disputed_on": ["rtt"]}
+    assert (rows[C[:8]]["link"], rows[C[:8]]["peer_rtt_ms"], rows[C[:8]]["measured_s_ago"]) == ("one-sided", None,
+                                                                                                  None)
+    assert st["view"]["disputed"] == [sorted([A, B])]  # the view flags the same link
+
+
+# ---- training: finished, stopped, grammar --------------------------------------------------------
+
+
+def test_a_finished_run_counts_its_steps():
+    assert format_issued({"run_id": "ab" * 16, "state": "finished", "completed": 299, "end_step": 300}) \
+        == "issued run abababab: finished, all 300 steps done"
+    assert format_issued({"run_id": "ab" * 16, "state": "stopped", "completed": 121, "end_step": 200,
+                          "reason": "an operator stopped the run before step 123 (train stop)"}) \
+        == ("issued run abababab: stopped, 122 of 200 steps done (an operator stopped the run before step 123 "
+            "(train stop))")
+    assert format_issued({"run_id": "ab" * 16, "state": "refused", "completed": -1, "end_step": 1}) \
+        == "issued run abababab: refused, 0 of 1 step done"
+
+
+def test_one_stage_and_one_pipeline_are_singular():
+    line = format_training({"state": "training", "run_id": "ab" * 16, "preset": "tiny", "stages": 1, "dp": 2},
+                           now=0.0)[0]
+    assert line == "training  training, run abababab, tiny, 1 stage x 2 pipelines"
+
+
+def test_an_aborted_epoch_of_a_run_that_went_on_is_not_the_end_of_the_run():
+    t = {"state": "training", "epoch": 4,
+         "last_end": {"epoch": 3, "completed": 57, "reason": "peer 1a2b3c4d failed: connection lost",
+                      "failed": True}}
+    assert format_training(t, now=0.0)[-1] == ("          epoch 3 was cut short after step 57: peer 1a2b3c4d failed: "
+                                               "connection lost (the run went on in epoch 4)")
+    assert "run ended" not in "\n".join(format_training(t, now=0.0))
+    reconf = {"state": "stopped", "epoch": 3, "last_end": {"epoch": 3, "completed": 57, "reason": "stopped",
+                                                           "failed": False}}
+    assert format_training(reconf, now=0.0)[-1] == ("          epoch 3 ended after step 57: stopped at a step "
+                                                    "boundary for a reconfiguration of the run")
+
+
+# ---- a restarted daemon ---------------------------------------------------------------------------
+
+
+IDLE = CoordinatorStatus(Phase.IDLE, None, None, "", None, None, (), None, None)
+
+
+def restarted(kept=(), stopped=False) -> dict:
+    """A peer's training status right after a restart: applied.json held term 2 epoch 3 of RUN,
+    its checkpoints kept `kept` step reports, stopped.json said an operator stopped it."""
+    election = FakeElection(N[1], term=2, coordinator=None, voters=tuple(N[:4]))
+    m = EpochMachine(N[1], election, heartbeat_wait_s=1.0, coordinator_lost_after_s=6.0)
+    m.restore(RUN, 2, 3, alloc(term=2, epoch=3, end_step=300), kept)
+    if stopped:
+        m.mark_stopped(RUN)
+    return PlaneStatus(N[1], {"role": "follower", "term": 2, "coordinator": None}, False, m.status(), IDLE,
+                       Path("train.jsonl"), None, 1).to_wire()
+
+
+def test_a_restarted_peer_says_its_run_is_from_before_the_restart():
+    st = restarted([report(3, 120)])
+    assert (st["state"], st["restored"], st["epoch"]) == ("waiting", True, 3)
+    lines = format_training(st, now=0.0)
+    assert lines[1] == ("          (from before this daemon restarted: the run as this peer last applied it; no "
+                        "coordinator has told it more since)")
+    assert lines[2].startswith("          (waiting: this daemon restarted and holds no stage")
+
+
+def test_a_peer_restarted_after_an_operators_stop_says_stopped():
+    st = restarted([report(3, 120)], stopped=True)
+    assert (st["state"], st["run_stopped"]) == ("stopped", True)
+
+
+def test_a_peer_restarted_after_the_run_finished_says_finished():
+    st = restarted([report(3, 298), report(3, 299)])
+    assert st["state"] == "finished" and st["last_end"]["completed"] == 299
+    assert format_training(st, now=0.0)[-1] == "          epoch 3 ended after step 299: the run finished"
