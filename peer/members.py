@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .status import plural
+
 __all__ = ["ROLES", "format_members", "member_rows"]
 
 ROLES = ("coordinator", "voter", "stage", "spare")
@@ -74,8 +76,10 @@ def format_members(rows: list[dict[str, Any]], report: dict[str, Any] | None = N
     head = f"{len(rows)} members: " + ", ".join(f"{n} {state}" for state, n in counts.items())
     run = training.get("run_id")
     if isinstance(run, str):
-        head += (f"; run {run[:8]} epoch {training.get('epoch', '?')}, "
-                 f"{training.get('stages', '?')} stages x {training.get('dp', '?')} pipelines")
+        over = training.get("state") in ("finished", "stopped", "paused")  # (else: this peer's own state)
+        head += (f"; run {run[:8]}" + (f" ({training['state']})" if over else "")
+                 + f" epoch {training.get('epoch', '?')}, "
+                 f"{plural(training.get('stages', '?'), 'stage')} x {plural(training.get('dp', '?'), 'pipeline')}")
     lines = [head]
     gossip = (report or {}).get("gossip")
     if isinstance(gossip, dict) and "members" in (gossip.get("truncated") or []):
@@ -88,4 +92,7 @@ def format_members(rows: list[dict[str, Any]], report: dict[str, Any] | None = N
     widths = [max(len(row[i]) for row in [header, *table]) for i in range(len(header))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *table]]
     lines.append("(* this daemon; roles as this daemon knows them: its coordinator and the allocation it applied)")
+    if report is not None and not isinstance(run, str):
+        lines.append("(this daemon has applied no allocation, so it knows no stages or spares: "
+                     "`dtfm-peer members` on a peer of the run shows them)")
     return "\n".join(lines)

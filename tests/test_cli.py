@@ -442,7 +442,7 @@ def test_members_joins_gossips_table_with_the_roles_in_the_applied_allocation():
         ([], None, None, "left")]
     assert rows[C[:8]]["layers"] == [2, 4] and rows[B[:8]]["me"] and not rows[A[:8]]["me"]
     text = format_members(list(rows.values()), SWARM_REPORT).splitlines()
-    assert text[0] == "5 members: 3 alive, 1 suspect, 1 left; run f0f0f0f0 epoch 3, 2 stages x 1 pipelines"
+    assert text[0] == "5 members: 3 alive, 1 suspect, 1 left; run f0f0f0f0 epoch 3, 2 stages x 1 pipeline"
     assert text[1].split() == ["PEER", "ROLE", "STAGE", "PIPELINE", "REGION", "ADDRESS", "STATE"]
     assert text[3].split() == [B[:8], "*", "voter,stage", "0", "0", "us", "10.0.0.2:7450", "alive"]
     assert text[6].split() == [E[:8], "-", "-", "-", "us", "10.0.0.5:7450", "left"]
@@ -451,6 +451,14 @@ def test_members_joins_gossips_table_with_the_roles_in_the_applied_allocation():
 def test_members_of_a_daemon_without_a_run_or_gossip_lists_itself():
     rows = member_rows(REPORT)
     assert [(r["short_id"], r["roles"], r["state"], r["me"]) for r in rows] == [("abababab", [], "alive", True)]
+    text = format_members(rows, REPORT).splitlines()
+    assert text[-1].startswith("(this daemon has applied no allocation, so it knows no stages or spares")
+
+
+def test_members_says_when_the_run_is_over():
+    report = {**SWARM_REPORT, "training": {**SWARM_REPORT["training"], "state": "finished", "stages": 1}}
+    head = format_members(member_rows(report), report).splitlines()[0]
+    assert head.endswith("; run f0f0f0f0 (finished) epoch 3, 1 stage x 1 pipeline")
 
 
 async def test_members_command_against_a_control_server(capsys):

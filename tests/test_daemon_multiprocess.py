@@ -155,6 +155,8 @@ def test_two_daemons_find_each_other(swarm_root):
     assert text.returncode == 0
     assert f"peer      {b.short_id}" in text.stdout
     assert f"{a.short_id}  {a.listen}  r-a" in text.stdout
+    # gossip's part in words (members, this peer's links), not as a JSON line
+    assert "\nmembers   " in text.stdout and "\nlinks     " in text.stdout and '"latency"' not in text.stdout
 
 
 def test_three_daemons_one_bootstrap_then_leave_and_sigterm(swarm_root):
