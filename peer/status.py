@@ -316,17 +316,22 @@ def format_training(t: dict, now: float) -> list[str]:
         head.append(f"last step {t['step']}")
     lines = ["training  " + ", ".join(head)]
     if t.get("restored"):
-        lines.append(f"{pad}(from before this daemon restarted: the run as this peer last applied it; "
-                     "no coordinator has told it more since)")
+        lines.append(f"{pad}(restored after this daemon restarted: the last allocation it applied, from its data "
+                     "dir; a new one replaces it)")
     if state in STATE_NOTES and not (state == "waiting" and not t.get("restored")):
         lines.append(f"{pad}({state}: {STATE_NOTES[state]})")
     if t.get("compression"):
         lines.append(f"{pad}compression {t['compression']}"
                      + (f": {t['compression_details']}" if t.get("compression_details") else ""))
     if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
-        coordinator = t.get("coordinator")
-        lines.append(f"{pad}role {t.get('role') or '-'}, term {t.get('term', '-')}, coordinator "
-                     + (short(coordinator) if coordinator else "unknown (none heard from in this term)"))
+        coordinator, term = t.get("coordinator"), t.get("term", "-")
+        if coordinator:
+            who = short(coordinator)
+        elif term == 0:
+            who = "none yet (one is elected at the swarm's first `train start`)"
+        else:
+            who = "unknown (none heard from in this term)"
+        lines.append(f"{pad}role {t.get('role') or '-'}, term {term}, coordinator {who}")
     wait = t.get("waiting_for_peers")
     if isinstance(wait, dict):
         lines.append(f"{pad}train start waits for {wait.get('want', '?')} peers: {wait.get('live', '?')} live, "
@@ -382,7 +387,7 @@ def format_epoch_end(end: dict, t: dict) -> str:
         if reason == "finished":
             what = "the run finished"
         elif reason == "stopped" and t.get("run_stopped"):
-            what = "the run was stopped (an operator's train stop, or it could not go on)"
+            what = "the run was stopped"
         elif reason == "stopped":
             what = "stopped at a step boundary for a reconfiguration of the run"
         else:

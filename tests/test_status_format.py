@@ -78,8 +78,8 @@ def test_status_text_has_no_gossip_json_line_and_keeps_other_sections():
     assert '"latency"' not in text and "0.13782211593865187" not in text and B not in text
     assert "swarm_key_fingerprint 1234abcd" in text
     assert text.splitlines()[-2:] == ["training  idle",
-                                      "          role follower, term 0, coordinator unknown (none heard from in "
-                                      "this term)"]
+                                      "          role follower, term 0, coordinator none yet (one is elected "
+                                      "at the swarm's first `train start`)"]
     # a gossip section the daemon had to cut to fit its reply stays visible as what it is
     cut = format_status_text({**report, "gossip": {"truncated": True, "bytes": 9}}, now=0.0)
     assert 'gossip    {"bytes": 9, "truncated": true}' in cut
@@ -171,8 +171,8 @@ def test_a_restarted_peer_says_its_run_is_from_before_the_restart():
     st = restarted([report(3, 120)])
     assert (st["state"], st["restored"], st["epoch"]) == ("waiting", True, 3)
     lines = format_training(st, now=0.0)
-    assert lines[1] == ("          (from before this daemon restarted: the run as this peer last applied it; no "
-                        "coordinator has told it more since)")
+    assert lines[1] == ("          (restored after this daemon restarted: the last allocation it applied, from its "
+                        "data dir; a new one replaces it)")
     assert lines[2].startswith("          (waiting: this daemon restarted and holds no stage")
 
 
