@@ -146,8 +146,9 @@ def format_status(report: dict) -> str:
              + f", time scale {report['time_scale']:g}, bandwidth scale {report['bandwidth_scale']:g}"]
     run = report.get("run")
     if run:
-        line = (f"run {str(run['run_id'])[:8]}: {run['state']}, completed {_dash(run['completed'])} of "
-                f"{_dash(run['end_step'])} steps")
+        completed = run.get("completed")  # the last completed step's index: steps 0..completed are done
+        done = completed + 1 if isinstance(completed, int) else None
+        line = f"run {str(run['run_id'])[:8]}: {run['state']}, {_dash(done)} of {_dash(run['end_step'])} steps done"
         if isinstance(run.get("stalled_s"), (int, float)):
             line += f", no progress for {run['stalled_s']:.0f} s"
         if run.get("reason"):

@@ -541,5 +541,5 @@ def test_status_says_when_the_run_is_stalled_and_why(tmp_path, fake_status):
         "cut_links": "8139770e-8a875fff"})
     text = format_status(status_report(make_state(tmp_path)))
     assert text.splitlines()[1] == (
-        "run abababab: stalled, completed 17 of 400 steps, no progress for 12 s: step 18 is overdue (deadline "
+        "run abababab: stalled, 18 of 400 steps done, no progress for 12 s: step 18 is overdue (deadline "
         "3.0 s): probing the peers that have not reported it (cut links: 8139770e-8a875fff)")
