@@ -262,6 +262,20 @@ class ControlPlane:
         while True:
             await trio.sleep(self.config.coordinator_check_s)
             self._feed_epoch_now(Tick())
+            run = self.epoch.restored_run_to_ask(trio.current_time())
+            if run is not None:
+                self._start_soon(self._ask_restored_run, run)
+
+    async def _ask_restored_run(self, run: bytes) -> None:
+        """A restarted peer asks its coordinator how the run it restored stands, so that its
+        status says finished or stopped for a run that ended while it was down."""
+        try:
+            progress = await self.train_progress(run, after=2**62)
+        except TrainError as e:
+            logger.debug("asked the coordinator about run %s restored here: %s", run.hex()[:8], e)
+            return
+        if progress.run_id == run:
+            self.epoch.restored_run_heard(run, progress.state, progress.completed)
 
     # ---- feeding the machines and executing their actions ------------------------------------
 

@@ -31,6 +31,7 @@ from dtfm.control import Allocation, RunEnd, sign_op
 from dtfm.control.actions import Reply
 from dtfm.control.epoch.access import fetch_refusal
 from dtfm.control.epoch.machine import (
+    RESTORED_ASK_S,
     AllocationOffered,
     ApplyToElection,
     BuildFailed,
@@ -639,6 +640,39 @@ def test_a_restored_epoch_says_so_until_a_new_one_is_applied():
     p.offer(alloc(term=2, epoch=4, start_step=5), 1.0)  # resumed
     st = p.m.status()
     assert not st.restored and not st.run_stopped and st.phase is EpochPhase.BUILDING
+
+
+def test_a_restarted_peer_asks_its_coordinator_how_the_run_stands_and_learns_it_finished():
+    # The run went on without this peer and finished while it was down (its checkpoints stop
+    # at step 120 of 300): nothing on its disk says so. Once it knows a coordinator it asks,
+    # every RESTORED_ASK_S until told; "finished" or "stopped" ends the run here too, any other
+    # state changes nothing.
+    a = alloc(term=1, epoch=2, end_step=300)
+    p = Peer(N[1], coordinator=None, term=2)
+    p.election.last_applied = (1, 2)
+    p.m.restore(RUN, 1, 2, a, [report(2, 120)])
+    assert p.m.restored_run_to_ask(0.0) is None  # no coordinator known yet
+    p.election.coordinator = N[0]
+    assert p.m.restored_run_to_ask(1.0) == RUN
+    assert p.m.restored_run_to_ask(1.0 + RESTORED_ASK_S - 0.1) is None  # asked lately
+    p.m.restored_run_heard(RUN, "training", 150)  # the coordinator reconfigures it: still waiting
+    assert p.m.status().phase is EpochPhase.WAITING and not p.m.run_over()
+    p.m.restored_run_heard(b"o" * 16, "finished", 300)  # another run's: nothing
+    assert p.m.status().phase is EpochPhase.WAITING
+    assert p.m.restored_run_to_ask(1.0 + RESTORED_ASK_S) == RUN
+    p.m.restored_run_heard(RUN, "finished", 300)
+    st = p.m.status()
+    assert st.phase is EpochPhase.ENDED and st.end == RunEnd(299, "finished", False) and p.m.run_over()
+    assert p.m.restored_run_to_ask(100.0) is None
+    p.feed(Tick(), 101.0)
+    p.transcript("101 tick")  # no "restarted: holds no stage" for a run that is over
+    stopped = Peer(N[1], coordinator=N[0], term=2)
+    stopped.m.restore(RUN, 1, 2, a, [report(2, 120)])
+    stopped.m.restored_run_heard(RUN, "stopped", 130)
+    assert stopped.m.status().run_stopped and stopped.m.restored_run_to_ask(50.0) is None
+    coordinator = Peer(N[0], coordinator=N[0], term=2)  # the coordinator itself knows: it asks nobody
+    coordinator.m.restore(RUN, 1, 2, a)
+    assert coordinator.m.restored_run_to_ask(0.0) is None
 
 
 def test_a_restarted_spare_or_a_peer_of_another_run_has_no_stage_to_report():

@@ -36,7 +36,7 @@ from .runner import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
 
 __all__ = [
-    "MAX_KNOWN_EPOCHS", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed", "BuildStage",
+    "MAX_KNOWN_EPOCHS", "RESTORED_ASK_S", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed", "BuildStage",
     "ElectionView", "EndEpoch",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
@@ -67,6 +67,9 @@ class ElectionView(Protocol):
 
 
 MAX_KNOWN_EPOCHS = 8  # allocations this peer applied that it remembers (to check kept step reports)
+# A restarted peer asks its coordinator how the run it restored stands at most this often (a
+# run that finished or was stopped without it shows so in its status within about this long).
+RESTORED_ASK_S = 10.0
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -302,6 +305,7 @@ class EpochMachine:
         self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
         self._restarted = False  # restored a stage's place, not the stage: the coordinator is told once
         self._restored = False  # the current epoch is the one restored from applied.json (until the next applied)
+        self._restored_asked_at: float | None = None  # when the coordinator was last asked about it
         self._known: collections.deque[Allocation] = collections.deque(maxlen=MAX_KNOWN_EPOCHS)  # applied, newest last
         self.refusals = Refusals()  # RUN_STATE this peer refused
 
@@ -373,6 +377,38 @@ class EpochMachine:
             named = self.me in cur.peers or self.me in cur.spares
             return None, "no coordinator is known to hand this peer's part off" if named else ""
         return coordinator, ""
+
+    def restored_run_to_ask(self, now: float) -> bytes | None:
+        """The run to ask the coordinator about now (its progress: `restored_run_heard`), or
+        None: this peer restarted, its restored epoch waits (or is a spare's) and is not over, a
+        coordinator other than itself is known, and it did not ask within RESTORED_ASK_S. The
+        run may have finished or been stopped while this peer was down; nothing else tells it."""
+        run = self.run
+        if not self._restored or run is None or run.phase not in (EpochPhase.WAITING, EpochPhase.SPARE):
+            return None
+        coordinator = self.election.coordinator
+        if self.run_over() or coordinator is None or coordinator == self.me:
+            return None
+        if self._restored_asked_at is not None and now - self._restored_asked_at < RESTORED_ASK_S:
+            return None
+        self._restored_asked_at = now
+        return run.alloc.run_id
+
+    def restored_run_heard(self, run_id: bytes, state: str, steps_done: int) -> None:
+        """The coordinator's account of the run this peer restored (`state` as control/progress.py
+        names it, `steps_done` of its steps): a run that finished, or stopped or was refused,
+        is over here too; any other state changes nothing (its coordinator reconfigures it)."""
+        run = self.run
+        if not self._restored or run is None or run.alloc.run_id != run_id \
+                or run.phase not in (EpochPhase.WAITING, EpochPhase.SPARE):
+            return
+        if state == "finished":
+            self.run = EpochRecord(run.alloc, EpochPhase.ENDED, end=RunEnd(steps_done - 1, "finished", False),
+                                   done=True)
+            self._restarted = False
+        elif state in ("stopped", "refused"):
+            self._stopped_by_operator = run_id
+            self._restarted = False
 
     def run_state(self, checkpoints: tuple[tuple[int, int, int], ...] = ()) -> PeerRunState:
         """This peer's answer to a RUN_STATE query; `checkpoints`: those of the current run."""
