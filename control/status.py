@@ -96,6 +96,8 @@ class PlaneStatus:
                 out["step"] = e.step
             if e.restored:  # from applied.json: what this peer knew before it restarted
                 out["restored"] = True
+            if e.heard is not None:  # how the restored run ended, as its coordinator told
+                out["run_ended"] = {"state": e.heard[0], "steps_done": e.heard[1]}
             if e.run_stopped:  # the run is over without finishing
                 out["run_stopped"] = True
             last = e.last_report

@@ -27,19 +27,26 @@ def _hex_list(value: object) -> list[str]:
     return [x for x in value if isinstance(x, str)] if isinstance(value, list) else []
 
 
+def _map(value: object) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: object) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
 def member_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The members of the report's gossip table (the daemon itself included), each with its
     roles in the run this daemon applied; named peers gossip no longer lists come last, with
     state "unknown"."""
-    gossip = report.get("gossip") if isinstance(report.get("gossip"), dict) else {}
-    training = report.get("training") if isinstance(report.get("training"), dict) else {}
+    gossip, training = _map(report.get("gossip")), _map(report.get("training"))
     me = report.get("peer_id") if isinstance(report.get("peer_id"), str) else ""
     coordinator = training.get("coordinator") if isinstance(training.get("coordinator"), str) else None
     voters = set(_hex_list(training.get("voters")))
     spares = set(_hex_list(training.get("spares")))
-    ranges = training.get("layer_ranges") if isinstance(training.get("layer_ranges"), list) else []
+    ranges = _list(training.get("layer_ranges"))
     place: dict[str, tuple[int, int]] = {}
-    pipelines = training.get("pipelines") if isinstance(training.get("pipelines"), list) else []
+    pipelines = _list(training.get("pipelines"))
     for d, pipe in enumerate(pipelines):
         for s, p in enumerate(_hex_list(pipe)):
             place[p] = (s, d)

@@ -318,6 +318,10 @@ def format_training(t: dict, now: float) -> list[str]:
     if t.get("restored"):
         lines.append(f"{pad}(restored after this daemon restarted: the last allocation it applied, from its data "
                      "dir; a new one replaces it)")
+    ended = t.get("run_ended")
+    if isinstance(ended, dict):
+        lines.append(f"{pad}(the run {ended.get('state')} while this daemon was down, its coordinator says: "
+                     f"{ended.get('steps_done')} of {plural(t.get('end_step', '?'), 'step')} done)")
     if state in STATE_NOTES and not (state == "waiting" and not t.get("restored")):
         lines.append(f"{pad}({state}: {STATE_NOTES[state]})")
     if t.get("compression"):

@@ -663,6 +663,7 @@ def test_a_restarted_peer_asks_its_coordinator_how_the_run_stands_and_learns_it_
     p.m.restored_run_heard(RUN, "finished", 300)
     st = p.m.status()
     assert st.phase is EpochPhase.ENDED and st.end == RunEnd(299, "finished", False) and p.m.run_over()
+    assert st.heard == ("finished", 300)
     assert p.m.restored_run_to_ask(100.0) is None
     p.feed(Tick(), 101.0)
     p.transcript("101 tick")  # no "restarted: holds no stage" for a run that is over

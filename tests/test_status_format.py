@@ -185,3 +185,18 @@ def test_a_peer_restarted_after_the_run_finished_says_finished():
     st = restarted([report(3, 298), report(3, 299)])
     assert st["state"] == "finished" and st["last_end"]["completed"] == 299
     assert format_training(st, now=0.0)[-1] == "          epoch 3 ended after step 299: the run finished"
+
+
+def test_a_peer_restarted_after_the_run_finished_without_it_says_so():
+    # (the review's case: the coordinator, killed at step 20, restarted after its successor
+    # finished the run; its own checkpoints stop at step 19)
+    election = FakeElection(N[1], term=2, coordinator=N[0], voters=tuple(N[:4]))
+    m = EpochMachine(N[1], election, heartbeat_wait_s=1.0, coordinator_lost_after_s=6.0)
+    m.restore(RUN, 1, 1, alloc(end_step=80), [report(1, 19)])
+    assert m.restored_run_to_ask(0.0) == RUN
+    m.restored_run_heard(RUN, "finished", 80)
+    st = PlaneStatus(N[1], {"role": "follower", "term": 2, "coordinator": N[0].hex()}, False, m.status(), IDLE,
+                     Path("train.jsonl"), None, 1).to_wire()
+    assert (st["state"], st["run_ended"]) == ("finished", {"state": "finished", "steps_done": 80})
+    assert ("          (the run finished while this daemon was down, its coordinator says: 80 of 80 steps done)"
+            in format_training(st, now=0.0))

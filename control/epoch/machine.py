@@ -284,6 +284,7 @@ class EpochStatus:
     run_stopped: bool = False  # the current run is over without finishing: an operator's train stop,
     # or the coordinator found it cannot go on (`mark_stopped`)
     restored: bool = False  # the current epoch is the one applied before this daemon restarted
+    heard: tuple[str, int] | None = None  # (state, steps done) of the restored run, as its coordinator told
 
 
 class EpochMachine:
@@ -306,6 +307,7 @@ class EpochMachine:
         self._restarted = False  # restored a stage's place, not the stage: the coordinator is told once
         self._restored = False  # the current epoch is the one restored from applied.json (until the next applied)
         self._restored_asked_at: float | None = None  # when the coordinator was last asked about it
+        self._heard: tuple[str, int] | None = None  # what the coordinator told about it: (state, steps done)
         self._known: collections.deque[Allocation] = collections.deque(maxlen=MAX_KNOWN_EPOCHS)  # applied, newest last
         self.refusals = Refusals()  # RUN_STATE this peer refused
 
@@ -405,10 +407,12 @@ class EpochMachine:
         if state == "finished":
             self.run = EpochRecord(run.alloc, EpochPhase.ENDED, end=RunEnd(steps_done - 1, "finished", False),
                                    done=True)
-            self._restarted = False
         elif state in ("stopped", "refused"):
             self._stopped_by_operator = run_id
-            self._restarted = False
+        else:
+            return
+        self._restarted = False
+        self._heard = (state, steps_done)
 
     def run_state(self, checkpoints: tuple[tuple[int, int, int], ...] = ()) -> PeerRunState:
         """This peer's answer to a RUN_STATE query; `checkpoints`: those of the current run."""
@@ -483,7 +487,8 @@ class EpochMachine:
             and self.reports[-1].epoch == run.alloc.epoch else None,
             last_end=self.last_end, end=run.end if run is not None else None,
             run_stopped=run is not None and self._stopped_by_operator == run.alloc.run_id,
-            restored=run is not None and self._restored)
+            restored=run is not None and self._restored,
+            heard=self._heard if run is not None and self._restored else None)
 
     # ---- events -------------------------------------------------------------------------------
 
