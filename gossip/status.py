@@ -98,19 +98,12 @@ def _latency_row(e: Entry, theirs: Entry | None, measured_s_ago: float | None) -
             "measured_s_ago": measured_s_ago, "link": state, "disputed_on": on}
 
 
-def _their_entries(me: bytes | None, reports: Mapping[bytes, Report]) -> dict[bytes, Entry]:
-    """Each other measurer's entry for `me`, from the report signed under its own name."""
-    out: dict[bytes, Entry] = {}
-    if me is None:
-        return out
-    for key, r in reports.items():
-        if key != r.measurer or key == me:
-            continue
-        for e in r.entries:
-            if e.target == me:
-                out[key] = e
-                break
-    return out
+def _their_entry(me: bytes | None, other: bytes, reports: Mapping[bytes, Report]) -> Entry | None:
+    """`other`'s entry for `me`, from the report signed under its own name (None: none)."""
+    r = reports.get(other)
+    if me is None or r is None or r.measurer != other:
+        return None
+    return next((e for e in r.entries if e.target == me), None)
 
 
 def links_known(peers: Sequence[bytes], reports: Mapping[bytes, Report]) -> int:
@@ -155,7 +148,6 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
         truncated.append("members")
     rows.sort(key=lambda r: (r[0], r[1]))
     entries = sorted(latency, key=lambda e: e.target)
-    theirs = _their_entries(me, reports)
     ages = dict(measured_s_ago or {})
     if len(entries) > max_latency:
         truncated.append("latency")
@@ -175,6 +167,6 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
         view_part["complete"] = view_part["measured_links"] == n * (n - 1)
     return {"counts": {**counts, "total": total},
             "members": [_member_row(m, state) for _, _, m, state in rows[:max_members]],
-            "latency": [_latency_row(e, theirs.get(e.target), ages.get(e.target))
+            "latency": [_latency_row(e, _their_entry(me, e.target, reports), ages.get(e.target))
                         for e in entries[:max_latency]],
             "view": view_part, "truncated": truncated}

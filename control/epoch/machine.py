@@ -36,8 +36,8 @@ from .runner import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
 
 __all__ = [
-    "MAX_KNOWN_EPOCHS", "RESTORED_ASK_S", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed", "BuildStage",
-    "ElectionView", "EndEpoch",
+    "MAX_KNOWN_EPOCHS", "RESTORED_ASK_S", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed",
+    "BuildStage", "ElectionView", "EndEpoch",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
     "StopRunnerAt", "Tick", "WaitForCoordinator",
