@@ -376,6 +376,9 @@ def format_issued(issued: dict) -> str:
         progress = f"all {plural(end_step, 'step')} done"
     else:
         progress = f"{done} of {plural(end_step, 'step')} done"
+    stalled = issued.get("stalled_s")
+    if isinstance(stalled, (int, float)):
+        progress += f", no progress for {format_duration(stalled)}"
     return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
             + (f" ({issued['reason']})" if issued.get("reason") else "")
             + (f", log {issued['log']}" if issued.get("log") else ""))

@@ -128,6 +128,9 @@ def test_a_finished_run_counts_its_steps():
             "(train stop))")
     assert format_issued({"run_id": "ab" * 16, "state": "refused", "completed": -1, "end_step": 1}) \
         == "issued run abababab: refused, 0 of 1 step done"
+    assert format_issued({"run_id": "ab" * 16, "state": "stalled", "completed": 17, "end_step": 400,
+                          "stalled_s": 72.4, "reason": "step 18 is overdue"}) \
+        == "issued run abababab: stalled, 18 of 400 steps done, no progress for 1m 12s (step 18 is overdue)"
 
 
 def test_one_stage_and_one_pipeline_are_singular():
