@@ -95,6 +95,7 @@ from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .events import Reconfiguration
 from .messages import ControlMsg
+from .models import HeldModel, load_held_models, model_refusal
 from .operator import OperatorError, SignedOp, check_op
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
 from .refusals import merge_counts
@@ -209,8 +210,11 @@ class ControlPlane:
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
         self._corpus_lock = trio.Lock()
+        self._models: dict[str, HeldModel] | None = None  # the model folders it holds (`join --model-dir`)
+        self._models_lock = trio.Lock()
         self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
-                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now)
+                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
+                                models=self.models)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -511,10 +515,30 @@ class ControlPlane:
         async with self._corpus_lock:
             if self._corpus is None:
                 try:
-                    self._corpus = await trio.to_thread.run_sync(load_corpus, self.config.data_path)
+                    self._corpus = await trio.to_thread.run_sync(self._load_corpus)
                 except ValueError as e:
                     raise TrainError(str(e)) from None
             return self._corpus
+
+    def _load_corpus(self) -> Corpus:
+        """The data set: bytes of the text, its tokens by the `--tokenizer` folder's tokenizer,
+        or a token file as it is."""
+        if self.config.tokenizer_path is None:
+            return load_corpus(self.config.data_path)
+        from dtfm.train import load_tokenizer, model_tokenizer
+        folder = Path(self.config.tokenizer_path)
+        tokenizer = model_tokenizer(folder) if (folder / "config.json").is_file() else load_tokenizer(folder)
+        return load_corpus(self.config.data_path, tokenizer=tokenizer)
+
+    async def models(self) -> dict[str, HeldModel]:
+        """The model folders this peer holds (`join --model-dir`), by preset name, hashed once."""
+        async with self._models_lock:
+            if self._models is None:
+                try:
+                    self._models = await trio.to_thread.run_sync(load_held_models, self.config.model_paths)
+                except ValueError as e:
+                    raise TrainError(str(e)) from None
+            return self._models
 
     # ---- message handlers ---------------------------------------------------------------------
 
@@ -534,12 +558,14 @@ class ControlPlane:
         corpus = corpus or self._corpus
         assert corpus is not None
         live = frozenset(self.gossip.live_peers()) | {self.me}
-        return AcceptContext(me=self.me, live=live, known_presets=PRESETS, data_hash=corpus.fingerprint,
+        known = {**PRESETS, **{name: m.spec for name, m in (self._models or {}).items()}}
+        return AcceptContext(me=self.me, live=live, known_presets=known, data_hash=corpus.fingerprint,
                              data_name=corpus.name, known=frozenset(m.peer_id for m in self.gossip.members()))
 
     async def accept(self, alloc: Allocation, certificate: Certificate | None = None) -> dict:
         """Check, get the stage, connect the neighbours; the answer goes to the coordinator."""
         corpus = await self.corpus()
+        await self.models()
         key = self._key("allocation")
         reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus),
                                                            certificate=certificate))
@@ -711,15 +737,21 @@ class ControlPlane:
         if refusal is not None:
             raise TrainError(refusal)
         corpus = await self.corpus()
-        req.check_data(corpus)
-        alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name)
+        models = await self.models()
+        refusal = model_refusal(req.preset, req.init_from, req.init_name, models)
+        if refusal is not None:
+            raise TrainError(refusal)
+        model = models[req.preset].spec if req.init_from is not None else None
+        req.check_data(corpus, model)
+        alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name, model)
         return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,
                 "dp": alloc.dp, "coordinator": self.me.hex(),
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
                 "steps": req.steps, "data": corpus.name, "log": str(self.run_log_path(alloc.run_id.hex())),
-                "compression": alloc.compression.to_spec()}
+                "compression": alloc.compression.to_spec(), "model": alloc.preset,
+                "train": alloc.train.to_dict(), "init_from": req.init_from}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,
