@@ -49,7 +49,7 @@ from .paths import DataDir, DataDirError, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
-from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, load_run_spec, resolve, start_request
+from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, start_request
 from .status import format_duration, format_text, to_json
 
 PROG = "dtfm-peer"
@@ -697,13 +697,10 @@ def _start_values(args: argparse.Namespace) -> tuple[dict, tuple[str, str] | Non
         args.subparser.error(str(e))  # exits 2, with the usage
     init = None
     if values["init_from"] is not None:
-        from dtfm.train import HFError, hf_digest, load_hf_spec  # (torch: only for a model folder)
-        folder = Path(values["init_from"])
         try:
-            load_hf_spec(folder)  # refuses a folder dtfm cannot compute before hashing its weights
-            init = (hf_digest(folder), folder.resolve().name)
-        except HFError as e:
-            args.subparser.error(f"--init-from: {e}")
+            init = init_folder(Path(values["init_from"]))
+        except ConfigError as e:
+            args.subparser.error(str(e))
     from dtfm.control import TrainError, TrainRequest
     try:  # the knobs' joint checks (TrainConfig's), before anything is signed
         TrainRequest.from_args({**start_request(values), "data_hash": "0" * 64,

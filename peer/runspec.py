@@ -31,7 +31,8 @@ from dtfm.train.spec import PRESETS, WIRE_DTYPES, TrainConfig
 
 from .config import ConfigError
 
-__all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "SpecKey", "load_run_spec", "resolve", "start_request"]
+__all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "SpecKey", "init_folder", "load_run_spec", "resolve",
+           "start_request"]
 
 PLACEMENT_CHOICES = ("scheduler", "random")  # dtfm.control.PLACEMENTS, without importing the plane
 
@@ -158,3 +159,14 @@ def start_request(values: dict[str, Any]) -> dict[str, Any]:
         if values[key] != k.default:
             out[k.arg or key] = values[key]
     return out
+
+
+def init_folder(path: Path) -> tuple[str, str]:
+    """(digest, name) of the Hugging Face model folder a start names (`--init-from`); ConfigError
+    for a folder dtfm cannot compute, before its weights are hashed."""
+    from dtfm.train import HFError, hf_digest, load_hf_spec  # (torch: only for a model folder)
+    try:
+        load_hf_spec(path)
+        return hf_digest(path), path.resolve().name
+    except HFError as e:
+        raise ConfigError(f"--init-from (init_from): {e}") from None
