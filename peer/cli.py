@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtfm.train.spec import PRESETS
+from dtfm.train import PRESETS
 from dtfm.net import (
     IDENTITY_FILE,
     Identity,

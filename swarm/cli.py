@@ -38,7 +38,7 @@ from dtfm.peer import (
     resolve,
     start_request,
 )
-from dtfm.train.spec import PRESETS
+from dtfm.train import PRESETS
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import (

@@ -115,7 +115,7 @@ def test_a_run_spec_is_read_typed_and_flags_win(tmp_path):
     ("[train]\nlr = 1\n", "unknown key 'train' (a table: a run spec's keys are top-level)"),
     ('lr = "fast"\n', "lr must be a number, got 'fast'"),
     ("steps = 1.5\n", "steps must be an integer, got 1.5"),
-    ("steps = 0\n", "steps must be at least 1, got 0"),
+    ("steps = 0\n", "steps must be a positive integer, got 0"),
     ("stages = \"many\"\n", "stages must be an integer or \"auto\""),
     ('wire_dtype = "int8"\n', "wire_dtype 'int8': choose one of float32, float16, bfloat16"),
     ('preset = "huge"\n', "preset 'huge': choose one of"),

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dtfm.train import PRESETS, CompressionConfig, GPTSpec, TrainConfig, parse_compression, split_batch
+from dtfm.train import PRESETS, CompressionConfig, GPTSpec, TrainConfig, parse_compression
 
 if TYPE_CHECKING:  # (dtfm.train's Corpus loads torch: `dtfm-peer status` must not)
     from dtfm.train import Corpus
@@ -164,10 +164,12 @@ class TrainRequest:
                   dp=num("dp", None, 1, 4096), checkpoint_every=checkpoint_every,
                   data_hash=data_hash, data_name=data_name, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
                   wait_s=float(wait_s), compression=compression)
-        try:  # every micro-batch of every pipeline needs a sample (a shape the scheduler picks is checked then)
-            split_batch(req.config.global_batch_seqs, req.dp or 1, req.config.micro_batches)
-        except ValueError as e:
-            raise TrainError(f"{e}: raise --batch or lower --micro-batches") from None
+        # Every micro-batch of every pipeline needs a sample (train.split_batch; a shape the
+        # scheduler picks is checked when it is picked).
+        cfg, dp = req.config, req.dp or 1
+        if cfg.global_batch_seqs < dp * cfg.micro_batches:
+            raise TrainError(f"global batch {cfg.global_batch_seqs} is too small for {dp} pipelines x "
+                             f"{cfg.micro_batches} micro-batches: raise --batch or lower --micro-batches")
         if req.dp is not None and req.stages is None:
             raise TrainError("--dp needs --stages")
         if placement == "random" and req.stages is None:
