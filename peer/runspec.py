@@ -70,8 +70,9 @@ class SpecKey:
         if self.positive and not value > 0:
             raise ConfigError(f"{where} must be positive, got {value!r}")
         if self.low is not None and value < self.low:
-            what = {(int, 1): "a positive integer", (int, 0): "a non-negative integer",
-                    (float, 0): "a non-negative number"}.get((self.kind, self.low), f"at least {self.low:g}")
+            names: dict[tuple[type, float], str] = {(int, 1): "a positive integer", (int, 0): "a non-negative integer",
+                                                    (float, 0): "a non-negative number"}
+            what = names.get((self.kind, self.low), f"at least {self.low:g}")
             raise ConfigError(f"{where} must be {what}, got {value!r}")
         if self.choices and value not in self.choices:
             raise ConfigError(f"{where} {value!r}: choose one of {', '.join(self.choices)}")
