@@ -1,4 +1,6 @@
-"""The Hugging Face GPT-2-family folders this peer holds (`dtfm-peer join --model-dir DIR`), by
+"""What a peer trains from besides its preset: the data set it was started with, tokenized by
+a Hugging Face tokenizer where it names one (`load_peer_corpus`), and the Hugging Face
+GPT-2-family folders it holds (`dtfm-peer join --model-dir DIR`), by
 digest: a run started with `train start --init-from DIR` names its folder by `hf_digest` (its
 config.json and weights) and trains the model of that shape under the preset name
 `hf_preset(digest)`; every peer of the run must hold a copy of the same folder, found here, and
@@ -16,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtfm.train import GPTSpec
+from dtfm.train import Corpus, GPTSpec
 
 from dtfm.net import ProtocolError
 
@@ -24,7 +26,7 @@ from .allocation import Allocation
 from .coordinator.request import HF_PRESET_PREFIX, hf_preset
 from .operator import SignedOp
 
-__all__ = ["HeldModel", "load_held_models", "model_refusal", "start_model"]
+__all__ = ["HeldModel", "load_held_models", "load_peer_corpus", "model_refusal", "start_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +39,19 @@ class HeldModel:
     path: Path
     digest: str
     spec: GPTSpec
+
+
+def load_peer_corpus(data_path: str | None, tokenizer_path: str | None) -> Corpus:
+    """The data set at `data_path` (`join --data`; None: the standard library's source): text
+    tokenized as bytes, or by the tokenizer of the folder at `tokenizer_path` (`--tokenizer`: a
+    model folder's tokenizer, or tokenizer files alone), or a token file as it is. Blocking;
+    ValueError (TokenizerError, HFError) names what is wrong."""
+    from dtfm.train import load_corpus, load_tokenizer, model_tokenizer  # (torch: only for training)
+    if tokenizer_path is None:
+        return load_corpus(data_path)
+    folder = Path(tokenizer_path)
+    tokenizer = model_tokenizer(folder) if (folder / "config.json").is_file() else load_tokenizer(folder)
+    return load_corpus(data_path, tokenizer=tokenizer)
 
 
 def load_held_models(paths: Sequence[str]) -> dict[str, HeldModel]:

@@ -95,7 +95,7 @@ from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .events import Reconfiguration
 from .messages import ControlMsg
-from .models import HeldModel, load_held_models, model_refusal
+from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
 from .operator import OperatorError, SignedOp, check_op
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
 from .refusals import merge_counts
@@ -521,14 +521,22 @@ class ControlPlane:
             return self._corpus
 
     def _load_corpus(self) -> Corpus:
-        """The data set: bytes of the text, its tokens by the `--tokenizer` folder's tokenizer,
-        or a token file as it is."""
         if self.config.tokenizer_path is None:
             return load_corpus(self.config.data_path)
-        from dtfm.train import load_tokenizer, model_tokenizer
-        folder = Path(self.config.tokenizer_path)
-        tokenizer = model_tokenizer(folder) if (folder / "config.json").is_file() else load_tokenizer(folder)
-        return load_corpus(self.config.data_path, tokenizer=tokenizer)
+        return load_peer_corpus(self.config.data_path, self.config.tokenizer_path)
+
+    def _export_tokenizer(self, spec: GPTSpec) -> Path | None:
+        """The tokenizer an export of a run of `spec` carries: the one this peer's text data was
+        tokenized with (`--tokenizer`); for token files, the model folder's the run started
+        from, if it has one; else None (bytes)."""
+        if self.config.tokenizer_path is not None:
+            return Path(self.config.tokenizer_path)
+        held = (self._models or {}).get(spec.name)
+        data = self.config.data_path
+        if held is not None and data is not None and data.endswith(".bin") and any(
+                (held.path / n).is_file() for n in ("tokenizer.json", "vocab.json")):
+            return held.path
+        return None
 
     async def models(self) -> dict[str, HeldModel]:
         """The model folders this peer holds (`join --model-dir`), by preset name, hashed once."""
@@ -946,7 +954,7 @@ class ControlPlane:
                 signed, op.run_id, out_dir, me=self.me, peers=set(self.gossip.live_peers()) | {self.me},
                 ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=self.stages,
                 transport=self.transport, address_of=self._address_of, timeout_s=self.config.accept_timeout_s,
-                progress=progress, overwrite=overwrite)
+                progress=progress, overwrite=overwrite, tokenizer_for=self._export_tokenizer)
         except ExportError as e:
             progress.phase = "failed"
             raise TrainError(str(e)) from None

@@ -233,3 +233,24 @@ def test_a_stage_built_from_a_folder_holds_its_layers_of_the_folder(gpt2_folder,
     with pytest.raises(ValueError, match="holds model"):
         hf_stage_state(gpt2_folder, TrainConfig(), (0, 4), spec=PRESETS["tiny"])
 
+
+
+def test_a_peer_tokenizes_its_text_with_the_tokenizer_it_was_given_and_reads_token_files_as_they_are(tmp_path):
+    from dtfm.control.models import load_peer_corpus
+    from dtfm.train import load_token_file, load_tokenizer, write_token_file
+    from dtfm.train.tokenizer import write_byte_tokenizer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("def f(x):\n    return x + 1\n" * 20)
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    write_byte_tokenizer(tok_dir)
+    by_bytes = load_peer_corpus(str(text), None)
+    tokenized = load_peer_corpus(str(text), str(tok_dir))
+    assert tokenized.tokens.tolist() == load_tokenizer(tok_dir).encode(text.read_text()).tolist()
+    assert tokenized.name.startswith(str(text)) and tokenized.name != by_bytes.name
+    ids = (tokenized.tokens.astype("uint32") * 7) % 50257  # a GPT-2-sized vocabulary
+    path = write_token_file(tmp_path / "train.uint32.bin", ids, "uint32")
+    from_file = load_peer_corpus(str(path), None)
+    assert from_file.fingerprint == load_token_file(path).fingerprint != tokenized.fingerprint
+    assert from_file.tokens.tolist() == ids.tolist()
