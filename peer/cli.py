@@ -53,6 +53,8 @@ from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, 
 from .status import format_duration, format_text, to_json
 
 PROG = "dtfm-peer"
+# The signed start's names of the training knobs (TrainConfig fields), for the start's summary.
+TRAIN_KNOBS = frozenset(RUN_SPEC_KEYS[k].arg or k for k in KNOB_FLAGS)
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
                ListenError, ControlSocketError)
 
@@ -675,6 +677,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"training {model} for {reply['steps']} steps as {reply['stages']} stages x {reply['dp']} "
           f"pipelines; predicted {reply['predicted_iteration_s']:.3f} s per step"
           + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+    knobs = {k: v for k, v in request.items() if k in TRAIN_KNOBS}
+    if knobs:
+        print("  training config: " + ", ".join(f"{k} {v}" for k, v in knobs.items()))
     for d, pipe in enumerate(reply["pipelines"]):
         print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
     if reply["spares"]:
