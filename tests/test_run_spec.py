@@ -16,6 +16,7 @@ from machine_trace import CFG, OPERATOR, OPERATORS, RUN, alloc, start_op
 from dtfm.control import (
     KNOBS,
     OperatorOp,
+    SignedOp,
     TrainError,
     TrainRequest,
     check_operator_start,
@@ -254,3 +255,42 @@ def test_a_peer_tokenizes_its_text_with_the_tokenizer_it_was_given_and_reads_tok
     from_file = load_peer_corpus(str(path), None)
     assert from_file.fingerprint == load_token_file(path).fingerprint != tokenized.fingerprint
     assert from_file.tokens.tolist() == ids.tolist()
+
+
+def test_train_start_signs_the_knobs_of_its_flags_and_spec_and_the_model_folder_by_digest(tmp_path, monkeypatch,
+                                                                                           capsys, gpt2_folder):
+    # What `dtfm-peer train start` hands its daemon: the operator's signed start, whose arguments
+    # are the run spec's keys with the flags over them, and the model folder's digest, not its path.
+    from dtfm.net import OperatorKey
+
+    key = OperatorKey.create(tmp_path / "op.key")
+    sent: list[dict] = []
+
+    class Daemon:
+        def __init__(self, *args, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def request(self, op, body):
+            if op == "train_info":
+                return {"operators": [key.public_key.hex()], "data_hash": DATA, "data_name": "d"}
+            sent.append(body)
+            return {"steps": 7, "stages": 2, "dp": 1, "predicted_iteration_s": 1.0, "pipelines": [["ab" * 32] * 2],
+                    "spares": [], "log": "x", "model": "hf-x"}
+
+    monkeypatch.setattr(peer_cli, "ControlClient", Daemon)
+    spec = tmp_path / "run.toml"
+    spec.write_text(f'init_from = "{gpt2_folder}"\nsteps = 7\nlr = 0.01\nbatch = 8\nwire_dtype = "float16"\n')
+    assert peer_cli.main(["train", "start", "--data-dir", str(tmp_path), "--operator-key", str(tmp_path / "op.key"),
+                          "--spec", str(spec), "--lr", "0.02", "--micro-batches", "2"]) == 0
+    op = SignedOp.from_wire(sent[0]["op"]).open()
+    req = op.request()
+    assert str(gpt2_folder) not in repr(op.args) and req.init_from == hf_digest(gpt2_folder)
+    assert req.preset == hf_preset(req.init_from) and req.steps == 7 and req.init_name == "gpt2-test"
+    assert req.config == TrainConfig(lr=0.02, global_batch_seqs=8, micro_batches=2, wire_dtype="float16")
+    assert "training config: lr 0.02, global_batch_seqs 8, micro_batches 2, wire_dtype float16" in capsys.readouterr().out
