@@ -56,8 +56,9 @@ def load_peer_corpus(data_path: str | None, tokenizer_path: str | None) -> Corpu
 
 def load_held_models(paths: Sequence[str]) -> dict[str, HeldModel]:
     """The folders at `paths` by preset name (`hf_preset(digest)`): each folder's weights are
-    hashed whole (blocking: call it in a thread). ValueError names a folder that is not a
-    GPT-2-family model dtfm computes."""
+    hashed whole (blocking: call it in a thread). A folder that is no GPT-2-family model dtfm
+    computes is left out with an error in the log (runs of presets go on; a run naming it is
+    refused with the folders this peer holds)."""
     from dtfm.train import HFError, hf_digest, load_hf_spec  # (torch: only where a folder is named)
 
     out: dict[str, HeldModel] = {}
@@ -67,7 +68,8 @@ def load_held_models(paths: Sequence[str]) -> dict[str, HeldModel]:
             spec = load_hf_spec(path)
             digest = hf_digest(path)
         except HFError as e:
-            raise ValueError(f"model folder {path}: {e}") from None
+            logger.error("model folder %s is left out: %s", path, e)
+            continue
         name = hf_preset(digest)
         out[name] = HeldModel(path, digest, dataclasses.replace(spec, name=name))
         logger.info("model folder %s: %s, sha256 %s", path, name, digest[:12])

@@ -521,7 +521,7 @@ class ControlPlane:
             return self._corpus
 
     def _load_corpus(self) -> Corpus:
-        if self.config.tokenizer_path is None:
+        if self.config.tokenizer_path is None:  # (this module's load_corpus: the one the shell tests watch)
             return load_corpus(self.config.data_path)
         return load_peer_corpus(self.config.data_path, self.config.tokenizer_path)
 
@@ -542,10 +542,7 @@ class ControlPlane:
         """The model folders this peer holds (`join --model-dir`), by preset name, hashed once."""
         async with self._models_lock:
             if self._models is None:
-                try:
-                    self._models = await trio.to_thread.run_sync(load_held_models, self.config.model_paths)
-                except ValueError as e:
-                    raise TrainError(str(e)) from None
+                self._models = await trio.to_thread.run_sync(load_held_models, self.config.model_paths)
             return self._models
 
     # ---- message handlers ---------------------------------------------------------------------
