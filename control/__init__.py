@@ -22,11 +22,11 @@ if TYPE_CHECKING:
                              SignedAllocation,
                              check_allocation,
     )
-    from .coordinator.request import PLACEMENTS, TrainError, TrainRequest
+    from .coordinator.request import HF_PRESET_PREFIX, KNOBS, PLACEMENTS, TrainError, TrainRequest, hf_preset
     from .coordinator.reshape import ReshapePlan, reshape
     from .epoch.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
     from .coordinator.schedule import Placement, choose_shape, random_shape, sched_spec
-    from .config import PlaneConfig
+    from .config import DEVICE_RE, PlaneConfig
     from .dataplane import CommConfig, TensorRouter, TransportComm
     from .election import (
                              BecameCoordinator,
@@ -92,6 +92,10 @@ __all__ = [
                          "PeerRunState",
                          "Placement",
                          "PlaneConfig",
+                         "DEVICE_RE",
+                         "HF_PRESET_PREFIX",
+                         "KNOBS",
+                         "hf_preset",
                          "Persist",
                          "PreVote",
                          "PreVoteReply",
@@ -139,11 +143,11 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
         "ALLOCATION_DOMAIN", "MAX_ALLOCATION_BYTES", "REFUSAL_CODES", "AcceptContext", "Allocation",
         "Holding", "Refusal", "SignedAllocation", "check_allocation",
     ),
-    ".coordinator.request": ("PLACEMENTS", "TrainError", "TrainRequest"),
+    ".coordinator.request": ("HF_PRESET_PREFIX", "KNOBS", "PLACEMENTS", "TrainError", "TrainRequest", "hf_preset"),
     ".coordinator.reshape": ("ReshapePlan", "reshape"),
     ".epoch.runstate": ("PeerRunState", "ResumeError", "ResumePoint", "resume_point"),
     ".coordinator.schedule": ("Placement", "choose_shape", "random_shape", "sched_spec"),
-    ".config": ("PlaneConfig",),
+    ".config": ("DEVICE_RE", "PlaneConfig"),
     ".dataplane": ("CommConfig", "TensorRouter", "TransportComm"),
     ".election": (
         "BecameCoordinator", "Certificate", "CoordinatorKnown", "ElectionAction", "ElectionConfig", "ElectionMessage",

@@ -7,13 +7,16 @@ in docs/control.md. The daemon embeds this class as its `[plane]` table (dtfm.pe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dataplane import CommConfig
 from .election import ElectionConfig
 
-__all__ = ["PlaneConfig"]
+__all__ = ["DEVICE_RE", "PlaneConfig"]
+
+DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")  # the devices a stage may be built on
 
 
 @dataclass(frozen=True)
@@ -36,8 +39,15 @@ class PlaneConfig:
     # Scheduler time when `train start` picks the shape, and for each reconfiguration: more
     # searches further, and every reconfiguration waits for it.
     schedule_time_s: float = 3.0
-    # Torch data set of this peer (`--data`); None: the standard library's source.
+    # Torch data set of this peer (`--data`): a text file or folder, or a token file (`.bin`);
+    # None: the standard library's source.
     data_path: str | None = None
+    # The folder whose Hugging Face tokenizer tokenizes text data (`--tokenizer`); None: bytes.
+    tokenizer_path: str | None = None
+    # Hugging Face GPT-2-family folders a run may start from (`--model-dir`), found by digest.
+    model_paths: tuple[str, ...] = ()
+    # The torch device the stage is built and trained on: "cpu", "cuda" or "cuda:N".
+    device: str = "cpu"
     # The coordinator election's timings.
     election: ElectionConfig = field(default_factory=ElectionConfig.wan)
     # Flow control of tensor traffic between the stages; every peer of a swarm uses the same.
@@ -120,6 +130,8 @@ class PlaneConfig:
     link_retest_s: float = 2.0
 
     def __post_init__(self) -> None:
+        if type(self.device) is not str or not DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if type(self.torch_threads) is not int or self.torch_threads < 1:
             raise ValueError(f"torch_threads must be an integer >= 1, got {self.torch_threads!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:

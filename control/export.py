@@ -186,9 +186,11 @@ Ask = Callable[[Iterable[bytes], dict, float], Awaitable[dict[bytes, dict]]]
 async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: bytes, peers: Iterable[bytes], ask: Ask,
                      stages: StageHost, transport: PeerTransport,
                      address_of: Callable[[bytes], tuple[str, int] | None], timeout_s: float,
-                     progress: ExportProgress, overwrite: bool = False) -> dict:
+                     progress: ExportProgress, overwrite: bool = False,
+                     tokenizer_for: Callable[[GPTSpec], Path | None] = lambda spec: None) -> dict:
     """Gather run `run_id` from `peers` (RUN_STATE `export` through `ask`) and write it to
-    `out_dir` as a Hugging Face folder; the summary. ExportError with the reason."""
+    `out_dir` as a Hugging Face folder, with the tokenizer files of `tokenizer_for(the run's
+    model)` (None: the byte tokenizer); the summary. ExportError with the reason."""
     from dtfm.train import export_hf  # (torch-heavy; only here)
 
     name = run_id.hex()[:8]
@@ -260,7 +262,7 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
     progress.phase = "writing"
 
     def write() -> Path:
-        return export_hf(spec, parts, out_dir, overwrite=overwrite)
+        return export_hf(spec, parts, out_dir, overwrite=overwrite, tokenizer_from=tokenizer_for(spec))
 
     try:
         path = await trio.to_thread.run_sync(write)

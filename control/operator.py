@@ -42,7 +42,7 @@ from dtfm.net import (
 )
 
 from .allocation import RUN_ID_BYTES, Allocation, Refusal
-from .coordinator.request import TrainError, TrainRequest
+from .coordinator.request import KNOBS, TrainError, TrainRequest
 
 __all__ = [
     "MAX_OP_BYTES", "OPERATOR_DOMAIN", "OP_KINDS", "OperatorError", "OperatorOp", "SignedOp", "check_op",
@@ -53,12 +53,12 @@ OPERATOR_DOMAIN = b"dtfm-operator-op-v1\x00"  # prefixed to the body before sign
 OP_FORMAT = 1
 OP_KINDS = ("start", "stop", "reschedule", "resume", "export")
 MAX_OP_BYTES = 4096  # a signed operation, as the allocation and TRAIN_OP carry it
-MAX_ARGS = 16
+MAX_ARGS = 32
 MAX_TIME_MS = 2**53
 SIGNATURE_BYTES = 64
 # The arguments a signed start may carry (TrainRequest.to_args): nothing else, no path.
 START_KEYS = frozenset({"preset", "steps", "seed", "stages", "dp", "checkpoint_every", "placement", "data_hash",
-                        "data_name", "min_peers", "wait_s", "compress"})
+                        "data_name", "min_peers", "wait_s", "compress", "init_from", "init_name", *KNOBS})
 
 
 class OperatorError(Exception):
@@ -247,7 +247,8 @@ def check_time(op: OperatorOp, now_s: float, skew_s: float, *, extra_s: float = 
 
 def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Refusal | None:
     """None if `alloc` carries its run's start signed by one of `operators`, for its run, data,
-    preset, steps, seed, checkpoints and compression; else why not (code `no-operator`)."""
+    preset (a model folder's by its digest), steps, seed, training knobs, checkpoints and
+    compression; else why not (code `no-operator`)."""
     if not alloc.operator_start:
         return Refusal("no-operator", "the allocation carries no operator's signed start: only an operator "
                                       "of the swarm starts a run")
@@ -263,6 +264,7 @@ def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Re
     diffs = [name for name, asked, got in (
         ("data", req.data_hash, alloc.data_hash), ("preset", req.preset, alloc.preset),
         ("steps", req.steps, alloc.end_step), ("seed", req.seed, alloc.train.seed),
+        *((k, getattr(req.config, k), getattr(alloc.train, k)) for k in KNOBS),
         ("checkpoint_every", req.checkpoint_every, alloc.checkpoint_every),
         ("compression", req.compression, alloc.compression)) if asked != got]
     if diffs:

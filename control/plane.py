@@ -95,6 +95,7 @@ from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .events import Reconfiguration
 from .messages import ControlMsg
+from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
 from .operator import OperatorError, SignedOp, check_op
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
 from .refusals import merge_counts
@@ -209,8 +210,11 @@ class ControlPlane:
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
         self._corpus_lock = trio.Lock()
+        self._models: dict[str, HeldModel] | None = None  # the model folders it holds (`join --model-dir`)
+        self._models_lock = trio.Lock()
         self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
-                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now)
+                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
+                                models=self.models)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -525,10 +529,35 @@ class ControlPlane:
         async with self._corpus_lock:
             if self._corpus is None:
                 try:
-                    self._corpus = await trio.to_thread.run_sync(load_corpus, self.config.data_path)
+                    self._corpus = await trio.to_thread.run_sync(self._load_corpus)
                 except ValueError as e:
                     raise TrainError(str(e)) from None
             return self._corpus
+
+    def _load_corpus(self) -> Corpus:
+        if self.config.tokenizer_path is None:  # (this module's load_corpus: the one the shell tests watch)
+            return load_corpus(self.config.data_path)
+        return load_peer_corpus(self.config.data_path, self.config.tokenizer_path)
+
+    def _export_tokenizer(self, spec: GPTSpec) -> Path | None:
+        """The tokenizer an export of a run of `spec` carries: the one this peer's text data was
+        tokenized with (`--tokenizer`); for token files, the model folder's the run started
+        from, if it has one; else None (bytes)."""
+        if self.config.tokenizer_path is not None:
+            return Path(self.config.tokenizer_path)
+        held = (self._models or {}).get(spec.name)
+        data = self.config.data_path
+        if held is not None and data is not None and data.endswith(".bin") and any(
+                (held.path / n).is_file() for n in ("tokenizer.json", "vocab.json")):
+            return held.path
+        return None
+
+    async def models(self) -> dict[str, HeldModel]:
+        """The model folders this peer holds (`join --model-dir`), by preset name, hashed once."""
+        async with self._models_lock:
+            if self._models is None:
+                self._models = await trio.to_thread.run_sync(load_held_models, self.config.model_paths)
+            return self._models
 
     # ---- message handlers ---------------------------------------------------------------------
 
@@ -548,12 +577,14 @@ class ControlPlane:
         corpus = corpus or self._corpus
         assert corpus is not None
         live = frozenset(self.gossip.live_peers()) | {self.me}
-        return AcceptContext(me=self.me, live=live, known_presets=PRESETS, data_hash=corpus.fingerprint,
+        known = {**PRESETS, **{name: m.spec for name, m in (self._models or {}).items()}}
+        return AcceptContext(me=self.me, live=live, known_presets=known, data_hash=corpus.fingerprint,
                              data_name=corpus.name, known=frozenset(m.peer_id for m in self.gossip.members()))
 
     async def accept(self, alloc: Allocation, certificate: Certificate | None = None) -> dict:
         """Check, get the stage, connect the neighbours; the answer goes to the coordinator."""
         corpus = await self.corpus()
+        await self.models()
         key = self._key("allocation")
         reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus),
                                                            certificate=certificate))
@@ -725,15 +756,21 @@ class ControlPlane:
         if refusal is not None:
             raise TrainError(refusal)
         corpus = await self.corpus()
-        req.check_data(corpus)
-        alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name)
+        models = await self.models()
+        refusal = model_refusal(req.preset, req.init_from, req.init_name, models)
+        if refusal is not None:
+            raise TrainError(refusal)
+        model = models[req.preset].spec if req.init_from is not None else None
+        req.check_data(corpus, model)
+        alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name, model)
         return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,
                 "dp": alloc.dp, "coordinator": self.me.hex(),
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
                 "steps": req.steps, "data": corpus.name, "log": str(self.run_log_path(alloc.run_id.hex())),
-                "compression": alloc.compression.to_spec()}
+                "compression": alloc.compression.to_spec(), "model": alloc.preset,
+                "train": alloc.train.to_dict(), "init_from": req.init_from}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,
@@ -928,7 +965,7 @@ class ControlPlane:
                 signed, op.run_id, out_dir, me=self.me, peers=set(self.gossip.live_peers()) | {self.me},
                 ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=self.stages,
                 transport=self.transport, address_of=self._address_of, timeout_s=self.config.accept_timeout_s,
-                progress=progress, overwrite=overwrite)
+                progress=progress, overwrite=overwrite, tokenizer_for=self._export_tokenizer)
         except ExportError as e:
             progress.phase = "failed"
             raise TrainError(str(e)) from None

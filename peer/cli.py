@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from dtfm.control import PLACEMENTS
+from dtfm.train import PRESETS
 from dtfm.net import (
     IDENTITY_FILE,
     Identity,
@@ -49,9 +49,12 @@ from .paths import DataDir, DataDirError, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
+from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, start_request
 from .status import format_bytes, format_status_text, to_json
 
 PROG = "dtfm-peer"
+# The signed start's names of the training knobs (TrainConfig fields), for the start's summary.
+TRAIN_KNOBS = frozenset(RUN_SPEC_KEYS[k].arg or k for k in KNOB_FLAGS)
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
                ListenError, ControlSocketError)
 
@@ -195,30 +198,45 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_dir(t)
     _add_operator_key(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    t.add_argument("--preset", default="tiny", help="model preset (default: %(default)s)")
-    t.add_argument("--steps", type=_positive_int, default=100, help="steps to train (default: %(default)s)")
-    t.add_argument("--seed", type=_non_negative_int, default=0,
+    t.set_defaults(subparser=t)  # a bad run spec is a usage error (exit 2)
+    t.add_argument("--spec", type=Path, default=None, metavar="FILE",
+                   help="a run spec: a TOML file whose keys are these flags' names with underscores "
+                        "(preset, steps, lr, batch, ...; docs/train.md); a flag given here wins over its key")
+    t.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="model preset (default: tiny)")
+    t.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                   help="start from the weights of a Hugging Face GPT-2-family folder (config.json, "
+                        "model.safetensors; its shape replaces --preset); the start names it by digest and "
+                        "every peer must hold a copy (`join --model-dir DIR`)")
+    t.add_argument("--steps", type=_spec_arg("steps"), default=None, help="steps to train (default: 100)")
+    t.add_argument("--seed", type=_spec_arg("seed"), default=None,
                    help="seeds the weights and the data order; the same seed gives the same losses "
-                        "whatever the shape (default: %(default)s)")
-    t.add_argument("--stages", type=_stages, default="auto", metavar="S|auto",
-                   help="pipeline stages; auto lets the scheduler pick the shape (default: %(default)s)")
-    t.add_argument("--dp", type=_positive_int, default=None, metavar="D",
+                        "whatever the shape (default: 0)")
+    t.add_argument("--stages", type=_stages, default=None, metavar="S|auto",
+                   help="pipeline stages; auto lets the scheduler pick the shape (default: auto)")
+    t.add_argument("--dp", type=_spec_arg("dp"), default=None, metavar="D",
                    help="data-parallel pipelines (with --stages S; default: as many as the live peers fill)")
-    t.add_argument("--checkpoint-every", type=_non_negative_int, default=None, metavar="K",
+    t.add_argument("--checkpoint-every", type=_spec_arg("checkpoint_every"), default=None, metavar="K",
                    help="every peer saves its stage in its data dir every K steps, and where the run "
                         "ends (its last step or `train stop`); 0: only there (default: 20)")
-    t.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
+    t.add_argument("--placement", choices=PLACEMENT_CHOICES, default=None,
                    help="who runs what: the DT-FM scheduler on the measured view, or a random "
-                        "allocation of the --stages x --dp shape, as a baseline (default: %(default)s)")
+                        "allocation of the --stages x --dp shape, as a baseline (default: scheduler)")
     t.add_argument("--compress", type=compression_arg, default=None, metavar="NAME[,FIELD=VALUE...]",
                    help="compress activations and/or data-parallel synchronisation: a preset (exact, "
                         "pp-int8, pp-int4, cocktail, diloco, slow-link) with fields of its config changed "
                         "after commas, e.g. diloco,inner_steps=8; slow-link is the choice for slow links "
                         "(docs/compression.md) (default: exact, the 1e-5 oracle's full-width tensors)")
-    t.add_argument("--min-peers", type=_positive_int, default=1, metavar="N",
+    t.add_argument("--min-peers", type=_spec_arg("min_peers"), default=None, metavar="N",
                    help="wait until N peers (this one included) are live and their links measured, "
                         "then form the first configuration and schedule them; gives up after "
-                        "--timeout (default: %(default)s, start at once)")
+                        "--timeout (default: 1, start at once)")
+    knobs = t.add_argument_group("training config (dtfm.train.TrainConfig; every peer applies the same)")
+    for key, text in KNOB_FLAGS.items():
+        k = RUN_SPEC_KEYS[key]
+        knobs.add_argument("--" + key.replace("_", "-"), type=_spec_arg(key), default=None,
+                           choices=k.choices or None, metavar=None if k.choices else ("N" if k.kind is int else "X"),
+                           help=f"{text} (default: {k.default})")
     t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
                    help="how long to wait for --min-peers and for every peer to accept "
                         "(default: %(default)s)")
@@ -340,6 +358,24 @@ def compression_arg(text: str) -> str:
         return parse_compression(text).to_spec()
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _spec_arg(key: str):
+    """An argparse type for the run spec key `key`: its type and range (peer/runspec.py)."""
+    spec = RUN_SPEC_KEYS[key]
+    flag = "--" + key.replace("_", "-")
+
+    def parse(text: str):
+        try:
+            value = spec.kind(text) if spec.kind in (int, float) else text
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if spec.kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        try:
+            return spec.check(flag, value, None)
+        except ConfigError as e:
+            raise argparse.ArgumentTypeError(str(e).removeprefix(flag + " ")) from None
+    return parse
 
 
 def _stages(text: str) -> int | str:
@@ -536,23 +572,17 @@ def cmd_train(args: argparse.Namespace) -> int:
             reply = c.request("train_stop", {"op": op.to_wire()})
         print(f"the run stops before step {reply['at_step']} ({reply['told']} peers told)", file=sys.stderr)
         return 0
-    stages = args.stages
-    if stages == "auto" and args.dp is not None:
-        raise CliError("--dp needs --stages S")
-    request: dict = {"preset": args.preset, "steps": args.steps, "seed": args.seed,
-                     "checkpoint_every": args.checkpoint_every, "placement": args.placement,
-                     "min_peers": args.min_peers, "wait_s": float(args.timeout) if args.min_peers > 1 else 0.0}
-    if stages != "auto":
-        request["stages"] = stages
-    if args.dp is not None:
-        request["dp"] = args.dp
-    if args.compress is not None and args.compress != "exact":
-        request["compress"] = args.compress
-    if args.min_peers > 1:
-        print(f"waiting for {args.min_peers} live, measured peers (at most {args.timeout:g} s; "
+    values, init = _start_values(args)
+    request = start_request(values)
+    min_peers = values["min_peers"]
+    request.update(min_peers=min_peers, wait_s=float(args.timeout) if min_peers > 1 else 0.0)
+    if init is not None:
+        request.update(init_from=init[0], init_name=init[1])
+    if min_peers > 1:
+        print(f"waiting for {min_peers} live, measured peers (at most {args.timeout:g} s; "
               "`dtfm-peer status` shows the count)", file=sys.stderr)
     # the scheduling and the hand-out after the wait get their own --timeout
-    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout * (2 if args.min_peers > 1 else 1))
+    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout * (2 if min_peers > 1 else 1))
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
         info = _train_info(c)
         key = _operator_key(args, info)
@@ -562,15 +592,46 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
-    print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x {reply['dp']} "
+    model = values["preset"] if init is None else f"{init[1]} ({reply.get('model', 'hf')})"
+    print(f"training {model} for {reply['steps']} steps as {reply['stages']} stages x {reply['dp']} "
           f"pipelines; predicted {reply['predicted_iteration_s']:.3f} s per step"
           + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+    knobs = {k: v for k, v in request.items() if k in TRAIN_KNOBS}
+    if knobs:
+        print("  training config: " + ", ".join(f"{k} {v}" for k, v in knobs.items()))
     for d, pipe in enumerate(reply["pipelines"]):
         print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
     if reply["spares"]:
         print("  spares: " + ", ".join(p[:8] for p in reply["spares"]))
     print(f"follow it: dtfm-peer train status --follow (on any daemon of the run); log: {reply['log']}")
     return 0
+
+
+def _start_values(args: argparse.Namespace) -> tuple[dict, tuple[str, str] | None]:
+    """The resolved run spec of `train start` (flags over --spec over defaults) and, for
+    --init-from, the model folder's (digest, name); a bad spec or folder exits 2."""
+    try:
+        spec = load_run_spec(args.spec) if args.spec is not None else {}
+        values = resolve({key: getattr(args, key, None) for key in RUN_SPEC_KEYS}, spec)
+        if values["stages"] == "auto" and values["dp"] is not None:
+            raise ConfigError("--dp (dp) needs --stages S (stages)")
+        if values["compress"] is not None:
+            values["compress"] = compression_arg(values["compress"])
+    except (ConfigError, argparse.ArgumentTypeError) as e:
+        args.subparser.error(str(e))  # exits 2, with the usage
+    init = None
+    if values["init_from"] is not None:
+        try:
+            init = init_folder(Path(values["init_from"]))
+        except ConfigError as e:
+            args.subparser.error(str(e))
+    from dtfm.control import TrainError, TrainRequest
+    try:  # the knobs' joint checks (TrainConfig's), before anything is signed
+        TrainRequest.from_args({**start_request(values), "data_hash": "0" * 64,
+                                **({"init_from": init[0]} if init else {})})
+    except TrainError as e:
+        args.subparser.error(str(e))
+    return values, init
 
 
 def _train_status(args: argparse.Namespace) -> int:
@@ -724,12 +785,29 @@ def cmd_join(args: argparse.Namespace) -> int:
     config = load_toml(args.config) if args.config else DaemonConfig.default()
     try:
         config = apply_flags(config, args)
+        check_device(config.plane.device)
     except ConfigError as e:
         args.subparser.error(str(e))  # exits 2, with the usage
     logs.configure(config.log.level, json_lines=config.log.json)
     from .runner import run_daemon  # the daemon's services load torch: only `join` pays for it
 
     return run_daemon(config)
+
+
+def check_device(device: str) -> None:
+    """ConfigError unless torch can build a stage on `device` here (cuda: a GPU torch sees)."""
+    if device == "cpu":
+        return
+    import torch  # (the daemon loads it anyway; only a GPU device pays for it here)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if count == 0:
+        raise ConfigError(f"plane.device (--device) {device}: torch sees no CUDA device on this machine "
+                          f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}): use --device cpu, "
+                          "or install a CUDA build of torch")
+    if index >= count:
+        raise ConfigError(f"plane.device (--device) {device}: torch sees {count} CUDA device(s), "
+                          f"cuda:0 to cuda:{count - 1}")
 
 
 def _leaf_errors(exc: BaseException) -> list[BaseException]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dtfm.control import ElectionConfig, PlaneConfig
+from dtfm.control import DEVICE_RE, ElectionConfig, PlaneConfig
 from dtfm.gossip import GossipConfig
 from dtfm.net import Address, EmulationConfig, TransportConfig
 
@@ -343,7 +343,7 @@ class PlaneSection:
         Flag("torch_threads", "--torch-threads", "torch threads of the stage worker", "N"),
     )
     # PlaneConfig fields that are no keys: the section sets them from its own fields.
-    EMBEDDED_SET_BY_SECTION: ClassVar[tuple[str, ...]] = ("data_path",)
+    EMBEDDED_SET_BY_SECTION: ClassVar[tuple[str, ...]] = ("data_path", "tokenizer_path", "model_paths", "device")
 
     # One of PlaneConfig's named profiles: its timings for a data centre, peers across
     # continents, or a test swarm on one machine (see dtfm.control.config).
@@ -357,9 +357,24 @@ class PlaneSection:
                                    flag="--election-profile", metavar="NAME")
     # Every peer of a run must hold the same content: the allocation carries its hash. Checked
     # here, so a daemon with a mistyped path does not start.
-    data: Path | None = option(None, "the text file or folder of text files this peer trains on; "
+    data: Path | None = option(None, "the text file or folder of text files this peer trains on, or a "
+                               "pre-tokenized token file (nanoGPT's train.bin: uint16, *.uint32.bin: uint32); "
                                "every peer of a run needs the same content (default: the Python "
                                "standard library's source)", flag="--data", metavar="PATH")
+    # Text data is tokenized as bytes unless a folder's Hugging Face tokenizer is named; the
+    # run's data hash is of the tokens, so every peer must tokenize alike.
+    tokenizer: Path | None = option(None, "tokenize the text --data with this Hugging Face folder's tokenizer "
+                                    "(tokenizer.json, or vocab.json and merges.txt) (default: bytes)",
+                                    flag="--tokenizer", metavar="DIR")
+    # Runs started with `train start --init-from` name their folder by digest; a peer holds it
+    # here or refuses the run.
+    model_dirs: tuple[Path, ...] = option((), "a Hugging Face GPT-2-family folder (config.json, "
+                                          "model.safetensors) a run may start from (`train start --init-from`); "
+                                          "every peer of such a run needs a copy; repeatable",
+                                          flag="--model-dir", metavar="DIR", repeat=True)
+    # Where the stage is built and trained; cuda needs a GPU torch sees (checked at `join`).
+    device: str = option("cpu", "torch device of this peer's stage: cpu, cuda or cuda:N", flag="--device",
+                         metavar="DEVICE")
     # PlaneConfig fields set in [plane], as sorted (name, value) pairs, nested ones as
     # "election.NAME" / "comm.NAME"; they win over the profile's values whichever layer (file
     # or flag) chose the profile.
@@ -375,6 +390,18 @@ class PlaneSection:
         if self.data is not None and not self.data.exists():
             raise ConfigError(f"plane.data (--data) {self.data}: no such file or folder; give the text "
                               f"file or folder of text files this peer trains on")
+        if self.tokenizer is not None and not self.tokenizer.is_dir():
+            raise ConfigError(f"plane.tokenizer (--tokenizer) {self.tokenizer}: no such folder; give a Hugging "
+                              "Face model or tokenizer folder")
+        if self.tokenizer is not None and self.data is not None and str(self.data).endswith(".bin"):
+            raise ConfigError(f"plane.tokenizer (--tokenizer): --data {self.data} is a token file, already "
+                              "tokenized: leave --tokenizer out")
+        for d in self.model_dirs:
+            if not (d / "config.json").is_file():
+                raise ConfigError(f"plane.model_dirs (--model-dir) {d}: no config.json there; give a Hugging "
+                                  "Face GPT-2-family folder (config.json, model.safetensors)")
+        if not DEVICE_RE.fullmatch(self.device):
+            raise ConfigError(f"plane.device (--device) {self.device!r}: choose cpu, cuda or cuda:N")
         try:
             self._resolve()
         except ValueError as e:
@@ -395,7 +422,9 @@ class PlaneSection:
         for outer, changes in nested.items():
             top[outer] = dataclasses.replace(getattr(base, outer), **changes)
         data = str(self.data) if self.data is not None else None
-        return dataclasses.replace(base, data_path=data, **top)
+        tokenizer = str(self.tokenizer) if self.tokenizer is not None else None
+        return dataclasses.replace(base, data_path=data, tokenizer_path=tokenizer,
+                                   model_paths=tuple(str(d) for d in self.model_dirs), device=self.device, **top)
 
     @property
     def settings(self) -> PlaneConfig:

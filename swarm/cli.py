@@ -28,7 +28,17 @@ from pathlib import Path
 
 from dtfm.control import PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
-from dtfm.peer import PLANE_PROFILES
+from dtfm.peer import (
+    KNOB_FLAGS,
+    PLANE_PROFILES,
+    RUN_SPEC_KEYS,
+    ConfigError,
+    init_folder,
+    load_run_spec,
+    resolve,
+    start_request,
+)
+from dtfm.train import PRESETS
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .proc import (
@@ -119,7 +129,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     ports = free_ports(n)
     state = SwarmState(scenario=scenario_ref, scenario_name=scenario.name,
                        time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale,
-                       emulated=not getattr(args, "no_emulation", False), plane_profile=args.plane_profile)
+                       emulated=not getattr(args, "no_emulation", False), plane_profile=args.plane_profile,
+                       model_dirs=[str(d.resolve()) for d in getattr(args, "model_dir", [])])
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -203,13 +214,31 @@ def compression_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def train_values(args: argparse.Namespace) -> dict:
+    """The run `train`/`up --train`/`demo` asks for, as `dtfm-peer train start` resolves it:
+    flags over the --spec file's keys over this command's defaults; ConfigError for a bad file,
+    a bad combination or a model folder dtfm cannot compute. Sets args.preset and args.steps."""
+    spec = load_run_spec(args.spec) if args.spec is not None else {}
+    flags = {key: getattr(args, key, None) for key in RUN_SPEC_KEYS}
+    values = resolve(flags, {"preset": DEMO_PRESET, "steps": args.default_steps, **spec})
+    if values["stages"] == "auto" and values["dp"] is not None:
+        raise ConfigError("--dp (dp) needs --stages S (stages)")
+    if values["compress"] is not None:
+        values["compress"] = compression_arg(values["compress"])
+    for key in KNOB_FLAGS:
+        RUN_SPEC_KEYS[key].check("--" + key.replace("_", "-"), values[key], None)
+    values["init"] = init_folder(Path(values["init_from"])) if values["init_from"] is not None else None
+    args.preset = values["preset"] if values["init"] is None else values["init"][1]
+    args.steps = values["steps"]
+    return values
+
+
 def _train_request(args: argparse.Namespace) -> dict:
-    if args.dp is not None and args.stages is None:
-        raise SwarmError("--dp needs --stages S")
-    return {"preset": args.preset, "steps": args.steps, "seed": args.seed,
-            "stages": args.stages if args.stages is not None else "auto", "dp": args.dp,
-            "checkpoint_every": args.checkpoint_every, "placement": args.placement,
-            "compress": args.compress if args.compress != "exact" else None}  # (None: left out, exact)
+    values = args.run_values
+    out = start_request(values)
+    if values["init"] is not None:
+        out.update(init_from=values["init"][0], init_name=values["init"][1])
+    return out
 
 
 def _train(state: SwarmState, args: argparse.Namespace) -> dict:
@@ -457,12 +486,19 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{LAN_ELECTION_MAX_RTT_MS:g} ms (default: %(default)s)")
 
     def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
-        p.add_argument("--preset", default=DEMO_PRESET, metavar="NAME",
-                       help="model preset of python -m dtfm.train (default: %(default)s)")
-        p.add_argument("--steps", type=POSITIVE_INT, default=steps, metavar="N",
-                       help="training steps (default: %(default)s)")
-        p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, metavar="N",
-                       help="same seed, same losses, whatever the shape (default: %(default)s)")
+        p.set_defaults(default_steps=steps, subparser=p)
+        p.add_argument("--spec", type=Path, default=None, metavar="FILE",
+                       help="a run spec TOML file, as `dtfm-peer train start --spec` reads it; a flag given "
+                            "here wins over its key")
+        p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                       help=f"model preset of python -m dtfm.train (default: {DEMO_PRESET})")
+        p.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                       help="start from a Hugging Face GPT-2-family folder instead of a preset; every peer "
+                            "must hold it (`up --model-dir DIR`)")
+        p.add_argument("--steps", type=POSITIVE_INT, default=None, metavar="N",
+                       help=f"training steps (default: {steps})")
+        p.add_argument("--seed", type=NON_NEGATIVE_INT, default=None, metavar="N",
+                       help="same seed, same losses, whatever the shape (default: 0)")
         p.add_argument("--stages", type=POSITIVE_INT, default=None, metavar="S",
                        help="pipeline stages (default: the scheduler picks the shape)")
         p.add_argument("--dp", type=POSITIVE_INT, default=None, metavar="D",
@@ -470,13 +506,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=None, metavar="K",
                        help="each peer saves its stage every K steps and where the run ends; 0: only "
                             "where it ends (default: 20)")
-        p.add_argument("--placement", choices=PLACEMENTS, default="scheduler",
+        p.add_argument("--placement", choices=PLACEMENTS, default=None,
                        help="the DT-FM scheduler's allocation, or a random one of the --stages x --dp "
-                            "shape as a baseline (default: %(default)s)")
+                            "shape as a baseline (default: scheduler)")
         p.add_argument("--compress", type=compression_arg, default=None, metavar="NAME[,FIELD=VALUE...]",
                        help="compression of activations and DP synchronisation, as `dtfm-peer train start "
                             "--compress` takes it, e.g. slow-link or diloco,inner_steps=8 (docs/compression.md; "
                             "default: exact)")
+        knobs = p.add_argument_group("training config, as `dtfm-peer train start` takes it")
+        for key, text in KNOB_FLAGS.items():
+            k = RUN_SPEC_KEYS[key]
+            knobs.add_argument("--" + key.replace("_", "-"), type=k.kind if k.kind in (int, float) else str,
+                               default=None, choices=k.choices or None,
+                               metavar=None if k.choices else ("N" if k.kind is int else "X"),
+                               help=f"{text} (default: {k.default})")
 
     def add_reuse_args(p: argparse.ArgumentParser) -> None:
         reuse = p.add_mutually_exclusive_group()
@@ -508,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "scenario only names their regions")
     p.add_argument("--train", action="store_true",
                    help="once every link is measured, start training on the swarm (see `train`)")
+    p.add_argument("--model-dir", type=Path, action="append", default=[], metavar="DIR",
+                   help="a Hugging Face GPT-2-family folder every peer may start a run from "
+                        "(`dtfm-peer join --model-dir`); repeatable")
     add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)
 
@@ -599,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(args, "default_steps"):  # a command that starts training: its run spec, checked now
+        try:
+            args.run_values = train_values(args)
+        except (ConfigError, argparse.ArgumentTypeError) as e:
+            args.subparser.error(str(e))  # exits 2, with the usage
     # SIGTERM unwinds like Ctrl-C, through the clean-up that stops the peers started here
     # (only the main thread may set a handler: a caller's thread keeps the default)
     main_thread = threading.current_thread() is threading.main_thread()

@@ -12,7 +12,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from dtfm.control import AcceptContext, Allocation, ControlMsg, Refusal, SignedAllocation, SignedOp, StepReport, sign_op
+from dtfm.control import KNOBS, AcceptContext, Allocation, ControlMsg, Refusal, SignedAllocation, SignedOp, StepReport, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
 from dtfm.control.coordinator import machine as c
 from dtfm.control.epoch import machine as e
@@ -28,13 +28,14 @@ from dtfm.control.epoch.machine import (
     WaitForCoordinator,
 )
 from dtfm.net import Identity, OperatorKey, short_id
-from dtfm.train import PRESETS, TEST_CONFIG
+from dtfm.train import PRESETS, TEST_CONFIG, TrainConfig
 
 KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 7)), key=lambda k: k.peer_id)
 N = [k.peer_id for k in KEYS]  # n0 .. n5
 NAMES = {p: f"n{i}" for i, p in enumerate(N)}
 RUN = b"r" * 16
 CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)
+CFG_KNOBS = {k: getattr(CFG, k) for k in KNOBS if getattr(CFG, k) != getattr(TrainConfig(), k)}
 DATA_HASH = "ab" * 32
 DATA_NAME = "corpus.txt"
 TINY = PRESETS["tiny"]  # 4 layers: two stages of two
@@ -45,15 +46,15 @@ INTRUDER = OperatorKey(b"\x08" * 32)  # a key the swarm does not name
 
 def start_op(run: bytes = RUN, *, steps: int = 100, seed: int = CFG.seed, checkpoint_every: int = 0,
              data_hash: str = DATA_HASH, at_s: float = 0.0, key: OperatorKey = OPERATOR, **args) -> SignedOp:
-    """The operator's signed start of `run` (tiny, by default what `alloc()` runs)."""
+    """The operator's signed start of `run` (tiny, by default what `alloc()` runs: CFG's knobs)."""
     request = {"preset": "tiny", "steps": steps, "seed": seed, "checkpoint_every": checkpoint_every,
-               "placement": "scheduler", "data_hash": data_hash, "data_name": DATA_NAME, **args}
+               "placement": "scheduler", "data_hash": data_hash, "data_name": DATA_NAME, **CFG_KNOBS, **args}
     return sign_op(key, "start", now_s=at_s, run_id=run, args=request)
 
 
 def alloc(**kw) -> Allocation:
     """Term 1 epoch 1 of RUN, issued by n0: pipelines [n0 n1] and [n2 n3], layers 0-2 and 2-4;
-    it carries the operator's start of its run (its steps, seed, checkpoints, data and compression)."""
+    it carries the operator's start of its run (its steps, seed, knobs, checkpoints, data and compression)."""
     fields: dict = {
         "epoch": 1, "term": 1, "issuer": N[0], "run_id": RUN, "pipelines": ((N[0], N[1]), (N[2], N[3])),
         "layer_ranges": ((0, 2), (2, 4)), "preset": "tiny", "model": TINY, "train": CFG, "data_hash": DATA_HASH,
@@ -61,11 +62,12 @@ def alloc(**kw) -> Allocation:
     fields |= kw
     if "operator_start" not in kw:
         comp = fields.get("compression")
+        knobs = {k: getattr(fields["train"], k) for k in KNOBS}
         fields["operator_start"] = start_op(fields["run_id"], steps=fields["end_step"], seed=fields["train"].seed,
                                             checkpoint_every=fields.get("checkpoint_every", 0),
                                             data_hash=fields["data_hash"],
-                                            **({"compress": comp.to_spec()} if comp and not comp.exact else {})
-                                            ).encode()
+                                            **({"compress": comp.to_spec()} if comp and not comp.exact else {}),
+                                            **knobs).encode()
     return Allocation(**fields)
 
 

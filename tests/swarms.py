@@ -31,11 +31,12 @@ def scratch_run_dir(prefix: str):
 
 
 @contextmanager
-def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeout_s: int = 240):
-    """`dtfm-swarm up` in a scratch run dir."""
+def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeout_s: int = 240,
+             extra: tuple[str, ...] = ()):
+    """`dtfm-swarm up` in a scratch run dir (`extra`: more `up` arguments)."""
     with scratch_run_dir(prefix) as d:
         assert swarm.main(["up", "--run-dir", str(d), "--scenario", scenario, "--peers", str(peers),
-                           "--timeout", str(timeout_s)]) == 0
+                           "--timeout", str(timeout_s), *extra]) == 0
         yield d
 
 

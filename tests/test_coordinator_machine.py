@@ -16,6 +16,7 @@ import itertools
 import math
 import random
 
+import msgpack
 import pytest
 from machine_trace import (
     CFG,
@@ -40,7 +41,8 @@ from machine_trace import (
     start_op,
 )
 
-from dtfm.control import ControlMsg, Placement, ReshapePlan, RunEnd, SignedAllocation, SignedOp, sign_op
+from dtfm.control import ControlMsg, Placement, ReshapePlan, RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
+from dtfm.train import PRESETS, TrainConfig
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply
 from dtfm.control.coordinator.machine import (
     Coordinator,
@@ -1577,3 +1579,41 @@ def test_status_of_a_paused_run_on_its_coordinator_says_paused_not_stopped():
     lines = format_training(st, now=6.0)
     assert lines[0].startswith("training  paused,")
     assert "          epoch 1 was cut short after step 1: peer n1 failed: connection lost" in lines
+
+
+# ---- training knobs and model folders ------------------------------------------------------------
+
+
+def _start_of(at_s: float, **args) -> SignedOp:
+    request = {"steps": 100, "seed": 0, "checkpoint_every": 0, "placement": "scheduler", "data_hash": DATA_HASH,
+               "data_name": DATA_NAME, **args}
+    return sign_op(OPERATOR, "start", now_s=at_s, run_id=RUN, args=request)
+
+
+def test_a_start_hands_out_its_training_knobs_and_the_model_folder_it_names():
+    # The allocation's TrainConfig is the start's knobs (TrainConfig's defaults for the rest), and
+    # a start from a model folder trains the shape the shell found in this peer's copy of it.
+    digest = "ef" * 32
+    spec = dataclasses.replace(PRESETS["tiny"], name=hf_preset(digest), bias=True, activation="gelu_tanh")
+    op = _start_of(0.0, init_from=digest, init_name="gpt2-test", lr=0.02, warmup_steps=3, global_batch_seqs=8,
+                   micro_batches=2, wire_dtype="bfloat16", weight_decay=0.0, grad_clip_norm=0.25)
+    n = Node()
+    n.planner.first = PLACEMENT
+    out = n.feed(StartRun(("op", "start"), op, DATA_HASH, DATA_NAME, spec), 0.0)
+    n.compute("first", 0.0)
+    alloc = SignedAllocation.from_wire(n.asks["alloc"].body).open()
+    assert alloc.preset == hf_preset(digest) and alloc.model == spec
+    assert alloc.train == TrainConfig(seed=0, lr=0.02, warmup_steps=3, global_batch_seqs=8, micro_batches=2,
+                                      wire_dtype="bfloat16", weight_decay=0.0, grad_clip_norm=0.25)
+    assert msgpack.unpackb(alloc.encode(), strict_map_key=False)[0] == 3  # the knobs ride in the train map
+    assert [label(a.key) for a in out] == ["first"]
+
+
+def test_a_start_from_a_model_folder_the_coordinator_does_not_hold_is_refused_before_any_work():
+    n = Node()
+    out = n.feed(StartRun(("op", "start"), _start_of(0.0, init_from="ef" * 32, init_name="gpt2-test"),
+                          DATA_HASH, DATA_NAME), 0.0)
+    assert _costly(out) == []
+    [reply] = out
+    assert "model folder 'gpt2-test' (sha256 efefefefefef), which the coordinator does not hold" in reply.error
+    assert "--model-dir" in reply.error

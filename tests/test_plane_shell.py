@@ -31,6 +31,7 @@ from dtfm.control import (
     TrainError,
     TrainRequest,
     manifest_digest,
+    KNOBS,
     sign_op,
 )
 from dtfm.control.election import config_digest, vote_payload
@@ -59,7 +60,8 @@ INTRUDER = OperatorKey(b"\x08" * 32)
 def start_op(key: OperatorKey = OPERATOR, run: bytes = RUN, steps: int = 10, **args) -> SignedOp:
     """The operator's start of `run`, signed now, on this test's corpus."""
     request = {"preset": "tiny", "steps": steps, "seed": CFG.seed, "checkpoint_every": 0, "placement": "scheduler",
-               "data_hash": CORPUS.fingerprint, "data_name": CORPUS.name, **args}
+               "data_hash": CORPUS.fingerprint, "data_name": CORPUS.name,
+               **{k: getattr(CFG, k) for k in KNOBS}, **args}
     return sign_op(key, "start", now_s=time.time(), run_id=run, args=request)
 
 

@@ -6,7 +6,8 @@ election or stop the run.
 The oracle is single-process training: every step's loss equals the reference within 1e-5,
 whatever the S x D shape, and at the end every DP group's replicas hold identical weights; so
 too across `train stop` and `train resume` (and `dtfm-peer export` of that run loads in
-transformers with dtfm's logits), and when the coordinator is SIGKILLed mid-run and restarted
+transformers with dtfm's logits; that run starts from a GPT-2 that transformers built and saved,
+with training knobs given as flags and in a run-spec file), and when the coordinator is SIGKILLed mid-run and restarted
 with its data dir (the swarm heals). A SIGKILLed training peer makes every other daemon stop its step, say why, and keep
 answering.
 """
@@ -38,9 +39,27 @@ N_PEERS = 8
 STEPS = 4
 
 
+# The run started from a Hugging Face folder, and its training knobs (float32 on the wire: the
+# 1e-5 oracle).
+HF_KNOBS = TrainConfig(seed=0, lr=3e-3, warmup_steps=2, global_batch_seqs=16, micro_batches=2, weight_decay=0.05,
+                       grad_clip_norm=0.5)
+
+
 @pytest.fixture(scope="module")
-def run_dir():
-    with swarm_up("dtfm-tr-", peers=N_PEERS) as d:
+def hf_model(tmp_path_factory):
+    """A small GPT-2 built and saved by transformers (its own initialisation; nothing downloaded)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("hf") / "gpt2-small-test"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4)).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def run_dir(hf_model):
+    with swarm_up("dtfm-tr-", peers=N_PEERS, extra=("--model-dir", str(hf_model))) as d:
         yield d
 
 
@@ -83,23 +102,49 @@ def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
     assert all(len(hashes) == 1 for hashes in groups.values()), groups
 
 
+@pytest.fixture(scope="module")
+def hf_reference(hf_model):
+    """Single-process training of the Hugging Face model with HF_KNOBS: the losses and the model."""
+    import torch
+
+    from dtfm.train import load_corpus, load_hf, reference_state, reference_step
+
+    spec, params = load_hf(hf_model)
+    state = reference_state(spec, HF_KNOBS)
+    with torch.no_grad():
+        for n, p in state.params.items():
+            p.copy_(params[n])
+    corpus = load_corpus()
+    return [reference_step(state, corpus) for _ in range(STEPS)], state
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transformers(run_dir, reference_run, tmp_path):
-    """2 x 4, `train stop` after the first step: every peer checkpoints its stage where the run
-    ends; `dtfm-peer train resume` continues the run (a new epoch of the same run) and every
-    step's loss is the single-process reference's, every DP group's replicas hold identical
-    weights at the end; `dtfm-peer export` on another peer gathers the
-    model from the peers into one folder that transformers loads with the logits of dtfm's
-    forward of the same weights (1e-5), which are the reference's after the run's steps."""
+def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transformers(run_dir, hf_model, hf_reference,
+                                                                                  tmp_path):
+    """2 x 4 of a GPT-2 that transformers built and saved (`--init-from`; every daemon holds the
+    folder, `join --model-dir`), with training knobs as flags and in a run spec (`--spec`), and
+    `train stop` after the first step: every peer checkpoints its stage where the run ends;
+    `dtfm-peer train resume` continues the run (a new epoch of the same run) and every step's
+    loss is the single-process reference's (the folder's weights, the same knobs), every DP
+    group's replicas hold identical weights at the end; `dtfm-peer export` on another peer
+    gathers the model from the peers into one folder that transformers loads with the logits of
+    dtfm's forward of the same weights (1e-5), which are the reference's after the run's steps."""
     import torch
     from transformers import GPT2LMHeadModel
 
     from dtfm.peer import cli as peer_cli
     from dtfm.train import GPTStage, load_hf
 
-    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4", "--steps", str(STEPS),
-                       "--checkpoint-every", "0"]) == 0
+    spec_file = tmp_path / "run.toml"
+    spec_file.write_text(f"steps = {STEPS}\nlr = {HF_KNOBS.lr!r}\nwarmup_steps = {HF_KNOBS.warmup_steps}\n"
+                         f"micro_batches = {HF_KNOBS.micro_batches}\nweight_decay = {HF_KNOBS.weight_decay!r}\n"
+                         "batch = 999\n")  # (the flag wins)
+    assert swarm.main(["train", "--run-dir", str(run_dir), "--spec", str(spec_file), "--init-from", str(hf_model),
+                       "--stages", "2", "--dp", "4", "--checkpoint-every", "0", "--batch",
+                       str(HF_KNOBS.global_batch_seqs), "--grad-clip", str(HF_KNOBS.grad_clip_norm)]) == 0
+    allocation = json.loads((run_dir / "run.json").read_text())["allocation"]
+    assert allocation["train"] == HF_KNOBS.to_dict() and allocation["model"].startswith("hf-")
     assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "300"]) == 0
     state = load_state(run_dir)
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
@@ -112,7 +157,7 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
         list(Path(p.data_dir, "checkpoints", run_id).glob(f"stage-*/step-{at:08d}.json")) for p in saved)
     assert peer_cli.main(["train", "resume", run_id[:8], "--data-dir", state.peers[1].data_dir]) == 0
     assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS - 1), "--timeout", "300"]) == 0
-    losses, ref = reference_run
+    losses, ref = hf_reference
     check_log(run_dir, losses)
     ends = wait_for("every peer to finish", lambda: (t := trainings(state)) and all(
         v.get("last_end", {}).get("reason") == "finished" for v in t.values()) and t, 60, interval_s=0.5)

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .reference import reference_state, reference_step
     from .sample import sample_text
-    from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, GPTSpec, TrainConfig, get_preset
+    from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, WIRE_DTYPES, GPTSpec, TrainConfig, get_preset
     from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
     from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
     from .worker import StageState, StepResult, check_compression, run_step
@@ -116,6 +116,7 @@ __all__ = [
     "StageState",
     "StepResult",
     "TrainConfig",
+    "WIRE_DTYPES",
     "TransferError",
     "TransferManifest",
     "TransferReceiver",
@@ -206,7 +207,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".plan": ("Plan",),
     ".reference": ("reference_state", "reference_step"),
     ".sample": ("sample_text",),
-    ".spec": ("ACTIVATIONS", "PRESETS", "TEST_CONFIG", "GPTSpec", "TrainConfig", "get_preset"),
+    ".spec": ("ACTIVATIONS", "PRESETS", "TEST_CONFIG", "WIRE_DTYPES", "GPTSpec", "TrainConfig", "get_preset"),
     ".tokenizer": (
         "ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer",
         "write_byte_tokenizer",

@@ -27,6 +27,7 @@ is the sha256 the coordinator hands out so that every peer checks it starts from
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -40,6 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .compress import CompressionConfig, StageCompression
 from .spec import GPTSpec, TrainConfig
 from .tokenizer import TOKENIZER_FILES, ByteTokenizer, Tokenizer, load_tokenizer, write_byte_tokenizer
 from .worker import StageState
@@ -378,7 +380,7 @@ def load_hf_stage(folder: str | os.PathLike, layer_range: tuple[int, int],
     _spec_from_config(cfg)
     weights = _Weights(folder)
     mine = _resolve_spec(folder, cfg, weights)
-    if spec is not None and spec != mine:
+    if spec is not None and dataclasses.replace(mine, name=spec.name) != spec:
         raise HFError(f"{folder} holds model {mine}, the run trains {spec}")
     try:
         return mine, _stage_tensors(mine, weights, layer_range)
@@ -389,21 +391,26 @@ def load_hf_stage(folder: str | os.PathLike, layer_range: tuple[int, int],
 
 
 def hf_stage_state(folder: str | os.PathLike, cfg: TrainConfig, layer_range: tuple[int, int],
-                   spec: GPTSpec | None = None, digest: str | None = None, device: str = "cpu") -> StageState:
+                   spec: GPTSpec | None = None, digest: str | None = None, device: str = "cpu",
+                   compression: CompressionConfig | None = None) -> StageState:
     """A fresh stage (step 0, zero optimizer moments) whose weights are the folder's.
 
     `digest`, when given, must equal `hf_digest(folder)`: the peers of a run check that they
-    start from the same files before any of them trains."""
+    start from the same files before any of them trains. `spec`, when given, must be the
+    folder's model but for its name (a swarm run names it by the folder's digest), and the
+    stage carries it. The compression state starts from the folder's weights."""
     if digest is not None:
         mine = hf_digest(folder)
         if mine != digest:
             raise HFError(f"{folder} has digest {mine[:12]}, the run starts from {digest[:12]}: "
                           "copy the same model folder to every peer")
-    spec, tensors = load_hf_stage(folder, layer_range, spec)
-    state = StageState(spec, cfg, layer_range, device)
+    found, tensors = load_hf_stage(folder, layer_range, spec)
+    state = StageState(spec or found, cfg, layer_range, device)
     with torch.no_grad():
         for n, p in state.params.items():
             p.copy_(tensors[n])
+    if compression is not None and not compression.exact:
+        state.compress = StageCompression(compression, state.params, layer_range[0])
     return state
 
 

@@ -431,6 +431,10 @@ def check_allocation(alloc: Allocation, ctx: AcceptContext) -> Refusal | None:
     if ctx.me not in named:
         return _refuse("not-member", f"this peer ({short_id(ctx.me)}) has neither a stage nor a spare place")
     spec = ctx.known_presets.get(alloc.preset)
+    if spec is None and alloc.preset.startswith("hf-"):  # (control/models.py: a model folder's digest)
+        return _refuse("unknown-preset", f"the run trains the model folder of digest {alloc.preset[3:]}..., which "
+                                         "this peer does not hold: copy the folder here and start the daemon "
+                                         "with `--model-dir DIR`")
     if spec is None:
         return _refuse("unknown-preset", f"this peer knows no model preset {alloc.preset!r} (it knows "
                                          f"{', '.join(sorted(ctx.known_presets))}): run the same dtfm version")

@@ -183,6 +183,9 @@ class StartRun:
     op: SignedOp | None
     data_hash: str
     data_name: str
+    # The run's model when it is no built-in preset: the shape of the Hugging Face folder the
+    # start names by digest (`init_from`), which this peer holds; None: the start's preset.
+    model: GPTSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +235,7 @@ class _Start:
     op: OperatorOp
     req: TrainRequest
     data_name: str
+    model: GPTSpec
 
 
 CoordinatorEvent = (Tick | Wake | Trigger | StepReported | StepFailed | Elected | SteppedDownEvent | StartRun
@@ -753,10 +757,16 @@ class Coordinator:
             refusal = (f"the start names data set {req.data_name[:100]!r} (sha256 {str(req.data_hash)[:12]}), the "
                        f"coordinator holds {ev.data_name[:100]!r} (sha256 {ev.data_hash[:12]}): every peer trains on "
                        "the data it was started with (`dtfm-peer join --data`); start them with the same content")
+        model = ev.model
+        if refusal is None and model is None and req.init_from is not None:
+            refusal = (f"the start names model folder {req.init_name[:100]!r} (sha256 {req.init_from[:12]}), which "
+                       "the coordinator does not hold: every peer needs a copy (`dtfm-peer join --model-dir DIR`)")
+        if refusal is None and model is not None and model.name != req.preset:
+            refusal = f"the coordinator's model {model.name!r} is not the start's {req.preset!r}"
         if refusal is not None:
             return [Reply(ev.key, error=refusal)]
         assert ev.op is not None
-        self._queue.append(_Start(ev.key, ev.op, op, req, ev.data_name))
+        self._queue.append(_Start(ev.key, ev.op, op, req, ev.data_name, model or get_preset(req.preset)))
         return []
 
     def start_refusal(self) -> str | None:
@@ -783,8 +793,7 @@ class Coordinator:
             return [Reply(start.key, error=refusal)]
         self._take_start(start.op, now, start.req.wait_s)
         req = start.req
-        spec = get_preset(req.preset)
-        cfg = req.train or TrainConfig(seed=req.seed)
+        spec, cfg = start.model, req.config
         view, regions = self.swarm.view(), self.swarm.regions()
         self._paused_live, self._attempts = None, 0
         proc = _Procedure(next(self._keys), "start", "train start", reply=start.key, t0=now)
@@ -808,7 +817,7 @@ class Coordinator:
         try:
             alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
                                pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=req.preset,
-                               model=get_preset(req.preset), train=req.train or TrainConfig(seed=req.seed),
+                               model=start.model, train=req.config,
                                data_hash=str(req.data_hash), data_name=start.data_name, start_step=0,
                                end_step=req.steps, checkpoint_every=req.checkpoint_every,
                                predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from dtfm.train import PRESETS, CompressionConfig, TrainConfig, parse_compression
+from dtfm.train import PRESETS, CompressionConfig, GPTSpec, TrainConfig, parse_compression
 
 if TYPE_CHECKING:  # (dtfm.train's Corpus loads torch: `dtfm-peer status` must not)
     from dtfm.train import Corpus
 
-__all__ = ["PLACEMENTS", "TrainError", "TrainRequest"]
+__all__ = ["HF_PRESET_PREFIX", "KNOBS", "PLACEMENTS", "TrainError", "TrainRequest", "hf_preset"]
 
 # How the issuer places peers: the DT-FM scheduler, or a uniformly random allocation of the same
 # shape (the baseline the scheduler is measured against).
@@ -25,6 +25,23 @@ PLACEMENTS = ("scheduler", "random")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 MAX_DATA_NAME_LEN = 256
 
+# The training knobs a start may set (TrainConfig fields, with their checks): each is in the
+# signed arguments only where it differs from TrainConfig's default, so a start that sets none
+# signs the same bytes as before the knobs existed. The seed is its own argument.
+KNOBS: dict[str, type] = {"lr": float, "warmup_steps": int, "global_batch_seqs": int, "micro_batches": int,
+                          "wire_dtype": str, "weight_decay": float, "grad_clip_norm": float}
+
+# A run started from a Hugging Face folder (`train start --init-from DIR`) names its model by the
+# folder's digest (train/hf.py `hf_digest`): its preset name is this prefix and the digest's first
+# 16 hex digits; the signed start carries the whole digest. Every peer must hold the same folder
+# (`dtfm-peer join --model-dir DIR`).
+HF_PRESET_PREFIX = "hf-"
+
+
+def hf_preset(digest: str) -> str:
+    """The preset name of the model in the folder of sha256 `digest`."""
+    return HF_PRESET_PREFIX + digest[:16]
+
 
 # Each stage is checkpointed every this many steps unless the operator says otherwise
 # (`--checkpoint-every K`; 0: only where the run ends). A crash then costs at most this many
@@ -32,6 +49,9 @@ MAX_DATA_NAME_LEN = 256
 # stays about 1% of the step time from the tiny preset (a few MB, steps of 0.1-0.5 s) to a
 # gpt3-xl stage (GBs, steps of tens of seconds). The end of a run is checkpointed whatever K is.
 DEFAULT_CHECKPOINT_EVERY = 20
+
+
+_A = {int: "an integer", float: "a number", str: "a string"}
 
 
 class TrainError(Exception):
@@ -57,6 +77,20 @@ class TrainRequest:
     # How the run compresses each axis (docs/compression.md); exact by default, and then the
     # signed arguments carry no "compress" key (an exact start signs the same bytes as before).
     compression: CompressionConfig = CompressionConfig()
+    # The sha256 (`hf_digest`) of the Hugging Face GPT-2 folder the run starts from, and what
+    # it is called, for messages; None: fresh weights of the preset.
+    init_from: str | None = None
+    init_name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.train is not None and self.train.seed != self.seed:
+            raise TrainError(f"the training config's seed {self.train.seed} is not the request's {self.seed}")
+
+    @property
+    def config(self) -> TrainConfig:
+        """The run's training configuration: the knobs asked for, TrainConfig's defaults for
+        the rest."""
+        return self.train or TrainConfig(seed=self.seed)
 
     @classmethod
     def from_args(cls, args: dict) -> TrainRequest:
@@ -67,9 +101,21 @@ class TrainRequest:
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise TrainError(f"{key} must be an integer in [{lo}, {hi}]")
             return v
-        preset = args.get("preset", "tiny")
-        if preset not in PRESETS:
-            raise TrainError(f"unknown preset {preset!r}: choose one of {', '.join(sorted(PRESETS))}")
+        init_from = args.get("init_from")
+        if init_from is not None and (type(init_from) is not str or not _SHA256_HEX.fullmatch(init_from)):
+            raise TrainError("init_from must be 64 lowercase hex digits (the sha256 of the model folder, hf_digest)")
+        init_name = args.get("init_name", "")
+        if type(init_name) is not str or len(init_name) > MAX_DATA_NAME_LEN:
+            raise TrainError(f"init_name must be a string of at most {MAX_DATA_NAME_LEN} characters")
+        if init_from is not None:
+            if "preset" in args:
+                raise TrainError("a start from a model folder (init_from) takes its shape from the folder: "
+                                 "it names no preset")
+            preset = hf_preset(init_from)
+        else:
+            preset = args.get("preset", "tiny")
+            if preset not in PRESETS:
+                raise TrainError(f"unknown preset {preset!r}: choose one of {', '.join(sorted(PRESETS))}")
         if "data" in args:
             raise TrainError("a train start names its data set by hash (data_hash), never by path: every peer "
                              "trains on the data it was started with (`dtfm-peer join --data`)")
@@ -98,22 +144,44 @@ class TrainRequest:
             compression = parse_compression(compress)
         except ValueError as e:
             raise TrainError(f"compress: {e}") from None
-        req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=num("seed", 0, 0, 2**63 - 1),
+        seed = num("seed", 0, 0, 2**63 - 1)
+        knobs: dict[str, Any] = {}
+        for key, kind in KNOBS.items():
+            if key not in args:
+                continue
+            v = args[key]
+            ok = type(v) is kind or (kind is float and type(v) is int)
+            if not ok:
+                raise TrainError(f"{key} must be {_A[kind]}, got {v!r:.40}")
+            knobs[key] = float(v) if kind is float else v
+        try:
+            train = TrainConfig(seed=seed, **knobs) if knobs else None
+        except (ValueError, TypeError) as e:
+            raise TrainError(f"training config: {e}") from None
+        req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=seed, train=train,
+                  init_from=init_from, init_name=init_name,
                   stages=num("stages", stages, 1, 4096) if stages is not None else None,
                   dp=num("dp", None, 1, 4096), checkpoint_every=checkpoint_every,
                   data_hash=data_hash, data_name=data_name, placement=placement, min_peers=num("min_peers", 1, 1, 4096),
                   wait_s=float(wait_s), compression=compression)
+        # Every micro-batch of every pipeline needs a sample (train.split_batch; a shape the
+        # scheduler picks is checked when it is picked).
+        cfg, dp = req.config, req.dp or 1
+        if cfg.global_batch_seqs < dp * cfg.micro_batches:
+            raise TrainError(f"global batch {cfg.global_batch_seqs} is too small for {dp} pipelines x "
+                             f"{cfg.micro_batches} micro-batches: raise --batch or lower --micro-batches")
         if req.dp is not None and req.stages is None:
             raise TrainError("--dp needs --stages")
         if placement == "random" and req.stages is None:
             raise TrainError("a random placement needs --stages S (and --dp D)")
         return req
 
-    def check_data(self, corpus: Corpus) -> None:
-        """TrainError unless `corpus` can feed this run's model: enough tokens for one sequence
-        and its target, every token id inside the vocabulary (every peer holds the same data, so
-        the coordinator's check holds for all of them, before anything is handed out)."""
-        spec = PRESETS[self.preset]
+    def check_data(self, corpus: Corpus, spec: GPTSpec | None = None) -> None:
+        """TrainError unless `corpus` can feed this run's model (`spec`; by default the preset's):
+        enough tokens for one sequence and its target, every token id inside the vocabulary
+        (every peer holds the same data, so the coordinator's check holds for all of them,
+        before anything is handed out)."""
+        spec = spec or PRESETS[self.preset]
         if len(corpus.tokens) < spec.seq_len + 2:
             raise TrainError(f"the data set {corpus.name!r} has {len(corpus.tokens)} tokens, too few for preset "
                              f"{self.preset!r}, which reads sequences of {spec.seq_len} tokens: give every peer "
@@ -127,9 +195,18 @@ class TrainRequest:
         """The request as `from_args` reads it: what the operator signs (the coordinator
         ignores `min_peers`, which the peer asked first waited for; `wait_s` widens the time in
         which the signed start is taken)."""
-        out = {"preset": self.preset, "steps": self.steps, "seed": self.seed,
+        out = {"steps": self.steps, "seed": self.seed,
                "checkpoint_every": self.checkpoint_every, "placement": self.placement,
                "min_peers": self.min_peers, "wait_s": self.wait_s}
+        if self.init_from is None:
+            out["preset"] = self.preset
+        else:
+            out["init_from"] = self.init_from
+            out["init_name"] = self.init_name
+        default = TrainConfig(seed=self.seed)
+        for key in KNOBS:
+            if getattr(self.config, key) != getattr(default, key):
+                out[key] = getattr(self.config, key)
         if self.stages is not None:
             out["stages"] = self.stages
         if self.dp is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
 import trio
@@ -24,18 +24,22 @@ from dtfm.train import (
     CheckpointError,
     CommError,
     Corpus,
+    HFError,
     MessageRules,
     StageState,
     checkpoint_at,
     checkpoint_notes,
     load_checkpoint,
+    hf_stage_state,
     saved_checkpoints,
+    stage_from_tensors,
     stage_tensors,
 )
 
 from ..allocation import Allocation, Holding
 from ..config import PlaneConfig
 from ..dataplane import TensorRouter, TransportComm
+from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
@@ -73,8 +77,10 @@ class StageHost:
 
     def __init__(self, me: bytes, transport: PeerTransport, epoch: EpochMachine, data_dir: Path,
                  config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
-                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None]):
+                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None],
+                 models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None):
         self.me, self.transport, self.epoch = me, transport, epoch
+        self.models = models
         self.data_dir, self.config = data_dir, config
         self.address_of, self.corpus, self.on_event = address_of, corpus, on_event
         self.router = TensorRouter(transport)
@@ -227,7 +233,7 @@ class StageHost:
         t_fetch = trio.current_time()
         try:
             state, fetched = await self._stage_for(alloc)
-        except (RecoveryError, CheckpointError, ValueError, OSError) as e:
+        except (RecoveryError, CheckpointError, ValueError, OSError, HFError) as e:
             logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)
             return BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}")
         plan = alloc.plan()
@@ -264,17 +270,23 @@ class StageHost:
         """This peer's stage of `alloc` at its start step, and the bytes fetched for it."""
         s = alloc.position(self.me)[1]
         layers = alloc.layer_ranges[s]
+        device = self.config.device
         if not alloc.holdings:
             if alloc.start_step > 0:
                 raise ValueError(f"starting at step {alloc.start_step} needs the stage's weights and the "
                                  "allocation names no holders")
+            held = start_model(alloc, await self.models() if self.models is not None else {})
+            if held is not None:  # the run starts from a model folder: this stage's layers of this peer's copy
+                return await trio.to_thread.run_sync(lambda: hf_stage_state(
+                    held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device=device,
+                    compression=alloc.compression)), 0
             return await trio.to_thread.run_sync(
-                lambda: StageState(alloc.model, alloc.train, layers, compression=alloc.compression)), 0
+                lambda: StageState(alloc.model, alloc.train, layers, device, compression=alloc.compression)), 0
         own = {h.layer_range: h for h in alloc.holdings}.get(layers)
         if own is not None and (self.me in own.holders or _replicas_differ(alloc)):
             state = await self._own_copy(alloc, own)
             if state is not None:
-                return state, 0
+                return await trio.to_thread.run_sync(_on_device, state, device), 0
         old_ranges = [h.layer_range for h in alloc.holdings]
         parts: list = []
         fetched, optim_step = 0, None
@@ -296,7 +308,7 @@ class StageHost:
                         alloc.start_step, result.bytes, result.seconds,
                         ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
         state = await trio.to_thread.run_sync(lambda: assemble_stage(
-            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0,
+            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0, device,
             compression=alloc.compression))
         return state, fetched
 
@@ -372,6 +384,14 @@ def _replicas_differ(alloc: Allocation) -> bool:
     weights and moments. A peer then keeps its own replica of a stage it holds at the start step
     (it loses nothing of it); the holding's digest names one replica, for the peers that fetch."""
     return alloc.compression.dp_method != "exact"
+
+
+def _on_device(state: StageState, device: str) -> StageState:
+    """`state` itself where it is on `device`, else a copy there (a checkpoint is read on the CPU)."""
+    if str(state.device) == device or (device == "cuda" and state.device.type == "cuda"):
+        return state
+    return stage_from_tensors(state.spec, state.cfg, state.layer_range, stage_tensors(state), state.step,
+                              state.optim.step_count, device, compression=state.compress.config)
 
 
 def _log_end(alloc: Allocation, end: RunEnd) -> None:

@@ -1,0 +1,175 @@
+"""A run spec: what `dtfm-peer train start` asks for, as flags or as a TOML file
+(`train start --spec run.toml`), read with the daemon config's strictness: an unknown key, a
+wrong type or a value out of range is named, and the command exits 2.
+
+The file's keys are the flags' names with underscores; a flag given on the command line wins
+over the file's key, as `join` flags win over the daemon's config file. `start_request` turns
+the resolved values into the arguments of the operator's signed start (`TrainRequest.to_args`'s
+keys: the training knobs by their `TrainConfig` names, each only where it differs from the
+default, so a start that sets none signs what it signed before). docs/train.md has an example.
+
+    preset = "tiny"          # or init_from = "gpt2-small/" (a Hugging Face folder; no preset)
+    steps = 300
+    lr = 3e-4
+    warmup_steps = 30
+    batch = 32               # sequences per step over all pipelines
+    micro_batches = 4
+    wire_dtype = "bfloat16"
+    weight_decay = 0.1
+    grad_clip = 1.0
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dtfm.train import PRESETS, WIRE_DTYPES, TrainConfig
+
+from .config import ConfigError
+
+__all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "SpecKey", "init_folder", "load_run_spec", "resolve",
+           "start_request"]
+
+PLACEMENT_CHOICES = ("scheduler", "random")  # dtfm.control.PLACEMENTS, without importing the plane
+
+
+@dataclass(frozen=True)
+class SpecKey:
+    """One key of a run spec: its type and range, its default, and the signed argument it sets."""
+
+    kind: type  # int, float, str, Path; "stages" also takes "auto"
+    default: Any
+    low: float | None = None  # inclusive lower bound of a number
+    positive: bool = False  # a number > 0 (lr)
+    choices: tuple[str, ...] = ()
+    arg: str = ""  # the signed start's argument; "": the key's own name
+
+    def check(self, where: str, value: Any, base_dir: Path | None) -> Any:
+        """`value` as this key's type; ConfigError naming `where` when it is not one."""
+        if self.kind is Path:
+            if type(value) is not str or not value:
+                raise ConfigError(f"{where} must be a path, got {value!r}")
+            p = Path(value).expanduser()
+            return p if p.is_absolute() or base_dir is None else base_dir / p
+        if where.endswith("stages") and value == "auto":
+            return value
+        if self.kind is float:
+            if type(value) not in (int, float) or not math.isfinite(value):
+                raise ConfigError(f"{where} must be a number, got {value!r}")
+            value = float(value)
+        elif self.kind is int:
+            if type(value) is not int:
+                raise ConfigError(f"{where} must be an integer" + (" or \"auto\"" if where.endswith("stages") else "")
+                                  + f", got {value!r}")
+        elif type(value) is not str:
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        if self.positive and not value > 0:
+            raise ConfigError(f"{where} must be positive, got {value!r}")
+        if self.low is not None and value < self.low:
+            names: dict[tuple[type, float], str] = {(int, 1): "a positive integer", (int, 0): "a non-negative integer",
+                                                    (float, 0): "a non-negative number"}
+            what = names.get((self.kind, self.low), f"at least {self.low:g}")
+            raise ConfigError(f"{where} must be {what}, got {value!r}")
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{where} {value!r}: choose one of {', '.join(self.choices)}")
+        return value
+
+
+_D = TrainConfig()
+
+# The keys of a run spec, in the order `--help` lists them; each is also a `train start` flag.
+RUN_SPEC_KEYS: dict[str, SpecKey] = {
+    "preset": SpecKey(str, "tiny", choices=tuple(sorted(PRESETS))),
+    "init_from": SpecKey(Path, None),
+    "steps": SpecKey(int, 100, low=1),
+    "seed": SpecKey(int, 0, low=0),
+    "stages": SpecKey(int, "auto", low=1),
+    "dp": SpecKey(int, None, low=1),
+    "checkpoint_every": SpecKey(int, None, low=0),
+    "placement": SpecKey(str, "scheduler", choices=PLACEMENT_CHOICES),
+    "compress": SpecKey(str, None),
+    "min_peers": SpecKey(int, 1, low=1),
+    "lr": SpecKey(float, _D.lr, positive=True),
+    "warmup_steps": SpecKey(int, _D.warmup_steps, low=0),
+    "batch": SpecKey(int, _D.global_batch_seqs, low=1, arg="global_batch_seqs"),
+    "micro_batches": SpecKey(int, _D.micro_batches, low=1),
+    "wire_dtype": SpecKey(str, _D.wire_dtype, choices=WIRE_DTYPES),
+    "weight_decay": SpecKey(float, _D.weight_decay, low=0),
+    "grad_clip": SpecKey(float, _D.grad_clip_norm, low=0, arg="grad_clip_norm"),
+}
+
+# The training knobs (TrainConfig fields): flag key -> help, from TrainConfig's own help texts.
+KNOB_FLAGS: dict[str, str] = {
+    key: TrainConfig.__dataclass_fields__[k.arg or key].metadata["help"]
+    for key, k in RUN_SPEC_KEYS.items() if (k.arg or key) in TrainConfig.__dataclass_fields__ and key != "seed"
+}
+
+
+def load_run_spec(path: Path) -> dict[str, Any]:
+    """The keys of the run spec file at `path`, typed and checked (a relative init_from is
+    relative to the file's folder); ConfigError names the file and the key."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"run spec {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read run spec {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"run spec {path} is not valid TOML: {e}") from None
+    out = {}
+    for key, value in raw.items():
+        spec = RUN_SPEC_KEYS.get(key)
+        if spec is None:
+            hint = " (a table: a run spec's keys are top-level)" if isinstance(value, dict) else ""
+            raise ConfigError(f"{path}: unknown key {key!r}{hint}; known: {', '.join(RUN_SPEC_KEYS)}")
+        out[key] = spec.check(f"{path}: {key}", value, path.resolve().parent)
+    if "preset" in out and "init_from" in out:
+        raise ConfigError(f"{path}: preset and init_from both name the model: keep one")
+    return out
+
+
+def resolve(flags: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
+    """Every key's value: the flag's where given (not None), else the spec file's, else the
+    default. A preset flag over a file's init_from (or the reverse) replaces it."""
+    if flags.get("preset") is not None:
+        spec = {k: v for k, v in spec.items() if k != "init_from"}
+    if flags.get("init_from") is not None:
+        spec = {k: v for k, v in spec.items() if k != "preset"}
+    return {key: (flags[key] if flags.get(key) is not None else spec.get(key, k.default))
+            for key, k in RUN_SPEC_KEYS.items()}
+
+
+def start_request(values: dict[str, Any]) -> dict[str, Any]:
+    """The signed start's arguments for resolved values (`resolve`), without the data hash,
+    the model folder's digest and the waits, which the caller adds."""
+    out: dict[str, Any] = {"steps": values["steps"], "seed": values["seed"],
+                           "checkpoint_every": values["checkpoint_every"], "placement": values["placement"]}
+    if values["init_from"] is None:
+        out["preset"] = values["preset"]
+    if values["stages"] != "auto":
+        out["stages"] = values["stages"]
+    if values["dp"] is not None:
+        out["dp"] = values["dp"]
+    if values["compress"] is not None and values["compress"] != "exact":
+        out["compress"] = values["compress"]
+    for key in KNOB_FLAGS:
+        k = RUN_SPEC_KEYS[key]
+        if values[key] != k.default:
+            out[k.arg or key] = values[key]
+    return out
+
+
+def init_folder(path: Path) -> tuple[str, str]:
+    """(digest, name) of the Hugging Face model folder a start names (`--init-from`); ConfigError
+    for a folder dtfm cannot compute, before its weights are hashed."""
+    from dtfm.train import HFError, hf_digest, load_hf_spec  # (torch: only for a model folder)
+    try:
+        load_hf_spec(path)
+        return hf_digest(path), path.resolve().name
+    except HFError as e:
+        raise ConfigError(f"--init-from (init_from): {e}") from None
