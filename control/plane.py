@@ -68,7 +68,7 @@ from .coordinator.deadline import DeadlineRules
 from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
-from .coordinator.schedule import Placement, choose_shape, random_shape
+from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
 from .election import BecameCoordinator, Certificate, ElectionService, FileElectionStore, SteppedDown
 from .epoch.machine import (
     AbortRunner,
@@ -151,9 +151,15 @@ class SchedulerPlanner:
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                 regions: dict[bytes, str], seed: int, force: bool,
                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
-        return reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
+        plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut)
+        if not cur.compression.per_link:
+            return plan
+        links = cur.compress_links
+        kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
+        return replace(plan, placement=choose_links(view, plan.placement, cur.model, cur.train,
+                                                    cur.compression, keep_compressed=kept))
 
     def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                         regions: dict[bytes, str]) -> Placement:
@@ -162,12 +168,16 @@ class SchedulerPlanner:
         dp = req.dp
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
+        per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
-            return random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
-        return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                            time_budget_s=self.config.schedule_time_s, seed=req.seed)
+            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
+        else:
+            shape = choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
+                                 time_budget_s=self.config.schedule_time_s, seed=req.seed,
+                                 compression=compression_options_of(req.compression) if per_link else None)
+        return choose_links(view, shape, model, train, req.compression) if per_link else shape
 
 
 @dataclass
