@@ -151,10 +151,12 @@ class SchedulerPlanner:
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                 regions: dict[bytes, str], seed: int, force: bool,
                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
+        per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
-                       seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut)
-        if not cur.compression.per_link:
+                       seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
+                       compression=compression_options_of(cur.compression) if per_link else None)
+        if not per_link:
             return plan
         links = cur.compress_links
         kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]

@@ -123,3 +123,26 @@ def test_the_coordinator_compresses_the_slow_link_only_and_keeps_compressed_grou
     kept = choose_links(v, shape, PRESETS["tiny"], TC(), auto, keep_compressed=[(1, 2)])
     assert kept.links.dp == (True, False) and "s0 diloco H=16 (kept" in kept.links_note
     assert kept.predicted_iteration_s >= got.predicted_iteration_s
+
+
+def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_groups_on_reconfiguration():
+    import hashlib as hl
+
+    from dtfm.control import Allocation
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.coordinator.request import TrainRequest
+    from dtfm.control.plane import SchedulerPlanner
+    from dtfm.train import PRESETS, TrainConfig as TC
+    v = view()
+    planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=0.2))
+    req = TrainRequest(stages=2, dp=2, compression=parse_compression("auto"))
+    first = planner.first_placement(v, req, PRESETS["tiny"], TC(), {})
+    assert first.links is not None and first.links_note.startswith("links compressed: ")
+    # the search knew the codecs: the slow a <-> b link is left out or carries int4 (exact: 8.4 s)
+    assert first.predicted_iteration_s < 2.0
+    cur = Allocation(epoch=1, term=1, issuer=v.peers[0], run_id=bytes(16), pipelines=first.pipelines,
+                     layer_ranges=first.layer_ranges, preset="tiny", model=PRESETS["tiny"], train=TC(),
+                     data_hash=hl.sha256(b"d").hexdigest(), data_name="d", start_step=0, end_step=10,
+                     compression=req.compression, compress_links=LinkCodecs(first.links.pp, (True, False)))
+    nxt = planner.reshape(v, cur, live=frozenset(v.peers), remaining_steps=10, regions={}, seed=1, force=True)
+    assert nxt.placement.links is not None and nxt.placement.links.dp[0]  # stage 0's group stays DiLoCo
