@@ -731,7 +731,11 @@ class ControlPlane:
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
                 "steps": req.steps, "data": corpus.name, "log": str(self.run_log_path(alloc.run_id.hex())),
-                "compression": alloc.compression.to_spec()}
+                "compression": alloc.compression.to_spec(),
+                **({} if alloc.compress_links is None else {  # a per-link run: which links and groups compress
+                    "compress_links": {"pp": [list(r) for r in alloc.compress_links.pp],
+                                       "dp": list(alloc.compress_links.dp),
+                                       "text": alloc.compress_links.describe(alloc.compression)}})}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,
