@@ -132,6 +132,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     (an exact group can turn compressed at any step: its anchor follows its weights).
     The prediction is the simulator's with the chosen codecs."""
     ids = {p: i for i, p in enumerate(view.peers)}
+    if any(p not in ids for pipe in placement.pipelines for p in pipe):
+        raise ValueError("the placement names a peer the network view does not hold")
     X = np.array([[ids[pipe[s]] for pipe in placement.pipelines] for s in range(len(placement.layer_ranges))],
                  dtype=np.int64)  # (S, D)
     S, D = X.shape
