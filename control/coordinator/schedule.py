@@ -145,8 +145,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     pp = tuple(tuple(not c.exact for c in row) for row in plan.assignment.pp)
     kept = tuple(any(a < end and start < b for a, b in keep_compressed) for start, end in placement.layer_ranges)
     dp = tuple(not c.exact or k for c, k in zip(plan.assignment.dp, kept))
-    if D == 1:
-        dp = (False,) * S  # (one pipeline: nothing to synchronise)
+    if D == 1 or compression.dp_method == "exact":
+        dp = (False,) * S  # (one pipeline, or no DP method: nothing to synchronise compressed)
     links = LinkCodecs(pp, dp)
     predicted = plan.iteration_s
     if dp != tuple(not c.exact for c in plan.assignment.dp):
@@ -158,7 +158,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
 
 
 def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConfig, predicted_s: float) -> str:
-    """"links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.120 s/iter, slow); ..." in one line."""
+    """"links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.120 s/iter); exact links: 1 (1 hidden);
+    DP groups compressed: ...; predicted ..." in one line."""
     parts = []
     for c in plan.links:
         if links.pp[c.stage][c.pipeline]:
