@@ -15,7 +15,8 @@ the synchronisations are paid for and one slow step does not move the figure
 Predicted: `dtfm.sched`'s GPipe simulator with the trainer's round trips (`engine_syncs`, as the
 coordinator predicts) on the network view the daemons measured (read from a daemon's status),
 for the run's own allocation, every link and DP group coding with the run's codec
-(`CodecAssignment.uniform`), coding at the speed `measure_compress_cost()` measures on this
+(`CodecAssignment.uniform`; a per-link run, e.g. `auto`, with the coordinator's choice of links
+and groups from the start's reply, `compress_links`), coding at the speed `measure_compress_cost()` measures on this
 CPU (one thread), and compute per layer from the exact run's measured compute (the slowest
 peer's `compute_s` per step / (M x layers per stage)). prediction_error = |predicted -
 measured| / measured. Also printed: the same prediction for the exact run (the model's error
@@ -163,8 +164,12 @@ def predict(view: tuple, reply: dict, config, speed, layer_compute_s: float | No
         bw = np.full_like(bw, 1e9)
     bw = bw * bandwidth_factor
     model = CostModel(delay, bw, mspec.workload(S, D), compression=opts)
-    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=engine_syncs,
-                             codecs=CodecAssignment.uniform(S, D, pp, dp))
+    codecs = CodecAssignment.uniform(S, D, pp, dp)
+    links = reply.get("compress_links")  # a per-link run: the coordinator's choice, from the allocation
+    if links is not None:
+        codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links["pp"]),
+                                 tuple(dp if on else type(dp)() for on in links["dp"]))
+    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=engine_syncs, codecs=codecs)
     enc, dec = model.pp_coding_s(pp)
     return {"iteration_s": float(sim.iteration_s), "pipeline_s": float(sim.pipeline_s),
             "allreduce_s": [round(float(a), 4) for a in sim.allreduce_s],
@@ -212,7 +217,8 @@ def run(args) -> dict:
             for m in methods:
                 r2, rows2, view2 = train_run(run_dir, args.steps, *shape, "--compress", m)
                 runs[m] = (r2, rows2, view2, configs[m])
-                print(f"{m}: {len(rows2)} steps logged", file=sys.stderr)
+                print(f"{m}: {len(rows2)} steps logged"
+                      + (f"; {r2['compress_links']['text']}" if "compress_links" in r2 else ""), file=sys.stderr)
         finally:
             try:
                 swarm(run_dir, "down", "--kill", timeout_s=120)
@@ -245,6 +251,7 @@ def run(args) -> dict:
             "prediction_error": (round(relative_error(pred["iteration_s"], meas["iteration_s"]), 4)
                                  if meas["iteration_s"] else None),
             "pipelines": reply["pipelines"], "regions": reply["regions"],
+            **({"compress_links": reply["compress_links"]["text"]} if "compress_links" in reply else {}),
         }
     ex_t = results["runs"]["exact"]["measured"]["iteration_s"]
     results["runs"]["exact"]["speedup_measured"] = 1.0

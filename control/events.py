@@ -49,9 +49,13 @@ class Reconfiguration:
     offer_s: float
     transfer_s: float
     handout_s: float
+    compress_links: str = ""  # a per-link run: which links and DP groups compress, and why
 
     def to_wire(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not self.compress_links:
+            del out["compress_links"]
+        return out
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class PlaneEvent:
     start_shape: str | None = None  # START: "SxD"
     start_predicted_s: float | None = None  # START: the predicted iteration time
     reconfiguration: Reconfiguration | None = None  # RECONFIGURE, ROLLBACK
+    compress_links: str | None = None  # START of a per-link run: which links and DP groups compress, and why
 
     def to_wire(self) -> dict[str, Any]:
         if self.reconfiguration is not None:
@@ -80,4 +85,6 @@ class PlaneEvent:
                        bytes_moved=0, resume_step=0)
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.compress_links is not None:
+            out["compress_links"] = self.compress_links
         return out

@@ -68,7 +68,7 @@ from .coordinator.deadline import DeadlineRules
 from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
-from .coordinator.schedule import Placement, choose_shape, random_shape
+from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
 from .election import BecameCoordinator, Certificate, ElectionService, FileElectionStore, SteppedDown
 from .epoch.machine import (
     AbortRunner,
@@ -152,9 +152,17 @@ class SchedulerPlanner:
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                 regions: dict[bytes, str], seed: int, force: bool,
                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
-        return reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
+        per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
+        plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
-                       seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut)
+                       seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
+                       compression=compression_options_of(cur.compression) if per_link else None)
+        if not per_link:
+            return plan
+        links = cur.compress_links
+        kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
+        return replace(plan, placement=choose_links(view, plan.placement, cur.model, cur.train,
+                                                    cur.compression, keep_compressed=kept))
 
     def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                         regions: dict[bytes, str]) -> Placement:
@@ -163,12 +171,16 @@ class SchedulerPlanner:
         dp = req.dp
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
+        per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
-            return random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
-        return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                            time_budget_s=self.config.schedule_time_s, seed=req.seed)
+            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
+        else:
+            shape = choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
+                                 time_budget_s=self.config.schedule_time_s, seed=req.seed,
+                                 compression=compression_options_of(req.compression) if per_link else None)
+        return choose_links(view, shape, model, train, req.compression) if per_link else shape
 
 
 @dataclass
@@ -770,7 +782,11 @@ class ControlPlane:
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
                 "steps": req.steps, "data": corpus.name, "log": str(self.run_log_path(alloc.run_id.hex())),
                 "compression": alloc.compression.to_spec(), "model": alloc.preset,
-                "train": alloc.train.to_dict(), "init_from": req.init_from}
+                "train": alloc.train.to_dict(), "init_from": req.init_from,
+                **({} if alloc.compress_links is None else {  # a per-link run: which links and groups compress
+                    "compress_links": {"pp": [list(r) for r in alloc.compress_links.pp],
+                                       "dp": list(alloc.compress_links.dp),
+                                       "text": alloc.compress_links.describe(alloc.compression)}})}
 
     async def _await_swarm(self, req: TrainRequest) -> None:
         """Return once `req.min_peers` peers (this one included) are live and their links measured,

@@ -78,7 +78,9 @@ class PlaneStatus:
                         "preset": a.preset, "stages": a.stages, "dp": a.dp, "end_step": a.end_step,
                         "start_step": a.start_step, "predicted_iteration_s": a.predicted_iteration_s,
                         "epoch_reason": a.reason, "tokens_per_step": a.train.global_batch_seqs * a.model.seq_len,
-                        "compression": a.compression.to_spec(), "compression_details": a.compression.describe(),
+                        "compression": a.compression.to_spec(),
+                        "compression_details": a.compression.describe() + (
+                            f"; {a.compress_links.describe(a.compression)}" if a.compress_links is not None else ""),
                         # the whole allocation, for `dtfm-peer members`: who holds which stage
                         "pipelines": [[p.hex() for p in pipe] for pipe in a.pipelines],
                         "layer_ranges": [list(r) for r in a.layer_ranges], "spares": [p.hex() for p in a.spares],

@@ -203,17 +203,27 @@ REFERENCE_CODEC_SPEED = CodecSpeed(
 
 
 class CompressionFields(Protocol):
-    """The fields of `dtfm.train.compress.CompressionConfig` the wire cost depends on."""
+    """The fields of `dtfm.train.compress.CompressionConfig` the wire cost depends on (read-only,
+    as a frozen dataclass has them)."""
 
-    pp_method: str
-    pp_hadamard: bool
-    pp_block_elems: int
-    dp_method: str
-    dp_random_fraction: float
-    dp_topk_fraction: float
-    dp_value_bits: int
-    dp_chunk_elems: int
-    inner_steps: int
+    @property
+    def pp_method(self) -> str: ...
+    @property
+    def pp_hadamard(self) -> bool: ...
+    @property
+    def pp_block_elems(self) -> int: ...
+    @property
+    def dp_method(self) -> str: ...
+    @property
+    def dp_random_fraction(self) -> float: ...
+    @property
+    def dp_topk_fraction(self) -> float: ...
+    @property
+    def dp_value_bits(self) -> int: ...
+    @property
+    def dp_chunk_elems(self) -> int: ...
+    @property
+    def inner_steps(self) -> int: ...
 
 
 def wire_codecs(config: CompressionFields) -> tuple[PipelineCodec, DataParallelCodec]:

@@ -32,6 +32,7 @@ from dtfm.train import (
     GPTSpec,
     InMemoryComm,
     InMemoryHub,
+    LinkCodecs,
     LocalCluster,
     Plan,
     TrainConfig,
@@ -153,7 +154,7 @@ def test_encoding_is_canonical(fields):
 
 def test_body_is_a_fixed_list_with_sorted_config_maps():
     body = body_list(make())  # an exact run's allocation: format 3, as before compression existed
-    assert FORMAT_VERSION == 4 and body[0] == 3 and len(body) == 22 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
+    assert FORMAT_VERSION == 5 and body[0] == 3 and len(body) == 22 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
     model, train = body[6], body[7]
     assert list(model) == sorted(model) and list(train) == sorted(train)
     assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
@@ -182,7 +183,7 @@ V4 = body_list(make(compression=DILOCO8))
 COMPRESSION_FIELD = [
     # (what, body, words of the ProtocolError)
     ("an exact run in format 4 (one allocation, one body)",
-     [*V4[:22], CompressionConfig().to_dict()], "canonical"),
+     [*V4[:22], {k: v for k, v in CompressionConfig().to_dict().items() if k != "per_link"}], "canonical"),
     ("format 4 without its compression", V4[:22], "format 4 has 23 fields, got 22"),
     ("format 3 with a compression", [3, *V4[1:]], "format 3 has 22 fields, got 23"),
     ("an unknown method", [*V4[:22], {**V4[22], "dp_method": "zip"}], "dp_method"),
@@ -191,8 +192,75 @@ COMPRESSION_FIELD = [
     ("a mistyped field", [*V4[:22], {**V4[22], "inner_steps": 8.0}], "inner_steps"),
     ("an out-of-range field", [*V4[:22], {**V4[22], "outer_momentum": 1.5}], "outer_momentum"),
     ("not a map", [*V4[:22], "diloco"], "compression"),
-    ("an unknown format", [5, *V4[1:]], "format 5"),
+    ("an unknown format", [6, *V4[1:]], "format 6"),
+    ("format 5 without its links", [5, *V4[1:]], "format 5 has 24 fields, got 23"),
 ]
+
+
+AUTO = parse_compression("auto")
+# 3 stages x 2 pipelines: links 0->1 of pipeline 0 and 1->2 of pipeline 1 compress, the DP group of stage 2
+LINKS = LinkCodecs(((True, False), (False, True)), (False, False, True))
+
+
+def test_a_per_link_run_travels_in_format_5_and_its_choice_is_signed():
+    a = make(2, 3, compression=AUTO, compress_links=LINKS)
+    body = body_list(a)
+    assert body[0] == 5 and len(body) == 24 and body[23] == [[[True, False], [False, True]], [False, False, True]]
+    # the compression map is format 4's (per_link is told by the links being there)
+    uniform = dataclasses.replace(AUTO, per_link=False)
+    assert body[:23] == [5, *body_list(make(2, 3, compression=uniform))[1:]]
+    signed = SignedAllocation.sign(a, ISSUER)
+    b = signed.open()
+    assert b == a and b.compress_links == LINKS and b.compression == AUTO and b.compression.per_link
+    assert b.plan().links == LINKS and b.plan().link_compressed(0, 0) and not b.plan().link_compressed(0, 1)
+    forged = SignedAllocation(pack([*body[:23], [[[True, True], [False, True]], [False, False, True]]]), signed.signature)
+    assert Allocation.decode(forged.body).compress_links.pp[0] == (True, True)
+    with pytest.raises(ProtocolError, match="bad signature"):
+        forged.open()
+    # golden: the bytes of this body do not change unnoticed
+    assert hashlib.sha256(a.encode()).hexdigest()[:16] == GOLDEN_V5
+
+
+GOLDEN_V5 = "a613c1a56e90d18b"  # sha256 of the body, first 16 hex digits
+
+
+def test_per_link_compression_and_links_go_together():
+    with pytest.raises(ValueError, match="compress_links"):
+        make(2, 3, compression=AUTO)
+    with pytest.raises(ValueError, match="per-link"):
+        make(2, 3, compression=DILOCO8, compress_links=LINKS)
+    with pytest.raises(ValueError, match="3 stages x 2 pipelines"):
+        make(2, 3, compression=AUTO, compress_links=LinkCodecs(((True,), (True,)), (True, True, True)))
+    with pytest.raises(ValueError, match="per_link needs"):
+        parse_compression("exact,per_link=true")
+
+
+V5 = body_list(make(2, 3, compression=AUTO, compress_links=LINKS))
+LINKS_FIELD = [
+    # (what, the compress_links field, words of the ProtocolError)
+    ("not a pair", [[[True, False], [False, True]]], "compress_links must be"),
+    ("a row too few", [[[True, False]], [False, False, True]], "2 rows of links and 3 groups"),
+    ("a group too many (a stage that does not exist)", [[[True, False], [False, True]], [False] * 4], "3 groups"),
+    ("a link too many (a pipeline that does not exist)", [[[True, False, True], [False, True]], [False] * 3],
+     "must list 2 links"),
+    ("a number for a boolean", [[[1, 0], [0, 1]], [False, False, True]], "link"),
+    ("a name for a boolean", [[[True, False], [False, True]], [False, False, "int4"]], "group"),
+    ("a huge row", [[[True] * 5000, [False, True]], [False] * 3], "links"),
+    ("a map", {"pp": [], "dp": []}, "compress_links"),
+]
+
+
+@pytest.mark.parametrize("what, value, words", LINKS_FIELD, ids=[c[0] for c in LINKS_FIELD])
+def test_a_bad_links_field_is_refused(what, value, words):
+    with pytest.raises(ProtocolError, match=words):
+        Allocation.decode(pack([*V5[:23], value]))
+
+
+def test_links_in_an_exact_run_are_refused():
+    exact = body_list(make(2, 3))
+    with pytest.raises(ProtocolError, match="exact run"):
+        Allocation.decode(pack([5, *exact[1:], {k: v for k, v in CompressionConfig().to_dict().items()
+                                                if k != "per_link"}, V5[23]]))
 
 
 @pytest.mark.parametrize("what, body, words", COMPRESSION_FIELD, ids=[c[0] for c in COMPRESSION_FIELD])
@@ -355,6 +423,17 @@ def test_a_format_4_field_replaced_by_garbage_raises_only_protocol_error(index, 
 
 
 @settings(max_examples=100, deadline=None)
+@given(st.integers(22, len(V5) - 1), wire_values)
+def test_a_format_5_field_replaced_by_garbage_raises_only_protocol_error(index, value):
+    body = _with(V5, index, value)
+    try:
+        a = Allocation.decode(body)
+    except ProtocolError:
+        return
+    assert a.encode() == body
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_truncated_or_flipped_bodies_raise_only_protocol_error(data):
     body = make(spares=1).encode()
@@ -493,10 +572,13 @@ def corpus():
 
 @pytest.mark.parametrize("d, s, tied, compress", [(2, 2, False, "exact"), (4, 2, False, "exact"),
                                                   (2, 4, False, "exact"), (2, 3, True, "exact"),
-                                                  (4, 2, False, "cocktail"), (3, 2, False, "pp-int4")])
+                                                  (4, 2, False, "cocktail"), (3, 2, False, "pp-int4"),
+                                                  (4, 2, False, "cocktail,per_link=true")])
 def test_neighbours_are_exactly_who_a_step_talks_to(corpus, d, s, tied, compress):
     model = dataclasses.replace(TINY, tied_head=tied)
-    a = make(d, s, spares=1, model=model, compression=parse_compression(compress),
+    per_link = parse_compression(compress).per_link  # (stage 0's group exact: its ring neighbours only)
+    links = LinkCodecs(((True, False, False, True),), (False, True)) if per_link else None
+    a = make(d, s, spares=1, model=model, compression=parse_compression(compress), compress_links=links,
              train=dataclasses.replace(CFG, global_batch_seqs=12) if d == 3 else CFG)
     hub = RecordingHub()
     with LocalCluster(a.model, a.train, a.plan(), corpus, compression=a.compression) as cluster:

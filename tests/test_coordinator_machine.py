@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import random
 
@@ -68,6 +69,7 @@ from dtfm.control.coordinator.steplog import REORDER_STEPS, STEP_WINDOW, StepLog
 from dtfm.control.epoch.runstate import PeerRunState
 from dtfm.control.refusals import Refusals
 from dtfm.net import short_id
+from dtfm.train import LinkCodecs, parse_compression
 from dtfm.control.epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -1617,3 +1619,38 @@ def test_a_start_from_a_model_folder_the_coordinator_does_not_hold_is_refused_be
     [reply] = out
     assert "model folder 'gpt2-test' (sha256 efefefefefef), which the coordinator does not hold" in reply.error
     assert "--model-dir" in reply.error
+
+
+def test_a_per_link_run_hands_out_the_planners_choice_of_links_in_the_signed_allocation(caplog):
+    # `--compress auto`: the planner's placement carries which links and DP groups compress; the
+    # allocation (format 5) carries the same, the peers accept it (the operator signed a per-link
+    # compression), and the start event and the coordinator's INFO line say which and why.
+    n = Node()
+    links = LinkCodecs(((True, False),), (False, True))
+    note = "links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.400 s/iter); exact links: 1 (hidden)"
+    n.planner.first = dataclasses.replace(PLACEMENT, links=links, links_note=note)
+    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator.machine")
+    n.feed(StartRun(("op", "start"), start_op(steps=100, at_s=n.wall, compress="auto"), DATA_HASH, DATA_NAME), 0.0)
+    n.compute("first", 0.0)
+    a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
+    assert a.compress_links == links and a.compression == parse_compression("auto")
+    assert a.plan().link_compressed(0, 0) and not a.plan().link_compressed(0, 1) and a.plan().group_compressed(1)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    out = n.answer("start", everyone={"started": True}, at=0.2)
+    assert n.epoch.current is not None and n.epoch.current.compress_links == links  # n0 accepted it too
+    start = next(x.record for x in out if isinstance(x, Emit))
+    assert start.to_wire()["compress_links"] == note
+    assert any(f"epoch 1 compresses per link: {note}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_per_link_run_whose_planner_chose_nothing_compresses_every_link():
+    n = Node()
+    n.train_start(PLACEMENT)  # (a placement without links: every link and group takes the run's codec)
+    assert "alloc" in n.asks and SignedAllocation.from_wire(n.asks["alloc"].body).open().compress_links is None
+    n = Node()
+    n.planner.first = PLACEMENT
+    n.feed(StartRun(("op", "start"), start_op(at_s=n.wall, compress="pp-int4,per_link=true"), DATA_HASH,
+                    DATA_NAME), 0.0)
+    n.compute("first", 0.0)
+    a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
+    assert a.compress_links == LinkCodecs.uniform(2, 2) and a.compression.per_link

@@ -11,8 +11,10 @@ import torch
 
 from dtfm.train import (
     TORCH_DTYPES,
+    CompressionConfig,
     GPTSpec,
     InMemoryHub,
+    LinkCodecs,
     MessageRules,
     Plan,
     StageState,
@@ -56,9 +58,9 @@ class Recording:
         return self.inner.recv(peer, tag, timeout_s)
 
 
-def run_recorded(spec, cfg, plan, corpus, steps):
+def run_recorded(spec, cfg, plan, corpus, steps, comp=None):
     """Run `steps` steps of `plan` in threads; (states, sent messages, peak bursts per pair)."""
-    states = {p: StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]]) for p in plan.peers}
+    states = {p: StageState(spec, cfg, plan.layer_ranges[plan.position(p)[1]], compression=comp) for p in plan.peers}
     log, lock, run = [], threading.Lock(), {}
     for _ in range(steps):
         hub = InMemoryHub()
@@ -89,9 +91,28 @@ SHAPES = [
 
 @pytest.mark.parametrize("spec,cfg,plan", SHAPES)
 def test_rules_accept_exactly_what_a_run_sends(corpus, spec, cfg, plan):
+    check_rules(corpus, spec, cfg, plan)
+
+
+# int8 links and CocktailSGD-style DP (a synchronisation every step), chosen per link
+PER_LINK = CompressionConfig(pp_method="int8", dp_method="cocktail", dp_random_fraction=0.25, dp_topk_fraction=0.25,
+                             dp_chunk_elems=256, outer_lr=1.0, outer_momentum=0.0, per_link=True)
+
+
+@pytest.mark.parametrize("links", [
+    LinkCodecs(((True, False, True),), (True, False)),  # an exact group beside a compressed one: a 2-part norm
+    LinkCodecs(((False, True, False),), (True, True)),
+    LinkCodecs(((False, False, False),), (False, False)),
+], ids=["mixed-groups", "compressed-groups", "all-exact"])
+def test_rules_follow_a_per_link_plan(corpus, links):
+    check_rules(corpus, SPEC, CFG, dataclasses.replace(Plan.grid(4, 2, 3, epoch=3), links=links), PER_LINK)
+
+
+def check_rules(corpus, spec, cfg, plan, comp=None):
     steps = 2
-    states, log, peaks = run_recorded(spec, cfg, plan, corpus, steps)
-    rules = {p: MessageRules.for_peer(plan, spec, cfg, p, [t.shape for t in states[p].params.values()])
+    states, log, peaks = run_recorded(spec, cfg, plan, corpus, steps, comp)
+    rules = {p: MessageRules.for_peer(plan, spec, cfg, p, [t.shape for t in states[p].params.values()],
+                                      compression=comp)
              for p in plan.peers}
     for src, dst, tag, dtype, shape in log:
         assert rules[dst].expect(src, tag) == (dtype, shape), (src, dst, tag)

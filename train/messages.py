@@ -18,7 +18,9 @@ With a `CompressionConfig` (train/compress/) that quantizes the pipeline, act/<m
 are uint8 payloads of exactly the size the codec makes for (B_m, T, C); with DP compression the
 members exchange `dpc` payloads of exactly the size the stage's parameter count gives (and the
 ring's chunks only when exact warm-up steps come first). A payload's size is the plan's, never
-the payload's own.
+the payload's own. A per-link run's plan (`Plan.links`) says per link and group: a link left
+exact carries the wire dtype, a group left exact runs the ring (no `dpc`), and with both kinds
+of group in the run `norm` is two float64s (the exact groups' share and the rest's).
 
 `MessageRules.for_peer` derives, for one receiving peer, every (source, <what>) pair it may
 receive and the exact dtype and shape each carries, from the plan, the model, the train config
@@ -108,13 +110,16 @@ class MessageRules:
         pipe = plan.pipeline(d)
         micro = split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d]
         shapes = [(len(idx), spec.seq_len, spec.n_embd) for idx in micro]
-        if comp.pp_method == "exact":
-            boundary = [(cfg.wire_dtype, shape) for shape in shapes]
-        else:
-            boundary = [("uint8", (activation_payload_bytes(shape, comp),)) for shape in shapes]
+
+        def boundary_of(coded: bool) -> list[Expected]:
+            if comp.pp_method == "exact" or not coded:
+                return [(cfg.wire_dtype, shape) for shape in shapes]
+            return [("uint8", (activation_payload_bytes(shape, comp),)) for shape in shapes]
+
         prev, nxt = (pipe[s - 1] if s > 0 else None), (pipe[s + 1] if s + 1 < plan.stages else None)
-        for src, kind in ((prev, "act"), (nxt, "grad")):
+        for src, kind, link in ((prev, "act", s - 1), (nxt, "grad", s)):
             if src is not None:  # a whole forward (backward) pass goes out without a wait
+                boundary = boundary_of(plan.link_compressed(link, d))
                 for m, exp in enumerate(boundary):
                     add(f"{kind}/{m}", src, exp)
                 burst(src, len(boundary), sum(map(_nbytes, boundary)))
@@ -123,10 +128,12 @@ class MessageRules:
                 if src != me:
                     add("loss", src, _SMALL)
                     burst(src, 1, _nbytes(_SMALL))
+        links = plan.links  # some groups exact, others not: the norm's two parts (worker.py)
+        norm = ("float64", (2,)) if comp.dp_method != "exact" and links is not None and not all(links.dp) else _SMALL
         for src in pipe:
             if src != me:
-                add("norm", src, _SMALL)
-                burst(src, 1, _nbytes(_SMALL))
+                add("norm", src, norm)
+                burst(src, 1, _nbytes(norm))
         if spec.tied_head and plan.stages > 1 and s in (0, plan.stages - 1):
             src = pipe[plan.stages - 1 if s == 0 else 0]
             exp = (param_dtype, (spec.vocab, spec.n_embd))
@@ -134,12 +141,13 @@ class MessageRules:
             burst(src, 1, _nbytes(exp))
         group = plan.dp_group(s)
         sends_to = set(bursts)  # every relation above is symmetric
-        ring = comp.dp_method == "exact" or comp.dp_warmup_steps > 0
+        coded = comp.dp_method != "exact" and plan.group_compressed(s)
+        ring = not coded or comp.dp_warmup_steps > 0
         if len(group) > 1 and param_shapes and ring:
             src, ring_burst = _ring(add, group, group.index(me), param_shapes, param_dtype, cfg.bucket_bytes)
             burst(src, *ring_burst)
             sends_to.add(group[(group.index(me) + 1) % len(group)])
-        if len(group) > 1 and param_shapes and comp.dp_method != "exact":  # the all-gather: every member
+        if len(group) > 1 and param_shapes and coded:  # the all-gather: every member
             exp = ("uint8", (sync_payload_bytes(comp, sum(math.prod(shape) for shape in param_shapes)),))
             for src in group:
                 if src != me:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dtfm.sched import layer_ranges
 
 from .comm import PeerId
+from .compress.config import LinkCodecs
 
 __all__ = ["Plan"]
 
@@ -18,6 +19,9 @@ class Plan:
     pipelines: tuple[tuple[PeerId, ...], ...]
     layer_ranges: tuple[tuple[int, int], ...]
     epoch: int = 0  # allocation epoch; in every message tag, so a retried step never meets stale messages
+    # A per-link run's choice (which links and DP groups use the run's compression); None: every
+    # link and group uses the run's `CompressionConfig` as it is.
+    links: LinkCodecs | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))
@@ -37,6 +41,8 @@ class Plan:
             if a != start or b <= a:
                 raise ValueError(f"layer ranges {self.layer_ranges} must be contiguous, non-empty, from 0")
             start = b
+        if self.links is not None:
+            self.links.check(s, len(self.pipelines))
         pos = {peer: (d, i) for d, p in enumerate(self.pipelines) for i, peer in enumerate(p)}
         object.__setattr__(self, "_pos", pos)
 
@@ -68,6 +74,14 @@ class Plan:
     def position(self, peer: PeerId) -> tuple[int, int]:
         """(pipeline, stage) of `peer`; KeyError if it has no place in this plan."""
         return self._pos[peer]
+
+    def link_compressed(self, stage: int, d: int) -> bool:
+        """Whether the link from `stage` to `stage` + 1 of pipeline `d` uses the run's pipeline codec."""
+        return self.links is None or self.links.pp[stage][d]
+
+    def group_compressed(self, stage: int) -> bool:
+        """Whether the DP group of `stage` synchronises with the run's DP method (else exactly)."""
+        return self.links is None or self.links.dp[stage]
 
     def dp_group(self, stage: int) -> tuple[PeerId, ...]:
         return tuple(p[stage] for p in self.pipelines)

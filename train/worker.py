@@ -4,7 +4,12 @@ clipping and the optimizer step.
 With a `CompressionConfig` (train/compress/) activations and their gradients travel as
 quantized payloads, and the DP step is exact or local: each pipeline steps on its own gradient,
 and the replicas synchronise compressed pseudo-gradients every step (CocktailSGD-style) or
-every H steps (DiLoCo-style).
+every H steps (DiLoCo-style). A per-link run's plan (`Plan.links`) says which links use the
+run's pipeline codec and which DP groups its DP method; the others stay exact (an exact group
+all-reduces every step, as in the warm-up, its anchor following the weights). In such a mixed
+run each pipeline sums the squared gradient norm of its exact-group stages and of its other
+stages apart: a stage of an exact group clips by the first sum, the same in every pipeline (its
+replicas apply the same bits), the others by the whole.
 
 GPipe as in the DT-FM system: M micro-batches forward, then M backward (last first). Each
 activation is sent downstream the moment its micro-batch leaves the stage, each input
@@ -106,6 +111,8 @@ class _Ctx:
     key: str  # "<epoch>.<step>": prefix of every tag of this step
     prev: object  # upstream peer, or None on the first stage
     nxt: object  # downstream peer, or None on the last stage
+    up_coded: bool  # the link from the upstream stage uses the run's pipeline codec
+    down_coded: bool  # the link to the downstream stage does
     micro: list[range]  # this pipeline's sample indices per micro-batch
     saved: _SavedBytes | None
     compute_s: float = 0.0
@@ -122,6 +129,7 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     key = f"{plan.epoch}.{step}"
     ctx = _Ctx(state, comm, corpus, step, key, pipe[s - 1] if s > 0 else None,
                pipe[s + 1] if s + 1 < plan.stages else None,
+               s > 0 and plan.link_compressed(s - 1, d), s + 1 < plan.stages and plan.link_compressed(s, d),
                split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d],
                _SavedBytes() if track_memory else None)
     for p in state.params.values():
@@ -151,19 +159,20 @@ def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> N
                          "the two copies would be synchronised separately")
 
 
-def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor):
-    """isend an activation or its gradient: in the wire dtype, or as the run's compressed payload."""
+def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):
+    """isend an activation or its gradient: in the wire dtype, or as the run's compressed payload
+    (`coded`: the link uses the run's pipeline codec)."""
     comp = ctx.state.compress.config
-    if comp.pp_method == "exact":
+    if comp.pp_method == "exact" or not coded:
         return ctx.comm.isend(peer, tag, t.to(TORCH_DTYPES[ctx.state.cfg.wire_dtype]))
     return ctx.comm.isend(peer, tag, encode_activation(t, comp))
 
 
-def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple) -> torch.Tensor:
+def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple, coded: bool) -> torch.Tensor:
     """The float32 activation (or gradient) of `shape` that `peer` sent under `tag`."""
     comp, dev = ctx.state.compress.config, ctx.state.device
     got = ctx.comm.recv(peer, tag, ctx.state.cfg.comm_timeout_s)
-    if comp.pp_method == "exact":
+    if comp.pp_method == "exact" or not coded:
         return _expect(got, shape, peer, tag).to(dev, torch.float32)
     try:
         return decode_activation(got, shape, comp).to(dev)
@@ -183,7 +192,7 @@ def _forward(ctx: _Ctx):
             x = x_tok.to(dev)
         else:
             tag = f"{ctx.key}/act/{m}"
-            x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd)).requires_grad_()
+            x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd), ctx.up_coded).requires_grad_()
         t0 = time.perf_counter()
         hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
         with hooks:
@@ -194,7 +203,7 @@ def _forward(ctx: _Ctx):
                 out = mod(x)
         ctx.compute_s += time.perf_counter() - t0
         if ctx.nxt is not None:
-            handles.append(_send_boundary(ctx, ctx.nxt, f"{ctx.key}/act/{m}", out.detach()))
+            handles.append(_send_boundary(ctx, ctx.nxt, f"{ctx.key}/act/{m}", out.detach(), ctx.down_coded))
         outs.append(out)
         ins.append(x)
     return outs, ins, losses, handles
@@ -210,12 +219,12 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
             outs[m].backward()
         else:
             tag = f"{ctx.key}/grad/{m}"
-            g = _recv_boundary(ctx, ctx.nxt, tag, tuple(outs[m].shape))
+            g = _recv_boundary(ctx, ctx.nxt, tag, tuple(outs[m].shape), ctx.down_coded)
             t0 = time.perf_counter()
             outs[m].backward(g)
         ctx.compute_s += time.perf_counter() - t0
         if ctx.prev is not None:
-            handles.append(_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad))
+            handles.append(_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad, ctx.up_coded))
         outs[m] = ins[m] = None  # free this micro-batch's activations
     return handles
 
@@ -228,11 +237,15 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
     synchronisation, which restores the state if it fails."""
     cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
     comp, group = state.compress, plan.dp_group(s)
+    coded = plan.group_compressed(s)  # else this group all-reduces exactly, as in the warm-up
+    local, sync_due = coded and comp.local(step), coded and comp.sync_due(step)
+    # some groups step locally, others exactly: the norm of the exact groups' stages is summed apart
+    mixed = comp.config.dp_method != "exact" and plan.links is not None and not all(plan.links.dp)
     for p in state.params.values():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in state.params.values()]
-    if comp.local(step):  # this pipeline's own step, on the mean gradient over its own samples
+    if local:  # this pipeline's own step, on the mean gradient over its own samples
         for g in grads:
             g.mul_(cfg.global_batch_seqs / local_seqs)
     else:
@@ -249,16 +262,23 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
     sq = torch.zeros((), dtype=torch.float64, device=state.device)
     for p in state.norm_params():
         sq += p.grad.detach().double().pow(2).sum()
-    local = sq.cpu().reshape(1)
-    total = all_reduce_small(comm, plan.pipeline(d), local, f"{key}/norm", to)
-    state.last_grad_norm = float(total[0]) ** 0.5
-    coef = clip_coefficient(float(total[0]), cfg.grad_clip_norm)
+    if mixed:  # [exact groups' stages, the others]: the first sum is the same in every pipeline
+        parts = torch.zeros(2, dtype=torch.float64)
+        parts[0 if not coded else 1] = sq.cpu()
+        total = all_reduce_small(comm, plan.pipeline(d), parts, f"{key}/norm", to)
+        whole = float(total[0] + total[1])
+        clip_sq = float(total[0]) if not coded else whole
+    else:
+        total = all_reduce_small(comm, plan.pipeline(d), sq.cpu().reshape(1), f"{key}/norm", to)
+        whole = clip_sq = float(total[0])
+    state.last_grad_norm = whole ** 0.5
+    coef = clip_coefficient(clip_sq, cfg.grad_clip_norm)
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
-    saved = _snapshot(state) if comp.sync_due(step) else None
+    saved = _snapshot(state) if sync_due else None
     state.optim.step(cfg.lr_at(step))
-    if not comp.local(step):
+    if not local:
         comp.track_anchor(list(state.params.values()))
     if saved is not None:
         try:

@@ -22,12 +22,13 @@ import math
 import re
 from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from dtfm.net import (
     PEER_ID_BYTES,
     Identity,
     ProtocolError,
+    get_bool,
     get_bytes,
     get_dict,
     get_float,
@@ -39,7 +40,7 @@ from dtfm.net import (
     unpack_untrusted,
     verify_signature,
 )
-from dtfm.train import CompressionConfig, GPTSpec, Plan, TrainConfig, check_compression, split_batch
+from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, Plan, TrainConfig, check_compression, split_batch
 
 from .fields import (
     MAX_COUNTER,
@@ -74,9 +75,10 @@ ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before sig
 # First field of the body; a peer refuses a format it cannot read. Format 4 appends the run's
 # compression; an exact run's allocation is written in format 3 (the same bytes as before
 # compression existed), so one allocation still has one body and exact runs mix with peers
-# that read format 3 only.
-FORMAT_VERSION = 4
-FORMATS = (3, 4)
+# that read format 3 only. Format 5 appends a per-link run's choice of which links and DP
+# groups compress (`compress_links`); a run compressed alike everywhere stays format 4.
+FORMAT_VERSION = 5
+FORMATS = (3, 4, 5)
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_CODE_LEN = 32
 
@@ -86,7 +88,7 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 _BODY_V3 = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
             "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
             "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
-_BODIES = {3: _BODY_V3, 4: _BODY_V3 + ("compression",)}
+_BODIES = {3: _BODY_V3, 4: _BODY_V3 + ("compression",), 5: _BODY_V3 + ("compression", "compress_links")}
 _CODE = re.compile(r"[a-z][a-z-]*")
 
 
@@ -126,6 +128,10 @@ class Allocation:
     # How the run compresses activations and DP synchronisation (train/compress/); every peer
     # builds its stage with it, and the operator's start names the same. Exact: format 3.
     compression: CompressionConfig = CompressionConfig()
+    # A per-link run's choice (compression.per_link, and only then): which pipeline links
+    # (stage s -> s + 1 of pipeline d) use the run's pipeline codec and which stages' DP groups
+    # its DP method; the others stay exact. Sender and receiver of a link read the same entry.
+    compress_links: LinkCodecs | None = None
     # The grid as train.Plan holds it (this allocation's epoch); it checks the grid's shape.
     _plan: Plan = field(init=False, repr=False, compare=False)
 
@@ -156,6 +162,10 @@ class Allocation:
         if not isinstance(self.compression, CompressionConfig):
             raise ValueError(f"compression must be a CompressionConfig, got {type(self.compression).__name__}")
         config_to_wire(self.compression, "compression")
+        if self.compress_links is not None and not isinstance(self.compress_links, LinkCodecs):
+            raise ValueError(f"compress_links must be LinkCodecs, got {type(self.compress_links).__name__}")
+        if self.compression.per_link != (self.compress_links is not None):
+            raise ValueError("a per-link compression needs compress_links, and compress_links a per-link compression")
         check_int("start_step", self.start_step, 0, MAX_COUNTER)
         check_int("end_step", self.end_step, 1, MAX_COUNTER)
         if self.start_step >= self.end_step:
@@ -187,7 +197,7 @@ class Allocation:
                 raise ValueError(f"layer range {r!r} is not a pair")
             check_int("layer", r[0], 0, MAX_LAYERS)
             check_int("layer", r[1], 0, MAX_LAYERS)
-        plan = Plan(self.pipelines, self.layer_ranges, self.epoch)
+        plan = Plan(self.pipelines, self.layer_ranges, self.epoch, self.compress_links)
         if plan.n_layer != self.model.n_layer:
             raise ValueError(f"layer ranges cover {plan.n_layer} layers, the model has {self.model.n_layer}")
         return plan
@@ -279,7 +289,7 @@ class Allocation:
         d, s = self.position(peer)
         out = set(self.pipelines[d])
         group = [p[s] for p in self.pipelines]
-        if s == self.stages - 1 or self.compression.dp_method != "exact":
+        if s == self.stages - 1 or (self.compression.dp_method != "exact" and self._plan.group_compressed(s)):
             out.update(group)
         else:
             out.update((group[(d - 1) % self.dp], group[(d + 1) % self.dp]))
@@ -290,9 +300,12 @@ class Allocation:
 
     def encode(self) -> bytes:
         """The canonical body: the same allocation gives the same bytes on any machine."""
-        extra = [] if self.compression.exact else [config_to_wire(self.compression, "compression")]
+        extra: list = [] if self.compression.exact else [config_to_wire(self.compression, "compression")]
+        links = self.compress_links
+        if links is not None:
+            extra.append([[list(row) for row in links.pp], list(links.dp)])
         return pack([
-            3 if self.compression.exact else FORMAT_VERSION, self.run_id, self.term, self.epoch, self.issuer, self.preset,
+            3 if self.compression.exact else 4 if links is None else 5, self.run_id, self.term, self.epoch, self.issuer, self.preset,
             config_to_wire(self.model, "model"), config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
@@ -317,6 +330,14 @@ class Allocation:
         pipelines = tuple(tuple(peer_ids_from_wire(p, "pipeline", MAX_STAGES))
                           for p in get_list(d, "pipelines", MAX_PEERS))
         ranges = tuple(layer_range_from_wire(r) for r in get_list(d, "layer_ranges", MAX_STAGES))
+        compression = (config_from_wire(CompressionConfig, d["compression"], "compression")
+                       if "compression" in d else CompressionConfig())
+        links = None
+        if "compress_links" in d:  # (the per-link flag travels as this field's presence)
+            links = _links_from_wire(d["compress_links"], len(ranges), len(pipelines))
+            if compression.exact:
+                raise ProtocolError("allocation: compress_links in an exact run")
+            compression = replace(compression, per_link=True)
         try:
             alloc = cls(
                 epoch=get_int(d, "epoch", 1, MAX_COUNTER), term=get_int(d, "term", 0, MAX_COUNTER),
@@ -335,14 +356,33 @@ class Allocation:
                 reason=get_str(d, "reason", MAX_REASON_LEN),
                 voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
                 operator_start=get_bytes(d, "operator_start", 0, MAX_OPERATOR_START_BYTES),
-                compression=(config_from_wire(CompressionConfig, d["compression"], "compression")
-                             if "compression" in d else CompressionConfig()),
+                compression=compression, compress_links=links,
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None
         if alloc.encode() != bytes(data):
             raise ProtocolError("allocation: body is not in its canonical encoding")
         return alloc
+
+
+def _links_from_wire(obj: object, stages: int, dp: int) -> LinkCodecs:
+    """[[link s -> s + 1 of pipeline d, ...] per s, [group of stage s, ...]], every entry a
+    boolean, shaped to the allocation's grid; raises only ProtocolError."""
+    pair = get_list({"compress_links": obj}, "compress_links", 2)
+    if len(pair) != 2:
+        raise ProtocolError("allocation: compress_links must be [pipeline links, DP groups]")
+    rows = get_list({"links": pair[0]}, "links", MAX_STAGES)
+    groups = get_list({"groups": pair[1]}, "groups", MAX_STAGES)
+    if len(rows) != max(stages - 1, 0) or len(groups) != stages:
+        raise ProtocolError(f"allocation: compress_links must list {stages - 1} rows of links and {stages} groups "
+                            f"for {stages} stages, got {len(rows)} and {len(groups)}")
+    pp = []
+    for row in rows:
+        links = get_list({"links": row}, "links", MAX_PEERS)
+        if len(links) != dp:
+            raise ProtocolError(f"allocation: a row of compress_links must list {dp} links, got {len(links)}")
+        pp.append(tuple(get_bool({"link": x}, "link") for x in links))
+    return LinkCodecs(tuple(pp), tuple(get_bool({"group": x}, "group") for x in groups))
 
 
 @dataclass(frozen=True)

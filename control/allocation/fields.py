@@ -127,6 +127,9 @@ Config = TypeVar("Config", GPTSpec, TrainConfig, CompressionConfig)
 
 
 _SCHEMAS: dict[type, tuple[tuple[str, type], ...]] = {}
+# Fields an allocation carries elsewhere: a per-link compression is told by the allocation's
+# `compress_links` field being there (format 5), so a format-4 compression map keeps its bytes.
+_OMITTED: dict[type, tuple[str, ...]] = {CompressionConfig: ("per_link",)}
 
 
 def _schema(cls: type[GPTSpec] | type[TrainConfig] | type[CompressionConfig]) -> tuple[tuple[str, type], ...]:
@@ -136,6 +139,8 @@ def _schema(cls: type[GPTSpec] | type[TrainConfig] | type[CompressionConfig]) ->
         hints = typing.get_type_hints(cls)
         out = []
         for f in sorted(fields(cls), key=lambda f: f.name):
+            if f.name in _OMITTED.get(cls, ()):
+                continue
             if hints[f.name] not in (bool, int, float, str):
                 raise TypeError(f"{cls.__name__}.{f.name}: a {hints[f.name]} field cannot travel in an allocation")
             out.append((f.name, hints[f.name]))

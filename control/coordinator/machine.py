@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 from dtfm.gossip import NetworkView
 from dtfm.net import ProtocolError, short_id
-from dtfm.train import GPTSpec, TrainConfig, get_preset
+from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig, get_preset
 
 from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, Holding, SignedAllocation
@@ -283,6 +283,7 @@ class _Procedure:
     start: _Start | None = None  # kind "start": the operator's start
     resume: bool = False  # an operator's resume: if it fails, the run stays stopped
     leave: bool = False  # a planned leave's hand-off: recorded as a leave, not a failure
+    links_note: str = ""  # a per-link run: which links and groups compress and why (`choose_links`)
 
 
 @dataclass(frozen=True)
@@ -813,6 +814,7 @@ class Coordinator:
             self._proc = None
             return [Reply(start.key, error=refusal)]
         req, op, shape = start.req, start.op, ev.value
+        proc.links_note = shape.links_note
         named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
         try:
             alloc = Allocation(epoch=self.election.last_applied[1] + 1, term=self.election.term, issuer=self.me,
@@ -823,7 +825,8 @@ class Coordinator:
                                predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
                                absent=self._absent(named), run_id=op.run_id, reason="train start",
                                voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}),
-                               operator_start=start.signed.encode(), compression=req.compression)
+                               operator_start=start.signed.encode(), compression=req.compression,
+                               compress_links=links_for(shape, req.compression))
         except ValueError as e:
             self._proc = None
             return [Reply(start.key, error=f"cannot build the allocation: {e}")]
@@ -1132,6 +1135,7 @@ class Coordinator:
                            {d[:12]: [short_id(p) for p in ps] for d, ps in by_digest.items()})
             holdings.append(Holding(r, digest, tuple(sorted(peers))))
         proc.marks["offered"] = now
+        proc.links_note = plan.placement.links_note
         try:
             alloc = self._next_allocation(cur, plan.placement, rp, tuple(holdings), proc.trigger,
                                           set(proc.states) - self.leaving(now))
@@ -1157,7 +1161,8 @@ class Coordinator:
                           checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                           spares=shape.spares, holdings=holdings, absent=self._absent(named),
                           reason=trigger[:1024], voters=self._next_voters(named, reachable),
-                          operator_start=cur.operator_start, compression=cur.compression)
+                          operator_start=cur.operator_start, compression=cur.compression,
+                          compress_links=links_for(shape, cur.compression))
 
     def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
         return next_voters(tuple(self.election.voters), named, reachable, self.me)
@@ -1168,6 +1173,13 @@ class Coordinator:
         when it leaves: it issues an allocation without itself)."""
         me = set() if self.me in self._leaving else {self.me}
         return tuple(sorted(set(self.swarm.known_peers()) - named - me)[:MAX_ABSENT])
+
+    @staticmethod
+    def _links_note(proc: _Procedure, alloc: Allocation) -> str:
+        """A per-link run's choice in words: the scheduler's (with what each link saves), else the allocation's."""
+        if alloc.compress_links is None:
+            return ""
+        return proc.links_note or alloc.compress_links.describe(alloc.compression)
 
     @staticmethod
     def _named(alloc: Allocation) -> set[bytes]:
@@ -1202,6 +1214,8 @@ class Coordinator:
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
+        if alloc.compress_links is not None:
+            logger.info("term %d epoch %d compresses per link: %s", alloc.term, alloc.epoch, self._links_note(proc, alloc))
         targets = list(alloc.peers) + list(alloc.spares)
         body = signed.to_wire()
         if cert is not None:  # the proof of this peer's election in the allocation's term
@@ -1248,7 +1262,8 @@ class Coordinator:
         if proc.kind == "start":
             return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,
                                     start_shape=f"{alloc.stages}x{alloc.dp}",
-                                    start_predicted_s=alloc.predicted_iteration_s)),
+                                    start_predicted_s=alloc.predicted_iteration_s,
+                                    compress_links=self._links_note(proc, alloc) or None)),
                     Reply(proc.reply or (), alloc)]
         self._triggers.clear()  # what happened before the new epoch started is accounted for
         self._gather_until = None
@@ -1266,7 +1281,7 @@ class Coordinator:
             bytes_moved=log.fetched, resume_step=rp.step, rollback=proc.rolled_back,
             started_at=proc.t0 + self.wall_offset, stop_s=m["stopped"] - proc.t0,
             schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
-            handout_s=now - m["offered"])
+            handout_s=now - m["offered"], compress_links=self._links_note(proc, alloc))
         self.last_reconfig = info
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
@@ -1447,6 +1462,14 @@ def _states(answers: Mapping[bytes, dict]) -> dict[bytes, PeerRunState]:
         except ProtocolError as e:
             logger.debug("run state of %s: %s", short_id(p), e)
     return out
+
+
+def links_for(shape: Placement, compression: CompressionConfig) -> LinkCodecs | None:
+    """The allocation's `compress_links`: a per-link run's choice from the planner, or (a planner
+    that chose none) every link and group compressed; None for any other run."""
+    if not compression.per_link:
+        return None
+    return shape.links or LinkCodecs.uniform(len(shape.layer_ranges), len(shape.pipelines))
 
 
 def resume_refusal(asked: bytes, last: bytes | None, *, stopped: bool, over: bool, end_step: int) -> str | None:

@@ -62,7 +62,8 @@ import numpy as np
 from scipy.optimize import linear_sum_assignment
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import CostModel, SearchConfig, candidate_shapes, layer_ranges, simulate_iteration, solve
+from dtfm.sched import (CompressionOptions, CostModel, SearchConfig, candidate_shapes, layer_ranges,
+                        simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
 from .links import used_cut_links
@@ -114,7 +115,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             live: frozenset[bytes], remaining_steps: int, stage_bytes: Callable[[Range], int] | None = None,
             regions: dict[bytes, str] | None = None, time_budget_s: float = 2.0, seed: int = 0,
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
-            config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = ()) -> ReshapePlan:
+            config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
+            compression: CompressionOptions | None = None) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -123,7 +125,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     allocation saves time on. stage_bytes: bytes a peer fetches for an old stage's range
     (default `default_stage_bytes(spec)`). config: a SearchConfig for the scheduler runs
     (repeatable runs in tests), else `time_budget_s` is shared among them. cut_links: pairs of
-    peers whose link is cut (see the module docstring).
+    peers whose link is cut (see the module docstring). compression: the codecs a per-link run's
+    links and groups may use (each costed with its cheapest, the current allocation too; None: exact).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -134,7 +137,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     if current is not None and current.n_layer != spec.n_layer:
         raise ValueError(f"the current layer ranges end at {current.n_layer}, the model has {spec.n_layer} layers")
     pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
-                  frozenset(cut_links))
+                  frozenset(cut_links), compression)
     if not pl.live:
         raise ValueError("no live peer is in the network view: nothing to allocate")
     if pl.d_max < 1:
@@ -248,8 +251,9 @@ class _Planner:
     """The live peers of a view and the allocation in use: builds and costs the candidates."""
 
     def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
-                 cut=frozenset()):
+                 cut=frozenset(), compression: CompressionOptions | None = None):
         self.view, self.spec, self.cfg = view, spec, cfg
+        self.compression = compression
         self.ids = view.peers
         self.index = {p: i for i, p in enumerate(self.ids)}
         self.live = [i for i, p in enumerate(self.ids) if p in live]
@@ -278,7 +282,8 @@ class _Planner:
     def model(self, S: int, D: int) -> CostModel:
         m = self._models.get((S, D))
         if m is None:
-            m = CostModel(self.delay, self.bw, sched_spec(self.spec, self.cfg, D).workload(S, D))
+            m = CostModel(self.delay, self.bw, sched_spec(self.spec, self.cfg, D).workload(S, D),
+                          compression=self.compression)
             self._models[(S, D)] = m
         return m
 
@@ -412,7 +417,7 @@ class _Planner:
         pos = {p: k for k, p in enumerate(peers)}
         init = None if initial is None else [[pos[int(v)] for v in col] for col in initial.T]
         alloc = solve(self.delay[sub], self.bw[sub], sched_spec(self.spec, self.cfg, D), stages=S, dp=D,
-                      regions=labels, seed=self.seed, config=cfg, initial=init)
+                      regions=labels, seed=self.seed, config=cfg, initial=init, compression=self.compression)
         return np.array(peers, dtype=np.int64)[alloc.matrix]
 
     def oriented(self, kind: str, X: np.ndarray, ranges, old: np.ndarray | None) -> _Cand:

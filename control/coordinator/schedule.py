@@ -1,19 +1,24 @@
 """From the gossiped view to a placement: the scheduler's input for the model the swarm trains,
-and its answer in peer ids (`Placement`). The protocol is in docs/control.md."""
+and its answer in peer ids (`Placement`); for a per-link compressed run, which of its links and
+DP groups compress (`choose_links`). The protocol is in docs/control.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import CostModel, ModelSpec, layer_ranges, simulate_iteration, solve
-from dtfm.train import GPTSpec, TrainConfig
+from dtfm.sched import (REFERENCE_CODEC_SPEED, CodecAssignment, CodecSpeed, CompressionOptions, CompressionPlan,
+                        CostModel, ModelSpec,
+                        choose_compression, layer_ranges, simulate_iteration, solve, wire_codecs)
+from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
 from .request import PLACEMENTS
 
-__all__ = ["PLACEMENTS", "Placement", "choose_shape", "random_shape", "sched_spec", "view_matrices"]
+__all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "compression_options_of", "random_shape",
+           "sched_spec", "view_matrices"]
 
 # A speed-1.0 peer's achieved TFLOP/s, for turning a measured block time into the scheduler's
 # compute term: only ratios between peers and against the network matter.
@@ -29,6 +34,9 @@ class Placement:
     spares: tuple[bytes, ...]
     predicted_iteration_s: float  # the GPipe simulator on the measured view, with the trainer's syncs
     objective_s: float  # the paper's cost (DP + 2 x PP) of this allocation
+    # A per-link run: which links and DP groups use the run's codecs (`choose_links`), and why, in words.
+    links: LinkCodecs | None = None
+    links_note: str = ""
 
 
 def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int) -> ModelSpec:
@@ -42,8 +50,9 @@ def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int) -> ModelSpec:
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
-                 seed: int = 0) -> Placement:
+                 seed: int = 0, compression: CompressionOptions | None = None) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto").
+    compression: the codecs each link and group may use, for a search that knows them (None: exact).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
     n = len(view.peers)
@@ -55,7 +64,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     d_for_spec = dp or max(1, n // (stages or 1))
     mspec = sched_spec(spec, cfg, d_for_spec)
     alloc = solve(delay, bw, mspec, stages="auto" if stages is None else stages, dp=dp, regions=labels,
-                  time_budget_s=time_budget_s, seed=seed, allow_spares=stages is not None)
+                  time_budget_s=time_budget_s, seed=seed, allow_spares=stages is not None, compression=compression)
     model = CostModel(delay, bw, sched_spec(spec, cfg, alloc.dp).workload(alloc.stages, alloc.dp))
     sim = simulate_iteration(model, alloc.matrix, micro_batches=cfg.micro_batches, engine_syncs=True)
     ids = view.peers
@@ -92,3 +101,82 @@ def view_matrices(view: NetworkView) -> tuple[np.ndarray, np.ndarray]:
     bw = np.where(np.isnan(view.bandwidth_gbps), np.inf, view.bandwidth_gbps)
     np.fill_diagonal(bw, np.inf)
     return delay, bw
+
+
+# A per-link run compresses a link or group only where that saves at least this share of the
+# exact iteration: compression costs loss (docs/compression.md: int4 +0.3 %, DiLoCo +11 % after
+# 600 steps of tiny), which a saving of a fraction of a percent is not worth.
+MIN_SAVING_FRACTION = 0.02
+
+
+def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERENCE_CODEC_SPEED) -> CompressionOptions:
+    """What a per-link run lets the scheduler choose: exact or the run's own codec, on each axis."""
+    pp, dp = wire_codecs(config)
+    return CompressionOptions((type(pp)(),) + (() if pp.exact else (pp,)), (type(dp)(),) + (() if dp.exact else (dp,)),
+                              speed)
+
+
+def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
+                 compression: CompressionConfig, *, keep_compressed: Sequence[tuple[int, int]] = (),
+                 speed: CodecSpeed = REFERENCE_CODEC_SPEED,
+                 min_saving_fraction: float = MIN_SAVING_FRACTION) -> Placement:
+    """`placement` with the links and DP groups of a per-link run chosen by the scheduler
+    (`dtfm.sched.choose_compression`) on the view: the run's codec where the simulator predicts
+    it shortens the iteration by at least `min_saving_fraction` of the exact iteration, exact
+    where the transfer hides behind compute or does not bound the iteration. Coding is costed at
+    `speed` (the reference CPU's by default).
+
+    keep_compressed: layer ranges whose DP group synchronised with the run's DP method in the
+    epoch before; a group holding any of their layers keeps it. Between synchronisations the
+    replicas of such a group differ, and an exact all-reduce would keep them apart for good
+    (an exact group can turn compressed at any step: its anchor follows its weights).
+    The prediction is the simulator's with the chosen codecs."""
+    ids = {p: i for i, p in enumerate(view.peers)}
+    if any(p not in ids for pipe in placement.pipelines for p in pipe):
+        raise ValueError("the placement names a peer the network view does not hold")
+    X = np.array([[ids[pipe[s]] for pipe in placement.pipelines] for s in range(len(placement.layer_ranges))],
+                 dtype=np.int64)  # (S, D)
+    S, D = X.shape
+    delay, bw = view_matrices(view)
+    opts = compression_options_of(compression, speed)
+    model = CostModel(delay, bw, sched_spec(spec, cfg, D).workload(S, D), compression=opts)
+    plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
+                              min_saving_fraction=min_saving_fraction)
+    pp = tuple(tuple(not c.exact for c in row) for row in plan.assignment.pp)
+    kept = tuple(any(a < end and start < b for a, b in keep_compressed) for start, end in placement.layer_ranges)
+    dp = tuple(not c.exact or k for c, k in zip(plan.assignment.dp, kept))
+    if D == 1 or compression.dp_method == "exact":
+        dp = (False,) * S  # (one pipeline, or no DP method: nothing to synchronise compressed)
+    links = LinkCodecs(pp, dp)
+    predicted = plan.iteration_s
+    if dp != tuple(not c.exact for c in plan.assignment.dp):
+        codecs = CodecAssignment(plan.assignment.pp, tuple(opts.dp[-1] if on else opts.dp[0] for on in dp))
+        predicted = float(simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
+                                             codecs=codecs).iteration_s)
+    return replace(placement, links=links, links_note=_note(plan, links, compression, predicted),
+                   predicted_iteration_s=predicted)
+
+
+def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConfig, predicted_s: float) -> str:
+    """"links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.120 s/iter); exact links: 1 (1 hidden);
+    DP groups compressed: ...; predicted ..." in one line."""
+    parts = []
+    for c in plan.links:
+        if links.pp[c.stage][c.pipeline]:
+            parts.append(f"p{c.pipeline} s{c.stage}->s{c.stage + 1} {compression.pp_name} "
+                         f"(saves {c.saving_s:.3f} s/iter)")
+    exact_links = sum(1 for row in links.pp for on in row if not on)
+    reasons: dict[str, int] = {}
+    for c in plan.links:
+        if not links.pp[c.stage][c.pipeline]:
+            reasons[c.reason.value] = reasons.get(c.reason.value, 0) + 1
+    out = "links compressed: " + (", ".join(parts) if parts else "none")
+    if exact_links:
+        out += f"; exact links: {exact_links} (" + ", ".join(f"{k} {r}" for r, k in reasons.items()) + ")"
+    groups = []
+    for g in plan.groups:
+        if links.dp[g.stage]:
+            why = "kept: its replicas differ until they synchronise" if g.codec.exact else f"saves {g.saving_s:.3f} s/iter"
+            groups.append(f"s{g.stage} {compression.dp_name} ({why})")
+    out += "; DP groups compressed: " + (", ".join(groups) if groups else "none")
+    return out + f"; predicted {predicted_s:.3f} s/iter (exact {plan.exact_iteration_s:.3f} s)"

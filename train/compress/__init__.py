@@ -15,15 +15,15 @@ if TYPE_CHECKING:
     from .calibrate import measure_compress_cost
     from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes, encode_dense, encode_sparse,
                         hadamard, sparse_payload_bytes)
-    from .config import (COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
-                         get_compression, parse_compression)
+    from .config import (AUTO, COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
+                         LinkCodecs, get_compression, parse_compression)
     from .counting import AXES, ByteCounter, CountingComm, axis_of
     from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset, sync_payload_bytes
     from .pp import activation_payload_bytes, decode_activation, encode_activation
 
 __all__ = [
-    "AXES", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "STATE_PREFIX",
-    "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "StageCompression",
+    "AUTO", "AXES", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "STATE_PREFIX",
+    "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "LinkCodecs", "StageCompression",
     "activation_payload_bytes", "allgather_payloads", "axis_of", "decode_activation", "decode_dense",
     "decode_sparse", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
     "get_compression", "hadamard", "measure_compress_cost", "parse_compression", "random_subset",
@@ -35,8 +35,8 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".calibrate": ("measure_compress_cost",),
     ".codec": ("CodecError", "decode_dense", "decode_sparse", "dense_payload_bytes", "encode_dense", "encode_sparse",
                "hadamard", "sparse_payload_bytes"),
-    ".config": ("COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "CompressionConfig",
-                "get_compression", "parse_compression"),
+    ".config": ("AUTO", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "CompressionConfig",
+                "LinkCodecs", "get_compression", "parse_compression"),
     ".counting": ("AXES", "ByteCounter", "CountingComm", "axis_of"),
     ".dp": ("STATE_PREFIX", "StageCompression", "allgather_payloads", "random_subset", "sync_payload_bytes"),
     ".pp": ("activation_payload_bytes", "decode_activation", "encode_activation"),

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from types import MappingProxyType
 
-__all__ = ["DP_METHODS", "PP_METHODS", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "MAX_SPEC_CHARS",
-           "CompressionConfig", "get_compression", "parse_compression"]
+__all__ = ["AUTO", "DP_METHODS", "PP_METHODS", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "MAX_SPEC_CHARS",
+           "CompressionConfig", "LinkCodecs", "get_compression", "parse_compression"]
 
 PP_METHODS = ("exact", "int8", "int4")
 DP_METHODS = ("exact", "cocktail", "diloco")
@@ -47,14 +47,20 @@ class CompressionConfig:
     outer_lr: float = 0.7  # outer SGD learning rate on the averaged pseudo-gradient (1, momentum 0: plain average)
     outer_momentum: float = 0.9  # outer (Nesterov) momentum; 0 leaves it to error feedback
     outer_nesterov: bool = True  # Nesterov momentum (as in DiLoCo) rather than heavy ball
+    # Per link: the swarm's coordinator lets each pipeline link and each stage's DP group use
+    # this config's codec or stay exact, as the scheduler finds it pays (`LinkCodecs`); not one
+    # setting for the whole run. Only a swarm's allocation chooses; `LocalCluster` takes the plan's.
+    per_link: bool = False
 
     def __post_init__(self) -> None:
         if self.pp_method not in PP_METHODS:
             raise ValueError(f"pp_method must be one of {PP_METHODS}, got {self.pp_method!r}")
         if self.dp_method not in DP_METHODS:
             raise ValueError(f"dp_method must be one of {DP_METHODS}, got {self.dp_method!r}")
-        if not isinstance(self.pp_hadamard, bool) or not isinstance(self.outer_nesterov, bool):
-            raise ValueError("pp_hadamard and outer_nesterov must be booleans")
+        if not all(isinstance(v, bool) for v in (self.pp_hadamard, self.outer_nesterov, self.per_link)):
+            raise ValueError("pp_hadamard, outer_nesterov and per_link must be booleans")
+        if self.per_link and self.exact:
+            raise ValueError("per_link needs a compression to choose per link (e.g. slow-link,per_link=true or auto)")
         if not _pow2(self.pp_block_elems) or not 8 <= self.pp_block_elems <= 4096:
             raise ValueError(f"pp_block_elems must be a power of two in [8, 4096], got {self.pp_block_elems!r}")
         if not _pow2(self.dp_chunk_elems) or not 64 <= self.dp_chunk_elems <= 65536:
@@ -99,7 +105,21 @@ class CompressionConfig:
                 dp += f", H={self.inner_steps}, outer lr {self.outer_lr:g} momentum {self.outer_momentum:g}"
             if self.dp_warmup_steps:
                 dp += f", {self.dp_warmup_steps} exact warm-up steps"
-        return f"pipeline {pp}; data-parallel {dp}"
+        return f"pipeline {pp}; data-parallel {dp}" + ("; per link (exact where it does not pay)" if self.per_link else "")
+
+    @property
+    def pp_name(self) -> str:
+        """The pipeline codec's short name (int4+hadamard/64), as dtfm.sched names it."""
+        if self.pp_method == "exact":
+            return "exact"
+        return f"{self.pp_method}{'+hadamard' if self.pp_hadamard else ''}/{self.pp_block_elems}"
+
+    @property
+    def dp_name(self) -> str:
+        """The data-parallel method with its period (diloco H=16, cocktail), for logs."""
+        if self.dp_method == "diloco":
+            return f"diloco H={self.inner_steps}"
+        return self.dp_method
 
     def with_options(self, items: list[str]) -> "CompressionConfig":
         """This config with "field=value" overrides (as the command line gives them); ValueError if bad."""
@@ -169,6 +189,48 @@ COMPRESSION_PRESETS = MappingProxyType({
 })
 
 
+# `--compress auto`: the slow-link codecs, each link and DP group compressed only where the
+# coordinator's scheduler predicts it pays.
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class LinkCodecs:
+    """Which links of a per-link run compress (with the run's codec of that axis) and which stay exact.
+
+    pp[s][d]: the link from stage s to stage s + 1 of pipeline d (activations forward, their
+    gradients backward: sender and receiver read the same entry); dp[s]: the DP group of stage s
+    synchronises with the run's DP method (else: the exact all-reduce, every step)."""
+
+    pp: tuple[tuple[bool, ...], ...]
+    dp: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pp", tuple(tuple(row) for row in self.pp))
+        object.__setattr__(self, "dp", tuple(self.dp))
+        for v in [x for row in self.pp for x in row] + list(self.dp):
+            if type(v) is not bool:
+                raise ValueError(f"a link's choice is a boolean, got {v!r:.40}")
+
+    @classmethod
+    def uniform(cls, stages: int, dp: int, pp: bool = True, groups: bool = True) -> "LinkCodecs":
+        return cls(tuple((pp,) * dp for _ in range(stages - 1)), (groups,) * stages)
+
+    def check(self, stages: int, dp: int) -> None:
+        """ValueError unless this covers `stages` x `dp`: stages - 1 rows of dp links, stages groups."""
+        if len(self.dp) != stages or len(self.pp) != stages - 1 or any(len(r) != dp for r in self.pp):
+            raise ValueError(f"per-link codecs for {stages} stages x {dp} pipelines need {stages - 1} x {dp} "
+                             f"links and {stages} groups")
+
+    def describe(self, config: CompressionConfig) -> str:
+        """"links compressed: p0 s0->s1 int4+hadamard/64, ...; DP groups compressed: s1 diloco H=16"."""
+        links = [f"p{d} s{s}->s{s + 1}" for s, row in enumerate(self.pp) for d, on in enumerate(row) if on]
+        groups = [f"s{s}" for s, on in enumerate(self.dp) if on]
+        pp = f"{len(links)}/{sum(map(len, self.pp))} links {config.pp_name}" + (f" ({', '.join(links)})" if links else "")
+        dp = f"{len(groups)}/{len(self.dp)} DP groups {config.dp_name}" + (f" ({', '.join(groups)})" if groups else "")
+        return f"{pp}; {dp}"
+
+
 def get_compression(name: str) -> CompressionConfig:
     try:
         return COMPRESSION_PRESETS[name]
@@ -183,4 +245,5 @@ def parse_compression(text: str) -> CompressionConfig:
         raise ValueError(f"a compression is a preset name and FIELD=VALUE options, at most {MAX_SPEC_CHARS} "
                          "characters")
     name, *options = [part.strip() for part in text.split(",")]
-    return get_compression(name).with_options([o for o in options if o])
+    base = replace(get_compression(DEFAULT_SLOW_LINK), per_link=True) if name == AUTO else get_compression(name)
+    return base.with_options([o for o in options if o])

@@ -1,0 +1,148 @@
+"""Per-link compression in the step (train/worker.py with `Plan.links`): each pipeline link
+uses the run's pipeline codec or stays exact, as both its ends read it from the plan, and each
+stage's DP group its DP method or the exact all-reduce; exact groups stay bit-identical."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+
+import pytest
+import torch
+
+from dtfm.train import GPTSpec, LinkCodecs, LocalCluster, Plan, TrainConfig, load_corpus, split_batch
+from dtfm.train.compress import CompressionConfig, activation_payload_bytes, parse_compression
+
+SPEC = GPTSpec("c", n_layer=4, n_embd=32, n_head=4, seq_len=16)
+CFG = TrainConfig(global_batch_seqs=12, micro_batches=2, lr=3e-3, comm_timeout_s=20.0)
+# int4 + Hadamard links, DiLoCo every 2 steps, chosen per link
+PER_LINK = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="diloco", dp_topk_fraction=0.05,
+                             dp_value_bits=2, dp_chunk_elems=1024, inner_steps=2, per_link=True)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus(max_bytes=256 << 10)
+
+
+def replica_hashes(cl: LocalCluster, s: int) -> list[str]:
+    out = []
+    for peer in cl.plan.dp_group(s):
+        h = hashlib.sha256()
+        for p in cl.states[peer].params.values():
+            h.update(p.detach().numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def with_links(plan: Plan, links: LinkCodecs) -> Plan:
+    return dataclasses.replace(plan, links=links)
+
+
+def test_auto_is_slow_link_chosen_per_link():
+    auto = parse_compression("auto")
+    assert auto.per_link and dataclasses.replace(auto, per_link=False) == parse_compression("slow-link")
+    assert parse_compression(auto.to_spec()) == auto
+    assert parse_compression("pp-int8,per_link=true").per_link
+
+
+def test_every_link_exact_trains_bit_for_bit_as_the_exact_run(corpus):
+    plan = Plan.grid(4, 2, 2)
+    with LocalCluster(SPEC, CFG, plan, corpus) as cl:
+        exact = cl.run(3)
+        exact_params = {p: [t.detach().clone() for t in st.params.values()] for p, st in cl.states.items()}
+    with LocalCluster(SPEC, CFG, with_links(plan, LinkCodecs.uniform(2, 2, False, False)), corpus,
+                      compression=PER_LINK) as cl:
+        assert cl.run(3) == exact
+        assert cl.bytes_sent["dp"] > 0 and cl.last_step_bytes["pp_fwd"] == 4 * 12 * 16 * 32  # fp32, every sample
+        for p, st in cl.states.items():
+            for a, b in zip(st.params.values(), exact_params[p]):
+                assert a.detach().equal(b), p
+
+
+def test_a_compressed_link_is_coded_at_both_ends_and_an_exact_link_is_not(corpus):
+    comp = dataclasses.replace(PER_LINK, dp_method="exact")  # the pipeline axis alone
+    plan = with_links(Plan.grid(4, 3, 2), LinkCodecs(((True, False), (False, True)), (False, False, False)))
+    micro = split_batch(12, 2, 2)
+    with LocalCluster(SPEC, CFG, plan, corpus, compression=comp) as cl:
+        for _ in range(2):
+            assert math.isfinite(cl.step())
+            for s in range(3):
+                assert len(set(replica_hashes(cl, s))) == 1  # exact DP: replicas identical
+        got = cl.last_step_bytes
+    # pipeline 0 codes its first link, pipeline 1 its second: per direction, one link coded, one exact per pipeline
+    coded = sum(activation_payload_bytes((len(r), 16, 32), comp) for d in range(2) for r in micro[d])
+    exact = sum(4 * len(r) * 16 * 32 for d in range(2) for r in micro[d])
+    assert got["pp_fwd"] == got["pp_bwd"] == coded + exact
+
+
+def test_mixed_dp_groups_an_exact_group_stays_identical_every_step(corpus):
+    plan = with_links(Plan.grid(4, 2, 3), LinkCodecs(((True, False, True),), (True, False)))
+    with LocalCluster(SPEC, CFG, plan, corpus, compression=PER_LINK) as cl:
+        for step in range(4):
+            assert math.isfinite(cl.step())
+            synced = step % PER_LINK.inner_steps == PER_LINK.inner_steps - 1
+            assert len(set(replica_hashes(cl, 1))) == 1, step  # exact group: identical after every step
+            assert (len(set(replica_hashes(cl, 0))) == 1) == synced, step  # DiLoCo group: after each sync
+        # the exact group's anchor follows its weights, so it can turn DiLoCo at any step
+        st = cl.states[plan.dp_group(1)[0]]
+        assert st.compress.buffers["anchor"].equal(torch.cat([p.detach().reshape(-1) for p in st.params.values()]))
+
+
+# ----------------------------------------------------------------------------- the coordinator's choice
+
+
+def view(slow_gbps: float = 0.001, fast_gbps: float = 10.0):
+    """Four peers a b c d, every link fast (1 ms, `fast_gbps`) but a <-> b (`slow_gbps`)."""
+    import numpy as np
+
+    from dtfm.gossip import NetworkView
+    peers = tuple(bytes([i]) * 32 for i in range(4))
+    delay = np.full((4, 4), 1.0)
+    np.fill_diagonal(delay, 0.0)
+    bw = np.full((4, 4), fast_gbps)
+    bw[0, 1] = bw[1, 0] = slow_gbps
+    np.fill_diagonal(bw, np.inf)
+    return NetworkView(peers, delay, bw, np.full(4, 1.0), True)
+
+
+def test_the_coordinator_compresses_the_slow_link_only_and_keeps_compressed_groups():
+    from dtfm.control.coordinator.schedule import Placement, choose_links
+    from dtfm.train import PRESETS, TrainConfig as TC
+    v = view()
+    a, b, c, d = v.peers
+    shape = Placement(((a, b), (c, d)), ((0, 2), (2, 4)), (), 1.0, 1.0)
+    auto = parse_compression("auto")
+    got = choose_links(v, shape, PRESETS["tiny"], TC(), auto)
+    assert got.links == LinkCodecs(((True, False),), (False, False))  # a -> b compresses, c -> d and DP stay exact
+    assert got.links_note.startswith("links compressed: p0 s0->s1 int4+hadamard/64 (saves ")
+    assert "DP groups compressed: none" in got.links_note
+    assert got.predicted_iteration_s < 2.0 and "(exact 8." in got.links_note and got.pipelines == shape.pipelines
+    # a group that synchronised with DiLoCo in the epoch before keeps it (its replicas differ)
+    kept = choose_links(v, shape, PRESETS["tiny"], TC(), auto, keep_compressed=[(1, 2)])
+    assert kept.links.dp == (True, False) and "s0 diloco H=16 (kept" in kept.links_note
+    assert kept.predicted_iteration_s >= got.predicted_iteration_s
+
+
+def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_groups_on_reconfiguration():
+    import hashlib as hl
+
+    from dtfm.control import Allocation
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.coordinator.request import TrainRequest
+    from dtfm.control.plane import SchedulerPlanner
+    from dtfm.train import PRESETS, TrainConfig as TC
+    v = view()
+    planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=0.2))
+    req = TrainRequest(stages=2, dp=2, compression=parse_compression("auto"))
+    first = planner.first_placement(v, req, PRESETS["tiny"], TC(), {})
+    assert first.links is not None and first.links_note.startswith("links compressed: ")
+    # the search knew the codecs: the slow a <-> b link is left out or carries int4 (exact: 8.4 s)
+    assert first.predicted_iteration_s < 2.0
+    cur = Allocation(epoch=1, term=1, issuer=v.peers[0], run_id=bytes(16), pipelines=first.pipelines,
+                     layer_ranges=first.layer_ranges, preset="tiny", model=PRESETS["tiny"], train=TC(),
+                     data_hash=hl.sha256(b"d").hexdigest(), data_name="d", start_step=0, end_step=10,
+                     compression=req.compression, compress_links=LinkCodecs(first.links.pp, (True, False)))
+    nxt = planner.reshape(v, cur, live=frozenset(v.peers), remaining_steps=10, regions={}, seed=1, force=True)
+    assert nxt.placement.links is not None and nxt.placement.links.dp[0]  # stage 0's group stays DiLoCo
