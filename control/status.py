@@ -46,10 +46,10 @@ class PlaneStatus:
         e = self.epoch
         if e.phase is None:
             return "idle"
-        if e.run_stopped:
-            return "stopped"
-        c = self.coordinator
         active = e.phase in (EpochPhase.BUILDING, EpochPhase.ACCEPTED, EpochPhase.TRAINING)
+        if e.run_stopped:  # (its runner goes on to the stop's step boundary)
+            return "stopping" if active and e.end is None else "stopped"
+        c = self.coordinator
         if not active and self._issued() and c.phase in _RUN_STATES_SHOWN:
             return c.phase.value
         if e.phase is EpochPhase.ENDED and e.end is not None:

@@ -1522,14 +1522,16 @@ def plane_status(n: Node, *, now: float = 0.0) -> dict:
 
 def test_status_after_an_operators_stop_says_stopped_everywhere_not_training():
     # The review's screen: `training  stopped, run ...` above `issued run ...: training,
-    # completed 122 of 200 steps`. The run an operator stopped is stopped in the header and in
-    # the run this coordinator issued, with the step it stops before.
+    # completed 122 of 200 steps`. The run an operator stopped is stopped in the run this
+    # coordinator issued, with the step it stops before, and in the header once this peer's
+    # runner reached that step (stopping until then); a start meanwhile is told to wait.
     from dtfm.peer.status import format_training
     n = Node(wall=WALL)
     n.training(steps=2)
     n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
-    st = plane_status(n)  # the peers still run up to the stop's step
-    assert (st["state"], st["issued"]["state"]) == ("stopped", "stopped")
+    st = plane_status(n)  # the peers still run up to the stop's step: this one is stopping
+    assert (st["state"], st["issued"]["state"]) == ("stopping", "stopped")
+    assert "is stopping at a step boundary" in n.c.start_refusal()
     assert st["issued"]["reason"] == "an operator stopped the run before step 2 (train stop)"
     n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
     n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), WALL + 4.0), 4.0)  # n0's runner ends there

@@ -362,8 +362,8 @@ def test_an_outsider_changes_nothing_a_frozen_peer_and_a_cut_link_cost_seconds(r
     print(f"frozen peer: training again after {frozen_s:.1f} s; cut link: after {cut_s:.1f} s")
     c_name, _ = coordinator(state)
     stop_training(run_dir, next(p for p in state.peers if p.name == c_name))
-    wait_for("every peer to end", lambda: all(v.get("state") != "training" for v in trainings(state).values()),
-             120, interval_s=0.5)
+    wait_for("every peer to end", lambda: all("last_end" in v and v.get("state") not in ("training", "stopping")
+                                               for v in trainings(state).values()), 120, interval_s=0.5)
 
 
 # int8 activations and CocktailSGD-style DP, each link and DP group chosen by the coordinator's

@@ -776,6 +776,9 @@ class Coordinator:
             return "this peer is no longer the coordinator"
         run = self.epoch.run
         if run is not None and run.active:
+            if self.epoch.stopped_by_operator(run.alloc.run_id):
+                return (f"run {run.alloc.run_id.hex()[:8]} is stopping at a step boundary: start again once it has "
+                        "ended (`dtfm-peer train status`)")
             return "a run is in progress: `train stop` it first"
         return None
 
