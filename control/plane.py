@@ -629,9 +629,12 @@ class ControlPlane:
         else:
             at = 0
         op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+        epoch = body.get("epoch")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
+            raise ProtocolError("STOP epoch must be a non-negative integer")
         key = self._key("stop")
         ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                       abort=body.get("abort") is True, op=op)
+                       abort=body.get("abort") is True, op=op, epoch=epoch)
         answer = self._ask_now(key, ev)
         if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
             await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)

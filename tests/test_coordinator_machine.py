@@ -240,6 +240,7 @@ class Node:
         elif ask.msg == ControlMsg.STOP:
             op = SignedOp.from_wire(ask.body["op"]) if "op" in ask.body else None
             event = StopAsked(key, ME, ask.body["run"], ask.body["at_step"], abort=ask.body.get("abort") is True,
+                              epoch=ask.body.get("epoch"),
                               final=ask.body.get("final") is True, op=op)
         else:
             a = SignedAllocation.from_wire(ask.body).open()
@@ -372,7 +373,7 @@ def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refu
           ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
           phase: handing out
         0.1 answers alloc: n0 accepted, n1 accepted, n2 not accepted, n3 accepted
-          ask unstop: STOP at_step=0 -> n0 n1 n3
+          ask unstop: STOP at_step=0 epoch=1 -> n0 n1 n3
           phase: refused
         0.2 answers unstop: n0 stopped, n1 stopped, n3 stopped
           reply op start: error (the allocation was refused: n2: another data set)
@@ -520,7 +521,7 @@ def test_a_reconfiguration_goes_through_its_phases_in_order():
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
         5.8 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@3 running, n3 -
-          ask stop: STOP at_step=4 abort=True -> n0 n1 n2
+          ask stop: STOP at_step=4 abort=True epoch=1 -> n0 n1 n2
         5.9 answers stop: n0 stopped, n1 stopped, n2 stopped
         6.15 tick
           ask poll: RUN_STATE query -> n0 n1 n2 n3
@@ -760,7 +761,7 @@ def test_an_operators_reschedule_is_answered():
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
         3.2 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@2 running, n3 2-4@2 running
-          ask stop: STOP at_step=3 abort=False -> n0 n1 n2 n3
+          ask stop: STOP at_step=3 abort=False epoch=1 -> n0 n1 n2 n3
         3.3 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
         3.55 tick
           ask poll: RUN_STATE query -> n0 n1 n2 n3

@@ -1423,7 +1423,9 @@ class Coordinator:
         if log is None or log.alloc.epoch != epoch:
             return []
         log.filling = False
-        lines, left = log.fill([(p, r) for p, st in _states(answers).items() for r in st.reports])
+        states = _states(answers)
+        lines, left = log.fill([(p, r) for p, st in states.items() for r in st.reports],
+                               everyone=True)
         for line in lines:
             logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
                         "-" if line["loss"] is None else f"{line['loss']:.4f}")
