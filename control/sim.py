@@ -796,6 +796,7 @@ class PlaneSim(ElectionSim):
         self.disk_voters[k] = a.voters
         self._run(k, node.apply_allocation(a.term, a.epoch, a.voters, a.certificate, self.local_now(k)))
         node = self.node(k)
+        self.disk_previous[k] = node.previous
         self.applications.append((k, (a.term, a.epoch), node.coordinator if cur.issuer != self.ids[k] else self.ids[k],
                                   node.term))
 

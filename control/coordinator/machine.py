@@ -642,7 +642,7 @@ class Coordinator:
         # A frozen peer reads this when it wakes: it aborts its step instead of sending on in
         # an epoch the others left (what it sends meanwhile is refused by epoch anyway).
         return [self._ask(("fence", epoch), verdict.silent, ControlMsg.STOP,
-                          {"run": log.alloc.run_id, "at_step": step, "abort": True}, self.t.request_timeout_s)]
+                          {"run": log.alloc.run_id, "at_step": step, "abort": True, "epoch": log.alloc.epoch}, self.t.request_timeout_s)]
 
     def _link_retest(self, now: float) -> list:
         """Ping each cut link from one end; a ping that comes back clears it."""
@@ -1006,7 +1006,7 @@ class Coordinator:
             logger.info("reconfiguring (%s): %s %d peers%s", proc.trigger,
                         "aborting the step of" if lost else "stopping", len(proc.running),
                         "" if lost else f" before step {at}")
-            return [self._proc_ask(proc, "stop", proc.running, {"run": cur.run_id, "at_step": at, "abort": lost},
+            return [self._proc_ask(proc, "stop", proc.running, {"run": cur.run_id, "at_step": at, "abort": lost, "epoch": cur.epoch},
                                    self.t.request_timeout_s, msg=ControlMsg.STOP)]
         if step == "stop":
             proc.stop_deadline = now + self.t.stop_timeout_s
@@ -1235,7 +1235,7 @@ class Coordinator:
             proc.transient = all(a.get("code") in MEMBERSHIP_REFUSALS for a in refused.values())
             self.phase, self.reason = Phase.REFUSED, proc.refused
             rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
-            return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0},
+            return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0, "epoch": alloc.epoch},
                                    self.t.request_timeout_s, msg=ControlMsg.STOP)]
         return [self._proc_ask(proc, "start", alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
                                self.t.request_timeout_s, msg=ControlMsg.START)]
