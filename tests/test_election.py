@@ -852,6 +852,26 @@ def test_after_a_configuration_change_the_coordinator_is_certified_again():
     assert sends(n.tick(0.2), Heartbeat)[0].msg.certificate == n.certificate
 
 
+def test_a_coordinator_not_certified_again_in_time_stands_in_the_new_configuration():
+    # B, C and D elected A in term 1 among five; the new configuration drops B and adds X. C and
+    # X never sign A again (X voted for another candidate in term 1): after the longest election
+    # timeout A stands in term 2 among the new voters, whose votes make a certificate they check.
+    n = coordinator(A, config=CFG.with_(check_quorum=False))  # (no acks are fed here)
+    new = tuple(sorted((A, C, D, E, X)))
+    n.apply_allocation(1, 1, new, n.certificate, 0.1)
+    n.handle(D, vote(D, 1, A, new), 0.12)
+    assert n.certificate.config == config_digest(FIVE)  # 2 of 5 signed again: not a quorum
+    early = n.tick(0.1 + CFG.election_timeout_max_s - 0.01)
+    assert n.role is ElectionRole.COORDINATOR and not any(isinstance(a, SteppedDown) for a in early)
+    out = n.tick(0.1 + CFG.election_timeout_max_s)
+    assert any(isinstance(a, SteppedDown) and a.standing_again for a in out) and Persist(2, A) in out
+    asks = sends(out, RequestVote)
+    assert {a.to for a in asks} == set(new) - {A} and asks[0].msg.term == 2 and asks[0].msg.config == config_digest(new)
+    for v in (C, D, E):
+        n.handle(v, vote(v, 2, A, new), 0.2)
+    assert n.role is ElectionRole.COORDINATOR and n.term == 2 and n.certificate == cert(2, A, (A, C, D, E), voters=new)
+
+
 def split_vote(sim: ElectionSim, liar: int, candidates) -> None:
     """The coordinators crash, their leases run out, they restart as followers, and `candidates`
     stand at once, while the liar grants every pre-vote and vote it is asked for, to each of

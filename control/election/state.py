@@ -61,7 +61,9 @@ votes but never stands. `campaign(now)` stands at once (`train start`). When the
 applies a configuration its certificate is not of, it asks the new voters to sign its term
 again over the new configuration (they voted for it already, or not at all in this term) and
 carries the new certificate once a quorum did: peers that applied the new configuration
-recognise it after a restart too.
+recognise it after a restart too. When no quorum did within election_timeout_max_s (a voter
+that voted for another candidate in its term never signs it), it stands again in the next
+term, in the new configuration.
 
 Undone changes. A configuration change is made by the coordinator's allocation, which some
 voters may apply before the coordinator is lost: the rest, a quorum of the previous voters, go
@@ -248,6 +250,7 @@ class ElectionState:
         self._grants: set[bytes] = set()  # pre-votes of the current pre-vote round
         self._round: _Round | None = None  # votes of the current candidacy
         self._recert: _Round | None = None  # the coordinator's votes over a new configuration
+        self._recert_by = _NEVER  # when the coordinator stands again if _recert is not complete
         self._since = now  # coordinator since
         self._next_heartbeat = _NEVER
         self._seq = 0
@@ -455,7 +458,13 @@ class ElectionState:
         self._advance(now)
         out: list[ElectionAction] = []
         if self.role is ElectionRole.COORDINATOR:
-            if now >= self._next_heartbeat:
+            if self._recert is not None and now >= self._recert_by and not self.term_exhausted:
+                # Voters that voted for another candidate in this term never sign it again:
+                # an election in the new configuration gets the certificate its peers check.
+                self._step_down(out, f"not certified again by a quorum of the new configuration within "
+                                     f"{self.config.election_timeout_max_s:g} s", standing_again=True)
+                self._become_candidate(self.term + 1, out)
+            elif now >= self._next_heartbeat:
                 if self.config.check_quorum and not self._quorum_heard():
                     self._step_down(out, f"no acks from a quorum within {self.config.lease_s:g} s")
                 else:
@@ -499,6 +508,7 @@ class ElectionState:
             self._recert = None
             return
         self._recert = _Round(self.voters, self._config, {self.me: self._sign(self.term, self.me, self._config)})
+        self._recert_by = self._now + self.config.election_timeout_max_s
         self._check_recert()
         self._ask_recert(out)
 
