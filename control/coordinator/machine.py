@@ -1056,9 +1056,10 @@ class Coordinator:
         states = proc.states
         reachable = set(states)
         voters = set(self.election.voters)
-        if voters and len(reachable & voters) < quorum(len(voters)):
-            raise _Failed(f"only {len(reachable & voters)} of {len(voters)} voters are reachable, "
-                          f"{quorum(len(voters))} needed: a side without a quorum does not reconfigure")
+        if voters and len(reachable & voters) < quorum(len(voters)):  # (a partition: waits for it to heal)
+            return self._pause(proc, f"only {len(reachable & voters)} of {len(voters)} voters are reachable, "
+                                     f"{quorum(len(voters))} needed: a side without a quorum does not reconfigure",
+                               reachable, now)
         logger.info("run states: %s", describe(states))
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
