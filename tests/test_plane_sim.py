@@ -77,6 +77,7 @@ def settle(sim: PlaneSim, rounds: int = 12) -> str:
     sim.net = CLEAN
     for k in range(sim.n):
         sim.restart(k)
+    paused = ""
     for _ in range(rounds):
         sim.run_for(1.0)
         sim.train(1)
@@ -84,15 +85,18 @@ def settle(sim: PlaneSim, rounds: int = 12) -> str:
         if len(coords) != 1:
             continue
         phase = sim.coords[coords[0]].phase
-        if phase in (Phase.PAUSED, Phase.STOPPED):
+        if phase is Phase.STOPPED:
             return f"{phase.value}: {sim.coords[coords[0]].reason}"
+        if phase is Phase.PAUSED:  # (it retries when the peers out of reach answer)
+            paused = f"{phase.value}: {sim.coords[coords[0]].reason}"
+            continue
         epochs = {sim.epoch(k).current.term_epoch if sim.epoch(k).current else None for k in sim.live()}
         training = all(sim.epoch(k).run is not None and sim.epoch(k).run.phase in (
             EpochPhase.TRAINING, EpochPhase.SPARE) for k in sim.live())
         if len(epochs) == 1 and training and sim.train(2) == 2:
             sim.run_for(0.5)
             return "training"
-    return "not settled"
+    return paused or "not settled"
 
 
 class PlaneMachine(SimFaults):
