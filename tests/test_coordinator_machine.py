@@ -1390,7 +1390,7 @@ def test_a_planned_leave_hands_the_peers_stage_off_at_a_step_boundary_before_it_
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
         3.1 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@2 running, n3 2-4@2 running
-          ask stop: STOP at_step=3 abort=False -> n0 n1 n2 n3
+          ask stop: STOP at_step=3 abort=False epoch=1 -> n0 n1 n2 n3
         3.2 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
         3.45 tick
           ask poll: RUN_STATE query -> n0 n1 n2 n3
