@@ -69,7 +69,14 @@ from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
-from .election import BecameCoordinator, Certificate, ElectionService, FileElectionStore, SteppedDown
+from .election import (
+    BecameCoordinator,
+    Certificate,
+    ElectionService,
+    FileElectionStore,
+    PreviousConfiguration,
+    SteppedDown,
+)
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -516,7 +523,14 @@ class ControlPlane:
                 alloc = Allocation.decode(bytes.fromhex(body))
             except (ValueError, ProtocolError) as e:
                 raise TrainError(f"{path} holds a damaged allocation ({e})") from None
-        self.election.restore(term, epoch, alloc.configuration if alloc is not None else None)
+        previous = None
+        prev = d.get("previous")
+        if isinstance(prev, dict):
+            try:
+                previous = PreviousConfiguration(tuple(bytes.fromhex(v) for v in prev["voters"]), int(prev["term"]))
+            except (ValueError, KeyError, TypeError) as e:
+                raise TrainError(f"{path} holds a damaged previous configuration ({e})") from None
+        self.election.restore(term, epoch, alloc.configuration if alloc is not None else None, previous)
         reports = self.stages.kept_reports(run) if alloc is not None and alloc.run_id == run else []
         self.epoch.restore(run, term, epoch, alloc, reports)
         if load_stopped(self.data_dir) == run:
@@ -526,8 +540,11 @@ class ControlPlane:
         path = self.data_dir / "applied.json"
         tmp = path.with_name(".applied.json.tmp")
         with open(tmp, "w") as f:
+            prev = self.election.previous
             json.dump({"run": alloc.run_id.hex(), "term": alloc.term, "epoch": alloc.epoch,
-                       "allocation": alloc.encode().hex()}, f)
+                       "allocation": alloc.encode().hex(),
+                       "previous": None if prev is None else {"voters": [v.hex() for v in prev.voters],
+                                                              "term": prev.term}}, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -629,9 +646,12 @@ class ControlPlane:
         else:
             at = 0
         op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+        epoch = body.get("epoch")
+        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
+            raise ProtocolError("STOP epoch must be a non-negative integer")
         key = self._key("stop")
         ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                       abort=body.get("abort") is True, op=op)
+                       abort=body.get("abort") is True, op=op, epoch=epoch)
         answer = self._ask_now(key, ev)
         if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
             await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)

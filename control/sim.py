@@ -680,8 +680,11 @@ class PlaneSim(ElectionSim):
                     raise ProtocolError("STOP at_step must be a non-negative integer")
                 at = asked
             op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+            stopped = body.get("epoch")
+            if stopped is not None and (not isinstance(stopped, int) or isinstance(stopped, bool) or stopped < 0):
+                raise ProtocolError("STOP epoch must be a non-negative integer")
             self._epoch(k, StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                                     abort=body.get("abort") is True, op=op))
+                                     abort=body.get("abort") is True, op=op, epoch=stopped))
         elif msg == ControlMsg.RUN_STATE:
             return self._run_state_asked(k, sender, body)
         else:
@@ -793,6 +796,7 @@ class PlaneSim(ElectionSim):
         self.disk_voters[k] = a.voters
         self._run(k, node.apply_allocation(a.term, a.epoch, a.voters, a.certificate, self.local_now(k)))
         node = self.node(k)
+        self.disk_previous[k] = node.previous
         self.applications.append((k, (a.term, a.epoch), node.coordinator if cur.issuer != self.ids[k] else self.ids[k],
                                   node.term))
 

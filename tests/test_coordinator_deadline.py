@@ -162,12 +162,12 @@ def test_a_frozen_peer_is_out_after_the_deadline_and_a_probe():
         9 tick
           ask probe deadline: RUN_STATE reach n0 n1 n2 n3 within 2 s -> n0 n1 n2 n3
         13 answers probe deadline: n0 reached n1 n2, n1 reached n0 n2 not n3, n2 reached n0 n1 not n3, n3 -
-          ask fence 1: STOP at_step=6 abort=True -> n3
+          ask fence 1: STOP at_step=6 abort=True epoch=1 -> n3
         13.5 tick
           ask states: RUN_STATE query -> n0 n1 n2
           phase: stopping
         13.6 answers states: n0 0-2@6 running, n1 2-4@6 running, n2 0-2@6 running
-          ask stop: STOP at_step=7 abort=True -> n0 n1 n2
+          ask stop: STOP at_step=7 abort=True epoch=1 -> n0 n1 n2
         13.7 answers stop: n0 stopped, n1 stopped, n2 stopped
         13.95 tick
           ask poll: RUN_STATE query -> n0 n1 n2
@@ -224,7 +224,7 @@ def test_a_cut_link_between_live_neighbours_is_left_out_until_a_ping_comes_back(
           ask states: RUN_STATE query -> n0 n1 n2 n3 n4
           phase: stopping
         11.6 answers states: n0 0-2@6 running, n1 2-4@6 running, n2 0-2@6 running, n3 2-4@6 running, n4 -@None
-          ask stop: STOP at_step=7 abort=True -> n0 n1 n2 n3
+          ask stop: STOP at_step=7 abort=True epoch=1 -> n0 n1 n2 n3
         11.7 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
         11.95 tick
           ask poll: RUN_STATE query -> n0 n1 n2 n3 n4
@@ -386,7 +386,7 @@ def test_a_peer_frozen_right_after_its_report_is_asked_too_and_is_out():
         9 tick
           ask probe deadline: RUN_STATE reach n0 n1 n2 n3 within 2 s -> n0 n1 n2 n3
         13 answers probe deadline: n0 reached n1 n2, n1 reached n0 n2 not n3, n2 reached n0 n1 not n3, n3 -
-          ask fence 1: STOP at_step=6 abort=True -> n3
+          ask fence 1: STOP at_step=6 abort=True epoch=1 -> n3
     """)
     n.tick()
     assert n.lines[-2:] == ["  ask states: RUN_STATE query -> n0 n1 n2", "  phase: stopping"]

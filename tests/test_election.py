@@ -32,6 +32,7 @@ from dtfm.control.election import (
     Persist,
     PreVote,
     PreVoteReply,
+    PreviousConfiguration,
     RequestVote,
     SteppedDown,
     Vote,
@@ -446,6 +447,35 @@ def test_the_voters_change_only_by_an_applied_allocation():
     assert n.voters == (A, B, C, D) and n.last_applied == (3, 2)
 
 
+def test_a_configuration_change_the_next_coordinator_never_saw_is_undone_by_it():
+    """Coordinator C of term 3 drops A (three voters to two) and applies it; C is lost before
+    B applies it. A and B, a quorum of the three, elect B in term 4, and B hands out its
+    allocations: C, back, takes them (the change never reached a quorum of the two), though A's
+    and B's votes are one of its two voters; not a certificate of the change's own term, nor
+    one after a later term kept the two."""
+    three, two = (A, B, C), (B, C)
+    n = node(C, voters=three)
+    n.handle(C, hb(3, C, voters=three), 0.0)
+    n.apply_allocation(3, 1, three, cert(3, C, (B, C), three), 0.1)
+    assert n.previous is None  # the first configuration applied here changed nothing
+    n.apply_allocation(3, 2, two, cert(3, C, (B, C), two), 0.2)
+    assert n.voters == two and n.previous == PreviousConfiguration(three, 3)
+    later = cert(4, B, (A, B), three)
+    assert n.may_apply(B, 4, 1, later, three) is None
+    assert n.may_apply(A, 4, 1, cert(4, A, (A, B), three), three) is None  # A: a voter of the three
+    assert n.may_apply(B, 4, 1, cert(4, B, (B, X), (B, X, Y)), three).code == "bad-certificate"  # 1 of three
+    restarted = node(C, voters=two, applied=(3, 2), previous=n.previous)  # as applied.json keeps it
+    assert restarted.may_apply(B, 4, 1, later, three) is None
+    assert restarted.may_apply(B, 3, 3, cert(3, B, (A, B), three), three).code == "bad-certificate"  # its own term
+    forgot = node(C, voters=two, applied=(3, 2))
+    assert "signed by 1 of the 2 voters" in forgot.may_apply(B, 4, 1, later, three).reason
+    out = n.apply_allocation(4, 1, three, later, 0.3)
+    assert CoordinatorKnown(4, B) in out and n.voters == three and n.previous == PreviousConfiguration(two, 4)
+    kept = node(C, voters=two, applied=(3, 2), previous=PreviousConfiguration(three, 3))
+    kept.apply_allocation(5, 1, two, cert(5, B, (B, C), two), 0.1)  # a coordinator of term 5 keeps the two
+    assert kept.previous is None and kept.may_apply(B, 6, 1, cert(6, B, (A, B), three), three).code == "bad-certificate"
+
+
 @pytest.mark.parametrize("issuer, term, epoch, applied, signers, code", [
     (A, 3, 1, (2, 5), (A, B, C, D), None),  # a newer term starts its epochs anew
     (A, 3, 3, (3, 2), (A, B, C, D), None),
@@ -820,6 +850,26 @@ def test_after_a_configuration_change_the_coordinator_is_certified_again():
     n.handle(D, vote(D, 1, A, four), 0.12)
     assert n.certificate == cert(1, A, (A, C, D), voters=four) and n.role is ElectionRole.COORDINATOR
     assert sends(n.tick(0.2), Heartbeat)[0].msg.certificate == n.certificate
+
+
+def test_a_coordinator_not_certified_again_in_time_stands_in_the_new_configuration():
+    # B, C and D elected A in term 1 among five; the new configuration drops B and adds X. C and
+    # X never sign A again (X voted for another candidate in term 1): after the longest election
+    # timeout A stands in term 2 among the new voters, whose votes make a certificate they check.
+    n = coordinator(A, config=CFG.with_(check_quorum=False))  # (no acks are fed here)
+    new = tuple(sorted((A, C, D, E, X)))
+    n.apply_allocation(1, 1, new, n.certificate, 0.1)
+    n.handle(D, vote(D, 1, A, new), 0.12)
+    assert n.certificate.config == config_digest(FIVE)  # 2 of 5 signed again: not a quorum
+    early = n.tick(0.1 + CFG.election_timeout_max_s - 0.01)
+    assert n.role is ElectionRole.COORDINATOR and not any(isinstance(a, SteppedDown) for a in early)
+    out = n.tick(0.1 + CFG.election_timeout_max_s)
+    assert any(isinstance(a, SteppedDown) and a.standing_again for a in out) and Persist(2, A) in out
+    asks = sends(out, RequestVote)
+    assert {a.to for a in asks} == set(new) - {A} and asks[0].msg.term == 2 and asks[0].msg.config == config_digest(new)
+    for v in (C, D, E):
+        n.handle(v, vote(v, 2, A, new), 0.2)
+    assert n.role is ElectionRole.COORDINATOR and n.term == 2 and n.certificate == cert(2, A, (A, C, D, E), voters=new)
 
 
 def split_vote(sim: ElectionSim, liar: int, candidates) -> None:

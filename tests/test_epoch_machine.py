@@ -191,6 +191,24 @@ def test_the_coordinator_of_a_newer_term_may_stop_a_run_it_did_not_issue():
     """)
 
 
+def test_a_stop_of_another_epoch_is_refused():
+    # A coordinator whose hand-out of epoch 1 was refused undoes it with a STOP naming epoch 1;
+    # a peer that applied a newer epoch from the next coordinator meanwhile (here the same
+    # peer's own deposed procedure, which outlived its term) must not stop that one.
+    p = Peer(N[1])
+    p.accept(alloc(epoch=2))
+    p.lines.clear()
+    p.feed(StopAsked(p.key("t"), N[1], RUN, 0, epoch=1), 1.0)
+    p.feed(StopAsked(p.key("t"), N[0], RUN, 5, epoch=2), 2.0)
+    p.transcript("""
+        1 STOP before step 0 from n1
+          reply: stopped=False (a stop of epoch 1, this peer is in epoch 2)
+        2 STOP before step 5 from n0
+          stop runner of epoch 2 before step 5
+          reply: stopped=True
+    """)
+
+
 def test_a_stop_before_the_start_cancels_the_runner():
     p = Peer(N[1])
     [*_, build] = p.offer(alloc())

@@ -64,7 +64,7 @@ _ANY = st.one_of(st.just("current"), st.just("current"), st.just("current"), st.
 _OWN_OPERATOR_KEY = OperatorKey(hashlib.sha256(b"the Byzantine node's operator key").digest())
 _KEYS = {
     ControlMsg.START: ("run", "epoch"),
-    ControlMsg.STOP: ("run", "at_step", "final", "abort", "op"),
+    ControlMsg.STOP: ("run", "at_step", "final", "abort", "op", "epoch"),
     ControlMsg.STEP: ("run", "epoch", "step", "loss", "iteration_s", "compute_s", "pipeline_s", "sync_s", "failed"),
     ControlMsg.RUN_STATE: ("op", "run", "step", "layers", "peers", "timeout_s"),
     ControlMsg.ALLOCATION: ("body", "sig", "cert"),
@@ -391,8 +391,10 @@ class ByzantinePlane(PlaneMachine):
         sim = self.sim
         if sim is None:
             return
-        settle(sim)
+        outcome = settle(sim)
         self.safe()
+        if outcome == "training":  # (else every holder of a stage was lost with the steps it ran)
+            check_log(sim, pending=False)
 
 
 TestByzantinePlane = ByzantinePlane.TestCase

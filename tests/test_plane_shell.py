@@ -34,7 +34,7 @@ from dtfm.control import (
     KNOBS,
     sign_op,
 )
-from dtfm.control.election import config_digest, vote_payload
+from dtfm.control.election import PreviousConfiguration, config_digest, vote_payload
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.coordinator.steplog import StepLog
 from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
@@ -392,6 +392,22 @@ async def test_a_restarted_peer_sends_the_step_reports_its_checkpoints_kept(tmp_
     save_checkpoint(root, last, notes={REPORTS_NOTE: {"not": "a list"}})
     again = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
     assert [(r.epoch, r.step) for r in again.run_state().reports] == [(1, 0), (1, 1), (1, 2), (1, 3)]
+
+
+async def test_a_restarted_peer_keeps_the_configuration_before_its_last_change(tmp_path):
+    # A configuration change the next coordinator never saw is undone by it (the election's
+    # `previous`): applied.json keeps the voters before the change, and a restart reads them.
+    a = alloc()
+    before = tuple(sorted(k.peer_id for k in IDS))
+    (tmp_path / "applied.json").write_text(json.dumps({
+        "run": RUN.hex(), "term": 2, "epoch": 1, "allocation": a.encode().hex(),
+        "previous": {"voters": [v.hex() for v in before], "term": 2}}))
+    plane = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    assert plane.election.previous == PreviousConfiguration(before, 2)
+    (tmp_path / "applied.json").write_text(json.dumps({
+        "run": RUN.hex(), "term": 2, "epoch": 1, "allocation": a.encode().hex(), "previous": {"voters": ["zz"]}}))
+    with pytest.raises(TrainError, match="damaged previous configuration"):
+        ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
 
 
 async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_clock):

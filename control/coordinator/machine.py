@@ -642,7 +642,7 @@ class Coordinator:
         # A frozen peer reads this when it wakes: it aborts its step instead of sending on in
         # an epoch the others left (what it sends meanwhile is refused by epoch anyway).
         return [self._ask(("fence", epoch), verdict.silent, ControlMsg.STOP,
-                          {"run": log.alloc.run_id, "at_step": step, "abort": True}, self.t.request_timeout_s)]
+                          {"run": log.alloc.run_id, "at_step": step, "abort": True, "epoch": log.alloc.epoch}, self.t.request_timeout_s)]
 
     def _link_retest(self, now: float) -> list:
         """Ping each cut link from one end; a ping that comes back clears it."""
@@ -1009,7 +1009,7 @@ class Coordinator:
             logger.info("reconfiguring (%s): %s %d peers%s", proc.trigger,
                         "aborting the step of" if lost else "stopping", len(proc.running),
                         "" if lost else f" before step {at}")
-            return [self._proc_ask(proc, "stop", proc.running, {"run": cur.run_id, "at_step": at, "abort": lost},
+            return [self._proc_ask(proc, "stop", proc.running, {"run": cur.run_id, "at_step": at, "abort": lost, "epoch": cur.epoch},
                                    self.t.request_timeout_s, msg=ControlMsg.STOP)]
         if step == "stop":
             proc.stop_deadline = now + self.t.stop_timeout_s
@@ -1059,9 +1059,10 @@ class Coordinator:
         states = proc.states
         reachable = set(states)
         voters = set(self.election.voters)
-        if voters and len(reachable & voters) < quorum(len(voters)):
-            raise _Failed(f"only {len(reachable & voters)} of {len(voters)} voters are reachable, "
-                          f"{quorum(len(voters))} needed: a side without a quorum does not reconfigure")
+        if voters and len(reachable & voters) < quorum(len(voters)):  # (a partition: waits for it to heal)
+            return self._pause(proc, f"only {len(reachable & voters)} of {len(voters)} voters are reachable, "
+                                     f"{quorum(len(voters))} needed: a side without a quorum does not reconfigure",
+                               reachable, now)
         logger.info("run states: %s", describe(states))
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
@@ -1238,7 +1239,7 @@ class Coordinator:
             proc.transient = all(a.get("code") in MEMBERSHIP_REFUSALS for a in refused.values())
             self.phase, self.reason = Phase.REFUSED, proc.refused
             rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
-            return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0},
+            return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0, "epoch": alloc.epoch},
                                    self.t.request_timeout_s, msg=ControlMsg.STOP)]
         return [self._proc_ask(proc, "start", alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
                                self.t.request_timeout_s, msg=ControlMsg.START)]
@@ -1426,7 +1427,9 @@ class Coordinator:
         if log is None or log.alloc.epoch != epoch:
             return []
         log.filling = False
-        lines, left = log.fill([(p, r) for p, st in _states(answers).items() for r in st.reports])
+        states = _states(answers)
+        lines, left = log.fill([(p, r) for p, st in states.items() for r in st.reports],
+                               everyone=True)
         for line in lines:
             logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
                         "-" if line["loss"] is None else f"{line['loss']:.4f}")

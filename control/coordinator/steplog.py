@@ -55,6 +55,7 @@ MAX_RECENT_STEPS = 64  # lines kept for `status`
 STEP_WINDOW = 8
 REORDER_STEPS = 3  # a step whose last stages' reports have not come waits until a step this much later is complete
 MAX_GAPS = MAX_REPORTS  # gaps kept for filling: a peer keeps no more reports than this
+GAP_ATTEMPTS = 4  # queries for the gaps' reports while some peer does not answer
 
 Known = Callable[[int], "Allocation | None"]  # epoch -> its allocation, if this peer knows it
 
@@ -75,6 +76,7 @@ class StepLog:
         self.fetch_s = 0.0  # the slowest peer's fetch
         self.gaps: set[int] = set()  # completed steps of which no report arrived (the newest MAX_GAPS)
         self.filling = False  # the peers are being asked for the gaps' reports
+        self.gap_attempts = 0  # queries for the gaps so far in which some peer did not answer
         self.refusals = refusals if refusals is not None else Refusals()
         self.highest: dict[bytes, int] = {p: self.completed for p in alloc.peers}  # each peer's newest step
         self._behind = len(self.highest)  # peers whose newest step is < completed + STEP_WINDOW
@@ -194,16 +196,22 @@ class StepLog:
             lines.append(self._line(step, by_step[step][newest], found[0], backfilled=True))
         return lines
 
-    def fill(self, reports: Iterable[tuple[bytes, StepReport]]) -> tuple[list[dict], list[int]]:
+    def fill(self, reports: Iterable[tuple[bytes, StepReport]], *, everyone: bool = True) -> tuple[list[dict], list[int]]:
         """Lines for the gaps these reports (the peers' own, of any step) cover with this
-        epoch's reports, and the gaps they leave (given up here; a later epoch's back-fill may
-        still find them)."""
+        epoch's reports, and the gaps they leave: given up when `everyone` answered (a later
+        epoch's back-fill may still find them), else kept to ask again, at most
+        GAP_ATTEMPTS times in all."""
         epoch = self.alloc.epoch
         lines = self.backfill([(p, r) for p, r in reports if r.epoch == epoch], self.gaps,
                               lambda e: self.alloc if e == epoch else None)
         left = sorted(self.gaps - self.logged)
-        self.gaps.clear()
-        return lines, left
+        self.gaps = set(left)
+        self.gap_attempts += 1
+        if everyone or self.gap_attempts >= GAP_ATTEMPTS:
+            self.gaps.clear()
+            self.gap_attempts = 0
+            return lines, left
+        return lines, []
 
     def _loss(self, step: int, reports: dict[bytes, StepReport], alloc: Allocation) -> tuple[float | None, dict]:
         """The step's loss from the last-stage peers' reports, and the disagreement ({} if none)."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
         ElectionSend,
         ElectionState,
         Persist,
+        PreviousConfiguration,
         SteppedDown,
         VoteSigner,
     )
@@ -71,6 +72,7 @@ __all__ = [
     "Persist",
     "PreVote",
     "PreVoteReply",
+    "PreviousConfiguration",
     "RequestVote",
     "SteppedDown",
     "Vote",
@@ -96,7 +98,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".service": ("ElectionEvent", "ElectionService"),
     ".state": (
         "BecameCoordinator", "CoordinatorKnown", "ElectionAction", "ElectionRole", "ElectionSend",
-        "ElectionState", "Persist", "SteppedDown", "VoteSigner",
+        "ElectionState", "Persist", "PreviousConfiguration", "SteppedDown", "VoteSigner",
     ),
     ".store": ("ElectionStore", "ElectionStoreError", "FileElectionStore", "MemoryElectionStore"),
 }

@@ -56,6 +56,7 @@ fsyncs). Build the service inside trio: the election timer starts at constructio
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import math
 import random
@@ -80,6 +81,7 @@ from .state import (
     ElectionSend,
     ElectionState,
     Persist,
+    PreviousConfiguration,
     SteppedDown,
     VoteSigner,
 )
@@ -197,9 +199,18 @@ class ElectionService:
         """A first configuration (`train start` on a peer that applied no allocation); sorted here."""
         self._input(self._state.set_voters, check_voters(sorted(voters)))
 
-    def restore(self, term: int, epoch: int, voters: Iterable[bytes] | None) -> None:
-        """At start: the allocation this peer applied before it stopped (its configuration)."""
-        self._input(self._state.restore, term, epoch, None if voters is None else check_voters(sorted(voters)))
+    def restore(self, term: int, epoch: int, voters: Iterable[bytes] | None,
+                previous: PreviousConfiguration | None = None) -> None:
+        """At start: the allocation this peer applied before it stopped (its configuration),
+        and the configuration before its last change, if it kept one."""
+        self._input(functools.partial(self._state.restore, previous=previous), term, epoch,
+                    None if voters is None else check_voters(sorted(voters)))
+
+    @property
+    def previous(self) -> PreviousConfiguration | None:
+        """The configuration before the last change, while a later coordinator may undo it
+        (kept on disk with the applied allocation)."""
+        return self._state.previous
 
     def apply_allocation(self, term: int, epoch: int, voters: Iterable[bytes], certificate: Certificate | None) -> None:
         """An allocation this peer applies (`may_apply` said yes): (term, epoch), configuration, certificate."""

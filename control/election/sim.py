@@ -59,6 +59,7 @@ from .state import (
     ElectionSend,
     ElectionState,
     Persist,
+    PreviousConfiguration,
     SteppedDown,
 )
 from .store import MemoryElectionStore
@@ -114,6 +115,7 @@ class ElectionSim:
         self.stores = [MemoryElectionStore() for _ in range(n)]
         self.disk_applied: list[tuple[int, int]] = [(0, 0)] * n
         self.disk_voters: list[tuple[bytes, ...]] = [self.voters] * n
+        self.disk_previous: list[PreviousConfiguration | None] = [None] * n
         self.offsets = [0.0] * n
         self.groups = [0] * n
         self.partition_since: float | None = None
@@ -202,6 +204,7 @@ class ElectionSim:
                 self._violation(f"node {k} applied ({term}, {epoch}) after {self.disk_applied[k]}")
             self.disk_applied[k], self.disk_voters[k] = (term, epoch), voters
             self._run(k, node.apply_allocation(term, epoch, voters, cert, self.local_now(k)))
+            self.disk_previous[k] = node.previous
             applied += 1
         return applied
 
@@ -253,7 +256,8 @@ class ElectionSim:
         term, voted_for = self.stores[k].load()
         self.nodes[k] = ElectionState(self.ids[k], self.config, random.Random(self.rng.random()), self.local_now(k),
                                       signer=self.signers[self.ids[k]], term=term, voted_for=voted_for,
-                                      voters=self.disk_voters[k], applied=self.disk_applied[k])
+                                      voters=self.disk_voters[k], applied=self.disk_applied[k],
+                                      previous=self.disk_previous[k])
         self._schedule(k)
         self._booted(k)
 

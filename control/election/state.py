@@ -61,7 +61,19 @@ votes but never stands. `campaign(now)` stands at once (`train start`). When the
 applies a configuration its certificate is not of, it asks the new voters to sign its term
 again over the new configuration (they voted for it already, or not at all in this term) and
 carries the new certificate once a quorum did: peers that applied the new configuration
-recognise it after a restart too.
+recognise it after a restart too. When no quorum did within election_timeout_max_s (a voter
+that voted for another candidate in its term never signs it), it stands again in the next
+term, in the new configuration.
+
+Undone changes. A configuration change is made by the coordinator's allocation, which some
+voters may apply before the coordinator is lost: the rest, a quorum of the previous voters, go
+on and elect a coordinator in a later term that never saw it (as in Raft, an entry not yet on a
+quorum may be overwritten). So a peer keeps the voters before its last change, with the term of
+the allocation that made it, and also recognises a certificate of a later term that is a quorum
+of those voters (`previous`, kept on disk beside the applied allocation). It is safe for the
+reason a one-voter change is: a quorum of the previous voters and one of the new share a voter,
+and a voter that applied the new configuration refuses a candidate whose applied allocation is
+older. Once an allocation of a later term keeps the configuration, it is no longer undone.
 
 Allocations. `may_apply(issuer, term, epoch, certificate, voters)` refuses an allocation unless
 its certificate is of `issuer` in `term`, checks against this peer's configuration as above
@@ -121,6 +133,7 @@ __all__ = [
     "ElectionSend",
     "ElectionState",
     "Persist",
+    "PreviousConfiguration",
     "SteppedDown",
     "VoteSigner",
 ]
@@ -183,6 +196,14 @@ class SteppedDown:
 ElectionAction = ElectionSend | Persist | BecameCoordinator | CoordinatorKnown | SteppedDown
 
 
+@dataclass(frozen=True)
+class PreviousConfiguration:
+    """The voters before this peer's last configuration change, and the term of the
+    allocation that changed them."""
+    voters: tuple[bytes, ...]
+    term: int
+
+
 @dataclass
 class _Round:
     """Signed votes gathered for `candidate` (this peer) in one configuration."""
@@ -199,7 +220,7 @@ class _Round:
 class ElectionState:
     def __init__(self, me: bytes, config: ElectionConfig, rng: random.Random, now: float, *, signer: VoteSigner,
                  term: int = 0, voted_for: bytes | None = None, voters: tuple[bytes, ...] | None = None,
-                 applied: tuple[int, int] = (0, 0)) -> None:
+                 applied: tuple[int, int] = (0, 0), previous: PreviousConfiguration | None = None) -> None:
         if type(term) is not int or not 0 <= term <= MAX_TERM:
             raise ValueError(f"term must be in [0, {MAX_TERM}], got {term}")
         if signer.peer_id != me:
@@ -215,8 +236,10 @@ class ElectionState:
         self.certificate: Certificate | None = None  # the coordinator's, once recognised (own when coordinator)
         self.voters: tuple[bytes, ...] = ()
         self._config: bytes | None = None  # config_digest(self.voters)
+        self.previous: PreviousConfiguration | None = None  # before the last change, while it may be undone
         if voters is not None:
             self._set_configuration(voters)
+            self.previous = previous
         applied_term, applied_epoch = applied
         self.last_applied: tuple[int, int] = (applied_term, applied_epoch)
         self._checker = CertificateCheck()
@@ -227,6 +250,7 @@ class ElectionState:
         self._grants: set[bytes] = set()  # pre-votes of the current pre-vote round
         self._round: _Round | None = None  # votes of the current candidacy
         self._recert: _Round | None = None  # the coordinator's votes over a new configuration
+        self._recert_by = _NEVER  # when the coordinator stands again if _recert is not complete
         self._since = now  # coordinator since
         self._next_heartbeat = _NEVER
         self._seq = 0
@@ -259,9 +283,13 @@ class ElectionState:
         """None if `cert` proves its candidate's election to this peer (module docstring), else why not."""
         if self.voters:
             if cert.candidate not in self.voters:
-                return f"its candidate {short_id(cert.candidate)} is not a voter of this peer's configuration"
-            assert self._config is not None
-            return self._checker.check(cert, self.voters, self._config)
+                why: str | None = f"its candidate {short_id(cert.candidate)} is not a voter of this peer's configuration"
+            else:
+                assert self._config is not None
+                why = self._checker.check(cert, self.voters, self._config)
+            if why is not None and self._previous_elects(cert):
+                return None
+            return why
         if self.me not in cert.voters:
             return "this peer has no configuration yet, and the certificate's does not name it"
         return self._checker.check(cert, cert.voters, cert.config)
@@ -284,7 +312,7 @@ class ElectionState:
             return Refusal("stale", f"term {term} epoch {epoch} is not newer than term {self.last_applied[0]} "
                                     f"epoch {self.last_applied[1]}, already applied")
         if self.voters:
-            if issuer not in self.voters:
+            if issuer not in self.voters and not self._previous_elects(certificate):
                 return Refusal("not-voter", f"the issuer {short_id(issuer)} is not a voter of this peer's "
                                             "configuration")
             why = self.check_certificate(certificate)
@@ -323,11 +351,18 @@ class ElectionState:
                 self._follow(certificate, out, f"allocation of term {term} from {short_id(certificate.candidate)}")
         self.last_applied = (term, epoch)
         self._superseded = False
+        if self.voters and config_digest(check_voters(voters)) != self._config:
+            assert self._config is not None
+            self.previous = PreviousConfiguration(self.voters, term)
+        elif self.previous is not None and term > self.previous.term:
+            self.previous = None  # a coordinator of a later term handed the configuration on: it stands
         self._reconfigure(voters, out)
         return out
 
-    def restore(self, term: int, epoch: int, voters: tuple[bytes, ...] | None, now: float) -> list[ElectionAction]:
-        """At start: the allocation applied before the restart, from the disk."""
+    def restore(self, term: int, epoch: int, voters: tuple[bytes, ...] | None, now: float,
+                previous: PreviousConfiguration | None = None) -> list[ElectionAction]:
+        """At start: the allocation applied before the restart, from the disk (with the
+        `previous` configuration this peer kept then)."""
         self._advance(now)
         out: list[ElectionAction] = []
         if self.last_applied != (0, 0) or (term, epoch) <= (0, 0):
@@ -335,6 +370,7 @@ class ElectionState:
         self.last_applied = (term, epoch)
         if voters:
             self._reconfigure(voters, out)
+            self.previous = previous
         return out
 
     def set_voters(self, voters: tuple[bytes, ...], now: float) -> list[ElectionAction]:
@@ -422,7 +458,13 @@ class ElectionState:
         self._advance(now)
         out: list[ElectionAction] = []
         if self.role is ElectionRole.COORDINATOR:
-            if now >= self._next_heartbeat:
+            if self._recert is not None and now >= self._recert_by and not self.term_exhausted:
+                # Voters that voted for another candidate in this term never sign it again:
+                # an election in the new configuration gets the certificate its peers check.
+                self._step_down(out, f"not certified again by a quorum of the new configuration within "
+                                     f"{self.config.election_timeout_max_s:g} s", standing_again=True)
+                self._become_candidate(self.term + 1, out)
+            elif now >= self._next_heartbeat:
                 if self.config.check_quorum and not self._quorum_heard():
                     self._step_down(out, f"no acks from a quorum within {self.config.lease_s:g} s")
                 else:
@@ -466,6 +508,7 @@ class ElectionState:
             self._recert = None
             return
         self._recert = _Round(self.voters, self._config, {self.me: self._sign(self.term, self.me, self._config)})
+        self._recert_by = self._now + self.config.election_timeout_max_s
         self._check_recert()
         self._ask_recert(out)
 
@@ -651,6 +694,14 @@ class ElectionState:
         self._deadline = self._now + self._timeout()
 
     # ------------------------------------------------------------------ messages
+
+    def _previous_elects(self, cert: Certificate) -> bool:
+        """`cert` elects its candidate in the configuration before this peer's last change, in
+        a term after the change: the change may never have reached a quorum of the new voters
+        (its coordinator was lost first), and the swarm went on without it (module docstring)."""
+        prev = self.previous
+        return (prev is not None and cert.term > prev.term and cert.candidate in prev.voters
+                and self._checker.check(cert, prev.voters, config_digest(prev.voters)) is None)
 
     def _counts(self, src: bytes) -> bool:
         """Messages of the election count from voters of this peer's configuration (any peer

@@ -122,6 +122,7 @@ class StopAsked:
     final: bool = False  # an operator's stop: the run is over, nobody reconfigures it
     abort: bool = False  # a reconfiguration after a loss: end the step now
     op: SignedOp | None = None  # with `final`: the operator's signed stop of the run
+    epoch: int | None = None  # the epoch the sender stops (None: the current one, an operator's stop)
 
 
 @dataclass(frozen=True)
@@ -590,6 +591,9 @@ class EpochMachine:
         run = self.run
         if run is None or ev.run_id != run.alloc.run_id:
             return [Reply(ev.key, {"stopped": False, "reason": "not in that run"})]
+        if ev.epoch is not None and ev.epoch != run.alloc.epoch:  # (a procedure that outlived its epoch)
+            return [Reply(ev.key, {"stopped": False, "reason": f"a stop of epoch {ev.epoch}, this peer is in epoch "
+                                                              f"{run.alloc.epoch}"})]
         coordinator = self.election.coordinator
         recognised = ev.sender == coordinator and (ev.sender != self.me or self.election.is_coordinator)
         if ev.final:
