@@ -16,6 +16,7 @@ import dataclasses
 import inspect
 import math
 import re
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,19 @@ MAX_BOOTSTRAP = 64
 
 class ConfigError(ValueError):
     """A bad setting; str() names the setting and what is wrong with it."""
+
+
+def read_toml(path: Path, what: str) -> dict[str, Any]:
+    """The TOML table of the file at `path`; ConfigError names `what` it is and the file."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {what} {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{what} {path} is not valid TOML: {e}") from None
 
 
 def option(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None,

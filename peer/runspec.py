@@ -22,14 +22,13 @@ default, so a start that sets none signs what it signed before). docs/train.md h
 from __future__ import annotations
 
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dtfm.train import PRESETS, WIRE_DTYPES, TrainConfig
 
-from .config import ConfigError
+from .config import ConfigError, read_toml
 
 __all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "SpecKey", "init_folder", "load_run_spec", "resolve",
            "start_request"]
@@ -112,15 +111,7 @@ KNOB_FLAGS: dict[str, str] = {
 def load_run_spec(path: Path) -> dict[str, Any]:
     """The keys of the run spec file at `path`, typed and checked (a relative init_from is
     relative to the file's folder); ConfigError names the file and the key."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"run spec {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read run spec {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"run spec {path} is not valid TOML: {e}") from None
+    raw = read_toml(path, "run spec")
     out = {}
     for key, value in raw.items():
         spec = RUN_SPEC_KEYS.get(key)

@@ -9,7 +9,6 @@ one; their help and default come from the same place as the key's.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from typing import Any
 
 from dtfm.net import Address, AddressError
 
-from .config import ConfigError, DaemonConfig, lower_layer_error
+from .config import ConfigError, DaemonConfig, lower_layer_error, read_toml
 
 SECTIONS: dict[str, type] = {
     f.name: typing.get_type_hints(DaemonConfig)[f.name] for f in dataclasses.fields(DaemonConfig)}
@@ -224,15 +223,7 @@ def _flatten(table: dict[str, Any], known: dict[str, Setting]) -> dict[str, Any]
 def load_toml(path: Path, base: DaemonConfig | None = None) -> DaemonConfig:
     """Read a TOML config file onto `base` (default profile); ConfigError names the file."""
     base = DaemonConfig.default() if base is None else base
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    raw = read_toml(path, "config file")
     try:
         return merge(base, raw, base_dir=path.resolve().parent)
     except ConfigError as e:

@@ -270,9 +270,10 @@ def short(peer_id: object) -> str:
     return peer_id[:8] if isinstance(peer_id, str) and peer_id else "-"
 
 
-def format_bytes(n: object) -> str:
+def format_bytes(n: object, missing: str = "? bytes") -> str:
+    """A byte count for people (kB = 1000 bytes); `missing` when it is not a number."""
     if not isinstance(n, (int, float)):
-        return "? bytes"
+        return missing
     value = float(n)
     for unit in ("B", "kB", "MB", "GB"):
         if abs(value) < 1000 or unit == "GB":

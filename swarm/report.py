@@ -11,6 +11,8 @@ import numpy as np
 if TYPE_CHECKING:
     from dtfm.sched import ModelSpec
 
+from dtfm.peer import format_bytes
+
 from .proc import peer_status
 from .state import SwarmState
 
@@ -189,16 +191,6 @@ def _format_measured(report: dict) -> list[str]:
 RECONFIG_EVENTS = ("reconfigure", "rollback", "stopped")
 
 
-def format_bytes(n: Any) -> str:
-    if not isinstance(n, (int, float)):
-        return "-"
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(n) < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"  # pragma: no cover
-
-
 def _seconds(value: Any) -> str:
     return f"{value:.3f} s" if isinstance(value, (int, float)) else "?"
 
@@ -225,7 +217,7 @@ def format_event(e: dict, t0: float | None = None) -> str:
     if e.get("moves") is not None:
         parts.append(f"{e['moves']} moves")
     if e.get("bytes_moved") is not None:
-        parts.append(f"{format_bytes(e['bytes_moved'])} moved")
+        parts.append(f"{format_bytes(e['bytes_moved'], missing='-')} moved")
     if e.get("resume_step") is not None:
         parts.append(f"resume at step {e['resume_step']}")
     if e.get("kind"):
