@@ -411,6 +411,39 @@ async def test_sender_blocks_at_the_window_and_the_buffer_stays_bounded(corpus):
             comm.close()
 
 
+@pytest.mark.parametrize("pool_copies", [0, 2])
+async def test_send_copies_are_reused_up_to_the_pool_and_never_while_in_flight(corpus, pool_copies):
+    one = 4 * TINY.seq_len * TINY.n_embd
+    config = dataclasses.replace(CommConfig.test(), send_pool_bytes=pool_copies * one)
+    async with swarm(2) as (nursery, nodes):
+        plan = id_plan(Plan.grid(TINY.n_layer, 2, 1), nodes)
+        a, b = nodes
+        cfg = dataclasses.replace(TEST_CONFIG, micro_batches=8)
+        states = {p: StageState(TINY, cfg, plan.layer_ranges[plan.position(p)[1]]) for p in plan.peers}
+        comms = await start_comms(nursery, nodes, plan, TINY, cfg, states, config)
+        sender, receiver = comms[a.id], comms[b.id]
+        tag, x = f"{EPOCH}.0/act/0", torch.empty(1, TINY.seq_len, TINY.n_embd)
+        for round_ in range(3):  # rounds after the first copy into the kept buffers
+            handles = []
+            for i in range(4):
+                x.fill_(10 * round_ + i)
+                handles.append(sender.isend(b.id, tag, x))
+            x.fill_(-1)  # the copies are the caller's no longer
+
+            def drain():
+                got = [receiver.recv(a.id, tag, 5.0) for _ in range(4)]
+                for h in handles:
+                    h.wait(5.0)
+                return [float(t[0, 0, 0]) for t in got], [bool(t.eq(t[0, 0, 0]).all()) for t in got]
+
+            with trio.fail_after(10):
+                values, uniform = await trio.to_thread.run_sync(drain)
+            assert values == [10.0 * round_ + i for i in range(4)] and all(uniform)
+            assert sender.stats(b.id)["send_pool_bytes"] == pool_copies * one
+        for comm in comms.values():
+            comm.close()
+
+
 def test_config_is_validated_and_sizes_buffers_from_the_rules():
     with pytest.raises(ValueError):
         CommConfig(window_messages=0)
@@ -420,6 +453,8 @@ def test_config_is_validated_and_sizes_buffers_from_the_rules():
         CommConfig(buffer_factor=0.5)
     with pytest.raises(ValueError):
         CommConfig(ack_timeout_s=10.0, handler_wait_timeout_s=10.0)
+    with pytest.raises(ValueError):
+        CommConfig(send_pool_bytes=-1)
     plan = Plan.grid(4, 2, 1)
     rules = MessageRules.for_peer(plan, TINY, TEST_CONFIG, "peer0.1", [])
     act = 4 * 2 * TINY.seq_len * TINY.n_embd

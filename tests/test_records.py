@@ -180,3 +180,38 @@ async def test_a_payload_buffer_may_be_reused_once_send_returns():
             await done.wait()
         assert got == [bytes([i + 1]) * len(buf) for i in range(3)]
         n.cancel_scope.cancel()
+
+
+@pytest.mark.skipif(not hasattr(__import__("socket"), "SO_RCVLOWAT"), reason="no SO_RCVLOWAT here")
+async def test_a_large_read_wakes_once_its_bytes_are_in_and_small_reads_after_it_do_not_wait():
+    import socket
+
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    async with trio.open_nursery() as n:
+        writer = await trio.open_tcp_stream("127.0.0.1", port)
+        reader_stream = await listeners[0].accept()
+        reader = StreamReader(reader_stream)
+        data = os.urandom(MiB)
+
+        async def dribble():
+            for off in range(0, MiB, 64 << 10):  # 16 pieces, each alone on the wire for a moment
+                await writer.send_all(data[off : off + (64 << 10)])
+                await trio.sleep(0.005)
+            await writer.send_all(b"tail")
+
+        n.start_soon(dribble)
+        dest = memoryview(bytearray(MiB))
+        with trio.fail_after(10):
+            await reader.read_into(dest)
+        assert bytes(dest) == data
+        # one wait for the whole megabyte, not one per piece (16 without the low-water mark)
+        assert reader.waits <= 4
+        assert reader_stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        with trio.fail_after(5):  # four bytes are four bytes: no wait for a megabyte
+            assert bytes(await reader.read_exactly(4)) == b"tail"
+        await writer.aclose()
+        await reader_stream.aclose()
+        for listener in listeners:
+            await listener.aclose()
+        n.cancel_scope.cancel()

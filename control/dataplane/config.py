@@ -38,6 +38,10 @@ class CommConfig:
     # Cap on one neighbour's receive buffer (never below its largest message): bounds memory
     # when a neighbour sends much in a row (a ring all-reduce step of a large model).
     max_buffer_bytes: int = 1024 * MiB
+    # Copies of sent tensors kept for reuse by later sends of the same size, in bytes: a fresh
+    # large buffer costs a page fault per page, about four times the copy into a warm one. It
+    # holds only what sends have used: a peer that sends little keeps little. 0 keeps none.
+    send_pool_bytes: int = 1024 * MiB
     # Tensors `isend` may queue for one peer; beyond it the send fails (a stuck peer, or a bug).
     max_queued_messages: int = 1 << 16
     # A sent tensor not acknowledged within this long fails (transfer and wait for room included).
@@ -53,6 +57,8 @@ class CommConfig:
             raise ValueError("buffer_factor must be >= 1")
         if self.max_buffer_bytes < 1 or self.max_queued_messages < 1:
             raise ValueError("max_buffer_bytes and max_queued_messages must be >= 1")
+        if self.send_pool_bytes < 0:
+            raise ValueError("send_pool_bytes must be >= 0")
         if not self.handler_wait_timeout_s > 0 or not self.ack_timeout_s > self.handler_wait_timeout_s:
             raise ValueError("need 0 < handler_wait_timeout_s < ack_timeout_s")
 
