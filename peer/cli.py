@@ -50,7 +50,7 @@ from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
 from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, start_request
-from .status import format_bytes, format_status_text, to_json
+from .status import format_bytes, format_resume, format_status_text, plural, to_json
 
 PROG = "dtfm-peer"
 # The signed start's names of the training knobs (TrainConfig fields), for the start's summary.
@@ -570,7 +570,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             key = _operator_key(args, info)
             op = sign_op(key, "stop", now_s=time.time(), run_id=_current_run(info, "stop"))
             reply = c.request("train_stop", {"op": op.to_wire()})
-        print(f"the run stops before step {reply['at_step']} ({reply['told']} peers told)", file=sys.stderr)
+        at = reply["at_step"]  # the daemons' index of the first step not taken: the steps done
+        print(f"the run stops {f'after step {at}' if at else 'before its first step'} ({reply['told']} peers told)",
+              file=sys.stderr)
         return 0
     values, init = _start_values(args)
     request = start_request(values)
@@ -593,9 +595,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
     model = values["preset"] if init is None else f"{init[1]} ({reply.get('model', 'hf')})"
-    print(f"training {model} for {reply['steps']} steps as {reply['stages']} stages x {reply['dp']} "
-          f"pipelines; predicted {reply['predicted_iteration_s']:.3f} s per step"
-          + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+    print(format_started(model, reply))
     knobs = {k: v for k, v in request.items() if k in TRAIN_KNOBS}
     if knobs:
         print("  training config: " + ", ".join(f"{k} {v}" for k, v in knobs.items()))
@@ -695,7 +695,7 @@ def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: Data
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
-        print(f"run {run.hex()[:8]} resumes at step {reply.get('resume_step', '?')}: "
+        print(f"run {run.hex()[:8]} {format_resume(reply.get('resume_step', '?')).replace('resumed', 'resumes')}: "
               f"{format_reschedule(reply)}")
     return 0
 
@@ -749,12 +749,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
-        print(f"exported run {run.hex()[:8]} at step {reply.get('step')} ({reply.get('model')}, "
-              f"{len(reply.get('stages') or [])} stages, {int(reply.get('bytes_fetched') or 0) / 1e6:.1f} MB "
-              f"fetched) to {reply.get('out')}")
+        print(format_exported(run.hex(), reply))
         print(f"load it with GPT2LMHeadModel.from_pretrained({str(out)!r}), or sample: "
               f"python -m dtfm.train sample --model {out} --prompt TEXT")
     return 0
+
+
+def format_started(model: str, reply: dict) -> str:
+    """`training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step`."""
+    return (f"training {model} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
+            f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step"
+            + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+
+
+def format_exported(run_hex: str, reply: dict) -> str:
+    """`exported run 8df90683 at step 600 (tiny, 1 stage, 10.4 MB fetched) to DIR`."""
+    return (f"exported run {run_hex[:8]} at step {reply.get('step')} ({reply.get('model')}, "
+            f"{plural(len(reply.get('stages') or []), 'stage')}, {int(reply.get('bytes_fetched') or 0) / 1e6:.1f} MB "
+            f"fetched) to {reply.get('out')}")
 
 
 def format_reschedule(reply: dict) -> str:
@@ -775,7 +787,7 @@ def format_reschedule(reply: dict) -> str:
     if reply.get("epoch") is not None:
         parts.append(f"epoch {reply['epoch']}")
     if reply.get("resume_step") is not None:
-        parts.append(("rolled back to" if reply.get("rollback") else "resumed at") + f" step {reply['resume_step']}")
+        parts.append(format_resume(reply["resume_step"], bool(reply.get("rollback"))))
     if reply.get("reason"):
         parts.append(str(reply["reason"]))
     return ", ".join(parts)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from .status import format_duration
+from .status import format_duration, format_resume
 
 __all__ = ["ASK_COORDINATOR_S", "FOLLOW_POLL_S", "follow", "format_header", "format_reconfig", "format_step"]
 
@@ -52,10 +52,10 @@ def format_step(line: dict, steps: int, eta_s: float | None) -> str:
 
 
 def format_reconfig(r: dict) -> str:
-    """`reconfigured (epoch 4, shrink): 2x2 -> 2x1, resumed at step 40: peer 1a2b3c4d is dead`."""
-    what = "rolled back to" if r.get("rollback") else "resumed at"
+    """`reconfigured (epoch 4, shrink): 2x2 -> 2x1, resumed after step 40: peer 1a2b3c4d is dead`
+    (the next step printed is step 41)."""
     text = (f"reconfigured (epoch {r['epoch']}, {r['kind']}): {r['old_shape']} -> {r['new_shape']}, "
-            f"{what} step {r['resume_step']}")
+            f"{format_resume(r['resume_step'], bool(r.get('rollback')))}")
     return text + (f": {r['reason']}" if r.get("reason") else "")
 
 

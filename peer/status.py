@@ -261,6 +261,21 @@ def format_gossip(gossip: dict[str, Any], me: object = None) -> list[str]:
 
 # ---- training ----------------------------------------------------------------------------------
 
+def step_no(index: object) -> object:
+    """A step as people count it: the daemons number steps from 0 (`step` 25 is the 26th),
+    every text for people from 1, as `train status` prints them (`step 26/100`)."""
+    return index + 1 if isinstance(index, int) else index
+
+
+def format_resume(resume_step: object, rollback: bool = False) -> str:
+    """Where a run went on, for people: `resume_step` is the daemons' index of the next step,
+    which is the number of steps done: `resumed after step 26` (the next line is step 27),
+    `rolled back, resumed after step 20`, `resumed from its first step`."""
+    where = (f"after step {resume_step}" if not isinstance(resume_step, int) or resume_step > 0
+             else "from its first step")
+    return ("rolled back, resumed " if rollback else "resumed ") + where
+
+
 def plural(n: object, word: str) -> str:
     """`1 stage`, `2 stages`, `? stages`."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
@@ -314,7 +329,7 @@ def format_training(t: dict, now: float) -> list[str]:
     if t.get("stage") is not None:
         head.append(f"stage {t['stage']} of pipeline {t.get('pipeline')}")
     if t.get("step") is not None:
-        head.append(f"last step {t['step']}")
+        head.append(f"last step {step_no(t['step'])}")
     lines = ["training  " + ", ".join(head)]
     if t.get("restored"):
         lines.append(f"{pad}(restored after this daemon restarted: the last allocation it applied, from its data "
@@ -348,12 +363,13 @@ def format_training(t: dict, now: float) -> list[str]:
         lines.append(f"{pad}last reconfiguration: {ago} {reconf.get('reason') or 'no reason given'}: "
                      f"{reconf.get('old_shape') or '-'} -> {reconf.get('new_shape') or '-'}, "
                      f"{format_bytes(reconf.get('bytes_moved'))} moved"
-                     + (f", resumed at step {reconf['resume_step']}" if reconf.get("resume_step") is not None else ""))
+                     + (", " + format_resume(reconf["resume_step"], bool(reconf.get("rollback")))
+                        if reconf.get("resume_step") is not None else ""))
     last = t.get("last_step")
     if isinstance(last, dict):
         loss = last.get("loss")
         sent = last.get("bytes_sent")
-        lines.append(f"{pad}last step {last.get('step')}: "
+        lines.append(f"{pad}last step {step_no(last.get('step'))}: "
                      + (f"loss {loss:.4f}, " if isinstance(loss, (int, float)) else "")
                      + f"{last.get('iteration_s', 0.0):.3f} s"
                      + (", sent " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sent.items())
@@ -389,7 +405,7 @@ def format_epoch_end(end: dict, t: dict) -> str:
     """How this peer's last epoch ended. An epoch is one allocation of a run: a failed one is
     usually followed by a reconfiguration, so the line names the epoch, never 'the run'."""
     epoch, completed, reason = end.get("epoch"), end.get("completed"), end.get("reason", "?")
-    after = f"after step {completed}" if isinstance(completed, int) and completed >= 0 else "before its first step"
+    after = f"after step {completed + 1}" if isinstance(completed, int) and completed >= 0 else "before its first step"
     current = t.get("epoch")
     if not end.get("failed"):
         if reason == "finished":

@@ -401,7 +401,7 @@ async def test_train_status_follows_the_run_until_it_ends(capsys, monkeypatch):
         "step 1/6  loss 5.0000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
         "step 2/6  loss 4.9000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
         "step 3/6  loss 4.8000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
-        "reconfigured (epoch 2, shrink): 2x2 -> 2x1, resumed at step 3: peer 1a2b3c4d is dead",
+        "reconfigured (epoch 2, shrink): 2x2 -> 2x1, resumed after step 3: peer 1a2b3c4d is dead",
         "step 4/6  loss 4.7000  0.50 s  2048 tokens/s  epoch 2  ETA 0.5s",
         "step 5/6  loss 4.6000  0.50 s  2048 tokens/s  epoch 2  ETA 0.5s",
         "step 6/6  loss 4.5000  0.50 s  2048 tokens/s  epoch 2",

@@ -868,7 +868,7 @@ def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop()
     n.feed(Reschedule(("op", "late"), reschedule_op(3.2, wall=WALL)), 3.2)
     n.transcript("""
         3 train stop
-          emit operator-stop term=1 epoch=1 trigger=train stop reason=an operator stopped the run before step 2
+          emit operator-stop term=1 epoch=1 trigger=train stop reason=an operator stopped the run after step 2
           ask opstop 1: STOP at_step=2 final=True signed -> n0 n1 n2 n3
         3.1 answers opstop 1: n0 stopped, n1 stopped, n2 stopped, n3 not stopped
           reply op stop: at_step=2 told=3
@@ -1516,7 +1516,7 @@ def test_status_after_an_operators_stop_says_stopped_everywhere_not_training():
     st = plane_status(n)  # the peers still run up to the stop's step: this one is stopping
     assert (st["state"], st["issued"]["state"]) == ("stopping", "stopped")
     assert "is stopping at a step boundary" in n.c.start_refusal()
-    assert st["issued"]["reason"] == "an operator stopped the run before step 2 (train stop)"
+    assert st["issued"]["reason"] == "an operator stopped the run after step 2 (train stop)"
     n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
     n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), WALL + 4.0), 4.0)  # n0's runner ends there
     st = plane_status(n, now=WALL + 4.0)
@@ -1524,9 +1524,9 @@ def test_status_after_an_operators_stop_says_stopped_everywhere_not_training():
     assert "stalled_s" not in st["issued"]
     lines = format_training(st, now=WALL + 5.0)
     assert lines[0].startswith("training  stopped, run 72727272")
-    assert "issued run 72727272: stopped, 2 of 100 steps done (an operator stopped the run before step 2 " \
+    assert "issued run 72727272: stopped, 2 of 100 steps done (an operator stopped the run after step 2 " \
            "(train stop))" in " ".join(lines)
-    assert "          epoch 1 ended after step 1: the run was stopped" in lines
+    assert "          epoch 1 ended after step 2: the run was stopped" in lines
     assert not any("training," in line for line in lines[1:])
 
 
@@ -1546,7 +1546,7 @@ def test_status_of_a_finished_run_counts_every_step():
     assert st["state"] == "finished"
     lines = format_training(st, now=3.0)
     assert "          issued run 72727272: finished, all 2 steps done, log train.jsonl" in lines
-    assert "          epoch 1 ended after step 1: the run finished" in lines
+    assert "          epoch 1 ended after step 2: the run finished" in lines
 
 
 def test_status_of_a_paused_run_on_its_coordinator_says_paused_not_stopped():
@@ -1566,7 +1566,7 @@ def test_status_of_a_paused_run_on_its_coordinator_says_paused_not_stopped():
     from dtfm.peer.status import format_training
     lines = format_training(st, now=6.0)
     assert lines[0].startswith("training  paused,")
-    assert "          epoch 1 was cut short after step 1: peer n1 failed: connection lost" in lines
+    assert "          epoch 1 was cut short after step 2: peer n1 failed: connection lost" in lines
 
 
 # ---- training knobs and model folders ------------------------------------------------------------

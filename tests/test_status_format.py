@@ -123,8 +123,8 @@ def test_a_finished_run_counts_its_steps():
     assert format_issued({"run_id": "ab" * 16, "state": "finished", "completed": 299, "end_step": 300}) \
         == "issued run abababab: finished, all 300 steps done"
     assert format_issued({"run_id": "ab" * 16, "state": "stopped", "completed": 121, "end_step": 200,
-                          "reason": "an operator stopped the run before step 123 (train stop)"}) \
-        == ("issued run abababab: stopped, 122 of 200 steps done (an operator stopped the run before step 123 "
+                          "reason": "an operator stopped the run after step 122 (train stop)"}) \
+        == ("issued run abababab: stopped, 122 of 200 steps done (an operator stopped the run after step 122 "
             "(train stop))")
     assert format_issued({"run_id": "ab" * 16, "state": "refused", "completed": -1, "end_step": 1}) \
         == "issued run abababab: refused, 0 of 1 step done"
@@ -143,12 +143,12 @@ def test_an_aborted_epoch_of_a_run_that_went_on_is_not_the_end_of_the_run():
     t = {"state": "training", "epoch": 4,
          "last_end": {"epoch": 3, "completed": 57, "reason": "peer 1a2b3c4d failed: connection lost",
                       "failed": True}}
-    assert format_training(t, now=0.0)[-1] == ("          epoch 3 was cut short after step 57: peer 1a2b3c4d failed: "
+    assert format_training(t, now=0.0)[-1] == ("          epoch 3 was cut short after step 58: peer 1a2b3c4d failed: "
                                                "connection lost (the run went on in epoch 4)")
     assert "run ended" not in "\n".join(format_training(t, now=0.0))
     reconf = {"state": "stopped", "epoch": 3, "last_end": {"epoch": 3, "completed": 57, "reason": "stopped",
                                                            "failed": False}}
-    assert format_training(reconf, now=0.0)[-1] == ("          epoch 3 ended after step 57: stopped at a step "
+    assert format_training(reconf, now=0.0)[-1] == ("          epoch 3 ended after step 58: stopped at a step "
                                                     "boundary for a reconfiguration of the run")
 
 
@@ -187,7 +187,7 @@ def test_a_peer_restarted_after_an_operators_stop_says_stopped():
 def test_a_peer_restarted_after_the_run_finished_says_finished():
     st = restarted([report(3, 298), report(3, 299)])
     assert st["state"] == "finished" and st["last_end"]["completed"] == 299
-    assert format_training(st, now=0.0)[-1] == "          epoch 3 ended after step 299: the run finished"
+    assert format_training(st, now=0.0)[-1] == "          epoch 3 ended after step 300: the run finished"
 
 
 def test_a_peer_restarted_after_the_run_finished_without_it_says_so():
@@ -203,3 +203,50 @@ def test_a_peer_restarted_after_the_run_finished_without_it_says_so():
     assert (st["state"], st["run_ended"]) == ("finished", {"state": "finished", "steps_done": 80})
     assert ("          (the run finished while this daemon was down, its coordinator says: 80 of 80 steps done)"
             in format_training(st, now=0.0))
+
+
+# ---- step numbers ----------------------------------------------------------------------------------
+
+def test_every_text_numbers_a_step_as_train_status_follow_does():
+    # The walkthrough's run: step index 25 was the last one of epoch 1 (`step 26/100` in
+    # `train status --follow`); a peer died, the run went on at index 26 (`step 27/100`); an
+    # operator stopped it after index 132 (`step 133/100`). Every other text must name the same
+    # steps, not the daemons' 0-based indices.
+    from dtfm.control.coordinator.machine import stopped_after
+    from dtfm.peer.cli import format_reschedule
+    from dtfm.peer.follow import format_reconfig, format_step
+
+    assert format_step({"step": 25, "epoch": 1}, 100, None).startswith("step 26/100 ")
+    reconf = {"epoch": 2, "kind": "shrink", "old_shape": "1x3", "new_shape": "1x2", "resume_step": 26,
+              "at": 1.0, "reason": "peer b846add1 failed"}
+    assert format_reconfig(reconf) == ("reconfigured (epoch 2, shrink): 1x3 -> 1x2, resumed after step 26: "
+                                       "peer b846add1 failed")
+    assert format_reschedule(reconf).endswith("epoch 2, resumed after step 26, peer b846add1 failed")
+    assert format_reconfig({**reconf, "rollback": True, "resume_step": 20}).endswith(
+        "rolled back, resumed after step 20: peer b846add1 failed")
+    assert "resumed from its first step" in format_reconfig({**reconf, "resume_step": 0})
+    assert f"an operator stopped the run {stopped_after(133)}" == "an operator stopped the run after step 133"
+    assert stopped_after(0) == "before its first step"
+    stopped = {"state": "stopped", "run_id": "ab" * 16, "preset": "tiny", "stages": 1, "dp": 2, "epoch": 5,
+               "step": 132, "last_reconfig": {**reconf, "at": 0.0},
+               "last_step": {"step": 132, "loss": 2.6709, "iteration_s": 0.3},
+               "last_end": {"epoch": 5, "completed": 132, "reason": "stopped", "failed": False}}
+    lines = format_training(stopped, now=10.0)
+    assert lines[0].endswith(", epoch 5, last step 133")
+    assert any(line.endswith("resumed after step 26") for line in lines)
+    assert "          last step 133: loss 2.6709, 0.300 s" in lines
+    assert lines[-1] == ("          epoch 5 ended after step 133: stopped at a step boundary for a "
+                         "reconfiguration of the run")
+
+
+def test_start_and_export_count_one_stage_in_the_singular():
+    from dtfm.peer.cli import format_exported, format_started
+
+    reply = {"steps": 100, "stages": 1, "dp": 3, "predicted_iteration_s": 0.0614}
+    assert format_started("tiny", reply) == "training tiny for 100 steps as 1 stage x 3 pipelines; " \
+                                           "predicted 0.061 s per step"
+    assert format_started("tiny", {**reply, "stages": 2, "dp": 1}).startswith("training tiny for 100 steps as "
+                                                                             "2 stages x 1 pipeline;")
+    assert format_exported("8d" * 16, {"step": 600, "model": "tiny", "stages": [{}], "bytes_fetched": 10_442_024,
+                                       "out": "/tmp/m"}) \
+        == "exported run 8d8d8d8d at step 600 (tiny, 1 stage, 10.4 MB fetched) to /tmp/m"

@@ -418,10 +418,10 @@ PEER_TRAINING = {
 def test_peer_status_shows_role_term_coordinator_and_last_reconfiguration():
     lines = format_training(PEER_TRAINING, now=1125.0)
     assert lines[0] == ("training  training, run 12121212, tiny, 2 stages x 3 pipelines, epoch 3, "
-                        "stage 1 of pipeline 2, last step 44")
+                        "stage 1 of pipeline 2, last step 45")
     assert lines[1] == "          role follower, term 4, coordinator 3fa2c1d0"
     assert lines[2] == ("          last reconfiguration: 2m 05s ago peer 77aa0011 is dead: 2x4 -> 2x3, "
-                        "3.4 MB moved, resumed at step 41")
+                        "3.4 MB moved, resumed after step 41")
 
 
 def test_peer_status_shows_the_compression_and_the_bytes_per_axis():
@@ -430,7 +430,7 @@ def test_peer_status_shows_the_compression_and_the_bytes_per_axis():
                        "bytes_sent": {"pp_fwd": 139_456, "pp_bwd": 0, "dp": 81_150, "other": 8}}}
     lines = format_training(t, now=1125.0)
     assert lines[1] == "          compression slow-link: pipeline int4+hadamard/64; ..."
-    assert ("          last step 44: loss 2.5000, 1.500 s, sent pp_fwd 139.5 kB, pp_bwd 0 B, dp 81.2 kB, "
+    assert ("          last step 45: loss 2.5000, 1.500 s, sent pp_fwd 139.5 kB, pp_bwd 0 B, dp 81.2 kB, "
             "other 8 B") in lines
 
 
@@ -461,7 +461,7 @@ def test_format_reschedule():
             "kind": "reshape", "predicted_old_s": 1.5, "predicted_new_s": 1.25, "moves": 4, "bytes_moved": 2_000_000,
             "resume_step": 12, "rollback": False, "stop_s": 0.4}
     assert format_reschedule(info) == ("reshape, 2x4 -> 4x2, 4 moves, 2.0 MB moved, predicted 1.500 s -> 1.250 s "
-                                       "per step, epoch 3, resumed at step 12, operator asked")
+                                       "per step, epoch 3, resumed after step 12, operator asked")
     assert format_reschedule({"kind": "unchanged", "reason": "the current allocation is the best"}) \
         == "unchanged, the current allocation is the best"
 

@@ -388,7 +388,7 @@ class Coordinator:
             phase, stall = Phase.STOPPED, {}
             stop = self._operator_stop
             if stop is not None and stop[0] == log.alloc.run_id:
-                reason = f"an operator stopped the run before step {stop[1]} (train stop)"
+                reason = f"an operator stopped the run {stopped_after(stop[1])} (train stop)"
             else:
                 reason = reason or "the run was stopped (an operator's train stop, or it could not go on)"
         return CoordinatorStatus(
@@ -882,7 +882,7 @@ class Coordinator:
         self._stops[key] = (ev.key, at)
         logger.info("an operator stops run %s before step %d", cur.run_id.hex()[:8], at)
         emit = Emit(PlaneEvent(EventKind.OPERATOR_STOP, self.election.term, "train stop", epoch=cur.epoch,
-                               reason=f"an operator stopped the run before step {at}"))
+                               reason=f"an operator stopped the run {stopped_after(at)}"))
         return [emit, self._ask(key, self._named(cur) | {cur.issuer, self.me}, ControlMsg.STOP,
                           {"run": cur.run_id, "at_step": at, "final": True, "op": ev.op.to_wire()},
                           self.t.request_timeout_s)]
@@ -1476,6 +1476,12 @@ def links_for(shape: Placement, compression: CompressionConfig) -> LinkCodecs | 
     if not compression.per_link:
         return None
     return shape.links or LinkCodecs.uniform(len(shape.layer_ranges), len(shape.pipelines))
+
+
+def stopped_after(at_step: int) -> str:
+    """Where an operator's stop ends a run, in a reason people read beside `train status`,
+    which counts steps from 1: `at_step` (the first step not taken) is the number of steps done."""
+    return f"after step {at_step}" if at_step > 0 else "before its first step"
 
 
 def resume_refusal(asked: bytes, last: bytes | None, *, stopped: bool, over: bool, end_step: int) -> str | None:
