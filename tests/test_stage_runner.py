@@ -4,6 +4,7 @@ its checkpoints written with the step reports of the steps they hold."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from dtfm.control.epoch.runner import REPORTS_NOTE, StageRunner, StepReport, end_checkpoint_due, params_sha256
+from dtfm.control.epoch.runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport, end_checkpoint_due, params_sha256
 from dtfm.net import ProtocolError
 from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
                         list_checkpoints, load_checkpoint, parse_compression, run_step, stage_tensors)
@@ -19,6 +20,21 @@ from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageSt
 SPEC = dataclasses.replace(PRESETS["tiny"], n_layer=2)
 CFG = dataclasses.replace(TEST_CONFIG, global_batch_seqs=2, micro_batches=1)
 CORPUS = Corpus(np.frombuffer(b"a small corpus for one stage " * 64, dtype=np.uint8).copy(), "corpus")
+
+
+@pytest.mark.parametrize("end, level", [
+    (RunEnd(99, "finished", False), logging.INFO),
+    (RunEnd(57, "stopped", False), logging.INFO),
+    # the swarm heals these by itself: a peer died, or the coordinator aborted the step to
+    # reconfigure (the walkthrough's healthy peer logged this at ERROR on every heal)
+    (RunEnd(25, "peer b846add1 failed while this peer waited for '1.26/dp/rs1/b0': connection lost", True),
+     logging.WARNING),
+    (RunEnd(25, "communicator closed while waiting for '1.26/dp/ag0/b0' from 5c2ac64c: aborted for a "
+                "reconfiguration", True), logging.WARNING),
+    (RunEnd(-1, "step 0 failed on this peer: MemoryError", True, on_this_peer=True), logging.ERROR),
+])
+def test_an_epoch_ended_by_another_peer_is_a_warning_one_ended_by_this_peers_own_failure_an_error(end, level):
+    assert end.log_level == level
 
 
 def test_a_checkpoint_keeps_the_reports_of_the_steps_it_holds(tmp_path):
@@ -57,6 +73,7 @@ def test_an_error_of_this_peers_own_ends_the_run_not_the_daemon(tmp_path):
     end = trio.run(runner.run)
     assert (end.completed, end.failed) == (-1, True)
     assert "step 0 failed on this peer: ValueError" in end.reason and "too few" in end.reason
+    assert end.log_level == logging.ERROR
     assert state.step == 0 and params_sha256(state) == before == end.params_sha256
 
 

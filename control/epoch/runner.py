@@ -123,6 +123,18 @@ class RunEnd:
     reason: str  # "finished", "stopped", or what failed
     failed: bool
     params_sha256: str = ""  # of the stage's parameters at the end: DP replicas must agree
+    # a failure of this peer's own (an exception of its step: out of memory, a bug), not a lost
+    # peer or the coordinator's abort for a reconfiguration, which the swarm heals by itself
+    on_this_peer: bool = False
+
+    @property
+    def log_level(self) -> int:
+        """INFO for a run that finished or stopped, WARNING for one another peer or the
+        coordinator ended (the coordinator reconfigures: nothing for the operator to do here),
+        ERROR for this peer's own failure."""
+        if not self.failed:
+            return logging.INFO
+        return logging.ERROR if self.on_this_peer else logging.WARNING
 
 
 class StageRunner:
@@ -188,7 +200,7 @@ class StageRunner:
             except Exception as e:  # out of memory, a data set that cannot feed the model, a bug
                 logger.exception("step %d failed on this peer; last completed step %d", step, step - 1)
                 return RunEnd(step - 1, f"step {step} failed on this peer: {type(e).__name__}: {e}"[:500], True,
-                              params_sha256(self.state))
+                              params_sha256(self.state), on_this_peer=True)
             self._commit_snapshot()
             after = self.counter.snapshot()
             sent = tuple(min(after[k] - before[k], MAX_STEP_BYTES) for k in BYTE_AXES)

@@ -396,7 +396,7 @@ def _on_device(state: StageState, device: str) -> StageState:
 
 def _log_end(alloc: Allocation, end: RunEnd) -> None:
     if end.failed:
-        logger.error("training stopped at epoch %d: %s; last completed step %d", alloc.epoch, end.reason,
-                     end.completed)
+        logger.log(end.log_level, "training stopped at epoch %d: %s; last completed step %d", alloc.epoch,
+                   end.reason, end.completed)
     else:
         logger.info("training %s at epoch %d after step %d", end.reason, alloc.epoch, end.completed)
