@@ -1040,7 +1040,9 @@ class ControlPlane:
         return run_progress(run_id=alloc.run_id, coordinator=self.me, state=state, term=alloc.term,
                             epoch=alloc.epoch, shape=f"{alloc.stages}x{alloc.dp}", completed=log.completed + 1,
                             steps=alloc.end_step, recent=log.recent, reconfigurations=self._reconfigs,
-                            after_step=after, reason=st.stalled_reason or st.reason).to_wire()
+                            after_step=after, reason=st.stalled_reason or st.reason,
+                            stop_step=self.coordinator.operator_stop_step(alloc.run_id) if state == "stopped"
+                            else None).to_wire()
 
     async def train_progress(self, run: bytes | None, after: int) -> RunProgress:
         """The run's progress from its coordinator, this peer or the one it finds (within

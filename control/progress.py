@@ -123,6 +123,9 @@ class RunProgress:
     tokens_per_s: float | None  # the last logged step's
     eta_s: float | None  # the median step time of the coordinator's recent lines times the steps left
     reason: str = ""  # why it stopped, paused or stalls
+    # an operator's stop: the steps the run has done when it ends (its peers run up to there
+    # after the stop, so `completed` can still be below it in a `stopped` answer)
+    stop_step: int | None = None
 
     @property
     def ended(self) -> bool:
@@ -133,7 +136,7 @@ class RunProgress:
                 "epoch": self.epoch, "shape": self.shape, "completed": self.completed, "steps": self.steps,
                 "lines": [x.to_wire() for x in self.lines],
                 "reconfigurations": [r.to_wire() for r in self.reconfigurations], "tokens_per_s": self.tokens_per_s,
-                "eta_s": self.eta_s, "reason": self.reason}
+                "eta_s": self.eta_s, "reason": self.reason, "stop_step": self.stop_step}
 
     @classmethod
     def from_wire(cls, obj: object) -> RunProgress:
@@ -148,12 +151,13 @@ class RunProgress:
                    get_int(d, "completed", 0, MAX_STEP), get_int(d, "steps", 0, MAX_STEP),
                    tuple(ProgressLine.from_wire(x) for x in get_list(d, "lines", MAX_LINES)),
                    tuple(ProgressReconfig.from_wire(x) for x in get_list(d, "reconfigurations", MAX_RECONFIGS)),
-                   _opt_float(d, "tokens_per_s"), _opt_float(d, "eta_s"), get_str(d, "reason", MAX_TEXT))
+                   _opt_float(d, "tokens_per_s"), _opt_float(d, "eta_s"), get_str(d, "reason", MAX_TEXT),
+                   None if d.get("stop_step") is None else get_int(d, "stop_step", 0, MAX_STEP))
 
 
 def run_progress(*, run_id: bytes, coordinator: bytes, state: str, term: int, epoch: int, shape: str,
                  completed: int, steps: int, recent: Iterable[dict], reconfigurations: Iterable[Reconfiguration],
-                 after_step: int, reason: str = "") -> RunProgress:
+                 after_step: int, reason: str = "", stop_step: int | None = None) -> RunProgress:
     """The coordinator's answer to a reader that has seen the steps up to `after_step` (-1:
     none): its recent lines after that step (the newest MAX_LINES), its last reconfigurations."""
     everything = [ProgressLine.of(x) for x in recent]
@@ -163,4 +167,4 @@ def run_progress(*, run_id: bytes, coordinator: bytes, state: str, term: int, ep
     times = [x.iteration_s for x in everything if x.iteration_s]
     eta = None if state in ENDED or not times else statistics.median(times) * max(0, steps - completed)
     return RunProgress(run_id, coordinator, state, term, epoch, shape, completed, steps, tuple(lines),
-                       tuple(reconfigs), rate, eta, reason[:MAX_TEXT])
+                       tuple(reconfigs), rate, eta, reason[:MAX_TEXT], stop_step)

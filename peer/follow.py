@@ -5,7 +5,8 @@ The local daemon answers `train_status` (peer/services.py) with the coordinator'
 run (control/progress.py): it asks the coordinator over the transport when it is not the
 coordinator itself. `follow` polls it every `poll_s`, asking only for the steps after the last
 one printed, and prints each new step (step, loss, step time, tokens/s, epoch, ETA), each new
-reconfiguration, and the run's end; without `--follow` it prints the state and the last lines
+reconfiguration, and the run's end (after an operator's stop, once the steps up to the stop's
+boundary, which the peers still run, are printed); without `--follow` it prints the state and the last lines
 once. Formatting is pure (`format_*`) and the client is passed in, so tests drive it with a
 fake daemon and a fake clock.
 """
@@ -24,6 +25,9 @@ __all__ = ["ASK_COORDINATOR_S", "FOLLOW_POLL_S", "follow", "format_header", "for
 FOLLOW_POLL_S = 1.0  # one question to the daemon (and from it to the coordinator) per second
 ASK_COORDINATOR_S = 30.0  # what a client allows beyond its socket timeout: the daemon finds and asks the coordinator
 LAST_LINES = 10  # lines printed without --follow, and when following starts
+# After an operator's stop the peers run up to its boundary (two steps on): polls without a new
+# step that --follow waits for those steps before it ends (a peer lost meanwhile never logs them)
+STOP_WAIT_POLLS = 30
 
 
 def _num(x: Any, fmt: str, none: str = "-") -> str:
@@ -66,6 +70,12 @@ def _end(p: dict) -> str:
         f": {p['reason']}" if p.get("reason") else "")
 
 
+def _short_of_stop(p: dict) -> bool:
+    """A run an operator stopped whose peers still run the steps up to the stop's boundary."""
+    stop = p.get("stop_step")
+    return p["state"] == "stopped" and isinstance(stop, int) and p["completed"] < stop
+
+
 def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = None, keep_following: bool = False,
            as_json: bool = False, poll_s: float | None = None, sleep: Callable[[float], None] | None = None) -> int:
     """Print the run's progress (see the module docstring); `request(args)` asks the daemon.
@@ -80,6 +90,7 @@ def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = No
     seen_reconfigs: set[tuple] = set()
     last = -1
     first = True
+    quiet = 0  # polls in a row without a new step
     while True:
         lines = p["lines"][-LAST_LINES:] if first else p["lines"]
         for r in p["reconfigurations"]:
@@ -92,10 +103,11 @@ def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = No
                   file=out)
             last = max(last, line["step"])
         out.flush()
+        quiet = 0 if lines else quiet + 1
         first = False
         if not keep_following:
             return 0
-        if p["state"] in ("finished", "stopped", "refused"):
+        if p["state"] in ("finished", "stopped", "refused") and not (_short_of_stop(p) and quiet < STOP_WAIT_POLLS):
             print(_end(p), file=out, flush=True)
             return 0
         (sleep or time.sleep)(FOLLOW_POLL_S if poll_s is None else poll_s)

@@ -483,3 +483,48 @@ async def test_members_command_against_a_control_server(capsys):
     assert as_json["coordinator"] == A and as_json["run_id"] == "f0" * 16 and not as_json["truncated"]
     assert [(m["id"], m["roles"], m["state"]) for m in as_json["members"]][:2] == [
         (A, ["coordinator", "voter"], "alive"), (B, ["voter", "stage"], "alive")]
+
+
+def stopped_progress(completed: int, after: int, stop_step: int | None) -> dict:
+    lines = [{"step": s, "loss": 3.0, "epoch": 3, "iteration_s": 0.2, "tokens_per_s": 9000.0}
+             for s in range(after + 1, completed)]
+    return {"run": RUN_HEX, "coordinator": COORD_HEX, "state": "stopped" if stop_step else "training", "term": 1,
+            "epoch": 3, "shape": "1x2", "completed": completed, "steps": 300, "lines": lines, "reconfigurations": [],
+            "tokens_per_s": 9000.0, "eta_s": None, "stop_step": stop_step,
+            "reason": f"an operator stopped the run after step {stop_step} (train stop)" if stop_step else ""}
+
+
+def test_follow_prints_the_steps_up_to_an_operators_stop_before_it_ends():
+    # The walkthrough's stop: taken when 68 steps were done, at the boundary after step 70. The
+    # coordinator says `stopped` at once while the peers still run steps 69 and 70; --follow
+    # printed `stopped after 68 of 300 steps: ... after step 70` and left. It now waits for them.
+    import io
+
+    from dtfm.peer.follow import follow
+    answers = iter([stopped_progress(66, -1, None), stopped_progress(68, 65, 70), stopped_progress(68, 67, 70),
+                    stopped_progress(70, 67, 70)])
+    out = io.StringIO()
+    assert follow(lambda args: next(answers), out, keep_following=True, sleep=lambda s: None) == 0
+    lines = out.getvalue().splitlines()
+    assert [x.split()[1] for x in lines if x.startswith("step ")][-3:] == ["68/300", "69/300", "70/300"]
+    assert lines[-1] == (f"run {RUN_HEX[:8]} stopped after 70 of 300 steps: an operator stopped the run after "
+                         "step 70 (train stop)")
+
+
+def test_follow_ends_when_the_steps_up_to_a_stop_never_come(monkeypatch):
+    # A peer lost after the stop: the run ends short of the boundary; --follow gives up after
+    # STOP_WAIT_POLLS polls without a new step.
+    import io
+
+    import dtfm.peer.follow as follow_module
+    monkeypatch.setattr(follow_module, "STOP_WAIT_POLLS", 3)
+    asked: list[dict] = []
+
+    def request(args):
+        asked.append(args)
+        return stopped_progress(66, -1, None) if len(asked) == 1 else stopped_progress(68, args["after"], 70)
+
+    out = io.StringIO()
+    assert follow_module.follow(request, out, keep_following=True, sleep=lambda s: None) == 0
+    assert len(asked) == 5  # the first answer, the one with steps 67-68, then 3 without a new step
+    assert out.getvalue().splitlines()[-1].startswith(f"run {RUN_HEX[:8]} stopped after 68 of 300 steps")

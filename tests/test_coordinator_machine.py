@@ -1517,6 +1517,8 @@ def test_status_after_an_operators_stop_says_stopped_everywhere_not_training():
     assert (st["state"], st["issued"]["state"]) == ("stopping", "stopped")
     assert "is stopping at a step boundary" in n.c.start_refusal()
     assert st["issued"]["reason"] == "an operator stopped the run after step 2 (train stop)"
+    # `train status --follow` waits for the steps up to there (peer/follow.py)
+    assert (n.c.operator_stop_step(RUN), n.c.operator_stop_step(b"o" * 16)) == (2, None)
     n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
     n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), WALL + 4.0), 4.0)  # n0's runner ends there
     st = plane_status(n, now=WALL + 4.0)

@@ -554,6 +554,11 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         assert [(x.step, x.loss) for x in p.lines] == [(1, 3.0), (2, 2.0)]
         tokens = CFG.global_batch_seqs * PRESETS["tiny"].seq_len
         assert p.tokens_per_s == pytest.approx(tokens / 0.5) and p.eta_s == pytest.approx(7 * 0.5)
+        assert p.stop_step is None  # no operator stopped it
+        stopped = dataclasses.replace(p, state="stopped", stop_step=5)
+        assert RunProgress.from_wire(stopped.to_wire()) == stopped
+        with pytest.raises(ProtocolError):
+            RunProgress.from_wire(stopped.to_wire() | {"stop_step": -1})
         refused = await net.request(IDS[3], ControlMsg.RUN_STATE, {"op": "progress", "run": None, "after": -1})
         assert "peers of the run" in refused["error"] and "ask a daemon of the run" in refused["error"]
         other = await net.request(IDS[1], ControlMsg.RUN_STATE, {"op": "progress", "run": b"o" * 16, "after": -1})

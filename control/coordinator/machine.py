@@ -921,6 +921,12 @@ class Coordinator:
         self._paused_live = None
         return self._reconfigure("train resume", now, force=True, reply=ev.key, resume=True)
 
+    def operator_stop_step(self, run_id: bytes) -> int | None:
+        """The steps `run_id` has done when an operator's stop of it ends it (its peers run up
+        to there after the stop was taken), or None when no operator stopped it."""
+        stop = self._operator_stop
+        return stop[1] if stop is not None and stop[0] == run_id else None
+
     def _stopped(self, key: tuple, answers: Mapping[bytes, dict]) -> list:
         reply_key, at = self._stops.pop(key, ((), 0))
         told = sum(1 for a in answers.values() if a.get("stopped"))
