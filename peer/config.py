@@ -404,6 +404,9 @@ class PlaneSection:
         if self.data is not None and not self.data.exists():
             raise ConfigError(f"plane.data (--data) {self.data}: no such file or folder; give the text "
                               f"file or folder of text files this peer trains on")
+        if self.data is not None and self.data.is_file() and self.data.stat().st_size == 0:
+            raise ConfigError(f"plane.data (--data) {self.data}: the file is empty; give the text file or "
+                              "folder of text files this peer trains on")
         if self.tokenizer is not None and not self.tokenizer.is_dir():
             raise ConfigError(f"plane.tokenizer (--tokenizer) {self.tokenizer}: no such folder; give a Hugging "
                               "Face model or tokenizer folder")

@@ -411,6 +411,11 @@ def test_join_data_that_does_not_exist_fails_at_once_naming_the_flag(tmp_path):
         apply_flags(DaemonConfig(), join_args("--data", str(tmp_path / "nonexistent")))
     assert str(info.value) == (f"plane.data (--data) {tmp_path / 'nonexistent'}: no such file or folder; "
                                "give the text file or folder of text files this peer trains on")
+    # an empty file (a corpus not copied yet) was accepted and refused only at `train start`,
+    # after its --min-peers wait
+    (tmp_path / "corpus.txt").touch()
+    with pytest.raises(ConfigError, match=r"corpus\.txt: the file is empty"):
+        apply_flags(DaemonConfig(), join_args("--data", str(tmp_path / "corpus.txt")))
     cfg = apply_flags(DaemonConfig(), join_args("--data", str(tmp_path), "--torch-threads", "3"))
     assert cfg.plane.settings.data_path == str(tmp_path) and cfg.plane.settings.torch_threads == 3
 
