@@ -29,7 +29,18 @@ if TYPE_CHECKING:
         tensor_to_wire,
     )
     from .collective import all_reduce_small, ring_all_reduce
-    from .comm import Comm, CommClosed, CommError, CommTimeout, EventHandle, InMemoryComm, InMemoryHub, Link, SendHandle
+    from .comm import (
+        Comm,
+        CommClosed,
+        CommError,
+        CommTimeout,
+        EventHandle,
+        InMemoryComm,
+        InMemoryHub,
+        Link,
+        PendingSends,
+        SendHandle,
+    )
     from .compress import (
         COMPRESSION_PRESETS,
         ByteCounter,
@@ -112,6 +123,7 @@ __all__ = [
     "Link",
     "LocalCluster",
     "MessageRules",
+    "PendingSends",
     "Plan",
     "SendHandle",
     "StageCompression",
@@ -192,7 +204,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     ".comm": (
         "Comm", "CommClosed", "CommError", "CommTimeout", "EventHandle", "InMemoryComm", "InMemoryHub",
-        "Link", "SendHandle",
+        "Link", "PendingSends", "SendHandle",
     ),
     ".data": (
         "TOKEN_DTYPES", "Corpus", "load_corpus", "load_token_file", "split_batch", "tokenize_to_file",

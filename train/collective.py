@@ -7,6 +7,12 @@ others'. Every element's sum is computed once, by one member, and copied to the 
 all members end with bit-identical results (replicas stay equal). `all_reduce_small` sends
 every value to every member and sums in group order: for scalars such as the squared
 gradient norm or the loss.
+
+A member has its result once it has received everything; its own sends' acknowledgements come
+about half a round trip later and only say whether they failed. With `pending` (a
+`PendingSends`) a collective leaves its send handles there for the caller to wait for later
+(the training step does, before the next step changes the state); without, it waits for them
+before it returns.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .comm import Comm, CommError, PeerId
+from .comm import Comm, CommError, PeerId, PendingSends, settle_sends
 
 __all__ = ["ring_all_reduce", "all_reduce_small", "make_buckets"]
 
@@ -43,8 +49,9 @@ def _checked(t: torch.Tensor, like: torch.Tensor, peer: PeerId, tag: str) -> tor
 
 
 def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch.Tensor], tag: str,
-                    timeout_s: float, bucket_bytes: int = 4 << 20) -> None:
-    """Sum `tensors` (same shapes, same order on every member) in place across `group`."""
+                    timeout_s: float, bucket_bytes: int = 4 << 20, pending: PendingSends | None = None) -> None:
+    """Sum `tensors` (same shapes, same order on every member) in place across `group`; the
+    acknowledgements of its sends are waited for now, or left in `pending`."""
     n = len(group)
     if n <= 1 or not tensors:
         return
@@ -71,8 +78,7 @@ def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch
                     ch[recv_c].add_(got)
                 else:
                     ch[recv_c].copy_(got)
-    for h in handles:
-        h.wait(timeout_s)
+    settle_sends(handles, pending, timeout_s)  # isend copied every chunk: `flats` may change now
     for b, flat in zip(buckets, flats):
         off = 0
         for i in b:
@@ -82,8 +88,9 @@ def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch
 
 
 def all_reduce_small(comm: Comm, group: Sequence[PeerId], value: torch.Tensor, tag: str,
-                     timeout_s: float) -> torch.Tensor:
-    """The sum of `value` over `group`, added in group order: the same bits on every member."""
+                     timeout_s: float, pending: PendingSends | None = None) -> torch.Tensor:
+    """The sum of `value` over `group`, added in group order: the same bits on every member; the
+    acknowledgements of its sends are waited for now, or left in `pending`."""
     if len(group) <= 1:
         return value.clone()
     if comm.me not in group:
@@ -91,8 +98,7 @@ def all_reduce_small(comm: Comm, group: Sequence[PeerId], value: torch.Tensor, t
     handles = [comm.isend(p, tag, value) for p in group if p != comm.me]
     parts = [value if p == comm.me else _checked(comm.recv(p, tag, timeout_s), value, p, tag).to(value.device)
              for p in group]
-    for h in handles:
-        h.wait(timeout_s)
+    settle_sends(handles, pending, timeout_s)
     total = parts[0].clone()
     for x in parts[1:]:
         total += x

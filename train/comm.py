@@ -23,6 +23,7 @@ from .codec import tensor_from_wire, tensor_to_wire
 
 __all__ = [
     "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link", "EventHandle",
+    "PendingSends", "settle_sends",
 ]
 
 PeerId = Hashable  # str or bytes in practice
@@ -42,6 +43,54 @@ class CommClosed(CommError):
 class SendHandle(Protocol):
     def wait(self, timeout_s: float) -> None:
         """Block until the message has left this peer's hands; raise CommTimeout/CommError."""
+
+
+class PendingSends:
+    """Send handles nobody has waited for yet: the acknowledgements a training step leaves
+    behind instead of waiting for them on its critical path.
+
+    A collective needs its own sends acknowledged only to learn that they failed; it has what it
+    needs once it has received. A step therefore adds its handles here and the caller waits for
+    them later (`wait`), when they are long acknowledged: `run_step` before the next step
+    changes the state, the stage runner before a checkpoint and where the run ends. Every `Comm`
+    copies a tensor in `isend`, so nothing here keeps a tensor alive. Owned by one thread."""
+
+    def __init__(self) -> None:
+        self._handles: list[SendHandle] = []
+
+    def add(self, handle: SendHandle) -> None:
+        self._handles.append(handle)
+
+    def take(self) -> PendingSends:
+        """The handles held so far, moved to a new PendingSends (this one is left empty)."""
+        out = PendingSends()
+        out._handles, self._handles = self._handles, []
+        return out
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait for every handle (each within `timeout_s`), in the order they were added; the
+        first failure raises CommError/CommTimeout. Empty afterwards, even when one failed: a
+        failed send breaks its step, and the step's other handles say nothing more."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.wait(timeout_s)
+
+    def drop(self) -> None:
+        """Forget every handle (their step failed, or their comm is closed)."""
+        self._handles = []
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+def settle_sends(handles: list[SendHandle], pending: PendingSends | None, timeout_s: float) -> None:
+    """Wait for `handles` now, or leave them in `pending` to be waited for later."""
+    if pending is None:
+        for h in handles:
+            h.wait(timeout_s)
+    else:
+        for h in handles:
+            pending.add(h)
 
 
 class Comm(Protocol):

@@ -8,6 +8,9 @@ encoding (chunked, hash-verified), exactly what peers of a swarm exchange.
 `compression` (a `CompressionConfig`, exact by default) is every stage's compression; each
 peer's Comm counts the bytes it sends per axis (`bytes_sent`, `last_step_bytes`: payload
 lengths as produced, summed over all peers).
+
+Each peer's step leaves the handles of its sends for its next step to wait for, as in the
+swarm (train/worker.py); `reconfigure` waits for the last step's first.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .comm import CommClosed, InMemoryHub
+from .comm import CommClosed, InMemoryHub, PendingSends
 from .compress import AXES, ByteCounter, CompressionConfig, CountingComm
 from .data import Corpus, split_batch
 from .plan import Plan
@@ -60,6 +63,7 @@ class LocalCluster:
             self.states = dict(states)
             self._check_states()
         self._pool = ThreadPoolExecutor(max_workers=len(plan.peers), initializer=_one_thread)
+        self._pending = {p: PendingSends() for p in plan.peers}  # each peer's sends not yet waited for
         self.last_results: dict = {}
 
     def _check_states(self) -> None:
@@ -93,6 +97,8 @@ class LocalCluster:
             except BaseException as e:  # keep the first real failure, not the aborts it caused
                 errors.append(e)
         if errors:
+            for pending in self._pending.values():  # the step failed on its comm: nothing to wait for
+                pending.drop()
             real = [e for e in errors if not isinstance(e, CommClosed)]
             raise (real or errors)[0]
         self.last_results = results
@@ -106,7 +112,7 @@ class LocalCluster:
     def _run(self, peer) -> StepResult:
         try:
             return run_step(self.states[peer], self.plan, peer, CountingComm(self.hub.endpoint(peer), self.counter),
-                            self.corpus, self.track_memory)
+                            self.corpus, self.track_memory, self._pending[peer])
         except BaseException:
             self.hub.abort()
             raise
@@ -120,6 +126,7 @@ class LocalCluster:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {self.spec.n_layer}")
         split_batch(self.cfg.global_batch_seqs, plan.dp, self.cfg.micro_batches)
         check_compression(self.spec, plan, self.compression)
+        self.settle()
         sources = {}  # one holder per distinct old layer range
         for p, st in self.states.items():
             sources.setdefault(st.layer_range, st)
@@ -145,8 +152,15 @@ class LocalCluster:
         self.plan, self.states = plan, new_states
         self._check_states()
         self.hub = InMemoryHub(link=self.link)
+        self._pending = {p: PendingSends() for p in plan.peers}
         self._pool.shutdown()
         self._pool = ThreadPoolExecutor(max_workers=len(plan.peers), initializer=_one_thread)
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the sends of the last step, each within `timeout_s` (the run's
+        comm_timeout_s by default); CommError if one failed."""
+        for pending in self._pending.values():
+            pending.wait(self.cfg.comm_timeout_s if timeout_s is None else timeout_s)
 
     @staticmethod
     def _fetch(st: StageState, chunk_bytes: int) -> dict:

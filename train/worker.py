@@ -17,6 +17,26 @@ gradient upstream the moment it is computed, so transfers overlap the next micro
 compute. Each micro-batch's loss is scaled by its share of the global batch, so the summed
 gradients over all micro-batches and pipelines are exactly the gradient of the global batch's
 mean loss, however the batch is split.
+
+A step never waits for the acknowledgements of its own sends on its critical path (the last
+gradient upstream, the loss and gradient-norm sums, the all-reduce, the tied embedding: each
+about half a round trip after the step has received what it needs). With a `PendingSends`
+(`run_step`'s `pending`) it leaves their handles there, and the next step waits for them just
+before it changes the state, a whole step later, when they are long acknowledged: a send that
+failed fails that next step, which changes nothing. The caller waits for the last step's where
+the run ends and before it saves the stage (control/epoch/runner.py).
+
+Why completing a step before one's own sends are acknowledged is safe: a step's result on this
+peer is fixed by what it received (the collectives give every member the same bits), not by
+whether its own tensors arrived. If one did not, the receiver fails that step (its receive
+times out or its comm fails the peer) and this peer fails the next one at the latest, so the
+two stand one step apart. That could happen before (a peer whose sends were all acknowledged
+completes a step its neighbour then fails on another message), and the swarm handles it: a
+peer keeps the stage as it was before its last completed step (the runner's one-step-back
+snapshot) and the swarm resumes from the newest step every stage is held at
+(control/epoch/runstate.py `resume_point`). The distance between peers does not grow: a step
+needs the same messages as before, and a peer sends nothing of step k + 1 before its step k
+returned.
 """
 
 from __future__ import annotations
@@ -29,7 +49,7 @@ import torch
 
 from .codec import TORCH_DTYPES, CodecError
 from .collective import all_reduce_small, ring_all_reduce
-from .comm import Comm, CommError
+from .comm import Comm, CommError, PendingSends
 from .compress import CompressionConfig, StageCompression, decode_activation, encode_activation
 from .data import Corpus, split_batch
 from .model import GPTStage
@@ -118,8 +138,16 @@ class _Ctx:
     compute_s: float = 0.0
 
 
-def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False) -> StepResult:
-    """Run step `state.step` for peer `me` under `plan`, then advance `state.step`."""
+def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False,
+             pending: PendingSends | None = None) -> StepResult:
+    """Run step `state.step` for peer `me` under `plan`, then advance `state.step`. A step that
+    raises has changed nothing.
+
+    Without `pending` the step waits for the acknowledgement of every tensor it sends before it
+    changes the state. With `pending` (the same one for every step of a run on one comm) it
+    waits for the handles the previous step left there instead, and leaves its own there: wait
+    for them (`pending.wait`) before saving or handing over the stage and where the run ends;
+    drop them when a step failed (see the module docstring)."""
     cfg, step = state.cfg, state.step
     d, s = plan.position(me)
     if plan.layer_ranges[s] != state.layer_range:
@@ -132,21 +160,26 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
                s > 0 and plan.link_compressed(s - 1, d), s + 1 < plan.stages and plan.link_compressed(s, d),
                split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d],
                _SavedBytes() if track_memory else None)
+    if pending is None:  # this step's sends, waited for before the update
+        sends = due = PendingSends()
+    else:  # this step's sends stay in `pending`; the previous step's are waited for before the update
+        sends, due = pending, pending.take()
     for p in state.params.values():
         p.grad = None
     t_start = time.perf_counter()
     outs, ins, losses, handles = _forward(ctx)
     handles += _backward(ctx, outs, ins)
     for h in handles:
-        h.wait(cfg.comm_timeout_s)
+        sends.add(h)
     t_pipe = time.perf_counter()
     loss = None
     if state.module.is_last:
         local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
-        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", cfg.comm_timeout_s)[0])
+        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", cfg.comm_timeout_s, sends)[0])
     local_seqs = sum(len(r) for r in ctx.micro)
-    _sync_and_update(state, plan, me, comm, d, s, key, local_seqs)  # all messages precede the update: a failed
-    t_end = time.perf_counter()                           # step leaves the state as it was
+    # every message received and `due` acknowledged before the update: a failed step leaves the state as it was
+    _sync_and_update(state, plan, me, comm, d, s, key, local_seqs, sends, due, deferred=pending is not None)
+    t_end = time.perf_counter()
     state.step += 1
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
                       ctx.saved.peak if ctx.saved else 0)
@@ -230,11 +263,13 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
 
 
 def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str,
-                     local_seqs: int) -> None:
+                     local_seqs: int, sends: PendingSends, due: PendingSends, deferred: bool) -> None:
     """All-reduce gradients over the DP group (or, with DP compression, keep this pipeline's own),
     sync a tied embedding, clip by the norm, step; then a compressed synchronisation when one
-    is due. All messages of the step precede any change of the state, but for a compressed
-    synchronisation, which restores the state if it fails."""
+    is due. Every message the step receives, and the acknowledgement of every send in `due`,
+    precede any change of the state, but for a compressed synchronisation, which restores the
+    state if it fails. The handles of this step's sends go to `sends`; with `deferred` those of
+    the compressed synchronisation too, else it waits for them before it changes anything."""
     cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
     comp, group = state.compress, plan.dp_group(s)
     coded = plan.group_compressed(s)  # else this group all-reduces exactly, as in the warm-up
@@ -249,28 +284,28 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
         for g in grads:
             g.mul_(cfg.global_batch_seqs / local_seqs)
     else:
-        ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes)
+        ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes, sends)
     if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
         other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
         g = state.params["wte.weight"].grad
-        h = comm.isend(other, f"{key}/tied", g)
+        sends.add(comm.isend(other, f"{key}/tied", g))  # copied: `g` may change now
         theirs = comm.recv(other, f"{key}/tied", to)
         if theirs.shape != g.shape or theirs.dtype != g.dtype:
             raise CommError(f"peer {other!r} sent a tied-embedding gradient of the wrong shape")
         g.add_(theirs.to(g.device))  # a + b == b + a: both copies get the same bits
-        h.wait(to)
     sq = torch.zeros((), dtype=torch.float64, device=state.device)
     for p in state.norm_params():
         sq += p.grad.detach().double().pow(2).sum()
     if mixed:  # [exact groups' stages, the others]: the first sum is the same in every pipeline
         parts = torch.zeros(2, dtype=torch.float64)
         parts[0 if not coded else 1] = sq.cpu()
-        total = all_reduce_small(comm, plan.pipeline(d), parts, f"{key}/norm", to)
+        total = all_reduce_small(comm, plan.pipeline(d), parts, f"{key}/norm", to, sends)
         whole = float(total[0] + total[1])
         clip_sq = float(total[0]) if not coded else whole
     else:
-        total = all_reduce_small(comm, plan.pipeline(d), sq.cpu().reshape(1), f"{key}/norm", to)
+        total = all_reduce_small(comm, plan.pipeline(d), sq.cpu().reshape(1), f"{key}/norm", to, sends)
         whole = clip_sq = float(total[0])
+    due.wait(to)  # the last wait before the state changes
     state.last_grad_norm = whole ** 0.5
     coef = clip_coefficient(clip_sq, cfg.grad_clip_norm)
     if coef < 1.0:
@@ -282,7 +317,8 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
         comp.track_anchor(list(state.params.values()))
     if saved is not None:
         try:
-            comp.sync(comm, group, list(state.params.values()), cfg.seed, step, f"{key}/dpc", to)
+            comp.sync(comm, group, list(state.params.values()), cfg.seed, step, f"{key}/dpc", to,
+                      sends if deferred else None)
         except BaseException:
             _restore(state, saved)
             raise

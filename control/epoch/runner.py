@@ -24,6 +24,12 @@ completed, that copy is the snapshot, so a peer that completed a step some other
 can go back one step when the swarm resumes from the step before (see
 control/epoch/runstate.py), even if it failed the step after. It costs two copies of the
 stage in memory and one memory copy per step.
+
+A step does not wait for the acknowledgements of its own sends (train/worker.py): the next step
+waits for them before it changes the stage, and the runner waits for the last step's before a
+checkpoint and where the run ends, before it reports the end. A send that failed then ends the
+run as a failed step does, with the step it belonged to completed here (its receiver failed
+it): the snapshot is what lets the swarm go back to where that receiver stands.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from dtfm.train import (
     CommError,
     Corpus,
     CountingComm,
+    PendingSends,
     Plan,
     StageState,
     StepResult,
@@ -161,6 +168,7 @@ class StageRunner:
         self._snapshot_at: tuple[int, int] | None = None  # (step, optimizer step) of the snapshot
         self._pending: dict[str, torch.Tensor] | None = None  # the stage before the step running now
         self._pending_at: tuple[int, int] | None = None
+        self._sends = PendingSends()  # the last step's sends, not yet acknowledged (worker thread)
 
     @property
     def end_step(self) -> int:
@@ -193,11 +201,14 @@ class StageRunner:
             before = self.counter.snapshot()
             t0 = time.perf_counter()
             try:
-                result: StepResult = run_step(self.state, self.plan, self.me, self.comm, self.corpus)
+                result: StepResult = run_step(self.state, self.plan, self.me, self.comm, self.corpus,
+                                              pending=self._sends)
             except CommError as e:
+                self._sends.drop()
                 logger.warning("step %d failed: %s; last completed step %d", step, e, step - 1)
                 return RunEnd(step - 1, str(e), True, params_sha256(self.state))
             except Exception as e:  # out of memory, a data set that cannot feed the model, a bug
+                self._sends.drop()
                 logger.exception("step %d failed on this peer; last completed step %d", step, step - 1)
                 return RunEnd(step - 1, f"step {step} failed on this peer: {type(e).__name__}: {e}"[:500], True,
                               params_sha256(self.state), on_this_peer=True)
@@ -212,13 +223,29 @@ class StageRunner:
             if self.on_step is not None:
                 self.on_step(report)
             if self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
+                if (failed := self._settle()) is not None:
+                    return failed
                 self._checkpoint("")
+        if (failed := self._settle()) is not None:
+            return failed
         with self._lock:
             reason = "stopped" if self._stopped else "finished"
             final = self._final
         if end_checkpoint_due(reason, final_stop=final, step=self.state.step, saved_step=self._saved_step):
             self._checkpoint(f" (the run {reason})")
         return RunEnd(self.state.step - 1, reason, False, params_sha256(self.state))
+
+    def _settle(self) -> RunEnd | None:
+        """Wait for the acknowledgements of the last step's sends; how the run ends if one failed
+        (the last step stays completed here, with its snapshot), else None."""
+        try:
+            self._sends.wait(self.state.cfg.comm_timeout_s)
+        except CommError as e:
+            last = self.state.step - 1
+            logger.warning("a tensor of step %d was not acknowledged: %s", last, e)
+            return RunEnd(last, f"a tensor of step {last} was not acknowledged: {e}"[:500], True,
+                          params_sha256(self.state))
+        return None
 
     def _checkpoint(self, why: str) -> None:
         if self.checkpoint_dir is None:

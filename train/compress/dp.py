@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..comm import Comm, CommError, PeerId
+from ..comm import Comm, CommError, PeerId, PendingSends, settle_sends
 from .codec import CodecError, decode_sparse, encode_sparse, sparse_payload_bytes
 from .config import CompressionConfig
 
@@ -75,8 +75,9 @@ def sync_payload_bytes(config: CompressionConfig, numel: int) -> int:
 
 
 def allgather_payloads(comm: Comm, group: Sequence[PeerId], payload: torch.Tensor, tag: str,
-                       timeout_s: float) -> list[torch.Tensor]:
-    """Every member's uint8 payload, in group order (this member's is `payload` itself)."""
+                       timeout_s: float, pending: PendingSends | None = None) -> list[torch.Tensor]:
+    """Every member's uint8 payload, in group order (this member's is `payload` itself); the
+    acknowledgements of its sends are waited for now, or left in `pending` (train/collective.py)."""
     handles = [comm.isend(p, tag, payload) for p in group if p != comm.me]
     out = []
     for p in group:
@@ -87,8 +88,7 @@ def allgather_payloads(comm: Comm, group: Sequence[PeerId], payload: torch.Tenso
         if got.dtype != torch.uint8 or got.dim() != 1:
             raise CommError(f"peer {p!r} sent {got.dtype} {tuple(got.shape)} under {tag!r}, expected a uint8 payload")
         out.append(got)
-    for h in handles:
-        h.wait(timeout_s)
+    settle_sends(handles, pending, timeout_s)
     return out
 
 
@@ -162,12 +162,12 @@ class StageCompression:
     # ------------------------------------------------------------------ the exchange
 
     def _exchange(self, comm: Comm, group: Sequence[PeerId], x: torch.Tensor, tag: str,
-                  timeout_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  timeout_s: float, pending: PendingSends | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum of every member's decoded contribution in group order, this member's own)."""
         c = self.config
         k, chunk, bits = c.dp_topk_per_chunk, c.dp_chunk_elems, c.dp_value_bits
         mine = encode_sparse(x, chunk, k, bits)
-        payloads = allgather_payloads(comm, group, mine, tag, timeout_s)
+        payloads = allgather_payloads(comm, group, mine, tag, timeout_s, pending)
         decoded = []
         for p, payload in zip(group, payloads):
             try:
@@ -186,23 +186,24 @@ class StageCompression:
 
     @torch.no_grad()
     def sync(self, comm: Comm, group: Sequence[PeerId], params: Sequence[torch.Tensor], seed: int, step: int,
-             tag: str, timeout_s: float) -> None:
+             tag: str, timeout_s: float, pending: PendingSends | None = None) -> None:
         """Average the compressed pseudo-gradients (anchor - weights) of the group and take the
         outer step from the anchor: every member ends with the same weights, the new anchor.
         Cocktail compresses a random subset of the elements (drawn from `seed`, `step` and the
-        stage), DiLoCo all of them."""
+        stage), DiLoCo all of them. The acknowledgements of this member's sends are waited for
+        before anything changes, or left in `pending`."""
         self._check_group(comm, group)
         c, ef, anchor, mom = self.config, self.buffers["ef"], self.buffers["anchor"], self.buffers.get("outer_m")
         acc = ef + (anchor - self._flat([p.detach() for p in params]).to(anchor.device))
         if c.dp_method == "cocktail":
             idx = random_subset(self.numel, c.dp_random_fraction, _seed("cocktail", seed, step, self.stage_key))
             idx = idx.to(acc.device)
-            total, own = self._exchange(comm, group, acc[idx], tag, timeout_s)
+            total, own = self._exchange(comm, group, acc[idx], tag, timeout_s, pending)
             avg = torch.zeros_like(acc)
             avg[idx] = total / len(group)
             acc[idx] -= own  # what was not sent stays, exactly where nothing of it was sent
         else:
-            total, own = self._exchange(comm, group, acc, tag, timeout_s)
+            total, own = self._exchange(comm, group, acc, tag, timeout_s, pending)
             avg = total / len(group)
             acc -= own
         ef.copy_(acc)
