@@ -55,10 +55,11 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
              codecs: CodecAssignment | None = None) -> SimResult:
     """Predict the iteration time of allocation X ((S, D): X[s, p] peer of stage s, pipeline p).
 
-    engine_syncs adds the round trips dtfm's trainer spends besides the paper's terms: a stage
-    ends its pipeline phase when its last activation and gradient are acknowledged, the last
-    stages sum the loss across pipelines, and every stage sums the squared gradient norm with the
-    rest of its pipeline (for clipping) after its all-reduce, each message acknowledged."""
+    engine_syncs adds the waits dtfm's trainer spends besides the paper's terms: the last stages
+    sum the loss across pipelines, and every stage sums the squared gradient norm with the rest
+    of its pipeline (for clipping) after its all-reduce, each waiting for the others' values
+    (one way; the trainer waits for its sends' acknowledgements a step later, off the critical
+    path: train/worker.py)."""
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     wl = model.workload
@@ -105,8 +106,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 start = np.maximum(end, link_f[s])
                 link_f[s] = start + hold_f[s]
                 arrive[s + 1, m] = link_f[s] + lat_f[s]
-    arrive_f = arrive.copy()
-    arrive[:] = 0.0
+    arrive[:] = 0.0  # the backward pass reuses it
     for m in range(M):
         for s in range(S - 1, -1, -1):
             end = np.maximum(arrive[s, m], busy[s]) + bwd[s]
@@ -143,7 +143,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     for key, count in patterns.items():
         ar_k = np.where(key, ar, 0.0)
         if engine_syncs:
-            done_k, iteration = _engine_syncs(lat, X, busy, arrive_f, arrive, ar_k, overlap_allreduce)
+            done_k, iteration = _engine_syncs(lat, X, busy, ar_k, overlap_allreduce)
         else:
             start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
             done_k = start + ar_k
@@ -156,24 +156,16 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                      compute_busy_s=float((M * step).max()), sync_every=tuple(period))
 
 
-def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, arrive_f: np.ndarray, arrive_b: np.ndarray,
-                  ar: np.ndarray, overlap_allreduce: bool) -> tuple[np.ndarray, float]:
-    """Per-stage all-reduce ends and the iteration end with the trainer's acknowledged sends,
-    loss sum and gradient-norm sum (see `simulate`)."""
+def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, ar: np.ndarray,
+                  overlap_allreduce: bool) -> tuple[np.ndarray, float]:
+    """Per-stage all-reduce ends and the iteration end with the trainer's loss sum and
+    gradient-norm sum (see `simulate`)."""
     S, D = X.shape
     end = busy.copy()  # (S, D) when each peer's pipeline phase ends
-    for s in range(S):
-        for d in range(D):
-            me = X[s, d]
-            if s + 1 < S:  # the last activation sent downstream, acknowledged
-                end[s, d] = max(end[s, d], arrive_f[s + 1, -1, d] + lat[X[s + 1, d], me])
-            if s > 0:  # the last gradient sent upstream, acknowledged
-                end[s, d] = max(end[s, d], arrive_b[s - 1, -1, d] + lat[X[s - 1, d], me])
-    if D > 1:  # the last stages sum the loss: each waits for the others' and for its acks
+    if D > 1:  # the last stages sum the loss: each waits for the others' values
         last = X[-1]
         t = end[-1].copy()
-        end[-1] = [max(max(t[e] + lat[last[e], last[d]], t[d] + lat[last[d], last[e]] + lat[last[e], last[d]])
-                       for e in range(D) if e != d) for d in range(D)]
+        end[-1] = [max([t[d]] + [t[e] + lat[last[e], last[d]] for e in range(D) if e != d]) for d in range(D)]
     ready = end.max(axis=1)
     start = ready if overlap_allreduce else np.full(S, ready.max())
     done = start + ar  # (S,) each stage's group all-reduce ends together
@@ -181,6 +173,5 @@ def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, arrive_f: np
     for d in range(D):  # the gradient norm, summed over the pipeline
         for s in range(S):
             me = X[s, d]
-            finish[s, d] = max([done[s]] + [max(done[r] + lat[X[r, d], me], done[s] + lat[me, X[r, d]] + lat[X[r, d], me])
-                                            for r in range(S) if r != s])
+            finish[s, d] = max([done[s]] + [done[r] + lat[X[r, d], me] for r in range(S) if r != s])
     return done, float(finish.max())
