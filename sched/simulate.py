@@ -37,7 +37,7 @@ __all__ = ["SimResult", "simulate"]
 
 @dataclass(frozen=True)
 class SimResult:
-    iteration_s: float  # start of the first forward to the end of the last all-reduce
+    iteration_s: float  # start of the first forward to the end of the last all-reduce (engine_syncs: steps back to back)
     pipeline_s: float  # when the last backward pass ends, before any trailing all-reduce
     stage_done_s: tuple[float, ...]  # per stage: when its all-reduce ends
     allreduce_s: tuple[float, ...]  # per stage: duration of its all-reduce
@@ -48,6 +48,7 @@ class SimResult:
 
 # The longest cycle of synchronisation periods simulated (least common multiple of the H's).
 MAX_SYNC_CYCLE = 10_000
+STEADY_ROUNDS = 4  # steps simulated back to back for engine_syncs' iteration time (mean of the last 3)
 
 
 def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
@@ -59,7 +60,10 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     sum the loss across pipelines, and every stage sums the squared gradient norm with the rest
     of its pipeline (for clipping) after its all-reduce, each waiting for the others' values
     (one way; the trainer waits for its sends' acknowledgements a step later, off the critical
-    path: train/worker.py)."""
+    path: train/worker.py). Each peer then starts its next step at once, the first stage before
+    the farthest peer has its last norm: the iteration time is that of steps run back to back
+    (the mean of rounds 2-4 of `STEADY_ROUNDS`, each peer starting where it ended the round
+    before), not of one step from a common start."""
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     wl = model.workload
@@ -90,35 +94,40 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
         lat_f = lat[X[:-1], X[1:]]
         hold_b = per_gb[X[1:], X[:-1]] * vol * ratio
         lat_b = lat[X[1:], X[:-1]]
-    busy = np.zeros((S, D))  # when each peer's compute is next free
-    link_f = np.zeros((max(S - 1, 0), D))
-    link_b = np.zeros((max(S - 1, 0), D))
-    arrive = np.zeros((S, M, D))
-    for m in range(M):
-        for s in range(S):
-            end = np.maximum(arrive[s, m], busy[s]) + fwd[s]
-            if s > 0:
-                end = end + dec[s - 1]  # decode what arrived (0 on an exact link)
-            if s < S - 1:
-                end = end + enc[s]  # encode what leaves
-            busy[s] = end
-            if s < S - 1:
-                start = np.maximum(end, link_f[s])
-                link_f[s] = start + hold_f[s]
-                arrive[s + 1, m] = link_f[s] + lat_f[s]
-    arrive[:] = 0.0  # the backward pass reuses it
-    for m in range(M):
-        for s in range(S - 1, -1, -1):
-            end = np.maximum(arrive[s, m], busy[s]) + bwd[s]
-            if s < S - 1:
-                end = end + dec[s]
-            if s > 0:
-                end = end + enc[s - 1]
-            busy[s] = end
-            if s > 0:
-                start = np.maximum(end, link_b[s - 1])
-                link_b[s - 1] = start + hold_b[s - 1]
-                arrive[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
+    def gpipe(begin: np.ndarray) -> np.ndarray:
+        """When each peer's last backward ends, each starting its step at `begin` (S, D)."""
+        busy = begin.copy()  # when each peer's compute is next free
+        link_f = np.zeros((max(S - 1, 0), D))
+        link_b = np.zeros((max(S - 1, 0), D))
+        arrive = np.zeros((S, M, D))
+        for m in range(M):
+            for s in range(S):
+                end = np.maximum(arrive[s, m], busy[s]) + fwd[s]
+                if s > 0:
+                    end = end + dec[s - 1]  # decode what arrived (0 on an exact link)
+                if s < S - 1:
+                    end = end + enc[s]  # encode what leaves
+                busy[s] = end
+                if s < S - 1:
+                    start = np.maximum(end, link_f[s])
+                    link_f[s] = start + hold_f[s]
+                    arrive[s + 1, m] = link_f[s] + lat_f[s]
+        arrive[:] = 0.0  # the backward pass reuses it
+        for m in range(M):
+            for s in range(S - 1, -1, -1):
+                end = np.maximum(arrive[s, m], busy[s]) + bwd[s]
+                if s < S - 1:
+                    end = end + dec[s]
+                if s > 0:
+                    end = end + enc[s - 1]
+                busy[s] = end
+                if s > 0:
+                    start = np.maximum(end, link_b[s - 1])
+                    link_b[s - 1] = start + hold_b[s - 1]
+                    arrive[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
+        return busy
+
+    busy = gpipe(np.zeros((S, D)))
     if D > 1 and all(c.exact for c in codecs.dp):
         ar = model.dp_rows_codec(X, layers, codecs.dp[0])
         ar = ar.max(axis=1)
@@ -142,8 +151,12 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     done = np.zeros(S)
     for key, count in patterns.items():
         ar_k = np.where(key, ar, 0.0)
-        if engine_syncs:
-            done_k, iteration = _engine_syncs(lat, X, busy, ar_k, overlap_allreduce)
+        if engine_syncs:  # steps repeated, each peer starting the next where it ended the last
+            done_k, finish = _engine_syncs(lat, X, busy, ar_k, overlap_allreduce)
+            first = float(finish.max())
+            for _ in range(STEADY_ROUNDS - 1):
+                finish = _engine_syncs(lat, X, gpipe(finish), ar_k, overlap_allreduce)[1]
+            iteration = (float(finish.max()) - first) / (STEADY_ROUNDS - 1)
         else:
             start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
             done_k = start + ar_k
@@ -157,9 +170,9 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
 
 
 def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, ar: np.ndarray,
-                  overlap_allreduce: bool) -> tuple[np.ndarray, float]:
-    """Per-stage all-reduce ends and the iteration end with the trainer's loss sum and
-    gradient-norm sum (see `simulate`)."""
+                  overlap_allreduce: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per-stage all-reduce ends (S,) and when each peer's step ends (S, D), with the trainer's
+    loss sum and gradient-norm sum (see `simulate`)."""
     S, D = X.shape
     end = busy.copy()  # (S, D) when each peer's pipeline phase ends
     if D > 1:  # the last stages sum the loss: each waits for the others' values
@@ -174,4 +187,4 @@ def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, ar: np.ndarr
         for s in range(S):
             me = X[s, d]
             finish[s, d] = max([done[s]] + [done[r] + lat[X[r, d], me] for r in range(S) if r != s])
-    return done, float(finish.max())
+    return done, finish

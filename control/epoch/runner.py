@@ -222,7 +222,7 @@ class StageRunner:
             self._reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
-            if self.checkpoint_every and self.state.step % self.checkpoint_every == 0:
+            if self.checkpoint_every and self.checkpoint_dir is not None and self.state.step % self.checkpoint_every == 0:
                 if (failed := self._settle()) is not None:
                     return failed
                 self._checkpoint("")
