@@ -15,10 +15,24 @@ import torch
 import trio
 
 from dtfm.control.epoch.runner import StageRunner
-from dtfm.train import (CommError, CommTimeout, Corpus, GPTSpec, InMemoryComm, InMemoryHub, LocalCluster,
-                        PendingSends, Plan, StageState, TrainConfig, list_checkpoints, load_checkpoint,
-                        parse_compression,
-                        run_step)
+from dtfm.train import (
+    CommError,
+    CommTimeout,
+    Corpus,
+    GPTSpec,
+    InMemoryComm,
+    InMemoryHub,
+    LocalCluster,
+    PendingSends,
+    Plan,
+    StageState,
+    TrainConfig,
+    all_reduce_small,
+    list_checkpoints,
+    load_checkpoint,
+    parse_compression,
+    run_step,
+)
 
 SPEC = GPTSpec("acks", n_layer=4, n_embd=32, n_head=4, seq_len=16)
 CFG = TrainConfig(global_batch_seqs=8, micro_batches=2, lr=3e-3, comm_timeout_s=5.0)
@@ -59,7 +73,7 @@ class GatedHandle:
 
 
 class GatedComm(InMemoryComm):
-    def __init__(self, hub: "GatedHub", me):
+    def __init__(self, hub: GatedHub, me):
         super().__init__(hub, me)
         self.gate = hub.gate
 
@@ -195,3 +209,32 @@ def test_the_run_ends_failed_when_its_last_steps_send_failed(tmp_path):
     saved = {p: [load_checkpoint(c).step for c in list_checkpoints(tmp_path / p.hex(), (0, SPEC.n_layer))]
              for p in (a, b)}
     assert saved == {a: [1], b: [1, 2]}
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_a_collective_leaves_its_handles_or_waits_for_them(deferred):
+    # Every send of step 0 fails once waited for: a collective that waits fails; one that leaves
+    # its handles in `pending` has its result, and `pending.wait` raises instead.
+    hub, group = InMemoryHub(), ["x", "y"]
+    comms = {p: RefusingComm(hub, p) for p in group}
+    for c in comms.values():
+        c.refuse_step = 0
+    pending = {p: PendingSends() if deferred else None for p in group}
+
+    def member(i, p):
+        return all_reduce_small(comms[p], group, torch.tensor([1.0 + i], dtype=torch.float64), "0.0/loss", 5.0,
+                                pending[p])
+
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(member, i, p) for i, p in enumerate(group)]
+        if not deferred:
+            for f in futs:
+                with pytest.raises(CommError, match="did not take"):
+                    f.result(timeout=30)
+            return
+        assert [f.result(timeout=30).item() for f in futs] == [3.0, 3.0]
+    for p in group:
+        assert len(pending[p]) == 1
+        with pytest.raises(CommError, match="did not take"):
+            pending[p].wait(1.0)
+        assert len(pending[p]) == 0
