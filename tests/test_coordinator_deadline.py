@@ -1,8 +1,8 @@
 """Gray failures at the coordinator: the step deadline (control/coordinator/deadline.py) and cut
 links (control/coordinator/links.py), pure and through the machine under virtual time.
 
-The machine's tests play the shell around n0 as tests/test_coordinator_machine.py does (its
-`Node`): a peer that stops answering but keeps its sockets open (frozen), a link cut between
+The machine's tests play the shell around n0 as tests/test_coordinator_machine.py does
+(tests/coordinator_fixtures.py's `Node`): a peer that stops answering but keeps its sockets open (frozen), a link cut between
 two live pipeline neighbours, a healed link, and a loaded machine whose step times jitter.
 """
 
@@ -12,8 +12,8 @@ import dataclasses
 import random
 
 import pytest
+from coordinator_fixtures import D01, D23, TIMINGS, Node, state
 from machine_trace import RUN, N, alloc, named, report
-from test_coordinator_machine import D01, D23, PLACEMENT, TIMINGS, Node, state
 
 from dtfm.control.coordinator.deadline import DeadlineRules, StepWatch, judge, laggards, probe_targets
 from dtfm.control.coordinator.links import CutLinks, ReachAnswer, ReachRequest, exchanges, pair, used_cut_links
@@ -110,19 +110,10 @@ def test_reach_on_the_wire_checks_every_field():
 # ---- through the machine ------------------------------------------------------------------------
 
 
-def watched(n: Node, steps: int = 6, every: float = 1.0) -> float:
+def watched(n: Node, steps: int = 6) -> float:
     """Train start of 2 x 2 over n0..n3 (400 steps), every peer reports steps 0.. at 1 s
     intervals from t = 1; the time of the last report. The deadline is then the floor, 3 s."""
-    n.train_start(PLACEMENT, steps=400)
-    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
-    n.answer("start", everyone={"started": True}, at=0.2)
-    t = 1.0
-    for s in range(steps):
-        t = 1.0 + s * every
-        for p in N[:4]:
-            n.feed(StepReported(p, RUN, report(1, s)), t)
-    n.lines.clear()
-    return t
+    return n.training(steps, run_steps=400)
 
 
 def stuck_2x2(n: Node, answers: dict, at: float) -> None:

@@ -5,49 +5,52 @@
 A test plays the shell around one coordinator, n0: it feeds events at times it picks, answers
 the machine's requests (`Ask`) with what each peer says, runs its `Compute`, and compares what
 the machine did with a transcript: one line per input, the actions under it, and the phase when
-it changes (tests/machine_trace.py writes them). n0's own answers to ALLOCATION, START and STOP come
-from its own epoch machine, as in the daemon. The protocol is in docs/control.md.
+it changes (tests/machine_trace.py writes them; tests/coordinator_fixtures.py's `Node` is that
+shell). n0's own answers to ALLOCATION, START and STOP come from its own epoch machine, as in
+the daemon. The protocol is in docs/control.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import math
 import random
 
 import msgpack
 import pytest
+from coordinator_fixtures import (
+    D01,
+    D23,
+    ME,
+    PLACEMENT,
+    TIMINGS,
+    WALL,
+    Node,
+    reschedule_op,
+    resume_op,
+    stage_report,
+    state,
+    stop_op,
+)
 from machine_trace import (
-    CFG,
     DATA_HASH,
     DATA_NAME,
     INTRUDER,
-    KEYS,
     OPERATOR,
-    OPERATORS,
     RUN,
-    TINY,
-    FakeElection,
     N,
     alloc,
-    context,
-    describe,
     label,
     named,
     report,
-    same_transcript,
-    show,
     start_op,
 )
 
-from dtfm.control import ControlMsg, Placement, ReshapePlan, RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
+from dtfm.control import RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
 from dtfm.train import PRESETS, TrainConfig
-from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply
+from dtfm.control.actions import Ask, Compute, Emit, LogLine, Reply
 from dtfm.control.coordinator.machine import (
-    Coordinator,
-    CoordinatorTimings,
     Elected,
     PeerLeaving,
     Phase,
@@ -59,270 +62,19 @@ from dtfm.control.coordinator.machine import (
     StopRun,
     ResumeRun,
     resume_refusal,
-    Tick,
     Trigger,
     next_voters,
 )
 from dtfm.control.coordinator.failures import FailedSteps
-from dtfm.control.coordinator.links import used_cut_links
 from dtfm.control.coordinator.steplog import REORDER_STEPS, STEP_WINDOW, StepLog
 from dtfm.control.epoch.runstate import PeerRunState
 from dtfm.control.refusals import Refusals
 from dtfm.net import short_id
 from dtfm.train import LinkCodecs, parse_compression
 from dtfm.control.epoch.machine import (
-    AbortRunner,
-    AllocationOffered,
-    ApplyToElection,
-    BuildStage,
-    EndEpoch,
     EpochDone,
-    EpochMachine,
-    EpochPhase,
     RunnerEnded,
-    StageBuilt,
-    StartAsked,
-    StopAsked,
 )
-
-ME = N[0]
-WALL = 1.7e9  # a wall clock for the operators' times: the machine's `now` 0 is this time (Node(wall=WALL))
-TIMINGS = CoordinatorTimings(accept_timeout_s=5.0, request_timeout_s=1.0, stop_timeout_s=3.0, check_interval_s=2.0,
-                             drift_check_s=1000.0, report_gather_s=0.5, probe_timeout_s=1.0, paused_retry_s=20.0,
-                             stop_poll_s=0.25, max_reconfig_attempts=3)
-
-
-class View:
-    """The gossiped view as the fake planner needs it: its peers."""
-
-    def __init__(self, peers):
-        self.peers = tuple(sorted(peers))
-        self.complete = True
-
-
-class FakeSwarm:
-    """Gossip as the coordinator reads it: `live` (without n0) and `known`, every link measured
-    but those of `unmeasured`."""
-
-    def __init__(self, live, known=N[:5]):
-        self.live, self.known, self.unmeasured = set(live), set(known), set()
-
-    def live_peers(self):
-        return sorted(self.live)
-
-    def known_peers(self):
-        return sorted(self.known)
-
-    def regions(self):
-        return {p: "r" for p in self.known}
-
-    def view(self):
-        return View(self.live | {ME})
-
-    def measured_view(self, candidates):
-        c = set(candidates)
-        return View(c - self.unmeasured), sorted(c & self.unmeasured)
-
-
-class FakePlanner:
-    """The scheduler's stand-in: the live peers, sorted, in pipelines of the run's stages, the
-    rest spares; each call is kept in `calls`. `error`: raise it as the scheduler's ValueError."""
-
-    def __init__(self):
-        self.calls: list[dict] = []
-        self.kind = "reschedule"
-        self.error: str | None = None
-        self.first: Placement | None = None  # a new run's placement
-        self.firsts: list[dict] = []  # the calls for it
-
-    def first_placement(self, view, req, model, train, regions):
-        self.firsts.append({"peers": sorted(view.peers), "stages": req.stages, "dp": req.dp})
-        if self.error is not None:
-            raise ValueError(self.error)
-        assert self.first is not None
-        return self.first
-
-    def reshape(self, view, cur, *, live, remaining_steps, regions, seed, force, cut=frozenset()):
-        self.calls.append({"live": sorted(live), "remaining_steps": remaining_steps, "seed": seed, "force": force})
-        if cut:
-            self.calls[-1]["cut"] = sorted(cut)
-        if self.error is not None:
-            raise ValueError(self.error)
-        stages = len(cur.layer_ranges)
-        dp = len(live) // stages
-        # the first order of the live peers (sorted, then its permutations) whose pipelines use
-        # no cut link, else sorted
-        orders = itertools.permutations(sorted(live)) if cut else iter([tuple(sorted(live))])
-        ps = next((o for o in orders if not used_cut_links(
-            [o[d * stages:(d + 1) * stages] for d in range(dp)], cut)), tuple(sorted(live)))
-        placement = Placement(tuple(tuple(ps[d * stages:(d + 1) * stages]) for d in range(dp)), cur.layer_ranges,
-                              tuple(ps[dp * stages:]), 2.0, 2.0)
-        return ReshapePlan(placement, self.kind, 0, 0, 0.0, 0.0, ())
-
-
-class Node:
-    """n0: its election (set by the test), its epoch machine and its coordinator, with the
-    requests the coordinator has out (by label) and the transcript."""
-
-    def __init__(self, *, live=N[1:4], voters=N[:4], timings: CoordinatorTimings = TIMINGS, wall: float = 0.0):
-        self.election = FakeElection(ME, term=1, coordinator=ME, voters=tuple(voters))
-        self.epoch = EpochMachine(ME, self.election, heartbeat_wait_s=1.0, coordinator_lost_after_s=10.0,
-                                  operators=OPERATORS)
-        self.swarm = FakeSwarm(live)
-        self.planner = FakePlanner()
-        self.c = Coordinator(ME, lambda a: SignedAllocation.sign(a, KEYS[0]), self.election, self.epoch, self.swarm,
-                             self.planner, timings, wall_offset=wall, operators=OPERATORS)
-        self.wall = wall
-        self.now = 0.0
-        self.asks: dict[str, Ask] = {}
-        self.computes: dict[str, Compute] = {}
-        self.lines: list[str] = []
-        self._phase = self.c.phase
-        self._keys = 0
-
-    # ---- inputs ---------------------------------------------------------------------------------
-
-    def feed(self, event, at: float | None = None) -> list:
-        if at is not None:
-            assert at >= self.now
-            self.now = at
-        actions = self.c.handle(event, self.now)
-        self.lines.append(f"{self.now:g} {describe(event)}")
-        for a in actions:
-            if isinstance(a, Ask):
-                assert label(a.key) not in self.asks, f"two requests {label(a.key)} out"
-                self.asks[label(a.key)] = a
-            elif isinstance(a, Compute):
-                self.computes[label(a.key)] = a
-            self.lines.append("  " + show(a))
-        if self.c.phase is not self._phase:
-            self._phase = self.c.phase
-            self.lines.append(f"  phase: {self._phase.value}")
-        return actions
-
-    def tick(self, at: float | None = None) -> list:
-        """A Tick at `at`, by default at the machine's next deadline."""
-        return self.feed(Tick(), self.c.next_deadline() if at is None else at)
-
-    def answer(self, what: str, given: dict[bytes, dict] | None = None, at: float | None = None, *,
-               everyone: dict | None = None) -> list:
-        """The answers to the request `what`: `given` per peer, or `everyone`'s; n0 answers
-        ALLOCATION, START and STOP itself; any other peer not given did not answer in time."""
-        ask = self.asks.pop(what)
-        given = dict(given or {})
-        out = {}
-        for p in ask.peers:
-            if p in given:
-                out[p] = given[p]
-            elif p == ME and ask.msg in (ControlMsg.ALLOCATION, ControlMsg.START, ControlMsg.STOP):
-                out[p] = self.local(ask)
-            elif everyone is not None:
-                out[p] = everyone
-            else:
-                out[p] = {"reason": f"no answer within {ask.timeout_s:g} s"}
-        return self.feed(Answers(ask.key, out), at)
-
-    def compute(self, what: str = "plan", at: float | None = None) -> list:
-        c = self.computes.pop(what)
-        try:
-            done = Computed(c.key, c.fn())
-        except ValueError as e:
-            done = Computed(c.key, error=str(e))
-        return self.feed(done, at)
-
-    def local(self, ask: Ask) -> dict:
-        """n0's own answer, through its epoch machine (what the shell's local answer does; a
-        runner told to abort before it started is cancelled at once)."""
-        self._keys += 1
-        key = ("local", self._keys)
-        if ask.msg == ControlMsg.START:
-            event: object = StartAsked(key, ME, ask.body["run"], ask.body["epoch"])
-        elif ask.msg == ControlMsg.STOP:
-            op = SignedOp.from_wire(ask.body["op"]) if "op" in ask.body else None
-            event = StopAsked(key, ME, ask.body["run"], ask.body["at_step"], abort=ask.body.get("abort") is True,
-                              epoch=ask.body.get("epoch"),
-                              final=ask.body.get("final") is True, op=op)
-        else:
-            a = SignedAllocation.from_wire(ask.body).open()
-            event = AllocationOffered(key, a, context(ME, live=self.swarm.live | {ME}))
-        pending, reply = [event], None
-        while pending:
-            for x in self.epoch.handle(pending.pop(0), self.now):
-                if isinstance(x, ApplyToElection):
-                    self.election.apply(x)
-                elif isinstance(x, EndEpoch):
-                    pending.append(EpochDone(x.epoch))
-                elif isinstance(x, AbortRunner) and self.epoch.status().phase is EpochPhase.ACCEPTED:
-                    pending.append(EpochDone(self.epoch.run.alloc.epoch))  # a runner not started is cancelled
-                elif isinstance(x, BuildStage):
-                    pending.append(StageBuilt(x.key, x.alloc.epoch, x.alloc.start_step))
-                elif isinstance(x, Reply):
-                    reply = x.value
-        assert isinstance(reply, dict)
-        return reply
-
-    def local_epoch(self, a) -> None:
-        """n0's epoch machine applies, builds and starts `a` (handed out by another coordinator)."""
-        reply = self.local(Ask(("setup",), (ME,), ControlMsg.ALLOCATION, SignedAllocation.sign(
-            a, KEYS[N.index(a.issuer)]).to_wire(), 1.0))
-        assert reply["accepted"], reply
-        self.epoch.handle(StartAsked(("setup",), a.issuer, a.run_id, a.epoch), self.now)
-
-    def transcript(self, want: str) -> None:
-        same_transcript(self.lines, want)
-        self.lines.clear()
-
-    # ---- set-ups --------------------------------------------------------------------------------
-
-    def train_start(self, placement: Placement, at: float = 0.0, steps: int = 100) -> list:
-        """The operator's start of RUN, signed at `at`; the first placement (`placement`) is
-        computed at once."""
-        self.planner.first = placement
-        out = self.feed(StartRun(("op", "start"), start_op(steps=steps, at_s=self.wall + at), DATA_HASH, DATA_NAME), at)
-        if "first" in self.computes:
-            out += self.compute("first", at)
-        return out
-
-    def training(self, steps: int = 2) -> None:
-        """Train start of 2 x 2 over n0..n3, every peer accepts and starts; `steps` steps logged."""
-        self.train_start(PLACEMENT)
-        self.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
-        self.answer("start", everyone={"started": True}, at=0.2)
-        for s in range(steps):
-            for p in N[:4]:
-                self.feed(StepReported(p, RUN, stage_report(p, 1, s)), 1.0 + s)
-        self.lines.clear()
-
-
-def stage_report(peer: bytes, epoch: int, step: int):
-    """`peer`'s report in PLACEMENT: the loss on the last stages (n1, n3) only, as a runner's."""
-    r = report(epoch, step)
-    return r if peer in (N[1], N[3]) else dataclasses.replace(r, loss=None)
-
-
-D01, D23 = "01" * 32, "23" * 32  # digests of offered stages
-
-
-def reschedule_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
-    """The operator's reschedule of `run`, signed at the machine's time `at` (of a Node(wall=wall))."""
-    return sign_op(key, "reschedule", now_s=wall + at, run_id=run)
-
-
-def resume_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
-    return sign_op(key, "resume", now_s=wall + at, run_id=run)
-
-
-def stop_op(at: float, run: bytes = RUN, key=OPERATOR, wall: float = 0.0) -> SignedOp:
-    return sign_op(key, "stop", now_s=wall + at, run_id=run)
-PLACEMENT = Placement(((N[0], N[1]), (N[2], N[3])), ((0, 2), (2, 4)), (), 1.0, 1.0)
-
-
-def state(layers: tuple[int, int] | None, at: int | None, *, prev: int | None = None, running: bool = False,
-          epoch: int = 1, run: bytes = RUN, reports=(), checkpoints=()) -> dict:
-    """A peer's RUN_STATE answer."""
-    return {"run": run, "term": 1, "epoch": epoch, "layers": list(layers) if layers else None, "at": at,
-            "prev": prev if prev is not None else (at - 1 if at else None), "running": running,
-            "checkpoints": [list(c) for c in checkpoints], "reports": [r.to_wire() for r in reports]}
 
 
 # ---- the hand-out -----------------------------------------------------------------------------------
