@@ -369,17 +369,25 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
     assert n.c.next_deadline() == 42.0  # it looks, and does nothing: the run is over
 
 
-def test_a_stage_without_a_holder_pauses_the_run_until_a_peer_out_of_reach_answers():
-    # n1 and n3, the holders of layers 2-4, restarted and hold nothing: the run pauses (it
-    # never goes on with re-initialised weights). It asks n4, which joins, and reconfigures
-    # once n4 answers; without an answer it retries after paused_retry_s anyway.
-    n = Node()
+def holders_restarted(n: Node) -> dict:
+    """Training 2 x 2 (`Node.training`), then n1 and n3, the holders of layers 2-4, restart and
+    hold nothing: n1 fails step 1 at 4.9, the probe and the states (answered at 5.6) confirm it,
+    and the run pauses for a holder. Their RUN_STATE answer."""
     n.training()
     restarted = state(None, None)
     n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
     n.answer("probe failed", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.0)
     n.tick()
     n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.6)
+    return restarted
+
+
+def test_a_stage_without_a_holder_pauses_the_run_until_a_peer_out_of_reach_answers():
+    # n1 and n3, the holders of layers 2-4, restarted and hold nothing: the run pauses (it
+    # never goes on with re-initialised weights). It asks n4, which joins, and reconfigures
+    # once n4 answers; without an answer it retries after paused_retry_s anyway.
+    n = Node()
+    restarted = holders_restarted(n)
     assert "no reachable peer holds layers 2-3" in n.c.status().reason
     n.tick()
     n.swarm.live.add(N[4])
@@ -1307,12 +1315,7 @@ def test_status_of_a_paused_run_on_its_coordinator_says_paused_not_stopped():
     # n0's own epoch ended when its neighbours restarted; the run it issued pauses for a holder
     # of layers 2-4: the header says paused, like the run, not "stopped".
     n = Node()
-    n.training()
-    restarted = state(None, None)
-    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
-    n.answer("probe failed", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.0)
-    n.tick()
-    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.6)
+    holders_restarted(n)
     n.epoch.handle(RunnerEnded(1, RunEnd(1, "peer n1 failed: connection lost", True), 5.6), 5.6)
     assert n.c.phase is Phase.PAUSED
     st = plane_status(n, now=6.0)
