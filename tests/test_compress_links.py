@@ -5,17 +5,15 @@ stage's DP group its DP method or the exact all-reduce; exact groups stay bit-id
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 
 import pytest
 import torch
+from compress_cluster import CFG, SPEC, replica_hashes
 
-from dtfm.train import GPTSpec, LinkCodecs, LocalCluster, Plan, TrainConfig, load_corpus, split_batch
+from dtfm.train import LinkCodecs, LocalCluster, Plan, load_corpus, split_batch
 from dtfm.train.compress import CompressionConfig, activation_payload_bytes, parse_compression
 
-SPEC = GPTSpec("c", n_layer=4, n_embd=32, n_head=4, seq_len=16)
-CFG = TrainConfig(global_batch_seqs=12, micro_batches=2, lr=3e-3, comm_timeout_s=20.0)
 # int4 + Hadamard links, DiLoCo every 2 steps, chosen per link
 PER_LINK = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="diloco", dp_topk_fraction=0.05,
                              dp_value_bits=2, dp_chunk_elems=1024, inner_steps=2, per_link=True)
@@ -24,16 +22,6 @@ PER_LINK = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="dilo
 @pytest.fixture(scope="module")
 def corpus():
     return load_corpus(max_bytes=256 << 10)
-
-
-def replica_hashes(cl: LocalCluster, s: int) -> list[str]:
-    out = []
-    for peer in cl.plan.dp_group(s):
-        h = hashlib.sha256()
-        for p in cl.states[peer].params.values():
-            h.update(p.detach().numpy().tobytes())
-        out.append(h.hexdigest())
-    return out
 
 
 def with_links(plan: Plan, links: LinkCodecs) -> Plan:

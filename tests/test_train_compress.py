@@ -4,16 +4,16 @@ identical under compressed synchronisation, compression state in checkpoints, by
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import struct
 
 import pytest
 import torch
+from compress_cluster import CFG, SPEC, replica_hashes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.train import (CommError, GPTSpec, LocalCluster, Plan, StageState, TrainConfig, TransferError,
+from dtfm.train import (CommError, LocalCluster, Plan, StageState, TransferError,
                         TransferReceiver, encode_transfer, load_checkpoint, load_corpus, save_checkpoint,
                         split_batch, stage_from_tensors, stage_tensors)
 from dtfm.train.compress import (COMPRESSION_PRESETS, CodecError, CompressionConfig, StageCompression,
@@ -21,8 +21,6 @@ from dtfm.train.compress import (COMPRESSION_PRESETS, CodecError, CompressionCon
                                  encode_dense, encode_sparse, get_compression, hadamard, random_subset,
                                  sparse_payload_bytes)
 
-SPEC = GPTSpec("c", n_layer=4, n_embd=32, n_head=4, seq_len=16)
-CFG = TrainConfig(global_batch_seqs=12, micro_batches=2, lr=3e-3, comm_timeout_s=20.0)
 COCKTAIL = CompressionConfig(dp_method="cocktail", dp_random_fraction=0.25, dp_topk_fraction=0.25,
                              dp_value_bits=4, dp_chunk_elems=256, outer_lr=1.0, outer_momentum=0.0)
 DILOCO = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="diloco", dp_topk_fraction=0.05,
@@ -258,16 +256,6 @@ def test_error_feedback_carries_what_compression_drops(comp):
 
 
 # ----------------------------------------------------------------------------- in the cluster
-
-def replica_hashes(cl: LocalCluster, s: int) -> list[str]:
-    out = []
-    for peer in cl.plan.dp_group(s):
-        h = hashlib.sha256()
-        for p in cl.states[peer].params.values():
-            h.update(p.detach().numpy().tobytes())
-        out.append(h.hexdigest())
-    return out
-
 
 @pytest.mark.parametrize("comp", [COCKTAIL, DILOCO], ids=["cocktail", "diloco"])
 def test_replicas_bit_identical_after_compressed_sync(corpus, comp):
