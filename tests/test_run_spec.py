@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from hf_models import save_gpt2
 from machine_trace import CFG, OPERATOR, OPERATORS, RUN, alloc, start_op
 
 from dtfm.control import (
@@ -185,11 +186,7 @@ def test_a_stage_from_a_model_folder_is_built_on_cuda(gpt2_folder):
 
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    folder = tmp_path_factory.mktemp("hf") / "gpt2-test"
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=4, n_head=4)).save_pretrained(folder)
-    return folder
+    return save_gpt2(tmp_path_factory.mktemp("hf") / "gpt2-test", n_positions=32, n_embd=32)
 
 
 def test_a_peer_finds_the_folder_a_start_names_by_its_digest_or_says_why_not(gpt2_folder, caplog):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from hf_models import save_gpt2
 from polling import wait_for
 from swarms import ReferenceLosses, check_log, coordinator, swarm_up, trainings, wait_steps
 
@@ -48,13 +49,7 @@ HF_KNOBS = TrainConfig(seed=0, lr=3e-3, warmup_steps=2, global_batch_seqs=16, mi
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
     """A small GPT-2 built and saved by transformers (its own initialisation; nothing downloaded)."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    folder = tmp_path_factory.mktemp("hf") / "gpt2-small-test"
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4)).save_pretrained(folder)
-    return folder
+    return save_gpt2(tmp_path_factory.mktemp("hf") / "gpt2-small-test", n_positions=64, n_embd=64)
 
 
 @pytest.fixture(scope="module")
