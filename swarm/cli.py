@@ -35,6 +35,7 @@ from dtfm.peer import (
     ConfigError,
     init_folder,
     load_run_spec,
+    plural,
     resolve,
     start_request,
 )
@@ -247,11 +248,17 @@ def _train(state: SwarmState, args: argparse.Namespace) -> dict:
     if peer is None:
         raise SwarmError("no peer is running")
     reply = start_training(state, peer, _train_request(args), run_dir=args.run_dir)
-    print(f"training {args.preset} for {reply['steps']} steps as {reply['stages']} stages x "
-          f"{reply['dp']} pipelines, issued by {peer.name}; predicted {reply['predicted_iteration_s']:.3f} s "
-          f"per step" + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact"
-                         else ""), file=sys.stderr)
+    print(format_train_started(args.preset, reply, peer.name), file=sys.stderr)
     return reply
+
+
+def format_train_started(preset: str, reply: dict, issuer: str) -> str:
+    """The line `train start` prints: the run's length and shape, its issuer, the predicted step
+    time and, when gradients are compressed, the compression."""
+    return (f"training {preset} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
+            f"{plural(reply['dp'], 'pipeline')}, issued by {issuer}; predicted "
+            f"{reply['predicted_iteration_s']:.3f} s per step"
+            + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -382,7 +389,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(format_status(status_report(state)), flush=True)
         reply = _train(state, args)
         names = {p.peer_id: f"{p.name}({p.region})" for p in state.peers}
-        print(f"\nallocation: {reply['stages']} stages x {reply['dp']} pipelines, layers "
+        print(f"\nallocation: {plural(reply['stages'], 'stage')} x {plural(reply['dp'], 'pipeline')}, layers "
               f"{reply['layer_ranges']}, predicted {reply['predicted_iteration_s']:.3f} s per step")
         for d, pipe in enumerate(reply["pipelines"]):
             print(f"  pipeline {d}: " + " -> ".join(names.get(p, p[:8]) for p in pipe))

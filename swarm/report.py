@@ -11,7 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     from dtfm.sched import ModelSpec
 
-from dtfm.peer import format_bytes
+from dtfm.peer import format_bytes, plural
 
 from .proc import peer_status
 from .state import SwarmState
@@ -271,7 +271,7 @@ def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
 
 def format_allocation(report: dict, alloc) -> str:
     names = [f"{p['name']}({p['region']})" for p in report["peers"]]
-    lines = [(f"allocation on the measured view: {alloc.stages} stages x {alloc.dp} pipelines, "
+    lines = [(f"allocation on the measured view: {plural(alloc.stages, 'stage')} x {plural(alloc.dp, 'pipeline')}, "
              f"predicted cost {alloc.cost.paper_s:.3f} s (DP {alloc.cost.dp_s:.3f} + "
              f"2 x PP {alloc.cost.pp_s:.3f})")]
     for k, pipe in enumerate(alloc.pipelines):

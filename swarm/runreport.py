@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dtfm.peer import plural
+
 from .report import RECONFIG_EVENTS, format_reconfigurations
 from .state import STATE_FILE, SwarmError, SwarmState, load_state
 from .train import EVENTS_NAME, LOG_NAME, current_run, read_log
@@ -83,7 +85,7 @@ def report_lines(rec: RunRecord, plot: Path | None, plot_error: str | None = Non
                      + ", ".join(f"{p.name}({p.region})" for p in rec.state.peers))
     if alloc:
         issuer = rec.run.get("issuer")
-        lines.append(f"allocation: {alloc.get('stages')} stages x {alloc.get('dp')} pipelines, layers "
+        lines.append(f"allocation: {plural(alloc.get('stages'), 'stage')} x {plural(alloc.get('dp'), 'pipeline')}, layers "
                      f"{alloc.get('layer_ranges')}" + (f", issued by {issuer}" if issuer else ""))
         for d, pipe in enumerate(alloc.get("pipelines") or []):
             lines.append(f"  pipeline {d}: " + " -> ".join(rec.peer_name(p) for p in pipe))
@@ -171,7 +173,7 @@ def plot_run(rec: RunRecord, out: Path) -> Path | None:
     if rec.state is not None:
         title += f": {len(rec.state.peers)} peers, scenario {rec.state.scenario_name}"
     if alloc.get("stages"):
-        title += f", {alloc['stages']} stages x {alloc.get('dp')} pipelines"
+        title += f", {plural(alloc['stages'], 'stage')} x {plural(alloc.get('dp'), 'pipeline')}"
     ax.set_title(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=100)

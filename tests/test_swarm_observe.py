@@ -543,3 +543,13 @@ def test_status_says_when_the_run_is_stalled_and_why(tmp_path, fake_status):
     assert text.splitlines()[1] == (
         "run abababab: stalled, 18 of 400 steps done, no progress for 12 s: step 18 is overdue (deadline "
         "3.0 s): probing the peers that have not reported it (cut links: 8139770e-8a875fff)")
+
+
+def test_train_start_line_says_1_stage_and_1_pipeline_in_the_singular():
+    reply = {"steps": 6, "stages": 1, "dp": 1, "predicted_iteration_s": 0.25}
+    assert swarm_cli.format_train_started("tiny", reply, "p0") == (
+        "training tiny for 6 steps as 1 stage x 1 pipeline, issued by p0; predicted 0.250 s per step")
+    reply = {**reply, "stages": 2, "dp": 3, "compression": "topk"}
+    assert swarm_cli.format_train_started("tiny", reply, "p0") == (
+        "training tiny for 6 steps as 2 stages x 3 pipelines, issued by p0; predicted 0.250 s per step; "
+        "compression topk")
