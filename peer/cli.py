@@ -20,6 +20,7 @@ Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import dataclasses
 import json
@@ -28,7 +29,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from dtfm.train import PRESETS
@@ -100,6 +101,47 @@ def _add_config_flags(p: argparse.ArgumentParser) -> None:
             if s.repeat:
                 kwargs["action"] = "append"
         p.add_argument(s.flag, **kwargs)
+
+
+def _add_signer_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of a command that signs an operation with the operator key: where the daemon is
+    and which key signs."""
+    _add_data_dir(p)
+    _add_operator_key(p)
+    _add_config_file(p, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+
+
+def _add_signed_parser(sub, name: str, help: str, description: str, *,
+                       first: Callable[[argparse.ArgumentParser], None] | None = None,
+                       timeout_s: float | None = None, timeout_help: str = "", json_help: str = ""
+                       ) -> argparse.ArgumentParser:
+    """The parser of a command that signs an operation and sends it to the daemon: `first`
+    adds its own arguments, then the signer's flags, then --timeout SECONDS (default
+    `timeout_s`, `timeout_help` saying what it waits for) and --json (`json_help`) where given."""
+    p = sub.add_parser(name, help=help, description=description)
+    if first is not None:
+        first(p)
+    _add_signer_flags(p)
+    if timeout_s is not None:
+        p.add_argument("--timeout", type=_positive_seconds, default=timeout_s, metavar="SECONDS",
+                       help=f"{timeout_help} (default: %(default)s)")
+    if json_help:
+        p.add_argument("--json", action="store_true", help=json_help)
+    return p
+
+
+def _add_run_arg(default_text: str) -> Callable[[argparse.ArgumentParser], None]:
+    def add(p: argparse.ArgumentParser) -> None:
+        p.add_argument("run", nargs="?", default=None, metavar="RUN",
+                       help=f"the run id, or a prefix of it (default: {default_text})")
+    return add
+
+
+def _add_export_args(p: argparse.ArgumentParser) -> None:
+    _add_run_arg("this peer's last run")(p)
+    p.add_argument("--out", required=True, type=Path, metavar="DIR",
+                   help="the folder to write; written under a temporary name beside it, then renamed")
+    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,9 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
             "with (`join --data`); the start names this daemon's by its hash, and a peer that "
             "holds other data refuses the run")
     t = tsub.add_parser("start", help=text.split(":")[0], description=text[0].upper() + text[1:] + ".")
-    _add_data_dir(t)
-    _add_operator_key(t)
-    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
+    _add_signer_flags(t)
     t.set_defaults(subparser=t)  # a bad run spec is a usage error (exit 2)
     t.add_argument("--spec", type=Path, default=None, metavar="FILE",
                    help="a run spec: a TOML file whose keys are these flags' names with underscores "
@@ -241,27 +281,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how long to wait for --min-peers and for every peer to accept "
                         "(default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
-    t = tsub.add_parser("stop", help="end the run at the next step boundary on every peer",
-                        description="End the run this daemon takes part in, on the same step "
-                                    "boundary on every peer: the coordinator tells them, with your "
-                                    "signed stop.")
-    _add_data_dir(t)
-    _add_operator_key(t)
-    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    t = tsub.add_parser("resume", help="continue a stopped run from its newest complete checkpoint",
-                        description="Continue a run that `train stop` ended (the swarm's last run), as a "
-                                    "new epoch of the same run with its own parameters, from the newest "
-                                    "step at which every stage is held by a live peer, in memory or in a "
-                                    "checkpoint. Refused, with the reason, for another run, a run still "
-                                    "running or finished, or when some stage is held by no live peer.")
-    t.add_argument("run", nargs="?", default=None, metavar="RUN",
-                   help="the run id, or a prefix of it (default: the swarm's last run)")
-    _add_data_dir(t)
-    _add_operator_key(t)
-    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
-                   help="how long to wait for the run to be handed out again (default: %(default)s)")
-    t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
+    _add_signed_parser(tsub, "stop", "end the run at the next step boundary on every peer",
+                       "End the run this daemon takes part in, on the same step boundary on every "
+                       "peer: the coordinator tells them, with your signed stop.")
+    _add_signed_parser(tsub, "resume", "continue a stopped run from its newest complete checkpoint",
+                       "Continue a run that `train stop` ended (the swarm's last run), as a new epoch of "
+                       "the same run with its own parameters, from the newest step at which every stage "
+                       "is held by a live peer, in memory or in a checkpoint. Refused, with the reason, "
+                       "for another run, a run still running or finished, or when some stage is held by "
+                       "no live peer.",
+                       first=_add_run_arg("the swarm's last run"), timeout_s=300.0,
+                       timeout_help="how long to wait for the run to be handed out again",
+                       json_help="print the coordinator's answer as JSON")
     t = tsub.add_parser("status", help="the run's progress from its coordinator; --follow streams it",
                         description="Show the run's progress as its coordinator tells it, on any daemon "
                                     "of the run (this daemon asks the coordinator): state, term, epoch, "
@@ -275,39 +306,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="one JSON object per answer (or line with --follow)")
     _add_data_dir(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    t = tsub.add_parser("reschedule", help="ask the coordinator for a new allocation now",
-                        description="Ask the run's coordinator for a new allocation now: it schedules "
-                                    "the live peers on its current view and reconfigures the run (see "
-                                    "docs/control.md), as it does by itself when a peer dies or joins. "
-                                    "Any peer of the run may be asked: one that is not the coordinator "
-                                    "forwards the request to it. Prints the coordinator's answer: its "
-                                    "kind, the old -> new shape (stages x pipelines) and the stage "
-                                    "moves; --json prints all of it.")
-    _add_data_dir(t)
-    _add_operator_key(t)
-    _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
-                   help="how long to wait for the coordinator's answer (default: %(default)s)")
-    t.add_argument("--json", action="store_true", help="print the coordinator's answer as JSON")
-    p = sub.add_parser("export", help="gather a run's model from its peers into one Hugging Face folder",
-                       description="Gather every stage of a run at the newest step they are all held at, "
-                                   "from the peers that hold them (over the swarm's transport, every chunk "
-                                   "checked against its sha256), into one Hugging Face GPT-2 folder on this "
-                                   "machine: model.safetensors, config.json and a tokenizer, which "
-                                   "`GPT2LMHeadModel.from_pretrained(DIR)` and `python -m dtfm.train sample --model "
-                                   "DIR` load. Signed with the operator key: the holders give the stages only "
-                                   "to the peer the signed export names (this daemon).")
-    p.add_argument("run", nargs="?", default=None, metavar="RUN",
-                   help="the run id, or a prefix of it (default: this peer's last run)")
-    p.add_argument("--out", required=True, type=Path, metavar="DIR",
-                   help="the folder to write; written under a temporary name beside it, then renamed")
-    p.add_argument("--force", action="store_true", help="replace DIR if it exists")
-    _add_data_dir(p)
-    _add_operator_key(p)
-    _add_config_file(p, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
-    p.add_argument("--timeout", type=_positive_seconds, default=3600.0, metavar="SECONDS",
-                   help="how long the whole export may take (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _add_signed_parser(tsub, "reschedule", "ask the coordinator for a new allocation now",
+                       "Ask the run's coordinator for a new allocation now: it schedules the live peers on "
+                       "its current view and reconfigures the run (see docs/control.md), as it does by "
+                       "itself when a peer dies or joins. Any peer of the run may be asked: one that is "
+                       "not the coordinator forwards the request to it. Prints the coordinator's answer: "
+                       "its kind, the old -> new shape (stages x pipelines) and the stage moves; --json "
+                       "prints all of it.",
+                       timeout_s=300.0, timeout_help="how long to wait for the coordinator's answer",
+                       json_help="print the coordinator's answer as JSON")
+    _add_signed_parser(sub, "export", "gather a run's model from its peers into one Hugging Face folder",
+                       "Gather every stage of a run at the newest step they are all held at, from the "
+                       "peers that hold them (over the swarm's transport, every chunk checked against its "
+                       "sha256), into one Hugging Face GPT-2 folder on this machine: model.safetensors, "
+                       "config.json and a tokenizer, which `GPT2LMHeadModel.from_pretrained(DIR)` and "
+                       "`python -m dtfm.train sample --model DIR` load. Signed with the operator key: the "
+                       "holders give the stages only to the peer the signed export names (this daemon).",
+                       first=_add_export_args, timeout_s=3600.0,
+                       timeout_help="how long the whole export may take", json_help="print the summary as JSON")
     return parser
 
 
@@ -555,21 +571,49 @@ def _current_run(info: dict, what: str) -> bytes:
     return bytes.fromhex(run)
 
 
+class OperatorSession:
+    """A connection to the daemon that signs operations with the operator key: `info` is the
+    daemon's `train_info` answer (its run, last run, peer id, operators)."""
+
+    def __init__(self, client: ControlClient, info: dict, key: OperatorKey) -> None:
+        self.client = client
+        self.info = info
+        self.key = key
+
+    def send(self, command: str, kind: str, run_id: bytes | None, op_args: dict | None = None,
+             **fields: object) -> dict:
+        """Sign a `kind` operation on `run_id` (None: a start's fresh run) with `op_args`, send it
+        as the daemon's `command` with `fields` beside it, and return the daemon's answer."""
+        from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
+        op = sign_op(self.key, kind, now_s=time.time(), run_id=run_id, args=op_args)
+        reply = self.client.request(command, {"op": op.to_wire(), **fields})
+        if not isinstance(reply, dict):
+            raise CliError(f"the daemon sent an answer to `{command.replace('_', ' ')}` that is not a map")
+        return reply
+
+
+@contextlib.contextmanager
+def operator_session(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir,
+                     timeout_s: float | None = None) -> Iterator[OperatorSession]:
+    """Connect to the daemon (each request within `timeout_s`, default the socket's), ask its
+    `train_info` and pick the operator key that signs (--operator-key, checked against it)."""
+    control = config.socket if timeout_s is None else dataclasses.replace(config.socket, request_timeout_s=timeout_s)
+    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
+        info = _train_info(c)
+        yield OperatorSession(c, info, _operator_key(args, info))
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     if args.train_command == "status":
         return _train_status(args)
-    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
     config, data_dir = _client_config(args)
     if args.train_command == "reschedule":
         return _train_reschedule(args, config, data_dir)
     if args.train_command == "resume":
         return _train_resume(args, config, data_dir)
     if args.train_command == "stop":
-        with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
-            info = _train_info(c)
-            key = _operator_key(args, info)
-            op = sign_op(key, "stop", now_s=time.time(), run_id=_current_run(info, "stop"))
-            reply = c.request("train_stop", {"op": op.to_wire()})
+        with operator_session(args, config, data_dir) as s:
+            reply = s.send("train_stop", "stop", _current_run(s.info, "stop"))
         at = reply["at_step"]  # the daemons' index of the first step not taken: the steps done
         print(f"the run stops {f'after step {at}' if at else 'before its first step'} ({reply['told']} peers told)",
               file=sys.stderr)
@@ -584,13 +628,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"waiting for {min_peers} live, measured peers (at most {args.timeout:g} s; "
               "`dtfm-peer status` shows the count)", file=sys.stderr)
     # the scheduling and the hand-out after the wait get their own --timeout
-    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout * (2 if min_peers > 1 else 1))
-    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        info = _train_info(c)
-        key = _operator_key(args, info)
-        request.update(data_hash=info.get("data_hash"), data_name=info.get("data_name") or "")
-        op = sign_op(key, "start", now_s=time.time(), args=request)
-        reply = c.request("train_start", {"op": op.to_wire()})
+    with operator_session(args, config, data_dir, args.timeout * (2 if min_peers > 1 else 1)) as s:
+        request.update(data_hash=s.info.get("data_hash"), data_name=s.info.get("data_name") or "")
+        reply = s.send("train_start", "start", None, request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
@@ -649,15 +689,8 @@ def _train_status(args: argparse.Namespace) -> int:
 
 
 def _train_reschedule(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
-    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
-    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
-    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        info = _train_info(c)
-        key = _operator_key(args, info)
-        op = sign_op(key, "reschedule", now_s=time.time(), run_id=_current_run(info, "reschedule"))
-        reply = c.request("train_reschedule", {"op": op.to_wire()})
-    if not isinstance(reply, dict):
-        raise CliError("the daemon sent an answer to `train reschedule` that is not a map")
+    with operator_session(args, config, data_dir, args.timeout) as s:
+        reply = s.send("train_reschedule", "reschedule", _current_run(s.info, "reschedule"))
     print(json.dumps(reply, indent=2, sort_keys=True) if args.json else format_reschedule(reply))
     return 0
 
@@ -682,16 +715,9 @@ def resume_run_id(asked: str | None, info: dict) -> bytes:
 
 
 def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
-    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
-    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
-    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        info = _train_info(c)
-        key = _operator_key(args, info)
-        run = resume_run_id(args.run, info)
-        op = sign_op(key, "resume", now_s=time.time(), run_id=run)
-        reply = c.request("train_resume", {"op": op.to_wire()})
-    if not isinstance(reply, dict):
-        raise CliError("the daemon sent an answer to `train resume` that is not a map")
+    with operator_session(args, config, data_dir, args.timeout) as s:
+        run = resume_run_id(args.run, s.info)
+        reply = s.send("train_resume", "resume", run)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
@@ -701,14 +727,12 @@ def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: Data
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
     import threading
 
     config, data_dir = _client_config(args)
     out = args.out.absolute()
     if out.exists() and not args.force:
         raise CliError(f"{out} exists: choose another folder, or pass --force to replace it")
-    control = dataclasses.replace(config.socket, request_timeout_s=args.timeout)
     done = threading.Event()
 
     def show_progress() -> None:
@@ -729,23 +753,18 @@ def cmd_export(args: argparse.Namespace) -> int:
         except Exception:  # progress is a courtesy: the export's own answer says how it went
             return
 
-    with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        info = _train_info(c)
-        key = _operator_key(args, info)
-        run = resume_run_id(args.run, info)
-        peer = info.get("peer_id")
+    with operator_session(args, config, data_dir, args.timeout) as s:
+        run = resume_run_id(args.run, s.info)
+        peer = s.info.get("peer_id")
         if not isinstance(peer, str):
             raise CliError("the daemon did not say its peer id: run the same dtfm version as the daemon")
-        op = sign_op(key, "export", now_s=time.time(), run_id=run, args={"peer": peer})
         watcher = threading.Thread(target=show_progress, daemon=True)
         watcher.start()
         try:
-            reply = c.request("export", {"op": op.to_wire(), "out": str(out), "overwrite": bool(args.force)})
+            reply = s.send("export", "export", run, {"peer": peer}, out=str(out), overwrite=bool(args.force))
         finally:
             done.set()
             watcher.join(timeout=2.0)
-    if not isinstance(reply, dict):
-        raise CliError("the daemon sent an answer to `export` that is not a map")
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:

@@ -553,3 +553,41 @@ def test_train_start_line_says_1_stage_and_1_pipeline_in_the_singular():
     assert swarm_cli.format_train_started("tiny", reply, "p0") == (
         "training tiny for 6 steps as 2 stages x 3 pipelines, issued by p0; predicted 0.250 s per step; "
         "compression topk")
+
+
+@pytest.mark.parametrize("command, kind, answer, printed", [
+    (["train", "stop"], "stop", {"at_step": 3, "told": 2}, "the run stops after step 3 (2 peers told)"),
+    (["train", "resume"], "resume", {"kind": "reconfigured", "resume_step": 3}, "run 72727272 resumes after step 3"),
+])
+async def test_stop_and_resume_send_an_operation_of_their_kind_signed_by_the_operator_key(
+        capsys, command, kind, answer, printed):
+    asked = []
+    run = b"r" * 16
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        operator = OperatorKey.create(Path(d) / "swarm.key.operator")
+        info = {"operators": [operator.public_key.hex()], "run_id": run.hex(), "last_run_id": run.hex(),
+                "swarm_key_file": str(Path(d) / "swarm.key")}
+        server = ControlServer(data_dir.control_socket, SocketConfig())
+        answers = [answer, ["not", "a", "map"]]
+
+        async def handle(args):
+            asked.append(args)
+            return answers[len(asked) - 1]
+
+        async def train_info(args):
+            return info
+
+        server.register("train_" + kind, handle)
+        server.register("train_info", train_info)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            rc = await trio.to_thread.run_sync(peer_main, [*command, "--data-dir", d])
+            said = capsys.readouterr()
+            bad_rc = await trio.to_thread.run_sync(peer_main, [*command, "--data-dir", d])
+            bad = capsys.readouterr().err
+            nursery.cancel_scope.cancel()
+    assert rc == 0 and printed in said.out + said.err
+    check_op(SignedOp.from_wire(asked[0]["op"]), kind, {operator.public_key}, run_id=run)
+    assert bad_rc == 1 and f"answer to `train {kind}` that is not a map" in bad
