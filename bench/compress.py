@@ -37,6 +37,8 @@ import torch
 from dtfm.train import LocalCluster, Plan, TrainConfig, get_preset, load_corpus
 from dtfm.train.compress import AXES, COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, get_compression
 
+from common import print_table, write_json
+
 PP_GOAL, DP_GOAL, LOSS_GOAL = 7.0, 100.0, 0.02
 SPEEDUP_GOAL, PREDICTION_GOAL = 4.0, 0.25
 HERE = Path(__file__).resolve().parent
@@ -141,17 +143,15 @@ def part12(args, names: list[str], configs: dict, out: Path) -> list[dict]:
         print(f"  {name:<10} mean loss of the last {args.last}: {statistics.fmean(r['losses'][-args.last:]):.4f} "
               f"({r['wall_s']:.0f} s)", file=sys.stderr)
     summary = summarise(runs, args.last)
-    print(f"\n| method | config | loss (last {args.last}) | gap | PP fwd B/step | PP bwd B/step | DP B/step "
-          "| PP ratio | DP ratio | total ratio | wall s |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
-    for s in summary:
-        b = s["bytes_per_step"]
-        print(f"| {s['name']} | {s['config']} | {s['mean_loss_last']:.4f} | {100 * s['loss_gap']:+.2f} % "
-              f"| {b['pp_fwd']:,} | {b['pp_bwd']:,} | {b['dp']:,} | {s['pp_bytes_ratio']} | {s['dp_bytes_ratio']} "
-              f"| {s['total_bytes_ratio']} | {s['wall_s']} |", file=sys.stderr)
+    print_table(["method", "config", f"loss (last {args.last})", "gap", "PP fwd B/step", "PP bwd B/step", "DP B/step",
+                 "PP ratio", "DP ratio", "total ratio", "wall s"],
+                ([s["name"], s["config"], f"{s['mean_loss_last']:.4f}", f"{100 * s['loss_gap']:+.2f} %",
+                  f"{s['bytes_per_step']['pp_fwd']:,}", f"{s['bytes_per_step']['pp_bwd']:,}",
+                  f"{s['bytes_per_step']['dp']:,}", s["pp_bytes_ratio"], s["dp_bytes_ratio"], s["total_bytes_ratio"],
+                  s["wall_s"]] for s in summary))
     print(plot(runs, out / "loss.png"), file=sys.stderr)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "summary": summary,
-                                                  "losses": {r["name"]: r["losses"] for r in runs}}, indent=1))
+    write_json(out / "results.json", {"args": vars(args), "summary": summary,
+                                      "losses": {r["name"]: r["losses"] for r in runs}})
     return summary
 
 

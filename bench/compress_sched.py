@@ -39,6 +39,8 @@ from dtfm.scenarios import load_scenario
 from dtfm.sched import (PAPER_GPT3_XL, PRESETS, REFERENCE_CODEC_SPEED, CodecSpeed, ModelSpec, choose_compression,
                         compression_options, cost_model, simulate_iteration, solve)
 
+from common import print_table
+
 NOTE = ("SIMULATED figures: predicted by dtfm.sched's cost model and iteration simulator on the scenario's "
         "matrices; no daemon ran")
 
@@ -120,6 +122,11 @@ def tiny_spec(dp: int, micro_batches: int, global_batch: int, layer_compute_s: f
     return replace(spec, reference_tflops=at_one / layer_compute_s)
 
 
+def compressed_links(k: dict) -> str:
+    """`6/6, 4/4 (int8/64, ...)`: the links and data-parallel groups an allocation compresses."""
+    return f"{k['links']}/{k['of_links']}, {k['groups']}/{k['of_groups']} ({', '.join(k['codecs']) or 'none'})"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--time-budget", type=float, default=10.0, help="seconds of search per allocation")
@@ -192,16 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     tiny_c = tiny_spec(D8, args.tiny_micro_batches, args.tiny_batch, layer_s)
     rows += part4(f"tiny (8 peers, bandwidth x {scale:.3g})", tiny_c, dl8, bw8 * scale, reg8, S8, D8, speeds, args,
                   micro_batches=args.tiny_micro_batches)
-    print("\n| model | shape | coding | exact alloc., exact s | exact alloc., compressed s | knowing alloc., "
-          "compressed s | knowing gain | exact / knowing compressed | same alloc. | compressed links, groups "
-          "(knowing) |", file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
-    for r in rows:
-        k = r["knowing_allocation_compresses"]
-        print(f"| {r['model']} | {r['shape']} | {r['codec_speed']} | {r['exact_allocation_exact_s']} | "
-              f"{r['exact_allocation_compressed_s']} | {r['knowing_allocation_compressed_s']} | {r['knowing_gain']} | "
-              f"{r['compression_speedup']} | {r['same_allocation']} | {k['links']}/{k['of_links']}, "
-              f"{k['groups']}/{k['of_groups']} ({', '.join(k['codecs']) or 'none'}) |", file=sys.stderr)
+    print_table(["model", "shape", "coding", "exact alloc., exact s", "exact alloc., compressed s",
+                 "knowing alloc., compressed s", "knowing gain", "exact / knowing compressed", "same alloc.",
+                 "compressed links, groups (knowing)"],
+                ([r["model"], r["shape"], r["codec_speed"], r["exact_allocation_exact_s"],
+                  r["exact_allocation_compressed_s"], r["knowing_allocation_compressed_s"], r["knowing_gain"],
+                  r["compression_speedup"], r["same_allocation"], compressed_links(r["knowing_allocation_compresses"])]
+                 for r in rows))
     print(json.dumps({
         "simulated": True, "note": NOTE, "codec_speed": speed.to_dict(), "codec_speed_source": speed_note,
         "gpt3_xl_comm_share": round(share, 4), "gpt3_xl_comm_s": round(comm, 4), "gpt3_xl_compute_s": round(compute, 4),

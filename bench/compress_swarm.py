@@ -38,18 +38,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+from common import WAN_PLANE, print_table, read_rows, running_swarm, swarm, write_json
+
 DEFAULT_SCALE = 0.0285  # bench/compress_sched.py, docs/compression.md
 SPEEDUP_GOAL, PREDICTION_GOAL = 4.0, 0.25
-WAN_PLANE = ("--plane-profile", "wan")
 SWEEP_FACTORS = (1.0, 0.5, 0.25, 0.1)  # simulated only: the measured view's bandwidths x these
 
 
@@ -97,18 +95,6 @@ def allocation_matrix(pipelines: list[list[str]], view_peers: list[str]) -> np.n
 
 
 # ---- the swarm ---------------------------------------------------------------------------------
-
-
-def swarm(run_dir: Path, *args: str, timeout_s: float = 900, stdout: bool = False) -> str:
-    cmd = [sys.executable, "-m", "dtfm.swarm", *args, "--run-dir", str(run_dir)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"dtfm-swarm {args[0]} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
-    return out.stdout if stdout else out.stderr
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "train.jsonl").read_text().splitlines() if x.strip()]
 
 
 def measured_view(run_dir: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -203,27 +189,19 @@ def run(args) -> dict:
     speed = measure_compress_cost()
     print(f"codec speed on this CPU (one thread), ns per element: {json.dumps(speed.to_dict())}", file=sys.stderr)
     results: dict = {"bandwidth_scale": args.bandwidth_scale, "codec_speed": speed.to_dict(), "runs": {}}
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-compress-") as tmp:
-        run_dir = Path(tmp) / "swarm"
-        t0 = time.monotonic()
-        try:
-            swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--bandwidth-scale",
-                  str(args.bandwidth_scale), "--timeout", "600", *WAN_PLANE, timeout_s=900)
-            print(f"swarm up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-            reply, rows, view = train_run(run_dir, args.exact_steps)
-            runs = {"exact": (reply, rows, view, exact)}
-            shape = ("--stages", str(reply["stages"]), "--dp", str(reply["dp"]))
-            print(f"exact: {reply['stages']} x {reply['dp']}, {len(rows)} steps logged", file=sys.stderr)
-            for m in methods:
-                r2, rows2, view2 = train_run(run_dir, args.steps, *shape, "--compress", m)
-                runs[m] = (r2, rows2, view2, configs[m])
-                print(f"{m}: {len(rows2)} steps logged"
-                      + (f"; {r2['compress_links']['text']}" if "compress_links" in r2 else ""), file=sys.stderr)
-        finally:
-            try:
-                swarm(run_dir, "down", "--kill", timeout_s=120)
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
-                print(f"dtfm-swarm down --kill: {e}", file=sys.stderr)
+    t0 = time.monotonic()
+    with running_swarm("--scenario", "worldwide", "--peers", "8", "--bandwidth-scale", str(args.bandwidth_scale),
+                       "--timeout", "600", *WAN_PLANE, kill=True, prefix="dtfm-bench-compress-") as run_dir:
+        print(f"swarm up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+        reply, rows, view = train_run(run_dir, args.exact_steps)
+        runs = {"exact": (reply, rows, view, exact)}
+        shape = ("--stages", str(reply["stages"]), "--dp", str(reply["dp"]))
+        print(f"exact: {reply['stages']} x {reply['dp']}, {len(rows)} steps logged", file=sys.stderr)
+        for m in methods:
+            r2, rows2, view2 = train_run(run_dir, args.steps, *shape, "--compress", m)
+            runs[m] = (r2, rows2, view2, configs[m])
+            print(f"{m}: {len(rows2)} steps logged"
+                  + (f"; {r2['compress_links']['text']}" if "compress_links" in r2 else ""), file=sys.stderr)
     ex_reply, ex_rows, _, _ = runs["exact"]
     ex_phase = phases(ex_rows, args.skip)
     M = 4
@@ -270,29 +248,29 @@ def run(args) -> dict:
 
 
 def table(results: dict) -> None:
-    print("\n| run | config | measured s/step (median; local, sync) | predicted s | error | comm-only pred. | "
-          "floor (unlimited bw) | compute s | pipeline s | sync s | bytes/step (pp fwd, pp bwd, dp) | speedup |",
-          file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    rows = []
     for name, r in results["runs"].items():
         m, ph = r["measured"], r["phases"]
         b = ph["bytes_per_step"] or {}
         loc = "" if m["period"] == 1 else f" ({m['local_median_s']:.3f}, {m['sync_median_s']:.3f})"
-        print(f"| {name} | {r['config']} | {m['iteration_s']:.3f}{loc} | {r['predicted_s']:.3f} | "
-              f"{100 * r['prediction_error']:.1f} % | {r['predicted_comm_only_s']:.3f} | "
-              f"{r['predicted_unlimited_bandwidth_s']:.3f} | {ph['compute_s']} | {ph['pipeline_s']} | {ph['sync_s']} | "
-              f"{b.get('pp_fwd', 0):,}, {b.get('pp_bwd', 0):,}, {b.get('dp', 0):,} | {r.get('speedup_measured', '-')} |",
-              file=sys.stderr)
+        rows.append([name, r["config"], f"{m['iteration_s']:.3f}{loc}", f"{r['predicted_s']:.3f}",
+                     f"{100 * r['prediction_error']:.1f} %", f"{r['predicted_comm_only_s']:.3f}",
+                     f"{r['predicted_unlimited_bandwidth_s']:.3f}", ph["compute_s"], ph["pipeline_s"], ph["sync_s"],
+                     f"{b.get('pp_fwd', 0):,}, {b.get('pp_bwd', 0):,}, {b.get('dp', 0):,}",
+                     r.get("speedup_measured", "-")])
+    print_table(["run", "config", "measured s/step (median; local, sync)", "predicted s", "error", "comm-only pred.",
+                 "floor (unlimited bw)", "compute s", "pipeline s", "sync s", "bytes/step (pp fwd, pp bwd, dp)",
+                 "speedup"], rows)
     scales = list(results["runs"]["exact"]["predicted_at_bandwidth_scale"])
-    print("\n| run | floor: unlimited bandwidth, s | floor without the trainer's round trips, s | bound on the speedup "
-          "(exact measured / floor) | " + " | ".join(f"predicted speedup at scale {k}" for k in scales) + " |",
-          file=sys.stderr)
-    print("|---|---|---|---|" + "---|" * len(scales), file=sys.stderr)
+    rows = []
     for name, r in results["runs"].items():
         sp = r.get("speedup_predicted_at_bandwidth_scale") or {}
-        print(f"| {name} | {r['predicted_unlimited_bandwidth_s']:.3f} | "
-              f"{r['predicted_unlimited_bandwidth_no_engine_syncs_s']:.3f} | {r.get('speedup_bound', '-')} | "
-              + " | ".join(str(sp.get(k, "-")) for k in scales) + " |", file=sys.stderr)
+        rows.append([name, f"{r['predicted_unlimited_bandwidth_s']:.3f}",
+                     f"{r['predicted_unlimited_bandwidth_no_engine_syncs_s']:.3f}", r.get("speedup_bound", "-"),
+                     *(sp.get(k, "-") for k in scales)])
+    print_table(["run", "floor: unlimited bandwidth, s", "floor without the trainer's round trips, s",
+                 "bound on the speedup (exact measured / floor)",
+                 *(f"predicted speedup at scale {k}" for k in scales)], rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -311,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     table(results)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        write_json(Path(args.out), results)
     rec = results["runs"][args.recommended]
     print(json.dumps({"recommended": args.recommended, "speedup_measured": rec["speedup_measured"],
                       "prediction_error": rec["prediction_error"], "bandwidth_scale": args.bandwidth_scale,

@@ -43,7 +43,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -54,22 +53,11 @@ from dtfm.control import CommConfig, TensorRouter, TransportComm
 from dtfm.net import Identity, Transport, TransportConfig
 from dtfm.train import GPTSpec, LocalCluster, MessageRules, Plan, TrainConfig, get_preset, load_corpus
 
+from common import WAN_PLANE, read_rows, running_swarm, swarm
+
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-
-# The worldwide and recovery figures are a deployment's: the control plane's wan timings, not the
-# test profile a swarm on one machine runs by default (README's figures were measured so).
-WAN_PLANE = ("--plane-profile", "wan")
-
-
-def swarm(run_dir: Path, *args: str, timeout_s: float = 900, stdout: bool = False) -> str:
-    """Run `dtfm-swarm ARGS`; its stderr (or stdout), or RuntimeError with its stderr."""
-    cmd = [sys.executable, "-m", "dtfm.swarm", *args, "--run-dir", str(run_dir)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    if out.returncode != 0:
-        raise RuntimeError(f"dtfm-swarm {args[0]} failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
-    return out.stdout if stdout else out.stderr
-
+WORLDWIDE_8 = ("--scenario", "worldwide", "--peers", "8", "--timeout", "300", *WAN_PLANE)
 
 def transport_figures(total_mib: int) -> dict:
     """bench/transport.py's JSON line, run as its own process with 64 MiB payloads."""
@@ -78,10 +66,6 @@ def transport_figures(total_mib: int) -> dict:
     if out.returncode != 0:
         raise RuntimeError(f"bench/transport.py failed: {out.stderr.strip()[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def read_rows(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "train.jsonl").read_text().splitlines() if line.strip()]
 
 
 def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[dict]]:
@@ -99,13 +83,8 @@ def median_after(rows: list[dict], key: str, skip: int) -> float:
 
 
 def bench_loopback(steps: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
-        run_dir = Path(tmp) / "swarm"
-        swarm(run_dir, "up", "--scenario", "datacenter", "--peers", "4", "--no-emulation", "--timeout", "120")
-        try:
-            _, rows = train_run(run_dir, steps, "--stages", "2", "--dp", "2")
-        finally:
-            swarm(run_dir, "down")
+    with running_swarm("--scenario", "datacenter", "--peers", "4", "--no-emulation", "--timeout", "120") as run_dir:
+        _, rows = train_run(run_dir, steps, "--stages", "2", "--dp", "2")
     daemons = median_after(rows, "tokens_per_s", 2)
     spec, cfg = get_preset("tiny"), TrainConfig()
     with LocalCluster(spec, cfg, Plan.grid(spec.n_layer, 2, 2), load_corpus()) as cl:
@@ -222,15 +201,10 @@ def bench_comm(messages: int, rounds: int) -> dict:
 
 
 def bench_worldwide(steps: int) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
-        run_dir = Path(tmp) / "swarm"
-        swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--timeout", "300", *WAN_PLANE)
-        try:
-            sched_reply, sched_rows = train_run(run_dir, steps)
-            shape = ("--stages", str(sched_reply["stages"]), "--dp", str(sched_reply["dp"]))
-            rand_reply, rand_rows = train_run(run_dir, steps, *shape, "--placement", "random", "--seed", "1")
-        finally:
-            swarm(run_dir, "down")
+    with running_swarm(*WORLDWIDE_8) as run_dir:
+        sched_reply, sched_rows = train_run(run_dir, steps)
+        shape = ("--stages", str(sched_reply["stages"]), "--dp", str(sched_reply["dp"]))
+        rand_reply, rand_rows = train_run(run_dir, steps, *shape, "--placement", "random", "--seed", "1")
     out = {"world_shape": f"{sched_reply['stages']}x{sched_reply['dp']}"}
     for name, reply, rows in (("scheduler", sched_reply, sched_rows), ("random", rand_reply, rand_rows)):
         measured = median_after(rows, "iteration_s", 1)
@@ -291,22 +265,17 @@ def _recover_once(run_dir: Path, victim: str, label: str, fault=None) -> dict:
 
 
 def bench_recovery() -> dict:
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
-        run_dir = Path(tmp) / "swarm"
-        swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--timeout", "300", *WAN_PLANE)
-        try:
-            swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
-            swarm(run_dir, "wait", "--step", "4", "--timeout", "600")
-            base = median_after(read_rows(run_dir), "iteration_s", 1)
-            t = _training(run_dir)
-            follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
-            out = {"recovery_baseline_iteration_s": round(base, 3)}
-            out.update(_recover_once(run_dir, follower, "follower_kill"))
-            swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
-            coordinator = next(n for n, v in _training(run_dir).items() if v.get("role") == "coordinator")
-            out.update(_recover_once(run_dir, coordinator, "coordinator_kill"))
-        finally:
-            swarm(run_dir, "down")
+    with running_swarm(*WORLDWIDE_8) as run_dir:
+        swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
+        swarm(run_dir, "wait", "--step", "4", "--timeout", "600")
+        base = median_after(read_rows(run_dir), "iteration_s", 1)
+        t = _training(run_dir)
+        follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
+        out = {"recovery_baseline_iteration_s": round(base, 3)}
+        out.update(_recover_once(run_dir, follower, "follower_kill"))
+        swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
+        coordinator = next(n for n, v in _training(run_dir).items() if v.get("role") == "coordinator")
+        out.update(_recover_once(run_dir, coordinator, "coordinator_kill"))
     out["follower_kill_recovery_in_iterations"] = round(out["follower_kill_recovery_s"] / base, 2)
     out["coordinator_kill_recovery_in_iterations"] = round(out["coordinator_kill_recovery_s"] / base, 2)
     return out
@@ -321,39 +290,34 @@ def bench_gray() -> dict:
     seconds from the fault to the next completed step, split as for a SIGKILL (detection is the
     step deadline plus the probe)."""
     from dtfm.swarm.state import load_state
-    with tempfile.TemporaryDirectory(prefix="dtfm-bench-") as tmp:
-        run_dir = Path(tmp) / "swarm"
-        swarm(run_dir, "up", "--scenario", "worldwide", "--peers", "8", "--timeout", "300", *WAN_PLANE)
+    with running_swarm(*WORLDWIDE_8) as run_dir:
+        swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
+        swarm(run_dir, "wait", "--step", "6", "--timeout", "600")
+        base = median_after(read_rows(run_dir), "iteration_s", 1)
+        t = _training(run_dir)
+        follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
+        pid = next(p.pid for p in load_state(run_dir).peers if p.name == follower)
+        out = {"gray_baseline_iteration_s": round(base, 3)}
         try:
-            swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
-            swarm(run_dir, "wait", "--step", "6", "--timeout", "600")
-            base = median_after(read_rows(run_dir), "iteration_s", 1)
-            t = _training(run_dir)
-            follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
-            pid = next(p.pid for p in load_state(run_dir).peers if p.name == follower)
-            out = {"gray_baseline_iteration_s": round(base, 3)}
-            try:
-                out.update(_recover_once(run_dir, follower, "frozen_peer", lambda: os.kill(pid, signal.SIGSTOP)))
-            finally:
-                os.kill(pid, signal.SIGCONT)
-            deadline = time.monotonic() + 300
-            while (_training(run_dir).get(follower) or {}).get("state") != "training":  # placed again
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the woken {follower} was not placed again within 300 s")
-                time.sleep(1.0)
-            out["frozen_peer_woken_placed_again"] = True
-            swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
-            t = _training(run_dir)  # two pipeline neighbours, neither the coordinator (a link cut between
-            # the coordinator and a peer puts the peer out of its reach: it leaves like a frozen one)
-            a, b = next((n, m) for n, v in t.items() for m, w in t.items()
-                        if v.get("stage") == 0 and w.get("stage") == 1 and v.get("pipeline") == w.get("pipeline")
-                        and "coordinator" not in (v.get("role"), w.get("role")))
-            try:
-                out.update(_recover_once(run_dir, a, "cut_link", lambda: swarm(run_dir, "partition", a, b)))
-            finally:
-                swarm(run_dir, "heal")
+            out.update(_recover_once(run_dir, follower, "frozen_peer", lambda: os.kill(pid, signal.SIGSTOP)))
         finally:
-            swarm(run_dir, "down")
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 300
+        while (_training(run_dir).get(follower) or {}).get("state") != "training":  # placed again
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the woken {follower} was not placed again within 300 s")
+            time.sleep(1.0)
+        out["frozen_peer_woken_placed_again"] = True
+        swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
+        t = _training(run_dir)  # two pipeline neighbours, neither the coordinator (a link cut between
+        # the coordinator and a peer puts the peer out of its reach: it leaves like a frozen one)
+        a, b = next((n, m) for n, v in t.items() for m, w in t.items()
+                    if v.get("stage") == 0 and w.get("stage") == 1 and v.get("pipeline") == w.get("pipeline")
+                    and "coordinator" not in (v.get("role"), w.get("role")))
+        try:
+            out.update(_recover_once(run_dir, a, "cut_link", lambda: swarm(run_dir, "partition", a, b)))
+        finally:
+            swarm(run_dir, "heal")
     out["frozen_peer_recovery_in_iterations"] = round(out["frozen_peer_recovery_s"] / base, 2)
     out["cut_link_recovery_in_iterations"] = round(out["cut_link_recovery_s"] / base, 2)
     return out
