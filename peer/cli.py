@@ -51,7 +51,7 @@ from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
 from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, start_request
-from .status import format_bytes, format_resume, format_status_text, plural, to_json
+from .status import format_resume, format_status_text, plural, reconfiguration_parts, to_json
 
 PROG = "dtfm-peer"
 # The signed start's names of the training knobs (TrainConfig fields), for the start's summary.
@@ -792,21 +792,16 @@ def format_reschedule(reply: dict) -> str:
     """One line for the coordinator's answer: kind, old -> new shape, moves (and more when
     given). Every field is optional."""
     kind = reply.get("kind") or reply.get("event") or reply.get("result") or "answered"
-    parts = [str(kind)]
-    if reply.get("old_shape") is not None or reply.get("new_shape") is not None:
-        parts.append(f"{reply.get('old_shape') or '-'} -> {reply.get('new_shape') or '-'}")
-    if reply.get("moves") is not None:
-        parts.append(f"{reply['moves']} moves")
-    if reply.get("bytes_moved") is not None:
-        parts.append(f"{format_bytes(reply['bytes_moved'])} moved")
+    reconf = reconfiguration_parts(reply)
+    parts = [str(kind), *(reconf[k] for k in ("shape", "moves", "moved") if k in reconf)]
     old_s, new_s = reply.get("predicted_old_s"), reply.get("predicted_new_s")
     if isinstance(new_s, (int, float)):
         parts.append("predicted " + (f"{old_s:.3f} s -> " if isinstance(old_s, (int, float)) else "")
                      + f"{new_s:.3f} s per step")
     if reply.get("epoch") is not None:
         parts.append(f"epoch {reply['epoch']}")
-    if reply.get("resume_step") is not None:
-        parts.append(format_resume(reply["resume_step"], bool(reply.get("rollback"))))
+    if "resumed" in reconf:
+        parts.append(reconf["resumed"])
     if reply.get("reason"):
         parts.append(str(reply["reason"]))
     return ", ".join(parts)

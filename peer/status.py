@@ -297,6 +297,23 @@ def format_bytes(n: object, missing: str = "? bytes") -> str:
     return f"{value:.1f} GB"  # pragma: no cover
 
 
+def reconfiguration_parts(r: dict, bytes_missing: str = "? bytes") -> dict[str, str]:
+    """The parts of a reconfiguration record (the coordinator's answer to a reschedule, an event
+    of the run's log, a status's last reconfiguration) for people, each only where its fields
+    are given: `shape` (`2x4 -> 2x3`, `-` for a missing side), `moves` (`2 moves`), `moved`
+    (`12.5 MB moved`, `bytes_missing` when not a number) and `resumed` (format_resume's)."""
+    parts = {}
+    if r.get("old_shape") is not None or r.get("new_shape") is not None:
+        parts["shape"] = f"{r.get('old_shape') or '-'} -> {r.get('new_shape') or '-'}"
+    if r.get("moves") is not None:
+        parts["moves"] = f"{r['moves']} moves"
+    if r.get("bytes_moved") is not None:
+        parts["moved"] = f"{format_bytes(r['bytes_moved'], missing=bytes_missing)} moved"
+    if r.get("resume_step") is not None:
+        parts["resumed"] = format_resume(r["resume_step"], bool(r.get("rollback")))
+    return parts
+
+
 def steps_done(completed: object) -> object:
     """Steps done when `completed` (a step index, -1: none) is the last one: steps start at 0."""
     return completed + 1 if isinstance(completed, int) else "?"
@@ -360,11 +377,10 @@ def format_training(t: dict, now: float) -> list[str]:
     if isinstance(reconf, dict):
         at = reconf.get("at")
         ago = format_duration(now - at) + " ago" if isinstance(at, (int, float)) else "at an unknown time"
+        parts = reconfiguration_parts(reconf)
         lines.append(f"{pad}last reconfiguration: {ago} {reconf.get('reason') or 'no reason given'}: "
-                     f"{reconf.get('old_shape') or '-'} -> {reconf.get('new_shape') or '-'}, "
-                     f"{format_bytes(reconf.get('bytes_moved'))} moved"
-                     + (", " + format_resume(reconf["resume_step"], bool(reconf.get("rollback")))
-                        if reconf.get("resume_step") is not None else ""))
+                     + ", ".join([parts.get("shape", "- -> -"), parts.get("moved", "? bytes moved")]
+                                 + ([parts["resumed"]] if "resumed" in parts else [])))
     last = t.get("last_step")
     if isinstance(last, dict):
         loss = last.get("loss")

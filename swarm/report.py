@@ -11,7 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     from dtfm.sched import ModelSpec
 
-from dtfm.peer import format_bytes, plural
+from dtfm.peer import plural, reconfiguration_parts
 
 from .proc import peer_status
 from .state import SwarmState
@@ -208,16 +208,14 @@ def format_event(e: dict, t0: float | None = None) -> str:
     parts = [when, str(e.get("event", "?")), f"term {_dash(e.get('term'))}", f"epoch {_dash(e.get('epoch'))}"]
     if e.get("trigger"):
         parts.append(str(e["trigger"]))
-    if e.get("new_shape") is not None or e.get("old_shape") is not None:
-        parts.append(f"{e.get('old_shape') or '-'} -> {e.get('new_shape') or '-'}")
+    reconf = reconfiguration_parts(e, bytes_missing="-")
+    if "shape" in reconf:
+        parts.append(reconf["shape"])
     if e.get("predicted_old_s") is not None:
         parts.append(f"predicted {_seconds(e['predicted_old_s'])} -> {_seconds(e.get('predicted_new_s'))}")
     elif e.get("predicted_new_s") is not None:
         parts.append(f"predicted {_seconds(e['predicted_new_s'])}")
-    if e.get("moves") is not None:
-        parts.append(f"{e['moves']} moves")
-    if e.get("bytes_moved") is not None:
-        parts.append(f"{format_bytes(e['bytes_moved'], missing='-')} moved")
+    parts += [reconf[k] for k in ("moves", "moved") if k in reconf]
     if e.get("resume_step") is not None:
         parts.append(f"resume at step {e['resume_step']}")
     if e.get("kind"):

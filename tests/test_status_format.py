@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from machine_trace import RUN, FakeElection, N, alloc, report
 
 from dtfm.control.coordinator.machine import CoordinatorStatus, Phase
@@ -16,7 +18,7 @@ from dtfm.gossip import Entry, Report
 from dtfm.gossip import view as gossip_view
 from dtfm.gossip.status import gossip_status, link_state
 from dtfm.peer import status as peer_status
-from dtfm.peer.status import format_gossip, format_issued, format_status_text, format_training
+from dtfm.peer.status import format_gossip, format_issued, format_status_text, format_training, reconfiguration_parts
 
 A, B, C, D = ("a1" * 32, "b2" * 32, "c3" * 32, "d4" * 32)
 
@@ -250,3 +252,18 @@ def test_start_and_export_count_one_stage_in_the_singular():
     assert format_exported("8d" * 16, {"step": 600, "model": "tiny", "stages": [{}], "bytes_fetched": 10_442_024,
                                        "out": "/tmp/m"}) \
         == "exported run 8d8d8d8d at step 600 (tiny, 1 stage, 10.4 MB fetched) to /tmp/m"
+
+
+@pytest.mark.parametrize("record, missing, want", [
+    ({}, "? bytes", {}),
+    ({"old_shape": "2x4", "new_shape": "2x3", "moves": 2, "bytes_moved": 12_500_000, "resume_step": 41},
+     "? bytes", {"shape": "2x4 -> 2x3", "moves": "2 moves", "moved": "12.5 MB moved", "resumed": "resumed after step 41"}),
+    ({"new_shape": "2x2", "moves": 0, "bytes_moved": 0, "resume_step": 0},
+     "? bytes", {"shape": "- -> 2x2", "moves": "0 moves", "moved": "0 B moved", "resumed": "resumed from its first step"}),
+    ({"old_shape": "2x2", "resume_step": 20, "rollback": True}, "? bytes",
+     {"shape": "2x2 -> -", "resumed": "rolled back, resumed after step 20"}),
+    ({"bytes_moved": "lots"}, "-", {"moved": "- moved"}),
+    ({"bytes_moved": "lots"}, "? bytes", {"moved": "? bytes moved"}),
+])
+def test_reconfiguration_parts_says_only_what_the_record_gives(record, missing, want):
+    assert reconfiguration_parts(record, bytes_missing=missing) == want
