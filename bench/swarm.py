@@ -264,13 +264,19 @@ def _recover_once(run_dir: Path, victim: str, label: str, fault=None) -> dict:
     return {f"{label}_{k}": round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def _endless_run(run_dir: Path, wait_step: int) -> tuple[float, str]:
+    """Start a 2x4 run that lasts until the swarm is taken down and wait for step `wait_step`:
+    the median step time so far and a follower that holds a stage."""
+    swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
+    swarm(run_dir, "wait", "--step", str(wait_step), "--timeout", "600")
+    base = median_after(read_rows(run_dir), "iteration_s", 1)
+    t = _training(run_dir)
+    return base, min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
+
+
 def bench_recovery() -> dict:
     with running_swarm(*WORLDWIDE_8) as run_dir:
-        swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
-        swarm(run_dir, "wait", "--step", "4", "--timeout", "600")
-        base = median_after(read_rows(run_dir), "iteration_s", 1)
-        t = _training(run_dir)
-        follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
+        base, follower = _endless_run(run_dir, 4)
         out = {"recovery_baseline_iteration_s": round(base, 3)}
         out.update(_recover_once(run_dir, follower, "follower_kill"))
         swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
@@ -291,11 +297,7 @@ def bench_gray() -> dict:
     step deadline plus the probe)."""
     from dtfm.swarm.state import load_state
     with running_swarm(*WORLDWIDE_8) as run_dir:
-        swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
-        swarm(run_dir, "wait", "--step", "6", "--timeout", "600")
-        base = median_after(read_rows(run_dir), "iteration_s", 1)
-        t = _training(run_dir)
-        follower = min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
+        base, follower = _endless_run(run_dir, 6)
         pid = next(p.pid for p in load_state(run_dir).peers if p.name == follower)
         out = {"gray_baseline_iteration_s": round(base, 3)}
         try:
