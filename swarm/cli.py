@@ -414,7 +414,7 @@ def _step_line(row: dict) -> str:
     loss = "-" if row.get("loss") is None else f"{row['loss']:.4f}"
     tokens = "-" if row.get("tokens_per_s") is None else f"{row['tokens_per_s']:.0f}"
     term = "" if row.get("term") is None else f"  term {row['term']}"
-    return f"step {row['step']:4d}  loss {loss}  {row.get('iteration_s', 0.0):.2f} s  {tokens} tokens/s{term}"
+    return f"step {row['step'] + 1:4d}  loss {loss}  {row.get('iteration_s', 0.0):.2f} s  {tokens} tokens/s{term}"
 
 
 def cmd_report(args: argparse.Namespace) -> int:

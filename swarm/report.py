@@ -216,8 +216,8 @@ def format_event(e: dict, t0: float | None = None) -> str:
     elif e.get("predicted_new_s") is not None:
         parts.append(f"predicted {_seconds(e['predicted_new_s'])}")
     parts += [reconf[k] for k in ("moves", "moved") if k in reconf]
-    if e.get("resume_step") is not None:
-        parts.append(f"resume at step {e['resume_step']}")
+    if "resumed" in reconf:
+        parts.append(reconf["resumed"])
     if e.get("kind"):
         parts.append(f"({e['kind']})")
     if e.get("reason") and e.get("reason") != e.get("trigger"):

@@ -97,8 +97,8 @@ def report_lines(rec: RunRecord, plot: Path | None, plot_error: str | None = Non
         first, last = steps[0], steps[-1]
         losses = [r for r in steps if isinstance(r.get("loss"), (int, float))]
         if losses:
-            lines.append(f"loss: {losses[0]['loss']:.4f} at step {losses[0]['step']} -> "
-                         f"{losses[-1]['loss']:.4f} at step {losses[-1]['step']}")
+            lines.append(f"loss: {losses[0]['loss']:.4f} at step {losses[0]['step'] + 1} -> "
+                         f"{losses[-1]['loss']:.4f} at step {losses[-1]['step'] + 1}")
         later = steps[1:]  # the first step also builds the stages
         measured = _median([r["iteration_s"] for r in later if isinstance(r.get("iteration_s"), (int, float))])
         tokens = _median([r["tokens_per_s"] for r in later if isinstance(r.get("tokens_per_s"), (int, float))])
@@ -112,7 +112,7 @@ def report_lines(rec: RunRecord, plot: Path | None, plot_error: str | None = Non
         started, ended = rec.run.get("started_at"), last.get("time")
         if isinstance(started, (int, float)) and isinstance(ended, (int, float)):
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-            lines.append(f"time: {ended - started:.1f} s from train start ({when}) to step {last['step']}")
+            lines.append(f"time: {ended - started:.1f} s from train start ({when}) to step {last['step'] + 1}")
     t0 = rec.run.get("started_at")
     reconf = format_reconfigurations(rec.events, t0 if isinstance(t0, (int, float)) else None)
     lines += reconf or ["reconfigurations: none"]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
+from dtfm.peer import steps_done
 
 from .proc import peer_request, peer_status
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
@@ -241,10 +242,10 @@ def run_end(statuses: list[dict], events: list[dict]) -> str | None:
         return None
     state = issued.get("state")
     if state in ("stopped", "refused"):
-        return (f"training {state} after step {issued.get('completed')}: "
+        return (f"training {state} after {steps_done(issued.get('completed'))} steps: "
                 f"{issued.get('reason') or 'no reason given'}")
     if state == "finished":
-        return f"training finished at step {issued.get('completed')}"
+        return f"training finished: all {steps_done(issued.get('completed'))} steps done"
     return None
 
 

@@ -260,12 +260,12 @@ def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
                                             "trigger": "no resume point"}],
      "training stopped (term 2, epoch 3): no resume point"),
     ([{"training": {"state": "finished", "issued": {"state": "finished", "completed": 9}}}], [],
-     "training finished at step 9"),
+     "training finished: all 10 steps done"),
     # the coordinator's record wins over an older issuer's
     ([{"training": {"state": "stopped", "issued": {"state": "finished", "completed": 9, "started_at": 9.0}}},
       {"training": {"state": "stopped", "role": "coordinator", "term": 3,
                     "issued": {"state": "refused", "completed": -1, "reason": "no", "started_at": 1.0}}}], [],
-     "training refused after step -1: no"),
+     "training refused after 0 steps: no"),
     ([{"training": {"state": "idle"}}, {}], [], None),
     # an election after the stop does not resume the run; a reconfiguration after it does
     ([{"training": {"state": "stopped"}}], [{"time": 1, "event": "stopped", "trigger": "t", "term": 1, "epoch": 1},
@@ -296,18 +296,18 @@ EVENTS = [
 def test_format_event_says_everything_in_one_line():
     line = format_event(EVENTS[1], t0=1000.0)
     assert line == ("+60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3  "
-                    "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resume at step 41")
+                    "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resumed after step 41")
     assert format_event({"event": "stopped"}) == "?  stopped  term -  epoch -"
     # as the coordinator writes them: the writer, the plan's kind, a stop's reason
     stopped = {"time": 1070.0, "event": "stopped", "peer": "ab" * 32, "term": 3, "epoch": 4,
                "trigger": "peer 77aa0011 is dead", "reason": "layers (0, 2) are held nowhere"}
     assert format_event(stopped, t0=1000.0) == ("+70.0s  stopped  term 3  epoch 4  peer 77aa0011 is dead  "
                                                 "layers (0, 2) are held nowhere  by abababab")
-    assert format_event({**EVENTS[1], "kind": "reshape"}).endswith("resume at step 41  (reshape)")
+    assert format_event({**EVENTS[1], "kind": "reshape"}).endswith("resumed after step 41  (reshape)")
     start = {"time": 1000.0, "event": "start", "term": 1, "epoch": 1, "trigger": "train start", "old_shape": None,
              "new_shape": "2x2", "predicted_new_s": 0.017, "moves": 0, "bytes_moved": 0, "resume_step": 0}
     assert format_event(start, t0=1000.0) == ("+0.0s  start  term 1  epoch 1  train start  - -> 2x2  "
-                                              "predicted 0.017 s  0 moves  0 B moved  resume at step 0")
+                                              "predicted 0.017 s  0 moves  0 B moved  resumed from its first step")
 
 
 def test_events_command(tmp_path, capsys):
@@ -320,7 +320,7 @@ def test_events_command(tmp_path, capsys):
     assert len(lines) == 2
     assert "  coordinator  term 1  epoch 1  train start" in lines[0]
     assert lines[1].endswith("reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3  "
-                             "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resume at step 41")
+                             "predicted 1.250 s -> 1.500 s  2 moves  12.5 MB moved  resumed after step 41")
     assert swarm_cli.main(["events", "--run-dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == EVENTS
     assert read_log(tmp_path / "events.jsonl") == EVENTS
@@ -361,7 +361,7 @@ def test_report_redraws_a_stopped_run_from_its_run_dir(tmp_path, capsys):
     assert "  pipeline 0: p04(eu) -> p01(us)" in lines and "  spares: p05(asia)" in lines
     assert "iteration time: predicted 0.400 s, measured median 0.500 s (first step left out)" in lines
     assert "throughput: median 1030 tokens/s" in lines
-    assert any(line.startswith("time: 60.0 s from train start (") and line.endswith("to step 59")
+    assert any(line.startswith("time: 60.0 s from train start (") and line.endswith("to step 60")
                for line in lines)
     assert "reconfigurations: 1; coordinators elected: 1" in lines
     assert "  +60.5s  reconfigure  term 2  epoch 2  peer 3fa2c1d0 is dead  2x4 -> 2x3" in text
