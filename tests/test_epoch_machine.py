@@ -669,15 +669,16 @@ def test_a_restarted_peer_asks_its_coordinator_how_the_run_stands_and_learns_it_
     p = Peer(N[1], coordinator=None, term=2)
     p.election.last_applied = (1, 2)
     p.m.restore(RUN, 1, 2, a, [report(2, 120)])
-    assert p.m.restored_run_to_ask(0.0) is None  # no coordinator known yet
+    assert p.m.restored_run_to_ask(0.0) == RUN  # no coordinator known yet: the ask finds it
+    assert p.m.restored_run_to_ask(1.0) is None  # asked lately
     p.election.coordinator = N[0]
-    assert p.m.restored_run_to_ask(1.0) == RUN
-    assert p.m.restored_run_to_ask(1.0 + RESTORED_ASK_S - 0.1) is None  # asked lately
+    assert p.m.restored_run_to_ask(RESTORED_ASK_S + 1.0) == RUN
+    assert p.m.restored_run_to_ask(2 * RESTORED_ASK_S + 0.9) is None  # asked lately
     p.m.restored_run_heard(RUN, "training", 150)  # the coordinator reconfigures it: still waiting
     assert p.m.status().phase is EpochPhase.WAITING and not p.m.run_over()
     p.m.restored_run_heard(b"o" * 16, "finished", 300)  # another run's: nothing
     assert p.m.status().phase is EpochPhase.WAITING
-    assert p.m.restored_run_to_ask(1.0 + RESTORED_ASK_S) == RUN
+    assert p.m.restored_run_to_ask(2 * RESTORED_ASK_S + 1.0) == RUN
     p.m.restored_run_heard(RUN, "finished", 300)
     st = p.m.status()
     assert st.phase is EpochPhase.ENDED and st.end == RunEnd(299, "finished", False) and p.m.run_over()

@@ -383,14 +383,15 @@ class EpochMachine:
 
     def restored_run_to_ask(self, now: float) -> bytes | None:
         """The run to ask the coordinator about now (its progress: `restored_run_heard`), or
-        None: this peer restarted, its restored epoch waits (or is a spare's) and is not over, a
-        coordinator other than itself is known, and it did not ask within RESTORED_ASK_S. The
-        run may have finished or been stopped while this peer was down; nothing else tells it."""
+        None: this peer restarted, its restored epoch waits (or is a spare's) and is not over, it
+        is not the coordinator itself, and it did not ask within RESTORED_ASK_S. The run may have
+        finished or been stopped while this peer was down; nothing else tells it. (A peer left
+        out of the voters hears no heartbeat: the ask finds the coordinator first.)"""
         run = self.run
         if not self._restored or run is None or run.phase not in (EpochPhase.WAITING, EpochPhase.SPARE):
             return None
         coordinator = self.election.coordinator
-        if self.run_over() or coordinator is None or coordinator == self.me:
+        if self.run_over() or coordinator == self.me or self.election.is_coordinator:
             return None
         if self._restored_asked_at is not None and now - self._restored_asked_at < RESTORED_ASK_S:
             return None
