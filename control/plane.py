@@ -898,19 +898,24 @@ class ControlPlane:
             raise TrainError(str(e)) from None
         return await self._on_coordinator("resume", signed, ResumeRun)
 
+    async def _known_coordinator(self) -> bytes:
+        """The coordinator this peer recognises, else the one the live peers name
+        (election/discovery.py); TrainError with why none is found."""
+        c = self.election.coordinator
+        if c is None:
+            found = await self.election.find_coordinator(self.gossip.live_peers(), self.config.request_timeout_s)
+            if found.coordinator is None:
+                raise TrainError(f"no coordinator is known: {found.why}")
+            c = found.coordinator
+        return c
+
     async def _on_coordinator(self, op: str, signed: SignedOp, event_type, *, forwarded: bool = False) -> dict:
         """Feed an operator's stop or reschedule to the coordinator machine here, or forward it to
         the coordinator this peer knows."""
         if not self.election.is_coordinator:
             if forwarded:
                 raise TrainError("this peer is no longer the coordinator")
-            c = self.election.coordinator
-            if c is None:
-                found = await self.election.find_coordinator(self.gossip.live_peers(), self.config.request_timeout_s)
-                if found.coordinator is None:
-                    raise TrainError(f"no coordinator is known: {found.why}")
-                c = found.coordinator
-            return await self._forward(c, op, signed)
+            return await self._forward(await self._known_coordinator(), op, signed)
         return await self._operator(event_type, signed)
 
     async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
@@ -1051,12 +1056,7 @@ class ControlPlane:
         if self.election.is_coordinator:
             answer = self._progress_here(run, after)
         else:
-            c = self.election.coordinator
-            if c is None:
-                found = await self.election.find_coordinator(self.gossip.live_peers(), self.config.request_timeout_s)
-                if found.coordinator is None:
-                    raise TrainError(f"no coordinator is known: {found.why}")
-                c = found.coordinator
+            c = await self._known_coordinator()
             answer = (await self._ask_all([c], ControlMsg.RUN_STATE, body, self.config.request_timeout_s))[c]
             if "error" not in answer and "run" not in answer:  # no answer (unreachable, timed out)
                 answer = {"error": f"the coordinator {short_id(c)}: {answer['reason']}"}
