@@ -489,22 +489,24 @@ def write_private_file(path: Path, text: str, *, replace: bool) -> None:
             pass
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _daemon_status(args: argparse.Namespace) -> dict:
+    """The local daemon's status map (`status`, `members`)."""
     config, data_dir = _client_config(args)
     with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
         report = c.request("status")
     if not isinstance(report, dict):
         raise CliError("the daemon sent a status that is not a map")
+    return report
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    report = _daemon_status(args)
     print(to_json(report) if args.json else format_status_text(report))
     return 0
 
 
 def cmd_members(args: argparse.Namespace) -> int:
-    config, data_dir = _client_config(args)
-    with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root) as c:
-        report = c.request("status")
-    if not isinstance(report, dict):
-        raise CliError("the daemon sent a status that is not a map")
+    report = _daemon_status(args)
     rows = member_rows(report)
     if args.json:
         gossip = report.get("gossip") if isinstance(report.get("gossip"), dict) else {}
