@@ -96,6 +96,8 @@ class Connection:
         self._cancel_scope: trio.CancelScope | None = None
         self._nursery: trio.Nursery | None = None
         self._done = trio.Event()
+        self._closing_frame: bytes | None = None
+        self._close_sent = trio.Event()
 
     def __repr__(self) -> str:
         return f"Connection({self.short_id} {self.remote_address[0]}:{self.remote_address[1]})"
@@ -144,7 +146,7 @@ class Connection:
             with trio.move_on_after(self._config.close_timeout_s) as scope:
                 scope.shield = True
                 try:
-                    await self._transmit(frames.encode_close(self.close_reason), flush=True)
+                    await self._send_close(frames.encode_close(self.close_reason))
                 except (ConnectionClosed, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                     pass
             if self._cancel_scope is not None:
@@ -206,8 +208,23 @@ class Connection:
     async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
         await self._out.transmit(frame, flush=flush)
 
+    async def _send_close(self, frame: bytes) -> None:
+        """Send the CLOSE frame behind the frames already queued (a goodbye sent just before
+        `close()` must not be overtaken by it), and wait until it is on the socket. A link that
+        drops it (an emulated cut) leaves the caller's timeout to end the wait."""
+        if self._nursery is None:  # not running: nothing is queued
+            await self._transmit(frame, flush=True)
+            return
+        self._closing_frame = frame
+        await self._shape.submit(frame, False)
+        await self._close_sent.wait()
+
     async def _transmit_from_shape(self, frame: bytes) -> None:
         try:
+            if frame is self._closing_frame:
+                await self._transmit(frame, flush=True)
+                self._close_sent.set()
+                return
             await self._transmit(frame)
         except ConnectionClosed as e:
             self._mark_closed(str(e))

@@ -394,6 +394,29 @@ async def test_link_shaper_sees_every_frame(autojump_clock):
         n.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("shaper", [None, DelayShaper(0.05)], ids=["priority", "delayed"])
+async def test_messages_sent_before_close_arrive_before_it(autojump_clock, shaper):
+    # A goodbye sent just before close() (a peer leaving) is not overtaken by the CLOSE frame.
+    a, b = make(shaper=shaper), make()
+    got, why = [], []
+    gone = trio.Event()
+
+    async def note(conn, msg_type, body, payload):
+        got.append(body)
+
+    b.handle(NOTE, note)
+    b.on_disconnect(lambda c, r: (why.append(r), gone.set()))
+    async with trio.open_nursery() as n:
+        conn = await pair(n, a, b)
+        for i in range(20):
+            await conn.send(NOTE, i)
+        await conn.close("leaving")
+        with trio.fail_after(5):
+            await gone.wait()
+        assert got == list(range(20)) and "leaving" in why[0]
+        n.cancel_scope.cancel()
+
+
 async def test_large_records_sealed_and_opened_on_worker_threads():
     cfg = TransportConfig(
         **{
