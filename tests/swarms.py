@@ -68,6 +68,13 @@ def trainings(state) -> dict[str, dict]:
     return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
 
 
+def ended_this_epoch(t: dict) -> bool:
+    """A peer's `training` status says its runner of the current epoch ended: `last_end` is
+    that epoch's (an earlier epoch's stays until then) and it is not still going to a stop."""
+    end = t.get("last_end")
+    return end is not None and end.get("epoch") == t.get("epoch") and t.get("state") not in ("training", "stopping")
+
+
 def coordinator(state) -> tuple[str, dict] | None:
     for name, t in trainings(state).items():
         if t.get("role") == "coordinator":

@@ -22,7 +22,7 @@ import pytest
 import trio
 from hf_models import save_gpt2
 from polling import wait_for
-from swarms import ReferenceLosses, check_log, coordinator, swarm_up, trainings, wait_steps
+from swarms import ReferenceLosses, check_log, coordinator, ended_this_epoch, swarm_up, trainings, wait_steps
 
 from dtfm.control import ControlMsg
 from dtfm.control.election import Certificate, Heartbeat, PreVoteReply, Vote, config_digest, vote_payload
@@ -263,7 +263,7 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
 
     def all_ended():
         t = {n: v for n, v in trainings(state).items() if v.get("stage") is not None}
-        return t and all("last_end" in v and v.get("state") != "training" for v in t.values()) and t
+        return t and all(ended_this_epoch(v) for v in t.values()) and t
     ended = wait_for("every peer to end", all_ended, 120, interval_s=0.5)
     groups: dict[int, set[str]] = {}
     for v in ended.values():
@@ -357,7 +357,7 @@ def test_an_outsider_changes_nothing_a_frozen_peer_and_a_cut_link_cost_seconds(r
     print(f"frozen peer: training again after {frozen_s:.1f} s; cut link: after {cut_s:.1f} s")
     c_name, _ = coordinator(state)
     stop_training(run_dir, next(p for p in state.peers if p.name == c_name))
-    wait_for("every peer to end", lambda: all("last_end" in v and v.get("state") not in ("training", "stopping")
+    wait_for("every peer to end", lambda: all(ended_this_epoch(v) or v.get("stage") is None
                                                for v in trainings(state).values()), 120, interval_s=0.5)
 
 
@@ -402,7 +402,7 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
 
     def all_ended():
         t = {n: v for n, v in trainings(state).items() if v.get("stage") is not None}
-        return t and all("last_end" in v and v.get("state") != "training" for v in t.values()) and t
+        return t and all(ended_this_epoch(v) for v in t.values()) and t
     ended = wait_for("every peer to end", all_ended, 60, interval_s=0.5)
     groups: dict[int, set[str]] = {}
     for v in ended.values():
