@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.control.epoch.recovery import (
+    Part,
     RecoveryError,
     RecoveryServer,
     fetch_stage,
@@ -330,7 +331,8 @@ GOOD_CHUNK = dict(GOOD, digest="ab" * 32, index=0)
 
 
 @pytest.mark.parametrize("body", [
-    None, [], b"x", {}, dict(GOOD, extra=1), {"run": RUN, "step": 3},
+    None, [], b"x", {}, dict(GOOD, extra=1), {"run": RUN, "step": 3}, dict(GOOD, part="stage"),
+    dict(GOOD, part="Weights"), dict(GOOD, part=None), dict(GOOD, part=b"weights"), dict(GOOD, part="weights", extra=1),
     dict(GOOD, run=RUN[:15]), dict(GOOD, run="x" * 16), dict(GOOD, step=-1), dict(GOOD, step=True),
     dict(GOOD, step=1.0), dict(GOOD, step=2**63), dict(GOOD, layers=[0]), dict(GOOD, layers=[2, 2]),
     dict(GOOD, layers=[-1, 2]), dict(GOOD, layers=[0, "2"]), dict(GOOD, layers=[0, 1, 2]),
@@ -350,8 +352,10 @@ def test_malformed_manifest_requests_raise_protocol_error(body):
 def test_malformed_chunk_requests_raise_protocol_error(change):
     with pytest.raises(ProtocolError):
         parse_chunk_request(dict(GOOD_CHUNK, **change))
-    assert parse_manifest_request(GOOD) == (RUN, 3, (0, 2))
-    assert parse_chunk_request(GOOD_CHUNK) == ((RUN, 3, (0, 2)), "ab" * 32, 0)
+    assert parse_manifest_request(GOOD) == ((RUN, 3, (0, 2)), Part.STAGE)
+    assert parse_chunk_request(GOOD_CHUNK) == ((RUN, 3, (0, 2)), Part.STAGE, "ab" * 32, 0)
+    assert parse_manifest_request(dict(GOOD, part="weights")) == ((RUN, 3, (0, 2)), Part.WEIGHTS)
+    assert parse_chunk_request(dict(GOOD_CHUNK, part="weights")) == ((RUN, 3, (0, 2)), Part.WEIGHTS, "ab" * 32, 0)
 
 
 _WIRE = st.recursive(
