@@ -374,6 +374,28 @@ async def test_a_weights_offer_holds_the_parameters_alone_under_its_own_digest()
         assert holder.server.withdraw(RUN) == 2 and holder.server.offers() == []
 
 
+class WholeStageServer(RecoveryServer):
+    """Offers the whole stage where its weights are asked for (a holder that lies)."""
+
+    async def offer_weights(self, run_id, state, fetchers):
+        offer = await self.offer(run_id, state)
+        return self._keep(dataclasses.replace(offer, part=Part.WEIGHTS, fetchers=fetchers))
+
+
+async def test_a_whole_stage_offered_as_weights_is_refused_by_the_fetcher():
+    """The digest a fetcher is given is the holders' word; the manifest must also be a weights
+    manifest, and within the size the plan's model allows."""
+    state = make_state()
+    async with swarm(1) as (exporter,), swarm(1, WholeStageServer) as (holder,):
+        offer = await holder.server.offer_weights(RUN, state, frozenset({exporter.id}))
+        with pytest.raises(RecoveryError, match="offers a whole stage where its weights alone were asked for"):
+            await fetch(exporter, [holder], offer.digest, part=Part.WEIGHTS)
+        with pytest.raises(RecoveryError, match="stage size"):
+            await fetch(exporter, [holder], offer.digest, part=Part.WEIGHTS,
+                        max_total_bytes=max_weights_bytes(SPEC, LAYERS))
+        assert holder.server.served_bytes == 0
+
+
 def test_a_weights_manifest_is_bounded_by_the_plans_model():
     """`max_weights_bytes`, what an export lets a holder's weights manifest claim, holds every
     stage's weights, tied or not, with biases or not, and is not three times too large."""

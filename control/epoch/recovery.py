@@ -205,7 +205,7 @@ class Offer:
         return self.run, self.step, self.layer_range
 
     def describe(self) -> dict:
-        """For status: run, step, layers, digest, bytes, chunks, bytes served."""
+        """For status: run, step, layers, part, digest, bytes, chunks, bytes served."""
         return {"run": self.run.hex(), "step": self.step, "layers": list(self.layer_range), "part": self.part.value,
                 "digest": self.digest, "bytes": self.manifest.total_bytes, "chunks": len(self.chunks),
                 "served_bytes": self.served_bytes}
@@ -408,8 +408,8 @@ class _Fetch:
         if got != self.digest:
             raise RecoveryError(f"holds digest {got[:16]}, expected {self.digest[:16]}")
         if manifest.weights_only != (self.part is Part.WEIGHTS):
-            raise RecoveryError(f"offers {'weights alone' if manifest.weights_only else 'a whole stage'}, "
-                                f"the {self.part.value} was asked for")
+            raise RecoveryError("offers the weights alone where the whole stage was asked for" if manifest.weights_only
+                                else "offers a whole stage where its weights alone were asked for")
         m_range, m_step = tuple(manifest.meta["layer_range"]), manifest.meta["step"]
         if m_range != self.layer_range or m_step != self.step:
             raise RecoveryError(f"manifest describes layers {m_range} at step {m_step}")
