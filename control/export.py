@@ -7,12 +7,15 @@ The operator signs an export of the run that names the local daemon's peer (`Ope
 signed export) what it holds of the run: `(first layer, end layer, step)` of its checkpoints,
 and its stage in memory when it is not stepping. `choose_export` (pure) takes the newest step
 at which held stages chain from layer 0 to the last layer. For each of those stages the daemon
-asks up to `MAX_OFFER_HOLDERS` holders to offer it (RUN_STATE `export` with the step and
-layers: the holder encodes it for its recovery server, and lets the named peer fetch it),
-takes the digest most of them give and fetches it with `fetch_stage` (hash-verified chunks,
-several holders at once, control/epoch/recovery.py). Every part's description must be of the
-run's model and that step. The model is then written by `export_hf` (train/hf.py): under a
-temporary name beside DIR, then renamed.
+asks up to `MAX_OFFER_HOLDERS` holders to offer its weights (RUN_STATE `export` with the step
+and layers: the holder encodes the stage's parameters alone, without the optimizer moments and
+compression state a peer that trains on needs, as a weights offer of its recovery server that
+only the named peer may fetch), takes the digest most of them give and fetches it with
+`fetch_stage(..., part=Part.WEIGHTS)` (hash-verified chunks, several holders at once,
+control/epoch/recovery.py), no larger than the stage's parameters can be (`max_weights_bytes`,
+from the plan's model). Every part's description must be of the run's model and that step, and
+it must hold exactly the stage's parameters. The model is then written by `export_hf`
+(train/hf.py): under a temporary name beside DIR, then renamed.
 
 A holder answers only the peer that an operator's export of that run names, within the
 operator clock skew window (`export_refusal`, control/epoch/access.py).
@@ -29,24 +32,25 @@ from pathlib import Path
 import trio
 
 from dtfm.net import PeerTransport, ProtocolError, get_bytes, get_dict, get_int, get_list, short_id
-from dtfm.train import CheckpointError, GPTSpec, stage_tensors
+from dtfm.train import CheckpointError, GPTSpec, stage_param_names, stage_tensors
 
 from .allocation import Allocation
 from .epoch.access import export_refusal
-from .epoch.recovery import RecoveryError, fetch_stage
+from .epoch.recovery import Part, RecoveryError, fetch_stage
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageHost
 from .operator import SignedOp
 from .refusals import Refused, Refusals
 
 __all__ = ["ExportError", "ExportPlan", "ExportProgress", "Held", "answer_export", "choose_export", "export_run",
-           "parse_export_ask", "parse_held"]
+           "max_weights_bytes", "parse_export_ask", "parse_held"]
 
 logger = logging.getLogger(__name__)
 
 MAX_HELD = 64  # (layers, step) entries one holder lists
 MAX_OFFER_HOLDERS = 4  # holders asked to offer one stage
-MAX_EXPORT_BYTES = 1 << 40
+PARAM_BYTES = 4  # a stage's parameters are float32
+HEADER_BYTES_PER_TENSOR = 256  # a safetensors header entry: name, dtype, shape, offsets (with room)
 
 
 class ExportError(Exception):
@@ -163,6 +167,19 @@ def _gaps(ranges: list[tuple[int, int]], n_layer: int) -> list[tuple[int, int]]:
     return out
 
 
+def max_weights_bytes(spec: GPTSpec, layers: tuple[int, int]) -> int:
+    """The most bytes the weights of stage `layers` of `spec` take encoded: its float32
+    parameters and a header; what a holder's weights manifest may claim (an upper bound: a
+    tied or head-less stage holds less)."""
+    c, (a, b) = spec.n_embd, layers
+    params = (b - a) * spec.layer_params
+    if a == 0:
+        params += (spec.vocab + spec.seq_len) * c
+    if b == spec.n_layer:
+        params += spec.vocab * c + 2 * c  # the head (or the tied embedding's copy) and the final norm
+    return PARAM_BYTES * params + HEADER_BYTES_PER_TENSOR * len(stage_param_names(spec, layers)) + 1024
+
+
 @dataclass
 class ExportProgress:
     """How a running export is doing (the daemon's status shows it)."""
@@ -220,7 +237,7 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
                 own = None
                 logger.warning("export of run %s: this peer's copy of layers %s is unreadable: %s", name, r, e)
             if own is not None:
-                parts.append(stage_tensors(own))
+                parts.append({k: t for k, t in stage_tensors(own).items() if k.startswith("param/")})
                 progress.stages_done = i + 1
                 logger.info("export of run %s: layers %d-%d from this peer (%d of %d stages)", name, r[0], r[1] - 1,
                             i + 1, len(plan.ranges))
@@ -241,7 +258,8 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
         sources = [(p, address_of(p)) for p, a in offers.items() if a.get("digest") == digest]
         try:
             result = await fetch_stage(transport, sources, run_id=run_id, step=plan.step, layer_range=r,
-                                       digest=digest, max_total_bytes=MAX_EXPORT_BYTES, timeout_s=timeout_s)
+                                       digest=digest, max_total_bytes=max_weights_bytes(spec, r),
+                                       timeout_s=timeout_s, part=Part.WEIGHTS)
         except RecoveryError as e:
             raise ExportError(f"cannot fetch layers {r[0]}-{r[1] - 1}: {e}") from None
         meta = result.receiver.manifest.meta
@@ -253,9 +271,15 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
             raise ExportError(f"layers {r[0]}-{r[1] - 1} from {', '.join(short_id(p) for p, _ in sources)} are of "
                               f"another model or step ({part_spec.name}, step {part_step})")
         try:
-            parts.append(result.receiver.tensors())
+            tensors = result.receiver.tensors()
         except ValueError as e:  # (TransferError, CheckpointError)
             raise ExportError(f"layers {r[0]}-{r[1] - 1}: {e}") from None
+        want = {f"param/{n}" for n in stage_param_names(spec, r)}
+        if set(tensors) != want:
+            odd = sorted(set(tensors) ^ want)
+            raise ExportError(f"layers {r[0]}-{r[1] - 1} from {', '.join(short_id(p) for p, _ in sources)} are not "
+                              f"the stage's parameters alone (unexpected or missing: {', '.join(odd[:3])})")
+        parts.append(tensors)
         progress.stages_done, progress.bytes_fetched = i + 1, progress.bytes_fetched + result.bytes
         logger.info("export of run %s: layers %d-%d fetched (%d of %d stages, %d bytes in %.2f s)", name, r[0],
                     r[1] - 1, i + 1, len(plan.ranges), result.bytes, result.seconds)
@@ -313,4 +337,4 @@ async def answer_export(sender: bytes, body: dict, *, operators: Iterable[bytes]
             if entries:
                 spec = await trio.to_thread.run_sync(stages.checkpoint_spec, run, entries[-1])
         return {"held": [list(e) for e in entries], "spec": spec}
-    return await stages.offer(run, step, layers, fetchers=frozenset({sender}))
+    return await stages.offer_weights(run, step, layers, sender)

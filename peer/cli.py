@@ -317,11 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
                        json_help="print the coordinator's answer as JSON")
     _add_signed_parser(sub, "export", "gather a run's model from its peers into one Hugging Face folder",
                        "Gather every stage of a run at the newest step they are all held at, from the "
-                       "peers that hold them (over the swarm's transport, every chunk checked against its "
-                       "sha256), into one Hugging Face GPT-2 folder on this machine: model.safetensors, "
+                       "peers that hold them (their weights only, not the optimizer or compression state; "
+                       "over the swarm's transport, every chunk checked against its sha256), into one "
+                       "Hugging Face GPT-2 folder on this machine: model.safetensors, "
                        "config.json and a tokenizer, which `GPT2LMHeadModel.from_pretrained(DIR)` and "
                        "`python -m dtfm.train sample --model DIR` load. Signed with the operator key: the "
-                       "holders give the stages only to the peer the signed export names (this daemon).",
+                       "holders give the weights only to the peer the signed export names (this daemon).",
                        first=_add_export_args, timeout_s=3600.0,
                        timeout_help="how long the whole export may take", json_help="print the summary as JSON")
     return parser
@@ -784,7 +785,7 @@ def format_started(model: str, reply: dict) -> str:
 
 
 def format_exported(run_hex: str, reply: dict) -> str:
-    """`exported run 8df90683 at step 600 (tiny, 1 stage, 10.4 MB fetched) to DIR`."""
+    """`exported run 8df90683 at step 600 (tiny, 1 stage, 3.5 MB fetched) to DIR`."""
     return (f"exported run {run_hex[:8]} at step {reply.get('step')} ({reply.get('model')}, "
             f"{plural(len(reply.get('stages') or []), 'stage')}, {int(reply.get('bytes_fetched') or 0) / 1e6:.1f} MB "
             f"fetched) to {reply.get('out')}")

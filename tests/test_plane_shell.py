@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import trio
 import trio.testing
 
@@ -39,13 +40,14 @@ from dtfm.control.coordinator.machine import Phase
 from dtfm.control.coordinator.steplog import StepLog
 from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
 from dtfm.control.epoch.stopped import clear_stopped, load_stopped
+from dtfm.control.export import ExportProgress, export_run
 from dtfm.control.progress import RunProgress
 from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
 from dtfm.control.coordinator.links import ReachAnswer, ReachRequest
-from dtfm.net import Identity, OperatorKey, ProtocolError, RequestTimeout, pack
-from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, save_checkpoint
+from dtfm.net import Identity, OperatorKey, ProtocolError, Reply, RequestTimeout, pack
+from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, load_hf, save_checkpoint
 
 IDS = [Identity(bytes([i]) * 32) for i in range(1, 6)]
 ISSUER, OTHER = IDS[0], IDS[1]
@@ -328,8 +330,9 @@ async def test_a_holder_gives_a_run_only_to_the_peer_an_operators_export_names(t
     # A live member with no part in the run asks what this peer holds of run r and for an
     # offer of layers 0-2: refused without the operator's export, with one that names another
     # peer, of another run, by a key that is not an operator's, or signed too long ago. With
-    # its export, it gets the checkpoints' list and the offer, and may fetch that stage; another
-    # peer still may not.
+    # its export, it gets the checkpoints' list and an offer of that stage's weights alone,
+    # which it may fetch (as weights: not the whole stage a recovery fetches); another peer
+    # still may not.
     state = StageState(PRESETS["tiny"], CFG, (0, 2))
     state.step = 4
     async with running(tmp_path, OTHER) as (plane, net):
@@ -345,15 +348,21 @@ async def test_a_holder_gives_a_run_only_to_the_peer_an_operators_export_names(t
         signed = export_op(asker.peer_id)
         assert await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed}) == {
             "held": [[0, 2, 4]], "spec": PRESETS["tiny"].to_dict()}  # (no run applied: the checkpoint's model)
-        fetch = {"run": RUN, "step": 4, "layers": [0, 2]}
-        assert "error" in await net.request(asker, ControlMsg.FETCH_MANIFEST, fetch)  # not offered to it yet
+        stage = {"run": RUN, "step": 4, "layers": [0, 2]}
+        fetch = stage | {"part": "weights"}
+        assert "not held" in (await net.request(asker, ControlMsg.FETCH_MANIFEST, fetch))["error"]  # not yet offered
         offer = await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed, "step": 4, "layers": [0, 2]})
-        manifest, _ = encode_transfer(state)
-        assert offer["digest"] == manifest_digest(manifest)
+        weights, _ = encode_transfer(state, weights_only=True)
+        assert offer == {"digest": manifest_digest(weights), "bytes": weights.total_bytes}
+        assert encode_transfer(state)[0].total_bytes > 2.9 * offer["bytes"]  # (the stage: with AdamW moments)
         assert (await net.request(asker, ControlMsg.FETCH_MANIFEST, fetch))["digest"] == offer["digest"]
-        assert await net.request(other, ControlMsg.FETCH_MANIFEST, fetch) == {
+        assert await net.request(asker, ControlMsg.FETCH_MANIFEST, stage) == {
             "error": "only the peers an allocation names fetch its stages"}
-        assert plane.status()["refusals"] == {"export-not-signed": 5, "fetch-not-named": 2}
+        for msg, ask in ((ControlMsg.FETCH_MANIFEST, fetch), (ControlMsg.FETCH_CHUNK,
+                                                              fetch | {"digest": offer["digest"], "index": 0})):
+            assert await net.request(other, msg, ask) == {
+                "error": "only the peer an operator's signed export names gathers a run"}
+        assert plane.status()["refusals"] == {"export-not-signed": 7, "fetch-not-named": 1}
         with pytest.raises(ProtocolError):
             await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed, "step": 4, "layers": [2, 1]})
         with pytest.raises(TrainError, match="names peer"):  # the local socket's op: an export naming this peer
@@ -361,6 +370,49 @@ async def test_a_holder_gives_a_run_only_to_the_peer_an_operators_export_names(t
         with pytest.raises(TrainError, match="no live peer holds any stage of run 6f6f6f6f"):
             await plane.export(SignedOp.from_wire(export_op(OTHER.peer_id, run=b"o" * 16)), tmp_path / "out")
         assert not (tmp_path / "out").exists()
+
+
+async def test_an_export_fetches_the_weights_alone_and_writes_them(tmp_path):
+    # OTHER holds run r's two stages at step 4 in checkpoints (with AdamW moments); IDS[3],
+    # named by the operator's export, gathers the run through OTHER's handlers: it fetches each
+    # stage's weights offer, the parameters' bytes and a safetensors header, a third of the
+    # stage a recovery moves, and the folder it writes holds those parameters.
+    states = [StageState(PRESETS["tiny"], CFG, r) for r in ((0, 2), (2, 4))]
+    for st in states:
+        st.step = st.optim.step_count = 4
+        with torch.no_grad():
+            for n, p in st.params.items():
+                p.add_(0.01)
+                st.optim.exp_avg[n].fill_(1e-3)
+    asker = IDS[3]
+    async with running(tmp_path, OTHER) as (plane, net):
+        for st in states:
+            save_checkpoint(plane.stages.checkpoint_root(RUN), st)
+
+        async def ask(peers, body, timeout_s):
+            return {p: await net.request(asker, ControlMsg.RUN_STATE, body) for p in peers}
+
+        class Fetcher:  # the exporter's transport: its one connection, to OTHER
+            peer_id = asker.peer_id
+
+            def connection(self, peer_id):
+                return RelayConn(net, asker) if peer_id == OTHER.peer_id else None
+
+        signed = SignedOp.from_wire(export_op(asker.peer_id))
+        progress = ExportProgress("r")
+        summary = await export_run(signed, RUN, tmp_path / "model", me=asker.peer_id, peers=[OTHER.peer_id], ask=ask,
+                                   stages=plane.stages, transport=Fetcher(), address_of=lambda p: None,
+                                   timeout_s=10.0, progress=progress)
+    weights = [encode_transfer(st, weights_only=True)[0].total_bytes for st in states]
+    param_bytes = [4 * sum(p.numel() for p in st.params.values()) for st in states]
+    assert summary["stages"] == [[0, 2], [2, 4]] and progress.stages_done == 2
+    assert summary["bytes_fetched"] == sum(weights) == plane.stages.recovery.served_bytes
+    assert all(0 < w - b < 128 * len(st.params) for w, b, st in zip(weights, param_bytes, states))  # (headers)
+    assert summary["bytes_fetched"] < sum(encode_transfer(st)[0].total_bytes for st in states) / 2.9
+    _, params = load_hf(tmp_path / "model")
+    for st in states:
+        for n, p in st.params.items():
+            assert torch.equal(params[n], p.detach()), n
 
 
 async def test_a_restarted_peer_sends_the_step_reports_its_checkpoints_kept(tmp_path):
@@ -519,8 +571,11 @@ class RelayConn:
         self.to, self.asker = to, asker
         self.peer_id, self.short_id = to.peer_id, to.peer_id.hex()[:8]
 
-    async def request(self, msg_type, body, timeout_s=None):
-        return await self.to.request(self.asker, msg_type, body), None
+    closed = False
+
+    async def request(self, msg_type, body, *, payload=None, timeout_s=None):
+        reply = await self.to.request(self.asker, msg_type, body)
+        return (reply.body, reply.payload) if isinstance(reply, Reply) else (reply, None)
 
 
 async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_run(tmp_path):

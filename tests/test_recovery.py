@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.control.epoch.recovery import (
+    Part,
     RecoveryError,
     RecoveryServer,
     fetch_stage,
@@ -22,6 +23,7 @@ from dtfm.control.epoch.recovery import (
     parse_manifest_request,
 )
 from dtfm.control.epoch.relayout import assemble_stage, needed_stages
+from dtfm.control.export import max_weights_bytes
 from dtfm.control.epoch.runner import params_sha256
 from dtfm.control.messages import ControlMsg
 from dtfm.control.refusals import Refused
@@ -31,6 +33,7 @@ from dtfm.train import (
     LocalCluster,
     Plan,
     StageState,
+    TransferError,
     TransferReceiver,
     encode_transfer,
     get_preset,
@@ -323,6 +326,85 @@ async def test_checkpoint_offers_withdraw_and_eviction(tmp_path):
         assert [o["step"] for o in server.offers()] == [1, 2]  # the oldest went
 
 
+# ----------------------------------------------------------------------------- weights offers (export)
+
+
+async def test_a_weights_offer_holds_the_parameters_alone_under_its_own_digest():
+    """A holder offers a DiLoCo stage (moments, residuals, anchor, outer momentum) for recovery
+    and its weights for an export that names `exporter`: the weights offer is the parameters'
+    bytes and a header, under a digest that names neither the stage's content nor is named by
+    it. Only `exporter` fetches the weights, only as weights; a recovery fetch never gets them,
+    an export fetch never gets the stage, and the weights never become a stage to train on."""
+    state = make_state(compression=parse_compression("diloco,inner_steps=4"))
+    async with swarm(3) as (exporter, outsider, holder):
+        stage = await holder.server.offer(RUN, state)
+        weights = await holder.server.offer_weights(RUN, state, frozenset({exporter.id}))
+        param_bytes = 4 * sum(p.numel() for p in state.params.values())
+        assert 0 < weights.manifest.total_bytes - param_bytes < 128 * len(state.params)
+        assert stage.manifest.total_bytes > 5 * weights.manifest.total_bytes  # (2 moments, 3 DiLoCo buffers)
+        assert weights.digest != stage.digest
+        assert manifest_digest(stage.manifest) != weights.digest and manifest_digest(weights.manifest) != stage.digest
+        assert [o["part"] for o in holder.server.offers()] == ["stage", "weights"]
+
+        result = await fetch(exporter, [holder], weights.digest, part=Part.WEIGHTS)
+        assert result.bytes == weights.manifest.total_bytes == holder.server.served_bytes
+        got = result.receiver.tensors()
+        assert sorted(got) == sorted(f"param/{n}" for n in state.params)
+        assert all(torch.equal(got[f"param/{n}"], p.detach()) for n, p in state.params.items())
+        with pytest.raises(TransferError, match="not a whole stage"):
+            result.receiver.finish(SPEC, CFG, LAYERS, compression=state.compress.config)
+
+        with pytest.raises(RecoveryError, match="holds digest"):  # the stage's digest: not the weights offer
+            await fetch(exporter, [holder], stage.digest, part=Part.WEIGHTS)
+        with pytest.raises(RecoveryError, match="holds digest"):  # the weights' digest: not the stage offer
+            await fetch(exporter, [holder], weights.digest)
+        conn = await exporter.transport.connect(*holder.addr, peer_id=holder.id)
+        key = {"run": RUN, "step": STEP, "layers": list(LAYERS)}
+        for body in (dict(key, digest=weights.digest, index=0), dict(key, part="weights", digest=stage.digest, index=0)):
+            reply, payload = await conn.request(ControlMsg.FETCH_CHUNK, body, timeout_s=5)
+            assert "not held" in reply["error"] and payload is None
+        with pytest.raises(RecoveryError, match="only the peer an operator's signed export names"):
+            await fetch(outsider, [holder], weights.digest, part=Part.WEIGHTS)
+        assert holder.server.refusals.counts() == {"export-not-signed": 1}
+        assert (await fetch(outsider, [holder], stage.digest)).bytes == stage.manifest.total_bytes  # (its rule: anyone)
+
+        await holder.server.offer_weights(RUN, state, frozenset({outsider.id}))  # a second export, the same weights
+        assert (await fetch(outsider, [holder], weights.digest, part=Part.WEIGHTS)).receiver.complete
+        assert (await fetch(exporter, [holder], weights.digest, part=Part.WEIGHTS)).receiver.complete
+        assert holder.server.withdraw(RUN) == 2 and holder.server.offers() == []
+
+
+class WholeStageServer(RecoveryServer):
+    """Offers the whole stage where its weights are asked for (a holder that lies)."""
+
+    async def offer_weights(self, run_id, state, fetchers):
+        offer = await self.offer(run_id, state)
+        return self._keep(dataclasses.replace(offer, part=Part.WEIGHTS, fetchers=fetchers))
+
+
+async def test_a_whole_stage_offered_as_weights_is_refused_by_the_fetcher():
+    """The digest a fetcher is given is the holders' word; the manifest must also be a weights
+    manifest, and within the size the plan's model allows."""
+    state = make_state()
+    async with swarm(1) as (exporter,), swarm(1, WholeStageServer) as (holder,):
+        offer = await holder.server.offer_weights(RUN, state, frozenset({exporter.id}))
+        with pytest.raises(RecoveryError, match="offers a whole stage where its weights alone were asked for"):
+            await fetch(exporter, [holder], offer.digest, part=Part.WEIGHTS)
+        with pytest.raises(RecoveryError, match="stage size"):
+            await fetch(exporter, [holder], offer.digest, part=Part.WEIGHTS,
+                        max_total_bytes=max_weights_bytes(SPEC, LAYERS))
+        assert holder.server.served_bytes == 0
+
+
+def test_a_weights_manifest_is_bounded_by_the_plans_model():
+    """`max_weights_bytes`, what an export lets a holder's weights manifest claim, holds every
+    stage's weights, tied or not, with biases or not, and is not three times too large."""
+    tied = dataclasses.replace(SPEC, tied_head=True, bias=True, n_layer=5)
+    for spec, r in ((SPEC, (0, 4)), (SPEC, (1, 3)), (tied, (0, 1)), (tied, (3, 5))):
+        size = encode_transfer(StageState(spec, CFG, r), weights_only=True)[0].total_bytes
+        assert size <= max_weights_bytes(spec, r) < 1.1 * size, (spec, r)
+
+
 # ----------------------------------------------------------------------------- hostile requests
 
 GOOD = {"run": RUN, "step": 3, "layers": [0, 2]}
@@ -330,7 +412,8 @@ GOOD_CHUNK = dict(GOOD, digest="ab" * 32, index=0)
 
 
 @pytest.mark.parametrize("body", [
-    None, [], b"x", {}, dict(GOOD, extra=1), {"run": RUN, "step": 3},
+    None, [], b"x", {}, dict(GOOD, extra=1), {"run": RUN, "step": 3}, dict(GOOD, part="stage"),
+    dict(GOOD, part="Weights"), dict(GOOD, part=None), dict(GOOD, part=b"weights"), dict(GOOD, part="weights", extra=1),
     dict(GOOD, run=RUN[:15]), dict(GOOD, run="x" * 16), dict(GOOD, step=-1), dict(GOOD, step=True),
     dict(GOOD, step=1.0), dict(GOOD, step=2**63), dict(GOOD, layers=[0]), dict(GOOD, layers=[2, 2]),
     dict(GOOD, layers=[-1, 2]), dict(GOOD, layers=[0, "2"]), dict(GOOD, layers=[0, 1, 2]),
@@ -350,14 +433,17 @@ def test_malformed_manifest_requests_raise_protocol_error(body):
 def test_malformed_chunk_requests_raise_protocol_error(change):
     with pytest.raises(ProtocolError):
         parse_chunk_request(dict(GOOD_CHUNK, **change))
-    assert parse_manifest_request(GOOD) == (RUN, 3, (0, 2))
-    assert parse_chunk_request(GOOD_CHUNK) == ((RUN, 3, (0, 2)), "ab" * 32, 0)
+    assert parse_manifest_request(GOOD) == ((RUN, 3, (0, 2)), Part.STAGE)
+    assert parse_chunk_request(GOOD_CHUNK) == ((RUN, 3, (0, 2)), Part.STAGE, "ab" * 32, 0)
+    assert parse_manifest_request(dict(GOOD, part="weights")) == ((RUN, 3, (0, 2)), Part.WEIGHTS)
+    assert parse_chunk_request(dict(GOOD_CHUNK, part="weights")) == ((RUN, 3, (0, 2)), Part.WEIGHTS, "ab" * 32, 0)
 
 
 _WIRE = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**64), 2**64) | st.floats(allow_nan=False) | st.text(max_size=70)
     | st.binary(max_size=20),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(sorted(GOOD_CHUNK)) | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(sorted(GOOD_CHUNK) + ["part"])
+                                                                 | st.text(max_size=5),
                                                                  inner, max_size=6),
     max_leaves=12)
 

@@ -6,6 +6,8 @@
 spec, the train config, the compression config (when not exact), the layer range and the
 sha256 of the blob.
 The same pair is what one peer sends another that takes over its stage (`transfer.py`).
+`encode_weights` encodes the parameters alone, described as format `WEIGHTS_FORMAT`: what an
+export fetches (the model, without the state only a peer that trains the stage on needs).
 On disk: `<dir>/stage-<a>-<b>/step-<k>.safetensors` and `.json`, each written to a temporary
 file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); the
 last `keep` checkpoints of a stage are kept. A checkpoint may carry `notes`: JSON its writer
@@ -31,9 +33,11 @@ from .worker import StageState
 
 __all__ = [
     "FORMAT",
+    "WEIGHTS_FORMAT",
     "CheckpointError",
     "decode_tensors",
     "encode_stage",
+    "encode_weights",
     "checkpoint_at",
     "checkpoint_notes",
     "compression_of",
@@ -46,6 +50,7 @@ __all__ = [
 ]
 
 FORMAT = "dtfm-stage/1"
+WEIGHTS_FORMAT = "dtfm-weights/1"  # parameters only: never a stage to train on
 _STEP_FILE = re.compile(r"^step-(\d{8})\.json$")
 _STAGE_DIR = re.compile(r"^stage-(\d{3,})-(\d{3,})$")
 
@@ -65,10 +70,20 @@ def stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
 
 
 def encode_stage(state: StageState) -> tuple[bytes, dict]:
-    tensors = {k: v.to("cpu").contiguous() for k, v in stage_tensors(state).items()}
+    return _encode(state, stage_tensors(state), FORMAT)
+
+
+def encode_weights(state: StageState) -> tuple[bytes, dict]:
+    """The stage's parameters alone (`param/<name>`, as `encode_stage` has them) and their
+    description (format WEIGHTS_FORMAT): no optimizer moments, no compression buffers."""
+    return _encode(state, {f"param/{n}": p.detach() for n, p in state.params.items()}, WEIGHTS_FORMAT)
+
+
+def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tuple[bytes, dict]:
+    tensors = {k: v.to("cpu").contiguous() for k, v in named.items()}
     blob = st_save(tensors)
     meta = {
-        "format": FORMAT,
+        "format": fmt,
         "step": state.step,
         "optim_step": state.optim.step_count,
         "layer_range": list(state.layer_range),
@@ -82,10 +97,11 @@ def encode_stage(state: StageState) -> tuple[bytes, dict]:
     return blob, meta
 
 
-def decode_tensors(blob: bytes, meta: dict) -> dict[str, torch.Tensor]:
-    """Check `blob` against `meta` and parse it; raises CheckpointError only."""
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"not a {FORMAT} description")
+def decode_tensors(blob: bytes, meta: dict, formats: tuple[str, ...] = (FORMAT,)) -> dict[str, torch.Tensor]:
+    """Check `blob` against `meta`, a description of one of `formats`, and parse it; raises
+    CheckpointError only."""
+    if not isinstance(meta, dict) or meta.get("format") not in formats:
+        raise CheckpointError(f"not a {' or '.join(formats)} description")
     if meta.get("bytes") != len(blob):
         raise CheckpointError(f"blob has {len(blob)} bytes, the description says {meta.get('bytes')!r}")
     if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):

@@ -6,7 +6,9 @@ sha256 of every chunk) and the chunks. The receiver checks the manifest with
 a `TransferReceiver` (each chunk checked against its hash as it arrives, so a corrupt chunk
 is refused at once and can be fetched again, from another holder if need be), and finally
 rebuilds the stage it expects (its own model spec, config and layer range, never sizes taken
-from the sender), with the whole blob checked against the hash in the description. Every
+from the sender), with the whole blob checked against the hash in the description. An export
+moves the parameters alone (`encode_transfer(..., weights_only=True)`, format
+WEIGHTS_FORMAT): their tensors can be read, never rebuilt into a stage to train on. Every
 malformed input raises `TransferError`; the peer transport turns it into its ProtocolError.
 """
 
@@ -19,7 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointError, compression_of, decode_tensors, encode_stage, stage_from_tensors, _meta_fields
+from .checkpoint import (
+    FORMAT,
+    WEIGHTS_FORMAT,
+    CheckpointError,
+    _meta_fields,
+    compression_of,
+    decode_tensors,
+    encode_stage,
+    encode_weights,
+    stage_from_tensors,
+)
 from .compress import CompressionConfig
 from .spec import GPTSpec, TrainConfig
 from .worker import StageState
@@ -47,6 +59,11 @@ class TransferManifest:
     def total_bytes(self) -> int:
         return int(self.meta["bytes"])
 
+    @property
+    def weights_only(self) -> bool:
+        """The parameters alone (an export's), not a whole stage."""
+        return self.meta.get("format") == WEIGHTS_FORMAT
+
     def to_wire(self) -> dict:
         return {"meta": json.dumps(self.meta, sort_keys=True), "chunk_bytes": self.chunk_bytes,
                 "chunk_sha256": list(self.chunk_sha256)}
@@ -67,6 +84,8 @@ class TransferManifest:
             raise TransferError("manifest meta is not valid JSON") from None
         if not isinstance(meta, dict):
             raise TransferError("manifest meta must be a JSON object")
+        if meta.get("format") not in (FORMAT, WEIGHTS_FORMAT):
+            raise TransferError(f"manifest meta format must be {FORMAT} or {WEIGHTS_FORMAT}")
         total = meta.get("bytes")
         if not isinstance(total, int) or isinstance(total, bool) or not 0 < total <= max_total_bytes:
             raise TransferError(f"stage size {total!r} is not in (0, {max_total_bytes}]")
@@ -83,11 +102,13 @@ class TransferManifest:
         return cls(meta, chunk, tuple(hashes))
 
 
-def encode_transfer(state: StageState, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[TransferManifest, list[bytes]]:
-    """The manifest and chunks that hand `state` to another peer."""
+def encode_transfer(state: StageState, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
+                    weights_only: bool = False) -> tuple[TransferManifest, list[bytes]]:
+    """The manifest and chunks that hand `state` to another peer; `weights_only`: its
+    parameters alone (an export), not the optimizer and compression state."""
     if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}]")
-    blob, meta = encode_stage(state)
+    blob, meta = encode_weights(state) if weights_only else encode_stage(state)
     chunks = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)]
     return TransferManifest(meta, chunk_bytes, tuple(hashlib.sha256(c).hexdigest() for c in chunks)), chunks
 
@@ -122,12 +143,13 @@ class TransferReceiver:
         self._chunks[index] = bytes(chunk)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The stage's named tensors, once every chunk is in; the whole blob is hash-checked."""
+        """The stage's named tensors (only `param/<name>` ones from a WEIGHTS_FORMAT manifest),
+        once every chunk is in; the whole blob is hash-checked."""
         if not self.complete:
             raise TransferError(f"{len(self.missing)} chunks are still missing")
         blob = b"".join(self._chunks[i] for i in range(len(self.manifest.chunk_sha256)))
         try:
-            return decode_tensors(blob, self.manifest.meta)
+            return decode_tensors(blob, self.manifest.meta, (FORMAT, WEIGHTS_FORMAT))
         except CheckpointError as e:
             raise TransferError(str(e)) from None
 
@@ -135,6 +157,8 @@ class TransferReceiver:
                device: str = "cpu", compression: CompressionConfig | None = None) -> StageState:
         """The received stage, which must be the stage the receiver expects (its own model,
         config, compression and layer range: nothing is allocated from what the sender claims)."""
+        if self.manifest.meta.get("format") != FORMAT:
+            raise TransferError(f"the sender offers {self.manifest.meta.get('format')!r}, not a whole stage ({FORMAT})")
         m_spec, m_cfg, m_range, step, ostep = _meta_fields(self.manifest.meta)
         if m_spec != spec or m_cfg != cfg or m_range != tuple(layer_range):
             raise TransferError(f"the sender offers layers {m_range} of {m_spec.name!r}, "

@@ -10,9 +10,11 @@ rules over the allocations the peer applied (see docs/control.md, "Who may send 
 - FETCH_MANIFEST / FETCH_CHUNK: the peers the current or previous allocation of that run names
   (stage peers and spares), and the peers the coordinator named when it asked for the offer
   (the next allocation's, which this peer may not have applied when their fetch arrives).
-- RUN_STATE `export` (what this peer holds of a run, and an offer of one stage of it, which
-  the asking peer may then fetch): only the peer that an operator's signed export of that run
-  names, within the operator clock skew window (`export_refusal`; `dtfm-peer export`).
+- RUN_STATE `export` (what this peer holds of a run, and an offer of one stage's weights,
+  which the asking peer may then fetch): only the peer that an operator's signed export of that
+  run names, within the operator clock skew window (`export_refusal`; `dtfm-peer export`).
+  That peer fetches the weights offer (FETCH_* with `part: weights`, control/epoch/recovery.py),
+  never a stage offer through it.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ replicas of a stage with equal weights, step and config, encoded with the same c
 have the same digest. The coordinator puts the digest of each stage it wants recovered in the
 signed allocation, so a fetcher trusts no holder: it trusts the digest.
 
+An export needs the model, not the state a peer that trains the stage on needs: a holder
+offers it the stage's *weights* (`offer_weights`: the parameters alone, `encode_transfer(...,
+weights_only=True)`, about a third of the stage with AdamW), a distinct offer with its own
+digest over exactly those bytes, kept apart from the stage offers and served only to the peers
+named with it (the peer an operator's export names) and only to requests for weights.
+
 Protocol (two requests on the peer transport):
 
 - FETCH_MANIFEST (68): {"run": 16 bytes, "step": int, "layers": [a, b]} -> {"manifest":
@@ -23,15 +29,18 @@ Protocol (two requests on the peer transport):
 - FETCH_CHUNK (69): {"run", "step", "layers", "digest": hex, "index": int} -> {"ok": true}
   with the chunk as the reply's payload, or {"error": why} when the peer holds no offer with
   that digest. An index beyond the offer's chunks is a protocol error.
+- Both with "part": "weights" ask for the weights offer of that stage instead: a stage offer is
+  never served to such a request, a weights offer never to one without it.
 
 Every body is checked field by field (no extra fields, ints in range, 64 hex digits); a
 malformed body raises `ProtocolError`, which closes that connection. Then `authorize(peer,
 key)` says whether the asking peer may have that stage (in the daemon: the peers the holder's
-allocations name, control/epoch/access.py); a refused peer gets {"error": why}, and the refusal
-is logged at DEBUG and counted (`refusals`).
+allocations name, control/epoch/access.py), or for weights, whether the offer names it; a
+refused peer gets {"error": why}, and the refusal is logged at DEBUG and counted (`refusals`).
 
 The fetcher asks the holders in turn for the manifest and takes the first whose digest equals
-the allocation's and that passes `TransferManifest.from_wire` (bounded by `max_total_bytes`).
+the allocation's (an export's: the one most holders offered) and that passes
+`TransferManifest.from_wire` (bounded by `max_total_bytes`) and is of the part asked for.
 Then `parallel` chunk requests run at once, spread round-robin over every holder still in
 good standing (a holder not yet asked for the manifest is simply asked for chunks under the
 digest; an error reply means it does not hold that stage). Each chunk is checked against its
@@ -50,6 +59,7 @@ The chunk size is part of the digest: every peer of a swarm offers with the same
 from __future__ import annotations
 
 import builtins
+import enum
 import hashlib
 import json
 import logging
@@ -89,7 +99,7 @@ from ..allocation import RUN_ID_BYTES
 from ..messages import ControlMsg
 from ..refusals import Refusals, Refused
 
-__all__ = ["FetchResult", "Offer", "RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"]
+__all__ = ["FetchResult", "Offer", "Part", "RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +109,7 @@ _MAX_CHUNKS = 1 << 31
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _MANIFEST_FIELDS = frozenset({"run", "step", "layers"})
 _CHUNK_FIELDS = _MANIFEST_FIELDS | {"digest", "index"}
+_PART = "part"  # the field that asks for the weights offer ("weights"); absent: the stage offer
 
 Key = tuple[bytes, int, tuple[int, int]]  # (run, step, layer range)
 Authorize = Callable[[bytes, Key], "Refused | None"]  # (asking peer, key) -> None: it may fetch
@@ -107,6 +118,14 @@ Source = tuple[bytes, "tuple[str, int] | None"]  # (peer id, listen address or N
 
 class RecoveryError(Exception):
     """A stage could not be recovered (every holder failed) or assembled (a tensor is missing)."""
+
+
+class Part(enum.Enum):
+    """What an offer holds: a whole stage (weights, optimizer and compression state: recovery)
+    or its weights alone (an export)."""
+
+    STAGE = "stage"
+    WEIGHTS = "weights"
 
 
 def manifest_digest(manifest: TransferManifest) -> str:
@@ -129,27 +148,39 @@ def _key_untrusted(d: dict) -> Key:
     return run, step, (a, b)
 
 
-def parse_manifest_request(body: object) -> Key:
-    """A FETCH_MANIFEST body, every field checked; raises ProtocolError only."""
+def _part_untrusted(d: dict, fields: frozenset[str], what: str) -> Part:
+    """The part a request asks for, its fields exactly `fields` (and "part" for weights)."""
+    if set(d) == fields:
+        return Part.STAGE
+    if set(d) != fields | {_PART}:
+        raise ProtocolError(f"{what} fields {sorted(map(str, d))}, expected {sorted(fields)} (and {_PART!r})")
+    if d[_PART] != Part.WEIGHTS.value:
+        raise ProtocolError(f"field {_PART!r}: only {Part.WEIGHTS.value!r} is asked for by name")
+    return Part.WEIGHTS
+
+
+def parse_manifest_request(body: object) -> tuple[Key, Part]:
+    """A FETCH_MANIFEST body: (key, part), every field checked; raises ProtocolError only."""
     d = get_dict(body, "fetch-manifest request")
-    if set(d) != _MANIFEST_FIELDS:
-        raise ProtocolError(f"fetch-manifest fields {sorted(map(str, d))}, expected {sorted(_MANIFEST_FIELDS)}")
-    return _key_untrusted(d)
+    part = _part_untrusted(d, _MANIFEST_FIELDS, "fetch-manifest")
+    return _key_untrusted(d), part
 
 
-def parse_chunk_request(body: object) -> tuple[Key, str, int]:
-    """A FETCH_CHUNK body: (key, digest, index); raises ProtocolError only."""
+def parse_chunk_request(body: object) -> tuple[Key, Part, str, int]:
+    """A FETCH_CHUNK body: (key, part, digest, index); raises ProtocolError only."""
     d = get_dict(body, "fetch-chunk request")
-    if set(d) != _CHUNK_FIELDS:
-        raise ProtocolError(f"fetch-chunk fields {sorted(map(str, d))}, expected {sorted(_CHUNK_FIELDS)}")
+    part = _part_untrusted(d, _CHUNK_FIELDS, "fetch-chunk")
     digest = get_str(d, "digest", 64)
     if not _HEX64.match(digest):
         raise ProtocolError("field 'digest': expected 64 lowercase hex digits")
-    return _key_untrusted(d), digest, get_int(d, "index", 0, _MAX_CHUNKS)
+    return _key_untrusted(d), part, digest, get_int(d, "index", 0, _MAX_CHUNKS)
 
 
-def _key_body(run: bytes, step: int, layer_range: tuple[int, int]) -> dict:
-    return {"run": run, "step": step, "layers": [layer_range[0], layer_range[1]]}
+def _key_body(run: bytes, step: int, layer_range: tuple[int, int], part: Part) -> dict:
+    body: dict = {"run": run, "step": step, "layers": [layer_range[0], layer_range[1]]}
+    if part is Part.WEIGHTS:
+        body[_PART] = part.value
+    return body
 
 
 # ----------------------------------------------------------------------------- holder side
@@ -157,7 +188,7 @@ def _key_body(run: bytes, step: int, layer_range: tuple[int, int]) -> dict:
 
 @dataclass
 class Offer:
-    """A stage this peer serves: encoded once, served chunk by chunk."""
+    """A stage (or its weights) this peer serves: encoded once, served chunk by chunk."""
 
     run: bytes
     step: int
@@ -166,19 +197,23 @@ class Offer:
     chunks: list[bytes]
     digest: str
     served_bytes: int = 0
+    part: Part = Part.STAGE
+    fetchers: frozenset[builtins.bytes] = frozenset()  # weights: the peers that may fetch them
 
     @property
     def key(self) -> Key:
         return self.run, self.step, self.layer_range
 
     def describe(self) -> dict:
-        """For status: run, step, layers, digest, bytes, chunks, bytes served."""
-        return {"run": self.run.hex(), "step": self.step, "layers": list(self.layer_range), "digest": self.digest,
-                "bytes": self.manifest.total_bytes, "chunks": len(self.chunks), "served_bytes": self.served_bytes}
+        """For status: run, step, layers, part, digest, bytes, chunks, bytes served."""
+        return {"run": self.run.hex(), "step": self.step, "layers": list(self.layer_range), "part": self.part.value,
+                "digest": self.digest, "bytes": self.manifest.total_bytes, "chunks": len(self.chunks),
+                "served_bytes": self.served_bytes}
 
 
 class RecoveryServer:
-    """Serves the stages this peer offers to the peers `authorize` lets fetch them."""
+    """Serves the stages this peer offers to the peers `authorize` lets fetch them, and the
+    weights it offers for an export to the peers named with them; `max_offers` of each."""
 
     def __init__(self, transport: PeerTransport, *, authorize: Authorize, max_offers: int = 4,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -187,7 +222,7 @@ class RecoveryServer:
         self.transport, self.max_offers, self.chunk_bytes = transport, max_offers, chunk_bytes
         self.authorize = authorize
         self.refusals = Refusals()
-        self._offers: dict[Key, Offer] = {}  # insertion order: the oldest is dropped first
+        self._offers: dict[Part, dict[Key, Offer]] = {p: {} for p in Part}  # insertion order: oldest first
         self.served_bytes = 0
         transport.handle(ControlMsg.FETCH_MANIFEST, self._on_manifest)
         transport.handle(ControlMsg.FETCH_CHUNK, self._on_chunk)
@@ -200,57 +235,82 @@ class RecoveryServer:
         return self._keep(Offer(run_id, state.step, state.layer_range, manifest, chunks,
                                 manifest_digest(manifest)))
 
+    async def offer_weights(self, run_id: bytes, state: StageState, fetchers: frozenset[builtins.bytes]) -> Offer:
+        """Offer the parameters of `state` alone, to `fetchers` only (and to those its earlier
+        weights offer under the same key named, when the weights are the same)."""
+        if len(run_id) != RUN_ID_BYTES:
+            raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
+
+        def encode() -> tuple[TransferManifest, list[builtins.bytes]]:
+            return encode_transfer(state, self.chunk_bytes, weights_only=True)
+
+        manifest, chunks = await trio.to_thread.run_sync(encode)
+        digest = manifest_digest(manifest)
+        earlier = self._offers[Part.WEIGHTS].get((run_id, state.step, state.layer_range))
+        if earlier is not None and earlier.digest == digest:
+            fetchers = fetchers | earlier.fetchers
+        return self._keep(Offer(run_id, state.step, state.layer_range, manifest, chunks, digest,
+                                part=Part.WEIGHTS, fetchers=fetchers))
+
     async def offer_checkpoint(self, run_id: bytes, json_path: str | Path) -> Offer:
         """Offer a checkpoint from disk (hash-checked as it is loaded); CheckpointError if bad."""
         state = await trio.to_thread.run_sync(load_checkpoint, json_path)
         return await self.offer(run_id, state)
 
     def _keep(self, offer: Offer) -> Offer:
-        self._offers.pop(offer.key, None)
-        self._offers[offer.key] = offer
-        while len(self._offers) > self.max_offers:
-            old = self._offers.pop(next(iter(self._offers)))
-            logger.info("dropped the offer of layers %s at step %d (keeping %d)", old.layer_range, old.step,
-                        self.max_offers)
-        logger.info("offering layers %s at step %d: %d bytes in %d chunks, digest %s", offer.layer_range,
-                    offer.step, offer.manifest.total_bytes, len(offer.chunks), offer.digest[:16])
+        offers = self._offers[offer.part]
+        offers.pop(offer.key, None)
+        offers[offer.key] = offer
+        while len(offers) > self.max_offers:
+            old = offers.pop(next(iter(offers)))
+            logger.info("dropped the %s offer of layers %s at step %d (keeping %d)", old.part.value, old.layer_range,
+                        old.step, self.max_offers)
+        logger.info("offering the %s of layers %s at step %d: %d bytes in %d chunks, digest %s", offer.part.value,
+                    offer.layer_range, offer.step, offer.manifest.total_bytes, len(offer.chunks), offer.digest[:16])
         return offer
 
     def withdraw(self, run_id: bytes) -> int:
-        """Stop serving every offer of `run_id`; how many there were."""
-        keys = [k for k in self._offers if k[0] == run_id]
-        for k in keys:
-            del self._offers[k]
-        return len(keys)
+        """Stop serving every offer of `run_id` (stages and weights); how many there were."""
+        n = 0
+        for offers in self._offers.values():
+            keys = [k for k in offers if k[0] == run_id]
+            for k in keys:
+                del offers[k]
+            n += len(keys)
+        return n
 
     def offers(self) -> list[dict]:
-        """The offers, oldest first, for status (`Offer.describe`)."""
-        return [o.describe() for o in self._offers.values()]
+        """The offers, stages then weights, oldest first, for status (`Offer.describe`)."""
+        return [o.describe() for part in Part for o in self._offers[part].values()]
 
-    def _refused(self, conn: PeerConnection, key: Key) -> str | None:
-        why = self.authorize(conn.peer_id, key)
+    def _refused(self, conn: PeerConnection, key: Key, part: Part) -> str | None:
+        if part is Part.WEIGHTS:  # only the peers the weights offer names (none held: "not held")
+            offer = self._offers[part].get(key)
+            why = None if offer is None or conn.peer_id in offer.fetchers else Refused.EXPORT_NOT_SIGNED
+        else:
+            why = self.authorize(conn.peer_id, key)
         if why is None:
             return None
-        self.refusals.refuse(why, conn.peer_id, f"layers {list(key[2])} at step {key[1]}")
+        self.refusals.refuse(why, conn.peer_id, f"the {part.value} of layers {list(key[2])} at step {key[1]}")
         return why.text
 
     async def _on_manifest(self, conn: PeerConnection, msg_type: int, body: object, payload) -> dict:
-        key = parse_manifest_request(body)
-        refused = self._refused(conn, key)
+        key, part = parse_manifest_request(body)
+        refused = self._refused(conn, key, part)
         if refused is not None:
             return {"error": refused}
-        offer = self._offers.get(key)
+        offer = self._offers[part].get(key)
         if offer is None:
             logger.debug("%s asked for layers %s at step %d, not held", conn.short_id, key[2], key[1])
             return {"error": f"layers {list(key[2])} at step {key[1]} of this run are not held here"}
         return {"manifest": offer.manifest.to_wire(), "digest": offer.digest}
 
     async def _on_chunk(self, conn: PeerConnection, msg_type: int, body: object, payload) -> object:
-        key, digest, index = parse_chunk_request(body)
-        refused = self._refused(conn, key)
+        key, part, digest, index = parse_chunk_request(body)
+        refused = self._refused(conn, key, part)
         if refused is not None:
             return {"error": refused}
-        offer = self._offers.get(key)
+        offer = self._offers[part].get(key)
         if offer is None or offer.digest != digest:
             logger.debug("%s asked for a chunk of layers %s at step %d (digest %s), not held", conn.short_id,
                          key[2], key[1], digest[:16])
@@ -283,9 +343,10 @@ _NET_ERRORS = (ConnectionClosed, RequestTimeout, RemoteError, ProtocolError, OSE
 class _Fetch:
     """One fetch's state: holders in good standing and the counters."""
 
-    def __init__(self, transport, sources, run_id, step, layer_range, digest, timeout_s, connect):
+    def __init__(self, transport, sources, run_id, step, layer_range, digest, timeout_s, connect, part):
         self.transport, self.timeout_s, self._connect = transport, timeout_s, connect
-        self.key_body = _key_body(run_id, step, tuple(layer_range))
+        self.part = part
+        self.key_body = _key_body(run_id, step, tuple(layer_range), part)
         self.step, self.layer_range, self.digest = step, tuple(layer_range), digest
         self.addr = dict(sources)
         self.live = [p for p in dict.fromkeys(p for p, _ in sources) if p != transport.peer_id]  # not itself
@@ -300,8 +361,8 @@ class _Fetch:
         if peer in self.live:
             self.live.remove(peer)
             self.failed[peer] = reason
-            logger.warning("recovery of layers %s at step %d: dropped holder %s: %s", self.layer_range, self.step,
-                           short_id(peer), reason)
+            logger.warning("fetch of the %s of layers %s at step %d: dropped holder %s: %s", self.part.value,
+                           self.layer_range, self.step, short_id(peer), reason)
 
     def next_source(self) -> bytes:
         self._rr += 1
@@ -346,6 +407,9 @@ class _Fetch:
         got = manifest_digest(manifest)
         if got != self.digest:
             raise RecoveryError(f"holds digest {got[:16]}, expected {self.digest[:16]}")
+        if manifest.weights_only != (self.part is Part.WEIGHTS):
+            raise RecoveryError("offers the weights alone where the whole stage was asked for" if manifest.weights_only
+                                else "offers a whole stage where its weights alone were asked for")
         m_range, m_step = tuple(manifest.meta["layer_range"]), manifest.meta["step"]
         if m_range != self.layer_range or m_step != self.step:
             raise RecoveryError(f"manifest describes layers {m_range} at step {m_step}")
@@ -400,14 +464,16 @@ def _why(e: BaseException) -> str:
 
 async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, run_id: bytes, step: int,
                       layer_range: tuple[int, int], digest: str, max_total_bytes: int, parallel: int = 4,
-                      timeout_s: float = 30.0, connect: Connect | None = None) -> FetchResult:
-    """Fetch the stage named by `digest` from its holders `sources` [(peer id, address or None)].
+                      timeout_s: float = 30.0, connect: Connect | None = None,
+                      part: Part = Part.STAGE) -> FetchResult:
+    """Fetch the stage named by `digest` from its holders `sources` [(peer id, address or None)];
+    `part` Part.WEIGHTS: their weights offer of it (an export), the parameters alone.
 
     `connect(peer, address)` overrides how a holder is reached (by default the transport's live
     connection, else `transport.connect`). Raises RecoveryError when every holder failed."""
     if parallel < 1 or not timeout_s > 0:
         raise ValueError("parallel must be >= 1 and timeout_s > 0")
-    f = _Fetch(transport, sources, run_id, step, layer_range, digest, timeout_s, connect)
+    f = _Fetch(transport, sources, run_id, step, layer_range, digest, timeout_s, connect, part)
     t0 = trio.current_time()
     manifest = None
     for peer in list(f.live):
@@ -430,6 +496,6 @@ async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, ru
     if not receiver.complete:
         raise f.error()
     seconds = trio.current_time() - t0
-    logger.info("recovered layers %s at step %d: %d bytes in %.2f s from %s", f.layer_range, step, f.nbytes,
-                seconds, ", ".join(f"{short_id(p)} ({k})" for p, k in f.per_source.items()))
+    logger.info("fetched the %s of layers %s at step %d: %d bytes in %.2f s from %s", part.value, f.layer_range,
+                step, f.nbytes, seconds, ", ".join(f"{short_id(p)} ({k})" for p, k in f.per_source.items()))
     return FetchResult(receiver, f.nbytes, seconds, f.per_source, f.failed)

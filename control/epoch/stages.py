@@ -186,6 +186,20 @@ class StageHost:
         self._offered[key] = (offer.digest, state)
         return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
 
+    async def offer_weights(self, run_id: bytes, step: int, layers: tuple[int, int], fetcher: bytes) -> dict:
+        """Encode the parameters of `layers` at `step` alone for the recovery server, which
+        serves them only to `fetcher` (the peer an operator's export names) and only as weights;
+        the answer to RUN_STATE `export` with a step. The stage offers and who may fetch them
+        stay as they are."""
+        try:
+            state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
+        except CheckpointError as e:
+            return {"error": f"checkpoint unreadable: {e}"}
+        if state is None:
+            return {"error": f"layers {layers} at step {step} are not held here"}
+        offer = await self.recovery.offer_weights(run_id, state, frozenset({fetcher}))
+        return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
+
     def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
         """The recovery server's rule (control/epoch/access.py): the peers of this peer's
         allocations of that run, and those the coordinator named with the offer."""
