@@ -254,7 +254,7 @@ def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
 def test_table_keys_are_the_lower_layers_fields():
     gossip = section_settings("gossip")
     emulation = section_settings("emulation")
-    assert set(gossip) == {"profile", "compute_ms"} | {f.name for f in dataclasses.fields(GossipConfig)}
+    assert set(gossip) == {"profile", "compute_ms", "codec_speed"} | {f.name for f in dataclasses.fields(GossipConfig)}
     assert set(emulation) == {"scenario"} | {f.name for f in dataclasses.fields(EmulationConfig)}
     with pytest.raises(ConfigError, match="unknown setting emulation.nope"):
         merge(DaemonConfig(), {"emulation": {"nope": 1}})
