@@ -65,7 +65,7 @@ def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:
 def measure_codec_ns(torch_threads: int) -> tuple[float, ...]:
     """This peer's coding speed as gossip carries it (blocking; torch is imported here, in the
     worker thread that runs it, not when the daemon starts)."""
-    from dtfm.train.compress import peer_codec_speed
+    from dtfm.train import peer_codec_speed
 
     return peer_codec_speed(torch_threads).to_vector()
 
