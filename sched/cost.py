@@ -102,6 +102,7 @@ class CostModel:
             raise ValueError(f"compression options give codec speeds of {len(opts.peer_speeds)} peers, "
                              f"the network has {n}")
         self._dp_coef: dict[DataParallelCodec, tuple[np.ndarray, np.ndarray]] = {}
+        self._pp_coding: dict[PipelineCodec, tuple[np.ndarray, np.ndarray]] = {}
         if len(opts.pp) == 1:
             self.hop = a + wl.act_gb * inv_b  # (N, N) one boundary hop, seconds
             self.pp_choice = np.zeros((n, n), dtype=np.int64)
@@ -161,12 +162,15 @@ class CostModel:
     def peer_pp_coding_s(self, codec: PipelineCodec) -> tuple[np.ndarray, np.ndarray]:
         """(N,) encode and (N,) decode seconds per message of `codec` on each peer (its own
         speed where the options give per-peer speeds, else the common one)."""
-        if not self.options.peer_speeds:
-            enc, dec = self.pp_coding_s(codec)
-            return np.full(self.n, enc), np.full(self.n, dec)
-        _, numel = self.pp_messages()
-        ns = np.array([codec.coding_ns_per_elem(sp) for sp in self.options.peer_speeds])  # (N, 2)
-        return numel * ns[:, 0] * 1e-9, numel * ns[:, 1] * 1e-9
+        if codec not in self._pp_coding:
+            if not self.options.peer_speeds:
+                enc, dec = self.pp_coding_s(codec)
+                self._pp_coding[codec] = np.full(self.n, enc), np.full(self.n, dec)
+            else:
+                _, numel = self.pp_messages()
+                ns = np.array([codec.coding_ns_per_elem(sp) for sp in self.options.peer_speeds])  # (N, 2)
+                self._pp_coding[codec] = numel * ns[:, 0] * 1e-9, numel * ns[:, 1] * 1e-9
+        return self._pp_coding[codec]
 
     def link_hop(self, codec: PipelineCodec) -> np.ndarray:
         """(N, N) one boundary hop of one iteration, one direction, every link coding with `codec`."""

@@ -87,14 +87,11 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     enc_f, dec_f = np.zeros((max(S - 1, 0), D)), np.zeros((max(S - 1, 0), D))
     enc_b, dec_b = np.zeros((max(S - 1, 0), D)), np.zeros((max(S - 1, 0), D))
     ratio = np.ones((max(S - 1, 0), D))
-    coding: dict = {}
     for s in range(S - 1):
         for p, c in enumerate(codecs.pp[s]):
             if not c.exact:
                 ratio[s, p] = model.pp_ratio(c)
-                if c not in coding:
-                    coding[c] = model.peer_pp_coding_s(c)
-                enc_v, dec_v = coding[c]
+                enc_v, dec_v = model.peer_pp_coding_s(c)
                 i, j = X[s, p], X[s + 1, p]
                 enc_f[s, p], dec_f[s, p] = enc_v[i], dec_v[j]
                 enc_b[s, p], dec_b[s, p] = enc_v[j], dec_v[i]
