@@ -163,7 +163,7 @@ class SchedulerPlanner:
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
-                       compression=compression_options_of(cur.compression) if per_link else None)
+                       compression=compression_options_of(cur.compression, view=view) if per_link else None)
         if not per_link:
             return plan
         links = cur.compress_links
@@ -186,7 +186,7 @@ class SchedulerPlanner:
         else:
             shape = choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
                                  time_budget_s=self.config.schedule_time_s, seed=req.seed,
-                                 compression=compression_options_of(req.compression) if per_link else None)
+                                 compression=compression_options_of(req.compression, view=view) if per_link else None)
         return choose_links(view, shape, model, train, req.compression) if per_link else shape
 
 

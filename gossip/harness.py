@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 import random
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import Callable
 
 import trio
 
@@ -31,7 +33,9 @@ class Harness:
     def __init__(self, n: int, config: GossipConfig, *, regions: list[str] | None = None,
                  link: LinkModel | None = None, scenario=None, time_scale: float = 1.0,
                  drop_fraction: float = 0.0, seed: int = 0, measure: bool = False,
-                 compute_ms: float = 1.0) -> None:
+                 compute_ms: float = 1.0, codec_probe: Callable[[int], Sequence[float]] | None = None) -> None:
+        """codec_probe(k): node k's coding-speed probe (run in a worker thread at its start, as
+        the daemon's is); None: the nodes report none."""
         if scenario is not None:
             regions = scenario.peer_regions()
             link = scenario_link(scenario, time_scale)
@@ -43,6 +47,7 @@ class Harness:
         self._rng = random.Random(seed)
         self._measure = measure
         self._compute_ms = compute_ms
+        self._codec_probe = codec_probe
         self.identities = [Identity(self._rng.randbytes(32)) for _ in range(n)]
         self.ids = [i.peer_id for i in self.identities]
         self.index = {p: k for k, p in enumerate(self.ids)}
@@ -69,7 +74,8 @@ class Harness:
         t = self.net.add(self.ids[k], self.regions[k])
         svc = GossipService(t, self.identities[k], self.config, region=self.regions[k],
                             rng=random.Random(self._rng.random()), wall_clock=self.wall,
-                            compute_ms=self._compute_ms, measure=self._measure)
+                            compute_ms=self._compute_ms, measure=self._measure,
+                            codec_probe=None if self._codec_probe is None else functools.partial(self._codec_probe, k))
         svc.on_member_change(functools.partial(self._observe, k))
         scope = trio.CancelScope()
         if k < len(self.transports):  # a restart

@@ -2,11 +2,16 @@
 
 A report is one measurer's signed row of the N x N view: for each target it measured, the
 round-trip time (median of `samples` pings) and the bandwidth of a timed transfer; plus its
-own compute speed. Signing a row rather than each (measurer, target) pair keeps the work at N
+own compute speed and what coding (compression) costs on its CPU. Signing a row rather than each (measurer, target) pair keeps the work at N
 signatures and N verifications per peer instead of N^2 (262,144 at 512 peers).
 
 Canonical encoding: msgpack of a fixed list, entries sorted by target id, floats as float64,
 prefixed with a domain tag; the signature covers exactly those bytes.
+
+The coding speed (`codec_ns`) is opaque here: empty (not measured) or `CODEC_NS_LEN` finite,
+non-negative numbers below `MAX_CODEC_NS`, in the order of the scheduler's `CodecSpeed`
+fields (nanoseconds per element: int8 encode and decode, int4 encode and decode, the Hadamard
+rotation, sparse encode and decode); the control layer turns it into a `CodecSpeed`.
 
 Verifying a signature is the one costly step (about 50 us); every cheaper refusal comes first,
 and `RecordStore.offer_all` verifies a batch in slices of `VERIFY_SLICE`, yielding to the other
@@ -28,14 +33,16 @@ from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_float, get_int
 from .messages import MAX_SEQ
 
 __all__ = ["Entry", "Report", "RecordStore", "digest_hash", "MAX_RTT_MS", "MAX_GBPS", "MAX_ENTRIES",
-           "DIGEST_HASH_LEN", "VERIFY_SLICE"]
+           "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns"]
 
 logger = logging.getLogger(__name__)
 
-DOMAIN = b"dtfm-measure-v1\x00"
+DOMAIN = b"dtfm-measure-v2\x00"  # v2: the coding-speed vector
 MAX_RTT_MS = 60_000.0  # a minute: beyond any usable link
 MAX_GBPS = 1_000.0  # beyond any real link between two peers
 MAX_COMPUTE_MS = 3_600_000.0
+CODEC_NS_LEN = 7  # figures in a coding-speed vector (dtfm.sched.CODEC_SPEED_LEN; tested equal)
+MAX_CODEC_NS = 1e6  # ns per element: a millisecond, a million times any CPU's
 MAX_SAMPLES = 100_000
 MAX_ENTRIES = 4096
 MAX_TIMESTAMP = 2.0**40
@@ -66,6 +73,16 @@ class Entry:
                    get_float(d, "bw", 0.0, MAX_GBPS), get_int(d, "n", 1, MAX_SAMPLES))
 
 
+def check_codec_ns(values: object) -> tuple[float, ...]:
+    """A coding-speed vector as a report carries it: empty, or `CODEC_NS_LEN` finite numbers
+    in [0, MAX_CODEC_NS]; ProtocolError for anything else."""
+    if not isinstance(values, (list, tuple)):
+        raise ProtocolError(f"codec speed: expected a list, got {type(values).__name__}")
+    if len(values) not in (0, CODEC_NS_LEN):
+        raise ProtocolError(f"codec speed: expected 0 or {CODEC_NS_LEN} figures, got {len(values)}")
+    return tuple(get_float({"codec_ns": v}, "codec_ns", 0.0, MAX_CODEC_NS) for v in values)
+
+
 @dataclass(frozen=True)
 class Report:
     measurer: bytes
@@ -74,36 +91,42 @@ class Report:
     compute_ms: float  # own forward+backward time of the reference block; 0: unknown
     entries: tuple[Entry, ...]
     signature: bytes = b""
+    codec_ns: tuple[float, ...] = ()  # own coding speed, ns per element (see the module doc); (): unknown
 
     def signing_bytes(self) -> bytes:
         body = [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
-                [e.to_wire() for e in self.entries]]
+                [e.to_wire() for e in self.entries], [float(v) for v in self.codec_ns]]
         return DOMAIN + pack(body)
 
     @classmethod
     def create(cls, identity, seq: int, timestamp: float, compute_ms: float,
-               entries) -> "Report":
+               entries, *, codec_ns=()) -> "Report":
+        """A report signed by `identity`; ValueError for a coding-speed vector a peer would refuse."""
+        try:
+            codec = check_codec_ns(tuple(codec_ns))
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
         ordered = tuple(sorted(entries, key=lambda e: e.target))
-        unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered)
+        unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered, codec_ns=codec)
         return cls(identity.peer_id, seq, timestamp, compute_ms, ordered,
-                   identity.sign(unsigned.signing_bytes()))
+                   identity.sign(unsigned.signing_bytes()), codec)
 
     def verify(self) -> bool:
         return verify_signature(self.measurer, self.signing_bytes(), self.signature)
 
     def to_wire(self) -> list:
         return [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
-                [e.to_wire() for e in self.entries], self.signature]
+                [e.to_wire() for e in self.entries], self.signature, [float(v) for v in self.codec_ns]]
 
     @property
     def wire_size(self) -> int:
-        return 120 + 64 * len(self.entries)
+        return 120 + 64 * len(self.entries) + 9 * len(self.codec_ns)
 
     @classmethod
     def from_wire(cls, obj: object) -> "Report":
-        if not isinstance(obj, list) or len(obj) != 6:
-            raise ProtocolError("report: expected a list of 6 fields")
-        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig"), obj))
+        if not isinstance(obj, list) or len(obj) != 7:
+            raise ProtocolError("report: expected a list of 7 fields")
+        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec"), obj))
         measurer = get_bytes(d, "measurer", PEER_ID_BYTES, PEER_ID_BYTES)
         entries = tuple(Entry.from_wire(x) for x in get_list(d, "entries", MAX_ENTRIES))
         targets = [e.target for e in entries]
@@ -113,7 +136,7 @@ class Report:
             raise ProtocolError("report: measurer measured itself")
         return cls(measurer, get_int(d, "seq", 0, MAX_SEQ), get_float(d, "ts", 0.0, MAX_TIMESTAMP),
                    get_float(d, "compute", 0.0, MAX_COMPUTE_MS), entries,
-                   get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN))
+                   get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN), check_codec_ns(d["codec"]))
 
 
 def digest_hash(digest) -> bytes:

@@ -8,6 +8,10 @@
 The transport is any `dtfm.net.PeerTransport`: the TCP `Transport` in the daemon, the in-memory
 `MemTransport` in tests and the harness. The decisions are the sans-IO machines' (`Swim`, `RecordSyncer`,
 `MeasurePlanner`); this class feeds them messages and time and does what they return.
+
+Each report carries this peer's compute speed (`compute_ms`) and its coding speed (`codec_ns`,
+an opaque vector: records.py): each given, or measured once at start by a blocking probe run
+in a worker thread (`compute_speed_ms`, and the `codec_probe` the daemon passes).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,7 +32,7 @@ from .config import GossipConfig
 from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwidth, measure_rtt, serve_bulk, serve_ping
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
-from .records import RecordStore, Report
+from .records import RecordStore, Report, check_codec_ns
 from .status import gossip_status
 from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
@@ -59,7 +64,12 @@ class GossipService:
                  region: str = "", rng: random.Random | None = None,
                  wall_clock: Callable[[], float] = time.time, compute_ms: float | None = None,
                  measure: bool = True, sender_tasks: int = 4,
-                 address: tuple[str, int] | None = None, verifier: ClaimVerifier | None = None) -> None:
+                 address: tuple[str, int] | None = None, verifier: ClaimVerifier | None = None,
+                 codec_ns: Sequence[float] | None = None,
+                 codec_probe: Callable[[], Sequence[float]] | None = None) -> None:
+        """compute_ms: this peer's compute speed, None to measure it (when `measure`).
+        codec_ns: this peer's coding speed (`check_codec_ns`; ValueError otherwise), or None
+        to run `codec_probe` once in a worker thread at start (no probe: reported unknown)."""
         self.transport = transport
         self.identity = identity
         self.config = config or GossipConfig.lan()
@@ -70,6 +80,11 @@ class GossipService:
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self.compute_ms = compute_ms
+        try:
+            self.codec_ns: tuple[float, ...] | None = None if codec_ns is None else check_codec_ns(tuple(codec_ns))
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
+        self._codec_probe = codec_probe
         self._measure = measure
         self._sender_tasks = sender_tasks
         # The address other members dial: the transport's (serve() must have started), or
@@ -123,6 +138,8 @@ class GossipService:
             nursery.start_soon(self._sync_loop)
             if self._measure:
                 nursery.start_soon(self._measure_loop)
+            elif self.codec_ns is None and self._codec_probe is not None:
+                nursery.start_soon(self._measure_self)
             task_status.started()
 
     async def join(self, addresses, *, timeout_s: float = 10.0) -> int:
@@ -325,7 +342,8 @@ class GossipService:
         self._published_version = self.planner.version
         self._published_at = now
         self._seq = max(self._seq + 1, int(self._wall() * 1000))
-        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0, entries)
+        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0, entries,
+                               codec_ns=self.codec_ns or ())
         self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
 
     async def _sync_loop(self) -> None:
@@ -347,10 +365,26 @@ class GossipService:
         except trio.WouldBlock:
             logger.warning("outgoing gossip queue full: dropping a record sync")
 
+    async def _measure_self(self) -> None:
+        """This peer's own figures, one probe after the other (so they do not slow each
+        other down), each off the event loop: the compute speed (when measuring), then the
+        coding speed. A new report goes out with them."""
+        if self._measure and self.compute_ms is None:
+            self.compute_ms = await trio.to_thread.run_sync(compute_speed_ms)
+        if self.codec_ns is None and self._codec_probe is not None:
+            try:
+                self.codec_ns = check_codec_ns(tuple(await trio.to_thread.run_sync(self._codec_probe)))
+            except Exception as e:  # (a failed probe leaves the figure unknown: the scheduler assumes a reference CPU)
+                logger.warning("cannot measure this peer's coding speed: %s", e)
+                self.codec_ns = ()
+            else:
+                logger.info("coding speed measured: %s ns per element",
+                            "/".join(f"{v:.1f}" for v in self.codec_ns))
+        self._published_version = -1  # publish the figures with the next report
+
     async def _measure_loop(self) -> None:
         cfg = self.config
-        if self.compute_ms is None:
-            self.compute_ms = await trio.to_thread.run_sync(compute_speed_ms)
+        await self._measure_self()
         while True:
             now = trio.current_time()
             await trio.sleep(self.planner.bulk_wait_s(now))

@@ -14,7 +14,8 @@ A member can only affect links it is an end of, and there only pessimistically:
 So, for a link an honest end has measured, the view's delay is at least that end's and its
 bandwidth at most that end's: lying can only make the liar's own links look worse, which
 pushes work away from it, never towards it. A link between two honest members stays between
-their two measurements. What a member says about its own compute speed is its own claim.
+their two measurements. What a member says about its own compute speed and its coding speed
+(`codec_ns`, ns per element of each codec: see records.py) is its own claim.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .records import Report
+from .records import CODEC_NS_LEN, Report
 
 __all__ = ["NetworkView", "build_view", "DISAGREEMENT_RATIO"]
 
@@ -34,6 +35,7 @@ __all__ = ["NetworkView", "build_view", "DISAGREEMENT_RATIO"]
 DISAGREEMENT_RATIO = 1.5
 
 _NO_FLAGS = np.zeros((0, 0), dtype=bool)  # a NetworkView's flag matrix left out
+_NO_CODEC = np.zeros((0, CODEC_NS_LEN))  # a NetworkView's coding speeds left out
 
 
 @dataclass(frozen=True)
@@ -46,12 +48,23 @@ class NetworkView:
     # (N, N) bool flags; left out (an empty matrix): all false
     disputed: np.ndarray = field(default_factory=lambda: _NO_FLAGS)  # the two ends disagree beyond the tolerance
     one_sided: np.ndarray = field(default_factory=lambda: _NO_FLAGS)  # a figure comes from one end only
+    # (N, CODEC_NS_LEN) each peer's own coding speed, ns per element; a row of nan: unknown
+    # (left out: all unknown)
+    codec_ns: np.ndarray = field(default_factory=lambda: _NO_CODEC)
 
     def __post_init__(self) -> None:
         n = len(self.peers)
         for name in ("disputed", "one_sided"):
             if getattr(self, name) is _NO_FLAGS:
                 object.__setattr__(self, name, np.zeros((n, n), dtype=bool))
+        if self.codec_ns is _NO_CODEC:
+            object.__setattr__(self, "codec_ns", np.full((n, CODEC_NS_LEN), np.nan))
+        if np.shape(self.codec_ns) != (n, CODEC_NS_LEN):
+            raise ValueError(f"codec_ns must be {n} x {CODEC_NS_LEN}, got {np.shape(self.codec_ns)}")
+
+    def codec_known(self) -> np.ndarray:
+        """(N,) bool: whether each peer reported its coding speed."""
+        return np.all(np.isfinite(self.codec_ns), axis=1)
 
     def pairs_known(self) -> int:
         off = ~np.eye(len(self.peers), dtype=bool)
@@ -67,7 +80,7 @@ class NetworkView:
         emulator multiplies delays by time_scale and bandwidth by bandwidth_scale / time_scale)."""
         return NetworkView(self.peers, self.delay_ms / time_scale,
                            self.bandwidth_gbps * time_scale / bandwidth_scale, self.compute_ms,
-                           self.complete, self.disputed, self.one_sided)
+                           self.complete, self.disputed, self.one_sided, self.codec_ns)
 
     def as_dict(self) -> dict:
         def clean(a):
@@ -90,11 +103,12 @@ def combine(m: np.ndarray, *, worse_is_higher: bool, tolerance: float):
     return out, disputed, known_a ^ known_b
 
 
-def _matrices(index: dict[bytes, int], reports) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _matrices(index: dict[bytes, int], reports) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n = len(index)
     rtt = np.full((n, n), np.nan)
     bw = np.full((n, n), np.nan)
     compute = np.full(n, np.nan)
+    codec = np.full((n, CODEC_NS_LEN), np.nan)
     items = reports.items() if isinstance(reports, Mapping) else ((r.measurer, r) for r in reports)
     for key, r in items:
         i = index.get(r.measurer)
@@ -102,6 +116,8 @@ def _matrices(index: dict[bytes, int], reports) -> tuple[np.ndarray, np.ndarray,
             continue
         if np.isfinite(r.compute_ms) and r.compute_ms > 0:
             compute[i] = r.compute_ms
+        if len(r.codec_ns) == CODEC_NS_LEN and all(np.isfinite(v) and v >= 0 for v in r.codec_ns):
+            codec[i] = r.codec_ns
         for e in r.entries:
             j = index.get(e.target)
             if j is None or j == i:
@@ -110,7 +126,7 @@ def _matrices(index: dict[bytes, int], reports) -> tuple[np.ndarray, np.ndarray,
                 rtt[i, j] = e.rtt_ms
             if np.isfinite(e.bandwidth_gbps) and e.bandwidth_gbps > 0:  # 0: not measured yet
                 bw[i, j] = e.bandwidth_gbps
-    return rtt, bw, compute
+    return rtt, bw, compute, codec
 
 
 def build_view(peers, reports: Mapping[bytes, Report], *,
@@ -120,7 +136,7 @@ def build_view(peers, reports: Mapping[bytes, Report], *,
     if not tolerance >= 1.0:
         raise ValueError(f"tolerance is a ratio >= 1, got {tolerance}")
     peers = tuple(peers)
-    rtt, bw, compute = _matrices({p: i for i, p in enumerate(peers)}, reports)
+    rtt, bw, compute, codec = _matrices({p: i for i, p in enumerate(peers)}, reports)
     rtt, rtt_disputed, rtt_one = combine(rtt, worse_is_higher=True, tolerance=tolerance)
     band, bw_disputed, bw_one = combine(bw, worse_is_higher=False, tolerance=tolerance)
     delay = rtt / 2.0
@@ -128,4 +144,4 @@ def build_view(peers, reports: Mapping[bytes, Report], *,
     np.fill_diagonal(band, np.inf)
     complete = bool(np.all(np.isfinite(delay)) and np.all(~np.isnan(band)))
     return NetworkView(peers, delay, band, compute, complete, rtt_disputed | bw_disputed,
-                       rtt_one | bw_one)
+                       rtt_one | bw_one, codec)

@@ -274,7 +274,7 @@ class Flag:
 class GossipSection:
     """Membership, failure detection and network measurement. TOML table [gossip]: a named
     profile of dtfm.gossip.GossipConfig, any of its fields set over the profile, and this
-    peer's compute speed."""
+    peer's compute and coding speeds."""
 
     EMBEDDED: ClassVar[type] = GossipConfig
     EMBEDDED_FLAGS: ClassVar[tuple[Flag, ...]] = ()
@@ -287,6 +287,13 @@ class GossipSection:
     # a positive figure skips the probe (and the torch import) and reports it as given.
     compute_ms: float = option(0.0, "this peer's time for one transformer-block forward and "
                                "backward in ms; 0 measures it", flag="--compute-ms", metavar="MS")
+    # What coding (compression) costs on this CPU, gossiped for the scheduler's per-link
+    # choice: "measure" probes it once at start in a background thread (about 0.1 s, with
+    # torch); "reference" reports the development machine's figure, "free" zero cost, and a
+    # JSON file (as `dtfm-sched --codec-speed` reads) its figures, all without the probe.
+    codec_speed: str = option("measure", "this peer's coding speed for the scheduler: measure, reference, "
+                              "free or a JSON file of ns per element", flag="--codec-speed",
+                              metavar="measure|reference|free|FILE.json")
     # GossipConfig fields set in [gossip], as sorted (name, value) pairs; they win over the
     # profile's values whichever layer (file or flag) chose the profile.
     overrides: tuple[tuple[str, int | float], ...] = ()
@@ -297,6 +304,8 @@ class GossipSection:
                               f"{', '.join(GOSSIP_PROFILES)}")
         if not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
             raise ConfigError("gossip.compute_ms must be a non-negative number")
+        if not self.codec_speed:
+            raise ConfigError("gossip.codec_speed must be measure, reference, free or a JSON file's path")
         try:
             self._resolve()
         except ValueError as e:

@@ -4,7 +4,9 @@ reconfiguration; docs/control.md).
 
 `build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
 transport exists). `services_setup` returns the setup hook that adds two services to the
-daemon: `GossipPart` runs a GossipService with the [gossip] settings, shows it under "gossip"
+daemon: `GossipPart` runs a GossipService with the [gossip] settings (its reports carry this
+peer's coding speed: [gossip] codec_speed, by default measured once by a probe in a worker
+thread, torch imported there; `codec_speed_setting`), shows it under "gossip"
 in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partition` / `heal`);
 `PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
 under "training" and answers `train_info` (what an operator signs against), and `train_start`,
@@ -18,8 +20,10 @@ they are.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +33,7 @@ from dtfm.control import ControlPlane, SignedOp, TrainError
 from dtfm.gossip import GossipConfig, GossipService
 from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_id
 from dtfm.scenarios import ScenarioError, load_scenario
+from dtfm.sched import REFERENCE_CODEC_SPEED, CodecSpeed
 
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
@@ -55,6 +60,38 @@ def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:
         raise ConfigError(f"--emulate {em.scenario}: this peer's --region {region or '(none)'!r} "
                           f"is not in the scenario; choose one of {', '.join(names)}")
     return EmulatedLinks(scenario, region, em.settings)
+
+
+def measure_codec_ns(torch_threads: int) -> tuple[float, ...]:
+    """This peer's coding speed as gossip carries it (blocking; torch is imported here, in the
+    worker thread that runs it, not when the daemon starts)."""
+    from dtfm.train import peer_codec_speed
+
+    return peer_codec_speed(torch_threads).to_vector()
+
+
+def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None, Callable[[], Sequence[float]] | None]:
+    """(the coding speed to report, or None; the probe that measures it, or None) for the
+    [gossip] codec_speed setting. ConfigError for a file that is not a codec speed."""
+    value = config.gossip.codec_speed
+    if value == "measure":
+        return None, functools.partial(measure_codec_ns, config.plane.settings.torch_threads)
+    if value == "reference":
+        return REFERENCE_CODEC_SPEED.to_vector(), None
+    if value == "free":
+        return CodecSpeed().to_vector(), None
+    try:
+        with open(value, encoding="utf-8") as f:
+            d = json.load(f)
+        if not isinstance(d, dict):
+            raise ValueError("expected a JSON object")
+        return CodecSpeed.from_dict(d).to_vector(), None
+    except OSError as e:
+        raise ConfigError(f"gossip.codec_speed (--codec-speed) {value}: cannot read it: {e.strerror}; "
+                          "give measure, reference, free or a JSON file") from None
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"gossip.codec_speed (--codec-speed) {value}: not a codec speed JSON object "
+                          f"(as `bench/compress_sched.py --codec-speed-out` writes): {e}") from None
 
 
 def gossip_config(config: DaemonConfig) -> GossipConfig:
@@ -101,12 +138,13 @@ class GossipPart:
         self.shaper = shaper
         self.service: GossipService | None = None  # once `run` has started it
         self._left = False
+        self.codec_ns, self.codec_probe = codec_speed_setting(config)  # (ConfigError here, before the daemon starts)
 
     async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         service = GossipService(daemon.transport, daemon.identity, gossip_config(config),
                                 region=config.peer.region, compute_ms=config.gossip.compute_ms or None,
-                                address=_advertised(daemon))
+                                address=_advertised(daemon), codec_ns=self.codec_ns, codec_probe=self.codec_probe)
         daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)

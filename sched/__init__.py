@@ -6,7 +6,7 @@ coding time, and `choose_compression` picks a codec per pipeline link and DP gro
 """
 
 from .choose import ChoiceReason, CompressionPlan, GroupChoice, LinkChoice, choose_compression
-from .compression import (REFERENCE_CODEC_SPEED, WIRE_PRESETS, CodecAssignment, CodecSpeed, CompressionFields,
+from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, WIRE_PRESETS, CodecAssignment, CodecSpeed, CompressionFields,
                           CompressionOptions, DataParallelCodec, PipelineCodec, compression_options, wire_codecs)
 from .cost import CostBreakdown, CostModel
 from .layers import layer_ranges, split_layers
@@ -19,7 +19,7 @@ from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
 from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_preset
 
 __all__ = [
-    "Allocation", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
+    "Allocation", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
     "CompressionOptions", "CompressionPlan", "CostBreakdown", "CostModel", "DataParallelCodec", "GroupChoice",
     "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
     "SEARCH_PROFILES", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",

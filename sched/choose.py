@@ -149,8 +149,8 @@ def _link_times(model: CostModel, X: np.ndarray) -> np.ndarray:
     per_gb = model.sim_s_per_gb[X[:-1], X[1:]]
     out = []
     for c in model.options.pp:
-        enc, dec = model.pp_coding_s(c)
-        out.append(base_lat + per_gb * vol * model.pp_ratio(c) + enc + dec)
+        enc, dec = model.peer_pp_coding_s(c)  # forward: the sender encodes, the receiver decodes
+        out.append(base_lat + per_gb * vol * model.pp_ratio(c) + enc[X[:-1]] + dec[X[1:]])
     return np.stack(out, axis=-1)
 
 

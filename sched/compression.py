@@ -14,8 +14,10 @@ integer arithmetic; tests/test_sched_compress.py checks them against the codec's
   steps over all n: 12 + 2 c + ceil(c k bits/8) + index bytes for c chunks of k values.
 - `CodecSpeed`: nanoseconds per element of coding on a peer's CPU, measured by
   `dtfm.train.compress.measure_compress_cost()`; the scheduler takes the figure as input.
+  `to_vector()`/`from_vector()` give it as the plain list of floats gossip carries.
 - `CompressionOptions`: the codecs the scheduler may choose from, per axis, least lossy first
-  (exact always first), and the codec speed.
+  (exact always first), and the codec speed: one for every peer, or each peer's own
+  (`peer_speeds`, in the cost model's peer order).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Iterable, Protocol
 
-__all__ = ["CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
+__all__ = ["CODEC_SPEED_LEN", "CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
            "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "wire_codecs"]
 
 _HEADER_BYTES = 12
@@ -192,6 +194,22 @@ class CodecSpeed:
             raise ValueError(f"unknown codec speed fields {sorted(unknown)}; expected {sorted(names)}")
         return cls(**{k: float(v) for k, v in d.items()})
 
+    def to_vector(self) -> tuple[float, ...]:
+        """The figures in field order (`CODEC_SPEED_LEN` floats): what a gossip report carries."""
+        return tuple(float(getattr(self, f.name)) for f in fields(self))
+
+    @classmethod
+    def from_vector(cls, v) -> "CodecSpeed":
+        """The inverse of `to_vector`; ValueError for a vector of the wrong length or values."""
+        v = tuple(v)
+        names = [f.name for f in fields(cls)]
+        if len(v) != len(names):
+            raise ValueError(f"a codec speed vector has {len(names)} figures ({', '.join(names)}), got {len(v)}")
+        return cls(**dict(zip(names, (float(x) for x in v))))
+
+
+CODEC_SPEED_LEN = len(fields(CodecSpeed))  # floats in `CodecSpeed.to_vector()`
+
 
 # Measured with `measure_compress_cost()` (one torch thread, 4 Mi elements, best of 3) on the
 # 2-core development machine, 2026-11-25, rounded. A GPU codes far faster; a peer should
@@ -255,13 +273,20 @@ _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
 @dataclass(frozen=True)
 class CompressionOptions:
     """The codecs the scheduler may choose from on each axis (exact first, then least lossy
-    first: on a tie the earlier wins) and what coding costs."""
+    first: on a tie the earlier wins) and what coding costs: `speed` on every peer, or, when
+    `peer_speeds` is given, each peer's own (one per peer of the network the cost model is
+    built on, in its order; a link's encode is costed on its sender, its decode on its
+    receiver, a DP member's coding on that member)."""
 
     pp: tuple[PipelineCodec, ...] = (PipelineCodec(),)
     dp: tuple[DataParallelCodec, ...] = (DataParallelCodec(),)
     speed: CodecSpeed = CodecSpeed()
+    peer_speeds: tuple[CodecSpeed, ...] = ()  # empty: `speed` for every peer
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "peer_speeds", tuple(self.peer_speeds))
+        if any(not isinstance(v, CodecSpeed) for v in self.peer_speeds):
+            raise ValueError("peer_speeds must be CodecSpeed figures, one per peer")
         for axis, codecs in (("pp", self.pp), ("dp", self.dp)):
             if not codecs or not codecs[0].exact:
                 raise ValueError(f"{axis} options must start with the exact codec")

@@ -18,6 +18,10 @@ The extensions, each off unless its inputs are given:
   the cheapest allowed codec's, each member's row sum_j (a_ij + P / b_ij) + coding for an
   all-gather of payloads of P bytes, divided by the codec's period (DiLoCo synchronises every H
   steps: its traffic is amortised). Exact-only options give exactly the paper's matrices.
+  Coding runs at `options.speed` on every peer, or at each peer's own figure when
+  `options.peer_speeds` gives one per peer: a link's encode on its sender, its decode on its
+  receiver (a link carries activations one way and their gradients back, so its hop counts
+  the mean of the two directions' coding), a DP member's on that member.
 """
 
 from __future__ import annotations
@@ -94,7 +98,11 @@ class CostModel:
         # predictions stay identical to the last bit
         self.sim_s_per_gb = np.where(off, 2 * inv_b / wl.dp * wl.dp / 2, 0.0)
         self.options = opts = compression or CompressionOptions()
+        if opts.peer_speeds and len(opts.peer_speeds) != n:
+            raise ValueError(f"compression options give codec speeds of {len(opts.peer_speeds)} peers, "
+                             f"the network has {n}")
         self._dp_coef: dict[DataParallelCodec, tuple[np.ndarray, np.ndarray]] = {}
+        self._pp_coding: dict[PipelineCodec, tuple[np.ndarray, np.ndarray]] = {}
         if len(opts.pp) == 1:
             self.hop = a + wl.act_gb * inv_b  # (N, N) one boundary hop, seconds
             self.pp_choice = np.zeros((n, n), dtype=np.int64)
@@ -146,10 +154,23 @@ class CostModel:
         return codec.payload_bytes(numel, eb) / (numel * eb)
 
     def pp_coding_s(self, codec: PipelineCodec) -> tuple[float, float]:
-        """(encode, decode) seconds per message of `codec` on a link."""
+        """(encode, decode) seconds per message of `codec` at the options' common `speed`."""
         enc, dec = codec.coding_ns_per_elem(self.options.speed)
         _, numel = self.pp_messages()
         return numel * enc * 1e-9, numel * dec * 1e-9
+
+    def peer_pp_coding_s(self, codec: PipelineCodec) -> tuple[np.ndarray, np.ndarray]:
+        """(N,) encode and (N,) decode seconds per message of `codec` on each peer (its own
+        speed where the options give per-peer speeds, else the common one)."""
+        if codec not in self._pp_coding:
+            if not self.options.peer_speeds:
+                enc, dec = self.pp_coding_s(codec)
+                self._pp_coding[codec] = np.full(self.n, enc), np.full(self.n, dec)
+            else:
+                _, numel = self.pp_messages()
+                ns = np.array([codec.coding_ns_per_elem(sp) for sp in self.options.peer_speeds])  # (N, 2)
+                self._pp_coding[codec] = numel * ns[:, 0] * 1e-9, numel * ns[:, 1] * 1e-9
+        return self._pp_coding[codec]
 
     def link_hop(self, codec: PipelineCodec) -> np.ndarray:
         """(N, N) one boundary hop of one iteration, one direction, every link coding with `codec`."""
@@ -157,9 +178,14 @@ class CostModel:
         if codec.exact:
             return self.lat_s + wl.act_gb * self.s_per_gb
         m, _ = self.pp_messages()
-        enc, dec = self.pp_coding_s(codec)
         off = ~np.eye(self.n, dtype=bool)
-        return self.lat_s + wl.act_gb * self.pp_ratio(codec) * self.s_per_gb + off * (m * (enc + dec))
+        wire = self.lat_s + wl.act_gb * self.pp_ratio(codec) * self.s_per_gb
+        if not self.options.peer_speeds:
+            enc, dec = self.pp_coding_s(codec)
+            return wire + off * (m * (enc + dec))
+        enc_v, dec_v = self.peer_pp_coding_s(codec)
+        forward = enc_v[:, None] + dec_v[None, :]  # [i, j]: i encodes, j decodes
+        return wire + off * (m * (forward + forward.T) / 2)  # the mean of the two directions
 
     def dp_ratio(self, codec: DataParallelCodec) -> tuple[float, float]:
         """(payload bytes per exact gradient byte, candidates per parameter) of `codec` at the
@@ -181,10 +207,15 @@ class CostModel:
                 A, B = 2 * self.lat_s, 2 * self.s_per_gb / D
             else:
                 ratio, cand = self.dp_ratio(codec)
-                per_gb = 1e9 / self.workload.grad_elem_bytes * cand * codec.coding_ns_per_elem(self.options.speed, D) * 1e-9
                 off = ~np.eye(self.n, dtype=bool)
                 A = self.lat_s.copy()
-                B = ratio * self.s_per_gb + off * (per_gb / max(D - 1, 1))  # coding spread over the D - 1 pairs
+                if not self.options.peer_speeds:
+                    per_gb = 1e9 / self.workload.grad_elem_bytes * cand * codec.coding_ns_per_elem(self.options.speed, D) * 1e-9
+                    B = ratio * self.s_per_gb + off * (per_gb / max(D - 1, 1))  # coding spread over the D - 1 pairs
+                else:  # row i: member i's own coding, spread over its D - 1 pairs
+                    ns = np.array([codec.coding_ns_per_elem(sp, D) for sp in self.options.peer_speeds])
+                    per_gb_v = 1e9 / self.workload.grad_elem_bytes * cand * ns * 1e-9  # (N,)
+                    B = ratio * self.s_per_gb + off * (per_gb_v[:, None] / max(D - 1, 1))
             self._dp_coef[codec] = (A, B)
         A, B = self._dp_coef[codec]
         p = codec.period_steps

@@ -16,7 +16,8 @@ model predicts communication alone.
 Compression (`codecs`, a `CodecAssignment`; by default the model's own cheapest codec per link
 and group, all exact for an exact model): a link coding with int8/int4 holds the link for its
 payload's bytes, the sender encodes each micro-batch after computing it and the receiver
-decodes it before computing, both on the peer's compute timeline. A DP group's synchronisation
+decodes it before computing, both on the peer's compute timeline, each at its own speed when
+the model's options give per-peer speeds. A DP group's synchronisation
 is its codec's (an all-gather of compressed payloads, coding included); a DiLoCo group
 synchronises once every H steps, so the iteration time is the mean over one cycle of
 synchronisations (the least common multiple of the groups' periods).
@@ -81,14 +82,19 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     else:
         step = layers[:, None] * wl.layer_compute_s / model.speed[X]  # (S, D) fwd+bwd per micro-batch
     fwd, bwd = step / 3, 2 * step / 3
-    enc = np.zeros((max(S - 1, 0), D))  # (S-1, D) coding seconds per micro-batch on each link
-    dec = np.zeros((max(S - 1, 0), D))
+    # (S-1, D) coding seconds per micro-batch on each link: forward, stage s encodes and s+1
+    # decodes; backward, s+1 encodes and s decodes (each at its own peer's speed)
+    enc_f, dec_f = np.zeros((max(S - 1, 0), D)), np.zeros((max(S - 1, 0), D))
+    enc_b, dec_b = np.zeros((max(S - 1, 0), D)), np.zeros((max(S - 1, 0), D))
     ratio = np.ones((max(S - 1, 0), D))
     for s in range(S - 1):
         for p, c in enumerate(codecs.pp[s]):
             if not c.exact:
                 ratio[s, p] = model.pp_ratio(c)
-                enc[s, p], dec[s, p] = model.pp_coding_s(c)
+                enc_v, dec_v = model.peer_pp_coding_s(c)
+                i, j = X[s, p], X[s + 1, p]
+                enc_f[s, p], dec_f[s, p] = enc_v[i], dec_v[j]
+                enc_b[s, p], dec_b[s, p] = enc_v[j], dec_v[i]
     if S > 1:
         hold_f = per_gb[X[:-1], X[1:]] * vol * ratio  # (S-1, D) boundary s, stage s -> s+1
         lat_f = lat[X[:-1], X[1:]]
@@ -104,9 +110,9 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
             for s in range(S):
                 end = np.maximum(arrive[s, m], busy[s]) + fwd[s]
                 if s > 0:
-                    end = end + dec[s - 1]  # decode what arrived (0 on an exact link)
+                    end = end + dec_f[s - 1]  # decode what arrived (0 on an exact link)
                 if s < S - 1:
-                    end = end + enc[s]  # encode what leaves
+                    end = end + enc_f[s]  # encode what leaves
                 busy[s] = end
                 if s < S - 1:
                     start = np.maximum(end, link_f[s])
@@ -117,9 +123,9 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
             for s in range(S - 1, -1, -1):
                 end = np.maximum(arrive[s, m], busy[s]) + bwd[s]
                 if s < S - 1:
-                    end = end + dec[s]
+                    end = end + dec_b[s]
                 if s > 0:
-                    end = end + enc[s - 1]
+                    end = end + enc_b[s - 1]
                 busy[s] = end
                 if s > 0:
                     start = np.maximum(end, link_b[s - 1])

@@ -117,6 +117,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region, *emulate,
            "--gossip-profile", gossip_profile(state), *plane_flags(state),
            "--compute-ms", repr(nominal_compute_ms(state, peer.region)),
+           "--codec-speed", "reference",  # (the peers share one CPU: the same figure for each, no probe)
            *(a for d in state.model_dirs for a in ("--model-dir", d)), *bootstrap, *extra]
     Path(peer.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(peer.log_file, "ab") as log:

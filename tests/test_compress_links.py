@@ -81,8 +81,9 @@ def test_mixed_dp_groups_an_exact_group_stays_identical_every_step(corpus):
 # ----------------------------------------------------------------------------- the coordinator's choice
 
 
-def view(slow_gbps: float = 0.001, fast_gbps: float = 10.0):
-    """Four peers a b c d, every link fast (1 ms, `fast_gbps`) but a <-> b (`slow_gbps`)."""
+def view(slow_gbps: float = 0.001, fast_gbps: float = 10.0, codec_ns=None):
+    """Four peers a b c d, every link fast (1 ms, `fast_gbps`) but a <-> b (`slow_gbps`);
+    codec_ns: each peer's gossiped coding speed (4 x 7, nan unknown), None: all unknown."""
     import numpy as np
 
     from dtfm.gossip import NetworkView
@@ -92,7 +93,8 @@ def view(slow_gbps: float = 0.001, fast_gbps: float = 10.0):
     bw = np.full((4, 4), fast_gbps)
     bw[0, 1] = bw[1, 0] = slow_gbps
     np.fill_diagonal(bw, np.inf)
-    return NetworkView(peers, delay, bw, np.full(4, 1.0), True)
+    codec = {} if codec_ns is None else {"codec_ns": np.asarray(codec_ns, dtype=float)}
+    return NetworkView(peers, delay, bw, np.full(4, 1.0), True, **codec)
 
 
 def test_the_coordinator_compresses_the_slow_link_only_and_keeps_compressed_groups():
@@ -137,3 +139,38 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
                      compression=req.compression, compress_links=LinkCodecs(first.links.pp, (True, False)))
     nxt = planner.reshape(v, cur, live=frozenset(v.peers), remaining_steps=10, regions={}, seed=1, force=True)
     assert nxt.placement.links is not None and nxt.placement.links.dp[0]  # stage 0's group stays DiLoCo
+
+
+@pytest.mark.parametrize("slow,known,compresses", [
+    (None, 4, True),  # every peer at the reference CPU's measured speed
+    (0, 4, False),  # a, the slow link's sender, codes 100 times slower: coding costs more than it saves
+    (1, 4, False),  # b, its receiver
+    (2, 3, True),  # c codes slowly, on a fast link; d reported no speed (the reference figure)
+])
+def test_the_coordinator_costs_coding_at_each_peers_gossiped_speed(slow, known, compresses):
+    import numpy as np
+
+    from dtfm.control.coordinator.schedule import Placement, choose_links, codec_speeds_of, compression_options_of
+    from dtfm.sched import REFERENCE_CODEC_SPEED, CodecSpeed
+    from dtfm.train import PRESETS, TrainConfig as TC
+    ref = np.array(REFERENCE_CODEC_SPEED.to_vector())
+    codec = np.tile(ref, (4, 1))
+    if slow is not None:
+        codec[slow] *= 100
+    codec[known:] = np.nan
+    v = view(slow_gbps=0.05, codec_ns=codec)
+    a, b, c, d = v.peers
+    shape = Placement(((a, b), (c, d)), ((0, 2), (2, 4)), (), 1.0, 1.0)
+    auto = parse_compression("auto")
+    got = choose_links(v, shape, PRESETS["tiny"], TC(), auto)
+    assert got.links.pp == ((compresses, False),)
+    assert got.links_note.endswith(f"coding at measured speeds of {known}/4 peers"
+                                   + ("" if known == 4 else " (reference CPU for the rest)"))
+    speeds = codec_speeds_of(v)
+    assert speeds == tuple(CodecSpeed.from_vector(row) if k < known else REFERENCE_CODEC_SPEED
+                           for k, row in enumerate(codec))
+    assert compression_options_of(auto, view=v).peer_speeds == speeds  # what the search and reshape cost with
+    assert compression_options_of(auto).peer_speeds == ()
+    # with no speed gossiped at all: the reference figure everywhere, as before
+    plain = choose_links(view(slow_gbps=0.05), shape, PRESETS["tiny"], TC(), auto)
+    assert plain.links.pp == ((True, False),) and plain.links_note.endswith("0/4 peers (reference CPU for the rest)")

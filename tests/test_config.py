@@ -1,7 +1,9 @@
 """Daemon configuration: defaults < TOML file < command-line flags, with validation."""
 
 import dataclasses
+import functools
 import inspect
+import json
 import math
 from pathlib import Path
 
@@ -26,7 +28,7 @@ from dtfm.peer.config import (
     PlaneSection,
 )
 from dtfm.peer.paths import DataDir, DataDirError, DataDirLock, default_data_dir
-from dtfm.peer.services import gossip_config
+from dtfm.peer.services import codec_speed_setting, gossip_config, measure_codec_ns
 from dtfm.peer.settings import apply_flags, flag_settings, load_toml, merge, section_settings
 
 
@@ -254,7 +256,7 @@ def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
 def test_table_keys_are_the_lower_layers_fields():
     gossip = section_settings("gossip")
     emulation = section_settings("emulation")
-    assert set(gossip) == {"profile", "compute_ms"} | {f.name for f in dataclasses.fields(GossipConfig)}
+    assert set(gossip) == {"profile", "compute_ms", "codec_speed"} | {f.name for f in dataclasses.fields(GossipConfig)}
     assert set(emulation) == {"scenario"} | {f.name for f in dataclasses.fields(EmulationConfig)}
     with pytest.raises(ConfigError, match="unknown setting emulation.nope"):
         merge(DaemonConfig(), {"emulation": {"nope": 1}})
@@ -424,3 +426,27 @@ def test_plane_section_builds_directly():
     assert PlaneSection(profile="test").settings == PlaneConfig.test()
     with pytest.raises(ConfigError, match="plane.max_reconfig_attempts"):
         PlaneSection(overrides=(("max_reconfig_attempts", 0),))
+
+
+def test_the_coding_speed_is_measured_by_default_or_given(tmp_path):
+    from dtfm.sched import REFERENCE_CODEC_SPEED, CodecSpeed
+    ns, probe = codec_speed_setting(DaemonConfig())
+    assert DaemonConfig().gossip.codec_speed == "measure" and ns is None
+    assert isinstance(probe, functools.partial) and probe.func is measure_codec_ns and probe.args == (1,)  # torch threads
+    cfg = apply_flags(DaemonConfig(), join_args("--codec-speed", "reference", "--torch-threads", "2"))
+    assert codec_speed_setting(cfg) == (REFERENCE_CODEC_SPEED.to_vector(), None)
+    assert codec_speed_setting(merge(DaemonConfig(), {"gossip": {"codec_speed": "free"}})) == ((0.0,) * 7, None)
+    assert codec_speed_setting(merge(DaemonConfig(), {"plane": {"torch_threads": 3}}))[1].args == (3,)
+    path = tmp_path / "speed.json"
+    path.write_text(json.dumps({**REFERENCE_CODEC_SPEED.to_dict(), "sparse_encode_ns_per_elem": 99.0}))
+    ns, probe = codec_speed_setting(apply_flags(DaemonConfig(), join_args("--codec-speed", str(path))))
+    assert probe is None and CodecSpeed.from_vector(ns).sparse_encode_ns_per_elem == 99.0
+    for text, why in (("[1, 2]", "not a codec speed"), ('{"int9": 1}', "not a codec speed"),
+                      ('{"int8_encode_ns_per_elem": -1}', "not a codec speed"), ("{", "not a codec speed")):
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"gossip.codec_speed \(--codec-speed\) .*{why}"):
+            codec_speed_setting(apply_flags(DaemonConfig(), join_args("--codec-speed", str(path))))
+    with pytest.raises(ConfigError, match="cannot read it"):
+        codec_speed_setting(apply_flags(DaemonConfig(), join_args("--codec-speed", str(tmp_path / "none.json"))))
+    with pytest.raises(ConfigError, match="gossip.codec_speed"):
+        merge(DaemonConfig(), {"gossip": {"codec_speed": ""}})

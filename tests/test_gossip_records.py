@@ -4,7 +4,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.gossip.records import MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
+from dtfm.gossip.records import CODEC_NS_LEN, MAX_CODEC_NS, MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
 from dtfm.gossip.sync import (
     RecordSync,
     RecordSyncer,
@@ -44,6 +44,38 @@ def test_report_roundtrip_and_signature():
     r = report()
     assert wire(r) == r and r.verify()
     assert [e.target for e in r.entries] == sorted(e.target for e in r.entries)
+
+
+CODEC = (2.9, 1.0, 6.6, 2.3, 6.6, 20.7, 5.6)  # a coding-speed vector, ns per element
+
+
+def test_a_report_carries_its_coding_speed_under_its_signature():
+    targets = [BOB.peer_id, CAROL.peer_id]
+    r = Report.create(ALICE, 1, NOW, 5.0, [Entry(t, 10.0, 1.0, 5) for t in targets], codec_ns=CODEC)
+    assert r.codec_ns == CODEC and wire(r) == r and wire(r).verify()
+    assert len(pack(r.to_wire())) <= r.wire_size
+    changed = Report(r.measurer, r.seq, r.timestamp, r.compute_ms, r.entries, r.signature, (0.0,) * CODEC_NS_LEN)
+    assert not wire(changed).verify()  # another vector under the same signature
+    dropped = Report(r.measurer, r.seq, r.timestamp, r.compute_ms, r.entries, r.signature)
+    assert not wire(dropped).verify()  # the vector left out
+    assert report().codec_ns == () and wire(report()).verify()  # none measured: an empty vector
+    with pytest.raises(ValueError):
+        Report.create(ALICE, 1, NOW, 5.0, [], codec_ns=CODEC[:3])
+
+
+@pytest.mark.parametrize("codec", [
+    CODEC[:-1], CODEC + (1.0,), [1.0], "fast", None, 7, {"int8": 1.0}, list(CODEC[:-1]) + ["1"],
+    list(CODEC[:-1]) + [True], list(CODEC[:-1]) + [None], list(CODEC[:-1]) + [float("nan")],
+    list(CODEC[:-1]) + [float("inf")], list(CODEC[:-1]) + [-0.5], list(CODEC[:-1]) + [MAX_CODEC_NS * 2],
+    list(CODEC[:-1]) + [[1.0]], [CODEC] * 7,
+])
+def test_hostile_coding_speed_vectors_refused(codec):
+    w = report().to_wire()
+    w[6] = codec
+    with pytest.raises(ProtocolError):
+        Report.from_wire(w)
+    with pytest.raises(ProtocolError):
+        Report.from_wire(report().to_wire()[:6])  # the field left out
 
 
 def test_acceptance_rules():
@@ -457,6 +489,23 @@ def test_view_takes_the_worse_end_and_flags_disputes_and_completeness():
     slow = view.unscaled(time_scale=2.0, bandwidth_scale=4.0)
     assert slow.delay_ms[0, 2] == 5.0 and slow.bandwidth_gbps[1, 2] == 2.0
     assert slow.disputed_links() == view.disputed_links()
+
+
+def test_view_holds_each_peers_coding_speed_and_nan_where_unknown():
+    ids = [Identity(bytes([i + 1]) * 32) for i in range(3)]
+    a, b, c = (i.peer_id for i in ids)
+    slow = tuple(100 * v for v in CODEC)
+    reports = {a: Report.create(ids[0], 1, NOW, 1.0, [Entry(b, 10.0, 1.0, 3)], codec_ns=CODEC),
+               b: Report.create(ids[1], 1, NOW, 1.0, [Entry(a, 12.0, 1.0, 3)], codec_ns=slow),
+               c: Report.create(ids[2], 1, NOW, 1.0, [Entry(a, 12.0, 1.0, 3)])}
+    view = build_view([a, b, c], reports)
+    assert view.codec_ns.shape == (3, CODEC_NS_LEN)
+    assert tuple(view.codec_ns[0]) == CODEC and tuple(view.codec_ns[1]) == slow
+    assert np.all(np.isnan(view.codec_ns[2])) and list(view.codec_known()) == [True, True, False]
+    # a report filed under another measurer speaks for nobody, its vector neither
+    assert not build_view([a, b, c], {c: reports[a]}).codec_known().any()
+    assert np.array_equal(view.unscaled(2.0, 4.0).codec_ns, view.codec_ns, equal_nan=True)
+    assert not build_view([], {}).codec_known().any()
 
 
 def test_view_takes_a_one_sided_figure_and_marks_it():

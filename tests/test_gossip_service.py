@@ -152,3 +152,35 @@ async def test_unreachable_bootstrap_is_logged_and_a_bug_propagates(autojump_clo
     service.transport.connect = buggy
     with pytest.raises(TypeError):
         await service.join([("10.0.0.1", 1)], timeout_s=1.0)
+
+
+async def test_each_peers_coding_speed_reaches_every_view(autojump_clock):
+    """The daemon's probe (dtfm.peer.services: `measure_codec_ns`, torch, in a worker thread)
+    on node 0, given figures on nodes 1 and 2, a probe that fails on node 3 (unknown)."""
+    from dtfm.peer.services import measure_codec_ns
+    from dtfm.sched import CodecSpeed
+
+    measured: dict[int, tuple[float, ...]] = {}
+
+    def probe(k: int) -> tuple[float, ...]:
+        if k == 3:
+            raise RuntimeError("no torch here")
+        measured[k] = measure_codec_ns(1) if k == 0 else (float(k),) * 7
+        return measured[k]
+
+    async with trio.open_nursery() as nursery:
+        h = Harness(4, CFG, seed=6, codec_probe=probe)
+        await h.start(nursery)
+
+        def spread() -> bool:
+            return all(h.services[j].view().codec_known().sum() == 3 for j in range(4))
+
+        await wait_for(spread, 60)
+        assert h.services[3].codec_ns == () and h.services[0].codec_ns == measured[0]
+        CodecSpeed.from_vector(measured[0])  # the real probe's figures are a codec speed
+        for j in range(4):
+            view = h.services[j].view()
+            rows = {h.index[p]: view.codec_ns[i] for i, p in enumerate(view.peers)}
+            assert all(tuple(rows[k]) == measured[k] for k in range(3)) and np.all(np.isnan(rows[3]))
+            assert all(r.verify() for r in h.services[j].records.reports.values())
+        nursery.cancel_scope.cancel()

@@ -127,7 +127,8 @@ def test_diloco_is_amortised_over_its_cycle_in_the_simulator():
 
 # -- the choice, on tables ---------------------------------------------------------------------
 
-def two_pipelines(slow_gbps, fast_gbps, *, micro_batches=1, layer_compute_s=None, speed=CodecSpeed()):
+def two_pipelines(slow_gbps, fast_gbps, *, micro_batches=1, layer_compute_s=None, speed=CodecSpeed(),
+                  peer_speeds=()):
     """Two pipelines of two stages: peers 0 -> 1 over a slow link, 2 -> 3 over a fast one;
     DP pairs (0, 2) and (1, 3) on fast links."""
     delay, bw = net(4, 1, fast_gbps)
@@ -135,6 +136,7 @@ def two_pipelines(slow_gbps, fast_gbps, *, micro_batches=1, layer_compute_s=None
     wl = Workload(stages=2, dp=2, layers=2, grad_gb_total=1e-4, act_gb=0.05, micro_batches=micro_batches,
                   layer_compute_s=layer_compute_s)
     opts = compression_options(["pp-int8", "pp-int4", "diloco"], speed)
+    opts = CompressionOptions(opts.pp, opts.dp, speed, peer_speeds)
     return CostModel(delay, bw, wl, compression=opts), np.array([[0, 2], [1, 3]])
 
 
@@ -286,3 +288,112 @@ def test_cli_compression_errors_exit_1(capsys, extra, message):
     rc = main(["solve", "--scenario", "worldwide", "--peers", "8", "--generations", "1", *extra])
     err = capsys.readouterr().err
     assert rc == 1 and message in err and "Traceback" not in err
+
+
+# -- each peer's own coding speed --------------------------------------------------------------
+
+def slower(speed: CodecSpeed, factor: float) -> CodecSpeed:
+    return CodecSpeed.from_vector([v * factor for v in speed.to_vector()])
+
+
+def test_a_codec_speed_round_trips_as_the_vector_gossip_carries():
+    from dtfm.gossip.records import CODEC_NS_LEN
+    from dtfm.sched import CODEC_SPEED_LEN
+    assert CODEC_SPEED_LEN == CODEC_NS_LEN == len(REFERENCE_CODEC_SPEED.to_vector())
+    assert CodecSpeed.from_vector(REFERENCE_CODEC_SPEED.to_vector()) == REFERENCE_CODEC_SPEED
+    assert REFERENCE_CODEC_SPEED.to_vector()[0] == REFERENCE_CODEC_SPEED.int8_encode_ns_per_elem
+    for bad in ([1.0] * 6, [1.0] * 8, [1.0] * 6 + [float("nan")], [1.0] * 6 + [-1.0]):
+        with pytest.raises(ValueError):
+            CodecSpeed.from_vector(bad)
+
+
+def test_per_peer_speeds_all_equal_to_the_common_speed_change_nothing_bit_for_bit():
+    sc = load_scenario("worldwide").scaled(8)
+    dl, bw = sc.delay_ms(), sc.bandwidth_gbps()
+    common = compression_options(["auto"], REFERENCE_CODEC_SPEED)
+    per_peer = CompressionOptions(common.pp, common.dp, CodecSpeed(), (REFERENCE_CODEC_SPEED,) * 8)
+    wl = Workload(stages=2, dp=4, layers=4, grad_gb_total=0.3, act_gb=0.02, micro_batches=4, layer_compute_s=0.05)
+    a, b = CostModel(dl, bw, wl, compression=common), CostModel(dl, bw, wl, compression=per_peer)
+    for name in ("hop", "pp_choice", "dp_a", "dp_b"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    X = np.random.default_rng(1).permutation(8).reshape(2, 4)
+    assert a.breakdown(X) == b.breakdown(X)
+    assert simulate_iteration(a, X, engine_syncs=True) == simulate_iteration(b, X, engine_syncs=True)
+    assert choose_compression(a, X) == choose_compression(b, X)
+
+
+def test_per_peer_speeds_must_name_every_peer():
+    delay, bw = net(4, 1, 1.0)
+    wl = Workload(stages=2, dp=2, layers=2, grad_gb_total=1e-3, act_gb=1e-3, micro_batches=1)
+    with pytest.raises(ValueError, match="3 peers, the network has 4"):
+        CostModel(delay, bw, wl, compression=CompressionOptions(peer_speeds=(CodecSpeed(),) * 3))
+    with pytest.raises(ValueError):
+        CompressionOptions(peer_speeds=({"int8_encode_ns_per_elem": 1.0},))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("slow_peer,compresses", [(None, True), (0, False), (1, False), (2, True)])
+def test_a_peer_coding_100x_slower_keeps_its_own_link_exact(slow_peer, compresses):
+    # the slow link 0 -> 1 compresses at the reference CPU's speed; when its sender (0) or its
+    # receiver (1) codes 100 times slower, coding costs more than the transfer saves; a slow
+    # coder elsewhere (2, on the fast link) changes nothing there
+    speeds = [REFERENCE_CODEC_SPEED] * 4
+    if slow_peer is not None:
+        speeds[slow_peer] = slower(REFERENCE_CODEC_SPEED, 100)
+    m, X = two_pipelines(0.1, 10.0, speed=REFERENCE_CODEC_SPEED, peer_speeds=tuple(speeds))
+    assert (m.pp_choice[0, 1] != 0) == compresses  # the cost model's cheapest codec on the hop
+    plan = choose_compression(m, X)
+    slow = link(plan, 0, 0)
+    assert (not slow.codec.exact) == compresses
+    if not compresses:
+        assert slow.reason is ChoiceReason.CODING_TOO_SLOW
+    assert link(plan, 0, 1).codec.exact
+
+
+def test_the_simulator_codes_on_the_sender_and_the_receiver_at_their_own_speeds():
+    # one pipeline of two stages, one micro-batch, no compute: the iteration is forward (0
+    # encodes, transfer, 1 decodes) then backward (1 encodes, transfer, 0 decodes)
+    delay, bw = net(3, 5, 1.0)
+    wl = Workload(stages=2, dp=1, layers=2, grad_gb_total=1e-3, act_gb=4e-3, micro_batches=1)
+    speeds = (CodecSpeed(int4_encode_ns_per_elem=10.0, int4_decode_ns_per_elem=1.0),
+              CodecSpeed(int4_encode_ns_per_elem=100.0, int4_decode_ns_per_elem=1000.0),
+              CodecSpeed(int4_encode_ns_per_elem=1e4, int4_decode_ns_per_elem=1e4))  # a spare
+    int4 = PipelineCodec("int4", False, 64)
+    m = CostModel(delay, bw, wl, compression=CompressionOptions((PipelineCodec(), int4), peer_speeds=speeds))
+    codecs = CodecAssignment(((int4,),), (DataParallelCodec(),) * 2)
+    _, numel = m.pp_messages()
+    wire = 2 * (0.005 + wl.act_gb * m.pp_ratio(int4) * 8 / 1.0)
+    fwd = simulate_iteration(m, np.array([[0], [1]]), codecs=codecs).iteration_s
+    assert fwd == pytest.approx(wire + numel * (10.0 + 1000.0 + 100.0 + 1.0) * 1e-9, rel=1e-9)
+    # the same allocation the other way round: 1 sends first; the coding is the same sum
+    back = simulate_iteration(m, np.array([[1], [0]]), codecs=codecs).iteration_s
+    assert back == pytest.approx(fwd, rel=1e-9)
+    # the cost model's hop counts the mean of the two directions' coding
+    assert m.link_hop(int4)[0, 1] == pytest.approx(wire / 2 + numel * (10.0 + 1000.0 + 100.0 + 1.0) / 2 * 1e-9)
+    # a slower coder on the pipeline makes it slower; a slow spare changes nothing
+    faster = CostModel(delay, bw, wl, compression=CompressionOptions((PipelineCodec(), int4),
+                                                                      peer_speeds=(speeds[0], speeds[0], CodecSpeed())))
+    assert simulate_iteration(faster, np.array([[0], [1]]), codecs=codecs).iteration_s < fwd
+    m_spare = CostModel(delay, bw, wl, compression=CompressionOptions((PipelineCodec(), int4),
+                                                                       peer_speeds=speeds[:2] + (speeds[0],)))
+    assert simulate_iteration(m_spare, np.array([[0], [1]]), codecs=codecs).iteration_s == fwd
+
+
+def test_a_dp_member_codes_its_sync_at_its_own_speed():
+    delay, bw = net(3, 10, 2.0)
+    wl = Workload(stages=1, dp=3, layers=1, grad_gb_total=4.096e-3, act_gb=0.0, micro_batches=1)
+    fast = CodecSpeed(sparse_encode_ns_per_elem=20.0, sparse_decode_ns_per_elem=5.0)
+    slow = CodecSpeed(sparse_encode_ns_per_elem=2000.0, sparse_decode_ns_per_elem=500.0)
+    m = CostModel(delay, bw, wl, compression=CompressionOptions(dp=(DataParallelCodec(), DILOCO),
+                                                                peer_speeds=(fast, slow, fast)))
+    numel = 1_024_000  # fp32 parameters of the stage
+    wire = 2 * (0.010 + DILOCO.payload_bytes(numel) / 1e9 * 8 / 2.0)  # a payload from each other member
+    rows = m.dp_rows_codec(np.array([[0, 1, 2]]), np.array([1]), DILOCO, amortised=False)[0]
+    # each member encodes its own payload and decodes all three
+    assert rows[0] == pytest.approx(wire + numel * (20.0 + 3 * 5.0) * 1e-9, rel=1e-9)
+    assert rows[1] == pytest.approx(wire + numel * (2000.0 + 3 * 500.0) * 1e-9, rel=1e-9)
+    assert rows[2] == rows[0]
+    X = np.array([[0, 1, 2]])
+    uniform = CostModel(delay, bw, wl, compression=CompressionOptions(dp=(DataParallelCodec(), DILOCO), speed=fast))
+    codecs = CodecAssignment((), (DILOCO,))
+    assert (simulate_iteration(m, X, codecs=codecs).allreduce_s[0]
+            > simulate_iteration(uniform, X, codecs=codecs).allreduce_s[0])

@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         encode_activation,
         get_compression,
         parse_compression,
+        peer_codec_speed,
     )
     from .data import (
         TOKEN_DTYPES,
@@ -152,6 +153,7 @@ __all__ = [
     "get_compression",
     "get_preset",
     "parse_compression",
+    "peer_codec_speed",
     "hf_digest",
     "hf_stage_state",
     "list_checkpoints",
@@ -200,7 +202,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".compress": (
         "COMPRESSION_PRESETS", "ByteCounter", "CompressionConfig", "CountingComm", "LinkCodecs", "StageCompression",
         "activation_payload_bytes", "decode_activation", "encode_activation", "get_compression",
-        "parse_compression",
+        "parse_compression", "peer_codec_speed",
     ),
     ".comm": (
         "Comm", "CommClosed", "CommError", "CommTimeout", "EventHandle", "InMemoryComm", "InMemoryHub",

@@ -17,8 +17,8 @@ from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
 from .request import PLACEMENTS
 
-__all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "compression_options_of", "random_shape",
-           "sched_spec", "view_matrices"]
+__all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
+           "random_shape", "sched_spec", "view_matrices"]
 
 # A speed-1.0 peer's achieved TFLOP/s, for turning a measured block time into the scheduler's
 # compute term: only ratios between peers and against the network matter.
@@ -109,11 +109,21 @@ def view_matrices(view: NetworkView) -> tuple[np.ndarray, np.ndarray]:
 MIN_SAVING_FRACTION = 0.02
 
 
-def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERENCE_CODEC_SPEED) -> CompressionOptions:
-    """What a per-link run lets the scheduler choose: exact or the run's own codec, on each axis."""
+def codec_speeds_of(view: NetworkView, fallback: CodecSpeed = REFERENCE_CODEC_SPEED) -> tuple[CodecSpeed, ...]:
+    """Each view peer's coding speed: the one it measured and gossiped, `fallback` where it
+    reported none (`view.codec_known()` says which)."""
+    known = view.codec_known()
+    return tuple(CodecSpeed.from_vector(row) if ok else fallback for row, ok in zip(view.codec_ns, known))
+
+
+def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERENCE_CODEC_SPEED, *,
+                           view: NetworkView | None = None) -> CompressionOptions:
+    """What a per-link run lets the scheduler choose: exact or the run's own codec, on each axis.
+    Coding is costed at `speed` on every peer, or, given the view the cost model is built on,
+    at each peer's own measured speed (`speed` where it has none: `codec_speeds_of`)."""
     pp, dp = wire_codecs(config)
     return CompressionOptions((type(pp)(),) + (() if pp.exact else (pp,)), (type(dp)(),) + (() if dp.exact else (dp,)),
-                              speed)
+                              speed, () if view is None else codec_speeds_of(view, speed))
 
 
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
@@ -124,7 +134,9 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     (`dtfm.sched.choose_compression`) on the view: the run's codec where the simulator predicts
     it shortens the iteration by at least `min_saving_fraction` of the exact iteration, exact
     where the transfer hides behind compute or does not bound the iteration. Coding is costed at
-    `speed` (the reference CPU's by default).
+    each peer's own speed as the view holds it (a link's encode on its sender, its decode on its
+    receiver, a group member's on that member), at `speed` (the reference CPU's by default) for
+    a peer that reported none; the note says how many placed peers had a measured speed.
 
     keep_compressed: layer ranges whose DP group synchronised with the run's DP method in the
     epoch before; a group holding any of their layers keeps it. Between synchronisations the
@@ -138,8 +150,10 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
                  dtype=np.int64)  # (S, D)
     S, D = X.shape
     delay, bw = view_matrices(view)
-    opts = compression_options_of(compression, speed)
+    opts = compression_options_of(compression, speed, view=view)
     model = CostModel(delay, bw, sched_spec(spec, cfg, D).workload(S, D), compression=opts)
+    placed = np.unique(X)
+    measured = int(view.codec_known()[placed].sum())
     plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
                               min_saving_fraction=min_saving_fraction)
     pp = tuple(tuple(not c.exact for c in row) for row in plan.assignment.pp)
@@ -153,13 +167,14 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
         codecs = CodecAssignment(plan.assignment.pp, tuple(opts.dp[-1] if on else opts.dp[0] for on in dp))
         predicted = float(simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
                                              codecs=codecs).iteration_s)
-    return replace(placement, links=links, links_note=_note(plan, links, compression, predicted),
+    return replace(placement, links=links, links_note=_note(plan, links, compression, predicted, (measured, len(placed))),
                    predicted_iteration_s=predicted)
 
 
-def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConfig, predicted_s: float) -> str:
+def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConfig, predicted_s: float,
+          measured: tuple[int, int]) -> str:
     """"links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.120 s/iter); exact links: 1 (1 hidden);
-    DP groups compressed: ...; predicted ..." in one line."""
+    DP groups compressed: ...; predicted ...; coding at measured speeds of 7/8 peers" in one line."""
     parts = []
     for c in plan.links:
         if links.pp[c.stage][c.pipeline]:
@@ -179,4 +194,7 @@ def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConf
             why = "kept: its replicas differ until they synchronise" if g.codec.exact else f"saves {g.saving_s:.3f} s/iter"
             groups.append(f"s{g.stage} {compression.dp_name} ({why})")
     out += "; DP groups compressed: " + (", ".join(groups) if groups else "none")
-    return out + f"; predicted {predicted_s:.3f} s/iter (exact {plan.exact_iteration_s:.3f} s)"
+    out += f"; predicted {predicted_s:.3f} s/iter (exact {plan.exact_iteration_s:.3f} s)"
+    known, placed = measured
+    return out + (f"; coding at measured speeds of {known}/{placed} peers" if known == placed else
+                  f"; coding at measured speeds of {known}/{placed} peers (reference CPU for the rest)")

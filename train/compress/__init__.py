@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from dtfm.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from .calibrate import measure_compress_cost
+    from .calibrate import measure_compress_cost, peer_codec_speed
     from .codec import (CodecError, decode_dense, decode_sparse, dense_payload_bytes, encode_dense, encode_sparse,
                         hadamard, sparse_payload_bytes)
     from .config import (AUTO, COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
@@ -26,13 +26,13 @@ __all__ = [
     "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "LinkCodecs", "StageCompression",
     "activation_payload_bytes", "allgather_payloads", "axis_of", "decode_activation", "decode_dense",
     "decode_sparse", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
-    "get_compression", "hadamard", "measure_compress_cost", "parse_compression", "random_subset",
+    "get_compression", "hadamard", "measure_compress_cost", "parse_compression", "peer_codec_speed", "random_subset",
     "sparse_payload_bytes", "sync_payload_bytes",
 ]
 
 # Imported on first use (PEP 562): the config (and the allocation that carries it) loads no torch.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
-    ".calibrate": ("measure_compress_cost",),
+    ".calibrate": ("measure_compress_cost", "peer_codec_speed"),
     ".codec": ("CodecError", "decode_dense", "decode_sparse", "dense_payload_bytes", "encode_dense", "encode_sparse",
                "hadamard", "sparse_payload_bytes"),
     ".config": ("AUTO", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "CompressionConfig",

@@ -7,6 +7,15 @@ DP codec's encode (top-k, quantize, pack) and decode, per candidate. The best of
 runs is kept (the least disturbed by other work). The scheduler takes the figure as input;
 it never runs this itself (`bench/compress_sched.py --codec-speed-out FILE` writes the JSON
 that `dtfm-sched --codec-speed FILE` reads).
+
+`peer_codec_speed()` is the daemon's probe, run once at start in a worker thread and gossiped
+with its measurements: `PROBE_ELEMENTS` (256 Ki, 1 MiB of float32) best of `PROBE_REPEATS`
+(3), 0.07-0.11 s on the 2-core development machine (4 Mi elements: 1.5-1.8 s), so well under
+a second on a CPU several times slower. On that machine its sparse and decode figures agree
+with the 4 Mi-element ones within the run-to-run noise; its int8/int4 encode figures read
+lower (1.3-3.6 against 2.9-7.2 ns per element: a 1 MiB tensor stays in cache, as a
+micro-batch's activations of a small model do). Smaller tensors would pay a larger share of
+per-call overhead.
 """
 
 from __future__ import annotations
@@ -20,7 +29,10 @@ from dtfm.sched import CodecSpeed
 
 from .codec import decode_dense, decode_sparse, encode_dense, encode_sparse
 
-__all__ = ["measure_compress_cost"]
+__all__ = ["PROBE_ELEMENTS", "PROBE_REPEATS", "measure_compress_cost", "peer_codec_speed"]
+
+PROBE_ELEMENTS = 1 << 18  # the daemon's probe: large enough to amortise per-call overhead
+PROBE_REPEATS = 3  # best of: one disturbed run does not count
 
 
 def _best_ns(fn: Callable[[], object], repeats: int, numel: int) -> float:
@@ -60,3 +72,10 @@ def measure_compress_cost(elements: int = 1 << 22, repeats: int = 3, *, block_el
     out["sparse_decode_ns_per_elem"] = _best_ns(lambda: decode_sparse(sparse, n, chunk_elems, k, value_bits),
                                                 repeats, n)
     return CodecSpeed(**out)
+
+
+def peer_codec_speed(torch_threads: int = 1) -> CodecSpeed:
+    """This peer's coding speed with the torch thread count its stage worker codes with (the
+    count is process-wide; the worker sets the same). Blocking: run it in a worker thread."""
+    torch.set_num_threads(torch_threads)
+    return measure_compress_cost(PROBE_ELEMENTS, PROBE_REPEATS)
