@@ -44,7 +44,7 @@ from .replay import HelloGuard
 from .session import SUITES, choose_suite, local_suites
 from .wire import get_bytes, get_dict, get_int, get_list, get_str, pack, unpack_untrusted
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: gossip reports carry coding speeds; weights-only fetches for exports
 MAGIC = b"DTFM"
 REJECT = 0xFF
 MAX_HANDSHAKE_BYTES = 2048
