@@ -155,17 +155,19 @@ async def test_unreachable_bootstrap_is_logged_and_a_bug_propagates(autojump_clo
 
 
 async def test_each_peers_coding_speed_reaches_every_view(autojump_clock):
-    """The daemon's probe (dtfm.peer.services: `measure_codec_ns`, torch, in a worker thread)
-    on node 0, given figures on nodes 1 and 2, a probe that fails on node 3 (unknown)."""
+    """The daemon's probe's figures (dtfm.peer.services: `measure_codec_ns`, run here before the
+    virtual clock starts: a worker thread's real seconds would race the autojumping clock) on
+    node 0, given figures on nodes 1 and 2, a probe that fails on node 3 (unknown)."""
     from dtfm.peer.services import measure_codec_ns
     from dtfm.sched import CodecSpeed
 
+    real = measure_codec_ns(1)
     measured: dict[int, tuple[float, ...]] = {}
 
     def probe(k: int) -> tuple[float, ...]:
         if k == 3:
             raise RuntimeError("no torch here")
-        measured[k] = measure_codec_ns(1) if k == 0 else (float(k),) * 7
+        measured[k] = real if k == 0 else (float(k),) * 7
         return measured[k]
 
     async with trio.open_nursery() as nursery:
