@@ -51,6 +51,14 @@ async def test_rtt_median_and_lost_pings(autojump_clock):
     assert len(rtts) == 4 and all(r == pytest.approx(0.04) for r in rtts)
 
 
+async def test_pings_overlap_so_a_far_link_costs_one_round_trip_plus_the_spacing(autojump_clock):
+    link = FakeLink(B, 0.4, 1e6, BulkGate())
+    t0 = trio.current_time()
+    rtts = await measure_rtt(link, 5, 0.05, timeout_s=1.0)
+    assert len(rtts) == 5 and all(r == pytest.approx(0.4) for r in rtts)
+    assert trio.current_time() - t0 == pytest.approx(0.4 + 4 * 0.05)  # (one at a time: 2.2 s)
+
+
 async def test_bandwidth_from_timed_transfer_and_busy_link(autojump_clock):
     remote_gate, gate = BulkGate(), BulkGate()
     link = FakeLink(B, 0.02, 1e6, remote_gate)  # 1 MB/s = 0.008 Gbps
