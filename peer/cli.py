@@ -46,7 +46,7 @@ from dtfm.net import (
 from . import logs
 from .config import ConfigError, DaemonConfig
 from .daemon import ListenError
-from .paths import DataDir, DataDirError, default_data_dir
+from .paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
@@ -531,13 +531,15 @@ def cmd_leave(args: argparse.Namespace) -> int:
     print(f"daemon (pid {pid}) is leaving (a peer of a run first hands its part off at a step boundary)...",
           file=sys.stderr)
     deadline = time.monotonic() + args.timeout
+    lock = DataDirLock(data_dir)
     while time.monotonic() < deadline:
         try:
             with ControlClient(data_dir.control_socket, config.socket, data_dir=data_dir.root):
                 pass
         except DaemonNotRunning:
-            print(f"daemon (pid {pid}) left", file=sys.stderr)
-            return 0
+            if not lock.in_use():  # its data dir is free: a daemon may start on it at once
+                print(f"daemon (pid {pid}) left", file=sys.stderr)
+                return 0
         time.sleep(0.05)
     raise CliError(f"the daemon (pid {pid}) accepted `leave` but still runs after "
                    f"{args.timeout:g} s")

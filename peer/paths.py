@@ -102,6 +102,23 @@ class DataDirLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
         self._fd = fd
 
+    def in_use(self) -> bool:
+        """Whether a daemon holds the lock now (a daemon that has left releases it on its way
+        out); this object's own lock does not count."""
+        import fcntl
+
+        try:
+            fd = os.open(self.data_dir.lock_file, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # (closing releases the probe's shared lock)
+        return False
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

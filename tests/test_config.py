@@ -182,10 +182,14 @@ def test_data_dir_modes_and_lock(tmp_path):
     data_dir.ensure()
     assert root.stat().st_mode & 0o777 == 0o700
     assert data_dir.control_dir.stat().st_mode & 0o777 == 0o700
+    probe = DataDirLock(data_dir)
+    assert not probe.in_use()  # no lock file yet
     with DataDirLock(data_dir):
+        assert probe.in_use()  # what `leave` waits on
         with pytest.raises(DataDirError, match="already running for data dir"):
             DataDirLock(data_dir).acquire()
-    with DataDirLock(data_dir):   # released: can be taken again
+    assert not probe.in_use()
+    with DataDirLock(data_dir):   # released (the probe took nothing): can be taken again
         pass
 
 

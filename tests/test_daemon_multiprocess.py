@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dtfm.peer.config import SocketConfig
 from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
+from dtfm.peer.paths import DataDir, DataDirLock
 
 pytestmark = pytest.mark.slow
 
@@ -174,6 +175,7 @@ def test_three_daemons_one_bootstrap_then_leave_and_sigterm(swarm_root):
     out = cli("leave", "--data-dir", b.data_dir)
     assert out.returncode == 0, out.stderr
     assert "left" in out.stderr
+    assert not DataDirLock(DataDir(Path(b.data_dir))).in_use()  # a daemon may start on it at once
     assert b.proc.wait(DEADLINE_S) == 0
     for p in (a, c):
         st = p.cli_status()
