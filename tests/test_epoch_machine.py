@@ -265,8 +265,8 @@ COMPRESSION_STARTS = [
     # (what, the operator's --compress, the allocation's, refused)
     ("both exact", None, "exact", False),
     ("the same preset", "slow-link", "slow-link", False),
-    ("the same fields, written another way", "diloco,inner_steps=8", "exact,dp_method=diloco,dp_topk_fraction=0.25,"
-     "inner_steps=8", False),
+    ("the same fields, written another way", "diloco,inner_steps=8", "exact,dp_method=diloco,dp_topk_fraction=1.0,"
+     "dp_value_bits=2,outer_momentum=0.8,inner_steps=8", False),
     ("an exact start, a compressed allocation", None, "pp-int8", True),
     ("another preset", "pp-int4", "pp-int8", True),
     ("one field changed", "diloco", "diloco,inner_steps=17", True),

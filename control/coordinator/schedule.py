@@ -104,7 +104,7 @@ def view_matrices(view: NetworkView) -> tuple[np.ndarray, np.ndarray]:
 
 
 # A per-link run compresses a link or group only where that saves at least this share of the
-# exact iteration: compression costs loss (docs/compression.md: int4 +0.3 %, DiLoCo +11 % after
+# exact iteration: compression costs loss (docs/compression.md: int4 +0.3 %, DiLoCo +4.5 % after
 # 600 steps of tiny), which a saving of a fraction of a percent is not worth.
 MIN_SAVING_FRACTION = 0.02
 
