@@ -167,17 +167,24 @@ class StageHost:
         path = checkpoint_at(self.checkpoint_root(run_id), layers, step)
         return load_checkpoint(path) if path is not None else None
 
-    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int],
-                    fetchers: frozenset[bytes] = frozenset()) -> dict:
-        """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
-        `fetchers`: the peers the coordinator named with it (the next allocation's), who may
-        fetch it besides the peers of this peer's own allocations."""
+    async def _held(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | dict:
+        """The state of `layers` at `step` held here, or the answer that says why not."""
         try:
             state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
         except CheckpointError as e:
             return {"error": f"checkpoint unreadable: {e}"}
         if state is None:
             return {"error": f"layers {layers} at step {step} are not held here"}
+        return state
+
+    async def offer(self, run_id: bytes, step: int, layers: tuple[int, int],
+                    fetchers: frozenset[bytes] = frozenset()) -> dict:
+        """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
+        `fetchers`: the peers the coordinator named with it (the next allocation's), who may
+        fetch it besides the peers of this peer's own allocations."""
+        state = await self._held(run_id, layers, step)
+        if isinstance(state, dict):
+            return state
         key = (run_id, step, tuple(layers))
         self._fetchers = {k: v for k, v in self._fetchers.items() if k[0] == run_id and k[1] >= step - 1}
         self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
@@ -191,12 +198,9 @@ class StageHost:
         serves them only to `fetcher` (the peer an operator's export names) and only as weights;
         the answer to RUN_STATE `export` with a step. The stage offers and who may fetch them
         stay as they are."""
-        try:
-            state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
-        except CheckpointError as e:
-            return {"error": f"checkpoint unreadable: {e}"}
-        if state is None:
-            return {"error": f"layers {layers} at step {step} are not held here"}
+        state = await self._held(run_id, layers, step)
+        if isinstance(state, dict):
+            return state
         offer = await self.recovery.offer_weights(run_id, state, frozenset({fetcher}))
         return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
 
