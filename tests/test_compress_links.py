@@ -141,6 +141,28 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
     assert nxt.placement.links is not None and nxt.placement.links.dp[0]  # stage 0's group stays DiLoCo
 
 
+def test_a_per_link_start_takes_the_faster_of_the_codec_aware_and_the_exact_search(monkeypatch):
+    from dtfm.control import plane
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.coordinator.request import TrainRequest
+    from dtfm.control.coordinator.schedule import Placement, choose_links
+    from dtfm.train import PRESETS, TrainConfig as TC
+    v = view()
+    a, b, c, d = v.peers
+    auto = parse_compression("auto")
+    good = Placement(((a, c), (b, d)), ((0, 2), (2, 4)), (), 1.0, 1.0)  # the slow a <-> b link carries DP only
+    bad = Placement(((a, b), (c, d)), ((0, 2), (2, 4)), (), 1.0, 1.0)  # activations over the slow link
+    assert choose_links(v, bad, PRESETS["tiny"], TC(), auto).predicted_iteration_s > \
+        choose_links(v, good, PRESETS["tiny"], TC(), auto).predicted_iteration_s
+    planner = plane.SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=0.2))
+    req = TrainRequest(stages=2, dp=2, compression=auto)
+    for aware, exact in ((bad, good), (good, bad)):  # whichever search misjudges, the faster plan wins
+        monkeypatch.setattr(plane, "choose_shape", lambda *args, compression=None, aware=aware, exact=exact, **kw:
+                            aware if compression is not None else exact)
+        first = planner.first_placement(v, req, PRESETS["tiny"], TC(), {})
+        assert first.pipelines == good.pipelines and first.links is not None
+
+
 @pytest.mark.parametrize("slow,known,compresses", [
     (None, 4, True),  # every peer at the reference CPU's measured speed
     (0, 4, False),  # a, the slow link's sender, codes 100 times slower: coding costs more than it saves
