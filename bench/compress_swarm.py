@@ -119,7 +119,7 @@ def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[d
     from dtfm.swarm.state import load_state
     region = {p.peer_id: p.region for p in load_state(run_dir).peers}
     reply["regions"] = [[region.get(p, p[:8]) for p in pipe] for pipe in reply["pipelines"]]
-    swarm(run_dir, "wait", "--step", str(steps - 1), "--timeout", "1200", timeout_s=1300)
+    swarm(run_dir, "wait", "--step", str(steps), "--timeout", "1200", timeout_s=1300)
     rows = [r for r in read_rows(run_dir) if not r.get("backfilled")]
     return reply, rows, view
 

@@ -71,7 +71,7 @@ def transport_figures(total_mib: int) -> dict:
 def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[dict]]:
     """`dtfm-swarm train` on a running swarm, wait for the last step; the issuer's reply and the log."""
     reply = json.loads(swarm(run_dir, "train", "--json", "--steps", str(steps), *train_args, stdout=True))
-    swarm(run_dir, "wait", "--step", str(steps - 1), "--timeout", "900")
+    swarm(run_dir, "wait", "--step", str(steps), "--timeout", "900")
     return reply, read_rows(run_dir)
 
 
@@ -240,7 +240,7 @@ def _recover_once(run_dir: Path, victim: str, label: str, fault=None) -> dict:
         fault()
     deadline = time.monotonic() + 600
     while True:  # the first step of a newer epoch
-        swarm(run_dir, "wait", "--step", str(rows[-1]["step"] + 1), "--timeout", "600")
+        swarm(run_dir, "wait", "--step", str(rows[-1]["step"] + 2), "--timeout", "600")
         rows = read_rows(run_dir)
         after = [r for r in rows if r["epoch"] > epoch and r["time"] > killed and not r.get("backfilled")]
         if after or time.monotonic() > deadline:
@@ -268,7 +268,7 @@ def _endless_run(run_dir: Path, wait_step: int) -> tuple[float, str]:
     """Start a 2x4 run that lasts until the swarm is taken down and wait for step `wait_step`:
     the median step time so far and a follower that holds a stage."""
     swarm(run_dir, "train", "--stages", "2", "--dp", "4", "--steps", "100000")
-    swarm(run_dir, "wait", "--step", str(wait_step), "--timeout", "600")
+    swarm(run_dir, "wait", "--step", str(wait_step + 1), "--timeout", "600")
     base = median_after(read_rows(run_dir), "iteration_s", 1)
     t = _training(run_dir)
     return base, min(n for n, v in t.items() if v.get("stage") is not None and v.get("role") != "coordinator")
@@ -279,7 +279,7 @@ def bench_recovery() -> dict:
         base, follower = _endless_run(run_dir, 4)
         out = {"recovery_baseline_iteration_s": round(base, 3)}
         out.update(_recover_once(run_dir, follower, "follower_kill"))
-        swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
+        swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 3), "--timeout", "600")
         coordinator = next(n for n, v in _training(run_dir).items() if v.get("role") == "coordinator")
         out.update(_recover_once(run_dir, coordinator, "coordinator_kill"))
     out["follower_kill_recovery_in_iterations"] = round(out["follower_kill_recovery_s"] / base, 2)
@@ -310,7 +310,7 @@ def bench_gray() -> dict:
                 raise RuntimeError(f"the woken {follower} was not placed again within 300 s")
             time.sleep(1.0)
         out["frozen_peer_woken_placed_again"] = True
-        swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 2), "--timeout", "600")
+        swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 3), "--timeout", "600")
         t = _training(run_dir)  # two pipeline neighbours, neither the coordinator (a link cut between
         # the coordinator and a peer puts the peer out of its reach: it leaves like a frozen one)
         a, b = next((n, m) for n, v in t.items() for m, w in t.items()

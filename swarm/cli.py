@@ -270,8 +270,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     state = load_state(args.run_dir)
-    last = wait_step(state, args.run_dir, args.step, args.timeout)
-    print(f"step {last['step']} completed; log in {args.run_dir / LOG_NAME}", file=sys.stderr)
+    if args.step == 0:  # nothing to wait for: the logs are merged into the run dir
+        sync_logs(args.run_dir, state)
+        print(f"log in {args.run_dir / LOG_NAME}", file=sys.stderr)
+        return 0
+    last = wait_step(state, args.run_dir, args.step - 1, args.timeout)
+    print(f"step {last['step'] + 1} completed; log in {args.run_dir / LOG_NAME}", file=sys.stderr)
     return 0
 
 
@@ -577,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
                 "train.jsonl and events.jsonl into the run dir as it goes. Fails when the run "
                 "ends before the step.")
     p.add_argument("--step", type=NON_NEGATIVE_INT, required=True, metavar="N",
-                   help="the step to wait for (0 is the first)")
+                   help="the step to wait for, counted from 1 as the step lines count them "
+                        "(--step 30: until 30 steps are done; 0 merges the logs and returns)")
     p.add_argument("--timeout", type=POSITIVE_SECONDS, default=600.0, metavar="SECONDS",
                    help="give up after this many seconds (default: %(default)s)")
     p.set_defaults(func=cmd_wait)

@@ -251,9 +251,10 @@ def run_end(statuses: list[dict], events: list[dict]) -> str | None:
 
 def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, poll_s: float = 0.5,
               settle_s: float = END_SETTLE_S) -> dict:
-    """Block until the merged log reaches step `step`; returns that log's last line. SwarmError
-    with the reason if the run ended first (and stayed ended for `settle_s`: a coordinator may
-    be taking over) or the time ran out."""
+    """Block until the merged log reaches step `step` (the log's 0-based index); returns that
+    log's last line. SwarmError with the reason if the run ended first (and stayed ended for
+    `settle_s`: a coordinator may be taking over) or the time ran out; its text counts steps
+    from 1, as every text for people does."""
     deadline = time.monotonic() + timeout_s
     ended_since: float | None = None
     rows: list[dict] = []
@@ -269,9 +270,9 @@ def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, pol
         else:
             ended_since = now if ended_since is None else ended_since
             if now - ended_since >= settle_s:
-                raise SwarmError(f"{why}; step {step} not reached")
+                raise SwarmError(f"{why}; step {step + 1} not reached")
         if now > deadline:
-            where = f"last completed step {rows[-1]['step']}" if rows else "no step logged yet"
-            raise SwarmError(f"step {step} not reached within {timeout_s:g} s ({where}"
+            where = f"last completed step {rows[-1]['step'] + 1}" if rows else "no step logged yet"
+            raise SwarmError(f"step {step + 1} not reached within {timeout_s:g} s ({where}"
                              + (f"; {why}" if why else "") + ")")
         time.sleep(poll_s)

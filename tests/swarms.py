@@ -108,5 +108,5 @@ def wait_steps(run_dir: Path, more: int, timeout_s: float = 240) -> int:
     """Wait until `more` steps past the last logged one are logged; returns that step."""
     rows = read_log(run_dir / "train.jsonl") if (run_dir / "train.jsonl").exists() else []
     target = (rows[-1]["step"] if rows else -1) + more
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(target), "--timeout", str(timeout_s)]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(target + 1), "--timeout", str(timeout_s)]) == 0
     return target

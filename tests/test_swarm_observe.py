@@ -240,6 +240,18 @@ def test_wait_follows_a_coordinator_change(tmp_path, fake_status, monkeypatch):
     assert [(r["step"], r["term"]) for r in rows] == [(0, 5), (1, 5)] + [(k, 6) for k in range(2, 7)]
 
 
+def test_wait_counts_steps_from_1_as_the_step_lines_do(tmp_path, fake_status, monkeypatch, capsys):
+    from dtfm.swarm.state import save_state
+    save_state(tmp_path, make_state(tmp_path))
+    write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 5) for k in range(3)])  # indices 0..2: 3 steps
+    monkeypatch.setattr(train_mod.time, "sleep", lambda _: None)
+    assert swarm_cli.main(["wait", "--run-dir", str(tmp_path), "--step", "3", "--timeout", "5"]) == 0
+    assert "step 3 completed" in capsys.readouterr().err
+    assert swarm_cli.main(["wait", "--run-dir", str(tmp_path), "--step", "0", "--timeout", "5"]) == 0  # merges only
+    assert swarm_cli.main(["wait", "--run-dir", str(tmp_path), "--step", "4", "--timeout", "0.001"]) == 1
+    assert "step 4 not reached within 0.001 s (last completed step 3" in capsys.readouterr().err
+
+
 def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
     state = make_state(tmp_path)
     write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 5) for k in range(3)])
@@ -248,7 +260,7 @@ def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
     fake_status["p03"] = {"state": "stopped", "role": "coordinator", "term": 5,
                           "issued": {"state": "stopped", "completed": 2, "reason": "stage 1 is held nowhere"}}
     monkeypatch.setattr(train_mod.time, "sleep", lambda _: None)
-    with pytest.raises(SwarmError, match="stage 1 is held nowhere; step 10 not reached"):
+    with pytest.raises(SwarmError, match="stage 1 is held nowhere; step 11 not reached"):
         wait_step(state, tmp_path, 10, timeout_s=60, settle_s=0.0)
 
 

@@ -78,7 +78,7 @@ def reference(reference_run):
 def test_swarm_trains_like_one_process(run_dir, reference, stages, dp):
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", str(stages), "--dp", str(dp),
                        "--steps", str(STEPS)]) == 0
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS - 1), "--timeout", "300"]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS), "--timeout", "300"]) == 0
     rows = read_log(run_dir / "train.jsonl")
     assert [r["step"] for r in rows] == list(range(STEPS))
     for row, ref in zip(rows, reference):
@@ -140,7 +140,7 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
                        str(HF_KNOBS.global_batch_seqs), "--grad-clip", str(HF_KNOBS.grad_clip_norm)]) == 0
     allocation = json.loads((run_dir / "run.json").read_text())["allocation"]
     assert allocation["train"] == HF_KNOBS.to_dict() and allocation["model"].startswith("hf-")
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "300"]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "300"]) == 0
     state = load_state(run_dir)
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     at = stop_training(run_dir, state.peers[0])["at_step"]
@@ -151,7 +151,7 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
     assert len(saved) == N_PEERS and all(
         list(Path(p.data_dir, "checkpoints", run_id).glob(f"stage-*/step-{at:08d}.json")) for p in saved)
     assert peer_cli.main(["train", "resume", run_id[:8], "--data-dir", state.peers[1].data_dir]) == 0
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS - 1), "--timeout", "300"]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS), "--timeout", "300"]) == 0
     losses, ref = hf_reference
     check_log(run_dir, losses)
     ends = wait_for("every peer to finish", lambda: (t := trainings(state)) and all(
@@ -269,7 +269,7 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
     for v in ended.values():
         groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
     assert all(len(h) == 1 for h in groups.values()), groups
-    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "10"])
+    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "10"])
     rows = check_log(run_dir, reference)
     events = [json.loads(x)["event"] for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
     assert events.count("reconfigure") + events.count("rollback") >= 2, events
@@ -279,7 +279,7 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
 def _first_step_after(run_dir, epoch: int, since: float, timeout_s: float) -> dict:
     """The first step logged in an epoch after `epoch` at a wall time after `since`."""
     def logged():
-        swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "5"])
+        swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "5"])
         rows = [r for r in read_log(run_dir / "train.jsonl")
                 if r["epoch"] > epoch and r.get("time", 0) > since and not r.get("backfilled")]
         return min(rows, key=lambda r: r["time"]) if rows else None
@@ -381,7 +381,7 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
     state = load_state(run_dir)
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "3", "--steps", "400",
                        "--compress", COMPRESS]) == 0
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "120"]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "2", "--timeout", "120"]) == 0
     t = trainings(state)
     assert {v.get("compression") for v in t.values()} == {COMPRESS}, t
     assert all(" links int8/64" in v.get("compression_details", "") for v in t.values() if "stage" in v), t
@@ -408,7 +408,7 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
     for v in ended.values():
         groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
     assert sorted(groups) == [0, 1] and all(len(h) == 1 for h in groups.values()), groups
-    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "0", "--timeout", "10"])
+    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "10"])
     rows = read_log(run_dir / "train.jsonl")
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= 4
     cfg = TrainConfig()
@@ -440,7 +440,7 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
 @pytest.mark.timeout(600)
 def test_sigkill_of_a_training_peer_stops_the_others_cleanly(run_dir):
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4", "--steps", "100000"]) == 0
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "300"]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "2", "--timeout", "300"]) == 0
     state = load_state(run_dir)
     victim = state.peers[-1]
     assert swarm.main(["kill", victim.name, "--run-dir", str(run_dir)]) == 0
@@ -457,7 +457,7 @@ def test_sigkill_of_a_training_peer_stops_the_others_cleanly(run_dir):
     for v in stopped.values():
         end = v["last_end"]
         assert end["failed"] is True and end["completed"] >= 1 and end["reason"]
-    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "100000", "--timeout", "5"]) == 1
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "100001", "--timeout", "5"]) == 1
     # every survivor still answers status and gossip
     for p in state.peers[:-1]:
         rep = peer_status(p)
