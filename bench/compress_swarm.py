@@ -78,6 +78,11 @@ def cycle_iteration_s(rows: list[dict], period: int, skip: int) -> dict:
             "local_steps": len(local), "period": period}
 
 
+def _finite_rows(matrix, digits: int) -> list[list[float | None]]:
+    """A matrix as JSON lists, None where a figure is not finite (the diagonal, an unknown link)."""
+    return [[round(float(v), digits) if np.isfinite(v) else None for v in row] for row in np.asarray(matrix)]
+
+
 def relative_error(predicted: float, measured: float) -> float:
     """|predicted - measured| / measured."""
     if not measured > 0:
@@ -230,6 +235,9 @@ def run(args) -> dict:
                                  if meas["iteration_s"] else None),
             "pipelines": reply["pipelines"], "regions": reply["regions"],
             **({"compress_links": reply["compress_links"]["text"]} if "compress_links" in reply else {}),
+            # the view the run was scheduled on, so a choice can be replayed offline
+            "view": {"peers": list(view[0]), "delay_ms": _finite_rows(view[1], 3),
+                     "bandwidth_gbps": _finite_rows(view[2], 6)},
         }
     ex_t = results["runs"]["exact"]["measured"]["iteration_s"]
     results["runs"]["exact"]["speedup_measured"] = 1.0
