@@ -58,6 +58,22 @@ class TrainError(Exception):
     """A `train start` / `train stop` that cannot be done, with the reason for the operator."""
 
 
+def _digest_arg(args: dict, key: str, what: str) -> str | None:
+    """args[key]: absent, or 64 lowercase hex digits (`what` says of what); TrainError otherwise."""
+    v = args.get(key)
+    if v is not None and (type(v) is not str or not _SHA256_HEX.fullmatch(v)):
+        raise TrainError(f"{key} must be 64 lowercase hex digits ({what})")
+    return v
+
+
+def _name_arg(args: dict, key: str) -> str:
+    """args[key]: a display name of at most MAX_DATA_NAME_LEN characters ("" when absent)."""
+    v = args.get(key, "")
+    if type(v) is not str or len(v) > MAX_DATA_NAME_LEN:
+        raise TrainError(f"{key} must be a string of at most {MAX_DATA_NAME_LEN} characters")
+    return v
+
+
 @dataclass(frozen=True)
 class TrainRequest:
     """What `dtfm-peer train start` asks for."""
@@ -101,12 +117,8 @@ class TrainRequest:
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise TrainError(f"{key} must be an integer in [{lo}, {hi}]")
             return v
-        init_from = args.get("init_from")
-        if init_from is not None and (type(init_from) is not str or not _SHA256_HEX.fullmatch(init_from)):
-            raise TrainError("init_from must be 64 lowercase hex digits (the sha256 of the model folder, hf_digest)")
-        init_name = args.get("init_name", "")
-        if type(init_name) is not str or len(init_name) > MAX_DATA_NAME_LEN:
-            raise TrainError(f"init_name must be a string of at most {MAX_DATA_NAME_LEN} characters")
+        init_from = _digest_arg(args, "init_from", "the sha256 of the model folder, hf_digest")
+        init_name = _name_arg(args, "init_name")
         if init_from is not None:
             if "preset" in args:
                 raise TrainError("a start from a model folder (init_from) takes its shape from the folder: "
@@ -119,12 +131,8 @@ class TrainRequest:
         if "data" in args:
             raise TrainError("a train start names its data set by hash (data_hash), never by path: every peer "
                              "trains on the data it was started with (`dtfm-peer join --data`)")
-        data_hash = args.get("data_hash")
-        if data_hash is not None and (type(data_hash) is not str or not _SHA256_HEX.fullmatch(data_hash)):
-            raise TrainError("data_hash must be 64 lowercase hex digits (the sha256 of the data set's tokens)")
-        data_name = args.get("data_name", "")
-        if type(data_name) is not str or len(data_name) > MAX_DATA_NAME_LEN:
-            raise TrainError(f"data_name must be a string of at most {MAX_DATA_NAME_LEN} characters")
+        data_hash = _digest_arg(args, "data_hash", "the sha256 of the data set's tokens")
+        data_name = _name_arg(args, "data_name")
         stages = args.get("stages")
         if stages == "auto":
             stages = None
