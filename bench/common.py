@@ -11,7 +11,8 @@ import json
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 # The worldwide and recovery figures are a deployment's: the control plane's wan timings, not the
@@ -57,6 +58,17 @@ def kill_swarm(run_dir: Path) -> None:
         swarm(run_dir, "down", "--kill", timeout_s=120)
     except (RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"dtfm-swarm down --kill: {e}", file=sys.stderr)
+
+
+def wait_for(what: str, condition: Callable[[], object], timeout_s: float, interval_s: float = 1.0) -> object:
+    """Poll `condition()` (the daemons are other processes: there is no event to wait on) until
+    it is truthy and return it; RuntimeError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (result := condition()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)
+    return result
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -53,7 +53,7 @@ from dtfm.control import CommConfig, TensorRouter, TransportComm
 from dtfm.net import Identity, Transport, TransportConfig
 from dtfm.train import GPTSpec, LocalCluster, MessageRules, Plan, TrainConfig, get_preset, load_corpus
 
-from common import WAN_PLANE, read_rows, running_swarm, swarm
+from common import WAN_PLANE, read_rows, running_swarm, swarm, wait_for
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
@@ -304,11 +304,8 @@ def bench_gray() -> dict:
             out.update(_recover_once(run_dir, follower, "frozen_peer", lambda: os.kill(pid, signal.SIGSTOP)))
         finally:
             os.kill(pid, signal.SIGCONT)
-        deadline = time.monotonic() + 300
-        while (_training(run_dir).get(follower) or {}).get("state") != "training":  # placed again
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the woken {follower} was not placed again within 300 s")
-            time.sleep(1.0)
+        wait_for(f"the woken {follower} placed again",
+                 lambda: (_training(run_dir).get(follower) or {}).get("state") == "training", 300)
         out["frozen_peer_woken_placed_again"] = True
         swarm(run_dir, "wait", "--step", str(read_rows(run_dir)[-1]["step"] + 3), "--timeout", "600")
         t = _training(run_dir)  # two pipeline neighbours, neither the coordinator (a link cut between
