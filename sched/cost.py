@@ -180,9 +180,6 @@ class CostModel:
         m, _ = self.pp_messages()
         off = ~np.eye(self.n, dtype=bool)
         wire = self.lat_s + wl.act_gb * self.pp_ratio(codec) * self.s_per_gb
-        if not self.options.peer_speeds:
-            enc, dec = self.pp_coding_s(codec)
-            return wire + off * (m * (enc + dec))
         enc_v, dec_v = self.peer_pp_coding_s(codec)
         forward = enc_v[:, None] + dec_v[None, :]  # [i, j]: i encodes, j decodes
         return wire + off * (m * (forward + forward.T) / 2)  # the mean of the two directions
@@ -209,13 +206,10 @@ class CostModel:
                 ratio, cand = self.dp_ratio(codec)
                 off = ~np.eye(self.n, dtype=bool)
                 A = self.lat_s.copy()
-                if not self.options.peer_speeds:
-                    per_gb = 1e9 / self.workload.grad_elem_bytes * cand * codec.coding_ns_per_elem(self.options.speed, D) * 1e-9
-                    B = ratio * self.s_per_gb + off * (per_gb / max(D - 1, 1))  # coding spread over the D - 1 pairs
-                else:  # row i: member i's own coding, spread over its D - 1 pairs
-                    ns = np.array([codec.coding_ns_per_elem(sp, D) for sp in self.options.peer_speeds])
-                    per_gb_v = 1e9 / self.workload.grad_elem_bytes * cand * ns * 1e-9  # (N,)
-                    B = ratio * self.s_per_gb + off * (per_gb_v[:, None] / max(D - 1, 1))
+                speeds = self.options.peer_speeds or (self.options.speed,) * self.n
+                ns = np.array([codec.coding_ns_per_elem(sp, D) for sp in speeds])  # (N,) each member's own
+                per_gb = 1e9 / self.workload.grad_elem_bytes * cand * ns * 1e-9
+                B = ratio * self.s_per_gb + off * (per_gb[:, None] / max(D - 1, 1))  # row i: spread over i's D - 1 pairs
             self._dp_coef[codec] = (A, B)
         A, B = self._dp_coef[codec]
         p = codec.period_steps
