@@ -21,7 +21,6 @@ they are.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from dtfm.control import ControlPlane, SignedOp, TrainError
 from dtfm.gossip import GossipConfig, GossipService
 from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_id
 from dtfm.scenarios import ScenarioError, load_scenario
-from dtfm.sched import REFERENCE_CODEC_SPEED, CodecSpeed
+from dtfm.sched import load_codec_speed
 
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
@@ -76,20 +75,12 @@ def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None,
     value = config.gossip.codec_speed
     if value == "measure":
         return None, functools.partial(measure_codec_ns, config.plane.settings.torch_threads)
-    if value == "reference":
-        return REFERENCE_CODEC_SPEED.to_vector(), None
-    if value == "free":
-        return CodecSpeed().to_vector(), None
     try:
-        with open(value, encoding="utf-8") as f:
-            d = json.load(f)
-        if not isinstance(d, dict):
-            raise ValueError("expected a JSON object")
-        return CodecSpeed.from_dict(d).to_vector(), None
+        return load_codec_speed(value).to_vector(), None
     except OSError as e:
         raise ConfigError(f"gossip.codec_speed (--codec-speed) {value}: cannot read it: {e.strerror}; "
                           "give measure, reference, free or a JSON file") from None
-    except (ValueError, TypeError) as e:
+    except ValueError as e:
         raise ConfigError(f"gossip.codec_speed (--codec-speed) {value}: not a codec speed JSON object "
                           f"(as `bench/compress_sched.py --codec-speed-out` writes): {e}") from None
 

@@ -21,7 +21,7 @@ import numpy as np
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .choose import ChoiceReason, CompressionPlan, choose_compression
-from .compression import REFERENCE_CODEC_SPEED, WIRE_PRESETS, CodecSpeed, CompressionOptions, compression_options
+from .compression import WIRE_PRESETS, CompressionOptions, compression_options, load_codec_speed
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
 from .search import SearchConfig, ShapeSearch
 from .simulate import simulate
@@ -118,18 +118,12 @@ def _compression(args) -> CompressionOptions | None:
     names = [n.strip() for n in args.compress.split(",") if n.strip()]
     if not names:
         raise CliError("--compress: name auto, exact or presets")
-    if args.codec_speed == "reference":
-        speed = REFERENCE_CODEC_SPEED
-    elif args.codec_speed == "free":
-        speed = CodecSpeed()
-    else:
-        try:
-            with open(args.codec_speed, encoding="utf-8") as f:
-                speed = CodecSpeed.from_dict(json.load(f))
-        except OSError as e:
-            raise CliError(f"--codec-speed: cannot read {args.codec_speed}: {e.strerror}") from None
-        except (ValueError, TypeError, AttributeError) as e:
-            raise CliError(f"--codec-speed: {args.codec_speed} is not a codec speed JSON object: {e}") from None
+    try:
+        speed = load_codec_speed(args.codec_speed)
+    except OSError as e:
+        raise CliError(f"--codec-speed: cannot read {args.codec_speed}: {e.strerror}") from None
+    except ValueError as e:
+        raise CliError(f"--codec-speed: {args.codec_speed} is not a codec speed JSON object: {e}") from None
     try:
         opts = compression_options(names, speed)
     except ValueError as e:

@@ -22,13 +22,15 @@ integer arithmetic; tests/test_sched_compress.py checks them against the codec's
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
 from typing import Iterable, Protocol
 
 __all__ = ["CODEC_SPEED_LEN", "CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
-           "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "wire_codecs"]
+           "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "load_codec_speed",
+           "wire_codecs"]
 
 _HEADER_BYTES = 12
 _DENSE_BITS = {"int8": 8, "int4": 4}
@@ -218,6 +220,25 @@ REFERENCE_CODEC_SPEED = CodecSpeed(
     int8_encode_ns_per_elem=2.9, int8_decode_ns_per_elem=1.0,
     int4_encode_ns_per_elem=6.6, int4_decode_ns_per_elem=2.3, hadamard_ns_per_elem=6.6,
     sparse_encode_ns_per_elem=20.7, sparse_decode_ns_per_elem=5.6)
+
+
+def load_codec_speed(name: str) -> CodecSpeed:
+    """A codec speed by name: `reference` (`REFERENCE_CODEC_SPEED`), `free` (coding costs
+    nothing) or the path of a JSON object of `CodecSpeed` fields (as
+    `bench/compress_sched.py --codec-speed-out` writes). OSError when the file cannot be read,
+    ValueError when it is not a codec speed."""
+    if name == "reference":
+        return REFERENCE_CODEC_SPEED
+    if name == "free":
+        return CodecSpeed()
+    with open(name, encoding="utf-8") as f:
+        d = json.load(f)  # (a JSONDecodeError is a ValueError)
+    if not isinstance(d, dict):
+        raise ValueError("expected a JSON object")
+    try:
+        return CodecSpeed.from_dict(d)
+    except TypeError as e:  # a value that is no number
+        raise ValueError(str(e)) from None
 
 
 class CompressionFields(Protocol):
