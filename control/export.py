@@ -32,7 +32,7 @@ from pathlib import Path
 import trio
 
 from dtfm.net import PeerTransport, ProtocolError, get_bytes, get_dict, get_int, get_list, short_id
-from dtfm.train import CheckpointError, GPTSpec, stage_param_names, stage_tensors
+from dtfm.train import CheckpointError, GPTSpec, stage_param_names, weight_tensors
 
 from .allocation import Allocation
 from .epoch.access import export_refusal
@@ -237,7 +237,7 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
                 own = None
                 logger.warning("export of run %s: this peer's copy of layers %s is unreadable: %s", name, r, e)
             if own is not None:
-                parts.append({k: t for k, t in stage_tensors(own).items() if k.startswith("param/")})
+                parts.append(weight_tensors(own))
                 progress.stages_done = i + 1
                 logger.info("export of run %s: layers %d-%d from this peer (%d of %d stages)", name, r[0], r[1] - 1,
                             i + 1, len(plan.ranges))

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         saved_checkpoints,
         stage_from_tensors,
         stage_tensors,
+        weight_tensors,
     )
     from .codec import (
         MAX_TENSOR_DIMS,
@@ -182,6 +183,7 @@ __all__ = [
     "tensor_to_wire",
     "tokenize_to_file",
     "write_byte_tokenizer",
+    "weight_tensors",
     "write_token_file",
 ]
 
@@ -192,7 +194,7 @@ __all__ = [
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".checkpoint": (
         "CheckpointError", "checkpoint_at", "checkpoint_notes", "compression_of", "encode_stage", "list_checkpoints", "load_checkpoint",
-        "save_checkpoint", "saved_checkpoints", "stage_from_tensors", "stage_tensors",
+        "save_checkpoint", "saved_checkpoints", "stage_from_tensors", "stage_tensors", "weight_tensors",
     ),
     ".codec": (
         "MAX_TENSOR_DIMS", "TENSOR_ITEMSIZE", "TORCH_DTYPES", "CodecError", "check_tensor",

@@ -47,6 +47,7 @@ __all__ = [
     "save_checkpoint",
     "stage_from_tensors",
     "stage_tensors",
+    "weight_tensors",
 ]
 
 FORMAT = "dtfm-stage/1"
@@ -59,11 +60,17 @@ class CheckpointError(ValueError):
     """A checkpoint or transferred stage is malformed, inconsistent or fails its hash."""
 
 
+def weight_tensors(state: StageState) -> dict[str, torch.Tensor]:
+    """The stage's parameters as a checkpoint names them (`param/<name>`), detached, where they
+    live (not copied): the model, without what only training it on needs."""
+    return {f"param/{n}": p.detach() for n, p in state.params.items()}
+
+
 def stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
-    """The stage's named tensors as a checkpoint holds them: `param/<name>`, the Adam moments
+    """The stage's named tensors as a checkpoint holds them: `weight_tensors`, the Adam moments
     (`exp_avg/<name>`, `exp_avg_sq/<name>`) and the compression buffers (`compress/<kind>/<name>`),
     detached, where they live (not copied)."""
-    tensors = {f"param/{n}": p.detach() for n, p in state.params.items()}
+    tensors = weight_tensors(state)
     tensors.update(state.optim.state_tensors())
     tensors.update(state.compress.state_tensors())
     return tensors
@@ -76,7 +83,7 @@ def encode_stage(state: StageState) -> tuple[bytes, dict]:
 def encode_weights(state: StageState) -> tuple[bytes, dict]:
     """The stage's parameters alone (`param/<name>`, as `encode_stage` has them) and their
     description (format WEIGHTS_FORMAT): no optimizer moments, no compression buffers."""
-    return _encode(state, {f"param/{n}": p.detach() for n, p in state.params.items()}, WEIGHTS_FORMAT)
+    return _encode(state, weight_tensors(state), WEIGHTS_FORMAT)
 
 
 def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tuple[bytes, dict]:
