@@ -57,7 +57,17 @@ if TYPE_CHECKING:
     from .epoch.relayout import assemble_stage, needed_stages
     from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
     from .messages import ControlMsg
-    from .operator import OperatorError, OperatorOp, SignedOp, check_op, check_operator_start, sign_op
+    from .operator import (
+        OperatorError,
+        OperatorOp,
+        SignedOp,
+        check_council,
+        check_op,
+        check_operator_start,
+        council_arg,
+        root_council,
+        sign_op,
+    )
     from .plane import ControlPlane
 
 __all__ = [
@@ -131,7 +141,7 @@ __all__ = [
                          "reshape",
                          "resume_point",
                          "sched_spec",
-                         "sign_op",
+                         "sign_op", "check_council", "council_arg", "root_council",
 ]
 
 # Where each name above is defined. A name is imported from its module on first use (PEP 562):
@@ -159,7 +169,8 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".epoch.relayout": ("assemble_stage", "needed_stages"),
     ".epoch.runner": ("RunEnd", "StageRunner", "StepReport", "params_sha256"),
     ".messages": ("ControlMsg",),
-    ".operator": ("OperatorError", "OperatorOp", "SignedOp", "check_op", "check_operator_start", "sign_op"),
+    ".operator": ("OperatorError", "OperatorOp", "SignedOp", "check_council", "check_op", "check_operator_start",
+                  "council_arg", "root_council", "sign_op"),
     ".plane": ("ControlPlane",),
 }
 __getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .dataplane import CommConfig
-from .election import ElectionConfig
+from .election import COUNCIL_SIZES, ElectionConfig
 
 __all__ = ["DEVICE_RE", "PlaneConfig"]
 
@@ -106,6 +106,9 @@ class PlaneConfig:
     # worse clocks, less shortens the time in which a copied signed operation could be sent
     # again (a start is never taken twice by one coordinator, a reschedule only when newer).
     operator_skew_s: float = 300.0
+    # Voters of the council the coordinator keeps (3, 5 or 7; control/election/council.py): 5
+    # survive one crashed voter and 7 two, at one more vote per election each; never every peer.
+    council_size: int = 5
     # Failed reconfigurations of one trigger before the coordinator stops the run: more rides
     # out longer trouble, fewer gives up (and says why) sooner.
     max_reconfig_attempts: int = 5
@@ -134,6 +137,9 @@ class PlaneConfig:
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if type(self.torch_threads) is not int or self.torch_threads < 1:
             raise ValueError(f"torch_threads must be an integer >= 1, got {self.torch_threads!r}")
+        if self.council_size not in COUNCIL_SIZES or type(self.council_size) is not int:
+            raise ValueError(f"council_size must be one of {', '.join(map(str, COUNCIL_SIZES))}, "
+                             f"got {self.council_size!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",

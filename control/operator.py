@@ -43,22 +43,25 @@ from dtfm.net import (
 
 from .allocation import RUN_ID_BYTES, Allocation, Refusal
 from .coordinator.request import KNOBS, TrainError, TrainRequest
+from .election import COUNCIL_SIZES, MAX_COUNCIL, Council
 
 __all__ = [
-    "MAX_OP_BYTES", "OPERATOR_DOMAIN", "OP_KINDS", "OperatorError", "OperatorOp", "SignedOp", "check_op",
-    "check_operator_start", "check_time", "sign_op",
+    "MAX_OP_BYTES", "OPERATOR_DOMAIN", "OP_KINDS", "OperatorError", "OperatorOp", "SignedOp", "check_council",
+    "check_op", "check_operator_start", "check_time", "council_arg", "root_council", "sign_op",
 ]
 
 OPERATOR_DOMAIN = b"dtfm-operator-op-v1\x00"  # prefixed to the body before signing
 OP_FORMAT = 1
-OP_KINDS = ("start", "stop", "reschedule", "resume", "export")
+OP_KINDS = ("start", "stop", "reschedule", "resume", "export", "council")
 MAX_OP_BYTES = 4096  # a signed operation, as the allocation and TRAIN_OP carry it
 MAX_ARGS = 32
+DEFAULT_COUNCIL_SIZE = 5
 MAX_TIME_MS = 2**53
 SIGNATURE_BYTES = 64
 # The arguments a signed start may carry (TrainRequest.to_args): nothing else, no path.
 START_KEYS = frozenset({"preset", "steps", "seed", "stages", "dp", "checkpoint_every", "placement", "data_hash",
-                        "data_name", "min_peers", "wait_s", "compress", "init_from", "init_name", *KNOBS})
+                        "data_name", "min_peers", "wait_s", "compress", "init_from", "init_name", "council", "council_size",
+                        *KNOBS})
 
 
 class OperatorError(Exception):
@@ -78,11 +81,12 @@ class Signer(Protocol):
 class OperatorOp:
     """One operator operation (see the module docstring)."""
 
-    kind: str  # start | stop | reschedule | resume | export
+    kind: str  # start | stop | reschedule | resume | export | council
     operator: bytes  # the operator's Ed25519 public key
     run_id: bytes  # start: the new run's id (fresh random bytes); stop, reschedule, resume: the run
     issued_at_ms: int  # wall-clock milliseconds when it was signed
-    args: Mapping[str, Any] = field(default_factory=dict)  # start: TrainRequest.to_args(); export: {"peer"}; else empty
+    # start: TrainRequest.to_args() and the first council; export: {"peer"}; council: {"council"}; else empty
+    args: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in OP_KINDS:
@@ -96,8 +100,15 @@ class OperatorOp:
         object.__setattr__(self, "args", dict(sorted(dict(self.args).items())))
         if self.kind == "start":
             self.request()
+            if "council" in self.args:
+                self.council()
         elif self.kind == "export":
             self.exporter()
+        elif self.kind == "council":
+            if not {"council"} <= set(self.args) <= {"council", "council_size"}:
+                raise ValueError("a council operation names the council (args {\"council\": ids in hex, "
+                                 "comma-separated, \"council_size\": 3, 5 or 7}) and nothing else")
+            self.council()
         elif self.args:
             raise ValueError(f"a {self.kind} carries no arguments")
 
@@ -107,7 +118,7 @@ class OperatorOp:
             raise ValueError(f"a start's arguments are {', '.join(sorted(START_KEYS))}, got "
                              f"{', '.join(sorted(map(str, self.args)))[:300]}")
         try:
-            req = TrainRequest.from_args(dict(self.args))
+            req = TrainRequest.from_args({k: v for k, v in self.args.items() if k not in ("council", "council_size")})
         except TrainError as e:
             raise ValueError(str(e)) from None
         if req.data_hash is None:
@@ -122,6 +133,34 @@ class OperatorOp:
             raise ValueError("an export names the peer that gathers the run (args {\"peer\": its id in hex}) "
                              "and nothing else")
         return bytes.fromhex(peer)
+
+    def council(self) -> tuple[bytes, ...] | None:
+        """The council a start or a council operation names (sorted; ValueError when it is not
+        1 to MAX_COUNCIL distinct peer ids), None when it names none."""
+        text = self.args.get("council")
+        if text is None:
+            return None
+        if type(text) is not str or len(text) > MAX_COUNCIL * (2 * PEER_ID_BYTES + 1):
+            raise ValueError(f"council: at most {MAX_COUNCIL} peer ids in hex, comma-separated")
+        ids = text.split(",")
+        if not 1 <= len(ids) <= MAX_COUNCIL or any(len(x) != 2 * PEER_ID_BYTES or x.strip("0123456789abcdef")
+                                                   for x in ids):
+            raise ValueError(f"council: 1 to {MAX_COUNCIL} peer ids in lowercase hex, comma-separated")
+        voters = tuple(bytes.fromhex(x) for x in ids)
+        if list(voters) != sorted(set(voters)):
+            raise ValueError("council: the peer ids sorted, without repeats")
+        size = self.args.get("council_size", DEFAULT_COUNCIL_SIZE)
+        if size not in COUNCIL_SIZES or type(size) is not int:
+            raise ValueError(f"council_size must be one of {', '.join(map(str, COUNCIL_SIZES))}, got {size!r}")
+        if len(voters) > size:
+            raise ValueError(f"council: {len(voters)} voters, more than its council_size {size}")
+        return voters
+
+    def council_size(self) -> int:
+        """The council size a start or a council operation names (default 5)."""
+        size = self.args.get("council_size", DEFAULT_COUNCIL_SIZE)
+        assert type(size) is int
+        return size
 
     @property
     def issued_at_s(self) -> float:
@@ -203,10 +242,10 @@ class SignedOp:
 
 def sign_op(key: Signer, kind: str, *, now_s: float, run_id: bytes | None = None,
             args: Mapping[str, Any] | None = None) -> SignedOp:
-    """A signed operation of `kind` by `key`, dated `now_s` (wall clock); a start without
-    `run_id` names a fresh random run."""
+    """A signed operation of `kind` by `key`, dated `now_s` (wall clock); a start (or a council
+    operation, which acts on no run) without `run_id` names fresh random bytes."""
     if run_id is None:
-        if kind != "start":
+        if kind not in ("start", "council"):
             raise ValueError(f"a {kind} names the run it acts on")
         run_id = secrets.token_bytes(RUN_ID_BYTES)
     op = OperatorOp(kind, key.public_key, run_id, int(round(now_s * 1000)), dict(args or {}))
@@ -243,6 +282,45 @@ def check_time(op: OperatorOp, now_s: float, skew_s: float, *, extra_s: float = 
     if age < -skew_s:
         raise OperatorError(f"the operator's {op.kind} is dated {-age:.0f} s in the future, more than the "
                             f"{skew_s:g} s clock skew allowed: check the clocks")
+
+
+def council_arg(voters: tuple[bytes, ...] | list[bytes]) -> str:
+    """The `council` argument of a start or a council operation naming `voters`."""
+    return ",".join(v.hex() for v in sorted(set(voters)))
+
+
+def root_council(signed: SignedOp, operators: AbstractSet[bytes]) -> Council:
+    """The council an operator's signed start or council operation roots (OperatorError when
+    it is no operator's, or names no council). Its time is the caller's to check where the
+    root arrives on its own (a fresh root); one an allocation carries may be old."""
+    try:
+        op = signed.open()
+    except ProtocolError as e:
+        raise OperatorError(f"a council's root with a bad operator signature: {e}") from None
+    if op.kind not in ("start", "council"):
+        raise OperatorError(f"a council is rooted by an operator's start or council operation, not a {op.kind}")
+    check_op(signed, op.kind, operators)
+    voters = op.council()
+    if voters is None:
+        raise OperatorError(f"the operator's {op.kind} names no council")
+    return Council(signed.encode(), voters, op.issued_at_ms, op.council_size())
+
+
+def check_council(alloc: Allocation, operators: AbstractSet[bytes]) -> tuple[Council | None, Refusal | None]:
+    """The council `alloc` carries, when its root is an operator's naming the root's voters and
+    its voters are the allocation's (code `bad-council` otherwise). Whether its links follow
+    from this peer's council is the election's question (`ElectionState.may_apply`)."""
+    try:
+        council = Council.decode(alloc.council)
+        root = root_council(SignedOp.decode(council.root), operators)
+    except (ProtocolError, OperatorError) as e:
+        return None, Refusal("bad-council", f"the allocation's council: {e}"[:1000])
+    if not root.same_root(council):
+        return None, Refusal("bad-council", "the allocation's council names other voters or another time than "
+                                            "its operator's root")
+    if council.voters != alloc.voters:
+        return None, Refusal("bad-council", "the allocation's voters are not its council's")
+    return council, None
 
 
 def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Refusal | None:

@@ -50,6 +50,7 @@ from .allocation import AcceptContext, Allocation, SignedAllocation
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
+    first_council,
     CoordinatorTimings,
     Elected,
     PeerLeaving,
@@ -72,6 +73,7 @@ from .coordinator.schedule import Placement, choose_links, choose_shape, compres
 from .election import (
     BecameCoordinator,
     Certificate,
+    Council,
     ElectionService,
     FileElectionStore,
     PreviousConfiguration,
@@ -103,12 +105,13 @@ from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .events import Reconfiguration
 from .messages import ControlMsg
 from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
-from .operator import OperatorError, SignedOp, check_op
+from .operator import OperatorError, SignedOp, check_op, check_time, council_arg, root_council
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
 from .refusals import merge_counts
 
 __all__ = ["ControlPlane"]
 
+ROOT_NAME = "council.bin"  # the council an operator's operation rooted here, before any allocation carried it
 logger = logging.getLogger(__name__)
 
 MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
@@ -235,7 +238,8 @@ class ControlPlane:
                                deadline=DeadlineRules(floor_s=cfg.step_deadline_floor_s, mads=cfg.step_deadline_mads,
                                                       first_s=cfg.step_deadline_first_s),
                                deadline_probe_timeout_s=cfg.deadline_probe_timeout_s,
-                               link_retest_s=cfg.link_retest_s, operator_skew_s=cfg.operator_skew_s),
+                               link_retest_s=cfg.link_retest_s, operator_skew_s=cfg.operator_skew_s,
+                               council_size=cfg.council_size),
             operators=self.operators,
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
@@ -385,7 +389,7 @@ class ControlPlane:
             except StageError as e:
                 raise TrainError(str(e)) from None
         elif isinstance(a, ApplyToElection):
-            self.election.apply_allocation(a.term, a.epoch, a.voters, a.certificate)
+            self.election.apply_allocation(a.term, a.epoch, a.council, a.certificate)
         elif isinstance(a, PersistApplied):
             await trio.to_thread.run_sync(self._save_applied, a.alloc)
         elif isinstance(a, BuildStage):
@@ -523,6 +527,9 @@ class ControlPlane:
             d = json.loads(path.read_text())
             run, term, epoch = bytes.fromhex(d["run"]), int(d["term"]), int(d["epoch"])
         except FileNotFoundError:
+            root = self._load_root()
+            if root is not None:
+                self.election.set_root(root)
             return
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise TrainError(f"{path} is damaged ({e}): move it away only if this peer never trains again "
@@ -541,11 +548,65 @@ class ControlPlane:
                 previous = PreviousConfiguration(tuple(bytes.fromhex(v) for v in prev["voters"]), int(prev["term"]))
             except (ValueError, KeyError, TypeError) as e:
                 raise TrainError(f"{path} holds a damaged previous configuration ({e})") from None
-        self.election.restore(term, epoch, alloc.configuration if alloc is not None else None, previous)
+        council = None
+        if alloc is not None and alloc.council:
+            try:
+                council = Council.decode(alloc.council)
+            except ProtocolError as e:
+                raise TrainError(f"{path} holds an allocation with a damaged council ({e})") from None
+        root = self._load_root()
+        if root is not None and (council is None or root.root_at_ms > council.root_at_ms):
+            council, previous = root, None  # the operator re-rooted the council after that allocation
+        self.election.restore(term, epoch, council, previous)
         reports = self.stages.kept_reports(run) if alloc is not None and alloc.run_id == run else []
         self.epoch.restore(run, term, epoch, alloc, reports)
         if load_stopped(self.data_dir) == run:
             self.epoch.mark_stopped(run)
+
+    def _load_root(self) -> Council | None:
+        """The council an operator's operation rooted here (`council.bin`), if any."""
+        path = self.data_dir / ROOT_NAME
+        try:
+            return Council.decode(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ProtocolError) as e:
+            raise TrainError(f"{path} is damaged ({e}): move it away; the operator's next start or "
+                             "`train council` roots the council again") from None
+
+    def _save_root(self, council: Council) -> None:
+        path = self.data_dir / ROOT_NAME
+        tmp = path.with_name(f".{ROOT_NAME}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(council.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def _take_root(self, signed: SignedOp) -> Council:
+        """The council an operator's fresh start or council operation roots, taken here (a
+        start's only by a peer without a council; a council operation's over an older root):
+        TrainError when it is no operator's, names no council or is not fresh."""
+        try:
+            council = root_council(signed, self.operators)
+            check_time(signed.open(), time.time(), self.config.operator_skew_s)
+        except (OperatorError, ProtocolError) as e:
+            raise TrainError(str(e)) from None
+        rerooting = signed.open().kind == "council"
+        if self.election.council is None or rerooting:
+            self.election.set_root(council, rerooting=rerooting)
+            if self.election.council is council:
+                self._save_root(council)
+        return council
+
+    async def _send_root(self, peers: Iterable[bytes], signed: SignedOp) -> int:
+        """Hand an operator's root to `peers` (TRAIN_OP `root`); how many took it."""
+        peers = [p for p in peers if p != self.me]
+        if not peers:
+            return 0
+        answers = await self._ask_all(peers, ControlMsg.TRAIN_OP, {"op": "root", "signed": signed.to_wire()},
+                                      self.config.request_timeout_s)
+        return sum(1 for a in answers.values() if isinstance(a.get("ok"), dict))
 
     def _save_applied(self, alloc: Allocation) -> None:
         path = self.data_dir / "applied.json"
@@ -791,8 +852,8 @@ class ControlPlane:
         except (OperatorError, ValueError) as e:
             raise TrainError(str(e)) from None
         if not forwarded:  # (a forwarding peer has waited)
-            await self._await_swarm(req)
-        coordinator = self.me if forwarded else await self._become_coordinator()
+            await self._await_swarm(req.min_peers, req.wait_s)
+        coordinator = self.me if forwarded else await self._become_coordinator(signed)
         if coordinator != self.me:
             return await self._forward(coordinator, "start", signed)
         refusal = self.coordinator.start_refusal()  # (cheap, before this peer's data set is loaded)
@@ -819,11 +880,11 @@ class ControlPlane:
                                        "dp": list(alloc.compress_links.dp),
                                        "text": alloc.compress_links.describe(alloc.compression)}})}
 
-    async def _await_swarm(self, req: TrainRequest) -> None:
-        """Return once `req.min_peers` peers (this one included) are live and their links measured,
-        so the first configuration is the swarm the operator expects; TrainError after
-        `req.wait_s`. The count is in `status()` while it waits."""
-        deadline = trio.current_time() + req.wait_s
+    async def _await_swarm(self, min_peers: int, wait_s: float) -> None:
+        """Return once `min_peers` peers (this one included) are live and their links measured,
+        so the first placement is the swarm the operator expects; TrainError after `wait_s`.
+        The count is in `status()` while it waits."""
+        deadline = trio.current_time() + wait_s
         said = -1
         swarm = GossipSwarm(self.gossip, self.me)
         try:
@@ -831,27 +892,29 @@ class ControlPlane:
                 live = set(self.gossip.live_peers()) | {self.me}
                 view, _ = swarm.measured_view(live)
                 have = len(view.peers)
-                self._swarm_wait = {"have": have, "want": req.min_peers, "live": len(live)}
-                if have >= req.min_peers:
+                self._swarm_wait = {"have": have, "want": min_peers, "live": len(live)}
+                if have >= min_peers:
                     return
                 if have != said:
                     logger.info("train start waits for %d peers: %d live, %d of them measured",
-                                req.min_peers, len(live), have)
+                                min_peers, len(live), have)
                     said = have
                 left = deadline - trio.current_time()
                 if left <= 0:
-                    raise TrainError(f"only {have} of the {req.min_peers} peers asked for (--min-peers) are "
-                                     f"live and measured after {req.wait_s:g} s ({len(live)} live): "
+                    raise TrainError(f"only {have} of the {min_peers} peers asked for (--min-peers) are "
+                                     f"live and measured after {wait_s:g} s ({len(live)} live): "
                                      "are the others started, with this swarm's bootstrap address?")
                 await trio.sleep(min(self.config.swarm_poll_s, left))
         finally:
             self._swarm_wait = None
 
-    async def _become_coordinator(self) -> bytes:
+    async def _become_coordinator(self, start: SignedOp) -> bytes:
         """The coordinator: the one this peer follows, else one found by asking the live peers
-        (election/discovery.py), else one elected (this peer stands where it may; a peer without
-        a configuration makes the first one only where no peer that answered has one). Raises
-        TrainError saying why after elect_timeout_s (who holds a lease, how many voters answer)."""
+        (election/discovery.py) and verified against this peer's council, else one elected by
+        the council (this peer stands where it is a voter). A swarm without a council takes the
+        one the operator's `start` names: this peer roots it and hands the root to its voters.
+        Raises TrainError saying why after elect_timeout_s (who holds a lease, how many voters
+        answer)."""
         if self.election.is_coordinator:
             return self.me
         if self.election.coordinator is not None:
@@ -859,10 +922,17 @@ class ControlPlane:
         deadline = trio.current_time() + self.config.elect_timeout_s
         ask_s = min(self.config.request_timeout_s, self.config.elect_timeout_s)
         found = await self.election.find_coordinator(self.gossip.live_peers(), ask_s)
+        root: Council | None = None
+        if found.coordinator is None and self.election.council is None:
+            if found.configured:
+                raise TrainError(f"this peer has no council yet, but {found.configured} live peer(s) have one: "
+                                 "start the run on a peer of the swarm's council (`dtfm-peer status` shows it), "
+                                 "or re-root it with `dtfm-peer train council`")
+            root = self._take_root(start)
         while found.coordinator is None:
-            if self.me not in self.election.voters and not found.configured:
-                self.election.set_voters(tuple(sorted(set(self.gossip.live_peers()) | {self.me})))
-            self.election.campaign()  # stands if it is a voter of its configuration
+            if root is not None:
+                await self._send_root(root.voters, start)
+            self.election.campaign()  # stands if it is a voter of its council
             left = deadline - trio.current_time()
             if left <= 0:
                 raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
@@ -935,11 +1005,18 @@ class ControlPlane:
         of the swarm signed it (the machine checks the rest)."""
         d = get_dict(body, "TRAIN_OP")
         op = get_str(d, "op", 16)
-        if op not in ("start", "stop", "reschedule", "resume"):
+        if op not in ("start", "stop", "reschedule", "resume", "root"):
             raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
         if "signed" not in d:
             return {"error": f"a {op} must carry the operator's signed operation (run the same dtfm version)"}
         signed = SignedOp.from_wire(d["signed"])
+        if op == "root":  # an operator's start or council operation naming a council: its voters' root
+            try:
+                council = self._take_root(signed)
+            except TrainError as e:
+                logger.warning("refused a council root from %s: %s", conn.short_id, e)
+                return {"error": str(e)}
+            return {"ok": {"voters": len(council.voters), "taken": self.election.council is council}}
         try:
             check_op(signed, op, self.operators)
         except OperatorError as e:
@@ -1025,16 +1102,46 @@ class ControlPlane:
             if progress.phase != "done":
                 progress.phase = "failed"
 
-    async def operator_info(self) -> dict:
+    async def operator_info(self, *, wait_peers: int = 0, wait_s: float = 0.0) -> dict:
         """What an operator's CLI needs to sign: the swarm's operators, the run in progress here,
-        and the data set this peer trains on."""
+        the data set this peer trains on, and the council (`council`: this peer's, else the one
+        it proposes for a first start, of live measured peers spread over the regions, after
+        waiting up to `wait_s` for `wait_peers` of them; `council_rooted`: which)."""
         corpus = await self.corpus()
         cur = self.epoch.current
         live = cur is not None and not self._run_over()
+        rooted = self.election.council is not None
+        if not rooted and wait_peers > 1:
+            await self._await_swarm(wait_peers, wait_s)
+        council = self.election.voters if rooted else self.propose_council()
         return {"operators": sorted(p.hex() for p in self.operators), "peer_id": self.me.hex(),
                 "run_id": cur.run_id.hex() if cur is not None and live else None,
                 "last_run_id": cur.run_id.hex() if cur is not None else None,
-                "data_hash": corpus.fingerprint, "data_name": corpus.name}
+                "data_hash": corpus.fingerprint, "data_name": corpus.name,
+                "council": council_arg(council), "council_rooted": rooted,
+                "council_size": self.config.council_size}
+
+    def propose_council(self) -> tuple[bytes, ...]:
+        """A first council: this peer and live measured peers spread over the regions, up to
+        `council_size` (`first_council`)."""
+        swarm = GossipSwarm(self.gossip, self.me)
+        view, _ = swarm.measured_view(set(self.gossip.live_peers()) | {self.me})
+        return first_council(self.me, set(view.peers), swarm.regions(), self.config.council_size)
+
+    async def reroot(self, signed: SignedOp) -> dict:
+        """An operator's signed council operation (`dtfm-peer train council`): its council
+        replaces the one this peer holds (an older root's), and every live peer is handed it;
+        the council then elects a coordinator. For a council that lost its quorum."""
+        try:
+            check_op(signed, "council", self.operators)
+        except OperatorError as e:
+            raise TrainError(str(e)) from None
+        council = self._take_root(signed)
+        if self.election.council is not council:
+            raise TrainError("this peer's council was rooted by a later operation of the operator: sign again")
+        told = await self._send_root(self.gossip.live_peers(), signed)
+        self.election.campaign()  # stands if it is a voter of the new council
+        return {"voters": [v.hex() for v in council.voters], "told": told}
 
     # ---- a run's progress (`dtfm-peer train status`) ---------------------------------------------
 

@@ -35,7 +35,7 @@ import hashlib
 import math
 import random
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, get_int, get_str, short_id
@@ -43,7 +43,7 @@ from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
 from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
-from .allocation import AcceptContext, Allocation, SignedAllocation
+from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation
 from .coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
@@ -54,12 +54,21 @@ from .coordinator.machine import (
     SteppedDownEvent,
     StepReported,
     Tick,
-    next_voters,
+    next_council,
 )
 from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.reshape import ReshapePlan
 from .coordinator.schedule import Placement
-from .election import BecameCoordinator, Certificate, ElectionConfig, ElectionRole, ElectionState, SteppedDown
+from .election import (
+    COUNCIL_SIZES,
+    BecameCoordinator,
+    Certificate,
+    Council,
+    ElectionConfig,
+    ElectionRole,
+    ElectionState,
+    SteppedDown,
+)
 from .election.sim import ElectionSim, NetConditions
 from .epoch.access import parse_fetchers
 from .epoch.machine import (
@@ -85,7 +94,7 @@ from .epoch.machine import (
 from .epoch.machine import Tick as EpochTick
 from .epoch.runner import RunEnd, StepReport
 from .messages import ControlMsg
-from .operator import SignedOp, sign_op
+from .operator import SignedOp, council_arg, root_council, sign_op
 
 __all__ = ["PlaneSim", "reference_loss", "reference_weights"]
 
@@ -290,6 +299,18 @@ class PlaneSim(ElectionSim):
                 "placement": "scheduler", "data_hash": DATA_HASH, "data_name": "sim"}
         return sign_op(self.operator, "start", now_s=max(0.0, self.local_now(k)), run_id=self._run_id(), args=args)
 
+    def _first_council(self, voters: tuple[bytes, ...]) -> Council:
+        """The first council, rooted in the simulation's operator (a council operation)."""
+        size = next(n for n in COUNCIL_SIZES if n >= len(voters))
+        signed = sign_op(self.operator, "council", now_s=0.0,
+                         args={"council": council_arg(voters), "council_size": size})
+        return root_council(signed, {self.operator.public_key})
+
+    def _council(self, k: int, voters: tuple[bytes, ...]) -> dict:
+        """An allocation's voters and council as node k hands them out (`council_of`)."""
+        council = self.council_of(k, voters)
+        return {"voters": council.voters, "council": council.encode()}
+
     def issue(self, k: int, *, rogue: bool = False) -> Allocation | None:
         """Node k hands the next allocation of its term (epoch: its last applied + 1) to the
         nodes it reaches, without starting it (rogue: even when it is not coordinator, as a
@@ -300,12 +321,13 @@ class PlaneSim(ElectionSim):
         me = self.ids[k]
         placement = SimPlanner(self).placement([self.ids[j] for j in self.reachable(k)])
         named = {p for pipe in placement.pipelines for p in pipe} | set(placement.spares)
+        live = {self.ids[j] for j in self.reachable(k)} | {me}
         alloc = Allocation(epoch=node.last_applied[1] + 1, term=node.term, issuer=me, pipelines=placement.pipelines,
                            layer_ranges=placement.layer_ranges, preset=PRESET, model=get_preset(PRESET),
                            train=TrainConfig(seed=self.run_seed), data_hash=DATA_HASH, data_name="sim", start_step=0,
                            end_step=10**6, checkpoint_every=0, predicted_iteration_s=1.0, spares=placement.spares,
                            run_id=self._run_id(), reason="issued",
-                           voters=next_voters(node.voters, named, named, me),
+                           **self._council(k, next_council(node.voters, named, live, {}, 5, me)),
                            operator_start=self.signed_start(k, 10**6, 0).encode())
         body = SignedAllocation.sign(alloc, self._signers[me]).to_wire()
         if node.certificate is not None:
@@ -793,8 +815,8 @@ class PlaneSim(ElectionSim):
         self.allocations[(a.term, a.epoch)] = cur
         self.disk_applied[k] = (a.term, a.epoch)
         self.applied[k].append((a.term, a.epoch))
-        self.disk_voters[k] = a.voters
-        self._run(k, node.apply_allocation(a.term, a.epoch, a.voters, a.certificate, self.local_now(k)))
+        self.disk_council[k] = a.council
+        self._run(k, node.apply_allocation(a.term, a.epoch, a.council, a.certificate, self.local_now(k)))
         node = self.node(k)
         self.disk_previous[k] = node.previous
         self.applications.append((k, (a.term, a.epoch), node.coordinator if cur.issuer != self.ids[k] else self.ids[k],
@@ -926,7 +948,14 @@ class _Reader:
     def certificate(self) -> Certificate | None:
         return self._node.certificate
 
+    @property
+    def council(self) -> Council | None:
+        return self._node.council
+
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
-                  voters: tuple[bytes, ...] = ()):
-        return self._node.may_apply(issuer, term, epoch, certificate, voters)
+                  council: Council | None = None) -> Refusal | None:
+        return self._node.may_apply(issuer, term, epoch, certificate, council)
+
+    def council_for(self, voters: Iterable[bytes]) -> Council | None:
+        return self._node.council_for(tuple(sorted(voters)))
 

@@ -137,6 +137,14 @@ def _add_run_arg(default_text: str) -> Callable[[argparse.ArgumentParser], None]
     return add
 
 
+def _add_council_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--voters", type=_council_ids, default=None, metavar="ID,ID,...",
+                   help="the peer ids of the new council (at most --council-size of them; default: the daemon's "
+                        "proposal of live, measured peers spread over the regions)")
+    p.add_argument("--council-size", type=int, choices=(3, 5, 7), default=None,
+                   help="the size the council keeps itself at (default: the daemon's [plane] council_size)")
+
+
 def _add_export_args(p: argparse.ArgumentParser) -> None:
     _add_run_arg("this peer's last run")(p)
     p.add_argument("--out", required=True, type=Path, metavar="DIR",
@@ -293,6 +301,15 @@ def build_parser() -> argparse.ArgumentParser:
                        first=_add_run_arg("the swarm's last run"), timeout_s=300.0,
                        timeout_help="how long to wait for the run to be handed out again",
                        json_help="print the coordinator's answer as JSON")
+    _add_signed_parser(tsub, "council", "re-root the election's council (when it lost its quorum)",
+                       "Name a new council of voters, signed with your operator key: every live peer takes "
+                       "it over the council it holds (one the operator rooted earlier), and the new council "
+                       "elects a coordinator. For a swarm whose council lost its quorum (most of its voters "
+                       "gone for good); a council that lost one voter replaces it by itself. Without "
+                       "--voters, the daemon proposes live, measured peers spread over the regions.",
+                       first=_add_council_args,
+                       timeout_s=60.0, timeout_help="how long to wait for the daemon's answer",
+                       json_help="print the daemon's answer as JSON")
     t = tsub.add_parser("status", help="the run's progress from its coordinator; --follow streams it",
                         description="Show the run's progress as its coordinator tells it, on any daemon "
                                     "of the run (this daemon asks the coordinator): state, term, epoch, "
@@ -562,8 +579,8 @@ def _operator_key(args: argparse.Namespace, info: dict) -> OperatorKey:
     return key
 
 
-def _train_info(c: ControlClient) -> dict:
-    info = c.request("train_info", {})
+def _train_info(c: ControlClient, args: dict | None = None) -> dict:
+    info = c.request("train_info", args or {})
     if not isinstance(info, dict):
         raise CliError("the daemon sent an answer to `train_info` that is not a map")
     return info
@@ -599,12 +616,13 @@ class OperatorSession:
 
 @contextlib.contextmanager
 def operator_session(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir,
-                     timeout_s: float | None = None) -> Iterator[OperatorSession]:
+                     timeout_s: float | None = None, info_args: dict | None = None) -> Iterator[OperatorSession]:
     """Connect to the daemon (each request within `timeout_s`, default the socket's), ask its
-    `train_info` and pick the operator key that signs (--operator-key, checked against it)."""
+    `train_info` (with `info_args`) and pick the operator key that signs (--operator-key,
+    checked against it)."""
     control = config.socket if timeout_s is None else dataclasses.replace(config.socket, request_timeout_s=timeout_s)
     with ControlClient(data_dir.control_socket, control, data_dir=data_dir.root) as c:
-        info = _train_info(c)
+        info = _train_info(c, info_args)
         yield OperatorSession(c, info, _operator_key(args, info))
 
 
@@ -616,6 +634,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _train_reschedule(args, config, data_dir)
     if args.train_command == "resume":
         return _train_resume(args, config, data_dir)
+    if args.train_command == "council":
+        return _train_council(args, config, data_dir)
     if args.train_command == "stop":
         with operator_session(args, config, data_dir) as s:
             reply = s.send("train_stop", "stop", _current_run(s.info, "stop"))
@@ -633,8 +653,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"waiting for {min_peers} live, measured peers (at most {args.timeout:g} s; "
               "`dtfm-peer status` shows the count)", file=sys.stderr)
     # the scheduling and the hand-out after the wait get their own --timeout
-    with operator_session(args, config, data_dir, args.timeout * (2 if min_peers > 1 else 1)) as s:
+    wait = {"wait_peers": min_peers, "wait_s": float(args.timeout)} if min_peers > 1 else {}
+    with operator_session(args, config, data_dir, args.timeout * (3 if min_peers > 1 else 1), wait) as s:
         request.update(data_hash=s.info.get("data_hash"), data_name=s.info.get("data_name") or "")
+        if isinstance(s.info.get("council"), str):  # the first council, for a swarm that has none yet
+            request.update(council=s.info["council"], council_size=s.info.get("council_size", 5))
         reply = s.send("train_start", "start", None, request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
@@ -717,6 +740,45 @@ def resume_run_id(asked: str | None, info: dict) -> bytes:
         return bytes.fromhex(asked)  # (the coordinator says whether it knows it)
     raise CliError(f"unknown run {asked!r}: this peer's last run is {last[:8] if last else 'none'}; give a "
                    "prefix of it or a full 32-digit run id")
+
+
+def _train_council(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:
+    with operator_session(args, config, data_dir, args.timeout) as s:
+        voters = args.voters
+        if voters is None:
+            if s.info.get("council_rooted"):
+                print("the daemon holds a council; naming its live peers as the new one (--voters names others)",
+                      file=sys.stderr)
+            voters = _proposed_council(s.client, s.info)
+        size = args.council_size or s.info.get("council_size", 5)
+        if len(voters.split(",")) > size:
+            raise CliError(f"a council of {len(voters.split(','))} voters is larger than its size {size} "
+                           "(--council-size)")
+        reply = s.send("train_council", "council", None, {"council": voters, "council_size": size})
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    else:
+        print(f"council rooted: {len(reply['voters'])} voters ({', '.join(v[:8] for v in reply['voters'])}); "
+              f"{reply['told']} live peers told")
+    return 0
+
+
+def _proposed_council(c: ControlClient, info: dict) -> str:
+    """The council the daemon proposes of its live peers: `train_info` of a daemon that holds
+    a council names that one, so ask `council_proposal`."""
+    if not info.get("council_rooted") and isinstance(info.get("council"), str):
+        return info["council"]
+    reply = c.request("council_proposal", {})
+    if not isinstance(reply, dict) or not isinstance(reply.get("council"), str):
+        raise CliError("the daemon sent an answer to `council_proposal` without a council")
+    return reply["council"]
+
+
+def _council_ids(text: str) -> str:
+    ids = sorted({x.strip().lower() for x in text.split(",") if x.strip()})
+    if not ids or any(len(x) != 64 or x.strip("0123456789abcdef") for x in ids):
+        raise argparse.ArgumentTypeError("a comma-separated list of peer ids (64 hex digits each)")
+    return ",".join(ids)
 
 
 def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir) -> int:

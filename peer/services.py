@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from dtfm.control import ControlPlane, SignedOp, TrainError
+from dtfm.control import ControlPlane, SignedOp, TrainError, council_arg
 from dtfm.gossip import GossipConfig, GossipService
 from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_id
 from dtfm.scenarios import ScenarioError, load_scenario
@@ -242,7 +242,9 @@ class PlanePart:
 
     def control_ops(self) -> dict[str, Callable[[dict], Awaitable[Any]]]:
         return {"train_info": self.train_info, "train_start": self.train_start, "train_stop": self.train_stop,
-                "train_reschedule": self.train_reschedule, "train_resume": self.train_resume, "export": self.export,
+                "train_reschedule": self.train_reschedule, "train_resume": self.train_resume,
+                "train_council": self.train_council, "council_proposal": self.council_proposal,
+                "export": self.export,
                 "export_progress": self.export_progress,
                 "train_status": self.train_status}
 
@@ -254,8 +256,12 @@ class PlanePart:
     async def train_info(self, args: dict) -> dict:
         """What `dtfm-peer train` signs against: the swarm's operators, the run in progress, this
         peer's data set, and the swarm key file (the operator key is kept beside it)."""
+        wait_peers, wait_s = args.get("wait_peers", 0), args.get("wait_s", 0.0)
+        if type(wait_peers) is not int or not 0 <= wait_peers <= 1 << 16 \
+                or type(wait_s) not in (int, float) or not 0 <= wait_s <= 86400:
+            raise ControlCommandError("train_info: wait_peers is a count and wait_s seconds (at most a day)")
         try:
-            info = await self._running().operator_info()
+            info = await self._running().operator_info(wait_peers=wait_peers, wait_s=float(wait_s))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
         path = self.config.peer.swarm_key_file
@@ -270,6 +276,16 @@ class PlanePart:
     async def train_reschedule(self, args: dict) -> dict:
         try:
             return await self._running().reschedule(_signed(args))
+        except TrainError as e:
+            raise ControlCommandError(str(e)) from None
+
+    async def council_proposal(self, args: dict) -> dict:
+        """The council this daemon would name of its live, measured peers (`train council`)."""
+        return {"council": council_arg(self._running().propose_council())}
+
+    async def train_council(self, args: dict) -> dict:
+        try:
+            return await self._running().reroot(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 

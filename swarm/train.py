@@ -63,6 +63,8 @@ def operator_op(run_dir: Path, peer: PeerEntry, kind: str, args: dict | None = N
     info = peer_request(peer, "train_info", {}, timeout_s=60.0)
     if kind == "start":
         args = {**(args or {}), "data_hash": info.get("data_hash"), "data_name": info.get("data_name") or ""}
+        if isinstance(info.get("council"), str):  # the first council, for a swarm that has none yet
+            args.update(council=info["council"], council_size=info.get("council_size", 5))
         return sign_op(key, "start", now_s=time.time(), args=args)
     run = info.get("run_id")
     if not isinstance(run, str):

@@ -41,7 +41,9 @@ from dtfm.control.election import (
     quorum,
     vote_payload,
 )
+from dtfm.control.election.council import Council, CouncilLink, link_payload
 from dtfm.control.election.discovery import explain
+from dtfm.control.election.state import trusted_root
 from dtfm.control.election.sim import ElectionSim, NetConditions, returning_peer, takeover_times
 from dtfm.control.sim import PlaneSim
 from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted, verify_signature
@@ -58,6 +60,18 @@ HUGE = 2**63 - 1
 
 def node(me=B, voters=FIVE, config=CFG, rng=None, **kw) -> ElectionState:
     return ElectionState(me, config, rng or random.Random(0), 0.0, signer=SIGNERS[me], voters=voters, **kw)
+
+
+def council(voters=FIVE) -> Council:
+    """A council of `voters` taken on trust (the operator's root is the plane's to check)."""
+    return trusted_root(tuple(voters))
+
+
+def changed(before: Council, after, by_cert: Certificate) -> Council:
+    """`before` with one change to `after`, signed by the coordinator `by_cert` elects over it."""
+    after = tuple(sorted(after))
+    sig = SIGNERS[by_cert.candidate].sign(link_payload(by_cert.term, before.voters, after))
+    return before.extended(CouncilLink(by_cert, after, sig))
 
 
 def sends(actions, kind=None):
@@ -345,10 +359,11 @@ def test_votes_of_other_terms_non_voters_and_forgeries_do_not_count():
 # ---------------------------------------------------------------------- configuration and allocations
 
 
-def test_without_voters_a_node_votes_but_never_stands():
+def test_without_a_council_a_node_neither_votes_nor_stands():
     n = ElectionState(A, CFG, random.Random(0), 0.0, signer=SIGNERS[A])
     assert n.tick(100.0) == [] and n.role is ElectionRole.FOLLOWER
-    assert sends(n.handle(B, request(1, B), 100.0))[0].msg.granted
+    assert n.handle(B, request(1, B), 100.0) == [] and n.handle(B, PreVote(1, B, 0, 0), 100.0) == []
+    assert n.term == 0 and n.voted_for is None
     n.set_voters((A, B, C), 100.0)
     n.tick(200.0)
     assert n.role is ElectionRole.PRE_CANDIDATE
@@ -375,27 +390,23 @@ def test_a_peer_outside_the_configuration_learns_the_coordinator_from_a_passed_o
     assert a.role is ElectionRole.PRE_CANDIDATE
 
 
-def test_a_fresh_peer_only_hears_of_a_coordinator_it_cannot_verify_and_never_of_a_forged_one():
-    # A joiner with no configuration cannot check a certificate that does not name it: it keeps
-    # the newest one that is a quorum of its own configuration as `heard_of` (someone to forward
-    # an operator's request to), recognises nobody, and never stands; a certificate with a
-    # forged vote, or an older one, changes nothing.
+def test_a_peer_without_a_council_takes_nothing_from_a_certificate_alone():
+    # A joiner with no council cannot check a certificate: whatever it is passed or sent, of
+    # any term and any voters (its own name among them, a self-made quorum of sybils), it
+    # recognises nobody, takes no term, keeps no coordinator to forward an operator's request
+    # to, and never stands. Only an allocation whose council follows from the operator's root
+    # gives it a council (test_a_joiner_takes_a_council_only_from_a_chain_from_its_root).
     e = ElectionState(E, CFG, random.Random(0), 0.0, signer=SIGNERS[E])
     two = cert(2, B, (B, C), voters=(A, B, C))
-    assert e.learn(cert(1, A, (A, B), voters=(A, B, C)), 1.0) == []
-    assert e.heard_of.term == 1
-    assert e.learn(two, 1.0) == [] and e.heard_of == two and e.coordinator is None and e.term == 0
-    forged = Certificate(3, C, (A, B, C), ((0, bytes(64)), (2, SIGNERS[C].sign(b"x"))))
-    assert e.learn(forged, 2.0) == [] and e.heard_of == two
-    assert e.learn(cert(1, A, (A, B), voters=(A, B, C)), 2.0) == [] and e.heard_of == two
+    assert e.learn(cert(1, A, (A, B), voters=(A, B, C)), 1.0) == [] and e.heard_of is None
+    assert e.learn(two, 1.0) == [] and e.heard_of is None and e.coordinator is None and e.term == 0
+    assert e.learn(cert(2**62, X, (X, Y, E), voters=(E, X, Y)), 1.0) == [] and e.term == 0
+    assert e.handle(X, hb(2**62, X, voters=(E, X, Y)), 1.5) == [] and e.term == 0 and e.coordinator is None
     assert e.tick(100.0) == [] and e.role is ElectionRole.FOLLOWER
-    assert e.answer(100.0) == CoordinatorAnswer(0, "follower", False, False, 0, two)
-    # what it passes on proves nothing by itself: the asker checks it again
-    assert CoordinatorAnswer.from_wire(unpack_untrusted(pack(e.answer(100.0).to_wire()), max_len=1 << 16)) == \
-        e.answer(100.0)
-    # a heartbeat that names it (an allocation made it a voter) is followed, and heard_of dropped
-    e.handle(B, hb(3, B, voters=(B, C, E)), 101.0)
-    assert (e.coordinator, e.heard_of) == (B, None)
+    assert e.answer(100.0) == CoordinatorAnswer(0, "follower", False, False, 0, None)
+    # what a peer passes on proves nothing by itself: the asker checks it again
+    answer = CoordinatorAnswer(3, "follower", True, True, 3, two)
+    assert CoordinatorAnswer.from_wire(unpack_untrusted(pack(answer.to_wire()), max_len=1 << 16)) == answer
 
 
 @pytest.mark.parametrize("wire", [
@@ -429,22 +440,84 @@ def test_a_single_voter_elects_itself():
     assert BecameCoordinator(1) in out and n.coordinator == A and n.certificate.signers == {A}
 
 
-def test_a_coordinator_left_out_of_the_configuration_steps_down():
+def test_a_coordinator_left_out_of_a_new_root_steps_down():
     n = coordinator(A)
-    out = n.set_voters((B, C, D), 0.1)
+    assert n.set_root(Council(b"start", (B, C, D), 5), 0.1) == []  # a start's root: only for a peer without one
+    assert n.role is ElectionRole.COORDINATOR
+    out = n.set_root(Council(b"council", (B, C, D), 5), 0.1, rerooting=True)  # the operator re-roots
     assert n.role is ElectionRole.FOLLOWER and any(isinstance(a, SteppedDown) for a in out)
+    assert n.voters == (B, C, D) and n.previous is None
+    assert n.set_root(Council(b"older", (A, B), 4), 0.2, rerooting=True) == [] and n.voters == (B, C, D)
     with pytest.raises(ValueError):
-        n.set_voters((C, B), 0.1)  # unsorted
+        Council(b"", (C, B), 1)  # unsorted
 
 
 def test_the_voters_change_only_by_an_applied_allocation():
     n = follower_of(A, term=3)
-    n.apply_allocation(3, 1, FIVE, hb(3, A).certificate, 0.1)
+    c = hb(3, A).certificate
+    n.apply_allocation(3, 1, council(), c, 0.1)
     assert n.set_voters((A, B), 0.2) == [] and n.voters == FIVE  # refused: only allocations change them now
     n.handle(A, Heartbeat(3, A, 2, 3, 1, cert(3, A, (A, B), voters=(A, B))), 0.3)
     assert n.voters == FIVE  # never from a heartbeat
-    n.apply_allocation(3, 2, (A, B, C, D), None, 0.4)
-    assert n.voters == (A, B, C, D) and n.last_applied == (3, 2)
+    four = changed(council(), (A, B, C, D), c)
+    assert n.may_apply(A, 3, 2, c, four) is None
+    n.apply_allocation(3, 2, four, c, 0.4)
+    assert n.voters == (A, B, C, D) and n.last_applied == (3, 2) and n.council == four
+
+
+def test_a_council_changes_one_voter_at_a_time_certified_by_the_council_before():
+    # What every configured peer checks on receipt of an allocation: its council is this peer's,
+    # or this peer's followed by changes, each one voter, signed by its maker over a certificate
+    # of the council before it, none after the allocation's term and those of its term by its
+    # issuer, a voter added only below the root's size. A coordinator elected once cannot put a
+    # council of its own making in, nor grow it past its size.
+    root7 = Council(b"", FIVE, 0, 7)
+    n = follower_of(A, term=3, council=root7)
+    c = hb(3, A).certificate
+    assert n.may_apply(A, 3, 1, c, root7) is None
+    sybils = Council(b"", tuple(sorted(FIVE + (X, Y))), 0, 7)  # a new root of its own making
+    assert "does not follow" in n.may_apply(A, 3, 1, c, sybils).reason
+    with pytest.raises(ValueError, match="one voter at a time"):
+        changed(root7, FIVE[:3], c)  # two out at once
+    with pytest.raises(ValueError, match="one voter at a time"):
+        changed(root7, tuple(sorted(FIVE + (X, Y))), c)  # two in at once
+    one = changed(root7, tuple(sorted(FIVE + (X,))), c)
+    two = changed(one, tuple(sorted(FIVE + (X, Y))), cert(3, A, (A, B, C, D, X), voters=one.voters))
+    assert n.may_apply(A, 3, 1, c, one) is None
+    assert n.may_apply(A, 3, 1, c, two) is None  # each change certified by the council before it
+    full = follower_of(A, term=3)  # a root of size 5
+    assert "its root's size" in full.may_apply(A, 3, 1, c, changed(council(), tuple(sorted(FIVE + (X,))), c)).reason
+    other = changed(root7, tuple(sorted(FIVE + (X,))), cert(3, C, (A, B, C, D)))  # made by another peer
+    assert "not one its issuer made" in n.may_apply(A, 3, 1, c, other).reason
+    later = changed(root7, tuple(sorted(FIVE + (X,))), cert(4, A, (A, B, C, D)))  # of a term after the allocation's
+    assert n.may_apply(A, 3, 1, c, later).code == "bad-council"
+    forged = root7.extended(CouncilLink(c, one.voters, SIGNERS[X].sign(b"not A's")))
+    assert "not signed by its issuer" in n.may_apply(A, 3, 1, c, forged).reason
+    n.apply_allocation(3, 1, one, c, 0.1)
+    assert n.voters == one.voters and n.council == one
+    assert "does not follow" in n.may_apply(A, 3, 2, c, root7).reason  # no going back to an older council
+
+
+def test_a_joiner_takes_a_council_only_from_a_chain_from_its_root():
+    # A peer without a council checks the whole chain an allocation carries: every link
+    # certified by a quorum of the council before it and signed by its issuer, the allocation's
+    # certificate over the last council (or the one before, when this allocation made the last
+    # change). The root itself is the plane's to check (control/operator.py check_council).
+    j = ElectionState(X, CFG, random.Random(0), 0.0, signer=SIGNERS[X])
+    c = cert(3, A, (A, B, C, D))
+    assert j.may_apply(A, 3, 1, c, council()) is None
+    four = changed(council(), (A, B, C, D), c)
+    assert j.may_apply(A, 3, 1, c, four) is None  # this allocation made the change
+    c4 = cert(4, B, (A, B, C), voters=(A, B, C, D))
+    assert j.may_apply(B, 4, 1, c4, four) is None  # a later coordinator of the four
+    assert j.may_apply(B, 4, 1, cert(4, B, (B, C, D, E)), four).code == "bad-certificate"  # over the old five
+    two_forged = Certificate(3, A, FIVE, cert(3, A, (A, B, C, D)).votes[:2] + ((2, bytes(64)), (3, bytes(64))))
+    bad = council().extended(CouncilLink(two_forged, (A, B, C, D), SIGNERS[A].sign(link_payload(3, FIVE, (A, B, C, D)))))
+    assert "is not its signature" in j.may_apply(A, 3, 1, c, bad).reason
+    own = Council(b"", (A, X, Y), 0)  # a self-made council of sybils: a root the plane refuses
+    assert j.may_apply(X, 9, 1, cert(9, X, (X, Y), voters=(A, X, Y)), own) is None  # (its root is the plane's)
+    j.apply_allocation(4, 1, four, c4, 0.1)
+    assert (j.voters, j.term, j.coordinator) == ((A, B, C, D), 4, B)
 
 
 def test_a_configuration_change_the_next_coordinator_never_saw_is_undone_by_it():
@@ -454,26 +527,29 @@ def test_a_configuration_change_the_next_coordinator_never_saw_is_undone_by_it()
     and B's votes are one of its two voters; not a certificate of the change's own term, nor
     one after a later term kept the two."""
     three, two = (A, B, C), (B, C)
+    root = council(three)
     n = node(C, voters=three)
     n.handle(C, hb(3, C, voters=three), 0.0)
-    n.apply_allocation(3, 1, three, cert(3, C, (B, C), three), 0.1)
+    c3 = cert(3, C, (B, C), three)
+    n.apply_allocation(3, 1, root, c3, 0.1)
     assert n.previous is None  # the first configuration applied here changed nothing
-    n.apply_allocation(3, 2, two, cert(3, C, (B, C), two), 0.2)
+    dropped = changed(root, two, c3)
+    n.apply_allocation(3, 2, dropped, cert(3, C, (B, C), two), 0.2)
     assert n.voters == two and n.previous == PreviousConfiguration(three, 3)
     later = cert(4, B, (A, B), three)
-    assert n.may_apply(B, 4, 1, later, three) is None
-    assert n.may_apply(A, 4, 1, cert(4, A, (A, B), three), three) is None  # A: a voter of the three
-    assert n.may_apply(B, 4, 1, cert(4, B, (B, X), (B, X, Y)), three).code == "bad-certificate"  # 1 of three
-    restarted = node(C, voters=two, applied=(3, 2), previous=n.previous)  # as applied.json keeps it
-    assert restarted.may_apply(B, 4, 1, later, three) is None
-    assert restarted.may_apply(B, 3, 3, cert(3, B, (A, B), three), three).code == "bad-certificate"  # its own term
-    forgot = node(C, voters=two, applied=(3, 2))
-    assert "signed by 1 of the 2 voters" in forgot.may_apply(B, 4, 1, later, three).reason
-    out = n.apply_allocation(4, 1, three, later, 0.3)
+    assert n.may_apply(B, 4, 1, later, root) is None
+    assert n.may_apply(A, 4, 1, cert(4, A, (A, B), three), root) is None  # A: a voter of the three
+    assert n.may_apply(B, 4, 1, cert(4, B, (B, X), (B, X, Y)), root).code == "bad-certificate"  # 1 of three
+    restarted = node(C, council=dropped, applied=(3, 2), previous=n.previous)  # as applied.json keeps it
+    assert restarted.may_apply(B, 4, 1, later, root) is None
+    assert restarted.may_apply(B, 3, 3, cert(3, B, (A, B), three), root) is not None  # its own term
+    forgot = node(C, council=dropped, applied=(3, 2))
+    assert "does not follow" in forgot.may_apply(B, 4, 1, later, root).reason
+    out = n.apply_allocation(4, 1, root, later, 0.3)
     assert CoordinatorKnown(4, B) in out and n.voters == three and n.previous == PreviousConfiguration(two, 4)
-    kept = node(C, voters=two, applied=(3, 2), previous=PreviousConfiguration(three, 3))
-    kept.apply_allocation(5, 1, two, cert(5, B, (B, C), two), 0.1)  # a coordinator of term 5 keeps the two
-    assert kept.previous is None and kept.may_apply(B, 6, 1, cert(6, B, (A, B), three), three).code == "bad-certificate"
+    kept = node(C, council=dropped, applied=(3, 2), previous=PreviousConfiguration(three, 3))
+    kept.apply_allocation(5, 1, dropped, cert(5, B, (B, C), two), 0.1)  # a coordinator of term 5 keeps the two
+    assert kept.previous is None and kept.may_apply(B, 6, 1, cert(6, B, (A, B), three), root).code is not None
 
 
 @pytest.mark.parametrize("issuer, term, epoch, applied, signers, code", [
@@ -508,28 +584,28 @@ def test_may_apply(issuer, term, epoch, applied, signers, code):
         c = cert(term, X, (X, Y), voters=(X, Y))
     else:
         c = cert(term, issuer, signers)
-    refusal = n.may_apply(issuer, term, epoch, c, FIVE)
+    refusal = n.may_apply(issuer, term, epoch, c, council())
     assert (refusal.code if refusal else None) == code
 
 
 def test_applied_only_grows():
     n = follower_of(A, term=3)
     c = hb(3, A).certificate
-    assert n.may_apply(A, 3, 1, c, FIVE) is None
+    assert n.may_apply(A, 3, 1, c, council()) is None
     n.applied(3, 1)
-    assert n.may_apply(A, 3, 1, c, FIVE).code == "stale"
+    assert n.may_apply(A, 3, 1, c, council()).code == "stale"
     with pytest.raises(ValueError):
         n.applied(3, 1)
     n.applied(3, 2)
     assert n.last_applied == (3, 2)
-    assert n.apply_allocation(3, 2, FIVE, c, 0.1) == [] and n.last_applied == (3, 2)  # refused, logged
+    assert n.apply_allocation(3, 2, council(), c, 0.1) == [] and n.last_applied == (3, 2)  # refused, logged
 
 
 def test_an_allocation_of_a_newer_certified_term_is_followed():
     n = node(B, term=2)
     c = cert(5, C, (B, C, D, E))
-    assert n.may_apply(C, 5, 1, c, FIVE) is None
-    out = n.apply_allocation(5, 1, FIVE, c, 0.0)
+    assert n.may_apply(C, 5, 1, c, council()) is None
+    out = n.apply_allocation(5, 1, council(), c, 0.0)
     assert Persist(5, None) in out and CoordinatorKnown(5, C) in out
     assert (n.term, n.coordinator, n.last_applied, n.certificate) == (5, C, (5, 1), c)
 
@@ -810,19 +886,18 @@ def test_at_the_largest_term_no_arithmetic_overflows():
     assert n.tick(100.0) == [] and n.role is ElectionRole.FOLLOWER
 
 
-def test_a_peer_without_a_configuration_takes_only_a_certificate_that_names_it():
+def test_a_peer_without_a_council_follows_no_heartbeat_and_applies_as_a_follower():
     n = node(B, voters=None)
     three = (A, C, D)
-    assert n.handle(A, hb(1, A, voters=three, signers=(A, C)), 0.0) == []  # names no configuration of B
-    out = n.handle(A, hb(1, A, voters=(A, B, C), signers=(A, C)), 0.0)
-    assert CoordinatorKnown(1, A) in out and n.coordinator == A
-    assert n.voters == ()  # never from a heartbeat
-    # its first allocation: only one that makes it a voter
+    assert n.handle(A, hb(1, A, voters=three, signers=(A, C)), 0.0) == []
+    assert n.handle(A, hb(1, A, voters=(A, B, C), signers=(A, C)), 0.0) == []  # even one naming it
+    assert n.coordinator is None and n.voters == () and n.term == 0
+    # its first allocation: any whose chain checks, a voter of it or not (peers outside the council follow)
     c = cert(1, A, (A, C), voters=three)
-    assert n.may_apply(A, 1, 1, c, three).code == "not-voter"
-    assert n.may_apply(A, 1, 1, c, (A, B, C, D)) is None
-    n.apply_allocation(1, 1, (A, B, C, D), c, 0.1)
-    assert n.voters == (A, B, C, D) and n.last_applied == (1, 1)
+    assert n.may_apply(A, 1, 1, c, council(three)) is None
+    n.apply_allocation(1, 1, council(three), c, 0.1)
+    assert n.voters == three and n.last_applied == (1, 1) and n.coordinator == A
+    assert n.handle(C, request(2, C, applied=(1, 1), voters=three), 0.2) == []  # outside the council: never votes
 
 
 def test_a_certificate_is_verified_once():
@@ -830,7 +905,7 @@ def test_a_certificate_is_verified_once():
     c = hb(4, A).certificate
     checked = n.signatures_checked
     for epoch in range(1, 20):
-        assert n.may_apply(A, 4, epoch, c, FIVE) is None
+        assert n.may_apply(A, 4, epoch, c, council()) is None
     assert n.signatures_checked == checked + 4
 
 
@@ -838,7 +913,7 @@ def test_after_a_configuration_change_the_coordinator_is_certified_again():
     n = coordinator(A)
     c1 = n.certificate
     four = (A, B, C, D)
-    out = n.apply_allocation(1, 1, four, c1, 0.1)
+    out = n.apply_allocation(1, 1, changed(council(), four, c1), c1, 0.1)
     asks = sends(out, RequestVote)
     assert {a.to for a in asks} == {B, C, D} and asks[0].msg.config == config_digest(four) and asks[0].msg.term == 1
     # a voter that voted for A in term 1 signs again, over the new configuration, without a second vote
@@ -858,7 +933,7 @@ def test_a_coordinator_not_certified_again_in_time_stands_in_the_new_configurati
     # timeout A stands in term 2 among the new voters, whose votes make a certificate they check.
     n = coordinator(A, config=CFG.with_(check_quorum=False))  # (no acks are fed here)
     new = tuple(sorted((A, C, D, E, X)))
-    n.apply_allocation(1, 1, new, n.certificate, 0.1)
+    n.apply_allocation(1, 1, council(new), n.certificate, 0.1)  # (two changes: applied as told, may_apply aside)
     n.handle(D, vote(D, 1, A, new), 0.12)
     assert n.certificate.config == config_digest(FIVE)  # 2 of 5 signed again: not a quorum
     early = n.tick(0.1 + CFG.election_timeout_max_s - 0.01)

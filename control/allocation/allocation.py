@@ -77,8 +77,10 @@ ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before sig
 # compression existed), so one allocation still has one body and exact runs mix with peers
 # that read format 3 only. Format 5 appends a per-link run's choice of which links and DP
 # groups compress (`compress_links`); a run compressed alike everywhere stays format 4.
-FORMAT_VERSION = 5
-FORMATS = (3, 4, 5)
+# Formats 6, 7 and 8 are 3, 4 and 5 with the run's council (control/election/council.py) last.
+FORMAT_VERSION = 8
+FORMATS = (6, 7, 8)
+MAX_COUNCIL_BYTES = 4096 + 128 + 1024 + 64 * 1024  # (control/election/council.py's bound)
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_CODE_LEN = 32
 
@@ -88,7 +90,8 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 _BODY_V3 = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
             "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
             "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
-_BODIES = {3: _BODY_V3, 4: _BODY_V3 + ("compression",), 5: _BODY_V3 + ("compression", "compress_links")}
+_BODIES = {6: _BODY_V3 + ("council",), 7: _BODY_V3 + ("compression", "council"),
+           8: _BODY_V3 + ("compression", "compress_links", "council")}
 _CODE = re.compile(r"[a-z][a-z-]*")
 
 
@@ -117,10 +120,12 @@ class Allocation:
     holdings: tuple[Holding, ...] = ()
     absent: tuple[bytes, ...] = ()  # members the issuer could not reach: neither stage nor spare
     reason: str = ""  # why this epoch: "train start", "peer 3fa2c1d0 is dead", ...
-    # The election's configuration from this epoch on (sorted; the issuer is one). It differs
-    # from the previous epoch's by one peer at most, so every quorum of the old voters meets
-    # every quorum of the new (control/election/certificate.py). Empty: the peers and spares.
+    # The election's council from this epoch on (sorted; the issuer is one): `council`'s voters.
     voters: tuple[bytes, ...] = ()
+    # The council's root (an operator's signed operation) and its changes since, one voter at a
+    # time, each certified by a quorum of the council before (control/election/council.py,
+    # `Council.encode()`): every peer checks that it follows from its own, a joiner from the root.
+    council: bytes = b""
     # The run's start as its operator signed it (control/operator.py `SignedOp.encode()`),
     # carried by every allocation of the run: each peer checks that an operator of the swarm
     # started it (`check_operator_start`). Empty: none, and peers refuse the allocation.
@@ -143,6 +148,8 @@ class Allocation:
         check_str("reason", self.reason, 0, MAX_REASON_LEN)
         if type(self.operator_start) is not bytes or len(self.operator_start) > MAX_OPERATOR_START_BYTES:
             raise ValueError(f"operator_start must be at most {MAX_OPERATOR_START_BYTES} bytes")
+        if type(self.council) is not bytes or len(self.council) > MAX_COUNCIL_BYTES:
+            raise ValueError(f"council must be at most {MAX_COUNCIL_BYTES} bytes")
         object.__setattr__(self, "layer_ranges", tuple(tuple(r) for r in self.layer_ranges))
         object.__setattr__(self, "spares", tuple(self.spares))
         check_int("epoch", self.epoch, 1, MAX_COUNTER)
@@ -304,8 +311,9 @@ class Allocation:
         links = self.compress_links
         if links is not None:
             extra.append([[list(row) for row in links.pp], list(links.dp)])
+        extra.append(self.council)
         return pack([
-            3 if self.compression.exact else 4 if links is None else 5, self.run_id, self.term, self.epoch, self.issuer, self.preset,
+            6 if self.compression.exact else 7 if links is None else 8, self.run_id, self.term, self.epoch, self.issuer, self.preset,
             config_to_wire(self.model, "model"), config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
@@ -357,6 +365,7 @@ class Allocation:
                 voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
                 operator_start=get_bytes(d, "operator_start", 0, MAX_OPERATOR_START_BYTES),
                 compression=compression, compress_links=links,
+                council=get_bytes(d, "council", 0, MAX_COUNCIL_BYTES),
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None

@@ -21,6 +21,7 @@ within the clock-skew window, not taken before, and no other operation of its ki
 from __future__ import annotations
 
 import enum
+import hashlib
 import itertools
 import logging
 import math
@@ -125,6 +126,9 @@ class CoordinatorTimings:
     # A peer that announced a planned leave is kept out of allocations this long (it leaves
     # gossip at once once handed off; a peer that comes back later is placed again).
     leaving_kept_s: float = 120.0
+    # The council the coordinator aims for (3, 5 or 7 voters; control/election/council.py): more
+    # voters survive more crashes (5: one, 7: two) at the cost of more votes per election.
+    council_size: int = 5
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -827,7 +831,7 @@ class Coordinator:
                                end_step=req.steps, checkpoint_every=req.checkpoint_every,
                                predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
                                absent=self._absent(named), run_id=op.run_id, reason="train start",
-                               voters=self._next_voters(named, set(self.swarm.live_peers()) | {self.me}),
+                               **self._council(named, set(self.swarm.live_peers()) | {self.me}),
                                operator_start=start.signed.encode(), compression=req.compression,
                                compress_links=links_for(shape, req.compression))
         except ValueError as e:
@@ -1170,12 +1174,25 @@ class Coordinator:
                           data_name=cur.data_name, start_step=rp.step, end_step=cur.end_step,
                           checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                           spares=shape.spares, holdings=holdings, absent=self._absent(named),
-                          reason=trigger[:1024], voters=self._next_voters(named, reachable),
+                          reason=trigger[:1024], **self._council(named, reachable),
                           operator_start=cur.operator_start, compression=cur.compression,
                           compress_links=links_for(shape, cur.compression))
 
-    def _next_voters(self, named: set[bytes], reachable: set[bytes]) -> tuple[bytes, ...]:
-        return next_voters(tuple(self.election.voters), named, reachable, self.me)
+    def _council(self, named: set[bytes], reachable: set[bytes]) -> dict:
+        """The allocation's `voters` and `council`: one step toward a council of its root's size
+        of live voters spread over the regions (`next_council`), when the election can make it now
+        (else the council as it is); ValueError when this peer has no council to hand out."""
+        old = tuple(self.election.voters)
+        live = set(self.swarm.live_peers()) | {self.me}  # (a removed voter must be gone to every peer's gossip)
+        own = self.election.council
+        size = own.size if own is not None else self.t.council_size  # (the operator's root names it)
+        want = next_council(old, named & reachable & live, live, self.swarm.regions(), size, self.me)
+        council = self.election.council_for(want) if want != old else None
+        if council is None:
+            council = self.election.council_for(old)
+        if council is None:
+            raise ValueError("this peer holds no council to hand out (it is not the certified coordinator)")
+        return {"voters": council.voters, "council": council.encode()}
 
     def _absent(self, named: set[bytes]) -> tuple[bytes, ...]:
         """Every member this peer knows of that has no place: peers whose gossip still counts
@@ -1445,24 +1462,48 @@ class Coordinator:
 
 
 
-def next_voters(old_voters: tuple[bytes, ...], named: set[bytes], reachable: set[bytes],
-                me: bytes) -> tuple[bytes, ...]:
-    """The next configuration: one step from the current voters toward the named peers (an
-    unreachable voter out first, then a named peer in, then a reachable voter out), so every
-    quorum of the old voters meets every quorum of the new (in two voters from 4 voters on, see
-    election/certificate.py) and one term never gets two coordinators. Further differences go at the next epochs."""
-    old = set(old_voters) or set(named)
+def first_council(me: bytes, live: set[bytes], regions: Mapping[bytes, str], size: int) -> tuple[bytes, ...]:
+    """A first council for an operator's start: this peer, then live peers added as
+    `next_council` would add them, up to `size`."""
+    voters: tuple[bytes, ...] = (me,)
+    while len(voters) < size:
+        grown = next_council(voters, live, live | {me}, regions, size, me)
+        if grown == voters:
+            break
+        voters = grown
+    return voters
+
+
+def next_council(old_voters: tuple[bytes, ...], candidates: set[bytes], reachable: set[bytes],
+                 regions: Mapping[bytes, str], size: int, me: bytes) -> tuple[bytes, ...]:
+    """The next council: one voter from the current one toward `size` live voters spread over
+    the regions. An unreachable voter goes out first; else, below `size`, the candidate (a
+    reachable peer of the allocation) of the region the council has fewest voters of comes in;
+    else, above `size`, a voter of the region it has most of goes out. Never this peer (the
+    issuer, elected by the council). One voter a step, so every quorum of the old council meets
+    every quorum of the new (election/certificate.py); the rest goes at the next epochs."""
+    old = set(old_voters)
     new = set(old)
-    gone = sorted(old - named - reachable - {me})
-    joining = sorted(named - old)
-    leaving = sorted(old - named - {me})
+
+    def region(p: bytes) -> str:
+        return regions.get(p, "")
+
+    def held(r: str, among: set[bytes]) -> int:
+        return sum(1 for v in among if region(v) == r)
+
+    def order(p: bytes) -> bytes:  # a stable tie-break every peer computes alike
+        return hashlib.blake2b(p, digest_size=8).digest()
+
+    gone = sorted(old - reachable - {me})
+    joining = candidates - old - {me}
     if gone:
         new.discard(gone[0])
-    elif joining:
-        new.add(joining[0])
-    elif leaving:
-        new.discard(leaving[0])
-    new.add(me)  # the issuer is a voter (it was elected by this configuration)
+    elif len(old) < size and joining:
+        new.add(min(joining, key=lambda p: (held(region(p), old), order(p))))
+    elif len(old) > size:
+        leaving = old - {me}
+        if leaving:
+            new.discard(max(leaving, key=lambda p: (held(region(p), old), order(p))))
     return tuple(sorted(new))
 
 

@@ -6,6 +6,7 @@
     certificate.py  signed votes, the Certificate of an election, and its (cached) check
     discovery.py the question "who is the coordinator?", its answer, and why none was found
     limits.py    the wire's bounds (MAX_TERM, MAX_VOTERS) and the check of a configuration
+    council.py   the council: its operator's root, its one-voter changes, and their check
     store.py     the durable term and vote (file or memory)
     service.py   ElectionService, the trio driver of ElectionState inside a daemon
     sim.py       a deterministic simulated network of ElectionState nodes, for tests and
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .certificate import Certificate, CertificateCheck, config_digest, quorum, vote_payload
     from .config import ElectionConfig
+    from .council import COUNCIL_SIZES, MAX_COUNCIL, Council, CouncilLink
     from .discovery import CoordinatorAnswer, Discovery
     from .messages import (
         MAX_TERM,
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from .store import ElectionStore, ElectionStoreError, FileElectionStore, MemoryElectionStore
 
 __all__ = [
+    "COUNCIL_SIZES",
+    "MAX_COUNCIL",
     "MAX_TERM",
     "MAX_VOTERS",
     "BecameCoordinator",
@@ -54,6 +58,8 @@ __all__ = [
     "CertificateCheck",
     "CoordinatorAnswer",
     "CoordinatorKnown",
+    "Council",
+    "CouncilLink",
     "Discovery",
     "ElectionAction",
     "ElectionConfig",
@@ -90,6 +96,7 @@ __all__ = [
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".certificate": ("Certificate", "CertificateCheck", "config_digest", "quorum", "vote_payload"),
     ".config": ("ElectionConfig",),
+    ".council": ("COUNCIL_SIZES", "MAX_COUNCIL", "Council", "CouncilLink"),
     ".discovery": ("CoordinatorAnswer", "Discovery"),
     ".messages": (
         "MAX_TERM", "MAX_VOTERS", "ElectionMessage", "Heartbeat", "HeartbeatAck", "PreVote", "PreVoteReply", "RequestVote", "Vote",

@@ -71,6 +71,7 @@ from ..allocation import Refusal
 from ..messages import ControlMsg
 from .config import ElectionConfig
 from .certificate import Certificate
+from .council import Council
 from .discovery import CoordinatorAnswer, Discovery, explain
 from .messages import ElectionMessage, check_voters, decode_election
 from .state import (
@@ -166,6 +167,11 @@ class ElectionService:
         return self._state.voters
 
     @property
+    def council(self) -> Council | None:
+        """The council (root and changes) the voters come from; None before this peer has one."""
+        return self._state.council
+
+    @property
     def last_applied(self) -> tuple[int, int]:
         return self._state.last_applied
 
@@ -196,15 +202,22 @@ class ElectionService:
     # ------------------------------------------------------------------ inputs from the control plane
 
     def set_voters(self, voters: Iterable[bytes]) -> None:
-        """A first configuration (`train start` on a peer that applied no allocation); sorted here."""
+        """A first council taken on trust (tests; a daemon roots its council: `set_root`)."""
         self._input(self._state.set_voters, check_voters(sorted(voters)))
 
-    def restore(self, term: int, epoch: int, voters: Iterable[bytes] | None,
+    def set_root(self, council: Council, *, rerooting: bool = False) -> None:
+        """A council rooted by an operator's signed operation the caller checked (state.py)."""
+        self._input(functools.partial(self._state.set_root, rerooting=rerooting), council)
+
+    def council_for(self, voters: Iterable[bytes]) -> Council | None:
+        """The council of an allocation whose voters are to be `voters` (state.py `council_for`)."""
+        return self._state.council_for(tuple(sorted(voters)))
+
+    def restore(self, term: int, epoch: int, council: Council | None,
                 previous: PreviousConfiguration | None = None) -> None:
-        """At start: the allocation this peer applied before it stopped (its configuration),
-        and the configuration before its last change, if it kept one."""
-        self._input(functools.partial(self._state.restore, previous=previous), term, epoch,
-                    None if voters is None else check_voters(sorted(voters)))
+        """At start: the allocation this peer applied before it stopped (its council), and the
+        configuration before its last change, if it kept one."""
+        self._input(functools.partial(self._state.restore, previous=previous), term, epoch, council)
 
     @property
     def previous(self) -> PreviousConfiguration | None:
@@ -212,17 +225,17 @@ class ElectionService:
         (kept on disk with the applied allocation)."""
         return self._state.previous
 
-    def apply_allocation(self, term: int, epoch: int, voters: Iterable[bytes], certificate: Certificate | None) -> None:
-        """An allocation this peer applies (`may_apply` said yes): (term, epoch), configuration, certificate."""
-        self._input(self._state.apply_allocation, term, epoch, check_voters(sorted(voters)), certificate)
+    def apply_allocation(self, term: int, epoch: int, council: Council, certificate: Certificate | None) -> None:
+        """An allocation this peer applies (`may_apply` said yes): (term, epoch), council, certificate."""
+        self._input(self._state.apply_allocation, term, epoch, council, certificate)
 
     def campaign(self) -> None:
         """Stand now (`train start` on this peer) rather than at the election timer."""
         self._input(self._state.campaign)
 
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
-                  voters: tuple[bytes, ...] = ()) -> Refusal | None:
-        return self._state.may_apply(issuer, term, epoch, certificate, voters)
+                  council: Council | None = None) -> Refusal | None:
+        return self._state.may_apply(issuer, term, epoch, certificate, council)
 
     def on_event(self, cb: Callable[[object], None]) -> None:
         """Call `cb(action)` with each BecameCoordinator, SteppedDown and CoordinatorKnown, in
@@ -379,7 +392,7 @@ class ElectionService:
         for cert in sorted(certs, key=lambda c: -c.term):
             self._input(self._state.learn, cert)
         configured = sum(1 for a in answers.values() if isinstance(a, CoordinatorAnswer) and a.voters)
-        found = self.me if self.is_coordinator else self._state.coordinator or self.heard_of
+        found = self.me if self.is_coordinator else self._state.coordinator
         if found is not None:
             logger.debug("%s: asked %d peers: the coordinator is %s", self._short, len(asked), short_id(found))
             return Discovery(found, "", configured)

@@ -51,8 +51,10 @@ from dtfm.scenarios import load_scenario
 
 from .certificate import Certificate, quorum, vote_payload
 from .config import ElectionConfig
+from .council import MAX_COUNCIL, Council
 from .messages import ElectionMessage, Vote, decode_election
 from .state import (
+    trusted_root,
     BecameCoordinator,
     CoordinatorKnown,
     ElectionRole,
@@ -109,12 +111,13 @@ class ElectionSim:
         self.inbox: dict[int, collections.deque] = {k: collections.deque(maxlen=INBOX_MESSAGES) for k in self.liars}
         self.certificates: dict[tuple[int, bytes], Certificate] = {}  # (term, coordinator) -> its certificate
         self._genuine: set[bytes] = set()  # digests of certificates whose signatures all verify
-        # the first configuration: every node (liars_vote False: every node but the liars)
-        self.voters = tuple(p for k, p in enumerate(self.ids) if liars_vote or k not in self.liars)
+        # the first council: every node (liars_vote False: every node but the liars), at most
+        # MAX_COUNCIL of them
+        self.voters = tuple(p for k, p in enumerate(self.ids) if liars_vote or k not in self.liars)[:MAX_COUNCIL]
         self.now = 0.0
         self.stores = [MemoryElectionStore() for _ in range(n)]
         self.disk_applied: list[tuple[int, int]] = [(0, 0)] * n
-        self.disk_voters: list[tuple[bytes, ...]] = [self.voters] * n
+        self.disk_council: list[Council] = [self._first_council(self.voters)] * n
         self.disk_previous: list[PreviousConfiguration | None] = [None] * n
         self.offsets = [0.0] * n
         self.groups = [0] * n
@@ -132,6 +135,10 @@ class ElectionSim:
         self._tick_at = [float("nan")] * n
         for k in range(n):
             self._boot(k)
+
+    def _first_council(self, voters: tuple[bytes, ...]) -> Council:
+        """The council every node starts with (a subclass roots it in an operator's operation)."""
+        return trusted_root(voters)
 
     # ------------------------------------------------------------------ queries
 
@@ -185,25 +192,36 @@ class ElectionSim:
         if node is not None:
             self._run(k, node.tick(self.local_now(k)))
 
-    def offer(self, src: int, term: int, epoch: int, voters: tuple[bytes, ...], cert: Certificate | None) -> int:
-        """Node (or liar) src's allocation of (term, epoch) configuring `voters`, with `cert`,
-        offered to every live node at once (no network; PlaneSim runs the real hand-out): each
-        applies it if its `may_apply` says yes. Checked: an allocation is applied only from the
-        coordinator a true certificate elects in its term, and applied (term, epoch) only grows.
-        Returns how many applied it."""
+    def council_of(self, src: int, voters: tuple[bytes, ...]) -> Council:
+        """The council node src's allocation configuring `voters` carries: its own council with
+        the change it signs (`council_for`) where it can make it; else (a liar, a node that is not
+        the certified coordinator, or more than one change) `voters` as a root of its own making,
+        which no configured peer takes."""
+        node = self.nodes[src]
+        council = node.council_for(tuple(sorted(voters))) if node is not None else None
+        return council if council is not None else Council(b"forged", tuple(sorted(voters)), 0)
+
+    def offer(self, src: int, term: int, epoch: int, voters: tuple[bytes, ...] | Council,
+              cert: Certificate | None) -> int:
+        """Node (or liar) src's allocation of (term, epoch) configuring `voters` (a council, or
+        the voters `council_of` makes one of), with `cert`, offered to every live node at once
+        (no network; PlaneSim runs the real hand-out): each applies it if its `may_apply` says
+        yes. Checked: an allocation is applied only from the coordinator a true certificate
+        elects in its term, and applied (term, epoch) only grows. Returns how many applied it."""
         applied = 0
         issuer = self.ids[src]
+        council = voters if isinstance(voters, Council) else self.council_of(src, voters)
         for k in self.live():
             node = self.node(k)
-            if node.may_apply(issuer, term, epoch, cert, voters) is not None:
+            if node.may_apply(issuer, term, epoch, cert, council) is not None:
                 continue
             why = self._certified(cert, term, issuer)
             if why is not None:
                 self._violation(f"node {k} applied term {term} epoch {epoch} of {src} on {why}")
             if (term, epoch) <= self.disk_applied[k]:
                 self._violation(f"node {k} applied ({term}, {epoch}) after {self.disk_applied[k]}")
-            self.disk_applied[k], self.disk_voters[k] = (term, epoch), voters
-            self._run(k, node.apply_allocation(term, epoch, voters, cert, self.local_now(k)))
+            self.disk_applied[k], self.disk_council[k] = (term, epoch), council
+            self._run(k, node.apply_allocation(term, epoch, council, cert, self.local_now(k)))
             self.disk_previous[k] = node.previous
             applied += 1
         return applied
@@ -256,7 +274,7 @@ class ElectionSim:
         term, voted_for = self.stores[k].load()
         self.nodes[k] = ElectionState(self.ids[k], self.config, random.Random(self.rng.random()), self.local_now(k),
                                       signer=self.signers[self.ids[k]], term=term, voted_for=voted_for,
-                                      voters=self.disk_voters[k], applied=self.disk_applied[k],
+                                      council=self.disk_council[k], applied=self.disk_applied[k],
                                       previous=self.disk_previous[k])
         self._schedule(k)
         self._booted(k)
@@ -407,12 +425,14 @@ class ElectionSim:
 
 
 def _settled(sim: ElectionSim, limit_s: float) -> int:
-    """Run until exactly one node is coordinator and every live node follows it; that node."""
+    """Run until exactly one node is coordinator and every live voter follows it; that node
+    (nodes outside the council hear no heartbeats: they learn the coordinator by asking)."""
     end = sim.now + limit_s
     while sim.now < end:
         sim.run_for(0.05)
         coords = sim.coordinators()
-        if len(coords) == 1 and all(sim.node(k).coordinator == sim.ids[coords[0]] for k in sim.live()):
+        voters = [k for k in sim.live() if sim.ids[k] in sim.node(k).voters]
+        if len(coords) == 1 and all(sim.node(k).coordinator == sim.ids[coords[0]] for k in voters):
             return coords[0]
     raise RuntimeError(f"no settled coordinator within {limit_s:g} s (seed of the run decides; see violations)")
 

@@ -112,6 +112,7 @@ from dtfm.net import short_id, verify_signature
 from ..allocation import Refusal
 from .certificate import Certificate, CertificateCheck, config_digest, quorum, vote_payload
 from .config import ElectionConfig
+from .council import MAX_COUNCIL, Council, CouncilLink, change_refusal, link_payload
 from .discovery import CoordinatorAnswer
 from .messages import (
     MAX_TERM,
@@ -136,6 +137,7 @@ __all__ = [
     "PreviousConfiguration",
     "SteppedDown",
     "VoteSigner",
+    "trusted_root",
 ]
 
 logger = logging.getLogger(__name__)
@@ -220,7 +222,8 @@ class _Round:
 class ElectionState:
     def __init__(self, me: bytes, config: ElectionConfig, rng: random.Random, now: float, *, signer: VoteSigner,
                  term: int = 0, voted_for: bytes | None = None, voters: tuple[bytes, ...] | None = None,
-                 applied: tuple[int, int] = (0, 0), previous: PreviousConfiguration | None = None) -> None:
+                 applied: tuple[int, int] = (0, 0), previous: PreviousConfiguration | None = None,
+                 council: Council | None = None) -> None:
         if type(term) is not int or not 0 <= term <= MAX_TERM:
             raise ValueError(f"term must be in [0, {MAX_TERM}], got {term}")
         if signer.peer_id != me:
@@ -234,11 +237,14 @@ class ElectionState:
         self.role = ElectionRole.FOLLOWER
         self.coordinator: bytes | None = None  # the coordinator of self.term, as known here
         self.certificate: Certificate | None = None  # the coordinator's, once recognised (own when coordinator)
-        self.voters: tuple[bytes, ...] = ()
+        self.voters: tuple[bytes, ...] = ()  # self.council.voters, () without a council
+        self.council: Council | None = None  # the root and changes that made the voters (council.py)
         self._config: bytes | None = None  # config_digest(self.voters)
         self.previous: PreviousConfiguration | None = None  # before the last change, while it may be undone
-        if voters is not None:
-            self._set_configuration(voters)
+        if council is None and voters is not None:
+            council = trusted_root(voters)
+        if council is not None:
+            self._set_configuration(council)
             self.previous = previous
         applied_term, applied_epoch = applied
         self.last_applied: tuple[int, int] = (applied_term, applied_epoch)
@@ -290,14 +296,14 @@ class ElectionState:
             if why is not None and self._previous_elects(cert):
                 return None
             return why
-        if self.me not in cert.voters:
-            return "this peer has no configuration yet, and the certificate's does not name it"
-        return self._checker.check(cert, cert.voters, cert.config)
+        return ("this peer has no council yet: it recognises a coordinator only through an allocation whose "
+                "council comes from the operator's root")
 
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
-                  voters: tuple[bytes, ...] = ()) -> Refusal | None:
-        """None if an allocation of `issuer` at (term, epoch), configuring `voters`, that carries
-        `certificate` may be applied here, else why not."""
+                  council: Council | None = None) -> Refusal | None:
+        """None if an allocation of `issuer` at (term, epoch), carrying `council` (whose root the
+        caller checked against the operators) and `certificate`, may be applied here, else why
+        not."""
         if certificate is None:
             return Refusal("bad-certificate", "the allocation carries no certificate of its issuer's election")
         if certificate.term != term or certificate.candidate != issuer:
@@ -311,19 +317,55 @@ class ElectionState:
         if (term, epoch) <= self.last_applied:
             return Refusal("stale", f"term {term} epoch {epoch} is not newer than term {self.last_applied[0]} "
                                     f"epoch {self.last_applied[1]}, already applied")
-        if self.voters:
-            if issuer not in self.voters and not self._previous_elects(certificate):
-                return Refusal("not-voter", f"the issuer {short_id(issuer)} is not a voter of this peer's "
-                                            "configuration")
-            why = self.check_certificate(certificate)
-        elif self.me not in voters:
-            return Refusal("not-voter", "this peer has no configuration yet, and the allocation does not make "
-                                        "it a voter")
-        else:
+        if council is None:
+            return Refusal("bad-council", "the allocation carries no council")
+        if self.voters and issuer not in council.voters and issuer not in self.voters \
+                and not self._previous_elects(certificate):
+            return Refusal("not-voter", f"the issuer {short_id(issuer)} is not a voter of this peer's council "
+                                        "nor of the allocation's")
+        refusal = self._council_refusal(issuer, term, council)
+        if refusal is not None:
+            return refusal
+        over = [council.voters]
+        last = council.links[-1] if council.links else None
+        if last is not None and last.issuer == issuer and last.term == term:
+            over.append(last.before)  # this allocation may have made the last change: elected before it
+        if certificate.voters in over:
             why = self._checker.check(certificate, certificate.voters, certificate.config)
+        elif self.voters:
+            why = self.check_certificate(certificate)  # (an undone change: the council before it)
+        else:
+            why = "it is not over the allocation's council"
         if why is not None:
             return Refusal("bad-certificate", f"the certificate of {short_id(issuer)} in term {term}: {why}")
         return None
+
+    def _council_refusal(self, issuer: bytes, term: int, council: Council) -> Refusal | None:
+        """None if `council` follows from this peer's (module docstring, council.py): it is this
+        peer's with the changes made since, each one voter, certified by a quorum of the council
+        before it and signed by its issuer, none after `term`, and those of `term` by `issuer`;
+        where this peer's last change may have been undone, its council before that change
+        serves as well. A peer without a council checks every change from the root."""
+        own = self.council
+        bases = [council.truncated(0)] if own is None else [own]
+        if own is not None and own.links and self.previous is not None and term > self.previous.term:
+            bases.append(own.truncated(len(own.links) - 1))
+        for base in bases:
+            n = len(base.links)
+            if not base.same_root(council) or council.links[:n] != base.links:
+                continue
+            for link in council.links[n:]:
+                if link.term > term or (link.term == term and link.issuer != issuer):
+                    return Refusal("bad-council", f"the allocation's council has a change of term {link.term} by "
+                                                  f"{short_id(link.issuer)}, not one its issuer made before or in "
+                                                  f"its term {term}")
+            why = council.verify(self._checker, start=n)
+            if why is not None:
+                return Refusal("bad-council", f"the allocation's council: {why}")
+            return None
+        assert own is not None
+        return Refusal("bad-council", f"the allocation's council ({council.describe()}) does not follow from this "
+                                      f"peer's ({own.describe()})")
 
     # ------------------------------------------------------------------ driver inputs
 
@@ -334,10 +376,10 @@ class ElectionState:
             raise ValueError(f"applied (term, epoch) only grows: ({term}, {epoch}) after {self.last_applied}")
         self.last_applied = (term, epoch)
 
-    def apply_allocation(self, term: int, epoch: int, voters: tuple[bytes, ...], certificate: Certificate | None,
+    def apply_allocation(self, term: int, epoch: int, council: Council, certificate: Certificate | None,
                          now: float) -> list[ElectionAction]:
         """An allocation this peer applies (`may_apply` said yes): its (term, epoch), its
-        configuration, and the certificate of its issuer, whose term is taken if newer."""
+        council, and the certificate of its issuer, whose term is taken if newer."""
         self._advance(now)
         out: list[ElectionAction] = []
         if (term, epoch) <= self.last_applied:
@@ -347,19 +389,19 @@ class ElectionState:
         issuer = certificate.candidate if certificate is not None else None
         known = term == self.term and self.coordinator == issuer
         if certificate is not None and issuer != self.me and certificate.term == term >= self.term and not known:
-            if self.may_apply(certificate.candidate, term, epoch, certificate, voters) is None:
+            if self.may_apply(certificate.candidate, term, epoch, certificate, council) is None:
                 self._follow(certificate, out, f"allocation of term {term} from {short_id(certificate.candidate)}")
         self.last_applied = (term, epoch)
         self._superseded = False
-        if self.voters and config_digest(check_voters(voters)) != self._config:
+        if self.voters and config_digest(council.voters) != self._config:
             assert self._config is not None
             self.previous = PreviousConfiguration(self.voters, term)
         elif self.previous is not None and term > self.previous.term:
             self.previous = None  # a coordinator of a later term handed the configuration on: it stands
-        self._reconfigure(voters, out)
+        self._reconfigure(council, out)
         return out
 
-    def restore(self, term: int, epoch: int, voters: tuple[bytes, ...] | None, now: float,
+    def restore(self, term: int, epoch: int, council: Council | None, now: float,
                 previous: PreviousConfiguration | None = None) -> list[ElectionAction]:
         """At start: the allocation applied before the restart, from the disk (with the
         `previous` configuration this peer kept then)."""
@@ -368,22 +410,66 @@ class ElectionState:
         if self.last_applied != (0, 0) or (term, epoch) <= (0, 0):
             raise ValueError(f"restore ({term}, {epoch}) on a peer that applied {self.last_applied}")
         self.last_applied = (term, epoch)
-        if voters:
-            self._reconfigure(voters, out)
+        if council is not None:
+            self._reconfigure(council, out)
             self.previous = previous
         return out
 
     def set_voters(self, voters: tuple[bytes, ...], now: float) -> list[ElectionAction]:
-        """A first configuration (`train start` on a peer that applied none); refused (logged)
-        once an allocation was applied: then only allocations change the voters."""
+        """A first council taken on trust (tests and simulations; a daemon roots its council in
+        an operator's signed operation: `set_root`); refused (logged) once an allocation was
+        applied or a council is set."""
         self._advance(now)
         out: list[ElectionAction] = []
-        if self.last_applied != (0, 0):
-            logger.warning("set_voters refused: the configuration of the applied allocation (term %d epoch %d) "
-                           "changes only by allocations", *self.last_applied)
+        if self.last_applied != (0, 0) or self.council is not None:
+            logger.warning("set_voters refused: this peer has a council (applied term %d epoch %d); only an "
+                           "allocation or an operator's newer root changes it", *self.last_applied)
             return out
-        self._reconfigure(voters, out)
+        self._reconfigure(trusted_root(voters), out)
         return out
+
+    def set_root(self, council: Council, now: float, *, rerooting: bool = False) -> list[ElectionAction]:
+        """A council an operator's signed operation roots (the caller checked the signature and
+        that it names `council.root_voters`): taken by a peer without a council (a start's
+        first council), or, `rerooting` (an operator's council operation), over this peer's own
+        when the operator signed it later than this peer's root. Anything else is ignored."""
+        self._advance(now)
+        out: list[ElectionAction] = []
+        own = self.council
+        if council.links:
+            logger.warning("a root with links is not a root: ignored")
+            return out
+        if own is not None and not rerooting:
+            return out
+        if own is not None and council.root_at_ms <= own.root_at_ms:
+            if not own.same_root(council):
+                logger.info("an operator's council signed at %d ms is not newer than this peer's root (%d ms): "
+                            "ignored", council.root_at_ms, own.root_at_ms)
+            return out
+        self.previous = None
+        self._superseded = False
+        self._reconfigure(council, out)
+        logger.info("council rooted by the operator: %d voters%s", len(council.voters),
+                    "" if self.me in council.voters else " (this peer follows)")
+        return out
+
+    def council_for(self, voters: tuple[bytes, ...]) -> Council | None:
+        """The council of an allocation this coordinator hands out whose voters are to be
+        `voters`: this peer's own when they are its voters, else its own with one link it signs
+        now; None when the change cannot be made now (not coordinator, not certified over its
+        current council yet, a change of more than one voter, or the links are full)."""
+        own = self.council
+        if own is None or self.role is not ElectionRole.COORDINATOR or self.certificate is None:
+            return None
+        voters = check_voters(tuple(sorted(voters)))
+        if voters == own.voters:
+            return own
+        if own.full or self.certificate.config != self._config or change_refusal(own.voters, voters) is not None:
+            return None
+        if len(voters) > len(own.voters) >= own.size:
+            return None
+        link = CouncilLink(self.certificate, voters, self._signer.sign(link_payload(self.term, own.voters, voters)))
+        return own.extended(link)
 
     def revert(self, term: int, voted_for: bytes | None, now: float) -> list[ElectionAction]:
         """Back to the (term, vote) the store holds (or will, once the Persists queued before
@@ -415,8 +501,8 @@ class ElectionState:
         it applies an allocation."""
         self._advance(now)
         out: list[ElectionAction] = []
-        if cert.term < self.term or cert.candidate == self.me:
-            return out
+        if cert.term < self.term or cert.candidate == self.me or not self.voters:
+            return out  # (a peer without a council takes nothing from a certificate alone)
         if cert.term == self.term and (self.role is ElectionRole.COORDINATOR or self.coordinator == cert.candidate):
             return out
         why = self.check_certificate(cert)
@@ -492,12 +578,13 @@ class ElectionState:
 
     # ------------------------------------------------------------------ configuration
 
-    def _set_configuration(self, voters: tuple[bytes, ...]) -> None:
-        self.voters = check_voters(voters)
+    def _set_configuration(self, council: Council) -> None:
+        self.council = council
+        self.voters = council.voters
         self._config = config_digest(self.voters)
 
-    def _reconfigure(self, voters: tuple[bytes, ...], out: list[ElectionAction]) -> None:
-        self._set_configuration(voters)
+    def _reconfigure(self, council: Council, out: list[ElectionAction]) -> None:
+        self._set_configuration(council)
         if self.role is not ElectionRole.COORDINATOR:
             return
         if self.me not in self.voters:
@@ -621,8 +708,8 @@ class ElectionState:
             out.append(BecameCoordinator(self.term))
             self._recognise(self.me, out, Certificate.of(self.term, self.me, r.voters, r.votes))
             logger.info("coordinator of term %d with %d of %d votes", self.term, len(r.votes), len(r.voters))
-            if r.config != self._config and self._config is not None:  # applied a new configuration meanwhile
-                self._reconfigure(self.voters, out)
+            if r.config != self._config and self.council is not None:  # applied a new configuration meanwhile
+                self._reconfigure(self.council, out)
             self._heartbeat(out)
 
     def _heartbeat(self, out: list[ElectionAction]) -> None:
@@ -704,9 +791,13 @@ class ElectionState:
                 and self._checker.check(cert, prev.voters, config_digest(prev.voters)) is None)
 
     def _counts(self, src: bytes) -> bool:
-        """Messages of the election count from voters of this peer's configuration (any peer
+        """Messages of the election count from voters of this peer's council (from nobody
         while it has none)."""
-        return not self.voters or src in self.voters
+        return src in self.voters
+
+    def _votes(self) -> bool:
+        """This peer answers pre-votes and votes: it is a voter of its council."""
+        return self.me in self.voters
 
     def _on_heartbeat(self, src: bytes, m: Heartbeat, out: list[ElectionAction]) -> None:
         if m.coordinator != src:
@@ -766,8 +857,9 @@ class ElectionState:
     def _on_pre_vote(self, src: bytes, m: PreVote, out: list[ElectionAction]) -> None:
         if m.candidate != src:
             return
-        if not self._counts(src):
-            logger.debug("pre-vote for %s: not a voter of this peer's configuration, no answer", short_id(src))
+        if not self._counts(src) or not self._votes():
+            logger.debug("pre-vote for %s: not a voter of this peer's council, or this peer is none, no answer",
+                         short_id(src))
             return
         why = self._refuses_candidate((m.applied_term, m.applied_epoch), None)
         if self._in_lease():
@@ -796,8 +888,9 @@ class ElectionState:
     def _on_request_vote(self, src: bytes, m: RequestVote, out: list[ElectionAction]) -> None:
         if m.candidate != src:
             return
-        if not self._counts(src):
-            logger.debug("vote for %s: not a voter of this peer's configuration, no answer", short_id(src))
+        if not self._counts(src) or not self._votes():
+            logger.debug("vote for %s: not a voter of this peer's council, or this peer is none, no answer",
+                         short_id(src))
             return
         why = None
         if m.term < self.term:
@@ -859,3 +952,8 @@ class ElectionState:
             return False
         r.votes[src] = m.signature
         return True
+
+
+def trusted_root(voters: tuple[bytes, ...]) -> Council:
+    """A council of `voters` with no operator's root (`set_voters`: tests and simulations)."""
+    return Council(b"", check_voters(tuple(voters)), 0, min(MAX_COUNCIL, max(5, len(voters))))

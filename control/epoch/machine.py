@@ -27,9 +27,9 @@ from dtfm.net import short_id
 
 from ..actions import Action, Reply, Send
 from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
-from ..election import Certificate
+from ..election import Certificate, Council, CouncilLink
 from ..messages import ControlMsg
-from ..operator import OperatorError, SignedOp, check_op, check_operator_start
+from ..operator import OperatorError, SignedOp, check_council, check_op, check_operator_start
 from ..refusals import Refusals, Refused
 from .access import offer_refusal, run_state_refusal
 from .runner import RunEnd, StepReport
@@ -37,7 +37,7 @@ from .runstate import MAX_REPORTS, PeerRunState
 
 __all__ = [
     "MAX_KNOWN_EPOCHS", "RESTORED_ASK_S", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed",
-    "BuildStage", "ElectionView", "EndEpoch",
+    "BuildStage", "ElectionView", "EndEpoch", "changes_refusal",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
     "StopRunnerAt", "Tick", "WaitForCoordinator",
@@ -61,15 +61,39 @@ class ElectionView(Protocol):
     def is_follower(self) -> bool: ...
     @property
     def certificate(self) -> Certificate | None: ...
+    @property
+    def council(self) -> Council | None: ...
 
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
-                  voters: tuple[bytes, ...] = ()) -> Refusal | None: ...
+                  council: Council | None = None) -> Refusal | None: ...
+
+    def council_for(self, voters: Iterable[bytes]) -> Council | None: ...
 
 
 MAX_KNOWN_EPOCHS = 8  # allocations this peer applied that it remembers (to check kept step reports)
 # A restarted peer asks its coordinator how the run it restored stands at most this often (a
 # run that finished or was stopped without it shows so in its status within about this long).
 RESTORED_ASK_S = 10.0
+
+
+def changes_refusal(council: Council, changes: Iterable[CouncilLink], term: int,
+                    live: AbstractSet[bytes]) -> Refusal | None:
+    """None if each change of `council` this peer had not seen that the allocation's issuer made
+    in its `term` agrees with this peer's gossip: an added voter is a live member, a removed one
+    is not (unless the council was above its size); else why not (control/election/council.py).
+    Changes of earlier terms were checked by the peers that saw them made."""
+    for link in changes:
+        if link.term != term:
+            continue
+        for v in sorted(set(link.after) - set(link.before)):
+            if v not in live:
+                return Refusal("bad-council", f"the council's new voter {short_id(v)} is not a live member of "
+                                              "this peer's gossip")
+        for v in sorted(set(link.before) - set(link.after)):
+            if v in live and len(link.before) <= council.size:
+                return Refusal("bad-council", f"the council drops voter {short_id(v)}, which is live in this "
+                                              "peer's gossip")
+    return None
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -187,12 +211,12 @@ class PersistApplied:
 
 @dataclass(frozen=True)
 class ApplyToElection:
-    """Tell the election the applied (term, epoch), the new configuration, and the certificate
-    of the issuer's election."""
+    """Tell the election the applied (term, epoch), the council, and the certificate of the
+    issuer's election."""
 
     term: int
     epoch: int
-    voters: tuple[bytes, ...]
+    council: Council
     certificate: Certificate | None = None
 
 
@@ -521,9 +545,14 @@ class EpochMachine:
         alloc = ev.alloc
         ctx = dataclasses.replace(ev.ctx, applied=self.applied.get(alloc.run_id), run_id=alloc.run_id)
         refusal = check_allocation(alloc, ctx) or check_operator_start(alloc, self.operators)
+        council: Council | None = None
         if refusal is None:
-            refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch, ev.certificate,
-                                              alloc.configuration)
+            council, refusal = check_council(alloc, self.operators)
+        if refusal is None and self.election.council is not None:
+            assert council is not None
+            refusal = changes_refusal(council, council.since(self.election.council), alloc.term, ctx.live)
+        if refusal is None:
+            refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch, ev.certificate, council)
             if (refusal is not None and alloc.issuer != self.me and refusal.code == "not-coordinator"
                     and alloc.term >= self.election.term):
                 # The first heartbeat of a new coordinator may come after its allocation.
@@ -543,7 +572,8 @@ class EpochMachine:
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
         self._known.append(alloc)
-        out += [ApplyToElection(alloc.term, alloc.epoch, alloc.configuration, ev.certificate), PersistApplied(alloc)]
+        assert council is not None
+        out += [ApplyToElection(alloc.term, alloc.epoch, council, ev.certificate), PersistApplied(alloc)]
         self.prev = prev
         self._lost_since = None
         self._restored = False
