@@ -12,7 +12,21 @@ import dataclasses
 import difflib
 from dataclasses import dataclass
 
-from dtfm.control import KNOBS, AcceptContext, Allocation, ControlMsg, Refusal, SignedAllocation, SignedOp, StepReport, sign_op
+from dtfm.control import (
+    KNOBS,
+    AcceptContext,
+    Allocation,
+    ControlMsg,
+    Refusal,
+    SignedAllocation,
+    SignedOp,
+    StepReport,
+    council_arg,
+    root_council,
+    sign_op,
+)
+from dtfm.control.election import Certificate, Council, CouncilLink, config_digest, vote_payload
+from dtfm.control.election.council import change_refusal, link_payload
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
 from dtfm.control.coordinator import machine as c
 from dtfm.control.epoch import machine as e
@@ -33,6 +47,7 @@ from dtfm.train import PRESETS, TEST_CONFIG, TrainConfig
 KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 7)), key=lambda k: k.peer_id)
 N = [k.peer_id for k in KEYS]  # n0 .. n5
 NAMES = {p: f"n{i}" for i, p in enumerate(N)}
+KEY_OF = {k.peer_id: k for k in KEYS}
 RUN = b"r" * 16
 CFG = dataclasses.replace(TEST_CONFIG, micro_batches=2)
 CFG_KNOBS = {k: getattr(CFG, k) for k in KNOBS if getattr(CFG, k) != getattr(TrainConfig(), k)}
@@ -60,6 +75,13 @@ def alloc(**kw) -> Allocation:
         "layer_ranges": ((0, 2), (2, 4)), "preset": "tiny", "model": TINY, "train": CFG, "data_hash": DATA_HASH,
         "data_name": DATA_NAME, "start_step": 0, "end_step": 100}
     fields |= kw
+    if "council" not in kw:
+        named = {p for pipe in fields["pipelines"] for p in pipe} | set(fields.get("spares", ()))
+        voters = tuple(fields.get("voters") or sorted(named)[:7])
+        if fields["issuer"] not in voters:
+            voters = tuple(sorted(voters[:6] + (fields["issuer"],)))
+        fields["voters"] = voters
+        fields["council"] = root_of(voters).encode()
     if "operator_start" not in kw:
         comp = fields.get("compression")
         knobs = {k: getattr(fields["train"], k) for k in KNOBS}
@@ -69,6 +91,20 @@ def alloc(**kw) -> Allocation:
                                             **({"compress": comp.to_spec()} if comp and not comp.exact else {}),
                                             **knobs).encode()
     return Allocation(**fields)
+
+
+_ROOTS: dict[tuple[bytes, ...], Council] = {}
+
+
+def root_of(voters: tuple[bytes, ...]) -> Council:
+    """The council of `voters` as the operator roots it (a council operation, one per set of voters)."""
+    voters = tuple(sorted(voters))
+    if voters not in _ROOTS:
+        size = 5 if len(voters) <= 5 else 7
+        signed = sign_op(OPERATOR, "council", now_s=0.0, run_id=b"c" * 16,
+                         args={"council": council_arg(voters), "council_size": size})
+        _ROOTS[voters] = root_council(signed, OPERATORS)
+    return _ROOTS[voters]
 
 
 def context(me: bytes, live=tuple(N[:4]), known=None, data_hash: str = DATA_HASH) -> AcceptContext:
@@ -93,6 +129,11 @@ class FakeElection:
     coordinator: bytes | None = None
     voters: tuple[bytes, ...] = ()
     last_applied: tuple[int, int] = (0, 0)
+    council: Council | None = None  # the operator's root of `voters` unless given
+
+    def __post_init__(self) -> None:
+        if self.voters and self.council is None:
+            self.council = root_of(self.voters)
 
     @property
     def is_coordinator(self) -> bool:
@@ -106,7 +147,22 @@ class FakeElection:
     def certificate(self):
         return None  # the machines only carry it; tests/test_election.py checks it
 
-    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate=None, voters=()) -> Refusal | None:
+    def council_for(self, voters) -> Council | None:
+        """The council with one change to `voters` signed by this peer over a certificate of
+        every voter (the election's rule, state.py `council_for`, without its coordinator's role)."""
+        voters = tuple(sorted(voters))
+        c = self.council
+        if c is None:
+            return None
+        if voters == c.voters:
+            return c
+        if change_refusal(c.voters, voters) is not None or (len(voters) > len(c.voters) >= c.size):
+            return None
+        payload = vote_payload(self.term, self.me, config_digest(c.voters))
+        cert = Certificate.of(self.term, self.me, c.voters, {v: KEY_OF[v].sign(payload) for v in c.voters})
+        return c.extended(CouncilLink(cert, voters, KEY_OF[self.me].sign(link_payload(self.term, c.voters, voters))))
+
+    def may_apply(self, issuer: bytes, term: int, epoch: int, certificate=None, council=None) -> Refusal | None:
         if term < self.term:
             return Refusal("stale", f"term {term} is older than this peer's term {self.term}")
         if term > self.term or self.coordinator is None:
@@ -121,7 +177,8 @@ class FakeElection:
         """What the shell does with ApplyToElection."""
         assert (a.term, a.epoch) > self.last_applied
         self.last_applied = (a.term, a.epoch)
-        self.voters = a.voters
+        self.voters = a.council.voters
+        self.council = a.council
 
 
 # ---- actions as lines ----------------------------------------------------------------------------
@@ -220,7 +277,7 @@ def show(a: object, *, keys: bool = True) -> str:
     if isinstance(a, PersistApplied):
         return f"persist term {a.alloc.term} epoch {a.alloc.epoch}"
     if isinstance(a, ApplyToElection):
-        return f"apply term {a.term} epoch {a.epoch} voters {peers(a.voters)}"
+        return f"apply term {a.term} epoch {a.epoch} voters {peers(a.council.voters)}"
     if isinstance(a, BuildStage):
         return f"build epoch {a.alloc.epoch} from " + (f"epoch {a.prev.epoch}" if a.prev is not None else "nothing")
     if isinstance(a, StartRunner):

@@ -63,7 +63,8 @@ from dtfm.control.coordinator.machine import (
     ResumeRun,
     resume_refusal,
     Trigger,
-    next_voters,
+    first_council,
+    next_council,
 )
 from dtfm.control.coordinator.failures import FailedSteps
 from dtfm.control.coordinator.steplog import REORDER_STEPS, STEP_WINDOW, StepLog
@@ -1079,27 +1080,39 @@ def test_a_programming_error_inside_handle_propagates():
 A, B, C, D, E, F = N
 
 
-@pytest.mark.parametrize("old, named, reachable, me, new", [
-    # two voters gone (unreachable, not named): one leaves now, the other at a later epoch
-    ((A, B, C, D), {A, B}, {A, B}, A, (A, B, D)),
-    # two new peers named: one joins now
-    ((A, B, C, D), {A, B, C, D, E, F}, {A, B, C, D, E, F}, A, (A, B, C, D, E)),
-    # a gone voter leaves before a new peer joins
-    ((A, B, C), {A, B, D}, {A, B, D}, A, (A, B)),
-    # a reachable voter with no place leaves once nothing else changes
-    ((A, B, C, D), {A, B, C}, {A, B, C, D}, A, (A, B, C)),
-    # nothing to change
-    ((A, B, C, D), {A, B, C, D}, {A, B, C, D}, B, (A, B, C, D)),
-    # the issuer is a voter even with no place of its own
-    ((A, B, C), {B, C}, {A, B, C}, A, (A, B, C)),
-    # no configuration yet: the named peers
-    ((), {B, C}, {B, C}, A, (A, B, C)),
+R = {A: "us", B: "us", C: "eu", D: "eu", E: "ap", F: "ap"}
+
+
+@pytest.mark.parametrize("old, candidates, live, size, me, new", [
+    # two voters gone: one leaves now, the other at a later epoch
+    ((A, B, C, D), {A, B}, {A, B}, 5, A, (A, B, D)),
+    # below its size: the candidate of the region the council has fewest voters of comes in, one at a time
+    ((A, B, C), {A, B, C, D, E, F}, set(R), 5, A, "ap"),
+    ((A, B, C, E), {A, B, C, D, E}, set(R), 5, A, (A, B, C, D, E)),
+    # at its size: nothing to change, however many peers there are (never every peer)
+    ((A, B, C, D, E), {A, B, C, D, E, F}, set(R), 5, B, (A, B, C, D, E)),
+    # a gone voter leaves before a new one joins
+    ((A, B, C), {A, B, D}, {A, B, D}, 5, A, (A, B)),
+    # above its size (a smaller root): a voter of the region it has most of leaves, never the issuer
+    ((A, B, C, D), {A, B, C, D}, {A, B, C, D}, 3, A, (A, C, D)),
+    # no candidate: unchanged
+    ((A, B, C), set(), {A, B, C}, 5, A, (A, B, C)),
 ])
-def test_the_next_configuration_changes_one_voter_at_a_time(old, named, reachable, me, new):
-    got = next_voters(old, set(named), set(reachable), me)
-    assert got == new
-    if old:
-        assert len(set(old) ^ set(got)) <= 1
+def test_the_next_council_changes_one_voter_at_a_time_toward_its_size_spread_over_regions(
+        old, candidates, live, size, me, new):
+    got = next_council(old, set(candidates), set(live), R, size, me)
+    if isinstance(new, str):  # the one that came in is of that region
+        assert len(got) == len(old) + 1 and R[(set(got) - set(old)).pop()] == new
+    else:
+        assert got == new
+    assert len(set(old) ^ set(got)) <= 1 and me in got
+
+
+def test_a_first_council_is_this_peer_and_live_peers_spread_over_the_regions():
+    got = first_council(A, set(R), R, 5)
+    assert len(got) == 5 and A in got and {R[p] for p in got} == {"us", "eu", "ap"}
+    assert first_council(A, {A, B}, R, 5) == (A, B)
+    assert len(first_council(A, set(R), R, 3)) == 3
 
 
 def test_the_next_deadline():
@@ -1132,7 +1145,8 @@ def test_a_planned_leave_hands_the_peers_stage_off_at_a_step_boundary_before_it_
     # n3 says it leaves while the run steps. The coordinator stops every peer before the next
     # step (no abort: every peer is there), plans without n3, has the holders (n3 among them,
     # from its memory) offer their stages, hands the epoch out without n3 and answers n3 once
-    # it started: a `leave` event, not a failure or a rollback.
+    # it started: a `leave` event, not a failure or a rollback. n3 stays a voter until gossip
+    # has it gone (every peer checks a removal from the council against its own gossip).
     n = Node()
     n.training(steps=2)
     n.feed(PeerLeaving(("leave", 1), N[3]), 3.0)
@@ -1163,7 +1177,7 @@ def test_a_planned_leave_hands_the_peers_stage_off_at_a_step_boundary_before_it_
           phase: offering
         3.7 answers offer 0-2: n0 01010101, n2 01010101
         3.8 answers offer 2-4: n1 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 absent n3 n4 -> n0 n1 n2
+          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 n3 absent n3 n4 -> n0 n1 n2
           phase: handing out
         4 answers alloc: n0 accepted, n1 accepted, n2 accepted
           ask start: START epoch=2 -> n0 n1
@@ -1350,7 +1364,7 @@ def test_a_start_hands_out_its_training_knobs_and_the_model_folder_it_names():
     assert alloc.preset == hf_preset(digest) and alloc.model == spec
     assert alloc.train == TrainConfig(seed=0, lr=0.02, warmup_steps=3, global_batch_seqs=8, micro_batches=2,
                                       wire_dtype="bfloat16", weight_decay=0.0, grad_clip_norm=0.25)
-    assert msgpack.unpackb(alloc.encode(), strict_map_key=False)[0] == 3  # the knobs ride in the train map
+    assert msgpack.unpackb(alloc.encode(), strict_map_key=False)[0] == 6  # the knobs ride in the train map
     assert [label(a.key) for a in out] == ["first"]
 
 

@@ -2,17 +2,20 @@
 `Coordinator`) in `PlaneSim` (control/sim.py), under the faults of test_plane_sim.py.
 
 The Byzantine node holds a real key: in some runs an insider (a voter and a peer of the run
-whose daemon works honestly besides), in others an outsider (no voter, never named). It sends
-well-formed messages of every control type the simulation carries, with arbitrary fields:
-ELECTION of every kind (terms up to the largest, votes it signs for anyone, two in one term,
-certificates of its own configuration, assembled from the votes it was given, or forged);
-ALLOCATION signed by itself with arbitrary fields and those certificates, the run's operator
+whose daemon works honestly besides), in others an outsider (no voter, never named). It mints
+identities and signs with them. It sends well-formed messages of every control type the
+simulation carries, with arbitrary fields: ELECTION of every kind (terms up to the largest,
+votes it signs for anyone, two in one term, certificates of its own configuration, assembled
+from the votes it was given, over the swarm's voters, itself and its minted identities, or
+forged); ALLOCATION signed by itself with arbitrary fields and those certificates, councils
+copied, of its own making, or changed by it (a minted identity in, a voter out, twice at once), the run's operator
 start replayed or its own, or an unsigned or garbled body; START, STOP (final, abort, any step,
 an operator's signed stop replayed, one it signed itself, or garbage); STEP reports (any run, epoch, step, loss,
 far-future steps) and failures; RUN_STATE query, offer and reach; message types the simulation
 has no handler for; arbitrary maps with the known keys; and replays of what it was sent.
 
-After every rule, over the honest nodes: at most one coordinator per term; an allocation is
+After every rule, over the honest nodes: no minted identity in any council, nor a root of its
+own; at most one coordinator per term; an allocation is
 applied only from the certified coordinator elected in its term, the one the node recognises;
 each node's applied (term, epoch) only grows; every logged loss is the reference's (unless the
 Byzantine insider is a last stage of that epoch: a peer that computes the loss can lie about
@@ -31,10 +34,11 @@ from test_plane_sim import CFG, CLEAN, PlaneMachine, check_applications, check_l
 
 from dtfm.control.allocation import Allocation, SignedAllocation
 from dtfm.control.allocation.allocation import ALLOCATION_DOMAIN
-from dtfm.control.coordinator.machine import next_voters
 from dtfm.control.election import (
     MAX_TERM,
     Certificate,
+    Council,
+    CouncilLink,
     Heartbeat,
     HeartbeatAck,
     PreVote,
@@ -48,7 +52,8 @@ from dtfm.control.election import (
 from dtfm.control.messages import ControlMsg
 from dtfm.control.operator import SignedOp, sign_op
 from dtfm.control.sim import DATA_HASH, PRESET, PlaneSim, SimPlanner
-from dtfm.net import OperatorKey, ProtocolError, pack, verify_signature
+from dtfm.control.election.council import link_payload
+from dtfm.net import Identity, OperatorKey, ProtocolError, pack, verify_signature
 from dtfm.train import TrainConfig, get_preset
 
 # The message types the simulation carries (COORDINATOR, the question of a peer that hears no
@@ -62,6 +67,9 @@ _NUM = st.one_of(st.integers(-3, 12), st.sampled_from([2**31, 2**53 + 1, 2**63 -
 _OFFSET = st.sampled_from([0, 0, 0, 1, 1, 2, -1, 3, -3, 50, 10**6, 2**62])
 _ANY = st.one_of(st.just("current"), st.just("current"), st.just("current"), st.just("other"), _LEAVES)
 _OWN_OPERATOR_KEY = OperatorKey(hashlib.sha256(b"the Byzantine node's operator key").digest())
+# Identities the Byzantine node mints: it signs with them as voters of any council it makes up.
+_SYBILS = [Identity(hashlib.sha256(b"sybil %d" % i).digest()) for i in range(12)]
+_SYBIL_IDS = frozenset(k.peer_id for k in _SYBILS)
 _KEYS = {
     ControlMsg.START: ("run", "epoch"),
     ControlMsg.STOP: ("run", "at_step", "final", "abort", "op", "epoch"),
@@ -126,11 +134,17 @@ class ByzantinePlane(PlaneMachine):
 
     def _certificate(self, how: int, term: int) -> Certificate | None:
         """0: none; 1: of its own one-voter configuration; 2: the votes it holds, forgeries to
-        make up a quorum; 3: a certificate it was shown (a heartbeat's), whoever it names."""
+        make up a quorum; 3: a certificate it was shown (a heartbeat's), whoever it names; 4:
+        over the swarm's voters, itself and the identities it minted, signed by itself and them
+        (a quorum of that set: the first-run hijack of a fresh swarm)."""
         sim, me = self.sim, self.sim.ids[self.me]
         term = max(1, min(term, MAX_TERM))
         if how == 1:
             return Certificate.of(term, me, (me,), {me: self.key.sign(vote_payload(term, me, config_digest((me,))))})
+        if how == 4:
+            voters = tuple(sorted(set(sim.voters) | {me} | _SYBIL_IDS))
+            payload = vote_payload(term, me, config_digest(voters))
+            return Certificate.of(term, me, voters, {k.peer_id: k.sign(payload) for k in [self.key, *_SYBILS]})
         if how == 2:
             voters = tuple(sorted(set(sim.voters) | {me}))
             sigs = self._votes(term, voters)
@@ -146,7 +160,7 @@ class ByzantinePlane(PlaneMachine):
     # ---------------------------------------------------------------- election
 
     @rule(kind=st.integers(0, 5), dst=st.integers(0, 8), up=_OFFSET, huge=st.booleans(), flag=st.booleans(),
-          how=st.integers(0, 3), seq=_NUM.filter(lambda x: 0 <= x < 2**63))
+          how=st.integers(0, 4), seq=_NUM.filter(lambda x: 0 <= x < 2**63))
     def election(self, kind, dst, up, huge, flag, how, seq):
         sim, me = self.sim, self.sim.ids[self.me]
         k = self._honest(dst)
@@ -231,19 +245,39 @@ class ByzantinePlane(PlaneMachine):
             return sign_op(_OWN_OPERATOR_KEY, kind, now_s=max(0.0, self.sim.now), run_id=rid).to_wire()
         return {"body": b"\x00", "sig": bytes(64)} if how == 3 else None
 
+    def _council(self, how: int, cert: Certificate | None) -> Council:
+        """0: the council an honest node holds, copied; 1: a root of its own making (itself and
+        identities it minted); 2: the honest council with a change it signs over `cert`, adding
+        a minted identity or dropping a voter; 3: that change twice, one voter each."""
+        sim, me = self.sim, self.sim.ids[self.me]
+        node = sim.nodes[self._honest(0)]
+        honest = node.council if node is not None else None
+        if how in (0, 2, 3) and honest is not None:
+            council = honest
+            for i in range(0 if how == 0 else how - 1):
+                c = cert if cert is not None else sim.node(self._honest(0)).certificate
+                if c is None:
+                    break
+                before = council.voters
+                sybil = _SYBILS[i].peer_id
+                after = tuple(sorted(set(before) | {sybil})) if len(before) < 7 else before[1:]
+                try:
+                    link = CouncilLink(c, after, self.key.sign(link_payload(c.term, before, after)))
+                except ValueError:
+                    break
+                council = Council(council.root, council.root_voters, council.root_at_ms, council.size,
+                                  (*council.links, link))
+            return council
+        return Council(b"its own root", tuple(sorted({me} | {k.peer_id for k in _SYBILS[:4]})), 0, 5)
+
     def _hand_out(self, term, epoch, cert, run, start_step, named, voters_how=0, holdings=False, garble=0,
                   op_how=0):
         sim, me = self.sim, self.sim.ids[self.me]
         cur = self._current()
         peers = sorted({sim.ids[k % sim.n] for k in named} | {me})
         placement = SimPlanner(sim).placement(peers)
-        if voters_how == 0:
-            voters = next_voters(sim.node(self._honest(0)).voters if sim.nodes[self._honest(0)] else (), set(peers),
-                                 set(peers), me)
-        elif voters_how == 1:
-            voters = (me,)
-        else:
-            voters = tuple(peers)
+        council = self._council(voters_how, cert)
+        voters = council.voters
         run_id = self._value(run, cur.run_id if cur is not None else bytes(16), hashlib.sha256(b"x").digest()[:16])
         try:
             alloc = Allocation(epoch=epoch, term=term, issuer=me, pipelines=placement.pipelines,
@@ -251,7 +285,8 @@ class ByzantinePlane(PlaneMachine):
                                train=TrainConfig(seed=sim.run_seed), data_hash=DATA_HASH, data_name="sim",
                                start_step=start_step, end_step=max(start_step + 1, 10**6), checkpoint_every=0,
                                predicted_iteration_s=1.0, spares=placement.spares, run_id=run_id, reason="byzantine",
-                               voters=voters, holdings=cur.holdings if holdings and cur is not None else (),
+                               voters=voters, council=council.encode(),
+                               holdings=cur.holdings if holdings and cur is not None else (),
                                operator_start=self._start_of(op_how, cur, run_id))
             body = SignedAllocation.sign(alloc, self.key).to_wire()
         except (ValueError, TypeError):  # not an allocation at all: its fields, signed as they are
@@ -274,10 +309,11 @@ class ByzantinePlane(PlaneMachine):
         op = self._op("start", how, run_id)
         return SignedOp.from_wire(op).encode() if how == 2 and op is not None else b""
 
-    @rule(term_up=_OFFSET, epoch_up=_OFFSET, how=st.integers(0, 3), run=_ANY, start=_NUM,
-          named=st.lists(st.integers(0, 8), min_size=1, max_size=6), voters_how=st.integers(0, 2),
+    @rule(term_up=_OFFSET, epoch_up=_OFFSET, how=st.integers(0, 4), run=_ANY, start=_NUM,
+          named=st.lists(st.integers(0, 8), min_size=1, max_size=6), voters_how=st.integers(0, 3),
           holdings=st.booleans(), garble=st.integers(0, 4), op_how=st.integers(0, 2))
     def allocation(self, term_up, epoch_up, how, run, start, named, voters_how, holdings, garble, op_how):
+        how = min(how, 4)
         sim = self.sim
         k = self._honest(named[0])
         node = sim.nodes[k]
@@ -383,6 +419,11 @@ class ByzantinePlane(PlaneMachine):
             assert elected.setdefault(t, c) == c, f"two coordinators elected in term {t}"
         check_applications(sim)
         check_log(sim)
+        for k in sim.live():  # no identity it minted ever votes on an honest node, nor its own root
+            if k != self.me:
+                council = sim.node(k).council
+                assert not _SYBIL_IDS & set(sim.node(k).voters), f"node {k} took a council with minted voters"
+                assert council is None or council.root != b"its own root"
         for k in range(sim.n):
             assert sim.disk_applied[k] >= self.applied_before[k]
         self.applied_before = list(sim.disk_applied)
