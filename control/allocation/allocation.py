@@ -76,9 +76,13 @@ ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before sig
 # compression; an exact run's allocation is written in format 3 (the same bytes as before
 # compression existed), so one allocation still has one body and exact runs mix with peers
 # that read format 3 only. Format 5 appends a per-link run's choice of which links and DP
-# groups compress (`compress_links`); a run compressed alike everywhere stays format 4.
-FORMAT_VERSION = 5
-FORMATS = (3, 4, 5)
+# groups compress (`compress_links`); a run compressed alike everywhere stays format 4. Format 6
+# appends the time of the run's last operator's resume or reschedule (`last_op_ms`) after the
+# compression (always present) and `compress_links` (nil when none); an allocation without one
+# keeps its format 3, 4 or 5 (the same bytes as before the field existed).
+FORMAT_VERSION = 6
+FORMATS = (3, 4, 5, 6)
+MAX_OP_TIME_MS = 2**53  # an operator operation's signed time (control/operator.py MAX_TIME_MS)
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_CODE_LEN = 32
 
@@ -88,7 +92,8 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 _BODY_V3 = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
             "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
             "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
-_BODIES = {3: _BODY_V3, 4: _BODY_V3 + ("compression",), 5: _BODY_V3 + ("compression", "compress_links")}
+_BODIES = {3: _BODY_V3, 4: _BODY_V3 + ("compression",), 5: _BODY_V3 + ("compression", "compress_links"),
+           6: _BODY_V3 + ("compression", "compress_links", "last_op_ms")}
 _CODE = re.compile(r"[a-z][a-z-]*")
 
 
@@ -132,6 +137,12 @@ class Allocation:
     # (stage s -> s + 1 of pipeline d) use the run's pipeline codec and which stages' DP groups
     # its DP method; the others stay exact. Sender and receiver of a link read the same entry.
     compress_links: LinkCodecs | None = None
+    # The wall-clock time (ms) an operator signed the run's last resume or reschedule that a
+    # coordinator took; 0: none since the start. Every later allocation of the run carries it
+    # (the newest), so any coordinator and every peer refuse a stop, resume or reschedule of the
+    # run signed at or before it: a copied stop cannot end the run once it was resumed
+    # (control/operator.py `check_after`, docs/security.md).
+    last_op_ms: int = 0
     # The grid as train.Plan holds it (this allocation's epoch); it checks the grid's shape.
     _plan: Plan = field(init=False, repr=False, compare=False)
 
@@ -171,6 +182,7 @@ class Allocation:
         if self.start_step >= self.end_step:
             raise ValueError(f"start_step {self.start_step} must come before end_step {self.end_step}")
         check_int("checkpoint_every", self.checkpoint_every, 0, MAX_COUNTER)
+        check_int("last_op_ms", self.last_op_ms, 0, MAX_OP_TIME_MS)
         t = self.predicted_iteration_s
         if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t <= MAX_ITERATION_S:
             raise ValueError(f"predicted_iteration_s must be a number in [0, {MAX_ITERATION_S:g}], got {t!r}")
@@ -300,12 +312,17 @@ class Allocation:
 
     def encode(self) -> bytes:
         """The canonical body: the same allocation gives the same bytes on any machine."""
-        extra: list = [] if self.compression.exact else [config_to_wire(self.compression, "compression")]
         links = self.compress_links
-        if links is not None:
-            extra.append([[list(row) for row in links.pp], list(links.dp)])
+        wire_links = None if links is None else [[list(row) for row in links.pp], list(links.dp)]
+        if self.last_op_ms:
+            version, extra = 6, [config_to_wire(self.compression, "compression"), wire_links, self.last_op_ms]
+        elif self.compression.exact:
+            version, extra = 3, []
+        else:
+            version = 4 if links is None else 5
+            extra = [config_to_wire(self.compression, "compression")] + ([] if wire_links is None else [wire_links])
         return pack([
-            3 if self.compression.exact else 4 if links is None else 5, self.run_id, self.term, self.epoch, self.issuer, self.preset,
+            version, self.run_id, self.term, self.epoch, self.issuer, self.preset,
             config_to_wire(self.model, "model"), config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
@@ -333,7 +350,7 @@ class Allocation:
         compression = (config_from_wire(CompressionConfig, d["compression"], "compression")
                        if "compression" in d else CompressionConfig())
         links = None
-        if "compress_links" in d:  # (the per-link flag travels as this field's presence)
+        if d.get("compress_links", None) is not None:  # (the per-link flag travels as this field's presence)
             links = _links_from_wire(d["compress_links"], len(ranges), len(pipelines))
             if compression.exact:
                 raise ProtocolError("allocation: compress_links in an exact run")
@@ -357,6 +374,7 @@ class Allocation:
                 voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
                 operator_start=get_bytes(d, "operator_start", 0, MAX_OPERATOR_START_BYTES),
                 compression=compression, compress_links=links,
+                last_op_ms=get_int(d, "last_op_ms", 1, MAX_OP_TIME_MS) if "last_op_ms" in d else 0,
             )
         except (ValueError, TypeError) as e:
             raise ProtocolError(f"allocation: {e}") from None
