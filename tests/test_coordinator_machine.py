@@ -733,11 +733,10 @@ def test_a_copied_stop_cannot_end_the_run_once_it_was_resumed():
     n = Node(wall=WALL)
     stop, resume = stop_op(3.0, wall=WALL), resume_op(4.0, wall=WALL)
     signed = _stopped_then_resumed(n, stop, resume)
-    assert signed.open().last_op_ms == resume.open().issued_at_ms  # signed by the issuer, for any successor
-    n.lines.clear()
     out = n.feed(StopRun(("op", "copy"), stop), 5.0)  # (n0 took it too: either reason refuses it)
     assert _costly(out) == [] and "sign a new one" in out[0].error
     assert not n.epoch.run_over() and n.c.phase is Phase.TRAINING
+    assert signed.open().last_op_ms == resume.open().issued_at_ms  # signed by the issuer, for any successor
     # the operator's own stop, signed now, still ends it; its copy is then refused as taken
     n.feed(StopRun(("op", "stop 2"), stop_op(6.0, wall=WALL)), 6.0)
     [asked] = [k for k in n.asks if k.startswith("opstop")]
