@@ -800,6 +800,30 @@ def test_a_peer_with_no_epoch_in_progress_answers_any_peer():
     assert p.m.check_run_state_reader(N[5]) is None and p.m.refusals.counts() == {}
 
 
+@pytest.mark.parametrize("end", ["operator stop", "finished", "could not go on"])
+def test_after_its_run_is_over_a_peer_answers_only_the_peers_of_the_run(end):
+    # Security review 2026-11-28, LOW 3: any key holder read the run id, epoch and kept step
+    # reports of a run that was over (RUN_STATE query, and `progress` on its coordinator).
+    p = Peer(N[1])
+    p.accept(alloc())
+    p.feed(StepDone(report(1, 0)), 1.0)
+    if end == "operator stop":
+        p.feed(StopAsked(p.key("t"), N[0], RUN, 2, final=True, op=STOP), 3.0)
+        p.feed(RunnerEnded(1, RunEnd(1, "stopped", False), 0.0), 3.5)
+    elif end == "finished":
+        p.feed(RunnerEnded(1, RunEnd(99, "finished", False), 0.0), 3.5)
+    else:
+        p.m.mark_stopped(RUN)  # (its coordinator stopped the run: no layout of the peers exists)
+    p.feed(EpochDone(1), 4.0)
+    assert p.m.run_over() and p.m.status().phase is EpochPhase.ENDED
+    p.election.coordinator = None  # between runs: no coordinator recognised
+    for sender, refused in ((N[1], False), (N[0], False), (N[3], False), (N[5], True), (N[4], True)):
+        assert (p.m.check_run_state_reader(sender) is not None) is refused, named(sender)
+    assert p.m.refusals.counts() == {"run-state-outsider": 2}
+    p.election.coordinator = N[5]  # the coordinator it recognises (of the next run) may ask
+    assert p.m.check_run_state_reader(N[5]) is None
+
+
 def test_only_the_coordinator_asks_for_offers():
     p = Peer(N[1], coordinator=N[0])
     p.accept(alloc())

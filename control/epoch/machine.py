@@ -477,7 +477,8 @@ class EpochMachine:
                                                         EpochPhase.TRAINING, EpochPhase.SPARE)
         why = run_state_refusal(sender, me=self.me, coordinator=self.election.coordinator,
                                 current=run.alloc if run is not None else None,
-                                previous=self.prev.alloc if self.prev is not None else None, in_progress=in_progress)
+                                previous=self.prev.alloc if self.prev is not None else None, in_progress=in_progress,
+                                over=self.run_over())
         return self.refusals.refuse(why, sender, "RUN_STATE query") if why is not None else None
 
     def check_offer_asker(self, sender: bytes) -> Refused | None:
