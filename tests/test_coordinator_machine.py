@@ -1062,7 +1062,9 @@ def test_last_stages_that_disagree_on_the_loss_are_flagged(caplog):
     n.feed(StepReported(N[2], RUN, stage_report(N[2], 1, 0)), 1.0)
     [line] = [a.line for a in n.feed(StepReported(N[3], RUN, report(1, 0, loss=4.0)), 1.0) if isinstance(a, LogLine)]
     assert line["loss_disagreement"] == {short_id(N[1]): 0.0123, short_id(N[3]): 4.0}
-    assert "the last stages disagree on the loss" in caplog.text
+    # one against one: no majority, so no loss is logged (the first pipeline's was, review LOW 1)
+    assert line["loss"] is None and line["loss_no_majority"] is True
+    assert "the last stages disagree on the loss with no majority" in caplog.text
     for p, loss in ((N[0], None), (N[1], 3.9), (N[2], None), (N[3], 3.9)):  # agreeing: no flag
         out = n.feed(StepReported(p, RUN, dataclasses.replace(report(1, 1), loss=loss)), 2.0)
     [line] = [a.line for a in out if isinstance(a, LogLine)]
@@ -1071,6 +1073,27 @@ def test_last_stages_that_disagree_on_the_loss_are_flagged(caplog):
         out = n.feed(StepReported(p, RUN, dataclasses.replace(report(1, 2), loss=loss)), 3.0)
     [line] = [a.line for a in out if isinstance(a, LogLine)]
     assert math.isnan(line["loss"]) and "loss_disagreement" not in line
+
+
+@pytest.mark.parametrize("losses, logged", [
+    ((0.0123, 4.0, 4.0), 4.0),  # two of three last stages: a strict majority
+    ((4.0, 0.0123, None), None),  # one of the two that reported against the other
+    ((0.0123, 0.0123, 4.0, 4.0), None),  # two against two
+    ((0.0123, 4.0, 4.0, 4.0), 4.0),
+    ((math.nan, 4.0, 4.0), 4.0),
+])
+def test_the_logged_loss_is_a_strict_majority_of_the_last_stages_or_none(losses, logged):
+    dp = len(losses)
+    # one stage per pipeline: every peer is a last stage
+    a = alloc(pipelines=tuple((N[d],) for d in range(dp)), layer_ranges=((0, 4),),
+              train=TrainConfig(global_batch_seqs=48))
+    log = StepLog(a, set(), started_at=0.0)
+    lines = []
+    for d, loss in enumerate(losses):
+        lines += log.add(N[d], dataclasses.replace(report(1, 0), loss=loss))
+    [line] = lines
+    assert line["loss"] == logged and len(line["loss_disagreement"]) == sum(x is not None for x in losses)
+    assert line.get("loss_no_majority", False) is (logged is None)
 
 
 def test_far_future_step_reports_keep_the_step_log_bounded():
