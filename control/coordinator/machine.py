@@ -880,10 +880,12 @@ class Coordinator:
         try:
             if not self.election.is_coordinator:
                 raise OperatorError("this peer is no longer the coordinator")
-            if cur is None or self._over():
+            if cur is None:
                 raise OperatorError("no training run is in progress")
             op = check_op(ev.op, "stop", self.operators, run_id=cur.run_id)
-            signed = self._fresh(ev.op, op, now)
+            signed = self._fresh(ev.op, op, now)  # (a copy is refused as such, the run over or not)
+            if self._over():
+                raise OperatorError("no training run is in progress")
         except OperatorError as e:
             logger.warning("refused a train stop: %s", e)
             return [Reply(ev.key, error=str(e))]
