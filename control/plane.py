@@ -3,10 +3,11 @@
 `ControlPlane` owns the IO: it registers the message handlers, owns the nursery, the election
 service, the stage host (control/epoch/stages.py: the tensors, comm and runner thread of this
 peer's epochs, the tensor router and the recovery server), the corpora, the data dir's files
-(applied.json, stopped.json, operations.json, train.jsonl, events.jsonl) and the operator's requests. It feeds messages,
-member changes, election events, the runner's steps and time to the two machines,
-`EpochMachine` (this peer's part in each epoch) and `Coordinator` (the coordinator's
-decisions), executes their actions in order, and builds `status()` from their snapshots.
+(applied.json, stopped.json, operations.json, train.jsonl, events.jsonl) and the operator's
+requests. It feeds messages, member changes, election events, the runner's steps and time to
+the two machines, `EpochMachine` (this peer's part in each epoch) and `Coordinator` (the
+coordinator's decisions), executes their actions in order, and builds `status()` from their
+snapshots.
 """
 
 from __future__ import annotations
