@@ -96,7 +96,7 @@ def bench_loopback(steps: int) -> dict:
     local = cfg.global_batch_seqs * spec.seq_len / statistics.median(times[2:])
     return {"loopback_daemons_tokens_per_s": round(daemons), "loopback_local_cluster_tokens_per_s": round(local),
             "ratio_daemons_over_local_cluster": round(daemons / local, 3),
-            "loopback_losses_equal": [round(r["loss"], 6) for r in rows[:3]]}
+            "loopback_losses_equal": [None if r.get("loss") is None else round(r["loss"], 6) for r in rows[:3]]}
 
 
 # ---- 2. 64 MiB tensors through the Comm between two processes -----------------------------------

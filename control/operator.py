@@ -9,11 +9,15 @@ start the request (`TrainRequest`'s arguments; the data set by hash and name, ne
 the operator's signature of `OPERATOR_DOMAIN + body`. The CLI signs (`dtfm-peer train`,
 `dtfm-swarm`); every peer that acts on one checks it:
 
-- the coordinator takes a start, a stop or a reschedule only when `check_op` accepts it (the
-  kind, an operator of the swarm, a valid signature, the run it acts on) and its time is within
-  the skew window (`check_time`), before any costly work (control/coordinator/machine.py);
+- the coordinator takes a start, a stop, a resume or a reschedule only when `check_op` accepts
+  it (the kind, an operator of the swarm, a valid signature, the run it acts on) and its time is
+  within the skew window (`check_time`), before any costly work (control/coordinator/machine.py);
+  a stop, resume or reschedule also only when signed after the run's last resume or reschedule
+  (`check_after`; the allocation carries that time) and not taken before (the operations this
+  peer took, control/epoch/taken.py);
 - a peer takes a run's final STOP only from the coordinator it recognises and only with the
-  operator's signed stop of that run (control/epoch/machine.py);
+  operator's signed stop of that run, by the same rules of time and replay
+  (control/epoch/machine.py);
 - every allocation carries the run's signed start, and a peer refuses one whose start is not an
   operator's, for another run, or for other data, preset, steps, seed, checkpoints or compression
   (`check_operator_start`, called by the epoch machine).
@@ -46,8 +50,8 @@ from .coordinator.request import KNOBS, TrainError, TrainRequest
 from .election import COUNCIL_SIZES, MAX_COUNCIL, Council
 
 __all__ = [
-    "MAX_OP_BYTES", "OPERATOR_DOMAIN", "OP_KINDS", "OperatorError", "OperatorOp", "SignedOp", "check_council",
-    "check_op", "check_operator_start", "check_time", "council_arg", "root_council", "sign_op",
+    "MAX_OP_BYTES", "OPERATOR_DOMAIN", "OP_KINDS", "OperatorError", "OperatorOp", "SignedOp", "check_after",
+    "check_council", "check_op", "check_operator_start", "check_time", "council_arg", "root_council", "sign_op",
 ]
 
 OPERATOR_DOMAIN = b"dtfm-operator-op-v1\x00"  # prefixed to the body before signing
@@ -321,6 +325,17 @@ def check_council(alloc: Allocation, operators: AbstractSet[bytes]) -> tuple[Cou
     if council.voters != alloc.voters:
         return None, Refusal("bad-council", "the allocation's voters are not its council's")
     return council, None
+
+
+def check_after(op: OperatorOp, after_ms: int) -> None:
+    """OperatorError unless `op` was signed after `after_ms`, the signed time of the run's last
+    resume or reschedule that was taken (`Allocation.last_op_ms`; 0: none): an operation from
+    before it belongs to an earlier part of the run's history (a copied stop cannot end the run
+    once it was resumed, a copied resume or reschedule is not taken twice)."""
+    if op.issued_at_ms <= after_ms:
+        ago = (after_ms - op.issued_at_ms) / 1000
+        raise OperatorError(f"the operator's {op.kind} is not newer than the run's last resume or reschedule, "
+                            f"which was taken already ({ago:.0f} s later): sign a new one (are the clocks right?)")
 
 
 def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Refusal | None:

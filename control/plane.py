@@ -3,10 +3,11 @@
 `ControlPlane` owns the IO: it registers the message handlers, owns the nursery, the election
 service, the stage host (control/epoch/stages.py: the tensors, comm and runner thread of this
 peer's epochs, the tensor router and the recovery server), the corpora, the data dir's files
-(applied.json, train.jsonl, events.jsonl) and the operator's requests. It feeds messages,
-member changes, election events, the runner's steps and time to the two machines,
-`EpochMachine` (this peer's part in each epoch) and `Coordinator` (the coordinator's
-decisions), executes their actions in order, and builds `status()` from their snapshots.
+(applied.json, stopped.json, operations.json, train.jsonl, events.jsonl) and the operator's
+requests. It feeds messages, member changes, election events, the runner's steps and time to
+the two machines, `EpochMachine` (this peer's part in each epoch) and `Coordinator` (the
+coordinator's decisions), executes their actions in order, and builds `status()` from their
+snapshots.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
+from .epoch.taken import TAKEN_NAME, load_taken, save_taken
 from .events import Reconfiguration
 from .messages import ControlMsg
 from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
@@ -226,7 +228,8 @@ class ControlPlane:
                                         signer=identity, address_of=self._address_of, peers=gossip.live_peers)
         cfg = self.config
         self.epoch = EpochMachine(self.me, self.election, heartbeat_wait_s=cfg.heartbeat_wait_s,
-                                  coordinator_lost_after_s=cfg.coordinator_lost_after_s, operators=self.operators)
+                                  coordinator_lost_after_s=cfg.coordinator_lost_after_s, operators=self.operators,
+                                  operator_skew_s=cfg.operator_skew_s)
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
             GossipSwarm(gossip, self.me), SchedulerPlanner(cfg),
@@ -256,6 +259,8 @@ class ControlPlane:
         self._coord_wake = trio.Event()
         self.export_progress: ExportProgress | None = None  # the export running here (`dtfm-peer export`)
         self._reconfigs: collections.deque[Reconfiguration] = collections.deque(maxlen=MAX_RECONFIGS)
+        self._taken_saved = 0  # the version of the operations taken (control/epoch/taken.py) on disk
+        self._taken_lock = trio.Lock()
         self._load_applied()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -270,7 +275,7 @@ class ControlPlane:
         self.transport.handle(ControlMsg.LEAVE, self._on_leave)
         self.gossip.on_member_change(self._on_member_change)
         self.election.on_event(self._on_election_event)
-        self.coordinator.wall_offset = time.time() - trio.current_time()
+        self.coordinator.wall_offset = self.epoch.wall_offset = time.time() - trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             self.stages.attach(nursery)
@@ -327,6 +332,8 @@ class ControlPlane:
                 self.epoch.mark_stopped(cur.run_id)
             return
         self._coord_wake.set()
+        if self.epoch.taken.version != self._taken_saved:  # (a resume or reschedule taken)
+            self._start_soon(self._save_taken)
         for a in actions:
             self._execute_now(a)
 
@@ -521,7 +528,21 @@ class ControlPlane:
         except OSError as e:
             logger.warning("cannot write %s: %s", path.name, e)
 
+    async def _save_taken(self) -> None:
+        """Write the operations this peer took (DATA_DIR/operations.json) if they changed."""
+        async with self._taken_lock:
+            version = self.epoch.taken.version
+            if version == self._taken_saved:
+                return
+            try:
+                await trio.to_thread.run_sync(save_taken, self.data_dir, self.epoch.taken.to_json())
+            except OSError as e:
+                logger.warning("cannot write %s: %s", TAKEN_NAME, e)
+                return
+            self._taken_saved = version
+
     def _load_applied(self) -> None:
+        self.epoch.restore_taken(load_taken(self.data_dir))
         path = self.data_dir / "applied.json"
         try:
             d = json.loads(path.read_text())
@@ -727,6 +748,7 @@ class ControlPlane:
         answer = self._ask_now(key, ev)
         if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
             await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)
+        await self._save_taken()  # (and the stop taken: a copy of it is refused after a restart too)
         return answer
 
     async def _on_step(self, conn, msg_type, body, payload) -> None:

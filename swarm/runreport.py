@@ -99,6 +99,10 @@ def report_lines(rec: RunRecord, plot: Path | None, plot_error: str | None = Non
         if losses:
             lines.append(f"loss: {losses[0]['loss']:.4f} at step {losses[0]['step'] + 1} -> "
                          f"{losses[-1]['loss']:.4f} at step {losses[-1]['step'] + 1}")
+        undecided = sum(1 for r in steps if r.get("loss_no_majority"))
+        if undecided:  # (control/coordinator/steplog.py: no last stage writes the loss alone)
+            lines.append(f"loss: none logged for {plural(undecided, 'step')}: the last stages disagreed with "
+                         "no majority (loss_no_majority)")
         later = steps[1:]  # the first step also builds the stages
         measured = _median([r["iteration_s"] for r in later if isinstance(r.get("iteration_s"), (int, float))])
         tokens = _median([r["tokens_per_s"] for r in later if isinstance(r.get("tokens_per_s"), (int, float))])

@@ -128,7 +128,7 @@ class Node:
     def __init__(self, *, live=N[1:4], voters=N[:4], timings: CoordinatorTimings = TIMINGS, wall: float = 0.0):
         self.election = FakeElection(ME, term=1, coordinator=ME, voters=tuple(voters))
         self.epoch = EpochMachine(ME, self.election, heartbeat_wait_s=1.0, coordinator_lost_after_s=10.0,
-                                  operators=OPERATORS)
+                                  operators=OPERATORS, wall_offset=wall)
         self.swarm = FakeSwarm(live)
         self.planner = FakePlanner()
         self.c = Coordinator(ME, lambda a: SignedAllocation.sign(a, KEYS[0]), self.election, self.epoch, self.swarm,

@@ -134,6 +134,7 @@ def allocation_fields(draw) -> dict:
         "absent": [draw(st.binary(min_size=32, max_size=32).filter(lambda b: b not in ids))]
                   if draw(st.booleans()) else [],
         "reason": draw(st.text(max_size=40)),
+        "last_op_ms": draw(st.sampled_from([0, 1, 2**53]) | st.integers(0, 2**53)),
     }
 
 
@@ -154,7 +155,7 @@ def test_encoding_is_canonical(fields):
 
 def test_body_is_a_fixed_list_with_sorted_config_maps():
     body = body_list(make())  # an exact run's allocation: format 3, as before compression existed
-    assert FORMAT_VERSION == 5 and body[0] == 3 and len(body) == 22 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
+    assert FORMAT_VERSION == 6 and body[0] == 3 and len(body) == 22 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
     model, train = body[6], body[7]
     assert list(model) == sorted(model) and list(train) == sorted(train)
     assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
@@ -192,7 +193,7 @@ COMPRESSION_FIELD = [
     ("a mistyped field", [*V4[:22], {**V4[22], "inner_steps": 8.0}], "inner_steps"),
     ("an out-of-range field", [*V4[:22], {**V4[22], "outer_momentum": 1.5}], "outer_momentum"),
     ("not a map", [*V4[:22], "diloco"], "compression"),
-    ("an unknown format", [6, *V4[1:]], "format 6"),
+    ("an unknown format", [7, *V4[1:]], "format 7"),
     ("format 5 without its links", [5, *V4[1:]], "format 5 has 24 fields, got 23"),
 ]
 
@@ -261,6 +262,54 @@ def test_links_in_an_exact_run_are_refused():
     with pytest.raises(ProtocolError, match="exact run"):
         Allocation.decode(pack([5, *exact[1:], {k: v for k, v in CompressionConfig().to_dict().items()
                                                 if k != "per_link"}, V5[23]]))
+
+
+OP_MS = 1_700_000_123_456  # an operator's resume, signed then (ms)
+
+
+@pytest.mark.parametrize("kw", [{}, {"compression": DILOCO8}, {"compression": AUTO, "compress_links": LINKS}],
+                         ids=["exact", "compressed", "per-link"])
+def test_the_last_resume_or_reschedule_travels_signed_in_format_6_and_none_keeps_the_old_format(kw):
+    old = make(2, 3, **kw)
+    a = dataclasses.replace(old, last_op_ms=OP_MS)
+    body, old_body = body_list(a), body_list(old)
+    assert old_body[0] in (3, 4, 5) and old.last_op_ms == 0  # no operation since the start: the old bytes
+    assert body[0] == 6 and len(body) == 25 and body[24] == OP_MS and body[1:22] == old_body[1:22]
+    assert body[23] == (old_body[23] if len(old_body) == 24 else None)  # the links, nil when none
+    assert CompressionConfig.from_dict(body[22]) == dataclasses.replace(a.compression, per_link=False)
+    signed = SignedAllocation.sign(a, ISSUER)
+    assert signed.open() == a and signed.open().last_op_ms == OP_MS
+    # the time is signed: moved back after signing (to let an older stop in), the signature fails
+    forged = SignedAllocation(pack([*body[:24], OP_MS - 60_000]), signed.signature)
+    assert Allocation.decode(forged.body).last_op_ms == OP_MS - 60_000
+    with pytest.raises(ProtocolError, match="bad signature"):
+        forged.open()
+
+
+V6 = body_list(dataclasses.replace(make(2, 3), last_op_ms=OP_MS))
+OP_FIELD = [
+    # (what, body, words of the ProtocolError)
+    ("format 6 with no operation (one allocation, one body)", [*V6[:24], 0], "last_op_ms"),
+    ("a negative time", [*V6[:24], -1], "last_op_ms"),
+    ("a time past 2^53 ms", [*V6[:24], 2**53 + 1], "last_op_ms"),
+    ("a float", [*V6[:24], float(OP_MS)], "last_op_ms"),
+    ("a string", [*V6[:24], str(OP_MS)], "last_op_ms"),
+    ("format 6 without the time", V6[:24], "format 6 has 25 fields, got 24"),
+    ("format 5 with a time", [5, *V6[1:]], "format 5 has 24 fields, got 25"),
+    ("links in an exact run", [*V6[:23], V5[23], OP_MS], "exact run"),
+]
+
+
+@pytest.mark.parametrize("what, body, words", OP_FIELD, ids=[c[0] for c in OP_FIELD])
+def test_a_bad_operation_time_is_refused(what, body, words):
+    with pytest.raises(ProtocolError, match=words):
+        Allocation.decode(pack(body))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(22, len(V6) - 1), wire_values)
+def test_a_format_6_field_replaced_by_garbage_raises_only_protocol_error(index, value):
+    decodes_only_canonically(_with(V6, index, value))
 
 
 @pytest.mark.parametrize("what, body, words", COMPRESSION_FIELD, ids=[c[0] for c in COMPRESSION_FIELD])

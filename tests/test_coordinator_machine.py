@@ -707,6 +707,83 @@ def test_a_resume_without_a_complete_checkpoint_says_which_stage_is_missing_and_
     assert _costly(n.tick(120.0)) == []  # nobody reconfigures it after all
 
 
+def _stopped_then_resumed(n: Node, stop: SignedOp, resume: SignedOp) -> SignedAllocation:
+    """n0 trains, takes the operator's `stop` at 3, the `resume` at 4 and hands out epoch 2 of
+    the run; the resumed epoch's signed allocation."""
+    n.training()
+    n.feed(StopRun(("op", "stop"), stop), 3.0)
+    n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
+    n.feed(ResumeRun(("op", "resume"), resume), 4.0)
+    held = {p: state(((0, 2), (2, 4))[k % 2], 2) for k, p in enumerate(N[:4])}
+    n.answer("states", held, 4.1)
+    n.compute("plan", 4.2)
+    n.answer("offer 0-2", everyone={"digest": D01}, at=4.3)
+    n.answer("offer 2-4", everyone={"digest": D23}, at=4.3)
+    signed = SignedAllocation.from_wire(n.asks["alloc"].body)
+    n.answer("alloc", everyone={"accepted": True}, at=4.4)
+    n.answer("start", everyone={"started": True}, at=4.5)
+    assert n.c.phase is Phase.TRAINING and n.epoch.current.epoch == 2
+    return signed
+
+
+def test_a_copied_stop_cannot_end_the_run_once_it_was_resumed():
+    # Security review 2026-11-28, N4: after `train stop` and `train resume`, anyone holding the
+    # old stop's bytes (every peer of the run received them) replayed it and the resumed run
+    # ended. The resumed epoch's allocation carries the resume's signed time; a stop signed
+    # before it is refused before any peer is asked, and the run trains on.
+    n = Node(wall=WALL)
+    stop, resume = stop_op(3.0, wall=WALL), resume_op(4.0, wall=WALL)
+    signed = _stopped_then_resumed(n, stop, resume)
+    out = n.feed(StopRun(("op", "copy"), stop), 5.0)  # (n0 took it too: either reason refuses it)
+    assert _costly(out) == [] and "sign a new one" in out[0].error
+    assert not n.epoch.run_over() and n.c.phase is Phase.TRAINING
+    assert signed.open().last_op_ms == resume.open().issued_at_ms  # signed by the issuer, for any successor
+    # the operator's own stop, signed now, still ends it; its copy is then refused as taken
+    n.feed(StopRun(("op", "stop 2"), stop_op(6.0, wall=WALL)), 6.0)
+    [asked] = [k for k in n.asks if k.startswith("opstop")]
+    n.answer(asked, everyone={"stopped": True}, at=6.1)
+    assert n.epoch.run_over()
+    # a copy of the resume (taken once) does not resume the run the operator stopped again
+    out = n.feed(ResumeRun(("op", "resume copy"), resume), 7.0)
+    assert _costly(out) == [] and "this resume was taken already" in out[0].error
+    assert n.epoch.stopped_by_operator(RUN)
+
+
+def test_a_new_coordinator_refuses_copies_of_the_operations_its_predecessor_took():
+    # L2 of the same review: the replay records were one coordinator's memory. n1 took a resume
+    # (at 4) and a reschedule (at 6) and handed out epoch 3 carrying the reschedule's time; n0,
+    # elected after n1 died, never saw either operation, yet refuses a copy of each, and of the
+    # stop from before the resume, signed within the skew window as they all are.
+    n = Node(wall=WALL)
+    n.election.coordinator = N[1]
+    rescheduled = reschedule_op(6.0, wall=WALL)
+    n.local_epoch(alloc(issuer=N[1], epoch=3, start_step=4, last_op_ms=rescheduled.open().issued_at_ms))
+    n.swarm.live.discard(N[1])
+    n.election.term, n.election.coordinator = 2, ME
+    n.feed(Elected(2), 10.0)
+    for k, op in enumerate((rescheduled, reschedule_op(5.0, wall=WALL))):
+        out = n.feed(Reschedule(("op", "re", k), op), 10.0)
+        assert _costly(out) == [] and "not newer than the run's last resume or reschedule" in out[0].error
+    out = n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 10.0)
+    assert _costly(out) == [] and "not newer than the run's last resume or reschedule" in out[0].error
+    assert not n.epoch.run_over()
+    out = n.feed(Reschedule(("op", "new"), reschedule_op(10.0, wall=WALL)), 10.0)
+    assert [label(a.key) for a in _costly(out)] == ["states"]  # the operator's new one is taken
+
+
+def test_a_stop_signed_outside_the_skew_window_is_refused():
+    # docs/operator.md promised it (review LOW 4): a stop more than operator_skew_s off the
+    # coordinator's clock is refused, before any peer is asked.
+    n = Node(wall=WALL)
+    n.training()
+    for k, (at, words) in enumerate([(3.0 - 301, "signed 301 s ago"), (3.0 + 400, "400 s in the future")]):
+        out = n.feed(StopRun(("op", k), stop_op(at, wall=WALL)), 3.0)
+        assert _costly(out) == [] and words in out[0].error, out
+    assert not n.epoch.run_over()
+    out = n.feed(StopRun(("op", "now"), stop_op(3.0 - 299, wall=WALL)), 3.0)
+    assert [label(a.key) for a in _costly(out)] == ["opstop 1"]
+
+
 @pytest.mark.parametrize("asked, last, stopped, over, words", [
     (RUN, RUN, True, True, None),
     (RUN, None, False, True, "this swarm has run nothing yet"),
@@ -986,7 +1063,9 @@ def test_last_stages_that_disagree_on_the_loss_are_flagged(caplog):
     n.feed(StepReported(N[2], RUN, stage_report(N[2], 1, 0)), 1.0)
     [line] = [a.line for a in n.feed(StepReported(N[3], RUN, report(1, 0, loss=4.0)), 1.0) if isinstance(a, LogLine)]
     assert line["loss_disagreement"] == {short_id(N[1]): 0.0123, short_id(N[3]): 4.0}
-    assert "the last stages disagree on the loss" in caplog.text
+    # one against one: no majority, so no loss is logged (the first pipeline's was, review LOW 1)
+    assert line["loss"] is None and line["loss_no_majority"] is True
+    assert "the last stages disagree on the loss with no majority" in caplog.text
     for p, loss in ((N[0], None), (N[1], 3.9), (N[2], None), (N[3], 3.9)):  # agreeing: no flag
         out = n.feed(StepReported(p, RUN, dataclasses.replace(report(1, 1), loss=loss)), 2.0)
     [line] = [a.line for a in out if isinstance(a, LogLine)]
@@ -995,6 +1074,27 @@ def test_last_stages_that_disagree_on_the_loss_are_flagged(caplog):
         out = n.feed(StepReported(p, RUN, dataclasses.replace(report(1, 2), loss=loss)), 3.0)
     [line] = [a.line for a in out if isinstance(a, LogLine)]
     assert math.isnan(line["loss"]) and "loss_disagreement" not in line
+
+
+@pytest.mark.parametrize("losses, logged", [
+    ((0.0123, 4.0, 4.0), 4.0),  # two of three last stages: a strict majority
+    ((4.0, 0.0123, None), None),  # one of the two that reported against the other
+    ((0.0123, 0.0123, 4.0, 4.0), None),  # two against two
+    ((0.0123, 4.0, 4.0, 4.0), 4.0),
+    ((math.nan, 4.0, 4.0), 4.0),
+])
+def test_the_logged_loss_is_a_strict_majority_of_the_last_stages_or_none(losses, logged):
+    dp = len(losses)
+    # one stage per pipeline: every peer is a last stage
+    a = alloc(pipelines=tuple((N[d],) for d in range(dp)), layer_ranges=((0, 4),),
+              train=TrainConfig(global_batch_seqs=48))
+    log = StepLog(a, set(), started_at=0.0)
+    lines = []
+    for d, loss in enumerate(losses):
+        lines += log.add(N[d], dataclasses.replace(report(1, 0), loss=loss))
+    [line] = lines
+    assert line["loss"] == logged and len(line["loss_disagreement"]) == sum(x is not None for x in losses)
+    assert line.get("loss_no_majority", False) is (logged is None)
 
 
 def test_far_future_step_reports_keep_the_step_log_bounded():

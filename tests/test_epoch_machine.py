@@ -49,6 +49,7 @@ from dtfm.control.epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
+from dtfm.control.epoch.taken import MAX_OPS_PER_RUN, MAX_RUNS, TakenOps, load_taken, save_taken
 from dtfm.control.refusals import Refused
 from dtfm.train import parse_compression
 
@@ -364,6 +365,57 @@ def test_a_new_epoch_of_a_run_the_operator_stopped_resumes_it():
     assert p.m.run_over() and p.m.stopped_by_operator(RUN)
     p.offer(alloc(epoch=2, start_step=4), 3.0)
     assert not p.m.run_over() and not p.m.stopped_by_operator(RUN)
+
+
+def test_a_copied_operators_stop_is_refused_after_the_runs_last_resume_out_of_its_time_or_taken_before(tmp_path):
+    # The run was resumed by an operator's resume signed at 5 s (its allocation says so): the
+    # stop from before it (a copy of the one that ended the run then) is refused, so is a stop
+    # signed more than the skew window ago; the operator's new stop is taken once, and a copy
+    # of it is refused, also by the same peer restarted with its operations.json.
+    p = Peer(N[1])
+    p.accept(alloc(epoch=2, start_step=4, last_op_ms=5_000))
+    new = sign_op(OPERATOR, "stop", now_s=6.0, run_id=RUN)
+    for op, now, words in [(STOP, 6.0, "not newer than the run's last resume or reschedule"),
+                           (new, 6.0 + 301, "signed 301 s ago")]:
+        [reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=op), now)
+        assert reply.value["stopped"] is False and words in reply.value["reason"], reply
+        assert not p.m.run_over()
+    [*_, reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.0)
+    assert reply.value["stopped"] is True and p.m.stopped_by_operator(RUN)
+    [reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.5)
+    assert reply.value == {"stopped": False, "reason": "this stop was taken already: sign a new one"}
+    save_taken(tmp_path, p.m.taken.to_json())
+    again = Peer(N[1])
+    again.m.restore_taken(load_taken(tmp_path))
+    again.accept(alloc(epoch=2, start_step=4, last_op_ms=5_000))
+    [reply] = again.feed(StopAsked(again.key("t"), N[0], RUN, 8, final=True, op=new), 8.0)
+    assert reply.value == {"stopped": False, "reason": "this stop was taken already: sign a new one"}
+    assert not again.m.run_over()
+
+
+def test_the_operations_taken_are_bounded_and_a_damaged_file_is_ignored(tmp_path, caplog):
+    t = TakenOps()
+    ops = [sign_op(OPERATOR, "reschedule", now_s=float(k), run_id=RUN) for k in range(MAX_OPS_PER_RUN + 10)]
+    for signed in ops:  # each within the skew window of the last: only the newest are kept
+        t.take(signed.open(), signed, now_s=100.0, skew_s=300.0)
+    assert t.floor_ms(RUN) == (MAX_OPS_PER_RUN + 9) * 1000
+    kept = TakenOps.from_json(t.to_json())
+    assert not kept.taken(ops[9], RUN) and kept.taken(ops[10], RUN) and kept.floor_ms(RUN) == t.floor_ms(RUN)
+    late = sign_op(OPERATOR, "stop", now_s=1000.0, run_id=RUN)  # the others are out of the window now
+    t.take(late.open(), late, now_s=1000.0, skew_s=300.0)
+    assert [t.taken(s, RUN) for s in (ops[-1], late)] == [False, True] and t.floor_ms(RUN) == ops[-1].open().issued_at_ms
+    for k in range(MAX_RUNS + 3):
+        run = bytes([k]) * 16
+        signed = sign_op(OPERATOR, "resume", now_s=1000.0, run_id=run)
+        t.take(signed.open(), signed, now_s=1000.0, skew_s=300.0)
+    assert len(t.to_json()["runs"]) == MAX_RUNS and t.floor_ms(RUN) == 0  # the runs touched last
+    for damaged in ("{", '{"runs": 3}', '{"runs": [{"run": "zz", "floor_ms": 0, "ops": {}}]}',
+                    '{"runs": [{"run": "' + "72" * 16 + '", "floor_ms": -1, "ops": {}}]}',
+                    '{"runs": [{"run": "' + "72" * 16 + '", "floor_ms": 0, "ops": {"ab": 1}}]}'):
+        (tmp_path / "operations.json").write_text(damaged)
+        assert load_taken(tmp_path).to_json() == {"runs": []}
+    assert "operations.json is damaged" in caplog.text
+    assert load_taken(tmp_path / "nowhere").to_json() == {"runs": []}
 
 
 def test_an_allocation_already_applied_is_refused_as_stale():
@@ -746,6 +798,30 @@ def test_a_peer_with_no_epoch_in_progress_answers_any_peer():
     p.accept(alloc())
     p.feed(RunnerEnded(1, RunEnd(3, "stopped", False), 0.0), 1.0)
     assert p.m.check_run_state_reader(N[5]) is None and p.m.refusals.counts() == {}
+
+
+@pytest.mark.parametrize("end", ["operator stop", "finished", "could not go on"])
+def test_after_its_run_is_over_a_peer_answers_only_the_peers_of_the_run(end):
+    # Security review 2026-11-28, LOW 3: any key holder read the run id, epoch and kept step
+    # reports of a run that was over (RUN_STATE query, and `progress` on its coordinator).
+    p = Peer(N[1])
+    p.accept(alloc())
+    p.feed(StepDone(report(1, 0)), 1.0)
+    if end == "operator stop":
+        p.feed(StopAsked(p.key("t"), N[0], RUN, 2, final=True, op=STOP), 3.0)
+        p.feed(RunnerEnded(1, RunEnd(1, "stopped", False), 0.0), 3.5)
+    elif end == "finished":
+        p.feed(RunnerEnded(1, RunEnd(99, "finished", False), 0.0), 3.5)
+    else:
+        p.m.mark_stopped(RUN)  # (its coordinator stopped the run: no layout of the peers exists)
+    p.feed(EpochDone(1), 4.0)
+    assert p.m.run_over() and p.m.status().phase is EpochPhase.ENDED
+    p.election.coordinator = None  # between runs: no coordinator recognised
+    for sender, refused in ((N[1], False), (N[0], False), (N[3], False), (N[5], True), (N[4], True)):
+        assert (p.m.check_run_state_reader(sender) is not None) is refused, named(sender)
+    assert p.m.refusals.counts() == {"run-state-outsider": 2}
+    p.election.coordinator = N[5]  # the coordinator it recognises (of the next run) may ask
+    assert p.m.check_run_state_reader(N[5]) is None
 
 
 def test_only_the_coordinator_asks_for_offers():

@@ -294,6 +294,10 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
         assert plane.epoch.run_over()
     again = ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
     assert again.epoch.current == a and again.epoch.stopped_by_operator(RUN) and again.epoch.run_over()
+    # the stop it took is kept too (operations.json): a copy of it is refused after the restart
+    copy = SignedOp.from_wire(stop)
+    assert again.epoch.taken.taken(copy, RUN)
+    assert "taken already" in again.epoch.op_refusal(copy.open(), copy, time.time(), 300.0)
     clear_stopped(tmp_path, b"o" * 16)  # another run's new epoch: the stop stands
     assert load_stopped(tmp_path) == RUN
     clear_stopped(tmp_path, RUN)  # a new epoch of the run: resumed

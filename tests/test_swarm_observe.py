@@ -381,6 +381,22 @@ def test_report_redraws_a_stopped_run_from_its_run_dir(tmp_path, capsys):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_report_and_plot_cope_with_steps_logged_without_a_loss(tmp_path, capsys):
+    # A step whose last stages disagreed with no majority is logged with a null loss
+    # (control/coordinator/steplog.py); the report says how many, the plot leaves them out.
+    _run_dir_of_a_finished_run(tmp_path)
+    rows = [step(k, 1, tokens_per_s=1000.0 + k, predicted_iteration_s=0.4) for k in range(60)]
+    for k in (0, 7, 59):
+        rows[k] |= {"loss": None, "loss_disagreement": {"3fa2c1d0": 0.0123, "9b1e77aa": 4.0}, "loss_no_majority": True}
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    assert swarm_cli.main(["report", "--run-dir", str(tmp_path)]) == 0
+    lines = (tmp_path / "report.txt").read_text().splitlines()
+    assert f"loss: {rows[1]['loss']:.4f} at step 2 -> {rows[58]['loss']:.4f} at step 59" in lines
+    assert "loss: none logged for 3 steps: the last stages disagreed with no majority (loss_no_majority)" in lines
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert merge_train([[rows[7]], [dict(rows[7], loss=3.9, term=0)]])[0]["loss"] == 3.9  # a loss wins
+
+
 def test_report_without_reconfigurations_or_steps_says_so(tmp_path):
     _run_dir_of_a_finished_run(tmp_path, events=EVENTS[:1])  # the first election alone is no news
     assert format_reconfigurations(EVENTS[:1]) == []

@@ -1,7 +1,7 @@
 """Daemons that train together: 8 real daemon processes on the emulated worldwide scenario,
 handed an allocation by one of them, train `tiny` across processes over the encrypted peer
 transport (bounded in time). A key holder outside the run cannot take the swarm over, brick its
-election or stop the run.
+election or stop the run, nor end a resumed run with a copy of the operator's old stop.
 
 The oracle is single-process training: every step's loss equals the reference within 1e-5,
 whatever the S x D shape, and at the end every DP group's replicas hold identical weights; so
@@ -29,9 +29,9 @@ from dtfm.control.election import Certificate, Heartbeat, PreVoteReply, Vote, co
 from dtfm.control.election.limits import MAX_TERM
 from dtfm.net import Identity, Transport, TransportConfig, load_swarm_key
 from dtfm.swarm import cli as swarm
-from dtfm.swarm.proc import peer_status
+from dtfm.swarm.proc import peer_request, peer_status
 from dtfm.swarm.state import load_state
-from dtfm.swarm.train import read_log, stop_training
+from dtfm.swarm.train import operator_op, read_log, stop_training
 from dtfm.train import PRESETS, TrainConfig
 
 TINY = PRESETS["tiny"]
@@ -143,7 +143,8 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
     assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "300"]) == 0
     state = load_state(run_dir)
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-    at = stop_training(run_dir, state.peers[0])["at_step"]
+    stop = operator_op(run_dir, state.peers[0], "stop")  # (as `stop_training`, keeping the signed stop)
+    at = peer_request(state.peers[0], "train_stop", {"op": stop.to_wire()}, timeout_s=30.0)["at_step"]
     assert 0 < at < STEPS
     ends = wait_for("every peer to stop", lambda: (t := trainings(state)) and all(
         v.get("last_end", {}).get("reason") == "stopped" for v in t.values()) and t, 60, interval_s=0.5)
@@ -151,6 +152,12 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
     assert len(saved) == N_PEERS and all(
         list(Path(p.data_dir, "checkpoints", run_id).glob(f"stage-*/step-{at:08d}.json")) for p in saved)
     assert peer_cli.main(["train", "resume", run_id[:8], "--data-dir", state.peers[1].data_dir]) == 0
+    # Review 2026-11-28, N4: a fresh identity with the swarm key replays the operator's old stop
+    # (every peer of the run received its bytes) to the coordinator: refused, the run goes on.
+    name, _ = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    c_peer = next(p for p in state.peers if p.name == name)
+    answer = trio.run(_replay_stop, c_peer, load_swarm_key(run_dir / "swarm.key"), stop)
+    assert "sign a new one" in answer.get("error", ""), answer
     assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", str(STEPS), "--timeout", "300"]) == 0
     losses, ref = hf_reference
     check_log(run_dir, losses)
@@ -172,6 +179,19 @@ def test_a_stopped_run_resumes_like_one_process_and_its_export_loads_in_transfor
         assert (hf(x).logits - mine.eval()(x)).abs().max() < 1e-5
     for name, p in ref.params.items():  # (a DP of 4 sums the batch in another order than one process)
         assert torch.allclose(params[name], p.detach(), atol=1e-5, rtol=1e-4), name
+
+
+async def _replay_stop(peer, key: bytes, stop) -> dict:
+    """A fresh identity, never a member, sends `peer` a TRAIN_OP carrying a copy of `stop`."""
+    me = Identity.generate()
+    transport = Transport(me, key, TransportConfig.test())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(transport.run)
+        with trio.fail_after(30):
+            conn = await transport.connect("127.0.0.1", peer.port, peer_id=bytes.fromhex(peer.peer_id))
+            answer, _ = await conn.request(ControlMsg.TRAIN_OP, {"op": "stop", "signed": stop.to_wire()})
+        await transport.aclose()
+    return answer
 
 
 async def _attack(state, key: bytes, run_id: bytes, term: int) -> list[dict]:

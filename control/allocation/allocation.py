@@ -72,15 +72,15 @@ __all__ = [
 ]
 
 ALLOCATION_DOMAIN = b"dtfm-allocation-v1\x00"  # prefixed to the body before signing
-# First field of the body; a peer refuses a format it cannot read. Format 4 appends the run's
-# compression; an exact run's allocation is written in format 3 (the same bytes as before
-# compression existed), so one allocation still has one body and exact runs mix with peers
-# that read format 3 only. Format 5 appends a per-link run's choice of which links and DP
-# groups compress (`compress_links`); a run compressed alike everywhere stays format 4.
-# Formats 6, 7 and 8 are 3, 4 and 5 with the run's council (control/election/council.py) last.
-FORMAT_VERSION = 8
-FORMATS = (6, 7, 8)
+# First field of the body; a peer refuses a format it cannot read. Format 6 carries every
+# field: the run's compression (an exact run's too), a per-link run's choice of which links and
+# DP groups compress (`compress_links`, nil for any other run), the time of the run's last
+# operator resume or reschedule (`last_op_ms`, 0: none) and the run's council (formats 3 to 5,
+# without a council, are no longer read: every allocation names its council).
+FORMAT_VERSION = 6
+FORMATS = (6,)
 MAX_COUNCIL_BYTES = 4096 + 128 + 1024 + 64 * 1024  # (control/election/council.py's bound)
+MAX_OP_TIME_MS = 2**53  # an operator operation's signed time (control/operator.py MAX_TIME_MS)
 MAX_ALLOCATION_BYTES = 1 << 18  # 4096 peer ids take ~140 KiB
 MAX_CODE_LEN = 32
 
@@ -90,8 +90,7 @@ REFUSAL_CODES = ("stale", "not-member", "unknown-preset", "preset-mismatch", "da
 _BODY_V3 = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
             "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
             "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start")
-_BODIES = {6: _BODY_V3 + ("council",), 7: _BODY_V3 + ("compression", "council"),
-           8: _BODY_V3 + ("compression", "compress_links", "council")}
+_BODIES = {6: _BODY_V3 + ("compression", "compress_links", "last_op_ms", "council")}
 _CODE = re.compile(r"[a-z][a-z-]*")
 
 
@@ -122,10 +121,6 @@ class Allocation:
     reason: str = ""  # why this epoch: "train start", "peer 3fa2c1d0 is dead", ...
     # The election's council from this epoch on (sorted; the issuer is one): `council`'s voters.
     voters: tuple[bytes, ...] = ()
-    # The council's root (an operator's signed operation) and its changes since, one voter at a
-    # time, each certified by a quorum of the council before (control/election/council.py,
-    # `Council.encode()`): every peer checks that it follows from its own, a joiner from the root.
-    council: bytes = b""
     # The run's start as its operator signed it (control/operator.py `SignedOp.encode()`),
     # carried by every allocation of the run: each peer checks that an operator of the swarm
     # started it (`check_operator_start`). Empty: none, and peers refuse the allocation.
@@ -137,6 +132,16 @@ class Allocation:
     # (stage s -> s + 1 of pipeline d) use the run's pipeline codec and which stages' DP groups
     # its DP method; the others stay exact. Sender and receiver of a link read the same entry.
     compress_links: LinkCodecs | None = None
+    # The wall-clock time (ms) an operator signed the run's last resume or reschedule that a
+    # coordinator took; 0: none since the start. Every later allocation of the run carries it
+    # (the newest), so any coordinator and every peer refuse a stop, resume or reschedule of the
+    # run signed at or before it: a copied stop cannot end the run once it was resumed
+    # (control/operator.py `check_after`, docs/security.md).
+    last_op_ms: int = 0
+    # The council's root (an operator's signed operation) and its changes since, one voter at a
+    # time, each certified by a quorum of the council before (control/election/council.py,
+    # `Council.encode()`): every peer checks that it follows from its own, a joiner from the root.
+    council: bytes = b""
     # The grid as train.Plan holds it (this allocation's epoch); it checks the grid's shape.
     _plan: Plan = field(init=False, repr=False, compare=False)
 
@@ -178,6 +183,7 @@ class Allocation:
         if self.start_step >= self.end_step:
             raise ValueError(f"start_step {self.start_step} must come before end_step {self.end_step}")
         check_int("checkpoint_every", self.checkpoint_every, 0, MAX_COUNTER)
+        check_int("last_op_ms", self.last_op_ms, 0, MAX_OP_TIME_MS)
         t = self.predicted_iteration_s
         if type(t) not in (int, float) or not math.isfinite(t) or not 0 <= t <= MAX_ITERATION_S:
             raise ValueError(f"predicted_iteration_s must be a number in [0, {MAX_ITERATION_S:g}], got {t!r}")
@@ -307,13 +313,11 @@ class Allocation:
 
     def encode(self) -> bytes:
         """The canonical body: the same allocation gives the same bytes on any machine."""
-        extra: list = [] if self.compression.exact else [config_to_wire(self.compression, "compression")]
         links = self.compress_links
-        if links is not None:
-            extra.append([[list(row) for row in links.pp], list(links.dp)])
-        extra.append(self.council)
+        wire_links = None if links is None else [[list(row) for row in links.pp], list(links.dp)]
+        extra = [config_to_wire(self.compression, "compression"), wire_links, self.last_op_ms, self.council]
         return pack([
-            6 if self.compression.exact else 7 if links is None else 8, self.run_id, self.term, self.epoch, self.issuer, self.preset,
+            FORMAT_VERSION, self.run_id, self.term, self.epoch, self.issuer, self.preset,
             config_to_wire(self.model, "model"), config_to_wire(self.train, "train"),
             [list(p) for p in self.pipelines], [list(r) for r in self.layer_ranges], list(self.spares),
             self.data_hash, self.data_name, self.start_step, self.end_step, self.checkpoint_every,
@@ -341,7 +345,7 @@ class Allocation:
         compression = (config_from_wire(CompressionConfig, d["compression"], "compression")
                        if "compression" in d else CompressionConfig())
         links = None
-        if "compress_links" in d:  # (the per-link flag travels as this field's presence)
+        if d.get("compress_links", None) is not None:  # (the per-link flag travels as this field's presence)
             links = _links_from_wire(d["compress_links"], len(ranges), len(pipelines))
             if compression.exact:
                 raise ProtocolError("allocation: compress_links in an exact run")
@@ -365,6 +369,7 @@ class Allocation:
                 voters=tuple(peer_ids_from_wire(d["voters"], "voters", MAX_PEERS)),
                 operator_start=get_bytes(d, "operator_start", 0, MAX_OPERATOR_START_BYTES),
                 compression=compression, compress_links=links,
+                last_op_ms=get_int(d, "last_op_ms", 0, MAX_OP_TIME_MS),
                 council=get_bytes(d, "council", 0, MAX_COUNCIL_BYTES),
             )
         except (ValueError, TypeError) as e:

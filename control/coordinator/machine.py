@@ -12,10 +12,12 @@ It asks peers (`Ask`) and runs the scheduler (`Compute`) through the shell, whic
 answers back; it reads the election, this peer's epoch machine and the gossiped swarm, and
 changes none of them.
 
-Operator operations (`StartRun`, `Reschedule`, `StopRun`) carry the operator's signed operation
-(control/operator.py). Each is refused at once, before any costly work (the scheduler's
+Operator operations (`StartRun`, `Reschedule`, `ResumeRun`, `StopRun`) carry the operator's signed
+operation (control/operator.py). Each is refused at once, before any costly work (the scheduler's
 `Compute`, an `Ask`), unless it is signed by an operator of the swarm, for the run it acts on,
-within the clock-skew window, not taken before, and no other operation of its kind is waiting.
+within the clock-skew window, not taken before, and no other operation of its kind is waiting; a
+stop, resume or reschedule also only when signed after the run's last resume or reschedule, which
+every later allocation of the run carries (`last_op_ms`), so a new coordinator knows it.
 """
 
 from __future__ import annotations
@@ -342,7 +344,6 @@ class Coordinator:
         self._queue: list[_Start | Reschedule | ResumeRun | PeerLeaving] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
-        self._rescheduled: tuple[bytes, int] | None = None  # (run, time in ms) of the last reschedule taken
         self._stops: dict[tuple, tuple[tuple, int]] = {}  # STOP request key -> (operator's key, boundary)
         self._operator_stop: tuple[bytes, int] | None = None  # (run, boundary) of the last operator's stop taken
         self._probe: str | None = None  # "joined" | "holders" | "epoch" | "drift" while one is out
@@ -843,8 +844,10 @@ class Coordinator:
             return self._failed(proc, e)
 
     def _reschedule_asked(self, ev: Reschedule, now: float) -> list:
-        """An operator's reschedule of the current run, newer than the last one taken, within
-        the skew window; then it waits for the procedure in progress, if any."""
+        """An operator's reschedule of the current run, within the skew window, signed after the
+        run's last resume or reschedule and not taken before (this peer's record and the
+        allocation's `last_op_ms`, so a new coordinator refuses a copy too); then it waits for
+        the procedure in progress, if any."""
         cur = self.epoch.current
         try:
             if not self.election.is_coordinator:
@@ -852,33 +855,44 @@ class Coordinator:
             if cur is None or self._over():
                 raise OperatorError("no training run is in progress")
             op = check_op(ev.op, "reschedule", self.operators, run_id=cur.run_id)
-            check_time(op, self._wall(now), self.t.operator_skew_s)
-            last = self._rescheduled
-            if last is not None and last[0] == cur.run_id and op.issued_at_ms <= last[1]:
-                raise OperatorError("this reschedule (or a newer one) was taken already: sign a new one")
+            signed = self._fresh(ev.op, op, now)
             if any(isinstance(q, Reschedule) for q in self._queue):
                 raise OperatorError("another reschedule is waiting: try again once it is answered")
         except OperatorError as e:
             logger.warning("refused a train reschedule: %s", e)
             return [Reply(ev.key, error=str(e))]
-        self._rescheduled = (cur.run_id, op.issued_at_ms)
+        self.epoch.take_op(op, signed, self._wall(now), self.t.operator_skew_s)
         self._queue.append(ev)
         return []
 
+    def _fresh(self, signed: SignedOp | None, op: OperatorOp, now: float) -> SignedOp:
+        """`signed` when its operation may be taken now (`EpochMachine.op_refusal`: the skew
+        window, after the run's last resume or reschedule, not taken before); else OperatorError."""
+        assert signed is not None  # (check_op opened it)
+        why = self.epoch.op_refusal(op, signed, self._wall(now), self.t.operator_skew_s)
+        if why is not None:
+            raise OperatorError(why)
+        return signed
+
     def _stop_asked(self, ev: StopRun, now: float) -> list:
-        """An operator's stop of the current run: STOP, with the operator's signed stop, to every
-        peer of the run before the same step; nobody reconfigures the run after it."""
+        """An operator's stop of the current run, within the skew window, signed after the run's
+        last resume or reschedule and not taken before (a copied stop cannot end a resumed run):
+        STOP, with the operator's signed stop, to every peer of the run before the same step
+        (each checks it by the same rules and keeps it, this peer's epoch machine too); nobody
+        reconfigures the run after it."""
         cur = self.epoch.current
         try:
             if not self.election.is_coordinator:
                 raise OperatorError("this peer is no longer the coordinator")
-            if cur is None or self._over():
+            if cur is None:
                 raise OperatorError("no training run is in progress")
-            check_op(ev.op, "stop", self.operators, run_id=cur.run_id)
+            op = check_op(ev.op, "stop", self.operators, run_id=cur.run_id)
+            signed = self._fresh(ev.op, op, now)  # (a copy is refused as such, the run over or not)
+            if self._over():
+                raise OperatorError("no training run is in progress")
         except OperatorError as e:
             logger.warning("refused a train stop: %s", e)
             return [Reply(ev.key, error=str(e))]
-        assert ev.op is not None
         at = self.epoch.stop_boundary(self.logged_completed(cur.run_id))
         self.epoch.mark_stopped(cur.run_id)
         self._operator_stop = (cur.run_id, at)
@@ -888,18 +902,20 @@ class Coordinator:
         emit = Emit(PlaneEvent(EventKind.OPERATOR_STOP, self.election.term, "train stop", epoch=cur.epoch,
                                reason=f"an operator stopped the run {stopped_after(at)}"))
         return [emit, self._ask(key, self._named(cur) | {cur.issuer, self.me}, ControlMsg.STOP,
-                          {"run": cur.run_id, "at_step": at, "final": True, "op": ev.op.to_wire()},
+                          {"run": cur.run_id, "at_step": at, "final": True, "op": signed.to_wire()},
                           self.t.request_timeout_s)]
 
     def _resume_asked(self, ev: ResumeRun, now: float) -> list:
         """An operator's resume of the run an operator stopped (the swarm's last run), within
-        the skew window; then it waits for the procedure in progress, if any."""
+        the skew window, signed after the run's last resume or reschedule and not taken before
+        (kept, and carried by the resumed epoch's allocation); then it waits for the procedure
+        in progress, if any."""
         cur = self.epoch.current
         try:
             if not self.election.is_coordinator:
                 raise OperatorError("this peer is no longer the coordinator")
             op = check_op(ev.op, "resume", self.operators)
-            check_time(op, self._wall(now), self.t.operator_skew_s)
+            signed = self._fresh(ev.op, op, now)
             refusal = resume_refusal(op.run_id, cur.run_id if cur is not None else None,
                                      stopped=cur is not None and self.epoch.stopped_by_operator(cur.run_id),
                                      over=self._over(), end_step=cur.end_step if cur is not None else 0)
@@ -910,6 +926,7 @@ class Coordinator:
         except OperatorError as e:
             logger.warning("refused a train resume: %s", e)
             return [Reply(ev.key, error=str(e))]
+        self.epoch.take_op(op, signed, self._wall(now), self.t.operator_skew_s)
         self._queue.append(ev)
         return []
 
@@ -1176,7 +1193,8 @@ class Coordinator:
                           spares=shape.spares, holdings=holdings, absent=self._absent(named),
                           reason=trigger[:1024], **self._council(named, reachable),
                           operator_start=cur.operator_start, compression=cur.compression,
-                          compress_links=links_for(shape, cur.compression))
+                          compress_links=links_for(shape, cur.compression),
+                          last_op_ms=self.epoch.op_floor_ms(cur.run_id))
 
     def _council(self, named: set[bytes], reachable: set[bytes]) -> dict:
         """The allocation's `voters` and `council`: one step toward a council of its root's size

@@ -24,7 +24,9 @@ What a peer may report (each refusal counted in the coordinator's `Refusals`):
 - the loss only from the last-stage peers: their losses are one global value (summed in pipeline
   order on every last stage), so they are compared; a disagreement is logged at WARNING and the
   line says so (`loss_disagreement`: each last-stage peer's loss), and the line's loss is the
-  value most of them give.
+  value a strict majority of the last stages that gave one give; with no such majority (a tie:
+  with two pipelines, one last stage against the other) no loss is logged: the line's loss is
+  null and it says `loss_no_majority`, so no single last stage writes the loss.
 
 Back-filled reports (the peers' own, from their run states) are checked the same way against
 the allocation of their epoch, when this peer knows it (`known`); a report of an epoch it does
@@ -226,13 +228,17 @@ class StepLog:
         for _, loss in given:
             assert loss is not None
             votes.setdefault("nan" if math.isnan(loss) else loss, []).append(loss)
-        loss = max(votes.values(), key=len)[0]  # most last stages; a tie: the first pipeline's
+        most = max(votes.values(), key=len)
         if len(votes) == 1:
-            return loss, {}
+            return most[0], {}
         differ = {short_id(p): x for p, x in given}
+        if 2 * len(most) <= len(given):  # no strict majority: no last stage decides alone
+            logger.warning("step %d: the last stages disagree on the loss with no majority: %s; no loss logged",
+                           step, ", ".join(f"{k} {v}" for k, v in differ.items()))
+            return None, differ
         logger.warning("step %d: the last stages disagree on the loss: %s; logged %s", step,
-                       ", ".join(f"{k} {v}" for k, v in differ.items()), loss)
-        return loss, differ
+                       ", ".join(f"{k} {v}" for k, v in differ.items()), most[0])
+        return most[0], differ
 
     def _line(self, step: int, reports: dict[bytes, StepReport], alloc: Allocation, backfilled: bool = False,
               partial: bool = False) -> dict:
@@ -256,6 +262,8 @@ class StepLog:
             line["backfilled"] = True
         if differ:
             line["loss_disagreement"] = differ
+            if loss is None:
+                line["loss_no_majority"] = True
         self.logged.add(step)
         self.recent = (self.recent + [line])[-MAX_RECENT_STEPS:]
         return line

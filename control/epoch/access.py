@@ -1,11 +1,13 @@
 """Who may read this peer's run state, ask it for offers, and fetch the stages it offers: pure
 rules over the allocations the peer applied (see docs/control.md, "Who may send what").
 
-- RUN_STATE `query`: this peer itself, the coordinator it recognises, and the peers of the run
-  (those the current or previous allocation names: stage peers, spares, issuer, voters). A peer
-  with no epoch in progress (none applied, or its stage stopped: a peer the run left out) has
-  nothing current to tell and answers any peer, so a coordinator it does not know yet can
-  find it and place it again.
+- RUN_STATE `query` (and `progress`, on a coordinator): this peer itself, the coordinator it
+  recognises, and the peers of the run (those the current or previous allocation names: stage
+  peers, spares, issuer, voters), while an epoch is in progress and after the run is over (an
+  operator stopped it, it finished, or it could not go on): a run's id, epoch and step reports
+  are for its peers. A peer that applied no allocation has nothing of a run to tell, and one
+  whose stage stopped in a run that goes on (a peer the run left out) nothing current: both
+  answer any peer, so a coordinator they do not know yet can find them and place them again.
 - RUN_STATE `offer`: this peer itself and the coordinator it recognises.
 - FETCH_MANIFEST / FETCH_CHUNK: the peers the current or previous allocation of that run names
   (stage peers and spares), and the peers the coordinator named when it asked for the offer
@@ -40,10 +42,13 @@ def run_peers(alloc: Allocation | None) -> frozenset[bytes]:
 
 
 def run_state_refusal(sender: bytes, *, me: bytes, coordinator: bytes | None, current: Allocation | None,
-                      previous: Allocation | None, in_progress: bool) -> Refused | None:
+                      previous: Allocation | None, in_progress: bool, over: bool = False) -> Refused | None:
     """None when `sender` may read this peer's run state. `in_progress`: this peer takes part in
-    an epoch now (building, accepted, training, or a spare of it)."""
-    if sender == me or (coordinator is not None and sender == coordinator) or not in_progress:
+    an epoch now (building, accepted, training, or a spare of it); `over`: the run of `current`
+    is over (stopped or finished)."""
+    if sender == me or (coordinator is not None and sender == coordinator) or current is None:
+        return None
+    if not in_progress and not over:
         return None
     if sender in run_peers(current):
         return None

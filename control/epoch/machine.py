@@ -29,11 +29,12 @@ from ..actions import Action, Reply, Send
 from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
 from ..election import Certificate, Council, CouncilLink
 from ..messages import ControlMsg
-from ..operator import OperatorError, SignedOp, check_council, check_op, check_operator_start
+from ..operator import OperatorError, OperatorOp, SignedOp, check_council, check_op, check_operator_start
 from ..refusals import Refusals, Refused
 from .access import offer_refusal, run_state_refusal
 from .runner import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
+from .taken import TakenOps
 
 __all__ = [
     "MAX_KNOWN_EPOCHS", "RESTORED_ASK_S", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed",
@@ -316,10 +317,13 @@ class EpochMachine:
     """This peer's part in every epoch (see the module docstring)."""
 
     def __init__(self, me: bytes, election: ElectionView, *, heartbeat_wait_s: float,
-                 coordinator_lost_after_s: float, operators: AbstractSet[bytes] = frozenset()):
+                 coordinator_lost_after_s: float, operators: AbstractSet[bytes] = frozenset(),
+                 wall_offset: float = 0.0, operator_skew_s: float = 300.0):
         self.me = me
         self.election = election
         self.operators = frozenset(operators)  # the swarm's operators' public keys
+        self.wall_offset = wall_offset  # the machine's `now` + this: wall-clock time, for the operators' times
+        self.operator_skew_s = operator_skew_s  # an operator's signed stop is taken this long before or after its time
         self.heartbeat_wait_s = heartbeat_wait_s
         self.coordinator_lost_after_s = coordinator_lost_after_s
         self.applied: dict[bytes, tuple[int, int]] = {}  # run id -> (term, epoch) applied
@@ -335,6 +339,7 @@ class EpochMachine:
         self._heard: tuple[str, int] | None = None  # what the coordinator told about it: (state, steps done)
         self._known: collections.deque[Allocation] = collections.deque(maxlen=MAX_KNOWN_EPOCHS)  # applied, newest last
         self.refusals = Refusals()  # RUN_STATE this peer refused
+        self.taken = TakenOps()  # the operators' operations this peer took, per run (control/epoch/taken.py)
 
     # ---- restore ------------------------------------------------------------------------------
 
@@ -362,6 +367,34 @@ class EpochMachine:
                 return
             self.run = EpochRecord(alloc, EpochPhase.WAITING if placed else EpochPhase.SPARE, done=True)
             self._restarted = placed
+
+    def restore_taken(self, taken: TakenOps) -> None:
+        """The operations this peer took before it restarted (DATA_DIR/operations.json)."""
+        self.taken = taken
+
+    # ---- operators' operations --------------------------------------------------------------------
+
+    def op_refusal(self, op: OperatorOp, signed: SignedOp, now_s: float, skew_s: float) -> str | None:
+        """Why this peer may not take `op` now (None: it may): outside the skew window of
+        `now_s` (wall clock), signed at or before the run's last resume or reschedule (the
+        current allocation's `last_op_ms`, or one this peer took since), or taken before."""
+        try:
+            self.taken.check(op, signed, now_s=now_s, skew_s=skew_s, after_ms=self.op_floor_ms(op.run_id))
+        except OperatorError as e:
+            return str(e)
+        return None
+
+    def op_floor_ms(self, run_id: bytes) -> int:
+        """The signed time of the run's last resume or reschedule, as this peer knows it: its
+        current allocation's `last_op_ms` or one it took since (0: none)."""
+        cur = self.current
+        carried = cur.last_op_ms if cur is not None and cur.run_id == run_id else 0
+        return max(carried, self.taken.floor_ms(run_id))
+
+    def take_op(self, op: OperatorOp, signed: SignedOp, now_s: float, skew_s: float) -> None:
+        """Record `op` as taken by this peer (the coordinator's resume or reschedule, or a final
+        STOP): a replay of it is refused from now on, a restart included."""
+        self.taken.take(op, signed, now_s=now_s, skew_s=skew_s)
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -468,7 +501,8 @@ class EpochMachine:
                                                         EpochPhase.TRAINING, EpochPhase.SPARE)
         why = run_state_refusal(sender, me=self.me, coordinator=self.election.coordinator,
                                 current=run.alloc if run is not None else None,
-                                previous=self.prev.alloc if self.prev is not None else None, in_progress=in_progress)
+                                previous=self.prev.alloc if self.prev is not None else None, in_progress=in_progress,
+                                over=self.run_over())
         return self.refusals.refuse(why, sender, "RUN_STATE query") if why is not None else None
 
     def check_offer_asker(self, sender: bytes) -> Refused | None:
@@ -528,7 +562,7 @@ class EpochMachine:
         if isinstance(event, StartAsked):
             return self._start(event)
         if isinstance(event, StopAsked):
-            return self._stop(event)
+            return self._stop(event, now)
         if isinstance(event, StepDone):
             return self._step_done(event.report)
         if isinstance(event, RunnerEnded):
@@ -572,6 +606,7 @@ class EpochMachine:
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
         self._known.append(alloc)
+        self.taken.raise_floor(alloc.run_id, alloc.last_op_ms)
         assert council is not None
         out += [ApplyToElection(alloc.term, alloc.epoch, council, ev.certificate), PersistApplied(alloc)]
         self.prev = prev
@@ -615,10 +650,12 @@ class EpochMachine:
             return [Reply(ev.key, {"started": True})]  # a START sent twice
         return [Reply(ev.key, {"started": False, "reason": f"the epoch is {run.phase.value} here"})]
 
-    def _stop(self, ev: StopAsked) -> list:
+    def _stop(self, ev: StopAsked, now: float) -> list:
         """An operator's stop (`final`: the run is over) only from the coordinator this peer
-        recognises, with the operator's signed stop of this run; an epoch's stop (a
-        reconfiguration's) from that coordinator or the epoch's issuer."""
+        recognises, with the operator's signed stop of this run, signed within the skew window,
+        after the run's last resume or reschedule, and not taken before (a copied stop cannot end
+        a resumed run); an epoch's stop (a reconfiguration's) from that coordinator or the epoch's
+        issuer."""
         run = self.run
         if run is None or ev.run_id != run.alloc.run_id:
             return [Reply(ev.key, {"stopped": False, "reason": "not in that run"})]
@@ -632,9 +669,15 @@ class EpochMachine:
                 return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator this peer recognises "
                                                                   "carries an operator's stop"})]
             try:
-                check_op(ev.op, "stop", self.operators, run_id=run.alloc.run_id)
+                op = check_op(ev.op, "stop", self.operators, run_id=run.alloc.run_id)
             except OperatorError as e:
                 return [Reply(ev.key, {"stopped": False, "reason": str(e)})]
+            assert ev.op is not None
+            wall = now + self.wall_offset
+            why = self.op_refusal(op, ev.op, wall, self.operator_skew_s)
+            if why is not None:
+                return [Reply(ev.key, {"stopped": False, "reason": why})]
+            self.take_op(op, ev.op, wall, self.operator_skew_s)
             self._stopped_by_operator = run.alloc.run_id
         elif not recognised and ev.sender not in (run.alloc.issuer, self.me):
             return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator stops an epoch"})]
