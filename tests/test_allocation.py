@@ -24,6 +24,8 @@ from dtfm.control.allocation import (
     SignedAllocation,
     check_allocation,
 )
+from dtfm.control.allocation.allocation import FORMATS, MAX_COUNCIL_BYTES
+from dtfm.control.election.council import MAX_COUNCIL_BYTES as COUNCIL_BYTES
 from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted
 from dtfm.train import (
     PRESETS,
@@ -78,6 +80,15 @@ def make(d: int = 2, s: int = 2, spares: int = 0, **kw) -> Allocation:
 
 def body_list(alloc: Allocation) -> list:
     return unpack_untrusted(alloc.encode(), max_len=MAX_ALLOCATION_BYTES)
+
+
+def _with(body: list, index: int, value) -> bytes:
+    body = list(body)
+    body[index] = value
+    return pack(body)
+
+
+OP_MS = 1_700_000_123_456  # an operator's resume, signed then (ms)
 
 
 # ---------------------------------------------------------------------- codec and signature
@@ -135,6 +146,7 @@ def allocation_fields(draw) -> dict:
                   if draw(st.booleans()) else [],
         "reason": draw(st.text(max_size=40)),
         "last_op_ms": draw(st.sampled_from([0, 1, 2**53]) | st.integers(0, 2**53)),
+        "council": draw(st.binary(max_size=64)),
     }
 
 
@@ -153,76 +165,130 @@ def test_encoding_is_canonical(fields):
     assert decoded == a and decoded.encode() == a.encode()
 
 
+BODY_FIELDS = ("version", "run_id", "term", "epoch", "issuer", "preset", "model", "train", "pipelines",
+               "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
+               "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start",
+               "compression", "compress_links", "last_op_ms", "council")
+EXACT_MAP = {k: v for k, v in CompressionConfig().to_dict().items() if k != "per_link"}  # (per_link: the links)
+
+
+def reads_only_6(version: int) -> str:
+    return rf"allocation format {version}, this peer reads 6: run the same dtfm version"
+
+
 def test_body_is_a_fixed_list_with_sorted_config_maps():
-    body = body_list(make())  # an exact run's allocation: format 3, as before compression existed
-    assert FORMAT_VERSION == 6 and body[0] == 3 and len(body) == 22 and body[1] == RUN and (body[2], body[3]) == (1, 3) and body[4] == ISSUER.peer_id
-    model, train = body[6], body[7]
-    assert list(model) == sorted(model) and list(train) == sorted(train)
+    a = make(spares=1, holdings=[Holding(r, "ab" * 32, (IDS[0],)) for r in even_ranges(TINY.n_layer, 2)],
+             absent=[bytes([99]) * 32], reason="train start", voters=sorted(IDS[:3]), operator_start=b"op",
+             last_op_ms=OP_MS, council=b"a council")
+    body = body_list(a)  # one format for every run: 26 fields, in this order
+    assert FORMAT_VERSION == 6 and FORMATS == (6,) and len(body) == len(BODY_FIELDS) == 26
+    assert dict(zip(BODY_FIELDS, body)) == {
+        "version": 6, "run_id": RUN, "term": 1, "epoch": 3, "issuer": ISSUER.peer_id, "preset": "tiny",
+        "model": TINY.to_dict(), "train": CFG.to_dict(), "pipelines": [IDS[0:2], IDS[2:4]],
+        "layer_ranges": [[0, 2], [2, 4]], "spares": [IDS[4]], "data_hash": DATA_HASH, "data_name": "corpus.txt",
+        "start_step": 5, "end_step": 100, "checkpoint_every": 10, "predicted_iteration_s": 1.25,
+        "holdings": [h.to_wire() for h in a.holdings], "absent": [bytes([99]) * 32], "reason": "train start",
+        "voters": sorted(IDS[:3]), "operator_start": b"op", "compression": EXACT_MAP, "compress_links": None,
+        "last_op_ms": OP_MS, "council": b"a council",
+    }
+    model, train, compression = body[6], body[7], body[22]
+    assert list(model) == sorted(model) and list(train) == sorted(train) and list(compression) == sorted(compression)
     assert GPTSpec.from_dict(model) == TINY and TrainConfig.from_dict(train) == CFG
+    assert type(body[16]) is float  # float64 on the wire, whatever the allocation was built with
+    assert Allocation.decode(a.encode()) == a
 
 
 DILOCO8 = parse_compression("diloco,inner_steps=8")
 
 
-def test_a_compressed_run_travels_in_format_4_and_an_exact_one_in_format_3():
+def test_a_compressed_run_and_an_exact_one_both_travel_in_format_6_with_their_compression():
     exact = make()
-    assert body_list(exact)[0] == 3 and make(compression=CompressionConfig()).encode() == exact.encode()
+    ex = body_list(exact)
+    assert ex[0] == 6 and len(ex) == 26 and ex[22] == EXACT_MAP and ex[23] is None  # an exact run names it too
+    assert CompressionConfig.from_dict(ex[22]) == CompressionConfig()
+    assert make(compression=CompressionConfig()).encode() == exact.encode()
     a = make(compression=DILOCO8, spares=1)
     body = body_list(a)
-    assert body[0] == 4 and len(body) == 23 and body[:22] == [4] + body_list(dataclasses.replace(a, compression=CompressionConfig()))[1:]
-    assert list(body[22]) == sorted(body[22]) and CompressionConfig.from_dict(body[22]) == DILOCO8
+    # the same format and fields as the exact run: only the compression map differs
+    assert body[0] == 6 and len(body) == 26 and body[23] is None and body[24:] == [0, b""]
+    same_exact = body_list(dataclasses.replace(a, compression=CompressionConfig()))
+    assert same_exact[22] == EXACT_MAP and body[:22] + body[23:] == same_exact[:22] + same_exact[23:]
+    assert body[22] != ex[22] and list(body[22]) == sorted(body[22]) and "per_link" not in body[22]
+    assert CompressionConfig.from_dict(body[22]) == DILOCO8
+    assert Allocation.decode(exact.encode()).compression == CompressionConfig()
     signed = SignedAllocation.sign(a, ISSUER)
     assert signed.open() == a and signed.open().compression == DILOCO8
     # the compression is signed: changed after signing, the signature fails
-    forged = SignedAllocation(pack([*body[:22], {**body[22], "inner_steps": 16}]), signed.signature)
+    forged = SignedAllocation(_with(body, 22, {**body[22], "inner_steps": 16}), signed.signature)
     assert Allocation.decode(forged.body).compression.inner_steps == 16
+    with pytest.raises(ProtocolError, match="bad signature"):
+        forged.open()
+    # so is an exact run's: made compressed after signing, the signature fails
+    signed_exact = SignedAllocation.sign(exact, ISSUER)
+    forged = SignedAllocation(_with(ex, 22, body[22]), signed_exact.signature)
+    assert Allocation.decode(forged.body).compression == DILOCO8
     with pytest.raises(ProtocolError, match="bad signature"):
         forged.open()
 
 
-V4 = body_list(make(compression=DILOCO8))
+COMPRESSED = body_list(make(compression=DILOCO8))
 COMPRESSION_FIELD = [
     # (what, body, words of the ProtocolError)
-    ("an exact run in format 4 (one allocation, one body)",
-     [*V4[:22], {k: v for k, v in CompressionConfig().to_dict().items() if k != "per_link"}], "canonical"),
-    ("format 4 without its compression", V4[:22], "format 4 has 23 fields, got 22"),
-    ("format 3 with a compression", [3, *V4[1:]], "format 3 has 22 fields, got 23"),
-    ("an unknown method", [*V4[:22], {**V4[22], "dp_method": "zip"}], "dp_method"),
-    ("an unknown field", [*V4[:22], {**V4[22], "dp_magic": 1}], "unknown fields"),
-    ("a missing field", [*V4[:22], {k: v for k, v in V4[22].items() if k != "inner_steps"}], "inner_steps"),
-    ("a mistyped field", [*V4[:22], {**V4[22], "inner_steps": 8.0}], "inner_steps"),
-    ("an out-of-range field", [*V4[:22], {**V4[22], "outer_momentum": 1.5}], "outer_momentum"),
-    ("not a map", [*V4[:22], "diloco"], "compression"),
-    ("an unknown format", [7, *V4[1:]], "format 7"),
-    ("format 5 without its links", [5, *V4[1:]], "format 5 has 24 fields, got 23"),
+    ("an int for a float (one allocation, one body)", _with(COMPRESSED, 22, {**COMPRESSED[22], "outer_lr": 1}),
+     "canonical"),
+    ("an exact run without its compression map", _with(COMPRESSED, 22, None), "compression: expected a map"),
+    ("the compression field left out", pack(COMPRESSED[:22] + COMPRESSED[23:]), "format 6 has 26 fields, got 25"),
+    ("an unknown method", _with(COMPRESSED, 22, {**COMPRESSED[22], "dp_method": "zip"}), "dp_method"),
+    ("an unknown field", _with(COMPRESSED, 22, {**COMPRESSED[22], "dp_magic": 1}), "unknown fields"),
+    ("per_link in the map (the links tell it)", _with(COMPRESSED, 22, {**COMPRESSED[22], "per_link": True}),
+     "unknown fields"),
+    ("a missing field", _with(COMPRESSED, 22, {k: v for k, v in COMPRESSED[22].items() if k != "inner_steps"}),
+     "inner_steps"),
+    ("a mistyped field", _with(COMPRESSED, 22, {**COMPRESSED[22], "inner_steps": 8.0}), "inner_steps"),
+    ("an out-of-range field", _with(COMPRESSED, 22, {**COMPRESSED[22], "outer_momentum": 1.5}), "outer_momentum"),
+    ("not a map", _with(COMPRESSED, 22, "diloco"), "compression: expected a map"),
+    ("an unknown format", _with(COMPRESSED, 0, 7), reads_only_6(7)),
 ]
+
+
+@pytest.mark.parametrize("what, body, words", COMPRESSION_FIELD, ids=[c[0] for c in COMPRESSION_FIELD])
+def test_a_bad_compression_field_is_refused(what, body, words):
+    with pytest.raises(ProtocolError, match=words):
+        Allocation.decode(body)
 
 
 AUTO = parse_compression("auto")
 # 3 stages x 2 pipelines: links 0->1 of pipeline 0 and 1->2 of pipeline 1 compress, the DP group of stage 2
 LINKS = LinkCodecs(((True, False), (False, True)), (False, False, True))
+LINKS_WIRE = [[[True, False], [False, True]], [False, False, True]]
 
 
-def test_a_per_link_run_travels_in_format_5_and_its_choice_is_signed():
+def test_a_per_link_run_travels_in_format_6_and_its_choice_is_signed():
     a = make(2, 3, compression=AUTO, compress_links=LINKS)
     body = body_list(a)
-    assert body[0] == 5 and len(body) == 24 and body[23] == [[[True, False], [False, True]], [False, False, True]]
-    # the compression map is format 4's (per_link is told by the links being there)
-    uniform = dataclasses.replace(AUTO, per_link=False)
-    assert body[:23] == [5, *body_list(make(2, 3, compression=uniform))[1:]]
+    assert body[0] == 6 and len(body) == 26 and body[23] == LINKS_WIRE and body[24:] == [0, b""]
+    # the compression map is a uniform run's (per_link is told by the links being there, not nil)
+    uniform = body_list(make(2, 3, compression=dataclasses.replace(AUTO, per_link=False)))
+    assert uniform[23] is None and body[:23] == uniform[:23] and body[24:] == uniform[24:]
+    assert "per_link" not in body[22]
     signed = SignedAllocation.sign(a, ISSUER)
     b = signed.open()
     assert b == a and b.compress_links == LINKS and b.compression == AUTO and b.compression.per_link
     assert b.plan().links == LINKS and b.plan().link_compressed(0, 0) and not b.plan().link_compressed(0, 1)
-    forged = SignedAllocation(pack([*body[:23], [[[True, True], [False, True]], [False, False, True]]]), signed.signature)
+    forged = SignedAllocation(_with(body, 23, [[[True, True], [False, True]], [False, False, True]]), signed.signature)
     assert Allocation.decode(forged.body).compress_links.pp[0] == (True, True)
     with pytest.raises(ProtocolError, match="bad signature"):
         forged.open()
+    # the choice dropped after signing (a uniform run): the signature fails too
+    dropped = SignedAllocation(_with(body, 23, None), signed.signature)
+    assert not Allocation.decode(dropped.body).compression.per_link
+    with pytest.raises(ProtocolError, match="bad signature"):
+        dropped.open()
     # golden: the bytes of this body do not change unnoticed
-    assert hashlib.sha256(a.encode()).hexdigest()[:16] == GOLDEN_V5
+    assert hashlib.sha256(a.encode()).hexdigest()[:16] == GOLDEN_V6
 
 
-GOLDEN_V5 = "efff7c6c73014519"  # sha256 of the body, first 16 hex digits (auto: DiLoCo at 2 bits dense)
+GOLDEN_V6 = "2dd5b5c940cc8f49"  # sha256 of the body, first 16 hex digits (auto: DiLoCo at 2 bits dense)
 
 
 def test_per_link_compression_and_links_go_together():
@@ -236,7 +302,7 @@ def test_per_link_compression_and_links_go_together():
         parse_compression("exact,per_link=true")
 
 
-V5 = body_list(make(2, 3, compression=AUTO, compress_links=LINKS))
+PER_LINK = body_list(make(2, 3, compression=AUTO, compress_links=LINKS))
 LINKS_FIELD = [
     # (what, the compress_links field, words of the ProtocolError)
     ("not a pair", [[[True, False], [False, True]]], "compress_links must be"),
@@ -248,74 +314,143 @@ LINKS_FIELD = [
     ("a name for a boolean", [[[True, False], [False, True]], [False, False, "int4"]], "group"),
     ("a huge row", [[[True] * 5000, [False, True]], [False] * 3], "links"),
     ("a map", {"pp": [], "dp": []}, "compress_links"),
+    ("false for none", False, "compress_links"),
 ]
 
 
 @pytest.mark.parametrize("what, value, words", LINKS_FIELD, ids=[c[0] for c in LINKS_FIELD])
 def test_a_bad_links_field_is_refused(what, value, words):
+    assert Allocation.decode(pack(PER_LINK)).compress_links == LINKS  # (the body it breaks is valid)
     with pytest.raises(ProtocolError, match=words):
-        Allocation.decode(pack([*V5[:23], value]))
+        Allocation.decode(_with(PER_LINK, 23, value))
 
 
 def test_links_in_an_exact_run_are_refused():
     exact = body_list(make(2, 3))
-    with pytest.raises(ProtocolError, match="exact run"):
-        Allocation.decode(pack([5, *exact[1:], {k: v for k, v in CompressionConfig().to_dict().items()
-                                                if k != "per_link"}, V5[23]]))
-
-
-OP_MS = 1_700_000_123_456  # an operator's resume, signed then (ms)
+    assert exact[22] == EXACT_MAP and exact[23] is None
+    with pytest.raises(ProtocolError, match="compress_links in an exact run"):
+        Allocation.decode(_with(exact, 23, LINKS_WIRE))
 
 
 @pytest.mark.parametrize("kw", [{}, {"compression": DILOCO8}, {"compression": AUTO, "compress_links": LINKS}],
                          ids=["exact", "compressed", "per-link"])
-def test_the_last_resume_or_reschedule_travels_signed_in_format_6_and_none_keeps_the_old_format(kw):
+def test_the_last_resume_or_reschedule_travels_signed_in_format_6_and_none_is_0(kw):
     old = make(2, 3, **kw)
     a = dataclasses.replace(old, last_op_ms=OP_MS)
     body, old_body = body_list(a), body_list(old)
-    assert old_body[0] in (3, 4, 5) and old.last_op_ms == 0  # no operation since the start: the old bytes
-    assert body[0] == 6 and len(body) == 25 and body[24] == OP_MS and body[1:22] == old_body[1:22]
-    assert body[23] == (old_body[23] if len(old_body) == 24 else None)  # the links, nil when none
+    assert old.last_op_ms == 0 and old_body[0] == 6 and len(old_body) == 26 and old_body[24] == 0  # none: 0
+    assert body[0] == 6 and len(body) == 26 and body[24] == OP_MS
+    assert body[:24] == old_body[:24] and body[25] == old_body[25] == b""  # only the time differs
+    assert body[23] == (LINKS_WIRE if "compress_links" in kw else None)  # the links, nil when not per-link
     assert CompressionConfig.from_dict(body[22]) == dataclasses.replace(a.compression, per_link=False)
+    assert Allocation.decode(old.encode()).last_op_ms == 0
     signed = SignedAllocation.sign(a, ISSUER)
     assert signed.open() == a and signed.open().last_op_ms == OP_MS
     # the time is signed: moved back after signing (to let an older stop in), the signature fails
-    forged = SignedAllocation(pack([*body[:24], OP_MS - 60_000]), signed.signature)
+    forged = SignedAllocation(_with(body, 24, OP_MS - 60_000), signed.signature)
     assert Allocation.decode(forged.body).last_op_ms == OP_MS - 60_000
     with pytest.raises(ProtocolError, match="bad signature"):
         forged.open()
+    # ... and so does one cleared to none
+    cleared = SignedAllocation(_with(body, 24, 0), signed.signature)
+    assert Allocation.decode(cleared.body) == old
+    with pytest.raises(ProtocolError, match="bad signature"):
+        cleared.open()
+    latest = dataclasses.replace(old, last_op_ms=2**53)  # the largest time an operation can carry
+    assert Allocation.decode(latest.encode()).last_op_ms == 2**53
 
 
-V6 = body_list(dataclasses.replace(make(2, 3), last_op_ms=OP_MS))
+WITH_OP = body_list(dataclasses.replace(make(2, 3), last_op_ms=OP_MS))
 OP_FIELD = [
     # (what, body, words of the ProtocolError)
-    ("format 6 with no operation (one allocation, one body)", [*V6[:24], 0], "last_op_ms"),
-    ("a negative time", [*V6[:24], -1], "last_op_ms"),
-    ("a time past 2^53 ms", [*V6[:24], 2**53 + 1], "last_op_ms"),
-    ("a float", [*V6[:24], float(OP_MS)], "last_op_ms"),
-    ("a string", [*V6[:24], str(OP_MS)], "last_op_ms"),
-    ("format 6 without the time", V6[:24], "format 6 has 25 fields, got 24"),
-    ("format 5 with a time", [5, *V6[1:]], "format 5 has 24 fields, got 25"),
-    ("links in an exact run", [*V6[:23], V5[23], OP_MS], "exact run"),
+    ("a negative time", _with(WITH_OP, 24, -1), r"'last_op_ms': -1 outside"),
+    ("a time past 2^53 ms", _with(WITH_OP, 24, 2**53 + 1), r"'last_op_ms': 9007199254740993 outside"),
+    ("a float", _with(WITH_OP, 24, float(OP_MS)), r"'last_op_ms': expected an int"),
+    ("a string", _with(WITH_OP, 24, str(OP_MS)), r"'last_op_ms': expected an int"),
+    ("nil for none", _with(WITH_OP, 24, None), r"'last_op_ms': expected an int"),
+    ("the time left out", pack(WITH_OP[:24] + WITH_OP[25:]), "format 6 has 26 fields, got 25"),
+    ("a field too many", pack([*WITH_OP, 0]), "format 6 has 26 fields, got 27"),
+    ("links in an exact run", _with(WITH_OP, 23, LINKS_WIRE), "exact run"),
 ]
 
 
 @pytest.mark.parametrize("what, body, words", OP_FIELD, ids=[c[0] for c in OP_FIELD])
 def test_a_bad_operation_time_is_refused(what, body, words):
+    assert Allocation.decode(pack(WITH_OP)).last_op_ms == OP_MS  # (the body it breaks is valid)
     with pytest.raises(ProtocolError, match=words):
+        Allocation.decode(body)
+
+
+# Bodies as formats 3 (no compression), 4 (its compression), 5 (a per-link run's links) wrote them.
+_EXACT, _PER_LINK = body_list(make(2, 3)), PER_LINK
+OLD_FORMATS = [
+    (3, [3, *_EXACT[1:22]]),
+    (4, [4, *COMPRESSED[1:23]]),
+    (5, [5, *_PER_LINK[1:24]]),
+    (3, [3, *_EXACT[1:]]),  # the old numbers on today's fields: still not read
+    (4, [4, *COMPRESSED[1:]]),
+    (5, [5, *_PER_LINK[1:]]),
+]
+
+
+@pytest.mark.parametrize("version, body", OLD_FORMATS,
+                         ids=[f"format {v}, {len(b)} fields" for v, b in OLD_FORMATS])
+def test_the_old_formats_are_no_longer_read(version, body):
+    with pytest.raises(ProtocolError, match=reads_only_6(version)):
         Allocation.decode(pack(body))
+    with pytest.raises(ProtocolError, match=reads_only_6(version)):
+        SignedAllocation(pack(body), b"\x00" * 64).open()
+
+
+def test_the_council_travels_signed_as_bytes_within_its_bound():
+    assert MAX_COUNCIL_BYTES == COUNCIL_BYTES  # the allocation bounds it as council.py does
+    for council in (b"", b"\x00", bytes(range(256)) * 3, b"\xab" * MAX_COUNCIL_BYTES):
+        a = make(2, 3, council=council)
+        body = body_list(a)
+        assert body[0] == 6 and len(body) == 26 and body[25] == council and type(body[25]) is bytes
+        b = Allocation.decode(a.encode())
+        assert b == a and b.council == council
+    a = make(2, 3, compression=AUTO, compress_links=LINKS, last_op_ms=OP_MS, council=b"the council")
+    assert body_list(a)[22:] == [body_list(a)[22], LINKS_WIRE, OP_MS, b"the council"]
+    signed = SignedAllocation.sign(a, ISSUER)
+    assert signed.open().council == b"the council"
+    # the council is signed: swapped after signing, the signature fails
+    forged = SignedAllocation(_with(body_list(a), 25, b"another council"), signed.signature)
+    assert Allocation.decode(forged.body).council == b"another council"
+    with pytest.raises(ProtocolError, match="bad signature"):
+        forged.open()
+
+
+def test_a_council_too_large_is_refused():
+    with pytest.raises(ValueError, match=f"council must be at most {MAX_COUNCIL_BYTES} bytes"):
+        make(council=b"\x00" * (MAX_COUNCIL_BYTES + 1))
+    body = body_list(make())
+    too_large = rf"'council': {MAX_COUNCIL_BYTES + 1} bytes, expected 0\.\.{MAX_COUNCIL_BYTES}"
+    with pytest.raises(ProtocolError, match=too_large):
+        Allocation.decode(_with(body, 25, b"\x00" * (MAX_COUNCIL_BYTES + 1)))
+
+
+@pytest.mark.parametrize("value", ["a council", 7, None, [b"a"], {"root": b"a"}, bytearray(b"abc")],
+                         ids=["str", "int", "nil", "list", "map", "bytearray"])
+def test_a_council_not_bytes_is_refused(value):
+    with pytest.raises(ValueError, match="council must be"):
+        make(council=value)
+    if isinstance(value, bytearray):
+        return  # (msgpack writes it as bytes)
+    with pytest.raises(ProtocolError, match="'council': expected bytes"):
+        Allocation.decode(_with(body_list(make()), 25, value))
+
+
+def test_the_council_field_left_out_is_refused():
+    body = body_list(make(council=b"c"))
+    with pytest.raises(ProtocolError, match="format 6 has 26 fields, got 25"):
+        Allocation.decode(pack(body[:25]))
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(22, len(V6) - 1), wire_values)
+@given(st.integers(22, len(WITH_OP) - 1), wire_values)
 def test_a_format_6_field_replaced_by_garbage_raises_only_protocol_error(index, value):
-    decodes_only_canonically(_with(V6, index, value))
-
-
-@pytest.mark.parametrize("what, body, words", COMPRESSION_FIELD, ids=[c[0] for c in COMPRESSION_FIELD])
-def test_a_bad_compression_field_is_refused(what, body, words):
-    with pytest.raises(ProtocolError, match=words):
-        Allocation.decode(pack(body))
+    decodes_only_canonically(_with(WITH_OP, index, value))
 
 
 def test_dp_compression_with_a_tied_head_across_stages_is_refused():
@@ -324,12 +459,6 @@ def test_dp_compression_with_a_tied_head_across_stages_is_refused():
         make(model=tied, compression=DILOCO8)
     make(model=tied, compression=parse_compression("pp-int8"))  # the pipeline axis alone is fine
     make(d=2, s=1, model=tied, compression=DILOCO8)  # one stage: one copy
-
-
-def _with(body: list, index: int, value) -> bytes:
-    body = list(body)
-    body[index] = value
-    return pack(body)
 
 
 def test_only_the_canonical_encoding_is_accepted():
@@ -345,8 +474,12 @@ def test_only_the_canonical_encoding_is_accepted():
 
 
 @pytest.mark.parametrize("index, value, match", [
-    (0, 4, "format 4"),
-    (0, 2, "format 2"),
+    (0, 2, reads_only_6(2)),
+    (0, 3, reads_only_6(3)),
+    (0, 4, reads_only_6(4)),
+    (0, 5, reads_only_6(5)),
+    (0, 7, reads_only_6(7)),
+    (0, -1, "'version'"),
     (2, -1, "'term'"),
     (3, 0, "'epoch'"),
     (4, b"short", "'issuer'"),
@@ -467,17 +600,17 @@ def test_one_field_replaced_by_garbage_raises_only_protocol_error(index, value):
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.integers(0, len(V4) - 1), wire_values | st.dictionaries(st.sampled_from(sorted(V4[22])), wire_values))
-def test_a_format_4_field_replaced_by_garbage_raises_only_protocol_error(index, value):
-    body = _with(V4, index, value if index < 22 or not isinstance(value, dict) else {**V4[22], **value})
-    decodes_only_canonically(body)
+@given(st.integers(0, len(COMPRESSED) - 1),
+       wire_values | st.dictionaries(st.sampled_from(sorted(COMPRESSED[22])), wire_values))
+def test_a_compressed_run_field_replaced_by_garbage_raises_only_protocol_error(index, value):
+    merged = index == 22 and isinstance(value, dict)
+    decodes_only_canonically(_with(COMPRESSED, index, {**COMPRESSED[22], **value} if merged else value))
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(22, len(V5) - 1), wire_values)
-def test_a_format_5_field_replaced_by_garbage_raises_only_protocol_error(index, value):
-    body = _with(V5, index, value)
-    decodes_only_canonically(body)
+@given(st.integers(22, len(PER_LINK) - 1), wire_values)
+def test_a_per_link_run_field_replaced_by_garbage_raises_only_protocol_error(index, value):
+    decodes_only_canonically(_with(PER_LINK, index, value))
 
 
 @settings(max_examples=100, deadline=None)
