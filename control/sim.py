@@ -956,6 +956,6 @@ class _Reader:
                   council: Council | None = None) -> Refusal | None:
         return self._node.may_apply(issuer, term, epoch, certificate, council)
 
-    def council_for(self, voters: Iterable[bytes]) -> Council | None:
-        return self._node.council_for(tuple(sorted(voters)))
+    def council_for(self, voters: Iterable[bytes], epoch: int) -> Council | None:
+        return self._node.council_for(tuple(sorted(voters)), epoch)
 

@@ -147,7 +147,7 @@ class FakeElection:
     def certificate(self):
         return None  # the machines only carry it; tests/test_election.py checks it
 
-    def council_for(self, voters) -> Council | None:
+    def council_for(self, voters, epoch: int) -> Council | None:
         """The council with one change to `voters` signed by this peer over a certificate of
         every voter (the election's rule, state.py `council_for`, without its coordinator's role)."""
         voters = tuple(sorted(voters))
@@ -160,7 +160,8 @@ class FakeElection:
             return None
         payload = vote_payload(self.term, self.me, config_digest(c.voters))
         cert = Certificate.of(self.term, self.me, c.voters, {v: KEY_OF[v].sign(payload) for v in c.voters})
-        return c.extended(CouncilLink(cert, voters, KEY_OF[self.me].sign(link_payload(self.term, c.voters, voters))))
+        sig = KEY_OF[self.me].sign(link_payload(self.term, epoch, c.voters, voters))
+        return c.extended(CouncilLink(cert, voters, sig, epoch))
 
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate=None, council=None) -> Refusal | None:
         if term < self.term:

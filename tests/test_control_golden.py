@@ -64,11 +64,16 @@ from dtfm.control import (
     SteppedDown,
     choose_shape,
     decode_election,
+    council_arg,
     random_shape,
     reshape,
+    root_council,
+    sign_op,
 )
 from dtfm.gossip import NetworkView
-from dtfm.net import Identity, pack, unpack_untrusted
+from dtfm.control.election import Council
+from dtfm.control.election.state import trusted_root
+from dtfm.net import Identity, OperatorKey, pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 from dtfm.sched import SEARCH_PROFILES
 from dtfm.train import PRESETS, GPTSpec, Plan, TrainConfig
@@ -163,7 +168,17 @@ def make_allocation(shape, *, preset: str, train: TrainConfig, issuer: Identity,
                         data_hash=DATA_HASH, data_name="golden.txt", start_step=start_step, end_step=end_step,
                         checkpoint_every=checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                         spares=shape.spares, holdings=tuple(holdings), absent=tuple(absent), reason=reason,
-                        voters=tuple(voters))
+                        voters=tuple(voters), council=golden_root(tuple(voters)).encode())
+
+
+GOLDEN_OPERATOR = OperatorKey(b"\x07" * 32)
+
+
+def golden_root(voters: tuple[bytes, ...]) -> Council:
+    """The council of `voters` as the golden operator roots it, at a fixed time (the same bytes each run)."""
+    signed = sign_op(GOLDEN_OPERATOR, "council", now_s=1.7e9, run_id=b"c" * 16,
+                     args={"council": council_arg(voters), "council_size": 5 if len(voters) <= 5 else 7})
+    return root_council(signed, {GOLDEN_OPERATOR.public_key})
 
 
 def _digest(i: int) -> str:
@@ -233,7 +248,7 @@ def golden_allocations() -> str:
                                       for k, (a, b) in enumerate(itertools.pairwise(cuts)))
         placed = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
         alloc = make_allocation(shape, preset=c.preset, train=c.train, issuer=IDENTITIES[0], term=c.term,
-                                epoch=c.epoch, voters=sorted(placed | {IDS[0]}), **extra)
+                                epoch=c.epoch, voters=sorted(sorted(placed - {IDS[0]})[:4] + [IDS[0]]), **extra)
         signed = SignedAllocation.sign(alloc, IDENTITIES[0])
         assert signed.open() == alloc and Allocation.decode(alloc.encode()) == alloc
         wire = pack(signed.to_wire())
@@ -351,7 +366,7 @@ class ElectionNet:
         self.groups = [0] * n
         self.stores = [MemoryElectionStore() for _ in range(n)]
         self.disk_applied = [(0, 0)] * n
-        self.disk_voters = [self.voters] * n
+        self.disk_council = [trusted_root(self.voters)] * n
         self.boots = [0] * n
         self.nodes: list[ElectionState | None] = [None] * n
         self.tick_at = [math.nan] * n
@@ -416,11 +431,15 @@ class ElectionNet:
             return
         voters = tuple(sorted(voters if voters is not None else node.voters))
         term, epoch, cert = node.term, node.last_applied[1] + 1, node.certificate
+        council = node.council_for(voters, epoch)
+        if council is None:
+            self.say(k, f"** hand-out: cannot change the council to {names(voters)} now")
+            return
         self.say(k, f"** hand-out term {term} epoch {epoch} voters {names(voters)}")
-        self._offer(k, k, term, epoch, voters, cert)
+        self._offer(k, k, term, epoch, council, cert)
         for v in voters:
             if v != self.ids[k]:
-                self._send(k, self.ids.index(v), "alloc", pack([term, epoch, list(voters), cert.to_wire()]))
+                self._send(k, self.ids.index(v), "alloc", pack([term, epoch, council.encode(), cert.to_wire()]))
 
     def run_until(self, t_end: float) -> None:
         while self.heap and self.heap[0][0] <= t_end:
@@ -438,8 +457,8 @@ class ElectionNet:
             if self.groups[src] != self.groups[k]:
                 continue
             if what == "alloc":
-                term, epoch, voters, cert = unpack_untrusted(payload, max_len=1 << 20)
-                self._offer(k, src, term, epoch, tuple(voters), Certificate.from_wire(cert))
+                term, epoch, council, cert = unpack_untrusted(payload, max_len=1 << 20)
+                self._offer(k, src, term, epoch, Council.decode(council), Certificate.from_wire(cert))
             else:
                 self._run(k, node.handle(self.ids[src], decode_election(unpack_untrusted(payload, max_len=1 << 20)),
                                          self.local(k)))
@@ -464,7 +483,7 @@ class ElectionNet:
         rng = random.Random(self.seed * 1000 + k * 10 + self.boots[k])
         self.boots[k] += 1
         self.nodes[k] = ElectionState(self.ids[k], self.config, rng, self.local(k), signer=SIGNERS[self.ids[k]],
-                                      term=term, voted_for=voted_for, voters=self.disk_voters[k],
+                                      term=term, voted_for=voted_for, council=self.disk_council[k],
                                       applied=self.disk_applied[k])
         self._schedule(k)
 
@@ -493,15 +512,15 @@ class ElectionNet:
                 d += self.rng.uniform(0.0, self.reorder_s)
             heapq.heappush(self.heap, (self.now + d, next(self.count), "msg", dst, (src, what, payload)))
 
-    def _offer(self, k: int, src: int, term: int, epoch: int, voters: tuple[bytes, ...], cert) -> None:
+    def _offer(self, k: int, src: int, term: int, epoch: int, council: Council, cert) -> None:
         node = self.nodes[k]
-        refusal = node.may_apply(self.ids[src], term, epoch, cert, voters)
+        refusal = node.may_apply(self.ids[src], term, epoch, cert, council)
         if refusal is not None:
             self.say(k, f"refuses term {term} epoch {epoch} of {name(self.ids[src])}: {refusal.code}")
             return
-        self.disk_applied[k], self.disk_voters[k] = (term, epoch), voters
+        self.disk_applied[k], self.disk_council[k] = (term, epoch), council
         self.say(k, f"applies term {term} epoch {epoch} of {name(self.ids[src])}")
-        self._run(k, node.apply_allocation(term, epoch, voters, cert, self.local(k)))
+        self._run(k, node.apply_allocation(term, epoch, council, cert, self.local(k)))
 
     def _run(self, k: int, actions: list) -> None:
         for a in actions:

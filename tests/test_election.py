@@ -70,8 +70,9 @@ def council(voters=FIVE) -> Council:
 def changed(before: Council, after, by_cert: Certificate) -> Council:
     """`before` with one change to `after`, signed by the coordinator `by_cert` elects over it."""
     after = tuple(sorted(after))
-    sig = SIGNERS[by_cert.candidate].sign(link_payload(by_cert.term, before.voters, after))
-    return before.extended(CouncilLink(by_cert, after, sig))
+    epoch = before.links[-1].epoch + 1 if before.links and before.links[-1].term == by_cert.term else 1
+    sig = SIGNERS[by_cert.candidate].sign(link_payload(by_cert.term, epoch, before.voters, after))
+    return before.extended(CouncilLink(by_cert, after, sig, epoch))
 
 
 def sends(actions, kind=None):
@@ -512,7 +513,7 @@ def test_a_joiner_takes_a_council_only_from_a_chain_from_its_root():
     assert j.may_apply(B, 4, 1, c4, four) is None  # a later coordinator of the four
     assert j.may_apply(B, 4, 1, cert(4, B, (B, C, D, E)), four).code == "bad-certificate"  # over the old five
     two_forged = Certificate(3, A, FIVE, cert(3, A, (A, B, C, D)).votes[:2] + ((2, bytes(64)), (3, bytes(64))))
-    bad = council().extended(CouncilLink(two_forged, (A, B, C, D), SIGNERS[A].sign(link_payload(3, FIVE, (A, B, C, D)))))
+    bad = council().extended(CouncilLink(two_forged, (A, B, C, D), SIGNERS[A].sign(link_payload(3, 1, FIVE, (A, B, C, D)))))
     assert "is not its signature" in j.may_apply(A, 3, 1, c, bad).reason
     own = Council(b"", (A, X, Y), 0)  # a self-made council of sybils: a root the plane refuses
     assert j.may_apply(X, 9, 1, cert(9, X, (X, Y), voters=(A, X, Y)), own) is None  # (its root is the plane's)

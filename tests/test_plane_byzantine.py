@@ -262,7 +262,7 @@ class ByzantinePlane(PlaneMachine):
                 sybil = _SYBILS[i].peer_id
                 after = tuple(sorted(set(before) | {sybil})) if len(before) < 7 else before[1:]
                 try:
-                    link = CouncilLink(c, after, self.key.sign(link_payload(c.term, before, after)))
+                    link = CouncilLink(c, after, self.key.sign(link_payload(c.term, 1 + i, before, after)), 1 + i)
                 except ValueError:
                     break
                 council = Council(council.root, council.root_voters, council.root_at_ms, council.size,

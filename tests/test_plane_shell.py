@@ -33,6 +33,8 @@ from dtfm.control import (
     TrainRequest,
     manifest_digest,
     KNOBS,
+    council_arg,
+    root_council,
     sign_op,
 )
 from dtfm.control.election import PreviousConfiguration, config_digest, vote_payload
@@ -148,13 +150,28 @@ async def running(tmp_path: Path, me: Identity, gossip: FakeGossip | None = None
             nursery.cancel_scope.cancel()
 
 
+_ROOTS: dict = {}
+
+
+def root_of(voters) -> object:
+    """The council of `voters` as the operator roots it (one council operation per set of voters)."""
+    voters = tuple(sorted(voters))
+    if voters not in _ROOTS:
+        signed = sign_op(OPERATOR, "council", now_s=1.7e9, run_id=b"c" * 16,
+                         args={"council": council_arg(voters), "council_size": 5})
+        _ROOTS[voters] = root_council(signed, {OPERATOR.public_key})
+    return _ROOTS[voters]
+
+
 def alloc(**kw) -> Allocation:
+    """An allocation of RUN by ISSUER, whose council (by default ISSUER alone) the operator rooted."""
+    voters = tuple(sorted(kw.pop("voters", (ISSUER.peer_id,))))
     fields: dict = {
         "epoch": 1, "term": 0, "issuer": ISSUER.peer_id, "run_id": RUN,
         "pipelines": [[IDS[0].peer_id, IDS[1].peer_id], [IDS[2].peer_id, IDS[3].peer_id]],
         "layer_ranges": [(0, 2), (2, 4)], "preset": "tiny", "model": PRESETS["tiny"], "train": CFG,
         "data_hash": CORPUS.fingerprint, "data_name": CORPUS.name, "start_step": 0, "end_step": 10,
-        "operator_start": start_op().encode()}
+        "operator_start": start_op().encode(), "voters": voters, "council": root_of(voters).encode()}
     return Allocation(**(fields | kw))
 
 
@@ -212,7 +229,7 @@ async def test_run_state_and_stages_are_answered_only_to_the_peers_of_the_run(tm
     # ISSUER, the coordinator of its own swarm, is a spare of its epoch [n1 n2]: IDS[3], a live
     # member with no part in the run, may neither read its run state nor fetch from it.
     async with running(tmp_path, ISSUER) as (plane, net):
-        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.set_root(root_of((ISSUER.peer_id,)))
         plane.election.campaign()
         assert await plane.election.wait_until_coordinator(10)
         a = alloc(term=plane.election.term, pipelines=[[IDS[1].peer_id, IDS[2].peer_id]], spares=(ISSUER.peer_id,),
@@ -254,7 +271,7 @@ async def test_a_resumed_epoch_without_holders_fails_to_build_and_a_restarted_pe
     # never re-initialised). The applied (term, epoch) is on disk: the peer restarted knows the
     # run it applied, holds no stage, and says so in its status and run state.
     async with running(tmp_path, ISSUER) as (plane, net):
-        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.set_root(root_of((ISSUER.peer_id,)))
         plane.election.campaign()
         assert await plane.election.wait_until_coordinator(10)
         term = plane.election.term
@@ -280,7 +297,7 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
     # Without the kept stop, a coordinator restarted from applied.json would bring the stopped
     # run back from the checkpoints its peers wrote where it stopped, with no `train resume`.
     async with running(tmp_path, ISSUER) as (plane, net):
-        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.set_root(root_of((ISSUER.peer_id,)))
         plane.election.campaign()
         assert await plane.election.wait_until_coordinator(10)
         a = alloc(term=plane.election.term, pipelines=[[ISSUER.peer_id]], layer_ranges=[(0, 4)],
@@ -476,9 +493,11 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     gossip.measure(IDS[:2])
     outcome: list[str] = []
 
+    council = council_arg(tuple(p.peer_id for p in IDS[:3]))  # (the peers it cannot reach: no election)
+
     async def start():
         try:
-            await plane.start_training(start_op(min_peers=3, wait_s=60))
+            await plane.start_training(start_op(min_peers=3, wait_s=60, council=council))
         except TrainError as e:
             outcome.append(str(e))
     async with trio.open_nursery() as nursery:
@@ -530,29 +549,38 @@ def certificate(term: int, candidate: Identity, signers, voters) -> Certificate:
     return Certificate.of(term, candidate.peer_id, ids, sigs)
 
 
-async def test_train_start_on_a_peer_that_never_heard_the_coordinator_is_forwarded_to_it(tmp_path, autojump_clock):
-    # An idle swarm whose coordinator IDS[0] was elected in term 2 by IDS[0..2]; IDS[3] joined
-    # since, so it is in no configuration and no heartbeat reaches it. Its `train start` asks the
-    # live peers, checks the certificate they pass on and forwards the operator's signed start to
-    # the coordinator at once: no election of its own (it never stands), no 30 s wait.
+async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_the_council(tmp_path, autojump_clock):
+    # An idle swarm whose coordinator IDS[0] was elected in term 2 by IDS[0..2], the council the
+    # operator rooted. IDS[3] is outside the council, so no heartbeat reaches it. With the council
+    # (it applied an allocation of it), its `train start` asks the live peers, checks the
+    # certificate they pass on against the council and forwards the operator's signed start to
+    # the coordinator at once: no election of its own (it never stands), no 30 s wait. Without a
+    # council (a joiner), it cannot check any certificate: it forwards nothing, to nobody, and
+    # says where to start the run instead (a self-made certificate would otherwise get it).
     joiner = IDS[3]
+    council = root_of(tuple(p.peer_id for p in IDS[:3]))
     cert = certificate(2, IDS[0], IDS[:2], IDS[:3])
     answer = {"term": 2, "role": "follower", "recognised": True, "lease": True, "voters": 3, "cert": cert.to_wire()}
     conns = {p.peer_id: AnsweringConn(p.peer_id, answer, p is IDS[0]) for p in IDS[:3]}
     gossip = FakeGossip(IDS[:4])
+    signed = start_op()
+    bare = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path / "bare", config(tmp_path),
+                        operators=[OPERATOR.public_key])
+    with pytest.raises(TrainError, match="no council yet, but 3 live peer"):
+        await bare.start_training(signed)
+    assert all(c.forwarded == [] for c in conns.values()) and bare.election.voters == ()
+    assert bare.status()["election"]["heard_of"] is None
     plane = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path, config(tmp_path),
                          operators=[OPERATOR.public_key])
+    plane.election.set_root(council)
     t0 = trio.current_time()
-    signed = start_op()
     with trio.fail_after(5):
         result = await plane.start_training(signed)
     assert result == {"run_id": RUN.hex(), "coordinator": IDS[0].peer_id.hex()}
     assert conns[IDS[0].peer_id].forwarded == [{"op": "start", "signed": signed.to_wire()}]
     assert trio.current_time() - t0 < 1
     election = plane.status()["election"]
-    assert (election["role"], election["coordinator"], election["heard_of"]) == ("follower", None,
-                                                                                 IDS[0].peer_id.hex())
-    assert plane.election.voters == ()  # no configuration of its own making
+    assert (election["role"], election["coordinator"]) == ("follower", IDS[0].peer_id.hex())
     # the answers pass on a certificate with a forged vote: nobody is trusted, and the operator
     # reads who holds a lease of which coordinator and how many voters answer
     forged = Certificate(3, IDS[1].peer_id, cert.voters, ((0, bytes(64)), (1, bytes(64))))
@@ -560,12 +588,13 @@ async def test_train_start_on_a_peer_that_never_heard_the_coordinator_is_forward
     conns = {p.peer_id: AnsweringConn(p.peer_id, bad, False) for p in IDS[:3]}
     other = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path / "x", config(tmp_path),
                          operators=[OPERATOR.public_key])
+    other.election.set_root(council)
     with pytest.raises(TrainError) as e:
         await other.start_training(signed)
     text = str(e.value)
     assert text.startswith("no coordinator was elected within 30 s: 3 of the 3 peers asked answered; ")
     assert f"{IDS[0].peer_id.hex()[:8]} holds a lease of coordinator {IDS[1].peer_id.hex()[:8]} (term 3)" in text
-    assert "configurations of 3 voters" in text and other.election.voters == ()
+    assert all(c.forwarded == [] for c in conns.values())
 
 
 class RelayConn:
@@ -587,9 +616,10 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
     # Each logged line goes to train.jsonl (the newest run's) and to train-RUN.jsonl, which no
     # later run overwrites; every line names the run. Asked for the steps after the last one a
     # reader saw, it answers with those, the state, shape, tokens/s and ETA, to the peers of the
-    # run only; n1, which never heard of the coordinator, finds it and relays its answer.
+    # run only; n1, which never heard of the coordinator, finds it (checked against its council)
+    # and relays its answer.
     async with running(tmp_path, ISSUER) as (plane, net):
-        plane.election.set_voters([ISSUER.peer_id])
+        plane.election.set_root(root_of((ISSUER.peer_id,)))
         plane.election.campaign()
         assert await plane.election.wait_until_coordinator(10)
         a = alloc(term=plane.election.term, pipelines=[[IDS[1].peer_id, IDS[2].peer_id]], spares=(ISSUER.peer_id,),
@@ -629,6 +659,7 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         relay = SwarmTransport(peer, {ISSUER.peer_id: RelayConn(net, peer)})
         follower = ControlPlane(relay, peer, FakeGossip(IDS[:4]), tmp_path / "n1", config(tmp_path),
                                 operators=[OPERATOR.public_key])
+        follower.election.set_root(root_of((ISSUER.peer_id,)))  # (as the run's allocation gave it)
         seen = await follower.train_progress(None, 1)
         assert seen.coordinator == ISSUER.peer_id and [x.step for x in seen.lines] == [2]
         assert follower.election.heard_of == ISSUER.peer_id

@@ -1205,9 +1205,10 @@ class Coordinator:
         own = self.election.council
         size = own.size if own is not None else self.t.council_size  # (the operator's root names it)
         want = next_council(old, named & reachable & live, live, self.swarm.regions(), size, self.me)
-        council = self.election.council_for(want) if want != old else None
+        epoch = self.election.last_applied[1] + 1  # (the allocation's, as both callers build it)
+        council = self.election.council_for(want, epoch) if want != old else None
         if council is None:
-            council = self.election.council_for(old)
+            council = self.election.council_for(old, epoch)
         if council is None:
             raise ValueError("this peer holds no council to hand out (it is not the certified coordinator)")
         return {"voters": council.voters, "council": council.encode()}

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list, pack, unpack_untrusted, verify_signature
 
 from .certificate import Certificate, CertificateCheck, config_digest
-from .limits import SIGNATURE_BYTES, check_voters
+from .limits import MAX_TERM, SIGNATURE_BYTES, check_voters
 
 __all__ = [
     "COUNCIL_SIZES", "LINK_DOMAIN", "MAX_COUNCIL", "MAX_COUNCIL_BYTES", "MAX_LINKS", "MAX_ROOT_BYTES", "Council",
@@ -52,9 +52,11 @@ LINK_DOMAIN = b"dtfm-council-link-v1\x00"
 _MAX_TIME_MS = 2**53
 
 
-def link_payload(term: int, before: tuple[bytes, ...], after: tuple[bytes, ...]) -> bytes:
-    """What a coordinator signs to change the council `before` into `after` in `term`."""
-    return LINK_DOMAIN + term.to_bytes(8, "big") + config_digest(before) + config_digest(after)
+def link_payload(term: int, epoch: int, before: tuple[bytes, ...], after: tuple[bytes, ...]) -> bytes:
+    """What a coordinator signs to change the council `before` into `after` in the allocation
+    of (`term`, `epoch`)."""
+    return (LINK_DOMAIN + term.to_bytes(8, "big") + epoch.to_bytes(8, "big") + config_digest(before)
+            + config_digest(after))
 
 
 def change_refusal(before: tuple[bytes, ...], after: tuple[bytes, ...]) -> str | None:
@@ -72,16 +74,19 @@ def change_refusal(before: tuple[bytes, ...], after: tuple[bytes, ...]) -> str |
 
 @dataclass(frozen=True)
 class CouncilLink:
-    """One change of the council: `certificate` elects the issuer in its term over the council
-    before (its voters); `after` is the council after; `signature` is the issuer's of
-    `link_payload(term, before, after)`."""
+    """One change of the council, made by the allocation of (term, `epoch`): `certificate`
+    elects the issuer in its term over the council before (its voters); `after` is the council
+    after; `signature` is the issuer's of `link_payload(term, epoch, before, after)`."""
 
     certificate: Certificate
     after: tuple[bytes, ...]
     signature: bytes
+    epoch: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "after", check_voters(tuple(self.after)))
+        if type(self.epoch) is not int or not 1 <= self.epoch <= MAX_TERM:
+            raise ValueError(f"a link's epoch must be in [1, {MAX_TERM}]")
         if type(self.signature) is not bytes or len(self.signature) != SIGNATURE_BYTES:
             raise ValueError(f"a link's signature is {SIGNATURE_BYTES} bytes")
         why = change_refusal(self.before, self.after)
@@ -101,17 +106,18 @@ class CouncilLink:
         return self.certificate.voters
 
     def to_wire(self) -> list:
-        return [self.certificate.to_wire(), list(self.after), self.signature]
+        return [self.certificate.to_wire(), list(self.after), self.epoch, self.signature]
 
     @classmethod
     def from_wire(cls, obj: object) -> CouncilLink:
-        if type(obj) is not list or len(obj) != 3:
-            raise ProtocolError("council link: expected [certificate, after, signature]")
+        if type(obj) is not list or len(obj) != 4:
+            raise ProtocolError("council link: expected [certificate, after, epoch, signature]")
         after = tuple(get_bytes({"v": x}, "v", PEER_ID_BYTES, PEER_ID_BYTES)
                       for x in get_list({"after": obj[1]}, "after", MAX_COUNCIL))
         try:
-            return cls(Certificate.from_wire(obj[0]), after, get_bytes({"s": obj[2]}, "s", SIGNATURE_BYTES,
-                                                                        SIGNATURE_BYTES))
+            return cls(Certificate.from_wire(obj[0]), after,
+                       get_bytes({"s": obj[3]}, "s", SIGNATURE_BYTES, SIGNATURE_BYTES),
+                       get_int({"epoch": obj[2]}, "epoch", 1, MAX_TERM))
         except ValueError as e:
             raise ProtocolError(f"council link: {e}") from None
 
@@ -184,20 +190,22 @@ class Council:
         change, the change is one voter, and terms do not go back; else why not. The root
         itself is the control plane's to check (control/operator.py)."""
         current = self.links[start - 1].after if start else self.root_voters
-        term = self.links[start - 1].term if start else 0
+        made = (self.links[start - 1].term, self.links[start - 1].epoch) if start else (0, 0)
         for i, link in enumerate(self.links[start:], start):
             if link.before != current:
                 return f"link {i} changes another council than the one before it"
-            if link.term < term:
-                return f"link {i} is of term {link.term}, older than the link before it (term {term})"
+            if (link.term, link.epoch) <= made:
+                return (f"link {i} is of term {link.term} epoch {link.epoch}, not after the link before it "
+                        f"(term {made[0]} epoch {made[1]})")
             if len(link.after) > len(current) and len(current) >= self.size:
                 return f"link {i} adds a voter to a council of {len(current)}, its root's size"
             why = checker.check(link.certificate, current, config_digest(current))
             if why is not None:
                 return f"link {i}: its certificate: {why}"
-            if not verify_signature(link.issuer, link_payload(link.term, link.before, link.after), link.signature):
+            if not verify_signature(link.issuer, link_payload(link.term, link.epoch, link.before, link.after),
+                                    link.signature):
                 return f"link {i} is not signed by its issuer"
-            current, term = link.after, link.term
+            current, made = link.after, (link.term, link.epoch)
         return None
 
     def encode(self) -> bytes:

@@ -209,9 +209,9 @@ class ElectionService:
         """A council rooted by an operator's signed operation the caller checked (state.py)."""
         self._input(functools.partial(self._state.set_root, rerooting=rerooting), council)
 
-    def council_for(self, voters: Iterable[bytes]) -> Council | None:
-        """The council of an allocation whose voters are to be `voters` (state.py `council_for`)."""
-        return self._state.council_for(tuple(sorted(voters)))
+    def council_for(self, voters: Iterable[bytes], epoch: int) -> Council | None:
+        """The council of the allocation of `epoch` whose voters are to be `voters` (state.py `council_for`)."""
+        return self._state.council_for(tuple(sorted(voters)), epoch)
 
     def restore(self, term: int, epoch: int, council: Council | None,
                 previous: PreviousConfiguration | None = None) -> None:

@@ -198,7 +198,7 @@ class ElectionSim:
         the certified coordinator, or more than one change) `voters` as a root of its own making,
         which no configured peer takes."""
         node = self.nodes[src]
-        council = node.council_for(tuple(sorted(voters))) if node is not None else None
+        council = node.council_for(tuple(sorted(voters)), node.last_applied[1] + 1) if node is not None else None
         return council if council is not None else Council(b"forged", tuple(sorted(voters)), 0)
 
     def offer(self, src: int, term: int, epoch: int, voters: tuple[bytes, ...] | Council,

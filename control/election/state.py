@@ -323,12 +323,12 @@ class ElectionState:
                 and not self._previous_elects(certificate):
             return Refusal("not-voter", f"the issuer {short_id(issuer)} is not a voter of this peer's council "
                                         "nor of the allocation's")
-        refusal = self._council_refusal(issuer, term, council)
+        refusal = self._council_refusal(issuer, term, epoch, council)
         if refusal is not None:
             return refusal
         over = [council.voters]
         last = council.links[-1] if council.links else None
-        if last is not None and last.issuer == issuer and last.term == term:
+        if last is not None and last.issuer == issuer and (last.term, last.epoch) == (term, epoch):
             over.append(last.before)  # this allocation may have made the last change: elected before it
         if certificate.voters in over:
             why = self._checker.check(certificate, certificate.voters, certificate.config)
@@ -340,7 +340,7 @@ class ElectionState:
             return Refusal("bad-certificate", f"the certificate of {short_id(issuer)} in term {term}: {why}")
         return None
 
-    def _council_refusal(self, issuer: bytes, term: int, council: Council) -> Refusal | None:
+    def _council_refusal(self, issuer: bytes, term: int, epoch: int, council: Council) -> Refusal | None:
         """None if `council` follows from this peer's (module docstring, council.py): it is this
         peer's with the changes made since, each one voter, certified by a quorum of the council
         before it and signed by its issuer, none after `term`, and those of `term` by `issuer`;
@@ -355,7 +355,7 @@ class ElectionState:
             if not base.same_root(council) or council.links[:n] != base.links:
                 continue
             for link in council.links[n:]:
-                if link.term > term or (link.term == term and link.issuer != issuer):
+                if (link.term, link.epoch) > (term, epoch) or (link.term == term and link.issuer != issuer):
                     return Refusal("bad-council", f"the allocation's council has a change of term {link.term} by "
                                                   f"{short_id(link.issuer)}, not one its issuer made before or in "
                                                   f"its term {term}")
@@ -453,10 +453,10 @@ class ElectionState:
                     "" if self.me in council.voters else " (this peer follows)")
         return out
 
-    def council_for(self, voters: tuple[bytes, ...]) -> Council | None:
-        """The council of an allocation this coordinator hands out whose voters are to be
-        `voters`: this peer's own when they are its voters, else its own with one link it signs
-        now; None when the change cannot be made now (not coordinator, not certified over its
+    def council_for(self, voters: tuple[bytes, ...], epoch: int) -> Council | None:
+        """The council of the allocation of `epoch` this coordinator hands out whose voters are
+        to be `voters`: this peer's own when they are its voters, else its own with one link it
+        signs now; None when the change cannot be made now (not coordinator, not certified over its
         current council yet, a change of more than one voter, or the links are full)."""
         own = self.council
         if own is None or self.role is not ElectionRole.COORDINATOR or self.certificate is None:
@@ -468,7 +468,8 @@ class ElectionState:
             return None
         if len(voters) > len(own.voters) >= own.size:
             return None
-        link = CouncilLink(self.certificate, voters, self._signer.sign(link_payload(self.term, own.voters, voters)))
+        link = CouncilLink(self.certificate, voters,
+                           self._signer.sign(link_payload(self.term, epoch, own.voters, voters)), epoch)
         return own.extended(link)
 
     def revert(self, term: int, voted_for: bytes | None, now: float) -> list[ElectionAction]:

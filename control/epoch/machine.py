@@ -68,7 +68,7 @@ class ElectionView(Protocol):
     def may_apply(self, issuer: bytes, term: int, epoch: int, certificate: Certificate | None = None,
                   council: Council | None = None) -> Refusal | None: ...
 
-    def council_for(self, voters: Iterable[bytes]) -> Council | None: ...
+    def council_for(self, voters: Iterable[bytes], epoch: int) -> Council | None: ...
 
 
 MAX_KNOWN_EPOCHS = 8  # allocations this peer applied that it remembers (to check kept step reports)
@@ -77,14 +77,15 @@ MAX_KNOWN_EPOCHS = 8  # allocations this peer applied that it remembers (to chec
 RESTORED_ASK_S = 10.0
 
 
-def changes_refusal(council: Council, changes: Iterable[CouncilLink], term: int,
+def changes_refusal(council: Council, changes: Iterable[CouncilLink], term: int, epoch: int,
                     live: AbstractSet[bytes]) -> Refusal | None:
-    """None if each change of `council` this peer had not seen that the allocation's issuer made
-    in its `term` agrees with this peer's gossip: an added voter is a live member, a removed one
-    is not (unless the council was above its size); else why not (control/election/council.py).
-    Changes of earlier terms were checked by the peers that saw them made."""
+    """None if the change of `council` that the allocation of (`term`, `epoch`) makes agrees
+    with this peer's gossip: an added voter is a live member, a removed one is not (unless the
+    council was above its size); else why not (control/election/council.py). Changes of earlier
+    allocations were checked by the peers that saw them made (a peer back from a crash cannot
+    tell who was live then)."""
     for link in changes:
-        if link.term != term:
+        if (link.term, link.epoch) != (term, epoch):
             continue
         for v in sorted(set(link.after) - set(link.before)):
             if v not in live:
@@ -584,7 +585,8 @@ class EpochMachine:
             council, refusal = check_council(alloc, self.operators)
         if refusal is None and self.election.council is not None:
             assert council is not None
-            refusal = changes_refusal(council, council.since(self.election.council), alloc.term, ctx.live)
+            refusal = changes_refusal(council, council.since(self.election.council), alloc.term, alloc.epoch,
+                                      ctx.live)
         if refusal is None:
             refusal = self.election.may_apply(alloc.issuer, alloc.term, alloc.epoch, ev.certificate, council)
             if (refusal is not None and alloc.issuer != self.me and refusal.code == "not-coordinator"
