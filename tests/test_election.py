@@ -485,7 +485,8 @@ def test_a_council_changes_one_voter_at_a_time_certified_by_the_council_before()
     one = changed(root7, tuple(sorted(FIVE + (X,))), c)
     two = changed(one, tuple(sorted(FIVE + (X, Y))), cert(3, A, (A, B, C, D, X), voters=one.voters))
     assert n.may_apply(A, 3, 1, c, one) is None
-    assert n.may_apply(A, 3, 1, c, two) is None  # each change certified by the council before it
+    assert n.may_apply(A, 3, 2, c, two) is None  # each change certified by the council before it
+    assert "not one its issuer made before" in n.may_apply(A, 3, 1, c, two).reason  # (a change of epoch 2 in epoch 1)
     full = follower_of(A, term=3)  # a root of size 5
     assert "its root's size" in full.may_apply(A, 3, 1, c, changed(council(), tuple(sorted(FIVE + (X,))), c)).reason
     other = changed(root7, tuple(sorted(FIVE + (X,))), cert(3, C, (A, B, C, D)))  # made by another peer

@@ -160,7 +160,11 @@ def partition_coordinator_in_minority() -> str:
     s, c = _started(8, seed=6)
     s.train(2)
     s.run(0.5)
-    minority = [c] + [j for j in range(8) if j != c][:2]
+    # (the coordinator and two others, peers outside the council first: the other five hold a
+    # quorum of the council of seven, 5, and go on)
+    council = s.sim.node(c).voters
+    others = sorted((j for j in range(8) if j != c), key=lambda j: (s.sim.ids[j] in council, j))
+    minority = [c] + others[:2]
     s.note(f"partition: n{', n'.join(map(str, minority))} | the other five")
     s.sim.partition([1 if k in minority else 0 for k in range(8)])
     s.train(1)
