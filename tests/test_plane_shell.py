@@ -662,7 +662,7 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         follower.election.set_root(root_of((ISSUER.peer_id,)))  # (as the run's allocation gave it)
         seen = await follower.train_progress(None, 1)
         assert seen.coordinator == ISSUER.peer_id and [x.step for x in seen.lines] == [2]
-        assert follower.election.heard_of == ISSUER.peer_id
+        assert follower.election.coordinator == ISSUER.peer_id  # recognised: its certificate checks against the council
         # the run finishes: its last answer says so, with no ETA
         plane.coordinator.steplog.completed = 9
         plane.coordinator.phase = Phase.FINISHED
