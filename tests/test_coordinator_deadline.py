@@ -171,7 +171,7 @@ def test_a_frozen_peer_is_out_after_the_deadline_and_a_probe():
           phase: offering
         14.2 answers offer 0-2: n0 01010101, n2 01010101
         14.2 answers offer 2-4: n1 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 6..400 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 voters n0 n1 n2 absent n3 n4 -> n0 n1 n2
+          ask alloc: ALLOCATION term 1 epoch 2 steps 6..400 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 voters n0 n1 n2 n3 absent n3 n4 -> n0 n1 n2
           phase: handing out
         14.5 answers alloc: n0 accepted, n1 accepted, n2 accepted
           ask start: START epoch=2 -> n0 n1

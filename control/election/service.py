@@ -352,7 +352,7 @@ class ElectionService:
     @property
     def heard_of(self) -> bytes | None:
         """A coordinator learned of whose certificate this peer cannot check against its own
-        configuration (state.py, `learn`): one to forward an operator's request to."""
+        council (state.py, `learn`): shown in status, never followed nor forwarded to."""
         cert = self._state.heard_of
         return None if cert is None else cert.candidate
 

@@ -24,14 +24,15 @@ heartbeat, and the coordinator puts it beside every allocation it hands out. A p
 a coordinator only on a certificate whose votes from the voters of its own configuration are a
 quorum of them (certificate.py: a majority, plus one for an odd count from 5 voters on, so that
 one voter signing two votes in a term cannot elect two coordinators), every signature checked (once per certificate: `CertificateCheck` caches by
-digest); it never takes its voters from a heartbeat. A peer without a configuration yet (a
-fresh swarm, or a peer that joins) takes a certificate that is a quorum of the certificate's
-own configuration, which must name this peer; nothing proves to such a peer that this
-configuration is the swarm's (any insider can mint identities that elect it): the operator's
-signed start, carried by a new run's first allocation, closes that gap.
+digest); it never takes its voters from a heartbeat. A peer without a council (a fresh swarm
+before the operator's start reaches it, a joiner) recognises no certificate at all and takes
+no term from one: any key holder can mint identities whose votes make a quorum of a set they
+choose. It gets a council only from an operator's root (`set_root`) or from an allocation whose
+council follows from its root (council.py).
 
-Who counts. Messages of the election count only from voters of this peer's configuration
-(without one: from anyone, so a fresh swarm can elect its first coordinator). A PreVote or a
+Who counts. Messages of the election count only from voters of this peer's council, and only
+a voter of it answers pre-votes and votes: a peer outside the council follows (it takes
+certified allocations) and never votes; a peer without a council counts nobody. A PreVote or a
 RequestVote of anyone else gets no answer, a heartbeat of anyone else changes nothing.
 
 Terms. A higher term is taken only (a) with a certificate for it (at any size: a
@@ -54,10 +55,11 @@ voters every peer of the term computes alike (a hash of term and peer id, the co
 last): after a crash the first-ranked peer stands about one stagger before the next, so two
 candidates rarely split a vote, even when the round trips are as long as the random spread.
 
-Configuration. The voters are the configuration of the last applied allocation
-(`apply_allocation`, or `restore` from the disk at start); `set_voters` sets a first
-configuration only (`train start` on a peer that applied none). Until a node has voters it
-votes but never stands. `campaign(now)` stands at once (`train start`). When the coordinator
+Configuration. The voters are the council (council.py) of the last applied allocation
+(`apply_allocation`, or `restore` from the disk at start), or of the operator's root
+(`set_root`: a start's council for a peer without one, a `council` operation over an older
+root). `set_voters` takes a first council on trust (tests and simulations only). Until a node
+has a council it neither votes nor stands. `campaign(now)` stands at once (`train start`). When the coordinator
 applies a configuration its certificate is not of, it asks the new voters to sign its term
 again over the new configuration (they voted for it already, or not at all in this term) and
 carries the new certificate once a quorum did: peers that applied the new configuration
@@ -75,21 +77,27 @@ reason a one-voter change is: a quorum of the previous voters and one of the new
 and a voter that applied the new configuration refuses a candidate whose applied allocation is
 older. Once an allocation of a later term keeps the configuration, it is no longer undone.
 
-Allocations. `may_apply(issuer, term, epoch, certificate, voters)` refuses an allocation unless
-its certificate is of `issuer` in `term`, checks against this peer's configuration as above
-(`issuer` a voter of it; without a configuration, the allocation's `voters` must name this
-peer), `term` is not older than this peer's (nor another coordinator's term here), and (term,
-epoch) is newer than the last applied. `apply_allocation` records it: a certified newer term
-is taken, the issuer recognised, the configuration replaced. The applied (term, epoch) only
-grows.
+Allocations. `may_apply(issuer, term, epoch, certificate, council)` refuses an allocation
+unless its certificate is of `issuer` in `term`, `term` is not older than this peer's (nor
+another coordinator's term here), (term, epoch) is newer than the last applied, its council
+follows from this peer's (its own, or its own before an undone change, followed by changes
+each one voter, certified by a quorum of the council before, signed by its maker, none made
+after (term, epoch), those of `term` by `issuer`; without a council of its own: every change
+from the root), and the certificate is a quorum of the allocation's council (or of the council
+before the change this allocation makes, or, configured, of its own as above). The root is
+the plane's to check (operator.py `check_council`); whether a change agrees with this peer's
+gossip, the epoch machine's (`changes_refusal`). `apply_allocation` records it: a certified
+newer term is taken, the issuer recognised, the council replaced. `council_for` is the
+council a coordinator hands out: its own, with one change it signs when the certificate it
+holds is over its current council. The applied (term, epoch) only grows.
 
 Discovery. Heartbeats reach the voters only, so a peer outside the configuration (a fresh
 joiner, a peer restarted after the run went on without it) asks other peers who the
 coordinator is (discovery.py) and hands each certificate it gets to `learn`: one that verifies
 against its own configuration is recognised (the term taken if newer, no lease: a certificate
 proves an election, not a live coordinator), one that is only a quorum of its own configuration
-is kept as `heard_of`, a coordinator to forward an operator's request to, never to follow or
-vote by. A recognised certificate whose configuration leaves this peer out means a quorum of
+is kept as `heard_of` (shown in status), never followed, voted by, or forwarded an operator's
+request to; a peer without a council learns nothing. A recognised certificate whose configuration leaves this peer out means a quorum of
 its voters moved on without it: it stops standing (nobody would answer its pre-votes) until
 its term changes or it applies an allocation. `answer()` is what this peer tells an asker.
 
