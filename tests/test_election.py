@@ -988,11 +988,18 @@ def test_a_lying_voter_cannot_elect_two_coordinators_in_one_term(seed):
     assert sim.coordinators()  # and the swarm still elects
 
 
+MINTED = [Identity(bytes([200 + i]) * 32) for i in range(12)]  # identities a liar makes for itself
+MINTED_IDS = frozenset(k.peer_id for k in MINTED)
+MINTED_IDS_SORTED = sorted(MINTED_IDS)
+
+
 class ByzantineElection(SimFaults):
     """A liar holding a real key (a voter or not) sends well-formed election messages with
     arbitrary fields, and allocations, to the real machines of the election simulation: votes
-    it signs, certificates it forges or assembles from the votes it was sent, terms up to the
-    largest, and votes for two candidates in one term. The simulation's checks (true
+    it signs, certificates it forges or assembles from the votes it was sent or makes with
+    identities it minted, over any voter set, councils of its own making, terms up to the
+    largest, and votes for two candidates in one term; it turns nodes into joiners (no council)
+    and offers them the same. The simulation's checks (true
     certificates, one coordinator per term, applied (term, epoch) only grows) hold, and no
     machine raises. A voting liar is one of 4 to 6 voters: the quorum tolerates one liar from 4
     voters on (with 3, a majority, two quorums share the liar alone)."""
@@ -1016,6 +1023,10 @@ class ByzantineElection(SimFaults):
         sim, me = self.sim, self.sim.ids[self.liar]
         if how == 0:  # a configuration of its own
             return Certificate.of(term, me, (me,), {me: self.key.sign(vote_payload(term, me, config_digest((me,))))})
+        if how == 3:  # over the swarm's voters, itself and identities it minted, signed by itself and them
+            voters = tuple(sorted(set(sim.voters) | {me} | MINTED_IDS))
+            payload = vote_payload(term, me, config_digest(voters))
+            return Certificate.of(term, me, voters, {k.peer_id: k.sign(payload) for k in [self.key, *MINTED]})
         voters = tuple(sorted(set(sim.voters) | {me}))
         payload = vote_payload(term, candidate, config_digest(voters))
         sigs = {v: (self.key.sign(payload) if v == me else bytes(64)) for v in voters}
@@ -1060,6 +1071,51 @@ class ByzantineElection(SimFaults):
             sim.inject(self.liar, k, Heartbeat(term, me, 1, *applied, c))
         sim.run_for(0.05)
         sim.offer(self.liar, term, 1, voters, c)
+
+    @rule(up=st.sampled_from([1, 2, 1024, 2**62]), restart=st.integers(0, 8))
+    def mint(self, up, restart):
+        """The liar mints identities and certifies itself over the swarm's voters, itself and
+        them, at any term: heartbeats, passed-on certificates and allocations whose council is a
+        root of its own making or the swarm's with a change it signs. A restarted node that lost
+        its council (a joiner) is offered the same. Nobody follows, takes the term, or a
+        council with a minted voter."""
+        sim, me = self.sim, self.sim.ids[self.liar]
+        k = self._k(restart)
+        if sim.nodes[k] is not None and k != self.liar:  # a joiner: a node that comes back with no council
+            sim.crash(k)
+            sim.disk_council[k] = None
+            sim.disk_applied[k] = (0, 0)
+            self.applied_before[k] = (0, 0)
+            sim.restart(k)
+        live = [j for j in sim.live() if j != self.liar]
+        if not live:
+            return
+        term = min(MAX_TERM, max(sim.node(j).term for j in live) + up)
+        c = self._certificate(3, term, me)
+        for j in live:
+            sim.inject(self.liar, j, Heartbeat(term, me, 1, term, 1, c))
+            sim.run_for(0.01)
+            if sim.nodes[j] is not None:
+                sim.nodes[j].learn(c, sim.local_now(j))
+        own = Council(b"", tuple(sorted({me} | MINTED_IDS))[:7], 0, 7)
+        sim.offer(self.liar, term, 1, own, c)
+        honest = next((sim.node(j).council for j in live if sim.nodes[j] is not None and sim.node(j).council), None)
+        if honest is not None and len(honest.voters) < 7:
+            after = tuple(sorted(set(honest.voters) | {MINTED_IDS_SORTED[0]}))
+            sig = self.key.sign(link_payload(term, 1, c.voters, after))
+            try:
+                forged = Council(honest.root, honest.root_voters, honest.root_at_ms, honest.size,
+                                 (*honest.links, CouncilLink(c, after, sig, 1)))
+            except ValueError:
+                forged = None
+            if forged is not None:
+                sim.offer(self.liar, term, 1, forged, c)
+        sim.run_for(0.05)
+        for j in live:
+            node = sim.nodes[j]
+            if node is not None:
+                assert node.coordinator != me or self.sim.ids[self.liar] in sim.voters, "followed a self-made certificate"
+                assert not MINTED_IDS & set(node.voters), f"node {j} took a council with minted voters"
 
     @rule(i=st.integers(0, 8), j=st.integers(0, 8))
     def rival_candidates(self, i, j):

@@ -117,7 +117,7 @@ class ElectionSim:
         self.now = 0.0
         self.stores = [MemoryElectionStore() for _ in range(n)]
         self.disk_applied: list[tuple[int, int]] = [(0, 0)] * n
-        self.disk_council: list[Council] = [self._first_council(self.voters)] * n
+        self.disk_council: list[Council | None] = [self._first_council(self.voters)] * n
         self.disk_previous: list[PreviousConfiguration | None] = [None] * n
         self.offsets = [0.0] * n
         self.groups = [0] * n
