@@ -84,8 +84,9 @@ class MemberTable:
         """Dead and left members, longest gone first."""
         return list(self._gone)
 
-    def remove(self, peer_id: bytes, now: float) -> None:
-        """Take a member out at once (to make room), keeping a tombstone of its claim."""
+    def remove(self, peer_id: bytes, now: float, *, tombstone: bool = True) -> None:
+        """Take a member out at once (to make room), keeping a tombstone of its claim (unless
+        told not to: a member refused for its address group's cap may come back as it is)."""
         e = self.entries.pop(peer_id)
         del self.members[peer_id]
         self._gone.pop(peer_id, None)
@@ -94,7 +95,8 @@ class MemberTable:
             self._confirmed.discard(peer_id)
             self.confirmed_live -= not e.state.gone
         self._unconfirmed.pop(peer_id, None)
-        self._tombstones[peer_id] = (e.claim, now)
+        if tombstone:
+            self._tombstones[peer_id] = (e.claim, now)
 
     def reap(self, now: float, after_s: float) -> list[bytes]:
         """Remove members dead or left for after_s or longer, keeping a tombstone of each."""
@@ -123,8 +125,13 @@ class MemberTable:
         return t[0] if t is not None else None
 
     def updates(self, first: bytes) -> list[Update]:
-        """The full state as updates: `first`'s claim, the other claims, then the accusations
-        (a receiver knows the accused and the accusers before it reads an accusation)."""
+        """The full state we vouch for as updates: `first`'s claim, the other confirmed members'
+        claims, then the accusations about them (a receiver knows the accused and the accusers
+        before it reads an accusation). Unconfirmed members are left out: we pass on only
+        members that answered us at their address (so within our caps per address group), and
+        a peer that joins through us inherits none of a flood's fakes."""
+        confirmed = self._confirmed
         claims = [self.entries[first].claim]
-        claims += [e.claim for pid, e in self.entries.items() if pid != first]
-        return claims + [e.accusation for e in self.entries.values() if e.accusation is not None]
+        claims += [e.claim for pid, e in self.entries.items() if pid != first and pid in confirmed]
+        return claims + [e.accusation for pid, e in self.entries.items()
+                         if e.accusation is not None and pid in confirmed]
