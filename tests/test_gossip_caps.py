@@ -22,7 +22,9 @@ from dtfm.gossip.claims import Claim
 from dtfm.gossip.config import GossipConfig
 from dtfm.gossip.members import MemberState
 from dtfm.gossip.messages import Gossip, PushPull
+from dtfm.gossip.status import gossip_status
 from dtfm.gossip.swim import Swim
+from dtfm.gossip.view import build_view
 from dtfm.net import Identity
 from verifying import answer_verifications
 
@@ -93,6 +95,9 @@ def test_a_group_holds_at_most_its_cap_however_many_identities_answer():
     assert s.live_count() == 4 + 16
     assert s.refused[CAP] == 150 - 16
     assert len(s.members) == 4 + 16  # the refused are not held either
+    status = gossip_status(s.members.values(), s.is_confirmed, [], [], {}, lambda: build_view((), {}),
+                           refused=s.refused, evicted=s.evicted)  # (dtfm-peer status, the metrics)
+    assert status["refused"] == {CAP: 150 - 16} and status["evicted"] == 0
     # relayed by an honest member, or claimed again one incarnation up: still refused
     late = sybils[100]
     s.handle(HONEST_IDS[0], Gossip((Claim.create(late, 1, ALIVE, SYBIL_HOST, 7001, ""),)), 2.0, origin="10.0.0.2")
