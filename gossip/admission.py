@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import socket
 from collections.abc import Hashable
 
 __all__ = ["AdmissionLimiter", "GroupKind", "LOOPBACK_GROUP", "address_group", "member_groups"]
@@ -39,15 +40,33 @@ class GroupKind(enum.Enum):
 LOOPBACK_GROUP = "loopback"
 
 
+def _ip(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address a host string spells, in any form a dial would take it: canonical, with a
+    link-local zone (the same host), or the legacy IPv4 forms `inet_aton` reads (127.1,
+    0x7f000001, 0177.0.0.1); None for a name."""
+    h = host.split("%", 1)[0]
+    try:
+        return ipaddress.ip_address(h)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(h))
+    except (OSError, ValueError):
+        return None
+
+
 def member_groups(host: str) -> tuple[tuple[str, GroupKind], ...]:
     """The address groups a host counts in, finest first: an IPv4 address; an IPv6 address's
-    /64 and /48 networks; every loopback address is one group, this host (127.0.0.2 is no other
-    party than 127.0.0.1); an IPv4-mapped IPv6 address is its IPv4 address. A name that is no
-    IP address (an in-memory test network's) is its own group."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])  # a link-local zone is the same host
-    except ValueError:
-        return ((host.lower(), GroupKind.ADDRESS),)
+    /64 and /48 networks; every loopback address is one group, this host (127.0.0.2, 127.1,
+    ::1 and `localhost` are no other party than 127.0.0.1); an IPv4-mapped IPv6 address is its
+    IPv4 address. A name that is no IP address (an in-memory test network's) is its own group,
+    lower case, without a trailing dot."""
+    ip = _ip(host)
+    if ip is None:
+        name = host.lower().rstrip(".")
+        if name == "localhost" or name.endswith(".localhost"):
+            return ((LOOPBACK_GROUP, GroupKind.LOOPBACK),)
+        return ((name, GroupKind.ADDRESS),)
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if ip.is_loopback:

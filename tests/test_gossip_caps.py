@@ -77,9 +77,13 @@ def test_groups_of_an_address():
     assert v6 == ["2001:db8:1:2::/64", "2001:db8:1::/48"]
     assert member_groups("::ffff:203.0.113.9") == member_groups("203.0.113.9")
     # every loopback address is this host: one group, for the caps and for the admission rate
-    for host in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "::1", "::ffff:127.0.0.1"):
-        assert address_group(host) == LOOPBACK_GROUP
-    assert address_group("mem3") == "mem3"  # an in-memory network's host names
+    for host in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "::1", "::ffff:127.0.0.1", "localhost", "LocalHost.",
+                 "x.localhost", "127.1", "0x7f000001", "0177.0.0.1"):
+        assert address_group(host) == LOOPBACK_GROUP, host
+    # other spellings a dial takes of one address are that address
+    assert address_group("203.0.113.9") == address_group("203.0.28937") == address_group("0xcb.0.0x71.9")
+    assert address_group("fe80::1%eth0") == address_group("fe80::1%eth1")
+    assert address_group("mem3") == address_group("MEM3.") == "mem3"  # an in-memory network's host names
 
 
 # ---- the cap
