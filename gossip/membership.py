@@ -148,7 +148,7 @@ class Membership:
             self.refused["address group at its cap of members"] += 1
             logger.debug("member %s: not confirmed at %s:%d: its address group %s holds %d live members, "
                          "its cap", m.short_id, m.host, m.port, full[0], self.caps.cap(full[1]))
-            self._evict(peer_id, now, tombstone=False)
+            self._remove(peer_id, now, tombstone=False)  # it may come back when there is room
             return
         if self.table.confirm(peer_id):
             self.caps.add(peer_id, m.host)
@@ -352,14 +352,17 @@ class Membership:
         t = self.table.tombstone(peer_id) if peer_id not in self.table.entries else None
         return (t,) if t is not None else ()
 
-    def _evict(self, peer_id: bytes, now: float, *, tombstone: bool = True) -> None:
+    def _evict(self, peer_id: bytes, now: float) -> None:
+        """Take a member out to make room in a full table (a tombstone stays)."""
+        self._remove(peer_id, now, tombstone=True)
+        self.evicted += 1
+        logger.debug("member %s: removed to make room in a full table", peer_id[:4].hex())
+
+    def _remove(self, peer_id: bytes, now: float, *, tombstone: bool) -> None:
         self.table.remove(peer_id, now, tombstone=tombstone)
         self.caps.remove(peer_id)
         self.arrivals.remove(peer_id)
         self.suspicions.pop(peer_id, None)
-        if tombstone:
-            self.evicted += 1
-            logger.debug("member %s: removed to make room", peer_id[:4].hex())
         self._on_removed(peer_id)
 
     def _reap(self, now: float) -> None:

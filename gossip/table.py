@@ -32,7 +32,6 @@ class MemberTable:
         self.confirmed_live = 0  # of those, the confirmed ones
         self._gone: dict[bytes, float] = {}  # dead or left -> since, oldest first
         self._confirmed: set[bytes] = set()
-        self._unconfirmed: dict[bytes, None] = {}  # the others, in the order they entered
         self._tombstones: dict[bytes, tuple[Claim, float]] = {}  # removed -> (last claim, when), oldest first
 
     def __len__(self) -> int:
@@ -54,9 +53,7 @@ class MemberTable:
         self._tombstones.pop(pid, None)
         was_live = old is not None and not old.state.gone
         self.live += (not state.gone) - was_live
-        if old is None:
-            self._unconfirmed[pid] = None
-        elif pid in self._confirmed:
+        if old is not None and pid in self._confirmed:
             self.confirmed_live += (not state.gone) - was_live
         if state.gone and (old is None or not old.state.gone):
             self._gone[pid] = now
@@ -69,16 +66,11 @@ class MemberTable:
         if peer_id not in self.entries or peer_id in self._confirmed:
             return False
         self._confirmed.add(peer_id)
-        del self._unconfirmed[peer_id]
         self.confirmed_live += not self.entries[peer_id].state.gone
         return True
 
     def is_confirmed(self, peer_id: bytes) -> bool:
         return peer_id in self._confirmed
-
-    def unconfirmed(self) -> list[bytes]:
-        """Members never confirmed, in the order they entered the table."""
-        return list(self._unconfirmed)
 
     def gone(self) -> list[bytes]:
         """Dead and left members, longest gone first."""
@@ -94,7 +86,6 @@ class MemberTable:
         if peer_id in self._confirmed:
             self._confirmed.discard(peer_id)
             self.confirmed_live -= not e.state.gone
-        self._unconfirmed.pop(peer_id, None)
         if tombstone:
             self._tombstones[peer_id] = (e.claim, now)
 
