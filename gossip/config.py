@@ -55,6 +55,17 @@ class GossipConfig:
     # at this rate once past the burst; the peer we join through is exempt while we join.
     new_member_burst_per_address: int = 64
     new_members_per_address_per_s: float = 1.0
+    # Confirmed members an address group may hold besides ourselves: a cap, not a rate
+    # (`caps.py`). A claim from a group at its cap is refused, and so is a confirmation that
+    # would pass it. per_address: an IPv4 address or an IPv6 /64 (one host, or a few behind
+    # one NAT; several daemons per host, one a GPU, fit). per_ipv6_48: an IPv6 /48 (one site:
+    # a holder of a /48 has 65,536 /64s). per_loopback: every loopback address together, this
+    # host: the test swarms of `dtfm-swarm` run up to 64 daemons on 127.0.0.1; a local
+    # process holding the swarm key makes at most this many members. Lower: fewer sybils per
+    # address; higher: more honest daemons behind one address.
+    max_members_per_address: int = 16
+    max_members_per_ipv6_48: int = 64
+    max_members_per_loopback: int = 64
     # A new member counts as alive (in live_peers, the view, the scheduler) only once it has
     # acked a ping sent over a connection that we dialled to the address it claims, whose
     # handshake proved its identity. At most max_verifying such pings are in flight; each
@@ -122,6 +133,9 @@ class GossipConfig:
             raise ValueError("max_push_pull_bytes must be >= 1024 and max_piggyback_bytes >= 512")
         if self.max_verifying < 1 or self.verify_timeout_s <= 0 or self.verify_attempts < 1:
             raise ValueError("max_verifying and verify_attempts must be >= 1, verify_timeout_s positive")
+        if min(self.max_members_per_address, self.max_members_per_ipv6_48, self.max_members_per_loopback) < 1:
+            raise ValueError("max_members_per_address, max_members_per_ipv6_48 and max_members_per_loopback "
+                             "must be >= 1")
         if self.max_members < 2 or self.max_incarnation_jump < 1:
             raise ValueError("max_members must be >= 2 and max_incarnation_jump >= 1")
         if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0 or self.record_sync_timeout_s <= 0:

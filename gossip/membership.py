@@ -6,13 +6,24 @@
 - a member enters the table only with its own claim; the claim spends a token of its
   remote address's admission rate, and of the source's when the source is not the member
   itself (`admission.py`);
-- the table holds at most `max_members`; when it is full, a new member takes the place of a
-  dead or left member, else of the member longest in the table that never confirmed, never
-  of a confirmed live one, ourselves, or one `protected` names (the daemon: the peers the
-  current allocation names); with no such place it is refused;
+- an address group holds at most its cap of confirmed members (`caps.py`): a new member's
+  claim at an address whose group is at its cap is refused, and so is its confirmation when
+  the group filled up meanwhile (it is taken out of the table, without a tombstone: it may
+  come back when there is room). Dead and left members do not count, so one that comes back
+  alive into a group filled meanwhile is refused. Members `protected` names are confirmed
+  whatever the cap;
+- the table holds at most `max_members`; when it is full, a new member takes the place of,
+  in this order: the member dead or left the longest; the longest-held unconfirmed member of
+  the address group most of the unconfirmed members came in from; the confirmed member
+  counted last in the address group that holds the most confirmed members, if it holds more
+  than the newcomer's would with it. Never ourselves or a member `protected`
+  names (the daemon: the peers the current allocation names and the election's voters); with
+  no such place the claim is refused;
 - a member is *confirmed* once it acked a ping sent over a connection dialled to the address
   it claims (`Swim`'s verification); only confirmed members count as alive (`live_count`,
-  `live_members`) and are reported to observers (`drain_changes`);
+  `live_members`), are reported to observers (`drain_changes`) and are passed on to others
+  (broadcasts and push-pull carry the claims of confirmed members only, so what we relay
+  obeys our caps, and a joiner inherits none of a flood's fakes);
 - a claim replaces the held one only if it orders after it (newer incarnation, left over
   alive) and raises the incarnation by at most `max_incarnation_jump`;
 - an accusation counts only for the incarnation whose claim we hold and only from a member we
@@ -36,6 +47,7 @@ from collections.abc import Callable
 
 from .admission import AdmissionLimiter
 from .broadcast import BroadcastQueue
+from .caps import Arrivals, GroupCaps
 from .claims import Accusation, Claim, ClaimVerifier, Update
 from .config import GossipConfig
 from .members import MAX_INCARNATION, Member, MemberState
@@ -62,6 +74,8 @@ class Membership:
         self.address_admission = AdmissionLimiter(config.new_members_per_address_per_s,
                                                   config.new_member_burst_per_address,
                                                   max_sources=config.max_members)
+        self.caps = GroupCaps(config)  # confirmed members per address group
+        self.arrivals = Arrivals()  # unconfirmed members per address group they came in from
         # Members never evicted to make room (the daemon passes the peers its allocation names).
         self.protected: Callable[[bytes], bool] = _nobody
         self.refused: Counter[str] = Counter()  # updates refused, by reason
@@ -123,12 +137,36 @@ class Membership:
         out, self._changes = self._changes, []
         return out
 
-    def _confirm(self, peer_id: bytes) -> None:
+    def _confirm(self, peer_id: bytes, now: float) -> None:
+        """Confirm a member that answered at its address, within its address groups' caps (of
+        live members: the dead and left do not count); over a cap it is taken out (refused)."""
+        m = self.table.members.get(peer_id)
+        if m is None or self.table.is_confirmed(peer_id):
+            return
+        full = None if self.protected(peer_id) else self.caps.full(m.host, self._live)
+        if full is not None:
+            self.refused["address group at its cap of members"] += 1
+            logger.debug("member %s: not confirmed at %s:%d: its address group %s holds %d live members, "
+                         "its cap", m.short_id, m.host, m.port, full[0], self.caps.cap(full[1]))
+            self._remove(peer_id, now, tombstone=False)  # it may come back when there is room
+            return
         if self.table.confirm(peer_id):
-            m = self.table.members[peer_id]
+            self.caps.add(peer_id, m.host)
+            self.arrivals.remove(peer_id)
             logger.debug("member %s: confirmed at %s:%d", m.short_id, m.host, m.port)
             self._changes.append(m)
+            self.broadcasts.queue(self.table.entries[peer_id].claim)  # now we vouch for it
             self._on_confirmed(peer_id)
+
+    def _over_cap(self, peer_id: bytes) -> bool:
+        """Whether a confirmed member now dead or left would pass a cap coming back alive."""
+        if self.protected(peer_id):
+            return False
+        return any(self.caps.count(g, self._live) >= self.caps.cap(kind) for g, kind in self.caps.groups_of(peer_id))
+
+    def _live(self, peer_id: bytes) -> bool:
+        e = self.table.entries.get(peer_id)
+        return e is not None and not e.state.gone
 
     def _adjust_awareness(self, delta: int) -> None:
         top = self.config.awareness_max_multiplier - 1
@@ -171,12 +209,14 @@ class Membership:
             logger.debug("member %s: %s -> %s (inc %d)", new.short_id,
                          old.state.name if old else "-", state.name, new.incarnation)
         if old is None and pid != self.me_id:
+            self.arrivals.add(pid, group)
             self._on_new_member(pid)
         if (old is None or old.member.address != new.address) and not self.table.is_confirmed(pid):
             self._on_unconfirmed_address(pid, group)
         if state != MemberState.SUSPECT:
             self.suspicions.pop(pid, None)
-        self.broadcasts.queue(announce)
+        if isinstance(announce, Accusation) or self.table.is_confirmed(pid):
+            self.broadcasts.queue(announce)  # claims: only of members we verified (our caps)
 
     def _apply(self, u: Update, src: bytes, now: float, group: str | None = None) -> None:
         """group: the address group of the connection u came over (None: not known)."""
@@ -185,17 +225,26 @@ class Membership:
         else:
             self._apply_accusation(u, src, now)
 
-    def _room_for(self) -> bytes | None:
-        """The member to remove for a new one when the table is full: the longest gone, else
-        the longest unconfirmed; never ourselves, a protected or a confirmed live member.
-        None: no room."""
+    def _room_for(self, host: str) -> bytes | None:
+        """The member to remove for a new one at host when the table is full: the longest
+        gone; else the longest-held unconfirmed member of the address group most unconfirmed
+        members came in from; else the confirmed member counted last in the address group
+        that holds the most, if it holds more than host's groups would with the newcomer (a
+        host with one member is never over-represented). Never ourselves or a protected
+        member. None: no room."""
         for pid in self.table.gone():
             if pid != self.me_id and not self.protected(pid):
                 return pid
-        for pid in self.table.unconfirmed():
-            if not self.protected(pid):
-                return pid
+        unconfirmed = self.arrivals.oldest_of_largest(self._evictable)
+        if unconfirmed is not None:
+            return unconfirmed
+        fullest = self.caps.fullest(self._evictable)
+        if fullest is not None and fullest[0] > self.caps.largest(host) + 1:
+            return fullest[1]
         return None
+
+    def _evictable(self, peer_id: bytes) -> bool:
+        return peer_id != self.me_id and not self.protected(peer_id)
 
     def _apply_claim(self, c: Claim, src: bytes, now: float, group: str | None = None) -> None:
         pid = c.peer_id
@@ -209,6 +258,8 @@ class Membership:
                 return  # held already, or older
             if c.incarnation - e.claim.incarnation > self.config.max_incarnation_jump:
                 return self._refuse(c, src, "incarnation jump too large")
+            if e.state.gone and not c.state.gone and self._over_cap(pid):
+                return self._refuse(c, src, "address group at its cap of members")  # its place was taken
         else:
             t = self.table.tombstone(pid)
             if t is not None and c.key() <= t.key():
@@ -217,8 +268,10 @@ class Membership:
                 return self._refuse(c, src, "source over its rate of new members")
             if group is not None and not self.address_admission.allow(group, now):
                 return self._refuse(c, src, "address over its rate of new members")
+            if self.caps.full(c.host, self._live) is not None and not self.protected(pid):
+                return self._refuse(c, src, "address group at its cap of members")
             if len(self.table) >= self.config.max_members:
-                evict = self._room_for()
+                evict = self._room_for(c.host)
                 if evict is None:
                     return self._refuse(c, src, "member table full")
         if not self.verifier.verify(c):
@@ -300,15 +353,23 @@ class Membership:
         return (t,) if t is not None else ()
 
     def _evict(self, peer_id: bytes, now: float) -> None:
-        self.table.remove(peer_id, now)
-        self.suspicions.pop(peer_id, None)
+        """Take a member out to make room in a full table (a tombstone stays)."""
+        self._remove(peer_id, now, tombstone=True)
         self.evicted += 1
         logger.debug("member %s: removed to make room in a full table", peer_id[:4].hex())
+
+    def _remove(self, peer_id: bytes, now: float, *, tombstone: bool) -> None:
+        self.table.remove(peer_id, now, tombstone=tombstone)
+        self.caps.remove(peer_id)
+        self.arrivals.remove(peer_id)
+        self.suspicions.pop(peer_id, None)
         self._on_removed(peer_id)
 
     def _reap(self, now: float) -> None:
         cfg = self.config
         for pid in self.table.reap(now, cfg.reap_after_s):
+            self.caps.remove(pid)
+            self.arrivals.remove(pid)
             self._on_removed(pid)
             self.suspicions.pop(pid, None)
             logger.debug("member %s: removed, gone for %g s", pid[:4].hex(), cfg.reap_after_s)

@@ -191,7 +191,7 @@ class GossipService:
         ages = {p: now - link.measured_at for p, link in self.planner.links.items()}
         return gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
                              self.live_peers(), self.records.reports, self.view, me=self.identity.peer_id,
-                             measured_s_ago=ages)
+                             measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
 
     def view(self) -> NetworkView:
         """The N x N view over the live members, in peer-id order."""

@@ -13,6 +13,9 @@ hold `max_members` (4,096) entries, most of them fakes in a flood. So the report
                 N <= MAX_VIEW_PEERS, disputed links the first MAX_DISPUTED_LISTED; always
                 `peers` (N), `measured_links`, `expected_links`, `complete`
     truncated:  the names of the lists cut short (empty: nothing left out)
+    refused:    membership updates refused, by reason (a fixed set of reasons: the rate of
+                new members, the caps per address group, a full table, bad signatures, ...)
+    evicted:    members taken out to make room in a full table
 
 A link is `agreed` when both ends measured it and their figures are within
 `DISAGREEMENT_RATIO` of each other, `disputed` when they are further apart (the round trips or
@@ -131,11 +134,13 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
                   view: Callable[[], NetworkView], *, max_members: int = MAX_MEMBERS_LISTED,
                   max_latency: int = MAX_LATENCY_LISTED, max_view_peers: int = MAX_VIEW_PEERS,
                   max_disputed: int = MAX_DISPUTED_LISTED, me: bytes | None = None,
-                  measured_s_ago: Mapping[bytes, float] | None = None) -> dict:
+                  measured_s_ago: Mapping[bytes, float] | None = None,
+                  refused: Mapping[str, int] | None = None, evicted: int = 0) -> dict:
     """The gossip status report (module docstring). `live`: the members that count as alive,
     the view's peers; `view()` is called only when it is listed (len(live) <= max_view_peers);
     `me`: this peer (to find the other ends' figures of its links in `reports`);
-    `measured_s_ago`: per target, how long ago this peer last measured the link."""
+    `measured_s_ago`: per target, how long ago this peer last measured the link; `refused`,
+    `evicted`: the membership's counters."""
     truncated: list[str] = []
     counts = dict.fromkeys(STATUS_STATES, 0)
     rows: list[tuple[int, bytes, Member, str]] = []
@@ -169,4 +174,5 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
             "members": [_member_row(m, state) for _, _, m, state in rows[:max_members]],
             "latency": [_latency_row(e, _their_entry(me, e.target, reports), ages.get(e.target))
                         for e in entries[:max_latency]],
-            "view": view_part, "truncated": truncated}
+            "view": view_part, "truncated": truncated,
+            "refused": dict(sorted((refused or {}).items())), "evicted": evicted}

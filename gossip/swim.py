@@ -271,7 +271,7 @@ class Swim(Membership):
             _, group = self._dequeue(v.peer_id)
             self._on_unconfirmed_address(v.peer_id, group)
             return
-        self._confirm(v.peer_id)
+        self._confirm(v.peer_id, now)
 
     # ---- joining and leaving
 

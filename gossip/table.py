@@ -32,7 +32,6 @@ class MemberTable:
         self.confirmed_live = 0  # of those, the confirmed ones
         self._gone: dict[bytes, float] = {}  # dead or left -> since, oldest first
         self._confirmed: set[bytes] = set()
-        self._unconfirmed: dict[bytes, None] = {}  # the others, in the order they entered
         self._tombstones: dict[bytes, tuple[Claim, float]] = {}  # removed -> (last claim, when), oldest first
 
     def __len__(self) -> int:
@@ -54,9 +53,7 @@ class MemberTable:
         self._tombstones.pop(pid, None)
         was_live = old is not None and not old.state.gone
         self.live += (not state.gone) - was_live
-        if old is None:
-            self._unconfirmed[pid] = None
-        elif pid in self._confirmed:
+        if old is not None and pid in self._confirmed:
             self.confirmed_live += (not state.gone) - was_live
         if state.gone and (old is None or not old.state.gone):
             self._gone[pid] = now
@@ -69,23 +66,19 @@ class MemberTable:
         if peer_id not in self.entries or peer_id in self._confirmed:
             return False
         self._confirmed.add(peer_id)
-        del self._unconfirmed[peer_id]
         self.confirmed_live += not self.entries[peer_id].state.gone
         return True
 
     def is_confirmed(self, peer_id: bytes) -> bool:
         return peer_id in self._confirmed
 
-    def unconfirmed(self) -> list[bytes]:
-        """Members never confirmed, in the order they entered the table."""
-        return list(self._unconfirmed)
-
     def gone(self) -> list[bytes]:
         """Dead and left members, longest gone first."""
         return list(self._gone)
 
-    def remove(self, peer_id: bytes, now: float) -> None:
-        """Take a member out at once (to make room), keeping a tombstone of its claim."""
+    def remove(self, peer_id: bytes, now: float, *, tombstone: bool = True) -> None:
+        """Take a member out at once (to make room), keeping a tombstone of its claim (unless
+        told not to: a member refused for its address group's cap may come back as it is)."""
         e = self.entries.pop(peer_id)
         del self.members[peer_id]
         self._gone.pop(peer_id, None)
@@ -93,8 +86,8 @@ class MemberTable:
         if peer_id in self._confirmed:
             self._confirmed.discard(peer_id)
             self.confirmed_live -= not e.state.gone
-        self._unconfirmed.pop(peer_id, None)
-        self._tombstones[peer_id] = (e.claim, now)
+        if tombstone:
+            self._tombstones[peer_id] = (e.claim, now)
 
     def reap(self, now: float, after_s: float) -> list[bytes]:
         """Remove members dead or left for after_s or longer, keeping a tombstone of each."""
@@ -123,8 +116,13 @@ class MemberTable:
         return t[0] if t is not None else None
 
     def updates(self, first: bytes) -> list[Update]:
-        """The full state as updates: `first`'s claim, the other claims, then the accusations
-        (a receiver knows the accused and the accusers before it reads an accusation)."""
+        """The full state we vouch for as updates: `first`'s claim, the other confirmed members'
+        claims, then the accusations about them (a receiver knows the accused and the accusers
+        before it reads an accusation). Unconfirmed members are left out: we pass on only
+        members that answered us at their address (so within our caps per address group), and
+        a peer that joins through us inherits none of a flood's fakes."""
+        confirmed = self._confirmed
         claims = [self.entries[first].claim]
-        claims += [e.claim for pid, e in self.entries.items() if pid != first]
-        return claims + [e.accusation for e in self.entries.values() if e.accusation is not None]
+        claims += [e.claim for pid, e in self.entries.items() if pid != first and pid in confirmed]
+        return claims + [e.accusation for pid, e in self.entries.items()
+                         if e.accusation is not None and pid in confirmed]

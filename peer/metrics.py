@@ -143,6 +143,17 @@ class StatusCollector(Collector):
                 bandwidth.add_metric([target], gbps * 1e9 / 8)
         yield rtt
         yield bandwidth
+        refused = CounterMetricFamily("dtfm_gossip_refused_updates",
+                                      "membership updates gossip refused, by reason (rates, caps per address "
+                                      "group, a full table, signatures)", labels=["reason"])
+        for reason, n in _dict(gossip.get("refused")).items():
+            if _num(n) is not None:
+                refused.add_metric([str(reason)], n)
+        yield refused
+        evicted = _num(gossip.get("evicted"))
+        if evicted is not None:
+            yield CounterMetricFamily("dtfm_gossip_evicted_members", "members removed to make room in a full "
+                                      "member table", value=evicted)
         view = _dict(gossip.get("view"))
         for name, key, text in (("dtfm_view_links_measured", "measured_links", "directed links of the N x N view "
                                  "with a measurement"),

@@ -217,6 +217,10 @@ def format_gossip(gossip: dict[str, Any], me: object = None) -> list[str]:
     states = ", ".join(f"{n} {state}" for state, n in counts.items() if state != "total" and n)
     lines = [f"members   {total} known" + (f": {states}" if states else "")
              + " (dtfm-peer members lists them)"]
+    refused = {str(k): n for k, n in _map(gossip.get("refused")).items() if isinstance(n, int) and n > 0}
+    if refused:  # (floods: rates and caps per address group, a full table)
+        lines.append(f"refused   {sum(refused.values())} membership updates: "
+                     + ", ".join(f"{n} {reason}" for reason, n in sorted(refused.items(), key=lambda kv: -kv[1])))
     by_short = {str(m.get("short_id")): m for m in members}
     latency = [r for r in gossip.get("latency") or [] if isinstance(r, dict)]
     measured = {str(r.get("target")) for r in latency}

@@ -210,8 +210,11 @@ def test_push_pull_flood_of_fake_members_is_rate_limited_per_source():
 def test_the_peer_we_join_through_hands_us_the_whole_swarm_once():
     big = sybils(300, seed=3)
     seed = node(V, others=())
-    for k in big:
-        seed.handle(k.peer_id, PushPull((Claim.create(k, 0, ALIVE, "10.1.0.1", 7000, ""),), reply=False), 0.0)
+    for i, k in enumerate(big):  # 300 members, each at an address of its own, verified by the seed
+        out = seed.handle(k.peer_id, PushPull((Claim.create(k, 0, ALIVE, "10.1.%d.%d" % divmod(i, 256), 7000, ""),),
+                                              reply=False), 0.0)
+        answer_verifications(seed, out, 0.0)
+    assert seed.live_count() == 301
     joiner = node(H, others=())
     sends = joiner.add_seed(V, ("10.0.0.3", 7000), 1.0, origin="10.0.0.3")
     [req] = sends
@@ -232,8 +235,9 @@ def test_the_peer_we_join_through_hands_us_the_whole_swarm_once():
 def test_full_state_goes_in_pages_that_each_fit_and_decode():
     cfg = CFG.with_(max_push_pull_bytes=4096, new_member_burst=10_000)
     s = node(cfg=cfg)
-    for k in sybils(500, seed=5):
-        s.handle(M, Gossip((Claim.create(k, 0, ALIVE, "10.2.0.1", 7000, "region"),)), 0.0)
+    for i, k in enumerate(sybils(500, seed=5)):  # (push-pull carries confirmed members: these are)
+        out = s.handle(M, Gossip((Claim.create(k, 0, ALIVE, "10.2.%d.%d" % divmod(i, 256), 7000, "region"),)), 0.0)
+        answer_verifications(s, out, 0.0)
     s.handle(W, Gossip((accuse(W, V),)), 0.0)
     sends = s.handle(X, PushPull((claim(X),), reply=True), 0.0)
     assert len(sends) > 10

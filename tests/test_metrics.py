@@ -30,6 +30,7 @@ def status_snapshot() -> dict:
             "latency": [{"target": PREV[:8], "rtt_ms": 40.0, "bandwidth_gbps": 0.8, "samples": 3},
                         {"target": NEXT[:8], "rtt_ms": 2.0, "bandwidth_gbps": None, "samples": 1}],
             "view": {"measured_links": 14, "expected_links": 20},
+            "refused": {"address group at its cap of members": 134}, "evicted": 7,
         },
         "training": {
             "state": "training", "role": "coordinator", "term": 4, "coordinator": ME, "run_id": "ab" * 16,
@@ -100,6 +101,8 @@ async def test_a_scrape_over_loopback_has_the_daemon_s_figures():
     assert (("dtfm_link_bandwidth_bytes_per_second", frozenset({("peer", NEXT[:8])})) not in got)  # unmeasured
     assert value("dtfm_view_links_measured") == 14 and value("dtfm_connected_peers") == 4
     assert value("dtfm_transport_refused_messages_total", reason="malformed", type="70") == 3
+    assert value("dtfm_gossip_refused_updates_total", reason="address group at its cap of members") == 134
+    assert value("dtfm_gossip_evicted_members_total") == 7
     assert value("dtfm_last_reconfiguration_phase_seconds", phase="transfer") == 5.0
     assert value("dtfm_last_reconfiguration_duration_seconds") == 7.5
     assert value("dtfm_last_reconfiguration_bytes_moved") == 9_000_000

@@ -267,3 +267,13 @@ def test_start_and_export_count_one_stage_in_the_singular():
 ])
 def test_reconfiguration_parts_says_only_what_the_record_gives(record, missing, want):
     assert reconfiguration_parts(record, bytes_missing=missing) == want
+
+
+def test_refused_membership_updates_are_one_line_under_the_members():
+    gossip = {**GOSSIP, "refused": {"address group at its cap of members": 134, "member table full": 2,
+                                    "bad signature": 0}, "evicted": 7}
+    lines = format_gossip(gossip, A)
+    assert lines[1] == ("refused   136 membership updates: 134 address group at its cap of members, "
+                        "2 member table full")
+    assert lines[2].startswith("links ")
+    assert format_gossip(GOSSIP, A)[1].startswith("links ")  # nothing refused: no line
