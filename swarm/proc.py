@@ -110,22 +110,47 @@ def nominal_compute_ms(state: SwarmState, region: str) -> float:
 # Settings every peer of a scripted swarm reads (`join --config`): its links are emulated on
 # this machine, so a bandwidth probe loads no real link and needs none of the profiles' spacing
 # between two probes (2 s on the wan profile: 8 peers took about 30 s to measure their links).
+# Every peer shares the loopback address, whose cap on members (gossip's
+# max_members_per_loopback, 64 by default) must admit the whole swarm: the swarm's size plus
+# room for the peers `dtfm-swarm join` adds, and no more (the cap is what bounds identities an
+# intruder on this machine can add).
 PEER_CONFIG = """\
 # dtfm-swarm's settings for its peers (every link is emulated on this machine)
 [gossip]
 bandwidth_probe_interval_s = 0.25
+max_members_per_loopback = {loopback}
 """
 PEER_CONFIG_FILE = "peers.toml"
+LOOPBACK_MEMBERS = 64  # gossip's default cap, kept for swarms that fit in it
 
 
-def peer_config(run_dir: Path) -> Path:
-    """The run dir's settings file for its peers, written once."""
+def loopback_cap(peers: int) -> int:
+    """The loopback cap a scripted swarm of `peers` daemons runs with."""
+    return max(LOOPBACK_MEMBERS, peers + 16)
+
+
+def peer_config(run_dir: Path, peers: int) -> Path:
+    """The run dir's settings file for its peers, written again when the swarm's size asks for
+    another cap (peers already running keep theirs until restarted)."""
     path = run_dir / PEER_CONFIG_FILE
-    if not path.exists():
+    text = PEER_CONFIG.format(loopback=loopback_cap(peers))
+    try:
+        current = path.read_text()
+    except FileNotFoundError:
+        current = None
+    if current is None or (current != text and loopback_cap(peers) > _loopback_in(current)):
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(PEER_CONFIG)
+        tmp.write_text(text)
         os.replace(tmp, path)
     return path
+
+
+def _loopback_in(text: str) -> int:
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "max_members_per_loopback" and value.strip().isdigit():
+            return int(value)
+    return LOOPBACK_MEMBERS
 
 
 def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str]) -> None:
@@ -133,7 +158,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
     bootstrap = [a for p in others[:3] for a in ("--bootstrap", p.address)]
     emulate = (["--emulate", state.scenario, "--time-scale", repr(state.time_scale),
                 "--bandwidth-scale", repr(state.bandwidth_scale)] if state.emulated else [])
-    cmd = [sys.executable, "-m", "dtfm.peer", "join", "--config", str(peer_config(run_dir)),
+    cmd = [sys.executable, "-m", "dtfm.peer", "join", "--config", str(peer_config(run_dir, len(state.peers))),
            "--listen", peer.address, "--data-dir", peer.data_dir,
            "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region, *emulate,
            "--gossip-profile", gossip_profile(state), *plane_flags(state),

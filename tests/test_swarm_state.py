@@ -397,3 +397,23 @@ def test_demo_gets_as_far_as_starting_peers(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(swarm, "start_peer", start_peer)
     assert swarm.main(["demo", "--run-dir", str(tmp_path / "run"), "--peers", "2"]) == 1
     assert "would start p00 with the test plane profile" in capsys.readouterr().err
+
+
+def test_a_scripted_swarm_admits_all_its_peers_on_loopback_and_no_more_than_it_needs(tmp_path):
+    # Every peer of a scripted swarm shares 127.0.0.1, whose cap on gossip members must admit
+    # the swarm (64 by default), and grows with it, never past what the swarm needs plus room
+    # for joins: an intruder on the machine adds at most that many identities.
+    import tomllib
+
+    from dtfm.gossip import GossipConfig
+    from dtfm.swarm.proc import loopback_cap, peer_config
+
+    def cap() -> int:
+        return tomllib.loads((tmp_path / "peers.toml").read_text())["gossip"]["max_members_per_loopback"]
+
+    peer_config(tmp_path, 8)
+    assert cap() == GossipConfig().max_members_per_loopback == 64
+    peer_config(tmp_path, 200)
+    assert cap() == loopback_cap(200) == 216
+    peer_config(tmp_path, 8)  # a smaller swarm later does not shrink it under peers still running
+    assert cap() == 216
