@@ -171,13 +171,13 @@ class StageCompression:
         decoded = []
         for p, payload in zip(group, payloads):
             try:
-                decoded.append(decode_sparse(payload, x.numel(), chunk, k, bits))
+                decoded.append(decode_sparse(payload.to(x.device), x.numel(), chunk, k, bits))  # where x is
             except CodecError as e:
                 raise CommError(f"peer {p!r} sent a bad compressed payload under {tag!r}: {e}") from None
         total = decoded[0].clone()
         for dec in decoded[1:]:
             total += dec
-        return total.to(x.device), decoded[list(group).index(comm.me)].to(x.device)
+        return total, decoded[list(group).index(comm.me)]
 
     @staticmethod
     def _check_group(comm: Comm, group: Sequence[PeerId]) -> None:
