@@ -335,6 +335,17 @@ def check_precision(out: Path, device: str, quick: bool) -> None:
                                             "ok": loss_dev <= 1e-4 and param_dev <= 1e-4})
     if not (loss_dev <= 1e-4 and param_dev <= 1e-4):
         raise RuntimeError(f"fp32 2x2 on {device} differs from one process: loss {loss_dev:.2e}, params {param_dev:.2e}")
+    # the same for `small` (what the daemons train), 30 steps, the deviation per step: how far the
+    # GPU's fp32 arithmetic drifts when the micro-batch shapes (hence the GEMM kernels) differ
+    if not quick:
+        sm = get_preset("small")
+        one = StageState(sm, cfg, (0, sm.n_layer), device)
+        w_sm = [reference_step(one, corpus) for _ in range(30)]
+        with LocalCluster(sm, cfg, Plan.grid(sm.n_layer, 2, 2), corpus, device=device) as cl:
+            g_sm = cl.run(30)
+        _emit(out, fp32_small_2x2_vs_one_process={"rel_loss_per_step": [float(f"{_rel(g, w):.2e}")
+                                                                         for g, w in zip(g_sm, w_sm)]})
+        del one
     # bf16 against fp32, one process each, 200 steps of tiny
     n = 6 if quick else 200
     r32 = StageState(spec, cfg, (0, spec.n_layer), device)
@@ -375,7 +386,7 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
     from dtfm.swarm.proc import peer_status
     from dtfm.swarm.state import load_state
     from dtfm.swarm.train import stop_training, sync_logs
-    from dtfm.train import StageState, TrainConfig, get_preset, load_corpus, reference_step
+    from dtfm.train import LocalCluster, Plan, StageState, TrainConfig, get_preset, load_corpus, reference_step
 
     _no_tf32()
     preset = "tiny" if quick else "small"
@@ -478,6 +489,16 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
         one_tps = cfg.global_batch_seqs * spec.seq_len / statistics.median(ref_s[2:] or ref_s)
         devs = [_rel(r["loss"], want[r["step"]]) for r in got if r["step"] < len(want)]
         worst = max(devs) if devs else None
+        # the first epoch ran 2 x 2: the same shape in one process (LocalCluster) must give its losses
+        first = [r for r in got if r["epoch"] == got[0]["epoch"]]
+        with LocalCluster(spec, cfg, Plan.grid(spec.n_layer, 2, 2), corpus, device=device) as cl:
+            same = cl.run(len(first))
+        same_dev = max(_rel(r["loss"], x) for r, x in zip(first, same))
+        _emit(out, daemons_per_step={"rel_to_one_process": [float(f"{d:.2e}") for d in devs],
+                                     "epoch": [r["epoch"] for r in got],
+                                     "first_epoch_rel_to_local_2x2": same_dev,
+                                     "local_2x2_rel_to_one_process": [float(f"{_rel(x, w):.2e}")
+                                                                      for x, w in zip(same, want)]})
         result: dict = {"steps_logged": len(got), "every_step_once": [r["step"] for r in got] == list(range(len(got))),
                   "max_rel_loss": worst,
                   "replicas_identical": all(len(h) == 1 for h in groups.values()), "stages": sorted(groups),
@@ -486,6 +507,8 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
         _emit(out, swarm_vs_one_process=result)
         if not result["every_step_once"] or len(got) < min_steps:
             raise RuntimeError(f"the log does not hold every step once: {[r['step'] for r in got]}")
+        if same_dev > 1e-5:
+            raise RuntimeError(f"the daemons' 2 x 2 steps differ from the same 2 x 2 in one process by {same_dev:.2e}")
         if worst is None or worst > 1e-4:
             raise RuntimeError(f"swarm losses differ from one process by {worst}")
         if not result["replicas_identical"]:

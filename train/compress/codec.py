@@ -131,6 +131,12 @@ def _ratios(buf: torch.Tensor, what: str) -> torch.Tensor:
     return rel
 
 
+def _div(t: torch.Tensor, d: float) -> torch.Tensor:
+    """`t / d`, correctly rounded on every device: a CUDA kernel divides by a Python number as a
+    multiplication by its reciprocal (one more rounding), by a tensor it divides."""
+    return t / torch.full((), d, dtype=t.dtype, device=t.device)
+
+
 def _scales(amax: torch.Tensor) -> tuple[float, torch.Tensor]:
     """(payload max, fp16 ratio per block) for block maxima `amax`."""
     if amax.numel() == 0:
@@ -141,7 +147,7 @@ def _scales(amax: torch.Tensor) -> tuple[float, torch.Tensor]:
     gmax = struct.unpack("<f", struct.pack("<f", gmax))[0]  # exactly what travels
     if gmax == 0:
         return 0.0, torch.zeros_like(amax, dtype=torch.float16)
-    ratio = (amax / gmax).clamp_(max=1.0)
+    ratio = _div(amax, gmax).clamp_(max=1.0)
     rel = ratio.to(torch.float16)
     # rounded up, so no element of a block exceeds the block's largest level: a ratio of 1 stays 1.
     # The next float16 above a non-negative one below 1 is its bit pattern plus one (torch's
@@ -179,7 +185,7 @@ def encode_dense(t: torch.Tensor, method: str, block: int, hadamard_: bool) -> t
     if hadamard_:
         x = hadamard(x)
     gmax, rel = _scales(x.abs().amax(dim=1) if nb else x.new_zeros(0))
-    step = (rel.to(torch.float32) * gmax / qmax).to(x.device)[:, None]  # (nb, 1)
+    step = _div(rel.to(torch.float32) * gmax, qmax)[:, None]  # (nb, 1)
     q = torch.where(step > 0, x / torch.where(step > 0, step, 1.0), 0.0).round_().clamp_(-qmax, qmax)
     if bits == 8:
         body = q.to(torch.int8).reshape(-1).view(torch.uint8)
@@ -210,7 +216,7 @@ def decode_dense(payload: object, shape: tuple[int, ...], method: str, block: in
         if bool((c == 0).any()):
             raise CodecError("int4 code -8 is never produced")
         q = c.to(torch.float32) - 8
-    step = rel * gmax / qmax
+    step = _div(rel * gmax, qmax)
     x = q.reshape(nb, block) * step[:, None]
     if hadamard_:
         x = hadamard(x) / block
@@ -255,7 +261,7 @@ def encode_sparse(x: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tenso
     vals = torch.gather(xc, 1, idx)
     gmax, rel = _scales(vals.abs().amax(dim=1) if nch else vals.new_zeros(0))
     half = ((1 << bits) - 1) / 2
-    step = (rel.to(torch.float32) * gmax / half).to(x.device)[:, None]
+    step = _div(rel.to(torch.float32) * gmax, half)[:, None]
     q = torch.where(step > 0, vals / torch.where(step > 0, step, 1.0), 0.0) + half
     codes = q.round_().clamp_(0, (1 << bits) - 1).to(torch.uint8).reshape(-1)
     if fmt == 2:
@@ -303,7 +309,7 @@ def decode_sparse(payload: object, m: int, chunk: int, k: int, bits: int) -> tor
         if bool((idx >= chunk).any()):
             raise CodecError(f"sparse index beyond the chunk of {chunk}")
     half = ((1 << bits) - 1) / 2
-    step = rel * gmax / half
+    step = _div(rel * gmax, half)
     vals = (codes - half) * step[:, None]
     out = torch.zeros(nch * chunk, dtype=torch.float32, device=dev)
     flat = idx + torch.arange(nch, dtype=torch.int64, device=dev)[:, None] * chunk

@@ -200,11 +200,11 @@ class StageCompression:
             idx = idx.to(acc.device)
             total, own = self._exchange(comm, group, acc[idx], tag, timeout_s, pending)
             avg = torch.zeros_like(acc)
-            avg[idx] = total / len(group)
+            avg[idx] = total / torch.full((), len(group), dtype=total.dtype, device=total.device)
             acc[idx] -= own  # what was not sent stays, exactly where nothing of it was sent
         else:
             total, own = self._exchange(comm, group, acc, tag, timeout_s, pending)
-            avg = total / len(group)
+            avg = total / torch.full((), len(group), dtype=total.dtype, device=total.device)  # (a tensor: correctly rounded on a GPU too)
             acc -= own
         ef.copy_(acc)
         if mom is not None:
