@@ -383,9 +383,9 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
     fetched stage, and at least `min_steps` steps are logged; then the operator stops the run and
     every logged step is compared with one process on the same device."""
     from dtfm.swarm import cli as swarm
-    from dtfm.swarm.proc import peer_status
+    from dtfm.swarm.proc import peer_request, peer_status
     from dtfm.swarm.state import load_state
-    from dtfm.swarm.train import stop_training, sync_logs
+    from dtfm.swarm.train import operator_op, stop_training, sync_logs
     from dtfm.train import LocalCluster, Plan, StageState, TrainConfig, get_preset, load_corpus, reference_step
 
     _no_tf32()
@@ -453,8 +453,17 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
             v = (peer_status(peer) or {}).get("training") or {}
             return (v.get("state") == "training" and v.get("epoch", 0) > epoch0 and v.get("fetched_bytes", 0) > 0
                     and v)
-        again = wait_for(f"{victim.name} to train a fetched stage again", placed_again, 120)
-        replaced = {"fetched_bytes": again.get("fetched_bytes"), "stage": again.get("stage"),
+        nudged = False
+        try:
+            again = wait_for(f"{victim.name} to train a fetched stage again", placed_again, 25)
+        except RuntimeError:  # the coordinator keeps a working allocation: the operator asks for a new one
+            nudged = True
+            c = wait_for("a coordinator", lambda: next(
+                (p for p in state.peers if p.alive() and trainings(state).get(p.name, {}).get("role") == "coordinator"),
+                None), 30)
+            peer_request(c, "train_reschedule", {"op": operator_op(run_dir, c, "reschedule").to_wire()}, timeout_s=30.0)
+            again = wait_for(f"{victim.name} to train a fetched stage again (rescheduled)", placed_again, 90)
+        replaced = {"fetched_bytes": again.get("fetched_bytes"), "stage": again.get("stage"), "rescheduled": nudged,
                     "after_restart_s": round(time.monotonic() - killed - resumed_s, 1),
                     "on_gpu": peer.pid in gpu_pids() if device == "cuda" else None}
         _emit(out, kill_and_restart={"resumed_after_kill_s": round(resumed_s, 1), "restarted": replaced})
