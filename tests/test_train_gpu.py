@@ -156,3 +156,11 @@ def test_a_stage_saved_or_handed_over_lands_on_the_gpu(tmp_path, corpus):
 def test_codec_speed_is_measured_on_the_gpu():
     speed = measure_compress_cost(1 << 20, 2, device="cuda")
     assert all(v >= 0 for v in speed.to_vector()) and speed.int8_encode_ns_per_elem > 0
+
+
+def test_a_stage_on_the_gpu_turns_tf32_off():
+    """fp32 on a GPU is IEEE fp32, whatever the process set before: a daemon's stage must not
+    differ from one process (with TF32 off) by TF32's rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    StageState(SPEC, CFG, (0, 1), "cuda")
+    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False

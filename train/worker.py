@@ -55,7 +55,7 @@ from .data import Corpus, split_batch
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
 from .plan import Plan
-from .precision import autocast
+from .precision import autocast, ieee_fp32
 from .spec import GPTSpec, TrainConfig
 from .staging import HostStaging
 
@@ -69,6 +69,7 @@ class StageState:
                  compression: CompressionConfig | None = None):
         first, end = layer_range
         self.spec, self.cfg, self.layer_range = spec, cfg, (first, end)
+        ieee_fp32(device)  # on a GPU: fp32 is IEEE fp32, as on a CPU (train/precision.py)
         self.module = GPTStage(spec, self.layer_range, cfg.seed).to(device)
         self.params = dict(self.module.named_parameters())
         self.optim = AdamW(self.params, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
