@@ -30,10 +30,14 @@ from dtfm.sched import CodecSpeed
 
 from .codec import decode_dense, decode_sparse, encode_dense, encode_sparse
 
-__all__ = ["PROBE_ELEMENTS", "PROBE_REPEATS", "measure_compress_cost", "peer_codec_speed"]
+__all__ = ["PROBE_ELEMENTS", "PROBE_ELEMENTS_GPU", "PROBE_REPEATS", "measure_compress_cost", "peer_codec_speed"]
 
 PROBE_ELEMENTS = 1 << 18  # the daemon's probe: large enough to amortise per-call overhead
 PROBE_REPEATS = 3  # best of: one disturbed run does not count
+# On a GPU the probe's 256 Ki elements measure kernel launches, not coding: on an H200 they read
+# 1.1-2.8 ns per element against 0.08-0.26 at 4 Mi (bench/gpu.py, docs/figures.md), and 4 Mi
+# elements (16 MiB, an activation of gpt3-xl) take milliseconds there.
+PROBE_ELEMENTS_GPU = 1 << 22
 
 
 def _best_ns(fn: Callable[[], object], repeats: int, numel: int, device: torch.device) -> float:
@@ -88,4 +92,5 @@ def peer_codec_speed(torch_threads: int = 1, device: str = "cpu") -> CodecSpeed:
     (`device` cuda or cuda:N; a stage there encodes and decodes on the device). Blocking: run
     it in a worker thread."""
     torch.set_num_threads(torch_threads)
-    return measure_compress_cost(PROBE_ELEMENTS, PROBE_REPEATS, device=device)
+    elements = PROBE_ELEMENTS if torch.device(device).type == "cpu" else PROBE_ELEMENTS_GPU
+    return measure_compress_cost(elements, PROBE_REPEATS, device=device)
