@@ -17,6 +17,7 @@ default, so a start that sets none signs what it signed before). docs/train.md h
     wire_dtype = "bfloat16"
     weight_decay = 0.1
     grad_clip = 1.0
+    precision = "bf16"       # mixed precision (fp32, the default, is exact)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtfm.train import PRESETS, WIRE_DTYPES, TrainConfig
+from dtfm.train import PRECISIONS, PRESETS, WIRE_DTYPES, TrainConfig
 
 from .config import ConfigError, read_toml
 
@@ -99,6 +100,7 @@ RUN_SPEC_KEYS: dict[str, SpecKey] = {
     "wire_dtype": SpecKey(str, _D.wire_dtype, choices=WIRE_DTYPES),
     "weight_decay": SpecKey(float, _D.weight_decay, low=0),
     "grad_clip": SpecKey(float, _D.grad_clip_norm, low=0, arg="grad_clip_norm"),
+    "precision": SpecKey(str, _D.precision, choices=PRECISIONS),
 }
 
 # The training knobs (TrainConfig fields): flag key -> help, from TrainConfig's own help texts.

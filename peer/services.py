@@ -61,12 +61,13 @@ def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:
     return EmulatedLinks(scenario, region, em.settings)
 
 
-def measure_codec_ns(torch_threads: int) -> tuple[float, ...]:
-    """This peer's coding speed as gossip carries it (blocking; torch is imported here, in the
-    worker thread that runs it, not when the daemon starts)."""
+def measure_codec_ns(torch_threads: int, device: str = "cpu") -> tuple[float, ...]:
+    """This peer's coding speed as gossip carries it, measured where its stage codes (`device`,
+    the daemon's --device: a GPU stage encodes and decodes on its GPU). Blocking; torch is
+    imported here, in the worker thread that runs it, not when the daemon starts."""
     from dtfm.train import peer_codec_speed
 
-    return peer_codec_speed(torch_threads).to_vector()
+    return peer_codec_speed(torch_threads, device).to_vector()
 
 
 def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None, Callable[[], Sequence[float]] | None]:
@@ -74,7 +75,7 @@ def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None,
     [gossip] codec_speed setting. ConfigError for a file that is not a codec speed."""
     value = config.gossip.codec_speed
     if value == "measure":
-        return None, functools.partial(measure_codec_ns, config.plane.settings.torch_threads)
+        return None, functools.partial(measure_codec_ns, config.plane.settings.torch_threads, config.plane.device)
     try:
         return load_codec_speed(value).to_vector(), None
     except OSError as e:

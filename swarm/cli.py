@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from dtfm.control import PLACEMENTS
+from dtfm.control import DEVICE_RE, PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import (
     KNOB_FLAGS,
@@ -131,7 +131,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     state = SwarmState(scenario=scenario_ref, scenario_name=scenario.name,
                        time_scale=args.time_scale, bandwidth_scale=args.bandwidth_scale,
                        emulated=not getattr(args, "no_emulation", False), plane_profile=args.plane_profile,
-                       model_dirs=[str(d.resolve()) for d in getattr(args, "model_dir", [])])
+                       model_dirs=[str(d.resolve()) for d in getattr(args, "model_dir", [])],
+                       device=getattr(args, "device", "cpu"))
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -213,6 +214,12 @@ def compression_arg(text: str) -> str:
         return parse_compression(text).to_spec()
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _device_arg(text: str) -> str:
+    if not DEVICE_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"choose cpu, cuda or cuda:N, not {text!r}")
+    return text
 
 
 def train_values(args: argparse.Namespace) -> dict:
@@ -565,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-dir", type=Path, action="append", default=[], metavar="DIR",
                    help="a Hugging Face GPT-2-family folder every peer may start a run from "
                         "(`dtfm-peer join --model-dir`); repeatable")
+    p.add_argument("--device", default="cpu", type=_device_arg, metavar="DEVICE",
+                   help="every peer's `join --device`: build and train the stages on cpu, cuda or cuda:N; "
+                        "the peers of one machine share its GPU (default: %(default)s)")
     add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)
 

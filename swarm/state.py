@@ -132,6 +132,7 @@ class SwarmState:
     emulated: bool = True  # False: plain loopback, the scenario only names the regions
     plane_profile: str = "test"  # the peers' control plane profile (`up --plane-profile`)
     model_dirs: list[str] = field(default_factory=list)  # every peer's `join --model-dir` (`up --model-dir`)
+    device: str = "cpu"  # every peer's `join --device` (`up --device`): their stages' torch device
     version: int = STATE_VERSION
 
     def find(self, ref: str) -> PeerEntry:

@@ -436,11 +436,13 @@ def test_the_coding_speed_is_measured_by_default_or_given(tmp_path):
     from dtfm.sched import REFERENCE_CODEC_SPEED, CodecSpeed
     ns, probe = codec_speed_setting(DaemonConfig())
     assert DaemonConfig().gossip.codec_speed == "measure" and ns is None
-    assert isinstance(probe, functools.partial) and probe.func is measure_codec_ns and probe.args == (1,)  # torch threads
+    assert isinstance(probe, functools.partial) and probe.func is measure_codec_ns and probe.args == (1, "cpu")  # torch threads, device
     cfg = apply_flags(DaemonConfig(), join_args("--codec-speed", "reference", "--torch-threads", "2"))
     assert codec_speed_setting(cfg) == (REFERENCE_CODEC_SPEED.to_vector(), None)
     assert codec_speed_setting(merge(DaemonConfig(), {"gossip": {"codec_speed": "free"}})) == ((0.0,) * 7, None)
-    assert codec_speed_setting(merge(DaemonConfig(), {"plane": {"torch_threads": 3}}))[1].args == (3,)
+    assert codec_speed_setting(merge(DaemonConfig(), {"plane": {"torch_threads": 3}}))[1].args == (3, "cpu")
+    # a GPU stage codes on its GPU: the probe measures there
+    assert codec_speed_setting(merge(DaemonConfig(), {"plane": {"device": "cuda:1"}}))[1].args == (1, "cuda:1")
     path = tmp_path / "speed.json"
     path.write_text(json.dumps({**REFERENCE_CODEC_SPEED.to_dict(), "sparse_encode_ns_per_elem": 99.0}))
     ns, probe = codec_speed_setting(apply_flags(DaemonConfig(), join_args("--codec-speed", str(path))))

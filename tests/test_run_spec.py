@@ -16,6 +16,7 @@ from machine_trace import CFG, OPERATOR, OPERATORS, RUN, alloc, start_op
 
 from dtfm.control import (
     KNOBS,
+    Allocation,
     OperatorOp,
     SignedOp,
     TrainError,
@@ -24,6 +25,7 @@ from dtfm.control import (
     hf_preset,
     sign_op,
 )
+from dtfm.control.allocation.fields import config_to_wire
 from dtfm.control.models import load_held_models, model_refusal, start_model
 from dtfm.peer import ConfigError, load_run_spec, resolve, start_request
 from dtfm.peer import cli as peer_cli
@@ -49,6 +51,18 @@ def test_knobs_round_trip_and_are_signed_only_where_they_differ_from_the_default
     assert TrainRequest.from_args({**BASE, "lr": TrainConfig().lr}).to_args() == plain.to_args()
     op = OperatorOp("start", b"\x01" * 32, b"r" * 16, 0, req.to_args())  # 19 arguments fit in a signed start
     assert OperatorOp.decode(op.encode()) == op
+    bf16 = TrainRequest.from_args({**BASE, "precision": "bf16"})
+    assert bf16.config == TrainConfig(seed=3, precision="bf16") and bf16.to_args()["precision"] == "bf16"
+    assert TrainRequest.from_args(bf16.to_args()) == bf16 and "precision" not in plain.to_args()
+
+
+def test_the_precision_travels_in_the_allocation_only_where_it_is_not_fp32():
+    """An fp32 run's allocation has the bytes it had before precision existed (the golden
+    fixtures pin them); a bf16 run's train map says so, and decodes to a bf16 run."""
+    fp32, bf16 = alloc(), alloc(train=dataclasses.replace(CFG, precision="bf16"))
+    assert "precision" not in config_to_wire(fp32.train, "train") and config_to_wire(bf16.train, "train")["precision"] == "bf16"
+    assert Allocation.decode(fp32.encode()) == fp32 and Allocation.decode(fp32.encode()).train.precision == "fp32"
+    assert Allocation.decode(bf16.encode()) == bf16 and Allocation.decode(bf16.encode()).train.precision == "bf16"
 
 
 @pytest.mark.parametrize("args, words", [
@@ -57,6 +71,8 @@ def test_knobs_round_trip_and_are_signed_only_where_they_differ_from_the_default
     ({"warmup_steps": True}, "warmup_steps must be an integer"),
     ({"lr": -1.0}, "lr must be positive"),
     ({"wire_dtype": "int8"}, "wire_dtype must be one of"),
+    ({"precision": "fp8"}, "precision must be one of"),
+    ({"precision": 16}, "precision must be a string"),
     ({"global_batch_seqs": 4, "micro_batches": 8}, "global batch 4 is too small for 1 pipelines x 8 micro-batches"),
     ({"global_batch_seqs": 8, "micro_batches": 2, "stages": 2, "dp": 8}, "global batch 8 is too small for 8 pipelines"),
     ({"init_from": "ef" * 32}, "it names no preset"),
@@ -81,6 +97,8 @@ KNOB_STARTS = [
     ("another batch and clipping", {"global_batch_seqs": 16, "grad_clip_norm": 2.0}, CFG,
      "in global_batch_seqs, grad_clip_norm"),
     ("the knobs, another allocation", {}, dataclasses.replace(CFG, wire_dtype="float16"), "in wire_dtype"),
+    ("an fp32 start, a bf16 allocation", {}, dataclasses.replace(CFG, precision="bf16"), "in precision"),
+    ("a bf16 start, its allocation", {"precision": "bf16"}, dataclasses.replace(CFG, precision="bf16"), None),
 ]
 
 
@@ -173,6 +191,7 @@ def test_join_on_cuda_without_a_gpu_exits_2_with_the_reason(tmp_path, capsys):
     assert e.value.code == 2 and "--device) cuda: torch sees no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_stage_from_a_model_folder_is_built_on_cuda(gpt2_folder):
     peer_cli.check_device("cuda")

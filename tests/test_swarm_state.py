@@ -107,6 +107,8 @@ def test_up_refuses_an_unknown_scenario_before_starting_peers(tmp_path, capsys):
     (["train", "--checkpoint-every", "-1"], "argument --checkpoint-every: '-1' is not a non-negative integer"),
     (["wait", "--step", "-1"], "argument --step: '-1' is not a non-negative integer"),
     (["up", "--fresh", "--resume"], "argument --resume: not allowed with argument --fresh"),
+    (["up", "--device", "gpu"], "argument --device: choose cpu, cuda or cuda:N, not 'gpu'"),
+    (["train", "--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
 ])
 def test_bad_values_exit_2_with_usage_before_anything_starts(tmp_path, capsys, argv, message):
     run_dir = tmp_path / "run"
@@ -417,3 +419,23 @@ def test_a_scripted_swarm_admits_all_its_peers_on_loopback_and_no_more_than_it_n
     assert cap() == loopback_cap(200) == 216
     peer_config(tmp_path, 8)  # a smaller swarm later does not shrink it under peers still running
     assert cap() == 216
+
+
+def test_peers_of_a_gpu_swarm_join_with_its_device(tmp_path, monkeypatch):
+    """`up --device cuda` is every peer's `join --device cuda`, also after a restart (the state keeps it)."""
+    from dtfm.swarm import proc
+
+    started: list[list[str]] = []
+
+    class FakeProc:
+        pid = 999_999
+
+    monkeypatch.setattr(proc.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or FakeProc())
+    monkeypatch.setattr(proc, "_STARTED", {})
+    peer = PeerEntry(name="p00", index=0, region="Virginia", port=1, data_dir=str(tmp_path / "p00"))
+    for device in ("cuda:1", "cpu"):
+        state = SwarmState(scenario="worldwide", scenario_name="worldwide", time_scale=1.0, bandwidth_scale=1.0,
+                           peers=[peer], device=device)
+        save_state(tmp_path, state)
+        proc.start_peer(tmp_path, load_state(tmp_path), peer, [])
+    assert started[0][started[0].index("--device") + 1] == "cuda:1" and "--device" not in started[1]

@@ -85,7 +85,9 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .reference import reference_state, reference_step
     from .sample import sample_text
-    from .spec import ACTIVATIONS, PRESETS, TEST_CONFIG, WIRE_DTYPES, GPTSpec, TrainConfig, get_preset
+    from .precision import autocast
+    from .spec import ACTIVATIONS, PRECISIONS, PRESETS, TEST_CONFIG, WIRE_DTYPES, GPTSpec, TrainConfig, get_preset
+    from .staging import HostStaging
     from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
     from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
     from .worker import StageState, StepResult, check_compression, run_step
@@ -95,6 +97,7 @@ __all__ = [
     "COMPRESSION_PRESETS",
     "DEFAULT_CHUNK_BYTES",
     "MAX_TENSOR_DIMS",
+    "PRECISIONS",
     "PRESETS",
     "TEST_CONFIG",
     "Tokenizer",
@@ -118,6 +121,7 @@ __all__ = [
     "LinkCodecs",
     "GPTSpec",
     "GPTStage",
+    "HostStaging",
     "HFError",
     "HFTokenizer",
     "InMemoryComm",
@@ -139,6 +143,7 @@ __all__ = [
     "all_reduce_small",
     "activation_payload_bytes",
     "assemble",
+    "autocast",
     "check_compression",
     "check_tensor",
     "checkpoint_at",
@@ -225,7 +230,9 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".plan": ("Plan",),
     ".reference": ("reference_state", "reference_step"),
     ".sample": ("sample_text",),
-    ".spec": ("ACTIVATIONS", "PRESETS", "TEST_CONFIG", "WIRE_DTYPES", "GPTSpec", "TrainConfig", "get_preset"),
+    ".precision": ("autocast",),
+    ".spec": ("ACTIVATIONS", "PRECISIONS", "PRESETS", "TEST_CONFIG", "WIRE_DTYPES", "GPTSpec", "TrainConfig", "get_preset"),
+    ".staging": ("HostStaging",),
     ".tokenizer": (
         "ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError", "load_tokenizer",
         "write_byte_tokenizer",

@@ -7,6 +7,7 @@ import torch
 
 from .data import Corpus
 from .optim import clip_coefficient
+from .precision import autocast
 from .spec import GPTSpec, TrainConfig
 from .worker import StageState
 
@@ -26,7 +27,8 @@ def reference_step(state: StageState, corpus: Corpus) -> float:
     x, y = corpus.batch(cfg.seed, state.step, range(cfg.global_batch_seqs), spec.seq_len)
     for p in state.params.values():
         p.grad = None
-    loss = state.module(x.to(state.device), y.to(state.device))
+    with autocast(cfg.precision, state.device):
+        loss = state.module(x.to(state.device), y.to(state.device))
     loss.backward()
     sq = sum(float(p.grad.double().pow(2).sum()) for p in state.params.values() if p.grad is not None)
     coef = clip_coefficient(sq, cfg.grad_clip_norm)

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-__all__ = ["ACTIVATIONS", "GPTSpec", "TrainConfig", "PRESETS", "get_preset", "WIRE_DTYPES"]
+__all__ = ["ACTIVATIONS", "GPTSpec", "TrainConfig", "PRESETS", "PRECISIONS", "get_preset", "WIRE_DTYPES"]
 
 # Dtypes activations and their gradients may travel in between stages.
 WIRE_DTYPES = ("float32", "float16", "bfloat16")
+
+# How a stage computes: "fp32" throughout, or "bf16" mixed precision (fp32 master weights, gradients
+# and AdamW moments; matrix products under bfloat16 autocast; see train/precision.py).
+PRECISIONS = ("fp32", "bf16")
 
 # The MLP's GELU: "gelu" is the exact (erf) form, "gelu_tanh" the tanh approximation that
 # OpenAI's GPT-2 checkpoints were trained with (Hugging Face's "gelu_new").
@@ -111,6 +115,9 @@ class TrainConfig:
     bucket_bytes: int = _opt(4 << 20, "all-reduce bucket size in bytes: smaller overlaps more, "
                                       "larger sends fewer messages")
     comm_timeout_s: float = _opt(60.0, "longest wait for one message before the step fails")
+    precision: str = _opt("fp32", "fp32: exact (the 1e-5 oracle); bf16: mixed precision, fp32 master weights and "
+                                  "AdamW state, bfloat16 matrix products (autocast): faster on a GPU, not bit-exact "
+                                  "(docs/train.md has the measured deviation)")
 
     def __post_init__(self) -> None:
         if self.global_batch_seqs < 1 or self.micro_batches < 1:
@@ -123,6 +130,8 @@ class TrainConfig:
             raise ValueError("weight_decay and grad_clip_norm must be non-negative")
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.bucket_bytes < 1024 or not self.comm_timeout_s > 0:
             raise ValueError("bucket_bytes must be at least 1024 and comm_timeout_s positive")
 

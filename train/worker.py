@@ -55,7 +55,9 @@ from .data import Corpus, split_batch
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
 from .plan import Plan
+from .precision import autocast, ieee_fp32
 from .spec import GPTSpec, TrainConfig
+from .staging import HostStaging
 
 __all__ = ["StageState", "StepResult", "check_compression", "run_step"]
 
@@ -67,10 +69,12 @@ class StageState:
                  compression: CompressionConfig | None = None):
         first, end = layer_range
         self.spec, self.cfg, self.layer_range = spec, cfg, (first, end)
+        ieee_fp32(device)  # on a GPU: fp32 is IEEE fp32, as on a CPU (train/precision.py)
         self.module = GPTStage(spec, self.layer_range, cfg.seed).to(device)
         self.params = dict(self.module.named_parameters())
         self.optim = AdamW(self.params, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.compress = StageCompression(compression or CompressionConfig(), self.params, first)
+        self.staging = HostStaging(device)  # boundary tensors to and from the Comm (a no-op on a CPU)
         self.step = 0
         self.last_grad_norm = 0.0  # global gradient norm of the last step, before clipping
 
@@ -92,6 +96,7 @@ class StepResult:
     pipeline_s: float = 0.0  # wall time of the forward/backward phase, waits included
     sync_s: float = 0.0  # all-reduce, norm, optimizer
     act_peak_bytes: int = 0  # peak bytes of saved activations (with track_memory)
+    wait_s: float = 0.0  # of pipeline_s, blocked waiting for an activation or gradient to arrive
 
 
 class _SavedBytes:
@@ -136,6 +141,7 @@ class _Ctx:
     micro: list[range]  # this pipeline's sample indices per micro-batch
     saved: _SavedBytes | None
     compute_s: float = 0.0
+    wait_s: float = 0.0
 
 
 def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False,
@@ -182,7 +188,7 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     t_end = time.perf_counter()
     state.step += 1
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
-                      ctx.saved.peak if ctx.saved else 0)
+                      ctx.saved.peak if ctx.saved else 0, ctx.wait_s)
 
 
 def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> None:
@@ -194,21 +200,24 @@ def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> N
 
 def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):
     """isend an activation or its gradient: in the wire dtype, or as the run's compressed payload
-    (`coded`: the link uses the run's pipeline codec)."""
-    comp = ctx.state.compress.config
+    (`coded`: the link uses the run's pipeline codec), each made where `t` is (on a GPU: cast or
+    encoded there, then staged through pinned host memory)."""
+    comp, staging = ctx.state.compress.config, ctx.state.staging
     if comp.pp_method == "exact" or not coded:
-        return ctx.comm.isend(peer, tag, t.to(TORCH_DTYPES[ctx.state.cfg.wire_dtype]))
-    return ctx.comm.isend(peer, tag, encode_activation(t, comp))
+        return staging.send(ctx.comm, peer, tag, t.to(TORCH_DTYPES[ctx.state.cfg.wire_dtype]))
+    return staging.send(ctx.comm, peer, tag, encode_activation(t, comp))
 
 
 def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple, coded: bool) -> torch.Tensor:
     """The float32 activation (or gradient) of `shape` that `peer` sent under `tag`."""
-    comp, dev = ctx.state.compress.config, ctx.state.device
+    comp, staging = ctx.state.compress.config, ctx.state.staging
+    t0 = time.perf_counter()
     got = ctx.comm.recv(peer, tag, ctx.state.cfg.comm_timeout_s)
+    ctx.wait_s += time.perf_counter() - t0
     if comp.pp_method == "exact" or not coded:
-        return _expect(got, shape, peer, tag).to(dev, torch.float32)
-    try:
-        return decode_activation(got, shape, comp).to(dev)
+        return staging.to_device(_expect(got, shape, peer, tag), torch.float32)
+    try:  # decoded on the stage's device
+        return decode_activation(staging.to_device(got, torch.uint8), shape, comp)
     except CodecError as e:
         raise CommError(f"peer {peer!r} sent a bad compressed payload under {tag!r}: {e}") from None
 
@@ -228,7 +237,7 @@ def _forward(ctx: _Ctx):
             x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd), ctx.up_coded).requires_grad_()
         t0 = time.perf_counter()
         hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
-        with hooks:
+        with hooks, autocast(cfg.precision, dev):
             if mod.is_last:  # scaled by its share of the global batch: the sum is the global mean
                 out = mod(x, y.to(dev)) * (len(idx) / cfg.global_batch_seqs)
                 losses.append(out.detach())

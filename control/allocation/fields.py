@@ -130,6 +130,10 @@ _SCHEMAS: dict[type, tuple[tuple[str, type], ...]] = {}
 # Fields an allocation carries elsewhere: a per-link compression is told by the allocation's
 # `compress_links` field being there (format 5), so a format-4 compression map keeps its bytes.
 _OMITTED: dict[type, tuple[str, ...]] = {CompressionConfig: ("per_link",)}
+# Fields that travel only where they differ from the default, so an allocation without them has
+# the bytes it had before they existed: a bf16 run's train map says "precision", an fp32 one's
+# does not. A map without the field gets the default.
+_OPTIONAL: dict[type, frozenset[str]] = {TrainConfig: frozenset({"precision"})}
 
 
 def _schema(cls: type[GPTSpec] | type[TrainConfig] | type[CompressionConfig]) -> tuple[tuple[str, type], ...]:
@@ -151,12 +155,19 @@ def _schema(cls: type[GPTSpec] | type[TrainConfig] | type[CompressionConfig]) ->
 def config_to_wire(cfg: GPTSpec | TrainConfig | CompressionConfig, what: str) -> dict:
     """The config as a map with sorted keys; ValueError on a value the wire would refuse."""
     out = {}
+    optional = _OPTIONAL.get(type(cfg), frozenset())
     for name, kind in _schema(type(cfg)):
         v = getattr(cfg, name)
+        if name in optional and v == _default(type(cfg), name):
+            continue
         if not _fits(kind, v):
             raise ValueError(f"{what}.{name} = {v!r:.80} cannot travel in an allocation")
         out[name] = float(v) if kind is float else v
     return out
+
+
+def _default(cls: type, name: str) -> object:
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 def _fits(kind: type, v: object) -> bool:
@@ -179,7 +190,10 @@ def config_from_wire(cls: type[Config], obj: object, what: str) -> Config:
     if unknown:
         raise ProtocolError(f"{what}: unknown fields {unknown[:MAX_NAMED]}: run the same dtfm version on every peer")
     values: dict[str, object] = {}
+    optional = _OPTIONAL.get(cls, frozenset())
     for name, kind in schema:
+        if name in optional and name not in d:
+            continue  # the dataclass's default
         if kind is bool:
             values[name] = get_bool(d, name)
         elif kind is int:

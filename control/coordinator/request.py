@@ -29,7 +29,7 @@ MAX_DATA_NAME_LEN = 256
 # signed arguments only where it differs from TrainConfig's default, so a start that sets none
 # signs the same bytes as before the knobs existed. The seed is its own argument.
 KNOBS: dict[str, type] = {"lr": float, "warmup_steps": int, "global_batch_seqs": int, "micro_batches": int,
-                          "wire_dtype": str, "weight_decay": float, "grad_clip_norm": float}
+                          "wire_dtype": str, "weight_decay": float, "grad_clip_norm": float, "precision": str}
 
 # A run started from a Hugging Face folder (`train start --init-from DIR`) names its model by the
 # folder's digest (train/hf.py `hf_digest`): its preset name is this prefix and the digest's first

@@ -267,10 +267,12 @@ class StageRunner:
         a failed step never overwrites the way back to the step before the last completed one."""
         tensors = stage_tensors(self.state)
         if self._pending is None or self._pending.keys() != tensors.keys():
-            self._pending = {k: v.to("cpu", copy=True) for k, v in tensors.items()}
-        else:
-            for k, v in tensors.items():
-                self._pending[k].copy_(v)
+            pin = self.state.device.type == "cuda"  # a GPU stage copies into pinned memory, asynchronously
+            self._pending = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
+        for k, v in tensors.items():
+            # on a GPU queued before the step's own work, which cannot change the values it reads;
+            # the step waits for its GPU work (its norm) before it returns and the snapshot counts
+            self._pending[k].copy_(v, non_blocking=True)
         self._pending_at = (self.state.step, self.state.optim.step_count)
 
     def _commit_snapshot(self) -> None:
@@ -291,6 +293,8 @@ class StageRunner:
                 return None
             step, ostep = self._snapshot_at
             s = self.state
+            if s.device.type == "cuda":
+                torch.cuda.synchronize(s.device)
             return stage_from_tensors(s.spec, s.cfg, s.layer_range, self._snapshot, step, ostep, str(s.device),
                                       s.compress.config)
 

@@ -1,6 +1,9 @@
 """Compressed tensors as raw bytes: blockwise int8/int4 (pipeline) and sparse low-bit (DP).
 
-Pure functions on tensors. Every payload is a uint8 tensor (one message payload of the Comm)
+Pure functions on tensors, run where the tensor is: a GPU stage encodes on its GPU (the payload
+is a tensor there, staged to the host to travel) and decodes a payload uploaded to it; the
+arithmetic is elementwise and correctly rounded, so a payload decodes to the same bits on
+either device. Every payload is a uint8 tensor (one message payload of the Comm)
 made of a 12-byte header, per-block fp16 scales and packed codes. The decoder never reads a
 length from the payload: it takes the shape (or element count) the plan gives and the run's
 `CompressionConfig`, computes the exact payload size, and refuses (raising only `CodecError`)
@@ -93,16 +96,17 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return c.reshape(-1)[:n].to(torch.uint8)
 
 
-def _header(magic: bytes, a: int, b: int, log2: int, gmax: float) -> torch.Tensor:
+def _header(magic: bytes, a: int, b: int, log2: int, gmax: float, device: torch.device) -> torch.Tensor:
     raw = bytearray(magic + bytes((_VERSION, a, b, log2, 0, 0)) + struct.pack("<f", gmax))
-    return torch.frombuffer(raw, dtype=torch.uint8)
+    return torch.frombuffer(raw, dtype=torch.uint8).to(device)
 
 
 def _as_bytes(payload: object) -> torch.Tensor:
+    """The payload as a 1-D uint8 tensor, where it is (a tensor on a GPU is decoded there)."""
     if isinstance(payload, torch.Tensor):
         if payload.dtype != torch.uint8 or payload.dim() != 1:
             raise CodecError(f"a compressed payload is a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
-        return payload.to("cpu")
+        return payload
     if isinstance(payload, (bytes, bytearray, memoryview)):
         raw = bytearray(payload)
         return torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -127,20 +131,28 @@ def _ratios(buf: torch.Tensor, what: str) -> torch.Tensor:
     return rel
 
 
+def _div(t: torch.Tensor, d: float) -> torch.Tensor:
+    """`t / d`, correctly rounded on every device: a CUDA kernel divides by a Python number as a
+    multiplication by its reciprocal (one more rounding), by a tensor it divides."""
+    return t / torch.full((), d, dtype=t.dtype, device=t.device)
+
+
 def _scales(amax: torch.Tensor) -> tuple[float, torch.Tensor]:
     """(payload max, fp16 ratio per block) for block maxima `amax`."""
     if amax.numel() == 0:
-        return 0.0, torch.empty(0, dtype=torch.float16)
+        return 0.0, torch.empty(0, dtype=torch.float16, device=amax.device)
     gmax = float(amax.max())
     if not math.isfinite(gmax):
         raise ValueError("cannot compress a tensor with non-finite values")
     gmax = struct.unpack("<f", struct.pack("<f", gmax))[0]  # exactly what travels
     if gmax == 0:
         return 0.0, torch.zeros_like(amax, dtype=torch.float16)
-    ratio = (amax / gmax).clamp_(max=1.0)
+    ratio = _div(amax, gmax).clamp_(max=1.0)
     rel = ratio.to(torch.float16)
-    # rounded up, so no element of a block exceeds the block's largest level: a ratio of 1 stays 1
-    up = torch.nextafter(rel, torch.full_like(rel, 1.0))
+    # rounded up, so no element of a block exceeds the block's largest level: a ratio of 1 stays 1.
+    # The next float16 above a non-negative one below 1 is its bit pattern plus one (torch's
+    # nextafter has no float16 kernel on every device)
+    up = (rel.view(torch.int16) + 1).view(torch.float16)
     return gmax, torch.where(rel.to(torch.float32) < ratio, up, rel)
 
 
@@ -173,15 +185,14 @@ def encode_dense(t: torch.Tensor, method: str, block: int, hadamard_: bool) -> t
     if hadamard_:
         x = hadamard(x)
     gmax, rel = _scales(x.abs().amax(dim=1) if nb else x.new_zeros(0))
-    step = (rel.to(torch.float32) * gmax / qmax).to(x.device)[:, None]  # (nb, 1)
+    step = _div(rel.to(torch.float32) * gmax, qmax)[:, None]  # (nb, 1)
     q = torch.where(step > 0, x / torch.where(step > 0, step, 1.0), 0.0).round_().clamp_(-qmax, qmax)
     if bits == 8:
         body = q.to(torch.int8).reshape(-1).view(torch.uint8)
     else:
         body = _pack((q + 8).to(torch.uint8).reshape(-1), 4)
-    out = torch.cat((_header(b"dq", code, flags, block.bit_length() - 1, gmax),
-                     rel.view(torch.uint8).cpu(), body.cpu()))
-    return out
+    return torch.cat((_header(b"dq", code, flags, block.bit_length() - 1, gmax, x.device),
+                      rel.view(torch.uint8), body))
 
 
 def decode_dense(payload: object, shape: tuple[int, ...], method: str, block: int, hadamard_: bool) -> torch.Tensor:
@@ -205,7 +216,7 @@ def decode_dense(payload: object, shape: tuple[int, ...], method: str, block: in
         if bool((c == 0).any()):
             raise CodecError("int4 code -8 is never produced")
         q = c.to(torch.float32) - 8
-    step = rel * gmax / qmax
+    step = _div(rel * gmax, qmax)
     x = q.reshape(nb, block) * step[:, None]
     if hadamard_:
         x = hadamard(x) / block
@@ -250,11 +261,11 @@ def encode_sparse(x: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tenso
     vals = torch.gather(xc, 1, idx)
     gmax, rel = _scales(vals.abs().amax(dim=1) if nch else vals.new_zeros(0))
     half = ((1 << bits) - 1) / 2
-    step = (rel.to(torch.float32) * gmax / half).to(x.device)[:, None]
+    step = _div(rel.to(torch.float32) * gmax, half)[:, None]
     q = torch.where(step > 0, vals / torch.where(step > 0, step, 1.0), 0.0) + half
     codes = q.round_().clamp_(0, (1 << bits) - 1).to(torch.uint8).reshape(-1)
     if fmt == 2:
-        index = torch.empty(0, dtype=torch.uint8)
+        index = torch.empty(0, dtype=torch.uint8, device=x.device)
     elif fmt == 0:
         mask = torch.zeros(nch, chunk, dtype=torch.uint8, device=x.device)
         mask.scatter_(1, idx, 1)
@@ -262,8 +273,8 @@ def encode_sparse(x: torch.Tensor, chunk: int, k: int, bits: int) -> torch.Tenso
     else:
         flat = idx.reshape(-1)  # < 65536: little-endian uint16
         index = torch.stack(((flat & 0xFF), (flat >> 8)), dim=1).to(torch.uint8).reshape(-1)
-    return torch.cat((_header(b"ds", bits, fmt, log2, gmax), rel.view(torch.uint8).cpu(),
-                      _pack(codes, bits).cpu(), index.cpu()))
+    return torch.cat((_header(b"ds", bits, fmt, log2, gmax, x.device), rel.view(torch.uint8),
+                      _pack(codes, bits), index))
 
 
 def decode_sparse(payload: object, m: int, chunk: int, k: int, bits: int) -> torch.Tensor:
@@ -282,8 +293,9 @@ def decode_sparse(payload: object, m: int, chunk: int, k: int, bits: int) -> tor
     nval = -(-nch * k * bits // 8)
     codes = _unpack(buf[off:off + nval], bits, nch * k).to(torch.float32).reshape(nch, k)
     off += nval
+    dev = buf.device
     if fmt == 2:
-        idx = torch.arange(chunk, dtype=torch.int64).expand(nch, chunk)
+        idx = torch.arange(chunk, dtype=torch.int64, device=dev).expand(nch, chunk)
     elif fmt == 0:
         mask = _unpack(buf[off:], 1, nch * chunk).reshape(nch, chunk)
         if bool((mask.sum(dim=1, dtype=torch.int64) != k).any()):
@@ -297,9 +309,9 @@ def decode_sparse(payload: object, m: int, chunk: int, k: int, bits: int) -> tor
         if bool((idx >= chunk).any()):
             raise CodecError(f"sparse index beyond the chunk of {chunk}")
     half = ((1 << bits) - 1) / 2
-    step = rel * gmax / half
+    step = _div(rel * gmax, half)
     vals = (codes - half) * step[:, None]
-    out = torch.zeros(nch * chunk, dtype=torch.float32)
-    flat = idx + torch.arange(nch, dtype=torch.int64)[:, None] * chunk
+    out = torch.zeros(nch * chunk, dtype=torch.float32, device=dev)
+    flat = idx + torch.arange(nch, dtype=torch.int64, device=dev)[:, None] * chunk
     out[flat.reshape(-1)] = vals.reshape(-1)
     return out[:m]

@@ -171,13 +171,13 @@ class StageCompression:
         decoded = []
         for p, payload in zip(group, payloads):
             try:
-                decoded.append(decode_sparse(payload, x.numel(), chunk, k, bits))
+                decoded.append(decode_sparse(payload.to(x.device), x.numel(), chunk, k, bits))  # where x is
             except CodecError as e:
                 raise CommError(f"peer {p!r} sent a bad compressed payload under {tag!r}: {e}") from None
         total = decoded[0].clone()
         for dec in decoded[1:]:
             total += dec
-        return total.to(x.device), decoded[list(group).index(comm.me)].to(x.device)
+        return total, decoded[list(group).index(comm.me)]
 
     @staticmethod
     def _check_group(comm: Comm, group: Sequence[PeerId]) -> None:
@@ -200,11 +200,11 @@ class StageCompression:
             idx = idx.to(acc.device)
             total, own = self._exchange(comm, group, acc[idx], tag, timeout_s, pending)
             avg = torch.zeros_like(acc)
-            avg[idx] = total / len(group)
+            avg[idx] = total / torch.full((), len(group), dtype=total.dtype, device=total.device)
             acc[idx] -= own  # what was not sent stays, exactly where nothing of it was sent
         else:
             total, own = self._exchange(comm, group, acc, tag, timeout_s, pending)
-            avg = total / len(group)
+            avg = total / torch.full((), len(group), dtype=total.dtype, device=total.device)  # (a tensor: correctly rounded on a GPU too)
             acc -= own
         ef.copy_(acc)
         if mom is not None:
