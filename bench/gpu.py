@@ -440,6 +440,9 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
                                       "victim": victim.name, "victim_stage": t[victim.name].get("stage"),
                                       "coordinator": coord, "steps_logged": len(before)})
         epoch0 = t[victim.name].get("epoch", 0)
+        if os.environ.get("DTFM_GPU_NO_KILL") == "1":  # exactness only: no kill, one 2 x 2 epoch throughout
+            wait_for(f"{min_steps} steps", lambda: len(rows()) >= min_steps, 120)
+            return _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spec, cfg, min_steps)
         killed = time.monotonic()
         swarm.main(["kill", victim.name, "--run-dir", str(run_dir)])
         n_before = len(rows())
@@ -470,6 +473,21 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
         n_placed = len(rows())
         wait_for(f"{min_steps} steps, 3 of them after the restart",
                  lambda: len(r := rows()) >= max(min_steps, n_placed + 3), 120)
+        _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spec, cfg, min_steps)
+    finally:
+        swarm.main(["down", "--run-dir", str(run_dir), "--kill"])
+        for log in sorted(run_dir.glob("p*/daemon.log")):  # the end of each daemon's log, for the record
+            print(f"---- {log}", "\n".join(log.read_text(errors="replace").splitlines()[-12:]), sep="\n")
+        subprocess.run(["rm", "-rf", str(tmp)])
+
+
+def _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spec, cfg, min_steps) -> None:
+    """Stop the run, then compare every logged step with one process on the same device, the
+    first epoch with the same 2 x 2 in one process, and the stages' replicas with each other."""
+    from dtfm.swarm.train import stop_training
+    from dtfm.train import LocalCluster, Plan, StageState, load_corpus, reference_step
+
+    if True:
         coord = wait_for("a coordinator", lambda: next(
             (p for p in state.peers if p.alive() and trainings(state).get(p.name, {}).get("role") == "coordinator"),
             None), 30)
@@ -522,11 +540,6 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
             raise RuntimeError(f"swarm losses differ from one process by {worst}")
         if not result["replicas_identical"]:
             raise RuntimeError(f"DP replicas differ: {groups}")
-    finally:
-        swarm.main(["down", "--run-dir", str(run_dir), "--kill"])
-        for log in sorted(run_dir.glob("p*/daemon.log")):  # the end of each daemon's log, for the record
-            print(f"---- {log}", "\n".join(log.read_text(errors="replace").splitlines()[-12:]), sep="\n")
-        subprocess.run(["rm", "-rf", str(tmp)])
 
 
 RUNNERS = {"pytest": check_pytest, "codecs": check_codecs, "mfu": check_mfu, "staging": check_staging,
