@@ -154,6 +154,9 @@ class SimSwarm:
     def measured_view(self, candidates):
         return _View(tuple(sorted(set(candidates)))), []
 
+    def incarnations(self) -> dict[bytes, int]:
+        return {p: self.sim.lives[j] for j, p in enumerate(self.sim.ids)}  # (one up per restart)
+
 
 @dataclass(frozen=True)
 class _View:

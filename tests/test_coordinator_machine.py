@@ -47,7 +47,7 @@ from machine_trace import (
     start_op,
 )
 
-from dtfm.control import RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
+from dtfm.control import Placement, RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
 from dtfm.train import PRESETS, TrainConfig
 from dtfm.control.actions import Ask, Compute, Emit, LogLine, Reply
 from dtfm.control.coordinator.machine import (
@@ -125,12 +125,14 @@ def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refu
           ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
           phase: handing out
         0.1 answers alloc: n0 accepted, n1 accepted, n2 not accepted, n3 accepted
+          emit left-out term=1 epoch=1 trigger=train start reason=n2 refused (data-mismatch: another data set), left out for 30 s more
           ask unstop: STOP at_step=0 epoch=1 -> n0 n1 n3
           phase: refused
         0.2 answers unstop: n0 stopped, n1 stopped, n3 stopped
-          reply op start: error (the allocation was refused: n2: another data set)
+          reply op start: error (the allocation was refused: n2: another data set; left out of the next attempts: n2 for 30 s)
     """)
-    assert named(n.c.status().reason) == "the allocation was refused: n2: another data set"
+    assert named(n.c.status().reason) == ("the allocation was refused: n2: another data set; left out of the next "
+                                          "attempts: n2 for 30 s")
 
 
 def test_a_refused_run_is_not_reconfigured():
@@ -1397,3 +1399,141 @@ def test_a_per_link_run_whose_planner_chose_nothing_compresses_every_link():
     n.compute("first", 0.0)
     a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
     assert a.compress_links == LinkCodecs.uniform(2, 2) and a.compression.per_link
+
+
+# ---- refusing peers (control/coordinator/leftout.py) ---------------------------------------------
+
+BUSY = {"accepted": False, "code": "busy", "reason": "an insider refuses every allocation"}
+
+
+def named_in(handed) -> list[float]:
+    """The times of the hand-outs that name n4."""
+    return [t for t, ask in handed if N[4] in ask.peers]
+
+
+@pytest.mark.parametrize("refusal", [
+    BUSY,
+    {"accepted": False, "code": "stale", "reason": f"term 1 is older than this peer's term {2**62}"},
+    {"reason": "no answer within 5 s"},  # (the shell's answer for a peer that did not answer)
+    {"accepted": False, "code": ["not", "a", "code"] * 300, "reason": {"not": "words"}},
+])
+def test_a_member_that_refuses_every_allocation_is_left_out_and_the_run_goes_on(refusal):
+    # N2 of the 2026-11-28 review: n4 joins a 2 x 2 run and refuses every allocation (whatever
+    # it says, or nothing). Each refusal leaves it out of the next attempts for a back-off that
+    # doubles (30, 60, 120, ... s); it counts toward no limit, so the run never stops; the next
+    # attempt goes on over n0..n3 at once; n4's joins start a reconfiguration only when its
+    # back-off ends.
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    handed = n.autopilot(1000.0, {N[4]: refusal})
+    assert n.c.phase is Phase.TRAINING and not n.epoch.run_over()
+    tried = named_in(handed)
+    assert len(tried) == 6  # at 2.2, then after 30, 60, 120, 240 and 480 s (the next, after 600 s, is past 1000 s)
+    gaps = [b - a for a, b in zip(tried, tried[1:])]
+    assert [round(g / 30) for g in gaps] == [1, 2, 4, 8, 16], gaps
+    # every refused hand-out is followed by one without n4, which every other peer accepts
+    after = [next(ask for t, ask in handed if t > x) for x in tried]
+    assert all(N[4] not in ask.peers for ask in after)
+    assert n.epoch.current is not None and set(n.epoch.current.peers) == set(N[:4])
+    st = n.c.status()
+    assert [x.peer for x in st.left_out] == [N[4]] and st.left_out[0].refusals == 6
+    assert st.left_out[0].code == ("no-answer" if "code" not in refusal else
+                                   refusal["code"] if isinstance(refusal["code"], str) else "malformed")
+    assert st.left_out[0].until - st.left_out[0].since == pytest.approx(600.0)  # (the max back-off)
+    events = [x for x in n.lines if x.startswith("  emit left-out")]
+    assert len(events) == 6 and all(named(short_id(N[4])) in x for x in events)
+    assert not any("emit stopped" in x or "emit paused" in x for x in n.lines)
+
+
+def test_a_left_out_peers_back_off_ends_and_an_honest_peer_is_placed_again():
+    # n4 joins and cannot build its stage once (a transient trouble): left out for 30 s, the run
+    # goes on over n0..n3. When the back-off ends it is asked again, placed, and accepts: its
+    # record is cleared (a refusal later would be a first one again).
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    handed = n.autopilot(10.0, {N[4]: {"accepted": False, "code": "build-failed", "reason": "no holder reachable"}})
+    assert len(named_in(handed)) == 1 and [x.peer for x in n.c.status().left_out] == [N[4]]
+    assert "n4 for 30 s" in named(n.c.status().reason) or n.c.phase is Phase.TRAINING
+    handed = n.autopilot(60.0)
+    tried = named_in(handed)
+    assert len(tried) == 1 and 30.0 < tried[0] < 36.0, tried
+    assert n.c.phase is Phase.TRAINING and n.c.status().left_out == ()
+    assert N[4] in set(n.epoch.current.spares) | set(n.epoch.current.peers)
+
+
+def test_a_peer_that_refused_once_and_restarted_is_placed_again_at_once_a_repeated_refuser_waits():
+    # Gossip tells that n4 restarted (a higher incarnation): after one refusal it is placed at
+    # the next check, not after its back-off. After a second refusal in a row a restart does not
+    # shorten the back-off: a peer that bumps its incarnation at will forces no reconfiguration.
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    handed = n.autopilot(5.0, {N[4]: BUSY})
+    assert len(named_in(handed)) == 1
+    n.swarm.incarnation[N[4]] = 1
+    handed = n.autopilot(10.0, {N[4]: BUSY})
+    assert len(named_in(handed)) == 1 and named_in(handed)[0] < 8.0  # at the next check, not at 32 s
+    n.swarm.incarnation[N[4]] = 2
+    handed = n.autopilot(60.0, {N[4]: BUSY})
+    assert named_in(handed) == []  # waits its 60 s
+    assert n.c.status().left_out[0].refusals == 2
+
+
+def test_a_membership_refusal_is_retried_once_then_the_peer_is_left_out():
+    # "not-covered" (its gossip does not agree yet) is retried without leaving n4 out, as gossip
+    # converges; the same refusal again leaves it out: a peer that says so forever stops nothing.
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    refusal = {"accepted": False, "code": "not-covered", "reason": "live peers with neither a stage nor a spare"}
+    handed = n.autopilot(30.0, {N[4]: refusal})
+    tried = named_in(handed)
+    assert len(tried) == 2 and tried[1] - tried[0] < 5.0
+    assert [x.peer for x in n.c.status().left_out] == [N[4]] and n.c.phase is Phase.TRAINING
+
+
+def test_a_run_stops_when_no_layout_of_the_accepting_peers_exists_and_says_who_refused():
+    # A 1 x 2 run over n0 and n1, n2 a spare; n2 dies, and n1 refuses the next allocation (the
+    # run could resume: n1 holds layers 2-4). With n1 left out no 2-stage layout of the peers
+    # that accept exists: the run stops at once (waiting would only obey n1), saying which peer
+    # refused and why.
+    n = Node(live=N[1:3], voters=N[:3])
+    n.train_start(Placement(((N[0], N[1]),), ((0, 2), (2, 4)), (N[2],), 1.0, 1.0))
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    n.swarm.live.discard(N[2])
+    n.feed(Trigger("peer n2 is dead"), 5.0)
+    refusal = {"accepted": False, "code": "data-mismatch", "reason": "another data set"}
+    n.autopilot(20.0, {N[1]: refusal})
+    assert n.c.phase is Phase.STOPPED and n.epoch.run_over()
+    assert named(n.c.status().reason) == (
+        "no layout of the peers that accept the allocation exists (no allocation fits the 1 live peers); "
+        "left out: n1 refused (data-mismatch: another data set)")
+    stopped = [x for x in n.lines if x.startswith("  emit stopped")]
+    assert len(stopped) == 1 and "n1 refused" in stopped[0]
+    assert [x.peer for x in n.c.status().left_out] == [N[1]]
+
+
+def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count():
+    # The allocation itself is refused (as a stale coordinator's would be): nobody is singled
+    # out, and the failed attempts count toward max_reconfig_attempts as before.
+    n = Node()
+    n.training()
+    n.feed(Trigger("drift"), 5.0)
+    stale = {"accepted": False, "code": "stale", "reason": "term 1 is older than this peer's term 2"}
+    n.autopilot(60.0, {p: stale for p in N[1:4]})
+    assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
+    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+
+
+def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
+    n = Node(live=N[1:5])
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
+             everyone={"accepted": True, "role": "stage"})
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=1.0), DATA_HASH, DATA_NAME), 1.0)
+    n.compute("first", 1.0)
+    assert n.planner.firsts[-1]["peers"] == sorted([N[0], N[1], N[3], N[4]])
