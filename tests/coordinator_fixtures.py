@@ -105,7 +105,13 @@ class FakePlanner:
         if self.error is not None:
             raise ValueError(self.error)
         assert self.first is not None
-        return self.first
+        first, peers = self.first, sorted(view.peers)
+        if {p for pipe in first.pipelines for p in pipe} <= set(peers):
+            return first
+        stages = len(first.layer_ranges)  # (a peer of `first` is not in the view: the same shape over the others)
+        dp = len(peers) // stages
+        return Placement(tuple(tuple(peers[d * stages:(d + 1) * stages]) for d in range(dp)), first.layer_ranges,
+                         tuple(peers[dp * stages:]), 1.0, 1.0)
 
     def reshape(self, view, cur, *, live, remaining_steps, regions, seed, force, cut=frozenset()):
         self.calls.append({"live": sorted(live), "remaining_steps": remaining_steps, "seed": seed, "force": force})

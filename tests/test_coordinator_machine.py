@@ -111,12 +111,17 @@ def test_train_start_hands_the_allocation_out_then_starts_every_peer():
     """)
 
 
-def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refusal():
-    n = Node()
+def test_a_peer_that_refuses_the_first_hand_out_is_left_out_and_the_run_starts_without_it():
+    # n2 refuses (another data set): the others are stopped, n2 is left out, and the run is
+    # placed again at once over the others and n4, which accept it: the operator's start succeeds.
+    n = Node(live=N[1:5])
     n.train_start(PLACEMENT)
     n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
              everyone={"accepted": True, "role": "stage"})
     n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.compute("first", 0.3)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.4)
+    n.answer("start", everyone={"started": True}, at=0.5)
     n.transcript("""
         0 train start
           compute first
@@ -129,17 +134,49 @@ def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refu
           ask unstop: STOP at_step=0 epoch=1 -> n0 n1 n3
           phase: refused
         0.2 answers unstop: n0 stopped, n1 stopped, n3 stopped
-          reply op start: error (the allocation was refused: n2: another data set; left out of the next attempts: n2 for 30 s)
+          compute first
+        0.3 computed first
+          reset log
+          ask alloc: ALLOCATION term 1 epoch 2 steps 0..100 [n0 n1 | n3 n4] voters n0 n1 n2 n3 n4 absent n2 -> n0 n1 n3 n4
+          phase: handing out
+        0.4 answers alloc: n0 accepted, n1 accepted, n3 accepted, n4 accepted
+          ask start: START epoch=2 -> n0 n1 n3 n4
+        0.5 answers start: n0 started, n1 started, n3 started, n4 started
+          emit start term=1 epoch=2 trigger=train start old_shape=None new_shape=2x2 resume_step=0
+          reply op start: allocation term 1 epoch 2
+          phase: training
     """)
-    assert named(n.c.status().reason) == ("the allocation was refused: n2: another data set; left out of the next "
-                                          "attempts: n2 for 30 s")
+    assert [x.peer for x in n.c.status().left_out] == [N[2]]
+
+
+def test_a_hand_out_every_other_peer_refuses_stops_the_others_and_fails_the_start_with_every_refusal():
+    # Nobody is singled out when every other peer refuses (the allocation itself is refused).
+    n = Node()
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {p: {"accepted": False, "code": "data-mismatch", "reason": "another data set"} for p in N[1:4]},
+             0.1)
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.transcript("""
+        0 train start
+          compute first
+        0 computed first
+          reset log
+          ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
+          phase: handing out
+        0.1 answers alloc: n0 accepted, n1 not accepted, n2 not accepted, n3 not accepted
+          ask unstop: STOP at_step=0 epoch=1 -> n0
+          phase: refused
+        0.2 answers unstop: n0 stopped
+          reply op start: error (the allocation was refused: n1: another data set; n2: another data set; n3: another data set)
+    """)
+    assert n.c.status().left_out == ()
 
 
 def test_a_refused_run_is_not_reconfigured():
     n = Node()
     n.train_start(PLACEMENT)
-    n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
-             everyone={"accepted": True, "role": "stage"})
+    n.answer("alloc", {p: {"accepted": False, "code": "data-mismatch", "reason": "another data set"} for p in N[1:4]},
+             0.1)
     n.answer("unstop", everyone={"stopped": True}, at=0.2)
     n.lines.clear()
     n.feed(Trigger("peer n3 is dead"), 1.0)
@@ -1495,25 +1532,38 @@ def test_a_membership_refusal_is_retried_once_then_the_peer_is_left_out():
 
 
 def test_a_run_stops_when_no_layout_of_the_accepting_peers_exists_and_says_who_refused():
-    # A 1 x 2 run over n0 and n1, n2 a spare; n2 dies, and n1 refuses the next allocation (the
-    # run could resume: n1 holds layers 2-4). With n1 left out no 2-stage layout of the peers
-    # that accept exists: the run stops at once (waiting would only obey n1), saying which peer
-    # refused and why.
-    n = Node(live=N[1:3], voters=N[:3])
-    n.train_start(Placement(((N[0], N[1]),), ((0, 2), (2, 4)), (N[2],), 1.0, 1.0))
+    # A 1 x 3 run over n0, n1 and n2, n3 a spare; n3 dies, and n1 refuses the next allocation
+    # (the run could resume: n1 holds layers 1-2). With n1 left out no 3-stage layout of the
+    # peers that accept exists: the run stops at once (waiting would only obey n1), saying which
+    # peer refused and why.
+    n = Node()
+    n.train_start(Placement(((N[0], N[1], N[2]),), ((0, 1), (1, 2), (2, 4)), (N[3],), 1.0, 1.0))
     n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
     n.answer("start", everyone={"started": True}, at=0.2)
-    n.swarm.live.discard(N[2])
-    n.feed(Trigger("peer n2 is dead"), 5.0)
+    n.swarm.live.discard(N[3])
+    n.feed(Trigger("peer n3 is dead"), 5.0)
     refusal = {"accepted": False, "code": "data-mismatch", "reason": "another data set"}
     n.autopilot(20.0, {N[1]: refusal})
     assert n.c.phase is Phase.STOPPED and n.epoch.run_over()
     assert named(n.c.status().reason) == (
-        "no layout of the peers that accept the allocation exists (no allocation fits the 1 live peers); "
+        "no layout of the peers that accept the allocation exists (no allocation fits the 2 live peers); "
         "left out: n1 refused (data-mismatch: another data set)")
     stopped = [x for x in n.lines if x.startswith("  emit stopped")]
     assert len(stopped) == 1 and "n1 refused" in stopped[0]
     assert [x.peer for x in n.c.status().left_out] == [N[1]]
+
+
+def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
+    # A 1 x 2 run over n0 and n1: n1 refuses as many as accept (n0 alone), so its refusal may
+    # be the allocation's fault: nobody is left out and the attempts count as before.
+    n = Node(live=N[1:2], voters=N[:2])
+    n.train_start(Placement(((N[0], N[1]),), ((0, 2), (2, 4)), (), 1.0, 1.0))
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    n.feed(Trigger("drift"), 5.0)
+    n.autopilot(60.0, {N[1]: {"accepted": False, "code": "busy", "reason": "busy"}})
+    assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
+    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count():

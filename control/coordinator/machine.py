@@ -294,6 +294,7 @@ class _Procedure:
     leave: bool = False  # a planned leave's hand-off: recorded as a leave, not a failure
     links_note: str = ""  # a per-link run: which links and groups compress and why (`choose_links`)
     left_out: frozenset[bytes] = frozenset()  # reachable peers not placed: they refused an allocation
+    tries: int = 0  # kind "start": hand-outs placed again without peers that refused
 
 
 @dataclass(frozen=True)
@@ -818,16 +819,20 @@ class Coordinator:
         if refusal is not None:
             return [Reply(start.key, error=refusal)]
         self._take_start(start.op, now, start.req.wait_s)
+        self._paused_live, self._attempts = None, 0
+        proc = _Procedure(next(self._keys), "start", "train start", reply=start.key, t0=now)
+        proc.start = start
+        self._proc = proc
+        return self._place_start(proc, start, now)
+
+    def _place_start(self, proc: _Procedure, start: _Start, now: float) -> list:
+        """The first placement over the measured view less the peers left out for refusing."""
         req = start.req
         spec, cfg = start.model, req.config
         view, regions = self.swarm.view(), self.swarm.regions()
         out = self.left_out_now(now)
         if out & set(view.peers):  # (a peer that refused an earlier hand-out is not placed until its back-off ends)
             view, _ = self.swarm.measured_view(set(view.peers) - out)
-        self._paused_live, self._attempts = None, 0
-        proc = _Procedure(next(self._keys), "start", "train start", reply=start.key, t0=now)
-        proc.start = start
-        self._proc = proc
         return [Compute(("proc", proc.id, "first"), lambda: self.planner.first_placement(view, req, spec, cfg,
                                                                                         regions))]
 
@@ -838,6 +843,9 @@ class Coordinator:
             self._proc = None
             return [Reply(start.key, error=f"cannot schedule: {ev.error}")]
         refusal = self.start_refusal()  # (things may have changed while the scheduler ran)
+        run = self.epoch.run
+        if refusal is not None and proc.tries and run is not None and run.alloc.run_id == start.op.run_id:
+            refusal = None  # (its own refused attempt, stopped before it started: the next replaces it)
         if refusal is not None:
             self._proc = None
             return [Reply(start.key, error=refusal)]
@@ -1306,15 +1314,15 @@ class Coordinator:
 
     def _leave_out(self, proc: _Procedure, alloc: Allocation, answers: Mapping[bytes, dict],
                    refused: Mapping[bytes, dict], now: float) -> frozenset[bytes]:
-        """Record each refusing peer (leftout.py); the peers left out now. A refusal is the
-        peer's own when some other peer of the allocation accepted it, or it is the only one:
-        the allocation was fine and that peer is unusable now, whatever its reason (its data,
-        its stage build, another coordinator it follows, a lie, no answer). When every other
-        peer refuses, the allocation itself is (this peer may be stale): nobody is singled out,
-        and the failure counts as before. This peer never leaves itself out."""
-        others = [p for p in answers if p != self.me]
+        """Record each refusing peer (leftout.py); the peers left out now. While fewer peers
+        refuse than accept (this peer counted), the allocation was fine and each refusing peer is
+        unusable now, whatever its reason (its data, its stage build, another coordinator it
+        follows, a lie, no answer). When as many refuse as accept, the allocation itself is
+        refused (this peer may be behind the others' election, or cut off from them): nobody is
+        singled out, and the failure counts as before. This peer never leaves itself out."""
         peers = sorted(p for p in refused if p != self.me)
-        if not peers or (len(peers) > 1 and not any(answers[p].get("accepted") for p in others)):
+        accepting = [p for p, a in answers.items() if a.get("accepted")]
+        if not peers or len(peers) >= len(accepting):
             return frozenset()
         incarnations = self.swarm.incarnations()
         left = set()
@@ -1414,6 +1422,16 @@ class Coordinator:
         check, up to `max_reconfig_attempts` times, then the run stops."""
         self._proc = None
         why = str(e)
+        start = proc.start
+        if (proc.kind == "start" and start is not None and proc.alloc is not None and not e.counts
+                and proc.tries + 1 < self.t.max_reconfig_attempts and self.election.is_coordinator):
+            # Every peer that refused is left out (or its gossip disagreed): the run is placed
+            # again without them, rather than failed for the operator by one member.
+            logger.warning("the first hand-out of run %s failed (%s): placing it again", start.op.run_id.hex()[:8], why)
+            proc.tries += 1
+            proc.alloc, proc.answers, proc.refused, proc.transient = None, {}, "", False
+            self._proc = proc
+            return self._place_start(proc, start, self._now)
         if proc.kind == "start":
             if proc.alloc is not None:  # the operator is told it failed: nobody reconfigures it
                 self.epoch.mark_stopped(proc.alloc.run_id)
