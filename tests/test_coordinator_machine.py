@@ -1587,3 +1587,25 @@ def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
     n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=1.0), DATA_HASH, DATA_NAME), 1.0)
     n.compute("first", 1.0)
     assert n.planner.firsts[-1]["peers"] == sorted([N[0], N[1], N[3], N[4]])
+
+
+def test_a_start_placed_again_that_cannot_be_scheduled_fails_and_its_run_is_not_reconfigured():
+    # n2 refuses; the placement without it fails (the scheduler finds none): the operator is
+    # told, and the run of the refused hand-out, which the others applied, stays stopped.
+    n = Node()
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {N[2]: {"accepted": False, "code": "busy", "reason": "busy"}}, 0.1,
+             everyone={"accepted": True, "role": "stage"})
+    n.planner.error = "no allocation fits the 3 peers"
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.lines.clear()
+    n.compute("first", 0.3)
+    n.transcript("""
+        0.3 computed first: error (no allocation fits the 3 peers)
+          reply op start: error (cannot schedule: no allocation fits the 3 peers)
+    """)
+    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    n.swarm.live.add(N[4])
+    n.tick(5.0)
+    n.tick(10.0)
+    assert not n.asks and not n.computes

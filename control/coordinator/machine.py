@@ -840,15 +840,13 @@ class Coordinator:
         start = proc.start
         assert start is not None
         if ev.error is not None or not isinstance(ev.value, Placement):
-            self._proc = None
-            return [Reply(start.key, error=f"cannot schedule: {ev.error}")]
+            return self._start_failed(proc, start, f"cannot schedule: {ev.error}")
         refusal = self.start_refusal()  # (things may have changed while the scheduler ran)
         run = self.epoch.run
         if refusal is not None and proc.tries and run is not None and run.alloc.run_id == start.op.run_id:
             refusal = None  # (its own refused attempt, stopped before it started: the next replaces it)
         if refusal is not None:
-            self._proc = None
-            return [Reply(start.key, error=refusal)]
+            return self._start_failed(proc, start, refusal)
         req, op, shape = start.req, start.op, ev.value
         proc.links_note = shape.links_note
         named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
@@ -864,12 +862,19 @@ class Coordinator:
                                operator_start=start.signed.encode(), compression=req.compression,
                                compress_links=links_for(shape, req.compression))
         except ValueError as e:
-            self._proc = None
-            return [Reply(start.key, error=f"cannot build the allocation: {e}")]
+            return self._start_failed(proc, start, f"cannot build the allocation: {e}")
         try:
             return self._hand_out(proc, alloc, (), now)
         except _Failed as e:
             return self._failed(proc, e)
+
+    def _start_failed(self, proc: _Procedure, start: _Start, why: str) -> list:
+        """The operator is told its start failed; once a hand-out of it went out (and was
+        refused), the run is marked stopped: nobody reconfigures it."""
+        self._proc = None
+        if proc.alloc is not None or proc.tries:
+            self.epoch.mark_stopped(start.op.run_id)
+        return [Reply(start.key, error=why)]
 
     def _reschedule_asked(self, ev: Reschedule, now: float) -> list:
         """An operator's reschedule of the current run, newer than the last one taken, within
@@ -1287,7 +1292,7 @@ class Coordinator:
         refused = {p: a for p, a in answers.items() if not a.get("accepted")}
         if refused:
             proc.refused = "the allocation was refused: " + "; ".join(
-                f"{short_id(p)}: {a.get('reason', 'no answer')}" for p, a in refused.items())
+                f"{short_id(p)}: {str(a.get('reason', 'no answer'))[:200]}" for p, a in refused.items())
             left = self._leave_out(proc, alloc, answers, refused, now)
             # A refusal that left its peer out counts toward no limit: the next attempt goes on
             # without it. So too a membership disagreement: gossip converges.
@@ -1433,8 +1438,8 @@ class Coordinator:
             self._proc = proc
             return self._place_start(proc, start, self._now)
         if proc.kind == "start":
-            if proc.alloc is not None:  # the operator is told it failed: nobody reconfigures it
-                self.epoch.mark_stopped(proc.alloc.run_id)
+            if start is not None:  # the operator is told it failed: nobody reconfigures it
+                return self._start_failed(proc, start, why)
             return [Reply(proc.reply or (), error=why)]
         out: list = [Reply(proc.reply, error=why)] if proc.reply is not None else []
         if proc.resume and proc.cur is not None:  # the operator is told; the run stays stopped
