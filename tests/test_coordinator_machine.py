@@ -1609,3 +1609,25 @@ def test_a_start_placed_again_that_cannot_be_scheduled_fails_and_its_run_is_not_
     n.tick(5.0)
     n.tick(10.0)
     assert not n.asks and not n.computes
+
+
+def test_left_out_back_offs_double_per_refusal_in_a_row_and_end():
+    from dtfm.control.coordinator.leftout import LeftOut
+    lo = LeftOut(30.0, 100.0, membership_codes={"not-covered"})
+    a, b = N[1], N[2]
+    assert lo.refused(a, "busy", "x", 0.0, 0) and lo.out(0.0) == {a}
+    assert lo.out(29.9) == {a} and lo.out(30.0) == frozenset()  # (placed again when it ends)
+    assert lo.refused(a, None, "no answer within 5 s", 31.0, 0)  # again: 60 s, code "no-answer"
+    assert [(x.code, x.until - x.since, x.refusals) for x in lo.snapshot(31.0)] == [("no-answer", 60.0, 2)]
+    assert lo.refused(a, "busy", "x", 100.0, 0) and lo.snapshot(100.0)[0].until == 200.0  # (capped at 100 s)
+    assert not lo.refused(b, "not-covered", "x", 0.0, None) and lo.out(0.0) == {a}  # a first membership refusal
+    assert lo.refused(b, "not-covered", "x", 1.0, None) and lo.out(1.0) == {a, b}  # ... and the second
+    lo.accepted([b])
+    assert lo.out(2.0) == {a}
+    assert lo.out(401.0) == frozenset() and lo.refused(a, "busy", "x", 401.0, 0)  # forgotten: a first refusal again
+    assert lo.snapshot(401.0)[0].refusals == 1
+    assert lo.out(402.0, {a: 1}) == frozenset()  # a restart after one refusal: placed again at once
+    lo.refused(a, "busy", "x", 403.0, 1)
+    assert lo.out(404.0, {a: 9}) == {a}  # after two in a row it waits
+    lo.clear()
+    assert lo.out(404.0) == frozenset()
