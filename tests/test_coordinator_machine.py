@@ -1553,6 +1553,17 @@ def test_a_run_stops_when_no_layout_of_the_accepting_peers_exists_and_says_who_r
     assert [x.peer for x in n.c.status().left_out] == [N[1]]
 
 
+def test_refusals_with_unhashable_codes_from_most_peers_count_and_raise_nothing():
+    # (untrusted answers: a code that is a list or a map is "malformed", never looked up as is)
+    n = Node()
+    n.training()
+    n.feed(Trigger("drift"), 5.0)
+    odd = {"accepted": False, "code": ["dead-peer"], "reason": ["x"] * 3}
+    n.autopilot(60.0, {N[1]: odd, N[2]: {**odd, "code": {"a": 1}}, N[3]: odd})
+    assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
+    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+
+
 def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
     # A 1 x 2 run over n0 and n1: n1 refuses as many as accept (n0 alone), so its refusal may
     # be the allocation's fault: nobody is left out and the attempts count as before.

@@ -1293,10 +1293,10 @@ class Coordinator:
         if refused:
             proc.refused = "the allocation was refused: " + "; ".join(
                 f"{short_id(p)}: {str(a.get('reason', 'no answer'))[:200]}" for p, a in refused.items())
-            left = self._leave_out(proc, alloc, answers, refused, now)
+            left = self._leave_out(answers, refused, now)
             # A refusal that left its peer out counts toward no limit: the next attempt goes on
             # without it. So too a membership disagreement: gossip converges.
-            proc.transient = all(p in left or a.get("code") in MEMBERSHIP_REFUSALS for p, a in refused.items())
+            proc.transient = all(p in left or _refusal_code(a) in MEMBERSHIP_REFUSALS for p, a in refused.items())
             self.phase, self.reason = Phase.REFUSED, proc.refused
             rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
             out: list = []
@@ -1317,8 +1317,7 @@ class Coordinator:
         return [self._proc_ask(proc, "start", alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
                                self.t.request_timeout_s, msg=ControlMsg.START)]
 
-    def _leave_out(self, proc: _Procedure, alloc: Allocation, answers: Mapping[bytes, dict],
-                   refused: Mapping[bytes, dict], now: float) -> frozenset[bytes]:
+    def _leave_out(self, answers: Mapping[bytes, dict], refused: Mapping[bytes, dict], now: float) -> frozenset[bytes]:
         """Record each refusing peer (leftout.py); the peers left out now. While fewer peers
         refuse than accept (this peer counted), the allocation was fine and each refusing peer is
         unusable now, whatever its reason (its data, its stage build, another coordinator it
