@@ -112,6 +112,13 @@ class PlaneConfig:
     # Failed reconfigurations of one trigger before the coordinator stops the run: more rides
     # out longer trouble, fewer gives up (and says why) sooner.
     max_reconfig_attempts: int = 5
+    # A peer that refuses an allocation the other peers accept (or does not answer it) is left
+    # out of the next attempts this long, doubled with each refusal in a row up to the max; its
+    # refusal does not count toward max_reconfig_attempts (docs/control.md, "Refusing peers").
+    # Shorter places an honest peer whose trouble passed sooner, at a failed hand-out and a
+    # reconfiguration each time a peer that keeps refusing is tried again.
+    refused_backoff_s: float = 30.0
+    refused_backoff_max_s: float = 600.0
     # The step deadline (docs/control.md, "Gray failures"): once no step of the coordinator's
     # epoch has completed for max(step_deadline_floor_s, median + step_deadline_mads x MAD of the
     # recent step intervals), it probes the peers that have not reported the step. A lower floor
@@ -146,7 +153,8 @@ class PlaneConfig:
                      "stop_timeout_s", "check_interval_s", "drift_check_s", "report_gather_s", "probe_timeout_s",
                      "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
                      "heartbeat_wait_s", "forward_timeout_s", "leave_hand_off_s", "swarm_poll_s", "step_deadline_floor_s",
-                     "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s", "operator_skew_s"):
+                     "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s", "operator_skew_s",
+                     "refused_backoff_s", "refused_backoff_max_s"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not 0 < v < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -163,6 +171,8 @@ class PlaneConfig:
         if not self.connect_timeout_s < self.accept_timeout_s:
             raise ValueError("connect_timeout_s must be less than accept_timeout_s: the connections are part of "
                              "the hand-out")
+        if not self.refused_backoff_s <= self.refused_backoff_max_s:
+            raise ValueError("refused_backoff_s must not exceed refused_backoff_max_s")
         if not self.forward_timeout_s > self.accept_timeout_s:
             raise ValueError("forward_timeout_s must exceed accept_timeout_s: a forwarded `train start` "
                              "waits for the whole hand-out")

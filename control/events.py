@@ -10,7 +10,9 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EventKind", "PlaneEvent", "Reconfiguration"]
+from dtfm.net import short_id
+
+__all__ = ["EventKind", "LeftOutPeer", "PlaneEvent", "Reconfiguration"]
 
 
 class EventKind(enum.Enum):
@@ -24,6 +26,7 @@ class EventKind(enum.Enum):
     OPERATOR_STOP = "operator-stop"  # an operator's `train stop`: every peer ends before one step
     FINISHED = "finished"  # the run completed its last step
     LEAVE = "leave"  # a peer left as planned (`dtfm-peer leave`), handed off at a step boundary if the run named it
+    LEFT_OUT = "left-out"  # peers refused a hand-out the others accepted: the next attempts go on without them
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,30 @@ class Reconfiguration:
 
 
 @dataclass(frozen=True)
+class LeftOutPeer:
+    """One refusing peer as `status` and the events show it (wall times; control/coordinator/leftout.py
+    keeps them)."""
+
+    peer: bytes
+    code: str  # its refusal's code, or "no-answer"
+    reason: str  # its refusal's words (a peer's own: bounded, shown as given)
+    since: float  # when it was left out
+    until: float  # placed again from then on
+    refusals: int  # refusals in a row (its back-off doubles with each)
+
+    def describe(self, now: float | None = None) -> str:
+        """Who refused and why; with `now`, for how much longer it is left out."""
+        out = f"{short_id(self.peer)} refused ({self.code}: {self.reason[:200]})"
+        if now is not None:
+            out += f", left out for {max(0.0, self.until - now):.0f} s more"
+        return out + (f" ({self.refusals} refusals in a row)" if self.refusals > 1 else "")
+
+    def to_wire(self) -> dict:
+        return {"peer": self.peer.hex(), "code": self.code, "reason": self.reason, "since": self.since,
+                "until": self.until, "refusals": self.refusals}
+
+
+@dataclass(frozen=True)
 class PlaneEvent:
     """One line of events.jsonl (the shell adds the time and this peer's id)."""
 
@@ -71,6 +98,8 @@ class PlaneEvent:
     start_predicted_s: float | None = None  # START: the predicted iteration time
     reconfiguration: Reconfiguration | None = None  # RECONFIGURE, ROLLBACK
     compress_links: str | None = None  # START of a per-link run: which links and DP groups compress, and why
+    left_out: tuple[LeftOutPeer, ...] = ()  # LEFT_OUT, STOPPED: the refusing peers left out, and why
+
 
     def to_wire(self) -> dict[str, Any]:
         if self.reconfiguration is not None:
@@ -87,4 +116,6 @@ class PlaneEvent:
             out["reason"] = self.reason
         if self.compress_links is not None:
             out["compress_links"] = self.compress_links
+        if self.left_out:
+            out["left_out"] = [x.to_wire() for x in self.left_out]
         return out

@@ -139,6 +139,9 @@ class GossipSwarm:
     def view(self) -> NetworkView:
         return self.gossip.view()
 
+    def incarnations(self) -> dict[bytes, int]:
+        return {m.peer_id: m.incarnation for m in self.gossip.members()}
+
     def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]:
         """The view over `candidates`, leaving out (worst first) peers whose links gossip has
         not measured yet: a restarted or joined peer is placed once it has been measured."""
@@ -242,7 +245,9 @@ class ControlPlane:
                                                       first_s=cfg.step_deadline_first_s),
                                deadline_probe_timeout_s=cfg.deadline_probe_timeout_s,
                                link_retest_s=cfg.link_retest_s, operator_skew_s=cfg.operator_skew_s,
-                               council_size=cfg.council_size),
+                               council_size=cfg.council_size,
+                               refused_backoff_s=cfg.refused_backoff_s,
+                               refused_backoff_max_s=cfg.refused_backoff_max_s),
             operators=self.operators,
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads

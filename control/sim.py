@@ -101,6 +101,7 @@ __all__ = ["PlaneSim", "reference_loss", "reference_weights"]
 PRESET = "tiny"
 DATA_HASH = "0" * 64
 RETRY_S = 0.1  # an allocation waiting for its coordinator is offered again this often
+REFUSING = {"accepted": False, "code": "busy", "reason": "a refusing node refuses every allocation"}
 
 
 def reference_weights(seed: int, step: int) -> bytes:
@@ -163,6 +164,9 @@ class SimSwarm:
     def measured_view(self, candidates):
         return _View(tuple(sorted(set(candidates)))), []
 
+    def incarnations(self) -> dict[bytes, int]:
+        return {p: self.sim.lives[j] for j, p in enumerate(self.sim.ids)}  # (one up per restart)
+
 
 @dataclass(frozen=True)
 class _View:
@@ -212,6 +216,9 @@ class PlaneSim(ElectionSim):
         # the Byzantine node: the last key drawn (its index among the sorted ids)
         self.byzantine = sorted(by_id).index(keys[-1].peer_id) if byzantine else None
         self.refused: list[tuple[int, int, str]] = []  # (node, sender, why): untrusted input the shell refused
+        # nodes that answer every other node's ALLOCATION with a refusal, applying nothing (a
+        # daemon whose `ControlPlane.accept` is wrapped to refuse: the review's N2 insider)
+        self.refusing: set[int] = set()
         # (term, epoch) -> the allocation some node applied; lines whose loss the Byzantine
         # insider could set (a last stage of their epoch: out of scope, like gradient poisoning)
         self.allocations: dict[tuple[int, int], Allocation] = {}
@@ -221,7 +228,7 @@ class PlaneSim(ElectionSim):
         self.timings = timings or CoordinatorTimings(
             accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
             drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
-            max_reconfig_attempts=5)
+            max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0)
         self.run_seed = seed
         # The swarm's operator: its key is not drawn from `rng`, so the fault schedule is the same.
         self.operator = OperatorKey(hashlib.sha256(b"sim operator" + struct.pack(">q", seed)).digest())
@@ -645,6 +652,9 @@ class PlaneSim(ElectionSim):
         """Node k answers node src's request (once its reply is known: an allocation waits for
         its coordinator and its stage)."""
         self._seq += 1
+        if msg == ControlMsg.ALLOCATION and k in self.refusing:
+            self._transmit(k, src, ("answer", key, dict(REFUSING)))
+            return
         if msg == ControlMsg.ALLOCATION:
             local = ("alloc", self._seq)
             self._offer_signed(k, local, body, reply_to=(src, key))

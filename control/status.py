@@ -126,6 +126,8 @@ class PlaneStatus:
                 out["issued"].update(reason=c.stalled_reason, stalled_s=max(0.0, self.now - c.stalled_since))
             if c.cut_links:
                 out["issued"]["cut_links"] = c.cut_links
+            if c.left_out:  # peers that refused an allocation: not placed until the time shown
+                out["issued"]["left_out"] = [x.to_wire() for x in c.left_out]
         if self.swarm_wait is not None:
             out["waiting_for_peers"] = dict(self.swarm_wait)
         out["refusals"] = dict(self.refusals)

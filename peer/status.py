@@ -418,7 +418,24 @@ def format_issued(issued: dict) -> str:
         progress += f", no progress for {format_duration(stalled)}"
     return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
             + (f" ({issued['reason']})" if issued.get("reason") else "")
-            + (f", log {issued['log']}" if issued.get("log") else ""))
+            + (f", log {issued['log']}" if issued.get("log") else "")
+            + format_left_out(issued.get("left_out")))
+
+
+def format_left_out(left: object) -> str:
+    """`; left out: 8f6efe7f (busy: ..., for 30 s)`: the peers the coordinator does not place
+    because they refused an allocation, why, and the back-off each got."""
+    if not isinstance(left, list) or not left:
+        return ""
+    parts = []
+    for x in left:
+        if not isinstance(x, dict):
+            continue
+        since, until = x.get("since"), x.get("until")
+        span = (f", for {format_duration(until - since)}" if isinstance(since, (int, float))
+                and isinstance(until, (int, float)) and until >= since else "")
+        parts.append(f"{short(x.get('peer'))} ({x.get('code')}: {str(x.get('reason'))[:120]}{span})")
+    return "; left out: " + ", ".join(parts) if parts else ""
 
 
 def format_epoch_end(end: dict, t: dict) -> str:

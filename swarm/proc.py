@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +154,15 @@ def _loopback_in(text: str) -> int:
     return LOOPBACK_MEMBERS
 
 
-def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str]) -> None:
+def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str], *,
+               program: Sequence[str] = ("-m", "dtfm.peer")) -> None:
+    """Start `peer`'s daemon (`program`: what the interpreter runs, given `join ...` after it;
+    a test's own daemon may wrap the project's)."""
     others = [p for p in state.peers if p.name != peer.name]
     bootstrap = [a for p in others[:3] for a in ("--bootstrap", p.address)]
     emulate = (["--emulate", state.scenario, "--time-scale", repr(state.time_scale),
                 "--bandwidth-scale", repr(state.bandwidth_scale)] if state.emulated else [])
-    cmd = [sys.executable, "-m", "dtfm.peer", "join", "--config", str(peer_config(run_dir, len(state.peers))),
+    cmd = [sys.executable, *program, "join", "--config", str(peer_config(run_dir, len(state.peers))),
            "--listen", peer.address, "--data-dir", peer.data_dir,
            "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region, *emulate,
            "--gossip-profile", gossip_profile(state), *plane_flags(state),

@@ -67,6 +67,7 @@ class FakeSwarm:
 
     def __init__(self, live, known=N[:5]):
         self.live, self.known, self.unmeasured = set(live), set(known), set()
+        self.incarnation: dict[bytes, int] = {}  # a peer's gossiped incarnation (0 when not set)
 
     def live_peers(self):
         return sorted(self.live)
@@ -83,6 +84,9 @@ class FakeSwarm:
     def measured_view(self, candidates):
         c = set(candidates)
         return View(c - self.unmeasured), sorted(c & self.unmeasured)
+
+    def incarnations(self):
+        return {p: self.incarnation.get(p, 0) for p in self.known}
 
 
 class FakePlanner:
@@ -101,7 +105,13 @@ class FakePlanner:
         if self.error is not None:
             raise ValueError(self.error)
         assert self.first is not None
-        return self.first
+        first, peers = self.first, sorted(view.peers)
+        if {p for pipe in first.pipelines for p in pipe} <= set(peers):
+            return first
+        stages = len(first.layer_ranges)  # (a peer of `first` is not in the view: the same shape over the others)
+        dp = len(peers) // stages
+        return Placement(tuple(tuple(peers[d * stages:(d + 1) * stages]) for d in range(dp)), first.layer_ranges,
+                         tuple(peers[dp * stages:]), 1.0, 1.0)
 
     def reshape(self, view, cur, *, live, remaining_steps, regions, seed, force, cut=frozenset()):
         self.calls.append({"live": sorted(live), "remaining_steps": remaining_steps, "seed": seed, "force": force})
@@ -110,6 +120,8 @@ class FakePlanner:
         if self.error is not None:
             raise ValueError(self.error)
         stages = len(cur.layer_ranges)
+        if len(live) < stages:  # (the scheduler would restage; this stand-in keeps S)
+            raise ValueError(f"no allocation fits the {len(live)} live peers")
         dp = len(live) // stages
         # the first order of the live peers (sorted, then its permutations) whose pipelines use
         # no cut link, else sorted
@@ -228,6 +240,47 @@ class Node:
             a, KEYS[N.index(a.issuer)]).to_wire(), 1.0))
         assert reply["accepted"], reply
         self.epoch.handle(StartAsked(("setup",), a.issuer, a.run_id, a.epoch), self.now)
+
+    def autopilot(self, until: float, refusing: dict[bytes, dict] | None = None, *,
+                  step: float = 0.01) -> list[tuple[float, Ask]]:
+        """Every peer answers whatever the machine asks, at once (`step` later), until `until`:
+        the peers of the current epoch hold its stages at step 2, every other peer holds
+        nothing, every holder offers, every peer accepts an allocation but those of `refusing`,
+        which answer it so. The allocations handed out, in order, with their times."""
+        handed: list[tuple[float, Ask]] = []
+        refusing = refusing or {}
+        while self.now < until:
+            if self.computes:
+                self.compute(next(iter(self.computes)), self.now + step)
+                continue
+            if not self.asks:
+                self.tick(min(self.c.next_deadline(), until))
+                continue
+            what = next(iter(self.asks))
+            ask = self.asks[what]
+            alive = [p for p in ask.peers if p in self.swarm.live or p == ME]  # (the others do not answer)
+            if what == "alloc":
+                handed.append((self.now, ask))
+                given = {p: refusing.get(p, {"accepted": True, "role": "stage"}) for p in alive if p != ME}
+            elif ask.msg == ControlMsg.RUN_STATE and ask.body.get("op") == "offer":
+                digest = D01 if tuple(ask.body["layers"]) == (0, 2) else D23
+                given = {p: {"digest": digest, "bytes": 1} for p in alive}
+            elif ask.msg == ControlMsg.RUN_STATE:
+                given = {p: self.held(p) for p in alive}
+            elif ask.msg == ControlMsg.START:
+                given = {p: {"started": True} for p in alive if p != ME}
+            else:
+                given = {p: {"stopped": True} for p in alive if p != ME}
+            self.answer(what, given, self.now + step)
+        return handed
+
+    def held(self, p: bytes) -> dict:
+        """`p`'s RUN_STATE answer in `autopilot`: its stage of n0's current epoch at step 2."""
+        cur = self.epoch.current
+        if cur is None or p not in cur.peers:
+            return state(None, None, run=b"", epoch=0)
+        d, s = cur.position(p)
+        return state(cur.layer_ranges[s], 2, epoch=cur.epoch)
 
     def transcript(self, want: str) -> None:
         same_transcript(self.lines, want)

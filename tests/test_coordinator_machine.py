@@ -1,5 +1,5 @@
 """The coordinator machine (control/coordinator/machine.py) through its public API:
-`handle(event, now)`, `phase`, `next_deadline()`, `status()`; `next_voters`; the step log
+`handle(event, now)`, `phase`, `next_deadline()`, `status()`; `next_council`; the step log
 (control/coordinator/steplog.py).
 
 A test plays the shell around one coordinator, n0: it feeds events at times it picks, answers
@@ -47,7 +47,7 @@ from machine_trace import (
     start_op,
 )
 
-from dtfm.control import RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
+from dtfm.control import Placement, RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
 from dtfm.train import PRESETS, TrainConfig
 from dtfm.control.actions import Ask, Compute, Emit, LogLine, Reply
 from dtfm.control.coordinator.machine import (
@@ -112,12 +112,17 @@ def test_train_start_hands_the_allocation_out_then_starts_every_peer():
     """)
 
 
-def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refusal():
-    n = Node()
+def test_a_peer_that_refuses_the_first_hand_out_is_left_out_and_the_run_starts_without_it():
+    # n2 refuses (another data set): the others are stopped, n2 is left out, and the run is
+    # placed again at once over the others and n4, which accept it: the operator's start succeeds.
+    n = Node(live=N[1:5])
     n.train_start(PLACEMENT)
     n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
              everyone={"accepted": True, "role": "stage"})
     n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.compute("first", 0.3)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.4)
+    n.answer("start", everyone={"started": True}, at=0.5)
     n.transcript("""
         0 train start
           compute first
@@ -126,19 +131,53 @@ def test_a_refused_hand_out_stops_the_others_and_fails_the_start_with_every_refu
           ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
           phase: handing out
         0.1 answers alloc: n0 accepted, n1 accepted, n2 not accepted, n3 accepted
+          emit left-out term=1 epoch=1 trigger=train start reason=n2 refused (data-mismatch: another data set), left out for 30 s more
           ask unstop: STOP at_step=0 epoch=1 -> n0 n1 n3
           phase: refused
         0.2 answers unstop: n0 stopped, n1 stopped, n3 stopped
-          reply op start: error (the allocation was refused: n2: another data set)
+          compute first
+        0.3 computed first
+          reset log
+          ask alloc: ALLOCATION term 1 epoch 2 steps 0..100 [n0 n1 | n3 n4] voters n0 n1 n2 n3 n4 absent n2 -> n0 n1 n3 n4
+          phase: handing out
+        0.4 answers alloc: n0 accepted, n1 accepted, n3 accepted, n4 accepted
+          ask start: START epoch=2 -> n0 n1 n3 n4
+        0.5 answers start: n0 started, n1 started, n3 started, n4 started
+          emit start term=1 epoch=2 trigger=train start old_shape=None new_shape=2x2 resume_step=0
+          reply op start: allocation term 1 epoch 2
+          phase: training
     """)
-    assert named(n.c.status().reason) == "the allocation was refused: n2: another data set"
+    assert [x.peer for x in n.c.status().left_out] == [N[2]]
+
+
+def test_a_hand_out_every_other_peer_refuses_stops_the_others_and_fails_the_start_with_every_refusal():
+    # Nobody is singled out when every other peer refuses (the allocation itself is refused).
+    n = Node()
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {p: {"accepted": False, "code": "data-mismatch", "reason": "another data set"} for p in N[1:4]},
+             0.1)
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.transcript("""
+        0 train start
+          compute first
+        0 computed first
+          reset log
+          ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
+          phase: handing out
+        0.1 answers alloc: n0 accepted, n1 not accepted, n2 not accepted, n3 not accepted
+          ask unstop: STOP at_step=0 epoch=1 -> n0
+          phase: refused
+        0.2 answers unstop: n0 stopped
+          reply op start: error (the allocation was refused: n1: another data set; n2: another data set; n3: another data set)
+    """)
+    assert n.c.status().left_out == ()
 
 
 def test_a_refused_run_is_not_reconfigured():
     n = Node()
     n.train_start(PLACEMENT)
-    n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
-             everyone={"accepted": True, "role": "stage"})
+    n.answer("alloc", {p: {"accepted": False, "code": "data-mismatch", "reason": "another data set"} for p in N[1:4]},
+             0.1)
     n.answer("unstop", everyone={"stopped": True}, at=0.2)
     n.lines.clear()
     n.feed(Trigger("peer n3 is dead"), 1.0)
@@ -1511,3 +1550,209 @@ def test_a_per_link_run_whose_planner_chose_nothing_compresses_every_link():
     n.compute("first", 0.0)
     a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
     assert a.compress_links == LinkCodecs.uniform(2, 2) and a.compression.per_link
+
+
+# ---- refusing peers (control/coordinator/leftout.py) ---------------------------------------------
+
+BUSY = {"accepted": False, "code": "busy", "reason": "an insider refuses every allocation"}
+
+
+def named_in(handed) -> list[float]:
+    """The times of the hand-outs that name n4."""
+    return [t for t, ask in handed if N[4] in ask.peers]
+
+
+@pytest.mark.parametrize("refusal", [
+    BUSY,
+    {"accepted": False, "code": "stale", "reason": f"term 1 is older than this peer's term {2**62}"},
+    {"reason": "no answer within 5 s"},  # (the shell's answer for a peer that did not answer)
+    {"accepted": False, "code": ["not", "a", "code"] * 300, "reason": {"not": "words"}},
+])
+def test_a_member_that_refuses_every_allocation_is_left_out_and_the_run_goes_on(refusal):
+    # N2 of the 2026-11-28 review: n4 joins a 2 x 2 run and refuses every allocation (whatever
+    # it says, or nothing). Each refusal leaves it out of the next attempts for a back-off that
+    # doubles (30, 60, 120, ... s); it counts toward no limit, so the run never stops; the next
+    # attempt goes on over n0..n3 at once; n4's joins start a reconfiguration only when its
+    # back-off ends.
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    handed = n.autopilot(1000.0, {N[4]: refusal})
+    assert n.c.phase is Phase.TRAINING and not n.epoch.run_over()
+    tried = named_in(handed)
+    assert len(tried) == 6  # at 2.2, then after 30, 60, 120, 240 and 480 s (the next, after 600 s, is past 1000 s)
+    gaps = [b - a for a, b in zip(tried, tried[1:])]
+    assert [round(g / 30) for g in gaps] == [1, 2, 4, 8, 16], gaps
+    # every refused hand-out is followed by one without n4, which every other peer accepts
+    after = [next(ask for t, ask in handed if t > x) for x in tried]
+    assert all(N[4] not in ask.peers for ask in after)
+    assert n.epoch.current is not None and set(n.epoch.current.peers) == set(N[:4])
+    st = n.c.status()
+    assert [x.peer for x in st.left_out] == [N[4]] and st.left_out[0].refusals == 6
+    assert st.left_out[0].code == ("no-answer" if "code" not in refusal else
+                                   refusal["code"] if isinstance(refusal["code"], str) else "malformed")
+    assert st.left_out[0].until - st.left_out[0].since == pytest.approx(600.0)  # (the max back-off)
+    events = [x for x in n.lines if x.startswith("  emit left-out")]
+    assert len(events) == 6 and all(named(short_id(N[4])) in x for x in events)
+    assert not any("emit stopped" in x or "emit paused" in x for x in n.lines)
+
+
+def test_a_left_out_peers_back_off_ends_and_an_honest_peer_is_placed_again():
+    # n4 joins and cannot build its stage once (a transient trouble): left out for 30 s, the run
+    # goes on over n0..n3. When the back-off ends it is asked again, placed, and accepts: its
+    # record is cleared (a refusal later would be a first one again).
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    handed = n.autopilot(10.0, {N[4]: {"accepted": False, "code": "build-failed", "reason": "no holder reachable"}})
+    assert len(named_in(handed)) == 1 and [x.peer for x in n.c.status().left_out] == [N[4]]
+    assert "n4 for 30 s" in named(n.c.status().reason) or n.c.phase is Phase.TRAINING
+    handed = n.autopilot(60.0)
+    tried = named_in(handed)
+    assert len(tried) == 1 and 30.0 < tried[0] < 36.0, tried
+    assert n.c.phase is Phase.TRAINING and n.c.status().left_out == ()
+    assert N[4] in set(n.epoch.current.spares) | set(n.epoch.current.peers)
+
+
+def test_a_peer_that_refused_once_and_restarted_is_placed_again_at_once_a_repeated_refuser_waits():
+    # Gossip tells that n4 restarted (a higher incarnation): after one refusal it is placed at
+    # the next check, not after its back-off. After a second refusal in a row a restart does not
+    # shorten the back-off: a peer that bumps its incarnation at will forces no reconfiguration.
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    handed = n.autopilot(5.0, {N[4]: BUSY})
+    assert len(named_in(handed)) == 1
+    n.swarm.incarnation[N[4]] = 1
+    handed = n.autopilot(10.0, {N[4]: BUSY})
+    assert len(named_in(handed)) == 1 and named_in(handed)[0] < 8.0  # at the next check, not at 32 s
+    n.swarm.incarnation[N[4]] = 2
+    handed = n.autopilot(60.0, {N[4]: BUSY})
+    assert named_in(handed) == []  # waits its 60 s
+    assert n.c.status().left_out[0].refusals == 2
+
+
+def test_a_membership_refusal_is_retried_once_then_the_peer_is_left_out():
+    # "not-covered" (its gossip does not agree yet) is retried without leaving n4 out, as gossip
+    # converges; the same refusal again leaves it out: a peer that says so forever stops nothing.
+    n = Node()
+    n.training()
+    n.swarm.live.add(N[4])
+    refusal = {"accepted": False, "code": "not-covered", "reason": "live peers with neither a stage nor a spare"}
+    handed = n.autopilot(30.0, {N[4]: refusal})
+    tried = named_in(handed)
+    assert len(tried) == 2 and tried[1] - tried[0] < 5.0
+    assert [x.peer for x in n.c.status().left_out] == [N[4]] and n.c.phase is Phase.TRAINING
+
+
+def test_a_run_stops_when_no_layout_of_the_accepting_peers_exists_and_says_who_refused():
+    # A 1 x 3 run over n0, n1 and n2, n3 a spare; n3 dies, and n1 refuses the next allocation
+    # (the run could resume: n1 holds layers 1-2). With n1 left out no 3-stage layout of the
+    # peers that accept exists: the run stops at once (waiting would only obey n1), saying which
+    # peer refused and why.
+    n = Node()
+    n.train_start(Placement(((N[0], N[1], N[2]),), ((0, 1), (1, 2), (2, 4)), (N[3],), 1.0, 1.0))
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    n.swarm.live.discard(N[3])
+    n.feed(Trigger("peer n3 is dead"), 5.0)
+    refusal = {"accepted": False, "code": "data-mismatch", "reason": "another data set"}
+    n.autopilot(20.0, {N[1]: refusal})
+    assert n.c.phase is Phase.STOPPED and n.epoch.run_over()
+    assert named(n.c.status().reason) == (
+        "no layout of the peers that accept the allocation exists (no allocation fits the 2 live peers); "
+        "left out: n1 refused (data-mismatch: another data set)")
+    stopped = [x for x in n.lines if x.startswith("  emit stopped")]
+    assert len(stopped) == 1 and "n1 refused" in stopped[0]
+    assert [x.peer for x in n.c.status().left_out] == [N[1]]
+
+
+def test_refusals_with_unhashable_codes_from_most_peers_count_and_raise_nothing():
+    # (untrusted answers: a code that is a list or a map is "malformed", never looked up as is)
+    n = Node()
+    n.training()
+    n.feed(Trigger("drift"), 5.0)
+    odd = {"accepted": False, "code": ["dead-peer"], "reason": ["x"] * 3}
+    n.autopilot(60.0, {N[1]: odd, N[2]: {**odd, "code": {"a": 1}}, N[3]: odd})
+    assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
+    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+
+
+def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
+    # A 1 x 2 run over n0 and n1: n1 refuses as many as accept (n0 alone), so its refusal may
+    # be the allocation's fault: nobody is left out and the attempts count as before.
+    n = Node(live=N[1:2], voters=N[:2])
+    n.train_start(Placement(((N[0], N[1]),), ((0, 2), (2, 4)), (), 1.0, 1.0))
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    n.feed(Trigger("drift"), 5.0)
+    n.autopilot(60.0, {N[1]: {"accepted": False, "code": "busy", "reason": "busy"}})
+    assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
+    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+
+
+def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count():
+    # The allocation itself is refused (as a stale coordinator's would be): nobody is singled
+    # out, and the failed attempts count toward max_reconfig_attempts as before.
+    n = Node()
+    n.training()
+    n.feed(Trigger("drift"), 5.0)
+    stale = {"accepted": False, "code": "stale", "reason": "term 1 is older than this peer's term 2"}
+    n.autopilot(60.0, {p: stale for p in N[1:4]})
+    assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
+    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+
+
+def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
+    n = Node(live=N[1:5])
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
+             everyone={"accepted": True, "role": "stage"})
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=1.0), DATA_HASH, DATA_NAME), 1.0)
+    n.compute("first", 1.0)
+    assert n.planner.firsts[-1]["peers"] == sorted([N[0], N[1], N[3], N[4]])
+
+
+def test_a_start_placed_again_that_cannot_be_scheduled_fails_and_its_run_is_not_reconfigured():
+    # n2 refuses; the placement without it fails (the scheduler finds none): the operator is
+    # told, and the run of the refused hand-out, which the others applied, stays stopped.
+    n = Node()
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {N[2]: {"accepted": False, "code": "busy", "reason": "busy"}}, 0.1,
+             everyone={"accepted": True, "role": "stage"})
+    n.planner.error = "no allocation fits the 3 peers"
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.lines.clear()
+    n.compute("first", 0.3)
+    n.transcript("""
+        0.3 computed first: error (no allocation fits the 3 peers)
+          reply op start: error (cannot schedule: no allocation fits the 3 peers)
+    """)
+    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    n.swarm.live.add(N[4])
+    n.tick(5.0)
+    n.tick(10.0)
+    assert not n.asks and not n.computes
+
+
+def test_left_out_back_offs_double_per_refusal_in_a_row_and_end():
+    from dtfm.control.coordinator.leftout import LeftOut
+    lo = LeftOut(30.0, 100.0, membership_codes={"not-covered"})
+    a, b = N[1], N[2]
+    assert lo.refused(a, "busy", "x", 0.0, 0) and lo.out(0.0) == {a}
+    assert lo.out(29.9) == {a} and lo.out(30.0) == frozenset()  # (placed again when it ends)
+    assert lo.refused(a, None, "no answer within 5 s", 31.0, 0)  # again: 60 s, code "no-answer"
+    assert [(x.code, x.until - x.since, x.refusals) for x in lo.snapshot(31.0)] == [("no-answer", 60.0, 2)]
+    assert lo.refused(a, "busy", "x", 100.0, 0) and lo.snapshot(100.0)[0].until == 200.0  # (capped at 100 s)
+    assert not lo.refused(b, "not-covered", "x", 0.0, None) and lo.out(0.0) == {a}  # a first membership refusal
+    assert lo.refused(b, "not-covered", "x", 1.0, None) and lo.out(1.0) == {a, b}  # ... and the second
+    lo.accepted([b])
+    assert lo.out(2.0) == {a}
+    assert lo.out(401.0) == frozenset() and lo.refused(a, "busy", "x", 401.0, 0)  # forgotten: a first refusal again
+    assert lo.snapshot(401.0)[0].refusals == 1
+    assert lo.out(402.0, {a: 1}) == frozenset()  # a restart after one refusal: placed again at once
+    lo.refused(a, "busy", "x", 403.0, 1)
+    assert lo.out(404.0, {a: 9}) == {a}  # after two in a row it waits
+    lo.clear()
+    assert lo.out(404.0) == frozenset()

@@ -8,7 +8,10 @@ simulation carries, with arbitrary fields: ELECTION of every kind (terms up to t
 votes it signs for anyone, two in one term, certificates of its own configuration, assembled
 from the votes it was given, over the swarm's voters, itself and its minted identities, or
 forged); ALLOCATION signed by itself with arbitrary fields and those certificates, councils
-copied, of its own making, or changed by it (a minted identity in, a voter out, twice at once), the run's operator
+copied, of its own making, or changed by it (a minted identity in, a voter out, twice at once);
+an insider that refuses every allocation another node hands it (in some runs from the start, in
+others from a rule on; a daemon whose `ControlPlane.accept` is wrapped to refuse: N2 of the
+2026-11-28 review); the run's operator
 start replayed or its own, or an unsigned or garbled body; START, STOP (final, abort, any step,
 an operator's signed stop replayed, one it signed itself, or garbage); STEP reports (any run, epoch, step, loss,
 far-future steps) and failures; RUN_STATE query, offer and reach; message types the simulation
@@ -20,7 +23,8 @@ applied only from the certified coordinator elected in its term, the one the nod
 each node's applied (term, epoch) only grows; every logged loss is the reference's (unless the
 Byzantine insider is a last stage of that epoch: a peer that computes the loss can lie about
 it, out of scope like gradient poisoning); the merged log has no holes; and no machine raises
-(an exception in a machine ends the run and fails the test).
+(an exception in a machine ends the run and fails the test). While the insider refuses, the run
+goes on without it: once the network settles the others train, and the run is never stopped.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from test_plane_sim import CFG, CLEAN, PlaneMachine, check_applications, check_l
 
 from dtfm.control.allocation import Allocation, SignedAllocation
 from dtfm.control.allocation.allocation import ALLOCATION_DOMAIN
+from dtfm.control.coordinator.machine import Phase
 from dtfm.control.election import (
     MAX_TERM,
     Certificate,
@@ -89,6 +94,8 @@ class ByzantinePlane(PlaneMachine):
         self.me = self.sim.byzantine
         self.key = self.sim.signers[self.sim.ids[self.me]]
         self.applied_before = list(self.sim.disk_applied)
+        if kind == "insider" and seed // 3 % 2:  # (refuses every allocation from the start)
+            self.sim.refusing.add(self.me)
         self.sim.run_for(2.0)
         for c in self.sim.coordinators():
             self.sim.start_training(c)
@@ -404,6 +411,14 @@ class ByzantinePlane(PlaneMachine):
             sim.byzantine_ask(k, ControlMsg.ALLOCATION if as_send else ControlMsg.RUN_STATE, m[2])
         self._then_train()
 
+    @rule(on=st.booleans())
+    def refuse_allocations(self, on):
+        """The insider refuses every allocation another node hands it from now on (or no more)."""
+        if not self.sim.liars_run:  # (an outsider is never handed one)
+            return
+        (self.sim.refusing.add if on else self.sim.refusing.discard)(self.me)
+        self._then_train()
+
     # ---------------------------------------------------------------- invariants
 
     @invariant()
@@ -434,8 +449,36 @@ class ByzantinePlane(PlaneMachine):
             return
         outcome = settle(sim)
         self.safe()
+        if sim.refusing:  # a member that refuses every allocation is left out, not obeyed
+            assert not outcome.startswith("stopped"), outcome
         if outcome == "training":  # (else every holder of a stage was lost with the steps it ran)
             check_log(sim, pending=False)
+
+
+def test_an_insider_that_refuses_every_allocation_is_left_out_and_the_run_goes_on():
+    """N2 of the 2026-11-28 review in the simulation: one of 5 nodes refuses every allocation
+    another node hands it, from the run's start. The start is placed again without it, and each
+    time its back-off ends and it is tried again it is left out for longer: the other four train
+    on, the run is never stopped, and the coordinator shows it left out and why."""
+    for seed in range(3):
+        sim = PlaneSim(5, CFG, seed=seed, stages=2, conditions=CLEAN, byzantine="insider")
+        sim.refusing.add(sim.byzantine)
+        sim.run_for(2.0)
+        for c in sim.coordinators():
+            sim.start_training(c)
+        steps = 0
+        for _ in range(60):  # a minute: the back-off (2 s in the simulation, doubling) ends several times
+            sim.run_for(1.0)
+            steps += sim.train(1)
+        (c,) = sim.coordinators()
+        coord = sim.coords[c]
+        assert sim.violations == []
+        assert coord.phase is Phase.TRAINING and not sim.epoch(c).run_over(), coord.reason
+        assert steps >= 45, steps
+        left = coord.status().left_out
+        assert [x.peer for x in left] == [sim.ids[sim.byzantine]] and left[0].code == "busy"
+        assert left[0].refusals >= 3  # tried again each time its back-off ended
+        check_log(sim)
 
 
 TestByzantinePlane = ByzantinePlane.TestCase

@@ -90,9 +90,11 @@ def settle(sim: PlaneSim, rounds: int = 12) -> str:
         if phase is Phase.PAUSED:  # (it retries when the peers out of reach answer)
             paused = f"{phase.value}: {sim.coords[coords[0]].reason}"
             continue
-        epochs = {sim.epoch(k).current.term_epoch if sim.epoch(k).current else None for k in sim.live()}
+        # (a node that refuses every allocation is left out: it takes no part)
+        taking = [k for k in sim.live() if k not in sim.refusing]
+        epochs = {sim.epoch(k).current.term_epoch if sim.epoch(k).current else None for k in taking}
         training = all(sim.epoch(k).run is not None and sim.epoch(k).run.phase in (
-            EpochPhase.TRAINING, EpochPhase.SPARE) for k in sim.live())
+            EpochPhase.TRAINING, EpochPhase.SPARE) for k in taking)
         if len(epochs) == 1 and training and sim.train(2) == 2:
             sim.run_for(0.5)
             return "training"

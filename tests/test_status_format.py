@@ -135,6 +135,15 @@ def test_a_finished_run_counts_its_steps():
         == "issued run abababab: stalled, 18 of 400 steps done, no progress for 1m 12s (step 18 is overdue)"
 
 
+
+def test_the_peers_left_out_for_refusing_are_shown_with_why():
+    left = [{"peer": "8f" * 32, "code": "busy", "reason": "an insider refuses", "since": 100.0, "until": 130.0,
+             "refusals": 1}]
+    assert format_issued({"run_id": "ab" * 16, "state": "training", "completed": 9, "end_step": 100,
+                          "left_out": left}) \
+        == "issued run abababab: training, 10 of 100 steps done; left out: 8f8f8f8f (busy: an insider refuses, for 30s)"
+
+
 def test_one_stage_and_one_pipeline_are_singular():
     line = format_training({"state": "training", "run_id": "ab" * 16, "preset": "tiny", "stages": 1, "dp": 2},
                            now=0.0)[0]

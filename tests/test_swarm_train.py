@@ -29,8 +29,8 @@ from dtfm.control.election import Certificate, Heartbeat, PreVoteReply, Vote, co
 from dtfm.control.election.limits import MAX_TERM
 from dtfm.net import Identity, Transport, TransportConfig, load_swarm_key
 from dtfm.swarm import cli as swarm
-from dtfm.swarm.proc import peer_request, peer_status
-from dtfm.swarm.state import load_state
+from dtfm.swarm.proc import free_ports, peer_request, peer_status, start_peer, stop_peer
+from dtfm.swarm.state import PeerEntry, load_state
 from dtfm.swarm.train import operator_op, read_log, stop_training
 from dtfm.train import PRESETS, TrainConfig
 
@@ -308,12 +308,63 @@ def _first_step_after(run_dir, epoch: int, since: float, timeout_s: float) -> di
 
 GRAY_BOUND_S = 20.0  # from a freeze or a cut to the next completed step (docs/control.md, "Gray failures")
 
+# The project's daemon with `ControlPlane.accept` wrapped to refuse every allocation (N2 of the
+# 2026-11-28 review: a key holder joins with a fresh data dir and the others' command line).
+REFUSING_DAEMON = """
+import sys
+from dtfm.control import plane
+
+async def refuse(self, alloc, certificate=None):
+    return {"accepted": False, "code": "busy", "reason": "an insider refuses every allocation"}
+
+plane.ControlPlane.accept = refuse
+from dtfm.peer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+REFUSER_BOUND_S = 45.0  # from the refusing member's start to the coordinator leaving it out
+
+
+def _a_refusing_member_is_left_out(run_dir, state) -> float:
+    """A member that refuses every allocation joins the training swarm: the coordinator places
+    it, it refuses, and it is left out (shown in the coordinator's status and in an event), the
+    refusal counted toward nothing; the run goes on over the others and is never stopped. Its
+    daemon is killed afterwards. Returns the seconds from its start to it being left out."""
+    refuser = PeerEntry(name="p99", index=len(state.peers), region=state.peers[0].region, port=free_ports(1)[0],
+                        data_dir=str(run_dir / "p99"))
+    started, since = time.monotonic(), time.time()
+    start_peer(run_dir, state, refuser, [], program=("-c", REFUSING_DAEMON))
+    try:
+        me = wait_for("the refusing daemon to answer", lambda: (peer_status(refuser) or {}).get("peer_id"), 30,
+                      interval_s=0.5)
+
+        def left_out():
+            c = coordinator(state)
+            issued = (c[1].get("issued") or {}) if c is not None else {}
+            assert issued.get("state") != "stopped", issued  # (never: a refusing member stops no run)
+            return any(x.get("peer") == me and x.get("code") == "busy" for x in issued.get("left_out") or []) and issued
+        issued = wait_for("the coordinator to leave the refusing member out", left_out, REFUSER_BOUND_S,
+                          interval_s=0.5)
+        left_s = time.monotonic() - started
+        # the run goes on: a step of an epoch after the refused one (which named the refuser)
+        first = _first_step_after(run_dir, issued["epoch"], since, 60)
+        assert me not in {v.get("coordinator") for v in trainings(state).values()}
+        assert (peer_status(refuser) or {}).get("training", {}).get("stage") is None
+        events = [e for e in (json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip())
+                  if e.get("time", 0) > since]
+        assert any(e["event"] == "left-out" and any(x["peer"] == me for x in e.get("left_out", [])) for e in events)
+        assert not any(e["event"] == "stopped" for e in events), [e for e in events if e["event"] == "stopped"]
+        assert first["epoch"] > issued["epoch"]
+        return left_s
+    finally:
+        stop_peer(refuser, graceful=False)
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_outsider_changes_nothing_a_frozen_peer_and_a_cut_link_cost_seconds(run_dir):
     """An outsider with the swarm key attacks the election and the run: nothing changes (see
-    `_an_outsider_changes_nothing`). Then a training peer is frozen (SIGSTOP: its sockets stay open, it answers nothing): the
+    `_an_outsider_changes_nothing`). A member that refuses every allocation joins: it is left out
+    and the run goes on (`_a_refusing_member_is_left_out`). Then a training peer is frozen (SIGSTOP: its sockets stay open, it answers nothing): the
     coordinator's step deadline and an unanswered probe take it out, and the run goes on within
     GRAY_BOUND_S, the event naming the cause. Woken (SIGCONT), it refuses nothing stale into the
     run and is placed again. Then the link between two pipeline neighbours is cut: the run goes
@@ -326,6 +377,7 @@ def test_an_outsider_changes_nothing_a_frozen_peer_and_a_cut_link_cost_seconds(r
     state = load_state(run_dir)
     _an_outsider_changes_nothing(run_dir, state)
     wait_steps(run_dir, 2)
+    refused_s = _a_refusing_member_is_left_out(run_dir, state)
     t = wait_for("a coordinator", lambda: coordinator(state) and trainings(state), 30, interval_s=0.5)
     victim = next(p for p in state.peers if t[p.name].get("stage") is not None and t[p.name].get("role") != "coordinator")
     epoch = t[victim.name]["epoch"]
@@ -374,7 +426,8 @@ def test_an_outsider_changes_nothing_a_frozen_peer_and_a_cut_link_cost_seconds(r
     wait_for("the healed link to be cleared", cleared, 30, interval_s=0.5)
     wait_steps(run_dir, 1)
     check_log(run_dir, reference)
-    print(f"frozen peer: training again after {frozen_s:.1f} s; cut link: after {cut_s:.1f} s")
+    print(f"refusing member: left out after {refused_s:.1f} s; frozen peer: training again after {frozen_s:.1f} s; "
+          f"cut link: after {cut_s:.1f} s")
     c_name, _ = coordinator(state)
     stop_training(run_dir, next(p for p in state.peers if p.name == c_name))
     wait_for("every peer to end", lambda: all(ended_this_epoch(v) or v.get("stage") is None

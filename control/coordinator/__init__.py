@@ -5,4 +5,5 @@
     schedule.py  the scheduler's placement on the gossiped view
     reshape.py   the re-allocation planner
     request.py   what `train start` asks for
+    leftout.py   LeftOut: peers that refused an allocation, left out of the next attempts for a back-off
 """

@@ -42,7 +42,7 @@ from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
 from ..epoch.runner import StepReport
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
-from ..events import EventKind, PlaneEvent, Reconfiguration
+from ..events import EventKind, LeftOutPeer, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
 from .deadline import DeadlineRules, StepWatch, judge, laggards, missed_deadline, probe_targets
 from .links import CutLinks, ReachAnswer, ReachRequest, used_cut_links
@@ -50,6 +50,7 @@ from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from .request import TrainRequest
 from ..refusals import Refusals, Refused
 from .failures import FailedSteps
+from .leftout import LeftOut
 from .reshape import ReshapePlan
 from .schedule import Placement
 from .steplog import StepLog
@@ -68,6 +69,7 @@ MAX_STARTS_KEPT = 64  # run ids of signed starts taken, kept while they could be
 MAX_LEAVING = 64  # peers that announced a planned leave, remembered (each for leaving_kept_s)
 STALL_STEPS = 3  # steps' time without a completed step after which a failed report stands
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_REFUSAL_CODE = re.compile(r"[a-z][a-z-]{0,31}")
 # Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
 # returned, one just declared dead): gossip converges, so they are retried without counting.
 MEMBERSHIP_REFUSALS = frozenset({"not-covered", "dead-peer", "unknown-peer"})
@@ -94,6 +96,7 @@ class Swarm(Protocol):
     def regions(self) -> dict[bytes, str]: ...
     def view(self) -> NetworkView: ...
     def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]: ...
+    def incarnations(self) -> Mapping[bytes, int]: ...
 
 
 class Planner(Protocol):
@@ -131,6 +134,12 @@ class CoordinatorTimings:
     # The council the coordinator aims for (3, 5 or 7 voters; control/election/council.py): more
     # voters survive more crashes (5: one, 7: two) at the cost of more votes per election.
     council_size: int = 5
+    # A peer that refuses an allocation the others accept (or does not answer it) is left out of
+    # the next attempts this long, doubled with each refusal in a row up to the max (see
+    # leftout.py): shorter places an honest peer whose trouble passed sooner, at a failed
+    # hand-out and a reconfiguration per refusal of a peer that keeps refusing.
+    refused_backoff_s: float = 30.0
+    refused_backoff_max_s: float = 600.0
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -290,6 +299,8 @@ class _Procedure:
     resume: bool = False  # an operator's resume: if it fails, the run stays stopped
     leave: bool = False  # a planned leave's hand-off: recorded as a leave, not a failure
     links_note: str = ""  # a per-link run: which links and groups compress and why (`choose_links`)
+    left_out: frozenset[bytes] = frozenset()  # reachable peers not placed: they refused an allocation
+    tries: int = 0  # kind "start": hand-outs placed again without peers that refused
 
 
 @dataclass(frozen=True)
@@ -309,6 +320,7 @@ class CoordinatorStatus:
     stalled_since: float | None = None  # wall time of the last progress of a run that makes none
     stalled_reason: str = ""
     cut_links: str = ""  # links left out of allocations until measured healthy again
+    left_out: tuple[LeftOutPeer, ...] = ()  # peers left out of allocations because they refused one
 
 
 class Coordinator:
@@ -358,6 +370,9 @@ class Coordinator:
         self._deadline_probe: tuple[int, int, tuple[bytes, ...]] | None = None  # (epoch, step, laggards)
         self.refusals = Refusals()  # STEP reports and failures refused
         self._failures = FailedSteps(self.refusals)  # failed-step reports of the current epoch
+        # peers that refused an allocation: not placed until their back-off ends (leftout.py)
+        self.left_out = LeftOut(timings.refused_backoff_s, timings.refused_backoff_max_s,
+                                membership_codes=MEMBERSHIP_REFUSALS)
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -377,6 +392,10 @@ class Coordinator:
         if self.links:
             times.append(self._next_link_test)
         return min(times)
+
+    def left_out_now(self, now: float) -> frozenset[bytes]:
+        """The peers left out of allocations at `now` because they refused one (leftout.py)."""
+        return self.left_out.out(now, self.swarm.incarnations())
 
     def logged_completed(self, run_id: bytes) -> int | None:
         log = self.steplog
@@ -400,7 +419,8 @@ class Coordinator:
             phase=phase, run_id=log.alloc.run_id if log else None, epoch=log.alloc.epoch if log else None,
             reason=reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
             recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
-            last_reconfig=self.last_reconfig, cut_links=self.links.describe(), **stall)
+            last_reconfig=self.last_reconfig, cut_links=self.links.describe(),
+            left_out=self.left_out.snapshot(self._now, self.wall_offset), **stall)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -509,7 +529,9 @@ class Coordinator:
             if now >= self._paused_retry_at:
                 return self._reconfigure("retrying the paused run", now, retry=["retrying the paused run"])
             return []
-        leaving = self.leaving(now)
+        # (a peer left out for refusing is not asked until its back-off ends: its joins and
+        # returns start no reconfiguration meanwhile)
+        leaving = self.leaving(now) | self.left_out_now(now)
         outside = [p for p in self.swarm.live_peers() if p not in self._named(cur) and p != self.me and p not in leaving]
         if outside:
             self._probe = "joined"
@@ -552,7 +574,8 @@ class Coordinator:
             reason = f"coordinator changed (term {term}): its epoch no longer runs everywhere"
             return self._reconfigure(reason, now, retry=[reason])
         view, _ = self.swarm.measured_view(set(states) | set(self.swarm.live_peers()) | {self.me})
-        ready = [p for p in states if p in view.peers]
+        out = self.left_out_now(now)
+        ready = [p for p in states if p in view.peers and p not in out]
         if not ready:
             return []
         reasons = [f"peer {short_id(p)} joined" for p in sorted(ready)]
@@ -560,7 +583,7 @@ class Coordinator:
 
     def _drift_check(self, cur: Allocation) -> list:
         view = self.swarm.view()
-        live = frozenset(self.swarm.live_peers()) | {self.me}
+        live = (frozenset(self.swarm.live_peers()) | {self.me}) - self.left_out_now(self._now)
         if not view.complete or not set(cur.peers) <= live:
             return []
         log = self.steplog
@@ -801,13 +824,20 @@ class Coordinator:
         if refusal is not None:
             return [Reply(start.key, error=refusal)]
         self._take_start(start.op, now, start.req.wait_s)
-        req = start.req
-        spec, cfg = start.model, req.config
-        view, regions = self.swarm.view(), self.swarm.regions()
         self._paused_live, self._attempts = None, 0
         proc = _Procedure(next(self._keys), "start", "train start", reply=start.key, t0=now)
         proc.start = start
         self._proc = proc
+        return self._place_start(proc, start, now)
+
+    def _place_start(self, proc: _Procedure, start: _Start, now: float) -> list:
+        """The first placement over the measured view less the peers left out for refusing."""
+        req = start.req
+        spec, cfg = start.model, req.config
+        view, regions = self.swarm.view(), self.swarm.regions()
+        out = self.left_out_now(now)
+        if out & set(view.peers):  # (a peer that refused an earlier hand-out is not placed until its back-off ends)
+            view, _ = self.swarm.measured_view(set(view.peers) - out)
         return [Compute(("proc", proc.id, "first"), lambda: self.planner.first_placement(view, req, spec, cfg,
                                                                                         regions))]
 
@@ -815,12 +845,13 @@ class Coordinator:
         start = proc.start
         assert start is not None
         if ev.error is not None or not isinstance(ev.value, Placement):
-            self._proc = None
-            return [Reply(start.key, error=f"cannot schedule: {ev.error}")]
+            return self._start_failed(proc, start, f"cannot schedule: {ev.error}")
         refusal = self.start_refusal()  # (things may have changed while the scheduler ran)
+        run = self.epoch.run
+        if refusal is not None and proc.tries and run is not None and run.alloc.run_id == start.op.run_id:
+            refusal = None  # (its own refused attempt, stopped before it started: the next replaces it)
         if refusal is not None:
-            self._proc = None
-            return [Reply(start.key, error=refusal)]
+            return self._start_failed(proc, start, refusal)
         req, op, shape = start.req, start.op, ev.value
         proc.links_note = shape.links_note
         named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
@@ -836,12 +867,19 @@ class Coordinator:
                                operator_start=start.signed.encode(), compression=req.compression,
                                compress_links=links_for(shape, req.compression))
         except ValueError as e:
-            self._proc = None
-            return [Reply(start.key, error=f"cannot build the allocation: {e}")]
+            return self._start_failed(proc, start, f"cannot build the allocation: {e}")
         try:
             return self._hand_out(proc, alloc, (), now)
         except _Failed as e:
             return self._failed(proc, e)
+
+    def _start_failed(self, proc: _Procedure, start: _Start, why: str) -> list:
+        """The operator is told its start failed; once a hand-out of it went out (and was
+        refused), the run is marked stopped: nobody reconfigures it."""
+        self._proc = None
+        if proc.alloc is not None or proc.tries:
+            self.epoch.mark_stopped(start.op.run_id)
+        return [Reply(start.key, error=why)]
 
     def _reschedule_asked(self, ev: Reschedule, now: float) -> list:
         """An operator's reschedule of the current run, within the skew window, signed after the
@@ -939,6 +977,7 @@ class Coordinator:
         logger.info("an operator resumes run %s", cur.run_id.hex()[:8])
         self.epoch.resume(cur.run_id)
         self.phase, self.reason, self._attempts = Phase.IDLE, "", 0
+        self.left_out.clear()  # (the operator may have fixed the peers that refused: each is tried again)
         self._paused_live = None
         return self._reconfigure("train resume", now, force=True, reply=ev.key, resume=True)
 
@@ -1107,7 +1146,12 @@ class Coordinator:
         view, unmeasured = self.swarm.measured_view(reachable - self.leaving(now))
         if unmeasured:
             logger.info("left out until their links are measured: %s", ", ".join(short_id(p) for p in unmeasured))
-        live = frozenset(view.peers)
+        # (a peer that refused an allocation stays in the view, where it may hold a stage others
+        # fetch, but is not placed until its back-off ends)
+        proc.left_out = self.left_out_now(now) & frozenset(view.peers)
+        if proc.left_out:
+            logger.info("left out because they refused an allocation: %s", self.left_out.why(proc.left_out, now))
+        live = frozenset(view.peers) - proc.left_out
         regions = self.swarm.regions()
         remaining = cur.end_step - rp.step
         cut = self.links.pairs()
@@ -1118,6 +1162,13 @@ class Coordinator:
     def _planned(self, proc: _Procedure, ev: Computed, now: float) -> list:
         cur, rp = proc.cur, proc.rp
         assert cur is not None and rp is not None
+        if ev.error is not None and proc.left_out:
+            # Waiting would not help: the peers that accept have no layout, and obeying the ones
+            # that refuse would hand the run to them. The operator resumes it once they are fixed.
+            return self._stop_run(proc, f"no layout of the peers that accept the allocation exists ({ev.error}); "
+                                        f"left out: {self.left_out.why(proc.left_out, now, timed=False)}",
+                                  proc.trigger,
+                                  left_out=proc.left_out)
         if ev.error is not None:
             return self._pause(proc, f"no allocation fits the reachable peers: {ev.error}", set(proc.states), now)
         proc.plan = ev.value
@@ -1277,14 +1328,50 @@ class Coordinator:
         refused = {p: a for p, a in answers.items() if not a.get("accepted")}
         if refused:
             proc.refused = "the allocation was refused: " + "; ".join(
-                f"{short_id(p)}: {a.get('reason', 'no answer')}" for p, a in refused.items())
-            proc.transient = all(a.get("code") in MEMBERSHIP_REFUSALS for a in refused.values())
+                f"{short_id(p)}: {str(a.get('reason', 'no answer'))[:200]}" for p, a in refused.items())
+            left = self._leave_out(answers, refused, now)
+            # A refusal that left its peer out counts toward no limit: the next attempt goes on
+            # without it. So too a membership disagreement: gossip converges.
+            proc.transient = all(p in left or _refusal_code(a) in MEMBERSHIP_REFUSALS for p, a in refused.items())
             self.phase, self.reason = Phase.REFUSED, proc.refused
             rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
-            return [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0, "epoch": alloc.epoch},
-                                   self.t.request_timeout_s, msg=ControlMsg.STOP)]
+            out: list = []
+            if left:
+                why = self.left_out.why(left, now)
+                shown = tuple(x for x in self.left_out.snapshot(now, self.wall_offset) if x.peer in left)
+                proc.refused += "; left out of the next attempts: " + ", ".join(
+                    f"{short_id(x.peer)} for {x.until - x.since:.0f} s" for x in shown)
+                self.reason = proc.refused
+                logger.warning("the allocation of epoch %d was refused; left out of the next attempts: %s",
+                               alloc.epoch, why)
+                out.append(Emit(PlaneEvent(EventKind.LEFT_OUT, self.election.term, proc.trigger, epoch=alloc.epoch,
+                                           reason=why, left_out=shown)))
+            return out + [self._proc_ask(proc, "unstop", rest, {"run": alloc.run_id, "at_step": 0,
+                                                                "epoch": alloc.epoch},
+                                         self.t.request_timeout_s, msg=ControlMsg.STOP)]
+        self.left_out.accepted(answers)
         return [self._proc_ask(proc, "start", alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
                                self.t.request_timeout_s, msg=ControlMsg.START)]
+
+    def _leave_out(self, answers: Mapping[bytes, dict], refused: Mapping[bytes, dict], now: float) -> frozenset[bytes]:
+        """Record each refusing peer (leftout.py); the peers left out now. While fewer peers
+        refuse than accept (this peer counted), the allocation was fine and each refusing peer is
+        unusable now, whatever its reason (its data, its stage build, another coordinator it
+        follows, a lie, no answer). When as many refuse as accept, the allocation itself is
+        refused (this peer may be behind the others' election, or cut off from them): nobody is
+        singled out, and the failure counts as before. This peer never leaves itself out."""
+        peers = sorted(p for p in refused if p != self.me)
+        accepting = [p for p, a in answers.items() if a.get("accepted")]
+        if not peers or len(peers) >= len(accepting):
+            return frozenset()
+        incarnations = self.swarm.incarnations()
+        left = set()
+        for p in peers:
+            code, reason = _refusal_code(refused[p]), refused[p].get("reason")
+            reason = reason[:200] if isinstance(reason, str) else "no reason given"
+            if self.left_out.refused(p, code, reason, now, incarnations.get(p)):
+                left.add(p)
+        return frozenset(left)
 
     def _started(self, proc: _Procedure, answers: Mapping[bytes, dict], now: float) -> list:
         alloc, log = proc.alloc, self.steplog
@@ -1356,14 +1443,16 @@ class Coordinator:
             out.append(Reply(proc.reply, error=why))
         return out
 
-    def _stop_run(self, proc: _Procedure, why: str, trigger: str) -> list:
+    def _stop_run(self, proc: _Procedure, why: str, trigger: str, left_out: frozenset[bytes] = frozenset()) -> list:
         cur = proc.cur
         assert cur is not None
         logger.error("training stops: %s", why)
         self.phase, self.reason = Phase.STOPPED, why
         self.epoch.mark_stopped(cur.run_id)
         self._proc = None
-        out: list = [Emit(PlaneEvent(EventKind.STOPPED, self.election.term, trigger, epoch=cur.epoch, reason=why))]
+        shown = tuple(x for x in self.left_out.snapshot(self._now, self.wall_offset) if x.peer in left_out)
+        out: list = [Emit(PlaneEvent(EventKind.STOPPED, self.election.term, trigger, epoch=cur.epoch, reason=why,
+                                     left_out=shown))]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
@@ -1373,9 +1462,19 @@ class Coordinator:
         check, up to `max_reconfig_attempts` times, then the run stops."""
         self._proc = None
         why = str(e)
+        start = proc.start
+        if (proc.kind == "start" and start is not None and proc.alloc is not None and not e.counts
+                and proc.tries + 1 < self.t.max_reconfig_attempts and self.election.is_coordinator):
+            # Every peer that refused is left out (or its gossip disagreed): the run is placed
+            # again without them, rather than failed for the operator by one member.
+            logger.warning("the first hand-out of run %s failed (%s): placing it again", start.op.run_id.hex()[:8], why)
+            proc.tries += 1
+            proc.alloc, proc.answers, proc.refused, proc.transient = None, {}, "", False
+            self._proc = proc
+            return self._place_start(proc, start, self._now)
         if proc.kind == "start":
-            if proc.alloc is not None:  # the operator is told it failed: nobody reconfigures it
-                self.epoch.mark_stopped(proc.alloc.run_id)
+            if start is not None:  # the operator is told it failed: nobody reconfigures it
+                return self._start_failed(proc, start, why)
             return [Reply(proc.reply or (), error=why)]
         out: list = [Reply(proc.reply, error=why)] if proc.reply is not None else []
         if proc.resume and proc.cur is not None:  # the operator is told; the run stays stopped
@@ -1386,7 +1485,8 @@ class Coordinator:
             self._attempts += 1
             logger.warning("reconfiguration %d failed: %s", self._attempts, why)
         else:
-            logger.warning("reconfiguration failed while the peers' membership views differ (retried): %s", why)
+            logger.warning("reconfiguration failed (retried; it counts toward no limit: the peers' membership views "
+                           "differ, or the peers that refused are left out): %s", why)
         cur = self.epoch.current
         if cur is not None and not self._over() and self.election.is_coordinator:
             if self._attempts >= self.t.max_reconfig_attempts:
@@ -1563,6 +1663,17 @@ def resume_refusal(asked: bytes, last: bytes | None, *, stopped: bool, over: boo
     if over:
         return f"run {asked.hex()[:8]} finished its {end_step} steps: start a new run to train more"
     return f"run {asked.hex()[:8]} is still running: `train stop` it first, or let it be"
+
+
+def _refusal_code(answer: Mapping) -> str | None:
+    """A refusing peer's code (untrusted: a short lower-case word), "malformed" for any other
+    value, None when it gave none (it did not answer in time)."""
+    code = answer.get("code")
+    if code is None:
+        return None
+    if isinstance(code, str) and _REFUSAL_CODE.fullmatch(code):
+        return code
+    return "malformed"
 
 
 def _num(v: object) -> float:
