@@ -46,6 +46,8 @@ class Refused(enum.Enum):
     FETCH_NOT_NAMED = ("fetch-not-named", "only the peers an allocation names fetch its stages")
     # RUN_STATE export, at a holder (control/export.py, control/epoch/access.py)
     EXPORT_NOT_SIGNED = ("export-not-signed", "only the peer an operator's signed export names gathers a run")
+    # ALLOCATION, at every peer (control/epoch/machine.py, control/election/state.py)
+    BAD_COUNCIL = ("bad-council", "an allocation whose council does not follow from this peer's")
 
     def __init__(self, code: str, text: str):
         self.code = code

@@ -873,3 +873,43 @@ def test_whom_a_leaving_peer_asks_to_hand_its_part_off(what, me, coordinator, ap
     target, why = p.m.hand_off_to()
     assert target == asks and why.startswith(words) and bool(why) == bool(words)
 
+
+
+def test_an_allocation_whose_council_is_no_operators_or_disagrees_with_gossip_is_refused_and_counted():
+    # The council an allocation carries: its root must be an operator's (not one a peer made), its
+    # voters the allocation's, and the change this allocation makes must agree with this peer's
+    # gossip: a voter added is a live member, a voter dropped is not. Each refusal is counted.
+    from machine_trace import KEY_OF, root_of
+
+    from dtfm.control import council_arg, root_council
+    from dtfm.control.election import Certificate, Council, CouncilLink, config_digest, vote_payload
+    from dtfm.control.election.council import link_payload
+
+    p = Peer(N[1])
+    four = tuple(sorted(N[:4]))
+    own = root_of(four)
+    forged_op = sign_op(INTRUDER, "council", now_s=0.0, run_id=b"c" * 16,
+                        args={"council": council_arg(four), "council_size": 5})
+    forged = Council(forged_op.encode(), four, forged_op.open().issued_at_ms, 5)
+    reply = p.offer(alloc(voters=four, council=forged.encode()))[-1].value
+    assert reply["code"] == "bad-council" and "not an operator" in reply["reason"]
+    assert p.m.refusals.counts() == {"bad-council": 1}
+
+    def changed(after, epoch):
+        after = tuple(sorted(after))
+        payload = vote_payload(1, N[0], config_digest(own.voters))
+        cert = Certificate.of(1, N[0], own.voters, {v: KEY_OF[v].sign(payload) for v in own.voters})
+        return own.extended(CouncilLink(cert, after, KEY_OF[N[0]].sign(link_payload(1, epoch, own.voters, after)),
+                                        epoch))
+
+    grown = changed(four + (N[4],), 1)  # n4: not live in this peer's gossip (context: n0..n3)
+    reply = p.offer(alloc(voters=grown.voters, council=grown.encode()))[-1].value
+    assert reply["code"] == "bad-council" and "not a live member" in reply["reason"]
+    dropped = changed(four[:3], 1)  # drops a voter this peer sees live
+    reply = p.offer(alloc(voters=dropped.voters, council=dropped.encode()))[-1].value
+    assert reply["code"] == "bad-council" and "live in this peer's gossip" in reply["reason"]
+    assert p.m.refusals.counts() == {"bad-council": 3}
+    out = p.offer(alloc(voters=grown.voters, council=grown.encode(), spares=(N[4],)), live=tuple(N[:5]))
+    assert isinstance(out[-1], BuildStage) and p.election.council == grown  # the same change, with n4 live here
+    assert root_council(sign_op(OPERATOR, "council", now_s=0.0, run_id=b"c" * 16,
+                                args={"council": council_arg(four), "council_size": 5}), OPERATORS).same_root(own)

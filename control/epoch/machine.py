@@ -339,7 +339,7 @@ class EpochMachine:
         self._restored_asked_at: float | None = None  # when the coordinator was last asked about it
         self._heard: tuple[str, int] | None = None  # what the coordinator told about it: (state, steps done)
         self._known: collections.deque[Allocation] = collections.deque(maxlen=MAX_KNOWN_EPOCHS)  # applied, newest last
-        self.refusals = Refusals()  # RUN_STATE this peer refused
+        self.refusals = Refusals()  # RUN_STATE and councils this peer refused
         self.taken = TakenOps()  # the operators' operations this peer took, per run (control/epoch/taken.py)
 
     # ---- restore ------------------------------------------------------------------------------
@@ -596,6 +596,8 @@ class EpochMachine:
                 if now < until:
                     return [WaitForCoordinator(dataclasses.replace(ev, waited_until=until), until)]
         if refusal is not None:
+            if refusal.code == "bad-council":  # (counted: a council not following from this one is an attack or a bug)
+                self.refusals.refuse(Refused.BAD_COUNCIL, alloc.issuer, refusal.reason)
             return [Reply(ev.key, {"accepted": False, "code": refusal.code, "reason": refusal.reason},
                           error=refusal.reason)]
         out: list = []
