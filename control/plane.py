@@ -950,12 +950,16 @@ class ControlPlane:
         ask_s = min(self.config.request_timeout_s, self.config.elect_timeout_s)
         found = await self.election.find_coordinator(self.gossip.live_peers(), ask_s)
         root: Council | None = None
+        # (Peers that say they have a council are only a hint: the claim is unchecked, so it
+        # never keeps the operator's start from rooting one here.)
+        hint = "" if self.election.council is not None or not found.configured else (
+            f"; {found.configured} live peer(s) say they have a council: if the swarm has one, start the run on "
+            "a peer of it (`dtfm-peer status` shows the voters), or re-root it with `dtfm-peer train council`")
         if found.coordinator is None and self.election.council is None:
-            if found.configured:
-                raise TrainError(f"this peer has no council yet, but {found.configured} live peer(s) have one: "
-                                 "start the run on a peer of the swarm's council (`dtfm-peer status` shows it), "
-                                 "or re-root it with `dtfm-peer train council`")
-            root = self._take_root(start)
+            try:
+                root = self._take_root(start)
+            except TrainError as e:
+                raise TrainError(f"this peer has no council yet, and {e}{hint}") from None
         while found.coordinator is None:
             if root is not None:
                 await self._send_root(root.voters, start)
@@ -963,7 +967,7 @@ class ControlPlane:
             left = deadline - trio.current_time()
             if left <= 0:
                 raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
-                                 f"{found.why}")
+                                 f"{found.why}{hint}")
             c = await self.election.wait_for_coordinator(min(left, FIND_AGAIN_ELECTIONS
                                                              * self.config.election.election_timeout_max_s))
             if c is not None:

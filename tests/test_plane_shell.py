@@ -556,7 +556,9 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
     # certificate they pass on against the council and forwards the operator's signed start to
     # the coordinator at once: no election of its own (it never stands), no 30 s wait. Without a
     # council (a joiner), it cannot check any certificate: it forwards nothing, to nobody, and
-    # says where to start the run instead (a self-made certificate would otherwise get it).
+    # says where to start the run instead (a self-made certificate would otherwise get it); the
+    # peers' claim to have a council is only a hint (anyone can claim one), never a refusal of a
+    # start that names its own council.
     joiner = IDS[3]
     council = root_of(tuple(p.peer_id for p in IDS[:3]))
     cert = certificate(2, IDS[0], IDS[:2], IDS[:3])
@@ -566,8 +568,8 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
     signed = start_op()
     bare = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path / "bare", config(tmp_path),
                         operators=[OPERATOR.public_key])
-    with pytest.raises(TrainError, match="no council yet, but 3 live peer"):
-        await bare.start_training(signed)
+    with pytest.raises(TrainError, match="no council yet, and the operator's start names no council; 3 live peer"):
+        await bare.start_training(signed)  # (the peers' claim of a council is a hint, never a reason to forward)
     assert all(c.forwarded == [] for c in conns.values()) and bare.election.voters == ()
     assert bare.status()["election"]["heard_of"] is None
     plane = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path, config(tmp_path),
@@ -810,3 +812,31 @@ async def test_reach_pings_the_asked_peers_within_the_time_and_only_for_the_coor
         for bad in ({"op": "reach", "peers": [b"x"], "timeout_s": 1.0}, {"op": "reach", "peers": [], "timeout_s": 0}):
             with pytest.raises(ProtocolError):
                 await net.request(OTHER, ControlMsg.RUN_STATE, bad)
+
+
+class ClaimingConn(AnsweringConn):
+    """A peer that claims a council it cannot show (voters 5, no certificate), and takes roots."""
+
+    async def request(self, msg_type, body, timeout_s=None):
+        if msg_type == ControlMsg.COORDINATOR:
+            return self.answer, None
+        assert msg_type == ControlMsg.TRAIN_OP and body["op"] == "root"
+        self.forwarded.append(body)
+        return {"ok": {"voters": 3, "taken": False}}, None
+
+
+async def test_a_claimed_council_does_not_keep_the_operators_start_from_rooting_one(tmp_path, autojump_clock):
+    # Any key holder can answer "who is the coordinator?" claiming a council of 5 voters. On a
+    # peer without a council that claim is a hint in the error, never a refusal: the operator's
+    # start roots the council it names here, and its voters are handed the root.
+    me = IDS[3]
+    claim = {"term": 5, "role": "follower", "recognised": False, "lease": False, "voters": 5, "cert": None}
+    conns = {p.peer_id: ClaimingConn(p.peer_id, claim, False) for p in IDS[:3]}
+    plane = ControlPlane(SwarmTransport(me, conns), me, FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    council = tuple(sorted((me.peer_id, IDS[0].peer_id, IDS[1].peer_id)))
+    with pytest.raises(TrainError, match="no coordinator was elected.*3 live peer\\(s\\) say they have a council"):
+        await plane.start_training(start_op(council=council_arg(council), council_size=3))
+    assert plane.election.council is not None and plane.election.council.voters == council
+    assert [len(c.forwarded) > 0 for c in conns.values()] == [p.peer_id in council for p in IDS[:3]]
+    assert all(b["op"] == "root" for c in conns.values() for b in c.forwarded)
