@@ -184,7 +184,8 @@ def test_body_is_a_fixed_list_with_sorted_config_maps():
     assert FORMAT_VERSION == 6 and FORMATS == (6,) and len(body) == len(BODY_FIELDS) == 26
     assert dict(zip(BODY_FIELDS, body)) == {
         "version": 6, "run_id": RUN, "term": 1, "epoch": 3, "issuer": ISSUER.peer_id, "preset": "tiny",
-        "model": TINY.to_dict(), "train": CFG.to_dict(), "pipelines": [IDS[0:2], IDS[2:4]],
+        "model": TINY.to_dict(), "train": {k: v for k, v in CFG.to_dict().items() if k != "precision"},  # (fp32 travels as no field)
+        "pipelines": [IDS[0:2], IDS[2:4]],
         "layer_ranges": [[0, 2], [2, 4]], "spares": [IDS[4]], "data_hash": DATA_HASH, "data_name": "corpus.txt",
         "start_step": 5, "end_step": 100, "checkpoint_every": 10, "predicted_iteration_s": 1.25,
         "holdings": [h.to_wire() for h in a.holdings], "absent": [bytes([99]) * 32], "reason": "train start",
