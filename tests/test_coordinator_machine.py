@@ -1756,3 +1756,30 @@ def test_left_out_back_offs_double_per_refusal_in_a_row_and_end():
     assert lo.out(404.0, {a: 9}) == {a}  # after two in a row it waits
     lo.clear()
     assert lo.out(404.0) == frozenset()
+
+
+def test_the_operators_next_start_tries_again_a_peer_left_out_of_the_last_run():
+    # n2 refused the first run's hand-out and is left out (30 s). The operator stops that run
+    # and starts another within the back-off: a new run, so n2 is tried again (and would be left
+    # out again if it refused again); a reconfiguration of a run keeps it out.
+    n = Node(live=N[1:5], wall=WALL)
+    n.train_start(PLACEMENT)
+    n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
+             everyone={"accepted": True, "role": "stage"})
+    n.answer("unstop", everyone={"stopped": True}, at=0.2)
+    n.compute("first", 0.3)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.4)
+    n.answer("start", everyone={"started": True}, at=0.5)
+    assert [x.peer for x in n.c.status().left_out] == [N[2]]
+    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
+    [stop] = [k for k in n.asks if k.startswith("opstop")]
+    n.answer(stop, everyone={"stopped": True}, at=3.1)
+    n.epoch.handle(RunnerEnded(2, RunEnd(0, "stopped", False), WALL + 4.0), 4.0)
+    assert n.c.start_refusal() is None, n.c.start_refusal()
+    n.planner.first = PLACEMENT
+    other = b"o" * 16
+    n.feed(StartRun(("op", "start 2"), start_op(other, at_s=WALL + 5.0), DATA_HASH, DATA_NAME), 5.0)
+    assert n.c.status().left_out == ()
+    n.compute("first", 5.0)
+    alloc = SignedAllocation.from_wire(n.asks["alloc"].body).open()
+    assert N[2] in alloc.peers  # placed again in the new run

@@ -825,6 +825,7 @@ class Coordinator:
             return [Reply(start.key, error=refusal)]
         self._take_start(start.op, now, start.req.wait_s)
         self._paused_live, self._attempts = None, 0
+        self.left_out.clear()  # (a new run: each peer is tried again; one that refuses it is left out again)
         proc = _Procedure(next(self._keys), "start", "train start", reply=start.key, t0=now)
         proc.start = start
         self._proc = proc
