@@ -201,12 +201,11 @@ class PlaneConfig:
         drifts. The scheduler keeps its time, so it picks the same allocations, and tensor flow
         control its defaults (CommConfig.test fails a step whose worker waits 5 s for the CPU).
         Emulated links slower than a data centre's want `with_election(ElectionConfig.wan())`:
-        the lan lease (0.4 s) is shorter than a worldwide round trip. A peer that refused an
-        allocation (one restarting or woken on a loaded machine) is left out 5 s, at most 60 s."""
+        the lan lease (0.4 s) is shorter than a worldwide round trip."""
         return cls(
             accept_timeout_s=60.0, connect_timeout_s=30.0, request_timeout_s=5.0, elect_timeout_s=15.0,
             stop_timeout_s=20.0, check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
-            forward_timeout_s=120.0, swarm_poll_s=0.2, refused_backoff_s=5.0, refused_backoff_max_s=60.0,
+            forward_timeout_s=120.0, swarm_poll_s=0.2,
         ).with_election(ElectionConfig.lan())
 
     def with_(self, **changes: Any) -> PlaneConfig:
