@@ -840,3 +840,32 @@ async def test_a_claimed_council_does_not_keep_the_operators_start_from_rooting_
     assert plane.election.council is not None and plane.election.council.voters == council
     assert [len(c.forwarded) > 0 for c in conns.values()] == [p.peer_id in council for p in IDS[:3]]
     assert all(b["op"] == "root" for c in conns.values() for b in c.forwarded)
+
+
+async def test_the_operators_council_operation_re_roots_a_council_and_an_older_one_changes_nothing(
+        tmp_path, autojump_clock):
+    # A council that lost its quorum is re-rooted only by the operator: `dtfm-peer train council`
+    # signs a council operation, which replaces the council this peer holds (one the operator
+    # rooted earlier), is handed to every live peer, and survives a restart (council.bin); a
+    # council operation signed before the root this peer holds changes nothing; no other key's.
+    me = IDS[3]
+    conns = {p.peer_id: ClaimingConn(p.peer_id, {}, False) for p in IDS[:3]}
+    plane = ControlPlane(SwarmTransport(me, conns), me, FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    plane.election.set_root(root_of((IDS[0].peer_id, IDS[1].peer_id, IDS[2].peer_id)))  # (dead for good, say)
+    new = tuple(sorted((me.peer_id, IDS[1].peer_id)))
+    op = sign_op(OPERATOR, "council", now_s=time.time(), args={"council": council_arg(new), "council_size": 3})
+    reply = await plane.reroot(op)
+    assert reply == {"voters": [v.hex() for v in new], "told": 3}
+    assert plane.election.council.voters == new and plane.election.council.root == op.encode()
+    assert all(c.forwarded == [{"op": "root", "signed": op.to_wire()}] for c in conns.values())
+    older = sign_op(OPERATOR, "council", now_s=time.time() - 60,
+                    args={"council": council_arg((IDS[0].peer_id,)), "council_size": 3})
+    with pytest.raises(TrainError, match="rooted by a later operation"):
+        await plane.reroot(older)
+    with pytest.raises(TrainError, match="not an operator"):
+        await plane.reroot(sign_op(INTRUDER, "council", now_s=time.time(), args={"council": council_arg(new)}))
+    assert plane.election.council.voters == new
+    again = ControlPlane(FakeTransport(me), me, FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    assert again.election.council is not None and again.election.council.voters == new
