@@ -33,6 +33,7 @@ PaLM count (non-causal attention, 4 x seq^2 x width) is given beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -44,6 +45,8 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+
+import common  # bench/common.py: the benchmarks' shared swarm helpers
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_TFLOPS = 989.0  # H200 SXM dense bf16 (the datasheet's, as the issue names it)
@@ -398,13 +401,7 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
     def trainings(state) -> dict:
         return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in state.peers if p.alive()}
 
-    def wait_for(what: str, cond, timeout_s: float, interval_s: float = 0.5):
-        deadline = time.monotonic() + timeout_s
-        while not (r := cond()):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what}: not within {timeout_s:g} s")
-            time.sleep(interval_s)
-        return r
+    wait_for = functools.partial(common.wait_for, interval_s=0.5)  # (the daemons' status, polled)
 
     def rows() -> list[dict]:
         return sync_logs(run_dir, load_state(run_dir))[0]  # every peer's log, merged
@@ -487,59 +484,58 @@ def _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spe
     from dtfm.swarm.train import stop_training
     from dtfm.train import LocalCluster, Plan, StageState, load_corpus, reference_step
 
-    if True:
-        coord = wait_for("a coordinator", lambda: next(
-            (p for p in state.peers if p.alive() and trainings(state).get(p.name, {}).get("role") == "coordinator"),
-            None), 30)
-        stop_training(run_dir, coord)
+    coord = wait_for("a coordinator", lambda: next(
+        (p for p in state.peers if p.alive() and trainings(state).get(p.name, {}).get("role") == "coordinator"),
+        None), 30)
+    stop_training(run_dir, coord)
 
-        def ended():
-            v = {n: x for n, x in trainings(state).items() if x.get("stage") is not None}
-            return v and all(x.get("last_end") and x["last_end"].get("epoch") == x.get("epoch")
-                             and x.get("state") not in ("training", "stopping") for x in v.values()) and v
-        end = wait_for("every peer to end", ended, 60)
-        groups: dict = {}
-        for v in end.values():
-            groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
-        time.sleep(1.0)
-        got = rows()
-        # the oracle: one process on the same device, as many steps as the swarm logged
-        ref = StageState(spec, cfg, (0, spec.n_layer), device)
-        corpus = load_corpus()
-        want, ref_s = [], []
-        for _ in range(len(got)):
-            _sync(device)
-            t0 = time.perf_counter()
-            want.append(reference_step(ref, corpus))
-            _sync(device)
-            ref_s.append(time.perf_counter() - t0)
-        one_tps = cfg.global_batch_seqs * spec.seq_len / statistics.median(ref_s[2:] or ref_s)
-        devs = [_rel(r["loss"], want[r["step"]]) for r in got if r["step"] < len(want)]
-        worst = max(devs) if devs else None
-        # the first epoch ran 2 x 2: the same shape in one process (LocalCluster) must give its losses
-        first = [r for r in got if r["epoch"] == got[0]["epoch"]]
-        with LocalCluster(spec, cfg, Plan.grid(spec.n_layer, 2, 2), corpus, device=device) as cl:
-            same = cl.run(len(first))
-        same_dev = max(_rel(r["loss"], x) for r, x in zip(first, same))
-        _emit(out, daemons_per_step={"rel_to_one_process": [float(f"{d:.2e}") for d in devs],
-                                     "epoch": [r["epoch"] for r in got],
-                                     "first_epoch_rel_to_local_2x2": same_dev,
-                                     "local_2x2_rel_to_one_process": [float(f"{_rel(x, w):.2e}")
-                                                                      for x, w in zip(same, want)]})
-        result: dict = {"steps_logged": len(got), "every_step_once": [r["step"] for r in got] == list(range(len(got))),
-                  "max_rel_loss": worst,
-                  "replicas_identical": all(len(h) == 1 for h in groups.values()), "stages": sorted(groups),
-                  "epochs": sorted({r["epoch"] for r in got}), "one_process_tokens_per_s": round(one_tps),
-                  "swarm_tokens_per_s_last": [r.get("tokens_per_s") for r in got[-3:]]}
-        _emit(out, swarm_vs_one_process=result)
-        if not result["every_step_once"] or len(got) < min_steps:
-            raise RuntimeError(f"the log does not hold every step once: {[r['step'] for r in got]}")
-        if same_dev > 1e-5:
-            raise RuntimeError(f"the daemons' 2 x 2 steps differ from the same 2 x 2 in one process by {same_dev:.2e}")
-        if worst is None or worst > 1e-4:
-            raise RuntimeError(f"swarm losses differ from one process by {worst}")
-        if not result["replicas_identical"]:
-            raise RuntimeError(f"DP replicas differ: {groups}")
+    def ended():
+        v = {n: x for n, x in trainings(state).items() if x.get("stage") is not None}
+        return v and all(x.get("last_end") and x["last_end"].get("epoch") == x.get("epoch")
+                         and x.get("state") not in ("training", "stopping") for x in v.values()) and v
+    end = wait_for("every peer to end", ended, 60)
+    groups: dict = {}
+    for v in end.values():
+        groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
+    time.sleep(1.0)
+    got = rows()
+    # the oracle: one process on the same device, as many steps as the swarm logged
+    ref = StageState(spec, cfg, (0, spec.n_layer), device)
+    corpus = load_corpus()
+    want, ref_s = [], []
+    for _ in range(len(got)):
+        _sync(device)
+        t0 = time.perf_counter()
+        want.append(reference_step(ref, corpus))
+        _sync(device)
+        ref_s.append(time.perf_counter() - t0)
+    one_tps = cfg.global_batch_seqs * spec.seq_len / statistics.median(ref_s[2:] or ref_s)
+    devs = [_rel(r["loss"], want[r["step"]]) for r in got if r["step"] < len(want)]
+    worst = max(devs) if devs else None
+    # the first epoch ran 2 x 2: the same shape in one process (LocalCluster) must give its losses
+    first = [r for r in got if r["epoch"] == got[0]["epoch"]]
+    with LocalCluster(spec, cfg, Plan.grid(spec.n_layer, 2, 2), corpus, device=device) as cl:
+        same = cl.run(len(first))
+    same_dev = max(_rel(r["loss"], x) for r, x in zip(first, same))
+    _emit(out, daemons_per_step={"rel_to_one_process": [float(f"{d:.2e}") for d in devs],
+                                 "epoch": [r["epoch"] for r in got],
+                                 "first_epoch_rel_to_local_2x2": same_dev,
+                                 "local_2x2_rel_to_one_process": [float(f"{_rel(x, w):.2e}")
+                                                                  for x, w in zip(same, want)]})
+    result: dict = {"steps_logged": len(got), "every_step_once": [r["step"] for r in got] == list(range(len(got))),
+              "max_rel_loss": worst,
+              "replicas_identical": all(len(h) == 1 for h in groups.values()), "stages": sorted(groups),
+              "epochs": sorted({r["epoch"] for r in got}), "one_process_tokens_per_s": round(one_tps),
+              "swarm_tokens_per_s_last": [r.get("tokens_per_s") for r in got[-3:]]}
+    _emit(out, swarm_vs_one_process=result)
+    if not result["every_step_once"] or len(got) < min_steps:
+        raise RuntimeError(f"the log does not hold every step once: {[r['step'] for r in got]}")
+    if same_dev > 1e-5:
+        raise RuntimeError(f"the daemons' 2 x 2 steps differ from the same 2 x 2 in one process by {same_dev:.2e}")
+    if worst is None or worst > 1e-4:
+        raise RuntimeError(f"swarm losses differ from one process by {worst}")
+    if not result["replicas_identical"]:
+        raise RuntimeError(f"DP replicas differ: {groups}")
 
 
 RUNNERS = {"pytest": check_pytest, "codecs": check_codecs, "mfu": check_mfu, "staging": check_staging,

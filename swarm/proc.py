@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tomllib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -147,11 +148,12 @@ def peer_config(run_dir: Path, peers: int) -> Path:
 
 
 def _loopback_in(text: str) -> int:
-    for line in text.splitlines():
-        key, _, value = line.partition("=")
-        if key.strip() == "max_members_per_loopback" and value.strip().isdigit():
-            return int(value)
-    return LOOPBACK_MEMBERS
+    """The loopback cap a settings file holds (the default where it holds none or is damaged)."""
+    try:
+        cap = tomllib.loads(text).get("gossip", {}).get("max_members_per_loopback")
+    except tomllib.TOMLDecodeError:
+        return LOOPBACK_MEMBERS
+    return cap if type(cap) is int else LOOPBACK_MEMBERS
 
 
 def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[str], *,
