@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -98,10 +98,8 @@ from .epoch.machine import (
     WaitForCoordinator,
 )
 from .epoch.access import parse_fetchers
-from .export import ExportError, ExportProgress, answer_export, export_run
-from .epoch.runner import StepReport
+from .epoch.report import StepReport
 from .epoch.runstate import PeerRunState
-from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .epoch.taken import TAKEN_NAME, load_taken, save_taken
 from .events import Reconfiguration
@@ -110,6 +108,10 @@ from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
 from .operator import OperatorError, SignedOp, check_op, check_time, council_arg, root_council
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
 from .refusals import merge_counts
+
+if TYPE_CHECKING:  # (torch: loaded with the first stage, offer or export; see `ControlPlane.stages`)
+    from .epoch.stages import StageHost
+    from .export import ExportProgress
 
 __all__ = ["ControlPlane"]
 
@@ -254,9 +256,7 @@ class ControlPlane:
         self._corpus_lock = trio.Lock()
         self._models: dict[str, HeldModel] | None = None  # the model folders it holds (`join --model-dir`)
         self._models_lock = trio.Lock()
-        self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
-                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
-                                models=self.models)
+        self._stages: StageHost | None = None  # made on first use (`stages`)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -283,7 +283,8 @@ class ControlPlane:
         self.coordinator.wall_offset = self.epoch.wall_offset = time.time() - trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.stages.attach(nursery)
+            if self._stages is not None:
+                self._stages.attach(nursery)
             await nursery.start(self.election.run)
             nursery.start_soon(self._coordinator_timer)
             nursery.start_soon(self._epoch_timer)
@@ -291,7 +292,31 @@ class ControlPlane:
             try:
                 await trio.sleep_forever()
             finally:
-                self.stages.abort("the daemon is leaving")
+                if self._stages is not None:
+                    self._stages.abort("the daemon is leaving")
+
+    @property
+    def stages(self) -> StageHost:
+        """The stage host (control/epoch/stages.py), made on first use: when this peer builds a
+        stage, offers one (its memory or a checkpoint) or answers an export. Its module loads
+        torch, which an idle daemon never does; its TENSOR and FETCH handlers are registered
+        then (before that, no peer has a reason to send either: see docs/daemon.md, "Memory")."""
+        if self._stages is None:
+            from .epoch.stages import StageHost  # (torch, about 200 MiB: only a peer that handles tensors)
+
+            self._stages = StageHost(self.me, self.transport, self.epoch, self.data_dir, self.config,
+                                     address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
+                                     models=self.models)
+            if self._nursery is not None:
+                self._stages.attach(self._nursery)
+        return self._stages
+
+    def _stages_of(self, run_id: bytes | None) -> StageHost | None:
+        """The stage host where it may know something of run `run_id`: once made, or where the
+        data dir holds checkpoints of that run; None otherwise (nothing held, nothing loaded)."""
+        if self._stages is None and (run_id is None or not (self.data_dir / "checkpoints" / run_id.hex()).is_dir()):
+            return None
+        return self.stages
 
     def _key(self, *parts: object) -> tuple:
         self._keys += 1
@@ -381,13 +406,17 @@ class ControlPlane:
                 pending.reply = a
                 pending.event.set()
         elif isinstance(a, AbortRunner):
-            self.stages.abort(a.reason)
+            if self._stages is not None:
+                self._stages.abort(a.reason)
         elif isinstance(a, FailNeighbour):
-            self.stages.fail_neighbour(a.peer, a.why)
+            if self._stages is not None:
+                self._stages.fail_neighbour(a.peer, a.why)
         elif isinstance(a, StartRunner):
-            self.stages.start(a.epoch)
+            if self._stages is not None:
+                self._stages.start(a.epoch)
         elif isinstance(a, StopRunnerAt):
-            self.stages.stop_at(a.epoch, a.step, final=a.final)
+            if self._stages is not None:
+                self._stages.stop_at(a.epoch, a.step, final=a.final)
         elif isinstance(a, WaitForCoordinator):
             self._start_soon(self._wait_for_coordinator, a)
         else:
@@ -396,10 +425,13 @@ class ControlPlane:
     async def _execute_epoch(self, a) -> None:
         """Execute an action of the epoch machine, in order (some wait)."""
         if isinstance(a, EndEpoch):
-            try:
-                await self.stages.end(a.epoch, a.reason)
-            except StageError as e:
-                raise TrainError(str(e)) from None
+            if self._stages is not None:
+                from .epoch.stages import StageError  # (the host's module: loaded with it)
+
+                try:
+                    await self._stages.end(a.epoch, a.reason)
+                except StageError as e:
+                    raise TrainError(str(e)) from None
         elif isinstance(a, ApplyToElection):
             self.election.apply_allocation(a.term, a.epoch, a.council, a.certificate)
         elif isinstance(a, PersistApplied):
@@ -584,7 +616,8 @@ class ControlPlane:
         if root is not None and (council is None or root.root_at_ms > council.root_at_ms):
             council, previous = root, None  # the operator re-rooted the council after that allocation
         self.election.restore(term, epoch, council, previous)
-        reports = self.stages.kept_reports(run) if alloc is not None and alloc.run_id == run else []
+        host = self._stages_of(run) if alloc is not None and alloc.run_id == run else None
+        reports = host.kept_reports(run) if host is not None else []
         self.epoch.restore(run, term, epoch, alloc, reports)
         if load_stopped(self.data_dir) == run:
             self.epoch.mark_stopped(run)
@@ -793,6 +826,8 @@ class ControlPlane:
                 return {"error": "only the coordinator asks a peer to reach others"}
             return await self._reach(ReachRequest.from_wire(d))
         if op == "export":
+            from .export import answer_export  # (torch: a holder encodes weights)
+
             cur = self.epoch.current
             return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
                                        skew_s=self.config.operator_skew_s, stages=self.stages, current=cur,
@@ -831,7 +866,9 @@ class ControlPlane:
 
     def run_state(self) -> PeerRunState:
         cur = self.epoch.current
-        return self.epoch.run_state(self.stages.checkpoints(cur.run_id if cur is not None else None))
+        run_id = cur.run_id if cur is not None else None
+        host = self._stages_of(run_id)
+        return self.epoch.run_state(host.checkpoints(run_id) if host is not None else ())
 
     # ---- membership and election events -------------------------------------------------------
 
@@ -1119,6 +1156,8 @@ class ControlPlane:
             raise TrainError(str(e)) from None
         if self.export_progress is not None and self.export_progress.phase not in ("done", "failed"):
             raise TrainError(f"an export of run {self.export_progress.run} is running here: wait for it")
+        from .export import ExportError, ExportProgress, export_run  # (torch: the stages are tensors)
+
         progress = self.export_progress = ExportProgress(op.run_id.hex()[:8])
         try:
             return await export_run(
@@ -1220,7 +1259,7 @@ class ControlPlane:
 
     def status(self) -> dict[str, Any]:
         from .status import plane_status
-        refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
-                                 self.stages.recovery.refusals.counts()])
+        held = self._stages.recovery.refusals.counts() if self._stages is not None else {}
+        refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(), held])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()

@@ -45,7 +45,8 @@ from .access import fetch_refusal
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
 from .recovery import RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
-from .runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport
+from .report import REPORTS_NOTE, RunEnd, StepReport
+from .runner import StageRunner
 from .runstate import MAX_REPORTS
 
 __all__ = ["MAX_CHECKPOINTS_LISTED", "MAX_STAGE_BYTES", "StageHost"]
