@@ -97,7 +97,9 @@ from .epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
-from .epoch.access import parse_fetchers
+from .dataplane import TensorRouter
+from .epoch.access import fetch_refusal, parse_fetchers
+from .epoch.recovery import RecoveryServer
 from .epoch.report import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
@@ -107,7 +109,7 @@ from .messages import ControlMsg
 from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
 from .operator import OperatorError, SignedOp, check_op, check_time, council_arg, root_council
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
-from .refusals import merge_counts
+from .refusals import Refused, merge_counts
 
 if TYPE_CHECKING:  # (torch: loaded with the first stage, offer or export; see `ControlPlane.stages`)
     from .epoch.stages import StageHost
@@ -257,6 +259,8 @@ class ControlPlane:
         self._models: dict[str, HeldModel] | None = None  # the model folders it holds (`join --model-dir`)
         self._models_lock = trio.Lock()
         self._stages: StageHost | None = None  # made on first use (`stages`)
+        self.router = TensorRouter(transport)  # (these two answer peers from the start, stage or not)
+        self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -306,10 +310,19 @@ class ControlPlane:
 
             self._stages = StageHost(self.me, self.transport, self.epoch, self.data_dir, self.config,
                                      address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
-                                     models=self.models)
+                                     router=self.router, recovery=self.recovery, models=self.models)
             if self._nursery is not None:
                 self._stages.attach(self._nursery)
         return self._stages
+
+    def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
+        """The recovery server's rule: the stage host's once made, else the peers of this peer's
+        allocations of that run (no offer has named others yet)."""
+        if self._stages is not None:
+            return self._stages.may_fetch(peer, key)
+        run, prev = self.epoch.run, self.epoch.prev
+        return fetch_refusal(peer, key[0], allocations=(run.alloc if run is not None else None,
+                                                        prev.alloc if prev is not None else None))
 
     def _stages_of(self, run_id: bytes | None) -> StageHost | None:
         """The stage host where it may know something of run `run_id`: once made, or where the
@@ -831,7 +844,7 @@ class ControlPlane:
             cur = self.epoch.current
             return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
                                        skew_s=self.config.operator_skew_s, stages=self.stages, current=cur,
-                                       state=self.run_state(), refusals=self.stages.recovery.refusals)
+                                       state=self.run_state(), refusals=self.recovery.refusals)
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -1259,7 +1272,7 @@ class ControlPlane:
 
     def status(self) -> dict[str, Any]:
         from .status import plane_status
-        held = self._stages.recovery.refusals.counts() if self._stages is not None else {}
-        refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(), held])
+        refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
+                                 self.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()
