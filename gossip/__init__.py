@@ -2,7 +2,7 @@
 network measurement, signed measurement reports with anti-entropy, and the N x N network view."""
 
 from .claims import Accusation, Claim, ClaimVerifier, Update
-from .measure import measure_rtt
+from .measure import compute_speed_ms, measure_rtt
 from .config import GossipConfig
 from .members import Member, MemberState, merge_entry, merge_tables
 from .messages import MsgType
@@ -15,5 +15,5 @@ from .view import NetworkView, build_view
 __all__ = [
     "Accusation", "Claim", "ClaimVerifier", "GossipConfig", "GossipService", "Member", "MemberState",
     "MsgType", "NetworkView", "Entry", "Report", "RecordStore", "Send", "Swim", "Update", "build_view",
-    "measure_rtt", "merge_entry", "merge_tables", "remaining_suspicion_time",
+    "compute_speed_ms", "measure_rtt", "merge_entry", "merge_tables", "remaining_suspicion_time",
 ]
