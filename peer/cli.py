@@ -606,7 +606,7 @@ class OperatorSession:
              **fields: object) -> dict:
         """Sign a `kind` operation on `run_id` (None: a start's fresh run) with `op_args`, send it
         as the daemon's `command` with `fields` beside it, and return the daemon's answer."""
-        from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
+        from dtfm.control import sign_op  # (the operation and allocation types: only when signing)
         op = sign_op(self.key, kind, now_s=time.time(), run_id=run_id, args=op_args)
         reply = self.client.request(command, {"op": op.to_wire(), **fields})
         if not isinstance(reply, dict):
