@@ -13,6 +13,7 @@ snapshots.
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import logging
 import os
@@ -315,6 +316,13 @@ class ControlPlane:
                 self._stages.attach(self._nursery)
         return self._stages
 
+    async def _host(self) -> StageHost:
+        """`stages`, its module (and torch with it) imported in a worker thread the first time:
+        the event loop goes on answering peers while it loads (seconds on a busy machine)."""
+        if self._stages is None:
+            await _import_in_thread("dtfm.control.epoch.stages")
+        return self.stages
+
     def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
         """The recovery server's rule: the stage host's once made, else the peers of this peer's
         allocations of that run (no offer has named others yet)."""
@@ -451,7 +459,7 @@ class ControlPlane:
             await trio.to_thread.run_sync(self._save_applied, a.alloc)
         elif isinstance(a, BuildStage):
             members = {m.peer_id: m.address for m in self.gossip.members()}
-            await self._feed_epoch(await self.stages.build(a, members))
+            await self._feed_epoch(await (await self._host()).build(a, members))
         else:
             self._execute_now(a)
 
@@ -839,11 +847,12 @@ class ControlPlane:
                 return {"error": "only the coordinator asks a peer to reach others"}
             return await self._reach(ReachRequest.from_wire(d))
         if op == "export":
+            await _import_in_thread("dtfm.control.export")
             from .export import answer_export  # (torch: a holder encodes weights)
 
             cur = self.epoch.current
             return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
-                                       skew_s=self.config.operator_skew_s, stages=self.stages, current=cur,
+                                       skew_s=self.config.operator_skew_s, stages=await self._host(), current=cur,
                                        state=self.run_state(), refusals=self.recovery.refusals)
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
@@ -856,7 +865,7 @@ class ControlPlane:
         refused = self.epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}
-        return await self.stages.offer(run_id, step, (layers[0], layers[1]), fetchers=fetchers)
+        return await (await self._host()).offer(run_id, step, (layers[0], layers[1]), fetchers=fetchers)
 
     async def _reach(self, req: ReachRequest) -> dict:
         """Ping each asked peer (gossip's round-trip measurement), each within the request's time."""
@@ -1169,13 +1178,14 @@ class ControlPlane:
             raise TrainError(str(e)) from None
         if self.export_progress is not None and self.export_progress.phase not in ("done", "failed"):
             raise TrainError(f"an export of run {self.export_progress.run} is running here: wait for it")
+        await _import_in_thread("dtfm.control.export")
         from .export import ExportError, ExportProgress, export_run  # (torch: the stages are tensors)
 
         progress = self.export_progress = ExportProgress(op.run_id.hex()[:8])
         try:
             return await export_run(
                 signed, op.run_id, out_dir, me=self.me, peers=set(self.gossip.live_peers()) | {self.me},
-                ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=self.stages,
+                ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=await self._host(),
                 transport=self.transport, address_of=self._address_of, timeout_s=self.config.accept_timeout_s,
                 progress=progress, overwrite=overwrite, tokenizer_for=self._export_tokenizer)
         except ExportError as e:
@@ -1276,3 +1286,9 @@ class ControlPlane:
                                  self.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()
+
+
+async def _import_in_thread(module: str) -> None:
+    """Import `module` in a worker thread (torch: seconds of work that would stall the event
+    loop); a later import of it is a lookup."""
+    await trio.to_thread.run_sync(importlib.import_module, module)
