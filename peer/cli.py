@@ -44,8 +44,7 @@ from dtfm.net import (
 )
 
 from . import logs
-from .config import ConfigError, DaemonConfig
-from .daemon import ListenError
+from .config import ConfigError, DaemonConfig, ListenError
 from .paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning

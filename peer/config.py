@@ -35,6 +35,10 @@ class ConfigError(ValueError):
     """A bad setting; str() names the setting and what is wrong with it."""
 
 
+class ListenError(Exception):
+    """The daemon could not listen on its address; str() says which and why."""
+
+
 def read_toml(path: Path, what: str) -> dict[str, Any]:
     """The TOML table of the file at `path`; ConfigError names `what` it is and the file."""
     try:
