@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -45,6 +46,7 @@ from dtfm.train import (
     GPTSpec,
     TrainConfig,
     load_corpus,
+    load_torch_libraries,
 )
 
 from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
@@ -1289,6 +1291,9 @@ class ControlPlane:
 
 
 async def _import_in_thread(module: str) -> None:
-    """Import `module` in a worker thread (torch: seconds of work that would stall the event
-    loop); a later import of it is a lookup."""
-    await trio.to_thread.run_sync(importlib.import_module, module)
+    """Import `module`, which imports torch, in a worker thread (seconds of work that would
+    stall the event loop), torch's native libraries loaded first without the interpreter lock
+    (train/native.py); a later import of it is a lookup."""
+    if module not in sys.modules:
+        await trio.to_thread.run_sync(load_torch_libraries)
+        await trio.to_thread.run_sync(importlib.import_module, module)

@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from .local import LocalCluster
     from .messages import MessageRules
     from .model import GPTStage, assemble, generate
+    from .native import load_torch_libraries
     from .optim import AdamW
     from .plan import Plan, check_compression
     from .reference import reference_state, reference_step
@@ -167,6 +168,7 @@ __all__ = [
     "load_hf_spec",
     "load_hf_stage",
     "load_token_file",
+    "load_torch_libraries",
     "load_tokenizer",
     "model_tokenizer",
     "reference_state",
@@ -224,6 +226,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".local": ("LocalCluster",),
     ".messages": ("MessageRules",),
     ".model": ("GPTStage", "assemble", "generate"),
+    ".native": ("load_torch_libraries",),
     ".optim": ("AdamW",),
     ".errors": ("CommClosed", "CommError", "CommTimeout"),
     ".plan": ("Plan", "check_compression"),
