@@ -33,9 +33,11 @@ class Harness:
     def __init__(self, n: int, config: GossipConfig, *, regions: list[str] | None = None,
                  link: LinkModel | None = None, scenario=None, time_scale: float = 1.0,
                  drop_fraction: float = 0.0, seed: int = 0, measure: bool = False,
-                 compute_ms: float = 1.0, codec_probe: Callable[[int], Sequence[float]] | None = None) -> None:
+                 compute_ms: float = 1.0, codec_probe: Callable[[int], Sequence[float]] | None = None,
+                 compute_probe: Callable[[int], float] | None = None) -> None:
         """codec_probe(k): node k's coding-speed probe (run in a worker thread at its start, as
-        the daemon's is); None: the nodes report none."""
+        the daemon's is); None: the nodes report none. compute_probe(k): node k's compute-speed
+        probe, run the same way when `measure` (instead of the given `compute_ms`)."""
         if scenario is not None:
             regions = scenario.peer_regions()
             link = scenario_link(scenario, time_scale)
@@ -48,6 +50,7 @@ class Harness:
         self._measure = measure
         self._compute_ms = compute_ms
         self._codec_probe = codec_probe
+        self._compute_probe = compute_probe
         self.identities = [Identity(self._rng.randbytes(32)) for _ in range(n)]
         self.ids = [i.peer_id for i in self.identities]
         self.index = {p: k for k, p in enumerate(self.ids)}
@@ -74,8 +77,10 @@ class Harness:
         t = self.net.add(self.ids[k], self.regions[k])
         svc = GossipService(t, self.identities[k], self.config, region=self.regions[k],
                             rng=random.Random(self._rng.random()), wall_clock=self.wall,
-                            compute_ms=self._compute_ms, measure=self._measure,
-                            codec_probe=None if self._codec_probe is None else functools.partial(self._codec_probe, k))
+                            compute_ms=self._compute_ms if self._compute_probe is None else None, measure=self._measure,
+                            codec_probe=None if self._codec_probe is None else functools.partial(self._codec_probe, k),
+                            **({} if self._compute_probe is None else
+                               {"compute_probe": functools.partial(self._compute_probe, k)}))
         svc.on_member_change(functools.partial(self._observe, k))
         scope = trio.CancelScope()
         if k < len(self.transports):  # a restart

@@ -168,6 +168,8 @@ class GossipPart:
             try:
                 await trio.sleep_forever()
             finally:
+                if speed is not None:
+                    speed.close()  # (a child still measuring would hold the leave up for its seconds)
                 if not self._left:  # (the daemon's leave hook announced it while the transport was up)
                     with trio.move_on_after(2.0) as scope:
                         scope.shield = True

@@ -161,8 +161,23 @@ class SelfSpeed:
         self.cache, self.command, self.timeout_s = cache, command, timeout_s
         self._want_compute, self._want_codec = compute, codec
         self._lock = threading.Lock()
+        self._child: subprocess.Popen | None = None  # while one measures
+        self._closed = False
         self.figures = cache.load()
         self.children = 0  # child processes started (status and tests)
+
+    @property
+    def measuring(self) -> bool:
+        """Whether a child is measuring now."""
+        return self._child is not None
+
+    def close(self) -> None:
+        """Kill the child measuring now, if any (the daemon is leaving: its worker thread
+        returns at once, with no figure); no child starts afterwards. Any thread."""
+        self._closed = True
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.kill()
 
     def missing(self) -> bool:
         f = self.figures
@@ -192,16 +207,26 @@ class SelfSpeed:
                 args.append("--compute")
             if self._want_codec and f.codec_ns is None:
                 args.append("--codec")
+            if self._closed:
+                raise RuntimeError("the daemon is leaving: no speed probe")
             self.children += 1
             try:
-                done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s,
-                                      check=False)
-            except (OSError, subprocess.TimeoutExpired) as e:
+                child = self._child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                       stderr=subprocess.PIPE)
+            except OSError as e:
                 raise RuntimeError(f"the speed probe did not run: {e}") from None
-            if done.returncode != 0:
-                tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-                raise RuntimeError(f"the speed probe failed (exit {done.returncode}): {tail[0][:300]}")
-            lines = done.stdout.decode(errors="replace").strip().splitlines()
+            try:
+                stdout, stderr = child.communicate(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+                raise RuntimeError(f"the speed probe gave no answer within {self.timeout_s:g} s") from None
+            finally:
+                self._child = None
+            if child.returncode != 0:
+                tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                raise RuntimeError(f"the speed probe failed (exit {child.returncode}): {tail[0][:300]}")
+            lines = stdout.decode(errors="replace").strip().splitlines()
             try:
                 d = json.loads(lines[-1]) if lines else None
             except ValueError:

@@ -105,6 +105,33 @@ def test_a_failed_child_leaves_the_figures_unknown_and_keeps_nothing(tmp_path, s
         assert not (tmp_path / SPEED_FILE).exists()
 
 
+def test_close_kills_a_measuring_child_and_starts_no_other(tmp_path):
+    # the daemon leaves while its child measures: the worker thread must return at once
+    import threading
+    import time
+
+    speed, _ = fake(tmp_path, script="import time; time.sleep(60)")
+    failed: list[str] = []
+
+    def measure() -> None:
+        try:
+            speed.compute_ms()
+        except RuntimeError as e:
+            failed.append(str(e))
+
+    worker = threading.Thread(target=measure)
+    worker.start()
+    deadline = time.monotonic() + 30
+    while not speed.measuring and time.monotonic() < deadline:  # (the child has started)
+        time.sleep(0.01)
+    speed.close()
+    worker.join(30)
+    assert not worker.is_alive() and failed and "exit -9" in failed[0]
+    with pytest.raises(RuntimeError, match="leaving"):
+        speed.codec_ns()
+    assert speed.children == 1 and not (tmp_path / SPEED_FILE).exists()
+
+
 def test_the_daemon_measures_only_what_its_settings_leave_unknown(tmp_path):
     given = merge(DaemonConfig(), {"gossip": {"compute_ms": 3.0, "codec_speed": "reference"}})
     assert self_speed(given, tmp_path, compute=False, codec=False) is None
@@ -122,3 +149,31 @@ def test_the_real_child_prints_figures_gossip_accepts():
     d = json.loads(out.stdout.strip().splitlines()[-1])
     assert d["compute_ms"] > 0
     CodecSpeed.from_vector(tuple(d["codec_ns"]))  # (raises unless it is a codec speed)
+
+
+async def test_the_figures_of_a_compute_probe_reach_every_view(autojump_clock):
+    """What the daemon's probe (SelfSpeed.compute_ms, here a stand-in) gives is what every peer's
+    view holds; a probe that fails leaves that peer's figure unknown and the service running."""
+    import numpy as np
+    import trio
+
+    from dtfm.gossip.config import GossipConfig
+    from dtfm.gossip.harness import Harness
+
+    def probe(k: int) -> float:
+        if k == 2:
+            raise RuntimeError("the speed probe did not run")
+        return 10.0 + k
+
+    async with trio.open_nursery() as nursery:
+        h = Harness(3, GossipConfig.test(), seed=7, measure=True, compute_probe=probe)
+        await h.start(nursery)
+        with trio.fail_after(120):
+            while not all(np.isfinite(s.view().compute_ms).sum() == 2 for s in h.services):
+                await trio.sleep(0.5)
+        for s in h.services:
+            view = s.view()
+            figures = {h.index[p]: view.compute_ms[i] for i, p in enumerate(view.peers)}
+            assert figures[0] == 10.0 and figures[1] == 11.0 and np.isnan(figures[2])
+        assert h.services[2].compute_ms is None
+        nursery.cancel_scope.cancel()
