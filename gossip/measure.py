@@ -111,10 +111,11 @@ async def measure_rtt(link: PeerLink, samples: int, spacing_s: float, timeout_s:
 
 
 class BulkGate:
-    """Links with a big probe in flight, in either direction: never two at once on one link."""
+    """Links being measured, in either direction: a big probe or this peer's RTT pings. Never
+    two at once on one link: pings queued behind a probe's payload would time the transfer."""
 
     def __init__(self) -> None:
-        self.probing: set[bytes] = set()  # our own probe to this peer is running
+        self.probing: set[bytes] = set()  # our own probe or pings to this peer are running
         self.serving: dict[bytes, float] = {}  # this peer reserved a probe to us, until when
 
     def busy(self, peer_id: bytes, now: float) -> bool:

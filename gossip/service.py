@@ -398,7 +398,17 @@ class GossipService:
                 self.planner.record(target, [], None, trio.current_time())
                 await trio.sleep(cfg.probe_interval_s)
                 continue
-            rtts = await measure_rtt(conn, cfg.rtt_samples, cfg.rtt_ping_spacing_s, cfg.measure_timeout_s)
+            if self.gate.busy(target, trio.current_time()):
+                # A big probe crosses this link: pings would queue behind its payload and
+                # time the transfer, not the link. Measure it once the link is quiet.
+                await trio.sleep(cfg.rtt_ping_spacing_s * self._rng.uniform(1.0, 2.0))
+                continue
+            self.gate.probing.add(target)  # the other end's big probe waits for the pings
+            try:
+                rtts = await measure_rtt(conn, cfg.rtt_samples, cfg.rtt_ping_spacing_s,
+                                         cfg.measure_timeout_s)
+            finally:
+                self.gate.probing.discard(target)
             gbps = None
             if rtts:
                 rtt_s = sorted(rtts)[len(rtts) // 2]
