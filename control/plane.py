@@ -97,7 +97,7 @@ from .epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
-from .epoch.access import parse_fetchers
+from .epoch.access import offer_certificate, parse_fetchers
 from .export import ExportError, ExportProgress, answer_export, export_run
 from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
@@ -247,7 +247,8 @@ class ControlPlane:
                                link_retest_s=cfg.link_retest_s, operator_skew_s=cfg.operator_skew_s,
                                council_size=cfg.council_size,
                                refused_backoff_s=cfg.refused_backoff_s,
-                               refused_backoff_max_s=cfg.refused_backoff_max_s),
+                               refused_backoff_max_s=cfg.refused_backoff_max_s,
+                               join_settle_s=cfg.join_settle_s, join_wait_max_s=cfg.join_wait_max_s),
             operators=self.operators,
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
@@ -805,6 +806,9 @@ class ControlPlane:
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         fetchers = parse_fetchers(d)
+        cert = offer_certificate(sender, d)
+        if cert is not None and sender != self.election.coordinator:
+            self.election.learn(cert)
         refused = self.epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}

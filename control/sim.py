@@ -70,7 +70,7 @@ from .election import (
     SteppedDown,
 )
 from .election.sim import ElectionSim, NetConditions
-from .epoch.access import parse_fetchers
+from .epoch.access import offer_certificate, parse_fetchers
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -96,7 +96,7 @@ from .epoch.runner import RunEnd, StepReport
 from .messages import ControlMsg
 from .operator import SignedOp, council_arg, root_council, sign_op
 
-__all__ = ["PlaneSim", "reference_loss", "reference_weights"]
+__all__ = ["PlaneSim", "SIM_TIMINGS", "reference_loss", "reference_weights"]
 
 PRESET = "tiny"
 DATA_HASH = "0" * 64
@@ -201,6 +201,14 @@ class SimPlanner:
         return ReshapePlan(self.placement(sorted(live)), "reschedule", 0, 0, 0.0, 0.0, ())
 
 
+# The coordinators' timings in a simulation: brisk, for a network of ~10 ms links.
+SIM_TIMINGS = CoordinatorTimings(
+    accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
+    drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
+    max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0,
+    join_settle_s=1.0, join_wait_max_s=4.0)
+
+
 class PlaneSim(ElectionSim):
     """`ElectionSim` whose nodes also run the plane's machines (see the module docstring)."""
 
@@ -225,10 +233,7 @@ class PlaneSim(ElectionSim):
         self.liar_losses: list[dict] = []
         self.stages = stages
         self.checkpoint_every = checkpoint_every
-        self.timings = timings or CoordinatorTimings(
-            accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
-            drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
-            max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0)
+        self.timings = timings or SIM_TIMINGS
         self.run_seed = seed
         # The swarm's operator: its key is not drawn from `rng`, so the fault schedule is the same.
         self.operator = OperatorKey(hashlib.sha256(b"sim operator" + struct.pack(">q", seed)).digest())
@@ -751,6 +756,9 @@ class PlaneSim(ElectionSim):
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         parse_fetchers(d)  # (no fetch in the simulation: the content store stands for it)
+        cert = offer_certificate(sender, d)
+        if cert is not None and sender != coordinator:
+            self._run(k, self.node(k).learn(cert, self.local_now(k)))
         refused = epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}

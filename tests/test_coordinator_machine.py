@@ -920,6 +920,43 @@ def test_a_joined_peer_is_placed_once_its_links_are_measured():
     """)
 
 
+def test_joined_peers_are_taken_in_as_a_wave_once_joins_settle():
+    # settle 3 s, wait at most 10 s: n4 is seen at 2.3, n5 at 4.3 (the wave's quiet time starts
+    # again), nobody new at 6.3; at 8.3 the wave has been quiet for 4 s: one reconfiguration for
+    # both. A joiner that goes away meanwhile leaves the wave.
+    n = Node(timings=dataclasses.replace(TIMINGS, join_settle_s=3.0, join_wait_max_s=10.0))
+    n.training()
+    joined = {N[4]: state(None, None, run=b"", epoch=0)}
+    n.swarm.live.add(N[4])
+    n.tick(2.2)
+    n.answer("probe joined", joined, 2.3)
+    n.swarm.live.add(N[5])
+    joined[N[5]] = state(None, None, run=b"", epoch=0)
+    n.tick(4.2)
+    n.answer("probe joined", joined, 4.3)
+    n.tick(6.2)
+    n.answer("probe joined", joined, 6.3)
+    n.tick(8.2)
+    n.answer("probe joined", joined, 8.3)
+    n.transcript("""
+        2.2 tick
+          ask probe joined: RUN_STATE query -> n4
+        2.3 answers probe joined: n4 -@None
+        4.2 tick
+          ask probe joined: RUN_STATE query -> n4 n5
+        4.3 answers probe joined: n4 -@None, n5 -@None
+        6.2 tick
+          ask probe joined: RUN_STATE query -> n4 n5
+        6.3 answers probe joined: n4 -@None, n5 -@None
+        8.2 tick
+          ask probe joined: RUN_STATE query -> n4 n5
+        8.3 answers probe joined: n4 -@None, n5 -@None
+          ask states: RUN_STATE query -> n0 n1 n2 n3 n4 n5
+          phase: stopping
+    """)
+    assert n.c.joins.wait_s(8.3) == math.inf  # (the reconfiguration takes every live peer)
+
+
 def test_a_faster_allocation_on_the_measured_network_reconfigures():
     n = Node(timings=dataclasses.replace(TIMINGS, drift_check_s=30.0))
     n.training()

@@ -219,7 +219,8 @@ async def test_start_stop_step_and_run_state_messages_are_checked(tmp_path):
                     {"op": "offer", "run": RUN, "step": -1, "layers": [0, 2]},
                     {"op": "offer", "run": RUN, "step": 1, "layers": "all"},
                     {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": [b"short"]},
-                    {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": b"x" * 32}, [1, 2]):
+                    {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": b"x" * 32},
+                    {**offer, "cert": {"t": 1}}, [1, 2]):
             with pytest.raises(ProtocolError):
                 await net.request(ISSUER, ControlMsg.RUN_STATE, bad)
         assert plane.status()["refusals"] == {"offer-not-coordinator": 1, "step-other-run": 1}

@@ -50,6 +50,7 @@ from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from .request import TrainRequest
 from ..refusals import Refusals, Refused
 from .failures import FailedSteps
+from .joins import JoinWave
 from .leftout import LeftOut
 from .reshape import ReshapePlan
 from .schedule import Placement
@@ -140,6 +141,11 @@ class CoordinatorTimings:
     # hand-out and a reconfiguration per refusal of a peer that keeps refusing.
     refused_backoff_s: float = 30.0
     refused_backoff_max_s: float = 600.0
+    # Joined peers are taken in as a wave (joins.py): once no other peer joined for
+    # join_settle_s, or the first of the wave waited join_wait_max_s. Shorter places a lone
+    # joiner sooner, at a reconfiguration (a stop of the run) per join of a growing swarm.
+    join_settle_s: float = 10.0
+    join_wait_max_s: float = 60.0
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -373,6 +379,7 @@ class Coordinator:
         # peers that refused an allocation: not placed until their back-off ends (leftout.py)
         self.left_out = LeftOut(timings.refused_backoff_s, timings.refused_backoff_max_s,
                                 membership_codes=MEMBERSHIP_REFUSALS)
+        self.joins = JoinWave(timings.join_settle_s, timings.join_wait_max_s)  # joined peers not yet taken in
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -576,10 +583,15 @@ class Coordinator:
         view, _ = self.swarm.measured_view(set(states) | set(self.swarm.live_peers()) | {self.me})
         out = self.left_out_now(now)
         ready = [p for p in states if p in view.peers and p not in out]
-        if not ready:
+        if not self.joins.due(ready, now):
+            if ready:
+                logger.info("%d joined peers wait for the wave of joins to settle (%.1f s at most)",
+                            len(self.joins), self.joins.wait_s(now))
             return []
         reasons = [f"peer {short_id(p)} joined" for p in sorted(ready)]
-        return self._reconfigure("; ".join(reasons), now, retry=reasons)
+        trigger = "; ".join(reasons) if len(reasons) <= 4 else (
+            f"{len(reasons)} peers joined ({', '.join(short_id(p) for p in sorted(ready)[:4])}, ...)")
+        return self._reconfigure(trigger, now, retry=[trigger])
 
     def _drift_check(self, cur: Allocation) -> list:
         view = self.swarm.view()
@@ -1043,6 +1055,7 @@ class Coordinator:
     def _reconfigure(self, trigger: str, now: float, *, force: bool = False, reply: tuple | None = None,
                      retry: Sequence[str] = (), resume: bool = False, leave: bool = False) -> list:
         cur = self.epoch.current
+        self.joins.clear()  # (every live peer is taken into account)
         proc = _Procedure(next(self._keys), "reconfigure", trigger, reply=reply, force=force, cur=cur, t0=now,
                           resume=resume, leave=leave)
         proc.retry = list(retry)
@@ -1186,6 +1199,9 @@ class Coordinator:
         for r in cur.layer_ranges:
             holders = list(rp.holders(r))[:MAX_OFFER_HOLDERS]
             body = {"op": "offer", "run": cur.run_id, "step": rp.step, "layers": list(r), "for": fetchers}
+            cert = self.election.certificate
+            if cert is not None:  # (a holder outside the council may not know this term's coordinator)
+                body["cert"] = cert.to_wire()
             out.append(self._proc_ask(proc, "offer", holders, body, self.t.accept_timeout_s, sub=r))
         return out
 
