@@ -9,7 +9,11 @@ import dataclasses
 import random
 
 import pytest
-from test_plane_sim import CFG, CLEAN, check_applications, check_log
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, rule
+from test_plane_byzantine import ByzantinePlane
+from test_plane_sim import CFG, CLEAN, PlaneMachine, check_applications, check_log
 
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.election.council import MAX_COUNCIL
@@ -115,3 +119,52 @@ def test_churn_at_64_peers_loses_no_step():
     [c] = sim.coordinators()
     assert sim.coords[c].phase is Phase.TRAINING
     assert len(sim.wins) > 1  # (a coordinator was among the crashed: the next one took the run on)
+
+
+# ---------------------------------------------------------------------- the machines under faults, 64 nodes
+
+
+class PlaneMachine64(PlaneMachine):
+    """test_plane_sim's PlaneMachine (crash, restart, partition, heal, drop, duplicate, reorder,
+    delay, clock jumps, split steps) on 64 nodes and a council of at most 7: the same checks."""
+
+    def _k(self, i):
+        return (i * 7) % self.sim.n  # (the 9 moves' nodes spread over the swarm)
+
+    @initialize(seed=st.integers(0, 2**32), checkpoint_every=st.sampled_from([0, 2]))
+    def start(self, seed, checkpoint_every):
+        self.sim = PlaneSim(64, CFG, seed=seed, stages=2, checkpoint_every=checkpoint_every, conditions=CLEAN)
+        self.sim.run_for(2.0)
+        for c in self.sim.coordinators():
+            self.sim.start_training(c)
+        self.sim.run_for(0.5)
+
+    @rule(ahead=st.lists(st.booleans(), min_size=9, max_size=9))
+    def split_step(self, ahead):
+        self.sim.train(1, split=[k for k in range(self.sim.n) if ahead[k % 9]])
+
+
+TestPlane64 = PlaneMachine64.TestCase
+TestPlane64.settings = settings(max_examples=12, stateful_step_count=25, deadline=None, derandomize=True,
+                                suppress_health_check=[HealthCheck.too_slow])
+
+
+class ByzantinePlane64(ByzantinePlane):
+    """test_plane_byzantine's ByzantinePlane (an insider or outsider with a real key sending
+    well-formed control messages with arbitrary fields) among 64 nodes: the same checks."""
+
+    def _k(self, i):
+        return (i * 7) % self.sim.n
+
+    @initialize(seed=st.integers(0, 2**32), checkpoint_every=st.sampled_from([0, 2]))
+    def start(self, seed, checkpoint_every):
+        super().start(63, seed, 2, checkpoint_every)  # (an outsider makes 64)
+
+    @rule(ahead=st.lists(st.booleans(), min_size=9, max_size=9))
+    def split_step(self, ahead):
+        self.sim.train(1, split=[k for k in range(self.sim.n) if ahead[k % 9]])
+
+
+TestByzantinePlane64 = ByzantinePlane64.TestCase
+TestByzantinePlane64.settings = settings(max_examples=10, stateful_step_count=25, deadline=None, derandomize=True,
+                                         suppress_health_check=[HealthCheck.too_slow])
