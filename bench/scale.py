@@ -10,7 +10,8 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    `tiny` on the scheduler's shape with a global batch of one sequence per peer: `handout_s`
    (the command, from the signed start to every peer started), `step_s` (median iteration
    after the first two), then an eighth of the peers SIGKILLed at once (none the coordinator):
-   `recover_s` (kill to the first step of the next epoch) and `steps_lost` (steps run again).
+   `recover_s` (kill to the first step of the next epoch), `rolled_back` and `steps_lost`
+   (steps run again after a rollback).
    The baseline beside each: `step_s` of one process training the same steps
    (`single_process_step_s`).
 2. sim: the control plane's own machines on N nodes under a virtual clock (control/sim.py):
@@ -120,13 +121,16 @@ def bench_daemons(n: int, steps: int, idle_s: float) -> dict:
         for v in victims:
             os.kill(pids[v], signal.SIGKILL)
 
-        def next_epoch_step():
+        def next_epoch_step():  # (`wait` merges the peers' logs into the run dir's)
+            swarm(run_dir, "wait", "--step", str(max(r["step"] for r in read_rows(run_dir)) + 2), "--timeout", "900")
             return [r for r in read_rows(run_dir) if r["epoch"] > epoch and r["time"] > killed]
-        after = wait_for("a step after the kills", next_epoch_step, 900, interval_s=1.0)
+        after = wait_for("a step after the kills", next_epoch_step, 900, interval_s=0.0)
         first = min(after, key=lambda r: r["step"])
         out["killed"] = len(victims)
         out["recover_s"] = round(first["time"] - killed, 1)
-        out["steps_lost"] = max(0, last + 1 - first["step"])
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+        out["rolled_back"] = any(e.get("event") == "rollback" and e.get("time", 0) > killed for e in events)
+        out["steps_lost"] = max(0, last + 1 - first["step"]) if out["rolled_back"] else 0
     out["single_process_step_s"] = round(_single_process_step_s(min(steps, 6), batch, 1), 3)
     return out
 
