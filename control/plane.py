@@ -97,7 +97,7 @@ from .epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
-from .epoch.access import offer_certificate, parse_fetchers
+from .epoch.access import coordinator_certificate, parse_fetchers
 from .export import ExportError, ExportProgress, answer_export, export_run
 from .epoch.runner import StepReport
 from .epoch.runstate import PeerRunState
@@ -745,6 +745,9 @@ class ControlPlane:
         else:
             at = 0
         op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+        cert = coordinator_certificate(sender, body)
+        if cert is not None and sender != self.election.coordinator:
+            self.election.learn(cert)
         epoch = body.get("epoch")
         if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
             raise ProtocolError("STOP epoch must be a non-negative integer")
@@ -806,7 +809,7 @@ class ControlPlane:
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         fetchers = parse_fetchers(d)
-        cert = offer_certificate(sender, d)
+        cert = coordinator_certificate(sender, d)
         if cert is not None and sender != self.election.coordinator:
             self.election.learn(cert)
         refused = self.epoch.check_offer_asker(sender)

@@ -70,7 +70,7 @@ from .election import (
     SteppedDown,
 )
 from .election.sim import ElectionSim, NetConditions
-from .epoch.access import offer_certificate, parse_fetchers
+from .epoch.access import coordinator_certificate, parse_fetchers
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -717,6 +717,9 @@ class PlaneSim(ElectionSim):
                     raise ProtocolError("STOP at_step must be a non-negative integer")
                 at = asked
             op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+            cert = coordinator_certificate(sender, body)
+            if cert is not None and sender != self.node(k).coordinator:
+                self._run(k, self.node(k).learn(cert, self.local_now(k)))
             stopped = body.get("epoch")
             if stopped is not None and (not isinstance(stopped, int) or isinstance(stopped, bool) or stopped < 0):
                 raise ProtocolError("STOP epoch must be a non-negative integer")
@@ -756,7 +759,7 @@ class PlaneSim(ElectionSim):
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         parse_fetchers(d)  # (no fetch in the simulation: the content store stands for it)
-        cert = offer_certificate(sender, d)
+        cert = coordinator_certificate(sender, d)
         if cert is not None and sender != coordinator:
             self._run(k, self.node(k).learn(cert, self.local_now(k)))
         refused = epoch.check_offer_asker(sender)

@@ -736,6 +736,11 @@ class Coordinator:
     # ---- requests and their answers -----------------------------------------------------------
 
     def _ask(self, key: tuple, peers: Iterable[bytes], msg: int, body: dict, timeout_s: float) -> Ask:
+        cert = self.election.certificate
+        if cert is not None and (msg == ControlMsg.STOP or (msg == ControlMsg.RUN_STATE and body.get("op") == "offer")):
+            # (what only the recognised coordinator may ask: a peer outside the council hears no
+            # heartbeats and may not know this term's coordinator yet; it checks the certificate)
+            body = {**body, "cert": cert.to_wire()}
         return Ask(key, tuple(sorted(set(peers))), msg, body, timeout_s)
 
     def _answers(self, ev: Answers) -> list:
@@ -1199,9 +1204,6 @@ class Coordinator:
         for r in cur.layer_ranges:
             holders = list(rp.holders(r))[:MAX_OFFER_HOLDERS]
             body = {"op": "offer", "run": cur.run_id, "step": rp.step, "layers": list(r), "for": fetchers}
-            cert = self.election.certificate
-            if cert is not None:  # (a holder outside the council may not know this term's coordinator)
-                body["cert"] = cert.to_wire()
             out.append(self._proc_ask(proc, "offer", holders, body, self.t.accept_timeout_s, sub=r))
         return out
 

@@ -9,10 +9,10 @@ rules over the allocations the peer applied (see docs/control.md, "Who may send 
   whose stage stopped in a run that goes on (a peer the run left out) nothing current: both
   answer any peer, so a coordinator they do not know yet can find them and place them again.
 - RUN_STATE `offer`: this peer itself and the coordinator it recognises. The coordinator
-  sends its certificate with the offer (`offer_certificate`): a holder outside the council hears
-  no heartbeats, so it may not know a coordinator elected since its last allocation; the shell
-  passes the certificate to the election (`learn`, checked against this peer's council) before
-  it asks `offer_refusal`.
+  sends its certificate with an offer or a STOP (`coordinator_certificate`): a holder outside the
+  council hears no heartbeats, so it may not know a coordinator elected since its last
+  allocation; the shell passes the certificate to the election (`learn`, checked against this
+  peer's council) before it asks `offer_refusal` or the epoch machine.
 - FETCH_MANIFEST / FETCH_CHUNK: the peers the current or previous allocation of that run names
   (stage peers and spares), and the peers the coordinator named when it asked for the offer
   (the next allocation's, which this peer may not have applied when their fetch arrives).
@@ -34,8 +34,8 @@ from ..election.certificate import Certificate
 from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from ..refusals import Refused
 
-__all__ = ["MAX_FETCHERS", "export_refusal", "fetch_refusal", "offer_certificate", "offer_refusal", "parse_fetchers",
-           "run_peers", "run_state_refusal"]
+__all__ = ["MAX_FETCHERS", "coordinator_certificate", "export_refusal", "fetch_refusal", "offer_refusal",
+           "parse_fetchers", "run_peers", "run_state_refusal"]
 
 MAX_FETCHERS = 4096  # peers named with one offer: as many as an allocation names
 
@@ -99,10 +99,10 @@ def export_refusal(sender: bytes, signed: SignedOp | None, run_id: bytes, *, ope
     return op, None
 
 
-def offer_certificate(sender: bytes, d: dict) -> Certificate | None:
-    """The certificate a RUN_STATE offer carries when it names the sender as coordinator (to be
-    checked by the election before use); None when absent or of another peer. Raises
-    ProtocolError only (a malformed certificate)."""
+def coordinator_certificate(sender: bytes, d: dict) -> Certificate | None:
+    """The certificate a RUN_STATE offer or a STOP carries when it names the sender as
+    coordinator (to be checked by the election before use); None when absent or of another peer.
+    Raises ProtocolError only (a malformed certificate)."""
     if d.get("cert") is None:
         return None
     cert = Certificate.from_wire(d["cert"])
