@@ -34,7 +34,7 @@ from .compression import CodecAssignment, CompressionOptions, DataParallelCodec,
 from .layers import split_layers
 from .spec import Workload
 
-__all__ = ["CostModel", "CostBreakdown", "INFEASIBLE_PENALTY_S", "nearly_symmetric"]
+__all__ = ["CostModel", "CostBreakdown", "INFEASIBLE_PENALTY_S", "nearly_symmetric", "paper_breakdown"]
 
 # Cost added per layer that does not fit in memory: large enough that any feasible allocation wins.
 INFEASIBLE_PENALTY_S = 1e4
@@ -293,3 +293,45 @@ class CostModel:
         wl = self.workload
         return wl.grad_gb(wl.layers / wl.stages)
 
+
+
+def paper_breakdown(delay_ms, bandwidth_gbps, workload: Workload, X: np.ndarray) -> CostBreakdown:
+    """The paper objective of allocation X, reading only the links it uses: each DP group's
+    D x D block and each boundary's D hops. For networks too large for a `CostModel` (which holds
+    several N x N matrices); the matrices may be float32 or memory-mapped. The same arithmetic as
+    `CostModel.breakdown` (bit for bit on float64 inputs) for an even split without extensions."""
+    X = np.asarray(X, dtype=np.int64)
+    S, D = X.shape
+    wl = workload
+    if not wl.uniform_layers or S != wl.stages or D != wl.dp:
+        raise ValueError(f"paper_breakdown needs the workload's shape {wl.stages} x {wl.dp} with an even split, "
+                         f"got {S} x {D}")
+    g = wl.grad_gb(wl.layers // S)
+    dp_stage = np.empty(S)
+    for s in range(S):
+        ix = np.ix_(X[s], X[s])
+        a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, ix)
+        A = (2 * a).sum(axis=1)
+        B = (2 * inv_b / D).sum(axis=1)
+        dp_stage[s] = (A + g * B).max()
+    if S > 1:
+        a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, (X[:-1], X[1:]))
+        bound = (a + wl.act_gb * inv_b).max(axis=1)
+    else:
+        bound = np.zeros(0)
+    return CostBreakdown(dp_s=float(dp_stage.max()), pp_s=float(bound.sum()), compute_s=0.0, penalty_s=0.0,
+                         layers=tuple([wl.layers // S] * S), dp_stage_s=tuple(float(v) for v in dp_stage),
+                         boundary_s=tuple(float(v) for v in bound))
+
+
+def _link_blocks(delay_ms, bandwidth_gbps, ix) -> tuple[np.ndarray, np.ndarray]:
+    """(latency s, seconds per GB) of the links indexed by ix, as the cost model computes them:
+    zero on a peer's link to itself."""
+    a = np.asarray(delay_ms[ix], dtype=float) / 1e3
+    bw = np.asarray(bandwidth_gbps[ix], dtype=float)
+    rows, cols = np.broadcast_arrays(*[np.asarray(v) for v in ix])
+    same = rows == cols
+    inv_b = np.zeros(a.shape)
+    inv_b[~same] = 8.0 / bw[~same]
+    a[same] = 0.0
+    return a, inv_b

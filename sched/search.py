@@ -40,6 +40,10 @@ class SearchConfig:
     lean_min_peers: int = 256  # from here on, evolution rounds perturb neighbouring stages and polish
     #                            only the critical and perturbed peers, and no random partitions are
     #                            drawn (polishing one costs as much as many rounds); below, as before
+    hierarchy_min_peers: int = 4096  # from here on, solve() schedules by hierarchy (sched/hierarchy.py)
+    #                                  when the objective is the paper's; fewer: one flat search
+    cluster_max_peers: int = 2048  # the hierarchy's largest cluster, searched flat (its matrices are
+    #                                cluster_max_peers^2 floats each)
 
     def __post_init__(self) -> None:
         if self.time_budget_s <= 0:
@@ -48,6 +52,8 @@ class SearchConfig:
             raise ValueError("start_share must lie in (0, 1]")
         if self.lean_min_peers < 1:
             raise ValueError("lean_min_peers must be positive")
+        if self.hierarchy_min_peers < 1 or self.cluster_max_peers < 2:
+            raise ValueError("hierarchy_min_peers must be positive and cluster_max_peers at least 2")
         if self.population < 2:
             raise ValueError("population must be at least 2")
         if self.generations is not None and self.generations < 0:

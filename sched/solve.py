@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .construct import aligned_blocks, consecutive, dp_aligned, given, locality_order, pp_aligned, random_allocation
+from .construct import constructions, given
 from .compression import CompressionOptions
-from .cost import CostBreakdown, CostModel
+from .cost import CostBreakdown, CostModel, paper_breakdown
+from .hierarchy import solve_hierarchy
 from .search import SearchConfig, ShapeSearch
 from .spec import CommSpec, ModelSpec
 
@@ -99,32 +100,39 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
     return shapes
 
 
-def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
-    order = locality_order(model.hop, regions)
-    seeds = [dp_aligned(order, S, D), pp_aligned(order, S, D), consecutive(model.n, S, D)]
-    seeds += [aligned_blocks(order, regions, S, D, b) for b in range(2, S) if S % b == 0]
-    if model.compute_on and np.ptp(model.speed) > 0:
-        # fastest first: the slowest peers become spares, and groups of like speed let the
-        # uneven split give slow groups fewer layers
-        fast = order[np.argsort(-model.speed[order], kind="stable")]
-        seeds += [dp_aligned(fast, S, D), pp_aligned(fast, S, D)]
-    seeds += [random_allocation(model.n, S, D, rng) for _ in range(count)]
-    return seeds
-
-
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
                  regions, seed, deadline_s, config, initial=None,
-                 compression=None) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
+                 compression=None) -> tuple[float, CostBreakdown, np.ndarray, np.ndarray, dict]:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
     search = ShapeSearch(model, S, D, config, seed, deadline_s)
-    seeds = _seeds(model, S, D, regions, np.random.default_rng([seed, 1]), config.random_seeds)
+    count = config.random_seeds if model.n < config.lean_min_peers else 0
+    seeds = constructions(model, S, D, regions, np.random.default_rng([seed, 1]), count)
     if initial is not None:  # first: on a tie with a construction the warm start wins
         seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
     stats = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
-    return cost, model, X, Z, stats
+    return cost, model.breakdown(X), X, Z, stats
+
+
+def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, seed, deadline_s,
+                              config) -> tuple[float, CostBreakdown, np.ndarray, np.ndarray, dict]:
+    wl = spec.workload(S, D)
+    res = solve_hierarchy(delay_ms, bandwidth_gbps, wl, regions=regions, seed=seed, deadline_s=deadline_s,
+                          config=config)
+    bd = paper_breakdown(delay_ms, bandwidth_gbps, wl, res.X)
+    return bd.total_s, bd, res.X, res.spares, {"hierarchy": True, **res.stats}
+
+
+def _paper_objective_only(spec, shapes, *, compute, memory_gib, uneven_layers, compression, initial) -> bool:
+    """True when the hierarchy computes the same objective the flat search would."""
+    if compute is not None or memory_gib is not None or uneven_layers or initial is not None:
+        return False
+    if compression is not None and not compression.exact:
+        return False
+    return all(spec.workload(S, D).uniform_layers and spec.workload(S, D).layer_compute_s is None
+               for S, D in shapes)
 
 
 def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec, *,
@@ -132,7 +140,7 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
           memory_gib: np.ndarray | None = None, regions=None, seed: int = 0,
           time_budget_s: float = 20.0, generations: int | None = None, allow_spares: bool = True,
           uneven_layers: bool = False, config: SearchConfig | None = None, initial=None,
-          compression: CompressionOptions | None = None) -> Allocation:
+          compression: CompressionOptions | None = None, hierarchical: bool | None = None) -> Allocation:
     """Search an allocation of the N peers of the (N, N) matrices for the model in `spec`.
 
     stages: an int, "auto" (every shape in candidate_shapes, best returned), or None (the
@@ -143,6 +151,10 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     only that shape's; ValueError if no shape tried has it). None (the default) changes nothing.
     compression: the codecs each link and DP group may use (the cost of a link or group is its
     cheapest allowed codec's); None: exact, the paper's objective.
+    hierarchical: schedule by hierarchy (clusters of peers, then inside them: sched/hierarchy.py);
+    None: from `config.hierarchy_min_peers` peers on, when the objective is the paper's alone
+    (no compute, memory, uneven layers, compression or warm start); True with any of these is a
+    ValueError. The delay and bandwidth matrices may then be float32: only blocks are read.
     """
     start = time.perf_counter()
     n = np.asarray(delay_ms).shape[0]
@@ -177,18 +189,29 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
         S0, D0 = warm[0].shape
         raise ValueError(f"the initial allocation is {S0} stages x {D0} pipelines, a shape this search "
                          f"does not try ({', '.join(f'{a} x {b}' for a, b in shapes)})")
+    paper_only = _paper_objective_only(spec, shapes, compute=compute, memory_gib=memory_gib,
+                                       uneven_layers=uneven_layers, compression=compression, initial=initial)
+    if hierarchical and not paper_only:
+        raise ValueError("the hierarchical search schedules the paper objective alone, with an even split: "
+                         "no compute, memory, uneven layers, compression or initial allocation")
+    by_hierarchy = paper_only if hierarchical is None and n >= cfg.hierarchy_min_peers else bool(hierarchical)
     best = None
     for k, (S, D) in enumerate(shapes):
         share = (cfg.time_budget_s - (time.perf_counter() - start)) / (len(shapes) - k)
         deadline = time.perf_counter() + max(share, 0.0)
+        if by_hierarchy:
+            found = _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, regions=regions, seed=seed,
+                                              deadline_s=deadline, config=cfg)
+            if best is None or found[0] < best[0] - 1e-12:
+                best = found
+            continue
         found = _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                              uneven_layers=uneven_layers, regions=regions, seed=seed,
                              deadline_s=deadline, config=cfg, compression=compression,
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
-    _, model, X, Z, stats = best
-    bd = model.breakdown(X)
+    _, bd, X, Z, stats = best
     stats["shapes_tried"] = len(shapes)
     return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=tuple(tuple(int(v) for v in col) for col in X.T),
                       spares=tuple(sorted(int(z) for z in Z)), layers=bd.layers, cost=bd,
