@@ -41,6 +41,7 @@ from .spec import Workload
 __all__ = ["HierarchyResult", "cluster_peers", "solve_hierarchy"]
 
 _ASSEMBLY_SHARE = 0.1  # of the time, kept for the coarse level and the matchings
+_MARGIN = 0.03  # of the time, for overrunning a part's deadline (a step under way is finished)
 _BOTH_WITHIN = 1.1  # both layouts are searched when their constructions cost within this factor
 
 
@@ -248,20 +249,24 @@ def _solve_layout(delay_ms, bandwidth_gbps, wl: Workload, links: _Links, cluster
         if k == 0:
             pool.append(c)
             continue
+        t = clock()
         X, Z, st = _solve_part(delay_ms, bandwidth_gbps, wl, c, k, by_pipeline, seed,
-                               clock() + budget * len(c) / weight, config, clock)
+                               t + budget * len(c) / weight, config, clock)
         parts.append(X)
         pool.append(Z)
-        stats_parts.append({"peers": len(c), "units": k, **st})
+        stats_parts.append({"peers": len(c), "units": k, "budget_s": round(budget * len(c) / weight, 3),
+                            "time_s": round(clock() - t, 3), **st})
     spares = np.concatenate(pool) if pool else np.zeros(0, dtype=np.int64)
     if left:  # groups (or pipelines) of several clusters, from the peers no cluster placed
         cand = _pool_peers(links, spares, keep, seed)
-        part_deadline = clock() + max(deadline_s - clock(), 0.0) * (1 - _ASSEMBLY_SHARE)
-        X, Z, st = _solve_part(delay_ms, bandwidth_gbps, wl, cand, left, by_pipeline, seed, part_deadline,
+        t = clock()
+        part_s = max(deadline_s - t, 0.0) * (1 - _ASSEMBLY_SHARE)
+        X, Z, st = _solve_part(delay_ms, bandwidth_gbps, wl, cand, left, by_pipeline, seed, t + part_s,
                                config, clock)
         parts.append(X)
         spares = np.setdiff1d(spares, X.ravel())
-        stats_parts.append({"peers": len(cand), "units": left, "mixed": True, **st})
+        stats_parts.append({"peers": len(cand), "units": left, "mixed": True, "budget_s": round(part_s, 3),
+                            "time_s": round(clock() - t, 3), **st})
     X = _assemble(links, parts, by_pipeline)
     cost = paper_breakdown(delay_ms, bandwidth_gbps, wl, X).total_s
     if screen_cost < cost:  # the searched parts ignore the links between clusters: keep the construction
@@ -280,6 +285,8 @@ def solve_hierarchy(delay_ms, bandwidth_gbps, wl: Workload, *, regions=None, see
     n = delay_ms.shape[0]
     if S * D > n:
         raise ValueError(f"{S} stages x {D} pipelines needs {S * D} peers, the network has {n}")
+    t0 = clock()
+    deadline_s = t0 + (deadline_s - t0) * (1 - _MARGIN)
     links = _Links(delay_ms, bandwidth_gbps, wl.act_gb)
     clusters = cluster_peers(links, n, regions, config.cluster_max_peers)
     keep = config.cluster_max_peers
@@ -288,19 +295,23 @@ def solve_hierarchy(delay_ms, bandwidth_gbps, wl: Workload, *, regions=None, see
     for by_pipeline in (False, True):
         shares, left, X0 = _layout(links, clusters, wl, by_pipeline, keep, seed)
         screens[by_pipeline] = (paper_breakdown(delay_ms, bandwidth_gbps, wl, X0).total_s, shares, left, X0)
+    t1 = clock()
     lo, hi = sorted(screens, key=lambda k: (screens[k][0], k))
     layouts = [lo, hi] if screens[hi][0] < _BOTH_WITHIN * screens[lo][0] else [lo]
     best = None
+    tried = {}
     for k, by_pipeline in enumerate(layouts):
         share = max(deadline_s - clock(), 0.0) / (len(layouts) - k)
         found = _solve_layout(delay_ms, bandwidth_gbps, wl, links, clusters, by_pipeline, screens[by_pipeline],
                               seed, clock() + share, config, clock)
+        tried["pipeline" if by_pipeline else "dp-group"] = round(found[0], 6)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
     assert best is not None
     cost, X, spares, stats_parts, by_pipeline = best
     stats = {"clusters": len(clusters), "layout": "pipeline" if by_pipeline else "dp-group",
-             "layouts_tried": len(layouts),
+             "layout_cost_s": tried,
              "parts": stats_parts, "screen_s": {"dp-group": screens[False][0], "pipeline": screens[True][0]},
-             "generations": sum(p["generations"] for p in stats_parts)}
+             "generations": sum(p["generations"] for p in stats_parts),
+             "screen_time_s": round(t1 - t0, 3), "search_time_s": round(clock() - t1, 3)}
     return HierarchyResult(X, np.sort(spares).astype(np.int64), stats)

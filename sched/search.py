@@ -40,10 +40,16 @@ class SearchConfig:
     lean_min_peers: int = 256  # from here on, evolution rounds perturb neighbouring stages and polish
     #                            only the critical and perturbed peers, and no random partitions are
     #                            drawn (polishing one costs as much as many rounds); below, as before
+    cpu_clock: bool = False  # count the budget in this process's CPU seconds, not wall-clock: on a
+    #                          shared machine, the time the search itself was given
+    lean_sweeps: int = 1  # rounds of critical-then-moved sweeps polishing a lean round's child
     hierarchy_min_peers: int = 4096  # from here on, solve() schedules by hierarchy (sched/hierarchy.py)
     #                                  when the objective is the paper's; fewer: one flat search
     cluster_max_peers: int = 2048  # the hierarchy's largest cluster, searched flat (its matrices are
     #                                cluster_max_peers^2 floats each)
+
+    def clock(self) -> Callable[[], float]:
+        return time.process_time if self.cpu_clock else time.perf_counter
 
     def __post_init__(self) -> None:
         if self.time_budget_s <= 0:
@@ -52,6 +58,8 @@ class SearchConfig:
             raise ValueError("start_share must lie in (0, 1]")
         if self.lean_min_peers < 1:
             raise ValueError("lean_min_peers must be positive")
+        if self.lean_sweeps < 1:
+            raise ValueError("lean_sweeps must be positive")
         if self.hierarchy_min_peers < 1 or self.cluster_max_peers < 2:
             raise ValueError("hierarchy_min_peers must be positive and cluster_max_peers at least 2")
         if self.population < 2:
@@ -102,7 +110,8 @@ class ShapeSearch:
         return v
 
     def realize(self, X: np.ndarray) -> np.ndarray:
-        """The best stage order and pipelines for the DP groups in X's rows."""
+        """The best stage order and pipelines for the DP groups in X's rows (X itself when time
+        runs out while the coarsened graph is built)."""
         S = self.S
         if S == 1:
             return X.copy()
@@ -114,12 +123,14 @@ class ShapeSearch:
         self.realized += 1
         E = np.zeros((S, S))
         for a in range(S):
+            if self.lean and self.out_of_time():
+                return X.copy()
             for b in range(S):
                 if a != b and (not self.symmetric or b > a):
                     E[a, b] = self._edge(X[a], X[b])
                     if self.symmetric:
                         E[b, a] = E[a, b]
-        _, order = open_path(E, self.cfg.exact_path_max_stages)
+        _, order = open_path(E, self.cfg.exact_path_max_stages, stop=self.out_of_time if self.lean else None)
         out = np.empty_like(X)
         out[0] = X[order[0]]
         for k in range(1, S):
@@ -143,7 +154,7 @@ class ShapeSearch:
                 X, best = R, r
             if self.out_of_time():
                 return best, X, Z
-            X2, Z2 = self.local.run(X, Z, focus=focus)
+            X2, Z2 = self.local.run(X, Z, max_sweeps=50 if focus is None else self.cfg.lean_sweeps, focus=focus)
             c = self.m.total(X2)
             if c < best - 1e-12:
                 X, Z, best = X2, Z2, c
@@ -282,9 +293,11 @@ class ShapeSearch:
         pop: list[tuple[float, np.ndarray, np.ndarray]] = []
         # every construction, as given and re-matched, is a candidate; the cheapest are polished first
         starts = []
+        # with many peers, re-matching every start would take the time of polishing one
+        realize_until = t0 + self.cfg.start_share * (self.deadline_s - t0) / 2 if self.lean else np.inf
         for k, (X, Z) in enumerate(seeds):
             start = (self.m.total(X), k, X, Z)
-            if not self.out_of_time():
+            if not self.out_of_time() and (k == 0 or self.clock() < realize_until):
                 R = self.realize(X)
                 start = min(start, (self.m.total(R), k, R, Z), key=lambda c: c[0])
             starts.append(start)

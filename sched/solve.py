@@ -105,7 +105,7 @@ def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, u
                  compression=None) -> tuple[float, CostBreakdown, np.ndarray, np.ndarray, dict]:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
-    search = ShapeSearch(model, S, D, config, seed, deadline_s)
+    search = ShapeSearch(model, S, D, config, seed, deadline_s, clock=config.clock())
     count = config.random_seeds if model.n < config.lean_min_peers else 0
     seeds = constructions(model, S, D, regions, np.random.default_rng([seed, 1]), count)
     if initial is not None:  # first: on a tie with a construction the warm start wins
@@ -120,7 +120,7 @@ def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, 
                               config) -> tuple[float, CostBreakdown, np.ndarray, np.ndarray, dict]:
     wl = spec.workload(S, D)
     res = solve_hierarchy(delay_ms, bandwidth_gbps, wl, regions=regions, seed=seed, deadline_s=deadline_s,
-                          config=config)
+                          config=config, clock=config.clock())
     bd = paper_breakdown(delay_ms, bandwidth_gbps, wl, res.X)
     return bd.total_s, bd, res.X, res.spares, {"hierarchy": True, **res.stats}
 
@@ -156,10 +156,12 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     (no compute, memory, uneven layers, compression or warm start); True with any of these is a
     ValueError. The delay and bandwidth matrices may then be float32: only blocks are read.
     """
-    start = time.perf_counter()
+    wall = time.perf_counter()
     n = np.asarray(delay_ms).shape[0]
     warm = None if initial is None else given(initial, n)
     cfg = config or SearchConfig(time_budget_s=time_budget_s, generations=generations)
+    clock = cfg.clock()
+    start = clock()
     if stages is None:
         d = getattr(spec, "default_stages", 0) * getattr(spec, "default_dp", 0)
         stages = getattr(spec, "default_stages", None) if 0 < d <= n else "auto"
@@ -197,8 +199,8 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     by_hierarchy = paper_only if hierarchical is None and n >= cfg.hierarchy_min_peers else bool(hierarchical)
     best = None
     for k, (S, D) in enumerate(shapes):
-        share = (cfg.time_budget_s - (time.perf_counter() - start)) / (len(shapes) - k)
-        deadline = time.perf_counter() + max(share, 0.0)
+        share = (cfg.time_budget_s - (clock() - start)) / (len(shapes) - k)
+        deadline = clock() + max(share, 0.0)
         if by_hierarchy:
             found = _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, regions=regions, seed=seed,
                                               deadline_s=deadline, config=cfg)
@@ -213,6 +215,8 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
             best = found
     _, bd, X, Z, stats = best
     stats["shapes_tried"] = len(shapes)
+    if cfg.cpu_clock:
+        stats["cpu_s"] = clock() - start
     return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=tuple(tuple(int(v) for v in col) for col in X.T),
                       spares=tuple(sorted(int(z) for z in Z)), layers=bd.layers, cost=bd,
-                      elapsed_s=time.perf_counter() - start, seed=seed, stats=stats)
+                      elapsed_s=time.perf_counter() - wall, seed=seed, stats=stats)
