@@ -299,21 +299,19 @@ def paper_breakdown(delay_ms, bandwidth_gbps, workload: Workload, X: np.ndarray)
     """The paper objective of allocation X, reading only the links it uses: each DP group's
     D x D block and each boundary's D hops. For networks too large for a `CostModel` (which holds
     several N x N matrices); the matrices may be float32 or memory-mapped. The same arithmetic as
-    `CostModel.breakdown` (bit for bit on float64 inputs) for an even split without extensions."""
+    `CostModel.breakdown` (bit for bit on float64 inputs and an X of the same memory layout) for
+    an even split without extensions."""
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     wl = workload
     if not wl.uniform_layers or S != wl.stages or D != wl.dp:
         raise ValueError(f"paper_breakdown needs the workload's shape {wl.stages} x {wl.dp} with an even split, "
                          f"got {S} x {D}")
-    g = wl.grad_gb(wl.layers // S)
-    dp_stage = np.empty(S)
-    for s in range(S):
-        ix = np.ix_(X[s], X[s])
-        a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, ix)
-        A = (2 * a).sum(axis=1)
-        B = (2 * inv_b / D).sum(axis=1)
-        dp_stage[s] = (A + g * B).max()
+    g = np.full(S, wl.grad_gb(wl.layers // S))
+    a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, (X[:, :, None], X[:, None, :]))  # (S, D, D)
+    A = (2 * a).sum(axis=2)
+    B = (2 * inv_b / D).sum(axis=2)
+    dp_stage = (A + g[:, None] * B).max(axis=1)
     if S > 1:
         a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, (X[:-1], X[1:]))
         bound = (a + wl.act_gb * inv_b).max(axis=1)
@@ -327,11 +325,10 @@ def paper_breakdown(delay_ms, bandwidth_gbps, workload: Workload, X: np.ndarray)
 def _link_blocks(delay_ms, bandwidth_gbps, ix) -> tuple[np.ndarray, np.ndarray]:
     """(latency s, seconds per GB) of the links indexed by ix, as the cost model computes them:
     zero on a peer's link to itself."""
-    a = np.asarray(delay_ms[ix], dtype=float) / 1e3
+    a = np.asarray(delay_ms[ix], dtype=float) / 1e3  # indexed as the model gathers, so sums add up alike
     bw = np.asarray(bandwidth_gbps[ix], dtype=float)
-    rows, cols = np.broadcast_arrays(*[np.asarray(v) for v in ix])
-    same = rows == cols
-    inv_b = np.zeros(a.shape)
+    same = np.broadcast_to(ix[0] == ix[1], a.shape)
+    inv_b = np.zeros_like(a)
     inv_b[~same] = 8.0 / bw[~same]
     a[same] = 0.0
     return a, inv_b

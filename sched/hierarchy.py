@@ -5,9 +5,10 @@ scores every swap partner of a peer (O(N D) each); it cannot finish in a minute.
 hierarchy reads only blocks of the (N, N) delay and bandwidth matrices it is handed (float32
 is enough, and they may be memory-mapped) and never builds an N x N array of its own:
 
-1. clusters: the region labels when given, else one cluster; any cluster larger than
-   `cluster_max_peers` is split by farthest-point clustering on the links' hop times
-   (k-center: each peer joins its nearest centre), again until every cluster fits;
+1. clusters: the region labels when given; else the natural clusters of the delays
+   (farthest-point centres while the covering radius still falls sharply, each peer joining
+   its nearest centre: what network coordinates would group); any cluster larger than
+   `cluster_max_peers` is split by the same k-center clustering until every cluster fits;
 2. DP groups per cluster: floor(peers / D) each (the largest clusters first while the S
    groups last), so a DP group - the heaviest traffic - stays inside one cluster;
 3. each cluster is solved by the flat search (`ShapeSearch`) on its own block as a pipeline
@@ -38,10 +39,11 @@ from .path import open_path
 from .search import SearchConfig, ShapeSearch
 from .spec import Workload
 
-__all__ = ["HierarchyResult", "cluster_peers", "solve_hierarchy"]
+__all__ = ["HierarchyResult", "LinkBlocks", "cluster_peers", "solve_hierarchy"]
 
 _ASSEMBLY_SHARE = 0.1  # of the time, kept for the coarse level and the matchings
 _MARGIN = 0.03  # of the time, for overrunning a part's deadline (a step under way is finished)
+_NATURAL_DROP = 2.0  # natural clusters: the covering radius must fall by this factor at the cut
 _BOTH_WITHIN = 1.1  # both layouts are searched when their constructions cost within this factor
 
 
@@ -52,7 +54,7 @@ class HierarchyResult:
     stats: dict
 
 
-class _Links:
+class LinkBlocks:
     """Blocks of the hop time a + c_act / b, read from the matrices as they were handed in."""
 
     def __init__(self, delay_ms, bandwidth_gbps, act_gb: float) -> None:
@@ -69,30 +71,49 @@ class _Links:
         return out
 
     def distance(self, centre: int, members: np.ndarray) -> np.ndarray:
-        """Symmetrised hop time between one peer and each member: the clustering's metric."""
-        c = np.array([centre])
-        return (self.hop(c, members)[0] + self.hop(members, c)[:, 0]) / 2
+        """Symmetrised delay (ms) between one peer and each member: the clustering's metric, as
+        network coordinates place peers (latency is what locates a peer; a link's bandwidth
+        says more about its ends' access than about where they are)."""
+        row = np.asarray(self.delay[centre, members], dtype=float)
+        col = np.asarray(self.delay[members, centre], dtype=float)
+        return (row + col) / 2
 
 
-def _k_center(links: _Links, members: np.ndarray, k: int) -> list[np.ndarray]:
-    """Farthest-point centres, each member to its nearest: k clusters (some possibly empty)."""
+def _k_center(links: LinkBlocks, members: np.ndarray, k: int, natural: bool = False) -> list[np.ndarray]:
+    """Farthest-point centres, each member to its nearest. natural: of the first k centres keep
+    those up to the last at which the covering radius falls by _NATURAL_DROP or more (sites far
+    apart compared with their own spread come out as one cluster each); else all k."""
     centres = [int(members[0])]
     near = links.distance(centres[0], members)
     dist = [near]
-    for _ in range(1, k):
-        nxt = int(members[int(np.argmax(near))])
+    radius = []  # radius[c - 1]: farthest member from the first c centres
+    for _ in range(1, k + (1 if natural else 0)):
+        far = int(np.argmax(near))
+        radius.append(float(near[far]))
+        nxt = int(members[far])
         if nxt in centres:
             break
         centres.append(nxt)
         d = links.distance(nxt, members)
         dist.append(d)
         near = np.minimum(near, d)
+    if natural:
+        radius.append(float(near.max()))
+        r = np.array(radius[:k])
+        keep = 1
+        if len(r) > 1:
+            drop = r[:-1] / np.maximum(r[1:], 1e-12)  # drop[c - 1]: radius with c centres over c + 1
+            big = np.flatnonzero(drop > _NATURAL_DROP)
+            keep = int(big[-1]) + 2 if len(big) else 1
+        centres, dist = centres[:keep], dist[:keep]
     label = np.argmin(np.stack(dist), axis=0)
     return [members[label == c] for c in range(len(centres)) if np.any(label == c)]
 
 
-def cluster_peers(links: _Links, n: int, regions, max_peers: int) -> list[np.ndarray]:
-    """Peer indices per cluster: region labels (first appearance order), then k-center splits."""
+def cluster_peers(links: LinkBlocks, n: int, regions, max_peers: int, min_peers: int = 1) -> list[np.ndarray]:
+    """Peer indices per cluster: region labels (first appearance order), or without them the
+    natural clusters of the delays (at most n // min_peers); then k-center splits of any
+    cluster over max_peers."""
     if regions is not None:
         if len(regions) != n:
             raise ValueError(f"{len(regions)} region labels for {n} peers")
@@ -100,7 +121,7 @@ def cluster_peers(links: _Links, n: int, regions, max_peers: int) -> list[np.nda
         labels = np.array([first.setdefault(r, len(first)) for r in regions])
         todo = [np.flatnonzero(labels == c) for c in range(len(first))]
     else:
-        todo = [np.arange(n)]
+        todo = _k_center(links, np.arange(n), max(1, n // max(min_peers, 1)), natural=True)
     out = []
     while todo:
         members = todo.pop(0)
@@ -153,7 +174,7 @@ def _solve_part(delay_ms, bandwidth_gbps, wl: Workload, peers: np.ndarray, units
     return peers[X], peers[Z], stats
 
 
-def _chain(links: _Links, groups: list[np.ndarray]) -> np.ndarray:
+def _chain(links: LinkBlocks, groups: list[np.ndarray]) -> np.ndarray:
     """Pipelines through the groups in this order: bottleneck matchings between neighbours."""
     out = [groups[0]]
     for g in groups[1:]:
@@ -162,7 +183,7 @@ def _chain(links: _Links, groups: list[np.ndarray]) -> np.ndarray:
     return np.stack(out)
 
 
-def _segment_order(links: _Links, segments: list[np.ndarray]) -> list[np.ndarray]:
+def _segment_order(links: LinkBlocks, segments: list[np.ndarray]) -> list[np.ndarray]:
     """Segments ((g, D) arrays) ordered and directed for the cheapest crossings between them."""
     K = len(segments)
     if K == 1:
@@ -193,7 +214,7 @@ def _segment_order(links: _Links, segments: list[np.ndarray]) -> list[np.ndarray
     return [segments[b] if d == 0 else segments[b][::-1] for b, d in zip(order, dirs)]
 
 
-def _assemble(links: _Links, parts: list[np.ndarray], by_pipeline: bool) -> np.ndarray:
+def _assemble(links: LinkBlocks, parts: list[np.ndarray], by_pipeline: bool) -> np.ndarray:
     """The (S, D) allocation from the parts' allocations."""
     if by_pipeline:
         X = np.concatenate(parts, axis=1)
@@ -202,17 +223,17 @@ def _assemble(links: _Links, parts: list[np.ndarray], by_pipeline: bool) -> np.n
     return _chain(links, [g for seg in ordered for g in seg])
 
 
-def _pool_peers(links: _Links, pool: np.ndarray, keep: int, seed: int) -> np.ndarray:
+def _pool_peers(links: LinkBlocks, pool: np.ndarray, keep: int, seed: int) -> np.ndarray:
     """At most `keep` of the pool's peers: those best connected to the others."""
     cand = np.sort(pool)
     if len(cand) <= keep:
         return cand
-    sample = cand[np.random.default_rng([seed, 2]).choice(len(cand), size=256, replace=False)]
+    sample = cand[np.random.default_rng([seed, 2]).choice(len(cand), size=min(256, len(cand)), replace=False)]
     score = links.hop(cand, sample).mean(axis=1)
     return cand[np.sort(np.argsort(score, kind="stable")[:keep])]
 
 
-def _layout(links: _Links, clusters: list[np.ndarray], wl: Workload, by_pipeline: bool,
+def _layout(links: LinkBlocks, clusters: list[np.ndarray], wl: Workload, by_pipeline: bool,
             keep: int, seed: int) -> tuple[list[int], int, np.ndarray]:
     """(units per cluster, units left for the pool, the layout's plain construction: each
     cluster's units from its peers in index order, the pool's likewise)."""
@@ -232,7 +253,7 @@ def _layout(links: _Links, clusters: list[np.ndarray], wl: Workload, by_pipeline
     return shares, left, _assemble(links, parts, by_pipeline)
 
 
-def _solve_layout(delay_ms, bandwidth_gbps, wl: Workload, links: _Links, clusters: list[np.ndarray],
+def _solve_layout(delay_ms, bandwidth_gbps, wl: Workload, links: LinkBlocks, clusters: list[np.ndarray],
                   by_pipeline: bool, screen: tuple, seed: int, deadline_s: float, config: SearchConfig,
                   clock: Callable[[], float]) -> tuple[float, np.ndarray, np.ndarray, list[dict], bool]:
     """Each cluster's part searched flat, the pool's too, then assembled: (cost, X, spares,
@@ -287,8 +308,8 @@ def solve_hierarchy(delay_ms, bandwidth_gbps, wl: Workload, *, regions=None, see
         raise ValueError(f"{S} stages x {D} pipelines needs {S * D} peers, the network has {n}")
     t0 = clock()
     deadline_s = t0 + (deadline_s - t0) * (1 - _MARGIN)
-    links = _Links(delay_ms, bandwidth_gbps, wl.act_gb)
-    clusters = cluster_peers(links, n, regions, config.cluster_max_peers)
+    links = LinkBlocks(delay_ms, bandwidth_gbps, wl.act_gb)
+    clusters = cluster_peers(links, n, regions, config.cluster_max_peers, min(S, D))
     keep = config.cluster_max_peers
     # the layout: DP groups inside clusters, or pipelines inside clusters, by their plain constructions
     screens = {}

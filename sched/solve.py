@@ -14,6 +14,7 @@ it under the search's objective and, among equally cheap allocations, stays clos
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,7 +103,7 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
 
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
                  regions, seed, deadline_s, config, initial=None,
-                 compression=None) -> tuple[float, CostBreakdown, np.ndarray, np.ndarray, dict]:
+                 compression=None) -> tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
     search = ShapeSearch(model, S, D, config, seed, deadline_s, clock=config.clock())
@@ -113,16 +114,19 @@ def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, u
     cost, X, Z = search.run(seeds)
     stats = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
-    return cost, model.breakdown(X), X, Z, stats
+    return cost, model.breakdown, X, Z, stats
 
 
 def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, seed, deadline_s,
-                              config) -> tuple[float, CostBreakdown, np.ndarray, np.ndarray, dict]:
+                              config) -> tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]:
     wl = spec.workload(S, D)
     res = solve_hierarchy(delay_ms, bandwidth_gbps, wl, regions=regions, seed=seed, deadline_s=deadline_s,
                           config=config, clock=config.clock())
-    bd = paper_breakdown(delay_ms, bandwidth_gbps, wl, res.X)
-    return bd.total_s, bd, res.X, res.spares, {"hierarchy": True, **res.stats}
+
+    def score(X: np.ndarray) -> CostBreakdown:
+        return paper_breakdown(delay_ms, bandwidth_gbps, wl, X)
+
+    return score(res.X).total_s, score, res.X, res.spares, {"hierarchy": True, **res.stats}
 
 
 def _paper_objective_only(spec, shapes, *, compute, memory_gib, uneven_layers, compression, initial) -> bool:
@@ -213,10 +217,13 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
-    _, bd, X, Z, stats = best
+    _, score, X, Z, stats = best
+    pipelines = tuple(tuple(int(v) for v in col) for col in X.T)
+    # the cost of the printed pipelines, computed as `evaluate` computes it from them
+    bd = score(np.array(pipelines, dtype=np.int64).T)
     stats["shapes_tried"] = len(shapes)
     if cfg.cpu_clock:
         stats["cpu_s"] = clock() - start
-    return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=tuple(tuple(int(v) for v in col) for col in X.T),
+    return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=pipelines,
                       spares=tuple(sorted(int(z) for z in Z)), layers=bd.layers, cost=bd,
                       elapsed_s=time.perf_counter() - wall, seed=seed, stats=stats)
