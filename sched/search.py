@@ -37,12 +37,14 @@ class SearchConfig:
     #                          starts); with generations=0 a local repair that stays near it
     start_share: float = 0.5  # share of a shape's time that polishing the starting allocations may
     #                           take (the cheapest start is polished first); the rest is evolution's
-    lean_min_peers: int = 256  # from here on, evolution rounds perturb neighbouring stages and polish
+    lean_min_peers: int = 512  # from here on, evolution rounds perturb neighbouring stages and polish
     #                            only the critical and perturbed peers, and no random partitions are
     #                            drawn (polishing one costs as much as many rounds); below, as before
     cpu_clock: bool = False  # count the budget in this process's CPU seconds, not wall-clock: on a
     #                          shared machine, the time the search itself was given
     lean_sweeps: int = 1  # rounds of critical-then-moved sweeps polishing a lean round's child
+    hierarchy_seed_share: float = 0.4  # from lean_min_peers on, for the paper objective: this share of
+    #                                    a shape's time builds a start by hierarchy (often the best start)
     hierarchy_min_peers: int = 4096  # from here on, solve() schedules by hierarchy (sched/hierarchy.py)
     #                                  when the objective is the paper's; fewer: one flat search
     cluster_max_peers: int = 2048  # the hierarchy's largest cluster, searched flat (its matrices are
@@ -58,6 +60,8 @@ class SearchConfig:
             raise ValueError("start_share must lie in (0, 1]")
         if self.lean_min_peers < 1:
             raise ValueError("lean_min_peers must be positive")
+        if not 0 <= self.hierarchy_seed_share < 1:
+            raise ValueError("hierarchy_seed_share must lie in [0, 1)")
         if self.lean_sweeps < 1:
             raise ValueError("lean_sweeps must be positive")
         if self.hierarchy_min_peers < 1 or self.cluster_max_peers < 2:

@@ -102,18 +102,29 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
 
 
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
-                 regions, seed, deadline_s, config, initial=None,
-                 compression=None) -> tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]:
+                 regions, seed, deadline_s, config, initial=None, compression=None,
+                 hierarchy_seed: bool = False) -> tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
-    search = ShapeSearch(model, S, D, config, seed, deadline_s, clock=config.clock())
+    clock = config.clock()
+    tree = None
+    if hierarchy_seed and model.n >= config.lean_min_peers and config.hierarchy_seed_share > 0:
+        now = clock()
+        tree = solve_hierarchy(delay_ms, bandwidth_gbps, model.workload, regions=regions, seed=seed,
+                               deadline_s=now + config.hierarchy_seed_share * max(deadline_s - now, 0.0),
+                               config=config, clock=clock)
+    search = ShapeSearch(model, S, D, config, seed, deadline_s, clock=clock)
     count = config.random_seeds if model.n < config.lean_min_peers else 0
     seeds = constructions(model, S, D, regions, np.random.default_rng([seed, 1]), count)
+    if tree is not None:  # a construction like the others (first: on a tie it wins)
+        seeds = [(tree.X, tree.spares)] + seeds
     if initial is not None:  # first: on a tie with a construction the warm start wins
         seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
     stats = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
+    if tree is not None:
+        stats["hierarchy_start"] = {"cost_s": model.total(tree.X), "generations": tree.stats["generations"]}
     return cost, model.breakdown, X, Z, stats
 
 
@@ -213,7 +224,7 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
             continue
         found = _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                              uneven_layers=uneven_layers, regions=regions, seed=seed,
-                             deadline_s=deadline, config=cfg, compression=compression,
+                             deadline_s=deadline, config=cfg, compression=compression, hierarchy_seed=paper_only,
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
