@@ -28,6 +28,9 @@ from .spec import CommSpec, ModelSpec
 
 __all__ = ["Allocation", "solve", "evaluate", "candidate_shapes", "cost_model"]
 
+# one shape's result: (searched objective, how to cost an allocation, X, spares, statistics)
+_Found = tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]
+
 
 @dataclass(frozen=True)
 class Allocation:
@@ -103,7 +106,7 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
 
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
                  regions, seed, deadline_s, config, initial=None, compression=None,
-                 hierarchy_seed: bool = False) -> tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]:
+                 hierarchy_seed: bool = False) -> _Found:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
     clock = config.clock()
@@ -129,7 +132,7 @@ def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, u
 
 
 def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, seed, deadline_s,
-                              config) -> tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]:
+                              config) -> _Found:
     wl = spec.workload(S, D)
     res = solve_hierarchy(delay_ms, bandwidth_gbps, wl, regions=regions, seed=seed, deadline_s=deadline_s,
                           config=config, clock=config.clock())
