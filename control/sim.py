@@ -9,8 +9,9 @@ scheduler stand-in at once, fires the machines' timers, and plays each node's st
 a cheap deterministic stand-in for the tiny model: a stage's weights at step s are a hash chain
 `w(s) = H(w(s-1), s)` from the run's seed, so the loss a step logs (a number drawn from its
 weights) is the reference's only if the stage was resumed from the right weights; fetching a
-stage is looking its digest up in a content store (hash-verified, as the daemon's fetch), and a
-checkpoint is a (layers, step) -> weights entry on the node's disk, kept across a crash.
+stage is looking its digest up in a content store (hash-verified, as the daemon's fetch), a
+checkpoint is a (layers, step) -> weights entry on the node's disk, kept across a crash, and
+every node of the run rebuilds step 0 from the seed, as a daemon rebuilds the initial weights.
 
 Checked as it runs (in `violations`), besides the election's own checks: a node applies an
 allocation only from the coordinator it recognises for that term (the one elected in it), its
@@ -872,7 +873,11 @@ class PlaneSim(ElectionSim):
                     return st.weights
                 if where == "snapshot" and st.snapshot is not None and st.snapshot[0] == step:
                     return st.snapshot[1]
-        return self.checkpoints[k].get((run_id, layers, step))
+        saved = self.checkpoints[k].get((run_id, layers, step))
+        cur = self.epoch(k).current
+        if saved is None and step == 0 and cur is not None and cur.run_id == run_id:
+            return reference_weights(self.run_seed, 0)  # the run's initial weights, rebuilt from its seed
+        return saved
 
     def _checkpoints_of(self, k: int, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
         if run_id is None:

@@ -265,6 +265,8 @@ def show(a: object, *, keys: bool = True) -> str:
         return "reset log"
     if isinstance(a, Emit):
         shown = " ".join(f"{f}={named(str(a.fields[f]))}" for f in EMIT_FIELDS if f in a.fields)
+        if a.fields.get("rollback"):  # where the stages came from, and the completed steps run again
+            shown += f" restored_from={a.fields['restored_from']} steps_lost={a.fields['steps_lost']}"
         return f"emit {a.event} {shown}".rstrip()
     if isinstance(a, Reply):
         to = f" {label(a.key)}" if keys else ""

@@ -292,6 +292,7 @@ class _Procedure:
     answers: Mapping[bytes, dict] = field(default_factory=dict)
     refused: str = ""
     rolled_back: bool = False
+    steps_lost: int = 0  # a rollback: completed (logged or reported) steps the swarm runs again
     transient: bool = False  # every refusal of the hand-out was a membership disagreement
     stuck: bool = False  # a step missed its deadline: abort it, do not wait for a boundary
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
@@ -1134,12 +1135,11 @@ class Coordinator:
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
         except ResumeError as e:
-            if proc.resume:  # the operator is told which stage no live peer holds
+            if proc.resume:
                 raise _Failed(f"cannot resume run {cur.run_id.hex()[:8]}: {e}") from None
-            # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
-            # holder restarting) and resumes when the reachable peers change; it never goes on
-            # with re-initialised weights.
-            return self._pause(proc, f"{e}; waiting for a holder to come back", reachable, now)
+            # No peer of the run answered (every stage, even step 0, is restored by one): the run
+            # waits and resumes when the reachable peers change.
+            return self._pause(proc, f"{e}; waiting for a peer of the run to answer", reachable, now)
         if rp.step >= cur.end_step:
             raise _Failed("the run already reached its last step")
         proc.rp = rp
@@ -1230,6 +1230,9 @@ class Coordinator:
         done = set(self.logged.get(cur.run_id, ())) | {r.step - 1 for st in proc.states.values() for r in st.reports}
         # (a resume from the checkpoints of the stop boundary runs no logged step again: no rollback)
         proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done, default=-1)
+        # (how many: from the newest step any peer logged or reported completing)
+        newest = max(done | {r.step for st in proc.states.values() for r in st.reports}, default=-1)
+        proc.steps_lost = max(0, newest + 1 - rp.step) if proc.rolled_back else 0
         reports = [(p, r) for p, st in proc.states.items() for r in st.reports]
         return self._hand_out(proc, alloc, reports, now)
 
@@ -1413,6 +1416,7 @@ class Coordinator:
             old_shape=f"{cur.stages}x{cur.dp}", new_shape=f"{alloc.stages}x{alloc.dp}", kind=plan.kind,
             predicted_old_s=cur.predicted_iteration_s, predicted_new_s=alloc.predicted_iteration_s, moves=plan.moves,
             bytes_moved=log.fetched, resume_step=rp.step, rollback=proc.rolled_back,
+            restored_from=rp.source.value, steps_lost=proc.steps_lost,
             started_at=proc.t0 + self.wall_offset, stop_s=m["stopped"] - proc.t0,
             schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
             handout_s=now - m["offered"], compress_links=self._links_note(proc, alloc))
@@ -1420,7 +1424,8 @@ class Coordinator:
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
-                    " (rolled back: steps already logged run again)" if proc.rolled_back else "")
+                    f" (rolled back from {rp.source.value}: {proc.steps_lost} completed steps run again)"
+                    if proc.rolled_back else "")
         kind = (EventKind.ROLLBACK if proc.rolled_back else EventKind.LEAVE if proc.leave
                 else EventKind.RECONFIGURE)
         out: list = [Emit(PlaneEvent(kind, alloc.term, proc.trigger, epoch=alloc.epoch, reconfiguration=info))]

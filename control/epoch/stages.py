@@ -168,14 +168,35 @@ class StageHost:
         return load_checkpoint(path) if path is not None else None
 
     async def _held(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | dict:
-        """The state of `layers` at `step` held here, or the answer that says why not."""
+        """The state of `layers` at `step` held here, or the answer that says why not. Step 0
+        not held otherwise is the run's initial weights, rebuilt here."""
         try:
             state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
         except CheckpointError as e:
             return {"error": f"checkpoint unreadable: {e}"}
+        if state is None and step == 0:
+            return await self._initial(run_id, layers)
         if state is None:
             return {"error": f"layers {layers} at step {step} are not held here"}
         return state
+
+    async def _initial(self, run_id: bytes, layers: tuple[int, int]) -> StageState | dict:
+        """`layers` of run `run_id` at step 0: the run's initial weights, from its seed or from
+        this peer's copy of the model folder the operator's start names (by its digest), built
+        as the run's first epoch built them; the answer that says why not."""
+        alloc = self.epoch.current
+        if alloc is None or alloc.run_id != run_id:
+            return {"error": f"run {run_id.hex()[:8]} is not this peer's: its initial weights are unknown here"}
+        try:
+            held = start_model(alloc, await self.models() if self.models is not None else {})
+            if held is not None:
+                return await trio.to_thread.run_sync(lambda: hf_stage_state(
+                    held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device="cpu",
+                    compression=alloc.compression))
+            return await trio.to_thread.run_sync(
+                lambda: StageState(alloc.model, alloc.train, layers, "cpu", compression=alloc.compression))
+        except (ValueError, OSError, HFError) as e:
+            return {"error": f"cannot rebuild the initial weights of layers {layers}: {e}"}
 
     async def offer(self, run_id: bytes, step: int, layers: tuple[int, int],
                     fetchers: frozenset[bytes] = frozenset()) -> dict:
