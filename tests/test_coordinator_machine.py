@@ -471,12 +471,15 @@ def test_a_stage_without_a_holder_rolls_the_swarm_back_to_the_initial_weights():
 
 
 def test_a_run_without_a_quorum_pauses_until_a_peer_out_of_reach_answers():
-    # n1 and n3 do not answer: two of the four voters are reachable, so the run pauses. It asks
-    # the peers out of reach again; once n1 answers (restarted, holding nothing), a quorum is
+    # n1 and n3 do not answer: two of the four voters are reachable, so the run pauses, and the
+    # peers it reaches write their stages to disk. It asks the peers out of reach again; once n1 answers (restarted, holding nothing), a quorum is
     # reachable and it reconfigures.
     n = Node()
     holders_out_of_reach(n)
     assert "only 2 of 4 voters are reachable" in n.c.status().reason
+    # the peers it reaches keep what they hold on disk while the run waits
+    assert n.asks["keep 1"].body == {"op": "keep", "run": RUN}
+    n.answer("keep 1", everyone={"kept": [[0, 2, 2]]})
     n.tick()
     n.answer("probe holders", at=n.now + 1.0)  # (no answer: still out of reach)
     n.tick()
@@ -491,7 +494,9 @@ def test_a_run_without_a_quorum_pauses_until_a_peer_out_of_reach_answers():
           phase: stopping
         5.6 answers states: n0 0-2@2, n1 -, n2 0-2@2, n3 -
           emit paused term=1 epoch=1 trigger=peer n1: connection lost reason=only 2 of 4 voters are reachable, 3 needed: a side without a quorum does not reconfigure
+          ask keep 1: RUN_STATE keep -> n0 n2
           phase: paused
+        5.6 answers keep 1: n0 -, n2 -
         7.5 tick
           ask probe holders: RUN_STATE query -> n1 n3
         8.5 answers probe holders: n1 -, n3 -

@@ -2,7 +2,9 @@
 (`PlaneSim`, control/sim.py): a follower killed, the coordinator killed and restarted with its
 data dir, two of a data-parallel group at once, a 3 | 5 partition with the coordinator in the
 minority, both holders of a stage lost and restored from checkpoints, and both holders of a
-stage lost before any checkpoint (the swarm rolls back to the initial weights).
+stage lost before any checkpoint (the swarm rolls back to the initial weights), and a swarm
+paused by a partition that writes what it holds to disk, so both holders of a stage killed
+while it waits cost nothing.
 
 Each scenario is a short script; its trace (the plane's events, the merged step log, each
 node's final state) is compared with tests/data/plane_traces/NAME.txt, which a reader can
@@ -226,6 +228,34 @@ def stage_lost_before_any_checkpoint() -> str:
     return s.finish()
 
 
+def a_paused_swarm_keeps_what_it_holds() -> str:
+    s, c = _started(4, seed=7)
+    s.train(5)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None
+    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
+    holders = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
+    side = [c, holders[0]] if holders[0] != c else [c, holders[1]]
+    s.note(f"partition: n{side[0]}, n{side[1]} | the other two (no side has a quorum of the four voters); "
+           "nothing is checkpointed periodically")
+    s.sim.partition([1 if k in side else 0 for k in range(4)])
+    s.train(1)
+    s.run(6.0)
+    kept = sorted((k, step) for k in range(4) for (_, _, step) in s.sim.checkpoints[k])
+    s.note(f"on disk while the swarm waits (node, step): {kept}")
+    s.note(f"both holders of stage {stage} (n{holders[0]}, n{holders[1]}) are killed, then restarted; heal")
+    for k in holders:
+        s.sim.crash(k)
+    for k in holders:
+        s.sim.restart(k)
+    s.sim.heal()
+    s.run(6.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
 def planned_leaves() -> str:
     s, c = _started(5, seed=8)
     s.train(3)
@@ -250,7 +280,8 @@ def planned_leaves() -> str:
 
 SCENARIOS: dict[str, Callable[[], str]] = {f.__name__: f for f in (
     follower_killed, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
-    stage_restored_from_checkpoints, stage_lost_before_any_checkpoint, planned_leaves)}
+    stage_restored_from_checkpoints, stage_lost_before_any_checkpoint, a_paused_swarm_keeps_what_it_holds,
+    planned_leaves)}
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -354,6 +354,7 @@ class Coordinator:
         self._next_check = 0.0
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
+        self._keeps = 0  # RUN_STATE keep requests made (their keys)
         self._queue: list[_Start | Reschedule | ResumeRun | PeerLeaving] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
@@ -735,6 +736,11 @@ class Coordinator:
             return self._gaps_filled(key[1], ev.answers)
         if key[0] == "opstop":
             return self._stopped(key, ev.answers)
+        if key[0] == "keep":
+            for p, a in sorted(ev.answers.items()):
+                if "kept" not in a:
+                    logger.warning("%s did not keep its stage on disk: %s", short_id(p), a.get("error") or a.get("reason"))
+            return []
         proc = self._proc
         if proc is None or key[0] != "proc" or key[1] != proc.id:
             return []  # a procedure that failed meanwhile
@@ -1444,7 +1450,8 @@ class Coordinator:
         logger.error("training pauses: %s", why)
         self.phase, self.reason = Phase.PAUSED, why
         self._proc = None
-        out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.election.term, proc.trigger, epoch=cur.epoch, reason=why))]
+        out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.election.term, proc.trigger, epoch=cur.epoch, reason=why)),
+                     self._keep(cur, reachable)]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
@@ -1458,10 +1465,19 @@ class Coordinator:
         self._proc = None
         shown = tuple(x for x in self.left_out.snapshot(self._now, self.wall_offset) if x.peer in left_out)
         out: list = [Emit(PlaneEvent(EventKind.STOPPED, self.election.term, trigger, epoch=cur.epoch, reason=why,
-                                     left_out=shown))]
+                                     left_out=shown)),
+                     self._keep(cur, set(proc.states) | self._named(cur))]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
+
+    def _keep(self, cur: Allocation, peers: Iterable[bytes]) -> Ask:
+        """Ask the peers of run `cur` to write what they hold of it in memory to their data dirs
+        (RUN_STATE `keep`): the run waits, and a crash meanwhile must lose nothing. The answers
+        change nothing here."""
+        self._keeps += 1
+        return self._ask(("keep", self._keeps), set(peers) | {self.me}, ControlMsg.RUN_STATE,
+                         {"op": "keep", "run": cur.run_id}, self.t.accept_timeout_s)
 
     def _failed(self, proc: _Procedure, e: _Failed) -> list:
         """A failed start answers its operator; a failed reconfiguration is retried on the next
