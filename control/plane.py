@@ -372,8 +372,10 @@ class ControlPlane:
             self._log_path.unlink(missing_ok=True)
             self._reconfigs.clear()
         elif isinstance(a, Emit):
+            cur = self.epoch.current  # (every line names its run: the one this peer applied last, if any)
             self._append_jsonl(self.data_dir / "events.jsonl",
-                               {"time": time.time(), "event": a.event, "peer": self.me.hex(), **a.fields})
+                               {"time": time.time(), "event": a.event, "peer": self.me.hex(),
+                                "run": cur.run_id.hex() if cur is not None else None, **a.fields})
             if a.record.reconfiguration is not None:
                 self._reconfigs.append(a.record.reconfiguration)
         elif isinstance(a, Reply):

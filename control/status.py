@@ -130,6 +130,8 @@ class PlaneStatus:
                 out["issued"]["cut_links"] = c.cut_links
             if c.left_out:  # peers that refused an allocation: not placed until the time shown
                 out["issued"]["left_out"] = [x.to_wire() for x in c.left_out]
+            if c.counts is not None:  # what this coordinator counted of the run (the run's /metrics)
+                out["issued"]["counts"] = c.counts.to_wire()
         if self.swarm_wait is not None:
             out["waiting_for_peers"] = dict(self.swarm_wait)
         out["refusals"] = dict(self.refusals)

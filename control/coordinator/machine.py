@@ -41,6 +41,7 @@ from ..allocation import Allocation, Holding, SignedAllocation
 from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
 from ..epoch.runner import StepReport
+from .counters import RunCounters, RunCounts
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
 from ..events import EventKind, LeftOutPeer, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
@@ -322,6 +323,7 @@ class CoordinatorStatus:
     stalled_reason: str = ""
     cut_links: str = ""  # links left out of allocations until measured healthy again
     left_out: tuple[LeftOutPeer, ...] = ()  # peers left out of allocations because they refused one
+    counts: RunCounts | None = None  # what this coordinator counted of the run (control/coordinator/counters.py)
 
 
 class Coordinator:
@@ -355,6 +357,7 @@ class Coordinator:
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
         self._keeps = 0  # RUN_STATE keep requests made (their keys)
+        self.counters = RunCounters()
         self._queue: list[_Start | Reschedule | ResumeRun | PeerLeaving] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
@@ -422,7 +425,9 @@ class Coordinator:
             reason=reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
             recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
             last_reconfig=self.last_reconfig, cut_links=self.links.describe(),
-            left_out=self.left_out.snapshot(self._now, self.wall_offset), **stall)
+            left_out=self.left_out.snapshot(self._now, self.wall_offset),
+            counts=self.counters.current if log is not None and self.counters.current is not None
+            and self.counters.current.run_id == log.alloc.run_id else None, **stall)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -468,6 +473,10 @@ class Coordinator:
         else:
             raise TypeError(f"not a coordinator event: {event!r}")
         out += self._next(now)
+        lines = [a.line for a in out if isinstance(a, LogLine)]
+        if lines:
+            fresh = any(not x.get("backfilled") for x in lines)
+            self.counters.logged(bytes.fromhex(lines[0]["run"]), len(lines), self._wall(now) if fresh else None)
         return out
 
     # ---- the loop: what to do next ------------------------------------------------------------
@@ -1427,6 +1436,7 @@ class Coordinator:
             schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
             handout_s=now - m["offered"], compress_links=self._links_note(proc, alloc))
         self.last_reconfig = info
+        self.counters.reconfigured(alloc.run_id, rollback=proc.rolled_back, steps_lost=proc.steps_lost)
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
