@@ -18,7 +18,8 @@ At the end the run is stopped and judged: every step logged once in the merged t
 every loss equal to single-process training (1e-5), the DP replicas of every stage identical
 (their parameters' sha256), and the figures: faults by kind, steps lost to rollbacks (from the
 coordinators' rollback events), the time from each fault to the next completed step (median and
-worst), each daemon's memory (RSS) growth from its first sample after warm-up to its last
+worst: the longest time without a completed step from the fault to the first step after it
+was undone), each daemon's memory (RSS) growth from its first sample after warm-up to its last
 (daemons that lived through the whole soak), its open file descriptors and threads (worst). The
 last line of stdout is one JSON object: faults, faults_by_kind, steps, exact, rolled_back_steps,
 heal_s_median, heal_s_worst, rss_growth, max_fds, max_threads and the details.
@@ -81,9 +82,11 @@ class Soak:
         rows = read_rows(self.run_dir) if (self.run_dir / "train.jsonl").exists() else []
         return max((r["step"] for r in rows), default=-1)
 
-    def next_step_after(self, t0: float, timeout_s: float) -> float | None:
-        """Seconds from `t0` to the first step line logged after it (not back-filled), None if none
-        within `timeout_s`."""
+    def heal_after(self, t0: float, undone: float, timeout_s: float) -> float | None:
+        """The longest time without a completed step from the fault (`t0`) to the first step
+        completed after it was undone (`undone`: the restart, the wake, the heal): the time the
+        fault cost the swarm before its next step (a step in flight when it struck, completed
+        just after, does not hide the stop that follows). None: no step within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -91,9 +94,11 @@ class Soak:
             except RuntimeError:
                 pass
             rows = read_rows(self.run_dir) if (self.run_dir / "train.jsonl").exists() else []
-            fresh = [r["time"] for r in rows if r.get("time", 0) > t0 and not r.get("backfilled")]
-            if fresh:
-                return min(fresh) - t0
+            times = sorted(r["time"] for r in rows if r.get("time", 0) > t0 and not r.get("backfilled"))
+            after = [x for x in times if x > undone]
+            if after:
+                marks = [t0] + [x for x in times if x <= after[0]]
+                return max(b - a for a, b in zip(marks, marks[1:]))
             time.sleep(1.0)
         return None
 
@@ -116,7 +121,13 @@ class Soak:
     # ---- faults -------------------------------------------------------------------------------
 
     def kill(self, name: str) -> None:
-        swarm(self.run_dir, "kill", name)
+        """SIGKILL, as `dtfm-swarm kill` sends it (at once: the first fault races the first checkpoint)."""
+        pid = next(p.pid for p in self.peers() if p.name == name)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def restart(self, name: str) -> None:
         swarm(self.run_dir, "restart", name, timeout_s=120)
@@ -236,8 +247,11 @@ class Soak:
         t0 = time.time()
         log(f"fault {len(self.faults) + 1}: {kind}")
         done = self.fault(kind)
-        heal = self.next_step_after(t0, HEAL_TIMEOUT_S)
-        self.faults.append({"kind": kind, "at": t0, "heal_s": None if heal is None else round(heal, 2), **done})
+        heal = self.heal_after(t0, time.time(), HEAL_TIMEOUT_S)
+        rows = read_rows(self.run_dir) if (self.run_dir / "train.jsonl").exists() else []
+        at = max((r["step"] for r in rows if r.get("time", 0) <= t0), default=-1)  # the last step before it
+        self.faults.append({"kind": kind, "at": t0, "heal_s": None if heal is None else round(heal, 2),
+                            "step_at_fault": at, **done})
         log(f"  {done} -> next step after {heal if heal is None else round(heal, 1)} s")
 
     # ---- the run ------------------------------------------------------------------------------
@@ -246,12 +260,11 @@ class Soak:
         a = self.args
         swarm(self.run_dir, "train", "--steps", "1000000", "--checkpoint-every", str(a.checkpoint_every),
               "--seed", str(a.run_seed))
-        swarm(self.run_dir, "wait", "--step", "3", "--timeout", "600")
+        swarm(self.run_dir, "wait", "--step", "1", "--timeout", "600")
         end = time.monotonic() + 60 * a.minutes
         # both holders of a stage lost before the first checkpoint: a rollback to the initial weights
-        first = self.last_step()
-        if first + 1 < a.checkpoint_every:
-            self.inject("kill_stage_holders")
+        self.inject("kill_stage_holders")
+        self.faults[0]["before_first_checkpoint"] = self.faults[0]["step_at_fault"] + 1 < a.checkpoint_every
         self.sample()
         while time.monotonic() < end:
             wait = min(self.rng.uniform(0.5, 1.5) * a.fault_every_s, max(0.0, end - time.monotonic()))
@@ -361,7 +374,7 @@ def main(argv=None) -> None:
         kill_swarm(run_dir)
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-    print_table(["fault", "kind", "victims", "next step after (s)"],
+    print_table(["fault", "kind", "victims", "longest time without a step (s)"],
                 [(i + 1, f["kind"], " ".join(f["victims"]), f["heal_s"]) for i, f in enumerate(result["fault_log"])])
     print(json.dumps(result))
 

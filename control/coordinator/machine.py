@@ -1239,14 +1239,18 @@ class Coordinator:
                                           set(proc.states) - self.leaving(now))
         except ValueError as e:
             raise _Failed(f"cannot build the next allocation: {e}") from None
-        # Steps already completed and logged that the swarm runs again: the holders of the newer
-        # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
+        # Steps the current epoch completed that the swarm runs again: the holders of the newer
+        # stages are gone (a checkpoint, the initial weights or older in-memory stages serve): a
+        # rollback, said as such. Only the current epoch's steps count: those an earlier epoch
+        # completed past its start were lost (and counted) by the rollback that started it.
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
-        done = set(self.logged.get(cur.run_id, ())) | {r.step - 1 for st in proc.states.values() for r in st.reports}
+        mine = [r for st in proc.states.values() for r in st.reports if r.epoch == cur.epoch]
+        logged = self._completed_of(cur)
+        done = {r.step - 1 for r in mine} | {cur.start_step - 1} | ({logged} if logged is not None else set())
         # (a resume from the checkpoints of the stop boundary runs no logged step again: no rollback)
-        proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done, default=-1)
-        # (how many: from the newest step any peer logged or reported completing)
-        newest = max(done | {r.step for st in proc.states.values() for r in st.reports}, default=-1)
+        proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done)
+        # (how many: from the newest step of the epoch any peer logged or reported completing)
+        newest = max(done | {r.step for r in mine})
         proc.steps_lost = max(0, newest + 1 - rp.step) if proc.rolled_back else 0
         reports = [(p, r) for p, st in proc.states.items() for r in st.reports]
         return self._hand_out(proc, alloc, reports, now)
