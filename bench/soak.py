@@ -19,8 +19,8 @@ every loss equal to single-process training (1e-5), the DP replicas of every sta
 (their parameters' sha256), and the figures: faults by kind, steps lost to rollbacks (from the
 coordinators' rollback events), the time from each fault to the next completed step (median and
 worst: the longest time without a completed step from the fault to the first step after it
-was undone), each daemon's memory (RSS) growth from its first sample after warm-up to its last
-(daemons that lived through the whole soak), its open file descriptors and threads (worst). The
+was undone), each daemon's memory (RSS) growth over the soak's last two thirds (after warm-up:
+every daemon has built and fetched stages by then; daemons that lived through it), its open file descriptors and threads (worst). The
 last line of stdout is one JSON object: faults, faults_by_kind, steps, exact, rolled_back_steps,
 heal_s_median, heal_s_worst, rss_growth, max_fds, max_threads and the details.
 """
@@ -331,14 +331,22 @@ class Soak:
         }
 
     def health(self) -> tuple[float | None, int, int]:
-        """The worst RSS growth of a daemon that lived through the soak (first sample after the
-        first fault's recovery to its last), and the most fds and threads any daemon had."""
+        """The worst RSS growth of a daemon process over the soak's last two thirds (its first
+        sample after the first third, when every daemon has built stages and fetched weights, to
+        its last; a daemon restarted since is a new process, measured from its own first sample
+        there), among processes sampled over at least half of that span; and the most open fds
+        and threads any daemon had."""
         growth = None
-        span = max((s[-1][0] - s[0][0] for s in self.samples.values() if s), default=0.0)
+        starts = [x[0] for s in self.samples.values() for x in s]
+        if not starts:
+            return None, 0, 0
+        t0, t1 = min(starts), max(starts)
+        warm = t0 + (t1 - t0) / 3
         for series in self.samples.values():
-            if len(series) < 2 or series[-1][0] - series[0][0] < 0.5 * span:
+            late = [x for x in series if x[0] >= warm]
+            if len(late) < 2 or late[-1][0] - late[0][0] < 0.5 * (t1 - warm):
                 continue
-            g = series[-1][1] / series[0][1] - 1
+            g = late[-1][1] / late[0][1] - 1
             growth = g if growth is None else max(growth, g)
         fds = max((x[2] for s in self.samples.values() for x in s), default=0)
         threads = max((x[3] for s in self.samples.values() for x in s), default=0)

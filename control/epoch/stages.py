@@ -149,7 +149,7 @@ class StageHost:
         steps: dict[tuple[int, int], list[int]] = {}
         for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
             steps.setdefault((a, b), []).append(step)
-        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
+        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-self.disk.kept:]]
         return tuple(out[-MAX_CHECKPOINTS_LISTED:])
 
     def checkpoint_spec(self, run_id: bytes, held: tuple[int, int, int]) -> dict | None:
