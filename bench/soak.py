@@ -252,7 +252,7 @@ class Soak:
         at = max((r["step"] for r in rows if r.get("time", 0) <= t0), default=-1)  # the last step before it
         self.faults.append({"kind": kind, "at": t0, "heal_s": None if heal is None else round(heal, 2),
                             "step_at_fault": at, **done})
-        log(f"  {done} -> next step after {heal if heal is None else round(heal, 1)} s")
+        log(f"  {done} -> longest time without a step: {heal if heal is None else round(heal, 1)} s")
 
     # ---- the run ------------------------------------------------------------------------------
 

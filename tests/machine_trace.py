@@ -36,6 +36,7 @@ from dtfm.control.epoch.machine import (
     BuildStage,
     EndEpoch,
     FailNeighbour,
+    KeepStage,
     PersistApplied,
     StartRunner,
     StopRunnerAt,
@@ -291,6 +292,8 @@ def show(a: object, *, keys: bool = True) -> str:
         return f"abort runner ({named(a.reason)})"
     if isinstance(a, FailNeighbour):
         return f"fail neighbour {peers([a.peer])} ({a.why})"
+    if isinstance(a, KeepStage):
+        return f"keep the stage of run {a.run_id.hex()[:8]} on disk"
     raise AssertionError(f"no line for {a!r}")
 
 
