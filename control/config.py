@@ -26,6 +26,10 @@ class PlaneConfig:
 
     # Torch threads of the stage worker; several daemons on one machine want 1 each.
     torch_threads: int = 1
+    # Checkpoints kept on disk per stage of each run (`--keep-checkpoints`), the newest: more lets
+    # a swarm roll back to an older common step when its peers' newest checkpoints differ, and
+    # costs 12 bytes a parameter each (a tiny stage: ~1 MB; a gpt3-xl stage of 4: ~5 GB).
+    checkpoints_kept: int = 3
     # How long a peer may take to build its stage (fetching it included) and connect its
     # neighbours before the coordinator gives up on the hand-out. Longer tolerates slow fetches
     # and loaded machines; shorter notices a peer lost during the hand-out sooner.
@@ -152,6 +156,8 @@ class PlaneConfig:
         if self.council_size not in COUNCIL_SIZES or type(self.council_size) is not int:
             raise ValueError(f"council_size must be one of {', '.join(map(str, COUNCIL_SIZES))}, "
                              f"got {self.council_size!r}")
+        if type(self.checkpoints_kept) is not int or not 1 <= self.checkpoints_kept <= 1000:
+            raise ValueError(f"checkpoints_kept must be an integer from 1 to 1000, got {self.checkpoints_kept!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",

@@ -88,6 +88,7 @@ from .epoch.machine import (
     EndEpoch,
     EpochMachine,
     FailNeighbour,
+    KeepStage,
     MemberGone,
     PersistApplied,
     StartAsked,
@@ -372,8 +373,10 @@ class ControlPlane:
             self._log_path.unlink(missing_ok=True)
             self._reconfigs.clear()
         elif isinstance(a, Emit):
+            cur = self.epoch.current  # (every line names its run: the one this peer applied last, if any)
             self._append_jsonl(self.data_dir / "events.jsonl",
-                               {"time": time.time(), "event": a.event, "peer": self.me.hex(), **a.fields})
+                               {"time": time.time(), "event": a.event, "peer": self.me.hex(),
+                                "run": cur.run_id.hex() if cur is not None else None, **a.fields})
             if a.record.reconfiguration is not None:
                 self._reconfigs.append(a.record.reconfiguration)
         elif isinstance(a, Reply):
@@ -383,6 +386,8 @@ class ControlPlane:
                 pending.event.set()
         elif isinstance(a, AbortRunner):
             self.stages.abort(a.reason)
+        elif isinstance(a, KeepStage):
+            self._start_soon(self.stages.keep, a.run_id)
         elif isinstance(a, FailNeighbour):
             self.stages.fail_neighbour(a.peer, a.why)
         elif isinstance(a, StartRunner):
@@ -801,6 +806,12 @@ class ControlPlane:
             return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
                                        skew_s=self.config.operator_skew_s, stages=self.stages, current=cur,
                                        state=self.run_state(), refusals=self.stages.recovery.refusals)
+        if op == "keep":  # the run waits: what this peer holds of it in memory goes to its data dir
+            run_id = get_bytes(d, "run", 16, 16)
+            refused = self.epoch.check_offer_asker(sender)
+            if refused is not None:
+                return {"error": refused.text}
+            return await self.stages.keep(run_id)
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -1230,4 +1241,5 @@ class ControlPlane:
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
                                  self.stages.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()
+                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
+                            self.stages.disk.status()).to_wire()

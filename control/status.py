@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .coordinator.machine import CoordinatorStatus, Phase
+from .epoch.disk import DiskStatus
 from .epoch.machine import EpochPhase, EpochStatus
 from .epoch.runner import BYTE_AXES
 
@@ -33,6 +34,7 @@ class PlaneStatus:
     pid: int
     now: float = 0.0  # wall time of the snapshot
     refusals: dict[str, int] = field(default_factory=dict)  # refused input per reason (control/refusals.py)
+    disk: DiskStatus | None = None  # this peer's checkpoints on disk
 
     def state(self) -> str:
         """What this peer is doing: idle, spare, waiting (restarted: it holds no stage of the run
@@ -128,15 +130,19 @@ class PlaneStatus:
                 out["issued"]["cut_links"] = c.cut_links
             if c.left_out:  # peers that refused an allocation: not placed until the time shown
                 out["issued"]["left_out"] = [x.to_wire() for x in c.left_out]
+            if c.counts is not None:  # what this coordinator counted of the run (the run's /metrics)
+                out["issued"]["counts"] = c.counts.to_wire()
         if self.swarm_wait is not None:
             out["waiting_for_peers"] = dict(self.swarm_wait)
         out["refusals"] = dict(self.refusals)
+        if self.disk is not None:
+            out["checkpoints"] = self.disk.to_wire()
         out["pid"] = self.pid
         return out
 
 
 def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
                  coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None,
-                 refusals: dict[str, int] | None = None) -> PlaneStatus:
+                 refusals: dict[str, int] | None = None, disk: DiskStatus | None = None) -> PlaneStatus:
     return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time(),
-                       dict(refusals or {}))
+                       dict(refusals or {}), disk)

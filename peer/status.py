@@ -400,7 +400,20 @@ def format_training(t: dict, now: float) -> list[str]:
     end = t.get("last_end")
     if isinstance(end, dict):
         lines.append(f"{pad}{format_epoch_end(end, t)}")
+    disk = t.get("checkpoints")
+    if isinstance(disk, dict) and (disk.get("bytes") or disk.get("refusal")):
+        lines.append(f"{pad}{format_checkpoints(disk)}")
     return lines
+
+
+def format_checkpoints(disk: dict) -> str:
+    """`checkpoints 3.1 MB on disk (the newest 3 per stage of each run kept)`, and the last write
+    the disk refused, until one succeeds."""
+    line = (f"checkpoints {format_bytes(disk.get('bytes') or 0)} on disk (the newest {disk.get('kept', '?')} per "
+            f"stage of each run kept) in {disk.get('path', '?')}")
+    if disk.get("refusal"):
+        line += f"; REFUSED ({disk.get('refused', 1)} so far): {disk['refusal']}"
+    return line
 
 
 def format_issued(issued: dict) -> str:

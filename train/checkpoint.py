@@ -9,7 +9,8 @@ The same pair is what one peer sends another that takes over its stage (`transfe
 `encode_weights` encodes the parameters alone, described as format `WEIGHTS_FORMAT`: what an
 export fetches (the model, without the state only a peer that trains the stage on needs).
 On disk: `<dir>/stage-<a>-<b>/step-<k>.safetensors` and `.json`, each written to a temporary
-file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); the
+file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); a
+write that fails (a full disk) leaves nothing of that step behind and raises OSError; the
 last `keep` checkpoints of a stage are kept. A checkpoint may carry `notes`: JSON its writer
 wants back with the weights (the control plane keeps the step reports of the steps the weights
 hold there, so a step's log line survives whoever logged it). Nothing is ever unpickled.
@@ -171,11 +172,15 @@ def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, 
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # (a full disk: no partial file stays)
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _stage_dir(root: Path, layer_range: tuple[int, int]) -> Path:
@@ -193,13 +198,24 @@ def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3, n
     if notes is not None:
         meta["notes"] = notes
     base = d / f"step-{state.step:08d}"
-    _atomic_write(base.with_suffix(".safetensors"), blob)
-    _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
-    fd = os.open(d, os.O_RDONLY)
+    replaced = False
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        _atomic_write(base.with_suffix(".safetensors"), blob)
+        replaced = True
+        _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # A write the disk refused (full, read-only): once the weights were replaced, this step's
+        # checkpoint goes altogether, rather than weights beside another write's description;
+        # every other checkpoint stays as it was.
+        if replaced:
+            base.with_suffix(".json").unlink(missing_ok=True)
+            base.with_suffix(".safetensors").unlink(missing_ok=True)
+        raise
     for old in list_checkpoints(root, state.layer_range)[:-keep]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)

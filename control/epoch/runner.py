@@ -147,12 +147,16 @@ class RunEnd:
 class StageRunner:
     def __init__(self, state: StageState, plan: Plan, me: bytes, comm: Comm, corpus: Corpus, *,
                  end_step: int, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
+                 save: Callable[[StageState, dict], Path | None] | None = None,
                  torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None,
                  history: Sequence[StepReport] = (), keep_reports: int = 256):
         self.state, self.plan, self.me, self.corpus = state, plan, me, corpus
         self.counter = ByteCounter()  # payload bytes this stage sent, per axis
         self.comm: Comm = CountingComm(comm, self.counter)
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        # writes a checkpoint (the daemon's CheckpointDisk: pruned, a refused write logged and
+        # shown); None: into checkpoint_dir
+        self._save = save
         # this peer's reports of the run before this runner's, then its own: saved with a checkpoint
         self._reports: collections.deque[StepReport] = collections.deque(history, maxlen=keep_reports)
         self.torch_threads = torch_threads
@@ -222,7 +226,7 @@ class StageRunner:
             self._reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
-            if self.checkpoint_every and self.checkpoint_dir is not None and self.state.step % self.checkpoint_every == 0:
+            if self.checkpoint_every and self._saves and self.state.step % self.checkpoint_every == 0:
                 if (failed := self._settle()) is not None:
                     return failed
                 self._checkpoint("")
@@ -247,15 +251,25 @@ class StageRunner:
                           params_sha256(self.state))
         return None
 
+    @property
+    def _saves(self) -> bool:
+        return self._save is not None or self.checkpoint_dir is not None
+
     def _checkpoint(self, why: str) -> None:
-        if self.checkpoint_dir is None:
+        if not self._saves:
             return
         held = [r.to_wire() for r in self._reports if r.step < self.state.step]
-        try:
-            path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
-        except OSError as e:  # (a full disk: training goes on, the stage stays in memory)
-            logger.error("cannot save the checkpoint of step %d in %s: %s", self.state.step, self.checkpoint_dir, e)
-            return
+        if self._save is not None:
+            path = self._save(self.state, {REPORTS_NOTE: held})
+            if path is None:  # (refused and logged: training goes on, the stage stays in memory)
+                return
+        else:
+            assert self.checkpoint_dir is not None
+            try:
+                path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
+            except OSError as e:  # (a full disk: training goes on, the stage stays in memory)
+                logger.error("cannot save the checkpoint of step %d in %s: %s", self.state.step, self.checkpoint_dir, e)
+                return
         self._saved_step = self.state.step
         logger.info("saved checkpoint of step %d to %s%s", self.state.step, path, why)
 

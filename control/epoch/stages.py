@@ -3,7 +3,9 @@ docs/control.md, "The shell").
 
 `StageHost` owns what a stage is made of in the daemon: its tensors (`StageState`), its comm
 (`TransportComm`), its runner thread (`StageRunner`), the tasks that serve them, the stages it
-encoded for the recovery server (offers), and the checkpoints on disk. It builds a stage the way
+encoded for the recovery server (offers), and the checkpoints on disk (`disk`, control/epoch/disk.py:
+pruned to the newest `checkpoints_kept` per stage of each run; a stage kept on disk while the
+run waits, `keep`). It builds a stage the way
 the epoch machine chose (`BuildStage`: fresh, its own copy, or fetched from holders and
 re-laid out), runs and stops it, and reports what happens to it as epoch-machine events
 (`StepDone`, `RunnerEnded`, `EpochDone`) through `on_event`.
@@ -11,6 +13,7 @@ re-laid out), runs and stops it, and reports what happens to it as epoch-machine
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -42,6 +45,7 @@ from ..dataplane import TensorRouter, TransportComm
 from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
+from .disk import CheckpointDisk
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
 from .recovery import RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
@@ -89,6 +93,8 @@ class StageHost:
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._fetchers: dict[tuple, frozenset[bytes]] = {}  # (run, step, layers) -> peers the coordinator named
         self._nursery: trio.Nursery | None = None
+        self.disk = CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept)
+        self._keeping = trio.Lock()  # a stage kept on disk is not built on meanwhile
 
     def attach(self, nursery: trio.Nursery) -> None:
         """The nursery the stages' tasks run in (the plane's)."""
@@ -99,7 +105,42 @@ class StageHost:
     def checkpoint_root(self, run_id: bytes) -> Path:
         """Where this peer saves its checkpoints of run `run_id`: one folder per run, so a run
         never takes another run's checkpoint of the same layers and step for its own."""
-        return self.data_dir / "checkpoints" / run_id.hex()
+        return self.disk.run_root(run_id)
+
+    async def keep(self, run_id: bytes) -> dict:
+        """Write what this peer holds of run `run_id` in memory, once its worker stopped (its
+        stage, its one-step-back snapshot), to its data dir: each step not on disk yet, step 0
+        aside (every peer rebuilds it). The answer to RUN_STATE `keep`: the (first layer, end
+        layer, step) written, or why not."""
+        kept: list[list[int]] = []
+        async with self._keeping:
+            for rec in (self.epoch.run, self.epoch.prev):
+                if rec is None or not rec.built or rec.alloc.run_id != run_id or rec.active:
+                    continue
+                layers = rec.alloc.layer_ranges[rec.alloc.position(self.me)[1]]
+                for step in sorted(x for x in (rec.at, rec.prev) if x):
+                    if checkpoint_at(self.checkpoint_root(run_id), layers, step) is not None:
+                        continue
+                    done = await trio.to_thread.run_sync(self._keep_one, run_id, layers, step)
+                    if isinstance(done, str):
+                        return {"error": done, "kept": kept} if kept else {"error": done}
+                    if done:
+                        kept.append([layers[0], layers[1], step])
+        if kept:
+            logger.info("kept on disk while the run waits: %s", ", ".join(
+                f"layers {a}-{b - 1} at step {step}" for a, b, step in kept))
+        return {"kept": kept}
+
+    def _keep_one(self, run_id: bytes, layers: tuple[int, int], step: int) -> bool | str:
+        """Save this peer's stage of `layers` at `step` if it holds it; the refusal's text when
+        the disk refused. Blocking."""
+        state = self._state_at(run_id, layers, step)
+        if state is None:
+            return False
+        notes = {REPORTS_NOTE: [r.to_wire() for r in self.epoch.reports if r.step < step]}
+        if self.disk.save(run_id, state, notes) is None:
+            return self.disk.status().refusal or "the disk refused the checkpoint"
+        return True
 
     def checkpoints(self, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
         """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
@@ -108,7 +149,7 @@ class StageHost:
         steps: dict[tuple[int, int], list[int]] = {}
         for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
             steps.setdefault((a, b), []).append(step)
-        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
+        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-self.disk.kept:]]
         return tuple(out[-MAX_CHECKPOINTS_LISTED:])
 
     def checkpoint_spec(self, run_id: bytes, held: tuple[int, int, int]) -> dict | None:
@@ -168,14 +209,35 @@ class StageHost:
         return load_checkpoint(path) if path is not None else None
 
     async def _held(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | dict:
-        """The state of `layers` at `step` held here, or the answer that says why not."""
+        """The state of `layers` at `step` held here, or the answer that says why not. Step 0
+        not held otherwise is the run's initial weights, rebuilt here."""
         try:
             state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
         except CheckpointError as e:
             return {"error": f"checkpoint unreadable: {e}"}
+        if state is None and step == 0:
+            return await self._initial(run_id, layers)
         if state is None:
             return {"error": f"layers {layers} at step {step} are not held here"}
         return state
+
+    async def _initial(self, run_id: bytes, layers: tuple[int, int]) -> StageState | dict:
+        """`layers` of run `run_id` at step 0: the run's initial weights, from its seed or from
+        this peer's copy of the model folder the operator's start names (by its digest), built
+        as the run's first epoch built them; the answer that says why not."""
+        alloc = self.epoch.current
+        if alloc is None or alloc.run_id != run_id:
+            return {"error": f"run {run_id.hex()[:8]} is not this peer's: its initial weights are unknown here"}
+        try:
+            held = start_model(alloc, await self.models() if self.models is not None else {})
+            if held is not None:
+                return await trio.to_thread.run_sync(lambda: hf_stage_state(
+                    held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device="cpu",
+                    compression=alloc.compression))
+            return await trio.to_thread.run_sync(
+                lambda: StageState(alloc.model, alloc.train, layers, "cpu", compression=alloc.compression))
+        except (ValueError, OSError, HFError) as e:
+            return {"error": f"cannot rebuild the initial weights of layers {layers}: {e}"}
 
     async def offer(self, run_id: bytes, step: int, layers: tuple[int, int],
                     fetchers: frozenset[bytes] = frozenset()) -> dict:
@@ -250,7 +312,8 @@ class StageHost:
         alloc = a.alloc
         t_fetch = trio.current_time()
         try:
-            state, fetched = await self._stage_for(alloc)
+            async with self._keeping:  # (a stage being written to disk is not trained on yet)
+                state, fetched = await self._stage_for(alloc)
         except (RecoveryError, CheckpointError, ValueError, OSError, HFError) as e:
             logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)
             return BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}")
@@ -274,7 +337,7 @@ class StageHost:
         token = trio.lowlevel.current_trio_token()
         stage.runner = StageRunner(state, plan, self.me, comm, await self.corpus(), end_step=alloc.end_step,
                                    checkpoint_every=alloc.checkpoint_every,
-                                   checkpoint_dir=self.checkpoint_root(alloc.run_id),
+                                   save=functools.partial(self.disk.save, alloc.run_id),
                                    torch_threads=self.config.torch_threads,
                                    on_step=lambda rep: token.run_sync_soon(self._step_done, rep),
                                    history=tuple(self.epoch.reports), keep_reports=MAX_REPORTS)
