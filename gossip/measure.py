@@ -22,6 +22,7 @@ import enum
 import hashlib
 import hmac
 import logging
+import math
 import os
 import random
 import statistics
@@ -34,12 +35,14 @@ from dtfm.net import (PEER_ID_BYTES, ConnectionClosed, ProtocolError, RemoteErro
                       get_int, get_list)
 
 from .messages import MsgType
-from .records import MAX_GBPS, MAX_RTT_MS, Entry, check_coord
+from .config import GossipConfig
+from .records import MAX_GBPS, MAX_RTT_MS, Entry, Report, check_coord
+from .vivaldi import Coordinate
 
 __all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
            "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
            "PROBE_HASH_BYTES", "BULK_PULL", "measure_download", "MeasureJob", "JobKind", "MAX_PULL_BYTES",
-           "MeasureLinks", "MAX_ASK_TARGETS"]
+           "MeasureLinks", "MAX_ASK_TARGETS", "report_due"]
 
 logger = logging.getLogger(__name__)
 
@@ -470,6 +473,51 @@ class MeasurePlanner:
         measured.sort(key=lambda pl: (now - pl[1].asked_at >= self.confirm_fresh_s, -pl[1].bandwidth_at))
         return [Entry(p, link.rtt_ms, link.bandwidth_gbps, link.samples, max(0.0, now - link.bandwidth_at))
                 for p, link in measured[:self.max_report_links]]
+
+
+def report_due(config: GossipConfig, planner: MeasurePlanner, *, now: float, n_live: int,
+               coord: Coordinate | None, rtt_scale_ms: float, last: Report | None, last_at: float,
+               last_version: int, force: bool = False) -> bool:
+    """Whether a peer signs a new report now (see docs/gossip.md, "Measurement at scale"): at
+    once when it first becomes good to schedule with (a coordinate and both capacities), when
+    its full-mesh row is complete, when `force`d (links asked for were measured) or when the
+    last is report_refresh_s old; otherwise when something it carries changed (the links, the
+    coordinate by more than coord_republish_fraction x rtt_scale_ms, a capacity by more than
+    capacity_republish_ratio), at most every publish_interval_s x max(1, N / 16): every report
+    reaches every peer, so a large swarm re-publishes less often."""
+    up, down = planner.capacity(now)
+    stale = now - last_at >= config.report_refresh_s
+    if force or stale or last is None:
+        return True
+    ready = coord is not None and up > 0 and down > 0
+    if ready and not (last.coord and last.up_gbps > 0 and last.down_gbps > 0):
+        return True
+    if planner.full_mesh(n_live - 1) and planner.version != last_version:
+        if sum(1 for e in planner.entries(now) if e.bandwidth_gbps > 0) >= n_live - 1:
+            return True
+    if now - last_at < config.publish_interval_s * max(1.0, n_live / 16):
+        return False
+    if planner.version != last_version:
+        return True
+    if _capacity_ratio(last, up, down) > config.capacity_republish_ratio:
+        return True
+    if coord is None:
+        return False
+    before = Coordinate.from_wire(last.coord)
+    if before is None:
+        return True
+    moved = math.dist(before.vec, coord.vec) + abs(before.height - coord.height)
+    return moved > config.coord_republish_fraction * rtt_scale_ms
+
+
+def _capacity_ratio(last: Report, up: float, down: float) -> float:
+    """How far the capacities moved since `last` (a ratio >= 1; inf when newly known)."""
+    worst = 1.0
+    for a, b in ((last.up_gbps, up), (last.down_gbps, down)):
+        if b <= 0:
+            continue
+        worst = max(worst, float("inf") if a <= 0 else max(a, b) / min(a, b))
+    return worst
 
 
 def compute_speed_ms(d_model: int = 256, n_heads: int = 4, seq_len: int = 128, batch: int = 4,

@@ -38,7 +38,8 @@ from .messages import MAX_SEQ
 from .vivaldi import COORD_DIMS, COORD_LEN
 
 __all__ = ["Entry", "Report", "RecordStore", "digest_hash", "MAX_RTT_MS", "MAX_GBPS", "MAX_ENTRIES",
-           "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns", "check_coord"]
+           "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns", "check_coord",
+           "BUCKETS", "BUCKET_HASH_LEN", "bucket_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,14 @@ class Report:
                    check_coord(d["coord"]), get_float(d, "up", 0.0, MAX_GBPS), get_float(d, "down", 0.0, MAX_GBPS))
 
 
+BUCKETS = 128  # a digest's buckets, by the measurer id's first byte (ids are public keys: uniform)
+BUCKET_HASH_LEN = 8
+
+
+def bucket_of(measurer: bytes) -> int:
+    return measurer[0] * BUCKETS // 256
+
+
 def digest_hash(digest) -> bytes:
     h = hashlib.blake2b(digest_size=DIGEST_HASH_LEN, person=b"dtfm-digest")
     for m, seq in sorted(digest):
@@ -195,6 +204,8 @@ class RecordStore:
         self.version = 0  # bumped on every change, for cached views
         self._hash = b""
         self._hash_version = -1
+        self._buckets = b""
+        self._buckets_version = -1
 
     def offer(self, r: Report, *, now_wall: float, is_member: Callable[[bytes], bool]) -> str | None:
         """Accept a report; None if accepted, else the reason it was refused."""
@@ -259,12 +270,40 @@ class RecordStore:
             self._hash_version = self.version
         return self._hash
 
-    def newer_than(self, digest, max_bytes: int) -> tuple[Report, ...]:
-        """Reports we hold that the digest's owner lacks, within a byte budget."""
+    def bucket_hashes(self) -> bytes:
+        """BUCKETS hashes of BUCKET_HASH_LEN bytes, one per bucket of the digest: two stores
+        that differ in a few reports differ in a few buckets (what sync.py's scoped exchange
+        sends instead of the whole digest)."""
+        if self._buckets_version != self.version:
+            groups: list[list[tuple[bytes, int]]] = [[] for _ in range(BUCKETS)]
+            for m, r in self.reports.items():
+                groups[bucket_of(m)].append((m, r.seq))
+            out = bytearray()
+            for g in groups:
+                h = hashlib.blake2b(digest_size=BUCKET_HASH_LEN, person=b"dtfm-bucket")
+                for m, seq in sorted(g):
+                    h.update(m)
+                    h.update(seq.to_bytes(8, "big"))
+                out += h.digest()
+            self._buckets = bytes(out)
+            self._buckets_version = self.version
+        return self._buckets
+
+    def digest_of(self, scope) -> tuple[tuple[bytes, int], ...]:
+        """The digest's entries in the buckets of `scope`."""
+        wanted = set(scope)
+        return tuple((m, r.seq) for m, r in self.reports.items() if bucket_of(m) in wanted)
+
+    def newer_than(self, digest, max_bytes: int, scope=None) -> tuple[Report, ...]:
+        """Reports we hold that the digest's owner lacks, within a byte budget; with `scope`
+        (bucket indexes), the digest covers those buckets only, and so does the answer."""
         theirs = dict(digest)
+        wanted = None if scope is None else set(scope)
         out: list[Report] = []
         used = 0
         for m, r in self.reports.items():
+            if wanted is not None and bucket_of(m) not in wanted:
+                continue
             if r.seq > theirs.get(m, -1):
                 if out and used + r.wire_size > max_bytes:
                     break

@@ -41,6 +41,7 @@ from .measure import (
     measure_bandwidth,
     measure_download,
     measure_rtt,
+    report_due,
     serve_bulk,
     serve_ping,
 )
@@ -394,32 +395,15 @@ class GossipService:
     # ---- records and measurement
 
     def _publish(self, *, force: bool = False) -> None:
-        """Sign and hold a new report when something it carries changed (see docs/gossip.md,
-        "Measurement at scale"): at once when the report first becomes good to schedule with
-        (a coordinate, both capacities), when the full-mesh row is complete, or when `force`d
-        (links asked for were measured); else at most every publish_interval_s x max(1, N / 16)
-        (every report reaches every peer, so a large swarm re-publishes less often), and at
-        least every report_refresh_s."""
-        cfg = self.config
+        """Sign and hold a new report when `report_due` says so."""
         now = trio.current_time()
-        n = self.swim.live_count()
         coord = self.coordinate()
+        scale = statistics.median(self._rtt_seen.values()) if self._rtt_seen else 1.0
+        if not report_due(self.config, self.planner, now=now, n_live=self.swim.live_count(), coord=coord,
+                          rtt_scale_ms=scale, last=self._published, last_at=self._published_at,
+                          last_version=self._published_version, force=force):
+            return
         up, down = self.planner.capacity(now)
-        old = self._published
-        ready = coord is not None and up > 0 and down > 0
-        was_ready = old is not None and bool(old.coord) and old.up_gbps > 0 and old.down_gbps > 0
-        changed = (self.planner.version != self._published_version
-                   or self._coord_moved(old, coord) or _ratio(old, up, down) > cfg.capacity_republish_ratio)
-        stale = now - self._published_at >= cfg.report_refresh_s
-        if not (changed or stale or force):
-            return
-        full = False
-        if self.planner.full_mesh(n - 1):
-            full = sum(1 for e in self.planner.entries(now) if e.bandwidth_gbps > 0) >= n - 1
-        interval = cfg.publish_interval_s * max(1.0, n / 16)
-        urgent = force or full or (ready and not was_ready) or stale
-        if not urgent and now - self._published_at < interval:
-            return
         self._published_version = self.planner.version
         self._published_at = now
         self._seq = max(self._seq + 1, int(self._wall() * 1000))
@@ -428,16 +412,6 @@ class GossipService:
                                coord=() if coord is None else coord.to_wire(), up_gbps=up, down_gbps=down)
         self._published = report
         self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
-
-    def _coord_moved(self, old: Report | None, coord: Coordinate | None) -> bool:
-        """Whether the coordinate moved enough since `old` to publish it again."""
-        if coord is None:
-            return False
-        before = None if old is None else Coordinate.from_wire(old.coord)
-        if before is None:
-            return True
-        scale = statistics.median(self._rtt_seen.values()) if self._rtt_seen else 1.0
-        return before.rtt_ms(coord) - before.height - coord.height > self.config.coord_republish_fraction * scale
 
     async def _sync_loop(self) -> None:
         while True:
@@ -582,14 +556,3 @@ class GossipService:
             return
         await self._accept([report])
 
-
-def _ratio(old: Report | None, up: float, down: float) -> float:
-    """How far the capacities moved since `old` (a ratio >= 1; inf when newly known)."""
-    if old is None:
-        return float("inf") if up > 0 or down > 0 else 1.0
-    worst = 1.0
-    for a, b in ((old.up_gbps, up), (old.down_gbps, down)):
-        if b <= 0:
-            continue
-        worst = max(worst, float("inf") if a <= 0 else max(a, b) / min(a, b))
-    return worst
