@@ -66,7 +66,7 @@ logger = logging.getLogger(__name__)
 MAX_SESSIONS = 4096  # responder sessions at once (one per peer that sent a HASH); more are refused
 # A responder holding more reports than this answers a HASH with its bucket hashes rather
 # than its whole digest (a scoped exchange: see the module doc).
-SCOPED_DIGEST_MIN = 64
+SCOPED_DIGEST_MIN = 24
 MAX_BUCKETS = 1024  # senders whose verification budget is remembered while it refills
 
 
