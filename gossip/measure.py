@@ -411,8 +411,9 @@ class MeasurePlanner:
         return max(0.0, self.next_bulk_at - now)
 
     def wake_at(self, now: float) -> float:
-        """When next_job may have work that it has not now (asked links aside)."""
-        return max(now, min(self.next_bulk_at, self.next_coord_at))
+        """When next_job, having just found nothing to do, may have work (asked links aside)."""
+        at = min(self.next_bulk_at, self.next_coord_at)
+        return at if at > now else now + min(self.coord_interval_s, self.bulk_interval_s)
 
     def _downloads(self, now: float) -> int:
         return sum(1 for link in self.links.values()
