@@ -73,6 +73,7 @@ class MeasureSimulator(SwimSimulator):
         self.record_bytes = [0] * n
         self.measure_bytes = [0] * n
         self.reports_signed = 0
+        self._live_cache: dict[int, tuple[tuple[int, int], list[bytes]]] = {}
         for k in range(n):
             self.push(self.rng.uniform(0, config.record_sync_interval_s), ("sync", k))
             self.push(self.rng.uniform(0, config.coord_interval_s), ("measure", k))
@@ -121,8 +122,14 @@ class MeasureSimulator(SwimSimulator):
             super().on_event(t, item)
 
     def _live_others(self, k: int) -> list[bytes]:
-        me = self.ids[k]
-        return [m.peer_id for m in self.nodes[k].live_members() if m.peer_id != me]
+        """The members node k counts as alive, but itself (cached while its counts hold)."""
+        swim = self.nodes[k]
+        key = (swim.live_count(), len(swim.members))
+        held = self._live_cache.get(k)
+        if held is None or held[0] != key:
+            me = self.ids[k]
+            held = self._live_cache[k] = (key, [m.peer_id for m in swim.live_members() if m.peer_id != me])
+        return held[1]
 
     def _sync_round(self, k: int, t: float) -> None:
         cfg = self.config
