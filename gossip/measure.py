@@ -392,8 +392,8 @@ class MeasurePlanner:
             del self.asked[t]  # gone, or not measurable for that long: nothing to confirm
         pull = self._downloads(now) < self.capacity_peers
         if self.asked:
-            target = min(self.asked, key=self.asked.__getitem__)
-            return MeasureJob(JobKind.LINK, target, pull=pull, asked=True)
+            first = min(self.asked, key=self.asked.__getitem__)
+            return MeasureJob(JobKind.LINK, first, pull=pull, asked=True)
         if now >= self.next_bulk_at and live:
             if self.full_mesh(len(live)):
                 target = self.next_target(sorted(live), now)
@@ -469,11 +469,11 @@ class MeasurePlanner:
         if now is None:
             return [Entry(p, link.rtt_ms, link.bandwidth_gbps, link.samples)
                     for p, link in self.links.items() if link.rtt_ms is not None]
-        measured = [(p, link) for p, link in self.links.items()
+        measured = [(p, link.rtt_ms, link) for p, link in self.links.items()
                     if link.rtt_ms is not None and link.bandwidth_gbps > 0]
-        measured.sort(key=lambda pl: (now - pl[1].asked_at >= self.confirm_fresh_s, -pl[1].bandwidth_at))
-        return [Entry(p, link.rtt_ms, link.bandwidth_gbps, link.samples, max(0.0, now - link.bandwidth_at))
-                for p, link in measured[:self.max_report_links]]
+        measured.sort(key=lambda x: (now - x[2].asked_at >= self.confirm_fresh_s, -x[2].bandwidth_at))
+        return [Entry(p, rtt_ms, link.bandwidth_gbps, link.samples, max(0.0, now - link.bandwidth_at))
+                for p, rtt_ms, link in measured[:self.max_report_links]]
 
 
 def report_due(config: GossipConfig, planner: MeasurePlanner, *, now: float, n_live: int,

@@ -155,10 +155,13 @@ class MeasureSimulator(SwimSimulator):
         peer = self.peers[k]
         actions = peer.syncer.handle(self.ids[src], msg, t)
         swim = self.nodes[k]
+
+        def is_member(p: bytes) -> bool:
+            m = swim.members.get(p)
+            return m is not None and not m.state.gone and swim.is_confirmed(p)
+
         for r in actions.accept:
-            m = swim.members.get(r.measurer)
-            peer.store.offer(r, now_wall=self.wall(), is_member=lambda p, m=m: (
-                m is not None and not m.state.gone and swim.is_confirmed(p)))
+            peer.store.offer(r, now_wall=self.wall(), is_member=is_member)
         if actions.reply is not None:
             self._send_sync(k, src, actions.reply)
 

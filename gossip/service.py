@@ -209,13 +209,17 @@ class GossipService:
     def status(self) -> dict:
         """JSON-able status for `dtfm-peer status`, bounded whatever the table holds
         (`gossip_status`): counts by state, the first members, this peer's own measurements,
-        and the N x N view (ids in hex, one-way ms and Gbps, null where unknown)."""
+        and the N x N view (ids in hex, one-way ms and Gbps, null where unknown; measured
+        and estimated links counted apart; `full_mesh`: this peer measures every link)."""
         swim = self.swim
         now = trio.current_time()
         ages = {p: now - link.measured_at for p, link in self.planner.links.items()}
-        return gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
-                             self.live_peers(), self.records.reports, self.view, me=self.identity.peer_id,
-                             measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
+        live = self.live_peers()
+        out = gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
+                            live, self.records.reports, self.view, me=self.identity.peer_id,
+                            measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
+        out["view"]["full_mesh"] = self.planner.full_mesh(len(live) - 1)  # every link measured, not estimated
+        return out
 
     def view(self) -> NetworkView:
         """The N x N view over the live members, in peer-id order: measured figures where

@@ -107,6 +107,10 @@ class NetworkView:
         done = self.measured()
         return [(a, b) for a, b in links if a != b and not done[index[a], index[b]]]
 
+    def pairs_measured(self) -> int:
+        """Ordered pairs of distinct peers whose delay and bandwidth both come from measurements."""
+        return int(np.sum(self.measured()))
+
     def pairs_known(self) -> int:
         off = ~np.eye(len(self.peers), dtype=bool)
         return int(np.sum(off & np.isfinite(self.delay_ms) & np.isfinite(self.bandwidth_gbps)))
@@ -130,9 +134,7 @@ class NetworkView:
         return {"peers": [p.hex() for p in self.peers], "delay_ms": clean(self.delay_ms),
                 "bandwidth_gbps": clean(self.bandwidth_gbps), "complete": self.complete,
                 "disputed": [[a.hex(), b.hex()] for a, b in self.disputed_links()],
-                "one_sided_links": int(np.sum(np.triu(self.one_sided, 1))),
-                "measured_links": int(np.sum(np.triu(self.measured(), 1))),
-                "estimated_links": self.estimated_links()}
+                "one_sided_links": int(np.sum(np.triu(self.one_sided, 1)))}
 
 
 def combine(m: np.ndarray, *, worse_is_higher: bool, tolerance: float):
