@@ -15,6 +15,7 @@ node 0's view is measured for every pair.
     .venv/bin/python bench/gossip_scale.py                                  # 256 and 1,000; baseline 64
     .venv/bin/python bench/gossip_scale.py --sizes 256 --baseline-sizes 64,256
 
+Every message is packed (its bytes are exact); `--decode` runs the decoders too.
 Prints one line per run and, last, one JSON object.
 """
 
@@ -33,11 +34,11 @@ PROFILES = {"wan": GossipConfig.wan, "lan": GossipConfig.lan}
 
 
 def run(n: int, config: GossipConfig, *, all_pairs: bool, seed: int, step_s: float, limit_s: float,
-        settle_s: float, window_s: float) -> dict:
+        settle_s: float, window_s: float, decode: bool = False) -> dict:
     t0 = time.process_time()
     if all_pairs:
         config = config.with_(full_mesh_max_peers=n, max_report_links=max(n, config.max_report_links))
-    sim = MeasureSimulator(load_scenario("worldwide").scaled(n), config, seed=seed)
+    sim = MeasureSimulator(load_scenario("worldwide").scaled(n), config, seed=seed, codec=decode)
     out: dict = {"n": n, "all_pairs": all_pairs, "view_ready_s": None}
     t = 0.0
     while t < limit_s:
@@ -81,6 +82,8 @@ def main(argv=None) -> None:
     ap.add_argument("--limit-s", type=float, default=900.0, help="virtual seconds to wait for a ready view")
     ap.add_argument("--settle-s", type=float, default=60.0, help="virtual seconds between ready and the window")
     ap.add_argument("--window-s", type=float, default=60.0, help="virtual seconds of steady traffic measured")
+    ap.add_argument("--decode", action="store_true",
+                    help="every message through its decoder too (the bytes are the same; several times slower)")
     args = ap.parse_args(argv)
     config = PROFILES[args.profile]()
     sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -88,7 +91,7 @@ def main(argv=None) -> None:
     result: dict = {"scenario": "worldwide", "profile": args.profile, "sizes": {}, "baseline_all_pairs": {}}
     for n, all_pairs in [(n, True) for n in baseline] + [(n, False) for n in sizes]:
         out = run(n, config, all_pairs=all_pairs, seed=args.seed, step_s=args.step_s, limit_s=args.limit_s,
-                  settle_s=args.settle_s, window_s=args.window_s)
+                  settle_s=args.settle_s, window_s=args.window_s, decode=args.decode)
         print(json.dumps(out), file=sys.stderr, flush=True)
         result["baseline_all_pairs" if all_pairs else "sizes"][str(n)] = out
     print(json.dumps(result))

@@ -206,6 +206,8 @@ class RecordStore:
         self._hash_version = -1
         self._buckets = b""
         self._buckets_version = -1
+        self._dirty: set[int] = set()  # buckets changed since _buckets was computed
+        self._dirty_since = -2  # the version the dirty set leads up to (tracking while it equals version)
 
     def offer(self, r: Report, *, now_wall: float, is_member: Callable[[bytes], bool]) -> str | None:
         """Accept a report; None if accepted, else the reason it was refused."""
@@ -216,7 +218,7 @@ class RecordStore:
             logger.debug("report %d from %s refused: %s", r.seq, r.measurer[:4].hex(), reason)
             return reason
         self.reports[r.measurer] = r
-        self.version += 1
+        self._changed(r.measurer)
         return None
 
     async def offer_all(self, reports, *, now_wall: float, is_member: Callable[[bytes], bool],
@@ -259,7 +261,7 @@ class RecordStore:
         old = self.reports.pop(peer_id, None)
         floor = old.seq if old is not None else -1
         self._floor[peer_id] = max(self._floor.get(peer_id, -1), floor)
-        self.version += 1
+        self._changed(peer_id)
 
     def digest(self) -> tuple[tuple[bytes, int], ...]:
         return tuple((m, r.seq) for m, r in self.reports.items())
@@ -273,21 +275,35 @@ class RecordStore:
     def bucket_hashes(self) -> bytes:
         """BUCKETS hashes of BUCKET_HASH_LEN bytes, one per bucket of the digest: two stores
         that differ in a few reports differ in a few buckets (what sync.py's scoped exchange
-        sends instead of the whole digest)."""
+        sends instead of the whole digest). Only the buckets changed since are hashed again."""
         if self._buckets_version != self.version:
-            groups: list[list[tuple[bytes, int]]] = [[] for _ in range(BUCKETS)]
+            if self._dirty_since != self.version or not self._buckets:
+                dirty = set(range(BUCKETS))
+            else:
+                dirty = self._dirty
+            groups: dict[int, list[tuple[bytes, int]]] = {b: [] for b in dirty}
             for m, r in self.reports.items():
-                groups[bucket_of(m)].append((m, r.seq))
-            out = bytearray()
-            for g in groups:
+                g = groups.get(bucket_of(m))
+                if g is not None:
+                    g.append((m, r.seq))
+            out = bytearray(self._buckets or bytes(BUCKETS * BUCKET_HASH_LEN))
+            for b, g in groups.items():
                 h = hashlib.blake2b(digest_size=BUCKET_HASH_LEN, person=b"dtfm-bucket")
                 for m, seq in sorted(g):
                     h.update(m)
                     h.update(seq.to_bytes(8, "big"))
-                out += h.digest()
+                out[b * BUCKET_HASH_LEN:(b + 1) * BUCKET_HASH_LEN] = h.digest()
             self._buckets = bytes(out)
-            self._buckets_version = self.version
+            self._buckets_version = self._dirty_since = self.version
+            self._dirty = set()
         return self._buckets
+
+    def _changed(self, measurer: bytes) -> None:
+        """A report of measurer was stored or dropped."""
+        if self._dirty_since == self.version:  # the buckets were current: track what changes
+            self._dirty.add(bucket_of(measurer))
+            self._dirty_since += 1
+        self.version += 1
 
     def digest_of(self, scope) -> tuple[tuple[bytes, int], ...]:
         """The digest's entries in the buckets of `scope`."""

@@ -32,13 +32,15 @@ class SwimSimulator:
     def __init__(self, n: int, config: GossipConfig, *, delay_s: float = 0.005,
                  drop_fraction: float = 0.0, seed: int = 0, join_spread_s: float = 0.0,
                  codec: bool = True, link_delay_s: Callable[[int, int], float] | None = None,
-                 distinct_hosts: bool = False) -> None:
+                 distinct_hosts: bool = False, count_bytes: bool = False) -> None:
         """link_delay_s(a, b): the one-way delay from node a to node b (default: delay_s).
         distinct_hosts: each node at its own host (one address group each) rather than all at
-        one (whose cap of members per address then applies)."""
+        one (whose cap of members per address then applies). count_bytes: with codec=False,
+        still pack each message to count its exact bytes (decoding is what costs)."""
         self.config = config
         self.link_delay_s = link_delay_s
         self.codec = codec  # False: hand message objects over as they are (faster)
+        self.count_bytes = count_bytes
         self.delay_s = delay_s
         self.drop_fraction = drop_fraction
         self.rng = random.Random(seed)
@@ -71,9 +73,11 @@ class SwimSimulator:
 
     def _send_all(self, k: int, sends: list[Send]) -> None:
         for s in sends:
-            data = pack(s.msg.to_wire()) if self.codec else s.msg
+            data = pack(s.msg.to_wire()) if self.codec or self.count_bytes else s.msg
             self.frames[k] += 1
             self.bytes[k] += (len(data) if isinstance(data, bytes) else 0) + FRAME_OVERHEAD
+            if not self.codec:
+                data = s.msg
             dst = self.index[s.to]
             if dst in self.dead or self.rng.random() < self.drop_fraction:
                 continue
