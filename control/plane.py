@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from dtfm.gossip import GossipService, Member, NetworkView, build_view, measure_rtt
+from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, Member, NetworkView, build_view, measure_rtt
 from dtfm.net import (
     ConnectionClosed,
     Identity,
@@ -144,12 +144,14 @@ class GossipSwarm:
         return {m.peer_id: m.incarnation for m in self.gossip.members()}
 
     def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]:
-        """The view over `candidates`, leaving out (worst first) peers whose links gossip has
-        not measured yet: a restarted or joined peer is placed once it has been measured."""
+        """The view over `candidates`, leaving out (worst first) peers with links that gossip
+        has neither measured nor can estimate yet: a restarted or joined peer is placed once
+        its report holds a coordinate and its capacities (links its plan uses are measured
+        before hand-out: `SchedulerPlanner`)."""
         peers = sorted(set(candidates))
         left: list[bytes] = []
         while True:
-            view = build_view(tuple(peers), self.gossip.records.reports)
+            view = build_view(tuple(peers), self.gossip.records.reports, now_wall=time.time())
             if view.complete or len(peers) <= 1:
                 return view, left
             known = np.isfinite(view.delay_ms) & np.isfinite(view.bandwidth_gbps)
@@ -159,15 +161,75 @@ class GossipSwarm:
             left.append(worst)
 
 
-class SchedulerPlanner:
-    """`reshape` with the plane's budget and hysteresis."""
+CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is handed out
 
-    def __init__(self, config: PlaneConfig):
+
+def plan_links(placement: Placement) -> list[tuple[bytes, bytes]]:
+    """The links a placement's steps use: each pipeline's consecutive stages, and every pair
+    of a stage's data-parallel group."""
+    links = [(p[s], p[s + 1]) for p in placement.pipelines for s in range(len(p) - 1)]
+    for s in range(len(placement.layer_ranges)):
+        group = [p[s] for p in placement.pipelines if s < len(p)]
+        links += [(a, b) for i, a in enumerate(group) for b in group[i + 1:]]
+    return links
+
+
+def _estimates_held(before: NetworkView, after: NetworkView, links: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the figures measured for `links` are within DISAGREEMENT_RATIO of the estimates
+    the plan was made on (a link still unmeasured counts as held)."""
+    i_before = {p: i for i, p in enumerate(before.peers)}
+    i_after = {p: i for i, p in enumerate(after.peers)}
+    for a, b in links:
+        i, j, k, m = i_before[a], i_before[b], i_after.get(a), i_after.get(b)
+        if k is None or m is None or not after.measured()[k, m]:
+            continue
+        for old, new in ((before.delay_ms[i, j], after.delay_ms[k, m]),
+                         (before.bandwidth_gbps[i, j], after.bandwidth_gbps[k, m])):
+            if min(old, new) > 0 and max(old, new) / min(old, new) > DISAGREEMENT_RATIO:
+                return False
+    return True
+
+
+class SchedulerPlanner:
+    """`reshape` and the first placement with the plane's budget and hysteresis, on the
+    gossiped view with its estimates; with `confirm`, the links of the plan chosen that are
+    estimated are measured before it is returned (`confirm(view, links)` measures them and
+    returns the view over the same peers after), and when the measurements disagree with the
+    estimates the search runs again on them, up to CONFIRM_ROUNDS times."""
+
+    def __init__(self, config: PlaneConfig,
+                 confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None):
         self.config = config
+        self.confirm = confirm
+
+    def _confirmed(self, view: NetworkView, search: Callable[[NetworkView], Any],
+                   placement_of: Callable[[Any], Placement]) -> Any:
+        plan = search(view)
+        if self.confirm is None:
+            return plan
+        for _ in range(CONFIRM_ROUNDS):
+            todo = view.unmeasured(plan_links(placement_of(plan)))
+            if not todo:
+                return plan
+            fresh = self.confirm(view, todo)
+            if fresh is None or _estimates_held(view, fresh, todo):
+                return plan
+            logger.info("the plan's links measured other than estimated: scheduling again on %d measured links",
+                        len(todo))
+            view = fresh
+            plan = search(view)
+        return plan
 
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                 regions: dict[bytes, str], seed: int, force: bool,
                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
+        return self._confirmed(view, lambda v: self._reshape(v, cur, live=live, remaining_steps=remaining_steps,
+                                                              regions=regions, seed=seed, force=force, cut=cut),
+                               lambda plan: plan.placement)
+
+    def _reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
+                 regions: dict[bytes, str], seed: int, force: bool,
+                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
@@ -184,6 +246,11 @@ class SchedulerPlanner:
                         regions: dict[bytes, str]) -> Placement:
         """A new run's shape: the scheduler's on the gossiped view, or (`--placement random`) a
         random one of the asked stages x dp (ValueError when none fits)."""
+        return self._confirmed(view, lambda v: self._first_placement(v, req, model, train, regions),
+                               lambda plan: plan)
+
+    def _first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+                         regions: dict[bytes, str]) -> Placement:
         dp = req.dp
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
@@ -236,7 +303,7 @@ class ControlPlane:
                                   operator_skew_s=cfg.operator_skew_s)
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
-            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg),
+            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links),
             CoordinatorTimings(accept_timeout_s=cfg.accept_timeout_s, request_timeout_s=cfg.request_timeout_s,
                                stop_timeout_s=cfg.stop_timeout_s, check_interval_s=cfg.check_interval_s,
                                drift_check_s=cfg.drift_check_s, report_gather_s=cfg.report_gather_s,
@@ -443,6 +510,17 @@ class ControlPlane:
     async def _ask_and_feed(self, a: Ask) -> None:
         answers = await self._ask_all(a.peers, a.msg, a.body, a.timeout_s)
         self._feed_coordinator(Answers(a.key, answers))
+
+    def _confirm_links(self, view: NetworkView, links: list[tuple[bytes, bytes]]) -> NetworkView | None:
+        """From the scheduler's worker thread: measure the links now (`GossipService.confirm`)
+        and return the view over the same peers after."""
+        try:
+            left = trio.from_thread.run(self.gossip.confirm, links)
+        except trio.RunFinishedError:
+            return None
+        if left:
+            logger.info("%d of the plan's %d estimated links could not be measured", len(left), len(links))
+        return build_view(view.peers, self.gossip.records.reports, now_wall=time.time())
 
     async def _compute_and_feed(self, a: Compute) -> None:
         try:
