@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     )
     from .epoch.recovery import RecoveryError, RecoveryServer, fetch_stage, manifest_digest
     from .epoch.relayout import assemble_stage, needed_stages
-    from .epoch.runner import RunEnd, StageRunner, StepReport, params_sha256
+    from .epoch.report import RunEnd, StepReport
+    from .epoch.runner import StageRunner, params_sha256
     from .messages import ControlMsg
     from .operator import (
         OperatorError,
@@ -167,7 +168,8 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     ".epoch.recovery": ("RecoveryError", "RecoveryServer", "fetch_stage", "manifest_digest"),
     ".epoch.relayout": ("assemble_stage", "needed_stages"),
-    ".epoch.runner": ("RunEnd", "StageRunner", "StepReport", "params_sha256"),
+    ".epoch.report": ("RunEnd", "StepReport"),
+    ".epoch.runner": ("StageRunner", "params_sha256"),
     ".messages": ("ControlMsg",),
     ".operator": ("OperatorError", "OperatorOp", "SignedOp", "check_council", "check_op", "check_operator_start",
                   "council_arg", "root_council", "sign_op"),

@@ -59,9 +59,11 @@ def load_held_models(paths: Sequence[str]) -> dict[str, HeldModel]:
     hashed whole (blocking: call it in a thread). A folder that is no GPT-2-family model dtfm
     computes is left out with an error in the log (runs of presets go on; a run naming it is
     refused with the folders this peer holds)."""
+    out: dict[str, HeldModel] = {}
+    if not paths:
+        return out
     from dtfm.train import HFError, hf_digest, load_hf_spec  # (torch: only where a folder is named)
 
-    out: dict[str, HeldModel] = {}
     for p in paths:
         path = Path(p)
         try:

@@ -13,14 +13,16 @@ snapshots.
 from __future__ import annotations
 
 import collections
+import importlib
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import trio
@@ -44,6 +46,7 @@ from dtfm.train import (
     GPTSpec,
     TrainConfig,
     load_corpus,
+    load_torch_libraries,
 )
 
 from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
@@ -98,11 +101,12 @@ from .epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
-from .epoch.access import coordinator_certificate, parse_fetchers
-from .export import ExportError, ExportProgress, answer_export, export_run
-from .epoch.runner import StepReport
+from .dataplane import TensorRouter
+from .epoch.access import coordinator_certificate, fetch_refusal, parse_fetchers
+from .epoch.disk import CheckpointDisk
+from .epoch.recovery import RecoveryServer
+from .epoch.report import StepReport
 from .epoch.runstate import PeerRunState
-from .epoch.stages import StageError, StageHost
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .epoch.taken import TAKEN_NAME, load_taken, save_taken
 from .events import Reconfiguration
@@ -110,7 +114,11 @@ from .messages import ControlMsg
 from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
 from .operator import OperatorError, SignedOp, check_op, check_time, council_arg, root_council
 from .progress import MAX_RECONFIGS, RunProgress, run_progress
-from .refusals import merge_counts
+from .refusals import Refused, merge_counts
+
+if TYPE_CHECKING:  # (torch: loaded with the first stage, offer or export; see `ControlPlane.stages`)
+    from .epoch.stages import StageHost
+    from .export import ExportProgress
 
 __all__ = ["ControlPlane"]
 
@@ -323,9 +331,11 @@ class ControlPlane:
         self._corpus_lock = trio.Lock()
         self._models: dict[str, HeldModel] | None = None  # the model folders it holds (`join --model-dir`)
         self._models_lock = trio.Lock()
-        self.stages = StageHost(self.me, transport, self.epoch, self.data_dir, self.config,
-                                address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
-                                models=self.models)
+        self._stages: StageHost | None = None  # made on first use (`stages`)
+        self.router = TensorRouter(transport)  # (these two answer peers from the start, stage or not)
+        self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
+        # this peer's checkpoints on disk (their size and refusals in status, stage host or not)
+        self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -352,7 +362,8 @@ class ControlPlane:
         self.coordinator.wall_offset = self.epoch.wall_offset = time.time() - trio.current_time()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self.stages.attach(nursery)
+            if self._stages is not None:
+                self._stages.attach(nursery)
             await nursery.start(self.election.run)
             nursery.start_soon(self._coordinator_timer)
             nursery.start_soon(self._epoch_timer)
@@ -360,7 +371,48 @@ class ControlPlane:
             try:
                 await trio.sleep_forever()
             finally:
-                self.stages.abort("the daemon is leaving")
+                if self._stages is not None:
+                    self._stages.abort("the daemon is leaving")
+
+    @property
+    def stages(self) -> StageHost:
+        """The stage host (control/epoch/stages.py), made on first use: when this peer builds a
+        stage, offers one (its memory or a checkpoint) or answers an export. Its module loads
+        torch, which an idle daemon never does; its TENSOR and FETCH handlers are registered
+        then (before that, no peer has a reason to send either: see docs/daemon.md, "Memory")."""
+        if self._stages is None:
+            from .epoch.stages import StageHost  # (torch, about 200 MiB: only a peer that handles tensors)
+
+            self._stages = StageHost(self.me, self.transport, self.epoch, self.data_dir, self.config,
+                                     address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
+                                     router=self.router, recovery=self.recovery, models=self.models,
+                                     disk=self.disk)
+            if self._nursery is not None:
+                self._stages.attach(self._nursery)
+        return self._stages
+
+    async def _host(self) -> StageHost:
+        """`stages`, its module (and torch with it) imported in a worker thread the first time:
+        the event loop goes on answering peers while it loads (seconds on a busy machine)."""
+        if self._stages is None:
+            await _import_in_thread("dtfm.control.epoch.stages")
+        return self.stages
+
+    def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
+        """The recovery server's rule: the stage host's once made, else the peers of this peer's
+        allocations of that run (no offer has named others yet)."""
+        if self._stages is not None:
+            return self._stages.may_fetch(peer, key)
+        run, prev = self.epoch.run, self.epoch.prev
+        return fetch_refusal(peer, key[0], allocations=(run.alloc if run is not None else None,
+                                                        prev.alloc if prev is not None else None))
+
+    def _stages_of(self, run_id: bytes | None) -> StageHost | None:
+        """The stage host where it may know something of run `run_id`: once made, or where the
+        data dir holds checkpoints of that run; None otherwise (nothing held, nothing loaded)."""
+        if self._stages is None and (run_id is None or not (self.data_dir / "checkpoints" / run_id.hex()).is_dir()):
+            return None
+        return self.stages
 
     def _key(self, *parts: object) -> tuple:
         self._keys += 1
@@ -452,15 +504,20 @@ class ControlPlane:
                 pending.reply = a
                 pending.event.set()
         elif isinstance(a, AbortRunner):
-            self.stages.abort(a.reason)
+            if self._stages is not None:
+                self._stages.abort(a.reason)
         elif isinstance(a, KeepStage):
-            self._start_soon(self.stages.keep, a.run_id)
+            if self._stages is not None:  # (no stage host: this peer holds nothing in memory)
+                self._start_soon(self._stages.keep, a.run_id)
         elif isinstance(a, FailNeighbour):
-            self.stages.fail_neighbour(a.peer, a.why)
+            if self._stages is not None:
+                self._stages.fail_neighbour(a.peer, a.why)
         elif isinstance(a, StartRunner):
-            self.stages.start(a.epoch)
+            if self._stages is not None:
+                self._stages.start(a.epoch)
         elif isinstance(a, StopRunnerAt):
-            self.stages.stop_at(a.epoch, a.step, final=a.final)
+            if self._stages is not None:
+                self._stages.stop_at(a.epoch, a.step, final=a.final)
         elif isinstance(a, WaitForCoordinator):
             self._start_soon(self._wait_for_coordinator, a)
         else:
@@ -469,17 +526,20 @@ class ControlPlane:
     async def _execute_epoch(self, a) -> None:
         """Execute an action of the epoch machine, in order (some wait)."""
         if isinstance(a, EndEpoch):
-            try:
-                await self.stages.end(a.epoch, a.reason)
-            except StageError as e:
-                raise TrainError(str(e)) from None
+            if self._stages is not None:
+                from .epoch.stages import StageError  # (the host's module: loaded with it)
+
+                try:
+                    await self._stages.end(a.epoch, a.reason)
+                except StageError as e:
+                    raise TrainError(str(e)) from None
         elif isinstance(a, ApplyToElection):
             self.election.apply_allocation(a.term, a.epoch, a.council, a.certificate)
         elif isinstance(a, PersistApplied):
             await trio.to_thread.run_sync(self._save_applied, a.alloc)
         elif isinstance(a, BuildStage):
             members = {m.peer_id: m.address for m in self.gossip.members()}
-            await self._feed_epoch(await self.stages.build(a, members))
+            await self._feed_epoch(await (await self._host()).build(a, members))
         else:
             self._execute_now(a)
 
@@ -668,7 +728,8 @@ class ControlPlane:
         if root is not None and (council is None or root.root_at_ms > council.root_at_ms):
             council, previous = root, None  # the operator re-rooted the council after that allocation
         self.election.restore(term, epoch, council, previous)
-        reports = self.stages.kept_reports(run) if alloc is not None and alloc.run_id == run else []
+        host = self._stages_of(run) if alloc is not None and alloc.run_id == run else None
+        reports = host.kept_reports(run) if host is not None else []
         self.epoch.restore(run, term, epoch, alloc, reports)
         if load_stopped(self.data_dir) == run:
             self.epoch.mark_stopped(run)
@@ -880,16 +941,21 @@ class ControlPlane:
                 return {"error": "only the coordinator asks a peer to reach others"}
             return await self._reach(ReachRequest.from_wire(d))
         if op == "export":
+            await _import_in_thread("dtfm.control.export")
+            from .export import answer_export  # (torch: a holder encodes weights)
+
             cur = self.epoch.current
             return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
-                                       skew_s=self.config.operator_skew_s, stages=self.stages, current=cur,
-                                       state=self.run_state(), refusals=self.stages.recovery.refusals)
+                                       skew_s=self.config.operator_skew_s, stages=await self._host(), current=cur,
+                                       state=self.run_state(), refusals=self.recovery.refusals)
         if op == "keep":  # the run waits: what this peer holds of it in memory goes to its data dir
             run_id = get_bytes(d, "run", 16, 16)
             refused = self.epoch.check_offer_asker(sender)
             if refused is not None:
                 return {"error": refused.text}
-            return await self.stages.keep(run_id)
+            if self._stages is None:  # (no stage host: this peer holds nothing in memory)
+                return {"kept": []}
+            return await self._stages.keep(run_id)
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -904,7 +970,7 @@ class ControlPlane:
         refused = self.epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}
-        return await self.stages.offer(run_id, step, (layers[0], layers[1]), fetchers=fetchers)
+        return await (await self._host()).offer(run_id, step, (layers[0], layers[1]), fetchers=fetchers)
 
     async def _reach(self, req: ReachRequest) -> dict:
         """Ping each asked peer (gossip's round-trip measurement), each within the request's time."""
@@ -927,7 +993,9 @@ class ControlPlane:
 
     def run_state(self) -> PeerRunState:
         cur = self.epoch.current
-        return self.epoch.run_state(self.stages.checkpoints(cur.run_id if cur is not None else None))
+        run_id = cur.run_id if cur is not None else None
+        host = self._stages_of(run_id)
+        return self.epoch.run_state(host.checkpoints(run_id) if host is not None else ())
 
     # ---- membership and election events -------------------------------------------------------
 
@@ -1215,11 +1283,14 @@ class ControlPlane:
             raise TrainError(str(e)) from None
         if self.export_progress is not None and self.export_progress.phase not in ("done", "failed"):
             raise TrainError(f"an export of run {self.export_progress.run} is running here: wait for it")
+        await _import_in_thread("dtfm.control.export")
+        from .export import ExportError, ExportProgress, export_run  # (torch: the stages are tensors)
+
         progress = self.export_progress = ExportProgress(op.run_id.hex()[:8])
         try:
             return await export_run(
                 signed, op.run_id, out_dir, me=self.me, peers=set(self.gossip.live_peers()) | {self.me},
-                ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=self.stages,
+                ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=await self._host(),
                 transport=self.transport, address_of=self._address_of, timeout_s=self.config.accept_timeout_s,
                 progress=progress, overwrite=overwrite, tokenizer_for=self._export_tokenizer)
         except ExportError as e:
@@ -1317,7 +1388,16 @@ class ControlPlane:
     def status(self) -> dict[str, Any]:
         from .status import plane_status
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
-                                 self.stages.recovery.refusals.counts()])
+                                 self.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
-                            self.stages.disk.status()).to_wire()
+                            self.disk.status()).to_wire()
+
+
+async def _import_in_thread(module: str) -> None:
+    """Import `module`, which imports torch, in a worker thread (seconds of work that would
+    stall the event loop), torch's native libraries loaded first without the interpreter lock
+    (train/native.py); a later import of it is a lookup."""
+    if module not in sys.modules:
+        await trio.to_thread.run_sync(load_torch_libraries)
+        await trio.to_thread.run_sync(importlib.import_module, module)

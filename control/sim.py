@@ -94,7 +94,7 @@ from .epoch.machine import (
     WaitForCoordinator,
 )
 from .epoch.machine import Tick as EpochTick
-from .epoch.runner import RunEnd, StepReport
+from .epoch.report import RunEnd, StepReport
 from .messages import ControlMsg
 from .operator import SignedOp, council_arg, root_council, sign_op
 

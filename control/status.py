@@ -13,7 +13,7 @@ from typing import Any
 from .coordinator.machine import CoordinatorStatus, Phase
 from .epoch.disk import DiskStatus
 from .epoch.machine import EpochPhase, EpochStatus
-from .epoch.runner import BYTE_AXES
+from .epoch.report import BYTE_AXES
 
 __all__ = ["PlaneStatus", "plane_status"]
 

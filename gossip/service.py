@@ -82,8 +82,10 @@ class GossipService:
                  measure: bool = True, sender_tasks: int = 4,
                  address: tuple[str, int] | None = None, verifier: ClaimVerifier | None = None,
                  codec_ns: Sequence[float] | None = None,
-                 codec_probe: Callable[[], Sequence[float]] | None = None) -> None:
-        """compute_ms: this peer's compute speed, None to measure it (when `measure`).
+                 codec_probe: Callable[[], Sequence[float]] | None = None,
+                 compute_probe: Callable[[], float] = compute_speed_ms) -> None:
+        """compute_ms: this peer's compute speed, None to measure it with `compute_probe`
+        once in a worker thread at start (when `measure`; a failed probe leaves it unknown).
         codec_ns: this peer's coding speed (`check_codec_ns`; ValueError otherwise), or None
         to run `codec_probe` once in a worker thread at start (no probe: reported unknown)."""
         self.transport = transport
@@ -101,6 +103,7 @@ class GossipService:
         except ProtocolError as e:
             raise ValueError(str(e)) from None
         self._codec_probe = codec_probe
+        self._compute_probe = compute_probe
         self._measure = measure
         self._sender_tasks = sender_tasks
         # The address other members dial: the transport's (serve() must have started), or
@@ -441,7 +444,10 @@ class GossipService:
         other down), each off the event loop: the compute speed (when measuring), then the
         coding speed. A new report goes out with them."""
         if self._measure and self.compute_ms is None:
-            self.compute_ms = await trio.to_thread.run_sync(compute_speed_ms)
+            try:
+                self.compute_ms = await trio.to_thread.run_sync(self._compute_probe)
+            except Exception as e:  # (reported as 0: unknown, as a peer that never measured)
+                logger.warning("cannot measure this peer's compute speed: %s", e)
         if self.codec_ns is None and self._codec_probe is not None:
             try:
                 self.codec_ns = check_codec_ns(tuple(await trio.to_thread.run_sync(self._codec_probe)))

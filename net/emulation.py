@@ -27,39 +27,13 @@ from dataclasses import dataclass
 
 import trio
 
+from .config import EmulationConfig
+
 __all__ = ["EmulationConfig", "EmulatedLinks", "EmulatedLink"]
 
 logger = logging.getLogger(__name__)
 
 WIRE_OVERHEAD_BYTES = 20  # length prefix + AEAD tag the transport adds to each frame
-
-
-@dataclass(frozen=True)
-class EmulationConfig:
-    # > 1 slows the emulated network down uniformly (delay x, bandwidth /).
-    time_scale: float = 1.0
-    # Multiplies every link's bandwidth (on top of time_scale).
-    bandwidth_scale: float = 1.0
-    # Fraction of droppable frames (gossip datagrams) lost on every link.
-    drop_fraction: float = 0.0
-    # Token bucket depth: bytes that may leave back to back after an idle spell. Keep it small
-    # next to the bandwidth probe (it inflates a timed transfer by up to burst/probe bytes).
-    burst_bytes: int = 16 * 1024
-    # Frames queued per link before submit() waits. Deeper: more buffering, later backpressure.
-    queue_frames: int = 1024
-    # True: one rate limiter per destination region, shared by all links to it (a site's
-    # uplink); False: one per link (the scenario's per-pair bandwidth).
-    share_region_bandwidth: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("time_scale", "bandwidth_scale"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a positive number, got {v!r}")
-        if not 0.0 <= self.drop_fraction <= 1.0:
-            raise ValueError(f"drop_fraction must be in [0, 1], got {self.drop_fraction}")
-        if self.burst_bytes < 0 or self.queue_frames < 1:
-            raise ValueError("burst_bytes must be >= 0 and queue_frames >= 1")
 
 
 class _Bucket:

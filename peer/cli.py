@@ -44,8 +44,7 @@ from dtfm.net import (
 )
 
 from . import logs
-from .config import ConfigError, DaemonConfig
-from .daemon import ListenError
+from .config import ConfigError, DaemonConfig, ListenError
 from .paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
@@ -606,7 +605,7 @@ class OperatorSession:
              **fields: object) -> dict:
         """Sign a `kind` operation on `run_id` (None: a start's fresh run) with `op_args`, send it
         as the daemon's `command` with `fields` beside it, and return the daemon's answer."""
-        from dtfm.control import sign_op  # loads the allocation's model types (torch): only when signing
+        from dtfm.control import sign_op  # (the operation and allocation types: only when signing)
         op = sign_op(self.key, kind, now_s=time.time(), run_id=run_id, args=op_args)
         reply = self.client.request(command, {"op": op.to_wire(), **fields})
         if not isinstance(reply, dict):

@@ -35,6 +35,10 @@ class ConfigError(ValueError):
     """A bad setting; str() names the setting and what is wrong with it."""
 
 
+class ListenError(Exception):
+    """The daemon could not listen on its address; str() says which and why."""
+
+
 def read_toml(path: Path, what: str) -> dict[str, Any]:
     """The TOML table of the file at `path`; ConfigError names `what` it is and the file."""
     try:
@@ -283,14 +287,15 @@ class GossipSection:
     # machine or tests (see dtfm.gossip.config).
     profile: str = option("lan", f"gossip timing profile: {_one_of(GOSSIP_PROFILES)}",
                           flag="--gossip-profile", metavar="NAME")
-    # 0 measures this peer's speed with a short torch workload at start (a few seconds);
-    # a positive figure skips the probe (and the torch import) and reports it as given.
+    # 0 measures this peer's speed with a short torch workload, once, in a child process
+    # whose figure the data dir keeps (peer/speed.py); a positive figure is reported as given.
     compute_ms: float = option(0.0, "this peer's time for one transformer-block forward and "
                                "backward in ms; 0 measures it", flag="--compute-ms", metavar="MS")
     # What coding (compression) costs on this CPU, gossiped for the scheduler's per-link
-    # choice: "measure" probes it once at start in a background thread (about 0.1 s, with
-    # torch); "reference" reports the development machine's figure, "free" zero cost, and a
-    # JSON file (as `dtfm-sched --codec-speed` reads) its figures, all without the probe.
+    # choice: "measure" probes it once, in the child process that measures compute_ms (its
+    # figures kept in the data dir: peer/speed.py); "reference" reports the development
+    # machine's figure, "free" zero cost, and a JSON file (as `dtfm-sched --codec-speed`
+    # reads) its figures, all without the probe.
     codec_speed: str = option("measure", "this peer's coding speed for the scheduler: measure, reference, "
                               "free or a JSON file of ns per element", flag="--codec-speed",
                               metavar="measure|reference|free|FILE.json")

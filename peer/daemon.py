@@ -25,7 +25,7 @@ import trio
 
 from dtfm.net import Address, Identity, Transport, pack
 
-from .config import DaemonConfig
+from .config import DaemonConfig, ListenError
 from .discovery import Discovery
 from .paths import DataDir
 from .socket import ControlServer
@@ -35,10 +35,6 @@ logger = logging.getLogger(__name__)
 
 Service = Callable[..., Awaitable[None]]   # async def svc(daemon, *, task_status)
 StatusProvider = Callable[[], object]
-
-
-class ListenError(Exception):
-    """The daemon could not listen on its address; str() says which and why."""
 
 
 class Daemon:

@@ -27,7 +27,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from dtfm.gossip import MemberState
 
 from .config import MetricsConfig
-from .daemon import Daemon, ListenError
+from .config import ListenError
+from .daemon import Daemon
 
 __all__ = ["MetricsPart", "StatusCollector", "metrics_registry", "serve_metrics"]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -21,6 +22,13 @@ logger = logging.getLogger(__name__)
 
 # Called with the daemon before it runs; later parts register their services here.
 DaemonSetup = Callable[[Daemon], None]
+
+# DTFM_PRELOAD=torch,scipy: import these at start, as every daemon did before they were loaded on
+# first use (torch with the first stage, scipy with the first schedule). The baseline of
+# bench/idle.py; or a daemon that should pay their memory up front rather than pause its event
+# loop while they load (docs/daemon.md, "Memory").
+PRELOAD_ENV = "DTFM_PRELOAD"
+PRELOADS = {"torch": "dtfm.control.epoch.stages", "scipy": "scipy.optimize"}
 
 
 async def run_until_signal(daemon: Daemon) -> None:
@@ -56,6 +64,17 @@ def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper=None) -> Daemon
     return daemon
 
 
+def preload(names: str) -> None:
+    """Import the modules `names` (comma-separated keys of PRELOADS) names; ConfigError for
+    another name."""
+    for name in filter(None, (n.strip() for n in names.split(","))):
+        module = PRELOADS.get(name)
+        if module is None:
+            raise ConfigError(f"{PRELOAD_ENV}: {name!r} is not one of {', '.join(PRELOADS)}")
+        importlib.import_module(module)
+        logger.info("%s loaded at start (%s)", name, PRELOAD_ENV)
+
+
 def warn_if_readable_by_others(path) -> bool:
     """Log a warning when a secret file may be read by its group or by others; True if so."""
     try:
@@ -79,6 +98,7 @@ def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = (), *,
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
+        preload(os.environ.get(PRELOAD_ENV, ""))
         shaper = build_shaper(config)
         daemon = build_daemon(config, data_dir, shaper)
         if services:

@@ -5,8 +5,10 @@ reconfiguration; docs/control.md).
 `build_shaper` makes the transport's LinkShaper from the [emulation] settings (before the
 transport exists). `services_setup` returns the setup hook that adds two services to the
 daemon: `GossipPart` runs a GossipService with the [gossip] settings (its reports carry this
-peer's coding speed: [gossip] codec_speed, by default measured once by a probe in a worker
-thread, torch imported there; `codec_speed_setting`), shows it under "gossip"
+peer's compute speed, [gossip] compute_ms, and coding speed, [gossip] codec_speed
+(`codec_speed_setting`): each given, or measured once by a child process that imports torch
+and exits, and kept in the data dir for the next start (peer/speed.py), so the daemon itself
+never loads torch until it builds a stage), shows it under "gossip"
 in `dtfm-peer status` and answers the `emulate` control op (`dtfm-swarm partition` / `heal`);
 `PlanePart` runs the ControlPlane with the [plane] settings on that gossip service, shows it
 under "training" and answers `train_info` (what an operator signs against), and `train_start`,
@@ -30,7 +32,7 @@ from typing import Any
 import trio
 
 from dtfm.control import ControlPlane, SignedOp, TrainError, council_arg
-from dtfm.gossip import GossipConfig, GossipService
+from dtfm.gossip import GossipConfig, GossipService, compute_speed_ms
 from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_id
 from dtfm.scenarios import ScenarioError, load_scenario
 from dtfm.sched import load_codec_speed
@@ -38,6 +40,7 @@ from dtfm.sched import load_codec_speed
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
 from .socket import ControlCommandError
+from .speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:
 def measure_codec_ns(torch_threads: int, device: str = "cpu") -> tuple[float, ...]:
     """This peer's coding speed as gossip carries it, measured where its stage codes (`device`,
     the daemon's --device: a GPU stage encodes and decodes on its GPU). Blocking; torch is
-    imported here, in the worker thread that runs it, not when the daemon starts."""
+    imported here: the daemon runs it in a child process (`self_speed`), never in itself."""
     from dtfm.train import peer_codec_speed
 
     return peer_codec_speed(torch_threads, device).to_vector()
@@ -86,6 +89,16 @@ def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None,
     except ValueError as e:
         raise ConfigError(f"gossip.codec_speed (--codec-speed) {value}: not a codec speed JSON object "
                           f"(as `bench/compress_sched.py --codec-speed-out` writes): {e}") from None
+
+
+def self_speed(config: DaemonConfig, data_dir: Path, *, compute: bool, codec: bool) -> SelfSpeed | None:
+    """The figures this peer measures (`compute`, `codec`: which), from the data dir's cache
+    or, once, a child process (peer/speed.py); None when both are given in the settings."""
+    if not (compute or codec):
+        return None
+    plane = config.plane
+    key = speed_key(plane.device, plane.settings.torch_threads)
+    return SelfSpeed(SpeedCache(data_dir / SPEED_FILE, key), compute=compute, codec=codec)
 
 
 def gossip_config(config: DaemonConfig) -> GossipConfig:
@@ -137,9 +150,19 @@ class GossipPart:
 
     async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
+        compute_ms, codec_ns = config.gossip.compute_ms or None, self.codec_ns
+        speed = self_speed(config, daemon.data_dir.root, compute=compute_ms is None,
+                           codec=codec_ns is None and self.codec_probe is not None)
+        if speed is not None:
+            compute_ms = compute_ms or speed.figures.compute_ms
+            codec_ns = codec_ns or speed.figures.codec_ns
+            logger.info("this peer's speed figures: %s (%s)", "measured by a child process" if speed.missing()
+                        else "as measured before", speed.cache.path)
         service = GossipService(daemon.transport, daemon.identity, gossip_config(config),
-                                region=config.peer.region, compute_ms=config.gossip.compute_ms or None,
-                                address=_advertised(daemon), codec_ns=self.codec_ns, codec_probe=self.codec_probe,
+                                region=config.peer.region, compute_ms=compute_ms,
+                                address=_advertised(daemon), codec_ns=codec_ns,
+                                codec_probe=speed.codec_ns if speed is not None and codec_ns is None else None,
+                                compute_probe=speed.compute_ms if speed is not None else compute_speed_ms,
                                 wall_clock=lambda: time.time() + self.clock_jump_s)
         daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
         async with trio.open_nursery() as nursery:

@@ -11,7 +11,7 @@ from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, WIRE_PRESETS, 
                           wire_codecs)
 from .cost import CostBreakdown, CostModel
 from .layers import layer_ranges, split_layers
-from .matching import bottleneck_matching
+from .matching import bottleneck_matching, linear_assignment
 from .path import open_path
 from .search import SEARCH_PROFILES, SearchConfig
 from .simulate import SimResult
@@ -25,6 +25,6 @@ __all__ = [
     "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
     "SEARCH_PROFILES", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",
     "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
-    "evaluate", "get_preset", "layer_ranges", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
+    "evaluate", "get_preset", "layer_ranges", "linear_assignment", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
     "wire_codecs",
 ]

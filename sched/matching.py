@@ -9,14 +9,21 @@ over the distinct hop values, each step a perfect-matching test (an assignment p
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
-__all__ = ["bottleneck_matching", "bottleneck_value", "coarse_graph"]
+__all__ = ["bottleneck_matching", "bottleneck_value", "coarse_graph", "linear_assignment"]
+
+
+def linear_assignment(cost: np.ndarray, maximize: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, cols) of an optimal assignment of `cost` (scipy's linear_sum_assignment). scipy
+    is imported on the first call: a daemon that never schedules does not load it (about 40 MiB)."""
+    from scipy.optimize import linear_sum_assignment
+
+    return linear_sum_assignment(cost, maximize=maximize)
 
 
 def _perfect_at(m: np.ndarray, t: float) -> np.ndarray | None:
     over = m > t
-    rows, cols = linear_sum_assignment(over)
+    rows, cols = linear_assignment(over)
     if over[rows, cols].any():
         return None
     return cols
@@ -60,7 +67,7 @@ def bottleneck_matching(m: np.ndarray) -> tuple[float, np.ndarray]:
         return float(m[0, 0]), np.zeros(1, dtype=np.int64)
     t = _search(m)
     cost = np.where(m <= t, m, m.max() * m.size + 1.0)
-    _, cols = linear_sum_assignment(cost)
+    _, cols = linear_assignment(cost)
     return float(t), cols.astype(np.int64)
 
 

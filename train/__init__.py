@@ -32,9 +32,6 @@ if TYPE_CHECKING:
     from .collective import all_reduce_small, ring_all_reduce
     from .comm import (
         Comm,
-        CommClosed,
-        CommError,
-        CommTimeout,
         EventHandle,
         InMemoryComm,
         InMemoryHub,
@@ -56,6 +53,7 @@ if TYPE_CHECKING:
         parse_compression,
         peer_codec_speed,
     )
+    from .errors import CommClosed, CommError, CommTimeout
     from .data import (
         TOKEN_DTYPES,
         Corpus,
@@ -81,8 +79,9 @@ if TYPE_CHECKING:
     from .local import LocalCluster
     from .messages import MessageRules
     from .model import GPTStage, assemble, generate
+    from .native import load_torch_libraries
     from .optim import AdamW
-    from .plan import Plan
+    from .plan import Plan, check_compression
     from .reference import reference_state, reference_step
     from .sample import sample_text
     from .precision import autocast
@@ -90,7 +89,7 @@ if TYPE_CHECKING:
     from .staging import HostStaging
     from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, TokenizerError, load_tokenizer, write_byte_tokenizer
     from .transfer import DEFAULT_CHUNK_BYTES, TransferError, TransferManifest, TransferReceiver, encode_transfer
-    from .worker import StageState, StepResult, check_compression, run_step
+    from .worker import StageState, StepResult, run_step
 
 __all__ = [
     "ACTIVATIONS",
@@ -169,6 +168,7 @@ __all__ = [
     "load_hf_spec",
     "load_hf_stage",
     "load_token_file",
+    "load_torch_libraries",
     "load_tokenizer",
     "model_tokenizer",
     "reference_state",
@@ -212,7 +212,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
         "parse_compression", "peer_codec_speed",
     ),
     ".comm": (
-        "Comm", "CommClosed", "CommError", "CommTimeout", "EventHandle", "InMemoryComm", "InMemoryHub",
+        "Comm", "EventHandle", "InMemoryComm", "InMemoryHub",
         "Link", "PendingSends", "SendHandle",
     ),
     ".data": (
@@ -226,8 +226,10 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".local": ("LocalCluster",),
     ".messages": ("MessageRules",),
     ".model": ("GPTStage", "assemble", "generate"),
+    ".native": ("load_torch_libraries",),
     ".optim": ("AdamW",),
-    ".plan": ("Plan",),
+    ".errors": ("CommClosed", "CommError", "CommTimeout"),
+    ".plan": ("Plan", "check_compression"),
     ".reference": ("reference_state", "reference_step"),
     ".sample": ("sample_text",),
     ".precision": ("autocast",),
@@ -240,6 +242,6 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".transfer": (
         "DEFAULT_CHUNK_BYTES", "TransferError", "TransferManifest", "TransferReceiver", "encode_transfer",
     ),
-    ".worker": ("StageState", "StepResult", "check_compression", "run_step"),
+    ".worker": ("StageState", "StepResult", "run_step"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

@@ -31,7 +31,7 @@ from .model import assemble, generate
 from .plan import Plan
 from .spec import PRESETS, TrainConfig, get_preset
 from .tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, load_tokenizer
-from .worker import check_compression
+from .plan import check_compression
 
 __all__ = ["build_parser", "main"]
 

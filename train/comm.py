@@ -20,24 +20,13 @@ from typing import Callable, Hashable, Protocol
 import torch
 
 from .codec import tensor_from_wire, tensor_to_wire
+from .errors import CommClosed, CommError, CommTimeout, PeerId
 
 __all__ = [
     "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link", "EventHandle",
     "PendingSends", "settle_sends",
 ]
 
-PeerId = Hashable  # str or bytes in practice
-
-class CommError(Exception):
-    """A message could not be sent or received."""
-
-
-class CommTimeout(CommError, TimeoutError):
-    """No message arrived (or no room to send) within the timeout."""
-
-
-class CommClosed(CommError):
-    """The communicator was closed or aborted while waiting."""
 
 
 class SendHandle(Protocol):

@@ -19,11 +19,14 @@ import tempfile
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .tokenizer import ByteTokenizer, Tokenizer, token_dtype_for
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TOKEN_DTYPES", "ByteTokenizer", "Corpus", "load_corpus", "load_token_file", "split_batch",
            "tokenize_to_file", "write_token_file"]
@@ -78,6 +81,8 @@ class Corpus:
 
     def batch(self, seed: int, step: int, indices: range, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets, both (len(indices), seq_len) int64."""
+        import torch  # (only a stage's worker asks for batches: loading and checking a corpus needs no torch)
+
         offs = self.sample_offsets(seed, step, indices, seq_len)
         win = np.stack([self.tokens[o:o + seq_len + 1] for o in offs]).astype(np.int64)
         t = torch.from_numpy(win)

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 from dtfm.sched import layer_ranges
 
-from .comm import PeerId
-from .compress.config import LinkCodecs
+from .compress.config import CompressionConfig, LinkCodecs
+from .errors import PeerId
+from .spec import GPTSpec
 
-__all__ = ["Plan"]
+__all__ = ["Plan", "check_compression"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +89,10 @@ class Plan:
 
     def pipeline(self, d: int) -> tuple[PeerId, ...]:
         return self.pipelines[d]
+
+
+def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> None:
+    """Refuse combinations the compressed step does not support (ValueError)."""
+    if config.dp_method != "exact" and spec.tied_head and plan.stages > 1:
+        raise ValueError(f"{config.dp_method} compression does not support a tied head split across stages: "
+                         "the two copies would be synchronised separately")

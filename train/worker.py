@@ -54,7 +54,7 @@ from .compress import CompressionConfig, StageCompression, decode_activation, en
 from .data import Corpus, split_batch
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
-from .plan import Plan
+from .plan import Plan, check_compression
 from .precision import autocast, ieee_fp32
 from .spec import GPTSpec, TrainConfig
 from .staging import HostStaging
@@ -189,13 +189,6 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
     state.step += 1
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
                       ctx.saved.peak if ctx.saved else 0, ctx.wait_s)
-
-
-def check_compression(spec: GPTSpec, plan: Plan, config: CompressionConfig) -> None:
-    """Refuse combinations the compressed step does not support (ValueError)."""
-    if config.dp_method != "exact" and spec.tied_head and plan.stages > 1:
-        raise ValueError(f"{config.dp_method} compression does not support a tied head split across stages: "
-                         "the two copies would be synchronised separately")
 
 
 def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):

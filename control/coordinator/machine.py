@@ -40,7 +40,7 @@ from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Re
 from ..allocation import Allocation, Holding, SignedAllocation
 from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
-from ..epoch.runner import StepReport
+from ..epoch.report import StepReport
 from .counters import RunCounters, RunCounts
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
 from ..events import EventKind, LeftOutPeer, PlaneEvent, Reconfiguration

@@ -59,10 +59,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (CompressionOptions, CostModel, SearchConfig, candidate_shapes, layer_ranges,
+from dtfm.sched import (CompressionOptions, CostModel, SearchConfig, candidate_shapes, layer_ranges, linear_assignment,
                         simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
@@ -220,7 +219,7 @@ def relabel_pipelines(X: np.ndarray, old: np.ndarray) -> np.ndarray:
     The cost model and the simulator do not depend on the order of pipelines."""
     D, D0 = X.shape[1], old.shape[1]
     same = (X[:, :, None] == old[:, None, :]) & (old[:, None, :] >= 0)
-    rows, cols = linear_sum_assignment(same.sum(axis=0), maximize=True)
+    rows, cols = linear_assignment(same.sum(axis=0), maximize=True)
     target = {int(r): int(c) for r, c in zip(rows, cols)}
     order = sorted(range(D), key=lambda i: (target.get(i, D0 + i), i))
     return X[:, order]
@@ -356,7 +355,7 @@ class _Planner:
                     cost[h] += 2 * m.hop[X[s - 1, p], cand]
                 if s < S - 1 and X[s + 1, p] >= 0:
                     cost[h] += 2 * m.hop[cand, X[s + 1, p]]
-            rows, cols = linear_sum_assignment(cost)
+            rows, cols = linear_assignment(cost)
             for r, k in zip(rows, cols):
                 X[s, holes[r]] = cand[k]
             taken = {int(cand[k]) for k in cols}

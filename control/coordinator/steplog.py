@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterable
 from dtfm.net import short_id
 
 from ..allocation import Allocation
-from ..epoch.runner import BYTE_AXES, StepReport
+from ..epoch.report import BYTE_AXES, StepReport
 from ..epoch.runstate import MAX_REPORTS
 from ..refusals import Refusals, Refused
 

@@ -2,7 +2,7 @@
 
 `TransportComm` (comm.py) owns a `Sender` (send.py: sequence numbers, a queue and a window per
 destination) and a `Receiver` (receive.py: checks against the plan, a bounded buffer per
-neighbour); `TensorRouter` (comm.py) owns the transport's TENSOR handler; wire.py is the TENSOR
+neighbour); `TensorRouter` (router.py) owns the transport's TENSOR handler; wire.py is the TENSOR
 message and its replies, config.py the flow-control settings. docs/control.md ("The Comm over
 the transport") has the protocol.
 """
@@ -11,7 +11,8 @@ from dtfm.lazy import lazy_exports
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .comm import TensorRouter, TransportComm
+    from .comm import TransportComm
+    from .router import TensorRouter
     from .config import ENTRY_OVERHEAD_BYTES, CommConfig
 
 __all__ = ["ENTRY_OVERHEAD_BYTES", "CommConfig", "TensorRouter", "TransportComm"]
@@ -21,7 +22,8 @@ __all__ = ["ENTRY_OVERHEAD_BYTES", "CommConfig", "TensorRouter", "TransportComm"
 # config classes) does not load torch, scipy or the rest. tests/test_layers.py checks that this
 # table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
-    ".comm": ("TensorRouter", "TransportComm"),
+    ".comm": ("TransportComm",),
+    ".router": ("TensorRouter",),
     ".config": ("ENTRY_OVERHEAD_BYTES", "CommConfig"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

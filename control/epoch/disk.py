@@ -21,7 +21,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dtfm.train import StageState, save_checkpoint
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dtfm.train import StageState
 
 __all__ = ["CheckpointDisk", "DiskStatus"]
 
@@ -69,6 +72,8 @@ class CheckpointDisk:
         """Write `state` as run `run_id`'s checkpoint of its layers at its step, keeping the
         newest `kept`; the JSON path, or None when the disk refused (logged, in `status`).
         Blocking."""
+        from dtfm.train import save_checkpoint  # (torch: only a peer that holds a stage writes one)
+
         with self._lock:
             try:
                 path = save_checkpoint(self.run_root(run_id), state, keep=self.kept, notes=notes)

@@ -32,7 +32,7 @@ from ..messages import ControlMsg
 from ..operator import OperatorError, OperatorOp, SignedOp, check_council, check_op, check_operator_start
 from ..refusals import Refusals, Refused
 from .access import offer_refusal, run_state_refusal
-from .runner import RunEnd, StepReport
+from .report import RunEnd, StepReport
 from .runstate import MAX_REPORTS, PeerRunState
 from .taken import TakenOps
 

@@ -67,6 +67,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -85,15 +86,10 @@ from dtfm.net import (
     get_str,
     short_id,
 )
-from dtfm.train import (
-    DEFAULT_CHUNK_BYTES,
-    StageState,
-    TransferError,
-    TransferManifest,
-    TransferReceiver,
-    encode_transfer,
-    load_checkpoint,
-)
+from dtfm import train  # (each name loads on first use: the server refuses and lists offers without torch)
+
+if TYPE_CHECKING:
+    from dtfm.train import StageState, TransferManifest, TransferReceiver
 
 from ..allocation import RUN_ID_BYTES
 from ..messages import ControlMsg
@@ -216,10 +212,11 @@ class RecoveryServer:
     weights it offers for an export to the peers named with them; `max_offers` of each."""
 
     def __init__(self, transport: PeerTransport, *, authorize: Authorize, max_offers: int = 4,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 chunk_bytes: int | None = None):
         if max_offers < 1:
             raise ValueError("max_offers must be at least 1")
-        self.transport, self.max_offers, self.chunk_bytes = transport, max_offers, chunk_bytes
+        self.transport, self.max_offers = transport, max_offers
+        self.chunk_bytes = chunk_bytes  # None: train's DEFAULT_CHUNK_BYTES
         self.authorize = authorize
         self.refusals = Refusals()
         self._offers: dict[Part, dict[Key, Offer]] = {p: {} for p in Part}  # insertion order: oldest first
@@ -231,7 +228,7 @@ class RecoveryServer:
         """Offer `state` (as it is now: call between steps) under (run_id, state.step, its layers)."""
         if len(run_id) != RUN_ID_BYTES:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
-        manifest, chunks = await trio.to_thread.run_sync(encode_transfer, state, self.chunk_bytes)
+        manifest, chunks = await trio.to_thread.run_sync(train.encode_transfer, state, self._chunk_bytes())
         return self._keep(Offer(run_id, state.step, state.layer_range, manifest, chunks,
                                 manifest_digest(manifest)))
 
@@ -242,7 +239,7 @@ class RecoveryServer:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
 
         def encode() -> tuple[TransferManifest, list[builtins.bytes]]:
-            return encode_transfer(state, self.chunk_bytes, weights_only=True)
+            return train.encode_transfer(state, self._chunk_bytes(), weights_only=True)
 
         manifest, chunks = await trio.to_thread.run_sync(encode)
         digest = manifest_digest(manifest)
@@ -254,8 +251,11 @@ class RecoveryServer:
 
     async def offer_checkpoint(self, run_id: bytes, json_path: str | Path) -> Offer:
         """Offer a checkpoint from disk (hash-checked as it is loaded); CheckpointError if bad."""
-        state = await trio.to_thread.run_sync(load_checkpoint, json_path)
+        state = await trio.to_thread.run_sync(train.load_checkpoint, json_path)
         return await self.offer(run_id, state)
+
+    def _chunk_bytes(self) -> int:
+        return self.chunk_bytes if self.chunk_bytes is not None else train.DEFAULT_CHUNK_BYTES
 
     def _keep(self, offer: Offer) -> Offer:
         offers = self._offers[offer.part]
@@ -401,8 +401,8 @@ class _Fetch:
         if "error" in reply:
             raise RecoveryError(f"refused: {str(reply['error'])[:200]}")
         try:
-            manifest = TransferManifest.from_wire(reply["manifest"], max_total_bytes)
-        except TransferError as e:
+            manifest = train.TransferManifest.from_wire(reply["manifest"], max_total_bytes)
+        except train.TransferError as e:
             raise RecoveryError(f"bad manifest: {e}") from None
         got = manifest_digest(manifest)
         if got != self.digest:
@@ -443,7 +443,7 @@ class _Fetch:
             return False
         try:
             receiver.feed(index, bytes(payload))  # the one copy: the payload's buffer is the transport's
-        except TransferError as e:
+        except train.TransferError as e:
             self.drop(peer, str(e))
             return False
         self.nbytes += len(payload)
@@ -484,7 +484,7 @@ async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, ru
             f.drop(peer, str(e))
     if manifest is None:
         raise f.error()
-    receiver = TransferReceiver(manifest)
+    receiver = train.TransferReceiver(manifest)
     n = len(manifest.chunk_sha256)
     send, recv = trio.open_memory_channel(n)  # bounded by the manifest's chunk count
     for i in range(n):

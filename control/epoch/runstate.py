@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from dtfm.net import ProtocolError, get_bool, get_dict, get_int, get_list, short_id
 
-from .runner import StepReport
+from .report import StepReport
 
 __all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "Source", "describe", "resume_point"]
 

@@ -49,7 +49,8 @@ from .disk import CheckpointDisk
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
 from .recovery import RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
-from .runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport
+from .report import REPORTS_NOTE, RunEnd, StepReport
+from .runner import StageRunner
 from .runstate import MAX_REPORTS
 
 __all__ = ["MAX_CHECKPOINTS_LISTED", "MAX_STAGE_BYTES", "StageHost"]
@@ -82,18 +83,21 @@ class StageHost:
     def __init__(self, me: bytes, transport: PeerTransport, epoch: EpochMachine, data_dir: Path,
                  config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
                  corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None],
-                 models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None):
+                 router: TensorRouter, recovery: RecoveryServer,
+                 models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None,
+                 disk: CheckpointDisk | None = None):
+        """`router` and `recovery`: the daemon's TENSOR handler and recovery server, made before
+        this host (they answer peers while this peer holds no stage); `recovery` asks `may_fetch`."""
         self.me, self.transport, self.epoch = me, transport, epoch
         self.models = models
         self.data_dir, self.config = data_dir, config
         self.address_of, self.corpus, self.on_event = address_of, corpus, on_event
-        self.router = TensorRouter(transport)
-        self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
+        self.router, self.recovery = router, recovery
         self._stages: dict[int, _Stage] = {}  # epoch -> stage objects (the current and previous epoch)
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._fetchers: dict[tuple, frozenset[bytes]] = {}  # (run, step, layers) -> peers the coordinator named
         self._nursery: trio.Nursery | None = None
-        self.disk = CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept)
+        self.disk = disk or CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept)
         self._keeping = trio.Lock()  # a stage kept on disk is not built on meanwhile
 
     def attach(self, nursery: trio.Nursery) -> None:
@@ -266,7 +270,7 @@ class StageHost:
         offer = await self.recovery.offer_weights(run_id, state, frozenset({fetcher}))
         return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
 
-    def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
+    def may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
         """The recovery server's rule (control/epoch/access.py): the peers of this peer's
         allocations of that run, and those the coordinator named with the offer."""
         run, prev = self.epoch.run, self.epoch.prev

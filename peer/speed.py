@@ -1,0 +1,243 @@
+"""This peer's own speed figures for the scheduler, measured without torch in the daemon.
+
+Gossip carries two figures of each peer: its compute speed (`compute_ms`: one transformer
+block's forward and backward) and its coding speed (`codec_ns`: ns per element of each codec).
+Both need torch, which an idle daemon does not load (it costs about 200 MiB of private memory
+per process). So the daemon measures them in a short-lived child process,
+
+    python -m dtfm.peer.speed --device cpu --torch-threads 1 --compute --codec
+
+which imports torch, prints one JSON object and exits (its memory goes with it), and keeps them
+in its data dir (`speed.json`) under a `SpeedKey`: torch's version, the CPU model and the CPUs
+this process may use, the GPU model where the stage runs on one, the device, the torch thread
+count and the probe's version. A restart with the same key reads the file and starts nothing; a
+changed key (a new torch, another machine, `--device` or `--torch-threads`) measures again. A
+figure given in the settings (`--compute-ms`, `--codec-speed reference|free|FILE`) is used as
+given and never measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
+
+logger = logging.getLogger(__name__)
+
+SPEED_FILE = "speed.json"  # in the daemon's data dir
+PROBE_VERSION = 1  # bump when a probe's workload changes: older figures are measured again
+PROBE_TIMEOUT_S = 300.0  # a child that has not answered by then has failed (the figure stays unknown)
+MAX_FILE_BYTES = 1 << 16
+MAX_CODEC_FIGURES = 64
+
+
+@dataclass(frozen=True)
+class SpeedKey:
+    """What the figures depend on: any change measures them again."""
+
+    torch: str  # torch's installed version ("" when none is installed)
+    cpu: str  # the CPU model
+    cpus: int  # CPUs this process may run on
+    gpu: str  # the GPU model where `device` is a GPU ("" on the CPU or when unknown)
+    device: str  # the stage's device (--device)
+    torch_threads: int  # the stage worker's torch threads (--torch-threads)
+    probe: int = PROBE_VERSION
+
+
+def speed_key(device: str, torch_threads: int) -> SpeedKey:
+    """This machine's key, read without importing torch."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        version = ""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        cpus = os.cpu_count() or 1
+    return SpeedKey(version, _cpu_model(), cpus, _gpu_model(device), device, torch_threads)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name.strip() in ("model name", "Hardware", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpu_model(device: str) -> str:
+    """The NVIDIA driver's name of the GPU `device` names (cuda, cuda:N), "" when unknown."""
+    kind, _, index = device.partition(":")
+    if kind != "cuda":
+        return ""
+    try:
+        gpus = sorted(Path("/proc/driver/nvidia/gpus").iterdir())
+        text = (gpus[int(index or 0)] / "information").read_text()
+    except (OSError, IndexError, ValueError):
+        return ""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "Model":
+            return value.strip()
+    return ""
+
+
+@dataclass(frozen=True)
+class Figures:
+    compute_ms: float | None = None
+    codec_ns: tuple[float, ...] | None = None
+
+
+class SpeedCache:
+    """The figures kept in one file, for one key. A missing, damaged or other key's file holds
+    nothing; writes are atomic (a temporary file renamed into place)."""
+
+    def __init__(self, path: Path, key: SpeedKey):
+        self.path, self.key = path, key
+
+    def load(self) -> Figures:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            d = json.loads(raw) if len(raw) <= MAX_FILE_BYTES else None
+        except (OSError, ValueError):
+            return Figures()
+        if not isinstance(d, dict) or d.get("key") != asdict(self.key):
+            return Figures()
+        return Figures(_compute_or_none(d.get("compute_ms")), _codec_or_none(d.get("codec_ns")))
+
+    def store(self, figures: Figures) -> None:
+        """Keep `figures`, with those of the file (same key) it does not replace."""
+        old = self.load()
+        compute = figures.compute_ms if figures.compute_ms is not None else old.compute_ms
+        codec = figures.codec_ns if figures.codec_ns is not None else old.codec_ns
+        body = {"key": asdict(self.key), "compute_ms": compute, "codec_ns": None if codec is None else list(codec)}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(body, indent=1) + "\n")
+            os.replace(tmp, self.path)
+        except OSError as e:
+            logger.warning("cannot keep this peer's speed figures in %s: %s (measured again at the next start)",
+                           self.path, e.strerror)
+
+
+def _compute_or_none(v: object) -> float | None:
+    if type(v) not in (int, float) or not math.isfinite(v) or not 0 < v < 1e7:  # type: ignore[arg-type]
+        return None
+    return float(v)  # type: ignore[arg-type]
+
+
+def _codec_or_none(v: object) -> tuple[float, ...] | None:
+    if not isinstance(v, list) or not 0 < len(v) <= MAX_CODEC_FIGURES:
+        return None
+    if not all(type(x) in (int, float) and math.isfinite(x) and x >= 0 for x in v):
+        return None
+    return tuple(float(x) for x in v)
+
+
+class SelfSpeed:
+    """This peer's figures: the cached ones, or a child process that measures the missing ones
+    the first time one of them is asked for (`compute_ms`, `codec_ns`: blocking, for gossip's
+    worker threads) and keeps them. `compute`/`codec`: whether each is to be measured at all."""
+
+    def __init__(self, cache: SpeedCache, *, compute: bool, codec: bool,
+                 command: tuple[str, ...] = (sys.executable, "-m", "dtfm.peer.speed"),
+                 timeout_s: float = PROBE_TIMEOUT_S):
+        self.cache, self.command, self.timeout_s = cache, command, timeout_s
+        self._want_compute, self._want_codec = compute, codec
+        self._lock = threading.Lock()
+        self.figures = cache.load()
+        self.children = 0  # child processes started (status and tests)
+
+    def missing(self) -> bool:
+        f = self.figures
+        return (self._want_compute and f.compute_ms is None) or (self._want_codec and f.codec_ns is None)
+
+    def compute_ms(self) -> float:
+        """The compute figure; RuntimeError when the child could not measure it."""
+        self._measure()
+        if self.figures.compute_ms is None:
+            raise RuntimeError("the speed probe gave no compute figure")
+        return self.figures.compute_ms
+
+    def codec_ns(self) -> tuple[float, ...]:
+        """The coding figures; RuntimeError when the child could not measure them."""
+        self._measure()
+        if self.figures.codec_ns is None:
+            raise RuntimeError("the speed probe gave no coding figures")
+        return self.figures.codec_ns
+
+    def _measure(self) -> None:
+        with self._lock:
+            if not self.missing():
+                return
+            f, key = self.figures, self.cache.key
+            args = [*self.command, "--device", key.device, "--torch-threads", str(key.torch_threads)]
+            if self._want_compute and f.compute_ms is None:
+                args.append("--compute")
+            if self._want_codec and f.codec_ns is None:
+                args.append("--codec")
+            self.children += 1
+            try:
+                done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s,
+                                      check=False)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise RuntimeError(f"the speed probe did not run: {e}") from None
+            if done.returncode != 0:
+                tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+                raise RuntimeError(f"the speed probe failed (exit {done.returncode}): {tail[0][:300]}")
+            lines = done.stdout.decode(errors="replace").strip().splitlines()
+            try:
+                d = json.loads(lines[-1]) if lines else None
+            except ValueError:
+                d = None
+            if not isinstance(d, dict):
+                raise RuntimeError("the speed probe printed no JSON object")
+            got = Figures(_compute_or_none(d.get("compute_ms")) if "--compute" in args else None,
+                          _codec_or_none(d.get("codec_ns")) if "--codec" in args else None)
+            self.figures = Figures(got.compute_ms if got.compute_ms is not None else f.compute_ms,
+                                   got.codec_ns if got.codec_ns is not None else f.codec_ns)
+            self.cache.store(got)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The child: measure the asked figures in this process (torch imported here) and print
+    them as one JSON object."""
+    parser = argparse.ArgumentParser(prog="python -m dtfm.peer.speed",
+                                     description="Measure this machine's speed figures for dtfm's scheduler and "
+                                                 "print them as one JSON object (the daemon runs it once and "
+                                                 "keeps the result in its data dir).")
+    parser.add_argument("--device", default="cpu", help="where a stage runs (cpu, cuda, cuda:N)")
+    parser.add_argument("--torch-threads", type=int, default=1, help="torch threads of the stage worker")
+    parser.add_argument("--compute", action="store_true", help="one transformer block's forward+backward, in ms")
+    parser.add_argument("--codec", action="store_true", help="each codec's ns per element")
+    args = parser.parse_args(argv)
+    from dtfm.gossip import compute_speed_ms
+    from dtfm.train import peer_codec_speed
+
+    out: dict[str, object] = {}
+    if args.compute:
+        out["compute_ms"] = compute_speed_ms()
+    if args.codec:
+        out["codec_ns"] = list(peer_codec_speed(args.torch_threads, args.device).to_vector())
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
