@@ -194,7 +194,7 @@ class Offer:
     step: int
     layer_range: tuple[int, int]
     manifest: TransferManifest
-    chunks: list[bytes]
+    chunks: list[memoryview]  # read-only views of the one encoded blob
     digest: str
     served_bytes: int = 0
     part: Part = Part.STAGE
@@ -241,7 +241,7 @@ class RecoveryServer:
         if len(run_id) != RUN_ID_BYTES:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
 
-        def encode() -> tuple[TransferManifest, list[builtins.bytes]]:
+        def encode() -> tuple[TransferManifest, list[memoryview]]:
             return encode_transfer(state, self.chunk_bytes, weights_only=True)
 
         manifest, chunks = await trio.to_thread.run_sync(encode)
@@ -442,7 +442,7 @@ class _Fetch:
             self.drop(peer, f"malformed reply to chunk {index}")
             return False
         try:
-            receiver.feed(index, bytes(payload))  # the one copy: the payload's buffer is the transport's
+            receiver.feed(index, payload)  # copied into the stage's buffer; the transport's buffer goes back
         except TransferError as e:
             self.drop(peer, str(e))
             return False
