@@ -1223,4 +1223,5 @@ class ControlPlane:
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
                                  self.stages.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()
+                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
+                            self.stages.memory()).to_wire()

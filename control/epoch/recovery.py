@@ -269,10 +269,13 @@ class RecoveryServer:
                     offer.layer_range, offer.step, offer.manifest.total_bytes, len(offer.chunks), offer.digest[:16])
         return offer
 
-    def withdraw(self, run_id: bytes) -> int:
-        """Stop serving every offer of `run_id` (stages and weights); how many there were."""
+    def withdraw(self, run_id: bytes, part: Part | None = None) -> int:
+        """Stop serving every offer of `run_id` (of `part` only, when given: stages or weights);
+        how many there were. An offer's memory (its encoded blob) goes with the last reference."""
         n = 0
-        for offers in self._offers.values():
+        for p, offers in self._offers.items():
+            if part is not None and p is not part:
+                continue
             keys = [k for k in offers if k[0] == run_id]
             for k in keys:
                 del offers[k]

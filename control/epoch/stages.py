@@ -26,6 +26,7 @@ from dtfm.train import (
     Corpus,
     HFError,
     MessageRules,
+    StageMemory,
     StageState,
     checkpoint_at,
     checkpoint_notes,
@@ -43,7 +44,7 @@ from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
-from .recovery import RecoveryError, RecoveryServer, fetch_stage
+from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
 from .runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport
 from .runstate import MAX_REPORTS
@@ -351,15 +352,34 @@ class StageHost:
             self.on_event(EpochDone(stage.alloc.epoch))
 
     def _step_done(self, rep: StepReport) -> None:
+        """A step of an epoch's runner completed. Once one of the current epoch did, the stage
+        objects of the epoch before it (its state and its runner's snapshot, which the current
+        runner's own snapshot now replaces) are let go, if its worker is over."""
+        cur = self.epoch.current
+        if cur is not None and rep.epoch == cur.epoch:
+            self._stages = {e: s for e, s in self._stages.items() if e == rep.epoch or not s.done.is_set()}
         self.on_event(StepDone(rep))
+
+    def memory(self) -> StageMemory | None:
+        """The current stage's own state (weights, gradients, optimizer, snapshot, the last
+        step's activations), as its runner counted it after its last step; None: no stage."""
+        stage = self._current()
+        return stage.runner.memory if stage is not None and stage.runner is not None else None
 
     def _current(self) -> _Stage | None:
         cur = self.epoch.current
         return self._stages.get(cur.epoch) if cur is not None else None
 
     def start(self, epoch: int) -> None:
+        """Start the runner of `epoch`. The coordinator starts an epoch once every peer of it
+        has built its stage, so no peer fetches a stage of this run any more: the stage offers
+        and the states kept for them are let go (a later reconfiguration asks for new offers,
+        encoded again from the stage, its snapshot or a checkpoint). An export's weights offer
+        stays."""
         stage = self._stages.get(epoch)
         if stage is not None and stage.runner is not None:
+            self._offered.clear()
+            self.recovery.withdraw(stage.alloc.run_id, Part.STAGE)
             stage.started.set()
 
     def stop_at(self, epoch: int, step: int, *, final: bool = False) -> None:
