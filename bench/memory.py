@@ -24,7 +24,10 @@ last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -54,8 +57,10 @@ class Sampler:
     """Every daemon's resident memory every `interval_s`, by peer name, with each phase's peak
     (a restarted daemon is a new process: the sampler follows the pid the run dir names)."""
 
-    def __init__(self, run_dir: Path, interval_s: float = 0.2):
+    def __init__(self, run_dir: Path, interval_s: float = 0.2, floor_bytes: int = 2 << 30):
         self.run_dir, self.interval_s = run_dir, interval_s
+        # the machine is shared: below this much available memory the daemons are killed
+        self.floor_bytes, self.killed_for_memory = floor_bytes, False
         self.phase = "training"
         self.peaks: dict[str, dict[str, int]] = {}  # phase -> peer -> the largest RSS sampled
         self.hwm: dict[str, int] = {}  # peer -> the kernel's peak RSS of its process (VmHWM), any pid
@@ -83,7 +88,26 @@ class Sampler:
                     peak = self.peaks.setdefault(self.phase, {})
                     peak[p.name] = max(peak.get(p.name, 0), got[0])
                     self.hwm[p.name] = max(self.hwm.get(p.name, 0), got[1])
+            if _available() < self.floor_bytes and not self.killed_for_memory:
+                self.killed_for_memory = True
+                print(f"only {_available() // MiB} MiB available on this machine: killing the daemons",
+                      file=sys.stderr)
+                for p in peers:
+                    if p.pid:
+                        with contextlib.suppress(OSError):
+                            os.kill(p.pid, signal.SIGKILL)
             self._stop.wait(self.interval_s)
+
+
+def _available() -> int:
+    """MemAvailable of this machine in bytes (a large number where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
 
 
 def baseline(preset: str, steps: int, batch: int, micro: int) -> dict:
