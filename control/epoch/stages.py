@@ -352,12 +352,6 @@ class StageHost:
             self.on_event(EpochDone(stage.alloc.epoch))
 
     def _step_done(self, rep: StepReport) -> None:
-        """A step of an epoch's runner completed. Once one of the current epoch did, the stage
-        objects of the epoch before it (its state and its runner's snapshot, which the current
-        runner's own snapshot now replaces) are let go, if its worker is over."""
-        cur = self.epoch.current
-        if cur is not None and rep.epoch == cur.epoch:
-            self._stages = {e: s for e, s in self._stages.items() if e == rep.epoch or not s.done.is_set()}
         self.on_event(StepDone(rep))
 
     def memory(self) -> StageMemory | None:
@@ -372,14 +366,17 @@ class StageHost:
 
     def start(self, epoch: int) -> None:
         """Start the runner of `epoch`. The coordinator starts an epoch once every peer of it
-        has built its stage, so no peer fetches a stage of this run any more: the stage offers
-        and the states kept for them are let go (a later reconfiguration asks for new offers,
-        encoded again from the stage, its snapshot or a checkpoint). An export's weights offer
-        stays."""
+        has built its stage at the epoch's start step, so no peer fetches a stage of this run
+        any more and none is behind that step: the stage offers and the states kept for them
+        are let go (a later reconfiguration asks for new offers, encoded again from the stage,
+        its snapshot or a checkpoint), and so are the stage objects of the epochs before whose
+        worker is over (their state, where the new epoch did not keep it, and their runner's
+        snapshot: the new runner makes its own). An export's weights offer stays."""
         stage = self._stages.get(epoch)
         if stage is not None and stage.runner is not None:
             self._offered.clear()
             self.recovery.withdraw(stage.alloc.run_id, Part.STAGE)
+            self._stages = {e: s for e, s in self._stages.items() if e == epoch or not s.done.is_set()}
             stage.started.set()
 
     def stop_at(self, epoch: int, step: int, *, final: bool = False) -> None:
