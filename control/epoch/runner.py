@@ -199,12 +199,22 @@ class StageRunner:
                 self._stopped = True
 
     async def run(self) -> RunEnd:
-        """Run steps until the end step or a failure; the thread stays owned by this task."""
+        """Run steps until the end step or a failure; the thread stays owned by this task. The
+        stage's gradients go once the run ended (each step makes its own)."""
         self.running = True
         try:
             return await trio.to_thread.run_sync(self._loop, abandon_on_cancel=False)
         finally:
             self.running = False
+            for p in self.state.params.values():
+                p.grad = None
+
+    def drop_snapshot(self) -> None:
+        """Let go of the snapshot (once the run ended): the stage before its last step is then
+        no longer held here, in memory."""
+        with self._lock:
+            self._snapshot = self._pending = None
+            self._snapshot_at = self._pending_at = None
 
     def _loop(self) -> RunEnd:
         torch.set_num_threads(self.torch_threads)

@@ -306,6 +306,12 @@ class StageHost:
             state = await self._own_copy(alloc, own)
             if state is not None:
                 return await trio.to_thread.run_sync(_on_device, state, device), 0
+        # This peer takes on a stage it does not hold: the snapshots of its earlier stages that
+        # no holding of this allocation needs (all are at its start step) go before the fetch,
+        # so that it holds little more than its old stage, its offer and the new stage's bytes.
+        for old in self._stages.values():
+            if old.done.is_set() and old.runner is not None and old.runner.snapshot_step != alloc.start_step:
+                old.runner.drop_snapshot()
         old_ranges = [h.layer_range for h in alloc.holdings]
         parts: list = []
         fetched, optim_step = 0, None
