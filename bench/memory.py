@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import print_table, read_rows, running_swarm, swarm, wait_for
+from common import print_table, running_swarm, swarm, wait_for
 
 MiB = 1 << 20
 
@@ -134,8 +134,15 @@ def statuses(run_dir: Path) -> dict[str, dict]:
     return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in load_state(run_dir).peers if p.alive()}
 
 
+def logged(run_dir: Path) -> list[dict]:
+    """The run's step log, merged from every peer's now (as `dtfm-swarm wait` merges it)."""
+    from dtfm.swarm.state import load_state
+    from dtfm.swarm.train import sync_logs
+    return sync_logs(run_dir, load_state(run_dir))[0]
+
+
 def wait_steps(run_dir: Path, more: int) -> None:
-    rows = read_rows(run_dir) if (run_dir / "train.jsonl").exists() else []
+    rows = logged(run_dir)
     target = (rows[-1]["step"] + 1 if rows else 0) + more
     swarm(run_dir, "wait", "--step", str(target), "--timeout", "1800")
 
@@ -171,17 +178,17 @@ def main(argv=None) -> None:
         epoch = max(v.get("epoch") or 0 for v in t.values())
         sampler.phase = "after_kill"
         swarm(run_dir, "kill", victim)
-        wait_for("a step of a newer epoch", lambda: any(r["epoch"] > epoch for r in read_rows(run_dir)), 1800, 2.0)
+        wait_for("a step of a newer epoch", lambda: any(r["epoch"] > epoch for r in logged(run_dir)), 1800, 2.0)
         wait_steps(run_dir, args.steps)
         note_states()
-        epoch = max(r["epoch"] for r in read_rows(run_dir))
+        epoch = max(r["epoch"] for r in logged(run_dir))
         sampler.phase = "after_restart"
         swarm(run_dir, "restart", victim)
         wait_for(f"{victim} to train again", lambda: statuses(run_dir).get(victim, {}).get("stage") is not None
-                 and any(r["epoch"] > epoch for r in read_rows(run_dir)), 1800, 2.0)
+                 and any(r["epoch"] > epoch for r in logged(run_dir)), 1800, 2.0)
         wait_steps(run_dir, args.steps)
         note_states()
-        steps = len(read_rows(run_dir))
+        steps = len(logged(run_dir))
     peaks = sampler.peaks
     daemons = {}
     for name in sorted(sampler.hwm):
