@@ -231,9 +231,15 @@ class RecoveryServer:
         """Offer `state` (as it is now: call between steps) under (run_id, state.step, its layers)."""
         if len(run_id) != RUN_ID_BYTES:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
+        # an earlier offer under the same key goes first: two encoded copies are never held at once
+        self._offers[Part.STAGE].pop((run_id, state.step, state.layer_range), None)
         manifest, chunks = await trio.to_thread.run_sync(encode_transfer, state, self.chunk_bytes)
         return self._keep(Offer(run_id, state.step, state.layer_range, manifest, chunks,
                                 manifest_digest(manifest)))
+
+    def offered(self, key: Key, part: Part = Part.STAGE) -> Offer | None:
+        """The offer held under `key` (run, step, layers), if any."""
+        return self._offers[part].get(key)
 
     async def offer_weights(self, run_id: bytes, state: StageState, fetchers: frozenset[builtins.bytes]) -> Offer:
         """Offer the parameters of `state` alone, to `fetchers` only (and to those its earlier

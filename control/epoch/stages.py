@@ -183,10 +183,16 @@ class StageHost:
         """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
         `fetchers`: the peers the coordinator named with it (the next allocation's), who may
         fetch it besides the peers of this peer's own allocations."""
+        key = (run_id, step, tuple(layers))
+        found, held = self._offered.get(key), self.recovery.offered(key)
+        if found is not None and held is not None and held.digest == found[0] and found[1].step == step:
+            # offered already, and the state has not trained since (a stage's step only grows):
+            # the same bytes, so no second encoding (nor a second copy of a snapshot)
+            self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
+            return {"digest": held.digest, "bytes": held.manifest.total_bytes}
         state = await self._held(run_id, layers, step)
         if isinstance(state, dict):
             return state
-        key = (run_id, step, tuple(layers))
         self._fetchers = {k: v for k, v in self._fetchers.items() if k[0] == run_id and k[1] >= step - 1}
         self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
         offer = await self.recovery.offer(run_id, state)
