@@ -183,7 +183,7 @@ class StageHost:
         """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
         `fetchers`: the peers the coordinator named with it (the next allocation's), who may
         fetch it besides the peers of this peer's own allocations."""
-        key = (run_id, step, tuple(layers))
+        key = (run_id, step, (layers[0], layers[1]))
         found, held = self._offered.get(key), self.recovery.offered(key)
         if found is not None and held is not None and held.digest == found[0] and found[1].step == step:
             # offered already, and the state has not trained since (a stage's step only grows):
