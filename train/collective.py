@@ -2,6 +2,7 @@
 
 `ring_all_reduce` is the bandwidth-optimal ring (reduce-scatter, then all-gather): each member
 sends 2 (N-1)/N of the data. The tensors are packed into buckets of at most `bucket_bytes`
+(a tensor larger than that is a bucket of its own, reduced in place through a view: no copy)
 and the buckets advance through the ring together, so one bucket's transfer overlaps the
 others'. Every element's sum is computed once, by one member, and copied to the rest, so
 all members end with bit-identical results (replicas stay equal). `all_reduce_small` sends
