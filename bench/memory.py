@@ -147,6 +147,13 @@ def wait_steps(run_dir: Path, more: int) -> None:
     swarm(run_dir, "wait", "--step", str(target), "--timeout", "1800")
 
 
+def _trains(t: dict, after_epoch: int) -> bool:
+    """A peer's training status says it trains a stage of an epoch after `after_epoch` (not the
+    allocation a restarted daemon restores from its data dir)."""
+    return (t.get("state") == "training" and t.get("stage") is not None and not t.get("restored")
+            and (t.get("epoch") or 0) > after_epoch)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="small")
@@ -184,8 +191,7 @@ def main(argv=None) -> None:
         epoch = max(r["epoch"] for r in logged(run_dir))
         sampler.phase = "after_restart"
         swarm(run_dir, "restart", victim)
-        wait_for(f"{victim} to train again", lambda: statuses(run_dir).get(victim, {}).get("stage") is not None
-                 and any(r["epoch"] > epoch for r in logged(run_dir)), 1800, 2.0)
+        wait_for(f"{victim} to train again", lambda: _trains(statuses(run_dir).get(victim, {}), epoch), 1800, 2.0)
         wait_steps(run_dir, args.steps)
         note_states()
         steps = len(logged(run_dir))
