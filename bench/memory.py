@@ -148,9 +148,9 @@ def wait_steps(run_dir: Path, more: int) -> None:
 
 
 def _trains(t: dict, after_epoch: int) -> bool:
-    """A peer's training status says it trains a stage of an epoch after `after_epoch` (not the
-    allocation a restarted daemon restores from its data dir)."""
-    return (t.get("state") == "training" and t.get("stage") is not None and not t.get("restored")
+    """A peer's training status says it is placed in an epoch after `after_epoch` (not the
+    allocation a restarted daemon restores from its data dir): training a stage, or a spare."""
+    return (t.get("state") in ("training", "spare") and not t.get("restored")
             and (t.get("epoch") or 0) > after_epoch)
 
 
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
         epoch = max(r["epoch"] for r in logged(run_dir))
         sampler.phase = "after_restart"
         swarm(run_dir, "restart", victim)
-        wait_for(f"{victim} to train again", lambda: _trains(statuses(run_dir).get(victim, {}), epoch), 1800, 2.0)
+        wait_for(f"{victim} to be placed again", lambda: _trains(statuses(run_dir).get(victim, {}), epoch), 1800, 2.0)
         wait_steps(run_dir, args.steps)
         note_states()
         steps = len(logged(run_dir))
