@@ -1391,7 +1391,7 @@ class ControlPlane:
                                  self.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
-                            self.disk.status()).to_wire()
+                            self.disk.status(), self._stages.memory() if self._stages is not None else None).to_wire()
 
 
 async def _import_in_thread(module: str) -> None:

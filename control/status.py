@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtfm.train import StageMemory
+
 from .coordinator.machine import CoordinatorStatus, Phase
 from .epoch.disk import DiskStatus
 from .epoch.machine import EpochPhase, EpochStatus
@@ -35,6 +37,7 @@ class PlaneStatus:
     now: float = 0.0  # wall time of the snapshot
     refusals: dict[str, int] = field(default_factory=dict)  # refused input per reason (control/refusals.py)
     disk: DiskStatus | None = None  # this peer's checkpoints on disk
+    stage_memory: StageMemory | None = None  # the current stage's own state, as of its last step
 
     def state(self) -> str:
         """What this peer is doing: idle, spare, waiting (restarted: it holds no stage of the run
@@ -111,6 +114,8 @@ class PlaneStatus:
                                     "sync_s": last.sync_s}
                 if any(last.bytes_sent):
                     out["last_step"]["bytes_sent"] = dict(zip(BYTE_AXES, last.bytes_sent))
+            if self.stage_memory is not None:
+                out["memory"] = self.stage_memory.to_wire()
         if e.last_end is not None:
             out["last_end"] = e.last_end
         c = self.coordinator
@@ -143,6 +148,7 @@ class PlaneStatus:
 
 def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
                  coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None,
-                 refusals: dict[str, int] | None = None, disk: DiskStatus | None = None) -> PlaneStatus:
+                 refusals: dict[str, int] | None = None, disk: DiskStatus | None = None,
+                 stage_memory: StageMemory | None = None) -> PlaneStatus:
     return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time(),
-                       dict(refusals or {}), disk)
+                       dict(refusals or {}), disk, stage_memory)

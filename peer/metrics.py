@@ -96,6 +96,13 @@ class StatusCollector(Collector):
             yield GaugeMetricFamily("dtfm_uptime_seconds", "seconds since the daemon started", value=uptime)
         yield GaugeMetricFamily("dtfm_connected_peers", "peers with a live transport connection",
                                 value=len(_list(st.get("peers"))))
+        memory = _dict(st.get("memory"))
+        for name, key, text in (("dtfm_memory_resident_bytes", "rss_bytes", "the daemon's resident memory"),
+                                ("dtfm_memory_peak_resident_bytes", "peak_rss_bytes",
+                                 "the daemon's peak resident memory since it started")):
+            value = _num(memory.get(key))
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
         refused = CounterMetricFamily("dtfm_transport_refused_messages",
                                       "incoming messages the transport refused, by reason and message type",
                                       labels=["reason", "type"])
@@ -202,6 +209,15 @@ class StatusCollector(Collector):
             v = _num(value)
             if v is not None:
                 yield GaugeMetricFamily(name, text, value=v)
+        memory = _dict(t.get("memory"))
+        if memory:
+            stage = GaugeMetricFamily("dtfm_stage_memory_bytes", "this peer's stage's own state as of its last "
+                                      "step, by part", labels=["part"])
+            for part in ("weights", "grads", "optimizer", "snapshot", "activations"):
+                v = _num(memory.get(f"{part}_bytes"))
+                if v is not None:
+                    stage.add_metric([part], v)
+            yield stage
         iteration = GaugeMetricFamily("dtfm_train_iteration_seconds",
                                       "time of one training step: measured (the last step) and predicted "
                                       "(the scheduler's, for the current allocation)", labels=["kind"])

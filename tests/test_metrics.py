@@ -188,3 +188,21 @@ def test_metrics_settings_are_checked():
         MetricsConfig(max_connections=0)
     with pytest.raises(ConfigError):
         MetricsConfig(request_timeout_s=0)
+
+
+def test_memory_figures_are_gauges():
+    """The daemon's resident memory (now, peak) and its stage's own state by part."""
+    snap = status_snapshot()
+    snap["memory"] = {"rss_bytes": 2_000_000_000, "peak_rss_bytes": 2_500_000_000}
+    snap["training"]["memory"] = {"stage_bytes": 1_300_000_000, "weights_bytes": 170_000_000,
+                                  "grads_bytes": 170_000_000, "optimizer_bytes": 340_000_000,
+                                  "snapshot_bytes": 510_000_000, "activations_bytes": 110_000_000}
+    text = metrics_registry(lambda: snap).collect()
+    got = {(s.name, frozenset(s.labels.items())): s.value for family in text for s in family.samples}
+    assert got[("dtfm_memory_resident_bytes", frozenset())] == 2_000_000_000
+    assert got[("dtfm_memory_peak_resident_bytes", frozenset())] == 2_500_000_000
+    assert {dict(k)["part"]: v for (name, k), v in got.items() if name == "dtfm_stage_memory_bytes"} == {
+        "weights": 170_000_000, "grads": 170_000_000, "optimizer": 340_000_000, "snapshot": 510_000_000,
+        "activations": 110_000_000}
+    families = {f.name for f in StatusCollector(status_snapshot).collect()}  # not reported: not exported
+    assert not {"dtfm_memory_resident_bytes", "dtfm_stage_memory_bytes"} & families

@@ -342,6 +342,11 @@ async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autoj
     assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
     assert "error" in await plane.stages.offer(RUN, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
     assert "error" in await plane.stages.offer(RUN, 8, (0, 2))  # another run's step 8
+    # asked again (a reconfiguration retried): the same offer, not read nor encoded a second time
+    held = plane.stages.recovery.offered((RUN, 4, (0, 2)))
+    plane.stages.checkpoint_root(RUN).rename(tmp_path / "moved")  # (a second read would fail)
+    assert await plane.stages.offer(RUN, 4, (0, 2)) == reply
+    assert plane.stages.recovery.offered((RUN, 4, (0, 2))) is held
 
 
 async def test_a_peer_of_the_run_offers_its_initial_weights_at_step_0_and_keeps_nothing_it_does_not_hold(

@@ -29,6 +29,7 @@ from dtfm.train import (
     Corpus,
     HFError,
     MessageRules,
+    StageMemory,
     StageState,
     checkpoint_at,
     checkpoint_notes,
@@ -47,7 +48,7 @@ from ..refusals import Refused
 from .access import fetch_refusal
 from .disk import CheckpointDisk
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
-from .recovery import RecoveryError, RecoveryServer, fetch_stage
+from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
 from .report import REPORTS_NOTE, RunEnd, StepReport
 from .runner import StageRunner
@@ -248,10 +249,16 @@ class StageHost:
         """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
         `fetchers`: the peers the coordinator named with it (the next allocation's), who may
         fetch it besides the peers of this peer's own allocations."""
+        key = (run_id, step, (layers[0], layers[1]))
+        found, held = self._offered.get(key), self.recovery.offered(key)
+        if found is not None and held is not None and held.digest == found[0] and found[1].step == step:
+            # offered already, and the state has not trained since (a stage's step only grows):
+            # the same bytes, so no second encoding (nor a second copy of a snapshot)
+            self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
+            return {"digest": held.digest, "bytes": held.manifest.total_bytes}
         state = await self._held(run_id, layers, step)
         if isinstance(state, dict):
             return state
-        key = (run_id, step, tuple(layers))
         self._fetchers = {k: v for k, v in self._fetchers.items() if k[0] == run_id and k[1] >= step - 1}
         self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
         offer = await self.recovery.offer(run_id, state)
@@ -372,6 +379,12 @@ class StageHost:
             state = await self._own_copy(alloc, own)
             if state is not None:
                 return await trio.to_thread.run_sync(_on_device, state, device), 0
+        # This peer takes on a stage it does not hold: the snapshots of its earlier stages that
+        # no holding of this allocation needs (all are at its start step) go before the fetch,
+        # so that it holds little more than its old stage, its offer and the new stage's bytes.
+        for old in self._stages.values():
+            if old.done.is_set() and old.runner is not None and old.runner.snapshot_step != alloc.start_step:
+                old.runner.drop_snapshot()
         old_ranges = [h.layer_range for h in alloc.holdings]
         parts: list = []
         fetched, optim_step = 0, None
@@ -420,13 +433,29 @@ class StageHost:
     def _step_done(self, rep: StepReport) -> None:
         self.on_event(StepDone(rep))
 
+    def memory(self) -> StageMemory | None:
+        """The current stage's own state (weights, gradients, optimizer, snapshot, the last
+        step's activations), as its runner counted it after its last step; None: no stage."""
+        stage = self._current()
+        return stage.runner.memory if stage is not None and stage.runner is not None else None
+
     def _current(self) -> _Stage | None:
         cur = self.epoch.current
         return self._stages.get(cur.epoch) if cur is not None else None
 
     def start(self, epoch: int) -> None:
+        """Start the runner of `epoch`. The coordinator starts an epoch once every peer of it
+        has built its stage at the epoch's start step, so no peer fetches a stage of this run
+        any more and none is behind that step: the stage offers and the states kept for them
+        are let go (a later reconfiguration asks for new offers, encoded again from the stage,
+        its snapshot or a checkpoint), and so are the stage objects of the epochs before whose
+        worker is over (their state, where the new epoch did not keep it, and their runner's
+        snapshot: the new runner makes its own). An export's weights offer stays."""
         stage = self._stages.get(epoch)
         if stage is not None and stage.runner is not None:
+            self._offered.clear()
+            self.recovery.withdraw(stage.alloc.run_id, Part.STAGE)
+            self._stages = {e: s for e, s in self._stages.items() if e == epoch or not s.done.is_set()}
             stage.started.set()
 
     def stop_at(self, epoch: int, step: int, *, final: bool = False) -> None:
