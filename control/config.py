@@ -26,6 +26,10 @@ class PlaneConfig:
 
     # Torch threads of the stage worker; several daemons on one machine want 1 each.
     torch_threads: int = 1
+    # Checkpoints kept on disk per stage of each run (`--keep-checkpoints`), the newest: more lets
+    # a swarm roll back to an older common step when its peers' newest checkpoints differ, and
+    # costs 12 bytes a parameter each (a tiny stage: ~1 MB; a gpt3-xl stage of 4: ~5 GB).
+    checkpoints_kept: int = 3
     # How long a peer may take to build its stage (fetching it included) and connect its
     # neighbours before the coordinator gives up on the hand-out. Longer tolerates slow fetches
     # and loaded machines; shorter notices a peer lost during the hand-out sooner.
@@ -119,6 +123,11 @@ class PlaneConfig:
     # reconfiguration each time a peer that keeps refusing is tried again.
     refused_backoff_s: float = 30.0
     refused_backoff_max_s: float = 600.0
+    # Joined peers are taken in as a wave: one reconfiguration once no other peer joined for
+    # join_settle_s, or once the first of them waited join_wait_max_s. Shorter places a lone
+    # joiner sooner, at a stop of the run per join of a growing swarm.
+    join_settle_s: float = 10.0
+    join_wait_max_s: float = 60.0
     # The step deadline (docs/control.md, "Gray failures"): once no step of the coordinator's
     # epoch has completed for max(step_deadline_floor_s, median + step_deadline_mads x MAD of the
     # recent step intervals), it probes the peers that have not reported the step. A lower floor
@@ -147,6 +156,8 @@ class PlaneConfig:
         if self.council_size not in COUNCIL_SIZES or type(self.council_size) is not int:
             raise ValueError(f"council_size must be one of {', '.join(map(str, COUNCIL_SIZES))}, "
                              f"got {self.council_size!r}")
+        if type(self.checkpoints_kept) is not int or not 1 <= self.checkpoints_kept <= 1000:
+            raise ValueError(f"checkpoints_kept must be an integer from 1 to 1000, got {self.checkpoints_kept!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
@@ -154,7 +165,7 @@ class PlaneConfig:
                      "paused_retry_s", "stop_poll_s", "coordinator_check_s", "coordinator_lost_after_s",
                      "heartbeat_wait_s", "forward_timeout_s", "leave_hand_off_s", "swarm_poll_s", "step_deadline_floor_s",
                      "step_deadline_first_s", "deadline_probe_timeout_s", "link_retest_s", "operator_skew_s",
-                     "refused_backoff_s", "refused_backoff_max_s"):
+                     "refused_backoff_s", "refused_backoff_max_s", "join_settle_s", "join_wait_max_s"):
             v = getattr(self, name)
             if type(v) not in (int, float) or not 0 < v < 1e6:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
@@ -173,6 +184,8 @@ class PlaneConfig:
                              "the hand-out")
         if not self.refused_backoff_s <= self.refused_backoff_max_s:
             raise ValueError("refused_backoff_s must not exceed refused_backoff_max_s")
+        if not self.join_settle_s <= self.join_wait_max_s:
+            raise ValueError("join_settle_s must not exceed join_wait_max_s")
         if not self.forward_timeout_s > self.accept_timeout_s:
             raise ValueError("forward_timeout_s must exceed accept_timeout_s: a forwarded `train start` "
                              "waits for the whole hand-out")
@@ -205,7 +218,7 @@ class PlaneConfig:
         return cls(
             accept_timeout_s=60.0, connect_timeout_s=30.0, request_timeout_s=5.0, elect_timeout_s=15.0,
             stop_timeout_s=20.0, check_interval_s=1.0, drift_check_s=30.0, probe_timeout_s=2.0, paused_retry_s=6.0, stop_poll_s=0.1,
-            forward_timeout_s=120.0, swarm_poll_s=0.2,
+            forward_timeout_s=120.0, swarm_poll_s=0.2, join_settle_s=2.0, join_wait_max_s=10.0,
         ).with_election(ElectionConfig.lan())
 
     def with_(self, **changes: Any) -> PlaneConfig:

@@ -53,6 +53,8 @@ class Reconfiguration:
     transfer_s: float
     handout_s: float
     compress_links: str = ""  # a per-link run: which links and DP groups compress, and why
+    restored_from: str = "memory"  # the costliest source a stage came from: memory, checkpoint or initial
+    steps_lost: int = 0  # a rollback: completed steps the swarm runs again
 
     def to_wire(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

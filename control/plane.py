@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from dtfm.gossip import GossipService, Member, NetworkView, build_view, measure_rtt
+from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, Member, NetworkView, build_view, measure_rtt
 from dtfm.net import (
     ConnectionClosed,
     Identity,
@@ -91,6 +91,7 @@ from .epoch.machine import (
     EndEpoch,
     EpochMachine,
     FailNeighbour,
+    KeepStage,
     MemberGone,
     PersistApplied,
     StartAsked,
@@ -101,7 +102,8 @@ from .epoch.machine import (
     WaitForCoordinator,
 )
 from .dataplane import TensorRouter
-from .epoch.access import fetch_refusal, parse_fetchers
+from .epoch.access import coordinator_certificate, fetch_refusal, parse_fetchers
+from .epoch.disk import CheckpointDisk
 from .epoch.recovery import RecoveryServer
 from .epoch.report import StepReport
 from .epoch.runstate import PeerRunState
@@ -150,12 +152,14 @@ class GossipSwarm:
         return {m.peer_id: m.incarnation for m in self.gossip.members()}
 
     def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]:
-        """The view over `candidates`, leaving out (worst first) peers whose links gossip has
-        not measured yet: a restarted or joined peer is placed once it has been measured."""
+        """The view over `candidates`, leaving out (worst first) peers with links that gossip
+        has neither measured nor can estimate yet: a restarted or joined peer is placed once
+        its report holds a coordinate and its capacities (links its plan uses are measured
+        before hand-out: `SchedulerPlanner`)."""
         peers = sorted(set(candidates))
         left: list[bytes] = []
         while True:
-            view = build_view(tuple(peers), self.gossip.records.reports)
+            view = build_view(tuple(peers), self.gossip.records.reports, now_wall=time.time())
             if view.complete or len(peers) <= 1:
                 return view, left
             known = np.isfinite(view.delay_ms) & np.isfinite(view.bandwidth_gbps)
@@ -165,15 +169,75 @@ class GossipSwarm:
             left.append(worst)
 
 
-class SchedulerPlanner:
-    """`reshape` with the plane's budget and hysteresis."""
+CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is handed out
 
-    def __init__(self, config: PlaneConfig):
+
+def plan_links(placement: Placement) -> list[tuple[bytes, bytes]]:
+    """The links a placement's steps use: each pipeline's consecutive stages, and every pair
+    of a stage's data-parallel group."""
+    links = [(p[s], p[s + 1]) for p in placement.pipelines for s in range(len(p) - 1)]
+    for s in range(len(placement.layer_ranges)):
+        group = [p[s] for p in placement.pipelines if s < len(p)]
+        links += [(a, b) for i, a in enumerate(group) for b in group[i + 1:]]
+    return links
+
+
+def _estimates_held(before: NetworkView, after: NetworkView, links: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the figures measured for `links` are within DISAGREEMENT_RATIO of the estimates
+    the plan was made on (a link still unmeasured counts as held)."""
+    i_before = {p: i for i, p in enumerate(before.peers)}
+    i_after = {p: i for i, p in enumerate(after.peers)}
+    for a, b in links:
+        i, j, k, m = i_before[a], i_before[b], i_after.get(a), i_after.get(b)
+        if k is None or m is None or not after.measured()[k, m]:
+            continue
+        for old, new in ((before.delay_ms[i, j], after.delay_ms[k, m]),
+                         (before.bandwidth_gbps[i, j], after.bandwidth_gbps[k, m])):
+            if min(old, new) > 0 and max(old, new) / min(old, new) > DISAGREEMENT_RATIO:
+                return False
+    return True
+
+
+class SchedulerPlanner:
+    """`reshape` and the first placement with the plane's budget and hysteresis, on the
+    gossiped view with its estimates; with `confirm`, the links of the plan chosen that are
+    estimated are measured before it is returned (`confirm(view, links)` measures them and
+    returns the view over the same peers after), and when the measurements disagree with the
+    estimates the search runs again on them, up to CONFIRM_ROUNDS times."""
+
+    def __init__(self, config: PlaneConfig,
+                 confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None):
         self.config = config
+        self.confirm = confirm
+
+    def _confirmed(self, view: NetworkView, search: Callable[[NetworkView], Any],
+                   placement_of: Callable[[Any], Placement]) -> Any:
+        plan = search(view)
+        if self.confirm is None:
+            return plan
+        for _ in range(CONFIRM_ROUNDS):
+            todo = view.unmeasured(plan_links(placement_of(plan)))
+            if not todo:
+                return plan
+            fresh = self.confirm(view, todo)
+            if fresh is None or _estimates_held(view, fresh, todo):
+                return plan
+            logger.info("the plan's links measured other than estimated: scheduling again on %d measured links",
+                        len(todo))
+            view = fresh
+            plan = search(view)
+        return plan
 
     def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                 regions: dict[bytes, str], seed: int, force: bool,
                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
+        return self._confirmed(view, lambda v: self._reshape(v, cur, live=live, remaining_steps=remaining_steps,
+                                                              regions=regions, seed=seed, force=force, cut=cut),
+                               lambda plan: plan.placement)
+
+    def _reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
+                 regions: dict[bytes, str], seed: int, force: bool,
+                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
@@ -190,6 +254,11 @@ class SchedulerPlanner:
                         regions: dict[bytes, str]) -> Placement:
         """A new run's shape: the scheduler's on the gossiped view, or (`--placement random`) a
         random one of the asked stages x dp (ValueError when none fits)."""
+        return self._confirmed(view, lambda v: self._first_placement(v, req, model, train, regions),
+                               lambda plan: plan)
+
+    def _first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+                         regions: dict[bytes, str]) -> Placement:
         dp = req.dp
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
@@ -242,7 +311,7 @@ class ControlPlane:
                                   operator_skew_s=cfg.operator_skew_s)
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
-            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg),
+            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links),
             CoordinatorTimings(accept_timeout_s=cfg.accept_timeout_s, request_timeout_s=cfg.request_timeout_s,
                                stop_timeout_s=cfg.stop_timeout_s, check_interval_s=cfg.check_interval_s,
                                drift_check_s=cfg.drift_check_s, report_gather_s=cfg.report_gather_s,
@@ -254,7 +323,8 @@ class ControlPlane:
                                link_retest_s=cfg.link_retest_s, operator_skew_s=cfg.operator_skew_s,
                                council_size=cfg.council_size,
                                refused_backoff_s=cfg.refused_backoff_s,
-                               refused_backoff_max_s=cfg.refused_backoff_max_s),
+                               refused_backoff_max_s=cfg.refused_backoff_max_s,
+                               join_settle_s=cfg.join_settle_s, join_wait_max_s=cfg.join_wait_max_s),
             operators=self.operators,
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
@@ -264,6 +334,8 @@ class ControlPlane:
         self._stages: StageHost | None = None  # made on first use (`stages`)
         self.router = TensorRouter(transport)  # (these two answer peers from the start, stage or not)
         self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
+        # this peer's checkpoints on disk (their size and refusals in status, stage host or not)
+        self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -313,7 +385,8 @@ class ControlPlane:
 
             self._stages = StageHost(self.me, self.transport, self.epoch, self.data_dir, self.config,
                                      address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
-                                     router=self.router, recovery=self.recovery, models=self.models)
+                                     router=self.router, recovery=self.recovery, models=self.models,
+                                     disk=self.disk)
             if self._nursery is not None:
                 self._stages.attach(self._nursery)
         return self._stages
@@ -419,8 +492,10 @@ class ControlPlane:
             self._log_path.unlink(missing_ok=True)
             self._reconfigs.clear()
         elif isinstance(a, Emit):
+            cur = self.epoch.current  # (every line names its run: the one this peer applied last, if any)
             self._append_jsonl(self.data_dir / "events.jsonl",
-                               {"time": time.time(), "event": a.event, "peer": self.me.hex(), **a.fields})
+                               {"time": time.time(), "event": a.event, "peer": self.me.hex(),
+                                "run": cur.run_id.hex() if cur is not None else None, **a.fields})
             if a.record.reconfiguration is not None:
                 self._reconfigs.append(a.record.reconfiguration)
         elif isinstance(a, Reply):
@@ -431,6 +506,9 @@ class ControlPlane:
         elif isinstance(a, AbortRunner):
             if self._stages is not None:
                 self._stages.abort(a.reason)
+        elif isinstance(a, KeepStage):
+            if self._stages is not None:  # (no stage host: this peer holds nothing in memory)
+                self._start_soon(self._stages.keep, a.run_id)
         elif isinstance(a, FailNeighbour):
             if self._stages is not None:
                 self._stages.fail_neighbour(a.peer, a.why)
@@ -492,6 +570,17 @@ class ControlPlane:
     async def _ask_and_feed(self, a: Ask) -> None:
         answers = await self._ask_all(a.peers, a.msg, a.body, a.timeout_s)
         self._feed_coordinator(Answers(a.key, answers))
+
+    def _confirm_links(self, view: NetworkView, links: list[tuple[bytes, bytes]]) -> NetworkView | None:
+        """From the scheduler's worker thread: measure the links now (`GossipService.confirm`)
+        and return the view over the same peers after."""
+        try:
+            left = trio.from_thread.run(self.gossip.confirm, links)
+        except trio.RunFinishedError:
+            return None
+        if left:
+            logger.info("%d of the plan's %d estimated links could not be measured", len(left), len(links))
+        return build_view(view.peers, self.gossip.records.reports, now_wall=time.time())
 
     async def _compute_and_feed(self, a: Compute) -> None:
         try:
@@ -800,6 +889,9 @@ class ControlPlane:
         else:
             at = 0
         op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+        cert = coordinator_certificate(sender, body)
+        if cert is not None and sender != self.election.coordinator:
+            self.election.learn(cert)
         epoch = body.get("epoch")
         if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
             raise ProtocolError("STOP epoch must be a non-negative integer")
@@ -856,6 +948,14 @@ class ControlPlane:
             return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
                                        skew_s=self.config.operator_skew_s, stages=await self._host(), current=cur,
                                        state=self.run_state(), refusals=self.recovery.refusals)
+        if op == "keep":  # the run waits: what this peer holds of it in memory goes to its data dir
+            run_id = get_bytes(d, "run", 16, 16)
+            refused = self.epoch.check_offer_asker(sender)
+            if refused is not None:
+                return {"error": refused.text}
+            if self._stages is None:  # (no stage host: this peer holds nothing in memory)
+                return {"kept": []}
+            return await self._stages.keep(run_id)
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -864,6 +964,9 @@ class ControlPlane:
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         fetchers = parse_fetchers(d)
+        cert = coordinator_certificate(sender, d)
+        if cert is not None and sender != self.election.coordinator:
+            self.election.learn(cert)
         refused = self.epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}
@@ -1287,7 +1390,8 @@ class ControlPlane:
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
                                  self.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals).to_wire()
+                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
+                            self.disk.status(), self._stages.memory() if self._stages is not None else None).to_wire()
 
 
 async def _import_in_thread(module: str) -> None:

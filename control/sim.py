@@ -9,8 +9,9 @@ scheduler stand-in at once, fires the machines' timers, and plays each node's st
 a cheap deterministic stand-in for the tiny model: a stage's weights at step s are a hash chain
 `w(s) = H(w(s-1), s)` from the run's seed, so the loss a step logs (a number drawn from its
 weights) is the reference's only if the stage was resumed from the right weights; fetching a
-stage is looking its digest up in a content store (hash-verified, as the daemon's fetch), and a
-checkpoint is a (layers, step) -> weights entry on the node's disk, kept across a crash.
+stage is looking its digest up in a content store (hash-verified, as the daemon's fetch), a
+checkpoint is a (layers, step) -> weights entry on the node's disk, kept across a crash, and
+every node of the run rebuilds step 0 from the seed, as a daemon rebuilds the initial weights.
 
 Checked as it runs (in `violations`), besides the election's own checks: a node applies an
 allocation only from the coordinator it recognises for that term (the one elected in it), its
@@ -70,7 +71,7 @@ from .election import (
     SteppedDown,
 )
 from .election.sim import ElectionSim, NetConditions
-from .epoch.access import parse_fetchers
+from .epoch.access import coordinator_certificate, parse_fetchers
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -81,6 +82,7 @@ from .epoch.machine import (
     EpochDone,
     EpochMachine,
     FailNeighbour,
+    KeepStage,
     PersistApplied,
     RunnerEnded,
     StageBuilt,
@@ -96,7 +98,7 @@ from .epoch.report import RunEnd, StepReport
 from .messages import ControlMsg
 from .operator import SignedOp, council_arg, root_council, sign_op
 
-__all__ = ["PlaneSim", "reference_loss", "reference_weights"]
+__all__ = ["PlaneSim", "SIM_TIMINGS", "reference_loss", "reference_weights"]
 
 PRESET = "tiny"
 DATA_HASH = "0" * 64
@@ -201,6 +203,14 @@ class SimPlanner:
         return ReshapePlan(self.placement(sorted(live)), "reschedule", 0, 0, 0.0, 0.0, ())
 
 
+# The coordinators' timings in a simulation: brisk, for a network of ~10 ms links.
+SIM_TIMINGS = CoordinatorTimings(
+    accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
+    drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
+    max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0,
+    join_settle_s=1.0, join_wait_max_s=4.0)
+
+
 class PlaneSim(ElectionSim):
     """`ElectionSim` whose nodes also run the plane's machines (see the module docstring)."""
 
@@ -225,10 +235,7 @@ class PlaneSim(ElectionSim):
         self.liar_losses: list[dict] = []
         self.stages = stages
         self.checkpoint_every = checkpoint_every
-        self.timings = timings or CoordinatorTimings(
-            accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
-            drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
-            max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0)
+        self.timings = timings or SIM_TIMINGS
         self.run_seed = seed
         # The swarm's operator: its key is not drawn from `rng`, so the fault schedule is the same.
         self.operator = OperatorKey(hashlib.sha256(b"sim operator" + struct.pack(">q", seed)).digest())
@@ -637,6 +644,8 @@ class PlaneSim(ElectionSim):
                     self._epoch(k, EpochDone(st.alloc.epoch))
         elif isinstance(a, FailNeighbour):
             pass  # its next step fails in `train`
+        elif isinstance(a, KeepStage):
+            self._keep(k, a.run_id)
         else:
             raise AssertionError(f"unknown action {a!r}")
 
@@ -712,6 +721,9 @@ class PlaneSim(ElectionSim):
                     raise ProtocolError("STOP at_step must be a non-negative integer")
                 at = asked
             op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
+            cert = coordinator_certificate(sender, body)
+            if cert is not None and sender != self.node(k).coordinator:
+                self._run(k, self.node(k).learn(cert, self.local_now(k)))
             stopped = body.get("epoch")
             if stopped is not None and (not isinstance(stopped, int) or isinstance(stopped, bool) or stopped < 0):
                 raise ProtocolError("STOP epoch must be a non-negative integer")
@@ -743,6 +755,12 @@ class PlaneSim(ElectionSim):
             live = {self.ids[j] for j in self.reachable(k)}
             peers = sorted(set(req.peers) - {me})
             return ReachAnswer(tuple(p for p in peers if p in live), tuple(p for p in peers if p not in live)).to_wire()
+        if op == "keep":
+            run_id = get_bytes(d, "run", 16, 16)
+            refused = epoch.check_offer_asker(sender)
+            if refused is not None:
+                return {"error": refused.text}
+            return {"kept": self._keep(k, run_id)}
         if op != "offer":
             raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
         run_id = get_bytes(d, "run", 16, 16)
@@ -751,6 +769,9 @@ class PlaneSim(ElectionSim):
         if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
             raise ProtocolError("RUN_STATE: layers must be [first, end]")
         parse_fetchers(d)  # (no fetch in the simulation: the content store stands for it)
+        cert = coordinator_certificate(sender, d)
+        if cert is not None and sender != coordinator:
+            self._run(k, self.node(k).learn(cert, self.local_now(k)))
         refused = epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}
@@ -872,7 +893,29 @@ class PlaneSim(ElectionSim):
                     return st.weights
                 if where == "snapshot" and st.snapshot is not None and st.snapshot[0] == step:
                     return st.snapshot[1]
-        return self.checkpoints[k].get((run_id, layers, step))
+        saved = self.checkpoints[k].get((run_id, layers, step))
+        cur = self.epoch(k).current
+        if saved is None and step == 0 and cur is not None and cur.run_id == run_id:
+            return reference_weights(self.run_seed, 0)  # the run's initial weights, rebuilt from its seed
+        return saved
+
+    def _keep(self, k: int, run_id: bytes) -> list[list[int]]:
+        """What node k holds of run `run_id` in memory goes to its disk (the daemon's
+        `StageHost.keep`): its stage and snapshot, once its worker stopped, step 0 aside."""
+        epoch, kept = self.epoch(k), []
+        for rec in (epoch.run, epoch.prev):
+            if rec is None or not rec.built or rec.alloc.run_id != run_id or rec.active:
+                continue
+            layers = rec.alloc.layer_ranges[rec.alloc.position(self.ids[k])[1]]
+            for step in sorted(x for x in (rec.at, rec.prev) if x):
+                key = (run_id, layers, step)
+                w = self._held(k, run_id, layers, step)
+                if w is None or key in self.checkpoints[k]:
+                    continue
+                self.checkpoints[k][key] = w
+                self.checkpoint_reports[k][key] = tuple(r for r in epoch.reports if r.step < step)
+                kept.append([layers[0], layers[1], step])
+        return kept
 
     def _checkpoints_of(self, k: int, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
         if run_id is None:

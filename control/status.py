@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dtfm.train import StageMemory
+
 from .coordinator.machine import CoordinatorStatus, Phase
+from .epoch.disk import DiskStatus
 from .epoch.machine import EpochPhase, EpochStatus
 from .epoch.report import BYTE_AXES
 
@@ -33,6 +36,8 @@ class PlaneStatus:
     pid: int
     now: float = 0.0  # wall time of the snapshot
     refusals: dict[str, int] = field(default_factory=dict)  # refused input per reason (control/refusals.py)
+    disk: DiskStatus | None = None  # this peer's checkpoints on disk
+    stage_memory: StageMemory | None = None  # the current stage's own state, as of its last step
 
     def state(self) -> str:
         """What this peer is doing: idle, spare, waiting (restarted: it holds no stage of the run
@@ -109,6 +114,8 @@ class PlaneStatus:
                                     "sync_s": last.sync_s}
                 if any(last.bytes_sent):
                     out["last_step"]["bytes_sent"] = dict(zip(BYTE_AXES, last.bytes_sent))
+            if self.stage_memory is not None:
+                out["memory"] = self.stage_memory.to_wire()
         if e.last_end is not None:
             out["last_end"] = e.last_end
         c = self.coordinator
@@ -128,15 +135,20 @@ class PlaneStatus:
                 out["issued"]["cut_links"] = c.cut_links
             if c.left_out:  # peers that refused an allocation: not placed until the time shown
                 out["issued"]["left_out"] = [x.to_wire() for x in c.left_out]
+            if c.counts is not None:  # what this coordinator counted of the run (the run's /metrics)
+                out["issued"]["counts"] = c.counts.to_wire()
         if self.swarm_wait is not None:
             out["waiting_for_peers"] = dict(self.swarm_wait)
         out["refusals"] = dict(self.refusals)
+        if self.disk is not None:
+            out["checkpoints"] = self.disk.to_wire()
         out["pid"] = self.pid
         return out
 
 
 def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
                  coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None,
-                 refusals: dict[str, int] | None = None) -> PlaneStatus:
+                 refusals: dict[str, int] | None = None, disk: DiskStatus | None = None,
+                 stage_memory: StageMemory | None = None) -> PlaneStatus:
     return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time(),
-                       dict(refusals or {}))
+                       dict(refusals or {}), disk, stage_memory)

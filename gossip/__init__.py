@@ -1,5 +1,6 @@
 """dtfm.gossip: membership and failure detection (SWIM with Lifeguard) over signed claims,
-network measurement, signed measurement reports with anti-entropy, and the N x N network view."""
+network measurement (network coordinates, capacities, links measured on demand), signed
+measurement reports with anti-entropy, and the N x N network view (measured or estimated)."""
 
 from typing import TYPE_CHECKING
 
@@ -15,12 +16,14 @@ if TYPE_CHECKING:
     from .service import GossipService
     from .suspicion import remaining_suspicion_time
     from .swim import Send, Swim
-    from .view import NetworkView, build_view
+    from .view import DISAGREEMENT_RATIO, NetworkView, build_view
+    from .vivaldi import Coordinate, Vivaldi
 
 __all__ = [
     "Accusation", "Claim", "ClaimVerifier", "GossipConfig", "GossipService", "Member", "MemberState",
     "MsgType", "NetworkView", "Entry", "Report", "RecordStore", "Send", "Swim", "Update", "build_view",
     "compute_speed_ms", "measure_rtt", "merge_entry", "merge_tables", "remaining_suspicion_time",
+    "DISAGREEMENT_RATIO", "Coordinate", "Vivaldi",
 ]
 
 # Where each name above is defined. A name is imported from its module on first use (PEP 562):
@@ -36,6 +39,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".service": ("GossipService",),
     ".suspicion": ("remaining_suspicion_time",),
     ".swim": ("Send", "Swim"),
-    ".view": ("NetworkView", "build_view"),
+    ".view": ("DISAGREEMENT_RATIO", "NetworkView", "build_view"),
+    ".vivaldi": ("Coordinate", "Vivaldi"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

@@ -94,7 +94,36 @@ class GossipConfig:
     measure_jitter: float = 0.25
     # Re-measure a link after this long.
     remeasure_interval_s: float = 600.0
-    # Own measurement report is re-signed and published at most this often.
+    # Up to this many other live peers, every link is measured (round trips and a timed
+    # transfer), as all-pairs measurement always did: the view holds measured figures only.
+    # Past it a peer measures links to capacity_peers random peers (its upload and download
+    # capacity) and the links asked for (`GossipService.confirm`), and the view estimates the
+    # rest. Higher: a measured matrix for larger swarms, at N big probes per peer.
+    full_mesh_max_peers: int = 16
+    capacity_peers: int = 3
+    # One round trip to a random peer this often (four times as often for the first 32), for
+    # the network coordinate (Vivaldi); the coordinate goes into the report once it has
+    # coord_min_samples samples behind it. Lower: a joiner is placed sooner, on a rougher
+    # coordinate.
+    coord_interval_s: float = 1.0
+    coord_min_samples: int = 16
+    # A link asked for is not measured again within this long; a report keeps carrying it
+    # that long.
+    confirm_fresh_s: float = 120.0
+    # How long a peer asked to measure links (a plan's) may take before it answers.
+    confirm_timeout_s: float = 60.0
+    # Links a report carries at most (asked for first, then the most recent): a report's
+    # size does not grow with the swarm. At least full_mesh_max_peers.
+    max_report_links: int = 64
+    # A new report goes out when the coordinate moved by more than this fraction of the
+    # median round trip this peer sees, or a capacity by more than capacity_republish_ratio,
+    # or the links it carries changed; and at least every report_refresh_s (below
+    # record_skew_s, so that a joiner takes every live peer's report).
+    coord_republish_fraction: float = 0.25
+    capacity_republish_ratio: float = 1.25
+    report_refresh_s: float = 300.0
+    # Own measurement report is re-signed and published at most this often
+    # (x max(1, N / 16) past 16 peers; a report that became ready to schedule with goes at once).
     publish_interval_s: float = 2.0
     # Record anti-entropy (digest push-pull) with one random member.
     record_sync_interval_s: float = 2.0
@@ -138,6 +167,13 @@ class GossipConfig:
                              "must be >= 1")
         if self.max_members < 2 or self.max_incarnation_jump < 1:
             raise ValueError("max_members must be >= 2 and max_incarnation_jump >= 1")
+        if self.max_report_links < self.full_mesh_max_peers or self.max_report_links > 4096:
+            raise ValueError("max_report_links must be at least full_mesh_max_peers and at most 4096")
+        if self.coord_interval_s <= 0 or self.coord_min_samples < 1 or self.capacity_republish_ratio < 1:
+            raise ValueError("coord_interval_s must be positive, coord_min_samples >= 1, "
+                             "capacity_republish_ratio >= 1")
+        if not 0 < self.report_refresh_s < self.record_skew_s:
+            raise ValueError("report_refresh_s must be positive and below record_skew_s")
         if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0 or self.record_sync_timeout_s <= 0:
             raise ValueError("record_sync_interval_s, record_sync_timeout_s and publish_interval_s must be positive")
 

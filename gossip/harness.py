@@ -136,7 +136,17 @@ class Harness:
         return all(self.services[k].swim.live_count() == len(live) for k in live)
 
     def complete_views(self) -> int:
-        """Nodes whose view holds a latency and bandwidth for every live pair."""
+        """Nodes whose view holds a measured latency and bandwidth for every live pair."""
+        count = 0
+        for k in self.alive_nodes():
+            v = self.services[k].view()
+            n = len(v.peers)
+            count += n == len(self.alive_nodes()) and int(v.measured().sum()) == n * (n - 1)
+        return count
+
+    def ready_views(self) -> int:
+        """Nodes whose view has a figure, measured or estimated, for every live pair (what
+        the scheduler needs)."""
         return sum(1 for k in self.alive_nodes() if self.services[k].view().complete
                    and len(self.services[k].view().peers) == len(self.alive_nodes()))
 

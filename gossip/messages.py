@@ -31,6 +31,7 @@ class MsgType(enum.IntEnum):
     RECORD_SYNC = 38
     MEASURE_PING = 39
     MEASURE_BULK = 40
+    MEASURE_LINKS = 41
 
 
 def _updates(updates) -> list:

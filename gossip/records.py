@@ -1,9 +1,13 @@
 """Signed measurement reports, their acceptance rules and digests (exchanged by sync.py).
 
-A report is one measurer's signed row of the N x N view: for each target it measured, the
-round-trip time (median of `samples` pings) and the bandwidth of a timed transfer; plus its
-own compute speed and what coding (compression) costs on its CPU. Signing a row rather than each (measurer, target) pair keeps the work at N
-signatures and N verifications per peer instead of N^2 (262,144 at 512 peers).
+A report is one measurer's signed, compact account of itself and of the links it measured:
+its network coordinate (`vivaldi.py`: the round trip to any peer is estimated from two
+coordinates), its upload and download capacity (the best of its own timed transfers), its
+compute speed and what coding (compression) costs on its CPU; and, for each link it measured
+directly that is recent or was asked for (a bounded number, whatever the swarm's size), the
+round-trip time (median of `samples` pings), the bandwidth of a timed transfer, and the age of
+those figures. Signing one report per measurer rather than each (measurer, target) pair keeps
+the work at N signatures and N verifications per peer instead of N^2.
 
 Canonical encoding: msgpack of a fixed list, entries sorted by target id, floats as float64,
 prefixed with a domain tag; the signature covers exactly those bytes.
@@ -31,19 +35,24 @@ import trio
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_float, get_int, get_list, pack, verify_signature
 
 from .messages import MAX_SEQ
+from .vivaldi import COORD_DIMS, COORD_LEN
 
 __all__ = ["Entry", "Report", "RecordStore", "digest_hash", "MAX_RTT_MS", "MAX_GBPS", "MAX_ENTRIES",
-           "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns"]
+           "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns", "check_coord",
+           "BUCKETS", "BUCKET_HASH_LEN", "bucket_of"]
 
 logger = logging.getLogger(__name__)
 
-DOMAIN = b"dtfm-measure-v2\x00"  # v2: the coding-speed vector
+DOMAIN = b"dtfm-measure-v3\x00"  # v2: the coding-speed vector; v3: coordinate, capacities, link ages
 MAX_RTT_MS = 60_000.0  # a minute: beyond any usable link
 MAX_GBPS = 1_000.0  # beyond any real link between two peers
 MAX_COMPUTE_MS = 3_600_000.0
 CODEC_NS_LEN = 7  # figures in a coding-speed vector (dtfm.sched.CODEC_SPEED_LEN; tested equal)
 MAX_CODEC_NS = 1e6  # ns per element: a millisecond, a million times any CPU's
 MAX_SAMPLES = 100_000
+MAX_AGE_S = 2.0**32  # a link figure's age when signed
+MAX_COORD_MS = MAX_RTT_MS  # a coordinate's figures (vector and height), ms
+MAX_COORD_ERROR = 100.0
 MAX_ENTRIES = 4096
 MAX_TIMESTAMP = 2.0**40
 SIGNATURE_LEN = 64
@@ -57,20 +66,22 @@ class Entry:
     rtt_ms: float  # median round trip
     bandwidth_gbps: float  # 0: not measured yet
     samples: int  # pings behind rtt_ms
+    age_s: float = 0.0  # how long before the report's timestamp the link was last measured
 
     def to_wire(self) -> list:
-        return [self.target, float(self.rtt_ms), float(self.bandwidth_gbps), self.samples]
+        return [self.target, float(self.rtt_ms), float(self.bandwidth_gbps), self.samples, float(self.age_s)]
 
     @classmethod
     def from_wire(cls, obj: object) -> "Entry":
-        if not isinstance(obj, list) or len(obj) != 4:
-            raise ProtocolError("entry: expected a list of 4 fields")
-        d = dict(zip(("target", "rtt", "bw", "n"), obj))
+        if not isinstance(obj, list) or len(obj) != 5:
+            raise ProtocolError("entry: expected a list of 5 fields")
+        d = dict(zip(("target", "rtt", "bw", "n", "age"), obj))
         rtt = get_float(d, "rtt", 0.0, MAX_RTT_MS)
         if rtt <= 0.0:
             raise ProtocolError("entry: round trip must be positive")
         return cls(get_bytes(d, "target", PEER_ID_BYTES, PEER_ID_BYTES), rtt,
-                   get_float(d, "bw", 0.0, MAX_GBPS), get_int(d, "n", 1, MAX_SAMPLES))
+                   get_float(d, "bw", 0.0, MAX_GBPS), get_int(d, "n", 1, MAX_SAMPLES),
+                   get_float(d, "age", 0.0, MAX_AGE_S))
 
 
 def check_codec_ns(values: object) -> tuple[float, ...]:
@@ -83,50 +94,76 @@ def check_codec_ns(values: object) -> tuple[float, ...]:
     return tuple(get_float({"codec_ns": v}, "codec_ns", 0.0, MAX_CODEC_NS) for v in values)
 
 
+def check_coord(values: object) -> tuple[float, ...]:
+    """A network coordinate as a report carries it (`vivaldi.Coordinate.to_wire`): empty (none
+    yet), or COORD_DIMS figures in [-MAX_COORD_MS, MAX_COORD_MS], a height in [0, MAX_COORD_MS]
+    and an error in [0, MAX_COORD_ERROR]; ProtocolError for anything else."""
+    if not isinstance(values, (list, tuple)):
+        raise ProtocolError(f"coordinate: expected a list, got {type(values).__name__}")
+    if len(values) not in (0, COORD_LEN):
+        raise ProtocolError(f"coordinate: expected 0 or {COORD_LEN} figures, got {len(values)}")
+    out = [get_float({"c": v}, "c", -MAX_COORD_MS, MAX_COORD_MS) for v in values[:COORD_DIMS]]
+    if values:
+        out.append(get_float({"h": values[COORD_DIMS]}, "h", 0.0, MAX_COORD_MS))
+        out.append(get_float({"e": values[COORD_DIMS + 1]}, "e", 0.0, MAX_COORD_ERROR))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Report:
     measurer: bytes
     seq: int
     timestamp: float  # wall-clock seconds (Unix) when signed
     compute_ms: float  # own forward+backward time of the reference block; 0: unknown
-    entries: tuple[Entry, ...]
+    entries: tuple[Entry, ...]  # links measured directly (see docs/gossip.md: which ones)
     signature: bytes = b""
     codec_ns: tuple[float, ...] = ()  # own coding speed, ns per element (see the module doc); (): unknown
+    coord: tuple[float, ...] = ()  # own network coordinate (`vivaldi.Coordinate.to_wire`); (): none yet
+    up_gbps: float = 0.0  # own upload capacity, the best of its timed transfers out; 0: unknown
+    down_gbps: float = 0.0  # own download capacity, the best of its timed transfers in; 0: unknown
+
+    def _body(self) -> list:
+        return [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
+                [e.to_wire() for e in self.entries], [float(v) for v in self.codec_ns],
+                [float(v) for v in self.coord], float(self.up_gbps), float(self.down_gbps)]
 
     def signing_bytes(self) -> bytes:
-        body = [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
-                [e.to_wire() for e in self.entries], [float(v) for v in self.codec_ns]]
-        return DOMAIN + pack(body)
+        return DOMAIN + pack(self._body())
 
     @classmethod
     def create(cls, identity, seq: int, timestamp: float, compute_ms: float,
-               entries, *, codec_ns=()) -> "Report":
-        """A report signed by `identity`; ValueError for a coding-speed vector a peer would refuse."""
+               entries, *, codec_ns=(), coord=(), up_gbps: float = 0.0, down_gbps: float = 0.0) -> "Report":
+        """A report signed by `identity`; ValueError for figures a peer would refuse."""
         try:
             codec = check_codec_ns(tuple(codec_ns))
+            point = check_coord(tuple(coord))
+            up = get_float({"up": float(up_gbps)}, "up", 0.0, MAX_GBPS)
+            down = get_float({"down": float(down_gbps)}, "down", 0.0, MAX_GBPS)
         except ProtocolError as e:
             raise ValueError(str(e)) from None
         ordered = tuple(sorted(entries, key=lambda e: e.target))
-        unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered, codec_ns=codec)
+        unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered, codec_ns=codec, coord=point,
+                       up_gbps=up, down_gbps=down)
         return cls(identity.peer_id, seq, timestamp, compute_ms, ordered,
-                   identity.sign(unsigned.signing_bytes()), codec)
+                   identity.sign(unsigned.signing_bytes()), codec, point, up, down)
 
     def verify(self) -> bool:
         return verify_signature(self.measurer, self.signing_bytes(), self.signature)
 
     def to_wire(self) -> list:
-        return [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
-                [e.to_wire() for e in self.entries], self.signature, [float(v) for v in self.codec_ns]]
+        body = self._body()
+        return body[:5] + [self.signature] + body[5:]
 
     @property
     def wire_size(self) -> int:
-        return 120 + 64 * len(self.entries) + 9 * len(self.codec_ns)
+        """Upper bound of the packed size in bytes."""
+        return 140 + 73 * len(self.entries) + 9 * (len(self.codec_ns) + len(self.coord))
 
     @classmethod
     def from_wire(cls, obj: object) -> "Report":
-        if not isinstance(obj, list) or len(obj) != 7:
-            raise ProtocolError("report: expected a list of 7 fields")
-        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec"), obj))
+        if not isinstance(obj, list) or len(obj) != 10:
+            raise ProtocolError("report: expected a list of 10 fields")
+        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec", "coord", "up", "down"), obj))
         measurer = get_bytes(d, "measurer", PEER_ID_BYTES, PEER_ID_BYTES)
         entries = tuple(Entry.from_wire(x) for x in get_list(d, "entries", MAX_ENTRIES))
         targets = [e.target for e in entries]
@@ -136,7 +173,16 @@ class Report:
             raise ProtocolError("report: measurer measured itself")
         return cls(measurer, get_int(d, "seq", 0, MAX_SEQ), get_float(d, "ts", 0.0, MAX_TIMESTAMP),
                    get_float(d, "compute", 0.0, MAX_COMPUTE_MS), entries,
-                   get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN), check_codec_ns(d["codec"]))
+                   get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN), check_codec_ns(d["codec"]),
+                   check_coord(d["coord"]), get_float(d, "up", 0.0, MAX_GBPS), get_float(d, "down", 0.0, MAX_GBPS))
+
+
+BUCKETS = 128  # a digest's buckets, by the measurer id's first byte (ids are public keys: uniform)
+BUCKET_HASH_LEN = 8
+
+
+def bucket_of(measurer: bytes) -> int:
+    return measurer[0] * BUCKETS // 256
 
 
 def digest_hash(digest) -> bytes:
@@ -158,6 +204,10 @@ class RecordStore:
         self.version = 0  # bumped on every change, for cached views
         self._hash = b""
         self._hash_version = -1
+        self._buckets = b""
+        self._buckets_version = -1
+        self._dirty: set[int] = set()  # buckets changed since _buckets was computed
+        self._dirty_since = -2  # the version the dirty set leads up to (tracking while it equals version)
 
     def offer(self, r: Report, *, now_wall: float, is_member: Callable[[bytes], bool]) -> str | None:
         """Accept a report; None if accepted, else the reason it was refused."""
@@ -168,7 +218,7 @@ class RecordStore:
             logger.debug("report %d from %s refused: %s", r.seq, r.measurer[:4].hex(), reason)
             return reason
         self.reports[r.measurer] = r
-        self.version += 1
+        self._changed(r.measurer)
         return None
 
     async def offer_all(self, reports, *, now_wall: float, is_member: Callable[[bytes], bool],
@@ -211,7 +261,7 @@ class RecordStore:
         old = self.reports.pop(peer_id, None)
         floor = old.seq if old is not None else -1
         self._floor[peer_id] = max(self._floor.get(peer_id, -1), floor)
-        self.version += 1
+        self._changed(peer_id)
 
     def digest(self) -> tuple[tuple[bytes, int], ...]:
         return tuple((m, r.seq) for m, r in self.reports.items())
@@ -222,12 +272,54 @@ class RecordStore:
             self._hash_version = self.version
         return self._hash
 
-    def newer_than(self, digest, max_bytes: int) -> tuple[Report, ...]:
-        """Reports we hold that the digest's owner lacks, within a byte budget."""
+    def bucket_hashes(self) -> bytes:
+        """BUCKETS hashes of BUCKET_HASH_LEN bytes, one per bucket of the digest: two stores
+        that differ in a few reports differ in a few buckets (what sync.py's scoped exchange
+        sends instead of the whole digest). Only the buckets changed since are hashed again."""
+        if self._buckets_version != self.version:
+            if self._dirty_since != self.version or not self._buckets:
+                dirty = set(range(BUCKETS))
+            else:
+                dirty = self._dirty
+            groups: dict[int, list[tuple[bytes, int]]] = {b: [] for b in dirty}
+            for m, r in self.reports.items():
+                g = groups.get(bucket_of(m))
+                if g is not None:
+                    g.append((m, r.seq))
+            out = bytearray(self._buckets or bytes(BUCKETS * BUCKET_HASH_LEN))
+            for b, g in groups.items():
+                h = hashlib.blake2b(digest_size=BUCKET_HASH_LEN, person=b"dtfm-bucket")
+                for m, seq in sorted(g):
+                    h.update(m)
+                    h.update(seq.to_bytes(8, "big"))
+                out[b * BUCKET_HASH_LEN:(b + 1) * BUCKET_HASH_LEN] = h.digest()
+            self._buckets = bytes(out)
+            self._buckets_version = self._dirty_since = self.version
+            self._dirty = set()
+        return self._buckets
+
+    def _changed(self, measurer: bytes) -> None:
+        """A report of measurer was stored or dropped."""
+        if self._dirty_since == self.version:  # the buckets were current: track what changes
+            self._dirty.add(bucket_of(measurer))
+            self._dirty_since += 1
+        self.version += 1
+
+    def digest_of(self, scope) -> tuple[tuple[bytes, int], ...]:
+        """The digest's entries in the buckets of `scope`."""
+        wanted = set(scope)
+        return tuple((m, r.seq) for m, r in self.reports.items() if bucket_of(m) in wanted)
+
+    def newer_than(self, digest, max_bytes: int, scope=None) -> tuple[Report, ...]:
+        """Reports we hold that the digest's owner lacks, within a byte budget; with `scope`
+        (bucket indexes), the digest covers those buckets only, and so does the answer."""
         theirs = dict(digest)
+        wanted = None if scope is None else set(scope)
         out: list[Report] = []
         used = 0
         for m, r in self.reports.items():
+            if wanted is not None and bucket_of(m) not in wanted:
+                continue
             if r.seq > theirs.get(m, -1):
                 if out and used + r.wire_size > max_bytes:
                     break

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,11 +26,25 @@ from typing import Callable
 
 import trio
 
-from dtfm.net import ConnectionClosed, ProtocolError
+from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout
 
 from .claims import ClaimVerifier
 from .config import GossipConfig
-from .measure import BulkGate, MeasurePlanner, compute_speed_ms, measure_bandwidth, measure_rtt, serve_bulk, serve_ping
+from .measure import (
+    BulkGate,
+    JobKind,
+    MeasureJob,
+    MeasureLinks,
+    MeasurePing,
+    MeasurePlanner,
+    compute_speed_ms,
+    measure_bandwidth,
+    measure_download,
+    measure_rtt,
+    report_due,
+    serve_bulk,
+    serve_ping,
+)
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
 from .records import RecordStore, Report, check_codec_ns
@@ -37,6 +52,7 @@ from .status import gossip_status
 from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
 from .view import NetworkView, build_view
+from .vivaldi import Coordinate, Vivaldi
 
 __all__ = ["GossipService"]
 
@@ -99,13 +115,20 @@ class GossipService:
         self.records = RecordStore(self.config.record_skew_s)
         self.sync = RecordSyncer(self.records, max_sync_bytes=self.config.max_sync_bytes,
                                  timeout_s=self.config.record_sync_timeout_s)
-        self.planner = MeasurePlanner(self.config.remeasure_interval_s,
-                                      self.config.bandwidth_probe_interval_s,
-                                      self.config.measure_jitter, self._rng)
+        cfg = self.config
+        self.planner = MeasurePlanner(cfg.remeasure_interval_s, cfg.bandwidth_probe_interval_s,
+                                      cfg.measure_jitter, self._rng, full_mesh_max_peers=cfg.full_mesh_max_peers,
+                                      capacity_peers=cfg.capacity_peers, coord_interval_s=cfg.coord_interval_s,
+                                      confirm_fresh_s=cfg.confirm_fresh_s, max_report_links=cfg.max_report_links)
         self.gate = BulkGate()
+        self.vivaldi = Vivaldi(random.Random(self._rng.random()))
+        self._rtt_seen: dict[bytes, float] = {}  # the last round trip to each peer sampled, ms (bounded)
         self._seq = 0
         self._published_version = -1
         self._published_at = float("-inf")
+        self._published: Report | None = None
+        self._wake = trio.Event()  # set when links are asked for: the measurement loop looks again
+        self._progress = trio.Event()  # set (and replaced) after each measurement
         self._timer_scope: trio.CancelScope | None = None
         self._out_send, self._out_recv = trio.open_memory_channel[Send | _SyncSend](1024)
         # Sends that need a dial first, served by their own tasks so that a slow or silent
@@ -118,6 +141,7 @@ class GossipService:
         transport.handle(MsgType.RECORD_SYNC, self._on_sync)
         transport.handle(MsgType.MEASURE_PING, self._on_ping)
         transport.handle(MsgType.MEASURE_BULK, self._on_bulk)
+        transport.handle(MsgType.MEASURE_LINKS, self._on_measure_links)
 
     # ---- public API
 
@@ -188,22 +212,62 @@ class GossipService:
     def status(self) -> dict:
         """JSON-able status for `dtfm-peer status`, bounded whatever the table holds
         (`gossip_status`): counts by state, the first members, this peer's own measurements,
-        and the N x N view (ids in hex, one-way ms and Gbps, null where unknown)."""
+        and the N x N view (ids in hex, one-way ms and Gbps, null where unknown; measured
+        and estimated links counted apart; `full_mesh`: this peer measures every link)."""
         swim = self.swim
         now = trio.current_time()
         ages = {p: now - link.measured_at for p, link in self.planner.links.items()}
-        return gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
-                             self.live_peers(), self.records.reports, self.view, me=self.identity.peer_id,
-                             measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
+        live = self.live_peers()
+        out = gossip_status(swim.members.values(), swim.is_confirmed, self.planner.entries(),
+                            live, self.records.reports, self.view, me=self.identity.peer_id,
+                            measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
+        out["view"]["full_mesh"] = self.planner.full_mesh(len(live) - 1)  # every link measured, not estimated
+        return out
 
     def view(self) -> NetworkView:
-        """The N x N view over the live members, in peer-id order."""
+        """The N x N view over the live members, in peer-id order: measured figures where
+        either end measured the link, estimated ones elsewhere (`NetworkView.delay_measured`,
+        `bandwidth_measured`, `age_s` say which)."""
         peers = tuple(self.live_peers())
-        key = (peers, self.records.version)
+        wall = self._wall()
+        key = (peers, self.records.version, int(wall // 5))
         if self._view_cache is None or self._view_cache[0] != key:
-            self._view_cache = (key, build_view(peers, self.records.reports))
+            self._view_cache = (key, build_view(peers, self.records.reports, now_wall=wall))
         return self._view_cache[1]
 
+    def coordinate(self) -> Coordinate | None:
+        """This peer's network coordinate, once it has coord_min_samples samples behind it."""
+        if self.vivaldi.samples < self.config.coord_min_samples:
+            return None
+        return self.vivaldi.coord
+
+    async def confirm(self, links, *, timeout_s: float | None = None) -> list[tuple[bytes, bytes]]:
+        """Measure the links (a, b) given, now, from both ends: this peer measures its own,
+        and asks each other end (`MeasureLinks`) for its, taking the signed report it answers
+        with. The links still not measured (an end gone, or silent past timeout_s) in the view
+        after it. Links measured within confirm_fresh_s are not measured again."""
+        timeout_s = self.config.confirm_timeout_s if timeout_s is None else timeout_s
+        me = self.identity.peer_id
+        live = set(self.live_peers())
+        asks: dict[bytes, set[bytes]] = {}
+        wanted = [(a, b) for a, b in links if a != b and a in live and b in live]
+        for a, b in wanted:
+            asks.setdefault(a, set()).add(b)
+            asks.setdefault(b, set()).add(a)
+        limiter = trio.CapacityLimiter(self.config.max_verifying)
+
+        async def ask(peer: bytes, targets: set[bytes]) -> None:
+            async with limiter:
+                if peer == me:
+                    await self._measure_asked(sorted(targets), timeout_s)
+                else:
+                    await self._ask_peer(peer, sorted(targets), timeout_s)
+
+        async with trio.open_nursery() as nursery:
+            for peer, targets in asks.items():
+                nursery.start_soon(ask, peer, targets)
+        view = build_view(tuple(sorted(live)), self.records.reports, now_wall=self._wall())
+        return view.unmeasured(wanted)
     # ---- plumbing
 
     def _dispatch(self, sends: list[Send]) -> None:
@@ -305,7 +369,15 @@ class GossipService:
         return None
 
     async def _on_ping(self, conn, msg_type, body, payload):
-        return await serve_ping(body)
+        return await serve_ping(body, self.vivaldi.coord.to_wire())
+
+    async def _on_measure_links(self, conn, msg_type, body, payload):
+        msg = MeasureLinks.from_wire(body)  # ProtocolError: the transport closes that connection
+        if not self._is_member(conn.peer_id):
+            return {"ok": False}
+        await self._measure_asked(list(msg.targets), self.config.confirm_timeout_s)
+        report = self._published
+        return {"ok": True, "report": None if report is None else report.to_wire()}
 
     async def _on_bulk(self, conn, msg_type, body, payload):
         await trio.lowlevel.checkpoint()
@@ -329,24 +401,23 @@ class GossipService:
 
     # ---- records and measurement
 
-    def _publish(self) -> None:
-        """Sign and hold a new report when the measurements changed: at once when the row is
-        complete, else at most every publish_interval_s x max(1, N / 16) (a row is re-sent to
-        every peer on each change, so a large swarm re-publishes partial rows less often)."""
-        if self.planner.version == self._published_version:
-            return
+    def _publish(self, *, force: bool = False) -> None:
+        """Sign and hold a new report when `report_due` says so."""
         now = trio.current_time()
-        n = self.swim.live_count()
-        entries = self.planner.entries()
-        full = sum(1 for e in entries if e.bandwidth_gbps > 0) >= n - 1
-        interval = self.config.publish_interval_s * max(1.0, n / 16)
-        if not full and now - self._published_at < interval:
+        coord = self.coordinate()
+        scale = statistics.median(self._rtt_seen.values()) if self._rtt_seen else 1.0
+        if not report_due(self.config, self.planner, now=now, n_live=self.swim.live_count(), coord=coord,
+                          rtt_scale_ms=scale, last=self._published, last_at=self._published_at,
+                          last_version=self._published_version, force=force):
             return
+        up, down = self.planner.capacity(now)
         self._published_version = self.planner.version
         self._published_at = now
         self._seq = max(self._seq + 1, int(self._wall() * 1000))
-        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0, entries,
-                               codec_ns=self.codec_ns or ())
+        report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0,
+                               self.planner.entries(now), codec_ns=self.codec_ns or (),
+                               coord=() if coord is None else coord.to_wire(), up_gbps=up, down_gbps=down)
+        self._published = report
         self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
 
     async def _sync_loop(self) -> None:
@@ -389,29 +460,109 @@ class GossipService:
         self._published_version = -1  # publish the figures with the next report
 
     async def _measure_loop(self) -> None:
-        cfg = self.config
         await self._measure_self()
+        me = self.identity.peer_id
         while True:
             now = trio.current_time()
-            await trio.sleep(self.planner.bulk_wait_s(now))
-            peers = [p for p in self.live_peers() if p != self.identity.peer_id]
-            target = self.planner.next_target(peers, trio.current_time())
-            if target is None:
-                await trio.sleep(cfg.probe_interval_s)
+            peers = [p for p in self.live_peers() if p != me]
+            job = self.planner.next_job(peers, now)
+            if job is None:
+                wake = self.planner.wake_at(now) if peers else now + self.config.probe_interval_s
+                with trio.move_on_at(max(wake, now + 1e-3)):
+                    await self._wake.wait()
+                if self._wake.is_set():
+                    self._wake = trio.Event()
                 continue
-            conn = await self._link(target, self.swim.address_of(target))
-            if conn is None:
+            await self._run_job(job)
+            self._progress.set()
+            self._progress = trio.Event()
+            if job.asked:
+                self._publish()
+
+    async def _run_job(self, job: MeasureJob) -> None:
+        cfg = self.config
+        target = job.target
+        conn = await self._link(target, self.swim.address_of(target))
+        if conn is None:
+            if job.kind is JobKind.LINK:
                 self.planner.record(target, [], None, trio.current_time())
                 await trio.sleep(cfg.probe_interval_s)
-                continue
-            rtts = await measure_rtt(conn, cfg.rtt_samples, cfg.rtt_ping_spacing_s, cfg.measure_timeout_s)
-            gbps = None
-            if rtts:
-                rtt_s = sorted(rtts)[len(rtts) // 2]
-                gbps = await measure_bandwidth(conn, self.gate, cfg.bandwidth_probe_bytes, rtt_s,
-                                               cfg.measure_timeout_s)
-                if gbps is None:  # link busy: try again after a jittered pause
-                    await trio.sleep(cfg.bandwidth_probe_interval_s * self._rng.uniform(0.5, 1.5))
-            self.planner.record(target, rtts, gbps, trio.current_time())
-            if gbps is None:
-                await trio.sleep(cfg.rtt_ping_spacing_s)
+            return
+        if self.gate.busy(target, trio.current_time()):
+            # A big probe crosses this link: pings would queue behind its payload and
+            # time the transfer, not the link. Measure it once the link is quiet.
+            await trio.sleep(cfg.rtt_ping_spacing_s * self._rng.uniform(1.0, 2.0))
+            return
+        self.gate.probing.add(target)  # the other end's big probe waits for the pings
+        replies: list[MeasurePing] = []
+        try:
+            samples = 1 if job.kind is JobKind.COORD else cfg.rtt_samples
+            rtts = await measure_rtt(conn, samples, cfg.rtt_ping_spacing_s, cfg.measure_timeout_s, replies)
+        finally:
+            self.gate.probing.discard(target)
+        self._observe_rtts(target, rtts, replies)
+        if job.kind is JobKind.COORD:
+            return
+        gbps = down = None
+        if rtts:
+            rtt_s = sorted(rtts)[len(rtts) // 2]
+            gbps = await measure_bandwidth(conn, self.gate, cfg.bandwidth_probe_bytes, rtt_s,
+                                           cfg.measure_timeout_s)
+            if gbps is not None and job.pull:
+                down = await measure_download(conn, self.gate, cfg.bandwidth_probe_bytes, rtt_s,
+                                              cfg.measure_timeout_s)
+            if gbps is None:  # link busy: try again after a jittered pause
+                await trio.sleep(cfg.bandwidth_probe_interval_s * self._rng.uniform(0.5, 1.5))
+        self.planner.record(target, rtts, gbps, trio.current_time(), down)
+        if gbps is None:
+            await trio.sleep(cfg.rtt_ping_spacing_s)
+
+    def _observe_rtts(self, target: bytes, rtts: list[float], replies: list[MeasurePing]) -> None:
+        """Move this peer's coordinate by the round trips just timed (the other end's
+        coordinate comes with its reply)."""
+        other = next((Coordinate.from_wire(r.coord) for r in reversed(replies) if r.coord), None)
+        if other is None or not rtts:
+            return
+        rtt_ms = statistics.median(rtts) * 1000.0
+        self.vivaldi.observe(target, other, rtt_ms)
+        self._rtt_seen.pop(target, None)
+        self._rtt_seen[target] = rtt_ms
+        while len(self._rtt_seen) > 256:
+            del self._rtt_seen[next(iter(self._rtt_seen))]
+
+    async def _measure_asked(self, targets: list[bytes], timeout_s: float) -> None:
+        """Measure the links to targets now (the live ones; those measured within
+        confirm_fresh_s are taken as they are) and publish a report carrying them."""
+        me = self.identity.peer_id
+        live = set(self.live_peers())
+        targets = [t for t in targets if t != me and t in live]
+        self.planner.ask(targets, trio.current_time())
+        self._wake.set()
+        with trio.move_on_after(timeout_s):
+            while self.planner.pending(targets):
+                await self._progress.wait()
+        self._publish(force=True)
+
+    async def _ask_peer(self, peer: bytes, targets: list[bytes], timeout_s: float) -> None:
+        """Ask `peer` to measure its links to targets; take the signed report it answers with."""
+        conn = await self._link(peer, self.swim.address_of(peer))
+        if conn is None:
+            return
+        try:
+            body, _ = await conn.request(MsgType.MEASURE_LINKS, MeasureLinks(tuple(targets)).to_wire(),
+                                         timeout_s=timeout_s + self.config.measure_timeout_s)
+        except (ConnectionClosed, RequestTimeout, RemoteError) as e:
+            logger.debug("asking %s to measure %d links failed: %s", peer[:4].hex(), len(targets), e)
+            return
+        if not isinstance(body, dict) or body.get("ok") is not True or body.get("report") is None:
+            return
+        try:
+            report = Report.from_wire(body["report"])
+        except ProtocolError as e:
+            logger.debug("report from %s (asked to measure): %s", peer[:4].hex(), e)
+            return
+        if report.measurer != peer:
+            logger.debug("%s answered with a report of %s", peer[:4].hex(), report.measurer[:4].hex())
+            return
+        await self._accept([report])
+

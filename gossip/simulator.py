@@ -13,6 +13,7 @@ import heapq
 import itertools
 import random
 from collections import defaultdict
+from typing import Callable
 
 from dtfm.net import Identity, pack, unpack_untrusted
 
@@ -30,9 +31,16 @@ FRAME_OVERHEAD = 32
 class SwimSimulator:
     def __init__(self, n: int, config: GossipConfig, *, delay_s: float = 0.005,
                  drop_fraction: float = 0.0, seed: int = 0, join_spread_s: float = 0.0,
-                 codec: bool = True) -> None:
+                 codec: bool = True, link_delay_s: Callable[[int, int], float] | None = None,
+                 distinct_hosts: bool = False, count_bytes: bool = False) -> None:
+        """link_delay_s(a, b): the one-way delay from node a to node b (default: delay_s).
+        distinct_hosts: each node at its own host (one address group each) rather than all at
+        one (whose cap of members per address then applies). count_bytes: with codec=False,
+        still pack each message to count its exact bytes (decoding is what costs)."""
         self.config = config
+        self.link_delay_s = link_delay_s
         self.codec = codec  # False: hand message objects over as they are (faster)
+        self.count_bytes = count_bytes
         self.delay_s = delay_s
         self.drop_fraction = drop_fraction
         self.rng = random.Random(seed)
@@ -53,7 +61,7 @@ class SwimSimulator:
         self._count = itertools.count()
         self._tick_at = [float("nan")] * n
         for k, pid in enumerate(self.ids):
-            me = Member(pid, 0, MemberState.ALIVE, "sim", 10000 + k, "")
+            me = Member(pid, 0, MemberState.ALIVE, "sim" if not distinct_hosts else f"sim{k}", 10000 + k, "")
             self.nodes.append(Swim(config, self.identities[k], me, random.Random(self.rng.random()), 0.0,
                                    verifier=self.verifier))
         for k in range(1, n):  # everyone joins through node 0
@@ -65,14 +73,16 @@ class SwimSimulator:
 
     def _send_all(self, k: int, sends: list[Send]) -> None:
         for s in sends:
-            data = pack(s.msg.to_wire()) if self.codec else s.msg
+            data = pack(s.msg.to_wire()) if self.codec or self.count_bytes else s.msg
             self.frames[k] += 1
             self.bytes[k] += (len(data) if isinstance(data, bytes) else 0) + FRAME_OVERHEAD
+            if not self.codec:
+                data = s.msg
             dst = self.index[s.to]
             if dst in self.dead or self.rng.random() < self.drop_fraction:
                 continue
-            self._push(max(self.now, self.stalled_until[k]) + self.delay_s,
-                       ("msg", dst, k, s.msg.type, data))
+            delay = self.delay_s if self.link_delay_s is None else self.link_delay_s(k, dst)
+            self._push(max(self.now, self.stalled_until[k]) + delay, ("msg", dst, k, s.msg.type, data))
 
     def _observe(self, k: int) -> None:
         for m in self.nodes[k].drain_changes():
@@ -113,8 +123,19 @@ class SwimSimulator:
                 msg = (decode_swim(msg_type, unpack_untrusted(data, max_len=1 << 24))
                        if self.codec else data)
                 self._send_all(k, node.handle(self.ids[src], msg, t, origin=f"sim{src}"))
+            else:
+                self.on_event(t, item)
             self._observe(k)
         self.now = t_end
+
+    def on_event(self, t: float, item: tuple) -> None:
+        """An event of a kind this class does not know (a subclass's: item[0] names it,
+        item[1] is the node)."""
+        raise ValueError(f"unknown event {item[0]!r}")
+
+    def push(self, t: float, item: tuple) -> None:
+        """Schedule an event (item[0]: its kind, item[1]: the node it happens at)."""
+        self._push(t, item)
 
     def kill(self, k: int) -> None:
         self.dead.add(k)

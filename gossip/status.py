@@ -109,6 +109,11 @@ def _their_entry(me: bytes | None, other: bytes, reports: Mapping[bytes, Report]
     return next((e for e in r.entries if e.target == me), None)
 
 
+def _estimable(r: Report | None) -> bool:
+    """Whether a report holds what the view estimates a peer's links from."""
+    return r is not None and bool(r.coord) and r.up_gbps > 0 and r.down_gbps > 0
+
+
 def links_known(peers: Sequence[bytes], reports: Mapping[bytes, Report]) -> int:
     """Ordered pairs of distinct `peers` with a delay and a bandwidth known from either end
     (what `NetworkView.pairs_known` counts), without building the N x N matrices."""
@@ -163,13 +168,15 @@ def gossip_status(members: Iterable[Member], is_confirmed: Callable[[bytes], boo
         if len(as_dict["disputed"]) > max_disputed:
             truncated.append("view.disputed")
             as_dict["disputed"] = as_dict["disputed"][:max_disputed]
-        view_part = {**as_dict, "measured_links": v.pairs_known()}
+        view_part = {**as_dict, "measured_links": v.pairs_measured(),
+                     "estimated_links": v.pairs_known() - v.pairs_measured()}
     else:
         truncated.append("view")
         view_part = {"measured_links": links_known(live, reports)}
     view_part.update({"peer_count": n, "expected_links": n * (n - 1)})
-    if "complete" not in view_part:
-        view_part["complete"] = view_part["measured_links"] == n * (n - 1)
+    if "complete" not in view_part:  # without the matrices: measured, or every peer's claims there to estimate
+        view_part["complete"] = (view_part["measured_links"] == n * (n - 1)
+                                 or all(_estimable(reports.get(p)) for p in live))
     return {"counts": {**counts, "total": total},
             "members": [_member_row(m, state) for _, _, m, state in rows[:max_members]],
             "latency": [_latency_row(e, _their_entry(me, e.target, reports), ages.get(e.target))

@@ -25,6 +25,15 @@ OFFER go to the responder's session, DIGEST and REPORTS to the initiator's.
     responder  DIGEST_SENT   OFFER             IDLE          REPORTS, if B holds any A lacks
                                                              (and accepts the offered reports)
 
+Scoped exchange: a responder holding more than `SCOPED_DIGEST_MIN` reports answers a HASH with
+its `BUCKETS` bucket hashes (the digest split by the measurer id's first byte) instead of its
+digest; the initiator's OFFER then carries its digest entries of the buckets that differ (its
+`scope`) and no reports, and the REPORTS answer holds the responder's newer reports of those
+buckets. The initiator only pulls in such a round (it pushes nothing it does not know the
+responder lacks; the responder pulls it in its own rounds), and the bytes of a round grow with
+the number of reports that differ, not with the swarm: at 1,000 peers the whole digest is
+about 42 KB, the bucket hashes 1 KB.
+
 Any other (phase, input) pair leaves the phase as it is and emits nothing: the messages are
 droppable datagrams, so a reply arriving after its session timed out or was replaced is normal,
 not a protocol error. A session that sees no transition for `timeout_s` is back to IDLE.
@@ -47,7 +56,7 @@ from dataclasses import dataclass
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list
 
 from .messages import MAX_SEQ, MsgType
-from .records import DIGEST_HASH_LEN, MAX_ENTRIES, RecordStore, Report
+from .records import BUCKET_HASH_LEN, BUCKETS, DIGEST_HASH_LEN, MAX_ENTRIES, RecordStore, Report, bucket_of
 
 __all__ = ["RecordSync", "RecordSyncer", "SyncActions", "SyncLimits", "SyncPhase", "SyncRole", "SyncStep",
            "VerifyBudget", "MAX_SESSIONS"]
@@ -55,6 +64,9 @@ __all__ = ["RecordSync", "RecordSyncer", "SyncActions", "SyncLimits", "SyncPhase
 logger = logging.getLogger(__name__)
 
 MAX_SESSIONS = 4096  # responder sessions at once (one per peer that sent a HASH); more are refused
+# A responder holding more reports than this answers a HASH with its bucket hashes rather
+# than its whole digest (a scoped exchange: see the module doc).
+SCOPED_DIGEST_MIN = 24
 MAX_BUCKETS = 1024  # senders whose verification budget is remembered while it refills
 
 
@@ -128,12 +140,19 @@ class RecordSync:
     digest_hash: bytes  # HASH only
     digest: tuple[tuple[bytes, int], ...]  # (measurer, seq); DIGEST and OFFER only
     reports: tuple[Report, ...]  # OFFER and REPORTS only
+    buckets: bytes = b""  # DIGEST only, instead of the digest: BUCKETS bucket hashes
+    scope: tuple[int, ...] = ()  # OFFER only: the buckets its digest covers (empty: all of it)
     type = MsgType.RECORD_SYNC
 
     def to_wire(self) -> dict:
-        return {"phase": int(self.step), "hash": self.digest_hash,
-                "digest": [[m, s] for m, s in self.digest],
-                "reports": [r.to_wire() for r in self.reports]}
+        out = {"phase": int(self.step), "hash": self.digest_hash,
+               "digest": [[m, s] for m, s in self.digest],
+               "reports": [r.to_wire() for r in self.reports]}
+        if self.buckets:
+            out["buckets"] = self.buckets
+        if self.scope:
+            out["scope"] = list(self.scope)
+        return out
 
     @classmethod
     def from_wire(cls, body: object) -> "RecordSync":
@@ -150,7 +169,16 @@ class RecordSync:
             raise ProtocolError(f"record sync {step.name}: carries a digest")
         if reports and not with_reports:
             raise ProtocolError(f"record sync {step.name}: carries reports")
-        return cls(step, digest_hash, digest, reports)
+        buckets = get_bytes(body, "buckets", 0, BUCKETS * BUCKET_HASH_LEN) if "buckets" in body else b""
+        if buckets and (len(buckets) != BUCKETS * BUCKET_HASH_LEN or step is not SyncStep.DIGEST or digest):
+            raise ProtocolError(f"record sync {step.name}: bucket hashes out of place or of the wrong length")
+        raw_scope = get_list(body, "scope", BUCKETS) if "scope" in body else []
+        scope = tuple(get_int({"b": b}, "b", 0, BUCKETS - 1) for b in raw_scope)
+        if scope and (step is not SyncStep.OFFER or len(set(scope)) != len(scope)):
+            raise ProtocolError(f"record sync {step.name}: a scope out of place or listing a bucket twice")
+        if scope and any(bucket_of(m) not in set(scope) for m, _ in digest):
+            raise ProtocolError("record sync OFFER: a digest entry outside its scope")
+        return cls(step, digest_hash, digest, reports, buckets, scope)
 
 
 def _digest_from_wire(items: list) -> tuple[tuple[bytes, int], ...]:
@@ -242,16 +270,27 @@ class RecordSyncer:
                 return _NOTHING
             if not self._enter(role, src, SyncPhase.DIGEST_SENT, now):
                 return _NOTHING
+            if len(self.store.reports) > SCOPED_DIGEST_MIN:
+                return SyncActions(reply=RecordSync(SyncStep.DIGEST, b"", (), (), self.store.bucket_hashes()))
             return SyncActions(reply=RecordSync(SyncStep.DIGEST, b"", self.store.digest(), ()))
         if msg.step is SyncStep.DIGEST and phase is SyncPhase.HASH_SENT:
             self._enter(role, src, SyncPhase.OFFER_SENT, now)
+            if msg.buckets:  # scoped: our entries in the buckets that differ, to pull theirs
+                mine = self.store.bucket_hashes()
+                w = BUCKET_HASH_LEN
+                scope = tuple(b for b in range(BUCKETS) if mine[b * w:(b + 1) * w] != msg.buckets[b * w:(b + 1) * w])
+                if not scope:
+                    self._enter(role, src, SyncPhase.IDLE, now)
+                    return _NOTHING
+                return SyncActions(reply=RecordSync(SyncStep.OFFER, b"", self.store.digest_of(scope), (),
+                                                    scope=scope))
             offer = RecordSync(SyncStep.OFFER, b"", self.store.digest(), self._newer(msg.digest))
             return SyncActions(reply=offer)
         if msg.step is SyncStep.OFFER and phase is SyncPhase.DIGEST_SENT:
             self._enter(role, src, SyncPhase.IDLE, now)
             # Computed before the offered reports are accepted: those are covered by the
             # offer's own digest, so accepting them first would not change it.
-            newer = self._newer(msg.digest)
+            newer = self._newer(msg.digest, msg.scope or None)
             reply = RecordSync(SyncStep.REPORTS, b"", (), newer) if newer else None
             return SyncActions(self._admit(src, msg.reports, now), reply)
         if msg.step is SyncStep.REPORTS and phase is SyncPhase.OFFER_SENT:
@@ -283,8 +322,8 @@ class RecordSyncer:
                            src[:4].hex(), len(fresh) - granted)
         return tuple(fresh[:granted])
 
-    def _newer(self, digest) -> tuple[Report, ...]:
-        return self.store.newer_than(digest, self.max_sync_bytes)
+    def _newer(self, digest, scope=None) -> tuple[Report, ...]:
+        return self.store.newer_than(digest, self.max_sync_bytes, scope)
 
     def _current(self, role: SyncRole, peer_id: bytes, now: float) -> SyncPhase:
         sessions = self._sessions[role]

@@ -16,6 +16,16 @@ bandwidth at most that end's: lying can only make the liar's own links look wors
 pushes work away from it, never towards it. A link between two honest members stays between
 their two measurements. What a member says about its own compute speed and its coding speed
 (`codec_ns`, ns per element of each codec: see records.py) is its own claim.
+
+Links that neither end measured are estimated (`estimate=True`), from the two ends' own
+claims only: the delay from their network coordinates (half the round trip the two
+coordinates predict), the bandwidth as the lower of the two ends' capacities
+(min(up_a, down_b, up_b, down_a): the view is symmetric). A member's claims thus reach only
+its own links, as its measurements do; but an estimate may be optimistic where a
+measurement cannot, so the view marks each figure `delay_measured` / `bandwidth_measured`,
+with the age of the measured ones (`age_s`), and the control plane measures the links of a
+plan before it hands the plan out (`GossipService.confirm`): a measured figure always
+replaces the estimate.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .records import CODEC_NS_LEN, Report
+from .vivaldi import Coordinate
 
 __all__ = ["NetworkView", "build_view", "DISAGREEMENT_RATIO"]
 
@@ -36,6 +47,7 @@ DISAGREEMENT_RATIO = 1.5
 
 _NO_FLAGS = np.zeros((0, 0), dtype=bool)  # a NetworkView's flag matrix left out
 _NO_CODEC = np.zeros((0, CODEC_NS_LEN))  # a NetworkView's coding speeds left out
+_NO_AGES = np.zeros((0, 0))  # a NetworkView's ages left out
 
 
 @dataclass(frozen=True)
@@ -51,12 +63,26 @@ class NetworkView:
     # (N, CODEC_NS_LEN) each peer's own coding speed, ns per element; a row of nan: unknown
     # (left out: all unknown)
     codec_ns: np.ndarray = field(default_factory=lambda: _NO_CODEC)
+    # (N, N) bool: the figure comes from a measurement of that link (else it is estimated, or
+    # unknown where nan); left out: every known figure counts as measured
+    delay_measured: np.ndarray = field(default_factory=lambda: _NO_FLAGS)
+    bandwidth_measured: np.ndarray = field(default_factory=lambda: _NO_FLAGS)
+    # (N, N) seconds since the link was measured (the older end's figure); nan: not measured
+    # (left out: all unknown)
+    age_s: np.ndarray = field(default_factory=lambda: _NO_AGES)
 
     def __post_init__(self) -> None:
         n = len(self.peers)
         for name in ("disputed", "one_sided"):
             if getattr(self, name) is _NO_FLAGS:
                 object.__setattr__(self, name, np.zeros((n, n), dtype=bool))
+        off = ~np.eye(n, dtype=bool)
+        if self.delay_measured is _NO_FLAGS:
+            object.__setattr__(self, "delay_measured", off & np.isfinite(self.delay_ms))
+        if self.bandwidth_measured is _NO_FLAGS:
+            object.__setattr__(self, "bandwidth_measured", off & ~np.isnan(self.bandwidth_gbps))
+        if self.age_s is _NO_AGES:
+            object.__setattr__(self, "age_s", np.full((n, n), np.nan))
         if self.codec_ns is _NO_CODEC:
             object.__setattr__(self, "codec_ns", np.full((n, CODEC_NS_LEN), np.nan))
         if np.shape(self.codec_ns) != (n, CODEC_NS_LEN):
@@ -65,6 +91,25 @@ class NetworkView:
     def codec_known(self) -> np.ndarray:
         """(N,) bool: whether each peer reported its coding speed."""
         return np.all(np.isfinite(self.codec_ns), axis=1)
+
+    def measured(self) -> np.ndarray:
+        """(N, N) bool: both figures of the link come from measurements."""
+        return self.delay_measured & self.bandwidth_measured
+
+    def estimated_links(self) -> int:
+        """Links (a < b) with a figure, either of which is estimated."""
+        known = np.isfinite(self.delay_ms) & ~np.isnan(self.bandwidth_gbps)
+        return int(np.sum(np.triu(known & ~self.measured(), 1)))
+
+    def unmeasured(self, links) -> list[tuple[bytes, bytes]]:
+        """Of the links (a, b) given (peer ids of this view), those not measured at both figures."""
+        index = {p: i for i, p in enumerate(self.peers)}
+        done = self.measured()
+        return [(a, b) for a, b in links if a != b and not done[index[a], index[b]]]
+
+    def pairs_measured(self) -> int:
+        """Ordered pairs of distinct peers whose delay and bandwidth both come from measurements."""
+        return int(np.sum(self.measured()))
 
     def pairs_known(self) -> int:
         off = ~np.eye(len(self.peers), dtype=bool)
@@ -80,7 +125,8 @@ class NetworkView:
         emulator multiplies delays by time_scale and bandwidth by bandwidth_scale / time_scale)."""
         return NetworkView(self.peers, self.delay_ms / time_scale,
                            self.bandwidth_gbps * time_scale / bandwidth_scale, self.compute_ms,
-                           self.complete, self.disputed, self.one_sided, self.codec_ns)
+                           self.complete, self.disputed, self.one_sided, self.codec_ns,
+                           self.delay_measured, self.bandwidth_measured, self.age_s)
 
     def as_dict(self) -> dict:
         def clean(a):
@@ -103,45 +149,97 @@ def combine(m: np.ndarray, *, worse_is_higher: bool, tolerance: float):
     return out, disputed, known_a ^ known_b
 
 
-def _matrices(index: dict[bytes, int], reports) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+@dataclass
+class _Claims:
+    """What the reports say, as matrices: direct figures (nan: not measured) and each
+    measurer's own claims."""
+
+    rtt: np.ndarray  # (N, N) measurer i's round trip to j
+    bw: np.ndarray
+    age: np.ndarray  # (N, N) age of i's figures of the link to j, s
+    compute: np.ndarray  # (N,)
+    codec: np.ndarray  # (N, CODEC_NS_LEN)
+    coords: list  # (N,) Coordinate or None
+    up: np.ndarray  # (N,) Gbps, nan unknown
+    down: np.ndarray
+
+
+def _matrices(index: dict[bytes, int], reports, now_wall: float | None) -> _Claims:
     n = len(index)
-    rtt = np.full((n, n), np.nan)
-    bw = np.full((n, n), np.nan)
-    compute = np.full(n, np.nan)
-    codec = np.full((n, CODEC_NS_LEN), np.nan)
+    c = _Claims(np.full((n, n), np.nan), np.full((n, n), np.nan), np.full((n, n), np.nan), np.full(n, np.nan),
+                np.full((n, CODEC_NS_LEN), np.nan), [None] * n, np.full(n, np.nan), np.full(n, np.nan))
     items = reports.items() if isinstance(reports, Mapping) else ((r.measurer, r) for r in reports)
     for key, r in items:
         i = index.get(r.measurer)
         if i is None or key != r.measurer:  # a report filed under another name speaks for nobody
             continue
         if np.isfinite(r.compute_ms) and r.compute_ms > 0:
-            compute[i] = r.compute_ms
+            c.compute[i] = r.compute_ms
         if len(r.codec_ns) == CODEC_NS_LEN and all(np.isfinite(v) and v >= 0 for v in r.codec_ns):
-            codec[i] = r.codec_ns
+            c.codec[i] = r.codec_ns
+        c.coords[i] = Coordinate.from_wire(r.coord)
+        if np.isfinite(r.up_gbps) and r.up_gbps > 0:
+            c.up[i] = r.up_gbps
+        if np.isfinite(r.down_gbps) and r.down_gbps > 0:
+            c.down[i] = r.down_gbps
+        since = 0.0 if now_wall is None else max(0.0, now_wall - r.timestamp)
         for e in r.entries:
             j = index.get(e.target)
             if j is None or j == i:
                 continue
             if np.isfinite(e.rtt_ms) and e.rtt_ms > 0:
-                rtt[i, j] = e.rtt_ms
+                c.rtt[i, j] = e.rtt_ms
+                c.age[i, j] = since + e.age_s
             if np.isfinite(e.bandwidth_gbps) and e.bandwidth_gbps > 0:  # 0: not measured yet
-                bw[i, j] = e.bandwidth_gbps
-    return rtt, bw, compute, codec
+                c.bw[i, j] = e.bandwidth_gbps
+    return c
+
+
+def _coordinate_rtt(coords: list) -> np.ndarray:
+    """(N, N) round trips predicted by the coordinates; nan where an end has none."""
+    n = len(coords)
+    have = [i for i, co in enumerate(coords) if co is not None]
+    out = np.full((n, n), np.nan)
+    if not have:
+        return out
+    vec = np.array([coords[i].vec for i in have])
+    height = np.array([coords[i].height for i in have])
+    dist = np.sqrt(((vec[:, None, :] - vec[None, :, :]) ** 2).sum(axis=2)) + height[:, None] + height[None, :]
+    out[np.ix_(have, have)] = dist
+    return out
 
 
 def build_view(peers, reports: Mapping[bytes, Report], *,
-               tolerance: float = DISAGREEMENT_RATIO) -> NetworkView:
+               tolerance: float = DISAGREEMENT_RATIO, estimate: bool = True,
+               now_wall: float | None = None) -> NetworkView:
     """The view over `peers` (rows in that order) from each measurer's report (a mapping from
-    measurer to its report, or an iterable of reports)."""
+    measurer to its report, or an iterable of reports). estimate: fill the links nobody
+    measured from the ends' coordinates and capacities. now_wall: the wall clock the ages are
+    counted to (None: ages as of each report's signing)."""
     if not tolerance >= 1.0:
         raise ValueError(f"tolerance is a ratio >= 1, got {tolerance}")
     peers = tuple(peers)
-    rtt, bw, compute, codec = _matrices({p: i for i, p in enumerate(peers)}, reports)
-    rtt, rtt_disputed, rtt_one = combine(rtt, worse_is_higher=True, tolerance=tolerance)
-    band, bw_disputed, bw_one = combine(bw, worse_is_higher=False, tolerance=tolerance)
+    n = len(peers)
+    c = _matrices({p: i for i, p in enumerate(peers)}, reports, now_wall)
+    rtt, rtt_disputed, rtt_one = combine(c.rtt, worse_is_higher=True, tolerance=tolerance)
+    band, bw_disputed, bw_one = combine(c.bw, worse_is_higher=False, tolerance=tolerance)
+    off = ~np.eye(n, dtype=bool)
+    delay_measured = off & np.isfinite(rtt)
+    bandwidth_measured = off & np.isfinite(band)
+    with np.errstate(all="ignore"):
+        age = np.fmax(c.age, c.age.T)
+    if estimate:
+        predicted = _coordinate_rtt(c.coords)
+        rtt = np.where(delay_measured, rtt, predicted)
+        cap = np.fmin(c.up, c.down)  # nan when either is unknown
+        cap = np.where(np.isfinite(c.up) & np.isfinite(c.down), cap, np.nan)
+        with np.errstate(all="ignore"):
+            pair = np.minimum(cap[:, None], cap[None, :])  # nan propagates: both ends must be known
+        band = np.where(bandwidth_measured, band, pair)
     delay = rtt / 2.0
     np.fill_diagonal(delay, 0.0)
     np.fill_diagonal(band, np.inf)
     complete = bool(np.all(np.isfinite(delay)) and np.all(~np.isnan(band)))
-    return NetworkView(peers, delay, band, compute, complete, rtt_disputed | bw_disputed,
-                       rtt_one | bw_one, codec)
+    return NetworkView(peers, delay, band, c.compute, complete, rtt_disputed | bw_disputed,
+                       rtt_one | bw_one, c.codec, delay_measured, bandwidth_measured,
+                       np.where(delay_measured | bandwidth_measured, age, np.nan))

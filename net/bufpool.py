@@ -9,7 +9,11 @@ A buffer is handed out as a `memoryview` of a numpy array that shares the pooled
 view, slice, numpy array or torch tensor made from it keeps that array alive, and only when the
 array is gone does the memory return to the pool (from whichever thread dropped it). A returned
 buffer still holds the old payload's bytes; the receiver overwrites all of it before it hands
-the new payload out. Free buffers are kept up to `max_bytes`; beyond that they are released.
+the new payload out. Free buffers are kept up to `max_bytes`, and at most `per_size` of each
+size (two by default: one being filled while the application holds the last); beyond that they
+are released. So the pool holds what a steady stream of payloads reuses, not what a burst once
+needed: after a ring all-reduce received dozens of buckets at once, or a stage transfer hundreds
+of chunks, all but two of a size go back to the system.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ def alloc_buffer(n: int) -> memoryview:
 
 
 class BufferPool:
-    def __init__(self, max_bytes: int, min_buffer_bytes: int = 1 << 20) -> None:
+    def __init__(self, max_bytes: int, min_buffer_bytes: int = 1 << 20, per_size: int = 2) -> None:
         self.max_bytes = max_bytes  # free buffers kept, in bytes
         self.min_buffer_bytes = min_buffer_bytes  # smaller buffers are not pooled
+        self.per_size = per_size  # free buffers kept of any one size
         self.free_bytes = 0
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -57,8 +62,9 @@ class BufferPool:
 
     def _give_back(self, memory: np.ndarray) -> None:
         with self._lock:
-            if self.free_bytes + memory.nbytes <= self.max_bytes:
-                self._free.setdefault(memory.nbytes, []).append(memory)
+            free = self._free.setdefault(memory.nbytes, [])
+            if self.free_bytes + memory.nbytes <= self.max_bytes and len(free) < self.per_size:
+                free.append(memory)
                 self.free_bytes += memory.nbytes
 
     def clear(self) -> None:

@@ -369,6 +369,8 @@ class PlaneSection:
     EMBEDDED_FLAGS: ClassVar[tuple[Flag, ...]] = (
         # Several daemons on one machine want 1 each; a machine of its own wants its core count.
         Flag("torch_threads", "--torch-threads", "torch threads of the stage worker", "N"),
+        # Each costs 12 bytes a parameter of this peer's stage; older ones are deleted.
+        Flag("checkpoints_kept", "--keep-checkpoints", "checkpoints kept per stage of each run, the newest", "K"),
     )
     # PlaneConfig fields that are no keys: the section sets them from its own fields.
     EMBEDDED_SET_BY_SECTION: ClassVar[tuple[str, ...]] = ("data_path", "tokenizer_path", "model_paths", "device")

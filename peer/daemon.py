@@ -29,6 +29,7 @@ from .config import DaemonConfig, ListenError
 from .discovery import Discovery
 from .paths import DataDir
 from .socket import ControlServer
+from .procmem import process_memory
 from .status import CORE_KEYS, REPLY_OVERHEAD_BYTES, fit_report
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class Daemon:
             "uptime_s": now - (self.started_at if self.started_at is not None else now),
             "peers": peers, "departed": departed,
             "refused": self.transport.refusals.to_wire(),
+            "memory": process_memory().to_wire(),
         }
         for name, provider in self._providers.items():
             report[name] = _provided(name, provider)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import math
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -67,8 +68,9 @@ def _version() -> str:
 class StatusCollector(Collector):
     """Metric families from one status snapshot per scrape (see the module docstring)."""
 
-    def __init__(self, snapshot: Snapshot):
+    def __init__(self, snapshot: Snapshot, clock: Callable[[], float] = time.time):
         self.snapshot = snapshot
+        self.clock = clock  # wall time, for the time since the run's last step
 
     def collect(self) -> Iterator[Metric]:
         st = self.snapshot()
@@ -79,6 +81,8 @@ class StatusCollector(Collector):
         yield from self._election(training)
         yield from self._training(training)
         yield from self._reconfiguration(_dict(training.get("last_reconfig")))
+        yield from self._run(_dict(training.get("issued")), self.clock())
+        yield from self._checkpoints(_dict(training.get("checkpoints")))
 
     # ---- the daemon and its transport ----------------------------------------------------------
 
@@ -92,6 +96,13 @@ class StatusCollector(Collector):
             yield GaugeMetricFamily("dtfm_uptime_seconds", "seconds since the daemon started", value=uptime)
         yield GaugeMetricFamily("dtfm_connected_peers", "peers with a live transport connection",
                                 value=len(_list(st.get("peers"))))
+        memory = _dict(st.get("memory"))
+        for name, key, text in (("dtfm_memory_resident_bytes", "rss_bytes", "the daemon's resident memory"),
+                                ("dtfm_memory_peak_resident_bytes", "peak_rss_bytes",
+                                 "the daemon's peak resident memory since it started")):
+            value = _num(memory.get(key))
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
         refused = CounterMetricFamily("dtfm_transport_refused_messages",
                                       "incoming messages the transport refused, by reason and message type",
                                       labels=["reason", "type"])
@@ -198,6 +209,15 @@ class StatusCollector(Collector):
             v = _num(value)
             if v is not None:
                 yield GaugeMetricFamily(name, text, value=v)
+        memory = _dict(t.get("memory"))
+        if memory:
+            stage = GaugeMetricFamily("dtfm_stage_memory_bytes", "this peer's stage's own state as of its last "
+                                      "step, by part", labels=["part"])
+            for part in ("weights", "grads", "optimizer", "snapshot", "activations"):
+                v = _num(memory.get(f"{part}_bytes"))
+                if v is not None:
+                    stage.add_metric([part], v)
+            yield stage
         iteration = GaugeMetricFamily("dtfm_train_iteration_seconds",
                                       "time of one training step: measured (the last step) and predicted "
                                       "(the scheduler's, for the current allocation)", labels=["kind"])
@@ -218,6 +238,58 @@ class StatusCollector(Collector):
             yield GaugeMetricFamily("dtfm_train_tokens_per_second", "tokens the swarm trained per second "
                                     "in the last step (global batch x sequence / iteration time)",
                                     value=tokens / measured)
+
+    def _run(self, issued: dict, now: float | None) -> Iterator[Metric]:
+        """The run as its coordinator counts it (on the coordinator only, also when it holds no
+        stage): how far, in what state, the steps, reconfigurations, rollbacks and steps lost it
+        counted since this daemon started, and the time since its last step."""
+        if not issued:
+            return
+        run = _short(issued.get("run_id"))
+        state = GaugeMetricFamily("dtfm_run_state", "1 for the run's state at its coordinator",
+                                  labels=["run_id", "state"])
+        state.add_metric([run, str(issued.get("state", ""))], 1.0)
+        yield state
+        for name, text, value in (
+                ("dtfm_run_steps_completed", "steps of the run completed (0..N)", issued.get("steps_done")),
+                ("dtfm_run_end_step", "the steps the run trains (N)", issued.get("end_step")),
+                ("dtfm_run_epoch", "the run's current epoch", issued.get("epoch"))):
+            v = _num(value)
+            if v is not None:
+                family = GaugeMetricFamily(name, text, labels=["run_id"])
+                family.add_metric([run], v)
+                yield family
+        counts = _dict(issued.get("counts"))
+        for name, key, text in (
+                ("dtfm_run_steps", "steps", "step lines this coordinator logged"),
+                ("dtfm_run_reconfigurations", "reconfigurations", "epochs this coordinator handed out after a run's first"),
+                ("dtfm_run_rollbacks", "rollbacks", "reconfigurations that ran completed steps again"),
+                ("dtfm_run_steps_lost", "steps_lost", "completed steps the rollbacks ran again")):
+            v = _num(counts.get(key))
+            if v is not None:
+                family = CounterMetricFamily(name, text, labels=["run_id"])
+                family.add_metric([run], v)
+                yield family
+        last = _num(counts.get("last_step_at"))
+        if last is not None and now is not None:
+            family = GaugeMetricFamily("dtfm_run_seconds_since_last_step", "seconds since the coordinator logged "
+                                       "the run's last step", labels=["run_id"])
+            family.add_metric([run], max(0.0, now - last))
+            yield family
+
+    def _checkpoints(self, disk: dict) -> Iterator[Metric]:
+        if not disk:
+            return
+        for name, key, text in (("dtfm_checkpoint_bytes", "bytes", "bytes of this peer's checkpoints on disk"),
+                                ("dtfm_checkpoints_kept", "kept", "checkpoints kept per stage of each run")):
+            v = _num(disk.get(key))
+            if v is not None:
+                yield GaugeMetricFamily(name, text, value=v)
+        for name, key, text in (("dtfm_checkpoints_saved", "saved", "checkpoints this daemon wrote"),
+                                ("dtfm_checkpoints_refused", "refused", "checkpoint writes the disk refused")):
+            v = _num(disk.get(key))
+            if v is not None:
+                yield CounterMetricFamily(name, text, value=v)
 
     def _reconfiguration(self, r: dict) -> Iterator[Metric]:
         """The coordinator's last reconfiguration (other peers have none to show)."""

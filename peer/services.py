@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from .speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
 logger = logging.getLogger(__name__)
 
 MAX_CUT_PEERS = 4096
+MAX_CLOCK_JUMP_S = 86400.0 * 365  # an emulated wall-clock jump, either way
 
 
 def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:
@@ -143,6 +145,7 @@ class GossipPart:
         self.shaper = shaper
         self.service: GossipService | None = None  # once `run` has started it
         self._left = False
+        self.clock_jump_s = 0.0  # an emulated jump of this peer's wall clock (the `emulate` op): gossip's signed times
         self.codec_ns, self.codec_probe = codec_speed_setting(config)  # (ConfigError here, before the daemon starts)
 
     async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -159,7 +162,8 @@ class GossipPart:
                                 region=config.peer.region, compute_ms=compute_ms,
                                 address=_advertised(daemon), codec_ns=codec_ns,
                                 codec_probe=speed.codec_ns if speed is not None and codec_ns is None else None,
-                                compute_probe=speed.compute_ms if speed is not None else compute_speed_ms)
+                                compute_probe=speed.compute_ms if speed is not None else compute_speed_ms,
+                                wall_clock=lambda: time.time() + self.clock_jump_s)
         daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
@@ -209,6 +213,11 @@ class GossipPart:
             raise ControlCommandError("this peer emulates no links: start it with --emulate")
         if args.get("heal") is True:
             shaper.heal()
+        jump = args.get("clock_jump_s")
+        if jump is not None:  # this peer's wall clock jumps (NTP stepping it, a VM resumed): its signed times
+            if type(jump) not in (int, float) or not abs(jump) <= MAX_CLOCK_JUMP_S:
+                raise ControlCommandError(f"clock_jump_s must be a number of seconds within +-{MAX_CLOCK_JUMP_S:g}")
+            self.clock_jump_s = float(jump)
         cut = args.get("cut", [])
         if not isinstance(cut, list) or len(cut) > MAX_CUT_PEERS:
             raise ControlCommandError("cut must be a list of peer ids (hex)")
@@ -217,7 +226,7 @@ class GossipPart:
                 shaper.cut(peer_id=bytes.fromhex(ref))
             except (TypeError, ValueError):
                 raise ControlCommandError(f"bad peer id {ref!r}: give 64 hex digits") from None
-        return {"cut_peers": sorted(p.hex() for p in shaper.cut_peers)}
+        return {"cut_peers": sorted(p.hex() for p in shaper.cut_peers), "clock_jump_s": self.clock_jump_s}
 
 
 class PlanePart:

@@ -27,7 +27,7 @@ from typing import Any, TypeGuard
 from dtfm.net import pack
 
 CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "pid", "data_dir",
-                       "uptime_s", "peers", "departed", "refused", "truncated"})
+                       "uptime_s", "peers", "departed", "refused", "truncated", "memory"})
 FORMATTED_KEYS = frozenset({"gossip", "training"})  # sections printed in words, not as JSON
 
 # gossip/view.py's DISAGREEMENT_RATIO, repeated here so that `dtfm-peer status` imports no numpy;
@@ -104,6 +104,9 @@ def format_text(report: dict[str, Any], now: float | None = None) -> str:
         f"uptime    {format_duration(float(report.get('uptime_s', 0)))}",
         f"data dir  {report.get('data_dir', '?')}",
     ]
+    memory = format_memory(report)
+    if memory:
+        lines.append(f"memory    {memory}")
     peers = report.get("peers") or []
     lines.append(f"peers     {len(peers)} connected")
     if peers:
@@ -139,6 +142,30 @@ def format_text(report: dict[str, Any], now: float | None = None) -> str:
     if _in_words(training):
         lines += format_training(training, time.time() if now is None else now)
     return "\n".join(lines)
+
+
+def format_memory(report: dict[str, Any]) -> str:
+    """The process's resident memory now and at its peak, and the peak against the stage's own
+    state when the peer holds a stage (the training section's `memory`); "" when not reported."""
+    mem = report.get("memory")
+    if not isinstance(mem, dict):
+        return ""
+    peak = mem.get("peak_rss_bytes")
+    text = f"resident {format_bytes(mem.get('rss_bytes'), missing='?')}, peak {format_bytes(peak, missing='?')}"
+    training = report.get("training")
+    stage = training.get("memory") if isinstance(training, dict) else None
+    state = stage.get("stage_bytes") if isinstance(stage, dict) else None
+    if isinstance(state, int) and state > 0 and isinstance(peak, int):
+        text += f" ({peak / state:.2f}x the stage's state)"
+    return text
+
+
+def format_stage_memory(mem: dict) -> str:
+    """The training section's `memory` (the stage's own state) in words."""
+    parts = [f"{name} {format_bytes(mem.get(key))}" for name, key in (
+        ("weights", "weights_bytes"), ("gradients", "grads_bytes"), ("optimizer", "optimizer_bytes"),
+        ("snapshot", "snapshot_bytes"), ("activations", "activations_bytes"))]
+    return f"stage state {format_bytes(mem.get('stage_bytes'))}: " + ", ".join(parts)
 
 
 def format_status_text(report: dict[str, Any], now: float | None = None) -> str:
@@ -394,13 +421,29 @@ def format_training(t: dict, now: float) -> list[str]:
                      + f"{last.get('iteration_s', 0.0):.3f} s"
                      + (", sent " + ", ".join(f"{k} {format_bytes(v)}" for k, v in sent.items())
                         if isinstance(sent, dict) else ""))
+    memory = t.get("memory")
+    if isinstance(memory, dict):
+        lines.append(f"{pad}{format_stage_memory(memory)}")
     issued = t.get("issued")
     if isinstance(issued, dict):
         lines.append(f"{pad}{format_issued(issued)}")
     end = t.get("last_end")
     if isinstance(end, dict):
         lines.append(f"{pad}{format_epoch_end(end, t)}")
+    disk = t.get("checkpoints")
+    if isinstance(disk, dict) and (disk.get("bytes") or disk.get("refusal")):
+        lines.append(f"{pad}{format_checkpoints(disk)}")
     return lines
+
+
+def format_checkpoints(disk: dict) -> str:
+    """`checkpoints 3.1 MB on disk (the newest 3 per stage of each run kept)`, and the last write
+    the disk refused, until one succeeds."""
+    line = (f"checkpoints {format_bytes(disk.get('bytes') or 0)} on disk (the newest {disk.get('kept', '?')} per "
+            f"stage of each run kept) in {disk.get('path', '?')}")
+    if disk.get("refusal"):
+        line += f"; REFUSED ({disk.get('refused', 1)} so far): {disk['refusal']}"
+    return line
 
 
 def format_issued(issued: dict) -> str:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .cost import CostModel
+
 __all__ = [
     "aligned_blocks",
+    "constructions",
     "consecutive",
     "dp_aligned",
     "given",
@@ -104,3 +107,19 @@ def given(pipelines, n: int) -> tuple[np.ndarray, np.ndarray]:
     if len(np.unique(X)) != X.size:
         raise ValueError("an initial allocation places a peer twice")
     return X.copy(), np.setdiff1d(np.arange(n, dtype=np.int64), X.ravel())
+
+
+def constructions(model: CostModel, S: int, D: int, regions, rng: np.random.Generator,
+                  count: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The starting allocations of a search: every construction above for the locality order,
+    the same over peers sorted fastest first when speeds differ, and `count` random ones."""
+    order = locality_order(model.hop, regions)
+    seeds = [dp_aligned(order, S, D), pp_aligned(order, S, D), consecutive(model.n, S, D)]
+    seeds += [aligned_blocks(order, regions, S, D, b) for b in range(2, S) if S % b == 0]
+    if model.compute_on and np.ptp(model.speed) > 0:
+        # fastest first: the slowest peers become spares, and groups of like speed let the
+        # uneven split give slow groups fewer layers
+        fast = order[np.argsort(-model.speed[order], kind="stable")]
+        seeds += [dp_aligned(fast, S, D), pp_aligned(fast, S, D)]
+    seeds += [random_allocation(model.n, S, D, rng) for _ in range(count)]
+    return seeds

@@ -34,10 +34,16 @@ from .compression import CodecAssignment, CompressionOptions, DataParallelCodec,
 from .layers import split_layers
 from .spec import Workload
 
-__all__ = ["CostModel", "CostBreakdown", "INFEASIBLE_PENALTY_S"]
+__all__ = ["CostModel", "CostBreakdown", "INFEASIBLE_PENALTY_S", "nearly_symmetric", "paper_breakdown"]
 
 # Cost added per layer that does not fit in memory: large enough that any feasible allocation wins.
 INFEASIBLE_PENALTY_S = 1e4
+
+
+def nearly_symmetric(m: np.ndarray) -> bool:
+    """np.allclose(m, m.T) for finite matrices, without its general (inf, nan) handling: a
+    third of the time on the large matrices the search checks."""
+    return bool(np.all(np.abs(m - m.T) <= 1e-8 + 1e-5 * np.abs(m.T)))
 
 
 @dataclass(frozen=True)
@@ -287,3 +293,42 @@ class CostModel:
         wl = self.workload
         return wl.grad_gb(wl.layers / wl.stages)
 
+
+
+def paper_breakdown(delay_ms, bandwidth_gbps, workload: Workload, X: np.ndarray) -> CostBreakdown:
+    """The paper objective of allocation X, reading only the links it uses: each DP group's
+    D x D block and each boundary's D hops. For networks too large for a `CostModel` (which holds
+    several N x N matrices); the matrices may be float32 or memory-mapped. The same arithmetic as
+    `CostModel.breakdown` (bit for bit on float64 inputs and an X of the same memory layout) for
+    an even split without extensions."""
+    X = np.asarray(X, dtype=np.int64)
+    S, D = X.shape
+    wl = workload
+    if not wl.uniform_layers or S != wl.stages or D != wl.dp:
+        raise ValueError(f"paper_breakdown needs the workload's shape {wl.stages} x {wl.dp} with an even split, "
+                         f"got {S} x {D}")
+    g = np.full(S, wl.grad_gb(wl.layers // S))
+    a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, (X[:, :, None], X[:, None, :]))  # (S, D, D)
+    A = (2 * a).sum(axis=2)
+    B = (2 * inv_b / D).sum(axis=2)
+    dp_stage = (A + g[:, None] * B).max(axis=1)
+    if S > 1:
+        a, inv_b = _link_blocks(delay_ms, bandwidth_gbps, (X[:-1], X[1:]))
+        bound = (a + wl.act_gb * inv_b).max(axis=1)
+    else:
+        bound = np.zeros(0)
+    return CostBreakdown(dp_s=float(dp_stage.max()), pp_s=float(bound.sum()), compute_s=0.0, penalty_s=0.0,
+                         layers=tuple([wl.layers // S] * S), dp_stage_s=tuple(float(v) for v in dp_stage),
+                         boundary_s=tuple(float(v) for v in bound))
+
+
+def _link_blocks(delay_ms, bandwidth_gbps, ix) -> tuple[np.ndarray, np.ndarray]:
+    """(latency s, seconds per GB) of the links indexed by ix, as the cost model computes them:
+    zero on a peer's link to itself."""
+    a = np.asarray(delay_ms[ix], dtype=float) / 1e3  # indexed as the model gathers, so sums add up alike
+    bw = np.asarray(bandwidth_gbps[ix], dtype=float)
+    same = np.broadcast_to(ix[0] == ix[1], a.shape)
+    inv_b = np.zeros_like(a)
+    inv_b[~same] = 8.0 / bw[~same]
+    a[same] = 0.0
+    return a, inv_b

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import CostModel
+from .cost import CostModel, nearly_symmetric
 
 __all__ = ["SwapSearch"]
 
@@ -28,7 +28,7 @@ class SwapSearch:
         self.m = model
         self.rng = rng
         self.deadline = deadline  # callable -> True when time is up
-        self.symmetric = bool(np.allclose(model.dp_a, model.dp_a.T) and np.allclose(model.dp_b, model.dp_b.T))
+        self.symmetric = nearly_symmetric(model.dp_a) and nearly_symmetric(model.dp_b)
         self.moves = 0
         self.scored = 0
 
@@ -277,12 +277,15 @@ class SwapSearch:
             improved |= self._try_peer(*divmod(int(pos), D))
         return improved
 
-    def run(self, X: np.ndarray, Z: np.ndarray, max_sweeps: int = 50) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, X: np.ndarray, Z: np.ndarray, max_sweeps: int = 50,
+            focus: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Swap until a full sweep over all peers finds no gain (or time is up).
 
         With the paper objective, sweeps over the critical peers alone come first (they are
         few, and only they can lower the cost); a full sweep then looks for swaps that lower
         the secondary score (the sum of the groups' DP costs and of all hops) before the next round.
+        focus: peer indices; the full sweeps then visit only the positions of these peers (and
+        the critical ones), where a perturbation of a few peers left its traces.
         """
         self._load(X.copy(), Z.copy())
         S, D = X.shape
@@ -295,7 +298,10 @@ class SwapSearch:
                         return self.X, self.Z
                     if not found:
                         break
-            found = self._sweep(everyone)
+            if focus is None:
+                found = self._sweep(everyone)
+            else:
+                found = self._sweep(np.union1d(np.flatnonzero(np.isin(self.X.ravel(), focus)), self._critical()))
             if not found:
                 break
         return self.X, self.Z

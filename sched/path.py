@@ -8,6 +8,7 @@ visiting b right after a.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
@@ -110,10 +111,12 @@ def _or_opt(E: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, bool]:
     return order, False
 
 
-def _heuristic(E: np.ndarray, starts: int = 8) -> tuple[float, list[int]]:
+def _heuristic(E: np.ndarray, starts: int = 8, stop: Callable[[], bool] | None = None) -> tuple[float, list[int]]:
     n = E.shape[0]
     best_cost, best = np.inf, None
     for start in range(min(starts, n)):
+        if best is not None and stop is not None and stop():
+            break
         seen = np.zeros(n, dtype=bool)
         order = [start]
         seen[start] = True
@@ -134,12 +137,14 @@ def _heuristic(E: np.ndarray, starts: int = 8) -> tuple[float, list[int]]:
     return best_cost, [int(v) for v in best]
 
 
-def open_path(E: np.ndarray, exact_max_nodes: int = EXACT_MAX_NODES) -> tuple[float, list[int]]:
-    """(cost, order): the cheapest open path visiting every node once (exact up to the limit)."""
+def open_path(E: np.ndarray, exact_max_nodes: int = EXACT_MAX_NODES,
+              stop: Callable[[], bool] | None = None) -> tuple[float, list[int]]:
+    """(cost, order): the cheapest open path visiting every node once (exact up to the limit).
+    stop: beyond the limit, once it returns True no further nearest-neighbour start is tried."""
     E = np.asarray(E, dtype=float)
     n = E.shape[0]
     if n == 1:
         return 0.0, [0]
     if n <= exact_max_nodes:
         return _held_karp(E)
-    return _heuristic(E)
+    return _heuristic(E, stop=stop)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel
+from .cost import CostModel, nearly_symmetric
 from .local import SwapSearch
-from .matching import bottleneck_matching
+from .matching import bottleneck_matching, bottleneck_value
 from .path import EXACT_MAX_NODES, open_path
 
 __all__ = ["SearchConfig", "SEARCH_PROFILES", "ShapeSearch"]
@@ -34,10 +35,37 @@ class SearchConfig:
     #                              with pipelines re-matched exactly (slow, but escapes more local optima)
     warm_only: bool = False  # with solve(initial=): start from it alone (no constructions, no random
     #                          starts); with generations=0 a local repair that stays near it
+    start_share: float = 0.5  # share of a shape's time that polishing the starting allocations may
+    #                           take (the cheapest start is polished first); the rest is evolution's
+    lean_min_peers: int = 512  # from here on, evolution rounds perturb neighbouring stages and polish
+    #                            only the critical and perturbed peers, and no random partitions are
+    #                            drawn (polishing one costs as much as many rounds); below, as before
+    cpu_clock: bool = False  # count the budget in this process's CPU seconds, not wall-clock: on a
+    #                          shared machine, the time the search itself was given
+    lean_sweeps: int = 1  # rounds of critical-then-moved sweeps polishing a lean round's child
+    hierarchy_seed_share: float = 0.4  # from lean_min_peers on, for the paper objective: this share of
+    #                                    a shape's time builds a start by hierarchy (often the best start)
+    hierarchy_min_peers: int = 4096  # from here on, solve() schedules by hierarchy (sched/hierarchy.py)
+    #                                  when the objective is the paper's; fewer: one flat search
+    cluster_max_peers: int = 2048  # the hierarchy's largest cluster, searched flat (its matrices are
+    #                                cluster_max_peers^2 floats each)
+
+    def clock(self) -> Callable[[], float]:
+        return time.process_time if self.cpu_clock else time.perf_counter
 
     def __post_init__(self) -> None:
         if self.time_budget_s <= 0:
             raise ValueError("time_budget_s must be positive")
+        if not 0 < self.start_share <= 1:
+            raise ValueError("start_share must lie in (0, 1]")
+        if self.lean_min_peers < 1:
+            raise ValueError("lean_min_peers must be positive")
+        if not 0 <= self.hierarchy_seed_share < 1:
+            raise ValueError("hierarchy_seed_share must lie in [0, 1)")
+        if self.lean_sweeps < 1:
+            raise ValueError("lean_sweeps must be positive")
+        if self.hierarchy_min_peers < 1 or self.cluster_max_peers < 2:
+            raise ValueError("hierarchy_min_peers must be positive and cluster_max_peers at least 2")
         if self.population < 2:
             raise ValueError("population must be at least 2")
         if self.generations is not None and self.generations < 0:
@@ -53,13 +81,16 @@ SEARCH_PROFILES = {
 
 class ShapeSearch:
     def __init__(self, model: CostModel, S: int, D: int, config: SearchConfig, seed: int,
-                 deadline_s: float) -> None:
+                 deadline_s: float, clock: Callable[[], float] = time.perf_counter) -> None:
         self.m = model
         self.S, self.D = S, D
         self.cfg = config
         self.rng = np.random.default_rng(seed)
+        self.clock = clock
         self.deadline_s = deadline_s
-        self.symmetric = bool(np.allclose(model.hop, model.hop.T))
+        self.phase_deadline_s = deadline_s  # the end of the current phase (starts, then evolution)
+        self.lean = model.n >= config.lean_min_peers
+        self.symmetric = nearly_symmetric(model.hop)
         self._pairs: dict[tuple[bytes, bytes], float] = {}  # bottleneck value of two groups
         self._realized: dict[bytes, np.ndarray] = {}  # partition -> its realized pipelines
         self.local = SwapSearch(model, self.rng, self.out_of_time)
@@ -67,7 +98,7 @@ class ShapeSearch:
         self.realized = 0
 
     def out_of_time(self) -> bool:
-        return time.perf_counter() >= self.deadline_s
+        return self.clock() >= min(self.deadline_s, self.phase_deadline_s)
 
     # -- matchings and path ---------------------------------------------------------------
     def _edge(self, a: np.ndarray, b: np.ndarray) -> float:
@@ -76,14 +107,15 @@ class ShapeSearch:
             key = (key[1], key[0])
         v = self._pairs.get(key)
         if v is None:
-            v = bottleneck_matching(self.m.hop[np.ix_(a, b)])[0]
+            v = bottleneck_value(self.m.hop[np.ix_(a, b)])
             if len(self._pairs) > 200_000:
                 self._pairs.clear()
             self._pairs[key] = v
         return v
 
     def realize(self, X: np.ndarray) -> np.ndarray:
-        """The best stage order and pipelines for the DP groups in X's rows."""
+        """The best stage order and pipelines for the DP groups in X's rows (X itself when time
+        runs out while the coarsened graph is built)."""
         S = self.S
         if S == 1:
             return X.copy()
@@ -95,12 +127,14 @@ class ShapeSearch:
         self.realized += 1
         E = np.zeros((S, S))
         for a in range(S):
+            if self.lean and self.out_of_time():
+                return X.copy()
             for b in range(S):
                 if a != b and (not self.symmetric or b > a):
                     E[a, b] = self._edge(X[a], X[b])
                     if self.symmetric:
                         E[b, a] = E[a, b]
-        _, order = open_path(E, self.cfg.exact_path_max_stages)
+        _, order = open_path(E, self.cfg.exact_path_max_stages, stop=self.out_of_time if self.lean else None)
         out = np.empty_like(X)
         out[0] = X[order[0]]
         for k in range(1, S):
@@ -112,8 +146,10 @@ class ShapeSearch:
         self._realized[key] = out.copy()
         return out
 
-    def polish(self, X: np.ndarray, Z: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        """Local search and realize, alternated while either improves."""
+    def polish(self, X: np.ndarray, Z: np.ndarray,
+               focus: np.ndarray | None = None) -> tuple[float, np.ndarray, np.ndarray]:
+        """Local search and realize, alternated while either improves. focus: peers whose swaps
+        are tried besides the critical ones (the rest are left alone); None: every peer."""
         best = self.m.total(X)
         while True:
             R = self.realize(X)
@@ -122,7 +158,7 @@ class ShapeSearch:
                 X, best = R, r
             if self.out_of_time():
                 return best, X, Z
-            X2, Z2 = self.local.run(X, Z)
+            X2, Z2 = self.local.run(X, Z, max_sweeps=50 if focus is None else self.cfg.lean_sweeps, focus=focus)
             c = self.m.total(X2)
             if c < best - 1e-12:
                 X, Z, best = X2, Z2, c
@@ -226,19 +262,46 @@ class ShapeSearch:
                 X[s, p], X[t, q] = X[t, q], X[s, p]
         return X, Z
 
+    def nudge(self, X: np.ndarray, Z: np.ndarray, swaps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Random swaps between neighbouring stages (or with a spare): a perturbation that stays
+        near a good allocation of many peers, where a swap across the whole allocation would
+        mostly be undone. Returns the new X, spares and the peers moved."""
+        X, Z = X.copy(), Z.copy()
+        S, D = X.shape
+        moved = []
+        for _ in range(swaps):
+            s, p = int(self.rng.integers(S)), int(self.rng.integers(D))
+            if len(Z) and (S == 1 or self.rng.random() < 0.2):
+                k = int(self.rng.integers(len(Z)))
+                moved += [int(X[s, p]), int(Z[k])]
+                X[s, p], Z[k] = Z[k], X[s, p]
+            elif S > 1:
+                t = s + 1 if s == 0 or (s < S - 1 and self.rng.random() < 0.5) else s - 1
+                q = int(self.rng.integers(D))
+                moved += [int(X[s, p]), int(X[t, q])]
+                X[s, p], X[t, q] = X[t, q], X[s, p]
+        return X, Z, np.array(moved, dtype=np.int64)
+
     def run(self, seeds: list[tuple[np.ndarray, np.ndarray]]) -> tuple[float, np.ndarray, np.ndarray]:
         """Polish the seeds, then evolve; returns the best (cost, X, spares) found in time.
 
-        Rounds alternate between a child of two members of the population (crossover of their
-        DP groups, then a few random swaps) and a random kick of the best allocation so far;
-        every fourth round starts afresh from a random partition.
+        The starts may take `start_share` of the time; the cheapest is polished first. Rounds
+        alternate between a child of two members of the population (crossover of their DP
+        groups, then a few random swaps) and a random kick of the best allocation so far; every
+        fourth round starts afresh from a random partition. With many peers (`lean_min_peers`)
+        kicks swap peers of neighbouring stages, each round polishes only the critical and the
+        moved peers, and the fourth round kicks another member of the population instead.
         """
+        t0 = self.clock()
+        self.phase_deadline_s = t0 + self.cfg.start_share * (self.deadline_s - t0)
         pop: list[tuple[float, np.ndarray, np.ndarray]] = []
         # every construction, as given and re-matched, is a candidate; the cheapest are polished first
         starts = []
+        # with many peers, re-matching every start would take the time of polishing one
+        realize_until = t0 + self.cfg.start_share * (self.deadline_s - t0) / 2 if self.lean else np.inf
         for k, (X, Z) in enumerate(seeds):
             start = (self.m.total(X), k, X, Z)
-            if not self.out_of_time():
+            if not self.out_of_time() and (k == 0 or self.clock() < realize_until):
                 R = self.realize(X)
                 start = min(start, (self.m.total(R), k, R, Z), key=lambda c: c[0])
             starts.append(start)
@@ -246,17 +309,29 @@ class ShapeSearch:
         best = (starts[0][0], starts[0][2], starts[0][3])
         for _, k, X, Z in starts:
             if self.out_of_time() and pop:
+                if self.lean:  # unpolished, still material for crossover
+                    pop.append((self.m.total(X), X, Z))
+                    continue
                 break
             cand = self.polish(X, Z)
             pop.append(cand)
             if cand[0] < best[0] - 1e-12:
                 best = cand
         pop.sort(key=lambda c: c[0])
+        self.phase_deadline_s = self.deadline_s
         while not self.out_of_time():
             if self.cfg.generations is not None and self.generations >= self.cfg.generations:
                 break
             self.generations += 1
-            if self.generations % 4 == 0:  # restart from a random partition: keeps exploring
+            focus = None
+            if self.lean:  # mutation and selection only: a crossover of two allocations of many
+                #            peers mixes layouts that do not fit together, and polishing it costs many rounds
+                if self.generations % 2 == 0 and len(pop) > 1:  # another member: keeps exploring
+                    _, X0, Z0 = pop[int(self.rng.integers(1, len(pop)))]
+                else:
+                    _, X0, Z0 = best
+                X, Z, focus = self.nudge(X0, Z0, int(self.rng.integers(2, 9)))
+            elif self.generations % 4 == 0:  # restart from a random partition: keeps exploring
                 perm = self.rng.permutation(self.m.n).astype(np.int64)
                 X, Z = perm[:self.S * self.D].reshape(self.S, self.D), perm[self.S * self.D:]
             elif self.generations % 2 or len(pop) < 2:  # iterated local search: kick the best
@@ -267,7 +342,7 @@ class ShapeSearch:
                 a, b = sorted((int(i), int(j)))  # the better of two picks leads (pop is sorted)
                 X, Z = self.crossover(pop[a][1], pop[b][1])
                 X, Z = self.mutate(X, Z, self.cfg.mutation_swaps)
-            cand = self.polish(X, Z)
+            cand = self.polish(X, Z, focus)
             if cand[0] < best[0] - 1e-12:
                 best = cand
             if any(abs(cand[0] - c[0]) <= 1e-12 for c in pop):

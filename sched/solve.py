@@ -14,17 +14,22 @@ it under the search's objective and, among equally cheap allocations, stays clos
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .construct import aligned_blocks, consecutive, dp_aligned, given, locality_order, pp_aligned, random_allocation
+from .construct import constructions, given
 from .compression import CompressionOptions
-from .cost import CostBreakdown, CostModel
+from .cost import CostBreakdown, CostModel, paper_breakdown
+from .hierarchy import solve_hierarchy
 from .search import SearchConfig, ShapeSearch
 from .spec import CommSpec, ModelSpec
 
 __all__ = ["Allocation", "solve", "evaluate", "candidate_shapes", "cost_model"]
+
+# one shape's result: (searched objective, how to cost an allocation, X, spares, statistics)
+_Found = tuple[float, Callable[[np.ndarray], CostBreakdown], np.ndarray, np.ndarray, dict]
 
 
 @dataclass(frozen=True)
@@ -99,32 +104,53 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
     return shapes
 
 
-def _seeds(model: CostModel, S: int, D: int, regions, rng, count: int):
-    order = locality_order(model.hop, regions)
-    seeds = [dp_aligned(order, S, D), pp_aligned(order, S, D), consecutive(model.n, S, D)]
-    seeds += [aligned_blocks(order, regions, S, D, b) for b in range(2, S) if S % b == 0]
-    if model.compute_on and np.ptp(model.speed) > 0:
-        # fastest first: the slowest peers become spares, and groups of like speed let the
-        # uneven split give slow groups fewer layers
-        fast = order[np.argsort(-model.speed[order], kind="stable")]
-        seeds += [dp_aligned(fast, S, D), pp_aligned(fast, S, D)]
-    seeds += [random_allocation(model.n, S, D, rng) for _ in range(count)]
-    return seeds
-
-
 def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
-                 regions, seed, deadline_s, config, initial=None,
-                 compression=None) -> tuple[float, CostModel, np.ndarray, np.ndarray, dict]:
+                 regions, seed, deadline_s, config, initial=None, compression=None,
+                 hierarchy_seed: bool = False) -> _Found:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
-    search = ShapeSearch(model, S, D, config, seed, deadline_s)
-    seeds = _seeds(model, S, D, regions, np.random.default_rng([seed, 1]), config.random_seeds)
+    clock = config.clock()
+    tree = None
+    if hierarchy_seed and model.n >= config.lean_min_peers and config.hierarchy_seed_share > 0:
+        now = clock()
+        tree = solve_hierarchy(delay_ms, bandwidth_gbps, model.workload, regions=regions, seed=seed,
+                               deadline_s=now + config.hierarchy_seed_share * max(deadline_s - now, 0.0),
+                               config=config, clock=clock)
+    search = ShapeSearch(model, S, D, config, seed, deadline_s, clock=clock)
+    count = config.random_seeds if model.n < config.lean_min_peers else 0
+    seeds = constructions(model, S, D, regions, np.random.default_rng([seed, 1]), count)
+    if tree is not None:  # a construction like the others (first: on a tie it wins)
+        seeds = [(tree.X, tree.spares)] + seeds
     if initial is not None:  # first: on a tie with a construction the warm start wins
         seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
     stats = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
-    return cost, model, X, Z, stats
+    if tree is not None:
+        stats["hierarchy_start"] = {"cost_s": model.total(tree.X), "generations": tree.stats["generations"]}
+    return cost, model.breakdown, X, Z, stats
+
+
+def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, seed, deadline_s,
+                              config) -> _Found:
+    wl = spec.workload(S, D)
+    res = solve_hierarchy(delay_ms, bandwidth_gbps, wl, regions=regions, seed=seed, deadline_s=deadline_s,
+                          config=config, clock=config.clock())
+
+    def score(X: np.ndarray) -> CostBreakdown:
+        return paper_breakdown(delay_ms, bandwidth_gbps, wl, X)
+
+    return score(res.X).total_s, score, res.X, res.spares, {"hierarchy": True, **res.stats}
+
+
+def _paper_objective_only(spec, shapes, *, compute, memory_gib, uneven_layers, compression, initial) -> bool:
+    """True when the hierarchy computes the same objective the flat search would."""
+    if compute is not None or memory_gib is not None or uneven_layers or initial is not None:
+        return False
+    if compression is not None and not compression.exact:
+        return False
+    return all(spec.workload(S, D).uniform_layers and spec.workload(S, D).layer_compute_s is None
+               for S, D in shapes)
 
 
 def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec, *,
@@ -132,7 +158,7 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
           memory_gib: np.ndarray | None = None, regions=None, seed: int = 0,
           time_budget_s: float = 20.0, generations: int | None = None, allow_spares: bool = True,
           uneven_layers: bool = False, config: SearchConfig | None = None, initial=None,
-          compression: CompressionOptions | None = None) -> Allocation:
+          compression: CompressionOptions | None = None, hierarchical: bool | None = None) -> Allocation:
     """Search an allocation of the N peers of the (N, N) matrices for the model in `spec`.
 
     stages: an int, "auto" (every shape in candidate_shapes, best returned), or None (the
@@ -143,11 +169,17 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     only that shape's; ValueError if no shape tried has it). None (the default) changes nothing.
     compression: the codecs each link and DP group may use (the cost of a link or group is its
     cheapest allowed codec's); None: exact, the paper's objective.
+    hierarchical: schedule by hierarchy (clusters of peers, then inside them: sched/hierarchy.py);
+    None: from `config.hierarchy_min_peers` peers on, when the objective is the paper's alone
+    (no compute, memory, uneven layers, compression or warm start); True with any of these is a
+    ValueError. The delay and bandwidth matrices may then be float32: only blocks are read.
     """
-    start = time.perf_counter()
+    wall = time.perf_counter()
     n = np.asarray(delay_ms).shape[0]
     warm = None if initial is None else given(initial, n)
     cfg = config or SearchConfig(time_budget_s=time_budget_s, generations=generations)
+    clock = cfg.clock()
+    start = clock()
     if stages is None:
         d = getattr(spec, "default_stages", 0) * getattr(spec, "default_dp", 0)
         stages = getattr(spec, "default_stages", None) if 0 < d <= n else "auto"
@@ -177,19 +209,35 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
         S0, D0 = warm[0].shape
         raise ValueError(f"the initial allocation is {S0} stages x {D0} pipelines, a shape this search "
                          f"does not try ({', '.join(f'{a} x {b}' for a, b in shapes)})")
+    paper_only = _paper_objective_only(spec, shapes, compute=compute, memory_gib=memory_gib,
+                                       uneven_layers=uneven_layers, compression=compression, initial=initial)
+    if hierarchical and not paper_only:
+        raise ValueError("the hierarchical search schedules the paper objective alone, with an even split: "
+                         "no compute, memory, uneven layers, compression or initial allocation")
+    by_hierarchy = paper_only if hierarchical is None and n >= cfg.hierarchy_min_peers else bool(hierarchical)
     best = None
     for k, (S, D) in enumerate(shapes):
-        share = (cfg.time_budget_s - (time.perf_counter() - start)) / (len(shapes) - k)
-        deadline = time.perf_counter() + max(share, 0.0)
+        share = (cfg.time_budget_s - (clock() - start)) / (len(shapes) - k)
+        deadline = clock() + max(share, 0.0)
+        if by_hierarchy:
+            found = _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, regions=regions, seed=seed,
+                                              deadline_s=deadline, config=cfg)
+            if best is None or found[0] < best[0] - 1e-12:
+                best = found
+            continue
         found = _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                              uneven_layers=uneven_layers, regions=regions, seed=seed,
-                             deadline_s=deadline, config=cfg, compression=compression,
+                             deadline_s=deadline, config=cfg, compression=compression, hierarchy_seed=paper_only,
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
-    _, model, X, Z, stats = best
-    bd = model.breakdown(X)
+    _, score, X, Z, stats = best
+    pipelines = tuple(tuple(int(v) for v in col) for col in X.T)
+    # the cost of the printed pipelines, computed as `evaluate` computes it from them
+    bd = score(np.array(pipelines, dtype=np.int64).T)
     stats["shapes_tried"] = len(shapes)
-    return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=tuple(tuple(int(v) for v in col) for col in X.T),
+    if cfg.cpu_clock:
+        stats["cpu_s"] = clock() - start
+    return Allocation(stages=X.shape[0], dp=X.shape[1], pipelines=pipelines,
                       spares=tuple(sorted(int(z) for z in Z)), layers=bd.layers, cost=bd,
-                      elapsed_s=time.perf_counter() - start, seed=seed, stats=stats)
+                      elapsed_s=time.perf_counter() - wall, seed=seed, stats=stats)

@@ -241,13 +241,18 @@ def _reap(pid: int, wait_s: float = 0.0) -> None:
 
 # ---- convergence ----------------------------------------------------------------------------
 
-def swarm_view(report: dict) -> tuple[int, int, int]:
-    """(alive members, measured links, expected links) as one peer's status reports them."""
+def swarm_view(report: dict) -> tuple[int, int, int, bool]:
+    """(alive members, measured links, expected links, ready) as one peer's status reports
+    them; ready: its view is good to schedule with: every link measured where the peer
+    measures every link (`full_mesh`), else a figure, measured or estimated, for every pair."""
     gossip = report.get("gossip") or {}
     members = gossip.get("members") or []
     alive = sum(1 for m in members if m.get("state") == "alive")
     view = gossip.get("view") or {}
-    return alive, int(view.get("measured_links", 0)), int(view.get("expected_links", 0))
+    measured, expected = int(view.get("measured_links", 0)), int(view.get("expected_links", 0))
+    full = view.get("full_mesh", True)
+    ready = expected > 0 and (measured >= expected if full else bool(view.get("complete", False)))
+    return alive, measured, expected, ready
 
 
 def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bool,
@@ -261,7 +266,7 @@ def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bo
     last_printed_at = -float("inf")
     last_phase: tuple[int, int] | None = None
     while True:
-        joined = measured = expected = 0
+        joined = measured = expected = ready = 0
         reports = {}
         for p in live:
             rep = peer_status(p)
@@ -269,15 +274,17 @@ def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bo
                 continue
             reports[p.name] = rep
             p.peer_id = str(rep.get("peer_id", p.peer_id))
-            alive, m, e = swarm_view(rep)
+            alive, m, e, r = swarm_view(rep)
             joined += alive == n
             measured += m
             expected += e
-        complete = expected > 0 and measured >= expected
+            ready += r
+        complete = ready == n
         # measured/expected: directed links each peer's own view has measurements for, summed
-        # over the peers (n peers x n - 1 links each when complete)
+        # over the peers (n peers x n - 1 links each when complete); past gossip's full-mesh
+        # size the rest are estimated, and a peer is ready once its view is complete
         line = (f"peers answering {len(reports)}/{n}, seeing all {joined}/{n}"
-                + (f", links measured {measured}/{expected} (each peer's view of the "
+                + (f", views ready {ready}/{n}, links measured {measured}/{expected} (each peer's view of the "
                    f"{max(n - 1, 0) * n} directed links)" if need_measurements else ""))
         now = time.monotonic()
         phase = (len(reports), joined)

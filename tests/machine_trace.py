@@ -36,6 +36,7 @@ from dtfm.control.epoch.machine import (
     BuildStage,
     EndEpoch,
     FailNeighbour,
+    KeepStage,
     PersistApplied,
     StartRunner,
     StopRunnerAt,
@@ -265,6 +266,8 @@ def show(a: object, *, keys: bool = True) -> str:
         return "reset log"
     if isinstance(a, Emit):
         shown = " ".join(f"{f}={named(str(a.fields[f]))}" for f in EMIT_FIELDS if f in a.fields)
+        if a.fields.get("rollback"):  # where the stages came from, and the completed steps run again
+            shown += f" restored_from={a.fields['restored_from']} steps_lost={a.fields['steps_lost']}"
         return f"emit {a.event} {shown}".rstrip()
     if isinstance(a, Reply):
         to = f" {label(a.key)}" if keys else ""
@@ -289,6 +292,8 @@ def show(a: object, *, keys: bool = True) -> str:
         return f"abort runner ({named(a.reason)})"
     if isinstance(a, FailNeighbour):
         return f"fail neighbour {peers([a.peer])} ({a.why})"
+    if isinstance(a, KeepStage):
+        return f"keep the stage of run {a.run_id.hex()[:8]} on disk"
     raise AssertionError(f"no line for {a!r}")
 
 

@@ -30,7 +30,7 @@ class SimFaults(RuleBasedStateMachine):
 
     @rule(sides=st.lists(st.integers(0, 2), min_size=9, max_size=9))
     def partition(self, sides):
-        self.sim.partition(sides[:self.sim.n])
+        self.sim.partition([sides[k % len(sides)] for k in range(self.sim.n)])
 
     @rule()
     def heal(self):

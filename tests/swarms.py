@@ -44,8 +44,9 @@ class ReferenceLosses:
     """The single-process reference's loss per step, computed as far as it is asked for (a swarm
     that trains on while a test waits may log more steps than were foreseen)."""
 
-    def __init__(self, seed: int = 0):
-        cfg = TrainConfig(seed=seed)  # what `train start` uses: the defaults of `python -m dtfm.train`
+    def __init__(self, seed: int = 0, cfg: TrainConfig | None = None):
+        # (what `train start` uses: the defaults of `python -m dtfm.train`, or the run's knobs)
+        cfg = cfg or TrainConfig(seed=seed)
         self._state = reference_state(get_preset("tiny"), cfg)
         self._corpus = load_corpus()
         self._losses: list[float] = []

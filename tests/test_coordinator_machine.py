@@ -411,8 +411,8 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
 
 def holders_restarted(n: Node) -> dict:
     """Training 2 x 2 (`Node.training`), then n1 and n3, the holders of layers 2-4, restart and
-    hold nothing: n1 fails step 1 at 4.9, the probe and the states (answered at 5.6) confirm it,
-    and the run pauses for a holder. Their RUN_STATE answer."""
+    hold nothing: n1 fails step 1 at 4.9, the probe and the states (answered at 5.6) confirm it.
+    Their RUN_STATE answer."""
     n.training()
     restarted = state(None, None)
     n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
@@ -422,19 +422,27 @@ def holders_restarted(n: Node) -> dict:
     return restarted
 
 
-def test_a_stage_without_a_holder_pauses_the_run_until_a_peer_out_of_reach_answers():
-    # n1 and n3, the holders of layers 2-4, restarted and hold nothing: the run pauses (it
-    # never goes on with re-initialised weights). It asks n4, which joins, and reconfigures
-    # once n4 answers; without an answer it retries after paused_retry_s anyway.
+def holders_out_of_reach(n: Node) -> None:
+    """Training 2 x 2, then n1 and n3 stop answering (restarting, or cut off): with two of the
+    four voters reachable, the run pauses until a peer out of reach answers."""
+    n.training()
+    n.feed(StepFailed(N[1], RUN, 1, "connection lost"), 4.9)
+    n.answer("probe failed", {N[0]: state((0, 2), 2), N[2]: state((0, 2), 2)}, 5.0)
+    n.tick()
+    n.answer("states", {N[0]: state((0, 2), 2), N[2]: state((0, 2), 2)}, 5.6)
+
+
+def test_a_stage_without_a_holder_rolls_the_swarm_back_to_the_initial_weights():
+    # n1 and n3, the holders of layers 2-4, restarted before any checkpoint and hold nothing.
+    # Step 0 is a checkpoint every peer of the run rebuilds (from the run's seed): the swarm
+    # rolls back to it, every peer of the run offering both stages, and says so (2 steps lost).
     n = Node()
-    restarted = holders_restarted(n)
-    assert "no reachable peer holds layers 2-3" in n.c.status().reason
-    n.tick()
-    n.swarm.live.add(N[4])
-    n.tick()
-    n.answer("probe holders", at=n.now + 1.0)
-    n.tick()
-    n.answer("probe holders", {N[4]: state(None, None, run=b"", epoch=0)}, n.now + 0.1)
+    holders_restarted(n)
+    n.compute("plan", 5.7)
+    n.answer("offer 0-2", everyone={"digest": D01}, at=5.8)
+    n.answer("offer 2-4", everyone={"digest": D23}, at=5.8)
+    n.answer("alloc", everyone={"accepted": True}, at=6.0)
+    n.answer("start", everyone={"started": True}, at=6.1)
     n.transcript("""
         4.9 STEP of epoch 1 failed at n1: restarted: holds no stage
           ask probe failed: RUN_STATE query -> n0 n1 n2 n3
@@ -443,33 +451,67 @@ def test_a_stage_without_a_holder_pauses_the_run_until_a_peer_out_of_reach_answe
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
         5.6 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None
-          emit paused term=1 epoch=1 trigger=peer n1: restarted: holds no stage reason=no reachable peer holds layers 2-3 and no peer has a checkpoint of it: training cannot go on without re-initialising weights, which it never does; waiting for a holder to come back
-          phase: paused
-        7.5 tick
-        9.5 tick
-          ask probe holders: RUN_STATE query -> n4
-        10.5 answers probe holders: n4 -
-        11.5 tick
-          ask probe holders: RUN_STATE query -> n4
-        11.6 answers probe holders: n4 -@None
-          ask states: RUN_STATE query -> n0 n1 n2 n3 n4
-          phase: stopping
+          compute plan
+          phase: planning
+        5.7 computed plan
+          ask offer 0-2: RUN_STATE offer step=0 layers=0-2 -> n0 n1 n2 n3
+          ask offer 2-4: RUN_STATE offer step=0 layers=2-4 -> n0 n1 n2 n3
+          phase: offering
+        5.8 answers offer 0-2: n0 01010101, n1 01010101, n2 01010101, n3 01010101
+        5.8 answers offer 2-4: n0 23232323, n1 23232323, n2 23232323, n3 23232323
+          ask alloc: ALLOCATION term 1 epoch 2 steps 0..100 [n0 n1 | n2 n3] holdings 0-2:01010101@n0 n1 n2 n3 2-4:23232323@n0 n1 n2 n3 voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
+          phase: handing out
+        6 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
+          ask start: START epoch=2 -> n0 n1 n2 n3
+        6.1 answers start: n0 started, n1 started, n2 started, n3 started
+          emit rollback term=1 epoch=2 trigger=peer n1: restarted: holds no stage old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=0 rollback=True restored_from=initial steps_lost=2
+          phase: training
     """)
-    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted,
-                        N[4]: state(None, None)}, 11.7)
-    assert n.c.phase is Phase.PAUSED
-    n.swarm.live.discard(N[4])
-    n.tick(13.7)
-    n.tick(31.7)
+    assert n.c.status().last_reconfig.restored_from == "initial"
+
+
+def test_a_run_without_a_quorum_pauses_until_a_peer_out_of_reach_answers():
+    # n1 and n3 do not answer: two of the four voters are reachable, so the run pauses, and the
+    # peers it reaches write their stages to disk. It asks the peers out of reach again; once n1 answers (restarted, holding nothing), a quorum is
+    # reachable and it reconfigures.
+    n = Node()
+    holders_out_of_reach(n)
+    assert "only 2 of 4 voters are reachable" in n.c.status().reason
+    # the peers it reaches keep what they hold on disk while the run waits
+    assert n.asks["keep 1"].body == {"op": "keep", "run": RUN}
+    n.answer("keep 1", everyone={"kept": [[0, 2, 2]]})
+    n.tick()
+    n.answer("probe holders", at=n.now + 1.0)  # (no answer: still out of reach)
+    n.tick()
+    n.answer("probe holders", {N[1]: state(None, None)}, n.now + 0.1)
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: state(None, None), N[2]: state((0, 2), 2)}, n.now + 0.1)
     n.transcript("""
-        11.7 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None, n4 -@None
-          emit paused term=1 epoch=1 trigger=peers that were out of reach answer again reason=no reachable peer holds layers 2-3 and no peer has a checkpoint of it: training cannot go on without re-initialising weights, which it never does; waiting for a holder to come back
-          phase: paused
-        13.7 tick
-        31.7 tick
+        4.9 STEP of epoch 1 failed at n1: connection lost
+          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
+        5 answers probe failed: n0 0-2@2, n1 -, n2 0-2@2, n3 -
+        5.5 tick
           ask states: RUN_STATE query -> n0 n1 n2 n3
           phase: stopping
+        5.6 answers states: n0 0-2@2, n1 -, n2 0-2@2, n3 -
+          emit paused term=1 epoch=1 trigger=peer n1: connection lost reason=only 2 of 4 voters are reachable, 3 needed: a side without a quorum does not reconfigure
+          ask keep 1: RUN_STATE keep -> n0 n2
+          phase: paused
+        5.6 answers keep 1: n0 -, n2 -
+        7.5 tick
+          ask probe holders: RUN_STATE query -> n1 n3
+        8.5 answers probe holders: n1 -, n3 -
+        9.5 tick
+          ask probe holders: RUN_STATE query -> n1 n3
+        9.6 answers probe holders: n1 -@None, n3 -
+          ask states: RUN_STATE query -> n0 n1 n2 n3
+          phase: stopping
+        9.7 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -
+          compute plan
+          phase: planning
     """)
+    n.compute("plan", 9.8)  # (n1 restarted holding nothing: layers 2-4 from step 0, as every peer rebuilds it)
+    offer = n.asks["offer 2-4"]
+    assert offer.body["step"] == 0 and set(offer.peers) == {N[0], N[1], N[2]}
 
 
 def test_stages_held_only_in_checkpoints_roll_the_swarm_back():
@@ -509,7 +551,7 @@ def test_stages_held_only_in_checkpoints_roll_the_swarm_back():
         6 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
           ask start: START epoch=2 -> n0 n1 n2 n3
         6.1 answers start: n0 started, n1 started, n2 started, n3 started
-          emit rollback term=1 epoch=2 trigger=peer n1: restarted: holds no stage old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=True
+          emit rollback term=1 epoch=2 trigger=peer n1: restarted: holds no stage old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=True restored_from=checkpoint steps_lost=2
           phase: training
     """)
 
@@ -730,7 +772,9 @@ def test_an_operators_resume_brings_a_stopped_run_back_from_its_checkpoints():
     """)
 
 
-def test_a_resume_without_a_complete_checkpoint_says_which_stage_is_missing_and_the_run_stays_stopped():
+def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights_and_says_so():
+    # n1 and n3 lost layers 2-4 (no checkpoint of them) while the run was stopped: the resume
+    # goes on from step 0, which every peer of the run rebuilds, and the event says so.
     n = Node(wall=WALL)
     n.training()
     n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
@@ -738,12 +782,17 @@ def test_a_resume_without_a_complete_checkpoint_says_which_stage_is_missing_and_
     n.lines.clear()
     n.feed(ResumeRun(("op", "resume"), resume_op(4.0, wall=WALL)), 4.0)
     restarted = state(None, None)
-    out = n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 4.1)
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 4.1)
+    n.compute("plan", 4.2)
+    assert n.asks["offer 2-4"].body["step"] == 0 and n.asks["offer 2-4"].peers == tuple(N[:4])
+    n.answer("offer 0-2", everyone={"digest": D01}, at=4.3)
+    n.answer("offer 2-4", everyone={"digest": D23}, at=4.3)
+    n.answer("alloc", everyone={"accepted": True}, at=4.4)
+    out = n.answer("start", everyone={"started": True}, at=4.5)
     [reply] = [a for a in out if isinstance(a, Reply)]
-    assert "cannot resume run 72727272: no reachable peer holds layers 2-3" in reply.error
-    assert n.epoch.stopped_by_operator(RUN) and n.c.busy is False
-    n.tick(60.0)
-    assert _costly(n.tick(120.0)) == []  # nobody reconfigures it after all
+    assert reply.error is None and reply.value["resume_step"] == 0
+    assert reply.value["restored_from"] == "initial" and reply.value["steps_lost"] == 2
+    assert n.c.phase is Phase.TRAINING and not n.epoch.stopped_by_operator(RUN)
 
 
 def _stopped_then_resumed(n: Node, stop: SignedOp, resume: SignedOp) -> SignedAllocation:
@@ -918,6 +967,43 @@ def test_a_joined_peer_is_placed_once_its_links_are_measured():
           ask states: RUN_STATE query -> n0 n1 n2 n3 n4
           phase: stopping
     """)
+
+
+def test_joined_peers_are_taken_in_as_a_wave_once_joins_settle():
+    # settle 3 s, wait at most 10 s: n4 is seen at 2.3, n5 at 4.3 (the wave's quiet time starts
+    # again), nobody new at 6.3; at 8.3 the wave has been quiet for 4 s: one reconfiguration for
+    # both. A joiner that goes away meanwhile leaves the wave.
+    n = Node(timings=dataclasses.replace(TIMINGS, join_settle_s=3.0, join_wait_max_s=10.0))
+    n.training()
+    joined = {N[4]: state(None, None, run=b"", epoch=0)}
+    n.swarm.live.add(N[4])
+    n.tick(2.2)
+    n.answer("probe joined", joined, 2.3)
+    n.swarm.live.add(N[5])
+    joined[N[5]] = state(None, None, run=b"", epoch=0)
+    n.tick(4.2)
+    n.answer("probe joined", joined, 4.3)
+    n.tick(6.2)
+    n.answer("probe joined", joined, 6.3)
+    n.tick(8.2)
+    n.answer("probe joined", joined, 8.3)
+    n.transcript("""
+        2.2 tick
+          ask probe joined: RUN_STATE query -> n4
+        2.3 answers probe joined: n4 -@None
+        4.2 tick
+          ask probe joined: RUN_STATE query -> n4 n5
+        4.3 answers probe joined: n4 -@None, n5 -@None
+        6.2 tick
+          ask probe joined: RUN_STATE query -> n4 n5
+        6.3 answers probe joined: n4 -@None, n5 -@None
+        8.2 tick
+          ask probe joined: RUN_STATE query -> n4 n5
+        8.3 answers probe joined: n4 -@None, n5 -@None
+          ask states: RUN_STATE query -> n0 n1 n2 n3 n4 n5
+          phase: stopping
+    """)
+    assert n.c.joins.wait_s(8.3) == math.inf  # (the reconfiguration takes every live peer)
 
 
 def test_a_faster_allocation_on_the_measured_network_reconfigures():
@@ -1465,10 +1551,10 @@ def test_status_of_a_finished_run_counts_every_step():
 
 
 def test_status_of_a_paused_run_on_its_coordinator_says_paused_not_stopped():
-    # n0's own epoch ended when its neighbours restarted; the run it issued pauses for a holder
-    # of layers 2-4: the header says paused, like the run, not "stopped".
+    # n0's own epoch ended when its neighbours went out of reach; the run it issued pauses
+    # without a quorum: the header says paused, like the run, not "stopped".
     n = Node()
-    holders_restarted(n)
+    holders_out_of_reach(n)
     n.epoch.handle(RunnerEnded(1, RunEnd(1, "peer n1 failed: connection lost", True), 5.6), 5.6)
     assert n.c.phase is Phase.PAUSED
     st = plane_status(n, now=6.0)

@@ -18,6 +18,7 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dtfm.net import EmulatedLinks
 from dtfm.net.addr import Address
 from dtfm.net.errors import ConnectionClosed, HandshakeError, ProtocolError, RemoteError, RequestTimeout
 from dtfm.net.dispatch import Refusals
@@ -28,6 +29,9 @@ from dtfm.peer.daemon import Daemon
 from dtfm.peer.paths import DataDir
 from dtfm.peer.peerbook import PeerBook, backoff_delay_s
 from dtfm.peer.pex import PeerExchange, PeerRecord
+from dtfm.peer.services import GossipPart
+from dtfm.peer.socket import ControlCommandError
+from dtfm.scenarios import load_scenario
 
 KEY = b"k" * 32
 
@@ -752,3 +756,18 @@ async def test_gossip_member_address_learnt_after_start_reaches_every_member(aut
 
         await wait_until(everyone_sees_it, within_s=30)
         nursery.cancel_scope.cancel()
+
+
+async def test_the_emulate_op_jumps_this_peers_wall_clock_and_checks_the_jump():
+    # A test swarm's clock jump (bench/soak.py): the times gossip signs move by the jump, back
+    # at 0; anything but a bounded number of seconds is refused.
+    config = DaemonConfig()
+    config = dataclasses.replace(config, gossip=dataclasses.replace(config.gossip, codec_speed="reference"))
+    scenario = load_scenario("worldwide")
+    part = GossipPart(config, EmulatedLinks(scenario, scenario.regions[0].name))
+    assert (await part.emulate({"clock_jump_s": -600}))["clock_jump_s"] == -600.0
+    assert part.clock_jump_s == -600.0
+    for bad in ("soon", True, 1e12, float("nan")):
+        with pytest.raises(ControlCommandError, match="clock_jump_s"):
+            await part.emulate({"clock_jump_s": bad})
+    assert (await part.emulate({"clock_jump_s": 0}))["clock_jump_s"] == 0.0

@@ -613,6 +613,43 @@ def test_a_peer_whose_coordinator_is_gone_stops_training():
     """)
 
 
+def test_a_stage_that_waits_without_a_next_epoch_is_kept_on_disk_once():
+    # The coordinator is gone and the step aborted: the stage waits in memory. Once it has
+    # waited LOST_AFTER_S without a next epoch, the peer writes it to disk, once; a crash while
+    # the run waits then loses nothing. A finished run's stage is not written again.
+    p = Peer(N[1])
+    p.accept(alloc())
+    p.lines.clear()
+    p.election.coordinator = None
+    p.feed(Tick(), 1.0)
+    p.feed(Tick(), 8.0)
+    p.feed(RunnerEnded(1, RunEnd(2, "aborted: the coordinator of epoch 1 (n0) is gone", True), 1e9), 8.5)
+    p.feed(Tick(), 9.0)
+    p.feed(Tick(), 14.9)
+    p.feed(Tick(), 15.0)
+    p.feed(Tick(), 30.0)
+    p.transcript("""
+        1 tick
+        8 tick
+          abort runner (the coordinator of epoch 1 (n0) is gone)
+        8.5 runner of epoch 1 ended after step 2: aborted: the coordinator of epoch 1 (n0) is gone
+          send STEP to n0: epoch=1 step=2 failed=aborted: the coordinator of epoch 1 (n0) is gone
+        9 tick
+        14.9 tick
+        15 tick
+          keep the stage of run 72727272 on disk
+        30 tick
+    """)
+    done = Peer(N[1])
+    done.accept(alloc())
+    done.feed(RunnerEnded(1, RunEnd(9, "finished", False), 1e9), 1.0)
+    done.lines.clear()
+    done.feed(Tick(), 30.0)
+    done.transcript("""
+        30 tick
+    """)
+
+
 def test_the_coordinators_own_epoch_runs_while_it_is_the_coordinator():
     p = Peer(N[0], coordinator=N[0])
     p.accept(alloc())

@@ -5,6 +5,8 @@ import trio
 
 from dtfm.gossip.measure import (
     BULK_DATA,
+    BULK_PULL,
+    MAX_PULL_BYTES,
     BULK_RESERVE,
     BulkGate,
     BulkProbe,
@@ -195,6 +197,8 @@ def test_measurement_messages_roundtrip_and_refuse_garbage():
     for bad in [None, [], {"n": -1}, {"n": "1"}, {"n": 1.0}]:
         with pytest.raises(ProtocolError):
             MeasurePing.from_wire(bad)
-    for bad in [{"op": 2, "n": 1}, {"op": 0, "n": 0}, {"op": 0}, {"op": 0, "n": 2**40}]:
+    assert BulkProbe.from_wire({"op": BULK_PULL, "n": 1}) == BulkProbe(BULK_PULL, 1)
+    for bad in [{"op": 3, "n": 1}, {"op": 0, "n": 0}, {"op": 0}, {"op": 0, "n": 2**40},
+                {"op": BULK_PULL, "n": MAX_PULL_BYTES + 1}]:
         with pytest.raises(ProtocolError):
             BulkProbe.from_wire(bad)

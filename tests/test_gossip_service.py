@@ -12,7 +12,7 @@ from dtfm.gossip.records import Entry, Report
 from dtfm.gossip.service import GossipService
 from dtfm.gossip.suspicion import remaining_suspicion_time
 from dtfm.gossip.sync import RecordSync, SyncPhase, SyncRole, SyncStep
-from dtfm.net import ConnectionClosed, HandshakeError, MemNetwork
+from dtfm.net import ConnectionClosed, HandshakeError, MemNetwork, scenario_link
 from dtfm.net.identity import Identity
 from dtfm.scenarios import load_scenario
 
@@ -185,4 +185,31 @@ async def test_each_peers_coding_speed_reaches_every_view(autojump_clock):
             rows = {h.index[p]: view.codec_ns[i] for i, p in enumerate(view.peers)}
             assert all(tuple(rows[k]) == measured[k] for k in range(3)) and np.all(np.isnan(rows[3]))
             assert all(r.verify() for r in h.services[j].records.reports.values())
+        nursery.cancel_scope.cancel()
+
+
+async def test_link_delays_stay_exact_while_big_probes_cross_slow_links(autojump_clock):
+    """Pings that meet the other end's bandwidth probe on a slow link queue behind its payload;
+    a delay measured then would be off by the transfer time, for as long as the figure is kept."""
+    scenario = load_scenario("worldwide").scaled(16)
+    base = scenario_link(scenario)
+
+    def slow(a: str, b: str) -> tuple[float, float]:  # scripted swarms' narrow emulated links
+        delay_s, bps = base(a, b)
+        return delay_s, bps * 0.02
+
+    cfg = CFG.with_(bandwidth_probe_bytes=1 << 20, rtt_samples=5, bandwidth_probe_interval_s=0.25)
+    async with trio.open_nursery() as nursery:
+        h = Harness(16, cfg, regions=scenario.peer_regions(), link=slow, seed=3, measure=True)
+        await h.start(nursery)
+        await wait_for(h.all_know_all, 30)
+        await wait_for(lambda: h.complete_views() == 16, 600)
+        want = scenario.delay_ms()
+        for svc in h.services:
+            view = svc.view()
+            order = [h.index[p] for p in view.peers]
+            got, exp = view.delay_ms, want[np.ix_(order, order)]
+            off = ~np.eye(16, dtype=bool)
+            worst = np.max(np.abs(got[off] / exp[off] - 1))
+            assert worst < 0.02, f"a link's delay is off by {worst:.0%}"
         nursery.cancel_scope.cancel()

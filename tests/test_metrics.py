@@ -7,7 +7,9 @@ import math
 
 import pytest
 import trio
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import CollectorRegistry
 
 from dtfm.net import Address
 from dtfm.peer.config import ConfigError, MetricsConfig
@@ -123,6 +125,36 @@ def test_an_idle_daemon_has_no_training_figures_and_nothing_breaks():
     assert list(StatusCollector(lambda: weird).collect())  # odd values are left out, not raised on
 
 
+def test_the_run_s_series_are_wherever_its_coordinator_is_also_without_a_stage():
+    """A coordinator that holds no stage (a spare of its run) still exports the run as it counts
+    it: steps completed of N, its state, the counters since this daemon started, the time since
+    the last step (by the collector's clock), and its checkpoints on disk."""
+    snap = {"peer_id": ME, "peers": [], "training": {
+        "state": "spare", "role": "coordinator", "term": 2, "coordinator": ME, "run_id": "ab" * 16,
+        "issued": {"run_id": "ab" * 16, "state": "paused", "reason": "only 1 of 3 voters are reachable",
+                   "completed": 41, "steps_done": 42, "end_step": 100, "epoch": 5,
+                   "counts": {"steps": 47, "reconfigurations": 4, "rollbacks": 1, "steps_lost": 5,
+                              "last_step_at": 1000.0}},
+        "checkpoints": {"path": "/d/checkpoints", "bytes": 3_000_000, "kept": 3, "saved": 12, "refused": 1,
+                        "refusal": "no checkpoint of layers 0-1 at step 40: the disk is full"}}}
+    got = samples(generate(StatusCollector(lambda: snap, clock=lambda: 1012.5)))
+    run = frozenset({("run_id", "abababab")})
+    assert got[("dtfm_run_state", run | {("state", "paused")})] == 1.0
+    assert got[("dtfm_run_steps_completed", run)] == 42 and got[("dtfm_run_end_step", run)] == 100
+    assert got[("dtfm_run_steps_total", run)] == 47 and got[("dtfm_run_reconfigurations_total", run)] == 4
+    assert got[("dtfm_run_rollbacks_total", run)] == 1 and got[("dtfm_run_steps_lost_total", run)] == 5
+    assert got[("dtfm_run_seconds_since_last_step", run)] == 12.5
+    assert got[("dtfm_checkpoint_bytes", frozenset())] == 3_000_000
+    assert got[("dtfm_checkpoints_refused_total", frozenset())] == 1
+    assert not any(name == "dtfm_train_stage" for name, _ in got)  # (it holds no stage)
+
+
+def generate(collector: StatusCollector) -> str:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry).decode()
+
+
 @pytest.mark.parametrize("request_bytes, status", [
     (b"GET / HTTP/1.0\r\n\r\n", b"404"),
     (b"POST /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n", b"405"),
@@ -156,3 +188,21 @@ def test_metrics_settings_are_checked():
         MetricsConfig(max_connections=0)
     with pytest.raises(ConfigError):
         MetricsConfig(request_timeout_s=0)
+
+
+def test_memory_figures_are_gauges():
+    """The daemon's resident memory (now, peak) and its stage's own state by part."""
+    snap = status_snapshot()
+    snap["memory"] = {"rss_bytes": 2_000_000_000, "peak_rss_bytes": 2_500_000_000}
+    snap["training"]["memory"] = {"stage_bytes": 1_300_000_000, "weights_bytes": 170_000_000,
+                                  "grads_bytes": 170_000_000, "optimizer_bytes": 340_000_000,
+                                  "snapshot_bytes": 510_000_000, "activations_bytes": 110_000_000}
+    text = metrics_registry(lambda: snap).collect()
+    got = {(s.name, frozenset(s.labels.items())): s.value for family in text for s in family.samples}
+    assert got[("dtfm_memory_resident_bytes", frozenset())] == 2_000_000_000
+    assert got[("dtfm_memory_peak_resident_bytes", frozenset())] == 2_500_000_000
+    assert {dict(k)["part"]: v for (name, k), v in got.items() if name == "dtfm_stage_memory_bytes"} == {
+        "weights": 170_000_000, "grads": 170_000_000, "optimizer": 340_000_000, "snapshot": 510_000_000,
+        "activations": 110_000_000}
+    families = {f.name for f in StatusCollector(status_snapshot).collect()}  # not reported: not exported
+    assert not {"dtfm_memory_resident_bytes", "dtfm_stage_memory_bytes"} & families

@@ -219,7 +219,8 @@ async def test_start_stop_step_and_run_state_messages_are_checked(tmp_path):
                     {"op": "offer", "run": RUN, "step": -1, "layers": [0, 2]},
                     {"op": "offer", "run": RUN, "step": 1, "layers": "all"},
                     {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": [b"short"]},
-                    {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": b"x" * 32}, [1, 2]):
+                    {"op": "offer", "run": RUN, "step": 1, "layers": [0, 2], "for": b"x" * 32},
+                    {**offer, "cert": {"t": 1}}, [1, 2]):
             with pytest.raises(ProtocolError):
                 await net.request(ISSUER, ControlMsg.RUN_STATE, bad)
         assert plane.status()["refusals"] == {"offer-not-coordinator": 1, "step-other-run": 1}
@@ -341,6 +342,28 @@ async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autoj
     assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
     assert "error" in await plane.stages.offer(RUN, 5, (0, 2))  # no stage, snapshot or checkpoint at 5
     assert "error" in await plane.stages.offer(RUN, 8, (0, 2))  # another run's step 8
+    # asked again (a reconfiguration retried): the same offer, not read nor encoded a second time
+    held = plane.stages.recovery.offered((RUN, 4, (0, 2)))
+    plane.stages.checkpoint_root(RUN).rename(tmp_path / "moved")  # (a second read would fail)
+    assert await plane.stages.offer(RUN, 4, (0, 2)) == reply
+    assert plane.stages.recovery.offered((RUN, 4, (0, 2))) is held
+
+
+async def test_a_peer_of_the_run_offers_its_initial_weights_at_step_0_and_keeps_nothing_it_does_not_hold(
+        tmp_path, autojump_clock):
+    # A peer that restarted holding nothing of the run it applied still holds step 0: the run's
+    # initial weights, rebuilt from its seed, as every peer rebuilds them (so every holder's
+    # digest is the same, and a fetcher checks it). It has no other step, and no step 0 of a
+    # run it never applied. Asked to keep what it holds, it writes nothing: it holds nothing.
+    plane = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    plane.epoch.restore(RUN, 1, 1, alloc(term=1), ())
+    reply = await plane.stages.offer(RUN, 0, (2, 4))
+    manifest, _ = encode_transfer(StageState(PRESETS["tiny"], CFG, (2, 4)))
+    assert reply["digest"] == manifest_digest(manifest) and reply["bytes"] == manifest.total_bytes
+    assert "error" in await plane.stages.offer(RUN, 3, (2, 4))
+    assert "is not this peer's" in (await plane.stages.offer(b"o" * 16, 0, (2, 4)))["error"]
+    assert await plane.stages.keep(RUN) == {"kept": []}
+    assert plane.stages.checkpoints(RUN) == ()
 
 
 def export_op(peer: bytes, run: bytes = RUN, key: OperatorKey = OPERATOR, age_s: float = 0.0) -> dict:

@@ -1,7 +1,10 @@
 """Reconfiguration scenarios as traces of the plane's machines under a virtual clock
 (`PlaneSim`, control/sim.py): a follower killed, the coordinator killed and restarted with its
 data dir, two of a data-parallel group at once, a 3 | 5 partition with the coordinator in the
-minority, and both holders of a stage lost and restored from checkpoints.
+minority, both holders of a stage lost and restored from checkpoints, and both holders of a
+stage lost before any checkpoint (the swarm rolls back to the initial weights), and a swarm
+paused by a partition that writes what it holds to disk, so both holders of a stage killed
+while it waits cost nothing.
 
 Each scenario is a short script; its trace (the plane's events, the merged step log, each
 node's final state) is compared with tests/data/plane_traces/NAME.txt, which a reader can
@@ -51,6 +54,8 @@ class Script:
     def _flush(self) -> None:
         for t, k, event, fields in self.sim.events[self._events:]:
             shown = " ".join(f"{f}={self._names(str(fields[f]))}" for f in EVENT_FIELDS if f in fields)
+            if fields.get("rollback"):  # where the stages came from, and the completed steps run again
+                shown += f" restored_from={fields['restored_from']} steps_lost={fields['steps_lost']}"
             self.lines.append(f"{t:8.3f}  n{k} {event} {shown}")
         self._events = len(self.sim.events)
 
@@ -201,6 +206,56 @@ def stage_restored_from_checkpoints() -> str:
     return s.finish()
 
 
+def stage_lost_before_any_checkpoint() -> str:
+    s, c = _started(4, seed=7)
+    s.train(5)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None
+    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
+    lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
+    s.note(f"both holders of stage {stage} (n{lost[0]}, n{lost[1]}) are killed before any checkpoint")
+    for k in lost:
+        s.sim.crash(k)
+    s.train(1)
+    s.run(2.0)
+    s.note("they restart with their data dirs (no checkpoint: step 0 is rebuilt from the seed)")
+    for k in lost:
+        s.sim.restart(k)
+    s.run(4.0)
+    s.train(7)
+    s.run(0.5)
+    return s.finish()
+
+
+def a_paused_swarm_keeps_what_it_holds() -> str:
+    s, c = _started(4, seed=7)
+    s.train(5)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None
+    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
+    holders = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
+    side = [c, holders[0]] if holders[0] != c else [c, holders[1]]
+    s.note(f"partition: n{side[0]}, n{side[1]} | the other two (no side has a quorum of the four voters); "
+           "nothing is checkpointed periodically")
+    s.sim.partition([1 if k in side else 0 for k in range(4)])
+    s.train(1)
+    s.run(6.0)
+    kept = sorted((k, step) for k in range(4) for (_, _, step) in s.sim.checkpoints[k])
+    s.note(f"on disk while the swarm waits (node, step): {kept}")
+    s.note(f"both holders of stage {stage} (n{holders[0]}, n{holders[1]}) are killed, then restarted; heal")
+    for k in holders:
+        s.sim.crash(k)
+    for k in holders:
+        s.sim.restart(k)
+    s.sim.heal()
+    s.run(6.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
 def planned_leaves() -> str:
     s, c = _started(5, seed=8)
     s.train(3)
@@ -225,7 +280,8 @@ def planned_leaves() -> str:
 
 SCENARIOS: dict[str, Callable[[], str]] = {f.__name__: f for f in (
     follower_killed, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
-    stage_restored_from_checkpoints, planned_leaves)}
+    stage_restored_from_checkpoints, stage_lost_before_any_checkpoint, a_paused_swarm_keeps_what_it_holds,
+    planned_leaves)}
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

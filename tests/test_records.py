@@ -96,6 +96,22 @@ def test_buffer_pool_recycles_a_buffer_once_every_view_is_gone():
     assert pool.free_bytes <= 8 * MiB
 
 
+def test_buffer_pool_keeps_two_of_a_size_after_a_burst():
+    """A burst of same-size payloads (a ring all-reduce's buckets, a transfer's chunks) leaves
+    two buffers of that size in the pool, not every one of them."""
+    pool = BufferPool(max_bytes=64 * MiB, min_buffer_bytes=MiB)
+    burst = [pool.take(2 * MiB) for _ in range(10)]
+    del burst
+    gc.collect()
+    assert pool.free_bytes == 4 * MiB
+    other = [pool.take(3 * MiB) for _ in range(3)]  # another size has its own two
+    del other
+    gc.collect()
+    assert pool.free_bytes == 4 * MiB + 6 * MiB
+    again = [pool.take(2 * MiB) for _ in range(2)]  # the kept ones are handed out again
+    assert pool.free_bytes == 6 * MiB and all(b.nbytes == 2 * MiB for b in again)
+
+
 async def test_queued_chunks_are_detached_from_the_senders_buffer():
     buf = bytearray(b"0123456789")
     sealed = frames.Chunk(1, memoryview(buf)[:5])

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.control import PeerRunState, ResumeError, StepReport, resume_point
+from dtfm.control.epoch.runstate import Source
 from dtfm.net import ProtocolError, pack, unpack_untrusted
 
 RUN, OTHER = b"r" * 16, b"o" * 16
@@ -48,29 +49,52 @@ def test_a_lost_stage_rolls_the_swarm_back_to_the_newest_common_checkpoint():
 
 def test_checkpoints_of_another_run_are_not_this_runs():
     # P[1]'s checkpoints of the same layers, at later steps, belong to the run it reports (an
-    # earlier one): taking them would go on with another run's weights.
+    # earlier one): taking them would go on with another run's weights. Only P[0] is of this
+    # run, so it rebuilds step 0 of both stages.
     states = {P[0]: st_((0, 2), 9, 8, ckpts=[(0, 2, 6)]),
               P[1]: st_(None, None, run=OTHER, ckpts=[(2, 4, 12), (2, 4, 16), (0, 2, 16)])}
-    with pytest.raises(ResumeError, match="layers 2-3"):
-        resume_point(RUN, RANGES, states)
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 0 and rp.rollback and rp.source is Source.INITIAL
+    assert rp.holders((2, 4)) == (P[0],) and rp.holders((0, 2)) == (P[0],)
 
 
-def test_no_holder_and_no_checkpoint_stops_with_the_lost_layers_named():
-    states = {P[0]: st_((0, 2), 9, 8)}
-    with pytest.raises(ResumeError, match="layers 2-3") as e:
-        resume_point(RUN, RANGES, states)
-    assert "never" in str(e.value)
+def test_a_stage_lost_before_any_checkpoint_rolls_every_stage_back_to_the_initial_weights():
+    # Both holders of (2, 4) died at step 7 before the first checkpoint; they came back holding
+    # nothing (a restarted peer of the run reports its run, no stage). Step 0 is a checkpoint
+    # every peer of the run rebuilds: the swarm resumes there, and each stage names all of them.
+    states = {P[0]: st_((0, 2), 7, 6), P[1]: st_((0, 2), 7, 6), P[2]: st_(None, None), P[3]: st_(None, None),
+              P[4]: st_(None, None, run=OTHER)}
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 0 and rp.rollback and rp.source is Source.INITIAL
+    assert rp.memory == {} and rp.checkpoint == {}
+    assert rp.initial == {(0, 2): tuple(P[:4]), (2, 4): tuple(P[:4])}
 
 
-def test_stages_held_at_no_common_step_is_an_error():
+def test_a_stage_held_in_memory_at_step_0_is_taken_from_memory_there():
+    # The lost stage's holders died during step 0: the other stage's snapshot at 0 serves it
+    # from memory, and only the lost one is rebuilt.
+    states = {P[0]: st_((0, 2), 1, 0), P[1]: st_(None, None)}
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 0 and rp.memory == {(0, 2): (P[0],)} and rp.initial == {(2, 4): (P[0], P[1])}
+    assert rp.holders((0, 2)) == (P[0],) and rp.source is Source.INITIAL
+
+
+def test_a_checkpoint_wins_over_the_initial_weights():
+    states = {P[0]: st_((0, 2), 9, 8, ckpts=[(0, 2, 4)]), P[1]: st_(None, None, ckpts=[(2, 4, 4)])}
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 4 and rp.source is Source.CHECKPOINT and rp.initial == {}
+
+
+def test_stages_held_at_no_common_step_roll_back_to_step_0():
+    # (without checkpoints, one stage's only holders may be a step ahead of another's)
     states = {P[0]: st_((0, 2), 9, 8), P[1]: st_((2, 4), 4, 3)}
-    with pytest.raises(ResumeError, match="no common step"):
-        resume_point(RUN, RANGES, states)
+    rp = resume_point(RUN, RANGES, states)
+    assert rp.step == 0 and rp.initial == {(0, 2): (P[0], P[1]), (2, 4): (P[0], P[1])}
 
 
-def test_states_of_another_run_do_not_count():
-    states = {P[0]: st_((0, 2), 7), P[1]: st_((2, 4), 7, run=OTHER)}
-    with pytest.raises(ResumeError):
+def test_no_peer_of_the_run_is_an_error():
+    states = {P[0]: st_((0, 2), 7, run=OTHER), P[1]: st_(None, None, run=None)}
+    with pytest.raises(ResumeError, match="no reachable peer has applied an allocation of run"):
         resume_point(RUN, RANGES, states)
 
 

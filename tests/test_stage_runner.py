@@ -193,6 +193,53 @@ def test_compressed_replicas_stay_identical_report_their_bytes_and_roll_back_wit
             assert torch.equal(stage_tensors(back[p])[k], v), (p, k)
 
 
+def test_exact_replicas_keep_one_copy_for_the_snapshot_and_a_failed_step_leaves_it_alone():
+    # Two exact DP replicas (2 x 1): the snapshot is copied inside each step just before the
+    # update, one copy of the stage (weights and moments), and the runner reports the stage's
+    # memory so. Replica p1 ends after 2 steps; p0 goes on, and its step 2 fails (the hub is
+    # closed once p1 is done): p0's stage stays after step 1 and its snapshot before step 1,
+    # equal to p1's. Both snapshots, re-run through step 1, reach the final weights bit for bit.
+    peers = (b"p0", b"p1")
+    plan = Plan(tuple((p,) for p in peers), ((0, SPEC.n_layer),), epoch=1)
+    hub = InMemoryHub()
+    states = {p: StageState(SPEC, CFG, (0, SPEC.n_layer)) for p in peers}
+    runners = {p: StageRunner(states[p], plan, p, hub.endpoint(p), CORPUS, end_step=3 if p == b"p0" else 2)
+               for p in peers}
+    ends = {}
+
+    async def run_all():
+        async def one(p):
+            ends[p] = await runners[p].run()
+            if p == b"p1":
+                hub.abort()
+        async with trio.open_nursery() as n:
+            for p in peers:
+                n.start_soon(one, p)
+    trio.run(run_all)
+    assert (ends[b"p1"].completed, ends[b"p1"].failed) == (1, False)
+    assert (ends[b"p0"].completed, ends[b"p0"].failed) == (1, True)
+    assert ends[b"p0"].params_sha256 == ends[b"p1"].params_sha256
+    for p in peers:
+        mem = runners[p].memory
+        weights = sum(t.numel() * t.element_size() for t in states[p].params.values())
+        assert mem.weights == mem.grads == weights and mem.optimizer == 2 * weights
+        assert mem.snapshot == 3 * weights  # one copy: weights and both moments
+        assert mem.activations > 0 and mem.total == 7 * weights + mem.activations
+        assert runners[p].snapshot_step == 1
+    back = {p: runners[p].snapshot_state() for p in peers}
+    assert all(b.step == 1 and b.optim.step_count == 1 for b in back.values())
+    for k, v in stage_tensors(back[b"p0"]).items():
+        assert torch.equal(stage_tensors(back[b"p1"])[k], v), k
+    hub = InMemoryHub()
+    with ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(run_step, back[p], plan, p, hub.endpoint(p), CORPUS) for p in peers]:
+            f.result(timeout=60)
+    for p in peers:
+        assert back[p].step == states[p].step == 2
+        for k, v in stage_tensors(states[p]).items():
+            assert torch.equal(stage_tensors(back[p])[k], v), (p, k)
+
+
 def test_step_reports_bytes_are_checked():
     rep = StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02, (10, 20, 30, 40))
     assert StepReport.from_wire(rep.to_wire()) == rep

@@ -5,6 +5,7 @@ side (stopped, finished, paused runs) is in tests/test_coordinator_machine.py.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,36 @@ def test_refused_membership_updates_are_one_line_under_the_members():
                         "2 member table full")
     assert lines[2].startswith("links ")
     assert format_gossip(GOSSIP, A)[1].startswith("links ")  # nothing refused: no line
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+
+def test_memory_is_shown_against_the_stage_state():
+    """The process's resident memory and peak on one line, with the peak against the stage's own
+    state; the stage's parts under training. An idle daemon shows its memory alone."""
+    stage = {"stage_bytes": 1_250_000_000, "weights_bytes": 170_000_000, "grads_bytes": 170_000_000,
+             "optimizer_bytes": 340_000_000, "snapshot_bytes": 510_000_000, "activations_bytes": 60_000_000}
+    text = format_status_text({"peer_id": A, "short_id": A[:8], "memory": {"rss_bytes": 1_500_000_000,
+                                                                           "peak_rss_bytes": 1_750_000_000},
+                               "training": {"state": "training", "memory": stage}})
+    assert "memory    resident 1.5 GB, peak 1.8 GB (1.40x the stage's state)" in text
+    assert ("stage state 1.2 GB: weights 170.0 MB, gradients 170.0 MB, optimizer 340.0 MB, snapshot 510.0 MB, "
+            "activations 60.0 MB") in text
+    assert '"rss_bytes"' not in text  # in words, not as a JSON line
+    idle = format_status_text({"peer_id": A, "memory": {"rss_bytes": 80_000_000, "peak_rss_bytes": 90_000_000},
+                               "training": {"state": "idle"}})
+    assert "memory    resident 80.0 MB, peak 90.0 MB\n" in idle + "\n" and "stage state" not in idle
+
+
+def test_plane_status_carries_the_stage_memory():
+    from dtfm.train import StageMemory
+
+    election = FakeElection(N[1], term=2, coordinator=None, voters=tuple(N[:4]))
+    m = EpochMachine(N[1], election, heartbeat_wait_s=1.0, coordinator_lost_after_s=6.0)
+    m.restore(RUN, 2, 3, alloc(term=2, epoch=3, end_step=300), ())
+    status = PlaneStatus(N[1], {"role": "follower", "term": 2, "coordinator": None}, False, m.status(), IDLE,
+                         Path("train.jsonl"), None, 1, stage_memory=StageMemory(4, 4, 8, 12, 3))
+    assert status.to_wire()["memory"] == {"stage_bytes": 31, "weights_bytes": 4, "grads_bytes": 4,
+                                          "optimizer_bytes": 8, "snapshot_bytes": 12, "activations_bytes": 3}
+    assert "memory" not in dataclasses.replace(status, stage_memory=None).to_wire()

@@ -385,9 +385,9 @@ def test_converging_without_a_terminal_logs_changes_not_every_poll(tmp_path, mon
     out = io.StringIO()  # not a terminal
     proc.wait_converged(state, 60.0, need_measurements=True, out=out)
     lines = out.getvalue().splitlines()
-    assert lines[0] == ("peers answering 3/3, seeing all 3/3, links measured 3/18 (each peer's view of the "
+    assert lines[0] == ("peers answering 3/3, seeing all 3/3, views ready 0/3, links measured 3/18 (each peer's view of the "
                         "6 directed links)")
-    assert lines[-1].endswith("links measured 18/18 (each peer's view of the 6 directed links)")
+    assert lines[-1].endswith("views ready 3/3, links measured 18/18 (each peer's view of the 6 directed links)")
     assert len(lines) == 2  # 6 polls of 0.25 s: no periodic line in between
 
 

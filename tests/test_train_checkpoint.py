@@ -151,3 +151,105 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_siz
 def test_garbage_manifest_raises_transfer_error_only(obj):
     with pytest.raises(TransferError):
         TransferManifest.from_wire(obj, max_total_bytes=1 << 20)
+
+
+# ---- the bytes are safetensors' own, and a stage is copied at most once ------------------------
+
+ST_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16, torch.int32,
+             torch.float32, torch.float64, torch.int64]
+
+
+def test_a_stage_encodes_to_safetensors_own_bytes_and_a_saved_file_to_the_same(tmp_path):
+    from safetensors.torch import save as st_save
+
+    from dtfm.train import encode_stage, stage_tensors
+
+    state = trained_state()
+    blob, meta = encode_stage(state)
+    assert bytes(blob) == st_save({k: v.contiguous() for k, v in stage_tensors(state).items()})
+    path = save_checkpoint(tmp_path, state)
+    assert path.with_suffix(".safetensors").read_bytes() == bytes(blob)
+    assert json.loads(path.read_text())["sha256"] == meta["sha256"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.text("abc._/", min_size=1, max_size=6),
+                       st.tuples(st.sampled_from(ST_DTYPES), st.lists(st.integers(0, 3), max_size=3)), max_size=6))
+def test_safetensors_layout_and_parse_agree_with_safetensors(named):
+    """Any names, dtypes and shapes (empty ones too): the same bytes as `safetensors.torch.save`,
+    and parsed back (as views of a writable buffer) to the same tensors."""
+    from safetensors.torch import save as st_save
+
+    from dtfm.train.checkpoint import _bytes_of, _layout, parse_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: (torch.randn(shape, generator=g) * 50).to(dt) for k, (dt, shape) in named.items()}
+    header, items, _ = _layout(tensors)
+    mine = header + b"".join(bytes(_bytes_of(t)) for _, t in items)
+    assert mine == st_save(tensors)
+    for blob in (bytearray(mine), mine):  # a view of a writable buffer, a copy of a read-only one
+        back = parse_safetensors(blob)
+        assert back.keys() == tensors.keys()
+        for k, t in tensors.items():
+            assert back[k].dtype == t.dtype and back[k].shape == t.shape and torch.equal(back[k], t), k
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(st.binary(max_size=64),
+                 st.builds(lambda h, tail: len(h).to_bytes(8, "little") + h + tail,
+                           st.recursive(st.none() | st.integers(-5, 300) | st.text(max_size=5),
+                                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c,
+                                                                                             max_size=3),
+                                        max_leaves=12).map(lambda o: json.dumps(o).encode()),
+                           st.binary(max_size=40)),
+                 st.builds(lambda shape, offsets, dt, tail: (lambda h: len(h).to_bytes(8, "little") + h + tail)(
+                     json.dumps({"x": {"dtype": dt, "shape": shape, "data_offsets": offsets}}).encode()),
+                     st.lists(st.integers(-2, 5), max_size=3), st.lists(st.integers(-2, 40), max_size=3),
+                     st.sampled_from(["F32", "I8", "BOOL", "F99", 7]), st.binary(max_size=40))))
+def test_garbage_safetensors_raise_checkpoint_error_only(blob):
+    from dtfm.train.checkpoint import parse_safetensors
+
+    try:
+        parse_safetensors(bytearray(blob))
+    except CheckpointError:
+        pass
+
+
+def _numpy_and_bytes_peak(fn) -> int:
+    """The peak bytes Python and numpy allocated while `fn` ran (tracemalloc sees both, and
+    torch's own allocations not at all)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def test_saving_encoding_and_receiving_a_stage_copy_it_at_most_once(tmp_path):
+    """A checkpoint is written from the tensors (no blob of the stage), an offer's chunks are
+    views of one blob, and a receiver holds the stage's bytes once and decodes views of them."""
+    from dtfm.train import encode_stage
+
+    state = StageState(GPTSpec("m", n_layer=2, n_embd=128, n_head=4, seq_len=16), CFG, (0, 2))
+    nbytes = encode_stage(state)[0].nbytes  # about 1.6 MB
+    assert _numpy_and_bytes_peak(lambda: save_checkpoint(tmp_path, state)) < nbytes // 10
+    got = {}
+    assert _numpy_and_bytes_peak(lambda: got.update(x=encode_transfer(state, 1 << 16))) < 1.1 * nbytes
+    manifest, chunks = got.pop("x")
+    assert all(isinstance(c, memoryview) and c.readonly for c in chunks)
+    raw = [bytes(c) for c in chunks]
+    del chunks
+
+    def receive():
+        rx = TransferReceiver(manifest)
+        for i, c in enumerate(raw):
+            rx.feed(i, c)
+        got["tensors"] = rx.tensors()
+
+    assert _numpy_and_bytes_peak(receive) < 1.1 * nbytes
+    assert torch.equal(got["tensors"]["param/h.0.mlp.c_fc.weight"], state.params["h.0.mlp.c_fc.weight"].detach())

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         tensor_to_wire,
     )
     from .collective import all_reduce_small, ring_all_reduce
+    from .memory import StageMemory, release_heap, stage_memory
     from .comm import (
         Comm,
         EventHandle,
@@ -132,6 +133,7 @@ __all__ = [
     "Plan",
     "SendHandle",
     "StageCompression",
+    "StageMemory",
     "StageState",
     "StepResult",
     "TrainConfig",
@@ -173,6 +175,7 @@ __all__ = [
     "model_tokenizer",
     "reference_state",
     "reference_step",
+    "release_heap",
     "ring_all_reduce",
     "run_step",
     "sample_text",
@@ -180,6 +183,7 @@ __all__ = [
     "saved_checkpoints",
     "spec_to_hf_config",
     "split_batch",
+    "stage_memory",
     "stage_from_tensors",
     "stage_param_names",
     "stage_tensors",
@@ -224,6 +228,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
         "load_hf_spec", "load_hf_stage", "model_tokenizer", "spec_to_hf_config", "stage_param_names",
     ),
     ".local": ("LocalCluster",),
+    ".memory": ("StageMemory", "release_heap", "stage_memory"),
     ".messages": ("MessageRules",),
     ".model": ("GPTStage", "assemble", "generate"),
     ".native": ("load_torch_libraries",),

@@ -9,23 +9,34 @@ The same pair is what one peer sends another that takes over its stage (`transfe
 `encode_weights` encodes the parameters alone, described as format `WEIGHTS_FORMAT`: what an
 export fetches (the model, without the state only a peer that trains the stage on needs).
 On disk: `<dir>/stage-<a>-<b>/step-<k>.safetensors` and `.json`, each written to a temporary
-file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); the
+file, fsynced and renamed, the JSON last (a checkpoint without its JSON does not exist); a
+write that fails (a full disk) leaves nothing of that step behind and raises OSError; the
 last `keep` checkpoints of a stage are kept. A checkpoint may carry `notes`: JSON its writer
 wants back with the weights (the control plane keeps the step reports of the steps the weights
 hold there, so a step's log line survives whoever logged it). Nothing is ever unpickled.
+
+The bytes are safetensors' own (the same header and order as `safetensors.torch.save`, tested),
+made here so that no step holds more than one extra copy of a stage: `encode_stage` copies each
+tensor once into a buffer of the blob's size (safetensors' `save` copies every tensor to bytes
+and then all of them again into its result), `save_checkpoint` writes each tensor's bytes to the
+file straight from the tensor, hashing as it goes (no blob at all), and `decode_tensors` makes
+the tensors views of a writable blob (a received or read buffer) instead of copies of it. The
+header is parsed here too, as untrusted input (`parse_safetensors`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
+import struct
+from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from .compress import CompressionConfig
 from .spec import GPTSpec, TrainConfig
@@ -43,6 +54,7 @@ __all__ = [
     "compression_of",
     "list_checkpoints",
     "load_checkpoint",
+    "parse_safetensors",
     "saved_checkpoints",
     "save_checkpoint",
     "stage_from_tensors",
@@ -52,6 +64,13 @@ __all__ = [
 
 FORMAT = "dtfm-stage/1"
 WEIGHTS_FORMAT = "dtfm-weights/1"  # parameters only: never a stage to train on
+# safetensors' dtype names, and their rank in its order of tensors (descending rank, then name)
+_ST_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    torch.bool: ("BOOL", 0), torch.uint8: ("U8", 1), torch.int8: ("I8", 2), torch.int16: ("I16", 3),
+    torch.float16: ("F16", 4), torch.bfloat16: ("BF16", 5), torch.int32: ("I32", 6), torch.float32: ("F32", 7),
+    torch.float64: ("F64", 8), torch.int64: ("I64", 9)}
+_ST_NAMES = {name: dt for dt, (name, _) in _ST_DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own bound on a header
 _STEP_FILE = re.compile(r"^step-(\d{8})\.json$")
 _STAGE_DIR = re.compile(r"^stage-(\d{3,})-(\d{3,})$")
 
@@ -86,9 +105,27 @@ def encode_weights(state: StageState) -> tuple[bytes, dict]:
     return _encode(state, weight_tensors(state), WEIGHTS_FORMAT)
 
 
-def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tuple[bytes, dict]:
-    tensors = {k: v.to("cpu").contiguous() for k, v in named.items()}
-    blob = st_save(tensors)
+def _layout(named: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, torch.Tensor]], int]:
+    """safetensors' layout of `named`: the header (its length and JSON, padded with spaces to 8
+    bytes), the tensors in their order in the file, and the size of the data after the header."""
+    items = sorted(named.items(), key=lambda kv: (-_ST_DTYPES[kv[1].dtype][1], kv[0]))
+    header, offset = {}, 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype][0], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, items, offset
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of `t` as a CPU, contiguous tensor holds them (a view when `t` is one already)."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _describe(state: StageState, fmt: str, sha256: str, nbytes: int) -> dict:
     meta = {
         "format": fmt,
         "step": state.step,
@@ -96,27 +133,95 @@ def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tupl
         "layer_range": list(state.layer_range),
         "spec": state.spec.to_dict(),
         "config": state.cfg.to_dict(),
-        "sha256": hashlib.sha256(blob).hexdigest(),
-        "bytes": len(blob),
+        "sha256": sha256,
+        "bytes": nbytes,
     }
     if not state.compress.config.exact:
         meta["compression"] = state.compress.config.to_dict()
-    return blob, meta
+    return meta
 
 
-def decode_tensors(blob: bytes, meta: dict, formats: tuple[str, ...] = (FORMAT,)) -> dict[str, torch.Tensor]:
+def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tuple[memoryview, dict]:
+    """The blob (read-only, one buffer of its size: each tensor copied into it once) and its description."""
+    header, items, data_bytes = _layout(named)
+    buf = np.empty(len(header) + data_bytes, dtype=np.uint8)
+    buf[:len(header)] = np.frombuffer(header, dtype=np.uint8)
+    at = len(header)
+    for _, t in items:
+        raw = _bytes_of(t)
+        buf[at:at + raw.nbytes] = np.frombuffer(raw, dtype=np.uint8)
+        at += raw.nbytes
+    blob = memoryview(buf).toreadonly()
+    return blob, _describe(state, fmt, hashlib.sha256(blob).hexdigest(), blob.nbytes)
+
+
+def parse_safetensors(blob: bytes | bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """The tensors of safetensors bytes, checked as untrusted input (the header's size, JSON,
+    dtypes, shapes, and offsets that tile the data exactly); raises CheckpointError only. A
+    tensor is a view of `blob` when `blob` is writable and the tensor's offset is aligned to its
+    item size (then it shares, and keeps alive, `blob`'s memory), else a copy."""
+    view = memoryview(blob).cast("B")
+    if view.nbytes < 8:
+        raise CheckpointError("safetensors data shorter than its header length")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > view.nbytes:
+        raise CheckpointError(f"safetensors header of {n} bytes does not fit the data")
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+    except (UnicodeDecodeError, ValueError):
+        raise CheckpointError("safetensors header is not JSON") from None
+    if not isinstance(header, dict):
+        raise CheckpointError("safetensors header is not a JSON object")
+    data = view[8 + n:]
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointError(f"safetensors entry {name!r} must have dtype, shape and data_offsets")
+        dtype = _ST_NAMES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise CheckpointError(f"safetensors entry {name!r}: unknown dtype {info['dtype']!r}")
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointError(f"safetensors entry {name!r}: bad shape")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= data.nbytes):
+            raise CheckpointError(f"safetensors entry {name!r}: bad data offsets")
+        if offsets[1] - offsets[0] != int(np.prod(shape, dtype=object)) * dtype.itemsize:
+            raise CheckpointError(f"safetensors entry {name!r}: {offsets[1] - offsets[0]} bytes for shape {shape}")
+        entries.append((offsets[0], offsets[1], name, dtype, tuple(shape)))
+    entries.sort()
+    end = 0
+    for a, b, name, _, _ in entries:
+        if a != end:
+            raise CheckpointError(f"safetensors entry {name!r} does not start where the one before it ends")
+        end = b
+    if end != data.nbytes:
+        raise CheckpointError("safetensors data does not end where its last tensor does")
+    out = {}
+    for a, b, name, dtype, shape in entries:
+        if b == a:
+            out[name] = torch.empty(shape, dtype=dtype)
+        elif view.readonly or (8 + n + a) % dtype.itemsize:
+            out[name] = torch.frombuffer(bytearray(data[a:b]), dtype=dtype).reshape(shape)
+        else:
+            out[name] = torch.frombuffer(data, dtype=dtype, offset=a, count=(b - a) // dtype.itemsize).reshape(shape)
+    return out
+
+
+def decode_tensors(blob: bytes | bytearray | memoryview, meta: dict,
+                   formats: tuple[str, ...] = (FORMAT,)) -> dict[str, torch.Tensor]:
     """Check `blob` against `meta`, a description of one of `formats`, and parse it; raises
-    CheckpointError only."""
+    CheckpointError only. The tensors are views of a writable `blob` (`parse_safetensors`)."""
     if not isinstance(meta, dict) or meta.get("format") not in formats:
         raise CheckpointError(f"not a {' or '.join(formats)} description")
-    if meta.get("bytes") != len(blob):
-        raise CheckpointError(f"blob has {len(blob)} bytes, the description says {meta.get('bytes')!r}")
+    nbytes = memoryview(blob).nbytes
+    if meta.get("bytes") != nbytes:
+        raise CheckpointError(f"blob has {nbytes} bytes, the description says {meta.get('bytes')!r}")
     if hashlib.sha256(blob).hexdigest() != meta.get("sha256"):
         raise CheckpointError("blob does not match its sha256")
-    try:
-        return st_load(blob)
-    except Exception as e:  # safetensors raises its own error types for a bad header
-        raise CheckpointError(f"unreadable safetensors data: {e}") from None
+    return parse_safetensors(blob)
 
 
 def _meta_fields(meta: dict) -> tuple[GPTSpec, TrainConfig, tuple[int, int], int, int]:
@@ -169,13 +274,23 @@ def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, 
     return state
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> str:
+    """Write `data` (or its parts in turn, each made when it is written) to a temporary file,
+    fsync it, rename it to `path`; the sha256 of what was written."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    h = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for part in [data] if isinstance(data, bytes) else data:
+                h.update(part)
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # (a full disk: no partial file stays)
+        tmp.unlink(missing_ok=True)
+        raise
+    return h.hexdigest()
 
 
 def _stage_dir(root: Path, layer_range: tuple[int, int]) -> Path:
@@ -189,17 +304,32 @@ def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3, n
         raise ValueError("keep must be at least 1")
     d = _stage_dir(Path(root), state.layer_range)
     d.mkdir(parents=True, exist_ok=True)
-    blob, meta = encode_stage(state)
-    if notes is not None:
-        meta["notes"] = notes
+    header, items, data_bytes = _layout(stage_tensors(state))
     base = d / f"step-{state.step:08d}"
-    _atomic_write(base.with_suffix(".safetensors"), blob)
-    _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
-    fd = os.open(d, os.O_RDONLY)
+    replaced = False
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        # each tensor's bytes go to the file from the tensor itself (from a CPU copy of one tensor
+        # at a time on a GPU): no blob of the whole stage is ever made
+        sha = _atomic_write(base.with_suffix(".safetensors"),
+                            itertools.chain([header], (_bytes_of(t) for _, t in items)))
+        replaced = True
+        meta = _describe(state, FORMAT, sha, len(header) + data_bytes)
+        if notes is not None:
+            meta["notes"] = notes
+        _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # A write the disk refused (full, read-only): once the weights were replaced, this step's
+        # checkpoint goes altogether, rather than weights beside another write's description;
+        # every other checkpoint stays as it was.
+        if replaced:
+            base.with_suffix(".json").unlink(missing_ok=True)
+            base.with_suffix(".safetensors").unlink(missing_ok=True)
+        raise
     for old in list_checkpoints(root, state.layer_range)[:-keep]:
         old.unlink(missing_ok=True)
         old.with_suffix(".safetensors").unlink(missing_ok=True)
@@ -251,9 +381,23 @@ def load_checkpoint(path: str | os.PathLike, device: str = "cpu") -> StageState:
     path = Path(path)
     try:
         meta = json.loads(path.read_text())
-        blob = path.with_suffix(".safetensors").read_bytes()
+        blob = _read_file(path.with_suffix(".safetensors"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     tensors = decode_tensors(blob, meta)
     spec, cfg, rng, step, ostep = _meta_fields(meta)
     return stage_from_tensors(spec, cfg, rng, tensors, step, ostep, device, compression_of(meta))
+
+
+def _read_file(path: Path) -> memoryview:
+    """The file's bytes in one writable buffer of its size (the tensors become views of it)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = memoryview(np.empty(size, dtype=np.uint8))
+        got = 0
+        while got < size:
+            n = f.readinto(buf[got:])
+            if not n:
+                raise OSError(f"{path} ended after {got} of {size} bytes")
+            got += n
+    return buf

@@ -2,6 +2,7 @@
 
 `ring_all_reduce` is the bandwidth-optimal ring (reduce-scatter, then all-gather): each member
 sends 2 (N-1)/N of the data. The tensors are packed into buckets of at most `bucket_bytes`
+(a tensor larger than that is a bucket of its own, reduced in place through a view: no copy)
 and the buckets advance through the ring together, so one bucket's transfer overlaps the
 others'. Every element's sum is computed once, by one member, and copied to the rest, so
 all members end with bit-identical results (replicas stay equal). `all_reduce_small` sends
@@ -60,7 +61,10 @@ def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch
     r = list(group).index(comm.me)
     nxt, prv = group[(r + 1) % n], group[(r - 1) % n]
     buckets = make_buckets(tensors, bucket_bytes)
-    flats = [torch.cat([tensors[i].reshape(-1) for i in b]) for b in buckets]
+    # a bucket of one contiguous tensor is reduced in place, through a view (no copy of it, no
+    # copy back); several tensors are packed into one flat copy
+    flats = [tensors[b[0]].view(-1) if len(b) == 1 and tensors[b[0]].is_contiguous()
+             else torch.cat([tensors[i].reshape(-1) for i in b]) for b in buckets]
     chunks = [list(torch.tensor_split(f, n)) for f in flats]
     handles = []
     for phase in ("rs", "ag"):
@@ -80,6 +84,8 @@ def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch
                     ch[recv_c].copy_(got)
     settle_sends(handles, pending, timeout_s)  # isend copied every chunk: `flats` may change now
     for b, flat in zip(buckets, flats):
+        if flat.data_ptr() == tensors[b[0]].data_ptr() and len(b) == 1:
+            continue  # reduced in place
         off = 0
         for i in b:
             k = tensors[i].numel()

@@ -10,6 +10,11 @@ from the sender), with the whole blob checked against the hash in the descriptio
 moves the parameters alone (`encode_transfer(..., weights_only=True)`, format
 WEIGHTS_FORMAT): their tensors can be read, never rebuilt into a stage to train on. Every
 malformed input raises `TransferError`; the peer transport turns it into its ProtocolError.
+
+Memory: the sender's chunks are read-only views of the one encoded blob (one copy of the stage,
+not two); the receiver copies each verified chunk into one buffer of the stage's size, allocated
+at the first chunk, and the tensors it gives are views of that buffer, so rebuilding a stage
+holds the received bytes and the new stage, nothing more.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .checkpoint import (
@@ -103,13 +109,14 @@ class TransferManifest:
 
 
 def encode_transfer(state: StageState, chunk_bytes: int = DEFAULT_CHUNK_BYTES, *,
-                    weights_only: bool = False) -> tuple[TransferManifest, list[bytes]]:
+                    weights_only: bool = False) -> tuple[TransferManifest, list[memoryview]]:
     """The manifest and chunks that hand `state` to another peer; `weights_only`: its
-    parameters alone (an export), not the optimizer and compression state."""
+    parameters alone (an export), not the optimizer and compression state. The chunks are
+    read-only views of one blob, which lives as long as any of them."""
     if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be in [1, {MAX_CHUNK_BYTES}]")
     blob, meta = encode_weights(state) if weights_only else encode_stage(state)
-    chunks = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)]
+    chunks = [blob[i:i + chunk_bytes] for i in range(0, blob.nbytes, chunk_bytes)]
     return TransferManifest(meta, chunk_bytes, tuple(hashlib.sha256(c).hexdigest() for c in chunks)), chunks
 
 
@@ -118,38 +125,49 @@ class TransferReceiver:
 
     def __init__(self, manifest: TransferManifest):
         self.manifest = manifest
-        self._chunks: dict[int, bytes] = {}
+        self._have: set[int] = set()
+        self._blob: np.ndarray | None = None  # the stage's bytes, allocated at the first chunk
 
     @property
     def missing(self) -> list[int]:
-        return [i for i in range(len(self.manifest.chunk_sha256)) if i not in self._chunks]
+        return [i for i in range(len(self.manifest.chunk_sha256)) if i not in self._have]
 
     @property
     def complete(self) -> bool:
         return not self.missing
 
-    def feed(self, index: int, chunk: bytes) -> None:
+    def feed(self, index: int, chunk: bytes | bytearray | memoryview) -> None:
+        """Check chunk `index` against its hash and copy it into place (the caller may reuse
+        `chunk`'s memory once this returns)."""
         m = self.manifest
         n = len(m.chunk_sha256)
         if not isinstance(index, int) or not 0 <= index < n:
             raise TransferError(f"chunk index {index!r} is out of range [0, {n})")
-        if not isinstance(chunk, (bytes, bytearray)):
+        if not isinstance(chunk, (bytes, bytearray, memoryview)):
             raise TransferError("a chunk must be bytes")
+        data = memoryview(chunk).cast("B")
         expected = m.chunk_bytes if index < n - 1 else m.total_bytes - m.chunk_bytes * (n - 1)
-        if len(chunk) != expected:
-            raise TransferError(f"chunk {index} has {len(chunk)} bytes, expected {expected}")
-        if hashlib.sha256(chunk).hexdigest() != m.chunk_sha256[index]:
+        if data.nbytes != expected:
+            raise TransferError(f"chunk {index} has {data.nbytes} bytes, expected {expected}")
+        if hashlib.sha256(data).hexdigest() != m.chunk_sha256[index]:
             raise TransferError(f"chunk {index} fails its hash")
-        self._chunks[index] = bytes(chunk)
+        if self._blob is None:
+            try:  # (pages are touched only as chunks land: the size is the manifest's, bounded by its reader)
+                self._blob = np.empty(m.total_bytes, dtype=np.uint8)
+            except MemoryError:
+                raise TransferError(f"no memory for a stage of {m.total_bytes} bytes") from None
+        at = index * m.chunk_bytes
+        self._blob[at:at + expected] = np.frombuffer(data, dtype=np.uint8)
+        self._have.add(index)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The stage's named tensors (only `param/<name>` ones from a WEIGHTS_FORMAT manifest),
-        once every chunk is in; the whole blob is hash-checked."""
-        if not self.complete:
+        once every chunk is in; the whole blob is hash-checked. They are views of the received
+        bytes: writing to one changes what a later call returns."""
+        if not self.complete or self._blob is None:
             raise TransferError(f"{len(self.missing)} chunks are still missing")
-        blob = b"".join(self._chunks[i] for i in range(len(self.manifest.chunk_sha256)))
-        try:
-            return decode_tensors(blob, self.manifest.meta, (FORMAT, WEIGHTS_FORMAT))
+        try:  # views of the received bytes
+            return decode_tensors(memoryview(self._blob), self.manifest.meta, (FORMAT, WEIGHTS_FORMAT))
         except CheckpointError as e:
             raise TransferError(str(e)) from None
 

@@ -42,6 +42,7 @@ returned.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -95,16 +96,17 @@ class StepResult:
     compute_s: float = 0.0  # forward + backward compute of this stage
     pipeline_s: float = 0.0  # wall time of the forward/backward phase, waits included
     sync_s: float = 0.0  # all-reduce, norm, optimizer
-    act_peak_bytes: int = 0  # peak bytes of saved activations (with track_memory)
+    act_peak_bytes: int = 0  # peak bytes of saved activations, parameters left out (with track_memory)
     wait_s: float = 0.0  # of pipeline_s, blocked waiting for an activation or gradient to arrive
 
 
 class _SavedBytes:
-    """Counts the bytes autograd saves for backward (the activations a GPipe stage holds)."""
+    """Counts the bytes autograd saves for backward (the activations a GPipe stage holds), the
+    stage's own parameters, which backward saves too, left out."""
 
-    def __init__(self):
+    def __init__(self, params: Iterable[torch.Tensor] = ()):
         self.now = self.peak = 0
-        self._seen: set[int] = set()
+        self._seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
 
     def pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
@@ -145,9 +147,15 @@ class _Ctx:
 
 
 def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False,
-             pending: PendingSends | None = None) -> StepResult:
+             pending: PendingSends | None = None, before_update: Callable[[], None] | None = None) -> StepResult:
     """Run step `state.step` for peer `me` under `plan`, then advance `state.step`. A step that
     raises has changed nothing.
+
+    `before_update` is called once every message of the step has arrived, just before the
+    state changes (the weights, the optimizer, a compressed synchronisation's buffers): the
+    last moment the stage is as it was before the step (a caller copies it there, see
+    control/epoch/runner.py). Only a compressed synchronisation that fails after it restores
+    the weights and the moments and raises.
 
     Without `pending` the step waits for the acknowledgement of every tensor it sends before it
     changes the state. With `pending` (the same one for every step of a run on one comm) it
@@ -165,7 +173,7 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
                pipe[s + 1] if s + 1 < plan.stages else None,
                s > 0 and plan.link_compressed(s - 1, d), s + 1 < plan.stages and plan.link_compressed(s, d),
                split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)[d],
-               _SavedBytes() if track_memory else None)
+               _SavedBytes(state.params.values()) if track_memory else None)
     if pending is None:  # this step's sends, waited for before the update
         sends = due = PendingSends()
     else:  # this step's sends stay in `pending`; the previous step's are waited for before the update
@@ -184,7 +192,8 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
         loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", cfg.comm_timeout_s, sends)[0])
     local_seqs = sum(len(r) for r in ctx.micro)
     # every message received and `due` acknowledged before the update: a failed step leaves the state as it was
-    _sync_and_update(state, plan, me, comm, d, s, key, local_seqs, sends, due, deferred=pending is not None)
+    _sync_and_update(state, plan, me, comm, d, s, key, local_seqs, sends, due, deferred=pending is not None,
+                     before_update=before_update)
     t_end = time.perf_counter()
     state.step += 1
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
@@ -265,7 +274,8 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
 
 
 def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str,
-                     local_seqs: int, sends: PendingSends, due: PendingSends, deferred: bool) -> None:
+                     local_seqs: int, sends: PendingSends, due: PendingSends, deferred: bool,
+                     before_update: Callable[[], None] | None = None) -> None:
     """All-reduce gradients over the DP group (or, with DP compression, keep this pipeline's own),
     sync a tied embedding, clip by the norm, step; then a compressed synchronisation when one
     is due. Every message the step receives, and the acknowledgement of every send in `due`,
@@ -308,6 +318,8 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
         total = all_reduce_small(comm, plan.pipeline(d), sq.cpu().reshape(1), f"{key}/norm", to, sends)
         whole = clip_sq = float(total[0])
     due.wait(to)  # the last wait before the state changes
+    if before_update is not None:
+        before_update()
     state.last_grad_norm = whole ** 0.5
     coef = clip_coefficient(clip_sq, cfg.grad_clip_norm)
     if coef < 1.0:

@@ -41,6 +41,7 @@ from ..allocation import Allocation, Holding, SignedAllocation
 from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
 from ..epoch.report import StepReport
+from .counters import RunCounters, RunCounts
 from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
 from ..events import EventKind, LeftOutPeer, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
@@ -50,6 +51,7 @@ from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from .request import TrainRequest
 from ..refusals import Refusals, Refused
 from .failures import FailedSteps
+from .joins import JoinWave
 from .leftout import LeftOut
 from .reshape import ReshapePlan
 from .schedule import Placement
@@ -140,6 +142,11 @@ class CoordinatorTimings:
     # hand-out and a reconfiguration per refusal of a peer that keeps refusing.
     refused_backoff_s: float = 30.0
     refused_backoff_max_s: float = 600.0
+    # Joined peers are taken in as a wave (joins.py): once no other peer joined for
+    # join_settle_s, or the first of the wave waited join_wait_max_s. Shorter places a lone
+    # joiner sooner, at a reconfiguration (a stop of the run) per join of a growing swarm.
+    join_settle_s: float = 10.0
+    join_wait_max_s: float = 60.0
 
 
 # ---- events ----------------------------------------------------------------------------------
@@ -292,6 +299,7 @@ class _Procedure:
     answers: Mapping[bytes, dict] = field(default_factory=dict)
     refused: str = ""
     rolled_back: bool = False
+    steps_lost: int = 0  # a rollback: completed (logged or reported) steps the swarm runs again
     transient: bool = False  # every refusal of the hand-out was a membership disagreement
     stuck: bool = False  # a step missed its deadline: abort it, do not wait for a boundary
     retry: list[str] = field(default_factory=list)  # triggers to keep if it fails
@@ -321,6 +329,7 @@ class CoordinatorStatus:
     stalled_reason: str = ""
     cut_links: str = ""  # links left out of allocations until measured healthy again
     left_out: tuple[LeftOutPeer, ...] = ()  # peers left out of allocations because they refused one
+    counts: RunCounts | None = None  # what this coordinator counted of the run (control/coordinator/counters.py)
 
 
 class Coordinator:
@@ -353,6 +362,8 @@ class Coordinator:
         self._next_check = 0.0
         self._next_drift_check = 0.0
         self._proc: _Procedure | None = None
+        self._keeps = 0  # RUN_STATE keep requests made (their keys)
+        self.counters = RunCounters()
         self._queue: list[_Start | Reschedule | ResumeRun | PeerLeaving] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
@@ -373,6 +384,7 @@ class Coordinator:
         # peers that refused an allocation: not placed until their back-off ends (leftout.py)
         self.left_out = LeftOut(timings.refused_backoff_s, timings.refused_backoff_max_s,
                                 membership_codes=MEMBERSHIP_REFUSALS)
+        self.joins = JoinWave(timings.join_settle_s, timings.join_wait_max_s)  # joined peers not yet taken in
 
     # ---- queries ------------------------------------------------------------------------------
 
@@ -420,7 +432,9 @@ class Coordinator:
             reason=reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
             recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
             last_reconfig=self.last_reconfig, cut_links=self.links.describe(),
-            left_out=self.left_out.snapshot(self._now, self.wall_offset), **stall)
+            left_out=self.left_out.snapshot(self._now, self.wall_offset),
+            counts=self.counters.current if log is not None and self.counters.current is not None
+            and self.counters.current.run_id == log.alloc.run_id else None, **stall)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -466,6 +480,10 @@ class Coordinator:
         else:
             raise TypeError(f"not a coordinator event: {event!r}")
         out += self._next(now)
+        lines = [a.line for a in out if isinstance(a, LogLine)]
+        if lines:
+            fresh = any(not x.get("backfilled") for x in lines)
+            self.counters.logged(bytes.fromhex(lines[0]["run"]), len(lines), self._wall(now) if fresh else None)
         return out
 
     # ---- the loop: what to do next ------------------------------------------------------------
@@ -576,10 +594,15 @@ class Coordinator:
         view, _ = self.swarm.measured_view(set(states) | set(self.swarm.live_peers()) | {self.me})
         out = self.left_out_now(now)
         ready = [p for p in states if p in view.peers and p not in out]
-        if not ready:
+        if not self.joins.due(ready, now):
+            if ready:
+                logger.info("%d joined peers wait for the wave of joins to settle (%.1f s at most)",
+                            len(self.joins), self.joins.wait_s(now))
             return []
         reasons = [f"peer {short_id(p)} joined" for p in sorted(ready)]
-        return self._reconfigure("; ".join(reasons), now, retry=reasons)
+        trigger = "; ".join(reasons) if len(reasons) <= 4 else (
+            f"{len(reasons)} peers joined ({', '.join(short_id(p) for p in sorted(ready)[:4])}, ...)")
+        return self._reconfigure(trigger, now, retry=[trigger])
 
     def _drift_check(self, cur: Allocation) -> list:
         view = self.swarm.view()
@@ -724,6 +747,11 @@ class Coordinator:
     # ---- requests and their answers -----------------------------------------------------------
 
     def _ask(self, key: tuple, peers: Iterable[bytes], msg: int, body: dict, timeout_s: float) -> Ask:
+        cert = self.election.certificate
+        if cert is not None and (msg == ControlMsg.STOP or (msg == ControlMsg.RUN_STATE and body.get("op") == "offer")):
+            # (what only the recognised coordinator may ask: a peer outside the council hears no
+            # heartbeats and may not know this term's coordinator yet; it checks the certificate)
+            body = {**body, "cert": cert.to_wire()}
         return Ask(key, tuple(sorted(set(peers))), msg, body, timeout_s)
 
     def _answers(self, ev: Answers) -> list:
@@ -734,6 +762,11 @@ class Coordinator:
             return self._gaps_filled(key[1], ev.answers)
         if key[0] == "opstop":
             return self._stopped(key, ev.answers)
+        if key[0] == "keep":
+            for p, a in sorted(ev.answers.items()):
+                if "kept" not in a:
+                    logger.warning("%s did not keep its stage on disk: %s", short_id(p), a.get("error") or a.get("reason"))
+            return []
         proc = self._proc
         if proc is None or key[0] != "proc" or key[1] != proc.id:
             return []  # a procedure that failed meanwhile
@@ -1043,6 +1076,7 @@ class Coordinator:
     def _reconfigure(self, trigger: str, now: float, *, force: bool = False, reply: tuple | None = None,
                      retry: Sequence[str] = (), resume: bool = False, leave: bool = False) -> list:
         cur = self.epoch.current
+        self.joins.clear()  # (every live peer is taken into account)
         proc = _Procedure(next(self._keys), "reconfigure", trigger, reply=reply, force=force, cur=cur, t0=now,
                           resume=resume, leave=leave)
         proc.retry = list(retry)
@@ -1134,12 +1168,11 @@ class Coordinator:
         try:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
         except ResumeError as e:
-            if proc.resume:  # the operator is told which stage no live peer holds
+            if proc.resume:
                 raise _Failed(f"cannot resume run {cur.run_id.hex()[:8]}: {e}") from None
-            # Some stage is held by no reachable peer: the run waits (it may be a partition, or a
-            # holder restarting) and resumes when the reachable peers change; it never goes on
-            # with re-initialised weights.
-            return self._pause(proc, f"{e}; waiting for a holder to come back", reachable, now)
+            # No peer of the run answered (every stage, even step 0, is restored by one): the run
+            # waits and resumes when the reachable peers change.
+            return self._pause(proc, f"{e}; waiting for a peer of the run to answer", reachable, now)
         if rp.step >= cur.end_step:
             raise _Failed("the run already reached its last step")
         proc.rp = rp
@@ -1224,12 +1257,19 @@ class Coordinator:
                                           set(proc.states) - self.leaving(now))
         except ValueError as e:
             raise _Failed(f"cannot build the next allocation: {e}") from None
-        # Steps already completed and logged that the swarm runs again: the holders of the newer
-        # stages are gone (a checkpoint or older in-memory stages serve): a rollback, said as such.
+        # Steps the current epoch completed that the swarm runs again: the holders of the newer
+        # stages are gone (a checkpoint, the initial weights or older in-memory stages serve): a
+        # rollback, said as such. Only the current epoch's steps count: those an earlier epoch
+        # completed past its start were lost (and counted) by the rollback that started it.
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
-        done = set(self.logged.get(cur.run_id, ())) | {r.step - 1 for st in proc.states.values() for r in st.reports}
+        mine = [r for st in proc.states.values() for r in st.reports if r.epoch == cur.epoch]
+        logged = self._completed_of(cur)
+        done = {r.step - 1 for r in mine} | {cur.start_step - 1} | ({logged} if logged is not None else set())
         # (a resume from the checkpoints of the stop boundary runs no logged step again: no rollback)
-        proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done, default=-1)
+        proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done)
+        # (how many: from the newest step of the epoch any peer logged or reported completing)
+        newest = max(done | {r.step for r in mine})
+        proc.steps_lost = max(0, newest + 1 - rp.step) if proc.rolled_back else 0
         reports = [(p, r) for p, st in proc.states.items() for r in st.reports]
         return self._hand_out(proc, alloc, reports, now)
 
@@ -1413,14 +1453,17 @@ class Coordinator:
             old_shape=f"{cur.stages}x{cur.dp}", new_shape=f"{alloc.stages}x{alloc.dp}", kind=plan.kind,
             predicted_old_s=cur.predicted_iteration_s, predicted_new_s=alloc.predicted_iteration_s, moves=plan.moves,
             bytes_moved=log.fetched, resume_step=rp.step, rollback=proc.rolled_back,
+            restored_from=rp.source.value, steps_lost=proc.steps_lost,
             started_at=proc.t0 + self.wall_offset, stop_s=m["stopped"] - proc.t0,
             schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
             handout_s=now - m["offered"], compress_links=self._links_note(proc, alloc))
         self.last_reconfig = info
+        self.counters.reconfigured(alloc.run_id, rollback=proc.rolled_back, steps_lost=proc.steps_lost)
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
-                    " (rolled back: steps already logged run again)" if proc.rolled_back else "")
+                    f" (rolled back from {rp.source.value}: {proc.steps_lost} completed steps run again)"
+                    if proc.rolled_back else "")
         kind = (EventKind.ROLLBACK if proc.rolled_back else EventKind.LEAVE if proc.leave
                 else EventKind.RECONFIGURE)
         out: list = [Emit(PlaneEvent(kind, alloc.term, proc.trigger, epoch=alloc.epoch, reconfiguration=info))]
@@ -1439,7 +1482,8 @@ class Coordinator:
         logger.error("training pauses: %s", why)
         self.phase, self.reason = Phase.PAUSED, why
         self._proc = None
-        out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.election.term, proc.trigger, epoch=cur.epoch, reason=why))]
+        out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.election.term, proc.trigger, epoch=cur.epoch, reason=why)),
+                     self._keep(cur, reachable)]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
@@ -1453,10 +1497,19 @@ class Coordinator:
         self._proc = None
         shown = tuple(x for x in self.left_out.snapshot(self._now, self.wall_offset) if x.peer in left_out)
         out: list = [Emit(PlaneEvent(EventKind.STOPPED, self.election.term, trigger, epoch=cur.epoch, reason=why,
-                                     left_out=shown))]
+                                     left_out=shown)),
+                     self._keep(cur, set(proc.states) | self._named(cur))]
         if proc.reply is not None:
             out.append(Reply(proc.reply, error=why))
         return out
+
+    def _keep(self, cur: Allocation, peers: Iterable[bytes]) -> Ask:
+        """Ask the peers of run `cur` to write what they hold of it in memory to their data dirs
+        (RUN_STATE `keep`): the run waits, and a crash meanwhile must lose nothing. The answers
+        change nothing here."""
+        self._keeps += 1
+        return self._ask(("keep", self._keeps), set(peers) | {self.me}, ControlMsg.RUN_STATE,
+                         {"op": "keep", "run": cur.run_id}, self.t.accept_timeout_s)
 
     def _failed(self, proc: _Procedure, e: _Failed) -> list:
         """A failed start answers its operator; a failed reconfiguration is retried on the next

@@ -229,6 +229,11 @@ class ElectionService:
         """An allocation this peer applies (`may_apply` said yes): (term, epoch), council, certificate."""
         self._input(self._state.apply_allocation, term, epoch, council, certificate)
 
+    def learn(self, cert: Certificate) -> None:
+        """A coordinator's certificate another peer sent (untrusted: state.py `learn` checks it
+        against this peer's council before it recognises anyone)."""
+        self._input(self._state.learn, cert)
+
     def campaign(self) -> None:
         """Stand now (`train start` on this peer) rather than at the election timer."""
         self._input(self._state.campaign)

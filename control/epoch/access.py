@@ -8,7 +8,11 @@ rules over the allocations the peer applied (see docs/control.md, "Who may send 
   are for its peers. A peer that applied no allocation has nothing of a run to tell, and one
   whose stage stopped in a run that goes on (a peer the run left out) nothing current: both
   answer any peer, so a coordinator they do not know yet can find them and place them again.
-- RUN_STATE `offer`: this peer itself and the coordinator it recognises.
+- RUN_STATE `offer`: this peer itself and the coordinator it recognises. The coordinator
+  sends its certificate with an offer or a STOP (`coordinator_certificate`): a holder outside the
+  council hears no heartbeats, so it may not know a coordinator elected since its last
+  allocation; the shell passes the certificate to the election (`learn`, checked against this
+  peer's council) before it asks `offer_refusal` or the epoch machine.
 - FETCH_MANIFEST / FETCH_CHUNK: the peers the current or previous allocation of that run names
   (stage peers and spares), and the peers the coordinator named when it asked for the offer
   (the next allocation's, which this peer may not have applied when their fetch arrives).
@@ -26,10 +30,12 @@ from collections.abc import Collection
 from dtfm.net import PEER_ID_BYTES, get_bytes, get_list
 
 from ..allocation import Allocation
+from ..election.certificate import Certificate
 from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from ..refusals import Refused
 
-__all__ = ["MAX_FETCHERS", "export_refusal", "fetch_refusal", "offer_refusal", "parse_fetchers", "run_peers", "run_state_refusal"]
+__all__ = ["MAX_FETCHERS", "coordinator_certificate", "export_refusal", "fetch_refusal", "offer_refusal",
+           "parse_fetchers", "run_peers", "run_state_refusal"]
 
 MAX_FETCHERS = 4096  # peers named with one offer: as many as an allocation names
 
@@ -91,6 +97,16 @@ def export_refusal(sender: bytes, signed: SignedOp | None, run_id: bytes, *, ope
     if op.exporter() != sender:
         return None, f"the operator's export names peer {op.exporter().hex()[:8]}, not the peer that asks"
     return op, None
+
+
+def coordinator_certificate(sender: bytes, d: dict) -> Certificate | None:
+    """The certificate a RUN_STATE offer or a STOP carries when it names the sender as
+    coordinator (to be checked by the election before use); None when absent or of another peer.
+    Raises ProtocolError only (a malformed certificate)."""
+    if d.get("cert") is None:
+        return None
+    cert = Certificate.from_wire(d["cert"])
+    return cert if cert.candidate == sender else None
 
 
 def parse_fetchers(d: dict) -> frozenset[bytes]:

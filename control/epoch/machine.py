@@ -41,7 +41,7 @@ __all__ = [
     "BuildStage", "ElectionView", "EndEpoch", "changes_refusal",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
-    "StopRunnerAt", "Tick", "WaitForCoordinator",
+    "KeepStage", "StopRunnerAt", "Tick", "WaitForCoordinator",
 ]
 
 
@@ -255,6 +255,15 @@ class AbortRunner:
 
 
 @dataclass(frozen=True)
+class KeepStage:
+    """Write what this peer holds of run `run_id` in memory (its stage, its one-step-back
+    snapshot) to its data dir, each step not on disk yet: the run waits, and a crash meanwhile
+    must not lose it. Its worker has stopped."""
+
+    run_id: bytes
+
+
+@dataclass(frozen=True)
 class FailNeighbour:
     """A neighbour of the running epoch is gone: its receives fail now."""
 
@@ -334,6 +343,8 @@ class EpochMachine:
         self.last_end: dict | None = None
         self._stopped_by_operator: bytes | None = None  # the run an operator stopped
         self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
+        self._ended_since: float | None = None  # when the current epoch's runner ended, until it is kept on disk
+        self._kept_epoch: int | None = None  # the last epoch whose stage this peer kept on disk while it waited
         self._restarted = False  # restored a stage's place, not the stage: the coordinator is told once
         self._restored = False  # the current epoch is the one restored from applied.json (until the next applied)
         self._restored_asked_at: float | None = None  # when the coordinator was last asked about it
@@ -734,11 +745,32 @@ class EpochMachine:
             out.append(AbortRunner(ev.why))
         return out
 
+    def _keep_waiting(self, now: float) -> list:
+        """A stage whose runner ended without the run being over, and no next epoch for
+        `coordinator_lost_after_s` (a partition, a lost coordinator, a pause whose request to
+        keep never came): written to disk once, so a crash while it waits loses nothing."""
+        run = self.run
+        waiting = (run is not None and run.phase is EpochPhase.ENDED and run.built and run.end is not None
+                   and run.end.reason != "finished" and self._kept_epoch != run.alloc.epoch
+                   and not self.stopped_by_operator(run.alloc.run_id))
+        if not waiting:
+            self._ended_since = None
+            return []
+        assert run is not None
+        self._ended_since = now if self._ended_since is None else self._ended_since
+        if now - self._ended_since < self.coordinator_lost_after_s:
+            return []
+        self._ended_since, self._kept_epoch = None, run.alloc.epoch
+        return [KeepStage(run.alloc.run_id)]
+
     def _tick(self, now: float) -> list:
         """A peer whose epoch's coordinator is gone (stepped down, cut off, replaced) stops
         training, discarding the step in progress: a minority side does not train on without a
         coordinator. The grace keeps a slow heartbeat from stopping a healthy run."""
         run = self.run
+        keep = self._keep_waiting(now)
+        if keep:
+            return keep
         if self._restarted and run is not None and run.phase is EpochPhase.WAITING:
             # This peer restarted and lost its stage: the epoch it was placed in cannot step
             # any more. Its coordinator may not notice (a restart quicker than gossip's failure

@@ -190,7 +190,7 @@ class Offer:
     step: int
     layer_range: tuple[int, int]
     manifest: TransferManifest
-    chunks: list[bytes]
+    chunks: list[memoryview]  # read-only views of the one encoded blob
     digest: str
     served_bytes: int = 0
     part: Part = Part.STAGE
@@ -228,9 +228,15 @@ class RecoveryServer:
         """Offer `state` (as it is now: call between steps) under (run_id, state.step, its layers)."""
         if len(run_id) != RUN_ID_BYTES:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
+        # an earlier offer under the same key goes first: two encoded copies are never held at once
+        self._offers[Part.STAGE].pop((run_id, state.step, state.layer_range), None)
         manifest, chunks = await trio.to_thread.run_sync(train.encode_transfer, state, self._chunk_bytes())
         return self._keep(Offer(run_id, state.step, state.layer_range, manifest, chunks,
                                 manifest_digest(manifest)))
+
+    def offered(self, key: Key, part: Part = Part.STAGE) -> Offer | None:
+        """The offer held under `key` (run, step, layers), if any."""
+        return self._offers[part].get(key)
 
     async def offer_weights(self, run_id: bytes, state: StageState, fetchers: frozenset[builtins.bytes]) -> Offer:
         """Offer the parameters of `state` alone, to `fetchers` only (and to those its earlier
@@ -238,7 +244,7 @@ class RecoveryServer:
         if len(run_id) != RUN_ID_BYTES:
             raise ValueError(f"a run id is {RUN_ID_BYTES} bytes")
 
-        def encode() -> tuple[TransferManifest, list[builtins.bytes]]:
+        def encode() -> tuple[TransferManifest, list[memoryview]]:
             return train.encode_transfer(state, self._chunk_bytes(), weights_only=True)
 
         manifest, chunks = await trio.to_thread.run_sync(encode)
@@ -269,10 +275,13 @@ class RecoveryServer:
                     offer.layer_range, offer.step, offer.manifest.total_bytes, len(offer.chunks), offer.digest[:16])
         return offer
 
-    def withdraw(self, run_id: bytes) -> int:
-        """Stop serving every offer of `run_id` (stages and weights); how many there were."""
+    def withdraw(self, run_id: bytes, part: Part | None = None) -> int:
+        """Stop serving every offer of `run_id` (of `part` only, when given: stages or weights);
+        how many there were. An offer's memory (its encoded blob) goes with the last reference."""
         n = 0
-        for offers in self._offers.values():
+        for p, offers in self._offers.items():
+            if part is not None and p is not part:
+                continue
             keys = [k for k in offers if k[0] == run_id]
             for k in keys:
                 del offers[k]
@@ -442,7 +451,7 @@ class _Fetch:
             self.drop(peer, f"malformed reply to chunk {index}")
             return False
         try:
-            receiver.feed(index, bytes(payload))  # the one copy: the payload's buffer is the transport's
+            receiver.feed(index, payload)  # copied into the stage's buffer; the transport's buffer goes back
         except train.TransferError as e:
             self.drop(peer, str(e))
             return False

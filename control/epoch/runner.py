@@ -18,12 +18,20 @@ The runner counts the bytes its stage sends per axis (train/compress `CountingCo
 forward, pipeline backward, data-parallel, other) and each step's report carries them; the
 coordinator's step log sums them over the peers into the step's line (`bytes_sent`).
 
-Before each step the runner copies the stage (parameters, optimizer state and, in a compressed
-run, the compression state: error-feedback residual, DiLoCo's anchor and outer momentum); once the step
-completed, that copy is the snapshot, so a peer that completed a step some other stage did not
-can go back one step when the swarm resumes from the step before (see
-control/epoch/runstate.py), even if it failed the step after. It costs two copies of the
-stage in memory and one memory copy per step.
+The runner keeps the stage as it was before its last completed step (parameters, optimizer
+state and, in a compressed run, the compression state: error-feedback residual, DiLoCo's anchor
+and outer momentum): the snapshot, so a peer that completed a step some other stage did not can
+go back one step when the swarm resumes from the step before (see control/epoch/runstate.py),
+even if it failed the step after. With exact data parallelism the copy is made inside the step,
+once every message of it has arrived and just before the update (`run_step`'s
+`before_update`): from there the step cannot fail, so the copy is the snapshot at once, and one
+copy of the stage is all it costs (and one memory copy per step). A compressed synchronisation
+can still fail after its update, so a compressed run copies the stage before each step into a
+second buffer that becomes the snapshot once the step completed: two copies.
+
+After each step and each checkpoint the runner gives the C heap's free pages back to the system
+(train/memory.py `release_heap`), and it keeps the stage's `StageMemory` (weights, gradients,
+optimizer, snapshot, the step's activations) for the daemon's status.
 
 A step does not wait for the acknowledgements of its own sends (train/worker.py): the next step
 waits for them before it changes the stage, and the runner waits for the last step's before a
@@ -54,11 +62,14 @@ from dtfm.train import (
     CountingComm,
     PendingSends,
     Plan,
+    StageMemory,
     StageState,
     StepResult,
+    release_heap,
     run_step,
     save_checkpoint,
     stage_from_tensors,
+    stage_memory,
     stage_tensors,
 )
 
@@ -72,12 +83,16 @@ logger = logging.getLogger(__name__)
 class StageRunner:
     def __init__(self, state: StageState, plan: Plan, me: bytes, comm: Comm, corpus: Corpus, *,
                  end_step: int, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
+                 save: Callable[[StageState, dict], Path | None] | None = None,
                  torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None,
                  history: Sequence[StepReport] = (), keep_reports: int = 256):
         self.state, self.plan, self.me, self.corpus = state, plan, me, corpus
         self.counter = ByteCounter()  # payload bytes this stage sent, per axis
         self.comm: Comm = CountingComm(comm, self.counter)
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
+        # writes a checkpoint (the daemon's CheckpointDisk: pruned, a refused write logged and
+        # shown); None: into checkpoint_dir
+        self._save = save
         # this peer's reports of the run before this runner's, then its own: saved with a checkpoint
         self._reports: collections.deque[StepReport] = collections.deque(history, maxlen=keep_reports)
         self.torch_threads = torch_threads
@@ -91,9 +106,11 @@ class StageRunner:
         self.running = False
         self._snapshot: dict[str, torch.Tensor] | None = None  # the stage before the last completed step
         self._snapshot_at: tuple[int, int] | None = None  # (step, optimizer step) of the snapshot
-        self._pending: dict[str, torch.Tensor] | None = None  # the stage before the step running now
+        # a compressed run's copy of the stage before the step running now (see the module docstring)
+        self._pending: dict[str, torch.Tensor] | None = None
         self._pending_at: tuple[int, int] | None = None
         self._sends = PendingSends()  # the last step's sends, not yet acknowledged (worker thread)
+        self.memory: StageMemory = stage_memory(state, 0, 0)  # as of the last step (written by the worker)
 
     @property
     def end_step(self) -> int:
@@ -111,23 +128,36 @@ class StageRunner:
                 self._stopped = True
 
     async def run(self) -> RunEnd:
-        """Run steps until the end step or a failure; the thread stays owned by this task."""
+        """Run steps until the end step or a failure; the thread stays owned by this task. The
+        stage's gradients go once the run ended (each step makes its own)."""
         self.running = True
         try:
             return await trio.to_thread.run_sync(self._loop, abandon_on_cancel=False)
         finally:
             self.running = False
+            for p in self.state.params.values():
+                p.grad = None
+
+    def drop_snapshot(self) -> None:
+        """Let go of the snapshot (once the run ended): the stage before its last step is then
+        no longer held here, in memory."""
+        with self._lock:
+            self._snapshot = self._pending = None
+            self._snapshot_at = self._pending_at = None
 
     def _loop(self) -> RunEnd:
         torch.set_num_threads(self.torch_threads)
+        in_step = self.state.compress.config.dp_method == "exact"  # the snapshot is copied inside the step
         while self.state.step < self.end_step:
             step = self.state.step
-            self._take_snapshot()
+            if not in_step:
+                self._take_snapshot()
             before = self.counter.snapshot()
             t0 = time.perf_counter()
             try:
                 result: StepResult = run_step(self.state, self.plan, self.me, self.comm, self.corpus,
-                                              pending=self._sends)
+                                              track_memory=True, pending=self._sends,
+                                              before_update=self._snapshot_now if in_step else None)
             except CommError as e:
                 self._sends.drop()
                 logger.warning("step %d failed: %s; last completed step %d", step, e, step - 1)
@@ -137,7 +167,10 @@ class StageRunner:
                 logger.exception("step %d failed on this peer; last completed step %d", step, step - 1)
                 return RunEnd(step - 1, f"step {step} failed on this peer: {type(e).__name__}: {e}"[:500], True,
                               params_sha256(self.state), on_this_peer=True)
-            self._commit_snapshot()
+            if not in_step:
+                self._commit_snapshot()
+            self.memory = stage_memory(self.state, self._snapshot_bytes(), result.act_peak_bytes)
+            release_heap()  # (the step's activations, buckets and received tensors are freed)
             after = self.counter.snapshot()
             sent = tuple(min(after[k] - before[k], MAX_STEP_BYTES) for k in BYTE_AXES)
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
@@ -147,7 +180,7 @@ class StageRunner:
             self._reports.append(report)
             if self.on_step is not None:
                 self.on_step(report)
-            if self.checkpoint_every and self.checkpoint_dir is not None and self.state.step % self.checkpoint_every == 0:
+            if self.checkpoint_every and self._saves and self.state.step % self.checkpoint_every == 0:
                 if (failed := self._settle()) is not None:
                     return failed
                 self._checkpoint("")
@@ -172,33 +205,63 @@ class StageRunner:
                           params_sha256(self.state))
         return None
 
+    @property
+    def _saves(self) -> bool:
+        return self._save is not None or self.checkpoint_dir is not None
+
     def _checkpoint(self, why: str) -> None:
-        if self.checkpoint_dir is None:
+        if not self._saves:
             return
         held = [r.to_wire() for r in self._reports if r.step < self.state.step]
-        try:
-            path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
-        except OSError as e:  # (a full disk: training goes on, the stage stays in memory)
-            logger.error("cannot save the checkpoint of step %d in %s: %s", self.state.step, self.checkpoint_dir, e)
-            return
+        if self._save is not None:
+            path = self._save(self.state, {REPORTS_NOTE: held})
+            if path is None:  # (refused and logged: training goes on, the stage stays in memory)
+                return
+        else:
+            assert self.checkpoint_dir is not None
+            try:
+                path = save_checkpoint(self.checkpoint_dir, self.state, notes={REPORTS_NOTE: held})
+            except OSError as e:  # (a full disk: training goes on, the stage stays in memory)
+                logger.error("cannot save the checkpoint of step %d in %s: %s", self.state.step, self.checkpoint_dir, e)
+                return
         self._saved_step = self.state.step
+        release_heap()
         logger.info("saved checkpoint of step %d to %s%s", self.state.step, path, why)
 
 
     # ---- one step back ----------------------------------------------------------------------
 
+    def _snapshot_now(self) -> None:
+        """Copy the stage into the snapshot inside a step, just before its update (exact data
+        parallelism: from there the step completes, so the copy is the snapshot at once)."""
+        with self._lock:
+            self._snapshot_at = None  # (while it is being overwritten)
+        self._snapshot = self._copy_stage(self._snapshot)
+        with self._lock:
+            self._snapshot_at = (self.state.step, self.state.optim.step_count)
+
     def _take_snapshot(self) -> None:
-        """Copy the stage before a step; it becomes the snapshot only once the step completed, so
-        a failed step never overwrites the way back to the step before the last completed one."""
-        tensors = stage_tensors(self.state)
-        if self._pending is None or self._pending.keys() != tensors.keys():
-            pin = self.state.device.type == "cuda"  # a GPU stage copies into pinned memory, asynchronously
-            self._pending = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
-        for k, v in tensors.items():
-            # on a GPU queued before the step's own work, which cannot change the values it reads;
-            # the step waits for its GPU work (its norm) before it returns and the snapshot counts
-            self._pending[k].copy_(v, non_blocking=True)
+        """Copy the stage before a step (a compressed run); it becomes the snapshot only once the
+        step completed, so a failed step never overwrites the way back to the step before the
+        last completed one."""
+        self._pending = self._copy_stage(self._pending)
         self._pending_at = (self.state.step, self.state.optim.step_count)
+
+    def _copy_stage(self, into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The stage's tensors copied into `into` (allocated when None or of other tensors)."""
+        tensors = stage_tensors(self.state)
+        if into is None or into.keys() != tensors.keys():
+            pin = self.state.device.type == "cuda"  # a GPU stage copies into pinned memory, asynchronously
+            into = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=pin) for k, v in tensors.items()}
+        for k, v in tensors.items():
+            # on a GPU queued before the update (or the step's own work), which cannot change the
+            # values it reads; the step waits for its GPU work (its norm) before it returns
+            into[k].copy_(v, non_blocking=True)
+        return into
+
+    def _snapshot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for copy in (self._snapshot, self._pending) if copy is not None
+                   for t in copy.values())
 
     def _commit_snapshot(self) -> None:
         with self._lock:

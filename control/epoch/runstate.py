@@ -8,22 +8,25 @@ step), whether its stage is still running, its newest checkpoints, and its last 
 `resume_point` is the coordinator's pure decision. Peers of one epoch are within one step of
 each other (every step ends in all-reduces that couple them), but a step that failed half-way
 can leave some replicas of a stage one step ahead of the others. The swarm resumes from the
-newest step at which *every* stage of the layout is held by some reachable peer, in memory
-(its stage or its snapshot) or, failing that, in a checkpoint: the swarm then rolls back to the
-newest step every stage has a checkpoint of. When some stage is held nowhere, there is no
-resume point and training stops with the reason: weights are never silently re-initialised.
-The protocol is in docs/control.md.
+newest step at which *every* stage of the layout can be restored by some reachable peer: in
+memory (its stage or its snapshot), failing that from a checkpoint, and failing that from the
+run's initial weights. Step 0 is a checkpoint every peer of the run can rebuild (from the run's
+seed, or the `--init-from` folder every peer holds; the holders' digests are compared as any
+offer's), so a run that lost every holder of a stage before its first checkpoint rolls back to
+step 0, exactly, rather than wait for weights that are gone. The resume point says which source
+its oldest stage came from (`source`). The protocol is in docs/control.md.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from dtfm.net import ProtocolError, get_bool, get_dict, get_int, get_list, short_id
 
 from .report import StepReport
 
-__all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "describe", "resume_point"]
+__all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "Source", "describe", "resume_point"]
 
 MAX_REPORTS = 256  # step reports a peer keeps and sends with its run state (~30 KB)
 MAX_CHECKPOINTS = 16
@@ -32,7 +35,7 @@ MAX_LAYER = 1 << 16
 
 
 class ResumeError(Exception):
-    """No step at which every stage is held: the run cannot go on."""
+    """No reachable peer of the run answered: there is nobody to restore its stages."""
 
 
 @dataclass(frozen=True)
@@ -79,22 +82,39 @@ class PeerRunState:
         return {s for s in (self.at, self.prev) if s is not None}
 
 
+class Source(enum.Enum):
+    """Where the stages of a resume point come from, the most costly source any stage needs."""
+
+    MEMORY = "memory"  # every stage in some peer's memory (its stage or its one-step-back snapshot)
+    CHECKPOINT = "checkpoint"  # some stage from a checkpoint on disk
+    INITIAL = "initial"  # some stage rebuilt from the run's initial weights (step 0)
+
+
 @dataclass(frozen=True)
 class ResumePoint:
     step: int  # the step the new epoch starts with: every stage is held at it
     memory: dict[tuple[int, int], tuple[bytes, ...]]  # layer range -> peers holding it in memory at `step`
     checkpoint: dict[tuple[int, int], tuple[bytes, ...]] = field(default_factory=dict)  # -> peers with a checkpoint
-    rollback: bool = False  # some stage is restored from a checkpoint: the swarm goes back to `step`
+    rollback: bool = False  # some stage is restored from a checkpoint or the initial weights: the swarm goes back
+    initial: dict[tuple[int, int], tuple[bytes, ...]] = field(default_factory=dict)  # -> peers that rebuild it
 
     def holders(self, layers: tuple[int, int]) -> tuple[bytes, ...]:
-        return self.memory.get(layers, ()) or self.checkpoint.get(layers, ())
+        return self.memory.get(layers, ()) or self.checkpoint.get(layers, ()) or self.initial.get(layers, ())
+
+    @property
+    def source(self) -> Source:
+        return Source.INITIAL if self.initial else Source.CHECKPOINT if self.checkpoint else Source.MEMORY
 
 
 def resume_point(run_id: bytes, layer_ranges: tuple[tuple[int, int], ...],
                  states: dict[bytes, PeerRunState]) -> ResumePoint:
-    """The newest step at which every stage of `layer_ranges` is held by a peer of `states`
-    (the reachable ones), in memory first, else from checkpoints. ResumeError when none."""
+    """The newest step at which every stage of `layer_ranges` can be restored by a peer of
+    `states` (the reachable ones): in memory first, else from checkpoints, else (step 0) from
+    the run's initial weights, which every peer of the run rebuilds. ResumeError when no peer of
+    the run answered."""
     mine = {p: s for p, s in states.items() if s.run_id == run_id}
+    if not mine:
+        raise ResumeError(f"no reachable peer has applied an allocation of run {run_id.hex()[:8]}")
     held: dict[tuple[int, int], dict[int, list[bytes]]] = {r: {} for r in layer_ranges}
     saved: dict[tuple[int, int], dict[int, list[bytes]]] = {r: {} for r in layer_ranges}
     for peer, s in sorted(mine.items()):
@@ -109,21 +129,13 @@ def resume_point(run_id: bytes, layer_ranges: tuple[tuple[int, int], ...],
     if common:
         step = max(common)
         return ResumePoint(step, {r: tuple(held[r][step]) for r in layer_ranges})
-    both = [set(held[r]) | set(saved[r]) for r in layer_ranges]
-    common = set.intersection(*both) if both else set()
-    if common:
-        step = max(common)
-        return ResumePoint(step, {r: tuple(held[r][step]) for r in layer_ranges if step in held[r]},
-                           {r: tuple(saved[r][step]) for r in layer_ranges if step not in held[r]}, rollback=True)
-    lost = [r for r in layer_ranges if not held[r] and not saved[r]]
-    if lost:
-        names = ", ".join(f"layers {a}-{b - 1}" for a, b in lost)
-        raise ResumeError(f"no reachable peer holds {names} and no peer has a checkpoint of "
-                          f"{'it' if len(lost) == 1 else 'them'}: training cannot go on without re-initialising "
-                          "weights, which it never does")
-    detail = "; ".join(f"layers {a}-{b - 1} at steps {sorted(set(held[(a, b)]) | set(saved[(a, b)]))}"
-                       for a, b in layer_ranges)
-    raise ResumeError(f"the stages are held at no common step ({detail}): training cannot go on")
+    # (step 0 is always restorable: every peer of the run rebuilds the initial weights)
+    step = max(set.intersection(*[set(held[r]) | set(saved[r]) | {0} for r in layer_ranges]))
+    rebuilders = tuple(sorted(mine))
+    return ResumePoint(step, {r: tuple(held[r][step]) for r in layer_ranges if step in held[r]},
+                       {r: tuple(saved[r][step]) for r in layer_ranges if step not in held[r] and step in saved[r]},
+                       rollback=True,
+                       initial={r: rebuilders for r in layer_ranges if step not in held[r] and step not in saved[r]})
 
 
 def describe(states: dict[bytes, PeerRunState]) -> str:

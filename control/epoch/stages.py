@@ -3,7 +3,9 @@ docs/control.md, "The shell").
 
 `StageHost` owns what a stage is made of in the daemon: its tensors (`StageState`), its comm
 (`TransportComm`), its runner thread (`StageRunner`), the tasks that serve them, the stages it
-encoded for the recovery server (offers), and the checkpoints on disk. It builds a stage the way
+encoded for the recovery server (offers), and the checkpoints on disk (`disk`, control/epoch/disk.py:
+pruned to the newest `checkpoints_kept` per stage of each run; a stage kept on disk while the
+run waits, `keep`). It builds a stage the way
 the epoch machine chose (`BuildStage`: fresh, its own copy, or fetched from holders and
 re-laid out), runs and stops it, and reports what happens to it as epoch-machine events
 (`StepDone`, `RunnerEnded`, `EpochDone`) through `on_event`.
@@ -11,6 +13,7 @@ re-laid out), runs and stops it, and reports what happens to it as epoch-machine
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -26,6 +29,7 @@ from dtfm.train import (
     Corpus,
     HFError,
     MessageRules,
+    StageMemory,
     StageState,
     checkpoint_at,
     checkpoint_notes,
@@ -42,8 +46,9 @@ from ..dataplane import TensorRouter, TransportComm
 from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
+from .disk import CheckpointDisk
 from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
-from .recovery import RecoveryError, RecoveryServer, fetch_stage
+from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
 from .report import REPORTS_NOTE, RunEnd, StepReport
 from .runner import StageRunner
@@ -80,7 +85,8 @@ class StageHost:
                  config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
                  corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None],
                  router: TensorRouter, recovery: RecoveryServer,
-                 models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None):
+                 models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None,
+                 disk: CheckpointDisk | None = None):
         """`router` and `recovery`: the daemon's TENSOR handler and recovery server, made before
         this host (they answer peers while this peer holds no stage); `recovery` asks `may_fetch`."""
         self.me, self.transport, self.epoch = me, transport, epoch
@@ -92,6 +98,8 @@ class StageHost:
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._fetchers: dict[tuple, frozenset[bytes]] = {}  # (run, step, layers) -> peers the coordinator named
         self._nursery: trio.Nursery | None = None
+        self.disk = disk or CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept)
+        self._keeping = trio.Lock()  # a stage kept on disk is not built on meanwhile
 
     def attach(self, nursery: trio.Nursery) -> None:
         """The nursery the stages' tasks run in (the plane's)."""
@@ -102,7 +110,42 @@ class StageHost:
     def checkpoint_root(self, run_id: bytes) -> Path:
         """Where this peer saves its checkpoints of run `run_id`: one folder per run, so a run
         never takes another run's checkpoint of the same layers and step for its own."""
-        return self.data_dir / "checkpoints" / run_id.hex()
+        return self.disk.run_root(run_id)
+
+    async def keep(self, run_id: bytes) -> dict:
+        """Write what this peer holds of run `run_id` in memory, once its worker stopped (its
+        stage, its one-step-back snapshot), to its data dir: each step not on disk yet, step 0
+        aside (every peer rebuilds it). The answer to RUN_STATE `keep`: the (first layer, end
+        layer, step) written, or why not."""
+        kept: list[list[int]] = []
+        async with self._keeping:
+            for rec in (self.epoch.run, self.epoch.prev):
+                if rec is None or not rec.built or rec.alloc.run_id != run_id or rec.active:
+                    continue
+                layers = rec.alloc.layer_ranges[rec.alloc.position(self.me)[1]]
+                for step in sorted(x for x in (rec.at, rec.prev) if x):
+                    if checkpoint_at(self.checkpoint_root(run_id), layers, step) is not None:
+                        continue
+                    done = await trio.to_thread.run_sync(self._keep_one, run_id, layers, step)
+                    if isinstance(done, str):
+                        return {"error": done, "kept": kept} if kept else {"error": done}
+                    if done:
+                        kept.append([layers[0], layers[1], step])
+        if kept:
+            logger.info("kept on disk while the run waits: %s", ", ".join(
+                f"layers {a}-{b - 1} at step {step}" for a, b, step in kept))
+        return {"kept": kept}
+
+    def _keep_one(self, run_id: bytes, layers: tuple[int, int], step: int) -> bool | str:
+        """Save this peer's stage of `layers` at `step` if it holds it; the refusal's text when
+        the disk refused. Blocking."""
+        state = self._state_at(run_id, layers, step)
+        if state is None:
+            return False
+        notes = {REPORTS_NOTE: [r.to_wire() for r in self.epoch.reports if r.step < step]}
+        if self.disk.save(run_id, state, notes) is None:
+            return self.disk.status().refusal or "the disk refused the checkpoint"
+        return True
 
     def checkpoints(self, run_id: bytes | None) -> tuple[tuple[int, int, int], ...]:
         """(first layer, end layer, step) of this peer's newest checkpoints of run `run_id`."""
@@ -111,7 +154,7 @@ class StageHost:
         steps: dict[tuple[int, int], list[int]] = {}
         for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
             steps.setdefault((a, b), []).append(step)
-        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-2:]]
+        out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-self.disk.kept:]]
         return tuple(out[-MAX_CHECKPOINTS_LISTED:])
 
     def checkpoint_spec(self, run_id: bytes, held: tuple[int, int, int]) -> dict | None:
@@ -171,24 +214,51 @@ class StageHost:
         return load_checkpoint(path) if path is not None else None
 
     async def _held(self, run_id: bytes, layers: tuple[int, int], step: int) -> StageState | dict:
-        """The state of `layers` at `step` held here, or the answer that says why not."""
+        """The state of `layers` at `step` held here, or the answer that says why not. Step 0
+        not held otherwise is the run's initial weights, rebuilt here."""
         try:
             state = await trio.to_thread.run_sync(self._state_at, run_id, layers, step)
         except CheckpointError as e:
             return {"error": f"checkpoint unreadable: {e}"}
+        if state is None and step == 0:
+            return await self._initial(run_id, layers)
         if state is None:
             return {"error": f"layers {layers} at step {step} are not held here"}
         return state
+
+    async def _initial(self, run_id: bytes, layers: tuple[int, int]) -> StageState | dict:
+        """`layers` of run `run_id` at step 0: the run's initial weights, from its seed or from
+        this peer's copy of the model folder the operator's start names (by its digest), built
+        as the run's first epoch built them; the answer that says why not."""
+        alloc = self.epoch.current
+        if alloc is None or alloc.run_id != run_id:
+            return {"error": f"run {run_id.hex()[:8]} is not this peer's: its initial weights are unknown here"}
+        try:
+            held = start_model(alloc, await self.models() if self.models is not None else {})
+            if held is not None:
+                return await trio.to_thread.run_sync(lambda: hf_stage_state(
+                    held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device="cpu",
+                    compression=alloc.compression))
+            return await trio.to_thread.run_sync(
+                lambda: StageState(alloc.model, alloc.train, layers, "cpu", compression=alloc.compression))
+        except (ValueError, OSError, HFError) as e:
+            return {"error": f"cannot rebuild the initial weights of layers {layers}: {e}"}
 
     async def offer(self, run_id: bytes, step: int, layers: tuple[int, int],
                     fetchers: frozenset[bytes] = frozenset()) -> dict:
         """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
         `fetchers`: the peers the coordinator named with it (the next allocation's), who may
         fetch it besides the peers of this peer's own allocations."""
+        key = (run_id, step, (layers[0], layers[1]))
+        found, held = self._offered.get(key), self.recovery.offered(key)
+        if found is not None and held is not None and held.digest == found[0] and found[1].step == step:
+            # offered already, and the state has not trained since (a stage's step only grows):
+            # the same bytes, so no second encoding (nor a second copy of a snapshot)
+            self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
+            return {"digest": held.digest, "bytes": held.manifest.total_bytes}
         state = await self._held(run_id, layers, step)
         if isinstance(state, dict):
             return state
-        key = (run_id, step, tuple(layers))
         self._fetchers = {k: v for k, v in self._fetchers.items() if k[0] == run_id and k[1] >= step - 1}
         self._fetchers[key] = self._fetchers.get(key, frozenset()) | fetchers
         offer = await self.recovery.offer(run_id, state)
@@ -253,7 +323,8 @@ class StageHost:
         alloc = a.alloc
         t_fetch = trio.current_time()
         try:
-            state, fetched = await self._stage_for(alloc)
+            async with self._keeping:  # (a stage being written to disk is not trained on yet)
+                state, fetched = await self._stage_for(alloc)
         except (RecoveryError, CheckpointError, ValueError, OSError, HFError) as e:
             logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)
             return BuildFailed(a.key, alloc.epoch, "build-failed", f"{short_id(self.me)}: {e}")
@@ -277,7 +348,7 @@ class StageHost:
         token = trio.lowlevel.current_trio_token()
         stage.runner = StageRunner(state, plan, self.me, comm, await self.corpus(), end_step=alloc.end_step,
                                    checkpoint_every=alloc.checkpoint_every,
-                                   checkpoint_dir=self.checkpoint_root(alloc.run_id),
+                                   save=functools.partial(self.disk.save, alloc.run_id),
                                    torch_threads=self.config.torch_threads,
                                    on_step=lambda rep: token.run_sync_soon(self._step_done, rep),
                                    history=tuple(self.epoch.reports), keep_reports=MAX_REPORTS)
@@ -308,6 +379,12 @@ class StageHost:
             state = await self._own_copy(alloc, own)
             if state is not None:
                 return await trio.to_thread.run_sync(_on_device, state, device), 0
+        # This peer takes on a stage it does not hold: the snapshots of its earlier stages that
+        # no holding of this allocation needs (all are at its start step) go before the fetch,
+        # so that it holds little more than its old stage, its offer and the new stage's bytes.
+        for old in self._stages.values():
+            if old.done.is_set() and old.runner is not None and old.runner.snapshot_step != alloc.start_step:
+                old.runner.drop_snapshot()
         old_ranges = [h.layer_range for h in alloc.holdings]
         parts: list = []
         fetched, optim_step = 0, None
@@ -356,13 +433,29 @@ class StageHost:
     def _step_done(self, rep: StepReport) -> None:
         self.on_event(StepDone(rep))
 
+    def memory(self) -> StageMemory | None:
+        """The current stage's own state (weights, gradients, optimizer, snapshot, the last
+        step's activations), as its runner counted it after its last step; None: no stage."""
+        stage = self._current()
+        return stage.runner.memory if stage is not None and stage.runner is not None else None
+
     def _current(self) -> _Stage | None:
         cur = self.epoch.current
         return self._stages.get(cur.epoch) if cur is not None else None
 
     def start(self, epoch: int) -> None:
+        """Start the runner of `epoch`. The coordinator starts an epoch once every peer of it
+        has built its stage at the epoch's start step, so no peer fetches a stage of this run
+        any more and none is behind that step: the stage offers and the states kept for them
+        are let go (a later reconfiguration asks for new offers, encoded again from the stage,
+        its snapshot or a checkpoint), and so are the stage objects of the epochs before whose
+        worker is over (their state, where the new epoch did not keep it, and their runner's
+        snapshot: the new runner makes its own). An export's weights offer stays."""
         stage = self._stages.get(epoch)
         if stage is not None and stage.runner is not None:
+            self._offered.clear()
+            self.recovery.withdraw(stage.alloc.run_id, Part.STAGE)
+            self._stages = {e: s for e, s in self._stages.items() if e == epoch or not s.done.is_set()}
             stage.started.set()
 
     def stop_at(self, epoch: int, step: int, *, final: bool = False) -> None:

@@ -1,0 +1,201 @@
+"""dtfm at swarm sizes: real daemons on this machine, and the control plane and gossip in
+simulation up to 1,000 peers, against baselines measured in the same run.
+
+    .venv/bin/python bench/scale.py [--daemons 16,32,64] [--sim 256,1000] [--only daemons,sim,gossip,sched]
+
+1. daemons: for each size, `dtfm-swarm up --peers N` (emulated worldwide, bandwidth scaled as
+   the scripted swarms are): `up_s` (launch to every link measured), then idle for
+   `--idle-s`: `idle_pss_mib` and `idle_private_mib` (median per daemon, /proc/PID/smaps_rollup)
+   and `idle_cpu_cores` (the whole swarm's CPU seconds per second); `dtfm-swarm train` of
+   `tiny` on the scheduler's shape with a global batch of one sequence per peer: `handout_s`
+   (the command, from the signed start to every peer started), `step_s` (median iteration
+   after the first two), then an eighth of the peers SIGKILLed at once (none the coordinator):
+   `recover_s` (kill to the first step of the next epoch), `rolled_back` and `steps_lost`
+   (steps run again after a rollback).
+   The baseline beside each: `step_s` of one process training the same steps
+   (`single_process_step_s`).
+2. sim: the control plane's own machines on N nodes under a virtual clock (control/sim.py):
+   `elect_s` (boot to the first coordinator), `handout_s` (the operator's start to every node
+   applying the first allocation), `election_messages` in the first term, each next to the same
+   run at 8 nodes (`baseline_8`).
+3. gossip, sched: the figures of bench/gossip_scale.py and bench/sched.py, run as they are
+   (their last JSON line), where those benches exist.
+
+Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import read_rows, running_swarm, swarm, wait_for
+
+HERE = Path(__file__).resolve().parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# ---- 1. real daemons ------------------------------------------------------------------------
+
+
+def _pids(run_dir: Path) -> dict[str, int]:
+    from dtfm.swarm.state import load_state
+    return {p.name: p.pid for p in load_state(run_dir).peers if p.alive()}
+
+
+def _memory_mib(pid: int) -> tuple[float, float]:
+    """(Pss, private) MiB of a process, from smaps_rollup."""
+    fields: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+            fields[parts[0][:-1]] = int(parts[1])
+    private = fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
+    return fields.get("Pss", 0) / 1024, private / 1024
+
+
+def _cpu_s(pid: int) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / CLOCK_TICKS  # utime, stime
+
+
+def _idle(run_dir: Path, idle_s: float) -> dict:
+    pids = _pids(run_dir)
+    before = {n: _cpu_s(p) for n, p in pids.items()}
+    time.sleep(idle_s)
+    cpu = sum(_cpu_s(p) - before[n] for n, p in pids.items() if Path(f"/proc/{p}").exists())
+    mem = [_memory_mib(p) for p in pids.values()]
+    return {"idle_pss_mib": round(statistics.median(m[0] for m in mem), 1),
+            "idle_private_mib": round(statistics.median(m[1] for m in mem), 1),
+            "idle_cpu_cores": round(cpu / idle_s, 3)}
+
+
+def _training(run_dir: Path) -> dict[str, dict]:
+    from dtfm.swarm.proc import peer_status
+    from dtfm.swarm.state import load_state
+    return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in load_state(run_dir).peers if p.alive()}
+
+
+def _single_process_step_s(steps: int, batch: int, micro_batches: int) -> float:
+    """Median step time of one process training `tiny` whole (a one-peer LocalCluster), same batch."""
+    from dtfm.train import LocalCluster, Plan, TrainConfig, get_preset, load_corpus
+    spec = get_preset("tiny")
+    cfg = TrainConfig(global_batch_seqs=batch, micro_batches=micro_batches)
+    with LocalCluster(spec, cfg, Plan.grid(spec.n_layer, 1, 1), load_corpus()) as cl:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            cl.step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:] if len(times) > 3 else times)
+
+
+def bench_daemons(n: int, steps: int, idle_s: float) -> dict:
+    t0 = time.monotonic()
+    with running_swarm("--scenario", "worldwide", "--peers", str(n), "--timeout", "900", up_timeout_s=1200,
+                       kill=True) as run_dir:
+        out: dict = {"peers": n, "up_s": round(time.monotonic() - t0, 1)}
+        out.update(_idle(run_dir, idle_s))
+        batch = max(8, n)
+        t1 = time.monotonic()
+        reply = json.loads(swarm(run_dir, "train", "--steps", "100000", "--batch", str(batch), "--micro-batches",
+                                 "1", "--json", timeout_s=900, stdout=True))
+        out["handout_s"] = round(time.monotonic() - t1, 1)
+        out["shape"] = f"{reply.get('stages')}x{reply.get('dp')}"
+        swarm(run_dir, "wait", "--step", str(steps), "--timeout", "900")
+        rows = read_rows(run_dir)
+        out["step_s"] = round(statistics.median(r["iteration_s"] for r in rows[2:]), 3)
+        t = _training(run_dir)
+        victims = [name for name, v in sorted(t.items()) if v.get("role") != "coordinator"][: max(1, n // 8)]
+        pids = _pids(run_dir)
+        last = max(r["step"] for r in rows)
+        epoch = max(r["epoch"] for r in rows)
+        killed = time.time()
+        for v in victims:
+            os.kill(pids[v], signal.SIGKILL)
+
+        def next_epoch_step():  # (`wait` merges the peers' logs into the run dir's)
+            swarm(run_dir, "wait", "--step", str(max(r["step"] for r in read_rows(run_dir)) + 2), "--timeout", "900")
+            return [r for r in read_rows(run_dir) if r["epoch"] > epoch and r["time"] > killed]
+        after = wait_for("a step after the kills", next_epoch_step, 900, interval_s=0.0)
+        first = min(after, key=lambda r: r["step"])
+        out["killed"] = len(victims)
+        out["recover_s"] = round(first["time"] - killed, 1)
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+        out["rolled_back"] = any(e.get("event") == "rollback" and e.get("time", 0) > killed for e in events)
+        out["steps_lost"] = max(0, last + 1 - first["step"]) if out["rolled_back"] else 0
+    out["single_process_step_s"] = round(_single_process_step_s(min(steps, 6), batch, 1), 3)
+    return out
+
+
+# ---- 2. the control plane in simulation -------------------------------------------------------
+
+
+def sim_figures(n: int, seed: int = 1) -> dict:
+    from dtfm.control.election import ElectionConfig
+    from dtfm.control.sim import PlaneSim
+    sim = PlaneSim(n, ElectionConfig.test(), seed=seed)
+    while not sim.wins and sim.now < 30:
+        sim.run_for(0.01)
+    elect_s = sim.wins[0][0]
+    sim.run_for(2.0)
+    messages = sim.sent
+    [c] = sim.coordinators()
+    t0 = sim.now
+    sim.start_training(c, steps=20)
+    while any(a == (0, 0) for a in sim.disk_applied) and sim.now < t0 + 30:
+        sim.run_for(0.01)
+    return {"peers": n, "elect_s": round(elect_s, 3), "handout_s": round(sim.now - t0, 3),
+            "election_messages": messages}
+
+
+# ---- 3. other benches --------------------------------------------------------------------------
+
+
+def last_json(script: str, *args: str, timeout_s: float = 3600) -> dict | None:
+    path = HERE / script
+    if not path.exists():
+        return None
+    out = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        print(f"{script} failed: {out.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--daemons", default="16,32,64", help="swarm sizes of real daemons (comma list)")
+    ap.add_argument("--sim", default="256,1000", help="swarm sizes in simulation (comma list)")
+    ap.add_argument("--only", default="daemons,sim,gossip,sched", help="sections to run (comma list)")
+    ap.add_argument("--steps", type=int, default=8, help="steps before the kills")
+    ap.add_argument("--idle-s", type=float, default=20.0, help="seconds the idle swarm is watched")
+    args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    result: dict = {}
+    if "sim" in only:
+        base = sim_figures(8)
+        result["sim"] = [{**sim_figures(int(n)), "baseline_8": base} for n in args.sim.split(",")]
+        print(f"sim: {result['sim']}", file=sys.stderr)
+    if "daemons" in only:
+        result["daemons"] = []
+        for n in args.daemons.split(","):
+            fig = bench_daemons(int(n), args.steps, args.idle_s)
+            print(f"daemons: {fig}", file=sys.stderr)
+            result["daemons"].append(fig)
+    if "gossip" in only:
+        result["gossip"] = last_json("gossip_scale.py")
+    if "sched" in only:
+        result["sched"] = last_json("sched.py")
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

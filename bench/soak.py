@@ -1,0 +1,391 @@
+"""A soak under chaos: 8 daemons of the emulated worldwide scenario train `tiny` for a given time
+while a seeded nemesis injects one fault at a time, then the run is judged as a person watching
+it would judge it.
+
+    python bench/soak.py [--minutes 30] [--seed 0] [--fault-every-s 40] [--checkpoint-every 10]
+
+The faults, drawn by `random.Random(seed)` (the same seed, the same schedule of kinds, victims
+and durations; what the swarm does in between is real time): SIGKILL of a peer then its restart
+with its data dir, SIGKILL of the coordinator, both holders of one stage killed at once, a kill
+during a reconfiguration (a second peer killed as the first one's reconfiguration runs), a kill
+during a weight transfer (a peer killed while it fetches its stage), SIGSTOP then SIGCONT, a cut
+link between two pipeline neighbours then heal, a jump of one peer's wall clock (its signed
+gossip times; `emulate {"clock_jump_s"}`), and a partition of the swarm into two halves then
+heal. The first fault is always both holders of a stage lost before the first checkpoint: the
+swarm must roll back to its initial weights and go on.
+
+At the end the run is stopped and judged: every step logged once in the merged train.jsonl,
+every loss equal to single-process training (1e-5), the DP replicas of every stage identical
+(their parameters' sha256), and the figures: faults by kind, steps lost to rollbacks (from the
+coordinators' rollback events), the time from each fault to the next completed step (median and
+worst: the longest time without a completed step from the fault to the first step after it
+was undone), each daemon's memory (RSS) growth over the soak's last two thirds (after warm-up:
+every daemon has built and fetched stages by then; daemons that lived through it), its open file descriptors and threads (worst). The
+last line of stdout is one JSON object: faults, faults_by_kind, steps, exact, rolled_back_steps,
+heal_s_median, heal_s_worst, rss_growth, max_fds, max_threads and the details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from common import kill_swarm, print_table, read_rows, swarm, wait_for
+
+from dtfm.swarm.proc import peer_request, peer_status
+from dtfm.swarm.state import PeerEntry, load_state
+from dtfm.swarm.train import stop_training
+from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
+
+KINDS = ("kill", "kill_coordinator", "kill_stage_holders", "kill_during_reconfiguration", "kill_during_transfer",
+         "freeze", "cut_link", "clock_jump", "partition_halves")
+HEAL_TIMEOUT_S = 300.0  # a fault the swarm does not heal from within this is reported as such
+REL = 1e-5
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Soak:
+    def __init__(self, run_dir: Path, rng: random.Random, args: argparse.Namespace):
+        self.run_dir, self.rng, self.args = run_dir, rng, args
+        self.faults: list[dict] = []
+        self.samples: dict[tuple[str, int], list[tuple[float, int, int, int]]] = {}  # (peer, pid) -> (t, rss, fds, thr)
+
+    # ---- the swarm as seen from outside -------------------------------------------------------
+
+    def peers(self) -> list[PeerEntry]:
+        return load_state(self.run_dir).peers
+
+    def trainings(self) -> dict[str, dict]:
+        return {p.name: ((peer_status(p) or {}).get("training") or {}) for p in self.peers() if p.alive()}
+
+    def coordinator(self) -> str | None:
+        return next((n for n, t in self.trainings().items() if t.get("role") == "coordinator"), None)
+
+    def stage_peers(self) -> dict[str, dict]:
+        return {n: t for n, t in self.trainings().items() if t.get("stage") is not None}
+
+    def last_step(self) -> int:
+        swarm(self.run_dir, "wait", "--step", "0")
+        rows = read_rows(self.run_dir) if (self.run_dir / "train.jsonl").exists() else []
+        return max((r["step"] for r in rows), default=-1)
+
+    def heal_after(self, t0: float, undone: float, timeout_s: float) -> float | None:
+        """The longest time without a completed step from the fault (`t0`) to the first step
+        completed after it was undone (`undone`: the restart, the wake, the heal): the time the
+        fault cost the swarm before its next step (a step in flight when it struck, completed
+        just after, does not hide the stop that follows). None: no step within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                swarm(self.run_dir, "wait", "--step", "0", timeout_s=60)
+            except RuntimeError:
+                pass
+            rows = read_rows(self.run_dir) if (self.run_dir / "train.jsonl").exists() else []
+            times = sorted(r["time"] for r in rows if r.get("time", 0) > t0 and not r.get("backfilled"))
+            after = [x for x in times if x > undone]
+            if after:
+                marks = [t0] + [x for x in times if x <= after[0]]
+                return max(b - a for a, b in zip(marks, marks[1:]))
+            time.sleep(1.0)
+        return None
+
+    def sample(self) -> None:
+        """RSS, open fds and threads of every live daemon, from /proc."""
+        now = time.monotonic()
+        for p in self.peers():
+            if not p.alive() or p.pid is None:
+                continue
+            try:
+                status = Path(f"/proc/{p.pid}/status").read_text()
+                fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+                rss = int(fields["VmRSS"].split()[0]) * 1024
+                threads = int(fields["Threads"])
+                fds = len(os.listdir(f"/proc/{p.pid}/fd"))
+            except (OSError, KeyError, ValueError):
+                continue
+            self.samples.setdefault((p.name, p.pid), []).append((now, rss, fds, threads))
+
+    # ---- faults -------------------------------------------------------------------------------
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as `dtfm-swarm kill` sends it (at once: the first fault races the first checkpoint)."""
+        pid = next(p.pid for p in self.peers() if p.name == name)
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def restart(self, name: str) -> None:
+        swarm(self.run_dir, "restart", name, timeout_s=120)
+
+    def pause(self, lo: float, hi: float) -> None:
+        time.sleep(self.rng.uniform(lo, hi))
+
+    def fault(self, kind: str) -> dict:
+        """Inject one fault of `kind`, undo it (restart, wake, heal); what was done."""
+        rng = self.rng
+        t = self.stage_peers()
+        coord = self.coordinator()
+        names = sorted(t)
+        followers = [n for n in names if n != coord] or names
+        if kind == "kill":
+            victim = rng.choice(followers)
+            self.kill(victim)
+            self.pause(5, 20)
+            self.restart(victim)
+            return {"victims": [victim]}
+        if kind == "kill_coordinator":
+            victim = coord or rng.choice(names)
+            self.kill(victim)
+            self.pause(5, 20)
+            self.restart(victim)
+            return {"victims": [victim]}
+        if kind == "kill_stage_holders":
+            stage = rng.choice(sorted({v["stage"] for v in t.values()}))
+            victims = sorted(n for n, v in t.items() if v["stage"] == stage)
+            for v in victims:
+                self.kill(v)
+            self.pause(5, 20)
+            for v in victims:
+                self.restart(v)
+            return {"victims": victims, "stage": stage}
+        if kind == "kill_during_reconfiguration":
+            first = rng.choice(followers)
+            self.kill(first)
+            second = None
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and second is None:  # the reconfiguration under way
+                c = self.coordinator()
+                issued = (self.trainings().get(c or "", {}) or {}).get("issued") or {}
+                if issued.get("state") in ("stopping", "planning", "offering", "handing out"):
+                    others = [n for n in followers if n != first]
+                    second = rng.choice(others) if others else None
+                else:
+                    time.sleep(0.3)
+            if second is not None:
+                self.kill(second)
+            self.pause(5, 15)
+            for v in (first, second):
+                if v is not None:
+                    self.restart(v)
+            return {"victims": [v for v in (first, second) if v is not None]}
+        if kind == "kill_during_transfer":
+            victim = rng.choice(followers)
+            self.kill(victim)
+            self.pause(3, 8)
+            self.restart(victim)  # (its stage is gone: it fetches one when placed again)
+            fetching = None
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and fetching is None:
+                building = [n for n, v in self.trainings().items() if v.get("state") == "building"]
+                fetching = rng.choice(sorted(building)) if building else None
+                if fetching is None:
+                    time.sleep(0.2)
+            if fetching is not None:
+                self.kill(fetching)
+                self.pause(3, 8)
+                self.restart(fetching)
+            return {"victims": [victim] + ([fetching] if fetching else []), "during_transfer": fetching is not None}
+        if kind == "freeze":
+            victim = rng.choice(followers)
+            pid = next(p.pid for p in self.peers() if p.name == victim)
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                self.pause(10, 30)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return {"victims": [victim]}
+        if kind == "cut_link":
+            pairs = [(a, b) for a, va in t.items() for b, vb in t.items()
+                     if va.get("pipeline") == vb.get("pipeline") and vb.get("stage") == va.get("stage", -9) + 1]
+            a, b = rng.choice(sorted(pairs)) if pairs else tuple(rng.sample(names, 2))
+            swarm(self.run_dir, "partition", a, b)
+            try:
+                self.pause(10, 30)
+            finally:
+                swarm(self.run_dir, "heal")
+            return {"victims": [a, b]}
+        if kind == "clock_jump":
+            victim = rng.choice(names)
+            jump = rng.choice((-1, 1)) * rng.uniform(60, 3600)
+            peer = next(p for p in self.peers() if p.name == victim)
+            peer_request(peer, "emulate", {"clock_jump_s": jump})
+            self.pause(10, 30)
+            peer_request(peer, "emulate", {"clock_jump_s": 0.0})
+            return {"victims": [victim], "jump_s": round(jump, 1)}
+        if kind == "partition_halves":
+            peers = [p for p in self.peers() if p.alive() and p.peer_id]
+            rng.shuffle(peers)
+            half = len(peers) // 2
+            a, b = peers[:half], peers[half:]
+            for side, other in ((a, b), (b, a)):
+                for p in side:
+                    peer_request(p, "emulate", {"cut": [q.peer_id for q in other]})
+            try:
+                self.pause(15, 40)
+            finally:
+                swarm(self.run_dir, "heal")
+            return {"victims": sorted(p.name for p in a), "other_half": sorted(p.name for p in b)}
+        raise ValueError(kind)
+
+    def inject(self, kind: str) -> None:
+        t0 = time.time()
+        log(f"fault {len(self.faults) + 1}: {kind}")
+        done = self.fault(kind)
+        heal = self.heal_after(t0, time.time(), HEAL_TIMEOUT_S)
+        rows = read_rows(self.run_dir) if (self.run_dir / "train.jsonl").exists() else []
+        at = max((r["step"] for r in rows if r.get("time", 0) <= t0), default=-1)  # the last step before it
+        self.faults.append({"kind": kind, "at": t0, "heal_s": None if heal is None else round(heal, 2),
+                            "step_at_fault": at, **done})
+        log(f"  {done} -> longest time without a step: {heal if heal is None else round(heal, 1)} s")
+
+    # ---- the run ------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        a = self.args
+        swarm(self.run_dir, "train", "--steps", "1000000", "--checkpoint-every", str(a.checkpoint_every),
+              "--seed", str(a.run_seed))
+        swarm(self.run_dir, "wait", "--step", "1", "--timeout", "600")
+        end = time.monotonic() + 60 * a.minutes
+        # both holders of a stage lost before the first checkpoint: a rollback to the initial weights
+        self.inject("kill_stage_holders")
+        self.faults[0]["before_first_checkpoint"] = self.faults[0]["step_at_fault"] + 1 < a.checkpoint_every
+        self.sample()
+        while time.monotonic() < end:
+            wait = min(self.rng.uniform(0.5, 1.5) * a.fault_every_s, max(0.0, end - time.monotonic()))
+            slept = 0.0
+            while slept < wait:
+                time.sleep(min(5.0, wait - slept))
+                slept += 5.0
+                self.sample()
+            if time.monotonic() >= end:
+                break
+            self.inject(self.rng.choice(KINDS))
+            self.sample()
+            if self.faults[-1]["heal_s"] is None:
+                log("the swarm did not heal: the nemesis stops")
+                break
+        self.sample()
+        return self.judge()
+
+    def judge(self) -> dict:
+        coord_name = wait_for("a coordinator", self.coordinator, 120)
+        peer = next(p for p in self.peers() if p.name == coord_name)
+        stop_training(self.run_dir, peer)
+
+        def ended():
+            t = {n: v for n, v in self.trainings().items() if v.get("stage") is not None}
+            done = all((v.get("last_end") or {}).get("epoch") == v.get("epoch")
+                       and v.get("state") not in ("training", "stopping") for v in t.values())
+            return t if t and done else None
+        ends = wait_for("every stage peer to end", ended, 300)
+        groups: dict[int, set[str]] = {}
+        for v in ends.values():
+            groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
+        replicas_identical = all(len(h) == 1 for h in groups.values())
+        swarm(self.run_dir, "wait", "--step", "0")
+        rows = read_rows(self.run_dir)
+        steps = [r["step"] for r in rows]
+        once = steps == list(range(len(steps)))
+        state, corpus = reference_state(get_preset("tiny"), TrainConfig(seed=self.args.run_seed)), load_corpus()
+        worst = 0.0
+        for r in rows:
+            ref = reference_step(state, corpus)
+            if r["loss"] is None:
+                worst = float("inf")
+                continue
+            worst = max(worst, abs(r["loss"] - ref) / max(abs(ref), 1e-12))
+        events = [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+        rollbacks = [e for e in events if e.get("event") == "rollback"]
+        rolled_back = sum(int(e.get("steps_lost") or 0) for e in rollbacks)
+        heals = [f["heal_s"] for f in self.faults if f["heal_s"] is not None]
+        growth, fds, threads = self.health()
+        return {
+            "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
+            "steps": len(rows), "exact": bool(once and replicas_identical and worst <= REL),
+            "rolled_back_steps": rolled_back, "rollbacks": len(rollbacks),
+            "rollback_sources": dict(Counter(str(e.get("restored_from")) for e in rollbacks)),
+            "heal_s_median": round(statistics.median(heals), 2) if heals else None,
+            "heal_s_worst": round(max(heals), 2) if heals else None,
+            "unhealed": sum(f["heal_s"] is None for f in self.faults),
+            "rss_growth": growth, "max_fds": fds, "max_threads": threads,
+            "every_step_once": once, "replicas_identical": replicas_identical,
+            "worst_relative_loss_deviation": worst, "minutes": self.args.minutes, "seed": self.args.seed,
+            "reconfigurations": sum(e.get("event") in ("reconfigure", "rollback", "leave") for e in events),
+            "fault_log": [{k: v for k, v in f.items() if k != "at"} for f in self.faults],
+        }
+
+    def health(self) -> tuple[float | None, int, int]:
+        """The worst RSS growth of a daemon process over the soak's last two thirds (its first
+        sample after the first third, when every daemon has built stages and fetched weights, to
+        its last; a daemon restarted since is a new process, measured from its own first sample
+        there), among processes sampled over at least half of that span; and the most open fds
+        and threads any daemon had."""
+        growth = None
+        starts = [x[0] for s in self.samples.values() for x in s]
+        if not starts:
+            return None, 0, 0
+        t0, t1 = min(starts), max(starts)
+        warm = t0 + (t1 - t0) / 3
+        for series in self.samples.values():
+            late = [x for x in series if x[0] >= warm]
+            if len(late) < 2 or late[-1][0] - late[0][0] < 0.5 * (t1 - warm):
+                continue
+            g = late[-1][1] / late[0][1] - 1
+            growth = g if growth is None else max(growth, g)
+        fds = max((x[2] for s in self.samples.values() for x in s), default=0)
+        threads = max((x[3] for s in self.samples.values() for x in s), default=0)
+        return (None if growth is None else round(growth, 4)), fds, threads
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0, help="how long the nemesis runs (default: %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="the nemesis' seed (default: %(default)s)")
+    ap.add_argument("--run-seed", type=int, default=0, help="the training run's seed (default: %(default)s)")
+    ap.add_argument("--peers", type=int, default=8, help="daemons (default: %(default)s)")
+    ap.add_argument("--fault-every-s", type=float, default=40.0,
+                    help="mean seconds of quiet training between faults (default: %(default)s)")
+    ap.add_argument("--checkpoint-every", type=int, default=10, help="the run's --checkpoint-every (default: %(default)s)")
+    ap.add_argument("--run-dir", type=Path, default=None,
+                    help="the swarm's run dir, kept afterwards (default: a temporary one, removed)")
+    ap.add_argument("--up-arg", action="append", default=[], metavar="ARG",
+                    help="one more `dtfm-swarm up` argument, repeatable (e.g. --up-arg=--plane-profile --up-arg=wan)")
+    args = ap.parse_args(argv)
+    rng = random.Random(args.seed)
+    tmp = None
+    if args.run_dir is None:
+        tmp = tempfile.mkdtemp(prefix="dtfm-soak-")
+        run_dir = Path(tmp) / "swarm"
+    else:
+        run_dir = args.run_dir
+    swarm(run_dir, "up", "--fresh", "--scenario", "worldwide", "--peers", str(args.peers), "--timeout", "300",
+          *args.up_arg, timeout_s=900)
+    try:
+        result = Soak(run_dir, rng, args).run()
+    finally:
+        kill_swarm(run_dir)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print_table(["fault", "kind", "victims", "longest time without a step (s)"],
+                [(i + 1, f["kind"], " ".join(f["victims"]), f["heal_s"]) for i, f in enumerate(result["fault_log"])])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

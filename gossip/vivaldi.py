@@ -1,0 +1,133 @@
+"""Network coordinates: Vivaldi with a height vector, as Serf's `coordinate` package has it.
+
+Each peer holds a `Coordinate` (a point in a few Euclidean dimensions plus a height, in
+milliseconds of round trip, and an error estimate) and moves it after each round trip it
+times to a peer whose coordinate it knows, so that the distance between two coordinates
+predicts their round trip. Round trips to all N peers are then estimated from N coordinates,
+without N pings (Dabek et al., "Vivaldi", SIGCOMM 2004; Ledlie et al., "Network
+coordinates in the wild", NSDI 2007, for the height, the error weighting, the per-peer
+latency filter and the gravity towards the origin).
+
+Sans-IO and deterministic: `Vivaldi.observe(peer, coordinate, rtt_ms)` takes one sample;
+the only randomness (a direction when two coordinates coincide) comes from the `rng` given.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+__all__ = ["Coordinate", "Vivaldi", "VivaldiConfig", "COORD_DIMS", "COORD_LEN"]
+
+COORD_DIMS = 4  # Euclidean dimensions (Serf uses 8; 4 already fit the scenarios' regions)
+COORD_LEN = COORD_DIMS + 2  # on the wire: the vector, the height, the error
+_ZERO = 1e-6
+
+
+@dataclass(frozen=True)
+class VivaldiConfig:
+    # The error a new coordinate starts with, and the most it can reach.
+    error_max: float = 1.5
+    # How far one sample moves the error estimate (ce) and the coordinate (cc); Serf: 0.25.
+    ce: float = 0.25
+    cc: float = 0.25
+    # Round trips kept per peer; the median of them is the sample (a late reply moves nothing).
+    latency_filter: int = 3
+    # Peers whose filters are kept; the least recently sampled is forgotten past it.
+    max_filters: int = 256
+    # Smallest height (ms): a peer is never predicted closer than this plus the vector part.
+    height_min_ms: float = 0.01
+    # Gravity towards the origin (ms): keeps the coordinates of a whole swarm from drifting.
+    gravity_rho_ms: float = 150.0
+
+    def __post_init__(self) -> None:
+        if not (self.error_max > 0 and 0 < self.ce <= 1 and 0 < self.cc <= 1):
+            raise ValueError("error_max must be positive, ce and cc in (0, 1]")
+        if self.latency_filter < 1 or self.max_filters < 1:
+            raise ValueError("latency_filter and max_filters must be >= 1")
+        if not (self.height_min_ms > 0 and self.gravity_rho_ms > 0):
+            raise ValueError("height_min_ms and gravity_rho_ms must be positive")
+
+
+@dataclass(frozen=True)
+class Coordinate:
+    vec: tuple[float, ...]  # COORD_DIMS figures, ms
+    height: float  # ms: the access link's part of every round trip
+    error: float  # relative error of the predictions, about |predicted - measured| / measured
+
+    @classmethod
+    def origin(cls, config: VivaldiConfig = VivaldiConfig()) -> "Coordinate":
+        return cls((0.0,) * COORD_DIMS, config.height_min_ms, config.error_max)
+
+    def rtt_ms(self, other: "Coordinate") -> float:
+        """The round trip the two coordinates predict."""
+        return math.dist(self.vec, other.vec) + self.height + other.height
+
+    def to_wire(self) -> tuple[float, ...]:
+        return (*self.vec, self.height, self.error)
+
+    @classmethod
+    def from_wire(cls, values) -> "Coordinate | None":
+        """From a report's figures (checked finite and in range there): None when empty."""
+        if len(values) != COORD_LEN:
+            return None
+        return cls(tuple(float(v) for v in values[:COORD_DIMS]), float(values[COORD_DIMS]),
+                   float(values[COORD_DIMS + 1]))
+
+
+class Vivaldi:
+    """This peer's coordinate, moved by each round trip it measures."""
+
+    def __init__(self, rng: random.Random, config: VivaldiConfig = VivaldiConfig()) -> None:
+        self.config = config
+        self._rng = rng
+        self.coord = Coordinate.origin(config)
+        self.samples = 0  # samples taken in all
+        self._filters: OrderedDict[bytes, deque[float]] = OrderedDict()
+
+    def observe(self, peer: bytes, other: Coordinate, rtt_ms: float) -> Coordinate:
+        """Take one round trip to `peer`, whose coordinate is `other`; the new coordinate."""
+        cfg = self.config
+        if not (math.isfinite(rtt_ms) and rtt_ms > 0) or not _usable(other):
+            return self.coord
+        window = self._filters.pop(peer, None) or deque(maxlen=cfg.latency_filter)
+        window.append(rtt_ms)
+        self._filters[peer] = window
+        while len(self._filters) > cfg.max_filters:
+            self._filters.popitem(last=False)
+        rtt = statistics.median(window)
+        c = self.coord
+        dist = c.rtt_ms(other)
+        wrongness = abs(dist - rtt) / rtt
+        total = max(c.error + other.error, _ZERO)
+        weight = c.error / total
+        error = min(cfg.error_max, cfg.ce * weight * wrongness + c.error * (1 - cfg.ce * weight))
+        c = self._apply(Coordinate(c.vec, c.height, error), cfg.cc * weight * (rtt - dist), other)
+        gravity = -((math.dist(c.vec, (0.0,) * COORD_DIMS) / cfg.gravity_rho_ms) ** 2)
+        self.coord = self._apply(c, gravity, Coordinate((0.0,) * COORD_DIMS, 0.0, 0.0))
+        self.samples += 1
+        return self.coord
+
+    def _apply(self, c: Coordinate, force: float, other: Coordinate) -> Coordinate:
+        """Move c by `force` ms along the direction away from `other` (towards it when negative)."""
+        diff = [a - b for a, b in zip(c.vec, other.vec)]
+        mag = math.hypot(*diff)
+        if mag > _ZERO:
+            unit = [d / mag for d in diff]
+        else:  # the two coincide: a random direction
+            unit = [self._rng.uniform(-1.0, 1.0) for _ in diff]
+            norm = math.hypot(*unit) or 1.0
+            unit = [u / norm for u in unit]
+        vec = tuple(a + u * force for a, u in zip(c.vec, unit))
+        height = c.height
+        if mag > _ZERO:
+            height = max(self.config.height_min_ms, (c.height + other.height) * force / mag + c.height)
+        return Coordinate(vec, height, c.error)
+
+
+def _usable(c: Coordinate) -> bool:
+    return (len(c.vec) == COORD_DIMS and all(math.isfinite(v) for v in c.vec)
+            and math.isfinite(c.height) and c.height >= 0 and math.isfinite(c.error) and c.error >= 0)
