@@ -21,6 +21,7 @@ import trio
 from dtfm.net import Identity, LinkModel, MemNetwork, MemTransport, scenario_link
 
 from .config import GossipConfig
+from .measure import compute_speed_ms
 from .members import MemberState
 from .service import GossipService
 
@@ -79,8 +80,8 @@ class Harness:
                             rng=random.Random(self._rng.random()), wall_clock=self.wall,
                             compute_ms=self._compute_ms if self._compute_probe is None else None, measure=self._measure,
                             codec_probe=None if self._codec_probe is None else functools.partial(self._codec_probe, k),
-                            **({} if self._compute_probe is None else
-                               {"compute_probe": functools.partial(self._compute_probe, k)}))
+                            compute_probe=(compute_speed_ms if self._compute_probe is None
+                                           else functools.partial(self._compute_probe, k)))
         svc.on_member_change(functools.partial(self._observe, k))
         scope = trio.CancelScope()
         if k < len(self.transports):  # a restart
