@@ -18,8 +18,10 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    `elect_s` (boot to the first coordinator), `handout_s` (the operator's start to every node
    applying the first allocation), `election_messages` in the first term, each next to the same
    run at 8 nodes (`baseline_8`).
-3. gossip, sched: the figures of bench/gossip_scale.py and bench/sched.py, run as they are
-   (their last JSON line), where those benches exist.
+   With gossip, each simulated size also gets bench/gossip_scale.py's `view_ready_s` and
+   `gossip_kb_per_s_per_peer` (sampled measurement, against all-pairs at 64 peers in its run).
+3. sched: bench/sched.py's figures (its last JSON line), `sched_1024_s` and `sched_10k_s` (CPU
+   seconds of one process) lifted to the top level.
 
 Prints one JSON object as its last line.
 """
@@ -184,16 +186,25 @@ def main(argv=None) -> None:
         base = sim_figures(8)
         result["sim"] = [{**sim_figures(int(n)), "baseline_8": base} for n in args.sim.split(",")]
         print(f"sim: {result['sim']}", file=sys.stderr)
+    if "gossip" in only:  # the gossip figures of each simulated size, beside the plane's
+        gossip = last_json("gossip_scale.py", "--sizes", args.sim)
+        if gossip is not None:
+            result["gossip"] = gossip
+            for row in result.get("sim", []):
+                g = gossip["sizes"].get(str(row["peers"]), {})
+                row.update({k: g[k] for k in ("view_ready_s", "gossip_kb_per_s_per_peer") if k in g})
     if "daemons" in only:
         result["daemons"] = []
         for n in args.daemons.split(","):
             fig = bench_daemons(int(n), args.steps, args.idle_s)
             print(f"daemons: {fig}", file=sys.stderr)
             result["daemons"].append(fig)
-    if "gossip" in only:
-        result["gossip"] = last_json("gossip_scale.py")
     if "sched" in only:
-        result["sched"] = last_json("sched.py")
+        sched = last_json("sched.py")
+        if sched is not None:
+            result["sched"] = sched
+            result["sched_1024_s"] = sched.get("sched_1024_s")
+            result["sched_10k_s"] = sched.get("sched_10k_s")
     print(json.dumps(result))
 
 

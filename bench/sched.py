@@ -1,6 +1,6 @@
 """Scheduler benchmark: the paper scenarios, scale, and exactness on small instances.
 
-    .venv/bin/python bench/sched.py            # full run (about 8 minutes, one core, 3 GB of memory)
+    .venv/bin/python bench/sched.py            # full run (about 10 minutes of one core, 3 GB of memory)
     .venv/bin/python bench/sched.py --quick    # short budgets, for a smoke test
 
 Scale: 256 and 1,024 peers searched flat (10 s), next to the code path before the search was

@@ -228,12 +228,12 @@ def test_profiles_are_gossip_configs_named_profiles():
 
 def test_gossip_table_sets_fields_over_the_profile_whichever_layer_picks_it(tmp_path):
     path = tmp_path / "g.toml"
-    path.write_text('[gossip]\nprobe_timeout_s = 0.8\nrecord_skew_s = 60\ncompute_ms = 12.5\n')
+    path.write_text('[gossip]\nprobe_timeout_s = 0.8\nrecord_skew_s = 900\ncompute_ms = 12.5\n')
     cfg = load_toml(path)
-    assert cfg.gossip.settings == GossipConfig.lan().with_(probe_timeout_s=0.8, record_skew_s=60.0)
+    assert cfg.gossip.settings == GossipConfig.lan().with_(probe_timeout_s=0.8, record_skew_s=900.0)
     assert cfg.gossip.compute_ms == 12.5
     cfg = apply_flags(cfg, join_args("--gossip-profile", "wan"))
-    assert cfg.gossip.settings == GossipConfig.wan().with_(probe_timeout_s=0.8, record_skew_s=60.0)
+    assert cfg.gossip.settings == GossipConfig.wan().with_(probe_timeout_s=0.8, record_skew_s=900.0)
     assert gossip_config(cfg) == cfg.gossip.settings   # fits the transport's frames: unchanged
 
 
