@@ -14,6 +14,7 @@ stage, scipy with the first schedule).
 
     .venv/bin/python bench/idle.py                  # 8 daemons, then the baseline's 8
     .venv/bin/python bench/idle.py --peers 16 --settle 10
+    .venv/bin/python bench/idle.py --peers 32 --no-baseline   # this tree's daemons only
 
 Prints a table per swarm on stderr and, last, one JSON object on stdout.
 """
@@ -116,8 +117,12 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=8, help="daemons in each swarm (default 8)")
     parser.add_argument("--settle", type=float, default=20.0, help="seconds idle after `up` before measuring")
     parser.add_argument("--window", type=float, default=10.0, help="seconds over which idle CPU is measured")
+    parser.add_argument("--no-baseline", action="store_true", help="measure this tree's daemons only")
     args = parser.parse_args()
     light = measure(args.peers, args.settle, args.window, "")
+    if args.no_baseline:
+        print(json.dumps({"daemons": args.peers, "light": light, "within_60_mib": light["max_private_mib"] <= 60.0}))
+        return 0
     eager = measure(args.peers, args.settle, args.window, "torch,scipy")
     out = {"daemons": args.peers, "light": light, "baseline_eager": eager,
            "private_saved_mib": round(eager["median_private_mib"] - light["median_private_mib"], 1),
