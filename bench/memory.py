@@ -160,6 +160,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps before the kill, after it, and after the restart")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--micro-batches", type=int, default=2)
+    ap.add_argument("--restart-wait-s", type=float, default=300.0,
+                    help="how long to wait for the restarted peer to be placed again")
     args = ap.parse_args(argv)
 
     base = baseline(args.preset, args.steps, args.batch, args.micro_batches)
@@ -191,7 +193,12 @@ def main(argv=None) -> None:
         epoch = max(r["epoch"] for r in logged(run_dir))
         sampler.phase = "after_restart"
         swarm(run_dir, "restart", victim)
-        wait_for(f"{victim} to be placed again", lambda: _trains(statuses(run_dir).get(victim, {}), epoch), 1800, 2.0)
+        try:  # (a scheduler that finds the run as fast without it leaves it out: then no transfer here)
+            wait_for(f"{victim} to be placed again", lambda: _trains(statuses(run_dir).get(victim, {}), epoch),
+                     args.restart_wait_s, 2.0)
+            placed_again = statuses(run_dir).get(victim, {}).get("state")
+        except RuntimeError:
+            placed_again = None
         wait_steps(run_dir, args.steps)
         note_states()
         steps = len(logged(run_dir))
@@ -213,7 +220,7 @@ def main(argv=None) -> None:
                   d["peak_over_one_process"]] for n, d in daemons.items()])
     ratios = [d["peak_over_stage_state"] for d in daemons.values() if d["peak_over_stage_state"] is not None]
     print(json.dumps({"preset": args.preset, "shape": "2x2", "batch": args.batch, "micro_batches": args.micro_batches,
-                      "killed": victim, "steps_logged": steps, "one_process": base, "daemons": daemons,
+                      "killed": victim, "restarted_as": placed_again, "steps_logged": steps, "one_process": base, "daemons": daemons,
                       "max_peak_over_stage_state": max(ratios) if ratios else None,
                       "max_peak_mib": max(d["peak_rss_mib"] for d in daemons.values())}))
 

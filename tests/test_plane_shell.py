@@ -366,6 +366,32 @@ async def test_a_peer_of_the_run_offers_its_initial_weights_at_step_0_and_keeps_
     assert plane.stages.checkpoints(RUN) == ()
 
 
+async def test_offers_asked_at_once_encode_the_stage_once(tmp_path, autojump_clock):
+    # A coordinator's retry and a newly elected coordinator ask for the same offer while it is
+    # being encoded: one encoding (one copy of the stage), and every asker gets its digest.
+    plane = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    state = StageState(PRESETS["tiny"], CFG, (0, 2))
+    state.step = 4
+    save_checkpoint(plane.stages.checkpoint_root(RUN), state)
+    encoded = []
+    real = plane.stages.recovery.offer
+
+    async def counting(run_id, st):
+        encoded.append(st.step)
+        return await real(run_id, st)
+
+    plane.stages.recovery.offer = counting  # type: ignore[method-assign]
+    replies = []
+
+    async def ask():
+        replies.append(await plane.stages.offer(RUN, 4, (0, 2)))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(3):
+            nursery.start_soon(ask)
+    assert encoded == [4] and len(replies) == 3 and all(r == replies[0] and "digest" in r for r in replies)
+
+
 def export_op(peer: bytes, run: bytes = RUN, key: OperatorKey = OPERATOR, age_s: float = 0.0) -> dict:
     return sign_op(key, "export", now_s=time.time() - age_s, run_id=run, args={"peer": peer.hex()}).to_wire()
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
         tensor_to_wire,
     )
     from .collective import all_reduce_small, ring_all_reduce
-    from .memory import StageMemory, release_heap, stage_memory
+    from .memory import StageMemory, limit_heap_caching, release_heap, stage_memory
     from .comm import (
         Comm,
         EventHandle,
@@ -174,6 +174,7 @@ __all__ = [
     "load_tokenizer",
     "model_tokenizer",
     "reference_state",
+    "limit_heap_caching",
     "reference_step",
     "release_heap",
     "ring_all_reduce",
@@ -228,7 +229,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
         "load_hf_spec", "load_hf_stage", "model_tokenizer", "spec_to_hf_config", "stage_param_names",
     ),
     ".local": ("LocalCluster",),
-    ".memory": ("StageMemory", "release_heap", "stage_memory"),
+    ".memory": ("StageMemory", "limit_heap_caching", "release_heap", "stage_memory"),
     ".messages": ("MessageRules",),
     ".model": ("GPTStage", "assemble", "generate"),
     ".native": ("load_torch_libraries",),

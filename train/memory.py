@@ -9,10 +9,15 @@ torch's CPU allocator is the C library's malloc. glibc serves a request below it
 threshold from an arena (one per thread that allocates, up to eight per core), and the
 threshold rises to the size of the largest block freed so far (up to 32 MiB): after the first
 step nearly every activation, gradient bucket and decoded tensor lives in an arena, and once
-freed it stays in the process unless it lies at the very top of its heap. `release_heap()`
-(glibc's `malloc_trim(0)`) gives the free pages of every arena back to the system; the runner
-calls it after each step and each checkpoint, the stage host after a stage was built or
-encoded. Where the C library is not glibc it does nothing.
+freed it stays in the process unless it lies at the very top of its heap, and a thread's arena
+keeps up to twice that threshold free at the top of each of its 64 MiB heaps, which
+`malloc_trim` does not reach. A daemon's stage is stepped by worker threads: its tensors spread
+over dozens of such heaps. `limit_heap_caching()` fixes both thresholds (glibc's `mallopt`,
+M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, 1 MiB): every block of 1 MiB or more is mapped on its
+own and unmapped when freed, so resident memory follows the live tensors; the cost is a page
+fault per fresh page of such a block. `release_heap()` (glibc's `malloc_trim(0)`) gives the
+free pages inside every arena back to the system; the runner calls it after each step and
+each checkpoint. Where the C library is not glibc both do nothing.
 
 This module imports no torch: the daemon's status reads `StageMemory` without it.
 """
@@ -26,7 +31,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["StageMemory", "release_heap", "stage_memory"]
+__all__ = ["StageMemory", "limit_heap_caching", "release_heap", "stage_memory"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 @dataclass(frozen=True)
@@ -63,15 +70,30 @@ def stage_memory(state: Any, snapshot_bytes: int, activations_bytes: int) -> Sta
 
 @functools.cache
 def _malloc_trim() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        trim = libc.malloc_trim if libc is not None else None
-    except (OSError, AttributeError):  # not glibc
-        return None
+    trim = getattr(_libc(), "malloc_trim", None)  # (not glibc: none)
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+@functools.cache
+def _libc() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def limit_heap_caching(threshold_bytes: int = 1 << 20) -> bool:
+    """Map every allocation of `threshold_bytes` or more on its own, and trim a heap's free top
+    beyond it (glibc's M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, which also stop glibc from raising
+    them); whether it could be set (False where the C library has no mallopt)."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold_bytes)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold_bytes))
 
 
 def release_heap() -> bool:

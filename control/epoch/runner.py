@@ -29,9 +29,11 @@ copy of the stage is all it costs (and one memory copy per step). A compressed s
 can still fail after its update, so a compressed run copies the stage before each step into a
 second buffer that becomes the snapshot once the step completed: two copies.
 
-After each step and each checkpoint the runner gives the C heap's free pages back to the system
-(train/memory.py `release_heap`), and it keeps the stage's `StageMemory` (weights, gradients,
-optimizer, snapshot, the step's activations) for the daemon's status.
+Before its first step the runner has glibc map every block of 1 MiB or more on its own (so a
+freed tensor's memory goes back to the system at once), after each step and each checkpoint it
+gives the C heap's other free pages back (train/memory.py `limit_heap_caching`,
+`release_heap`), and it keeps the stage's `StageMemory` (weights, gradients, optimizer,
+snapshot, the step's activations) for the daemon's status.
 
 A step does not wait for the acknowledgements of its own sends (train/worker.py): the next step
 waits for them before it changes the stage, and the runner waits for the last step's before a
@@ -65,6 +67,7 @@ from dtfm.train import (
     StageMemory,
     StageState,
     StepResult,
+    limit_heap_caching,
     release_heap,
     run_step,
     save_checkpoint,
@@ -147,6 +150,7 @@ class StageRunner:
 
     def _loop(self) -> RunEnd:
         torch.set_num_threads(self.torch_threads)
+        limit_heap_caching()  # (process-wide, once a stage trains: see train/memory.py)
         in_step = self.state.compress.config.dp_method == "exact"  # the snapshot is copied inside the step
         while self.state.step < self.end_step:
             step = self.state.step

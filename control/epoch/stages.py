@@ -97,6 +97,7 @@ class StageHost:
         self._stages: dict[int, _Stage] = {}  # epoch -> stage objects (the current and previous epoch)
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
         self._fetchers: dict[tuple, frozenset[bytes]] = {}  # (run, step, layers) -> peers the coordinator named
+        self._offer_lock = trio.Lock()  # one offer encoded at a time
         self._nursery: trio.Nursery | None = None
         self.disk = disk or CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept)
         self._keeping = trio.Lock()  # a stage kept on disk is not built on meanwhile
@@ -248,7 +249,14 @@ class StageHost:
                     fetchers: frozenset[bytes] = frozenset()) -> dict:
         """Encode `layers` at `step` for the recovery server; the answer to RUN_STATE `offer`.
         `fetchers`: the peers the coordinator named with it (the next allocation's), who may
-        fetch it besides the peers of this peer's own allocations."""
+        fetch it besides the peers of this peer's own allocations. Offers are made one at a
+        time: a request that arrives while the same stage is being encoded (a coordinator's
+        retry, or a newly elected one asking again) waits and gets that offer, instead of a
+        second copy of the stage encoded beside the first."""
+        async with self._offer_lock:
+            return await self._offer(run_id, step, layers, fetchers)
+
+    async def _offer(self, run_id: bytes, step: int, layers: tuple[int, int], fetchers: frozenset[bytes]) -> dict:
         key = (run_id, step, (layers[0], layers[1]))
         found, held = self._offered.get(key), self.recovery.offered(key)
         if found is not None and held is not None and held.digest == found[0] and found[1].step == step:
