@@ -5,7 +5,8 @@ it would judge it.
     python bench/soak.py [--minutes 30] [--seed 0] [--fault-every-s 40] [--checkpoint-every 10]
 
 The faults, drawn by `random.Random(seed)` (the same seed, the same schedule of kinds, victims
-and durations; what the swarm does in between is real time): SIGKILL of a peer then its restart
+and durations; what the swarm does in between is real time; every kind once, in a seeded order,
+before any kind twice): SIGKILL of a peer then its restart
 with its data dir, SIGKILL of the coordinator, both holders of one stage killed at once, a kill
 during a reconfiguration (a second peer killed as the first one's reconfiguration runs), a kill
 during a weight transfer (a peer killed while it fetches its stage), SIGSTOP then SIGCONT, a cut
@@ -184,21 +185,21 @@ class Soak:
                     self.restart(v)
             return {"victims": [v for v in (first, second) if v is not None]}
         if kind == "kill_during_transfer":
+            # a stage holder killed: its stage goes to a spare or another peer, which fetches it
+            # from the holders; that peer is killed while it builds (fetches) its stage
             victim = rng.choice(followers)
             self.kill(victim)
-            self.pause(3, 8)
-            self.restart(victim)  # (its stage is gone: it fetches one when placed again)
             fetching = None
-            deadline = time.monotonic() + 90
+            deadline = time.monotonic() + 60
             while time.monotonic() < deadline and fetching is None:
                 building = [n for n, v in self.trainings().items() if v.get("state") == "building"]
                 fetching = rng.choice(sorted(building)) if building else None
-                if fetching is None:
-                    time.sleep(0.2)
             if fetching is not None:
                 self.kill(fetching)
-                self.pause(3, 8)
-                self.restart(fetching)
+            self.pause(3, 8)
+            for v in (victim, fetching):
+                if v is not None:
+                    self.restart(v)
             return {"victims": [victim] + ([fetching] if fetching else []), "during_transfer": fetching is not None}
         if kind == "freeze":
             victim = rng.choice(followers)
@@ -266,6 +267,7 @@ class Soak:
         self.inject("kill_stage_holders")
         self.faults[0]["before_first_checkpoint"] = self.faults[0]["step_at_fault"] + 1 < a.checkpoint_every
         self.sample()
+        deck: list[str] = []
         while time.monotonic() < end:
             wait = min(self.rng.uniform(0.5, 1.5) * a.fault_every_s, max(0.0, end - time.monotonic()))
             slept = 0.0
@@ -275,7 +277,10 @@ class Soak:
                 self.sample()
             if time.monotonic() >= end:
                 break
-            self.inject(self.rng.choice(KINDS))
+            if not deck:  # every kind once, in a seeded order, before any twice
+                deck = list(KINDS)
+                self.rng.shuffle(deck)
+            self.inject(deck.pop())
             self.sample()
             if self.faults[-1]["heal_s"] is None:
                 log("the swarm did not heal: the nemesis stops")
@@ -289,11 +294,17 @@ class Soak:
         stop_training(self.run_dir, peer)
 
         def ended():
-            t = {n: v for n, v in self.trainings().items() if v.get("stage") is not None}
-            done = all((v.get("last_end") or {}).get("epoch") == v.get("epoch")
-                       and v.get("state") not in ("training", "stopping") for v in t.values())
-            return t if t and done else None
-        ends = wait_for("every stage peer to end", ended, 300)
+            """The run is over at its coordinator and every stage peer of its last epoch ended it."""
+            t = self.trainings()
+            issued = [v.get("issued") or {} for v in t.values() if v.get("role") == "coordinator"]
+            if not issued or issued[0].get("state") != "stopped":
+                return None
+            epoch = issued[0].get("epoch")
+            stages = {n: v for n, v in t.items() if v.get("stage") is not None and v.get("epoch") == epoch}
+            done = all((v.get("last_end") or {}).get("epoch") == epoch and v.get("state") not in ("training", "stopping")
+                       for v in stages.values())
+            return stages if stages and done else None
+        ends = wait_for("the run to stop on every stage peer", ended, 300)
         groups: dict[int, set[str]] = {}
         for v in ends.values():
             groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
@@ -303,13 +314,18 @@ class Soak:
         steps = [r["step"] for r in rows]
         once = steps == list(range(len(steps)))
         state, corpus = reference_state(get_preset("tiny"), TrainConfig(seed=self.args.run_seed)), load_corpus()
-        worst = 0.0
+        # as tests/swarms.py's check_log: within 1e-5 of the loss, relative or absolute (a new DP
+        # degree changes the float32 summation order; the differences grow over the steps)
+        worst = worst_abs = 0.0
+        within = True
         for r in rows:
             ref = reference_step(state, corpus)
             if r["loss"] is None:
-                worst = float("inf")
+                within = False
                 continue
-            worst = max(worst, abs(r["loss"] - ref) / max(abs(ref), 1e-12))
+            diff = abs(r["loss"] - ref)
+            worst, worst_abs = max(worst, diff / max(abs(ref), 1e-12)), max(worst_abs, diff)
+            within = within and diff <= max(REL * abs(ref), REL)
         events = [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
         rollbacks = [e for e in events if e.get("event") == "rollback"]
         rolled_back = sum(int(e.get("steps_lost") or 0) for e in rollbacks)
@@ -317,7 +333,7 @@ class Soak:
         growth, fds, threads = self.health()
         return {
             "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
-            "steps": len(rows), "exact": bool(once and replicas_identical and worst <= REL),
+            "steps": len(rows), "exact": bool(once and replicas_identical and within),
             "rolled_back_steps": rolled_back, "rollbacks": len(rollbacks),
             "rollback_sources": dict(Counter(str(e.get("restored_from")) for e in rollbacks)),
             "heal_s_median": round(statistics.median(heals), 2) if heals else None,
@@ -325,7 +341,7 @@ class Soak:
             "unhealed": sum(f["heal_s"] is None for f in self.faults),
             "rss_growth": growth, "max_fds": fds, "max_threads": threads,
             "every_step_once": once, "replicas_identical": replicas_identical,
-            "worst_relative_loss_deviation": worst, "minutes": self.args.minutes, "seed": self.args.seed,
+            "worst_relative_loss_deviation": worst, "worst_absolute_loss_deviation": worst_abs, "minutes": self.args.minutes, "seed": self.args.seed,
             "reconfigurations": sum(e.get("event") in ("reconfigure", "rollback", "leave") for e in events),
             "fault_log": [{k: v for k, v in f.items() if k != "at"} for f in self.faults],
         }
