@@ -20,8 +20,9 @@ every loss equal to single-process training (1e-5), the DP replicas of every sta
 (their parameters' sha256), and the figures: faults by kind, steps lost to rollbacks (from the
 coordinators' rollback events), the time from each fault to the next completed step (median and
 worst: the longest time without a completed step from the fault to the first step after it
-was undone), each daemon's memory (RSS) growth over the soak's last two thirds (after warm-up:
-every daemon has built and fetched stages by then; daemons that lived through it), its open file descriptors and threads (worst). The
+was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
+loaded, stages built and fetched) to the soak's end, for processes measured over 2 minutes or
+more, its open file descriptors and threads (worst). The
 last line of stdout is one JSON object: faults, faults_by_kind, steps, exact, rolled_back_steps,
 heal_s_median, heal_s_worst, rss_growth, max_fds, max_threads and the details.
 """
@@ -50,7 +51,9 @@ from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, re
 
 KINDS = ("kill", "kill_coordinator", "kill_stage_holders", "kill_during_reconfiguration", "kill_during_transfer",
          "freeze", "cut_link", "clock_jump", "partition_halves")
-HEAL_TIMEOUT_S = 300.0  # a fault the swarm does not heal from within this is reported as such
+HEAL_TIMEOUT_S = 300.0
+WARM_S = 60.0  # a daemon process's memory is measured from this long after its first sample
+MIN_SPAN_S = 120.0  # ... over at least this long  # a fault the swarm does not heal from within this is reported as such
 REL = 1e-5
 
 
@@ -330,7 +333,7 @@ class Soak:
         rollbacks = [e for e in events if e.get("event") == "rollback"]
         rolled_back = sum(int(e.get("steps_lost") or 0) for e in rollbacks)
         heals = [f["heal_s"] for f in self.faults if f["heal_s"] is not None]
-        growth, fds, threads = self.health()
+        growth, fds, threads, rss_mb = self.health()
         return {
             "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
             "steps": len(rows), "exact": bool(once and replicas_identical and within),
@@ -339,34 +342,29 @@ class Soak:
             "heal_s_median": round(statistics.median(heals), 2) if heals else None,
             "heal_s_worst": round(max(heals), 2) if heals else None,
             "unhealed": sum(f["heal_s"] is None for f in self.faults),
-            "rss_growth": growth, "max_fds": fds, "max_threads": threads,
+            "rss_growth": growth, "rss_mb_first_last": rss_mb, "max_fds": fds, "max_threads": threads,
             "every_step_once": once, "replicas_identical": replicas_identical,
             "worst_relative_loss_deviation": worst, "worst_absolute_loss_deviation": worst_abs, "minutes": self.args.minutes, "seed": self.args.seed,
             "reconfigurations": sum(e.get("event") in ("reconfigure", "rollback", "leave") for e in events),
             "fault_log": [{k: v for k, v in f.items() if k != "at"} for f in self.faults],
         }
 
-    def health(self) -> tuple[float | None, int, int]:
-        """The worst RSS growth of a daemon process over the soak's last two thirds (its first
-        sample after the first third, when every daemon has built stages and fetched weights, to
-        its last; a daemon restarted since is a new process, measured from its own first sample
-        there), among processes sampled over at least half of that span; and the most open fds
-        and threads any daemon had."""
-        growth = None
-        starts = [x[0] for s in self.samples.values() for x in s]
-        if not starts:
-            return None, 0, 0
-        t0, t1 = min(starts), max(starts)
-        warm = t0 + (t1 - t0) / 3
-        for series in self.samples.values():
-            late = [x for x in series if x[0] >= warm]
-            if len(late) < 2 or late[-1][0] - late[0][0] < 0.5 * (t1 - warm):
+    def health(self) -> tuple[float | None, int, int, dict[str, list[int]]]:
+        """The worst RSS growth of a daemon process, from its first sample once it has lived
+        WARM_S (torch loaded, a stage built and fetched; a restarted daemon is a new process) to
+        its last, among processes sampled over at least MIN_SPAN_S after that; the most open fds
+        and threads any daemon had; and each measured process's first and last RSS in MB."""
+        growth, shown = None, {}
+        for (name, pid), series in sorted(self.samples.items()):
+            late = [x for x in series if x[0] >= series[0][0] + WARM_S]
+            if len(late) < 2 or late[-1][0] - late[0][0] < MIN_SPAN_S:
                 continue
             g = late[-1][1] / late[0][1] - 1
             growth = g if growth is None else max(growth, g)
+            shown[f"{name}/{pid}"] = [late[0][1] >> 20, late[-1][1] >> 20]
         fds = max((x[2] for s in self.samples.values() for x in s), default=0)
         threads = max((x[3] for s in self.samples.values() for x in s), default=0)
-        return (None if growth is None else round(growth, 4)), fds, threads
+        return (None if growth is None else round(growth, 4)), fds, threads, shown
 
 
 def main(argv=None) -> None:
