@@ -772,6 +772,26 @@ def test_an_operators_resume_brings_a_stopped_run_back_from_its_checkpoints():
     """)
 
 
+def test_an_operators_stop_taken_during_a_reconfiguration_ends_the_run_and_nothing_is_handed_out():
+    # A chaos soak's last `train stop` arrived while the coordinator planned a reconfiguration:
+    # the planned epoch was handed out anyway and the run trained on. The stop is taken at once
+    # (STOP to the peers), and the procedure in flight hands nothing out after it.
+    n = Node(wall=WALL)
+    n.training()
+    n.feed(Trigger("peer n4 joined"), 3.0)
+    n.tick()
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2), N[2]: state((0, 2), 2),
+                        N[3]: state((2, 4), 2)}, 3.6)
+    n.feed(StopRun(("op", "stop"), stop_op(3.7, wall=WALL)), 3.7)
+    n.answer("opstop 2", everyone={"stopped": True}, at=3.8)
+    n.compute("plan", 3.9)
+    n.answer("offer 0-2", everyone={"digest": D01}, at=4.0)
+    out = n.answer("offer 2-4", everyone={"digest": D23}, at=4.0)
+    assert "alloc" not in n.asks and not any(isinstance(a, Ask) for a in out)
+    assert n.epoch.run_over() and n.c.status().phase is Phase.STOPPED
+    assert _costly(n.tick(60.0)) == []  # nobody reconfigures it after all
+
+
 def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights_and_says_so():
     # n1 and n3 lost layers 2-4 (no checkpoint of them) while the run was stopped: the resume
     # goes on from step 0, which every peer of the run rebuilds, and the event says so.

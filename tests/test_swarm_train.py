@@ -8,7 +8,8 @@ whatever the S x D shape, and at the end every DP group's replicas hold identica
 too across `train stop` and `train resume` (and `dtfm-peer export` of that run loads in
 transformers with dtfm's logits; that run starts from a GPT-2 that transformers built and saved,
 with training knobs given as flags and in a run-spec file), and when the coordinator is SIGKILLed mid-run and restarted
-with its data dir (the swarm heals). A SIGKILLed training peer makes every other daemon stop its step, say why, and keep
+with its data dir (the swarm heals), and when both holders of a stage are lost before the first
+checkpoint (it rolls back to the initial weights). A SIGKILLed training peer makes every other daemon stop its step, say why, and keep
 answering.
 """
 
@@ -509,6 +510,54 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
         (v := ((peer_status(p) or {}).get("gossip") or {}).get("view", {})).get("peer_count") == len(state.peers)
         and v.get("complete") for p in state.peers), 60, interval_s=0.5)
     print(f"the swarm whole again {time.monotonic() - t0:.1f} s after the restart")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_stage_lost_before_the_first_checkpoint_rolls_back_to_the_initial_weights(run_dir):
+    """4 x 2 with a checkpoint every 50 steps: both holders of one stage are SIGKILLed after step
+    2, before any checkpoint, then restarted with their data dirs. Step 0 is a checkpoint every
+    peer of the run rebuilds from the seed: the swarm rolls back to it (a `rollback` event with
+    `restored_from` "initial" and the steps lost) and goes on; the merged log has every step
+    once with single-process training's loss (1e-5), and every stage's replicas end identical."""
+    reference = ReferenceLosses()
+    state = load_state(run_dir)
+    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "4", "--dp", "2", "--steps", "400",
+                       "--checkpoint-every", "50"]) == 0
+    assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "2", "--timeout", "120"]) == 0
+    name, _ = coordinator(state)
+    t = trainings(state)
+    run_id = t[name]["run_id"]
+    stage = next(s for s in range(4) if all(n != name for n, v in t.items() if v.get("stage") == s))
+    victims = sorted(n for n, v in t.items() if v.get("stage") == stage)
+    assert len(victims) == 2
+    for v in victims:
+        assert swarm.main(["kill", v, "--run-dir", str(run_dir)]) == 0
+    for v in victims:
+        assert swarm.main(["restart", v, "--run-dir", str(run_dir)]) == 0
+
+    def rolled_back():
+        return [e for f in sorted(run_dir.glob("p*/events.jsonl")) for e in read_log(f)
+                if e.get("event") == "rollback" and e.get("run") == run_id and e.get("restored_from") == "initial"]
+    [event, *_] = wait_for("a rollback to the initial weights", rolled_back, 240, interval_s=0.5)
+    assert event["resume_step"] == 0 and event["steps_lost"] >= 2, event
+    wait_steps(run_dir, 3)
+    state = load_state(run_dir)
+    stop_training(run_dir, next(p for p in state.peers if p.name == coordinator(state)[0]))
+
+    def all_ended():
+        t = {n: v for n, v in trainings(state).items() if v.get("stage") is not None}
+        return t and all(ended_this_epoch(v) for v in t.values()) and t
+    ended = wait_for("every peer to end", all_ended, 60, interval_s=0.5)
+    groups: dict[int, set[str]] = {}
+    for v in ended.values():
+        groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
+    assert all(len(h) == 1 for h in groups.values()), groups
+    swarm.main(["wait", "--run-dir", str(run_dir), "--step", "1", "--timeout", "10"])
+    rows = check_log(run_dir, reference)
+    assert len(rows) >= 3
+    print(f"both holders of stage {stage} lost at step 2: rolled back to step 0 ({event['steps_lost']} steps "
+          f"lost), {len(rows)} steps logged")
 
 
 @pytest.mark.slow

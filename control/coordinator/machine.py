@@ -1336,6 +1336,9 @@ class Coordinator:
         mine = cert is None or (cert.candidate, cert.term) == (self.me, alloc.term)
         if not self.election.is_coordinator or not mine:
             raise _Failed(f"this peer is no longer the coordinator of term {alloc.term}")
+        if proc.kind == "reconfigure" and not proc.resume and self.epoch.stopped_by_operator(alloc.run_id):
+            # an operator's stop taken while the procedure ran: the run is over, nothing is handed out
+            raise _Failed(f"an operator stopped run {alloc.run_id.hex()[:8]} while it was reconfigured", counts=False)
         proc.alloc = alloc
         self.phase = Phase.HANDING_OUT
         self.reason = ""

@@ -47,7 +47,7 @@ from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
 from .disk import CheckpointDisk
-from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, RunnerEnded, StageBuilt, StepDone
+from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, EpochPhase, RunnerEnded, StageBuilt, StepDone
 from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
 from .report import REPORTS_NOTE, RunEnd, StepReport
@@ -119,6 +119,9 @@ class StageHost:
         aside (every peer rebuilds it). The answer to RUN_STATE `keep`: the (first layer, end
         layer, step) written, or why not."""
         kept: list[list[int]] = []
+        run = self.epoch.run
+        if run is not None and (run.active or run.phase is EpochPhase.BUILDING):
+            return {"kept": kept}  # (an epoch is under way: the run does not wait, and its stage may be the old one's)
         async with self._keeping:
             for rec in (self.epoch.run, self.epoch.prev):
                 if rec is None or not rec.built or rec.alloc.run_id != run_id or rec.active:
