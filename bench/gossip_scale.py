@@ -5,8 +5,8 @@ modelled on the scenario's links), against all-pairs measurement run the same wa
 
 For each size: `view_ready_s`, virtual seconds from the start (peers joining through one
 seed over the first 10 s) until the coordinator's (node 0's) view holds a figure for every
-pair of the N peers, measured or estimated; how much of it was measured then and how far its
-delays were from the scenario's; then, after a settling time, the steady traffic per peer:
+pair of the N peers, measured or estimated; how much of it was measured then, how far its
+delays were from the scenario's, and the probe bytes each peer sent until then; then, after a settling time, the steady traffic per peer:
 `gossip_kb_per_s_per_peer` (membership and record anti-entropy) and
 `measure_kb_per_s_per_peer` (coordinate pings and capacity probes). The all-pairs baseline
 (`full_mesh_max_peers` = N: every link measured, reports with N - 1 links) is ready when
@@ -47,6 +47,7 @@ def run(n: int, config: GossipConfig, *, all_pairs: bool, seed: int, step_s: flo
         view = sim.view(0, estimate=not all_pairs)
         if len(view.peers) == n and view.complete:
             out["view_ready_s"] = t
+            out["probe_mb_per_peer_to_ready"] = round(sum(sim.measure_bytes) / n / 1e6, 2)
             out["measured_fraction_at_ready"] = round(float(view.measured().sum()) / (n * (n - 1)), 4)
             out["delay_error_at_ready"] = round(sim.delay_error(view), 4)
             break

@@ -117,8 +117,8 @@ class GossipConfig:
     max_report_links: int = 64
     # A new report goes out when the coordinate moved by more than this fraction of the
     # median round trip this peer sees, or a capacity by more than capacity_republish_ratio,
-    # or the links it carries changed; and at least every report_refresh_s (below
-    # record_skew_s, so that a joiner takes every live peer's report).
+    # or the links it carries changed; and at least every report_refresh_s, or every half
+    # record_skew_s if that is shorter (so that a joiner takes every live peer's report).
     coord_republish_fraction: float = 0.25
     capacity_republish_ratio: float = 1.25
     report_refresh_s: float = 300.0
@@ -172,8 +172,8 @@ class GossipConfig:
         if self.coord_interval_s <= 0 or self.coord_min_samples < 1 or self.capacity_republish_ratio < 1:
             raise ValueError("coord_interval_s must be positive, coord_min_samples >= 1, "
                              "capacity_republish_ratio >= 1")
-        if not 0 < self.report_refresh_s < self.record_skew_s:
-            raise ValueError("report_refresh_s must be positive and below record_skew_s")
+        if not self.report_refresh_s > 0:
+            raise ValueError("report_refresh_s must be positive")
         if self.record_sync_interval_s <= 0 or self.publish_interval_s <= 0 or self.record_sync_timeout_s <= 0:
             raise ValueError("record_sync_interval_s, record_sync_timeout_s and publish_interval_s must be positive")
 
@@ -202,6 +202,10 @@ class GossipConfig:
         return cls(push_pull_interval_s=10.0, bandwidth_probe_bytes=64 * 1024,
                    bandwidth_probe_interval_s=0.2, rtt_samples=3, publish_interval_s=1.0,
                    record_sync_interval_s=1.0, max_sync_bytes=32 * 1024)
+
+    def refresh_s(self) -> float:
+        """How old a peer's own report may grow before it signs a new one regardless."""
+        return min(self.report_refresh_s, self.record_skew_s / 2)
 
     def with_(self, **changes) -> "GossipConfig":
         return replace(self, **changes)

@@ -489,12 +489,12 @@ def report_due(config: GossipConfig, planner: MeasurePlanner, *, now: float, n_l
     """Whether a peer signs a new report now (see docs/gossip.md, "Measurement at scale"): at
     once when it first becomes good to schedule with (a coordinate and both capacities), when
     its full-mesh row is complete, when `force`d (links asked for were measured) or when the
-    last is report_refresh_s old; otherwise when something it carries changed (the links, the
+    last is `config.refresh_s()` old; otherwise when something it carries changed (the links, the
     coordinate by more than coord_republish_fraction x rtt_scale_ms, a capacity by more than
     capacity_republish_ratio), at most every publish_interval_s x max(1, N / 16): every report
     reaches every peer, so a large swarm re-publishes less often."""
     up, down = planner.capacity(now)
-    stale = now - last_at >= config.report_refresh_s
+    stale = now - last_at >= config.refresh_s()
     if force or stale or last is None:
         return True
     ready = coord is not None and up > 0 and down > 0

@@ -261,8 +261,10 @@ def format_gossip(gossip: dict[str, Any], me: object = None) -> list[str]:
         # the view counts ordered pairs (a link measured from either end counts twice)
         known, expected = view.get("measured_links"), view.get("expected_links")
         disputed = view.get("disputed")
+        estimated = view.get("estimated_links")
         head += (f"; swarm-wide {known // 2 if isinstance(known, int) else '?'} of "
-                 f"{expected // 2 if isinstance(expected, int) else '?'} peer pairs measured")
+                 f"{expected // 2 if isinstance(expected, int) else '?'} peer pairs measured"
+                 + (f", {estimated // 2} estimated" if isinstance(estimated, int) and estimated else ""))
         if isinstance(disputed, list) and disputed:
             more = "+" if "view.disputed" in (gossip.get("truncated") or []) else ""
             head += f", {len(disputed)}{more} disputed"
