@@ -267,6 +267,7 @@ def test_a_run_no_allocation_can_route_around_a_cut_link_pauses_as_stalled_until
     n.transcript("""
         12.1 computed plan
           emit paused term=1 epoch=1 trigger=link n0-n1 failed step 6: both ends answer a probe, not each other's pings reason=stalled: every allocation of the reachable peers uses a cut link (link n0-n1 failed step 6: both ends answer a probe, not each other's pings); waiting for it to heal
+          ask keep 1: RUN_STATE keep -> n0 n1 n2 n3
           phase: paused
         13 tick
           ask probe links: RUN_STATE reach n1 within 2 s -> n0
