@@ -1269,6 +1269,11 @@ class Coordinator:
         proc.rolled_back = (rp.rollback and not proc.resume) or rp.step <= max(done)
         # (how many: from the newest step of the epoch any peer logged or reported completing)
         newest = max(done | {r.step for r in mine})
+        # A step this peer logged in an earlier epoch is run again too when the rollback that
+        # started the current epoch was never handed out (its hand-out failed): a rollback all the same.
+        ran = max(self.logged.get(cur.run_id, ()), default=-1)
+        if not proc.rolled_back and rp.step <= ran:
+            proc.rolled_back, newest = True, ran
         proc.steps_lost = max(0, newest + 1 - rp.step) if proc.rolled_back else 0
         reports = [(p, r) for p, st in proc.states.items() for r in st.reports]
         return self._hand_out(proc, alloc, reports, now)
