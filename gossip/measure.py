@@ -194,38 +194,17 @@ async def measure_bandwidth(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: 
     only once the target proves it received every byte: it cannot answer early to inflate
     the link. Payload and hash are made before the clock starts.
     """
-    pid = link.peer_id
-    if gate.busy(pid, trio.current_time()):
-        return None
     payload = os.urandom(nbytes)
     expected = probe_hash(payload)
-    gate.probing.add(pid)
-    try:
-        t0 = trio.current_time()
-        body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_RESERVE, nbytes).to_wire(),
-                                     timeout_s=timeout_s)
-        if not isinstance(body, dict) or body.get("ok") is not True:
-            return None
-        # The reservation is itself a round trip on the now quiet link: the pings before it
-        # may have queued behind the other end's own big probe.
-        rtt_s = min(rtt_s, trio.current_time() - t0)
-        t0 = trio.current_time()
-        body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_DATA, nbytes).to_wire(),
-                                     payload=payload, timeout_s=timeout_s)
-        elapsed = trio.current_time() - t0
-    except _REQUEST_ERRORS as e:
-        logger.debug("bandwidth probe to %s failed: %s", pid[:4].hex(), e)
+    timed = await _timed_exchange(link, gate, BulkProbe(BULK_DATA, nbytes), payload, rtt_s, timeout_s, "bandwidth")
+    if timed is None:
         return None
-    finally:
-        gate.probing.discard(pid)
+    body, _, transfer_s = timed
     problem = _reply_problem(body, nbytes, expected)
     if problem is not None:
-        logger.warning("bandwidth probe to %s discarded: %s", pid[:4].hex(), problem)
+        logger.warning("bandwidth probe to %s discarded: %s", link.peer_id[:4].hex(), problem)
         return None
-    transfer_s = elapsed - rtt_s
-    if transfer_s <= 0:
-        return MAX_GBPS
-    return min(MAX_GBPS, nbytes * 8 / transfer_s / 1e9)
+    return _gbps(nbytes, transfer_s)
 
 
 async def measure_download(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: float,
@@ -233,34 +212,47 @@ async def measure_download(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: f
     """Gbps of one timed download of nbytes (BULK_PULL) from the peer, or None when the link
     is busy or it failed. The other end cannot make it look faster than its link carries the
     bytes: the clock stops when the last of them arrived."""
+    timed = await _timed_exchange(link, gate, BulkProbe(BULK_PULL, nbytes), None, rtt_s, timeout_s, "download")
+    if timed is None:
+        return None
+    _, payload, transfer_s = timed
+    if payload is None or len(payload) != nbytes:
+        logger.warning("download probe from %s discarded: %s bytes, asked %d", link.peer_id[:4].hex(),
+                       None if payload is None else len(payload), nbytes)
+        return None
+    return _gbps(nbytes, transfer_s)
+
+
+async def _timed_exchange(link: PeerLink, gate: BulkGate, probe: BulkProbe, payload: bytes | None, rtt_s: float,
+                          timeout_s: float, what: str) -> tuple[object, bytes | None, float] | None:
+    """One big probe on a reserved link: the reservation (a round trip on the now quiet link:
+    the pings before it may have queued behind the other end's own big probe), then `probe`
+    timed; (reply body, reply payload, seconds of transfer: elapsed less the round trip), or
+    None when the link is busy or a request failed."""
     pid = link.peer_id
     if gate.busy(pid, trio.current_time()):
         return None
     gate.probing.add(pid)
     try:
         t0 = trio.current_time()
-        body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_RESERVE, nbytes).to_wire(),
+        body, _ = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_RESERVE, probe.n).to_wire(),
                                      timeout_s=timeout_s)
         if not isinstance(body, dict) or body.get("ok") is not True:
             return None
         rtt_s = min(rtt_s, trio.current_time() - t0)
         t0 = trio.current_time()
-        body, payload = await link.request(MsgType.MEASURE_BULK, BulkProbe(BULK_PULL, nbytes).to_wire(),
-                                           timeout_s=timeout_s)
+        body, reply = await link.request(MsgType.MEASURE_BULK, probe.to_wire(), payload=payload, timeout_s=timeout_s)
         elapsed = trio.current_time() - t0
     except _REQUEST_ERRORS as e:
-        logger.debug("download probe from %s failed: %s", pid[:4].hex(), e)
+        logger.debug("%s probe with %s failed: %s", what, pid[:4].hex(), e)
         return None
     finally:
         gate.probing.discard(pid)
-    if payload is None or len(payload) != nbytes:
-        logger.warning("download probe from %s discarded: %s bytes, asked %d", pid[:4].hex(),
-                       None if payload is None else len(payload), nbytes)
-        return None
-    transfer_s = elapsed - rtt_s
-    if transfer_s <= 0:
-        return MAX_GBPS
-    return min(MAX_GBPS, nbytes * 8 / transfer_s / 1e9)
+    return body, reply, elapsed - rtt_s
+
+
+def _gbps(nbytes: int, transfer_s: float) -> float:
+    return MAX_GBPS if transfer_s <= 0 else min(MAX_GBPS, nbytes * 8 / transfer_s / 1e9)
 
 
 def _reply_problem(body: object, nbytes: int, expected: bytes) -> str | None:
