@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterable
@@ -46,6 +47,7 @@ RUN_NAME = "run.json"
 # A run that looks ended must look so this long before `wait` gives up: a coordinator that
 # just died leaves the survivors "stopped" until the next one reconfigures them.
 END_SETTLE_S = 5.0
+START_ATTEMPTS = 3  # a start the swarm's election interrupted is signed and sent again
 # (A spare's state says nothing: the coordinator of a run it does not train in shows "spare".)
 LIVE_STATES = frozenset({"training", "accepted", "building", "handing out", "reconfiguring"})
 ELECTION_EVENTS = frozenset({"coordinator", "stepped-down"})
@@ -78,12 +80,32 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path
     earlier runs' lines."""
     started_at = time.time()
     args = {k: v for k, v in args.items() if v is not None and v != "auto"}
-    op = operator_op(run_dir, peer, "start", args)
-    reply = peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
+    for attempt in range(1, START_ATTEMPTS + 1):
+        term = _term(peer)
+        op = operator_op(run_dir, peer, "start", args)
+        try:
+            reply = peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
+            break
+        except SwarmError as e:
+            # An election during the hand-out (a coordinator that lost its quorum's acks on a
+            # loaded machine, say) refuses the allocation of the deposed term: no run started,
+            # and a start taken once is never taken again, so a newly signed one goes to the
+            # swarm's coordinator of now.
+            now = _term(peer)
+            if attempt == START_ATTEMPTS or term is None or now is None or now <= term:
+                raise
+            print(f"{e}\nthe coordinator changed while it handed the run out (term {term} -> {now}): "
+                  f"starting again with a new signed start ({attempt + 1} of {START_ATTEMPTS})", file=sys.stderr)
     record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
               "request": args, "allocation": reply}
     _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
     return reply
+
+
+def _term(peer: PeerEntry) -> int | None:
+    """The election term `peer` is in; None when it does not answer."""
+    term = ((peer_status(peer) or {}).get("training") or {}).get("term")
+    return term if isinstance(term, int) else None
 
 
 def stop_training(run_dir: Path, peer: PeerEntry, timeout_s: float = 30.0) -> dict:

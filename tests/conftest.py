@@ -36,3 +36,11 @@ def pytest_runtest_makereport(item, call):
     run_dir = getattr(item, "funcargs", {}).get("run_dir")
     if rep.failed and call.when == "call" and isinstance(run_dir, Path) and run_dir.is_dir():
         rep.sections.append(("swarm digest", swarm_digest(run_dir)))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules with real multi-process swarms (`slow`) first, each kept whole: with the suite
+    spread over workers (`-n 2 --dist loadscope`, pyproject.toml) the longest waits start at
+    once and the unit tests fill the other worker around them."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
+    items.sort(key=lambda item: 0 if item.module and item.module.__name__ in slow_modules else 1)
