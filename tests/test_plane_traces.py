@@ -38,6 +38,7 @@ class Script:
         self.sim = sim
         self.lines: list[str] = []
         self._events = 0
+        self._left = 0
 
     def name(self, peer: bytes) -> str:
         return f"n{self.sim.index[peer]}"
@@ -52,12 +53,18 @@ class Script:
         self.lines.append(f"{self.sim.now:8.3f}  > {what}")
 
     def _flush(self) -> None:
+        """The plane's events and the nodes that went (a planned leave) since the last flush, in
+        time order."""
+        new: list[tuple[float, str]] = []
         for t, k, event, fields in self.sim.events[self._events:]:
             shown = " ".join(f"{f}={self._names(str(fields[f]))}" for f in EVENT_FIELDS if f in fields)
             if fields.get("rollback"):  # where the stages came from, and the completed steps run again
                 shown += f" restored_from={fields['restored_from']} steps_lost={fields['steps_lost']}"
-            self.lines.append(f"{t:8.3f}  n{k} {event} {shown}")
-        self._events = len(self.sim.events)
+            new.append((t, f"{t:8.3f}  n{k} {event} {shown}"))
+        for t, k, how in self.sim.left[self._left:]:
+            new.append((t, f"{t:8.3f}  n{k} went: {how}"))
+        self.lines += [line for _, line in sorted(new, key=lambda x: x[0])]
+        self._events, self._left = len(self.sim.events), len(self.sim.left)
 
     def run(self, seconds: float) -> None:
         self.sim.run_for(seconds)
@@ -273,8 +280,6 @@ def planned_leaves() -> str:
     s.run(4.0)
     s.train(2)
     s.run(0.5)
-    for t, j, how in s.sim.left:
-        s.lines.append(f"{t:8.3f}  n{j} went: {how}")
     return s.finish()
 
 
