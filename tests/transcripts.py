@@ -4,15 +4,18 @@ tests/data/epoch/*.txt (one peer's epoch machine, tests/epoch_fixtures.py's `Pee
 
 A file is a sequence of blocks, each a command, a line `----` and the command's output, a
 blank line between blocks; `#` lines above a command are comments. The output of an input is
-what the transcript shows today (tests/machine_trace.py's `describe` and `show`): the input
-with its time, the machine's actions under it, the coordinator's phase when it changes. `check`
+its transcript (tests/machine_trace.py's `describe` and `show`): the input with its time, the
+machine's actions under it, the coordinator's phase when it changes. `check`
 plays a file and compares every block; with DTFM_RECORD_TRACES=1 it writes each block's output
 back in place instead (as raft's `-rewrite`), for a reader to check in the diff.
 
-The first command makes the machine under test:
+The first command makes the machine under test (a later one starts afresh with another):
 
     node [live=n1,n2,n3] [voters=...] [wall] [watched] [<CoordinatorTimings field>=<value> ...]
     peer n1 [coordinator=n0|none] [term=1]
+
+(`wall`: operators sign on a wall clock 1.7e9 s ahead of the machine's; `watched`: the step
+deadline's timings, `WATCHED`.)
 
 A time is `at=T` (`at=+T`: T after the last input; by default the last input's time). Peers
 are n0 .. n5 (machine_trace.py's names), lists of them joined by commas or spaces. Each input
@@ -24,7 +27,7 @@ to a request the machine made), and prints what the machine did:
                [as=stop|reschedule|resume] [unsigned] [at=T]
            answer WHAT [at=T] PEERS=ANSWER ... [*=ANSWER]
            compute [WHAT] [at=T]            tick [T]            trigger REASON [at=T]
-           report PEERS step=S [epoch=E] [at=T]
+           report PEERS step=S|A..B [epoch=E] [at=T]
            step-failed PEER REASON [epoch=E] [run=o] [at=T]
            elected TERM [at=T]              leave PEER [key=K] [at=T]
     peer:  offer|accept [at=T] [live=...] [known=...] <allocation fields>
@@ -34,7 +37,8 @@ to a request the machine made), and prints what the machine did:
            step S [epoch=E] [at=T]          runner-ended EPOCH COMPLETED REASON [failed] [at=T]
            epoch-done EPOCH [at=T]          gone PEER WHY [at=T]
            tick [T]                         again [at=T]
-           restore term=T epoch=E [reports=E:S,...] <allocation fields>
+           restore [reports=E:S,...] <allocation fields>   (the shell's restore after a restart)
+           restored-heard STATE STEPS [run=o]               (the coordinator's account of that run)
 
 An ANSWER is written as the transcript shows it: `accepted`, `not accepted code=busy
 reason='...'`, `started`, `stopped`, `not stopped`, a run state `0-2@2 running` (`-@None`: no
@@ -49,8 +53,8 @@ Set-ups print `ok`: `training [steps=2] [run-steps=100]` (coordinator_fixtures' 
 `accept`, `local-epoch`; so do the changes to the world: `election [term=] [coordinator=]
 [applied=T/E]`, `live +n4 -n3`, `unmeasured n4`, `planner [kind=] [error=] [cut=ignored]`.
 What the machines say of themselves: `status`, `epoch`, `election`, `planner`, `asks`,
-`deadline`, `refusals`, `logs` (warnings logged since the last `logs`), `run-state`, `held
-LAYERS@STEP ...`.
+`deadline`, `refusals`, `logs` (warnings logged since the last `logs`), `run-state
+[LAYERS@STEP ...]`, `held LAYERS@STEP ...`, `stop-boundary none|S ...`, `restored-ask T`.
 """
 
 from __future__ import annotations
@@ -163,6 +167,7 @@ def check(path: Path) -> Play:
                 out = play.run(b.command) or ["ok"]
             except Exception as e:
                 raise AssertionError(f"{path.name}:{b.line}: {b.command}: {type(e).__name__}: {e}") from e
+            assert all(x.strip() for x in out), f"{path.name}:{b.line}: a blank line in the output of {b.command}"
             if not RECORD and out != b.want:
                 diff = "\n".join(difflib.unified_diff(b.want, out, "expected", "got", lineterm=""))
                 raise AssertionError(f"{path.name}:{b.line}: {b.command}: the transcript differs "
