@@ -1,11 +1,11 @@
 """The shell around one peer's epoch machine that the epoch machine's tests play
-(tests/test_epoch_machine.py, the transcripts in tests/data/epoch/): `Peer` drives the machine
-under an election the test sets and keeps the transcript (tests/machine_trace.py writes its
-lines)."""
+(tests/test_epoch_machine.py, and tests/transcripts.py for tests/data/epoch/): `Peer` drives the
+machine under an election the test sets and keeps what it did as transcript lines
+(tests/machine_trace.py writes them)."""
 
 from __future__ import annotations
 
-from machine_trace import OPERATOR, OPERATORS, RUN, FakeElection, N, context, describe, same_transcript, show
+from machine_trace import OPERATOR, OPERATORS, RUN, FakeElection, N, context, describe, show
 
 from dtfm.control import Allocation, sign_op
 from dtfm.control.actions import Reply
@@ -59,7 +59,3 @@ class Peer:
         [build] = [x for x in self.offer(a, now) if isinstance(x, BuildStage)]
         self.feed(StageBuilt(build.key, a.epoch, a.start_step), now)
         self.feed(StartAsked(self.key("s"), a.issuer, a.run_id, a.epoch), now)
-
-    def transcript(self, want: str) -> None:
-        same_transcript(self.lines, want)
-        self.lines.clear()
