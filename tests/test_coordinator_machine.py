@@ -1115,3 +1115,15 @@ def test_transcript(path):
 def test_a_wave_of_joined_peers_once_taken_in_leaves_none_waiting():
     play = transcripts.check(transcripts.DATA / "coordinator" / "joined_peers_are_taken_in_as_a_wave_once_joins_settle.txt")
     assert play.n.c.joins.wait_s(8.3) == math.inf  # (the reconfiguration takes every live peer)
+
+
+def test_a_changed_transcript_fails_and_recording_writes_the_machines_output_back(tmp_path, monkeypatch):
+    recorded = transcripts.DATA / "coordinator" / "a_reconfiguration_goes_through_its_phases_in_order.txt"
+    text = recorded.read_text()
+    changed = tmp_path / recorded.name
+    changed.write_text(text.replace("STOP at_step=4 abort=True", "STOP at_step=5 abort=True", 1))
+    with pytest.raises(AssertionError, match=r"(?s)answer states at=5.8.*-  ask stop: STOP at_step=5"):
+        transcripts.check(changed)
+    monkeypatch.setattr(transcripts, "RECORD", True)
+    transcripts.check(changed)
+    assert changed.read_text() == text  # the output as the machine wrote it, the file otherwise as it was
