@@ -1122,6 +1122,7 @@ def test_a_changed_transcript_fails_and_recording_writes_the_machines_output_bac
     text = recorded.read_text()
     changed = tmp_path / recorded.name
     changed.write_text(text.replace("STOP at_step=4 abort=True", "STOP at_step=5 abort=True", 1))
+    monkeypatch.setattr(transcripts, "RECORD", False)  # (also while the suite records)
     with pytest.raises(AssertionError, match=r"(?s)answer states at=5.8.*-  ask stop: STOP at_step=5"):
         transcripts.check(changed)
     monkeypatch.setattr(transcripts, "RECORD", True)
