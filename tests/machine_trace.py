@@ -238,8 +238,8 @@ def _body(msg: int, body: dict) -> str:
 def _value(v) -> str:
     if isinstance(v, Allocation):
         return f"allocation term {v.term} epoch {v.epoch}"
-    if isinstance(v, dict) and "new_shape" in v:  # a reconfiguration's record
-        return " ".join(f"{f}={named(str(v[f]))}" for f in EMIT_FIELDS if f in v)
+    if isinstance(v, dict) and "new_shape" in v:  # a reconfiguration's record (a leave's says if it handed off)
+        return " ".join(f"{f}={named(str(v[f]))}" for f in (*EMIT_FIELDS, "handed_off") if f in v)
     if isinstance(v, dict):
         reason = v.get("reason")
         shown = " ".join(f"{k}={x}" for k, x in v.items() if k != "reason")
