@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import dataclasses
 import json
 import math
@@ -32,6 +31,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from dtfm.cli_base import CliError, run_command, version_text
+from dtfm.cli_base import user_error_text as _user_error_text
 from dtfm.train import PRESETS
 from dtfm.net import (
     IDENTITY_FILE,
@@ -57,18 +58,6 @@ PROG = "dtfm-peer"
 TRAIN_KNOBS = frozenset(RUN_SPEC_KEYS[k].arg or k for k in KNOB_FLAGS)
 USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, ControlClientError,
                ListenError, ControlSocketError)
-
-
-class CliError(Exception):
-    """A failure to report on stderr as `dtfm-peer: error: ...`, exit status 1."""
-
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 # ---- argument parsing -------------------------------------------------------------------------
@@ -902,21 +891,9 @@ def check_device(device: str) -> None:
                           f"cuda:0 to cuda:{count - 1}")
 
 
-def _leaf_errors(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaf_errors(e)]
-    return [exc]
-
-
 def user_error_text(exc: BaseException) -> str | None:
     """The message for an error the user can act on, or None for a real bug."""
-    leaves = _leaf_errors(exc)
-    if len(leaves) != 1:
-        return None
-    leaf = leaves[0]
-    if isinstance(leaf, (*USER_ERRORS, CliError)):
-        return str(leaf)
-    return None
+    return _user_error_text(exc, USER_ERRORS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -924,19 +901,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "operator-key": cmd_operator_key, "join": cmd_join,
                 "status": cmd_status, "members": cmd_members, "leave": cmd_leave, "train": cmd_train, "export": cmd_export}
-    try:
-        return commands[args.command](args)
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        # `dtfm-peer status | head`: the reader went away; not an error worth a traceback.
-        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except BaseException as e:
-        text = user_error_text(e)
-        if text is None:
-            raise
-        print(f"{PROG}: error: {text}", file=sys.stderr)
-        return 1
-
+    return run_command(PROG, lambda: commands[args.command](args), user_errors=USER_ERRORS)

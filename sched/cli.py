@@ -11,13 +11,13 @@ command line.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import sys
 import time
 
 import numpy as np
 
+from dtfm.cli_base import CliError, run_command, version_text
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .choose import ChoiceReason, CompressionPlan, choose_compression
@@ -31,18 +31,6 @@ from .spec import PRESETS, get_preset
 __all__ = ["main"]
 
 PROG = "dtfm-sched"
-
-
-class CliError(Exception):
-    """A failure to report on stderr as `dtfm-sched: error: ...`, exit status 1."""
-
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 def _number(kind: type, low: float, what: str):
@@ -305,15 +293,8 @@ def _plotter(path: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "solve":
-            return _solve(args)
-        return _compare(args)
-    except KeyboardInterrupt:
-        return 130
-    except (CliError, ScenarioError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+    return run_command(PROG, lambda: _solve(args) if args.command == "solve" else _compare(args),
+                       user_errors=(ScenarioError,))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ command line (any bad value), 130 interrupted, 143 terminated.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from dtfm.cli_base import run_command, version_text
 from dtfm.control import DEVICE_RE, PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import (
@@ -82,13 +82,6 @@ class Terminated(BaseException):
 
 def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 # ---- subcommands ----------------------------------------------------------------------------
@@ -677,19 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return args.func(args)
-    except SwarmError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return run_command(PROG, lambda: args.func(args), user_errors=(SwarmError,), say_interrupted=True)
     except Terminated:
         print(f"{PROG}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except BrokenPipeError:  # `dtfm-swarm status | head`: the reader went away
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ import sys
 import time
 
 import torch
+
+from dtfm.cli_base import CliError, run_command, version_text
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
 from .compress import COMPRESSION_PRESETS, CompressionConfig, parse_compression
@@ -39,18 +40,6 @@ PROG = "python -m dtfm.train"
 
 # CLI names that differ from the config field they set (the rest are the field name, dashed).
 _RENAMED = {"global_batch_seqs": "batch", "grad_clip_norm": "grad-clip"}
-
-
-class CliError(Exception):
-    """A failure to report on stderr as `python -m dtfm.train: error: ...`, exit status 1."""
-
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 def _count(low: int):
@@ -331,16 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "sample":
         from .sample import sample_main
         return sample_main(argv[1:])
-    try:
+
+    def command() -> int:
         if argv and argv[0] in ("tokenize", "export"):
             return (_tokenize if argv[0] == "tokenize" else _export)(argv[1:])
         parser = build_parser()
         return _run(parser.parse_args(argv), parser)
-    except KeyboardInterrupt:
-        return 130
-    except (CliError, CheckpointError, HFError, TokenizerError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+    return run_command(PROG, command, user_errors=(CheckpointError, HFError, TokenizerError))
 
 
 def _run(args, parser: argparse.ArgumentParser) -> int:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
+
+from dtfm.cli_base import CliError, run_command
 
 from .hf import HFError, load_hf, model_tokenizer
 from .model import GPTStage, generate
@@ -68,16 +69,15 @@ def build_sample_parser() -> argparse.ArgumentParser:
 
 def sample_main(argv: list[str]) -> int:
     args = build_sample_parser().parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"{PROG}: error: no CUDA device is available: use --device cpu", file=sys.stderr)
-        return 1
-    try:
-        text = sample_text(args.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
-                           args.device)
-    except (HFError, TokenizerError, ValueError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    print(text)
-    return 0
+
+    def command() -> int:
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise CliError("no CUDA device is available: use --device cpu")
+        try:
+            text = sample_text(args.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                               args.device)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        print(text)
+        return 0
+    return run_command(PROG, command, user_errors=(HFError, TokenizerError))
