@@ -279,7 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
     _add_signed_parser(tsub, "stop", "end the run at the next step boundary on every peer",
                        "End the run this daemon takes part in, on the same step boundary on every "
-                       "peer: the coordinator tells them, with your signed stop.")
+                       "peer: the coordinator tells them, with your signed stop. Prints the step the "
+                       "run stops after and how many peers were told.",
+                       timeout_s=60.0, timeout_help="how long to wait for the coordinator's answer",
+                       json_help="print the coordinator's answer as JSON")
     _add_signed_parser(tsub, "resume", "continue a stopped run from its newest complete checkpoint",
                        "Continue a run that `train stop` ended (the swarm's last run), as a new epoch of "
                        "the same run with its own parameters, from the newest step at which every stage "
@@ -308,7 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("run", nargs="?", default=None, metavar="RUN", type=_run_id,
                    help="the run id (32 hex digits; default: the coordinator's run)")
     t.add_argument("--follow", "-f", action="store_true", help="keep printing new steps until the run ends")
-    t.add_argument("--json", action="store_true", help="one JSON object per answer (or line with --follow)")
+    t.add_argument("--json", action="store_true",
+                   help="print the answer as one JSON object; with --follow, one JSON object per line, its "
+                        "`record` saying what it is: run (the header), step, reconfiguration, end (the last)")
     _add_data_dir(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     _add_signed_parser(tsub, "reschedule", "ask the coordinator for a new allocation now",
@@ -625,11 +630,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.train_command == "council":
         return _train_council(args, config, data_dir)
     if args.train_command == "stop":
-        with operator_session(args, config, data_dir) as s:
+        with operator_session(args, config, data_dir, args.timeout) as s:
             reply = s.send("train_stop", "stop", _current_run(s.info, "stop"))
-        at = reply["at_step"]  # the daemons' index of the first step not taken: the steps done
-        print(f"the run stops {f'after step {at}' if at else 'before its first step'} ({reply['told']} peers told)",
-              file=sys.stderr)
+        print(json.dumps(reply, indent=2, sort_keys=True) if args.json else format_stopped(reply))
         return 0
     values, init = _start_values(args)
     request = start_request(values)
@@ -834,6 +837,14 @@ def format_started(model: str, reply: dict) -> str:
     return (f"training {model} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
             f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step"
             + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+
+
+def format_stopped(reply: dict) -> str:
+    """`the run stops after step 70 (3 peers told)`: `at_step` is the daemons' index of the first
+    step not taken, that is the steps done."""
+    at = reply.get("at_step")
+    told = reply.get("told", "?")
+    return f"the run stops {f'after step {at}' if at else 'before its first step'} ({told} peers told)"
 
 
 def format_exported(run_hex: str, reply: dict) -> str:
