@@ -13,13 +13,14 @@ Below every layer (like `lazy`): it imports nothing of dtfm, so each layer's CLI
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import sys
 from collections.abc import Callable
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "run_command",
-           "user_error_text", "version_text"]
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "DefaultsHelpFormatter",
+           "run_command", "user_error_text", "version_text"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # an error explained on stderr
@@ -37,6 +38,17 @@ def version_text() -> str:
         return f"%(prog)s {importlib.metadata.version('dtfm')}"
     except importlib.metadata.PackageNotFoundError:
         return "%(prog)s (version unknown: dtfm is not installed)"
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's help that shows each option's default, except a default of None, whose help
+    says what unset means (`--preset ... unset: tiny`, never `(default: None)`), and a flag's
+    False."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _leaf_errors(exc: BaseException) -> list[BaseException]:

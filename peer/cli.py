@@ -10,7 +10,9 @@
     dtfm-peer leave                       hand the daemon's part of a run off, leave and exit
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
     dtfm-peer train reschedule            ask the coordinator for a new allocation now
-    dtfm-peer train resume [RUN]          continue a stopped run from its newest checkpoint
+    dtfm-peer train resume [RUN]          continue a stopped run from the newest step every stage
+                                          is held at (in memory or in a checkpoint)
+    dtfm-peer train status [--follow]     the run's progress from its coordinator, on any daemon
     dtfm-peer export [RUN] --out DIR      gather a run's model from its peers into one folder
                                           (each signed with the operator key)
 
@@ -283,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "run stops after and how many peers were told.",
                        timeout_s=60.0, timeout_help="how long to wait for the coordinator's answer",
                        json_help="print the coordinator's answer as JSON")
-    _add_signed_parser(tsub, "resume", "continue a stopped run from its newest complete checkpoint",
+    _add_signed_parser(tsub, "resume", "continue a stopped run from the newest step every stage is held at",
                        "Continue a run that `train stop` ended (the swarm's last run), as a new epoch of "
                        "the same run with its own parameters, from the newest step at which every stage "
                        "is held by a live peer, in memory or in a checkpoint. Refused, with the reason, "
@@ -780,7 +782,7 @@ def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: Data
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
         print(f"run {run.hex()[:8]} {format_resume(reply.get('resume_step', '?')).replace('resumed', 'resumes')}: "
-              f"{format_reschedule(reply)}")
+              f"{format_reschedule(reply, resumed=False)}")
     return 0
 
 
@@ -854,9 +856,10 @@ def format_exported(run_hex: str, reply: dict) -> str:
             f"fetched) to {reply.get('out')}")
 
 
-def format_reschedule(reply: dict) -> str:
+def format_reschedule(reply: dict, *, resumed: bool = True) -> str:
     """One line for the coordinator's answer: kind, old -> new shape, moves (and more when
-    given). Every field is optional."""
+    given; without `resumed`, not the step it resumes after, which a resume's line says first).
+    Every field is optional."""
     kind = reply.get("kind") or reply.get("event") or reply.get("result") or "answered"
     reconf = reconfiguration_parts(reply)
     parts = [str(kind), *(reconf[k] for k in ("shape", "moves", "moved") if k in reconf)]
@@ -866,9 +869,9 @@ def format_reschedule(reply: dict) -> str:
                      + f"{new_s:.3f} s per step")
     if reply.get("epoch") is not None:
         parts.append(f"epoch {reply['epoch']}")
-    if "resumed" in reconf:
+    if "resumed" in reconf and resumed:
         parts.append(reconf["resumed"])
-    if reply.get("reason"):
+    if reply.get("reason") and (resumed or reply["reason"] != "train resume"):
         parts.append(str(reply["reason"]))
     return ", ".join(parts)
 

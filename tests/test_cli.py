@@ -593,3 +593,33 @@ async def test_train_stop_answers_on_stdout_and_takes_json_and_timeout_like_the_
     args = build_parser().parse_args(["train", "stop"])
     assert (args.timeout, args.json) == (60.0, False)
     assert build_parser().parse_args(["train", "stop", "--timeout", "5", "--json"]).timeout == 5.0
+
+
+async def test_train_resume_says_where_it_resumes_once(capsys):
+    # Operator review C1: "run 1b78ee43 resumes after step 117: reschedule, ..., epoch 4, resumed
+    # after step 117, train resume" said the step and the command twice.
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        operator = OperatorKey.create(Path(d) / "swarm.key.operator")
+        server = ControlServer(data_dir.control_socket, SocketConfig())
+
+        async def train_info(args):
+            return {"last_run_id": RUN_HEX, "swarm_key_file": str(Path(d) / "swarm.key"),
+                    "operators": [operator.public_key.hex()]}
+
+        async def train_resume(args):
+            return {"kind": "reschedule", "old_shape": "1x2", "new_shape": "1x2", "moves": 0, "bytes_moved": 0,
+                    "predicted_old_s": 0.044, "predicted_new_s": 0.044, "epoch": 4, "resume_step": 117,
+                    "reason": "train resume"}
+
+        server.register("train_info", train_info)
+        server.register("train_resume", train_resume)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            rc = await trio.to_thread.run_sync(main, ["train", "resume", "--data-dir", d])
+            out = capsys.readouterr().out
+            nursery.cancel_scope.cancel()
+    assert rc == 0
+    assert out == (f"run {RUN_HEX[:8]} resumes after step 117: reschedule, 1x2 -> 1x2, 0 moves, 0 B moved, "
+                   "predicted 0.044 s -> 0.044 s per step, epoch 4\n")

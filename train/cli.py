@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from dtfm.cli_base import CliError, run_command, version_text
+from dtfm.cli_base import CliError, DefaultsHelpFormatter, run_command, version_text
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
 from .compress import COMPRESSION_PRESETS, CompressionConfig, parse_compression
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog="Commands: `sample`, `tokenize`, `export` (see `python -m dtfm.train "
                                         "COMMAND --help`). Exit status: 0 success, 1 an error explained on "
                                         "stderr, 2 bad command line, 130 interrupted.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--version", action="version", version=version_text())
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model shape; unset: tiny")
     ap.add_argument("--init-from", default=None, metavar="DIR",
@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. inner_steps=16; repeatable")
     ap.add_argument("--layer-weights", type=_weights, default=None,
                     help="comma-separated relative stage sizes, e.g. 1,2,1; unset: even split")
-    ap.add_argument("--data", default=None, help="text file or folder; unset: the Python standard library's source")
+    ap.add_argument("--data", default=None, metavar="FILE|DIR",
+                    help="text file or folder; unset: the Python standard library's source")
     ap.add_argument("--device", default="cpu", help="torch device for every stage (cpu, cuda)")
     ap.add_argument("--checkpoint-dir", default=None, help="write stage checkpoints here; unset: none")
     ap.add_argument("--checkpoint-every", type=_count(0), default=0,
@@ -271,9 +272,9 @@ def build_tokenize_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"{PROG} tokenize",
                                  description="Tokenize a text file or folder into a token file (raw uint16 or "
                                              "uint32 ids, nanoGPT's train.bin convention) for --data.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--tokenizer", required=True, metavar="DIR", help="Hugging Face folder with tokenizer files")
-    ap.add_argument("--data", required=True, help="text file or folder")
+    ap.add_argument("--data", required=True, metavar="FILE|DIR", help="text file or folder")
     ap.add_argument("--out", required=True, help="token file to write (name it *.bin; *.uint32.bin for uint32)")
     ap.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
                     help="unset: uint32 for a *.uint32.bin name or a vocabulary over 65536 ids, else uint16")
@@ -284,7 +285,7 @@ def build_export_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"{PROG} export",
                                  description="Write the stage checkpoints of a --checkpoint-dir as one Hugging "
                                              "Face GPT-2 folder (model.safetensors, config.json, tokenizer).",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--checkpoint-dir", required=True, help="folder of stage checkpoints")
     ap.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
     ap.add_argument("--step", type=_count(0), default=None, help="unset: the newest step every stage has")

@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from dtfm.cli_base import CliError, run_command
+from dtfm.cli_base import CliError, DefaultsHelpFormatter, run_command
 
 from .hf import HFError, load_hf, model_tokenizer
 from .model import GPTStage, generate
@@ -56,7 +56,7 @@ def _positive(kind):
 
 def build_sample_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="Hugging Face GPT-2 folder (config.json, model.safetensors)")
     ap.add_argument("--prompt", required=True, help="text the sample continues")
     ap.add_argument("--tokens", type=_positive(int), default=200, help="tokens to generate")
