@@ -66,7 +66,7 @@ USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, Contro
 
 def _add_data_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, metavar="DIR",
-                   help="the peer's data directory (default: $XDG_DATA_HOME/dtfm or "
+                   help="the peer's data directory (default: $DTFM_DATA_DIR, else $XDG_DATA_HOME/dtfm or "
                         "~/.local/share/dtfm)")
 
 
