@@ -834,10 +834,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+PREDICTION_CAVEAT = "from each peer's speed measured on its own: slower where peers share cores or a machine is busy"
+
+
 def format_started(model: str, reply: dict) -> str:
-    """`training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step`."""
+    """`training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step (...)`:
+    the prediction with what it rests on (each peer's compute and links measured at its start,
+    which a loaded machine does not keep up: docs/operator.md, "Predicted and measured")."""
     return (f"training {model} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
-            f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step"
+            f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step "
+            f"({PREDICTION_CAVEAT})"
             + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
 
 

@@ -623,3 +623,12 @@ async def test_train_resume_says_where_it_resumes_once(capsys):
     assert rc == 0
     assert out == (f"run {RUN_HEX[:8]} resumes after step 117: reschedule, 1x2 -> 1x2, 0 moves, 0 B moved, "
                    "predicted 0.044 s -> 0.044 s per step, epoch 4\n")
+
+
+def test_the_start_line_says_what_its_prediction_rests_on():
+    # Operator review M3: the predicted time per step was 5-50x below the measured one on a loaded
+    # machine, printed with no word of what it rests on.
+    from dtfm.peer.cli import format_started
+    line = format_started("tiny", {"steps": 100, "stages": 1, "dp": 3, "predicted_iteration_s": 0.061})
+    assert line == ("training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step (from each "
+                    "peer's speed measured on its own: slower where peers share cores or a machine is busy)")
