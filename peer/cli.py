@@ -83,6 +83,8 @@ def _add_config_file(p: argparse.ArgumentParser, text: str) -> None:
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """One flag per setting that declares one; help and default come from the setting."""
     for s in flag_settings():
+        if s.flag is None:  # (flag_settings yields only the settings that declare a flag)
+            continue
         kwargs: dict = {"dest": s.dest, "default": None, "help": s.help + default_text(s)}
         if s.hint is bool:
             kwargs.update(action="store_const", const=True)
@@ -522,8 +524,9 @@ def cmd_members(args: argparse.Namespace) -> int:
     report = _daemon_status(args)
     rows = member_rows(report)
     if args.json:
-        gossip = report.get("gossip") if isinstance(report.get("gossip"), dict) else {}
-        training = report.get("training") if isinstance(report.get("training"), dict) else {}
+        gossip, training = report.get("gossip"), report.get("training")
+        gossip = gossip if isinstance(gossip, dict) else {}
+        training = training if isinstance(training, dict) else {}
         print(json.dumps({"peer_id": report.get("peer_id"), "coordinator": training.get("coordinator"),
                           "run_id": training.get("run_id"), "epoch": training.get("epoch"), "members": rows,
                           "truncated": "members" in (gossip.get("truncated") or [])}, indent=2))

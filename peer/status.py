@@ -395,7 +395,8 @@ def format_training(t: dict, now: float) -> list[str]:
                      + (f": {t['compression_details']}" if t.get("compression_details") else ""))
     if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
         coordinator, term = t.get("coordinator"), t.get("term", "-")
-        election = t.get("election") if isinstance(t.get("election"), dict) else {}
+        election = t.get("election")
+        election = election if isinstance(election, dict) else {}
         heard = election.get("heard_of")
         if coordinator:
             who = short(coordinator)

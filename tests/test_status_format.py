@@ -272,8 +272,8 @@ def test_start_and_export_count_one_stage_in_the_singular():
     from dtfm.peer.cli import format_exported, format_started
 
     reply = {"steps": 100, "stages": 1, "dp": 3, "predicted_iteration_s": 0.0614}
-    assert format_started("tiny", reply) == "training tiny for 100 steps as 1 stage x 3 pipelines; " \
-                                           "predicted 0.061 s per step"
+    assert format_started("tiny", reply).startswith("training tiny for 100 steps as 1 stage x 3 pipelines; "
+                                                    "predicted 0.061 s per step (")
     assert format_started("tiny", {**reply, "stages": 2, "dp": 1}).startswith("training tiny for 100 steps as "
                                                                              "2 stages x 1 pipeline;")
     assert format_exported("8d" * 16, {"step": 600, "model": "tiny", "stages": [{}], "bytes_fetched": 10_442_024,
