@@ -667,7 +667,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
     if reply["spares"]:
         print("  spares: " + ", ".join(p[:8] for p in reply["spares"]))
-    print(f"follow it: dtfm-peer train status --follow (on any daemon of the run); log: {reply['log']}")
+    print(f"follow it: dtfm-peer train status --follow (on any daemon of the run); step log: {reply['log']}")
     return 0
 
 

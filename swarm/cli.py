@@ -581,8 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("wait", "wait until the swarm completed a training step",
                 "Wait until the swarm completed a training step; merges every coordinator's "
-                "train.jsonl and events.jsonl into the run dir as it goes. Fails when the run "
-                "ends before the step.")
+                "step log (train.jsonl) and events.jsonl into the run dir's as it goes. Fails when "
+                "the run ends before the step.")
     p.add_argument("--step", type=NON_NEGATIVE_INT, required=True, metavar="N",
                    help="the step to wait for, counted from 1 as the step lines count them "
                         "(--step 30: until 30 steps are done; 0 merges the logs and returns)")
