@@ -854,8 +854,8 @@ def format_stopped(reply: dict) -> str:
     """`the run stops after step 70 (3 peers told)`: `at_step` is the daemons' index of the first
     step not taken, that is the steps done."""
     at = reply.get("at_step")
-    told = reply.get("told", "?")
-    return f"the run stops {f'after step {at}' if at else 'before its first step'} ({told} peers told)"
+    return (f"the run stops {f'after step {at}' if at else 'before its first step'} "
+            f"({plural(reply.get('told', '?'), 'peer')} told)")
 
 
 def format_exported(run_hex: str, reply: dict) -> str:

@@ -471,7 +471,7 @@ def format_issued(issued: dict) -> str:
         progress += f", no progress for {format_duration(stalled)}"
     return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
             + (f" ({issued['reason']})" if issued.get("reason") else "")
-            + (f", log {issued['log']}" if issued.get("log") else "")
+            + (f", step log {issued['log']}" if issued.get("log") else "")
             + format_left_out(issued.get("left_out")))
 
 

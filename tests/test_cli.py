@@ -593,6 +593,8 @@ async def test_train_stop_answers_on_stdout_and_takes_json_and_timeout_like_the_
     args = build_parser().parse_args(["train", "stop"])
     assert (args.timeout, args.json) == (60.0, False)
     assert build_parser().parse_args(["train", "stop", "--timeout", "5", "--json"]).timeout == 5.0
+    from dtfm.peer.cli import format_stopped
+    assert format_stopped({"at_step": 0, "told": 1}) == "the run stops before its first step (1 peer told)"
 
 
 async def test_train_resume_says_where_it_resumes_once(capsys):
