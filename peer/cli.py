@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Typical first run: `dtfm-peer swarm-key new --out swarm.key` on one machine, copy "
                "swarm.key to the others, then on each: `dtfm-peer join --swarm-key swarm.key "
                "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`; then `dtfm-peer train start` "
-               "where swarm.key.operator is.")
+               "where swarm.key.operator is, and `dtfm-peer train status --follow` on any of them.")
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -227,9 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--timeout", type=_positive_seconds, default=180.0, metavar="SECONDS",
                            help="how long to wait for the daemon to hand its part off and exit "
                                 "(default: 180)")
-    p = sub.add_parser("train", help="start, stop, resume or reschedule training on the swarm",
-                       description="Start training on the swarm from this daemon, stop the run, resume "
-                                   "a stopped run, or ask its coordinator for a new allocation now.")
+    p = sub.add_parser("train", help="start, follow, stop, resume or reschedule training on the swarm",
+                       description="Start training on the swarm from this daemon, follow the run's progress, "
+                                   "stop the run, resume a stopped run, or ask its coordinator for a new "
+                                   "allocation now.")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="ACTION")
     text = ("schedule the live peers on the measured network and train: the coordinator runs the "
             "DT-FM scheduler on its gossiped view, signs the allocation, hands it to every peer "
