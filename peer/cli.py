@@ -16,7 +16,8 @@
     dtfm-peer export [RUN] --out DIR      gather a run's model from its peers into one folder
                                           (each signed with the operator key)
 
-Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
+Exit status (dtfm.cli_base, as for every dtfm command): 0 success, 1 an error explained on
+stderr, 2 bad command line, 130 interrupted.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
     dtfm-sched compare --scenario worldwide --model gpt3-xl-paper --time-budget 20
     dtfm-sched solve --scenario worldwide --compress auto --codec-speed reference
 
-Exit status: 0 success, 1 an error explained on stderr (`dtfm-sched: error: ...`), 2 bad
-command line.
+Exit status (dtfm.cli_base): 0 success, 1 an error explained on stderr (`dtfm-sched: error:
+...`), 2 bad command line, 130 interrupted.
 """
 
 from __future__ import annotations
