@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "CliError", "DefaultsHelpFormatter",
-           "run_command", "user_error_text", "version_text"]
+__all__ = ["EXIT_ERROR", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "NON_NEGATIVE_INT", "POSITIVE_INT",
+           "POSITIVE_SECONDS", "CliError", "DefaultsHelpFormatter", "number", "run_command", "user_error_text",
+           "version_text"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # an error explained on stderr
@@ -49,6 +52,27 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
+
+
+def number(kind: type[int] | type[float], low: float, what: str,
+           high: float | None = None) -> Callable[[str], Any]:
+    """An argparse type: a finite `kind` number in [low, high]; anything else is a usage error
+    (exit status 2) saying `argument --flag: must be WHAT, got 'TEXT'`."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not (math.isfinite(value) and value >= low and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+POSITIVE_INT = number(int, 1, "a positive integer")
+NON_NEGATIVE_INT = number(int, 0, "a non-negative integer")
+POSITIVE_SECONDS = number(float, 1e-9, "a positive number of seconds")
 
 
 def _leaf_errors(exc: BaseException) -> list[BaseException]:

@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import secrets
 import sys
@@ -34,7 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from dtfm.cli_base import CliError, run_command, version_text
+from dtfm.cli_base import POSITIVE_INT, POSITIVE_SECONDS, CliError, run_command, version_text
 from dtfm.cli_base import user_error_text as _user_error_text
 from dtfm.train import PRESETS
 from dtfm.net import (
@@ -116,7 +115,7 @@ def _add_signed_parser(sub, name: str, help: str, description: str, *,
         first(p)
     _add_signer_flags(p)
     if timeout_s is not None:
-        p.add_argument("--timeout", type=_positive_seconds, default=timeout_s, metavar="SECONDS",
+        p.add_argument("--timeout", type=POSITIVE_SECONDS, default=timeout_s, metavar="SECONDS",
                        help=f"{timeout_help} (default: %(default)s)")
     if json_help:
         p.add_argument("--json", action="store_true", help=json_help)
@@ -225,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-wait", action="store_true",
                            help="return once the daemon accepted, without waiting for it "
                                 "to exit")
-            p.add_argument("--timeout", type=_positive_seconds, default=180.0, metavar="SECONDS",
+            p.add_argument("--timeout", type=POSITIVE_SECONDS, default=180.0, metavar="SECONDS",
                            help="how long to wait for the daemon to hand its part off and exit "
                                 "(default: 180)")
     p = sub.add_parser("train", help="start, follow, stop, resume or reschedule training on the swarm",
@@ -279,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
         knobs.add_argument("--" + key.replace("_", "-"), type=_spec_arg(key), default=None,
                            choices=k.choices or None, metavar=None if k.choices else ("N" if k.kind is int else "X"),
                            help=f"{text} (default: {k.default})")
-    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+    t.add_argument("--timeout", type=POSITIVE_SECONDS, default=300.0, metavar="SECONDS",
                    help="how long to wait for --min-peers and for every peer to accept "
                         "(default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
@@ -353,36 +352,6 @@ def _run_id(text: str) -> str:
     raise argparse.ArgumentTypeError(f"must be a run id of 32 hex digits, got {text!r}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
-
-
 def compression_arg(text: str) -> str:
     """`--compress NAME[,FIELD=VALUE...]` checked as `python -m dtfm.train --compress` checks it;
     the canonical text of the config it names (what the signed start carries)."""
@@ -415,7 +384,7 @@ def _stages(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return _positive_int(text)
+        return POSITIVE_INT(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r}") from None
 

@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from dtfm.cli_base import run_command, version_text
+from dtfm.cli_base import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, number, run_command, version_text
 from dtfm.control import DEVICE_RE, PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import (
@@ -434,23 +434,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def number(kind: type, low: float, what: str, high: float | None = None):
-    """An argparse type: a `kind` number in [low, high]; anything else exits 2 with usage."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not (value >= low and (high is None or value <= high)):  # also refuses nan
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    parse.__name__ = what  # argparse names the type in its messages
-    return parse
-
-
-POSITIVE_INT = number(int, 1, "a positive integer")
-NON_NEGATIVE_INT = number(int, 0, "a non-negative integer")
-POSITIVE_SECONDS = number(float, 1e-9, "a positive number of seconds")
 POSITIVE_SCALE = number(float, 1e-9, "a positive number")
 PEER_COUNT = number(int, MIN_PEERS, f"a peer count from {MIN_PEERS} to {MAX_PEERS}", MAX_PEERS)
 

@@ -118,7 +118,8 @@ def test_every_cli_takes_its_error_and_version_from_the_base(path):
 
     tree = ast.parse((Path(__file__).resolve().parent.parent / path).read_text())
     defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    assert not defined & {"CliError", "version_text", "_leaf_errors"}, path
+    assert not defined & {"CliError", "version_text", "_leaf_errors", "number", "_number", "_count", "_positive",
+                          "_positive_int", "_non_negative_int", "_positive_seconds"}, path
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dtfm.cli_base"
                 for a in n.names}
     assert "run_command" in imported, f"{path} writes its own error and exit handling"
@@ -167,3 +168,22 @@ def test_sched_and_train_user_errors_are_one_line_exit_1(capsys, main, argv, mes
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("parse, text, value", [
+    ("POSITIVE_INT", "3", 3), ("POSITIVE_INT", "0", None), ("POSITIVE_INT", "x", None), ("POSITIVE_INT", "1.5", None),
+    ("NON_NEGATIVE_INT", "0", 0), ("NON_NEGATIVE_INT", "-1", None),
+    ("POSITIVE_SECONDS", "0.5", 0.5), ("POSITIVE_SECONDS", "0", None), ("POSITIVE_SECONDS", "nan", None),
+    ("POSITIVE_SECONDS", "inf", None), ("POSITIVE_SECONDS", "-1", None),
+])
+def test_one_number_type_for_every_cli(parse, text, value):
+    import dtfm.cli_base as base
+    if value is not None:
+        assert getattr(base, parse)(text) == value
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^must be a .*, got {text!r}$"):
+            getattr(base, parse)(text)
+    bounded = base.number(int, 2, "a count from 2 to 4", 4)
+    assert bounded("4") == 4
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a count from 2 to 4, got '5'"):
+        bounded("5")

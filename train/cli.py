@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from dtfm.cli_base import CliError, DefaultsHelpFormatter, run_command, version_text
+from dtfm.cli_base import (NON_NEGATIVE_INT, POSITIVE_INT, CliError, DefaultsHelpFormatter, run_command,
+                           version_text)
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
 from .compress import COMPRESSION_PRESETS, CompressionConfig, parse_compression
@@ -40,19 +41,6 @@ PROG = "python -m dtfm.train"
 
 # CLI names that differ from the config field they set (the rest are the field name, dashed).
 _RENAMED = {"global_batch_seqs": "batch", "grad_clip_norm": "grad-clip"}
-
-
-def _count(low: int):
-    """An argparse type: an integer >= low."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} is less than {low}")
-        return value
-    return parse
 
 
 def _weights(text: str) -> list[float]:
@@ -80,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(*.uint32.bin: uint32), anything else text")
     ap.add_argument("--export", default=None, metavar="DIR",
                     help="after training, write the model here as a Hugging Face GPT-2 folder")
-    ap.add_argument("--steps", type=_count(0), default=200, help="steps to train (from the resumed step, if any)")
-    ap.add_argument("--stages", type=_count(1), default=1, help="pipeline stages S")
-    ap.add_argument("--dp", type=_count(1), default=1, help="data-parallel pipelines D")
+    ap.add_argument("--steps", type=NON_NEGATIVE_INT, default=200, help="steps to train (from the resumed step, if any)")
+    ap.add_argument("--stages", type=POSITIVE_INT, default=1, help="pipeline stages S")
+    ap.add_argument("--dp", type=POSITIVE_INT, default=1, help="data-parallel pipelines D")
     ap.add_argument("--compress", default="exact", metavar="NAME[,FIELD=VALUE...]",
                     help=f"compression preset ({', '.join(COMPRESSION_PRESETS)}; docs/compression.md), with "
                          "fields of dtfm.train.compress.CompressionConfig changed after commas, e.g. "
@@ -97,13 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="text file or folder; unset: the Python standard library's source")
     ap.add_argument("--device", default="cpu", help="torch device for every stage (cpu, cuda)")
     ap.add_argument("--checkpoint-dir", default=None, help="write stage checkpoints here; unset: none")
-    ap.add_argument("--checkpoint-every", type=_count(0), default=0,
+    ap.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=0,
                     help="steps between checkpoints; 0: only at the end")
-    ap.add_argument("--keep", type=_count(1), default=3, help="checkpoints kept per stage")
+    ap.add_argument("--keep", type=POSITIVE_INT, default=3, help="checkpoints kept per stage")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--log-json", action="store_true", help="print one JSON object per step on stdout")
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-    ap.add_argument("--sample", type=_count(0), default=0,
+    ap.add_argument("--sample", type=NON_NEGATIVE_INT, default=0,
                     help="after training, print this many sampled bytes on stderr")
     ap.add_argument("--prompt", default="def ", help="text the --sample continues")
     cfg = ap.add_argument_group("training config (dtfm.train.TrainConfig)")
@@ -288,7 +276,7 @@ def build_export_parser() -> argparse.ArgumentParser:
                                  formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--checkpoint-dir", required=True, help="folder of stage checkpoints")
     ap.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
-    ap.add_argument("--step", type=_count(0), default=None, help="unset: the newest step every stage has")
+    ap.add_argument("--step", type=NON_NEGATIVE_INT, default=None, help="unset: the newest step every stage has")
     ap.add_argument("--tokenizer-from", default=None, metavar="DIR",
                     help="copy this Hugging Face folder's tokenizer files; unset: the byte tokenizer")
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
