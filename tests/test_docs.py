@@ -1,5 +1,6 @@
-"""The docs follow the code: every link between the pages resolves, the README's layout names
-every layer folder, and its command list names every `dtfm-peer` command the CLI has."""
+"""The docs follow the code: every link between the pages resolves, the README's layout and its
+table of parts name every layer folder, its command list names every `dtfm-peer` command the
+CLI has, and the modules docs/control.md's table describes exist."""
 
 from __future__ import annotations
 
@@ -70,3 +71,20 @@ def test_the_readme_command_list_names_every_dtfm_peer_command():
     assert ("train", "status") in commands and ("export",) in commands
     missing = [" ".join(c) for c in commands if f"dtfm-peer {' '.join(c)}" not in listed]
     assert not missing, f"README's command list misses dtfm-peer {missing}"
+
+
+def test_the_readme_parts_table_has_a_row_per_layer():
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()} - {"tests", "bench"}
+    rows = set(re.findall(r"^\| `dtfm\.(\w+)` \|", _readme_block("What is here"), re.M))
+    assert folders == rows, f"README's table: missing {sorted(folders - rows)}, extra {sorted(rows - folders)}"
+
+
+def test_the_modules_control_md_names_exist():
+    # docs/control.md's table of the plane's modules says what each owns and does; a module moved
+    # or renamed must move in the table too
+    text = (ROOT / "docs" / "control.md").read_text()
+    table = text.split("| module | owns and does |", 1)[1].split("\n\n", 1)[0]
+    named = re.findall(r"^\| `([\w/]+\.py)`", table, re.M)
+    assert len(named) >= 10
+    missing = [m for m in named if not (ROOT / "control" / m).exists()]
+    assert not missing, f"docs/control.md names modules that control/ does not have: {missing}"
