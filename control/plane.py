@@ -1389,8 +1389,10 @@ class ControlPlane:
         from .status import plane_status
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
                                  self.recovery.refusals.counts()])
+        c = self.coordinator.status()
+        log = self._log_path if c.run_id is None else self.run_log_path(c.run_id.hex())  # the run's step log
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
+                            c, log, self._swarm_wait, refusals,
                             self.disk.status(), self._stages.memory() if self._stages is not None else None).to_wire()
 
 

@@ -74,8 +74,8 @@ class PeerConfig:
     """Who this peer is and where it listens. TOML table [peer]."""
 
     data_dir: Path | None = option(
-        None, "data directory: identity key, control socket (default: $XDG_DATA_HOME/dtfm "
-        "or ~/.local/share/dtfm)", flag="--data-dir", metavar="DIR")
+        None, "data directory: identity key, control socket (default: $DTFM_DATA_DIR, else "
+        "$XDG_DATA_HOME/dtfm or ~/.local/share/dtfm)", flag="--data-dir", metavar="DIR")
     listen: Address = option(
         Address("0.0.0.0", 7450), "address to accept peers on; port 0 picks a free port",
         flag="--listen", metavar="HOST:PORT")

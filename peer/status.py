@@ -395,10 +395,18 @@ def format_training(t: dict, now: float) -> list[str]:
                      + (f": {t['compression_details']}" if t.get("compression_details") else ""))
     if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
         coordinator, term = t.get("coordinator"), t.get("term", "-")
+        election = t.get("election")
+        election = election if isinstance(election, dict) else {}
+        heard = election.get("heard_of")
         if coordinator:
             who = short(coordinator)
-        elif term == 0:
+        elif isinstance(heard, str) and heard:
+            who = f"{short(heard)} (as its peers say; outside its council, this peer does not follow it)"
+        elif term == 0 and election.get("voters"):
             who = "none yet (one is elected at the swarm's first `train start`)"
+        elif term == 0:
+            who = ("none known to this peer (it holds no council: a swarm has no coordinator before its first "
+                   "`train start`, and a peer that joined later learns it with the first allocation it is handed)")
         else:
             who = "unknown (none heard from in this term)"
         lines.append(f"{pad}role {t.get('role') or '-'}, term {term}, coordinator {who}")
@@ -463,7 +471,7 @@ def format_issued(issued: dict) -> str:
         progress += f", no progress for {format_duration(stalled)}"
     return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
             + (f" ({issued['reason']})" if issued.get("reason") else "")
-            + (f", log {issued['log']}" if issued.get("log") else "")
+            + (f", step log {issued['log']}" if issued.get("log") else "")
             + format_left_out(issued.get("left_out")))
 
 

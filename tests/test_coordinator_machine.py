@@ -801,7 +801,7 @@ def test_status_of_a_finished_run_counts_every_step():
     assert st["issued"]["state"] == "finished" and st["issued"]["completed"] == 1 and st["issued"]["steps_done"] == 2
     assert st["state"] == "finished"
     lines = format_training(st, now=3.0)
-    assert "          issued run 72727272: finished, all 2 steps done, log train.jsonl" in lines
+    assert "          issued run 72727272: finished, all 2 steps done, step log train.jsonl" in lines
     assert "          epoch 1 ended after step 2: the run finished" in lines
 
 

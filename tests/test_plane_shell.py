@@ -686,6 +686,8 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         lines = [json.loads(x) for x in (tmp_path / f"train-{RUN.hex()}.jsonl").read_text().splitlines()]
         assert [(x["run"], x["step"], x["loss"]) for x in lines] == [(RUN.hex(), s, 4.0 - s) for s in range(3)]
         assert (tmp_path / "train.jsonl").read_text() == (tmp_path / f"train-{RUN.hex()}.jsonl").read_text()
+        # the status names the run's step log, as `train start` does
+        assert plane.status()["issued"]["log"] == str(tmp_path / f"train-{RUN.hex()}.jsonl")
 
         answer = await net.request(IDS[1], ControlMsg.RUN_STATE, {"op": "progress", "run": None, "after": 0})
         p = RunProgress.from_wire(answer)
