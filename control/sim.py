@@ -54,7 +54,7 @@ from .coordinator.machine import (
     StepFailed,
     SteppedDownEvent,
     StepReported,
-    Tick,
+    CoordinatorTick,
     next_council,
 )
 from .coordinator.links import ReachAnswer, ReachRequest
@@ -81,6 +81,7 @@ from .epoch.machine import (
     EndEpoch,
     EpochDone,
     EpochMachine,
+    EpochTick,
     FailNeighbour,
     KeepStage,
     PersistApplied,
@@ -93,7 +94,6 @@ from .epoch.machine import (
     StopRunnerAt,
     WaitForCoordinator,
 )
-from .epoch.machine import Tick as EpochTick
 from .epoch.report import RunEnd, StepReport
 from .messages import ControlMsg
 from .operator import SignedOp, council_arg, root_council, sign_op
@@ -494,7 +494,7 @@ class PlaneSim(ElectionSim):
         if kind == "ctick":
             if item[2] == self._ctick_at[k]:
                 self._ctick_at[k] = float("nan")
-                self._coordinator(k, Tick())
+                self._coordinator(k, CoordinatorTick())
         elif kind == "etick":
             self._epoch(k, EpochTick())
             self._push(self.now + 3 * self.config.heartbeat_interval_s, ("etick", k))

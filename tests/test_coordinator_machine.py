@@ -379,7 +379,7 @@ def test_a_minority_of_voters_does_not_reconfigure_and_waits_for_the_others():
             if what in n.asks:
                 probes += what == "probe holders"
                 n.answer(what, {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2)} if what == "states" else {})
-    assert probes > n.c.t.max_reconfig_attempts and n.c.phase is Phase.PAUSED and not n.epoch.run_over()
+    assert probes > n.c.timings.max_reconfig_attempts and n.c.phase is Phase.PAUSED and not n.epoch.run_over()
     while "probe holders" not in n.asks:
         n.tick()
     n.answer("probe holders", {N[2]: state((0, 2), 2)})
@@ -393,7 +393,7 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
     n = Node()
     n.training()
     n.feed(Trigger("peer n3 is dead"), 5.0)
-    for _ in range(n.c.t.max_reconfig_attempts):
+    for _ in range(n.c.timings.max_reconfig_attempts):
         n.tick()
         if "states" not in n.asks:
             n.tick()
@@ -402,10 +402,10 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
         n.answer("offer 0-2", everyone={"digest": D01, "bytes": 1})
         n.answer("offer 2-4", {})
     assert n.c.phase is Phase.STOPPED
-    assert n.c.reason == (f"{n.c.t.max_reconfig_attempts} reconfigurations failed, the last: no holder of layers "
+    assert n.c.reason == (f"{n.c.timings.max_reconfig_attempts} reconfigurations failed, the last: no holder of layers "
                           "(2, 4) could offer them at step 2")
     n.tick(40.0)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.run_over() and n.epoch.over_without_finishing(RUN)
     assert n.c.next_deadline() == 42.0  # it looks, and does nothing: the run is over
 
 
@@ -717,7 +717,7 @@ def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop()
         3.2 train reschedule
           reply op late: error (no training run is in progress)
     """)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.run_over() and n.epoch.over_without_finishing(RUN)
 
 
 def test_an_operators_resume_brings_a_stopped_run_back_from_its_checkpoints():
@@ -737,7 +737,7 @@ def test_an_operators_resume_brings_a_stopped_run_back_from_its_checkpoints():
                                      (resume_op(-400.0, wall=WALL), "signed 404 s ago")]):
         out = n.feed(ResumeRun(("op", k), op), 4.0)
         assert _costly(out) == [] and words in named(out[0].error), (words, out)
-    assert n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.over_without_finishing(RUN)
     n.lines.clear()
     n.feed(ResumeRun(("op", "resume"), resume_op(4.0, wall=WALL)), 4.0)
     assert not n.epoch.run_over()
@@ -812,7 +812,7 @@ def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights
     [reply] = [a for a in out if isinstance(a, Reply)]
     assert reply.error is None and reply.value["resume_step"] == 0
     assert reply.value["restored_from"] == "initial" and reply.value["steps_lost"] == 2
-    assert n.c.phase is Phase.TRAINING and not n.epoch.stopped_by_operator(RUN)
+    assert n.c.phase is Phase.TRAINING and not n.epoch.over_without_finishing(RUN)
 
 
 def _stopped_then_resumed(n: Node, stop: SignedOp, resume: SignedOp) -> SignedAllocation:
@@ -854,7 +854,7 @@ def test_a_copied_stop_cannot_end_the_run_once_it_was_resumed():
     # a copy of the resume (taken once) does not resume the run the operator stopped again
     out = n.feed(ResumeRun(("op", "resume copy"), resume), 7.0)
     assert _costly(out) == [] and "this resume was taken already" in out[0].error
-    assert n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.over_without_finishing(RUN)
 
 
 def test_a_new_coordinator_refuses_copies_of_the_operations_its_predecessor_took():
@@ -1631,7 +1631,7 @@ def test_a_per_link_run_hands_out_the_planners_choice_of_links_in_the_signed_all
     links = LinkCodecs(((True, False),), (False, True))
     note = "links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.400 s/iter); exact links: 1 (hidden)"
     n.planner.first = dataclasses.replace(PLACEMENT, links=links, links_note=note)
-    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator.machine")
+    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator")
     n.feed(StartRun(("op", "start"), start_op(steps=100, at_s=n.wall, compress="auto"), DATA_HASH, DATA_NAME), 0.0)
     n.compute("first", 0.0)
     a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
@@ -1781,7 +1781,7 @@ def test_refusals_with_unhashable_codes_from_most_peers_count_and_raise_nothing(
     odd = {"accepted": False, "code": ["dead-peer"], "reason": ["x"] * 3}
     n.autopilot(60.0, {N[1]: odd, N[2]: {**odd, "code": {"a": 1}}, N[3]: odd})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
@@ -1794,7 +1794,7 @@ def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
     n.feed(Trigger("drift"), 5.0)
     n.autopilot(60.0, {N[1]: {"accepted": False, "code": "busy", "reason": "busy"}})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count():
@@ -1806,7 +1806,7 @@ def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count
     stale = {"accepted": False, "code": "stale", "reason": "term 1 is older than this peer's term 2"}
     n.autopilot(60.0, {p: stale for p in N[1:4]})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
@@ -1835,7 +1835,7 @@ def test_a_start_placed_again_that_cannot_be_scheduled_fails_and_its_run_is_not_
         0.3 computed first: error (no allocation fits the 3 peers)
           reply op start: error (cannot schedule: no allocation fits the 3 peers)
     """)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.run_over() and n.epoch.over_without_finishing(RUN)
     n.swarm.live.add(N[4])
     n.tick(5.0)
     n.tick(10.0)

@@ -311,7 +311,7 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
             "stopped"] is True
         assert plane.epoch.run_over()
     again = ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
-    assert again.epoch.current == a and again.epoch.stopped_by_operator(RUN) and again.epoch.run_over()
+    assert again.epoch.current == a and again.epoch.over_without_finishing(RUN) and again.epoch.run_over()
     # the stop it took is kept too (operations.json): a copy of it is refused after the restart
     copy = SignedOp.from_wire(stop)
     assert again.epoch.taken.taken(copy, RUN)
@@ -678,7 +678,7 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
                                   | {"cert": plane.election.certificate.to_wire()})
         assert reply["accepted"]
-        plane.coordinator.steplog = StepLog(a, set(), started_at=time.time())
+        plane.coordinator.procedure.steplog = StepLog(a, set(), started_at=time.time())
         plane.coordinator.phase = Phase.TRAINING
         for step in range(3):
             for p, loss in ((IDS[1], None), (IDS[2], 4.0 - step)):
