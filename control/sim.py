@@ -36,7 +36,7 @@ import hashlib
 import math
 import random
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, get_int, get_str, short_id
@@ -248,7 +248,7 @@ class PlaneSim(ElectionSim):
         self.epochs: list[EpochMachine | None] = [None] * n
         self.coords: list[Coordinator | None] = [None] * n
         self.sim_stages: list[dict[int, SimStage]] = [{} for _ in range(n)]  # node -> epoch -> stage
-        self.outstanding: list[dict[tuple, _Outstanding]] = [{} for _ in range(n)]
+        self.outstanding: list[dict[Hashable, _Outstanding]] = [{} for _ in range(n)]
         self.replies: list[dict[tuple, Reply]] = [{} for _ in range(n)]
         self.train_log: list[dict] = []  # every line any node logged, with `holder`
         self.events: list[tuple[float, int, str, dict]] = []

@@ -678,8 +678,8 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
                                   | {"cert": plane.election.certificate.to_wire()})
         assert reply["accepted"]
-        plane.coordinator.procedure.steplog = StepLog(a, set(), started_at=time.time())
-        plane.coordinator.phase = Phase.TRAINING
+        plane.coordinator.hand.steplog = StepLog(a, set(), started_at=time.time())
+        plane.coordinator.hand.phase = Phase.TRAINING
         for step in range(3):
             for p, loss in ((IDS[1], None), (IDS[2], 4.0 - step)):
                 await net.request(p, ControlMsg.STEP, StepReport(1, step, loss, 0.5, 0.3, 0.1, 0.1).to_wire() | {"run": RUN})
@@ -716,7 +716,7 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         assert follower.election.coordinator == ISSUER.peer_id  # recognised: its certificate checks against the council
         # the run finishes: its last answer says so, with no ETA
         plane.coordinator.steplog.completed = 9
-        plane.coordinator.phase = Phase.FINISHED
+        plane.coordinator.hand.phase = Phase.FINISHED
         done = await follower.train_progress(RUN, 2)
         assert (done.state, done.completed, done.lines, done.eta_s) == ("finished", 10, (), None)
 

@@ -61,7 +61,9 @@ from .operator_queue import (
     OperatorQueue, PeerLeaving, QueuedStart, Reschedule, ResumeRun, StartRun, StopRun, resume_refusal, stopped_after,
 )
 from .phase import CoordinatorStatus, Phase, run_over
-from .procedure import MEMBERSHIP_REFUSALS, Order, Procedures
+from .handout import MEMBERSHIP_REFUSALS, HandOut
+from .procedure import Procedures
+from .record import Order
 from .steplog import StepLog
 from .watch import Reconfigure, RunWatch, completed_of
 
@@ -153,8 +155,8 @@ class Coordinator:
                                 membership_codes=MEMBERSHIP_REFUSALS)
         self.queue = OperatorQueue(reads)
         self.run_watch = RunWatch(reads, self, self.refusals)
-        self.procedure = Procedures(reads, sign, self.run_watch, self.queue, self.left_out, self.counters,
-                                    self.refusals, self.over)
+        self.hand = HandOut(reads, sign, self.run_watch, self.left_out, self.counters, self.refusals)
+        self.procedure = Procedures(reads, self.hand, self.run_watch, self.queue, self.left_out, self.over)
 
     @property
     def wall_offset(self) -> float:
@@ -172,20 +174,20 @@ class Coordinator:
 
     @property
     def phase(self) -> Phase:
-        return self.procedure.phase
+        return self.hand.phase
 
     @property
     def reason(self) -> str:
-        return self.procedure.reason
+        return self.hand.reason
 
     @property
     def steplog(self) -> StepLog | None:
         """The step log of the epoch this peer handed out last."""
-        return self.procedure.steplog
+        return self.hand.steplog
 
     @property
     def logged(self) -> Mapping[bytes, set[int]]:
-        return self.procedure.logged
+        return self.hand.logged
 
     @property
     def paused_live(self) -> frozenset[bytes] | None:
@@ -259,7 +261,7 @@ class Coordinator:
             phase=phase, run_id=log.alloc.run_id if log else None, epoch=log.alloc.epoch if log else None,
             reason=reason, completed=log.completed if log else None, end_step=log.alloc.end_step if log else None,
             recent=tuple(log.recent[-8:]) if log else (), started_at=log.started_at if log else None,
-            last_reconfig=self.procedure.last_reconfig, cut_links=self.links.describe(),
+            last_reconfig=self.hand.last_reconfig, cut_links=self.links.describe(),
             left_out=self.left_out.snapshot(now, self.wall_offset),
             counts=counts if log is not None and counts is not None and counts.run_id == log.alloc.run_id else None,
             **stall)
@@ -402,7 +404,7 @@ class Coordinator:
         out: list = []
         for line in log.add(ev.peer, ev.report):
             self.run_watch.step_completed(log.alloc.epoch, self._now)
-            finished = self.procedure.logged_step(log.finished)
+            finished = self.hand.logged_step(log.finished)
             logger.info("step %d: loss %s, %.2f s, %.0f tokens/s%s", line["step"],
                         "-" if line["loss"] is None else f"{line['loss']:.4f}", line["iteration_s"] or 0,
                         line["tokens_per_s"] or 0, " (some reports lost)" if line.get("partial") else "")

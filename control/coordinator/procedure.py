@@ -1,152 +1,60 @@
 """The one hand-out or reconfiguration in progress (see docs/control.md, "The coordinator machine").
 
-`Procedures` owns the phase of the run this peer handed out and why (`Phase`), the procedure in
-progress (`Procedure`: a start's first placement, or a reconfiguration STOPPING -> PLANNING ->
-OFFERING, then for both HANDING_OUT -> TRAINING, or PAUSED, STOPPED), the count of failed
-attempts in a row, the pause and its retry time, the step log of the epoch it handed out, the
-steps it logged per run and the last reconfiguration. Each step asks peers or the scheduler
-under a `ProcStep` key, and goes on when its answers come back (`answered`, `computed`).
+`Procedures` owns the procedure in progress (`Procedure`, record.py: an operator's start, its
+first placement then the hand-out; or a reconfiguration, STOPPING -> PLANNING -> OFFERING, then
+the hand-out; each may end PAUSED or STOPPED), the count of failed reconfigurations in a row, the
+pause and its retry time, and the RUN_STATE `keep` requests. Each step asks peers or the
+scheduler under a `ProcStep` key and goes on when the answers come back (`answered`,
+`computed`); the hand-out itself, the run's phase and its step log are `HandOut`'s (handout.py),
+which it moves through the phases with `HandOut.to`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 
 from dtfm.net import short_id
 
-from ..actions import Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
-from ..allocation import Allocation, SignedAllocation
+from ..actions import Ask, Compute, Computed, Emit, Reply
+from ..allocation import Allocation
 from ..election import quorum
 from ..epoch.machine import AbortRunner, RunClosed, RunReopened
-from ..epoch.report import StepReport
-from ..epoch.runstate import PeerRunState, ResumeError, ResumePoint, describe, resume_point
-from ..events import EventKind, PlaneEvent, Reconfiguration
-from ..refusals import Refusals
+from ..epoch.runstate import ResumeError, describe, resume_point
+from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
 from .allocate import (
     MAX_OFFER_HOLDERS, NoHolder, absent, council_fields, links_for, majority_holdings, next_allocation,
 )
-from .answers import refusal_code, reported_number, run_states
+from .answers import run_states
 from .context import Reads, named
-from .counters import RunCounters
+from .handout import HandOut
 from .keys import Keep, ProcStep, Step
 from .leftout import LeftOut
 from .links import used_cut_links
 from .operator_queue import OperatorQueue, QueuedStart
 from .phase import Phase
+from .record import HandingOut, Kind, Order, Procedure, ProcedureFailed
 from .reshape import ReshapePlan
 from .schedule import Placement
-from .steplog import StepLog
-from .watch import RunWatch
+from .watch import RunWatch, completed_of
 
-__all__ = ["MEMBERSHIP_REFUSALS", "Kind", "Procedure", "Procedures"]
+__all__ = ["Procedures"]
 
 logger = logging.getLogger(__name__)
 
-# Refusals of peers whose gossip does not agree with the coordinator's yet (a peer that just
-# returned, one just declared dead): gossip converges, so they are retried without counting.
-MEMBERSHIP_REFUSALS = frozenset({"not-covered", "dead-peer", "unknown-peer"})
-
-
-class Kind(enum.Enum):
-    START = "start"  # an operator's train start: the first placement, then the hand-out
-    RECONFIGURE = "reconfigure"  # a new epoch of the run in progress
-
-
-class _Failed(Exception):
-    """A procedure cannot go on, with the reason (kept inside this module)."""
-
-    def __init__(self, reason: str, *, counts: bool = True):
-        super().__init__(reason)
-        self.counts = counts  # toward max_reconfig_attempts
-
-
-@dataclass(frozen=True)
-class Order:
-    """What a procedure was asked to do, and for whom."""
-
-    reply: tuple | None = None  # the operator request waiting on it
-    force: bool = False  # a new layout even when the scheduler would keep this one
-    retry: tuple[str, ...] = ()  # triggers to keep if it fails
-    start: QueuedStart | None = None  # kind START: the operator's start
-    resume: bool = False  # an operator's resume: if it fails, the run stays stopped
-    leave: bool = False  # a planned leave's hand-off: recorded as a leave, not a failure
-
-
-@dataclass
-class Stopping:
-    """The run states of the reachable peers, and the stop of the running ones."""
-
-    asked: frozenset[bytes] = frozenset()
-    running: list[bytes] = field(default_factory=list)
-    states: dict[bytes, PeerRunState] = field(default_factory=dict)
-    deadline: float = 0.0
-    poll_at: float | None = None
-    stuck: bool = False  # a step missed its deadline: abort it, do not wait for a boundary
-
-
-@dataclass
-class Planning:
-    """Where the run resumes and its new layout, and what the holders offered."""
-
-    rp: ResumePoint | None = None
-    plan: ReshapePlan | None = None
-    offers: dict[tuple[int, int], Mapping[bytes, dict]] = field(default_factory=dict)
-    left_out: frozenset[bytes] = frozenset()  # reachable peers not placed: they refused an allocation
-    links_note: str = ""  # a per-link run: which links and groups compress and why (`choose_links`)
-
-
-@dataclass
-class HandingOut:
-    """The allocation handed out and its answers."""
-
-    alloc: Allocation | None = None
-    answers: Mapping[bytes, dict] = field(default_factory=dict)
-    refused: str = ""
-    transient: bool = False  # every refusal of the hand-out was a membership disagreement
-    rolled_back: bool = False
-    steps_lost: int = 0  # a rollback: completed (logged or reported) steps the swarm runs again
-    tries: int = 0  # kind START: hand-outs placed again without peers that refused
-
-
-@dataclass
-class Procedure:
-    """The one hand-out or reconfiguration in progress."""
-
-    id: int
-    kind: Kind
-    trigger: str
-    order: Order
-    t0: float
-    cur: Allocation | None = None
-    marks: dict[str, float] = field(default_factory=dict)
-    stop: Stopping = field(default_factory=Stopping)
-    planning: Planning = field(default_factory=Planning)
-    hand: HandingOut = field(default_factory=HandingOut)
-
 
 class Procedures:
-    """The procedure in progress and the run's phase (see the module docstring)."""
+    """The procedure in progress (see the module docstring)."""
 
-    def __init__(self, reads: Reads, sign: Callable[[Allocation], SignedAllocation], watch: RunWatch,
-                 queue: OperatorQueue, left_out: LeftOut, counters: RunCounters, refusals: Refusals,
+    def __init__(self, reads: Reads, hand: HandOut, watch: RunWatch, queue: OperatorQueue, left_out: LeftOut,
                  over: Callable[[], bool]) -> None:
         self.r = reads
         self.over = over  # whether the run of this peer's epoch is over (the coordinator's `run_over`)
-        self.sign = sign
+        self.hand = hand
         self.watch = watch
         self.queue = queue
         self.left_out = left_out
-        self.counters = counters
-        self.refusals = refusals
-        self.phase = Phase.IDLE
-        self.reason = ""
-        self.steplog: StepLog | None = None  # the epoch this peer handed out last
-        self.logged: dict[bytes, set[int]] = {}  # run id -> steps this peer logged
-        self.last_reconfig: Reconfiguration | None = None
         self.proc: Procedure | None = None
         self._attempts = 0  # reconfigurations that failed in a row
         self.paused_live: frozenset[bytes] | None = None  # reachable peers when the run paused
@@ -165,7 +73,7 @@ class Procedures:
             return []  # a procedure that failed meanwhile
         try:
             return self._advance(proc, key, answers, now)
-        except _Failed as e:
+        except ProcedureFailed as e:
             return self._failed(proc, e, now)
 
     def computed(self, ev: Computed, key: ProcStep, now: float) -> list:
@@ -176,7 +84,7 @@ class Procedures:
             return self._first_placed(proc, ev, now)
         try:
             return self._planned(proc, ev, now)
-        except _Failed as e:
+        except ProcedureFailed as e:
             return self._failed(proc, e, now)
 
     def poll(self, now: float) -> list:
@@ -219,7 +127,7 @@ class Procedures:
             return self._start_failed(proc, start, f"cannot schedule: {ev.error}", now)
         refusal = self.queue.start_refusal()  # (things may have changed while the scheduler ran)
         run = self.r.epoch.run
-        if refusal is not None and proc.hand.tries and run is not None and run.alloc.run_id == start.op.run_id:
+        if refusal is not None and proc.tries and run is not None and run.alloc.run_id == start.op.run_id:
             refusal = None  # (its own refused attempt, stopped before it started: the next replaces it)
         if refusal is not None:
             return self._start_failed(proc, start, refusal, now)
@@ -241,15 +149,15 @@ class Procedures:
         except ValueError as e:
             return self._start_failed(proc, start, f"cannot build the allocation: {e}", now)
         try:
-            return self._hand_out(proc, alloc, (), now)
-        except _Failed as e:
+            return self.hand.hand_out(proc, alloc, (), now)
+        except ProcedureFailed as e:
             return self._failed(proc, e, now)
 
     def _start_failed(self, proc: Procedure, start: QueuedStart, why: str, now: float) -> list:
         """The operator is told its start failed; once a hand-out of it went out (and was
         refused), the run is over: nobody reconfigures it."""
         self.proc = None
-        if proc.hand.alloc is not None or proc.hand.tries:
+        if proc.hand.alloc is not None or proc.tries:
             self.r.epoch.handle(RunClosed(start.op.run_id, f"its start failed: {why}"), now)
         return [Reply(start.key, error=why)]
 
@@ -263,7 +171,8 @@ class Procedures:
             return [Reply(key, error="the run is no longer stopped: nothing to resume")]
         logger.info("an operator resumes run %s", cur.run_id.hex()[:8])
         self.r.epoch.handle(RunReopened(cur.run_id), now)
-        self.phase, self.reason, self._attempts = Phase.IDLE, "", 0
+        self.hand.to(Phase.IDLE, "")
+        self._attempts = 0
         self.left_out.clear()  # (the operator may have fixed the peers that refused: each is tried again)
         self.paused_live = None
         return self.reconfigure("train resume", now, Order(reply=key, force=True, resume=True))
@@ -276,8 +185,8 @@ class Procedures:
         proc = Procedure(self.r.next_id(), Kind.RECONFIGURE, trigger, order, t0=now, cur=cur)
         self.proc = proc
         if cur is None or not self.r.election.is_coordinator:
-            return self._failed(proc, _Failed("not the coordinator of a run"), now)
-        self.phase = Phase.STOPPING
+            return self._failed(proc, ProcedureFailed("not the coordinator of a run"), now)
+        self.hand.to(Phase.STOPPING)
         proc.stop.stuck = self.watch.take_stuck()
         proc.stop.asked = frozenset(named(cur) | set(self.r.swarm.live_peers()) | {self.r.me}) - self.watch.silent
         return [self._ask(proc, Step.STATES, proc.stop.asked, {"op": "query"}, self.r.timings.request_timeout_s)]
@@ -327,11 +236,12 @@ class Procedures:
             assert key.layers is not None
             return self._offered(proc, key.layers, answers, now)
         if step is Step.ALLOC:
-            return self._allocation_answers(proc, answers, now)
+            return self.hand.allocation_answers(proc, answers, now)
         if step is Step.UNSTOP:
-            raise _Failed(proc.hand.refused, counts=not proc.hand.transient)
+            raise ProcedureFailed(proc.hand.refused, counts=not proc.hand.transient)
         if step is Step.START:
-            return self._started(proc, answers, now)
+            self.proc, self._attempts, self.paused_live = None, 0, None
+            return self.hand.started(proc, answers, now)
         raise AssertionError(f"no answers expected for procedure step {step!r}")
 
     def _plan(self, proc: Procedure, now: float) -> list:
@@ -340,7 +250,7 @@ class Procedures:
         cur = proc.cur
         assert cur is not None
         proc.marks["stopped"] = now
-        self.phase = Phase.PLANNING
+        self.hand.to(Phase.PLANNING)
         states = proc.stop.states
         reachable = set(states)
         voters = set(self.r.election.voters)
@@ -353,12 +263,12 @@ class Procedures:
             rp = resume_point(cur.run_id, cur.layer_ranges, states)
         except ResumeError as e:
             if proc.order.resume:
-                raise _Failed(f"cannot resume run {cur.run_id.hex()[:8]}: {e}") from None
+                raise ProcedureFailed(f"cannot resume run {cur.run_id.hex()[:8]}: {e}") from None
             # No peer of the run answered (every stage, even step 0, is restored by one): the run
             # waits and resumes when the reachable peers change.
             return self._pause(proc, f"{e}; waiting for a peer of the run to answer", reachable, now)
         if rp.step >= cur.end_step:
-            raise _Failed("the run already reached its last step")
+            raise ProcedureFailed("the run already reached its last step")
         proc.planning.rp = rp
         swarm = self.r.swarm
         # (a leaving peer answers and offers its stages, but is not placed)
@@ -397,7 +307,7 @@ class Procedures:
                                + "; ".join(links.why(x) for x in through) + "); waiting for it to heal",
                                set(proc.stop.states), now)
         proc.marks["planned"] = now
-        self.phase = Phase.OFFERING
+        self.hand.to(Phase.OFFERING)
         out = []
         shape = plan.placement  # its peers may fetch the offers (control/epoch/access.py)
         fetchers = sorted({p for pipe in shape.pipelines for p in pipe} | set(shape.spares))
@@ -419,7 +329,7 @@ class Procedures:
         try:
             holdings = majority_holdings(cur, pl.offers, rp.step)
         except NoHolder as e:
-            raise _Failed(str(e)) from None
+            raise ProcedureFailed(str(e)) from None
         proc.marks["offered"] = now
         pl.links_note = pl.plan.placement.links_note
         leaving = self.queue.leaving(now)
@@ -427,174 +337,27 @@ class Procedures:
             alloc = next_allocation(self.r, cur, pl.plan.placement, rp, holdings, proc.trigger,
                                     set(states) - leaving, self.r.me in leaving)
         except ValueError as e:
-            raise _Failed(f"cannot build the next allocation: {e}") from None
+            raise ProcedureFailed(f"cannot build the next allocation: {e}") from None
         # Steps the current epoch completed that the swarm runs again: the holders of the newer
         # stages are gone (a checkpoint, the initial weights or older in-memory stages serve): a
         # rollback, said as such. Only the current epoch's steps count: those an earlier epoch
         # completed past its start were lost (and counted) by the rollback that started it.
         # (a peer that completed step j means every peer completed j - 1: the steps move together)
-        hand = proc.hand
         mine = [x for st in states.values() for x in st.reports if x.epoch == cur.epoch]
-        log = self.steplog
-        logged = log.completed if log is not None and (log.alloc.run_id, log.alloc.epoch) == (
-            cur.run_id, cur.epoch) else None
+        logged = completed_of(self.hand.steplog, cur)
         done = {x.step - 1 for x in mine} | {cur.start_step - 1} | ({logged} if logged is not None else set())
         # (a resume from the checkpoints of the stop boundary runs no logged step again: no rollback)
-        hand.rolled_back = (rp.rollback and not proc.order.resume) or rp.step <= max(done)
+        pl.rolled_back = (rp.rollback and not proc.order.resume) or rp.step <= max(done)
         # (how many: from the newest step of the epoch any peer logged or reported completing)
         newest = max(done | {x.step for x in mine})
         # A step this peer logged in an earlier epoch is run again too when the rollback that
         # started the current epoch was never handed out (its hand-out failed): a rollback all the same.
-        ran = max(self.logged.get(cur.run_id, ()), default=-1)
-        if not hand.rolled_back and rp.step <= ran:
-            hand.rolled_back, newest = True, ran
-        hand.steps_lost = max(0, newest + 1 - rp.step) if hand.rolled_back else 0
+        ran = max(self.hand.logged.get(cur.run_id, ()), default=-1)
+        if not pl.rolled_back and rp.step <= ran:
+            pl.rolled_back, newest = True, ran
+        pl.steps_lost = max(0, newest + 1 - rp.step) if pl.rolled_back else 0
         reports = [(p, x) for p, st in states.items() for x in st.reports]
-        return self._hand_out(proc, alloc, reports, now)
-
-    # ---- the hand-out -------------------------------------------------------------------------
-
-    def _hand_out(self, proc: Procedure, alloc: Allocation, backfill: Sequence[tuple[bytes, StepReport]],
-                  now: float) -> list:
-        """Log the steps before the resume point that `backfill` (the peers' reports) covers and
-        this peer has not logged; ALLOCATION to every named peer, then START. Only while this
-        peer is the coordinator of the allocation's term with its certificate: one that stepped
-        down while the procedure ran (its scheduler or the offers were still out) hands nothing
-        out, rather than an allocation without its proof or with its successor's."""
-        election, epoch = self.r.election, self.r.epoch
-        cert = election.certificate
-        mine = cert is None or (cert.candidate, cert.term) == (self.r.me, alloc.term)
-        if not election.is_coordinator or not mine:
-            raise _Failed(f"this peer is no longer the coordinator of term {alloc.term}")
-        if (proc.kind is Kind.RECONFIGURE and not proc.order.resume
-                and epoch.over_without_finishing(alloc.run_id)):
-            # an operator's stop taken while the procedure ran: the run is over, nothing is handed out
-            raise _Failed(f"an operator stopped run {alloc.run_id.hex()[:8]} while it was reconfigured", counts=False)
-        proc.hand.alloc = alloc
-        self.phase = Phase.HANDING_OUT
-        self.reason = ""
-        signed = self.sign(alloc)
-        logged = self.logged.setdefault(alloc.run_id, set())
-        out: list = []
-        if proc.kind is Kind.START:
-            logged.clear()
-            out.append(ResetLog())
-        known = self._known(proc.cur)
-        self.steplog = log = StepLog(alloc, logged, started_at=self.r.clock.wall(now), refusals=self.refusals)
-        out += [LogLine(line) for line in log.backfill(backfill, {x.step for _, x in backfill
-                                                                       if x.step < alloc.start_step}, known)]
-        logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
-                    "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
-                    len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
-        if alloc.compress_links is not None:
-            logger.info("term %d epoch %d compresses per link: %s", alloc.term, alloc.epoch, _links_note(proc, alloc))
-        body = signed.to_wire()
-        if cert is not None:  # the proof of this peer's election in the allocation's term
-            body["cert"] = cert.to_wire()
-        out.append(self._ask(proc, Step.ALLOC, list(alloc.peers) + list(alloc.spares), body,
-                             self.r.timings.accept_timeout_s, msg=ControlMsg.ALLOCATION))
-        return out
-
-    def _allocation_answers(self, proc: Procedure, answers: Mapping[bytes, dict], now: float) -> list:
-        alloc, hand, t = proc.hand.alloc, proc.hand, self.r.timings
-        assert alloc is not None
-        hand.answers = answers
-        refused = {p: a for p, a in answers.items() if not a.get("accepted")}
-        if not refused:
-            self.left_out.accepted(answers)
-            return [self._ask(proc, Step.START, alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
-                              t.request_timeout_s, msg=ControlMsg.START)]
-        hand.refused = "the allocation was refused: " + "; ".join(
-            f"{short_id(p)}: {str(a.get('reason', 'no answer'))[:200]}" for p, a in refused.items())
-        left = self._leave_out(answers, refused, now)
-        # A refusal that left its peer out counts toward no limit: the next attempt goes on
-        # without it. So too a membership disagreement: gossip converges.
-        hand.transient = all(p in left or refusal_code(a) in MEMBERSHIP_REFUSALS for p, a in refused.items())
-        self.phase, self.reason = Phase.REFUSED, hand.refused
-        rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
-        out: list = []
-        if left:
-            why = self.left_out.why(left, now)
-            shown = tuple(x for x in self.left_out.snapshot(now, self.r.clock.offset) if x.peer in left)
-            hand.refused += "; left out of the next attempts: " + ", ".join(
-                f"{short_id(x.peer)} for {x.until - x.since:.0f} s" for x in shown)
-            self.reason = hand.refused
-            logger.warning("the allocation of epoch %d was refused; left out of the next attempts: %s",
-                           alloc.epoch, why)
-            out.append(Emit(PlaneEvent(EventKind.LEFT_OUT, self.r.election.term, proc.trigger, epoch=alloc.epoch,
-                                       reason=why, left_out=shown)))
-        return out + [self._ask(proc, Step.UNSTOP, rest, {"run": alloc.run_id, "at_step": 0, "epoch": alloc.epoch},
-                                t.request_timeout_s, msg=ControlMsg.STOP)]
-
-    def _leave_out(self, answers: Mapping[bytes, dict], refused: Mapping[bytes, dict], now: float) -> frozenset[bytes]:
-        """Record each refusing peer (leftout.py); the peers left out now. While fewer peers
-        refuse than accept (this peer counted), the allocation was fine and each refusing peer is
-        unusable now, whatever its reason (its data, its stage build, another coordinator it
-        follows, a lie, no answer). When as many refuse as accept, the allocation itself is
-        refused (this peer may be behind the others' election, or cut off from them): nobody is
-        singled out, and the failure counts as before. This peer never leaves itself out."""
-        peers = sorted(p for p in refused if p != self.r.me)
-        accepting = [p for p, a in answers.items() if a.get("accepted")]
-        if not peers or len(peers) >= len(accepting):
-            return frozenset()
-        incarnations = self.r.swarm.incarnations()
-        left = set()
-        for p in peers:
-            code, reason = refusal_code(refused[p]), refused[p].get("reason")
-            reason = reason[:200] if isinstance(reason, str) else "no reason given"
-            if self.left_out.refused(p, code, reason, now, incarnations.get(p)):
-                left.add(p)
-        return frozenset(left)
-
-    def _started(self, proc: Procedure, answers: Mapping[bytes, dict], now: float) -> list:
-        alloc, log = proc.hand.alloc, self.steplog
-        assert alloc is not None and log is not None
-        late = [short_id(p) for p, a in answers.items() if not a.get("started")]
-        if late:
-            logger.warning("peers %s did not confirm the start", ", ".join(late))
-        self.phase = Phase.TRAINING
-        log.fetched = int(sum(reported_number(a.get("fetched_bytes")) for a in proc.hand.answers.values()))
-        log.fetch_s = max([reported_number(a.get("fetch_s")) for a in proc.hand.answers.values()] + [0.0])
-        self.proc = None
-        self._attempts = 0
-        self.paused_live = None
-        self.watch.epoch_started(alloc, proc.cur, now, reconfigured=proc.kind is Kind.RECONFIGURE)
-        if proc.kind is Kind.START:
-            return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,
-                                    start_shape=f"{alloc.stages}x{alloc.dp}",
-                                    start_predicted_s=alloc.predicted_iteration_s,
-                                    compress_links=_links_note(proc, alloc) or None)),
-                    Reply(proc.order.reply or (), alloc)]
-        return self._reconfigured(proc, now)
-
-    def _reconfigured(self, proc: Procedure, now: float) -> list:
-        """Record a reconfiguration (`last_reconfig` in status, an event, one INFO line)."""
-        cur, alloc, plan, rp, log = proc.cur, proc.hand.alloc, proc.planning.plan, proc.planning.rp, self.steplog
-        assert cur is not None and alloc is not None and plan is not None and rp is not None and log is not None
-        m, hand, wall = proc.marks, proc.hand, self.r.clock.wall
-        info = Reconfiguration(
-            at=wall(now), reason=proc.trigger, epoch=alloc.epoch, term=alloc.term,
-            old_shape=f"{cur.stages}x{cur.dp}", new_shape=f"{alloc.stages}x{alloc.dp}", kind=plan.kind,
-            predicted_old_s=cur.predicted_iteration_s, predicted_new_s=alloc.predicted_iteration_s, moves=plan.moves,
-            bytes_moved=log.fetched, resume_step=rp.step, rollback=hand.rolled_back,
-            restored_from=rp.source.value, steps_lost=hand.steps_lost,
-            started_at=wall(proc.t0), stop_s=m["stopped"] - proc.t0,
-            schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
-            handout_s=now - m["offered"], compress_links=_links_note(proc, alloc))
-        self.last_reconfig = info
-        self.counters.reconfigured(alloc.run_id, rollback=hand.rolled_back, steps_lost=hand.steps_lost)
-        logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
-                    "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
-                    cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
-                    f" (rolled back from {rp.source.value}: {hand.steps_lost} completed steps run again)"
-                    if hand.rolled_back else "")
-        kind = (EventKind.ROLLBACK if hand.rolled_back else EventKind.LEAVE if proc.order.leave
-                else EventKind.RECONFIGURE)
-        out: list = [Emit(PlaneEvent(kind, alloc.term, proc.trigger, epoch=alloc.epoch, reconfiguration=info))]
-        reply = proc.order.reply
-        if reply is not None:
-            out.append(Reply(reply, {"handed_off": True, **info.to_wire()} if proc.order.leave else info.to_wire()))
-        return out
+        return self.hand.hand_out(proc, alloc, reports, now)
 
     # ---- failure, pause, stop -----------------------------------------------------------------
 
@@ -605,7 +368,7 @@ class Procedures:
         self.paused_live = frozenset(reachable)
         self.paused_retry_at = now + self.r.timings.paused_retry_s
         logger.error("training pauses: %s", why)
-        self.phase, self.reason = Phase.PAUSED, why
+        self.hand.to(Phase.PAUSED, why)
         self.proc = None
         out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.r.election.term, proc.trigger, epoch=cur.epoch,
                                      reason=why)),
@@ -620,7 +383,7 @@ class Procedures:
         cur = proc.cur
         assert cur is not None
         logger.error("training stops: %s", why)
-        self.phase, self.reason = Phase.STOPPED, why
+        self.hand.to(Phase.STOPPED, why)
         self.r.epoch.handle(RunClosed(cur.run_id, why), now)
         self.proc = None
         shown = tuple(x for x in self.left_out.snapshot(now, self.r.clock.offset) if x.peer in left_out)
@@ -639,18 +402,19 @@ class Procedures:
         return self.r.ask(Keep(self._keeps), set(peers) | {self.r.me}, ControlMsg.RUN_STATE,
                           {"op": "keep", "run": cur.run_id}, self.r.timings.accept_timeout_s)
 
-    def _failed(self, proc: Procedure, e: _Failed, now: float) -> list:
+    def _failed(self, proc: Procedure, e: ProcedureFailed, now: float) -> list:
         """A failed start answers its operator; a failed reconfiguration is retried on the next
         check, up to `max_reconfig_attempts` times, then the run stops."""
         self.proc = None
         why, t, order = str(e), self.r.timings, proc.order
         start = order.start
         if (proc.kind is Kind.START and start is not None and proc.hand.alloc is not None and not e.counts
-                and proc.hand.tries + 1 < t.max_reconfig_attempts and self.r.election.is_coordinator):
+                and proc.tries + 1 < t.max_reconfig_attempts and self.r.election.is_coordinator):
             # Every peer that refused is left out (or its gossip disagreed): the run is placed
             # again without them, rather than failed for the operator by one member.
             logger.warning("the first hand-out of run %s failed (%s): placing it again", start.op.run_id.hex()[:8], why)
-            proc.hand = HandingOut(tries=proc.hand.tries + 1)
+            proc.tries += 1
+            proc.hand = HandingOut()
             self.proc = proc
             return self._place_start(proc, start, now)
         if proc.kind is Kind.START:
@@ -676,36 +440,3 @@ class Procedures:
                     proc, f"{t.max_reconfig_attempts} reconfigurations failed, the last: {why}", now)
             self.watch.retry(list(order.retry) or [proc.trigger])
         return out
-
-    def _known(self, cur: Allocation | None) -> Callable[[int], Allocation | None]:
-        """epoch -> its allocation of the run of `cur`, if this peer knows it (to check the
-        reports the peers keep)."""
-        log, epoch = self.steplog, self.r.epoch
-        mine = [a for a in (cur, log.alloc if log is not None else None)
-                if a is not None and cur is not None and a.run_id == cur.run_id]
-
-        def known(n: int) -> Allocation | None:
-            for a in mine:
-                if a.epoch == n:
-                    return a
-            return epoch.allocation_of(cur.run_id, n) if cur is not None else None
-        return known
-
-    # ---- step reports -------------------------------------------------------------------------
-
-    def logged_step(self, finished: bool) -> bool:
-        """A step line was logged (`finished`: the run's last): the run trains, or it finished.
-        Whether it finished with this line."""
-        if self.phase is Phase.HANDING_OUT:
-            self.phase = Phase.TRAINING
-        if finished and self.phase is not Phase.FINISHED:
-            self.phase = Phase.FINISHED
-            return True
-        return False
-
-
-def _links_note(proc: Procedure, alloc: Allocation) -> str:
-    """A per-link run's choice in words: the scheduler's (with what each link saves), else the allocation's."""
-    if alloc.compress_links is None:
-        return ""
-    return proc.planning.links_note or alloc.compress_links.describe(alloc.compression)
