@@ -1,5 +1,5 @@
-"""Building the allocations the coordinator hands out (pure): the next epoch of a run, its
-council of voters, the members it names absent, what each stage's holders offered, and a
+"""Building the allocations the coordinator hands out (pure): the first epoch of a start and
+the next epoch of a run, its council of voters, the members it names absent, what each stage's holders offered, and a
 per-link run's compressed links.
 """
 
@@ -16,10 +16,11 @@ from dtfm.train import CompressionConfig, LinkCodecs
 from ..allocation import Allocation, Holding
 from ..epoch.runstate import ResumePoint
 from .context import Reads
+from .operator_queue import QueuedStart
 from .schedule import Placement
 
-__all__ = ["MAX_ABSENT", "MAX_OFFER_HOLDERS", "absent", "council_fields", "first_council", "links_for",
-           "majority_holdings", "next_allocation", "next_council"]
+__all__ = ["MAX_ABSENT", "MAX_OFFER_HOLDERS", "NoHolder", "absent", "council_fields", "first_allocation",
+           "first_council", "links_for", "majority_holdings", "next_allocation", "next_council"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,22 @@ def majority_holdings(cur: Allocation, offers: Mapping[tuple[int, int], Mapping[
                        {d[:12]: [short_id(p) for p in ps] for d, ps in by_digest.items()})
         holdings.append(Holding(r, digest, tuple(sorted(peers))))
     return tuple(holdings)
+
+
+def first_allocation(r: Reads, start: QueuedStart, shape: Placement, me_leaving: bool) -> Allocation:
+    """The first epoch of an operator's start: its first placement, from step 0."""
+    req = start.req
+    placed = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
+    return Allocation(epoch=r.election.last_applied[1] + 1, term=r.election.term, issuer=r.me,
+                      pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=req.preset,
+                      model=start.model, train=req.config,
+                      data_hash=str(req.data_hash), data_name=start.data_name, start_step=0,
+                      end_step=req.steps, checkpoint_every=req.checkpoint_every,
+                      predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
+                      absent=absent(r, placed, me_leaving), run_id=start.op.run_id, reason="train start",
+                      **council_fields(r, placed, set(r.swarm.live_peers()) | {r.me}),
+                      operator_start=start.signed.encode(), compression=req.compression,
+                      compress_links=links_for(shape, req.compression))
 
 
 def next_allocation(r: Reads, cur: Allocation, shape: Placement, rp: ResumePoint, holdings: tuple[Holding, ...],

@@ -53,6 +53,7 @@ from .answers import run_states
 from .context import CoordinatorTimings, Planner, Reads, Swarm, WallClock
 from .counters import RunCounters
 from .deadline import StepWatch
+from .handout import MEMBERSHIP_REFUSALS, HandOut
 from .joins import JoinWave
 from .keys import Drift, Gaps, Keep, OperatorStop, ProbeKey, ProcStep
 from .leftout import LeftOut
@@ -61,7 +62,6 @@ from .operator_queue import (
     OperatorQueue, PeerLeaving, QueuedStart, Reschedule, ResumeRun, StartRun, StopRun, resume_refusal, stopped_after,
 )
 from .phase import CoordinatorStatus, Phase, run_over
-from .handout import MEMBERSHIP_REFUSALS, HandOut
 from .procedure import Procedures
 from .record import Order
 from .steplog import StepLog
@@ -121,7 +121,6 @@ class Elected:
 class SteppedDownEvent:
     term: int
     reason: str
-
 
 
 CoordinatorEvent = (CoordinatorTick | Wake | Trigger | StepReported | StepFailed | Elected | SteppedDownEvent

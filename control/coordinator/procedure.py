@@ -23,9 +23,7 @@ from ..epoch.machine import AbortRunner, RunClosed, RunReopened
 from ..epoch.runstate import ResumeError, describe, resume_point
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
-from .allocate import (
-    MAX_OFFER_HOLDERS, NoHolder, absent, council_fields, links_for, majority_holdings, next_allocation,
-)
+from .allocate import MAX_OFFER_HOLDERS, NoHolder, first_allocation, majority_holdings, next_allocation
 from .answers import run_states
 from .context import Reads, named
 from .handout import HandOut
@@ -68,6 +66,7 @@ class Procedures:
     # ---- answers ------------------------------------------------------------------------------
 
     def answered(self, key: ProcStep, answers: Mapping[bytes, dict], now: float) -> list:
+        """The peers' answers to a request of procedure `key.proc` at its step `key.step`."""
         proc = self.proc
         if proc is None or key.proc != proc.id:
             return []  # a procedure that failed meanwhile
@@ -77,6 +76,7 @@ class Procedures:
             return self._failed(proc, e, now)
 
     def computed(self, ev: Computed, key: ProcStep, now: float) -> list:
+        """The scheduler's answer: a start's first placement, or a reconfiguration's new layout."""
         proc = self.proc
         if proc is None or key.proc != proc.id:
             return []
@@ -131,21 +131,10 @@ class Procedures:
             refusal = None  # (its own refused attempt, stopped before it started: the next replaces it)
         if refusal is not None:
             return self._start_failed(proc, start, refusal, now)
-        req, op, shape, r = start.req, start.op, ev.value, self.r
+        shape = ev.value
         proc.planning.links_note = shape.links_note
-        placed = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
         try:
-            alloc = Allocation(epoch=r.election.last_applied[1] + 1, term=r.election.term, issuer=r.me,
-                               pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=req.preset,
-                               model=start.model, train=req.config,
-                               data_hash=str(req.data_hash), data_name=start.data_name, start_step=0,
-                               end_step=req.steps, checkpoint_every=req.checkpoint_every,
-                               predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
-                               absent=absent(r, placed, r.me in self.queue.leaving(now)), run_id=op.run_id,
-                               reason="train start",
-                               **council_fields(r, placed, set(r.swarm.live_peers()) | {r.me}),
-                               operator_start=start.signed.encode(), compression=req.compression,
-                               compress_links=links_for(shape, req.compression))
+            alloc = first_allocation(self.r, start, shape, self.r.me in self.queue.leaving(now))
         except ValueError as e:
             return self._start_failed(proc, start, f"cannot build the allocation: {e}", now)
         try:
@@ -180,6 +169,7 @@ class Procedures:
     # ---- reconfiguration ----------------------------------------------------------------------
 
     def reconfigure(self, trigger: str, now: float, order: Order = Order()) -> list:
+        """A new epoch of the run, for `trigger`: first the run states of the named and live peers."""
         cur = self.r.epoch.current
         self.watch.reconfiguring()
         proc = Procedure(self.r.next_id(), Kind.RECONFIGURE, trigger, order, t0=now, cur=cur)

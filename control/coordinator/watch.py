@@ -23,6 +23,7 @@ from ..actions import Ask, Compute
 from ..allocation import Allocation
 from ..messages import ControlMsg
 from ..refusals import Refusals
+from .answers import run_states
 from .context import Reads, named
 from .deadline import StepWatch, judge, laggards, missed_deadline, probe_targets
 from .failures import FailedSteps
@@ -31,7 +32,6 @@ from .keys import Drift, Fence, Probe, ProbeKey
 from .links import CutLinks, ReachAnswer, ReachRequest
 from .phase import Phase
 from .reshape import ReshapePlan
-from .answers import run_states
 from .steplog import StepLog
 
 __all__ = ["Reconfigure", "RunWatch", "Watched"]
