@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from dtfm.control.coordinator.keys import Drift, Fence, Gaps, Keep, OperatorStop, Probe, ProbeKey, ProcStep, Step
-from dtfm.control.coordinator.machine import PeerLeaving, StopRun
+from dtfm.control.actions import Reply
+from dtfm.control.coordinator.machine import PeerLeaving, Reschedule, StopRun
 from dtfm.control.coordinator.phase import CoordinatorStatus, Phase, run_over, run_word
-from dtfm.control.epoch.machine import EpochMachine, EpochPhase, EpochStatus, RunClosed, RunReopened
+from dtfm.control.epoch.machine import EpochMachine, EpochPhase, EpochStatus, OperationTaken, RunClosed, RunReopened
 from dtfm.control.epoch.report import RunEnd
 
-from coordinator_fixtures import Node, stop_op
+from coordinator_fixtures import Node, reschedule_op, stop_op
 from machine_trace import N, RUN, FakeElection, alloc
 
 COORDINATOR = Path(__file__).resolve().parent.parent / "control" / "coordinator"
@@ -75,15 +76,32 @@ def test_the_epoch_machine_alone_keeps_that_a_run_is_over_and_hears_it_by_events
     assert not any(hasattr(m, name) for name in ("mark_stopped", "resume", "stopped_by_operator"))
 
 
+def _fed(n: Node) -> list:
+    """The events the coordinator feeds `n`'s epoch machine from now on."""
+    fed: list = []
+    handle = n.epoch.handle
+    n.epoch.handle = lambda ev, now: fed.append(ev) or handle(ev, now)  # type: ignore[method-assign]
+    return fed
+
+
 def test_an_operators_stop_reaches_this_peers_epoch_machine_as_its_event():
     n = Node()
     n.training(steps=2)
-    fed = []
-    handle = n.epoch.handle
-    n.epoch.handle = lambda ev, now: fed.append(ev) or handle(ev, now)  # type: ignore[method-assign]
+    fed = _fed(n)
     n.feed(StopRun(("op", "stop"), stop_op(3.0)), 3.0)
-    assert [type(ev) for ev in fed if isinstance(ev, RunClosed | RunReopened)] == [RunClosed]
+    assert [type(ev) for ev in fed] == [RunClosed]
     assert n.epoch.over_without_finishing(RUN) and n.c.status().phase is Phase.STOPPED
+
+
+def test_a_reschedule_taken_reaches_this_peers_epoch_machine_as_its_event():
+    n = Node()
+    n.training(steps=2)
+    fed = _fed(n)
+    op = reschedule_op(3.0)
+    n.feed(Reschedule(("op", "r"), op), 3.0)
+    assert [type(ev) for ev in fed] == [OperationTaken] and n.epoch.taken.taken(op, RUN)
+    [reply] = [a for a in n.feed(Reschedule(("op", "again"), op), 3.5) if isinstance(a, Reply)]
+    assert reply.error is not None and "taken" in reply.error  # (a replay is refused before any work)
 
 
 def test_request_keys_are_typed_values_that_print_as_the_transcripts_name_them():

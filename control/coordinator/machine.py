@@ -18,10 +18,11 @@ It owns the run's counters (`counters`), the STEP input it refused (`refusals`) 
 left out for refusing an allocation (`left_out`, leftout.py). It asks peers (`Ask`) and runs the
 scheduler (`Compute`) through the shell, which feeds the answers back under the request's key
 (keys.py), routed by the key's type. It reads the election and the gossiped swarm and changes
-neither; it reads this peer's epoch machine and tells it one thing, by the events it feeds it:
-that the run is over without finishing (`RunClosed`: an operator's stop, a run that cannot go on,
-a failed start or resume) or is not any more (`RunReopened`: an operator's resume). Whether the
-run is over is decided in one place, `run_over` (phase.py).
+neither; it reads this peer's epoch machine and changes it only by the events it feeds it: that
+the run is over without finishing (`RunClosed`: an operator's stop, a run that cannot go on, a
+failed start or resume) or is not any more (`RunReopened`: an operator's resume), and that it
+took an operator's resume or reschedule (`OperationTaken`, so that a replay is refused). Whether
+the run is over is decided in one place, `run_over` (phase.py).
 
 Operator operations (`StartRun`, `Reschedule`, `ResumeRun`, `StopRun`) carry the operator's signed
 operation (control/operator.py). Each is refused at once, before any costly work (the scheduler's

@@ -19,7 +19,7 @@ from dtfm.net import short_id
 from dtfm.train import GPTSpec, get_preset
 
 from ..actions import Emit, Reply
-from ..epoch.machine import RunClosed
+from ..epoch.machine import OperationTaken, RunClosed
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
 from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
@@ -202,7 +202,7 @@ class OperatorQueue:
         except OperatorError as e:
             logger.warning("refused a train reschedule: %s", e)
             return [Reply(ev.key, error=str(e))]
-        self.r.epoch.take_op(op, signed, self.r.clock.wall(now), self.r.timings.operator_skew_s)
+        self.r.epoch.handle(OperationTaken(op, signed, self.r.clock.wall(now), self.r.timings.operator_skew_s), now)
         self._queue.append(ev)
         return []
 
@@ -279,7 +279,7 @@ class OperatorQueue:
         except OperatorError as e:
             logger.warning("refused a train resume: %s", e)
             return [Reply(ev.key, error=str(e))]
-        self.r.epoch.take_op(op, signed, self.r.clock.wall(now), self.r.timings.operator_skew_s)
+        self.r.epoch.handle(OperationTaken(op, signed, self.r.clock.wall(now), self.r.timings.operator_skew_s), now)
         self._queue.append(ev)
         return []
 

@@ -42,7 +42,7 @@ __all__ = [
     "BuildStage", "ElectionView", "EndEpoch", "changes_refusal",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
-    "EpochTick", "KeepStage", "RunClosed", "RunReopened", "StopRunnerAt", "WaitForCoordinator",
+    "EpochTick", "KeepStage", "OperationTaken", "RunClosed", "RunReopened", "StopRunnerAt", "WaitForCoordinator",
 ]
 
 
@@ -200,8 +200,20 @@ class RunReopened:
     run_id: bytes
 
 
+@dataclass(frozen=True)
+class OperationTaken:
+    """This peer's coordinator took an operator's resume or reschedule (`op`, signed as `signed`)
+    at wall time `now_s`, within `skew_s` of its signed time: a replay of it is refused from now
+    on, a restart included."""
+
+    op: OperatorOp
+    signed: SignedOp
+    now_s: float
+    skew_s: float
+
+
 EpochEvent = (AllocationOffered | StageBuilt | BuildFailed | StartAsked | StopAsked | StepDone | RunnerEnded
-              | EpochDone | MemberGone | EpochTick | RunClosed | RunReopened)
+              | EpochDone | MemberGone | EpochTick | RunClosed | RunReopened | OperationTaken)
 
 
 # ---- actions (besides the shared ones) --------------------------------------------------------
@@ -430,9 +442,9 @@ class EpochMachine:
         carried = cur.last_op_ms if cur is not None and cur.run_id == run_id else 0
         return max(carried, self.taken.floor_ms(run_id))
 
-    def take_op(self, op: OperatorOp, signed: SignedOp, now_s: float, skew_s: float) -> None:
-        """Record `op` as taken by this peer (the coordinator's resume or reschedule, or a final
-        STOP): a replay of it is refused from now on, a restart included."""
+    def _take_op(self, op: OperatorOp, signed: SignedOp, now_s: float, skew_s: float) -> None:
+        """Record `op` as taken by this peer (the coordinator's resume or reschedule, told by
+        `OperationTaken`, or a final STOP): a replay of it is refused from now on, a restart included."""
         self.taken.take(op, signed, now_s=now_s, skew_s=skew_s)
 
     # ---- queries ------------------------------------------------------------------------------
@@ -605,6 +617,9 @@ class EpochMachine:
             if self._over_without_finishing == event.run_id:
                 self._over_without_finishing = None
             return []
+        if isinstance(event, OperationTaken):
+            self._take_op(event.op, event.signed, event.now_s, event.skew_s)
+            return []
         raise TypeError(f"not an epoch event: {event!r}")
 
     def _offered(self, ev: AllocationOffered, now: float) -> list:
@@ -712,7 +727,7 @@ class EpochMachine:
             why = self.op_refusal(op, ev.op, wall, self.operator_skew_s)
             if why is not None:
                 return [Reply(ev.key, {"stopped": False, "reason": why})]
-            self.take_op(op, ev.op, wall, self.operator_skew_s)
+            self._take_op(op, ev.op, wall, self.operator_skew_s)
             self._over_without_finishing = run.alloc.run_id
         elif not recognised and ev.sender not in (run.alloc.issuer, self.me):
             return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator stops an epoch"})]
