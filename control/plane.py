@@ -70,8 +70,8 @@ from .coordinator.machine import (
     Wake,
 )
 from .coordinator.deadline import DeadlineRules
-from .coordinator.phase import run_over, run_word
 from .coordinator.links import ReachAnswer, ReachRequest
+from .coordinator.phase import run_over, run_word
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
@@ -96,10 +96,10 @@ from .epoch.machine import (
     KeepStage,
     MemberGone,
     PersistApplied,
+    RunClosed,
     StartAsked,
     StartRunner,
     StopAsked,
-    RunClosed,
     StopRunnerAt,
     WaitForCoordinator,
 )
