@@ -82,7 +82,8 @@ class HandOut:
         if (proc.kind is Kind.RECONFIGURE and not proc.order.resume
                 and epoch.over_without_finishing(alloc.run_id)):
             # an operator's stop taken while the procedure ran: the run is over, nothing is handed out
-            raise ProcedureFailed(f"an operator stopped run {alloc.run_id.hex()[:8]} while it was reconfigured", counts=False)
+            raise ProcedureFailed(f"an operator stopped run {alloc.run_id.hex()[:8]} while it was reconfigured",
+                                  counts=False)
         proc.hand.alloc = alloc
         self.phase = Phase.HANDING_OUT
         self.reason = ""

@@ -332,7 +332,8 @@ class Coordinator:
         if isinstance(key, Keep):
             for p, a in sorted(ev.answers.items()):
                 if "kept" not in a:
-                    logger.warning("%s did not keep its stage on disk: %s", short_id(p), a.get("error") or a.get("reason"))
+                    logger.warning("%s did not keep its stage on disk: %s", short_id(p),
+                                   a.get("error") or a.get("reason"))
         return []  # (a fence's answers change nothing)
 
     def _computed(self, ev: Computed, now: float) -> list:

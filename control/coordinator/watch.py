@@ -92,7 +92,8 @@ class RunWatch:
         self.links = CutLinks()
         self._next_link_test = 0.0
         self.failures = FailedSteps(refusals)  # failed-step reports of the current epoch
-        self.joins = JoinWave(reads.timings.join_settle_s, reads.timings.join_wait_max_s)  # joined peers not yet taken in
+        # joined peers not yet taken in
+        self.joins = JoinWave(reads.timings.join_settle_s, reads.timings.join_wait_max_s)
 
     # ---- what happened ------------------------------------------------------------------------
 
