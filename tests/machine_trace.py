@@ -196,13 +196,11 @@ def peers(ps) -> str:
     return " ".join(NAMES.get(p, short_id(p)) for p in ps)
 
 
-def label(key: tuple) -> str:
-    """A request's key as the transcript names it: the coordinator's ("proc", id, step, sub) by
-    its step, ("probe", what) and ("gaps", epoch) as they are, a test's own key joined."""
-    if key and key[0] == "proc":
-        step = key[2]
-        sub = key[3] if len(key) > 3 else None
-        return f"{step} {sub[0]}-{sub[1]}" if isinstance(sub, tuple) else str(step)
+def label(key) -> str:
+    """A request's key as the transcript names it: the coordinator's as it prints itself
+    (control/coordinator/keys.py: a procedure's by its step), a test's own tuple joined."""
+    if not isinstance(key, tuple):
+        return str(key)
     return " ".join(str(k) for k in key)
 
 
@@ -338,7 +336,7 @@ def describe(ev: object) -> str:
         return f"epoch {ev.epoch} let go of its stage"
     if isinstance(ev, e.MemberGone):
         return f"{peers([ev.peer])} is gone"
-    if isinstance(ev, e.Tick | c.Tick):
+    if isinstance(ev, e.EpochTick | c.CoordinatorTick):
         return "tick"
     if isinstance(ev, c.Wake):
         return "wake"

@@ -174,7 +174,7 @@ def test_a_minority_of_voters_does_not_reconfigure_and_waits_for_the_others():
             if what in n.asks:
                 probes += what == "probe holders"
                 n.answer(what, {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2)} if what == "states" else {})
-    assert probes > n.c.t.max_reconfig_attempts and n.c.phase is Phase.PAUSED and not n.epoch.run_over()
+    assert probes > n.c.timings.max_reconfig_attempts and n.c.phase is Phase.PAUSED and not n.epoch.run_over()
     while "probe holders" not in n.asks:
         n.tick()
     n.answer("probe holders", {N[2]: state((0, 2), 2)})
@@ -188,7 +188,7 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
     n = Node()
     n.training()
     n.feed(Trigger("peer n3 is dead"), 5.0)
-    for _ in range(n.c.t.max_reconfig_attempts):
+    for _ in range(n.c.timings.max_reconfig_attempts):
         n.tick()
         if "states" not in n.asks:
             n.tick()
@@ -197,10 +197,10 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
         n.answer("offer 0-2", everyone={"digest": D01, "bytes": 1})
         n.answer("offer 2-4", {})
     assert n.c.phase is Phase.STOPPED
-    assert n.c.reason == (f"{n.c.t.max_reconfig_attempts} reconfigurations failed, the last: no holder of layers "
+    assert n.c.reason == (f"{n.c.timings.max_reconfig_attempts} reconfigurations failed, the last: no holder of layers "
                           "(2, 4) could offer them at step 2")
     n.tick(40.0)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.run_over() and n.epoch.over_without_finishing(RUN)
     assert n.c.next_deadline() == 42.0  # it looks, and does nothing: the run is over
 
 
@@ -338,7 +338,7 @@ def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights
     [reply] = [a for a in out if isinstance(a, Reply)]
     assert reply.error is None and reply.value["resume_step"] == 0
     assert reply.value["restored_from"] == "initial" and reply.value["steps_lost"] == 2
-    assert n.c.phase is Phase.TRAINING and not n.epoch.stopped_by_operator(RUN)
+    assert n.c.phase is Phase.TRAINING and not n.epoch.over_without_finishing(RUN)
 
 
 def _stopped_then_resumed(n: Node, stop: SignedOp, resume: SignedOp) -> SignedAllocation:
@@ -380,7 +380,7 @@ def test_a_copied_stop_cannot_end_the_run_once_it_was_resumed():
     # a copy of the resume (taken once) does not resume the run the operator stopped again
     out = n.feed(ResumeRun(("op", "resume copy"), resume), 7.0)
     assert _costly(out) == [] and "this resume was taken already" in out[0].error
-    assert n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.over_without_finishing(RUN)
 
 
 def test_a_new_coordinator_refuses_copies_of_the_operations_its_predecessor_took():
@@ -866,7 +866,7 @@ def test_a_per_link_run_hands_out_the_planners_choice_of_links_in_the_signed_all
     links = LinkCodecs(((True, False),), (False, True))
     note = "links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.400 s/iter); exact links: 1 (hidden)"
     n.planner.first = dataclasses.replace(PLACEMENT, links=links, links_note=note)
-    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator.machine")
+    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator")
     n.feed(StartRun(("op", "start"), start_op(steps=100, at_s=n.wall, compress="auto"), DATA_HASH, DATA_NAME), 0.0)
     n.compute("first", 0.0)
     a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
@@ -1016,7 +1016,7 @@ def test_refusals_with_unhashable_codes_from_most_peers_count_and_raise_nothing(
     odd = {"accepted": False, "code": ["dead-peer"], "reason": ["x"] * 3}
     n.autopilot(60.0, {N[1]: odd, N[2]: {**odd, "code": {"a": 1}}, N[3]: odd})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
@@ -1029,7 +1029,7 @@ def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
     n.feed(Trigger("drift"), 5.0)
     n.autopilot(60.0, {N[1]: {"accepted": False, "code": "busy", "reason": "busy"}})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count():
@@ -1041,7 +1041,7 @@ def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count
     stale = {"accepted": False, "code": "stale", "reason": "term 1 is older than this peer's term 2"}
     n.autopilot(60.0, {p: stale for p in N[1:4]})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():

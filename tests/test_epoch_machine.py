@@ -27,7 +27,8 @@ from dtfm.control.epoch.machine import (
     StepDone,
     StopAsked,
     StopRunnerAt,
-    Tick,
+    EpochTick as Tick,
+    RunClosed,
 )
 from dtfm.control.epoch.taken import MAX_OPS_PER_RUN, MAX_RUNS, TakenOps, load_taken, save_taken
 from dtfm.control.refusals import Refused
@@ -152,7 +153,7 @@ def test_who_may_stop_an_epoch_and_end_the_run(what, sender, coordinator, final,
     assert reply.value["stopped"] is stopped, reply
     for w in words:
         assert w in reply.value["reason"], (w, reply.value["reason"])
-    assert p.m.stopped_by_operator(RUN) is (stopped and final)
+    assert p.m.over_without_finishing(RUN) is (stopped and final)
     assert p.m.run_over() is (stopped and final)
 
 
@@ -175,9 +176,9 @@ def test_a_new_epoch_of_a_run_the_operator_stopped_resumes_it():
     p.accept(alloc())
     p.feed(StopAsked(p.key("t"), N[0], RUN, 4, final=True, op=STOP), 1.0)
     p.feed(RunnerEnded(1, RunEnd(3, "stopped", False), 1e9), 2.0)
-    assert p.m.run_over() and p.m.stopped_by_operator(RUN)
+    assert p.m.run_over() and p.m.over_without_finishing(RUN)
     p.offer(alloc(epoch=2, start_step=4), 3.0)
-    assert not p.m.run_over() and not p.m.stopped_by_operator(RUN)
+    assert not p.m.run_over() and not p.m.over_without_finishing(RUN)
 
 
 def test_a_copied_operators_stop_is_refused_after_the_runs_last_resume_out_of_its_time_or_taken_before(tmp_path):
@@ -194,7 +195,7 @@ def test_a_copied_operators_stop_is_refused_after_the_runs_last_resume_out_of_it
         assert reply.value["stopped"] is False and words in reply.value["reason"], reply
         assert not p.m.run_over()
     [*_, reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.0)
-    assert reply.value["stopped"] is True and p.m.stopped_by_operator(RUN)
+    assert reply.value["stopped"] is True and p.m.over_without_finishing(RUN)
     [reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.5)
     assert reply.value == {"stopped": False, "reason": "this stop was taken already: sign a new one"}
     save_taken(tmp_path, p.m.taken.to_json())
@@ -262,7 +263,7 @@ def test_a_restored_epoch_says_so_until_a_new_one_is_applied():
     p.m.restore(RUN, 2, 3, alloc(term=2, epoch=3), [report(3, 4)])
     st = p.m.status()
     assert st.restored and st.phase is EpochPhase.WAITING and not st.run_stopped
-    p.m.mark_stopped(RUN)  # the shell found stopped.json: an operator stopped the run
+    p.m.handle(RunClosed(RUN, "stopped.json"), 0.0)  # the shell found stopped.json: an operator stopped the run
     assert p.m.status().run_stopped
     p.offer(alloc(term=2, epoch=4, start_step=5), 1.0)  # resumed
     st = p.m.status()
@@ -335,7 +336,7 @@ def test_after_its_run_is_over_a_peer_answers_only_the_peers_of_the_run(end):
     elif end == "finished":
         p.feed(RunnerEnded(1, RunEnd(99, "finished", False), 0.0), 3.5)
     else:
-        p.m.mark_stopped(RUN)  # (its coordinator stopped the run: no layout of the peers exists)
+        p.m.handle(RunClosed(RUN, "no layout"), 0.0)  # (its coordinator stopped the run: no layout of the peers exists)
     p.feed(EpochDone(1), 4.0)
     assert p.m.run_over() and p.m.status().phase is EpochPhase.ENDED
     p.election.coordinator = None  # between runs: no coordinator recognised
@@ -390,7 +391,7 @@ def test_whom_a_leaving_peer_asks_to_hand_its_part_off(what, me, coordinator, ap
     if applied:
         p.offer(alloc(spares=(N[4],)), 0.0, live=N[:5])
     if stopped:
-        p.m.mark_stopped(RUN)
+        p.m.handle(RunClosed(RUN, "stopped"), 0.0)
     p.election.coordinator = coordinator
     target, why = p.m.hand_off_to()
     assert target == asks and why.startswith(words) and bool(why) == bool(words)

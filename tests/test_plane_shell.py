@@ -311,7 +311,7 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
             "stopped"] is True
         assert plane.epoch.run_over()
     again = ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
-    assert again.epoch.current == a and again.epoch.stopped_by_operator(RUN) and again.epoch.run_over()
+    assert again.epoch.current == a and again.epoch.over_without_finishing(RUN) and again.epoch.run_over()
     # the stop it took is kept too (operations.json): a copy of it is refused after the restart
     copy = SignedOp.from_wire(stop)
     assert again.epoch.taken.taken(copy, RUN)
@@ -678,8 +678,8 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
                                   | {"cert": plane.election.certificate.to_wire()})
         assert reply["accepted"]
-        plane.coordinator.steplog = StepLog(a, set(), started_at=time.time())
-        plane.coordinator.phase = Phase.TRAINING
+        plane.coordinator.hand.steplog = StepLog(a, set(), started_at=time.time())
+        plane.coordinator.hand.phase = Phase.TRAINING
         for step in range(3):
             for p, loss in ((IDS[1], None), (IDS[2], 4.0 - step)):
                 await net.request(p, ControlMsg.STEP, StepReport(1, step, loss, 0.5, 0.3, 0.1, 0.1).to_wire() | {"run": RUN})
@@ -718,7 +718,7 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         assert follower.election.coordinator == ISSUER.peer_id  # recognised: its certificate checks against the council
         # the run finishes: its last answer says so, with no ETA
         plane.coordinator.steplog.completed = 9
-        plane.coordinator.phase = Phase.FINISHED
+        plane.coordinator.hand.phase = Phase.FINISHED
         done = await follower.train_progress(RUN, 2)
         assert (done.state, done.completed, done.lines, done.eta_s) == ("finished", 10, (), None)
 

@@ -13,7 +13,7 @@ import pytest
 from machine_trace import RUN, FakeElection, N, alloc, report
 
 from dtfm.control.coordinator.machine import CoordinatorStatus, Phase
-from dtfm.control.epoch.machine import EpochMachine
+from dtfm.control.epoch.machine import EpochMachine, RunClosed
 from dtfm.control.status import PlaneStatus
 from dtfm.gossip import Entry, Report
 from dtfm.gossip import view as gossip_view
@@ -194,7 +194,7 @@ def restarted(kept=(), stopped=False) -> dict:
     m = EpochMachine(N[1], election, heartbeat_wait_s=1.0, coordinator_lost_after_s=6.0)
     m.restore(RUN, 2, 3, alloc(term=2, epoch=3, end_step=300), kept)
     if stopped:
-        m.mark_stopped(RUN)
+        m.handle(RunClosed(RUN, "stopped"), 0.0)
     return PlaneStatus(N[1], {"role": "follower", "term": 2, "coordinator": None}, False, m.status(), IDLE,
                        Path("train.jsonl"), None, 1).to_wire()
 

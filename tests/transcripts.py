@@ -97,7 +97,7 @@ from dtfm.control.epoch.machine import (
     StartAsked,
     StepDone,
     StopAsked,
-    Tick,
+    EpochTick as Tick,
     WaitForCoordinator,
 )
 
@@ -563,7 +563,7 @@ class Play:
             out.append(f"last end: epoch {e['epoch']} after step {e['completed']}: {named(e['reason'])}"
                        + (" (failed)" if e["failed"] else ""))
         applied = " ".join(f"{r.hex()[:8]}@{t}/{ep}" for r, (t, ep) in sorted(m.applied.items())) or "-"
-        out.append(f"run over {m.run_over()}, stopped by the operator {m.stopped_by_operator(RUN)}, "
+        out.append(f"run over {m.run_over()}, stopped by the operator {m.over_without_finishing(RUN)}, "
                    f"run stopped {st.run_stopped}, restored {st.restored}, applied {applied}"
                    + (f", heard {st.heard[0]} {st.heard[1]}" if st.heard else ""))
         return out
