@@ -52,7 +52,8 @@ from .paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
-from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, start_request
+from .runspec import (KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, send_start,
+                      start_request)
 from .status import format_resume, format_status_text, plural, reconfiguration_parts, to_json
 
 PROG = "dtfm-peer"
@@ -582,6 +583,21 @@ class OperatorSession:
             raise CliError(f"the daemon sent an answer to `{command.replace('_', ' ')}` that is not a map")
         return reply
 
+    def start(self, request: dict) -> dict:
+        """`train start` of `request`, signed and sent; again when an election interrupted it
+        (`send_start`)."""
+        return send_start(lambda: self.send("train_start", "start", None, request), self._term,
+                          (ControlClientError,), lambda text: print(text, file=sys.stderr))
+
+    def _term(self) -> int | None:
+        """The election term of the daemon; None when its status does not say."""
+        try:
+            status = self.client.request("status", {})
+        except ControlClientError:
+            return None
+        term = ((status if isinstance(status, dict) else {}).get("training") or {}).get("term")
+        return term if type(term) is int else None
+
 
 @contextlib.contextmanager
 def operator_session(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir,
@@ -625,7 +641,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         request.update(data_hash=s.info.get("data_hash"), data_name=s.info.get("data_name") or "")
         if isinstance(s.info.get("council"), str):  # the first council, for a swarm that has none yet
             request.update(council=s.info["council"], council_size=s.info.get("council_size", 5))
-        reply = s.send("train_start", "start", None, request)
+        reply = s.start(request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 from dtfm.peer import steps_done
+from dtfm.peer.runspec import send_start
 
 from .proc import peer_request, peer_status
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
@@ -47,7 +48,6 @@ RUN_NAME = "run.json"
 # A run that looks ended must look so this long before `wait` gives up: a coordinator that
 # just died leaves the survivors "stopped" until the next one reconfigures them.
 END_SETTLE_S = 5.0
-START_ATTEMPTS = 3  # a start the swarm's election interrupted is signed and sent again
 # (A spare's state says nothing: the coordinator of a run it does not train in shows "spare".)
 LIVE_STATES = frozenset({"training", "accepted", "building", "handing out", "reconfiguring"})
 ELECTION_EVENTS = frozenset({"coordinator", "stepped-down"})
@@ -80,22 +80,11 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path
     earlier runs' lines."""
     started_at = time.time()
     args = {k: v for k, v in args.items() if v is not None and v != "auto"}
-    for attempt in range(1, START_ATTEMPTS + 1):
-        term = _term(peer)
+
+    def send() -> dict:
         op = operator_op(run_dir, peer, "start", args)
-        try:
-            reply = peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
-            break
-        except SwarmError as e:
-            # An election during the hand-out (a coordinator that lost its quorum's acks on a
-            # loaded machine, say) refuses the allocation of the deposed term: no run started,
-            # and a start taken once is never taken again, so a newly signed one goes to the
-            # swarm's coordinator of now.
-            now = _term(peer)
-            if attempt == START_ATTEMPTS or term is None or now is None or now <= term:
-                raise
-            print(f"{e}\nthe coordinator changed while it handed the run out (term {term} -> {now}): "
-                  f"starting again with a new signed start ({attempt + 1} of {START_ATTEMPTS})", file=sys.stderr)
+        return peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
+    reply = send_start(send, lambda: _term(peer), (SwarmError,), lambda text: print(text, file=sys.stderr))
     record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
               "request": args, "allocation": reply}
     _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
