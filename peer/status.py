@@ -400,8 +400,11 @@ def format_training(t: dict, now: float) -> list[str]:
         heard = election.get("heard_of")
         if coordinator:
             who = short(coordinator)
-        elif isinstance(heard, str) and heard:
+        elif isinstance(heard, str) and heard and election.get("voters"):
             who = f"{short(heard)} (as its peers say; outside its council, this peer does not follow it)"
+        elif isinstance(heard, str) and heard:
+            who = (f"{short(heard)} (as its peers say; this peer holds no council to check it against until it "
+                   "is handed its first allocation)")
         elif term == 0 and election.get("voters"):
             who = "none yet (one is elected at the swarm's first `train start`)"
         elif term == 0:

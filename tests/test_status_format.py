@@ -94,7 +94,9 @@ def test_status_text_has_no_gossip_json_line_and_keeps_other_sections():
     # Operator review L1: a fresh joiner of a swarm that had a coordinator said "none yet (one is
     # elected at the swarm's first train start)"
     ({"voters": 0, "heard_of": None}, None, "none known to this peer (it holds no council"),
-    ({"voters": 0, "heard_of": B}, None, f"{B[:8]} (as its peers say; outside its council, this peer does not "
+    ({"voters": 0, "heard_of": B}, None, f"{B[:8]} (as its peers say; this peer holds no council to check it "
+                                         "against until it is handed its first allocation)"),
+    ({"voters": 3, "heard_of": B}, None, f"{B[:8]} (as its peers say; outside its council, this peer does not "
                                          "follow it)"),
     ({"voters": 3, "heard_of": None}, None, "none yet (one is elected at the swarm's first `train start`)"),
     ({"voters": 3, "heard_of": B}, A, A[:8]),
