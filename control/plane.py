@@ -337,7 +337,8 @@ class ControlPlane:
         self.router = TensorRouter(transport)  # (these two answer peers from the start, stage or not)
         self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
         # this peer's checkpoints on disk (their size and refusals in status, stage host or not)
-        self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept)
+        self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept,
+                                   self.config.runs_kept)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live

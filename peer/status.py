@@ -452,8 +452,10 @@ def format_training(t: dict, now: float) -> list[str]:
 def format_checkpoints(disk: dict) -> str:
     """`checkpoints 3.1 MB on disk (the newest 3 per stage of each run kept)`, and the last write
     the disk refused, until one succeeds."""
+    runs = disk.get("runs_kept")
+    of_runs = f", of the newest {plural(runs, 'run')}" if runs else ""
     line = (f"checkpoints {format_bytes(disk.get('bytes') or 0)} on disk (the newest {disk.get('kept', '?')} per "
-            f"stage of each run kept) in {disk.get('path', '?')}")
+            f"stage of each run kept{of_runs}) in {disk.get('path', '?')}")
     if disk.get("refusal"):
         line += f"; REFUSED ({disk.get('refused', 1)} so far): {disk['refusal']}"
     return line
