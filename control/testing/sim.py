@@ -1,6 +1,6 @@
 """The whole control plane in a deterministic simulation: every node runs the daemon's own
 machines (`ElectionState`, `EpochMachine`, `Coordinator`) over the election's simulated network
-(control/election/sim.py), with virtual time (see docs/control.md, "Simulation").
+(control/testing/election_sim.py), with virtual time (see docs/control.md, "Simulation").
 
 The simulation plays the shell: it delivers every message the machines send (ALLOCATION, START,
 STOP, STEP, RUN_STATE as plain wire maps, dropped, duplicated, reordered, delayed and cut like
@@ -43,9 +43,9 @@ from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, 
 from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
-from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
-from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation
-from .coordinator.machine import (
+from ..actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from ..allocation import AcceptContext, Allocation, Refusal, SignedAllocation
+from ..coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
     Elected,
@@ -57,10 +57,10 @@ from .coordinator.machine import (
     Tick,
     next_council,
 )
-from .coordinator.links import ReachAnswer, ReachRequest
-from .coordinator.reshape import ReshapePlan
-from .coordinator.schedule import Placement
-from .election import (
+from ..coordinator.links import ReachAnswer, ReachRequest
+from ..coordinator.reshape import ReshapePlan
+from ..coordinator.schedule import Placement
+from ..election import (
     COUNCIL_SIZES,
     BecameCoordinator,
     Certificate,
@@ -70,9 +70,9 @@ from .election import (
     ElectionState,
     SteppedDown,
 )
-from .election.sim import ElectionSim, NetConditions
-from .epoch.access import coordinator_certificate, parse_fetchers
-from .epoch.machine import (
+from .election_sim import ElectionSim, NetConditions
+from ..epoch.access import coordinator_certificate, parse_fetchers
+from ..epoch.machine import (
     AbortRunner,
     AllocationOffered,
     ApplyToElection,
@@ -93,10 +93,10 @@ from .epoch.machine import (
     StopRunnerAt,
     WaitForCoordinator,
 )
-from .epoch.machine import Tick as EpochTick
-from .epoch.report import RunEnd, StepReport
-from .messages import ControlMsg
-from .operator import SignedOp, council_arg, root_council, sign_op
+from ..epoch.machine import Tick as EpochTick
+from ..epoch.report import RunEnd, StepReport
+from ..messages import ControlMsg
+from ..operator import SignedOp, council_arg, root_council, sign_op
 
 __all__ = ["PlaneSim", "SIM_TIMINGS", "reference_loss", "reference_weights"]
 
