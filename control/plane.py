@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import numpy as np
 import trio
@@ -31,13 +31,10 @@ from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, Member, NetworkView, 
 from dtfm.net import (
     ConnectionClosed,
     Identity,
+    PeerConnection,
     ProtocolError,
     RemoteError,
     RequestTimeout,
-    get_bytes,
-    get_dict,
-    get_int,
-    get_str,
     short_id,
 )
 from dtfm.train import (
@@ -49,11 +46,13 @@ from dtfm.train import (
     load_torch_libraries,
 )
 
-from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from . import inputs
+from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
+    CoordinatorEvent,
     first_council,
     CoordinatorTimings,
     Elected,
@@ -61,9 +60,7 @@ from .coordinator.machine import (
     Reschedule,
     ResumeRun,
     StartRun,
-    StepFailed,
     SteppedDownEvent,
-    StepReported,
     StopRun,
     Trigger,
     Wake,
@@ -89,23 +86,22 @@ from .epoch.machine import (
     ApplyToElection,
     BuildStage,
     EndEpoch,
+    EpochAction,
+    EpochEvent,
     EpochMachine,
     FailNeighbour,
     KeepStage,
     MemberGone,
     PersistApplied,
-    StartAsked,
     StartRunner,
-    StopAsked,
     StopRunnerAt,
     Tick,
     WaitForCoordinator,
 )
 from .dataplane import TensorRouter
-from .epoch.access import coordinator_certificate, fetch_refusal, parse_fetchers
+from .epoch.access import fetch_refusal
 from .epoch.disk import CheckpointDisk
 from .epoch.recovery import RecoveryServer
-from .epoch.report import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.stopped import clear_stopped, load_stopped, save_stopped
 from .epoch.taken import TAKEN_NAME, load_taken, save_taken
@@ -448,7 +444,7 @@ class ControlPlane:
 
     # ---- feeding the machines and executing their actions ------------------------------------
 
-    def _feed_coordinator(self, event) -> None:
+    def _feed_coordinator(self, event: CoordinatorEvent) -> None:
         try:
             actions = self.coordinator.handle(event, trio.current_time())
         except Exception:
@@ -463,25 +459,26 @@ class ControlPlane:
         for a in actions:
             self._execute_now(a)
 
-    async def _feed_epoch(self, event) -> None:
+    async def _feed_epoch(self, event: EpochEvent) -> None:
         """Feed an event whose actions may wait (an allocation: end the epoch, persist, build)."""
         for a in self.epoch.handle(event, trio.current_time()):
             await self._execute_epoch(a)
 
-    def _feed_epoch_now(self, event) -> None:
+    def _feed_epoch_now(self, event: EpochEvent) -> None:
         """Feed an event whose actions do not wait (start, stop, steps, ticks, members)."""
         for a in self.epoch.handle(event, trio.current_time()):
             self._execute_now(a)
 
-    def _execute_now(self, a) -> None:
-        """Execute an action that does not wait (every action of the coordinator)."""
+    def _execute_now(self, a: EpochAction | CoordinatorAction) -> None:
+        """Execute an action that does not wait (every action of the coordinator); those that
+        wait come in order through `_execute_epoch`, from events fed with `_feed_epoch`."""
         if isinstance(a, Ask):
             self._start_soon(self._ask_and_feed, a)
         elif isinstance(a, Compute):
             self._start_soon(self._compute_and_feed, a)
         elif isinstance(a, Send):
             if a.peer == self.me:
-                self._on_local_step(a.body)
+                self._feed_coordinator(inputs.step_message(self.me, a.body))
             else:
                 self._start_soon(self._send_one_way, a.peer, a.msg, a.body)
         elif isinstance(a, LogLine):
@@ -520,10 +517,12 @@ class ControlPlane:
                 self._stages.stop_at(a.epoch, a.step, final=a.final)
         elif isinstance(a, WaitForCoordinator):
             self._start_soon(self._wait_for_coordinator, a)
+        elif isinstance(a, (EndEpoch, ApplyToElection, PersistApplied, BuildStage)):
+            raise TypeError(f"{type(a).__name__} waits: only an event fed with _feed_epoch may return it")
         else:
-            raise TypeError(f"cannot execute {a!r} here")
+            assert_never(a)
 
-    async def _execute_epoch(self, a) -> None:
+    async def _execute_epoch(self, a: EpochAction) -> None:
         """Execute an action of the epoch machine, in order (some wait)."""
         if isinstance(a, EndEpoch):
             if self._stages is not None:
@@ -836,13 +835,12 @@ class ControlPlane:
     async def _on_allocation(self, conn, msg_type, body, payload) -> dict:
         return await self._accept_signed(body, sender=conn.short_id)
 
-    async def _accept_signed(self, body, sender: str = "itself") -> dict:
+    async def _accept_signed(self, body: object, sender: str = "itself") -> dict:
         try:
-            alloc = SignedAllocation.from_wire(body).open()
-            cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
+            alloc, cert = inputs.signed_allocation(body)
         except ProtocolError as e:
             logger.warning("refused an allocation from %s: %s", sender, e)
-            return {"accepted": False, "code": "bad-allocation", "reason": str(e)}
+            return inputs.bad_allocation(e)
         return await self.accept(alloc, cert)
 
     def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
@@ -869,108 +867,69 @@ class ControlPlane:
     async def _on_start(self, conn, msg_type, body, payload) -> dict:
         return await self._start_asked(conn.peer_id, body)
 
-    async def _start_asked(self, sender: bytes, body) -> dict:
-        if not isinstance(body, dict):
-            raise ProtocolError("START body must be a map")
+    async def _start_asked(self, sender: bytes, body: object) -> dict:
         key = self._key("start")
-        return self._ask_now(key, StartAsked(key, sender, body.get("run"), body.get("epoch")))
+        return self._ask_now(key, inputs.start_asked(key, sender, body))
 
     async def _on_stop(self, conn, msg_type, body, payload) -> dict:
         return await self._stop_asked(conn.peer_id, body)
 
-    async def _stop_asked(self, sender: bytes, body) -> dict:
-        if not isinstance(body, dict):
-            raise ProtocolError("STOP body must be a map")
+    async def _stop_asked(self, sender: bytes, body: object) -> dict:
         cur = self.epoch.current
-        if cur is not None and body.get("run") == cur.run_id:
-            at = body.get("at_step")
-            if not isinstance(at, int) or isinstance(at, bool) or at < 0:
-                raise ProtocolError("STOP at_step must be a non-negative integer")
-        else:
-            at = 0
-        op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
-        cert = coordinator_certificate(sender, body)
-        if cert is not None and sender != self.election.coordinator:
-            self.election.learn(cert)
-        epoch = body.get("epoch")
-        if epoch is not None and (not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0):
-            raise ProtocolError("STOP epoch must be a non-negative integer")
         key = self._key("stop")
-        ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                       abort=body.get("abort") is True, op=op, epoch=epoch)
+        ev, learn = inputs.stop_asked(key, sender, body, current_run=cur.run_id if cur is not None else None,
+                                      coordinator=self.election.coordinator)
+        if learn is not None:
+            self.election.learn(learn)
         answer = self._ask_now(key, ev)
         if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
             await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)
         await self._save_taken()  # (and the stop taken: a copy of it is refused after a restart too)
         return answer
 
-    async def _on_step(self, conn, msg_type, body, payload) -> None:
-        if not isinstance(body, dict):
-            raise ProtocolError("STEP body must be a map")
-        self._step_message(conn.peer_id, body)
-
-    def _on_local_step(self, body: dict) -> None:
-        self._step_message(self.me, body)
-
-    def _step_message(self, sender: bytes, body: dict) -> None:
-        if "failed" in body:
-            reason = body.get("failed")
-            if not isinstance(reason, str):
-                raise ProtocolError("STEP failed must be a string")
-            self._feed_coordinator(StepFailed(sender, body.get("run"), body.get("epoch"), reason))
-            return
-        self._feed_coordinator(StepReported(sender, body.get("run"), StepReport.from_wire(body)))
+    async def _on_step(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> None:
+        self._feed_coordinator(inputs.step_message(conn.peer_id, body))
 
     async def _on_run_state(self, conn, msg_type, body, payload) -> dict:
         return await self._run_state_asked(conn.peer_id, body)
 
-    async def _run_state_asked(self, sender: bytes, body) -> dict:
-        d = get_dict(body, "RUN_STATE")
-        op = get_str(d, "op", 16)
-        if op == "query":
+    async def _run_state_asked(self, sender: bytes, body: object) -> dict:
+        req = inputs.run_state_request(sender, body, coordinator=self.election.coordinator)
+        if isinstance(req, inputs.Query):
             refused = self.epoch.check_run_state_reader(sender)
             return {"error": refused.text} if refused is not None else self.run_state().to_wire()
-        if op == "progress":
+        if isinstance(req, inputs.Progress):
             refused = self.epoch.check_run_state_reader(sender)
             if refused is not None:
                 return {"error": f"{refused.text}: ask a daemon of the run"}
-            run = get_bytes(d, "run", 16, 16) if d.get("run") is not None else None
-            return self._progress_here(run, get_int(d, "after", -1, 2**62))
-        if op == "reach":
+            return self._progress_here(req.run, req.after)
+        if isinstance(req, ReachRequest):
             if sender != self.election.coordinator and sender != self.me:
                 return {"error": "only the coordinator asks a peer to reach others"}
-            return await self._reach(ReachRequest.from_wire(d))
-        if op == "export":
+            return await self._reach(req)
+        if isinstance(req, inputs.Export):
             await _import_in_thread("dtfm.control.export")
             from .export import answer_export  # (torch: a holder encodes weights)
 
             cur = self.epoch.current
-            return await answer_export(sender, d, operators=self.operators, now_s=time.time(),
+            return await answer_export(sender, req.body, operators=self.operators, now_s=time.time(),
                                        skew_s=self.config.operator_skew_s, stages=await self._host(), current=cur,
                                        state=self.run_state(), refusals=self.recovery.refusals)
-        if op == "keep":  # the run waits: what this peer holds of it in memory goes to its data dir
-            run_id = get_bytes(d, "run", 16, 16)
+        if isinstance(req, inputs.Keep):  # the run waits: what this peer holds of it in memory goes to its data dir
             refused = self.epoch.check_offer_asker(sender)
             if refused is not None:
                 return {"error": refused.text}
             if self._stages is None:  # (no stage host: this peer holds nothing in memory)
                 return {"kept": []}
-            return await self._stages.keep(run_id)
-        if op != "offer":
-            raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
-        run_id = get_bytes(d, "run", 16, 16)
-        step = get_int(d, "step", 0, 2**63 - 1)
-        layers = d.get("layers")
-        if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
-            raise ProtocolError("RUN_STATE: layers must be [first, end]")
-        fetchers = parse_fetchers(d)
-        cert = coordinator_certificate(sender, d)
-        if cert is not None and sender != self.election.coordinator:
-            self.election.learn(cert)
-        refused = self.epoch.check_offer_asker(sender)
-        if refused is not None:
-            return {"error": refused.text}
-        return await (await self._host()).offer(run_id, step, (layers[0], layers[1]), fetchers=fetchers)
+            return await self._stages.keep(req.run_id)
+        if isinstance(req, inputs.Offer):
+            if req.learn is not None:
+                self.election.learn(req.learn)
+            refused = self.epoch.check_offer_asker(sender)
+            if refused is not None:
+                return {"error": refused.text}
+            return await (await self._host()).offer(req.run_id, req.step, req.layers, fetchers=req.fetchers)
+        assert_never(req)
 
     async def _reach(self, req: ReachRequest) -> dict:
         """Ping each asked peer (gossip's round-trip measurement), each within the request's time."""
@@ -1198,13 +1157,10 @@ class ControlPlane:
         """An operator's start, stop, reschedule or resume forwarded by a peer: the signed operation and
         nothing else (no path, no unsigned argument); refused before any work unless an operator
         of the swarm signed it (the machine checks the rest)."""
-        d = get_dict(body, "TRAIN_OP")
-        op = get_str(d, "op", 16)
-        if op not in ("start", "stop", "reschedule", "resume", "root"):
-            raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
-        if "signed" not in d:
+        forwarded = inputs.train_op(body)
+        op, signed = forwarded.op, forwarded.signed
+        if signed is None:
             return {"error": f"a {op} must carry the operator's signed operation (run the same dtfm version)"}
-        signed = SignedOp.from_wire(d["signed"])
         if op == "root":  # an operator's start or council operation naming a council: its voters' root
             try:
                 council = self._take_root(signed)
@@ -1261,7 +1217,7 @@ class ControlPlane:
     async def _on_leave(self, conn, msg_type, body, payload) -> dict:
         """A peer's own planned leave (the sender is the authenticated peer of the connection:
         no peer announces another's leave)."""
-        get_dict(body, "LEAVE")
+        inputs.leave_request(body)
         with trio.move_on_after(self.config.leave_hand_off_s):
             return await self._leave_asked(conn.peer_id)
         return {"error": f"the hand-off took longer than {self.config.leave_hand_off_s:g} s"}

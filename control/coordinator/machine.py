@@ -36,7 +36,7 @@ from dtfm.gossip import NetworkView
 from dtfm.net import ProtocolError, short_id
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig, get_preset
 
-from ..actions import Action, Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog
+from ..actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, CoordinatorAction
 from ..allocation import Allocation, Holding, SignedAllocation
 from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
@@ -438,7 +438,7 @@ class Coordinator:
 
     # ---- events -------------------------------------------------------------------------------
 
-    def handle(self, event: CoordinatorEvent, now: float) -> list[Action | object]:
+    def handle(self, event: CoordinatorEvent, now: float) -> list[CoordinatorAction]:
         self._now = now
         out: list = []
         if isinstance(event, Tick | Wake):

@@ -47,7 +47,7 @@ from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
 from .disk import CheckpointDisk
-from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, EpochPhase, RunnerEnded, StageBuilt, StepDone
+from .machine import BuildFailed, BuildStage, EpochDone, EpochEvent, EpochMachine, EpochPhase, RunnerEnded, StageBuilt, StepDone
 from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage, needed_stages
 from .report import REPORTS_NOTE, RunEnd, StepReport
@@ -83,7 +83,7 @@ class StageHost:
 
     def __init__(self, me: bytes, transport: PeerTransport, epoch: EpochMachine, data_dir: Path,
                  config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
-                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None],
+                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[EpochEvent], None],
                  router: TensorRouter, recovery: RecoveryServer,
                  models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None,
                  disk: CheckpointDisk | None = None):

@@ -39,10 +39,11 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, get_int, get_str, short_id
+from dtfm.net import Identity, OperatorKey, ProtocolError, short_id
 from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
+from .. import inputs
 from ..actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
 from ..allocation import AcceptContext, Allocation, Refusal, SignedAllocation
 from ..coordinator.machine import (
@@ -51,9 +52,7 @@ from ..coordinator.machine import (
     Elected,
     PeerLeaving,
     StartRun,
-    StepFailed,
     SteppedDownEvent,
-    StepReported,
     Tick,
     next_council,
 )
@@ -71,7 +70,6 @@ from ..election import (
     SteppedDown,
 )
 from .election_sim import ElectionSim, NetConditions
-from ..epoch.access import coordinator_certificate, parse_fetchers
 from ..epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -86,10 +84,8 @@ from ..epoch.machine import (
     PersistApplied,
     RunnerEnded,
     StageBuilt,
-    StartAsked,
     StartRunner,
     StepDone,
-    StopAsked,
     StopRunnerAt,
     WaitForCoordinator,
 )
@@ -670,7 +666,7 @@ class PlaneSim(ElectionSim):
             return
         if msg == ControlMsg.LEAVE:  # the sender's own leave (the transport authenticated it)
             try:
-                get_dict(body, "LEAVE")
+                inputs.leave_request(body)
             except ProtocolError as e:
                 self._refuse(k, src, f"request {msg}: {e}")
                 return
@@ -701,34 +697,20 @@ class PlaneSim(ElectionSim):
         return self._handle_request(k, self.ids[k], msg, body)
 
     def _handle_request(self, k: int, sender: bytes, msg: int, body: object) -> dict:
-        """Node k's answer to `sender`'s request: the body checked as control/plane.py's handlers
-        check it (ProtocolError), then the machines."""
+        """Node k's answer to `sender`'s request: the body checked by the plane's input layer
+        (control/inputs.py, ProtocolError), as the daemon's handlers check it, then the machines."""
         epoch = self.epoch(k)
         self._seq += 1
         key = ("req", self._seq)
         if msg == ControlMsg.START:
-            if not isinstance(body, dict):
-                raise ProtocolError("START body must be a map")
-            self._epoch(k, StartAsked(key, sender, body.get("run"), body.get("epoch")))
+            self._epoch(k, inputs.start_asked(key, sender, body))
         elif msg == ControlMsg.STOP:
-            if not isinstance(body, dict):
-                raise ProtocolError("STOP body must be a map")
             cur = epoch.current
-            at = 0
-            if cur is not None and body.get("run") == cur.run_id:
-                asked = body.get("at_step")
-                if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
-                    raise ProtocolError("STOP at_step must be a non-negative integer")
-                at = asked
-            op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
-            cert = coordinator_certificate(sender, body)
-            if cert is not None and sender != self.node(k).coordinator:
-                self._run(k, self.node(k).learn(cert, self.local_now(k)))
-            stopped = body.get("epoch")
-            if stopped is not None and (not isinstance(stopped, int) or isinstance(stopped, bool) or stopped < 0):
-                raise ProtocolError("STOP epoch must be a non-negative integer")
-            self._epoch(k, StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                                     abort=body.get("abort") is True, op=op, epoch=stopped))
+            ev, learn = inputs.stop_asked(key, sender, body, current_run=cur.run_id if cur is not None else None,
+                                          coordinator=self.node(k).coordinator)
+            if learn is not None:
+                self._run(k, self.node(k).learn(learn, self.local_now(k)))
+            self._epoch(k, ev)
         elif msg == ControlMsg.RUN_STATE:
             return self._run_state_asked(k, sender, body)
         else:
@@ -739,43 +721,35 @@ class PlaneSim(ElectionSim):
     def _run_state_asked(self, k: int, sender: bytes, body: object) -> dict:
         epoch = self.epoch(k)
         me = self.ids[k]
-        d = get_dict(body, "RUN_STATE")
-        op = get_str(d, "op", 16)
-        if op == "query":
+        coordinator = self.node(k).coordinator
+        req = inputs.run_state_request(sender, body, coordinator=coordinator)
+        if isinstance(req, inputs.Query):
             refused = epoch.check_run_state_reader(sender)
             if refused is not None:
                 return {"error": refused.text}
             cur = epoch.current
             return epoch.run_state(self._checkpoints_of(k, cur.run_id if cur is not None else None)).to_wire()
-        coordinator = self.node(k).coordinator
-        if op == "reach":
+        if isinstance(req, ReachRequest):
             if sender not in (coordinator, me):
                 return {"error": "only the coordinator asks a peer to reach others"}
-            req = ReachRequest.from_wire(d)
             live = {self.ids[j] for j in self.reachable(k)}
             peers = sorted(set(req.peers) - {me})
             return ReachAnswer(tuple(p for p in peers if p in live), tuple(p for p in peers if p not in live)).to_wire()
-        if op == "keep":
-            run_id = get_bytes(d, "run", 16, 16)
+        if isinstance(req, inputs.Keep):
             refused = epoch.check_offer_asker(sender)
             if refused is not None:
                 return {"error": refused.text}
-            return {"kept": self._keep(k, run_id)}
-        if op != "offer":
-            raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
-        run_id = get_bytes(d, "run", 16, 16)
-        step = get_int(d, "step", 0, 2**63 - 1)
-        layers = d.get("layers")
-        if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
-            raise ProtocolError("RUN_STATE: layers must be [first, end]")
-        parse_fetchers(d)  # (no fetch in the simulation: the content store stands for it)
-        cert = coordinator_certificate(sender, d)
-        if cert is not None and sender != coordinator:
-            self._run(k, self.node(k).learn(cert, self.local_now(k)))
+            return {"kept": self._keep(k, req.run_id)}
+        if not isinstance(req, inputs.Offer):  # (a coordinator's progress and an operator's export)
+            raise ProtocolError(f"RUN_STATE: {type(req).__name__.lower()} is not simulated")
+        # (req.fetchers: no fetch in the simulation, the content store stands for it)
+        if req.learn is not None:
+            self._run(k, self.node(k).learn(req.learn, self.local_now(k)))
         refused = epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}
-        weights = self._held(k, run_id, (layers[0], layers[1]), step)
+        layers, step = req.layers, req.step
+        weights = self._held(k, req.run_id, layers, step)
         if weights is None:
             return {"error": "not held here"}
         digest = hashlib.sha256(repr((tuple(layers), step)).encode() + weights).hexdigest()
@@ -786,11 +760,9 @@ class PlaneSim(ElectionSim):
         if reply_to is not None:
             self._pending_allocs[(k, key)] = reply_to
         try:
-            alloc = SignedAllocation.from_wire(body).open()
-            assert isinstance(body, dict)  # from_wire refused anything else
-            cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
+            alloc, cert = inputs.signed_allocation(body)
         except ProtocolError as e:  # as the daemon's _accept_signed answers
-            self.replies[k][key] = Reply(key, {"accepted": False, "code": "bad-allocation", "reason": str(e)})
+            self.replies[k][key] = Reply(key, inputs.bad_allocation(e))
             self._flush_reply(k, key)
             return
         live = frozenset(self.ids[j] for j in self.reachable(k))
@@ -810,26 +782,17 @@ class PlaneSim(ElectionSim):
         self._transmit(k, src, ("answer", remote_key, dict(reply.value)))
 
     def _one_way(self, k: int, src: int, msg: int, body: object) -> None:
-        """A one-way message to node k, checked as control/plane.py's _on_step checks it."""
+        """A one-way message to node k, checked by the plane's input layer as the daemon's
+        _on_step checks it."""
         if msg != ControlMsg.STEP:
             self._refuse(k, src, f"no one-way message {msg}")
             return
-        if not isinstance(body, dict):
-            self._refuse(k, src, "STEP body must be a map")
-            return
-        if "failed" in body:
-            reason = body.get("failed")
-            if not isinstance(reason, str):
-                self._refuse(k, src, "STEP failed must be a string")
-                return
-            self._coordinator(k, StepFailed(self.ids[src], body.get("run"), body.get("epoch"), reason))
-            return
         try:
-            report = StepReport.from_wire(body)
+            event = inputs.step_message(self.ids[src], body)
         except ProtocolError as e:
             self._refuse(k, src, str(e))
             return
-        self._coordinator(k, StepReported(self.ids[src], body.get("run"), report))
+        self._coordinator(k, event)
 
     def _apply(self, k: int, a: ApplyToElection) -> None:
         node = self.nodes[k]
