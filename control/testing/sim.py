@@ -37,7 +37,7 @@ import math
 import random
 import struct
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dtfm.net import Identity, OperatorKey, ProtocolError, short_id
 from dtfm.sched import layer_ranges
@@ -45,6 +45,7 @@ from dtfm.train import PRESETS, TrainConfig, get_preset
 
 from .. import inputs
 from ..actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from ..config import PlaneConfig
 from ..allocation import AcceptContext, Allocation, Refusal, SignedAllocation
 from ..coordinator.machine import (
     Coordinator,
@@ -94,7 +95,7 @@ from ..epoch.report import RunEnd, StepReport
 from ..messages import ControlMsg
 from ..operator import SignedOp, council_arg, root_council, sign_op
 
-__all__ = ["PlaneSim", "SIM_TIMINGS", "reference_loss", "reference_weights"]
+__all__ = ["PlaneSim", "SIM_CONFIG", "SIM_TIMINGS", "reference_loss", "reference_weights"]
 
 PRESET = "tiny"
 DATA_HASH = "0" * 64
@@ -200,11 +201,17 @@ class SimPlanner:
 
 
 # The coordinators' timings in a simulation: brisk, for a network of ~10 ms links.
-SIM_TIMINGS = CoordinatorTimings(
-    accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
-    drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
+# The plane's settings in the simulation: quick timeouts and checks on the virtual clock. The
+# coordinator's timings are mapped from them as the daemon maps its own
+# (`PlaneConfig.coordinator_timings`), but with no drift check (the simulated links never
+# drift; 1e9 s is past what a daemon's settings allow) and no step deadline (step times are
+# the stand-in's, not a model's).
+SIM_CONFIG = PlaneConfig.test().with_(
+    connect_timeout_s=1.0, accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
+    report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
     max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0,
     join_settle_s=1.0, join_wait_max_s=4.0)
+SIM_TIMINGS = replace(SIM_CONFIG.coordinator_timings(), drift_check_s=1e9, deadline=None)
 
 
 class PlaneSim(ElectionSim):
@@ -457,8 +464,9 @@ class PlaneSim(ElectionSim):
 
     def _booted(self, k: int) -> None:
         reader = self._reader(k)
-        epoch = EpochMachine(self.ids[k], reader, heartbeat_wait_s=2 * self.config.heartbeat_interval_s + 1.0,
-                             coordinator_lost_after_s=3 * self.config.election_timeout_max_s,
+        waits = SIM_CONFIG.with_election(self.config)  # (the epoch machine's waits, derived as the daemon's)
+        epoch = EpochMachine(self.ids[k], reader, heartbeat_wait_s=waits.heartbeat_wait_s,
+                             coordinator_lost_after_s=waits.coordinator_lost_after_s,
                              operators={self.operator.public_key})
         alloc = self.disk_alloc[k]
         if alloc is not None:
