@@ -71,7 +71,6 @@ from .election import (
     Council,
     ElectionService,
     FileElectionStore,
-    PreviousConfiguration,
     SteppedDown,
 )
 from .epoch.machine import (
@@ -97,7 +96,7 @@ from .epoch.access import fetch_refusal
 from .epoch.disk import CheckpointDisk
 from .epoch.recovery import RecoveryServer
 from .epoch.runstate import PeerRunState
-from .epoch.stopped import clear_stopped, load_stopped, save_stopped
+from .epoch.applied import APPLIED_NAME, AppliedError, AppliedStore, FileAppliedStore
 from .epoch.taken import TAKEN_NAME, load_taken, save_taken
 from .events import Reconfiguration
 from .messages import ControlMsg
@@ -131,7 +130,8 @@ class ControlPlane:
     """One daemon's control plane (see the module docstring)."""
 
     def __init__(self, transport, identity: Identity, gossip: GossipService, data_dir: Path,
-                 config: PlaneConfig | None = None, *, operators: Iterable[bytes] = ()):
+                 config: PlaneConfig | None = None, *, operators: Iterable[bytes] = (),
+                 applied: AppliedStore | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
@@ -167,6 +167,7 @@ class ControlPlane:
         self._reconfigs: collections.deque[Reconfiguration] = collections.deque(maxlen=MAX_RECONFIGS)
         self._taken_saved = 0  # the version of the operations taken (control/epoch/taken.py) on disk
         self._taken_lock = trio.Lock()
+        self.applied: AppliedStore = applied if applied is not None else FileAppliedStore(self.data_dir)
         self._load_applied()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -517,32 +518,17 @@ class ControlPlane:
 
     def _load_applied(self) -> None:
         self.epoch.restore_taken(load_taken(self.data_dir))
-        path = self.data_dir / "applied.json"
         try:
-            d = json.loads(path.read_text())
-            run, term, epoch = bytes.fromhex(d["run"]), int(d["term"]), int(d["epoch"])
-        except FileNotFoundError:
+            kept = self.applied.load()
+        except AppliedError as e:
+            raise TrainError(str(e)) from None
+        if kept is None:
             root = self._load_root()
             if root is not None:
                 self.election.set_root(root)
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise TrainError(f"{path} is damaged ({e}): move it away only if this peer never trains again "
-                             "in the same swarm") from None
-        alloc = None
-        body = d.get("allocation")
-        if isinstance(body, str):
-            try:
-                alloc = Allocation.decode(bytes.fromhex(body))
-            except (ValueError, ProtocolError) as e:
-                raise TrainError(f"{path} holds a damaged allocation ({e})") from None
-        previous = None
-        prev = d.get("previous")
-        if isinstance(prev, dict):
-            try:
-                previous = PreviousConfiguration(tuple(bytes.fromhex(v) for v in prev["voters"]), int(prev["term"]))
-            except (ValueError, KeyError, TypeError) as e:
-                raise TrainError(f"{path} holds a damaged previous configuration ({e})") from None
+        run, term, epoch, alloc, previous = kept.run_id, kept.term, kept.epoch, kept.alloc, kept.previous
+        path = self.data_dir / APPLIED_NAME
         council = None
         if alloc is not None and alloc.council:
             try:
@@ -556,7 +542,7 @@ class ControlPlane:
         host = self._stages_of(run) if alloc is not None and alloc.run_id == run else None
         reports = host.kept_reports(run) if host is not None else []
         self.epoch.restore(run, term, epoch, alloc, reports)
-        if load_stopped(self.data_dir) == run:
+        if self.applied.stopped() == run:
             self.epoch.mark_stopped(run)
 
     def _load_root(self) -> Council | None:
@@ -605,18 +591,7 @@ class ControlPlane:
         return sum(1 for a in answers.values() if isinstance(a.get("ok"), dict))
 
     def _save_applied(self, alloc: Allocation) -> None:
-        path = self.data_dir / "applied.json"
-        tmp = path.with_name(".applied.json.tmp")
-        with open(tmp, "w") as f:
-            prev = self.election.previous
-            json.dump({"run": alloc.run_id.hex(), "term": alloc.term, "epoch": alloc.epoch,
-                       "allocation": alloc.encode().hex(),
-                       "previous": None if prev is None else {"voters": [v.hex() for v in prev.voters],
-                                                              "term": prev.term}}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        clear_stopped(self.data_dir, alloc.run_id)
+        self.applied.save(alloc, self.election.previous)
 
     # ---- corpus -------------------------------------------------------------------------------
 
@@ -709,7 +684,7 @@ class ControlPlane:
             self.election.learn(learn)
         answer = self._ask_now(key, ev)
         if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
-            await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)
+            await trio.to_thread.run_sync(self.applied.save_stopped, cur.run_id)  # (a restart keeps it)
         await self._save_taken()  # (and the stop taken: a copy of it is refused after a restart too)
         return answer
 

@@ -41,7 +41,7 @@ from dtfm.control.election import PreviousConfiguration, config_digest, vote_pay
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.coordinator.steplog import StepLog
 from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
-from dtfm.control.epoch.stopped import clear_stopped, load_stopped
+from dtfm.control.epoch.applied import Applied, FileAppliedStore, MemoryAppliedStore
 from dtfm.control.export import ExportProgress, export_run
 from dtfm.control.progress import RunProgress
 from dtfm.control.operator import OPERATOR_DOMAIN
@@ -316,12 +316,15 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
     copy = SignedOp.from_wire(stop)
     assert again.epoch.taken.taken(copy, RUN)
     assert "taken already" in again.epoch.op_refusal(copy.open(), copy, time.time(), 300.0)
-    clear_stopped(tmp_path, b"o" * 16)  # another run's new epoch: the stop stands
-    assert load_stopped(tmp_path) == RUN
-    clear_stopped(tmp_path, RUN)  # a new epoch of the run: resumed
-    assert load_stopped(tmp_path) is None
+    for store in (FileAppliedStore(tmp_path), MemoryAppliedStore()):
+        store.save_stopped(RUN)
+        store.save(dataclasses.replace(a, run_id=b"o" * 16), None)  # another run's new epoch: the stop stands
+        assert store.stopped() == RUN
+        store.save(dataclasses.replace(a, epoch=2), None)  # a new epoch of the run: resumed
+        assert store.stopped() is None
+        assert store.load() == Applied(RUN, a.term, 2, dataclasses.replace(a, epoch=2), None)
     (tmp_path / "stopped.json").write_text("{garbage")
-    assert load_stopped(tmp_path) is None
+    assert FileAppliedStore(tmp_path).stopped() is None
 
 
 async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autojump_clock):
