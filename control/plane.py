@@ -2,22 +2,21 @@
 
 `ControlPlane` owns the IO: it registers the message handlers, owns the nursery, the election
 service, the stage host (control/epoch/stages.py: the tensors, comm and runner thread of this
-peer's epochs, the tensor router and the recovery server), the corpora, the data dir's files
-(applied.json, stopped.json, operations.json, train.jsonl, events.jsonl) and the operator's
-requests. It feeds messages, member changes, election events, the runner's steps and time to
-the two machines, `EpochMachine` (this peer's part in each epoch) and `Coordinator` (the
-coordinator's decisions), executes their actions in order, and builds `status()` from their
-snapshots.
+peer's epochs, the tensor router and the recovery server), the corpora and model folders, and
+the data dir's files (applied.json and stopped.json through its `AppliedStore`,
+operations.json, train.jsonl, events.jsonl). Every message body is checked by the input layer
+(control/inputs.py) before it feeds the two machines, `EpochMachine` (this peer's part in each
+epoch) and `Coordinator` (the coordinator's decisions); it executes their actions in order (a
+closed dispatch: each machine's outputs are a union a type checker proves handled), and builds
+`status()` from their snapshots. The operator's requests are its `operator`
+(control/operator_front.py).
 """
 
 from __future__ import annotations
 
 import collections
-import importlib
 import json
 import logging
-import os
-import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -31,40 +30,30 @@ from dtfm.net import (
     ConnectionClosed,
     Identity,
     PeerConnection,
+    PeerTransport,
     ProtocolError,
     RemoteError,
     RequestTimeout,
     short_id,
 )
-from dtfm.train import (
-    PRESETS,
-    Corpus,
-    GPTSpec,
-    load_corpus,
-    load_torch_libraries,
-)
+from dtfm.train import PRESETS, Corpus, GPTSpec, load_corpus
 
 from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
 from .config import PlaneConfig
+from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.machine import (
     Coordinator,
     CoordinatorEvent,
-    first_council,
     Elected,
-    PeerLeaving,
-    Reschedule,
-    ResumeRun,
-    StartRun,
     SteppedDownEvent,
-    StopRun,
     Trigger,
     Wake,
 )
 from .coordinator.machine import Tick as CoordinatorTick
-from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.request import TrainError
+from .dataplane import TensorRouter
 from .election import (
     BecameCoordinator,
     Certificate,
@@ -73,6 +62,9 @@ from .election import (
     FileElectionStore,
     SteppedDown,
 )
+from .epoch.access import fetch_refusal
+from .epoch.applied import APPLIED_NAME, AppliedError, AppliedStore, FileAppliedStore
+from .epoch.disk import CheckpointDisk
 from .epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -91,31 +83,29 @@ from .epoch.machine import (
     Tick,
     WaitForCoordinator,
 )
-from .dataplane import TensorRouter
-from .epoch.access import fetch_refusal
-from .epoch.disk import CheckpointDisk
 from .epoch.recovery import RecoveryServer
 from .epoch.runstate import PeerRunState
-from .epoch.applied import APPLIED_NAME, AppliedError, AppliedStore, FileAppliedStore
 from .epoch.taken import TAKEN_NAME, load_taken, save_taken
 from .events import Reconfiguration
+from .loading import import_in_thread
 from .messages import ControlMsg
-from .models import HeldModel, load_held_models, load_peer_corpus, model_refusal
+from .models import HeldModel, load_held_models, load_peer_corpus
+from .operator_front import OperatorFront, load_root
 from .planner import GossipSwarm, SchedulerPlanner
-from .operator import OperatorError, SignedOp, check_op, check_time, council_arg, root_council
-from .progress import MAX_RECONFIGS, RunProgress, run_progress
+from .progress import MAX_RECONFIGS
 from .refusals import Refused, merge_counts
+
+# A message handler's arguments (net's `Handler`): the connection it came over, its type, its
+# body (anything msgpack decodes: the input layer checks it) and its raw payload, if any.
+Payload = memoryview | None
 
 if TYPE_CHECKING:  # (torch: loaded with the first stage, offer or export; see `ControlPlane.stages`)
     from .epoch.stages import StageHost
-    from .export import ExportProgress
 
 __all__ = ["ControlPlane"]
 
-ROOT_NAME = "council.bin"  # the council an operator's operation rooted here, before any allocation carried it
 logger = logging.getLogger(__name__)
 
-FIND_AGAIN_ELECTIONS = 4  # `train start` without a coordinator asks the peers again after this many election timeouts
 
 
 @dataclass
@@ -129,7 +119,7 @@ class _Pending:
 class ControlPlane:
     """One daemon's control plane (see the module docstring)."""
 
-    def __init__(self, transport, identity: Identity, gossip: GossipService, data_dir: Path,
+    def __init__(self, transport: PeerTransport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: PlaneConfig | None = None, *, operators: Iterable[bytes] = (),
                  applied: AppliedStore | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
@@ -138,7 +128,7 @@ class ControlPlane:
         self.config = config or PlaneConfig.wan()
         self.operators = frozenset(operators)  # the swarm's operators' public keys (the swarm key file)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
-                                        signer=identity, address_of=self._address_of, peers=gossip.live_peers)
+                                        signer=identity, address_of=self.address_of, peers=gossip.live_peers)
         cfg = self.config
         self.epoch = EpochMachine(self.me, self.election, heartbeat_wait_s=cfg.heartbeat_wait_s,
                                   coordinator_lost_after_s=cfg.coordinator_lost_after_s, operators=self.operators,
@@ -160,15 +150,14 @@ class ControlPlane:
         self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
-        self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
         self._nursery: trio.Nursery | None = None
         self._coord_wake = trio.Event()
-        self.export_progress: ExportProgress | None = None  # the export running here (`dtfm-peer export`)
-        self._reconfigs: collections.deque[Reconfiguration] = collections.deque(maxlen=MAX_RECONFIGS)
+        self.reconfigurations: collections.deque[Reconfiguration] = collections.deque(maxlen=MAX_RECONFIGS)
         self._taken_saved = 0  # the version of the operations taken (control/epoch/taken.py) on disk
         self._taken_lock = trio.Lock()
         self.applied: AppliedStore = applied if applied is not None else FileAppliedStore(self.data_dir)
         self._load_applied()
+        self.operator = OperatorFront(self)  # the operator's requests (control/operator_front.py)
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -178,8 +167,8 @@ class ControlPlane:
         self.transport.handle(ControlMsg.STOP, self._on_stop)
         self.transport.handle(ControlMsg.STEP, self._on_step)
         self.transport.handle(ControlMsg.RUN_STATE, self._on_run_state)
-        self.transport.handle(ControlMsg.TRAIN_OP, self._on_train_op)
-        self.transport.handle(ControlMsg.LEAVE, self._on_leave)
+        self.transport.handle(ControlMsg.TRAIN_OP, self.operator.on_train_op)
+        self.transport.handle(ControlMsg.LEAVE, self.operator.on_leave)
         self.gossip.on_member_change(self._on_member_change)
         self.election.on_event(self._on_election_event)
         self.coordinator.wall_offset = self.epoch.wall_offset = time.time() - trio.current_time()
@@ -207,18 +196,18 @@ class ControlPlane:
             from .epoch.stages import StageHost  # (torch, about 200 MiB: only a peer that handles tensors)
 
             self._stages = StageHost(self.me, self.transport, self.epoch, self.data_dir, self.config,
-                                     address_of=self._address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
+                                     address_of=self.address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
                                      router=self.router, recovery=self.recovery, models=self.models,
                                      disk=self.disk)
             if self._nursery is not None:
                 self._stages.attach(self._nursery)
         return self._stages
 
-    async def _host(self) -> StageHost:
+    async def host(self) -> StageHost:
         """`stages`, its module (and torch with it) imported in a worker thread the first time:
         the event loop goes on answering peers while it loads (seconds on a busy machine)."""
         if self._stages is None:
-            await _import_in_thread("dtfm.control.epoch.stages")
+            await import_in_thread("dtfm.control.epoch.stages")
         return self.stages
 
     def _may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
@@ -262,7 +251,7 @@ class ControlPlane:
         """A restarted peer asks its coordinator how the run it restored stands, so that its
         status says finished or stopped for a run that ended while it was down."""
         try:
-            progress = await self.train_progress(run, after=2**62)
+            progress = await self.operator.train_progress(run, after=2**62)
         except TrainError as e:
             logger.debug("asked the coordinator about run %s restored here: %s", run.hex()[:8], e)
             return
@@ -314,14 +303,14 @@ class ControlPlane:
             self._append_jsonl(self.run_log_path(a.line["run"]), line)
         elif isinstance(a, ResetLog):
             self._log_path.unlink(missing_ok=True)
-            self._reconfigs.clear()
+            self.reconfigurations.clear()
         elif isinstance(a, Emit):
             cur = self.epoch.current  # (every line names its run: the one this peer applied last, if any)
             self._append_jsonl(self.data_dir / "events.jsonl",
                                {"time": time.time(), "event": a.event, "peer": self.me.hex(),
                                 "run": cur.run_id.hex() if cur is not None else None, **a.fields})
             if a.record.reconfiguration is not None:
-                self._reconfigs.append(a.record.reconfiguration)
+                self.reconfigurations.append(a.record.reconfiguration)
         elif isinstance(a, Reply):
             pending = self._pending.get(a.key)
             if pending is not None:
@@ -365,7 +354,7 @@ class ControlPlane:
             await trio.to_thread.run_sync(self._save_applied, a.alloc)
         elif isinstance(a, BuildStage):
             members = {m.peer_id: m.address for m in self.gossip.members()}
-            await self._feed_epoch(await (await self._host()).build(a, members))
+            await self._feed_epoch(await (await self.host()).build(a, members))
         else:
             self._execute_now(a)
 
@@ -394,7 +383,7 @@ class ControlPlane:
         return dict(reply.value)
 
     async def _ask_and_feed(self, a: Ask) -> None:
-        answers = await self._ask_all(a.peers, a.msg, a.body, a.timeout_s)
+        answers = await self.ask_all(a.peers, a.msg, a.body, a.timeout_s)
         self._feed_coordinator(Answers(a.key, answers))
 
     def _confirm_links(self, view: NetworkView, links: list[tuple[bytes, bytes]]) -> NetworkView | None:
@@ -423,7 +412,7 @@ class ControlPlane:
 
     # ---- asking peers -------------------------------------------------------------------------
 
-    async def _ask_all(self, peers: Iterable[bytes], msg_type: int, body: dict, timeout_s: float) -> dict:
+    async def ask_all(self, peers: Iterable[bytes], msg_type: int, body: dict, timeout_s: float) -> dict:
         answers: dict[bytes, dict] = {}
 
         async def ask(peer: bytes) -> None:
@@ -463,12 +452,12 @@ class ControlPlane:
         conn = self.transport.connection(peer)
         if conn is not None:
             return conn
-        address = self._address_of(peer)
+        address = self.address_of(peer)
         if address is None:
             raise ConnectionClosed(f"{short_id(peer)} is not a member with an address")
         return await self.transport.connect(*address, peer_id=peer)
 
-    def _address_of(self, peer: bytes) -> tuple[str, int] | None:
+    def address_of(self, peer: bytes) -> tuple[str, int] | None:
         for m in self.gossip.members():
             if m.peer_id == peer and m.address[1]:
                 return m.address
@@ -523,7 +512,7 @@ class ControlPlane:
         except AppliedError as e:
             raise TrainError(str(e)) from None
         if kept is None:
-            root = self._load_root()
+            root = load_root(self.data_dir)
             if root is not None:
                 self.election.set_root(root)
             return
@@ -535,7 +524,7 @@ class ControlPlane:
                 council = Council.decode(alloc.council)
             except ProtocolError as e:
                 raise TrainError(f"{path} holds an allocation with a damaged council ({e})") from None
-        root = self._load_root()
+        root = load_root(self.data_dir)
         if root is not None and (council is None or root.root_at_ms > council.root_at_ms):
             council, previous = root, None  # the operator re-rooted the council after that allocation
         self.election.restore(term, epoch, council, previous)
@@ -544,51 +533,6 @@ class ControlPlane:
         self.epoch.restore(run, term, epoch, alloc, reports)
         if self.applied.stopped() == run:
             self.epoch.mark_stopped(run)
-
-    def _load_root(self) -> Council | None:
-        """The council an operator's operation rooted here (`council.bin`), if any."""
-        path = self.data_dir / ROOT_NAME
-        try:
-            return Council.decode(path.read_bytes())
-        except FileNotFoundError:
-            return None
-        except (OSError, ProtocolError) as e:
-            raise TrainError(f"{path} is damaged ({e}): move it away; the operator's next start or "
-                             "`train council` roots the council again") from None
-
-    def _save_root(self, council: Council) -> None:
-        path = self.data_dir / ROOT_NAME
-        tmp = path.with_name(f".{ROOT_NAME}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(council.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
-    def _take_root(self, signed: SignedOp) -> Council:
-        """The council an operator's fresh start or council operation roots, taken here (a
-        start's only by a peer without a council; a council operation's over an older root):
-        TrainError when it is no operator's, names no council or is not fresh."""
-        try:
-            council = root_council(signed, self.operators)
-            check_time(signed.open(), time.time(), self.config.operator_skew_s)
-        except (OperatorError, ProtocolError) as e:
-            raise TrainError(str(e)) from None
-        rerooting = signed.open().kind == "council"
-        if self.election.council is None or rerooting:
-            self.election.set_root(council, rerooting=rerooting)
-            if self.election.council is council:
-                self._save_root(council)
-        return council
-
-    async def _send_root(self, peers: Iterable[bytes], signed: SignedOp) -> int:
-        """Hand an operator's root to `peers` (TRAIN_OP `root`); how many took it."""
-        peers = [p for p in peers if p != self.me]
-        if not peers:
-            return 0
-        answers = await self._ask_all(peers, ControlMsg.TRAIN_OP, {"op": "root", "signed": signed.to_wire()},
-                                      self.config.request_timeout_s)
-        return sum(1 for a in answers.values() if isinstance(a.get("ok"), dict))
 
     def _save_applied(self, alloc: Allocation) -> None:
         self.applied.save(alloc, self.election.previous)
@@ -611,7 +555,7 @@ class ControlPlane:
             return load_corpus(self.config.data_path)
         return load_peer_corpus(self.config.data_path, self.config.tokenizer_path)
 
-    def _export_tokenizer(self, spec: GPTSpec) -> Path | None:
+    def export_tokenizer(self, spec: GPTSpec) -> Path | None:
         """The tokenizer an export of a run of `spec` carries: the one this peer's text data was
         tokenized with (`--tokenizer`); for token files, the model folder's the run started
         from, if it has one; else None (bytes)."""
@@ -633,7 +577,7 @@ class ControlPlane:
 
     # ---- message handlers ---------------------------------------------------------------------
 
-    async def _on_allocation(self, conn, msg_type, body, payload) -> dict:
+    async def _on_allocation(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> dict:
         return await self._accept_signed(body, sender=conn.short_id)
 
     async def _accept_signed(self, body: object, sender: str = "itself") -> dict:
@@ -665,14 +609,14 @@ class ControlPlane:
                            short_id(alloc.issuer), answer.get("reason"))
         return answer
 
-    async def _on_start(self, conn, msg_type, body, payload) -> dict:
+    async def _on_start(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> dict:
         return await self._start_asked(conn.peer_id, body)
 
     async def _start_asked(self, sender: bytes, body: object) -> dict:
         key = self._key("start")
         return self._ask_now(key, inputs.start_asked(key, sender, body))
 
-    async def _on_stop(self, conn, msg_type, body, payload) -> dict:
+    async def _on_stop(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> dict:
         return await self._stop_asked(conn.peer_id, body)
 
     async def _stop_asked(self, sender: bytes, body: object) -> dict:
@@ -688,10 +632,10 @@ class ControlPlane:
         await self._save_taken()  # (and the stop taken: a copy of it is refused after a restart too)
         return answer
 
-    async def _on_step(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> None:
+    async def _on_step(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> None:
         self._feed_coordinator(inputs.step_message(conn.peer_id, body))
 
-    async def _on_run_state(self, conn, msg_type, body, payload) -> dict:
+    async def _on_run_state(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> dict:
         return await self._run_state_asked(conn.peer_id, body)
 
     async def _run_state_asked(self, sender: bytes, body: object) -> dict:
@@ -703,18 +647,18 @@ class ControlPlane:
             refused = self.epoch.check_run_state_reader(sender)
             if refused is not None:
                 return {"error": f"{refused.text}: ask a daemon of the run"}
-            return self._progress_here(req.run, req.after)
+            return self.operator.progress_here(req.run, req.after)
         if isinstance(req, ReachRequest):
             if sender != self.election.coordinator and sender != self.me:
                 return {"error": "only the coordinator asks a peer to reach others"}
             return await self._reach(req)
         if isinstance(req, inputs.Export):
-            await _import_in_thread("dtfm.control.export")
+            await import_in_thread("dtfm.control.export")
             from .export import answer_export  # (torch: a holder encodes weights)
 
             cur = self.epoch.current
             return await answer_export(sender, req.body, operators=self.operators, now_s=time.time(),
-                                       skew_s=self.config.operator_skew_s, stages=await self._host(), current=cur,
+                                       skew_s=self.config.operator_skew_s, stages=await self.host(), current=cur,
                                        state=self.run_state(), refusals=self.recovery.refusals)
         if isinstance(req, inputs.Keep):  # the run waits: what this peer holds of it in memory goes to its data dir
             refused = self.epoch.check_offer_asker(sender)
@@ -729,7 +673,7 @@ class ControlPlane:
             refused = self.epoch.check_offer_asker(sender)
             if refused is not None:
                 return {"error": refused.text}
-            return await (await self._host()).offer(req.run_id, req.step, req.layers, fetchers=req.fetchers)
+            return await (await self.host()).offer(req.run_id, req.step, req.layers, fetchers=req.fetchers)
         assert_never(req)
 
     async def _reach(self, req: ReachRequest) -> dict:
@@ -779,7 +723,9 @@ class ControlPlane:
 
     # ---- operator operations ------------------------------------------------------------------
 
-    async def _operator(self, event_type, *args) -> Any:
+    async def coordinator_request(self, event_type: Any, *args: Any) -> Any:
+        """Feed the coordinator machine `event_type(key, *args)` (an operator's request, a
+        peer's leave) and wait for its Reply: its value, or TrainError with its error."""
         key = self._key("op")
         pending = self._pending[key] = _Pending(trio.Event())
         try:
@@ -793,353 +739,6 @@ class ControlPlane:
             raise TrainError(reply.error)
         return reply.value
 
-    async def start_training(self, signed: SignedOp, *, forwarded: bool = False) -> dict:
-        """An operator's signed start: wait for its `min_peers` live, measured peers; stand for
-        coordinator if there is none; the coordinator schedules on the gossiped view, hands the
-        allocation out and starts every peer. A start that no operator of the swarm signed is
-        refused first, before any wait or work."""
-        try:
-            req = check_op(signed, "start", self.operators).request()
-        except (OperatorError, ValueError) as e:
-            raise TrainError(str(e)) from None
-        if not forwarded:  # (a forwarding peer has waited)
-            await self._await_swarm(req.min_peers, req.wait_s)
-        coordinator = self.me if forwarded else await self._become_coordinator(signed)
-        if coordinator != self.me:
-            return await self._forward(coordinator, "start", signed)
-        refusal = self.coordinator.start_refusal()  # (cheap, before this peer's data set is loaded)
-        if refusal is not None:
-            raise TrainError(refusal)
-        corpus = await self.corpus()
-        models = await self.models()
-        refusal = model_refusal(req.preset, req.init_from, req.init_name, models)
-        if refusal is not None:
-            raise TrainError(refusal)
-        model = models[req.preset].spec if req.init_from is not None else None
-        req.check_data(corpus, model)
-        alloc = await self._operator(StartRun, signed, corpus.fingerprint, corpus.name, model)
-        return {"run_id": alloc.run_id.hex(), "epoch": alloc.epoch, "term": alloc.term, "stages": alloc.stages,
-                "dp": alloc.dp, "coordinator": self.me.hex(),
-                "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
-                "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
-                "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
-                "steps": req.steps, "data": corpus.name, "log": str(self.run_log_path(alloc.run_id.hex())),
-                "compression": alloc.compression.to_spec(), "model": alloc.preset,
-                "train": alloc.train.to_dict(), "init_from": req.init_from,
-                **({} if alloc.compress_links is None else {  # a per-link run: which links and groups compress
-                    "compress_links": {"pp": [list(r) for r in alloc.compress_links.pp],
-                                       "dp": list(alloc.compress_links.dp),
-                                       "text": alloc.compress_links.describe(alloc.compression)}})}
-
-    async def _await_swarm(self, min_peers: int, wait_s: float) -> None:
-        """Return once `min_peers` peers (this one included) are live and their links measured,
-        so the first placement is the swarm the operator expects; TrainError after `wait_s`.
-        The count is in `status()` while it waits."""
-        deadline = trio.current_time() + wait_s
-        said = -1
-        swarm = GossipSwarm(self.gossip, self.me)
-        try:
-            while True:
-                live = set(self.gossip.live_peers()) | {self.me}
-                view, _ = swarm.measured_view(live)
-                have = len(view.peers)
-                self._swarm_wait = {"have": have, "want": min_peers, "live": len(live)}
-                if have >= min_peers:
-                    return
-                if have != said:
-                    logger.info("train start waits for %d peers: %d live, %d of them measured",
-                                min_peers, len(live), have)
-                    said = have
-                left = deadline - trio.current_time()
-                if left <= 0:
-                    raise TrainError(f"only {have} of the {min_peers} peers asked for (--min-peers) are "
-                                     f"live and measured after {wait_s:g} s ({len(live)} live): "
-                                     "are the others started, with this swarm's bootstrap address?")
-                await trio.sleep(min(self.config.swarm_poll_s, left))
-        finally:
-            self._swarm_wait = None
-
-    async def _become_coordinator(self, start: SignedOp) -> bytes:
-        """The coordinator: the one this peer follows, else one found by asking the live peers
-        (election/discovery.py) and verified against this peer's council, else one elected by
-        the council (this peer stands where it is a voter). A swarm without a council takes the
-        one the operator's `start` names: this peer roots it and hands the root to its voters.
-        Raises TrainError saying why after elect_timeout_s (who holds a lease, how many voters
-        answer)."""
-        if self.election.is_coordinator:
-            return self.me
-        if self.election.coordinator is not None:
-            return self.election.coordinator
-        deadline = trio.current_time() + self.config.elect_timeout_s
-        ask_s = min(self.config.request_timeout_s, self.config.elect_timeout_s)
-        found = await self.election.find_coordinator(self.gossip.live_peers(), ask_s)
-        root: Council | None = None
-        # (Peers that say they have a council are only a hint: the claim is unchecked, so it
-        # never keeps the operator's start from rooting one here.)
-        hint = "" if self.election.council is not None or not found.configured else (
-            f"; {found.configured} live peer(s) say they have a council: if the swarm has one, start the run on "
-            "a peer of it (`dtfm-peer status` shows the voters), or re-root it with `dtfm-peer train council`")
-        if found.coordinator is None and self.election.council is None:
-            try:
-                root = self._take_root(start)
-            except TrainError as e:
-                raise TrainError(f"this peer has no council yet, and {e}{hint}") from None
-        while found.coordinator is None:
-            if root is not None:
-                await self._send_root(root.voters, start)
-            self.election.campaign()  # stands if it is a voter of its council
-            left = deadline - trio.current_time()
-            if left <= 0:
-                raise TrainError(f"no coordinator was elected within {self.config.elect_timeout_s:g} s: "
-                                 f"{found.why}{hint}")
-            c = await self.election.wait_for_coordinator(min(left, FIND_AGAIN_ELECTIONS
-                                                             * self.config.election.election_timeout_max_s))
-            if c is not None:
-                return c
-            found = await self.election.find_coordinator(self.gossip.live_peers(), ask_s)
-        return found.coordinator
-
-    async def stop_training(self, signed: SignedOp) -> dict:
-        """An operator's signed stop, on any peer: the coordinator tells every peer of the run
-        to end before the same step, and the run is over (nobody reconfigures it)."""
-        cur = self.epoch.current
-        if cur is None or self._run_over():
-            raise TrainError("no training run is in progress on this peer")
-        try:
-            check_op(signed, "stop", self.operators, run_id=cur.run_id)
-        except OperatorError as e:
-            raise TrainError(str(e)) from None
-        return await self._on_coordinator("stop", signed, StopRun)
-
-    def _run_over(self) -> bool:
-        st = self.coordinator.status()
-        cur = self.epoch.current
-        finished = cur is not None and st.run_id == cur.run_id and st.phase.value == "finished"
-        return self.epoch.run_over() or finished
-
-    async def reschedule(self, signed: SignedOp) -> dict:
-        """An operator's signed reschedule, on any peer: a new allocation now, on the coordinator."""
-        try:
-            check_op(signed, "reschedule", self.operators)
-        except OperatorError as e:
-            raise TrainError(str(e)) from None
-        return await self._on_coordinator("reschedule", signed, Reschedule)
-
-    async def resume_training(self, signed: SignedOp) -> dict:
-        """An operator's signed resume of a stopped run, on any peer: the coordinator brings it
-        back as a new epoch from the newest step every stage is held at (docs/control.md)."""
-        try:
-            check_op(signed, "resume", self.operators)
-        except OperatorError as e:
-            raise TrainError(str(e)) from None
-        return await self._on_coordinator("resume", signed, ResumeRun)
-
-    async def _known_coordinator(self) -> bytes:
-        """The coordinator this peer recognises, else the one the live peers name
-        (election/discovery.py); TrainError with why none is found."""
-        c = self.election.coordinator
-        if c is None:
-            found = await self.election.find_coordinator(self.gossip.live_peers(), self.config.request_timeout_s)
-            if found.coordinator is None:
-                raise TrainError(f"no coordinator is known: {found.why}")
-            c = found.coordinator
-        return c
-
-    async def _on_coordinator(self, op: str, signed: SignedOp, event_type, *, forwarded: bool = False) -> dict:
-        """Feed an operator's stop or reschedule to the coordinator machine here, or forward it to
-        the coordinator this peer knows."""
-        if not self.election.is_coordinator:
-            if forwarded:
-                raise TrainError("this peer is no longer the coordinator")
-            return await self._forward(await self._known_coordinator(), op, signed)
-        return await self._operator(event_type, signed)
-
-    async def _on_train_op(self, conn, msg_type, body, payload) -> dict:
-        """An operator's start, stop, reschedule or resume forwarded by a peer: the signed operation and
-        nothing else (no path, no unsigned argument); refused before any work unless an operator
-        of the swarm signed it (the machine checks the rest)."""
-        forwarded = inputs.train_op(body)
-        op, signed = forwarded.op, forwarded.signed
-        if signed is None:
-            return {"error": f"a {op} must carry the operator's signed operation (run the same dtfm version)"}
-        if op == "root":  # an operator's start or council operation naming a council: its voters' root
-            try:
-                council = self._take_root(signed)
-            except TrainError as e:
-                logger.warning("refused a council root from %s: %s", conn.short_id, e)
-                return {"error": str(e)}
-            return {"ok": {"voters": len(council.voters), "taken": self.election.council is council}}
-        try:
-            check_op(signed, op, self.operators)
-        except OperatorError as e:
-            logger.warning("refused a forwarded train %s from %s: %s", op, conn.short_id, e)
-            return {"error": str(e)}
-        if not self.election.is_coordinator:
-            c = self.election.coordinator
-            return {"error": f"this peer is not the coordinator ({short_id(c) if c else 'none known'})"}
-        try:
-            if op == "start":
-                return {"ok": await self.start_training(signed, forwarded=True)}
-            if op == "stop":
-                return {"ok": await self._on_coordinator(op, signed, StopRun, forwarded=True)}
-            if op == "resume":
-                return {"ok": await self._on_coordinator(op, signed, ResumeRun, forwarded=True)}
-            return {"ok": await self._on_coordinator(op, signed, Reschedule, forwarded=True)}
-        except TrainError as e:
-            return {"error": str(e)}
-
-    async def _forward(self, coordinator: bytes, op: str, signed: SignedOp) -> dict:
-        answers = await self._ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "signed": signed.to_wire()},
-                                      self.config.forward_timeout_s)
-        a = answers[coordinator]
-        if "ok" in a and isinstance(a["ok"], dict):
-            return a["ok"]
-        raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
-
-    async def hand_off(self) -> str | None:
-        """Before a planned leave: tell the coordinator, which reconfigures the run without
-        this peer at a step boundary (its stages offered from memory) and answers once the new
-        epoch runs; None when done or there was nothing to hand off, else why not (bounded by
-        leave_hand_off_s)."""
-        target, why = self.epoch.hand_off_to()
-        if target is None:
-            return why or None
-        timeout_s = self.config.leave_hand_off_s
-        if target == self.me:
-            with trio.move_on_after(timeout_s):
-                a = await self._leave_asked(self.me)
-                return a.get("error")
-            return f"the hand-off took longer than {timeout_s:g} s"
-        logger.info("asking the coordinator %s to hand this peer's part off", short_id(target))
-        a = (await self._ask_all([target], ControlMsg.LEAVE, {}, timeout_s))[target]
-        return None if isinstance(a.get("ok"), dict) else f"the coordinator {short_id(target)}: " + str(
-            a.get("error") or a.get("reason"))
-
-    async def _on_leave(self, conn, msg_type, body, payload) -> dict:
-        """A peer's own planned leave (the sender is the authenticated peer of the connection:
-        no peer announces another's leave)."""
-        inputs.leave_request(body)
-        with trio.move_on_after(self.config.leave_hand_off_s):
-            return await self._leave_asked(conn.peer_id)
-        return {"error": f"the hand-off took longer than {self.config.leave_hand_off_s:g} s"}
-
-    async def _leave_asked(self, peer: bytes) -> dict:
-        try:
-            return {"ok": await self._operator(PeerLeaving, peer)}
-        except TrainError as e:
-            return {"error": str(e)}
-
-    async def export(self, signed: SignedOp, out_dir: Path, *, overwrite: bool = False) -> dict:
-        """An operator's signed export naming this peer: gather the run's stages from their
-        holders and write one Hugging Face folder at `out_dir` (control/export.py)."""
-        try:
-            op = check_op(signed, "export", self.operators)
-            if op.exporter() != self.me:
-                raise OperatorError(f"the export names peer {short_id(op.exporter())}, not this one")
-        except (OperatorError, ValueError) as e:
-            raise TrainError(str(e)) from None
-        if self.export_progress is not None and self.export_progress.phase not in ("done", "failed"):
-            raise TrainError(f"an export of run {self.export_progress.run} is running here: wait for it")
-        await _import_in_thread("dtfm.control.export")
-        from .export import ExportError, ExportProgress, export_run  # (torch: the stages are tensors)
-
-        progress = self.export_progress = ExportProgress(op.run_id.hex()[:8])
-        try:
-            return await export_run(
-                signed, op.run_id, out_dir, me=self.me, peers=set(self.gossip.live_peers()) | {self.me},
-                ask=lambda peers, body, t: self._ask_all(peers, ControlMsg.RUN_STATE, body, t), stages=await self._host(),
-                transport=self.transport, address_of=self._address_of, timeout_s=self.config.accept_timeout_s,
-                progress=progress, overwrite=overwrite, tokenizer_for=self._export_tokenizer)
-        except ExportError as e:
-            progress.phase = "failed"
-            raise TrainError(str(e)) from None
-        finally:
-            if progress.phase != "done":
-                progress.phase = "failed"
-
-    async def operator_info(self, *, wait_peers: int = 0, wait_s: float = 0.0) -> dict:
-        """What an operator's CLI needs to sign: the swarm's operators, the run in progress here,
-        the data set this peer trains on, and the council (`council`: this peer's, else the one
-        it proposes for a first start, of live measured peers spread over the regions, after
-        waiting up to `wait_s` for `wait_peers` of them; `council_rooted`: which)."""
-        corpus = await self.corpus()
-        cur = self.epoch.current
-        live = cur is not None and not self._run_over()
-        rooted = self.election.council is not None
-        if not rooted and wait_peers > 1:
-            await self._await_swarm(wait_peers, wait_s)
-        council = self.election.voters if rooted else self.propose_council()
-        return {"operators": sorted(p.hex() for p in self.operators), "peer_id": self.me.hex(),
-                "run_id": cur.run_id.hex() if cur is not None and live else None,
-                "last_run_id": cur.run_id.hex() if cur is not None else None,
-                "data_hash": corpus.fingerprint, "data_name": corpus.name,
-                "council": council_arg(council), "council_rooted": rooted,
-                "council_size": self.config.council_size}
-
-    def propose_council(self) -> tuple[bytes, ...]:
-        """A first council: this peer and live measured peers spread over the regions, up to
-        `council_size` (`first_council`)."""
-        swarm = GossipSwarm(self.gossip, self.me)
-        view, _ = swarm.measured_view(set(self.gossip.live_peers()) | {self.me})
-        return first_council(self.me, set(view.peers), swarm.regions(), self.config.council_size)
-
-    async def reroot(self, signed: SignedOp) -> dict:
-        """An operator's signed council operation (`dtfm-peer train council`): its council
-        replaces the one this peer holds (an older root's), and every live peer is handed it;
-        the council then elects a coordinator. For a council that lost its quorum."""
-        try:
-            check_op(signed, "council", self.operators)
-        except OperatorError as e:
-            raise TrainError(str(e)) from None
-        council = self._take_root(signed)
-        if self.election.council is not council:
-            raise TrainError("this peer's council was rooted by a later operation of the operator: sign again")
-        told = await self._send_root(self.gossip.live_peers(), signed)
-        self.election.campaign()  # stands if it is a voter of the new council
-        return {"voters": [v.hex() for v in council.voters], "told": told}
-
-    # ---- a run's progress (`dtfm-peer train status`) ---------------------------------------------
-
-    def _progress_here(self, run: bytes | None, after: int) -> dict:
-        """This coordinator's account of its run (control/progress.py), or why it has none."""
-        log = self.coordinator.steplog
-        if not self.election.is_coordinator or log is None:
-            c = self.election.coordinator
-            return {"error": f"{short_id(self.me)} is not the coordinator of a run"
-                             + (f" ({short_id(c)} is the coordinator)" if c is not None and c != self.me else "")}
-        alloc = log.alloc
-        if run is not None and run != alloc.run_id:
-            return {"error": f"the coordinator's run is {alloc.run_id.hex()}, not {run.hex()}: an earlier run's "
-                             f"steps are in train-{run.hex()}.jsonl in the data dir of the coordinator that logged them"}
-        st = self.coordinator.status()
-        state = st.phase.value
-        if state not in ("finished", "stopped") and self.epoch.run_over():
-            state = "stopped"
-        return run_progress(run_id=alloc.run_id, coordinator=self.me, state=state, term=alloc.term,
-                            epoch=alloc.epoch, shape=f"{alloc.stages}x{alloc.dp}", completed=log.completed + 1,
-                            steps=alloc.end_step, recent=log.recent, reconfigurations=self._reconfigs,
-                            after_step=after, reason=st.stalled_reason or st.reason,
-                            stop_step=self.coordinator.operator_stop_step(alloc.run_id) if state == "stopped"
-                            else None).to_wire()
-
-    async def train_progress(self, run: bytes | None, after: int) -> RunProgress:
-        """The run's progress from its coordinator, this peer or the one it finds (within
-        request_timeout_s); TrainError with the reason when there is none to tell."""
-        body = {"op": "progress", "run": run, "after": after}
-        if self.election.is_coordinator:
-            answer = self._progress_here(run, after)
-        else:
-            c = await self._known_coordinator()
-            answer = (await self._ask_all([c], ControlMsg.RUN_STATE, body, self.config.request_timeout_s))[c]
-            if "error" not in answer and "run" not in answer:  # no answer (unreachable, timed out)
-                answer = {"error": f"the coordinator {short_id(c)}: {answer['reason']}"}
-        if "error" in answer:
-            raise TrainError(str(answer["error"])[:512])
-        try:
-            return RunProgress.from_wire(answer)
-        except ProtocolError as e:
-            raise TrainError(f"the coordinator's answer is malformed: {e}") from None
-
     # ---- status -------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -1147,14 +746,5 @@ class ControlPlane:
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
                                  self.recovery.refusals.counts()])
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
+                            self.coordinator.status(), self._log_path, self.operator.swarm_wait, refusals,
                             self.disk.status(), self._stages.memory() if self._stages is not None else None).to_wire()
-
-
-async def _import_in_thread(module: str) -> None:
-    """Import `module`, which imports torch, in a worker thread (seconds of work that would
-    stall the event loop), torch's native libraries loaded first without the interpreter lock
-    (train/native.py); a later import of it is a lookup."""
-    if module not in sys.modules:
-        await trio.to_thread.run_sync(load_torch_libraries)
-        await trio.to_thread.run_sync(importlib.import_module, module)

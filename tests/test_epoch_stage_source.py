@@ -34,7 +34,8 @@ REPLICATED = dict(start_step=5, holdings=(H01, H24))
      Fetch((0, 4), (FetchPart(H01, True), FetchPart(H24, False)))),
     # re-split into 0-3 | 3-4: n1 takes 3-4 from H24 (its own), n0 takes 0-3 from both
     (N[1], dict(REPLICATED, layer_ranges=((0, 3), (3, 4))), Fetch((3, 4), (FetchPart(H24, True),))),
-    (N[0], dict(REPLICATED, layer_ranges=((0, 3), (3, 4))), Fetch((0, 3), (FetchPart(H01, True), FetchPart(H24, False)))),
+    (N[0], dict(REPLICATED, layer_ranges=((0, 3), (3, 4))),
+     Fetch((0, 3), (FetchPart(H01, True), FetchPart(H24, False)))),
 ])
 def test_where_a_stage_comes_from(me, kw, want):
     assert stage_source(alloc(**kw), me, {}) == want

@@ -47,7 +47,8 @@ from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
 from .disk import CheckpointDisk
-from .machine import BuildFailed, BuildStage, EpochDone, EpochEvent, EpochMachine, EpochPhase, RunnerEnded, StageBuilt, StepDone
+from .machine import (BuildFailed, BuildStage, EpochDone, EpochEvent, EpochMachine, EpochPhase, RunnerEnded,
+                      StageBuilt, StepDone)
 from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage
 from .report import REPORTS_NOTE, RunEnd, StepReport
@@ -375,7 +376,7 @@ class StageHost:
         where `stage_source` says (control/epoch/source.py)."""
         device = self.config.device
         source = stage_source(alloc, self.me, await self.models() if self.models is not None else {})
-        if isinstance(source, FromFolder):  # the run starts from a model folder: this stage's layers of this peer's copy
+        if isinstance(source, FromFolder):  # a run from a model folder: this stage's layers of this peer's copy
             held, layers = source.held, source.layers
             return await trio.to_thread.run_sync(lambda: hf_stage_state(
                 held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device=device,
@@ -420,8 +421,8 @@ class StageHost:
                         alloc.start_step, result.bytes, result.seconds,
                         ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
         state = await trio.to_thread.run_sync(lambda: assemble_stage(
-            alloc.model, alloc.train, source.layers, parts, alloc.start_step, optim_step or 0, device=self.config.device,
-            compression=alloc.compression))
+            alloc.model, alloc.train, source.layers, parts, alloc.start_step, optim_step or 0,
+            device=self.config.device, compression=alloc.compression))
         return state, fetched
 
     # ---- running ------------------------------------------------------------------------------
