@@ -18,7 +18,7 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, assert_never
@@ -358,11 +358,11 @@ class ControlPlane:
         else:
             self._execute_now(a)
 
-    def _start_soon(self, fn, *args) -> None:
+    def _start_soon(self, fn: Callable[..., Awaitable[object]], *args: Any) -> None:
         if self._nursery is not None:
             self._nursery.start_soon(fn, *args)
 
-    async def _request(self, key: tuple, event) -> Reply:
+    async def _request(self, key: tuple, event: EpochEvent) -> Reply:
         """Feed `event` to the epoch machine and wait for its Reply with `key`."""
         pending = self._pending[key] = _Pending(trio.Event())
         try:
@@ -373,7 +373,7 @@ class ControlPlane:
         finally:
             self._pending.pop(key, None)
 
-    def _ask_now(self, key: tuple, event) -> dict:
+    def _ask_now(self, key: tuple, event: EpochEvent) -> dict:
         """Feed an event the epoch machine answers at once; its Reply's value."""
         for a in self.epoch.handle(event, trio.current_time()):
             if isinstance(a, Reply) and a.key == key:
@@ -715,7 +715,7 @@ class ControlPlane:
         elif not member.state.gone and member.peer_id not in named:
             self._feed_coordinator(Wake())  # a joined or returned peer: the coordinator looks at it
 
-    def _on_election_event(self, event) -> None:
+    def _on_election_event(self, event: object) -> None:
         if isinstance(event, BecameCoordinator):
             self._feed_coordinator(Elected(event.term))
         elif isinstance(event, SteppedDown):

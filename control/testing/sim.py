@@ -38,13 +38,14 @@ import random
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import assert_never
 
 from dtfm.net import Identity, OperatorKey, ProtocolError, short_id
 from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
 from .. import inputs
-from ..actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from ..actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from ..config import PlaneConfig
 from ..allocation import AcceptContext, Allocation, Refusal, SignedAllocation
 from ..coordinator.machine import (
@@ -78,6 +79,7 @@ from ..epoch.machine import (
     BuildFailed,
     BuildStage,
     EndEpoch,
+    EpochAction,
     EpochDone,
     EpochMachine,
     FailNeighbour,
@@ -575,7 +577,7 @@ class PlaneSim(ElectionSim):
         for a in epoch.handle(event, self.local_now(k)):
             self._execute(k, a)
 
-    def _execute(self, k: int, a) -> None:
+    def _execute(self, k: int, a: EpochAction | CoordinatorAction) -> None:
         me = self.ids[k]
         if isinstance(a, Ask):
             out = _Outstanding(a)
@@ -651,7 +653,7 @@ class PlaneSim(ElectionSim):
         elif isinstance(a, KeepStage):
             self._keep(k, a.run_id)
         else:
-            raise AssertionError(f"unknown action {a!r}")
+            assert_never(a)
 
     def _answered(self, k: int, out: _Outstanding, complete: bool = False) -> None:
         if not complete and len(out.answers) < len(out.ask.peers):
