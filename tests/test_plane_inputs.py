@@ -155,11 +155,14 @@ def test_a_malformed_run_state_request_is_refused(body, why):
 
 WIRE = st.recursive(st.none() | st.booleans() | st.integers(-2**64, 2**64) | st.floats() | st.binary(max_size=40)
                     | st.text(max_size=12) | st.sampled_from([RUN, N[1], "offer", "query", "progress", "keep",
-                                                              "reach", "stop", "failed"]),
+                                                              "reach", "stop", "failed", "stage", "spare", "busy",
+                                                              "ab" * 32]),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
                         st.sampled_from(["op", "run", "step", "layers", "for", "at_step", "epoch", "final",
                                          "abort", "cert", "failed", "after", "peers", "timeout_s", "signed",
-                                         "body", "sig", "loss"]), inner, max_size=6), max_leaves=12)
+                                         "body", "sig", "loss", "accepted", "code", "reason", "error", "role",
+                                         "stage", "pipeline", "fetched_bytes", "fetch_s", "started", "stopped",
+                                         "digest", "bytes"]), inner, max_size=6), max_leaves=12)
 
 
 @settings(max_examples=300, deadline=None)
@@ -193,3 +196,65 @@ def test_the_shells_check_bodies_only_through_the_input_layer(path):
     for copy in ('"at_step"', 'body.get("failed")', "SignedAllocation.from_wire", "coordinator_certificate(",
                  'get_str(d, "op"', "Certificate.from_wire", "StepReport.from_wire"):
         assert copy not in source, f"{path} checks a body itself: {copy}"
+
+
+# ---- peers' answers -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("answer", [
+    # the epoch machine's answers, as it writes them (control/epoch/machine.py)
+    inputs.AllocationAnswer(True, role="stage", stage=1, pipeline=0, fetched_bytes=4096, fetch_s=0.5),
+    inputs.AllocationAnswer(True, role="stage", stage=0, pipeline=2),
+    inputs.AllocationAnswer(True, role="spare"),
+    inputs.AllocationAnswer.refused("build-failed", "replaced while building"),
+    inputs.StartAnswer(True),
+    inputs.StartAnswer(False, "only the issuer starts an epoch"),
+    inputs.StopAnswer(True),
+    inputs.StopAnswer(False, "not in that run"),
+    inputs.OfferAnswer("ab" * 32, 1 << 20),
+    inputs.OfferAnswer(None, reason="not held here"),
+])
+def test_answers_round_trip(answer):
+    assert type(answer).from_wire(answer.to_wire()) == answer
+
+
+def test_answers_read_untrusted_maps_as_the_coordinator_does():
+    no_answer = {"reason": "no answer within 5 s"}  # (the shell's, for a peer that did not answer)
+    assert inputs.AllocationAnswer.from_wire(no_answer) == inputs.AllocationAnswer(False, None, no_answer["reason"])
+    assert inputs.AllocationAnswer.from_wire({"accepted": False, "code": "Not A Code!"}).code == "malformed"
+    assert inputs.AllocationAnswer.from_wire({"accepted": True, "fetched_bytes": -3, "fetch_s": True}) == \
+        inputs.AllocationAnswer(True)
+    assert inputs.AllocationAnswer.from_wire({"accepted": 1, "role": "stage", "stage": 1, "pipeline": "0",
+                                              "fetched_bytes": 7.0, "code": "x"}) == \
+        inputs.AllocationAnswer(True, role="stage", stage=1, fetched_bytes=7)
+    assert inputs.StopAnswer.from_wire(no_answer) == inputs.StopAnswer(False, no_answer["reason"])
+    assert inputs.StartAnswer.from_wire({"started": True}).started
+    assert inputs.OfferAnswer.from_wire({"digest": "AB" * 32, "bytes": 5}) == inputs.OfferAnswer(None)
+    assert inputs.OfferAnswer.from_wire({"error": "x" * 9999}).reason == "x" * inputs.MAX_REASON
+    assert inputs.refusal_code(None) is None and inputs.refusal_code("busy") == "busy"
+
+
+@settings(max_examples=300, deadline=None)
+@given(body=WIRE)
+def test_any_answer_reads_as_a_typed_answer(body):
+    for cls in (inputs.AllocationAnswer, inputs.StartAnswer, inputs.StopAnswer, inputs.OfferAnswer):
+        answer = cls.from_wire(body)
+        assert cls.from_wire(answer.to_wire()) == answer
+
+
+@pytest.mark.parametrize("cls, wire", [
+    # what peers send today (control/epoch/machine.py, control/epoch/stages.py): read and written
+    # back, the same map
+    (inputs.AllocationAnswer, {"accepted": True, "role": "stage", "stage": 1, "pipeline": 0, "fetched_bytes": 0,
+                               "fetch_s": 0.0}),
+    (inputs.AllocationAnswer, {"accepted": True, "role": "spare"}),
+    (inputs.AllocationAnswer, {"accepted": False, "code": "bad-allocation", "reason": "bad signature"}),
+    (inputs.StartAnswer, {"started": True}),
+    (inputs.StartAnswer, {"started": False, "reason": "no such epoch accepted here"}),
+    (inputs.StopAnswer, {"stopped": True}),
+    (inputs.StopAnswer, {"stopped": False, "reason": "not in that run"}),
+    (inputs.OfferAnswer, {"digest": "0f" * 32, "bytes": 123}),
+    (inputs.OfferAnswer, {"error": "not held here"}),
+])
+def test_the_wire_answers_peers_send_today_are_read_and_written_unchanged(cls, wire):
+    assert cls.from_wire(wire).to_wire() == wire

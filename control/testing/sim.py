@@ -102,7 +102,7 @@ __all__ = ["PlaneSim", "SIM_CONFIG", "SIM_TIMINGS", "reference_loss", "reference
 PRESET = "tiny"
 DATA_HASH = "0" * 64
 RETRY_S = 0.1  # an allocation waiting for its coordinator is offered again this often
-REFUSING = {"accepted": False, "code": "busy", "reason": "a refusing node refuses every allocation"}
+REFUSING = inputs.AllocationAnswer.refused("busy", "a refusing node refuses every allocation").to_wire()
 
 
 def reference_weights(seed: int, step: int) -> bytes:
@@ -761,10 +761,10 @@ class PlaneSim(ElectionSim):
         layers, step = req.layers, req.step
         weights = self._held(k, req.run_id, layers, step)
         if weights is None:
-            return {"error": "not held here"}
+            return inputs.OfferAnswer(None, reason="not held here").to_wire()
         digest = hashlib.sha256(repr((tuple(layers), step)).encode() + weights).hexdigest()
         self.content[digest] = weights
-        return {"digest": digest, "bytes": 1}
+        return inputs.OfferAnswer(digest, 1).to_wire()
 
     def _offer_signed(self, k: int, key: tuple, body: object, reply_to: tuple[int, tuple] | None) -> None:
         if reply_to is not None:
