@@ -54,14 +54,13 @@ from .relayout import assemble_stage
 from .report import REPORTS_NOTE, RunEnd, StepReport
 from .runner import StageRunner
 from .source import Fetch, Fresh, FromFolder, OwnCopy, replicas_differ, stage_source
-from .runstate import MAX_REPORTS
+from .runstate import MAX_CHECKPOINTS, MAX_REPORTS
 
-__all__ = ["MAX_CHECKPOINTS_LISTED", "MAX_STAGE_BYTES", "StageHost"]
+__all__ = ["MAX_STAGE_BYTES", "StageHost"]
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
-MAX_CHECKPOINTS_LISTED = 16
 
 
 class StageError(Exception):
@@ -161,7 +160,7 @@ class StageHost:
         for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
             steps.setdefault((a, b), []).append(step)
         out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-self.disk.kept:]]
-        return tuple(out[-MAX_CHECKPOINTS_LISTED:])
+        return tuple(out[-MAX_CHECKPOINTS:])
 
     def checkpoint_spec(self, run_id: bytes, held: tuple[int, int, int]) -> dict | None:
         """The model spec (`GPTSpec.to_dict`) this peer's checkpoint `held` (first layer, end

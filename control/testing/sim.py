@@ -94,6 +94,7 @@ from ..epoch.machine import (
 )
 from ..epoch.machine import Tick as EpochTick
 from ..epoch.report import RunEnd, StepReport
+from ..epoch.runstate import MAX_CHECKPOINTS
 from ..messages import ControlMsg
 from ..operator import SignedOp, council_arg, root_council, sign_op
 
@@ -894,7 +895,7 @@ class PlaneSim(ElectionSim):
         if run_id is None:
             return ()
         out = sorted((a, b, step) for (r, (a, b), step) in self.checkpoints[k] if r == run_id)
-        return tuple(out[-16:])
+        return tuple(out[-MAX_CHECKPOINTS:])
 
     def _complete(self, k: int, epoch: int) -> None:
         st = self.sim_stages[k][epoch]
