@@ -1,8 +1,7 @@
 """The plane's input layer (control/inputs.py): every body a peer sends the plane is checked
 there once, into the typed event a machine takes or the request the shell answers; anything
 malformed raises ProtocolError and nothing else. The daemon's shell, the simulation and the
-coordinator's fixture call the same functions (the last test checks that none of them keeps a
-copy of the checks)."""
+coordinator's fixture call the same functions, and none of them checks a body itself."""
 
 from __future__ import annotations
 
@@ -189,8 +188,8 @@ def test_any_body_gives_a_typed_input_or_a_protocol_error(body):
 
 @pytest.mark.parametrize("path", ["control/plane.py", "control/testing/sim.py", "tests/coordinator_fixtures.py"])
 def test_the_shells_check_bodies_only_through_the_input_layer(path):
-    """No shell parses a STOP, STEP, RUN_STATE or ALLOCATION body itself: the checks that used
-    to be written out in each (and drifted) are the input layer's."""
+    """No shell parses a STOP, STEP, RUN_STATE or ALLOCATION body itself: the checks are the
+    input layer's alone, so the simulation runs the daemon's own."""
     source = (ROOT / path).read_text()
     assert "inputs." in source
     for copy in ('"at_step"', 'body.get("failed")', "SignedAllocation.from_wire", "coordinator_certificate(",
