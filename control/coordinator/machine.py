@@ -36,7 +36,7 @@ from dtfm.gossip import NetworkView
 from dtfm.net import ProtocolError, short_id
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig, get_preset
 
-from ..actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, CoordinatorAction
+from ..actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, Holding, SignedAllocation
 from ..election import quorum
 from ..epoch.machine import AbortRunner, ElectionView, EpochMachine
