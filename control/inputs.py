@@ -15,6 +15,10 @@ A STOP or a RUN_STATE offer may carry the certificate of the sender's election
 know a coordinator elected since its last allocation. The certificate to pass to the election
 (`learn`, which checks it against this peer's council) before the machines read the request
 is the one of a sender this peer does not recognise as coordinator yet (`to_learn`).
+
+Peers' answers to the coordinator's requests are typed here too (`AllocationAnswer`,
+`StartAnswer`, `StopAnswer`, `OfferAnswer`): their `from_wire` reads any map, never raising,
+as the coordinator reads an untrusted answer.
 """
 
 from __future__ import annotations
