@@ -30,6 +30,7 @@ from machine_trace import (
 
 from dtfm.control import ControlMsg, Placement, ReshapePlan, SignedAllocation, SignedOp, inputs, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Reply
+from dtfm.control.answers import NoAnswer, read_answers
 from dtfm.control.coordinator.links import used_cut_links
 from dtfm.control.coordinator.machine import Coordinator, CoordinatorTick, CoordinatorTimings, StartRun, StepReported
 from dtfm.control.epoch.machine import (
@@ -184,7 +185,7 @@ class Node:
         ALLOCATION, START and STOP itself; any other peer not given did not answer in time."""
         ask = self.asks.pop(what)
         given = dict(given or {})
-        out = {}
+        out: dict[bytes, object] = {}
         for p in ask.peers:
             if p in given:
                 out[p] = given[p]
@@ -193,8 +194,8 @@ class Node:
             elif everyone is not None:
                 out[p] = everyone
             else:
-                out[p] = {"reason": f"no answer within {ask.timeout_s:g} s"}
-        return self.feed(Answers(ask.key, out), at)
+                out[p] = NoAnswer(f"no answer within {ask.timeout_s:g} s")
+        return self.feed(Answers(ask.key, read_answers(ask.msg, ask.body, out)), at)
 
     def compute(self, what: str = "plan", at: float | None = None) -> list:
         c = self.computes.pop(what)

@@ -17,6 +17,7 @@ from dtfm.control import (
     AcceptContext,
     Allocation,
     ControlMsg,
+    PeerRunState,
     Refusal,
     SignedAllocation,
     SignedOp,
@@ -28,6 +29,7 @@ from dtfm.control import (
 from dtfm.control.election import Certificate, Council, CouncilLink, config_digest, vote_payload
 from dtfm.control.election.council import change_refusal, link_payload
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from dtfm.control.answers import AllocationAnswer, KeepAnswer, OfferAnswer, PeerAnswer, StartAnswer, StopAnswer
 from dtfm.control.coordinator import machine as c
 from dtfm.control.epoch import machine as e
 from dtfm.control.epoch.machine import (
@@ -42,6 +44,7 @@ from dtfm.control.epoch.machine import (
     StopRunnerAt,
     WaitForCoordinator,
 )
+from dtfm.control.reach import ReachAnswer
 from dtfm.net import Identity, OperatorKey, short_id
 from dtfm.train import PRESETS, TEST_CONFIG, TrainConfig
 
@@ -295,19 +298,22 @@ def show(a: object, *, keys: bool = True) -> str:
     raise AssertionError(f"no line for {a!r}")
 
 
-def _answer(peer: bytes, a: dict) -> str:
+def _answer(peer: bytes, a: PeerAnswer) -> str:
     name = NAMES.get(peer, short_id(peer))
-    if "running" in a:
-        where = "-" if a.get("layers") is None else f"{a['layers'][0]}-{a['layers'][1]}"
-        return f"{name} {where}@{a.get('at')}{' running' if a['running'] else ''}"
-    for k in ("accepted", "started", "stopped"):
-        if k in a:
-            return f"{name} {'' if a[k] else 'not '}{k}"
-    if "digest" in a:
-        return f"{name} {str(a['digest'])[:8]}"
-    if "reached" in a:
-        return f"{name} reached {peers(a['reached']) or '-'}" + (f" not {peers(a['unreached'])}" if a["unreached"] else "")
-    if "error" in a:
+    if isinstance(a, PeerRunState):
+        where = "-" if a.layers is None else f"{a.layers[0]}-{a.layers[1]}"
+        return f"{name} {where}@{a.at}{' running' if a.running else ''}"
+    if isinstance(a, AllocationAnswer):
+        return f"{name} {'' if a.accepted else 'not '}accepted"
+    if isinstance(a, StartAnswer):
+        return f"{name} {'' if a.started else 'not '}started"
+    if isinstance(a, StopAnswer):
+        return f"{name} {'' if a.stopped else 'not '}stopped"
+    if isinstance(a, OfferAnswer) and a.digest is not None:
+        return f"{name} {a.digest[:8]}"
+    if isinstance(a, ReachAnswer):
+        return f"{name} reached {peers(a.reached) or '-'}" + (f" not {peers(a.unreached)}" if a.unreached else "")
+    if isinstance(a, OfferAnswer | KeepAnswer) and a.reason is not None:
         return f"{name} error"
     return f"{name} -"
 

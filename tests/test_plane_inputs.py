@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from machine_trace import KEYS, N, OPERATOR, RUN, alloc, report
 
 from dtfm.control import SignedAllocation, inputs, sign_op
-from dtfm.control.coordinator.links import ReachRequest
+from dtfm.control.reach import ReachRequest
 from dtfm.control.coordinator.machine import StepFailed, StepReported
 from dtfm.control.epoch.machine import StartAsked, StopAsked
 from dtfm.net import ProtocolError

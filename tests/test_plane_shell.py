@@ -47,7 +47,7 @@ from dtfm.control.progress import RunProgress
 from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
-from dtfm.control.coordinator.links import ReachAnswer, ReachRequest
+from dtfm.control.reach import ReachAnswer, ReachRequest
 from dtfm.net import Identity, OperatorKey, ProtocolError, Reply, RequestTimeout, pack
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, load_hf, save_checkpoint
 

@@ -74,7 +74,7 @@ from machine_trace import DATA_HASH, DATA_NAME, INTRUDER, OPERATOR, RUN, N, allo
 
 from dtfm.control import RunEnd, sign_op
 from dtfm.control.coordinator.deadline import DeadlineRules
-from dtfm.control.coordinator.links import ReachAnswer
+from dtfm.control.reach import ReachAnswer
 from dtfm.control.coordinator.machine import (
     Elected,
     PeerLeaving,
