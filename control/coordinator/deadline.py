@@ -137,16 +137,16 @@ def judge(lagging: Sequence[bytes], neighbours: Mapping[bytes, Iterable[bytes]],
     with nothing learnt from it, and a peer without one (`NoAnswer`) as silent."""
     heard: dict[bytes, ReachAnswer | None] = {}
     for p in lagging:
-        a = answers[p] if p in answers else NoAnswer("not asked")
-        if isinstance(a, NoAnswer):
+        answer = answers[p] if p in answers else NoAnswer("not asked")
+        if isinstance(answer, NoAnswer):
             continue  # no answer within the probe's time
-        heard[p] = a if isinstance(a, ReachAnswer) else None
+        heard[p] = answer if isinstance(answer, ReachAnswer) else None
     silent = tuple(p for p in lagging if p not in heard)
     cut = set()
-    for p, a in heard.items():
-        if a is None:
+    for p, reach in heard.items():
+        if reach is None:
             continue
-        for q in a.unreached:
+        for q in reach.unreached:
             if q in heard and q in set(neighbours.get(p, ())):
                 cut.add(pair(p, q))
     return Verdict(silent, tuple(sorted(cut)), not silent and not cut)
