@@ -119,9 +119,9 @@ def signed_allocation(body: object) -> tuple[Allocation, Certificate | None]:
     return alloc, Certificate.from_wire(d["cert"]) if "cert" in d else None
 
 
-def bad_allocation(e: ProtocolError) -> dict:
+def bad_allocation(e: ProtocolError) -> AllocationAnswer:
     """The answer to an ALLOCATION that `signed_allocation` refused."""
-    return AllocationAnswer.refused("bad-allocation", str(e)).to_wire()
+    return AllocationAnswer.refused("bad-allocation", str(e))
 
 
 # ---- RUN_STATE ------------------------------------------------------------------------------

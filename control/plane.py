@@ -41,7 +41,7 @@ from dtfm.train import PRESETS, Corpus, GPTSpec, load_corpus
 from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
-from .answers import NoAnswer, read_answers
+from .answers import AllocationAnswer, NoAnswer, StartAnswer, StopAnswer, read_answers
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
@@ -377,13 +377,15 @@ class ControlPlane:
             self._pending.pop(key, None)
 
     def _ask_now(self, key: tuple, event: EpochEvent) -> dict:
-        """Feed an event the epoch machine answers at once; its Reply's value."""
+        """Feed an event the epoch machine answers at once (a START or a STOP); its answer, on the
+        wire."""
         for a in self.epoch.handle(event, trio.current_time()):
             if isinstance(a, Reply) and a.key == key:
                 reply = a
             else:
                 self._execute_now(a)
-        return dict(reply.value)
+        answer: StartAnswer | StopAnswer = reply.value
+        return answer.to_wire()
 
     async def _ask_and_feed(self, a: Ask) -> None:
         replies = await self._ask_each(a.peers, a.msg, a.body, a.timeout_s)
@@ -596,7 +598,7 @@ class ControlPlane:
             alloc, cert = inputs.signed_allocation(body)
         except ProtocolError as e:
             logger.warning("refused an allocation from %s: %s", sender, e)
-            return inputs.bad_allocation(e)
+            return inputs.bad_allocation(e).to_wire()
         return await self.accept(alloc, cert)
 
     def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
@@ -614,11 +616,11 @@ class ControlPlane:
         key = self._key("allocation")
         reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus),
                                                            certificate=certificate))
-        answer = dict(reply.value)
-        if not answer.get("accepted"):
+        answer: AllocationAnswer = reply.value
+        if not answer.accepted:
             logger.warning("refused allocation term %d epoch %d from %s: %s", alloc.term, alloc.epoch,
-                           short_id(alloc.issuer), answer.get("reason"))
-        return answer
+                           short_id(alloc.issuer), answer.reason)
+        return answer.to_wire()
 
     async def _on_start(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> dict:
         return await self._start_asked(conn.peer_id, body)

@@ -233,7 +233,7 @@ class Node:
                 elif isinstance(x, BuildStage):
                     pending.append(StageBuilt(x.key, x.alloc.epoch, x.alloc.start_step))
                 elif isinstance(x, Reply):
-                    reply = x.value
+                    reply = x.value.to_wire()  # (the epoch machine's typed answer, as the shell sends it)
         assert isinstance(reply, dict)
         return reply
 

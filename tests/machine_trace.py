@@ -272,9 +272,10 @@ def show(a: object, *, keys: bool = True) -> str:
         return f"emit {a.event} {shown}".rstrip()
     if isinstance(a, Reply):
         to = f" {label(a.key)}" if keys else ""
-        if a.error is not None and not isinstance(a.value, dict):
+        value = a.value.to_wire() if isinstance(a.value, AllocationAnswer | StartAnswer | StopAnswer) else a.value
+        if a.error is not None and not isinstance(value, dict):
             return f"reply{to}: error ({named(a.error)})"
-        return f"reply{to}: {_value(a.value)}"
+        return f"reply{to}: {_value(value)}"
     if isinstance(a, WaitForCoordinator):
         return f"wait for the coordinator until {a.until:g}"
     if isinstance(a, EndEpoch):

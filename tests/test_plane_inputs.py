@@ -98,8 +98,7 @@ def test_an_allocation_is_opened_with_its_certificate_and_a_bad_one_answered():
     forged = dict(body, sig=bytes(64))
     with pytest.raises(ProtocolError) as e:
         inputs.signed_allocation(forged)
-    answer = inputs.bad_allocation(e.value)
-    assert answer["accepted"] is False and answer["code"] == "bad-allocation" and answer["reason"] == str(e.value)
+    assert inputs.bad_allocation(e.value) == answers.AllocationAnswer(False, "bad-allocation", str(e.value))
     with pytest.raises(ProtocolError):
         inputs.signed_allocation("not a map")
 

@@ -704,8 +704,8 @@ class PlaneSim(ElectionSim):
             self._offer_signed(k, local, body, reply_to=None)
             reply = self.replies[k].pop(local, None)
             if reply is None:  # waits for a coordinator it does not know: it is its own, so it does not
-                return {"accepted": False, "code": "not-coordinator", "reason": "not recognised"}
-            return dict(reply.value)
+                return AllocationAnswer.refused("not-coordinator", "not recognised").to_wire()
+            return reply.value.to_wire()
         return self._handle_request(k, self.ids[k], msg, body)
 
     def _handle_request(self, k: int, sender: bytes, msg: int, body: object) -> dict:
@@ -728,7 +728,7 @@ class PlaneSim(ElectionSim):
         else:
             raise ProtocolError(f"no handler for message {msg}")
         reply = self.replies[k].pop(key)
-        return dict(reply.value)
+        return reply.value.to_wire()
 
     def _run_state_asked(self, k: int, sender: bytes, body: object) -> dict:
         epoch = self.epoch(k)
@@ -791,7 +791,7 @@ class PlaneSim(ElectionSim):
         del self._pending_allocs[(k, key)]
         del self.replies[k][key]
         src, remote_key = target
-        self._transmit(k, src, ("answer", remote_key, dict(reply.value)))
+        self._transmit(k, src, ("answer", remote_key, reply.value.to_wire()))
 
     def _one_way(self, k: int, src: int, msg: int, body: object) -> None:
         """A one-way message to node k, checked by the plane's input layer as the daemon's
