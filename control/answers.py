@@ -206,8 +206,9 @@ PeerAnswer = (AllocationAnswer | StartAnswer | StopAnswer | PeerRunState | Reach
 
 
 def read_answer(msg: int, body: Mapping, reply: object) -> PeerAnswer:
-    """Peer's `reply` to the request `msg` with `body` (this peer's own request), typed by what
-    was asked; never raises on `reply`. A `NoAnswer` the shell made stays one."""
+    """A peer's `reply` to the request `msg` with `body` (this peer's own request), typed by
+    what was asked; never raises on `reply` (ValueError only for a request no peer answers with
+    a typed answer: a bug of the asker). A `NoAnswer` the shell made stays one."""
     if isinstance(reply, NoAnswer):
         return reply
     if msg == ControlMsg.ALLOCATION:

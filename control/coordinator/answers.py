@@ -47,6 +47,6 @@ def kept(a: PeerAnswer) -> bool:
     return isinstance(a, KeepAnswer) and a.kept
 
 
-def reached(a: PeerAnswer | None) -> tuple[bytes, ...]:
+def reached(a: PeerAnswer) -> tuple[bytes, ...]:
     """The peers a reach answer says it reached; none for any other answer."""
     return a.reached if isinstance(a, ReachAnswer) else ()
