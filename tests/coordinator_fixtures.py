@@ -1,5 +1,5 @@
 """The shell around one coordinator, n0, that the coordinator's tests play
-(tests/test_coordinator_machine.py, tests/test_coordinator_deadline.py): `Node` drives n0's
+(tests/control/coordinator/test_coordinator_machine.py, tests/control/coordinator/test_coordinator_deadline.py): `Node` drives n0's
 coordinator and epoch machine with a hand-set election, a fake swarm and a fake planner, and
 keeps the requests out and the transcript (tests/machine_trace.py writes its lines); with the
 placements, digests, operator ops and RUN_STATE answers those tests feed it.

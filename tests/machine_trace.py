@@ -1,4 +1,4 @@
-"""What the machine tests share (tests/test_epoch_machine.py, tests/test_coordinator_machine.py):
+"""What the machine tests share (tests/control/epoch/test_epoch_machine.py, tests/control/coordinator/test_coordinator_machine.py):
 six named peers, allocations among them, an election the test sets by hand, and each action of
 a machine written as one line, so a test can compare what a machine did with a transcript.
 
@@ -149,7 +149,7 @@ class FakeElection:
 
     @property
     def certificate(self):
-        return None  # the machines only carry it; tests/test_election.py checks it
+        return None  # the machines only carry it; tests/control/election/test_election.py checks it
 
     def council_for(self, voters, epoch: int) -> Council | None:
         """The council with one change to `voters` signed by this peer over a certificate of

@@ -179,7 +179,7 @@ class _View:
 
 class SimPlanner:
     """The scheduler's stand-in: every live peer in `stages`-stage pipelines (the rest spares).
-    Cheap and deterministic; the scheduler's own choices are tested in tests/test_reshape.py."""
+    Cheap and deterministic; the scheduler's own choices are tested in tests/control/coordinator/test_reshape.py."""
 
     def __init__(self, sim: PlaneSim):
         self.sim = sim

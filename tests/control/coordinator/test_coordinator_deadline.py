@@ -1,7 +1,7 @@
 """Gray failures at the coordinator: the step deadline (control/coordinator/deadline.py) and cut
 links (control/coordinator/links.py), pure and through the machine under virtual time.
 
-The machine's tests play the shell around n0 as tests/test_coordinator_machine.py does
+The machine's tests play the shell around n0 as tests/control/coordinator/test_coordinator_machine.py does
 (tests/coordinator_fixtures.py's `Node`): a loaded machine whose step times jitter, a slow step,
 a step that completes while its probe is out. A peer that stops answering but keeps its sockets
 open (frozen), a link cut between two live pipeline neighbours and a healed link are told as

@@ -3,8 +3,8 @@
 (never from re-initialised weights), the applied allocation on disk across a restart, the
 checkpoints it lists and offers, and `train start --min-peers`. Driven through `ControlPlane`'s
 public methods and the message handlers it registers on the transport, called as a peer's
-messages would call them. The machines' decisions are tested in tests/test_epoch_machine.py and
-tests/test_coordinator_machine.py; the protocol is in docs/control.md."""
+messages would call them. The machines' decisions are tested in tests/control/epoch/test_epoch_machine.py and
+tests/control/coordinator/test_coordinator_machine.py; the protocol is in docs/control.md."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ from dtfm.control.coordinator.machine import StepFailed, StepReported
 from dtfm.control.epoch.machine import StartAsked, StopAsked
 from dtfm.control.reach import ReachAnswer, ReachRequest
 from dtfm.net import ProtocolError
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = ("k", 1)
 OTHER = b"o" * 16
 
