@@ -117,6 +117,10 @@ class SchedulerPlanner:
             if not todo:
                 return plan
             fresh = self.confirm(view, todo)
+            if fresh is not None and not fresh.complete:  # (a record aged out meanwhile: no search on it)
+                logger.info("the view after measuring the plan's links lacks %d links: the plan stands",
+                            len(fresh.peers) * (len(fresh.peers) - 1) - fresh.pairs_known())
+                return plan
             if fresh is None or _estimates_held(view, fresh, todo):
                 return plan
             logger.info("the plan's links measured other than estimated: scheduling again on %d measured links",

@@ -68,6 +68,30 @@ def test_the_plans_estimated_links_are_measured_and_a_bad_one_makes_it_schedule_
     assert moved >= 1  # the estimates made the bad pair look best (the closest coordinates)
 
 
+def test_a_view_that_lost_links_while_they_were_measured_leaves_the_plan_as_it_was():
+    # The plan's link is measured far off its estimate, but a peer's report aged out meanwhile:
+    # the view over the same peers is incomplete, which no search takes; the plan on the
+    # complete view stands.
+    calls = []
+
+    def confirm(view, links):
+        calls.append(list(links))
+        (a, b), = links
+        lost = next(p for p in PEERS if p not in (a, b))
+        reports = {}
+        for p in PEERS:
+            if p != lost:
+                entries = [Entry(q, 400.0, 0.001, 5) for q in (a, b) if p in (a, b) and q != p]
+                reports[p] = Report.create(BY_ID[p], 1, NOW, 1.0, entries, coord=COORDS[p], up_gbps=1.0,
+                                           down_gbps=1.0)
+        return build_view(PEERS, reports, now_wall=NOW)
+
+    planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=0.2), confirm=confirm)
+    start = view_after(set())
+    plan = planner.first_placement(start, TrainRequest(stages=2, dp=1, seed=1), PRESETS["tiny"], TrainConfig(), {})
+    assert len(calls) == 1 and set(plan_links(plan)[0]) == set(calls[0][0])
+
+
 def test_without_confirm_or_with_every_link_measured_nothing_is_asked():
     calls = []
     planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=0.2),
