@@ -205,7 +205,7 @@ class Connection:
         logger.debug("gave up the payload of message %d to %s part-way: abort sent", msg_id, self.short_id)
         await self._shape.submit(frames.encode_abort(msg_id), False)
 
-    async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
+    async def _transmit(self, frame: frames.OutFrame, *, flush: bool = False) -> None:
         await self._out.transmit(frame, flush=flush)
 
     async def _send_close(self, frame: bytes) -> None:
@@ -219,7 +219,7 @@ class Connection:
         await self._shape.submit(frame, False)
         await self._close_sent.wait()
 
-    async def _transmit_from_shape(self, frame: bytes) -> None:
+    async def _transmit_from_shape(self, frame: frames.OutFrame) -> None:
         try:
             if frame is self._closing_frame:
                 await self._transmit(frame, flush=True)

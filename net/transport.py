@@ -66,7 +66,7 @@ REFUSAL_LOG_INTERVAL_S = 60.0
 REFUSAL_LOG_BURST = 10
 
 
-class Transport(Registry):
+class Transport(Registry[Connection]):
     """The TCP implementation of `PeerTransport`."""
 
     def __init__(

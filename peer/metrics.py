@@ -267,9 +267,9 @@ class StatusCollector(Collector):
                 ("dtfm_run_steps_lost", "steps_lost", "completed steps the rollbacks ran again")):
             v = _num(counts.get(key))
             if v is not None:
-                family = CounterMetricFamily(name, text, labels=["run_id"])
-                family.add_metric([run], v)
-                yield family
+                counter = CounterMetricFamily(name, text, labels=["run_id"])
+                counter.add_metric([run], v)
+                yield counter
         last = _num(counts.get("last_step_at"))
         if last is not None and now is not None:
             family = GaugeMetricFamily("dtfm_run_seconds_since_last_step", "seconds since the coordinator logged "

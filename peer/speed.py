@@ -137,9 +137,9 @@ class SpeedCache:
 
 
 def _compute_or_none(v: object) -> float | None:
-    if type(v) not in (int, float) or not math.isfinite(v) or not 0 < v < 1e7:  # type: ignore[arg-type]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v < 1e7:
         return None
-    return float(v)  # type: ignore[arg-type]
+    return float(v)
 
 
 def _codec_or_none(v: object) -> tuple[float, ...] | None:

@@ -134,7 +134,7 @@ class CostModel:
         self.memory_on = self.memory is not None and wl.layer_memory_gib is not None
         self.compute_on = wl.layer_compute_s is not None
         self.speed = self.compute if self.compute is not None else np.ones(n)
-        if self.memory_on:
+        if self.memory is not None and wl.layer_memory_gib is not None:  # memory_on
             room = (self.memory - wl.base_memory_gib) / wl.layer_memory_gib
             self.layer_cap = np.floor(np.maximum(room, 0) + 1e-9).astype(np.int64)
         else:

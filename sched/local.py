@@ -224,8 +224,11 @@ class SwapSearch:
             [np.repeat(np.arange(S), D)], [np.tile(np.arange(D), S)]
         if len(self.Z):
             net_z, sec_z = self._spare_swaps(s, p, excl, row_s)
-            nets.append(net_z), secs.append(sec_z), kinds.append(np.ones(len(self.Z), np.int8))
-            ts.append(np.arange(len(self.Z))), qs.append(np.zeros(len(self.Z), np.int64))
+            nets.append(net_z)
+            secs.append(sec_z)
+            kinds.append(np.ones(len(self.Z), np.int8))
+            ts.append(np.arange(len(self.Z)))
+            qs.append(np.zeros(len(self.Z), np.int64))
         return (np.concatenate(nets), np.concatenate(secs), np.concatenate(kinds),
                 np.concatenate(ts), np.concatenate(qs))
 

@@ -134,6 +134,8 @@ def _heuristic(E: np.ndarray, starts: int = 8, stop: Callable[[], bool] | None =
         c = path_cost(E, o)
         if c < best_cost - 1e-12:
             best_cost, best = c, o
+    if best is None:
+        raise ValueError("a path needs at least one node")
     return best_cost, [int(v) for v in best]
 
 

@@ -222,7 +222,7 @@ class ShapeSearch:
             while len(grp) < self.D:
                 cand = np.flatnonzero(free)
                 if grp:
-                    score = w[np.ix_(pool_arr[cand], grp)].max(axis=1)
+                    score = w[np.ix_(pool_arr[cand], np.asarray(grp, dtype=np.int64))].max(axis=1)
                     k = cand[int(np.argmin(score))]
                 else:
                     k = cand[int(self.rng.integers(len(cand)))]

@@ -124,7 +124,7 @@ def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, u
     if initial is not None:  # first: on a tie with a construction the warm start wins
         seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
-    stats = {"generations": search.generations, "realized": search.realized,
+    stats: dict[str, object] = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
     if tree is not None:
         stats["hierarchy_start"] = {"cost_s": model.total(tree.X), "generations": tree.stats["generations"]}
@@ -182,7 +182,7 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     start = clock()
     if stages is None:
         d = getattr(spec, "default_stages", 0) * getattr(spec, "default_dp", 0)
-        stages = getattr(spec, "default_stages", None) if 0 < d <= n else "auto"
+        stages = getattr(spec, "default_stages") if 0 < d <= n else "auto"
         dp = getattr(spec, "default_dp", None) if stages != "auto" and dp is None else dp
     if stages == "auto":
         shapes = candidate_shapes(n, spec, allow_spares=allow_spares, uneven_layers=uneven_layers,
@@ -231,6 +231,8 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
+    if best is None:
+        raise ValueError("no shape to search")
     _, score, X, Z, stats = best
     pipelines = tuple(tuple(int(v) for v in col) for col in X.T)
     # the cost of the printed pipelines, computed as `evaluate` computes it from them
