@@ -74,7 +74,7 @@ class Daemon:
         when the daemon leaves. An exception in a service stops the daemon."""
         if self.started_at is not None:
             raise RuntimeError("add services before Daemon.run()")
-        label: str = name or getattr(service, "__qualname__", repr(service))
+        label = name if name else str(getattr(service, "__qualname__", repr(service)))
         self._services.append((label, service))
 
     def add_status_provider(self, name: str, provider: StatusProvider) -> None:

@@ -24,7 +24,7 @@ def status_report(state: SwarmState) -> dict:
     """The whole swarm as one JSON-able dict, the measured matrix as seen by one live peer.
     `peers` stay in the scenario's order (the matrices follow it); each says its training
     role, term and whether it is the coordinator, which the report names at the top."""
-    peers_out = []
+    peers_out: list[dict[str, Any]] = []
     trainings = []
     observer = None
     for p in state.peers:

@@ -194,7 +194,8 @@ def sync_logs(run_dir: Path, state: SwarmState) -> tuple[list[dict], list[dict]]
     """Merge every peer's train.jsonl and events.jsonl into the run dir (each file written only
     when some peer has one); returns (train lines, events)."""
     run = current_run(run_dir)
-    train_src, event_src = [], []
+    train_src: list[list[dict]] = []
+    event_src: list[list[dict]] = []
     for peer in state.peers:
         for name, into in ((LOG_NAME, train_src), (EVENTS_NAME, event_src)):
             path = Path(peer.data_dir) / name

@@ -95,11 +95,11 @@ def stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def encode_stage(state: StageState) -> tuple[bytes, dict]:
+def encode_stage(state: StageState) -> tuple[memoryview, dict]:
     return _encode(state, stage_tensors(state), FORMAT)
 
 
-def encode_weights(state: StageState) -> tuple[bytes, dict]:
+def encode_weights(state: StageState) -> tuple[memoryview, dict]:
     """The stage's parameters alone (`param/<name>`, as `encode_stage` has them) and their
     description (format WEIGHTS_FORMAT): no optimizer moments, no compression buffers."""
     return _encode(state, weight_tensors(state), WEIGHTS_FORMAT)
@@ -122,7 +122,7 @@ def _layout(named: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, torc
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of `t` as a CPU, contiguous tensor holds them (a view when `t` is one already)."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _describe(state: StageState, fmt: str, sha256: str, nbytes: int) -> dict:
@@ -151,7 +151,7 @@ def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tupl
         raw = _bytes_of(t)
         buf[at:at + raw.nbytes] = np.frombuffer(raw, dtype=np.uint8)
         at += raw.nbytes
-    blob = memoryview(buf).toreadonly()
+    blob = buf.data.toreadonly()
     return blob, _describe(state, fmt, hashlib.sha256(blob).hexdigest(), blob.nbytes)
 
 
@@ -372,7 +372,10 @@ def saved_checkpoints(root: str | os.PathLike) -> list[tuple[int, int, int]]:
         m = _STAGE_DIR.match(d.name)
         if m and d.is_dir():
             a, b = int(m[1]), int(m[2])
-            out += [(a, b, int(_STEP_FILE.match(p.name)[1])) for p in list_checkpoints(root, (a, b))]
+            for p in list_checkpoints(root, (a, b)):
+                s = _STEP_FILE.match(p.name)
+                if s:
+                    out.append((a, b, int(s[1])))
     return out
 
 
@@ -393,7 +396,7 @@ def _read_file(path: Path) -> memoryview:
     """The file's bytes in one writable buffer of its size (the tensors become views of it)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        buf = memoryview(np.empty(size, dtype=np.uint8))
+        buf = np.empty(size, dtype=np.uint8).data
         got = 0
         while got < size:
             n = f.readinto(buf[got:])

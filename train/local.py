@@ -127,7 +127,7 @@ class LocalCluster:
         split_batch(self.cfg.global_batch_seqs, plan.dp, self.cfg.micro_batches)
         check_compression(self.spec, plan, self.compression)
         self.settle()
-        sources = {}  # one holder per distinct old layer range
+        sources: dict[tuple[int, int], StageState] = {}  # one holder per distinct old layer range
         for p, st in self.states.items():
             sources.setdefault(st.layer_range, st)
         received: dict[tuple, dict] = {}

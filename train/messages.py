@@ -188,8 +188,8 @@ def _ring(add, group: Sequence[PeerId], r: int, param_shapes: Sequence[Sequence[
     metas = [torch.empty(tuple(shape), dtype=dt, device="meta") for shape in param_shapes]
     buckets = make_buckets(metas, bucket_bytes)
     sizes = []  # sizes[b][c]: elements of chunk c of bucket b, as torch.tensor_split cuts them
-    for b in buckets:
-        total = sum(metas[i].numel() for i in b)
+    for bucket in buckets:
+        total = sum(metas[i].numel() for i in bucket)
         sizes.append([c.numel() for c in torch.tensor_split(torch.empty(total, device="meta"), n)])
     worst = (0, 0)
     for phase in ("rs", "ag"):

@@ -83,9 +83,19 @@ class StageState:
     def device(self) -> torch.device:
         return next(iter(self.params.values())).device
 
-    def norm_params(self) -> list[torch.nn.Parameter]:
-        """Parameters counted in the global gradient norm (a tied copy is counted once, on the first stage)."""
-        return [p for n, p in self.params.items() if not (self.module.holds_tied_copy and n == "wte.weight")]
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient by name, zeros for a parameter that has none yet."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.params.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out[n] = p.grad
+        return out
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether a parameter is counted in the global gradient norm (a tied copy is counted
+        once, on the first stage)."""
+        return not (self.module.holds_tied_copy and name == "wte.weight")
 
 
 @dataclass
@@ -288,10 +298,8 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
     local, sync_due = coded and comp.local(step), coded and comp.sync_due(step)
     # some groups step locally, others exactly: the norm of the exact groups' stages is summed apart
     mixed = comp.config.dp_method != "exact" and plan.links is not None and not all(plan.links.dp)
-    for p in state.params.values():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in state.params.values()]
+    grad_of = state.grads()
+    grads = list(grad_of.values())
     if local:  # this pipeline's own step, on the mean gradient over its own samples
         for g in grads:
             g.mul_(cfg.global_batch_seqs / local_seqs)
@@ -299,15 +307,16 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
         ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes, sends)
     if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
         other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
-        g = state.params["wte.weight"].grad
+        g = grad_of["wte.weight"]
         sends.add(comm.isend(other, f"{key}/tied", g))  # copied: `g` may change now
         theirs = comm.recv(other, f"{key}/tied", to)
         if theirs.shape != g.shape or theirs.dtype != g.dtype:
             raise CommError(f"peer {other!r} sent a tied-embedding gradient of the wrong shape")
         g.add_(theirs.to(g.device))  # a + b == b + a: both copies get the same bits
     sq = torch.zeros((), dtype=torch.float64, device=state.device)
-    for p in state.norm_params():
-        sq += p.grad.detach().double().pow(2).sum()
+    for name, g in grad_of.items():
+        if state.counts_in_norm(name):
+            sq += g.detach().double().pow(2).sum()
     if mixed:  # [exact groups' stages, the others]: the first sum is the same in every pipeline
         parts = torch.zeros(2, dtype=torch.float64)
         parts[0 if not coded else 1] = sq.cpu()
