@@ -31,6 +31,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dtfm.files import atomic_write
+
 __all__ = ["PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
 
 logger = logging.getLogger(__name__)
@@ -127,10 +129,8 @@ class SpeedCache:
         compute = figures.compute_ms if figures.compute_ms is not None else old.compute_ms
         codec = figures.codec_ns if figures.codec_ns is not None else old.codec_ns
         body = {"key": asdict(self.key), "compute_ms": compute, "codec_ns": None if codec is None else list(codec)}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(body, indent=1) + "\n")
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(body, indent=1) + "\n")
         except OSError as e:
             logger.warning("cannot keep this peer's speed figures in %s: %s (measured again at the next start)",
                            self.path, e.strerror)

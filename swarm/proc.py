@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dtfm.files import atomic_write
 from dtfm.peer import ControlClient, ControlClientError, DaemonNotRunning, DataDir, SocketConfig
 from dtfm.scenarios import load_scenario
 
@@ -141,9 +142,7 @@ def peer_config(run_dir: Path, peers: int) -> Path:
     except FileNotFoundError:
         current = None
     if current is None or (current != text and loopback_cap(peers) > _loopback_in(current)):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write(path, text)
     return path
 
 

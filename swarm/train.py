@@ -21,13 +21,12 @@ into the run dir, atomically:
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dtfm.files import atomic_write
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 from dtfm.peer import steps_done
 
@@ -82,7 +81,7 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path
     reply = peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
     record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
               "request": args, "allocation": reply}
-    _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
+    atomic_write(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n", mode=0o600)
     return reply
 
 
@@ -114,23 +113,10 @@ def read_log(path: Path) -> list[dict]:
     return rows
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
     """Write `rows` as JSON lines: into a temporary file beside `path`, then renamed over it,
     so a reader sees the old file or the new one, never a part."""
-    _write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), mode=0o600)
     return path
 
 

@@ -18,17 +18,20 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom up. A package may import the packages in its set, and nothing else of dtfm. `lazy`
-# (one module: a package's lazy exports) is below them all.
+# (one module: a package's lazy exports) and `files` (one module: files replaced whole) are
+# below them all.
+_BASE = frozenset({"lazy", "files"})
 ALLOWED: dict[str, frozenset[str]] = {
     "lazy": frozenset(),
+    "files": frozenset(),
     "scenarios": frozenset(),
-    "net": frozenset({"lazy", "scenarios"}),
-    "sched": frozenset({"lazy", "scenarios"}),
-    "train": frozenset({"lazy", "sched"}),  # the layer split (`layer_ranges`) that Plan.grid shares with the scheduler
-    "gossip": frozenset({"lazy", "net", "scenarios"}),
-    "control": frozenset({"lazy", "scenarios", "net", "sched", "train", "gossip"}),
-    "peer": frozenset({"lazy", "scenarios", "net", "sched", "train", "gossip", "control"}),
-    "swarm": frozenset({"lazy", "scenarios", "net", "sched", "train", "gossip", "control", "peer"}),
+    "net": _BASE | {"scenarios"},
+    "sched": _BASE | {"scenarios"},
+    "train": _BASE | {"sched"},  # the layer split (`layer_ranges`) that Plan.grid shares with the scheduler
+    "gossip": _BASE | {"net", "scenarios"},
+    "control": _BASE | {"scenarios", "net", "sched", "train", "gossip"},
+    "peer": _BASE | {"scenarios", "net", "sched", "train", "gossip", "control"},
+    "swarm": _BASE | {"scenarios", "net", "sched", "train", "gossip", "control", "peer"},
 }
 
 # Third-party packages a layer must not import directly: the scheduler knows no network and no
@@ -121,7 +124,7 @@ def _packages() -> list[str]:
 
 
 def _exports() -> dict[str, set[str]]:
-    layers = _packages() + [p for p in ALLOWED if (ROOT / f"{p}.py").exists()]  # packages, and `lazy`
+    layers = _packages() + [p for p in ALLOWED if (ROOT / f"{p}.py").exists()]  # packages, `lazy` and `files`
     return {p: set(importlib.import_module(f"dtfm.{p}").__all__) for p in layers}
 
 

@@ -32,11 +32,13 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dtfm.files import atomic_write, fsync_dir
 
 from .compress import CompressionConfig
 from .spec import GPTSpec, TrainConfig
@@ -274,22 +276,17 @@ def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, 
     return state
 
 
-def _atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> str:
-    """Write `data` (or its parts in turn, each made when it is written) to a temporary file,
-    fsync it, rename it to `path`; the sha256 of what was written."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def _write_hashed(path: Path, parts: Iterable[bytes | memoryview]) -> str:
+    """Replace `path` with `parts` written in turn, each made when it is written (`atomic_write`:
+    on a full disk no partial file stays); the sha256 of what was written."""
     h = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as f:
-            for part in [data] if isinstance(data, bytes) else data:
-                h.update(part)
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # (a full disk: no partial file stays)
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def hashed() -> Iterator[bytes | memoryview]:
+        for part in parts:
+            h.update(part)
+            yield part
+
+    atomic_write(path, hashed())
     return h.hexdigest()
 
 
@@ -310,18 +307,14 @@ def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3, n
     try:
         # each tensor's bytes go to the file from the tensor itself (from a CPU copy of one tensor
         # at a time on a GPU): no blob of the whole stage is ever made
-        sha = _atomic_write(base.with_suffix(".safetensors"),
+        sha = _write_hashed(base.with_suffix(".safetensors"),
                             itertools.chain([header], (_bytes_of(t) for _, t in items)))
         replaced = True
         meta = _describe(state, FORMAT, sha, len(header) + data_bytes)
         if notes is not None:
             meta["notes"] = notes
-        _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        fsync_dir(d)
     except OSError:
         # A write the disk refused (full, read-only): once the weights were replaced, this step's
         # checkpoint goes altogether, rather than weights beside another write's description;
