@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol
+
+from dtfm.fromdict import from_dict
 
 __all__ = ["CODEC_SPEED_LEN", "CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
            "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "load_codec_speed",
@@ -189,12 +192,8 @@ class CodecSpeed:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CodecSpeed":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown codec speed fields {sorted(unknown)}; expected {sorted(names)}")
-        return cls(**{k: float(v) for k, v in d.items()})
+    def from_dict(cls, d: Mapping[str, Any]) -> "CodecSpeed":
+        return from_dict(cls, d, "codec speed", float)
 
     def to_vector(self) -> tuple[float, ...]:
         """The figures in field order (`CODEC_SPEED_LEN` floats): what a gossip report carries."""

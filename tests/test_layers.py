@@ -18,12 +18,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom up. A package may import the packages in its set, and nothing else of dtfm. `lazy`
-# (one module: a package's lazy exports) and `files` (one module: files replaced whole) are
-# below them all.
-_BASE = frozenset({"lazy", "files"})
+# (one module: a package's lazy exports), `files` (files replaced whole) and `fromdict` (a
+# dataclass from a dict, unknown keys refused) are below them all.
+_BASE = frozenset({"lazy", "files", "fromdict"})
 ALLOWED: dict[str, frozenset[str]] = {
     "lazy": frozenset(),
     "files": frozenset(),
+    "fromdict": frozenset(),
     "scenarios": frozenset(),
     "net": _BASE | {"scenarios"},
     "sched": _BASE | {"scenarios"},
@@ -124,7 +125,7 @@ def _packages() -> list[str]:
 
 
 def _exports() -> dict[str, set[str]]:
-    layers = _packages() + [p for p in ALLOWED if (ROOT / f"{p}.py").exists()]  # packages, `lazy` and `files`
+    layers = _packages() + [p for p in ALLOWED if (ROOT / f"{p}.py").exists()]  # packages and the modules below them
     return {p: set(importlib.import_module(f"dtfm.{p}").__all__) for p in layers}
 
 
