@@ -24,12 +24,16 @@ import logging
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from .config import EmulationConfig
 from .frames import OutFrame
 from .shaping import Transmit
+
+if TYPE_CHECKING:
+    from dtfm.scenarios import Scenario
 
 __all__ = ["EmulationConfig", "EmulatedLinks", "EmulatedLink"]
 
@@ -58,7 +62,7 @@ class _Bucket:
 class EmulatedLinks:
     """The LinkShaper of one peer: links to other peers shaped by `scenario`."""
 
-    def __init__(self, scenario, region: str, config: EmulationConfig | None = None, *,
+    def __init__(self, scenario: Scenario, region: str, config: EmulationConfig | None = None, *,
                  rng: random.Random | None = None) -> None:
         self.scenario = scenario
         self.region = region

@@ -122,7 +122,7 @@ class MemTransport(Registry["MemConnection"]):
 
     # ---- running ------------------------------------------------------------------------
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Receive frames and run handlers until cancelled; then the connections close."""
         try:
             async with trio.open_nursery() as nursery:

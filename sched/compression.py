@@ -27,7 +27,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Protocol, TypeVar
 
 from dtfm.fromdict import from_dict
 
@@ -200,7 +200,7 @@ class CodecSpeed:
         return tuple(float(getattr(self, f.name)) for f in fields(self))
 
     @classmethod
-    def from_vector(cls, v) -> "CodecSpeed":
+    def from_vector(cls, v: Iterable[float]) -> "CodecSpeed":
         """The inverse of `to_vector`; ValueError for a vector of the wrong length or values."""
         v = tuple(v)
         names = [f.name for f in fields(cls)]
@@ -391,16 +391,18 @@ def _list(v: object, limit: int) -> list:
     return v
 
 
-def _pick(codecs: list, k: object):
+def _pick(codecs: list[C], k: object) -> C:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(codecs):
         raise ValueError(f"codec index {k!r} is not one of the {len(codecs)} listed")
     return codecs[k]
 
 
+C = TypeVar("C", PipelineCodec, DataParallelCodec)
+
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "bool": bool, "int": int, "float": (int, float)}
 
 
-def _codec(kind, d: object):
+def _codec(kind: type[C], d: object) -> C:
     names = {f.name: f.type for f in fields(kind)}
     if not isinstance(d, dict) or set(d) != set(names):
         raise ValueError(f"a {kind.__name__} is a map of {sorted(names)}")
