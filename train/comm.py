@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
+from typing import Callable, Hashable, Protocol, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ __all__ = [
 ]
 
 
+
+T = TypeVar("T")
 
 class SendHandle(Protocol):
     def wait(self, timeout_s: float) -> None:
@@ -230,7 +232,7 @@ class InMemoryHub:
         if left > 0 and self._aborted.wait(left):
             raise CommClosed(f"communicator aborted while waiting to {what}")
 
-    def _wait(self, op, timeout_s: float, what: str):
+    def _wait(self, op: Callable[[float], T], timeout_s: float, what: str) -> T:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._aborted.is_set():

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -47,7 +48,7 @@ class Corpus:
             raise ValueError(f"corpus tokens must be a 1-d array of {'/'.join(TOKEN_DTYPES)}, "
                              f"got {self.tokens.dtype} {self.tokens.shape}")
 
-    def _chunks(self):
+    def _chunks(self) -> Iterator[np.ndarray]:
         for i in range(0, len(self.tokens), _CHUNK_TOKENS):
             yield np.ascontiguousarray(self.tokens[i:i + _CHUNK_TOKENS])
 

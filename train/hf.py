@@ -35,6 +35,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -533,7 +534,8 @@ def export_hf(spec: GPTSpec, stages: Mapping[str, torch.Tensor] | Iterable[Mappi
     return out
 
 
-def export_checkpoint_dir(root: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None, **kw) -> Path:
+def export_checkpoint_dir(root: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
+                          **kw: Any) -> Path:
     """Export the stage checkpoints under `root` (train/checkpoint.py's layout) of `step`, by
     default the newest step every stage has, as a Hugging Face folder (see `export_hf`)."""
     from .checkpoint import decode_tensors, saved_checkpoints

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import MappingProxyType
 
 import torch
@@ -180,7 +180,7 @@ class MessageRules:
         return self._bursts.get(src, (0, 0))
 
 
-def _ring(add, group: Sequence[PeerId], r: int, param_shapes: Sequence[Sequence[int]], dtype: str,
+def _ring(add: Callable[[str, PeerId, Expected], None], group: Sequence[PeerId], r: int, param_shapes: Sequence[Sequence[int]], dtype: str,
           bucket_bytes: int) -> tuple[PeerId, tuple[int, int]]:
     """Add the chunks member r receives from r-1 in `ring_all_reduce`; (r-1, its largest ring step)."""
     n, dt = len(group), TORCH_DTYPES[dtype]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -41,8 +42,8 @@ def sample_text(folder: str | os.PathLike, prompt: str, tokens: int, temperature
     return tok.decode(out.tolist())
 
 
-def _positive(kind):
-    def parse(text: str):
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    def parse(text: str) -> float:
         try:
             v = kind(text)
         except ValueError:

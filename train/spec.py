@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from dtfm.fromdict import from_dict
 
@@ -90,7 +90,10 @@ def get_preset(name: str) -> GPTSpec:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
-def _opt(default, help: str):
+T = TypeVar("T")
+
+
+def _opt(default: T, help: str) -> T:
     """A config field whose help text is also the CLI's (see train/cli.py)."""
     return field(default=default, metadata={"help": help})
 

@@ -50,9 +50,10 @@ import torch
 
 from .codec import TORCH_DTYPES, CodecError
 from .collective import all_reduce_small, ring_all_reduce
-from .comm import Comm, CommError, PendingSends
+from .comm import Comm, CommError, PendingSends, SendHandle
 from .compress import CompressionConfig, StageCompression, decode_activation, encode_activation
 from .data import Corpus, split_batch
+from .errors import PeerId
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
 from .plan import Plan, check_compression
@@ -118,7 +119,7 @@ class _SavedBytes:
         self.now = self.peak = 0
         self._seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self._seen:
             self._seen.add(ptr)
@@ -131,7 +132,7 @@ class _SavedBytes:
         return t
 
 
-def _expect(t: torch.Tensor, shape: tuple, peer, tag: str) -> torch.Tensor:
+def _expect(t: torch.Tensor, shape: tuple, peer: PeerId, tag: str) -> torch.Tensor:
     if tuple(t.shape) != shape or not t.is_floating_point():
         raise CommError(f"peer {peer!r} sent {t.dtype} {tuple(t.shape)} under {tag!r}, expected float {shape}")
     return t
@@ -146,8 +147,8 @@ class _Ctx:
     corpus: Corpus
     step: int
     key: str  # "<epoch>.<step>": prefix of every tag of this step
-    prev: object  # upstream peer, or None on the first stage
-    nxt: object  # downstream peer, or None on the last stage
+    prev: PeerId | None  # upstream peer, or None on the first stage
+    nxt: PeerId | None  # downstream peer, or None on the last stage
     up_coded: bool  # the link from the upstream stage uses the run's pipeline codec
     down_coded: bool  # the link to the downstream stage does
     micro: list[range]  # this pipeline's sample indices per micro-batch
@@ -156,7 +157,7 @@ class _Ctx:
     wait_s: float = 0.0
 
 
-def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False,
+def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corpus, track_memory: bool = False,
              pending: PendingSends | None = None, before_update: Callable[[], None] | None = None) -> StepResult:
     """Run step `state.step` for peer `me` under `plan`, then advance `state.step`. A step that
     raises has changed nothing.
@@ -210,7 +211,7 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
                       ctx.saved.peak if ctx.saved else 0, ctx.wait_s)
 
 
-def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):
+def _send_boundary(ctx: _Ctx, peer: PeerId, tag: str, t: torch.Tensor, coded: bool) -> SendHandle:
     """isend an activation or its gradient: in the wire dtype, or as the run's compressed payload
     (`coded`: the link uses the run's pipeline codec), each made where `t` is (on a GPU: cast or
     encoded there, then staged through pinned host memory)."""
@@ -220,7 +221,7 @@ def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):
     return staging.send(ctx.comm, peer, tag, encode_activation(t, comp))
 
 
-def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple, coded: bool) -> torch.Tensor:
+def _recv_boundary(ctx: _Ctx, peer: PeerId, tag: str, shape: tuple, coded: bool) -> torch.Tensor:
     """The float32 activation (or gradient) of `shape` that `peer` sent under `tag`."""
     comp, staging = ctx.state.compress.config, ctx.state.staging
     t0 = time.perf_counter()
@@ -234,7 +235,7 @@ def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple, coded: bool) -> torc
         raise CommError(f"peer {peer!r} sent a bad compressed payload under {tag!r}: {e}") from None
 
 
-def _forward(ctx: _Ctx):
+def _forward(ctx: _Ctx) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[SendHandle]]:
     """All micro-batches forward; each output is sent downstream as soon as it exists."""
     st, cfg, spec = ctx.state, ctx.state.cfg, ctx.state.spec
     mod, dev = st.module, st.device
@@ -283,7 +284,7 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
     return handles
 
 
-def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str,
+def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: int, s: int, key: str,
                      local_seqs: int, sends: PendingSends, due: PendingSends, deferred: bool,
                      before_update: Callable[[], None] | None = None) -> None:
     """All-reduce gradients over the DP group (or, with DP compression, keep this pipeline's own),
