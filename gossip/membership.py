@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .admission import admission_buckets
 from .broadcast import BroadcastQueue
@@ -54,13 +55,16 @@ from .members import MAX_INCARNATION, Member, MemberState
 from .suspicion import Suspicion
 from .table import MemberTable
 
+if TYPE_CHECKING:
+    from dtfm.net import Identity
+
 __all__ = ["Membership"]
 
 logger = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, config: GossipConfig, identity, me: Member, now: float, *,
+    def __init__(self, config: GossipConfig, identity: Identity, me: Member, now: float, *,
                  verifier: ClaimVerifier | None = None) -> None:
         if me.peer_id != identity.peer_id:
             raise ValueError("me must be the identity's own entry")
