@@ -6,6 +6,10 @@ or the next start after a crash, sees the old file or the new one, never a mix. 
 fails or is interrupted before the rename (a full disk, an exception in the caller's writing,
 Ctrl-C, a cancelled task), the temporary file is removed and `path` is left as it was.
 
+The temporary file's name holds the writer's process id, so that writers in several processes
+never share one; one left behind by a process that died while writing is removed by the next
+write of the same path.
+
 `replace=False` links the new file into place instead, which fails with FileExistsError when
 `path` exists: a file made once (a key) is never overwritten by a second writer. `sync_dir`
 also fsyncs the folder after the rename, so that the rename itself survives a power loss.
@@ -42,6 +46,7 @@ def atomic_file(path: str | os.PathLike[str], *, mode: int | None = None, replac
     mode: the new file's permissions, whatever the umask (0o600 for a secret); None: 0o666
     less the umask, as `open()` makes a file."""
     path = Path(path)
+    _sweep(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o666 if mode is None else mode)
@@ -62,6 +67,33 @@ def atomic_file(path: str | os.PathLike[str], *, mode: int | None = None, replac
         raise
     if sync_dir:
         fsync_dir(path.parent)
+
+
+def _sweep(path: Path) -> None:
+    """Remove the temporary files of `path` whose writer process is gone (killed mid-write)."""
+    prefix = f".{path.name}."
+    try:
+        names = [e.name for e in os.scandir(path.parent) if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+    except OSError:
+        return  # no folder: os.open says so next
+    for name in names:
+        pid = name[len(prefix):-len(".tmp")].partition(".")[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(path.parent / name)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def atomic_write(path: str | os.PathLike[str], data: Bytes | str | Iterable[Bytes], *,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
 
 import pytest
 
@@ -102,3 +103,17 @@ def test_a_link_at_the_path_is_replaced_not_followed(tmp_path):
     atomic_write(path, b"new")
     assert not path.is_symlink() and path.read_bytes() == b"new"
     assert target.read_bytes() == b"untouched"
+
+
+def test_a_temporary_file_of_a_dead_writer_goes_at_the_next_write(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    path = tmp_path / "f"
+    left = tmp_path / f".f.{dead.pid}.0badcafe.tmp"  # killed while writing
+    left.write_bytes(b"half")
+    live = tmp_path / f".f.{os.getpid()}.0badcafe.tmp"  # a writer still at work
+    live.write_bytes(b"busy")
+    other = tmp_path / f".g.{dead.pid}.0badcafe.tmp"  # another file's
+    other.write_bytes(b"half")
+    atomic_write(path, b"new")
+    assert _names(tmp_path) == sorted(["f", live.name, other.name])
