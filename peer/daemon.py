@@ -101,7 +101,7 @@ class Daemon:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         listen = self.config.peer.listen
         async with trio.open_nursery() as nursery:
             try:

@@ -177,7 +177,7 @@ class Discovery:
     # ---- running -----------------------------------------------------------------------------
 
     async def run(self, bootstrap: tuple[Address, ...], own_address: Address, *,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Discover until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery

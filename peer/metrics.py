@@ -337,7 +337,7 @@ class MetricsPart:
         self.config = config
         self.address: tuple[str, int] | None = None
 
-    async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.address = await nursery.start(serve_metrics, metrics_registry(daemon.status), self.config)
             task_status.started()
@@ -353,7 +353,7 @@ def _host(host: str) -> str:
 # ---- the HTTP endpoint ---------------------------------------------------------------------------
 
 async def serve_metrics(registry: CollectorRegistry, config: MetricsConfig, *,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
     """Answer `GET /metrics` on `config.listen` until cancelled; `task_status.started` gets the
     bound (host, port)."""
     if config.listen is None:
