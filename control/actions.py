@@ -8,7 +8,7 @@ time and executes their actions in order. Requests the shell makes for a machine
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ class Ask:
     comes from its own handlers) and feed back one `Answers(key, ...)` once all answered or
     `timeout_s` passed; a peer that did not answer has `{"reason": why}`."""
 
-    key: tuple
+    key: Hashable  # the machine's request key (the coordinator's: coordinator/keys.py)
     peers: tuple[bytes, ...]
     msg: int
     body: dict
@@ -49,7 +49,7 @@ class Compute:
     """Run `fn` off the event loop (the scheduler: seconds of CPU) and feed back
     `Computed(key, value)`, or `Computed(key, error=str(e))` when it raises ValueError."""
 
-    key: tuple
+    key: Hashable
     fn: Callable[[], Any] = field(compare=False)
 
 
@@ -97,12 +97,12 @@ Action = Ask | Send | Compute | LogLine | ResetLog | Emit | Reply
 
 @dataclass(frozen=True)
 class Answers:
-    key: tuple
+    key: Hashable
     answers: Mapping[bytes, dict]
 
 
 @dataclass(frozen=True)
 class Computed:
-    key: tuple
+    key: Hashable
     value: Any = None
     error: str | None = None

@@ -30,6 +30,10 @@ class PlaneConfig:
     # a swarm roll back to an older common step when its peers' newest checkpoints differ, and
     # costs 12 bytes a parameter each (a tiny stage: ~1 MB; a gpt3-xl stage of 4: ~5 GB).
     checkpoints_kept: int = 3
+    # Runs whose checkpoints stay on disk (`--keep-runs`), the newest: an older run's folder is
+    # deleted when a checkpoint of a newer one lands. A run is resumed or exported from its own
+    # checkpoints, so more keeps older runs resumable, at their checkpoints' size each.
+    runs_kept: int = 4
     # How long a peer may take to build its stage (fetching it included) and connect its
     # neighbours before the coordinator gives up on the hand-out. Longer tolerates slow fetches
     # and loaded machines; shorter notices a peer lost during the hand-out sooner.
@@ -158,6 +162,8 @@ class PlaneConfig:
                              f"got {self.council_size!r}")
         if type(self.checkpoints_kept) is not int or not 1 <= self.checkpoints_kept <= 1000:
             raise ValueError(f"checkpoints_kept must be an integer from 1 to 1000, got {self.checkpoints_kept!r}")
+        if type(self.runs_kept) is not int or not 1 <= self.runs_kept <= 1000:
+            raise ValueError(f"runs_kept must be an integer from 1 to 1000, got {self.runs_kept!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",

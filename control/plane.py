@@ -55,6 +55,7 @@ from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
     first_council,
+    CoordinatorTick,
     CoordinatorTimings,
     Elected,
     PeerLeaving,
@@ -68,9 +69,9 @@ from .coordinator.machine import (
     Trigger,
     Wake,
 )
-from .coordinator.machine import Tick as CoordinatorTick
 from .coordinator.deadline import DeadlineRules
 from .coordinator.links import ReachAnswer, ReachRequest
+from .coordinator.phase import run_over, run_word
 from .coordinator.request import TrainError, TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
@@ -90,15 +91,16 @@ from .epoch.machine import (
     BuildStage,
     EndEpoch,
     EpochMachine,
+    EpochTick,
     FailNeighbour,
     KeepStage,
     MemberGone,
     PersistApplied,
+    RunClosed,
     StartAsked,
     StartRunner,
     StopAsked,
     StopRunnerAt,
-    Tick,
     WaitForCoordinator,
 )
 from .dataplane import TensorRouter
@@ -335,7 +337,8 @@ class ControlPlane:
         self.router = TensorRouter(transport)  # (these two answer peers from the start, stage or not)
         self.recovery = RecoveryServer(transport, authorize=self._may_fetch)
         # this peer's checkpoints on disk (their size and refusals in status, stage host or not)
-        self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept)
+        self.disk = CheckpointDisk(self.data_dir / "checkpoints", self.config.checkpoints_kept,
+                                   self.config.runs_kept)
         self._pending: dict[tuple, _Pending] = {}
         self._keys = 0
         self._swarm_wait: dict | None = None  # while `train start --min-peers` waits: have / want / live
@@ -430,7 +433,7 @@ class ControlPlane:
     async def _epoch_timer(self) -> None:
         while True:
             await trio.sleep(self.config.coordinator_check_s)
-            self._feed_epoch_now(Tick())
+            self._feed_epoch_now(EpochTick())
             run = self.epoch.restored_run_to_ask(trio.current_time())
             if run is not None:
                 self._start_soon(self._ask_restored_run, run)
@@ -455,7 +458,7 @@ class ControlPlane:
             logger.exception("the coordinator failed on %s: the run stops", type(event).__name__)
             cur = self.epoch.current
             if cur is not None:
-                self.epoch.mark_stopped(cur.run_id)
+                self.epoch.handle(RunClosed(cur.run_id, "the coordinator failed"), trio.current_time())
             return
         self._coord_wake.set()
         if self.epoch.taken.version != self._taken_saved:  # (a resume or reschedule taken)
@@ -732,7 +735,7 @@ class ControlPlane:
         reports = host.kept_reports(run) if host is not None else []
         self.epoch.restore(run, term, epoch, alloc, reports)
         if load_stopped(self.data_dir) == run:
-            self.epoch.mark_stopped(run)
+            self.epoch.handle(RunClosed(run, "stopped before this peer restarted"), 0.0)  # (no clock yet)
 
     def _load_root(self) -> Council | None:
         """The council an operator's operation rooted here (`council.bin`), if any."""
@@ -899,7 +902,7 @@ class ControlPlane:
         ev = StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
                        abort=body.get("abort") is True, op=op, epoch=epoch)
         answer = self._ask_now(key, ev)
-        if ev.final and cur is not None and self.epoch.stopped_by_operator(cur.run_id):
+        if ev.final and cur is not None and self.epoch.over_without_finishing(cur.run_id):
             await trio.to_thread.run_sync(save_stopped, self.data_dir, cur.run_id)  # (a restart keeps it)
         await self._save_taken()  # (and the stop taken: a copy of it is refused after a restart too)
         return answer
@@ -1152,10 +1155,7 @@ class ControlPlane:
         return await self._on_coordinator("stop", signed, StopRun)
 
     def _run_over(self) -> bool:
-        st = self.coordinator.status()
-        cur = self.epoch.current
-        finished = cur is not None and st.run_id == cur.run_id and st.phase.value == "finished"
-        return self.epoch.run_over() or finished
+        return run_over(self.epoch.status(), self.coordinator.status())
 
     async def reschedule(self, signed: SignedOp) -> dict:
         """An operator's signed reschedule, on any peer: a new allocation now, on the coordinator."""
@@ -1355,9 +1355,7 @@ class ControlPlane:
             return {"error": f"the coordinator's run is {alloc.run_id.hex()}, not {run.hex()}: an earlier run's "
                              f"steps are in train-{run.hex()}.jsonl in the data dir of the coordinator that logged them"}
         st = self.coordinator.status()
-        state = st.phase.value
-        if state not in ("finished", "stopped") and self.epoch.run_over():
-            state = "stopped"
+        state = run_word(self.epoch.status(), st)
         return run_progress(run_id=alloc.run_id, coordinator=self.me, state=state, term=alloc.term,
                             epoch=alloc.epoch, shape=f"{alloc.stages}x{alloc.dp}", completed=log.completed + 1,
                             steps=alloc.end_step, recent=log.recent, reconfigurations=self._reconfigs,
@@ -1389,8 +1387,10 @@ class ControlPlane:
         from .status import plane_status
         refusals = merge_counts([self.coordinator.refusals.counts(), self.epoch.refusals.counts(),
                                  self.recovery.refusals.counts()])
+        c = self.coordinator.status()
+        log = self._log_path if c.run_id is None else self.run_log_path(c.run_id.hex())  # the run's step log
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
-                            self.coordinator.status(), self._log_path, self._swarm_wait, refusals,
+                            c, log, self._swarm_wait, refusals,
                             self.disk.status(), self._stages.memory() if self._stages is not None else None).to_wire()
 
 

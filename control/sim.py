@@ -36,7 +36,7 @@ import hashlib
 import math
 import random
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, get_int, get_str, short_id
@@ -54,7 +54,7 @@ from .coordinator.machine import (
     StepFailed,
     SteppedDownEvent,
     StepReported,
-    Tick,
+    CoordinatorTick,
     next_council,
 )
 from .coordinator.links import ReachAnswer, ReachRequest
@@ -81,6 +81,7 @@ from .epoch.machine import (
     EndEpoch,
     EpochDone,
     EpochMachine,
+    EpochTick,
     FailNeighbour,
     KeepStage,
     PersistApplied,
@@ -93,7 +94,6 @@ from .epoch.machine import (
     StopRunnerAt,
     WaitForCoordinator,
 )
-from .epoch.machine import Tick as EpochTick
 from .epoch.report import RunEnd, StepReport
 from .messages import ControlMsg
 from .operator import SignedOp, council_arg, root_council, sign_op
@@ -248,7 +248,7 @@ class PlaneSim(ElectionSim):
         self.epochs: list[EpochMachine | None] = [None] * n
         self.coords: list[Coordinator | None] = [None] * n
         self.sim_stages: list[dict[int, SimStage]] = [{} for _ in range(n)]  # node -> epoch -> stage
-        self.outstanding: list[dict[tuple, _Outstanding]] = [{} for _ in range(n)]
+        self.outstanding: list[dict[Hashable, _Outstanding]] = [{} for _ in range(n)]
         self.replies: list[dict[tuple, Reply]] = [{} for _ in range(n)]
         self.train_log: list[dict] = []  # every line any node logged, with `holder`
         self.events: list[tuple[float, int, str, dict]] = []
@@ -494,7 +494,7 @@ class PlaneSim(ElectionSim):
         if kind == "ctick":
             if item[2] == self._ctick_at[k]:
                 self._ctick_at[k] = float("nan")
-                self._coordinator(k, Tick())
+                self._coordinator(k, CoordinatorTick())
         elif kind == "etick":
             self._epoch(k, EpochTick())
             self._push(self.now + 3 * self.config.heartbeat_interval_s, ("etick", k))

@@ -12,7 +12,7 @@ from typing import Any
 
 from dtfm.train import StageMemory
 
-from .coordinator.machine import CoordinatorStatus, Phase
+from .coordinator.phase import CoordinatorStatus, Phase, run_word
 from .epoch.disk import DiskStatus
 from .epoch.machine import EpochPhase, EpochStatus
 from .epoch.report import BYTE_AXES
@@ -47,7 +47,7 @@ class PlaneStatus:
         one that cannot go on) is `stopped` on every peer that knows it.
         On the coordinator of the run, while this peer's own epoch is not under way, the run's
         state: paused, planning, offering, refused, stopped or finished (one word for the peer and
-        the run it issued, never "stopped" beside a run that is "paused")."""
+        the run it issued, never "stopped" beside a run that is "paused"), as `run_word` names it."""
         e = self.epoch
         if e.phase is None:
             return "idle"
@@ -56,7 +56,7 @@ class PlaneStatus:
             return "stopping" if active and e.end is None else "stopped"
         c = self.coordinator
         if not active and self._issued() and c.phase in _RUN_STATES_SHOWN:
-            return c.phase.value
+            return run_word(e, c)
         if e.phase is EpochPhase.ENDED and e.end is not None:
             return "stopped" if e.end.failed else e.end.reason
         if e.phase is EpochPhase.ENDED:

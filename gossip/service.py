@@ -180,7 +180,8 @@ class GossipService:
                 try:
                     conn = await self.transport.connect(host, port)
                 except _CONNECT_ERRORS as e:
-                    logger.warning("cannot reach bootstrap peer %s:%d: %s", host, port, e)
+                    # (the caller retries: a peer not started yet is the normal case, not a warning)
+                    logger.debug("cannot reach bootstrap peer %s:%d: %s", host, port, e)
                     continue
                 if conn.peer_id == self.identity.peer_id:
                     continue

@@ -13,13 +13,18 @@ the new payload out. Free buffers are kept up to `max_bytes`, and at most `per_s
 size (two by default: one being filled while the application holds the last); beyond that they
 are released. So the pool holds what a steady stream of payloads reuses, not what a burst once
 needed: after a ring all-reduce received dozens of buckets at once, or a stage transfer hundreds
-of chunks, all but two of a size go back to the system.
+of chunks, all but two of a size go back to the system. And only a stream: a buffer returns to
+the pool when its size was taken before within `recur_s` (30 s), so a lone payload (a bandwidth
+probe every few minutes, a stage fetched once) leaves no memory behind on an idle connection.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,31 +41,46 @@ def alloc_buffer(n: int) -> memoryview:
     return np.empty(n, dtype=np.uint8).data
 
 
+SIZES_REMEMBERED = 64  # sizes whose last take the pool remembers (the least recent forgotten)
+
+
 class BufferPool:
-    def __init__(self, max_bytes: int, min_buffer_bytes: int = 1 << 20, per_size: int = 2) -> None:
+    def __init__(self, max_bytes: int, min_buffer_bytes: int = 1 << 20, per_size: int = 2, recur_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes  # free buffers kept, in bytes
         self.min_buffer_bytes = min_buffer_bytes  # smaller buffers are not pooled
         self.per_size = per_size  # free buffers kept of any one size
+        self.recur_s = recur_s  # a size taken again within this is a stream, worth keeping buffers of
         self.free_bytes = 0
         self._free: dict[int, list[np.ndarray]] = {}
+        self._taken_at: OrderedDict[int, float] = OrderedDict()  # size -> its last take
+        self._clock = clock
         self._lock = threading.Lock()
 
     def take(self, n: int) -> memoryview:
         """A buffer of `n` bytes, recycled when one of that size is free; contents undefined."""
         if n < self.min_buffer_bytes or self.max_bytes < n:
             return alloc_buffer(n)
+        now = self._clock()
         with self._lock:
             free = self._free.get(n)
             memory = free.pop() if free else None
             if memory is not None:
                 self.free_bytes -= n
+            last = self._taken_at.pop(n, None)
+            self._taken_at[n] = now
+            if len(self._taken_at) > SIZES_REMEMBERED:
+                self._taken_at.popitem(last=False)
+        stream = last is not None and now - last <= self.recur_s
         if memory is None:
             memory = np.empty(n, dtype=np.uint8)
         handed = memory.view()  # the exporter of every view: the memory returns when it dies
-        weakref.finalize(handed, self._give_back, memory).atexit = False
+        weakref.finalize(handed, self._give_back, memory, stream).atexit = False
         return handed.data
 
-    def _give_back(self, memory: np.ndarray) -> None:
+    def _give_back(self, memory: np.ndarray, stream: bool) -> None:
+        if not stream:  # (a lone payload's buffer goes back to the system)
+            return
         with self._lock:
             free = self._free.setdefault(memory.nbytes, [])
             if self.free_bytes + memory.nbytes <= self.max_bytes and len(free) < self.per_size:

@@ -10,21 +10,22 @@
     dtfm-peer leave                       hand the daemon's part of a run off, leave and exit
     dtfm-peer train start|stop ...        train a model on the swarm, or end the run
     dtfm-peer train reschedule            ask the coordinator for a new allocation now
-    dtfm-peer train resume [RUN]          continue a stopped run from its newest checkpoint
+    dtfm-peer train resume [RUN]          continue a stopped run from the newest step every stage
+                                          is held at (in memory or in a checkpoint)
+    dtfm-peer train status [--follow]     the run's progress from its coordinator, on any daemon
     dtfm-peer export [RUN] --out DIR      gather a run's model from its peers into one folder
                                           (each signed with the operator key)
 
-Exit status: 0 success, 1 an error explained on stderr, 2 bad command line.
+Exit status (dtfm.cli_base, as for every dtfm command): 0 success, 1 an error explained on
+stderr, 2 bad command line, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import dataclasses
 import json
-import math
 import os
 import secrets
 import sys
@@ -32,6 +33,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from dtfm.cli_base import POSITIVE_INT, POSITIVE_SECONDS, CliError, run_command, version_text
+from dtfm.cli_base import user_error_text as _user_error_text
 from dtfm.train import PRESETS
 from dtfm.net import (
     IDENTITY_FILE,
@@ -49,7 +52,8 @@ from .paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
 from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
-from .runspec import KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, start_request
+from .runspec import (KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, send_start,
+                      start_request)
 from .status import format_resume, format_status_text, plural, reconfiguration_parts, to_json
 
 PROG = "dtfm-peer"
@@ -59,23 +63,11 @@ USER_ERRORS = (ConfigError, DataDirError, KeyFileError, DaemonNotRunning, Contro
                ListenError, ControlSocketError)
 
 
-class CliError(Exception):
-    """A failure to report on stderr as `dtfm-peer: error: ...`, exit status 1."""
-
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
-
-
 # ---- argument parsing -------------------------------------------------------------------------
 
 def _add_data_dir(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", type=Path, metavar="DIR",
-                   help="the peer's data directory (default: $XDG_DATA_HOME/dtfm or "
+                   help="the peer's data directory (default: $DTFM_DATA_DIR, else $XDG_DATA_HOME/dtfm or "
                         "~/.local/share/dtfm)")
 
 
@@ -92,6 +84,8 @@ def _add_config_file(p: argparse.ArgumentParser, text: str) -> None:
 def _add_config_flags(p: argparse.ArgumentParser) -> None:
     """One flag per setting that declares one; help and default come from the setting."""
     for s in flag_settings():
+        if s.flag is None:  # (flag_settings yields only the settings that declare a flag)
+            continue
         kwargs: dict = {"dest": s.dest, "default": None, "help": s.help + default_text(s)}
         if s.hint is bool:
             kwargs.update(action="store_const", const=True)
@@ -122,7 +116,7 @@ def _add_signed_parser(sub, name: str, help: str, description: str, *,
         first(p)
     _add_signer_flags(p)
     if timeout_s is not None:
-        p.add_argument("--timeout", type=_positive_seconds, default=timeout_s, metavar="SECONDS",
+        p.add_argument("--timeout", type=POSITIVE_SECONDS, default=timeout_s, metavar="SECONDS",
                        help=f"{timeout_help} (default: %(default)s)")
     if json_help:
         p.add_argument("--json", action="store_true", help=json_help)
@@ -159,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Typical first run: `dtfm-peer swarm-key new --out swarm.key` on one machine, copy "
                "swarm.key to the others, then on each: `dtfm-peer join --swarm-key swarm.key "
                "--listen 0.0.0.0:7450 --bootstrap FIRST_HOST:7450`; then `dtfm-peer train start` "
-               "where swarm.key.operator is.")
+               "where swarm.key.operator is, and `dtfm-peer train status --follow` on any of them.")
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -231,12 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-wait", action="store_true",
                            help="return once the daemon accepted, without waiting for it "
                                 "to exit")
-            p.add_argument("--timeout", type=_positive_seconds, default=180.0, metavar="SECONDS",
+            p.add_argument("--timeout", type=POSITIVE_SECONDS, default=180.0, metavar="SECONDS",
                            help="how long to wait for the daemon to hand its part off and exit "
                                 "(default: 180)")
-    p = sub.add_parser("train", help="start, stop, resume or reschedule training on the swarm",
-                       description="Start training on the swarm from this daemon, stop the run, resume "
-                                   "a stopped run, or ask its coordinator for a new allocation now.")
+    p = sub.add_parser("train", help="start, follow, stop, resume or reschedule training on the swarm",
+                       description="Start training on the swarm from this daemon, follow the run's progress, "
+                                   "stop the run, resume a stopped run, or ask its coordinator for a new "
+                                   "allocation now.")
     tsub = p.add_subparsers(dest="train_command", required=True, metavar="ACTION")
     text = ("schedule the live peers on the measured network and train: the coordinator runs the "
             "DT-FM scheduler on its gossiped view, signs the allocation, hands it to every peer "
@@ -284,14 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
         knobs.add_argument("--" + key.replace("_", "-"), type=_spec_arg(key), default=None,
                            choices=k.choices or None, metavar=None if k.choices else ("N" if k.kind is int else "X"),
                            help=f"{text} (default: {k.default})")
-    t.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS",
+    t.add_argument("--timeout", type=POSITIVE_SECONDS, default=300.0, metavar="SECONDS",
                    help="how long to wait for --min-peers and for every peer to accept "
                         "(default: %(default)s)")
     t.add_argument("--json", action="store_true", help="print the allocation as JSON")
     _add_signed_parser(tsub, "stop", "end the run at the next step boundary on every peer",
                        "End the run this daemon takes part in, on the same step boundary on every "
-                       "peer: the coordinator tells them, with your signed stop.")
-    _add_signed_parser(tsub, "resume", "continue a stopped run from its newest complete checkpoint",
+                       "peer: the coordinator tells them, with your signed stop. Prints the step the "
+                       "run stops after and how many peers were told.",
+                       timeout_s=60.0, timeout_help="how long to wait for the coordinator's answer",
+                       json_help="print the coordinator's answer as JSON")
+    _add_signed_parser(tsub, "resume", "continue a stopped run from the newest step every stage is held at",
                        "Continue a run that `train stop` ended (the swarm's last run), as a new epoch of "
                        "the same run with its own parameters, from the newest step at which every stage "
                        "is held by a live peer, in memory or in a checkpoint. Refused, with the reason, "
@@ -319,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("run", nargs="?", default=None, metavar="RUN", type=_run_id,
                    help="the run id (32 hex digits; default: the coordinator's run)")
     t.add_argument("--follow", "-f", action="store_true", help="keep printing new steps until the run ends")
-    t.add_argument("--json", action="store_true", help="one JSON object per answer (or line with --follow)")
+    t.add_argument("--json", action="store_true",
+                   help="print the answer as one JSON object; with --follow, one JSON object per line, its "
+                        "`record` saying what it is: run (the header), step, reconfiguration, end (the last)")
     _add_data_dir(t)
     _add_config_file(t, "the daemon's TOML configuration file, to find its data dir (--data-dir wins)")
     _add_signed_parser(tsub, "reschedule", "ask the coordinator for a new allocation now",
@@ -351,36 +351,6 @@ def _run_id(text: str) -> str:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"must be a run id of 32 hex digits, got {text!r}")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
-    return value
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
-    return value
 
 
 def compression_arg(text: str) -> str:
@@ -415,7 +385,7 @@ def _stages(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        return _positive_int(text)
+        return POSITIVE_INT(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be a positive integer or auto, got {text!r}") from None
 
@@ -526,8 +496,9 @@ def cmd_members(args: argparse.Namespace) -> int:
     report = _daemon_status(args)
     rows = member_rows(report)
     if args.json:
-        gossip = report.get("gossip") if isinstance(report.get("gossip"), dict) else {}
-        training = report.get("training") if isinstance(report.get("training"), dict) else {}
+        gossip, training = report.get("gossip"), report.get("training")
+        gossip = gossip if isinstance(gossip, dict) else {}
+        training = training if isinstance(training, dict) else {}
         print(json.dumps({"peer_id": report.get("peer_id"), "coordinator": training.get("coordinator"),
                           "run_id": training.get("run_id"), "epoch": training.get("epoch"), "members": rows,
                           "truncated": "members" in (gossip.get("truncated") or [])}, indent=2))
@@ -612,6 +583,21 @@ class OperatorSession:
             raise CliError(f"the daemon sent an answer to `{command.replace('_', ' ')}` that is not a map")
         return reply
 
+    def start(self, request: dict) -> dict:
+        """`train start` of `request`, signed and sent; again when an election interrupted it
+        (`send_start`)."""
+        return send_start(lambda: self.send("train_start", "start", None, request), self._term,
+                          (ControlClientError,), lambda text: print(text, file=sys.stderr))
+
+    def _term(self) -> int | None:
+        """The election term of the daemon; None when its status does not say."""
+        try:
+            status = self.client.request("status", {})
+        except ControlClientError:
+            return None
+        term = ((status if isinstance(status, dict) else {}).get("training") or {}).get("term")
+        return term if type(term) is int else None
+
 
 @contextlib.contextmanager
 def operator_session(args: argparse.Namespace, config: DaemonConfig, data_dir: DataDir,
@@ -636,11 +622,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.train_command == "council":
         return _train_council(args, config, data_dir)
     if args.train_command == "stop":
-        with operator_session(args, config, data_dir) as s:
+        with operator_session(args, config, data_dir, args.timeout) as s:
             reply = s.send("train_stop", "stop", _current_run(s.info, "stop"))
-        at = reply["at_step"]  # the daemons' index of the first step not taken: the steps done
-        print(f"the run stops {f'after step {at}' if at else 'before its first step'} ({reply['told']} peers told)",
-              file=sys.stderr)
+        print(json.dumps(reply, indent=2, sort_keys=True) if args.json else format_stopped(reply))
         return 0
     values, init = _start_values(args)
     request = start_request(values)
@@ -657,7 +641,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         request.update(data_hash=s.info.get("data_hash"), data_name=s.info.get("data_name") or "")
         if isinstance(s.info.get("council"), str):  # the first council, for a swarm that has none yet
             request.update(council=s.info["council"], council_size=s.info.get("council_size", 5))
-        reply = s.send("train_start", "start", None, request)
+        reply = s.start(request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
         return 0
@@ -670,7 +654,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"  pipeline {d}: " + " -> ".join(p[:8] for p in pipe))
     if reply["spares"]:
         print("  spares: " + ", ".join(p[:8] for p in reply["spares"]))
-    print(f"follow it: dtfm-peer train status --follow (on any daemon of the run); log: {reply['log']}")
+    print(f"follow it: dtfm-peer train status --follow (on any daemon of the run); step log: {reply['log']}")
     return 0
 
 
@@ -788,7 +772,7 @@ def _train_resume(args: argparse.Namespace, config: DaemonConfig, data_dir: Data
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
         print(f"run {run.hex()[:8]} {format_resume(reply.get('resume_step', '?')).replace('resumed', 'resumes')}: "
-              f"{format_reschedule(reply)}")
+              f"{format_reschedule(reply, resumed=False)}")
     return 0
 
 
@@ -840,11 +824,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+PREDICTION_CAVEAT = "from each peer's speed measured on its own: slower where peers share cores or a machine is busy"
+
+
 def format_started(model: str, reply: dict) -> str:
-    """`training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step`."""
+    """`training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step (...)`:
+    the prediction with what it rests on (each peer's compute and links measured at its start,
+    which a loaded machine does not keep up: docs/operator.md, "Predicted and measured")."""
     return (f"training {model} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
-            f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step"
+            f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step "
+            f"({PREDICTION_CAVEAT})"
             + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+
+
+def format_stopped(reply: dict) -> str:
+    """`the run stops after step 70 (3 peers told)`: `at_step` is the daemons' index of the first
+    step not taken, that is the steps done."""
+    at = reply.get("at_step")
+    return (f"the run stops {f'after step {at}' if at else 'before its first step'} "
+            f"({plural(reply.get('told', '?'), 'peer')} told)")
 
 
 def format_exported(run_hex: str, reply: dict) -> str:
@@ -854,9 +852,10 @@ def format_exported(run_hex: str, reply: dict) -> str:
             f"fetched) to {reply.get('out')}")
 
 
-def format_reschedule(reply: dict) -> str:
+def format_reschedule(reply: dict, *, resumed: bool = True) -> str:
     """One line for the coordinator's answer: kind, old -> new shape, moves (and more when
-    given). Every field is optional."""
+    given; without `resumed`, not the step it resumes after, which a resume's line says first).
+    Every field is optional."""
     kind = reply.get("kind") or reply.get("event") or reply.get("result") or "answered"
     reconf = reconfiguration_parts(reply)
     parts = [str(kind), *(reconf[k] for k in ("shape", "moves", "moved") if k in reconf)]
@@ -866,9 +865,9 @@ def format_reschedule(reply: dict) -> str:
                      + f"{new_s:.3f} s per step")
     if reply.get("epoch") is not None:
         parts.append(f"epoch {reply['epoch']}")
-    if "resumed" in reconf:
+    if "resumed" in reconf and resumed:
         parts.append(reconf["resumed"])
-    if reply.get("reason"):
+    if reply.get("reason") and (resumed or reply["reason"] != "train resume"):
         parts.append(str(reply["reason"]))
     return ", ".join(parts)
 
@@ -902,21 +901,9 @@ def check_device(device: str) -> None:
                           f"cuda:0 to cuda:{count - 1}")
 
 
-def _leaf_errors(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for e in exc.exceptions for leaf in _leaf_errors(e)]
-    return [exc]
-
-
 def user_error_text(exc: BaseException) -> str | None:
     """The message for an error the user can act on, or None for a real bug."""
-    leaves = _leaf_errors(exc)
-    if len(leaves) != 1:
-        return None
-    leaf = leaves[0]
-    if isinstance(leaf, (*USER_ERRORS, CliError)):
-        return str(leaf)
-    return None
+    return _user_error_text(exc, USER_ERRORS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -924,19 +911,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     commands = {"keygen": cmd_keygen, "swarm-key": cmd_swarm_key, "operator-key": cmd_operator_key, "join": cmd_join,
                 "status": cmd_status, "members": cmd_members, "leave": cmd_leave, "train": cmd_train, "export": cmd_export}
-    try:
-        return commands[args.command](args)
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        # `dtfm-peer status | head`: the reader went away; not an error worth a traceback.
-        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except BaseException as e:
-        text = user_error_text(e)
-        if text is None:
-            raise
-        print(f"{PROG}: error: {text}", file=sys.stderr)
-        return 1
-
+    return run_command(PROG, lambda: commands[args.command](args), user_errors=USER_ERRORS)

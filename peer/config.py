@@ -74,8 +74,8 @@ class PeerConfig:
     """Who this peer is and where it listens. TOML table [peer]."""
 
     data_dir: Path | None = option(
-        None, "data directory: identity key, control socket (default: $XDG_DATA_HOME/dtfm "
-        "or ~/.local/share/dtfm)", flag="--data-dir", metavar="DIR")
+        None, "data directory: identity key, control socket (default: $DTFM_DATA_DIR, else "
+        "$XDG_DATA_HOME/dtfm or ~/.local/share/dtfm)", flag="--data-dir", metavar="DIR")
     listen: Address = option(
         Address("0.0.0.0", 7450), "address to accept peers on; port 0 picks a free port",
         flag="--listen", metavar="HOST:PORT")
@@ -371,6 +371,8 @@ class PlaneSection:
         Flag("torch_threads", "--torch-threads", "torch threads of the stage worker", "N"),
         # Each costs 12 bytes a parameter of this peer's stage; older ones are deleted.
         Flag("checkpoints_kept", "--keep-checkpoints", "checkpoints kept per stage of each run, the newest", "K"),
+        # An older run's checkpoints are deleted when a newer run's land.
+        Flag("runs_kept", "--keep-runs", "runs whose checkpoints stay on disk, the newest", "R"),
     )
     # PlaneConfig fields that are no keys: the section sets them from its own fields.
     EMBEDDED_SET_BY_SECTION: ClassVar[tuple[str, ...]] = ("data_path", "tokenizer_path", "model_paths", "device")

@@ -6,9 +6,12 @@ run (control/progress.py): it asks the coordinator over the transport when it is
 coordinator itself. `follow` polls it every `poll_s`, asking only for the steps after the last
 one printed, and prints each new step (step, loss, step time, tokens/s, epoch, ETA), each new
 reconfiguration, and the run's end (after an operator's stop, once the steps up to the stop's
-boundary, which the peers still run, are printed); without `--follow` it prints the state and the last lines
-once. Formatting is pure (`format_*`) and the client is passed in, so tests drive it with a
-fake daemon and a fake clock.
+boundary, which the peers still run, are printed); without `--follow` it prints the state and
+the last lines once. With `--json` and `--follow`, every line is one JSON object with a
+`record` field: `run` (the header: state, term, epoch, shape, steps done, ...), `step`,
+`reconfiguration`, and `end` last; without `--follow`, the one answer as it came. Formatting is
+pure (`format_*`, `*_record`) and the client is passed in, so tests drive it with a fake daemon
+and a fake clock.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any, TextIO
 
 from .status import format_duration, format_resume
 
-__all__ = ["ASK_COORDINATOR_S", "FOLLOW_POLL_S", "follow", "format_header", "format_reconfig", "format_step"]
+__all__ = ["ASK_COORDINATOR_S", "FOLLOW_POLL_S", "end_record", "follow", "format_header", "format_reconfig",
+           "format_step", "header_record"]
 
 FOLLOW_POLL_S = 1.0  # one question to the daemon (and from it to the coordinator) per second
 ASK_COORDINATOR_S = 30.0  # what a client allows beyond its socket timeout: the daemon finds and asks the coordinator
@@ -39,7 +43,7 @@ def format_header(p: dict) -> str:
     parts = [f"run {p['run'][:8]}: {p['state']}", f"term {p['term']}", f"epoch {p['epoch']}",
              f"{p['shape']} (stages x pipelines)", f"{p['completed']} of {p['steps']} steps"]
     if p.get("tokens_per_s"):
-        parts.append(f"{p['tokens_per_s']:.0f} tokens/s")
+        parts.append(f"last step {p['tokens_per_s']:.0f} tokens/s")
     if p.get("eta_s") is not None:
         parts.append(f"ETA {format_duration(p['eta_s'])}")
     parts.append(f"coordinator {p['coordinator'][:8]}")
@@ -61,6 +65,19 @@ def format_reconfig(r: dict) -> str:
     text = (f"reconfigured (epoch {r['epoch']}, {r['kind']}): {r['old_shape']} -> {r['new_shape']}, "
             f"{format_resume(r['resume_step'], bool(r.get('rollback')))}")
     return text + (f": {r['reason']}" if r.get("reason") else "")
+
+
+def header_record(p: dict) -> dict:
+    """The header as a JSON line of `--follow --json`: the answer without its step lines and
+    reconfigurations (each of those is a line of its own), tagged `"record": "run"`."""
+    return {"record": "run", **{k: v for k, v in p.items() if k not in ("lines", "reconfigurations")}}
+
+
+def end_record(p: dict) -> dict:
+    """The run's end as a JSON line of `--follow --json`: `"record": "end"`, with the run, its state,
+    the steps done of all and why it ended."""
+    return {"record": "end", "run": p["run"], "state": p["state"], "completed": p["completed"],
+            "steps": p["steps"], "reason": p.get("reason") or ""}
 
 
 def _end(p: dict) -> str:
@@ -86,7 +103,7 @@ def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = No
         print(json.dumps(p, sort_keys=True), file=out)
         return 0
     run = p["run"]
-    print(format_header(p), file=out, flush=True)
+    print(json.dumps(header_record(p), sort_keys=True) if as_json else format_header(p), file=out, flush=True)
     seen_reconfigs: set[tuple] = set()
     last = -1
     first = True
@@ -97,10 +114,11 @@ def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = No
             key = (r["epoch"], r["at"])
             if key not in seen_reconfigs:
                 seen_reconfigs.add(key)
-                print(json.dumps(r, sort_keys=True) if as_json else format_reconfig(r), file=out)
+                print(json.dumps({"record": "reconfiguration", **r}, sort_keys=True) if as_json
+                      else format_reconfig(r), file=out)
         for line in lines:
-            print(json.dumps(line, sort_keys=True) if as_json else format_step(line, p["steps"], p.get("eta_s")),
-                  file=out)
+            print(json.dumps({"record": "step", **line}, sort_keys=True) if as_json
+                  else format_step(line, p["steps"], p.get("eta_s")), file=out)
             last = max(last, line["step"])
         out.flush()
         quiet = 0 if lines else quiet + 1
@@ -108,7 +126,7 @@ def follow(request: Callable[[dict], dict], out: TextIO, *, run: str | None = No
         if not keep_following:
             return 0
         if p["state"] in ("finished", "stopped", "refused") and not (_short_of_stop(p) and quiet < STOP_WAIT_POLLS):
-            print(_end(p), file=out, flush=True)
+            print(json.dumps(end_record(p), sort_keys=True) if as_json else _end(p), file=out, flush=True)
             return 0
         (sleep or time.sleep)(FOLLOW_POLL_S if poll_s is None else poll_s)
         args = {"run": run, "after": last}

@@ -194,7 +194,7 @@ class StatusCollector(Collector):
         yield info
         last = _dict(t.get("last_step"))
         gauges = (
-            ("dtfm_train_step", "the last step this peer completed", t.get("step", last.get("step"))),
+            ("dtfm_train_step", "the last step this peer completed, as the step log numbers it (from 0; texts count from 1)", t.get("step", last.get("step"))),
             ("dtfm_train_epoch", "the run's epoch: one more after each reconfiguration", t.get("epoch")),
             ("dtfm_train_stage", "this peer's pipeline stage", t.get("stage")),
             ("dtfm_train_pipeline", "this peer's pipeline (data-parallel replica)", t.get("pipeline")),

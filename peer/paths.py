@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+DATA_DIR_ENV = "DTFM_DATA_DIR"  # the data dir when no flag or config file names one
 CONTROL_DIR_NAME = "control"
 CONTROL_SOCKET_NAME = "peer.sock"
 LOCK_FILE_NAME = "daemon.lock"
@@ -27,8 +28,13 @@ class DataDirError(Exception):
 
 
 def default_data_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """$XDG_DATA_HOME/dtfm, or ~/.local/share/dtfm when XDG_DATA_HOME is unset or relative."""
+    """The data dir when neither --data-dir nor a config file names one: $DTFM_DATA_DIR (so
+    that several daemons on one host each get theirs in a shell), else $XDG_DATA_HOME/dtfm,
+    else ~/.local/share/dtfm when XDG_DATA_HOME is unset or relative."""
     env = os.environ if environ is None else environ
+    own = env.get(DATA_DIR_ENV, "")
+    if own:
+        return Path(own)
     xdg = env.get("XDG_DATA_HOME", "")
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / "dtfm"

@@ -25,14 +25,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from dtfm.train import PRECISIONS, PRESETS, WIRE_DTYPES, TrainConfig
 
 from .config import ConfigError, read_toml
 
-__all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "SpecKey", "init_folder", "load_run_spec", "resolve",
-           "start_request"]
+__all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "START_ATTEMPTS", "SpecKey", "init_folder",
+           "load_run_spec", "resolve", "send_start", "start_request"]
+
+START_ATTEMPTS = 3  # a start the swarm's election interrupted is signed and sent again
 
 PLACEMENT_CHOICES = ("scheduler", "random")  # dtfm.control.PLACEMENTS, without importing the plane
 
@@ -166,3 +169,26 @@ def init_folder(path: Path) -> tuple[str, str]:
         return hf_digest(path), path.resolve().name
     except HFError as e:
         raise ConfigError(f"--init-from (init_from): {e}") from None
+
+
+T = TypeVar("T")
+
+
+def send_start(send: Callable[[], T], term: Callable[[], int | None], errors: tuple[type[Exception], ...],
+               say: Callable[[str], None], attempts: int = START_ATTEMPTS) -> T:
+    """`send()` an operator's start (each call signs a new one) and return its answer. When it
+    fails (one of `errors`) and the daemon's election `term()` moved meanwhile, an election
+    deposed the coordinator while it handed the run out (on a loaded machine, say): the
+    allocation of the deposed term was refused, so no run started, and a start taken once is
+    never taken again; it is signed and sent again, `attempts` in all, each retry `say`d."""
+    for attempt in range(1, attempts + 1):
+        before = term()
+        try:
+            return send()
+        except errors as e:
+            now = term()
+            if attempt == attempts or before is None or now is None or now <= before:
+                raise
+            say(f"{e}\nthe coordinator changed while it handed the run out (term {before} -> {now}): "
+                f"starting again with a new signed start ({attempt + 1} of {attempts})")
+    raise AssertionError("unreachable")

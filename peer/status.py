@@ -395,10 +395,21 @@ def format_training(t: dict, now: float) -> list[str]:
                      + (f": {t['compression_details']}" if t.get("compression_details") else ""))
     if any(t.get(k) is not None for k in ("role", "term", "coordinator")):
         coordinator, term = t.get("coordinator"), t.get("term", "-")
+        election = t.get("election")
+        election = election if isinstance(election, dict) else {}
+        heard = election.get("heard_of")
         if coordinator:
             who = short(coordinator)
-        elif term == 0:
+        elif isinstance(heard, str) and heard and election.get("voters"):
+            who = f"{short(heard)} (as its peers say; outside its council, this peer does not follow it)"
+        elif isinstance(heard, str) and heard:
+            who = (f"{short(heard)} (as its peers say; this peer holds no council to check it against until it "
+                   "is handed its first allocation)")
+        elif term == 0 and election.get("voters"):
             who = "none yet (one is elected at the swarm's first `train start`)"
+        elif term == 0:
+            who = ("none known to this peer (it holds no council: a swarm has no coordinator before its first "
+                   "`train start`, and a peer that joined later learns it with the first allocation it is handed)")
         else:
             who = "unknown (none heard from in this term)"
         lines.append(f"{pad}role {t.get('role') or '-'}, term {term}, coordinator {who}")
@@ -441,8 +452,10 @@ def format_training(t: dict, now: float) -> list[str]:
 def format_checkpoints(disk: dict) -> str:
     """`checkpoints 3.1 MB on disk (the newest 3 per stage of each run kept)`, and the last write
     the disk refused, until one succeeds."""
+    runs = disk.get("runs_kept")
+    of_runs = f", of the newest {plural(runs, 'run')}" if runs else ""
     line = (f"checkpoints {format_bytes(disk.get('bytes') or 0)} on disk (the newest {disk.get('kept', '?')} per "
-            f"stage of each run kept) in {disk.get('path', '?')}")
+            f"stage of each run kept{of_runs}) in {disk.get('path', '?')}")
     if disk.get("refusal"):
         line += f"; REFUSED ({disk.get('refused', 1)} so far): {disk['refusal']}"
     return line
@@ -463,7 +476,7 @@ def format_issued(issued: dict) -> str:
         progress += f", no progress for {format_duration(stalled)}"
     return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
             + (f" ({issued['reason']})" if issued.get("reason") else "")
-            + (f", log {issued['log']}" if issued.get("log") else "")
+            + (f", step log {issued['log']}" if issued.get("log") else "")
             + format_left_out(issued.get("left_out")))
 
 

@@ -4,20 +4,20 @@
     dtfm-sched compare --scenario worldwide --model gpt3-xl-paper --time-budget 20
     dtfm-sched solve --scenario worldwide --compress auto --codec-speed reference
 
-Exit status: 0 success, 1 an error explained on stderr (`dtfm-sched: error: ...`), 2 bad
-command line.
+Exit status (dtfm.cli_base): 0 success, 1 an error explained on stderr (`dtfm-sched: error:
+...`), 2 bad command line, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import sys
 import time
 
 import numpy as np
 
+from dtfm.cli_base import NON_NEGATIVE_INT, POSITIVE_INT, CliError, number, run_command, version_text
 from dtfm.scenarios import ScenarioError, load_scenario
 
 from .choose import ChoiceReason, CompressionPlan, choose_compression
@@ -33,42 +33,14 @@ __all__ = ["main"]
 PROG = "dtfm-sched"
 
 
-class CliError(Exception):
-    """A failure to report on stderr as `dtfm-sched: error: ...`, exit status 1."""
-
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
-
-
-def _number(kind: type, low: float, what: str):
-    """An argparse type: a `kind` number >= low."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not value >= low:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    return parse
-
-
 def _stages(text: str) -> int | str:
-    return "auto" if text == "auto" else _number(int, 1, "a positive integer or 'auto'")(text)
-
-
-_POSITIVE_INT = _number(int, 1, "a positive integer")
+    return "auto" if text == "auto" else number(int, 1, "a positive integer or 'auto'")(text)
 
 
 def _fraction(text: str) -> float:
-    value = _number(float, 0.0, "a fraction in [0, 1)")(text)
+    value = number(float, 0.0, "a fraction in [0, 1)")(text)
     if not value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a fraction in [0, 1)")
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1), got {text!r}")
     return value
 
 
@@ -85,15 +57,15 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--model", default="gpt3-xl-paper", choices=sorted(PRESETS), help="model preset")
         c.add_argument("--stages", type=_stages, default=None,
                        help="pipeline stages, or 'auto' (default: the preset's)")
-        c.add_argument("--dp", type=_POSITIVE_INT, default=None, help="pipelines (default: peers // stages)")
+        c.add_argument("--dp", type=POSITIVE_INT, default=None, help="pipelines (default: peers // stages)")
         c.add_argument("--seed", type=int, default=0)
-        c.add_argument("--time-budget", type=_number(float, 1e-9, "a positive number"),
+        c.add_argument("--time-budget", type=number(float, 1e-9, "a positive number"),
                        default=defaults.time_budget_s, help="seconds of search")
-        c.add_argument("--generations", type=_number(int, 0, "a non-negative integer"), default=None,
+        c.add_argument("--generations", type=NON_NEGATIVE_INT, default=None,
                        help="cap evolution rounds (repeatable runs)")
         c.add_argument("--no-spares", action="store_true", help="every peer must take part")
         c.add_argument("--uneven-layers", action="store_true", help="let faster stages hold more layers")
-        c.add_argument("--peers", type=_POSITIVE_INT, default=None, help="scale the scenario to this many peers")
+        c.add_argument("--peers", type=POSITIVE_INT, default=None, help="scale the scenario to this many peers")
         c.add_argument("--compress", default="exact", metavar="auto|exact|NAME[,NAME...]",
                        help="codecs the scheduler may use per pipeline link and DP group: auto (every "
                             f"preset's), exact (none), or presets from {', '.join(WIRE_PRESETS)}; "
@@ -108,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true", help="print JSON")
         c.add_argument("--plot", default=None, metavar="FILE.png", help="draw the allocation (matplotlib)")
         if name == "compare":
-            c.add_argument("--random-samples", type=_POSITIVE_INT, default=5000,
+            c.add_argument("--random-samples", type=POSITIVE_INT, default=5000,
                            help="random allocations to sample")
     return p
 
@@ -305,15 +277,8 @@ def _plotter(path: str | None):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    try:
-        if args.command == "solve":
-            return _solve(args)
-        return _compare(args)
-    except KeyboardInterrupt:
-        return 130
-    except (CliError, ScenarioError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+    return run_command(PROG, lambda: _solve(args) if args.command == "solve" else _compare(args),
+                       user_errors=(ScenarioError,))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ command line (any bad value), 130 interrupted, 143 terminated.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
 import shutil
@@ -26,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from dtfm.cli_base import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, number, run_command, version_text
 from dtfm.control import DEVICE_RE, PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import (
@@ -82,13 +82,6 @@ class Terminated(BaseException):
 
 def _on_sigterm(signum: int, frame: object) -> None:
     raise Terminated()
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
 
 
 # ---- subcommands ----------------------------------------------------------------------------
@@ -441,23 +434,6 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def number(kind: type, low: float, what: str, high: float | None = None):
-    """An argparse type: a `kind` number in [low, high]; anything else exits 2 with usage."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not (value >= low and (high is None or value <= high)):  # also refuses nan
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    parse.__name__ = what  # argparse names the type in its messages
-    return parse
-
-
-POSITIVE_INT = number(int, 1, "a positive integer")
-NON_NEGATIVE_INT = number(int, 0, "a non-negative integer")
-POSITIVE_SECONDS = number(float, 1e-9, "a positive number of seconds")
 POSITIVE_SCALE = number(float, 1e-9, "a positive number")
 PEER_COUNT = number(int, MIN_PEERS, f"a peer count from {MIN_PEERS} to {MAX_PEERS}", MAX_PEERS)
 
@@ -588,8 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("wait", "wait until the swarm completed a training step",
                 "Wait until the swarm completed a training step; merges every coordinator's "
-                "train.jsonl and events.jsonl into the run dir as it goes. Fails when the run "
-                "ends before the step.")
+                "step log (train.jsonl) and events.jsonl into the run dir's as it goes. Fails when "
+                "the run ends before the step.")
     p.add_argument("--step", type=NON_NEGATIVE_INT, required=True, metavar="N",
                    help="the step to wait for, counted from 1 as the step lines count them "
                         "(--step 30: until 30 steps are done; 0 merges the logs and returns)")
@@ -677,19 +653,10 @@ def main(argv: list[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return args.func(args)
-    except SwarmError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return run_command(PROG, lambda: args.func(args), user_errors=(SwarmError,), say_interrupted=True)
     except Terminated:
         print(f"{PROG}: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except BrokenPipeError:  # `dtfm-swarm status | head`: the reader went away
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)

@@ -21,6 +21,7 @@ into the run dir, atomically:
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from dtfm.files import atomic_write
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 from dtfm.peer import steps_done
+from dtfm.peer.runspec import send_start
 
 from .proc import peer_request, peer_status
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
@@ -77,12 +79,21 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path
     earlier runs' lines."""
     started_at = time.time()
     args = {k: v for k, v in args.items() if v is not None and v != "auto"}
-    op = operator_op(run_dir, peer, "start", args)
-    reply = peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
+
+    def send() -> dict:
+        op = operator_op(run_dir, peer, "start", args)
+        return peer_request(peer, "train_start", {"op": op.to_wire()}, timeout_s=timeout_s)
+    reply = send_start(send, lambda: _term(peer), (SwarmError,), lambda text: print(text, file=sys.stderr))
     record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
               "request": args, "allocation": reply}
     atomic_write(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n", mode=0o600)
     return reply
+
+
+def _term(peer: PeerEntry) -> int | None:
+    """The election term `peer` is in; None when it does not answer."""
+    term = ((peer_status(peer) or {}).get("training") or {}).get("term")
+    return term if isinstance(term, int) else None
 
 
 def stop_training(run_dir: Path, peer: PeerEntry, timeout_s: float = 30.0) -> dict:

@@ -36,3 +36,24 @@ def pytest_runtest_makereport(item, call):
     run_dir = getattr(item, "funcargs", {}).get("run_dir")
     if rep.failed and call.when == "call" and isinstance(run_dir, Path) and run_dir.is_dir():
         rep.sections.append(("swarm digest", swarm_digest(run_dir)))
+
+
+
+# The longest modules, longest first (their real swarms wait on clocks more than they compute):
+# started first, each on a worker of its own, while the unit tests fill the other worker.
+LONGEST_FIRST = ("test_swarm_train", "test_swarm_multiprocess", "test_swarm_hijack", "test_daemon_multiprocess",
+                 "test_netns", "test_gossip_figures")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The longest modules first, then the other modules with real multi-process swarms
+    (`slow`), then the rest, each module kept whole: with the suite spread over workers
+    (`-n 2 --dist loadscope`, pyproject.toml) the long waits start at once."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
+
+    def rank(item) -> int:
+        name = item.module.__name__ if item.module else ""
+        if name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(name)
+        return len(LONGEST_FIRST) + (0 if name in slow_modules else 1)
+    items.sort(key=rank)

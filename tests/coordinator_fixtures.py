@@ -31,7 +31,7 @@ from machine_trace import (
 from dtfm.control import ControlMsg, Placement, ReshapePlan, SignedAllocation, SignedOp, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Reply
 from dtfm.control.coordinator.links import used_cut_links
-from dtfm.control.coordinator.machine import Coordinator, CoordinatorTimings, StartRun, StepReported, Tick
+from dtfm.control.coordinator.machine import Coordinator, CoordinatorTick, CoordinatorTimings, StartRun, StepReported
 from dtfm.control.epoch.machine import (
     AbortRunner,
     AllocationOffered,
@@ -176,7 +176,7 @@ class Node:
 
     def tick(self, at: float | None = None) -> list:
         """A Tick at `at`, by default at the machine's next deadline."""
-        return self.feed(Tick(), self.c.next_deadline() if at is None else at)
+        return self.feed(CoordinatorTick(), self.c.next_deadline() if at is None else at)
 
     def answer(self, what: str, given: dict[bytes, dict] | None = None, at: float | None = None, *,
                everyone: dict | None = None) -> list:

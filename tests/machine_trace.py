@@ -196,13 +196,11 @@ def peers(ps) -> str:
     return " ".join(NAMES.get(p, short_id(p)) for p in ps)
 
 
-def label(key: tuple) -> str:
-    """A request's key as the transcript names it: the coordinator's ("proc", id, step, sub) by
-    its step, ("probe", what) and ("gaps", epoch) as they are, a test's own key joined."""
-    if key and key[0] == "proc":
-        step = key[2]
-        sub = key[3] if len(key) > 3 else None
-        return f"{step} {sub[0]}-{sub[1]}" if isinstance(sub, tuple) else str(step)
+def label(key) -> str:
+    """A request's key as the transcript names it: the coordinator's as it prints itself
+    (control/coordinator/keys.py: a procedure's by its step), a test's own tuple joined."""
+    if not isinstance(key, tuple):
+        return str(key)
     return " ".join(str(k) for k in key)
 
 
@@ -238,8 +236,8 @@ def _body(msg: int, body: dict) -> str:
 def _value(v) -> str:
     if isinstance(v, Allocation):
         return f"allocation term {v.term} epoch {v.epoch}"
-    if isinstance(v, dict) and "new_shape" in v:  # a reconfiguration's record
-        return " ".join(f"{f}={named(str(v[f]))}" for f in EMIT_FIELDS if f in v)
+    if isinstance(v, dict) and "new_shape" in v:  # a reconfiguration's record (a leave's says if it handed off)
+        return " ".join(f"{f}={named(str(v[f]))}" for f in (*EMIT_FIELDS, "handed_off") if f in v)
     if isinstance(v, dict):
         reason = v.get("reason")
         shown = " ".join(f"{k}={x}" for k, x in v.items() if k != "reason")
@@ -338,7 +336,7 @@ def describe(ev: object) -> str:
         return f"epoch {ev.epoch} let go of its stage"
     if isinstance(ev, e.MemberGone):
         return f"{peers([ev.peer])} is gone"
-    if isinstance(ev, e.Tick | c.Tick):
+    if isinstance(ev, e.EpochTick | c.CoordinatorTick):
         return "tick"
     if isinstance(ev, c.Wake):
         return "wake"

@@ -3,6 +3,7 @@ single-process reference they are compared with, and what the tests ask of a swa
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -19,7 +20,8 @@ from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, re
 @contextmanager
 def scratch_run_dir(prefix: str):
     """A fresh run dir (short: the control sockets live inside it); every peer started in it is
-    killed and the dir removed on the way out."""
+    killed and the dir removed on the way out (kept, for reading its logs, with
+    DTFM_KEEP_RUN_DIRS=1)."""
     d = Path(tempfile.mkdtemp(prefix=prefix))
     try:
         yield d
@@ -27,7 +29,8 @@ def scratch_run_dir(prefix: str):
         try:
             swarm.main(["down", "--run-dir", str(d), "--kill"])
         finally:
-            shutil.rmtree(d, ignore_errors=True)
+            if not os.environ.get("DTFM_KEEP_RUN_DIRS"):
+                shutil.rmtree(d, ignore_errors=True)
 
 
 @contextmanager
@@ -74,6 +77,16 @@ def ended_this_epoch(t: dict) -> bool:
     that epoch's (an earlier epoch's stays until then) and it is not still going to a stop."""
     end = t.get("last_end")
     return end is not None and end.get("epoch") == t.get("epoch") and t.get("state") not in ("training", "stopping")
+
+
+def run_ended(state) -> dict[str, dict] | None:
+    """Every stage holder of the newest epoch says its runner of that epoch ended: those
+    holders' `training` status, or None while one still trains. (A peer left out of that epoch,
+    say restarted while its links were measured again, still shows the stage it held before.)"""
+    t = trainings(state)
+    newest = max((v.get("epoch") or 0 for v in t.values()), default=0)
+    holders = {n: v for n, v in t.items() if v.get("stage") is not None and v.get("epoch") == newest}
+    return holders if holders and all(ended_this_epoch(v) for v in holders.values()) else None
 
 
 def coordinator(state) -> tuple[str, dict] | None:

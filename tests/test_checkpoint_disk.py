@@ -126,3 +126,24 @@ def test_a_write_that_fits_again_clears_the_refusal(tmp_path, full_disk, monkeyp
     assert disk.save(RUN, stage(2)) is not None
     st = disk.status()
     assert st.refusal is None and st.refused == 1 and st.saved == 1 and "refusal" not in st.to_wire()
+
+
+def test_only_the_newest_runs_checkpoints_stay(tmp_path, caplog):
+    # Runs a, b, c, d checkpoint one after another on a disk keeping 2 runs: each new run's
+    # first checkpoint deletes the folders beyond the newest 2 (its own among them); an older
+    # run written again (resumed) is the newest then, and the run written before it goes.
+    disk = CheckpointDisk(tmp_path, kept=2, runs_kept=2)
+    runs = [bytes([k]) * 16 for k in b"abcd"]
+    for k, run in enumerate(runs[:3]):
+        assert disk.save(run, stage(k)) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [runs[1].hex(), runs[2].hex()]
+    with caplog.at_level(logging.INFO, logger="dtfm.control.epoch.disk"):
+        assert disk.save(runs[1], stage(5)) is not None  # b resumed: nothing older than the newest 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == [runs[1].hex(), runs[2].hex()]
+        assert disk.save(runs[3], stage(0)) is not None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [runs[1].hex(), runs[3].hex()]
+    assert [r.getMessage() for r in caplog.records] == [f"deleted the checkpoints of run {runs[2].hex()[:8]}: only "
+                                                       "the newest 2 runs' stay"]
+    st = disk.status()
+    assert st.bytes == folder_bytes(tmp_path) and st.runs_kept == 2
+    assert "of the newest 2 runs" in format_checkpoints(st.to_wire())

@@ -396,7 +396,7 @@ async def test_train_status_follows_the_run_until_it_ends(capsys, monkeypatch):
     assert rc == 0 and asked[:asked_once] == [{"run": None, "after": -1}, {"run": RUN_HEX, "after": 2},
                                               {"run": RUN_HEX, "after": 4}]
     assert followed == [
-        f"run {RUN_HEX[:8]}: training, term 2, epoch 2, 2x1 (stages x pipelines), 3 of 6 steps, 2048 tokens/s, "
+        f"run {RUN_HEX[:8]}: training, term 2, epoch 2, 2x1 (stages x pipelines), 3 of 6 steps, last step 2048 tokens/s, "
         f"ETA 1.5s, coordinator {COORD_HEX[:8]}",
         "step 1/6  loss 5.0000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
         "step 2/6  loss 4.9000  0.50 s  2048 tokens/s  epoch 1  ETA 1.5s",
@@ -413,6 +413,33 @@ async def test_train_status_follows_the_run_until_it_ends(capsys, monkeypatch):
         main(["train", "status", "nope"])
     assert e.value.code == 2 and "must be a run id of 32 hex digits" in capsys.readouterr().err
 
+
+
+def test_follow_json_is_one_json_object_on_every_line():
+    # Operator review M2: the header and the end of `train status --follow --json` were text, so a
+    # script reading JSON lines broke on line 1.
+    from dtfm.peer.follow import follow
+
+    reconfig = {"at": 1.7e9, "epoch": 2, "kind": "shrink", "old_shape": "2x2", "new_shape": "2x1",
+                "resume_step": 3, "rollback": False, "reason": "peer 1a2b3c4d is dead"}
+    answers = iter([progress("training", 3, -1, eta=1.5), progress("training", 5, 2, reconfigs=[reconfig]),
+                    progress("finished", 6, 4, reconfigs=[reconfig])])
+    out = io.StringIO()
+    assert follow(lambda args: next(answers), out, keep_following=True, as_json=True, sleep=lambda s: None) == 0
+    records = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["record"] for r in records] == ["run", "step", "step", "step", "reconfiguration", "step", "step",
+                                              "step", "end"]
+    assert records[0] == {"record": "run", "run": RUN_HEX, "coordinator": COORD_HEX, "state": "training", "term": 2,
+                          "epoch": 2, "shape": "2x1", "completed": 3, "steps": 6, "tokens_per_s": 2048.0,
+                          "eta_s": 1.5, "reason": ""}
+    assert [r["step"] for r in records if r["record"] == "step"] == [0, 1, 2, 3, 4, 5]
+    assert records[4] == {"record": "reconfiguration", **reconfig}
+    assert records[-1] == {"record": "end", "run": RUN_HEX, "state": "finished", "completed": 6, "steps": 6,
+                           "reason": ""}
+    # without --follow: the one answer as the daemon gave it
+    out = io.StringIO()
+    assert follow(lambda args: progress("training", 3, -1), out, as_json=True) == 0
+    assert json.loads(out.getvalue()) == progress("training", 3, -1)
 
 # ---- dtfm-peer members ------------------------------------------------------------------------
 
@@ -528,3 +555,82 @@ def test_follow_ends_when_the_steps_up_to_a_stop_never_come(monkeypatch):
     assert follow_module.follow(request, out, keep_following=True, sleep=lambda s: None) == 0
     assert len(asked) == 5  # the first answer, the one with steps 67-68, then 3 without a new step
     assert out.getvalue().splitlines()[-1].startswith(f"run {RUN_HEX[:8]} stopped after 68 of 300 steps")
+
+
+# ---- dtfm-peer train stop ---------------------------------------------------------------------
+
+async def test_train_stop_answers_on_stdout_and_takes_json_and_timeout_like_the_others(capsys):
+    # Operator review L9: `train stop` had no --json and no --timeout, and its one line went to stderr.
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        key_file = Path(d) / "swarm.key"
+        operator = OperatorKey.create(Path(d) / "swarm.key.operator")
+        server = ControlServer(data_dir.control_socket, SocketConfig())
+        stops: list[dict] = []
+
+        async def train_info(args):
+            return {"run_id": RUN_HEX, "swarm_key_file": str(key_file), "operators": [operator.public_key.hex()]}
+
+        async def train_stop(args):
+            stops.append(args)
+            return {"at_step": 70, "told": 3}
+
+        server.register("train_info", train_info)
+        server.register("train_stop", train_stop)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            text_rc = await trio.to_thread.run_sync(main, ["train", "stop", "--data-dir", d])
+            text = capsys.readouterr()
+            json_rc = await trio.to_thread.run_sync(main, ["train", "stop", "--json", "--timeout", "5",
+                                                           "--data-dir", d])
+            as_json = json.loads(capsys.readouterr().out)
+            nursery.cancel_scope.cancel()
+    assert (text_rc, json_rc) == (0, 0)
+    assert text.out == "the run stops after step 70 (3 peers told)\n" and text.err == ""
+    assert as_json == {"at_step": 70, "told": 3}
+    assert len(stops) == 2 and set(stops[0]["op"]) == {"body", "sig"}  # a signed operation
+    args = build_parser().parse_args(["train", "stop"])
+    assert (args.timeout, args.json) == (60.0, False)
+    assert build_parser().parse_args(["train", "stop", "--timeout", "5", "--json"]).timeout == 5.0
+    from dtfm.peer.cli import format_stopped
+    assert format_stopped({"at_step": 0, "told": 1}) == "the run stops before its first step (1 peer told)"
+
+
+async def test_train_resume_says_where_it_resumes_once(capsys):
+    # Operator review C1: "run 1b78ee43 resumes after step 117: reschedule, ..., epoch 4, resumed
+    # after step 117, train resume" said the step and the command twice.
+    with tempfile.TemporaryDirectory(prefix="dtfm-cli-", dir="/tmp") as d:
+        data_dir = DataDir(Path(d))
+        data_dir.ensure()
+        operator = OperatorKey.create(Path(d) / "swarm.key.operator")
+        server = ControlServer(data_dir.control_socket, SocketConfig())
+
+        async def train_info(args):
+            return {"last_run_id": RUN_HEX, "swarm_key_file": str(Path(d) / "swarm.key"),
+                    "operators": [operator.public_key.hex()]}
+
+        async def train_resume(args):
+            return {"kind": "reschedule", "old_shape": "1x2", "new_shape": "1x2", "moves": 0, "bytes_moved": 0,
+                    "predicted_old_s": 0.044, "predicted_new_s": 0.044, "epoch": 4, "resume_step": 117,
+                    "reason": "train resume"}
+
+        server.register("train_info", train_info)
+        server.register("train_resume", train_resume)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(server.serve)
+            rc = await trio.to_thread.run_sync(main, ["train", "resume", "--data-dir", d])
+            out = capsys.readouterr().out
+            nursery.cancel_scope.cancel()
+    assert rc == 0
+    assert out == (f"run {RUN_HEX[:8]} resumes after step 117: reschedule, 1x2 -> 1x2, 0 moves, 0 B moved, "
+                   "predicted 0.044 s -> 0.044 s per step, epoch 4\n")
+
+
+def test_the_start_line_says_what_its_prediction_rests_on():
+    # Operator review M3: the predicted time per step was 5-50x below the measured one on a loaded
+    # machine, printed with no word of what it rests on.
+    from dtfm.peer.cli import format_started
+    line = format_started("tiny", {"steps": 100, "stages": 1, "dp": 3, "predicted_iteration_s": 0.061})
+    assert line == ("training tiny for 100 steps as 1 stage x 3 pipelines; predicted 0.061 s per step (from each "
+                    "peer's speed measured on its own: slower where peers share cores or a machine is busy)")

@@ -104,3 +104,86 @@ def test_every_subcommand_has_a_description_and_a_help_line(build):
     for name, sub, help_line in found:
         assert sub.description and len(sub.description) > 20, f"{sub.prog} --help: no description"
         assert help_line, f"{sub.prog}: no line in its parent's --help"
+
+
+# ---- the one CLI base (dtfm/cli_base.py) -----------------------------------------------------
+
+CLI_MODULES = ("peer/cli.py", "swarm/cli.py", "sched/cli.py", "train/cli.py", "train/sample.py")
+
+
+@pytest.mark.parametrize("path", CLI_MODULES)
+def test_every_cli_takes_its_error_and_version_from_the_base(path):
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parent.parent / path).read_text())
+    defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    assert not defined & {"CliError", "version_text", "_leaf_errors", "number", "_number", "_count", "_positive",
+                          "_positive_int", "_non_negative_int", "_positive_seconds"}, path
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == "dtfm.cli_base"
+                for a in n.names}
+    assert "run_command" in imported, f"{path} writes its own error and exit handling"
+    mains = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.endswith("main")]
+    assert mains and not [h for m in mains for h in ast.walk(m) if isinstance(h, ast.ExceptHandler)
+                          and isinstance(h.type, ast.Name) and h.type.id == "KeyboardInterrupt"], path
+
+
+def test_run_command_turns_each_outcome_into_one_exit_status(capsys):
+    from dtfm.cli_base import CliError, run_command
+
+    class Refused(Exception):
+        pass
+
+    def raising(exc: BaseException):
+        def command() -> int:
+            raise exc
+        return command
+
+    assert run_command("tool", lambda: 0) == 0
+    assert run_command("tool", raising(CliError("no such thing: make it first"))) == 1
+    assert capsys.readouterr().err == "tool: error: no such thing: make it first\n"
+    # a layer's own error, alone inside nested exception groups, as trio's nurseries raise it
+    nested = ExceptionGroup("outer", [ExceptionGroup("inner", [Refused("the daemon refused")])])
+    assert run_command("tool", raising(nested), user_errors=(Refused,)) == 1
+    assert capsys.readouterr().err == "tool: error: the daemon refused\n"
+    assert run_command("tool", raising(KeyboardInterrupt())) == 130
+    assert capsys.readouterr().err == ""
+    assert run_command("tool", raising(KeyboardInterrupt()), say_interrupted=True) == 130
+    assert capsys.readouterr().err == "tool: interrupted\n"
+    # a bug keeps its traceback: an unknown type, two errors at once, a usage error's exit
+    with pytest.raises(Refused):
+        run_command("tool", raising(Refused("not declared")))
+    with pytest.raises(ExceptionGroup):
+        run_command("tool", raising(ExceptionGroup("two", [Refused("a"), CliError("b")])), user_errors=(Refused,))
+    with pytest.raises(SystemExit):
+        run_command("tool", raising(SystemExit(2)))
+
+
+@pytest.mark.parametrize("main,argv,message", [
+    (sched_main, ["solve", "--scenario", "no-such-scenario"], "dtfm-sched: error: "),
+    (train_main, ["export", "--checkpoint-dir", "/nonexistent/dtfm", "--out", "/nonexistent/out"],
+     "python -m dtfm.train: error: "),
+])
+def test_sched_and_train_user_errors_are_one_line_exit_1(capsys, main, argv, message):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("parse, text, value", [
+    ("POSITIVE_INT", "3", 3), ("POSITIVE_INT", "0", None), ("POSITIVE_INT", "x", None), ("POSITIVE_INT", "1.5", None),
+    ("NON_NEGATIVE_INT", "0", 0), ("NON_NEGATIVE_INT", "-1", None),
+    ("POSITIVE_SECONDS", "0.5", 0.5), ("POSITIVE_SECONDS", "0", None), ("POSITIVE_SECONDS", "nan", None),
+    ("POSITIVE_SECONDS", "inf", None), ("POSITIVE_SECONDS", "-1", None),
+])
+def test_one_number_type_for_every_cli(parse, text, value):
+    import dtfm.cli_base as base
+    if value is not None:
+        assert getattr(base, parse)(text) == value
+    else:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^must be a .*, got {text!r}$"):
+            getattr(base, parse)(text)
+    bounded = base.number(int, 2, "a count from 2 to 4", 4)
+    assert bounded("4") == 4
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a count from 2 to 4, got '5'"):
+        bounded("5")

@@ -173,6 +173,20 @@ def test_default_data_dir():
     assert default_data_dir({"XDG_DATA_HOME": "/x/data", "HOME": "/h"}) == Path("/x/data/dtfm")
     assert default_data_dir({"HOME": "/h"}) == Path("/h/.local/share/dtfm")
     assert default_data_dir({"XDG_DATA_HOME": "rel", "HOME": "/h"}) == Path("/h/.local/share/dtfm")
+    # several daemons on one host: each shell names its own (operator review L7)
+    assert default_data_dir({"DTFM_DATA_DIR": "/srv/b", "XDG_DATA_HOME": "/x/data", "HOME": "/h"}) == Path("/srv/b")
+    assert default_data_dir({"DTFM_DATA_DIR": "", "HOME": "/h"}) == Path("/h/.local/share/dtfm")
+
+
+def test_the_data_dir_variable_reaches_every_command_below_the_flag(tmp_path, monkeypatch, capsys):
+    from dtfm.peer.cli import main
+    monkeypatch.setenv("DTFM_DATA_DIR", str(tmp_path / "b"))
+    assert main(["keygen", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["data_dir"] == str(tmp_path / "b")
+    assert main(["status"]) == 1  # no daemon there: the error names the variable's dir
+    assert f"no daemon is running for data dir {tmp_path / 'b'}" in capsys.readouterr().err
+    assert main(["status", "--data-dir", str(tmp_path / "a")]) == 1  # the flag wins
+    assert f"data dir {tmp_path / 'a'}" in capsys.readouterr().err
 
 
 def test_data_dir_modes_and_lock(tmp_path):

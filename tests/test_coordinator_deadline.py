@@ -2,26 +2,27 @@
 links (control/coordinator/links.py), pure and through the machine under virtual time.
 
 The machine's tests play the shell around n0 as tests/test_coordinator_machine.py does
-(tests/coordinator_fixtures.py's `Node`): a peer that stops answering but keeps its sockets open (frozen), a link cut between
-two live pipeline neighbours, a healed link, and a loaded machine whose step times jitter.
+(tests/coordinator_fixtures.py's `Node`): a loaded machine whose step times jitter, a slow step,
+a step that completes while its probe is out. A peer that stops answering but keeps its sockets
+open (frozen), a link cut between two live pipeline neighbours and a healed link are told as
+transcripts, tests/data/deadline/*.txt, played by tests/transcripts.py (its `WATCHED` timings).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
-from coordinator_fixtures import D01, D23, TIMINGS, Node, state
-from machine_trace import RUN, N, alloc, named, report
+import transcripts
+from coordinator_fixtures import Node
+from machine_trace import RUN, N, alloc, report
+from transcripts import RULES, WATCHED
 
-from dtfm.control.coordinator.deadline import DeadlineRules, StepWatch, judge, laggards, probe_targets
+from dtfm.control.coordinator.deadline import StepWatch, judge, laggards, probe_targets
 from dtfm.control.coordinator.links import CutLinks, ReachAnswer, ReachRequest, exchanges, pair, used_cut_links
 from dtfm.control.coordinator.machine import Phase, StepReported
 from dtfm.net import ProtocolError
 
-RULES = DeadlineRules(floor_s=3.0, mads=6.0, first_s=20.0)
-WATCHED = dataclasses.replace(TIMINGS, deadline=RULES, deadline_probe_timeout_s=4.0, link_retest_s=2.0)
 
 
 def reached(*ps, unreached=()) -> dict:
@@ -116,167 +117,6 @@ def watched(n: Node, steps: int = 6) -> float:
     return n.training(steps, run_steps=400)
 
 
-def stuck_2x2(n: Node, answers: dict, at: float) -> None:
-    """The deadline probe of step 6 answered; the reconfiguration it triggers stops the peers."""
-    n.tick()
-    n.answer("probe deadline", answers, at=at)
-    n.tick()
-
-
-WATCHED = dataclasses.replace(WATCHED, check_interval_s=1000.0)  # no looks for joined peers in between
-CUT_01 = {N[0]: reached(N[2], unreached=[N[1]]), N[1]: reached(N[3], unreached=[N[0]]),
-          N[2]: reached(N[0], N[3]), N[3]: reached(N[1], N[2])}
-RUNNING_6 = {p: state((0, 2) if p in (N[0], N[2]) else (2, 4), 6, running=True) for p in N[:4]}
-
-
-def test_a_frozen_peer_is_out_after_the_deadline_and_a_probe():
-    # n3 freezes after step 5 (SIGSTOP: its sockets stay open, it answers nothing). Step 6 is
-    # due 3 s after step 5 (the floor); the laggards, every peer, are asked to reach their
-    # neighbours; n3 does not answer: it is out, the stuck step is aborted at once (no waiting
-    # for a step boundary nobody reaches) and n3 is asked nothing more. It gets a STOP that it
-    # reads when it wakes.
-    n = Node(timings=WATCHED)
-    last = watched(n)
-    assert n.c.next_deadline() == last + 3.0
-    stuck_2x2(n, {N[0]: reached(N[1], N[2]), N[1]: reached(N[0], N[2], unreached=[N[3]]),
-                  N[2]: reached(N[0], N[1], unreached=[N[3]])}, last + 7.0)
-    n.answer("states", {p: RUNNING_6[p] for p in N[:3]}, last + 7.6)
-    n.answer("stop", everyone={"stopped": True}, at=last + 7.7)
-    n.tick()
-    n.answer("poll", {p: dict(RUNNING_6[p], running=False) for p in N[:3]}, last + 8.0)
-    n.compute("plan", last + 8.1)
-    n.answer("offer 0-2", everyone={"digest": D01}, at=last + 8.2)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=last + 8.2)
-    n.answer("alloc", everyone={"accepted": True}, at=last + 8.5)
-    n.answer("start", everyone={"started": True}, at=last + 8.6)
-    n.transcript("""
-        9 tick
-          ask probe deadline: RUN_STATE reach n0 n1 n2 n3 within 2 s -> n0 n1 n2 n3
-        13 answers probe deadline: n0 reached n1 n2, n1 reached n0 n2 not n3, n2 reached n0 n1 not n3, n3 -
-          ask fence 1: STOP at_step=6 abort=True epoch=1 -> n3
-        13.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2
-          phase: stopping
-        13.6 answers states: n0 0-2@6 running, n1 2-4@6 running, n2 0-2@6 running
-          ask stop: STOP at_step=7 abort=True epoch=1 -> n0 n1 n2
-        13.7 answers stop: n0 stopped, n1 stopped, n2 stopped
-        13.95 tick
-          ask poll: RUN_STATE query -> n0 n1 n2
-        14 answers poll: n0 0-2@6, n1 2-4@6, n2 0-2@6
-          compute plan
-          phase: planning
-        14.1 computed plan
-          ask offer 0-2: RUN_STATE offer step=6 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=6 layers=2-4 -> n1
-          phase: offering
-        14.2 answers offer 0-2: n0 01010101, n2 01010101
-        14.2 answers offer 2-4: n1 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 6..400 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 voters n0 n1 n2 n3 absent n3 n4 -> n0 n1 n2
-          phase: handing out
-        14.5 answers alloc: n0 accepted, n1 accepted, n2 accepted
-          ask start: START epoch=2 -> n0 n1
-        14.6 answers start: n0 started, n1 started
-          emit reconfigure term=1 epoch=2 trigger=peer n3 missed the step deadline (step 6, 3.0 s) and did not answer a probe within 4 s old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=6 rollback=False
-          phase: training
-    """)
-    assert n.planner.calls[-1]["live"] == N[:3]
-    assert n.c.next_deadline() == pytest.approx(14.6 + 20.0)  # the new epoch's first steps: first_s
-
-
-def test_a_cut_link_between_live_neighbours_is_left_out_until_a_ping_comes_back():
-    # n0 -> n1 (stages 0 and 1 of the first pipeline) is cut; n4 is a spare. Both ends answer the
-    # probe, neither reaches the other: the link is cut, the planner gets it and places around
-    # it. Then n0 is asked to ping n1 every 2 s: no answer, the link stays cut; then it heals
-    # and the next ping clears it.
-    n = Node(timings=WATCHED)
-    last = watched(n)
-    n.swarm.live.add(N[4])  # (joined after the start: the next look for joined peers is far off)
-    stuck_2x2(n, CUT_01, last + 5.0)
-    assert named(n.c.status().cut_links) == "n0-n1"
-    n.answer("states", {**RUNNING_6, N[4]: state(None, None)}, last + 5.6)
-    n.answer("stop", everyone={"stopped": True}, at=last + 5.7)
-    n.tick()
-    n.answer("poll", {**{p: dict(s, running=False) for p, s in RUNNING_6.items()}, N[4]: state(None, None)},
-             last + 6.0)
-    n.compute("plan", last + 6.1)
-    assert n.planner.calls[-1]["cut"] == [pair(N[0], N[1])]
-    n.answer("offer 0-2", everyone={"digest": D01}, at=last + 6.2)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=last + 6.2)
-    n.answer("alloc", everyone={"accepted": True}, at=last + 6.5)
-    n.answer("start", everyone={"started": True}, at=last + 6.6)
-    n.tick()
-    n.answer("probe links", at=n.now + 2.0)  # n0 does not reach n1 yet: asked again at once (2 s on)
-    n.answer("probe links", {N[0]: reached(N[1])}, at=n.now + 0.1)
-    n.transcript("""
-        9 tick
-          ask probe deadline: RUN_STATE reach n0 n1 n2 n3 within 2 s -> n0 n1 n2 n3
-        11 answers probe deadline: n0 reached n2 not n1, n1 reached n3 not n0, n2 reached n0 n3, n3 reached n1 n2
-        11.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3 n4
-          phase: stopping
-        11.6 answers states: n0 0-2@6 running, n1 2-4@6 running, n2 0-2@6 running, n3 2-4@6 running, n4 -@None
-          ask stop: STOP at_step=7 abort=True epoch=1 -> n0 n1 n2 n3
-        11.7 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
-        11.95 tick
-          ask poll: RUN_STATE query -> n0 n1 n2 n3 n4
-        12 answers poll: n0 0-2@6, n1 2-4@6, n2 0-2@6, n3 2-4@6, n4 -@None
-          compute plan
-          phase: planning
-        12.1 computed plan
-          ask offer 0-2: RUN_STATE offer step=6 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=6 layers=2-4 -> n1 n3
-          phase: offering
-        12.2 answers offer 0-2: n0 01010101, n2 01010101
-        12.2 answers offer 2-4: n1 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 6..400 [n0 n2 | n3 n1] spares n4 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 n3 n4 -> n0 n1 n2 n3 n4
-          phase: handing out
-        12.5 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted, n4 accepted
-          ask start: START epoch=2 -> n0 n1 n2 n3
-        12.6 answers start: n0 started, n1 started, n2 started, n3 started
-          emit reconfigure term=1 epoch=2 trigger=link n0-n1 failed step 6: both ends answer a probe, not each other's pings old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=6 rollback=False
-          phase: training
-        13 tick
-          ask probe links: RUN_STATE reach n1 within 2 s -> n0
-        15 answers probe links: n0 -
-          ask probe links: RUN_STATE reach n1 within 2 s -> n0
-        15.1 answers probe links: n0 reached n1
-    """)
-    assert not n.c.links and n.c.status().cut_links == "" and n.c.phase is Phase.TRAINING
-
-
-def test_a_run_no_allocation_can_route_around_a_cut_link_pauses_as_stalled_until_it_heals():
-    # 2 x 2 over n0..n3 and no spare, and the planner finds no layout without the cut link: the
-    # run pauses with the reason (status: stalled, why). A ping that comes back reconfigures at
-    # once.
-    n = Node(timings=WATCHED)
-    last = watched(n)
-    plan = n.planner.reshape
-    n.planner.reshape = lambda view, cur, **kw: plan(view, cur, **{**kw, "cut": frozenset()})  # type: ignore
-    stuck_2x2(n, CUT_01, last + 5.0)
-    n.answer("states", RUNNING_6, last + 5.6)
-    n.answer("stop", everyone={"stopped": True}, at=last + 5.7)
-    n.tick()
-    n.answer("poll", {p: dict(s, running=False) for p, s in RUNNING_6.items()}, last + 6.0)
-    n.lines.clear()
-    n.compute("plan", last + 6.1)
-    st = n.c.status()
-    assert st.stalled_since == 6.0 and st.stalled_reason.startswith(
-        "stalled: every allocation of the reachable peers uses a cut link (link ")
-    n.tick()
-    n.answer("probe links", {N[0]: reached(N[1])}, at=n.now + 0.2)
-    n.transcript("""
-        12.1 computed plan
-          emit paused term=1 epoch=1 trigger=link n0-n1 failed step 6: both ends answer a probe, not each other's pings reason=stalled: every allocation of the reachable peers uses a cut link (link n0-n1 failed step 6: both ends answer a probe, not each other's pings); waiting for it to heal
-          ask keep 1: RUN_STATE keep -> n0 n1 n2 n3
-          phase: paused
-        13 tick
-          ask probe links: RUN_STATE reach n1 within 2 s -> n0
-        13.2 answers probe links: n0 reached n1
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-    """)
-
-
 def test_a_loaded_machine_probes_slow_steps_and_excludes_nobody_over_200_steps():
     # Step times jitter (lognormal around 2 s) and one step in 20 stalls for 2-4x as long (a
     # loaded machine). Every probe is answered and every neighbour reached: no trigger, no
@@ -364,21 +204,9 @@ def test_the_coordinators_status_says_stalled_with_the_reason_and_how_long():
     assert st["state"] == "training" and st["issued"]["state"] == "training" and "stalled_s" not in st["issued"]
 
 
-def test_a_peer_frozen_right_after_its_report_is_asked_too_and_is_out():
-    # n3 reported step 6 and froze: the others wait for its acknowledgements. They are the
-    # laggards; n3, their neighbour, is asked with them and does not answer.
-    n = Node(timings=WATCHED)
-    last = watched(n)
-    n.feed(StepReported(N[3], RUN, report(1, 6)), last + 0.9)
-    n.lines.clear()
-    n.tick()
-    n.answer("probe deadline", {N[0]: reached(N[1], N[2]), N[1]: reached(N[0], N[2], unreached=[N[3]]),
-                                N[2]: reached(N[0], N[1], unreached=[N[3]])}, at=last + 7.0)
-    n.transcript("""
-        9 tick
-          ask probe deadline: RUN_STATE reach n0 n1 n2 n3 within 2 s -> n0 n1 n2 n3
-        13 answers probe deadline: n0 reached n1 n2, n1 reached n0 n2 not n3, n2 reached n0 n1 not n3, n3 -
-          ask fence 1: STOP at_step=6 abort=True epoch=1 -> n3
-    """)
-    n.tick()
-    assert n.lines[-2:] == ["  ask states: RUN_STATE query -> n0 n1 n2", "  phase: stopping"]
+# ---- the transcripts (tests/data/deadline/*.txt, played by tests/transcripts.py) -----------------
+
+
+@pytest.mark.parametrize("path", transcripts.files("deadline"), ids=lambda p: p.stem)
+def test_transcript(path):
+    transcripts.check(path)

@@ -2,12 +2,13 @@
 `handle(event, now)`, `phase`, `next_deadline()`, `status()`; `next_council`; the step log
 (control/coordinator/steplog.py).
 
-A test plays the shell around one coordinator, n0: it feeds events at times it picks, answers
-the machine's requests (`Ask`) with what each peer says, runs its `Compute`, and compares what
-the machine did with a transcript: one line per input, the actions under it, and the phase when
-it changes (tests/machine_trace.py writes them; tests/coordinator_fixtures.py's `Node` is that
-shell). n0's own answers to ALLOCATION, START and STOP come from its own epoch machine, as in
-the daemon. The protocol is in docs/control.md.
+A test plays the shell around one coordinator, n0 (tests/coordinator_fixtures.py's `Node`): it
+feeds events at times it picks, answers the machine's requests (`Ask`) with what each peer says
+and runs its `Compute`. n0's own answers to ALLOCATION, START and STOP come from its own epoch
+machine, as in the daemon. The scenarios told as transcripts (one line per input, the actions
+under it, and the phase when it changes) are data files, tests/data/coordinator/*.txt, played
+by tests/transcripts.py; the tests here check what a transcript does not show. The protocol is
+in docs/control.md.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ import random
 
 import msgpack
 import pytest
+import transcripts
 from coordinator_fixtures import (
     D01,
     D23,
     ME,
     PLACEMENT,
-    TIMINGS,
     WALL,
     Node,
     reschedule_op,
@@ -78,126 +79,6 @@ from dtfm.control.epoch.machine import (
 )
 
 
-# ---- the hand-out -----------------------------------------------------------------------------------
-
-
-def test_train_start_hands_the_allocation_out_then_starts_every_peer():
-    n = Node()
-    n.train_start(PLACEMENT)
-    n.answer("alloc", {N[1]: {"accepted": True, "role": "stage", "fetched_bytes": 0}}, 0.1,
-             everyone={"accepted": True, "role": "stage"})
-    n.answer("start", everyone={"started": True}, at=0.2)
-    n.transcript("""
-        0 train start
-          compute first
-        0 computed first
-          reset log
-          ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        0.1 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
-          ask start: START epoch=1 -> n0 n1 n2 n3
-        0.2 answers start: n0 started, n1 started, n2 started, n3 started
-          emit start term=1 epoch=1 trigger=train start old_shape=None new_shape=2x2 resume_step=0
-          reply op start: allocation term 1 epoch 1
-          phase: training
-    """)
-    assert n.election.last_applied == (1, 1) and n.epoch.current is not None and n.epoch.current.epoch == 1
-    st = n.c.status()
-    assert (st.run_id, st.epoch, st.completed, st.end_step) == (RUN, 1, -1, 100)
-    assert n.c.next_deadline() == pytest.approx(2.2)  # the next look for joined peers
-    n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=0.3), DATA_HASH, DATA_NAME), 0.3)
-    n.transcript("""
-        0.3 train start
-          reply op again: error (a run is in progress: `train stop` it first)
-    """)
-
-
-def test_a_peer_that_refuses_the_first_hand_out_is_left_out_and_the_run_starts_without_it():
-    # n2 refuses (another data set): the others are stopped, n2 is left out, and the run is
-    # placed again at once over the others and n4, which accept it: the operator's start succeeds.
-    n = Node(live=N[1:5])
-    n.train_start(PLACEMENT)
-    n.answer("alloc", {N[2]: {"accepted": False, "code": "data-mismatch", "reason": "another data set"}}, 0.1,
-             everyone={"accepted": True, "role": "stage"})
-    n.answer("unstop", everyone={"stopped": True}, at=0.2)
-    n.compute("first", 0.3)
-    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.4)
-    n.answer("start", everyone={"started": True}, at=0.5)
-    n.transcript("""
-        0 train start
-          compute first
-        0 computed first
-          reset log
-          ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        0.1 answers alloc: n0 accepted, n1 accepted, n2 not accepted, n3 accepted
-          emit left-out term=1 epoch=1 trigger=train start reason=n2 refused (data-mismatch: another data set), left out for 30 s more
-          ask unstop: STOP at_step=0 epoch=1 -> n0 n1 n3
-          phase: refused
-        0.2 answers unstop: n0 stopped, n1 stopped, n3 stopped
-          compute first
-        0.3 computed first
-          reset log
-          ask alloc: ALLOCATION term 1 epoch 2 steps 0..100 [n0 n1 | n3 n4] voters n0 n1 n2 n3 n4 absent n2 -> n0 n1 n3 n4
-          phase: handing out
-        0.4 answers alloc: n0 accepted, n1 accepted, n3 accepted, n4 accepted
-          ask start: START epoch=2 -> n0 n1 n3 n4
-        0.5 answers start: n0 started, n1 started, n3 started, n4 started
-          emit start term=1 epoch=2 trigger=train start old_shape=None new_shape=2x2 resume_step=0
-          reply op start: allocation term 1 epoch 2
-          phase: training
-    """)
-    assert [x.peer for x in n.c.status().left_out] == [N[2]]
-
-
-def test_a_hand_out_every_other_peer_refuses_stops_the_others_and_fails_the_start_with_every_refusal():
-    # Nobody is singled out when every other peer refuses (the allocation itself is refused).
-    n = Node()
-    n.train_start(PLACEMENT)
-    n.answer("alloc", {p: {"accepted": False, "code": "data-mismatch", "reason": "another data set"} for p in N[1:4]},
-             0.1)
-    n.answer("unstop", everyone={"stopped": True}, at=0.2)
-    n.transcript("""
-        0 train start
-          compute first
-        0 computed first
-          reset log
-          ask alloc: ALLOCATION term 1 epoch 1 steps 0..100 [n0 n1 | n2 n3] voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        0.1 answers alloc: n0 accepted, n1 not accepted, n2 not accepted, n3 not accepted
-          ask unstop: STOP at_step=0 epoch=1 -> n0
-          phase: refused
-        0.2 answers unstop: n0 stopped
-          reply op start: error (the allocation was refused: n1: another data set; n2: another data set; n3: another data set)
-    """)
-    assert n.c.status().left_out == ()
-
-
-def test_a_refused_run_is_not_reconfigured():
-    n = Node()
-    n.train_start(PLACEMENT)
-    n.answer("alloc", {p: {"accepted": False, "code": "data-mismatch", "reason": "another data set"} for p in N[1:4]},
-             0.1)
-    n.answer("unstop", everyone={"stopped": True}, at=0.2)
-    n.lines.clear()
-    n.feed(Trigger("peer n3 is dead"), 1.0)
-    n.tick(1.5)
-    n.transcript("""
-        1 trigger: peer n3 is dead
-        1.5 tick
-    """)
-
-
-def test_train_start_on_a_peer_that_is_not_the_coordinator_fails():
-    n = Node()
-    n.election.coordinator = N[1]
-    n.train_start(PLACEMENT)
-    n.transcript("""
-        0 train start
-          reply op start: error (this peer is no longer the coordinator)
-    """)
-
-
 # ---- step reports -----------------------------------------------------------------------------------
 
 
@@ -242,29 +123,6 @@ def test_steps_are_logged_once_every_peer_reported_them_and_lost_reports_are_fil
     assert [counts.get(c) for c in ("step-other-run", "step-not-peer", "step-other-epoch")] == [1, 1, 1]
 
 
-def test_a_run_finishes_at_its_last_step():
-    n = Node()
-    n.train_start(PLACEMENT, steps=2)
-    n.answer("alloc", everyone={"accepted": True}, at=0.1)
-    n.answer("start", everyone={"started": True}, at=0.2)
-    n.lines.clear()
-    for s in (0, 1):
-        for p in N[:4]:
-            n.feed(StepReported(p, RUN, report(1, s)), 1.0 + s)
-    assert n.lines[-3:] == ["  log step 1 loss 4.9 epoch 1",  # and events.jsonl says so, once
-                            "  emit finished term=1 epoch=1 trigger=last step reason=all 2 steps completed",
-                            "  phase: finished"]
-    n.lines.clear()
-    n.feed(Trigger("peer n3 is dead"), 3.0)  # a finished run is not reconfigured
-    n.tick(3.5)
-    n.tick(5.0)
-    n.transcript("""
-        3 trigger: peer n3 is dead
-        3.5 tick
-        5 tick
-    """)
-
-
 def test_backfill_logs_each_step_once_from_its_newest_run():
     # Steps 0-3 from the peers' reports: step 2 ran in epochs 1 and 3 (re-run after a rollback),
     # the epoch-3 run is logged; step 1 is logged already; step 3 has no report.
@@ -280,73 +138,10 @@ def test_backfill_logs_each_step_once_from_its_newest_run():
 # ---- reconfiguration --------------------------------------------------------------------------------
 
 
-def test_a_reconfiguration_goes_through_its_phases_in_order():
-    # n3 dies in step 2. The coordinator gathers the reports of it (n1's failed step waits for a
-    # check of the run states, and the new epoch makes it moot), asks every peer for its run
-    # state, aborts the step of those still running, polls until they stopped, plans from the
-    # resume point (n2 completed step 2, n0 and n1 did not: step 2 is where every stage is
-    # held), has the holders offer their stages, hands the new epoch out and starts it.
-    n = Node()
-    n.training(steps=2)
-    n.swarm.live.discard(N[3])
-    n.feed(Trigger("peer n3 is dead"), 5.0)
-    n.feed(StepFailed(N[1], RUN, 1, "CommError: n3 is gone"), 5.2)
-    n.tick()
-    n.answer("states", {N[0]: state((0, 2), 2, running=True), N[1]: state((2, 4), 2, running=True),
-                        N[2]: state((0, 2), 3, running=True)}, 5.8)
-    n.answer("stop", everyone={"stopped": True}, at=5.9)
-    n.tick()
-    n.answer("poll", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2), N[2]: state((0, 2), 3, running=True)}, 6.2)
-    n.tick()
-    n.answer("poll", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2),
-                      N[2]: state((0, 2), 3, reports=[report(1, 2)])}, 6.5)
-    n.compute("plan", 6.6)
-    n.answer("offer 0-2", {N[0]: {"digest": D01, "bytes": 1}, N[2]: {"digest": D01, "bytes": 1}}, 6.7)
-    n.answer("offer 2-4", {N[1]: {"digest": D23, "bytes": 1}}, 6.8)
-    n.answer("alloc", {N[2]: {"accepted": True, "role": "spare"}}, 7.0,
-             everyone={"accepted": True, "role": "stage", "fetched_bytes": 10, "fetch_s": 0.5})
-    n.answer("start", everyone={"started": True}, at=7.1)
-    n.transcript("""
-        5 trigger: peer n3 is dead
-        5.2 STEP of epoch 1 failed at n1: CommError: n3 is gone
-        5.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        5.8 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@3 running, n3 -
-          ask stop: STOP at_step=4 abort=True epoch=1 -> n0 n1 n2
-        5.9 answers stop: n0 stopped, n1 stopped, n2 stopped
-        6.15 tick
-          ask poll: RUN_STATE query -> n0 n1 n2 n3
-        6.2 answers poll: n0 0-2@2, n1 2-4@2, n2 0-2@3 running, n3 -
-        6.45 tick
-          ask poll: RUN_STATE query -> n0 n1 n2 n3
-        6.5 answers poll: n0 0-2@2, n1 2-4@2, n2 0-2@3, n3 -
-          compute plan
-          phase: planning
-        6.6 computed plan
-          ask offer 0-2: RUN_STATE offer step=2 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=2 layers=2-4 -> n1
-          phase: offering
-        6.7 answers offer 0-2: n0 01010101, n2 01010101
-        6.8 answers offer 2-4: n1 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 voters n0 n1 n2 absent n3 n4 -> n0 n1 n2
-          phase: handing out
-        7 answers alloc: n0 accepted, n1 accepted, n2 accepted
-          ask start: START epoch=2 -> n0 n1
-        7.1 answers start: n0 started, n1 started
-          emit reconfigure term=1 epoch=2 trigger=peer n3 is dead old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False
-          phase: training
-    """)
-    assert n.planner.calls == [{"live": N[:3], "remaining_steps": 98, "seed": 1, "force": False}]
-    rec = n.c.status().last_reconfig
-    assert rec is not None and rec.bytes_moved == 10 and rec.transfer_s == 0.5
-    assert (rec.stop_s, rec.schedule_s, rec.offer_s, rec.handout_s) == pytest.approx((1.0, 0.1, 0.2, 0.3))
-    assert n.c.status().epoch == 2 and n.election.last_applied == (1, 2) and n.election.voters == tuple(N[:3])
-
-
 def test_a_coordinator_that_stepped_down_mid_reconfiguration_hands_nothing_out():
-    # As in the test above, but the election deposes n0 while the offers are out: it hands out
-    # no allocation (it would carry no certificate of its own, or its successor's).
+    # As in tests/data/coordinator/a_reconfiguration_goes_through_its_phases_in_order.txt, but the
+    # election deposes n0 while the offers are out: it hands out no allocation (it would carry no
+    # certificate of its own, or its successor's).
     n = Node()
     n.training(steps=2)
     n.swarm.live.discard(N[3])
@@ -379,7 +174,7 @@ def test_a_minority_of_voters_does_not_reconfigure_and_waits_for_the_others():
             if what in n.asks:
                 probes += what == "probe holders"
                 n.answer(what, {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2)} if what == "states" else {})
-    assert probes > n.c.t.max_reconfig_attempts and n.c.phase is Phase.PAUSED and not n.epoch.run_over()
+    assert probes > n.c.timings.max_reconfig_attempts and n.c.phase is Phase.PAUSED and not n.epoch.run_over()
     while "probe holders" not in n.asks:
         n.tick()
     n.answer("probe holders", {N[2]: state((0, 2), 2)})
@@ -393,7 +188,7 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
     n = Node()
     n.training()
     n.feed(Trigger("peer n3 is dead"), 5.0)
-    for _ in range(n.c.t.max_reconfig_attempts):
+    for _ in range(n.c.timings.max_reconfig_attempts):
         n.tick()
         if "states" not in n.asks:
             n.tick()
@@ -402,24 +197,11 @@ def test_reconfigurations_that_keep_failing_stop_the_run():
         n.answer("offer 0-2", everyone={"digest": D01, "bytes": 1})
         n.answer("offer 2-4", {})
     assert n.c.phase is Phase.STOPPED
-    assert n.c.reason == (f"{n.c.t.max_reconfig_attempts} reconfigurations failed, the last: no holder of layers "
+    assert n.c.reason == (f"{n.c.timings.max_reconfig_attempts} reconfigurations failed, the last: no holder of layers "
                           "(2, 4) could offer them at step 2")
     n.tick(40.0)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.run_over() and n.epoch.over_without_finishing(RUN)
     assert n.c.next_deadline() == 42.0  # it looks, and does nothing: the run is over
-
-
-def holders_restarted(n: Node) -> dict:
-    """Training 2 x 2 (`Node.training`), then n1 and n3, the holders of layers 2-4, restart and
-    hold nothing: n1 fails step 1 at 4.9, the probe and the states (answered at 5.6) confirm it.
-    Their RUN_STATE answer."""
-    n.training()
-    restarted = state(None, None)
-    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
-    n.answer("probe failed", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.0)
-    n.tick()
-    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 5.6)
-    return restarted
 
 
 def holders_out_of_reach(n: Node) -> None:
@@ -430,185 +212,6 @@ def holders_out_of_reach(n: Node) -> None:
     n.answer("probe failed", {N[0]: state((0, 2), 2), N[2]: state((0, 2), 2)}, 5.0)
     n.tick()
     n.answer("states", {N[0]: state((0, 2), 2), N[2]: state((0, 2), 2)}, 5.6)
-
-
-def test_a_stage_without_a_holder_rolls_the_swarm_back_to_the_initial_weights():
-    # n1 and n3, the holders of layers 2-4, restarted before any checkpoint and hold nothing.
-    # Step 0 is a checkpoint every peer of the run rebuilds (from the run's seed): the swarm
-    # rolls back to it, every peer of the run offering both stages, and says so (2 steps lost).
-    n = Node()
-    holders_restarted(n)
-    n.compute("plan", 5.7)
-    n.answer("offer 0-2", everyone={"digest": D01}, at=5.8)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=5.8)
-    n.answer("alloc", everyone={"accepted": True}, at=6.0)
-    n.answer("start", everyone={"started": True}, at=6.1)
-    n.transcript("""
-        4.9 STEP of epoch 1 failed at n1: restarted: holds no stage
-          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
-        5 answers probe failed: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None
-        5.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        5.6 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None
-          compute plan
-          phase: planning
-        5.7 computed plan
-          ask offer 0-2: RUN_STATE offer step=0 layers=0-2 -> n0 n1 n2 n3
-          ask offer 2-4: RUN_STATE offer step=0 layers=2-4 -> n0 n1 n2 n3
-          phase: offering
-        5.8 answers offer 0-2: n0 01010101, n1 01010101, n2 01010101, n3 01010101
-        5.8 answers offer 2-4: n0 23232323, n1 23232323, n2 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 0..100 [n0 n1 | n2 n3] holdings 0-2:01010101@n0 n1 n2 n3 2-4:23232323@n0 n1 n2 n3 voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        6 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
-          ask start: START epoch=2 -> n0 n1 n2 n3
-        6.1 answers start: n0 started, n1 started, n2 started, n3 started
-          emit rollback term=1 epoch=2 trigger=peer n1: restarted: holds no stage old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=0 rollback=True restored_from=initial steps_lost=2
-          phase: training
-    """)
-    assert n.c.status().last_reconfig.restored_from == "initial"
-
-
-def test_a_run_without_a_quorum_pauses_until_a_peer_out_of_reach_answers():
-    # n1 and n3 do not answer: two of the four voters are reachable, so the run pauses, and the
-    # peers it reaches write their stages to disk. It asks the peers out of reach again; once n1 answers (restarted, holding nothing), a quorum is
-    # reachable and it reconfigures.
-    n = Node()
-    holders_out_of_reach(n)
-    assert "only 2 of 4 voters are reachable" in n.c.status().reason
-    # the peers it reaches keep what they hold on disk while the run waits
-    assert n.asks["keep 1"].body == {"op": "keep", "run": RUN}
-    n.answer("keep 1", everyone={"kept": [[0, 2, 2]]})
-    n.tick()
-    n.answer("probe holders", at=n.now + 1.0)  # (no answer: still out of reach)
-    n.tick()
-    n.answer("probe holders", {N[1]: state(None, None)}, n.now + 0.1)
-    n.answer("states", {N[0]: state((0, 2), 2), N[1]: state(None, None), N[2]: state((0, 2), 2)}, n.now + 0.1)
-    n.transcript("""
-        4.9 STEP of epoch 1 failed at n1: connection lost
-          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
-        5 answers probe failed: n0 0-2@2, n1 -, n2 0-2@2, n3 -
-        5.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        5.6 answers states: n0 0-2@2, n1 -, n2 0-2@2, n3 -
-          emit paused term=1 epoch=1 trigger=peer n1: connection lost reason=only 2 of 4 voters are reachable, 3 needed: a side without a quorum does not reconfigure
-          ask keep 1: RUN_STATE keep -> n0 n2
-          phase: paused
-        5.6 answers keep 1: n0 -, n2 -
-        7.5 tick
-          ask probe holders: RUN_STATE query -> n1 n3
-        8.5 answers probe holders: n1 -, n3 -
-        9.5 tick
-          ask probe holders: RUN_STATE query -> n1 n3
-        9.6 answers probe holders: n1 -@None, n3 -
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        9.7 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -
-          compute plan
-          phase: planning
-    """)
-    n.compute("plan", 9.8)  # (n1 restarted holding nothing: layers 2-4 from step 0, as every peer rebuilds it)
-    offer = n.asks["offer 2-4"]
-    assert offer.body["step"] == 0 and set(offer.peers) == {N[0], N[1], N[2]}
-
-
-def test_stages_held_only_in_checkpoints_roll_the_swarm_back():
-    # n1 and n3, the holders of layers 2-4, restarted; each saved a checkpoint at step 2 (so did
-    # n0 of layers 0-2). Steps 2 and 3, already logged, run again: the swarm rolls back.
-    n = Node()
-    n.training(steps=4)
-    restarted = state(None, None, checkpoints=[(2, 4, 2)])
-    n.feed(StepFailed(N[1], RUN, 1, "restarted: holds no stage"), 4.9)
-    n.answer("probe failed", {N[1]: restarted, N[3]: restarted}, 5.0, everyone=state((0, 2), 4, running=True))
-    n.tick()
-    n.answer("states", {N[0]: state((0, 2), 4, checkpoints=[(0, 2, 2)]), N[1]: restarted,
-                        N[2]: state((0, 2), 4), N[3]: restarted}, 5.6)
-    n.compute("plan", 5.7)
-    n.answer("offer 0-2", everyone={"digest": D01}, at=5.8)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=5.8)
-    n.answer("alloc", everyone={"accepted": True}, at=6.0)
-    n.answer("start", everyone={"started": True}, at=6.1)
-    n.transcript("""
-        4.9 STEP of epoch 1 failed at n1: restarted: holds no stage
-          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
-        5 answers probe failed: n0 0-2@4 running, n1 -@None, n2 0-2@4 running, n3 -@None
-        5.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        5.6 answers states: n0 0-2@4, n1 -@None, n2 0-2@4, n3 -@None
-          compute plan
-          phase: planning
-        5.7 computed plan
-          ask offer 0-2: RUN_STATE offer step=2 layers=0-2 -> n0
-          ask offer 2-4: RUN_STATE offer step=2 layers=2-4 -> n1 n3
-          phase: offering
-        5.8 answers offer 0-2: n0 01010101
-        5.8 answers offer 2-4: n1 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1 | n2 n3] holdings 0-2:01010101@n0 2-4:23232323@n1 n3 voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        6 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
-          ask start: START epoch=2 -> n0 n1 n2 n3
-        6.1 answers start: n0 started, n1 started, n2 started, n3 started
-          emit rollback term=1 epoch=2 trigger=peer n1: restarted: holds no stage old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=True restored_from=checkpoint steps_lost=2
-          phase: training
-    """)
-
-
-def test_an_operators_reschedule_is_answered():
-    n = Node()
-    n.feed(Reschedule(("op", 1), reschedule_op(0.0)), 0.0)
-    n.transcript("""
-        0 train reschedule
-          reply op 1: error (no training run is in progress)
-    """)
-    n.training()
-    n.election.coordinator = N[1]
-    n.feed(Reschedule(("op", 2), reschedule_op(3.0)), 3.0)
-    n.election.coordinator = ME
-    n.feed(Reschedule(("op", 3), reschedule_op(3.1)), 3.1)
-    running = {N[0]: state((0, 2), 2, running=True), N[1]: state((2, 4), 2, running=True),
-               N[2]: state((0, 2), 2, running=True), N[3]: state((2, 4), 2, running=True)}
-    n.answer("states", running, 3.2)
-    n.answer("stop", everyone={"stopped": True}, at=3.3)
-    n.tick()
-    n.answer("poll", {p: dict(s, running=False, at=3, prev=2) for p, s in running.items()}, 3.6)
-    n.compute("plan", 3.7)
-    n.answer("offer 0-2", everyone={"digest": D01}, at=3.8)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=3.8)
-    n.answer("alloc", everyone={"accepted": True}, at=3.9)
-    n.answer("start", everyone={"started": True}, at=4.0)
-    n.transcript("""
-        3 train reschedule
-          reply op 2: error (this peer is no longer the coordinator)
-        3.1 train reschedule
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        3.2 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@2 running, n3 2-4@2 running
-          ask stop: STOP at_step=3 abort=False epoch=1 -> n0 n1 n2 n3
-        3.3 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
-        3.55 tick
-          ask poll: RUN_STATE query -> n0 n1 n2 n3
-        3.6 answers poll: n0 0-2@3, n1 2-4@3, n2 0-2@3, n3 2-4@3
-          compute plan
-          phase: planning
-        3.7 computed plan
-          ask offer 0-2: RUN_STATE offer step=3 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=3 layers=2-4 -> n1 n3
-          phase: offering
-        3.8 answers offer 0-2: n0 01010101, n2 01010101
-        3.8 answers offer 2-4: n1 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 3..100 [n0 n1 | n2 n3] holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        3.9 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
-          ask start: START epoch=2 -> n0 n1 n2 n3
-        4 answers start: n0 started, n1 started, n2 started, n3 started
-          emit reconfigure term=1 epoch=2 trigger=operator asked old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=3 rollback=False
-          reply op 3: term=1 epoch=2 old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=3 rollback=False reason=operator asked
-          phase: training
-    """)
-    assert n.planner.calls[-1]["force"] is True
 
 
 def _costly(actions) -> list:
@@ -695,83 +298,6 @@ def test_reschedules_not_signed_by_an_operator_for_this_run_now_are_refused_befo
     assert len(n.planner.calls) == 0
 
 
-def test_the_operators_stop_goes_to_every_peer_of_the_run_with_the_signed_stop():
-    n = Node(wall=WALL)
-    n.training()
-    for k, (op, words) in enumerate([(None, "none was given"), (stop_op(3.0, key=INTRUDER, wall=WALL), "not an operator"),
-                                     (stop_op(3.0, run=b"o" * 16, wall=WALL), "not run 72727272"),
-                                     (reschedule_op(3.0, wall=WALL), "carries an operator's reschedule")]):
-        out = n.feed(StopRun(("op", k), op), 3.0)
-        assert _costly(out) == [] and words in named(out[0].error), (words, out)
-    assert not n.epoch.run_over()
-    n.lines.clear()
-    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
-    n.answer("opstop 1", {N[1]: {"stopped": True}, N[2]: {"stopped": True}, N[3]: {"stopped": False}}, 3.1)
-    n.feed(Reschedule(("op", "late"), reschedule_op(3.2, wall=WALL)), 3.2)
-    n.transcript("""
-        3 train stop
-          emit operator-stop term=1 epoch=1 trigger=train stop reason=an operator stopped the run after step 2
-          ask opstop 1: STOP at_step=2 final=True signed -> n0 n1 n2 n3
-        3.1 answers opstop 1: n0 stopped, n1 stopped, n2 stopped, n3 not stopped
-          reply op stop: at_step=2 told=3
-        3.2 train reschedule
-          reply op late: error (no training run is in progress)
-    """)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
-
-
-def test_an_operators_resume_brings_a_stopped_run_back_from_its_checkpoints():
-    # The operator stopped the run before step 2; n1 and n3 restarted since and hold layers 2-4
-    # only in their stop checkpoints (step 2). A resume while it runs, of another run, unsigned
-    # or by an outsider is refused at once; the resume is a reconfiguration of the same run
-    # from step 2, with the run's own end step.
-    n = Node(wall=WALL)
-    n.training()
-    out = n.feed(ResumeRun(("op", "early"), resume_op(3.0, wall=WALL)), 3.0)
-    assert _costly(out) == [] and "is still running" in out[0].error
-    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
-    n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
-    for k, (op, words) in enumerate([(None, "none was given"), (resume_op(4.0, key=INTRUDER, wall=WALL), "not an operator"),
-                                     (resume_op(4.0, run=b"o" * 16, wall=WALL), "only the swarm's last run (72727272)"),
-                                     (stop_op(4.0, wall=WALL), "carries an operator's stop"),
-                                     (resume_op(-400.0, wall=WALL), "signed 404 s ago")]):
-        out = n.feed(ResumeRun(("op", k), op), 4.0)
-        assert _costly(out) == [] and words in named(out[0].error), (words, out)
-    assert n.epoch.stopped_by_operator(RUN)
-    n.lines.clear()
-    n.feed(ResumeRun(("op", "resume"), resume_op(4.0, wall=WALL)), 4.0)
-    assert not n.epoch.run_over()
-    restarted = state(None, None, checkpoints=[(2, 4, 2)])
-    n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 4.1)
-    n.compute("plan", 4.2)
-    n.answer("offer 0-2", everyone={"digest": D01}, at=4.3)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=4.3)
-    n.answer("alloc", everyone={"accepted": True}, at=4.4)
-    n.answer("start", everyone={"started": True}, at=4.5)
-    n.transcript("""
-        4 train resume
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        4.1 answers states: n0 0-2@2, n1 -@None, n2 0-2@2, n3 -@None
-          compute plan
-          phase: planning
-        4.2 computed plan
-          ask offer 0-2: RUN_STATE offer step=2 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=2 layers=2-4 -> n1 n3
-          phase: offering
-        4.3 answers offer 0-2: n0 01010101, n2 01010101
-        4.3 answers offer 2-4: n1 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1 | n2 n3] holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 n3 absent n4 -> n0 n1 n2 n3
-          phase: handing out
-        4.4 answers alloc: n0 accepted, n1 accepted, n2 accepted, n3 accepted
-          ask start: START epoch=2 -> n0 n1 n2 n3
-        4.5 answers start: n0 started, n1 started, n2 started, n3 started
-          emit reconfigure term=1 epoch=2 trigger=train resume old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=False
-          reply op resume: term=1 epoch=2 old_shape=2x2 new_shape=2x2 kind=reschedule resume_step=2 rollback=False reason=train resume
-          phase: training
-    """)
-
-
 def test_an_operators_stop_taken_during_a_reconfiguration_ends_the_run_and_nothing_is_handed_out():
     # A chaos soak's last `train stop` arrived while the coordinator planned a reconfiguration:
     # the planned epoch was handed out anyway and the run trained on. The stop is taken at once
@@ -812,7 +338,7 @@ def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights
     [reply] = [a for a in out if isinstance(a, Reply)]
     assert reply.error is None and reply.value["resume_step"] == 0
     assert reply.value["restored_from"] == "initial" and reply.value["steps_lost"] == 2
-    assert n.c.phase is Phase.TRAINING and not n.epoch.stopped_by_operator(RUN)
+    assert n.c.phase is Phase.TRAINING and not n.epoch.over_without_finishing(RUN)
 
 
 def _stopped_then_resumed(n: Node, stop: SignedOp, resume: SignedOp) -> SignedAllocation:
@@ -854,7 +380,7 @@ def test_a_copied_stop_cannot_end_the_run_once_it_was_resumed():
     # a copy of the resume (taken once) does not resume the run the operator stopped again
     out = n.feed(ResumeRun(("op", "resume copy"), resume), 7.0)
     assert _costly(out) == [] and "this resume was taken already" in out[0].error
-    assert n.epoch.stopped_by_operator(RUN)
+    assert n.epoch.over_without_finishing(RUN)
 
 
 def test_a_new_coordinator_refuses_copies_of_the_operations_its_predecessor_took():
@@ -904,239 +430,7 @@ def test_which_runs_may_be_resumed(asked, last, stopped, over, words):
     assert (refusal is None) if words is None else (words in refusal)
 
 
-def test_a_new_coordinator_takes_the_run_over_and_back_fills_the_log():
-    # n1 handed epoch 1 out and died; n0 is elected in term 2. It reconfigures at once and logs
-    # the steps before the resume point that the peers' reports cover (n1's log is lost with it).
-    n = Node()
-    n.election.coordinator = N[1]
-    n.local_epoch(alloc(issuer=N[1]))
-    n.swarm.live.discard(N[1])
-    n.election.term, n.election.coordinator = 2, ME
-    n.feed(Elected(2), 10.0)
-    n.tick()
-    kept = [report(1, s) for s in range(3)]
-    n.answer("states", {N[0]: state((0, 2), 3, reports=kept), N[2]: state((0, 2), 3, reports=kept),
-                        N[3]: state((2, 4), 3, reports=kept)}, 10.6)
-    n.compute("plan", 10.7)
-    n.answer("offer 0-2", everyone={"digest": D01}, at=10.8)
-    n.answer("offer 2-4", everyone={"digest": D23}, at=10.8)
-    n.transcript("""
-        10 elected in term 2
-          emit coordinator term=2 trigger=elected
-        10.5 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        10.6 answers states: n0 0-2@3, n1 -, n2 0-2@3, n3 2-4@3
-          compute plan
-          phase: planning
-        10.7 computed plan
-          ask offer 0-2: RUN_STATE offer step=3 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=3 layers=2-4 -> n3
-          phase: offering
-        10.8 answers offer 0-2: n0 01010101, n2 01010101
-        10.8 answers offer 2-4: n3 23232323
-          log step 0 loss 5.0 epoch 1 backfilled
-          log step 1 loss 4.9 epoch 1 backfilled
-          log step 2 loss 4.8 epoch 1 backfilled
-          ask alloc: ALLOCATION term 2 epoch 2 steps 3..100 [n0 n2] spares n3 holdings 0-2:01010101@n0 n2 2-4:23232323@n3 voters n0 n2 n3 absent n1 n4 -> n0 n2 n3
-          phase: handing out
-    """)
-    assert n.c.status().last_reconfig is None  # not started yet
-
-
-def test_a_re_elected_coordinator_checks_that_its_epoch_still_runs():
-    n = Node()
-    n.training()
-    n.election.term = 2
-    n.feed(Elected(2), 5.0)
-    running = {p: state((0, 2), 2, running=True) for p in N[:4]}
-    n.answer("probe epoch", running, 5.1)
-    n.feed(Elected(2), 6.0)  # elected again (say after a step down), and n3's stage stopped meanwhile
-    n.answer("probe epoch", {**running, N[3]: state((2, 4), 2)}, 6.1)
-    n.transcript("""
-        5 elected in term 2
-          emit coordinator term=2 trigger=elected
-          ask probe epoch: RUN_STATE query -> n0 n1 n2 n3
-        5.1 answers probe epoch: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2 running, n3 0-2@2 running
-        6 elected in term 2
-          emit coordinator term=2 trigger=elected
-          ask probe epoch: RUN_STATE query -> n0 n1 n2 n3
-        6.1 answers probe epoch: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2 running, n3 2-4@2
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-    """)
-
-
-def test_a_joined_peer_is_placed_once_its_links_are_measured():
-    n = Node()
-    n.training()
-    n.swarm.live.add(N[4])
-    n.swarm.unmeasured.add(N[4])
-    n.tick(2.2)
-    n.answer("probe joined", {N[4]: state(None, None, run=b"", epoch=0)}, 2.3)
-    n.swarm.unmeasured.clear()
-    n.tick(4.2)
-    n.answer("probe joined", {N[4]: state(None, None, run=b"", epoch=0)}, 4.3)
-    n.transcript("""
-        2.2 tick
-          ask probe joined: RUN_STATE query -> n4
-        2.3 answers probe joined: n4 -@None
-        4.2 tick
-          ask probe joined: RUN_STATE query -> n4
-        4.3 answers probe joined: n4 -@None
-          ask states: RUN_STATE query -> n0 n1 n2 n3 n4
-          phase: stopping
-    """)
-
-
-def test_joined_peers_are_taken_in_as_a_wave_once_joins_settle():
-    # settle 3 s, wait at most 10 s: n4 is seen at 2.3, n5 at 4.3 (the wave's quiet time starts
-    # again), nobody new at 6.3; at 8.3 the wave has been quiet for 4 s: one reconfiguration for
-    # both. A joiner that goes away meanwhile leaves the wave.
-    n = Node(timings=dataclasses.replace(TIMINGS, join_settle_s=3.0, join_wait_max_s=10.0))
-    n.training()
-    joined = {N[4]: state(None, None, run=b"", epoch=0)}
-    n.swarm.live.add(N[4])
-    n.tick(2.2)
-    n.answer("probe joined", joined, 2.3)
-    n.swarm.live.add(N[5])
-    joined[N[5]] = state(None, None, run=b"", epoch=0)
-    n.tick(4.2)
-    n.answer("probe joined", joined, 4.3)
-    n.tick(6.2)
-    n.answer("probe joined", joined, 6.3)
-    n.tick(8.2)
-    n.answer("probe joined", joined, 8.3)
-    n.transcript("""
-        2.2 tick
-          ask probe joined: RUN_STATE query -> n4
-        2.3 answers probe joined: n4 -@None
-        4.2 tick
-          ask probe joined: RUN_STATE query -> n4 n5
-        4.3 answers probe joined: n4 -@None, n5 -@None
-        6.2 tick
-          ask probe joined: RUN_STATE query -> n4 n5
-        6.3 answers probe joined: n4 -@None, n5 -@None
-        8.2 tick
-          ask probe joined: RUN_STATE query -> n4 n5
-        8.3 answers probe joined: n4 -@None, n5 -@None
-          ask states: RUN_STATE query -> n0 n1 n2 n3 n4 n5
-          phase: stopping
-    """)
-    assert n.c.joins.wait_s(8.3) == math.inf  # (the reconfiguration takes every live peer)
-
-
-def test_a_faster_allocation_on_the_measured_network_reconfigures():
-    n = Node(timings=dataclasses.replace(TIMINGS, drift_check_s=30.0))
-    n.training()
-    n.planner.kind = "keep"
-    n.tick(30.2)
-    n.compute("drift", 31.0)
-    n.planner.kind = "reschedule"
-    n.tick(60.2)
-    n.compute("drift", 61.0)
-    n.transcript("""
-        30.2 tick
-          compute drift
-        31 computed drift
-        60.2 tick
-          compute drift
-        61 computed drift
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-    """)
-    assert [c["force"] for c in n.planner.calls] == [False, False]
-
-
-def test_a_failed_step_of_an_older_epoch_is_not_a_trigger():
-    n = Node()
-    n.training()
-    n.feed(StepFailed(N[1], RUN, 0, "late"), 3.0)
-    n.feed(StepFailed(N[1], b"o" * 16, 1, "another run"), 3.0)
-    n.tick(3.5)
-    n.transcript("""
-        3 STEP of epoch 0 failed at n1: late
-        3 STEP of epoch 1 failed at n1: another run
-        3.5 tick
-    """)
-    assert n.c.next_deadline() == 5.0  # its next look for joined peers
-
-
 # ---- who may report what ----------------------------------------------------------------------------
-
-
-def test_a_failed_step_from_a_peer_outside_the_epoch_triggers_nothing():
-    # The review's forged failure: n4 (a member, no stage) and n5 (not even a member) say a step
-    # failed, with the run's id and epoch; n1, a peer of the epoch, says so of another run.
-    n = Node()
-    n.training()
-    n.feed(StepFailed(N[4], RUN, 1, "forged"), 3.0)
-    n.feed(StepFailed(N[5], RUN, 1, "forged"), 3.0)
-    n.feed(StepFailed(N[1], b"o" * 16, 1, "forged"), 3.0)
-    n.tick(3.5)
-    n.tick(5.0)
-    n.transcript("""
-        3 STEP of epoch 1 failed at n4: forged
-        3 STEP of epoch 1 failed at n5: forged
-        3 STEP of epoch 1 failed at n1: forged
-        3.5 tick
-        5 tick
-    """)
-    assert not n.asks and not n.computes and n.c.phase is Phase.TRAINING
-    assert n.c.refusals.counts() == {"failed-not-peer": 2, "failed-other-run": 1}
-
-
-def test_a_failed_step_while_every_other_peer_steps_does_not_reconfigure(caplog):
-    # n1, a peer of the epoch, says its step failed while it (and everyone) steps on: the run
-    # states contradict it, so it is ignored and logged; checked again at the next check while
-    # the log stands still; a second report of n1 in this epoch is refused; once the epoch steps
-    # more than STEP_WINDOW steps on, it is dropped.
-    n = Node()
-    n.training()
-    stepping = state((0, 2), 2, running=True)
-    n.feed(StepFailed(N[1], RUN, 1, "a neighbour's step failed"), 3.0)
-    n.answer("probe failed", everyone=stepping, at=3.1)
-    n.feed(StepFailed(N[1], RUN, 1, "again"), 3.2)
-    n.tick(5.0)
-    n.answer("probe failed", everyone=stepping, at=5.1)
-    n.transcript("""
-        3 STEP of epoch 1 failed at n1: a neighbour's step failed
-          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
-        3.1 answers probe failed: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2 running, n3 0-2@2 running
-        3.2 STEP of epoch 1 failed at n1: again
-        5 tick
-          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
-        5.1 answers probe failed: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2 running, n3 0-2@2 running
-    """)
-    assert "while every other peer of it is stepping: ignored" in caplog.text
-    for s in range(2, 2 + STEP_WINDOW + 1):
-        for p in N[:4]:
-            n.feed(StepReported(p, RUN, report(1, s)), 6.0)
-    n.lines.clear()
-    n.tick(7.0)
-    n.transcript("""
-        7 tick
-    """)
-    assert n.c.phase is Phase.TRAINING and not n.asks
-    assert n.c.refusals.counts()["failed-contradicted"] == 1 and n.c.refusals.counts()["failed-repeated"] == 1
-
-
-def test_a_failed_step_the_run_states_confirm_reconfigures():
-    # n3's step failed and n2, its neighbour, stopped too: the reconfiguration goes ahead.
-    n = Node()
-    n.training()
-    n.feed(StepFailed(N[3], RUN, 1, "CUDA error"), 3.0)
-    n.answer("probe failed", {N[2]: state((0, 2), 2), N[3]: state((2, 4), 2)}, 3.1,
-             everyone=state((0, 2), 2, running=True))
-    n.tick()
-    n.transcript("""
-        3 STEP of epoch 1 failed at n3: CUDA error
-          ask probe failed: RUN_STATE query -> n0 n1 n2 n3
-        3.1 answers probe failed: n0 0-2@2 running, n1 0-2@2 running, n2 0-2@2, n3 2-4@2
-        3.6 tick
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-    """)
 
 
 def _epoch(pipelines=((N[0], N[1]), (N[2], N[3]))):
@@ -1386,65 +680,6 @@ def test_a_step_line_sums_the_bytes_its_reports_sent_per_axis():
 # ---- a planned leave ------------------------------------------------------------------------------
 
 
-def test_a_planned_leave_hands_the_peers_stage_off_at_a_step_boundary_before_it_goes():
-    # n3 says it leaves while the run steps. The coordinator stops every peer before the next
-    # step (no abort: every peer is there), plans without n3, has the holders (n3 among them,
-    # from its memory) offer their stages, hands the epoch out without n3 and answers n3 once
-    # it started: a `leave` event, not a failure or a rollback. n3 stays a voter until gossip
-    # has it gone (every peer checks a removal from the council against its own gossip).
-    n = Node()
-    n.training(steps=2)
-    n.feed(PeerLeaving(("leave", 1), N[3]), 3.0)
-    n.answer("states", {p: state(r, 2, running=True) for p, r in zip(N[:4], [(0, 2), (2, 4), (0, 2), (2, 4)])}, 3.1)
-    n.answer("stop", everyone={"stopped": True}, at=3.2)
-    n.tick()
-    n.answer("poll", {p: state(r, 2) for p, r in zip(N[:4], [(0, 2), (2, 4), (0, 2), (2, 4)])}, 3.5)
-    n.compute("plan", 3.6)
-    n.answer("offer 0-2", {N[0]: {"digest": D01}, N[2]: {"digest": D01}}, 3.7)
-    n.answer("offer 2-4", {N[1]: {"digest": D23}, N[3]: {"digest": D23}}, 3.8)
-    n.answer("alloc", {N[2]: {"accepted": True, "role": "spare"}}, 4.0, everyone={"accepted": True, "role": "stage"})
-    out = n.answer("start", everyone={"started": True}, at=4.1)
-    n.transcript("""
-        3 LEAVE from n3
-          ask states: RUN_STATE query -> n0 n1 n2 n3
-          phase: stopping
-        3.1 answers states: n0 0-2@2 running, n1 2-4@2 running, n2 0-2@2 running, n3 2-4@2 running
-          ask stop: STOP at_step=3 abort=False epoch=1 -> n0 n1 n2 n3
-        3.2 answers stop: n0 stopped, n1 stopped, n2 stopped, n3 stopped
-        3.45 tick
-          ask poll: RUN_STATE query -> n0 n1 n2 n3
-        3.5 answers poll: n0 0-2@2, n1 2-4@2, n2 0-2@2, n3 2-4@2
-          compute plan
-          phase: planning
-        3.6 computed plan
-          ask offer 0-2: RUN_STATE offer step=2 layers=0-2 -> n0 n2
-          ask offer 2-4: RUN_STATE offer step=2 layers=2-4 -> n1 n3
-          phase: offering
-        3.7 answers offer 0-2: n0 01010101, n2 01010101
-        3.8 answers offer 2-4: n1 23232323, n3 23232323
-          ask alloc: ALLOCATION term 1 epoch 2 steps 2..100 [n0 n1] spares n2 holdings 0-2:01010101@n0 n2 2-4:23232323@n1 n3 voters n0 n1 n2 n3 absent n3 n4 -> n0 n1 n2
-          phase: handing out
-        4 answers alloc: n0 accepted, n1 accepted, n2 accepted
-          ask start: START epoch=2 -> n0 n1
-        4.1 answers start: n0 started, n1 started
-          emit leave term=1 epoch=2 trigger=peer n3 left (planned) old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False
-          reply leave 1: term=1 epoch=2 old_shape=2x2 new_shape=2x1 kind=reschedule resume_step=2 rollback=False reason=peer n3 left (planned)
-          phase: training
-    """)
-    assert n.planner.calls == [{"live": N[:3], "remaining_steps": 98, "seed": 1, "force": False}]
-    emits = [a for a in out if isinstance(a, Emit)]
-    assert [e.event for e in emits] == ["leave"]
-    assert emits[0].fields["trigger"] == f"peer {short_id(N[3])} left (planned)"
-    assert emits[0].fields["rollback"] is False
-    replies = [a for a in out if isinstance(a, Reply)]
-    assert replies and replies[0].key == ("leave", 1) and replies[0].value["handed_off"] is True
-    assert n.c.status().epoch == 2 and N[3] not in n.epoch.current.peers + n.epoch.current.spares
-    # n3 is live in gossip until it leaves it: it is not probed as a joined peer meanwhile
-    n.lines.clear()
-    n.tick(6.2)
-    assert "probe joined" not in n.asks
-
-
 @pytest.mark.parametrize("spare", [False, True])
 def test_a_leave_of_a_spare_or_a_peer_outside_the_run_is_answered_at_once(spare):
     n = Node(live=N[1:5] if spare else N[1:4])
@@ -1566,7 +801,7 @@ def test_status_of_a_finished_run_counts_every_step():
     assert st["issued"]["state"] == "finished" and st["issued"]["completed"] == 1 and st["issued"]["steps_done"] == 2
     assert st["state"] == "finished"
     lines = format_training(st, now=3.0)
-    assert "          issued run 72727272: finished, all 2 steps done, log train.jsonl" in lines
+    assert "          issued run 72727272: finished, all 2 steps done, step log train.jsonl" in lines
     assert "          epoch 1 ended after step 2: the run finished" in lines
 
 
@@ -1631,7 +866,7 @@ def test_a_per_link_run_hands_out_the_planners_choice_of_links_in_the_signed_all
     links = LinkCodecs(((True, False),), (False, True))
     note = "links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.400 s/iter); exact links: 1 (hidden)"
     n.planner.first = dataclasses.replace(PLACEMENT, links=links, links_note=note)
-    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator.machine")
+    caplog.set_level(logging.INFO, logger="dtfm.control.coordinator")
     n.feed(StartRun(("op", "start"), start_op(steps=100, at_s=n.wall, compress="auto"), DATA_HASH, DATA_NAME), 0.0)
     n.compute("first", 0.0)
     a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
@@ -1781,7 +1016,7 @@ def test_refusals_with_unhashable_codes_from_most_peers_count_and_raise_nothing(
     odd = {"accepted": False, "code": ["dead-peer"], "reason": ["x"] * 3}
     n.autopilot(60.0, {N[1]: odd, N[2]: {**odd, "code": {"a": 1}}, N[3]: odd})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
@@ -1794,7 +1029,7 @@ def test_a_refuser_of_two_peers_is_not_singled_out_and_the_failures_count():
     n.feed(Trigger("drift"), 5.0)
     n.autopilot(60.0, {N[1]: {"accepted": False, "code": "busy", "reason": "busy"}})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count():
@@ -1806,7 +1041,7 @@ def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count
     stale = {"accepted": False, "code": "stale", "reason": "term 1 is older than this peer's term 2"}
     n.autopilot(60.0, {p: stale for p in N[1:4]})
     assert n.c.phase is Phase.STOPPED and n.c.status().left_out == ()
-    assert n.c.reason.startswith(f"{n.c.t.max_reconfig_attempts} reconfigurations failed")
+    assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
 def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
@@ -1818,28 +1053,6 @@ def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
     n.feed(StartRun(("op", "again"), start_op(b"s" * 16, at_s=1.0), DATA_HASH, DATA_NAME), 1.0)
     n.compute("first", 1.0)
     assert n.planner.firsts[-1]["peers"] == sorted([N[0], N[1], N[3], N[4]])
-
-
-def test_a_start_placed_again_that_cannot_be_scheduled_fails_and_its_run_is_not_reconfigured():
-    # n2 refuses; the placement without it fails (the scheduler finds none): the operator is
-    # told, and the run of the refused hand-out, which the others applied, stays stopped.
-    n = Node()
-    n.train_start(PLACEMENT)
-    n.answer("alloc", {N[2]: {"accepted": False, "code": "busy", "reason": "busy"}}, 0.1,
-             everyone={"accepted": True, "role": "stage"})
-    n.planner.error = "no allocation fits the 3 peers"
-    n.answer("unstop", everyone={"stopped": True}, at=0.2)
-    n.lines.clear()
-    n.compute("first", 0.3)
-    n.transcript("""
-        0.3 computed first: error (no allocation fits the 3 peers)
-          reply op start: error (cannot schedule: no allocation fits the 3 peers)
-    """)
-    assert n.epoch.run_over() and n.epoch.stopped_by_operator(RUN)
-    n.swarm.live.add(N[4])
-    n.tick(5.0)
-    n.tick(10.0)
-    assert not n.asks and not n.computes
 
 
 def test_left_out_back_offs_double_per_refusal_in_a_row_and_end():
@@ -1889,3 +1102,29 @@ def test_the_operators_next_start_tries_again_a_peer_left_out_of_the_last_run():
     n.compute("first", 5.0)
     alloc = SignedAllocation.from_wire(n.asks["alloc"].body).open()
     assert N[2] in alloc.peers  # placed again in the new run
+
+
+# ---- the transcripts (tests/data/coordinator/*.txt, played by tests/transcripts.py) -----------------
+
+
+@pytest.mark.parametrize("path", transcripts.files("coordinator"), ids=lambda p: p.stem)
+def test_transcript(path):
+    transcripts.check(path)
+
+
+def test_a_wave_of_joined_peers_once_taken_in_leaves_none_waiting():
+    play = transcripts.check(transcripts.DATA / "coordinator" / "joined_peers_are_taken_in_as_a_wave_once_joins_settle.txt")
+    assert play.n.c.joins.wait_s(8.3) == math.inf  # (the reconfiguration takes every live peer)
+
+
+def test_a_changed_transcript_fails_and_recording_writes_the_machines_output_back(tmp_path, monkeypatch):
+    recorded = transcripts.DATA / "coordinator" / "a_reconfiguration_goes_through_its_phases_in_order.txt"
+    text = recorded.read_text()
+    changed = tmp_path / recorded.name
+    changed.write_text(text.replace("STOP at_step=4 abort=True", "STOP at_step=5 abort=True", 1))
+    monkeypatch.setattr(transcripts, "RECORD", False)  # (also while the suite records)
+    with pytest.raises(AssertionError, match=r"(?s)answer states at=5.8.*-  ask stop: STOP at_step=5"):
+        transcripts.check(changed)
+    monkeypatch.setattr(transcripts, "RECORD", True)
+    transcripts.check(changed)
+    assert changed.read_text() == text  # the output as the machine wrote it, the file otherwise as it was

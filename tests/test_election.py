@@ -395,16 +395,19 @@ def test_a_peer_without_a_council_takes_nothing_from_a_certificate_alone():
     # A joiner with no council cannot check a certificate: whatever it is passed or sent, of
     # any term and any voters (its own name among them, a self-made quorum of sybils), it
     # recognises nobody, takes no term, keeps no coordinator to forward an operator's request
-    # to, and never stands. Only an allocation whose council follows from the operator's root
-    # gives it a council (test_a_joiner_takes_a_council_only_from_a_chain_from_its_root).
+    # to, and never stands; the newest certificate that is a quorum of its own configuration is
+    # only heard of (its status names it as its peers say). Only an allocation whose council
+    # follows from the operator's root gives it a council
+    # (test_a_joiner_takes_a_council_only_from_a_chain_from_its_root).
     e = ElectionState(E, CFG, random.Random(0), 0.0, signer=SIGNERS[E])
-    two = cert(2, B, (B, C), voters=(A, B, C))
-    assert e.learn(cert(1, A, (A, B), voters=(A, B, C)), 1.0) == [] and e.heard_of is None
-    assert e.learn(two, 1.0) == [] and e.heard_of is None and e.coordinator is None and e.term == 0
-    assert e.learn(cert(2**62, X, (X, Y, E), voters=(E, X, Y)), 1.0) == [] and e.term == 0
+    one, two = cert(1, A, (A, B), voters=(A, B, C)), cert(2, B, (B, C), voters=(A, B, C))
+    assert e.learn(one, 1.0) == [] and e.heard_of == one and e.coordinator is None
+    assert e.learn(two, 1.0) == [] and e.heard_of == two and e.coordinator is None and e.term == 0
+    sybils = cert(2**62, X, (X, Y, E), voters=(E, X, Y))
+    assert e.learn(sybils, 1.0) == [] and e.term == 0 and e.coordinator is None
     assert e.handle(X, hb(2**62, X, voters=(E, X, Y)), 1.5) == [] and e.term == 0 and e.coordinator is None
     assert e.tick(100.0) == [] and e.role is ElectionRole.FOLLOWER
-    assert e.answer(100.0) == CoordinatorAnswer(0, "follower", False, False, 0, None)
+    assert e.answer(100.0) == CoordinatorAnswer(0, "follower", False, False, 0, e.heard_of)
     # what a peer passes on proves nothing by itself: the asker checks it again
     answer = CoordinatorAnswer(3, "follower", True, True, 3, two)
     assert CoordinatorAnswer.from_wire(unpack_untrusted(pack(answer.to_wire()), max_len=1 << 16)) == answer

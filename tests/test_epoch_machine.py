@@ -1,226 +1,40 @@
 """The epoch machine (control/epoch/machine.py) through its public API: `handle(event, now)`
-and its queries. A peer is driven through its part in epochs and what it did is compared with
-a transcript (one line per event, its actions indented under it; see tests/machine_trace.py);
-the refusals of an allocation are a table. The protocol is in docs/control.md."""
+and its queries, driven by tests/epoch_fixtures.py's `Peer`. A peer's part in epochs told as a
+transcript (one line per event, its actions indented under it; see tests/machine_trace.py) is a
+data file, tests/data/epoch/*.txt, played by tests/transcripts.py; the refusals of an
+allocation are a table. The protocol is in docs/control.md."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-from machine_trace import (
-    DATA_HASH,
-    INTRUDER,
-    OPERATOR,
-    OPERATORS,
-    RUN,
-    TINY,
-    FakeElection,
-    N,
-    alloc,
-    context,
-    describe,
-    named,
-    report,
-    same_transcript,
-    show,
-    start_op,
-)
+import transcripts
+from epoch_fixtures import STOP, Peer
+from machine_trace import INTRUDER, OPERATOR, OPERATORS, RUN, TINY, N, alloc, named, report, start_op
 
-from dtfm.control import Allocation, RunEnd, sign_op
+from dtfm.control import RunEnd, sign_op
 from dtfm.control.actions import Reply
 from dtfm.control.epoch.access import fetch_refusal
 from dtfm.control.epoch.machine import (
-    RESTORED_ASK_S,
-    AllocationOffered,
-    ApplyToElection,
     BuildFailed,
     BuildStage,
     EpochDone,
-    EpochMachine,
     EpochPhase,
-    MemberGone,
     RunnerEnded,
     StageBuilt,
     StartAsked,
     StepDone,
     StopAsked,
     StopRunnerAt,
-    Tick,
-    WaitForCoordinator,
+    EpochTick as Tick,
+    RunClosed,
 )
 from dtfm.control.epoch.taken import MAX_OPS_PER_RUN, MAX_RUNS, TakenOps, load_taken, save_taken
 from dtfm.control.refusals import Refused
 from dtfm.train import parse_compression
 
-HEARTBEAT_WAIT_S = 1.4
-LOST_AFTER_S = 6.0
-STOP = sign_op(OPERATOR, "stop", now_s=3.0, run_id=RUN)  # the operator's stop of RUN
-
-
-class Peer:
-    """One peer's epoch machine under an election the test sets, playing the shell's part for
-    ApplyToElection (the election takes the applied (term, epoch) and voters); everything the
-    machine did is in `lines`."""
-
-    def __init__(self, me: bytes = N[1], *, coordinator: bytes | None = N[0], term: int = 1):
-        self.me = me
-        self.election = FakeElection(me, term=term, coordinator=coordinator, voters=tuple(N[:4]))
-        self.m = EpochMachine(me, self.election, heartbeat_wait_s=HEARTBEAT_WAIT_S,
-                              coordinator_lost_after_s=LOST_AFTER_S, operators=OPERATORS)
-        self.lines: list[str] = []
-        self._keys = 0
-
-    def key(self, what: str) -> tuple:
-        self._keys += 1
-        return (what, self._keys)
-
-    def feed(self, event, now: float = 0.0) -> list:
-        actions = self.m.handle(event, now)
-        self.lines.append(f"{now:g} {describe(event)}")
-        for a in actions:
-            if isinstance(a, ApplyToElection):
-                self.election.apply(a)
-            if isinstance(a, Reply):  # the answer to this event's request
-                assert a.key == event.key, (a, event)
-            self.lines.append("  " + show(a, keys=False))
-        return actions
-
-    def offer(self, a: Allocation, now: float = 0.0, **ctx) -> list:
-        return self.feed(AllocationOffered(self.key("a"), a, context(self.me, **ctx)), now)
-
-    def accept(self, a: Allocation, now: float = 0.0) -> None:
-        """Offered, built at its start step and started by its issuer."""
-        [build] = [x for x in self.offer(a, now) if isinstance(x, BuildStage)]
-        self.feed(StageBuilt(build.key, a.epoch, a.start_step), now)
-        self.feed(StartAsked(self.key("s"), a.issuer, a.run_id, a.epoch), now)
-
-    def transcript(self, want: str) -> None:
-        same_transcript(self.lines, want)
-        self.lines.clear()
-
-
 # ---- accepting an allocation ----------------------------------------------------------------------
-
-
-def test_an_epoch_is_accepted_built_started_stepped_and_stopped():
-    p = Peer(N[1])
-    a = alloc()
-    [*_, build] = p.offer(a, 0.0)
-    assert p.m.status().phase is EpochPhase.BUILDING and p.m.current == a
-    p.feed(StageBuilt(build.key, 1, 0), 0.5)
-    p.feed(StartAsked(p.key("s"), N[2], RUN, 1), 1.0)
-    p.feed(StartAsked(p.key("s"), N[0], RUN, 2), 1.0)
-    p.feed(StartAsked(p.key("s"), N[0], RUN, 1), 1.0)
-    p.feed(StartAsked(p.key("s"), N[0], RUN, 1), 1.1)
-    p.feed(StepDone(report(1, 0)), 2.0)
-    p.feed(StepDone(report(1, 1)), 3.0)
-    p.feed(StopAsked(p.key("t"), N[1], b"o" * 16, 5), 3.5)
-    p.feed(StopAsked(p.key("t"), N[5], RUN, 5), 3.5)
-    p.feed(StopAsked(p.key("t"), N[3], RUN, 5), 3.5)
-    p.feed(StopAsked(p.key("t"), N[0], RUN, 5), 3.5)
-    assert not p.m.run_over() and not p.m.stopped_by_operator(RUN)
-    p.feed(StopAsked(p.key("t"), N[0], RUN, 4, final=True, op=STOP), 3.6)
-    assert p.m.run_over() and p.m.stopped_by_operator(RUN)
-    p.feed(StepDone(report(1, 2)), 4.0)
-    p.feed(StepDone(report(1, 3)), 5.0)
-    p.feed(RunnerEnded(1, RunEnd(3, "stopped", False), 1e9), 5.0)
-    p.feed(EpochDone(1), 5.0)
-    p.transcript("""
-        0 ALLOCATION term 1 epoch 1 from n0
-          apply term 1 epoch 1 voters n0 n1 n2 n3
-          persist term 1 epoch 1
-          build epoch 1 from nothing
-        0.5 stage of epoch 1 built at step 0
-          reply: accepted=True role=stage stage=1 pipeline=0 fetched_bytes=0 fetch_s=0.0
-        1 START epoch 1 from n2
-          reply: started=False (only the issuer starts an epoch)
-        1 START epoch 2 from n0
-          reply: started=False (no such epoch accepted here)
-        1 START epoch 1 from n0
-          start runner of epoch 1
-          reply: started=True
-        1.1 START epoch 1 from n0
-          reply: started=True
-        2 step 0 of epoch 1 done
-          send STEP to n0: epoch=1 step=0 loss=5.0
-        3 step 1 of epoch 1 done
-          send STEP to n0: epoch=1 step=1 loss=4.9
-        3.5 STOP before step 5 from n1
-          reply: stopped=False (not in that run)
-        3.5 STOP before step 5 from n5
-          reply: stopped=False (only the coordinator stops an epoch)
-        3.5 STOP before step 5 from n3
-          reply: stopped=False (only the coordinator stops an epoch)
-        3.5 STOP before step 5 from n0
-          stop runner of epoch 1 before step 5
-          reply: stopped=True
-        3.6 STOP before step 4 final (signed) from n0
-          stop runner of epoch 1 before step 4
-          reply: stopped=True
-        4 step 2 of epoch 1 done
-          send STEP to n0: epoch=1 step=2 loss=4.8
-        5 step 3 of epoch 1 done
-          send STEP to n0: epoch=1 step=3 loss=4.7
-        5 runner of epoch 1 ended after step 3: stopped
-        5 epoch 1 let go of its stage
-    """)
-    st = p.m.status()
-    assert st.phase is EpochPhase.ENDED and st.step == 3 and st.last_report == report(1, 3)
-    assert st.last_end is not None and st.last_end["completed"] == 3 and not st.last_end["failed"]
-    assert p.election.last_applied == (1, 1) and p.m.applied == {RUN: (1, 1)}
-    # the stage stays in memory for the next epoch, at its step and one step back
-    assert p.m.held_at(RUN, (2, 4), 4) == ("stage", 1)
-    assert p.m.held_at(RUN, (2, 4), 3) == ("snapshot", 1)
-    assert p.m.held_at(RUN, (2, 4), 2) is None and p.m.held_at(RUN, (0, 2), 4) is None
-    state = p.m.run_state(((2, 4, 2),))
-    assert (state.run_id, state.term, state.epoch, state.layers, state.at, state.prev, state.running) == (
-        RUN, 1, 1, (2, 4), 4, 3, False)
-    assert state.checkpoints == ((2, 4, 2),) and [r.step for r in state.reports] == [0, 1, 2, 3]
-
-
-def test_the_coordinator_of_a_newer_term_may_stop_a_run_it_did_not_issue():
-    p = Peer(N[1])
-    p.accept(alloc())
-    p.lines.clear()
-    p.election.term, p.election.coordinator = 2, N[4]  # n4 is in no pipeline of the run
-    p.feed(StopAsked(p.key("t"), N[4], RUN, 7, abort=True), 1.0)
-    p.transcript("""
-        1 STOP before step 7 abort from n4
-          abort runner (aborted for a reconfiguration)
-          reply: stopped=True
-    """)
-
-
-def test_a_stop_of_another_epoch_is_refused():
-    # A coordinator whose hand-out of epoch 1 was refused undoes it with a STOP naming epoch 1;
-    # a peer that applied a newer epoch from the next coordinator meanwhile (here the same
-    # peer's own deposed procedure, which outlived its term) must not stop that one.
-    p = Peer(N[1])
-    p.accept(alloc(epoch=2))
-    p.lines.clear()
-    p.feed(StopAsked(p.key("t"), N[1], RUN, 0, epoch=1), 1.0)
-    p.feed(StopAsked(p.key("t"), N[0], RUN, 5, epoch=2), 2.0)
-    p.transcript("""
-        1 STOP before step 0 from n1
-          reply: stopped=False (a stop of epoch 1, this peer is in epoch 2)
-        2 STOP before step 5 from n0
-          stop runner of epoch 2 before step 5
-          reply: stopped=True
-    """)
-
-
-def test_a_stop_before_the_start_cancels_the_runner():
-    p = Peer(N[1])
-    [*_, build] = p.offer(alloc())
-    p.feed(StageBuilt(build.key, 1, 0))
-    p.lines.clear()
-    p.feed(StopAsked(p.key("t"), N[0], RUN, 0))
-    p.transcript("""
-        0 STOP before step 0 from n0
-          abort runner (stopped before it started)
-          reply: stopped=True
-    """)
 
 
 REFUSALS = [
@@ -339,7 +153,7 @@ def test_who_may_stop_an_epoch_and_end_the_run(what, sender, coordinator, final,
     assert reply.value["stopped"] is stopped, reply
     for w in words:
         assert w in reply.value["reason"], (w, reply.value["reason"])
-    assert p.m.stopped_by_operator(RUN) is (stopped and final)
+    assert p.m.over_without_finishing(RUN) is (stopped and final)
     assert p.m.run_over() is (stopped and final)
 
 
@@ -362,9 +176,9 @@ def test_a_new_epoch_of_a_run_the_operator_stopped_resumes_it():
     p.accept(alloc())
     p.feed(StopAsked(p.key("t"), N[0], RUN, 4, final=True, op=STOP), 1.0)
     p.feed(RunnerEnded(1, RunEnd(3, "stopped", False), 1e9), 2.0)
-    assert p.m.run_over() and p.m.stopped_by_operator(RUN)
+    assert p.m.run_over() and p.m.over_without_finishing(RUN)
     p.offer(alloc(epoch=2, start_step=4), 3.0)
-    assert not p.m.run_over() and not p.m.stopped_by_operator(RUN)
+    assert not p.m.run_over() and not p.m.over_without_finishing(RUN)
 
 
 def test_a_copied_operators_stop_is_refused_after_the_runs_last_resume_out_of_its_time_or_taken_before(tmp_path):
@@ -381,7 +195,7 @@ def test_a_copied_operators_stop_is_refused_after_the_runs_last_resume_out_of_it
         assert reply.value["stopped"] is False and words in reply.value["reason"], reply
         assert not p.m.run_over()
     [*_, reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.0)
-    assert reply.value["stopped"] is True and p.m.stopped_by_operator(RUN)
+    assert reply.value["stopped"] is True and p.m.over_without_finishing(RUN)
     [reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.5)
     assert reply.value == {"stopped": False, "reason": "this stop was taken already: sign a new one"}
     save_taken(tmp_path, p.m.taken.to_json())
@@ -418,79 +232,6 @@ def test_the_operations_taken_are_bounded_and_a_damaged_file_is_ignored(tmp_path
     assert load_taken(tmp_path / "nowhere").to_json() == {"runs": []}
 
 
-def test_an_allocation_already_applied_is_refused_as_stale():
-    p = Peer(N[1])
-    p.accept(alloc())
-    p.lines.clear()
-    p.offer(alloc(), 1.0)
-    p.offer(alloc(term=1, epoch=2, issuer=N[2], voters=(N[0], N[1], N[2], N[3])), 2.0)
-    p.transcript("""
-        1 ALLOCATION term 1 epoch 1 from n0
-          reply: accepted=False code=stale (term 1 epoch 1 is not newer than term 1 epoch 1, already applied for this run)
-        2 ALLOCATION term 1 epoch 2 from n2
-          wait for the coordinator until 3.4
-    """)
-
-
-def test_an_allocation_of_an_unrecognised_coordinator_waits_then_is_refused():
-    # This peer knows no coordinator of term 3 yet: the allocation waits for its first heartbeat
-    # (offered again when the election changes), then is refused; nothing is applied. Its own
-    # allocation is never waited for.
-    p = Peer(N[1], coordinator=None)
-    [wait] = p.offer(alloc(term=3, issuer=N[2]), 10.0)
-    assert isinstance(wait, WaitForCoordinator) and wait.until == 10.0 + HEARTBEAT_WAIT_S
-    [again] = p.feed(wait.offer, 10.5)  # the election changed, still no coordinator of term 3
-    p.feed(again.offer, again.until)
-    p.offer(alloc(term=3, issuer=N[1], pipelines=((N[1], N[0]), (N[2], N[3]))), 12.0)
-    p.transcript("""
-        10 ALLOCATION term 3 epoch 1 from n2
-          wait for the coordinator until 11.4
-        10.5 ALLOCATION term 3 epoch 1 from n2 (again, waited until 11.4)
-          wait for the coordinator until 11.4
-        11.4 ALLOCATION term 3 epoch 1 from n2 (again, waited until 11.4)
-          reply: accepted=False code=not-coordinator (this peer knows no coordinator of term 3 yet)
-        12 ALLOCATION term 3 epoch 1 from n1
-          reply: accepted=False code=not-coordinator (this peer knows no coordinator of term 3 yet)
-    """)
-    assert p.m.current is None and p.election.last_applied == (0, 0)
-    # the heartbeat comes within the wait: applied
-    [wait] = p.offer(alloc(term=3, issuer=N[2], voters=(N[1], N[2], N[3])), 20.0)
-    p.election.term, p.election.coordinator = 3, N[2]
-    p.feed(wait.offer, 20.2)
-    p.transcript("""
-        20 ALLOCATION term 3 epoch 1 from n2
-          wait for the coordinator until 21.4
-        20.2 ALLOCATION term 3 epoch 1 from n2 (again, waited until 21.4)
-          apply term 3 epoch 1 voters n1 n2 n3
-          persist term 3 epoch 1
-          build epoch 1 from nothing
-    """)
-
-
-def test_a_resumed_epoch_without_holders_fails_to_build_and_never_runs():
-    # Starting at step 5 needs the stages' weights; with no holdings the shell cannot build
-    # the stage (it never re-initialises weights): the allocation is refused, nothing starts.
-    p = Peer(N[1])
-    [*_, build] = p.offer(alloc(start_step=5), 0.0)
-    p.feed(BuildFailed(build.key, 1, "build-failed", "n1: starting at step 5 ... names no holders"), 0.1)
-    p.feed(StopAsked(p.key("t"), N[0], RUN, 0), 0.2)
-    p.transcript("""
-        0 ALLOCATION term 1 epoch 1 from n0
-          apply term 1 epoch 1 voters n0 n1 n2 n3
-          persist term 1 epoch 1
-          build epoch 1 from nothing
-        0.1 building epoch 1 failed: build-failed
-          reply: accepted=False code=build-failed (n1: starting at step 5 ... names no holders)
-        0.2 STOP before step 0 from n0
-          abort runner (stopped before it started)
-          reply: stopped=True
-    """)
-    assert p.m.status().phase is EpochPhase.REFUSED
-    state = p.m.run_state()
-    assert state.layers is None and state.at is None and not state.running
-    assert p.m.held_at(RUN, (2, 4), 5) is None
-
-
 def test_start_of_an_epoch_that_cannot_run_is_not_confirmed():
     p = Peer(N[1])
     [*_, build] = p.offer(alloc(), 0.0)
@@ -499,205 +240,7 @@ def test_start_of_an_epoch_that_cannot_run_is_not_confirmed():
     assert reply.value["started"] is False
 
 
-def test_a_new_epoch_replaces_the_running_one_and_builds_from_it():
-    p = Peer(N[1])
-    p.accept(alloc())
-    for s in range(3):
-        p.feed(StepDone(report(1, s)), 1.0 + s)
-    p.lines.clear()
-    second = alloc(epoch=2, start_step=3, pipelines=((N[0], N[1]),), spares=(N[2],), absent=(N[3],),
-                   voters=(N[0], N[1], N[2]))
-    [*_, build] = p.offer(second, 5.0, live=N[:3])
-    assert p.m.current == second and p.m.prev is not None and p.m.prev.alloc.epoch == 1
-    assert p.m.held_at(RUN, (2, 4), 3) is None  # the old epoch's worker has not let go yet
-    p.feed(RunnerEnded(1, RunEnd(2, "replaced by epoch 2", True), 1e9), 5.1)
-    p.feed(EpochDone(1), 5.1)
-    assert p.m.held_at(RUN, (2, 4), 3) == ("stage", 1) and p.m.held_at(RUN, (2, 4), 2) == ("snapshot", 1)
-    p.feed(StageBuilt(build.key, 2, 3), 5.5)
-    p.transcript("""
-        5 ALLOCATION term 1 epoch 2 from n0
-          end epoch 1 (replaced by epoch 2)
-          apply term 1 epoch 2 voters n0 n1 n2
-          persist term 1 epoch 2
-          build epoch 2 from epoch 1
-        5.1 runner of epoch 1 ended after step 2: replaced by epoch 2
-        5.1 epoch 1 let go of its stage
-        5.5 stage of epoch 2 built at step 3
-          reply: accepted=True role=stage stage=1 pipeline=0 fetched_bytes=0 fetch_s=0.0
-    """)
-
-
-def test_a_spare_accepts_without_a_stage():
-    p = Peer(N[4])
-    p.offer(alloc(spares=(N[4],)), 0.0, live=N[:5])
-    p.transcript("""
-        0 ALLOCATION term 1 epoch 1 from n0
-          apply term 1 epoch 1 voters n0 n1 n2 n3 n4
-          persist term 1 epoch 1
-          reply: accepted=True role=spare
-    """)
-    assert p.m.status().phase is EpochPhase.SPARE and p.m.run_state().layers is None
-    assert p.m.stop_boundary(None) == 2 and p.m.stop_boundary(6) == 9
-
-
-# ---- losses: a neighbour, a step, the coordinator ---------------------------------------------
-
-
-def test_a_lost_neighbour_fails_the_epochs_receives():
-    p = Peer(N[1])
-    [*_, build] = p.offer(alloc())
-    p.feed(StageBuilt(build.key, 1, 0), 0.1)
-    p.lines.clear()
-    p.feed(MemberGone(N[3], "peer n3 is dead"), 1.0)  # accepted, not started: the runner is cancelled
-    p.feed(MemberGone(N[4], "peer n4 is dead"), 1.0)  # not a peer of the epoch
-    p.transcript("""
-        1 n3 is gone
-          fail neighbour n3 (peer n3 is dead)
-          abort runner (peer n3 is dead)
-        1 n4 is gone
-    """)
-    q = Peer(N[1])
-    q.accept(alloc())
-    q.lines.clear()
-    q.feed(MemberGone(N[0], "peer n0 is dead"), 2.0)  # training: its receives fail, the step ends
-    q.feed(RunnerEnded(1, RunEnd(-1, "CommError: n0 is gone", True), 1e9), 2.1)
-    q.feed(EpochDone(1), 2.1)
-    q.feed(MemberGone(N[2], "peer n2 is dead"), 2.2)  # the epoch is over: nothing to fail
-    q.transcript("""
-        2 n0 is gone
-          fail neighbour n0 (peer n0 is dead)
-        2.1 runner of epoch 1 ended after step -1: CommError: n0 is gone
-          send STEP to n0: epoch=1 step=0 failed=CommError: n0 is gone
-        2.1 epoch 1 let go of its stage
-        2.2 n2 is gone
-    """)
-
-
-def test_a_failed_step_is_reported_to_the_coordinator_it_recognises():
-    p = Peer(N[1])
-    p.accept(alloc())
-    p.feed(StepDone(report(1, 0)), 1.0)
-    p.lines.clear()
-    p.election.term, p.election.coordinator = 2, N[2]  # a new coordinator took over
-    p.feed(RunnerEnded(1, RunEnd(0, "CommError: n3 is gone", True), 1e9), 2.0)
-    p.transcript("""
-        2 runner of epoch 1 ended after step 0: CommError: n3 is gone
-          send STEP to n2: epoch=1 step=0 failed=CommError: n3 is gone
-    """)
-    assert p.m.status().end == RunEnd(0, "CommError: n3 is gone", True)
-
-
-def test_a_peer_whose_coordinator_is_gone_stops_training():
-    # The coordinator of the epoch is not heard for LOST_AFTER_S: the step is aborted. A
-    # coordinator that comes back within it resets the wait.
-    p = Peer(N[1])
-    p.accept(alloc())
-    p.lines.clear()
-    p.feed(Tick(), 1.0)
-    p.election.coordinator = None  # stepped down, cut off
-    p.feed(Tick(), 2.0)
-    p.election.coordinator = N[0]
-    p.feed(Tick(), 7.0)
-    p.election.term, p.election.coordinator = 2, N[2]  # replaced by another coordinator
-    p.feed(Tick(), 8.0)
-    p.feed(Tick(), 13.9)
-    p.feed(Tick(), 14.0)
-    p.transcript("""
-        1 tick
-        2 tick
-        7 tick
-        8 tick
-        13.9 tick
-        14 tick
-          abort runner (the coordinator of epoch 1 (n0) is gone)
-    """)
-
-
-def test_a_stage_that_waits_without_a_next_epoch_is_kept_on_disk_once():
-    # The coordinator is gone and the step aborted: the stage waits in memory. Once it has
-    # waited LOST_AFTER_S without a next epoch, the peer writes it to disk, once; a crash while
-    # the run waits then loses nothing. A finished run's stage is not written again.
-    p = Peer(N[1])
-    p.accept(alloc())
-    p.lines.clear()
-    p.election.coordinator = None
-    p.feed(Tick(), 1.0)
-    p.feed(Tick(), 8.0)
-    p.feed(RunnerEnded(1, RunEnd(2, "aborted: the coordinator of epoch 1 (n0) is gone", True), 1e9), 8.5)
-    p.feed(Tick(), 9.0)
-    p.feed(Tick(), 14.9)
-    p.feed(Tick(), 15.0)
-    p.feed(Tick(), 30.0)
-    p.transcript("""
-        1 tick
-        8 tick
-          abort runner (the coordinator of epoch 1 (n0) is gone)
-        8.5 runner of epoch 1 ended after step 2: aborted: the coordinator of epoch 1 (n0) is gone
-          send STEP to n0: epoch=1 step=2 failed=aborted: the coordinator of epoch 1 (n0) is gone
-        9 tick
-        14.9 tick
-        15 tick
-          keep the stage of run 72727272 on disk
-        30 tick
-    """)
-    done = Peer(N[1])
-    done.accept(alloc())
-    done.feed(RunnerEnded(1, RunEnd(9, "finished", False), 1e9), 1.0)
-    done.lines.clear()
-    done.feed(Tick(), 30.0)
-    done.transcript("""
-        30 tick
-    """)
-
-
-def test_the_coordinators_own_epoch_runs_while_it_is_the_coordinator():
-    p = Peer(N[0], coordinator=N[0])
-    p.accept(alloc())
-    p.lines.clear()
-    p.feed(Tick(), 1.0)
-    p.election.coordinator = None
-    p.feed(Tick(), 2.0)
-    p.feed(Tick(), 8.0)
-    p.transcript("""
-        1 tick
-        2 tick
-        8 tick
-          abort runner (the coordinator of epoch 1 (n0) is gone)
-    """)
-
-
 # ---- a restarted peer ---------------------------------------------------------------------------
-
-
-def test_a_restarted_peer_knows_the_run_it_applied_and_tells_its_coordinator_it_lost_its_stage():
-    a = alloc(term=2, epoch=3)
-    p = Peer(N[1], coordinator=None, term=2)
-    p.election.last_applied = (2, 3)  # the shell restores the election's applied (term, epoch) too
-    p.m.restore(RUN, 2, 3, a)
-    st = p.m.status()
-    assert st.phase is EpochPhase.WAITING and st.alloc == a and st.step is None
-    state = p.m.run_state()
-    assert (state.run_id, state.term, state.epoch, state.layers, state.at, state.running) == (RUN, 2, 3, None, None,
-                                                                                            False)
-    assert not p.m.run_over() and p.m.stop_boundary(None) == 2 and p.m.stop_boundary(9) == 12
-    p.feed(Tick(), 1.0)  # no coordinator known yet: told once there is one
-    p.election.coordinator = N[0]
-    p.feed(Tick(), 2.0)
-    p.feed(Tick(), 3.0)
-    p.offer(a, 4.0)
-    p.offer(alloc(term=2, epoch=4, start_step=7), 5.0)
-    p.transcript("""
-        1 tick
-        2 tick
-          send STEP to n0: epoch=3 step=0 failed=restarted: holds no stage
-        3 tick
-        4 ALLOCATION term 2 epoch 3 from n0
-          reply: accepted=False code=stale (term 2 epoch 3 is not newer than term 2 epoch 3, already applied for this run)
-        5 ALLOCATION term 2 epoch 4 from n0
-          apply term 2 epoch 4 voters n0 n1 n2 n3
-          persist term 2 epoch 4
-          build epoch 4 from nothing
-    """)
 
 
 def test_the_kept_step_reports_are_the_runs_own_restored_ones_included():
@@ -714,74 +257,17 @@ def test_the_kept_step_reports_are_the_runs_own_restored_ones_included():
     assert p.m.run_state().reports == ()
 
 
-def test_a_peer_restarted_after_its_run_finished_knows_it_finished():
-    # Its stage's step reports, kept with the checkpoint written where the run ended, reach the
-    # run's last step: the run finished before the restart. The peer does not wait for a stage,
-    # does not tell a coordinator it lost one, and the run is over (nobody resumes it).
-    a = alloc(term=2, epoch=3, end_step=6)
-    p = Peer(N[1], coordinator=None, term=2)
-    p.election.last_applied = (2, 3)
-    p.m.restore(RUN, 2, 3, a, [report(3, 4), report(3, 5)])
-    st = p.m.status()
-    assert st.phase is EpochPhase.ENDED and st.end == RunEnd(5, "finished", False) and st.restored
-    assert st.last_end is not None and (st.last_end["epoch"], st.last_end["completed"]) == (3, 5)
-    assert p.m.run_over() and p.m.run_state().at is None
-    p.election.coordinator = N[0]
-    p.feed(Tick(), 1.0)
-    p.transcript("1 tick")
-    # one step short of the end: it waits, as before
-    q = Peer(N[1], coordinator=None, term=2)
-    q.election.last_applied = (2, 3)
-    q.m.restore(RUN, 2, 3, a, [report(3, 3), report(3, 4)])
-    assert q.m.status().phase is EpochPhase.WAITING and not q.m.run_over()
-
-
 def test_a_restored_epoch_says_so_until_a_new_one_is_applied():
     p = Peer(N[1], coordinator=N[0], term=2)
     p.election.last_applied = (2, 3)
     p.m.restore(RUN, 2, 3, alloc(term=2, epoch=3), [report(3, 4)])
     st = p.m.status()
     assert st.restored and st.phase is EpochPhase.WAITING and not st.run_stopped
-    p.m.mark_stopped(RUN)  # the shell found stopped.json: an operator stopped the run
+    p.m.handle(RunClosed(RUN, "stopped.json"), 0.0)  # the shell found stopped.json: an operator stopped the run
     assert p.m.status().run_stopped
     p.offer(alloc(term=2, epoch=4, start_step=5), 1.0)  # resumed
     st = p.m.status()
     assert not st.restored and not st.run_stopped and st.phase is EpochPhase.BUILDING
-
-
-def test_a_restarted_peer_asks_its_coordinator_how_the_run_stands_and_learns_it_finished():
-    # The run went on without this peer and finished while it was down (its checkpoints stop
-    # at step 120 of 300): nothing on its disk says so. Once it knows a coordinator it asks,
-    # every RESTORED_ASK_S until told; "finished" or "stopped" ends the run here too, any other
-    # state changes nothing.
-    a = alloc(term=1, epoch=2, end_step=300)
-    p = Peer(N[1], coordinator=None, term=2)
-    p.election.last_applied = (1, 2)
-    p.m.restore(RUN, 1, 2, a, [report(2, 120)])
-    assert p.m.restored_run_to_ask(0.0) == RUN  # no coordinator known yet: the ask finds it
-    assert p.m.restored_run_to_ask(1.0) is None  # asked lately
-    p.election.coordinator = N[0]
-    assert p.m.restored_run_to_ask(RESTORED_ASK_S + 1.0) == RUN
-    assert p.m.restored_run_to_ask(2 * RESTORED_ASK_S + 0.9) is None  # asked lately
-    p.m.restored_run_heard(RUN, "training", 150)  # the coordinator reconfigures it: still waiting
-    assert p.m.status().phase is EpochPhase.WAITING and not p.m.run_over()
-    p.m.restored_run_heard(b"o" * 16, "finished", 300)  # another run's: nothing
-    assert p.m.status().phase is EpochPhase.WAITING
-    assert p.m.restored_run_to_ask(2 * RESTORED_ASK_S + 1.0) == RUN
-    p.m.restored_run_heard(RUN, "finished", 300)
-    st = p.m.status()
-    assert st.phase is EpochPhase.ENDED and st.end == RunEnd(299, "finished", False) and p.m.run_over()
-    assert st.heard == ("finished", 300)
-    assert p.m.restored_run_to_ask(100.0) is None
-    p.feed(Tick(), 101.0)
-    p.transcript("101 tick")  # no "restarted: holds no stage" for a run that is over
-    stopped = Peer(N[1], coordinator=N[0], term=2)
-    stopped.m.restore(RUN, 1, 2, a, [report(2, 120)])
-    stopped.m.restored_run_heard(RUN, "stopped", 130)
-    assert stopped.m.status().run_stopped and stopped.m.restored_run_to_ask(50.0) is None
-    coordinator = Peer(N[0], coordinator=N[0], term=2)  # the coordinator itself knows: it asks nobody
-    coordinator.m.restore(RUN, 1, 2, a)
-    assert coordinator.m.restored_run_to_ask(0.0) is None
 
 
 def test_a_restarted_spare_or_a_peer_of_another_run_has_no_stage_to_report():
@@ -850,7 +336,7 @@ def test_after_its_run_is_over_a_peer_answers_only_the_peers_of_the_run(end):
     elif end == "finished":
         p.feed(RunnerEnded(1, RunEnd(99, "finished", False), 0.0), 3.5)
     else:
-        p.m.mark_stopped(RUN)  # (its coordinator stopped the run: no layout of the peers exists)
+        p.m.handle(RunClosed(RUN, "no layout"), 0.0)  # (its coordinator stopped the run: no layout of the peers exists)
     p.feed(EpochDone(1), 4.0)
     assert p.m.run_over() and p.m.status().phase is EpochPhase.ENDED
     p.election.coordinator = None  # between runs: no coordinator recognised
@@ -905,7 +391,7 @@ def test_whom_a_leaving_peer_asks_to_hand_its_part_off(what, me, coordinator, ap
     if applied:
         p.offer(alloc(spares=(N[4],)), 0.0, live=N[:5])
     if stopped:
-        p.m.mark_stopped(RUN)
+        p.m.handle(RunClosed(RUN, "stopped"), 0.0)
     p.election.coordinator = coordinator
     target, why = p.m.hand_off_to()
     assert target == asks and why.startswith(words) and bool(why) == bool(words)
@@ -950,3 +436,11 @@ def test_an_allocation_whose_council_is_no_operators_or_disagrees_with_gossip_is
     assert isinstance(out[-1], BuildStage) and p.election.council == grown  # the same change, with n4 live here
     assert root_council(sign_op(OPERATOR, "council", now_s=0.0, run_id=b"c" * 16,
                                 args={"council": council_arg(four), "council_size": 5}), OPERATORS).same_root(own)
+
+
+# ---- the transcripts (tests/data/epoch/*.txt, played by tests/transcripts.py) -----------------
+
+
+@pytest.mark.parametrize("path", transcripts.files("epoch"), ids=lambda p: p.stem)
+def test_transcript(path):
+    transcripts.check(path)

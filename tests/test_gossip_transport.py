@@ -14,11 +14,13 @@ from dtfm.net import EmulatedLinks, EmulationConfig, Identity, Transport, Transp
 from dtfm.scenarios import parse_scenario
 
 KEY = bytes(range(32))
+# Rates low enough that a loaded 2-core machine encrypts and moves a probe faster than the
+# emulator lets it through: the figures measure the emulated links, not the CPU left over.
 SCENARIO = parse_scenario({
     "name": "two-sites",
-    "region": [{"name": "A", "peers": 2, "delay_ms": 10, "bandwidth_gbps": 0.2},
-               {"name": "B", "peers": 2, "delay_ms": 10, "bandwidth_gbps": 0.2}],
-    "link": [{"a": "A", "b": "B", "delay_ms": 30, "bandwidth_gbps": 0.05}],
+    "region": [{"name": "A", "peers": 2, "delay_ms": 10, "bandwidth_gbps": 0.06},
+               {"name": "B", "peers": 2, "delay_ms": 10, "bandwidth_gbps": 0.06}],
+    "link": [{"a": "A", "b": "B", "delay_ms": 30, "bandwidth_gbps": 0.02}],
 })
 CFG = GossipConfig.local().with_(bandwidth_probe_bytes=1024 * 1024, bandwidth_probe_interval_s=0.05,
                                  rtt_samples=3, rtt_ping_spacing_s=0.01, publish_interval_s=0.3,

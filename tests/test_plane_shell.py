@@ -311,7 +311,7 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
             "stopped"] is True
         assert plane.epoch.run_over()
     again = ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
-    assert again.epoch.current == a and again.epoch.stopped_by_operator(RUN) and again.epoch.run_over()
+    assert again.epoch.current == a and again.epoch.over_without_finishing(RUN) and again.epoch.run_over()
     # the stop it took is kept too (operations.json): a copy of it is refused after the restart
     copy = SignedOp.from_wire(stop)
     assert again.epoch.taken.taken(copy, RUN)
@@ -620,7 +620,8 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
     with pytest.raises(TrainError, match="no council yet, and the operator's start names no council; 3 live peer"):
         await bare.start_training(signed)  # (the peers' claim of a council is a hint, never a reason to forward)
     assert all(c.forwarded == [] for c in conns.values()) and bare.election.voters == ()
-    assert bare.status()["election"]["heard_of"] is None
+    # (what its peers say is named in its status as heard of, nothing more)
+    assert bare.status()["election"]["heard_of"] == IDS[0].peer_id.hex() and bare.election.coordinator is None
     plane = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path, config(tmp_path),
                          operators=[OPERATOR.public_key])
     plane.election.set_root(council)
@@ -678,14 +679,16 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(a, ISSUER).to_wire()
                                   | {"cert": plane.election.certificate.to_wire()})
         assert reply["accepted"]
-        plane.coordinator.steplog = StepLog(a, set(), started_at=time.time())
-        plane.coordinator.phase = Phase.TRAINING
+        plane.coordinator.hand.steplog = StepLog(a, set(), started_at=time.time())
+        plane.coordinator.hand.phase = Phase.TRAINING
         for step in range(3):
             for p, loss in ((IDS[1], None), (IDS[2], 4.0 - step)):
                 await net.request(p, ControlMsg.STEP, StepReport(1, step, loss, 0.5, 0.3, 0.1, 0.1).to_wire() | {"run": RUN})
         lines = [json.loads(x) for x in (tmp_path / f"train-{RUN.hex()}.jsonl").read_text().splitlines()]
         assert [(x["run"], x["step"], x["loss"]) for x in lines] == [(RUN.hex(), s, 4.0 - s) for s in range(3)]
         assert (tmp_path / "train.jsonl").read_text() == (tmp_path / f"train-{RUN.hex()}.jsonl").read_text()
+        # the status names the run's step log, as `train start` does
+        assert plane.status()["issued"]["log"] == str(tmp_path / f"train-{RUN.hex()}.jsonl")
 
         answer = await net.request(IDS[1], ControlMsg.RUN_STATE, {"op": "progress", "run": None, "after": 0})
         p = RunProgress.from_wire(answer)
@@ -716,7 +719,7 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         assert follower.election.coordinator == ISSUER.peer_id  # recognised: its certificate checks against the council
         # the run finishes: its last answer says so, with no ETA
         plane.coordinator.steplog.completed = 9
-        plane.coordinator.phase = Phase.FINISHED
+        plane.coordinator.hand.phase = Phase.FINISHED
         done = await follower.train_progress(RUN, 2)
         assert (done.state, done.completed, done.lines, done.eta_s) == ("finished", 10, (), None)
 

@@ -6,9 +6,10 @@ stage lost before any checkpoint (the swarm rolls back to the initial weights), 
 paused by a partition that writes what it holds to disk, so both holders of a stage killed
 while it waits cost nothing.
 
-Each scenario is a short script; its trace (the plane's events, the merged step log, each
-node's final state) is compared with tests/data/plane_traces/NAME.txt, which a reader can
-check against the protocol in docs/control.md. After a deliberate change of behaviour,
+Each scenario is a short script; its trace (the plane's events in time order, the merged step
+log, each node's final state; optionally the messages one node sent and received, as in
+follower_killed_as_the_coordinator_saw_it) is compared with tests/data/plane_traces/NAME.txt,
+which a reader can check against the protocol in docs/control.md. After a deliberate change of behaviour,
 re-record with `DTFM_RECORD_TRACES=1 pytest tests/test_plane_traces.py` and read the diff.
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from dtfm.control import ControlMsg, SignedAllocation
 from dtfm.control.election import ElectionConfig
 from dtfm.control.election.sim import NetConditions
 from dtfm.control.sim import PlaneSim
@@ -31,13 +33,31 @@ CFG = ElectionConfig.test()
 EVENT_FIELDS = ("term", "epoch", "kind", "old_shape", "new_shape", "resume_step", "rollback", "reason", "trigger")
 
 
-class Script:
-    """Drives a PlaneSim and writes down what happened, in words."""
+class WatchedSim(PlaneSim):
+    """A PlaneSim that keeps the plane's messages to and from one node, `watch` (None: no node),
+    as they are delivered (through the simulation's message hook)."""
 
-    def __init__(self, sim: PlaneSim):
+    def __init__(self, *args, **kw):
+        self.watch: int | None = None
+        self.messages: list[tuple[float, int, int, tuple]] = []  # (time, from, to, payload)
+        super().__init__(*args, **kw)
+
+    def _on_message(self, k: int, src: int, payload: tuple) -> None:
+        if self.watch in (k, src):
+            self.messages.append((self.now, src, k, payload))
+        super()._on_message(k, src, payload)
+
+
+class Script:
+    """Drives a PlaneSim and writes down what happened, in words: the plane's events, the
+    operator's notes and, when the sim watches a node, the messages it sent and received."""
+
+    def __init__(self, sim: WatchedSim):
         self.sim = sim
         self.lines: list[str] = []
         self._events = 0
+        self._left = 0
+        self._messages = 0
 
     def name(self, peer: bytes) -> str:
         return f"n{self.sim.index[peer]}"
@@ -52,12 +72,49 @@ class Script:
         self.lines.append(f"{self.sim.now:8.3f}  > {what}")
 
     def _flush(self) -> None:
+        """The plane's events and the nodes that went (a planned leave) since the last flush, in
+        time order."""
+        new: list[tuple[float, str]] = []
         for t, k, event, fields in self.sim.events[self._events:]:
             shown = " ".join(f"{f}={self._names(str(fields[f]))}" for f in EVENT_FIELDS if f in fields)
             if fields.get("rollback"):  # where the stages came from, and the completed steps run again
                 shown += f" restored_from={fields['restored_from']} steps_lost={fields['steps_lost']}"
-            self.lines.append(f"{t:8.3f}  n{k} {event} {shown}")
-        self._events = len(self.sim.events)
+            new.append((t, f"{t:8.3f}  n{k} {event} {shown}"))
+        for t, k, how in self.sim.left[self._left:]:
+            new.append((t, f"{t:8.3f}  n{k} went: {how}"))
+        for t, src, dst, payload in self.sim.messages[self._messages:]:
+            new.append((t, f"{t:8.3f}    n{src} -> n{dst} {self._message(payload)}"))
+        self.lines += [line for _, line in sorted(new, key=lambda x: x[0])]
+        self._events, self._left, self._messages = len(self.sim.events), len(self.sim.left), len(self.sim.messages)
+
+    def _message(self, payload: tuple) -> str:
+        """A message of the plane in words: a request (ask), its answer, or a one-way send."""
+        if payload[0] == "answer":
+            return f"answer {self._wire(payload[2])}"
+        msg, body = payload[-2], payload[-1]
+        if msg == ControlMsg.ALLOCATION:
+            a = SignedAllocation.from_wire(body).open()
+            grid = " | ".join(" ".join(self.name(p) for p in pipe) for pipe in a.pipelines)
+            return f"ALLOCATION term {a.term} epoch {a.epoch} steps {a.start_step}..{a.end_step} [{grid}]"
+        return f"{ControlMsg(msg).name} {self._wire(body)}".rstrip()
+
+    def _wire(self, v) -> str:
+        """A wire value, short: ids by name, a digest by its first 8 digits, a nested record in
+        parentheses, a list of records or of more than 4 values by its length."""
+        if isinstance(v, bytes):
+            return self._names(v.hex()[:8]) if len(v) <= 32 else f"<{len(v)} bytes>"
+        if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+            return v[:8]
+        if isinstance(v, list | tuple):
+            if len(v) > 4 or any(isinstance(x, list | tuple | dict) for x in v):
+                return f"<{len(v)} items>"
+            return "[" + " ".join(self._wire(x) for x in v) + "]"
+        if isinstance(v, dict):
+            return " ".join(f"{k}=({self._wire(x)})" if isinstance(x, dict) else f"{k}={self._wire(x)}"
+                            for k, x in v.items() if k != "run")
+        if isinstance(v, float):
+            return f"{v:g}"
+        return str(v)
 
     def run(self, seconds: float) -> None:
         self.sim.run_for(seconds)
@@ -99,19 +156,23 @@ class Script:
         return "\n".join(self.lines) + "\n"
 
 
-def _started(n: int, *, seed: int, stages: int = 2, checkpoint_every: int = 0) -> tuple[Script, int]:
-    s = Script(PlaneSim(n, CFG, seed=seed, stages=stages, checkpoint_every=checkpoint_every,
-                        conditions=NetConditions(jitter=1.0)))
+def _started(n: int, *, seed: int, stages: int = 2, checkpoint_every: int = 0,
+             watch_coordinator: bool = False) -> tuple[Script, int]:
+    s = Script(WatchedSim(n, CFG, seed=seed, stages=stages, checkpoint_every=checkpoint_every,
+                          conditions=NetConditions(jitter=1.0)))
     s.run(2.0)
     c = s.coordinator()
+    if watch_coordinator:
+        s.note(f"the messages of n{c}, the coordinator, are shown from here on (indented)")
+        s.sim.watch = c
     s.note(f"train start on n{c}")
     s.sim.start_training(c)
     s.run(0.5)
     return s, c
 
 
-def follower_killed() -> str:
-    s, c = _started(4, seed=3)
+def follower_killed(*, watch_coordinator: bool = False) -> str:
+    s, c = _started(4, seed=3, watch_coordinator=watch_coordinator)
     s.train(3)
     s.run(0.5)
     k = next(j for j in range(4) if j != c)
@@ -122,6 +183,11 @@ def follower_killed() -> str:
     s.train(3)
     s.run(0.5)
     return s.finish()
+
+
+def follower_killed_as_the_coordinator_saw_it() -> str:
+    """`follower_killed` with the coordinator's messages: what it asked, what it was told."""
+    return follower_killed(watch_coordinator=True)
 
 
 def coordinator_killed_and_restarted() -> str:
@@ -273,13 +339,11 @@ def planned_leaves() -> str:
     s.run(4.0)
     s.train(2)
     s.run(0.5)
-    for t, j, how in s.sim.left:
-        s.lines.append(f"{t:8.3f}  n{j} went: {how}")
     return s.finish()
 
 
 SCENARIOS: dict[str, Callable[[], str]] = {f.__name__: f for f in (
-    follower_killed, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
+    follower_killed, follower_killed_as_the_coordinator_saw_it, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
     stage_restored_from_checkpoints, stage_lost_before_any_checkpoint, a_paused_swarm_keeps_what_it_holds,
     planned_leaves)}
 

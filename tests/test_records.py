@@ -76,6 +76,8 @@ def test_bad_chunk_frames(frame, reason):
 
 def test_buffer_pool_recycles_a_buffer_once_every_view_is_gone():
     pool = BufferPool(max_bytes=8 * MiB, min_buffer_bytes=MiB)
+    pool.take(2 * MiB)  # (a size taken before: a stream of payloads, whose buffers are kept)
+    gc.collect()
     a = pool.take(2 * MiB)
     derived = a[10:20]  # any view keeps the memory out of the pool
     del a
@@ -94,6 +96,26 @@ def test_buffer_pool_recycles_a_buffer_once_every_view_is_gone():
     del big
     gc.collect()
     assert pool.free_bytes <= 8 * MiB
+
+
+def test_a_lone_payloads_buffer_is_not_kept():
+    """A payload whose size was not taken within recur_s before (a bandwidth probe every few
+    minutes, a stage fetched once) gives its buffer back to the system, so an idle connection
+    holds no pooled memory; a size that recurs within it is a stream, and kept."""
+    now = [0.0]
+    pool = BufferPool(max_bytes=64 * MiB, min_buffer_bytes=MiB, recur_s=30.0, clock=lambda: now[0])
+    for t in (0.0, 600.0, 1200.0):  # a probe every 10 minutes
+        now[0] = t
+        probe = pool.take(MiB)
+        del probe
+        gc.collect()
+        assert pool.free_bytes == 0
+    for t in (1201.0, 1202.0, 1203.0):  # a step's payload every second
+        now[0] = t
+        step = pool.take(MiB)
+        del step
+        gc.collect()
+    assert pool.free_bytes == MiB
 
 
 def test_buffer_pool_keeps_two_of_a_size_after_a_burst():

@@ -295,6 +295,8 @@ def test_train_start_signs_the_knobs_of_its_flags_and_spec_and_the_model_folder_
         def request(self, op, body):
             if op == "train_info":
                 return {"operators": [key.public_key.hex()], "data_hash": DATA, "data_name": "d"}
+            if op == "status":  # (the election term, read around the start)
+                return {"training": {"term": 1}}
             sent.append(body)
             return {"steps": 7, "stages": 2, "dp": 1, "predicted_iteration_s": 1.0, "pipelines": [["ab" * 32] * 2],
                     "spares": [], "log": "x", "model": "hf-x"}

@@ -27,9 +27,11 @@ CORPUS = Corpus(np.frombuffer(b"a small corpus for one stage " * 64, dtype=np.ui
     (RunEnd(57, "stopped", False), logging.INFO),
     # the swarm heals these by itself: a peer died, or the coordinator aborted the step to
     # reconfigure (the walkthrough's healthy peer logged this at ERROR on every heal)
-    (RunEnd(25, "peer b846add1 failed while this peer waited for '1.26/dp/rs1/b0': connection lost", True),
+    (RunEnd(25, "peer b846add1 failed while this peer waited for the data-parallel gradient sync of step 27 "
+            "(epoch 1): connection lost", True),
      logging.WARNING),
-    (RunEnd(25, "communicator closed while waiting for '1.26/dp/ag0/b0' from 5c2ac64c: aborted for a "
+    (RunEnd(25, "communicator closed while waiting for the data-parallel gradient sync of step 27 (epoch 1) "
+                "from 5c2ac64c: aborted for a "
                 "reconfiguration", True), logging.WARNING),
     (RunEnd(-1, "step 0 failed on this peer: MemoryError", True, on_this_peer=True), logging.ERROR),
 ])

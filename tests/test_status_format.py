@@ -13,7 +13,7 @@ import pytest
 from machine_trace import RUN, FakeElection, N, alloc, report
 
 from dtfm.control.coordinator.machine import CoordinatorStatus, Phase
-from dtfm.control.epoch.machine import EpochMachine
+from dtfm.control.epoch.machine import EpochMachine, RunClosed
 from dtfm.control.status import PlaneStatus
 from dtfm.gossip import Entry, Report
 from dtfm.gossip import view as gossip_view
@@ -81,11 +81,30 @@ def test_status_text_has_no_gossip_json_line_and_keeps_other_sections():
     assert '"latency"' not in text and "0.13782211593865187" not in text and B not in text
     assert "swarm_key_fingerprint 1234abcd" in text
     assert text.splitlines()[-2:] == ["training  idle",
-                                      "          role follower, term 0, coordinator none yet (one is elected "
-                                      "at the swarm's first `train start`)"]
+                                      "          role follower, term 0, coordinator none known to this peer (it "
+                                      "holds no council: a swarm has no coordinator before its first `train "
+                                      "start`, and a peer that joined later learns it with the first allocation "
+                                      "it is handed)"]
     # a gossip section the daemon had to cut to fit its reply stays visible as what it is
     cut = format_status_text({**report, "gossip": {"truncated": True, "bytes": 9}}, now=0.0)
     assert 'gossip    {"bytes": 9, "truncated": true}' in cut
+
+
+@pytest.mark.parametrize("election, coordinator, who", [
+    # Operator review L1: a fresh joiner of a swarm that had a coordinator said "none yet (one is
+    # elected at the swarm's first train start)"
+    ({"voters": 0, "heard_of": None}, None, "none known to this peer (it holds no council"),
+    ({"voters": 0, "heard_of": B}, None, f"{B[:8]} (as its peers say; this peer holds no council to check it "
+                                         "against until it is handed its first allocation)"),
+    ({"voters": 3, "heard_of": B}, None, f"{B[:8]} (as its peers say; outside its council, this peer does not "
+                                         "follow it)"),
+    ({"voters": 3, "heard_of": None}, None, "none yet (one is elected at the swarm's first `train start`)"),
+    ({"voters": 3, "heard_of": B}, A, A[:8]),
+])
+def test_the_coordinator_line_says_what_this_peer_knows_of_the_swarms_coordinator(election, coordinator, who):
+    training = {"state": "idle", "role": "follower", "term": 0, "coordinator": coordinator, "election": election}
+    line = format_status_text({"peer_id": A, "short_id": A[:8], "training": training}, now=0.0).splitlines()[-1]
+    assert line.startswith(f"          role follower, term 0, coordinator {who}"), line
 
 
 def test_the_ratio_in_the_legend_is_gossips():
@@ -177,7 +196,7 @@ def restarted(kept=(), stopped=False) -> dict:
     m = EpochMachine(N[1], election, heartbeat_wait_s=1.0, coordinator_lost_after_s=6.0)
     m.restore(RUN, 2, 3, alloc(term=2, epoch=3, end_step=300), kept)
     if stopped:
-        m.mark_stopped(RUN)
+        m.handle(RunClosed(RUN, "stopped"), 0.0)
     return PlaneStatus(N[1], {"role": "follower", "term": 2, "coordinator": None}, False, m.status(), IDLE,
                        Path("train.jsonl"), None, 1).to_wire()
 
@@ -255,8 +274,8 @@ def test_start_and_export_count_one_stage_in_the_singular():
     from dtfm.peer.cli import format_exported, format_started
 
     reply = {"steps": 100, "stages": 1, "dp": 3, "predicted_iteration_s": 0.0614}
-    assert format_started("tiny", reply) == "training tiny for 100 steps as 1 stage x 3 pipelines; " \
-                                           "predicted 0.061 s per step"
+    assert format_started("tiny", reply).startswith("training tiny for 100 steps as 1 stage x 3 pipelines; "
+                                                    "predicted 0.061 s per step (")
     assert format_started("tiny", {**reply, "stages": 2, "dp": 1}).startswith("training tiny for 100 steps as "
                                                                              "2 stages x 1 pipeline;")
     assert format_exported("8d" * 16, {"step": 600, "model": "tiny", "stages": [{}], "bytes_fetched": 10_442_024,

@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 import time
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -620,3 +621,32 @@ async def test_stop_and_resume_send_an_operation_of_their_kind_signed_by_the_ope
     assert rc == 0 and printed in said.out + said.err
     check_op(SignedOp.from_wire(asked[0]["op"]), kind, {operator.public_key}, run_id=run)
     assert bad_rc == 1 and f"answer to `train {kind}` that is not a map" in bad
+
+
+@pytest.mark.parametrize("terms, fails, attempts, started", [
+    ([2, 3, 3], 1, 2, True),  # deposed midway: signed again and sent to the coordinator of now
+    ([2, 2], 1, 1, False),  # refused in a steady term: the operator's error, not tried again
+    ([2, 3, 3, 4, 4, 5], 3, 3, False),  # the elections never settle: three attempts, then the error
+])
+def test_a_start_interrupted_by_an_election_is_signed_and_sent_again(tmp_path, monkeypatch, terms, fails, attempts,
+                                                                    started):
+    state = make_state(tmp_path)
+    peer = state.peers[0]
+    term_answers, sent = iter(terms), []
+    monkeypatch.setattr(train_mod, "peer_status", lambda p: {"training": {"term": next(term_answers)}})
+    monkeypatch.setattr(train_mod, "operator_op", lambda run_dir, p, kind, args: SimpleNamespace(
+        to_wire=lambda: {"op": len(sent)}))
+
+    def request(p, op, args, timeout_s):
+        sent.append(args["op"])
+        if len(sent) <= fails:
+            raise SwarmError("p00: the allocation was refused: c0464f9e: term 2 is older than this peer's term 3")
+        return {"run_id": "ab" * 16}
+    monkeypatch.setattr(train_mod, "peer_request", request)
+    if started:
+        assert train_mod.start_training(state, peer, {"steps": 4}, tmp_path)["run_id"] == "ab" * 16
+        assert json.loads((tmp_path / train_mod.RUN_NAME).read_text())["run_id"] == "ab" * 16
+    else:
+        with pytest.raises(SwarmError, match="refused"):
+            train_mod.start_training(state, peer, {"steps": 4}, tmp_path)
+    assert sent == [{"op": k} for k in range(attempts)]  # a new signed start each time

@@ -68,7 +68,7 @@ def test_user_errors_exit_1_with_one_line(capsys, tmp_path, argv, message):
 @pytest.mark.parametrize("argv,message", [
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--sample", "5", "--prompt", ""], "--sample needs a non-empty --prompt"),
-    (["--stages", "0"], "argument --stages: '0' is less than 1"),
+    (["--stages", "0"], "argument --stages: must be a positive integer, got '0'"),
     (["--layer-weights", "1,x"], "not a comma-separated list of numbers"),
     (["--keep", "0"], "argument --keep"),
     (["--preset", "huge"], "invalid choice"),

@@ -214,3 +214,21 @@ def test_a_peer_outside_the_plan_has_no_rules():
         MessageRules.for_peer(Plan.grid(4, 2, 1), SPEC, CFG, "mallory", [])
     with pytest.raises(ValueError, match="dtype"):
         MessageRules.for_peer(Plan.grid(4, 2, 1), SPEC, CFG, "peer0.0", [], param_dtype="complex64")
+
+
+@pytest.mark.parametrize("tag, words", [
+    ("1.42/loss", "the loss of step 43 (epoch 1)"),
+    ("3.0/act/2", "the activations of micro-batch 2 of step 1 (epoch 3)"),
+    ("3.7/grad/0", "the gradients of micro-batch 0 of step 8 (epoch 3)"),
+    ("2.9/norm", "the gradient norm of step 10 (epoch 2)"),
+    ("2.9/tied", "the tied embedding's gradient of step 10 (epoch 2)"),
+    ("1.26/dp/rs1/b0", "the data-parallel gradient sync of step 27 (epoch 1)"),
+    ("1.26/dpc", "the compressed data-parallel sync of step 27 (epoch 1)"),
+    ("1.26/what", "'1.26/what'"),  # not a message of the plan: shown as it came
+    ("x/loss", "'x/loss'"),
+    (7, "7"),
+])
+def test_a_tag_reads_as_words_with_steps_counted_from_one(tag, words):
+    # Operator review L5: "... while this peer waited for '1.42/loss'" is an internal tag
+    from dtfm.train import describe_tag
+    assert describe_tag(tag) == words

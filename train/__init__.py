@@ -78,7 +78,7 @@ if TYPE_CHECKING:
         stage_param_names,
     )
     from .local import LocalCluster
-    from .messages import MessageRules
+    from .messages import MessageRules, describe_tag
     from .model import GPTStage, assemble, generate
     from .native import load_torch_libraries
     from .optim import AdamW
@@ -129,6 +129,7 @@ __all__ = [
     "Link",
     "LocalCluster",
     "MessageRules",
+    "describe_tag",
     "PendingSends",
     "Plan",
     "SendHandle",
@@ -230,7 +231,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ),
     ".local": ("LocalCluster",),
     ".memory": ("StageMemory", "limit_heap_caching", "release_heap", "stage_memory"),
-    ".messages": ("MessageRules",),
+    ".messages": ("MessageRules", "describe_tag"),
     ".model": ("GPTStage", "assemble", "generate"),
     ".native": ("load_torch_libraries",),
     ".optim": ("AdamW",),

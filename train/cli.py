@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import logging
 import os
@@ -21,6 +20,9 @@ import sys
 import time
 
 import torch
+
+from dtfm.cli_base import (NON_NEGATIVE_INT, POSITIVE_INT, CliError, DefaultsHelpFormatter, run_command,
+                           version_text)
 
 from .checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint, stage_tensors
 from .compress import COMPRESSION_PRESETS, CompressionConfig, parse_compression
@@ -41,31 +43,6 @@ PROG = "python -m dtfm.train"
 _RENAMED = {"global_batch_seqs": "batch", "grad_clip_norm": "grad-clip"}
 
 
-class CliError(Exception):
-    """A failure to report on stderr as `python -m dtfm.train: error: ...`, exit status 1."""
-
-
-def version_text() -> str:
-    """What `--version` prints: the installed distribution's version."""
-    try:
-        return f"%(prog)s {importlib.metadata.version('dtfm')}"
-    except importlib.metadata.PackageNotFoundError:
-        return "%(prog)s (version unknown: dtfm is not installed)"
-
-
-def _count(low: int):
-    """An argparse type: an integer >= low."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} is less than {low}")
-        return value
-    return parse
-
-
 def _weights(text: str) -> list[float]:
     try:
         return [float(w) for w in text.split(",")]
@@ -78,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog="Commands: `sample`, `tokenize`, `export` (see `python -m dtfm.train "
                                         "COMMAND --help`). Exit status: 0 success, 1 an error explained on "
                                         "stderr, 2 bad command line, 130 interrupted.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--version", action="version", version=version_text())
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="model shape; unset: tiny")
     ap.add_argument("--init-from", default=None, metavar="DIR",
@@ -91,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(*.uint32.bin: uint32), anything else text")
     ap.add_argument("--export", default=None, metavar="DIR",
                     help="after training, write the model here as a Hugging Face GPT-2 folder")
-    ap.add_argument("--steps", type=_count(0), default=200, help="steps to train (from the resumed step, if any)")
-    ap.add_argument("--stages", type=_count(1), default=1, help="pipeline stages S")
-    ap.add_argument("--dp", type=_count(1), default=1, help="data-parallel pipelines D")
+    ap.add_argument("--steps", type=NON_NEGATIVE_INT, default=200, help="steps to train (from the resumed step, if any)")
+    ap.add_argument("--stages", type=POSITIVE_INT, default=1, help="pipeline stages S")
+    ap.add_argument("--dp", type=POSITIVE_INT, default=1, help="data-parallel pipelines D")
     ap.add_argument("--compress", default="exact", metavar="NAME[,FIELD=VALUE...]",
                     help=f"compression preset ({', '.join(COMPRESSION_PRESETS)}; docs/compression.md), with "
                          "fields of dtfm.train.compress.CompressionConfig changed after commas, e.g. "
@@ -104,16 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. inner_steps=16; repeatable")
     ap.add_argument("--layer-weights", type=_weights, default=None,
                     help="comma-separated relative stage sizes, e.g. 1,2,1; unset: even split")
-    ap.add_argument("--data", default=None, help="text file or folder; unset: the Python standard library's source")
+    ap.add_argument("--data", default=None, metavar="FILE|DIR",
+                    help="text file or folder; unset: the Python standard library's source")
     ap.add_argument("--device", default="cpu", help="torch device for every stage (cpu, cuda)")
     ap.add_argument("--checkpoint-dir", default=None, help="write stage checkpoints here; unset: none")
-    ap.add_argument("--checkpoint-every", type=_count(0), default=0,
+    ap.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=0,
                     help="steps between checkpoints; 0: only at the end")
-    ap.add_argument("--keep", type=_count(1), default=3, help="checkpoints kept per stage")
+    ap.add_argument("--keep", type=POSITIVE_INT, default=3, help="checkpoints kept per stage")
     ap.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     ap.add_argument("--log-json", action="store_true", help="print one JSON object per step on stdout")
     ap.add_argument("--quiet", action="store_true", help="no progress line on stderr")
-    ap.add_argument("--sample", type=_count(0), default=0,
+    ap.add_argument("--sample", type=NON_NEGATIVE_INT, default=0,
                     help="after training, print this many sampled bytes on stderr")
     ap.add_argument("--prompt", default="def ", help="text the --sample continues")
     cfg = ap.add_argument_group("training config (dtfm.train.TrainConfig)")
@@ -282,9 +260,9 @@ def build_tokenize_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"{PROG} tokenize",
                                  description="Tokenize a text file or folder into a token file (raw uint16 or "
                                              "uint32 ids, nanoGPT's train.bin convention) for --data.",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--tokenizer", required=True, metavar="DIR", help="Hugging Face folder with tokenizer files")
-    ap.add_argument("--data", required=True, help="text file or folder")
+    ap.add_argument("--data", required=True, metavar="FILE|DIR", help="text file or folder")
     ap.add_argument("--out", required=True, help="token file to write (name it *.bin; *.uint32.bin for uint32)")
     ap.add_argument("--token-dtype", default=None, choices=("uint16", "uint32"),
                     help="unset: uint32 for a *.uint32.bin name or a vocabulary over 65536 ids, else uint16")
@@ -295,10 +273,10 @@ def build_export_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=f"{PROG} export",
                                  description="Write the stage checkpoints of a --checkpoint-dir as one Hugging "
                                              "Face GPT-2 folder (model.safetensors, config.json, tokenizer).",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--checkpoint-dir", required=True, help="folder of stage checkpoints")
     ap.add_argument("--out", required=True, help="folder to write (must not exist, unless --force)")
-    ap.add_argument("--step", type=_count(0), default=None, help="unset: the newest step every stage has")
+    ap.add_argument("--step", type=NON_NEGATIVE_INT, default=None, help="unset: the newest step every stage has")
     ap.add_argument("--tokenizer-from", default=None, metavar="DIR",
                     help="copy this Hugging Face folder's tokenizer files; unset: the byte tokenizer")
     ap.add_argument("--force", action="store_true", help="replace --out if it exists")
@@ -331,16 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "sample":
         from .sample import sample_main
         return sample_main(argv[1:])
-    try:
+
+    def command() -> int:
         if argv and argv[0] in ("tokenize", "export"):
             return (_tokenize if argv[0] == "tokenize" else _export)(argv[1:])
         parser = build_parser()
         return _run(parser.parse_args(argv), parser)
-    except KeyboardInterrupt:
-        return 130
-    except (CliError, CheckpointError, HFError, TokenizerError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+    return run_command(PROG, command, user_errors=(CheckpointError, HFError, TokenizerError))
 
 
 def _run(args, parser: argparse.ArgumentParser) -> int:

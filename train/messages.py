@@ -45,7 +45,7 @@ from .data import split_batch
 from .plan import Plan
 from .spec import GPTSpec, TrainConfig
 
-__all__ = ["MAX_TAG_CHARS", "MessageRules"]
+__all__ = ["MAX_TAG_CHARS", "MessageRules", "describe_tag"]
 
 PeerId = Hashable
 Expected = tuple[str, tuple[int, ...]]  # (wire dtype name, shape)
@@ -65,6 +65,27 @@ def split_tag(tag: object) -> tuple[int, int, str] | None:
     if m is None:
         return None
     return int(m[1]), int(m[2]), tag[m.end():]
+
+
+# <what> in words, for people (a message's first part; the rest are its numbers)
+_WHAT_WORDS = {"act": "the activations of micro-batch {0}", "grad": "the gradients of micro-batch {0}",
+               "loss": "the loss", "norm": "the gradient norm", "tied": "the tied embedding's gradient",
+               "dp": "the data-parallel gradient sync", "dpc": "the compressed data-parallel sync"}
+
+
+def describe_tag(tag: object) -> str:
+    """A tensor message's tag as people read it: `1.42/loss` is "the loss of step 43 (epoch
+    1)", `1.42/act/3` "the activations of micro-batch 3 of step 43 (epoch 1)"; steps count from
+    1, as every text does. A tag that is not well formed is shown quoted, as it came."""
+    parts = split_tag(tag)
+    if parts is None:
+        return repr(tag)
+    epoch, step, what = parts
+    kind, _, rest = what.partition("/")
+    words = _WHAT_WORDS.get(kind)
+    if words is None:
+        return repr(tag)
+    return f"{words.format(rest) if '{0}' in words else words} of step {step + 1} (epoch {epoch})"
 
 
 class MessageRules:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from collections.abc import Callable
 
 import torch
+
+from dtfm.cli_base import POSITIVE_INT, CliError, DefaultsHelpFormatter, number, run_command
 
 from .hf import HFError, load_hf, model_tokenizer
 from .model import GPTStage, generate
@@ -42,26 +42,14 @@ def sample_text(folder: str | os.PathLike, prompt: str, tokens: int, temperature
     return tok.decode(out.tolist())
 
 
-def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if v < (1 if kind is int else 0):
-            raise argparse.ArgumentTypeError(f"{text!r} is too small")
-        return v
-    return parse
-
-
 def build_sample_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=DefaultsHelpFormatter)
     ap.add_argument("--model", required=True, help="Hugging Face GPT-2 folder (config.json, model.safetensors)")
     ap.add_argument("--prompt", required=True, help="text the sample continues")
-    ap.add_argument("--tokens", type=_positive(int), default=200, help="tokens to generate")
-    ap.add_argument("--temperature", type=_positive(float), default=0.8, help="softmax temperature; 0: greedy")
-    ap.add_argument("--top-k", type=_positive(int), default=None, help="sample among the k likeliest tokens only")
+    ap.add_argument("--tokens", type=POSITIVE_INT, default=200, help="tokens to generate")
+    ap.add_argument("--temperature", type=number(float, 0.0, "a non-negative number"), default=0.8, help="softmax temperature; 0: greedy")
+    ap.add_argument("--top-k", type=POSITIVE_INT, default=None, help="sample among the k likeliest tokens only")
     ap.add_argument("--seed", type=int, default=0, help="seeds the sampling")
     ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
     return ap
@@ -69,16 +57,15 @@ def build_sample_parser() -> argparse.ArgumentParser:
 
 def sample_main(argv: list[str]) -> int:
     args = build_sample_parser().parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"{PROG}: error: no CUDA device is available: use --device cpu", file=sys.stderr)
-        return 1
-    try:
-        text = sample_text(args.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
-                           args.device)
-    except (HFError, TokenizerError, ValueError) as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    print(text)
-    return 0
+
+    def command() -> int:
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            raise CliError("no CUDA device is available: use --device cpu")
+        try:
+            text = sample_text(args.model, args.prompt, args.tokens, args.temperature, args.top_k, args.seed,
+                               args.device)
+        except ValueError as e:
+            raise CliError(str(e)) from None
+        print(text)
+        return 0
+    return run_command(PROG, command, user_errors=(HFError, TokenizerError))

@@ -197,7 +197,8 @@ class TransportComm:
 
     def _on_lost(self, peer: bytes, reason: str) -> None:
         if self._watching:  # before `connect`, a lost connection is simply dialled again
-            self.fail(peer, f"connection lost ({reason})")
+            # (the transport's reason may say it already: "connection lost: [Errno 104] ...")
+            self.fail(peer, reason if reason.startswith("connection lost") else f"connection lost ({reason})")
 
 
 def _peer_id(peer: Hashable) -> bytes:

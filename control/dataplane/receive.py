@@ -20,7 +20,8 @@ from collections import deque
 import torch
 import trio
 
-from dtfm.train import TORCH_DTYPES, CodecError, CommClosed, CommError, CommTimeout, MessageRules, tensor_from_wire
+from dtfm.train import (TORCH_DTYPES, CodecError, CommClosed, CommError, CommTimeout, MessageRules, describe_tag,
+                        tensor_from_wire)
 
 from .config import ENTRY_OVERHEAD_BYTES, CommConfig
 from .wire import ACCEPTED, TensorMsg, peer_name, refuse
@@ -79,13 +80,14 @@ class Receiver:
                     inbox.buffered_bytes -= cost
                     return tensor
                 if self._closed is not None:
-                    raise CommClosed(f"communicator closed while waiting for {tag!r} from {inbox.name}: "
-                                     f"{self._closed}")
+                    raise CommClosed(f"communicator closed while waiting for {describe_tag(tag)} from "
+                                     f"{inbox.name}: {self._closed}")
                 if inbox.failed is not None:
-                    raise CommError(f"peer {inbox.name} failed while this peer waited for {tag!r}: {inbox.failed}")
+                    raise CommError(f"peer {inbox.name} failed while this peer waited for {describe_tag(tag)}: "
+                                    f"{inbox.failed}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise CommTimeout(f"nothing under {tag!r} from {inbox.name} within {timeout_s} s")
+                    raise CommTimeout(f"{describe_tag(tag)} did not come from {inbox.name} within {timeout_s} s")
                 inbox.cv.wait(left)
 
     def fail(self, peer: bytes, reason: str) -> None:

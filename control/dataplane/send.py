@@ -22,7 +22,7 @@ import torch
 import trio
 
 from dtfm.net import ConnectionClosed, PeerTransport, RemoteError, RequestTimeout
-from dtfm.train import CommClosed, CommError, CommTimeout, EventHandle, tensor_to_wire
+from dtfm.train import CommClosed, CommError, CommTimeout, EventHandle, describe_tag, tensor_to_wire
 
 from ..messages import ControlMsg
 from .config import CommConfig
@@ -191,7 +191,7 @@ class Sender:
 
     def _enqueue(self, peer: bytes, item: _Outgoing) -> None:
         if self._closed is not None or self._nursery is None:
-            item.finish(CommClosed(f"communicator not running: cannot send {item.tag!r} to {peer_name(peer)}"))
+            item.finish(CommClosed(f"communicator not running: cannot send {describe_tag(item.tag)} to {peer_name(peer)}"))
             return
         box = self._outboxes.get(peer)
         if box is None:
@@ -220,7 +220,7 @@ class Sender:
                         len(box.inflight) >= cfg.window_messages or box.unacked_bytes + size > window_bytes):
                     await box.room.wait()
             except BaseException:
-                item.finish(CommClosed(f"communicator closed before {item.tag!r} went to {box.name}"))
+                item.finish(CommClosed(f"communicator closed before {describe_tag(item.tag)} went to {box.name}"))
                 raise
             finally:
                 box.held = 0
@@ -233,7 +233,7 @@ class Sender:
             nursery.start_soon(self._deliver, box, item, size)
 
     async def _deliver(self, box: _Outbox, item: _Outgoing, size: int) -> None:
-        error: CommError | None = CommClosed(f"communicator closed while sending {item.tag!r} to {box.name}")
+        error: CommError | None = CommClosed(f"communicator closed while sending {describe_tag(item.tag)} to {box.name}")
         try:
             error = await self._request(box, item)
         finally:
@@ -241,7 +241,7 @@ class Sender:
             box.unacked_bytes -= size
             item.finish(error)
             if error is not None:  # a later tensor would wait for this one's sequence number forever
-                box.fail(CommError(f"stream to {box.name} broken at {item.tag!r}: {error}"))
+                box.fail(CommError(f"stream to {box.name} broken at {describe_tag(item.tag)}: {error}"))
             box.poke()
             if item.buffer is not None:  # the request is over: the transport has let go of the bytes
                 self._buffers.give(item.buffer)
@@ -266,7 +266,7 @@ class Sender:
                 conn, resent = new, True  # replaced (both ends dialled): the receiver drops a duplicate
                 continue
             except RequestTimeout:
-                return CommTimeout(f"{box.name} did not acknowledge {item.tag!r} within {self._config.ack_timeout_s} s")
+                return CommTimeout(f"{box.name} did not acknowledge {describe_tag(item.tag)} within {self._config.ack_timeout_s} s")
             except (RemoteError, ValueError) as e:
-                return CommError(f"{box.name} did not take {item.tag!r}: {e}")
+                return CommError(f"{box.name} did not take {describe_tag(item.tag)}: {e}")
             return verdict(reply, box.name, item.tag, resent)

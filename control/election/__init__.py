@@ -1,4 +1,4 @@
-"""The coordinator election: who hands out allocations, term by term (protocol: docs/control.md).
+"""The coordinator election: who hands out allocations, term by term (protocol: docs/election.md).
 
     state.py     ElectionState, the sans-IO machine, its roles and actions
     config.py    ElectionConfig and its profiles

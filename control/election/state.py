@@ -97,9 +97,10 @@ coordinator is (discovery.py) and hands each certificate it gets to `learn`: one
 against its own configuration is recognised (the term taken if newer, no lease: a certificate
 proves an election, not a live coordinator), one that is only a quorum of its own configuration
 is kept as `heard_of` (shown in status), never followed, voted by, or forwarded an operator's
-request to; a peer without a council learns nothing. A recognised certificate whose configuration leaves this peer out means a quorum of
-its voters moved on without it: it stops standing (nobody would answer its pre-votes) until
-its term changes or it applies an allocation. `answer()` is what this peer tells an asker.
+request to; a peer without a council has nothing to verify against, so any certificate it
+takes is only heard of. A recognised certificate whose configuration leaves this peer out
+means a quorum of its voters moved on without it: it stops standing (nobody would answer its
+pre-votes) until its term changes or it applies an allocation. `answer()` is what this peer tells an asker.
 
 Time. A clock that goes backwards shifts every stored instant by the same amount, so
 intervals keep their length; a jump forwards looks like elapsed time (timers fire early, which
@@ -502,19 +503,21 @@ class ElectionState:
         coordinator query; untrusted). Verified against this peer's configuration, as a
         heartbeat's would be, it is recognised (its term taken if newer), though it proves an
         election, not that the coordinator is alive: this peer's lease is not renewed. A
-        certificate that does not verify there but is a quorum of its own configuration, every
-        signature checked, is kept as `heard_of` (the newest such): a coordinator this peer may
-        forward an operator's request to, which it does not follow or vote by. When the
+        certificate that does not verify there (or reaches a peer without a council) but is a
+        quorum of its own configuration, every signature checked, is kept as `heard_of` (the
+        newest such): a coordinator shown in status, which this peer does not follow, vote by
+        or forward an operator's request to. When the
         recognised certificate's configuration leaves this peer out, a quorum of its own voters
         moved on without it: it stops standing (nobody would answer) until its term changes or
         it applies an allocation."""
         self._advance(now)
         out: list[ElectionAction] = []
-        if cert.term < self.term or cert.candidate == self.me or not self.voters:
-            return out  # (a peer without a council takes nothing from a certificate alone)
+        if cert.term < self.term or cert.candidate == self.me:
+            return out
         if cert.term == self.term and (self.role is ElectionRole.COORDINATOR or self.coordinator == cert.candidate):
             return out
-        why = self.check_certificate(cert)
+        # (a peer without a council has nothing to verify against: at most it hears of one)
+        why = self.check_certificate(cert) if self.voters else "this peer holds no council"
         if why is None:
             self._follow(cert, out, f"certificate of term {cert.term} passed on by a peer", heard=False)
             self._superseded = self.me not in cert.voters

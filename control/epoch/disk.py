@@ -3,7 +3,9 @@ the disk refuses.
 
 `CheckpointDisk` owns `DATA_DIR/checkpoints/`: one folder per run (so a run never takes another
 run's checkpoint for its own), in it the newest `kept` checkpoints of each stage (older ones
-are deleted as a new one lands). Every checkpoint this peer writes goes through `save`: the
+are deleted as a new one lands); the folders of the newest `runs_kept` runs stay (by their
+last write), older runs' are deleted as a checkpoint of another run lands, so the disk a peer
+uses is bounded across runs too. Every checkpoint this peer writes goes through `save`: the
 runner's periodic and final ones (worker thread) and the stages a waiting run keeps (`keep`,
 control/epoch/stages.py). A write the disk refuses (full, read-only, gone) is a refusal to
 checkpoint, logged at ERROR and kept for `status`, never a dead daemon or a corrupt file:
@@ -16,6 +18,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -38,14 +41,15 @@ class DiskStatus:
     path: str  # DATA_DIR/checkpoints
     bytes: int  # what every checkpoint there holds, all runs together
     kept: int  # checkpoints kept per stage of each run
+    runs_kept: int  # runs whose checkpoints stay, the newest
     saved: int  # checkpoints written by this daemon
     refused: int  # writes the disk refused
     refusal: str | None  # the last refused write and why; None once a later write succeeded
     refused_at: float | None  # its wall time
 
     def to_wire(self) -> dict:
-        out: dict = {"path": self.path, "bytes": self.bytes, "kept": self.kept, "saved": self.saved,
-                     "refused": self.refused}
+        out: dict = {"path": self.path, "bytes": self.bytes, "kept": self.kept, "runs_kept": self.runs_kept,
+                     "saved": self.saved, "refused": self.refused}
         if self.refusal is not None:
             out.update(refusal=self.refusal, refused_at=self.refused_at)
         return out
@@ -55,10 +59,10 @@ class CheckpointDisk:
     """This peer's checkpoint folder (see the module docstring). `save` may be called from any
     thread; writes are serialised."""
 
-    def __init__(self, root: Path, kept: int = 3):
-        if kept < 1:
-            raise ValueError("kept must be at least 1")
-        self.root, self.kept = Path(root), kept
+    def __init__(self, root: Path, kept: int = 3, runs_kept: int = 4):
+        if kept < 1 or runs_kept < 1:
+            raise ValueError("kept and runs_kept must be at least 1")
+        self.root, self.kept, self.runs_kept = Path(root), kept, runs_kept
         self._lock = threading.Lock()
         self._saved = self._refused = 0
         self._refusal: str | None = None
@@ -89,12 +93,26 @@ class CheckpointDisk:
                 return None
             self._saved += 1
             self._refusal = self._refused_at = None
+            self._prune_runs(self.run_root(run_id))
             self._bytes = folder_bytes(self.root)
             return path
 
+    def _prune_runs(self, current: Path) -> None:
+        """Delete the folders of the runs older than the newest `runs_kept` (`current`, just
+        written, among them), the age of a run its newest write."""
+        try:
+            runs = [p for p in self.root.iterdir() if p.is_dir() and p != current]
+        except OSError:
+            return
+        runs.sort(key=last_write, reverse=True)
+        for old in runs[self.runs_kept - 1:]:
+            shutil.rmtree(old, ignore_errors=True)
+            logger.info("deleted the checkpoints of run %s: only the newest %d runs' stay", old.name[:8],
+                        self.runs_kept)
+
     def status(self) -> DiskStatus:
-        return DiskStatus(str(self.root), self._bytes, self.kept, self._saved, self._refused, self._refusal,
-                          self._refused_at)
+        return DiskStatus(str(self.root), self._bytes, self.kept, self.runs_kept, self._saved, self._refused,
+                          self._refusal, self._refused_at)
 
 
 def folder_bytes(root: Path) -> int:
@@ -107,3 +125,12 @@ def folder_bytes(root: Path) -> int:
             except OSError:  # (deleted meanwhile)
                 pass
     return total
+
+
+def last_write(folder: Path) -> float:
+    """The newest modification time of `folder` and the folders in it (a run's folder holds one
+    per stage, whose times change as checkpoints land); 0 when it is gone."""
+    try:
+        return max([folder.stat().st_mtime] + [p.stat().st_mtime for p in folder.iterdir() if p.is_dir()])
+    except OSError:
+        return 0.0

@@ -3,7 +3,8 @@
 
 `EpochMachine` owns what the peer decided and knows about the run: the (term, epoch) it applied
 per run, its current and previous epoch (the allocation and what its stage is at), the step
-reports it keeps, how its last epoch ended, whether an operator stopped the run, the last
+reports it keeps, how its last epoch ended, whether the run is over without finishing (an
+operator's stop, or its coordinator's `RunClosed`: this machine alone keeps that fact), the last
 allocations it applied and the RUN_STATE requests it refused. It decides whether to accept an
 allocation (an operator of the swarm must have started its run), where the stage comes from,
 who may start and stop it (a run's final stop only from the recognised coordinator, carrying the
@@ -41,7 +42,7 @@ __all__ = [
     "BuildStage", "ElectionView", "EndEpoch", "changes_refusal",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
-    "KeepStage", "StopRunnerAt", "Tick", "WaitForCoordinator",
+    "EpochTick", "KeepStage", "OperationTaken", "RunClosed", "RunReopened", "StopRunnerAt", "WaitForCoordinator",
 ]
 
 
@@ -177,12 +178,42 @@ class MemberGone:
 
 
 @dataclass(frozen=True)
-class Tick:
-    pass
+class EpochTick:
+    """Time passed: the machine looks at its timers (the coordinator's grace, keeping a stage)."""
+
+
+@dataclass(frozen=True)
+class RunClosed:
+    """Run `run_id` is over without finishing: this peer's coordinator took an operator's stop of
+    it, found it cannot go on, or failed it; or the shell found it so (a stop kept on disk before
+    a restart, the coordinator failing). Nobody reconfigures it until an operator resumes it."""
+
+    run_id: bytes
+    why: str
+
+
+@dataclass(frozen=True)
+class RunReopened:
+    """This peer's coordinator takes an operator's resume of run `run_id`: it is no longer over,
+    and its next epoch is handed out."""
+
+    run_id: bytes
+
+
+@dataclass(frozen=True)
+class OperationTaken:
+    """This peer's coordinator took an operator's resume or reschedule (`op`, signed as `signed`)
+    at wall time `now_s`, within `skew_s` of its signed time: a replay of it is refused from now
+    on, a restart included."""
+
+    op: OperatorOp
+    signed: SignedOp
+    now_s: float
+    skew_s: float
 
 
 EpochEvent = (AllocationOffered | StageBuilt | BuildFailed | StartAsked | StopAsked | StepDone | RunnerEnded
-              | EpochDone | MemberGone | Tick)
+              | EpochDone | MemberGone | EpochTick | RunClosed | RunReopened | OperationTaken)
 
 
 # ---- actions (besides the shared ones) --------------------------------------------------------
@@ -318,9 +349,16 @@ class EpochStatus:
     last_end: dict | None
     end: RunEnd | None  # how the current epoch's runner ended
     run_stopped: bool = False  # the current run is over without finishing: an operator's train stop,
-    # or the coordinator found it cannot go on (`mark_stopped`)
+    # or the coordinator found it cannot go on (`RunClosed`)
     restored: bool = False  # the current epoch is the one applied before this daemon restarted
     heard: tuple[str, int] | None = None  # (state, steps done) of the restored run, as its coordinator told
+
+    @property
+    def run_over(self) -> bool:
+        """No run, or it is over: stopped without finishing, or its last step ran here."""
+        if self.alloc is None or self.run_stopped:
+            return True
+        return self.end is not None and self.end.reason == "finished"
 
 
 class EpochMachine:
@@ -341,7 +379,8 @@ class EpochMachine:
         self.prev: EpochRecord | None = None  # the epoch before, whose stage may still serve
         self.reports: collections.deque[StepReport] = collections.deque(maxlen=MAX_REPORTS)
         self.last_end: dict | None = None
-        self._stopped_by_operator: bytes | None = None  # the run an operator stopped
+        # the run that is over without finishing: an operator stopped it, or it cannot go on
+        self._over_without_finishing: bytes | None = None
         self._lost_since: float | None = None  # when this peer stopped recognising its epoch's coordinator
         self._ended_since: float | None = None  # when the current epoch's runner ended, until it is kept on disk
         self._kept_epoch: int | None = None  # the last epoch whose stage this peer kept on disk while it waited
@@ -403,9 +442,9 @@ class EpochMachine:
         carried = cur.last_op_ms if cur is not None and cur.run_id == run_id else 0
         return max(carried, self.taken.floor_ms(run_id))
 
-    def take_op(self, op: OperatorOp, signed: SignedOp, now_s: float, skew_s: float) -> None:
-        """Record `op` as taken by this peer (the coordinator's resume or reschedule, or a final
-        STOP): a replay of it is refused from now on, a restart included."""
+    def _take_op(self, op: OperatorOp, signed: SignedOp, now_s: float, skew_s: float) -> None:
+        """Record `op` as taken by this peer (the coordinator's resume or reschedule, told by
+        `OperationTaken`, or a final STOP): a replay of it is refused from now on, a restart included."""
         self.taken.take(op, signed, now_s=now_s, skew_s=skew_s)
 
     # ---- queries ------------------------------------------------------------------------------
@@ -414,27 +453,13 @@ class EpochMachine:
     def current(self) -> Allocation | None:
         return self.run.alloc if self.run is not None else None
 
-    def stopped_by_operator(self, run_id: bytes) -> bool:
-        return self._stopped_by_operator == run_id
-
-    def mark_stopped(self, run_id: bytes) -> None:
-        """The run is over (an operator stopped it, or it cannot go on): nobody reconfigures it."""
-        self._stopped_by_operator = run_id
-
-    def resume(self, run_id: bytes) -> None:
-        """An operator resumes run `run_id` (the coordinator's own machine): it is no longer
-        stopped, and the coordinator may reconfigure it again."""
-        if self._stopped_by_operator == run_id:
-            self._stopped_by_operator = None
+    def over_without_finishing(self, run_id: bytes) -> bool:
+        """Run `run_id` is over without finishing (an operator's stop, or it cannot go on)."""
+        return self._over_without_finishing == run_id
 
     def run_over(self) -> bool:
-        """No run, or it finished or was stopped: nothing to reconfigure."""
-        run = self.run
-        if run is None:
-            return True
-        if self._stopped_by_operator == run.alloc.run_id:
-            return True
-        return run.end is not None and run.end.reason == "finished"
+        """No run, or it finished or was stopped: nothing to reconfigure (`EpochStatus.run_over`)."""
+        return self.status().run_over
 
     def hand_off_to(self) -> tuple[bytes | None, str]:
         """Before a planned leave: (the coordinator to tell, "") while a run is in progress (this
@@ -479,7 +504,7 @@ class EpochMachine:
             self.run = EpochRecord(run.alloc, EpochPhase.ENDED, end=RunEnd(steps_done - 1, "finished", False),
                                    done=True)
         elif state in ("stopped", "refused"):
-            self._stopped_by_operator = run_id
+            self._over_without_finishing = run_id
         else:
             return
         self._restarted = False
@@ -558,7 +583,7 @@ class EpochMachine:
             last_report=self.reports[-1] if self.reports and run is not None
             and self.reports[-1].epoch == run.alloc.epoch else None,
             last_end=self.last_end, end=run.end if run is not None else None,
-            run_stopped=run is not None and self._stopped_by_operator == run.alloc.run_id,
+            run_stopped=run is not None and self._over_without_finishing == run.alloc.run_id,
             restored=run is not None and self._restored,
             heard=self._heard if run is not None and self._restored else None)
 
@@ -583,8 +608,18 @@ class EpochMachine:
             return self._epoch_done(event.epoch)
         if isinstance(event, MemberGone):
             return self._member_gone(event)
-        if isinstance(event, Tick):
+        if isinstance(event, EpochTick):
             return self._tick(now)
+        if isinstance(event, RunClosed):
+            self._over_without_finishing = event.run_id
+            return []
+        if isinstance(event, RunReopened):
+            if self._over_without_finishing == event.run_id:
+                self._over_without_finishing = None
+            return []
+        if isinstance(event, OperationTaken):
+            self._take_op(event.op, event.signed, event.now_s, event.skew_s)
+            return []
         raise TypeError(f"not an epoch event: {event!r}")
 
     def _offered(self, ev: AllocationOffered, now: float) -> list:
@@ -616,8 +651,8 @@ class EpochMachine:
             out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
         if self.run is None or self.run.alloc.run_id != alloc.run_id:
             self.reports.clear()  # the kept reports are the current run's
-        if self._stopped_by_operator == alloc.run_id:  # a new epoch of a stopped run: resumed
-            self._stopped_by_operator = None
+        if self._over_without_finishing == alloc.run_id:  # a new epoch of a stopped run: resumed
+            self._over_without_finishing = None
         prev = self.run if self.run is not None and self.run.built else self.prev
         self.applied[alloc.run_id] = (alloc.term, alloc.epoch)
         self._known.append(alloc)
@@ -692,8 +727,8 @@ class EpochMachine:
             why = self.op_refusal(op, ev.op, wall, self.operator_skew_s)
             if why is not None:
                 return [Reply(ev.key, {"stopped": False, "reason": why})]
-            self.take_op(op, ev.op, wall, self.operator_skew_s)
-            self._stopped_by_operator = run.alloc.run_id
+            self._take_op(op, ev.op, wall, self.operator_skew_s)
+            self._over_without_finishing = run.alloc.run_id
         elif not recognised and ev.sender not in (run.alloc.issuer, self.me):
             return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator stops an epoch"})]
         if ev.abort:
@@ -752,7 +787,7 @@ class EpochMachine:
         run = self.run
         waiting = (run is not None and run.phase is EpochPhase.ENDED and run.built and run.end is not None
                    and run.end.reason != "finished" and self._kept_epoch != run.alloc.epoch
-                   and not self.stopped_by_operator(run.alloc.run_id))
+                   and not self.over_without_finishing(run.alloc.run_id))
         if not waiting:
             self._ended_since = None
             return []

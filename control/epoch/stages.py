@@ -99,7 +99,7 @@ class StageHost:
         self._fetchers: dict[tuple, frozenset[bytes]] = {}  # (run, step, layers) -> peers the coordinator named
         self._offer_lock = trio.Lock()  # one offer encoded at a time
         self._nursery: trio.Nursery | None = None
-        self.disk = disk or CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept)
+        self.disk = disk or CheckpointDisk(data_dir / "checkpoints", config.checkpoints_kept, config.runs_kept)
         self._keeping = trio.Lock()  # a stage kept on disk is not built on meanwhile
 
     def attach(self, nursery: trio.Nursery) -> None:
