@@ -1,4 +1,4 @@
-"""Coordinator election on the simulated network (control/election/sim.py), in virtual time.
+"""Coordinator election on the simulated network (control/testing/election_sim.py), in virtual time.
 
 Take-over: 1,000 coordinator crashes in swarms of 5 to 9 peers spread over the worldwide
 scenario's cities (one-way delays of its matrix, 5 to 238 ms, times a jitter of up to 30 %).
@@ -27,7 +27,7 @@ import sys
 import time
 
 from dtfm.control.election import ElectionConfig
-from dtfm.control.election.sim import returning_peer, takeover_times
+from dtfm.control.testing.election_sim import returning_peer, takeover_times
 
 SIZES = (5, 6, 7, 8, 9)
 CRASHES_PER_SWARM = 10

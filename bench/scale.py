@@ -14,7 +14,7 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    (steps run again after a rollback).
    The baseline beside each: `step_s` of one process training the same steps
    (`single_process_step_s`).
-2. sim: the control plane's own machines on N nodes under a virtual clock (control/sim.py):
+2. sim: the control plane's own machines on N nodes under a virtual clock (control/testing/sim.py):
    `elect_s` (boot to the first coordinator), `handout_s` (the operator's start to every node
    applying the first allocation), `election_messages` in the first term, each next to the same
    run at 8 nodes (`baseline_8`).
@@ -142,7 +142,7 @@ def bench_daemons(n: int, steps: int, idle_s: float) -> dict:
 
 def sim_figures(n: int, seed: int = 1) -> dict:
     from dtfm.control.election import ElectionConfig
-    from dtfm.control.sim import PlaneSim
+    from dtfm.control.testing.sim import PlaneSim
     sim = PlaneSim(n, ElectionConfig.test(), seed=seed)
     while not sim.wins and sim.now < 30:
         sim.run_for(0.01)

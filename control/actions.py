@@ -2,7 +2,8 @@
 
 The machines (`EpochMachine`, `Coordinator`) decide by `handle(event, now) -> list[Action]`;
 they own no socket, clock, file or thread. The shell (control/plane.py) feeds them events and
-time and executes their actions in order. Requests the shell makes for a machine (`Ask`,
+time and executes their actions in order; each machine's outputs are a closed union
+(`CoordinatorAction` here, `EpochAction` in control/epoch/machine.py). Requests the shell makes for a machine (`Ask`,
 `Compute`) come back as `Answers` and `Computed` events carrying the request's key.
 """
 
@@ -15,7 +16,8 @@ from typing import Any
 from .events import PlaneEvent
 
 __all__ = [
-    "Action", "Answers", "Ask", "Compute", "Computed", "Emit", "LogLine", "Reply", "ResetLog", "Send",
+    "AbortRunner", "Action", "Answers", "Ask", "Compute", "Computed", "CoordinatorAction", "Emit", "LogLine", "Reply",
+    "ResetLog", "Send",
 ]
 
 
@@ -89,7 +91,19 @@ class Reply:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class AbortRunner:
+    """Abort the current epoch's step (and its comm); a runner not started is cancelled."""
+
+    reason: str
+
+
 Action = Ask | Send | Compute | LogLine | ResetLog | Emit | Reply
+
+# Everything `Coordinator.handle` returns (the epoch machine's are `EpochAction`, beside its own
+# actions in control/epoch/machine.py): the shell executes each, and a type checker proves it
+# does (control/plane.py's `_execute_now` ends with `assert_never`).
+CoordinatorAction = Ask | Compute | LogLine | ResetLog | Emit | Reply | AbortRunner
 
 
 # ---- events that answer the shell's requests ------------------------------------------------

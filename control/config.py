@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .dataplane import CommConfig
 from .election import COUNCIL_SIZES, ElectionConfig
+
+if TYPE_CHECKING:
+    from .coordinator.machine import CoordinatorTimings
 
 __all__ = ["DEVICE_RE", "PlaneConfig"]
 
@@ -229,6 +232,27 @@ class PlaneConfig:
 
     def with_(self, **changes: Any) -> PlaneConfig:
         return replace(self, **changes)
+
+    def coordinator_timings(self) -> CoordinatorTimings:
+        """The coordinator machine's timings from these settings (the shell's and the
+        simulation's one mapping)."""
+        # (the coordinator's module loads numpy and the scheduler: not for a command that only
+        # reads the daemon's settings)
+        from .coordinator.deadline import DeadlineRules
+        from .coordinator.machine import CoordinatorTimings
+
+        return CoordinatorTimings(
+            accept_timeout_s=self.accept_timeout_s, request_timeout_s=self.request_timeout_s,
+            stop_timeout_s=self.stop_timeout_s, check_interval_s=self.check_interval_s,
+            drift_check_s=self.drift_check_s, report_gather_s=self.report_gather_s,
+            probe_timeout_s=self.probe_timeout_s, paused_retry_s=self.paused_retry_s, stop_poll_s=self.stop_poll_s,
+            max_reconfig_attempts=self.max_reconfig_attempts,
+            deadline=DeadlineRules(floor_s=self.step_deadline_floor_s, mads=self.step_deadline_mads,
+                                   first_s=self.step_deadline_first_s),
+            deadline_probe_timeout_s=self.deadline_probe_timeout_s, link_retest_s=self.link_retest_s,
+            operator_skew_s=self.operator_skew_s, council_size=self.council_size,
+            refused_backoff_s=self.refused_backoff_s, refused_backoff_max_s=self.refused_backoff_max_s,
+            join_settle_s=self.join_settle_s, join_wait_max_s=self.join_wait_max_s)
 
     def with_election(self, election: ElectionConfig) -> PlaneConfig:
         """These settings on other election timings, with the waits that follow them as the

@@ -18,8 +18,9 @@ fields (nanoseconds per element: int8 encode and decode, int4 encode and decode,
 rotation, sparse encode and decode); the control layer turns it into a `CodecSpeed`.
 
 Verifying a signature is the one costly step (about 50 us); every cheaper refusal comes first,
-and `RecordStore.offer_all` verifies a batch in slices of `VERIFY_SLICE`, yielding to the other
-tasks between slices so that a batch from the network never holds up acks and pings.
+and `RecordStore.offer_slices` verifies a batch in slices of `VERIFY_SLICE`, between which the
+service yields to the other tasks (`offer_all`), so that a batch from the network never holds up
+acks and pings.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
-
-import trio
+from typing import TYPE_CHECKING
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_float, get_int, get_list, pack, verify_signature
 
@@ -226,14 +225,17 @@ class RecordStore:
         self._changed(r.measurer)
         return None
 
-    async def offer_all(self, reports: Iterable[Report], *, now_wall: float, is_member: Callable[[bytes], bool],
-                        slice_size: int = VERIFY_SLICE) -> list[str | None]:
-        """Offer each report (see `offer`), yielding to other tasks after every `slice_size`
-        signature verifications; each report is screened again when its turn comes."""
-        reasons, verified = [], 0
+    def offer_slices(self, reports: Iterable[Report], *, now_wall: float, is_member: Callable[[bytes], bool],
+                     slice_size: int = VERIFY_SLICE) -> Generator[None, None, list[str | None]]:
+        """Offer each report (see `offer`), pausing (a bare `yield`) after every `slice_size`
+        signature verifications when reports remain, so that the caller lets other tasks run
+        between two slices (gossip/service.py's `offer_all`); returns the reasons, one per
+        report. Each report is screened again when its turn comes."""
+        reasons: list[str | None] = []
+        verified = 0
         for r in reports:
             if verified >= slice_size:
-                await trio.lowlevel.checkpoint()
+                yield
                 verified = 0
             if self.screen(r, now_wall=now_wall, is_member=is_member) is None:
                 verified += 1

@@ -47,7 +47,7 @@ from .measure import (
 )
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
-from .records import RecordStore, Report, check_codec_ns
+from .records import VERIFY_SLICE, RecordStore, Report, check_codec_ns
 from .status import gossip_status
 from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
@@ -57,7 +57,7 @@ from .vivaldi import Coordinate, Vivaldi
 if TYPE_CHECKING:
     from dtfm.net import Identity
 
-__all__ = ["GossipService"]
+__all__ = ["GossipService", "offer_all"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,19 @@ _SWIM_TYPES = (MsgType.PING, MsgType.ACK, MsgType.PING_REQ, MsgType.NACK, MsgTyp
 # What connect() raises when the peer cannot be reached or refuses us (a HandshakeError is a
 # ProtocolError, a TimeoutError an OSError). Anything else is a bug and propagates.
 _CONNECT_ERRORS = (ConnectionClosed, ProtocolError, OSError)
+
+
+async def offer_all(store: RecordStore, reports: Sequence[Report], *, now_wall: float,
+                    is_member: Callable[[bytes], bool], slice_size: int = VERIFY_SLICE) -> list[str | None]:
+    """Offer each report to `store` (`RecordStore.offer_slices`), yielding to the other tasks
+    after every `slice_size` signature verifications; the reasons, one per report."""
+    slices = store.offer_slices(reports, now_wall=now_wall, is_member=is_member, slice_size=slice_size)
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
+        await trio.lowlevel.checkpoint()
 
 
 @dataclass(frozen=True)
@@ -401,9 +414,9 @@ class GossipService:
                 logger.debug("record sync reply to %s failed: %s", conn.short_id, e)
         return None
 
-    async def _accept(self, reports: Iterable[Report]) -> None:
+    async def _accept(self, reports: Sequence[Report]) -> None:
         """Offer reports to the store, verifying their signatures in slices that yield."""
-        await self.records.offer_all(reports, now_wall=self._wall(), is_member=self._is_member)
+        await offer_all(self.records, reports, now_wall=self._wall(), is_member=self._is_member)
 
     # ---- records and measurement
 

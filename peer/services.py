@@ -263,7 +263,7 @@ class PlanePart:
         step boundary, its stages offered from memory); bounded by the plane's leave_hand_off_s."""
         if self.plane is None:
             return
-        why = await self.plane.hand_off()
+        why = await self.plane.operator.hand_off()
         if why is None:
             logger.info("this peer's part in the run is handed off: leaving")
         else:
@@ -296,7 +296,7 @@ class PlanePart:
                 or type(wait_s) not in (int, float) or not 0 <= wait_s <= 86400:
             raise ControlCommandError("train_info: wait_peers is a count and wait_s seconds (at most a day)")
         try:
-            info = await self._running().operator_info(wait_peers=wait_peers, wait_s=float(wait_s))
+            info = await self._running().operator.operator_info(wait_peers=wait_peers, wait_s=float(wait_s))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
         path = self.config.peer.swarm_key_file
@@ -304,29 +304,29 @@ class PlanePart:
 
     async def train_start(self, args: dict) -> dict:
         try:
-            return await self._running().start_training(_signed(args))
+            return await self._running().operator.start_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
     async def train_reschedule(self, args: dict) -> dict:
         try:
-            return await self._running().reschedule(_signed(args))
+            return await self._running().operator.reschedule(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
     async def council_proposal(self, args: dict) -> dict:
         """The council this daemon would name of its live, measured peers (`train council`)."""
-        return {"council": council_arg(self._running().propose_council())}
+        return {"council": council_arg(self._running().operator.propose_council())}
 
     async def train_council(self, args: dict) -> dict:
         try:
-            return await self._running().reroot(_signed(args))
+            return await self._running().operator.reroot(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
     async def train_resume(self, args: dict) -> dict:
         try:
-            return await self._running().resume_training(_signed(args))
+            return await self._running().operator.resume_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
@@ -337,12 +337,13 @@ class PlanePart:
         if not isinstance(out, str) or not Path(out).is_absolute():
             raise ControlCommandError("export needs the absolute path of the folder to write (out)")
         try:
-            return await self._running().export(_signed(args), Path(out), overwrite=args.get("overwrite") is True)
+            return await self._running().operator.export(_signed(args), Path(out),
+                                                         overwrite=args.get("overwrite") is True)
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 
     async def export_progress(self, args: dict) -> dict:
-        progress = self._running().export_progress
+        progress = self._running().operator.export_progress
         return progress.to_wire() if progress is not None else {}
 
     async def train_status(self, args: dict) -> dict:
@@ -358,7 +359,7 @@ class PlanePart:
         if type(after) is not int or after < -1:
             raise ControlCommandError("after must be a step number (or -1)")
         try:
-            progress = await self._running().train_progress(run_id, after)
+            progress = await self._running().operator.train_progress(run_id, after)
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
         wire = progress.to_wire()
@@ -366,7 +367,7 @@ class PlanePart:
 
     async def train_stop(self, args: dict) -> dict:
         try:
-            return await self._running().stop_training(_signed(args))
+            return await self._running().operator.stop_training(_signed(args))
         except TrainError as e:
             raise ControlCommandError(str(e)) from None
 

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from dtfm.files import atomic_write
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
-from dtfm.peer import steps_done
-from dtfm.peer.runspec import send_start
+from dtfm.peer import send_start, steps_done
 
 from .proc import peer_request, peer_status
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState

@@ -28,7 +28,7 @@ from machine_trace import (
     start_op,
 )
 
-from dtfm.control import ControlMsg, Placement, ReshapePlan, SignedAllocation, SignedOp, sign_op
+from dtfm.control import ControlMsg, Placement, ReshapePlan, SignedAllocation, SignedOp, inputs, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Reply
 from dtfm.control.coordinator.links import used_cut_links
 from dtfm.control.coordinator.machine import Coordinator, CoordinatorTick, CoordinatorTimings, StartRun, StepReported
@@ -39,11 +39,11 @@ from dtfm.control.epoch.machine import (
     BuildStage,
     EndEpoch,
     EpochDone,
+    EpochEvent,
     EpochMachine,
     EpochPhase,
     StageBuilt,
     StartAsked,
-    StopAsked,
 )
 
 ME = N[0]
@@ -205,20 +205,21 @@ class Node:
         return self.feed(done, at)
 
     def local(self, ask: Ask) -> dict:
-        """n0's own answer, through its epoch machine (what the shell's local answer does; a
-        runner told to abort before it started is cancelled at once)."""
+        """n0's own answer, through the plane's input layer and its epoch machine (what the
+        shell's local answer does; a runner told to abort before it started is cancelled at
+        once)."""
         self._keys += 1
         key = ("local", self._keys)
         if ask.msg == ControlMsg.START:
-            event: object = StartAsked(key, ME, ask.body["run"], ask.body["epoch"])
+            event: EpochEvent = inputs.start_asked(key, ME, ask.body)
         elif ask.msg == ControlMsg.STOP:
-            op = SignedOp.from_wire(ask.body["op"]) if "op" in ask.body else None
-            event = StopAsked(key, ME, ask.body["run"], ask.body["at_step"], abort=ask.body.get("abort") is True,
-                              epoch=ask.body.get("epoch"),
-                              final=ask.body.get("final") is True, op=op)
+            cur = self.epoch.current
+            event, learn = inputs.stop_asked(key, ME, ask.body, current_run=cur.run_id if cur is not None else None,
+                                             coordinator=self.election.coordinator)
+            assert learn is None  # (n0 is its own coordinator)
         else:
-            a = SignedAllocation.from_wire(ask.body).open()
-            event = AllocationOffered(key, a, context(ME, live=self.swarm.live | {ME}))
+            a, cert = inputs.signed_allocation(ask.body)
+            event = AllocationOffered(key, a, context(ME, live=self.swarm.live | {ME}), certificate=cert)
         pending, reply = [event], None
         while pending:
             for x in self.epoch.handle(pending.pop(0), self.now):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule
 
-from dtfm.control.election.sim import NetConditions
+from dtfm.control.testing.election_sim import NetConditions
 
 
 class SimFaults(RuleBasedStateMachine):

@@ -124,7 +124,7 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
     from dtfm.control import Allocation
     from dtfm.control.config import PlaneConfig
     from dtfm.control.coordinator.request import TrainRequest
-    from dtfm.control.plane import SchedulerPlanner
+    from dtfm.control.planner import SchedulerPlanner
     from dtfm.train import PRESETS, TrainConfig as TC
     v = view()
     planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=0.2))
@@ -142,7 +142,7 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
 
 
 def test_a_per_link_start_takes_the_faster_of_the_codec_aware_and_the_exact_search(monkeypatch):
-    from dtfm.control import plane
+    from dtfm.control import planner as plane
     from dtfm.control.config import PlaneConfig
     from dtfm.control.coordinator.request import TrainRequest
     from dtfm.control.coordinator.schedule import Placement, choose_links

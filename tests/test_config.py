@@ -470,3 +470,21 @@ def test_the_coding_speed_is_measured_by_default_or_given(tmp_path):
         codec_speed_setting(apply_flags(DaemonConfig(), join_args("--codec-speed", str(tmp_path / "none.json"))))
     with pytest.raises(ConfigError, match="gossip.codec_speed"):
         merge(DaemonConfig(), {"gossip": {"codec_speed": ""}})
+
+
+@pytest.mark.parametrize("profile", ["lan", "wan", "test"])
+def test_the_coordinator_timings_are_the_plane_settings_of_the_same_name(profile):
+    """One mapping (`PlaneConfig.coordinator_timings`) for the daemon's shell and the
+    simulation: every timing the coordinator machine has is the plane's setting of that name,
+    and its step deadline is the three step_deadline_* settings."""
+    cfg = getattr(PlaneConfig, profile)()
+    t = cfg.coordinator_timings()
+    named = [f.name for f in dataclasses.fields(t) if hasattr(cfg, f.name)]
+    assert len(named) >= 18
+    for name in named:
+        assert getattr(t, name) == getattr(cfg, name), name
+    assert t.deadline is not None
+    assert (t.deadline.floor_s, t.deadline.mads, t.deadline.first_s) == (
+        cfg.step_deadline_floor_s, cfg.step_deadline_mads, cfg.step_deadline_first_s)
+    unmapped = {f.name for f in dataclasses.fields(t)} - set(named) - {"deadline"}
+    assert unmapped == {"leaving_kept_s"}  # (no setting: the machine's own default)

@@ -17,7 +17,7 @@ recomputes and compares line by line:
   jumps, allocations handed out and applied through `may_apply` / `applied` / `set_voters`),
   every message through the wire codec. It depends on the election alone and stays valid when
   the simulation and its training model are replaced.
-- election_sim.txt: `ElectionSim` (control/election/sim.py) with election moves only, valid as
+- election_sim.txt: `ElectionSim` (control/testing/election_sim.py) with election moves only, valid as
   long as the simulation draws its randomness the same way. (The simulation with the plane's
   machines on top is tested by tests/test_plane_sim.py.)
 
@@ -82,7 +82,7 @@ from dtfm.train import PRESETS, GPTSpec, Plan, TrainConfig
 def _internal():
     """The names this test needs that no dtfm package exports at its top level; when modules
     move, fix the paths here (and only here)."""
-    from dtfm.control.election.sim import ElectionSim, NetConditions
+    from dtfm.control.testing.election_sim import ElectionSim, NetConditions
     return ElectionSim, NetConditions
 
 

@@ -44,8 +44,8 @@ from dtfm.control.election import (
 from dtfm.control.election.council import Council, CouncilLink, link_payload
 from dtfm.control.election.discovery import explain
 from dtfm.control.election.state import trusted_root
-from dtfm.control.election.sim import ElectionSim, NetConditions, returning_peer, takeover_times
-from dtfm.control.sim import PlaneSim
+from dtfm.control.testing.election_sim import ElectionSim, NetConditions, returning_peer, takeover_times
+from dtfm.control.testing.sim import PlaneSim
 from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted, verify_signature
 
 # Real Ed25519 keys (votes are signatures): A < B < ... < E by peer id; X and Y are outsiders.

@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.gossip.records import CODEC_NS_LEN, MAX_CODEC_NS, MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
+from dtfm.gossip.service import offer_all
 from dtfm.gossip.sync import (
     RecordSync,
     RecordSyncer,
@@ -368,7 +369,7 @@ async def test_a_message_of_4096_duplicates_verifies_each_distinct_report_once()
     assert len(message) == MAX_ENTRIES
     accept = carried(m, message)
     assert accept == (a, b, forged)
-    assert await store.offer_all(accept, now_wall=NOW, is_member=is_member) == [None, None, "bad signature"]
+    assert await offer_all(store, accept, now_wall=NOW, is_member=is_member) == [None, None, "bad signature"]
     assert verify.calls == 3
     # Again: what we hold is not newer, so only the forgery is checked again.
     assert carried(m, message, now=1.0) == (forged,)
@@ -385,7 +386,7 @@ async def test_a_flood_reaches_the_signature_check_only_up_to_the_caps():
     flood = [unsigned(i.to_bytes(32, "big"), 1) for i in range(1, MAX_ENTRIES + 1)]
     accept = carried(m, flood)
     assert accept == tuple(flood[:256])
-    await store.offer_all(accept, now_wall=NOW, is_member=lambda p: True)
+    await offer_all(store, accept, now_wall=NOW, is_member=lambda p: True)
     assert verify.calls == 256
     assert len(carried(m, flood)) == 256  # the rest of the sender's burst
     assert len(carried(m, flood)) == 0  # spent
@@ -432,7 +433,7 @@ async def test_verification_yields_to_other_tasks_between_slices():
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(other)
-            reasons = await store.offer_all(reports, now_wall=NOW, is_member=lambda p: True)
+            reasons = await offer_all(store, reports, now_wall=NOW, is_member=lambda p: True)
             nursery.cancel_scope.cancel()
     finally:
         trio.lowlevel.remove_instrument(instrument)

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtfm.gossip.records import MAX_GBPS, MAX_RTT_MS, Entry, RecordStore, Report
+from dtfm.gossip.service import offer_all
 from dtfm.gossip.sync import RecordSync, RecordSyncer, SyncPhase, SyncRole, SyncStep
 from dtfm.gossip.view import DISAGREEMENT_RATIO, build_view
 from dtfm.net.identity import Identity
@@ -163,7 +164,7 @@ async def test_a_hostile_member_forges_floods_lies_and_replays_and_the_honest_vi
     assert syncer.handle(liar_id, RecordSync(SyncStep.HASH, b"\x00" * 16, (), ()), 0.0).reply is not None
     actions = syncer.handle(liar_id, RecordSync(SyncStep.OFFER, b"", (), tuple(flood)), 0.0)
     assert syncer.phase(liar_id, SyncRole.RESPONDER) is SyncPhase.IDLE
-    reasons = await store.offer_all(actions.accept, now_wall=NOW, is_member=everyone)
+    reasons = await offer_all(store, actions.accept, now_wall=NOW, is_member=everyone)
     assert verify.calls - before == 1 + liar  # its newest own row and one forgery per victim
     assert reasons == [None] + ["bad signature"] * liar
     assert [store.reports[IDS[i].peer_id] for i in range(liar)] == honest  # no forgery, no replay
@@ -179,5 +180,5 @@ async def test_a_hostile_member_forges_floods_lies_and_replays_and_the_honest_vi
     syncer.handle(liar_id, RecordSync(SyncStep.HASH, b"\x00" * 16, (), ()), 1.0)
     again = syncer.handle(liar_id, RecordSync(SyncStep.OFFER, b"", (), tuple(flood)), 1.0)
     assert again.accept == tuple(forgeries)
-    await store.offer_all(again.accept, now_wall=NOW, is_member=everyone)
+    await offer_all(store, again.accept, now_wall=NOW, is_member=everyone)
     assert verify.calls - before == 1 + 2 * liar

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -266,3 +268,36 @@ def test_lazy_exports_match_the_typed_imports_and_all(init):
     assert set(pkg.__all__) <= set(dir(pkg))
     with pytest.raises(AttributeError, match="no attribute 'NoSuchName'"):
         getattr(pkg, "NoSuchName")
+
+
+# ---- the sans-IO machines load no event loop and no torch -------------------------------------
+
+# The decision code: the plane's two machines, its input layer, gossip's SWIM, the election's
+# state and the scheduler. Each is driven by tables and simulations in plain Python, and must
+# stay importable (and cheap to import) without trio or torch.
+SANS_IO = ["dtfm.control.coordinator.machine", "dtfm.control.epoch.machine", "dtfm.control.inputs",
+           "dtfm.gossip.swim", "dtfm.control.election.state", "dtfm.sched"]
+
+
+@pytest.mark.parametrize("module", SANS_IO)
+def test_the_machines_import_neither_trio_nor_torch(module):
+    code = (f"import sys\nimport {module}\n"
+            "print(sorted(m for m in ('trio', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert out.stdout.split("\n")[-2] == "[]", (module, out.stdout, out.stderr)
+
+
+def test_no_product_module_imports_the_testing_package():
+    """The simulations (dtfm.control.testing) are for tests and benchmarks; no product module
+    depends on them."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("tests", "bench", "build") or rel.parts[0].startswith(".") \
+                or rel.parts[:2] == ("control", "testing"):
+            continue
+        for line, module, _ in _imports(ast.parse(path.read_text()), ["dtfm", *rel.parent.parts]):
+            if module.startswith("dtfm.control.testing"):
+                found.append(f"{rel}:{line}")
+    assert not found, found

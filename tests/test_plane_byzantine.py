@@ -1,5 +1,5 @@
 """A Byzantine node against the control plane's own machines (`ElectionState`, `EpochMachine`,
-`Coordinator`) in `PlaneSim` (control/sim.py), under the faults of test_plane_sim.py.
+`Coordinator`) in `PlaneSim` (control/testing/sim.py), under the faults of test_plane_sim.py.
 
 The Byzantine node holds a real key: in some runs an insider (a voter and a peer of the run
 whose daemon works honestly besides), in others an outsider (no voter, never named). It mints
@@ -56,7 +56,7 @@ from dtfm.control.election import (
 )
 from dtfm.control.messages import ControlMsg
 from dtfm.control.operator import SignedOp, sign_op
-from dtfm.control.sim import DATA_HASH, PRESET, PlaneSim, SimPlanner
+from dtfm.control.testing.sim import DATA_HASH, PRESET, PlaneSim, SimPlanner
 from dtfm.control.election.council import link_payload
 from dtfm.net import Identity, OperatorKey, ProtocolError, pack, verify_signature
 from dtfm.train import TrainConfig, get_preset

@@ -6,7 +6,7 @@ import dataclasses
 
 from dtfm.control.config import PlaneConfig
 from dtfm.control.coordinator.request import TrainRequest
-from dtfm.control.plane import CONFIRM_ROUNDS, SchedulerPlanner, plan_links
+from dtfm.control.planner import CONFIRM_ROUNDS, SchedulerPlanner, plan_links
 from dtfm.gossip.records import Entry, Report
 from dtfm.gossip.view import build_view
 from dtfm.net import Identity

@@ -17,7 +17,7 @@ from test_plane_sim import CFG, CLEAN, PlaneMachine, check_applications, check_l
 
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.election.council import MAX_COUNCIL
-from dtfm.control.sim import SIM_TIMINGS, PlaneSim
+from dtfm.control.testing.sim import SIM_TIMINGS, PlaneSim
 
 
 def _started(sim: PlaneSim, settle_s: float = 3.0) -> int:

@@ -41,7 +41,7 @@ from dtfm.control.election import PreviousConfiguration, config_digest, vote_pay
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.coordinator.steplog import StepLog
 from dtfm.control.epoch.runner import REPORTS_NOTE, StepReport
-from dtfm.control.epoch.stopped import clear_stopped, load_stopped
+from dtfm.control.epoch.applied import Applied, FileAppliedStore, MemoryAppliedStore
 from dtfm.control.export import ExportProgress, export_run
 from dtfm.control.progress import RunProgress
 from dtfm.control.operator import OPERATOR_DOMAIN
@@ -316,12 +316,15 @@ async def test_a_peer_restarted_after_an_operators_stop_still_counts_the_run_as_
     copy = SignedOp.from_wire(stop)
     assert again.epoch.taken.taken(copy, RUN)
     assert "taken already" in again.epoch.op_refusal(copy.open(), copy, time.time(), 300.0)
-    clear_stopped(tmp_path, b"o" * 16)  # another run's new epoch: the stop stands
-    assert load_stopped(tmp_path) == RUN
-    clear_stopped(tmp_path, RUN)  # a new epoch of the run: resumed
-    assert load_stopped(tmp_path) is None
+    for store in (FileAppliedStore(tmp_path), MemoryAppliedStore()):
+        store.save_stopped(RUN)
+        store.save(dataclasses.replace(a, run_id=b"o" * 16), None)  # another run's new epoch: the stop stands
+        assert store.stopped() == RUN
+        store.save(dataclasses.replace(a, epoch=2), None)  # a new epoch of the run: resumed
+        assert store.stopped() is None
+        assert store.load() == Applied(RUN, a.term, 2, dataclasses.replace(a, epoch=2), None)
     (tmp_path / "stopped.json").write_text("{garbage")
-    assert load_stopped(tmp_path) is None
+    assert FileAppliedStore(tmp_path).stopped() is None
 
 
 async def test_a_checkpoint_is_listed_and_offered_for_a_rollback(tmp_path, autojump_clock):
@@ -436,9 +439,9 @@ async def test_a_holder_gives_a_run_only_to_the_peer_an_operators_export_names(t
         with pytest.raises(ProtocolError):
             await net.request(asker, ControlMsg.RUN_STATE, body | {"signed": signed, "step": 4, "layers": [2, 1]})
         with pytest.raises(TrainError, match="names peer"):  # the local socket's op: an export naming this peer
-            await plane.export(SignedOp.from_wire(export_op(asker.peer_id)), tmp_path / "out")
+            await plane.operator.export(SignedOp.from_wire(export_op(asker.peer_id)), tmp_path / "out")
         with pytest.raises(TrainError, match="no live peer holds any stage of run 6f6f6f6f"):
-            await plane.export(SignedOp.from_wire(export_op(OTHER.peer_id, run=b"o" * 16)), tmp_path / "out")
+            await plane.operator.export(SignedOp.from_wire(export_op(OTHER.peer_id, run=b"o" * 16)), tmp_path / "out")
         assert not (tmp_path / "out").exists()
 
 
@@ -546,7 +549,7 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
 
     async def start():
         try:
-            await plane.start_training(start_op(min_peers=3, wait_s=60, council=council))
+            await plane.operator.start_training(start_op(min_peers=3, wait_s=60, council=council))
         except TrainError as e:
             outcome.append(str(e))
     async with trio.open_nursery() as nursery:
@@ -560,7 +563,7 @@ async def test_train_start_waits_for_the_minimum_swarm_size(tmp_path, autojump_c
     assert outcome and outcome[0].startswith("no coordinator was elected"), outcome
     start_at = trio.current_time()
     with pytest.raises(TrainError, match="only 3 of the 4 peers"):
-        await plane.start_training(start_op(min_peers=4, wait_s=5))
+        await plane.operator.start_training(start_op(min_peers=4, wait_s=5))
     assert trio.current_time() - start_at == pytest.approx(5)
     assert "waiting_for_peers" not in plane.status()
 
@@ -618,7 +621,8 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
     bare = ControlPlane(SwarmTransport(joiner, conns), joiner, gossip, tmp_path / "bare", config(tmp_path),
                         operators=[OPERATOR.public_key])
     with pytest.raises(TrainError, match="no council yet, and the operator's start names no council; 3 live peer"):
-        await bare.start_training(signed)  # (the peers' claim of a council is a hint, never a reason to forward)
+        # (the peers' claim of a council is a hint, never a reason to forward)
+        await bare.operator.start_training(signed)
     assert all(c.forwarded == [] for c in conns.values()) and bare.election.voters == ()
     # (what its peers say is named in its status as heard of, nothing more)
     assert bare.status()["election"]["heard_of"] == IDS[0].peer_id.hex() and bare.election.coordinator is None
@@ -627,7 +631,7 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
     plane.election.set_root(council)
     t0 = trio.current_time()
     with trio.fail_after(5):
-        result = await plane.start_training(signed)
+        result = await plane.operator.start_training(signed)
     assert result == {"run_id": RUN.hex(), "coordinator": IDS[0].peer_id.hex()}
     assert conns[IDS[0].peer_id].forwarded == [{"op": "start", "signed": signed.to_wire()}]
     assert trio.current_time() - t0 < 1
@@ -642,7 +646,7 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
                          operators=[OPERATOR.public_key])
     other.election.set_root(council)
     with pytest.raises(TrainError) as e:
-        await other.start_training(signed)
+        await other.operator.start_training(signed)
     text = str(e.value)
     assert text.startswith("no coordinator was elected within 30 s: 3 of the 3 peers asked answered; ")
     assert f"{IDS[0].peer_id.hex()[:8]} holds a lease of coordinator {IDS[1].peer_id.hex()[:8]} (term 3)" in text
@@ -714,13 +718,13 @@ async def test_train_status_streams_the_coordinators_steps_to_any_peer_of_the_ru
         follower = ControlPlane(relay, peer, FakeGossip(IDS[:4]), tmp_path / "n1", config(tmp_path),
                                 operators=[OPERATOR.public_key])
         follower.election.set_root(root_of((ISSUER.peer_id,)))  # (as the run's allocation gave it)
-        seen = await follower.train_progress(None, 1)
+        seen = await follower.operator.train_progress(None, 1)
         assert seen.coordinator == ISSUER.peer_id and [x.step for x in seen.lines] == [2]
         assert follower.election.coordinator == ISSUER.peer_id  # recognised: its certificate checks against the council
         # the run finishes: its last answer says so, with no ETA
         plane.coordinator.steplog.completed = 9
         plane.coordinator.hand.phase = Phase.FINISHED
-        done = await follower.train_progress(RUN, 2)
+        done = await follower.operator.train_progress(RUN, 2)
         assert (done.state, done.completed, done.lines, done.eta_s) == ("finished", 10, (), None)
 
 
@@ -826,9 +830,9 @@ async def test_a_forwarded_start_is_refused_before_any_work_and_no_path_is_ever_
         with pytest.raises(ProtocolError):
             await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": {"body": 5}})
         with pytest.raises(TrainError, match="not an operator of this swarm"):  # the local socket's op too
-            await plane.start_training(start_op(INTRUDER))
+            await plane.operator.start_training(start_op(INTRUDER))
         with pytest.raises(TrainError, match="not an operator of this swarm"):
-            await plane.resume_training(sign_op(INTRUDER, "resume", now_s=time.time(), run_id=RUN))
+            await plane.operator.resume_training(sign_op(INTRUDER, "resume", now_s=time.time(), run_id=RUN))
         assert opened == [] and plane.epoch.current is None
         # a valid start reaches this peer, which is not the coordinator: still nothing opened
         answer = await net.request(ISSUER, ControlMsg.TRAIN_OP, {"op": "start", "signed": start_op().to_wire()})
@@ -888,7 +892,7 @@ async def test_a_claimed_council_does_not_keep_the_operators_start_from_rooting_
                          operators=[OPERATOR.public_key])
     council = tuple(sorted((me.peer_id, IDS[0].peer_id, IDS[1].peer_id)))
     with pytest.raises(TrainError, match="no coordinator was elected.*3 live peer\\(s\\) say they have a council"):
-        await plane.start_training(start_op(council=council_arg(council), council_size=3))
+        await plane.operator.start_training(start_op(council=council_arg(council), council_size=3))
     assert plane.election.council is not None and plane.election.council.voters == council
     assert [len(c.forwarded) > 0 for c in conns.values()] == [p.peer_id in council for p in IDS[:3]]
     assert all(b["op"] == "root" for c in conns.values() for b in c.forwarded)
@@ -907,16 +911,16 @@ async def test_the_operators_council_operation_re_roots_a_council_and_an_older_o
     plane.election.set_root(root_of((IDS[0].peer_id, IDS[1].peer_id, IDS[2].peer_id)))  # (dead for good, say)
     new = tuple(sorted((me.peer_id, IDS[1].peer_id)))
     op = sign_op(OPERATOR, "council", now_s=time.time(), args={"council": council_arg(new), "council_size": 3})
-    reply = await plane.reroot(op)
+    reply = await plane.operator.reroot(op)
     assert reply == {"voters": [v.hex() for v in new], "told": 3}
     assert plane.election.council.voters == new and plane.election.council.root == op.encode()
     assert all(c.forwarded == [{"op": "root", "signed": op.to_wire()}] for c in conns.values())
     older = sign_op(OPERATOR, "council", now_s=time.time() - 60,
                     args={"council": council_arg((IDS[0].peer_id,)), "council_size": 3})
     with pytest.raises(TrainError, match="rooted by a later operation"):
-        await plane.reroot(older)
+        await plane.operator.reroot(older)
     with pytest.raises(TrainError, match="not an operator"):
-        await plane.reroot(sign_op(INTRUDER, "council", now_s=time.time(), args={"council": council_arg(new)}))
+        await plane.operator.reroot(sign_op(INTRUDER, "council", now_s=time.time(), args={"council": council_arg(new)}))
     assert plane.election.council.voters == new
     again = ControlPlane(FakeTransport(me), me, FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
                          operators=[OPERATOR.public_key])

@@ -1,5 +1,5 @@
 """The control plane's own machines (`ElectionState`, `EpochMachine`, `Coordinator`) on every
-node of a simulated network (`PlaneSim`, control/sim.py), under crash, restart, partition,
+node of a simulated network (`PlaneSim`, control/testing/sim.py), under crash, restart, partition,
 heal, drop, duplicate, reorder, delay and clock jumps.
 
 The stand-in model's weights are a hash chain over the steps, so a logged loss is the
@@ -27,9 +27,9 @@ from sim_faults import SimFaults
 
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.election import ElectionConfig
-from dtfm.control.election.sim import NetConditions
+from dtfm.control.testing.election_sim import NetConditions
 from dtfm.control.epoch.machine import EpochPhase
-from dtfm.control.sim import PlaneSim
+from dtfm.control.testing.sim import PlaneSim
 
 CFG = ElectionConfig.test()
 CLEAN = NetConditions(jitter=1.0)

@@ -1,5 +1,5 @@
 """Reconfiguration scenarios as traces of the plane's machines under a virtual clock
-(`PlaneSim`, control/sim.py): a follower killed, the coordinator killed and restarted with its
+(`PlaneSim`, control/testing/sim.py): a follower killed, the coordinator killed and restarted with its
 data dir, two of a data-parallel group at once, a 3 | 5 partition with the coordinator in the
 minority, both holders of a stage lost and restored from checkpoints, and both holders of a
 stage lost before any checkpoint (the swarm rolls back to the initial weights), and a swarm
@@ -24,8 +24,8 @@ import pytest
 
 from dtfm.control import ControlMsg, SignedAllocation
 from dtfm.control.election import ElectionConfig
-from dtfm.control.election.sim import NetConditions
-from dtfm.control.sim import PlaneSim
+from dtfm.control.testing.election_sim import NetConditions
+from dtfm.control.testing.sim import PlaneSim
 
 TRACES = Path(__file__).resolve().parent / "data" / "plane_traces"
 RECORD = os.environ.get("DTFM_RECORD_TRACES") == "1"

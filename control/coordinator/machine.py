@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from dtfm.net import short_id
 
-from ..actions import Action, Answers, Computed, Emit, LogLine, Reply
+from ..actions import Answers, Computed, CoordinatorAction, Emit, LogLine, Reply
 from ..allocation import Allocation, SignedAllocation
 from ..epoch.machine import ElectionView, EpochMachine
 from ..epoch.report import StepReport
@@ -268,7 +268,7 @@ class Coordinator:
 
     # ---- events -------------------------------------------------------------------------------
 
-    def handle(self, event: CoordinatorEvent, now: float) -> list[Action | object]:
+    def handle(self, event: CoordinatorEvent, now: float) -> list[CoordinatorAction]:
         self._now = now
         out: list = []
         if isinstance(event, CoordinatorTick | Wake):

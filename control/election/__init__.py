@@ -9,8 +9,8 @@
     council.py   the council: its operator's root, its one-voter changes, and their check
     store.py     the durable term and vote (file or memory)
     service.py   ElectionService, the trio driver of ElectionState inside a daemon
-    sim.py       a deterministic simulated network of ElectionState nodes, for tests and
-                 bench/election.py; not imported here (import dtfm.control.election.sim)
+    (its deterministic simulated network, for tests and bench/election.py, is
+    dtfm.control.testing.election_sim)
 """
 
 from dtfm.lazy import lazy_exports

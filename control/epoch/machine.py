@@ -26,7 +26,7 @@ from typing import Protocol
 
 from dtfm.net import short_id
 
-from ..actions import Action, Reply, Send
+from ..actions import AbortRunner, Reply, Send
 from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
 from ..election import Certificate, Council, CouncilLink
 from ..messages import ControlMsg
@@ -39,7 +39,7 @@ from .taken import TakenOps
 
 __all__ = [
     "MAX_KNOWN_EPOCHS", "RESTORED_ASK_S", "AbortRunner", "AllocationOffered", "ApplyToElection", "BuildFailed",
-    "BuildStage", "ElectionView", "EndEpoch", "changes_refusal",
+    "BuildStage", "ElectionView", "EndEpoch", "EpochAction", "EpochEvent", "changes_refusal",
     "EpochDone", "EpochMachine", "EpochPhase", "EpochRecord", "EpochStatus", "FailNeighbour", "MemberGone",
     "PersistApplied", "RunnerEnded", "StageBuilt", "StartAsked", "StartRunner", "StepDone", "StopAsked",
     "EpochTick", "KeepStage", "OperationTaken", "RunClosed", "RunReopened", "StopRunnerAt", "WaitForCoordinator",
@@ -279,13 +279,6 @@ class StopRunnerAt:
 
 
 @dataclass(frozen=True)
-class AbortRunner:
-    """Abort the current epoch's step (and its comm); a runner not started is cancelled."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
 class KeepStage:
     """Write what this peer holds of run `run_id` in memory (its stage, its one-step-back
     snapshot) to its data dir, each step not on disk yet: the run waits, and a crash meanwhile
@@ -300,6 +293,12 @@ class FailNeighbour:
 
     peer: bytes
     why: str
+
+
+# Everything `EpochMachine.handle` returns: the shell executes each of these (and a type checker
+# proves it does, control/plane.py's `_execute_now`).
+EpochAction = (Reply | Send | WaitForCoordinator | EndEpoch | PersistApplied | ApplyToElection | BuildStage
+               | StartRunner | StopRunnerAt | AbortRunner | KeepStage | FailNeighbour)
 
 
 # ---- state -----------------------------------------------------------------------------------
@@ -589,7 +588,7 @@ class EpochMachine:
 
     # ---- events -------------------------------------------------------------------------------
 
-    def handle(self, event: EpochEvent, now: float) -> list[Action | object]:
+    def handle(self, event: EpochEvent, now: float) -> list[EpochAction]:
         if isinstance(event, AllocationOffered):
             return self._offered(event, now)
         if isinstance(event, StageBuilt):

@@ -2,8 +2,8 @@
 
 When a reconfiguration changes the layer ranges, a peer's new stage takes its blocks from every
 old stage that held them, the embeddings from the old first stage and the final norm and head
-from the old last; `needed_stages` says which old stages a new range needs, so the peer fetches
-only those (control/epoch/recovery.py). Parameters and their Adam moments move together, and so
+from the old last; `needed_stages` (control/epoch/source.py) says which old stages a new range
+needs, so the peer fetches only those (control/epoch/recovery.py). Parameters and their Adam moments move together, and so
 do the compression buffers of a compressed run (`compress/<kind>/<name>`: error-feedback
 residual, DiLoCo's anchor and outer momentum), and the stage resumes at the same step and
 optimizer step, so training goes on as if it had not been re-split.
@@ -29,25 +29,11 @@ from dtfm.train import (
 )
 
 from .recovery import RecoveryError
+from .source import needed_stages
 
 __all__ = ["assemble_stage", "needed_stages"]
 
 _BLOCK = re.compile(r"^h\.(\d+)\.")
-
-
-def needed_stages(old_ranges: Sequence[tuple[int, int]], new_range: tuple[int, int]) -> list[int]:
-    """Indices of the old stages that stage `new_range` takes tensors from: those with blocks
-    in it, the old first stage when it starts at 0 (embeddings), the old last when it ends at
-    the model's last layer (final norm, head, tied embedding copy)."""
-    if not old_ranges:
-        raise ValueError("no old layer ranges")
-    a, b = new_range
-    need = {i for i, (oa, ob) in enumerate(old_ranges) if oa < b and a < ob}
-    if a == 0:
-        need.add(0)
-    if b == old_ranges[-1][1]:
-        need.add(len(old_ranges) - 1)
-    return sorted(need)
 
 
 def _param_name(key: str) -> str:

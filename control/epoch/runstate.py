@@ -26,10 +26,10 @@ from dtfm.net import ProtocolError, get_bool, get_dict, get_int, get_list, short
 
 from .report import StepReport
 
-__all__ = ["MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "Source", "describe", "resume_point"]
+__all__ = ["MAX_CHECKPOINTS", "MAX_REPORTS", "PeerRunState", "ResumeError", "ResumePoint", "Source", "describe", "resume_point"]
 
 MAX_REPORTS = 256  # step reports a peer keeps and sends with its run state (~30 KB)
-MAX_CHECKPOINTS = 16
+MAX_CHECKPOINTS = 16  # a peer's newest checkpoints it lists in its run state
 MAX_STEP = 2**63 - 1
 MAX_LAYER = 1 << 16
 

@@ -47,19 +47,20 @@ from ..models import HeldModel, start_model
 from ..refusals import Refused
 from .access import fetch_refusal
 from .disk import CheckpointDisk
-from .machine import BuildFailed, BuildStage, EpochDone, EpochMachine, EpochPhase, RunnerEnded, StageBuilt, StepDone
+from .machine import (BuildFailed, BuildStage, EpochDone, EpochEvent, EpochMachine, EpochPhase, RunnerEnded,
+                      StageBuilt, StepDone)
 from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
-from .relayout import assemble_stage, needed_stages
+from .relayout import assemble_stage
 from .report import REPORTS_NOTE, RunEnd, StepReport
 from .runner import StageRunner
-from .runstate import MAX_REPORTS
+from .source import Fetch, Fresh, FromFolder, OwnCopy, replicas_differ, stage_source
+from .runstate import MAX_CHECKPOINTS, MAX_REPORTS
 
-__all__ = ["MAX_CHECKPOINTS_LISTED", "MAX_STAGE_BYTES", "StageHost"]
+__all__ = ["MAX_STAGE_BYTES", "StageHost"]
 
 logger = logging.getLogger(__name__)
 
 MAX_STAGE_BYTES = 1 << 40  # a stage fetched from holders: bounded by what a manifest may claim
-MAX_CHECKPOINTS_LISTED = 16
 
 
 class StageError(Exception):
@@ -83,7 +84,7 @@ class StageHost:
 
     def __init__(self, me: bytes, transport: PeerTransport, epoch: EpochMachine, data_dir: Path,
                  config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
-                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[object], None],
+                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[EpochEvent], None],
                  router: TensorRouter, recovery: RecoveryServer,
                  models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None,
                  disk: CheckpointDisk | None = None):
@@ -159,7 +160,7 @@ class StageHost:
         for a, b, step in saved_checkpoints(self.checkpoint_root(run_id)):
             steps.setdefault((a, b), []).append(step)
         out = [(a, b, step) for (a, b), saved in steps.items() for step in saved[-self.disk.kept:]]
-        return tuple(out[-MAX_CHECKPOINTS_LISTED:])
+        return tuple(out[-MAX_CHECKPOINTS:])
 
     def checkpoint_spec(self, run_id: bytes, held: tuple[int, int, int]) -> dict | None:
         """The model spec (`GPTSpec.to_dict`) this peer's checkpoint `held` (first layer, end
@@ -304,11 +305,11 @@ class StageHost:
 
     async def _own_copy(self, alloc: Allocation, h: Holding) -> StageState | None:
         """This peer's copy of a holding, if its digest is the allocation's; with compressed DP,
-        whatever its digest (see `_replicas_differ`). ValueError if it was trained with another
+        whatever its digest (see `replicas_differ`, control/epoch/source.py). ValueError if it was trained with another
         compression than the allocation's."""
         key = (alloc.run_id, alloc.start_step, h.layer_range)
         digest = h.digest
-        if _replicas_differ(alloc):
+        if replicas_differ(alloc):
             found = self._offered.get(key)
             if found is None or found[1].step != alloc.start_step:
                 await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
@@ -317,7 +318,7 @@ class StageHost:
                 return None
             digest = found[0]
         state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, digest)
-        if state is None and not _replicas_differ(alloc):
+        if state is None and not replicas_differ(alloc):
             await self.offer(alloc.run_id, alloc.start_step, h.layer_range)
             state = self._offered_state(alloc.run_id, alloc.start_step, h.layer_range, digest)
         if state is not None and state.compress.config != alloc.compression:
@@ -370,38 +371,40 @@ class StageHost:
         return StageBuilt(a.key, alloc.epoch, state.step, fetched, (t_connect - t_fetch) if fetched else 0.0)
 
     async def _stage_for(self, alloc: Allocation) -> tuple[StageState, int]:
-        """This peer's stage of `alloc` at its start step, and the bytes fetched for it."""
-        s = alloc.position(self.me)[1]
-        layers = alloc.layer_ranges[s]
+        """This peer's stage of `alloc` at its start step, and the bytes fetched for it: from
+        where `stage_source` says (control/epoch/source.py)."""
         device = self.config.device
-        if not alloc.holdings:
-            if alloc.start_step > 0:
-                raise ValueError(f"starting at step {alloc.start_step} needs the stage's weights and the "
-                                 "allocation names no holders")
-            held = start_model(alloc, await self.models() if self.models is not None else {})
-            if held is not None:  # the run starts from a model folder: this stage's layers of this peer's copy
-                return await trio.to_thread.run_sync(lambda: hf_stage_state(
-                    held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device=device,
-                    compression=alloc.compression)), 0
+        source = stage_source(alloc, self.me, await self.models() if self.models is not None else {})
+        if isinstance(source, FromFolder):  # a run from a model folder: this stage's layers of this peer's copy
+            held, layers = source.held, source.layers
+            return await trio.to_thread.run_sync(lambda: hf_stage_state(
+                held.path, alloc.train, layers, spec=alloc.model, digest=held.digest, device=device,
+                compression=alloc.compression)), 0
+        if isinstance(source, Fresh):
+            layers = source.layers
             return await trio.to_thread.run_sync(
                 lambda: StageState(alloc.model, alloc.train, layers, device, compression=alloc.compression)), 0
-        own = {h.layer_range: h for h in alloc.holdings}.get(layers)
-        if own is not None and (self.me in own.holders or _replicas_differ(alloc)):
-            state = await self._own_copy(alloc, own)
+        if isinstance(source, OwnCopy):
+            state = await self._own_copy(alloc, source.holding)
             if state is not None:
                 return await trio.to_thread.run_sync(_on_device, state, device), 0
+            source = source.fallback
+        return await self._fetch(alloc, source)
+
+    async def _fetch(self, alloc: Allocation, source: Fetch) -> tuple[StageState, int]:
+        """Assemble the stage from its parts: this peer's own copy of a part where it has one,
+        else the part fetched from its holders (hash-verified)."""
         # This peer takes on a stage it does not hold: the snapshots of its earlier stages that
         # no holding of this allocation needs (all are at its start step) go before the fetch,
         # so that it holds little more than its old stage, its offer and the new stage's bytes.
         for old in self._stages.values():
             if old.done.is_set() and old.runner is not None and old.runner.snapshot_step != alloc.start_step:
                 old.runner.drop_snapshot()
-        old_ranges = [h.layer_range for h in alloc.holdings]
         parts: list = []
         fetched, optim_step = 0, None
-        for i in needed_stages(old_ranges, layers):
-            h = alloc.holdings[i]
-            local = await self._own_copy(alloc, h) if self.me in h.holders or _replicas_differ(alloc) else None
+        for part in source.parts:
+            h = part.holding
+            local = await self._own_copy(alloc, h) if part.own_first else None
             if local is not None:
                 parts.append(stage_tensors(local))
                 optim_step = local.optim.step_count
@@ -417,8 +420,8 @@ class StageHost:
                         alloc.start_step, result.bytes, result.seconds,
                         ", ".join(f"{short_id(p)} ({n})" for p, n in result.per_source.items()))
         state = await trio.to_thread.run_sync(lambda: assemble_stage(
-            alloc.model, alloc.train, layers, parts, alloc.start_step, optim_step or 0, device,
-            compression=alloc.compression))
+            alloc.model, alloc.train, source.layers, parts, alloc.start_step, optim_step or 0,
+            device=self.config.device, compression=alloc.compression))
         return state, fetched
 
     # ---- running ------------------------------------------------------------------------------
@@ -501,14 +504,6 @@ class StageHost:
             await stage.done.wait()
         if not stage.done.is_set():
             raise StageError(f"the stage worker did not stop within {self.config.stop_timeout_s:g} s")
-
-
-def _replicas_differ(alloc: Allocation) -> bool:
-    """Whether the DP replicas of a stage legitimately hold different states: with compressed DP
-    each keeps its own error-feedback residual and, between DiLoCo synchronisations, its own
-    weights and moments. A peer then keeps its own replica of a stage it holds at the start step
-    (it loses nothing of it); the holding's digest names one replica, for the peers that fetch."""
-    return alloc.compression.dp_method != "exact"
 
 
 def _on_device(state: StageState, device: str) -> StageState:

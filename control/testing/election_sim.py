@@ -28,7 +28,7 @@ are therefore always a violation, except beyond what a quorum can tolerate: ever
 certificates hold is a liar, and either two or more liars are voters or a certificate is of at
 most 3 voters (where the quorum is a plain majority and two quorums may share a single voter).
 
-The control plane's machines run on top of it in `PlaneSim` (control/sim.py), through the
+The control plane's machines run on top of it in `PlaneSim` (control/testing/sim.py), through the
 hooks `_booted`, `_election_event`, `_on_message` and `_dispatch`. The figures of
 bench/election.py (`takeover_times`, `returning_peer`) are at the end of this module.
 
@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from dtfm.net import Identity, pack, unpack_untrusted, verify_signature
 from dtfm.scenarios import load_scenario
 
-from .certificate import Certificate, quorum, vote_payload
-from .config import ElectionConfig
-from .council import MAX_COUNCIL, Council
-from .messages import ElectionMessage, Vote, decode_election
-from .state import (
+from ..election.certificate import Certificate, quorum, vote_payload
+from ..election.config import ElectionConfig
+from ..election.council import MAX_COUNCIL, Council
+from ..election.messages import ElectionMessage, Vote, decode_election
+from ..election.state import (
     trusted_root,
     BecameCoordinator,
     CoordinatorKnown,
@@ -64,7 +64,7 @@ from .state import (
     PreviousConfiguration,
     SteppedDown,
 )
-from .store import MemoryElectionStore
+from ..election.store import MemoryElectionStore
 
 __all__ = ["ElectionSim", "NetConditions", "returning_peer", "scenario_delays_s", "takeover_times"]
 

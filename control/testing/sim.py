@@ -1,6 +1,6 @@
 """The whole control plane in a deterministic simulation: every node runs the daemon's own
 machines (`ElectionState`, `EpochMachine`, `Coordinator`) over the election's simulated network
-(control/election/sim.py), with virtual time (see docs/control.md, "Simulation").
+(control/testing/election_sim.py), with virtual time (see docs/control.md, "Simulation").
 
 The simulation plays the shell: it delivers every message the machines send (ALLOCATION, START,
 STOP, STEP, RUN_STATE as plain wire maps, dropped, duplicated, reordered, delayed and cut like
@@ -37,30 +37,31 @@ import math
 import random
 import struct
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import assert_never
 
-from dtfm.net import Identity, OperatorKey, ProtocolError, get_bytes, get_dict, get_int, get_str, short_id
+from dtfm.net import Identity, OperatorKey, ProtocolError, short_id
 from dtfm.sched import layer_ranges
 from dtfm.train import PRESETS, TrainConfig, get_preset
 
-from .actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
-from .allocation import AcceptContext, Allocation, Refusal, SignedAllocation
-from .coordinator.machine import (
+from .. import inputs
+from ..actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
+from ..config import PlaneConfig
+from ..allocation import AcceptContext, Allocation, Refusal, SignedAllocation
+from ..coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
     Elected,
     PeerLeaving,
     StartRun,
-    StepFailed,
     SteppedDownEvent,
-    StepReported,
     CoordinatorTick,
     next_council,
 )
-from .coordinator.links import ReachAnswer, ReachRequest
-from .coordinator.reshape import ReshapePlan
-from .coordinator.schedule import Placement
-from .election import (
+from ..coordinator.links import ReachAnswer, ReachRequest
+from ..coordinator.reshape import ReshapePlan
+from ..coordinator.schedule import Placement
+from ..election import (
     COUNCIL_SIZES,
     BecameCoordinator,
     Certificate,
@@ -70,15 +71,15 @@ from .election import (
     ElectionState,
     SteppedDown,
 )
-from .election.sim import ElectionSim, NetConditions
-from .epoch.access import coordinator_certificate, parse_fetchers
-from .epoch.machine import (
+from .election_sim import ElectionSim, NetConditions
+from ..epoch.machine import (
     AbortRunner,
     AllocationOffered,
     ApplyToElection,
     BuildFailed,
     BuildStage,
     EndEpoch,
+    EpochAction,
     EpochDone,
     EpochMachine,
     EpochTick,
@@ -87,23 +88,22 @@ from .epoch.machine import (
     PersistApplied,
     RunnerEnded,
     StageBuilt,
-    StartAsked,
     StartRunner,
     StepDone,
-    StopAsked,
     StopRunnerAt,
     WaitForCoordinator,
 )
-from .epoch.report import RunEnd, StepReport
-from .messages import ControlMsg
-from .operator import SignedOp, council_arg, root_council, sign_op
+from ..epoch.report import RunEnd, StepReport
+from ..epoch.runstate import MAX_CHECKPOINTS
+from ..messages import ControlMsg
+from ..operator import SignedOp, council_arg, root_council, sign_op
 
-__all__ = ["PlaneSim", "SIM_TIMINGS", "reference_loss", "reference_weights"]
+__all__ = ["PlaneSim", "SIM_CONFIG", "SIM_TIMINGS", "reference_loss", "reference_weights"]
 
 PRESET = "tiny"
 DATA_HASH = "0" * 64
 RETRY_S = 0.1  # an allocation waiting for its coordinator is offered again this often
-REFUSING = {"accepted": False, "code": "busy", "reason": "a refusing node refuses every allocation"}
+REFUSING = inputs.AllocationAnswer.refused("busy", "a refusing node refuses every allocation").to_wire()
 
 
 def reference_weights(seed: int, step: int) -> bytes:
@@ -204,11 +204,17 @@ class SimPlanner:
 
 
 # The coordinators' timings in a simulation: brisk, for a network of ~10 ms links.
-SIM_TIMINGS = CoordinatorTimings(
-    accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
-    drift_check_s=1e9, report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
+# The plane's settings in the simulation: quick timeouts and checks on the virtual clock. The
+# coordinator's timings are mapped from them as the daemon maps its own
+# (`PlaneConfig.coordinator_timings`), but with no drift check (the simulated links never
+# drift; 1e9 s is past what a daemon's settings allow) and no step deadline (step times are
+# the stand-in's, not a model's).
+SIM_CONFIG = PlaneConfig.test().with_(
+    connect_timeout_s=1.0, accept_timeout_s=2.0, request_timeout_s=0.5, stop_timeout_s=2.0, check_interval_s=0.5,
+    report_gather_s=0.05, probe_timeout_s=0.5, paused_retry_s=2.0, stop_poll_s=0.05,
     max_reconfig_attempts=5, refused_backoff_s=2.0, refused_backoff_max_s=16.0,
     join_settle_s=1.0, join_wait_max_s=4.0)
+SIM_TIMINGS = replace(SIM_CONFIG.coordinator_timings(), drift_check_s=1e9, deadline=None)
 
 
 class PlaneSim(ElectionSim):
@@ -461,8 +467,9 @@ class PlaneSim(ElectionSim):
 
     def _booted(self, k: int) -> None:
         reader = self._reader(k)
-        epoch = EpochMachine(self.ids[k], reader, heartbeat_wait_s=2 * self.config.heartbeat_interval_s + 1.0,
-                             coordinator_lost_after_s=3 * self.config.election_timeout_max_s,
+        waits = SIM_CONFIG.with_election(self.config)  # (the epoch machine's waits, derived as the daemon's)
+        epoch = EpochMachine(self.ids[k], reader, heartbeat_wait_s=waits.heartbeat_wait_s,
+                             coordinator_lost_after_s=waits.coordinator_lost_after_s,
                              operators={self.operator.public_key})
         alloc = self.disk_alloc[k]
         if alloc is not None:
@@ -571,7 +578,7 @@ class PlaneSim(ElectionSim):
         for a in epoch.handle(event, self.local_now(k)):
             self._execute(k, a)
 
-    def _execute(self, k: int, a) -> None:
+    def _execute(self, k: int, a: EpochAction | CoordinatorAction) -> None:
         me = self.ids[k]
         if isinstance(a, Ask):
             out = _Outstanding(a)
@@ -647,7 +654,7 @@ class PlaneSim(ElectionSim):
         elif isinstance(a, KeepStage):
             self._keep(k, a.run_id)
         else:
-            raise AssertionError(f"unknown action {a!r}")
+            assert_never(a)
 
     def _answered(self, k: int, out: _Outstanding, complete: bool = False) -> None:
         if not complete and len(out.answers) < len(out.ask.peers):
@@ -670,7 +677,7 @@ class PlaneSim(ElectionSim):
             return
         if msg == ControlMsg.LEAVE:  # the sender's own leave (the transport authenticated it)
             try:
-                get_dict(body, "LEAVE")
+                inputs.leave_request(body)
             except ProtocolError as e:
                 self._refuse(k, src, f"request {msg}: {e}")
                 return
@@ -701,34 +708,20 @@ class PlaneSim(ElectionSim):
         return self._handle_request(k, self.ids[k], msg, body)
 
     def _handle_request(self, k: int, sender: bytes, msg: int, body: object) -> dict:
-        """Node k's answer to `sender`'s request: the body checked as control/plane.py's handlers
-        check it (ProtocolError), then the machines."""
+        """Node k's answer to `sender`'s request: the body checked by the plane's input layer
+        (control/inputs.py, ProtocolError), as the daemon's handlers check it, then the machines."""
         epoch = self.epoch(k)
         self._seq += 1
         key = ("req", self._seq)
         if msg == ControlMsg.START:
-            if not isinstance(body, dict):
-                raise ProtocolError("START body must be a map")
-            self._epoch(k, StartAsked(key, sender, body.get("run"), body.get("epoch")))
+            self._epoch(k, inputs.start_asked(key, sender, body))
         elif msg == ControlMsg.STOP:
-            if not isinstance(body, dict):
-                raise ProtocolError("STOP body must be a map")
             cur = epoch.current
-            at = 0
-            if cur is not None and body.get("run") == cur.run_id:
-                asked = body.get("at_step")
-                if not isinstance(asked, int) or isinstance(asked, bool) or asked < 0:
-                    raise ProtocolError("STOP at_step must be a non-negative integer")
-                at = asked
-            op = SignedOp.from_wire(body["op"]) if body.get("op") is not None else None
-            cert = coordinator_certificate(sender, body)
-            if cert is not None and sender != self.node(k).coordinator:
-                self._run(k, self.node(k).learn(cert, self.local_now(k)))
-            stopped = body.get("epoch")
-            if stopped is not None and (not isinstance(stopped, int) or isinstance(stopped, bool) or stopped < 0):
-                raise ProtocolError("STOP epoch must be a non-negative integer")
-            self._epoch(k, StopAsked(key, sender, body.get("run"), at, final=body.get("final") is True,
-                                     abort=body.get("abort") is True, op=op, epoch=stopped))
+            ev, learn = inputs.stop_asked(key, sender, body, current_run=cur.run_id if cur is not None else None,
+                                          coordinator=self.node(k).coordinator)
+            if learn is not None:
+                self._run(k, self.node(k).learn(learn, self.local_now(k)))
+            self._epoch(k, ev)
         elif msg == ControlMsg.RUN_STATE:
             return self._run_state_asked(k, sender, body)
         else:
@@ -739,58 +732,48 @@ class PlaneSim(ElectionSim):
     def _run_state_asked(self, k: int, sender: bytes, body: object) -> dict:
         epoch = self.epoch(k)
         me = self.ids[k]
-        d = get_dict(body, "RUN_STATE")
-        op = get_str(d, "op", 16)
-        if op == "query":
+        coordinator = self.node(k).coordinator
+        req = inputs.run_state_request(sender, body, coordinator=coordinator)
+        if isinstance(req, inputs.Query):
             refused = epoch.check_run_state_reader(sender)
             if refused is not None:
                 return {"error": refused.text}
             cur = epoch.current
             return epoch.run_state(self._checkpoints_of(k, cur.run_id if cur is not None else None)).to_wire()
-        coordinator = self.node(k).coordinator
-        if op == "reach":
+        if isinstance(req, ReachRequest):
             if sender not in (coordinator, me):
                 return {"error": "only the coordinator asks a peer to reach others"}
-            req = ReachRequest.from_wire(d)
             live = {self.ids[j] for j in self.reachable(k)}
             peers = sorted(set(req.peers) - {me})
             return ReachAnswer(tuple(p for p in peers if p in live), tuple(p for p in peers if p not in live)).to_wire()
-        if op == "keep":
-            run_id = get_bytes(d, "run", 16, 16)
+        if isinstance(req, inputs.Keep):
             refused = epoch.check_offer_asker(sender)
             if refused is not None:
                 return {"error": refused.text}
-            return {"kept": self._keep(k, run_id)}
-        if op != "offer":
-            raise ProtocolError(f"RUN_STATE: unknown op {op!r}")
-        run_id = get_bytes(d, "run", 16, 16)
-        step = get_int(d, "step", 0, 2**63 - 1)
-        layers = d.get("layers")
-        if not isinstance(layers, list) or len(layers) != 2 or not all(type(x) is int for x in layers):
-            raise ProtocolError("RUN_STATE: layers must be [first, end]")
-        parse_fetchers(d)  # (no fetch in the simulation: the content store stands for it)
-        cert = coordinator_certificate(sender, d)
-        if cert is not None and sender != coordinator:
-            self._run(k, self.node(k).learn(cert, self.local_now(k)))
+            return {"kept": self._keep(k, req.run_id)}
+        if not isinstance(req, inputs.Offer):  # (a coordinator's progress and an operator's export)
+            raise ProtocolError(f"RUN_STATE: {type(req).__name__.lower()} is not simulated")
+        # (req.fetchers: no fetch in the simulation, the content store stands for it)
+        if req.learn is not None:
+            self._run(k, self.node(k).learn(req.learn, self.local_now(k)))
         refused = epoch.check_offer_asker(sender)
         if refused is not None:
             return {"error": refused.text}
-        weights = self._held(k, run_id, (layers[0], layers[1]), step)
+        layers, step = req.layers, req.step
+        weights = self._held(k, req.run_id, layers, step)
         if weights is None:
-            return {"error": "not held here"}
+            return inputs.OfferAnswer(None, reason="not held here").to_wire()
         digest = hashlib.sha256(repr((tuple(layers), step)).encode() + weights).hexdigest()
         self.content[digest] = weights
-        return {"digest": digest, "bytes": 1}
+        return inputs.OfferAnswer(digest, 1).to_wire()
 
     def _offer_signed(self, k: int, key: tuple, body: object, reply_to: tuple[int, tuple] | None) -> None:
         if reply_to is not None:
             self._pending_allocs[(k, key)] = reply_to
         try:
-            alloc = SignedAllocation.from_wire(body).open()
-            assert isinstance(body, dict)  # from_wire refused anything else
-            cert = Certificate.from_wire(body["cert"]) if "cert" in body else None
+            alloc, cert = inputs.signed_allocation(body)
         except ProtocolError as e:  # as the daemon's _accept_signed answers
-            self.replies[k][key] = Reply(key, {"accepted": False, "code": "bad-allocation", "reason": str(e)})
+            self.replies[k][key] = Reply(key, inputs.bad_allocation(e))
             self._flush_reply(k, key)
             return
         live = frozenset(self.ids[j] for j in self.reachable(k))
@@ -810,26 +793,17 @@ class PlaneSim(ElectionSim):
         self._transmit(k, src, ("answer", remote_key, dict(reply.value)))
 
     def _one_way(self, k: int, src: int, msg: int, body: object) -> None:
-        """A one-way message to node k, checked as control/plane.py's _on_step checks it."""
+        """A one-way message to node k, checked by the plane's input layer as the daemon's
+        _on_step checks it."""
         if msg != ControlMsg.STEP:
             self._refuse(k, src, f"no one-way message {msg}")
             return
-        if not isinstance(body, dict):
-            self._refuse(k, src, "STEP body must be a map")
-            return
-        if "failed" in body:
-            reason = body.get("failed")
-            if not isinstance(reason, str):
-                self._refuse(k, src, "STEP failed must be a string")
-                return
-            self._coordinator(k, StepFailed(self.ids[src], body.get("run"), body.get("epoch"), reason))
-            return
         try:
-            report = StepReport.from_wire(body)
+            event = inputs.step_message(self.ids[src], body)
         except ProtocolError as e:
             self._refuse(k, src, str(e))
             return
-        self._coordinator(k, StepReported(self.ids[src], body.get("run"), report))
+        self._coordinator(k, event)
 
     def _apply(self, k: int, a: ApplyToElection) -> None:
         node = self.nodes[k]
@@ -921,7 +895,7 @@ class PlaneSim(ElectionSim):
         if run_id is None:
             return ()
         out = sorted((a, b, step) for (r, (a, b), step) in self.checkpoints[k] if r == run_id)
-        return tuple(out[-16:])
+        return tuple(out[-MAX_CHECKPOINTS:])
 
     def _complete(self, k: int, epoch: int) -> None:
         st = self.sim_stages[k][epoch]

@@ -1,0 +1,182 @@
+"""The coordinator's two seams onto a daemon (see docs/control.md, "The shell"): the gossiped
+swarm as the coordinator reads it (`GossipSwarm`, its `Swarm`), and the scheduler with the
+plane's budget and hysteresis (`SchedulerPlanner`, its `Planner`), whose plans' estimated links
+are measured before one is handed out (`confirm`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, NetworkView, build_view
+from dtfm.train import GPTSpec, TrainConfig
+
+from .allocation import Allocation
+from .config import PlaneConfig
+from .coordinator.request import TrainRequest
+from .coordinator.reshape import ReshapePlan, reshape
+from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
+
+__all__ = ["CONFIRM_ROUNDS", "GossipSwarm", "SchedulerPlanner", "plan_links"]
+
+logger = logging.getLogger(__name__)
+
+
+class GossipSwarm:
+    """The gossiped swarm as the coordinator reads it."""
+
+    def __init__(self, gossip: GossipService, me: bytes):
+        self.gossip, self.me = gossip, me
+
+    def live_peers(self) -> list[bytes]:
+        return list(self.gossip.live_peers())
+
+    def known_peers(self) -> list[bytes]:
+        return [m.peer_id for m in self.gossip.members()]
+
+    def regions(self) -> dict[bytes, str]:
+        return {m.peer_id: m.region for m in self.gossip.members()}
+
+    def view(self) -> NetworkView:
+        return self.gossip.view()
+
+    def incarnations(self) -> dict[bytes, int]:
+        return {m.peer_id: m.incarnation for m in self.gossip.members()}
+
+    def measured_view(self, candidates: Iterable[bytes]) -> tuple[NetworkView, list[bytes]]:
+        """The view over `candidates`, leaving out (worst first) peers with links that gossip
+        has neither measured nor can estimate yet: a restarted or joined peer is placed once
+        its report holds a coordinate and its capacities (links its plan uses are measured
+        before hand-out: `SchedulerPlanner`)."""
+        peers = sorted(set(candidates))
+        left: list[bytes] = []
+        while True:
+            view = build_view(tuple(peers), self.gossip.records.reports, now_wall=time.time())
+            if view.complete or len(peers) <= 1:
+                return view, left
+            known = np.isfinite(view.delay_ms) & np.isfinite(view.bandwidth_gbps)
+            unknown = ~known & ~np.eye(len(peers), dtype=bool)
+            worst = peers[int(np.argmax(unknown.sum(axis=0) + unknown.sum(axis=1)))]
+            peers.remove(worst)
+            left.append(worst)
+
+
+CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is handed out
+
+
+def plan_links(placement: Placement) -> list[tuple[bytes, bytes]]:
+    """The links a placement's steps use: each pipeline's consecutive stages, and every pair
+    of a stage's data-parallel group."""
+    links = [(p[s], p[s + 1]) for p in placement.pipelines for s in range(len(p) - 1)]
+    for s in range(len(placement.layer_ranges)):
+        group = [p[s] for p in placement.pipelines if s < len(p)]
+        links += [(a, b) for i, a in enumerate(group) for b in group[i + 1:]]
+    return links
+
+
+def _estimates_held(before: NetworkView, after: NetworkView, links: list[tuple[bytes, bytes]]) -> bool:
+    """Whether the figures measured for `links` are within DISAGREEMENT_RATIO of the estimates
+    the plan was made on (a link still unmeasured counts as held)."""
+    i_before = {p: i for i, p in enumerate(before.peers)}
+    i_after = {p: i for i, p in enumerate(after.peers)}
+    for a, b in links:
+        i, j, k, m = i_before[a], i_before[b], i_after.get(a), i_after.get(b)
+        if k is None or m is None or not after.measured()[k, m]:
+            continue
+        for old, new in ((before.delay_ms[i, j], after.delay_ms[k, m]),
+                         (before.bandwidth_gbps[i, j], after.bandwidth_gbps[k, m])):
+            if min(old, new) > 0 and max(old, new) / min(old, new) > DISAGREEMENT_RATIO:
+                return False
+    return True
+
+
+class SchedulerPlanner:
+    """`reshape` and the first placement with the plane's budget and hysteresis, on the
+    gossiped view with its estimates; with `confirm`, the links of the plan chosen that are
+    estimated are measured before it is returned (`confirm(view, links)` measures them and
+    returns the view over the same peers after), and when the measurements disagree with the
+    estimates the search runs again on them, up to CONFIRM_ROUNDS times."""
+
+    def __init__(self, config: PlaneConfig,
+                 confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None):
+        self.config = config
+        self.confirm = confirm
+
+    def _confirmed(self, view: NetworkView, search: Callable[[NetworkView], Any],
+                   placement_of: Callable[[Any], Placement]) -> Any:
+        plan = search(view)
+        if self.confirm is None:
+            return plan
+        for _ in range(CONFIRM_ROUNDS):
+            todo = view.unmeasured(plan_links(placement_of(plan)))
+            if not todo:
+                return plan
+            fresh = self.confirm(view, todo)
+            if fresh is None or _estimates_held(view, fresh, todo):
+                return plan
+            logger.info("the plan's links measured other than estimated: scheduling again on %d measured links",
+                        len(todo))
+            view = fresh
+            plan = search(view)
+        return plan
+
+    def reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
+                regions: dict[bytes, str], seed: int, force: bool,
+                cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
+        return self._confirmed(view, lambda v: self._reshape(v, cur, live=live, remaining_steps=remaining_steps,
+                                                              regions=regions, seed=seed, force=force, cut=cut),
+                               lambda plan: plan.placement)
+
+    def _reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
+                 regions: dict[bytes, str], seed: int, force: bool,
+                 cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
+        per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
+        plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
+                       remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
+                       seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
+                       compression=compression_options_of(cur.compression, view=view) if per_link else None)
+        if not per_link:
+            return plan
+        links = cur.compress_links
+        kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
+        return replace(plan, placement=choose_links(view, plan.placement, cur.model, cur.train,
+                                                    cur.compression, keep_compressed=kept))
+
+    def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+                        regions: dict[bytes, str]) -> Placement:
+        """A new run's shape: the scheduler's on the gossiped view, or (`--placement random`) a
+        random one of the asked stages x dp (ValueError when none fits)."""
+        return self._confirmed(view, lambda v: self._first_placement(v, req, model, train, regions),
+                               lambda plan: plan)
+
+    def _first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+                         regions: dict[bytes, str]) -> Placement:
+        dp = req.dp
+        if req.stages is not None and dp is None:
+            dp = max(1, len(view.peers) // req.stages)
+        per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
+        if req.placement == "random":
+            if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
+                raise ValueError("a random placement needs --stages and --dp")
+            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
+        elif not per_link:
+            return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
+                                time_budget_s=self.config.schedule_time_s, seed=req.seed)
+        else:
+            # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
+            # each gets its links chosen, and the simulator's faster plan wins. The search's
+            # objective (the paper's, with each link's cheapest codec) can miss what the
+            # simulator counts, the trainer's own round trips above all (a swarm measured the
+            # codec-aware plan 41 % slower than every link compressed on the exact search's).
+            half = self.config.schedule_time_s / 2
+            candidates = [choose_links(view, choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
+                                                          time_budget_s=half, seed=req.seed, compression=opts),
+                                       model, train, req.compression)
+                          for opts in (compression_options_of(req.compression, view=view), None)]
+            return min(candidates, key=lambda p: p.predicted_iteration_s)  # (the codec-aware one on a tie)
+        return choose_links(view, shape, model, train, req.compression) if per_link else shape
