@@ -11,7 +11,7 @@ before a timeout survives; after every check the merged results are written to
 `$OUT/gpu.json` (a temporary folder when OUT is unset), the children's output to
 `$OUT/checks.log`, and the last line printed is one JSON object: the results and the failures.
 
-    pytest     `pytest -m gpu`: the GPU tests (tests/test_train_gpu.py and the other gpu-marked ones)
+    pytest     `pytest -m gpu`: the GPU tests (tests/train/test_train_gpu.py and the other gpu-marked ones)
     codecs     int8/int4(+Hadamard)/sparse coding GB/s on the GPU against this CPU's figures and the
                scheduler's reference; the daemon's probe (`measure_codec_ns`) on the device
     mfu        one stage of gpt3-xl (3 of its 24 layers: 8 stages; the preset's micro-batch of one
@@ -113,7 +113,7 @@ def _rel(a: float, b: float) -> float:
 
 def check_pytest(out: Path, device: str, quick: bool) -> None:
     # the files that hold gpu-marked tests (collecting the whole suite costs time and imports the world)
-    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py")
+    files = sorted(str(f.relative_to(ROOT)) for f in (ROOT / "tests").rglob("test_*.py")
                    if "mark.gpu" in f.read_text())
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
            "--durations=8", *files]

@@ -200,7 +200,7 @@ def small_network(rng, n):
 
 def brute(model, S, D):
     """Optimum over every partition into S groups of D, each realized by exact matchings and path
-    (checked against full permutation enumeration in tests/test_sched_exact.py)."""
+    (checked against full permutation enumeration in tests/sched/test_sched_exact.py)."""
     n = S * D
     realize = ShapeSearch(model, S, D, SearchConfig(), 0, float("inf")).realize
 

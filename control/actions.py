@@ -13,6 +13,7 @@ from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .answers import PeerAnswer
 from .events import PlaneEvent
 
 __all__ = [
@@ -28,7 +29,8 @@ __all__ = [
 class Ask:
     """Send request `msg` with `body` to every one of `peers` at once (this peer's own answer
     comes from its own handlers) and feed back one `Answers(key, ...)` once all answered or
-    `timeout_s` passed; a peer that did not answer has `{"reason": why}`."""
+    `timeout_s` passed, each answer typed by `read_answers` (control/answers.py); a peer that
+    did not answer has `NoAnswer(why)`."""
 
     key: Hashable  # the machine's request key (the coordinator's: coordinator/keys.py)
     peers: tuple[bytes, ...]
@@ -111,8 +113,10 @@ CoordinatorAction = Ask | Compute | LogLine | ResetLog | Emit | Reply | AbortRun
 
 @dataclass(frozen=True)
 class Answers:
+    """The typed answers to the request `key` (`Ask`), one per asked peer."""
+
     key: Hashable
-    answers: Mapping[bytes, dict]
+    answers: Mapping[bytes, PeerAnswer]
 
 
 @dataclass(frozen=True)

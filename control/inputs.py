@@ -16,30 +16,28 @@ know a coordinator elected since its last allocation. The certificate to pass to
 (`learn`, which checks it against this peer's council) before the machines read the request
 is the one of a sender this peer does not recognise as coordinator yet (`to_learn`).
 
-Peers' answers to the coordinator's requests are typed here too (`AllocationAnswer`,
-`StartAnswer`, `StopAnswer`, `OfferAnswer`): their `from_wire` reads any map, never raising,
-as the coordinator reads an untrusted answer.
+Peers' answers to the coordinator's requests are typed in control/answers.py, which the same
+three callers use.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from dtfm.net import ProtocolError, get_bytes, get_dict, get_int, get_str
 
 from .allocation import Allocation, SignedAllocation
-from .coordinator.links import ReachRequest
+from .answers import AllocationAnswer
 from .coordinator.machine import StepFailed, StepReported
 from .election import Certificate
 from .epoch.access import coordinator_certificate, parse_fetchers
 from .epoch.machine import StartAsked, StopAsked
 from .epoch.report import StepReport
 from .operator import SignedOp
+from .reach import ReachRequest
 
 __all__ = [
-    "TRAIN_OPS", "AllocationAnswer", "Export", "Keep", "Offer", "OfferAnswer", "Progress", "Query", "RunStateRequest",
-    "StartAnswer", "StopAnswer", "TrainOp", "bad_allocation", "refusal_code",
+    "TRAIN_OPS", "Export", "Keep", "Offer", "Progress", "Query", "RunStateRequest", "TrainOp", "bad_allocation",
     "leave_request", "run_state_request", "signed_allocation", "start_asked", "step_message", "stop_asked",
     "to_learn", "train_op",
 ]
@@ -121,9 +119,9 @@ def signed_allocation(body: object) -> tuple[Allocation, Certificate | None]:
     return alloc, Certificate.from_wire(d["cert"]) if "cert" in d else None
 
 
-def bad_allocation(e: ProtocolError) -> dict:
+def bad_allocation(e: ProtocolError) -> AllocationAnswer:
     """The answer to an ALLOCATION that `signed_allocation` refused."""
-    return AllocationAnswer.refused("bad-allocation", str(e)).to_wire()
+    return AllocationAnswer.refused("bad-allocation", str(e))
 
 
 # ---- RUN_STATE ------------------------------------------------------------------------------
@@ -223,139 +221,3 @@ def train_op(body: object) -> TrainOp:
     if op not in TRAIN_OPS:
         raise ProtocolError(f"TRAIN_OP: unknown op {op!r}")
     return TrainOp(op, SignedOp.from_wire(d["signed"]) if "signed" in d else None)
-
-
-# ---- peers' answers to the coordinator ------------------------------------------------------
-#
-# What a peer answers to the coordinator's ALLOCATION, START, STOP and RUN_STATE offer, typed.
-# `from_wire` never raises: an answer is untrusted, and a malformed one reads as what a
-# coordinator makes of it (no acceptance, no offer, no code: "malformed"), the same reading
-# as the coordinator's of the wire maps. A peer that did not answer in time is a map with only
-# `reason` (the shell's), which reads as a refusal without a code.
-
-MAX_REASON = 512  # characters of a peer's reason kept
-_CODE = re.compile(r"[a-z][a-z-]{0,31}")
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def refusal_code(v: object) -> str | None:
-    """A refusing peer's code (untrusted: a short lower-case word), "malformed" for any other
-    value, None when it gave none (it did not answer in time)."""
-    if v is None:
-        return None
-    if isinstance(v, str) and _CODE.fullmatch(v):
-        return v
-    return "malformed"
-
-
-def _amount(v: object) -> float:
-    """A count or a duration a peer reported, or 0 for anything else."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return 0.0
-    return float(v) if 0 <= v < 1e18 else 0.0
-
-
-def _reason(d: dict) -> str | None:
-    v = d.get("error", d.get("reason"))
-    return None if v is None else str(v)[:MAX_REASON]
-
-
-def _as_map(obj: object) -> dict:
-    return obj if isinstance(obj, dict) else {}
-
-
-@dataclass(frozen=True)
-class AllocationAnswer:
-    """A peer's answer to an ALLOCATION: accepted, at a stage (its pipeline and stage, and the
-    bytes and seconds its stage's fetch took) or as a spare; or refused, with a code and a
-    reason."""
-
-    accepted: bool
-    code: str | None = None
-    reason: str | None = None
-    role: str | None = None  # accepted: "stage" | "spare"
-    stage: int | None = None
-    pipeline: int | None = None
-    fetched_bytes: int = 0
-    fetch_s: float = 0.0
-
-    @classmethod
-    def refused(cls, code: str, reason: str) -> AllocationAnswer:
-        return cls(False, code, reason)
-
-    def to_wire(self) -> dict:
-        if not self.accepted:
-            return {"accepted": False, "code": self.code, "reason": self.reason}
-        if self.role != "stage":
-            return {"accepted": True, "role": self.role}
-        return {"accepted": True, "role": "stage", "stage": self.stage, "pipeline": self.pipeline,
-                "fetched_bytes": self.fetched_bytes, "fetch_s": self.fetch_s}
-
-    @classmethod
-    def from_wire(cls, obj: object) -> AllocationAnswer:
-        d = _as_map(obj)
-        if not d.get("accepted"):
-            return cls(False, refusal_code(d.get("code")),
-                       None if d.get("reason") is None else str(d.get("reason"))[:MAX_REASON])
-        role, stage, pipeline = d.get("role"), d.get("stage"), d.get("pipeline")
-        if role != "stage":
-            return cls(True, role=role if role == "spare" else None)
-        return cls(True, role="stage", stage=stage if type(stage) is int else None,
-                   pipeline=pipeline if type(pipeline) is int else None,
-                   fetched_bytes=int(_amount(d.get("fetched_bytes"))), fetch_s=_amount(d.get("fetch_s")))
-
-
-@dataclass(frozen=True)
-class StartAnswer:
-    """A peer's answer to a START."""
-
-    started: bool
-    reason: str | None = None
-
-    def to_wire(self) -> dict:
-        return {"started": self.started} if self.reason is None else {"started": self.started, "reason": self.reason}
-
-    @classmethod
-    def from_wire(cls, obj: object) -> StartAnswer:
-        d = _as_map(obj)
-        return cls(bool(d.get("started")), _reason(d))
-
-
-@dataclass(frozen=True)
-class StopAnswer:
-    """A peer's answer to a STOP."""
-
-    stopped: bool
-    reason: str | None = None
-
-    def to_wire(self) -> dict:
-        return {"stopped": self.stopped} if self.reason is None else {"stopped": self.stopped, "reason": self.reason}
-
-    @classmethod
-    def from_wire(cls, obj: object) -> StopAnswer:
-        d = _as_map(obj)
-        return cls(bool(d.get("stopped")), _reason(d))
-
-
-@dataclass(frozen=True)
-class OfferAnswer:
-    """A holder's answer to a RUN_STATE offer: the digest of the stage's transfer manifest and
-    its size, or (no digest) why it offers nothing."""
-
-    digest: str | None
-    size: int = 0
-    reason: str | None = None
-
-    def to_wire(self) -> dict:
-        if self.digest is None:
-            return {"error": self.reason}
-        return {"digest": self.digest, "bytes": self.size}
-
-    @classmethod
-    def from_wire(cls, obj: object) -> OfferAnswer:
-        d = _as_map(obj)
-        digest = d.get("digest")
-        if isinstance(digest, str) and _SHA256_HEX.fullmatch(digest):
-            return cls(digest, int(_amount(d.get("bytes"))))
-        return cls(None, 0, _reason(d))
-

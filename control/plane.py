@@ -41,8 +41,8 @@ from dtfm.train import PRESETS, Corpus, GPTSpec, load_corpus
 from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
+from .answers import AllocationAnswer, NoAnswer, StartAnswer, StopAnswer, read_answers
 from .config import PlaneConfig
-from .coordinator.links import ReachAnswer, ReachRequest
 from .coordinator.machine import (
     Coordinator,
     CoordinatorEvent,
@@ -94,6 +94,7 @@ from .models import HeldModel, load_held_models, load_peer_corpus
 from .operator_front import OperatorFront, load_root
 from .planner import GossipSwarm, SchedulerPlanner
 from .progress import MAX_RECONFIGS
+from .reach import ReachAnswer, ReachRequest
 from .refusals import Refused, merge_counts
 
 # A message handler's arguments (net's `Handler`): the connection it came over, its type, its
@@ -376,17 +377,19 @@ class ControlPlane:
             self._pending.pop(key, None)
 
     def _ask_now(self, key: tuple, event: EpochEvent) -> dict:
-        """Feed an event the epoch machine answers at once; its Reply's value."""
+        """Feed an event the epoch machine answers at once (a START or a STOP); its answer, on the
+        wire."""
         for a in self.epoch.handle(event, trio.current_time()):
             if isinstance(a, Reply) and a.key == key:
                 reply = a
             else:
                 self._execute_now(a)
-        return dict(reply.value)
+        answer: StartAnswer | StopAnswer = reply.value
+        return answer.to_wire()
 
     async def _ask_and_feed(self, a: Ask) -> None:
-        answers = await self.ask_all(a.peers, a.msg, a.body, a.timeout_s)
-        self._feed_coordinator(Answers(a.key, answers))
+        replies = await self._ask_each(a.peers, a.msg, a.body, a.timeout_s)
+        self._feed_coordinator(Answers(a.key, read_answers(a.msg, a.body, replies)))
 
     def _confirm_links(self, view: NetworkView, links: list[tuple[bytes, bytes]]) -> NetworkView | None:
         """From the scheduler's worker thread: measure the links now (`GossipService.confirm`)
@@ -415,26 +418,34 @@ class ControlPlane:
     # ---- asking peers -------------------------------------------------------------------------
 
     async def ask_all(self, peers: Iterable[bytes], msg_type: int, body: dict, timeout_s: float) -> dict:
-        answers: dict[bytes, dict] = {}
+        """Each peer's reply as a map (the operator's requests read them as such); a peer that
+        did not answer has `{"reason": why}`."""
+        replies = await self._ask_each(peers, msg_type, body, timeout_s)
+        return {p: {"reason": r.reason} if isinstance(r, NoAnswer) else r if isinstance(r, dict)
+                else {"reason": "malformed answer"} for p, r in replies.items()}
+
+    async def _ask_each(self, peers: Iterable[bytes], msg_type: int, body: dict,
+                        timeout_s: float) -> dict[bytes, object]:
+        """Each peer's reply as it came (untrusted), or `NoAnswer` when it gave none in time."""
+        replies: dict[bytes, object] = {}
 
         async def ask(peer: bytes) -> None:
             try:
                 with trio.fail_after(timeout_s):
                     if peer == self.me:
-                        answers[peer] = await self._local_answer(msg_type, body)
+                        replies[peer] = await self._local_answer(msg_type, body)
                         return
                     conn = await self._connection(peer)
-                    reply, _ = await conn.request(msg_type, body, timeout_s=timeout_s)
-                    answers[peer] = reply if isinstance(reply, dict) else {"reason": "malformed answer"}
+                    replies[peer], _ = await conn.request(msg_type, body, timeout_s=timeout_s)
             except (trio.TooSlowError, RequestTimeout):
-                answers[peer] = {"reason": f"no answer within {timeout_s:g} s"}
+                replies[peer] = NoAnswer(f"no answer within {timeout_s:g} s")
             except (ConnectionClosed, RemoteError, ProtocolError, OSError) as e:
-                answers[peer] = {"reason": f"unreachable: {e}"}
+                replies[peer] = NoAnswer(f"unreachable: {e}")
 
         async with trio.open_nursery() as nursery:
             for p in sorted(set(peers)):
                 nursery.start_soon(ask, p)
-        return answers
+        return replies
 
     async def _local_answer(self, msg_type: int, body: dict) -> dict:
         """This peer's own answer to a request its coordinator makes (as the remote handlers)."""
@@ -587,7 +598,7 @@ class ControlPlane:
             alloc, cert = inputs.signed_allocation(body)
         except ProtocolError as e:
             logger.warning("refused an allocation from %s: %s", sender, e)
-            return inputs.bad_allocation(e)
+            return inputs.bad_allocation(e).to_wire()
         return await self.accept(alloc, cert)
 
     def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
@@ -605,11 +616,11 @@ class ControlPlane:
         key = self._key("allocation")
         reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus),
                                                            certificate=certificate))
-        answer = dict(reply.value)
-        if not answer.get("accepted"):
+        answer: AllocationAnswer = reply.value
+        if not answer.accepted:
             logger.warning("refused allocation term %d epoch %d from %s: %s", alloc.term, alloc.epoch,
-                           short_id(alloc.issuer), answer.get("reason"))
-        return answer
+                           short_id(alloc.issuer), answer.reason)
+        return answer.to_wire()
 
     async def _on_start(self, conn: PeerConnection, msg_type: int, body: object, payload: Payload) -> dict:
         return await self._start_asked(conn.peer_id, body)

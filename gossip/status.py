@@ -32,7 +32,7 @@ shows the state `unconfirmed`: it does not count as alive anywhere.
 Worst-case size, from the field limits of a claim (a host of 255 and a region of 64
 characters, up to 4 bytes each in UTF-8): a member row packs to at most ~1.5 KiB, so 256 rows
 take ~0.4 MiB; a latency row ~70 bytes; the view at 256 peers two 256 x 256 float matrices,
-~1.2 MiB. The whole gossip part stays under 2 MiB (tests/test_gossip_flood.py checks the worst
+~1.2 MiB. The whole gossip part stays under 2 MiB (tests/gossip/test_gossip_flood.py checks the worst
 case); the daemon fits the whole report into its reply frame (`dtfm.peer.status.fit_report`).
 """
 

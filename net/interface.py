@@ -3,7 +3,7 @@ may use of a transport and of its connections.
 
 Two implementations satisfy it: `Transport` / `Connection` (TCP, handshake, encrypted records)
 and `MemTransport` / `MemConnection` (an in-memory network under trio's MockClock, for tests).
-`tests/test_transport_contract.py` runs the same tests against both. Behaviour both share:
+`tests/net/test_transport_contract.py` runs the same tests against both. Behaviour both share:
 
 - A handler is `async handler(conn, msg_type, body, payload)`. For a request it returns the
   reply body, or a `Reply` to send a raw payload as well; for a one-way message the result is

@@ -31,7 +31,7 @@ CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "
 FORMATTED_KEYS = frozenset({"gossip", "training"})  # sections printed in words, not as JSON
 
 # gossip/view.py's DISAGREEMENT_RATIO, repeated here so that `dtfm-peer status` imports no numpy;
-# tests/test_status_format.py checks that the two agree.
+# tests/peer/test_status_format.py checks that the two agree.
 DISAGREEMENT_RATIO = 1.5
 
 # Bytes of the reply map around a report ({"ok": true, "result": ...}), with room to spare.

@@ -2,7 +2,7 @@
 
 The scheduler knows no torch, so it mirrors the payload formulas of `dtfm.train.compress`
 (`dense_payload_bytes`, `sparse_payload_bytes`, the cocktail candidate count) in plain
-integer arithmetic; tests/test_sched_compress.py checks them against the codec's own, and
+integer arithmetic; tests/sched/test_sched_compress.py checks them against the codec's own, and
 `WIRE_PRESETS` against `COMPRESSION_PRESETS`, so the two cannot drift apart.
 
 - `PipelineCodec`: one pipeline link's activations and activation gradients. int8/int4 payload

@@ -1,5 +1,5 @@
-"""What the compressed-training tests share (tests/test_train_compress.py,
-tests/test_compress_links.py): the small model and run they train in a `LocalCluster`, and the
+"""What the compressed-training tests share (tests/train/test_train_compress.py,
+tests/control/allocation/test_compress_links.py): the small model and run they train in a `LocalCluster`, and the
 hashes that tell whether a stage's DP replicas hold the same bits."""
 
 from __future__ import annotations

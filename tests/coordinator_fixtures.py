@@ -1,5 +1,5 @@
 """The shell around one coordinator, n0, that the coordinator's tests play
-(tests/test_coordinator_machine.py, tests/test_coordinator_deadline.py): `Node` drives n0's
+(tests/control/coordinator/test_coordinator_machine.py, tests/control/coordinator/test_coordinator_deadline.py): `Node` drives n0's
 coordinator and epoch machine with a hand-set election, a fake swarm and a fake planner, and
 keeps the requests out and the transcript (tests/machine_trace.py writes its lines); with the
 placements, digests, operator ops and RUN_STATE answers those tests feed it.
@@ -30,6 +30,7 @@ from machine_trace import (
 
 from dtfm.control import ControlMsg, Placement, ReshapePlan, SignedAllocation, SignedOp, inputs, sign_op
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Reply
+from dtfm.control.answers import NoAnswer, read_answers
 from dtfm.control.coordinator.links import used_cut_links
 from dtfm.control.coordinator.machine import Coordinator, CoordinatorTick, CoordinatorTimings, StartRun, StepReported
 from dtfm.control.epoch.machine import (
@@ -184,7 +185,7 @@ class Node:
         ALLOCATION, START and STOP itself; any other peer not given did not answer in time."""
         ask = self.asks.pop(what)
         given = dict(given or {})
-        out = {}
+        out: dict[bytes, object] = {}
         for p in ask.peers:
             if p in given:
                 out[p] = given[p]
@@ -193,8 +194,8 @@ class Node:
             elif everyone is not None:
                 out[p] = everyone
             else:
-                out[p] = {"reason": f"no answer within {ask.timeout_s:g} s"}
-        return self.feed(Answers(ask.key, out), at)
+                out[p] = NoAnswer(f"no answer within {ask.timeout_s:g} s")
+        return self.feed(Answers(ask.key, read_answers(ask.msg, ask.body, out)), at)
 
     def compute(self, what: str = "plan", at: float | None = None) -> list:
         c = self.computes.pop(what)
@@ -232,7 +233,7 @@ class Node:
                 elif isinstance(x, BuildStage):
                     pending.append(StageBuilt(x.key, x.alloc.epoch, x.alloc.start_step))
                 elif isinstance(x, Reply):
-                    reply = x.value
+                    reply = x.value.to_wire()  # (the epoch machine's typed answer, as the shell sends it)
         assert isinstance(reply, dict)
         return reply
 

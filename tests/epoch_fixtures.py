@@ -1,5 +1,5 @@
 """The shell around one peer's epoch machine that the epoch machine's tests play
-(tests/test_epoch_machine.py, and tests/transcripts.py for tests/data/epoch/): `Peer` drives the
+(tests/control/epoch/test_epoch_machine.py, and tests/transcripts.py for tests/data/epoch/): `Peer` drives the
 machine under an election the test sets and keeps what it did as transcript lines
 (tests/machine_trace.py writes them)."""
 

@@ -1,5 +1,5 @@
 """Small GPT-2 folders that transformers itself builds and saves, for the tests that start runs
-from a Hugging Face model folder (tests/test_run_spec.py, tests/test_swarm_train.py). Nothing
+from a Hugging Face model folder (tests/peer/test_run_spec.py, tests/swarm/test_swarm_train.py). Nothing
 is downloaded; transformers is imported only when a folder is built."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the machine tests share (tests/test_epoch_machine.py, tests/test_coordinator_machine.py):
+"""What the machine tests share (tests/control/epoch/test_epoch_machine.py, tests/control/coordinator/test_coordinator_machine.py):
 six named peers, allocations among them, an election the test sets by hand, and each action of
 a machine written as one line, so a test can compare what a machine did with a transcript.
 
@@ -17,6 +17,7 @@ from dtfm.control import (
     AcceptContext,
     Allocation,
     ControlMsg,
+    PeerRunState,
     Refusal,
     SignedAllocation,
     SignedOp,
@@ -28,6 +29,7 @@ from dtfm.control import (
 from dtfm.control.election import Certificate, Council, CouncilLink, config_digest, vote_payload
 from dtfm.control.election.council import change_refusal, link_payload
 from dtfm.control.actions import Answers, Ask, Compute, Computed, Emit, LogLine, Reply, ResetLog, Send
+from dtfm.control.answers import AllocationAnswer, KeepAnswer, OfferAnswer, PeerAnswer, StartAnswer, StopAnswer
 from dtfm.control.coordinator import machine as c
 from dtfm.control.epoch import machine as e
 from dtfm.control.epoch.machine import (
@@ -42,6 +44,7 @@ from dtfm.control.epoch.machine import (
     StopRunnerAt,
     WaitForCoordinator,
 )
+from dtfm.control.reach import ReachAnswer
 from dtfm.net import Identity, OperatorKey, short_id
 from dtfm.train import PRESETS, TEST_CONFIG, TrainConfig
 
@@ -146,7 +149,7 @@ class FakeElection:
 
     @property
     def certificate(self):
-        return None  # the machines only carry it; tests/test_election.py checks it
+        return None  # the machines only carry it; tests/control/election/test_election.py checks it
 
     def council_for(self, voters, epoch: int) -> Council | None:
         """The council with one change to `voters` signed by this peer over a certificate of
@@ -269,9 +272,10 @@ def show(a: object, *, keys: bool = True) -> str:
         return f"emit {a.event} {shown}".rstrip()
     if isinstance(a, Reply):
         to = f" {label(a.key)}" if keys else ""
-        if a.error is not None and not isinstance(a.value, dict):
+        value = a.value.to_wire() if isinstance(a.value, AllocationAnswer | StartAnswer | StopAnswer) else a.value
+        if a.error is not None and not isinstance(value, dict):
             return f"reply{to}: error ({named(a.error)})"
-        return f"reply{to}: {_value(a.value)}"
+        return f"reply{to}: {_value(value)}"
     if isinstance(a, WaitForCoordinator):
         return f"wait for the coordinator until {a.until:g}"
     if isinstance(a, EndEpoch):
@@ -295,19 +299,22 @@ def show(a: object, *, keys: bool = True) -> str:
     raise AssertionError(f"no line for {a!r}")
 
 
-def _answer(peer: bytes, a: dict) -> str:
+def _answer(peer: bytes, a: PeerAnswer) -> str:
     name = NAMES.get(peer, short_id(peer))
-    if "running" in a:
-        where = "-" if a.get("layers") is None else f"{a['layers'][0]}-{a['layers'][1]}"
-        return f"{name} {where}@{a.get('at')}{' running' if a['running'] else ''}"
-    for k in ("accepted", "started", "stopped"):
-        if k in a:
-            return f"{name} {'' if a[k] else 'not '}{k}"
-    if "digest" in a:
-        return f"{name} {str(a['digest'])[:8]}"
-    if "reached" in a:
-        return f"{name} reached {peers(a['reached']) or '-'}" + (f" not {peers(a['unreached'])}" if a["unreached"] else "")
-    if "error" in a:
+    if isinstance(a, PeerRunState):
+        where = "-" if a.layers is None else f"{a.layers[0]}-{a.layers[1]}"
+        return f"{name} {where}@{a.at}{' running' if a.running else ''}"
+    if isinstance(a, AllocationAnswer):
+        return f"{name} {'' if a.accepted else 'not '}accepted"
+    if isinstance(a, StartAnswer):
+        return f"{name} {'' if a.started else 'not '}started"
+    if isinstance(a, StopAnswer):
+        return f"{name} {'' if a.stopped else 'not '}stopped"
+    if isinstance(a, OfferAnswer) and a.digest is not None:
+        return f"{name} {a.digest[:8]}"
+    if isinstance(a, ReachAnswer):
+        return f"{name} reached {peers(a.reached) or '-'}" + (f" not {peers(a.unreached)}" if a.unreached else "")
+    if isinstance(a, OfferAnswer | KeepAnswer) and a.reason is not None:
         return f"{name} error"
     return f"{name} -"
 

@@ -45,14 +45,18 @@ def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeou
 
 class ReferenceLosses:
     """The single-process reference's loss per step, computed as far as it is asked for (a swarm
-    that trains on while a test waits may log more steps than were foreseen)."""
+    that trains on while a test waits may log more steps than were foreseen). The losses of one
+    training config are computed once per test process, whichever test asks."""
+
+    _computed: dict[str, tuple[object, object, list[float]]] = {}
 
     def __init__(self, seed: int = 0, cfg: TrainConfig | None = None):
         # (what `train start` uses: the defaults of `python -m dtfm.train`, or the run's knobs)
         cfg = cfg or TrainConfig(seed=seed)
-        self._state = reference_state(get_preset("tiny"), cfg)
-        self._corpus = load_corpus()
-        self._losses: list[float] = []
+        key = repr(cfg)
+        if key not in self._computed:
+            self._computed[key] = (reference_state(get_preset("tiny"), cfg), load_corpus(), [])
+        self._state, self._corpus, self._losses = self._computed[key]
 
     def __getitem__(self, step: int) -> float:
         if step < 0:

@@ -74,7 +74,7 @@ from machine_trace import DATA_HASH, DATA_NAME, INTRUDER, OPERATOR, RUN, N, allo
 
 from dtfm.control import RunEnd, sign_op
 from dtfm.control.coordinator.deadline import DeadlineRules
-from dtfm.control.coordinator.links import ReachAnswer
+from dtfm.control.reach import ReachAnswer
 from dtfm.control.coordinator.machine import (
     Elected,
     PeerLeaving,
@@ -104,7 +104,7 @@ from dtfm.control.epoch.machine import (
 DATA = Path(__file__).resolve().parent / "data"
 RECORD = os.environ.get("DTFM_RECORD_TRACES") == "1"
 RULES = DeadlineRules(floor_s=3.0, mads=6.0, first_s=20.0)
-# the step deadline watched (tests/test_coordinator_deadline.py), no looks for joined peers in between
+# the step deadline watched (tests/control/coordinator/test_coordinator_deadline.py), no looks for joined peers in between
 WATCHED = dataclasses.replace(TIMINGS, deadline=RULES, deadline_probe_timeout_s=4.0, link_retest_s=2.0,
                               check_interval_s=1000.0)
 NAMED = {f"n{i}": p for i, p in enumerate(N)}

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import re
 from collections.abc import Mapping
 
 from dtfm.net import short_id
 from dtfm.train import CompressionConfig, LinkCodecs
 
 from ..allocation import Allocation, Holding
+from ..answers import OfferAnswer
 from ..epoch.runstate import ResumePoint
 from .context import Reads
 from .operator_queue import QueuedStart
@@ -26,14 +26,13 @@ logger = logging.getLogger(__name__)
 
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class NoHolder(Exception):
     """No holder of a stage offered it at the resume step (the layers in the message)."""
 
 
-def majority_holdings(cur: Allocation, offers: Mapping[tuple[int, int], Mapping[bytes, dict]],
+def majority_holdings(cur: Allocation, offers: Mapping[tuple[int, int], Mapping[bytes, OfferAnswer]],
                       step: int) -> tuple[Holding, ...]:
     """Per stage of `cur`, the digest most of its holders offered at `step`, with the holders
     that gave it; NoHolder when a stage has none."""
@@ -41,12 +40,10 @@ def majority_holdings(cur: Allocation, offers: Mapping[tuple[int, int], Mapping[
     for r in cur.layer_ranges:
         by_digest: dict[str, list[bytes]] = {}
         for p, a in offers[r].items():
-            digest = a.get("digest")
-            if isinstance(digest, str) and _SHA256_HEX.fullmatch(digest):
-                by_digest.setdefault(digest, []).append(p)
+            if a.digest is not None:
+                by_digest.setdefault(a.digest, []).append(p)
             else:
-                logger.warning("%s offers no layers %s at step %d: %s", short_id(p), r, step,
-                               a.get("error") or a.get("reason"))
+                logger.warning("%s offers no layers %s at step %d: %s", short_id(p), r, step, a.reason)
         if not by_digest:  # (it held them a moment ago: retried, up to max_reconfig_attempts)
             raise NoHolder(f"no holder of layers {r} could offer them at step {step}")
         digest, peers = max(by_digest.items(), key=lambda kv: len(kv[1]))

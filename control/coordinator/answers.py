@@ -1,47 +1,52 @@
-"""Reading the peers' answers to the coordinator's requests (untrusted: a malformed field reads
-as no answer, never as an error of the machine)."""
+"""What the coordinator makes of its peers' typed answers (control/answers.py): a peer that gave
+none, or gave one of another kind, reads as a refusal, no start, no stop or no offer, never as
+an error of the machine."""
 
 from __future__ import annotations
 
-import logging
-import re
 from collections.abc import Mapping
 
-from dtfm.net import ProtocolError, short_id
-
+from ..answers import AllocationAnswer, KeepAnswer, NoAnswer, OfferAnswer, PeerAnswer, StartAnswer, StopAnswer
 from ..epoch.runstate import PeerRunState
+from ..reach import ReachAnswer
 
-__all__ = ["refusal_code", "reported_number", "run_states"]
-
-logger = logging.getLogger(__name__)
-
-_REFUSAL_CODE = re.compile(r"[a-z][a-z-]{0,31}")
+__all__ = ["allocation_answer", "kept", "offer_answer", "reached", "run_states", "started", "stopped", "why"]
 
 
-def run_states(answers: Mapping[bytes, dict]) -> dict[bytes, PeerRunState]:
-    """The run states among `answers` (RUN_STATE `query`); a malformed one is left out."""
-    out = {}
-    for p, a in answers.items():
-        try:
-            out[p] = PeerRunState.from_wire(a)
-        except ProtocolError as e:
-            logger.debug("run state of %s: %s", short_id(p), e)
-    return out
+def why(a: PeerAnswer) -> str | None:
+    """The reason a peer gave (or the shell's, for no answer), if any."""
+    return None if isinstance(a, (PeerRunState, ReachAnswer)) else a.reason
 
 
-def refusal_code(answer: Mapping) -> str | None:
-    """A refusing peer's code (untrusted: a short lower-case word), "malformed" for any other
-    value, None when it gave none (it did not answer in time)."""
-    code = answer.get("code")
-    if code is None:
-        return None
-    if isinstance(code, str) and _REFUSAL_CODE.fullmatch(code):
-        return code
-    return "malformed"
+def run_states(answers: Mapping[bytes, PeerAnswer]) -> dict[bytes, PeerRunState]:
+    """The run states among `answers` (RUN_STATE `query`); any other answer is left out."""
+    return {p: a for p, a in answers.items() if isinstance(a, PeerRunState)}
 
 
-def reported_number(v: object) -> float:
-    """A count or a duration a peer reported, or 0 for anything else."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return 0.0
-    return float(v) if 0 <= v < 1e18 else 0.0
+def allocation_answer(a: PeerAnswer) -> AllocationAnswer:
+    """An answer to an ALLOCATION; no answer is a refusal without a code."""
+    if isinstance(a, AllocationAnswer):
+        return a
+    return AllocationAnswer(False, None, a.reason if isinstance(a, NoAnswer) else None)
+
+
+def offer_answer(a: PeerAnswer) -> OfferAnswer:
+    """An answer to a RUN_STATE offer; no answer offers nothing."""
+    return a if isinstance(a, OfferAnswer) else OfferAnswer(None, 0, why(a))
+
+
+def started(a: PeerAnswer) -> bool:
+    return isinstance(a, StartAnswer) and a.started
+
+
+def stopped(a: PeerAnswer) -> bool:
+    return isinstance(a, StopAnswer) and a.stopped
+
+
+def kept(a: PeerAnswer) -> bool:
+    return isinstance(a, KeepAnswer) and a.kept
+
+
+def reached(a: PeerAnswer) -> tuple[bytes, ...]:
+    """The peers a reach answer says it reached; none for any other answer."""
+    return a.reached if isinstance(a, ReachAnswer) else ()

@@ -23,9 +23,11 @@ from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from dtfm.net import ProtocolError, short_id
+from dtfm.net import short_id
 
-from .links import ReachAnswer, pair
+from ..answers import NoAnswer, PeerAnswer
+from ..reach import ReachAnswer
+from .links import pair
 
 __all__ = ["DeadlineRules", "StepWatch", "Verdict", "judge", "laggards", "missed_deadline", "probe_targets"]
 
@@ -129,25 +131,22 @@ class Verdict:
 
 
 def judge(lagging: Sequence[bytes], neighbours: Mapping[bytes, Iterable[bytes]],
-          answers: Mapping[bytes, object]) -> Verdict:
+          answers: Mapping[bytes, PeerAnswer]) -> Verdict:
     """The verdict on a deadline probe of `lagging` (see the module docstring). `answers` are
-    the untrusted answers per asked peer; a malformed one counts as answered, with nothing
-    learnt from it."""
+    the typed answers per asked peer (control/answers.py); a malformed one counts as answered,
+    with nothing learnt from it, and a peer without one (`NoAnswer`) as silent."""
     heard: dict[bytes, ReachAnswer | None] = {}
     for p in lagging:
-        a = answers.get(p)
-        if not isinstance(a, dict) or "reached" not in a:
-            continue  # no answer within the probe's time (the shell's {"reason": ...})
-        try:
-            heard[p] = ReachAnswer.from_wire(a)
-        except ProtocolError:
-            heard[p] = None
+        answer = answers[p] if p in answers else NoAnswer("not asked")
+        if isinstance(answer, NoAnswer):
+            continue  # no answer within the probe's time
+        heard[p] = answer if isinstance(answer, ReachAnswer) else None
     silent = tuple(p for p in lagging if p not in heard)
     cut = set()
-    for p, a in heard.items():
-        if a is None:
+    for p, reach in heard.items():
+        if reach is None:
             continue
-        for q in a.unreached:
+        for q in reach.unreached:
             if q in heard and q in set(neighbours.get(p, ())):
                 cut.add(pair(p, q))
     return Verdict(silent, tuple(sorted(cut)), not silent and not cut)

@@ -96,14 +96,14 @@ class FailedSteps:
                     del self._pending[peer]
         return bool(self._pending)
 
-    def judge(self, cur: Allocation | None, answers: Mapping[bytes, PeerRunState], completed: int | None,
+    def judge(self, cur: Allocation | None, states: Mapping[bytes, PeerRunState], completed: int | None,
               now: float, stall_s: float) -> list[str]:
         """The run states of the epoch's peers came back: the trigger reasons of the reports they
         confirm, or that no completed step contradicted for `stall_s` ([] when every other peer
         still steps the epoch: the reports stay pending)."""
         if cur is None or self._epoch != (cur.run_id, cur.epoch) or not self._pending:
             return []
-        stopped = {p for p in cur.peers if not _steps(answers.get(p), cur)}
+        stopped = {p for p in cur.peers if p not in states or not _steps(states[p], cur)}
         stalled = [p for p, r in self._pending.items()
                    if (completed is None or completed == r.completed) and now - r.at >= stall_s]
         confirmed = bool(stopped - set(self._pending)) or set(cur.peers) <= set(self._pending)
@@ -122,5 +122,5 @@ class FailedSteps:
         return []
 
 
-def _steps(state: PeerRunState | None, cur: Allocation) -> bool:
-    return state is not None and state.running and (state.run_id, state.epoch) == (cur.run_id, cur.epoch)
+def _steps(state: PeerRunState, cur: Allocation) -> bool:
+    return state.running and (state.run_id, state.epoch) == (cur.run_id, cur.epoch)

@@ -17,11 +17,12 @@ from dtfm.net import short_id
 
 from ..actions import Ask, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, SignedAllocation
+from ..answers import AllocationAnswer, PeerAnswer
 from ..epoch.report import StepReport
 from ..events import EventKind, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
 from ..refusals import Refusals
-from .answers import refusal_code, reported_number
+from .answers import allocation_answer, started
 from .context import Reads
 from .counters import RunCounters
 from .keys import ProcStep, Step
@@ -109,21 +110,21 @@ class HandOut:
                              self.r.timings.accept_timeout_s, msg=ControlMsg.ALLOCATION))
         return out
 
-    def allocation_answers(self, proc: Procedure, answers: Mapping[bytes, dict], now: float) -> list:
+    def allocation_answers(self, proc: Procedure, answered: Mapping[bytes, PeerAnswer], now: float) -> list:
         alloc, hand, t = proc.hand.alloc, proc.hand, self.r.timings
         assert alloc is not None
-        hand.answers = answers
-        refused = {p: a for p, a in answers.items() if not a.get("accepted")}
+        hand.answers = answers = {p: allocation_answer(a) for p, a in answered.items()}
+        refused = {p: a for p, a in answers.items() if not a.accepted}
         if not refused:
             self.left_out.accepted(answers)
             return [self._ask(proc, Step.START, alloc.peers, {"run": alloc.run_id, "epoch": alloc.epoch},
                               t.request_timeout_s, msg=ControlMsg.START)]
         hand.refused = "the allocation was refused: " + "; ".join(
-            f"{short_id(p)}: {str(a.get('reason', 'no answer'))[:200]}" for p, a in refused.items())
+            f"{short_id(p)}: {'no answer' if a.reason is None else a.reason[:200]}" for p, a in refused.items())
         left = self._leave_out(answers, refused, now)
         # A refusal that left its peer out counts toward no limit: the next attempt goes on
         # without it. So too a membership disagreement: gossip converges.
-        hand.transient = all(p in left or refusal_code(a) in MEMBERSHIP_REFUSALS for p, a in refused.items())
+        hand.transient = all(p in left or a.code in MEMBERSHIP_REFUSALS for p, a in refused.items())
         self.phase, self.reason = Phase.REFUSED, hand.refused
         rest = [p for p in list(alloc.peers) + list(alloc.spares) if p not in refused]
         out: list = []
@@ -140,7 +141,8 @@ class HandOut:
         return out + [self._ask(proc, Step.UNSTOP, rest, {"run": alloc.run_id, "at_step": 0, "epoch": alloc.epoch},
                                 t.request_timeout_s, msg=ControlMsg.STOP)]
 
-    def _leave_out(self, answers: Mapping[bytes, dict], refused: Mapping[bytes, dict], now: float) -> frozenset[bytes]:
+    def _leave_out(self, answers: Mapping[bytes, AllocationAnswer], refused: Mapping[bytes, AllocationAnswer],
+                   now: float) -> frozenset[bytes]:
         """Record each refusing peer (leftout.py); the peers left out now. While fewer peers
         refuse than accept (this peer counted), the allocation was fine and each refusing peer is
         unusable now, whatever its reason (its data, its stage build, another coordinator it
@@ -148,29 +150,29 @@ class HandOut:
         refused (this peer may be behind the others' election, or cut off from them): nobody is
         singled out, and the failure counts as before. This peer never leaves itself out."""
         peers = sorted(p for p in refused if p != self.r.me)
-        accepting = [p for p, a in answers.items() if a.get("accepted")]
+        accepting = [p for p, a in answers.items() if a.accepted]
         if not peers or len(peers) >= len(accepting):
             return frozenset()
         incarnations = self.r.swarm.incarnations()
         left = set()
         for p in peers:
-            code, reason = refusal_code(refused[p]), refused[p].get("reason")
-            reason = reason[:200] if isinstance(reason, str) else "no reason given"
-            if self.left_out.refused(p, code, reason, now, incarnations.get(p)):
+            a = refused[p]
+            reason = a.reason[:200] if a.reason is not None else "no reason given"
+            if self.left_out.refused(p, a.code, reason, now, incarnations.get(p)):
                 left.add(p)
         return frozenset(left)
 
-    def started(self, proc: Procedure, answers: Mapping[bytes, dict], now: float) -> list:
+    def started(self, proc: Procedure, answers: Mapping[bytes, PeerAnswer], now: float) -> list:
         """The peers answered START: the epoch trains, watched from now; the operator's start
         is answered, or the reconfiguration recorded."""
         alloc, log = proc.hand.alloc, self.steplog
         assert alloc is not None and log is not None
-        late = [short_id(p) for p, a in answers.items() if not a.get("started")]
+        late = [short_id(p) for p, a in answers.items() if not started(a)]
         if late:
             logger.warning("peers %s did not confirm the start", ", ".join(late))
         self.phase = Phase.TRAINING
-        log.fetched = int(sum(reported_number(a.get("fetched_bytes")) for a in proc.hand.answers.values()))
-        log.fetch_s = max([reported_number(a.get("fetch_s")) for a in proc.hand.answers.values()] + [0.0])
+        log.fetched = sum(a.fetched_bytes for a in proc.hand.answers.values())
+        log.fetch_s = max([a.fetch_s for a in proc.hand.answers.values()] + [0.0])
         self.watch.epoch_started(alloc, proc.cur, now, reconfigured=proc.kind is Kind.RECONFIGURE)
         if proc.kind is Kind.START:
             return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,

@@ -44,13 +44,14 @@ from dtfm.net import short_id
 
 from ..actions import Answers, Computed, CoordinatorAction, Emit, LogLine, Reply
 from ..allocation import Allocation, SignedAllocation
+from ..answers import PeerAnswer
 from ..epoch.machine import ElectionView, EpochMachine
 from ..epoch.report import StepReport
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
 from ..refusals import Refusals, Refused
 from .allocate import MAX_ABSENT, MAX_OFFER_HOLDERS, first_council, links_for, next_council
-from .answers import run_states
+from .answers import kept, run_states, why
 from .context import CoordinatorTimings, Planner, Reads, Swarm, WallClock
 from .counters import RunCounters
 from .deadline import StepWatch
@@ -331,9 +332,8 @@ class Coordinator:
             return self.queue.stopped(key, ev.answers)
         if isinstance(key, Keep):
             for p, a in sorted(ev.answers.items()):
-                if "kept" not in a:
-                    logger.warning("%s did not keep its stage on disk: %s", short_id(p),
-                                   a.get("error") or a.get("reason"))
+                if not kept(a):
+                    logger.warning("%s did not keep its stage on disk: %s", short_id(p), why(a))
         return []  # (a fence's answers change nothing)
 
     def _computed(self, ev: Computed, now: float) -> list:
@@ -420,7 +420,7 @@ class Coordinator:
                                        self.timings.request_timeout_s))
         return out
 
-    def _gaps_filled(self, epoch: int, answers: Mapping[bytes, dict]) -> list:
+    def _gaps_filled(self, epoch: int, answers: Mapping[bytes, PeerAnswer]) -> list:
         log = self.steplog
         if log is None or log.alloc.epoch != epoch:
             return []

@@ -19,10 +19,12 @@ from dtfm.net import short_id
 from dtfm.train import GPTSpec, get_preset
 
 from ..actions import Emit, Reply
+from ..answers import PeerAnswer
 from ..epoch.machine import OperationTaken, RunClosed
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
 from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
+from .answers import stopped
 from .context import Reads, named
 from .keys import OperatorStop
 from .request import TrainRequest
@@ -246,10 +248,10 @@ class OperatorQueue:
                                  {"run": cur.run_id, "at_step": at, "final": True, "op": signed.to_wire()},
                                  self.r.timings.request_timeout_s)]
 
-    def stopped(self, key: OperatorStop, answers: Mapping[bytes, dict]) -> list:
+    def stopped(self, key: OperatorStop, answers: Mapping[bytes, PeerAnswer]) -> list:
         """The answers to an operator's stop: how many peers took it."""
         reply_key, at = self._stops.pop(key, ((), 0))
-        told = sum(1 for a in answers.values() if a.get("stopped"))
+        told = sum(1 for a in answers.values() if stopped(a))
         return [Reply(reply_key, {"at_step": at, "told": told})]
 
     def operator_stop_step(self, run_id: bytes) -> int | None:

@@ -18,13 +18,14 @@ from dtfm.net import short_id
 
 from ..actions import Ask, Compute, Computed, Emit, Reply
 from ..allocation import Allocation
+from ..answers import PeerAnswer
 from ..election import quorum
 from ..epoch.machine import AbortRunner, RunClosed, RunReopened
 from ..epoch.runstate import ResumeError, describe, resume_point
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
 from .allocate import MAX_OFFER_HOLDERS, NoHolder, first_allocation, majority_holdings, next_allocation
-from .answers import run_states
+from .answers import offer_answer, run_states
 from .context import Reads, named
 from .handout import HandOut
 from .keys import Keep, ProcStep, Step
@@ -65,7 +66,7 @@ class Procedures:
 
     # ---- answers ------------------------------------------------------------------------------
 
-    def answered(self, key: ProcStep, answers: Mapping[bytes, dict], now: float) -> list:
+    def answered(self, key: ProcStep, answers: Mapping[bytes, PeerAnswer], now: float) -> list:
         """The peers' answers to a request of procedure `key.proc` at its step `key.step`."""
         proc = self.proc
         if proc is None or key.proc != proc.id:
@@ -181,7 +182,7 @@ class Procedures:
         proc.stop.asked = frozenset(named(cur) | set(self.r.swarm.live_peers()) | {self.r.me}) - self.watch.silent
         return [self._ask(proc, Step.STATES, proc.stop.asked, {"op": "query"}, self.r.timings.request_timeout_s)]
 
-    def _advance(self, proc: Procedure, key: ProcStep, answers: Mapping[bytes, dict], now: float) -> list:
+    def _advance(self, proc: Procedure, key: ProcStep, answers: Mapping[bytes, PeerAnswer], now: float) -> list:
         cur, stop, t = proc.cur, proc.stop, self.r.timings
         step = key.step
         if step is Step.STATES or step is Step.POLL:
@@ -307,13 +308,13 @@ class Procedures:
             out.append(self._ask(proc, Step.OFFER, holders, body, self.r.timings.accept_timeout_s, layers=r))
         return out
 
-    def _offered(self, proc: Procedure, r: tuple[int, int], answers: Mapping[bytes, dict], now: float) -> list:
+    def _offered(self, proc: Procedure, r: tuple[int, int], answers: Mapping[bytes, PeerAnswer], now: float) -> list:
         """Once every stage's holders answered: the digest most of them give goes into the
         allocation, with the holders that gave it."""
         cur, pl, states = proc.cur, proc.planning, proc.stop.states
         assert cur is not None and pl.rp is not None and pl.plan is not None
         rp = pl.rp
-        pl.offers[r] = answers
+        pl.offers[r] = {p: offer_answer(a) for p, a in answers.items()}
         if len(pl.offers) < len(cur.layer_ranges):
             return []
         try:

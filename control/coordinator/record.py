@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ..allocation import Allocation
+from ..answers import AllocationAnswer, OfferAnswer
 from ..epoch.runstate import PeerRunState, ResumePoint
 from .operator_queue import QueuedStart
 from .reshape import ReshapePlan
@@ -59,7 +60,7 @@ class Planning:
 
     rp: ResumePoint | None = None
     plan: ReshapePlan | None = None
-    offers: dict[tuple[int, int], Mapping[bytes, dict]] = field(default_factory=dict)
+    offers: dict[tuple[int, int], Mapping[bytes, OfferAnswer]] = field(default_factory=dict)
     left_out: frozenset[bytes] = frozenset()  # reachable peers not placed: they refused an allocation
     links_note: str = ""  # a per-link run: which links and groups compress and why (`choose_links`)
     rolled_back: bool = False  # the resume point is before a step completed: a rollback
@@ -71,7 +72,7 @@ class HandingOut:
     """The allocation handed out and its answers."""
 
     alloc: Allocation | None = None
-    answers: Mapping[bytes, dict] = field(default_factory=dict)
+    answers: Mapping[bytes, AllocationAnswer] = field(default_factory=dict)
     refused: str = ""
     transient: bool = False  # every refusal of the hand-out was a membership disagreement
 

@@ -17,19 +17,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from dtfm.net import ProtocolError, short_id
+from dtfm.net import short_id
 
 from ..actions import Ask, Compute
 from ..allocation import Allocation
+from ..answers import PeerAnswer
 from ..messages import ControlMsg
+from ..reach import ReachRequest
 from ..refusals import Refusals
-from .answers import run_states
+from .answers import reached, run_states
 from .context import Reads, named
 from .deadline import StepWatch, judge, laggards, missed_deadline, probe_targets
 from .failures import FailedSteps
 from .joins import JoinWave
 from .keys import Drift, Fence, Probe, ProbeKey
-from .links import CutLinks, ReachAnswer, ReachRequest
+from .links import CutLinks
 from .phase import Phase
 from .reshape import ReshapePlan
 from .steplog import StepLog
@@ -237,7 +239,7 @@ class RunWatch:
         self._probe = probe
         return self.r.ask(ProbeKey(probe), peers, ControlMsg.RUN_STATE, {"op": "query"}, self.r.timings.probe_timeout_s)
 
-    def probed(self, probe: Probe, answers: Mapping[bytes, dict], now: float) -> list | Reconfigure:
+    def probed(self, probe: Probe, answers: Mapping[bytes, PeerAnswer], now: float) -> list | Reconfigure:
         """The answers to probe `probe`."""
         self._probe = None
         if probe is Probe.DEADLINE:
@@ -335,7 +337,7 @@ class RunWatch:
         return [self.r.ask(ProbeKey(Probe.DEADLINE), asked, ControlMsg.RUN_STATE,
                            ReachRequest(tuple(asked), t / 2).to_wire(), t)]
 
-    def _deadline_answers(self, answers: Mapping[bytes, dict], now: float) -> list:
+    def _deadline_answers(self, answers: Mapping[bytes, PeerAnswer], now: float) -> list:
         """A silent laggard is out, a link whose ends answer but not each other is cut: either
         reconfigures at once, aborting the stuck step; else the step is only slow."""
         probe, self._deadline_probe = self._deadline_probe, None
@@ -384,14 +386,11 @@ class RunWatch:
                            ReachRequest(tuple(sorted({b for _, b in pairs})), t.deadline_probe_timeout_s / 2).to_wire(),
                            t.deadline_probe_timeout_s)]
 
-    def _links_answers(self, answers: Mapping[bytes, dict], now: float) -> list | Reconfigure:
+    def _links_answers(self, answers: Mapping[bytes, PeerAnswer], now: float) -> list | Reconfigure:
         healed = []
         for a, b in sorted(self.links.pairs()):
-            try:
-                if b in ReachAnswer.from_wire(answers.get(a)).reached:
-                    healed.append((a, b))
-            except ProtocolError:
-                continue
+            if a in answers and b in reached(answers[a]):
+                healed.append((a, b))
         for link in healed:
             logger.info("link %s-%s answers again: allocations may use it", short_id(link[0]), short_id(link[1]))
             self.links.clear(link)

@@ -28,6 +28,7 @@ from dtfm.net import short_id
 
 from ..actions import AbortRunner, Reply, Send
 from ..allocation import AcceptContext, Allocation, Refusal, check_allocation
+from ..answers import AllocationAnswer, StartAnswer, StopAnswer
 from ..election import Certificate, Council, CouncilLink
 from ..messages import ControlMsg
 from ..operator import OperatorError, OperatorOp, SignedOp, check_council, check_op, check_operator_start
@@ -643,8 +644,7 @@ class EpochMachine:
         if refusal is not None:
             if refusal.code == "bad-council":  # (counted: a council not following from this one is an attack or a bug)
                 self.refusals.refuse(Refused.BAD_COUNCIL, alloc.issuer, refusal.reason)
-            return [Reply(ev.key, {"accepted": False, "code": refusal.code, "reason": refusal.reason},
-                          error=refusal.reason)]
+            return [Reply(ev.key, AllocationAnswer.refused(refusal.code, refusal.reason), error=refusal.reason)]
         out: list = []
         if self.run is not None and not self.run.done:
             out.append(EndEpoch(self.run.alloc.epoch, f"replaced by epoch {alloc.epoch}"))
@@ -663,7 +663,7 @@ class EpochMachine:
         self._restored = False
         if self.me not in alloc.peers:
             self.run = EpochRecord(alloc, EpochPhase.SPARE, done=True)
-            return out + [Reply(ev.key, {"accepted": True, "role": "spare"})]
+            return out + [Reply(ev.key, AllocationAnswer(True, role="spare"))]
         self.run = EpochRecord(alloc, EpochPhase.BUILDING)
         return out + [BuildStage(ev.key, alloc, prev.alloc if prev is not None else None)]
 
@@ -674,30 +674,30 @@ class EpochMachine:
     def _built(self, ev: StageBuilt) -> list:
         run = self._current(ev.epoch)
         if run is None or run.phase is not EpochPhase.BUILDING:
-            return [Reply(ev.key, {"accepted": False, "code": "build-failed", "reason": "replaced while building"})]
+            return [Reply(ev.key, AllocationAnswer.refused("build-failed", "replaced while building"))]
         run.phase, run.at, run.fetched_bytes = EpochPhase.ACCEPTED, ev.at, ev.fetched_bytes
         d, s = run.alloc.position(self.me)
-        return [Reply(ev.key, {"accepted": True, "role": "stage", "stage": s, "pipeline": d,
-                               "fetched_bytes": ev.fetched_bytes, "fetch_s": ev.fetch_s if ev.fetched_bytes else 0.0})]
+        return [Reply(ev.key, AllocationAnswer(True, role="stage", stage=s, pipeline=d, fetched_bytes=ev.fetched_bytes,
+                                               fetch_s=ev.fetch_s if ev.fetched_bytes else 0.0))]
 
     def _build_failed(self, ev: BuildFailed) -> list:
         run = self._current(ev.epoch)
         if run is not None and run.phase is EpochPhase.BUILDING:
             run.phase = EpochPhase.REFUSED
-        return [Reply(ev.key, {"accepted": False, "code": ev.code, "reason": ev.reason}, error=ev.reason)]
+        return [Reply(ev.key, AllocationAnswer.refused(ev.code, ev.reason), error=ev.reason)]
 
     def _start(self, ev: StartAsked) -> list:
         run = self.run
         if run is None or ev.run_id != run.alloc.run_id or ev.epoch != run.alloc.epoch:
-            return [Reply(ev.key, {"started": False, "reason": "no such epoch accepted here"})]
+            return [Reply(ev.key, StartAnswer(False, "no such epoch accepted here"))]
         if ev.sender != run.alloc.issuer:
-            return [Reply(ev.key, {"started": False, "reason": "only the issuer starts an epoch"})]
+            return [Reply(ev.key, StartAnswer(False, "only the issuer starts an epoch"))]
         if run.phase is EpochPhase.ACCEPTED and not run.done:
             run.phase = EpochPhase.TRAINING
-            return [StartRunner(run.alloc.epoch), Reply(ev.key, {"started": True})]
+            return [StartRunner(run.alloc.epoch), Reply(ev.key, StartAnswer(True))]
         if run.phase is EpochPhase.TRAINING and not run.done:
-            return [Reply(ev.key, {"started": True})]  # a START sent twice
-        return [Reply(ev.key, {"started": False, "reason": f"the epoch is {run.phase.value} here"})]
+            return [Reply(ev.key, StartAnswer(True))]  # a START sent twice
+        return [Reply(ev.key, StartAnswer(False, f"the epoch is {run.phase.value} here"))]
 
     def _stop(self, ev: StopAsked, now: float) -> list:
         """An operator's stop (`final`: the run is over) only from the coordinator this peer
@@ -707,36 +707,36 @@ class EpochMachine:
         issuer."""
         run = self.run
         if run is None or ev.run_id != run.alloc.run_id:
-            return [Reply(ev.key, {"stopped": False, "reason": "not in that run"})]
+            return [Reply(ev.key, StopAnswer(False, "not in that run"))]
         if ev.epoch is not None and ev.epoch != run.alloc.epoch:  # (a procedure that outlived its epoch)
-            return [Reply(ev.key, {"stopped": False, "reason": f"a stop of epoch {ev.epoch}, this peer is in epoch "
-                                                              f"{run.alloc.epoch}"})]
+            return [Reply(ev.key, StopAnswer(False, f"a stop of epoch {ev.epoch}, this peer is in epoch "
+                                                    f"{run.alloc.epoch}"))]
         coordinator = self.election.coordinator
         recognised = ev.sender == coordinator and (ev.sender != self.me or self.election.is_coordinator)
         if ev.final:
             if not recognised:
-                return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator this peer recognises "
-                                                                  "carries an operator's stop"})]
+                return [Reply(ev.key, StopAnswer(False, "only the coordinator this peer recognises "
+                                                        "carries an operator's stop"))]
             try:
                 op = check_op(ev.op, "stop", self.operators, run_id=run.alloc.run_id)
             except OperatorError as e:
-                return [Reply(ev.key, {"stopped": False, "reason": str(e)})]
+                return [Reply(ev.key, StopAnswer(False, str(e)))]
             assert ev.op is not None
             wall = now + self.wall_offset
             why = self.op_refusal(op, ev.op, wall, self.operator_skew_s)
             if why is not None:
-                return [Reply(ev.key, {"stopped": False, "reason": why})]
+                return [Reply(ev.key, StopAnswer(False, why))]
             self._take_op(op, ev.op, wall, self.operator_skew_s)
             self._over_without_finishing = run.alloc.run_id
         elif not recognised and ev.sender not in (run.alloc.issuer, self.me):
-            return [Reply(ev.key, {"stopped": False, "reason": "only the coordinator stops an epoch"})]
+            return [Reply(ev.key, StopAnswer(False, "only the coordinator stops an epoch"))]
         if ev.abort:
             out: list = [AbortRunner("aborted for a reconfiguration")]
         elif run.phase is EpochPhase.TRAINING and not run.done:
             out = [StopRunnerAt(run.alloc.epoch, ev.at_step, final=ev.final)]
         else:
             out = [AbortRunner("stopped before it started")]
-        return out + [Reply(ev.key, {"stopped": True})]
+        return out + [Reply(ev.key, StopAnswer(True))]
 
     def _step_done(self, rep: StepReport) -> list:
         self.reports.append(rep)

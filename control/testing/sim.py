@@ -48,6 +48,7 @@ from .. import inputs
 from ..actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from ..config import PlaneConfig
 from ..allocation import AcceptContext, Allocation, Refusal, SignedAllocation
+from ..answers import AllocationAnswer, NoAnswer, OfferAnswer, read_answers
 from ..coordinator.machine import (
     Coordinator,
     CoordinatorTimings,
@@ -58,7 +59,6 @@ from ..coordinator.machine import (
     CoordinatorTick,
     next_council,
 )
-from ..coordinator.links import ReachAnswer, ReachRequest
 from ..coordinator.reshape import ReshapePlan
 from ..coordinator.schedule import Placement
 from ..election import (
@@ -97,13 +97,14 @@ from ..epoch.report import RunEnd, StepReport
 from ..epoch.runstate import MAX_CHECKPOINTS
 from ..messages import ControlMsg
 from ..operator import SignedOp, council_arg, root_council, sign_op
+from ..reach import ReachAnswer, ReachRequest
 
 __all__ = ["PlaneSim", "SIM_CONFIG", "SIM_TIMINGS", "reference_loss", "reference_weights"]
 
 PRESET = "tiny"
 DATA_HASH = "0" * 64
 RETRY_S = 0.1  # an allocation waiting for its coordinator is offered again this often
-REFUSING = inputs.AllocationAnswer.refused("busy", "a refusing node refuses every allocation").to_wire()
+REFUSING = AllocationAnswer.refused("busy", "a refusing node refuses every allocation").to_wire()
 
 
 def reference_weights(seed: int, step: int) -> bytes:
@@ -142,7 +143,7 @@ class _Outstanding:
     """A request a node's coordinator made: answers so far."""
 
     ask: Ask
-    answers: dict[bytes, dict] = field(default_factory=dict)
+    answers: dict[bytes, object] = field(default_factory=dict)  # each peer's reply as it came
 
 
 class SimSwarm:
@@ -178,7 +179,7 @@ class _View:
 
 class SimPlanner:
     """The scheduler's stand-in: every live peer in `stages`-stage pipelines (the rest spares).
-    Cheap and deterministic; the scheduler's own choices are tested in tests/test_reshape.py."""
+    Cheap and deterministic; the scheduler's own choices are tested in tests/control/coordinator/test_reshape.py."""
 
     def __init__(self, sim: PlaneSim):
         self.sim = sim
@@ -660,9 +661,9 @@ class PlaneSim(ElectionSim):
         if not complete and len(out.answers) < len(out.ask.peers):
             return
         self.outstanding[k].pop(out.ask.key, None)
-        answers = {p: out.answers.get(p, {"reason": f"no answer within {out.ask.timeout_s:g} s"})
+        replies = {p: out.answers[p] if p in out.answers else NoAnswer(f"no answer within {out.ask.timeout_s:g} s")
                    for p in out.ask.peers}
-        self._coordinator(k, Answers(out.ask.key, answers))
+        self._coordinator(k, Answers(out.ask.key, read_answers(out.ask.msg, out.ask.body, replies)))
 
     def _answer(self, k: int, src: int, key: tuple, msg: int, body: dict) -> None:
         """Node k answers node src's request (once its reply is known: an allocation waits for
@@ -703,8 +704,8 @@ class PlaneSim(ElectionSim):
             self._offer_signed(k, local, body, reply_to=None)
             reply = self.replies[k].pop(local, None)
             if reply is None:  # waits for a coordinator it does not know: it is its own, so it does not
-                return {"accepted": False, "code": "not-coordinator", "reason": "not recognised"}
-            return dict(reply.value)
+                return AllocationAnswer.refused("not-coordinator", "not recognised").to_wire()
+            return reply.value.to_wire()
         return self._handle_request(k, self.ids[k], msg, body)
 
     def _handle_request(self, k: int, sender: bytes, msg: int, body: object) -> dict:
@@ -727,7 +728,7 @@ class PlaneSim(ElectionSim):
         else:
             raise ProtocolError(f"no handler for message {msg}")
         reply = self.replies[k].pop(key)
-        return dict(reply.value)
+        return reply.value.to_wire()
 
     def _run_state_asked(self, k: int, sender: bytes, body: object) -> dict:
         epoch = self.epoch(k)
@@ -762,10 +763,10 @@ class PlaneSim(ElectionSim):
         layers, step = req.layers, req.step
         weights = self._held(k, req.run_id, layers, step)
         if weights is None:
-            return inputs.OfferAnswer(None, reason="not held here").to_wire()
+            return OfferAnswer(None, reason="not held here").to_wire()
         digest = hashlib.sha256(repr((tuple(layers), step)).encode() + weights).hexdigest()
         self.content[digest] = weights
-        return inputs.OfferAnswer(digest, 1).to_wire()
+        return OfferAnswer(digest, 1).to_wire()
 
     def _offer_signed(self, k: int, key: tuple, body: object, reply_to: tuple[int, tuple] | None) -> None:
         if reply_to is not None:
@@ -790,7 +791,7 @@ class PlaneSim(ElectionSim):
         del self._pending_allocs[(k, key)]
         del self.replies[k][key]
         src, remote_key = target
-        self._transmit(k, src, ("answer", remote_key, dict(reply.value)))
+        self._transmit(k, src, ("answer", remote_key, reply.value.to_wire()))
 
     def _one_way(self, k: int, src: int, msg: int, body: object) -> None:
         """A one-way message to node k, checked by the plane's input layer as the daemon's

@@ -1,7 +1,7 @@
 """`dtfm-peer status` for people: gossip's links as a table with their state explained
 (gossip/status.py, peer/status.py), and the training section without contradictions after a
 restart (control/status.py PlaneStatus over the epoch machine's snapshot). The coordinator's
-side (stopped, finished, paused runs) is in tests/test_coordinator_machine.py."""
+side (stopped, finished, paused runs) is in tests/control/coordinator/test_coordinator_machine.py."""
 
 from __future__ import annotations
 

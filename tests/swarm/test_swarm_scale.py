@@ -1,8 +1,8 @@
 """32 real daemons on one machine (emulated worldwide): every peer up and measured, `tiny`
 trained on the scheduler's shape over all of them equal to single-process training step by
 step, and an eighth of the peers SIGKILLed at once without a step lost. A soak: it takes
-minutes on a 2-core machine (`pytest -m soak tests/test_swarm_scale.py`); the default run
-covers the same rules at 64 nodes in simulation (tests/test_plane_scale.py)."""
+minutes on a 2-core machine (`pytest -m soak tests/swarm/test_swarm_scale.py`); the default run
+covers the same rules at 64 nodes in simulation (tests/control/plane/test_plane_scale.py)."""
 
 import json
 import os

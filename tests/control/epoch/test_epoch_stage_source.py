@@ -1,7 +1,7 @@
 """Where a peer's stage of an allocation comes from (control/epoch/source.py's `stage_source`),
 as a table: fresh weights, a model folder, its own copy (with the fetch to fall back on), or a
 fetch of the old stages its layers need. The stage host only carries this decision out
-(tests/test_recovery.py and tests/test_plane_shell.py build, fetch and assemble for real)."""
+(tests/control/epoch/test_recovery.py and tests/control/plane/test_plane_shell.py build, fetch and assemble for real)."""
 
 from __future__ import annotations
 

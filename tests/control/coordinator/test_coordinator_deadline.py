@@ -1,7 +1,7 @@
 """Gray failures at the coordinator: the step deadline (control/coordinator/deadline.py) and cut
 links (control/coordinator/links.py), pure and through the machine under virtual time.
 
-The machine's tests play the shell around n0 as tests/test_coordinator_machine.py does
+The machine's tests play the shell around n0 as tests/control/coordinator/test_coordinator_machine.py does
 (tests/coordinator_fixtures.py's `Node`): a loaded machine whose step times jitter, a slow step,
 a step that completes while its probe is out. A peer that stops answering but keeps its sockets
 open (frozen), a link cut between two live pipeline neighbours and a healed link are told as
@@ -18,9 +18,12 @@ from coordinator_fixtures import Node
 from machine_trace import RUN, N, alloc, report
 from transcripts import RULES, WATCHED
 
+from dtfm.control import ControlMsg
+from dtfm.control.answers import NoAnswer, read_answers
 from dtfm.control.coordinator.deadline import StepWatch, judge, laggards, probe_targets
-from dtfm.control.coordinator.links import CutLinks, ReachAnswer, ReachRequest, exchanges, pair, used_cut_links
+from dtfm.control.coordinator.links import CutLinks, exchanges, pair, used_cut_links
 from dtfm.control.coordinator.machine import Phase, StepReported
+from dtfm.control.reach import ReachAnswer, ReachRequest
 from dtfm.net import ProtocolError
 
 
@@ -79,7 +82,8 @@ def test_the_verdict_on_a_probe(answers, silent, cut):
     nb = {p: a.neighbours(p) for p in N[:4]}
     wire = {N[k]: {key: [N[i] if isinstance(i, int) else i for i in v] if isinstance(v, list) else v
                    for key, v in ans.items()} for k, ans in answers.items()}
-    v = judge(N[:4], nb, wire)
+    asked = {p: wire[p] if p in wire else NoAnswer("no answer within 4 s") for p in N[:4]}
+    v = judge(N[:4], nb, read_answers(ControlMsg.RUN_STATE, ReachRequest(tuple(N[:4]), 2.0).to_wire(), asked))
     assert v.silent == tuple(N[k] for k in silent)
     assert v.cut == tuple(pair(N[x], N[y]) for x, y in cut)
     assert v.slow == (not silent and not cut)

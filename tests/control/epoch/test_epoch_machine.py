@@ -15,6 +15,7 @@ from machine_trace import INTRUDER, OPERATOR, OPERATORS, RUN, TINY, N, alloc, na
 
 from dtfm.control import RunEnd, sign_op
 from dtfm.control.actions import Reply
+from dtfm.control.answers import StopAnswer
 from dtfm.control.epoch.access import fetch_refusal
 from dtfm.control.epoch.machine import (
     BuildFailed,
@@ -55,8 +56,8 @@ REFUSALS = [
 def test_an_allocation_is_refused_with_the_reason(what, changes, knows, code, words):
     p = Peer(N[1])
     [reply] = p.offer(alloc(**changes), **knows)
-    assert isinstance(reply, Reply) and reply.value["accepted"] is False and reply.value["code"] == code
-    assert reply.error == reply.value["reason"]
+    assert isinstance(reply, Reply) and reply.value.accepted is False and reply.value.code == code
+    assert reply.error == reply.value.reason
     reason = p.lines[-1]  # the reply's line, peer ids by name
     for w in words:
         assert w in reason, (w, reason)
@@ -96,8 +97,8 @@ def test_the_allocation_runs_the_compression_the_operator_signed(what, signed, r
     out = p.offer(alloc(compression=comp, operator_start=start))
     if refused:
         [reply] = out
-        assert reply.value["code"] == "no-operator" and "differs from the operator's start in compression" \
-            in reply.value["reason"], reply
+        assert reply.value.code == "no-operator" and "differs from the operator's start in compression" \
+            in reply.value.reason, reply
         assert p.m.current is None
     else:
         [build] = [x for x in out if isinstance(x, BuildStage)]
@@ -110,9 +111,9 @@ def test_a_run_not_started_by_an_operator_is_refused(what, signed, words):
     # later one) without a valid start by an operator of the swarm is refused before anything.
     p = Peer(N[1])
     [reply] = p.offer(alloc(operator_start=signed))
-    assert isinstance(reply, Reply) and reply.value["code"] == "no-operator", reply
+    assert isinstance(reply, Reply) and reply.value.code == "no-operator", reply
     for w in words:
-        assert w in reply.value["reason"], (w, reply.value["reason"])
+        assert w in reply.value.reason, (w, reply.value.reason)
     assert p.m.current is None and p.m.applied == {} and p.election.last_applied == (0, 0)
     p.accept(alloc())  # the same allocation with the operator's start is taken
     assert p.m.current == alloc() and p.m.status().phase is EpochPhase.TRAINING
@@ -150,9 +151,9 @@ def test_who_may_stop_an_epoch_and_end_the_run(what, sender, coordinator, final,
     p.accept(alloc())
     p.election.coordinator = coordinator
     [*_, reply] = p.feed(StopAsked(p.key("t"), sender, RUN, 4, final=final, op=op), 1.0)
-    assert reply.value["stopped"] is stopped, reply
+    assert reply.value.stopped is stopped, reply
     for w in words:
-        assert w in reply.value["reason"], (w, reply.value["reason"])
+        assert w in reply.value.reason, (w, reply.value.reason)
     assert p.m.over_without_finishing(RUN) is (stopped and final)
     assert p.m.run_over() is (stopped and final)
 
@@ -192,18 +193,18 @@ def test_a_copied_operators_stop_is_refused_after_the_runs_last_resume_out_of_it
     for op, now, words in [(STOP, 6.0, "not newer than the run's last resume or reschedule"),
                            (new, 6.0 + 301, "signed 301 s ago")]:
         [reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=op), now)
-        assert reply.value["stopped"] is False and words in reply.value["reason"], reply
+        assert reply.value.stopped is False and words in reply.value.reason, reply
         assert not p.m.run_over()
     [*_, reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.0)
-    assert reply.value["stopped"] is True and p.m.over_without_finishing(RUN)
+    assert reply.value.stopped is True and p.m.over_without_finishing(RUN)
     [reply] = p.feed(StopAsked(p.key("t"), N[0], RUN, 8, final=True, op=new), 7.5)
-    assert reply.value == {"stopped": False, "reason": "this stop was taken already: sign a new one"}
+    assert reply.value == StopAnswer(False, "this stop was taken already: sign a new one")
     save_taken(tmp_path, p.m.taken.to_json())
     again = Peer(N[1])
     again.m.restore_taken(load_taken(tmp_path))
     again.accept(alloc(epoch=2, start_step=4, last_op_ms=5_000))
     [reply] = again.feed(StopAsked(again.key("t"), N[0], RUN, 8, final=True, op=new), 8.0)
-    assert reply.value == {"stopped": False, "reason": "this stop was taken already: sign a new one"}
+    assert reply.value == StopAnswer(False, "this stop was taken already: sign a new one")
     assert not again.m.run_over()
 
 
@@ -237,7 +238,7 @@ def test_start_of_an_epoch_that_cannot_run_is_not_confirmed():
     [*_, build] = p.offer(alloc(), 0.0)
     p.feed(BuildFailed(build.key, 1, "connect-failed", "n1: no route"), 0.1)
     [reply] = p.feed(StartAsked(p.key("s"), N[0], RUN, 1), 0.2)
-    assert reply.value["started"] is False
+    assert reply.value.started is False
 
 
 # ---- a restarted peer ---------------------------------------------------------------------------
@@ -415,7 +416,7 @@ def test_an_allocation_whose_council_is_no_operators_or_disagrees_with_gossip_is
                         args={"council": council_arg(four), "council_size": 5})
     forged = Council(forged_op.encode(), four, forged_op.open().issued_at_ms, 5)
     reply = p.offer(alloc(voters=four, council=forged.encode()))[-1].value
-    assert reply["code"] == "bad-council" and "not an operator" in reply["reason"]
+    assert reply.code == "bad-council" and "not an operator" in reply.reason
     assert p.m.refusals.counts() == {"bad-council": 1}
 
     def changed(after, epoch):
@@ -427,10 +428,10 @@ def test_an_allocation_whose_council_is_no_operators_or_disagrees_with_gossip_is
 
     grown = changed(four + (N[4],), 1)  # n4: not live in this peer's gossip (context: n0..n3)
     reply = p.offer(alloc(voters=grown.voters, council=grown.encode()))[-1].value
-    assert reply["code"] == "bad-council" and "not a live member" in reply["reason"]
+    assert reply.code == "bad-council" and "not a live member" in reply.reason
     dropped = changed(four[:3], 1)  # drops a voter this peer sees live
     reply = p.offer(alloc(voters=dropped.voters, council=dropped.encode()))[-1].value
-    assert reply["code"] == "bad-council" and "live in this peer's gossip" in reply["reason"]
+    assert reply.code == "bad-council" and "live in this peer's gossip" in reply.reason
     assert p.m.refusals.counts() == {"bad-council": 3}
     out = p.offer(alloc(voters=grown.voters, council=grown.encode(), spares=(N[4],)), live=tuple(N[:5]))
     assert isinstance(out[-1], BuildStage) and p.election.council == grown  # the same change, with n4 live here

@@ -20,8 +20,9 @@ from dtfm.control.epoch.report import RunEnd
 
 from coordinator_fixtures import Node, reschedule_op, stop_op
 from machine_trace import N, RUN, FakeElection, alloc
+from paths import ROOT
 
-COORDINATOR = Path(__file__).resolve().parent.parent / "control" / "coordinator"
+COORDINATOR = ROOT / "control" / "coordinator"
 OTHER_RUN = b"o" * 16
 
 

@@ -62,7 +62,7 @@ from dtfm.net import Identity, OperatorKey, ProtocolError, pack, verify_signatur
 from dtfm.train import TrainConfig, get_preset
 
 # The message types the simulation carries (COORDINATOR, the question of a peer that hears no
-# coordinator, is the election service's: tests/test_election_service.py, test_election.py)
+# coordinator, is the election service's: tests/control/election/test_election_service.py, test_election.py)
 SIM_MESSAGES = [m for m in ControlMsg if m != ControlMsg.COORDINATOR]
 # Values of every wire type, in and out of range: what a field may hold in a well-formed map.
 _LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.binary(max_size=40),

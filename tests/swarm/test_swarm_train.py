@@ -248,7 +248,7 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
     The merged `train.jsonl` has every step once with the reference's loss (1e-5) and every
     stage's replicas end with identical weights. (The other reconfigurations, a DP group losing
     two replicas, a partition, a rollback to checkpoints, are traces of the machines under a
-    virtual clock: tests/test_plane_traces.py.)"""
+    virtual clock: tests/control/plane/test_plane_traces.py.)"""
     reference = ReferenceLosses()
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
                        "--steps", "400"]) == 0

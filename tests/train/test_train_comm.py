@@ -1,4 +1,4 @@
-"""In-memory Comm and the collectives built on it (the tensor format: tests/test_train_codec.py)."""
+"""In-memory Comm and the collectives built on it (the tensor format: tests/train/test_train_codec.py)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 (never from re-initialised weights), the applied allocation on disk across a restart, the
 checkpoints it lists and offers, and `train start --min-peers`. Driven through `ControlPlane`'s
 public methods and the message handlers it registers on the transport, called as a peer's
-messages would call them. The machines' decisions are tested in tests/test_epoch_machine.py and
-tests/test_coordinator_machine.py; the protocol is in docs/control.md."""
+messages would call them. The machines' decisions are tested in tests/control/epoch/test_epoch_machine.py and
+tests/control/coordinator/test_coordinator_machine.py; the protocol is in docs/control.md."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from dtfm.control.progress import RunProgress
 from dtfm.control.operator import OPERATOR_DOMAIN
 from dtfm.gossip import Member, MemberState, build_view
 from dtfm.gossip.records import Entry, Report
-from dtfm.control.coordinator.links import ReachAnswer, ReachRequest
+from dtfm.control.reach import ReachAnswer, ReachRequest
 from dtfm.net import Identity, OperatorKey, ProtocolError, Reply, RequestTimeout, pack
 from dtfm.train import PRESETS, TEST_CONFIG, Corpus, StageState, encode_transfer, load_hf, save_checkpoint
 

@@ -1,4 +1,4 @@
-"""bf16 mixed precision and host staging, on the CPU (tests/test_train_gpu.py runs both on a GPU).
+"""bf16 mixed precision and host staging, on the CPU (tests/train/test_train_gpu.py runs both on a GPU).
 
 fp32 takes no autocast at all (the oracle tests pin its bits); bf16 keeps float32 master weights,
 gradients and AdamW moments while the matrix products run in bfloat16, and pipeline + DP training

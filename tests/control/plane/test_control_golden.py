@@ -19,12 +19,12 @@ recomputes and compares line by line:
   the simulation and its training model are replaced.
 - election_sim.txt: `ElectionSim` (control/testing/election_sim.py) with election moves only, valid as
   long as the simulation draws its randomness the same way. (The simulation with the plane's
-  machines on top is tested by tests/test_plane_sim.py.)
+  machines on top is tested by tests/control/plane/test_plane_sim.py.)
 
 Re-record (after a change that is meant to change them, and say why in the commit):
 
-    DTFM_RECORD_GOLDEN=1 python -m pytest -q -p no:cacheprovider tests/test_control_golden.py
-    python tests/test_control_golden.py --record [allocations reshape election ...]
+    DTFM_RECORD_GOLDEN=1 python -m pytest -q -p no:cacheprovider tests/control/plane/test_control_golden.py
+    python tests/control/plane/test_control_golden.py --record [allocations reshape election ...]
 
 No result depends on the clock or on the order the tests run in: the scheduler runs with a
 generation cap or stops at its first time check, and the simulations run on virtual time from
@@ -77,6 +77,7 @@ from dtfm.net import Identity, OperatorKey, pack, unpack_untrusted
 from dtfm.scenarios import load_scenario
 from dtfm.sched import SEARCH_PROFILES
 from dtfm.train import PRESETS, GPTSpec, Plan, TrainConfig
+from paths import DATA
 
 
 def _internal():
@@ -86,7 +87,7 @@ def _internal():
     return ElectionSim, NetConditions
 
 
-GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "control_golden"
+GOLDEN_DIR = DATA / "control_golden"
 RECORD = os.environ.get("DTFM_RECORD_GOLDEN") == "1"
 
 IDENTITIES = [Identity(bytes([i + 1]) * 32) for i in range(16)]
@@ -759,6 +760,6 @@ def test_golden(key):
 
 if __name__ == "__main__":
     if sys.argv[1:2] != ["--record"]:
-        sys.exit("usage: python tests/test_control_golden.py --record [" + " ".join(GOLDEN) + "]")
+        sys.exit("usage: python tests/control/plane/test_control_golden.py --record [" + " ".join(GOLDEN) + "]")
     for p in record(sys.argv[2:]):
         print(f"wrote {p}")

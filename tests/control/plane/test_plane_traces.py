@@ -10,7 +10,7 @@ Each scenario is a short script; its trace (the plane's events in time order, th
 log, each node's final state; optionally the messages one node sent and received, as in
 follower_killed_as_the_coordinator_saw_it) is compared with tests/data/plane_traces/NAME.txt,
 which a reader can check against the protocol in docs/control.md. After a deliberate change of behaviour,
-re-record with `DTFM_RECORD_TRACES=1 pytest tests/test_plane_traces.py` and read the diff.
+re-record with `DTFM_RECORD_TRACES=1 pytest tests/control/plane/test_plane_traces.py` and read the diff.
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from dtfm.control import ControlMsg, SignedAllocation
 from dtfm.control.election import ElectionConfig
 from dtfm.control.testing.election_sim import NetConditions
 from dtfm.control.testing.sim import PlaneSim
+from paths import DATA
 
-TRACES = Path(__file__).resolve().parent / "data" / "plane_traces"
+TRACES = DATA / "plane_traces"
 RECORD = os.environ.get("DTFM_RECORD_TRACES") == "1"
 CFG = ElectionConfig.test()
 EVENT_FIELDS = ("term", "epoch", "kind", "old_shape", "new_shape", "resume_step", "rollback", "reason", "trigger")

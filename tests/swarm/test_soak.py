@@ -1,7 +1,7 @@
 """A short seeded soak (bench/soak.py): 8 real daemons of the emulated worldwide scenario train
 `tiny` while the nemesis injects a few faults, the first one both holders of a stage killed
 before the first checkpoint. It takes several minutes on a small machine, so it is marked `soak`
-and left out of the default run: `pytest -m soak tests/test_soak.py` runs it, as does
+and left out of the default run: `pytest -m soak tests/swarm/test_soak.py` runs it, as does
 `python bench/soak.py --minutes 3 --fault-every-s 20 --seed 1` by hand (the default is 30
 minutes).
 
@@ -16,8 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+BENCH = ROOT / "bench" / "soak.py"
 
 
 @pytest.mark.soak

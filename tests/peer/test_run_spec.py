@@ -3,7 +3,7 @@
 file (`dtfm-peer train start --spec`), the daemon's `--device`, `--model-dir` and `--tokenizer`,
 and a stage built from a model folder. The multi-process run (a GPT-2 built here, imported with
 `--init-from`, trained in a swarm with knobs, exported, compared with transformers) is in
-tests/test_swarm_train.py."""
+tests/swarm/test_swarm_train.py."""
 
 from __future__ import annotations
 

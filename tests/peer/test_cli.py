@@ -19,6 +19,7 @@ from dtfm.peer.members import format_members, member_rows
 from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_duration, format_text
+from paths import ROOT
 
 
 @pytest.fixture
@@ -242,7 +243,7 @@ def test_configure_replaces_its_own_handler(restore_logging):
 def test_python_m_entry_point_exists():
     import importlib.util
     assert importlib.util.find_spec("dtfm.peer.__main__") is not None
-    assert os.access(Path(__file__).parent.parent / "peer" / "__main__.py", os.R_OK)
+    assert os.access(ROOT / "peer" / "__main__.py", os.R_OK)
 
 
 def test_swarm_key_out_is_0600_under_any_umask_and_force_replaces(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """The plane's input layer (control/inputs.py): every body a peer sends the plane is checked
 there once, into the typed event a machine takes or the request the shell answers; anything
-malformed raises ProtocolError and nothing else. The daemon's shell, the simulation and the
+malformed raises ProtocolError and nothing else. Peers' answers to the coordinator are typed
+once too, by what was asked (control/answers.py). The daemon's shell, the simulation and the
 coordinator's fixture call the same functions, and none of them checks a body itself."""
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from machine_trace import KEYS, N, OPERATOR, RUN, alloc, report
 
-from dtfm.control import SignedAllocation, inputs, sign_op
-from dtfm.control.coordinator.links import ReachRequest
+from dtfm.control import ControlMsg, PeerRunState, SignedAllocation, answers, inputs, sign_op
 from dtfm.control.coordinator.machine import StepFailed, StepReported
 from dtfm.control.epoch.machine import StartAsked, StopAsked
+from dtfm.control.reach import ReachAnswer, ReachRequest
 from dtfm.net import ProtocolError
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = ("k", 1)
 OTHER = b"o" * 16
 
@@ -97,8 +98,7 @@ def test_an_allocation_is_opened_with_its_certificate_and_a_bad_one_answered():
     forged = dict(body, sig=bytes(64))
     with pytest.raises(ProtocolError) as e:
         inputs.signed_allocation(forged)
-    answer = inputs.bad_allocation(e.value)
-    assert answer["accepted"] is False and answer["code"] == "bad-allocation" and answer["reason"] == str(e.value)
+    assert inputs.bad_allocation(e.value) == answers.AllocationAnswer(False, "bad-allocation", str(e.value))
     with pytest.raises(ProtocolError):
         inputs.signed_allocation("not a map")
 
@@ -202,41 +202,41 @@ def test_the_shells_check_bodies_only_through_the_input_layer(path):
 
 @pytest.mark.parametrize("answer", [
     # the epoch machine's answers, as it writes them (control/epoch/machine.py)
-    inputs.AllocationAnswer(True, role="stage", stage=1, pipeline=0, fetched_bytes=4096, fetch_s=0.5),
-    inputs.AllocationAnswer(True, role="stage", stage=0, pipeline=2),
-    inputs.AllocationAnswer(True, role="spare"),
-    inputs.AllocationAnswer.refused("build-failed", "replaced while building"),
-    inputs.StartAnswer(True),
-    inputs.StartAnswer(False, "only the issuer starts an epoch"),
-    inputs.StopAnswer(True),
-    inputs.StopAnswer(False, "not in that run"),
-    inputs.OfferAnswer("ab" * 32, 1 << 20),
-    inputs.OfferAnswer(None, reason="not held here"),
+    answers.AllocationAnswer(True, role="stage", stage=1, pipeline=0, fetched_bytes=4096, fetch_s=0.5),
+    answers.AllocationAnswer(True, role="stage", stage=0, pipeline=2),
+    answers.AllocationAnswer(True, role="spare"),
+    answers.AllocationAnswer.refused("build-failed", "replaced while building"),
+    answers.StartAnswer(True),
+    answers.StartAnswer(False, "only the issuer starts an epoch"),
+    answers.StopAnswer(True),
+    answers.StopAnswer(False, "not in that run"),
+    answers.OfferAnswer("ab" * 32, 1 << 20),
+    answers.OfferAnswer(None, reason="not held here"),
 ])
 def test_answers_round_trip(answer):
     assert type(answer).from_wire(answer.to_wire()) == answer
 
 
 def test_answers_read_untrusted_maps_as_the_coordinator_does():
-    no_answer = {"reason": "no answer within 5 s"}  # (the shell's, for a peer that did not answer)
-    assert inputs.AllocationAnswer.from_wire(no_answer) == inputs.AllocationAnswer(False, None, no_answer["reason"])
-    assert inputs.AllocationAnswer.from_wire({"accepted": False, "code": "Not A Code!"}).code == "malformed"
-    assert inputs.AllocationAnswer.from_wire({"accepted": True, "fetched_bytes": -3, "fetch_s": True}) == \
-        inputs.AllocationAnswer(True)
-    assert inputs.AllocationAnswer.from_wire({"accepted": 1, "role": "stage", "stage": 1, "pipeline": "0",
+    no_answer = {"reason": "no answer within 5 s"}  # (a map without the asked field)
+    assert answers.AllocationAnswer.from_wire(no_answer) == answers.AllocationAnswer(False, None, no_answer["reason"])
+    assert answers.AllocationAnswer.from_wire({"accepted": False, "code": "Not A Code!"}).code == "malformed"
+    assert answers.AllocationAnswer.from_wire({"accepted": True, "fetched_bytes": -3, "fetch_s": True}) == \
+        answers.AllocationAnswer(True)
+    assert answers.AllocationAnswer.from_wire({"accepted": 1, "role": "stage", "stage": 1, "pipeline": "0",
                                               "fetched_bytes": 7.0, "code": "x"}) == \
-        inputs.AllocationAnswer(True, role="stage", stage=1, fetched_bytes=7)
-    assert inputs.StopAnswer.from_wire(no_answer) == inputs.StopAnswer(False, no_answer["reason"])
-    assert inputs.StartAnswer.from_wire({"started": True}).started
-    assert inputs.OfferAnswer.from_wire({"digest": "AB" * 32, "bytes": 5}) == inputs.OfferAnswer(None)
-    assert inputs.OfferAnswer.from_wire({"error": "x" * 9999}).reason == "x" * inputs.MAX_REASON
-    assert inputs.refusal_code(None) is None and inputs.refusal_code("busy") == "busy"
+        answers.AllocationAnswer(True, role="stage", stage=1, fetched_bytes=7)
+    assert answers.StopAnswer.from_wire(no_answer) == answers.StopAnswer(False, no_answer["reason"])
+    assert answers.StartAnswer.from_wire({"started": True}).started
+    assert answers.OfferAnswer.from_wire({"digest": "AB" * 32, "bytes": 5}) == answers.OfferAnswer(None)
+    assert answers.OfferAnswer.from_wire({"error": "x" * 9999}).reason == "x" * answers.MAX_REASON
+    assert answers.refusal_code(None) is None and answers.refusal_code("busy") == "busy"
 
 
 @settings(max_examples=300, deadline=None)
 @given(body=WIRE)
 def test_any_answer_reads_as_a_typed_answer(body):
-    for cls in (inputs.AllocationAnswer, inputs.StartAnswer, inputs.StopAnswer, inputs.OfferAnswer):
+    for cls in (answers.AllocationAnswer, answers.StartAnswer, answers.StopAnswer, answers.OfferAnswer):
         answer = cls.from_wire(body)
         assert cls.from_wire(answer.to_wire()) == answer
 
@@ -244,16 +244,92 @@ def test_any_answer_reads_as_a_typed_answer(body):
 @pytest.mark.parametrize("cls, wire", [
     # what peers send today (control/epoch/machine.py, control/epoch/stages.py): read and written
     # back, the same map
-    (inputs.AllocationAnswer, {"accepted": True, "role": "stage", "stage": 1, "pipeline": 0, "fetched_bytes": 0,
+    (answers.AllocationAnswer, {"accepted": True, "role": "stage", "stage": 1, "pipeline": 0, "fetched_bytes": 0,
                                "fetch_s": 0.0}),
-    (inputs.AllocationAnswer, {"accepted": True, "role": "spare"}),
-    (inputs.AllocationAnswer, {"accepted": False, "code": "bad-allocation", "reason": "bad signature"}),
-    (inputs.StartAnswer, {"started": True}),
-    (inputs.StartAnswer, {"started": False, "reason": "no such epoch accepted here"}),
-    (inputs.StopAnswer, {"stopped": True}),
-    (inputs.StopAnswer, {"stopped": False, "reason": "not in that run"}),
-    (inputs.OfferAnswer, {"digest": "0f" * 32, "bytes": 123}),
-    (inputs.OfferAnswer, {"error": "not held here"}),
+    (answers.AllocationAnswer, {"accepted": True, "role": "spare"}),
+    (answers.AllocationAnswer, {"accepted": False, "code": "bad-allocation", "reason": "bad signature"}),
+    (answers.StartAnswer, {"started": True}),
+    (answers.StartAnswer, {"started": False, "reason": "no such epoch accepted here"}),
+    (answers.StopAnswer, {"stopped": True}),
+    (answers.StopAnswer, {"stopped": False, "reason": "not in that run"}),
+    (answers.OfferAnswer, {"digest": "0f" * 32, "bytes": 123}),
+    (answers.OfferAnswer, {"error": "not held here"}),
 ])
 def test_the_wire_answers_peers_send_today_are_read_and_written_unchanged(cls, wire):
     assert cls.from_wire(wire).to_wire() == wire
+
+
+# ---- answers typed by what was asked (control/answers.py `read_answers`) ---------------------
+
+QUERY = {"op": "query"}
+REACH = ReachRequest((N[1], N[2]), 1.0).to_wire()
+OFFER = {"op": "offer", "run": RUN, "step": 2, "layers": [0, 2], "for": []}
+KEEP = {"op": "keep", "run": RUN}
+STATE = PeerRunState(RUN, 1, 1, (0, 2), 2, None, True)
+REQUESTS = [(ControlMsg.ALLOCATION, {}), (ControlMsg.START, {"run": RUN, "epoch": 1}),
+            (ControlMsg.STOP, {"run": RUN, "at_step": 2}), (ControlMsg.RUN_STATE, QUERY),
+            (ControlMsg.RUN_STATE, REACH), (ControlMsg.RUN_STATE, OFFER), (ControlMsg.RUN_STATE, KEEP)]
+
+
+@pytest.mark.parametrize("msg, body, reply, want", [
+    (ControlMsg.ALLOCATION, {}, {"accepted": True, "role": "spare"}, answers.AllocationAnswer(True, role="spare")),
+    (ControlMsg.START, {}, {"started": True}, answers.StartAnswer(True)),
+    (ControlMsg.STOP, {}, {"stopped": False, "reason": "not in that run"}, answers.StopAnswer(False, "not in that run")),
+    (ControlMsg.STOP, {}, {"started": True}, answers.StopAnswer(False)),  # the answer to another request: no stop
+    (ControlMsg.RUN_STATE, QUERY, STATE.to_wire(), STATE),
+    (ControlMsg.RUN_STATE, QUERY, {"error": "not a peer of the run"}, answers.NoAnswer("refused: not a peer of the run")),
+    (ControlMsg.RUN_STATE, QUERY, {"running": "yes"}, answers.Malformed("run state: run must be 16 bytes or empty")),
+    (ControlMsg.RUN_STATE, REACH, {"reached": [N[1]], "unreached": [N[2]]}, ReachAnswer((N[1],), (N[2],))),
+    # a reach answered with a refusal is none (the probe reads the peer as silent); one whose
+    # lists do not read is an answer with nothing learnt from it
+    (ControlMsg.RUN_STATE, REACH, {"error": "only the coordinator asks"}, answers.NoAnswer("refused: only the coordinator asks")),
+    (ControlMsg.RUN_STATE, REACH, [1, 2], answers.NoAnswer("no reach answer")),
+    (ControlMsg.RUN_STATE, REACH, {"reached": "x"}, answers.Malformed("reached must be a list of at most 4096 peer ids")),
+    (ControlMsg.RUN_STATE, OFFER, {"digest": "0f" * 32, "bytes": 3}, answers.OfferAnswer("0f" * 32, 3)),
+    (ControlMsg.RUN_STATE, OFFER, {"error": "not held here"}, answers.OfferAnswer(None, reason="not held here")),
+    (ControlMsg.RUN_STATE, KEEP, {"kept": [[0, 2, 4]]}, answers.KeepAnswer(True)),
+    (ControlMsg.RUN_STATE, KEEP, {"error": "busy"}, answers.KeepAnswer(False, "busy")),
+    # the shell's own no-answer stays one, whatever was asked
+    (ControlMsg.ALLOCATION, {}, answers.NoAnswer("no answer within 5 s"), answers.NoAnswer("no answer within 5 s")),
+    (ControlMsg.RUN_STATE, QUERY, answers.NoAnswer("unreachable: closed"), answers.NoAnswer("unreachable: closed")),
+])
+def test_an_answer_is_typed_by_what_was_asked(msg, body, reply, want):
+    assert answers.read_answer(msg, body, reply) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(reply=WIRE)
+def test_any_reply_to_any_request_reads_as_its_typed_answer_without_raising(reply):
+    kinds = {ControlMsg.ALLOCATION: answers.AllocationAnswer, ControlMsg.START: answers.StartAnswer,
+             ControlMsg.STOP: answers.StopAnswer}
+    ops = {"query": (PeerRunState, answers.NoAnswer, answers.Malformed),
+           "reach": (ReachAnswer, answers.NoAnswer, answers.Malformed),
+           "offer": answers.OfferAnswer, "keep": answers.KeepAnswer}
+    for msg, body in REQUESTS:
+        got = answers.read_answers(msg, body, {N[1]: reply})[N[1]]
+        assert isinstance(got, kinds[msg] if msg in kinds else ops[body["op"]])
+
+
+def test_a_request_without_a_typed_answer_is_a_bug_of_the_asker():
+    with pytest.raises(ValueError):
+        answers.read_answer(ControlMsg.RUN_STATE, {"op": "progress"}, {})
+    with pytest.raises(ValueError):
+        answers.read_answer(ControlMsg.TRAIN_OP, {}, {})
+
+
+@pytest.mark.parametrize("path", ["control/plane.py", "control/testing/sim.py", "tests/coordinator_fixtures.py"])
+def test_the_shells_type_answers_only_through_read_answers(path):
+    """Each shell hands the coordinator the answers `read_answers` typed, and makes a peer
+    that did not answer a `NoAnswer`, never a map of its own."""
+    source = (ROOT / path).read_text()
+    assert "Answers(" in source and "read_answers(" in source
+    assert "NoAnswer(" in source
+    assert '{"reason": f"no answer' not in source
+
+
+def test_no_part_of_the_coordinator_reads_an_answer_as_a_map():
+    """The coordinator's parts take `PeerAnswer`s: none decodes a wire answer itself."""
+    for path in sorted((ROOT / "control" / "coordinator").glob("*.py")):
+        source = path.read_text()
+        for copy in ("from_wire(", "Mapping[bytes, dict]", 'a.get("', "answer.get("):
+            assert copy not in source, f"{path.name} reads an answer as a map: {copy}"

@@ -62,7 +62,7 @@ def test_fp32_pipeline_on_gpu_equals_one_process_on_gpu(corpus):
         params = _params(cl)
         staged = sum(st.staging.bytes_down for st in cl.states.values())
     assert got == pytest.approx(want, rel=1e-4)
-    for n, p in ref.params.items():  # per tensor, relative L2 (as tests/test_train_oracle.py)
+    for n, p in ref.params.items():  # per tensor, relative L2 (as tests/train/test_train_oracle.py)
         want_p = p.detach().cpu()
         assert float((params[n] - want_p).norm()) <= 1e-4 * float(want_p.norm()) + 1e-8, n
     assert staged > 0  # the boundary tensors went through the pinned buffers
