@@ -26,7 +26,9 @@ import ipaddress
 import socket
 from collections.abc import Hashable
 
-__all__ = ["AdmissionLimiter", "GroupKind", "LOOPBACK_GROUP", "address_group", "member_groups"]
+from dtfm.net import TokenBuckets
+
+__all__ = ["GroupKind", "LOOPBACK_GROUP", "address_group", "admission_buckets", "member_groups"]
 
 
 class GroupKind(enum.Enum):
@@ -85,36 +87,10 @@ def address_group(host: str) -> str:
     return member_groups(host)[0][0]
 
 
-class AdmissionLimiter:
+def admission_buckets(rate_per_s: float, burst: int, max_sources: int) -> TokenBuckets[Hashable]:
     """Tokens per key (a source's peer id, or an address group): `burst` at most, `rate_per_s`
     refill; at most `max_sources` tracked (the fullest bucket is forgotten first: it is the one
-    a newcomer would start with)."""
-
-    def __init__(self, rate_per_s: float, burst: int, max_sources: int = 4096) -> None:
-        self.rate_per_s = rate_per_s
-        self.burst = burst
-        self.max_sources = max_sources
-        # source -> (tokens, as of, end of a grant)
-        self._buckets: dict[Hashable, tuple[float, float, float]] = {}
-
-    def tokens(self, source: Hashable, now: float) -> float:
-        tokens, at, until = self._buckets.get(source, (float(self.burst), now, float("-inf")))
-        if now <= until:
-            return tokens  # a grant: neither capped nor refilled while it lasts
-        return min(float(self.burst), tokens + (now - at) * self.rate_per_s)
-
-    def allow(self, source: Hashable, now: float) -> bool:
-        """Whether source has a token left (does not take it)."""
-        return self.tokens(source, now) >= 1.0
-
-    def take(self, source: Hashable, now: float) -> None:
-        tokens = self.tokens(source, now)
-        until = self._buckets.get(source, (0.0, 0.0, float("-inf")))[2]
-        self._buckets[source] = (max(0.0, tokens - 1.0), now, until)
-        if len(self._buckets) > self.max_sources:
-            fullest = max(self._buckets, key=lambda s: self.tokens(s, now))
-            del self._buckets[fullest]
-
-    def grant(self, source: Hashable, tokens: int, now: float, duration_s: float) -> None:
-        """Raise source's allowance to `tokens` for duration_s (the peer we join through)."""
-        self._buckets[source] = (max(float(tokens), self.tokens(source, now)), now, now + duration_s)
+    a newcomer would start with). A member costs a token only once it is taken in: check with
+    `tokens(key, now) >= 1`, spend with `take`; `grant` is the allowance of the peer we join
+    through."""
+    return TokenBuckets(rate_per_s, burst, max_sources, evict="fullest")

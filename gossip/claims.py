@@ -22,10 +22,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list, get_str, pack, verify_signature
 
 from .members import MAX_HOST_LEN, MAX_INCARNATION, MAX_REGION_LEN, Member, MemberState
+
+if TYPE_CHECKING:
+    from dtfm.net import Identity
 
 __all__ = ["Claim", "Accusation", "Update", "ClaimVerifier", "update_from_wire", "updates_from_wire",
            "SIGNATURE_LEN"]
@@ -80,7 +84,7 @@ class Claim:
                                     self.port, self.region])
 
     @classmethod
-    def create(cls, identity, incarnation: int, state: MemberState, host: str, port: int,
+    def create(cls, identity: Identity, incarnation: int, state: MemberState, host: str, port: int,
                region: str) -> "Claim":
         unsigned = cls(identity.peer_id, incarnation, state, host, port, region)
         return cls(identity.peer_id, incarnation, state, host, port, region,
@@ -145,7 +149,7 @@ class Accusation:
         return ACCUSATION_DOMAIN + pack([self.accuser, self.accused, self.incarnation, int(self.state)])
 
     @classmethod
-    def create(cls, identity, accused: bytes, incarnation: int, state: MemberState) -> "Accusation":
+    def create(cls, identity: Identity, accused: bytes, incarnation: int, state: MemberState) -> "Accusation":
         unsigned = cls(identity.peer_id, accused, incarnation, state)
         return cls(identity.peer_id, accused, incarnation, state, identity.sign(unsigned.signing_bytes()))
 

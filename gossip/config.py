@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 __all__ = ["GossipConfig"]
 
@@ -207,7 +208,7 @@ class GossipConfig:
         """How old a peer's own report may grow before it signs a new one regardless."""
         return min(self.report_refresh_s, self.record_skew_s / 2)
 
-    def with_(self, **changes) -> "GossipConfig":
+    def with_(self, **changes: Any) -> "GossipConfig":
         return replace(self, **changes)
 
     # Derived figures, after memberlist's util.go.

@@ -14,7 +14,7 @@ import functools
 import random
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
@@ -22,8 +22,11 @@ from dtfm.net import Identity, LinkModel, MemNetwork, MemTransport, scenario_lin
 
 from .config import GossipConfig
 from .measure import compute_speed_ms
-from .members import MemberState
+from .members import Member, MemberState
 from .service import GossipService
+
+if TYPE_CHECKING:
+    from dtfm.scenarios import Scenario
 
 __all__ = ["Harness", "WALL_EPOCH"]
 
@@ -32,7 +35,7 @@ WALL_EPOCH = 1.8e9  # wall-clock seconds at virtual time 0
 
 class Harness:
     def __init__(self, n: int, config: GossipConfig, *, regions: list[str] | None = None,
-                 link: LinkModel | None = None, scenario=None, time_scale: float = 1.0,
+                 link: LinkModel | None = None, scenario: Scenario | None = None, time_scale: float = 1.0,
                  drop_fraction: float = 0.0, seed: int = 0, measure: bool = False,
                  compute_ms: float = 1.0, codec_probe: Callable[[int], Sequence[float]] | None = None,
                  compute_probe: Callable[[int], float] | None = None) -> None:
@@ -93,14 +96,15 @@ class Harness:
         await nursery.start(self._run_node, t, svc, scope)
 
     @staticmethod
-    async def _run_node(t, svc, scope, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_node(t: MemTransport, svc: GossipService, scope: trio.CancelScope, *,
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         with scope:
             async with trio.open_nursery() as inner:
                 await inner.start(t.serve)
                 await inner.start(svc.run)
                 task_status.started()
 
-    def _observe(self, k: int, m) -> None:
+    def _observe(self, k: int, m: Member) -> None:
         j = self.index.get(m.peer_id)
         if j is not None:
             self.history[(k, j)].append((trio.current_time(), m.state))

@@ -27,7 +27,7 @@ import os
 import random
 import statistics
 from dataclasses import dataclass
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import trio
@@ -129,8 +129,8 @@ class MeasureLinks:
 class PeerLink(Protocol):
     peer_id: bytes
 
-    async def request(self, msg_type: int, body, *, payload: bytes | None = None,
-                      timeout_s: float | None = None) -> tuple[object, bytes | None]: ...
+    async def request(self, msg_type: int, body: object, *, payload: bytes | bytearray | memoryview | None = None,
+                      timeout_s: float | None = None) -> tuple[object, memoryview | None]: ...
 
 
 async def measure_rtt(link: PeerLink, samples: int, spacing_s: float, timeout_s: float,
@@ -181,7 +181,7 @@ class BulkGate:
         return peer_id in self.probing or self.serving.get(peer_id, -1.0) > now
 
 
-def probe_hash(payload: bytes) -> bytes:
+def probe_hash(payload: bytes | memoryview) -> bytes:
     """What the target of a bandwidth probe answers: proof that the whole payload arrived."""
     return hashlib.blake2b(payload, digest_size=PROBE_HASH_BYTES, person=b"dtfm-bulk").digest()
 
@@ -224,7 +224,7 @@ async def measure_download(link: PeerLink, gate: BulkGate, nbytes: int, rtt_s: f
 
 
 async def _timed_exchange(link: PeerLink, gate: BulkGate, probe: BulkProbe, payload: bytes | None, rtt_s: float,
-                          timeout_s: float, what: str) -> tuple[object, bytes | None, float] | None:
+                          timeout_s: float, what: str) -> tuple[object, memoryview | None, float] | None:
     """One big probe on a reserved link: the reservation (a round trip on the now quiet link:
     the pings before it may have queued behind the other end's own big probe), then `probe`
     timed; (reply body, reply payload, seconds of transfer: elapsed less the round trip), or
@@ -269,12 +269,12 @@ def _reply_problem(body: object, nbytes: int, expected: bytes) -> str | None:
     return None
 
 
-async def serve_ping(body, coord: tuple[float, ...] = ()) -> dict:
+async def serve_ping(body: object, coord: tuple[float, ...] = ()) -> dict:
     await trio.lowlevel.checkpoint()
     return MeasurePing(MeasurePing.from_wire(body).n, coord).to_wire()
 
 
-def serve_bulk(gate: BulkGate, peer_id: bytes, body, payload: bytes | None, now: float,
+def serve_bulk(gate: BulkGate, peer_id: bytes, body: object, payload: bytes | memoryview | None, now: float,
                hold_s: float) -> dict | Reply:
     """The answer to a bandwidth probe: a reservation, the hash of an upload, or (BULK_PULL,
     only within a reservation) n random bytes."""
@@ -349,7 +349,7 @@ class MeasurePlanner:
     def full_mesh(self, n_others: int) -> bool:
         return n_others <= self.full_mesh_max_peers
 
-    def next_target(self, candidates, now: float) -> bytes | None:
+    def next_target(self, candidates: Iterable[bytes], now: float) -> bytes | None:
         fresh = [p for p in candidates if self.links.get(p, _Link()).bandwidth_gbps <= 0
                  or now - self.links[p].measured_at >= self.remeasure_s]
         if not fresh:
@@ -359,7 +359,7 @@ class MeasurePlanner:
             return self._rng.choice(never)
         return min(fresh, key=lambda p: self.links[p].measured_at)
 
-    def ask(self, targets, now: float) -> list[bytes]:
+    def ask(self, targets: Iterable[bytes], now: float) -> list[bytes]:
         """Queue the links to `targets` for measurement (a plan's links to confirm); those
         measured within confirm_fresh_s are not measured again. The targets queued."""
         queued = []
@@ -376,7 +376,7 @@ class MeasurePlanner:
         self.version += 1
         return queued
 
-    def pending(self, targets) -> bool:
+    def pending(self, targets: Iterable[bytes]) -> bool:
         """Whether any of `targets` is still queued by `ask`."""
         return any(t in self.asked for t in targets)
 

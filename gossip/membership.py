@@ -44,8 +44,9 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .admission import AdmissionLimiter
+from .admission import admission_buckets
 from .broadcast import BroadcastQueue
 from .caps import Arrivals, GroupCaps
 from .claims import Accusation, Claim, ClaimVerifier, Update
@@ -54,13 +55,16 @@ from .members import MAX_INCARNATION, Member, MemberState
 from .suspicion import Suspicion
 from .table import MemberTable
 
+if TYPE_CHECKING:
+    from dtfm.net import Identity
+
 __all__ = ["Membership"]
 
 logger = logging.getLogger(__name__)
 
 
 class Membership:
-    def __init__(self, config: GossipConfig, identity, me: Member, now: float, *,
+    def __init__(self, config: GossipConfig, identity: Identity, me: Member, now: float, *,
                  verifier: ClaimVerifier | None = None) -> None:
         if me.peer_id != identity.peer_id:
             raise ValueError("me must be the identity's own entry")
@@ -69,11 +73,9 @@ class Membership:
         self.me_id = me.peer_id
         self.table = MemberTable()
         self.verifier = verifier or ClaimVerifier()
-        self.admission = AdmissionLimiter(config.new_members_per_s, config.new_member_burst,
-                                          max_sources=config.max_members)
-        self.address_admission = AdmissionLimiter(config.new_members_per_address_per_s,
-                                                  config.new_member_burst_per_address,
-                                                  max_sources=config.max_members)
+        self.admission = admission_buckets(config.new_members_per_s, config.new_member_burst, config.max_members)
+        self.address_admission = admission_buckets(config.new_members_per_address_per_s,
+                                                   config.new_member_burst_per_address, config.max_members)
         self.caps = GroupCaps(config)  # confirmed members per address group
         self.arrivals = Arrivals()  # unconfirmed members per address group they came in from
         # Members never evicted to make room (the daemon passes the peers its allocation names).
@@ -264,9 +266,9 @@ class Membership:
             t = self.table.tombstone(pid)
             if t is not None and c.key() <= t.key():
                 return self._refuse(c, src, "not newer than the claim of a removed member")
-            if src != pid and not self.admission.allow(src, now):
+            if src != pid and self.admission.tokens(src, now) < 1:
                 return self._refuse(c, src, "source over its rate of new members")
-            if group is not None and not self.address_admission.allow(group, now):
+            if group is not None and self.address_admission.tokens(group, now) < 1:
                 return self._refuse(c, src, "address over its rate of new members")
             if self.caps.full(c.host, self._live) is not None and not self.protected(pid):
                 return self._refuse(c, src, "address group at its cap of members")

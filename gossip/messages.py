@@ -7,6 +7,7 @@ ONLY APPEND TO MsgType: the numbers are on the wire. Every message is a frozen d
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bool, get_bytes, get_int
@@ -34,7 +35,7 @@ class MsgType(enum.IntEnum):
     MEASURE_LINKS = 41
 
 
-def _updates(updates) -> list:
+def _updates(updates: Iterable[Update]) -> list:
     return [m.to_wire() for m in updates]
 
 

@@ -28,13 +28,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from collections.abc import Callable, Generator, Iterable
+from typing import TYPE_CHECKING
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_float, get_int, get_list, pack, verify_signature
 
 from .messages import MAX_SEQ
 from .vivaldi import COORD_DIMS, COORD_LEN
+
+if TYPE_CHECKING:
+    from dtfm.net import Identity
 
 __all__ = ["Entry", "Report", "RecordStore", "digest_hash", "MAX_RTT_MS", "MAX_GBPS", "MAX_ENTRIES",
            "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns", "check_coord",
@@ -130,8 +134,9 @@ class Report:
         return DOMAIN + pack(self._body())
 
     @classmethod
-    def create(cls, identity, seq: int, timestamp: float, compute_ms: float,
-               entries, *, codec_ns=(), coord=(), up_gbps: float = 0.0, down_gbps: float = 0.0) -> "Report":
+    def create(cls, identity: Identity, seq: int, timestamp: float, compute_ms: float,
+               entries: Iterable[Entry], *, codec_ns: Sequence[float] = (), coord: Sequence[float] = (),
+               up_gbps: float = 0.0, down_gbps: float = 0.0) -> "Report":
         """A report signed by `identity`; ValueError for figures a peer would refuse."""
         try:
             codec = check_codec_ns(tuple(codec_ns))
@@ -184,7 +189,7 @@ def bucket_of(measurer: bytes) -> int:
     return measurer[0] * BUCKETS // 256
 
 
-def digest_hash(digest) -> bytes:
+def digest_hash(digest: Iterable[tuple[bytes, int]]) -> bytes:
     h = hashlib.blake2b(digest_size=DIGEST_HASH_LEN, person=b"dtfm-digest")
     for m, seq in sorted(digest):
         h.update(m)
@@ -309,12 +314,13 @@ class RecordStore:
             self._dirty_since += 1
         self.version += 1
 
-    def digest_of(self, scope) -> tuple[tuple[bytes, int], ...]:
+    def digest_of(self, scope: Iterable[int]) -> tuple[tuple[bytes, int], ...]:
         """The digest's entries in the buckets of `scope`."""
         wanted = set(scope)
         return tuple((m, r.seq) for m, r in self.reports.items() if bucket_of(m) in wanted)
 
-    def newer_than(self, digest, max_bytes: int, scope=None) -> tuple[Report, ...]:
+    def newer_than(self, digest: Iterable[tuple[bytes, int]], max_bytes: int,
+                   scope: Iterable[int] | None = None) -> tuple[Report, ...]:
         """Reports we hold that the digest's owner lacks, within a byte budget; with `scope`
         (bucket indexes), the digest covers those buckets only, and so does the answer."""
         theirs = dict(digest)

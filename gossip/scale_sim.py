@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import random
 import statistics
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +35,9 @@ from .sync import RecordSync, RecordSyncer
 from .view import NetworkView, build_view
 from .vivaldi import Coordinate, Vivaldi
 
+if TYPE_CHECKING:
+    from dtfm.scenarios import Scenario
+
 __all__ = ["MeasureSimulator", "WALL_EPOCH"]
 
 WALL_EPOCH = 1.8e9  # wall-clock seconds at virtual time 0
@@ -42,7 +47,7 @@ RTT_NOISE = 0.02  # a round trip comes out up to this fraction longer than twice
 class _Peer:
     """One peer's measurement state (its Swim lives in the simulator's `nodes`)."""
 
-    def __init__(self, config: GossipConfig, rng: random.Random, verify) -> None:
+    def __init__(self, config: GossipConfig, rng: random.Random, verify: Callable[[Report], bool]) -> None:
         self.planner = MeasurePlanner(config.remeasure_interval_s, config.bandwidth_probe_interval_s,
                                       config.measure_jitter, rng, full_mesh_max_peers=config.full_mesh_max_peers,
                                       capacity_peers=config.capacity_peers, coord_interval_s=config.coord_interval_s,
@@ -59,7 +64,7 @@ class _Peer:
 
 
 class MeasureSimulator(SwimSimulator):
-    def __init__(self, scenario, config: GossipConfig, *, seed: int = 0, join_spread_s: float = 10.0,
+    def __init__(self, scenario: Scenario, config: GossipConfig, *, seed: int = 0, join_spread_s: float = 10.0,
                  compute_ms: float = 1.0, codec: bool = True) -> None:
         """codec: every message through its decoder too (False: packed to count its bytes,
         then handed over as it is: several times faster, the same bytes)."""
@@ -153,8 +158,8 @@ class MeasureSimulator(SwimSimulator):
             return
         self.push(self.now + float(self.delay_ms[k, dst]) / 1000.0, ("rsync", dst, k, data if self.codec else msg))
 
-    def _on_sync(self, k: int, src: int, data, t: float) -> None:
-        msg = RecordSync.from_wire(unpack_untrusted(data, max_len=1 << 24)) if self.codec else data
+    def _on_sync(self, k: int, src: int, data: bytes | RecordSync, t: float) -> None:
+        msg = data if isinstance(data, RecordSync) else RecordSync.from_wire(unpack_untrusted(data, max_len=1 << 24))
         peer = self.peers[k]
         actions = peer.syncer.handle(self.ids[src], msg, t)
         swim = self.nodes[k]

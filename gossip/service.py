@@ -20,13 +20,13 @@ import logging
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
-from dtfm.net import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout
+from dtfm.net import ConnectionClosed, PeerConnection, PeerTransport, ProtocolError, RemoteError, RequestTimeout
 
 from .claims import ClaimVerifier
 from .config import GossipConfig
@@ -53,6 +53,9 @@ from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
 from .view import NetworkView, build_view
 from .vivaldi import Coordinate, Vivaldi
+
+if TYPE_CHECKING:
+    from dtfm.net import Identity
 
 __all__ = ["GossipService", "offer_all"]
 
@@ -89,7 +92,7 @@ class _SyncSend:
 
 
 class GossipService:
-    def __init__(self, transport, identity, config: GossipConfig | None = None, *,
+    def __init__(self, transport: PeerTransport, identity: Identity, config: GossipConfig | None = None, *,
                  region: str = "", rng: random.Random | None = None,
                  wall_clock: Callable[[], float] = time.time, compute_ms: float | None = None,
                  measure: bool = True, sender_tasks: int = 4,
@@ -168,7 +171,7 @@ class GossipService:
         table (the daemon passes the peers its current allocation names)."""
         self.swim.protected = protected
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             for _ in range(self._sender_tasks):
                 nursery.start_soon(self._sender)
@@ -182,7 +185,7 @@ class GossipService:
                 nursery.start_soon(self._measure_self)
             task_status.started()
 
-    async def join(self, addresses, *, timeout_s: float = 10.0) -> int:
+    async def join(self, addresses: Iterable[tuple[str, int]], *, timeout_s: float = 10.0) -> int:
         """Contact bootstrap peers and push-pull state with them; how many were reached."""
         reached = 0
         for host, port in addresses:
@@ -255,7 +258,8 @@ class GossipService:
             return None
         return self.vivaldi.coord
 
-    async def confirm(self, links, *, timeout_s: float | None = None) -> list[tuple[bytes, bytes]]:
+    async def confirm(self, links: Iterable[tuple[bytes, bytes]], *,
+                      timeout_s: float | None = None) -> list[tuple[bytes, bytes]]:
         """Measure the links (a, b) given, now, from both ends: this peer measures its own,
         and asks each other end (`MeasureLinks`) for its, taking the signed report it answers
         with. The links still not measured (an end gone, or silent past timeout_s) in the view
@@ -293,7 +297,7 @@ class GossipService:
         if self._timer_scope is not None:
             self._timer_scope.deadline = min(self._timer_scope.deadline, self.swim.next_deadline())
 
-    async def _link(self, peer_id: bytes, address):
+    async def _link(self, peer_id: bytes, address: tuple[str, int] | None) -> PeerConnection | None:
         conn = self.transport.connection(peer_id)
         if conn is None and address is not None:
             with trio.move_on_after(self.config.measure_timeout_s):
@@ -306,7 +310,7 @@ class GossipService:
                 return None
         return conn
 
-    async def _dial(self, address: tuple[str, int], peer_id: bytes):
+    async def _dial(self, address: tuple[str, int], peer_id: bytes) -> PeerConnection | None:
         """A connection whose handshake, on a dial to address, proved peer_id (one dialled
         there before is reused); None if there is none within verify_timeout_s."""
         with trio.move_on_after(self.config.verify_timeout_s):
@@ -344,7 +348,7 @@ class GossipService:
             if conn is not None:
                 await self._deliver(conn, s)
 
-    async def _deliver(self, conn, s: Send | _SyncSend) -> None:
+    async def _deliver(self, conn: PeerConnection, s: Send | _SyncSend) -> None:
         try:
             await conn.send(s.msg.type, s.msg.to_wire(), droppable=True)
         except ConnectionClosed as e:
@@ -374,7 +378,7 @@ class GossipService:
 
     # ---- handlers
 
-    async def _on_swim(self, conn, msg_type, body, payload):
+    async def _on_swim(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> None:
         msg = decode_swim(msg_type, body)  # ProtocolError: the transport closes that connection
         self._dispatch(self.swim.handle(conn.peer_id, msg, trio.current_time(),
                                         origin=conn.remote_address[0]))
@@ -382,10 +386,11 @@ class GossipService:
         await trio.lowlevel.checkpoint()
         return None
 
-    async def _on_ping(self, conn, msg_type, body, payload):
+    async def _on_ping(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> dict:
         return await serve_ping(body, self.vivaldi.coord.to_wire())
 
-    async def _on_measure_links(self, conn, msg_type, body, payload):
+    async def _on_measure_links(self, conn: PeerConnection, msg_type: int, body: object,
+                                payload: memoryview | None) -> object:
         msg = MeasureLinks.from_wire(body)  # ProtocolError: the transport closes that connection
         if not self._is_member(conn.peer_id):
             return {"ok": False}
@@ -393,12 +398,12 @@ class GossipService:
         report = self._published
         return {"ok": True, "report": None if report is None else report.to_wire()}
 
-    async def _on_bulk(self, conn, msg_type, body, payload):
+    async def _on_bulk(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> object:
         await trio.lowlevel.checkpoint()
         return serve_bulk(self.gate, conn.peer_id, body, payload, trio.current_time(),
                           self.config.measure_timeout_s)
 
-    async def _on_sync(self, conn, msg_type, body, payload):
+    async def _on_sync(self, conn: PeerConnection, msg_type: int, body: object, payload: memoryview | None) -> object:
         msg = RecordSync.from_wire(body)  # ProtocolError: the transport closes the connection
         actions = self.sync.handle(conn.peer_id, msg, trio.current_time())
         await self._accept(actions.accept)
@@ -409,7 +414,7 @@ class GossipService:
                 logger.debug("record sync reply to %s failed: %s", conn.short_id, e)
         return None
 
-    async def _accept(self, reports) -> None:
+    async def _accept(self, reports: Sequence[Report]) -> None:
         """Offer reports to the store, verifying their signatures in slices that yield."""
         await offer_all(self.records, reports, now_wall=self._wall(), is_member=self._is_member)
 

@@ -68,7 +68,7 @@ class SwimSimulator:
             at = self.rng.uniform(0, join_spread_s) if join_spread_s else 0.0
             self._push(at, ("join", k))
 
-    def _push(self, t: float, item) -> None:
+    def _push(self, t: float, item: tuple) -> None:
         heapq.heappush(self._heap, (t, next(self._count), item))
 
     def _send_all(self, k: int, sends: list[Send]) -> None:

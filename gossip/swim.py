@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Container
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .admission import address_group
 from .claims import ClaimVerifier, Update
@@ -30,6 +32,9 @@ from .config import GossipConfig
 from .members import Member, MemberState
 from .membership import Membership
 from .messages import MAX_PUSH_PULL_UPDATES, Ack, Gossip, Nack, Ping, PingReq, PushPull, SwimMessage
+
+if TYPE_CHECKING:
+    from dtfm.net import Identity
 
 __all__ = ["Swim", "Send"]
 
@@ -84,7 +89,7 @@ class Swim(Membership):
     """nonces: where verification nonces come from (default: rng). A caller facing real
     peers passes an unpredictable source (`random.SystemRandom()`)."""
 
-    def __init__(self, config: GossipConfig, identity, me: Member, rng: random.Random, now: float, *,
+    def __init__(self, config: GossipConfig, identity: Identity, me: Member, rng: random.Random, now: float, *,
                  verifier: ClaimVerifier | None = None, nonces: random.Random | None = None) -> None:
         # Unconfirmed members waiting for a verification ping, queued per address group their
         # claim came from (member -> attempts left, oldest first), served in turn so that one
@@ -153,7 +158,7 @@ class Swim(Membership):
             return Send(to.peer_id, to.address, msg)
         return Send(to, self.address_of(to), msg)
 
-    def _push_pull(self, to: bytes, address, reply: bool, extra: tuple[Update, ...] = ()) -> list[Send]:
+    def _push_pull(self, to: bytes, address: tuple[str, int] | None, reply: bool, extra: tuple[Update, ...] = ()) -> list[Send]:
         """Our full state to `to`, in pages of at most max_push_pull_bytes; only the first asks
         for a reply."""
         budget = self.config.max_push_pull_bytes - _PAGE_OVERHEAD
@@ -474,7 +479,7 @@ class Swim(Membership):
                 return m  # (an unconfirmed member that claims no address yet has nowhere to be probed)
         return None
 
-    def _random_members(self, k: int, exclude) -> list[Member]:
+    def _random_members(self, k: int, exclude: Container[bytes]) -> list[Member]:
         confirmed = self.is_confirmed
         pool = [m for m in self.members.values() if m.peer_id != self.me_id and not m.state.gone
                 and m.peer_id not in exclude and confirmed(m.peer_id)]

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dtfm.net import PEER_ID_BYTES, ProtocolError, get_bytes, get_int, get_list
@@ -322,7 +323,7 @@ class RecordSyncer:
                            src[:4].hex(), len(fresh) - granted)
         return tuple(fresh[:granted])
 
-    def _newer(self, digest, scope=None) -> tuple[Report, ...]:
+    def _newer(self, digest: Iterable[tuple[bytes, int]], scope: Iterable[int] | None = None) -> tuple[Report, ...]:
         return self.store.newer_than(digest, self.max_sync_bytes, scope)
 
     def _current(self, role: SyncRole, peer_id: bytes, now: float) -> SyncPhase:

@@ -30,7 +30,7 @@ replaces the estimate.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -101,7 +101,7 @@ class NetworkView:
         known = np.isfinite(self.delay_ms) & ~np.isnan(self.bandwidth_gbps)
         return int(np.sum(np.triu(known & ~self.measured(), 1)))
 
-    def unmeasured(self, links) -> list[tuple[bytes, bytes]]:
+    def unmeasured(self, links: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """Of the links (a, b) given (peer ids of this view), those not measured at both figures."""
         index = {p: i for i, p in enumerate(self.peers)}
         done = self.measured()
@@ -129,7 +129,7 @@ class NetworkView:
                            self.delay_measured, self.bandwidth_measured, self.age_s)
 
     def as_dict(self) -> dict:
-        def clean(a):
+        def clean(a: np.ndarray) -> list[list[float | None]]:
             return [[None if not np.isfinite(x) else float(x) for x in row] for row in a]
         return {"peers": [p.hex() for p in self.peers], "delay_ms": clean(self.delay_ms),
                 "bandwidth_gbps": clean(self.bandwidth_gbps), "complete": self.complete,
@@ -137,7 +137,7 @@ class NetworkView:
                 "one_sided_links": int(np.sum(np.triu(self.one_sided, 1)))}
 
 
-def combine(m: np.ndarray, *, worse_is_higher: bool, tolerance: float):
+def combine(m: np.ndarray, *, worse_is_higher: bool, tolerance: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Symmetric figures from one-sided measurements m[i, j] (nan: not measured): the worse of
     the two ends' figures, whether they disagree beyond `tolerance`, whether only one end has one."""
     a, b = m, m.T
@@ -164,7 +164,8 @@ class _Claims:
     down: np.ndarray
 
 
-def _matrices(index: dict[bytes, int], reports, now_wall: float | None) -> _Claims:
+def _matrices(index: dict[bytes, int], reports: Mapping[bytes, Report] | Iterable[Report],
+              now_wall: float | None) -> _Claims:
     n = len(index)
     c = _Claims(np.full((n, n), np.nan), np.full((n, n), np.nan), np.full((n, n), np.nan), np.full(n, np.nan),
                 np.full((n, CODEC_NS_LEN), np.nan), [None] * n, np.full(n, np.nan), np.full(n, np.nan))
@@ -209,7 +210,7 @@ def _coordinate_rtt(coords: list) -> np.ndarray:
     return out
 
 
-def build_view(peers, reports: Mapping[bytes, Report], *,
+def build_view(peers: Iterable[bytes], reports: Mapping[bytes, Report] | Iterable[Report], *,
                tolerance: float = DISAGREEMENT_RATIO, estimate: bool = True,
                now_wall: float | None = None) -> NetworkView:
     """The view over `peers` (rows in that order) from each measurer's report (a mapping from

@@ -18,6 +18,7 @@ import math
 import random
 import statistics
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Coordinate", "Vivaldi", "VivaldiConfig", "COORD_DIMS", "COORD_LEN"]
@@ -70,7 +71,7 @@ class Coordinate:
         return (*self.vec, self.height, self.error)
 
     @classmethod
-    def from_wire(cls, values) -> "Coordinate | None":
+    def from_wire(cls, values: Sequence[float]) -> "Coordinate | None":
         """From a report's figures (checked finite and in range there): None when empty."""
         if len(values) != COORD_LEN:
             return None

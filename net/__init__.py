@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .memnet import LinkModel, MemNetwork, scenario_link, uniform_link
     from .memtransport import MemConnection, MemTransport
     from .operator import OperatorKey, operator_key_path
+    from .ratelimit import TokenBuckets
     from .shaping import LinkShape, LinkShaper
     from .transport import Transport
     from .wire import (
@@ -50,7 +51,8 @@ __all__ = [
     "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig", "Handler",
     "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
     "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
-    "ProtocolError", "Refusals", "RemoteError", "Reply", "RequestTimeout", "Transport", "TransportConfig",
+    "ProtocolError", "Refusals", "RemoteError", "Reply", "RequestTimeout", "TokenBuckets", "Transport",
+    "TransportConfig",
     "get_bool", "get_bytes", "get_dict",
     "get_float", "get_int", "get_list", "get_str", "load_swarm_key", "load_swarm_operators", "new_swarm_key",
     "operator_key_path", "operator_line", "OperatorKey", "pack", "scenario_link",
@@ -78,6 +80,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".memnet": ("LinkModel", "MemNetwork", "scenario_link", "uniform_link"),
     ".memtransport": ("MemConnection", "MemTransport"),
     ".operator": ("OperatorKey", "operator_key_path"),
+    ".ratelimit": ("TokenBuckets",),
     ".shaping": ("LinkShape", "LinkShaper"),
     ".transport": ("Transport",),
     ".wire": (

@@ -38,7 +38,7 @@ def alloc_buffer(n: int) -> memoryview:
     as decrypting it and blocks the event loop; numpy's allocation leaves pages untouched until
     chunks land in them.
     """
-    return memoryview(np.empty(n, dtype=np.uint8))
+    return np.empty(n, dtype=np.uint8).data
 
 
 SIZES_REMEMBERED = 64  # sizes whose last take the pool remembers (the least recent forgotten)
@@ -76,7 +76,7 @@ class BufferPool:
             memory = np.empty(n, dtype=np.uint8)
         handed = memory.view()  # the exporter of every view: the memory returns when it dies
         weakref.finalize(handed, self._give_back, memory, stream).atexit = False
-        return memoryview(handed)
+        return handed.data
 
     def _give_back(self, memory: np.ndarray, stream: bool) -> None:
         if not stream:  # (a lone payload's buffer goes back to the system)

@@ -160,14 +160,15 @@ class Connection:
         self._next_id += 1
         return msg_id
 
-    async def _send_message(self, msg_type, flags, msg_id, reply_to, body, payload, droppable) -> None:
+    async def _send_message(self, msg_type: int, flags: int, msg_id: int, reply_to: int, body: object,
+                            payload: Payload | None, droppable: bool) -> None:
         if self.closed:
             raise ConnectionClosed(self.close_reason)
         n = 0 if payload is None else memoryview(payload).nbytes
         encoded = encode_body(msg_type, body, n, self._config)
         frame = frames.encode_msg(msg_type, flags, msg_id, reply_to, encoded, n)
         await self._shape.submit(frame, droppable and n == 0)
-        if n:
+        if payload is not None and n:
             self.payload_bytes_sent += n  # handed over to send
             await self._send_chunks(msg_id, payload, n)
 
@@ -205,7 +206,7 @@ class Connection:
         logger.debug("gave up the payload of message %d to %s part-way: abort sent", msg_id, self.short_id)
         await self._shape.submit(frames.encode_abort(msg_id), False)
 
-    async def _transmit(self, frame: bytes, *, flush: bool = False) -> None:
+    async def _transmit(self, frame: frames.OutFrame, *, flush: bool = False) -> None:
         await self._out.transmit(frame, flush=flush)
 
     async def _send_close(self, frame: bytes) -> None:
@@ -219,7 +220,7 @@ class Connection:
         await self._shape.submit(frame, False)
         await self._close_sent.wait()
 
-    async def _transmit_from_shape(self, frame: bytes) -> None:
+    async def _transmit_from_shape(self, frame: frames.OutFrame) -> None:
         try:
             if frame is self._closing_frame:
                 await self._transmit(frame, flush=True)
@@ -234,7 +235,8 @@ class Connection:
 
     # ---- running ------------------------------------------------------------------------
 
-    async def run(self, on_ready: Callable[[], None] | None = None, *, task_status=trio.TASK_STATUS_IGNORED) -> str:
+    async def run(self, on_ready: Callable[[], None] | None = None, *,
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> str:
         """Serve the connection until it closes; returns the reason."""
         try:
             async with trio.open_nursery() as nursery:

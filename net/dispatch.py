@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
 from .config import TransportConfig
 from .errors import ConnectionClosed, ProtocolError, RemoteError, RequestTimeout
 from .frames import MSG_HEADER_BYTES
-from .interface import Handler, PeerConnection, Reply
+from .interface import Handler, Payload, PeerConnection, Reply
 from .wire import MAX_MSG_TYPE, pack
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,10 @@ class Refusals:
         return {f"{r}/{t}": n for (r, t), n in sorted(self._counts.items())}
 
 
-class Registry:
+C = TypeVar("C", bound=PeerConnection)
+
+
+class Registry(Generic[C]):
     """What both transports keep the same way: handlers by message type, connect and disconnect
     callbacks, the live connection to each peer (`_by_peer`, kept by the subclass) and the
     count of refused input."""
@@ -78,7 +81,7 @@ class Registry:
         self._handlers: dict[int, Handler] = {}
         self._on_connect: list[Callable[[PeerConnection], None]] = []
         self._on_disconnect: list[Callable[[PeerConnection, str], None]] = []
-        self._by_peer: dict[bytes, PeerConnection] = {}
+        self._by_peer: dict[bytes, C] = {}
 
     def handle(self, msg_type: int, handler: Handler) -> None:
         check_handler(self._handlers, msg_type)
@@ -90,11 +93,11 @@ class Registry:
     def on_disconnect(self, cb: Callable[[PeerConnection, str], None]) -> None:
         self._on_disconnect.append(cb)
 
-    def connection(self, peer_id: bytes):
+    def connection(self, peer_id: bytes) -> C | None:
         conn = self._by_peer.get(peer_id)
         return conn if conn is not None and not conn.closed else None
 
-    def connections(self) -> list:
+    def connections(self) -> list[C]:
         return [c for c in self._by_peer.values() if not c.closed]
 
 
@@ -182,7 +185,7 @@ class Requests:
 class Answering(PeerConnection, Protocol):
     """What a `Dispatcher` needs from its connection besides the public interface."""
 
-    async def _respond(self, msg_type: int, msg_id: int, body: object, payload: object) -> None:
+    async def _respond(self, msg_type: int, msg_id: int, body: object, payload: Payload | None) -> None:
         """Send a reply; ConnectionClosed, or ValueError when it breaks a limit."""
 
     async def _respond_error(self, msg_id: int, reason: str) -> None:

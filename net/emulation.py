@@ -24,10 +24,16 @@ import logging
 import math
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 
 from .config import EmulationConfig
+from .frames import OutFrame
+from .shaping import Transmit
+
+if TYPE_CHECKING:
+    from dtfm.scenarios import Scenario
 
 __all__ = ["EmulationConfig", "EmulatedLinks", "EmulatedLink"]
 
@@ -56,7 +62,7 @@ class _Bucket:
 class EmulatedLinks:
     """The LinkShaper of one peer: links to other peers shaped by `scenario`."""
 
-    def __init__(self, scenario, region: str, config: EmulationConfig | None = None, *,
+    def __init__(self, scenario: Scenario, region: str, config: EmulationConfig | None = None, *,
                  rng: random.Random | None = None) -> None:
         self.scenario = scenario
         self.region = region
@@ -136,11 +142,11 @@ class EmulatedLink:
         self.delay_s = delay_s
         self._bucket = bucket
         self._slots = trio.Semaphore(owner.config.queue_frames)
-        self._send, self._recv = trio.open_memory_channel(math.inf)  # bounded by _slots
+        self._send, self._recv = trio.open_memory_channel[tuple[float, OutFrame]](math.inf)  # bounded by _slots
         self.dropped = 0
         self.sent = 0
 
-    async def submit(self, frame: bytes, droppable: bool) -> None:
+    async def submit(self, frame: OutFrame, droppable: bool) -> None:
         owner = self._owner
         if owner.is_cut(self.peer_id, self.region) or (
                 droppable and owner.drop_fraction > 0 and owner._rng.random() < owner.drop_fraction):
@@ -151,7 +157,7 @@ class EmulatedLink:
         departs = self._bucket.departure(len(frame) + WIRE_OVERHEAD_BYTES, trio.current_time())
         self._send.send_nowait((departs + self.delay_s, frame))
 
-    async def run(self, transmit) -> None:
+    async def run(self, transmit: Transmit) -> None:
         async for due, frame in self._recv:
             await trio.sleep_until(due)
             self._slots.release()

@@ -88,6 +88,11 @@ class Chunk:
         return CHUNK if i == 0 else (self.header() + bytes(self.data))[i]
 
 
+# What a connection hands its link shape: a plaintext frame, or a chunk sealed from its sender's
+# buffer.
+OutFrame = bytes | Chunk
+
+
 def encode_rekey() -> bytes:
     return bytes([REKEY])
 
@@ -190,7 +195,8 @@ class Inbound:
             reason = bytes(frame[1 : 1 + MAX_CLOSE_REASON_BYTES]).decode("utf-8", "replace")
             return Close("".join(c if c.isprintable() else "?" for c in reason))
         if kind == ABORT:
-            return self._on_abort(frame)
+            self._on_abort(frame)
+            return None
         raise ProtocolError(f"unknown frame kind {kind}")
 
     def close(self) -> None:
@@ -292,6 +298,8 @@ class Inbound:
         p = self._partial.get(chunk.msg_id)
         if p is None:
             raise ProtocolError(f"chunk for unknown message id {chunk.msg_id}")
+        if p.buf is None:
+            raise ProtocolError(f"chunk data for message {chunk.msg_id} before its chunk frame")
         p.filled += chunk.size
         if p.filled < p.expected:
             return None

@@ -17,6 +17,8 @@ import nacl.exceptions
 import nacl.signing
 import nacl.utils
 
+from dtfm.files import atomic_write
+
 from .errors import KeyFileError
 
 IDENTITY_FILE = "identity.key"
@@ -90,21 +92,11 @@ class Identity:
             return cls.load(data_dir)
         ident = cls.generate()
         line = f"{_IDENTITY_PREFIX}{ident.seed.hex()}\n".encode("ascii")
-        tmp = data_dir / (IDENTITY_FILE + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.write(fd, line)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(tmp, 0o600)
-        try:
-            # link() fails if another process created the key meanwhile: then use theirs.
-            os.link(tmp, path)
+            # linked into place: fails if another process created the key meanwhile, then use theirs
+            atomic_write(path, line, mode=0o600, replace=False)
         except FileExistsError:
             return cls.load(data_dir)
-        finally:
-            os.unlink(tmp)
         return ident
 
 

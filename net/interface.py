@@ -24,7 +24,7 @@ and `MemTransport` / `MemConnection` (an in-memory network under trio's MockCloc
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -120,7 +120,7 @@ class PeerTransport(Protocol):
         """The live connection to `peer_id`, if there is one."""
         ...
 
-    def connections(self) -> list[PeerConnection]:
+    def connections(self) -> Sequence[PeerConnection]:
         """Every live connection."""
         ...
 

@@ -10,13 +10,19 @@ how many there were. The table of keys is bounded; the least recently seen are f
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Hashable
+
+from .ratelimit import TokenBuckets
 
 __all__ = ["LogLimiter"]
 
+_OVERALL = "overall"  # the one key of the budget shared by every key
+
 
 class LogLimiter:
+    """Two token buckets (`TokenBuckets`): one per key of capacity one, refilled once an
+    `interval_s`, and one overall of capacity `burst`, refilled `burst` times an `interval_s`."""
+
     def __init__(self, interval_s: float, *, burst: int = 10, max_keys: int = 1024):
         if not (math.isfinite(interval_s) and interval_s > 0):
             raise ValueError("interval_s must be a positive number")
@@ -25,33 +31,25 @@ class LogLimiter:
         self.interval_s = interval_s
         self.burst = burst
         self.max_keys = max_keys
-        self._keys: OrderedDict[Hashable, tuple[float, int]] = OrderedDict()  # last logged at, left out
-        self._tokens = float(burst)
-        self._tokens_at: float | None = None
+        self._left_out: dict[Hashable, int] = {}  # lines left out per key since its last one logged
+        self._per_key: TokenBuckets[Hashable] = TokenBuckets(1.0 / interval_s, 1, max_keys,
+                                                             on_forget=self._forget)
+        self._overall: TokenBuckets[str] = TokenBuckets(burst / interval_s, burst, 1)
 
     def admit(self, key: Hashable, now: float) -> int | None:
         """None: leave this line out (it is counted). Otherwise log it; the number is how many
         lines about `key` were left out since the last one logged."""
-        last, left_out = self._keys.pop(key, (-math.inf, 0))
-        allowed = now - last >= self.interval_s and self._take_token(now)
+        allowed = self._per_key.tokens(key, now) >= 1.0 and self._overall.allow(_OVERALL, now)
         if allowed:
-            self._keys[key] = (now, 0)
-        else:
-            self._keys[key] = (last, left_out + 1)
-        while len(self._keys) > self.max_keys:
-            self._keys.popitem(last=False)
-        return left_out if allowed else None
+            self._per_key.take(key, now)
+            return self._left_out.pop(key, 0)
+        self._per_key.touch(key, now)
+        self._left_out[key] = self._left_out.get(key, 0) + 1
+        return None
 
     def __len__(self) -> int:
         """How many keys the table holds now."""
-        return len(self._keys)
+        return len(self._per_key)
 
-    def _take_token(self, now: float) -> bool:
-        if self._tokens_at is not None:
-            self._tokens = min(float(self.burst),
-                               self._tokens + max(0.0, now - self._tokens_at) * self.burst / self.interval_s)
-        self._tokens_at = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
+    def _forget(self, key: Hashable) -> None:
+        self._left_out.pop(key, None)

@@ -21,11 +21,15 @@ import math
 import random
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import trio
 
 from .config import TransportConfig
 from .memtransport import CLOSE, MemFrame, MemTransport
+
+if TYPE_CHECKING:
+    from dtfm.scenarios import Scenario
 
 __all__ = ["LinkModel", "MemNetwork", "scenario_link", "uniform_link"]
 
@@ -36,7 +40,7 @@ def uniform_link(delay_s: float = 0.001, bps: float = 1e9) -> LinkModel:
     return lambda a, b: (delay_s, bps)
 
 
-def scenario_link(scenario, time_scale: float = 1.0) -> LinkModel:
+def scenario_link(scenario: Scenario, time_scale: float = 1.0) -> LinkModel:
     """Links of a `dtfm.scenarios.Scenario`: one-way ms and Gbps per region pair."""
     def model(a: str, b: str) -> tuple[float, float]:
         delay_ms, gbps = scenario.link(a, b)
@@ -84,7 +88,7 @@ class MemNetwork:
     def heal(self) -> None:
         self.cut.clear()
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Deliver frames when due. Run it in the nursery that holds the nodes."""
         task_status.started()
         while True:

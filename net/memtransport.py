@@ -59,7 +59,7 @@ class MemFrame(NamedTuple):
     droppable: bool
 
 
-class MemTransport(Registry):
+class MemTransport(Registry["MemConnection"]):
     """One node's end of a MemNetwork. Create it with `MemNetwork.add()`, run `serve()`."""
 
     def __init__(self, net: MemNetwork, peer_id: bytes, region: str, address: tuple[str, int],
@@ -122,7 +122,7 @@ class MemTransport(Registry):
 
     # ---- running ------------------------------------------------------------------------
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Receive frames and run handlers until cancelled; then the connections close."""
         try:
             async with trio.open_nursery() as nursery:
@@ -243,7 +243,7 @@ class MemConnection:
             await trio.sleep_until(local.stalled_until)
             if self.closed:
                 raise ConnectionClosed(self.close_reason)
-        frame = MemFrame(self.link, kind, msg_type, ref, data, bytearray(payload) if n else None,
+        frame = MemFrame(self.link, kind, msg_type, ref, data, bytearray(payload) if payload is not None and n else None,
                          droppable and n == 0)
         self.payload_bytes_sent += n  # handed over to send
         local.net.transmit(local, self._remote, frame, FRAME_OVERHEAD + len(data) + n)

@@ -15,6 +15,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from dtfm.files import atomic_write
+
 from .errors import KeyFileError
 from .identity import Identity
 
@@ -98,32 +100,12 @@ class OperatorKey:
         key = cls.generate()
         key.path = path
         line = f"{_PREFIX}{key._identity.seed.hex()}\n".encode("ascii")
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        except OSError as e:
-            raise KeyFileError(f"cannot create {path}: {e.strerror or e}") from None
-        try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, line)
-            os.fsync(fd)
-            os.close(fd)
-            fd = -1
-            if replace:
-                os.replace(tmp, path)
-            else:
-                os.link(tmp, path)
+            atomic_write(path, line, mode=0o600, replace=replace)
         except FileExistsError:
             raise KeyFileError(f"{path} exists; not overwriting an operator key (use --force to replace it)") from None
         except OSError as e:
             raise KeyFileError(f"cannot write {path}: {e.strerror or e}") from None
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
         return key
 
 

@@ -19,8 +19,11 @@ the stage caps.
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections import Counter, OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 __all__ = ["HandshakeAdmission", "TokenBuckets", "source_key"]
 
@@ -43,37 +46,103 @@ def source_key(host: str) -> str:
 class _Bucket:
     tokens: float
     updated: float
+    until: float = -math.inf  # the end of a grant (`TokenBuckets.grant`)
 
 
-class TokenBuckets:
-    """Token bucket per key: `rate_per_s` refill, `burst` capacity, at most `max_keys` tracked."""
+K = TypeVar("K", bound=Hashable)
 
-    def __init__(self, rate_per_s: float, burst: float, max_keys: int = 4096) -> None:
-        if rate_per_s <= 0 or burst < 1 or max_keys < 1:
-            raise ValueError("rate_per_s > 0, burst >= 1 and max_keys >= 1 required")
+
+class TokenBuckets(Generic[K]):
+    """A token bucket per key: `burst` tokens at most, refilled at `rate_per_s`; at most
+    `max_keys` keys tracked. A key not tracked has a full bucket, so forgetting a key can only
+    make the limit more lenient for it.
+
+    Which key is forgotten when the table is full: `evict="oldest"`, the least recently used
+    (O(1)); `"fullest"`, the one with the most tokens, which is the one a newcomer would start
+    like (O(keys), for small tables whose every bucket must hold).
+
+    `allow` spends a token when there is one; `tokens` and `take` read and spend apart, for a
+    caller that checks several buckets before it spends from any; `touch` tracks a key without
+    spending. `on_forget(key)` is called for each key the bounded table drops."""
+
+    def __init__(self, rate_per_s: float, burst: float, max_keys: int = 4096, *, evict: str = "oldest",
+                 on_forget: Callable[[K], object] | None = None) -> None:
+        if not (math.isfinite(rate_per_s) and rate_per_s >= 0):
+            raise ValueError("rate_per_s must be a non-negative number")
+        if not (math.isfinite(burst) and burst >= 0) or max_keys < 1:
+            raise ValueError("burst must be a non-negative number and max_keys at least 1")
+        if evict not in ("oldest", "fullest"):
+            raise ValueError(f"evict must be 'oldest' or 'fullest', not {evict!r}")
         self.rate_per_s = rate_per_s
         self.burst = burst
         self.max_keys = max_keys
-        self._buckets: OrderedDict[str, _Bucket] = OrderedDict()
+        self._fullest = evict == "fullest"
+        self._on_forget = on_forget
+        self._buckets: OrderedDict[K, _Bucket] = OrderedDict()
 
-    def allow(self, key: str, now: float) -> bool:
+    def tokens(self, key: K, now: float) -> float:
+        """The tokens `key` has at `now` (nothing changes)."""
         b = self._buckets.get(key)
-        if b is None:
-            b = _Bucket(self.burst, now)
-            self._buckets[key] = b
-            if len(self._buckets) > self.max_keys:
-                self._buckets.popitem(last=False)
-        else:
-            self._buckets.move_to_end(key)
-            b.tokens = min(self.burst, b.tokens + (now - b.updated) * self.rate_per_s)
-            b.updated = now
-        if b.tokens >= 1:
-            b.tokens -= 1
-            return True
-        return False
+        return float(self.burst) if b is None else self._level(b, now)
+
+    def allow(self, key: K, now: float) -> bool:
+        """True, and one token spent, if `key` has a token at `now`."""
+        b = self._touch(key, now)
+        allowed = b.tokens >= 1.0
+        if allowed:
+            b.tokens -= 1.0
+        self._bound(now)
+        return allowed
+
+    def take(self, key: K, now: float) -> None:
+        """Spend a token of `key`, or what is left of one."""
+        b = self._touch(key, now)
+        b.tokens = max(0.0, b.tokens - 1.0)
+        self._bound(now)
+
+    def touch(self, key: K, now: float) -> None:
+        """Count `key` as seen at `now` (tracked, most recently used) without spending."""
+        self._touch(key, now)
+        self._bound(now)
+
+    def grant(self, key: K, tokens: float, now: float, duration_s: float) -> None:
+        """Raise `key`'s tokens to `tokens` for `duration_s`, neither capped at `burst` nor
+        refilled while the grant lasts."""
+        b = self._touch(key, now)
+        b.tokens = max(float(tokens), b.tokens)
+        b.until = now + duration_s
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+    def _level(self, b: _Bucket, now: float) -> float:
+        if now <= b.until:
+            return b.tokens
+        return min(float(self.burst), b.tokens + max(0.0, now - b.updated) * self.rate_per_s)
+
+    def _touch(self, key: K, now: float) -> _Bucket:
+        """`key`'s bucket, brought up to `now` (made full if untracked)."""
+        b = self._buckets.get(key)
+        if b is None:
+            b = self._buckets[key] = _Bucket(float(self.burst), now)
+        else:
+            b.tokens = self._level(b, now)
+            b.updated = now
+            if not self._fullest:
+                self._buckets.move_to_end(key)
+        return b
+
+    def _bound(self, now: float) -> None:
+        """Forget one key when over `max_keys` (every call that adds a key comes here but for
+        `grant`: the allowance of the peer we join through may hold a place beyond the table's)."""
+        if len(self._buckets) > self.max_keys:
+            if self._fullest:
+                key = max(self._buckets, key=lambda k: self._level(self._buckets[k], now))
+                del self._buckets[key]
+            else:
+                key = self._buckets.popitem(last=False)[0]
+            if self._on_forget is not None:
+                self._on_forget(key)
 
 
 class HandshakeAdmission:
@@ -92,9 +161,11 @@ class HandshakeAdmission:
         max_tracked: int = 4096,
     ) -> None:
         per_host = max_half_open if max_half_open_per_host is None else max_half_open_per_host
+        if rate_per_s <= 0 or burst < 1:
+            raise ValueError("rate_per_s > 0 and burst >= 1 required")
         if min(max_half_open, per_host, max_pending, max_pending_per_host) < 1:
             raise ValueError("every cap must be >= 1")
-        self._buckets = TokenBuckets(rate_per_s, burst, max_tracked)
+        self._buckets: TokenBuckets[str] = TokenBuckets(rate_per_s, burst, max_tracked)
         self.max_half_open = max_half_open
         self.max_half_open_per_host = per_host
         self.max_pending = max_pending

@@ -105,7 +105,7 @@ class RecordWriter:
             if self._running:
                 self._out_index ^= 1  # the other buffer may still be on its way out
             overhead = PREFIX_BYTES + cipher.tag_bytes
-            if type(frame) is frames.Chunk:
+            if isinstance(frame, frames.Chunk):
                 header, data = frame.header(), frame.data
                 size = 2 * overhead + len(header) + data.nbytes
                 out = self._outs[i] = _grow(self._outs[i], size, self._max_out)
@@ -202,6 +202,7 @@ class RecordReader:
             else:
                 plain = cipher.open_in_place(prefix, record)
             self.last_seen = trio.current_time()
+            event: frames.Message | frames.ChunkData | frames.Rekey | frames.Close | None
             if chunk is not None:
                 event = inbound.on_chunk_data(chunk)
                 chunk = None

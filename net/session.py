@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import nacl.bindings  # noqa: F401  (runs sodium_init: CPU feature detection for the fast paths)
@@ -38,8 +39,8 @@ class Suite:
     name: str
     tag_bytes: int
     nonce_bytes: int
-    encrypt: object
-    decrypt: object
+    encrypt: Callable[..., int]  # libsodium's crypto_aead_*_encrypt through cffi
+    decrypt: Callable[..., int]
 
 
 CHACHA20_POLY1305 = "chacha20poly1305"

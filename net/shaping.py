@@ -16,18 +16,18 @@ from typing import Protocol
 
 import trio
 
-from .frames import ABORT, CHUNK
+from .frames import ABORT, CHUNK, OutFrame
 
 logger = logging.getLogger(__name__)
 
-Transmit = Callable[[bytes], Awaitable[None]]
+Transmit = Callable[[OutFrame], Awaitable[None]]
 
 
 class LinkShape(Protocol):
     async def run(self, transmit: Transmit) -> None:
         """Started in the connection's nursery; loops forever delivering queued frames."""
 
-    async def submit(self, frame: bytes, droppable: bool) -> None:
+    async def submit(self, frame: OutFrame, droppable: bool) -> None:
         """Queue a frame (may apply backpressure); may drop it if droppable. CHUNK and ABORT
         frames must leave in the order they were submitted."""
 
@@ -45,14 +45,14 @@ class PriorityShape:
     """
 
     def __init__(self, max_control_frames: int = 256, max_chunk_frames: int = 2) -> None:
-        self._control: deque[bytes] = deque()
-        self._chunks: deque[bytes] = deque()
+        self._control: deque[OutFrame] = deque()
+        self._chunks: deque[OutFrame] = deque()
         self._max = {False: max_control_frames, True: max_chunk_frames}
         self._not_empty = trio.lowlevel.ParkingLot()
         self._not_full = trio.lowlevel.ParkingLot()
         self.dropped = 0
 
-    async def submit(self, frame: bytes, droppable: bool) -> None:
+    async def submit(self, frame: OutFrame, droppable: bool) -> None:
         is_chunk = frame[0] in (CHUNK, ABORT)
         q = self._chunks if is_chunk else self._control
         if len(q) >= self._max[is_chunk]:

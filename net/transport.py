@@ -66,7 +66,7 @@ REFUSAL_LOG_INTERVAL_S = 60.0
 REFUSAL_LOG_BURST = 10
 
 
-class Transport(Registry):
+class Transport(Registry[Connection]):
     """The TCP implementation of `PeerTransport`."""
 
     def __init__(
@@ -110,14 +110,15 @@ class Transport(Registry):
 
     # ---- running -----------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Host connections without listening (dial-only peers, in-memory tests)."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
 
-    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, host: str, port: int, *,
+                    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on host:port until cancelled; `task_status.started((host, bound_port))`."""
         listeners = await trio.open_tcp_listeners(port, host=host or None)
         bound_port = listeners[0].socket.getsockname()[1]
@@ -175,7 +176,7 @@ class Transport(Registry):
         return await self._nursery.start(self._dialled, stream, remote_address, peer_id, False)
 
     async def _dialled(self, stream: trio.abc.Stream, remote: tuple[str, int], expected: bytes | None,
-                       remember: bool, *, task_status) -> None:
+                       remember: bool, *, task_status: trio.TaskStatus[Connection]) -> None:
         reader = StreamReader(stream)
         try:
             with trio.fail_after(self.config.handshake_timeout_s):
@@ -204,7 +205,7 @@ class Transport(Registry):
                 self._dialled_ids.popitem(last=False)
         await self._run_connection(stream, reader, hs, self.peer_id, remote, task_status)
 
-    async def _handshake_initiator(self, stream, reader) -> HandshakeResult:
+    async def _handshake_initiator(self, stream: trio.abc.Stream, reader: StreamReader) -> HandshakeResult:
         init = Initiator(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites,
                          wall_clock=self._wall_clock)
         await _send_hs(stream, init.first_message())
@@ -263,7 +264,8 @@ class Transport(Registry):
                     "not logged)" if left_out else "")
             logger.warning("refused handshake from %s:%d: %s%s", remote[0], remote[1], reason, more)
 
-    async def _accept_handshake(self, stream, reader, remote) -> HandshakeResult:
+    async def _accept_handshake(self, stream: trio.abc.Stream, reader: StreamReader,
+                                remote: tuple[str, int]) -> HandshakeResult:
         """Wait for the hello as a pending connection, then take a handshake slot for it."""
         host = remote[0]
         msg1: bytes | None = None
@@ -284,7 +286,8 @@ class Transport(Registry):
         finally:
             self._admission.finished(host)
 
-    async def _handshake_responder(self, stream, reader, msg1: bytes) -> HandshakeResult:
+    async def _handshake_responder(self, stream: trio.abc.Stream, reader: StreamReader,
+                                   msg1: bytes) -> HandshakeResult:
         resp = Responder(self.identity, self._swarm_key, PeerHello(self.region, self.listen_address), self._suites,
                          guard=self._hello_guard, wall_clock=self._wall_clock)
         try:
@@ -302,7 +305,9 @@ class Transport(Registry):
 
     # ---- connection registry -----------------------------------------------------------
 
-    async def _run_connection(self, stream, reader, hs, initiator_id, remote, task_status) -> None:
+    async def _run_connection(self, stream: trio.abc.Stream, reader: StreamReader, hs: HandshakeResult,
+                              initiator_id: bytes, remote: tuple[str, int],
+                              task_status: trio.TaskStatus[Connection]) -> None:
         conn = Connection(
             stream,
             reader,

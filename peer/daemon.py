@@ -74,7 +74,8 @@ class Daemon:
         when the daemon leaves. An exception in a service stops the daemon."""
         if self.started_at is not None:
             raise RuntimeError("add services before Daemon.run()")
-        self._services.append((name or getattr(service, "__qualname__", repr(service)), service))
+        label = name if name else str(getattr(service, "__qualname__", repr(service)))
+        self._services.append((label, service))
 
     def add_status_provider(self, name: str, provider: StatusProvider) -> None:
         """Add `name: provider()` to every status report (a msgpack-able value)."""
@@ -100,7 +101,7 @@ class Daemon:
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         listen = self.config.peer.listen
         async with trio.open_nursery() as nursery:
             try:

@@ -31,6 +31,7 @@ from dtfm.net import (
     AddressError,
     Connection,
     ConnectionClosed,
+    PeerConnection,
     HandshakeError,
     ProtocolError,
     RemoteError,
@@ -104,13 +105,13 @@ class Discovery:
         """Call callback(address) when a confirmed address is adopted after start."""
         self._advertise_listeners.append(callback)
 
-    def _maybe_ask(self, conn: "Connection") -> None:
+    def _maybe_ask(self, conn: PeerConnection) -> None:
         if (self.advertiser is not None and self.advertiser.needs_confirmation
                 and not self._asking and self._nursery is not None and not self.leaving):
             self._asking = True
             self._nursery.start_soon(self._ask_address, conn)
 
-    async def _ask_address(self, conn: "Connection") -> None:
+    async def _ask_address(self, conn: PeerConnection) -> None:
         assert self.advertiser is not None
         body = AddressQuery(self.advertiser.query_port()).to_wire()
         try:
@@ -149,8 +150,8 @@ class Discovery:
         for callback in self._advertise_listeners:
             callback(adopted)
 
-    async def _on_address_query(self, conn: "Connection", msg_type: int, body: object,
-                                payload: bytes | None) -> dict:
+    async def _on_address_query(self, conn: PeerConnection, msg_type: int, body: object,
+                                payload: memoryview | None) -> dict:
         query = AddressQuery.from_wire(body)
         try:
             seen = Address(conn.remote_address[0], query.port)
@@ -176,7 +177,7 @@ class Discovery:
     # ---- running -----------------------------------------------------------------------------
 
     async def run(self, bootstrap: tuple[Address, ...], own_address: Address, *,
-                  task_status=trio.TASK_STATUS_IGNORED) -> None:
+                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Discover until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -198,7 +199,7 @@ class Discovery:
                 for conn in self.transport.connections():
                     nursery.start_soon(self._send_goodbye, conn, body)
 
-    async def _send_goodbye(self, conn: "Connection", body: dict) -> None:
+    async def _send_goodbye(self, conn: PeerConnection, body: dict) -> None:
         try:
             await conn.send(DaemonMsg.LEAVING, body)
         except DIAL_ERRORS as e:
@@ -206,9 +207,9 @@ class Discovery:
 
     # ---- connection events -------------------------------------------------------------------
 
-    def _on_connect(self, conn: "Connection") -> None:
+    def _on_connect(self, conn: PeerConnection) -> None:
         self._maybe_ask(conn)
-        address = dialable_address(tuple(conn.listen_address), tuple(conn.remote_address))
+        address = dialable_address(conn.listen_address, conn.remote_address)
         if address is None:
             logger.info("peer %s connected from %s:%s (does not listen)", conn.short_id,
                         *conn.remote_address[:2])
@@ -223,7 +224,7 @@ class Discovery:
         if self._nursery is not None and not self.leaving:
             self._nursery.start_soon(self._exchange_with, conn)
 
-    def _on_disconnect(self, conn: "Connection", reason: str) -> None:
+    def _on_disconnect(self, conn: PeerConnection, reason: str) -> None:
         live = self.transport.connection(conn.peer_id)
         if live is not None and live is not conn:
             return  # a duplicate connection closed; the peer is still connected
@@ -236,15 +237,15 @@ class Discovery:
         logger.info("peer %s disconnected: %s", conn.short_id, reason or "connection closed")
         self._wake_dialler.set()
 
-    async def _on_leaving(self, conn: "Connection", msg_type: int, body: object,
-                          payload: bytes | None) -> None:
+    async def _on_leaving(self, conn: PeerConnection, msg_type: int, body: object,
+                          payload: memoryview | None) -> None:
         msg = Leaving.from_wire(body)
         if self.book.left(conn.peer_id, trio.current_time(), msg.reason) is not None:
             logger.info("peer %s left the swarm: %s", conn.short_id, msg.reason or "no reason")
         return None
 
-    async def _on_peer_exchange(self, conn: "Connection", msg_type: int, body: object,
-                                payload: bytes | None) -> dict:
+    async def _on_peer_exchange(self, conn: PeerConnection, msg_type: int, body: object,
+                                payload: memoryview | None) -> dict:
         exchange = PeerExchange.from_wire(body, max_peers=self.config.exchange_max_peers)
         if not self._learn(conn, exchange):
             return PeerExchange(()).to_wire()
@@ -256,7 +257,7 @@ class Discovery:
         sample = self.book.sample_connected(self.config.exchange_max_peers, exclude=exclude)
         return PeerExchange(tuple(PeerRecord(e.peer_id, e.address, e.region) for e in sample))
 
-    def _learn(self, conn: "Connection", exchange: PeerExchange) -> bool:
+    def _learn(self, conn: PeerConnection, exchange: PeerExchange) -> bool:
         """Take in a peer's address list; False if it came over that peer's rate."""
         now = trio.current_time()
         if not self.exchange_rate.allow(conn.peer_id, now):
@@ -272,7 +273,7 @@ class Discovery:
             self._wake_dialler.set()
         return True
 
-    async def _exchange_with(self, conn: "Connection") -> None:
+    async def _exchange_with(self, conn: PeerConnection) -> None:
         body = self._exchange_body(exclude=conn.peer_id).to_wire()
         try:
             reply, _ = await conn.request(DaemonMsg.PEER_EXCHANGE, body,

@@ -267,9 +267,9 @@ class StatusCollector(Collector):
                 ("dtfm_run_steps_lost", "steps_lost", "completed steps the rollbacks ran again")):
             v = _num(counts.get(key))
             if v is not None:
-                family = CounterMetricFamily(name, text, labels=["run_id"])
-                family.add_metric([run], v)
-                yield family
+                counter = CounterMetricFamily(name, text, labels=["run_id"])
+                counter.add_metric([run], v)
+                yield counter
         last = _num(counts.get("last_step_at"))
         if last is not None and now is not None:
             family = GaugeMetricFamily("dtfm_run_seconds_since_last_step", "seconds since the coordinator logged "
@@ -337,7 +337,7 @@ class MetricsPart:
         self.config = config
         self.address: tuple[str, int] | None = None
 
-    async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             self.address = await nursery.start(serve_metrics, metrics_registry(daemon.status), self.config)
             task_status.started()
@@ -353,7 +353,7 @@ def _host(host: str) -> str:
 # ---- the HTTP endpoint ---------------------------------------------------------------------------
 
 async def serve_metrics(registry: CollectorRegistry, config: MetricsConfig, *,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
     """Answer `GET /metrics` on `config.listen` until cancelled; `task_status.started` gets the
     bound (host, port)."""
     if config.listen is None:

@@ -17,6 +17,7 @@ from dtfm.net import (
     ProtocolError,
     get_bool,
     get_bytes,
+    get_dict,
     get_int,
     get_list,
     get_str,
@@ -47,10 +48,11 @@ class PeerRecord:
 
     @classmethod
     def from_wire(cls, obj: object) -> "PeerRecord":
-        peer_id = get_bytes(obj, "id", PEER_ID_BYTES, PEER_ID_BYTES)
-        host = get_str(obj, "host", MAX_HOST_LEN)
-        port = get_int(obj, "port", 1, 65535)
-        region = get_str(obj, "region", MAX_REGION_LEN)
+        d = get_dict(obj, "peer record")
+        peer_id = get_bytes(d, "id", PEER_ID_BYTES, PEER_ID_BYTES)
+        host = get_str(d, "host", MAX_HOST_LEN)
+        port = get_int(d, "port", 1, 65535)
+        region = get_str(d, "region", MAX_REGION_LEN)
         try:
             address = Address(host, port)
         except AddressError as e:
@@ -71,7 +73,7 @@ class PeerExchange:
 
     @classmethod
     def from_wire(cls, obj: object, *, max_peers: int = MAX_EXCHANGE_PEERS) -> "PeerExchange":
-        items = get_list(obj, "peers", max_peers)
+        items = get_list(get_dict(obj, "peer exchange"), "peers", max_peers)
         return cls(tuple(PeerRecord.from_wire(item) for item in items))
 
 
@@ -86,7 +88,7 @@ class Leaving:
 
     @classmethod
     def from_wire(cls, obj: object) -> "Leaving":
-        return cls(get_str(obj, "reason", MAX_REASON_LEN))
+        return cls(get_str(get_dict(obj, "leaving"), "reason", MAX_REASON_LEN))
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class AddressQuery:
 
     @classmethod
     def from_wire(cls, obj: object) -> "AddressQuery":
-        return cls(get_int(obj, "port", 1, 65535))
+        return cls(get_int(get_dict(obj, "address query"), "port", 1, 65535))
 
 
 @dataclass(frozen=True)
@@ -119,9 +121,10 @@ class AddressSeen:
 
     @classmethod
     def from_wire(cls, obj: object) -> "AddressSeen":
-        host = get_str(obj, "host", MAX_HOST_LEN)
-        port = get_int(obj, "port", 1, 65535)
-        confirmed = get_bool(obj, "confirmed")
+        d = get_dict(obj, "address seen")
+        host = get_str(d, "host", MAX_HOST_LEN)
+        port = get_int(d, "port", 1, 65535)
+        confirmed = get_bool(d, "confirmed")
         try:
             address = Address(host, port)
         except AddressError as e:

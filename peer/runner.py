@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import trio
 
-from dtfm.net import IDENTITY_FILE, Identity, Transport, load_swarm_key, swarm_key_fingerprint
+from dtfm.net import IDENTITY_FILE, Identity, LinkShaper, Transport, load_swarm_key, swarm_key_fingerprint
 
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
@@ -44,7 +44,7 @@ async def run_until_signal(daemon: Daemon) -> None:
             nursery.cancel_scope.cancel()
 
 
-def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper=None) -> Daemon:
+def build_daemon(config: DaemonConfig, data_dir: DataDir, shaper: LinkShaper | None = None) -> Daemon:
     if config.peer.swarm_key_file is None:
         raise ConfigError("joining needs the swarm key: pass --swarm-key FILE (make one with "
                           "`dtfm-peer swarm-key new --out FILE` and copy it to every peer)")
@@ -75,7 +75,7 @@ def preload(names: str) -> None:
         logger.info("%s loaded at start (%s)", name, PRELOAD_ENV)
 
 
-def warn_if_readable_by_others(path) -> bool:
+def warn_if_readable_by_others(path: str | os.PathLike[str]) -> bool:
     """Log a warning when a secret file may be read by its group or by others; True if so."""
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)

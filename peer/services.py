@@ -148,7 +148,7 @@ class GossipPart:
         self.clock_jump_s = 0.0  # an emulated jump of this peer's wall clock (the `emulate` op): gossip's signed times
         self.codec_ns, self.codec_probe = codec_speed_setting(config)  # (ConfigError here, before the daemon starts)
 
-    async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         config = self.config
         compute_ms, codec_ns = config.gossip.compute_ms or None, self.codec_ns
         speed = self_speed(config, daemon.data_dir.root, compute=compute_ms is None,
@@ -186,7 +186,7 @@ class GossipPart:
             with trio.move_on_after(2.0):
                 await self.service.leave()
 
-    async def join_bootstrap(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def join_bootstrap(self, daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Join the swarm through the bootstrap peers. They may still be starting: retry with
         backoff until one answers or gossip has found the swarm some other way."""
         service = self.service
@@ -237,7 +237,7 @@ class PlanePart:
         self.gossip = gossip
         self.plane: ControlPlane | None = None  # once `run` has started it
 
-    async def run(self, daemon: Daemon, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, daemon: Daemon, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         service = self.gossip.service
         if service is None:
             raise RuntimeError("the gossip service must start before the control plane")

@@ -167,7 +167,7 @@ class ControlServer:
     def ops(self) -> list[str]:
         return sorted(self._handlers)
 
-    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen until cancelled; the socket file is removed on the way out."""
         if not peer_credentials_supported():
             raise ControlSocketError(

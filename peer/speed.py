@@ -31,6 +31,8 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dtfm.files import atomic_write
+
 __all__ = ["PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
 
 logger = logging.getLogger(__name__)
@@ -127,19 +129,17 @@ class SpeedCache:
         compute = figures.compute_ms if figures.compute_ms is not None else old.compute_ms
         codec = figures.codec_ns if figures.codec_ns is not None else old.codec_ns
         body = {"key": asdict(self.key), "compute_ms": compute, "codec_ns": None if codec is None else list(codec)}
-        tmp = self.path.with_name(self.path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(body, indent=1) + "\n")
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(body, indent=1) + "\n")
         except OSError as e:
             logger.warning("cannot keep this peer's speed figures in %s: %s (measured again at the next start)",
                            self.path, e.strerror)
 
 
 def _compute_or_none(v: object) -> float | None:
-    if type(v) not in (int, float) or not math.isfinite(v) or not 0 < v < 1e7:  # type: ignore[arg-type]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v < 1e7:
         return None
-    return float(v)  # type: ignore[arg-type]
+    return float(v)
 
 
 def _codec_or_none(v: object) -> tuple[float, ...] | None:

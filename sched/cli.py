@@ -230,7 +230,8 @@ def _compare(args) -> int:
         c = model.total(X)
         if c < best_cost:
             best_rand, best_cost = X, c
-    rows[f"random (best of {args.random_samples})"] = best_rand
+    if best_rand is not None:  # (no row with --random-samples 0)
+        rows[f"random (best of {args.random_samples})"] = best_rand
     rows["region per DP group"] = matcher.realize(dp_aligned(order, S, D)[0])
     rows["region per pipeline"] = pp_aligned(order, S, D)[0]
     rows["homogeneous (consecutive)"] = consecutive(n, S, D)[0]

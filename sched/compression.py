@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from types import MappingProxyType
-from typing import Iterable, Protocol
+from typing import Any, Iterable, Protocol, TypeVar
+
+from dtfm.fromdict import from_dict
 
 __all__ = ["CODEC_SPEED_LEN", "CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
            "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "load_codec_speed",
@@ -189,19 +192,15 @@ class CodecSpeed:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CodecSpeed":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown codec speed fields {sorted(unknown)}; expected {sorted(names)}")
-        return cls(**{k: float(v) for k, v in d.items()})
+    def from_dict(cls, d: Mapping[str, Any]) -> "CodecSpeed":
+        return from_dict(cls, d, "codec speed", float)
 
     def to_vector(self) -> tuple[float, ...]:
         """The figures in field order (`CODEC_SPEED_LEN` floats): what a gossip report carries."""
         return tuple(float(getattr(self, f.name)) for f in fields(self))
 
     @classmethod
-    def from_vector(cls, v) -> "CodecSpeed":
+    def from_vector(cls, v: Iterable[float]) -> "CodecSpeed":
         """The inverse of `to_vector`; ValueError for a vector of the wrong length or values."""
         v = tuple(v)
         names = [f.name for f in fields(cls)]
@@ -392,16 +391,18 @@ def _list(v: object, limit: int) -> list:
     return v
 
 
-def _pick(codecs: list, k: object):
+def _pick(codecs: list[C], k: object) -> C:
     if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(codecs):
         raise ValueError(f"codec index {k!r} is not one of the {len(codecs)} listed")
     return codecs[k]
 
 
+C = TypeVar("C", PipelineCodec, DataParallelCodec)
+
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "bool": bool, "int": int, "float": (int, float)}
 
 
-def _codec(kind, d: object):
+def _codec(kind: type[C], d: object) -> C:
     names = {f.name: f.type for f in fields(kind)}
     if not isinstance(d, dict) or set(d) != set(names):
         raise ValueError(f"a {kind.__name__} is a map of {sorted(names)}")

@@ -7,6 +7,8 @@ region labels, peers close to each other) are adjacent.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 
 from .cost import CostModel
@@ -23,7 +25,7 @@ __all__ = [
 ]
 
 
-def locality_order(hop: np.ndarray, regions=None) -> np.ndarray:
+def locality_order(hop: np.ndarray, regions: Sequence[str] | None = None) -> np.ndarray:
     """Peers grouped by region label (first appearance order), or a nearest-neighbour chain."""
     n = hop.shape[0]
     if regions is not None:
@@ -63,7 +65,7 @@ def random_allocation(n: int, S: int, D: int, rng: np.random.Generator) -> tuple
     return perm[:S * D].reshape(S, D).copy(), perm[S * D:].copy()
 
 
-def aligned_blocks(order: np.ndarray, regions, S: int, D: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+def aligned_blocks(order: np.ndarray, regions: Sequence[str] | None, S: int, D: int, block: int) -> tuple[np.ndarray, np.ndarray]:
     """Pipelines built from segments of `block` consecutive stages, each segment inside one region
     where the region has room, segment k going to pipeline k mod D at stage block k // D, so
     segments of one region line up at the same stages. block = 1 gives one region per DP group,
@@ -94,7 +96,7 @@ def aligned_blocks(order: np.ndarray, regions, S: int, D: int, block: int) -> tu
     return X, spares
 
 
-def given(pipelines, n: int) -> tuple[np.ndarray, np.ndarray]:
+def given(pipelines: Iterable[Iterable[int]], n: int) -> tuple[np.ndarray, np.ndarray]:
     """An allocation handed in as D pipelines of S peer indices (a warm start), checked: every
     pipeline as long, peers distinct and in [0, n). The peers left out are the spares."""
     pipes = [[int(v) for v in p] for p in pipelines]
@@ -109,7 +111,7 @@ def given(pipelines, n: int) -> tuple[np.ndarray, np.ndarray]:
     return X.copy(), np.setdiff1d(np.arange(n, dtype=np.int64), X.ravel())
 
 
-def constructions(model: CostModel, S: int, D: int, regions, rng: np.random.Generator,
+def constructions(model: CostModel, S: int, D: int, regions: Sequence[str] | None, rng: np.random.Generator,
                   count: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """The starting allocations of a search: every construction above for the locality order,
     the same over peers sorted fastest first when speeds differ, and `count` random ones."""

@@ -134,7 +134,7 @@ class CostModel:
         self.memory_on = self.memory is not None and wl.layer_memory_gib is not None
         self.compute_on = wl.layer_compute_s is not None
         self.speed = self.compute if self.compute is not None else np.ones(n)
-        if self.memory_on:
+        if self.memory is not None and wl.layer_memory_gib is not None:  # memory_on
             room = (self.memory - wl.base_memory_gib) / wl.layer_memory_gib
             self.layer_cap = np.floor(np.maximum(room, 0) + 1e-9).astype(np.int64)
         else:
@@ -295,7 +295,7 @@ class CostModel:
 
 
 
-def paper_breakdown(delay_ms, bandwidth_gbps, workload: Workload, X: np.ndarray) -> CostBreakdown:
+def paper_breakdown(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, workload: Workload, X: np.ndarray) -> CostBreakdown:
     """The paper objective of allocation X, reading only the links it uses: each DP group's
     D x D block and each boundary's D hops. For networks too large for a `CostModel` (which holds
     several N x N matrices); the matrices may be float32 or memory-mapped. The same arithmetic as
@@ -322,7 +322,8 @@ def paper_breakdown(delay_ms, bandwidth_gbps, workload: Workload, X: np.ndarray)
                          boundary_s=tuple(float(v) for v in bound))
 
 
-def _link_blocks(delay_ms, bandwidth_gbps, ix) -> tuple[np.ndarray, np.ndarray]:
+def _link_blocks(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray,
+                 ix: tuple[np.ndarray, ...]) -> tuple[np.ndarray, np.ndarray]:
     """(latency s, seconds per GB) of the links indexed by ix, as the cost model computes them:
     zero on a peer's link to itself."""
     a = np.asarray(delay_ms[ix], dtype=float) / 1e3  # indexed as the model gathers, so sums add up alike

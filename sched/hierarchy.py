@@ -27,7 +27,7 @@ Only the paper objective with an even split (no compute, memory, uneven layers o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +57,7 @@ class HierarchyResult:
 class LinkBlocks:
     """Blocks of the hop time a + c_act / b, read from the matrices as they were handed in."""
 
-    def __init__(self, delay_ms, bandwidth_gbps, act_gb: float) -> None:
+    def __init__(self, delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, act_gb: float) -> None:
         self.delay, self.bw, self.act_gb = delay_ms, bandwidth_gbps, act_gb
 
     def hop(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -110,7 +110,7 @@ def _k_center(links: LinkBlocks, members: np.ndarray, k: int, natural: bool = Fa
     return [members[label == c] for c in range(len(centres)) if np.any(label == c)]
 
 
-def cluster_peers(links: LinkBlocks, n: int, regions, max_peers: int, min_peers: int = 1) -> list[np.ndarray]:
+def cluster_peers(links: LinkBlocks, n: int, regions: Sequence[str] | None, max_peers: int, min_peers: int = 1) -> list[np.ndarray]:
     """Peer indices per cluster: region labels (first appearance order), or without them the
     natural clusters of the delays (at most n // min_peers); then k-center splits of any
     cluster over max_peers."""
@@ -157,7 +157,7 @@ def _sub_workload(wl: Workload, groups: int, by_pipeline: bool) -> Workload:
     return Workload(groups, wl.dp, per * groups, wl.grad_gb_total * groups / wl.stages, wl.act_gb)
 
 
-def _solve_part(delay_ms, bandwidth_gbps, wl: Workload, peers: np.ndarray, units: int, by_pipeline: bool,
+def _solve_part(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, wl: Workload, peers: np.ndarray, units: int, by_pipeline: bool,
                 seed: int, deadline_s: float, config: SearchConfig,
                 clock: Callable[[], float]) -> tuple[np.ndarray, np.ndarray, dict]:
     """The flat search on the block of `peers`: (groups, D) or (S, pipelines) global indices, and
@@ -253,7 +253,7 @@ def _layout(links: LinkBlocks, clusters: list[np.ndarray], wl: Workload, by_pipe
     return shares, left, _assemble(links, parts, by_pipeline)
 
 
-def _solve_layout(delay_ms, bandwidth_gbps, wl: Workload, links: LinkBlocks, clusters: list[np.ndarray],
+def _solve_layout(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, wl: Workload, links: LinkBlocks, clusters: list[np.ndarray],
                   by_pipeline: bool, screen: tuple, seed: int, deadline_s: float, config: SearchConfig,
                   clock: Callable[[], float]) -> tuple[float, np.ndarray, np.ndarray, list[dict], bool]:
     """Each cluster's part searched flat, the pool's too, then assembled: (cost, X, spares,
@@ -296,7 +296,8 @@ def _solve_layout(delay_ms, bandwidth_gbps, wl: Workload, links: LinkBlocks, clu
     return cost, X, spares, stats_parts, by_pipeline
 
 
-def solve_hierarchy(delay_ms, bandwidth_gbps, wl: Workload, *, regions=None, seed: int = 0,
+def solve_hierarchy(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, wl: Workload, *,
+                    regions: Sequence[str] | None = None, seed: int = 0,
                     deadline_s: float, config: SearchConfig,
                     clock: Callable[[], float] = time.perf_counter) -> HierarchyResult:
     """An allocation of wl.stages x wl.dp peers of the (N, N) matrices, by hierarchy (see above)."""

@@ -13,6 +13,8 @@ uneven layers) it screens: the best few candidates are re-scored exactly before 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .cost import CostModel, nearly_symmetric
@@ -24,7 +26,7 @@ _VERIFY = 4  # candidates re-scored exactly per peer when the extensions are on
 
 
 class SwapSearch:
-    def __init__(self, model: CostModel, rng: np.random.Generator, deadline) -> None:
+    def __init__(self, model: CostModel, rng: np.random.Generator, deadline: Callable[[], bool]) -> None:
         self.m = model
         self.rng = rng
         self.deadline = deadline  # callable -> True when time is up
@@ -117,7 +119,7 @@ class SwapSearch:
             hs += h - self.Hb[s, p]
         return out, hs
 
-    def _far_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray):
+    def _far_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Scores (net, sec) of swapping x with every active peer (its own stage excluded)."""
         X, m = self.X, self.m
         S, D = X.shape
@@ -186,7 +188,7 @@ class SwapSearch:
             hs += h.sum(axis=1) - self.Hb[hi].sum()
         return out, hs
 
-    def _spare_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray):
+    def _spare_swaps(self, s: int, p: int, excl: np.ndarray, row_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         new_s = row_s[self.Z]
         dpx = self.dpst.copy()
         dpx[s] = -np.inf
@@ -205,7 +207,7 @@ class SwapSearch:
             X[s, p], X[t, q] = X[t, q], X[s, p]
         return X, Z
 
-    def _candidates(self, s: int, p: int):
+    def _candidates(self, s: int, p: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(net, sec, kind, t, q) arrays of every swap partner of X[s, p]."""
         X = self.X
         S, D = X.shape
@@ -224,8 +226,11 @@ class SwapSearch:
             [np.repeat(np.arange(S), D)], [np.tile(np.arange(D), S)]
         if len(self.Z):
             net_z, sec_z = self._spare_swaps(s, p, excl, row_s)
-            nets.append(net_z), secs.append(sec_z), kinds.append(np.ones(len(self.Z), np.int8))
-            ts.append(np.arange(len(self.Z))), qs.append(np.zeros(len(self.Z), np.int64))
+            nets.append(net_z)
+            secs.append(sec_z)
+            kinds.append(np.ones(len(self.Z), np.int8))
+            ts.append(np.arange(len(self.Z)))
+            qs.append(np.zeros(len(self.Z), np.int64))
         return (np.concatenate(nets), np.concatenate(secs), np.concatenate(kinds),
                 np.concatenate(ts), np.concatenate(qs))
 

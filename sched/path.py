@@ -12,13 +12,14 @@ from collections.abc import Callable
 from functools import lru_cache
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 __all__ = ["open_path", "path_cost", "EXACT_MAX_NODES"]
 
 EXACT_MAX_NODES = 14
 
 
-def path_cost(E: np.ndarray, order) -> float:
+def path_cost(E: np.ndarray, order: ArrayLike) -> float:
     order = np.asarray(order)
     return float(E[order[:-1], order[1:]].sum())
 
@@ -134,6 +135,8 @@ def _heuristic(E: np.ndarray, starts: int = 8, stop: Callable[[], bool] | None =
         c = path_cost(E, o)
         if c < best_cost - 1e-12:
             best_cost, best = c, o
+    if best is None:
+        raise ValueError("a path needs at least one node")
     return best_cost, [int(v) for v in best]
 
 

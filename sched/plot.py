@@ -8,6 +8,9 @@ the scheduler found for each pipeline's neighbours sit on the diagonal.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -17,7 +20,8 @@ import numpy as np  # noqa: E402
 __all__ = ["plot_allocation"]
 
 
-def plot_allocation(path, delay_ms: np.ndarray, regions: list[str], X: np.ndarray, spares, title: str) -> None:
+def plot_allocation(path: str | os.PathLike[str], delay_ms: np.ndarray, regions: list[str], X: np.ndarray,
+                    spares: Sequence[int], title: str) -> None:
     S, D = X.shape
     names = list(dict.fromkeys(regions))
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")

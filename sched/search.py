@@ -170,7 +170,7 @@ class ShapeSearch:
                 return best, X, Z
             best, X, Z = found
 
-    def _split_pairs(self, X: np.ndarray, Z: np.ndarray, best: float):
+    def _split_pairs(self, X: np.ndarray, Z: np.ndarray, best: float) -> tuple[float, np.ndarray, np.ndarray] | None:
         """First re-split of the 2D members of two groups into two new groups that lowers the cost."""
         S, D = X.shape
         if D > 6:
@@ -191,7 +191,7 @@ class ShapeSearch:
                         return c, X2, Z
         return None
 
-    def _regroup(self, X: np.ndarray, Z: np.ndarray, best: float):
+    def _regroup(self, X: np.ndarray, Z: np.ndarray, best: float) -> tuple[float, np.ndarray, np.ndarray] | None:
         """First swap between groups (or with a spare) that lowers the cost once re-matched."""
         S, D = X.shape
         cells = [(s, p) for s in range(S) for p in range(D)]
@@ -222,7 +222,7 @@ class ShapeSearch:
             while len(grp) < self.D:
                 cand = np.flatnonzero(free)
                 if grp:
-                    score = w[np.ix_(pool_arr[cand], grp)].max(axis=1)
+                    score = w[np.ix_(pool_arr[cand], np.asarray(grp, dtype=np.int64))].max(axis=1)
                     k = cand[int(np.argmin(score))]
                 else:
                     k = cand[int(self.rng.integers(len(cand)))]

@@ -14,7 +14,7 @@ it under the search's objective and, among equally cheap allocations, stays clos
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,15 +67,17 @@ class Allocation:
         }
 
 
-def cost_model(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, stages: int, dp: int, *,
-               compute=None, memory_gib=None, uneven_layers: bool = False,
+def cost_model(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec, stages: int,
+               dp: int, *, compute: np.ndarray | None = None, memory_gib: np.ndarray | None = None,
+               uneven_layers: bool = False,
                compression: CompressionOptions | None = None) -> CostModel:
     return CostModel(delay_ms, bandwidth_gbps, spec.workload(stages, dp), compute=compute,
                      memory_gib=memory_gib, uneven_layers=uneven_layers, compression=compression)
 
 
-def evaluate(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, pipelines, *, compute=None,
-             memory_gib=None, uneven_layers: bool = False,
+def evaluate(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec,
+             pipelines: Iterable[Iterable[int]], *, compute: np.ndarray | None = None,
+             memory_gib: np.ndarray | None = None, uneven_layers: bool = False,
              compression: CompressionOptions | None = None) -> CostBreakdown:
     """Cost of given pipelines (list of D lists of S peers)."""
     X = np.array(pipelines, dtype=np.int64).T
@@ -84,7 +86,7 @@ def evaluate(delay_ms, bandwidth_gbps, spec: CommSpec | ModelSpec, pipelines, *,
 
 
 def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool = True,
-                     uneven_layers: bool = False, memory_gib=None) -> list[tuple[int, int]]:
+                     uneven_layers: bool = False, memory_gib: np.ndarray | None = None) -> list[tuple[int, int]]:
     """(S, D) shapes worth trying for n peers: S divides the layers (unless uneven), fits memory."""
     shapes = []
     for S in range(1, min(spec.layers, n) + 1):
@@ -104,9 +106,11 @@ def candidate_shapes(n: int, spec: CommSpec | ModelSpec, *, allow_spares: bool =
     return shapes
 
 
-def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, uneven_layers,
-                 regions, seed, deadline_s, config, initial=None, compression=None,
-                 hierarchy_seed: bool = False) -> _Found:
+def _solve_shape(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec, S: int, D: int,
+                 *, compute: np.ndarray | None, memory_gib: np.ndarray | None, uneven_layers: bool,
+                 regions: Sequence[str] | None, seed: int, deadline_s: float, config: SearchConfig,
+                 initial: tuple[np.ndarray, np.ndarray] | None = None,
+                 compression: CompressionOptions | None = None, hierarchy_seed: bool = False) -> _Found:
     model = cost_model(delay_ms, bandwidth_gbps, spec, S, D, compute=compute, memory_gib=memory_gib,
                        uneven_layers=uneven_layers, compression=compression)
     clock = config.clock()
@@ -124,15 +128,16 @@ def _solve_shape(delay_ms, bandwidth_gbps, spec, S, D, *, compute, memory_gib, u
     if initial is not None:  # first: on a tie with a construction the warm start wins
         seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
-    stats = {"generations": search.generations, "realized": search.realized,
+    stats: dict[str, object] = {"generations": search.generations, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
     if tree is not None:
         stats["hierarchy_start"] = {"cost_s": model.total(tree.X), "generations": tree.stats["generations"]}
     return cost, model.breakdown, X, Z, stats
 
 
-def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, seed, deadline_s,
-                              config) -> _Found:
+def _solve_shape_by_hierarchy(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec,
+                              S: int, D: int, *, regions: Sequence[str] | None, seed: int, deadline_s: float,
+                              config: SearchConfig) -> _Found:
     wl = spec.workload(S, D)
     res = solve_hierarchy(delay_ms, bandwidth_gbps, wl, regions=regions, seed=seed, deadline_s=deadline_s,
                           config=config, clock=config.clock())
@@ -143,7 +148,9 @@ def _solve_shape_by_hierarchy(delay_ms, bandwidth_gbps, spec, S, D, *, regions, 
     return score(res.X).total_s, score, res.X, res.spares, {"hierarchy": True, **res.stats}
 
 
-def _paper_objective_only(spec, shapes, *, compute, memory_gib, uneven_layers, compression, initial) -> bool:
+def _paper_objective_only(spec: CommSpec | ModelSpec, shapes: list[tuple[int, int]], *,
+                          compute: np.ndarray | None, memory_gib: np.ndarray | None, uneven_layers: bool,
+                          compression: CompressionOptions | None, initial: object) -> bool:
     """True when the hierarchy computes the same objective the flat search would."""
     if compute is not None or memory_gib is not None or uneven_layers or initial is not None:
         return False
@@ -155,9 +162,10 @@ def _paper_objective_only(spec, shapes, *, compute, memory_gib, uneven_layers, c
 
 def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | ModelSpec, *,
           stages: int | str | None = None, dp: int | None = None, compute: np.ndarray | None = None,
-          memory_gib: np.ndarray | None = None, regions=None, seed: int = 0,
+          memory_gib: np.ndarray | None = None, regions: Sequence[str] | None = None, seed: int = 0,
           time_budget_s: float = 20.0, generations: int | None = None, allow_spares: bool = True,
-          uneven_layers: bool = False, config: SearchConfig | None = None, initial=None,
+          uneven_layers: bool = False, config: SearchConfig | None = None,
+          initial: Iterable[Iterable[int]] | None = None,
           compression: CompressionOptions | None = None, hierarchical: bool | None = None) -> Allocation:
     """Search an allocation of the N peers of the (N, N) matrices for the model in `spec`.
 
@@ -182,7 +190,7 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
     start = clock()
     if stages is None:
         d = getattr(spec, "default_stages", 0) * getattr(spec, "default_dp", 0)
-        stages = getattr(spec, "default_stages", None) if 0 < d <= n else "auto"
+        stages = getattr(spec, "default_stages") if 0 < d <= n else "auto"
         dp = getattr(spec, "default_dp", None) if stages != "auto" and dp is None else dp
     if stages == "auto":
         shapes = candidate_shapes(n, spec, allow_spares=allow_spares, uneven_layers=uneven_layers,
@@ -231,6 +239,8 @@ def solve(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpec | Mod
                              initial=warm if warm is not None and warm[0].shape == (S, D) else None)
         if best is None or found[0] < best[0] - 1e-12:
             best = found
+    if best is None:
+        raise ValueError("no shape to search")
     _, score, X, Z, stats = best
     pipelines = tuple(tuple(int(v) for v in col) for col in X.T)
     # the cost of the printed pipelines, computed as `evaluate` computes it from them

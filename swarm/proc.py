@@ -11,8 +11,9 @@ import tomllib
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from dtfm.files import atomic_write
 from dtfm.peer import ControlClient, ControlClientError, DaemonNotRunning, DataDir, SocketConfig
 from dtfm.scenarios import load_scenario
 
@@ -141,9 +142,7 @@ def peer_config(run_dir: Path, peers: int) -> Path:
     except FileNotFoundError:
         current = None
     if current is None or (current != text and loopback_cap(peers) > _loopback_in(current)):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        atomic_write(path, text)
     return path
 
 
@@ -256,7 +255,7 @@ def swarm_view(report: dict) -> tuple[int, int, int, bool]:
 
 
 def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bool,
-                   out=sys.stderr) -> None:
+                   out: TextIO = sys.stderr) -> None:
     """Block until every live peer sees every live peer alive (and, if asked, a complete view)."""
     deadline = time.monotonic() + timeout_s
     live = [p for p in state.peers if p.alive()]

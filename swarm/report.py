@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from dtfm.sched import ModelSpec
+    from dtfm.sched import Allocation, ModelSpec
 
 from dtfm.peer import plural, reconfiguration_parts
 
@@ -24,7 +24,7 @@ def status_report(state: SwarmState) -> dict:
     """The whole swarm as one JSON-able dict, the measured matrix as seen by one live peer.
     `peers` stay in the scenario's order (the matrices follow it); each says its training
     role, term and whether it is the coordinator, which the report names at the top."""
-    peers_out = []
+    peers_out: list[dict[str, Any]] = []
     trainings = []
     observer = None
     for p in state.peers:
@@ -251,7 +251,7 @@ def demo_model(n_peers: int) -> ModelSpec:
                      global_batch_seqs=8 * n_peers)
 
 
-def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
+def schedule_measured(report: dict, *, time_budget_s: float = 5.0) -> Allocation:
     """Run the scheduler on the swarm's measured view for the demo model."""
     from dtfm.sched import solve
 
@@ -267,7 +267,7 @@ def schedule_measured(report: dict, *, time_budget_s: float = 5.0):
                  allow_spares=False)
 
 
-def format_allocation(report: dict, alloc) -> str:
+def format_allocation(report: dict, alloc: Allocation) -> str:
     names = [f"{p['name']}({p['region']})" for p in report["peers"]]
     lines = [(f"allocation on the measured view: {plural(alloc.stages, 'stage')} x {plural(alloc.dp, 'pipeline')}, "
              f"predicted cost {alloc.cost.paper_s:.3f} s (DP {alloc.cost.dp_s:.3f} + "

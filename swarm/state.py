@@ -22,9 +22,10 @@ import json
 import os
 import signal
 import stat
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from dtfm.files import atomic_write
 
 STATE_FILE = "swarm.json"
 KEY_FILE = "swarm.key"
@@ -177,17 +178,7 @@ def load_state(run_dir: Path) -> SwarmState:
 
 def save_state(run_dir: Path, state: SwarmState) -> None:
     ensure_run_dir(run_dir)
-    data = json.dumps(asdict(state), indent=2)
-    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=".swarm.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, run_dir / STATE_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(run_dir / STATE_FILE, json.dumps(asdict(state), indent=2), mode=0o600)
 
 
 def pid_alive(pid: int) -> bool:

@@ -21,14 +21,13 @@ into the run dir, atomically:
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dtfm.files import atomic_write
 from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 from dtfm.peer import send_start, steps_done
 
@@ -86,7 +85,7 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path
     reply = send_start(send, lambda: _term(peer), (SwarmError,), lambda text: print(text, file=sys.stderr))
     record = {"run_id": reply.get("run_id"), "started_at": started_at, "issuer": peer.name,
               "request": args, "allocation": reply}
-    _write_atomic(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n")
+    atomic_write(run_dir / RUN_NAME, json.dumps(record, sort_keys=True) + "\n", mode=0o600)
     return reply
 
 
@@ -124,23 +123,10 @@ def read_log(path: Path) -> list[dict]:
     return rows
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_jsonl(path: Path, rows: Iterable[dict]) -> Path:
     """Write `rows` as JSON lines: into a temporary file beside `path`, then renamed over it,
     so a reader sees the old file or the new one, never a part."""
-    _write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    atomic_write(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows), mode=0o600)
     return path
 
 
@@ -204,7 +190,8 @@ def sync_logs(run_dir: Path, state: SwarmState) -> tuple[list[dict], list[dict]]
     """Merge every peer's train.jsonl and events.jsonl into the run dir (each file written only
     when some peer has one); returns (train lines, events)."""
     run = current_run(run_dir)
-    train_src, event_src = [], []
+    train_src: list[list[dict]] = []
+    event_src: list[list[dict]] = []
     for peer in state.peers:
         for name, into in ((LOG_NAME, train_src), (EVENTS_NAME, event_src)):
             path = Path(peer.data_dir) / name

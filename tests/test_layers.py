@@ -20,21 +20,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 # Bottom up. A package may import the packages in its set, and nothing else of dtfm. `lazy`
-# (one module: a package's lazy exports) and `cli_base` (one module: what the command-line
-# tools share) are below them all.
+# (one module: a package's lazy exports), `files` (files replaced whole), `fromdict` (a
+# dataclass from a dict, unknown keys refused) and `cli_base` (what the command-line tools
+# share) are below them all.
+_BASE = frozenset({"lazy", "files", "fromdict"})
 ALLOWED: dict[str, frozenset[str]] = {
     "lazy": frozenset(),
+    "files": frozenset(),
+    "fromdict": frozenset(),
     "cli_base": frozenset(),
     "scenarios": frozenset(),
-    "net": frozenset({"lazy", "scenarios"}),
-    "sched": frozenset({"lazy", "cli_base", "scenarios"}),
+    "net": _BASE | {"scenarios"},
+    "sched": _BASE | {"cli_base", "scenarios"},
     # sched's layer split (`layer_ranges`, which Plan.grid shares with the scheduler) and its
     # codec cost type (`CodecSpeed`, which train/compress/calibrate.py measures for it)
-    "train": frozenset({"lazy", "cli_base", "sched"}),
-    "gossip": frozenset({"lazy", "net", "scenarios"}),
-    "control": frozenset({"lazy", "scenarios", "net", "sched", "train", "gossip"}),
-    "peer": frozenset({"lazy", "cli_base", "scenarios", "net", "sched", "train", "gossip", "control"}),
-    "swarm": frozenset({"lazy", "cli_base", "scenarios", "net", "sched", "train", "gossip", "control", "peer"}),
+    "train": _BASE | {"cli_base", "sched"},
+    "gossip": _BASE | {"net", "scenarios"},
+    "control": _BASE | {"scenarios", "net", "sched", "train", "gossip"},
+    "peer": _BASE | {"cli_base", "scenarios", "net", "sched", "train", "gossip", "control"},
+    "swarm": _BASE | {"cli_base", "scenarios", "net", "sched", "train", "gossip", "control", "peer"},
 }
 
 # Third-party packages a layer must not import directly: the scheduler knows no network and no
@@ -127,7 +131,7 @@ def _packages() -> list[str]:
 
 
 def _exports() -> dict[str, set[str]]:
-    layers = _packages() + [p for p in ALLOWED if (ROOT / f"{p}.py").exists()]  # packages, and `lazy`
+    layers = _packages() + [p for p in ALLOWED if (ROOT / f"{p}.py").exists()]  # packages and the modules below them
     return {p: set(importlib.import_module(f"dtfm.{p}").__all__) for p in layers}
 
 

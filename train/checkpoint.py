@@ -32,11 +32,13 @@ import json
 import os
 import re
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from dtfm.files import atomic_write, fsync_dir
 
 from .compress import CompressionConfig
 from .spec import GPTSpec, TrainConfig
@@ -95,11 +97,11 @@ def stage_tensors(state: StageState) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def encode_stage(state: StageState) -> tuple[bytes, dict]:
+def encode_stage(state: StageState) -> tuple[memoryview, dict]:
     return _encode(state, stage_tensors(state), FORMAT)
 
 
-def encode_weights(state: StageState) -> tuple[bytes, dict]:
+def encode_weights(state: StageState) -> tuple[memoryview, dict]:
     """The stage's parameters alone (`param/<name>`, as `encode_stage` has them) and their
     description (format WEIGHTS_FORMAT): no optimizer moments, no compression buffers."""
     return _encode(state, weight_tensors(state), WEIGHTS_FORMAT)
@@ -122,7 +124,7 @@ def _layout(named: dict[str, torch.Tensor]) -> tuple[bytes, list[tuple[str, torc
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The bytes of `t` as a CPU, contiguous tensor holds them (a view when `t` is one already)."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _describe(state: StageState, fmt: str, sha256: str, nbytes: int) -> dict:
@@ -151,7 +153,7 @@ def _encode(state: StageState, named: dict[str, torch.Tensor], fmt: str) -> tupl
         raw = _bytes_of(t)
         buf[at:at + raw.nbytes] = np.frombuffer(raw, dtype=np.uint8)
         at += raw.nbytes
-    blob = memoryview(buf).toreadonly()
+    blob = buf.data.toreadonly()
     return blob, _describe(state, fmt, hashlib.sha256(blob).hexdigest(), blob.nbytes)
 
 
@@ -274,22 +276,17 @@ def stage_from_tensors(spec: GPTSpec, cfg: TrainConfig, layer_range: tuple[int, 
     return state
 
 
-def _atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> str:
-    """Write `data` (or its parts in turn, each made when it is written) to a temporary file,
-    fsync it, rename it to `path`; the sha256 of what was written."""
-    tmp = path.with_name(f".{path.name}.tmp")
+def _write_hashed(path: Path, parts: Iterable[bytes | memoryview]) -> str:
+    """Replace `path` with `parts` written in turn, each made when it is written (`atomic_write`:
+    on a full disk no partial file stays); the sha256 of what was written."""
     h = hashlib.sha256()
-    try:
-        with open(tmp, "wb") as f:
-            for part in [data] if isinstance(data, bytes) else data:
-                h.update(part)
-                f.write(part)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:  # (a full disk: no partial file stays)
-        tmp.unlink(missing_ok=True)
-        raise
+
+    def hashed() -> Iterator[bytes | memoryview]:
+        for part in parts:
+            h.update(part)
+            yield part
+
+    atomic_write(path, hashed())
     return h.hexdigest()
 
 
@@ -310,18 +307,14 @@ def save_checkpoint(root: str | os.PathLike, state: StageState, keep: int = 3, n
     try:
         # each tensor's bytes go to the file from the tensor itself (from a CPU copy of one tensor
         # at a time on a GPU): no blob of the whole stage is ever made
-        sha = _atomic_write(base.with_suffix(".safetensors"),
+        sha = _write_hashed(base.with_suffix(".safetensors"),
                             itertools.chain([header], (_bytes_of(t) for _, t in items)))
         replaced = True
         meta = _describe(state, FORMAT, sha, len(header) + data_bytes)
         if notes is not None:
             meta["notes"] = notes
-        _atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        atomic_write(base.with_suffix(".json"), json.dumps(meta, indent=1).encode())
+        fsync_dir(d)
     except OSError:
         # A write the disk refused (full, read-only): once the weights were replaced, this step's
         # checkpoint goes altogether, rather than weights beside another write's description;
@@ -372,7 +365,10 @@ def saved_checkpoints(root: str | os.PathLike) -> list[tuple[int, int, int]]:
         m = _STAGE_DIR.match(d.name)
         if m and d.is_dir():
             a, b = int(m[1]), int(m[2])
-            out += [(a, b, int(_STEP_FILE.match(p.name)[1])) for p in list_checkpoints(root, (a, b))]
+            for p in list_checkpoints(root, (a, b)):
+                s = _STEP_FILE.match(p.name)
+                if s:
+                    out.append((a, b, int(s[1])))
     return out
 
 
@@ -393,7 +389,7 @@ def _read_file(path: Path) -> memoryview:
     """The file's bytes in one writable buffer of its size (the tensors become views of it)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        buf = memoryview(np.empty(size, dtype=np.uint8))
+        buf = np.empty(size, dtype=np.uint8).data
         got = 0
         while got < size:
             n = f.readinto(buf[got:])

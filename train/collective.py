@@ -83,11 +83,11 @@ def ring_all_reduce(comm: Comm, group: Sequence[PeerId], tensors: Sequence[torch
                 else:
                     ch[recv_c].copy_(got)
     settle_sends(handles, pending, timeout_s)  # isend copied every chunk: `flats` may change now
-    for b, flat in zip(buckets, flats):
-        if flat.data_ptr() == tensors[b[0]].data_ptr() and len(b) == 1:
+    for bucket, flat in zip(buckets, flats):
+        if flat.data_ptr() == tensors[bucket[0]].data_ptr() and len(bucket) == 1:
             continue  # reduced in place
         off = 0
-        for i in b:
+        for i in bucket:
             k = tensors[i].numel()
             tensors[i].copy_(flat[off:off + k].view_as(tensors[i]))
             off += k

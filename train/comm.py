@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Hashable, Protocol
+from typing import Callable, Hashable, Protocol, TypeVar
 
 import torch
 
@@ -28,6 +28,8 @@ __all__ = [
 ]
 
 
+
+T = TypeVar("T")
 
 class SendHandle(Protocol):
     def wait(self, timeout_s: float) -> None:
@@ -152,6 +154,15 @@ class _OnLink:
         self.hub._sleep_until(self.sent_at, self.what)
 
 
+@dataclass(eq=False)
+class _Channel:
+    """The queue of one (src, dst, tag) and its sends in progress: the hub drops it only when no
+    send is in progress and it is empty."""
+
+    queue: queue.Queue
+    senders: int = 0
+
+
 class InMemoryHub:
     """Connects InMemoryComm endpoints in one process through bounded queues.
 
@@ -172,7 +183,7 @@ class InMemoryHub:
         self.link = link
         self._link_free_at: dict[tuple, float] = {}
         self._lock = threading.Lock()
-        self._queues: dict[tuple, queue.Queue] = {}
+        self._queues: dict[tuple, _Channel] = {}
         self._aborted = threading.Event()
         self.bytes_sent = 0  # total payload bytes, for benchmarks
 
@@ -186,26 +197,28 @@ class InMemoryHub:
     def aborted(self) -> bool:
         return self._aborted.is_set()
 
-    def _channel(self, src: PeerId, dst: PeerId, tag: str, sending: bool) -> queue.Queue:
+    def _channel(self, src: PeerId, dst: PeerId, tag: str, sending: bool) -> _Channel:
         key = (src, dst, tag)
         with self._lock:
-            q = self._queues.get(key)
-            if q is None:
-                q = self._queues[key] = queue.Queue(self.capacity)
-                q.senders = 0  # sends in progress; the queue is dropped only when idle and empty
+            ch = self._queues.get(key)
+            if ch is None:
+                ch = self._queues[key] = _Channel(queue.Queue(self.capacity))
             if sending:
-                q.senders += 1
-            return q
+                ch.senders += 1
+            return ch
 
-    def _release(self, src: PeerId, dst: PeerId, tag: str, q: queue.Queue, sending: bool) -> None:
+    def _release(self, src: PeerId, dst: PeerId, tag: str, ch: _Channel, sending: bool) -> None:
         with self._lock:
             if sending:
-                q.senders -= 1
-            if q.senders == 0 and q.empty() and self._queues.get((src, dst, tag)) is q:
+                ch.senders -= 1
+            if ch.senders == 0 and ch.queue.empty() and self._queues.get((src, dst, tag)) is ch:
                 del self._queues[(src, dst, tag)]
 
     def _schedule(self, src: PeerId, dst: PeerId, nbytes: int) -> tuple[float, float]:
-        """(sent_at, arrives_at) on the monotonic clock for a message on the emulated link."""
+        """(sent_at, arrives_at) on the monotonic clock for a message on the emulated link;
+        (0, 0) without one."""
+        if self.link is None:
+            return 0.0, 0.0
         lk = self.link(src, dst)
         now = time.monotonic()
         with self._lock:
@@ -219,7 +232,7 @@ class InMemoryHub:
         if left > 0 and self._aborted.wait(left):
             raise CommClosed(f"communicator aborted while waiting to {what}")
 
-    def _wait(self, op, timeout_s: float, what: str):
+    def _wait(self, op: Callable[[float], T], timeout_s: float, what: str) -> T:
         deadline = time.monotonic() + timeout_s
         while True:
             if self._aborted.is_set():
@@ -246,23 +259,24 @@ class InMemoryComm:
         payload = bytearray(view)  # the copy that frees the caller's tensor
         nbytes = len(payload)
         what = f"send {tag!r} to {peer!r}"
-        sent_at, arrives_at = self.hub._schedule(self.me, peer, nbytes) if self.hub.link else (0.0, 0.0)
-        q = self.hub._channel(self.me, peer, tag, sending=True)
+        sent_at, arrives_at = self.hub._schedule(self.me, peer, nbytes)
+        ch = self.hub._channel(self.me, peer, tag, sending=True)
         try:
-            self.hub._wait(lambda t: q.put((arrives_at, (header, payload)), timeout=t), self.send_timeout_s, what)
+            self.hub._wait(lambda t: ch.queue.put((arrives_at, (header, payload)), timeout=t), self.send_timeout_s,
+                           what)
         finally:
-            self.hub._release(self.me, peer, tag, q, sending=True)
+            self.hub._release(self.me, peer, tag, ch, sending=True)
         with self.hub._lock:
             self.hub.bytes_sent += nbytes
         return _OnLink(self.hub, sent_at, what) if self.hub.link else _Done()
 
     def recv(self, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
         what = f"receive {tag!r} from {peer!r}"
-        q = self.hub._channel(peer, self.me, tag, sending=False)
+        ch = self.hub._channel(peer, self.me, tag, sending=False)
         try:
-            arrives_at, (header, payload) = self.hub._wait(lambda t: q.get(timeout=t), timeout_s, what)
+            arrives_at, (header, payload) = self.hub._wait(lambda t: ch.queue.get(timeout=t), timeout_s, what)
         finally:
-            self.hub._release(peer, self.me, tag, q, sending=False)
+            self.hub._release(peer, self.me, tag, ch, sending=False)
         self.hub._sleep_until(arrives_at, what)  # on an emulated link: not before it arrives
         return tensor_from_wire(header, payload, max_bytes=len(payload))  # no copy: the hub hands it over
 

@@ -15,13 +15,15 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+
+from dtfm.files import atomic_file, atomic_write
 
 from .tokenizer import ByteTokenizer, Tokenizer, token_dtype_for
 
@@ -46,7 +48,7 @@ class Corpus:
             raise ValueError(f"corpus tokens must be a 1-d array of {'/'.join(TOKEN_DTYPES)}, "
                              f"got {self.tokens.dtype} {self.tokens.shape}")
 
-    def _chunks(self):
+    def _chunks(self) -> Iterator[np.ndarray]:
         for i in range(0, len(self.tokens), _CHUNK_TOKENS):
             yield np.ascontiguousarray(self.tokens[i:i + _CHUNK_TOKENS])
 
@@ -129,16 +131,7 @@ def write_token_file(path: str | os.PathLike, tokens: np.ndarray, token_dtype: s
     arr = np.asarray(tokens)
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > np.iinfo(dt).max):
         raise ValueError(f"token ids outside {dt.name}'s range")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(arr.astype(dt).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, arr.astype(dt).tobytes(), mode=0o600)
     return path
 
 
@@ -176,35 +169,27 @@ def tokenize_to_file(src: str | os.PathLike, tokenizer: Tokenizer, out: str | os
     if not src.exists():
         raise ValueError(f"data path {src} does not exist: pass a text file or a folder of text files")
     files = [src] if src.is_file() else _files_under(src)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     count = 0
 
-    def emit(f, piece: bytes) -> None:
+    def emit(f: BinaryIO, piece: bytes) -> None:
         nonlocal count
         ids = tokenizer.encode(piece.decode("utf-8", errors="replace"))
         f.write(np.asarray(ids).astype(dt.newbyteorder("<")).tobytes())
         count += len(ids)
 
-    try:
-        with os.fdopen(fd, "wb") as f:
-            rest = b""
-            for k, path in enumerate(files):
-                with open(path, "rb") as fh:
-                    rest += b"\n" if k else b""
-                    while block := fh.read(block_bytes):
-                        data = rest + block
-                        cut = _cut(data)
-                        if cut > 0:
-                            emit(f, data[:cut])
-                        rest = data[cut:]
-            if rest:
-                emit(f, rest)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(out, mode=0o600) as f:
+        rest = b""
+        for k, path in enumerate(files):
+            with open(path, "rb") as fh:
+                rest += b"\n" if k else b""
+                while block := fh.read(block_bytes):
+                    data = rest + block
+                    cut = _cut(data)
+                    if cut > 0:
+                        emit(f, data[:cut])
+                    rest = data[cut:]
+        if rest:
+            emit(f, rest)
     return out, count
 
 

@@ -35,11 +35,14 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
+from typing import Any
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from dtfm.files import fsync_dir
 
 from .compress import CompressionConfig, StageCompression
 from .spec import GPTSpec, TrainConfig
@@ -472,14 +475,6 @@ def _hf_tensors(spec: GPTSpec, params: Mapping[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def export_hf(spec: GPTSpec, stages: Mapping[str, torch.Tensor] | Iterable[Mapping[str, torch.Tensor]],
               out_dir: str | os.PathLike, *, tokenizer_from: str | os.PathLike | None = None,
               config_extra: Mapping | None = None, overwrite: bool = False) -> Path:
@@ -524,7 +519,7 @@ def export_hf(spec: GPTSpec, stages: Mapping[str, torch.Tensor] | Iterable[Mappi
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
             os.replace(out, old / out.name)
@@ -532,14 +527,15 @@ def export_hf(spec: GPTSpec, stages: Mapping[str, torch.Tensor] | Iterable[Mappi
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def export_checkpoint_dir(root: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None, **kw) -> Path:
+def export_checkpoint_dir(root: str | os.PathLike, out_dir: str | os.PathLike, step: int | None = None,
+                          **kw: Any) -> Path:
     """Export the stage checkpoints under `root` (train/checkpoint.py's layout) of `step`, by
     default the newest step every stage has, as a Hugging Face folder (see `export_hf`)."""
     from .checkpoint import decode_tensors, saved_checkpoints

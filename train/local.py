@@ -16,13 +16,15 @@ swarm (train/worker.py); `reconfigure` waits for the last step's first.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .comm import CommClosed, InMemoryHub, PendingSends
+from .comm import CommClosed, InMemoryHub, Link, PendingSends
 from .compress import AXES, ByteCounter, CompressionConfig, CountingComm
 from .data import Corpus, split_batch
+from .errors import PeerId
 from .plan import Plan
 from .spec import GPTSpec, TrainConfig
 from .transfer import TransferError, TransferReceiver, encode_transfer
@@ -41,7 +43,8 @@ def _one_thread() -> None:
 class LocalCluster:
     def __init__(self, spec: GPTSpec, cfg: TrainConfig, plan: Plan, corpus: Corpus,
                  states: dict | None = None, track_memory: bool = False, device: str = "cpu",
-                 link=None, compression: CompressionConfig | None = None):
+                 link: Callable[[PeerId, PeerId], Link] | None = None,
+                 compression: CompressionConfig | None = None) -> None:
         if plan.n_layer != spec.n_layer:
             raise ValueError(f"plan covers {plan.n_layer} layers, the model has {spec.n_layer}")
         self.spec, self.cfg, self.corpus, self.track_memory = spec, cfg, corpus, track_memory
@@ -109,7 +112,7 @@ class LocalCluster:
             raise RuntimeError(f"last stages disagree on the loss: {losses}")
         return losses.pop()
 
-    def _run(self, peer) -> StepResult:
+    def _run(self, peer: PeerId) -> StepResult:
         try:
             return run_step(self.states[peer], self.plan, peer, CountingComm(self.hub.endpoint(peer), self.counter),
                             self.corpus, self.track_memory, self._pending[peer])
@@ -127,7 +130,7 @@ class LocalCluster:
         split_batch(self.cfg.global_batch_seqs, plan.dp, self.cfg.micro_batches)
         check_compression(self.spec, plan, self.compression)
         self.settle()
-        sources = {}  # one holder per distinct old layer range
+        sources: dict[tuple[int, int], StageState] = {}  # one holder per distinct old layer range
         for p, st in self.states.items():
             sources.setdefault(st.layer_range, st)
         received: dict[tuple, dict] = {}
@@ -181,5 +184,5 @@ class LocalCluster:
     def __enter__(self) -> "LocalCluster":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

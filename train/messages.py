@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from types import MappingProxyType
 
 import torch
@@ -201,7 +201,7 @@ class MessageRules:
         return self._bursts.get(src, (0, 0))
 
 
-def _ring(add, group: Sequence[PeerId], r: int, param_shapes: Sequence[Sequence[int]], dtype: str,
+def _ring(add: Callable[[str, PeerId, Expected], None], group: Sequence[PeerId], r: int, param_shapes: Sequence[Sequence[int]], dtype: str,
           bucket_bytes: int) -> tuple[PeerId, tuple[int, int]]:
     """Add the chunks member r receives from r-1 in `ring_all_reduce`; (r-1, its largest ring step)."""
     n, dt = len(group), TORCH_DTYPES[dtype]
@@ -209,8 +209,8 @@ def _ring(add, group: Sequence[PeerId], r: int, param_shapes: Sequence[Sequence[
     metas = [torch.empty(tuple(shape), dtype=dt, device="meta") for shape in param_shapes]
     buckets = make_buckets(metas, bucket_bytes)
     sizes = []  # sizes[b][c]: elements of chunk c of bucket b, as torch.tensor_split cuts them
-    for b in buckets:
-        total = sum(metas[i].numel() for i in b)
+    for bucket in buckets:
+        total = sum(metas[i].numel() for i in bucket)
         sizes.append([c.numel() for c in torch.tensor_split(torch.empty(total, device="meta"), n)])
     worst = (0, 0)
     for phase in ("rs", "ag"):

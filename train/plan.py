@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dtfm.sched import layer_ranges
 
@@ -23,6 +23,8 @@ class Plan:
     # A per-link run's choice (which links and DP groups use the run's compression); None: every
     # link and group uses the run's `CompressionConfig` as it is.
     links: LinkCodecs | None = None
+    # (pipeline, stage) of every peer, derived from `pipelines` in __post_init__
+    _pos: dict[PeerId, tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipelines", tuple(tuple(p) for p in self.pipelines))

@@ -6,7 +6,11 @@ Both travel inside checkpoints (as JSON via `to_dict`) so a checkpoint says what
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+from dtfm.fromdict import from_dict
 
 __all__ = ["ACTIVATIONS", "GPTSpec", "TrainConfig", "PRESETS", "PRECISIONS", "get_preset", "WIRE_DTYPES"]
 
@@ -65,12 +69,8 @@ class GPTSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTSpec":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown model spec fields {sorted(unknown)}")
-        return cls(**d)
+    def from_dict(cls, d: Mapping[str, Any]) -> "GPTSpec":
+        return from_dict(cls, d, "model spec")
 
 
 PRESETS: dict[str, GPTSpec] = {
@@ -90,7 +90,10 @@ def get_preset(name: str) -> GPTSpec:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
-def _opt(default, help: str):
+T = TypeVar("T")
+
+
+def _opt(default: T, help: str) -> T:
     """A config field whose help text is also the CLI's (see train/cli.py)."""
     return field(default=default, metadata={"help": help})
 
@@ -144,12 +147,8 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown train config fields {sorted(unknown)}")
-        return cls(**d)
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+        return from_dict(cls, d, "train config")
 
 
 # A profile for unit tests: small batch, fp32 wire, short timeouts so a hung test fails fast.

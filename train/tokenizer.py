@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,7 +45,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> np.ndarray: ...
 
-    def decode(self, tokens) -> str: ...
+    def decode(self, tokens: Iterable[int]) -> str: ...
 
 
 def token_dtype_for(vocab: int) -> np.dtype:
@@ -63,11 +65,11 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
 
-    def decode(self, tokens) -> str:
+    def decode(self, tokens: Iterable[int]) -> str:
         return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
-def _tokenizers_module():
+def _tokenizers_module() -> ModuleType:
     try:
         import tokenizers
     except ImportError:
@@ -87,7 +89,7 @@ class HFTokenizer:
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
 
-    def decode(self, tokens) -> str:
+    def decode(self, tokens: Iterable[int]) -> str:
         return self.tok.decode([int(t) for t in tokens], skip_special_tokens=False)
 
 

@@ -167,7 +167,7 @@ class TransferReceiver:
         if not self.complete or self._blob is None:
             raise TransferError(f"{len(self.missing)} chunks are still missing")
         try:  # views of the received bytes
-            return decode_tensors(memoryview(self._blob), self.manifest.meta, (FORMAT, WEIGHTS_FORMAT))
+            return decode_tensors(self._blob.data, self.manifest.meta, (FORMAT, WEIGHTS_FORMAT))
         except CheckpointError as e:
             raise TransferError(str(e)) from None
 

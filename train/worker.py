@@ -50,9 +50,10 @@ import torch
 
 from .codec import TORCH_DTYPES, CodecError
 from .collective import all_reduce_small, ring_all_reduce
-from .comm import Comm, CommError, PendingSends
+from .comm import Comm, CommError, PendingSends, SendHandle
 from .compress import CompressionConfig, StageCompression, decode_activation, encode_activation
 from .data import Corpus, split_batch
+from .errors import PeerId
 from .model import GPTStage
 from .optim import AdamW, clip_coefficient
 from .plan import Plan, check_compression
@@ -83,9 +84,19 @@ class StageState:
     def device(self) -> torch.device:
         return next(iter(self.params.values())).device
 
-    def norm_params(self) -> list[torch.nn.Parameter]:
-        """Parameters counted in the global gradient norm (a tied copy is counted once, on the first stage)."""
-        return [p for n, p in self.params.items() if not (self.module.holds_tied_copy and n == "wte.weight")]
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient by name, zeros for a parameter that has none yet."""
+        out: dict[str, torch.Tensor] = {}
+        for n, p in self.params.items():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out[n] = p.grad
+        return out
+
+    def counts_in_norm(self, name: str) -> bool:
+        """Whether a parameter is counted in the global gradient norm (a tied copy is counted
+        once, on the first stage)."""
+        return not (self.module.holds_tied_copy and name == "wte.weight")
 
 
 @dataclass
@@ -108,7 +119,7 @@ class _SavedBytes:
         self.now = self.peak = 0
         self._seen: set[int] = {p.untyped_storage().data_ptr() for p in params}
 
-    def pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in self._seen:
             self._seen.add(ptr)
@@ -121,7 +132,7 @@ class _SavedBytes:
         return t
 
 
-def _expect(t: torch.Tensor, shape: tuple, peer, tag: str) -> torch.Tensor:
+def _expect(t: torch.Tensor, shape: tuple, peer: PeerId, tag: str) -> torch.Tensor:
     if tuple(t.shape) != shape or not t.is_floating_point():
         raise CommError(f"peer {peer!r} sent {t.dtype} {tuple(t.shape)} under {tag!r}, expected float {shape}")
     return t
@@ -136,8 +147,8 @@ class _Ctx:
     corpus: Corpus
     step: int
     key: str  # "<epoch>.<step>": prefix of every tag of this step
-    prev: object  # upstream peer, or None on the first stage
-    nxt: object  # downstream peer, or None on the last stage
+    prev: PeerId | None  # upstream peer, or None on the first stage
+    nxt: PeerId | None  # downstream peer, or None on the last stage
     up_coded: bool  # the link from the upstream stage uses the run's pipeline codec
     down_coded: bool  # the link to the downstream stage does
     micro: list[range]  # this pipeline's sample indices per micro-batch
@@ -146,7 +157,7 @@ class _Ctx:
     wait_s: float = 0.0
 
 
-def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, track_memory: bool = False,
+def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corpus, track_memory: bool = False,
              pending: PendingSends | None = None, before_update: Callable[[], None] | None = None) -> StepResult:
     """Run step `state.step` for peer `me` under `plan`, then advance `state.step`. A step that
     raises has changed nothing.
@@ -200,7 +211,7 @@ def run_step(state: StageState, plan: Plan, me, comm: Comm, corpus: Corpus, trac
                       ctx.saved.peak if ctx.saved else 0, ctx.wait_s)
 
 
-def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):
+def _send_boundary(ctx: _Ctx, peer: PeerId, tag: str, t: torch.Tensor, coded: bool) -> SendHandle:
     """isend an activation or its gradient: in the wire dtype, or as the run's compressed payload
     (`coded`: the link uses the run's pipeline codec), each made where `t` is (on a GPU: cast or
     encoded there, then staged through pinned host memory)."""
@@ -210,7 +221,7 @@ def _send_boundary(ctx: _Ctx, peer, tag: str, t: torch.Tensor, coded: bool):
     return staging.send(ctx.comm, peer, tag, encode_activation(t, comp))
 
 
-def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple, coded: bool) -> torch.Tensor:
+def _recv_boundary(ctx: _Ctx, peer: PeerId, tag: str, shape: tuple, coded: bool) -> torch.Tensor:
     """The float32 activation (or gradient) of `shape` that `peer` sent under `tag`."""
     comp, staging = ctx.state.compress.config, ctx.state.staging
     t0 = time.perf_counter()
@@ -224,7 +235,7 @@ def _recv_boundary(ctx: _Ctx, peer, tag: str, shape: tuple, coded: bool) -> torc
         raise CommError(f"peer {peer!r} sent a bad compressed payload under {tag!r}: {e}") from None
 
 
-def _forward(ctx: _Ctx):
+def _forward(ctx: _Ctx) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[SendHandle]]:
     """All micro-batches forward; each output is sent downstream as soon as it exists."""
     st, cfg, spec = ctx.state, ctx.state.cfg, ctx.state.spec
     mod, dev = st.module, st.device
@@ -273,7 +284,7 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
     return handles
 
 
-def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: int, key: str,
+def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: int, s: int, key: str,
                      local_seqs: int, sends: PendingSends, due: PendingSends, deferred: bool,
                      before_update: Callable[[], None] | None = None) -> None:
     """All-reduce gradients over the DP group (or, with DP compression, keep this pipeline's own),
@@ -288,10 +299,8 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
     local, sync_due = coded and comp.local(step), coded and comp.sync_due(step)
     # some groups step locally, others exactly: the norm of the exact groups' stages is summed apart
     mixed = comp.config.dp_method != "exact" and plan.links is not None and not all(plan.links.dp)
-    for p in state.params.values():
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in state.params.values()]
+    grad_of = state.grads()
+    grads = list(grad_of.values())
     if local:  # this pipeline's own step, on the mean gradient over its own samples
         for g in grads:
             g.mul_(cfg.global_batch_seqs / local_seqs)
@@ -299,15 +308,16 @@ def _sync_and_update(state: StageState, plan: Plan, me, comm: Comm, d: int, s: i
         ring_all_reduce(comm, group, grads, f"{key}/dp", to, cfg.bucket_bytes, sends)
     if state.spec.tied_head and plan.stages > 1 and (mod.is_first or mod.is_last):
         other = plan.pipeline(d)[plan.stages - 1 if mod.is_first else 0]
-        g = state.params["wte.weight"].grad
+        g = grad_of["wte.weight"]
         sends.add(comm.isend(other, f"{key}/tied", g))  # copied: `g` may change now
         theirs = comm.recv(other, f"{key}/tied", to)
         if theirs.shape != g.shape or theirs.dtype != g.dtype:
             raise CommError(f"peer {other!r} sent a tied-embedding gradient of the wrong shape")
         g.add_(theirs.to(g.device))  # a + b == b + a: both copies get the same bits
     sq = torch.zeros((), dtype=torch.float64, device=state.device)
-    for p in state.norm_params():
-        sq += p.grad.detach().double().pow(2).sum()
+    for name, g in grad_of.items():
+        if state.counts_in_norm(name):
+            sq += g.detach().double().pow(2).sum()
     if mixed:  # [exact groups' stages, the others]: the first sum is the same in every pipeline
         parts = torch.zeros(2, dtype=torch.float64)
         parts[0 if not coded else 1] = sq.cpu()

@@ -16,6 +16,7 @@ import json
 import os
 from pathlib import Path
 
+from dtfm.files import atomic_write
 from dtfm.net import PEER_ID_BYTES
 
 from .messages import MAX_TERM
@@ -102,23 +103,9 @@ class FileElectionStore:
         _check(term, voted_for)
         body = json.dumps({"version": FORMAT_VERSION, "term": term,
                            "voted_for": None if voted_for is None else voted_for.hex()}).encode()
-        tmp = self.path.with_name(f".{ELECTION_FILE}.tmp")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self.path)
-            dfd = os.open(self.dir, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            atomic_write(self.path, body, mode=0o600, sync_dir=True)
         except OSError as e:
             raise ElectionStoreError(f"cannot write {self.path}: {e.strerror}") from None
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
+
+from dtfm.files import atomic_write
 
 from ..allocation import RUN_ID_BYTES
 from ..operator import OperatorError, OperatorOp, SignedOp, check_after, check_time
@@ -126,13 +127,7 @@ class TakenOps:
 
 def save_taken(data_dir: Path, taken: dict) -> None:
     """Write `TakenOps.to_json()` atomically (a temporary file, fsynced, renamed)."""
-    path = data_dir / TAKEN_NAME
-    tmp = path.with_name(f".{TAKEN_NAME}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(taken, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(data_dir / TAKEN_NAME, json.dumps(taken))
 
 
 def load_taken(data_dir: Path) -> TakenOps:

@@ -1,8 +1,15 @@
+import math
+import random
+from collections import OrderedDict
+
 import pytest
 
+from dtfm.gossip.admission import admission_buckets
 from dtfm.net.budget import PayloadBudget
+from dtfm.net.lograte import LogLimiter
 from dtfm.net.ratelimit import HandshakeAdmission, TokenBuckets, source_key
 from dtfm.net.replay import HelloGuard
+from dtfm.peer.ratelimit import SourceRate
 
 
 def test_token_bucket_burst_then_rate():
@@ -120,3 +127,148 @@ def test_payload_budget():
     assert b.used_bytes == 0
     with pytest.raises(ValueError):
         b.release(1)
+
+
+# ---- one token bucket for every per-key limit ---------------------------------------------------
+# The limits built on TokenBuckets (the daemon's per-source requests, gossip's new members, the
+# log of refused input) against the separate implementations they replaced, run side by side on
+# random sequences. Times and rates are binary fractions, so both do exact arithmetic.
+
+class _LruBuckets:
+    """Tokens per key, least recently used forgotten first (peer/ratelimit.py's SourceRate)."""
+
+    def __init__(self, rate_per_s, burst, max_keys):
+        self.rate, self.burst, self.max_keys = rate_per_s, burst, max_keys
+        self.buckets = OrderedDict()
+
+    def allow(self, key, now):
+        tokens, at = self.buckets.pop(key, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + max(0.0, now - at) * self.rate)
+        allowed = tokens >= 1.0
+        if allowed:
+            tokens -= 1.0
+        self.buckets[key] = (tokens, now)
+        while len(self.buckets) > self.max_keys:
+            self.buckets.popitem(last=False)
+        return allowed
+
+
+class _FullestBuckets:
+    """Tokens per key with grants, the fullest forgotten first (gossip's AdmissionLimiter)."""
+
+    def __init__(self, rate_per_s, burst, max_keys):
+        self.rate, self.burst, self.max_keys = rate_per_s, burst, max_keys
+        self.buckets = {}
+
+    def tokens(self, key, now):
+        tokens, at, until = self.buckets.get(key, (float(self.burst), now, float("-inf")))
+        if now <= until:
+            return tokens
+        return min(float(self.burst), tokens + (now - at) * self.rate)
+
+    def take(self, key, now):
+        tokens = self.tokens(key, now)
+        until = self.buckets.get(key, (0.0, 0.0, float("-inf")))[2]
+        self.buckets[key] = (max(0.0, tokens - 1.0), now, until)
+        if len(self.buckets) > self.max_keys:
+            del self.buckets[max(self.buckets, key=lambda k: self.tokens(k, now))]
+
+    def grant(self, key, tokens, now, duration_s):
+        self.buckets[key] = (max(float(tokens), self.tokens(key, now)), now, now + duration_s)
+
+
+class _LogGate:
+    """One line per key per interval, `burst` overall (net/lograte.py's LogLimiter)."""
+
+    def __init__(self, interval_s, burst, max_keys):
+        self.interval_s, self.burst, self.max_keys = interval_s, burst, max_keys
+        self.keys = OrderedDict()
+        self.tokens, self.tokens_at = float(burst), None
+
+    def admit(self, key, now):
+        last, left_out = self.keys.pop(key, (-math.inf, 0))
+        allowed = now - last >= self.interval_s and self._take(now)
+        self.keys[key] = (now, 0) if allowed else (last, left_out + 1)
+        while len(self.keys) > self.max_keys:
+            self.keys.popitem(last=False)
+        return left_out if allowed else None
+
+    def _take(self, now):
+        if self.tokens_at is not None:
+            self.tokens = min(float(self.burst),
+                              self.tokens + max(0.0, now - self.tokens_at) * self.burst / self.interval_s)
+        self.tokens_at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+def _times(rng, n):
+    now, out = 0.0, []
+    for _ in range(n):
+        now += rng.choice((0.0, 0.0, 0.125, 0.25, 0.5, 1.0, 4.0))
+        out.append(now)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_daemons_source_rate_is_the_buckets_it_replaced(seed):
+    rng = random.Random(seed)
+    rate, burst, keys = rng.choice((0.5, 1.0, 2.0)), rng.randint(1, 4), rng.randint(1, 5)
+    new, old = SourceRate(rate, burst, max_sources=keys), _LruBuckets(rate, burst, keys)
+    for now in _times(rng, 400):
+        key = bytes([rng.randrange(8)])
+        assert new.allow(key, now) == old.allow(key, now)
+        assert len(new) == len(old.buckets)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_gossips_admission_is_the_buckets_it_replaced(seed):
+    rng = random.Random(seed)
+    rate, burst, keys = rng.choice((0.0, 0.5, 1.0)), rng.randint(0, 4), rng.randint(1, 5)
+    new, old = admission_buckets(rate, burst, keys), _FullestBuckets(rate, burst, keys)
+    for now in _times(rng, 400):
+        key = rng.randrange(8)
+        op = rng.random()
+        if op < 0.05:
+            new.grant(key, 16, now, 2.0)
+            old.grant(key, 16, now, 2.0)
+        elif op < 0.5:
+            new.take(key, now)
+            old.take(key, now)
+        assert new.tokens(key, now) == old.tokens(key, now)
+        assert len(new) == len(old.buckets)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_refusal_log_limit_is_the_gate_it_replaced(seed):
+    rng = random.Random(seed)
+    interval, burst, keys = rng.choice((0.5, 1.0, 2.0)), rng.randint(1, 4), rng.randint(1, 5)
+    new, old = LogLimiter(interval, burst=burst, max_keys=keys), _LogGate(interval, burst, keys)
+    for now in _times(rng, 400):
+        key = rng.randrange(8)
+        assert new.admit(key, now) == old.admit(key, now)
+        assert len(new) == len(old.keys)
+
+
+def test_a_token_bucket_table_forgets_the_oldest_or_the_fullest():
+    oldest = TokenBuckets(rate_per_s=1.0, burst=2, max_keys=2)
+    fullest = TokenBuckets(rate_per_s=1.0, burst=2, max_keys=2, evict="fullest")
+    for b in (oldest, fullest):
+        b.take("a", 0.0)
+        b.take("a", 0.0)  # empty
+        b.take("b", 0.0)  # one left
+        b.take("c", 0.0)  # a third key: one goes
+    assert oldest.tokens("a", 0.0) == 2.0  # "a" was the oldest: forgotten, full again
+    # the fullest ("b" and "c" hold one each; "b" came first) went: "a", empty, stays empty
+    assert [fullest.tokens(k, 0.0) for k in "abc"] == [0.0, 2.0, 1.0]
+    forgotten = []
+    tracked = TokenBuckets(rate_per_s=1.0, burst=1, max_keys=1, on_forget=forgotten.append)
+    tracked.allow("x", 0.0)
+    tracked.touch("y", 0.0)
+    assert forgotten == ["x"] and len(tracked) == 1
+    with pytest.raises(ValueError):
+        TokenBuckets(rate_per_s=float("nan"), burst=1)
+    with pytest.raises(ValueError):
+        TokenBuckets(rate_per_s=1.0, burst=1, evict="newest")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from dtfm import files
 from dtfm.control import SignedOp, check_op
 from dtfm.net import OperatorKey
 from dtfm.peer.cli import format_reschedule
@@ -174,7 +175,7 @@ def test_write_jsonl_is_atomic(tmp_path, monkeypatch):
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(train_mod.os, "replace", broken_replace)
+    monkeypatch.setattr(files.os, "replace", broken_replace)
     with pytest.raises(OSError):
         write_jsonl(path, [{"step": 0}, {"step": 1}])
     assert read_log(path) == [{"step": 0}]  # the old file, whole

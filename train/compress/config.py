@@ -11,8 +11,12 @@ config: payload sizes, random subsets and the synchronisation steps all derive f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from types import MappingProxyType
+from typing import Any
+
+from dtfm.fromdict import from_dict
 
 __all__ = ["AUTO", "DP_METHODS", "PP_METHODS", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "MAX_SPEC_CHARS",
            "CompressionConfig", "LinkCodecs", "get_compression", "parse_compression"]
@@ -157,12 +161,8 @@ class CompressionConfig:
                                   for k in changed(COMPRESSION_PRESETS[name])])
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CompressionConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown compression config fields {sorted(unknown)}")
-        return cls(**d)
+    def from_dict(cls, d: Mapping[str, Any]) -> "CompressionConfig":
+        return from_dict(cls, d, "compression config")
 
 
 _PP4 = CompressionConfig(pp_method="int4", pp_hadamard=True, pp_block_elems=64)

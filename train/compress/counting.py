@@ -29,7 +29,7 @@ def axis_of(tag: str) -> str:
 class ByteCounter:
     """Bytes and messages sent per axis; thread-safe."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self.bytes = dict.fromkeys(AXES, 0)
         self.messages = dict.fromkeys(AXES, 0)

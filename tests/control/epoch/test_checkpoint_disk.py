@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from dtfm import files
 from dtfm.control.epoch.disk import CheckpointDisk, folder_bytes
 from dtfm.peer.status import format_checkpoints
 from dtfm.train import StageState, TrainConfig, checkpoint_at, get_preset, load_checkpoint, saved_checkpoints
@@ -31,8 +32,8 @@ def stage(step: int) -> StageState:
 
 @pytest.fixture
 def full_disk(monkeypatch):
-    """Every file the checkpoint module opens for writing takes a few bytes, then the disk is
-    full (ENOSPC), as os.write reports it."""
+    """Every file replaced whole (`dtfm.files`, which the checkpoint module writes through)
+    takes a few bytes, then the disk is full (ENOSPC), as os.write reports it."""
     real_open = builtins.open
 
     class Full:
@@ -57,7 +58,7 @@ def full_disk(monkeypatch):
         return Full(f) if "w" in mode else f
 
     def fill():
-        monkeypatch.setattr(ckpt, "open", opener, raising=False)
+        monkeypatch.setattr(files, "open", opener, raising=False)
 
     return fill
 
@@ -96,7 +97,7 @@ def test_a_full_disk_is_a_logged_refusal_never_a_partial_file(tmp_path, full_dis
 
 def weights_written_description_refused(disk: CheckpointDisk) -> None:
     """A disk that takes the weights and refuses the description: step 6 leaves nothing."""
-    real = ckpt._atomic_write
+    real = ckpt.atomic_write
     calls = []
 
     def once_then_full(path, data):
@@ -106,8 +107,8 @@ def weights_written_description_refused(disk: CheckpointDisk) -> None:
         real(path, data)
 
     ckpt_atomic = pytest.MonkeyPatch()
-    ckpt_atomic.setattr(ckpt, "_atomic_write", once_then_full)
-    ckpt_atomic.setattr(ckpt, "open", builtins.open, raising=False)
+    ckpt_atomic.setattr(ckpt, "atomic_write", once_then_full)
+    ckpt_atomic.setattr(files, "open", builtins.open, raising=False)
     try:
         assert disk.save(RUN, stage(6)) is None
     finally:
