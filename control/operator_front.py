@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections.abc
 import logging
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
+from dtfm.files import atomic_write
 from dtfm.gossip import GossipService
 from dtfm.net import PeerConnection, PeerTransport, ProtocolError, short_id
 from dtfm.train import Corpus, GPTSpec
@@ -63,13 +63,7 @@ def load_root(data_dir: Path) -> Council | None:
 
 
 def save_root(data_dir: Path, council: Council) -> None:
-    path = data_dir / ROOT_NAME
-    tmp = path.with_name(f".{ROOT_NAME}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(council.encode())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(data_dir / ROOT_NAME, council.encode())
 
 
 class Shell(Protocol):

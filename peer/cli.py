@@ -27,12 +27,12 @@ import contextlib
 import dataclasses
 import json
 import os
-import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from dtfm.files import atomic_write
 from dtfm.cli_base import POSITIVE_INT, POSITIVE_SECONDS, CliError, run_command, version_text
 from dtfm.cli_base import user_error_text as _user_error_text
 from dtfm.train import PRESETS
@@ -449,31 +449,13 @@ def write_private_file(path: Path, text: str, *, replace: bool) -> None:
     """Write `text` to `path` with mode 0600 whatever the umask: into a new temporary file
     beside it (O_EXCL, 0600), then linked into place (refused if `path` exists) or, with
     `replace`, renamed over it. Readers never see a partial or world-readable file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError as e:
-        raise CliError(f"cannot create {path}: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), 0o600)
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        if replace:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)
+        atomic_write(path, text, mode=0o600, replace=replace)
     except FileExistsError:
         raise CliError(f"{path} exists; not overwriting a swarm key (use --force to replace "
                        f"it)") from None
     except OSError as e:
         raise CliError(f"cannot write {path}: {e.strerror}") from None
-    finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
 
 
 def _daemon_status(args: argparse.Namespace) -> dict:

@@ -41,7 +41,7 @@ def pytest_runtest_makereport(item, call):
 
 # The longest modules, longest first (their real swarms wait on clocks more than they compute):
 # started first, each on a worker of its own, while the unit tests fill the other worker.
-LONGEST_FIRST = ("test_swarm_train", "test_swarm_multiprocess", "test_swarm_hijack", "test_daemon_multiprocess",
+LONGEST_FIRST = ("test_swarm_heal", "test_swarm_train", "test_swarm_multiprocess", "test_swarm_hijack", "test_daemon_multiprocess",
                  "test_netns", "test_gossip_figures")
 
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from dtfm.files import atomic_write
 from dtfm.net import ProtocolError
 
 from ..allocation import Allocation
@@ -68,12 +68,7 @@ class AppliedStore(Protocol):
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text)
 
 
 def applied_json(alloc: Allocation, previous: PreviousConfiguration | None) -> str:
