@@ -83,9 +83,10 @@ def _an_outsider_changes_nothing(run_dir, state) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
-    """The coordinator is SIGKILLed while the swarm trains 2 x 4: a new one is elected in a
-    higher term and the run goes on; restarted with its data dir, the old coordinator is placed
+def test_an_outsider_changes_nothing_and_the_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
+    """While the swarm trains 2 x 4, an outsider with the swarm key attacks the election and the
+    run: nothing changes (see `_an_outsider_changes_nothing`). Then the coordinator is SIGKILLed:
+    a new one is elected in a higher term and the run goes on; restarted with its data dir, the old coordinator is placed
     again: it fetches a stage from its group, or is a spare where the run is faster without it.
     The merged `train.jsonl` has every step once with the reference's loss (1e-5) and every
     stage's replicas end with identical weights. (The other reconfigurations, a DP group losing
@@ -94,8 +95,9 @@ def test_swarm_heals_a_killed_and_restarted_coordinator(run_dir):
     reference = ReferenceLosses()
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
                        "--steps", "400"]) == 0
-    wait_steps(run_dir, 3)
+    wait_steps(run_dir, 2)
     state = load_state(run_dir)
+    _an_outsider_changes_nothing(run_dir, state)
 
     name, before = wait_for("a coordinator", lambda: coordinator(state), 30, interval_s=0.5)
     killed_at = time.monotonic()
@@ -201,24 +203,6 @@ def _a_refusing_member_is_left_out(run_dir, state) -> float:
         # a planned leave: every peer takes it as gone at once, so the tests after this one (on
         # the same swarm) neither place it nor wait for gossip to find it dead
         stop_peer(refuser, graceful=True)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_an_outsider_changes_nothing(run_dir):
-    """An outsider with the swarm key attacks the election and the run while the swarm trains:
-    nothing changes (see `_an_outsider_changes_nothing`); every step logged once with the
-    reference's loss."""
-    reference = ReferenceLosses()
-    assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "4",
-                       "--steps", "400"]) == 0
-    wait_steps(run_dir, 2)
-    state = load_state(run_dir)
-    _an_outsider_changes_nothing(run_dir, state)
-    check_log(run_dir, reference)
-    c_name, _ = coordinator(state)
-    stop_training(run_dir, next(p for p in state.peers if p.name == c_name))
-    wait_for("every peer to end", lambda: run_ended(state), 120, interval_s=0.5)
 
 
 # (soak: left out of the default run, for its minutes of waiting; the same decisions are tested
