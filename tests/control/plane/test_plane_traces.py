@@ -251,48 +251,37 @@ def partition_coordinator_in_minority() -> str:
     return s.finish()
 
 
-def stage_restored_from_checkpoints() -> str:
-    s, c = _started(4, seed=7, checkpoint_every=2)
+def _both_holders_of_a_stage_lost(*, checkpoint_every: int | None, when: str, restart: str, after: int) -> str:
+    """Both holders of a stage the coordinator does not hold are killed after step 5, and
+    restart with their data dirs; the swarm trains `after` steps more."""
+    s, c = _started(4, seed=7, **({} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}))
     s.train(5)
     s.run(0.5)
     alloc = s.sim.epoch(c).current
     assert alloc is not None
     stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
     lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
-    s.note(f"both holders of stage {stage} (n{lost[0]}, n{lost[1]}) are killed")
+    s.note(f"both holders of stage {stage} (n{lost[0]}, n{lost[1]}) are killed{when}")
     for k in lost:
         s.sim.crash(k)
     s.train(1)
     s.run(2.0)
-    s.note("they restart with their data dirs (their checkpoints)")
+    s.note(f"they restart with their data dirs ({restart})")
     for k in lost:
         s.sim.restart(k)
     s.run(4.0)
-    s.train(2)
+    s.train(after)
     s.run(0.5)
     return s.finish()
+
+
+def stage_restored_from_checkpoints() -> str:
+    return _both_holders_of_a_stage_lost(checkpoint_every=2, when="", restart="their checkpoints", after=2)
 
 
 def stage_lost_before_any_checkpoint() -> str:
-    s, c = _started(4, seed=7)
-    s.train(5)
-    s.run(0.5)
-    alloc = s.sim.epoch(c).current
-    assert alloc is not None
-    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
-    lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
-    s.note(f"both holders of stage {stage} (n{lost[0]}, n{lost[1]}) are killed before any checkpoint")
-    for k in lost:
-        s.sim.crash(k)
-    s.train(1)
-    s.run(2.0)
-    s.note("they restart with their data dirs (no checkpoint: step 0 is rebuilt from the seed)")
-    for k in lost:
-        s.sim.restart(k)
-    s.run(4.0)
-    s.train(7)
-    s.run(0.5)
-    return s.finish()
+    return _both_holders_of_a_stage_lost(checkpoint_every=None, when=" before any checkpoint",
+                                         restart="no checkpoint: step 0 is rebuilt from the seed", after=7)
 
 
 def a_paused_swarm_keeps_what_it_holds() -> str:
