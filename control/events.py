@@ -100,6 +100,7 @@ class PlaneEvent:
     start_predicted_s: float | None = None  # START: the predicted iteration time
     reconfiguration: Reconfiguration | None = None  # RECONFIGURE, ROLLBACK
     compress_links: str | None = None  # START of a per-link run: which links and DP groups compress, and why
+    shape_note: str | None = None  # START: why this shape (the scheduler's prediction against the shapes tried)
     left_out: tuple[LeftOutPeer, ...] = ()  # LEFT_OUT, STOPPED: the refusing peers left out, and why
 
 
@@ -118,6 +119,8 @@ class PlaneEvent:
             out["reason"] = self.reason
         if self.compress_links is not None:
             out["compress_links"] = self.compress_links
+        if self.shape_note is not None:
+            out["shape_note"] = self.shape_note
         if self.left_out:
             out["left_out"] = [x.to_wire() for x in self.left_out]
         return out

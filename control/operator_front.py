@@ -166,6 +166,7 @@ class OperatorFront:
                 "pipelines": [[p.hex() for p in pipe] for pipe in alloc.pipelines],
                 "layer_ranges": [list(r) for r in alloc.layer_ranges], "spares": [p.hex() for p in alloc.spares],
                 "predicted_iteration_s": alloc.predicted_iteration_s, "placement": req.placement,
+                "shape_note": self.coordinator.shape_note,
                 "steps": req.steps, "data": corpus.name, "log": str(self.plane.run_log_path(alloc.run_id.hex())),
                 "compression": alloc.compression.to_spec(), "model": alloc.preset,
                 "train": alloc.train.to_dict(), "init_from": req.init_from,

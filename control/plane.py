@@ -42,6 +42,7 @@ from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
 from .answers import AllocationAnswer, NoAnswer, StartAnswer, StopAnswer, read_answers
+from .compute import ComputeGauge, training_block_ms
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
@@ -81,10 +82,12 @@ from .epoch.machine import (
     PersistApplied,
     RunClosed,
     StartRunner,
+    StepDone,
     StopRunnerAt,
     WaitForCoordinator,
 )
 from .epoch.recovery import RecoveryServer
+from .epoch.report import StepReport
 from .epoch.runstate import PeerRunState
 from .epoch.taken import TAKEN_NAME, load_taken, save_taken
 from .events import Reconfiguration
@@ -126,6 +129,7 @@ class ControlPlane:
                  applied: AppliedStore | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
+        self._compute_gauge = ComputeGauge()  # this peer's compute figure from its own steps
         self.data_dir = Path(data_dir)
         self.config = config or PlaneConfig.wan()
         self.operators = frozenset(operators)  # the swarm's operators' public keys (the swarm key file)
@@ -285,8 +289,23 @@ class ControlPlane:
 
     def _feed_epoch_now(self, event: EpochEvent) -> None:
         """Feed an event whose actions do not wait (start, stop, steps, ticks, members)."""
+        if isinstance(event, StepDone):
+            self._gauge_compute(event.report)
         for a in self.epoch.handle(event, trio.current_time()):
             self._execute_now(a)
+
+    def _gauge_compute(self, report: StepReport) -> None:
+        """This peer's compute figure from its own step (`ComputeGauge`), for its gossip report."""
+        alloc = self.epoch.current
+        if alloc is None or alloc.epoch != report.epoch or self.me not in alloc.peers:
+            return
+        _, s = alloc.position(self.me)
+        start, end = alloc.layer_ranges[s]
+        figure = training_block_ms(alloc.model, alloc.train, alloc.dp, end - start, s == alloc.stages - 1,
+                                   report.compute_s)
+        ms = self._compute_gauge.add((alloc.run_id, alloc.epoch), figure)
+        if ms is not None:
+            self.gossip.set_compute_ms(ms)
 
     def _execute_now(self, a: EpochAction | CoordinatorAction) -> None:
         """Execute an action that does not wait (every action of the coordinator); those that

@@ -8,7 +8,7 @@ from dtfm.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .claims import Accusation, Claim, ClaimVerifier, Update
-    from .measure import compute_speed_ms, measure_rtt
+    from .measure import REFERENCE_BLOCK, compute_speed_ms, measure_rtt
     from .config import GossipConfig
     from .members import Member, MemberState, merge_entry, merge_tables
     from .messages import MsgType
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Accusation", "Claim", "ClaimVerifier", "GossipConfig", "GossipService", "Member", "MemberState",
     "MsgType", "NetworkView", "Entry", "Report", "RecordStore", "Send", "Swim", "Update", "build_view",
-    "compute_speed_ms", "measure_rtt", "merge_entry", "merge_tables", "remaining_suspicion_time",
+    "REFERENCE_BLOCK", "compute_speed_ms", "measure_rtt", "merge_entry", "merge_tables", "remaining_suspicion_time",
     "DISAGREEMENT_RATIO", "Coordinate", "Vivaldi",
 ]
 
@@ -31,7 +31,7 @@ __all__ = [
 # tests/test_layers.py checks that this table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".claims": ("Accusation", "Claim", "ClaimVerifier", "Update"),
-    ".measure": ("compute_speed_ms", "measure_rtt"),
+    ".measure": ("REFERENCE_BLOCK", "compute_speed_ms", "measure_rtt"),
     ".config": ("GossipConfig",),
     ".members": ("Member", "MemberState", "merge_entry", "merge_tables"),
     ".messages": ("MsgType",),

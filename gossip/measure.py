@@ -41,7 +41,7 @@ from .records import MAX_GBPS, MAX_RTT_MS, Entry, Report, check_coord
 from .vivaldi import Coordinate
 
 __all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
-           "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
+           "compute_speed_ms", "REFERENCE_BLOCK", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
            "PROBE_HASH_BYTES", "BULK_PULL", "measure_download", "MeasureJob", "JobKind", "MAX_PULL_BYTES",
            "MeasureLinks", "MAX_ASK_TARGETS", "report_due"]
 
@@ -520,7 +520,13 @@ def _capacity_ratio(last: Report, up: float, down: float) -> float:
     return worst
 
 
-def compute_speed_ms(d_model: int = 256, n_heads: int = 4, seq_len: int = 128, batch: int = 4,
+# The block a peer's compute figure (`compute_ms`) times: width, heads, sequence length and
+# batch. The scheduler turns the figure into this peer's speed by the block's FLOPs.
+REFERENCE_BLOCK = (256, 4, 128, 4)
+
+
+def compute_speed_ms(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE_BLOCK[1],
+                     seq_len: int = REFERENCE_BLOCK[2], batch: int = REFERENCE_BLOCK[3],
                      repeats: int = 3, seed: int = 0) -> float:
     """Median ms of forward+backward of one transformer block (CPU or the default device).
 

@@ -17,6 +17,7 @@ in a worker thread (`compute_speed_ms`, and the `codec_probe` the daemon passes)
 from __future__ import annotations
 
 import logging
+import math
 import random
 import statistics
 import time
@@ -47,7 +48,7 @@ from .measure import (
 )
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
-from .records import VERIFY_SLICE, RecordStore, Report, check_codec_ns
+from .records import MAX_COMPUTE_MS, VERIFY_SLICE, RecordStore, Report, check_codec_ns
 from .status import gossip_status
 from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
@@ -66,6 +67,9 @@ _SWIM_TYPES = (MsgType.PING, MsgType.ACK, MsgType.PING_REQ, MsgType.NACK, MsgTyp
 # What connect() raises when the peer cannot be reached or refuses us (a HandshakeError is a
 # ProtocolError, a TimeoutError an OSError). Anything else is a bug and propagates.
 _CONNECT_ERRORS = (ConnectionClosed, ProtocolError, OSError)
+# A compute figure measured in training goes out in a new report when it moved by more than this
+# from the reported one (steps vary by a few percent; a report every step would be noise).
+COMPUTE_REPUBLISH_RATIO = 1.15
 
 
 async def offer_all(store: RecordStore, reports: Sequence[Report], *, now_wall: float,
@@ -457,6 +461,18 @@ class GossipService:
             self._out_send.send_nowait(_SyncSend(m.peer_id, m.address, msg))
         except trio.WouldBlock:
             logger.warning("outgoing gossip queue full: dropping a record sync")
+
+    def set_compute_ms(self, ms: float) -> None:
+        """This peer's compute figure as its training measures it (`compute_ms` of the
+        reference block, from its stage's own steps): reported from the next report on when it
+        moved by more than COMPUTE_REPUBLISH_RATIO from the figure reported; a figure that is
+        not a positive finite number within the record's bound is ignored."""
+        if not (math.isfinite(ms) and 0 < ms <= MAX_COMPUTE_MS):
+            return
+        old = self.compute_ms
+        self.compute_ms = ms
+        if not old or max(ms, old) / min(ms, old) > COMPUTE_REPUBLISH_RATIO:
+            self._published_version = -1  # (publish the figure with the next report)
 
     async def _measure_self(self) -> None:
         """This peer's own figures, one probe after the other (so they do not slow each

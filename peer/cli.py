@@ -816,7 +816,8 @@ def format_started(model: str, reply: dict) -> str:
     return (f"training {model} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
             f"{plural(reply['dp'], 'pipeline')}; predicted {reply['predicted_iteration_s']:.3f} s per step "
             f"({PREDICTION_CAVEAT})"
-            + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+            + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else "")
+            + (f"\nshape: {reply['shape_note']}" if reply.get("shape_note") else ""))
 
 
 def format_stopped(reply: dict) -> str:

@@ -272,7 +272,7 @@ class CostModel:
         if not self.compute_on:
             return 0.0
         wl = self.workload
-        per_mb = layers * wl.layer_compute_s / self.speed[X].min(axis=1)
+        per_mb = wl.compute_layers(layers) * wl.layer_compute_s / self.speed[X].min(axis=1)
         return float((wl.micro_batches + X.shape[0] - 1) * per_mb.max())
 
     def breakdown(self, X: np.ndarray) -> CostBreakdown:

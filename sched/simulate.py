@@ -80,7 +80,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     if wl.layer_compute_s is None:
         step = np.zeros((S, D))
     else:
-        step = layers[:, None] * wl.layer_compute_s / model.speed[X]  # (S, D) fwd+bwd per micro-batch
+        step = wl.compute_layers(layers)[:, None] * wl.layer_compute_s / model.speed[X]  # (S, D) fwd+bwd per micro-batch
     fwd, bwd = step / 3, 2 * step / 3
     # (S-1, D) coding seconds per micro-batch on each link: forward, stage s encodes and s+1
     # decodes; backward, s+1 encodes and s decodes (each at its own peer's speed)

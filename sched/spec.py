@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["CommSpec", "ModelSpec", "Workload", "PAPER_GPT3_XL", "PRESETS", "get_preset"]
 
 
@@ -34,6 +36,7 @@ class Workload:
     base_memory_gib: float = 0.0  # memory every stage needs besides its layers (buffers, embeddings)
     act_elem_bytes: int = 2  # bytes of one activation element on an exact wire (sizes compressed payloads)
     grad_elem_bytes: int = 4  # bytes of one gradient element in the exact all-reduce
+    head_layers: float = 0.0  # the output head and loss on the last stage, in layers' compute; 0: not counted
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.dp < 1:
@@ -44,6 +47,12 @@ class Workload:
             raise ValueError("volumes must be non-negative and micro_batches at least 1")
         if self.act_elem_bytes < 1 or self.grad_elem_bytes < 1:
             raise ValueError("element sizes must be at least one byte")
+
+    def compute_layers(self, layers: np.ndarray) -> np.ndarray:
+        """Each stage's compute in layers (float): its layers, the last stage's plus the head."""
+        out = np.asarray(layers, dtype=float).copy()
+        out[-1] += self.head_layers
+        return out
 
     def grad_gb(self, stage_layers: float) -> float:
         """Gradient volume of a stage holding `stage_layers` layers."""
@@ -107,6 +116,7 @@ class ModelSpec:
     state_bytes_per_param: int = 16  # weights + gradient + Adam moments, fp32
     reference_tflops: float | None = None  # achieved TFLOP/s of a speed-1.0 peer; None: compute off
     with_memory: bool = False  # include the per-layer memory need (for memory-limited peers)
+    head_compute: bool = False  # count the output head's compute on the last stage (with reference_tflops)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch_size", "global_batch_seqs"):
@@ -128,6 +138,12 @@ class ModelSpec:
     def params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params
 
+    def layer_flops(self) -> float:
+        """Forward and backward FLOPs of one layer on one micro-batch: 3x the forward, which is
+        2 FLOPs per parameter per token plus attention's scores and mixing."""
+        tokens = self.micro_batch_size * self.seq_len
+        return 3 * (2 * self.layer_params * tokens + 2 * self.micro_batch_size * self.seq_len**2 * self.hidden)
+
     def micro_batches(self, dp: int) -> int:
         return max(1, math.ceil(self.global_batch_seqs / (dp * self.micro_batch_size)))
 
@@ -139,10 +155,8 @@ class ModelSpec:
         grad_gb_total = self.params * self.grad_bytes / 1e9
         compute = None
         if self.reference_tflops is not None:
-            tokens = self.micro_batch_size * self.seq_len
-            # forward + backward = 3x forward; forward = 2 FLOP per parameter per token plus attention
-            flops = 3 * (2 * self.layer_params * tokens + 2 * self.micro_batch_size * self.seq_len**2 * self.hidden)
-            compute = flops / (self.reference_tflops * 1e12)
+            compute = self.layer_flops() / (self.reference_tflops * 1e12)
+        head = self.head_layers_equivalent() if self.head_compute and compute is not None else 0.0
         memory = base = None
         if self.with_memory:
             # parameters and optimiser state, plus the activations GPipe keeps for all M micro-batches
@@ -150,7 +164,12 @@ class ModelSpec:
             memory = (self.layer_params * self.state_bytes_per_param + act_per_layer) / 2**30
             base = self.embedding_params * self.state_bytes_per_param / 2**30
         return Workload(stages, dp, self.layers, grad_gb_total, act_gb, m, compute, memory, base or 0.0,
-                        act_elem_bytes=self.act_bytes, grad_elem_bytes=self.grad_bytes)
+                        act_elem_bytes=self.act_bytes, grad_elem_bytes=self.grad_bytes, head_layers=head)
+
+    def head_layers_equivalent(self) -> float:
+        """The output head's forward and backward (a vocab x hidden matmul per token) in layers'
+        compute (a layer: its parameters' matmuls and attention's seq_len x hidden per token)."""
+        return self.vocab * self.hidden / (self.layer_params + self.seq_len * self.hidden)
 
 
 PRESETS: dict[str, CommSpec | ModelSpec] = {

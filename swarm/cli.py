@@ -258,7 +258,8 @@ def format_train_started(preset: str, reply: dict, issuer: str) -> str:
     return (f"training {preset} for {reply['steps']} steps as {plural(reply['stages'], 'stage')} x "
             f"{plural(reply['dp'], 'pipeline')}, issued by {issuer}; predicted "
             f"{reply['predicted_iteration_s']:.3f} s per step"
-            + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else ""))
+            + (f"; compression {reply['compression']}" if reply.get("compression", "exact") != "exact" else "")
+            + (f"\nshape: {reply['shape_note']}" if reply.get("shape_note") else ""))
 
 
 def cmd_train(args: argparse.Namespace) -> int:

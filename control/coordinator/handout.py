@@ -54,6 +54,7 @@ class HandOut:
         self.refusals = refusals
         self.phase = Phase.IDLE
         self.reason = ""
+        self.shape_note = ""  # why the last run started here has its shape (`choose_shape`)
         self.steplog: StepLog | None = None  # the epoch this peer handed out last
         self.logged: dict[bytes, set[int]] = {}  # run id -> steps this peer logged
         self.last_reconfig: Reconfiguration | None = None
@@ -101,6 +102,9 @@ class HandOut:
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
+        if proc.planning.shape_note:
+            self.shape_note = proc.planning.shape_note
+            logger.info("term %d epoch %d shape: %s", alloc.term, alloc.epoch, proc.planning.shape_note)
         if alloc.compress_links is not None:
             logger.info("term %d epoch %d compresses per link: %s", alloc.term, alloc.epoch, _links_note(proc, alloc))
         body = signed.to_wire()
@@ -178,7 +182,8 @@ class HandOut:
             return [Emit(PlaneEvent(EventKind.START, alloc.term, "train start", epoch=alloc.epoch,
                                     start_shape=f"{alloc.stages}x{alloc.dp}",
                                     start_predicted_s=alloc.predicted_iteration_s,
-                                    compress_links=_links_note(proc, alloc) or None)),
+                                    compress_links=_links_note(proc, alloc) or None,
+                                    shape_note=proc.planning.shape_note or None)),
                     Reply(proc.order.reply or (), alloc)]
         return self._reconfigured(proc, now)
 

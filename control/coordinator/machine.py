@@ -230,6 +230,11 @@ class Coordinator:
         """Why a start cannot be taken now (no coordinator, a run in progress), or None."""
         return self.queue.start_refusal()
 
+    @property
+    def shape_note(self) -> str:
+        """Why the last run this coordinator started has its shape (empty when it chose none)."""
+        return self.hand.shape_note
+
     def operator_stop_step(self, run_id: bytes) -> int | None:
         """The steps `run_id` has done when an operator's stop of it ends it, or None."""
         return self.queue.operator_stop_step(run_id)

@@ -134,6 +134,7 @@ class Procedures:
             return self._start_failed(proc, start, refusal, now)
         shape = ev.value
         proc.planning.links_note = shape.links_note
+        proc.planning.shape_note = shape.shape_note
         try:
             alloc = first_allocation(self.r, start, shape, self.r.me in self.queue.leaving(now))
         except ValueError as e:

@@ -63,6 +63,7 @@ class Planning:
     offers: dict[tuple[int, int], Mapping[bytes, OfferAnswer]] = field(default_factory=dict)
     left_out: frozenset[bytes] = frozenset()  # reachable peers not placed: they refused an allocation
     links_note: str = ""  # a per-link run: which links and groups compress and why (`choose_links`)
+    shape_note: str = ""  # a new run: why its shape (`choose_shape`)
     rolled_back: bool = False  # the resume point is before a step completed: a rollback
     steps_lost: int = 0  # a rollback: completed (logged or reported) steps the swarm runs again
 

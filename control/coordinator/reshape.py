@@ -20,10 +20,14 @@ It weighs every way of going on against the allocation in use (`current`, a `tra
   relabelled to keep as many peers as possible in their old (stage, pipeline) place; the
   reversed stage order, as cheap on a symmetric network, is tried too, and the cheaper of the
   two (score below) is offered.
-- restage: when fewer than S peers are live, no allocation of the current S exists: the
-  scheduler on the live peers with every other stage count (layer ranges change).
+- restage: the scheduler on the live peers with every other stage count and every pipeline
+  count (`shape_space`: spares allowed), layer ranges changed; when fewer than S peers are
+  live, these are the only candidates. When no peer reported its compute speed, restage is
+  tried only then (compute free, fewer peers or stages would always look faster).
 
-The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no moves.
+The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no
+moves. Every candidate is costed with each peer's reported compute speed (`peer_compute`), so
+a reconfiguration searches the space the first placement does: any shape, peers left out.
 
 Costs. A peer that takes on a layer range other than the one it holds *moves*: it fetches every
 old stage that its new range needs (the blocks in it, the embeddings for a first stage, the head
@@ -61,12 +65,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (CompressionOptions, CostModel, SearchConfig, candidate_shapes, layer_ranges, linear_assignment,
+from dtfm.sched import (CompressionOptions, CostModel, ModelSpec, SearchConfig, layer_ranges, linear_assignment,
                         simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
+from ..compute import peer_compute, sched_spec
 from .links import used_cut_links
-from .schedule import Placement, sched_spec, view_matrices
+from .schedule import Placement, shape_space, view_matrices
 
 __all__ = ["BYTES_PER_PARAM", "CUT_PENALTY_S", "KINDS", "Range", "ReshapePlan", "default_stage_bytes", "relabel_pipelines", "reshape"]
 
@@ -146,9 +151,13 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     if current is None:
         cands = _shapes(pl, "reschedule", stages, dp, time_budget_s, None)
     else:
-        cands = _same_s(pl, time_budget_s) if len(pl.live) >= current.stages else []
-        if not cands:
-            cands = _shapes(pl, "restage", None, None, time_budget_s, pl.cur)
+        # Other shapes too, when compute is costed: without it a shape of fewer peers or stages
+        # is predicted faster for want of a compute term, not because it is.
+        same = len(pl.live) >= current.stages
+        other = not same or pl.compute.reference_tflops is not None
+        cands = _same_s(pl, time_budget_s / 2 if other else time_budget_s) if same else []
+        if other:
+            cands += _shapes(pl, "restage", None, None, time_budget_s / 2 if same else time_budget_s, pl.cur)
         keep = next((c for c in cands if c.kind == "keep"), None)
     cands = _distinct(cands + _detours(pl, cands))
     if not cands:
@@ -268,6 +277,7 @@ class _Planner:
         self.regions = regions
         self.seed, self.config = seed, config
         self.d_max = cfg.global_batch_seqs // cfg.micro_batches  # split_batch: every micro-batch a sample
+        self.compute = peer_compute(view)  # each peer's speed, as it reported it
         self.current = current
         self._models: dict[tuple[int, int], CostModel] = {}
         if current is not None:
@@ -281,10 +291,14 @@ class _Planner:
     def model(self, S: int, D: int) -> CostModel:
         m = self._models.get((S, D))
         if m is None:
-            m = CostModel(self.delay, self.bw, sched_spec(self.spec, self.cfg, D).workload(S, D),
+            m = CostModel(self.delay, self.bw, self.mspec(D).workload(S, D), compute=self.compute.speeds,
                           compression=self.compression)
             self._models[(S, D)] = m
         return m
+
+    def mspec(self, D: int) -> ModelSpec:
+        """The scheduler's model for D pipelines, its compute costed at the peers' speeds."""
+        return sched_spec(self.spec, self.cfg, D, reference_tflops=self.compute.reference_tflops)
 
     def evaluate(self, kind: str, X: np.ndarray, ranges) -> _Cand:
         S, D = X.shape
@@ -415,7 +429,10 @@ class _Planner:
             cfg = replace(cfg, generations=0, warm_only=True)
         pos = {p: k for k, p in enumerate(peers)}
         init = None if initial is None else [[pos[int(v)] for v in col] for col in initial.T]
-        alloc = solve(self.delay[sub], self.bw[sub], sched_spec(self.spec, self.cfg, D), stages=S, dp=D,
+        flat = len(peers) < cfg.hierarchy_min_peers  # (the hierarchical search costs no compute)
+        costed = flat and self.compute.reference_tflops is not None
+        alloc = solve(self.delay[sub], self.bw[sub], self.mspec(D) if costed else sched_spec(self.spec, self.cfg, D),
+                      stages=S, dp=D, compute=self.compute.speeds[peers] if costed else None,
                       regions=labels, seed=self.seed, config=cfg, initial=init, compression=self.compression)
         return np.array(peers, dtype=np.int64)[alloc.matrix]
 
@@ -541,9 +558,7 @@ def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarra
         D = dp if dp is not None else min(n // stages, pl.d_max)
         shapes = [(stages, D)] if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer else []
     else:
-        probe = sched_spec(pl.spec, pl.cfg, 1)
-        shapes = [(S, D) for S, D in candidate_shapes(n, probe, allow_spares=True) if D <= pl.d_max]
-        shapes = [(S, D) for S, D in shapes if dp is None or D == dp]
+        shapes = shape_space(n, pl.spec, pl.cfg, dp=dp, compute_costed=pl.compute.reference_tflops is not None)
         if old is not None:
             shapes = [(S, D) for S, D in shapes if S != old.shape[0]]
     out = []

@@ -4,26 +4,23 @@ DP groups compress (`choose_links`). The protocol is in docs/control.md."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (REFERENCE_CODEC_SPEED, CodecAssignment, CodecSpeed, CompressionOptions, CompressionPlan,
-                        CostModel, ModelSpec,
+from dtfm.sched import (REFERENCE_CODEC_SPEED, Allocation, CodecAssignment, CodecSpeed, CompressionOptions,
+                        CompressionPlan, CostModel, SearchConfig,
                         choose_compression, layer_ranges, simulate_iteration, solve, wire_codecs)
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
+from ..compute import peer_compute, sched_spec
 from .request import PLACEMENTS
 
 __all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
-           "random_shape", "sched_spec", "view_matrices"]
-
-# A speed-1.0 peer's achieved TFLOP/s, for turning a measured block time into the scheduler's
-# compute term: only ratios between peers and against the network matter.
-REFERENCE_TFLOPS = 1.0
-
+           "random_shape", "sched_spec", "shape_note", "shape_space", "view_matrices"]
 
 @dataclass(frozen=True)
 class Placement:
@@ -37,22 +34,60 @@ class Placement:
     # A per-link run: which links and DP groups use the run's codecs (`choose_links`), and why, in words.
     links: LinkCodecs | None = None
     links_note: str = ""
+    shape_note: str = ""  # why this shape (`shape_note`): its prediction against the others tried
 
 
-def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int) -> ModelSpec:
-    """The scheduler's description of the model the trainer builds, for D pipelines."""
-    mb = max(1, cfg.global_batch_seqs // (dp * cfg.micro_batches))
-    act_bytes = 4 if cfg.wire_dtype == "float32" else 2
-    return ModelSpec(spec.name, layers=spec.n_layer, hidden=spec.n_embd, heads=spec.n_head,
-                     seq_len=spec.seq_len, vocab=spec.vocab, micro_batch_size=mb,
-                     global_batch_seqs=cfg.global_batch_seqs, act_bytes=act_bytes)
+def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None = None,
+                dp: int | None = None, compute_costed: bool = True) -> list[tuple[int, int]]:
+    """Every (S, D) a run may take on n live peers: S divides the layers (an even split), D
+    pipelines of S peers fit in n, spares allowed (a peer left out), and D at most the
+    micro-batch count allows (each pipeline's micro-batches at least one sample); `stages` or
+    `dp` fix one of the two. Without `compute_costed` (no peer reported its speed, so fewer
+    peers would always look faster), only the widest D of each S and one fewer."""
+    d_max = max(1, cfg.global_batch_seqs // cfg.micro_batches)
+    out = []
+    for S in range(1, min(spec.n_layer, n) + 1):
+        if spec.n_layer % S or (stages is not None and S != stages):
+            continue
+        widest = min(n // S, d_max)
+        for D in range(widest, 0, -1):  # (the widest first)
+            if (dp is None or D == dp) and (compute_costed or D >= widest - 1):
+                out.append((S, D))
+    return out
+
+
+def shape_note(tried: Sequence[tuple[int, int, float]], chosen: tuple[int, int], n: int) -> str:
+    """Why the shape, in one line: "4 x 1 (4 spares): predicted 0.412 s/step; every peer
+    placed (4 x 2) 0.650 s; next 2 x 2 0.520 s (11 shapes tried)": the chosen shape, the best
+    that places every peer when the chosen one leaves some out, and the best of the rest."""
+    by = {(S, D): t for S, D, t in tried}
+    S, D = chosen
+    spares = n - S * D
+    out = f"{S} x {D}" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
+    out += f": predicted {by[chosen]:.3f} s/step"
+    rest = sorted((t, s, d) for s, d, t in tried if (s, d) != chosen)
+    full = [x for x in rest if x[1] * x[2] == n]
+    if spares and full:
+        t, s, d = full[0]
+        out += f"; every peer placed ({s} x {d}) {t:.3f} s"
+        rest.remove(full[0])
+    if rest:
+        t, s, d = rest[0]
+        out += f"; next {s} x {d} {t:.3f} s"
+    return out + f" ({len(tried)} shape{'s' if len(tried) != 1 else ''} tried)"
 
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
                  seed: int = 0, compression: CompressionOptions | None = None) -> Placement:
-    """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto").
-    compression: the codecs each link and group may use, for a search that knows them (None: exact).
+    """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
+    shape of `shape_space` (peers left out as spares included) is searched, and the one the
+    simulator predicts fastest per step wins (the global batch is the run's whatever the
+    shape: the fastest step is the fastest to the run's target). Each peer's compute is costed
+    at its reported speed (`peer_compute`); when no peer reported one, only the shapes that
+    place every peer (as many pipelines as the batch allows) are searched. stages given without dp: as many pipelines of it
+    as the peers form. compression: the codecs each link and group may use, for a search that
+    knows them (None: exact).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
     n = len(view.peers)
@@ -61,15 +96,42 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
                          "measured): wait until gossip has measured every link")
     delay, bw = view_matrices(view)
     labels = [regions.get(p, "") for p in view.peers] if regions else None
-    d_for_spec = dp or max(1, n // (stages or 1))
-    mspec = sched_spec(spec, cfg, d_for_spec)
-    alloc = solve(delay, bw, mspec, stages="auto" if stages is None else stages, dp=dp, regions=labels,
-                  time_budget_s=time_budget_s, seed=seed, allow_spares=stages is not None, compression=compression)
-    model = CostModel(delay, bw, sched_spec(spec, cfg, alloc.dp).workload(alloc.stages, alloc.dp))
-    sim = simulate_iteration(model, alloc.matrix, micro_batches=cfg.micro_batches, engine_syncs=True)
+    pc = peer_compute(view)
+    if stages is not None and dp is None:
+        dp = max(1, n // stages)
+    shapes = shape_space(n, spec, cfg, stages=stages, dp=dp, compute_costed=pc.reference_tflops is not None)
+    if pc.reference_tflops is None and stages is None:
+        # No peer reported its compute: a shape of fewer peers would be predicted faster for
+        # want of a compute term, so every peer is placed where a shape allows it.
+        shapes = [(S, D) for S, D in shapes if S * D == n] or shapes
+    if not shapes:
+        raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"
+                         + (f" as {stages} stages" if stages is not None else "")
+                         + (f" x {dp} pipelines" if dp is not None else ""))
+    # The search costs compute at each peer's speed, except where the hierarchical search takes
+    # over (many peers): it schedules the paper's objective; the simulator still costs compute.
+    flat = n < SearchConfig().hierarchy_min_peers
+    t0 = time.monotonic()
+    tried: list[tuple[int, int, float]] = []
+    best: tuple[float, Allocation] | None = None
+    for k, (S, D) in enumerate(shapes):
+        budget = max(time_budget_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
+        mspec = sched_spec(spec, cfg, D, reference_tflops=pc.reference_tflops)
+        alloc = solve(delay, bw, mspec if flat else sched_spec(spec, cfg, D), stages=S, dp=D, regions=labels,
+                      compute=pc.speeds if flat and pc.reference_tflops is not None else None,
+                      time_budget_s=max(budget, 1e-9), seed=seed, allow_spares=True, compression=compression)
+        model = CostModel(delay, bw, mspec.workload(S, D), compute=pc.speeds)
+        t = float(simulate_iteration(model, alloc.matrix, micro_batches=cfg.micro_batches,
+                                     engine_syncs=True).iteration_s)
+        tried.append((S, D, t))
+        if best is None or t < best[0] - 1e-12:
+            best = (t, alloc)
+    assert best is not None
+    t, alloc = best
     ids = view.peers
+    note = shape_note(tried, (alloc.stages, alloc.dp), n) + "; " + pc.describe()
     return Placement(tuple(tuple(ids[i] for i in pipe) for pipe in alloc.pipelines), alloc.layer_ranges,
-                     tuple(ids[i] for i in alloc.spares), float(sim.iteration_s), float(alloc.cost.paper_s))
+                     tuple(ids[i] for i in alloc.spares), t, float(alloc.cost.paper_s), shape_note=note)
 
 
 def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int,
@@ -87,7 +149,9 @@ def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     order = np.random.default_rng(seed).permutation(n)
     X = order[:stages * dp].reshape(dp, stages).T  # (S, D)
     delay, bw = view_matrices(view)
-    model = CostModel(delay, bw, sched_spec(spec, cfg, dp).workload(stages, dp))
+    pc = peer_compute(view)
+    model = CostModel(delay, bw, sched_spec(spec, cfg, dp, reference_tflops=pc.reference_tflops).workload(stages, dp),
+                      compute=pc.speeds)
     sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True)
     ids = view.peers
     return Placement(tuple(tuple(ids[i] for i in X[:, d]) for d in range(dp)), ranges,
@@ -151,7 +215,9 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     S, D = X.shape
     delay, bw = view_matrices(view)
     opts = compression_options_of(compression, speed, view=view)
-    model = CostModel(delay, bw, sched_spec(spec, cfg, D).workload(S, D), compression=opts)
+    pc = peer_compute(view)
+    model = CostModel(delay, bw, sched_spec(spec, cfg, D, reference_tflops=pc.reference_tflops).workload(S, D),
+                      compute=pc.speeds, compression=opts)
     placed = np.unique(X)
     measured = int(view.codec_known()[placed].sum())
     plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,

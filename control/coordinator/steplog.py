@@ -84,6 +84,9 @@ class StepLog:
         self._behind = len(self.highest)  # peers whose newest step is < completed + STEP_WINDOW
         self._at_end = 0  # peers that reported the epoch's last step
         self._last = frozenset(pipe[-1] for pipe in alloc.pipelines)  # the peers whose loss counts
+        # the epoch's predicted step: the allocation's, then re-estimated on the view as the peers
+        # report compute measured in their own steps (a drift check that keeps the allocation)
+        self.predicted_s = alloc.predicted_iteration_s
 
     @property
     def finished(self) -> bool:
@@ -251,7 +254,7 @@ class StepLog:
         line: dict = {"run": self.alloc.run_id.hex(), "step": step, "loss": loss, "epoch": alloc.epoch,
                       "term": self.alloc.term,
                       "iteration_s": iteration_s, "tokens_per_s": tokens / iteration_s if iteration_s else None,
-                      "predicted_iteration_s": self.alloc.predicted_iteration_s,
+                      "predicted_iteration_s": self.predicted_s,
                       "compute_s": most("compute_s"), "pipeline_s": most("pipeline_s"), "sync_s": most("sync_s")}
         sent = [sum(r.bytes_sent[i] for r in reports.values()) for i in range(len(BYTE_AXES))]
         if any(sent):  # payload bytes of the step's reports (of every peer, unless partial)

@@ -301,6 +301,15 @@ class RunWatch:
         self._probe = None
         if error is None and isinstance(value, ReshapePlan) and value.kind != "keep":
             return Reconfigure.of("a faster allocation is predicted on the measured network")
+        log, cur = self.rest.steplog, self.r.epoch.current
+        if (error is None and isinstance(value, ReshapePlan) and log is not None and cur is not None
+                and (log.alloc.run_id, log.alloc.epoch) == (cur.run_id, cur.epoch)
+                and math.isfinite(value.placement.predicted_iteration_s)):
+            new = value.placement.predicted_iteration_s
+            if abs(new - log.predicted_s) > 0.05 * log.predicted_s:
+                logger.info("term %d epoch %d: predicted step re-estimated on the measured view: %.3f s -> %.3f s",
+                            cur.term, cur.epoch, log.predicted_s, new)
+            log.predicted_s = new
         return []
 
     # ---- the step deadline and cut links (deadline.py, links.py) ------------------------------

@@ -221,3 +221,28 @@ async def test_link_delays_stay_exact_while_big_probes_cross_slow_links(autojump
             worst = np.max(np.abs(got[off] / exp[off] - 1))
             assert worst < 0.02, f"a link's delay is off by {worst:.0%}"
         nursery.cancel_scope.cancel()
+
+
+async def test_a_compute_figure_measured_in_training_reaches_every_view(autojump_clock):
+    """`set_compute_ms`: a figure that moved beyond the republish ratio goes out in the next
+    report and every peer's view holds it; a nonsense figure is ignored."""
+    async with trio.open_nursery() as nursery:
+        h = Harness(4, CFG, seed=5, measure=True)
+        await h.start(nursery)
+        await wait_for(lambda: h.complete_views() == 4, 120)
+        svc = h.services[1]
+        me = svc.identity.peer_id
+
+        def seen(k: int) -> float:
+            view = h.services[k].view()
+            return float(view.compute_ms[view.peers.index(me)])
+
+        svc.set_compute_ms(7.5)
+        await wait_for(lambda: all(seen(k) == 7.5 for k in range(4)), 30)
+        svc.set_compute_ms(7.9)  # within the ratio: kept for the next report that goes out anyway
+        for bad in (float("nan"), -1.0, 0.0, float("inf"), 1e12):
+            svc.set_compute_ms(bad)
+        assert svc.compute_ms == 7.9
+        svc.set_compute_ms(30.0)
+        await wait_for(lambda: all(seen(k) == 30.0 for k in range(4)), 30)
+        nursery.cancel_scope.cancel()

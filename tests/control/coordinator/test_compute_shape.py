@@ -1,0 +1,139 @@
+"""Each peer's compute in the scheduler (control/compute.py) and the shape search with spares
+(`choose_shape`): the units a training peer reports are the simulator's, the shape leaves out
+peers when that is faster, a slow peer gets no stage."""
+
+import math
+
+import numpy as np
+import pytest
+
+from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, reference_block_flops, sched_spec,
+                                  training_block_ms)
+from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_note, shape_space
+from dtfm.gossip import NetworkView
+from dtfm.train import TrainConfig, get_preset
+
+SPEC = get_preset("tiny")
+CFG = TrainConfig(global_batch_seqs=16, micro_batches=4)
+
+
+def view_of(delay_ms: np.ndarray, compute_ms, bandwidth_gbps: float = 10.0) -> NetworkView:
+    n = len(delay_ms)
+    ids = tuple(bytes([k]) * 32 for k in range(n))
+    bw = np.full((n, n), bandwidth_gbps)
+    np.fill_diagonal(bw, np.inf)
+    return NetworkView(ids, np.asarray(delay_ms, dtype=float), bw, np.asarray(compute_ms, dtype=float), True)
+
+
+def two_sites(n: int, far_ms: float, near_ms: float = 0.5) -> np.ndarray:
+    site = np.arange(n) % 2
+    d = np.where(site[:, None] == site[None, :], near_ms, far_ms)
+    np.fill_diagonal(d, 0.0)
+    return d
+
+
+def test_a_training_peers_figure_is_what_the_simulator_then_costs():
+    """A peer that reports `training_block_ms` of its step's compute seconds is costed by the
+    simulator at those seconds: the units round-trip (middle and last stage, any shape)."""
+    for S, D, s in ((2, 2, 0), (2, 2, 1), (4, 1, 3), (1, 2, 0)):
+        layers = SPEC.n_layer // S
+        compute_s = 0.8
+        ms = training_block_ms(SPEC, CFG, D, layers, s == S - 1, compute_s)
+        n = S * D
+        view = view_of(np.zeros((n, n)), np.full(n, ms))
+        pc = peer_compute(view)
+        assert pc.speeds.tolist() == [1.0] * n
+        mspec = sched_spec(SPEC, CFG, D, reference_tflops=pc.reference_tflops)
+        wl = mspec.workload(S, D)
+        per_mb = wl.compute_layers(np.full(S, layers))[s] * wl.layer_compute_s
+        assert math.isclose(per_mb * CFG.micro_batches, compute_s, rel_tol=1e-9)
+
+
+def test_peer_compute_speeds_are_relative_to_the_median_and_unknown_is_the_median():
+    pc = peer_compute(view_of(np.zeros((4, 4)), [10.0, 20.0, 40.0, np.nan]))
+    assert pc.known == 3
+    assert pc.speeds.tolist() == [2.0, 1.0, 0.5, 1.0]
+    assert math.isclose(pc.reference_tflops, reference_block_flops() / 0.020 / 1e12)
+    none = peer_compute(view_of(np.zeros((2, 2)), [np.nan, 0.0]))
+    assert none.reference_tflops is None and none.speeds.tolist() == [1.0, 1.0]
+    assert "not costed" in none.describe()
+
+
+def test_the_gauge_leaves_out_an_epochs_first_steps_and_reports_the_median():
+    g = ComputeGauge()
+    out = [g.add((b"r", 1), v) for v in (100.0, 90.0, 10.0, 11.0, 12.0, 50.0)]
+    assert out[:GAUGE_SKIP_STEPS + 2] == [None] * (GAUGE_SKIP_STEPS + 2)
+    assert out[GAUGE_SKIP_STEPS + 2:] == [11.0, 11.5]
+    assert g.add((b"r", 2), 5.0) is None  # a new epoch: its first steps are left out again
+    assert g.add((b"r", 2), None) is None  # a step that says nothing adds nothing
+
+
+def test_shape_space_spans_every_pipeline_count_the_batch_allows():
+    shapes = shape_space(8, SPEC, CFG)
+    assert (1, 1) in shapes and (4, 2) in shapes and (2, 4) in shapes and (4, 1) in shapes
+    assert all(SPEC.n_layer % S == 0 and S * D <= 8 and D <= CFG.global_batch_seqs // CFG.micro_batches
+               for S, D in shapes)
+    assert shape_space(8, SPEC, CFG, stages=2) == [(2, 4), (2, 3), (2, 2), (2, 1)]
+    assert shape_space(8, SPEC, CFG, stages=2, compute_costed=False) == [(2, 4), (2, 3)]
+    assert shape_space(8, SPEC, CFG, dp=2) == [(1, 2), (2, 2), (4, 2)]
+    assert shape_space(8, SPEC, CFG, stages=3) == []
+
+
+def test_far_apart_peers_train_on_one_site_and_the_rest_are_spares():
+    """Across a 100 ms ocean a model this small is fastest on one site: the placement leaves
+    the far site out, and its note says what every peer placed would have cost."""
+    view = view_of(two_sites(8, far_ms=100.0), np.full(8, 30.0))
+    p = choose_shape(view, SPEC, CFG, stages=None, dp=None, time_budget_s=0.5)
+    placed = [view.peers.index(x) for pipe in p.pipelines for x in pipe]
+    assert len({k % 2 for k in placed}) == 1  # one site
+    assert len(p.spares) == 8 - len(placed) > 0
+    assert "every peer placed" in p.shape_note and "spare" in p.shape_note
+    full = [(S, D) for S, D in shape_space(8, SPEC, CFG) if S * D == 8]
+    assert full
+    # the prediction is the simulator's on the chosen allocation, faster than every peer placed
+    m = float(p.shape_note.split("every peer placed")[1].split(")")[1].split()[0])
+    assert p.predicted_iteration_s < m
+
+
+def test_close_fast_peers_are_all_placed():
+    """On one fast site with slow compute, spreading the model over every peer is fastest."""
+    view = view_of(np.where(np.eye(8, dtype=bool), 0.0, 0.05), np.full(8, 200.0), bandwidth_gbps=100.0)
+    p = choose_shape(view, SPEC, CFG, stages=None, dp=None, time_budget_s=0.5)
+    assert len(p.layer_ranges) * len(p.pipelines) >= 6
+
+
+@pytest.mark.parametrize("slow", [0, 3])
+def test_a_peer_ten_times_slower_gets_no_stage(slow):
+    compute = np.full(4, 50.0)
+    compute[slow] = 500.0
+    view = view_of(np.where(np.eye(4, dtype=bool), 0.0, 0.5), compute, bandwidth_gbps=100.0)
+    p = choose_shape(view, SPEC, CFG, stages=None, dp=None, time_budget_s=0.5)
+    assert view.peers[slow] in p.spares
+    # asked for every peer (4 stages x 1), it still places it, with the simulator's honest prediction
+    four = choose_shape(view, SPEC, CFG, stages=4, dp=1, time_budget_s=0.3)
+    assert four.predicted_iteration_s > p.predicted_iteration_s
+
+
+def test_the_shape_note_names_the_choice_the_full_shape_and_the_next():
+    note = shape_note([(1, 1, 0.2), (4, 2, 0.9), (2, 1, 0.3), (2, 4, 1.1)], (1, 1), 8)
+    assert note == ("1 x 1 (7 spares): predicted 0.200 s/step; every peer placed (4 x 2) 0.900 s; "
+                    "next 2 x 1 0.300 s (4 shapes tried)")
+    assert shape_note([(2, 2, 0.5)], (2, 2), 4) == "2 x 2: predicted 0.500 s/step (1 shape tried)"
+
+
+def test_an_unmeasured_swarm_still_gets_a_shape():
+    """No peer reported its compute: compute is not costed, and the note says so."""
+    view = view_of(two_sites(4, far_ms=20.0), np.full(4, np.nan))
+    p = choose_shape(view, SPEC, CFG, stages=2, dp=None, time_budget_s=0.3)
+    assert len(p.layer_ranges) == 2 and len(p.pipelines) == 2
+    assert "not costed" in p.shape_note
+
+
+def test_random_shape_costs_compute_too():
+    """The baseline allocation is predicted with the same compute: slower peers, slower step."""
+    fast = random_shape(view_of(np.zeros((4, 4)), np.full(4, 10.0)), SPEC, CFG, stages=2, dp=2)
+    slow = random_shape(view_of(np.zeros((4, 4)), np.full(4, 100.0)), SPEC, CFG, stages=2, dp=2)
+    free = random_shape(view_of(np.zeros((4, 4)), np.full(4, np.nan)), SPEC, CFG, stages=2, dp=2)
+    assert free.predicted_iteration_s < fast.predicted_iteration_s < slow.predicted_iteration_s
+    assert math.isclose(slow.predicted_iteration_s - free.predicted_iteration_s,
+                        10 * (fast.predicted_iteration_s - free.predicted_iteration_s), rel_tol=0.05)
