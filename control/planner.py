@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, NetworkView, build_view
+from dtfm.net import ProtocolError
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
@@ -21,6 +22,7 @@ from .config import PlaneConfig
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
+from .operator import SignedOp
 
 __all__ = ["CONFIRM_ROUNDS", "GossipSwarm", "SchedulerPlanner", "plan_links"]
 
@@ -67,6 +69,15 @@ class GossipSwarm:
 
 
 CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is handed out
+
+
+def asked_stages(alloc: Allocation) -> int | None:
+    """The stage count the operator's start asked for (`--stages`), None when it left the
+    shape to the scheduler (or the start cannot be read)."""
+    try:
+        return SignedOp.decode(alloc.operator_start).open().request().stages
+    except (ProtocolError, ValueError):
+        return None
 
 
 def plan_links(placement: Placement) -> list[tuple[bytes, bytes]]:
@@ -143,6 +154,7 @@ class SchedulerPlanner:
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
+                       keep_stages=asked_stages(cur) is not None,
                        compression=compression_options_of(cur.compression, view=view) if per_link else None)
         if not per_link:
             return plan

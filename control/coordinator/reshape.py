@@ -22,8 +22,9 @@ It weighs every way of going on against the allocation in use (`current`, a `tra
   two (score below) is offered.
 - restage: the scheduler on the live peers with every other stage count and every pipeline
   count (`shape_space`: spares allowed), layer ranges changed; when fewer than S peers are
-  live, these are the only candidates. When no peer reported its compute speed, restage is
-  tried only then (compute free, fewer peers or stages would always look faster).
+  live, these are the only candidates. When no peer reported its compute speed, or the
+  operator asked for the stage count, restage is tried only then (compute free, fewer peers or
+  stages would always look faster; an asked shape is kept while the peers allow it).
 
 The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no
 moves. Every candidate is costed with each peer's reported compute speed (`peer_compute`), so
@@ -120,7 +121,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             regions: dict[bytes, str] | None = None, time_budget_s: float = 2.0, seed: int = 0,
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
             config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
-            compression: CompressionOptions | None = None) -> ReshapePlan:
+            compression: CompressionOptions | None = None, keep_stages: bool = False) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -131,6 +132,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     (repeatable runs in tests), else `time_budget_s` is shared among them. cut_links: pairs of
     peers whose link is cut (see the module docstring). compression: the codecs a per-link run's
     links and groups may use (each costed with its cheapest, the current allocation too; None: exact).
+    keep_stages: the operator asked for the current stage count: other stage counts only when
+    fewer peers than stages are live.
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -154,7 +157,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
         # Other shapes too, when compute is costed: without it a shape of fewer peers or stages
         # is predicted faster for want of a compute term, not because it is.
         same = len(pl.live) >= current.stages
-        other = not same or pl.compute.reference_tflops is not None
+        other = not same or (pl.compute.reference_tflops is not None and not keep_stages)
         cands = _same_s(pl, time_budget_s / 2 if other else time_budget_s) if same else []
         if other:
             cands += _shapes(pl, "restage", None, None, time_budget_s / 2 if same else time_budget_s, pl.cur)

@@ -9,9 +9,10 @@ import pytest
 
 from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, reference_block_flops, sched_spec,
                                   training_block_ms)
+from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_note, shape_space
 from dtfm.gossip import NetworkView
-from dtfm.train import TrainConfig, get_preset
+from dtfm.train import Plan, TrainConfig, get_preset
 
 SPEC = get_preset("tiny")
 CFG = TrainConfig(global_batch_seqs=16, micro_batches=4)
@@ -137,3 +138,20 @@ def test_random_shape_costs_compute_too():
     assert free.predicted_iteration_s < fast.predicted_iteration_s < slow.predicted_iteration_s
     assert math.isclose(slow.predicted_iteration_s - free.predicted_iteration_s,
                         10 * (fast.predicted_iteration_s - free.predicted_iteration_s), rel_tol=0.05)
+
+
+def test_a_reconfiguration_searches_every_shape_unless_the_operator_fixed_the_stages():
+    """With compute costed, a running 4 x 2 across an ocean is reshaped onto one site (other
+    stage counts, spares); when the operator asked for 4 stages, the stage count stays."""
+    view = view_of(two_sites(8, far_ms=100.0), np.full(8, 30.0))
+    cur = Plan(tuple(tuple(view.peers[k] for k in pipe) for pipe in ((0, 1, 2, 3), (4, 5, 6, 7))),
+               tuple((s, s + 1) for s in range(4)))
+    live = frozenset(view.peers)
+    free = reshape(view, SPEC, CFG, current=cur, live=live, remaining_steps=1000, time_budget_s=0.5)
+    assert free.kind == "restage" and len(free.placement.layer_ranges) < 4 and free.placement.spares
+    placed = [view.peers.index(x) for pipe in free.placement.pipelines for x in pipe]
+    assert len({k % 2 for k in placed}) == 1
+    kept = reshape(view, SPEC, CFG, current=cur, live=live, remaining_steps=1000, time_budget_s=0.5,
+                   keep_stages=True)
+    assert len(kept.placement.layer_ranges) == 4
+    assert kept.placement.predicted_iteration_s > free.placement.predicted_iteration_s
