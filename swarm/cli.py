@@ -45,6 +45,7 @@ from dtfm.scenarios import ScenarioError, load_scenario
 from .proc import (
     LAN_ELECTION_MAX_RTT_MS,
     free_ports,
+    machine_compute_ms,
     peer_request,
     start_peer,
     stop_peer,
@@ -126,6 +127,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        emulated=not getattr(args, "no_emulation", False), plane_profile=args.plane_profile,
                        model_dirs=[str(d.resolve()) for d in getattr(args, "model_dir", [])],
                        device=getattr(args, "device", "cpu"))
+    state.compute_ms = getattr(args, "compute_ms", 0.0) or machine_compute_ms(run_dir, state.device)
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -552,6 +554,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", type=_device_arg, metavar="DEVICE",
                    help="every peer's `join --device`: build and train the stages on cpu, cuda or cuda:N; "
                         "the peers of one machine share its GPU (default: %(default)s)")
+    p.add_argument("--compute-ms", type=number(float, 0.0, "a non-negative number of ms"), default=0.0, metavar="MS",
+                   help="the compute figure every peer reports from its start (ms of one reference "
+                        "transformer block, see `dtfm-peer join --compute-ms`); 0 measures this machine "
+                        "once and keeps the figure in the run dir (default); a peer that trains reports "
+                        "what its own steps measure instead")
     add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)
 

@@ -15,13 +15,14 @@ from typing import Any, TextIO
 
 from dtfm.files import atomic_write
 from dtfm.peer import ControlClient, ControlClientError, DaemonNotRunning, DataDir, SocketConfig
+from dtfm.peer.speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
 from dtfm.scenarios import load_scenario
 
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal
 
 STOP_GRACE_S = 10.0
 PROGRESS_EVERY_S = 10.0  # without a terminal, how often `up` logs the measurements' progress
-NOMINAL_COMPUTE_MS = 10.0
+NOMINAL_COMPUTE_MS = 30.0  # a figure for a swarm whose machine could not be measured (a 2020s CPU core's)
 # Peers outlive the command that starts them; holding their Popen objects keeps Python from
 # warning, when one is collected, that a child it started is still running.
 _STARTED: dict[int, subprocess.Popen] = {}
@@ -103,11 +104,25 @@ def plane_flags(state: SwarmState) -> list[str]:
     return flags
 
 
-def nominal_compute_ms(state: SwarmState, region: str) -> float:
-    """Every peer shares this machine's CPU, so a measured speed would say nothing about the
-    scenario: peers report a nominal speed, scaled by their region's compute_scale."""
+def peer_compute_ms(state: SwarmState, region: str) -> float:
+    """The compute figure a peer reports from its start: this machine's (every peer runs on
+    it), over its region's compute_scale. Once a peer trains, it reports what its own steps
+    measure instead (control/compute.py), which no compute_scale emulates."""
 
-    return NOMINAL_COMPUTE_MS / load_scenario(state.scenario).region(region).compute_scale
+    return (state.compute_ms or NOMINAL_COMPUTE_MS) / load_scenario(state.scenario).region(region).compute_scale
+
+
+def machine_compute_ms(run_dir: Path, device: str) -> float:
+    """This machine's reference-block time (one torch thread, `dtfm.peer.speed`'s probe in a
+    child process), kept in the run dir: measured once, not by each of the peers that share
+    the machine. NOMINAL_COMPUTE_MS, with a warning, when the probe fails."""
+    cache = SpeedCache(run_dir / SPEED_FILE, speed_key(device, 1))
+    try:
+        return SelfSpeed(cache, compute=True, codec=False).compute_ms()
+    except RuntimeError as e:
+        print(f"cannot measure this machine's compute speed ({e}): the peers report {NOMINAL_COMPUTE_MS:g} ms",
+              file=sys.stderr)
+        return NOMINAL_COMPUTE_MS
 
 
 # Settings every peer of a scripted swarm reads (`join --config`): its links are emulated on
@@ -167,7 +182,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--listen", peer.address, "--data-dir", peer.data_dir,
            "--swarm-key", str(run_dir / KEY_FILE), "--region", peer.region, *emulate,
            "--gossip-profile", gossip_profile(state), *plane_flags(state),
-           "--compute-ms", repr(nominal_compute_ms(state, peer.region)),
+           "--compute-ms", repr(peer_compute_ms(state, peer.region)),
            "--codec-speed", "reference",  # (the peers share one CPU: the same figure for each, no probe)
            *(a for d in state.model_dirs for a in ("--model-dir", d)),
            *(("--device", state.device) if state.device != "cpu" else ()), *bootstrap, *extra]

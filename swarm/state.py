@@ -134,6 +134,9 @@ class SwarmState:
     plane_profile: str = "test"  # the peers' control plane profile (`up --plane-profile`)
     model_dirs: list[str] = field(default_factory=list)  # every peer's `join --model-dir` (`up --model-dir`)
     device: str = "cpu"  # every peer's `join --device` (`up --device`): their stages' torch device
+    # This machine's compute figure (gossip's reference block, ms), every peer's from its start
+    # (`up --compute-ms`, else measured at `up`); 0: none (a state from before: proc.NOMINAL_COMPUTE_MS)
+    compute_ms: float = 0.0
     version: int = STATE_VERSION
 
     def find(self, ref: str) -> PeerEntry:

@@ -46,6 +46,8 @@ def test_worldwide_swarm_measures_links_detects_kill_and_restart(run_dir):
                      "--peers", str(N_PEERS), "--timeout", "240"])
     assert rc == 0
     state = load_state(run_dir)
+    # the machine's compute measured once, kept in the run dir, every peer's starting figure
+    assert state.compute_ms > 0 and (run_dir / "speed.json").exists()
     report = status_report(state)
     assert [p["state"] for p in report["peers"]] == ["running"] * N_PEERS
     measured = report["measured"]
