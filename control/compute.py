@@ -12,13 +12,22 @@ peer's achieved TFLOP/s on the reference block is the speed-1.0 peer (`reference
 peer's speed is the median's time over its own (a peer without a figure is taken at 1.0), and
 `sched_spec` describes the model at that speed, the output head's compute on the last stage
 included. The time per layer follows each stage's FLOPs at the run's micro-batch.
+
+A model's layers do not run at the reference block's FLOP rate: a narrow layer or a small
+micro-batch runs slower per FLOP (`tiny`'s 128-wide layer at 1.2-1.6x the time its FLOPs say on
+a CPU core), a wide one about as fast. `kind_factors` measures that ratio for the run's layer at
+each micro-batch size, the reference block beside it: the coordinator's planner scales the
+compute term by it, and a training peer divides its own figure by it before reporting, so every
+gossiped figure stays in reference-block units whatever the run.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,10 +35,12 @@ from dtfm.gossip import REFERENCE_BLOCK, NetworkView
 from dtfm.sched import ModelSpec
 from dtfm.train import GPTSpec, TrainConfig
 
-__all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "PeerCompute", "peer_compute", "reference_block_flops",
-           "sched_spec", "training_block_ms"]
+__all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "PeerCompute", "kind_factors",
+           "micro_batch_seqs", "peer_compute", "reference_block_flops", "sched_spec", "training_block_ms"]
 
 GAUGE_STEPS = 8  # steps whose median a training peer reports
+KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slower than this is not probed (factor 1)
+KIND_REPEATS = 3  # timed runs of each (after one warm-up): the median counts
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
 
 
@@ -37,7 +48,7 @@ def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int, *, reference_tflops: fl
     """The scheduler's description of the model the trainer builds, for D pipelines; with
     `reference_tflops` (a speed-1.0 peer's achieved TFLOP/s) its compute is costed, the output
     head on the last stage included; without, compute is free."""
-    mb = max(1, cfg.global_batch_seqs // (dp * cfg.micro_batches))
+    mb = micro_batch_seqs(cfg, dp)
     act_bytes = 4 if cfg.wire_dtype == "float32" else 2
     return ModelSpec(spec.name, layers=spec.n_layer, hidden=spec.n_embd, heads=spec.n_head,
                      seq_len=spec.seq_len, vocab=spec.vocab, micro_batch_size=mb,
@@ -51,16 +62,56 @@ def reference_block_flops() -> float:
     return ModelSpec("reference", 1, width, heads, seq_len, 1, batch, batch).layer_flops()
 
 
+def micro_batch_seqs(cfg: TrainConfig, dp: int) -> int:
+    """Sequences per micro-batch of a run of D = `dp` pipelines, as the scheduler counts them."""
+    return max(1, cfg.global_batch_seqs // (dp * cfg.micro_batches))
+
+
+def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_REPEATS,
+                 seed: int = 0) -> dict[int, float]:
+    """For each micro-batch size, the forward and backward time of one of the model's layers
+    over the time the reference block's (timed here too, just before) predicts by their FLOPs:
+    how much slower per FLOP this model's layer runs. Sizes whose layer the reference predicts
+    slower than KIND_MAX_LAYER_S are left out (their factor is 1: wide layers run at about the
+    reference rate). Blocking, imports torch: run it in a child process or a worker thread."""
+    import torch  # (only this probe needs it)
+
+    from dtfm.gossip import compute_speed_ms
+    from dtfm.train.model import Block
+
+    ref_ms = compute_speed_ms(repeats=repeats, seed=seed)
+    ref_flops = reference_block_flops()
+    predicted = {b: ref_ms * ModelSpec(spec.name, 1, spec.n_embd, spec.n_head, spec.seq_len, 1, b, b).layer_flops()
+                 / ref_flops for b in sorted(set(batches)) if b >= 1}
+    predicted = {b: ms for b, ms in predicted.items() if ms <= KIND_MAX_LAYER_S * 1e3}
+    out: dict[int, float] = {}
+    if not predicted:
+        return out
+    torch.manual_seed(seed)
+    block = Block(spec)
+    for b, predicted_ms in predicted.items():
+        x = torch.randn(b, spec.seq_len, spec.n_embd)
+        times = []
+        for _ in range(repeats + 1):  # the first run warms up
+            t0 = time.perf_counter()
+            block(x).sum().backward()
+            times.append((time.perf_counter() - t0) * 1e3)
+            block.zero_grad(set_to_none=True)
+        out[b] = statistics.median(times[1:]) / predicted_ms
+    return out
+
+
 def training_block_ms(spec: GPTSpec, cfg: TrainConfig, dp: int, layers: int, last_stage: bool,
-                      compute_s: float) -> float | None:
+                      compute_s: float, kind: float = 1.0) -> float | None:
     """The reference block's time on a peer whose stage of `layers` layers (the last stage:
     with the output head) computed for `compute_s` seconds in one step of a run of D = `dp`
-    pipelines; None for a figure that says nothing (no layers, no time)."""
-    if layers < 1 or not compute_s > 0:
+    pipelines, its layer's `kind_factors` figure at the run's micro-batch taken out (`kind`);
+    None for a figure that says nothing (no layers, no time)."""
+    if layers < 1 or not compute_s > 0 or not kind > 0:
         return None
     mspec = sched_spec(spec, cfg, dp)
     work = cfg.micro_batches * (layers + (mspec.head_layers_equivalent() if last_stage else 0.0)) * mspec.layer_flops()
-    return compute_s * 1000.0 * reference_block_flops() / work
+    return compute_s * 1000.0 * reference_block_flops() / work / kind
 
 
 class ComputeGauge:
@@ -84,6 +135,11 @@ class ComputeGauge:
         return statistics.median(self._figures) if len(self._figures) >= 3 else None
 
 
+# The planner's probe of a run's layer (`kind_factors` for a model and micro-batch sizes, in a
+# child process: the daemon does not import torch); None where the daemon gives none.
+KindProbe = Callable[[GPTSpec, tuple[int, ...]], Mapping[int, float]]
+
+
 @dataclass(frozen=True)
 class PeerCompute:
     """The scheduler's compute inputs for the peers of a view."""
@@ -91,23 +147,38 @@ class PeerCompute:
     reference_tflops: float | None  # the median reporting peer's achieved TFLOP/s; None: no peer reported
     speeds: np.ndarray  # (N,) each peer's speed relative to it; 1.0 for a peer without a figure
     known: int  # peers with a figure
+    kind: Mapping[int, float] = field(default_factory=dict)  # the run's layer's `kind_factors`
+
+    def tflops(self, micro_batch: int) -> float | None:
+        """A speed-1.0 peer's TFLOP/s on the run's layers at `micro_batch` sequences."""
+        if self.reference_tflops is None:
+            return None
+        return self.reference_tflops / self.kind.get(micro_batch, 1.0)
+
+    def spec(self, spec: GPTSpec, cfg: TrainConfig, dp: int) -> ModelSpec:
+        """`sched_spec` for D = `dp` pipelines, its compute costed at these speeds."""
+        return sched_spec(spec, cfg, dp, reference_tflops=self.tflops(micro_batch_seqs(cfg, dp)))
 
     def describe(self) -> str:
         if self.reference_tflops is None:
             return "compute not costed (no peer reported its speed)"
         n = len(self.speeds)
         spread = f", speeds {self.speeds.min():.2f}-{self.speeds.max():.2f}" if n > 1 else ""
+        kind = (", the run's layers at " + "/".join(f"{v:.2f}" for _, v in sorted(self.kind.items()))
+                + "x its time per FLOP") if self.kind else ""
         return (f"compute at {self.reference_tflops * 1e3:.1f} GFLOP/s per peer (median of {self.known}/{n} "
-                f"measured{spread})")
+                f"measured{spread}{kind})")
 
 
-def peer_compute(view: NetworkView) -> PeerCompute:
-    """Each view peer's compute speed from its reported reference-block time."""
+def peer_compute(view: NetworkView, kind: Mapping[int, float] | None = None) -> PeerCompute:
+    """Each view peer's compute speed from its reported reference-block time; `kind`: the run's
+    layer's `kind_factors` (none: the reference rate)."""
     ms = np.asarray(view.compute_ms, dtype=float)
     known = np.isfinite(ms) & (ms > 0)
+    factors = {int(b): float(f) for b, f in (kind or {}).items() if f > 0 and np.isfinite(f)}
     if not known.any():
-        return PeerCompute(None, np.ones(len(ms)), 0)
+        return PeerCompute(None, np.ones(len(ms)), 0, factors)
     median_ms = float(np.median(ms[known]))
     speeds = np.where(known, median_ms / np.where(known, ms, 1.0), 1.0)
     tflops = reference_block_flops() / (median_ms / 1e3) / 1e12
-    return PeerCompute(tflops, speeds, int(known.sum()))
+    return PeerCompute(tflops, speeds, int(known.sum()), factors)

@@ -42,7 +42,7 @@ from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
 from .answers import AllocationAnswer, NoAnswer, StartAnswer, StopAnswer, read_answers
-from .compute import ComputeGauge, training_block_ms
+from .compute import ComputeGauge, KindProbe, micro_batch_seqs, training_block_ms
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
@@ -126,10 +126,13 @@ class ControlPlane:
 
     def __init__(self, transport: PeerTransport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: PlaneConfig | None = None, *, operators: Iterable[bytes] = (),
-                 applied: AppliedStore | None = None):
+                 applied: AppliedStore | None = None, kind_probe: KindProbe | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self._compute_gauge = ComputeGauge()  # this peer's compute figure from its own steps
+        # `kind_factors` of run layers this peer trains, by (model, micro-batch); None: being probed
+        self._kind_probe = kind_probe
+        self._kinds: dict[tuple[GPTSpec, int], float | None] = {}
         self.data_dir = Path(data_dir)
         self.config = config or PlaneConfig.wan()
         self.operators = frozenset(operators)  # the swarm's operators' public keys (the swarm key file)
@@ -141,7 +144,7 @@ class ControlPlane:
                                   operator_skew_s=cfg.operator_skew_s)
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
-            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links),
+            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links, kind_probe=kind_probe),
             cfg.coordinator_timings(),
             operators=self.operators,
         )
@@ -301,11 +304,29 @@ class ControlPlane:
             return
         _, s = alloc.position(self.me)
         start, end = alloc.layer_ranges[s]
+        key = (alloc.model, micro_batch_seqs(alloc.train, alloc.dp))
+        if key not in self._kinds:  # (the first step of a run layer: learn its kind factor meanwhile)
+            self._kinds[key] = None
+            self._start_soon(self._learn_kind, key)
+        kind = self._kinds[key]
         figure = training_block_ms(alloc.model, alloc.train, alloc.dp, end - start, s == alloc.stages - 1,
-                                   report.compute_s)
+                                   report.compute_s, kind if kind is not None else 1.0)
         ms = self._compute_gauge.add((alloc.run_id, alloc.epoch), figure)
-        if ms is not None:
+        if ms is not None and (kind is not None or self._kind_probe is None):
             self.gossip.set_compute_ms(ms)
+
+    async def _learn_kind(self, key: tuple[GPTSpec, int]) -> None:
+        """The kind factor of a run layer this peer trains (`kind_factors`, its probe in a
+        worker thread); 1.0 without a probe or when it fails."""
+        model, batch = key
+        factor = 1.0
+        if self._kind_probe is not None:
+            try:
+                factor = dict(await trio.to_thread.run_sync(self._kind_probe, model, (batch,))).get(batch, 1.0)
+            except Exception as e:  # (reported at the reference rate)
+                logger.warning("cannot probe the run's layer: %s; this peer's compute is reported at the "
+                               "reference rate", e)
+        self._kinds[key] = factor
 
     def _execute_now(self, a: EpochAction | CoordinatorAction) -> None:
         """Execute an action that does not wait (every action of the coordinator); those that

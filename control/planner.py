@@ -18,6 +18,7 @@ from dtfm.net import ProtocolError
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
+from .compute import KindProbe, micro_batch_seqs
 from .config import PlaneConfig
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
@@ -114,9 +115,25 @@ class SchedulerPlanner:
     estimates the search runs again on them, up to CONFIRM_ROUNDS times."""
 
     def __init__(self, config: PlaneConfig,
-                 confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None):
+                 confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None,
+                 kind_probe: KindProbe | None = None):
         self.config = config
         self.confirm = confirm
+        self.kind_probe = kind_probe
+
+    def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
+        """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
+        allow, from `kind_probe` (blocking: the planner runs in a worker thread); none without
+        a probe or when it fails (the scheduler then costs the layers at the reference rate)."""
+        if self.kind_probe is None:
+            return {}
+        d_max = max(1, min(n, train.global_batch_seqs // train.micro_batches))
+        batches = tuple(sorted({micro_batch_seqs(train, d) for d in range(1, d_max + 1)}))
+        try:
+            return dict(self.kind_probe(model, batches))
+        except Exception as e:  # (a probe that cannot run costs the layers at the reference rate)
+            logger.warning("cannot probe the run's layer: %s; its compute is costed at the reference rate", e)
+            return {}
 
     def _confirmed(self, view: NetworkView, search: Callable[[NetworkView], Any],
                    placement_of: Callable[[Any], Placement]) -> Any:
@@ -151,17 +168,18 @@ class SchedulerPlanner:
                  regions: dict[bytes, str], seed: int, force: bool,
                  cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
+        kind = self.kind(cur.model, cur.train, len(view.peers))
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
-                       keep_stages=asked_stages(cur) is not None,
+                       keep_stages=asked_stages(cur) is not None, kind=kind,
                        compression=compression_options_of(cur.compression, view=view) if per_link else None)
         if not per_link:
             return plan
         links = cur.compress_links
         kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
         return replace(plan, placement=choose_links(view, plan.placement, cur.model, cur.train,
-                                                    cur.compression, keep_compressed=kept))
+                                                    cur.compression, keep_compressed=kept, kind=kind))
 
     def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                         regions: dict[bytes, str]) -> Placement:
@@ -176,13 +194,14 @@ class SchedulerPlanner:
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
+        kind = self.kind(model, train, len(view.peers))
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
-            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed)
+            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind)
         elif not per_link:
             return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                time_budget_s=self.config.schedule_time_s, seed=req.seed)
+                                time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
             # each gets its links chosen, and the simulator's faster plan wins. The search's
@@ -191,8 +210,9 @@ class SchedulerPlanner:
             # codec-aware plan 41 % slower than every link compressed on the exact search's).
             half = self.config.schedule_time_s / 2
             candidates = [choose_links(view, choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                                          time_budget_s=half, seed=req.seed, compression=opts),
-                                       model, train, req.compression)
+                                                          time_budget_s=half, seed=req.seed, compression=opts,
+                                                          kind=kind),
+                                       model, train, req.compression, kind=kind)
                           for opts in (compression_options_of(req.compression, view=view), None)]
             return min(candidates, key=lambda p: p.predicted_iteration_s)  # (the codec-aware one on a tie)
-        return choose_links(view, shape, model, train, req.compression) if per_link else shape
+        return choose_links(view, shape, model, train, req.compression, kind=kind) if per_link else shape

@@ -40,7 +40,7 @@ from dtfm.sched import load_codec_speed
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
 from .socket import ControlCommandError
-from .speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
+from .speed import KIND_FILE, SPEED_FILE, KindCache, SelfSpeed, SpeedCache, speed_key
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +247,10 @@ class PlanePart:
         else:
             logger.warning("the swarm key file names no operator: no run can be started, stopped or rescheduled "
                            "(make a swarm key with `dtfm-peer swarm-key new --out FILE`, which adds one)")
+        kinds = KindCache(daemon.data_dir.root / KIND_FILE,
+                          speed_key(self.config.plane.device, self.config.plane.settings.torch_threads))
         plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
-                             self.config.plane.settings, operators=operators)
+                             self.config.plane.settings, operators=operators, kind_probe=kinds)
         service.keep_members(lambda peer_id: named_by(plane, peer_id))
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)

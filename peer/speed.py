@@ -30,15 +30,16 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from dtfm.files import atomic_write
 
-__all__ = ["PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
+__all__ = ["KIND_FILE", "KindCache", "PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
 
 logger = logging.getLogger(__name__)
 
 SPEED_FILE = "speed.json"  # in the daemon's data dir
-PROBE_VERSION = 1  # bump when a probe's workload changes: older figures are measured again
+PROBE_VERSION = 2  # bump when a probe's workload changes: older figures are measured again
 PROBE_TIMEOUT_S = 300.0  # a child that has not answered by then has failed (the figure stays unknown)
 MAX_FILE_BYTES = 1 << 16
 MAX_CODEC_FIGURES = 64
@@ -240,6 +241,98 @@ class SelfSpeed:
             self.cache.store(got)
 
 
+KIND_FILE = "kinds.json"  # in the daemon's data dir: `KindCache`'s figures
+MAX_KINDS = 64  # layers kept (the file is bounded: a newer layer replaces the oldest)
+KIND_FIELDS = ("n_embd", "n_head", "seq_len", "mlp_ratio", "bias", "activation")  # what a layer's speed depends on
+
+
+class KindCache:
+    """How much slower per FLOP than the reference block a run's layer runs on this machine
+    (`dtfm.control.compute.kind_factors`), by micro-batch size: measured in a child process
+    (`python -m dtfm.peer.speed --kind JSON --batches 1,2`) the first time a layer and size are
+    asked for, then kept, in memory and in the data dir under the same `SpeedKey` as the speed
+    figures. Blocking (the planner's worker thread, the plane's): `KindProbe`."""
+
+    def __init__(self, path: Path, key: SpeedKey, *, command: tuple[str, ...] = (sys.executable, "-m", "dtfm.peer.speed"),
+                 timeout_s: float = PROBE_TIMEOUT_S):
+        self.path, self.key, self.command, self.timeout_s = path, key, command, timeout_s
+        self._lock = threading.Lock()
+        self._kinds: dict[str, dict[int, float]] = self._load()
+        self.children = 0  # child processes started (tests)
+
+    @staticmethod
+    def layer_key(spec: Any) -> str:
+        return json.dumps({k: getattr(spec, k) for k in KIND_FIELDS}, sort_keys=True)
+
+    def __call__(self, spec: Any, batches: tuple[int, ...]) -> dict[int, float]:
+        layer = self.layer_key(spec)
+        with self._lock:
+            known = self._kinds.get(layer, {})
+            missing = sorted({b for b in batches if b not in known})
+            if missing:
+                got = self._measure(spec, missing)
+                known = {**known, **got, **{b: 1.0 for b in missing if b not in got}}  # (not probed: the reference rate)
+                self._kinds.pop(layer, None)
+                self._kinds[layer] = known
+                while len(self._kinds) > MAX_KINDS:
+                    self._kinds.pop(next(iter(self._kinds)))
+                self._store()
+            return {b: known[b] for b in batches if b in known}
+
+    def _measure(self, spec: Any, batches: list[int]) -> dict[int, float]:
+        args = [*self.command, "--torch-threads", str(self.key.torch_threads),
+                "--kind", json.dumps(spec.to_dict()), "--batches", ",".join(map(str, batches))]
+        self.children += 1
+        try:
+            done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RuntimeError(f"the layer probe did not answer: {e}") from None
+        if done.returncode != 0:
+            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise RuntimeError(f"the layer probe failed (exit {done.returncode}): {tail[0][:300]}")
+        lines = done.stdout.decode(errors="replace").strip().splitlines()
+        try:
+            d = json.loads(lines[-1]) if lines else None
+        except ValueError:
+            d = None
+        figures = d.get("kind") if isinstance(d, dict) else None
+        if not isinstance(figures, dict):
+            raise RuntimeError("the layer probe printed no figures")
+        return {int(b): float(f) for b, f in figures.items()
+                if str(b).isdigit() and int(b) in batches and _kind_or_none(f) is not None}
+
+    def _load(self) -> dict[str, dict[int, float]]:
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            d = json.loads(raw) if len(raw) <= MAX_FILE_BYTES else None
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(d, dict) or d.get("key") != asdict(self.key) or not isinstance(d.get("kinds"), dict):
+            return {}
+        out: dict[str, dict[int, float]] = {}
+        for layer, figures in list(d["kinds"].items())[-MAX_KINDS:]:
+            if isinstance(layer, str) and isinstance(figures, dict):
+                out[layer] = {int(b): float(f) for b, f in figures.items()
+                              if str(b).isdigit() and _kind_or_none(f) is not None}
+        return out
+
+    def _store(self) -> None:
+        body = {"key": asdict(self.key),
+                "kinds": {layer: {str(b): f for b, f in figures.items()} for layer, figures in self._kinds.items()}}
+        try:
+            atomic_write(self.path, json.dumps(body, indent=1) + "\n")
+        except OSError as e:
+            logger.warning("cannot keep the layer figures in %s: %s (measured again at the next start)",
+                           self.path, e.strerror)
+
+
+def _kind_or_none(v: object) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.01 < v < 100:
+        return None
+    return float(v)
+
+
 def main(argv: list[str] | None = None) -> int:
     """The child: measure the asked figures in this process (torch imported here) and print
     them as one JSON object."""
@@ -251,11 +344,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=1, help="torch threads of the stage worker")
     parser.add_argument("--compute", action="store_true", help="one transformer block's forward+backward, in ms")
     parser.add_argument("--codec", action="store_true", help="each codec's ns per element")
+    parser.add_argument("--kind", metavar="JSON", help="a model spec (GPTSpec as JSON): its layer's time per FLOP "
+                                                       "over the reference block's, at each --batches size")
+    parser.add_argument("--batches", default="1", help="micro-batch sizes for --kind, comma-separated")
     args = parser.parse_args(argv)
-    from dtfm.gossip import compute_speed_ms
-    from dtfm.train import peer_codec_speed
+    import torch
 
+    from dtfm.control.compute import kind_factors
+    from dtfm.gossip import compute_speed_ms
+    from dtfm.train import GPTSpec, peer_codec_speed
+
+    torch.set_num_threads(max(1, args.torch_threads))
     out: dict[str, object] = {}
+    if args.kind:
+        spec = GPTSpec.from_dict(json.loads(args.kind))
+        batches = [int(b) for b in args.batches.split(",") if b.strip()]
+        out["kind"] = {str(b): f for b, f in kind_factors(spec, batches).items()}
     if args.compute:
         out["compute_ms"] = compute_speed_ms()
     if args.codec:

@@ -60,7 +60,7 @@ within a few percent of each other therefore never flap back and forth on measur
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -121,7 +121,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             regions: dict[bytes, str] | None = None, time_budget_s: float = 2.0, seed: int = 0,
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
             config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
-            compression: CompressionOptions | None = None, keep_stages: bool = False) -> ReshapePlan:
+            compression: CompressionOptions | None = None, keep_stages: bool = False,
+            kind: Mapping[int, float] | None = None) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -133,7 +134,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     peers whose link is cut (see the module docstring). compression: the codecs a per-link run's
     links and groups may use (each costed with its cheapest, the current allocation too; None: exact).
     keep_stages: the operator asked for the current stage count: other stage counts only when
-    fewer peers than stages are live.
+    fewer peers than stages are live. kind: the run's layer's `kind_factors` (none: the
+    reference rate).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -144,7 +146,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     if current is not None and current.n_layer != spec.n_layer:
         raise ValueError(f"the current layer ranges end at {current.n_layer}, the model has {spec.n_layer} layers")
     pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
-                  frozenset(cut_links), compression)
+                  frozenset(cut_links), compression, kind)
     if not pl.live:
         raise ValueError("no live peer is in the network view: nothing to allocate")
     if pl.d_max < 1:
@@ -262,7 +264,8 @@ class _Planner:
     """The live peers of a view and the allocation in use: builds and costs the candidates."""
 
     def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
-                 cut=frozenset(), compression: CompressionOptions | None = None):
+                 cut=frozenset(), compression: CompressionOptions | None = None,
+                 kind: Mapping[int, float] | None = None):
         self.view, self.spec, self.cfg = view, spec, cfg
         self.compression = compression
         self.ids = view.peers
@@ -280,7 +283,7 @@ class _Planner:
         self.regions = regions
         self.seed, self.config = seed, config
         self.d_max = cfg.global_batch_seqs // cfg.micro_batches  # split_batch: every micro-batch a sample
-        self.compute = peer_compute(view)  # each peer's speed, as it reported it
+        self.compute = peer_compute(view, kind)  # each peer's speed, as it reported it
         self.current = current
         self._models: dict[tuple[int, int], CostModel] = {}
         if current is not None:
@@ -301,7 +304,7 @@ class _Planner:
 
     def mspec(self, D: int) -> ModelSpec:
         """The scheduler's model for D pipelines, its compute costed at the peers' speeds."""
-        return sched_spec(self.spec, self.cfg, D, reference_tflops=self.compute.reference_tflops)
+        return self.compute.spec(self.spec, self.cfg, D)
 
     def evaluate(self, kind: str, X: np.ndarray, ranges) -> _Cand:
         S, D = X.shape

@@ -5,7 +5,7 @@ DP groups compress (`choose_links`). The protocol is in docs/control.md."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -79,7 +79,8 @@ def shape_note(tried: Sequence[tuple[int, int, float]], chosen: tuple[int, int],
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
-                 seed: int = 0, compression: CompressionOptions | None = None) -> Placement:
+                 seed: int = 0, compression: CompressionOptions | None = None,
+                 kind: Mapping[int, float] | None = None) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
     shape of `shape_space` (peers left out as spares included) is searched, and the one the
     simulator predicts fastest per step wins (the global batch is the run's whatever the
@@ -87,7 +88,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     at its reported speed (`peer_compute`); when no peer reported one, only the shapes that
     place every peer (as many pipelines as the batch allows) are searched. stages given without dp: as many pipelines of it
     as the peers form. compression: the codecs each link and group may use, for a search that
-    knows them (None: exact).
+    knows them (None: exact). kind: the run's layer's `kind_factors` (none: the reference rate).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
     n = len(view.peers)
@@ -96,7 +97,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
                          "measured): wait until gossip has measured every link")
     delay, bw = view_matrices(view)
     labels = [regions.get(p, "") for p in view.peers] if regions else None
-    pc = peer_compute(view)
+    pc = peer_compute(view, kind)
     if stages is not None and dp is None:
         dp = max(1, n // stages)
     shapes = shape_space(n, spec, cfg, stages=stages, dp=dp, compute_costed=pc.reference_tflops is not None)
@@ -116,7 +117,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     best: tuple[float, Allocation] | None = None
     for k, (S, D) in enumerate(shapes):
         budget = max(time_budget_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
-        mspec = sched_spec(spec, cfg, D, reference_tflops=pc.reference_tflops)
+        mspec = pc.spec(spec, cfg, D)
         alloc = solve(delay, bw, mspec if flat else sched_spec(spec, cfg, D), stages=S, dp=D, regions=labels,
                       compute=pc.speeds if flat and pc.reference_tflops is not None else None,
                       time_budget_s=max(budget, 1e-9), seed=seed, allow_spares=True, compression=compression)
@@ -135,7 +136,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
 
 
 def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int,
-                 seed: int = 0) -> Placement:
+                 seed: int = 0, kind: Mapping[int, float] | None = None) -> Placement:
     """A uniformly random allocation of `stages` x `dp` over the view's peers, even layer split,
     with the simulator's prediction on the view: the baseline the scheduler's allocation is
     compared with. ValueError when the view is incomplete or the shape does not fit."""
@@ -149,8 +150,8 @@ def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     order = np.random.default_rng(seed).permutation(n)
     X = order[:stages * dp].reshape(dp, stages).T  # (S, D)
     delay, bw = view_matrices(view)
-    pc = peer_compute(view)
-    model = CostModel(delay, bw, sched_spec(spec, cfg, dp, reference_tflops=pc.reference_tflops).workload(stages, dp),
+    pc = peer_compute(view, kind)
+    model = CostModel(delay, bw, pc.spec(spec, cfg, dp).workload(stages, dp),
                       compute=pc.speeds)
     sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True)
     ids = view.peers
@@ -193,7 +194,8 @@ def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERE
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
                  compression: CompressionConfig, *, keep_compressed: Sequence[tuple[int, int]] = (),
                  speed: CodecSpeed = REFERENCE_CODEC_SPEED,
-                 min_saving_fraction: float = MIN_SAVING_FRACTION) -> Placement:
+                 min_saving_fraction: float = MIN_SAVING_FRACTION,
+                 kind: Mapping[int, float] | None = None) -> Placement:
     """`placement` with the links and DP groups of a per-link run chosen by the scheduler
     (`dtfm.sched.choose_compression`) on the view: the run's codec where the simulator predicts
     it shortens the iteration by at least `min_saving_fraction` of the exact iteration, exact
@@ -215,8 +217,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     S, D = X.shape
     delay, bw = view_matrices(view)
     opts = compression_options_of(compression, speed, view=view)
-    pc = peer_compute(view)
-    model = CostModel(delay, bw, sched_spec(spec, cfg, D, reference_tflops=pc.reference_tflops).workload(S, D),
+    pc = peer_compute(view, kind)
+    model = CostModel(delay, bw, pc.spec(spec, cfg, D).workload(S, D),
                       compute=pc.speeds, compression=opts)
     placed = np.unique(X)
     measured = int(view.codec_known()[placed].sum())

@@ -155,3 +155,23 @@ def test_a_reconfiguration_searches_every_shape_unless_the_operator_fixed_the_st
                    keep_stages=True)
     assert len(kept.placement.layer_ranges) == 4
     assert kept.placement.predicted_iteration_s > free.placement.predicted_iteration_s
+
+
+def test_the_planner_asks_the_layer_probe_for_every_micro_batch_a_shape_may_use():
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.planner import SchedulerPlanner
+    asked = []
+
+    def probe(spec, batches):
+        asked.append(batches)
+        return {b: 1.5 for b in batches}
+
+    planner = SchedulerPlanner(PlaneConfig.test(), kind_probe=probe)
+    assert planner.kind(SPEC, CFG, 8) == {1: 1.5, 2: 1.5, 4: 1.5}  # D = 1..4: 4, 2, 1 (and 1) sequences
+    assert asked == [(1, 2, 4)]
+
+    def broken(spec, batches):
+        raise RuntimeError("the layer probe failed")
+
+    assert SchedulerPlanner(PlaneConfig.test(), kind_probe=broken).kind(SPEC, CFG, 8) == {}
+    assert SchedulerPlanner(PlaneConfig.test()).kind(SPEC, CFG, 8) == {}

@@ -1,0 +1,96 @@
+"""A run layer's speed against the reference block (peer/speed.py `KindCache`, control/compute.py
+`kind_factors`): measured by a child process once per layer and micro-batch, kept in the data dir
+under the speed key, a failed probe an error the planner turns into the reference rate."""
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from dtfm.control.compute import kind_factors, peer_compute, training_block_ms
+from dtfm.gossip import NetworkView
+from dtfm.peer.speed import KIND_FILE, KindCache, SpeedKey
+from dtfm.train import GPTSpec, TrainConfig, get_preset
+
+KEY = SpeedKey(torch="2.5.1", cpu="Test CPU @ 1 GHz", cpus=2, gpu="", device="cpu", torch_threads=1)
+
+# A stand-in for `python -m dtfm.peer.speed --kind`: factor 1 + batch / 10, its runs counted in a
+# file; it fails for a layer of 17 tokens.
+FAKE_CHILD = r"""
+import json, sys
+from pathlib import Path
+runs = Path(sys.argv[1])
+args = sys.argv[2:]
+runs.write_text((runs.read_text() if runs.exists() else "") + args[args.index("--batches") + 1] + "\n")
+if '"seq_len": 17' in args[args.index("--kind") + 1]:
+    sys.exit("no torch here")
+batches = [int(b) for b in args[args.index("--batches") + 1].split(",")]
+print(json.dumps({"kind": {str(b): 1 + b / 10 for b in batches if b < 64}}))
+"""
+
+
+def fake(tmp_path) -> tuple[KindCache, object]:
+    runs = tmp_path / "runs.txt"
+    return KindCache(tmp_path / KIND_FILE, KEY, command=(sys.executable, "-c", FAKE_CHILD, str(runs))), runs
+
+
+def test_a_layer_is_probed_once_per_micro_batch_and_a_restart_reads_it(tmp_path):
+    kinds, runs = fake(tmp_path)
+    tiny = get_preset("tiny")
+    assert kinds(tiny, (1, 2)) == {1: 1.1, 2: 1.2}
+    assert kinds(tiny, (2, 1)) == {1: 1.1, 2: 1.2} and kinds.children == 1
+    assert kinds(tiny, (2, 4, 64)) == {2: 1.2, 4: 1.4, 64: 1.0}  # (a size the probe left out: the reference rate)
+    assert runs.read_text().splitlines() == ["1,2", "4,64"]
+    # another model with the same layer (depth, vocabulary and name aside) shares the figures
+    deeper = GPTSpec("deeper", n_layer=12, n_embd=tiny.n_embd, n_head=tiny.n_head, seq_len=tiny.seq_len, vocab=512)
+    assert kinds(deeper, (4,)) == {4: 1.4} and kinds.children == 2
+    again, _ = fake(tmp_path)  # the daemon restarted: same key
+    assert again(tiny, (1, 2, 4)) == {1: 1.1, 2: 1.2, 4: 1.4} and again.children == 0
+    other = KindCache(tmp_path / KIND_FILE, SpeedKey(**{**KEY.__dict__, "torch": "9.9"}),
+                      command=again.command)  # a new torch: measured again
+    other(tiny, (1,))
+    assert other.children == 1
+
+
+def test_a_failed_probe_raises_and_keeps_nothing(tmp_path):
+    kinds, _ = fake(tmp_path)
+    failing = GPTSpec("any", n_layer=2, n_embd=64, n_head=2, seq_len=17, vocab=64)  # (the fake fails on it)
+    with pytest.raises(RuntimeError, match="no torch here"):
+        kinds(failing, (1,))
+    assert not (tmp_path / KIND_FILE).exists()
+
+
+def test_a_damaged_kinds_file_holds_nothing(tmp_path):
+    (tmp_path / KIND_FILE).write_text("{not json")
+    kinds, runs = fake(tmp_path)
+    assert kinds(get_preset("tiny"), (1,)) == {1: 1.1}
+    assert json.loads((tmp_path / KIND_FILE).read_text())["key"]["torch"] == "2.5.1"
+
+
+def test_kind_factors_times_a_narrow_layer_and_skips_a_huge_one():
+    """The real probe, small: a factor per size, positive and finite; a layer the reference
+    predicts slower than KIND_MAX_LAYER_S is left out."""
+    narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
+    got = kind_factors(narrow, (1, 2), repeats=1)
+    assert sorted(got) == [1, 2] and all(0 < f < 100 and math.isfinite(f) for f in got.values())
+    huge = GPTSpec("huge", n_layer=1, n_embd=8192, n_head=64, seq_len=4096, vocab=64)
+    assert kind_factors(huge, (64,), repeats=1) == {}
+
+
+def test_a_kind_factor_costs_the_layers_slower_and_a_peer_reports_in_reference_units():
+    """The planner scales the compute term by the factor; a training peer divides its figure by
+    it: the simulator costs the peer's own step at what it measured."""
+    cfg = TrainConfig(global_batch_seqs=16, micro_batches=4)
+    spec = get_preset("tiny")
+    view = NetworkView(tuple(bytes([k]) * 32 for k in range(2)), np.zeros((2, 2)), np.full((2, 2), np.inf),
+                       np.full(2, 20.0), True)
+    plain, slow = peer_compute(view), peer_compute(view, {4: 2.0})
+    assert slow.tflops(4) == plain.tflops(4) / 2 and slow.tflops(2) == plain.tflops(2)
+    ms = training_block_ms(spec, cfg, 1, spec.n_layer, True, 0.5, kind=2.0)
+    reported = peer_compute(NetworkView(view.peers, view.delay_ms, view.bandwidth_gbps, np.full(2, ms), True),
+                            {4: 2.0})
+    wl = reported.spec(spec, cfg, 1).workload(1, 1)
+    assert math.isclose(wl.compute_layers(np.array([spec.n_layer]))[0] * wl.layer_compute_s * cfg.micro_batches,
+                        0.5, rel_tol=1e-9)
