@@ -24,7 +24,6 @@ gossiped figure stays in reference-block units whatever the run.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -76,28 +75,26 @@ def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_R
     reference rate). Blocking, imports torch: run it in a child process or a worker thread."""
     import torch  # (only this probe needs it)
 
-    from dtfm.gossip import compute_speed_ms
+    from dtfm.gossip.measure import reference_block, time_block_ms
     from dtfm.train.model import Block
 
-    ref_ms = compute_speed_ms(repeats=repeats, seed=seed)
+    ref, ref_x = reference_block(seed=seed)
+    ref_ms = min(time_block_ms(ref, ref_x) for _ in range(2))  # (warmed up)
     ref_flops = reference_block_flops()
-    predicted = {b: ref_ms * ModelSpec(spec.name, 1, spec.n_embd, spec.n_head, spec.seq_len, 1, b, b).layer_flops()
-                 / ref_flops for b in sorted(set(batches)) if b >= 1}
-    predicted = {b: ms for b, ms in predicted.items() if ms <= KIND_MAX_LAYER_S * 1e3}
+    flops = {b: ModelSpec(spec.name, 1, spec.n_embd, spec.n_head, spec.seq_len, 1, b, b).layer_flops()
+             for b in sorted(set(batches)) if b >= 1}
+    flops = {b: f for b, f in flops.items() if ref_ms * f / ref_flops <= KIND_MAX_LAYER_S * 1e3}
     out: dict[int, float] = {}
-    if not predicted:
+    if not flops:
         return out
     torch.manual_seed(seed)
     block = Block(spec)
-    for b, predicted_ms in predicted.items():
+    for b, f in flops.items():
         x = torch.randn(b, spec.seq_len, spec.n_embd)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            t0 = time.perf_counter()
-            block(x).sum().backward()
-            times.append((time.perf_counter() - t0) * 1e3)
-            block.zero_grad(set_to_none=True)
-        out[b] = statistics.median(times[1:]) / predicted_ms
+        time_block_ms(block, x)  # (warms up)
+        # each run against a reference run just before it: a machine whose load changes moves both
+        ratios = [time_block_ms(block, x) / time_block_ms(ref, ref_x) for _ in range(repeats)]
+        out[b] = statistics.median(ratios) * ref_flops / f
     return out
 
 

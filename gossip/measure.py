@@ -28,7 +28,7 @@ import random
 import statistics
 from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
@@ -41,7 +41,7 @@ from .records import MAX_GBPS, MAX_RTT_MS, Entry, Report, check_coord
 from .vivaldi import Coordinate
 
 __all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
-           "compute_speed_ms", "REFERENCE_BLOCK", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
+           "compute_speed_ms", "REFERENCE_BLOCK", "reference_block", "time_block_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
            "PROBE_HASH_BYTES", "BULK_PULL", "measure_download", "MeasureJob", "JobKind", "MAX_PULL_BYTES",
            "MeasureLinks", "MAX_ASK_TARGETS", "report_due"]
 
@@ -532,18 +532,27 @@ def compute_speed_ms(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE
 
     Blocking: run it in a thread (trio.to_thread.run_sync).
     """
-    import time
+    block, x = reference_block(d_model, n_heads, seq_len, batch, seed)
+    time_block_ms(block, x)  # (warms up)
+    return statistics.median(time_block_ms(block, x) for _ in range(repeats))
 
-    import torch  # lazily: only this probe needs torch
+
+def reference_block(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE_BLOCK[1],
+                    seq_len: int = REFERENCE_BLOCK[2], batch: int = REFERENCE_BLOCK[3], seed: int = 0) -> tuple:
+    """(the transformer block the compute figure times, its input), torch imported here."""
+    import torch  # lazily: only the probes need torch
 
     torch.manual_seed(seed)
-    block = torch.nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0,
-                                             batch_first=True)
-    x = torch.randn(batch, seq_len, d_model)  # (B, T, C)
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        t0 = time.perf_counter()
-        block(x).sum().backward()
-        times.append((time.perf_counter() - t0) * 1000.0)
-        block.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    block = torch.nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0, batch_first=True)
+    return block, torch.randn(batch, seq_len, d_model)  # (B, T, C)
+
+
+def time_block_ms(block: Any, x: Any) -> float:
+    """One forward and backward of `block` on `x`, in ms (its gradients cleared after)."""
+    import time
+
+    t0 = time.perf_counter()
+    block(x).sum().backward()
+    out = (time.perf_counter() - t0) * 1000.0
+    block.zero_grad(set_to_none=True)
+    return out
