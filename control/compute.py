@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dtfm.gossip import REFERENCE_BLOCK, NetworkView
-from dtfm.sched import ModelSpec
+from dtfm.sched import ModelSpec, RunModel
 from dtfm.train import GPTSpec, TrainConfig
 
 __all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "PeerCompute", "kind_factors",
-           "micro_batch_seqs", "peer_compute", "reference_block_flops", "sched_spec", "training_block_ms"]
+           "micro_batch_seqs", "peer_compute", "reference_block_flops", "run_model", "sched_spec", "training_block_ms"]
 
 GAUGE_STEPS = 8  # steps whose median a training peer reports
 KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slower than this is not probed (factor 1)
@@ -43,16 +43,17 @@ KIND_REPEATS = 3  # timed runs of each (after one warm-up): the median counts
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
 
 
+def run_model(spec: GPTSpec, cfg: TrainConfig) -> RunModel:
+    """The numbers of the model the trainer builds and its batch, as the scheduler reads them."""
+    return RunModel(spec.name, spec.n_layer, spec.n_embd, spec.n_head, spec.seq_len, spec.vocab,
+                    cfg.global_batch_seqs, cfg.micro_batches, 4 if cfg.wire_dtype == "float32" else 2)
+
+
 def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int, *, reference_tflops: float | None = None) -> ModelSpec:
     """The scheduler's description of the model the trainer builds, for D pipelines; with
     `reference_tflops` (a speed-1.0 peer's achieved TFLOP/s) its compute is costed, the output
     head on the last stage included; without, compute is free."""
-    mb = micro_batch_seqs(cfg, dp)
-    act_bytes = 4 if cfg.wire_dtype == "float32" else 2
-    return ModelSpec(spec.name, layers=spec.n_layer, hidden=spec.n_embd, heads=spec.n_head,
-                     seq_len=spec.seq_len, vocab=spec.vocab, micro_batch_size=mb,
-                     global_batch_seqs=cfg.global_batch_seqs, act_bytes=act_bytes,
-                     reference_tflops=reference_tflops, head_compute=reference_tflops is not None)
+    return run_model(spec, cfg).spec(dp, reference_tflops)
 
 
 def reference_block_flops() -> float:
@@ -75,8 +76,8 @@ def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_R
     reference rate). Blocking, imports torch: run it in a child process or a worker thread."""
     import torch  # (only this probe needs it)
 
-    from dtfm.gossip.measure import reference_block, time_block_ms
-    from dtfm.train.model import Block
+    from dtfm.gossip import reference_block, time_block_ms
+    from dtfm.train import Block
 
     ref, ref_x = reference_block(seed=seed)
     ref_ms = min(time_block_ms(ref, ref_x) for _ in range(2))  # (warmed up)

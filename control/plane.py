@@ -111,6 +111,7 @@ __all__ = ["ControlPlane"]
 
 logger = logging.getLogger(__name__)
 
+SCHEDULES_DIR = "schedules"  # in the data dir: the inputs of the first placements this peer scheduled
 
 
 @dataclass
@@ -129,11 +130,11 @@ class ControlPlane:
                  applied: AppliedStore | None = None, kind_probe: KindProbe | None = None):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
+        self.data_dir = Path(data_dir)
         self._compute_gauge = ComputeGauge()  # this peer's compute figure from its own steps
         # `kind_factors` of run layers this peer trains, by (model, micro-batch); None: being probed
         self._kind_probe = kind_probe
         self._kinds: dict[tuple[GPTSpec, int], float | None] = {}
-        self.data_dir = Path(data_dir)
         self.config = config or PlaneConfig.wan()
         self.operators = frozenset(operators)  # the swarm's operators' public keys (the swarm key file)
         self.election = ElectionService(transport, self.me, FileElectionStore(self.data_dir), self.config.election,
@@ -144,7 +145,8 @@ class ControlPlane:
                                   operator_skew_s=cfg.operator_skew_s)
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
-            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links, kind_probe=kind_probe),
+            GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links, kind_probe=kind_probe,
+                                                         inputs_dir=self.data_dir / SCHEDULES_DIR),
             cfg.coordinator_timings(),
             operators=self.operators,
         )

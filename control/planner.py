@@ -9,12 +9,15 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from dtfm.files import atomic_write
 from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, NetworkView, build_view
 from dtfm.net import ProtocolError
+from dtfm.sched import ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
@@ -70,6 +73,7 @@ class GossipSwarm:
 
 
 CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is handed out
+SCHEDULES_KEPT = 8  # first placements' inputs kept in the data dir
 
 
 def asked_stages(alloc: Allocation) -> int | None:
@@ -116,10 +120,11 @@ class SchedulerPlanner:
 
     def __init__(self, config: PlaneConfig,
                  confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None,
-                 kind_probe: KindProbe | None = None):
+                 kind_probe: KindProbe | None = None, inputs_dir: Path | None = None):
         self.config = config
         self.confirm = confirm
         self.kind_probe = kind_probe
+        self.inputs_dir = inputs_dir  # where each first placement's `ScheduleInputs` are kept
 
     def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
@@ -185,8 +190,26 @@ class SchedulerPlanner:
                         regions: dict[bytes, str]) -> Placement:
         """A new run's shape: the scheduler's on the gossiped view, or (`--placement random`) a
         random one of the asked stages x dp (ValueError when none fits)."""
-        return self._confirmed(view, lambda v: self._first_placement(v, req, model, train, regions),
-                               lambda plan: plan)
+        placement = self._confirmed(view, lambda v: self._first_placement(v, req, model, train, regions),
+                                    lambda plan: plan)
+        if placement.inputs is not None and self.inputs_dir is not None:
+            self._keep_inputs(placement.inputs)
+        return placement
+
+    def _keep_inputs(self, inputs: ScheduleInputs) -> None:
+        """Write a first placement's inputs to `inputs_dir` (the newest SCHEDULES_KEPT stay), for
+        `dtfm-sched solve --view FILE` to replay; a failed write is logged, nothing more."""
+        assert self.inputs_dir is not None
+        path = self.inputs_dir / time.strftime("schedule-%Y%m%dT%H%M%S.json", time.gmtime())
+        try:
+            self.inputs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            atomic_write(path, inputs.to_json())
+            for old in sorted(self.inputs_dir.glob("schedule-*.json"))[:-SCHEDULES_KEPT]:
+                old.unlink(missing_ok=True)
+        except OSError as e:
+            logger.warning("cannot keep the scheduler's inputs in %s: %s", path, e.strerror)
+            return
+        logger.info("the scheduler's inputs are in %s (`dtfm-sched solve --view %s` replays the choice)", path, path)
 
     def _first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                          regions: dict[bytes, str]) -> Placement:

@@ -8,7 +8,8 @@ from dtfm.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from .claims import Accusation, Claim, ClaimVerifier, Update
-    from .measure import REFERENCE_BLOCK, compute_speed_ms, measure_rtt
+    from .measure import compute_speed_ms, measure_rtt
+    from .reference import REFERENCE_BLOCK, reference_block, time_block_ms
     from .config import GossipConfig
     from .members import Member, MemberState, merge_entry, merge_tables
     from .messages import MsgType
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Accusation", "Claim", "ClaimVerifier", "GossipConfig", "GossipService", "Member", "MemberState",
     "MsgType", "NetworkView", "Entry", "Report", "RecordStore", "Send", "Swim", "Update", "build_view",
-    "REFERENCE_BLOCK", "compute_speed_ms", "measure_rtt", "merge_entry", "merge_tables", "remaining_suspicion_time",
+    "REFERENCE_BLOCK", "compute_speed_ms", "measure_rtt", "reference_block", "time_block_ms", "merge_entry", "merge_tables", "remaining_suspicion_time",
     "DISAGREEMENT_RATIO", "Coordinate", "Vivaldi",
 ]
 
@@ -31,7 +32,8 @@ __all__ = [
 # tests/test_layers.py checks that this table, the imports above and __all__ name the same things.
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".claims": ("Accusation", "Claim", "ClaimVerifier", "Update"),
-    ".measure": ("REFERENCE_BLOCK", "compute_speed_ms", "measure_rtt"),
+    ".measure": ("compute_speed_ms", "measure_rtt"),
+    ".reference": ("REFERENCE_BLOCK", "reference_block", "time_block_ms"),
     ".config": ("GossipConfig",),
     ".members": ("Member", "MemberState", "merge_entry", "merge_tables"),
     ".messages": ("MsgType",),

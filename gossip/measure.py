@@ -28,7 +28,7 @@ import random
 import statistics
 from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
@@ -38,10 +38,11 @@ from dtfm.net import (PEER_ID_BYTES, ConnectionClosed, ProtocolError, RemoteErro
 from .messages import MsgType
 from .config import GossipConfig
 from .records import MAX_GBPS, MAX_RTT_MS, Entry, Report, check_coord
+from .reference import REFERENCE_BLOCK, reference_block, time_block_ms
 from .vivaldi import Coordinate
 
 __all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
-           "compute_speed_ms", "REFERENCE_BLOCK", "reference_block", "time_block_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
+           "compute_speed_ms", "BULK_RESERVE", "BULK_DATA", "serve_ping", "serve_bulk", "probe_hash",
            "PROBE_HASH_BYTES", "BULK_PULL", "measure_download", "MeasureJob", "JobKind", "MAX_PULL_BYTES",
            "MeasureLinks", "MAX_ASK_TARGETS", "report_due"]
 
@@ -520,11 +521,6 @@ def _capacity_ratio(last: Report, up: float, down: float) -> float:
     return worst
 
 
-# The block a peer's compute figure (`compute_ms`) times: width, heads, sequence length and
-# batch. The scheduler turns the figure into this peer's speed by the block's FLOPs.
-REFERENCE_BLOCK = (256, 4, 128, 4)
-
-
 def compute_speed_ms(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE_BLOCK[1],
                      seq_len: int = REFERENCE_BLOCK[2], batch: int = REFERENCE_BLOCK[3],
                      repeats: int = 3, seed: int = 0) -> float:
@@ -537,22 +533,3 @@ def compute_speed_ms(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE
     return statistics.median(time_block_ms(block, x) for _ in range(repeats))
 
 
-def reference_block(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE_BLOCK[1],
-                    seq_len: int = REFERENCE_BLOCK[2], batch: int = REFERENCE_BLOCK[3], seed: int = 0) -> tuple:
-    """(the transformer block the compute figure times, its input), torch imported here."""
-    import torch  # lazily: only the probes need torch
-
-    torch.manual_seed(seed)
-    block = torch.nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0, batch_first=True)
-    return block, torch.randn(batch, seq_len, d_model)  # (B, T, C)
-
-
-def time_block_ms(block: Any, x: Any) -> float:
-    """One forward and backward of `block` on `x`, in ms (its gradients cleared after)."""
-    import time
-
-    t0 = time.perf_counter()
-    block(x).sum().backward()
-    out = (time.perf_counter() - t0) * 1000.0
-    block.zero_grad(set_to_none=True)
-    return out

@@ -5,10 +5,12 @@ from .config import PLANE_PROFILES, ConfigError, DaemonConfig, SocketConfig
 from .paths import DataDir, DataDirError, default_data_dir
 from .runspec import RUN_SPEC_KEYS, KNOB_FLAGS, init_folder, load_run_spec, resolve, send_start, start_request
 from .socket import ControlClient, ControlClientError, DaemonNotRunning
+from .speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
 from .status import format_bytes, plural, reconfiguration_parts, steps_done
 
 __all__ = [
     "PLANE_PROFILES", "ConfigError", "ControlClient", "ControlClientError", "DaemonConfig", "DaemonNotRunning",
     "DataDir", "DataDirError", "KNOB_FLAGS", "RUN_SPEC_KEYS", "SocketConfig", "default_data_dir", "format_bytes", "init_folder",
     "load_run_spec", "plural", "reconfiguration_parts", "resolve", "send_start", "start_request", "steps_done",
+    "SPEED_FILE", "SelfSpeed", "SpeedCache", "speed_key",
 ]

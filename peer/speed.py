@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from dtfm.control.compute import kind_factors
+    from dtfm.control import kind_factors
     from dtfm.gossip import compute_speed_ms
     from dtfm.train import GPTSpec, peer_codec_speed
 

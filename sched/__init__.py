@@ -10,6 +10,7 @@ from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, WIRE_PRESETS, 
                           CompressionOptions, DataParallelCodec, PipelineCodec, compression_options, load_codec_speed,
                           wire_codecs)
 from .cost import CostBreakdown, CostModel
+from .fastest import FastestShape, RunModel, ScheduleInputs, shape_space, solve_fastest
 from .layers import layer_ranges, split_layers
 from .matching import bottleneck_matching, linear_assignment
 from .path import open_path
@@ -20,7 +21,7 @@ from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
 from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_preset
 
 __all__ = [
-    "Allocation", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
+    "Allocation", "FastestShape", "RunModel", "ScheduleInputs", "shape_space", "solve_fastest", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
     "CompressionOptions", "CompressionPlan", "CostBreakdown", "CostModel", "DataParallelCodec", "GroupChoice",
     "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
     "SEARCH_PROFILES", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",

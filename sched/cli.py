@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -23,6 +24,7 @@ from dtfm.scenarios import ScenarioError, load_scenario
 from .choose import ChoiceReason, CompressionPlan, choose_compression
 from .compression import WIRE_PRESETS, CompressionOptions, compression_options, load_codec_speed
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
+from .fastest import ScheduleInputs
 from .search import SearchConfig, ShapeSearch
 from .simulate import simulate
 from .solve import candidate_shapes, cost_model, solve
@@ -53,7 +55,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, text in (("solve", "search an allocation"), ("compare", "the search against baselines")):
         c = sub.add_parser(name, help=text)
-        c.add_argument("--scenario", required=True, help="built-in scenario name or TOML file")
+        where = c.add_mutually_exclusive_group(required=True)
+        where.add_argument("--scenario", help="built-in scenario name or TOML file")
+        if name == "solve":
+            where.add_argument("--view", type=Path, metavar="FILE.json",
+                               help="a swarm coordinator's inputs for a first placement (DATA_DIR/schedules/"
+                                    "schedule-*.json): the same search on the same measured view, compute "
+                                    "figures and model; prints the shape it chooses, why, and the "
+                                    "coordinator's choice")
         c.add_argument("--model", default="gpt3-xl-paper", choices=sorted(PRESETS), help="model preset")
         c.add_argument("--stages", type=_stages, default=None,
                        help="pipeline stages, or 'auto' (default: the preset's)")
@@ -142,7 +151,39 @@ def _check_shape(args, sc, spec, memory) -> None:
         raise CliError(f"--no-spares: the {n} peers of {sc.name} do not form {stages} x {dp}")
 
 
+def _replay(args) -> int:
+    """`solve --view FILE`: the coordinator's shape search on its own inputs."""
+    try:
+        inputs = ScheduleInputs.read(args.view)
+    except OSError as e:
+        raise CliError(f"--view: cannot read {args.view}: {e.strerror}") from None
+    except ValueError as e:
+        raise CliError(f"--view: {e}") from None
+    found = inputs.solve(None if args.time_budget == SearchConfig().time_budget_s else args.time_budget)
+    n = len(inputs.peers)
+    alloc = found.alloc
+    out = {"view": str(args.view), "model": inputs.model.name, **alloc.to_dict(),
+           "simulated_iteration_s": found.iteration_s, "note": found.note(n),
+           "tried": [{"stages": s, "dp": d, "simulated_iteration_s": t} for s, d, t in found.tried],
+           "coordinator": dict(inputs.chosen)}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{args.view}: {n} peers, model {inputs.model.name}")
+    print(f"shape: {found.note(n)}")
+    regions = inputs.regions
+    for p, pipe in enumerate(alloc.pipelines):
+        print(f"pipeline {p}: " + " -> ".join(f"{i}({regions[i]})" for i in pipe))
+    if alloc.spares:
+        print("spares: " + ", ".join(f"{i}({regions[i]})" for i in alloc.spares))
+    if inputs.chosen:
+        print(f"the coordinator chose: {inputs.chosen.get('note', '')}")
+    return 0
+
+
 def _solve(args) -> int:
+    if args.view is not None:
+        return _replay(args)
     plot = _plotter(args.plot)
     sc, spec, compute, memory, stages = _inputs(args)
     opts = _compression(args)

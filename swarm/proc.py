@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dtfm.files import atomic_write
-from dtfm.peer import ControlClient, ControlClientError, DaemonNotRunning, DataDir, SocketConfig
-from dtfm.peer.speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
+from dtfm.peer import (SPEED_FILE, ControlClient, ControlClientError, DaemonNotRunning, DataDir, SelfSpeed,
+                       SocketConfig, SpeedCache, speed_key)
 from dtfm.scenarios import load_scenario
 
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState, pid_alive, send_signal

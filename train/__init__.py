@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     )
     from .local import LocalCluster
     from .messages import MessageRules, describe_tag
-    from .model import GPTStage, assemble, generate
+    from .model import Block, GPTStage, assemble, generate
     from .native import load_torch_libraries
     from .optim import AdamW
     from .plan import Plan, check_compression
@@ -119,6 +119,7 @@ __all__ = [
     "CountingComm",
     "EventHandle",
     "LinkCodecs",
+    "Block",
     "GPTSpec",
     "GPTStage",
     "HostStaging",
@@ -232,7 +233,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".local": ("LocalCluster",),
     ".memory": ("StageMemory", "limit_heap_caching", "release_heap", "stage_memory"),
     ".messages": ("MessageRules", "describe_tag"),
-    ".model": ("GPTStage", "assemble", "generate"),
+    ".model": ("Block", "GPTStage", "assemble", "generate"),
     ".native": ("load_torch_libraries",),
     ".optim": ("AdamW",),
     ".errors": ("CommClosed", "CommError", "CommTimeout"),

@@ -4,23 +4,23 @@ DP groups compress (`choose_links`). The protocol is in docs/control.md."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (REFERENCE_CODEC_SPEED, Allocation, CodecAssignment, CodecSpeed, CompressionOptions,
-                        CompressionPlan, CostModel, SearchConfig,
-                        choose_compression, layer_ranges, simulate_iteration, solve, wire_codecs)
+from dtfm.sched import (REFERENCE_CODEC_SPEED, CodecAssignment, CodecSpeed, CompressionOptions, CompressionPlan,
+                        CostModel, ScheduleInputs, choose_compression, layer_ranges, simulate_iteration, solve_fastest,
+                        wire_codecs)
+from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
-from ..compute import peer_compute, sched_spec
+from ..compute import peer_compute, run_model, sched_spec
 from .request import PLACEMENTS
 
 __all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
-           "random_shape", "sched_spec", "shape_note", "shape_space", "view_matrices"]
+           "random_shape", "sched_spec", "shape_space", "view_matrices"]
 
 @dataclass(frozen=True)
 class Placement:
@@ -34,47 +34,16 @@ class Placement:
     # A per-link run: which links and DP groups use the run's codecs (`choose_links`), and why, in words.
     links: LinkCodecs | None = None
     links_note: str = ""
-    shape_note: str = ""  # why this shape (`shape_note`): its prediction against the others tried
+    shape_note: str = ""  # why this shape: its prediction against the others tried (`FastestShape.note`)
+    inputs: ScheduleInputs | None = None  # a first placement's: what the scheduler chose it on
 
 
 def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None = None,
                 dp: int | None = None, compute_costed: bool = True) -> list[tuple[int, int]]:
-    """Every (S, D) a run may take on n live peers: S divides the layers (an even split), D
-    pipelines of S peers fit in n, spares allowed (a peer left out), and D at most the
-    micro-batch count allows (each pipeline's micro-batches at least one sample); `stages` or
-    `dp` fix one of the two. Without `compute_costed` (no peer reported its speed, so fewer
-    peers would always look faster), only the widest D of each S and one fewer."""
-    d_max = max(1, cfg.global_batch_seqs // cfg.micro_batches)
-    out = []
-    for S in range(1, min(spec.n_layer, n) + 1):
-        if spec.n_layer % S or (stages is not None and S != stages):
-            continue
-        widest = min(n // S, d_max)
-        for D in range(widest, 0, -1):  # (the widest first)
-            if (dp is None or D == dp) and (compute_costed or D >= widest - 1):
-                out.append((S, D))
-    return out
-
-
-def shape_note(tried: Sequence[tuple[int, int, float]], chosen: tuple[int, int], n: int) -> str:
-    """Why the shape, in one line: "4 x 1 (4 spares): predicted 0.412 s/step; every peer
-    placed (4 x 2) 0.650 s; next 2 x 2 0.520 s (11 shapes tried)": the chosen shape, the best
-    that places every peer when the chosen one leaves some out, and the best of the rest."""
-    by = {(S, D): t for S, D, t in tried}
-    S, D = chosen
-    spares = n - S * D
-    out = f"{S} x {D}" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
-    out += f": predicted {by[chosen]:.3f} s/step"
-    rest = sorted((t, s, d) for s, d, t in tried if (s, d) != chosen)
-    full = [x for x in rest if x[1] * x[2] == n]
-    if spares and full:
-        t, s, d = full[0]
-        out += f"; every peer placed ({s} x {d}) {t:.3f} s"
-        rest.remove(full[0])
-    if rest:
-        t, s, d = rest[0]
-        out += f"; next {s} x {d} {t:.3f} s"
-    return out + f" ({len(tried)} shape{'s' if len(tried) != 1 else ''} tried)"
+    """Every (S, D) a run of `spec` may take on n live peers (`dtfm.sched.shape_space`): S
+    divides the layers, spares allowed, D at most the micro-batch count allows."""
+    return sched_shape_space(n, spec.n_layer, run_model(spec, cfg).d_max, stages=stages, dp=dp,
+                             compute_costed=compute_costed)
 
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
@@ -83,12 +52,14 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
                  kind: Mapping[int, float] | None = None) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
     shape of `shape_space` (peers left out as spares included) is searched, and the one the
-    simulator predicts fastest per step wins (the global batch is the run's whatever the
-    shape: the fastest step is the fastest to the run's target). Each peer's compute is costed
-    at its reported speed (`peer_compute`); when no peer reported one, only the shapes that
-    place every peer (as many pipelines as the batch allows) are searched. stages given without dp: as many pipelines of it
-    as the peers form. compression: the codecs each link and group may use, for a search that
-    knows them (None: exact). kind: the run's layer's `kind_factors` (none: the reference rate).
+    simulator predicts fastest per step wins (`dtfm.sched.solve_fastest`: the global batch is
+    the run's whatever the shape, so the fastest step is the fastest to the run's target).
+    Each peer's compute is costed at its reported speed (`peer_compute`); when no peer
+    reported one, only the shapes that place every peer are searched. stages given without dp:
+    as many pipelines of it as the peers form. compression: the codecs each link and group may
+    use, for a search that knows them (None: exact). kind: the run's layer's `kind_factors`
+    (none: the reference rate). The placement carries its inputs (`ScheduleInputs`: what
+    `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
     n = len(view.peers)
@@ -96,43 +67,30 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
         raise ValueError(f"the network view is incomplete ({view.pairs_known()} of {n * (n - 1)} links "
                          "measured): wait until gossip has measured every link")
     delay, bw = view_matrices(view)
-    labels = [regions.get(p, "") for p in view.peers] if regions else None
     pc = peer_compute(view, kind)
     if stages is not None and dp is None:
         dp = max(1, n // stages)
-    shapes = shape_space(n, spec, cfg, stages=stages, dp=dp, compute_costed=pc.reference_tflops is not None)
-    if pc.reference_tflops is None and stages is None:
-        # No peer reported its compute: a shape of fewer peers would be predicted faster for
-        # want of a compute term, so every peer is placed where a shape allows it.
-        shapes = [(S, D) for S, D in shapes if S * D == n] or shapes
+    inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
+                            delay, bw, pc.speeds, pc.reference_tflops, pc.kind, run_model(spec, cfg),
+                            stages, dp, seed, time_budget_s)
+    shapes = inputs.shapes()
     if not shapes:
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"
                          + (f" as {stages} stages" if stages is not None else "")
                          + (f" x {dp} pipelines" if dp is not None else ""))
-    # The search costs compute at each peer's speed, except where the hierarchical search takes
-    # over (many peers): it schedules the paper's objective; the simulator still costs compute.
-    flat = n < SearchConfig().hierarchy_min_peers
-    t0 = time.monotonic()
-    tried: list[tuple[int, int, float]] = []
-    best: tuple[float, Allocation] | None = None
-    for k, (S, D) in enumerate(shapes):
-        budget = max(time_budget_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
-        mspec = pc.spec(spec, cfg, D)
-        alloc = solve(delay, bw, mspec if flat else sched_spec(spec, cfg, D), stages=S, dp=D, regions=labels,
-                      compute=pc.speeds if flat and pc.reference_tflops is not None else None,
-                      time_budget_s=max(budget, 1e-9), seed=seed, allow_spares=True, compression=compression)
-        model = CostModel(delay, bw, mspec.workload(S, D), compute=pc.speeds)
-        t = float(simulate_iteration(model, alloc.matrix, micro_batches=cfg.micro_batches,
-                                     engine_syncs=True).iteration_s)
-        tried.append((S, D, t))
-        if best is None or t < best[0] - 1e-12:
-            best = (t, alloc)
-    assert best is not None
-    t, alloc = best
+    found = solve_fastest(delay, bw, inputs.spec_of, shapes, micro_batches=cfg.micro_batches,
+                          compute=pc.speeds if pc.reference_tflops is not None else None,
+                          regions=[regions.get(p, "") for p in view.peers] if regions else None, seed=seed,
+                          time_budget_s=time_budget_s, compression=compression)
+    alloc = found.alloc
     ids = view.peers
-    note = shape_note(tried, (alloc.stages, alloc.dp), n) + "; " + pc.describe()
+    note = found.note(n) + "; " + pc.describe()
+    inputs = replace(inputs, chosen={"stages": alloc.stages, "dp": alloc.dp,
+                                     "pipelines": [list(p) for p in alloc.pipelines],
+                                     "predicted_iteration_s": found.iteration_s, "note": note})
     return Placement(tuple(tuple(ids[i] for i in pipe) for pipe in alloc.pipelines), alloc.layer_ranges,
-                     tuple(ids[i] for i in alloc.spares), t, float(alloc.cost.paper_s), shape_note=note)
+                     tuple(ids[i] for i in alloc.spares), found.iteration_s, float(alloc.cost.paper_s),
+                     shape_note=note, inputs=inputs)
 
 
 def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int,

@@ -2,7 +2,9 @@
 (`choose_shape`): the units a training peer reports are the simulator's, the shape leaves out
 peers when that is faster, a slow peer gets no stage."""
 
+import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,8 +12,9 @@ import pytest
 from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, reference_block_flops, sched_spec,
                                   training_block_ms)
 from dtfm.control.coordinator.reshape import reshape
-from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_note, shape_space
+from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_space
 from dtfm.gossip import NetworkView
+from dtfm.sched import FastestShape, ScheduleInputs
 from dtfm.train import Plan, TrainConfig, get_preset
 
 SPEC = get_preset("tiny")
@@ -116,10 +119,12 @@ def test_a_peer_ten_times_slower_gets_no_stage(slow):
 
 
 def test_the_shape_note_names_the_choice_the_full_shape_and_the_next():
-    note = shape_note([(1, 1, 0.2), (4, 2, 0.9), (2, 1, 0.3), (2, 4, 1.1)], (1, 1), 8)
-    assert note == ("1 x 1 (7 spares): predicted 0.200 s/step; every peer placed (4 x 2) 0.900 s; "
-                    "next 2 x 1 0.300 s (4 shapes tried)")
-    assert shape_note([(2, 2, 0.5)], (2, 2), 4) == "2 x 2: predicted 0.500 s/step (1 shape tried)"
+    def note(tried, chosen, n):
+        return FastestShape(SimpleNamespace(stages=chosen[0], dp=chosen[1]), 0.0, tuple(tried)).note(n)
+    assert note([(1, 1, 0.2), (4, 2, 0.9), (2, 1, 0.3), (2, 4, 1.1)], (1, 1), 8) == (
+        "1 x 1 (7 spares): predicted 0.200 s/step; every peer placed (4 x 2) 0.900 s; "
+        "next 2 x 1 0.300 s (4 shapes tried)")
+    assert note([(2, 2, 0.5)], (2, 2), 4) == "2 x 2: predicted 0.500 s/step (1 shape tried)"
 
 
 def test_an_unmeasured_swarm_still_gets_a_shape():
@@ -175,3 +180,39 @@ def test_the_planner_asks_the_layer_probe_for_every_micro_batch_a_shape_may_use(
 
     assert SchedulerPlanner(PlaneConfig.test(), kind_probe=broken).kind(SPEC, CFG, 8) == {}
     assert SchedulerPlanner(PlaneConfig.test()).kind(SPEC, CFG, 8) == {}
+
+
+def test_the_inputs_a_placement_carries_replay_to_the_same_shape(tmp_path):
+    """`dtfm-sched solve --view` replays the coordinator's search: the view file round-trips,
+    and the same search on it chooses the same shape."""
+    view = view_of(two_sites(8, far_ms=100.0), np.r_[np.full(4, 30.0), np.full(4, 60.0)])
+    p = choose_shape(view, SPEC, CFG, stages=None, dp=None, time_budget_s=0.5, kind={4: 1.5, 2: 1.8})
+    path = tmp_path / "view.json"
+    path.write_text(p.inputs.to_json())
+    back = ScheduleInputs.read(path)
+    assert back.peers == tuple(x.hex() for x in view.peers) and back.kind == {2: 1.8, 4: 1.5}
+    assert np.array_equal(back.delay_ms, view.delay_ms) and np.array_equal(back.speeds, p.inputs.speeds)
+    assert back.chosen["note"] == p.shape_note
+    again = back.solve(time_budget_s=0.5)
+    assert (again.alloc.stages, again.alloc.dp) == (len(p.layer_ranges), len(p.pipelines))
+    assert math.isclose(again.iteration_s, p.predicted_iteration_s, rel_tol=0.05)
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="not a dtfm view file"):
+        ScheduleInputs.read(tmp_path / "bad.json")
+
+
+def test_dtfm_sched_replays_a_view_file(tmp_path, capsys):
+    from dtfm.sched.cli import main as sched_main
+    view = view_of(two_sites(6, far_ms=80.0), np.full(6, 40.0))
+    p = choose_shape(view, SPEC, CFG, stages=None, dp=None, time_budget_s=0.3)
+    path = tmp_path / "schedule.json"
+    path.write_text(p.inputs.to_json())
+    assert sched_main(["solve", "--view", str(path), "--time-budget", "0.3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["stages"], out["dp"]) == (len(p.layer_ranges), len(p.pipelines))
+    assert out["coordinator"]["note"] == p.shape_note and len(out["tried"]) == len(shape_space(6, SPEC, CFG))
+    assert sched_main(["solve", "--view", str(path), "--time-budget", "0.3"]) == 0
+    text = capsys.readouterr().out
+    assert "shape: " in text and "the coordinator chose: " in text
+    assert sched_main(["solve", "--view", str(tmp_path / "missing.json")]) == 1
+    assert "cannot read" in capsys.readouterr().err
