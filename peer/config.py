@@ -29,6 +29,7 @@ from dtfm.net import Address, EmulationConfig, TransportConfig
 REGION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 MAX_BOOTSTRAP = 64
+MAX_CLOCK_JUMP_S = 86400.0 * 365  # an emulated wall-clock jump (the `emulate` op), either way
 
 
 class ConfigError(ValueError):

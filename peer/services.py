@@ -37,7 +37,7 @@ from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_i
 from dtfm.scenarios import ScenarioError, load_scenario
 from dtfm.sched import load_codec_speed
 
-from .config import ConfigError, DaemonConfig
+from .config import MAX_CLOCK_JUMP_S, ConfigError, DaemonConfig
 from .daemon import Daemon
 from .socket import ControlCommandError
 from .speed import KIND_FILE, SPEED_FILE, KindCache, SelfSpeed, SpeedCache, speed_key
@@ -45,7 +45,6 @@ from .speed import KIND_FILE, SPEED_FILE, KindCache, SelfSpeed, SpeedCache, spee
 logger = logging.getLogger(__name__)
 
 MAX_CUT_PEERS = 4096
-MAX_CLOCK_JUMP_S = 86400.0 * 365  # an emulated wall-clock jump, either way
 
 
 def build_shaper(config: DaemonConfig) -> EmulatedLinks | None:

@@ -30,6 +30,7 @@ from dtfm.control import DEVICE_RE, PLACEMENTS
 from dtfm.net import IDENTITY_FILE, EmulationConfig, OperatorKey, new_swarm_key, operator_key_path, operator_line
 from dtfm.peer import (
     KNOB_FLAGS,
+    MAX_CLOCK_JUMP_S,
     PLANE_PROFILES,
     RUN_SPEC_KEYS,
     ConfigError,
@@ -381,6 +382,18 @@ def cmd_heal(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_clock_jump(args: argparse.Namespace) -> int:
+    state = load_state(args.run_dir)
+    _need_emulation(state, "move a peer's clock")
+    peers = _select(state, args.peer)
+    for p in peers:
+        peer_request(p, "emulate", {"clock_jump_s": args.seconds})
+    names = ", ".join(p.name for p in peers)
+    print(f"wall clock of {names} {'moved by ' + format(args.seconds, '+g') + ' s' if args.seconds else 'restored'} "
+          "(the times it signs; its timers run on)", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Start a swarm, measure it, let one daemon schedule and hand out the tiny model, train it
     across the daemons, report, stop."""
@@ -635,6 +648,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = command("heal", "restore every cut link", "Restore every emulated link `partition` cut.")
     p.set_defaults(func=cmd_heal)
+
+    p = command("clock-jump", "move a peer's wall clock",
+                "Move the wall clock of a peer (or of every peer of a region) by SECONDS, as NTP "
+                "stepping it or a resumed virtual machine would: the times it signs (gossip records, "
+                "its clock in votes and operations) move, its timers do not. 0 restores it.")
+    p.add_argument("peer", help="region name, or one peer")
+    p.add_argument("seconds", type=number(float, -MAX_CLOCK_JUMP_S, "a number of seconds within a year either way",
+                                          MAX_CLOCK_JUMP_S),
+                   help="how far, either way (negative: back)")
+    p.set_defaults(func=cmd_clock_jump)
 
     p = command("demo", "start a swarm, measure it, train the tiny model on it, report, stop",
                 "Start a multi-region swarm and measure its links; one daemon schedules the tiny "

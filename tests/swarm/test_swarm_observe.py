@@ -650,3 +650,18 @@ def test_a_start_interrupted_by_an_election_is_signed_and_sent_again(tmp_path, m
         with pytest.raises(SwarmError, match="refused"):
             train_mod.start_training(state, peer, {"steps": 4}, tmp_path)
     assert sent == [{"op": k} for k in range(attempts)]  # a new signed start each time
+
+
+def test_clock_jump_moves_the_wall_clock_of_a_peer_or_a_region(tmp_path, monkeypatch, capsys):
+    save_state(tmp_path, make_state(tmp_path))
+    asked = []
+    monkeypatch.setattr(swarm_cli, "peer_request", lambda p, op, args: asked.append((p.name, op, args)) or {})
+    assert swarm_cli.main(["clock-jump", "p01", "-600", "--run-dir", str(tmp_path)]) == 0
+    assert asked == [("p01", "emulate", {"clock_jump_s": -600.0})]
+    assert "wall clock of p01 moved by -600 s" in capsys.readouterr().err
+    asked.clear()
+    assert swarm_cli.main(["clock-jump", "eu", "0", "--run-dir", str(tmp_path)]) == 0
+    assert [a[0] for a in asked] == ["p00", "p02", "p04"] and "restored" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        swarm_cli.main(["clock-jump", "p01", "1e12", "--run-dir", str(tmp_path)])
+    assert "within a year" in capsys.readouterr().err
