@@ -64,7 +64,7 @@ def reference_block_flops() -> float:
 
 def micro_batch_seqs(cfg: TrainConfig, dp: int) -> int:
     """Sequences per micro-batch of a run of D = `dp` pipelines, as the scheduler counts them."""
-    return max(1, cfg.global_batch_seqs // (dp * cfg.micro_batches))
+    return RunModel("", 1, 1, 1, 1, 1, cfg.global_batch_seqs, cfg.micro_batches).micro_batch(dp)
 
 
 def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_REPEATS,

@@ -135,11 +135,15 @@ class RunModel:
     def spec(self, dp: int, reference_tflops: float | None = None) -> ModelSpec:
         """The model for D = `dp` pipelines: micro-batches of global / (D x M) sequences; with
         `reference_tflops` its compute is costed, the output head's on the last stage too."""
-        mb = max(1, self.global_batch_seqs // (dp * self.micro_batches))
+        mb = self.micro_batch(dp)
         return ModelSpec(self.name, layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
                          vocab=self.vocab, micro_batch_size=mb, global_batch_seqs=self.global_batch_seqs,
                          act_bytes=self.act_bytes, reference_tflops=reference_tflops,
                          head_compute=reference_tflops is not None)
+
+    def micro_batch(self, dp: int) -> int:
+        """Sequences per micro-batch of D = `dp` pipelines (the scheduler's count)."""
+        return max(1, self.global_batch_seqs // (dp * self.micro_batches))
 
     @property
     def d_max(self) -> int:
@@ -174,7 +178,7 @@ class ScheduleInputs:
         return self.reference_tflops / self.kind.get(micro_batch, 1.0)
 
     def spec_of(self, dp: int) -> ModelSpec:
-        return self.model.spec(dp, self.tflops(max(1, self.model.global_batch_seqs // (dp * self.model.micro_batches))))
+        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp)))
 
     def shapes(self) -> list[tuple[int, int]]:
         n = len(self.peers)
