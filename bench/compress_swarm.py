@@ -525,6 +525,29 @@ def table(results: dict) -> None:
                   _fmt(s["prediction_error"], 3, pct=True)] for n, s in results["summary"].items()))
 
 
+def json_line(results: dict, recommended: str) -> dict:
+    """The last line's object: `recommended`'s figures at the top level (the means over the
+    repeats: what bench/compress.py merges), then per method the means and the spreads."""
+    summ = results["summary"]
+    rec = summ[recommended]
+    best = max((n for n in summ if n != "exact"), key=lambda n: summ[n]["time_to_target_speedup"]["mean"] or 0.0)
+    return {"recommended": recommended, "speedup_measured": rec["speedup_per_step"]["mean"],
+            "prediction_error": rec["prediction_error"]["mean"], "bandwidth_scale": results["bandwidth_scale"],
+            "bandwidth_scale_computed": "scale" in results,
+            "speedup_goal": SPEEDUP_GOAL, "prediction_error_goal": PREDICTION_GOAL,
+            "target_step": results["target_step"], "window": results["window"], "repeats": len(results["repeats"]),
+            "best_time_to_target": best, "best_time_to_target_speedup": summ[best]["time_to_target_speedup"]["mean"],
+            "shape": results["repeats"][0]["shape"],
+            "methods": [{"name": n, "speedup_measured": s["speedup_per_step"]["mean"],
+                         "prediction_error": s["prediction_error"]["mean"], "measured_s": s["iteration_s"]["mean"],
+                         "predicted_s": statistics.fmean(rep["runs"][n]["predicted_s"] for rep in results["repeats"]),
+                         "prediction_error_spread": s["prediction_error"],
+                         **{k: s[k] for k in ("speedup_per_step", "step_efficiency", "time_to_target_s",
+                                              "time_to_target_speedup")}}
+                        for n, s in summ.items()],
+            "scale": results.get("scale"), "codec_speed": results["codec_speed"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bandwidth-scale", type=float, default=None,
@@ -553,26 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     table(results)
     if args.out:
         write_json(Path(args.out), results)
-    summ = results["summary"]
-    rec = summ[args.recommended]
-    best = max((n for n in summ if n != "exact"), key=lambda n: summ[n]["time_to_target_speedup"]["mean"] or 0.0)
-    print(json.dumps({"recommended": args.recommended, "speedup_measured": rec["speedup_per_step"]["mean"],
-                      "prediction_error": rec["prediction_error"]["mean"], "bandwidth_scale": args.bandwidth_scale,
-                      "bandwidth_scale_computed": "scale" in results,
-                      "speedup_goal": SPEEDUP_GOAL, "prediction_error_goal": PREDICTION_GOAL,
-                      "target_step": args.exact_steps, "window": args.window, "repeats": args.repeats,
-                      "best_time_to_target": best,
-                      "best_time_to_target_speedup": summ[best]["time_to_target_speedup"]["mean"],
-                      "shape": results["repeats"][0]["shape"],
-                      "methods": [{"name": n, "speedup_measured": s["speedup_per_step"]["mean"],
-                                   "prediction_error": s["prediction_error"]["mean"],
-                                   "measured_s": s["iteration_s"]["mean"],
-                                   "predicted_s": statistics.fmean(rep["runs"][n]["predicted_s"]
-                                                                   for rep in results["repeats"]),
-                                   **{k: s[k] for k in ("speedup_per_step", "step_efficiency", "time_to_target_s",
-                                                        "time_to_target_speedup", "prediction_error")}}
-                                  for n, s in summ.items()],
-                      "scale": results.get("scale"), "codec_speed": results["codec_speed"]}))
+    print(json.dumps(json_line(results, args.recommended)))
     return 0
 
 

@@ -145,3 +145,31 @@ def test_spread_skips_missing_figures():
 
 def test_exact_in_the_methods_is_the_reference_not_a_second_run():
     assert bench.method_names("exact,slow-link,,auto") == ["slow-link", "auto"]
+
+
+def run_figures(it: float, predicted: float, error: float, speedup: float, eff: float | None, ttt: float | None,
+                tts: float | None) -> dict:
+    return {"measured": {"iteration_s": it}, "predicted_s": predicted, "prediction_error": error,
+            "speedup_measured": speedup, "loss": {"efficiency": eff, "exact_equivalent_efficiency": eff},
+            "time_to_target_s": ttt, "time_to_target_speedup": tts}
+
+
+def test_the_summary_and_the_json_line_give_means_and_spreads_over_the_repeats():
+    repeats = [{"shape": "4x2", "runs": {"exact": run_figures(3.0, 3.0, 0.0, 1.0, 1.0, 192.0, None),
+                                         "slow-link": run_figures(1.0, 0.9, 0.1, 3.0, 0.75, 85.3, 2.25)}},
+               {"shape": "4x2", "runs": {"exact": run_figures(3.2, 3.0, 0.0625, 1.0, 1.0, 204.8, None),
+                                         "slow-link": run_figures(0.8, 0.9, 0.125, 4.0, None, None, None)}}]
+    summ = bench.summarise(repeats, ["exact", "slow-link"])
+    sl = summ["slow-link"]
+    assert sl["speedup_per_step"]["mean"] == 3.5 and sl["speedup_per_step"]["min"] == 3.0
+    assert sl["step_efficiency"] == {"n": 1, "missing": 1, "mean": 0.75, "stdev": 0.0, "min": 0.75, "max": 0.75}
+    assert summ["exact"]["time_to_target_speedup"]["mean"] == 1.0
+    line = bench.json_line({"summary": summ, "repeats": repeats, "bandwidth_scale": 0.011, "target_step": 64,
+                            "window": 16, "codec_speed": {}}, "slow-link")
+    # what bench/compress.py merges: numbers at the top level and per method
+    assert line["speedup_measured"] == 3.5 and line["prediction_error"] == pytest.approx(0.1125)
+    assert line["bandwidth_scale"] == 0.011 and line["bandwidth_scale_computed"] is False
+    m = {x["name"]: x for x in line["methods"]}
+    assert m["slow-link"]["prediction_error"] == pytest.approx(0.1125) and m["slow-link"]["measured_s"] == 0.9
+    assert m["slow-link"]["predicted_s"] == 0.9 and m["slow-link"]["time_to_target_speedup"]["mean"] == 2.25
+    assert line["best_time_to_target"] == "slow-link" and line["repeats"] == 2
