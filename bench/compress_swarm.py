@@ -1,5 +1,5 @@
 """Compressed vs exact training through the real daemons, measured: per step and in time to a
-target loss (issue 19, part 3; issue 28).
+target loss (issue 19, part 3).
 
 Eight `dtfm-peer` daemons on the emulated worldwide scenario (`dtfm-swarm up --scenario
 worldwide --peers 8 --bandwidth-scale S`, the control plane's wan timings). Each repeat
@@ -12,7 +12,7 @@ The bandwidth scale S, unless `--bandwidth-scale` gives it: the scale at which e
 as bandwidth-bound as the paper's GPT-3 XL on its worldwide network, both by the simulator
 (`dtfm.sched.simulate_iteration`). Bandwidth-bound share = the share of the predicted iteration
 that goes away at unlimited bandwidth, 1 - iteration(unlimited bandwidth) / iteration
-(docs/compression.md, the review of 2026-11-28 section 1.3): for GPT-3 XL the 8 x 8 allocation
+(docs/compression.md, "Communication share and bandwidth scale"): for GPT-3 XL the 8 x 8 allocation
 the search finds for the paper's volumes, simulated with `gpt3-xl`'s compute (79.0 %); for
 `tiny` the 8-peer scenario (one peer per city) in the shape the search picks with every peer
 placed, global batch 16, M = 4, `--tiny-compute-s` of compute per iteration, with the

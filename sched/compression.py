@@ -294,11 +294,11 @@ _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
 # to reach the loss the codec reaches, over the codec's steps), measured on `tiny`. Time to a
 # target loss is iteration time / step efficiency. Sources:
 # - int8, int4 (+ Hadamard): no measurable loss cost: int8 -0.05 %, int4 +0.26 % training loss
-#   after 600 steps, -0.02 % held-out (docs/compression.md, "Benchmark"; the review of
-#   2026-11-28, section 2), below exact's own seed-to-seed noise: 1.0;
+#   after 600 steps, -0.02 % held-out (docs/compression.md, "Benchmark", and a held-out
+#   evaluation of 2026-11-28), below exact's own seed-to-seed noise: 1.0;
 # - diloco (dense 2 bit, H = 16, outer Nesterov 0.7/0.8): the synchronised model after about
 #   584 steps matches exact at about 480 (0.82; slow-link, int4 pipeline included, 464: 0.79),
-#   held-out loss, the review of 2026-11-28, section 2.3; on training loss 0.72 (exact's 50-step
+#   held-out loss (the evaluation of 2026-11-28); on training loss 0.72 (exact's 50-step
 #   mean reaches diloco's 2.1536 at step 433 of 600); on the daemons, slow-link and auto, 0.76
 #   (84 steps to exact's 16-step mean loss at step 64, bench/compress_swarm.py, 2026-11-29): 0.8;
 # - cocktail (random 10 % x top 20 % x 4 bit of model deltas): exact's 50-step trailing mean reaches
