@@ -5,8 +5,10 @@ Eight `dtfm-peer` daemons on the emulated worldwide scenario (`dtfm-swarm up --s
 worldwide --peers 8 --bandwidth-scale S`, the control plane's wan timings). Each repeat
 (`--repeats`, 3 by default) starts a fresh swarm and runs on it: exact `tiny` for N steps
 (`--exact-steps`) in the shape the swarm's scheduler picks, then each method for `--steps`
-steps in the same shape (`dtfm-swarm train --stages S --dp D --compress NAME`). Every figure is
-given per repeat and as mean, standard deviation, min and max over the repeats.
+steps in the same shape (`dtfm-swarm train --stages S --dp D --compress NAME`), every run of a
+repeat with the same training seed (the same batches), seed i in repeat i unless `--seeds`
+says otherwise. Every figure is given per repeat and as mean, standard deviation, min and max
+over the repeats.
 
 The bandwidth scale S, unless `--bandwidth-scale` gives it: the scale at which exact `tiny` is
 as bandwidth-bound as the paper's GPT-3 XL on its worldwide network, both by the simulator
@@ -48,7 +50,7 @@ coordinator's `predicted_iteration_s` counts) and at unlimited bandwidth (latenc
 coding alone: the floor compression cannot go under).
 
     nice .venv/bin/python bench/compress_swarm.py [--methods exact,slow-link,auto] [--repeats 3]
-        [--exact-steps 64] [--steps 112] [--window 16] [--bandwidth-scale S] [--skip 2]
+        [--seeds 0,1,2] [--exact-steps 64] [--steps 112] [--window 16] [--bandwidth-scale S] [--skip 2]
 
 Wall-clock figures share this machine's cores with whatever else runs. The last line is one
 JSON object; `bench/compress.py --parts 3` runs this and merges it.
@@ -354,19 +356,19 @@ def computed_scale(args) -> dict:
             "scale_at_compute_s": band}
 
 
-def _repeat(args, methods: list[str], configs: dict, exact) -> dict:
+def _repeat(args, methods: list[str], configs: dict, exact, seed: int) -> dict:
     """One fresh swarm: exact for N steps in the shape the swarm's scheduler picks, then each
-    method for `--steps` steps in the same shape."""
+    method for `--steps` steps in the same shape, all with the training seed `seed`."""
     t0 = time.monotonic()
     with running_swarm("--scenario", "worldwide", "--peers", "8", "--bandwidth-scale", f"{args.bandwidth_scale:.6g}",
                        "--timeout", "600", *WAN_PLANE, kill=True, prefix="dtfm-bench-compress-") as run_dir:
         print(f"swarm up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        reply, rows, view = train_run(run_dir, args.exact_steps)
+        reply, rows, view = train_run(run_dir, args.exact_steps, "--seed", str(seed))
         runs = {"exact": (reply, rows, view, exact)}
         shape = ("--stages", str(reply["stages"]), "--dp", str(reply["dp"]))
         print(f"exact: {reply['stages']} x {reply['dp']}, {len(rows)} steps logged", file=sys.stderr)
         for m in methods:
-            r2, rows2, view2 = train_run(run_dir, args.steps, *shape, "--compress", m)
+            r2, rows2, view2 = train_run(run_dir, args.steps, *shape, "--seed", str(seed), "--compress", m)
             runs[m] = (r2, rows2, view2, configs[m])
             print(f"{m}: {len(rows2)} steps logged"
                   + (f"; {r2['compress_links']['text']}" if "compress_links" in r2 else ""), file=sys.stderr)
@@ -453,6 +455,18 @@ def summarise(repeats: list[dict], names: list[str]) -> dict:
     return out
 
 
+def repeat_seeds(text: str, repeats: int) -> list[int]:
+    """The training seed of each repeat: `--seeds` (comma-separated, used in turn), or by default
+    seed i for repeat i, so the loss figures carry seed-to-seed spread (a repeat's runs share
+    its seed: methods are compared on the same batches)."""
+    if not text:
+        return list(range(repeats))
+    seeds = [int(x) for x in text.split(",") if x.strip()]
+    if not seeds or any(x < 0 for x in seeds):
+        raise ValueError(f"--seeds needs non-negative integers, got {text!r}")
+    return [seeds[i % len(seeds)] for i in range(repeats)]
+
+
 def method_names(text: str) -> list[str]:
     """The compressed methods of `--methods`: exact always runs first, as the reference."""
     return [m for m in text.split(",") if m and m != "exact"]
@@ -483,9 +497,9 @@ def run(args) -> dict:
     results["codec_speed"] = speed.to_dict()
     print(f"codec speed on this CPU (one thread), ns per element: {json.dumps(speed.to_dict())}", file=sys.stderr)
     repeats = []
-    for i in range(args.repeats):
-        print(f"repeat {i + 1} of {args.repeats}", file=sys.stderr)
-        repeats.append(_figures(args, _repeat(args, methods, configs, exact), speed, methods))
+    for i, seed in enumerate(repeat_seeds(args.seeds, args.repeats)):
+        print(f"repeat {i + 1} of {args.repeats}, seed {seed}", file=sys.stderr)
+        repeats.append({"seed": seed, **_figures(args, _repeat(args, methods, configs, exact, seed), speed, methods)})
     results["repeats"] = repeats
     results["summary"] = summarise(repeats, ["exact", *methods])
     return results
@@ -508,7 +522,7 @@ def table(results: dict) -> None:
             b = ph["bytes_per_step"] or {}
             loc = "" if m["period"] == 1 else f" ({m['local_median_s']:.3f}, {m['sync_median_s']:.3f})"
             lo = r["loss"] or {}
-            rows.append([f"{i + 1}: {name}", f"{m['iteration_s']:.3f}{loc}", f"{r['predicted_s']:.3f}",
+            rows.append([f"{i + 1} (seed {rep.get('seed', 0)}): {name}", f"{m['iteration_s']:.3f}{loc}", f"{r['predicted_s']:.3f}",
                          f"{100 * r['prediction_error']:.1f} %", f"{r['predicted_unlimited_bandwidth_s']:.3f}",
                          ph["compute_s"], f"{b.get('pp_fwd', 0):,}, {b.get('pp_bwd', 0):,}, {b.get('dp', 0):,}",
                          r.get("speedup_measured", "-"), lo.get("steps", "-"),
@@ -560,6 +574,8 @@ def main(argv: list[str] | None = None) -> int:
                     "(`--compress` texts without commas: presets)")
     ap.add_argument("--recommended", default="slow-link", help="the method the JSON line's top level reports")
     ap.add_argument("--repeats", type=int, default=3, help="fresh swarms, each running every method once")
+    ap.add_argument("--seeds", default="", help="training seeds of the repeats, comma-separated, used in turn "
+                    "(default: seed i for repeat i; `--seeds 0`: the same seed every time)")
     ap.add_argument("--exact-steps", type=int, default=64, metavar="N",
                     help="steps of the exact run; its smoothed loss at N is the target")
     ap.add_argument("--steps", type=int, default=112, help="steps of each compressed run (long enough to reach "
@@ -572,6 +588,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--recommended {args.recommended} is not among --methods")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    try:
+        repeat_seeds(args.seeds, args.repeats)
+    except ValueError as e:
+        ap.error(str(e))
     results = run(args)
     table(results)
     if args.out:

@@ -173,3 +173,11 @@ def test_the_summary_and_the_json_line_give_means_and_spreads_over_the_repeats()
     assert m["slow-link"]["prediction_error"] == pytest.approx(0.1125) and m["slow-link"]["measured_s"] == 0.9
     assert m["slow-link"]["predicted_s"] == 0.9 and m["slow-link"]["time_to_target_speedup"]["mean"] == 2.25
     assert line["best_time_to_target"] == "slow-link" and line["repeats"] == 2
+
+
+def test_each_repeat_trains_with_its_own_seed_unless_told():
+    assert bench.repeat_seeds("", 3) == [0, 1, 2]
+    assert bench.repeat_seeds("0", 3) == [0, 0, 0]
+    assert bench.repeat_seeds("4,7", 3) == [4, 7, 4]
+    with pytest.raises(ValueError):
+        bench.repeat_seeds("-1", 2)
