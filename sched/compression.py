@@ -299,8 +299,9 @@ _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
 # - diloco (dense 2 bit, H = 16, outer Nesterov 0.7/0.8): the synchronised model after about
 #   584 steps matches exact at about 480 (0.82; slow-link, int4 pipeline included, 464: 0.79),
 #   held-out loss (the evaluation of 2026-11-28); on training loss 0.72 (exact's 50-step
-#   mean reaches diloco's 2.1536 at step 433 of 600); on the daemons, slow-link and auto, 0.76
-#   (84 steps to exact's 16-step mean loss at step 64, bench/compress_swarm.py, 2026-11-29): 0.8;
+#   mean reaches diloco's 2.1536 at step 433 of 600); on the daemons, slow-link and auto,
+#   0.75-0.83 over seeds 0-2, mean 0.78 (77-85 steps to exact's 16-step mean loss at step 64,
+#   bench/compress_swarm.py, 2026-11-29): 0.8;
 # - cocktail (random 10 % x top 20 % x 4 bit of model deltas): exact's 50-step trailing mean reaches
 #   cocktail's 600-step figure (2.9415) at step 61 (`python -m dtfm.train --stages 2 --dp 4
 #   --steps 300 --log-json`, 2026-11-29): 0.1.
