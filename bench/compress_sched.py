@@ -17,7 +17,9 @@ micro-batches of one sequence, 40 TFLOP/s achieved per GPU); share = comm / (com
 Then the `--bandwidth-scale` at which exact `tiny` on the emulated worldwide swarm (8 peers,
 the shape the swarm's scheduler picks, global batch 16, 4 micro-batches, fp32 activations)
 has the same share, its compute per iteration taken as `--tiny-compute-s` (the issue's 0.15 s,
-measured on the emulated swarm).
+measured on the emulated swarm). That share counts no overlap; bench/compress_swarm.py no
+longer uses this scale: it computes the one at which exact `tiny` is as bandwidth-bound as
+GPT-3 XL by the simulator (about 0.011).
 
     nice .venv/bin/python bench/compress_sched.py [--time-budget 10] [--codec-speed measure|reference|free|FILE]
 

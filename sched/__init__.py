@@ -6,9 +6,9 @@ coding time, and `choose_compression` picks a codec per pipeline link and DP gro
 """
 
 from .choose import ChoiceReason, CompressionPlan, GroupChoice, LinkChoice, choose_compression
-from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, WIRE_PRESETS, CodecAssignment, CodecSpeed, CompressionFields,
-                          CompressionOptions, DataParallelCodec, PipelineCodec, compression_options, load_codec_speed,
-                          wire_codecs)
+from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, WIRE_PRESETS, CodecAssignment, CodecSpeed,
+                          CompressionFields, CompressionOptions, DataParallelCodec, PipelineCodec, compression_options,
+                          load_codec_speed, step_efficiency, wire_codecs)
 from .cost import CostBreakdown, CostModel
 from .fastest import FastestShape, RunModel, ScheduleInputs, shape_space, solve_fastest
 from .layers import layer_ranges, split_layers
@@ -24,8 +24,9 @@ __all__ = [
     "Allocation", "FastestShape", "RunModel", "ScheduleInputs", "shape_space", "solve_fastest", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
     "CompressionOptions", "CompressionPlan", "CostBreakdown", "CostModel", "DataParallelCodec", "GroupChoice",
     "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
-    "SEARCH_PROFILES", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",
+    "SEARCH_PROFILES", "STEP_EFFICIENCY", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",
     "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
     "evaluate", "get_preset", "layer_ranges", "linear_assignment", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
+    "step_efficiency",
     "wire_codecs",
 ]

@@ -25,11 +25,12 @@ exact, diloco, cocktail: the measured loss gaps), which decides ties.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from .compression import CodecAssignment, DataParallelCodec, PipelineCodec
+from .compression import CodecAssignment, DataParallelCodec, PipelineCodec, step_efficiency
 from .cost import CostModel
 from .simulate import simulate
 
@@ -46,6 +47,8 @@ class ChoiceReason(enum.Enum):
     CODING_TOO_SLOW = "coding-too-slow"  # exact: no codec makes it faster once coding is counted
     NO_OPTIONS = "no-options"  # exact: no codec allowed on this axis
     NO_GROUP = "no-group"  # exact: one pipeline, nothing to synchronise
+    STEP_EFFICIENCY = "step-efficiency"  # exact: faster per step, but the steps it loses cost more time
+    WITHIN_ERROR = "within-error"  # compressed: exact would save no more than the predictor's error
 
 
 @dataclass(frozen=True)
@@ -109,13 +112,27 @@ class CompressionPlan:
 
 
 class _Judge:
-    """Predicted iteration times of codec index arrays, memoised."""
+    """Predicted iteration times and objectives of codec index arrays, memoised, and which of two
+    plans is better.
 
-    def __init__(self, model: CostModel, X: np.ndarray, sim_kw: dict, margin: float = 0.0) -> None:
+    By iteration time (`efficiency` None): a plan that compresses more must be shorter by
+    `margin` seconds; on a tie the less lossy wins (lossiness: the sum of codec indices, least
+    lossy first). By time to a target loss (`efficiency` a step-efficiency table): the objective
+    is iteration time / `step_efficiency`, and a plan that leaves more links or groups exact must
+    have an objective lower by more than `error_fraction` of the other's; on a tie the one that
+    compresses more wins (lossiness: the count of links and groups not exact)."""
+
+    def __init__(self, model: CostModel, X: np.ndarray, sim_kw: dict, margin: float = 0.0,
+                 efficiency: Mapping[str, float] | None = None, error_fraction: float = 0.0) -> None:
         self.m, self.X, self.kw = model, X, sim_kw
-        self.margin = margin  # seconds a more lossy codec must save
+        self.margin = margin  # seconds a more lossy codec must save (by iteration time)
+        self.efficiency, self.error_fraction = efficiency, error_fraction
         self.pp, self.dp = model.options.pp, model.options.dp
         self.memo: dict[tuple[bytes, bytes], float] = {}
+
+    @property
+    def to_loss(self) -> bool:
+        return self.efficiency is not None
 
     def assignment(self, pp: np.ndarray, dp: np.ndarray) -> CodecAssignment:
         return CodecAssignment(tuple(tuple(self.pp[k] for k in row) for row in pp), tuple(self.dp[k] for k in dp))
@@ -126,18 +143,30 @@ class _Judge:
             self.memo[key] = simulate(self.m, self.X, codecs=self.assignment(pp, dp), **self.kw).iteration_s
         return self.memo[key]
 
+    def objective(self, pp: np.ndarray, dp: np.ndarray) -> float:
+        t = self.time(pp, dp)
+        if self.efficiency is None:
+            return t
+        return t / step_efficiency(self.assignment(pp, dp), self.efficiency)
 
-def _lossiness(pp: np.ndarray, dp: np.ndarray) -> int:
-    return int(pp.sum() + dp.sum())
+    def lossiness(self, pp: np.ndarray, dp: np.ndarray) -> int:
+        if self.to_loss:
+            return int(np.count_nonzero(pp) + np.count_nonzero(dp))
+        return int(pp.sum() + dp.sum())
 
+    def score(self, pp: np.ndarray, dp: np.ndarray) -> tuple[float, int]:
+        return self.objective(pp, dp), self.lossiness(pp, dp)
 
-def _better(t: float, loss: int, t_ref: float, loss_ref: int, margin: float = 0.0) -> bool:
-    """t (with lossiness loss) beats t_ref: shorter, or as short and less lossy; more lossy
-    only when shorter by at least `margin` seconds."""
-    tol = _REL_TOL * max(1.0, abs(t_ref))
-    if loss > loss_ref:
-        return t < t_ref - max(tol, margin)
-    return t < t_ref - tol or (t <= t_ref + tol and loss < loss_ref)
+    def better(self, t: float, loss: int, t_ref: float, loss_ref: int) -> bool:
+        """(t, loss) beats (t_ref, loss_ref): see the class's docstring."""
+        tol = _REL_TOL * max(1.0, abs(t_ref))
+        if self.to_loss:
+            if loss < loss_ref:
+                return t < t_ref - max(tol, self.error_fraction * t_ref)
+            return t < t_ref - tol or (t <= t_ref + tol and loss > loss_ref)
+        if loss > loss_ref:
+            return t < t_ref - max(tol, self.margin)
+        return t < t_ref - tol or (t <= t_ref + tol and loss < loss_ref)
 
 
 def _link_times(model: CostModel, X: np.ndarray) -> np.ndarray:
@@ -156,7 +185,7 @@ def _link_times(model: CostModel, X: np.ndarray) -> np.ndarray:
 
 def _descend(judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray, groups: bool) -> tuple[np.ndarray, np.ndarray]:
     S1, D, C = T.shape
-    t_cur, loss_cur = judge.time(pp, dp), _lossiness(pp, dp)
+    t_cur, loss_cur = judge.score(pp, dp)
     for _ in range(_MAX_SWEEPS):
         moved = False
         for s in range(S1):
@@ -168,24 +197,35 @@ def _descend(judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray, group
                 row = np.where(ok.any(axis=1), ok.argmax(axis=1), T[s].argmin(axis=1))
                 cand = pp.copy()
                 cand[s] = row
-                t, loss = judge.time(cand, dp), _lossiness(cand, dp)
-                if best is None or _better(t, loss, best[0], best[1], judge.margin):
+                t, loss = judge.score(cand, dp)
+                if best is None or judge.better(t, loss, best[0], best[1]):
                     best = (t, loss, cand)
-            if best is not None and _better(best[0], best[1], t_cur, loss_cur, judge.margin):
+            if best is not None and judge.better(best[0], best[1], t_cur, loss_cur):
                 t_cur, loss_cur, pp = best
                 moved = True
         for s in range(len(dp) if groups else 0):
             for k in range(len(judge.dp)):
                 cand = dp.copy()
                 cand[s] = k
-                t, loss = judge.time(pp, cand), _lossiness(pp, cand)
-                if _better(t, loss, t_cur, loss_cur, judge.margin):
+                t, loss = judge.score(pp, cand)
+                if judge.better(t, loss, t_cur, loss_cur):
                     t_cur, loss_cur, dp = t, loss, cand
                     moved = True
         if not moved:
             break
-    # clean-up: less lossy wherever it costs no time
-    t_ref = t_cur
+    return _clean_up(judge, pp, dp, groups) if judge.to_loss else _clean_up_exact(judge, pp, dp)
+
+
+def _with(a: np.ndarray, i: int, k: int) -> np.ndarray:
+    """A copy of `a` with a[i] = k."""
+    out = a.copy()
+    out[i] = k
+    return out
+
+
+def _clean_up_exact(judge: _Judge, pp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every link and group back to a less lossy codec wherever that costs no predicted time."""
+    t_ref = judge.time(pp, dp)
     tol = _REL_TOL * max(1.0, abs(t_ref))
     for _ in range(_MAX_SWEEPS):
         moved = False
@@ -208,21 +248,66 @@ def _descend(judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray, group
     return pp, dp
 
 
+def _clean_up(judge: _Judge, pp: np.ndarray, dp: np.ndarray, groups: bool) -> tuple[np.ndarray, np.ndarray]:
+    """By time to loss: every exact link and group takes a codec wherever leaving it exact does
+    not save more than the predictor's error. The objective is held within that error of the
+    descent's result as a whole (not link by link), so links that each save less than the error
+    cannot together cost more than it."""
+    bound = judge.objective(pp, dp) * (1 + judge.error_fraction)
+    for _ in range(_MAX_SWEEPS):
+        moved = False
+        for s, p in np.ndindex(*pp.shape):
+            if pp[s, p]:
+                continue
+            for k in range(1, len(judge.pp)):
+                cand = pp.copy()
+                cand[s, p] = k
+                if judge.objective(cand, dp) <= bound:
+                    pp, moved = cand, True
+                    break
+        for s in range(len(dp) if groups else 0):
+            if dp[s]:
+                continue
+            for k in range(1, len(judge.dp)):
+                cand = dp.copy()
+                cand[s] = k
+                if judge.objective(pp, cand) <= bound:
+                    dp, moved = cand, True
+                    break
+        if not moved:
+            break
+    return pp, dp
+
+
 def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
                        overlap_allreduce: bool = True, engine_syncs: bool = False,
-                       min_saving_fraction: float = 0.0) -> CompressionPlan:
+                       min_saving_fraction: float = 0.0, efficiency: Mapping[str, float] | None = None,
+                       error_fraction: float = 0.0) -> CompressionPlan:
     """The codec of every link and group of allocation X ((S, D): X[s, p] the peer of stage s in
     pipeline p) from `model.options`, and why (see the module's docstring).
 
-    min_saving_fraction: a more lossy choice must shorten the predicted iteration by at least
-    this fraction of the exact iteration (0: any saving; the plan is then never predicted slower
-    than the best global setting; above 0, by at most that fraction)."""
+    By predicted iteration time (`efficiency` None): min_saving_fraction: a more lossy choice
+    must shorten the predicted iteration by at least this fraction of the exact iteration (0:
+    any saving; the plan is then never predicted slower than the best global setting; above 0,
+    by at most that fraction).
+
+    By predicted time to a target loss (`efficiency`: step efficiency by codec method, e.g.
+    `STEP_EFFICIENCY`): the objective is iteration time / the plan's `step_efficiency`, and a
+    link or group is left exact only where that lowers the objective by more than
+    `error_fraction` (the predictor's relative error) of the more compressed plan's; a plan
+    whose links all save less stays compressed. `min_saving_fraction` is not used then."""
     if not 0 <= min_saving_fraction < 1:
         raise ValueError(f"min_saving_fraction must lie in [0, 1), got {min_saving_fraction!r}")
+    if not 0 <= error_fraction < 1:
+        raise ValueError(f"error_fraction must lie in [0, 1), got {error_fraction!r}")
+    if efficiency is not None:
+        bad = {m: v for m, v in efficiency.items() if not 0 < v <= 1}
+        if bad:
+            raise ValueError(f"step efficiencies must lie in (0, 1], got {bad}")
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     kw = {"micro_batches": micro_batches, "overlap_allreduce": overlap_allreduce, "engine_syncs": engine_syncs}
-    judge = _Judge(model, X, kw)
+    judge = _Judge(model, X, kw, efficiency=efficiency, error_fraction=error_fraction)
     opts = model.options
     groups = D > 1
     zeros_pp, zeros_dp = np.zeros((max(S - 1, 0), D), dtype=np.int64), np.zeros(S, dtype=np.int64)
@@ -232,19 +317,19 @@ def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | 
     for i in range(len(opts.pp) if S > 1 else 1):
         for j in range(len(opts.dp) if groups else 1):
             pp, dp = np.full_like(zeros_pp, i), np.full_like(zeros_dp, j)
-            t = judge.time(pp, dp)
-            if best_g is None or _better(t, i + j, best_g[0], best_g[1], judge.margin):
-                best_g = (t, i + j, pp, dp, (opts.pp[i].name, opts.dp[j].name))
+            t, loss = judge.score(pp, dp)
+            if best_g is None or judge.better(t, loss, best_g[0], best_g[1]):
+                best_g = (t, loss, pp, dp, (opts.pp[i].name, opts.dp[j].name))
     assert best_g is not None
     T = _link_times(model, X) if S > 1 else np.zeros((0, D, len(opts.pp)))
     results = []
     for pp0, dp0 in ((zeros_pp, zeros_dp), (best_g[2], best_g[3])):
         pp, dp = _descend(judge, T, pp0, dp0, groups)
-        results.append((judge.time(pp, dp), _lossiness(pp, dp), pp, dp))
+        results.append((*judge.score(pp, dp), pp, dp))
     t_best, loss_best, pp, dp = results[0]
-    if _better(results[1][0], results[1][1], t_best, loss_best, judge.margin):
+    if judge.better(results[1][0], results[1][1], t_best, loss_best):
         t_best, loss_best, pp, dp = results[1]
-    return _explain(model, X, judge, T, pp, dp, t_best, exact_t, best_g[4], best_g[0])
+    return _explain(model, X, judge, T, pp, dp, judge.time(pp, dp), exact_t, best_g[4], judge.time(best_g[2], best_g[3]))
 
 
 def _explain(model: CostModel, X: np.ndarray, judge: _Judge, T: np.ndarray, pp: np.ndarray, dp: np.ndarray,
@@ -263,7 +348,8 @@ def _explain(model: CostModel, X: np.ndarray, judge: _Judge, T: np.ndarray, pp: 
         if k:
             cand = pp.copy()
             cand[s, p] = 0
-            saving, reason = judge.time(cand, dp) - t, ChoiceReason.SLOW
+            saving = judge.time(cand, dp) - t
+            reason = ChoiceReason.WITHIN_ERROR if judge.to_loss and saving <= _REL_TOL * t else ChoiceReason.SLOW
         else:
             saving = 0.0
             if len(judge.pp) == 1:
@@ -286,13 +372,16 @@ def _explain(model: CostModel, X: np.ndarray, judge: _Judge, T: np.ndarray, pp: 
         if k:
             cand = dp.copy()
             cand[s] = 0
-            saving, reason = judge.time(pp, cand) - t, ChoiceReason.SLOW
+            saving = judge.time(pp, cand) - t
+            reason = ChoiceReason.WITHIN_ERROR if judge.to_loss and saving <= _REL_TOL * t else ChoiceReason.SLOW
         else:
             saving = 0.0
             if D == 1:
                 reason = ChoiceReason.NO_GROUP
             elif len(judge.dp) == 1:
                 reason = ChoiceReason.NO_OPTIONS
+            elif judge.to_loss and any(judge.time(pp, _with(dp, s, j)) < t * (1 - _REL_TOL) for j in range(1, len(judge.dp))):
+                reason = ChoiceReason.STEP_EFFICIENCY
             elif min(float(model.dp_rows_codec(row, layers[s:s + 1], c).max()) for c in judge.dp[1:]) >= exact_sync:
                 reason = ChoiceReason.CODING_TOO_SLOW
             else:

@@ -32,8 +32,8 @@ from typing import Any, Iterable, Protocol, TypeVar
 from dtfm.fromdict import from_dict
 
 __all__ = ["CODEC_SPEED_LEN", "CodecAssignment", "CodecSpeed", "CompressionFields", "CompressionOptions", "DataParallelCodec",
-           "PipelineCodec", "REFERENCE_CODEC_SPEED", "WIRE_PRESETS", "compression_options", "load_codec_speed",
-           "wire_codecs"]
+           "PipelineCodec", "REFERENCE_CODEC_SPEED", "STEP_EFFICIENCY", "WIRE_PRESETS", "compression_options",
+           "load_codec_speed", "step_efficiency", "wire_codecs"]
 
 _HEADER_BYTES = 12
 _DENSE_BITS = {"int8": 8, "int4": 4}
@@ -288,6 +288,36 @@ WIRE_PRESETS = MappingProxyType({
 # +0.26 %, diloco +4.5 %, cocktail +42.7 %. On a tie in predicted time the earlier one wins.
 _PP_RANK = {"exact": 0, "int8": 1, "int4": 2}
 _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
+
+
+# Step efficiency: how many exact steps one step with the codec is worth (the steps exact needs
+# to reach the loss the codec reaches, over the codec's steps), measured on `tiny`. Time to a
+# target loss is iteration time / step efficiency. Sources:
+# - int8, int4 (+ Hadamard): no measurable loss cost: int8 -0.05 %, int4 +0.26 % training loss
+#   after 600 steps, -0.02 % held-out (docs/compression.md, "Benchmark", and a held-out
+#   evaluation of 2026-11-28), below exact's own seed-to-seed noise: 1.0;
+# - diloco (dense 2 bit, H = 16, outer Nesterov 0.7/0.8): the synchronised model after about
+#   584 steps matches exact at about 480 (0.82; slow-link, int4 pipeline included, 464: 0.79),
+#   held-out loss (the evaluation of 2026-11-28); on training loss 0.72 (exact's 50-step
+#   mean reaches diloco's 2.1536 at step 433 of 600); on the daemons, slow-link and auto,
+#   0.75-0.83 over seeds 0-2, mean 0.78 (77-85 steps to exact's 16-step mean loss at step 64,
+#   bench/compress_swarm.py, 2026-11-29): 0.8;
+# - cocktail (random 10 % x top 20 % x 4 bit of model deltas): exact's 50-step trailing mean reaches
+#   cocktail's 600-step figure (2.9415) at step 61 (`python -m dtfm.train --stages 2 --dp 4
+#   --steps 300 --log-json`, 2026-11-29): 0.1.
+# docs/compression.md, "How the scheduler chooses", keeps the table and its sources.
+STEP_EFFICIENCY = MappingProxyType({"exact": 1.0, "int8": 1.0, "int4": 1.0, "diloco": 0.8, "cocktail": 0.1})
+
+
+def step_efficiency(codecs: "CodecAssignment", table: Mapping[str, float] = STEP_EFFICIENCY) -> float:
+    """The step efficiency of a plan (`STEP_EFFICIENCY` by codec method): the product over the
+    two axes of the least efficient codec each uses. Only uniform runs are measured, so an axis
+    with any link or group compressed is charged as if all were: a DiLoCo group desynchronises
+    its stage's replicas whatever the others do, and the loss is the whole model's. KeyError for a
+    method the table lacks."""
+    pp = min((table[c.method] for row in codecs.pp for c in row), default=1.0)
+    dp = min((table[c.method] for c in codecs.dp), default=1.0)
+    return min(pp, 1.0) * min(dp, 1.0)
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (REFERENCE_CODEC_SPEED, CodecAssignment, CodecSpeed, CompressionOptions, CompressionPlan,
-                        CostModel, ScheduleInputs, choose_compression, layer_ranges, simulate_iteration, solve_fastest,
-                        wire_codecs)
+from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, CodecAssignment, CodecSpeed, CompressionOptions,
+                        CompressionPlan, CostModel, ScheduleInputs, choose_compression, layer_ranges,
+                        simulate_iteration, solve_fastest, wire_codecs)
 from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
@@ -126,10 +126,15 @@ def view_matrices(view: NetworkView) -> tuple[np.ndarray, np.ndarray]:
     return delay, bw
 
 
-# A per-link run compresses a link or group only where that saves at least this share of the
-# exact iteration: compression costs loss (docs/compression.md: int4 +0.3 %, DiLoCo +4.5 % after
-# 600 steps of tiny), which a saving of a fraction of a percent is not worth.
-MIN_SAVING_FRACTION = 0.02
+# A per-link run leaves a link or group exact only where that is predicted to shorten the time to
+# the target loss (iteration time / step efficiency, `STEP_EFFICIENCY`) by more than the
+# simulator's error: a smaller predicted saving may be none. The error measured on the emulated
+# worldwide swarm of 8 daemons (bench/compress_swarm.py, simulator with the trainer's round
+# trips on the view the daemons measured, compute from the exact run): at the bench's scale
+# 0.011, two runs of 3 fresh swarms each on 2026-11-29, exact 0.1-3.5 %, slow-link 4.2-12.7 %,
+# auto 2.8-16.8 % (the larger figures on a machine at load 23-28); at 0.0285 (2026-11-26) up to
+# 10.0 % (docs/compression.md). The largest, rounded down.
+PREDICTION_ERROR_FRACTION = 0.16
 
 
 def codec_speeds_of(view: NetworkView, fallback: CodecSpeed = REFERENCE_CODEC_SPEED) -> tuple[CodecSpeed, ...]:
@@ -152,21 +157,26 @@ def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERE
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
                  compression: CompressionConfig, *, keep_compressed: Sequence[tuple[int, int]] = (),
                  speed: CodecSpeed = REFERENCE_CODEC_SPEED,
-                 min_saving_fraction: float = MIN_SAVING_FRACTION,
+                 error_fraction: float = PREDICTION_ERROR_FRACTION,
+                 efficiency: Mapping[str, float] = STEP_EFFICIENCY,
                  kind: Mapping[int, float] | None = None) -> Placement:
     """`placement` with the links and DP groups of a per-link run chosen by the scheduler
-    (`dtfm.sched.choose_compression`) on the view: the run's codec where the simulator predicts
-    it shortens the iteration by at least `min_saving_fraction` of the exact iteration, exact
-    where the transfer hides behind compute or does not bound the iteration. Coding is costed at
-    each peer's own speed as the view holds it (a link's encode on its sender, its decode on its
-    receiver, a group member's on that member), at `speed` (the reference CPU's by default) for
-    a peer that reported none; the note says how many placed peers had a measured speed.
+    (`dtfm.sched.choose_compression`) on the view, by predicted time to the target loss: the
+    simulator's iteration time divided by the plan's step efficiency (`efficiency`, measured per
+    codec). Every link and group takes the run's codec unless leaving it exact lowers that by
+    more than `error_fraction` (the simulator's measured error): a DP group whose saving does not
+    pay for the steps DiLoCo loses stays exact, a link whose coding costs more than the error
+    stays exact, and a link that saves nothing the prediction can tell apart compresses. Coding
+    is costed at each peer's own speed as the view holds it (a link's encode on its sender, its
+    decode on its receiver, a group member's on that member), at `speed` (the reference CPU's
+    by default) for a peer that reported none; the note says how many placed peers had a
+    measured speed.
 
     keep_compressed: layer ranges whose DP group synchronised with the run's DP method in the
     epoch before; a group holding any of their layers keeps it. Between synchronisations the
     replicas of such a group differ, and an exact all-reduce would keep them apart for good
     (an exact group can turn compressed at any step: its anchor follows its weights).
-    The prediction is the simulator's with the chosen codecs."""
+    The prediction is the simulator's iteration time with the chosen codecs."""
     ids = {p: i for i, p in enumerate(view.peers)}
     if any(p not in ids for pipe in placement.pipelines for p in pipe):
         raise ValueError("the placement names a peer the network view does not hold")
@@ -181,7 +191,7 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     placed = np.unique(X)
     measured = int(view.codec_known()[placed].sum())
     plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
-                              min_saving_fraction=min_saving_fraction)
+                              efficiency=efficiency, error_fraction=error_fraction)
     pp = tuple(tuple(not c.exact for c in row) for row in plan.assignment.pp)
     kept = tuple(any(a < end and start < b for a, b in keep_compressed) for start, end in placement.layer_ranges)
     dp = tuple(not c.exact or k for c, k in zip(plan.assignment.dp, kept))
@@ -197,6 +207,14 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
                    predicted_iteration_s=predicted)
 
 
+def _saving(saving_s: float) -> str:
+    """What a compressed link or group saves, in words; a saving within the prediction's
+    error shows as what exact would save instead."""
+    if saving_s > 0:
+        return f"saves {saving_s:.3f} s/iter"
+    return f"exact would save {max(0.0, -saving_s):.3f} s/iter, within the error"
+
+
 def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConfig, predicted_s: float,
           measured: tuple[int, int]) -> str:
     """"links compressed: p0 s0->s1 int4+hadamard/64 (saves 0.120 s/iter); exact links: 1 (1 hidden);
@@ -204,8 +222,7 @@ def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConf
     parts = []
     for c in plan.links:
         if links.pp[c.stage][c.pipeline]:
-            parts.append(f"p{c.pipeline} s{c.stage}->s{c.stage + 1} {compression.pp_name} "
-                         f"(saves {c.saving_s:.3f} s/iter)")
+            parts.append(f"p{c.pipeline} s{c.stage}->s{c.stage + 1} {compression.pp_name} ({_saving(c.saving_s)})")
     exact_links = sum(1 for row in links.pp for on in row if not on)
     reasons: dict[str, int] = {}
     for c in plan.links:
@@ -217,7 +234,7 @@ def _note(plan: CompressionPlan, links: LinkCodecs, compression: CompressionConf
     groups = []
     for g in plan.groups:
         if links.dp[g.stage]:
-            why = "kept: its replicas differ until they synchronise" if g.codec.exact else f"saves {g.saving_s:.3f} s/iter"
+            why = "kept: its replicas differ until they synchronise" if g.codec.exact else _saving(g.saving_s)
             groups.append(f"s{g.stage} {compression.dp_name} ({why})")
     out += "; DP groups compressed: " + (", ".join(groups) if groups else "none")
     out += f"; predicted {predicted_s:.3f} s/iter (exact {plan.exact_iteration_s:.3f} s)"

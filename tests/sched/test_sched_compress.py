@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from dtfm.scenarios import load_scenario
-from dtfm.sched import (PAPER_GPT3_XL, REFERENCE_CODEC_SPEED, WIRE_PRESETS, ChoiceReason, CodecAssignment, CodecSpeed,
-                        CompressionOptions, CostModel, DataParallelCodec, PipelineCodec, Workload,
-                        choose_compression, compression_options, cost_model, simulate_iteration, wire_codecs)
+from dtfm.sched import (PAPER_GPT3_XL, REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, WIRE_PRESETS, ChoiceReason, CodecAssignment,
+                        CodecSpeed, CompressionOptions, CostModel, DataParallelCodec, PipelineCodec, Workload,
+                        choose_compression, compression_options, cost_model, simulate_iteration, step_efficiency,
+                        wire_codecs)
 from dtfm.sched.cli import main
 from dtfm.train.compress import (COMPRESSION_PRESETS, CompressionConfig, StageCompression, dense_payload_bytes,
                                  measure_compress_cost)
@@ -224,6 +225,97 @@ def test_the_choice_is_deterministic_and_never_worse_than_one_global_setting():
         assert simulate_iteration(m, X, codecs=plan.assignment).iteration_s == pytest.approx(plan.iteration_s)
         for c in list(plan.links) + list(plan.groups):
             assert (c.saving_s > 0) == (not c.codec.exact), c
+
+
+# -- the choice by time to a target loss ---------------------------------------------------------
+
+def test_a_plans_step_efficiency_is_its_least_efficient_codec_per_axis():
+    table = {"exact": 1.0, "int4": 0.9, "int8": 1.0, "diloco": 0.5}
+    assert step_efficiency(CodecAssignment.uniform(3, 2), table) == 1.0
+    assert step_efficiency(CodecAssignment.uniform(3, 2, INT4, DILOCO), table) == pytest.approx(0.45)
+    # one DiLoCo group of three costs the run as all three do; int8 next to int4 costs int4's
+    mixed = CodecAssignment(((INT8, INT4), (INT8, PipelineCodec())), (DataParallelCodec(), DILOCO, DataParallelCodec()))
+    assert step_efficiency(mixed, table) == pytest.approx(0.45)
+    assert step_efficiency(CodecAssignment.uniform(2, 2, INT4, DILOCO)) == STEP_EFFICIENCY["diloco"]
+
+
+def test_by_time_to_loss_a_link_that_saves_less_than_the_error_stays_compressed():
+    # the hidden link of the test above: exact saves 0.1 s of a 45 s iteration by the simulator
+    # (the coding on the compute timeline), far less than a 10 % error: both links compress
+    m, X = two_pipelines(1.0, 100.0, micro_batches=8, layer_compute_s=5.0, speed=REFERENCE_CODEC_SPEED)
+    assert all(c.codec.exact for c in choose_compression(m, X).links)  # by iteration time: exact
+    plan = choose_compression(m, X, efficiency=STEP_EFFICIENCY, error_fraction=0.1)
+    assert all(not c.codec.exact and c.reason is ChoiceReason.WITHIN_ERROR for c in plan.links)
+    exact_t = plan.exact_iteration_s
+    assert exact_t < plan.iteration_s <= 1.1 * exact_t
+    assert all(c.saving_s <= 0 for c in plan.links)  # exact would be (a little) faster, each on its own
+    # with no error to allow for, the simulator's faster plan wins: exact
+    plan0 = choose_compression(m, X, efficiency=STEP_EFFICIENCY, error_fraction=0.0)
+    assert all(c.codec.exact for c in plan0.links) and plan0.iteration_s == exact_t
+    with pytest.raises(ValueError):
+        choose_compression(m, X, efficiency=STEP_EFFICIENCY, error_fraction=1.0)
+    with pytest.raises(ValueError):
+        choose_compression(m, X, efficiency={**STEP_EFFICIENCY, "int4": 0.0})
+
+
+def dp_pair(slow_gbps: float):
+    """Two stages x two pipelines on 10 Gbps, stage 0's DP pair (0, 2) at `slow_gbps`."""
+    delay, bw = net(4, 1, 10.0)
+    bw[0, 2] = bw[2, 0] = slow_gbps
+    wl = Workload(stages=2, dp=2, layers=2, grad_gb_total=0.2, act_gb=1e-4, micro_batches=1, layer_compute_s=0.6)
+    return CostModel(delay, bw, wl, compression=compression_options(["diloco"])), np.array([[0, 2], [1, 3]])
+
+
+@pytest.mark.parametrize("slow_gbps,diloco_efficiency,compressed", [
+    (6.0, 0.8, False),  # DiLoCo saves 10 % per step: 1 / 0.8 times the steps cost more than that
+    (6.0, 1.0, True),  # were its steps worth exact's, the 10 % would be taken
+    (4.0, 0.8, True),  # 14 % per step: exact would be 6.6 % faster to the loss, within the 10 % error
+    (0.05, 0.8, True),  # 93 % per step: far more than the lost steps
+])
+def test_the_step_efficiency_decides_a_dp_group_by_time_to_loss(slow_gbps, diloco_efficiency, compressed):
+    m, X = dp_pair(slow_gbps)
+    by_time = choose_compression(m, X)
+    assert not by_time.groups[0].codec.exact  # per step, DiLoCo is faster in every case
+    table = {**STEP_EFFICIENCY, "diloco": diloco_efficiency}
+    plan = choose_compression(m, X, efficiency=table, error_fraction=0.1)
+    g0 = plan.groups[0]
+    assert (not g0.codec.exact) == compressed
+    if not compressed:
+        assert g0.reason is ChoiceReason.STEP_EFFICIENCY and plan.iteration_s == plan.exact_iteration_s
+    else:  # the second group, off the critical path, compresses along: its lost steps are already paid
+        assert all(not g.codec.exact for g in plan.groups)
+        assert plan.groups[1].reason is ChoiceReason.WITHIN_ERROR
+
+
+def test_by_time_to_loss_the_plan_is_within_the_error_of_every_single_setting():
+    rng = np.random.default_rng(11)
+    err = 0.1
+    for trial in range(10):
+        n, S, D = 6, 3, 2
+        delay = rng.uniform(1, 80, (n, n))
+        bw = rng.choice([0.05, 0.5, 5.0], (n, n))
+        np.fill_diagonal(delay, 0)
+        np.fill_diagonal(bw, np.inf)
+        wl = Workload(stages=S, dp=D, layers=S, grad_gb_total=float(rng.uniform(0.01, 0.3)),
+                      act_gb=float(rng.uniform(0.001, 0.05)), micro_batches=int(rng.choice([1, 4])),
+                      layer_compute_s=None if trial % 2 else float(rng.uniform(0.01, 0.5)))
+        m = CostModel(delay, bw, wl, compression=compression_options(["auto"], REFERENCE_CODEC_SPEED))
+        X = rng.permutation(n).reshape(S, D)
+        plan = choose_compression(m, X, efficiency=STEP_EFFICIENCY, error_fraction=err)
+        assert plan == choose_compression(m, X, efficiency=STEP_EFFICIENCY, error_fraction=err)
+
+        def to_loss(codecs: CodecAssignment) -> float:
+            return simulate_iteration(m, X, codecs=codecs).iteration_s / step_efficiency(codecs)
+        best = min(to_loss(CodecAssignment.uniform(S, D, pp, dp)) for pp in m.options.pp for dp in m.options.dp)
+        assert to_loss(plan.assignment) <= (1 + err) ** 2 * best * (1 + 1e-9)
+        # a link or group left exact saves more than the error against compressing it alone
+        for c in plan.links:
+            if c.codec.exact:
+                for k in m.options.pp[1:]:
+                    pp = [list(r) for r in plan.assignment.pp]
+                    pp[c.stage][c.pipeline] = k
+                    alt = CodecAssignment(tuple(map(tuple, pp)), plan.assignment.dp)
+                    assert to_loss(alt) > to_loss(plan.assignment) * (1 + 1e-9), (trial, c)
 
 
 def test_search_knowing_compression_costs_its_allocation_with_the_cheapest_codecs():
