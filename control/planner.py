@@ -25,7 +25,8 @@ from .compute import KindProbe, micro_batch_seqs
 from .config import PlaneConfig
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
-from .coordinator.schedule import Placement, choose_links, choose_shape, compression_options_of, random_shape
+from .coordinator.schedule import (Placement, choose_links, choose_shape, compression_options_of, random_shape,
+                                   time_to_loss_s)
 from .operator import SignedOp
 
 __all__ = ["CONFIRM_ROUNDS", "GossipSwarm", "SchedulerPlanner", "plan_links"]
@@ -227,7 +228,8 @@ class SchedulerPlanner:
                                 time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
-            # each gets its links chosen, and the simulator's faster plan wins. The search's
+            # each gets its links chosen, and the plan faster to the target loss wins (the
+            # simulator's iteration over its codecs' step efficiency: `time_to_loss_s`). The search's
             # objective (the paper's, with each link's cheapest codec) can miss what the
             # simulator counts, the trainer's own round trips above all (a swarm measured the
             # codec-aware plan 41 % slower than every link compressed on the exact search's).
@@ -237,5 +239,5 @@ class SchedulerPlanner:
                                                           kind=kind),
                                        model, train, req.compression, kind=kind)
                           for opts in (compression_options_of(req.compression, view=view), None)]
-            return min(candidates, key=lambda p: p.predicted_iteration_s)  # (the codec-aware one on a tie)
+            return min(candidates, key=lambda p: time_to_loss_s(p, req.compression))  # (the codec-aware one on a tie)
         return choose_links(view, shape, model, train, req.compression, kind=kind) if per_link else shape

@@ -12,7 +12,7 @@ import numpy as np
 from dtfm.gossip import NetworkView
 from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, CodecAssignment, CodecSpeed, CompressionOptions,
                         CompressionPlan, CostModel, ScheduleInputs, choose_compression, layer_ranges,
-                        simulate_iteration, solve_fastest, wire_codecs)
+                        simulate_iteration, solve_fastest, step_efficiency, wire_codecs)
 from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
@@ -20,7 +20,7 @@ from ..compute import peer_compute, run_model, sched_spec
 from .request import PLACEMENTS
 
 __all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
-           "random_shape", "sched_spec", "shape_space", "view_matrices"]
+           "random_shape", "sched_spec", "shape_space", "time_to_loss_s", "view_matrices"]
 
 @dataclass(frozen=True)
 class Placement:
@@ -152,6 +152,20 @@ def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERE
     pp, dp = wire_codecs(config)
     return CompressionOptions((type(pp)(),) + (() if pp.exact else (pp,)), (type(dp)(),) + (() if dp.exact else (dp,)),
                               speed, () if view is None else codec_speeds_of(view, speed))
+
+
+def time_to_loss_s(placement: Placement, compression: CompressionConfig,
+                   efficiency: Mapping[str, float] = STEP_EFFICIENCY) -> float:
+    """A per-link placement's predicted iteration over the step efficiency of the codecs its
+    links and groups use (`dtfm.sched.step_efficiency`): what it takes per exact step's worth of
+    progress towards the target loss. A placement with no per-link choice: its iteration."""
+    links = placement.links
+    if links is None:
+        return placement.predicted_iteration_s
+    pp, dp = wire_codecs(compression)
+    codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
+                             tuple(dp if on else type(dp)() for on in links.dp))
+    return placement.predicted_iteration_s / step_efficiency(codecs, efficiency)
 
 
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,

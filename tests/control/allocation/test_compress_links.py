@@ -199,3 +199,17 @@ def test_the_coordinator_costs_coding_at_each_peers_gossiped_speed(slow, known, 
     # with no speed gossiped at all: the reference figure everywhere, as before
     plain = choose_links(view(slow_gbps=0.05), shape, PRESETS["tiny"], TC(), auto)
     assert plain.links.pp == ((True, True),) and plain.links_note.endswith("0/4 peers (reference CPU for the rest)")
+
+
+def test_time_to_loss_divides_the_iteration_by_the_codecs_step_efficiency():
+    from dtfm.control.coordinator.schedule import Placement, time_to_loss_s
+    from dtfm.sched import STEP_EFFICIENCY
+    from dtfm.train import LinkCodecs
+    from dtfm.train.compress import get_compression
+    slow_link = get_compression("slow-link")
+    base = Placement(((b"a" * 32, b"b" * 32), (b"c" * 32, b"d" * 32)), ((0, 2), (2, 4)), (), 1.0, 1.0)
+    assert time_to_loss_s(base, slow_link) == 1.0  # no per-link choice: its iteration
+    pp_only = dataclasses.replace(base, links=LinkCodecs(((True, True),), (False, False)))
+    both = dataclasses.replace(base, links=LinkCodecs(((True, False),), (True, False)))
+    assert time_to_loss_s(pp_only, slow_link) == 1.0 / STEP_EFFICIENCY["int4"]
+    assert time_to_loss_s(both, slow_link) == 1.0 / (STEP_EFFICIENCY["int4"] * STEP_EFFICIENCY["diloco"])
