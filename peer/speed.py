@@ -248,14 +248,17 @@ KIND_FIELDS = ("n_embd", "n_head", "seq_len", "mlp_ratio", "bias", "activation")
 
 class KindCache:
     """How much slower per FLOP than the reference block a run's layer runs on this machine
-    (`dtfm.control.compute.kind_factors`), by micro-batch size: measured in a child process
-    (`python -m dtfm.peer.speed --kind JSON --batches 1,2`) the first time a layer and size are
-    asked for, then kept, in memory and in the data dir under the same `SpeedKey` as the speed
-    figures. Blocking (the planner's worker thread, the plane's): `KindProbe`."""
+    (`dtfm.control.compute.kind_factors`), by micro-batch size: measured the first time a layer
+    and size are asked for, then kept, in memory and in the data dir under the same `SpeedKey`
+    as the speed figures. The measuring runs in this process when torch is loaded here (the
+    daemon trains a stage), else in a child process (`python -m dtfm.peer.speed --kind JSON
+    --batches 1,2`), so an idle daemon never loads torch. Blocking (the planner's worker
+    thread, the plane's): `KindProbe`."""
 
     def __init__(self, path: Path, key: SpeedKey, *, command: tuple[str, ...] = (sys.executable, "-m", "dtfm.peer.speed"),
                  timeout_s: float = PROBE_TIMEOUT_S):
         self.path, self.key, self.command, self.timeout_s = path, key, command, timeout_s
+        self.in_process = True  # measure in this process once torch is loaded here (tests: False)
         self._lock = threading.Lock()
         self._kinds: dict[str, dict[int, float]] = self._load()
         self.children = 0  # child processes started (tests)
@@ -280,6 +283,11 @@ class KindCache:
             return {b: known[b] for b in batches if b in known}
 
     def _measure(self, spec: Any, batches: list[int]) -> dict[int, float]:
+        if "torch" in sys.modules and self.in_process:
+            # (this daemon trains or trained a stage: torch is loaded, and the probe takes a few
+            # hundred ms here; a child would load torch again, on every training peer at once)
+            from dtfm.control import kind_factors
+            return kind_factors(spec, batches)
         args = [*self.command, "--torch-threads", str(self.key.torch_threads),
                 "--kind", json.dumps(spec.to_dict()), "--batches", ",".join(map(str, batches))]
         self.children += 1

@@ -33,7 +33,9 @@ print(json.dumps({"kind": {str(b): 1 + b / 10 for b in batches if b < 64}}))
 
 def fake(tmp_path) -> tuple[KindCache, object]:
     runs = tmp_path / "runs.txt"
-    return KindCache(tmp_path / KIND_FILE, KEY, command=(sys.executable, "-c", FAKE_CHILD, str(runs))), runs
+    cache = KindCache(tmp_path / KIND_FILE, KEY, command=(sys.executable, "-c", FAKE_CHILD, str(runs)))
+    cache.in_process = False  # (the fake child's figures, though this test process has torch loaded)
+    return cache, runs
 
 
 def test_a_layer_is_probed_once_per_micro_batch_and_a_restart_reads_it(tmp_path):
@@ -50,6 +52,7 @@ def test_a_layer_is_probed_once_per_micro_batch_and_a_restart_reads_it(tmp_path)
     assert again(tiny, (1, 2, 4)) == {1: 1.1, 2: 1.2, 4: 1.4} and again.children == 0
     other = KindCache(tmp_path / KIND_FILE, SpeedKey(**{**KEY.__dict__, "torch": "9.9"}),
                       command=again.command)  # a new torch: measured again
+    other.in_process = False
     other(tiny, (1,))
     assert other.children == 1
 
@@ -94,3 +97,13 @@ def test_a_kind_factor_costs_the_layers_slower_and_a_peer_reports_in_reference_u
     wl = reported.spec(spec, cfg, 1).workload(1, 1)
     assert math.isclose(wl.compute_layers(np.array([spec.n_layer]))[0] * wl.layer_compute_s * cfg.micro_batches,
                         0.5, rel_tol=1e-9)
+
+
+def test_a_daemon_with_torch_loaded_measures_in_itself(tmp_path):
+    """Once torch is loaded (the daemon trains a stage) no child starts: the probe runs here."""
+    import torch  # noqa: F401  (loaded, as in a daemon that trains)
+    kinds, runs = fake(tmp_path)
+    kinds.in_process = True
+    narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
+    got = kinds(narrow, (1,))
+    assert sorted(got) == [1] and 0 < got[1] < 100 and kinds.children == 0 and not runs.exists()
