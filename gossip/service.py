@@ -243,6 +243,7 @@ class GossipService:
                             live, self.records.reports, self.view, me=self.identity.peer_id,
                             measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
         out["view"]["full_mesh"] = self.planner.full_mesh(len(live) - 1)  # every link measured, not estimated
+        out["compute_ms"] = self.compute_ms  # this peer's compute figure as it reports it (None: unknown)
         return out
 
     def view(self) -> NetworkView:

@@ -289,6 +289,10 @@ def format_gossip(gossip: dict[str, Any], me: object = None) -> list[str]:
         lines += _wrap(ONE_SIDED_LEGEND)
     if "latency" in (gossip.get("truncated") or []):
         lines.append(f"  (the daemon listed the first {len(latency)} of its links)")
+    compute = gossip.get("compute_ms")
+    if isinstance(compute, (int, float)) and compute > 0:
+        lines.append(f"compute   {compute:.1f} ms per reference block (forward and backward; measured at start, "
+                     "then from this peer's own training steps)")
     return lines
 
 

@@ -339,3 +339,10 @@ def test_plane_status_carries_the_stage_memory():
     assert status.to_wire()["memory"] == {"stage_bytes": 31, "weights_bytes": 4, "grads_bytes": 4,
                                           "optimizer_bytes": 8, "snapshot_bytes": 12, "activations_bytes": 3}
     assert "memory" not in dataclasses.replace(status, stage_memory=None).to_wire()
+
+
+def test_the_compute_figure_is_a_line_when_known():
+    line = "compute   33.1 ms per reference block (forward and backward; measured at start, then from this " \
+           "peer's own training steps)"
+    assert format_gossip({**GOSSIP, "compute_ms": 33.1}, A)[-1] == line
+    assert not any(x.startswith("compute") for x in format_gossip({**GOSSIP, "compute_ms": None}, A))
