@@ -147,13 +147,12 @@ class StageCompression:
 
     @property
     def period_steps(self) -> int:
-        """Steps between synchronisations: 1 for cocktail, H for DiLoCo."""
+        """Steps between synchronisations once any warm start is over: 1 for cocktail, H for DiLoCo."""
         return 1 if self.config.dp_method == "cocktail" else self.config.inner_steps
 
     def sync_due(self, step: int) -> bool:
-        """Whether a synchronisation follows the update of step `step`."""
-        c = self.config
-        return self.local(step) and (step + 1 - c.dp_warmup_steps) % self.period_steps == 0
+        """Whether a synchronisation follows the update of step `step` (`CompressionConfig.sync_due`)."""
+        return self.config.sync_due(step)
 
     def payload_bytes(self) -> int:
         """Bytes of one member's DP payload for a stage of this size (as `encode_sparse` makes it)."""
