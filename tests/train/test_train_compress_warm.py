@@ -110,6 +110,21 @@ def test_replicas_identical_after_each_ramp_sync(corpus):
             assert (cl.last_step_bytes["dp"] > 0) == synced, step
 
 
+def test_ramp_syncs_average_and_the_outer_optimizer_starts_at_h(corpus):
+    """The warm start's synchronisations (after steps 0, 1, 3, 5) set every replica to the mean
+    of the replicas' decoded weights and leave the outer momentum at zero; the first at interval
+    H (after step 9) takes the Nesterov outer step and starts the momentum."""
+    assert [k for k in range(14) if RAMP.ramp_sync(k)] == [0, 1, 3, 5]
+    with LocalCluster(SPEC, CFG, Plan.grid(4, 2, 3), corpus, compression=RAMP) as cl:
+        for step in range(10):
+            cl.step()
+            moms = [cl.states[p].compress.buffers["outer_m"] for p in cl.plan.dp_group(0)]
+            if step < 9:
+                assert all(float(m.abs().sum()) == 0.0 for m in moms), step
+        assert all(float(m.abs().sum()) > 0.0 for m in moms)
+        assert len(set(replica_hashes(cl, 0))) == 1
+
+
 def test_checkpoint_mid_ramp_carries_the_schedule(tmp_path, corpus):
     with LocalCluster(SPEC, CFG, Plan.grid(4, 2, 2), corpus, compression=RAMP) as cl:
         cl.run(3)  # mid-ramp: the next sync is after step 3

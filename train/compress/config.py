@@ -50,7 +50,8 @@ class CompressionConfig:
     inner_steps: int = 16  # diloco: local AdamW steps between synchronisations (H); more: fewer bytes, drift
     # diloco: synchronisations at each interval 1, 2, 4, ... below H before the interval is H
     # (the warm start: early pseudo-gradients are large and replicas drift apart fastest; each
-    # ramped sync costs one compressed payload, not the 128x larger exact all-reduce); 0: H from the start
+    # ramped sync costs one compressed payload, not the 128x larger exact all-reduce, and
+    # averages the replicas, see `ramp_sync`); 0: H from the start
     dp_ramp_syncs: int = 0
     # (cocktail synchronises after every step)
     outer_lr: float = 0.7  # outer SGD learning rate on the averaged pseudo-gradient (1, momentum 0: plain average)
@@ -137,6 +138,14 @@ class CompressionConfig:
                 return (done - start) % period == 0
             start += span
         return (done - start) % self.inner_steps == 0
+
+    def ramp_sync(self, step: int) -> bool:
+        """Whether a synchronisation after step `step` is one of the warm start's: it averages
+        the replicas (outer lr 1, no momentum: an outer step at the preset's lr and momentum
+        over a step or two of drift would multiply the inner learning rate); the outer
+        optimizer, its momentum included, starts with the first synchronisation at interval H."""
+        return bool(self.ramp_periods) and self.sync_due(step) and \
+            step + 1 - self.dp_warmup_steps <= self.ramp_steps
 
     def syncs_in(self, steps: int) -> int:
         """Compressed synchronisations in steps 0 .. steps - 1."""
