@@ -277,6 +277,10 @@ def part12(args, names: list[str], configs: dict, out: Path) -> list[dict]:
     print(f"{spec.name} {args.stages} stages x {args.dp} pipelines, batch {args.batch}, M {args.micro_batches}, "
           f"{mode}{args.steps} steps, seeds {seeds}, corpus {corpus.name} (held out: {len(windows[0])} windows "
           f"of its last {HELDOUT_BYTES} bytes)", file=sys.stderr)
+    for name in names:
+        if not eval_points(configs[name], args.steps, args.finetune_from_steps, args.eval_points, args.eval_every):
+            raise SystemExit(f"{name} does not synchronise in steps {args.finetune_from_steps} to "
+                             f"{args.finetune_from_steps + args.steps - 1}: no step to judge its model at; run more steps")
     runs: list[dict] = []
     for seed in seeds:
         cfg = TrainConfig(global_batch_seqs=args.batch, micro_batches=args.micro_batches, lr=args.lr, seed=seed)
