@@ -147,10 +147,12 @@ def states_from(start: dict, spec, cfg: TrainConfig, comp: CompressionConfig) ->
 
 
 def run_method(name: str, comp, spec, cfg: TrainConfig, plan: Plan, corpus, steps: int, windows,
-               points: int, every: int, start: dict | None = None) -> dict:
+               points: int, every: int, start: dict | None = None, progress_every: int = 0,
+               last: int = 50) -> dict:
     """One run: its training losses, bytes per step per axis, and the held-out loss of the
-    synchronised model at each of its last `points` synchronised steps."""
-    losses, per_axis, evals = [], dict.fromkeys(AXES, 0), []
+    synchronised model at each of its last `points` synchronised steps; with `progress_every`,
+    also at the first synchronised step from each multiple of it on (printed as it goes)."""
+    losses, per_axis, evals, progress = [], dict.fromkeys(AXES, 0), [], []
     t0 = time.perf_counter()
     first = 0 if start is None else next(iter(start.values())).step
     at = set(eval_points(comp, steps, first, points, every))
@@ -158,15 +160,23 @@ def run_method(name: str, comp, spec, cfg: TrainConfig, plan: Plan, corpus, step
     with LocalCluster(spec, cfg, plan, corpus, states=states, compression=comp) as cl:
         for _ in range(steps):
             losses.append(cl.step())
-            if cl.step_index in at:
+            n = cl.step_index
+            due = progress_every and n >= (len(progress) + 1) * progress_every and \
+                (comp.dp_method != "diloco" or comp.sync_due(n - 1))
+            if n in at or due:
                 params, same = synchronised_model(cl)
-                evals.append({"step": cl.step_index, "heldout_loss": heldout_loss(spec, params, windows),
-                              "replicas_identical": same})
+                e = {"step": n, "heldout_loss": heldout_loss(spec, params, windows), "replicas_identical": same}
+                if n in at:
+                    evals.append(e)
+                if due:
+                    progress.append(e | {"train_last": statistics.fmean(losses[-last:])})
+                    print(f"    seed {cfg.seed} {name} step {n}: held-out {e['heldout_loss']:.4f}, training loss of "
+                          f"the last {last} {progress[-1]['train_last']:.4f}", file=sys.stderr, flush=True)
         for a, b in cl.bytes_sent.items():
             per_axis[a] = b
     wall = time.perf_counter() - t0
     return {"name": name, "config": comp.describe(), "seed": cfg.seed, "first_step": first, "losses": losses,
-            "evals": evals, "heldout_loss": statistics.fmean(e["heldout_loss"] for e in evals), "wall_s": wall,
+            "evals": evals, "progress": progress, "heldout_loss": statistics.fmean(e["heldout_loss"] for e in evals), "wall_s": wall,
             "bytes_per_step": {a: b / steps for a, b in per_axis.items()}}
 
 
@@ -287,12 +297,15 @@ def part12(args, names: list[str], configs: dict, out: Path) -> list[dict]:
         start = exact_start(spec, cfg, plan, corpus, args.finetune_from_steps) if args.finetune_from_steps else None
         for name in names:
             r = run_method(name, configs[name], spec, cfg, plan, corpus, args.steps, windows, args.eval_points,
-                           args.eval_every, start)
+                           args.eval_every, start, args.progress_every, args.last)
             runs.append(r)
             print(f"  seed {seed} {name:<10} held-out {r['heldout_loss']:.4f} at steps "
                   f"{[e['step'] for e in r['evals']]}, training loss of the last {args.last}: "
                   f"{statistics.fmean(r['losses'][-args.last:]):.4f} ({r['wall_s']:.0f} s)", file=sys.stderr)
             write_json(out / "results.json", {"args": vars(args), "runs": runs})  # as it goes: a cut run keeps its figures
+    if args.no_exact:
+        print(f"runs in {out / 'results.json'}: summarise them with exact's (--from-results)", file=sys.stderr)
+        return []
     return report(runs, args, out)
 
 
@@ -324,6 +337,8 @@ def merge_swarm(summary: list[dict], swarm: dict | None, names: list[str], confi
     """Part 1-2 rows (or bare rows when those parts did not run) with part 3's figures per method."""
     rows = {s["name"]: dict(s) for s in summary}
     for n in names:
+        if n in rows:
+            continue
         rows.setdefault(n, {"name": n, "config": configs[n].describe(), **dict.fromkeys(
             ("pp_bytes_ratio", "dp_bytes_ratio", "total_bytes_ratio", "loss_gap",
              "speedup_measured", "prediction_error", "bandwidth_scale"))})
@@ -349,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="train exact K steps (per seed), then run each method --steps more from that state")
     ap.add_argument("--from-results", default="", metavar="FILE,...",
                     help="train nothing: summarise the runs of these results.json files (e.g. one per seed) together")
+    ap.add_argument("--no-exact", action="store_true",
+                    help="run only --methods (exact's runs made apart, e.g. in another process; --from-results "
+                         "summarises them together)")
+    ap.add_argument("--progress-every", type=int, default=0, metavar="N",
+                    help="also judge each run at its first synchronised step from every N steps on, printed as it goes")
     ap.add_argument("--heldout-windows", type=int, default=128,
                     help="fixed windows of the held-out text (the corpus's last MiB) the loss is judged on")
     ap.add_argument("--eval-points", type=int, default=4,
@@ -395,9 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             ap.error(f"--variant {v}: {e}")
         names.append(name)
-    if "exact" not in names:
+    if "exact" not in names and not args.no_exact:
         names.insert(0, "exact")
         configs["exact"] = get_compression("exact")
+    if args.no_exact and args.recommended not in names:
+        args.recommended = names[0]
     if args.recommended not in names:
         ap.error(f"--recommended {args.recommended} is not among --methods")
     for m in args.swarm_methods.split(","):
