@@ -7,13 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from compress_cluster import CFG, SPEC, replica_hashes
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dtfm.train import (LocalCluster, Plan, load_checkpoint, load_corpus, save_checkpoint, stage_from_tensors,
                         stage_tensors)
-from dtfm.train.compress import COMPRESSION_PRESETS, CompressionConfig, get_compression, parse_compression
+from dtfm.train.compress import (COMPRESSION_PRESETS, CompressionConfig, StageCompression, get_compression,
+                                 parse_compression)
 
 # H = 4, two synchronisations at each interval below it (1, 2), then every 4 steps
 RAMP = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="diloco", dp_topk_fraction=1.0,
@@ -108,6 +110,31 @@ def test_replicas_identical_after_each_ramp_sync(corpus):
             for s in range(2):
                 assert (len(set(replica_hashes(cl, s))) == 1) == synced, (step, s)
             assert (cl.last_step_bytes["dp"] > 0) == synced, step
+
+
+class SoloComm:
+    """A group of one: the all-gather returns this member's own payload."""
+    me = "solo"
+
+
+def synced_anchor(config: CompressionConfig, step: int) -> tuple[torch.Tensor, StageCompression]:
+    gen = torch.Generator().manual_seed(5)
+    params = {"w": torch.nn.Parameter(torch.randn(30, 40, generator=gen) * 0.1)}
+    sc = StageCompression(config, params, 0)
+    with torch.no_grad():
+        params["w"].sub_(torch.randn(30, 40, generator=gen) * 0.01)  # a local step
+    sc.sync(SoloComm(), ["solo"], list(params.values()), seed=0, step=step, tag="0.0/dpc", timeout_s=1.0)
+    return sc.buffers["anchor"].clone(), sc
+
+
+def test_a_ramp_sync_is_a_plain_average_and_an_h_sync_the_outer_step():
+    plain = dataclasses.replace(RAMP, dp_ramp_syncs=0, outer_lr=1.0, outer_momentum=0.0)
+    ramp_anchor, sc = synced_anchor(RAMP, 3)  # step 3: the ramp's interval 2
+    assert torch.equal(ramp_anchor, synced_anchor(plain, 3)[0])
+    assert float(sc.buffers["outer_m"].abs().sum()) == 0.0
+    h_anchor, sc = synced_anchor(RAMP, 9)  # step 9: the first at interval H
+    assert not torch.equal(h_anchor, synced_anchor(plain, 9)[0])
+    assert float(sc.buffers["outer_m"].abs().sum()) > 0.0
 
 
 def test_ramp_syncs_average_and_the_outer_optimizer_starts_at_h(corpus):
