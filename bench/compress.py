@@ -450,7 +450,11 @@ def main(argv: list[str] | None = None) -> int:
     extra = {"note": f"not run: {', '.join(missing)} (their keys are null)"} if missing else {}
     if swarm is not None:
         extra["swarm_shape"] = swarm["shape"]
-    if summary:
+    if args.from_results:  # what the runs were, not this command's defaults
+        extra |= {"seeds": ",".join(str(x) for x in sorted({r["seed"] for r in runs})),
+                  "steps": max(len(r["losses"]) for r in runs),
+                  "finetune_from_steps": max(r["first_step"] for r in runs)}
+    elif summary:
         extra |= {"seeds": args.seeds, "steps": args.steps, "finetune_from_steps": args.finetune_from_steps}
     print(json.dumps({"recommended": args.recommended, "parts": sorted(parts), **top, **goals, **extra,
                       "methods": [{k: v for k, v in s.items() if k != "config"} | {"config": s.get("config")}
