@@ -72,10 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", type=POSITIVE_INT, default=1, help="pipeline stages S")
     ap.add_argument("--dp", type=POSITIVE_INT, default=1, help="data-parallel pipelines D")
     ap.add_argument("--compress", default="exact", metavar="NAME[,FIELD=VALUE...]",
-                    help=f"compression preset ({', '.join(COMPRESSION_PRESETS)}; docs/compression.md), with "
-                         "fields of dtfm.train.compress.CompressionConfig changed after commas, e.g. "
-                         "diloco,inner_steps=8: exact sends full-width tensors; slow-link is the choice for slow "
-                         "networks (int4 activations, DiLoCo with sparse 4-bit sync) (default: %(default)s)")
+                    help="compression preset, with fields of dtfm.train.compress.CompressionConfig changed after "
+                         "commas, e.g. diloco,inner_steps=8 (docs/compression.md); slow-link is the choice for "
+                         "slow networks. The presets: " + " ".join(f"{name}: {c.describe()}." for name, c in
+                                                                   COMPRESSION_PRESETS.items()) +
+                         " (default: %(default)s)")
     ap.add_argument("--compress-option", action="append", default=[], metavar="FIELD=VALUE",
                     help="override one field of the --compress preset (dtfm.train.compress.CompressionConfig), "
                          "e.g. inner_steps=16; repeatable")

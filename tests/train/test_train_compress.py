@@ -405,14 +405,15 @@ def test_cli_compressed_resume_continues_every_replica(capsys, tmp_path):
     data.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(400)))
     common = ["--stages", "2", "--dp", "2", "--batch", "4", "--micro-batches", "1", "--data", str(data), "--log-json",
               "--quiet", "--compress", "slow-link", "--compress-option", "dp_warmup_steps=1",
-              "--compress-option", "inner_steps=2"]
+              "--compress-option", "inner_steps=2", "--compress-option", "dp_ramp_syncs=1"]
 
     def run(*argv):
         assert main([*argv, *common]) == 0
         return [json.loads(x) for x in capsys.readouterr().out.splitlines()]
 
     straight = run("--steps", "4")
-    assert [r["bytes_sent"]["dp"] > 0 for r in straight] == [True, False, True, False]  # exact, then H = 2
+    # exact, one sync after a single local step (the ramp), then every H = 2 steps
+    assert [r["bytes_sent"]["dp"] > 0 for r in straight] == [True, True, False, True]
     assert straight[0]["bytes_sent"]["pp_fwd"] < 4 * 128 * 128 * 4 / 7
     ck = str(tmp_path / "ck")
     first = run("--steps", "2", "--checkpoint-dir", ck)

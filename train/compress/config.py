@@ -24,6 +24,7 @@ __all__ = ["AUTO", "DP_METHODS", "PP_METHODS", "COMPRESSION_PRESETS", "DEFAULT_S
 PP_METHODS = ("exact", "int8", "int4")
 DP_METHODS = ("exact", "cocktail", "diloco")
 _VALUE_BITS = (2, 4, 8)
+MAX_RAMP_SYNCS = 1024  # synchronisations per ramp interval: more is a run of a different method
 MAX_SPEC_CHARS = 512  # a "NAME[,FIELD=VALUE...]" text: every field changed fits in about 300
 
 
@@ -47,6 +48,11 @@ class CompressionConfig:
     dp_chunk_elems: int = 1024  # candidates per chunk: the unit of top-k, of index coding and of a scale
     dp_warmup_steps: int = 0  # steps of exact DP all-reduce before compression starts (early gradients are large)
     inner_steps: int = 16  # diloco: local AdamW steps between synchronisations (H); more: fewer bytes, drift
+    # diloco: synchronisations at each interval 1, 2, 4, ... below H before the interval is H
+    # (the warm start: early pseudo-gradients are large and replicas drift apart fastest; each
+    # ramped sync costs one compressed payload, not the 128x larger exact all-reduce, and
+    # averages the replicas, see `ramp_sync`); 0: H from the start
+    dp_ramp_syncs: int = 0
     # (cocktail synchronises after every step)
     outer_lr: float = 0.7  # outer SGD learning rate on the averaged pseudo-gradient (1, momentum 0: plain average)
     outer_momentum: float = 0.9  # outer (Nesterov) momentum; 0 leaves it to error feedback
@@ -75,12 +81,14 @@ class CompressionConfig:
                 raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
         if self.dp_value_bits not in _VALUE_BITS or isinstance(self.dp_value_bits, bool):
             raise ValueError(f"dp_value_bits must be one of {_VALUE_BITS}, got {self.dp_value_bits!r}")
-        for name in ("dp_warmup_steps", "inner_steps"):
+        for name in ("dp_warmup_steps", "inner_steps", "dp_ramp_syncs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.inner_steps < 1:
             raise ValueError("inner_steps must be at least 1")
+        if self.dp_ramp_syncs > MAX_RAMP_SYNCS:
+            raise ValueError(f"dp_ramp_syncs must be at most {MAX_RAMP_SYNCS}, got {self.dp_ramp_syncs!r}")
         lr = self.outer_lr
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
             raise ValueError(f"outer_lr must be positive, got {self.outer_lr!r}")
@@ -97,6 +105,52 @@ class CompressionConfig:
         """Values sent per chunk of `dp_chunk_elems` candidates (at least one)."""
         return max(1, round(self.dp_topk_fraction * self.dp_chunk_elems))
 
+    @property
+    def ramp_periods(self) -> tuple[int, ...]:
+        """DiLoCo's warm start: the intervals 1, 2, 4, ... below H, each held for
+        `dp_ramp_syncs` synchronisations before the interval is H (none without a ramp)."""
+        if self.dp_method != "diloco" or not self.dp_ramp_syncs:
+            return ()
+        out, p = [], 1
+        while p < self.inner_steps:
+            out.append(p)
+            p *= 2
+        return tuple(out)
+
+    @property
+    def ramp_steps(self) -> int:
+        """Local steps the warm start spans (after the exact warm-up steps)."""
+        return self.dp_ramp_syncs * sum(self.ramp_periods)
+
+    def sync_due(self, step: int) -> bool:
+        """Whether a compressed synchronisation follows the update of step `step`: every step
+        for cocktail; for DiLoCo after the ramp's intervals (`ramp_periods`), then every H
+        steps. A function of the step alone, so every replica, a resumed run and a stage
+        fetched mid-ramp agree on it."""
+        if self.dp_method == "exact" or step < self.dp_warmup_steps:
+            return False
+        if self.dp_method == "cocktail":
+            return True
+        done, start = step + 1 - self.dp_warmup_steps, 0  # local steps done with this one
+        for period in self.ramp_periods:
+            span = self.dp_ramp_syncs * period
+            if done <= start + span:
+                return (done - start) % period == 0
+            start += span
+        return (done - start) % self.inner_steps == 0
+
+    def ramp_sync(self, step: int) -> bool:
+        """Whether a synchronisation after step `step` is one of the warm start's: it averages
+        the replicas (outer lr 1, no momentum: an outer step at the preset's lr and momentum
+        over a step or two of drift would multiply the inner learning rate); the outer
+        optimizer, its momentum included, starts with the first synchronisation at interval H."""
+        return bool(self.ramp_periods) and self.sync_due(step) and \
+            step + 1 - self.dp_warmup_steps <= self.ramp_steps
+
+    def syncs_in(self, steps: int) -> int:
+        """Compressed synchronisations in steps 0 .. steps - 1."""
+        return sum(self.sync_due(k) for k in range(steps))
+
     def describe(self) -> str:
         pp = "exact" if self.pp_method == "exact" else \
             f"{self.pp_method}{'+hadamard' if self.pp_hadamard else ''}/{self.pp_block_elems}"
@@ -107,6 +161,9 @@ class CompressionConfig:
             dp = f"{self.dp_method} {rnd}top {self.dp_topk_fraction:g} x {self.dp_value_bits} bit"
             if self.dp_method == "diloco":
                 dp += f", H={self.inner_steps}, outer lr {self.outer_lr:g} momentum {self.outer_momentum:g}"
+                if self.ramp_periods:
+                    ramp = ", ".join(str(p) for p in self.ramp_periods)
+                    dp += f", warm start: {self.dp_ramp_syncs} syncs each every {ramp} steps ({self.ramp_steps} steps)"
             if self.dp_warmup_steps:
                 dp += f", {self.dp_warmup_steps} exact warm-up steps"
         return f"pipeline {pp}; data-parallel {dp}" + ("; per link (exact where it does not pay)" if self.per_link else "")
@@ -169,8 +226,10 @@ _PP4 = CompressionConfig(pp_method="int4", pp_hadamard=True, pp_block_elems=64)
 # Every element at 2 bits (no index) costs the bytes of the top 25 % at 4 bits plus their
 # indices, and trains better: +4.5 % against +10.9 % after 600 steps of `tiny` (momentum 0.8
 # against 0.9 is part of it; docs/compression.md, "What was tried").
+# The warm start: 8 synchronisations at each interval 1, 2, 4 and 8 steps (the first 120 local
+# steps, 32 synchronisations) before every 16 (docs/compression.md, "Warm-up").
 _DILOCO = CompressionConfig(dp_method="diloco", dp_topk_fraction=1.0, dp_value_bits=2, dp_chunk_elems=1024,
-                            inner_steps=16, outer_lr=0.7, outer_momentum=0.8)
+                            inner_steps=16, outer_lr=0.7, outer_momentum=0.8, dp_ramp_syncs=8)
 # What a run over slow links should use (see docs/compression.md): both axes compressed.
 DEFAULT_SLOW_LINK = "slow-link"
 
@@ -185,7 +244,8 @@ COMPRESSION_PRESETS = MappingProxyType({
     # replica's model delta; the group's mean is applied as it is (outer lr 1, no momentum).
     "cocktail": CompressionConfig(dp_method="cocktail", dp_random_fraction=0.1, dp_topk_fraction=0.2,
                                   dp_value_bits=4, dp_chunk_elems=1024, outer_lr=1.0, outer_momentum=0.0),
-    # DP only, every 16 steps: every element of the pseudo-gradient at 2 bits, error feedback, Nesterov outer step.
+    # DP only, every 16 steps after a warm start (intervals 1, 2, 4, 8): every element of the
+    # pseudo-gradient at 2 bits, error feedback, Nesterov outer step.
     "diloco": _DILOCO,
     DEFAULT_SLOW_LINK: replace(_DILOCO, pp_method=_PP4.pp_method, pp_hadamard=_PP4.pp_hadamard,
                                pp_block_elems=_PP4.pp_block_elems),

@@ -22,7 +22,9 @@ Cocktail synchronises after every step and compresses only a random subset of th
 drawn from a seed every member derives from (run seed, step, stage), so no index of the draw
 travels. It compresses the per-step model delta rather than the raw gradient: AdamW fed with
 2 %-dense gradients trains far slower (measured: +25 % loss after 600 steps of `tiny`).
-DiLoCo synchronises after every H steps and compresses all elements.
+DiLoCo synchronises after every H steps and compresses all elements; with a warm start
+(`dp_ramp_syncs`) it synchronises first at intervals 1, 2, 4, ... below H, each of those
+averaging the replicas (the outer optimizer starts at interval H).
 """
 
 from __future__ import annotations
@@ -147,13 +149,12 @@ class StageCompression:
 
     @property
     def period_steps(self) -> int:
-        """Steps between synchronisations: 1 for cocktail, H for DiLoCo."""
+        """Steps between synchronisations once any warm start is over: 1 for cocktail, H for DiLoCo."""
         return 1 if self.config.dp_method == "cocktail" else self.config.inner_steps
 
     def sync_due(self, step: int) -> bool:
-        """Whether a synchronisation follows the update of step `step`."""
-        c = self.config
-        return self.local(step) and (step + 1 - c.dp_warmup_steps) % self.period_steps == 0
+        """Whether a synchronisation follows the update of step `step` (`CompressionConfig.sync_due`)."""
+        return self.config.sync_due(step)
 
     def payload_bytes(self) -> int:
         """Bytes of one member's DP payload for a stage of this size (as `encode_sparse` makes it)."""
@@ -207,6 +208,11 @@ class StageCompression:
             avg = total / torch.full((), len(group), dtype=total.dtype, device=total.device)  # (a tensor: correctly rounded on a GPU too)
             acc -= own
         ef.copy_(acc)
+        if c.ramp_sync(step):  # the warm start averages the replicas; the outer optimizer waits
+            anchor.sub_(avg)
+            for p, v in zip(params, self._views(anchor).values()):
+                p.copy_(v)
+            return
         if mom is not None:
             mom.mul_(c.outer_momentum).add_(avg)
             update = avg.add(mom, alpha=c.outer_momentum) if c.outer_nesterov else mom

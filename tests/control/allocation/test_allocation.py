@@ -169,7 +169,8 @@ BODY_FIELDS = ("version", "run_id", "term", "epoch", "issuer", "preset", "model"
                "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
                "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start",
                "compression", "compress_links", "last_op_ms", "council")
-EXACT_MAP = {k: v for k, v in CompressionConfig().to_dict().items() if k != "per_link"}  # (per_link: the links)
+# (per_link: told by the links; dp_ramp_syncs: travels only where it is not the default)
+EXACT_MAP = {k: v for k, v in CompressionConfig().to_dict().items() if k not in ("per_link", "dp_ramp_syncs")}
 
 
 def reads_only_6(version: int) -> str:
@@ -289,7 +290,7 @@ def test_a_per_link_run_travels_in_format_6_and_its_choice_is_signed():
     assert hashlib.sha256(a.encode()).hexdigest()[:16] == GOLDEN_V6
 
 
-GOLDEN_V6 = "2dd5b5c940cc8f49"  # sha256 of the body, first 16 hex digits (auto: DiLoCo at 2 bits dense)
+GOLDEN_V6 = "2552fd6acd8d1d20"  # sha256 of the body, first 16 hex digits (auto: DiLoCo at 2 bits dense, 8 ramp syncs)
 
 
 def test_per_link_compression_and_links_go_together():
@@ -787,3 +788,15 @@ def test_holdings_must_cover_the_model_in_order_and_travel_signed():
         Holding((0, 1), "xyz", (IDS[0],))
     with pytest.raises(ValueError, match="holders"):
         Holding((0, 1), "ab" * 32, ())
+
+
+def test_the_warm_start_travels_only_where_a_compression_has_one():
+    from dtfm.control.allocation.fields import config_from_wire, config_to_wire
+    from dtfm.train.compress import get_compression
+    assert "dp_ramp_syncs" not in config_to_wire(CompressionConfig(), "compression")
+    diloco = get_compression("diloco")
+    wire = config_to_wire(diloco, "compression")
+    assert wire["dp_ramp_syncs"] == diloco.dp_ramp_syncs > 0
+    assert config_from_wire(CompressionConfig, wire, "compression") == dataclasses.replace(diloco, per_link=False)
+    older = {k: v for k, v in wire.items() if k != "dp_ramp_syncs"}  # an allocation from before the field
+    assert config_from_wire(CompressionConfig, older, "compression").dp_ramp_syncs == 0

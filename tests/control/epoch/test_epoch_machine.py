@@ -82,7 +82,7 @@ COMPRESSION_STARTS = [
     ("both exact", None, "exact", False),
     ("the same preset", "slow-link", "slow-link", False),
     ("the same fields, written another way", "diloco,inner_steps=8", "exact,dp_method=diloco,dp_topk_fraction=1.0,"
-     "dp_value_bits=2,outer_momentum=0.8,inner_steps=8", False),
+     "dp_value_bits=2,outer_momentum=0.8,inner_steps=8,dp_ramp_syncs=8", False),
     ("an exact start, a compressed allocation", None, "pp-int8", True),
     ("another preset", "pp-int4", "pp-int8", True),
     ("one field changed", "diloco", "diloco,inner_steps=17", True),
