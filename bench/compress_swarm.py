@@ -85,17 +85,20 @@ SWEEP_FACTORS = (1.0, 0.5, 0.25, 0.1)  # simulated only: the measured view's ban
 # ---- pure helpers (tests/test_bench_compress_swarm.py) -------------------------------------------
 
 
-def cycle_iteration_s(rows: list[dict], period: int, skip: int) -> dict:
+def cycle_iteration_s(rows: list[dict], period: int, skip: int,
+                      synchronises: Callable[[int], bool] | None = None) -> dict:
     """Iteration time of a run from its train.jsonl lines (dicts with `step`, `iteration_s`):
-    steps before `skip` are left out; with `period` H > 1 the steps that synchronise (step + 1
-    a multiple of H) and the local ones are summarised apart and weighted by the cycle,
-    ((H - 1) local + sync) / H, each the median of its kind. `iteration_s` None when the kept
-    steps hold no step of a needed kind."""
+    steps before `skip` are left out; with `period` H > 1 the steps that synchronise
+    (`synchronises(step)`, by default step + 1 a multiple of H; a DiLoCo run's warm start
+    synchronises more often: `CompressionConfig.sync_due`) and the local ones are summarised
+    apart and weighted by the steady cycle, ((H - 1) local + sync) / H, each the median of its
+    kind. `iteration_s` None when the kept steps hold no step of a needed kind."""
     if period < 1:
         raise ValueError(f"period must be at least 1, got {period}")
+    due = synchronises or (lambda step: (step + 1) % period == 0)
     kept = [r for r in rows if r.get("step", -1) >= skip and isinstance(r.get("iteration_s"), (int, float))]
-    sync = [r["iteration_s"] for r in kept if (r["step"] + 1) % period == 0]
-    local = [r["iteration_s"] for r in kept if (r["step"] + 1) % period != 0]
+    sync = [r["iteration_s"] for r in kept if due(r["step"])]
+    local = [r["iteration_s"] for r in kept if not due(r["step"])]
     sync_med = statistics.median(sync) if sync else None
     local_med = statistics.median(local) if local else None
     if period == 1:
@@ -385,7 +388,7 @@ def _figures(args, runs: dict, speed, methods: list[str]) -> dict:
     out: dict = {"layer_compute_s": layer_compute_s, "shape": f"{ex_reply['stages']}x{ex_reply['dp']}", "runs": {}}
     for name, (reply, rows, view, config) in runs.items():
         period = config.inner_steps if config.dp_method == "diloco" else 1
-        meas = cycle_iteration_s(rows, period, args.skip)
+        meas = cycle_iteration_s(rows, period, args.skip, config.sync_due if period > 1 else None)
         pred = predict(view, reply, config, speed, layer_compute_s)
         pred_comm = predict(view, reply, config, speed, None)
         floor = predict(view, reply, config, speed, layer_compute_s, unlimited_bandwidth=True)

@@ -181,3 +181,14 @@ def test_each_repeat_trains_with_its_own_seed_unless_told():
     assert bench.repeat_seeds("4,7", 3) == [4, 7, 4]
     with pytest.raises(ValueError):
         bench.repeat_seeds("-1", 2)
+
+
+def test_a_warm_start_synchronises_on_its_own_steps_in_the_cycle():
+    from dtfm.train.compress import get_compression
+    diloco = get_compression("diloco")
+    rows = [{"step": s, "iteration_s": 2.0 if diloco.sync_due(s) else 1.0} for s in range(200)]
+    got = bench.cycle_iteration_s(rows, diloco.inner_steps, 0, diloco.sync_due)
+    assert got["local_median_s"] == 1.0 and got["sync_median_s"] == 2.0
+    assert got["iteration_s"] == ((diloco.inner_steps - 1) * 1.0 + 2.0) / diloco.inner_steps
+    naive = bench.cycle_iteration_s(rows, diloco.inner_steps, 0)  # every 16th step: the ramp's syncs read as local
+    assert naive["local_steps"] != got["local_steps"]
