@@ -152,7 +152,7 @@ def test_compressed_replicas_stay_identical_report_their_bytes_and_roll_back_wit
     # compressed payload on synchronisation steps only); the checkpoint and the one-step-back
     # snapshot hold the compression state (residual, anchor, outer momentum): a replica rebuilt
     # from its snapshot and re-run reaches the very same bits, so a rollback loses nothing.
-    comp = parse_compression("diloco,inner_steps=2")
+    comp = parse_compression("diloco,inner_steps=2,dp_ramp_syncs=0")  # (every H = 2 steps from the first)
     peers = (b"p0", b"p1")
     plan = Plan(tuple((p,) for p in peers), ((0, SPEC.n_layer),), epoch=1)
     hub = InMemoryHub()

@@ -26,6 +26,7 @@ from hypothesis.stateful import initialize, invariant, rule
 from sim_faults import SimFaults
 
 from dtfm.control.coordinator.machine import Phase
+from dtfm.control.coordinator.steplog import STEP_WINDOW
 from dtfm.control.election import ElectionConfig
 from dtfm.control.testing.election_sim import NetConditions
 from dtfm.control.epoch.machine import EpochPhase
@@ -96,7 +97,16 @@ def settle(sim: PlaneSim, rounds: int = 12) -> str:
         training = all(sim.epoch(k).run is not None and sim.epoch(k).run.phase in (
             EpochPhase.TRAINING, EpochPhase.SPARE) for k in taking)
         if len(epochs) == 1 and training and sim.train(2) == 2:
-            sim.run_for(0.5)
+            # A step whose reports were lost (or came while the coordinator was down) is logged
+            # once every peer reported the last step of its window, from the reports the peers
+            # keep (steplog.py): train on until the log holds every step done, at most a few
+            # windows.
+            for _ in range(3 * STEP_WINDOW):
+                done = max(x.at for k in sim.live() for x in sim.sim_stages[k].values())
+                if done - 1 in sim.merged_log():
+                    break
+                sim.train(1)
+                sim.run_for(0.5)
             return "training"
     return paused or "not settled"
 
