@@ -31,10 +31,15 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 from test_plane_sim import CFG, CLEAN, PlaneMachine, check_applications, check_log, settle
+
+# Hundreds of simulated examples: a minute alone, more beside the real swarms of the other worker
+# (the suite's 120 s per test would cut one short and read as a flaky example).
+pytestmark = pytest.mark.timeout(360)
 
 from dtfm.control.allocation import Allocation, SignedAllocation
 from dtfm.control.allocation.allocation import ALLOCATION_DOMAIN
