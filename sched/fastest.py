@@ -188,13 +188,16 @@ class ScheduleInputs:
             out = [(S, D) for S, D in out if S * D == n] or out
         return out
 
-    def solve(self, time_budget_s: float | None = None) -> FastestShape:
-        """The coordinator's search on these inputs."""
+    def solve(self, time_budget_s: float | None = None,
+              compression: CompressionOptions | None = None) -> FastestShape:
+        """The coordinator's search on these inputs (`choose_shape` runs it; `dtfm-sched solve
+        --view` replays it). `compression`: the codecs the search may give links and groups."""
         return solve_fastest(self.delay_ms, self.bandwidth_gbps, self.spec_of, self.shapes(),
                              micro_batches=self.model.micro_batches,
                              compute=self.speeds if self.reference_tflops is not None else None,
                              regions=list(self.regions) if any(self.regions) else None, seed=self.seed,
-                             time_budget_s=self.time_budget_s if time_budget_s is None else time_budget_s)
+                             time_budget_s=self.time_budget_s if time_budget_s is None else time_budget_s,
+                             compression=compression)
 
     def to_json(self) -> str:
         d = {"format": VIEW_FORMAT, "peers": list(self.peers), "regions": list(self.regions),

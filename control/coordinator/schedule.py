@@ -12,7 +12,7 @@ import numpy as np
 from dtfm.gossip import NetworkView
 from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, CodecAssignment, CodecSpeed, CompressionOptions,
                         CompressionPlan, CostModel, ScheduleInputs, choose_compression, layer_ranges,
-                        simulate_iteration, solve_fastest, step_efficiency, wire_codecs)
+                        simulate_iteration, step_efficiency, wire_codecs)
 from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
@@ -78,10 +78,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"
                          + (f" as {stages} stages" if stages is not None else "")
                          + (f" x {dp} pipelines" if dp is not None else ""))
-    found = solve_fastest(delay, bw, inputs.spec_of, shapes, micro_batches=cfg.micro_batches,
-                          compute=pc.speeds if pc.reference_tflops is not None else None,
-                          regions=[regions.get(p, "") for p in view.peers] if regions else None, seed=seed,
-                          time_budget_s=time_budget_s, compression=compression)
+    found = inputs.solve(compression=compression)
     alloc = found.alloc
     ids = view.peers
     note = found.note(n) + "; " + pc.describe()
