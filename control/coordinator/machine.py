@@ -215,7 +215,7 @@ class Coordinator:
         """When the machine wants a Tick (it waits for answers meanwhile, not for time)."""
         proc = self.procedure.proc
         if proc is not None:
-            return proc.stop.poll_at if proc.stop.poll_at is not None else math.inf
+            return min(t for t in (proc.place_at, proc.stop.poll_at, math.inf) if t is not None)
         return self.run_watch.deadline()
 
     def left_out_now(self, now: float) -> frozenset[bytes]:

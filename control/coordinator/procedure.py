@@ -42,6 +42,12 @@ __all__ = ["Procedures"]
 
 logger = logging.getLogger(__name__)
 
+# A start whose live peers are not all measured yet (a report not yet relayed to this peer, a
+# link its measurer dropped): the first placement waits this long for gossip, polling every
+# START_MEASURE_POLL_S, then goes on with the measured peers (the others join later).
+START_MEASURE_WAIT_S = 15.0
+START_MEASURE_POLL_S = 1.0
+
 
 class Procedures:
     """The procedure in progress (see the module docstring)."""
@@ -89,8 +95,12 @@ class Procedures:
             return self._failed(proc, e, now)
 
     def poll(self, now: float) -> list:
-        """Time passed: ask the stopping peers again once the poll is due."""
+        """Time passed: place a waiting start again, or ask the stopping peers again, once due."""
         proc = self.proc
+        if proc is not None and proc.place_at is not None and now >= proc.place_at:
+            proc.place_at = None
+            assert proc.order.start is not None
+            return self._place_start(proc, proc.order.start, now)
         if proc is None or proc.stop.poll_at is None or now < proc.stop.poll_at:
             return []
         proc.stop.poll_at = None
@@ -115,10 +125,18 @@ class Procedures:
         req = start.req
         spec, cfg = start.model, req.config
         swarm, planner = self.r.swarm, self.r.planner
-        view, regions = swarm.view(), swarm.regions()
-        out = self.left_out.out(now, swarm.incarnations())
-        if out & set(view.peers):  # (a peer that refused an earlier hand-out is not placed until its back-off ends)
-            view, _ = swarm.measured_view(set(view.peers) - out)
+        live, regions = swarm.view().peers, swarm.regions()
+        out = self.left_out.out(now, swarm.incarnations())  # (refused an earlier hand-out: out until its back-off ends)
+        view, unmeasured = swarm.measured_view(set(live) - out)
+        if unmeasured:
+            if now < proc.t0 + START_MEASURE_WAIT_S:
+                if now == proc.t0:
+                    logger.info("train start waits up to %g s for the links of %d live peers to be measured",
+                                START_MEASURE_WAIT_S, len(unmeasured))
+                proc.place_at = now + START_MEASURE_POLL_S
+                return []
+            logger.warning("train start places the %d measured peers: %s not measured after %g s",
+                           len(view.peers), ", ".join(short_id(p) for p in unmeasured), START_MEASURE_WAIT_S)
         return [Compute(ProcStep(proc.id, Step.FIRST), lambda: planner.first_placement(view, req, spec, cfg, regions))]
 
     def _first_placed(self, proc: Procedure, ev: Computed, now: float) -> list:

@@ -89,6 +89,7 @@ class Procedure:
     t0: float
     cur: Allocation | None = None
     tries: int = 0  # kind START: hand-outs placed again without peers that refused
+    place_at: float | None = None  # kind START: when to try the first placement again (peers unmeasured)
     marks: dict[str, float] = field(default_factory=dict)
     stop: Stopping = field(default_factory=Stopping)
     planning: Planning = field(default_factory=Planning)

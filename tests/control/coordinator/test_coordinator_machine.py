@@ -1044,6 +1044,31 @@ def test_when_every_other_peer_refuses_nobody_is_left_out_and_the_failures_count
     assert n.c.reason.startswith(f"{n.c.timings.max_reconfig_attempts} reconfigurations failed")
 
 
+def test_a_start_waits_for_its_live_peers_links_then_places_the_measured_ones():
+    from dtfm.control.coordinator.procedure import START_MEASURE_POLL_S, START_MEASURE_WAIT_S
+    n = Node(live=N[1:5])
+    n.swarm.unmeasured = {N[4]}
+    n.planner.first = PLACEMENT
+    out = n.feed(StartRun(("op", "start"), start_op(at_s=n.wall), DATA_HASH, DATA_NAME), 0.0)
+    assert _costly(out) == [] and n.c.next_deadline() == START_MEASURE_POLL_S  # no placement on a partial view
+    n.tick()
+    assert "first" not in n.computes and n.c.next_deadline() == 2 * START_MEASURE_POLL_S
+    n.swarm.unmeasured = set()  # gossip measured it: every live peer is placed
+    n.tick()
+    n.compute("first", n.now)
+    assert n.planner.firsts[-1]["peers"] == sorted(N[:5])
+
+    late = Node(live=N[1:5])
+    late.swarm.unmeasured = {N[4]}
+    late.planner.first = PLACEMENT
+    late.feed(StartRun(("op", "start"), start_op(at_s=late.wall), DATA_HASH, DATA_NAME), 0.0)
+    while "first" not in late.computes:
+        assert late.c.next_deadline() <= START_MEASURE_WAIT_S
+        late.tick()
+    late.compute("first", late.now)  # still unmeasured when the wait ends: placed without it
+    assert late.now == START_MEASURE_WAIT_S and late.planner.firsts[-1]["peers"] == sorted(N[:4])
+
+
 def test_a_peer_that_refused_a_start_is_left_out_of_the_next_start():
     n = Node(live=N[1:5])
     n.train_start(PLACEMENT)
