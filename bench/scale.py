@@ -7,11 +7,14 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    the scripted swarms are): `up_s` (launch to every link measured), then idle for
    `--idle-s`: `idle_pss_mib` and `idle_private_mib` (median per daemon, /proc/PID/smaps_rollup)
    and `idle_cpu_cores` (the whole swarm's CPU seconds per second); `dtfm-swarm train` of
-   `tiny` on the scheduler's shape with a global batch of one sequence per peer: `handout_s`
-   (the command, from the signed start to every peer started), `step_s` (median iteration
-   after the first two), then an eighth of the peers SIGKILLed at once (none the coordinator):
-   `recover_s` (kill to the first step of the next epoch), `rolled_back` and `steps_lost`
-   (steps run again after a rollback).
+   `tiny` on the scheduler's shape (or `--stages` x `--dp`) with a global batch of one sequence
+   per peer: `handout_s` (the command, from the signed start to every peer started), `shape`
+   and `shape_note` (why the scheduler chose it), `step_s` (median iteration after the first
+   two), then an eighth of the peers SIGKILLed at once (none the coordinator; stage holders
+   first): `recover_s` (kill to the first step of the next epoch, or to the next step when only
+   spares died), `rolled_back` and `steps_lost` (steps run again after a rollback), and at the
+   end `every_step_once` and `max_loss_rel_dev` (each logged loss against one process
+   training the same steps, train/reference.py). Progress goes to stderr.
    The baseline beside each: `step_s` of one process training the same steps
    (`single_process_step_s`).
 2. sim: the control plane's own machines on N nodes under a virtual clock (control/testing/sim.py):
@@ -99,40 +102,81 @@ def _single_process_step_s(steps: int, batch: int, micro_batches: int) -> float:
     return statistics.median(times[2:] if len(times) > 3 else times)
 
 
-def bench_daemons(n: int, steps: int, idle_s: float) -> dict:
+def _max_loss_deviation(rows: list[dict], batch: int) -> float:
+    """The largest relative deviation of a logged step's loss from one process training the
+    same steps with the same knobs (train/reference.py)."""
+    from dtfm.train import TrainConfig, get_preset, load_corpus
+    from dtfm.train.reference import reference_state, reference_step
+    state = reference_state(get_preset("tiny"), TrainConfig(global_batch_seqs=batch, micro_batches=1))
+    corpus = load_corpus()
+    ref: list[float] = []
+    worst = 0.0
+    for r in sorted(rows, key=lambda r: r["step"]):
+        while len(ref) <= r["step"]:
+            ref.append(reference_step(state, corpus))
+        worst = max(worst, abs(r["loss"] - ref[r["step"]]) / abs(ref[r["step"]]))
+    return worst
+
+
+def _say(n: int, t0: float, what: str) -> None:
+    print(f"[{n} daemons, {time.monotonic() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | None = None) -> dict:
     t0 = time.monotonic()
+    _say(n, t0, "dtfm-swarm up")
     with running_swarm("--scenario", "worldwide", "--peers", str(n), "--timeout", "900", up_timeout_s=1200,
                        kill=True) as run_dir:
         out: dict = {"peers": n, "up_s": round(time.monotonic() - t0, 1)}
+        _say(n, t0, f"up; idle for {idle_s:g} s")
         out.update(_idle(run_dir, idle_s))
         batch = max(8, n)
         t1 = time.monotonic()
+        asked = () if shape is None else ("--stages", str(shape[0]), "--dp", str(shape[1]))
+        _say(n, t0, f"train start (batch {batch}{'' if shape is None else f', {shape[0]} x {shape[1]}'})")
         reply = json.loads(swarm(run_dir, "train", "--steps", "100000", "--batch", str(batch), "--micro-batches",
-                                 "1", "--json", timeout_s=900, stdout=True))
+                                 "1", *asked, "--json", timeout_s=900, stdout=True))
         out["handout_s"] = round(time.monotonic() - t1, 1)
         out["shape"] = f"{reply.get('stages')}x{reply.get('dp')}"
+        out["shape_note"] = reply.get("shape_note", "")
+        _say(n, t0, f"training {out['shape']}; waiting for step {steps}")
         swarm(run_dir, "wait", "--step", str(steps), "--timeout", "900")
         rows = read_rows(run_dir)
         out["step_s"] = round(statistics.median(r["iteration_s"] for r in rows[2:]), 3)
         t = _training(run_dir)
-        victims = [name for name, v in sorted(t.items()) if v.get("role") != "coordinator"][: max(1, n // 8)]
+        # An eighth of the peers, none the coordinator: stage holders first (a spare's loss
+        # changes nothing the run waits for), then spares.
+        others = sorted((name for name, v in t.items() if v.get("role") != "coordinator"),
+                        key=lambda name: (t[name].get("state") != "training", name))
+        victims = others[: max(1, n // 8)]
+        holders = [v for v in victims if t[v].get("state") == "training"]
         pids = _pids(run_dir)
         last = max(r["step"] for r in rows)
         epoch = max(r["epoch"] for r in rows)
         killed = time.time()
+        _say(n, t0, f"SIGKILL {len(victims)} peers ({len(holders)} holding a stage)")
         for v in victims:
             os.kill(pids[v], signal.SIGKILL)
 
-        def next_epoch_step():  # (`wait` merges the peers' logs into the run dir's)
+        def next_step():  # (`wait` merges the peers' logs into the run dir's)
             swarm(run_dir, "wait", "--step", str(max(r["step"] for r in read_rows(run_dir)) + 2), "--timeout", "900")
-            return [r for r in read_rows(run_dir) if r["epoch"] > epoch and r["time"] > killed]
-        after = wait_for("a step after the kills", next_epoch_step, 900, interval_s=0.0)
+            return [r for r in read_rows(run_dir) if r["time"] > killed and (r["epoch"] > epoch or not holders)]
+        out["killed"], out["killed_holders"] = len(victims), len(holders)
+        try:
+            after = wait_for("a step after the kills", next_step, 900, interval_s=0.0)
+        except RuntimeError as e:
+            out["recover_s"], out["error"] = None, str(e)
+            return out
         first = min(after, key=lambda r: r["step"])
-        out["killed"] = len(victims)
         out["recover_s"] = round(first["time"] - killed, 1)
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
         out["rolled_back"] = any(e.get("event") == "rollback" and e.get("time", 0) > killed for e in events)
         out["steps_lost"] = max(0, last + 1 - first["step"]) if out["rolled_back"] else 0
+        _say(n, t0, f"training again after {out['recover_s']} s; checking every step against one process")
+        rows = read_rows(run_dir)
+        out["steps_logged"] = len(rows)
+        out["every_step_once"] = [r["step"] for r in rows] == list(range(len(rows)))
+        out["max_loss_rel_dev"] = float(f"{_max_loss_deviation(rows, batch):.3g}")
     out["single_process_step_s"] = round(_single_process_step_s(min(steps, 6), batch, 1), 3)
     return out
 
@@ -179,7 +223,11 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="daemons,sim,gossip,sched", help="sections to run (comma list)")
     ap.add_argument("--steps", type=int, default=8, help="steps before the kills")
     ap.add_argument("--idle-s", type=float, default=20.0, help="seconds the idle swarm is watched")
+    ap.add_argument("--stages", type=int, default=None, help="the run's stages (with --dp; default: the scheduler's shape)")
+    ap.add_argument("--dp", type=int, default=None, help="the run's pipelines (with --stages)")
     args = ap.parse_args(argv)
+    if (args.stages is None) != (args.dp is None):
+        ap.error("--stages and --dp go together")
     only = set(args.only.split(","))
     result: dict = {}
     if "sim" in only:
@@ -196,7 +244,8 @@ def main(argv=None) -> None:
     if "daemons" in only:
         result["daemons"] = []
         for n in args.daemons.split(","):
-            fig = bench_daemons(int(n), args.steps, args.idle_s)
+            fig = bench_daemons(int(n), args.steps, args.idle_s,
+                                None if args.stages is None else (args.stages, args.dp))
             print(f"daemons: {fig}", file=sys.stderr)
             result["daemons"].append(fig)
     if "sched" in only:
