@@ -21,8 +21,9 @@ from dtfm.sched import ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
-from .compute import KindProbe, micro_batch_seqs
+from .compute import KindProbe, run_model
 from .config import PlaneConfig
+from .coordinator.allocate import train_of
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import (Placement, choose_links, choose_shape, compression_options_of, random_shape,
@@ -127,14 +128,15 @@ class SchedulerPlanner:
         self.kind_probe = kind_probe
         self.inputs_dir = inputs_dir  # where each first placement's `ScheduleInputs` are kept
 
-    def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
+    def kind(self, model: GPTSpec, train: TrainConfig, n: int, *, auto_micro_batches: bool = False) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
-        allow, from `kind_probe` (blocking: the planner runs in a worker thread); none without
+        allow (and, with `auto_micro_batches`, every micro-batch count the scheduler may choose
+        for it), from `kind_probe` (blocking: the planner runs in a worker thread); none without
         a probe or when it fails (the scheduler then costs the layers at the reference rate)."""
         if self.kind_probe is None:
             return {}
-        d_max = max(1, min(n, train.global_batch_seqs // train.micro_batches))
-        batches = tuple(sorted({micro_batch_seqs(train, d) for d in range(1, d_max + 1)}))
+        rm = run_model(model, train, auto_micro_batches=auto_micro_batches)
+        batches = rm.micro_batch_sizes(min(n, rm.d_max))
         try:
             return dict(self.kind_probe(model, batches))
         except Exception as e:  # (a probe that cannot run costs the layers at the reference rate)
@@ -218,14 +220,16 @@ class SchedulerPlanner:
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
-        kind = self.kind(model, train, len(view.peers))
+        auto_m = req.auto_micro_batches and req.placement != "random"
+        kind = self.kind(model, train, len(view.peers), auto_micro_batches=auto_m)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
             shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind)
         elif not per_link:
             return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind)
+                                time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
+                                auto_micro_batches=auto_m)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
             # each gets its links chosen, and the plan faster to the target loss wins (the
@@ -234,10 +238,10 @@ class SchedulerPlanner:
             # simulator counts, the trainer's own round trips above all (a swarm measured the
             # codec-aware plan 41 % slower than every link compressed on the exact search's).
             half = self.config.schedule_time_s / 2
-            candidates = [choose_links(view, choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                                          time_budget_s=half, seed=req.seed, compression=opts,
-                                                          kind=kind),
-                                       model, train, req.compression, kind=kind)
-                          for opts in (compression_options_of(req.compression, view=view), None)]
+            shapes = [choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions, time_budget_s=half,
+                                   seed=req.seed, compression=opts, kind=kind, auto_micro_batches=auto_m)
+                      for opts in (compression_options_of(req.compression, view=view), None)]
+            candidates = [choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind)
+                          for shape in shapes]
             return min(candidates, key=lambda p: time_to_loss_s(p, req.compression))  # (the codec-aware one on a tie)
         return choose_links(view, shape, model, train, req.compression, kind=kind) if per_link else shape

@@ -36,20 +36,25 @@ class Placement:
     links_note: str = ""
     shape_note: str = ""  # why this shape: its prediction against the others tried (`FastestShape.note`)
     inputs: ScheduleInputs | None = None  # a first placement's: what the scheduler chose it on
+    # The micro-batch count the scheduler chose with the shape (a run whose start left it to the
+    # scheduler, `TrainRequest.auto_micro_batches`); None: the run's own.
+    micro_batches: int | None = None
 
 
 def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None = None,
-                dp: int | None = None, compute_costed: bool = True) -> list[tuple[int, int]]:
+                dp: int | None = None, compute_costed: bool = True,
+                auto_micro_batches: bool = False) -> list[tuple[int, int]]:
     """Every (S, D) a run of `spec` may take on n live peers (`dtfm.sched.shape_space`): S
-    divides the layers, spares allowed, D at most the micro-batch count allows."""
-    return sched_shape_space(n, spec.n_layer, run_model(spec, cfg).d_max, stages=stages, dp=dp,
-                             compute_costed=compute_costed)
+    divides the layers, spares allowed, D at most the micro-batch count allows (one micro-batch
+    of one sequence per pipeline when the scheduler chooses the count)."""
+    return sched_shape_space(n, spec.n_layer, run_model(spec, cfg, auto_micro_batches=auto_micro_batches).d_max,
+                             stages=stages, dp=dp, compute_costed=compute_costed)
 
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
                  seed: int = 0, compression: CompressionOptions | None = None,
-                 kind: Mapping[int, float] | None = None) -> Placement:
+                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
     shape of `shape_space` (peers left out as spares included) is searched, and the one the
     simulator predicts fastest per step wins (`dtfm.sched.solve_fastest`: the global batch is
@@ -58,8 +63,10 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     reported one, only the shapes that place every peer are searched. stages given without dp:
     as many pipelines of it as the peers form. compression: the codecs each link and group may
     use, for a search that knows them (None: exact). kind: the run's layer's `kind_factors`
-    (none: the reference rate). The placement carries its inputs (`ScheduleInputs`: what
-    `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
+    (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
+    shape (`dtfm.sched.micro_batch_options`; the placement's `micro_batches` is the one chosen),
+    else the run's (`cfg.micro_batches`) is kept. The placement carries its inputs
+    (`ScheduleInputs`: what `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
     n = len(view.peers)
@@ -71,8 +78,8 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     if stages is not None and dp is None:
         dp = max(1, n // stages)
     inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
-                            delay, bw, pc.speeds, pc.reference_tflops, pc.kind, run_model(spec, cfg),
-                            stages, dp, seed, time_budget_s)
+                            delay, bw, pc.speeds, pc.reference_tflops, pc.kind,
+                            run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s)
     shapes = inputs.shapes()
     if not shapes:
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"
@@ -82,12 +89,13 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     alloc = found.alloc
     ids = view.peers
     note = found.note(n) + "; " + pc.describe()
-    inputs = replace(inputs, chosen={"stages": alloc.stages, "dp": alloc.dp,
+    inputs = replace(inputs, chosen={"stages": alloc.stages, "dp": alloc.dp, "micro_batches": found.micro_batches,
                                      "pipelines": [list(p) for p in alloc.pipelines],
                                      "predicted_iteration_s": found.iteration_s, "note": note})
     return Placement(tuple(tuple(ids[i] for i in pipe) for pipe in alloc.pipelines), alloc.layer_ranges,
                      tuple(ids[i] for i in alloc.spares), found.iteration_s, float(alloc.cost.paper_s),
-                     shape_note=note, inputs=inputs)
+                     shape_note=note, inputs=inputs,
+                     micro_batches=found.micro_batches if auto_micro_batches else None)
 
 
 def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int,
