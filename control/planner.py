@@ -81,8 +81,20 @@ SCHEDULES_KEPT = 8  # first placements' inputs kept in the data dir
 def asked_stages(alloc: Allocation) -> int | None:
     """The stage count the operator's start asked for (`--stages`), None when it left the
     shape to the scheduler (or the start cannot be read)."""
+    req = _asked(alloc)
+    return None if req is None else req.stages
+
+
+def asked_auto_micro_batches(alloc: Allocation) -> bool:
+    """Whether the operator's start left the micro-batch count to the scheduler
+    (`--micro-batches auto`); False when the start cannot be read."""
+    req = _asked(alloc)
+    return req is not None and req.auto_micro_batches
+
+
+def _asked(alloc: Allocation) -> TrainRequest | None:
     try:
-        return SignedOp.decode(alloc.operator_start).open().request().stages
+        return SignedOp.decode(alloc.operator_start).open().request()
     except (ProtocolError, ValueError):
         return None
 
@@ -176,17 +188,18 @@ class SchedulerPlanner:
                  regions: dict[bytes, str], seed: int, force: bool,
                  cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
-        kind = self.kind(cur.model, cur.train, len(view.peers))
+        auto_m = asked_auto_micro_batches(cur)
+        kind = self.kind(cur.model, cur.train, len(view.peers), auto_micro_batches=auto_m)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
-                       keep_stages=asked_stages(cur) is not None, kind=kind,
+                       keep_stages=asked_stages(cur) is not None, kind=kind, auto_micro_batches=auto_m,
                        compression=compression_options_of(cur.compression, view=view) if per_link else None)
         if not per_link:
             return plan
         links = cur.compress_links
         kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
-        return replace(plan, placement=choose_links(view, plan.placement, cur.model, cur.train,
+        return replace(plan, placement=choose_links(view, plan.placement, cur.model, train_of(cur.train, plan.placement),
                                                     cur.compression, keep_compressed=kept, kind=kind))
 
     def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,

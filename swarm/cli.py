@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dtfm.cli_base import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, number, run_command, version_text
@@ -212,7 +213,7 @@ def compression_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _knob_type(kind: type, auto: bool):
+def _knob_type(kind: type, auto: bool) -> Callable[[str], int | float | str]:
     """An argparse type for a training knob of type `kind`, also taking "auto" where `auto` (the
     range is checked with the run spec's, `train_values`)."""
     if kind not in (int, float):
