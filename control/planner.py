@@ -194,6 +194,7 @@ class SchedulerPlanner:
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
                        keep_stages=asked_stages(cur) is not None, kind=kind, auto_micro_batches=auto_m,
+                       window_messages=self.config.comm.window_messages,
                        compression=compression_options_of(cur.compression, view=view) if per_link else None)
         if not per_link:
             return plan
@@ -242,7 +243,7 @@ class SchedulerPlanner:
         elif not per_link:
             return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
                                 time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
-                                auto_micro_batches=auto_m)
+                                auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
             # each gets its links chosen, and the plan faster to the target loss wins (the
@@ -252,7 +253,8 @@ class SchedulerPlanner:
             # codec-aware plan 41 % slower than every link compressed on the exact search's).
             half = self.config.schedule_time_s / 2
             shapes = [choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions, time_budget_s=half,
-                                   seed=req.seed, compression=opts, kind=kind, auto_micro_batches=auto_m)
+                                   seed=req.seed, compression=opts, kind=kind, auto_micro_batches=auto_m,
+                                   window_messages=self.config.comm.window_messages)
                       for opts in (compression_options_of(req.compression, view=view), None)]
             candidates = [choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind)
                           for shape in shapes]

@@ -235,7 +235,8 @@ class ScheduleInputs:
     matrices (one-way ms, Gbps), each peer's compute speed relative to the median peer whose
     achieved TFLOP/s is `reference_tflops` (None: compute not costed), the run's layer's time
     per FLOP against the reference by micro-batch size (`kind`), the model, the asked shape
-    (None: the scheduler's) and the search's seed and budget."""
+    (None: the scheduler's), the search's seed and budget, and the trainer's flow-control window
+    (messages unacknowledged per destination, the swarm's `CommConfig.window_messages`)."""
 
     peers: tuple[str, ...]  # peer ids, hex
     regions: tuple[str, ...]
@@ -250,6 +251,7 @@ class ScheduleInputs:
     seed: int = 0
     time_budget_s: float = 5.0
     chosen: Mapping[str, object] = field(default_factory=dict)  # stages, dp, pipelines (indices), predicted, note
+    window_messages: int = TRAINER_WINDOW_MESSAGES
 
     def tflops(self, micro_batch: int) -> float | None:
         if self.reference_tflops is None:
@@ -280,7 +282,7 @@ class ScheduleInputs:
                              time_budget_s=self.time_budget_s if time_budget_s is None else time_budget_s,
                              compression=compression,
                              micro_options=self.model.micro_batch_options if self.model.auto_micro_batches else None,
-                             window_messages=TRAINER_WINDOW_MESSAGES)
+                             window_messages=self.window_messages)
 
     def to_json(self) -> str:
         d = {"format": VIEW_FORMAT, "peers": list(self.peers), "regions": list(self.regions),
@@ -289,7 +291,7 @@ class ScheduleInputs:
              "speeds": np.asarray(self.speeds).tolist(), "reference_tflops": self.reference_tflops,
              "kind": {str(b): f for b, f in sorted(self.kind.items())}, "model": asdict(self.model),
              "stages": self.stages, "dp": self.dp, "seed": self.seed, "time_budget_s": self.time_budget_s,
-             "chosen": dict(self.chosen)}
+             "chosen": dict(self.chosen), "window_messages": self.window_messages}
         return json.dumps(d)
 
     @classmethod
@@ -316,6 +318,6 @@ class ScheduleInputs:
             return cls(tuple(map(str, d["peers"])), tuple(map(str, d["regions"])), delay, bw, speeds,
                        None if ref is None else float(ref), {int(b): float(f) for b, f in d["kind"].items()},
                        RunModel(**d["model"]), d["stages"], d["dp"], int(d["seed"]), float(d["time_budget_s"]),
-                       dict(d.get("chosen", {})))
+                       dict(d.get("chosen", {})), int(d.get("window_messages", TRAINER_WINDOW_MESSAGES)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None

@@ -126,7 +126,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
             config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
             compression: CompressionOptions | None = None, keep_stages: bool = False,
-            kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False) -> ReshapePlan:
+            kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+            window_messages: int = TRAINER_WINDOW_MESSAGES) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -141,6 +142,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     fewer peers than stages are live. kind: the run's layer's `kind_factors` (none: the
     reference rate). auto_micro_batches: the run's start left the micro-batch count to the
     scheduler (see the module docstring; `cfg.micro_batches` is the run's current count).
+    window_messages: the swarm's flow-control window (`CommConfig.window_messages`).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -151,7 +153,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     if current is not None and current.n_layer != spec.n_layer:
         raise ValueError(f"the current layer ranges end at {current.n_layer}, the model has {spec.n_layer} layers")
     pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
-                  frozenset(cut_links), compression, kind, auto_micro_batches)
+                  frozenset(cut_links), compression, kind, auto_micro_batches, window_messages)
     if not pl.live:
         raise ValueError("no live peer is in the network view: nothing to allocate")
     if pl.d_max < 1:
@@ -273,9 +275,10 @@ class _Planner:
 
     def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
                  cut=frozenset(), compression: CompressionOptions | None = None,
-                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False):
+                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES):
         self.view, self.spec, self.cfg = view, spec, cfg
-        self.auto_micro_batches = auto_micro_batches
+        self.auto_micro_batches, self.window = auto_micro_batches, window_messages
         self.compression = compression
         self.ids = view.peers
         self.index = {p: i for i, p in enumerate(self.ids)}
@@ -335,7 +338,7 @@ class _Planner:
         best: tuple[float, int] | None = None
         for M in self.micro_counts(kind, D):  # (the run's first: it wins a tie)
             t = float(simulate_iteration(self.model(S, D, M), X, micro_batches=M, engine_syncs=True,
-                                         window_messages=TRAINER_WINDOW_MESSAGES).iteration_s)
+                                         window_messages=self.window).iteration_s)
             if best is None or t < best[0] - 1e-12:
                 best = (t, M)
         assert best is not None
@@ -612,4 +615,4 @@ def _current_prediction(pl: _Planner) -> float:
     X = np.array([[pl.index[p] for p in pipe] for pipe in pl.current.pipelines], dtype=np.int64).T
     m = pl.model(*X.shape)
     return float(simulate_iteration(m, X, micro_batches=pl.cfg.micro_batches, engine_syncs=True,
-                                    window_messages=TRAINER_WINDOW_MESSAGES).iteration_s)
+                                    window_messages=pl.window).iteration_s)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, CodecAssignment, CodecSpeed, CompressionOptions,
-                        CompressionPlan, CostModel, ScheduleInputs, choose_compression, layer_ranges,
-                        simulate_iteration, step_efficiency, wire_codecs)
+from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, TRAINER_WINDOW_MESSAGES, CodecAssignment, CodecSpeed,
+                        CompressionOptions, CompressionPlan, CostModel, ScheduleInputs, choose_compression,
+                        layer_ranges, simulate_iteration, step_efficiency, wire_codecs)
 from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
@@ -54,7 +54,8 @@ def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None =
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
                  seed: int = 0, compression: CompressionOptions | None = None,
-                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False) -> Placement:
+                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
     shape of `shape_space` (peers left out as spares included) is searched, and the one the
     simulator predicts fastest per step wins (`dtfm.sched.solve_fastest`: the global batch is
@@ -65,7 +66,8 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     use, for a search that knows them (None: exact). kind: the run's layer's `kind_factors`
     (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
     shape (`dtfm.sched.micro_batch_options`; the placement's `micro_batches` is the one chosen),
-    else the run's (`cfg.micro_batches`) is kept. The placement carries its inputs
+    else the run's (`cfg.micro_batches`) is kept. window_messages: the swarm's flow-control window
+    (`CommConfig.window_messages`), which the simulator costs. The placement carries its inputs
     (`ScheduleInputs`: what `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
@@ -79,7 +81,8 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
         dp = max(1, n // stages)
     inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
                             delay, bw, pc.speeds, pc.reference_tflops, pc.kind,
-                            run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s)
+                            run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s,
+                            window_messages=window_messages)
     shapes = inputs.shapes()
     if not shapes:
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"

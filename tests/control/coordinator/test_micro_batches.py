@@ -16,6 +16,7 @@ from machine_trace import CFG, OPERATORS, alloc, start_op
 from dtfm.control import TrainError, TrainRequest, check_operator_start
 from dtfm.control.compute import peer_compute
 from dtfm.control.config import PlaneConfig
+from dtfm.control.dataplane.config import CommConfig
 from dtfm.control.coordinator.allocate import train_of
 from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.coordinator.schedule import choose_shape
@@ -218,3 +219,12 @@ def test_a_run_whose_count_changes_between_epochs_trains_the_single_process_mode
     w = torch.cat([ref.params[n].detach().reshape(-1) for n in names])
     g = torch.cat([params[n].reshape(-1) for n in names])
     assert float((g - w).norm() / w.norm()) <= 1e-5
+
+
+def test_the_simulators_window_is_the_data_planes_and_the_view_file_keeps_the_swarms():
+    assert TRAINER_WINDOW_MESSAGES == CommConfig().window_messages
+    view = view_of(100.0)
+    small = choose_shape(view, SPEC, FIXED, stages=4, dp=1, time_budget_s=0.3, auto_micro_batches=True,
+                         window_messages=CommConfig.test().window_messages)
+    assert small.inputs is not None and small.inputs.window_messages == 4
+    assert small.micro_batches <= 4  # past a window of 4, every micro-batch across 100 ms pays round trips
