@@ -110,7 +110,8 @@ class ReshapePlan:
     def summary(self) -> str:
         """One log line: the choice and every candidate."""
         s = self.placement
-        head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)} predicted "
+        head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)}"
+                + (f", {s.micro_batches} micro-batches" if s.micro_batches is not None else "") + " predicted "
                 f"{s.predicted_iteration_s:.3f} s, {self.moves} moves, {self.bytes_moved / 1e6:.1f} MB "
                 f"in {self.move_s:.2f} s, gain {self.gain_s:.1f} s")
         if self.lost_ranges:
