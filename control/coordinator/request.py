@@ -101,8 +101,8 @@ class TrainRequest:
     init_from: str | None = None
     init_name: str = ""
     # The scheduler chooses the micro-batch count with the shape (`--micro-batches auto`): the
-    # allocation carries its choice, one of `dtfm.sched.micro_batch_options` for its pipelines,
-    # and `config.micro_batches` is only where the search starts. False: the config's, exactly.
+    # allocation carries its choice (`micro_batches_allowed`), and `config.micro_batches` is only
+    # where the search starts. False: the config's, exactly, for the whole run.
     auto_micro_batches: bool = False
 
     def __post_init__(self) -> None:
@@ -114,8 +114,8 @@ class TrainRequest:
         start: the config's exactly, or with `auto_micro_batches` a count within the scheduler's
         bound (`dtfm.sched.MAX_MICRO_BATCHES`) that gives every micro-batch of every pipeline a
         sequence. The scheduler chooses a divisor of the per-pipeline batch
-        (`dtfm.sched.micro_batch_options`) for the first placement; a reconfiguration keeps the
-        run's count whatever D it chooses, and then the batch splits as for a fixed count."""
+        (`dtfm.sched.micro_batch_options`), or at a reconfiguration may keep the run's count
+        with a D it does not divide (the batch then splits as for a fixed count)."""
         if not self.auto_micro_batches:
             return micro_batches == self.config.micro_batches
         return 1 <= micro_batches <= MAX_MICRO_BATCHES and dp * micro_batches <= self.config.global_batch_seqs
