@@ -183,10 +183,12 @@ class TrainRequest:
             knobs[key] = float(v) if kind is float else v
         try:
             train = TrainConfig(seed=seed, **knobs) if knobs else None
-            if auto_micro:  # (the search starts at the default count, or at what the batch allows)
+            if auto_micro:  # (the search starts at the default count, or at what the batch allows the asked D)
                 cfg = train or TrainConfig(seed=seed)
-                start = max(m for m in micro_batch_options(cfg.global_batch_seqs, 1) if m <= cfg.micro_batches)
-                train = replace(cfg, micro_batches=start) if start != cfg.micro_batches else train
+                dp_asked = args["dp"] if type(args.get("dp")) is int and args["dp"] >= 1 else 1
+                fits = [m for m in micro_batch_options(cfg.global_batch_seqs, dp_asked) if m <= cfg.micro_batches]
+                if fits and fits[-1] != cfg.micro_batches:  # (none: refused below, the batch too small)
+                    train = replace(cfg, micro_batches=fits[-1])
         except (ValueError, TypeError) as e:
             raise TrainError(f"training config: {e}") from None
         req = cls(auto_micro_batches=auto_micro, preset=preset, steps=num("steps", 100, 1, 10**9), seed=seed, train=train,

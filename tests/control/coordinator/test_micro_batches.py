@@ -58,6 +58,9 @@ def test_auto_is_signed_as_auto_and_a_count_given_exactly():
     # the search starts within what the batch allows
     small = TrainRequest.from_args({**BASE, "micro_batches": "auto", "global_batch_seqs": 2})
     assert small.config.micro_batches == 2 and small.auto_micro_batches
+    # (and for the asked pipelines: a random placement runs the count the search starts at)
+    wide = TrainRequest.from_args({**BASE, "micro_batches": "auto", "stages": 1, "dp": 8, "placement": "random"})
+    assert wide.config.micro_batches == 2 and TrainRequest.from_args(wide.to_args()) == wide
     with pytest.raises(TrainError, match="too small for 8 pipelines"):
         TrainRequest.from_args({**BASE, "micro_batches": "auto", "global_batch_seqs": 4, "stages": 1, "dp": 8})
     with pytest.raises(TrainError, match="micro_batches must be an integer"):
