@@ -201,7 +201,8 @@ class SchedulerPlanner:
         links = cur.compress_links
         kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
         return replace(plan, placement=choose_links(view, plan.placement, cur.model, train_of(cur.train, plan.placement),
-                                                    cur.compression, keep_compressed=kept, kind=kind))
+                                                    cur.compression, keep_compressed=kept, kind=kind,
+                                                    window_messages=self.config.comm.window_messages))
 
     def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                         regions: dict[bytes, str]) -> Placement:
@@ -239,7 +240,8 @@ class SchedulerPlanner:
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
-            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind)
+            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind,
+                                 window_messages=self.config.comm.window_messages)
         elif not per_link:
             return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
                                 time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
@@ -256,7 +258,9 @@ class SchedulerPlanner:
                                    seed=req.seed, compression=opts, kind=kind, auto_micro_batches=auto_m,
                                    window_messages=self.config.comm.window_messages)
                       for opts in (compression_options_of(req.compression, view=view), None)]
-            candidates = [choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind)
+            candidates = [choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind,
+                                       window_messages=self.config.comm.window_messages)
                           for shape in shapes]
             return min(candidates, key=lambda p: time_to_loss_s(p, req.compression))  # (the codec-aware one on a tie)
-        return choose_links(view, shape, model, train, req.compression, kind=kind) if per_link else shape
+        return (choose_links(view, shape, model, train, req.compression, kind=kind,
+                             window_messages=self.config.comm.window_messages) if per_link else shape)

@@ -102,7 +102,8 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
 
 
 def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int,
-                 seed: int = 0, kind: Mapping[int, float] | None = None) -> Placement:
+                 seed: int = 0, kind: Mapping[int, float] | None = None,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """A uniformly random allocation of `stages` x `dp` over the view's peers, even layer split,
     with the simulator's prediction on the view: the baseline the scheduler's allocation is
     compared with. ValueError when the view is incomplete or the shape does not fit."""
@@ -119,7 +120,8 @@ def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     pc = peer_compute(view, kind)
     model = CostModel(delay, bw, pc.spec(spec, cfg, dp).workload(stages, dp),
                       compute=pc.speeds)
-    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True)
+    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
+                             window_messages=window_messages)
     ids = view.peers
     return Placement(tuple(tuple(ids[i] for i in X[:, d]) for d in range(dp)), ranges,
                      tuple(ids[i] for i in order[stages * dp:]), float(sim.iteration_s),
@@ -181,7 +183,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
                  speed: CodecSpeed = REFERENCE_CODEC_SPEED,
                  error_fraction: float = PREDICTION_ERROR_FRACTION,
                  efficiency: Mapping[str, float] = STEP_EFFICIENCY,
-                 kind: Mapping[int, float] | None = None) -> Placement:
+                 kind: Mapping[int, float] | None = None,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """`placement` with the links and DP groups of a per-link run chosen by the scheduler
     (`dtfm.sched.choose_compression`) on the view, by predicted time to the target loss: the
     simulator's iteration time divided by the plan's step efficiency (`efficiency`, measured per
@@ -198,7 +201,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     epoch before; a group holding any of their layers keeps it. Between synchronisations the
     replicas of such a group differ, and an exact all-reduce would keep them apart for good
     (an exact group can turn compressed at any step: its anchor follows its weights).
-    The prediction is the simulator's iteration time with the chosen codecs."""
+    The prediction is the simulator's iteration time with the chosen codecs (and the swarm's
+    flow-control window, `window_messages`)."""
     ids = {p: i for i, p in enumerate(view.peers)}
     if any(p not in ids for pipe in placement.pipelines for p in pipe):
         raise ValueError("the placement names a peer the network view does not hold")
@@ -213,7 +217,7 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     placed = np.unique(X)
     measured = int(view.codec_known()[placed].sum())
     plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
-                              efficiency=efficiency, error_fraction=error_fraction)
+                              efficiency=efficiency, error_fraction=error_fraction, window_messages=window_messages)
     pp = tuple(tuple(not c.exact for c in row) for row in plan.assignment.pp)
     kept = tuple(any(a < end and start < b for a, b in keep_compressed) for start, end in placement.layer_ranges)
     dp = tuple(not c.exact or k for c, k in zip(plan.assignment.dp, kept))
@@ -224,7 +228,7 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     if dp != tuple(not c.exact for c in plan.assignment.dp):
         codecs = CodecAssignment(plan.assignment.pp, tuple(opts.dp[-1] if on else opts.dp[0] for on in dp))
         predicted = float(simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
-                                             codecs=codecs).iteration_s)
+                                             codecs=codecs, window_messages=window_messages).iteration_s)
     return replace(placement, links=links, links_note=_note(plan, links, compression, predicted, (measured, len(placed))),
                    predicted_iteration_s=predicted)
 
