@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dtfm.sched import (MAX_MICRO_BATCHES, TRAINER_WINDOW_MESSAGES, CostModel, FastestShape, ModelSpec, RunModel,
-                        ScheduleInputs, micro_batch_options, simulate_iteration)
+                        ScheduleInputs, choose_compression, micro_batch_options, simulate_iteration)
 
 # the tiny preset's numbers (dtfm.train's), global batch 16
 TINY = RunModel("tiny", 4, 128, 4, 128, 256, 16, 4, 4)
@@ -120,3 +120,15 @@ def test_the_search_spans_every_shape_and_count_and_the_view_file_replays_it(tmp
     again = back.solve()
     assert (again.alloc.stages, again.alloc.dp, again.micro_batches) == (found.alloc.stages, found.alloc.dp,
                                                                          found.micro_batches)
+
+
+def test_the_compression_choice_costs_the_window_as_the_simulator_does():
+    X = np.arange(2).reshape(2, 1)
+    d, bw = uniform(2, 100.0)
+    model = CostModel(d, bw, spec_at(16).workload(2, 1))
+    for window in (None, 8):
+        plan = choose_compression(model, X, micro_batches=16, engine_syncs=True, window_messages=window)
+        sim = simulate_iteration(model, X, micro_batches=16, engine_syncs=True, window_messages=window)
+        assert plan.iteration_s == pytest.approx(sim.iteration_s)
+    assert (choose_compression(model, X, micro_batches=16, window_messages=8).iteration_s
+            > choose_compression(model, X, micro_batches=16).iteration_s)
