@@ -43,10 +43,12 @@ KIND_REPEATS = 3  # timed runs of each (after one warm-up): the median counts
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
 
 
-def run_model(spec: GPTSpec, cfg: TrainConfig) -> RunModel:
-    """The numbers of the model the trainer builds and its batch, as the scheduler reads them."""
+def run_model(spec: GPTSpec, cfg: TrainConfig, *, auto_micro_batches: bool = False) -> RunModel:
+    """The numbers of the model the trainer builds and its batch, as the scheduler reads them
+    (`auto_micro_batches`: the scheduler chooses the micro-batch count)."""
     return RunModel(spec.name, spec.n_layer, spec.n_embd, spec.n_head, spec.seq_len, spec.vocab,
-                    cfg.global_batch_seqs, cfg.micro_batches, 4 if cfg.wire_dtype == "float32" else 2)
+                    cfg.global_batch_seqs, cfg.micro_batches, 4 if cfg.wire_dtype == "float32" else 2,
+                    auto_micro_batches=auto_micro_batches)
 
 
 def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int, *, reference_tflops: float | None = None) -> ModelSpec:

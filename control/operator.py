@@ -341,7 +341,9 @@ def check_after(op: OperatorOp, after_ms: int) -> None:
 def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Refusal | None:
     """None if `alloc` carries its run's start signed by one of `operators`, for its run, data,
     preset (a model folder's by its digest), steps, seed, training knobs, checkpoints and
-    compression; else why not (code `no-operator`)."""
+    compression (the micro-batch count: the start's, or where the start left it to the
+    scheduler, one it may choose for the allocation's pipelines); else why not (code
+    `no-operator`)."""
     if not alloc.operator_start:
         return Refusal("no-operator", "the allocation carries no operator's signed start: only an operator "
                                       "of the swarm starts a run")
@@ -357,9 +359,11 @@ def check_operator_start(alloc: Allocation, operators: AbstractSet[bytes]) -> Re
     diffs = [name for name, asked, got in (
         ("data", req.data_hash, alloc.data_hash), ("preset", req.preset, alloc.preset),
         ("steps", req.steps, alloc.end_step), ("seed", req.seed, alloc.train.seed),
-        *((k, getattr(req.config, k), getattr(alloc.train, k)) for k in KNOBS),
+        *((k, getattr(req.config, k), getattr(alloc.train, k)) for k in KNOBS if k != "micro_batches"),
         ("checkpoint_every", req.checkpoint_every, alloc.checkpoint_every),
         ("compression", req.compression, alloc.compression)) if asked != got]
+    if not req.micro_batches_allowed(alloc.train.micro_batches, alloc.dp):  # (auto: a count the scheduler may choose)
+        diffs.append("micro_batches")
     if diffs:
         return Refusal("no-operator", f"the allocation differs from the operator's start in {', '.join(diffs)}")
     return None

@@ -21,8 +21,9 @@ from dtfm.sched import ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
-from .compute import KindProbe, micro_batch_seqs
+from .compute import KindProbe, run_model
 from .config import PlaneConfig
+from .coordinator.allocate import train_of
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import (Placement, choose_links, choose_shape, compression_options_of, random_shape,
@@ -80,8 +81,20 @@ SCHEDULES_KEPT = 8  # first placements' inputs kept in the data dir
 def asked_stages(alloc: Allocation) -> int | None:
     """The stage count the operator's start asked for (`--stages`), None when it left the
     shape to the scheduler (or the start cannot be read)."""
+    req = _asked(alloc)
+    return None if req is None else req.stages
+
+
+def asked_auto_micro_batches(alloc: Allocation) -> bool:
+    """Whether the operator's start left the micro-batch count to the scheduler
+    (`--micro-batches auto`); False when the start cannot be read."""
+    req = _asked(alloc)
+    return req is not None and req.auto_micro_batches
+
+
+def _asked(alloc: Allocation) -> TrainRequest | None:
     try:
-        return SignedOp.decode(alloc.operator_start).open().request().stages
+        return SignedOp.decode(alloc.operator_start).open().request()
     except (ProtocolError, ValueError):
         return None
 
@@ -127,14 +140,15 @@ class SchedulerPlanner:
         self.kind_probe = kind_probe
         self.inputs_dir = inputs_dir  # where each first placement's `ScheduleInputs` are kept
 
-    def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
+    def kind(self, model: GPTSpec, train: TrainConfig, n: int, *, auto_micro_batches: bool = False) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
-        allow, from `kind_probe` (blocking: the planner runs in a worker thread); none without
+        allow (and, with `auto_micro_batches`, every micro-batch count the scheduler may choose
+        for it), from `kind_probe` (blocking: the planner runs in a worker thread); none without
         a probe or when it fails (the scheduler then costs the layers at the reference rate)."""
         if self.kind_probe is None:
             return {}
-        d_max = max(1, min(n, train.global_batch_seqs // train.micro_batches))
-        batches = tuple(sorted({micro_batch_seqs(train, d) for d in range(1, d_max + 1)}))
+        rm = run_model(model, train, auto_micro_batches=auto_micro_batches)
+        batches = rm.micro_batch_sizes(min(n, rm.d_max))
         try:
             return dict(self.kind_probe(model, batches))
         except Exception as e:  # (a probe that cannot run costs the layers at the reference rate)
@@ -174,18 +188,21 @@ class SchedulerPlanner:
                  regions: dict[bytes, str], seed: int, force: bool,
                  cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
-        kind = self.kind(cur.model, cur.train, len(view.peers))
+        auto_m = asked_auto_micro_batches(cur)
+        kind = self.kind(cur.model, cur.train, len(view.peers), auto_micro_batches=auto_m)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
-                       keep_stages=asked_stages(cur) is not None, kind=kind,
+                       keep_stages=asked_stages(cur) is not None, kind=kind, auto_micro_batches=auto_m,
+                       window_messages=self.config.comm.window_messages,
                        compression=compression_options_of(cur.compression, view=view) if per_link else None)
         if not per_link:
             return plan
         links = cur.compress_links
         kept = [r for s, r in enumerate(cur.layer_ranges) if links is None or links.dp[s]]
-        return replace(plan, placement=choose_links(view, plan.placement, cur.model, cur.train,
-                                                    cur.compression, keep_compressed=kept, kind=kind))
+        return replace(plan, placement=choose_links(view, plan.placement, cur.model, train_of(cur.train, plan.placement),
+                                                    cur.compression, keep_compressed=kept, kind=kind,
+                                                    window_messages=self.config.comm.window_messages))
 
     def first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                         regions: dict[bytes, str]) -> Placement:
@@ -218,14 +235,17 @@ class SchedulerPlanner:
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
-        kind = self.kind(model, train, len(view.peers))
+        auto_m = req.auto_micro_batches and req.placement != "random"
+        kind = self.kind(model, train, len(view.peers), auto_micro_batches=auto_m)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
-            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind)
+            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind,
+                                 window_messages=self.config.comm.window_messages)
         elif not per_link:
             return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind)
+                                time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
+                                auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
             # each gets its links chosen, and the plan faster to the target loss wins (the
@@ -234,10 +254,13 @@ class SchedulerPlanner:
             # simulator counts, the trainer's own round trips above all (a swarm measured the
             # codec-aware plan 41 % slower than every link compressed on the exact search's).
             half = self.config.schedule_time_s / 2
-            candidates = [choose_links(view, choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                                          time_budget_s=half, seed=req.seed, compression=opts,
-                                                          kind=kind),
-                                       model, train, req.compression, kind=kind)
-                          for opts in (compression_options_of(req.compression, view=view), None)]
+            shapes = [choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions, time_budget_s=half,
+                                   seed=req.seed, compression=opts, kind=kind, auto_micro_batches=auto_m,
+                                   window_messages=self.config.comm.window_messages)
+                      for opts in (compression_options_of(req.compression, view=view), None)]
+            candidates = [choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind,
+                                       window_messages=self.config.comm.window_messages)
+                          for shape in shapes]
             return min(candidates, key=lambda p: time_to_loss_s(p, req.compression))  # (the codec-aware one on a tie)
-        return choose_links(view, shape, model, train, req.compression, kind=kind) if per_link else shape
+        return (choose_links(view, shape, model, train, req.compression, kind=kind,
+                             window_messages=self.config.comm.window_messages) if per_link else shape)

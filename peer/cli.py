@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     for key, text in KNOB_FLAGS.items():
         k = RUN_SPEC_KEYS[key]
         knobs.add_argument("--" + key.replace("_", "-"), type=_spec_arg(key), default=None,
-                           choices=k.choices or None, metavar=None if k.choices else ("N" if k.kind is int else "X"),
+                           choices=k.choices or None,
+                           metavar=None if k.choices else ("N|auto" if k.auto else "N" if k.kind is int else "X"),
                            help=f"{text} (default: {k.default})")
     t.add_argument("--timeout", type=POSITIVE_SECONDS, default=300.0, metavar="SECONDS",
                    help="how long to wait for --min-peers and for every peer to accept "
@@ -370,7 +371,7 @@ def _spec_arg(key: str):
 
     def parse(text: str):
         try:
-            value = spec.kind(text) if spec.kind in (int, float) else text
+            value = spec.kind(text) if spec.kind in (int, float) and not (spec.auto and text == "auto") else text
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {'an integer' if spec.kind is int else 'a number'}, "
                                              f"got {text!r}") from None

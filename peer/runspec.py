@@ -13,7 +13,7 @@ default, so a start that sets none signs what it signed before). docs/train.md h
     lr = 3e-4
     warmup_steps = 30
     batch = 32               # sequences per step over all pipelines
-    micro_batches = 4
+    micro_batches = 4        # or "auto" (the default): the scheduler chooses
     wire_dtype = "bfloat16"
     weight_decay = 0.1
     grad_clip = 1.0
@@ -44,12 +44,13 @@ PLACEMENT_CHOICES = ("scheduler", "random")  # dtfm.control.PLACEMENTS, without 
 class SpecKey:
     """One key of a run spec: its type and range, its default, and the signed argument it sets."""
 
-    kind: type  # int, float, str, Path; "stages" also takes "auto"
+    kind: type  # int, float, str, Path
     default: Any
     low: float | None = None  # inclusive lower bound of a number
     positive: bool = False  # a number > 0 (lr)
     choices: tuple[str, ...] = ()
     arg: str = ""  # the signed start's argument; "": the key's own name
+    auto: bool = False  # also takes "auto": the scheduler chooses (stages, micro_batches)
 
     def check(self, where: str, value: Any, base_dir: Path | None) -> Any:
         """`value` as this key's type; ConfigError naming `where` when it is not one."""
@@ -58,7 +59,7 @@ class SpecKey:
                 raise ConfigError(f"{where} must be a path, got {value!r}")
             p = Path(value).expanduser()
             return p if p.is_absolute() or base_dir is None else base_dir / p
-        if where.endswith("stages") and value == "auto":
+        if self.auto and value == "auto":
             return value
         if self.kind is float:
             if type(value) not in (int, float) or not math.isfinite(value):
@@ -66,7 +67,7 @@ class SpecKey:
             value = float(value)
         elif self.kind is int:
             if type(value) is not int:
-                raise ConfigError(f"{where} must be an integer" + (" or \"auto\"" if where.endswith("stages") else "")
+                raise ConfigError(f"{where} must be an integer" + (" or \"auto\"" if self.auto else "")
                                   + f", got {value!r}")
         elif type(value) is not str:
             raise ConfigError(f"{where} must be a string, got {value!r}")
@@ -90,7 +91,7 @@ RUN_SPEC_KEYS: dict[str, SpecKey] = {
     "init_from": SpecKey(Path, None),
     "steps": SpecKey(int, 100, low=1),
     "seed": SpecKey(int, 0, low=0),
-    "stages": SpecKey(int, "auto", low=1),
+    "stages": SpecKey(int, "auto", low=1, auto=True),
     "dp": SpecKey(int, None, low=1),
     "checkpoint_every": SpecKey(int, None, low=0),
     "placement": SpecKey(str, "scheduler", choices=PLACEMENT_CHOICES),
@@ -99,7 +100,8 @@ RUN_SPEC_KEYS: dict[str, SpecKey] = {
     "lr": SpecKey(float, _D.lr, positive=True),
     "warmup_steps": SpecKey(int, _D.warmup_steps, low=0),
     "batch": SpecKey(int, _D.global_batch_seqs, low=1, arg="global_batch_seqs"),
-    "micro_batches": SpecKey(int, _D.micro_batches, low=1),
+    # auto: the scheduler chooses it with the shape (the fastest predicted step); N: exactly N
+    "micro_batches": SpecKey(int, "auto", low=1, auto=True),
     "wire_dtype": SpecKey(str, _D.wire_dtype, choices=WIRE_DTYPES),
     "weight_decay": SpecKey(float, _D.weight_decay, low=0),
     "grad_clip": SpecKey(float, _D.grad_clip_norm, low=0, arg="grad_clip_norm"),
@@ -109,6 +111,7 @@ RUN_SPEC_KEYS: dict[str, SpecKey] = {
 # The training knobs (TrainConfig fields): flag key -> help, from TrainConfig's own help texts.
 KNOB_FLAGS: dict[str, str] = {
     key: TrainConfig.__dataclass_fields__[k.arg or key].metadata["help"]
+    + ("; auto: the scheduler chooses it with the shape, for the fastest predicted step" if k.auto else "")
     for key, k in RUN_SPEC_KEYS.items() if (k.arg or key) in TrainConfig.__dataclass_fields__ and key != "seed"
 }
 
@@ -155,7 +158,7 @@ def start_request(values: dict[str, Any]) -> dict[str, Any]:
         out["compress"] = values["compress"]
     for key in KNOB_FLAGS:
         k = RUN_SPEC_KEYS[key]
-        if values[key] != k.default:
+        if values[key] != k.default or (k.auto and values[key] == "auto"):  # (auto is signed: absent is the fixed default)
             out[k.arg or key] = values[key]
     return out
 

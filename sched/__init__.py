@@ -10,21 +10,23 @@ from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, STEP_EFFICIENC
                           CompressionFields, CompressionOptions, DataParallelCodec, PipelineCodec, compression_options,
                           load_codec_speed, step_efficiency, wire_codecs)
 from .cost import CostBreakdown, CostModel
-from .fastest import FastestShape, RunModel, ScheduleInputs, shape_space, solve_fastest
+from .fastest import (MAX_MICRO_BATCHES, FastestShape, RunModel, ScheduleInputs, micro_batch_options, shape_space,
+                      solve_fastest)
 from .layers import layer_ranges, split_layers
 from .matching import bottleneck_matching, linear_assignment
 from .path import open_path
 from .search import SEARCH_PROFILES, SearchConfig
-from .simulate import SimResult
+from .simulate import TRAINER_WINDOW_MESSAGES, SimResult
 from .simulate import simulate as simulate_iteration
 from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
 from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_preset
 
 __all__ = [
-    "Allocation", "FastestShape", "RunModel", "ScheduleInputs", "shape_space", "solve_fastest", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
+    "Allocation", "FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "micro_batch_options",
+    "shape_space", "solve_fastest", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
     "CompressionOptions", "CompressionPlan", "CostBreakdown", "CostModel", "DataParallelCodec", "GroupChoice",
     "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
-    "SEARCH_PROFILES", "STEP_EFFICIENCY", "SearchConfig", "SimResult", "WIRE_PRESETS", "Workload",
+    "SEARCH_PROFILES", "STEP_EFFICIENCY", "SearchConfig", "SimResult", "TRAINER_WINDOW_MESSAGES", "WIRE_PRESETS", "Workload",
     "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
     "evaluate", "get_preset", "layer_ranges", "linear_assignment", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
     "step_efficiency",

@@ -282,7 +282,7 @@ def _clean_up(judge: _Judge, pp: np.ndarray, dp: np.ndarray, groups: bool) -> tu
 def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
                        overlap_allreduce: bool = True, engine_syncs: bool = False,
                        min_saving_fraction: float = 0.0, efficiency: Mapping[str, float] | None = None,
-                       error_fraction: float = 0.0) -> CompressionPlan:
+                       error_fraction: float = 0.0, window_messages: int | None = None) -> CompressionPlan:
     """The codec of every link and group of allocation X ((S, D): X[s, p] the peer of stage s in
     pipeline p) from `model.options`, and why (see the module's docstring).
 
@@ -295,7 +295,8 @@ def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | 
     `STEP_EFFICIENCY`): the objective is iteration time / the plan's `step_efficiency`, and a
     link or group is left exact only where that lowers the objective by more than
     `error_fraction` (the predictor's relative error) of the more compressed plan's; a plan
-    whose links all save less stays compressed. `min_saving_fraction` is not used then."""
+    whose links all save less stays compressed. `min_saving_fraction` is not used then.
+    window_messages: the trainer's flow-control window, as `simulate` takes it."""
     if not 0 <= min_saving_fraction < 1:
         raise ValueError(f"min_saving_fraction must lie in [0, 1), got {min_saving_fraction!r}")
     if not 0 <= error_fraction < 1:
@@ -306,7 +307,8 @@ def choose_compression(model: CostModel, X: np.ndarray, *, micro_batches: int | 
             raise ValueError(f"step efficiencies must lie in (0, 1], got {bad}")
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
-    kw = {"micro_batches": micro_batches, "overlap_allreduce": overlap_allreduce, "engine_syncs": engine_syncs}
+    kw = {"micro_batches": micro_batches, "overlap_allreduce": overlap_allreduce, "engine_syncs": engine_syncs,
+          "window_messages": window_messages}
     judge = _Judge(model, X, kw, efficiency=efficiency, error_fraction=error_fraction)
     opts = model.options
     groups = D > 1

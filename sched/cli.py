@@ -3,6 +3,7 @@
     dtfm-sched solve --scenario worldwide --model gpt3-xl-paper --stages 8 --dp 8 --json
     dtfm-sched compare --scenario worldwide --model gpt3-xl-paper --time-budget 20
     dtfm-sched solve --scenario worldwide --compress auto --codec-speed reference
+    dtfm-sched solve --scenario worldwide --peers 8 --model gpt-tiny --stages auto --micro-batches auto
 
 Exit status (dtfm.cli_base): 0 success, 1 an error explained on stderr (`dtfm-sched: error:
 ...`), 2 bad command line, 130 interrupted.
@@ -14,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,11 +26,11 @@ from dtfm.scenarios import ScenarioError, load_scenario
 from .choose import ChoiceReason, CompressionPlan, choose_compression
 from .compression import WIRE_PRESETS, CompressionOptions, compression_options, load_codec_speed
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
-from .fastest import ScheduleInputs
+from .fastest import ScheduleInputs, micro_batch_options
 from .search import SearchConfig, ShapeSearch
-from .simulate import simulate
+from .simulate import TRAINER_WINDOW_MESSAGES, simulate
 from .solve import candidate_shapes, cost_model, solve
-from .spec import PRESETS, get_preset
+from .spec import PRESETS, ModelSpec, get_preset
 
 __all__ = ["main"]
 
@@ -36,6 +38,10 @@ PROG = "dtfm-sched"
 
 
 def _stages(text: str) -> int | str:
+    return "auto" if text == "auto" else number(int, 1, "a positive integer or 'auto'")(text)
+
+
+def _micro_batches(text: str) -> int | str:
     return "auto" if text == "auto" else number(int, 1, "a positive integer or 'auto'")(text)
 
 
@@ -88,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
                             "this fraction of the exact iteration (default: %(default)s, any saving)")
         c.add_argument("--json", action="store_true", help="print JSON")
         c.add_argument("--plot", default=None, metavar="FILE.png", help="draw the allocation (matplotlib)")
+        if name == "solve":
+            c.add_argument("--micro-batches", type=_micro_batches, default=None, metavar="N|auto",
+                           help="micro-batches per pipeline, with a model preset that has a batch (gpt3-xl, "
+                                "gpt-tiny): the allocation simulated at N, or at every count that divides the "
+                                "per-pipeline batch (at most 64) and the fastest kept (auto), each with its "
+                                "micro-batch's size and the trainer's flow-control window (default: the "
+                                "preset's micro-batch size)")
         if name == "compare":
             c.add_argument("--random-samples", type=POSITIVE_INT, default=5000,
                            help="random allocations to sample")
@@ -163,7 +176,7 @@ def _replay(args) -> int:
     n = len(inputs.peers)
     alloc = found.alloc
     out = {"view": str(args.view), "model": inputs.model.name, **alloc.to_dict(),
-           "simulated_iteration_s": found.iteration_s, "note": found.note(n),
+           "simulated_iteration_s": found.iteration_s, "micro_batches": found.micro_batches, "note": found.note(n),
            "tried": [{"stages": s, "dp": d, "simulated_iteration_s": t} for s, d, t in found.tried],
            "coordinator": dict(inputs.chosen)}
     if args.json:
@@ -196,6 +209,12 @@ def _solve(args) -> int:
     plan = choose_compression(model, alloc.matrix, min_saving_fraction=args.min_saving) if opts is not None else None
     sim_s = plan.iteration_s if plan is not None else simulate(model, alloc.matrix).iteration_s
     out = {"scenario": sc.name, "model": spec.name, **alloc.to_dict(), "simulated_iteration_s": sim_s}
+    micro = _micro_times(args, sc, spec, compute, memory, alloc)
+    if micro:
+        sim_s = min(micro.values())
+        out["micro_batches"] = min(micro, key=micro.__getitem__)
+        out["micro_batches_tried"] = [{"micro_batches": m, "simulated_iteration_s": t} for m, t in micro.items()]
+        out["simulated_iteration_s"] = sim_s
     if plan is not None:
         out["compression"] = plan.to_dict()
     if args.json:
@@ -206,6 +225,10 @@ def _solve(args) -> int:
         what = "cost with each link's and group's cheapest codec" if plan is not None else "cost"
         print(f"{what} {c.paper_s:.4f} s (DP {c.dp_s:.4f} + 2 x PP {c.pp_s:.4f}); objective {c.total_s:.4f} s; "
               f"simulated iteration {sim_s:.4f} s; searched {alloc.elapsed_s:.1f} s")
+        if micro:
+            best = min(micro, key=micro.__getitem__)
+            rest = ", ".join(f"{m}: {t:.4f} s" for m, t in micro.items() if m != best)
+            print(f"micro-batches: {best} ({micro[best]:.4f} s)" + (f"; {rest}" if rest else ""))
         regions = sc.peer_regions()
         for p, pipe in enumerate(alloc.pipelines):
             print(f"pipeline {p}: " + " -> ".join(f"{i}({regions[i]})" for i in pipe))
@@ -216,6 +239,32 @@ def _solve(args) -> int:
     if plot:
         plot(args.plot, sc.delay_ms(), sc.peer_regions(), alloc.matrix, alloc.spares, plot_title(sc.name, alloc))
     return 0
+
+
+def _micro_times(args, sc, spec, compute, memory, alloc) -> dict[int, float]:
+    """`solve --micro-batches`: the allocation's simulated iteration at each micro-batch count
+    (N, or every count of `micro_batch_options` for its D), the model's micro-batch size
+    following from its fixed global batch, with the trainer's flow-control window; {} without
+    the flag."""
+    if args.micro_batches is None:
+        return {}
+    if not isinstance(spec, ModelSpec):
+        raise CliError(f"--micro-batches: model {spec.name} has no batch (its volumes are fixed): choose "
+                       "gpt3-xl or gpt-tiny")
+    if args.compress != "exact" or args.uneven_layers:
+        raise CliError("--micro-batches takes neither --compress nor --uneven-layers")
+    D = alloc.dp
+    counts = (micro_batch_options(spec.global_batch_seqs, D) if args.micro_batches == "auto"
+              else (int(args.micro_batches),))
+    if not counts or D * counts[0] > spec.global_batch_seqs:
+        raise CliError(f"--micro-batches {args.micro_batches}: {D} pipelines of a global batch of "
+                       f"{spec.global_batch_seqs} sequences cannot run it")
+    out = {}
+    for m in counts:
+        at = replace(spec, micro_batch_size=max(1, spec.global_batch_seqs // (D * m)))
+        model = cost_model(sc.delay_ms(), sc.bandwidth_gbps(), at, alloc.stages, D, compute=compute, memory_gib=memory)
+        out[m] = float(simulate(model, alloc.matrix, micro_batches=m, window_messages=TRAINER_WINDOW_MESSAGES).iteration_s)
+    return out
 
 
 def plan_lines(plan: CompressionPlan, regions) -> list[str]:

@@ -3,12 +3,21 @@ included, each searched with `solve` and simulated with the trainer's syncs; the
 simulator predicts fastest per step wins (the global batch is the run's whatever the shape, so
 the fastest step is the fastest to the run's target).
 
+A run whose operator left the micro-batch count to the scheduler (`--micro-batches auto`) has
+it searched too: each shape's allocation is simulated at every count M of
+`micro_batch_options` (M divides the per-pipeline batch, at most MAX_MICRO_BATCHES), with the
+model's compute at that micro-batch's size and speed (`spec_of(D, M)`), and the fastest (S, D,
+M) wins. More micro-batches shrink the GPipe bubble (the S - 1 micro-batches' compute and
+transfer before the last stage starts); each micro-batch still pays every hop's latency in
+that bubble, and smaller micro-batches compute slower per FLOP, so where latency dominates
+fewer and larger micro-batches are as fast or faster.
+
 A swarm's coordinator chooses a new run's shape this way (control/coordinator/schedule.py
 `choose_shape`), and writes its inputs to a view file (`ScheduleInputs`, JSON) that
 `dtfm-sched solve --view FILE` replays offline: the same search on the same inputs.
 
     found = solve_fastest(delay_ms, bandwidth_gbps, spec_of, shape_space(8, 4, 4), micro_batches=4)
-    found.alloc, found.iteration_s, found.note(8)
+    found.alloc, found.iteration_s, found.micro_batches, found.note(8)
 """
 
 from __future__ import annotations
@@ -24,14 +33,29 @@ import numpy as np
 from .compression import CompressionOptions
 from .cost import CostModel
 from .search import SearchConfig
-from .simulate import simulate
+from .simulate import TRAINER_WINDOW_MESSAGES, simulate
 from .solve import Allocation, solve
 from .spec import ModelSpec
 
-__all__ = ["FastestShape", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "shape_space", "solve_fastest"]
+__all__ = ["FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
+           "shape_space", "solve_fastest"]
 
 VIEW_FORMAT = "dtfm-schedule-inputs-v1"
 MAX_VIEW_BYTES = 64 << 20  # a view file's bound (a 1,000-peer view is about 30 MB of JSON)
+# The most micro-batches per pipeline the scheduler chooses (`--micro-batches auto`) and a peer
+# accepts from it: beyond this the bubble is under 1/64 of a step per stage while every
+# micro-batch adds a message per hop and a smaller, slower matrix product (GPT-3 XL's paper
+# setting, 61 of one sequence, is inside it).
+MAX_MICRO_BATCHES = 64
+
+
+def micro_batch_options(global_batch: int, dp: int, max_m: int = MAX_MICRO_BATCHES) -> tuple[int, ...]:
+    """The micro-batch counts the scheduler may choose for D = `dp` pipelines of a global batch
+    of `global_batch` sequences: every M that divides the per-pipeline batch (global // D, the
+    smaller pipeline's where D does not divide it), so each micro-batch holds the same number
+    of sequences, at most `max_m`; ascending. Empty when a pipeline would get no sequence."""
+    per = global_batch // dp if dp >= 1 else 0
+    return tuple(m for m in range(1, min(per, max_m) + 1) if per % m == 0)
 
 
 def shape_space(n: int, layers: int, d_max: int, *, stages: int | None = None, dp: int | None = None,
@@ -56,17 +80,29 @@ def shape_space(n: int, layers: int, d_max: int, *, stages: int | None = None, d
 class FastestShape:
     alloc: Allocation  # the fastest shape's allocation
     iteration_s: float  # its simulated iteration
-    tried: tuple[tuple[int, int, float], ...]  # (S, D, simulated iteration) of every shape searched
+    tried: tuple[tuple[int, int, float], ...]  # (S, D, simulated iteration at its best M) of every shape searched
+    micro_batches: int = 0  # the chosen M (0: not recorded)
+    # (S, D, M, simulated iteration) of every micro-batch count costed, when more than one was
+    tried_micro: tuple[tuple[int, int, int, float], ...] = ()
 
     def note(self, n: int) -> str:
         """Why the shape, in one line: "4 x 1 (4 spares): predicted 0.412 s/step; every peer
         placed (4 x 2) 0.650 s; next 2 x 2 0.520 s (11 shapes tried)": the chosen shape, the
-        best that places every peer when the chosen one leaves some out, the best of the rest."""
+        best that places every peer when the chosen one leaves some out, the best of the rest.
+        When the micro-batch count was searched, the chosen one follows the shape and the
+        runner-up count on the same shape its prediction: "4 x 1 (4 spares), 8 micro-batches:
+        predicted 0.412 s/step; 4 micro-batches 0.450 s; ..."."""
         S, D = self.alloc.stages, self.alloc.dp
         by = {(s, d): t for s, d, t in self.tried}
         spares = n - S * D
         out = f"{S} x {D}" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
+        others = sorted((t, m) for s, d, m, t in self.tried_micro if (s, d) == (S, D) and m != self.micro_batches)
+        if self.tried_micro:
+            out += f", {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}"
         out += f": predicted {by.get((S, D), self.iteration_s):.3f} s/step"
+        if others:
+            t, m = others[0]
+            out += f"; {m} micro-batch{'es' if m != 1 else ''} {t:.3f} s"
         rest = sorted((t, s, d) for s, d, t in self.tried if (s, d) != (S, D))
         full = [x for x in rest if x[1] * x[2] == n]
         if spares and full:
@@ -80,38 +116,64 @@ class FastestShape:
         return out + f" ({k} shape{'s' if k != 1 else ''} tried)"
 
 
-def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Callable[[int], ModelSpec],
+def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Callable[..., ModelSpec],
                   shapes: Sequence[tuple[int, int]], *, micro_batches: int, compute: np.ndarray | None = None,
                   regions: Sequence[str] | None = None, seed: int = 0, time_budget_s: float = 5.0,
-                  compression: CompressionOptions | None = None) -> FastestShape:
+                  compression: CompressionOptions | None = None,
+                  micro_options: Callable[[int], Sequence[int]] | None = None,
+                  window_messages: int | None = None) -> FastestShape:
     """`solve` on each shape (`spec_of(D)`: the model for D pipelines, its compute term on when
     it has `reference_tflops`), the budget shared among the shapes; each result simulated with
     the trainer's syncs at `micro_batches`, compute at `compute` (per-peer speeds); the fastest
     wins (on a tie, the first). With many peers (the hierarchical search's range) the search
     costs no compute; the simulator still does. `compression`: the codecs the search may give
-    each link and group (the simulation stays exact). ValueError when `shapes` is empty."""
+    each link and group (the simulation stays exact). ValueError when `shapes` is empty.
+
+    `micro_options(D)`: the micro-batch counts to cost for D pipelines (`micro_batch_options`);
+    then `spec_of(D, M)` is the model at M micro-batches, each shape's allocation is searched at
+    the count nearest `micro_batches` and simulated at every count, and the fastest (S, D, M)
+    wins (on a tie, the fewer micro-batches: fewer messages for the same predicted time).
+    `window_messages`: the trainer's flow-control window the simulator costs (`simulate`)."""
     if not shapes:
         raise ValueError("no shape to search")
     n = np.asarray(delay_ms).shape[0]
     flat = n < SearchConfig().hierarchy_min_peers
     t0 = time.monotonic()
     tried: list[tuple[int, int, float]] = []
-    best: tuple[float, Allocation] | None = None
+    tried_micro: list[tuple[int, int, int, float]] = []
+    best: tuple[float, Allocation, int] | None = None
     for k, (S, D) in enumerate(shapes):
         budget = max(time_budget_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
-        mspec = spec_of(D)
+        counts = list(micro_options(D)) if micro_options is not None else []
+        if micro_options is not None and not counts:
+            continue  # (no micro-batch count fits D pipelines)
+        m0 = min(counts, key=lambda m: (abs(m - micro_batches), m)) if counts else micro_batches
+
+        def spec_at(m: int) -> ModelSpec:
+            return spec_of(D, m) if micro_options is not None else spec_of(D)
+
+        mspec = spec_at(m0)
         costed = flat and compute is not None and mspec.reference_tflops is not None
         searched = mspec if costed or mspec.reference_tflops is None else _without_compute(mspec)
         alloc = solve(delay_ms, bandwidth_gbps, searched, stages=S, dp=D, regions=regions,
                       compute=compute if costed else None, time_budget_s=max(budget, 1e-9), seed=seed,
                       allow_spares=True, compression=compression)
-        model = CostModel(delay_ms, bandwidth_gbps, mspec.workload(S, D), compute=compute)
-        t = float(simulate(model, alloc.matrix, micro_batches=micro_batches, engine_syncs=True).iteration_s)
-        tried.append((S, D, t))
-        if best is None or t < best[0] - 1e-12:
-            best = (t, alloc)
-    assert best is not None
-    return FastestShape(best[1], best[0], tuple(tried))
+        shape_best: tuple[float, int] | None = None
+        for m in counts or [micro_batches]:
+            model = CostModel(delay_ms, bandwidth_gbps, spec_at(m).workload(S, D), compute=compute)
+            t = float(simulate(model, alloc.matrix, micro_batches=m, engine_syncs=True,
+                               window_messages=window_messages).iteration_s)
+            if counts:
+                tried_micro.append((S, D, m, t))
+            if shape_best is None or t < shape_best[0] - 1e-12:
+                shape_best = (t, m)
+        assert shape_best is not None
+        tried.append((S, D, shape_best[0]))
+        if best is None or shape_best[0] < best[0] - 1e-12:
+            best = (shape_best[0], alloc, shape_best[1])
+    if best is None:
+        raise ValueError("no micro-batch count fits any shape")
+    return FastestShape(best[1], best[0], tuple(tried), best[2], tuple(tried_micro))
 
 
 def _without_compute(spec: ModelSpec) -> ModelSpec:
@@ -129,25 +191,42 @@ class RunModel:
     seq_len: int
     vocab: int
     global_batch_seqs: int
-    micro_batches: int
+    micro_batches: int  # the run's M; with `auto_micro_batches`, the count the placement is searched at
     act_bytes: int = 2
+    auto_micro_batches: bool = False  # the scheduler chooses M (`micro_batch_options`)
 
-    def spec(self, dp: int, reference_tflops: float | None = None) -> ModelSpec:
-        """The model for D = `dp` pipelines: micro-batches of global / (D x M) sequences; with
-        `reference_tflops` its compute is costed, the output head's on the last stage too."""
-        mb = self.micro_batch(dp)
+    def spec(self, dp: int, reference_tflops: float | None = None, micro_batches: int | None = None) -> ModelSpec:
+        """The model for D = `dp` pipelines: micro-batches of global / (D x M) sequences (M:
+        `micro_batches`, by default the run's); with `reference_tflops` its compute is costed,
+        the output head's on the last stage too."""
+        mb = self.micro_batch(dp, micro_batches)
         return ModelSpec(self.name, layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
                          vocab=self.vocab, micro_batch_size=mb, global_batch_seqs=self.global_batch_seqs,
                          act_bytes=self.act_bytes, reference_tflops=reference_tflops,
                          head_compute=reference_tflops is not None)
 
-    def micro_batch(self, dp: int) -> int:
-        """Sequences per micro-batch of D = `dp` pipelines (the scheduler's count)."""
-        return max(1, self.global_batch_seqs // (dp * self.micro_batches))
+    def micro_batch(self, dp: int, micro_batches: int | None = None) -> int:
+        """Sequences per micro-batch of D = `dp` pipelines at M = `micro_batches` (by default
+        the run's): the scheduler's count."""
+        return max(1, self.global_batch_seqs // (dp * (micro_batches or self.micro_batches)))
+
+    def micro_batch_options(self, dp: int) -> tuple[int, ...]:
+        """The micro-batch counts a run of D = `dp` pipelines may take: the run's own, or with
+        `auto_micro_batches` every count of `micro_batch_options`."""
+        if self.auto_micro_batches:
+            return micro_batch_options(self.global_batch_seqs, dp)
+        return (self.micro_batches,)
+
+    def micro_batch_sizes(self, d_max: int) -> tuple[int, ...]:
+        """Every micro-batch size (sequences) a shape of at most `d_max` pipelines may use."""
+        return tuple(sorted({self.micro_batch(d, m) for d in range(1, max(1, d_max) + 1)
+                             for m in self.micro_batch_options(d)}))
 
     @property
     def d_max(self) -> int:
-        return max(1, self.global_batch_seqs // self.micro_batches)
+        """The most pipelines the batch feeds: each micro-batch needs a sequence (one
+        micro-batch each when the scheduler chooses M)."""
+        return max(1, self.global_batch_seqs // (1 if self.auto_micro_batches else self.micro_batches))
 
 
 @dataclass(frozen=True)
@@ -156,7 +235,8 @@ class ScheduleInputs:
     matrices (one-way ms, Gbps), each peer's compute speed relative to the median peer whose
     achieved TFLOP/s is `reference_tflops` (None: compute not costed), the run's layer's time
     per FLOP against the reference by micro-batch size (`kind`), the model, the asked shape
-    (None: the scheduler's) and the search's seed and budget."""
+    (None: the scheduler's), the search's seed and budget, and the trainer's flow-control window
+    (messages unacknowledged per destination, the swarm's `CommConfig.window_messages`)."""
 
     peers: tuple[str, ...]  # peer ids, hex
     regions: tuple[str, ...]
@@ -171,14 +251,17 @@ class ScheduleInputs:
     seed: int = 0
     time_budget_s: float = 5.0
     chosen: Mapping[str, object] = field(default_factory=dict)  # stages, dp, pipelines (indices), predicted, note
+    window_messages: int = TRAINER_WINDOW_MESSAGES
 
     def tflops(self, micro_batch: int) -> float | None:
         if self.reference_tflops is None:
             return None
         return self.reference_tflops / self.kind.get(micro_batch, 1.0)
 
-    def spec_of(self, dp: int) -> ModelSpec:
-        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp)))
+    def spec_of(self, dp: int, micro_batches: int | None = None) -> ModelSpec:
+        """The model for D = `dp` pipelines at `micro_batches` (the run's by default), its compute
+        at the run's layer's speed at that micro-batch size."""
+        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp, micro_batches)), micro_batches)
 
     def shapes(self) -> list[tuple[int, int]]:
         n = len(self.peers)
@@ -197,7 +280,9 @@ class ScheduleInputs:
                              compute=self.speeds if self.reference_tflops is not None else None,
                              regions=list(self.regions) if any(self.regions) else None, seed=self.seed,
                              time_budget_s=self.time_budget_s if time_budget_s is None else time_budget_s,
-                             compression=compression)
+                             compression=compression,
+                             micro_options=self.model.micro_batch_options if self.model.auto_micro_batches else None,
+                             window_messages=self.window_messages)
 
     def to_json(self) -> str:
         d = {"format": VIEW_FORMAT, "peers": list(self.peers), "regions": list(self.regions),
@@ -206,7 +291,7 @@ class ScheduleInputs:
              "speeds": np.asarray(self.speeds).tolist(), "reference_tflops": self.reference_tflops,
              "kind": {str(b): f for b, f in sorted(self.kind.items())}, "model": asdict(self.model),
              "stages": self.stages, "dp": self.dp, "seed": self.seed, "time_budget_s": self.time_budget_s,
-             "chosen": dict(self.chosen)}
+             "chosen": dict(self.chosen), "window_messages": self.window_messages}
         return json.dumps(d)
 
     @classmethod
@@ -233,6 +318,6 @@ class ScheduleInputs:
             return cls(tuple(map(str, d["peers"])), tuple(map(str, d["regions"])), delay, bw, speeds,
                        None if ref is None else float(ref), {int(b): float(f) for b, f in d["kind"].items()},
                        RunModel(**d["model"]), d["stages"], d["dp"], int(d["seed"]), float(d["time_budget_s"]),
-                       dict(d.get("chosen", {})))
+                       dict(d.get("chosen", {})), int(d.get("window_messages", TRAINER_WINDOW_MESSAGES)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None

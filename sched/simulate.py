@@ -21,6 +21,13 @@ the model's options give per-peer speeds. A DP group's synchronisation
 is its codec's (an all-gather of compressed payloads, coding included); a DiLoCo group
 synchronises once every H steps, so the iteration time is the mean over one cycle of
 synchronisations (the least common multiple of the groups' periods).
+
+Per-hop latency is paid once in the pipeline's fill and drain whatever M is. What makes a
+micro-batch pay latency again is the trainer's flow control (`window_messages`): a sender keeps
+at most that many messages unacknowledged per destination (control/dataplane, the receiver
+acknowledges once a message is in its buffer), so with more micro-batches than the window a
+message waits for the acknowledgement of the one `window_messages` before it: one round trip
+per window of micro-batches on each hop.
 """
 
 from __future__ import annotations
@@ -33,7 +40,11 @@ import numpy as np
 from .compression import CodecAssignment
 from .cost import CostModel
 
-__all__ = ["SimResult", "simulate"]
+__all__ = ["SimResult", "TRAINER_WINDOW_MESSAGES", "simulate"]
+
+# The trainer's unacknowledged messages per destination (control/dataplane CommConfig's default
+# `window_messages`; tests/sched check they agree).
+TRAINER_WINDOW_MESSAGES = 8
 
 
 @dataclass(frozen=True)
@@ -54,7 +65,7 @@ STEADY_ROUNDS = 4  # steps simulated back to back for engine_syncs' iteration ti
 
 def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
              overlap_allreduce: bool = True, engine_syncs: bool = False,
-             codecs: CodecAssignment | None = None) -> SimResult:
+             codecs: CodecAssignment | None = None, window_messages: int | None = None) -> SimResult:
     """Predict the iteration time of allocation X ((S, D): X[s, p] peer of stage s, pipeline p).
 
     engine_syncs adds the waits dtfm's trainer spends besides the paper's terms: the last stages
@@ -64,7 +75,13 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     path: train/worker.py). Each peer then starts its next step at once, the first stage before
     the farthest peer has its last norm: the iteration time is that of steps run back to back
     (the mean of rounds 2-4 of `STEADY_ROUNDS`, each peer starting where it ended the round
-    before), not of one step from a common start."""
+    before), not of one step from a common start.
+
+    window_messages: at most this many pipeline messages unacknowledged per link and direction
+    (the trainer's is TRAINER_WINDOW_MESSAGES); a message is acknowledged one latency after it
+    arrives. None: no window (the paper's model)."""
+    if window_messages is not None and window_messages < 1:
+        raise ValueError(f"window_messages must be at least 1, got {window_messages}")
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     wl = model.workload
@@ -106,6 +123,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
         link_f = np.zeros((max(S - 1, 0), D))
         link_b = np.zeros((max(S - 1, 0), D))
         arrive = np.zeros((S, M, D))
+        W = window_messages
         for m in range(M):
             for s in range(S):
                 end = np.maximum(arrive[s, m], busy[s]) + fwd[s]
@@ -116,6 +134,8 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 busy[s] = end
                 if s < S - 1:
                     start = np.maximum(end, link_f[s])
+                    if W is not None and m >= W:  # the acknowledgement of the message W before
+                        start = np.maximum(start, arrive[s + 1, m - W] + lat_b[s])
                     link_f[s] = start + hold_f[s]
                     arrive[s + 1, m] = link_f[s] + lat_f[s]
         arrive[:] = 0.0  # the backward pass reuses it
@@ -129,6 +149,8 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 busy[s] = end
                 if s > 0:
                     start = np.maximum(end, link_b[s - 1])
+                    if W is not None and m >= W:
+                        start = np.maximum(start, arrive[s - 1, m - W] + lat_f[s - 1])
                     link_b[s - 1] = start + hold_b[s - 1]
                     arrive[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
         return busy

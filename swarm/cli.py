@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dtfm.cli_base import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, number, run_command, version_text
@@ -210,6 +211,23 @@ def compression_arg(text: str) -> str:
         return parse_compression(text).to_spec()
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _knob_type(kind: type, auto: bool) -> Callable[[str], int | float | str]:
+    """An argparse type for a training knob of type `kind`, also taking "auto" where `auto` (the
+    range is checked with the run spec's, `train_values`)."""
+    if kind not in (int, float):
+        return str
+
+    def parse(text: str) -> int | float | str:
+        if auto and text == "auto":
+            return text
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}"
+                                             + (' or "auto"' if auto else "") + f", got {text!r}") from None
+    return parse
 
 
 def _device_arg(text: str) -> str:
@@ -526,9 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
         knobs = p.add_argument_group("training config, as `dtfm-peer train start` takes it")
         for key, text in KNOB_FLAGS.items():
             k = RUN_SPEC_KEYS[key]
-            knobs.add_argument("--" + key.replace("_", "-"), type=k.kind if k.kind in (int, float) else str,
-                               default=None, choices=k.choices or None,
-                               metavar=None if k.choices else ("N" if k.kind is int else "X"),
+            knobs.add_argument("--" + key.replace("_", "-"), type=_knob_type(k.kind, k.auto), default=None, choices=k.choices or None,
+                               metavar=None if k.choices else ("N|auto" if k.auto else "N" if k.kind is int else "X"),
                                help=f"{text} (default: {k.default})")
 
     def add_reuse_args(p: argparse.ArgumentParser) -> None:

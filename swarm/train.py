@@ -77,7 +77,8 @@ def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path
     allocation out and starts. Records the run in `run_dir` so the merged logs leave out
     earlier runs' lines."""
     started_at = time.time()
-    args = {k: v for k, v in args.items() if v is not None and v != "auto"}
+    # (stages "auto" is no argument; micro_batches "auto" is: the operator leaves the count to the scheduler)
+    args = {k: v for k, v in args.items() if v is not None and not (k == "stages" and v == "auto")}
 
     def send() -> dict:
         op = operator_op(run_dir, peer, "start", args)

@@ -8,9 +8,10 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 
 from dtfm.net import short_id
-from dtfm.train import CompressionConfig, LinkCodecs
+from dtfm.train import CompressionConfig, LinkCodecs, TrainConfig
 
 from ..allocation import Allocation, Holding
 from ..answers import OfferAnswer
@@ -20,7 +21,7 @@ from .operator_queue import QueuedStart
 from .schedule import Placement
 
 __all__ = ["MAX_ABSENT", "MAX_OFFER_HOLDERS", "NoHolder", "absent", "council_fields", "first_allocation",
-           "first_council", "links_for", "majority_holdings", "next_allocation", "next_council"]
+           "first_council", "links_for", "majority_holdings", "next_allocation", "next_council", "train_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +59,13 @@ def majority_holdings(cur: Allocation, offers: Mapping[tuple[int, int], Mapping[
 
 
 def first_allocation(r: Reads, start: QueuedStart, shape: Placement, me_leaving: bool) -> Allocation:
-    """The first epoch of an operator's start: its first placement, from step 0."""
+    """The first epoch of an operator's start: its first placement, from step 0 (at the
+    micro-batch count the scheduler chose, where the start left it to the scheduler)."""
     req = start.req
     placed = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
     return Allocation(epoch=r.election.last_applied[1] + 1, term=r.election.term, issuer=r.me,
                       pipelines=shape.pipelines, layer_ranges=shape.layer_ranges, preset=req.preset,
-                      model=start.model, train=req.config,
+                      model=start.model, train=train_of(req.config, shape),
                       data_hash=str(req.data_hash), data_name=start.data_name, start_step=0,
                       end_step=req.steps, checkpoint_every=req.checkpoint_every,
                       predicted_iteration_s=shape.predicted_iteration_s, spares=shape.spares,
@@ -73,13 +75,25 @@ def first_allocation(r: Reads, start: QueuedStart, shape: Placement, me_leaving:
                       compress_links=links_for(shape, req.compression))
 
 
+def train_of(cfg: TrainConfig, shape: Placement) -> TrainConfig:
+    """The training config an allocation of `shape` carries: `cfg` at the micro-batch count the
+    scheduler chose with the placement (it chooses one only where the run's start left it to
+    the scheduler; every peer checks it against the start), else `cfg` itself."""
+    if shape.micro_batches is None or shape.micro_batches == cfg.micro_batches:
+        return cfg
+    return replace(cfg, micro_batches=shape.micro_batches)
+
+
 def next_allocation(r: Reads, cur: Allocation, shape: Placement, rp: ResumePoint, holdings: tuple[Holding, ...],
                     trigger: str, reachable: set[bytes], me_leaving: bool) -> Allocation:
-    """The next epoch of the run: the new layout from the resume point, with the holdings."""
+    """The next epoch of the run: the new layout from the resume point, with the holdings (at
+    the micro-batch count the placement was chosen at, where the run's start left it to the
+    scheduler; else the run's)."""
     named = {p for pipe in shape.pipelines for p in pipe} | set(shape.spares)
     return Allocation(epoch=r.election.last_applied[1] + 1, term=r.election.term, issuer=r.me,
                       run_id=cur.run_id, pipelines=shape.pipelines, layer_ranges=shape.layer_ranges,
-                      preset=cur.preset, model=cur.model, train=cur.train, data_hash=cur.data_hash,
+                      preset=cur.preset, model=cur.model, train=train_of(cur.train, shape),
+                      data_hash=cur.data_hash,
                       data_name=cur.data_name, start_step=rp.step, end_step=cur.end_step,
                       checkpoint_every=cur.checkpoint_every, predicted_iteration_s=shape.predicted_iteration_s,
                       spares=shape.spares, holdings=holdings, absent=absent(r, named, me_leaving),

@@ -8,15 +8,16 @@ data it was started with (`dtfm-peer join --data`). The operations are in docs/c
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from dtfm.sched import MAX_MICRO_BATCHES, micro_batch_options
 from dtfm.train import PRESETS, CompressionConfig, GPTSpec, TrainConfig, parse_compression
 
 if TYPE_CHECKING:  # (dtfm.train's Corpus loads torch: `dtfm-peer status` must not)
     from dtfm.train import Corpus
 
-__all__ = ["HF_PRESET_PREFIX", "KNOBS", "PLACEMENTS", "TrainError", "TrainRequest", "hf_preset"]
+__all__ = ["AUTO", "HF_PRESET_PREFIX", "KNOBS", "PLACEMENTS", "TrainError", "TrainRequest", "hf_preset"]
 
 # How the issuer places peers: the DT-FM scheduler, or a uniformly random allocation of the same
 # shape (the baseline the scheduler is measured against).
@@ -27,7 +28,9 @@ MAX_DATA_NAME_LEN = 256
 
 # The training knobs a start may set (TrainConfig fields, with their checks): each is in the
 # signed arguments only where it differs from TrainConfig's default, so a start that sets none
-# signs the same bytes as before the knobs existed. The seed is its own argument.
+# signs the same bytes as before the knobs existed. The seed is its own argument. micro_batches
+# may also be AUTO: the scheduler chooses it with the shape (`TrainRequest.auto_micro_batches`).
+AUTO = "auto"
 KNOBS: dict[str, type] = {"lr": float, "warmup_steps": int, "global_batch_seqs": int, "micro_batches": int,
                           "wire_dtype": str, "weight_decay": float, "grad_clip_norm": float, "precision": str}
 
@@ -97,10 +100,25 @@ class TrainRequest:
     # it is called, for messages; None: fresh weights of the preset.
     init_from: str | None = None
     init_name: str = ""
+    # The scheduler chooses the micro-batch count with the shape (`--micro-batches auto`): the
+    # allocation carries its choice (`micro_batches_allowed`), and `config.micro_batches` is only
+    # where the search starts. False: the config's, exactly, for the whole run.
+    auto_micro_batches: bool = False
 
     def __post_init__(self) -> None:
         if self.train is not None and self.train.seed != self.seed:
             raise TrainError(f"the training config's seed {self.train.seed} is not the request's {self.seed}")
+
+    def micro_batches_allowed(self, micro_batches: int, dp: int) -> bool:
+        """Whether an allocation of `dp` pipelines may run `micro_batches` per pipeline for this
+        start: the config's exactly, or with `auto_micro_batches` a count within the scheduler's
+        bound (`dtfm.sched.MAX_MICRO_BATCHES`) that gives every micro-batch of every pipeline a
+        sequence. The scheduler chooses a divisor of the per-pipeline batch
+        (`dtfm.sched.micro_batch_options`), or at a reconfiguration may keep the run's count
+        with a D it does not divide (the batch then splits as for a fixed count)."""
+        if not self.auto_micro_batches:
+            return micro_batches == self.config.micro_batches
+        return 1 <= micro_batches <= MAX_MICRO_BATCHES and dp * micro_batches <= self.config.global_batch_seqs
 
     @property
     def config(self) -> TrainConfig:
@@ -154,8 +172,9 @@ class TrainRequest:
             raise TrainError(f"compress: {e}") from None
         seed = num("seed", 0, 0, 2**63 - 1)
         knobs: dict[str, Any] = {}
+        auto_micro = args.get("micro_batches") == AUTO
         for key, kind in KNOBS.items():
-            if key not in args:
+            if key not in args or (key == "micro_batches" and auto_micro):
                 continue
             v = args[key]
             ok = type(v) is kind or (kind is float and type(v) is int)
@@ -164,9 +183,15 @@ class TrainRequest:
             knobs[key] = float(v) if kind is float else v
         try:
             train = TrainConfig(seed=seed, **knobs) if knobs else None
+            if auto_micro:  # (the search starts at the default count, or at what the batch allows the asked D)
+                cfg = train or TrainConfig(seed=seed)
+                dp_asked = args["dp"] if type(args.get("dp")) is int and args["dp"] >= 1 else 1
+                fits = [m for m in micro_batch_options(cfg.global_batch_seqs, dp_asked) if m <= cfg.micro_batches]
+                if fits and fits[-1] != cfg.micro_batches:  # (none: refused below, the batch too small)
+                    train = replace(cfg, micro_batches=fits[-1])
         except (ValueError, TypeError) as e:
             raise TrainError(f"training config: {e}") from None
-        req = cls(preset=preset, steps=num("steps", 100, 1, 10**9), seed=seed, train=train,
+        req = cls(auto_micro_batches=auto_micro, preset=preset, steps=num("steps", 100, 1, 10**9), seed=seed, train=train,
                   init_from=init_from, init_name=init_name,
                   stages=num("stages", stages, 1, 4096) if stages is not None else None,
                   dp=num("dp", None, 1, 4096), checkpoint_every=checkpoint_every,
@@ -175,7 +200,10 @@ class TrainRequest:
         # Every micro-batch of every pipeline needs a sample (train.split_batch; a shape the
         # scheduler picks is checked when it is picked).
         cfg, dp = req.config, req.dp or 1
-        if cfg.global_batch_seqs < dp * cfg.micro_batches:
+        if auto_micro and not micro_batch_options(cfg.global_batch_seqs, dp):
+            raise TrainError(f"global batch {cfg.global_batch_seqs} is too small for {dp} pipelines: raise --batch "
+                             "or lower --dp")
+        if not auto_micro and cfg.global_batch_seqs < dp * cfg.micro_batches:
             raise TrainError(f"global batch {cfg.global_batch_seqs} is too small for {dp} pipelines x "
                              f"{cfg.micro_batches} micro-batches: raise --batch or lower --micro-batches")
         if req.dp is not None and req.stages is None:
@@ -215,6 +243,8 @@ class TrainRequest:
         for key in KNOBS:
             if getattr(self.config, key) != getattr(default, key):
                 out[key] = getattr(self.config, key)
+        if self.auto_micro_batches:
+            out["micro_batches"] = AUTO
         if self.stages is not None:
             out["stages"] = self.stages
         if self.dp is not None:

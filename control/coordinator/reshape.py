@@ -39,8 +39,12 @@ view's bandwidth). A peer fetches its stages one after another, the movers in pa
 `move_s` is the slowest mover's total. A stage with no live holder left is *lost* (the plan
 lists it; it must come from a checkpoint) and costs no fetch time here.
 
-Each candidate's iteration time is the GPipe simulator's with the trainer's syncs, on the view,
-as `choose_shape` predicts it; its score is predicted_iteration_s x remaining_steps + move_s.
+Each candidate's iteration time is the GPipe simulator's with the trainer's syncs and flow-control
+window, on the view, as `choose_shape` predicts it; its score is predicted_iteration_s x
+remaining_steps + move_s. The run's micro-batch count is kept, unless its start left it to the
+scheduler (`auto_micro_batches`): then each candidate but keep is costed at every count of
+`micro_batch_options` for its D and at the run's own (where it still gives every micro-batch a
+sequence), and takes the fastest (the run's own on a tie); the placement names it.
 
 Cut links (`cut_links`: pairs of peers whose link failed a step and has not been measured
 healthy since) get a delay and bandwidth no working link has, so the scheduler steers around
@@ -66,8 +70,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (CompressionOptions, CostModel, ModelSpec, SearchConfig, layer_ranges, linear_assignment,
-                        simulate_iteration, solve)
+from dtfm.sched import (MAX_MICRO_BATCHES, TRAINER_WINDOW_MESSAGES, CompressionOptions, CostModel, ModelSpec,
+                        SearchConfig, layer_ranges, linear_assignment, micro_batch_options, simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
 from ..compute import peer_compute, sched_spec
@@ -106,7 +110,8 @@ class ReshapePlan:
     def summary(self) -> str:
         """One log line: the choice and every candidate."""
         s = self.placement
-        head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)} predicted "
+        head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)}"
+                + (f", {s.micro_batches} micro-batches" if s.micro_batches is not None else "") + " predicted "
                 f"{s.predicted_iteration_s:.3f} s, {self.moves} moves, {self.bytes_moved / 1e6:.1f} MB "
                 f"in {self.move_s:.2f} s, gain {self.gain_s:.1f} s")
         if self.lost_ranges:
@@ -122,7 +127,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
             config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
             compression: CompressionOptions | None = None, keep_stages: bool = False,
-            kind: Mapping[int, float] | None = None) -> ReshapePlan:
+            kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+            window_messages: int = TRAINER_WINDOW_MESSAGES) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -135,7 +141,9 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     links and groups may use (each costed with its cheapest, the current allocation too; None: exact).
     keep_stages: the operator asked for the current stage count: other stage counts only when
     fewer peers than stages are live. kind: the run's layer's `kind_factors` (none: the
-    reference rate).
+    reference rate). auto_micro_batches: the run's start left the micro-batch count to the
+    scheduler (see the module docstring; `cfg.micro_batches` is the run's current count).
+    window_messages: the swarm's flow-control window (`CommConfig.window_messages`).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -146,7 +154,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     if current is not None and current.n_layer != spec.n_layer:
         raise ValueError(f"the current layer ranges end at {current.n_layer}, the model has {spec.n_layer} layers")
     pl = _Planner(view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
-                  frozenset(cut_links), compression, kind)
+                  frozenset(cut_links), compression, kind, auto_micro_batches, window_messages)
     if not pl.live:
         raise ValueError("no live peer is in the network view: nothing to allocate")
     if pl.d_max < 1:
@@ -202,8 +210,10 @@ def _distinct(cands: list[_Cand]) -> list[_Cand]:
 def _plan(pl: _Planner, c: _Cand, cands: list[_Cand], ref: float) -> ReshapePlan:
     ids = pl.ids
     placement = Placement(tuple(tuple(ids[int(i)] for i in col) for col in c.X.T), c.ranges,
-                          tuple(ids[i] for i in pl.spares(c.X)), c.predicted_s, c.objective_s)
-    table = tuple({"kind": o.kind, "shape": f"{o.X.shape[0]}x{o.X.shape[1]}", "predicted_s": o.predicted_s,
+                          tuple(ids[i] for i in pl.spares(c.X)), c.predicted_s, c.objective_s,
+                          micro_batches=c.micro_batches if pl.auto_micro_batches else None)
+    table = tuple({"kind": o.kind, "shape": f"{o.X.shape[0]}x{o.X.shape[1]}", "micro_batches": o.micro_batches,
+                   "predicted_s": o.predicted_s,
                    "moves": o.moves, "bytes": o.bytes, "move_s": o.move_s, "score": o.score, "chosen": o is c}
                   for o in cands)
     return ReshapePlan(placement, c.kind, c.moves, c.bytes, c.move_s, (ref - c.predicted_s) * pl.steps, table,
@@ -258,6 +268,7 @@ class _Cand:
     score: float = 0.0
     fetches: tuple = ()
     lost: tuple = ()
+    micro_batches: int = 0  # the count it is predicted at
 
 
 class _Planner:
@@ -265,8 +276,10 @@ class _Planner:
 
     def __init__(self, view, spec, cfg, current, live, remaining_steps, stage_bytes, regions, seed, config,
                  cut=frozenset(), compression: CompressionOptions | None = None,
-                 kind: Mapping[int, float] | None = None):
+                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES):
         self.view, self.spec, self.cfg = view, spec, cfg
+        self.auto_micro_batches, self.window = auto_micro_batches, window_messages
         self.compression = compression
         self.ids = view.peers
         self.index = {p: i for i, p in enumerate(self.ids)}
@@ -282,10 +295,11 @@ class _Planner:
         self.stage_bytes = stage_bytes or default_stage_bytes(spec)
         self.regions = regions
         self.seed, self.config = seed, config
-        self.d_max = cfg.global_batch_seqs // cfg.micro_batches  # split_batch: every micro-batch a sample
+        # split_batch: every micro-batch a sample (one micro-batch each when the count is the scheduler's)
+        self.d_max = cfg.global_batch_seqs // (1 if auto_micro_batches else cfg.micro_batches)
         self.compute = peer_compute(view, kind)  # each peer's speed, as it reported it
         self.current = current
-        self._models: dict[tuple[int, int], CostModel] = {}
+        self._models: dict[tuple[int, int, int], CostModel] = {}
         if current is not None:
             # (S, D) view indices of the current allocation; -1 where the peer is dead or unknown
             self.cur = np.array([[self.index[p] if p in self.index and self.index[p] in self.live_set else -1
@@ -294,23 +308,43 @@ class _Planner:
             self.held = {int(i): s for s, row in enumerate(self.cur) for i in row if i >= 0}
 
     # -- evaluation -----------------------------------------------------------------------
-    def model(self, S: int, D: int) -> CostModel:
-        m = self._models.get((S, D))
+    def model(self, S: int, D: int, M: int | None = None) -> CostModel:
+        """The cost model of S x D at M micro-batches (the run's by default)."""
+        M = M or self.cfg.micro_batches
+        m = self._models.get((S, D, M))
         if m is None:
-            m = CostModel(self.delay, self.bw, self.mspec(D).workload(S, D), compute=self.compute.speeds,
+            m = CostModel(self.delay, self.bw, self.mspec(D, M).workload(S, D), compute=self.compute.speeds,
                           compression=self.compression)
-            self._models[(S, D)] = m
+            self._models[(S, D, M)] = m
         return m
 
-    def mspec(self, D: int) -> ModelSpec:
-        """The scheduler's model for D pipelines, its compute costed at the peers' speeds."""
-        return self.compute.spec(self.spec, self.cfg, D)
+    def mspec(self, D: int, M: int | None = None) -> ModelSpec:
+        """The scheduler's model for D pipelines at M micro-batches (the run's by default), its
+        compute costed at the peers' speeds."""
+        cfg = self.cfg if M is None or M == self.cfg.micro_batches else replace(self.cfg, micro_batches=M)
+        return self.compute.spec(self.spec, cfg, D)
+
+    def micro_counts(self, kind: str, D: int) -> list[int]:
+        """The micro-batch counts a candidate of D pipelines is costed at: the run's, and where the
+        scheduler chooses the count (not for keep), every count of `micro_batch_options`."""
+        own = self.cfg.micro_batches
+        if not self.auto_micro_batches or kind == "keep":
+            return [own]
+        fits = D * own <= self.cfg.global_batch_seqs and own <= MAX_MICRO_BATCHES
+        return ([own] if fits else []) + [m for m in micro_batch_options(self.cfg.global_batch_seqs, D) if m != own]
 
     def evaluate(self, kind: str, X: np.ndarray, ranges) -> _Cand:
         S, D = X.shape
-        m = self.model(S, D)
         c = _Cand(kind, X, tuple(ranges))
-        c.predicted_s = float(simulate_iteration(m, X, micro_batches=self.cfg.micro_batches, engine_syncs=True).iteration_s)
+        best: tuple[float, int] | None = None
+        for M in self.micro_counts(kind, D):  # (the run's first: it wins a tie)
+            t = float(simulate_iteration(self.model(S, D, M), X, micro_batches=M, engine_syncs=True,
+                                         window_messages=self.window).iteration_s)
+            if best is None or t < best[0] - 1e-12:
+                best = (t, M)
+        assert best is not None
+        c.predicted_s, c.micro_batches = best
+        m = self.model(S, D, c.micro_batches)
         if self.cut and used_cut_links([[self.ids[int(i)] for i in col] for col in X.T], self.cut):
             c.predicted_s += CUT_PENALTY_S
         c.objective_s = float(m.breakdown(X).paper_s)
@@ -564,7 +598,8 @@ def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarra
         D = dp if dp is not None else min(n // stages, pl.d_max)
         shapes = [(stages, D)] if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer else []
     else:
-        shapes = shape_space(n, pl.spec, pl.cfg, dp=dp, compute_costed=pl.compute.reference_tflops is not None)
+        shapes = shape_space(n, pl.spec, pl.cfg, dp=dp, compute_costed=pl.compute.reference_tflops is not None,
+                             auto_micro_batches=pl.auto_micro_batches)
         if old is not None:
             shapes = [(S, D) for S, D in shapes if S != old.shape[0]]
     out = []
@@ -580,4 +615,5 @@ def _current_prediction(pl: _Planner) -> float:
         return float("nan")
     X = np.array([[pl.index[p] for p in pipe] for pipe in pl.current.pipelines], dtype=np.int64).T
     m = pl.model(*X.shape)
-    return float(simulate_iteration(m, X, micro_batches=pl.cfg.micro_batches, engine_syncs=True).iteration_s)
+    return float(simulate_iteration(m, X, micro_batches=pl.cfg.micro_batches, engine_syncs=True,
+                                    window_messages=pl.window).iteration_s)

@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, CodecAssignment, CodecSpeed, CompressionOptions,
-                        CompressionPlan, CostModel, ScheduleInputs, choose_compression, layer_ranges,
-                        simulate_iteration, step_efficiency, wire_codecs)
+from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, TRAINER_WINDOW_MESSAGES, CodecAssignment, CodecSpeed,
+                        CompressionOptions, CompressionPlan, CostModel, ScheduleInputs, choose_compression,
+                        layer_ranges, simulate_iteration, step_efficiency, wire_codecs)
 from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
@@ -36,20 +36,26 @@ class Placement:
     links_note: str = ""
     shape_note: str = ""  # why this shape: its prediction against the others tried (`FastestShape.note`)
     inputs: ScheduleInputs | None = None  # a first placement's: what the scheduler chose it on
+    # The micro-batch count the scheduler chose with the shape (a run whose start left it to the
+    # scheduler, `TrainRequest.auto_micro_batches`); None: the run's own.
+    micro_batches: int | None = None
 
 
 def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None = None,
-                dp: int | None = None, compute_costed: bool = True) -> list[tuple[int, int]]:
+                dp: int | None = None, compute_costed: bool = True,
+                auto_micro_batches: bool = False) -> list[tuple[int, int]]:
     """Every (S, D) a run of `spec` may take on n live peers (`dtfm.sched.shape_space`): S
-    divides the layers, spares allowed, D at most the micro-batch count allows."""
-    return sched_shape_space(n, spec.n_layer, run_model(spec, cfg).d_max, stages=stages, dp=dp,
-                             compute_costed=compute_costed)
+    divides the layers, spares allowed, D at most the micro-batch count allows (one micro-batch
+    of one sequence per pipeline when the scheduler chooses the count)."""
+    return sched_shape_space(n, spec.n_layer, run_model(spec, cfg, auto_micro_batches=auto_micro_batches).d_max,
+                             stages=stages, dp=dp, compute_costed=compute_costed)
 
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
                  seed: int = 0, compression: CompressionOptions | None = None,
-                 kind: Mapping[int, float] | None = None) -> Placement:
+                 kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
     shape of `shape_space` (peers left out as spares included) is searched, and the one the
     simulator predicts fastest per step wins (`dtfm.sched.solve_fastest`: the global batch is
@@ -58,8 +64,11 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     reported one, only the shapes that place every peer are searched. stages given without dp:
     as many pipelines of it as the peers form. compression: the codecs each link and group may
     use, for a search that knows them (None: exact). kind: the run's layer's `kind_factors`
-    (none: the reference rate). The placement carries its inputs (`ScheduleInputs`: what
-    `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
+    (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
+    shape (`dtfm.sched.micro_batch_options`; the placement's `micro_batches` is the one chosen),
+    else the run's (`cfg.micro_batches`) is kept. window_messages: the swarm's flow-control window
+    (`CommConfig.window_messages`), which the simulator costs. The placement carries its inputs
+    (`ScheduleInputs`: what `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
     n = len(view.peers)
@@ -71,8 +80,9 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     if stages is not None and dp is None:
         dp = max(1, n // stages)
     inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
-                            delay, bw, pc.speeds, pc.reference_tflops, pc.kind, run_model(spec, cfg),
-                            stages, dp, seed, time_budget_s)
+                            delay, bw, pc.speeds, pc.reference_tflops, pc.kind,
+                            run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s,
+                            window_messages=window_messages)
     shapes = inputs.shapes()
     if not shapes:
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"
@@ -82,16 +92,18 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     alloc = found.alloc
     ids = view.peers
     note = found.note(n) + "; " + pc.describe()
-    inputs = replace(inputs, chosen={"stages": alloc.stages, "dp": alloc.dp,
+    inputs = replace(inputs, chosen={"stages": alloc.stages, "dp": alloc.dp, "micro_batches": found.micro_batches,
                                      "pipelines": [list(p) for p in alloc.pipelines],
                                      "predicted_iteration_s": found.iteration_s, "note": note})
     return Placement(tuple(tuple(ids[i] for i in pipe) for pipe in alloc.pipelines), alloc.layer_ranges,
                      tuple(ids[i] for i in alloc.spares), found.iteration_s, float(alloc.cost.paper_s),
-                     shape_note=note, inputs=inputs)
+                     shape_note=note, inputs=inputs,
+                     micro_batches=found.micro_batches if auto_micro_batches else None)
 
 
 def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int, dp: int,
-                 seed: int = 0, kind: Mapping[int, float] | None = None) -> Placement:
+                 seed: int = 0, kind: Mapping[int, float] | None = None,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """A uniformly random allocation of `stages` x `dp` over the view's peers, even layer split,
     with the simulator's prediction on the view: the baseline the scheduler's allocation is
     compared with. ValueError when the view is incomplete or the shape does not fit."""
@@ -108,7 +120,8 @@ def random_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     pc = peer_compute(view, kind)
     model = CostModel(delay, bw, pc.spec(spec, cfg, dp).workload(stages, dp),
                       compute=pc.speeds)
-    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True)
+    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
+                             window_messages=window_messages)
     ids = view.peers
     return Placement(tuple(tuple(ids[i] for i in X[:, d]) for d in range(dp)), ranges,
                      tuple(ids[i] for i in order[stages * dp:]), float(sim.iteration_s),
@@ -170,7 +183,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
                  speed: CodecSpeed = REFERENCE_CODEC_SPEED,
                  error_fraction: float = PREDICTION_ERROR_FRACTION,
                  efficiency: Mapping[str, float] = STEP_EFFICIENCY,
-                 kind: Mapping[int, float] | None = None) -> Placement:
+                 kind: Mapping[int, float] | None = None,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """`placement` with the links and DP groups of a per-link run chosen by the scheduler
     (`dtfm.sched.choose_compression`) on the view, by predicted time to the target loss: the
     simulator's iteration time divided by the plan's step efficiency (`efficiency`, measured per
@@ -187,7 +201,8 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     epoch before; a group holding any of their layers keeps it. Between synchronisations the
     replicas of such a group differ, and an exact all-reduce would keep them apart for good
     (an exact group can turn compressed at any step: its anchor follows its weights).
-    The prediction is the simulator's iteration time with the chosen codecs."""
+    The prediction is the simulator's iteration time with the chosen codecs (and the swarm's
+    flow-control window, `window_messages`)."""
     ids = {p: i for i, p in enumerate(view.peers)}
     if any(p not in ids for pipe in placement.pipelines for p in pipe):
         raise ValueError("the placement names a peer the network view does not hold")
@@ -202,7 +217,7 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     placed = np.unique(X)
     measured = int(view.codec_known()[placed].sum())
     plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
-                              efficiency=efficiency, error_fraction=error_fraction)
+                              efficiency=efficiency, error_fraction=error_fraction, window_messages=window_messages)
     pp = tuple(tuple(not c.exact for c in row) for row in plan.assignment.pp)
     kept = tuple(any(a < end and start < b for a, b in keep_compressed) for start, end in placement.layer_ranges)
     dp = tuple(not c.exact or k for c, k in zip(plan.assignment.dp, kept))
@@ -213,7 +228,7 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     if dp != tuple(not c.exact for c in plan.assignment.dp):
         codecs = CodecAssignment(plan.assignment.pp, tuple(opts.dp[-1] if on else opts.dp[0] for on in dp))
         predicted = float(simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
-                                             codecs=codecs).iteration_s)
+                                             codecs=codecs, window_messages=window_messages).iteration_s)
     return replace(placement, links=links, links_note=_note(plan, links, compression, predicted, (measured, len(placed))),
                    predicted_iteration_s=predicted)
 

@@ -31,6 +31,7 @@ from dtfm.train import (
     MessageRules,
     StageMemory,
     StageState,
+    TrainConfig,
     checkpoint_at,
     checkpoint_notes,
     load_checkpoint,
@@ -387,7 +388,7 @@ class StageHost:
         if isinstance(source, OwnCopy):
             state = await self._own_copy(alloc, source.holding)
             if state is not None:
-                return await trio.to_thread.run_sync(_on_device, state, device), 0
+                return await trio.to_thread.run_sync(_on_device, state, device, alloc.train), 0
             source = source.fallback
         return await self._fetch(alloc, source)
 
@@ -506,11 +507,15 @@ class StageHost:
             raise StageError(f"the stage worker did not stop within {self.config.stop_timeout_s:g} s")
 
 
-def _on_device(state: StageState, device: str) -> StageState:
-    """`state` itself where it is on `device`, else a copy there (a checkpoint is read on the CPU)."""
-    if str(state.device) == device or (device == "cuda" and state.device.type == "cuda"):
+def _on_device(state: StageState, device: str, cfg: TrainConfig) -> StageState:
+    """`state` itself where it is on `device` with training config `cfg`, else a copy there
+    with it (a checkpoint is read on the CPU; a run whose start left the micro-batch count to
+    the scheduler may change it between epochs, and the state offered at the old count keeps
+    it, as its digest says)."""
+    same = str(state.device) == device or (device == "cuda" and state.device.type == "cuda")
+    if same and state.cfg == cfg:
         return state
-    return stage_from_tensors(state.spec, state.cfg, state.layer_range, stage_tensors(state), state.step,
+    return stage_from_tensors(state.spec, cfg, state.layer_range, stage_tensors(state), state.step,
                               state.optim.step_count, device, compression=state.compress.config)
 
 

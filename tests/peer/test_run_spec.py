@@ -123,10 +123,12 @@ def test_a_run_spec_is_read_typed_and_flags_win(tmp_path):
     assert spec == {"steps": 300, "lr": 3e-4, "batch": 32, "wire_dtype": "bfloat16", "stages": 2,
                     "init_from": tmp_path / "m"}  # relative to the file's folder
     values = resolve({"steps": 50, "lr": None}, spec)
-    assert (values["steps"], values["lr"], values["micro_batches"]) == (50, 3e-4, 4)
+    assert (values["steps"], values["lr"], values["micro_batches"]) == (50, 3e-4, "auto")
     args = start_request(values)
     assert args == {"steps": 50, "seed": 0, "checkpoint_every": None, "placement": "scheduler", "stages": 2,
-                    "lr": 3e-4, "global_batch_seqs": 32, "wire_dtype": "bfloat16"}
+                    "lr": 3e-4, "global_batch_seqs": 32, "wire_dtype": "bfloat16", "micro_batches": "auto"}
+    # the scheduler's choice is signed as such; a count given is signed as given
+    assert start_request(resolve({"micro_batches": 4}, spec))["micro_batches"] == 4
     assert start_request(resolve({"preset": "small"}, spec))["preset"] == "small"  # the flag's model wins
 
 

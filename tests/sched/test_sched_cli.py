@@ -53,6 +53,25 @@ def test_text_output_and_scaled_scenario(capsys):
     assert "4 stages x 3 pipelines" in out and "pipeline 0:" in out
 
 
+def test_solve_costs_the_micro_batch_counts_and_keeps_the_fastest(capsys):
+    """--micro-batches auto: the allocation simulated at every count that divides the
+    per-pipeline batch, the fastest kept; N: that count alone, the same figure."""
+    argv = ("solve", "--scenario", "worldwide", "--peers", "8", "--model", "gpt-tiny", "--stages", "4", "--dp", "1",
+            "--time-budget", "30", "--generations", "1", "--json")
+    rc, out, _ = run(capsys, *argv, "--micro-batches", "auto")
+    assert rc == 0
+    doc = json.loads(out)
+    times = {r["micro_batches"]: r["simulated_iteration_s"] for r in doc["micro_batches_tried"]}
+    assert sorted(times) == [1, 2, 4, 8, 16, 32, 64]  # gpt-tiny: a global batch of 64
+    assert doc["micro_batches"] == min(times, key=times.get) and doc["simulated_iteration_s"] == min(times.values())
+    assert times[1] > times[doc["micro_batches"]] < times[64]  # the bubble at one end, the window at the other
+    rc, out, _ = run(capsys, *argv, "--micro-batches", "4")
+    fixed = json.loads(out)
+    assert fixed["micro_batches"] == 4 and fixed["simulated_iteration_s"] == pytest.approx(times[4])
+    rc, out, err = run(capsys, "solve", "--scenario", "worldwide", "--micro-batches", "auto")
+    assert rc == 1 and "model gpt3-xl-paper has no batch" in err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--scenario", "atlantis"], "no scenario 'atlantis'"),
     (["--scenario", "worldwide", "--stages", "16", "--dp", "8"], "needs 128 peers, worldwide has 64"),

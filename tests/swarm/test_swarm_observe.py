@@ -652,6 +652,18 @@ def test_a_start_interrupted_by_an_election_is_signed_and_sent_again(tmp_path, m
     assert sent == [{"op": k} for k in range(attempts)]  # a new signed start each time
 
 
+def test_the_swarms_start_signs_the_micro_batch_count_auto_and_no_stages_auto(tmp_path, monkeypatch):
+    state = make_state(tmp_path)
+    signed = []
+    monkeypatch.setattr(train_mod, "peer_status", lambda p: {"training": {"term": 1}})
+    monkeypatch.setattr(train_mod, "operator_op", lambda run_dir, p, kind, args: signed.append(args) or SimpleNamespace(
+        to_wire=lambda: {}))
+    monkeypatch.setattr(train_mod, "peer_request", lambda p, op, args, timeout_s: {"run_id": "ab" * 16})
+    train_mod.start_training(state, state.peers[0], {"steps": 4, "stages": "auto", "micro_batches": "auto",
+                                                     "dp": None}, tmp_path)
+    assert signed == [{"steps": 4, "micro_batches": "auto"}]
+
+
 def test_clock_jump_moves_the_wall_clock_of_a_peer_or_a_region(tmp_path, monkeypatch, capsys):
     save_state(tmp_path, make_state(tmp_path))
     asked = []
