@@ -79,7 +79,7 @@ def check_applications(sim: PlaneSim) -> None:
 def settle(sim: PlaneSim, rounds: int = 12, *, catch_up: bool = False) -> str:
     """Heal, restart every node, a clean network: the swarm reconfigures itself and trains.
     What came of it: "training", or why the run cannot go on. `catch_up`: then train on until
-    the log holds every step done (at most a few windows)."""
+    the log holds every step done and no coordinator is back-filling (at most a few windows)."""
     sim.heal()
     sim.net = CLEAN
     for k in range(sim.n):
@@ -105,10 +105,11 @@ def settle(sim: PlaneSim, rounds: int = 12, *, catch_up: bool = False) -> str:
         if len(epochs) == 1 and training and sim.train(2) == 2:
             # A step whose reports were lost (or came while the coordinator was down) is logged
             # once every peer reported the last step of its window, from the reports the peers
-            # keep (steplog.py): train on until the log holds every step done.
+            # keep (steplog.py; asked again, spaced, while some peer did not answer): train on
+            # until the log holds every step done and no gap waits.
             for _ in range(3 * STEP_WINDOW if catch_up else 0):
                 done = max(x.at for k in sim.live() for x in sim.sim_stages[k].values())
-                if done - 1 in sim.merged_log():
+                if done - 1 in sim.merged_log() and not backfilling(sim):
                     break
                 sim.train(1)
                 sim.run_for(0.5)
