@@ -449,7 +449,7 @@ class Coordinator:
             logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
                         "-" if line["loss"] is None else f"{line['loss']:.4f}")
         if log.gaps and log.gap_attempts >= GAP_ATTEMPTS:
-            logger.warning("steps %s: %d of %d peers answered without their reports; asking again in %.1f s",
+            logger.warning("steps %s are not logged yet (%d of %d peers answered); asking again in %.1f s",
                            _steps(log.gaps), len(states), len(log.alloc.peers), log.gap_retry_at() - now)
         return [LogLine(line) for line in lines]
 
