@@ -97,12 +97,14 @@ class HandOut:
             out.append(ResetLog())
         known = self._known(proc.cur)
         before = self._unlogged_before(proc.cur, alloc)
+        prev = self.steplog
+        asking = prev is not None and prev.filling and prev.alloc.epoch == alloc.epoch  # (its answers come to this log)
         self.steplog = log = StepLog(alloc, logged, started_at=self.r.clock.wall(now), refusals=self.refusals,
                                      known=known)
         out += [LogLine(line) for line in log.backfill(backfill, {x.step for _, x in backfill
                                                                        if x.step < alloc.start_step}, known)]
         # what neither this back-fill nor the epoch before logged is asked for again by the new log
-        log.carry(before)
+        log.carry(before, asking=asking)
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)

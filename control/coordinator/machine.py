@@ -215,7 +215,7 @@ class Coordinator:
         """When the machine wants a Tick (it waits for answers meanwhile, not for time)."""
         proc = self.procedure.proc
         log = self.steplog
-        gaps = log.gap_retry_at() if log is not None else math.inf
+        gaps = log.gap_retry_at() if log is not None and self.election.is_coordinator else math.inf
         if proc is not None:
             return min(t for t in (proc.place_at, proc.stop.poll_at, gaps) if t is not None)
         return min(self.run_watch.deadline(), gaps)
@@ -426,12 +426,13 @@ class Coordinator:
     def _gap_query(self, now: float) -> list:
         """Ask the epoch's peers for the reports they keep when the step log's gaps are due
         (steplog.py: at once, again while some peer does not answer, spaced after a few tries),
-        and record the gaps it gave up."""
+        while this peer is the coordinator (a successor's hand-out back-fills from the same
+        reports; re-elected, it asks again), and record the gaps it gave up."""
         log = self.steplog
         if log is None:
             return []
         out = self._unlogged(log)
-        if log.gap_query_due(now):
+        if self.election.is_coordinator and log.gap_query_due(now):
             logger.warning("no report of steps %s arrived; asking the peers for theirs%s", _steps(log.gaps),
                            f" (attempt {log.gap_attempts + 1})" if log.gap_attempts else "")
             log.asking()

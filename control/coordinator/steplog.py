@@ -221,10 +221,13 @@ class StepLog:
 
     # ---- gaps: steps to fill from the reports the peers keep -----------------------------------
 
-    def carry(self, steps: Iterable[int]) -> None:
+    def carry(self, steps: Iterable[int], *, asking: bool = False) -> None:
         """Steps before this epoch that an earlier epoch of the run left unlogged (its gaps, its
-        steps its hand-out's back-fill did not cover): gaps of this log, asked for at once."""
+        steps its hand-out's back-fill did not cover): gaps of this log, asked for at once, or
+        when the answers already asked for under this epoch come (`asking`: a failed hand-out's
+        log of the same epoch was asking)."""
         self.gaps |= {s for s in steps if s < self.alloc.start_step} - self.logged
+        self.filling = asking and bool(self.gaps)
         self._bound_gaps()
 
     def unlogged_before(self, step: int) -> set[int]:

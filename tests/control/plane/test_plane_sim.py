@@ -41,11 +41,12 @@ CFG = ElectionConfig.test()
 CLEAN = NetConditions(jitter=1.0)
 
 
-def backfilling(sim: PlaneSim) -> set[int]:
-    """The steps a live coordinator passed over (their reports lost on the way) and is asking
-    the peers for: not in the log yet, and not lost."""
+def backfilling(sim: PlaneSim, *, coordinators: bool = False) -> set[int]:
+    """The steps a live node's step log passed over (their reports lost on the way) and asks
+    the peers for (`coordinators`: only the logs of the nodes that are coordinators now): not in
+    the log yet, and not lost."""
     out: set[int] = set()
-    for k in sim.live():
+    for k in sim.coordinators() if coordinators else sim.live():
         log = sim.coords[k].steplog if sim.coords[k] is not None else None
         if log is not None:
             out |= log.gaps
@@ -109,7 +110,7 @@ def settle(sim: PlaneSim, rounds: int = 12, *, catch_up: bool = False) -> str:
             # until the log holds every step done and no gap waits.
             for _ in range(3 * STEP_WINDOW if catch_up else 0):
                 done = max(x.at for k in sim.live() for x in sim.sim_stages[k].values())
-                if done - 1 in sim.merged_log() and not backfilling(sim):
+                if done - 1 in sim.merged_log() and not backfilling(sim, coordinators=True):
                     break
                 sim.train(1)
                 sim.run_for(0.5)
