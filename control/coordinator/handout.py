@@ -225,7 +225,7 @@ class HandOut:
     def _unlogged_before(self, cur: Allocation | None, alloc: Allocation) -> set[int]:
         """The steps before `alloc`'s start that the step log of the epoch it follows (`cur`, or
         a hand-out of `alloc`'s epoch that failed after it) left unlogged: its gaps and the
-        steps after its last completed one. None when this peer did not log that epoch (a run it
+        steps after its last completed one. Empty when this peer did not log that epoch (a run it
         takes over: its hand-out's back-fill is all it knows of the steps before)."""
         log = self.steplog
         if log is None or cur is None or log.alloc.run_id != alloc.run_id or log.alloc.epoch not in (

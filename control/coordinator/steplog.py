@@ -36,9 +36,9 @@ What a peer may report (each refusal counted in the coordinator's `Refusals`):
 
 Back-filled reports (the peers' own, from their run states) are checked the same way against
 the allocation of their epoch, when this peer knows it (`known`); a report of an epoch it does
-not know, or outside its epoch's steps, is left out. While a last stage of a gap's epoch has not
-answered (and attempts remain), the gap waits for its report rather than being logged without
-a loss.
+not know, or outside its epoch's steps, is left out. While some peer has not answered (and
+attempts remain), a gap no last stage's report covers waits for one rather than being logged
+without a loss.
 """
 
 from __future__ import annotations
@@ -267,8 +267,8 @@ class StepLog:
         entry per peer that answered with its run state) cover. A gap no answer covers is given
         up once every peer of this epoch answered (`take_lost`); else it is asked for again: at
         once for the first GAP_ATTEMPTS queries, then after `retry_s`, doubling up to
-        GAP_RETRY_MAX times. While a last stage's report of a gap may still come (a last stage
-        of its epoch did not answer, attempts remain), the gap waits for it."""
+        GAP_RETRY_MAX times. While a last stage's report of a gap may still come (some peer did
+        not answer, attempts remain), a gap only first stages' reports cover waits for it."""
         self.filling = False
         everyone = set(self.alloc.peers) <= set(answered)
         self.gap_attempts += 1
