@@ -426,13 +426,16 @@ class Coordinator:
     def _gap_query(self, now: float) -> list:
         """Ask the epoch's peers for the reports they keep when the step log's gaps are due
         (steplog.py: at once, again while some peer does not answer, spaced after a few tries),
-        while this peer is the coordinator (a successor's hand-out back-fills from the same
-        reports; re-elected, it asks again), and record the gaps it gave up."""
+        and record the gaps it gave up. A coordinator that stepped down asks while its epoch
+        is still the one this peer runs (on its events only: its timer is the coordinator's);
+        once a successor handed out another, that hand-out's back-fill is the successor's."""
         log = self.steplog
         if log is None:
             return []
         out = self._unlogged(log)
-        if self.election.is_coordinator and log.gap_query_due(now):
+        cur = self.epoch.current
+        ours = cur is not None and (cur.run_id, cur.epoch) == (log.alloc.run_id, log.alloc.epoch)
+        if (self.election.is_coordinator or ours) and log.gap_query_due(now):
             logger.warning("no report of steps %s arrived; asking the peers for theirs%s", _steps(log.gaps),
                            f" (attempt {log.gap_attempts + 1})" if log.gap_attempts else "")
             log.asking()

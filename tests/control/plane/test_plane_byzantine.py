@@ -438,7 +438,7 @@ class ByzantinePlane(PlaneMachine):
         for t, c in sim.certificates:
             assert elected.setdefault(t, c) == c, f"two coordinators elected in term {t}"
         check_applications(sim)
-        check_log(sim)
+        check_log(sim, orphaned=self._orphaned())
         for k in sim.live():  # no identity it minted ever votes on an honest node, nor its own root
             if k != self.me:
                 council = sim.node(k).council
