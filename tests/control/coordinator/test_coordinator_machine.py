@@ -188,6 +188,36 @@ def test_a_step_no_peer_kept_a_report_of_is_a_logged_counted_event_not_a_silent_
     assert not n.asks and n.c.next_deadline() > 6.0 and n.c.steplog.gaps == set()
 
 
+def test_a_coordinator_that_stepped_down_asks_for_its_gaps_while_its_epoch_runs():
+    # n0 steps down (n1 coordinates term 2) while step 1's questions go unanswered: its epoch
+    # still runs here, so the next report after the wait asks again (its gap timer is a
+    # coordinator's: none here), and the answer logs step 1. A deposed coordinator whose peer
+    # runs another epoch leaves the steps to that epoch's coordinator: nothing asked.
+    n = Node()
+    _gap_at_step_1(n)
+    n.election.coordinator, n.election.term = N[1], 2
+    for t in (5.5, 5.6, 5.7, 5.8):  # (after the fourth, the next question waits a check interval)
+        n.answer("gaps 1", {}, at=t)
+    assert not n.asks and n.c.next_deadline() != 7.8
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 2 + REORDER_STEPS)), 9.0)
+    assert "gaps 1" in n.asks
+    n.answer("gaps 1", everyone=state((2, 4), 6, running=True, reports=[report(1, 1)]), at=9.1)
+    assert acted(n)[-1] == "log step 1 loss 4.9 epoch 1 backfilled"
+
+    n = Node()
+    _gap_at_step_1(n)
+    n.election.coordinator, n.election.term = N[1], 2
+    n.answer("gaps 1", {}, at=5.5)
+    n.answer("gaps 1", {}, at=5.6)
+    n.local_epoch(alloc(epoch=2, term=2, issuer=N[1], start_step=6))  # n1's next epoch
+    acted(n)
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 2 + REORDER_STEPS)), 9.0)
+    n.answer("gaps 1", {}, at=9.1)
+    assert not n.asks and n.c.steplog.gaps == {1}
+
+
 def test_a_gap_left_when_the_epoch_ends_is_asked_for_by_the_next_epochs_log():
     # Step 1 is a gap when the operator's reschedule starts: the peers' answers to the hand-out's
     # questions carry no reports (the back-fill covers nothing), and step 5, run up to the stop
