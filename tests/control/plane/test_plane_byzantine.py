@@ -491,9 +491,9 @@ def test_a_step_whose_reports_and_first_query_were_lost_is_back_filled():
     nodes, the insider's forged allocations and refusals, then a network that drops half the
     messages. Every report of step 4 is lost, and so are the answers to the coordinator's first
     question for the peers' kept reports of it, while the coordinator steps down and is elected
-    again in a new term without a new epoch (no later hand-out back-fills). The gap was given up
-    after that one question: a hole in the merged log for good. Now it is asked for again while
-    some peer does not answer, and logged once from the peers' reports."""
+    again in a new term without a new epoch (no later hand-out back-fills). Given up after that
+    question, step 4 would stay a hole in the merged log for good: it is asked for again while
+    some peer does not answer, and logged once, from the peers' reports, with its loss."""
     m = ByzantinePlane()
     m.start(n=5, seed=153667207, stages=2, checkpoint_every=0)
     rules = [
