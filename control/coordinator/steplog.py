@@ -282,7 +282,7 @@ class StepLog:
         if not self.gaps:
             self.gap_attempts, self._ask_at = 0, 0.0
         elif self.gap_attempts >= GAP_ATTEMPTS:
-            self._ask_at = now + retry_s * min(GAP_RETRY_MAX, 2 ** (self.gap_attempts - GAP_ATTEMPTS))
+            self._ask_at = now + retry_s * min(GAP_RETRY_MAX, 1 << min(self.gap_attempts - GAP_ATTEMPTS, 30))
         return lines
 
     def _loss(self, step: int, reports: dict[bytes, StepReport], alloc: Allocation) -> tuple[float | None, dict]:
