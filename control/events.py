@@ -27,6 +27,7 @@ class EventKind(enum.Enum):
     FINISHED = "finished"  # the run completed its last step
     LEAVE = "leave"  # a peer left as planned (`dtfm-peer leave`), handed off at a step boundary if the run named it
     LEFT_OUT = "left-out"  # peers refused a hand-out the others accepted: the next attempts go on without them
+    UNLOGGED = "unlogged"  # completed steps the step log cannot log: no peer keeps a report of them
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class PlaneEvent:
     compress_links: str | None = None  # START of a per-link run: which links and DP groups compress, and why
     shape_note: str | None = None  # START: why this shape (the scheduler's prediction against the shapes tried)
     left_out: tuple[LeftOutPeer, ...] = ()  # LEFT_OUT, STOPPED: the refusing peers left out, and why
+    steps: tuple[int, ...] = ()  # UNLOGGED: the steps
 
 
     def to_wire(self) -> dict[str, Any]:
@@ -123,4 +125,6 @@ class PlaneEvent:
             out["shape_note"] = self.shape_note
         if self.left_out:
             out["left_out"] = [x.to_wire() for x in self.left_out]
+        if self.steps:
+            out["steps"] = list(self.steps)
         return out

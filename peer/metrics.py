@@ -241,8 +241,9 @@ class StatusCollector(Collector):
 
     def _run(self, issued: dict, now: float | None) -> Iterator[Metric]:
         """The run as its coordinator counts it (on the coordinator only, also when it holds no
-        stage): how far, in what state, the steps, reconfigurations, rollbacks and steps lost it
-        counted since this daemon started, and the time since its last step."""
+        stage): how far, in what state, the steps, reconfigurations, rollbacks, steps lost and
+        steps it could not log it counted since this daemon started, and the time since its last
+        step."""
         if not issued:
             return
         run = _short(issued.get("run_id"))
@@ -264,7 +265,9 @@ class StatusCollector(Collector):
                 ("dtfm_run_steps", "steps", "step lines this coordinator logged"),
                 ("dtfm_run_reconfigurations", "reconfigurations", "epochs this coordinator handed out after a run's first"),
                 ("dtfm_run_rollbacks", "rollbacks", "reconfigurations that ran completed steps again"),
-                ("dtfm_run_steps_lost", "steps_lost", "completed steps the rollbacks ran again")):
+                ("dtfm_run_steps_lost", "steps_lost", "completed steps the rollbacks ran again"),
+                ("dtfm_run_steps_unlogged", "steps_unlogged", "completed steps the step log could not log "
+                 "(no peer kept a report of them)")):
             v = _num(counts.get(key))
             if v is not None:
                 counter = CounterMetricFamily(name, text, labels=["run_id"])

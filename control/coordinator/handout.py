@@ -96,9 +96,15 @@ class HandOut:
             logged.clear()
             out.append(ResetLog())
         known = self._known(proc.cur)
-        self.steplog = log = StepLog(alloc, logged, started_at=self.r.clock.wall(now), refusals=self.refusals)
+        before = self._unlogged_before(proc.cur, alloc)
+        prev = self.steplog
+        asking = prev is not None and prev.filling and prev.alloc.epoch == alloc.epoch  # (its answers come to this log)
+        self.steplog = log = StepLog(alloc, logged, started_at=self.r.clock.wall(now), refusals=self.refusals,
+                                     known=known)
         out += [LogLine(line) for line in log.backfill(backfill, {x.step for _, x in backfill
                                                                        if x.step < alloc.start_step}, known)]
+        # what neither this back-fill nor the epoch before logged is asked for again by the new log
+        log.carry(before, asking=asking)
         logger.info("issuing term %d epoch %d (%s): %d stages x %d pipelines over %d peers from step %d, "
                     "predicted %.3f s per step", alloc.term, alloc.epoch, alloc.reason, alloc.stages, alloc.dp,
                     len(alloc.peers), alloc.start_step, alloc.predicted_iteration_s)
@@ -215,6 +221,17 @@ class HandOut:
         if reply is not None:
             out.append(Reply(reply, {"handed_off": True, **info.to_wire()} if proc.order.leave else info.to_wire()))
         return out
+
+    def _unlogged_before(self, cur: Allocation | None, alloc: Allocation) -> set[int]:
+        """The steps before `alloc`'s start that the step log of the epoch it follows (`cur`, or
+        a hand-out of `alloc`'s epoch that failed after it) left unlogged: its gaps and the
+        steps after its last completed one. Empty when this peer did not log that epoch (a run it
+        takes over: its hand-out's back-fill is all it knows of the steps before)."""
+        log = self.steplog
+        if log is None or cur is None or log.alloc.run_id != alloc.run_id or log.alloc.epoch not in (
+                cur.epoch, alloc.epoch):
+            return set()
+        return log.unlogged_before(alloc.start_step)
 
     def _known(self, cur: Allocation | None) -> Callable[[int], Allocation | None]:
         """epoch -> its allocation of the run of `cur`, if this peer knows it (to check the

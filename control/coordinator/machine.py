@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from dtfm.net import short_id
@@ -66,7 +66,7 @@ from .operator_queue import (
 from .phase import CoordinatorStatus, Phase, run_over
 from .procedure import Procedures
 from .record import Order
-from .steplog import StepLog
+from .steplog import GAP_ATTEMPTS, StepLog
 from .watch import Reconfigure, RunWatch, completed_of
 
 __all__ = [
@@ -214,9 +214,11 @@ class Coordinator:
     def next_deadline(self) -> float:
         """When the machine wants a Tick (it waits for answers meanwhile, not for time)."""
         proc = self.procedure.proc
+        log = self.steplog
+        gaps = log.gap_retry_at() if log is not None and self.election.is_coordinator else math.inf
         if proc is not None:
-            return min(t for t in (proc.place_at, proc.stop.poll_at, math.inf) if t is not None)
-        return self.run_watch.deadline()
+            return min(t for t in (proc.place_at, proc.stop.poll_at, gaps) if t is not None)
+        return min(self.run_watch.deadline(), gaps)
 
     def left_out_now(self, now: float) -> frozenset[bytes]:
         """The peers left out of allocations at `now` because they refused one (leftout.py)."""
@@ -301,6 +303,7 @@ class Coordinator:
         else:
             out += self._operator(event, now)
         out += self._next(now)
+        out += self._gap_query(now)
         lines = [a.line for a in out if isinstance(a, LogLine)]
         if lines:
             fresh = any(not x.get("backfilled") for x in lines)
@@ -332,7 +335,7 @@ class Coordinator:
         if isinstance(key, ProbeKey):
             return self._go(self.run_watch.probed(key.kind, ev.answers, now), now)
         if isinstance(key, Gaps):
-            return self._gaps_filled(key.epoch, ev.answers)
+            return self._gaps_filled(key.epoch, ev.answers, now)
         if isinstance(key, OperatorStop):
             return self.queue.stopped(key, ev.answers)
         if isinstance(key, Keep):
@@ -418,24 +421,56 @@ class Coordinator:
             if finished:
                 out.append(Emit(PlaneEvent(EventKind.FINISHED, log.alloc.term, "last step", epoch=log.alloc.epoch,
                                            reason=f"all {log.alloc.end_step} steps completed")))
-        if log.gaps and not log.filling:
-            logger.warning("no report of steps %s arrived; asking the peers for theirs", sorted(log.gaps))
-            log.filling = True
+        return out
+
+    def _gap_query(self, now: float) -> list:
+        """Ask the epoch's peers for the reports they keep when the step log's gaps are due
+        (steplog.py: at once, again while some peer does not answer, spaced after a few tries),
+        and record the gaps it gave up. A coordinator that stepped down asks while its epoch
+        is still the one this peer runs (on its events only: its timer is the coordinator's);
+        once a successor handed out another, that hand-out's back-fill is the successor's."""
+        log = self.steplog
+        if log is None:
+            return []
+        out = self._unlogged(log)
+        cur = self.epoch.current
+        ours = cur is not None and (cur.run_id, cur.epoch) == (log.alloc.run_id, log.alloc.epoch)
+        if (self.election.is_coordinator or ours) and log.gap_query_due(now):
+            logger.warning("no report of steps %s arrived; asking the peers for theirs%s", _steps(log.gaps),
+                           f" (attempt {log.gap_attempts + 1})" if log.gap_attempts else "")
+            log.asking()
             out.append(self._reads.ask(Gaps(log.alloc.epoch), log.alloc.peers, ControlMsg.RUN_STATE, {"op": "query"},
                                        self.timings.request_timeout_s))
         return out
 
-    def _gaps_filled(self, epoch: int, answers: Mapping[bytes, PeerAnswer]) -> list:
+    def _gaps_filled(self, epoch: int, answers: Mapping[bytes, PeerAnswer], now: float) -> list:
         log = self.steplog
         if log is None or log.alloc.epoch != epoch:
             return []
-        log.filling = False
         states = run_states(answers)
-        lines, left = log.fill([(p, r) for p, st in states.items() for r in st.reports],
-                               everyone=True)
+        lines = log.fill({p: st.reports for p, st in states.items()}, now, self.timings.check_interval_s)
         for line in lines:
             logger.info("step %d: loss %s (back-filled from the peers' reports)", line["step"],
                         "-" if line["loss"] is None else f"{line['loss']:.4f}")
-        for step in left:
-            logger.warning("no peer kept a report of step %d; a later epoch may back-fill it", step)
+        if log.gaps and log.gap_attempts >= GAP_ATTEMPTS:
+            logger.warning("steps %s are not logged yet (%d of %d peers answered); asking again in %.1f s",
+                           _steps(log.gaps), len(states), len(log.alloc.peers), log.gap_retry_at() - now)
         return [LogLine(line) for line in lines]
+
+    def _unlogged(self, log: StepLog) -> list:
+        """The gaps the step log gave up (no peer keeps a report of them): a WARNING, the run's
+        count and an `unlogged` event, never a silent hole in the log."""
+        lost = log.take_lost()
+        if not lost:
+            return []
+        logger.warning("steps %s of run %s cannot be logged: no peer of epoch %d keeps a report of them",
+                       _steps(lost), log.alloc.run_id.hex()[:8], log.alloc.epoch)
+        self.counters.unlogged(log.alloc.run_id, len(lost))
+        return [Emit(PlaneEvent(EventKind.UNLOGGED, log.alloc.term, "step reports lost", epoch=log.alloc.epoch,
+                                reason=f"no peer keeps a report of steps {_steps(lost)}", steps=tuple(lost)))]
+
+
+def _steps(steps: Iterable[int]) -> str:
+    """Steps in a log line: the first few, and how many in all."""
+    shown = sorted(steps)
+    return ", ".join(map(str, shown[:8])) + (f" ... ({len(shown)} steps)" if len(shown) > 8 else "")

@@ -6,10 +6,16 @@ may come out of order); and, since a peer that reports a step has completed ever
 once every peer reported step s + STEP_WINDOW - 1, the last of the window after s (a report
 lost, or later than that, is not waited for), or the epoch's last step. Its line then carries the reports it has
 (`partial` when some are missing). A step no report of a last stage of which came (all lost: its line would have no loss) is then a
-gap, back-filled from the reports the peers keep; steps
-before the resume point of a new epoch are back-filled at its hand-out. `StepLog` only returns
-the lines: the plane's shell stamps them with the wall time and appends them to the run's log
-file.
+gap, back-filled from the reports the peers keep (`fill`, from their RUN_STATE answers); steps
+before the resume point of a new epoch are back-filled at its hand-out, and those its answers
+did not cover stay gaps of the new epoch's log (`carry`). A gap is asked for again while some
+peer does not answer: at once up to `GAP_ATTEMPTS` times, then spaced (doubling up to
+`GAP_RETRY_MAX` times the check interval), until a report covers it; it is given up only when
+it cannot be recovered: every peer asked answered and none kept a report of it, or it is older
+than any peer keeps (`MAX_REPORTS` steps behind) or than the newest `MAX_GAPS` gaps. A step
+given up is never a silent hole: `take_lost` hands it to the coordinator, which logs, counts
+and records it (event `unlogged`). `StepLog` only returns the lines: the plane's shell stamps
+them with the wall time and appends them to the run's log file.
 
 What a peer may report (each refusal counted in the coordinator's `Refusals`):
 
@@ -30,14 +36,16 @@ What a peer may report (each refusal counted in the coordinator's `Refusals`):
 
 Back-filled reports (the peers' own, from their run states) are checked the same way against
 the allocation of their epoch, when this peer knows it (`known`); a report of an epoch it does
-not know, or outside its epoch's steps, is left out.
+not know, or outside its epoch's steps, is left out. While some peer has not answered (and
+attempts remain), a gap no last stage's report covers waits for one rather than being logged
+without a loss.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from dtfm.net import short_id
 
@@ -46,7 +54,7 @@ from ..epoch.report import BYTE_AXES, StepReport
 from ..epoch.runstate import MAX_REPORTS
 from ..refusals import Refusals, Refused
 
-__all__ = ["MAX_GAPS", "MAX_RECENT_STEPS", "REORDER_STEPS", "STEP_WINDOW", "StepLog"]
+__all__ = ["GAP_ATTEMPTS", "GAP_RETRY_MAX", "MAX_GAPS", "MAX_RECENT_STEPS", "REORDER_STEPS", "STEP_WINDOW", "StepLog"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +65,8 @@ MAX_RECENT_STEPS = 64  # lines kept for `status`
 STEP_WINDOW = 8
 REORDER_STEPS = 3  # a step whose last stages' reports have not come waits until a step this much later is complete
 MAX_GAPS = MAX_REPORTS  # gaps kept for filling: a peer keeps no more reports than this
-GAP_ATTEMPTS = 4  # queries for the gaps' reports while some peer does not answer
+GAP_ATTEMPTS = 4  # queries for the gaps' reports at once while some peer does not answer; then spaced
+GAP_RETRY_MAX = 16  # the spaced queries' longest wait, in check intervals (doubling from one)
 
 Known = Callable[[int], "Allocation | None"]  # epoch -> its allocation, if this peer knows it
 
@@ -67,7 +76,7 @@ class StepLog:
     complete. `logged` is shared by the epochs of one run (the steps already written)."""
 
     def __init__(self, alloc: Allocation, logged: set[int], *, started_at: float,
-                 refusals: Refusals | None = None):
+                 refusals: Refusals | None = None, known: Known | None = None):
         self.alloc = alloc
         self.reports: dict[int, dict[bytes, StepReport]] = {}  # completed < step <= completed + STEP_WINDOW
         self.completed = alloc.start_step - 1
@@ -76,9 +85,15 @@ class StepLog:
         self.started_at = started_at
         self.fetched = 0  # bytes the peers fetched to take on their stages
         self.fetch_s = 0.0  # the slowest peer's fetch
-        self.gaps: set[int] = set()  # completed steps of which no report arrived (the newest MAX_GAPS)
+        # completed steps not logged yet (no report of them, or of a last stage, arrived; or steps
+        # an earlier epoch left unlogged, `carry`): the newest MAX_GAPS
+        self.gaps: set[int] = set()
         self.filling = False  # the peers are being asked for the gaps' reports
         self.gap_attempts = 0  # queries for the gaps so far in which some peer did not answer
+        self._ask_at = 0.0  # the gaps are asked for again from then on
+        self._lost: list[int] = []  # gaps given up (see the module docstring), until `take_lost`
+        # epoch -> its allocation (to check kept reports of the gaps an earlier epoch left)
+        self.known: Known = lambda e: alloc if e == alloc.epoch else known(e) if known is not None else None
         self.refusals = refusals if refusals is not None else Refusals()
         self.highest: dict[bytes, int] = {p: self.completed for p in alloc.peers}  # each peer's newest step
         self._behind = len(self.highest)  # peers whose newest step is < completed + STEP_WINDOW
@@ -160,18 +175,18 @@ class StepLog:
                     self.gaps.add(step)
                     continue
                 lines.append(self._line(step, got, self.alloc, partial=len(got) < n))
-            if len(self.gaps) > MAX_GAPS:
-                self.gaps = set(sorted(self.gaps)[-MAX_GAPS:])
             self.completed = target
+            self._bound_gaps()
             self._behind = sum(1 for h in self.highest.values() if h < target + STEP_WINDOW)
         return lines
 
-    def backfill(self, reports: Iterable[tuple[bytes, StepReport]], steps: Iterable[int], known: Known) -> list[dict]:
+    def backfill(self, reports: Iterable[tuple[bytes, StepReport]], steps: Iterable[int], known: Known, *,
+                 need_loss: bool = False) -> list[dict]:
         """Lines for those of `steps` not logged yet, from the peers' own reports (peer, report),
         marked `backfilled`: each from the reports of its newest epoch (a step re-run after a
         rollback: its last run). A report counts only if its peer had a stage in its epoch and
         its step is one of that epoch's (`known` gives the epoch's allocation). Steps no report
-        covers are left out."""
+        covers are left out; so are, with `need_loss`, steps no last stage's report covers."""
         wanted = set(steps) - self.logged
         by_step: dict[int, dict[int, dict[bytes, StepReport]]] = {}  # step -> epoch -> peer -> report
         allocs: dict[int, tuple[Allocation, frozenset[bytes]] | None] = {}  # epoch -> allocation, its peers
@@ -198,25 +213,77 @@ class StepLog:
             newest = max(by_step[step])
             found = allocs[newest]
             assert found is not None
-            lines.append(self._line(step, by_step[step][newest], found[0], backfilled=True))
+            got = by_step[step][newest]
+            if need_loss and {pipe[-1] for pipe in found[0].pipelines}.isdisjoint(got):
+                continue
+            lines.append(self._line(step, got, found[0], backfilled=True))
         return lines
 
-    def fill(self, reports: Iterable[tuple[bytes, StepReport]], *, everyone: bool = True) -> tuple[list[dict], list[int]]:
-        """Lines for the gaps these reports (the peers' own, of any step) cover with this
-        epoch's reports, and the gaps they leave: given up when `everyone` answered (a later
-        epoch's back-fill may still find them), else kept to ask again, at most
-        GAP_ATTEMPTS times in all."""
-        epoch = self.alloc.epoch
-        lines = self.backfill([(p, r) for p, r in reports if r.epoch == epoch], self.gaps,
-                              lambda e: self.alloc if e == epoch else None)
-        left = sorted(self.gaps - self.logged)
-        self.gaps = set(left)
+    # ---- gaps: steps to fill from the reports the peers keep -----------------------------------
+
+    def carry(self, steps: Iterable[int], *, asking: bool = False) -> None:
+        """Steps before this epoch that an earlier epoch of the run left unlogged (its gaps, its
+        steps its hand-out's back-fill did not cover): gaps of this log, asked for at once, or
+        when the answers already asked for under this epoch come (`asking`: a failed hand-out's
+        log of the same epoch was asking)."""
+        self.gaps |= {s for s in steps if s < self.alloc.start_step} - self.logged
+        self.filling = asking and bool(self.gaps)
+        self._bound_gaps()
+
+    def unlogged_before(self, step: int) -> set[int]:
+        """The steps before `step` this log should have logged and has not: its gaps, and the
+        steps after its last completed one (the newest MAX_GAPS of them)."""
+        ahead = range(max(self.completed + 1, step - MAX_GAPS), min(step, self.alloc.end_step))
+        return {s for s in self.gaps | set(ahead) if s < step} - self.logged
+
+    def gap_query_due(self, now: float) -> bool:
+        """Whether the peers are to be asked for the gaps' reports now (`asking` when they are)."""
+        return bool(self.gaps) and not self.filling and now >= self._ask_at
+
+    def asking(self) -> None:
+        self.filling = True
+
+    def gap_retry_at(self) -> float:
+        """When the gaps are asked for again (inf: none waits)."""
+        return self._ask_at if self.gaps and not self.filling else math.inf
+
+    def take_lost(self) -> list[int]:
+        """The gaps given up since the last call: steps no report of which can be found."""
+        lost, self._lost = sorted(set(self._lost) - self.logged), []
+        return lost
+
+    def _bound_gaps(self) -> None:
+        """Give up the gaps no peer can hold a report of any more (older than the reports a peer
+        keeps), and all but the newest MAX_GAPS."""
+        old = {s for s in self.gaps if s <= self.completed - MAX_REPORTS}
+        if len(self.gaps) - len(old) > MAX_GAPS:
+            old |= set(sorted(self.gaps - old)[:len(self.gaps) - len(old) - MAX_GAPS])
+        if old:
+            self.gaps -= old
+            self._lost += sorted(old)
+
+    def fill(self, answered: Mapping[bytes, Iterable[StepReport]], now: float, retry_s: float) -> list[dict]:
+        """Lines for the gaps that the reports in these answers (peer -> the reports it keeps, one
+        entry per peer that answered with its run state) cover. A gap no answer covers is given
+        up once every peer of this epoch answered (`take_lost`); else it is asked for again: at
+        once for the first GAP_ATTEMPTS queries, then after `retry_s`, doubling up to
+        GAP_RETRY_MAX times. While a last stage's report of a gap may still come (some peer did
+        not answer, attempts remain), a gap only first stages' reports cover waits for it."""
+        self.filling = False
+        everyone = set(self.alloc.peers) <= set(answered)
         self.gap_attempts += 1
-        if everyone or self.gap_attempts >= GAP_ATTEMPTS:
+        reports = [(p, r) for p, rs in answered.items() for r in rs]
+        lines = self.backfill(reports, self.gaps, self.known,
+                              need_loss=not everyone and self.gap_attempts < GAP_ATTEMPTS)
+        self.gaps -= self.logged
+        if everyone:
+            self._lost += sorted(self.gaps)
             self.gaps.clear()
-            self.gap_attempts = 0
-            return lines, left
-        return lines, []
+        if not self.gaps:
+            self.gap_attempts, self._ask_at = 0, 0.0
+        elif self.gap_attempts >= GAP_ATTEMPTS:
+            self._ask_at = now + retry_s * min(GAP_RETRY_MAX, 1 << min(self.gap_attempts - GAP_ATTEMPTS, 30))
+        return lines
 
     def _loss(self, step: int, reports: dict[bytes, StepReport], alloc: Allocation) -> tuple[float | None, dict]:
         """The step's loss from the last-stage peers' reports, and the disagreement ({} if none)."""

@@ -134,7 +134,7 @@ def test_the_run_s_series_are_wherever_its_coordinator_is_also_without_a_stage()
         "issued": {"run_id": "ab" * 16, "state": "paused", "reason": "only 1 of 3 voters are reachable",
                    "completed": 41, "steps_done": 42, "end_step": 100, "epoch": 5,
                    "counts": {"steps": 47, "reconfigurations": 4, "rollbacks": 1, "steps_lost": 5,
-                              "last_step_at": 1000.0}},
+                              "last_step_at": 1000.0, "steps_unlogged": 2}},
         "checkpoints": {"path": "/d/checkpoints", "bytes": 3_000_000, "kept": 3, "saved": 12, "refused": 1,
                         "refusal": "no checkpoint of layers 0-1 at step 40: the disk is full"}}}
     got = samples(generate(StatusCollector(lambda: snap, clock=lambda: 1012.5)))
@@ -143,6 +143,7 @@ def test_the_run_s_series_are_wherever_its_coordinator_is_also_without_a_stage()
     assert got[("dtfm_run_steps_completed", run)] == 42 and got[("dtfm_run_end_step", run)] == 100
     assert got[("dtfm_run_steps_total", run)] == 47 and got[("dtfm_run_reconfigurations_total", run)] == 4
     assert got[("dtfm_run_rollbacks_total", run)] == 1 and got[("dtfm_run_steps_lost_total", run)] == 5
+    assert got[("dtfm_run_steps_unlogged_total", run)] == 2
     assert got[("dtfm_run_seconds_since_last_step", run)] == 12.5
     assert got[("dtfm_checkpoint_bytes", frozenset())] == 3_000_000
     assert got[("dtfm_checkpoints_refused_total", frozenset())] == 1

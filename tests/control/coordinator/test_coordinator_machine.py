@@ -68,7 +68,7 @@ from dtfm.control.coordinator.machine import (
     next_council,
 )
 from dtfm.control.coordinator.failures import FailedSteps
-from dtfm.control.coordinator.steplog import REORDER_STEPS, STEP_WINDOW, StepLog
+from dtfm.control.coordinator.steplog import GAP_ATTEMPTS, REORDER_STEPS, STEP_WINDOW, StepLog
 from dtfm.control.epoch.runstate import PeerRunState
 from dtfm.control.refusals import Refusals
 from dtfm.net import short_id
@@ -133,6 +133,116 @@ def test_backfill_logs_each_step_once_from_its_newest_run():
     assert [(x["step"], x["epoch"], x["loss"], x["backfilled"]) for x in lines] == [
         (0, 1, report(1, 0).loss, True), (2, 3, 9.0, True)]
     assert log.logged == {0, 1, 2} and log.backfill(reports, {0, 2}, known) == []
+
+
+def _gap_at_step_1(n: Node) -> None:
+    """Every report of step 1 lost: once step 1 + REORDER_STEPS has every report, step 1 is a
+    gap and the peers are asked for the reports they keep (`gaps 1`)."""
+    n.training(steps=0)
+    for s in [0] + list(range(2, 2 + REORDER_STEPS)):
+        for p in N[:4]:
+            n.feed(StepReported(p, RUN, stage_report(p, 1, s)), 1.0 + s)
+    assert acted(n)[-1] == "ask gaps 1: RUN_STATE query -> n0 n1 n2 n3"
+    assert n.c.steplog.gaps == {1}
+
+
+def test_a_gap_is_asked_for_again_while_peers_do_not_answer_and_logged_once_one_does():
+    # The first queries' answers are lost but n0's (a first stage: no loss): asked again at
+    # once, GAP_ATTEMPTS times in all, then after one check interval, two, four; the loss-less
+    # line is not logged while a last stage may still answer. Then n1 (a last stage) answers:
+    # step 1 is logged, from its report, and nothing more is asked.
+    n = Node()
+    _gap_at_step_1(n)
+    first_stage = {N[0]: state((0, 2), 5, running=True, reports=[stage_report(N[0], 1, s) for s in range(5)])}
+    t = 6.0
+    for attempt in range(1, GAP_ATTEMPTS):
+        n.answer("gaps 1", first_stage, at=t)
+        assert acted(n)[-1] == "ask gaps 1: RUN_STATE query -> n0 n1 n2 n3", attempt  # asked again at once
+    asked = [t]
+    for _ in range(3):
+        n.answer("gaps 1", {}, at=asked[-1])  # nobody answers
+        while "gaps 1" not in n.asks:  # (the machine's own checks tick meanwhile)
+            n.tick()
+        asked.append(n.now)
+    assert [b - a for a, b in zip(asked, asked[1:])] == [2.0, 4.0, 8.0]  # check intervals, doubling
+    t = asked[-1]
+    assert n.c.status().completed == 1 + REORDER_STEPS and 1 not in n.c.logged[RUN]
+    n.answer("gaps 1", {N[1]: state((2, 4), 5, running=True, reports=[report(1, s) for s in range(5)])}, at=t + 0.1)
+    assert acted(n)[-1] == "log step 1 loss 4.9 epoch 1 backfilled"
+    assert not n.asks and n.c.steplog.gaps == set() and n.c.next_deadline() != t + 0.1
+
+
+def test_a_step_no_peer_kept_a_report_of_is_a_logged_counted_event_not_a_silent_hole(caplog):
+    # Every peer of the epoch answers, none with a report of step 1 (their kept reports start
+    # later): it cannot be logged. The coordinator says so (WARNING), counts it
+    # (`steps_unlogged`) and records an `unlogged` event naming the step; nothing is asked again.
+    n = Node()
+    _gap_at_step_1(n)
+    later = state((0, 2), 5, running=True, reports=[report(1, s) for s in range(2, 5)])
+    with caplog.at_level(logging.WARNING):
+        n.answer("gaps 1", everyone=later, at=6.0)
+    assert acted(n)[1:] == ["emit unlogged term=1 epoch=1 trigger=step reports lost "
+                            "reason=no peer keeps a report of steps 1"]
+    assert "steps 1 of run" in caplog.text and "cannot be logged" in caplog.text
+    assert n.c.status().counts.steps_unlogged == 1 and n.c.status().counts.to_wire()["steps_unlogged"] == 1
+    assert not n.asks and n.c.next_deadline() > 6.0 and n.c.steplog.gaps == set()
+
+
+def test_a_coordinator_that_stepped_down_asks_for_its_gaps_while_its_epoch_runs():
+    # n0 steps down (n1 coordinates term 2) while step 1's questions go unanswered: its epoch
+    # still runs here, so the next report after the wait asks again (its gap timer is a
+    # coordinator's: none here), and the answer logs step 1. A deposed coordinator whose peer
+    # runs another epoch leaves the steps to that epoch's coordinator: nothing asked.
+    n = Node()
+    _gap_at_step_1(n)
+    n.election.coordinator, n.election.term = N[1], 2
+    for t in (5.5, 5.6, 5.7, 5.8):  # (after the fourth, the next question waits a check interval)
+        n.answer("gaps 1", {}, at=t)
+    assert not n.asks and n.c.next_deadline() != 7.8
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 2 + REORDER_STEPS)), 9.0)
+    assert "gaps 1" in n.asks
+    n.answer("gaps 1", everyone=state((2, 4), 6, running=True, reports=[report(1, 1)]), at=9.1)
+    assert acted(n)[-1] == "log step 1 loss 4.9 epoch 1 backfilled"
+
+    n = Node()
+    _gap_at_step_1(n)
+    n.election.coordinator, n.election.term = N[1], 2
+    n.answer("gaps 1", {}, at=5.5)
+    n.answer("gaps 1", {}, at=5.6)
+    n.local_epoch(alloc(epoch=2, term=2, issuer=N[1], start_step=6))  # n1's next epoch
+    acted(n)
+    for p in N[:4]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 2 + REORDER_STEPS)), 9.0)
+    n.answer("gaps 1", {}, at=9.1)
+    assert not n.asks and n.c.steplog.gaps == {1}
+
+
+def test_a_gap_left_when_the_epoch_ends_is_asked_for_by_the_next_epochs_log():
+    # Step 1 is a gap when the operator's reschedule starts: the peers' answers to the hand-out's
+    # questions carry no reports (the back-fill covers nothing), and step 5, run up to the stop
+    # boundary, was never reported either. The new epoch's log takes both over: it asks for them
+    # and logs them from epoch 1's reports, each once.
+    n = Node()
+    _gap_at_step_1(n)
+    n.answer("gaps 1", {}, at=5.5)  # (asked again at once)
+    n.feed(Reschedule(("op", "r"), reschedule_op(6.0)), 6.0)
+    n.answer("states", {p: state(n.held(p)["layers"], 6, running=True) for p in N[:4]}, at=6.1)
+    n.answer("stop", everyone={"stopped": True}, at=6.2)
+    n.tick()
+    n.answer("poll", {p: state(n.held(p)["layers"], 6) for p in N[:4]}, at=n.now + 0.1)
+    n.compute("plan", at=n.now + 0.1)
+    for layers, digest in (("0-2", D01), ("2-4", D23)):
+        n.answer(f"offer {layers}", everyone={"digest": digest, "bytes": 1}, at=n.now + 0.1)
+    assert n.c.steplog.alloc.epoch == 2 and n.c.steplog.gaps == {1, 5}
+    kept = {p: state(n.held(p)["layers"], 6, epoch=2, reports=[stage_report(p, 1, s) for s in range(6)])
+            for p in N[:4]}
+    n.answer("gaps 1", {}, at=n.now + 0.1)  # (epoch 1's question: its log is gone, nothing changes)
+    acted(n)
+    n.answer("gaps 2", kept, at=n.now + 0.1)
+    assert [x for x in acted(n) if x.startswith("log")] == ["log step 1 loss 4.9 epoch 1 backfilled",
+                                                             "log step 5 loss 4.5 epoch 1 backfilled"]
+    assert n.c.logged[RUN] == set(range(6)) and n.c.steplog.gaps == set()
 
 
 # ---- reconfiguration --------------------------------------------------------------------------------

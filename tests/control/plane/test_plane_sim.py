@@ -8,7 +8,8 @@ runs, in `violations`). After every rule: never two coordinators in one term; a 
 allocation only in its current term and from the coordinator it recognises, the one elected in
 it; each node's applied (term, epoch) strictly increases; the merged train log (per step the
 line of the highest (term, epoch), as `dtfm-swarm` merges it) has every step from 0 but those a
-live coordinator is back-filling (their reports were lost and it is asking the peers); a node
+live coordinator is back-filling (their reports were lost and it is asking the peers) or a
+crashed one was (its successor's hand-out back-fills them); a node
 logs a step once in one life unless the swarm rolled back to it. At the end, after a heal, the
 restart of every node and a quiet period in which the swarm trains: every live node applied the
 same newest (term, epoch) and the merged log holds every step the swarm completed: a run that
@@ -41,23 +42,26 @@ CFG = ElectionConfig.test()
 CLEAN = NetConditions(jitter=1.0)
 
 
-def backfilling(sim: PlaneSim) -> set[int]:
-    """The steps a live coordinator passed over (their reports lost on the way) and is asking
-    the peers for: not in the log yet, and not lost."""
+def backfilling(sim: PlaneSim, *, coordinators: bool = False) -> set[int]:
+    """The steps a live node's step log passed over (their reports lost on the way) and asks
+    the peers for (`coordinators`: only the logs of the nodes that are coordinators now): not in
+    the log yet, and not lost."""
     out: set[int] = set()
-    for k in sim.live():
+    for k in sim.coordinators() if coordinators else sim.live():
         log = sim.coords[k].steplog if sim.coords[k] is not None else None
         if log is not None:
             out |= log.gaps
     return out
 
 
-def check_log(sim: PlaneSim, *, pending: bool = True) -> list[int]:
+def check_log(sim: PlaneSim, *, pending: bool = True, orphaned: set[int] = frozenset()) -> list[int]:
     """The log invariants; returns the merged log's steps. `pending`: a hole may be a step a
-    live coordinator is back-filling."""
+    live coordinator is back-filling, or one of `orphaned`: the gaps a coordinator was
+    back-filling when it crashed (its successor's hand-out back-fills them from the reports the
+    peers keep, or, were those peers lost too, the swarm rolls back and runs them again)."""
     merged = sim.merged_log()
     steps = sorted(merged)
-    allowed = backfilling(sim) if pending else set()
+    allowed = backfilling(sim) | orphaned if pending else set()
     holes = set(range(steps[-1] + 1)) - set(steps) - allowed if steps else set()
     assert not holes, f"merged train log has holes: {steps} (being back-filled: {sorted(allowed)})"
     back = min((e[3]["resume_step"] for e in sim.events if e[2] == "rollback"), default=float("inf"))
@@ -79,7 +83,7 @@ def check_applications(sim: PlaneSim) -> None:
 def settle(sim: PlaneSim, rounds: int = 12, *, catch_up: bool = False) -> str:
     """Heal, restart every node, a clean network: the swarm reconfigures itself and trains.
     What came of it: "training", or why the run cannot go on. `catch_up`: then train on until
-    the log holds every step done (at most a few windows)."""
+    the log holds every step done and no coordinator is back-filling (at most a few windows)."""
     sim.heal()
     sim.net = CLEAN
     for k in range(sim.n):
@@ -105,10 +109,14 @@ def settle(sim: PlaneSim, rounds: int = 12, *, catch_up: bool = False) -> str:
         if len(epochs) == 1 and training and sim.train(2) == 2:
             # A step whose reports were lost (or came while the coordinator was down) is logged
             # once every peer reported the last step of its window, from the reports the peers
-            # keep (steplog.py): train on until the log holds every step done.
+            # keep (steplog.py; asked again, spaced, while some peer did not answer): train on
+            # until the log holds every step done and no gap waits.
+            # (after a rollback, the steps run again fill the holes the lost steps left)
             for _ in range(3 * STEP_WINDOW if catch_up else 0):
                 done = max(x.at for k in sim.live() for x in sim.sim_stages[k].values())
-                if done - 1 in sim.merged_log():
+                logged = set(sim.merged_log())
+                if (done - 1 in logged and logged >= set(range(max(logged) + 1))
+                        and not backfilling(sim, coordinators=True)):
                     break
                 sim.train(1)
                 sim.run_for(0.5)
@@ -120,6 +128,19 @@ class PlaneMachine(SimFaults):
     def __init__(self):
         super().__init__()
         self.sim: PlaneSim | None = None
+        self.orphaned: set[int] = set()  # the gaps crashed coordinators were back-filling, until logged
+
+    @rule(i=st.integers(0, 8))
+    def crash(self, i):
+        k = self._k(i)
+        coord = self.sim.coords[k]
+        if coord is not None and coord.steplog is not None:
+            self.orphaned |= coord.steplog.gaps
+        self.sim.crash(k)
+
+    def _orphaned(self) -> set[int]:
+        self.orphaned -= set(self.sim.merged_log())
+        return self.orphaned
 
     @initialize(n=st.integers(3, 6), seed=st.integers(0, 2**32), stages=st.sampled_from([1, 2]),
                 checkpoint_every=st.sampled_from([0, 2]))
@@ -152,7 +173,7 @@ class PlaneMachine(SimFaults):
         terms = [self.sim.nodes[k].term for k in self.sim.coordinators()]
         assert len(terms) == len(set(terms)), "two coordinators in one term"
         check_applications(self.sim)
-        check_log(self.sim)
+        check_log(self.sim, orphaned=self._orphaned())
 
     def teardown(self):
         sim = self.sim
