@@ -335,23 +335,33 @@ def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: i
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
-    saved = _snapshot(state) if sync_due else None
+    # an overlapped exchange started after an earlier step lands now (`CompressionConfig.apply_due`)
+    applies = comp.config.apply_due(step) if coded else None
+    overlapped = sync_due and comp.config.dp_overlap_steps > 0
+    saved = _snapshot(state) if sync_due or applies is not None else None
     state.optim.step(cfg.lr_at(step))
     if not local:
         comp.track_anchor(list(state.params.values()))
     if saved is not None:
+        params, later = list(state.params.values()), sends if deferred else None
         try:
-            comp.sync(comm, group, list(state.params.values()), cfg.seed, step, f"{key}/dpc", to,
-                      sends if deferred else None)
+            if applies is not None:
+                comp.finish_sync(comm, group, params, applies, f"{plan.epoch}.{applies}/dpc", f"{key}/dpc", to, later)
+            if overlapped:
+                comp.start_sync(comm, group, params, step, f"{key}/dpc", to, later)
+            elif sync_due:
+                comp.sync(comm, group, params, cfg.seed, step, f"{key}/dpc", to, later)
         except BaseException:
             _restore(state, saved)
             raise
 
 
 def _snapshot(state: StageState) -> dict[str, torch.Tensor]:
-    """Copies of the weights and optimizer moments (what an inner step changes)."""
+    """Copies of the weights, the optimizer moments and the compression buffers (what an inner
+    step and a synchronisation change)."""
     out = {f"param/{n}": p.detach().clone() for n, p in state.params.items()}
     out.update({k: v.clone() for k, v in state.optim.state_tensors().items()})
+    out.update({k: v.clone() for k, v in state.compress.state_tensors().items()})
     return out
 
 
@@ -360,3 +370,4 @@ def _restore(state: StageState, saved: dict[str, torch.Tensor]) -> None:
     for n, p in state.params.items():
         p.copy_(saved[f"param/{n}"])
     state.optim.load_state_tensors(saved, state.optim.step_count - 1)
+    state.compress.load_state_tensors(saved)
