@@ -471,8 +471,50 @@ def repeat_seeds(text: str, repeats: int) -> list[int]:
 
 
 def method_names(text: str) -> list[str]:
-    """The compressed methods of `--methods`: exact always runs first, as the reference."""
-    return [m for m in text.split(",") if m and m != "exact"]
+    """The compressed methods of `--methods`: exact always runs first, as the reference. Methods
+    are separated by commas, or by semicolons when one has options
+    ("slow-link;slow-link,dp_overlap_steps=1")."""
+    return [m.strip() for m in text.split(";" if ";" in text else ",") if m.strip() and m.strip() != "exact"]
+
+
+def simulated_overlap(args, overlaps: Iterable[int] = (0, 1, 2)) -> dict:
+    """SIMULATED, no daemons: `slow-link` and `diloco` on the emulated worldwide swarm of 8 (the
+    scenario's matrices at the bandwidth scale, the shape and allocation the search picks for
+    exact `tiny`, `--tiny-compute-s` of compute, the trainer's round trips, the reference CPU's
+    coding speed) with the DP exchange overlapping 0, 1, 2 inner steps: the predicted iteration
+    (the mean over a DiLoCo cycle) and what each overlap buys."""
+    from dtfm.scenarios import load_scenario
+    from dtfm.sched import (REFERENCE_CODEC_SPEED, CodecAssignment, CompressionOptions, CostModel, simulate_iteration,
+                            solve, wire_codecs)
+    from dtfm.train.compress import parse_compression
+
+    sc = load_scenario("worldwide").scaled(8)
+    dl, bw, regions = sc.delay_ms(), sc.bandwidth_gbps() * args.bandwidth_scale, sc.peer_regions()
+    M, batch = 4, 16
+    shape = solve(sc.delay_ms(), sc.bandwidth_gbps(), tiny_spec(8, M, batch, None), stages="auto", regions=regions,
+                  seed=args.seed, time_budget_s=args.time_budget, generations=20, allow_spares=False)
+    S, D = shape.stages, shape.dp
+    spec = tiny_spec(D, M, batch, None)
+    spec = tiny_spec(D, M, batch, args.tiny_compute_s / ((M + S - 1) * (spec.layers // S)))
+    out: dict = {"shape": f"{S}x{D}", "pipelines": [[regions[i] for i in p] for p in shape.pipelines],
+                 "bandwidth_scale": args.bandwidth_scale, "methods": {}}
+    for name in ("slow-link", "diloco"):
+        row = {}
+        for tau in overlaps:
+            pp, dp = wire_codecs(parse_compression(f"{name},dp_overlap_steps={tau}"))
+            opts = CompressionOptions((pp,) if pp.exact else (type(pp)(), pp), (type(dp)(), dp), REFERENCE_CODEC_SPEED)
+            model = CostModel(dl, bw, spec.workload(S, D), compression=opts)
+            sim = simulate_iteration(model, shape.matrix, micro_batches=M, engine_syncs=True,
+                                     codecs=CodecAssignment.uniform(S, D, pp, dp))
+            row[str(tau)] = {"iteration_s": round(float(sim.iteration_s), 4),
+                             "sync_s": [round(float(a), 4) for a in sim.exposed_sync_s],
+                             "exchange_s": [round(float(a), 4) for a in sim.allreduce_s]}
+        base = row["0"]["iteration_s"]
+        for tau, r in row.items():
+            r["saving_s"] = round(base - r["iteration_s"], 4)
+            r["speedup"] = round(base / r["iteration_s"], 4)
+        out["methods"][name] = row
+    return out
 
 
 def run(args) -> dict:
@@ -574,7 +616,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=10.0, help="seconds of search per allocation (the scale)")
     ap.add_argument("--seed", type=int, default=0, help="the search's seed (the scale)")
     ap.add_argument("--methods", default="slow-link", help="compressed configurations, comma-separated "
-                    "(`--compress` texts without commas: presets)")
+                    "(`--compress` texts without commas: presets), or semicolon-separated `--compress` texts "
+                    "(\"slow-link;slow-link,dp_overlap_steps=1\")")
+    ap.add_argument("--simulate-overlap", action="store_true",
+                    help="only predict, without daemons, what overlapping the DiLoCo exchange with 0, 1 and 2 "
+                         "inner steps gives on this scale (`simulated_overlap`) and exit")
     ap.add_argument("--recommended", default="slow-link", help="the method the JSON line's top level reports")
     ap.add_argument("--repeats", type=int, default=3, help="fresh swarms, each running every method once")
     ap.add_argument("--seeds", default="", help="training seeds of the repeats, comma-separated, used in turn "
@@ -587,6 +633,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of every time")
     ap.add_argument("--out", default=None, help="write every figure to this JSON file")
     args = ap.parse_args(argv)
+    if args.simulate_overlap:
+        if args.bandwidth_scale is None:
+            args.bandwidth_scale = computed_scale(args)["scale"]
+        res = simulated_overlap(args)
+        print(f"SIMULATED: tiny {res['shape']} on the worldwide 8 at bandwidth x {res['bandwidth_scale']:.4g}, "
+              f"{args.tiny_compute_s} s compute", file=sys.stderr)
+        print_table(["method", "overlap steps", "predicted s/iter", "sync-step DP cost per stage (s)",
+                     "saving (s/iter)", "speedup"],
+                    [[m, tau, r["iteration_s"], ", ".join(f"{a:.3f}" for a in r["sync_s"]), r["saving_s"], r["speedup"]]
+                     for m, row in res["methods"].items() for tau, r in row.items()])
+        if args.out:
+            write_json(Path(args.out), res)
+        print(json.dumps(res))
+        return 0
     if args.recommended not in method_names(args.methods):
         ap.error(f"--recommended {args.recommended} is not among --methods")
     if args.repeats < 1:

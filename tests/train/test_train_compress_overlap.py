@@ -15,7 +15,7 @@ from dtfm.control.allocation.fields import config_from_wire, config_to_wire
 from dtfm.train import (LocalCluster, Plan, load_checkpoint, load_corpus, save_checkpoint, stage_from_tensors,
                         stage_tensors)
 from dtfm.train.compress import CompressionConfig, StageCompression, get_compression, parse_compression
-from dtfm.train.compress.dp import delayed_outer_update, outer_step
+from dtfm.train.compress import delayed_outer_update, outer_step
 
 # H = 4, two synchronisations at each interval below it (1, 2), then every 4 steps
 RAMP = CompressionConfig(pp_method="int4", pp_hadamard=True, dp_method="diloco", dp_topk_fraction=1.0,
@@ -197,3 +197,19 @@ def test_stage_transfer_mid_exchange(corpus):
             cl.step()
             for s in range(2):
                 assert len(set(anchor_hashes(cl, s))) == 1, (step, s)
+
+
+def test_in_flight_contributions_give_the_anchor_that_lands(corpus):
+    """The group's decoded payloads of an exchange in flight, summed in group order, give the
+    anchor every replica holds once it lands (how bench/compress.py judges the synchronised
+    model at the synchronisation steps)."""
+    with LocalCluster(SPEC, CFG, Plan.grid(4, 2, 3), corpus, compression=OVER) as cl:
+        cl.run(10)  # the sync after step 9 is sent; it lands after step 11
+        members = [cl.states[p].compress for p in cl.plan.dp_group(1)]
+        total = members[0].in_flight_contribution().clone()
+        for m in members[1:]:
+            total += m.in_flight_contribution()
+        avg = total / torch.full((), len(members), dtype=total.dtype)
+        want = outer_step(OVER, 9, members[0].buffers["anchor"], members[0].buffers["outer_m"], avg)[0]
+        cl.run(2)
+        assert all(torch.equal(m.buffers["anchor"], want) for m in members)

@@ -168,6 +168,11 @@ class StageCompression:
             return torch.zeros(0)
         return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
 
+    def state_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat (numel,) vector in parameter order as one view per parameter name (e.g. the
+        anchor as the stage's parameters)."""
+        return self._views(flat)
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """`compress/<kind>/<param name>` for every buffer: views, not copies."""
         return {f"{STATE_PREFIX}{kind}/{n}": v for kind, flat in self.buffers.items()
@@ -299,6 +304,15 @@ class StageCompression:
         for p, v in zip(params, self._views(new_weights).values()):
             p.copy_(v)
         self._sent = None
+
+    @torch.no_grad()
+    def in_flight_contribution(self) -> torch.Tensor:
+        """This replica's decoded payload of the exchange in flight (what every member adds for
+        it when the exchange lands): the group's sum of these in group order, over its size, is
+        the mean `finish_sync` will apply."""
+        c = self.config
+        acc = self._accumulated()
+        return decode_sparse(self._own_payload(), acc.numel(), c.dp_chunk_elems, c.dp_topk_per_chunk, c.dp_value_bits)
 
     def forget_exchange(self) -> None:
         """The comm an exchange in flight was sent on is gone (the stage moves to another plan or
