@@ -92,7 +92,9 @@ def cycle_iteration_s(rows: list[dict], period: int, skip: int,
     (`synchronises(step)`, by default step + 1 a multiple of H; a DiLoCo run's warm start
     synchronises more often: `CompressionConfig.sync_due`) and the local ones are summarised
     apart and weighted by the steady cycle, ((H - 1) local + sync) / H, each the median of its
-    kind. `iteration_s` None when the kept steps hold no step of a needed kind."""
+    kind. `iteration_s` None when the kept steps hold no step of a needed kind. `mean_s`: the
+    plain mean of the kept steps (what a run whose exchange lands on a later step than it is
+    sent, `dp_overlap_steps`, pays in all, the steps where it lands included)."""
     if period < 1:
         raise ValueError(f"period must be at least 1, got {period}")
     due = synchronises or (lambda step: (step + 1) % period == 0)
@@ -108,6 +110,7 @@ def cycle_iteration_s(rows: list[dict], period: int, skip: int,
     else:
         it = ((period - 1) * local_med + sync_med) / period
     return {"iteration_s": it, "median_s": statistics.median([*sync, *local]) if kept else None,
+            "mean_s": statistics.fmean([*sync, *local]) if kept else None,
             "sync_median_s": sync_med, "local_median_s": local_med, "sync_steps": len(sync),
             "local_steps": len(local), "period": period}
 

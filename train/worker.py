@@ -4,7 +4,8 @@ clipping and the optimizer step.
 With a `CompressionConfig` (train/compress/) activations and their gradients travel as
 quantized payloads, and the DP step is exact or local: each pipeline steps on its own gradient,
 and the replicas synchronise compressed pseudo-gradients every step (CocktailSGD-style) or
-every H steps (DiLoCo-style). A per-link run's plan (`Plan.links`) says which links use the
+every H steps (DiLoCo-style; with `dp_overlap_steps` the exchange is sent after step t and
+applied after step t + tau, the inner steps between computing while it travels). A per-link run's plan (`Plan.links`) says which links use the
 run's pipeline codec and which DP groups its DP method; the others stay exact (an exact group
 all-reduces every step, as in the warm-up, its anchor following the weights). In such a mixed
 run each pipeline sums the squared gradient norm of its exact-group stages and of its other

@@ -25,6 +25,19 @@ travels. It compresses the per-step model delta rather than the raw gradient: Ad
 DiLoCo synchronises after every H steps and compresses all elements; with a warm start
 (`dp_ramp_syncs`) it synchronises first at intervals 1, 2, 4, ... below H, each of those
 averaging the replicas (the outer optimizer starts at interval H).
+
+With `dp_overlap_steps` = tau, DiLoCo's exchange overlaps the next inner steps (streaming
+DiLoCo's delayed outer update): after step t each replica keeps its weights as the exchange's
+origin, sends its payload (`start_sync`) and steps on; after step t + tau (at most the gap to
+the next synchronisation: `CompressionConfig.overlap_of`) it receives the others' payloads,
+by then long arrived, and `finish_sync` applies the outer step of the group's mean to the
+anchor and puts the replica's local progress since t on top (`delayed_outer_update`): the
+anchor, the synchronised model, is the same bits on every replica; the weights are the anchor
+plus each replica's own tau steps, which the next pseudo-gradient counts. The schedule is a
+function of the step, and the origin is a buffer of the stage (`compress/origin/`), so a stage
+checkpointed, resumed, fetched or re-laid out while an exchange is in flight completes it: the
+payloads are sent again from the origin (the same bits) when the comm they went out on is not
+the one the stage runs on now (another epoch's tag, or `forget_exchange`).
 """
 
 from __future__ import annotations
