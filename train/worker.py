@@ -166,8 +166,9 @@ def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corp
     `before_update` is called once every message of the step has arrived, just before the
     state changes (the weights, the optimizer, a compressed synchronisation's buffers): the
     last moment the stage is as it was before the step (a caller copies it there, see
-    control/epoch/runner.py). Only a compressed synchronisation that fails after it restores
-    the weights and the moments and raises.
+    control/epoch/runner.py). Only a compressed synchronisation (or the landing of an overlapped
+    one) that fails after it restores the weights, the moments and the compression buffers and
+    raises.
 
     Without `pending` the step waits for the acknowledgement of every tensor it sends before it
     changes the state. With `pending` (the same one for every step of a run on one comm) it
