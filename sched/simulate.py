@@ -52,6 +52,8 @@ class SimResult:
     # per stage: what its synchronising step pays for the DP sync: allreduce_s, or for a group
     # whose exchange overlaps later steps its coding and the part of the exchange they do not hide
     exposed_sync_s: tuple[float, ...] = ()
+    # a step where no group synchronises (None when every step of the cycle synchronises)
+    local_iteration_s: float | None = None
 
 # The longest cycle of synchronisation periods simulated (least common multiple of the H's).
 MAX_SYNC_CYCLE = 10_000
@@ -176,7 +178,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
         done_k = start + ar_k
         return done_k, float(done_k.max())
 
-    exposed_ar = ar
+    exposed_ar, local_s = ar, None
     if over.any():  # hidden behind tau steps where no group synchronises (the exchange's own
         # links are the DP group's; the pipeline's transfers of those steps are not counted against it)
         local_s = iterate(np.zeros(S))[1]
@@ -185,13 +187,16 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     done = np.zeros(S)
     for key, count in patterns.items():
         done_k, iteration = iterate(np.where(key, exposed_ar, 0.0))
+        if not any(key):
+            local_s = iteration
         total += count * iteration
         if all(key):
             done = done_k
     return SimResult(iteration_s=total / cycle if len(patterns) > 1 else total, pipeline_s=float(grads_ready.max()),
                      stage_done_s=tuple(float(v) for v in done), allreduce_s=tuple(float(v) for v in ar),
                      compute_busy_s=float((M * step).max()), sync_every=tuple(period),
-                     exposed_sync_s=tuple(float(v) for v in exposed_ar))
+                     exposed_sync_s=tuple(float(v) for v in exposed_ar),
+                     local_iteration_s=None if local_s is None else float(local_s))
 
 
 def _dp_coding_s(model: CostModel, X: np.ndarray, layers: np.ndarray, codecs: CodecAssignment) -> np.ndarray:

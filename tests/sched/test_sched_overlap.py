@@ -64,3 +64,8 @@ def test_an_overlapped_sync_pays_its_coding_and_what_the_overlap_does_not_hide(d
 def test_without_coding_cost_a_hidden_exchange_is_free():
     r = one_stage(10.0, 1, CodecSpeed())
     assert r.exposed_sync_s == (0.0,) and r.iteration_s == pytest.approx(0.6)
+
+
+def test_the_local_step_is_reported():
+    waits, over = one_stage(10.0, 0), one_stage(10.0, 1)
+    assert waits.local_iteration_s == pytest.approx(0.6) and over.local_iteration_s == pytest.approx(0.6)
