@@ -88,7 +88,7 @@ def synchronised_model(cl: LocalCluster) -> tuple[dict[str, torch.Tensor], bool]
     decoded mean, the same bits on every replica): the synchronised model of the same steps
     as a synchronisation that waits, where the replicas have not applied it yet."""
     comp, step = cl.compression, cl.step_index - 1  # the step just run
-    landing = comp.dp_overlap_steps > 0 and comp.sync_due(step)
+    landing = comp.overlap_of(step) > 0
     by_stage: dict[int, list[str]] = {}
     for p in cl.plan.peers:
         by_stage.setdefault(cl.plan.position(p)[1], []).append(p)

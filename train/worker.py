@@ -339,7 +339,7 @@ def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: i
             g.mul_(coef)
     # an overlapped exchange started after an earlier step lands now (`CompressionConfig.apply_due`)
     applies = comp.config.apply_due(step) if coded else None
-    overlapped = sync_due and comp.config.dp_overlap_steps > 0
+    overlapped = sync_due and comp.config.overlap_of(step) > 0  # sent now, applied by a later step
     saved = _snapshot(state) if sync_due or applies is not None else None
     state.optim.step(cfg.lr_at(step))
     if not local:
