@@ -369,7 +369,8 @@ def _repeat(args, methods: list[str], configs: dict, exact, seed: int) -> dict:
     with running_swarm("--scenario", "worldwide", "--peers", "8", "--bandwidth-scale", f"{args.bandwidth_scale:.6g}",
                        "--timeout", "600", *WAN_PLANE, kill=True, prefix="dtfm-bench-compress-") as run_dir:
         print(f"swarm up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        reply, rows, view = train_run(run_dir, args.exact_steps, "--seed", str(seed))
+        forced = () if not args.shape else ("--stages", args.shape.split("x")[0], "--dp", args.shape.split("x")[1])
+        reply, rows, view = train_run(run_dir, args.exact_steps, *forced, "--seed", str(seed))
         runs = {"exact": (reply, rows, view, exact)}
         shape = ("--stages", str(reply["stages"]), "--dp", str(reply["dp"]))
         print(f"exact: {reply['stages']} x {reply['dp']}, {len(rows)} steps logged", file=sys.stderr)
@@ -630,6 +631,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--methods", default="slow-link", help="compressed configurations, comma-separated "
                     "(`--compress` texts without commas: presets), or semicolon-separated `--compress` texts "
                     "(\"slow-link;slow-link,dp_overlap_steps=1\")")
+    ap.add_argument("--shape", default=None, metavar="SxD",
+                    help="run exact (and so every method) as S stages x D pipelines; unset: the shape the swarm's "
+                         "scheduler picks for exact (which may leave peers out: 1 x 1 on a loaded machine)")
     ap.add_argument("--simulate-overlap", action="store_true",
                     help="only predict, without daemons, what overlapping the DiLoCo exchange with 0, 1 and 2 "
                          "inner steps gives on this scale (`simulated_overlap`) and exit")
@@ -664,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--recommended {args.recommended} is not among --methods")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.shape and not (len(args.shape.split("x")) == 2 and all(x.isdigit() and int(x) > 0
+                                                                   for x in args.shape.split("x"))):
+        ap.error(f"--shape takes SxD, e.g. 4x2, got {args.shape!r}")
     try:
         repeat_seeds(args.seeds, args.repeats)
     except ValueError as e:
