@@ -51,6 +51,8 @@ coding alone: the floor compression cannot go under).
 
     nice .venv/bin/python bench/compress_swarm.py [--methods exact,slow-link,auto] [--repeats 3]
         [--seeds 0,1,2] [--exact-steps 64] [--steps 112] [--window 16] [--bandwidth-scale S] [--skip 2]
+        [--shape SxD]
+    nice .venv/bin/python bench/compress_swarm.py --simulate-overlap [--bandwidth-scale S]   # simulated only
 
 Wall-clock figures share this machine's cores with whatever else runs. The last line is one
 JSON object; `bench/compress.py --parts 3` runs this and merges it.
