@@ -47,7 +47,8 @@ import torch
 import numpy as np
 
 from dtfm.train import Corpus, GPTStage, LocalCluster, Plan, StageState, TrainConfig, get_preset, load_corpus
-from dtfm.train.compress import AXES, COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, CompressionConfig, get_compression
+from dtfm.train.compress import (AXES, COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, CompressionConfig, get_compression,
+                                 outer_step)
 
 from common import print_table, write_json
 
@@ -81,13 +82,29 @@ def heldout_windows(tokens: np.ndarray, n: int, seq_len: int) -> tuple[torch.Ten
 
 def synchronised_model(cl: LocalCluster) -> tuple[dict[str, torch.Tensor], bool]:
     """Every parameter of the whole model as the mean over the DP replicas of its stage, and
-    whether the replicas were identical (right after a synchronisation, or any exact step)."""
-    by_stage: dict[int, list[dict[str, torch.Tensor]]] = {}
+    whether the replicas were identical (right after a synchronisation, or any exact step).
+    Right after an overlapped DiLoCo synchronisation is sent (`dp_overlap_steps`), each stage's
+    parameters are instead the anchor that exchange will land (the outer step of the group's
+    decoded mean, the same bits on every replica): the synchronised model of the same steps
+    as a synchronisation that waits, where the replicas have not applied it yet."""
+    comp, step = cl.compression, cl.step_index - 1  # the step just run
+    landing = comp.overlap_of(step) > 0
+    by_stage: dict[int, list[str]] = {}
     for p in cl.plan.peers:
-        _, s = cl.plan.position(p)
-        by_stage.setdefault(s, []).append({n: t.detach() for n, t in cl.states[p].params.items()})
+        by_stage.setdefault(cl.plan.position(p)[1], []).append(p)
     out, same = {}, True
-    for reps in by_stage.values():
+    for peers in by_stage.values():
+        if landing:
+            members = [cl.states[p].compress for p in cl.plan.dp_group(cl.plan.position(peers[0])[1])]
+            total = members[0].in_flight_contribution().clone()
+            for m in members[1:]:
+                total += m.in_flight_contribution()
+            avg = total / torch.full((), len(members), dtype=total.dtype)
+            ref = members[0]
+            anchor = outer_step(comp, step, ref.buffers["anchor"], ref.buffers.get("outer_m"), avg)[0]
+            out.update(ref.state_views(anchor))
+            continue
+        reps = [{n: t.detach() for n, t in cl.states[p].params.items()} for p in peers]
         for n in reps[0]:
             ts = [r[n] for r in reps]
             same = same and all(torch.equal(ts[0], t) for t in ts[1:])

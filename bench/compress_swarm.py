@@ -51,6 +51,8 @@ coding alone: the floor compression cannot go under).
 
     nice .venv/bin/python bench/compress_swarm.py [--methods exact,slow-link,auto] [--repeats 3]
         [--seeds 0,1,2] [--exact-steps 64] [--steps 112] [--window 16] [--bandwidth-scale S] [--skip 2]
+        [--shape SxD]
+    nice .venv/bin/python bench/compress_swarm.py --simulate-overlap [--bandwidth-scale S]   # simulated only
 
 Wall-clock figures share this machine's cores with whatever else runs. The last line is one
 JSON object; `bench/compress.py --parts 3` runs this and merges it.
@@ -92,7 +94,9 @@ def cycle_iteration_s(rows: list[dict], period: int, skip: int,
     (`synchronises(step)`, by default step + 1 a multiple of H; a DiLoCo run's warm start
     synchronises more often: `CompressionConfig.sync_due`) and the local ones are summarised
     apart and weighted by the steady cycle, ((H - 1) local + sync) / H, each the median of its
-    kind. `iteration_s` None when the kept steps hold no step of a needed kind."""
+    kind. `iteration_s` None when the kept steps hold no step of a needed kind. `mean_s`: the
+    plain mean of the kept steps (what a run whose exchange lands on a later step than it is
+    sent, `dp_overlap_steps`, pays in all, the steps where it lands included)."""
     if period < 1:
         raise ValueError(f"period must be at least 1, got {period}")
     due = synchronises or (lambda step: (step + 1) % period == 0)
@@ -108,6 +112,7 @@ def cycle_iteration_s(rows: list[dict], period: int, skip: int,
     else:
         it = ((period - 1) * local_med + sync_med) / period
     return {"iteration_s": it, "median_s": statistics.median([*sync, *local]) if kept else None,
+            "mean_s": statistics.fmean([*sync, *local]) if kept else None,
             "sync_median_s": sync_med, "local_median_s": local_med, "sync_steps": len(sync),
             "local_steps": len(local), "period": period}
 
@@ -366,7 +371,8 @@ def _repeat(args, methods: list[str], configs: dict, exact, seed: int) -> dict:
     with running_swarm("--scenario", "worldwide", "--peers", "8", "--bandwidth-scale", f"{args.bandwidth_scale:.6g}",
                        "--timeout", "600", *WAN_PLANE, kill=True, prefix="dtfm-bench-compress-") as run_dir:
         print(f"swarm up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        reply, rows, view = train_run(run_dir, args.exact_steps, "--seed", str(seed))
+        forced = () if not args.shape else ("--stages", args.shape.split("x")[0], "--dp", args.shape.split("x")[1])
+        reply, rows, view = train_run(run_dir, args.exact_steps, *forced, "--seed", str(seed))
         runs = {"exact": (reply, rows, view, exact)}
         shape = ("--stages", str(reply["stages"]), "--dp", str(reply["dp"]))
         print(f"exact: {reply['stages']} x {reply['dp']}, {len(rows)} steps logged", file=sys.stderr)
@@ -471,8 +477,59 @@ def repeat_seeds(text: str, repeats: int) -> list[int]:
 
 
 def method_names(text: str) -> list[str]:
-    """The compressed methods of `--methods`: exact always runs first, as the reference."""
-    return [m for m in text.split(",") if m and m != "exact"]
+    """The compressed methods of `--methods`: exact always runs first, as the reference. Methods
+    are separated by commas, or by semicolons when one has options
+    ("slow-link;slow-link,dp_overlap_steps=1")."""
+    return [m.strip() for m in text.split(";" if ";" in text else ",") if m.strip() and m.strip() != "exact"]
+
+
+def simulated_overlap(args, overlaps: Iterable[int] = (0, 1, 2), first_steps: int = 112) -> dict:
+    """SIMULATED, no daemons: `slow-link` and `diloco` on the emulated worldwide swarm of 8 (the
+    scenario's matrices at the bandwidth scale, the shape and allocation the search picks for
+    exact `tiny`, `--tiny-compute-s` of compute, the trainer's round trips, the reference CPU's
+    coding speed) with the DP exchange overlapping 0, 1, 2 inner steps: the predicted iteration
+    (the mean over a steady DiLoCo cycle of H steps, and the mean over the run's first
+    `first_steps` steps, the warm start's frequent synchronisations included: local step +
+    synchronisations in those steps / steps x what a synchronising step adds) and what each
+    overlap buys."""
+    from dtfm.scenarios import load_scenario
+    from dtfm.sched import (REFERENCE_CODEC_SPEED, CodecAssignment, CompressionOptions, CostModel, simulate_iteration,
+                            solve, wire_codecs)
+    from dtfm.train.compress import parse_compression
+
+    sc = load_scenario("worldwide").scaled(8)
+    dl, bw, regions = sc.delay_ms(), sc.bandwidth_gbps() * args.bandwidth_scale, sc.peer_regions()
+    M, batch = 4, 16
+    shape = solve(sc.delay_ms(), sc.bandwidth_gbps(), tiny_spec(8, M, batch, None), stages="auto", regions=regions,
+                  seed=args.seed, time_budget_s=args.time_budget, generations=20, allow_spares=False)
+    S, D = shape.stages, shape.dp
+    spec = tiny_spec(D, M, batch, None)
+    spec = tiny_spec(D, M, batch, args.tiny_compute_s / ((M + S - 1) * (spec.layers // S)))
+    out: dict = {"shape": f"{S}x{D}", "pipelines": [[regions[i] for i in p] for p in shape.pipelines],
+                 "bandwidth_scale": args.bandwidth_scale, "methods": {}}
+    for name in ("slow-link", "diloco"):
+        row = {}
+        for tau in overlaps:
+            config = parse_compression(f"{name},dp_overlap_steps={tau}")
+            pp, dp = wire_codecs(config)
+            opts = CompressionOptions((pp,) if pp.exact else (type(pp)(), pp), (type(dp)(), dp), REFERENCE_CODEC_SPEED)
+            model = CostModel(dl, bw, spec.workload(S, D), compression=opts)
+            sim = simulate_iteration(model, shape.matrix, micro_batches=M, engine_syncs=True,
+                                     codecs=CodecAssignment.uniform(S, D, pp, dp))
+            local = sim.local_iteration_s if sim.local_iteration_s is not None else sim.iteration_s
+            added = config.inner_steps * (sim.iteration_s - local)  # what one synchronising step adds
+            row[str(tau)] = {"iteration_s": round(float(sim.iteration_s), 4), "local_s": round(float(local), 4),
+                             f"first_{first_steps}_s": round(local + config.syncs_in(first_steps) / first_steps * added,
+                                                             4),
+                             "sync_s": [round(float(a), 4) for a in sim.exposed_sync_s],
+                             "exchange_s": [round(float(a), 4) for a in sim.allreduce_s]}
+        base, base_first = row["0"]["iteration_s"], row["0"][f"first_{first_steps}_s"]
+        for tau, r in row.items():
+            r["saving_s"] = round(base - r["iteration_s"], 4)
+            r["speedup"] = round(base / r["iteration_s"], 4)
+            r[f"first_{first_steps}_speedup"] = round(base_first / r[f"first_{first_steps}_s"], 4)
+        out["methods"][name] = row
+    return out
 
 
 def run(args) -> dict:
@@ -574,7 +631,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=10.0, help="seconds of search per allocation (the scale)")
     ap.add_argument("--seed", type=int, default=0, help="the search's seed (the scale)")
     ap.add_argument("--methods", default="slow-link", help="compressed configurations, comma-separated "
-                    "(`--compress` texts without commas: presets)")
+                    "(`--compress` texts without commas: presets), or semicolon-separated `--compress` texts "
+                    "(\"slow-link;slow-link,dp_overlap_steps=1\")")
+    ap.add_argument("--shape", default=None, metavar="SxD",
+                    help="run exact (and so every method) as S stages x D pipelines; unset: the shape the swarm's "
+                         "scheduler picks for exact (which may leave peers out: 1 x 1 on a loaded machine)")
+    ap.add_argument("--simulate-overlap", action="store_true",
+                    help="only predict, without daemons, what overlapping the DiLoCo exchange with 0, 1 and 2 "
+                         "inner steps gives on this scale (`simulated_overlap`) and exit")
     ap.add_argument("--recommended", default="slow-link", help="the method the JSON line's top level reports")
     ap.add_argument("--repeats", type=int, default=3, help="fresh swarms, each running every method once")
     ap.add_argument("--seeds", default="", help="training seeds of the repeats, comma-separated, used in turn "
@@ -587,10 +651,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=2, help="first steps left out of every time")
     ap.add_argument("--out", default=None, help="write every figure to this JSON file")
     args = ap.parse_args(argv)
+    if args.simulate_overlap:
+        if args.bandwidth_scale is None:
+            args.bandwidth_scale = computed_scale(args)["scale"]
+        res = simulated_overlap(args)
+        print(f"SIMULATED: tiny {res['shape']} on the worldwide 8 at bandwidth x {res['bandwidth_scale']:.4g}, "
+              f"{args.tiny_compute_s} s compute", file=sys.stderr)
+        print_table(["method", "overlap steps", "predicted s/iter (steady cycle)", "sync-step DP cost per stage (s)",
+                     "saving (s/iter)", "speedup", "mean of the first 112 steps (s)", "speedup there"],
+                    [[m, tau, r["iteration_s"], ", ".join(f"{a:.3f}" for a in r["sync_s"]), r["saving_s"], r["speedup"],
+                      r["first_112_s"], r["first_112_speedup"]]
+                     for m, row in res["methods"].items() for tau, r in row.items()])
+        if args.out:
+            write_json(Path(args.out), res)
+        print(json.dumps(res))
+        return 0
     if args.recommended not in method_names(args.methods):
         ap.error(f"--recommended {args.recommended} is not among --methods")
     if args.repeats < 1:
         ap.error("--repeats must be at least 1")
+    if args.shape and not (len(args.shape.split("x")) == 2 and all(x.isdigit() and int(x) > 0
+                                                                   for x in args.shape.split("x"))):
+        ap.error(f"--shape takes SxD, e.g. 4x2, got {args.shape!r}")
     try:
         repeat_seeds(args.seeds, args.repeats)
     except ValueError as e:

@@ -100,6 +100,9 @@ class DataParallelCodec:
     value_bits: int = 8  # bits per sent value
     chunk_elems: int = 1024  # candidates per chunk
     inner_steps: int = 1  # diloco: steps between synchronisations (H)
+    # diloco: inner steps each synchronisation's exchange overlaps (`dp_overlap_steps`): the
+    # exchange is on the critical path only for what the next steps' compute does not hide
+    overlap_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.method not in DP_CODEC_METHODS:
@@ -114,6 +117,8 @@ class DataParallelCodec:
             raise ValueError(f"chunk_elems must be a power of two in [64, 65536], got {self.chunk_elems!r}")
         if not isinstance(self.inner_steps, int) or isinstance(self.inner_steps, bool) or self.inner_steps < 1:
             raise ValueError(f"inner_steps must be a positive integer, got {self.inner_steps!r}")
+        if not isinstance(self.overlap_steps, int) or isinstance(self.overlap_steps, bool) or self.overlap_steps < 0:
+            raise ValueError(f"overlap_steps must be a non-negative integer, got {self.overlap_steps!r}")
         if self.method == "exact":
             canon = DataParallelCodec.__dataclass_fields__
             for f in fields(self):
@@ -121,6 +126,7 @@ class DataParallelCodec:
                     object.__setattr__(self, f.name, canon[f.name].default)
         elif self.method == "cocktail":
             object.__setattr__(self, "inner_steps", 1)
+            object.__setattr__(self, "overlap_steps", 0)
         else:
             object.__setattr__(self, "random_fraction", 1.0)
 
@@ -143,6 +149,8 @@ class DataParallelCodec:
             return "exact"
         rnd = f"random {self.random_fraction:g} x " if self.method == "cocktail" else ""
         every = f", H={self.inner_steps}" if self.method == "diloco" else ""
+        if self.overlap_steps:
+            every += f", overlapping {self.overlap_steps}"
         return f"{self.method} {rnd}top {self.topk_fraction:g} x {self.value_bits} bit{every}"
 
     def candidates(self, numel: int) -> int:
@@ -262,13 +270,16 @@ class CompressionFields(Protocol):
     def dp_chunk_elems(self) -> int: ...
     @property
     def inner_steps(self) -> int: ...
+    @property
+    def dp_overlap_steps(self) -> int: ...
 
 
 def wire_codecs(config: CompressionFields) -> tuple[PipelineCodec, DataParallelCodec]:
     """The two codecs of a run's compression config (a `CompressionConfig`, read by field name)."""
     pp = PipelineCodec(config.pp_method, config.pp_hadamard, config.pp_block_elems)
     dp = DataParallelCodec(config.dp_method, config.dp_random_fraction, config.dp_topk_fraction,
-                           config.dp_value_bits, config.dp_chunk_elems, config.inner_steps)
+                           config.dp_value_bits, config.dp_chunk_elems, config.inner_steps,
+                           config.dp_overlap_steps if config.dp_method == "diloco" else 0)
     return pp, dp
 
 
@@ -432,9 +443,13 @@ C = TypeVar("C", PipelineCodec, DataParallelCodec)
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "bool": bool, "int": int, "float": (int, float)}
 
 
+_LATER_FIELDS = frozenset({"overlap_steps"})  # fields a stored codec may lack (they take their default)
+
+
 def _codec(kind: type[C], d: object) -> C:
     names = {f.name: f.type for f in fields(kind)}
-    if not isinstance(d, dict) or set(d) != set(names):
+    # (a codec written before overlap_steps existed has none: 0)
+    if not isinstance(d, dict) or not set(names) - _LATER_FIELDS <= set(d) <= set(names):
         raise ValueError(f"a {kind.__name__} is a map of {sorted(names)}")
     for k, v in d.items():
         want = _FIELD_TYPES[str(names[k])]

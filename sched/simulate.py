@@ -20,7 +20,10 @@ decodes it before computing, both on the peer's compute timeline, each at its ow
 the model's options give per-peer speeds. A DP group's synchronisation
 is its codec's (an all-gather of compressed payloads, coding included); a DiLoCo group
 synchronises once every H steps, so the iteration time is the mean over one cycle of
-synchronisations (the least common multiple of the groups' periods).
+synchronisations (the least common multiple of the groups' periods). A DiLoCo group whose
+exchange overlaps the next tau inner steps (`overlap_steps`, streaming DiLoCo's delayed outer
+update) pays on its synchronising step its coding (encode and decode, on the compute timeline)
+and only the part of its exchange that tau steps without a synchronisation do not cover.
 
 Per-hop latency is paid once in the pipeline's fill and drain whatever M is. What makes a
 micro-batch pay latency again is the trainer's flow control (`window_messages`): a sender keeps
@@ -57,6 +60,11 @@ class SimResult:
     # per stage: steps per synchronisation (1, or H for DiLoCo); iteration_s is the mean over a
     # cycle, stage_done_s and allreduce_s are those of a step where every group synchronises
     sync_every: tuple[int, ...] = ()
+    # per stage: what its synchronising step pays for the DP sync: allreduce_s, or for a group
+    # whose exchange overlaps later steps its coding and the part of the exchange they do not hide
+    exposed_sync_s: tuple[float, ...] = ()
+    # a step where no group synchronises (None when every step of the cycle synchronises)
+    local_iteration_s: float | None = None
 
 # The longest cycle of synchronisation periods simulated (least common multiple of the H's).
 MAX_SYNC_CYCLE = 10_000
@@ -175,26 +183,57 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     for k in range(cycle):
         key = tuple(k % p == p - 1 for p in period)
         patterns[key] = patterns.get(key, 0) + 1
-    total = 0.0
-    done = np.zeros(S)
-    for key, count in patterns.items():
-        ar_k = np.where(key, ar, 0.0)
+    # an overlapped DiLoCo group (`overlap_steps` = tau) pays its coding on the step it
+    # synchronises, and of its exchange only what tau steps without a synchronisation do not hide
+    over = np.array([c.overlap_steps if D > 1 else 0 for c in codecs.dp])
+    coding = _dp_coding_s(model, X, layers, codecs) if over.any() else np.zeros(S)
+    exchange = np.maximum(ar - coding, 0.0)
+
+    def iterate(ar_k: np.ndarray) -> tuple[np.ndarray, float]:
         if engine_syncs:  # steps repeated, each peer starting the next where it ended the last
             done_k, finish = _engine_syncs(lat, X, busy, ar_k, overlap_allreduce)
             first = float(finish.max())
             for _ in range(STEADY_ROUNDS - 1):
                 finish = _engine_syncs(lat, X, gpipe(finish), ar_k, overlap_allreduce)[1]
-            iteration = (float(finish.max()) - first) / (STEADY_ROUNDS - 1)
-        else:
-            start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
-            done_k = start + ar_k
-            iteration = float(done_k.max())
+            return done_k, (float(finish.max()) - first) / (STEADY_ROUNDS - 1)
+        start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
+        done_k = start + ar_k
+        return done_k, float(done_k.max())
+
+    exposed_ar, local_s = ar, None
+    if over.any():  # hidden behind tau steps where no group synchronises (the exchange's own
+        # links are the DP group's; the pipeline's transfers of those steps are not counted against it)
+        local_s = iterate(np.zeros(S))[1]
+        exposed_ar = np.where(over > 0, coding + np.maximum(exchange - over * local_s, 0.0), ar)
+    total = 0.0
+    done = np.zeros(S)
+    for key, count in patterns.items():
+        done_k, iteration = iterate(np.where(key, exposed_ar, 0.0))
+        if not any(key):
+            local_s = iteration
         total += count * iteration
         if all(key):
             done = done_k
     return SimResult(iteration_s=total / cycle if len(patterns) > 1 else total, pipeline_s=float(grads_ready.max()),
                      stage_done_s=tuple(float(v) for v in done), allreduce_s=tuple(float(v) for v in ar),
-                     compute_busy_s=float((M * step).max()), sync_every=tuple(period))
+                     compute_busy_s=float((M * step).max()), sync_every=tuple(period),
+                     exposed_sync_s=tuple(float(v) for v in exposed_ar),
+                     local_iteration_s=None if local_s is None else float(local_s))
+
+
+def _dp_coding_s(model: CostModel, X: np.ndarray, layers: np.ndarray, codecs: CodecAssignment) -> np.ndarray:
+    """(S,) seconds the slowest member of each DP group spends coding one synchronisation (its
+    own payload encoded, every member's decoded), at each peer's speed; 0 for an exact group."""
+    S, D = X.shape
+    wl, opts = model.workload, model.options
+    out = np.zeros(S)
+    for s, c in enumerate(codecs.dp):
+        if c.exact:
+            continue
+        elems = c.candidates(int(round(wl.grad_gb(layers[s]) * 1e9 / wl.grad_elem_bytes)))
+        speeds = opts.peer_speeds or (opts.speed,) * model.n
+        out[s] = max(c.coding_ns_per_elem(speeds[i], D) for i in X[s]) * elems * 1e-9
+    return out
 
 
 def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, ar: np.ndarray,

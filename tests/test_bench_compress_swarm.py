@@ -36,6 +36,7 @@ def test_diloco_cycle_weights_the_synchronising_steps():
     assert out["local_median_s"] == 1.0 and out["sync_median_s"] == 5.0
     assert out["iteration_s"] == pytest.approx((3 * 1.0 + 5.0) / 4)
     assert out["median_s"] == 1.0  # the plain median would not see the synchronisations
+    assert out["mean_s"] == pytest.approx(sum(times[1:]) / 7)
     assert (out["sync_steps"], out["local_steps"]) == (2, 5)
 
 
@@ -145,6 +146,8 @@ def test_spread_skips_missing_figures():
 
 def test_exact_in_the_methods_is_the_reference_not_a_second_run():
     assert bench.method_names("exact,slow-link,,auto") == ["slow-link", "auto"]
+    assert bench.method_names("exact;slow-link;slow-link,dp_overlap_steps=1") == \
+        ["slow-link", "slow-link,dp_overlap_steps=1"]
 
 
 def run_figures(it: float, predicted: float, error: float, speedup: float, eff: float | None, ttt: float | None,

@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compress", default="exact", metavar="NAME[,FIELD=VALUE...]",
                     help="compression preset, with fields of dtfm.train.compress.CompressionConfig changed after "
                          "commas, e.g. diloco,inner_steps=8 (docs/compression.md); slow-link is the choice for "
-                         "slow networks. The presets: " + " ".join(f"{name}: {c.describe()}." for name, c in
+                         "slow networks. dp_overlap_steps=N (DiLoCo) sends a synchronisation's pseudo-gradient and "
+                         "runs the next N inner steps while it travels, applying the outer update after them "
+                         "(streaming DiLoCo's overlap; 0: the stage waits for the exchange). The presets: " + " ".join(f"{name}: {c.describe()}." for name, c in
                                                                    COMPRESSION_PRESETS.items()) +
                          " (default: %(default)s)")
     ap.add_argument("--compress-option", action="append", default=[], metavar="FIELD=VALUE",

@@ -154,6 +154,8 @@ class LocalCluster:
             logger.info("peer %r took over layers %s at step %d", p, rng, step)
         self.plan, self.states = plan, new_states
         self._check_states()
+        for st in self.states.values():  # an overlapped exchange in flight is sent again on the new hub
+            st.compress.forget_exchange()
         self.hub = InMemoryHub(link=self.link)
         self._pending = {p: PendingSends() for p in plan.peers}
         self._pool.shutdown()

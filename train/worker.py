@@ -4,7 +4,8 @@ clipping and the optimizer step.
 With a `CompressionConfig` (train/compress/) activations and their gradients travel as
 quantized payloads, and the DP step is exact or local: each pipeline steps on its own gradient,
 and the replicas synchronise compressed pseudo-gradients every step (CocktailSGD-style) or
-every H steps (DiLoCo-style). A per-link run's plan (`Plan.links`) says which links use the
+every H steps (DiLoCo-style; with `dp_overlap_steps` the exchange is sent after step t and
+applied after step t + tau, the inner steps between computing while it travels). A per-link run's plan (`Plan.links`) says which links use the
 run's pipeline codec and which DP groups its DP method; the others stay exact (an exact group
 all-reduces every step, as in the warm-up, its anchor following the weights). In such a mixed
 run each pipeline sums the squared gradient norm of its exact-group stages and of its other
@@ -165,8 +166,9 @@ def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corp
     `before_update` is called once every message of the step has arrived, just before the
     state changes (the weights, the optimizer, a compressed synchronisation's buffers): the
     last moment the stage is as it was before the step (a caller copies it there, see
-    control/epoch/runner.py). Only a compressed synchronisation that fails after it restores
-    the weights and the moments and raises.
+    control/epoch/runner.py). Only a compressed synchronisation (or the landing of an overlapped
+    one) that fails after it restores the weights, the moments and the compression buffers and
+    raises.
 
     Without `pending` the step waits for the acknowledgement of every tensor it sends before it
     changes the state. With `pending` (the same one for every step of a run on one comm) it
@@ -335,23 +337,33 @@ def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: i
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
-    saved = _snapshot(state) if sync_due else None
+    # an overlapped exchange started after an earlier step lands now (`CompressionConfig.apply_due`)
+    applies = comp.config.apply_due(step) if coded else None
+    overlapped = sync_due and comp.config.overlap_of(step) > 0  # sent now, applied by a later step
+    saved = _snapshot(state) if sync_due or applies is not None else None
     state.optim.step(cfg.lr_at(step))
     if not local:
         comp.track_anchor(list(state.params.values()))
     if saved is not None:
+        params, later = list(state.params.values()), sends if deferred else None
         try:
-            comp.sync(comm, group, list(state.params.values()), cfg.seed, step, f"{key}/dpc", to,
-                      sends if deferred else None)
+            if applies is not None:
+                comp.finish_sync(comm, group, params, applies, f"{plan.epoch}.{applies}/dpc", f"{key}/dpc", to, later)
+            if overlapped:
+                comp.start_sync(comm, group, params, step, f"{key}/dpc", to, later)
+            elif sync_due:
+                comp.sync(comm, group, params, cfg.seed, step, f"{key}/dpc", to, later)
         except BaseException:
             _restore(state, saved)
             raise
 
 
 def _snapshot(state: StageState) -> dict[str, torch.Tensor]:
-    """Copies of the weights and optimizer moments (what an inner step changes)."""
+    """Copies of the weights, the optimizer moments and the compression buffers (what an inner
+    step and a synchronisation change)."""
     out = {f"param/{n}": p.detach().clone() for n, p in state.params.items()}
     out.update({k: v.clone() for k, v in state.optim.state_tensors().items()})
+    out.update({k: v.clone() for k, v in state.compress.state_tensors().items()})
     return out
 
 
@@ -360,3 +372,4 @@ def _restore(state: StageState, saved: dict[str, torch.Tensor]) -> None:
     for n, p in state.params.items():
         p.copy_(saved[f"param/{n}"])
     state.optim.load_state_tensors(saved, state.optim.step_count - 1)
+    state.compress.load_state_tensors(saved)

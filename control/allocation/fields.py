@@ -134,7 +134,7 @@ _OMITTED: dict[type, tuple[str, ...]] = {CompressionConfig: ("per_link",)}
 # the bytes it had before they existed: a bf16 run's train map says "precision", an fp32 one's
 # does not. A map without the field gets the default.
 _OPTIONAL: dict[type, frozenset[str]] = {TrainConfig: frozenset({"precision"}),
-                                         CompressionConfig: frozenset({"dp_ramp_syncs"})}
+                                         CompressionConfig: frozenset({"dp_ramp_syncs", "dp_overlap_steps"})}
 
 
 def _schema(cls: type[GPTSpec] | type[TrainConfig] | type[CompressionConfig]) -> tuple[tuple[str, type], ...]:

@@ -18,15 +18,17 @@ if TYPE_CHECKING:
     from .config import (AUTO, COMPRESSION_PRESETS, DEFAULT_SLOW_LINK, DP_METHODS, PP_METHODS, CompressionConfig,
                          LinkCodecs, get_compression, parse_compression)
     from .counting import AXES, ByteCounter, CountingComm, axis_of
-    from .dp import STATE_PREFIX, StageCompression, allgather_payloads, random_subset, sync_payload_bytes
+    from .dp import (STATE_PREFIX, StageCompression, allgather_payloads, delayed_outer_update, outer_step,
+                     random_subset, sync_payload_bytes)
     from .pp import activation_payload_bytes, decode_activation, encode_activation
 
 __all__ = [
     "AUTO", "AXES", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "STATE_PREFIX",
     "ByteCounter", "CodecError", "CompressionConfig", "CountingComm", "LinkCodecs", "StageCompression",
     "activation_payload_bytes", "allgather_payloads", "axis_of", "decode_activation", "decode_dense",
-    "decode_sparse", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
-    "get_compression", "hadamard", "measure_compress_cost", "parse_compression", "peer_codec_speed", "random_subset",
+    "decode_sparse", "delayed_outer_update", "dense_payload_bytes", "encode_activation", "encode_dense", "encode_sparse",
+    "get_compression", "hadamard", "measure_compress_cost", "outer_step", "parse_compression", "peer_codec_speed",
+    "random_subset",
     "sparse_payload_bytes", "sync_payload_bytes",
 ]
 
@@ -38,7 +40,8 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".config": ("AUTO", "COMPRESSION_PRESETS", "DEFAULT_SLOW_LINK", "DP_METHODS", "PP_METHODS", "CompressionConfig",
                 "LinkCodecs", "get_compression", "parse_compression"),
     ".counting": ("AXES", "ByteCounter", "CountingComm", "axis_of"),
-    ".dp": ("STATE_PREFIX", "StageCompression", "allgather_payloads", "random_subset", "sync_payload_bytes"),
+    ".dp": ("STATE_PREFIX", "StageCompression", "allgather_payloads", "delayed_outer_update", "outer_step",
+            "random_subset", "sync_payload_bytes"),
     ".pp": ("activation_payload_bytes", "decode_activation", "encode_activation"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

@@ -25,6 +25,7 @@ PP_METHODS = ("exact", "int8", "int4")
 DP_METHODS = ("exact", "cocktail", "diloco")
 _VALUE_BITS = (2, 4, 8)
 MAX_RAMP_SYNCS = 1024  # synchronisations per ramp interval: more is a run of a different method
+MAX_OVERLAP_STEPS = 64  # inner steps one exchange may overlap (the gap to the next sync bounds it too)
 MAX_SPEC_CHARS = 512  # a "NAME[,FIELD=VALUE...]" text: every field changed fits in about 300
 
 
@@ -53,6 +54,12 @@ class CompressionConfig:
     # ramped sync costs one compressed payload, not the 128x larger exact all-reduce, and
     # averages the replicas, see `ramp_sync`); 0: H from the start
     dp_ramp_syncs: int = 0
+    # diloco: inner steps a synchronisation's exchange overlaps (streaming DiLoCo's delayed outer
+    # update): the pseudo-gradient of the sync after step t is sent at once, the next inner steps
+    # compute while it travels, and the outer step lands after step t + tau (tau: this, at most the
+    # gap to the next sync), keeping each replica's local progress since t on top; 0: the stage
+    # waits for the exchange (more: hides longer exchanges, the outer update acts later)
+    dp_overlap_steps: int = 0
     # (cocktail synchronises after every step)
     outer_lr: float = 0.7  # outer SGD learning rate on the averaged pseudo-gradient (1, momentum 0: plain average)
     outer_momentum: float = 0.9  # outer (Nesterov) momentum; 0 leaves it to error feedback
@@ -81,12 +88,16 @@ class CompressionConfig:
                 raise ValueError(f"{name} must lie in (0, 1], got {value!r}")
         if self.dp_value_bits not in _VALUE_BITS or isinstance(self.dp_value_bits, bool):
             raise ValueError(f"dp_value_bits must be one of {_VALUE_BITS}, got {self.dp_value_bits!r}")
-        for name in ("dp_warmup_steps", "inner_steps", "dp_ramp_syncs"):
+        for name in ("dp_warmup_steps", "inner_steps", "dp_ramp_syncs", "dp_overlap_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.inner_steps < 1:
             raise ValueError("inner_steps must be at least 1")
+        if self.dp_overlap_steps and self.dp_method != "diloco":
+            raise ValueError("dp_overlap_steps needs dp_method=diloco (cocktail applies its exchange every step)")
+        if self.dp_overlap_steps > MAX_OVERLAP_STEPS:
+            raise ValueError(f"dp_overlap_steps must be at most {MAX_OVERLAP_STEPS}, got {self.dp_overlap_steps!r}")
         if self.dp_ramp_syncs > MAX_RAMP_SYNCS:
             raise ValueError(f"dp_ramp_syncs must be at most {MAX_RAMP_SYNCS}, got {self.dp_ramp_syncs!r}")
         lr = self.outer_lr
@@ -147,6 +158,35 @@ class CompressionConfig:
         return bool(self.ramp_periods) and self.sync_due(step) and \
             step + 1 - self.dp_warmup_steps <= self.ramp_steps
 
+    def overlap_of(self, step: int) -> int:
+        """Inner steps the exchange of the synchronisation after step `step` overlaps: the outer
+        update lands after step `step` + this. `dp_overlap_steps`, but never past the next
+        synchronisation (whose pseudo-gradient starts from that update); 0 when no sync is due."""
+        if not self.dp_overlap_steps or not self.sync_due(step):
+            return 0
+        for gap in range(1, self.dp_overlap_steps + 1):
+            if self.sync_due(step + gap):
+                return gap
+        return self.dp_overlap_steps
+
+    def apply_due(self, step: int) -> int | None:
+        """The step whose synchronisation's outer update lands after the update of step `step`
+        (an overlapped exchange completing), or None. A function of the step alone: every
+        replica, a resumed run and a stage fetched mid-exchange agree on it."""
+        for start in range(max(0, step - self.dp_overlap_steps), step):
+            if self.overlap_of(start) == step - start:
+                return start
+        return None
+
+    def in_flight(self, step: int) -> int | None:
+        """The step whose synchronisation is still being exchanged when step `step` starts
+        (sent, its outer update not yet applied), or None: a stage stopped before step `step`
+        keeps that exchange's origin (`compress/origin/`) to complete it on resumption."""
+        for start in range(max(0, step - self.dp_overlap_steps), step):
+            if start + self.overlap_of(start) >= step:
+                return start
+        return None
+
     def syncs_in(self, steps: int) -> int:
         """Compressed synchronisations in steps 0 .. steps - 1."""
         return sum(self.sync_due(k) for k in range(steps))
@@ -164,6 +204,8 @@ class CompressionConfig:
                 if self.ramp_periods:
                     ramp = ", ".join(str(p) for p in self.ramp_periods)
                     dp += f", warm start: {self.dp_ramp_syncs} syncs each every {ramp} steps ({self.ramp_steps} steps)"
+            if self.dp_overlap_steps:
+                dp += f", exchange overlapping {self.dp_overlap_steps} inner step{'s' if self.dp_overlap_steps > 1 else ''}"
             if self.dp_warmup_steps:
                 dp += f", {self.dp_warmup_steps} exact warm-up steps"
         return f"pipeline {pp}; data-parallel {dp}" + ("; per link (exact where it does not pay)" if self.per_link else "")

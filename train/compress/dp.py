@@ -25,6 +25,19 @@ travels. It compresses the per-step model delta rather than the raw gradient: Ad
 DiLoCo synchronises after every H steps and compresses all elements; with a warm start
 (`dp_ramp_syncs`) it synchronises first at intervals 1, 2, 4, ... below H, each of those
 averaging the replicas (the outer optimizer starts at interval H).
+
+With `dp_overlap_steps` = tau, DiLoCo's exchange overlaps the next inner steps (streaming
+DiLoCo's delayed outer update): after step t each replica keeps its weights as the exchange's
+origin, sends its payload (`start_sync`) and steps on; after step t + tau (at most the gap to
+the next synchronisation: `CompressionConfig.overlap_of`) it receives the others' payloads,
+by then long arrived, and `finish_sync` applies the outer step of the group's mean to the
+anchor and puts the replica's local progress since t on top (`delayed_outer_update`): the
+anchor, the synchronised model, is the same bits on every replica; the weights are the anchor
+plus each replica's own tau steps, which the next pseudo-gradient counts. The schedule is a
+function of the step, and the origin is a buffer of the stage (`compress/origin/`), so a stage
+checkpointed, resumed, fetched or re-laid out while an exchange is in flight completes it: the
+payloads are sent again from the origin (the same bits) when the comm they went out on is not
+the one the stage runs on now (another epoch's tag, or `forget_exchange`).
 """
 
 from __future__ import annotations
@@ -39,7 +52,8 @@ from ..comm import Comm, CommError, PeerId, PendingSends, settle_sends
 from .codec import CodecError, decode_sparse, encode_sparse, sparse_payload_bytes
 from .config import CompressionConfig
 
-__all__ = ["StageCompression", "allgather_payloads", "random_subset", "sync_payload_bytes", "STATE_PREFIX"]
+__all__ = ["StageCompression", "allgather_payloads", "delayed_outer_update", "outer_step", "random_subset",
+           "sync_payload_bytes", "STATE_PREFIX"]
 
 STATE_PREFIX = "compress/"
 
@@ -94,6 +108,42 @@ def allgather_payloads(comm: Comm, group: Sequence[PeerId], payload: torch.Tenso
     return out
 
 
+def outer_step(config: CompressionConfig, step: int, anchor: torch.Tensor, momentum: torch.Tensor | None,
+               avg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(new anchor, new outer momentum) from the group's mean decoded pseudo-gradient `avg` of
+    the synchronisation after step `step`: a warm-start synchronisation averages (the anchor
+    moves by the mean, the momentum stays), any other takes the outer SGD step (Nesterov or
+    heavy-ball momentum). Pure: the inputs are not changed."""
+    if config.ramp_sync(step):
+        return anchor.sub(avg), momentum
+    if momentum is not None:
+        mom = momentum.mul(config.outer_momentum).add_(avg)
+        update = avg.add(mom, alpha=config.outer_momentum) if config.outer_nesterov else mom
+    else:
+        mom, update = None, avg
+    return anchor.sub(update, alpha=config.outer_lr), mom
+
+
+def delayed_outer_update(config: CompressionConfig, step: int, anchor: torch.Tensor, momentum: torch.Tensor | None,
+                         avg: torch.Tensor, weights: torch.Tensor,
+                         origin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(new anchor, new momentum, new weights) of an overlapped synchronisation: the outer step of
+    `outer_step`, and the replica's weights moved onto it with the local progress made while
+    the exchange travelled kept on top (weights - origin, origin being the weights the exchange
+    started from). The anchor and momentum depend only on what every member shares, so they
+    are the same bits on every replica; with no progress (weights == origin) the weights are
+    the new anchor, as after a synchronisation that waits. Pure."""
+    new_anchor, new_mom = outer_step(config, step, anchor, momentum, avg)
+    return new_anchor, new_mom, new_anchor + (weights - origin)
+
+
+def _received(comm: Comm, peer: PeerId, tag: str, timeout_s: float) -> torch.Tensor:
+    got = comm.recv(peer, tag, timeout_s)
+    if got.dtype != torch.uint8 or got.dim() != 1:
+        raise CommError(f"peer {peer!r} sent {got.dtype} {tuple(got.shape)} under {tag!r}, expected a uint8 payload")
+    return got
+
+
 class StageCompression:
     """Compression settings and state of one stage replica (see the module docstring)."""
 
@@ -110,6 +160,10 @@ class StageCompression:
             self.buffers["anchor"] = self._flat([p.detach() for p in params.values()]).clone()
             if config.outer_momentum > 0:
                 self.buffers["outer_m"] = torch.zeros(self.numel, dtype=torch.float32, device=dev)
+            if config.dp_overlap_steps:  # the weights an exchange in flight started from
+                self.buffers["origin"] = self.buffers["anchor"].clone()
+        # (tag, payload) of the exchange this replica started in this session and has not applied
+        self._sent: tuple[str, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state as named tensors
 
@@ -126,6 +180,11 @@ class StageCompression:
         if not tensors:
             return torch.zeros(0)
         return torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+
+    def state_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A flat (numel,) vector in parameter order as one view per parameter name (e.g. the
+        anchor as the stage's parameters)."""
+        return self._views(flat)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """`compress/<kind>/<param name>` for every buffer: views, not copies."""
@@ -169,16 +228,7 @@ class StageCompression:
         k, chunk, bits = c.dp_topk_per_chunk, c.dp_chunk_elems, c.dp_value_bits
         mine = encode_sparse(x, chunk, k, bits)
         payloads = allgather_payloads(comm, group, mine, tag, timeout_s, pending)
-        decoded = []
-        for p, payload in zip(group, payloads):
-            try:
-                decoded.append(decode_sparse(payload.to(x.device), x.numel(), chunk, k, bits))  # where x is
-            except CodecError as e:
-                raise CommError(f"peer {p!r} sent a bad compressed payload under {tag!r}: {e}") from None
-        total = decoded[0].clone()
-        for dec in decoded[1:]:
-            total += dec
-        return total, decoded[list(group).index(comm.me)]
+        return self._decode_sum(group, comm.me, payloads, x, tag)
 
     @staticmethod
     def _check_group(comm: Comm, group: Sequence[PeerId]) -> None:
@@ -208,19 +258,103 @@ class StageCompression:
             avg = total / torch.full((), len(group), dtype=total.dtype, device=total.device)  # (a tensor: correctly rounded on a GPU too)
             acc -= own
         ef.copy_(acc)
-        if c.ramp_sync(step):  # the warm start averages the replicas; the outer optimizer waits
-            anchor.sub_(avg)
-            for p, v in zip(params, self._views(anchor).values()):
-                p.copy_(v)
-            return
-        if mom is not None:
-            mom.mul_(c.outer_momentum).add_(avg)
-            update = avg.add(mom, alpha=c.outer_momentum) if c.outer_nesterov else mom
-        else:
-            update = avg
-        anchor.sub_(update, alpha=c.outer_lr)
+        new_anchor, new_mom = outer_step(c, step, anchor, mom, avg)
+        anchor.copy_(new_anchor)
+        if mom is not None and new_mom is not None:
+            mom.copy_(new_mom)
         for p, v in zip(params, self._views(anchor).values()):
             p.copy_(v)
+
+    # ------------------------------------------------------------------ the overlapped exchange
+
+    @torch.no_grad()
+    def start_sync(self, comm: Comm, group: Sequence[PeerId], params: Sequence[torch.Tensor], step: int,
+                   tag: str, timeout_s: float, pending: PendingSends | None = None) -> None:
+        """Send this replica's compressed pseudo-gradient for the synchronisation after step
+        `step` and go on: the weights stay this replica's own, and `finish_sync`, after step
+        `step` + `config.overlap_of(step)`, receives the others' and applies the outer update.
+        Keeps the weights the exchange starts from (`compress/origin/`), so a stage stopped
+        before that update can complete it (module docstring)."""
+        self._check_group(comm, group)
+        origin = self.buffers["origin"]
+        origin.copy_(self._flat([p.detach() for p in params]).to(origin.device))
+        mine = self._own_payload()
+        handles = [comm.isend(p, tag, mine) for p in group if p != comm.me]
+        settle_sends(handles, pending, timeout_s)
+        self._sent = (tag, mine)
+
+    @torch.no_grad()
+    def finish_sync(self, comm: Comm, group: Sequence[PeerId], params: Sequence[torch.Tensor], step: int,
+                    sent_tag: str, resend_tag: str, timeout_s: float, pending: PendingSends | None = None) -> None:
+        """Complete the exchange of the synchronisation after step `step` (started by
+        `start_sync`) and apply it: the outer update of the group's mean from the anchor, plus
+        this replica's own progress since the exchange began (`delayed_outer_update`). The
+        others' payloads are those sent under `sent_tag` when this replica sent its own there
+        in this session; otherwise (a stage resumed, fetched or re-laid out since) every member
+        sends its payload again, recomputed from the kept origin, under `resend_tag`: the same
+        bits, so the same update. Nothing changes unless every payload arrived and decoded."""
+        self._check_group(comm, group)
+        c = self.config
+        k, chunk, bits = c.dp_topk_per_chunk, c.dp_chunk_elems, c.dp_value_bits
+        if self._sent is not None and self._sent[0] == sent_tag:
+            mine, payloads = self._sent[1], []
+            for p in group:
+                payloads.append(mine if p == comm.me else _received(comm, p, sent_tag, timeout_s))
+        else:
+            mine = self._own_payload()
+            payloads = allgather_payloads(comm, group, mine, resend_tag, timeout_s, pending)
+        acc = self._accumulated()
+        total, own = self._decode_sum(group, comm.me, payloads, acc, sent_tag)
+        avg = total / torch.full((), len(group), dtype=total.dtype, device=total.device)
+        weights = self._flat([p.detach() for p in params]).to(acc.device)
+        anchor, mom = self.buffers["anchor"], self.buffers.get("outer_m")
+        new_anchor, new_mom, new_weights = delayed_outer_update(c, step, anchor, mom, avg, weights,
+                                                                self.buffers["origin"])
+        self.buffers["ef"].copy_(acc - own)
+        anchor.copy_(new_anchor)
+        if mom is not None and new_mom is not None:
+            mom.copy_(new_mom)
+        for p, v in zip(params, self._views(new_weights).values()):
+            p.copy_(v)
+        self._sent = None
+
+    @torch.no_grad()
+    def in_flight_contribution(self) -> torch.Tensor:
+        """This replica's decoded payload of the exchange in flight (what every member adds for
+        it when the exchange lands): the group's sum of these in group order, over its size, is
+        the mean `finish_sync` will apply."""
+        c = self.config
+        acc = self._accumulated()
+        return decode_sparse(self._own_payload(), acc.numel(), c.dp_chunk_elems, c.dp_topk_per_chunk, c.dp_value_bits)
+
+    def forget_exchange(self) -> None:
+        """The comm an exchange in flight was sent on is gone (the stage moves to another plan or
+        session): the exchange completes by every member sending its payload again."""
+        self._sent = None
+
+    def _accumulated(self) -> torch.Tensor:
+        """What this replica sends at the exchange in flight: its residual plus its pseudo-gradient
+        (anchor - origin), the same float operations wherever it is computed."""
+        return self.buffers["ef"] + (self.buffers["anchor"] - self.buffers["origin"])
+
+    def _own_payload(self) -> torch.Tensor:
+        c = self.config
+        return encode_sparse(self._accumulated(), c.dp_chunk_elems, c.dp_topk_per_chunk, c.dp_value_bits)
+
+    def _decode_sum(self, group: Sequence[PeerId], me: PeerId, payloads: Sequence[torch.Tensor], x: torch.Tensor,
+                    tag: str) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        decoded = []
+        for p, payload in zip(group, payloads):
+            try:
+                decoded.append(decode_sparse(payload.to(x.device), x.numel(), c.dp_chunk_elems, c.dp_topk_per_chunk,
+                                             c.dp_value_bits))
+            except CodecError as e:
+                raise CommError(f"peer {p!r} sent a bad compressed payload under {tag!r}: {e}") from None
+        total = decoded[0].clone()
+        for dec in decoded[1:]:
+            total += dec
+        return total, decoded[list(group).index(me)]
 
     @torch.no_grad()
     def track_anchor(self, params: Sequence[torch.Tensor]) -> None:

@@ -169,8 +169,9 @@ BODY_FIELDS = ("version", "run_id", "term", "epoch", "issuer", "preset", "model"
                "layer_ranges", "spares", "data_hash", "data_name", "start_step", "end_step", "checkpoint_every",
                "predicted_iteration_s", "holdings", "absent", "reason", "voters", "operator_start",
                "compression", "compress_links", "last_op_ms", "council")
-# (per_link: told by the links; dp_ramp_syncs: travels only where it is not the default)
-EXACT_MAP = {k: v for k, v in CompressionConfig().to_dict().items() if k not in ("per_link", "dp_ramp_syncs")}
+# (per_link: told by the links; dp_ramp_syncs, dp_overlap_steps: travel only where they are not the default)
+EXACT_MAP = {k: v for k, v in CompressionConfig().to_dict().items()
+             if k not in ("per_link", "dp_ramp_syncs", "dp_overlap_steps")}
 
 
 def reads_only_6(version: int) -> str:
