@@ -24,22 +24,26 @@ gossiped figure stays in reference-block units whatever the run.
 from __future__ import annotations
 
 import statistics
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dtfm.gossip import REFERENCE_BLOCK, NetworkView
-from dtfm.sched import ModelSpec, RunModel
+from dtfm.sched import UPDATE_KIND, ModelSpec, RunModel, update_s_per_param
 from dtfm.train import GPTSpec, TrainConfig
 
 __all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "PeerCompute", "kind_factors",
-           "micro_batch_seqs", "peer_compute", "reference_block_flops", "run_model", "sched_spec", "training_block_ms"]
+           "micro_batch_seqs", "peer_compute", "pipeline_seqs", "reference_block_flops", "run_model", "sched_spec", "training_block_ms",
+           "update_flops_per_param"]
 
 GAUGE_STEPS = 8  # steps whose median a training peer reports
 KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slower than this is not probed (factor 1)
-KIND_REPEATS = 3  # timed runs of each (after one warm-up): the median counts
+KIND_REPEATS = 3  # timed runs of each (after one warm-up), at least: the median counts
+KIND_MIN_S = 0.5  # ... and runs of each for at least this long (a loaded machine's time slices average out)
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
 
 
@@ -49,11 +53,13 @@ def run_model(spec: GPTSpec, cfg: TrainConfig) -> RunModel:
                     cfg.global_batch_seqs, cfg.micro_batches, 4 if cfg.wire_dtype == "float32" else 2)
 
 
-def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int, *, reference_tflops: float | None = None) -> ModelSpec:
+def sched_spec(spec: GPTSpec, cfg: TrainConfig, dp: int, *, reference_tflops: float | None = None,
+               update_s_per_param: float = 0.0) -> ModelSpec:
     """The scheduler's description of the model the trainer builds, for D pipelines; with
     `reference_tflops` (a speed-1.0 peer's achieved TFLOP/s) its compute is costed, the output
-    head on the last stage included; without, compute is free."""
-    return run_model(spec, cfg).spec(dp, reference_tflops)
+    head on the last stage and the optimizer's update (`update_s_per_param`) included; without,
+    compute is free."""
+    return run_model(spec, cfg).spec(dp, reference_tflops, update_s_per_param)
 
 
 def reference_block_flops() -> float:
@@ -68,47 +74,99 @@ def micro_batch_seqs(cfg: TrainConfig, dp: int) -> int:
 
 
 def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_REPEATS,
-                 seed: int = 0) -> dict[int, float]:
+                 seed: int = 0, min_s: float = KIND_MIN_S) -> dict[int, float]:
     """For each micro-batch size, the forward and backward time of one of the model's layers
     over the time the reference block's (timed here too, just before) predicts by their FLOPs:
     how much slower per FLOP this model's layer runs. Sizes whose layer the reference predicts
     slower than KIND_MAX_LAYER_S are left out (their factor is 1: wide layers run at about the
-    reference rate). Blocking, imports torch: run it in a child process or a worker thread."""
+    reference rate). Size `UPDATE_KIND` (0) asks for the optimizer update of the layer's
+    parameters instead (`update_flops_per_param`). Blocking, imports torch: run it in a child
+    process or a worker thread."""
     import torch  # (only this probe needs it)
 
-    from dtfm.gossip import reference_block, time_block_ms
+    from dtfm.gossip import median_ms, reference_block, time_block_ms
     from dtfm.train import Block
 
+    batches = set(batches)
     ref, ref_x = reference_block(seed=seed)
     ref_ms = min(time_block_ms(ref, ref_x) for _ in range(2))  # (warmed up)
     ref_flops = reference_block_flops()
     flops = {b: ModelSpec(spec.name, 1, spec.n_embd, spec.n_head, spec.seq_len, 1, b, b).layer_flops()
-             for b in sorted(set(batches)) if b >= 1}
+             for b in sorted(batches) if b >= 1}
     flops = {b: f for b, f in flops.items() if ref_ms * f / ref_flops <= KIND_MAX_LAYER_S * 1e3}
     out: dict[int, float] = {}
-    if not flops:
+    if not flops and UPDATE_KIND not in batches:
         return out
     torch.manual_seed(seed)
     block = Block(spec)
+    if UPDATE_KIND in batches:
+        out[UPDATE_KIND] = update_flops_per_param(block, ref, ref_x, repeats=repeats, min_s=min_s)
     for b, f in flops.items():
         x = torch.randn(b, spec.seq_len, spec.n_embd)
         time_block_ms(block, x)  # (warms up)
-        # each run against a reference run just before it: a machine whose load changes moves both
-        ratios = [time_block_ms(block, x) / time_block_ms(ref, ref_x) for _ in range(repeats)]
-        out[b] = statistics.median(ratios) * ref_flops / f
+        # each run against a reference run just before it: a machine whose load changes moves
+        # both; the median over at least `repeats` pairs and `min_s` seconds
+        ratio = median_ms(lambda: time_block_ms(block, x) / time_block_ms(ref, ref_x), min_runs=repeats, min_s=min_s)
+        out[b] = ratio * ref_flops / f
     return out
 
 
+def update_flops_per_param(block: Any, ref: Any, ref_x: Any, *, repeats: int = KIND_REPEATS,
+                           min_s: float = 0.0) -> float:
+    """The optimizer update of `block`'s parameters as the trainer runs it (the squared
+    gradient norm in float64, AdamW with weight decay on the matrices), in FLOP-equivalents per
+    parameter at the reference block's rate (`ref` on `ref_x`, each run against a reference run
+    just before it). Blocking, imports torch."""
+    import torch
+
+    from dtfm.gossip import median_ms, time_block_ms
+    from dtfm.train import AdamW
+
+    params = dict(block.named_parameters())
+    n = sum(p.numel() for p in params.values())
+    opt = AdamW(params, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def update_ms() -> float:
+        for p in params.values():
+            p.grad = torch.randn_like(p)
+        t0 = time.perf_counter()
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in params.values():
+            assert p.grad is not None
+            sq += p.grad.double().pow(2).sum()
+        float(sq)
+        opt.step(1e-4)
+        return (time.perf_counter() - t0) * 1000.0
+
+    update_ms()  # (warms up: the moments are allocated)
+    ratio = median_ms(lambda: update_ms() / time_block_ms(ref, ref_x), min_runs=repeats, min_s=min_s)
+    for p in params.values():
+        p.grad = None
+    return ratio * reference_block_flops() / n
+
+
+def pipeline_seqs(cfg: TrainConfig, dp: int, pipeline: int | None = None) -> int:
+    """Sequences a step of pipeline `pipeline` of D = `dp` computes (the trainer's split of the
+    global batch: 16 over 3 pipelines is 5, 5 and 6); None: the largest pipeline's, as the
+    simulator costs every pipeline."""
+    g = cfg.global_batch_seqs
+    if pipeline is None:
+        return -(-g // dp)
+    return g * (pipeline + 1) // dp - g * pipeline // dp
+
+
 def training_block_ms(spec: GPTSpec, cfg: TrainConfig, dp: int, layers: int, last_stage: bool,
-                      compute_s: float, kind: float = 1.0) -> float | None:
+                      compute_s: float, kind: float = 1.0, pipeline: int | None = None) -> float | None:
     """The reference block's time on a peer whose stage of `layers` layers (the last stage:
-    with the output head) computed for `compute_s` seconds in one step of a run of D = `dp`
+    with the output head) computed for `compute_s` seconds in one step of pipeline `pipeline`
+    (its own share of the global batch; None: the largest pipeline's) of a run of D = `dp`
     pipelines, its layer's `kind_factors` figure at the run's micro-batch taken out (`kind`);
     None for a figure that says nothing (no layers, no time)."""
     if layers < 1 or not compute_s > 0 or not kind > 0:
         return None
     mspec = sched_spec(spec, cfg, dp)
-    work = cfg.micro_batches * (layers + (mspec.head_layers_equivalent() if last_stage else 0.0)) * mspec.layer_flops()
+    micro = pipeline_seqs(cfg, dp, pipeline) / mspec.micro_batch_size  # the layer_flops() micro-batches computed
+    work = micro * (layers + (mspec.head_layers_equivalent() if last_stage else 0.0)) * mspec.layer_flops()
     return compute_s * 1000.0 * reference_block_flops() / work / kind
 
 
@@ -155,15 +213,19 @@ class PeerCompute:
 
     def spec(self, spec: GPTSpec, cfg: TrainConfig, dp: int) -> ModelSpec:
         """`sched_spec` for D = `dp` pipelines, its compute costed at these speeds."""
-        return sched_spec(spec, cfg, dp, reference_tflops=self.tflops(micro_batch_seqs(cfg, dp)))
+        return sched_spec(spec, cfg, dp, reference_tflops=self.tflops(micro_batch_seqs(cfg, dp)),
+                          update_s_per_param=update_s_per_param(self.kind, self.reference_tflops))
 
     def describe(self) -> str:
         if self.reference_tflops is None:
             return "compute not costed (no peer reported its speed)"
         n = len(self.speeds)
         spread = f", speeds {self.speeds.min():.2f}-{self.speeds.max():.2f}" if n > 1 else ""
-        kind = (", the run's layers at " + "/".join(f"{v:.2f}" for _, v in sorted(self.kind.items()))
-                + "x its time per FLOP") if self.kind else ""
+        layer = {b: v for b, v in self.kind.items() if b != UPDATE_KIND}
+        kind = (", the run's layers at " + "/".join(f"{v:.2f}" for _, v in sorted(layer.items()))
+                + "x its time per FLOP") if layer else ""
+        if UPDATE_KIND in self.kind:
+            kind += f", the update at {self.kind[UPDATE_KIND]:.0f} FLOP per parameter"
         return (f"compute at {self.reference_tflops * 1e3:.1f} GFLOP/s per peer (median of {self.known}/{n} "
                 f"measured{spread}{kind})")
 

@@ -304,7 +304,7 @@ class ControlPlane:
         alloc = self.epoch.current
         if alloc is None or alloc.epoch != report.epoch or self.me not in alloc.peers:
             return
-        _, s = alloc.position(self.me)
+        d, s = alloc.position(self.me)
         start, end = alloc.layer_ranges[s]
         key = (alloc.model, micro_batch_seqs(alloc.train, alloc.dp))
         if key not in self._kinds:  # (the first step of a run layer: learn its kind factor meanwhile)
@@ -312,7 +312,7 @@ class ControlPlane:
             self._start_soon(self._learn_kind, key)
         kind = self._kinds[key]
         figure = training_block_ms(alloc.model, alloc.train, alloc.dp, end - start, s == alloc.stages - 1,
-                                   report.compute_s, kind if kind is not None else 1.0)
+                                   report.compute_s, kind if kind is not None else 1.0, pipeline=d)
         ms = self._compute_gauge.add((alloc.run_id, alloc.epoch), figure)
         if ms is not None and (kind is not None or self._kind_probe is None):
             self.gossip.set_compute_ms(ms)

@@ -17,7 +17,7 @@ import numpy as np
 from dtfm.files import atomic_write
 from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, NetworkView, build_view
 from dtfm.net import ProtocolError
-from dtfm.sched import ScheduleInputs
+from dtfm.sched import UPDATE_KIND, ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
@@ -129,12 +129,12 @@ class SchedulerPlanner:
 
     def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
-        allow, from `kind_probe` (blocking: the planner runs in a worker thread); none without
+        allow, and its optimizer update (`UPDATE_KIND`), from `kind_probe` (blocking: the planner runs in a worker thread); none without
         a probe or when it fails (the scheduler then costs the layers at the reference rate)."""
         if self.kind_probe is None:
             return {}
         d_max = max(1, min(n, train.global_batch_seqs // train.micro_batches))
-        batches = tuple(sorted({micro_batch_seqs(train, d) for d in range(1, d_max + 1)}))
+        batches = tuple(sorted({UPDATE_KIND} | {micro_batch_seqs(train, d) for d in range(1, d_max + 1)}))
         try:
             return dict(self.kind_probe(model, batches))
         except Exception as e:  # (a probe that cannot run costs the layers at the reference rate)

@@ -7,13 +7,21 @@ when a block is built: importing this module loads neither torch nor trio.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["REFERENCE_BLOCK", "reference_block", "time_block_ms"]
+__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "median_ms", "reference_block", "time_block_ms"]
 
 # width, heads, sequence length and batch
 REFERENCE_BLOCK = (256, 4, 128, 4)
+# A figure is the median of at least PROBE_MIN_RUNS timed runs spanning at least PROBE_MIN_S
+# (at most PROBE_MAX_RUNS): on a loaded machine one run of a few ms is one time slice more or
+# less; a second of runs sees the load as the training will.
+PROBE_MIN_RUNS = 3
+PROBE_MIN_S = 1.0
+PROBE_MAX_RUNS = 200
 
 
 def reference_block(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE_BLOCK[1],
@@ -33,3 +41,14 @@ def time_block_ms(block: Any, x: Any) -> float:
     out = (time.perf_counter() - t0) * 1000.0
     block.zero_grad(set_to_none=True)
     return out
+
+
+def median_ms(run: Callable[[], float], *, min_runs: int = PROBE_MIN_RUNS, min_s: float = PROBE_MIN_S,
+              max_runs: int = PROBE_MAX_RUNS) -> float:
+    """The median of `run()`'s figures, called at least `min_runs` times and until `min_s`
+    seconds have passed (at most `max_runs` times)."""
+    t0 = time.perf_counter()
+    figures = [run()]
+    while len(figures) < max_runs and (len(figures) < min_runs or time.perf_counter() - t0 < min_s):
+        figures.append(run())
+    return statistics.median(figures)

@@ -33,13 +33,14 @@ from pathlib import Path
 from typing import Any
 
 from dtfm.files import atomic_write
+from dtfm.sched import UPDATE_KIND
 
 __all__ = ["KIND_FILE", "KindCache", "PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
 
 logger = logging.getLogger(__name__)
 
 SPEED_FILE = "speed.json"  # in the daemon's data dir
-PROBE_VERSION = 2  # bump when a probe's workload changes: older figures are measured again
+PROBE_VERSION = 3  # bump when a probe's workload changes: older figures are measured again
 PROBE_TIMEOUT_S = 300.0  # a child that has not answered by then has failed (the figure stays unknown)
 MAX_FILE_BYTES = 1 << 16
 MAX_CODEC_FIGURES = 64
@@ -274,7 +275,8 @@ class KindCache:
             missing = sorted({b for b in batches if b not in known})
             if missing:
                 got = self._measure(spec, missing)
-                known = {**known, **got, **{b: 1.0 for b in missing if b not in got}}  # (not probed: the reference rate)
+                # (a size not probed: the reference rate; an update not measured: not counted)
+                known = {**known, **got, **{b: 1.0 for b in missing if b not in got and b != UPDATE_KIND}}
                 self._kinds.pop(layer, None)
                 self._kinds[layer] = known
                 while len(self._kinds) > MAX_KINDS:
@@ -307,7 +309,7 @@ class KindCache:
         if not isinstance(figures, dict):
             raise RuntimeError("the layer probe printed no figures")
         return {int(b): float(f) for b, f in figures.items()
-                if str(b).isdigit() and int(b) in batches and _kind_or_none(f) is not None}
+                if str(b).isdigit() and int(b) in batches and _kind_or_none(f, int(b)) is not None}
 
     def _load(self) -> dict[str, dict[int, float]]:
         try:
@@ -322,7 +324,7 @@ class KindCache:
         for layer, figures in list(d["kinds"].items())[-MAX_KINDS:]:
             if isinstance(layer, str) and isinstance(figures, dict):
                 out[layer] = {int(b): float(f) for b, f in figures.items()
-                              if str(b).isdigit() and _kind_or_none(f) is not None}
+                              if str(b).isdigit() and _kind_or_none(f, int(b)) is not None}
         return out
 
     def _store(self) -> None:
@@ -335,10 +337,16 @@ class KindCache:
                            self.path, e.strerror)
 
 
-def _kind_or_none(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.01 < v < 100:
+MAX_UPDATE_FLOPS_PER_PARAM = 1e6  # an update figure (`UPDATE_KIND`) above this is refused
+
+
+def _kind_or_none(v: object, batch: int) -> float | None:
+    """A layer figure as kept: a time-per-FLOP ratio in (0.01, 100), or for `UPDATE_KIND`
+    FLOP-equivalents per parameter in (0, MAX_UPDATE_FLOPS_PER_PARAM); None for anything else."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
-    return float(v)
+    low, high = (0.0, MAX_UPDATE_FLOPS_PER_PARAM) if batch == UPDATE_KIND else (0.01, 100.0)
+    return float(v) if low < v < high else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", action="store_true", help="each codec's ns per element")
     parser.add_argument("--kind", metavar="JSON", help="a model spec (GPTSpec as JSON): its layer's time per FLOP "
                                                        "over the reference block's, at each --batches size")
-    parser.add_argument("--batches", default="1", help="micro-batch sizes for --kind, comma-separated")
+    parser.add_argument("--batches", default="1", help="micro-batch sizes for --kind, comma-separated (0: the "
+                                                       "optimizer update, FLOP-equivalents per parameter)")
     args = parser.parse_args(argv)
     import torch
 

@@ -26,7 +26,7 @@ from .cost import CostModel
 from .search import SearchConfig
 from .simulate import simulate
 from .solve import Allocation, solve
-from .spec import ModelSpec
+from .spec import ModelSpec, update_s_per_param
 
 __all__ = ["FastestShape", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "shape_space", "solve_fastest"]
 
@@ -132,14 +132,15 @@ class RunModel:
     micro_batches: int
     act_bytes: int = 2
 
-    def spec(self, dp: int, reference_tflops: float | None = None) -> ModelSpec:
+    def spec(self, dp: int, reference_tflops: float | None = None, update_s_per_param: float = 0.0) -> ModelSpec:
         """The model for D = `dp` pipelines: micro-batches of global / (D x M) sequences; with
-        `reference_tflops` its compute is costed, the output head's on the last stage too."""
+        `reference_tflops` its compute is costed, the output head's on the last stage too, and
+        the optimizer's update at `update_s_per_param`."""
         mb = self.micro_batch(dp)
         return ModelSpec(self.name, layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
                          vocab=self.vocab, micro_batch_size=mb, global_batch_seqs=self.global_batch_seqs,
                          act_bytes=self.act_bytes, reference_tflops=reference_tflops,
-                         head_compute=reference_tflops is not None)
+                         head_compute=reference_tflops is not None, update_s_per_param=update_s_per_param)
 
     def micro_batch(self, dp: int) -> int:
         """Sequences per micro-batch of D = `dp` pipelines (the scheduler's count)."""
@@ -178,7 +179,8 @@ class ScheduleInputs:
         return self.reference_tflops / self.kind.get(micro_batch, 1.0)
 
     def spec_of(self, dp: int) -> ModelSpec:
-        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp)))
+        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp)),
+                               update_s_per_param(self.kind, self.reference_tflops))
 
     def shapes(self) -> list[tuple[int, int]]:
         n = len(self.peers)

@@ -172,8 +172,9 @@ def test_the_planner_asks_the_layer_probe_for_every_micro_batch_a_shape_may_use(
         return {b: 1.5 for b in batches}
 
     planner = SchedulerPlanner(PlaneConfig.test(), kind_probe=probe)
-    assert planner.kind(SPEC, CFG, 8) == {1: 1.5, 2: 1.5, 4: 1.5}  # D = 1..4: 4, 2, 1 (and 1) sequences
-    assert asked == [(1, 2, 4)]
+    # D = 1..4: 4, 2, 1 (and 1) sequences, and the optimizer update (UPDATE_KIND, 0)
+    assert planner.kind(SPEC, CFG, 8) == {0: 1.5, 1: 1.5, 2: 1.5, 4: 1.5}
+    assert asked == [(0, 1, 2, 4)]
 
     def broken(spec, batches):
         raise RuntimeError("the layer probe failed")
