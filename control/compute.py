@@ -23,12 +23,13 @@ gossiped figure stays in reference-block units whatever the run.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from dtfm.train import GPTSpec, TrainConfig
 
 __all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "PeerCompute", "kind_factors",
            "micro_batch_seqs", "peer_compute", "pipeline_seqs", "reference_block_flops", "run_model", "sched_spec", "training_block_ms",
-           "update_flops_per_param"]
+           "update_flops_per_param", "with_fresh_compute"]
 
 GAUGE_STEPS = 8  # steps whose median a training peer reports
 KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slower than this is not probed (factor 1)
@@ -228,6 +229,23 @@ class PeerCompute:
             kind += f", the update at {self.kind[UPDATE_KIND]:.0f} FLOP per parameter"
         return (f"compute at {self.reference_tflops * 1e3:.1f} GFLOP/s per peer (median of {self.known}/{n} "
                 f"measured{spread}{kind})")
+
+
+def with_fresh_compute(view: NetworkView, host: bytes, ms: float) -> NetworkView:
+    """The view with the figures of the peers whose reports name machine `host` scaled so that
+    their median is `ms`, the reference block timed on that machine just now: their figures were
+    probed when each daemon started (or as it trained before), on a machine whose load has moved
+    since (their ratios stay: a figure given to a daemon to stand for a slower one stays slower).
+    Peers of other machines keep theirs; unchanged without a host, a figure, or a reported
+    figure of that machine."""
+    if not host or not (math.isfinite(ms) and ms > 0):
+        return view
+    figures = np.asarray(view.compute_ms, dtype=float)
+    mine = np.array([h == host for h in view.hosts], dtype=bool) & np.isfinite(figures) & (figures > 0)
+    if not mine.any():
+        return view
+    scale = ms / float(np.median(figures[mine]))
+    return replace(view, compute_ms=np.where(mine, figures * scale, figures))
 
 
 def peer_compute(view: NetworkView, kind: Mapping[int, float] | None = None) -> PeerCompute:

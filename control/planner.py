@@ -21,7 +21,7 @@ from dtfm.sched import UPDATE_KIND, ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
-from .compute import KindProbe, micro_batch_seqs
+from .compute import KindProbe, micro_batch_seqs, with_fresh_compute
 from .config import PlaneConfig
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
@@ -121,11 +121,29 @@ class SchedulerPlanner:
 
     def __init__(self, config: PlaneConfig,
                  confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None,
-                 kind_probe: KindProbe | None = None, inputs_dir: Path | None = None):
+                 kind_probe: KindProbe | None = None, inputs_dir: Path | None = None,
+                 fresh_compute: Callable[[], float] | None = None, host: bytes = b""):
         self.config = config
         self.confirm = confirm
         self.kind_probe = kind_probe
         self.inputs_dir = inputs_dir  # where each first placement's `ScheduleInputs` are kept
+        # the reference block timed on this machine (`host`) now, for the first placement
+        # (`with_fresh_compute`; blocking: the planner runs in a worker thread)
+        self.fresh_compute, self.host = fresh_compute, host
+
+    def fresh(self, view: NetworkView) -> NetworkView:
+        """The view with this machine's peers' compute timed now (`with_fresh_compute`); as it
+        is without a probe, a host, or when the probe fails."""
+        if self.fresh_compute is None or not self.host or self.host not in view.hosts:
+            return view
+        try:
+            ms = self.fresh_compute()
+        except Exception as e:  # (the figures reported stand)
+            logger.warning("cannot time this machine's compute now: %s; the peers' reported figures stand", e)
+            return view
+        logger.info("this machine's compute timed now: %.1f ms (the figure of its %d peers)", ms,
+                    sum(h == self.host for h in view.hosts))
+        return with_fresh_compute(view, self.host, ms)
 
     def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
@@ -219,6 +237,7 @@ class SchedulerPlanner:
             dp = max(1, len(view.peers) // req.stages)
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
         kind = self.kind(model, train, len(view.peers))
+        view = self.fresh(view)  # (after the layer probe, which times the reference block too)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")

@@ -7,12 +7,15 @@ when a block is built: importing this module loads neither torch nor trio.
 
 from __future__ import annotations
 
+import hashlib
+import socket
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "median_ms", "reference_block", "time_block_ms"]
+__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "host_fingerprint", "median_ms", "reference_block",
+           "time_block_ms"]
 
 # width, heads, sequence length and batch
 REFERENCE_BLOCK = (256, 4, 128, 4)
@@ -52,3 +55,20 @@ def median_ms(run: Callable[[], float], *, min_runs: int = PROBE_MIN_RUNS, min_s
     while len(figures) < max_runs and (len(figures) < min_runs or time.perf_counter() - t0 < min_s):
         figures.append(run())
     return statistics.median(figures)
+
+
+def host_fingerprint() -> bytes:
+    """This machine, as the compute figures of its daemons share it: 8 bytes of a keyed hash of
+    the kernel's boot id and the host name (daemons of one machine and boot give the same
+    bytes; nothing of either can be read back from them); b"" where neither can be read."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            with open(path, "rb") as f:
+                parts.append(f.read(256).strip())
+        except OSError:
+            parts.append(b"")
+    parts.append(socket.gethostname().encode(errors="replace"))
+    if not any(parts[:2]):
+        return b""
+    return hashlib.blake2b(b"\x00".join(parts), digest_size=8, person=b"dtfm-host").digest()

@@ -28,6 +28,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -243,6 +244,7 @@ class SelfSpeed:
 
 
 KIND_FILE = "kinds.json"  # in the daemon's data dir: `KindCache`'s figures
+REFERENCE_FRESH_S = 60.0  # a reference-block figure this recent counts as now's (`KindCache.reference_ms_now`)
 MAX_KINDS = 64  # layers kept (the file is bounded: a newer layer replaces the oldest)
 KIND_FIELDS = ("n_embd", "n_head", "seq_len", "mlp_ratio", "bias", "activation")  # what a layer's speed depends on
 
@@ -263,6 +265,7 @@ class KindCache:
         self._lock = threading.Lock()
         self._kinds: dict[str, dict[int, float]] = self._load()
         self.children = 0  # child processes started (tests)
+        self._reference: tuple[float, float] | None = None  # (time.monotonic(), ms): the last reference-block figure
 
     @staticmethod
     def layer_key(spec: Any) -> str:
@@ -284,14 +287,46 @@ class KindCache:
                 self._store()
             return {b: known[b] for b in batches if b in known}
 
+    def reference_ms_now(self) -> float:
+        """The reference block's time on this machine now (`compute_speed_ms`, never kept: the
+        load it sees is now's): the figure of a layer probe of the last REFERENCE_FRESH_S, else
+        measured (here once torch is loaded, else in a child process). Blocking; RuntimeError
+        when the probe cannot run."""
+        with self._lock:
+            if self._reference is not None and time.monotonic() - self._reference[0] <= REFERENCE_FRESH_S:
+                return self._reference[1]
+            if "torch" in sys.modules and self.in_process:
+                from dtfm.gossip import compute_speed_ms
+                figure = _compute_or_none(compute_speed_ms())
+            else:
+                figure = _compute_or_none(self._child(["--compute"]).get("compute_ms"))
+            if figure is None:
+                raise RuntimeError("the compute probe gave no figure")
+            self._reference = (time.monotonic(), figure)
+            return figure
+
     def _measure(self, spec: Any, batches: list[int]) -> dict[int, float]:
         if "torch" in sys.modules and self.in_process:
             # (this daemon trains or trained a stage: torch is loaded, and the probe takes a few
             # hundred ms here; a child would load torch again, on every training peer at once)
             from dtfm.control import kind_factors
-            return kind_factors(spec, batches)
-        args = [*self.command, "--torch-threads", str(self.key.torch_threads),
-                "--kind", json.dumps(spec.to_dict()), "--batches", ",".join(map(str, batches))]
+            from dtfm.gossip import compute_speed_ms
+            out = kind_factors(spec, batches)
+            self._reference = (time.monotonic(), compute_speed_ms())
+            return out
+        d = self._child(["--kind", json.dumps(spec.to_dict()), "--batches", ",".join(map(str, batches)), "--compute"])
+        ms = _compute_or_none(d.get("compute_ms"))
+        if ms is not None:
+            self._reference = (time.monotonic(), ms)
+        figures = d.get("kind")
+        if not isinstance(figures, dict):
+            raise RuntimeError("the layer probe printed no figures")
+        return {int(b): float(f) for b, f in figures.items()
+                if str(b).isdigit() and int(b) in batches and _kind_or_none(f, int(b)) is not None}
+
+    def _child(self, what: list[str]) -> dict:
+        """Run the probe child with `what` asked; its JSON object (RuntimeError when none)."""
+        args = [*self.command, "--torch-threads", str(self.key.torch_threads), *what]
         self.children += 1
         try:
             done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s)
@@ -305,11 +340,9 @@ class KindCache:
             d = json.loads(lines[-1]) if lines else None
         except ValueError:
             d = None
-        figures = d.get("kind") if isinstance(d, dict) else None
-        if not isinstance(figures, dict):
-            raise RuntimeError("the layer probe printed no figures")
-        return {int(b): float(f) for b, f in figures.items()
-                if str(b).isdigit() and int(b) in batches and _kind_or_none(f, int(b)) is not None}
+        if not isinstance(d, dict):
+            raise RuntimeError("the layer probe printed no JSON object")
+        return d
 
     def _load(self) -> dict[str, dict[int, float]]:
         try:
