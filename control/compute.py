@@ -38,13 +38,13 @@ from dtfm.sched import UPDATE_KIND, ModelSpec, RunModel, update_s_per_param
 from dtfm.train import GPTSpec, TrainConfig
 
 __all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "PeerCompute", "kind_factors",
-           "micro_batch_seqs", "peer_compute", "pipeline_seqs", "reference_block_flops", "run_model", "sched_spec", "training_block_ms",
+           "micro_batch_seqs", "paired_ratio", "peer_compute", "pipeline_seqs", "reference_block_flops", "run_model", "sched_spec", "training_block_ms",
            "update_flops_per_param", "with_fresh_compute"]
 
 GAUGE_STEPS = 8  # steps whose median a training peer reports
 KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slower than this is not probed (factor 1)
 KIND_REPEATS = 3  # timed runs of each (after one warm-up), at least: the median counts
-KIND_MIN_S = 0.5  # ... and runs of each for at least this long (a loaded machine's time slices average out)
+KIND_MIN_S = 1.0  # ... and runs of each for at least this long (a loaded machine's time slices average out)
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
 
 
@@ -85,7 +85,7 @@ def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_R
     process or a worker thread."""
     import torch  # (only this probe needs it)
 
-    from dtfm.gossip import median_ms, reference_block, time_block_ms
+    from dtfm.gossip import reference_block, time_block_ms
     from dtfm.train import Block
 
     batches = set(batches)
@@ -105,11 +105,27 @@ def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_R
     for b, f in flops.items():
         x = torch.randn(b, spec.seq_len, spec.n_embd)
         time_block_ms(block, x)  # (warms up)
-        # each run against a reference run just before it: a machine whose load changes moves
-        # both; the median over at least `repeats` pairs and `min_s` seconds
-        ratio = median_ms(lambda: time_block_ms(block, x) / time_block_ms(ref, ref_x), min_runs=repeats, min_s=min_s)
+        # each run against a reference run just after it: a machine whose load changes moves both
+        ratio = paired_ratio(lambda: time_block_ms(block, x), lambda: time_block_ms(ref, ref_x),
+                             min_runs=repeats, min_s=min_s)
         out[b] = ratio * ref_flops / f
     return out
+
+
+def paired_ratio(run: Callable[[], float], reference: Callable[[], float], *, min_runs: int, min_s: float,
+                 max_runs: int = 200) -> float:
+    """The time of `run` over `reference`'s: each called in turn, at least `min_runs` times
+    and for at least `min_s` seconds (at most `max_runs`), the sum of one's figures over the
+    other's (on a loaded machine a run of a few ms loses a time slice or not: sums of runs in
+    turn see the same load; a median of ratios of single runs does not)."""
+    t0 = time.perf_counter()
+    total_run = total_ref = 0.0
+    k = 0
+    while k < max_runs and (k < min_runs or time.perf_counter() - t0 < min_s):
+        total_run += run()
+        total_ref += reference()
+        k += 1
+    return total_run / total_ref
 
 
 def update_flops_per_param(block: Any, ref: Any, ref_x: Any, *, repeats: int = KIND_REPEATS,
@@ -120,7 +136,7 @@ def update_flops_per_param(block: Any, ref: Any, ref_x: Any, *, repeats: int = K
     just before it). Blocking, imports torch."""
     import torch
 
-    from dtfm.gossip import median_ms, time_block_ms
+    from dtfm.gossip import time_block_ms
     from dtfm.train import AdamW
 
     params = dict(block.named_parameters())
@@ -140,7 +156,7 @@ def update_flops_per_param(block: Any, ref: Any, ref_x: Any, *, repeats: int = K
         return (time.perf_counter() - t0) * 1000.0
 
     update_ms()  # (warms up: the moments are allocated)
-    ratio = median_ms(lambda: update_ms() / time_block_ms(ref, ref_x), min_runs=repeats, min_s=min_s)
+    ratio = paired_ratio(update_ms, lambda: time_block_ms(ref, ref_x), min_runs=repeats, min_s=min_s)
     for p in params.values():
         p.grad = None
     return ratio * reference_block_flops() / n

@@ -14,14 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "host_fingerprint", "median_ms", "reference_block",
+__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "host_fingerprint", "mean_ms", "reference_block",
            "time_block_ms"]
 
 # width, heads, sequence length and batch
 REFERENCE_BLOCK = (256, 4, 128, 4)
-# A figure is the median of at least PROBE_MIN_RUNS timed runs spanning at least PROBE_MIN_S
+# A figure is the mean of at least PROBE_MIN_RUNS timed runs spanning at least PROBE_MIN_S
 # (at most PROBE_MAX_RUNS): on a loaded machine one run of a few ms is one time slice more or
-# less; a second of runs sees the load as the training will.
+# less; a second of runs sees the load as the training will, and its mean the share it gets.
 PROBE_MIN_RUNS = 3
 PROBE_MIN_S = 1.0
 PROBE_MAX_RUNS = 200
@@ -46,15 +46,15 @@ def time_block_ms(block: Any, x: Any) -> float:
     return out
 
 
-def median_ms(run: Callable[[], float], *, min_runs: int = PROBE_MIN_RUNS, min_s: float = PROBE_MIN_S,
+def mean_ms(run: Callable[[], float], *, min_runs: int = PROBE_MIN_RUNS, min_s: float = PROBE_MIN_S,
               max_runs: int = PROBE_MAX_RUNS) -> float:
-    """The median of `run()`'s figures, called at least `min_runs` times and until `min_s`
+    """The mean of `run()`'s figures, called at least `min_runs` times and until `min_s`
     seconds have passed (at most `max_runs` times)."""
     t0 = time.perf_counter()
     figures = [run()]
     while len(figures) < max_runs and (len(figures) < min_runs or time.perf_counter() - t0 < min_s):
         figures.append(run())
-    return statistics.median(figures)
+    return statistics.fmean(figures)
 
 
 def host_fingerprint() -> bytes:

@@ -4,17 +4,18 @@ peers when that is faster, a slow peer gets no stage."""
 
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, reference_block_flops, sched_spec,
-                                  training_block_ms)
+from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, pipeline_seqs, reference_block_flops,
+                                  sched_spec, training_block_ms, with_fresh_compute)
 from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_space
 from dtfm.gossip import NetworkView
-from dtfm.sched import FastestShape, ScheduleInputs
+from dtfm.sched import CostModel, FastestShape, ScheduleInputs, simulate_iteration
 from dtfm.train import Plan, TrainConfig, get_preset
 
 SPEC = get_preset("tiny")
@@ -51,6 +52,43 @@ def test_a_training_peers_figure_is_what_the_simulator_then_costs():
         wl = mspec.workload(S, D)
         per_mb = wl.compute_layers(np.full(S, layers))[s] * wl.layer_compute_s
         assert math.isclose(per_mb * CFG.micro_batches, compute_s, rel_tol=1e-9)
+
+
+def test_a_pipelines_own_sequences_are_counted_and_the_simulator_costs_the_largest():
+    """16 sequences over 3 pipelines are 5, 5 and 6 (the trainer's split): a peer reports by
+    its own pipeline's, and the simulator costs each pipeline at the largest's."""
+    assert [pipeline_seqs(CFG, 3, d) for d in range(3)] == [5, 5, 6] and pipeline_seqs(CFG, 3) == 6
+    per_seq_s = 0.1  # one peer's compute of one sequence through the whole model
+    figures = [training_block_ms(SPEC, CFG, 3, SPEC.n_layer, True, per_seq_s * pipeline_seqs(CFG, 3, d), pipeline=d)
+               for d in range(3)]
+    assert figures[0] == pytest.approx(figures[2]) and figures[1] == pytest.approx(figures[2])  # one speed
+    view = view_of(np.zeros((3, 3)), figures)
+    inputs = peer_compute(view)
+    wl = inputs.spec(SPEC, CFG, 3).workload(1, 3)
+    r = simulate_iteration(CostModel(view.delay_ms, view.bandwidth_gbps, wl, compute=inputs.speeds),
+                           np.array([[0, 1, 2]]), micro_batches=CFG.micro_batches)
+    assert r.compute_busy_s == pytest.approx(6 * per_seq_s)
+
+
+def test_the_coordinators_machine_is_timed_now_its_peers_ratios_kept():
+    view = view_of(np.zeros((4, 4)), [10.0, 20.0, 40.0, 5.0])
+    here, there = b"\x01" * 8, b"\x02" * 8
+    view = replace(view, hosts=(here, here, there, b""))
+    fresh = with_fresh_compute(view, here, 30.0)  # this machine's two peers: median 15 ms, now 30 ms
+    assert fresh.compute_ms.tolist() == [20.0, 40.0, 40.0, 5.0]
+    assert with_fresh_compute(view, b"", 30.0) is view and with_fresh_compute(view, there, math.nan) is view
+    assert with_fresh_compute(view, b"\x03" * 8, 30.0) is view  # no peer of that machine
+
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.planner import SchedulerPlanner
+
+    def broken() -> float:
+        raise RuntimeError("the compute probe gave no figure")
+
+    timed = SchedulerPlanner(PlaneConfig.test(), fresh_compute=lambda: 30.0, host=here).fresh(view)
+    assert timed.compute_ms.tolist() == [20.0, 40.0, 40.0, 5.0]
+    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=broken, host=here).fresh(view) is view
+    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=lambda: 30.0).fresh(view) is view  # no host
 
 
 def test_peer_compute_speeds_are_relative_to_the_median_and_unknown_is_the_median():
