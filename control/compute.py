@@ -44,7 +44,7 @@ __all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "Peer
 GAUGE_STEPS = 8  # steps whose median a training peer reports
 KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slower than this is not probed (factor 1)
 KIND_REPEATS = 3  # timed runs of each (after one warm-up), at least: the median counts
-KIND_MIN_S = 1.0  # ... and runs of each for at least this long (a loaded machine's time slices average out)
+KIND_MIN_S = 2.0  # ... and runs of each for at least this long (a loaded machine's time slices average out)
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
 
 

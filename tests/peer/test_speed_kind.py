@@ -23,11 +23,18 @@ import json, sys
 from pathlib import Path
 runs = Path(sys.argv[1])
 args = sys.argv[2:]
+if "--kind" not in args:  # the reference block alone, timed now
+    runs.write_text((runs.read_text() if runs.exists() else "") + "compute\n")
+    print(json.dumps({"compute_ms": 42.0}))
+    sys.exit(0)
 runs.write_text((runs.read_text() if runs.exists() else "") + args[args.index("--batches") + 1] + "\n")
 if '"seq_len": 17' in args[args.index("--kind") + 1]:
     sys.exit("no torch here")
 batches = [int(b) for b in args[args.index("--batches") + 1].split(",")]
-print(json.dumps({"kind": {str(b): 1 + b / 10 for b in batches if b < 64}}))
+# the update (batch 0): 500 FLOP-equivalents per parameter; 2e6 for a layer of 33 tokens (out of bounds)
+update = 2e6 if '"seq_len": 33' in args[args.index("--kind") + 1] else 500.0
+print(json.dumps({"kind": {str(b): (update if b == 0 else 1 + b / 10) for b in batches if b < 64},
+                  "compute_ms": 40.0 if "--compute" in args else None}))
 """
 
 
@@ -55,6 +62,19 @@ def test_a_layer_is_probed_once_per_micro_batch_and_a_restart_reads_it(tmp_path)
     other.in_process = False
     other(tiny, (1,))
     assert other.children == 1
+
+
+def test_the_update_is_kept_within_its_bounds_and_the_reference_timed_with_the_layer_counts_as_now(tmp_path):
+    kinds, runs = fake(tmp_path)
+    tiny = get_preset("tiny")
+    assert kinds(tiny, (0, 1)) == {0: 500.0, 1: 1.1}
+    assert kinds.reference_ms_now() == 40.0 and kinds.children == 1  # (timed by the layer's probe just now)
+    odd = GPTSpec("odd", n_layer=1, n_embd=64, n_head=2, seq_len=33, vocab=64)
+    assert kinds(odd, (0, 1)) == {1: 1.1}  # an update figure out of bounds is refused, not taken as 1
+    again, _ = fake(tmp_path)
+    assert again(tiny, (0,)) == {0: 500.0} and again.children == 0  # kept in the file
+    assert again.reference_ms_now() == 42.0 and again.children == 1  # never kept: timed now, in a child
+    assert runs.read_text().splitlines() == ["0,1", "0,1", "compute"]
 
 
 def test_a_failed_probe_raises_and_keeps_nothing(tmp_path):
