@@ -11,7 +11,7 @@ import pytest
 
 from dtfm.control.compute import kind_factors, peer_compute, training_block_ms
 from dtfm.gossip import NetworkView
-from dtfm.peer.speed import KIND_FILE, KindCache, SpeedKey
+from dtfm.peer.speed import KIND_FILE, MAX_UPDATE_FLOPS_PER_PARAM, KindCache, SpeedKey
 from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 KEY = SpeedKey(torch="2.5.1", cpu="Test CPU @ 1 GHz", cpus=2, gpu="", device="cpu", torch_threads=1)
@@ -96,10 +96,11 @@ def test_kind_factors_times_a_narrow_layer_and_skips_a_huge_one():
     """The real probe, small: a factor per size, positive and finite; a layer the reference
     predicts slower than KIND_MAX_LAYER_S is left out."""
     narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
-    got = kind_factors(narrow, (1, 2), repeats=1)
-    assert sorted(got) == [1, 2] and all(0 < f < 100 and math.isfinite(f) for f in got.values())
+    got = kind_factors(narrow, (0, 1, 2), repeats=1, min_s=0.0)
+    assert sorted(got) == [0, 1, 2] and all(0 < f < 100 and math.isfinite(f) for b, f in got.items() if b)
+    assert 0 < got[0] < MAX_UPDATE_FLOPS_PER_PARAM  # the update: FLOP-equivalents per parameter
     huge = GPTSpec("huge", n_layer=1, n_embd=8192, n_head=64, seq_len=4096, vocab=64)
-    assert kind_factors(huge, (64,), repeats=1) == {}
+    assert kind_factors(huge, (64,), repeats=1, min_s=0.0) == {}
 
 
 def test_a_kind_factor_costs_the_layers_slower_and_a_peer_reports_in_reference_units():
@@ -127,3 +128,17 @@ def test_a_daemon_with_torch_loaded_measures_in_itself(tmp_path):
     narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
     got = kinds(narrow, (1,))
     assert sorted(got) == [1] and 0 < got[1] < 100 and kinds.children == 0 and not runs.exists()
+
+
+def test_probe_figures_are_means_and_ratios_of_sums_over_their_runs():
+    """A slow run (a time slice lost) weighs by its time, as in training: a ratio of sums, not
+    a median of single-run ratios, which would read 1.0 here."""
+    from dtfm.control.compute import paired_ratio
+    from dtfm.gossip import mean_ms
+    runs = iter([10.0, 10.0, 40.0, 10.0, 10.0])
+    refs = iter([10.0, 10.0, 10.0, 10.0, 10.0])
+    assert paired_ratio(lambda: next(runs), lambda: next(refs), min_runs=5, min_s=0.0) == pytest.approx(80 / 50)
+    figures = iter([3.0, 5.0, 10.0])
+    assert mean_ms(lambda: next(figures), min_runs=3, min_s=0.0) == pytest.approx(6.0)
+    calls = []
+    assert mean_ms(lambda: calls.append(1) or 1.0, min_runs=1, min_s=60.0, max_runs=7) == 1.0 and len(calls) == 7
