@@ -128,7 +128,7 @@ class ControlPlane:
     def __init__(self, transport: PeerTransport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: PlaneConfig | None = None, *, operators: Iterable[bytes] = (),
                  applied: AppliedStore | None = None, kind_probe: KindProbe | None = None,
-                 fresh_compute: Callable[[], float] | None = None):
+                 fresh_compute: Callable[[], float] | None = None, machine: bytes = b""):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
@@ -148,7 +148,7 @@ class ControlPlane:
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
             GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links, kind_probe=kind_probe,
                                                          inputs_dir=self.data_dir / SCHEDULES_DIR,
-                                                         fresh_compute=fresh_compute, host=gossip.machine),
+                                                         fresh_compute=fresh_compute, host=machine),
             cfg.coordinator_timings(),
             operators=self.operators,
         )
