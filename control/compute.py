@@ -37,7 +37,7 @@ from dtfm.gossip import REFERENCE_BLOCK, NetworkView
 from dtfm.sched import UPDATE_KIND, ModelSpec, RunModel, update_s_per_param
 from dtfm.train import GPTSpec, TrainConfig
 
-__all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "PeerCompute", "kind_factors",
+__all__ = ["ComputeGauge", "GAUGE_SKIP_STEPS", "GAUGE_STEPS", "KindProbe", "MachineNow", "PeerCompute", "kind_factors",
            "micro_batch_seqs", "paired_ratio", "peer_compute", "pipeline_seqs", "reference_block_flops", "run_model", "sched_spec", "training_block_ms",
            "update_flops_per_param", "with_fresh_compute"]
 
@@ -245,6 +245,35 @@ class PeerCompute:
             kind += f", the update at {self.kind[UPDATE_KIND]:.0f} FLOP per parameter"
         return (f"compute at {self.reference_tflops * 1e3:.1f} GFLOP/s per peer (median of {self.known}/{n} "
                 f"measured{spread}{kind})")
+
+
+@dataclass(frozen=True)
+class MachineNow:
+    """The coordinator's own machine, timed just before a first placement."""
+
+    compute_ms: float  # the reference block's time now (`compute_speed_ms`)
+    cpu_share: float  # the share of a core one busy thread gets now, in (0, 1] (`cpu_share`)
+    cpus: int  # the cores this process may run on
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.compute_ms) and self.compute_ms > 0):
+            raise ValueError(f"compute_ms must be a positive number, got {self.compute_ms}")
+        if not 0 < self.cpu_share <= 1:
+            raise ValueError(f"cpu_share must be in (0, 1], got {self.cpu_share}")
+        if self.cpus < 1:
+            raise ValueError(f"cpus must be at least 1, got {self.cpus}")
+
+    def slowdown(self, busy: int) -> float:
+        """How much slower each of `busy` peers of this machine computes when they all compute
+        than the probe did alone. What took the probe's thread below a whole core is other work
+        on the cores: R = cpus / share - 1 busy threads (none where it had a whole core); each
+        peer is one busy thread more, so one gets min(1, cpus / (R + busy)) of a core against
+        the probe's min(1, cpus / (R + 1))."""
+        if busy <= 1:
+            return 1.0
+        others = self.cpus / self.cpu_share - 1.0 if self.cpu_share < 1.0 else 0.0
+        alone = min(1.0, self.cpus / (others + 1.0))
+        return alone / min(1.0, self.cpus / (others + busy))
 
 
 def with_fresh_compute(view: NetworkView, host: bytes, ms: float) -> NetworkView:

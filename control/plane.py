@@ -42,7 +42,7 @@ from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
 from .answers import AllocationAnswer, NoAnswer, StartAnswer, StopAnswer, read_answers
-from .compute import ComputeGauge, KindProbe, micro_batch_seqs, training_block_ms
+from .compute import ComputeGauge, KindProbe, MachineNow, micro_batch_seqs, training_block_ms
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
@@ -128,7 +128,7 @@ class ControlPlane:
     def __init__(self, transport: PeerTransport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: PlaneConfig | None = None, *, operators: Iterable[bytes] = (),
                  applied: AppliedStore | None = None, kind_probe: KindProbe | None = None,
-                 fresh_compute: Callable[[], float] | None = None, machine: bytes = b""):
+                 fresh_compute: Callable[[], MachineNow] | None = None, machine: bytes = b""):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)

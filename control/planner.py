@@ -21,7 +21,7 @@ from dtfm.sched import UPDATE_KIND, ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
-from .compute import KindProbe, micro_batch_seqs, with_fresh_compute
+from .compute import KindProbe, MachineNow, micro_batch_seqs, with_fresh_compute
 from .config import PlaneConfig
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
@@ -122,33 +122,35 @@ class SchedulerPlanner:
     def __init__(self, config: PlaneConfig,
                  confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None,
                  kind_probe: KindProbe | None = None, inputs_dir: Path | None = None,
-                 fresh_compute: Callable[[], float] | None = None, host: bytes = b""):
+                 fresh_compute: Callable[[], MachineNow] | None = None, host: bytes = b""):
         self.config = config
         self.confirm = confirm
         self.kind_probe = kind_probe
         self.inputs_dir = inputs_dir  # where each first placement's `ScheduleInputs` are kept
-        # the reference block timed on this machine (`host`) now, for the first placement
-        # (`with_fresh_compute`; blocking: the planner runs in a worker thread)
+        # this machine (`host`) timed now, for the first placement (`MachineNow`; blocking: the
+        # planner runs in a worker thread)
         self.fresh_compute, self.host = fresh_compute, host
 
-    def fresh(self, view: NetworkView) -> NetworkView:
-        """The view with this machine's peers' compute timed now (`with_fresh_compute`); as it
-        is without a probe, a host, or when the probe fails."""
+    def machine_now(self, view: NetworkView) -> MachineNow | None:
+        """This machine timed now, where the view has peers of it; None without a probe, a
+        host, or when the probe fails (the figures reported stand)."""
         if self.fresh_compute is None or not self.host or self.host not in view.hosts:
-            return view
+            return None
         try:
-            ms = self.fresh_compute()
+            machine = self.fresh_compute()
         except Exception as e:  # (the figures reported stand)
             logger.warning("cannot time this machine's compute now: %s; the peers' reported figures stand", e)
-            return view
-        logger.info("this machine's compute timed now: %.1f ms (the figure of its %d peers)", ms,
+            return None
+        logger.info("this machine timed now: the reference block in %.1f ms, %.2f of a core for one thread, "
+                    "%d cores (%d of its peers in the view)", machine.compute_ms, machine.cpu_share, machine.cpus,
                     sum(h == self.host for h in view.hosts))
-        return with_fresh_compute(view, self.host, ms)
+        return machine
 
     def kind(self, model: GPTSpec, train: TrainConfig, n: int) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
-        allow, and its optimizer update (`UPDATE_KIND`), from `kind_probe` (blocking: the planner runs in a worker thread); none without
-        a probe or when it fails (the scheduler then costs the layers at the reference rate)."""
+        allow, and its optimizer update (`UPDATE_KIND`), from `kind_probe` (blocking: the planner
+        runs in a worker thread); none without a probe or when it fails (the scheduler then
+        costs the layers at the reference rate)."""
         if self.kind_probe is None:
             return {}
         d_max = max(1, min(n, train.global_batch_seqs // train.micro_batches))
@@ -232,12 +234,33 @@ class SchedulerPlanner:
 
     def _first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                          regions: dict[bytes, str]) -> Placement:
+        """The search on the view with this machine timed now (`MachineNow`): its peers' figures
+        scaled to its reference block now (`with_fresh_compute`), searched once; then, when the
+        shape found places several of them, slowed by their competing for its cores
+        (`MachineNow.slowdown`) and searched again, the second search's plan handed out."""
+        kind = self.kind(model, train, len(view.peers))
+        machine = self.machine_now(view)  # (after the layer probe, which times the reference block too)
+        if machine is None:
+            return self._place(view, req, model, train, regions, kind)
+        view = with_fresh_compute(view, self.host, machine.compute_ms)
+        placement = self._place(view, req, model, train, regions, kind)
+        host_of = dict(zip(view.peers, view.hosts))
+        placed = sum(host_of.get(p) == self.host for pipe in placement.pipelines for p in pipe)
+        slowdown = machine.slowdown(placed)
+        if slowdown <= 1.0:
+            return placement
+        logger.info("%d peers of this machine placed: each computes %.2fx slower than timed alone; "
+                    "searching again", placed, slowdown)
+        mine = np.array([h == self.host for h in view.hosts], dtype=bool)
+        return self._place(replace(view, compute_ms=np.where(mine, view.compute_ms * slowdown, view.compute_ms)),
+                           req, model, train, regions, kind)
+
+    def _place(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+               regions: dict[bytes, str], kind: dict[int, float]) -> Placement:
         dp = req.dp
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
-        kind = self.kind(model, train, len(view.peers))
-        view = self.fresh(view)  # (after the layer probe, which times the reference block too)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "host_fingerprint", "mean_ms", "reference_block",
-           "time_block_ms"]
+__all__ = ["PROBE_MIN_RUNS", "PROBE_MIN_S", "REFERENCE_BLOCK", "cpu_share", "host_fingerprint", "mean_ms",
+           "reference_block", "time_block_ms"]
 
 # width, heads, sequence length and batch
 REFERENCE_BLOCK = (256, 4, 128, 4)
@@ -72,3 +72,14 @@ def host_fingerprint() -> bytes:
     if not any(parts[:2]):
         return b""
     return hashlib.blake2b(b"\x00".join(parts), digest_size=8, person=b"dtfm-host").digest()
+
+
+def cpu_share(seconds: float = 0.5) -> float:
+    """The share of a core one busy thread gets now: its CPU time over its wall time while it
+    spins for `seconds` (1.0 on an idle machine; 0.5 where it shares a core with one other busy
+    thread)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    wall = time.perf_counter() - t0
+    return min(1.0, max(1e-3, (time.thread_time() - c0) / wall))

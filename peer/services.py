@@ -250,7 +250,7 @@ class PlanePart:
                           speed_key(self.config.plane.device, self.config.plane.settings.torch_threads))
         plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
                              self.config.plane.settings, operators=operators, kind_probe=kinds,
-                             fresh_compute=kinds.reference_ms_now, machine=service.machine)
+                             fresh_compute=kinds.machine_now, machine=service.machine)
         service.keep_members(lambda peer_id: named_by(plane, peer_id))
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)

@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dtfm.control import MachineNow
 from dtfm.files import atomic_write
+from dtfm.gossip import cpu_share
 from dtfm.sched import UPDATE_KIND
 
 __all__ = ["KIND_FILE", "KindCache", "PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
@@ -304,6 +306,14 @@ class KindCache:
                 raise RuntimeError("the compute probe gave no figure")
             self._reference = (time.monotonic(), figure)
             return figure
+
+    def machine_now(self) -> MachineNow:
+        """This machine now, for the first placement: the reference block's time
+        (`reference_ms_now`), the share of a core one busy thread gets (`cpu_share`, timed here:
+        it needs no torch) and the cores this process may use. Blocking; RuntimeError when the
+        compute probe cannot run."""
+        ms = self.reference_ms_now()
+        return MachineNow(ms, cpu_share(), max(1, self.key.cpus))
 
     def _measure(self, spec: Any, batches: list[int]) -> dict[int, float]:
         if "torch" in sys.modules and self.in_process:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, pipeline_seqs, reference_block_flops,
+from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, MachineNow, peer_compute, pipeline_seqs, reference_block_flops,
                                   sched_spec, training_block_ms, with_fresh_compute)
 from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_space
@@ -79,16 +79,47 @@ def test_the_coordinators_machine_is_timed_now_its_peers_ratios_kept():
     assert with_fresh_compute(view, b"", 30.0) is view and with_fresh_compute(view, there, math.nan) is view
     assert with_fresh_compute(view, b"\x03" * 8, 30.0) is view  # no peer of that machine
 
+
+
+def test_the_peers_of_one_machine_computing_at_once_each_get_less_of_its_cores():
+    alone = MachineNow(100.0, 0.45, 2)  # one busy thread got 0.45 of a core: 3.4 others share the 2
+    assert alone.slowdown(1) == 1.0
+    assert alone.slowdown(2) == pytest.approx((2 / 0.45 - 1 + 2) * 0.45 / 2)  # 1.23
+    assert alone.slowdown(8) == pytest.approx((2 / 0.45 - 1 + 8) * 0.45 / 2)  # 2.57
+    idle = MachineNow(10.0, 1.0, 2)  # a whole core: nothing else runs
+    assert [idle.slowdown(k) for k in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    for bad in ((0.0, 0.5, 2), (10.0, 0.0, 2), (10.0, 1.5, 2), (10.0, 0.5, 0), (math.nan, 0.5, 2)):
+        with pytest.raises(ValueError):
+            MachineNow(*bad)
+
+
+def test_the_first_placement_times_this_machine_and_counts_its_placed_peers_competing():
+    """Four peers of this machine, reported at 50 ms each, timed now at 100 ms with 0.5 of a
+    core for one thread: the search runs on 100 ms figures, and again with the placed peers'
+    slowdown; the plan handed out is the second's (its inputs say at what it costed them)."""
     from dtfm.control.config import PlaneConfig
+    from dtfm.control.coordinator.request import TrainRequest
     from dtfm.control.planner import SchedulerPlanner
 
-    def broken() -> float:
+    here = b"\x01" * 8
+    view = replace(view_of(np.zeros((4, 4)), np.full(4, 50.0)), hosts=(here,) * 4)
+    machine = MachineNow(100.0, 0.5, 2)
+    planner = SchedulerPlanner(replace(PlaneConfig.test(), schedule_time_s=0.2), fresh_compute=lambda: machine,
+                               host=here)
+    placement = planner.first_placement(view, TrainRequest(stages=4, dp=1), SPEC, CFG, {})
+    assert placement.inputs is not None
+    ms = reference_block_flops() / (placement.inputs.reference_tflops * 1e12) * 1e3
+    assert ms == pytest.approx(100.0 * machine.slowdown(4))  # 4 placed: 1.75x
+    other = replace(view, hosts=(b"\x02" * 8,) * 4)  # peers of another machine: their figures stand
+    placement = planner.first_placement(other, TrainRequest(stages=4, dp=1), SPEC, CFG, {})
+    assert placement.inputs is not None
+    assert reference_block_flops() / (placement.inputs.reference_tflops * 1e12) * 1e3 == pytest.approx(50.0)
+
+    def broken() -> MachineNow:
         raise RuntimeError("the compute probe gave no figure")
 
-    timed = SchedulerPlanner(PlaneConfig.test(), fresh_compute=lambda: 30.0, host=here).fresh(view)
-    assert timed.compute_ms.tolist() == [20.0, 40.0, 40.0, 5.0]
-    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=broken, host=here).fresh(view) is view
-    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=lambda: 30.0).fresh(view) is view  # no host
+    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=broken, host=here).machine_now(view) is None
+    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=lambda: machine).machine_now(view) is None  # no host
 
 
 def test_peer_compute_speeds_are_relative_to_the_median_and_unknown_is_the_median():
