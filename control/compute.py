@@ -112,20 +112,29 @@ def kind_factors(spec: GPTSpec, batches: Iterable[int], *, repeats: int = KIND_R
     return out
 
 
+PAIRED_CHUNK_MS = 200.0  # runs in turn summed into chunks of at least this much time, each one ratio
+
+
 def paired_ratio(run: Callable[[], float], reference: Callable[[], float], *, min_runs: int, min_s: float,
                  max_runs: int = 200) -> float:
-    """The time of `run` over `reference`'s: each called in turn, at least `min_runs` times
-    and for at least `min_s` seconds (at most `max_runs`), the sum of one's figures over the
-    other's (on a loaded machine a run of a few ms loses a time slice or not: sums of runs in
-    turn see the same load; a median of ratios of single runs does not)."""
+    """The time of `run` over `reference`'s (both in ms): each called in turn, at least
+    `min_runs` times and for at least `min_s` seconds (at most `max_runs`); the pairs summed
+    in order into chunks of at least PAIRED_CHUNK_MS, each chunk's sum over the other's, and
+    the median of the chunks' ratios (with fewer than 3 chunks: the ratio of all the sums). On
+    a loaded machine a run of a few ms loses a time slice or not, which sums of runs in turn
+    average out; a stall of seconds in one run (a descheduled process) moves only its chunk."""
     t0 = time.perf_counter()
-    total_run = total_ref = 0.0
+    chunks: list[float] = []
+    total_run = total_ref = chunk_run = chunk_ref = 0.0
     k = 0
     while k < max_runs and (k < min_runs or time.perf_counter() - t0 < min_s):
-        total_run += run()
-        total_ref += reference()
+        a, b = run(), reference()
+        total_run, total_ref, chunk_run, chunk_ref = total_run + a, total_ref + b, chunk_run + a, chunk_ref + b
         k += 1
-    return total_run / total_ref
+        if chunk_run + chunk_ref >= PAIRED_CHUNK_MS and chunk_ref > 0:
+            chunks.append(chunk_run / chunk_ref)
+            chunk_run = chunk_ref = 0.0
+    return statistics.median(chunks) if len(chunks) >= 3 else total_run / total_ref
 
 
 def update_flops_per_param(block: Any, ref: Any, ref_x: Any, *, repeats: int = KIND_REPEATS,

@@ -96,8 +96,8 @@ def test_kind_factors_times_a_narrow_layer_and_skips_a_huge_one():
     """The real probe, small: a factor per size, positive and finite; a layer the reference
     predicts slower than KIND_MAX_LAYER_S is left out."""
     narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
-    got = kind_factors(narrow, (0, 1, 2), repeats=1, min_s=0.0)
-    assert sorted(got) == [0, 1, 2] and all(0 < f < 100 and math.isfinite(f) for b, f in got.items() if b)
+    got = kind_factors(narrow, (0, 1, 2), repeats=3, min_s=0.5)
+    assert sorted(got) == [0, 1, 2] and all(0 < f and math.isfinite(f) for b, f in got.items() if b)
     assert 0 < got[0] < MAX_UPDATE_FLOPS_PER_PARAM  # the update: FLOP-equivalents per parameter
     huge = GPTSpec("huge", n_layer=1, n_embd=8192, n_head=64, seq_len=4096, vocab=64)
     assert kind_factors(huge, (64,), repeats=1, min_s=0.0) == {}
@@ -138,6 +138,10 @@ def test_probe_figures_are_means_and_ratios_of_sums_over_their_runs():
     runs = iter([10.0, 10.0, 40.0, 10.0, 10.0])
     refs = iter([10.0, 10.0, 10.0, 10.0, 10.0])
     assert paired_ratio(lambda: next(runs), lambda: next(refs), min_runs=5, min_s=0.0) == pytest.approx(80 / 50)
+    # chunks of 200 ms in turn: a stall of seconds in one reference run moves one chunk, not the figure
+    runs = iter([100.0] * 12)
+    refs = iter([100.0] * 5 + [5000.0] + [100.0] * 6)
+    assert paired_ratio(lambda: next(runs), lambda: next(refs), min_runs=12, min_s=0.0) == pytest.approx(1.0)
     figures = iter([3.0, 5.0, 10.0])
     assert mean_ms(lambda: next(figures), min_runs=3, min_s=0.0) == pytest.approx(6.0)
     calls = []
