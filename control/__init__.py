@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .coordinator.reshape import ReshapePlan, reshape
     from .epoch.runstate import PeerRunState, ResumeError, ResumePoint, resume_point
     from .coordinator.schedule import Placement, choose_shape, random_shape, sched_spec
-    from .compute import kind_factors
+    from .compute import MachineNow, kind_factors
     from .config import DEVICE_RE, PlaneConfig
     from .dataplane import CommConfig, TensorRouter, TransportComm
     from .election import (
@@ -142,7 +142,7 @@ __all__ = [
                          "random_shape",
                          "reshape",
                          "resume_point",
-                         "sched_spec", "kind_factors",
+                         "sched_spec", "kind_factors", "MachineNow",
                          "sign_op", "check_council", "council_arg", "root_council",
 ]
 
@@ -159,7 +159,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".coordinator.reshape": ("ReshapePlan", "reshape"),
     ".epoch.runstate": ("PeerRunState", "ResumeError", "ResumePoint", "resume_point"),
     ".coordinator.schedule": ("Placement", "choose_shape", "random_shape", "sched_spec"),
-    ".compute": ("kind_factors",),
+    ".compute": ("MachineNow", "kind_factors"),
     ".config": ("DEVICE_RE", "PlaneConfig"),
     ".dataplane": ("CommConfig", "TensorRouter", "TransportComm"),
     ".election": (

@@ -42,7 +42,7 @@ from . import inputs
 from .actions import Answers, Ask, Compute, Computed, CoordinatorAction, Emit, LogLine, Reply, ResetLog, Send
 from .allocation import AcceptContext, Allocation, SignedAllocation
 from .answers import AllocationAnswer, NoAnswer, StartAnswer, StopAnswer, read_answers
-from .compute import ComputeGauge, KindProbe, micro_batch_seqs, training_block_ms
+from .compute import ComputeGauge, KindProbe, MachineNow, micro_batch_seqs, training_block_ms
 from .config import PlaneConfig
 from .coordinator.machine import (
     Coordinator,
@@ -127,7 +127,8 @@ class ControlPlane:
 
     def __init__(self, transport: PeerTransport, identity: Identity, gossip: GossipService, data_dir: Path,
                  config: PlaneConfig | None = None, *, operators: Iterable[bytes] = (),
-                 applied: AppliedStore | None = None, kind_probe: KindProbe | None = None):
+                 applied: AppliedStore | None = None, kind_probe: KindProbe | None = None,
+                 fresh_compute: Callable[[], MachineNow] | None = None, machine: bytes = b""):
         self.transport, self.identity, self.gossip = transport, identity, gossip
         self.me = identity.peer_id
         self.data_dir = Path(data_dir)
@@ -146,7 +147,8 @@ class ControlPlane:
         self.coordinator = Coordinator(
             self.me, lambda a: SignedAllocation.sign(a, identity), self.election, self.epoch,
             GossipSwarm(gossip, self.me), SchedulerPlanner(cfg, confirm=self._confirm_links, kind_probe=kind_probe,
-                                                         inputs_dir=self.data_dir / SCHEDULES_DIR),
+                                                         inputs_dir=self.data_dir / SCHEDULES_DIR,
+                                                         fresh_compute=fresh_compute, host=machine),
             cfg.coordinator_timings(),
             operators=self.operators,
         )
@@ -304,7 +306,7 @@ class ControlPlane:
         alloc = self.epoch.current
         if alloc is None or alloc.epoch != report.epoch or self.me not in alloc.peers:
             return
-        _, s = alloc.position(self.me)
+        d, s = alloc.position(self.me)
         start, end = alloc.layer_ranges[s]
         key = (alloc.model, micro_batch_seqs(alloc.train, alloc.dp))
         if key not in self._kinds:  # (the first step of a run layer: learn its kind factor meanwhile)
@@ -312,7 +314,7 @@ class ControlPlane:
             self._start_soon(self._learn_kind, key)
         kind = self._kinds[key]
         figure = training_block_ms(alloc.model, alloc.train, alloc.dp, end - start, s == alloc.stages - 1,
-                                   report.compute_s, kind if kind is not None else 1.0)
+                                   report.compute_s, kind if kind is not None else 1.0, pipeline=d)
         ms = self._compute_gauge.add((alloc.run_id, alloc.epoch), figure)
         if ms is not None and (kind is not None or self._kind_probe is None):
             self.gossip.set_compute_ms(ms)

@@ -17,11 +17,11 @@ import numpy as np
 from dtfm.files import atomic_write
 from dtfm.gossip import DISAGREEMENT_RATIO, GossipService, NetworkView, build_view
 from dtfm.net import ProtocolError
-from dtfm.sched import ScheduleInputs
+from dtfm.sched import UPDATE_KIND, ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
-from .compute import KindProbe, run_model
+from .compute import KindProbe, MachineNow, run_model, with_fresh_compute
 from .config import PlaneConfig
 from .coordinator.allocate import train_of
 from .coordinator.request import TrainRequest
@@ -134,21 +134,41 @@ class SchedulerPlanner:
 
     def __init__(self, config: PlaneConfig,
                  confirm: Callable[[NetworkView, list[tuple[bytes, bytes]]], NetworkView | None] | None = None,
-                 kind_probe: KindProbe | None = None, inputs_dir: Path | None = None):
+                 kind_probe: KindProbe | None = None, inputs_dir: Path | None = None,
+                 fresh_compute: Callable[[], MachineNow] | None = None, host: bytes = b""):
         self.config = config
         self.confirm = confirm
         self.kind_probe = kind_probe
         self.inputs_dir = inputs_dir  # where each first placement's `ScheduleInputs` are kept
+        # this machine (`host`) timed now, for the first placement (`MachineNow`; blocking: the
+        # planner runs in a worker thread)
+        self.fresh_compute, self.host = fresh_compute, host
+
+    def machine_now(self, view: NetworkView) -> MachineNow | None:
+        """This machine timed now, where the view has peers of it; None without a probe, a
+        host, or when the probe fails (the figures reported stand)."""
+        if self.fresh_compute is None or not self.host or self.host not in view.hosts:
+            return None
+        try:
+            machine = self.fresh_compute()
+        except Exception as e:  # (the figures reported stand)
+            logger.warning("cannot time this machine's compute now: %s; the peers' reported figures stand", e)
+            return None
+        logger.info("this machine timed now: the reference block in %.1f ms, %.2f of a core for one thread, "
+                    "%d cores (%d of its peers in the view)", machine.compute_ms, machine.cpu_share, machine.cpus,
+                    sum(h == self.host for h in view.hosts))
+        return machine
 
     def kind(self, model: GPTSpec, train: TrainConfig, n: int, *, auto_micro_batches: bool = False) -> dict[int, float]:
         """The run's layer's `kind_factors` at the micro-batch of every pipeline count n peers
         allow (and, with `auto_micro_batches`, every micro-batch count the scheduler may choose
-        for it), from `kind_probe` (blocking: the planner runs in a worker thread); none without
-        a probe or when it fails (the scheduler then costs the layers at the reference rate)."""
+        for it), and its optimizer update (`UPDATE_KIND`), from `kind_probe` (blocking: the
+        planner runs in a worker thread); none without a probe or when it fails (the scheduler
+        then costs the layers at the reference rate)."""
         if self.kind_probe is None:
             return {}
         rm = run_model(model, train, auto_micro_batches=auto_micro_batches)
-        batches = rm.micro_batch_sizes(min(n, rm.d_max))
+        batches = tuple(sorted({UPDATE_KIND} | set(rm.micro_batch_sizes(min(n, rm.d_max)))))
         try:
             return dict(self.kind_probe(model, batches))
         except Exception as e:  # (a probe that cannot run costs the layers at the reference rate)
@@ -231,12 +251,34 @@ class SchedulerPlanner:
 
     def _first_placement(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                          regions: dict[bytes, str]) -> Placement:
+        """The search on the view with this machine timed now (`MachineNow`): its peers' figures
+        scaled to its reference block now (`with_fresh_compute`), searched once; then, when the
+        shape found places several of them, slowed by their competing for its cores
+        (`MachineNow.slowdown`) and searched again, the second search's plan handed out."""
+        auto_m = req.auto_micro_batches and req.placement != "random"
+        kind = self.kind(model, train, len(view.peers), auto_micro_batches=auto_m)
+        machine = self.machine_now(view)  # (after the layer probe, which times the reference block too)
+        if machine is None:
+            return self._place(view, req, model, train, regions, kind, auto_m)
+        view = with_fresh_compute(view, self.host, machine.compute_ms)
+        placement = self._place(view, req, model, train, regions, kind, auto_m)
+        host_of = dict(zip(view.peers, view.hosts))
+        placed = sum(host_of.get(p) == self.host for pipe in placement.pipelines for p in pipe)
+        slowdown = machine.slowdown(placed)
+        if slowdown <= 1.0:
+            return placement
+        logger.info("%d peers of this machine placed: each computes %.2fx slower than timed alone; "
+                    "searching again", placed, slowdown)
+        mine = np.array([h == self.host for h in view.hosts], dtype=bool)
+        return self._place(replace(view, compute_ms=np.where(mine, view.compute_ms * slowdown, view.compute_ms)),
+                           req, model, train, regions, kind, auto_m)
+
+    def _place(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+               regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:
         dp = req.dp
         if req.stages is not None and dp is None:
             dp = max(1, len(view.peers) // req.stages)
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
-        auto_m = req.auto_micro_batches and req.placement != "random"
-        kind = self.kind(model, train, len(view.peers), auto_micro_batches=auto_m)
         if req.placement == "random":
             if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")

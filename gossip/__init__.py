@@ -9,7 +9,7 @@ from dtfm.lazy import lazy_exports
 if TYPE_CHECKING:
     from .claims import Accusation, Claim, ClaimVerifier, Update
     from .measure import compute_speed_ms, measure_rtt
-    from .reference import REFERENCE_BLOCK, reference_block, time_block_ms
+    from .reference import REFERENCE_BLOCK, cpu_share, host_fingerprint, mean_ms, reference_block, time_block_ms
     from .config import GossipConfig
     from .members import Member, MemberState, merge_entry, merge_tables
     from .messages import MsgType
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Accusation", "Claim", "ClaimVerifier", "GossipConfig", "GossipService", "Member", "MemberState",
     "MsgType", "NetworkView", "Entry", "Report", "RecordStore", "Send", "Swim", "Update", "build_view",
-    "REFERENCE_BLOCK", "compute_speed_ms", "measure_rtt", "reference_block", "time_block_ms", "merge_entry", "merge_tables", "remaining_suspicion_time",
+    "REFERENCE_BLOCK", "cpu_share", "host_fingerprint", "mean_ms", "compute_speed_ms", "measure_rtt", "reference_block", "time_block_ms", "merge_entry", "merge_tables", "remaining_suspicion_time",
     "DISAGREEMENT_RATIO", "Coordinate", "Vivaldi",
 ]
 
@@ -33,7 +33,7 @@ __all__ = [
 LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".claims": ("Accusation", "Claim", "ClaimVerifier", "Update"),
     ".measure": ("compute_speed_ms", "measure_rtt"),
-    ".reference": ("REFERENCE_BLOCK", "reference_block", "time_block_ms"),
+    ".reference": ("REFERENCE_BLOCK", "cpu_share", "host_fingerprint", "mean_ms", "reference_block", "time_block_ms"),
     ".config": ("GossipConfig",),
     ".members": ("Member", "MemberState", "merge_entry", "merge_tables"),
     ".messages": ("MsgType",),

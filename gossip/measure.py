@@ -38,7 +38,7 @@ from dtfm.net import (PEER_ID_BYTES, ConnectionClosed, ProtocolError, RemoteErro
 from .messages import MsgType
 from .config import GossipConfig
 from .records import MAX_GBPS, MAX_RTT_MS, Entry, Report, check_coord
-from .reference import REFERENCE_BLOCK, reference_block, time_block_ms
+from .reference import PROBE_MIN_RUNS, PROBE_MIN_S, REFERENCE_BLOCK, mean_ms, reference_block, time_block_ms
 from .vivaldi import Coordinate
 
 __all__ = ["MeasurePing", "BulkProbe", "PeerLink", "measure_rtt", "measure_bandwidth", "MeasurePlanner", "BulkGate",
@@ -523,13 +523,14 @@ def _capacity_ratio(last: Report, up: float, down: float) -> float:
 
 def compute_speed_ms(d_model: int = REFERENCE_BLOCK[0], n_heads: int = REFERENCE_BLOCK[1],
                      seq_len: int = REFERENCE_BLOCK[2], batch: int = REFERENCE_BLOCK[3],
-                     repeats: int = 3, seed: int = 0) -> float:
-    """Median ms of forward+backward of one transformer block (CPU or the default device).
+                     repeats: int = PROBE_MIN_RUNS, seed: int = 0, min_s: float = PROBE_MIN_S) -> float:
+    """Mean ms of forward+backward of one transformer block (CPU or the default device),
+    over at least `repeats` runs and `min_s` seconds (`mean_ms`).
 
     Blocking: run it in a thread (trio.to_thread.run_sync).
     """
     block, x = reference_block(d_model, n_heads, seq_len, batch, seed)
     time_block_ms(block, x)  # (warms up)
-    return statistics.median(time_block_ms(block, x) for _ in range(repeats))
+    return mean_ms(lambda: time_block_ms(block, x), min_runs=repeats, min_s=min_s)
 
 

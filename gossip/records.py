@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Entry", "Report", "RecordStore", "digest_hash", "MAX_RTT_MS", "MAX_GBPS", "MAX_ENTRIES",
            "DIGEST_HASH_LEN", "VERIFY_SLICE", "CODEC_NS_LEN", "MAX_CODEC_NS", "check_codec_ns", "check_coord",
+           "HOST_ID_LEN", "check_host",
            "BUCKETS", "BUCKET_HASH_LEN", "bucket_of"]
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ MAX_COORD_ERROR = 100.0
 MAX_ENTRIES = 4096
 MAX_TIMESTAMP = 2.0**40
 SIGNATURE_LEN = 64
+HOST_ID_LEN = 8  # a report's host fingerprint
 DIGEST_HASH_LEN = 16
 VERIFY_SLICE = 32  # signatures verified between two yields to the scheduler (about 2 ms)
 
@@ -97,6 +99,13 @@ def check_codec_ns(values: object) -> tuple[float, ...]:
     return tuple(get_float({"codec_ns": v}, "codec_ns", 0.0, MAX_CODEC_NS) for v in values)
 
 
+def check_host(value: object) -> bytes:
+    """A report's host: b"" (unknown) or HOST_ID_LEN bytes; ProtocolError for anything else."""
+    if not isinstance(value, bytes) or len(value) not in (0, HOST_ID_LEN):
+        raise ProtocolError(f"host: expected empty or {HOST_ID_LEN} bytes")
+    return value
+
+
 def check_coord(values: object) -> tuple[float, ...]:
     """A network coordinate as a report carries it (`vivaldi.Coordinate.to_wire`): empty (none
     yet), or COORD_DIMS figures in [-MAX_COORD_MS, MAX_COORD_MS], a height in [0, MAX_COORD_MS]
@@ -124,11 +133,15 @@ class Report:
     coord: tuple[float, ...] = ()  # own network coordinate (`vivaldi.Coordinate.to_wire`); (): none yet
     up_gbps: float = 0.0  # own upload capacity, the best of its timed transfers out; 0: unknown
     down_gbps: float = 0.0  # own download capacity, the best of its timed transfers in; 0: unknown
+    # the machine the peer runs on (`HOST_ID_LEN` bytes, the same for every daemon of one
+    # machine and boot, nothing else derivable from it); b"": unknown (an older peer's report)
+    host: bytes = b""
 
     def _body(self) -> list:
-        return [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
+        body = [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
                 [e.to_wire() for e in self.entries], [float(v) for v in self.codec_ns],
                 [float(v) for v in self.coord], float(self.up_gbps), float(self.down_gbps)]
+        return body + [self.host] if self.host else body  # (without a host: the bytes an older peer signs)
 
     def signing_bytes(self) -> bytes:
         return DOMAIN + pack(self._body())
@@ -136,20 +149,21 @@ class Report:
     @classmethod
     def create(cls, identity: Identity, seq: int, timestamp: float, compute_ms: float,
                entries: Iterable[Entry], *, codec_ns: Sequence[float] = (), coord: Sequence[float] = (),
-               up_gbps: float = 0.0, down_gbps: float = 0.0) -> "Report":
+               up_gbps: float = 0.0, down_gbps: float = 0.0, host: bytes = b"") -> "Report":
         """A report signed by `identity`; ValueError for figures a peer would refuse."""
         try:
             codec = check_codec_ns(tuple(codec_ns))
             point = check_coord(tuple(coord))
             up = get_float({"up": float(up_gbps)}, "up", 0.0, MAX_GBPS)
             down = get_float({"down": float(down_gbps)}, "down", 0.0, MAX_GBPS)
+            machine = check_host(host)
         except ProtocolError as e:
             raise ValueError(str(e)) from None
         ordered = tuple(sorted(entries, key=lambda e: e.target))
         unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered, codec_ns=codec, coord=point,
-                       up_gbps=up, down_gbps=down)
+                       up_gbps=up, down_gbps=down, host=machine)
         return cls(identity.peer_id, seq, timestamp, compute_ms, ordered,
-                   identity.sign(unsigned.signing_bytes()), codec, point, up, down)
+                   identity.sign(unsigned.signing_bytes()), codec, point, up, down, machine)
 
     def verify(self) -> bool:
         return verify_signature(self.measurer, self.signing_bytes(), self.signature)
@@ -161,13 +175,15 @@ class Report:
     @property
     def wire_size(self) -> int:
         """Upper bound of the packed size in bytes."""
-        return 140 + 73 * len(self.entries) + 9 * (len(self.codec_ns) + len(self.coord))
+        return 140 + 73 * len(self.entries) + 9 * (len(self.codec_ns) + len(self.coord)) + 2 + len(self.host)
 
     @classmethod
     def from_wire(cls, obj: object) -> "Report":
-        if not isinstance(obj, list) or len(obj) != 10:
-            raise ProtocolError("report: expected a list of 10 fields")
-        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec", "coord", "up", "down"), obj))
+        if not isinstance(obj, list) or len(obj) not in (10, 11):
+            raise ProtocolError("report: expected a list of 10 fields (11 with the host)")
+        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec", "coord", "up", "down", "host"),
+                     obj))
+        host = get_bytes(d, "host", HOST_ID_LEN, HOST_ID_LEN) if len(obj) == 11 else b""
         measurer = get_bytes(d, "measurer", PEER_ID_BYTES, PEER_ID_BYTES)
         entries = tuple(Entry.from_wire(x) for x in get_list(d, "entries", MAX_ENTRIES))
         targets = [e.target for e in entries]
@@ -178,7 +194,8 @@ class Report:
         return cls(measurer, get_int(d, "seq", 0, MAX_SEQ), get_float(d, "ts", 0.0, MAX_TIMESTAMP),
                    get_float(d, "compute", 0.0, MAX_COMPUTE_MS), entries,
                    get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN), check_codec_ns(d["codec"]),
-                   check_coord(d["coord"]), get_float(d, "up", 0.0, MAX_GBPS), get_float(d, "down", 0.0, MAX_GBPS))
+                   check_coord(d["coord"]), get_float(d, "up", 0.0, MAX_GBPS), get_float(d, "down", 0.0, MAX_GBPS),
+                   host)
 
 
 BUCKETS = 128  # a digest's buckets, by the measurer id's first byte (ids are public keys: uniform)

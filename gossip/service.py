@@ -48,7 +48,7 @@ from .measure import (
 )
 from .members import Member, MemberState
 from .messages import MsgType, decode_swim
-from .records import MAX_COMPUTE_MS, VERIFY_SLICE, RecordStore, Report, check_codec_ns
+from .records import MAX_COMPUTE_MS, VERIFY_SLICE, RecordStore, Report, check_codec_ns, check_host
 from .status import gossip_status
 from .swim import Send, Swim
 from .sync import RecordSync, RecordSyncer
@@ -103,11 +103,12 @@ class GossipService:
                  address: tuple[str, int] | None = None, verifier: ClaimVerifier | None = None,
                  codec_ns: Sequence[float] | None = None,
                  codec_probe: Callable[[], Sequence[float]] | None = None,
-                 compute_probe: Callable[[], float] = compute_speed_ms) -> None:
+                 compute_probe: Callable[[], float] = compute_speed_ms, machine: bytes = b"") -> None:
         """compute_ms: this peer's compute speed, None to measure it with `compute_probe`
         once in a worker thread at start (when `measure`; a failed probe leaves it unknown).
         codec_ns: this peer's coding speed (`check_codec_ns`; ValueError otherwise), or None
-        to run `codec_probe` once in a worker thread at start (no probe: reported unknown)."""
+        to run `codec_probe` once in a worker thread at start (no probe: reported unknown).
+        machine: the machine's fingerprint its reports carry as `host` (`host_fingerprint`; b"": none)."""
         self.transport = transport
         self.identity = identity
         self.config = config or GossipConfig.lan()
@@ -118,6 +119,10 @@ class GossipService:
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self.compute_ms = compute_ms
+        try:
+            self.machine = check_host(machine)
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
         try:
             self.codec_ns: tuple[float, ...] | None = None if codec_ns is None else check_codec_ns(tuple(codec_ns))
         except ProtocolError as e:
@@ -440,7 +445,8 @@ class GossipService:
         self._seq = max(self._seq + 1, int(self._wall() * 1000))
         report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0,
                                self.planner.entries(now), codec_ns=self.codec_ns or (),
-                               coord=() if coord is None else coord.to_wire(), up_gbps=up, down_gbps=down)
+                               coord=() if coord is None else coord.to_wire(), up_gbps=up, down_gbps=down,
+                               host=self.machine)
         self._published = report
         self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
 

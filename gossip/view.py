@@ -70,9 +70,15 @@ class NetworkView:
     # (N, N) seconds since the link was measured (the older end's figure); nan: not measured
     # (left out: all unknown)
     age_s: np.ndarray = field(default_factory=lambda: _NO_AGES)
+    # (N,) the machine each peer runs on (its reports' `host`); b"": unknown (left out: all unknown)
+    hosts: tuple[bytes, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.peers)
+        if not self.hosts:
+            object.__setattr__(self, "hosts", (b"",) * n)
+        if len(self.hosts) != n:
+            raise ValueError(f"hosts must name {n} machines, got {len(self.hosts)}")
         for name in ("disputed", "one_sided"):
             if getattr(self, name) is _NO_FLAGS:
                 object.__setattr__(self, name, np.zeros((n, n), dtype=bool))
@@ -126,7 +132,7 @@ class NetworkView:
         return NetworkView(self.peers, self.delay_ms / time_scale,
                            self.bandwidth_gbps * time_scale / bandwidth_scale, self.compute_ms,
                            self.complete, self.disputed, self.one_sided, self.codec_ns,
-                           self.delay_measured, self.bandwidth_measured, self.age_s)
+                           self.delay_measured, self.bandwidth_measured, self.age_s, self.hosts)
 
     def as_dict(self) -> dict:
         def clean(a: np.ndarray) -> list[list[float | None]]:
@@ -158,6 +164,7 @@ class _Claims:
     bw: np.ndarray
     age: np.ndarray  # (N, N) age of i's figures of the link to j, s
     compute: np.ndarray  # (N,)
+    hosts: list  # (N,) bytes, b"" unknown
     codec: np.ndarray  # (N, CODEC_NS_LEN)
     coords: list  # (N,) Coordinate or None
     up: np.ndarray  # (N,) Gbps, nan unknown
@@ -168,7 +175,7 @@ def _matrices(index: dict[bytes, int], reports: Mapping[bytes, Report] | Iterabl
               now_wall: float | None) -> _Claims:
     n = len(index)
     c = _Claims(np.full((n, n), np.nan), np.full((n, n), np.nan), np.full((n, n), np.nan), np.full(n, np.nan),
-                np.full((n, CODEC_NS_LEN), np.nan), [None] * n, np.full(n, np.nan), np.full(n, np.nan))
+                [b""] * n, np.full((n, CODEC_NS_LEN), np.nan), [None] * n, np.full(n, np.nan), np.full(n, np.nan))
     items = reports.items() if isinstance(reports, Mapping) else ((r.measurer, r) for r in reports)
     for key, r in items:
         i = index.get(r.measurer)
@@ -176,6 +183,7 @@ def _matrices(index: dict[bytes, int], reports: Mapping[bytes, Report] | Iterabl
             continue
         if np.isfinite(r.compute_ms) and r.compute_ms > 0:
             c.compute[i] = r.compute_ms
+        c.hosts[i] = r.host
         if len(r.codec_ns) == CODEC_NS_LEN and all(np.isfinite(v) and v >= 0 for v in r.codec_ns):
             c.codec[i] = r.codec_ns
         c.coords[i] = Coordinate.from_wire(r.coord)
@@ -243,4 +251,4 @@ def build_view(peers: Iterable[bytes], reports: Mapping[bytes, Report] | Iterabl
     complete = bool(np.all(np.isfinite(delay)) and np.all(~np.isnan(band)))
     return NetworkView(peers, delay, band, c.compute, complete, rtt_disputed | bw_disputed,
                        rtt_one | bw_one, c.codec, delay_measured, bandwidth_measured,
-                       np.where(delay_measured | bandwidth_measured, age, np.nan))
+                       np.where(delay_measured | bandwidth_measured, age, np.nan), tuple(c.hosts))

@@ -32,7 +32,7 @@ from typing import Any
 import trio
 
 from dtfm.control import ControlPlane, SignedOp, TrainError, council_arg
-from dtfm.gossip import GossipConfig, GossipService, compute_speed_ms
+from dtfm.gossip import GossipConfig, GossipService, compute_speed_ms, host_fingerprint
 from dtfm.net import EmulatedLinks, ProtocolError, load_swarm_operators, short_id
 from dtfm.scenarios import ScenarioError, load_scenario
 from dtfm.sched import load_codec_speed
@@ -162,7 +162,7 @@ class GossipPart:
                                 address=_advertised(daemon), codec_ns=codec_ns,
                                 codec_probe=speed.codec_ns if speed is not None and codec_ns is None else None,
                                 compute_probe=speed.compute_ms if speed is not None else compute_speed_ms,
-                                wall_clock=lambda: time.time() + self.clock_jump_s)
+                                wall_clock=lambda: time.time() + self.clock_jump_s, machine=host_fingerprint())
         daemon.discovery.on_advertise(lambda a: service.set_address(a.host, a.port))
         async with trio.open_nursery() as nursery:
             await nursery.start(service.run)
@@ -249,7 +249,8 @@ class PlanePart:
         kinds = KindCache(daemon.data_dir.root / KIND_FILE,
                           speed_key(self.config.plane.device, self.config.plane.settings.torch_threads))
         plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
-                             self.config.plane.settings, operators=operators, kind_probe=kinds)
+                             self.config.plane.settings, operators=operators, kind_probe=kinds,
+                             fresh_compute=kinds.machine_now, machine=service.machine)
         service.keep_members(lambda peer_id: named_by(plane, peer_id))
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)

@@ -28,18 +28,22 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dtfm.control import MachineNow
 from dtfm.files import atomic_write
+from dtfm.gossip import cpu_share
+from dtfm.sched import UPDATE_KIND
 
 __all__ = ["KIND_FILE", "KindCache", "PROBE_VERSION", "SPEED_FILE", "SpeedCache", "SpeedKey", "SelfSpeed", "speed_key"]
 
 logger = logging.getLogger(__name__)
 
 SPEED_FILE = "speed.json"  # in the daemon's data dir
-PROBE_VERSION = 2  # bump when a probe's workload changes: older figures are measured again
+PROBE_VERSION = 3  # bump when a probe's workload changes: older figures are measured again
 PROBE_TIMEOUT_S = 300.0  # a child that has not answered by then has failed (the figure stays unknown)
 MAX_FILE_BYTES = 1 << 16
 MAX_CODEC_FIGURES = 64
@@ -242,6 +246,7 @@ class SelfSpeed:
 
 
 KIND_FILE = "kinds.json"  # in the daemon's data dir: `KindCache`'s figures
+REFERENCE_FRESH_S = 60.0  # a reference-block figure this recent counts as now's (`KindCache.reference_ms_now`)
 MAX_KINDS = 64  # layers kept (the file is bounded: a newer layer replaces the oldest)
 KIND_FIELDS = ("n_embd", "n_head", "seq_len", "mlp_ratio", "bias", "activation")  # what a layer's speed depends on
 
@@ -262,6 +267,7 @@ class KindCache:
         self._lock = threading.Lock()
         self._kinds: dict[str, dict[int, float]] = self._load()
         self.children = 0  # child processes started (tests)
+        self._reference: tuple[float, float] | None = None  # (time.monotonic(), ms): the last reference-block figure
 
     @staticmethod
     def layer_key(spec: Any) -> str:
@@ -274,7 +280,8 @@ class KindCache:
             missing = sorted({b for b in batches if b not in known})
             if missing:
                 got = self._measure(spec, missing)
-                known = {**known, **got, **{b: 1.0 for b in missing if b not in got}}  # (not probed: the reference rate)
+                # (a size not probed: the reference rate; an update not measured: not counted)
+                known = {**known, **got, **{b: 1.0 for b in missing if b not in got and b != UPDATE_KIND}}
                 self._kinds.pop(layer, None)
                 self._kinds[layer] = known
                 while len(self._kinds) > MAX_KINDS:
@@ -282,14 +289,54 @@ class KindCache:
                 self._store()
             return {b: known[b] for b in batches if b in known}
 
+    def reference_ms_now(self) -> float:
+        """The reference block's time on this machine now (`compute_speed_ms`, never kept: the
+        load it sees is now's): the figure of a layer probe of the last REFERENCE_FRESH_S, else
+        measured (here once torch is loaded, else in a child process). Blocking; RuntimeError
+        when the probe cannot run."""
+        with self._lock:
+            if self._reference is not None and time.monotonic() - self._reference[0] <= REFERENCE_FRESH_S:
+                return self._reference[1]
+            if "torch" in sys.modules and self.in_process:
+                from dtfm.gossip import compute_speed_ms
+                figure = _compute_or_none(compute_speed_ms())
+            else:
+                figure = _compute_or_none(self._child(["--compute"]).get("compute_ms"))
+            if figure is None:
+                raise RuntimeError("the compute probe gave no figure")
+            self._reference = (time.monotonic(), figure)
+            return figure
+
+    def machine_now(self) -> MachineNow:
+        """This machine now, for the first placement: the reference block's time
+        (`reference_ms_now`), the share of a core one busy thread gets (`cpu_share`, timed here:
+        it needs no torch) and the cores this process may use. Blocking; RuntimeError when the
+        compute probe cannot run."""
+        ms = self.reference_ms_now()
+        return MachineNow(ms, cpu_share(), max(1, self.key.cpus))
+
     def _measure(self, spec: Any, batches: list[int]) -> dict[int, float]:
         if "torch" in sys.modules and self.in_process:
             # (this daemon trains or trained a stage: torch is loaded, and the probe takes a few
             # hundred ms here; a child would load torch again, on every training peer at once)
             from dtfm.control import kind_factors
-            return kind_factors(spec, batches)
-        args = [*self.command, "--torch-threads", str(self.key.torch_threads),
-                "--kind", json.dumps(spec.to_dict()), "--batches", ",".join(map(str, batches))]
+            from dtfm.gossip import compute_speed_ms
+            out = kind_factors(spec, batches)
+            self._reference = (time.monotonic(), compute_speed_ms())
+            return out
+        d = self._child(["--kind", json.dumps(spec.to_dict()), "--batches", ",".join(map(str, batches)), "--compute"])
+        ms = _compute_or_none(d.get("compute_ms"))
+        if ms is not None:
+            self._reference = (time.monotonic(), ms)
+        figures = d.get("kind")
+        if not isinstance(figures, dict):
+            raise RuntimeError("the layer probe printed no figures")
+        return {int(b): float(f) for b, f in figures.items()
+                if str(b).isdigit() and int(b) in batches and _kind_or_none(f, int(b)) is not None}
+
+    def _child(self, what: list[str]) -> dict:
+        """Run the probe child with `what` asked; its JSON object (RuntimeError when none)."""
+        args = [*self.command, "--torch-threads", str(self.key.torch_threads), *what]
         self.children += 1
         try:
             done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s)
@@ -303,11 +350,9 @@ class KindCache:
             d = json.loads(lines[-1]) if lines else None
         except ValueError:
             d = None
-        figures = d.get("kind") if isinstance(d, dict) else None
-        if not isinstance(figures, dict):
-            raise RuntimeError("the layer probe printed no figures")
-        return {int(b): float(f) for b, f in figures.items()
-                if str(b).isdigit() and int(b) in batches and _kind_or_none(f) is not None}
+        if not isinstance(d, dict):
+            raise RuntimeError("the layer probe printed no JSON object")
+        return d
 
     def _load(self) -> dict[str, dict[int, float]]:
         try:
@@ -322,7 +367,7 @@ class KindCache:
         for layer, figures in list(d["kinds"].items())[-MAX_KINDS:]:
             if isinstance(layer, str) and isinstance(figures, dict):
                 out[layer] = {int(b): float(f) for b, f in figures.items()
-                              if str(b).isdigit() and _kind_or_none(f) is not None}
+                              if str(b).isdigit() and _kind_or_none(f, int(b)) is not None}
         return out
 
     def _store(self) -> None:
@@ -335,10 +380,16 @@ class KindCache:
                            self.path, e.strerror)
 
 
-def _kind_or_none(v: object) -> float | None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0.01 < v < 100:
+MAX_UPDATE_FLOPS_PER_PARAM = 1e6  # an update figure (`UPDATE_KIND`) above this is refused
+
+
+def _kind_or_none(v: object, batch: int) -> float | None:
+    """A layer figure as kept: a time-per-FLOP ratio in (0.01, 100), or for `UPDATE_KIND`
+    FLOP-equivalents per parameter in (0, MAX_UPDATE_FLOPS_PER_PARAM); None for anything else."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
-    return float(v)
+    low, high = (0.0, MAX_UPDATE_FLOPS_PER_PARAM) if batch == UPDATE_KIND else (0.01, 100.0)
+    return float(v) if low < v < high else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codec", action="store_true", help="each codec's ns per element")
     parser.add_argument("--kind", metavar="JSON", help="a model spec (GPTSpec as JSON): its layer's time per FLOP "
                                                        "over the reference block's, at each --batches size")
-    parser.add_argument("--batches", default="1", help="micro-batch sizes for --kind, comma-separated")
+    parser.add_argument("--batches", default="1", help="micro-batch sizes for --kind, comma-separated (0: the "
+                                                       "optimizer update, FLOP-equivalents per parameter)")
     args = parser.parse_args(argv)
     import torch
 

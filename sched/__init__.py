@@ -19,7 +19,7 @@ from .search import SEARCH_PROFILES, SearchConfig
 from .simulate import TRAINER_WINDOW_MESSAGES, SimResult
 from .simulate import simulate as simulate_iteration
 from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
-from .spec import PAPER_GPT3_XL, PRESETS, CommSpec, ModelSpec, Workload, get_preset
+from .spec import PAPER_GPT3_XL, PRESETS, UPDATE_KIND, CommSpec, ModelSpec, Workload, get_preset, update_s_per_param
 
 __all__ = [
     "Allocation", "FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "micro_batch_options",
@@ -29,6 +29,6 @@ __all__ = [
     "SEARCH_PROFILES", "STEP_EFFICIENCY", "SearchConfig", "SimResult", "TRAINER_WINDOW_MESSAGES", "WIRE_PRESETS", "Workload",
     "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
     "evaluate", "get_preset", "layer_ranges", "linear_assignment", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
-    "step_efficiency",
+    "step_efficiency", "UPDATE_KIND", "update_s_per_param",
     "wire_codecs",
 ]

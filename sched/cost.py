@@ -8,7 +8,8 @@ pipeline p; row s is the DP group of stage s. The paper objective is
 
 The extensions, each off unless its inputs are given:
 - compute: a stage runs at the speed of its slowest member; an iteration of GPipe takes
-  (M + S - 1) times the slowest stage's time per micro-batch.
+  (M + S - 1) times the slowest stage's time per micro-batch, plus the slowest update (the
+  optimizer on a stage's parameters, `Workload.update_s_per_param`).
 - memory: a peer holds no more layers than fit; a shortfall is a penalty, not a crash.
 - uneven layers: stages may hold different layer counts, faster groups more; a stage's gradient
   volume follows its layer count.
@@ -272,8 +273,9 @@ class CostModel:
         if not self.compute_on:
             return 0.0
         wl = self.workload
-        per_mb = wl.compute_layers(layers) * wl.layer_compute_s / self.speed[X].min(axis=1)
-        return float((wl.micro_batches + X.shape[0] - 1) * per_mb.max())
+        slowest = self.speed[X].min(axis=1)
+        per_mb = wl.compute_layers(layers) * wl.layer_compute_s / slowest
+        return float((wl.micro_batches + X.shape[0] - 1) * per_mb.max() + (wl.update_s(layers) / slowest).max())
 
     def breakdown(self, X: np.ndarray) -> CostBreakdown:
         X = np.asarray(X, dtype=np.int64)

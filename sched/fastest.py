@@ -35,7 +35,7 @@ from .cost import CostModel
 from .search import SearchConfig
 from .simulate import TRAINER_WINDOW_MESSAGES, simulate
 from .solve import Allocation, solve
-from .spec import ModelSpec
+from .spec import ModelSpec, update_s_per_param
 
 __all__ = ["FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
            "shape_space", "solve_fastest"]
@@ -195,15 +195,17 @@ class RunModel:
     act_bytes: int = 2
     auto_micro_batches: bool = False  # the scheduler chooses M (`micro_batch_options`)
 
-    def spec(self, dp: int, reference_tflops: float | None = None, micro_batches: int | None = None) -> ModelSpec:
+    def spec(self, dp: int, reference_tflops: float | None = None, micro_batches: int | None = None,
+             update_s_per_param: float = 0.0) -> ModelSpec:
         """The model for D = `dp` pipelines: micro-batches of global / (D x M) sequences (M:
         `micro_batches`, by default the run's); with `reference_tflops` its compute is costed,
-        the output head's on the last stage too."""
+        the output head's on the last stage too, and the optimizer's update at
+        `update_s_per_param`."""
         mb = self.micro_batch(dp, micro_batches)
         return ModelSpec(self.name, layers=self.layers, hidden=self.hidden, heads=self.heads, seq_len=self.seq_len,
                          vocab=self.vocab, micro_batch_size=mb, global_batch_seqs=self.global_batch_seqs,
                          act_bytes=self.act_bytes, reference_tflops=reference_tflops,
-                         head_compute=reference_tflops is not None)
+                         head_compute=reference_tflops is not None, update_s_per_param=update_s_per_param)
 
     def micro_batch(self, dp: int, micro_batches: int | None = None) -> int:
         """Sequences per micro-batch of D = `dp` pipelines at M = `micro_batches` (by default
@@ -261,7 +263,8 @@ class ScheduleInputs:
     def spec_of(self, dp: int, micro_batches: int | None = None) -> ModelSpec:
         """The model for D = `dp` pipelines at `micro_batches` (the run's by default), its compute
         at the run's layer's speed at that micro-batch size."""
-        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp, micro_batches)), micro_batches)
+        return self.model.spec(dp, self.tflops(self.model.micro_batch(dp, micro_batches)), micro_batches,
+                               update_s_per_param(self.kind, self.reference_tflops))
 
     def shapes(self) -> list[tuple[int, int]]:
         n = len(self.peers)

@@ -10,8 +10,12 @@ that group); with `overlap_allreduce` that starts while earlier stages are still
 as the trainer does. The iteration ends when the last all-reduce does.
 
 Compute per micro-batch on peer i at stage s: layers[s] * layer_compute_s / compute[i],
-one third forward and two thirds backward. With no layer_compute_s, compute is free and the
-model predicts communication alone.
+one third forward and two thirds backward, scaled by the workload's micro-batches over the M
+simulated (the workload counts the largest pipeline's sequences: 16 over 3 pipelines is 6
+sequences, not 3 x 4 / 3 x 4 = 4). After its stage's all-reduce (and, with engine_syncs, the
+gradient-norm sum) each peer runs its optimizer update: the stage's parameters at the
+workload's `update_s_per_param`, at the peer's speed. With no layer_compute_s, compute is free
+and the model predicts communication alone.
 
 Compression (`codecs`, a `CodecAssignment`; by default the model's own cheapest codec per link
 and group, all exact for an exact model): a link coding with int8/int4 holds the link for its
@@ -105,7 +109,11 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     if wl.layer_compute_s is None:
         step = np.zeros((S, D))
     else:
-        step = wl.compute_layers(layers)[:, None] * wl.layer_compute_s / model.speed[X]  # (S, D) fwd+bwd per micro-batch
+        # the workload's micro-batches (of its micro_batch_size sequences: the largest pipeline's
+        # share of the global batch) computed in M: each of the M carries their sequences
+        per_mb = wl.layer_compute_s * wl.micro_batches / M
+        step = wl.compute_layers(layers)[:, None] * per_mb / model.speed[X]  # (S, D) fwd+bwd per micro-batch
+    update = wl.update_s(layers)[:, None] / model.speed[X]  # (S, D) each peer's optimizer update
     fwd, bwd = step / 3, 2 * step / 3
     # (S-1, D) coding seconds per micro-batch on each link: forward, stage s encodes and s+1
     # decodes; backward, s+1 encodes and s decodes (each at its own peer's speed)
@@ -192,13 +200,14 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
     def iterate(ar_k: np.ndarray) -> tuple[np.ndarray, float]:
         if engine_syncs:  # steps repeated, each peer starting the next where it ended the last
             done_k, finish = _engine_syncs(lat, X, busy, ar_k, overlap_allreduce)
+            finish = finish + update
             first = float(finish.max())
             for _ in range(STEADY_ROUNDS - 1):
-                finish = _engine_syncs(lat, X, gpipe(finish), ar_k, overlap_allreduce)[1]
+                finish = _engine_syncs(lat, X, gpipe(finish), ar_k, overlap_allreduce)[1] + update
             return done_k, (float(finish.max()) - first) / (STEADY_ROUNDS - 1)
         start = grads_ready if overlap_allreduce else np.full(S, grads_ready.max())
         done_k = start + ar_k
-        return done_k, float(done_k.max())
+        return done_k, float((done_k + update.max(axis=1)).max())
 
     exposed_ar, local_s = ar, None
     if over.any():  # hidden behind tau steps where no group synchronises (the exchange's own
@@ -216,7 +225,7 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
             done = done_k
     return SimResult(iteration_s=total / cycle if len(patterns) > 1 else total, pipeline_s=float(grads_ready.max()),
                      stage_done_s=tuple(float(v) for v in done), allreduce_s=tuple(float(v) for v in ar),
-                     compute_busy_s=float((M * step).max()), sync_every=tuple(period),
+                     compute_busy_s=float((M * step + update).max()), sync_every=tuple(period),
                      exposed_sync_s=tuple(float(v) for v in exposed_ar),
                      local_iteration_s=None if local_s is None else float(local_s))
 

@@ -14,11 +14,27 @@ memory in GiB.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CommSpec", "ModelSpec", "Workload", "PAPER_GPT3_XL", "PRESETS", "get_preset"]
+__all__ = ["CommSpec", "ModelSpec", "Workload", "PAPER_GPT3_XL", "PRESETS", "UPDATE_KIND", "get_preset",
+           "update_s_per_param"]
+
+# The key of a run layer's figures (`kind`: time per FLOP over the reference's, by micro-batch
+# size, sizes from 1) under which its optimizer update is given: FLOP-equivalents per parameter
+# at the reference rate (the update's time on a speed-1.0 peer is that over its FLOP/s).
+UPDATE_KIND = 0
+
+
+def update_s_per_param(kind: Mapping[int, float], reference_tflops: float | None) -> float:
+    """The update's seconds per parameter on a speed-1.0 peer of `reference_tflops` achieved
+    TFLOP/s, from `kind[UPDATE_KIND]`; 0 (not counted) without either."""
+    flops = kind.get(UPDATE_KIND, 0.0)
+    if reference_tflops is None or not reference_tflops > 0 or not flops > 0:
+        return 0.0
+    return flops / (reference_tflops * 1e12)
 
 
 @dataclass(frozen=True)
@@ -37,6 +53,8 @@ class Workload:
     act_elem_bytes: int = 2  # bytes of one activation element on an exact wire (sizes compressed payloads)
     grad_elem_bytes: int = 4  # bytes of one gradient element in the exact all-reduce
     head_layers: float = 0.0  # the output head and loss on the last stage, in layers' compute; 0: not counted
+    # the optimizer's update (gradient norm, clipping, AdamW) per parameter of a stage, seconds at speed 1.0; 0: not counted
+    update_s_per_param: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stages < 1 or self.dp < 1:
@@ -47,12 +65,20 @@ class Workload:
             raise ValueError("volumes must be non-negative and micro_batches at least 1")
         if self.act_elem_bytes < 1 or self.grad_elem_bytes < 1:
             raise ValueError("element sizes must be at least one byte")
+        if not self.update_s_per_param >= 0:
+            raise ValueError("the update's time per parameter must be non-negative")
 
     def compute_layers(self, layers: np.ndarray) -> np.ndarray:
         """Each stage's compute in layers (float): its layers, the last stage's plus the head."""
         out = np.asarray(layers, dtype=float).copy()
         out[-1] += self.head_layers
         return out
+
+    def update_s(self, layers: np.ndarray) -> np.ndarray:
+        """Each stage's update at speed 1.0, in seconds: its share of the parameters (as its
+        gradient counts them) at `update_s_per_param`."""
+        params = self.grad_gb_total * 1e9 / self.grad_elem_bytes * np.asarray(layers, dtype=float) / self.layers
+        return params * self.update_s_per_param
 
     def grad_gb(self, stage_layers: float) -> float:
         """Gradient volume of a stage holding `stage_layers` layers."""
@@ -117,6 +143,7 @@ class ModelSpec:
     reference_tflops: float | None = None  # achieved TFLOP/s of a speed-1.0 peer; None: compute off
     with_memory: bool = False  # include the per-layer memory need (for memory-limited peers)
     head_compute: bool = False  # count the output head's compute on the last stage (with reference_tflops)
+    update_s_per_param: float = 0.0  # the optimizer's update per parameter at speed 1.0, seconds (0: not counted)
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch_size", "global_batch_seqs"):
@@ -164,7 +191,8 @@ class ModelSpec:
             memory = (self.layer_params * self.state_bytes_per_param + act_per_layer) / 2**30
             base = self.embedding_params * self.state_bytes_per_param / 2**30
         return Workload(stages, dp, self.layers, grad_gb_total, act_gb, m, compute, memory, base or 0.0,
-                        act_elem_bytes=self.act_bytes, grad_elem_bytes=self.grad_bytes, head_layers=head)
+                        act_elem_bytes=self.act_bytes, grad_elem_bytes=self.grad_bytes, head_layers=head,
+                        update_s_per_param=self.update_s_per_param if compute is not None else 0.0)
 
     def head_layers_equivalent(self) -> float:
         """The output head's forward and backward (a vocab x hidden matmul per token) in layers'

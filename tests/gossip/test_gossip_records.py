@@ -4,7 +4,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtfm.gossip.records import CODEC_NS_LEN, MAX_CODEC_NS, MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
+from dtfm.gossip.records import CODEC_NS_LEN, DOMAIN, MAX_CODEC_NS, MAX_ENTRIES, MAX_GBPS, Entry, RecordStore, Report
 from dtfm.gossip.service import offer_all
 from dtfm.gossip.sync import (
     RecordSync,
@@ -62,6 +62,40 @@ def test_a_report_carries_its_coding_speed_under_its_signature():
     assert report().codec_ns == () and wire(report()).verify()  # none measured: an empty vector
     with pytest.raises(ValueError):
         Report.create(ALICE, 1, NOW, 5.0, [], codec_ns=CODEC[:3])
+
+
+HOST = bytes(range(1, 9))  # a machine's fingerprint (HOST_ID_LEN bytes)
+
+
+def test_a_report_carries_its_machine_under_its_signature_and_older_reports_decode():
+    """The host is an eleventh wire field, signed; a report without one is the ten fields an
+    older peer sends and signs, and still decodes and verifies."""
+    targets = [BOB.peer_id, CAROL.peer_id]
+    r = Report.create(ALICE, 1, NOW, 5.0, [Entry(t, 10.0, 1.0, 5) for t in targets], host=HOST)
+    assert r.host == HOST and wire(r) == r and wire(r).verify()
+    assert len(r.to_wire()) == 11 and len(pack(r.to_wire())) <= r.wire_size
+    other = Report(r.measurer, r.seq, r.timestamp, r.compute_ms, r.entries, r.signature, host=bytes(8))
+    assert not wire(other).verify()  # another machine under the same signature
+    dropped = r.to_wire()[:10]
+    assert not Report.from_wire(dropped).verify()  # the host cut off: the signature no longer holds
+    old = report()  # no host: the ten fields, signed as an older peer signs them
+    assert old.host == b"" and len(old.to_wire()) == 10 and wire(old).verify()
+    assert old.signing_bytes() == DOMAIN + pack(old.to_wire()[:5] + old.to_wire()[6:])
+    view = build_view([ALICE.peer_id, BOB.peer_id], [r, report(BOB)])
+    assert view.hosts == (HOST, b"")  # a peer without a host: unknown
+
+
+@pytest.mark.parametrize("host", [b"", b"\x01" * 7, b"\x01" * 9, "machine", 8, None, [1] * 8, True])
+def test_hostile_hosts_refused(host):
+    w = Report.create(ALICE, 1, NOW, 5.0, [], host=HOST).to_wire()
+    w[10] = host
+    with pytest.raises(ProtocolError):
+        Report.from_wire(w)
+    with pytest.raises(ProtocolError):
+        Report.from_wire(w + [HOST])  # a twelfth field
+    if isinstance(host, bytes) and host:
+        with pytest.raises(ValueError):
+            Report.create(ALICE, 1, NOW, 5.0, [], host=host)
 
 
 @pytest.mark.parametrize("codec", [

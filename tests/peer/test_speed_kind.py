@@ -11,7 +11,7 @@ import pytest
 
 from dtfm.control.compute import kind_factors, peer_compute, training_block_ms
 from dtfm.gossip import NetworkView
-from dtfm.peer.speed import KIND_FILE, KindCache, SpeedKey
+from dtfm.peer.speed import KIND_FILE, MAX_UPDATE_FLOPS_PER_PARAM, KindCache, SpeedKey
 from dtfm.train import GPTSpec, TrainConfig, get_preset
 
 KEY = SpeedKey(torch="2.5.1", cpu="Test CPU @ 1 GHz", cpus=2, gpu="", device="cpu", torch_threads=1)
@@ -23,11 +23,18 @@ import json, sys
 from pathlib import Path
 runs = Path(sys.argv[1])
 args = sys.argv[2:]
+if "--kind" not in args:  # the reference block alone, timed now
+    runs.write_text((runs.read_text() if runs.exists() else "") + "compute\n")
+    print(json.dumps({"compute_ms": 42.0}))
+    sys.exit(0)
 runs.write_text((runs.read_text() if runs.exists() else "") + args[args.index("--batches") + 1] + "\n")
 if '"seq_len": 17' in args[args.index("--kind") + 1]:
     sys.exit("no torch here")
 batches = [int(b) for b in args[args.index("--batches") + 1].split(",")]
-print(json.dumps({"kind": {str(b): 1 + b / 10 for b in batches if b < 64}}))
+# the update (batch 0): 500 FLOP-equivalents per parameter; 2e6 for a layer of 33 tokens (out of bounds)
+update = 2e6 if '"seq_len": 33' in args[args.index("--kind") + 1] else 500.0
+print(json.dumps({"kind": {str(b): (update if b == 0 else 1 + b / 10) for b in batches if b < 64},
+                  "compute_ms": 40.0 if "--compute" in args else None}))
 """
 
 
@@ -57,6 +64,19 @@ def test_a_layer_is_probed_once_per_micro_batch_and_a_restart_reads_it(tmp_path)
     assert other.children == 1
 
 
+def test_the_update_is_kept_within_its_bounds_and_the_reference_timed_with_the_layer_counts_as_now(tmp_path):
+    kinds, runs = fake(tmp_path)
+    tiny = get_preset("tiny")
+    assert kinds(tiny, (0, 1)) == {0: 500.0, 1: 1.1}
+    assert kinds.reference_ms_now() == 40.0 and kinds.children == 1  # (timed by the layer's probe just now)
+    odd = GPTSpec("odd", n_layer=1, n_embd=64, n_head=2, seq_len=33, vocab=64)
+    assert kinds(odd, (0, 1)) == {1: 1.1}  # an update figure out of bounds is refused, not taken as 1
+    again, _ = fake(tmp_path)
+    assert again(tiny, (0,)) == {0: 500.0} and again.children == 0  # kept in the file
+    assert again.reference_ms_now() == 42.0 and again.children == 1  # never kept: timed now, in a child
+    assert runs.read_text().splitlines() == ["0,1", "0,1", "compute"]
+
+
 def test_a_failed_probe_raises_and_keeps_nothing(tmp_path):
     kinds, _ = fake(tmp_path)
     failing = GPTSpec("any", n_layer=2, n_embd=64, n_head=2, seq_len=17, vocab=64)  # (the fake fails on it)
@@ -76,10 +96,11 @@ def test_kind_factors_times_a_narrow_layer_and_skips_a_huge_one():
     """The real probe, small: a factor per size, positive and finite; a layer the reference
     predicts slower than KIND_MAX_LAYER_S is left out."""
     narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
-    got = kind_factors(narrow, (1, 2), repeats=1)
-    assert sorted(got) == [1, 2] and all(0 < f < 100 and math.isfinite(f) for f in got.values())
+    got = kind_factors(narrow, (0, 1, 2), repeats=3, min_s=0.5)
+    assert sorted(got) == [0, 1, 2] and all(0 < f and math.isfinite(f) for b, f in got.items() if b)
+    assert 0 < got[0] < MAX_UPDATE_FLOPS_PER_PARAM  # the update: FLOP-equivalents per parameter
     huge = GPTSpec("huge", n_layer=1, n_embd=8192, n_head=64, seq_len=4096, vocab=64)
-    assert kind_factors(huge, (64,), repeats=1) == {}
+    assert kind_factors(huge, (64,), repeats=1, min_s=0.0) == {}
 
 
 def test_a_kind_factor_costs_the_layers_slower_and_a_peer_reports_in_reference_units():
@@ -107,3 +128,21 @@ def test_a_daemon_with_torch_loaded_measures_in_itself(tmp_path):
     narrow = GPTSpec("narrow", n_layer=1, n_embd=64, n_head=2, seq_len=32, vocab=64)
     got = kinds(narrow, (1,))
     assert sorted(got) == [1] and 0 < got[1] < 100 and kinds.children == 0 and not runs.exists()
+
+
+def test_probe_figures_are_means_and_ratios_of_sums_over_their_runs():
+    """A slow run (a time slice lost) weighs by its time, as in training: a ratio of sums, not
+    a median of single-run ratios, which would read 1.0 here."""
+    from dtfm.control.compute import paired_ratio
+    from dtfm.gossip import mean_ms
+    runs = iter([10.0, 10.0, 40.0, 10.0, 10.0])
+    refs = iter([10.0, 10.0, 10.0, 10.0, 10.0])
+    assert paired_ratio(lambda: next(runs), lambda: next(refs), min_runs=5, min_s=0.0) == pytest.approx(80 / 50)
+    # chunks of 200 ms in turn: a stall of seconds in one reference run moves one chunk, not the figure
+    runs = iter([100.0] * 12)
+    refs = iter([100.0] * 5 + [5000.0] + [100.0] * 6)
+    assert paired_ratio(lambda: next(runs), lambda: next(refs), min_runs=12, min_s=0.0) == pytest.approx(1.0)
+    figures = iter([3.0, 5.0, 10.0])
+    assert mean_ms(lambda: next(figures), min_runs=3, min_s=0.0) == pytest.approx(6.0)
+    calls = []
+    assert mean_ms(lambda: calls.append(1) or 1.0, min_runs=1, min_s=60.0, max_runs=7) == 1.0 and len(calls) == 7

@@ -91,3 +91,53 @@ def test_engine_syncs_sum_the_loss_across_pipelines_before_the_allreduce():
     ar = r.allreduce_s[0]
     assert plain.iteration_s == pytest.approx(ar)
     assert r.iteration_s == pytest.approx(0.020 + ar)  # the loss sum first: the other's value, one way
+
+
+def test_compute_counts_the_workloads_sequences_over_the_micro_batches_simulated():
+    """A workload of 6 micro-batches of its micro_batch_size (16 sequences over 3 pipelines:
+    the largest pipeline's 6) simulated in M = 4: each of the 4 carries 1.5 of them."""
+    delay, bw = net(1, 0, 1e15)
+    wl = Workload(stages=1, dp=1, layers=2, grad_gb_total=0.0, act_gb=0.0, micro_batches=6, layer_compute_s=0.1)
+    r = simulate(CostModel(delay, bw, wl), np.array([[0]]), micro_batches=4)
+    assert r.iteration_s == pytest.approx(6 * 2 * 0.1)
+    assert r.compute_busy_s == pytest.approx(6 * 2 * 0.1)
+    same = simulate(CostModel(delay, bw, wl), np.array([[0]]))  # M = the workload's own
+    assert same.iteration_s == pytest.approx(r.iteration_s)
+
+
+@pytest.mark.parametrize("engine_syncs", [False, True])
+def test_each_peer_updates_its_stage_after_the_all_reduce_at_its_speed(engine_syncs):
+    """The update: the stage's parameters (its share of the gradient's elements) at
+    update_s_per_param, divided by the peer's speed, after its group's all-reduce; the step
+    waits for the slowest."""
+    delay, bw = net(2, 0, 1e15)
+    # one stage of 2 layers; 4 GB of fp32 gradient is 1e9 parameters
+    base = dict(stages=1, dp=2, layers=2, grad_gb_total=4.0, act_gb=0.0, micro_batches=2, layer_compute_s=0.5)
+    plain = Workload(**base)
+    upd = Workload(**base, update_s_per_param=1e-9)
+    assert upd.update_s(np.array([2])) == pytest.approx([1.0])  # 1e9 parameters x 1 ns
+    speed = np.array([1.0, 0.5])  # peer 1 computes and updates in twice the time
+    X = np.array([[0, 1]])
+    without = simulate(CostModel(delay, bw, plain, compute=speed), X, engine_syncs=engine_syncs)
+    with_update = simulate(CostModel(delay, bw, upd, compute=speed), X, engine_syncs=engine_syncs)
+    assert with_update.iteration_s == pytest.approx(without.iteration_s + 2.0)
+    assert with_update.compute_busy_s == pytest.approx(without.compute_busy_s + 2.0)
+
+
+def test_the_search_objective_counts_the_slowest_update():
+    delay, bw = net(2, 0, 1e15)
+    wl = Workload(stages=2, dp=1, layers=4, grad_gb_total=4.0, act_gb=0.0, micro_batches=2, layer_compute_s=0.5,
+                  update_s_per_param=1e-9)
+    speed = np.array([1.0, 0.25])
+    model = CostModel(delay, bw, wl, compute=speed)
+    # GPipe: (M + S - 1) x the slowest stage's micro-batch (2 layers at 0.5 s / 0.25), plus 5e8 x 1 ns / 0.25
+    assert model.compute_time(np.array([[0], [1]]), np.array([2, 2])) == pytest.approx(3 * 4.0 + 2.0)
+
+
+def test_update_seconds_per_parameter_from_the_layer_figures():
+    from dtfm.sched import UPDATE_KIND, update_s_per_param
+    assert update_s_per_param({UPDATE_KIND: 500.0, 1: 1.4}, 0.05) == pytest.approx(500.0 / 0.05e12)
+    assert update_s_per_param({1: 1.4}, 0.05) == 0.0  # not measured: not counted
+    assert update_s_per_param({UPDATE_KIND: 500.0}, None) == 0.0  # compute not costed
+    with pytest.raises(ValueError):
+        Workload(stages=1, dp=1, layers=1, grad_gb_total=0.0, act_gb=0.0, update_s_per_param=-1.0)

@@ -129,6 +129,7 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
     from dtfm.control.coordinator.request import TrainRequest
     from dtfm.control.planner import SchedulerPlanner
     from dtfm.train import PRESETS, TrainConfig as TC
+    from machine_trace import start_op
     v = view()
     # (a budget the search meets on a loaded machine too: it is counted in wall time)
     planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=2.0))
@@ -140,7 +141,8 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
     cur = Allocation(epoch=1, term=1, issuer=v.peers[0], run_id=bytes(16), pipelines=first.pipelines,
                      layer_ranges=first.layer_ranges, preset="tiny", model=PRESETS["tiny"], train=TC(),
                      data_hash=hl.sha256(b"d").hexdigest(), data_name="d", start_step=0, end_step=10,
-                     compression=req.compression, compress_links=LinkCodecs(first.links.pp, (True, False)))
+                     compression=req.compression, compress_links=LinkCodecs(first.links.pp, (True, False)),
+                     operator_start=start_op(stages=2, dp=2).encode())  # (the operator fixed the stages)
     nxt = planner.reshape(v, cur, live=frozenset(v.peers), remaining_steps=10, regions={}, seed=1, force=True)
     assert nxt.placement.links is not None and nxt.placement.links.dp[0]  # stage 0's group stays DiLoCo
 

@@ -4,17 +4,18 @@ peers when that is faster, a slow peer gets no stage."""
 
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, peer_compute, reference_block_flops, sched_spec,
-                                  training_block_ms)
+from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, MachineNow, peer_compute, pipeline_seqs, reference_block_flops,
+                                  sched_spec, training_block_ms, with_fresh_compute)
 from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_space
 from dtfm.gossip import NetworkView
-from dtfm.sched import FastestShape, ScheduleInputs
+from dtfm.sched import CostModel, FastestShape, ScheduleInputs, simulate_iteration
 from dtfm.train import Plan, TrainConfig, get_preset
 
 SPEC = get_preset("tiny")
@@ -51,6 +52,74 @@ def test_a_training_peers_figure_is_what_the_simulator_then_costs():
         wl = mspec.workload(S, D)
         per_mb = wl.compute_layers(np.full(S, layers))[s] * wl.layer_compute_s
         assert math.isclose(per_mb * CFG.micro_batches, compute_s, rel_tol=1e-9)
+
+
+def test_a_pipelines_own_sequences_are_counted_and_the_simulator_costs_the_largest():
+    """16 sequences over 3 pipelines are 5, 5 and 6 (the trainer's split): a peer reports by
+    its own pipeline's, and the simulator costs each pipeline at the largest's."""
+    assert [pipeline_seqs(CFG, 3, d) for d in range(3)] == [5, 5, 6] and pipeline_seqs(CFG, 3) == 6
+    per_seq_s = 0.1  # one peer's compute of one sequence through the whole model
+    figures = [training_block_ms(SPEC, CFG, 3, SPEC.n_layer, True, per_seq_s * pipeline_seqs(CFG, 3, d), pipeline=d)
+               for d in range(3)]
+    assert figures[0] == pytest.approx(figures[2]) and figures[1] == pytest.approx(figures[2])  # one speed
+    view = view_of(np.zeros((3, 3)), figures)
+    inputs = peer_compute(view)
+    wl = inputs.spec(SPEC, CFG, 3).workload(1, 3)
+    r = simulate_iteration(CostModel(view.delay_ms, view.bandwidth_gbps, wl, compute=inputs.speeds),
+                           np.array([[0, 1, 2]]), micro_batches=CFG.micro_batches)
+    assert r.compute_busy_s == pytest.approx(6 * per_seq_s)
+
+
+def test_the_coordinators_machine_is_timed_now_its_peers_ratios_kept():
+    view = view_of(np.zeros((4, 4)), [10.0, 20.0, 40.0, 5.0])
+    here, there = b"\x01" * 8, b"\x02" * 8
+    view = replace(view, hosts=(here, here, there, b""))
+    fresh = with_fresh_compute(view, here, 30.0)  # this machine's two peers: median 15 ms, now 30 ms
+    assert fresh.compute_ms.tolist() == [20.0, 40.0, 40.0, 5.0]
+    assert with_fresh_compute(view, b"", 30.0) is view and with_fresh_compute(view, there, math.nan) is view
+    assert with_fresh_compute(view, b"\x03" * 8, 30.0) is view  # no peer of that machine
+
+
+
+def test_the_peers_of_one_machine_computing_at_once_each_get_less_of_its_cores():
+    alone = MachineNow(100.0, 0.45, 2)  # one busy thread got 0.45 of a core: 3.4 others share the 2
+    assert alone.slowdown(1) == 1.0
+    assert alone.slowdown(2) == pytest.approx((2 / 0.45 - 1 + 2) * 0.45 / 2)  # 1.23
+    assert alone.slowdown(8) == pytest.approx((2 / 0.45 - 1 + 8) * 0.45 / 2)  # 2.57
+    idle = MachineNow(10.0, 1.0, 2)  # a whole core: nothing else runs
+    assert [idle.slowdown(k) for k in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    for bad in ((0.0, 0.5, 2), (10.0, 0.0, 2), (10.0, 1.5, 2), (10.0, 0.5, 0), (math.nan, 0.5, 2)):
+        with pytest.raises(ValueError):
+            MachineNow(*bad)
+
+
+def test_the_first_placement_times_this_machine_and_counts_its_placed_peers_competing():
+    """Four peers of this machine, reported at 50 ms each, timed now at 100 ms with 0.5 of a
+    core for one thread: the search runs on 100 ms figures, and again with the placed peers'
+    slowdown; the plan handed out is the second's (its inputs say at what it costed them)."""
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.coordinator.request import TrainRequest
+    from dtfm.control.planner import SchedulerPlanner
+
+    here = b"\x01" * 8
+    view = replace(view_of(np.zeros((4, 4)), np.full(4, 50.0)), hosts=(here,) * 4)
+    machine = MachineNow(100.0, 0.5, 2)
+    planner = SchedulerPlanner(replace(PlaneConfig.test(), schedule_time_s=0.2), fresh_compute=lambda: machine,
+                               host=here)
+    placement = planner.first_placement(view, TrainRequest(stages=4, dp=1), SPEC, CFG, {})
+    assert placement.inputs is not None
+    ms = reference_block_flops() / (placement.inputs.reference_tflops * 1e12) * 1e3
+    assert ms == pytest.approx(100.0 * machine.slowdown(4))  # 4 placed: 1.75x
+    other = replace(view, hosts=(b"\x02" * 8,) * 4)  # peers of another machine: their figures stand
+    placement = planner.first_placement(other, TrainRequest(stages=4, dp=1), SPEC, CFG, {})
+    assert placement.inputs is not None
+    assert reference_block_flops() / (placement.inputs.reference_tflops * 1e12) * 1e3 == pytest.approx(50.0)
+
+    def broken() -> MachineNow:
+        raise RuntimeError("the compute probe gave no figure")
+
+    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=broken, host=here).machine_now(view) is None
+    assert SchedulerPlanner(PlaneConfig.test(), fresh_compute=lambda: machine).machine_now(view) is None  # no host
 
 
 def test_peer_compute_speeds_are_relative_to_the_median_and_unknown_is_the_median():
@@ -172,8 +241,9 @@ def test_the_planner_asks_the_layer_probe_for_every_micro_batch_a_shape_may_use(
         return {b: 1.5 for b in batches}
 
     planner = SchedulerPlanner(PlaneConfig.test(), kind_probe=probe)
-    assert planner.kind(SPEC, CFG, 8) == {1: 1.5, 2: 1.5, 4: 1.5}  # D = 1..4: 4, 2, 1 (and 1) sequences
-    assert asked == [(1, 2, 4)]
+    # D = 1..4: 4, 2, 1 (and 1) sequences, and the optimizer update (UPDATE_KIND, 0)
+    assert planner.kind(SPEC, CFG, 8) == {0: 1.5, 1: 1.5, 2: 1.5, 4: 1.5}
+    assert asked == [(0, 1, 2, 4)]
 
     def broken(spec, batches):
         raise RuntimeError("the layer probe failed")

@@ -24,7 +24,7 @@ from dtfm.control.epoch.recovery import RecoveryError
 from dtfm.control.epoch.relayout import assemble_stage
 from dtfm.control.planner import SchedulerPlanner, asked_auto_micro_batches
 from dtfm.gossip import NetworkView
-from dtfm.sched import (MAX_MICRO_BATCHES, TRAINER_WINDOW_MESSAGES, CostModel, micro_batch_options,
+from dtfm.sched import (MAX_MICRO_BATCHES, TRAINER_WINDOW_MESSAGES, UPDATE_KIND, CostModel, micro_batch_options,
                         simulate_iteration)
 from dtfm.train import (GPTSpec, LocalCluster, Plan, StageState, TrainConfig, TransferReceiver, encode_transfer,
                         get_preset, load_corpus, reference_state, reference_step, stage_from_tensors, stage_tensors)
@@ -141,8 +141,8 @@ def test_the_planner_probes_the_layer_at_every_micro_batch_an_auto_run_may_use()
     planner.kind(SPEC, FIXED, 4)
     planner.kind(SPEC, FIXED, 4, auto_micro_batches=True)
     # fixed M = 4, D = 1..4: 4, 2, 1 (and 1); auto, D = 1..4 and every divisor count: 3 pipelines
-    # of one micro-batch run 5 sequences at a time
-    assert asked == [(1, 2, 4), (1, 2, 4, 5, 8, 16)]
+    # of one micro-batch run 5 sequences at a time; and the optimizer's update (UPDATE_KIND) each time
+    assert asked == [(UPDATE_KIND, 1, 2, 4), (UPDATE_KIND, 1, 2, 4, 5, 8, 16)]
 
 
 # ---- reconfigurations ---------------------------------------------------------------------------------
