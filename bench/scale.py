@@ -135,7 +135,7 @@ def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | No
         asked = () if shape is None else ("--stages", str(shape[0]), "--dp", str(shape[1]))
         _say(n, t0, f"train start (batch {batch}{'' if shape is None else f', {shape[0]} x {shape[1]}'})")
         reply = json.loads(swarm(run_dir, "train", "--steps", "100000", "--batch", str(batch), "--micro-batches",
-                                 "1", *asked, "--json", timeout_s=900, stdout=True))
+                                 "1", *asked, "--start-timeout", "840", "--json", timeout_s=900, stdout=True))
         out["handout_s"] = round(time.monotonic() - t1, 1)
         out["shape"] = f"{reply.get('stages')}x{reply.get('dp')}"
         out["shape_note"] = reply.get("shape_note", "")

@@ -70,7 +70,7 @@ from .state import (
     write_secret_file,
 )
 from .runreport import REPORT_NAME, write_report
-from .train import EVENTS_NAME, LOG_NAME, RUN_NAME, read_log, start_training, sync_logs, wait_step
+from .train import EVENTS_NAME, LOG_NAME, RUN_NAME, START_TIMEOUT_S, read_log, start_training, sync_logs, wait_step
 
 PROG = "dtfm-swarm"
 MIN_PEERS, MAX_PEERS = 2, 256
@@ -268,7 +268,7 @@ def _train(state: SwarmState, args: argparse.Namespace) -> dict:
     peer = next((p for p in state.peers if p.alive()), None)
     if peer is None:
         raise SwarmError("no peer is running")
-    reply = start_training(state, peer, _train_request(args), run_dir=args.run_dir)
+    reply = start_training(state, peer, _train_request(args), run_dir=args.run_dir, timeout_s=args.start_timeout)
     print(format_train_started(args.preset, reply, peer.name), file=sys.stderr)
     return reply
 
@@ -515,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add_train_args(p: argparse.ArgumentParser, steps: int) -> None:
         p.set_defaults(default_steps=steps, subparser=p)
+        p.add_argument("--start-timeout", type=POSITIVE_SECONDS, default=START_TIMEOUT_S, metavar="SECONDS",
+                       help="how long the start may take: the scheduler, the hand-out and every placed "
+                            "peer building its stage (a large swarm on few cores needs more; "
+                            "default: %(default)s)")
         p.add_argument("--spec", type=Path, default=None, metavar="FILE",
                        help="a run spec TOML file, as `dtfm-peer train start --spec` reads it; a flag given "
                             "here wins over its key")

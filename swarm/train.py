@@ -37,12 +37,13 @@ from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
 if TYPE_CHECKING:
     from dtfm.control import SignedOp
 
-__all__ = ["EVENTS_NAME", "LOG_NAME", "RUN_NAME", "current_run", "merge_events", "merge_train", "operator_op",
-           "read_log", "run_end", "start_training", "stop_training", "sync_logs", "wait_step", "write_jsonl"]
+__all__ = ["EVENTS_NAME", "LOG_NAME", "RUN_NAME", "START_TIMEOUT_S", "current_run", "merge_events", "merge_train",
+           "operator_op", "read_log", "run_end", "start_training", "stop_training", "sync_logs", "wait_step", "write_jsonl"]
 
 LOG_NAME = "train.jsonl"
 EVENTS_NAME = "events.jsonl"
 RUN_NAME = "run.json"
+START_TIMEOUT_S = 180.0  # a train start: the scheduler, the hand-out, every placed peer building its stage
 # A run that looks ended must look so this long before `wait` gives up: a coordinator that
 # just died leaves the survivors "stopped" until the next one reconfigures them.
 END_SETTLE_S = 5.0
@@ -72,7 +73,8 @@ def operator_op(run_dir: Path, peer: PeerEntry, kind: str, args: dict | None = N
     return sign_op(key, kind, now_s=time.time(), run_id=bytes.fromhex(run))
 
 
-def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path, timeout_s: float = 180.0) -> dict:
+def start_training(state: SwarmState, peer: PeerEntry, args: dict, run_dir: Path,
+                   timeout_s: float = START_TIMEOUT_S) -> dict:
     """`train_start` on `peer`, signed by the swarm's operator: the swarm schedules, hands the
     allocation out and starts. Records the run in `run_dir` so the merged logs leave out
     earlier runs' lines."""
