@@ -49,6 +49,22 @@ MAX_FILE_BYTES = 1 << 16
 MAX_CODEC_FIGURES = 64
 
 
+def _child_answer(what: str, returncode: int | None, stdout: bytes, stderr: bytes) -> dict:
+    """A probe child's answer: the JSON object on its last line; RuntimeError naming `what`
+    when it failed (its last line of stderr) or printed none."""
+    if returncode != 0:
+        tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{what} failed (exit {returncode}): {tail[0][:300]}")
+    lines = stdout.decode(errors="replace").strip().splitlines()
+    try:
+        d = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        d = None
+    if not isinstance(d, dict):
+        raise RuntimeError(f"{what} printed no JSON object")
+    return d
+
+
 @dataclass(frozen=True)
 class SpeedKey:
     """What the figures depend on: any change measures them again."""
@@ -228,16 +244,7 @@ class SelfSpeed:
                 raise RuntimeError(f"the speed probe gave no answer within {self.timeout_s:g} s") from None
             finally:
                 self._child = None
-            if child.returncode != 0:
-                tail = stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-                raise RuntimeError(f"the speed probe failed (exit {child.returncode}): {tail[0][:300]}")
-            lines = stdout.decode(errors="replace").strip().splitlines()
-            try:
-                d = json.loads(lines[-1]) if lines else None
-            except ValueError:
-                d = None
-            if not isinstance(d, dict):
-                raise RuntimeError("the speed probe printed no JSON object")
+            d = _child_answer("the speed probe", child.returncode, stdout, stderr)
             got = Figures(_compute_or_none(d.get("compute_ms")) if "--compute" in args else None,
                           _codec_or_none(d.get("codec_ns")) if "--codec" in args else None)
             self.figures = Figures(got.compute_ms if got.compute_ms is not None else f.compute_ms,
@@ -342,17 +349,7 @@ class KindCache:
             done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=self.timeout_s)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise RuntimeError(f"the layer probe did not answer: {e}") from None
-        if done.returncode != 0:
-            tail = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"the layer probe failed (exit {done.returncode}): {tail[0][:300]}")
-        lines = done.stdout.decode(errors="replace").strip().splitlines()
-        try:
-            d = json.loads(lines[-1]) if lines else None
-        except ValueError:
-            d = None
-        if not isinstance(d, dict):
-            raise RuntimeError("the layer probe printed no JSON object")
-        return d
+        return _child_answer("the layer probe", done.returncode, done.stdout, done.stderr)
 
     def _load(self) -> dict[str, dict[int, float]]:
         try:

@@ -1,24 +1,14 @@
 """bench/compress.py's judging: the points a run is evaluated at (synchronised steps only), the
 mean and spread over seeds and the gaps to exact, on synthetic runs; the held-out split."""
 
-import importlib.util
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
+from bench_modules import load_bench
 
 from dtfm.train.compress import CompressionConfig, get_compression
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-_spec = importlib.util.spec_from_file_location("bench_compress", BENCH / "compress.py")
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.path.insert(0, str(BENCH))  # as `python bench/compress.py` has it: its `common` beside it
-try:
-    _spec.loader.exec_module(bench)
-finally:
-    sys.path.remove(str(BENCH))
+bench = load_bench("compress")
 
 EXACT_B = {"pp_fwd": 1000.0, "pp_bwd": 1000.0, "dp": 20000.0, "other": 0.0}
 CODED_B = {"pp_fwd": 1000.0, "pp_bwd": 1000.0, "dp": 200.0, "other": 0.0}

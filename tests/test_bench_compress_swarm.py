@@ -1,22 +1,12 @@
 """bench/compress_swarm.py's pure helpers: the iteration time of a run with synchronising steps,
 the prediction error, the allocation's matrix."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from bench_modules import load_bench
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-_spec = importlib.util.spec_from_file_location("bench_compress_swarm", BENCH / "compress_swarm.py")
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.path.insert(0, str(BENCH))  # as `python bench/compress_swarm.py` has it: its `common` beside it
-try:
-    _spec.loader.exec_module(bench)
-finally:
-    sys.path.remove(str(BENCH))
+bench = load_bench("compress_swarm")
 
 
 def rows(times: list[float]) -> list[dict]:
