@@ -23,7 +23,7 @@ from swarms import swarm_up
 
 from dtfm.control import ControlMsg
 from dtfm.control.election import Certificate, CoordinatorAnswer, Heartbeat, config_digest, quorum, vote_payload
-from dtfm.net import Identity, Transport, TransportConfig, load_swarm_key
+from dtfm.net import ConnectionClosed, Identity, Transport, TransportConfig, load_swarm_key
 from dtfm.swarm import cli as swarm
 from dtfm.swarm.proc import peer_status
 from dtfm.swarm.state import load_state
@@ -84,11 +84,7 @@ class Outsider:
             for hb in self.heartbeats:
                 self.seq += 1
                 msg = Heartbeat(hb.term, hb.coordinator, self.seq, 0, 0, hb.certificate)
-                conn = self.conns[p.name]
-                if conn.closed:
-                    with trio.fail_after(20):
-                        conn = self.conns[p.name] = await self.transport.connect(
-                            "127.0.0.1", p.port, peer_id=bytes.fromhex(p.peer_id))
+                conn = await self._open(p)
                 await conn.send(ControlMsg.ELECTION, msg.to_wire())
                 self.sent += 1
 
@@ -99,9 +95,22 @@ class Outsider:
         out = {}
         for p in self.peers:
             with trio.fail_after(20):
-                answer, _ = await self.conns[p.name].request(ControlMsg.COORDINATOR, {})
+                try:
+                    answer, _ = await (await self._open(p)).request(ControlMsg.COORDINATOR, {})
+                except ConnectionClosed:  # (closed idle since the last heartbeat: asked on a new one)
+                    answer, _ = await (await self._open(p, fresh=True)).request(ControlMsg.COORDINATOR, {})
             out[p.name] = CoordinatorAnswer.from_wire(answer)
         return out
+
+    async def _open(self, p, fresh: bool = False):
+        """The connection to daemon `p`, a new one when it closed (a daemon closes an idle
+        connection) or `fresh`."""
+        conn = self.conns[p.name]
+        if fresh or conn.closed:
+            with trio.fail_after(20):
+                conn = self.conns[p.name] = await self.transport.connect(
+                    "127.0.0.1", p.port, peer_id=bytes.fromhex(p.peer_id))
+        return conn
 
     async def keep_sending(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
