@@ -262,8 +262,9 @@ class Soak:
 
     def run(self) -> dict:
         a = self.args
+        shape = () if a.shape == "auto" else ("--stages", a.shape.split("x")[0], "--dp", a.shape.split("x")[1])
         swarm(self.run_dir, "train", "--steps", "1000000", "--checkpoint-every", str(a.checkpoint_every),
-              "--seed", str(a.run_seed))
+              "--seed", str(a.run_seed), *shape)
         swarm(self.run_dir, "wait", "--step", "1", "--timeout", "600")
         end = time.monotonic() + 60 * a.minutes
         # both holders of a stage lost before the first checkpoint: a rollback to the initial weights
@@ -367,6 +368,15 @@ class Soak:
         return (None if growth is None else round(growth, 4)), fds, threads, shown
 
 
+def _shape(text: str) -> str:
+    if text == "auto":
+        return text
+    s, _, d = text.partition("x")
+    if not (s.isdigit() and d.isdigit() and int(s) >= 1 and int(d) >= 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is STAGESxPIPELINES (e.g. 2x2) or auto")
+    return text
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="how long the nemesis runs (default: %(default)s)")
@@ -375,6 +385,9 @@ def main(argv=None) -> None:
     ap.add_argument("--peers", type=int, default=8, help="daemons (default: %(default)s)")
     ap.add_argument("--fault-every-s", type=float, default=40.0,
                     help="mean seconds of quiet training between faults (default: %(default)s)")
+    ap.add_argument("--shape", default="2x2", type=_shape,
+                    help="the run's first shape, STAGESxPIPELINES, or auto for the scheduler's (on one machine it "
+                         "puts `tiny` on one peer: no pipeline, no DP group to heal) (default: %(default)s)")
     ap.add_argument("--checkpoint-every", type=int, default=10, help="the run's --checkpoint-every (default: %(default)s)")
     ap.add_argument("--run-dir", type=Path, default=None,
                     help="the swarm's run dir, kept afterwards (default: a temporary one, removed)")

@@ -300,6 +300,14 @@ class GossipSection:
     codec_speed: str = option("measure", "this peer's coding speed for the scheduler: measure, reference, "
                               "free or a JSON file of ns per element", flag="--codec-speed",
                               metavar="measure|reference|free|FILE.json")
+    # When this daemon places a run (as its coordinator): "measure" times the run's layer at
+    # each micro-batch size the scheduler may choose and this machine's reference block now
+    # (in a child process until this daemon trains, its figures kept in the data dir:
+    # peer/speed.py `KindCache`); "off" costs every layer at the reference rate from the
+    # peers' reported compute figures, with no probe (a test swarm whose runs fix their shapes).
+    layer_probe: str = option("measure", "time the run's layer and this machine when this daemon places a "
+                              "run: measure, or off (the peers' reported compute figures stand)",
+                              flag="--layer-probe", metavar="measure|off")
     # GossipConfig fields set in [gossip], as sorted (name, value) pairs; they win over the
     # profile's values whichever layer (file or flag) chose the profile.
     overrides: tuple[tuple[str, int | float], ...] = ()
@@ -310,6 +318,8 @@ class GossipSection:
                               f"{', '.join(GOSSIP_PROFILES)}")
         if not (math.isfinite(self.compute_ms) and self.compute_ms >= 0):
             raise ConfigError("gossip.compute_ms must be a non-negative number")
+        if self.layer_probe not in ("measure", "off"):
+            raise ConfigError(f"gossip.layer_probe {self.layer_probe!r}: choose measure or off")
         if not self.codec_speed:
             raise ConfigError("gossip.codec_speed must be measure, reference, free or a JSON file's path")
         try:

@@ -74,6 +74,15 @@ def measure_codec_ns(torch_threads: int, device: str = "cpu") -> tuple[float, ..
     return peer_codec_speed(torch_threads, device).to_vector()
 
 
+def layer_probe_setting(config: DaemonConfig, root: Path) -> KindCache | None:
+    """The probe of a run's layer and of this machine that this daemon's planner uses, per the
+    [gossip] layer_probe setting: its figures kept in the data dir at `root` (measure), or none
+    (off: every layer at the reference rate, the reported compute figures as they are)."""
+    if config.gossip.layer_probe == "off":
+        return None
+    return KindCache(root / KIND_FILE, speed_key(config.plane.device, config.plane.settings.torch_threads))
+
+
 def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None, Callable[[], Sequence[float]] | None]:
     """(the coding speed to report, or None; the probe that measures it, or None) for the
     [gossip] codec_speed setting. ConfigError for a file that is not a codec speed."""
@@ -246,11 +255,11 @@ class PlanePart:
         else:
             logger.warning("the swarm key file names no operator: no run can be started, stopped or rescheduled "
                            "(make a swarm key with `dtfm-peer swarm-key new --out FILE`, which adds one)")
-        kinds = KindCache(daemon.data_dir.root / KIND_FILE,
-                          speed_key(self.config.plane.device, self.config.plane.settings.torch_threads))
+        kinds = layer_probe_setting(self.config, daemon.data_dir.root)
         plane = ControlPlane(daemon.transport, daemon.identity, service, daemon.data_dir.root,
                              self.config.plane.settings, operators=operators, kind_probe=kinds,
-                             fresh_compute=kinds.machine_now, machine=service.machine)
+                             fresh_compute=kinds.machine_now if kinds is not None else None,
+                             machine=service.machine)
         service.keep_members(lambda peer_id: named_by(plane, peer_id))
         async with trio.open_nursery() as nursery:
             await nursery.start(plane.run)

@@ -130,6 +130,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        model_dirs=[str(d.resolve()) for d in getattr(args, "model_dir", [])],
                        device=getattr(args, "device", "cpu"))
     state.compute_ms = getattr(args, "compute_ms", 0.0) or machine_compute_ms(run_dir, state.device)
+    state.layer_probe = getattr(args, "layer_probe", "measure")
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -593,6 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "transformer block, see `dtfm-peer join --compute-ms`); 0 measures this machine "
                         "once and keeps the figure in the run dir (default); a peer that trains reports "
                         "what its own steps measure instead")
+    p.add_argument("--layer-probe", choices=("measure", "off"), default="measure",
+                   help="every peer's `dtfm-peer join --layer-probe`: measure (the coordinator times the "
+                        "run's layer and this machine at a start, for the scheduler's shape and its "
+                        "prediction) or off (every layer costed at the reference rate from --compute-ms: "
+                        "quicker starts where the runs fix their shapes, as the tests' do) "
+                        "(default: %(default)s)")
     add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)
 

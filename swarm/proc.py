@@ -184,6 +184,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--gossip-profile", gossip_profile(state), *plane_flags(state),
            "--compute-ms", repr(peer_compute_ms(state, peer.region)),
            "--codec-speed", "reference",  # (the peers share one CPU: the same figure for each, no probe)
+           "--layer-probe", state.layer_probe,
            *(a for d in state.model_dirs for a in ("--model-dir", d)),
            *(("--device", state.device) if state.device != "cpu" else ()), *bootstrap, *extra]
     Path(peer.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -137,6 +137,9 @@ class SwarmState:
     # This machine's compute figure (gossip's reference block, ms), every peer's from its start
     # (`up --compute-ms`, else measured at `up`); 0: none (a state from before: proc.NOMINAL_COMPUTE_MS)
     compute_ms: float = 0.0
+    # every peer's `join --layer-probe` (`up --layer-probe`): measure, or off (layers costed at
+    # the reference rate from `compute_ms`, no probe at a start)
+    layer_probe: str = "measure"
     version: int = STATE_VERSION
 
     def find(self, ref: str) -> PeerEntry:
@@ -175,8 +178,12 @@ def load_state(run_dir: Path) -> SwarmState:
     if raw.get("version") != STATE_VERSION:
         raise SwarmError(f"{path} was written by another version of dtfm-swarm: "
                          f"remove {run_dir} and start again")
-    peers = [PeerEntry(**p) for p in raw.pop("peers")]
-    return SwarmState(peers=peers, **raw)
+    try:
+        peers = [PeerEntry(**p) for p in raw.pop("peers")]
+        return SwarmState(peers=peers, **raw)
+    except (TypeError, AttributeError, KeyError):  # (a field this version does not know, or a damaged file)
+        raise SwarmError(f"{path} was written by another version of dtfm-swarm: "
+                         f"remove {run_dir} and start again") from None
 
 
 def save_state(run_dir: Path, state: SwarmState) -> None:

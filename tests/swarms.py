@@ -38,10 +38,12 @@ def swarm_up(prefix: str, *, scenario: str = "worldwide", peers: int = 8, timeou
              extra: tuple[str, ...] = ()):
     """`dtfm-swarm up` in a scratch run dir (`extra`: more `up` arguments)."""
     with scratch_run_dir(prefix) as d:
-        # (every peer starts at one compute figure, not this machine's probe: the tests' runs fix
-        # their shapes; the multiprocess test measures the machine)
+        # (every peer starts at one compute figure and probes no layer: the tests' runs fix
+        # their shapes, and a probe costs each start seconds of a shared machine; the
+        # multiprocess test measures the machine)
         assert swarm.main(["up", "--run-dir", str(d), "--scenario", scenario, "--peers", str(peers),
-                           "--timeout", str(timeout_s), "--compute-ms", "30", *extra]) == 0
+                           "--timeout", str(timeout_s), "--compute-ms", "30", "--layer-probe", "off",
+                           *extra]) == 0
         yield d
 
 

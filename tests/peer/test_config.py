@@ -28,7 +28,7 @@ from dtfm.peer.config import (
     PlaneSection,
 )
 from dtfm.peer.paths import DataDir, DataDirError, DataDirLock, default_data_dir
-from dtfm.peer.services import codec_speed_setting, gossip_config, measure_codec_ns
+from dtfm.peer.services import codec_speed_setting, gossip_config, layer_probe_setting, measure_codec_ns
 from dtfm.peer.settings import apply_flags, flag_settings, load_toml, merge, section_settings
 
 
@@ -274,7 +274,7 @@ def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
 def test_table_keys_are_the_lower_layers_fields():
     gossip = section_settings("gossip")
     emulation = section_settings("emulation")
-    assert set(gossip) == {"profile", "compute_ms", "codec_speed"} | {f.name for f in dataclasses.fields(GossipConfig)}
+    assert set(gossip) == {"profile", "compute_ms", "codec_speed", "layer_probe"} | {f.name for f in dataclasses.fields(GossipConfig)}
     assert set(emulation) == {"scenario"} | {f.name for f in dataclasses.fields(EmulationConfig)}
     with pytest.raises(ConfigError, match="unknown setting emulation.nope"):
         merge(DaemonConfig(), {"emulation": {"nope": 1}})
@@ -470,6 +470,15 @@ def test_the_coding_speed_is_measured_by_default_or_given(tmp_path):
         codec_speed_setting(apply_flags(DaemonConfig(), join_args("--codec-speed", str(tmp_path / "none.json"))))
     with pytest.raises(ConfigError, match="gossip.codec_speed"):
         merge(DaemonConfig(), {"gossip": {"codec_speed": ""}})
+
+
+def test_the_layer_probe_is_on_by_default_and_can_be_turned_off(tmp_path):
+    from dtfm.peer.speed import KIND_FILE, KindCache
+    probe = layer_probe_setting(merge(DaemonConfig(), {"plane": {"torch_threads": 2}}), tmp_path)
+    assert isinstance(probe, KindCache) and probe.path == tmp_path / KIND_FILE and probe.key.torch_threads == 2
+    assert layer_probe_setting(apply_flags(DaemonConfig(), join_args("--layer-probe", "off")), tmp_path) is None
+    with pytest.raises(ConfigError, match="gossip.layer_probe 'sometimes': choose measure or off"):
+        merge(DaemonConfig(), {"gossip": {"layer_probe": "sometimes"}})
 
 
 @pytest.mark.parametrize("profile", ["lan", "wan", "test"])

@@ -2,6 +2,7 @@
 the command line."""
 
 import argparse
+import json
 import os
 import stat
 import tempfile
@@ -14,6 +15,7 @@ from dtfm.swarm.proc import gossip_profile, plane_flags
 from dtfm.swarm.report import DEMO_PRESET, demo_model, measured_matrices
 from dtfm.swarm.state import (
     KEY_FILE,
+    STATE_FILE,
     PeerEntry,
     SwarmError,
     SwarmState,
@@ -41,6 +43,15 @@ def test_state_round_trips_through_the_run_dir(tmp_path):
     save_state(tmp_path, state)
     assert load_state(tmp_path) == state
     assert not list(tmp_path.glob(".swarm.*.tmp"))
+
+
+def test_a_state_of_another_version_is_refused_with_what_to_do(tmp_path):
+    save_state(tmp_path, make_state(tmp_path))
+    raw = json.loads((tmp_path / STATE_FILE).read_text())
+    for changed in ({**raw, "flux_capacitor": 1}, {**raw, "peers": [{"name": "p00"}]}, {**raw, "version": 0}):
+        (tmp_path / STATE_FILE).write_text(json.dumps(changed))
+        with pytest.raises(SwarmError, match="written by another version of dtfm-swarm: remove .* and start again"):
+            load_state(tmp_path)
 
 
 def test_missing_run_dir_says_how_to_start(tmp_path):
@@ -422,7 +433,8 @@ def test_a_scripted_swarm_admits_all_its_peers_on_loopback_and_no_more_than_it_n
 
 
 def test_peers_of_a_gpu_swarm_join_with_its_device(tmp_path, monkeypatch):
-    """`up --device cuda` is every peer's `join --device cuda`, also after a restart (the state keeps it)."""
+    """`up --device cuda` is every peer's `join --device cuda`, and `up --layer-probe off` its
+    `join --layer-probe off`, also after a restart (the state keeps them)."""
     from dtfm.swarm import proc
 
     started: list[list[str]] = []
@@ -433,9 +445,11 @@ def test_peers_of_a_gpu_swarm_join_with_its_device(tmp_path, monkeypatch):
     monkeypatch.setattr(proc.subprocess, "Popen", lambda cmd, **kw: started.append(cmd) or FakeProc())
     monkeypatch.setattr(proc, "_STARTED", {})
     peer = PeerEntry(name="p00", index=0, region="Virginia", port=1, data_dir=str(tmp_path / "p00"))
-    for device in ("cuda:1", "cpu"):
+    for device, probe in (("cuda:1", "off"), ("cpu", "measure")):
         state = SwarmState(scenario="worldwide", scenario_name="worldwide", time_scale=1.0, bandwidth_scale=1.0,
-                           peers=[peer], device=device)
+                           peers=[peer], device=device, layer_probe=probe)
         save_state(tmp_path, state)
         proc.start_peer(tmp_path, load_state(tmp_path), peer, [])
     assert started[0][started[0].index("--device") + 1] == "cuda:1" and "--device" not in started[1]
+    # (and `up --layer-probe`, kept the same way)
+    assert [cmd[cmd.index("--layer-probe") + 1] for cmd in started] == ["off", "measure"]
