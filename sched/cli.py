@@ -200,6 +200,7 @@ def _solve(args) -> int:
     plot = _plotter(args.plot)
     sc, spec, compute, memory, stages = _inputs(args)
     opts = _compression(args)
+    _check_micro_args(args, spec)  # (before the search: a wrong flag costs no minutes)
     alloc = solve(sc.delay_ms(), sc.bandwidth_gbps(), spec, stages=stages, dp=args.dp, compute=compute,
                   memory_gib=memory, regions=sc.peer_regions(), seed=args.seed, time_budget_s=args.time_budget,
                   generations=args.generations, allow_spares=not args.no_spares, uneven_layers=args.uneven_layers,
@@ -241,6 +242,18 @@ def _solve(args) -> int:
     return 0
 
 
+def _check_micro_args(args, spec) -> None:
+    """CliError where `solve --micro-batches` cannot apply: a model of fixed volumes, or a
+    flag it does not combine with."""
+    if args.micro_batches is None:
+        return
+    if not isinstance(spec, ModelSpec):
+        raise CliError(f"--micro-batches: model {spec.name} has no batch (its volumes are fixed): choose "
+                       "gpt3-xl or gpt-tiny")
+    if args.compress != "exact" or args.uneven_layers:
+        raise CliError("--micro-batches takes neither --compress nor --uneven-layers")
+
+
 def _micro_times(args, sc, spec, compute, memory, alloc) -> dict[int, float]:
     """`solve --micro-batches`: the allocation's simulated iteration at each micro-batch count
     (N, or every count of `micro_batch_options` for its D), the model's micro-batch size
@@ -248,12 +261,7 @@ def _micro_times(args, sc, spec, compute, memory, alloc) -> dict[int, float]:
     the flag."""
     if args.micro_batches is None:
         return {}
-    if not isinstance(spec, ModelSpec):
-        raise CliError(f"--micro-batches: model {spec.name} has no batch (its volumes are fixed): choose "
-                       "gpt3-xl or gpt-tiny")
-    if args.compress != "exact" or args.uneven_layers:
-        raise CliError("--micro-batches takes neither --compress nor --uneven-layers")
-    D = alloc.dp
+    D = alloc.dp  # (the flags were checked before the search: `_check_micro_args`)
     counts = (micro_batch_options(spec.global_batch_seqs, D) if args.micro_batches == "auto"
               else (int(args.micro_batches),))
     if not counts or D * counts[0] > spec.global_batch_seqs:
