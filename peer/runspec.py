@@ -183,14 +183,16 @@ def send_start(send: Callable[[], T], term: Callable[[], int | None], errors: tu
     fails (one of `errors`) and the daemon's election `term()` moved meanwhile, an election
     deposed the coordinator while it handed the run out (on a loaded machine, say): the
     allocation of the deposed term was refused, so no run started, and a start taken once is
-    never taken again; it is signed and sent again, `attempts` in all, each retry `say`d."""
+    never taken again; it is signed and sent again, `attempts` in all, each retry `say`d. A
+    swarm's first election (term 0 before it: no coordinator had the start) deposes nobody: a
+    start that fails across it fails."""
     for attempt in range(1, attempts + 1):
         before = term()
         try:
             return send()
         except errors as e:
             now = term()
-            if attempt == attempts or before is None or now is None or now <= before:
+            if attempt == attempts or not before or now is None or now <= before:
                 raise
             say(f"{e}\nthe coordinator changed while it handed the run out (term {before} -> {now}): "
                 f"starting again with a new signed start ({attempt + 1} of {attempts})")

@@ -314,3 +314,50 @@ def test_train_start_signs_the_knobs_of_its_flags_and_spec_and_the_model_folder_
     assert req.preset == hf_preset(req.init_from) and req.steps == 7 and req.init_name == "gpt2-test"
     assert req.config == TrainConfig(lr=0.02, global_batch_seqs=8, micro_batches=2, wire_dtype="float16")
     assert "training config: lr 0.02, global_batch_seqs 8, micro_batches 2, wire_dtype float16" in capsys.readouterr().out
+
+
+class _Refused(Exception):
+    pass
+
+
+def _start_sender(terms: list[int | None], answers: list[object]):
+    """A `send_start` whose daemon reports `terms` in turn and answers `answers` in turn (an
+    exception is raised)."""
+    from dtfm.peer.runspec import send_start
+    said: list[str] = []
+    sent = iter(answers)
+    seen = iter(terms)
+
+    def send():
+        a = next(sent)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    return (lambda: send_start(send, lambda: next(seen), (_Refused,), said.append)), said
+
+
+def test_a_start_is_sent_again_when_an_election_deposed_its_coordinator():
+    run, said = _start_sender([3, 4, 4], [_Refused("lost the connection"), "started"])
+    assert run() == "started"
+    assert len(said) == 1 and "term 3 -> 4" in said[0] and "(2 of 3)" in said[0]
+
+
+@pytest.mark.parametrize("terms", [[0, 1], [None, 2], [5, 5], [5, None]], ids=["first-election", "unknown",
+                                                                               "same-term", "no-answer"])
+def test_a_failed_start_is_not_sent_again_without_a_deposition(terms):
+    """The swarm's first election (term 0 -> 1) deposed no coordinator; nor did anything when
+    the term stayed or the daemon did not say it."""
+    run, said = _start_sender(terms, [_Refused("timed out"), "started"])
+    with pytest.raises(_Refused, match="timed out"):
+        run()
+    assert said == []
+
+
+def test_a_start_is_sent_at_most_start_attempts_times():
+    from dtfm.peer.runspec import START_ATTEMPTS
+    terms = [t for k in range(START_ATTEMPTS) for t in (k + 1, k + 2)]
+    run, said = _start_sender(terms, [_Refused(f"deposed {k}") for k in range(START_ATTEMPTS)] + ["started"])
+    with pytest.raises(_Refused, match=f"deposed {START_ATTEMPTS - 1}"):
+        run()
+    assert len(said) == START_ATTEMPTS - 1
