@@ -135,6 +135,8 @@ class PlaneStatus:
                 out["issued"]["cut_links"] = c.cut_links
             if c.left_out:  # peers that refused an allocation: not placed until the time shown
                 out["issued"]["left_out"] = [x.to_wire() for x in c.left_out]
+            if c.kept_out:  # joined peers outside the run: the scheduler found it no faster with them
+                out["issued"]["kept_out"] = [p.hex() for p in c.kept_out]
             if c.counts is not None:  # what this coordinator counted of the run (the run's /metrics)
                 out["issued"]["counts"] = c.counts.to_wire()
         if self.swarm_wait is not None:

@@ -481,7 +481,17 @@ def format_issued(issued: dict) -> str:
     return (f"issued run {short(issued.get('run_id'))}: {state}, {progress}"
             + (f" ({issued['reason']})" if issued.get("reason") else "")
             + (f", step log {issued['log']}" if issued.get("log") else "")
-            + format_left_out(issued.get("left_out")))
+            + format_left_out(issued.get("left_out")) + format_kept_out(issued.get("kept_out")))
+
+
+def format_kept_out(kept: object) -> str:
+    """`; outside the run: 8f6efe7f (the run is not faster with it)`: joined peers the
+    scheduler keeps out, not stopping the run for them."""
+    if not isinstance(kept, list) or not kept:
+        return ""
+    names = [short(p) for p in kept if isinstance(p, str)]
+    return (f"; outside the run: {', '.join(names)} (the run is not faster with "
+            f"{'it' if len(names) == 1 else 'them'})") if names else ""
 
 
 def format_left_out(left: object) -> str:

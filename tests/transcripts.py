@@ -535,6 +535,8 @@ class Play:
             out.append(f"cut links: {named(st.cut_links)}")
         for x in st.left_out:
             out.append(f"left out: {peers([x.peer])} {x.code} from {x.since:g} until {x.until:g}, {x.refusals} in a row")
+        if st.kept_out:
+            out.append(f"kept out (the run is not faster with them): {peers(st.kept_out)}")
         r = st.last_reconfig
         if r is not None:
             out.append(f"last reconfiguration: epoch {r.epoch} {r.kind} {r.old_shape} -> {r.new_shape} from step "

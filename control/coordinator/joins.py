@@ -8,6 +8,11 @@ wave waiting `max_wait_s` (a steady trickle of joins still gets in). A joiner th
 before then leaves the wave; any reconfiguration takes every live peer into account, so it ends
 the wave too.
 
+A wave is planned before anything stops (watch.py): when the scheduler keeps the run as it is
+(it is not faster with the joiners), the joiners are `decline`d: they wait outside the run,
+asked nothing and taken in by no wave while they stay live (the drift check's scheduler still
+counts them, and any reconfiguration places them or names them spares).
+
     wave = JoinWave(settle_s=10.0, max_wait_s=60.0)
     if wave.due(ready, now):
         wave.clear()
@@ -30,13 +35,14 @@ class JoinWave:
         self.max_wait_s = max_wait_s
         self._seen: dict[bytes, float] = {}  # ready joiner -> when it was first seen ready
         self._last_new = -math.inf
+        self._declined: set[bytes] = set()  # joiners the scheduler kept out, while they stay live
 
     def __len__(self) -> int:
         return len(self._seen)
 
     def due(self, ready: Iterable[bytes], now: float) -> bool:
         """Note the ready joiners seen at `now`; whether the wave is to be taken in now."""
-        ready = set(ready)
+        ready = set(ready) - self._declined
         for p in [p for p in self._seen if p not in ready]:
             del self._seen[p]
         for p in ready - self._seen.keys():
@@ -53,5 +59,24 @@ class JoinWave:
         return max(0.0, min(self._last_new + self.settle_s, min(self._seen.values()) + self.max_wait_s) - now)
 
     def clear(self) -> None:
+        """A reconfiguration took every live peer into account: no wave, nobody declined."""
         self._seen.clear()
         self._last_new = -math.inf
+        self._declined.clear()
+
+    def decline(self, peers: Iterable[bytes]) -> None:
+        """The scheduler keeps the run as it is with `peers`: they leave the wave and join no
+        other while they stay live (`prune`)."""
+        for p in peers:
+            self._seen.pop(p, None)
+            self._declined.add(p)
+        if not self._seen:
+            self._last_new = -math.inf
+
+    @property
+    def declined(self) -> frozenset[bytes]:
+        return frozenset(self._declined)
+
+    def prune(self, live: Iterable[bytes]) -> None:
+        """Forget the declined joiners no longer live: one that comes back is a new joiner."""
+        self._declined &= set(live)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Drift", "Fence", "Gaps", "Keep", "OperatorStop", "Probe", "ProbeKey", "ProcStep", "RequestKey", "Step"]
+__all__ = ["Drift", "Fence", "Gaps", "JoinPlan", "Keep", "OperatorStop", "Probe", "ProbeKey", "ProcStep", "RequestKey", "Step"]
 
 
 class Step(enum.Enum):
@@ -38,6 +38,7 @@ class Probe(enum.Enum):
     HOLDERS = "holders"  # a paused run: do the peers out of reach answer again?
     JOINED = "joined"  # live peers outside the run: do they answer, measured?
     DRIFT = "drift"  # the scheduler on the measured network (a `Compute`, not an `Ask`)
+    JOINS = "joins"  # the scheduler with a wave of joined peers: is the run faster with them? (a `Compute`)
     DEADLINE = "deadline"  # an overdue step: do its laggards answer and reach their neighbours?
     LINKS = "links"  # cut links: does a ping over each come back?
 
@@ -91,6 +92,18 @@ class Drift:
 
 
 @dataclass(frozen=True)
+class JoinPlan:
+    """The scheduler run with a wave of joined peers live (`peers`), before anything stops: a
+    reconfiguration only when the run is faster with them."""
+
+    peers: tuple[bytes, ...]
+    trigger: str
+
+    def __str__(self) -> str:
+        return "joins"
+
+
+@dataclass(frozen=True)
 class Fence:
     """The aborting STOP sent to the peers of `epoch` that missed a deadline and its probe."""
 
@@ -110,4 +123,4 @@ class Keep:
         return f"keep {self.n}"
 
 
-RequestKey = ProcStep | ProbeKey | Gaps | OperatorStop | Drift | Fence | Keep
+RequestKey = ProcStep | ProbeKey | Gaps | OperatorStop | Drift | JoinPlan | Fence | Keep

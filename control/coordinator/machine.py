@@ -57,7 +57,7 @@ from .counters import RunCounters
 from .deadline import StepWatch
 from .handout import MEMBERSHIP_REFUSALS, HandOut
 from .joins import JoinWave
-from .keys import Drift, Gaps, Keep, OperatorStop, ProbeKey, ProcStep
+from .keys import Drift, Gaps, JoinPlan, Keep, OperatorStop, ProbeKey, ProcStep
 from .leftout import LeftOut
 from .links import CutLinks
 from .operator_queue import (
@@ -272,7 +272,7 @@ class Coordinator:
             last_reconfig=self.hand.last_reconfig, cut_links=self.links.describe(),
             left_out=self.left_out.snapshot(now, self.wall_offset),
             counts=counts if log is not None and counts is not None and counts.run_id == log.alloc.run_id else None,
-            **stall)
+            kept_out=tuple(sorted(self.run_watch.joins.declined)), **stall)
 
     # ---- events -------------------------------------------------------------------------------
 
@@ -347,6 +347,8 @@ class Coordinator:
     def _computed(self, ev: Computed, now: float) -> list:
         if isinstance(ev.key, Drift):
             return self._go(self.run_watch.drift_computed(ev.value, ev.error), now)
+        if isinstance(ev.key, JoinPlan):
+            return self._go(self.run_watch.join_planned(ev.key, ev.value, ev.error), now)
         if isinstance(ev.key, ProcStep):
             return self.procedure.computed(ev, ev.key, now)
         return []

@@ -54,6 +54,7 @@ class CoordinatorStatus:
     cut_links: str = ""  # links left out of allocations until measured healthy again
     left_out: tuple[LeftOutPeer, ...] = ()  # peers left out of allocations because they refused one
     counts: RunCounts | None = None  # what this coordinator counted of the run (control/coordinator/counters.py)
+    kept_out: tuple[bytes, ...] = ()  # joined peers the scheduler keeps outside the run (it is not faster with them)
 
 
 def run_word(epoch: EpochStatus, coordinator: CoordinatorStatus) -> str:

@@ -30,7 +30,7 @@ from .context import Reads, named
 from .deadline import StepWatch, judge, laggards, missed_deadline, probe_targets
 from .failures import FailedSteps
 from .joins import JoinWave
-from .keys import Drift, Fence, Probe, ProbeKey
+from .keys import Drift, Fence, JoinPlan, Probe, ProbeKey
 from .links import CutLinks
 from .phase import Phase
 from .reshape import ReshapePlan
@@ -223,8 +223,11 @@ class RunWatch:
             return []
         # (a peer left out for refusing is not asked until its back-off ends: its joins and
         # returns start no reconfiguration meanwhile)
+        # (nor is a joiner the scheduler kept out, while it stays live: `JoinWave.decline`)
         leaving = self.rest.leaving(now) | self.rest.left_out_now(now)
-        outside = [p for p in self.r.swarm.live_peers() if p not in named(cur) and p != self.r.me and p not in leaving]
+        self.joins.prune(self.r.swarm.live_peers())
+        outside = [p for p in self.r.swarm.live_peers() if p not in named(cur) and p != self.r.me and p not in leaving
+                   and p not in self.joins.declined]
         if outside:
             return [self._ask(Probe.JOINED, outside)]
         run = self.r.epoch.run
@@ -278,7 +281,43 @@ class RunWatch:
         reasons = [f"peer {short_id(p)} joined" for p in sorted(ready)]
         trigger = "; ".join(reasons) if len(reasons) <= 4 else (
             f"{len(reasons)} peers joined ({', '.join(short_id(p) for p in sorted(ready)[:4])}, ...)")
-        return Reconfigure.of(trigger)
+        return self._plan_joins(cur, tuple(sorted(ready)), trigger, now)
+
+    # ---- a wave of joins, planned before anything stops ---------------------------------------
+
+    def _plan_joins(self, cur: Allocation, joiners: tuple[bytes, ...], trigger: str, now: float) -> list | Reconfigure:
+        """The scheduler with the wave's joiners live, while the run trains on (`reshape` without
+        force, as the drift check runs it): a reconfiguration only when it finds the run faster
+        with them (`join_planned`). Without a complete view or with a peer of the run not live,
+        the reconfiguration at once (it plans after the stop)."""
+        view = self.r.swarm.view()
+        live = (frozenset(self.r.swarm.live_peers()) | {self.r.me}) - self.rest.left_out_now(now)
+        if not view.complete or not set(cur.peers) <= live or not set(joiners) <= set(view.peers):
+            return Reconfigure.of(trigger)
+        log = self.rest.steplog
+        done = log.completed + 1 if log is not None and log.alloc.run_id == cur.run_id else cur.start_step
+        regions = self.r.swarm.regions()
+        cut = self.links.pairs()
+        planner = self.r.planner
+        self._probe = Probe.JOINS
+        return [Compute(JoinPlan(joiners, trigger), lambda: planner.reshape(
+            view, cur, live=live & frozenset(view.peers), remaining_steps=max(1, cur.end_step - done),
+            regions=regions, seed=0, force=False, cut=cut))]
+
+    def join_planned(self, key: JoinPlan, value: object, error: str | None) -> list | Reconfigure:
+        """The scheduler's answer for a wave of joins: keep (the run is not faster with them)
+        declines the joiners, nothing stops; any other plan, or a failed search, reconfigures."""
+        self._probe = None
+        cur = self.r.epoch.current
+        if cur is None or not self.r.election.is_coordinator or self.rest.over():
+            return []
+        if error is None and isinstance(value, ReshapePlan) and value.kind == "keep":
+            self.joins.decline(key.peers)
+            logger.info("%s: the run is not faster with %s (predicted %.3f s per step as it runs): %s outside "
+                        "the run, nothing stops", key.trigger, "it" if len(key.peers) == 1 else "them",
+                        value.placement.predicted_iteration_s, "it waits" if len(key.peers) == 1 else "they wait")
+            return []
+        return Reconfigure.of(key.trigger)
 
     # ---- drift --------------------------------------------------------------------------------
 

@@ -164,6 +164,15 @@ def test_the_peers_left_out_for_refusing_are_shown_with_why():
         == "issued run abababab: training, 10 of 100 steps done; left out: 8f8f8f8f (busy: an insider refuses, for 30s)"
 
 
+def test_joined_peers_the_run_is_not_faster_with_are_shown_outside_it():
+    issued = {"run_id": "ab" * 16, "state": "training", "completed": 9, "end_step": 100}
+    assert format_issued({**issued, "kept_out": ["8f" * 32]}) \
+        == "issued run abababab: training, 10 of 100 steps done; outside the run: 8f8f8f8f (the run is not faster with it)"
+    assert format_issued({**issued, "kept_out": ["8f" * 32, "9a" * 32]}).endswith(
+        "outside the run: 8f8f8f8f, 9a9a9a9a (the run is not faster with them)")
+    assert format_issued({**issued, "kept_out": "junk"}) == format_issued(issued)
+
+
 def test_one_stage_and_one_pipeline_are_singular():
     line = format_training({"state": "training", "run_id": "ab" * 16, "preset": "tiny", "stages": 1, "dp": 2},
                            now=0.0)[0]
