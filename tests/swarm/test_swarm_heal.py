@@ -78,7 +78,9 @@ def _an_outsider_changes_nothing(run_dir, state) -> None:
     assert coordinator(state)[0] == name
     assert {v["term"] for v in t.values()} == {term}, {k: v["term"] for k, v in t.items()}
     assert not any(v["election"].get("term_exhausted") for v in t.values())
-    assert all(v["state"] in ("training", "spare") for v in t.values()), {k: v["state"] for k, v in t.items()}
+    # (the run goes on: `wait_steps` above; the coordinator's word for it may be `stalled` at the
+    # moment asked, a step overdue on a loaded machine, never stopped, paused or planning)
+    assert all(v["state"] in ("training", "stalled", "spare") for v in t.values()), {k: v["state"] for k, v in t.items()}
 
 
 @pytest.mark.slow
