@@ -863,7 +863,11 @@ def cmd_join(args: argparse.Namespace) -> int:
         check_device(config.plane.device)
     except ConfigError as e:
         args.subparser.error(str(e))  # exits 2, with the usage
-    logs.configure(config.log.level, json_lines=config.log.json)
+    try:
+        logs.configure(config.log.level, json_lines=config.log.json, file=config.log.file,
+                       max_bytes=int(config.log.max_mb * (1 << 20)), backups=config.log.backups)
+    except OSError as e:
+        args.subparser.error(f"--log-file {config.log.file}: cannot open it: {e.strerror}")
     from .runner import run_daemon  # the daemon's services load torch: only `join` pays for it
 
     return run_daemon(config)

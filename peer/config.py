@@ -198,10 +198,20 @@ class LogConfig:
                         metavar="LEVEL")
     json: bool = option(False, "log JSON lines instead of human-readable lines",
                         flag="--log-json")
+    # Unset: stderr, for a supervisor (systemd's journal) to keep and rotate. A file is rotated
+    # by the daemon itself: past max_mb it becomes FILE.1 (FILE.1 becomes FILE.2, ...) and the
+    # oldest of `backups` is deleted, so the logs take at most (backups + 1) x max_mb.
+    file: Path | None = option(None, "write the log to this file, rotated by size (default: stderr)",
+                               flag="--log-file", metavar="PATH")
+    max_mb: float = option(32.0, "size in MiB past which the log file is rotated", flag="--log-max-mb",
+                           metavar="MB")
+    backups: int = option(3, "rotated log files kept (FILE.1 ... FILE.N)", flag="--log-backups", metavar="N")
 
     def __post_init__(self) -> None:
         if self.level not in LOG_LEVELS:
             raise ConfigError(f"log.level {self.level!r}: choose one of {', '.join(LOG_LEVELS)}")
+        if not (math.isfinite(self.max_mb) and self.max_mb > 0) or self.backups < 0:
+            raise ConfigError("log.max_mb must be a positive number and log.backups >= 0")
 
 
 @dataclass(frozen=True)

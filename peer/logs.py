@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 # Attributes every LogRecord has; anything else on a record came from `extra=`.
@@ -75,16 +77,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(obj, default=str, ensure_ascii=False)
 
 
-def configure(level: str = "info", *, json_lines: bool = False,
-              stream: TextIO | None = None) -> logging.Handler:
-    """Send dtfm's log records to `stream` (stderr by default); returns the handler."""
-    handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+def configure(level: str = "info", *, json_lines: bool = False, stream: TextIO | None = None,
+              file: Path | None = None, max_bytes: int = 32 << 20, backups: int = 3) -> logging.Handler:
+    """Send dtfm's log records to `stream` (stderr by default), or to `file`, rotated past
+    `max_bytes` with `backups` older files kept (FILE.1 the newest); returns the handler.
+    OSError when the file cannot be opened."""
+    handler: logging.Handler
+    if file is not None:
+        # (appended to: a restarted daemon goes on in the same file; delay=False opens it now,
+        # so a bad path is an error at start, not at the first line)
+        handler = logging.handlers.RotatingFileHandler(file, maxBytes=max_bytes, backupCount=backups,
+                                                       encoding="utf-8")
+    else:
+        handler = logging.StreamHandler(sys.stderr if stream is None else stream)
     handler.setFormatter(JsonFormatter() if json_lines else HumanFormatter())
     root = logging.getLogger()
     for h in list(root.handlers):
         if getattr(h, "_dtfm", False):
             root.removeHandler(h)
-    handler._dtfm = True  # type: ignore[attr-defined]
+            h.close()
+    setattr(handler, "_dtfm", True)  # (this module's own handler, replaced by the next `configure`)
     root.addHandler(handler)
     root.setLevel(getattr(logging, level.upper()))
     return handler

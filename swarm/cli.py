@@ -160,7 +160,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("running in the foreground: Ctrl-C or SIGTERM stops every peer", file=sys.stderr)
         while any(p.alive() for p in state.peers):
             time.sleep(FOREGROUND_POLL_S)
-        raise SwarmError(f"every peer exited: see their daemon.log in {run_dir}")
+        raise SwarmError(f"every peer exited: see their daemon.log and daemon.out (what a crash printed) in {run_dir}")
     finally:
         stop_peers(state.peers, graceful=True)
         save_state(run_dir, state)

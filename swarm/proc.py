@@ -186,10 +186,12 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--codec-speed", "reference",  # (the peers share one CPU: the same figure for each, no probe)
            "--layer-probe", state.layer_probe,
            *(a for d in state.model_dirs for a in ("--model-dir", d)),
-           *(("--device", state.device) if state.device != "cpu" else ()), *bootstrap, *extra]
+           *(("--device", state.device) if state.device != "cpu" else ()),
+           "--log-file", str(peer.log_file),  # (rotated by the daemon; what else it prints: daemon.out)
+           *bootstrap, *extra]
     Path(peer.data_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
-    with open(peer.log_file, "ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    with open(peer.out_file, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
                                 start_new_session=True, close_fds=True)
     _STARTED[proc.pid] = proc
     peer.pid = proc.pid
@@ -316,7 +318,7 @@ def wait_converged(state: SwarmState, timeout_s: float, *, need_measurements: bo
         dead = [p.name for p in live if not p.alive()]
         if dead:
             raise SwarmError(f"peer(s) {', '.join(dead)} exited while starting: see their "
-                             f"daemon.log in the run directory")
+                             f"daemon.log and daemon.out (what a crash printed) in the run directory")
         if time.monotonic() > deadline:
             if tty:
                 print(file=out)

@@ -117,7 +117,13 @@ class PeerEntry:
 
     @property
     def log_file(self) -> Path:
+        """The daemon's log (`join --log-file`: rotated by size, daemon.log.1 the newest before it)."""
         return Path(self.data_dir) / "daemon.log"
+
+    @property
+    def out_file(self) -> Path:
+        """What the daemon's process prints outside its log: an interpreter's crash, a C library's warning."""
+        return Path(self.data_dir) / "daemon.out"
 
     def alive(self) -> bool:
         return self.pid is not None and pid_alive(self.pid)

@@ -26,6 +26,10 @@ def swarm_digest(run_dir: Path) -> str:
             continue
         out += [f"== {log.parent.name}/daemon.log ({len(lines)} key lines, the last {MAX_LINES_PER_PEER})",
                 *(x[:400] for x in lines[-MAX_LINES_PER_PEER:])]
+        printed = log.with_name("daemon.out")  # (a crash's traceback)
+        text = printed.read_text(errors="replace").strip() if printed.exists() else ""
+        if text:
+            out += [f"== {log.parent.name}/daemon.out (the end)", text[-4000:]]
     return "\n".join(out)
 
 

@@ -240,6 +240,32 @@ def test_configure_replaces_its_own_handler(restore_logging):
     assert [json.loads(x)["msg"] for x in lines] == ["once"]
 
 
+def test_a_log_file_is_rotated_by_size_and_keeps_its_backups(tmp_path, restore_logging):
+    """`join --log-file`: past max_bytes the file becomes FILE.1 (FILE.1 becomes FILE.2, ...),
+    the oldest past `backups` deleted: the logs take at most (backups + 1) x max_bytes."""
+    path = tmp_path / "daemon.log"
+    handler = logs.configure("info", file=path, max_bytes=2_000, backups=2)
+    try:
+        for k in range(200):
+            logging.getLogger("dtfm.test").info("line %d of the soak", k)
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["daemon.log", "daemon.log.1", "daemon.log.2"]
+    assert all(p.stat().st_size <= 2_000 for p in tmp_path.iterdir())
+    assert "line 199 of the soak" in path.read_text().splitlines()[-1]
+    newest_backup = (tmp_path / "daemon.log.1").read_text().splitlines()
+    assert int(newest_backup[-1].split("line ")[1].split()[0]) + 1 == int(path.read_text().split("line ")[1].split()[0])
+
+
+def test_join_with_a_log_file_it_cannot_open_exits_2_naming_it(tmp_path, capsys, restore_logging):
+    with pytest.raises(SystemExit) as e:
+        main(["join", "--data-dir", str(tmp_path / "d"), "--log-file", str(tmp_path / "no" / "such" / "dir.log")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--log-file {tmp_path / 'no' / 'such' / 'dir.log'}: cannot open it: No such file or directory" in err
+
+
 def test_python_m_entry_point_exists():
     import importlib.util
     assert importlib.util.find_spec("dtfm.peer.__main__") is not None

@@ -472,6 +472,16 @@ def test_the_coding_speed_is_measured_by_default_or_given(tmp_path):
         merge(DaemonConfig(), {"gossip": {"codec_speed": ""}})
 
 
+def test_the_log_file_and_its_rotation_are_checked(tmp_path):
+    cfg = apply_flags(DaemonConfig(), join_args("--log-file", str(tmp_path / "d.log"), "--log-max-mb", "0.5",
+                                                "--log-backups", "0"))
+    assert (cfg.log.file, cfg.log.max_mb, cfg.log.backups) == (tmp_path / "d.log", 0.5, 0)
+    assert DaemonConfig().log.file is None  # (stderr, for a supervisor)
+    for bad in ({"max_mb": 0}, {"max_mb": float("nan")}, {"backups": -1}):
+        with pytest.raises(ConfigError, match="log.max_mb must be a positive number and log.backups >= 0"):
+            merge(DaemonConfig(), {"log": bad})
+
+
 def test_the_layer_probe_is_on_by_default_and_can_be_turned_off(tmp_path):
     from dtfm.peer.speed import KIND_FILE, KindCache
     probe = layer_probe_setting(merge(DaemonConfig(), {"plane": {"torch_threads": 2}}), tmp_path)
