@@ -3,7 +3,6 @@ its checkpoints written with the step reports of the steps they hold."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,15 +10,13 @@ import numpy as np
 import pytest
 import torch
 import trio
+from stage_replicas import CFG, CORPUS, PEERS, SPEC, run_replicas, steps
 
 from dtfm.control.epoch.runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport, end_checkpoint_due, params_sha256
 from dtfm.net import ProtocolError
-from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
+from dtfm.train import (Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
                         list_checkpoints, load_checkpoint, parse_compression, run_step, stage_tensors)
 
-SPEC = dataclasses.replace(PRESETS["tiny"], n_layer=2)
-CFG = dataclasses.replace(TEST_CONFIG, global_batch_seqs=2, micro_batches=1)
-CORPUS = Corpus(np.frombuffer(b"a small corpus for one stage " * 64, dtype=np.uint8).copy(), "corpus")
 
 
 @pytest.mark.parametrize("end, level", [
@@ -153,22 +150,8 @@ def test_compressed_replicas_stay_identical_report_their_bytes_and_roll_back_wit
     # snapshot hold the compression state (residual, anchor, outer momentum): a replica rebuilt
     # from its snapshot and re-run reaches the very same bits, so a rollback loses nothing.
     comp = parse_compression("diloco,inner_steps=2,dp_ramp_syncs=0")  # (every H = 2 steps from the first)
-    peers = (b"p0", b"p1")
-    plan = Plan(tuple((p,) for p in peers), ((0, SPEC.n_layer),), epoch=1)
-    hub = InMemoryHub()
-    states = {p: StageState(SPEC, CFG, (0, SPEC.n_layer), compression=comp) for p in peers}
-    seen: dict[bytes, list[StepReport]] = {p: [] for p in peers}
-    runners = {p: StageRunner(states[p], plan, p, hub.endpoint(p), CORPUS, end_step=4, checkpoint_every=4,
-                              checkpoint_dir=tmp_path / p.hex(), on_step=seen[p].append) for p in peers}
-    ends = {}
-
-    async def run_all():
-        async def one(p):
-            ends[p] = await runners[p].run()
-        async with trio.open_nursery() as n:
-            for p in peers:
-                n.start_soon(one, p)
-    trio.run(run_all)
+    r = run_replicas(tmp_path, comp)
+    peers, plan, states, runners, ends, seen = PEERS, r.plan, r.states, r.runners, r.ends, r.seen
     assert {(e.completed, e.failed) for e in ends.values()} == {(3, False)}
     assert ends[peers[0]].params_sha256 == ends[peers[1]].params_sha256
     payload = states[peers[0]].compress.payload_bytes()
@@ -186,10 +169,7 @@ def test_compressed_replicas_stay_identical_report_their_bytes_and_roll_back_wit
     back = {p: runners[p].snapshot_state() for p in peers}
     assert all(b.step == 3 and b.compress.config == comp for b in back.values())
     assert not torch.equal(back[peers[0]].compress.buffers["ef"], states[peers[0]].compress.buffers["ef"])
-    hub = InMemoryHub()
-    with ThreadPoolExecutor(2) as pool:
-        for f in [pool.submit(run_step, back[p], plan, p, hub.endpoint(p), CORPUS) for p in peers]:
-            f.result(timeout=60)
+    steps(back, plan, 1)
     for p in peers:
         for k, v in stage_tensors(states[p]).items():
             assert torch.equal(stage_tensors(back[p])[k], v), (p, k)

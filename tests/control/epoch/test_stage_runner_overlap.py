@@ -6,31 +6,14 @@ under the new epoch's tags) to the bits of the run that never stopped."""
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import torch
-import trio
+from stage_replicas import PEERS, SPEC, run_replicas, steps
 
-from dtfm.control.epoch.runner import StageRunner, StepReport
-from dtfm.train import (PRESETS, TEST_CONFIG, Corpus, InMemoryHub, Plan, StageState, list_checkpoints,
-                        load_checkpoint, parse_compression, run_step, stage_tensors)
+from dtfm.train import list_checkpoints, load_checkpoint, parse_compression, stage_tensors
 
-SPEC = dataclasses.replace(PRESETS["tiny"], n_layer=2)
-CFG = dataclasses.replace(TEST_CONFIG, global_batch_seqs=2, micro_batches=1)
-CORPUS = Corpus(np.frombuffer(b"a small corpus for one stage " * 64, dtype=np.uint8).copy(), "corpus")
 # every H = 2 steps from the first (after steps 1, 3, 5), each landing one step later (2, 4, 6)
 COMP = parse_compression("diloco,inner_steps=2,dp_ramp_syncs=0,dp_overlap_steps=1")
-PEERS = (b"p0", b"p1")
-
-
-def steps(states: dict, plan: Plan, count: int) -> None:
-    """`count` steps of every replica on a fresh in-memory network (a new epoch's comm)."""
-    hub = InMemoryHub()
-    with ThreadPoolExecutor(len(states)) as pool:
-        for _ in range(count):
-            for f in [pool.submit(run_step, states[p], plan, p, hub.endpoint(p), CORPUS) for p in PEERS]:
-                f.result(timeout=60)
 
 
 def anchors(states: dict) -> list[bytes]:
@@ -39,21 +22,8 @@ def anchors(states: dict) -> list[bytes]:
 
 def test_an_epoch_ending_mid_exchange_completes_it_in_the_next(tmp_path):
     assert COMP.in_flight(4) == 3 and COMP.apply_due(4) == 3
-    plan = Plan(tuple((p,) for p in PEERS), ((0, SPEC.n_layer),), epoch=1)
-    hub = InMemoryHub()
-    states = {p: StageState(SPEC, CFG, (0, SPEC.n_layer), compression=COMP) for p in PEERS}
-    seen: dict[bytes, list[StepReport]] = {p: [] for p in PEERS}
-    runners = {p: StageRunner(states[p], plan, p, hub.endpoint(p), CORPUS, end_step=4, checkpoint_every=4,
-                              checkpoint_dir=tmp_path / p.hex(), on_step=seen[p].append) for p in PEERS}
-    ends = {}
-
-    async def run_all():
-        async def one(p):
-            ends[p] = await runners[p].run()
-        async with trio.open_nursery() as n:
-            for p in PEERS:
-                n.start_soon(one, p)
-    trio.run(run_all)
+    r = run_replicas(tmp_path, COMP)
+    plan, states, runners, ends, seen = r.plan, r.states, r.runners, r.ends, r.seen
     assert {(e.completed, e.failed) for e in ends.values()} == {(3, False)}
     # the exchange after step 3 is in flight: the weights differ, the anchor (landed after step 2) does not
     assert ends[PEERS[0]].params_sha256 != ends[PEERS[1]].params_sha256
