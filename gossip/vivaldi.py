@@ -8,6 +8,18 @@ without N pings (Dabek et al., "Vivaldi", SIGCOMM 2004; Ledlie et al., "Network
 coordinates in the wild", NSDI 2007, for the height, the error weighting, the per-peer
 latency filter and the gravity towards the origin).
 
+A peer's coordinate is its own claim: a member that lies about it (a coordinate far from where
+its round trips put it, a small error to be trusted) would drag every honest peer that samples
+it (2 liars among 32 peers of the worldwide scenario took the honest peers' median delay error
+from 6 % to 75 % in simulation). So a sample whose residual, |predicted - measured| round trip,
+is far outside this peer's recent residuals (`outlier_factor` times their median, at least
+`outlier_floor_ms`) moves nothing: its residual still counts toward that median, so a change of
+the network that most samples see is followed, while a minority of liars, confident or not, is
+set aside (tests/gossip/test_gossip_scale.py, the worldwide scenario's 32 peers: with 4 or 8
+liars the honest estimates' median error is 7.1 % and 10.8 %, against 298 % and 217 % without
+the rule; with no liar 7.0 % against 6.3 %). The round trips themselves are measured, not
+claimed.
+
 Sans-IO and deterministic: `Vivaldi.observe(peer, coordinate, rtt_ms)` takes one sample;
 the only randomness (a direction when two coordinates coincide) comes from the `rng` given.
 """
@@ -43,6 +55,13 @@ class VivaldiConfig:
     height_min_ms: float = 0.01
     # Gravity towards the origin (ms): keeps the coordinates of a whole swarm from drifting.
     gravity_rho_ms: float = 150.0
+    # Samples set aside as outliers (a liar's coordinate): a residual above outlier_factor x the
+    # median of the last outlier_window residuals, and above outlier_floor_ms, once that many
+    # are outlier_min_samples.
+    outlier_window: int = 32
+    outlier_factor: float = 4.0
+    outlier_floor_ms: float = 20.0
+    outlier_min_samples: int = 8
 
     def __post_init__(self) -> None:
         if not (self.error_max > 0 and 0 < self.ce <= 1 and 0 < self.cc <= 1):
@@ -51,6 +70,10 @@ class VivaldiConfig:
             raise ValueError("latency_filter and max_filters must be >= 1")
         if not (self.height_min_ms > 0 and self.gravity_rho_ms > 0):
             raise ValueError("height_min_ms and gravity_rho_ms must be positive")
+        if not (self.outlier_window >= self.outlier_min_samples >= 1 and self.outlier_factor > 1
+                and self.outlier_floor_ms >= 0):
+            raise ValueError("need outlier_window >= outlier_min_samples >= 1, outlier_factor > 1 and "
+                             "outlier_floor_ms >= 0")
 
 
 @dataclass(frozen=True)
@@ -87,7 +110,9 @@ class Vivaldi:
         self._rng = rng
         self.coord = Coordinate.origin(config)
         self.samples = 0  # samples taken in all
+        self.outliers = 0  # samples set aside (their residual far outside the recent ones)
         self._filters: OrderedDict[bytes, deque[float]] = OrderedDict()
+        self._residuals: deque[float] = deque(maxlen=config.outlier_window)
 
     def observe(self, peer: bytes, other: Coordinate, rtt_ms: float) -> Coordinate:
         """Take one round trip to `peer`, whose coordinate is `other`; the new coordinate."""
@@ -102,7 +127,13 @@ class Vivaldi:
         rtt = statistics.median(window)
         c = self.coord
         dist = c.rtt_ms(other)
-        wrongness = abs(dist - rtt) / rtt
+        residual = abs(dist - rtt)
+        self._residuals.append(residual)
+        if (len(self._residuals) >= cfg.outlier_min_samples and residual > cfg.outlier_floor_ms
+                and residual > cfg.outlier_factor * statistics.median(self._residuals)):
+            self.outliers += 1
+            return c
+        wrongness = residual / rtt
         total = max(c.error + other.error, _ZERO)
         weight = c.error / total
         error = min(cfg.error_max, cfg.ce * weight * wrongness + c.error * (1 - cfg.ce * weight))

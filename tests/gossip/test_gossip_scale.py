@@ -8,6 +8,7 @@ rest are sans-IO pieces driven with seeded generators.
 import random
 
 import numpy as np
+import pytest
 import trio
 
 from dtfm.gossip.config import GossipConfig
@@ -17,7 +18,7 @@ from dtfm.gossip.records import Entry, RecordStore, Report
 from dtfm.gossip.scale_sim import MeasureSimulator
 from dtfm.gossip.sync import RecordSync, RecordSyncer, SyncStep
 from dtfm.gossip.view import build_view
-from dtfm.gossip.vivaldi import Coordinate, Vivaldi
+from dtfm.gossip.vivaldi import Coordinate, Vivaldi, VivaldiConfig
 from dtfm.net import Identity, pack
 from dtfm.scenarios import load_scenario
 
@@ -60,6 +61,55 @@ def test_coordinates_converge_on_the_worldwide_scenario():
     median, p90_ms = _delay_errors(estimate(), d)
     assert median < 0.10 and p90_ms < 20.0, (median, p90_ms)
     assert np.mean([n.coord.error for n in nodes]) < 0.5  # and they know they are good
+
+
+def _coordinates_among_liars(liars: int, config: VivaldiConfig, rounds: int = 120) -> tuple[float, list[Vivaldi]]:
+    """32 peers of the worldwide scenario, the first `liars` of them lying about their
+    coordinate (half claim one far point with a tiny error, to be trusted; half a new random
+    point with the largest error each time), the others sampling one peer per round as in the
+    test above: the honest pairs' median relative delay error, and the honest peers."""
+    n = 32
+    d = load_scenario("worldwide").scaled(n).delay_ms()
+    rng = random.Random(7)
+    nodes = [Vivaldi(random.Random(k), config) for k in range(n)]
+    ids = [bytes([k]) * 32 for k in range(n)]
+    far = Coordinate((5_000.0,) * 4, 0.01, 0.01)
+
+    def claimed(j: int) -> Coordinate:
+        if j >= liars:
+            return nodes[j].coord
+        if j % 2 == 0:
+            return far
+        return Coordinate(tuple(rng.uniform(-3_000.0, 3_000.0) for _ in range(4)), rng.uniform(0.0, 100.0), 1.5)
+
+    for _ in range(rounds):
+        for i in range(liars, n):
+            j = rng.randrange(n - 1)
+            j += j >= i
+            nodes[i].observe(ids[j], claimed(j), 2 * d[i, j] * (1 + 0.02 * rng.random()))
+    honest = range(liars, n)
+    rel = [abs(nodes[a].coord.rtt_ms(nodes[b].coord) / 2 / d[a, b] - 1) for a in honest for b in honest if a != b]
+    return float(np.median(rel)), [nodes[i] for i in honest]
+
+
+@pytest.mark.parametrize("liars, bound", [(4, 0.10), (8, 0.15)])
+def test_peers_lying_about_their_coordinates_move_the_honest_ones_little(liars, bound):
+    """4 or 8 of 32 peers lie about their coordinates: the honest peers set their samples aside
+    as outliers, and their coordinates still predict the honest pairs' delays within a median
+    10 % / 15 % (measured: 7.1 % and 10.8 %; 7.0 % with no liar); with the outlier rule off the
+    liars drag them to a median error of 298 % and 217 %."""
+    median, honest = _coordinates_among_liars(liars, VivaldiConfig())
+    assert median < bound, median
+    assert all(v.outliers > 0 for v in honest)
+    unguarded, _ = _coordinates_among_liars(liars, VivaldiConfig(outlier_factor=1e12))
+    assert unguarded > 1.0, unguarded
+
+
+def test_with_no_liar_the_outlier_rule_costs_little():
+    alone, honest = _coordinates_among_liars(0, VivaldiConfig())
+    unguarded, _ = _coordinates_among_liars(0, VivaldiConfig(outlier_factor=1e12))
+    assert alone < 0.10 and alone < unguarded + 0.02, (alone, unguarded)  # (measured 7.0 % against 6.3 %)
+    assert sum(v.outliers for v in honest) < 0.05 * sum(v.samples for v in honest)
 
 
 def test_coordinates_ignore_garbage_samples():
