@@ -16,8 +16,13 @@ heal. The first fault is always both holders of a stage lost before the first ch
 swarm must roll back to its initial weights and go on.
 
 At the end the run is stopped and judged: every step logged once in the merged train.jsonl,
-every loss equal to single-process training (1e-5), the DP replicas of every stage identical
-(their parameters' sha256), and the figures: faults by kind, steps lost to rollbacks (from the
+every loss equal to single-process training (1e-5) where one process can start from the
+swarm's own state (bench/replay.py: every 30 s the newest step whose every stage the peers
+checkpointed, and at the end every such step still on disk, is replayed in one process for two
+steps; `replay` in the JSON, with how many steps it covered), the DP replicas of every stage identical (their parameters'
+sha256), and the figures: the worst deviation of the whole run from one process trained from
+the start (`worst_relative_loss_deviation`, `whole_run_within_1e-5`: a shape change adds the
+gradients in another float32 order, and that drift grows over the steps), faults by kind, steps lost to rollbacks (from the
 coordinators' rollback events), the time from each fault to the next completed step (median and
 worst: the longest time without a completed step from the fault to the first step after it
 was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
@@ -43,6 +48,7 @@ from collections import Counter
 from pathlib import Path
 
 from common import kill_swarm, print_table, read_rows, swarm, wait_for
+from replay import Replay, replay
 
 from dtfm.swarm.proc import peer_request, peer_status
 from dtfm.swarm.state import PeerEntry, load_state
@@ -55,6 +61,8 @@ HEAL_TIMEOUT_S = 300.0
 WARM_S = 60.0  # a daemon process's memory is measured from this long after its first sample
 MIN_SPAN_S = 120.0  # ... over at least this long  # a fault the swarm does not heal from within this is reported as such
 REL = 1e-5
+REPLAY_EVERY_S = 30.0  # how often the newest checkpoint not yet replayed is replayed in one process
+REPLAY_STEPS = 2  # ... for this many steps (each one a step of the whole model on the soak's cores)
 
 
 def log(msg: str) -> None:
@@ -66,6 +74,8 @@ class Soak:
         self.run_dir, self.rng, self.args = run_dir, rng, args
         self.faults: list[dict] = []
         self.samples: dict[tuple[str, int], list[tuple[float, int, int, int]]] = {}  # (peer, pid) -> (t, rss, fds, thr)
+        self.replay = Replay()  # the checkpointed steps replayed in one process (bench/replay.py)
+        self._next_replay = 0.0
 
     # ---- the swarm as seen from outside -------------------------------------------------------
 
@@ -279,6 +289,9 @@ class Soak:
                 time.sleep(min(5.0, wait - slept))
                 slept += 5.0
                 self.sample()
+                if time.monotonic() >= self._next_replay:  # (checkpoints are pruned: replay as they come)
+                    self._next_replay = time.monotonic() + REPLAY_EVERY_S
+                    replay(self.run_dir, self.replay, max_steps=REPLAY_STEPS, limit=1, say=log)
             if time.monotonic() >= end:
                 break
             if not deck:  # every kind once, in a seeded order, before any twice
@@ -330,6 +343,8 @@ class Soak:
             diff = abs(r["loss"] - ref)
             worst, worst_abs = max(worst, diff / max(abs(ref), 1e-12)), max(worst_abs, diff)
             within = within and diff <= max(REL * abs(ref), REL)
+        replay(self.run_dir, self.replay, max_steps=REPLAY_STEPS, say=log)
+        replayed = self.replay.to_dict()
         events = [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
         rollbacks = [e for e in events if e.get("event") == "rollback"]
         rolled_back = sum(int(e.get("steps_lost") or 0) for e in rollbacks)
@@ -337,7 +352,8 @@ class Soak:
         growth, fds, threads, rss_mb = self.health()
         return {
             "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
-            "steps": len(rows), "exact": bool(once and replicas_identical and within),
+            "steps": len(rows), "exact": bool(once and replicas_identical and replayed["exact"]),
+            "replay": replayed, "whole_run_within_1e-5": within,
             "rolled_back_steps": rolled_back, "rollbacks": len(rollbacks),
             "rollback_sources": dict(Counter(str(e.get("restored_from")) for e in rollbacks)),
             "heal_s_median": round(statistics.median(heals), 2) if heals else None,

@@ -14,6 +14,7 @@ def load_bench(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (a dataclass of the script looks its module up there)
     sys.path.insert(0, str(BENCH))
     try:
         spec.loader.exec_module(module)

@@ -1,0 +1,144 @@
+"""Each checkpointed step of a swarm's run replayed in one process: the local oracle of exactness.
+
+A long run whose shape changes (a new DP degree, another micro-batch count) adds its float32
+gradients in another order than one process does, and two trainings that differ in their last
+bits drift apart over hundreds of steps. A comparison with one process over the whole run then
+measures that drift, not whether each step was computed right. This replay measures the latter:
+for every step S at which the swarm's peers checkpointed every stage (their data dirs'
+`checkpoints/RUN/stage-A-B/step-S.json`, hash-checked), the stages are joined into the whole
+model with its optimizer state, trained from S in one process for the steps up to the next
+checkpoint, and each loss compared with the one the swarm logged (the merged train.jsonl):
+a step run from wrong weights, wrong data or a wrong optimizer state differs by far more than
+1e-5, float order over a few steps by about 1e-7.
+
+Where a stage has several checkpoints of one step (its DP replicas, or a branch a rollback
+undid, whose dead holder kept it), the newest file is taken: a re-run step overwrites the
+undone branch's checkpoint on the peers that ran it.
+
+    .venv/bin/python bench/replay.py RUN_DIR [--steps N]
+
+Prints one line per replayed checkpoint and, last, one JSON object (`replayed_steps`,
+`checkpoints`, `worst_relative`, `exact`). bench/soak.py runs it while it soaks, the newest
+checkpoint not yet replayed every 30 s for two steps (checkpoints are pruned: the newest few per
+stage stay; a step of one process costs the soak's shared cores), and all it finds at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from common import read_rows
+
+from dtfm.train import load_checkpoint, load_corpus, reference_step, stage_from_tensors, stage_tensors
+from dtfm.train.checkpoint import CheckpointError
+
+REL = 1e-5
+
+
+@dataclass
+class Replay:
+    """What the replays found so far (`replayed` checkpoint steps are not replayed again)."""
+
+    replayed: set[int] = field(default_factory=set)
+    steps: int = 0  # logged steps compared
+    worst_relative: float = 0.0
+    failures: list[str] = field(default_factory=list)  # checkpoints that could not be joined or read
+
+    def to_dict(self) -> dict:
+        return {"checkpoints": len(self.replayed), "replayed_steps": self.steps,
+                "worst_relative": self.worst_relative, "exact": self.steps > 0 and self.worst_relative <= REL,
+                "failures": self.failures[-5:]}
+
+
+def checkpoint_sets(run_dir: Path) -> dict[int, dict[tuple[int, int], Path]]:
+    """Per step, the newest checkpoint of each layer range found in the run dir's peers."""
+    found: dict[int, dict[tuple[int, int], tuple[float, Path]]] = {}
+    for path in run_dir.glob("p*/checkpoints/*/stage-*-*/step-*.json"):
+        try:
+            a, b = (int(x) for x in path.parent.name.split("-")[1:3])
+            step = int(path.stem.split("-")[1])
+            mtime = path.stat().st_mtime
+        except (ValueError, IndexError, OSError):
+            continue
+        have = found.setdefault(step, {})
+        if (a, b) not in have or have[(a, b)][0] < mtime:
+            have[(a, b)] = (mtime, path)
+    return {s: {r: p for r, (_, p) in ranges.items()} for s, ranges in found.items()}
+
+
+def _cover(ranges: dict[tuple[int, int], Path]) -> list[Path] | None:
+    """Checkpoints whose layer ranges tile the model from layer 0 to its last (None: a gap)."""
+    n_layer = int(json.loads(next(iter(ranges.values())).read_text())["spec"]["n_layer"])
+    by_start = {a: (b, p) for (a, b), p in ranges.items()}
+    out, at = [], 0
+    while at < n_layer and at in by_start:
+        at, p = by_start[at]
+        out.append(p)
+    return out if at == n_layer else None
+
+
+def replay(run_dir: Path, result: Replay, *, max_steps: int = 10, limit: int | None = None, say=print) -> Replay:
+    """Replay the checkpoint sets of `run_dir` not replayed yet whose logged steps are there,
+    newest first, at most `limit` of them (None: all), each for at most `max_steps` steps."""
+    rows = {r["step"]: r for r in read_rows(run_dir)} if (run_dir / "train.jsonl").exists() else {}
+    sets = checkpoint_sets(run_dir)
+    steps = sorted(sets)
+    corpus = None
+    done = 0
+    for k, s in reversed(list(enumerate(steps))):
+        if s in result.replayed or (limit is not None and done >= limit):
+            continue
+        nxt = steps[k + 1] if k + 1 < len(steps) else s + max_steps
+        todo = list(range(s, min(nxt, s + max_steps)))
+        if not todo or any(t not in rows or rows[t].get("loss") is None for t in todo):
+            continue  # (not logged yet: a later call replays it)
+        try:
+            cover = _cover(sets[s])
+            if cover is None:
+                continue  # (not every stage checkpointed this step where the run dir holds it)
+            parts = [load_checkpoint(p) for p in cover]
+        except (CheckpointError, OSError, ValueError, KeyError) as e:
+            if not all(p.exists() and p.with_suffix(".safetensors").exists() for p in sets[s].values()):
+                continue  # (pruned by its peer meanwhile: a live swarm keeps the newest few)
+            result.failures.append(f"step {s}: {e}")
+            result.replayed.add(s)
+            continue
+        tensors = {}
+        for part in parts:
+            tensors.update(stage_tensors(part))
+        first = parts[0]
+        whole = stage_from_tensors(first.spec, first.cfg, (0, first.spec.n_layer), tensors, s,
+                                   first.optim.step_count)
+        corpus = corpus or load_corpus()
+        worst = 0.0
+        for t in todo:
+            ref = reference_step(whole, corpus)
+            worst = max(worst, abs(rows[t]["loss"] - ref) / max(abs(ref), 1e-12))
+        result.replayed.add(s)
+        done += 1
+        result.steps += len(todo)
+        result.worst_relative = max(result.worst_relative, worst)
+        say(f"checkpoint of step {s} ({len(cover)} stages): steps {todo[0]}-{todo[-1]} replayed, "
+            f"worst relative deviation {worst:.1e}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", type=Path, help="a dtfm-swarm run dir (its peers' data dirs and train.jsonl)")
+    ap.add_argument("--steps", type=int, default=10, help="most steps replayed from one checkpoint (default: %(default)s)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch threads of the replay (default: %(default)s)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    result = replay(args.run_dir, Replay(), max_steps=args.steps, say=lambda m: print(m, file=sys.stderr))
+    print(json.dumps(result.to_dict()))
+    return 0 if result.to_dict()["exact"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
