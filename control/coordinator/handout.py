@@ -57,6 +57,8 @@ class HandOut:
         self.shape_note = ""  # why the last run started here has its shape (`choose_shape`)
         self.steplog: StepLog | None = None  # the epoch this peer handed out last
         self.logged: dict[bytes, set[int]] = {}  # run id -> steps this peer logged
+        # run id -> logged steps a rollback handed out (its epoch started) undid, and counted as lost
+        self.undone: dict[bytes, set[int]] = {}
         self.last_reconfig: Reconfiguration | None = None
 
     def to(self, phase: Phase, reason: str | None = None) -> None:
@@ -94,6 +96,7 @@ class HandOut:
         out: list = []
         if proc.kind is Kind.START:
             logged.clear()
+            self.undone.pop(alloc.run_id, None)
             out.append(ResetLog())
         known = self._known(proc.cur)
         before = self._unlogged_before(proc.cur, alloc)
@@ -209,6 +212,9 @@ class HandOut:
             handout_s=now - m["offered"], compress_links=_links_note(proc, alloc))
         self.last_reconfig = info
         self.counters.reconfigured(alloc.run_id, rollback=pl.rolled_back, steps_lost=pl.steps_lost)
+        if pl.rolled_back:  # (counted lost here: a later reconfiguration counts only what runs from now)
+            self.undone.setdefault(alloc.run_id, set()).update(
+                s for s in self.logged.get(alloc.run_id, ()) if s >= rp.step)
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,

@@ -362,7 +362,9 @@ class Procedures:
         newest = max(done | {x.step for x in mine})
         # A step this peer logged in an earlier epoch is run again too when the rollback that
         # started the current epoch was never handed out (its hand-out failed): a rollback all the same.
-        ran = max(self.hand.logged.get(cur.run_id, ()), default=-1)
+        # Not the steps a rollback that was handed out undid: that one counted them (the current
+        # epoch's own completed steps are in `done`).
+        ran = max(self.hand.logged.get(cur.run_id, set()) - self.hand.undone.get(cur.run_id, set()), default=-1)
         if not pl.rolled_back and rp.step <= ran:
             pl.rolled_back, newest = True, ran
         pl.steps_lost = max(0, newest + 1 - rp.step) if pl.rolled_back else 0

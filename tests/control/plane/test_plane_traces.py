@@ -284,6 +284,35 @@ def stage_lost_before_any_checkpoint() -> str:
                                          restart="no checkpoint: step 0 is rebuilt from the seed", after=7)
 
 
+def a_return_after_a_rollback_runs_nothing_again() -> str:
+    """Both holders of a stage die before any checkpoint, the coordinator not among them: the
+    survivors roll back to the initial weights and train on. When the two come back, their
+    return is a reconfiguration from the steps the survivors hold, not a rollback: nothing the
+    current line of steps completed is run again (the steps the first rollback undid were
+    counted by it)."""
+    s, c = _started(8, seed=7, stages=4)
+    s.train(5)
+    s.run(0.5)
+    alloc = s.sim.epoch(c).current
+    assert alloc is not None
+    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
+    lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
+    s.note(f"every holder of stage {stage} (n{', n'.join(map(str, lost))}) is killed before any checkpoint")
+    for k in lost:
+        s.sim.crash(k)
+    s.train(1)
+    s.run(4.0)
+    s.train(2)
+    s.run(0.5)
+    s.note("they restart with their data dirs and join")
+    for k in lost:
+        s.sim.restart(k)
+    s.run(6.0)
+    s.train(2)
+    s.run(0.5)
+    return s.finish()
+
+
 def a_paused_swarm_keeps_what_it_holds() -> str:
     s, c = _started(4, seed=7)
     s.train(5)
@@ -334,7 +363,8 @@ def planned_leaves() -> str:
 
 SCENARIOS: dict[str, Callable[[], str]] = {f.__name__: f for f in (
     follower_killed, follower_killed_as_the_coordinator_saw_it, coordinator_killed_and_restarted, two_of_a_dp_group, partition_coordinator_in_minority,
-    stage_restored_from_checkpoints, stage_lost_before_any_checkpoint, a_paused_swarm_keeps_what_it_holds,
+    stage_restored_from_checkpoints, stage_lost_before_any_checkpoint, a_return_after_a_rollback_runs_nothing_again,
+    a_paused_swarm_keeps_what_it_holds,
     planned_leaves)}
 
 
