@@ -27,9 +27,12 @@ coordinators' rollback events), the time from each fault to the next completed s
 worst: the longest time without a completed step from the fault to the first step after it
 was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
 loaded, stages built and fetched) to the soak's end, for processes measured over 2 minutes or
-more, its open file descriptors and threads (worst). The
-last line of stdout is one JSON object: faults, faults_by_kind, steps, exact, rolled_back_steps,
-heal_s_median, heal_s_worst, rss_growth, max_fds, max_threads and the details.
+more (`rss_growth`: a spare that took on a stage grows by the stage), and the growth while a
+process held the same kind of stage (`rss_growth_same_stage`: its first and last sample in that
+kind, each 30 s after it took it on, at least 2 minutes apart: what a leak would show), its open
+file descriptors and threads (worst). The last line of stdout is one JSON object: faults,
+faults_by_kind, steps, exact, rolled_back_steps, heal_s_median, heal_s_worst, rss_growth,
+rss_growth_same_stage, max_fds, max_threads and the details.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ WARM_S = 60.0  # a daemon process's memory is measured from this long after its 
 MIN_SPAN_S = 120.0  # ... over at least this long  # a fault the swarm does not heal from within this is reported as such
 REL = 1e-5
 REPLAY_EVERY_S = 30.0  # how often the newest checkpoint not yet replayed is replayed in one process
+SETTLE_S = 30.0  # a process's memory after it took on another stage is measured from this long after
 REPLAY_STEPS = 2  # ... for this many steps (each one a step of the whole model on the soak's cores)
 
 
@@ -74,6 +78,8 @@ class Soak:
         self.run_dir, self.rng, self.args = run_dir, rng, args
         self.faults: list[dict] = []
         self.samples: dict[tuple[str, int], list[tuple[float, int, int, int]]] = {}  # (peer, pid) -> (t, rss, fds, thr)
+        # (peer, pid) -> (t, rss, what it held then: (stages, pipelines, its stage), or None as a spare)
+        self.held: dict[tuple[str, int], list[tuple[float, int, tuple | None]]] = {}
         self.replay = Replay()  # the checkpointed steps replayed in one process (bench/replay.py)
         self._next_replay = 0.0
 
@@ -131,6 +137,9 @@ class Soak:
             except (OSError, KeyError, ValueError):
                 continue
             self.samples.setdefault((p.name, p.pid), []).append((now, rss, fds, threads))
+            t = (peer_status(p) or {}).get("training") or {}
+            held = (t.get("stages"), t.get("dp"), t.get("stage")) if t.get("stage") is not None else None
+            self.held.setdefault((p.name, p.pid), []).append((now, rss, held))
 
     # ---- faults -------------------------------------------------------------------------------
 
@@ -350,6 +359,7 @@ class Soak:
         rolled_back = sum(int(e.get("steps_lost") or 0) for e in rollbacks)
         heals = [f["heal_s"] for f in self.faults if f["heal_s"] is not None]
         growth, fds, threads, rss_mb = self.health()
+        in_kind, in_kind_worst = self.growth_in_kind()
         return {
             "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
             "steps": len(rows), "exact": bool(once and replicas_identical and replayed["exact"]),
@@ -359,7 +369,8 @@ class Soak:
             "heal_s_median": round(statistics.median(heals), 2) if heals else None,
             "heal_s_worst": round(max(heals), 2) if heals else None,
             "unhealed": sum(f["heal_s"] is None for f in self.faults),
-            "rss_growth": growth, "rss_mb_first_last": rss_mb, "max_fds": fds, "max_threads": threads,
+            "rss_growth": growth, "rss_mb_first_last": rss_mb,
+            "rss_growth_same_stage": in_kind, "rss_growth_same_stage_worst": in_kind_worst, "max_fds": fds, "max_threads": threads,
             "every_step_once": once, "replicas_identical": replicas_identical,
             "worst_relative_loss_deviation": worst, "worst_absolute_loss_deviation": worst_abs, "minutes": self.args.minutes, "seed": self.args.seed,
             "reconfigurations": sum(e.get("event") in ("reconfigure", "rollback", "leave") for e in events),
@@ -382,6 +393,36 @@ class Soak:
         fds = max((x[2] for s in self.samples.values() for x in s), default=0)
         threads = max((x[3] for s in self.samples.values() for x in s), default=0)
         return (None if growth is None else round(growth, 4)), fds, threads, shown
+
+    def growth_in_kind(self) -> tuple[float | None, dict[str, list]]:
+        """The worst RSS growth of a daemon process between its first and its last sample
+        holding the same kind of stage (stages, pipelines, its stage; a spare is a kind too),
+        each taken SETTLE_S after it took that kind on (a bigger stage or more activations are
+        not a leak; memory that grows while the process holds what it held is), over at least
+        MIN_SPAN_S; and the worst case's process and MB."""
+        worst: float | None = None
+        shown: dict[str, list] = {}
+        for (name, pid), series in sorted(self.held.items()):
+            since: dict[object, float] = {}  # kind -> when the process last took it on
+            first: dict[object, tuple[float, int]] = {}
+            last: dict[object, tuple[float, int]] = {}
+            prev = object()
+            for t, rss, kind in series:
+                if kind != prev:
+                    since[kind], prev = t, kind
+                if t - since[kind] < SETTLE_S:
+                    continue
+                first.setdefault(kind, (t, rss))
+                last[kind] = (t, rss)
+            for kind, (t0, r0) in first.items():
+                t1, r1 = last[kind]
+                if t1 - t0 < MIN_SPAN_S:
+                    continue
+                g = r1 / r0 - 1
+                if worst is None or g > worst:
+                    worst = g
+                    shown = {f"{name}/{pid}": [str(kind), r0 >> 20, r1 >> 20, round(t1 - t0)]}
+        return (None if worst is None else round(worst, 4)), shown
 
 
 def _shape(text: str) -> str:
