@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from dtfm.gossip import NetworkView
 from dtfm.net import short_id
 
 from ..actions import Ask, Compute
@@ -291,18 +292,29 @@ class RunWatch:
         with them (`join_planned`). Without a complete view or with a peer of the run not live,
         the reconfiguration at once (it plans after the stop)."""
         view = self.r.swarm.view()
-        live = (frozenset(self.r.swarm.live_peers()) | {self.r.me}) - self.rest.left_out_now(now)
-        if not view.complete or not set(cur.peers) <= live or not set(joiners) <= set(view.peers):
+        if not set(joiners) <= set(view.peers):
             return Reconfigure.of(trigger)
+        search = self._reshape_as_it_runs(cur, view, now)
+        if search is None:
+            return Reconfigure.of(trigger)
+        self._probe = Probe.JOINS
+        return [Compute(JoinPlan(joiners, trigger), search)]
+
+    def _reshape_as_it_runs(self, cur: Allocation, view: NetworkView, now: float) -> Callable[[], ReshapePlan] | None:
+        """The scheduler's `reshape` of the running epoch on `view`, without force (keep wins
+        unless another allocation gains enough), over the live peers, for a worker thread; None
+        without a complete view or with a peer of the epoch not live."""
+        live = (frozenset(self.r.swarm.live_peers()) | {self.r.me}) - self.rest.left_out_now(now)
+        if not view.complete or not set(cur.peers) <= live:
+            return None
         log = self.rest.steplog
         done = log.completed + 1 if log is not None and log.alloc.run_id == cur.run_id else cur.start_step
         regions = self.r.swarm.regions()
         cut = self.links.pairs()
         planner = self.r.planner
-        self._probe = Probe.JOINS
-        return [Compute(JoinPlan(joiners, trigger), lambda: planner.reshape(
-            view, cur, live=live & frozenset(view.peers), remaining_steps=max(1, cur.end_step - done),
-            regions=regions, seed=0, force=False, cut=cut))]
+        return lambda: planner.reshape(view, cur, live=live & frozenset(view.peers),
+                                       remaining_steps=max(1, cur.end_step - done), regions=regions, seed=0,
+                                       force=False, cut=cut)
 
     def join_planned(self, key: JoinPlan, value: object, error: str | None) -> list | Reconfigure:
         """The scheduler's answer for a wave of joins: keep (the run is not faster with them)
@@ -322,19 +334,11 @@ class RunWatch:
     # ---- drift --------------------------------------------------------------------------------
 
     def _drift_check(self, cur: Allocation, now: float) -> list:
-        view = self.r.swarm.view()
-        live = (frozenset(self.r.swarm.live_peers()) | {self.r.me}) - self.rest.left_out_now(now)
-        if not view.complete or not set(cur.peers) <= live:
+        search = self._reshape_as_it_runs(cur, self.r.swarm.view(), now)
+        if search is None:
             return []
-        log = self.rest.steplog
-        done = log.completed + 1 if log is not None and log.alloc.run_id == cur.run_id else cur.start_step
-        regions = self.r.swarm.regions()
-        cut = self.links.pairs()
-        planner = self.r.planner
         self._probe = Probe.DRIFT
-        return [Compute(Drift(), lambda: planner.reshape(
-            view, cur, live=live & frozenset(view.peers), remaining_steps=max(1, cur.end_step - done),
-            regions=regions, seed=0, force=False, cut=cut))]
+        return [Compute(Drift(), search)]
 
     def drift_computed(self, value: object, error: str | None) -> list | Reconfigure:
         self._probe = None

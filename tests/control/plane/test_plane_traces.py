@@ -251,19 +251,26 @@ def partition_coordinator_in_minority() -> str:
     return s.finish()
 
 
-def _both_holders_of_a_stage_lost(*, checkpoint_every: int | None, when: str, restart: str, after: int) -> str:
-    """Both holders of a stage the coordinator does not hold are killed after step 5, and
-    restart with their data dirs; the swarm trains `after` steps more."""
-    s, c = _started(4, seed=7, **({} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}))
+def _kill_a_stage(s: Script, c: int, what: str) -> list[int]:
+    """After 5 steps, every holder of a stage the coordinator n`c` does not hold is killed
+    (`what` says so); their node numbers."""
     s.train(5)
     s.run(0.5)
     alloc = s.sim.epoch(c).current
     assert alloc is not None
     stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
     lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
-    s.note(f"both holders of stage {stage} (n{lost[0]}, n{lost[1]}) are killed{when}")
+    s.note(what.format(stage=stage, nodes=", ".join(f"n{k}" for k in lost)))
     for k in lost:
         s.sim.crash(k)
+    return lost
+
+
+def _both_holders_of_a_stage_lost(*, checkpoint_every: int | None, when: str, restart: str, after: int) -> str:
+    """Both holders of a stage the coordinator does not hold are killed after step 5, and
+    restart with their data dirs; the swarm trains `after` steps more."""
+    s, c = _started(4, seed=7, **({} if checkpoint_every is None else {"checkpoint_every": checkpoint_every}))
+    lost = _kill_a_stage(s, c, "both holders of stage {stage} ({nodes}) are killed" + when)
     s.train(1)
     s.run(2.0)
     s.note(f"they restart with their data dirs ({restart})")
@@ -291,15 +298,7 @@ def a_return_after_a_rollback_runs_nothing_again() -> str:
     current line of steps completed is run again (the steps the first rollback undid were
     counted by it)."""
     s, c = _started(8, seed=7, stages=4)
-    s.train(5)
-    s.run(0.5)
-    alloc = s.sim.epoch(c).current
-    assert alloc is not None
-    stage = 1 if alloc.position(s.sim.ids[c])[1] == 0 else 0
-    lost = [s.sim.index[alloc.pipelines[d][stage]] for d in range(alloc.dp)]
-    s.note(f"every holder of stage {stage} (n{', n'.join(map(str, lost))}) is killed before any checkpoint")
-    for k in lost:
-        s.sim.crash(k)
+    lost = _kill_a_stage(s, c, "every holder of stage {stage} ({nodes}) is killed before any checkpoint")
     s.train(1)
     s.run(4.0)
     s.train(2)
