@@ -363,6 +363,10 @@ class RunWatch:
         if (w is None or log is None or log.alloc.epoch != w.epoch or self.rest.phase is not Phase.TRAINING
                 or self.rest.busy or self._triggers or self._stuck):
             return math.inf  # (with triggers pending, the reconfiguration is under way)
+        # (nor once the run is over, or by a peer that is no coordinator: its deadline check does
+        # nothing then, and a due time in the past would tick the machine without a pause)
+        if self.rest.over() or not self.r.election.is_coordinator:
+            return math.inf
         return w.due_at()
 
     def _deadline_check(self, now: float) -> list:

@@ -896,6 +896,19 @@ def test_status_after_an_operators_stop_says_stopped_everywhere_not_training():
     assert not any("training," in line for line in lines[1:])
 
 
+def test_a_stopped_run_leaves_the_machine_no_deadline_in_the_past():
+    # After `train stop` a coordinator of a 2-core test swarm spun at 80 % of a core: its step
+    # watch still had the next step due (it never comes), and each tick at that time did nothing.
+    n = Node(wall=WALL, timings=transcripts.WATCHED)
+    n.training(steps=2)
+    n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
+    n.answer("opstop 1", everyone={"stopped": True}, at=3.1)
+    n.epoch.handle(RunnerEnded(1, RunEnd(1, "stopped", False), WALL + 4.0), 4.0)
+    for t in (10.0, 60.0, 600.0):
+        n.tick(t)
+        assert n.c.next_deadline() > t, (t, n.c.next_deadline())
+
+
 def test_status_of_a_finished_run_counts_every_step():
     # Steps 0..end_step-1 all done: "all 2 steps done", never "completed 1 of 2".
     from dtfm.peer.status import format_training
