@@ -28,7 +28,7 @@ from . import inputs
 from .config import PlaneConfig
 from .coordinator.machine import Coordinator, PeerLeaving, Reschedule, ResumeRun, StartRun, StopRun, first_council
 from .coordinator.phase import run_over, run_word
-from .coordinator.request import TrainError
+from .coordinator.request import TrainError, TrainRequest
 from .election import Council, ElectionService
 from .epoch.machine import EpochMachine
 from .events import Reconfiguration
@@ -148,8 +148,21 @@ class OperatorFront:
         if not forwarded:  # (a forwarding peer has waited)
             await self._await_swarm(req.min_peers, req.wait_s)
         coordinator = self.me if forwarded else await self._become_coordinator(signed)
-        if coordinator != self.me:
-            return await self._forward(coordinator, "start", signed)
+        term = self.election.term
+        try:
+            if coordinator != self.me:
+                return await self._forward(coordinator, "start", signed)
+            return await self._start_here(req, signed)
+        except TrainError as e:
+            now = self.election.term
+            if e.deposed or now <= term:
+                raise
+            raise TrainError(f"{e} (the coordinator of term {term} was replaced in term {now} while it handed the "
+                             "run out)", deposed=True) from None
+
+    async def _start_here(self, req: TrainRequest, signed: SignedOp) -> dict:
+        """The start on this peer, the coordinator: checked against its data set and models,
+        scheduled, handed out; the allocation as the operator sees it."""
         refusal = self.coordinator.start_refusal()  # (cheap, before this peer's data set is loaded)
         if refusal is not None:
             raise TrainError(refusal)
@@ -329,7 +342,7 @@ class OperatorFront:
                 return {"ok": await self._on_coordinator(op, signed, ResumeRun, forwarded=True)}
             return {"ok": await self._on_coordinator(op, signed, Reschedule, forwarded=True)}
         except TrainError as e:
-            return {"error": str(e)}
+            return {"error": str(e), **({"deposed": True} if e.deposed else {})}
 
     async def _forward(self, coordinator: bytes, op: str, signed: SignedOp) -> dict:
         answers = await self.plane.ask_all([coordinator], ControlMsg.TRAIN_OP, {"op": op, "signed": signed.to_wire()},
@@ -337,7 +350,9 @@ class OperatorFront:
         a = answers[coordinator]
         if "ok" in a and isinstance(a["ok"], dict):
             return a["ok"]
-        raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}")
+        # ("deposed" only has the operator sign the operation again, a bounded number of times)
+        raise TrainError(f"the coordinator {short_id(coordinator)}: {a.get('error') or a.get('reason')}",
+                         deposed=a.get("deposed") is True)
 
     async def hand_off(self) -> str | None:
         """Before a planned leave: tell the coordinator, which reconfigures the run without

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from dtfm.train import PRECISIONS, PRESETS, WIRE_DTYPES, TrainConfig
 
 from .config import ConfigError, read_toml
+from .socket import DEPOSED
 
 __all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "START_ATTEMPTS", "SpecKey", "init_folder",
            "load_run_spec", "resolve", "send_start", "start_request"]
@@ -185,15 +186,18 @@ def send_start(send: Callable[[], T], term: Callable[[], int | None], errors: tu
     allocation of the deposed term was refused, so no run started, and a start taken once is
     never taken again; it is signed and sent again, `attempts` in all, each retry `say`d. A
     swarm's first election (term 0 before it: no coordinator had the start) deposes nobody: a
-    start that fails across it fails."""
+    start that fails across it fails, unless the daemon's refusal says (code DEPOSED) that the
+    coordinator which had it was replaced before the run started."""
     for attempt in range(1, attempts + 1):
         before = term()
         try:
             return send()
         except errors as e:
+            deposed = getattr(e, "code", None) == DEPOSED
             now = term()
-            if attempt == attempts or not before or now is None or now <= before:
+            if attempt == attempts or not (deposed or (before and now is not None and now > before)):
                 raise
-            say(f"{e}\nthe coordinator changed while it handed the run out (term {before} -> {now}): "
+            moved = f" (term {before} -> {now})" if before and now is not None and now > before else ""
+            say(f"{e}\nthe coordinator changed while it handed the run out{moved}: "
                 f"starting again with a new signed start ({attempt + 1} of {attempts})")
     raise AssertionError("unreachable")

@@ -39,7 +39,7 @@ from dtfm.sched import load_codec_speed
 
 from .config import MAX_CLOCK_JUMP_S, ConfigError, DaemonConfig
 from .daemon import Daemon
-from .socket import ControlCommandError
+from .socket import DEPOSED, ControlCommandError
 from .speed import KIND_FILE, SPEED_FILE, KindCache, SelfSpeed, SpeedCache, speed_key
 
 logger = logging.getLogger(__name__)
@@ -317,7 +317,7 @@ class PlanePart:
         try:
             return await self._running().operator.start_training(_signed(args))
         except TrainError as e:
-            raise ControlCommandError(str(e)) from None
+            raise ControlCommandError(str(e), code=DEPOSED if e.deposed else None) from None
 
     async def train_reschedule(self, args: dict) -> dict:
         try:

@@ -36,13 +36,21 @@ logger = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MAX_OP_LEN = 32
+# A refusal's code: an election replaced the coordinator that had the signed operation before
+# it was done, so nothing was done; signed again, the operation can succeed.
+DEPOSED = "deposed"
 _LEN = struct.Struct(">I")
 
 ControlHandler = Callable[[dict[str, Any]], Awaitable[Any]]
 
 
 class ControlCommandError(Exception):
-    """Raised by a handler to refuse a request; str() goes back to the client."""
+    """Raised by a handler to refuse a request; str() goes back to the client, and `code`
+    (when given) beside it, for a client that acts on the kind of refusal."""
+
+    def __init__(self, reason: str, *, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 class DaemonNotRunning(Exception):
@@ -50,7 +58,12 @@ class DaemonNotRunning(Exception):
 
 
 class ControlClientError(Exception):
-    """The daemon answered badly or refused; str() is for the user."""
+    """The daemon answered badly or refused; str() is for the user, `code` the kind of a
+    refusal where the daemon named one (DEPOSED: sign the operation again)."""
+
+    def __init__(self, reason: str, *, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 class ControlSocketError(Exception):
@@ -98,8 +111,9 @@ def parse_response(obj: object) -> Any:
         raise ProtocolError("control reply is not a {ok: ...} map")
     if obj["ok"]:
         return obj.get("result")
-    error = obj.get("error")
-    raise ControlClientError(error if isinstance(error, str) else "the daemon refused the request")
+    error, code = obj.get("error"), obj.get("code")
+    raise ControlClientError(error if isinstance(error, str) else "the daemon refused the request",
+                             code=code if isinstance(code, str) and len(code) <= MAX_OP_LEN else None)
 
 
 # ---- server -----------------------------------------------------------------------------------
@@ -285,7 +299,7 @@ class ControlServer:
                 return {"ok": False, "error": f"{request.op} did not finish within "
                                               f"{self.config.handler_timeout_s:g} s"}
         except ControlCommandError as e:
-            return {"ok": False, "error": str(e)}
+            return {"ok": False, "error": str(e), **({} if e.code is None else {"code": e.code})}
         except Exception as e:
             logger.error("control command %s failed", request.op, exc_info=True)
             return {"ok": False, "error": f"internal error in {request.op}: {type(e).__name__}: {e}"}

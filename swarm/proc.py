@@ -42,7 +42,7 @@ def peer_request(peer: PeerEntry, op: str, args: dict | None = None, timeout_s: 
         with ControlClient(_control_socket(peer), config, data_dir=Path(peer.data_dir)) as c:
             return c.request(op, args or {})
     except (DaemonNotRunning, ControlClientError) as e:
-        raise SwarmError(f"{peer.name}: {e}") from None
+        raise SwarmError(f"{peer.name}: {e}", code=getattr(e, "code", None)) from None
 
 
 def peer_status(peer: PeerEntry) -> dict | None:

@@ -33,7 +33,12 @@ STATE_VERSION = 1
 
 
 class SwarmError(Exception):
-    """A swarm command that cannot go on; str() says why and what to do."""
+    """A swarm command that cannot go on; str() says why and what to do; `code`, the kind of a
+    daemon's refusal where it named one (peer/socket.py)."""
+
+    def __init__(self, reason: str, *, code: str | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 def default_run_dir() -> Path:

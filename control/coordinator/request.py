@@ -58,7 +58,13 @@ _A = {int: "an integer", float: "a number", str: "a string"}
 
 
 class TrainError(Exception):
-    """A `train start` / `train stop` that cannot be done, with the reason for the operator."""
+    """A `train start` / `train stop` that cannot be done, with the reason for the operator.
+    `deposed`: an election replaced the coordinator that had the operation before it was done,
+    so nothing was done; the operator may sign it again (a signed operation is taken once)."""
+
+    def __init__(self, reason: str, *, deposed: bool = False) -> None:
+        super().__init__(reason)
+        self.deposed = deposed
 
 
 def _digest_arg(args: dict, key: str, what: str) -> str | None:

@@ -19,6 +19,7 @@ from dtfm.net.wire import pack
 from dtfm.peer import socket as peer_socket
 from dtfm.peer.config import SocketConfig
 from dtfm.peer.socket import (
+    DEPOSED,
     ControlClient,
     ControlClientError,
     ControlCommandError,
@@ -27,6 +28,7 @@ from dtfm.peer.socket import (
     ControlSocketError,
     DaemonNotRunning,
     encode_frame,
+    parse_response,
     read_frame_untrusted,
 )
 
@@ -58,9 +60,13 @@ def make_server(path, **kw):
     async def crash(args):
         raise KeyError("boom")
 
+    async def deposed(args):
+        raise ControlCommandError("the coordinator was replaced", code=DEPOSED)
+
     server.register("echo", echo)
     server.register("refuse", refuse)
     server.register("crash", crash)
+    server.register("deposed", deposed)
     return server
 
 
@@ -103,9 +109,25 @@ async def test_refusals_and_failures_become_error_replies(sock_dir):
     assert replies[0] == {"ok": False, "error": "not now: the swarm is reconfiguring"}
     assert replies[1]["ok"] is False
     assert "unknown command 'nosuch'" in replies[1]["error"]
-    assert "crash, echo, refuse" in replies[1]["error"]
+    assert "crash, deposed, echo, refuse" in replies[1]["error"]
     assert replies[2]["ok"] is False and "KeyError" in replies[2]["error"]
     assert replies[3]["ok"] is True   # the connection survived all three
+
+
+async def test_a_refusal_names_its_kind_where_the_handler_gave_one(sock_dir):
+    server = make_server(sock_dir / "s")
+    plain, coded = await exchange(server, request_frame("refuse"), request_frame("deposed"))
+    assert "code" not in plain
+    assert coded == {"ok": False, "error": "the coordinator was replaced", "code": DEPOSED}
+    with pytest.raises(ControlClientError, match="replaced") as e:
+        parse_response(coded)
+    assert e.value.code == DEPOSED
+    with pytest.raises(ControlClientError) as e:
+        parse_response(plain)
+    assert e.value.code is None
+    with pytest.raises(ControlClientError) as e:  # (a code is a short name, or none)
+        parse_response({**coded, "code": "x" * 100})
+    assert e.value.code is None
 
 
 @pytest.mark.parametrize("frame,reason", [

@@ -317,7 +317,9 @@ def test_train_start_signs_the_knobs_of_its_flags_and_spec_and_the_model_folder_
 
 
 class _Refused(Exception):
-    pass
+    def __init__(self, reason: str, code: str | None = None):
+        super().__init__(reason)
+        self.code = code
 
 
 def _start_sender(terms: list[int | None], answers: list[object]):
@@ -352,6 +354,17 @@ def test_a_failed_start_is_not_sent_again_without_a_deposition(terms):
     with pytest.raises(_Refused, match="timed out"):
         run()
     assert said == []
+
+
+@pytest.mark.parametrize("terms", [[0, 1, 1, 1], [None, None, None, None]], ids=["first-election", "unknown"])
+def test_a_start_is_sent_again_when_the_daemon_says_its_coordinator_was_replaced(terms):
+    """The refusal's code says it, where the terms cannot: the first election chose a
+    coordinator that an election replaced before the run started, or the daemon did not say
+    its term in time (a loaded machine)."""
+    from dtfm.peer.socket import DEPOSED
+    run, said = _start_sender(terms, [_Refused("the allocation was refused", code=DEPOSED), "started"])
+    assert run() == "started"
+    assert len(said) == 1 and "the coordinator changed" in said[0] and "term" not in said[0].split("\n")[1]
 
 
 def test_a_start_is_sent_at_most_start_attempts_times():

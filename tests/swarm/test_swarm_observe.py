@@ -18,13 +18,14 @@ from dtfm.net import OperatorKey
 from dtfm.peer.cli import format_reschedule
 from dtfm.peer.cli import main as peer_main
 from dtfm.peer.config import SocketConfig
-from dtfm.peer.socket import ControlServer
+from dtfm.peer.socket import DEPOSED, ControlClientError, ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_status_text, format_text, format_training
 from dtfm.swarm import cli as swarm_cli
 from dtfm.swarm import report as report_mod
 from dtfm.swarm import runreport
 from dtfm.swarm import train as train_mod
+from dtfm.swarm import proc as proc_mod
 from dtfm.swarm.report import format_event, format_reconfigurations, format_status, pick_coordinator, status_report
 from dtfm.swarm.state import PeerEntry, SwarmError, SwarmState, save_state
 from dtfm.swarm.train import merge_events, merge_train, read_log, run_end, sync_logs, wait_step, write_jsonl
@@ -623,13 +624,15 @@ async def test_stop_and_resume_send_an_operation_of_their_kind_signed_by_the_ope
     assert bad_rc == 1 and f"answer to `train {kind}` that is not a map" in bad
 
 
-@pytest.mark.parametrize("terms, fails, attempts, started", [
-    ([2, 3, 3], 1, 2, True),  # deposed midway: signed again and sent to the coordinator of now
-    ([2, 2], 1, 1, False),  # refused in a steady term: the operator's error, not tried again
-    ([2, 3, 3, 4, 4, 5], 3, 3, False),  # the elections never settle: three attempts, then the error
+@pytest.mark.parametrize("terms, fails, attempts, started, code", [
+    ([2, 3, 3], 1, 2, True, None),  # deposed midway: signed again and sent to the coordinator of now
+    ([2, 2], 1, 1, False, None),  # refused in a steady term: the operator's error, not tried again
+    ([2, 3, 3, 4, 4, 5], 3, 3, False, None),  # the elections never settle: three attempts, then the error
+    # the first election's coordinator replaced before the run started: the daemon says so
+    ([0, 1, 1], 1, 2, True, DEPOSED),
 ])
 def test_a_start_interrupted_by_an_election_is_signed_and_sent_again(tmp_path, monkeypatch, terms, fails, attempts,
-                                                                    started):
+                                                                    started, code):
     state = make_state(tmp_path)
     peer = state.peers[0]
     term_answers, sent = iter(terms), []
@@ -640,7 +643,8 @@ def test_a_start_interrupted_by_an_election_is_signed_and_sent_again(tmp_path, m
     def request(p, op, args, timeout_s):
         sent.append(args["op"])
         if len(sent) <= fails:
-            raise SwarmError("p00: the allocation was refused: c0464f9e: term 2 is older than this peer's term 3")
+            raise SwarmError("p00: the allocation was refused: c0464f9e: term 2 is older than this peer's term 3",
+                             code=code)
         return {"run_id": "ab" * 16}
     monkeypatch.setattr(train_mod, "peer_request", request)
     if started:
@@ -650,6 +654,25 @@ def test_a_start_interrupted_by_an_election_is_signed_and_sent_again(tmp_path, m
         with pytest.raises(SwarmError, match="refused"):
             train_mod.start_training(state, peer, {"steps": 4}, tmp_path)
     assert sent == [{"op": k} for k in range(attempts)]  # a new signed start each time
+
+
+def test_a_daemons_refusal_keeps_its_kind_through_the_swarm_tools(tmp_path, monkeypatch):
+    class Client:
+        def __init__(self, *a, **kw):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def request(self, op, args):
+            raise ControlClientError("replaced before the run started", code=DEPOSED)
+    monkeypatch.setattr(proc_mod, "ControlClient", Client)
+    with pytest.raises(SwarmError, match="p00: replaced") as e:
+        proc_mod.peer_request(make_state(tmp_path).peers[0], "train_start", {})
+    assert e.value.code == DEPOSED
 
 
 def test_the_swarms_start_signs_the_micro_batch_count_auto_and_no_stages_auto(tmp_path, monkeypatch):

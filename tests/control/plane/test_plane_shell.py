@@ -653,6 +653,55 @@ async def test_train_start_is_forwarded_only_to_a_coordinator_verified_against_t
     assert all(c.forwarded == [] for c in conns.values())
 
 
+class FailingCoordinatorConn(AnsweringConn):
+    """The coordinator's connection whose forwarded start fails with `answer`; `meanwhile()`
+    runs first (the joiner learns of a new coordinator, say)."""
+
+    def __init__(self, peer: bytes, answer: dict, failure: dict, meanwhile=lambda: None):
+        super().__init__(peer, answer, True)
+        self.failure, self.meanwhile = failure, meanwhile
+
+    async def request(self, msg_type, body, timeout_s=None):
+        if msg_type == ControlMsg.TRAIN_OP:
+            self.forwarded.append(body)
+            self.meanwhile()
+            return self.failure, None
+        return await super().request(msg_type, body, timeout_s)
+
+
+@pytest.mark.parametrize("how", ["term-moved", "said-so", "neither"])
+async def test_a_start_its_coordinator_could_not_hand_out_before_an_election_replaced_it_says_so(
+        tmp_path, autojump_clock, how):
+    # IDS[0], coordinator of term 2, takes IDS[3]'s forwarded start; the start fails (its
+    # allocation was refused as of an older term). Where the forwarding peer has meanwhile
+    # learnt of term 4's coordinator, or the coordinator itself says it was replaced, the
+    # failure is marked `deposed` (no run started: the operator signs the start again); a
+    # failure within one term is not.
+    joiner = IDS[3]
+    council = root_of(tuple(p.peer_id for p in IDS[:3]))
+    answer = {"term": 2, "role": "follower", "recognised": True, "lease": True, "voters": 3,
+              "cert": certificate(2, IDS[0], IDS[:2], IDS[:3]).to_wire()}
+    failure = {"error": "the allocation was refused: term 2 is older than this peer's term 4",
+               **({"deposed": True} if how == "said-so" else {})}
+    plane = None
+
+    def learn_term_4():
+        if how == "term-moved":
+            plane.election.learn(certificate(4, IDS[1], IDS[:2], IDS[:3]))
+
+    conns = {p.peer_id: AnsweringConn(p.peer_id, answer, False) for p in IDS[1:3]}
+    conns[IDS[0].peer_id] = FailingCoordinatorConn(IDS[0].peer_id, answer, failure, learn_term_4)
+    plane = ControlPlane(SwarmTransport(joiner, conns), joiner, FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    plane.election.set_root(council)
+    with trio.fail_after(5), pytest.raises(TrainError, match="the allocation was refused") as e:
+        await plane.operator.start_training(start_op())
+    assert len(conns[IDS[0].peer_id].forwarded) == 1
+    assert e.value.deposed is (how != "neither")
+    assert ("replaced in term 4" in str(e.value)) is (how == "term-moved")
+    assert plane.election.term == (4 if how == "term-moved" else 2)
+
+
 class RelayConn:
     """`asker`'s connection to a plane in this test: each request goes to that plane's handler."""
 
