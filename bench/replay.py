@@ -35,7 +35,7 @@ import torch
 from common import read_rows
 
 from dtfm.train import load_checkpoint, load_corpus, reference_step, stage_from_tensors, stage_tensors
-from dtfm.train.checkpoint import CheckpointError
+from dtfm.train.checkpoint import CheckpointError, checkpoint_at, saved_checkpoints
 
 REL = 1e-5
 
@@ -58,16 +58,18 @@ class Replay:
 def checkpoint_sets(run_dir: Path) -> dict[int, dict[tuple[int, int], Path]]:
     """Per step, the newest checkpoint of each layer range found in the run dir's peers."""
     found: dict[int, dict[tuple[int, int], tuple[float, Path]]] = {}
-    for path in run_dir.glob("p*/checkpoints/*/stage-*-*/step-*.json"):
-        try:
-            a, b = (int(x) for x in path.parent.name.split("-")[1:3])
-            step = int(path.stem.split("-")[1])
-            mtime = path.stat().st_mtime
-        except (ValueError, IndexError, OSError):
-            continue
-        have = found.setdefault(step, {})
-        if (a, b) not in have or have[(a, b)][0] < mtime:
-            have[(a, b)] = (mtime, path)
+    for root in run_dir.glob("p*/checkpoints/*"):
+        for a, b, step in saved_checkpoints(root):
+            path = checkpoint_at(root, (a, b), step)
+            try:
+                mtime = path.stat().st_mtime if path is not None else None
+            except OSError:  # (pruned meanwhile)
+                continue
+            if path is None or mtime is None:
+                continue
+            have = found.setdefault(step, {})
+            if (a, b) not in have or have[(a, b)][0] < mtime:
+                have[(a, b)] = (mtime, path)
     return {s: {r: p for r, (_, p) in ranges.items()} for s, ranges in found.items()}
 
 

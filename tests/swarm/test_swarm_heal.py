@@ -83,6 +83,7 @@ def _an_outsider_changes_nothing(run_dir, state) -> None:
     assert all(v["state"] in ("training", "stalled", "spare") for v in t.values()), {k: v["state"] for k, v in t.items()}
 
 
+@pytest.mark.soak
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_outsider_changes_nothing_and_the_swarm_heals_a_killed_and_restarted_coordinator(run_dir):

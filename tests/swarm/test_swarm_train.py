@@ -207,8 +207,10 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
     survivor keeps its own replica, error-feedback residual included; a peer new to a stage would
     fetch one), every step is logged once with the bytes sent per axis (the int8 payloads of the
     compressed links below float32), and at the end every stage's DP replicas hold identical
-    weights, exact groups and compressed ones. The killed peer is restarted with its data dir
-    for the next test."""
+    weights, exact groups and compressed ones. The peer killed is the coordinator (a training
+    peer or a spare, as the scheduler placed it): a new one is elected in a higher term and the
+    run goes on in a new epoch. The killed peer is restarted with its data dir for the next
+    test."""
     state = load_state(run_dir)
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "2", "--dp", "3", "--steps", "400",
                        "--compress", COMPRESS]) == 0
@@ -220,15 +222,18 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
              if e.get("event") == "start" and "compress_links" in e]
     assert notes and notes[-1].startswith("links compressed: "), notes
     print(f"per-link choice at the start: {notes[-1]}")
+    # the victim is the coordinator: a new one is elected in a higher term and takes the run on
     name, before = coordinator(state)
-    # neither the coordinator nor the peer `dtfm-swarm train` asks first (the next test's start)
-    victim = next(p for p in state.peers[1:] if p.alive() and t[p.name].get("stage") == 1 and p.name != name)
+    victim = next(p for p in state.peers if p.name == name)
+    place = f"stage {t[name]['stage']}" if t.get(name, {}).get("stage") is not None else "a spare"
     killed_at = time.monotonic()
     assert swarm.main(["kill", victim.name, "--run-dir", str(run_dir)]) == 0
     wait_steps(run_dir, 2)
     recovered_s = time.monotonic() - killed_at
     t = trainings(state)
     assert max(v.get("epoch", 0) for v in t.values()) > before["epoch"]
+    new_name, after = wait_for("a new coordinator", lambda: coordinator(state), 30, interval_s=0.5)
+    assert new_name != name and after["term"] > before["term"]
     stop_training(run_dir, next(p for p in state.peers if p.name == coordinator(state)[0]))
 
     ended = wait_for("every peer to end", lambda: run_ended(state), 60, interval_s=0.5)
@@ -251,7 +256,7 @@ def test_a_compressed_run_survives_a_killed_peer_with_identical_replicas(run_dir
     if not notes[-1].startswith("links compressed: none"):  # a coded link sends int8 payloads
         assert min(r["bytes_sent"]["pp_fwd"] for r in full) < fp32
     fetched = sum(v.get("fetched_bytes", 0) for v in ended.values())
-    print(f"compressed run, peer killed: training again after {recovered_s:.1f} s, {fetched} bytes fetched; "
+    print(f"compressed run, coordinator {name} killed ({place}): training again after {recovered_s:.1f} s, {fetched} bytes fetched; "
           f"shape {ended[next(iter(ended))]['stages']} x {ended[next(iter(ended))]['dp']}; "
           f"bytes per step {rows[-1]['bytes_sent']}")
 
