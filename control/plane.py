@@ -112,6 +112,9 @@ __all__ = ["ControlPlane"]
 logger = logging.getLogger(__name__)
 
 SCHEDULES_DIR = "schedules"  # in the data dir: the inputs of the first placements this peer scheduled
+# A coordinator deadline that its own tick left in the past is a bug of the machine (nothing
+# due would be done by ticking again); the timer ticks it again at most this often, not in a loop.
+PAST_DEADLINE_BACKOFF_S = 1.0
 
 
 @dataclass
@@ -247,11 +250,19 @@ class ControlPlane:
     async def _coordinator_timer(self) -> None:
         """Tick the coordinator at its deadline, or at once when another event may have moved
         the deadline (`_feed_coordinator` sets `_coord_wake`; this loop's own Tick does not)."""
+        stuck = False
         while True:
-            with trio.move_on_at(self.coordinator.next_deadline()):
+            due = self.coordinator.next_deadline()
+            # (a deadline that the last tick left in the past, unchanged: ticked again after a pause)
+            with trio.move_on_at(trio.current_time() + PAST_DEADLINE_BACKOFF_S if stuck else due):
                 await self._coord_wake.wait()
             self._feed_coordinator(CoordinatorTick())
             self._coord_wake = trio.Event()
+            now, was = trio.current_time(), stuck
+            stuck = self.coordinator.next_deadline() == due <= now
+            if stuck and not was:
+                logger.warning("the coordinator's deadline %.3f stays in the past after its tick at %.3f: "
+                               "ticking it again every %g s until it moves", due, now, PAST_DEADLINE_BACKOFF_S)
 
     async def _epoch_timer(self) -> None:
         while True:

@@ -784,6 +784,38 @@ async def test_an_idle_plane_does_not_spin(tmp_path):
         assert time.process_time() - cpu < 0.1
 
 
+async def test_a_coordinator_deadline_left_in_the_past_is_ticked_again_after_a_pause_not_in_a_loop(
+        tmp_path, autojump_clock, caplog):
+    # The machine's deadline stays a second in the past after every tick (the bug of a stopped
+    # run's step watch): the timer ticks it once at once, then once a PAST_DEADLINE_BACKOFF_S, and says so
+    # once; a deadline that moves is kept again.
+    from dtfm.control import plane as plane_mod
+    from dtfm.control.coordinator.machine import CoordinatorTick
+    plane = ControlPlane(FakeTransport(ISSUER), ISSUER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path),
+                         operators=[OPERATOR.public_key])
+    due = [trio.current_time() - 1.0]
+    ticks: list[float] = []
+    plane.coordinator.next_deadline = lambda: due[0]
+    plane._feed_coordinator = lambda ev: ticks.append(trio.current_time()) if isinstance(ev, CoordinatorTick) else None
+    with trio.move_on_after(10.5):
+        await plane._coordinator_timer()
+    per = plane_mod.PAST_DEADLINE_BACKOFF_S
+    assert len(ticks) == 1 + int(10.5 // per), ticks
+    assert sum("stays in the past" in r.message for r in caplog.records) == 1
+    # a machine whose tick moves its deadline on is ticked at each deadline, and only then
+    ticks.clear()
+    t0 = trio.current_time()
+    due[0] = t0 + 100.0
+
+    def tick(ev):
+        ticks.append(trio.current_time())
+        due[0] += 100.0
+    plane._feed_coordinator = tick
+    with trio.move_on_after(250):
+        await plane._coordinator_timer()
+    assert ticks == [pytest.approx(t0 + 100.0), pytest.approx(t0 + 200.0)]
+
+
 @pytest.mark.parametrize("args, match", [
     ({"preset": "huge"}, "unknown preset"),
     ({"steps": 0}, "steps"),
