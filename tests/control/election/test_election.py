@@ -47,6 +47,7 @@ from dtfm.control.election.state import trusted_root
 from dtfm.control.testing.election_sim import ElectionSim, NetConditions, returning_peer, takeover_times
 from dtfm.control.testing.sim import PlaneSim
 from dtfm.net import Identity, ProtocolError, pack, short_id, unpack_untrusted, verify_signature
+from examples import examples
 
 # Real Ed25519 keys (votes are signatures): A < B < ... < E by peer id; X and Y are outsiders.
 KEYS = sorted((Identity(bytes([i]) * 32) for i in range(1, 8)), key=lambda k: k.peer_id)
@@ -1192,7 +1193,7 @@ class ByzantineElection(SimFaults):
 
 
 TestByzantineElection = ByzantineElection.TestCase
-TestByzantineElection.settings = settings(max_examples=100, stateful_step_count=30, deadline=None, derandomize=True,
+TestByzantineElection.settings = settings(max_examples=examples(100), stateful_step_count=30, deadline=None, derandomize=True,
                                           suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -65,6 +65,7 @@ from dtfm.control.testing.sim import DATA_HASH, PRESET, PlaneSim, SimPlanner
 from dtfm.control.election.council import link_payload
 from dtfm.net import Identity, OperatorKey, ProtocolError, pack, verify_signature
 from dtfm.train import TrainConfig, get_preset
+from examples import examples
 
 # The message types the simulation carries (COORDINATOR, the question of a peer that hears no
 # coordinator, is the election service's: tests/control/election/test_election_service.py, test_election.py)
@@ -528,5 +529,5 @@ def test_a_step_whose_reports_and_first_query_were_lost_is_back_filled():
 
 
 TestByzantinePlane = ByzantinePlane.TestCase
-TestByzantinePlane.settings = settings(max_examples=200, stateful_step_count=30, deadline=None, derandomize=True,
+TestByzantinePlane.settings = settings(max_examples=examples(200), stateful_step_count=30, deadline=None, derandomize=True,
                                        suppress_health_check=[HealthCheck.too_slow])

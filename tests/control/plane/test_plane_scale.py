@@ -18,6 +18,7 @@ from test_plane_sim import CFG, CLEAN, PlaneMachine, check_applications, check_l
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.election.council import MAX_COUNCIL
 from dtfm.control.testing.sim import SIM_TIMINGS, PlaneSim
+from examples import examples
 
 
 def _started(sim: PlaneSim, settle_s: float = 3.0) -> int:
@@ -145,7 +146,7 @@ class PlaneMachine64(PlaneMachine):
 
 
 TestPlane64 = PlaneMachine64.TestCase
-TestPlane64.settings = settings(max_examples=12, stateful_step_count=25, deadline=None, derandomize=True,
+TestPlane64.settings = settings(max_examples=examples(12), stateful_step_count=25, deadline=None, derandomize=True,
                                 suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -166,5 +167,5 @@ class ByzantinePlane64(ByzantinePlane):
 
 
 TestByzantinePlane64 = ByzantinePlane64.TestCase
-TestByzantinePlane64.settings = settings(max_examples=10, stateful_step_count=25, deadline=None, derandomize=True,
+TestByzantinePlane64.settings = settings(max_examples=examples(10), stateful_step_count=25, deadline=None, derandomize=True,
                                          suppress_health_check=[HealthCheck.too_slow])

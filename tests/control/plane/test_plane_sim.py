@@ -37,6 +37,7 @@ from dtfm.control.election import ElectionConfig
 from dtfm.control.testing.election_sim import NetConditions
 from dtfm.control.epoch.machine import EpochPhase
 from dtfm.control.testing.sim import PlaneSim
+from examples import examples
 
 CFG = ElectionConfig.test()
 CLEAN = NetConditions(jitter=1.0)
@@ -192,5 +193,5 @@ class PlaneMachine(SimFaults):
 
 
 TestPlane = PlaneMachine.TestCase
-TestPlane.settings = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True,
+TestPlane.settings = settings(max_examples=examples(300), stateful_step_count=40, deadline=None, derandomize=True,
                               suppress_health_check=[HealthCheck.too_slow])
