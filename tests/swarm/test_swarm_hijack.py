@@ -32,6 +32,7 @@ from dtfm.swarm.train import read_log
 SYBILS = 16
 TERMS = (1, 2**62)
 STEPS = 4
+SMALL_TERM = 16  # the highest term the honest peers may reach by elections of their own in this test
 HEARTBEAT_EVERY_S = 0.25  # the outsider's heartbeats go on while the operator starts the run
 
 
@@ -165,7 +166,7 @@ async def test_an_outsider_with_sybils_cannot_take_a_fresh_swarms_first_run(run_
         assert [r["step"] for r in rows] == list(range(STEPS)) and all(math.isfinite(r["loss"]) for r in rows)
 
         # Every daemon (as its status says, and as it answers the outsider) follows one of the 3
-        # peers in a small term, with a council of the 3 peers at most and no minted voter.
+        # peers in a small term (at most SMALL_TERM), with a council of the 3 peers at most and no minted voter.
         def settled():
             t = statuses(state)
             return len({v.get("coordinator") for v in t.values()}) == 1 and all(
@@ -177,7 +178,9 @@ async def test_an_outsider_with_sybils_cannot_take_a_fresh_swarms_first_run(run_
         assert len(run_ids) == 1 and None not in run_ids, run_ids
         for name, t in after.items():
             el = t["election"]
-            assert 1 <= t["term"] <= 3 and t["term"] < TERMS[1], (name, t["term"])
+            # (a small term: the outsider's 2**62 is never taken; a loaded machine's step-downs
+            # and split votes may take the honest peers a few terms past their first)
+            assert 1 <= t["term"] <= SMALL_TERM and t["term"] < TERMS[1], (name, t["term"])
             assert el["heard_of"] is None and 1 <= el["voters"] <= 3, (name, el)
             voters = set(t["voters"])  # the council of the allocation applied
             assert 1 <= len(voters) <= 3 and voters <= honest and not voters & outsider.minted, (name, voters)
