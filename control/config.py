@@ -89,6 +89,10 @@ class PlaneConfig:
     # reach answers: shorter recovers sooner from a holder that answers unseen, at a failed
     # reconfiguration per retry.
     paused_retry_s: float = 30.0
+    # A rollback that would run many completed steps again (more than a checkpoint interval)
+    # first waits for a holder of a newer state to come back, as long as running those steps
+    # again would take and at most this long (0: never): a restarted peer brings its checkpoints.
+    rollback_wait_max_s: float = 120.0
     # While stopping an epoch the coordinator polls the peers' run states this often: shorter
     # notices the stop sooner, at a RUN_STATE round per poll.
     stop_poll_s: float = 0.2
@@ -167,6 +171,9 @@ class PlaneConfig:
             raise ValueError(f"checkpoints_kept must be an integer from 1 to 1000, got {self.checkpoints_kept!r}")
         if type(self.runs_kept) is not int or not 1 <= self.runs_kept <= 1000:
             raise ValueError(f"runs_kept must be an integer from 1 to 1000, got {self.runs_kept!r}")
+        if type(self.rollback_wait_max_s) not in (int, float) or not 0 <= self.rollback_wait_max_s < 1e6:
+            raise ValueError(f"rollback_wait_max_s must be 0 or a positive number of seconds, "
+                             f"got {self.rollback_wait_max_s!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
@@ -252,7 +259,8 @@ class PlaneConfig:
             deadline_probe_timeout_s=self.deadline_probe_timeout_s, link_retest_s=self.link_retest_s,
             operator_skew_s=self.operator_skew_s, council_size=self.council_size,
             refused_backoff_s=self.refused_backoff_s, refused_backoff_max_s=self.refused_backoff_max_s,
-            join_settle_s=self.join_settle_s, join_wait_max_s=self.join_wait_max_s)
+            join_settle_s=self.join_settle_s, join_wait_max_s=self.join_wait_max_s,
+            rollback_wait_max_s=self.rollback_wait_max_s)
 
     def with_election(self, election: ElectionConfig) -> PlaneConfig:
         """These settings on other election timings, with the waits that follow them as the

@@ -71,6 +71,11 @@ class CoordinatorTimings:
     # The council the coordinator aims for (3, 5 or 7 voters; control/election/council.py): more
     # voters survive more crashes (5: one, 7: two) at the cost of more votes per election.
     council_size: int = 5
+    # A rollback that would run more completed steps again than a checkpoint interval waits for
+    # a peer holding a newer state to come back (a restarted peer brings its data dir's
+    # checkpoints) at most as long as running those steps again is predicted to take, and at
+    # most this long; 0: never waits.
+    rollback_wait_max_s: float = 120.0
     # A peer that refuses an allocation the others accept (or does not answer it) is left out of
     # the next attempts this long, doubled with each refusal in a row up to the max (see
     # leftout.py): shorter places an honest peer whose trouble passed sooner, at a failed

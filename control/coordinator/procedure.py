@@ -21,7 +21,7 @@ from ..allocation import Allocation
 from ..answers import PeerAnswer
 from ..election import quorum
 from ..epoch.machine import AbortRunner, RunClosed, RunReopened
-from ..epoch.runstate import ResumeError, describe, resume_point
+from ..epoch.runstate import ResumeError, ResumePoint, describe, resume_point
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
 from .allocate import MAX_OFFER_HOLDERS, NoHolder, first_allocation, majority_holdings, next_allocation
@@ -41,6 +41,10 @@ from .watch import RunWatch, completed_of
 __all__ = ["Procedures"]
 
 logger = logging.getLogger(__name__)
+
+# A rollback that runs at most this many completed steps again (or a checkpoint interval, when
+# longer) goes on at once: what a lost stage normally costs, not worth a wait.
+ROLLBACK_WAIT_MIN_STEPS = 20
 
 # A start whose live peers are not all measured yet (a report not yet relayed to this peer, a
 # link its measurer dropped): the first placement waits this long for gossip, polling every
@@ -65,6 +69,8 @@ class Procedures:
         self.paused_live: frozenset[bytes] | None = None  # reachable peers when the run paused
         self.paused_retry_at = 0.0
         self._keeps = 0  # RUN_STATE keep requests made (their keys)
+        # (run, epoch) whose costly rollback has waited for a holder to come back since when
+        self._rollback_wait: tuple[bytes, int, float] | None = None
 
     def _ask(self, proc: Procedure, step: Step, peers: Iterable[bytes], body: dict, timeout_s: float,
              msg: int = ControlMsg.RUN_STATE, layers: tuple[int, int] | None = None) -> Ask:
@@ -279,6 +285,13 @@ class Procedures:
             return self._pause(proc, f"{e}; waiting for a peer of the run to answer", reachable, now)
         if rp.step >= cur.end_step:
             raise ProcedureFailed("the run already reached its last step")
+        wait = self._rollback_wait_until(proc, rp, now)
+        if wait is not None:
+            lost, until = wait
+            return self._pause(proc, f"waiting up to {until - now:.0f} s more for a holder of a newer state to come back: "
+                                     f"the newest step every stage can be restored at now is {rp.step}, "
+                                     f"{lost} completed steps would run again", reachable, now,
+                               retry_at=min(now + self.r.timings.paused_retry_s, until))
         proc.planning.rp = rp
         swarm = self.r.swarm
         # (a leaving peer answers and offers its stages, but is not placed)
@@ -348,6 +361,14 @@ class Procedures:
                                     set(states) - leaving, self.r.me in leaving)
         except ValueError as e:
             raise ProcedureFailed(f"cannot build the next allocation: {e}") from None
+        pl.rolled_back, pl.steps_lost = self._rollback_loss(proc, rp)
+        reports = [(p, x) for p, st in states.items() for x in st.reports]
+        return self.hand.hand_out(proc, alloc, reports, now)
+
+    def _rollback_loss(self, proc: Procedure, rp: ResumePoint) -> tuple[bool, int]:
+        """Whether resuming at `rp` rolls the run back, and how many completed steps it runs again."""
+        cur, states = proc.cur, proc.stop.states
+        assert cur is not None
         # Steps the current epoch completed that the swarm runs again: the holders of the newer
         # stages are gone (a checkpoint, the initial weights or older in-memory stages serve): a
         # rollback, said as such. Only the current epoch's steps count: those an earlier epoch
@@ -357,7 +378,7 @@ class Procedures:
         logged = completed_of(self.hand.steplog, cur)
         done = {x.step - 1 for x in mine} | {cur.start_step - 1} | ({logged} if logged is not None else set())
         # (a resume from the checkpoints of the stop boundary runs no logged step again: no rollback)
-        pl.rolled_back = (rp.rollback and not proc.order.resume) or rp.step <= max(done)
+        rolled_back = (rp.rollback and not proc.order.resume) or rp.step <= max(done)
         # (how many: from the newest step of the epoch any peer logged or reported completing)
         newest = max(done | {x.step for x in mine})
         # A step this peer logged in an earlier epoch is run again too when the rollback that
@@ -365,20 +386,40 @@ class Procedures:
         # Not the steps a rollback that was handed out undid: that one counted them (the current
         # epoch's own completed steps are in `done`).
         ran = max(self.hand.logged.get(cur.run_id, set()) - self.hand.undone.get(cur.run_id, set()), default=-1)
-        if not pl.rolled_back and rp.step <= ran:
-            pl.rolled_back, newest = True, ran
-        pl.steps_lost = max(0, newest + 1 - rp.step) if pl.rolled_back else 0
-        reports = [(p, x) for p, st in states.items() for x in st.reports]
-        return self.hand.hand_out(proc, alloc, reports, now)
+        if not rolled_back and rp.step <= ran:
+            rolled_back, newest = True, ran
+        return rolled_back, max(0, newest + 1 - rp.step) if rolled_back else 0
+
+    def _rollback_wait_until(self, proc: Procedure, rp: ResumePoint, now: float) -> tuple[int, float] | None:
+        """(steps lost, until when to wait) when resuming at `rp` would run more completed steps
+        again than a checkpoint interval (and than ROLLBACK_WAIT_MIN_STEPS): the peers that held the newer state may come back (a
+        restarted peer brings the checkpoints of its data dir), and waiting for them as long as
+        running those steps again is predicted to take (capped by `rollback_wait_max_s`) costs
+        at worst as much as the loss, where rolling back at once costs all of it when they would
+        have come back. None: resume at `rp` now (no rollback, a small one, an operator's resume,
+        or the wait is over)."""
+        cur = proc.cur
+        assert cur is not None
+        cap = self.r.timings.rollback_wait_max_s
+        rolled_back, lost = self._rollback_loss(proc, rp)
+        if not rolled_back or proc.order.resume or cap <= 0 or lost <= max(ROLLBACK_WAIT_MIN_STEPS, cur.checkpoint_every):
+            return None
+        key = (cur.run_id, cur.epoch)
+        if self._rollback_wait is None or self._rollback_wait[:2] != key:
+            self._rollback_wait = (*key, now)
+        until = self._rollback_wait[2] + min(cap, lost * cur.predicted_iteration_s)
+        return (lost, until) if now < until else None
 
     # ---- failure, pause, stop -----------------------------------------------------------------
 
-    def _pause(self, proc: Procedure, why: str, reachable: Iterable[bytes], now: float) -> list:
-        """The run waits: retried when a peer out of reach answers, or after a while."""
+    def _pause(self, proc: Procedure, why: str, reachable: Iterable[bytes], now: float,
+               retry_at: float | None = None) -> list:
+        """The run waits: retried when a peer out of reach answers, or after a while (at
+        `retry_at`, by default `paused_retry_s` from now)."""
         cur = proc.cur
         assert cur is not None
         self.paused_live = frozenset(reachable)
-        self.paused_retry_at = now + self.r.timings.paused_retry_s
+        self.paused_retry_at = now + self.r.timings.paused_retry_s if retry_at is None else retry_at
         logger.error("training pauses: %s", why)
         self.hand.to(Phase.PAUSED, why)
         self.proc = None
