@@ -28,8 +28,9 @@ worst: the longest time without a completed step from the fault to the first ste
 was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
 loaded, stages built and fetched) to the soak's end, for processes measured over 2 minutes or
 more (`rss_growth`: a spare that took on a stage grows by the stage), and the growth while a
-process held the same kind of stage (`rss_growth_same_stage`: its first and last sample in that
-kind, each 30 s after it took it on, at least 2 minutes apart: what a leak would show), its open
+process held the same kind of stage without a break (`rss_growth_same_stage`: its first and last
+sample of one such tenure, from 30 s after it took the kind on, at least 2 minutes apart: what a
+leak would show), its open
 file descriptors and threads (worst). The last line of stdout is one JSON object: faults,
 faults_by_kind, steps, exact, rolled_back_steps, heal_s_median, heal_s_worst, rss_growth,
 rss_growth_same_stage, max_fds, max_threads and the details.
@@ -60,12 +61,12 @@ from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, re
 
 KINDS = ("kill", "kill_coordinator", "kill_stage_holders", "kill_during_reconfiguration", "kill_during_transfer",
          "freeze", "cut_link", "clock_jump", "partition_halves")
-HEAL_TIMEOUT_S = 300.0
+HEAL_TIMEOUT_S = 300.0  # a fault the swarm does not heal from within this is reported as such
 WARM_S = 60.0  # a daemon process's memory is measured from this long after its first sample
-MIN_SPAN_S = 120.0  # ... over at least this long  # a fault the swarm does not heal from within this is reported as such
+SETTLE_S = 30.0  # ... and, within one kind of stage, from this long after it took that kind on
+MIN_SPAN_S = 120.0  # ... over at least this long
 REL = 1e-5
 REPLAY_EVERY_S = 30.0  # how often the newest checkpoint not yet replayed is replayed in one process
-SETTLE_S = 30.0  # a process's memory after it took on another stage is measured from this long after
 REPLAY_STEPS = 2  # ... for this many steps (each one a step of the whole model on the soak's cores)
 
 
@@ -395,29 +396,27 @@ class Soak:
         return (None if growth is None else round(growth, 4)), fds, threads, shown
 
     def growth_in_kind(self) -> tuple[float | None, dict[str, list]]:
-        """The worst RSS growth of a daemon process between its first and its last sample
-        holding the same kind of stage (stages, pipelines, its stage; a spare is a kind too),
-        each taken SETTLE_S after it took that kind on (a bigger stage or more activations are
-        not a leak; memory that grows while the process holds what it held is), over at least
-        MIN_SPAN_S; and the worst case's process and MB."""
+        """The worst RSS growth of a daemon process within one tenure: a stretch of samples in
+        which it held one kind of stage without a break (stages, pipelines, its stage; a spare is
+        a kind too), from SETTLE_S after it took that kind on to the tenure's last sample, over
+        at least MIN_SPAN_S (a bigger stage, more activations, or torch and a stage's leftovers
+        in a spare that held a stage before are not a leak; memory that grows while the process
+        holds what it held is); and the worst case's process and MB."""
         worst: float | None = None
         shown: dict[str, list] = {}
         for (name, pid), series in sorted(self.held.items()):
-            since: dict[object, float] = {}  # kind -> when the process last took it on
-            first: dict[object, tuple[float, int]] = {}
-            last: dict[object, tuple[float, int]] = {}
-            prev = object()
+            tenures: list[tuple[object, list[tuple[float, int]]]] = []
+            start = 0.0
             for t, rss, kind in series:
-                if kind != prev:
-                    since[kind], prev = t, kind
-                if t - since[kind] < SETTLE_S:
+                if not tenures or tenures[-1][0] != kind:
+                    tenures.append((kind, []))
+                    start = t
+                if t - start >= SETTLE_S:
+                    tenures[-1][1].append((t, rss))
+            for kind, settled in tenures:
+                if not settled or settled[-1][0] - settled[0][0] < MIN_SPAN_S:
                     continue
-                first.setdefault(kind, (t, rss))
-                last[kind] = (t, rss)
-            for kind, (t0, r0) in first.items():
-                t1, r1 = last[kind]
-                if t1 - t0 < MIN_SPAN_S:
-                    continue
+                (t0, r0), (t1, r1) = settled[0], settled[-1]
                 g = r1 / r0 - 1
                 if worst is None or g > worst:
                     worst = g
