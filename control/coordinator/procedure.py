@@ -285,13 +285,15 @@ class Procedures:
             return self._pause(proc, f"{e}; waiting for a peer of the run to answer", reachable, now)
         if rp.step >= cur.end_step:
             raise ProcedureFailed("the run already reached its last step")
+        began = self._rollback_wait
         wait = self._rollback_wait_until(proc, rp, now)
         if wait is not None:
             lost, until = wait
             return self._pause(proc, f"waiting up to {until - now:.0f} s more for a holder of a newer state to come back: "
                                      f"the newest step every stage can be restored at now is {rp.step}, "
                                      f"{lost} completed steps would run again", reachable, now,
-                               retry_at=min(now + self.r.timings.paused_retry_s, until))
+                               retry_at=min(now + self.r.timings.paused_retry_s, until), again=began is not None
+                               and began == self._rollback_wait)
         proc.planning.rp = rp
         swarm = self.r.swarm
         # (a leaving peer answers and offers its stages, but is not placed)
@@ -413,16 +415,21 @@ class Procedures:
     # ---- failure, pause, stop -----------------------------------------------------------------
 
     def _pause(self, proc: Procedure, why: str, reachable: Iterable[bytes], now: float,
-               retry_at: float | None = None) -> list:
+               retry_at: float | None = None, again: bool = False) -> list:
         """The run waits: retried when a peer out of reach answers, or after a while (at
-        `retry_at`, by default `paused_retry_s` from now)."""
+        `retry_at`, by default `paused_retry_s` from now). `again`: the same wait as the last
+        pause's, retried: said in the log only (its event was emitted and the peers kept their
+        stages on disk when it began)."""
         cur = proc.cur
         assert cur is not None
         self.paused_live = frozenset(reachable)
         self.paused_retry_at = now + self.r.timings.paused_retry_s if retry_at is None else retry_at
-        logger.error("training pauses: %s", why)
         self.hand.to(Phase.PAUSED, why)
         self.proc = None
+        if again:
+            logger.info("training still pauses: %s", why)
+            return [] if proc.order.reply is None else [Reply(proc.order.reply, error=why)]
+        logger.error("training pauses: %s", why)
         out: list = [Emit(PlaneEvent(EventKind.PAUSED, self.r.election.term, proc.trigger, epoch=cur.epoch,
                                      reason=why)),
                      self._keep(cur, reachable)]
