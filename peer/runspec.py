@@ -193,11 +193,11 @@ def send_start(send: Callable[[], T], term: Callable[[], int | None], errors: tu
         try:
             return send()
         except errors as e:
-            deposed = getattr(e, "code", None) == DEPOSED
             now = term()
-            if attempt == attempts or not (deposed or (before and now is not None and now > before)):
+            moved = bool(before) and now is not None and now > before
+            if attempt == attempts or not (moved or getattr(e, "code", None) == DEPOSED):
                 raise
-            moved = f" (term {before} -> {now})" if before and now is not None and now > before else ""
-            say(f"{e}\nthe coordinator changed while it handed the run out{moved}: "
+            say(f"{e}\nthe coordinator changed while it handed the run out"
+                f"{f' (term {before} -> {now})' if moved else ''}: "
                 f"starting again with a new signed start ({attempt + 1} of {attempts})")
     raise AssertionError("unreachable")
