@@ -194,7 +194,7 @@ def send_start(send: Callable[[], T], term: Callable[[], int | None], errors: tu
             return send()
         except errors as e:
             now = term()
-            moved = bool(before) and now is not None and now > before
+            moved = before is not None and before > 0 and now is not None and now > before
             if attempt == attempts or not (moved or getattr(e, "code", None) == DEPOSED):
                 raise
             say(f"{e}\nthe coordinator changed while it handed the run out"
