@@ -22,7 +22,7 @@ from dtfm.net import short_id
 
 from ..actions import Ask, Compute
 from ..allocation import Allocation
-from ..answers import PeerAnswer
+from ..answers import NoAnswer, PeerAnswer
 from ..messages import ControlMsg
 from ..reach import ReachRequest
 from ..refusals import Refusals
@@ -246,6 +246,9 @@ class RunWatch:
     def probed(self, probe: Probe, answers: Mapping[bytes, PeerAnswer], now: float) -> list | Reconfigure:
         """The answers to probe `probe`."""
         self._probe = None
+        # A silent peer that answers is silent no more (a frozen peer woke): the reconfiguration
+        # its answer may start asks it again, or its stage would never be taken back.
+        self._silent -= {p for p, a in answers.items() if not isinstance(a, NoAnswer)}
         if probe is Probe.DEADLINE:
             return self._deadline_answers(answers, now)
         if probe is Probe.LINKS:
