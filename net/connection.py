@@ -283,6 +283,11 @@ class Connection:
         """trio.current_time() when the last record from the peer arrived."""
         return self._in.last_seen
 
+    @property
+    def record_buffer_bytes(self) -> int:
+        """Bytes held by the record layer's buffers, both ways (payload buffers not included)."""
+        return self._out.buffer_bytes + self._in.buffer_bytes
+
     async def _run_writer(self) -> None:
         try:
             await self._out.run()

@@ -17,6 +17,7 @@ writer task still sends record k.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import trio
@@ -31,8 +32,24 @@ def max_record_bytes(max_control_frame_bytes: int, chunk_bytes: int, tag_bytes: 
     return max(max_control_frame_bytes, frames.CHUNK_HEADER_BYTES + chunk_bytes) + tag_bytes
 
 
+# A record buffer grown past this (a payload chunk, a large control frame) goes back to its first
+# size once no record that large has passed for SHRINK_AFTER_S: an idle connection that carried
+# one bandwidth probe or one stage transfer keeps 4 KiB, not a megabyte on each side.
+LARGE_RECORD_BYTES = 64 * 1024
+SHRINK_AFTER_S = 30.0
+_FIRST_BYTES = 4096
+
+
 def _grow(buf: bytearray, n: int, cap: int) -> bytearray:
     return buf if len(buf) >= n else bytearray(max(n, min(2 * len(buf), cap)))
+
+
+def _sized(buf: bytearray, n: int, cap: int, large_at: float, now: float) -> bytearray:
+    """`buf` grown to hold `n` bytes, or back to its first size when it holds a large record's
+    room that no large record used for SHRINK_AFTER_S and `n` fits the first size."""
+    if n <= _FIRST_BYTES and len(buf) > LARGE_RECORD_BYTES and now - large_at >= SHRINK_AFTER_S:
+        return bytearray(_FIRST_BYTES)
+    return _grow(buf, n, cap)
 
 
 async def detach_chunks(chunks: Iterable[frames.Chunk]) -> None:
@@ -71,11 +88,17 @@ class RecordWriter:
         self._stall_s = send_stall_timeout_s
         self._thread_min = thread_min_bytes
         self._peer = peer
-        self._outs = [bytearray(4096), bytearray(4096)]
+        self._outs = [bytearray(_FIRST_BYTES), bytearray(_FIRST_BYTES)]
         self._out_index = 0
+        self._large_at = -math.inf  # when the last record over LARGE_RECORD_BYTES was sealed
         self._lock = trio.Lock()
         self._to_writer, self._from_writer = trio.open_memory_channel(0)
         self._running = False
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes held by the output buffers."""
+        return sum(len(b) for b in self._outs)
 
     async def run(self) -> None:
         """With worker threads, the writer task: sends handed-off records in order while the
@@ -108,7 +131,7 @@ class RecordWriter:
             if isinstance(frame, frames.Chunk):
                 header, data = frame.header(), frame.data
                 size = 2 * overhead + len(header) + data.nbytes
-                out = self._outs[i] = _grow(self._outs[i], size, self._max_out)
+                out = self._outs[i] = self._out_buffer(i, size, now)
                 frame.state = frames.Chunk.SEALING
                 try:
                     if self._thread_min and data.nbytes >= self._thread_min:
@@ -118,7 +141,7 @@ class RecordWriter:
                 finally:
                     frame.state = frames.Chunk.SEALED
             else:
-                out = self._outs[i] = _grow(self._outs[i], overhead + len(frame), self._max_out)
+                out = self._outs[i] = self._out_buffer(i, overhead + len(frame), now)
                 if self._thread_min and len(frame) >= self._thread_min:
                     end = await trio.to_thread.run_sync(cipher.seal_at, frame, out, 0)
                 else:
@@ -127,6 +150,13 @@ class RecordWriter:
             if flush:
                 await self._hand_off(None)
             self.last_sent = now
+
+    def _out_buffer(self, i: int, size: int, now: float) -> bytearray:
+        """Output buffer `i` (free: the record sealed in it two records ago is written) for a
+        record of `size` bytes; it shrinks as `_sized` says."""
+        if size > LARGE_RECORD_BYTES:
+            self._large_at = now
+        return _sized(self._outs[i], size, self._max_out, self._large_at, now)
 
     def _seal_chunk(self, header: bytes, data: memoryview, out: bytearray) -> int:
         return self.cipher.seal_at(data, out, self.cipher.seal_at(header, out, 0))
@@ -173,7 +203,13 @@ class RecordReader:
         self._idle_s = idle_timeout_s
         self._thread_min = thread_min_bytes
         self._peer = peer
-        self._buf = bytearray(4096)
+        self._buf = bytearray(_FIRST_BYTES)
+        self._large_at = -math.inf  # when the last record over LARGE_RECORD_BYTES was read into `_buf`
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes held by the buffer records other than payload chunks are read into."""
+        return len(self._buf)
 
     async def run(self, on_message: Callable[[frames.Message], None]) -> None:
         """Deliver messages in order until the peer closes; raises `ProtocolError` for bad
@@ -192,7 +228,10 @@ class RecordReader:
                 if chunk is not None and chunk.into is not None:
                     record = chunk.into[:n]  # in place: the payload's buffer, then room for the tag
                 else:
-                    self._buf = _grow(self._buf, n, self._max_record)
+                    now = trio.current_time()
+                    if n > LARGE_RECORD_BYTES:
+                        self._large_at = now
+                    self._buf = _sized(self._buf, n, self._max_record, self._large_at, now)
                     record = memoryview(self._buf)[:n]
                 await reader.read_into(record)
             except trio.TooSlowError:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import trio
 
 from dtfm.net import IDENTITY_FILE, Identity, LinkShaper, Transport, load_swarm_key, swarm_key_fingerprint
+from dtfm.train import limit_heap_caching
 
 from .config import ConfigError, DaemonConfig
 from .daemon import Daemon
@@ -98,6 +99,10 @@ def run_daemon(config: DaemonConfig, setups: Sequence[DaemonSetup] = (), *,
     data_dir.ensure()
     data_dir.check_socket_path()
     with DataDirLock(data_dir):
+        # Blocks of 1 MiB or more (a bandwidth probe's buffers, a transfer's) are mapped on their
+        # own and go back to the system when freed, from the start, not once a stage trains: an
+        # idle daemon keeps no freed megabyte per connection it probed (train/memory.py).
+        limit_heap_caching()
         preload(os.environ.get(PRELOAD_ENV, ""))
         shaper = build_shaper(config)
         daemon = build_daemon(config, data_dir, shaper)

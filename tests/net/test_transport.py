@@ -628,3 +628,28 @@ def test_inbound_abort_refusal_and_close_keep_the_accounting():
     assert budget.used_bytes == 40 and two.inflight_bytes == 0
     one.close()
     assert budget.used_bytes == 0
+
+
+async def test_record_buffers_grown_by_large_records_shrink_once_they_stop(autojump_clock):
+    """A connection that carried one large payload and a large control frame (a bandwidth probe,
+    a stage transfer) keeps its first buffers once nothing that large passed for 30 s; while
+    large records keep coming, the grown buffers stay."""
+    from dtfm.net.records import SHRINK_AFTER_S
+
+    a, b = make(config=TransportConfig.default()), make(config=TransportConfig.default())  # 1 MiB chunks
+    async with trio.open_nursery() as n:
+        conn = await pair(n, a, b)
+        small = conn.record_buffer_bytes
+        big = {"blob": "x" * 200_000}  # a large control frame: each side's record buffer grows
+        for _ in range(3):
+            await conn.request(ECHO, big, payload=bytes(300_000))
+            await trio.sleep(SHRINK_AFTER_S / 3)
+        back = b.connection(a.peer_id)
+        grown = (conn.record_buffer_bytes, back.record_buffer_bytes)
+        assert min(grown) > 200_000  # kept while large records recur
+        await trio.sleep(SHRINK_AFTER_S)
+        for _ in range(2):  # each of the two output buffers shrinks at its next record
+            assert (await conn.request(ECHO, "small"))[0] == "small"
+        assert conn.record_buffer_bytes == back.record_buffer_bytes == small
+        assert (await conn.request(ECHO, big))[0] == big  # and grows again when needed
+        n.cancel_scope.cancel()
