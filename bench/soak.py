@@ -28,10 +28,10 @@ worst: the longest time without a completed step from the fault to the first ste
 was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
 loaded, stages built and fetched) to the soak's end, for processes measured over 2 minutes or
 more (`rss_growth`: a spare that took on a stage grows by the stage), and the growth while a
-process held the same kind of stage without a break (`rss_growth_same_stage`: its first and last
-sample of one such tenure, from 30 s after it took the kind on, at least 2 minutes apart: what a
-leak would show), its open
-file descriptors and threads (worst). The last line of stdout is one JSON object: faults,
+process held the same kind of stage without a break (`rss_growth_same_stage`: the largest sample
+of the first and of the last 30 s of one such tenure, from 30 s after it took the kind on, at
+least 2 minutes apart: what a leak would show), its open file descriptors and threads (worst);
+every sample is in the run dir's health.jsonl. The last line of stdout is one JSON object: faults,
 faults_by_kind, steps, exact, rolled_back_steps, heal_s_median, heal_s_worst, rss_growth,
 rss_growth_same_stage, max_fds, max_threads and the details.
 """
@@ -65,6 +65,7 @@ HEAL_TIMEOUT_S = 300.0  # a fault the swarm does not heal from within this is re
 WARM_S = 60.0  # a daemon process's memory is measured from this long after its first sample
 SETTLE_S = 30.0  # ... and, within one kind of stage, from this long after it took that kind on
 MIN_SPAN_S = 120.0  # ... over at least this long
+WINDOW_S = 30.0  # ... as the largest sample of its first and of its last this long
 REL = 1e-5
 REPLAY_EVERY_S = 30.0  # how often the newest checkpoint not yet replayed is replayed in one process
 REPLAY_STEPS = 2  # ... for this many steps (each one a step of the whole model on the soak's cores)
@@ -141,6 +142,9 @@ class Soak:
             t = (peer_status(p) or {}).get("training") or {}
             held = (t.get("stages"), t.get("dp"), t.get("stage")) if t.get("stage") is not None else None
             self.held.setdefault((p.name, p.pid), []).append((now, rss, held))
+            with open(self.run_dir / "health.jsonl", "a") as f:  # (to look at after the judgement)
+                f.write(json.dumps({"t": round(now, 2), "peer": p.name, "pid": p.pid, "rss": rss, "fds": fds,
+                                    "threads": threads, "held": held}) + "\n")
 
     # ---- faults -------------------------------------------------------------------------------
 
@@ -416,7 +420,11 @@ class Soak:
             for kind, settled in tenures:
                 if not settled or settled[-1][0] - settled[0][0] < MIN_SPAN_S:
                     continue
-                (t0, r0), (t1, r1) = settled[0], settled[-1]
+                t0, t1 = settled[0][0], settled[-1][0]
+                # the largest sample of the tenure's first and last WINDOW_S: a sample that lands on
+                # a step's activations and one between steps differ by more than a leak would
+                r0 = max(r for t, r in settled if t <= t0 + WINDOW_S)
+                r1 = max(r for t, r in settled if t >= t1 - WINDOW_S)
                 g = r1 / r0 - 1
                 if worst is None or g > worst:
                     worst = g

@@ -37,3 +37,13 @@ def test_a_spare_again_after_holding_a_stage_is_not_compared_with_the_spare_it_w
 def test_a_kind_held_for_less_than_the_span_is_not_judged():
     series = [(0, 100 * MB, (2, 2, 1)), (40, 100 * MB, (2, 2, 1)), (100, 300 * MB, (2, 2, 1))]
     assert _soak({("p01", 9): series}).growth_in_kind() == (None, {})
+
+
+def test_growth_compares_the_largest_samples_of_the_first_and_last_window():
+    # a stage whose resident memory swings between steps (150 MB between, 190 MB within a step):
+    # a first sample between steps and a last within one are not a 27 % leak; the windows'
+    # largest samples (190, 195) are what grew
+    series = [(0, 100 * MB, (2, 2, 0)), (30, 150 * MB, (2, 2, 0)), (45, 190 * MB, (2, 2, 0)), (100, 170 * MB, (2, 2, 0)),
+              (160, 160 * MB, (2, 2, 0)), (190, 195 * MB, (2, 2, 0))]
+    growth, worst = _soak({("p02", 5): series}).growth_in_kind()
+    assert growth == round(195 / 190 - 1, 4) and worst["p02/5"][1:3] == [190, 195]
