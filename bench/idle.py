@@ -64,7 +64,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
 
 def socket_status_s(data_dir: str) -> float:
     from dtfm.peer.config import SocketConfig
-    from dtfm.peer.socket import ControlClient
+    from dtfm.peer.control_client import ControlClient
 
     t0 = time.perf_counter()
     with ControlClient(Path(data_dir) / "control" / "peer.sock", SocketConfig(request_timeout_s=30.0)) as c:

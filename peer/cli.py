@@ -50,7 +50,7 @@ from . import logs
 from .config import ConfigError, DaemonConfig, ListenError
 from .paths import DataDir, DataDirError, DataDirLock, default_data_dir
 from .settings import apply_flags, default_text, flag_settings, load_toml
-from .socket import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
+from .control_client import ControlClient, ControlClientError, ControlSocketError, DaemonNotRunning
 from .members import format_members, member_rows
 from .runspec import (KNOB_FLAGS, PLACEMENT_CHOICES, RUN_SPEC_KEYS, init_folder, load_run_spec, resolve, send_start,
                       start_request)

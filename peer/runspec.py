@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 from dtfm.train import PRECISIONS, PRESETS, WIRE_DTYPES, TrainConfig
 
 from .config import ConfigError, read_toml
-from .socket import DEPOSED
+from .control_client import DEPOSED
 
 __all__ = ["KNOB_FLAGS", "PLACEMENT_CHOICES", "RUN_SPEC_KEYS", "START_ATTEMPTS", "SpecKey", "init_folder",
            "load_run_spec", "resolve", "send_start", "start_request"]

@@ -39,7 +39,7 @@ from dtfm.sched import load_codec_speed
 
 from .config import MAX_CLOCK_JUMP_S, ConfigError, DaemonConfig
 from .daemon import Daemon
-from .socket import DEPOSED, ControlCommandError
+from .control_client import DEPOSED, ControlCommandError
 from .speed import KIND_FILE, SPEED_FILE, KindCache, SelfSpeed, SpeedCache, speed_key
 
 logger = logging.getLogger(__name__)

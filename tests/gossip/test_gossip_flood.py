@@ -23,7 +23,7 @@ from dtfm.gossip.status import MAX_DISPUTED_LISTED, MAX_MEMBERS_LISTED, MAX_VIEW
 from dtfm.gossip.swim import Swim
 from dtfm.gossip.view import build_view
 from dtfm.net import Identity, pack
-from dtfm.peer.socket import encode_frame
+from dtfm.peer.control_client import encode_frame
 from dtfm.peer.status import REPLY_OVERHEAD_BYTES, fit_report, format_text
 from verifying import answer_verifications
 

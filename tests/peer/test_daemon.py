@@ -30,7 +30,7 @@ from dtfm.peer.paths import DataDir
 from dtfm.peer.peerbook import PeerBook, backoff_delay_s
 from dtfm.peer.pex import PeerExchange, PeerRecord
 from dtfm.peer.services import GossipPart
-from dtfm.peer.socket import ControlCommandError
+from dtfm.peer.control_client import ControlCommandError
 from dtfm.scenarios import load_scenario
 
 KEY = b"k" * 32

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dtfm.peer.config import SocketConfig
-from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
+from dtfm.peer.control_client import ControlClient, ControlClientError, DaemonNotRunning
 from dtfm.peer.paths import DataDir, DataDirLock
 
 pytestmark = pytest.mark.slow

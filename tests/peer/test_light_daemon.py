@@ -14,7 +14,7 @@ import polling
 import pytest
 
 from dtfm.peer.config import SocketConfig
-from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
+from dtfm.peer.control_client import ControlClient, ControlClientError, DaemonNotRunning
 
 # What the daemon (`join`), the control plane, gossip, the swarm tool and the CLI's signing import
 # before any stage exists, each name resolved as its users resolve it; then which heavy modules
@@ -46,6 +46,28 @@ profile = "test"
 def test_the_daemon_control_plane_gossip_and_signing_import_no_torch_or_scipy():
     out = subprocess.run([sys.executable, "-c", IMPORTS], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
+
+
+# What the operator's reading commands load, up to asking the daemon (none runs here: each ends
+# with "no daemon is running"): the control client, not the daemon's event loop or numpy.
+READING = r"""
+import sys
+from dtfm.peer.cli import main
+for args in (["status"], ["status", "--json"], ["members"], ["train", "status"]):
+    try:
+        main([*args, "--data-dir", sys.argv[1]])
+    except SystemExit:
+        pass
+print(" ".join(m for m in ("trio", "numpy", "scipy", "torch") if m in sys.modules))
+"""
+
+
+def test_the_reading_commands_load_neither_trio_nor_numpy(tmp_path):
+    out = subprocess.run([sys.executable, "-c", READING, str(tmp_path / "p")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("no daemon is running") == 4, out.stderr
     assert out.stdout.strip() == ""
 
 

@@ -22,7 +22,7 @@ import polling
 import pytest
 
 from dtfm.peer.config import SocketConfig
-from dtfm.peer.socket import ControlClient, ControlClientError, DaemonNotRunning
+from dtfm.peer.control_client import ControlClient, ControlClientError, DaemonNotRunning
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(110)]
 

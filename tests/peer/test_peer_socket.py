@@ -18,19 +18,18 @@ from dtfm.net.errors import ProtocolError
 from dtfm.net.wire import pack
 from dtfm.peer import socket as peer_socket
 from dtfm.peer.config import SocketConfig
-from dtfm.peer.socket import (
+from dtfm.peer.control_client import (
     DEPOSED,
     ControlClient,
     ControlClientError,
     ControlCommandError,
     ControlRequest,
-    ControlServer,
     ControlSocketError,
     DaemonNotRunning,
     encode_frame,
     parse_response,
-    read_frame_untrusted,
 )
+from dtfm.peer.socket import ControlServer, read_frame_untrusted
 
 CONFIG = SocketConfig(max_request_bytes=4096, max_response_bytes=64 * 1024, request_timeout_s=5.0)
 

@@ -361,7 +361,7 @@ def test_a_start_is_sent_again_when_the_daemon_says_its_coordinator_was_replaced
     """The refusal's code says it, where the terms cannot: the first election chose a
     coordinator that an election replaced before the run started, or the daemon did not say
     its term in time (a loaded machine)."""
-    from dtfm.peer.socket import DEPOSED
+    from dtfm.peer.control_client import DEPOSED
     run, said = _start_sender(terms, [_Refused("the allocation was refused", code=DEPOSED), "started"])
     assert run() == "started"
     assert len(said) == 1 and "the coordinator changed" in said[0] and "term" not in said[0].split("\n")[1]

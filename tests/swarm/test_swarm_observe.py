@@ -18,7 +18,8 @@ from dtfm.net import OperatorKey
 from dtfm.peer.cli import format_reschedule
 from dtfm.peer.cli import main as peer_main
 from dtfm.peer.config import SocketConfig
-from dtfm.peer.socket import DEPOSED, ControlClientError, ControlServer
+from dtfm.peer.control_client import DEPOSED, ControlClientError
+from dtfm.peer.socket import ControlServer
 from dtfm.peer.paths import DataDir
 from dtfm.peer.status import format_status_text, format_text, format_training
 from dtfm.swarm import cli as swarm_cli
