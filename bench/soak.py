@@ -21,7 +21,7 @@ swarm's own state (bench/replay.py: every 30 s the newest step whose every stage
 checkpointed, and at the end every such step still on disk, is replayed in one process for two
 steps; `replay` in the JSON, with how many steps it covered), the DP replicas of every stage identical (their parameters'
 sha256), and the figures: the worst deviation of the whole run from one process trained from
-the start (`worst_relative_loss_deviation`, `whole_run_within_1e-5`: a shape change adds the
+the start (`worst_relative_loss_deviation`, `whole_run_within_1e-5`, `whole_run_first_step_over_1e-5`: a shape change adds the
 gradients in another float32 order, and that drift grows over the steps), faults by kind, steps lost to rollbacks (from the
 coordinators' rollback events), the time from each fault to the next completed step (median and
 worst: the longest time without a completed step from the fault to the first step after it
@@ -348,7 +348,7 @@ class Soak:
         # as tests/swarms.py's check_log: within 1e-5 of the loss, relative or absolute (a new DP
         # degree changes the float32 summation order; the differences grow over the steps)
         worst = worst_abs = 0.0
-        within = True
+        within, first_over = True, None
         for r in rows:
             ref = reference_step(state, corpus)
             if r["loss"] is None:
@@ -356,6 +356,8 @@ class Soak:
                 continue
             diff = abs(r["loss"] - ref)
             worst, worst_abs = max(worst, diff / max(abs(ref), 1e-12)), max(worst_abs, diff)
+            if diff > max(REL * abs(ref), REL) and first_over is None:
+                first_over = r["step"]
             within = within and diff <= max(REL * abs(ref), REL)
         replay(self.run_dir, self.replay, max_steps=REPLAY_STEPS, say=log)
         replayed = self.replay.to_dict()
@@ -368,7 +370,7 @@ class Soak:
         return {
             "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
             "steps": len(rows), "exact": bool(once and replicas_identical and replayed["exact"]),
-            "replay": replayed, "whole_run_within_1e-5": within,
+            "replay": replayed, "whole_run_within_1e-5": within, "whole_run_first_step_over_1e-5": first_over,
             "rolled_back_steps": rolled_back, "rollbacks": len(rollbacks),
             "rollback_sources": dict(Counter(str(e.get("restored_from")) for e in rollbacks)),
             "heal_s_median": round(statistics.median(heals), 2) if heals else None,
