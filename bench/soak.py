@@ -80,7 +80,8 @@ class Soak:
         self.run_dir, self.rng, self.args = run_dir, rng, args
         self.faults: list[dict] = []
         self.samples: dict[tuple[str, int], list[tuple[float, int, int, int]]] = {}  # (peer, pid) -> (t, rss, fds, thr)
-        # (peer, pid) -> (t, rss, what it held then: (stages, pipelines, its stage), or None as a spare)
+        # (peer, pid) -> (t, rss, what it held then: ((stages, pipelines, its stage), or None as a
+        # spare; whether it was the coordinator))
         self.held: dict[tuple[str, int], list[tuple[float, int, tuple | None]]] = {}
         self.replay = Replay()  # the checkpointed steps replayed in one process (bench/replay.py)
         self._next_replay = 0.0
@@ -140,7 +141,9 @@ class Soak:
                 continue
             self.samples.setdefault((p.name, p.pid), []).append((now, rss, fds, threads))
             t = (peer_status(p) or {}).get("training") or {}
-            held = (t.get("stages"), t.get("dp"), t.get("stage")) if t.get("stage") is not None else None
+            # (the coordinator's role is a kind too: it loads the scheduler, scipy, once it schedules)
+            held = ((t.get("stages"), t.get("dp"), t.get("stage")) if t.get("stage") is not None else None,
+                    t.get("role") == "coordinator")
             self.held.setdefault((p.name, p.pid), []).append((now, rss, held))
             with open(self.run_dir / "health.jsonl", "a") as f:  # (to look at after the judgement)
                 f.write(json.dumps({"t": round(now, 2), "peer": p.name, "pid": p.pid, "rss": rss, "fds": fds,
@@ -404,7 +407,7 @@ class Soak:
     def growth_in_kind(self) -> tuple[float | None, dict[str, list]]:
         """The worst RSS growth of a daemon process within one tenure: a stretch of samples in
         which it held one kind of stage without a break (stages, pipelines, its stage; a spare is
-        a kind too), from SETTLE_S after it took that kind on to the tenure's last sample, over
+        a kind too; so is the coordinator's role, which loads the scheduler), from SETTLE_S after it took that kind on to the tenure's last sample, over
         at least MIN_SPAN_S (a bigger stage, more activations, or torch and a stage's leftovers
         in a spare that held a stage before are not a leak; memory that grows while the process
         holds what it held is); and the worst case's process and MB."""

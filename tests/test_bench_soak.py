@@ -47,3 +47,12 @@ def test_growth_compares_the_largest_samples_of_the_first_and_last_window():
               (160, 160 * MB, (2, 2, 0)), (190, 195 * MB, (2, 2, 0))]
     growth, worst = _soak({("p02", 5): series}).growth_in_kind()
     assert growth == round(195 / 190 - 1, 4) and worst["p02/5"][1:3] == [190, 195]
+
+
+def test_a_spare_that_becomes_the_coordinator_starts_a_tenure():
+    # a spare at 365 MB becomes the coordinator and loads the scheduler (417 MB), flat after:
+    # two tenures, each flat, not 14 % of growth
+    series = [(t, 365 * MB, (None, False)) for t in range(0, 400, 20)] + [
+        (t, 417 * MB, (None, True)) for t in range(400, 800, 20)]
+    growth, worst = _soak({("p03", 24508): series}).growth_in_kind()
+    assert growth == 0.0
