@@ -140,10 +140,7 @@ class Soak:
             except (OSError, KeyError, ValueError):
                 continue
             self.samples.setdefault((p.name, p.pid), []).append((now, rss, fds, threads))
-            t = (peer_status(p) or {}).get("training") or {}
-            # (the coordinator's role is a kind too: it loads the scheduler, scipy, once it schedules)
-            held = ((t.get("stages"), t.get("dp"), t.get("stage")) if t.get("stage") is not None else None,
-                    t.get("role") == "coordinator")
+            held = kind_held((peer_status(p) or {}).get("training") or {})
             self.held.setdefault((p.name, p.pid), []).append((now, rss, held))
             with open(self.run_dir / "health.jsonl", "a") as f:  # (to look at after the judgement)
                 f.write(json.dumps({"t": round(now, 2), "peer": p.name, "pid": p.pid, "rss": rss, "fds": fds,
@@ -435,6 +432,15 @@ class Soak:
                     worst = g
                     shown = {f"{name}/{pid}": [str(kind), r0 >> 20, r1 >> 20, round(t1 - t0)]}
         return (None if worst is None else round(worst, 4)), shown
+
+
+def kind_held(training: dict) -> tuple:
+    """What a daemon holds, from its status's `training`, as the memory judgement tells tenures
+    apart: its stage ((stages, pipelines, its stage), None as a spare) and whether it is the
+    coordinator (which loads the scheduler, scipy, once it schedules)."""
+    stage = training.get("stage")
+    return ((training.get("stages"), training.get("dp"), stage) if stage is not None else None,
+            training.get("role") == "coordinator")
 
 
 def _shape(text: str) -> str:

@@ -52,7 +52,11 @@ def test_growth_compares_the_largest_samples_of_the_first_and_last_window():
 def test_a_spare_that_becomes_the_coordinator_starts_a_tenure():
     # a spare at 365 MB becomes the coordinator and loads the scheduler (417 MB), flat after:
     # two tenures, each flat, not 14 % of growth
-    series = [(t, 365 * MB, (None, False)) for t in range(0, 400, 20)] + [
-        (t, 417 * MB, (None, True)) for t in range(400, 800, 20)]
+    spare = {"role": "follower", "stage": None}
+    coordinator = {"role": "coordinator", "stage": None}
+    series = [(t, 365 * MB, bench.kind_held(spare)) for t in range(0, 400, 20)] + [
+        (t, 417 * MB, bench.kind_held(coordinator)) for t in range(400, 800, 20)]
     growth, worst = _soak({("p03", 24508): series}).growth_in_kind()
     assert growth == 0.0
+    stage = {"role": "follower", "stages": 2, "dp": 1, "stage": 0}
+    assert bench.kind_held(stage) == ((2, 1, 0), False) != bench.kind_held({**stage, "role": "coordinator"})
