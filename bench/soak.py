@@ -241,7 +241,12 @@ class Soak:
         if kind == "cut_link":
             pairs = [(a, b) for a, va in t.items() for b, vb in t.items()
                      if va.get("pipeline") == vb.get("pipeline") and vb.get("stage") == va.get("stage", -9) + 1]
-            a, b = rng.choice(sorted(pairs)) if pairs else tuple(rng.sample(names, 2))
+            if pairs:
+                a, b = rng.choice(sorted(pairs))
+            else:  # (one stage, one pipeline: no neighbours; a stage peer and another live peer)
+                alive = sorted(p.name for p in self.peers() if p.alive())
+                a = rng.choice(names or alive)
+                b = rng.choice([n for n in alive if n != a])
             swarm(self.run_dir, "partition", a, b)
             try:
                 self.pause(10, 30)
