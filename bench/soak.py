@@ -21,8 +21,9 @@ swarm's own state (bench/replay.py: every 30 s the newest step whose every stage
 checkpointed, and at the end every such step still on disk, is replayed in one process for two
 steps; `replay` in the JSON, with how many steps it covered), the DP replicas of every stage identical (their parameters'
 sha256), and the figures: the worst deviation of the whole run from one process trained from
-the start (`worst_relative_loss_deviation`, `whole_run_within_1e-5`, `whole_run_first_step_over_1e-5`: a shape change adds the
-gradients in another float32 order, and that drift grows over the steps), faults by kind, steps lost to rollbacks (from the
+the start (`worst_relative_loss_deviation`, `whole_run_within_1e-5`, `whole_run_first_step_over_1e-5`: the swarm's step and one
+process's whole-batch step differ by a float32 rounding, which training amplifies over the
+steps, faults or not), faults by kind, steps lost to rollbacks (from the
 coordinators' rollback events), the time from each fault to the next completed step (median and
 worst: the longest time without a completed step from the fault to the first step after it
 was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
