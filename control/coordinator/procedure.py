@@ -292,8 +292,7 @@ class Procedures:
             return self._pause(proc, f"waiting up to {until - now:.0f} s more for a holder of a newer state to come back: "
                                      f"the newest step every stage can be restored at now is {rp.step}, "
                                      f"{lost} completed steps would run again", reachable, now,
-                               retry_at=min(now + self.r.timings.paused_retry_s, until), again=began is not None
-                               and began == self._rollback_wait)
+                               retry_at=min(now + self.r.timings.paused_retry_s, until), again=began == self._rollback_wait)
         proc.planning.rp = rp
         swarm = self.r.swarm
         # (a leaving peer answers and offers its stages, but is not placed)

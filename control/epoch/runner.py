@@ -29,10 +29,10 @@ copy of the stage is all it costs (and one memory copy per step). A compressed s
 can still fail after its update, so a compressed run copies the stage before each step into a
 second buffer that becomes the snapshot once the step completed: two copies.
 
-Before its first step the runner has glibc map every block of 1 MiB or more on its own (so a
-freed tensor's memory goes back to the system at once), after each step and each checkpoint it
-gives the C heap's other free pages back (train/memory.py `limit_heap_caching`,
-`release_heap`), and it keeps the stage's `StageMemory` (weights, gradients, optimizer,
+After each step and each checkpoint the runner gives the C heap's free pages back
+(train/memory.py `release_heap`; the daemon has glibc map every block of 1 MiB or more on its
+own from its start, `limit_heap_caching` in peer/runner.py, so a freed tensor's memory goes
+back to the system at once), and it keeps the stage's `StageMemory` (weights, gradients, optimizer,
 snapshot, the step's activations) for the daemon's status.
 
 A step does not wait for the acknowledgements of its own sends (train/worker.py): the next step
@@ -67,7 +67,6 @@ from dtfm.train import (
     StageMemory,
     StageState,
     StepResult,
-    limit_heap_caching,
     release_heap,
     run_step,
     save_checkpoint,
@@ -150,7 +149,6 @@ class StageRunner:
 
     def _loop(self) -> RunEnd:
         torch.set_num_threads(self.torch_threads)
-        limit_heap_caching()  # (process-wide, once a stage trains: see train/memory.py)
         in_step = self.state.compress.config.dp_method == "exact"  # the snapshot is copied inside the step
         while self.state.step < self.end_step:
             step = self.state.step
