@@ -20,7 +20,7 @@ from typing import Callable, Hashable, Protocol, TypeVar
 import torch
 
 from .codec import tensor_from_wire, tensor_to_wire
-from .errors import CommClosed, CommError, CommTimeout, PeerId
+from .errors import CommClosed, CommError, CommTimeout, PeerId, raised_again
 
 __all__ = [
     "Comm", "SendHandle", "CommError", "CommTimeout", "CommClosed", "InMemoryHub", "InMemoryComm", "Link", "EventHandle",
@@ -118,9 +118,7 @@ class EventHandle:
         if not self._event.wait(timeout_s):
             raise CommTimeout(f"timed out after {timeout_s} s waiting to {self.what}")
         if self._error is not None:
-            if isinstance(self._error, CommError):
-                raise self._error
-            raise CommError(f"could not {self.what}: {self._error}") from self._error
+            raise raised_again(self._error, self.what)
 
 
 class _Done:

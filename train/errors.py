@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Hashable
 
-__all__ = ["CommClosed", "CommError", "CommTimeout", "PeerId"]
+__all__ = ["CommClosed", "CommError", "CommTimeout", "PeerId", "raised_again"]
 
 PeerId = Hashable  # str or bytes in practice
 
@@ -20,3 +20,19 @@ class CommTimeout(CommError, TimeoutError):
 
 class CommClosed(CommError):
     """The communicator was closed or aborted while waiting."""
+
+
+def raised_again(error: BaseException, what: str) -> CommError:
+    """A new exception to raise for a failure one object recorded (a send's stream broke) and
+    each of its waiters reports: a `CommError` like `error`, else one that names `what` and
+    carries it as its cause.
+
+    Never the recorded object itself: raising it gives it the waiter's frames as its traceback,
+    and those frames hold the failed step (its activations, their autograd graph, the gradients)
+    for as long as the recorder keeps the error, which reaches back to it through those frames:
+    a cycle only a full collection frees, after the memory has been counted against the daemon."""
+    if isinstance(error, CommError):
+        return type(error)(*error.args)
+    fresh = CommError(f"could not {what}: {error}")
+    fresh.__cause__ = error.with_traceback(None)
+    return fresh

@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .comm import Comm, CommError, CommTimeout, PeerId, SendHandle
+from .comm import Comm, CommTimeout, PeerId, SendHandle
+from .errors import raised_again
 
 __all__ = ["HostStaging", "StagedSend"]
 
@@ -58,9 +59,7 @@ class StagedSend:
         if not self._handed.wait(timeout_s):
             raise CommTimeout(f"timed out after {timeout_s} s waiting to stage {self.what}")
         if self._error is not None:
-            if isinstance(self._error, CommError):
-                raise self._error
-            raise CommError(f"could not {self.what}: {self._error}") from self._error
+            raise raised_again(self._error, self.what)
         assert self._inner is not None
         self._inner.wait(max(0.0, timeout_s - (time.monotonic() - t0)))
 

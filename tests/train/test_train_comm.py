@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
@@ -140,3 +142,36 @@ def test_event_handle_completed_from_another_thread():
     bad.fail(OSError("connection reset"))
     with pytest.raises(CommError, match="connection reset"):
         bad.wait(1)
+
+
+@pytest.mark.parametrize("recorded", [CommError("peer 'b' failed: gone"), OSError("connection reset")])
+def test_a_failure_raised_to_each_waiter_keeps_none_of_their_frames(recorded):
+    """One broken stream fails every handle of it with the error it recorded. Raising that one
+    object would hang each waiter's frames on it, and with them what they held (a failed step's
+    activations and their graph), until a full collection: each wait raises a new exception."""
+    from dtfm.train import EventHandle
+
+    class Held:  # stands for a failed step's tensors
+        pass
+
+    handles = [EventHandle(f"send {i}") for i in range(2)]
+    for h in handles:
+        h.fail(recorded)
+
+    def waiter(h: EventHandle) -> weakref.ref:
+        held = Held()
+        try:
+            h.wait(1)
+        except CommError:
+            pass
+        return weakref.ref(held)
+
+    gc.disable()  # (no collection may hide a reference kept)
+    try:
+        assert [waiter(h)() for h in handles] == [None, None]
+    finally:
+        gc.enable()
+    with pytest.raises(CommError) as raised:
+        handles[0].wait(1)
+    assert raised.value is not recorded and type(raised.value) is CommError
+    assert "connection reset" in str(raised.value) if isinstance(recorded, OSError) else str(raised.value) == str(recorded)
