@@ -114,7 +114,14 @@ class StepResult:
 
 class _SavedBytes:
     """Counts the bytes autograd saves for backward (the activations a GPipe stage holds), the
-    stage's own parameters, which backward saves too, left out."""
+    stage's own parameters, which backward saves too, left out.
+
+    `pack` keeps a detached alias of each tensor (the same storage, no autograd history), never
+    the tensor it was given: an operation that saves its own output (softmax, attention, layer
+    norm's statistics) would otherwise hold that output, which holds the operation back, a cycle
+    kept in autograd's C++ objects that no collection can see. backward breaks it by releasing
+    what it used; a forward whose backward never runs (the step failed: a neighbour died
+    between them) would keep its whole graph, weights included, for the life of the daemon."""
 
     def __init__(self, params: Iterable[torch.Tensor] = ()):
         self.now = self.peak = 0
@@ -126,7 +133,7 @@ class _SavedBytes:
             self._seen.add(ptr)
             self.now += t.untyped_storage().nbytes()
             self.peak = max(self.peak, self.now)
-        return t
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:

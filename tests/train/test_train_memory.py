@@ -43,3 +43,37 @@ def test_tensors_freed_between_live_ones_leave_the_process_once_heap_caching_is_
     t.join()
     assert got["kept"] == 8 and got["freed"] >= 48 * MiB  # the 8 freed blocks (64 MiB) are gone
     assert release_heap()
+
+
+def test_a_forward_whose_backward_never_runs_leaves_nothing_behind_when_its_activations_are_counted():
+    """A step counts its saved activations with autograd's saved-tensor hooks. A step that fails
+    between its forward and its backward (a neighbour died) drops its outputs; every tensor its
+    forward saved must go with them. (A hook that kept the tensor it was given tied each saved
+    output to the operation that made it, in C++, where no collection sees it: the graph of
+    every failed step stayed, about a step's activations per fault.)"""
+    import gc
+    import weakref
+
+    from dtfm.train.worker import _SavedBytes
+
+    state = StageState(GPTSpec("m", n_layer=2, n_embd=64, n_head=4, seq_len=16), TrainConfig(), (0, 2))
+    saved: list[weakref.ref] = []
+
+    class Watched(_SavedBytes):
+        def pack(self, t: torch.Tensor) -> torch.Tensor:
+            saved.append(weakref.ref(t))
+            return super().pack(t)
+
+    hooks = Watched(state.params.values())
+    x = torch.randint(0, state.spec.vocab, (2, 16))
+    gc.disable()  # (what is freed must be freed by reference counts alone)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            out = state.module(x)
+        assert hooks.peak > 0 and len(saved) > 10
+        del out
+        alive = [r() for r in saved if r() is not None]
+        params = {id(p) for p in state.params.values()}
+        assert [tuple(t.shape) for t in alive if id(t) not in params and t is not x] == []
+    finally:
+        gc.enable()
