@@ -13,14 +13,17 @@ a step run from wrong weights, wrong data or a wrong optimizer state differs by 
 
 Where a stage has several checkpoints of one step (its DP replicas, or a branch a rollback
 undid, whose dead holder kept it), the newest file is taken: a re-run step overwrites the
-undone branch's checkpoint on the peers that ran it.
+undone branch's checkpoint on the peers that ran it. A checkpoint is replayed once, against the
+losses logged when it is; a step counts as covered when the loss the final log holds for it is
+the one a replay compared (`coverage`: the covered share of the log's steps; a step a rollback
+ran again after its replay is not covered, unless a later checkpoint's replay compared it).
 
     .venv/bin/python bench/replay.py RUN_DIR [--steps N]
 
 Prints one line per replayed checkpoint and, last, one JSON object (`replayed_steps`,
-`checkpoints`, `worst_relative`, `exact`). bench/soak.py runs it while it soaks, the newest
-checkpoint not yet replayed every 30 s for two steps (checkpoints are pruned: the newest few per
-stage stay; a step of one process costs the soak's shared cores), and all it finds at the end.
+`checkpoints`, `worst_relative`, `exact`, `coverage`). bench/soak.py runs it while it soaks,
+every few seconds for every checkpoint whose next steps are logged (checkpoints are pruned: the
+newest few per stage stay), and all it finds at the end.
 """
 
 from __future__ import annotations
@@ -42,17 +45,26 @@ REL = 1e-5
 
 @dataclass
 class Replay:
-    """What the replays found so far (`replayed` checkpoint steps are not replayed again)."""
+    """What the replays found so far."""
 
-    replayed: set[int] = field(default_factory=set)
+    replayed: set[int] = field(default_factory=set)  # checkpoint steps replayed (or unreadable)
+    compared: dict[int, float] = field(default_factory=dict)  # step -> the logged loss a replay compared
     steps: int = 0  # logged steps compared
     worst_relative: float = 0.0
     failures: list[str] = field(default_factory=list)  # checkpoints that could not be joined or read
 
-    def to_dict(self) -> dict:
-        return {"checkpoints": len(self.replayed), "replayed_steps": self.steps,
-                "worst_relative": self.worst_relative, "exact": self.steps > 0 and self.worst_relative <= REL,
-                "failures": self.failures[-5:]}
+    def coverage(self, rows: list[dict]) -> float:
+        """The share of `rows` (the final log) whose loss is the one a replay compared."""
+        hit = sum(1 for r in rows if r.get("loss") is not None and self.compared.get(r["step"]) == r["loss"])
+        return hit / len(rows) if rows else 0.0
+
+    def to_dict(self, rows: list[dict] | None = None) -> dict:
+        out = {"checkpoints": len(self.replayed), "replayed_steps": self.steps,
+               "worst_relative": self.worst_relative, "exact": self.steps > 0 and self.worst_relative <= REL,
+               "failures": self.failures[-5:]}
+        if rows is not None:
+            out["coverage"] = round(self.coverage(rows), 4)
+        return out
 
 
 def checkpoint_sets(run_dir: Path) -> dict[int, dict[tuple[int, int], Path]]:
@@ -86,7 +98,8 @@ def _cover(ranges: dict[tuple[int, int], Path]) -> list[Path] | None:
 
 def replay(run_dir: Path, result: Replay, *, max_steps: int = 10, limit: int | None = None, say=print) -> Replay:
     """Replay the checkpoint sets of `run_dir` not replayed yet whose logged steps are there,
-    newest first, at most `limit` of them (None: all), each for at most `max_steps` steps."""
+    newest first, at most `limit` of them (None: all), each for the steps up to the next
+    checkpoint, at most `max_steps`."""
     rows = {r["step"]: r for r in read_rows(run_dir)} if (run_dir / "train.jsonl").exists() else {}
     sets = checkpoint_sets(run_dir)
     steps = sorted(sets)
@@ -121,6 +134,7 @@ def replay(run_dir: Path, result: Replay, *, max_steps: int = 10, limit: int | N
         for t in todo:
             ref = reference_step(whole, corpus)
             worst = max(worst, abs(rows[t]["loss"] - ref) / max(abs(ref), 1e-12))
+            result.compared[t] = rows[t]["loss"]
         result.replayed.add(s)
         done += 1
         result.steps += len(todo)
@@ -138,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     result = replay(args.run_dir, Replay(), max_steps=args.steps, say=lambda m: print(m, file=sys.stderr))
-    print(json.dumps(result.to_dict()))
+    rows = read_rows(args.run_dir) if (args.run_dir / "train.jsonl").exists() else []
+    print(json.dumps(result.to_dict(rows)))
     return 0 if result.to_dict()["exact"] else 1
 
 

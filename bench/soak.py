@@ -17,9 +17,10 @@ swarm must roll back to its initial weights and go on.
 
 At the end the run is stopped and judged: every step logged once in the merged train.jsonl,
 every loss equal to single-process training (1e-5) where one process can start from the
-swarm's own state (bench/replay.py: every 30 s the newest step whose every stage the peers
-checkpointed, and at the end every such step still on disk, is replayed in one process for two
-steps; `replay` in the JSON, with how many steps it covered), the DP replicas of every stage identical (their parameters'
+swarm's own state (bench/replay.py, in a thread of its own: every 5 s, each checkpoint whose every
+stage the peers wrote and whose next steps are logged is replayed in one process up to the
+next checkpoint, and at the end every such checkpoint still on disk; `replay` in the JSON, and
+`replay_coverage`: the share of the final log's steps whose loss a replay compared), the DP replicas of every stage identical (their parameters'
 sha256), and the figures: the worst deviation of the whole run from one process trained from
 the start (`worst_relative_loss_deviation`, `whole_run_within_1e-5`, `whole_run_first_step_over_1e-5`: the swarm's step and one
 process's whole-batch step differ by a float32 rounding, which training amplifies over the
@@ -48,16 +49,18 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
+import torch
 from common import kill_swarm, print_table, read_rows, swarm, wait_for
 from replay import Replay, replay
 
 from dtfm.swarm.proc import peer_request, peer_status
 from dtfm.swarm.state import PeerEntry, load_state
-from dtfm.swarm.train import stop_training
+from dtfm.swarm.train import stop_training, sync_logs
 from dtfm.train import TrainConfig, get_preset, load_corpus, reference_state, reference_step
 
 KINDS = ("kill", "kill_coordinator", "kill_stage_holders", "kill_during_reconfiguration", "kill_during_transfer",
@@ -68,8 +71,8 @@ SETTLE_S = 30.0  # ... and, within one kind of stage, from this long after it to
 MIN_SPAN_S = 120.0  # ... over at least this long
 WINDOW_S = 30.0  # ... as the largest sample of its first and of its last this long
 REL = 1e-5
-REPLAY_EVERY_S = 30.0  # how often the newest checkpoint not yet replayed is replayed in one process
-REPLAY_STEPS = 2  # ... for this many steps (each one a step of the whole model on the soak's cores)
+REPLAY_EVERY_S = 5.0  # how often the checkpoints not yet replayed are replayed in one process (the
+# daemons keep the newest 3 per stage: a checkpoint lives about 3 checkpoint intervals)
 
 
 def log(msg: str) -> None:
@@ -85,7 +88,8 @@ class Soak:
         # spare; whether it was the coordinator))
         self.held: dict[tuple[str, int], list[tuple[float, int, tuple | None]]] = {}
         self.replay = Replay()  # the checkpointed steps replayed in one process (bench/replay.py)
-        self._next_replay = 0.0
+        self._replays_stop = threading.Event()
+        self._replays = threading.Thread(target=self._replay_loop, name="replays", daemon=True)
 
     # ---- the swarm as seen from outside -------------------------------------------------------
 
@@ -100,6 +104,16 @@ class Soak:
 
     def stage_peers(self) -> dict[str, dict]:
         return {n: t for n, t in self.trainings().items() if t.get("stage") is not None}
+
+    def _replay_loop(self) -> None:
+        """Replay the checkpoints as they come (the daemons prune them), until told to stop.
+        Owns `self.replay` until `judge` joins it."""
+        while not self._replays_stop.wait(REPLAY_EVERY_S):
+            try:
+                sync_logs(self.run_dir, load_state(self.run_dir))
+                replay(self.run_dir, self.replay, max_steps=self.args.checkpoint_every, say=log)
+            except (OSError, ValueError, KeyError) as e:  # (a file pruned or rewritten under it: next time)
+                log(f"replay deferred: {e}")
 
     def last_step(self) -> int:
         swarm(self.run_dir, "wait", "--step", "0")
@@ -296,6 +310,7 @@ class Soak:
         swarm(self.run_dir, "train", "--steps", "1000000", "--checkpoint-every", str(a.checkpoint_every),
               "--seed", str(a.run_seed), *shape)
         swarm(self.run_dir, "wait", "--step", "1", "--timeout", "600")
+        self._replays.start()
         end = time.monotonic() + 60 * a.minutes
         # both holders of a stage lost before the first checkpoint: a rollback to the initial weights
         self.inject("kill_stage_holders")
@@ -309,9 +324,6 @@ class Soak:
                 time.sleep(min(5.0, wait - slept))
                 slept += 5.0
                 self.sample()
-                if time.monotonic() >= self._next_replay:  # (checkpoints are pruned: replay as they come)
-                    self._next_replay = time.monotonic() + REPLAY_EVERY_S
-                    replay(self.run_dir, self.replay, max_steps=REPLAY_STEPS, limit=1, say=log)
             if time.monotonic() >= end:
                 break
             if not deck:  # every kind once, in a seeded order, before any twice
@@ -365,8 +377,10 @@ class Soak:
             if diff > max(REL * abs(ref), REL) and first_over is None:
                 first_over = r["step"]
             within = within and diff <= max(REL * abs(ref), REL)
-        replay(self.run_dir, self.replay, max_steps=REPLAY_STEPS, say=log)
-        replayed = self.replay.to_dict()
+        self._replays_stop.set()
+        self._replays.join()
+        replay(self.run_dir, self.replay, max_steps=self.args.checkpoint_every, say=log)
+        replayed = self.replay.to_dict(rows)
         events = [json.loads(x) for x in (self.run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
         rollbacks = [e for e in events if e.get("event") == "rollback"]
         rolled_back = sum(int(e.get("steps_lost") or 0) for e in rollbacks)
@@ -376,7 +390,7 @@ class Soak:
         return {
             "faults": len(self.faults), "faults_by_kind": dict(sorted(Counter(f["kind"] for f in self.faults).items())),
             "steps": len(rows), "exact": bool(once and replicas_identical and replayed["exact"]),
-            "replay": replayed, "whole_run_within_1e-5": within, "whole_run_first_step_over_1e-5": first_over,
+            "replay": replayed, "replay_coverage": replayed["coverage"], "whole_run_within_1e-5": within, "whole_run_first_step_over_1e-5": first_over,
             "rolled_back_steps": rolled_back, "rollbacks": len(rollbacks),
             "rollback_sources": dict(Counter(str(e.get("restored_from")) for e in rollbacks)),
             "heal_s_median": round(statistics.median(heals), 2) if heals else None,
@@ -475,6 +489,7 @@ def main(argv=None) -> None:
     ap.add_argument("--up-arg", action="append", default=[], metavar="ARG",
                     help="one more `dtfm-swarm up` argument, repeatable (e.g. --up-arg=--plane-profile --up-arg=wan)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(1)  # (the replays share the machine's cores with the daemons)
     rng = random.Random(args.seed)
     tmp = None
     if args.run_dir is None:

@@ -55,3 +55,12 @@ def test_a_stage_without_its_checkpoint_leaves_the_step_unreplayed(tmp_path):
         f.unlink()
     result = bench.replay(run_dir, bench.Replay(), max_steps=3, say=lambda m: None)
     assert result.replayed == set() and not result.failures
+
+
+def test_coverage_counts_the_final_log_steps_a_replay_compared(tmp_path):
+    run_dir = _run_dir(tmp_path, logged=5)
+    result = bench.replay(run_dir, bench.Replay(), max_steps=3, say=lambda m: None)
+    rows = [json.loads(x) for x in (run_dir / "train.jsonl").read_text().splitlines()]
+    assert result.to_dict(rows)["coverage"] == 3 / 5  # (steps 2-4 of 0-4)
+    rows[3]["loss"] += 1e-3  # a rollback ran step 3 again after its replay: not covered any more
+    assert result.coverage(rows) == 2 / 5
