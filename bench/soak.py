@@ -33,7 +33,10 @@ more (`rss_growth`: a spare that took on a stage grows by the stage), and the gr
 process held the same kind of stage without a break (`rss_growth_same_stage`: the largest sample
 of the first and of the last 30 s of one such tenure, from 30 s after it took the kind on, at
 least 2 minutes apart: what a leak would show), its open file descriptors and threads (worst);
-every sample is in the run dir's health.jsonl. The last line of stdout is one JSON object: faults,
+every sample is in the run dir's health.jsonl. The daemons run with DTFM_PRELOAD=torch,scipy
+(peer/runner.py): what a daemon loads on first use (torch with its first stage, scipy with the
+first schedule it computes, about 35 MB, at any time in its life) is loaded at its start, so a
+first use is not read as growth (`--no-preload`: as a daemon runs by default). The last line of stdout is one JSON object: faults,
 faults_by_kind, steps, exact, rolled_back_steps, heal_s_median, heal_s_worst, rss_growth,
 rss_growth_same_stage, max_fds, max_threads and the details.
 """
@@ -488,7 +491,11 @@ def main(argv=None) -> None:
                     help="the swarm's run dir, kept afterwards (default: a temporary one, removed)")
     ap.add_argument("--up-arg", action="append", default=[], metavar="ARG",
                     help="one more `dtfm-swarm up` argument, repeatable (e.g. --up-arg=--plane-profile --up-arg=wan)")
+    ap.add_argument("--no-preload", action="store_true",
+                    help="start the daemons without DTFM_PRELOAD=torch,scipy (see above)")
     args = ap.parse_args(argv)
+    if not args.no_preload:
+        os.environ["DTFM_PRELOAD"] = "torch,scipy"  # (dtfm-swarm up passes its environment to the daemons)
     torch.set_num_threads(1)  # (the replays share the machine's cores with the daemons)
     rng = random.Random(args.seed)
     tmp = None
