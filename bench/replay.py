@@ -96,17 +96,15 @@ def _cover(ranges: dict[tuple[int, int], Path]) -> list[Path] | None:
     return out if at == n_layer else None
 
 
-def replay(run_dir: Path, result: Replay, *, max_steps: int = 10, limit: int | None = None, say=print) -> Replay:
+def replay(run_dir: Path, result: Replay, *, max_steps: int = 10, say=print) -> Replay:
     """Replay the checkpoint sets of `run_dir` not replayed yet whose logged steps are there,
-    newest first, at most `limit` of them (None: all), each for the steps up to the next
-    checkpoint, at most `max_steps`."""
+    newest first, each for the steps up to the next checkpoint, at most `max_steps`."""
     rows = {r["step"]: r for r in read_rows(run_dir)} if (run_dir / "train.jsonl").exists() else {}
     sets = checkpoint_sets(run_dir)
     steps = sorted(sets)
     corpus = None
-    done = 0
     for k, s in reversed(list(enumerate(steps))):
-        if s in result.replayed or (limit is not None and done >= limit):
+        if s in result.replayed:
             continue
         nxt = steps[k + 1] if k + 1 < len(steps) else s + max_steps
         todo = list(range(s, min(nxt, s + max_steps)))
@@ -136,7 +134,6 @@ def replay(run_dir: Path, result: Replay, *, max_steps: int = 10, limit: int | N
             worst = max(worst, abs(rows[t]["loss"] - ref) / max(abs(ref), 1e-12))
             result.compared[t] = rows[t]["loss"]
         result.replayed.add(s)
-        done += 1
         result.steps += len(todo)
         result.worst_relative = max(result.worst_relative, worst)
         say(f"checkpoint of step {s} ({len(cover)} stages): steps {todo[0]}-{todo[-1]} replayed, "
@@ -153,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.torch_threads)
     result = replay(args.run_dir, Replay(), max_steps=args.steps, say=lambda m: print(m, file=sys.stderr))
     rows = read_rows(args.run_dir) if (args.run_dir / "train.jsonl").exists() else []
-    print(json.dumps(result.to_dict(rows)))
-    return 0 if result.to_dict()["exact"] else 1
+    found = result.to_dict(rows)
+    print(json.dumps(found))
+    return 0 if found["exact"] else 1
 
 
 if __name__ == "__main__":

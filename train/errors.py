@@ -34,5 +34,5 @@ def raised_again(error: BaseException, what: str) -> CommError:
     if isinstance(error, CommError):
         return type(error)(*error.args)
     fresh = CommError(f"could not {what}: {error}")
-    fresh.__cause__ = error.with_traceback(None)
+    fresh.__cause__ = error
     return fresh
