@@ -64,7 +64,7 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -287,6 +287,15 @@ class RecoveryServer:
                 del offers[k]
             n += len(keys)
         return n
+
+    def withdraw_all_but(self, keep: Collection[Key], part: Part = Part.STAGE) -> int:
+        """Stop serving every offer of `part` whose key (run, step, layers) is not in `keep`; how
+        many there were."""
+        offers = self._offers[part]
+        gone = [k for k in offers if k not in keep]
+        for k in gone:
+            del offers[k]
+        return len(gone)
 
     def offers(self) -> list[dict]:
         """The offers, stages then weights, oldest first, for status (`Offer.describe`)."""

@@ -290,6 +290,21 @@ class StageHost:
         offer = await self.recovery.offer_weights(run_id, state, frozenset({fetcher}))
         return {"digest": offer.digest, "bytes": offer.manifest.total_bytes}
 
+    def let_go_of_stale_offers(self, alloc: Allocation) -> int:
+        """Let go of the stage offers, and the states kept for them, that the build of `alloc`
+        cannot use: every fetch of it is at its start step, of a holding that names its holders.
+        Called before this peer builds its stage of `alloc`, so that an older offer's encoding
+        (a whole stage's bytes) is not held beside the new stage's; the stage it was encoded
+        from stays where it was (a later reconfiguration asks for a new offer, encoded again).
+        How many offers went."""
+        keep = {(alloc.run_id, alloc.start_step, tuple(h.layer_range)) for h in alloc.holdings if self.me in h.holders}
+        self._offered = {k: v for k, v in self._offered.items() if k in keep}
+        self._fetchers = {k: v for k, v in self._fetchers.items() if k in keep}
+        gone = self.recovery.withdraw_all_but(keep, Part.STAGE)
+        if gone:
+            logger.info("let go of %d stage offer(s) that epoch %d does not fetch", gone, alloc.epoch)
+        return gone
+
     def may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
         """The recovery server's rule (control/epoch/access.py): the peers of this peer's
         allocations of that run, and those the coordinator named with the offer."""
@@ -337,6 +352,7 @@ class StageHost:
         t_fetch = trio.current_time()
         try:
             async with self._keeping:  # (a stage being written to disk is not trained on yet)
+                self.let_go_of_stale_offers(alloc)
                 state, fetched = await self._stage_for(alloc)
         except (RecoveryError, CheckpointError, ValueError, OSError, HFError) as e:
             logger.error("cannot build stage for epoch %d: %s", alloc.epoch, e)

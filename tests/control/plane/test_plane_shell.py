@@ -37,6 +37,7 @@ from dtfm.control import (
     root_council,
     sign_op,
 )
+from dtfm.control.allocation import Holding
 from dtfm.control.election import PreviousConfiguration, config_digest, vote_payload
 from dtfm.control.coordinator.machine import Phase
 from dtfm.control.coordinator.steplog import StepLog
@@ -393,6 +394,33 @@ async def test_offers_asked_at_once_encode_the_stage_once(tmp_path, autojump_clo
         for _ in range(3):
             nursery.start_soon(ask)
     assert encoded == [4] and len(replies) == 3 and all(r == replies[0] and "digest" in r for r in replies)
+
+
+async def test_a_peer_building_a_stage_lets_go_of_the_offers_its_build_does_not_fetch(tmp_path, autojump_clock):
+    # A peer offered its stage for an earlier reconfiguration (step 4) and, as a holder named by
+    # the new allocation, at the new one's start step (8). Building its stage of the new one, it
+    # keeps the offer others fetch now and lets go of the older one (a whole stage's bytes that
+    # would sit beside the new stage's); an export's weights offer is not a stage offer: it stays.
+    plane = ControlPlane(FakeTransport(OTHER), OTHER, FakeGossip(IDS[:4]), tmp_path, config(tmp_path))
+    state = StageState(PRESETS["tiny"], CFG, (0, 2))
+    for step in (4, 8):
+        state.step = step
+        save_checkpoint(plane.stages.checkpoint_root(RUN), state)
+        assert "digest" in await plane.stages.offer(RUN, step, (0, 2))
+    await plane.stages.recovery.offer_weights(RUN, state, frozenset({ISSUER.peer_id}))
+    now = plane.stages.recovery.offered((RUN, 8, (0, 2)))
+    assert now is not None and plane.stages.recovery.offered((RUN, 4, (0, 2))) is not None
+    held = Holding((0, 2), now.digest, (OTHER.peer_id, IDS[3].peer_id))
+    elsewhere = Holding((2, 4), "ab" * 32, (IDS[2].peer_id,))
+    a = alloc(epoch=3, start_step=8, holdings=(held, elsewhere))
+    assert plane.stages.let_go_of_stale_offers(a) == 1
+    assert plane.stages.recovery.offered((RUN, 4, (0, 2))) is None
+    assert plane.stages.recovery.offered((RUN, 8, (0, 2))) is now
+    assert [(o["part"], o["step"]) for o in plane.stages.recovery.offers()] == [("stage", 8), ("weights", 8)]
+    # an allocation that names this peer a holder of nothing: its stage offers all go
+    others = Holding((0, 2), now.digest, (IDS[3].peer_id,))
+    assert plane.stages.let_go_of_stale_offers(alloc(epoch=4, start_step=8, holdings=(others, elsewhere))) == 1
+    assert [o["part"] for o in plane.stages.recovery.offers()] == ["weights"]
 
 
 def export_op(peer: bytes, run: bytes = RUN, key: OperatorKey = OPERATOR, age_s: float = 0.0) -> dict:
