@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +65,7 @@ class Sampler:
         self.phase = "training"
         self.peaks: dict[str, dict[str, int]] = {}  # phase -> peer -> the largest RSS sampled
         self.hwm: dict[str, int] = {}  # peer -> the kernel's peak RSS of its process (VmHWM), any pid
+        self.series: list[tuple[float, str, int]] = []  # (wall time, peer, RSS) of every sample
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -87,6 +89,7 @@ class Sampler:
                 if got is not None:
                     peak = self.peaks.setdefault(self.phase, {})
                     peak[p.name] = max(peak.get(p.name, 0), got[0])
+                    self.series.append((round(time.time(), 2), p.name, got[0]))
                     self.hwm[p.name] = max(self.hwm.get(p.name, 0), got[1])
             if _available() < self.floor_bytes and not self.killed_for_memory:
                 self.killed_for_memory = True
@@ -147,6 +150,18 @@ def wait_steps(run_dir: Path, more: int) -> None:
     swarm(run_dir, "wait", "--step", str(target), "--timeout", "1800")
 
 
+def keep_logs(run_dir: Path, log_dir: Path, sampler: Sampler) -> None:
+    """The samples and each daemon's log and events, copied to `log_dir` before the swarm goes."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "samples.jsonl", "w") as f:
+        for t, name, rss in list(sampler.series):
+            f.write(json.dumps({"t": t, "peer": name, "rss_mib": round(rss / MiB, 1)}) + "\n")
+    for peer in sorted(run_dir.iterdir()):
+        for name in ("daemon.log", "events.jsonl"):
+            if (peer / name).is_file():
+                shutil.copy(peer / name, log_dir / f"{peer.name}.{name}")
+
+
 def _trains(t: dict, after_epoch: int) -> bool:
     """A peer's training status says it is placed in an epoch after `after_epoch` (not the
     allocation a restarted daemon restores from its data dir): training a stage, or a spare."""
@@ -162,6 +177,9 @@ def main(argv=None) -> None:
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--restart-wait-s", type=float, default=300.0,
                     help="how long to wait for the restarted peer to be placed again")
+    ap.add_argument("--log-dir", type=Path, default=None,
+                    help="keep every sample (samples.jsonl: wall time, peer, RSS) and each daemon's log and "
+                         "events there, to see what a peak was")
     args = ap.parse_args(argv)
 
     base = baseline(args.preset, args.steps, args.batch, args.micro_batches)
@@ -202,6 +220,8 @@ def main(argv=None) -> None:
         wait_steps(run_dir, args.steps)
         note_states()
         steps = len(logged(run_dir))
+        if args.log_dir is not None:
+            keep_logs(run_dir, args.log_dir, sampler)
     peaks = sampler.peaks
     daemons = {}
     for name in sorted(sampler.hwm):

@@ -459,9 +459,13 @@ class Soak:
 
 def kind_held(training: dict) -> tuple:
     """What a daemon holds, from its status's `training`, as the memory judgement tells tenures
-    apart: its stage ((stages, pipelines, its stage), None as a spare) and whether it is the
-    coordinator (which loads the scheduler, scipy, once it schedules)."""
+    apart: its stage ((stages, pipelines, its stage), None as a spare; "restored" for a daemon
+    restarted into the allocation it applied before, whose stage it names but does not hold until
+    an epoch places it) and whether it is the coordinator (which loads the scheduler, scipy, once
+    it schedules)."""
     stage = training.get("stage")
+    if stage is not None and training.get("restored"):
+        return "restored", training.get("role") == "coordinator"
     return ((training.get("stages"), training.get("dp"), stage) if stage is not None else None,
             training.get("role") == "coordinator")
 

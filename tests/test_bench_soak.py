@@ -60,3 +60,14 @@ def test_a_spare_that_becomes_the_coordinator_starts_a_tenure():
     assert growth == 0.0
     stage = {"role": "follower", "stages": 2, "dp": 1, "stage": 0}
     assert bench.kind_held(stage) == ((2, 1, 0), False) != bench.kind_held({**stage, "role": "coordinator"})
+
+
+def test_a_restarted_daemon_waiting_without_its_stage_is_not_the_tenure_of_that_stage():
+    # A daemon restarted into the allocation it applied before names its stage but holds none
+    # (280 MB) until a new epoch gives it the stage back (400 MB, flat): two tenures, not 43 %.
+    stage = {"role": "follower", "stages": 2, "dp": 1, "stage": 0}
+    waiting = {**stage, "restored": True}
+    series = [(t, 280 * MB, bench.kind_held(waiting)) for t in range(0, 200, 10)] + [
+        (t, 400 * MB, bench.kind_held(stage)) for t in range(200, 400, 10)]
+    growth, worst = _soak({("p06", 4263): series}).growth_in_kind()
+    assert growth == 0.0 and bench.kind_held(waiting) != bench.kind_held(stage)
