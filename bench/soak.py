@@ -30,7 +30,9 @@ worst: the longest time without a completed step from the fault to the first ste
 was undone), each daemon process's memory (RSS) growth from a minute into its life (torch
 loaded, stages built and fetched) to the soak's end, for processes measured over 2 minutes or
 more (`rss_growth`: a spare that took on a stage grows by the stage), and the growth while a
-process held the same kind of stage without a break (`rss_growth_same_stage`: the largest sample
+process held the same kind of stage without a break (a kind: its stage, or none, or a stage named
+but not held after a restart; the coordinator's role; the data set loaded or not, which a daemon
+loads with its first allocation; `rss_growth_same_stage`: the largest sample
 of the first and of the last 30 s of one such tenure, from 30 s after it took the kind on, at
 least 2 minutes apart: what a leak would show), its open file descriptors and threads (worst);
 every sample is in the run dir's health.jsonl. The daemons run with DTFM_PRELOAD=torch,scipy
@@ -461,13 +463,14 @@ def kind_held(training: dict) -> tuple:
     """What a daemon holds, from its status's `training`, as the memory judgement tells tenures
     apart: its stage ((stages, pipelines, its stage), None as a spare; "restored" for a daemon
     restarted into the allocation it applied before, whose stage it names but does not hold until
-    an epoch places it) and whether it is the coordinator (which loads the scheduler, scipy, once
-    it schedules)."""
+    an epoch places it), whether it is the coordinator (which loads the scheduler, scipy, once
+    it schedules) and whether it loaded the data set (about 30 MB of the standard library's
+    source by default, loaded with a daemon's first allocation, spare or not)."""
     stage = training.get("stage")
+    coordinator, data = training.get("role") == "coordinator", bool(training.get("data_bytes"))
     if stage is not None and training.get("restored"):
-        return "restored", training.get("role") == "coordinator"
-    return ((training.get("stages"), training.get("dp"), stage) if stage is not None else None,
-            training.get("role") == "coordinator")
+        return "restored", coordinator, data
+    return ((training.get("stages"), training.get("dp"), stage) if stage is not None else None, coordinator, data)
 
 
 def _shape(text: str) -> str:

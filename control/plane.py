@@ -817,4 +817,5 @@ class ControlPlane:
         log = self._log_path if c.run_id is None else self.run_log_path(c.run_id.hex())  # the run's step log
         return plane_status(self.me, self.election.status(), self.election.is_coordinator, self.epoch.status(),
                             c, log, self.operator.swarm_wait, refusals,
-                            self.disk.status(), self._stages.memory() if self._stages is not None else None).to_wire()
+                            self.disk.status(), self._stages.memory() if self._stages is not None else None,
+                            self._corpus.tokens.nbytes if self._corpus is not None else None).to_wire()

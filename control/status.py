@@ -38,6 +38,7 @@ class PlaneStatus:
     refusals: dict[str, int] = field(default_factory=dict)  # refused input per reason (control/refusals.py)
     disk: DiskStatus | None = None  # this peer's checkpoints on disk
     stage_memory: StageMemory | None = None  # the current stage's own state, as of its last step
+    data_bytes: int | None = None  # the data set, once this peer loaded it (with its first allocation)
 
     def state(self) -> str:
         """What this peer is doing: idle, spare, waiting (restarted: it holds no stage of the run
@@ -76,6 +77,8 @@ class PlaneStatus:
         el = self.election
         out: dict[str, Any] = {"state": self.state(), "election": el, "role": el["role"], "term": el["term"],
                                "coordinator": el["coordinator"]}
+        if self.data_bytes is not None:
+            out["data_bytes"] = self.data_bytes
         e = self.epoch
         a = e.alloc
         if a is not None:
@@ -151,6 +154,6 @@ class PlaneStatus:
 def plane_status(me: bytes, election: dict, is_coordinator: bool, epoch: EpochStatus,
                  coordinator: CoordinatorStatus, log_path: Path, swarm_wait: dict | None,
                  refusals: dict[str, int] | None = None, disk: DiskStatus | None = None,
-                 stage_memory: StageMemory | None = None) -> PlaneStatus:
+                 stage_memory: StageMemory | None = None, data_bytes: int | None = None) -> PlaneStatus:
     return PlaneStatus(me, election, is_coordinator, epoch, coordinator, log_path, swarm_wait, os.getpid(), time.time(),
-                       dict(refusals or {}), disk, stage_memory)
+                       dict(refusals or {}), disk, stage_memory, data_bytes)

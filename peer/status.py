@@ -157,6 +157,9 @@ def format_memory(report: dict[str, Any]) -> str:
     state = stage.get("stage_bytes") if isinstance(stage, dict) else None
     if isinstance(state, int) and state > 0 and isinstance(peak, int):
         text += f" ({peak / state:.2f}x the stage's state)"
+    data = training.get("data_bytes") if isinstance(training, dict) else None
+    if isinstance(data, int):
+        text += f"; data set {format_bytes(data)}"
     return text
 
 

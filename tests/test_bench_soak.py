@@ -59,7 +59,17 @@ def test_a_spare_that_becomes_the_coordinator_starts_a_tenure():
     growth, worst = _soak({("p03", 24508): series}).growth_in_kind()
     assert growth == 0.0
     stage = {"role": "follower", "stages": 2, "dp": 1, "stage": 0}
-    assert bench.kind_held(stage) == ((2, 1, 0), False) != bench.kind_held({**stage, "role": "coordinator"})
+    assert bench.kind_held(stage) == ((2, 1, 0), False, False) != bench.kind_held({**stage, "role": "coordinator"})
+
+
+def test_a_spare_that_loads_the_data_set_with_its_first_allocation_starts_a_tenure():
+    # A restarted spare (288 MB) loads the data set when its first allocation comes (+33 MB),
+    # flat after: the data set is what it holds now, not growth of what it held.
+    spare = {"role": "follower", "stage": None}
+    series = [(t, 288 * MB, bench.kind_held(spare)) for t in range(0, 200, 10)] + [
+        (t, 321 * MB, bench.kind_held({**spare, "data_bytes": 32_126_760})) for t in range(200, 600, 10)]
+    growth, worst = _soak({("p00", 4324): series}).growth_in_kind()
+    assert growth == 0.0 and list(worst) == ["p00/4324"]
 
 
 def test_a_restarted_daemon_waiting_without_its_stage_is_not_the_tenure_of_that_stage():

@@ -329,6 +329,9 @@ def test_memory_is_shown_against_the_stage_state():
                                                                            "peak_rss_bytes": 1_750_000_000},
                                "training": {"state": "training", "memory": stage}})
     assert "memory    resident 1.5 GB, peak 1.8 GB (1.40x the stage's state)" in text
+    loaded = format_status_text({"peer_id": A, "memory": {"rss_bytes": 1_500_000_000, "peak_rss_bytes": 1_750_000_000},
+                                 "training": {"state": "training", "memory": stage, "data_bytes": 32_126_760}})
+    assert "(1.40x the stage's state); data set 32.1 MB" in loaded
     assert ("stage state 1.2 GB: weights 170.0 MB, gradients 170.0 MB, optimizer 340.0 MB, snapshot 510.0 MB, "
             "activations 60.0 MB") in text
     assert '"rss_bytes"' not in text  # in words, not as a JSON line

@@ -183,6 +183,7 @@ def autojump_clock():
 
 async def test_a_forged_or_garbage_allocation_is_refused_with_the_reason(tmp_path):
     async with running(tmp_path, OTHER) as (plane, net):
+        assert "data_bytes" not in plane.status()  # (an idle daemon has not loaded its data set)
         signed = SignedAllocation.sign(alloc(), ISSUER)
         forged = SignedAllocation(signed.body, bytes(64))
         reply = await net.request(ISSUER, ControlMsg.ALLOCATION, forged.to_wire())
@@ -193,6 +194,7 @@ async def test_a_forged_or_garbage_allocation_is_refused_with_the_reason(tmp_pat
         reply = await net.request(ISSUER, ControlMsg.ALLOCATION, other.to_wire())  # the check runs on this corpus
         assert reply["code"] == "data-mismatch" and "--data" in reply["reason"]
         assert plane.status()["state"] == "idle" and plane.run_state().run_id is None
+        assert plane.status()["data_bytes"] == len(TEXT)  # loaded for the check, and shown
 
 
 async def test_start_stop_step_and_run_state_messages_are_checked(tmp_path):
