@@ -297,7 +297,8 @@ class StageHost:
         (a whole stage's bytes) is not held beside the new stage's; the stage it was encoded
         from stays where it was (a later reconfiguration asks for a new offer, encoded again).
         How many offers went."""
-        keep = {(alloc.run_id, alloc.start_step, tuple(h.layer_range)) for h in alloc.holdings if self.me in h.holders}
+        keep = {(alloc.run_id, alloc.start_step, (h.layer_range[0], h.layer_range[1])) for h in alloc.holdings
+                if self.me in h.holders}
         self._offered = {k: v for k, v in self._offered.items() if k in keep}
         self._fetchers = {k: v for k, v in self._fetchers.items() if k in keep}
         gone = self.recovery.withdraw_all_but(keep, Part.STAGE)
