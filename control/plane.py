@@ -156,6 +156,7 @@ class ControlPlane:
             operators=self.operators,
         )
         self._corpus: Corpus | None = None  # this peer's data set (`join --data`), the only one it reads
+        self._data_id: tuple[str, str] | None = None  # its fingerprint and name, once read
         self._corpus_lock = trio.Lock()
         self._models: dict[str, HeldModel] | None = None  # the model folders it holds (`join --model-dir`)
         self._models_lock = trio.Lock()
@@ -609,14 +610,34 @@ class ControlPlane:
 
     async def corpus(self) -> Corpus:
         """This peer's data set, the one it was started with (`join --data`; the standard
-        library's source by default), loaded once: no path from the network is ever opened."""
+        library's source by default), loaded on first use and kept while this peer may train
+        (see `data_identity`): no path from the network is ever opened."""
         async with self._corpus_lock:
             if self._corpus is None:
-                try:
-                    self._corpus = await trio.to_thread.run_sync(self._load_corpus)
-                except ValueError as e:
-                    raise TrainError(str(e)) from None
+                self._corpus = await self._read_corpus()
+                self._data_id = self._corpus.fingerprint, self._corpus.name
             return self._corpus
+
+    async def data_identity(self) -> tuple[str, str]:
+        """The fingerprint and name of this peer's data set: all an allocation's check needs. A
+        spare reads its data set for them once and does not keep it (tens of MB in each of a
+        large swarm's spares); a peer placed on a stage loads it again (`corpus`)."""
+        async with self._corpus_lock:
+            if self._data_id is None:
+                corpus = self._corpus if self._corpus is not None else await self._read_corpus()
+                self._data_id = corpus.fingerprint, corpus.name
+            return self._data_id
+
+    async def _read_corpus(self) -> Corpus:
+        """This peer's data set read from disk, its fingerprint computed (both in a thread)."""
+        def read() -> Corpus:
+            corpus = self._load_corpus()
+            _ = corpus.fingerprint  # (computed here, not on the trio thread)
+            return corpus
+        try:
+            return await trio.to_thread.run_sync(read)
+        except ValueError as e:
+            raise TrainError(str(e)) from None
 
     def _load_corpus(self) -> Corpus:
         if self.config.tokenizer_path is None:  # (this module's load_corpus: the one the shell tests watch)
@@ -656,22 +677,29 @@ class ControlPlane:
             return inputs.bad_allocation(e).to_wire()
         return await self.accept(alloc, cert)
 
-    def _accept_context(self, alloc: Allocation, corpus: Corpus | None = None) -> AcceptContext:
-        corpus = corpus or self._corpus
-        assert corpus is not None
+    def _accept_context(self, alloc: Allocation) -> AcceptContext:
+        assert self._data_id is not None
         live = frozenset(self.gossip.live_peers()) | {self.me}
         known = {**PRESETS, **{name: m.spec for name, m in (self._models or {}).items()}}
-        return AcceptContext(me=self.me, live=live, known_presets=known, data_hash=corpus.fingerprint,
-                             data_name=corpus.name, known=frozenset(m.peer_id for m in self.gossip.members()))
+        data_hash, data_name = self._data_id
+        return AcceptContext(me=self.me, live=live, known_presets=known, data_hash=data_hash,
+                             data_name=data_name, known=frozenset(m.peer_id for m in self.gossip.members()))
 
     async def accept(self, alloc: Allocation, certificate: Certificate | None = None) -> dict:
-        """Check, get the stage, connect the neighbours; the answer goes to the coordinator."""
-        corpus = await self.corpus()
+        """Check, get the stage, connect the neighbours; the answer goes to the coordinator. A
+        peer the allocation leaves out (a spare) checks it against its data set's fingerprint
+        and lets the data set go (its old stage's runner may still hold it until that goes)."""
+        if self.me in alloc.peers:
+            await self.corpus()
+        else:
+            await self.data_identity()
         await self.models()
         key = self._key("allocation")
-        reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc, corpus),
+        reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc),
                                                            certificate=certificate))
         answer: AllocationAnswer = reply.value
+        if self.me not in alloc.peers and answer.accepted:
+            self._corpus = None
         if not answer.accepted:
             logger.warning("refused allocation term %d epoch %d from %s: %s", alloc.term, alloc.epoch,
                            short_id(alloc.issuer), answer.reason)

@@ -181,6 +181,29 @@ def autojump_clock():
     return trio.testing.MockClock(autojump_threshold=0)
 
 
+async def test_a_spare_checks_its_allocation_against_its_data_set_and_does_not_keep_it(tmp_path):
+    # A spare needs its data set's fingerprint to check an allocation (the run's data must be
+    # its own, to take a stage later), not the tokens: it reads them for the check and lets
+    # them go. A spare whose data set is not the run's refuses the allocation all the same.
+    async with running(tmp_path, ISSUER) as (plane, net):
+        plane.election.set_root(root_of((ISSUER.peer_id,)))
+        plane.election.campaign()
+        assert await plane.election.wait_until_coordinator(10)
+        cert = {"cert": plane.election.certificate.to_wire()}
+        spare = dict(term=plane.election.term, pipelines=[[IDS[1].peer_id, IDS[2].peer_id]],
+                     spares=(ISSUER.peer_id,), absent=(IDS[3].peer_id,))
+        other = alloc(**spare, data_hash="0" * 64, data_name="issuer.txt")
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(other, ISSUER).to_wire() | cert)
+        assert reply["code"] == "data-mismatch"
+        reply = await net.request(ISSUER, ControlMsg.ALLOCATION, SignedAllocation.sign(alloc(**spare), ISSUER).to_wire()
+                                  | cert)
+        assert reply == {"accepted": True, "role": "spare"}
+        assert "data_bytes" not in plane.status()
+        assert await plane.data_identity() == (CORPUS.fingerprint, str(tmp_path / "corpus.txt"))
+        assert (await plane.corpus()).fingerprint == CORPUS.fingerprint  # (loaded again where a stage needs it)
+        assert plane.status()["data_bytes"] == len(TEXT)
+
+
 async def test_a_forged_or_garbage_allocation_is_refused_with_the_reason(tmp_path):
     async with running(tmp_path, OTHER) as (plane, net):
         assert "data_bytes" not in plane.status()  # (an idle daemon has not loaded its data set)
