@@ -16,17 +16,40 @@ from dtfm.train import CompressionConfig, LinkCodecs, TrainConfig
 from ..allocation import Allocation, Holding
 from ..answers import OfferAnswer
 from ..epoch.runstate import ResumePoint
+from ..epoch.source import needed_stages
 from .context import Reads
 from .operator_queue import QueuedStart
 from .schedule import Placement
 
-__all__ = ["MAX_ABSENT", "MAX_OFFER_HOLDERS", "NoHolder", "absent", "council_fields", "first_allocation",
-           "first_council", "links_for", "majority_holdings", "next_allocation", "next_council", "train_of"]
+__all__ = ["MAX_ABSENT", "MAX_OFFER_HOLDERS", "MIN_REBUILDERS", "NoHolder", "absent", "council_fields", "first_allocation",
+           "first_council", "links_for", "majority_holdings", "next_allocation", "next_council", "offer_holders", "train_of"]
 
 logger = logging.getLogger(__name__)
 
 MAX_OFFER_HOLDERS = 64  # holders of one stage asked to offer it (each then keeps its own copy)
 MAX_ABSENT = 4096
+# peers asked to rebuild a stage from the run's initial weights, at least (the digest most of them
+# give goes into the allocation)
+MIN_REBUILDERS = 3
+
+
+def offer_holders(rp: ResumePoint, layers: tuple[int, int], old_ranges: tuple[tuple[int, int], ...],
+                  placement: Placement) -> tuple[bytes, ...]:
+    """The peers asked to offer old stage `layers` at the resume point: its holders in memory
+    or with a checkpoint; for a stage restored from the run's initial weights, which every peer
+    of the run can rebuild, the peers `placement` puts on a stage built from it (each builds it
+    anyway, then keeps its own copy) and others up to MIN_REBUILDERS, not every peer of the run:
+    each peer asked builds and encodes the stage, and asking all made every peer hold every
+    stage of the model, twice. At most MAX_OFFER_HOLDERS."""
+    saved = rp.memory.get(layers) or rp.checkpoint.get(layers)
+    if saved:
+        return tuple(saved[:MAX_OFFER_HOLDERS])
+    every = rp.initial.get(layers, ())
+    k = old_ranges.index(layers)
+    takers = [p for pipe in placement.pipelines for s, p in enumerate(pipe)
+              if p in every and k in needed_stages(old_ranges, placement.layer_ranges[s])]
+    others = [p for p in every if p not in takers]
+    return tuple((takers + others[:max(0, MIN_REBUILDERS - len(takers))])[:MAX_OFFER_HOLDERS])
 
 
 class NoHolder(Exception):

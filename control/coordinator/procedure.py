@@ -24,7 +24,7 @@ from ..epoch.machine import AbortRunner, RunClosed, RunReopened
 from ..epoch.runstate import ResumeError, ResumePoint, describe, resume_point
 from ..events import EventKind, PlaneEvent
 from ..messages import ControlMsg
-from .allocate import MAX_OFFER_HOLDERS, NoHolder, first_allocation, majority_holdings, next_allocation
+from .allocate import NoHolder, first_allocation, majority_holdings, next_allocation, offer_holders
 from .answers import offer_answer, run_states
 from .context import Reads, named
 from .handout import HandOut
@@ -336,7 +336,7 @@ class Procedures:
         shape = plan.placement  # its peers may fetch the offers (control/epoch/access.py)
         fetchers = sorted({p for pipe in shape.pipelines for p in pipe} | set(shape.spares))
         for r in cur.layer_ranges:
-            holders = list(pl.rp.holders(r))[:MAX_OFFER_HOLDERS]
+            holders = list(offer_holders(pl.rp, r, cur.layer_ranges, shape))
             body = {"op": "offer", "run": cur.run_id, "step": pl.rp.step, "layers": list(r), "for": fetchers}
             out.append(self._ask(proc, Step.OFFER, holders, body, self.r.timings.accept_timeout_s, layers=r))
         return out

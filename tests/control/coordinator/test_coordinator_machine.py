@@ -67,6 +67,7 @@ from dtfm.control.coordinator.machine import (
     first_council,
     next_council,
 )
+from dtfm.control.coordinator.allocate import MIN_REBUILDERS
 from dtfm.control.coordinator.failures import FailedSteps
 from dtfm.control.coordinator.steplog import GAP_ATTEMPTS, REORDER_STEPS, STEP_WINDOW, StepLog
 from dtfm.control.epoch.runstate import PeerRunState
@@ -430,7 +431,9 @@ def test_an_operators_stop_taken_during_a_reconfiguration_ends_the_run_and_nothi
 
 def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights_and_says_so():
     # n1 and n3 lost layers 2-4 (no checkpoint of them) while the run was stopped: the resume
-    # goes on from step 0, which every peer of the run rebuilds, and the event says so.
+    # goes on from step 0, which every peer of the run can rebuild, and the event says so. The
+    # peers asked to rebuild layers 2-4 are those the new allocation puts on them, and one more
+    # (MIN_REBUILDERS): not every peer of the run (each peer asked builds and encodes the stage).
     n = Node(wall=WALL)
     n.training()
     n.feed(StopRun(("op", "stop"), stop_op(3.0, wall=WALL)), 3.0)
@@ -440,9 +443,14 @@ def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights
     restarted = state(None, None)
     n.answer("states", {N[0]: state((0, 2), 2), N[1]: restarted, N[2]: state((0, 2), 2), N[3]: restarted}, 4.1)
     n.compute("plan", 4.2)
-    assert n.asks["offer 2-4"].body["step"] == 0 and n.asks["offer 2-4"].peers == tuple(N[:4])
+    asked = {r: n.asks[f"offer {r}"].peers for r in ("0-2", "2-4")}
+    assert n.asks["offer 2-4"].body["step"] == 0
+    assert all(len(p) == MIN_REBUILDERS and set(p) < set(N[:4]) for p in asked.values())
     n.answer("offer 0-2", everyone={"digest": D01}, at=4.3)
     n.answer("offer 2-4", everyone={"digest": D23}, at=4.3)
+    a = SignedAllocation.from_wire(n.asks["alloc"].body).open()
+    assert a.layer_ranges == ((0, 2), (2, 4))
+    assert {p[0] for p in a.pipelines} < set(asked["0-2"]) and {p[1] for p in a.pipelines} < set(asked["2-4"])
     n.answer("alloc", everyone={"accepted": True}, at=4.4)
     out = n.answer("start", everyone={"started": True}, at=4.5)
     [reply] = [a for a in out if isinstance(a, Reply)]
