@@ -11,7 +11,7 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    per peer: `handout_s` (the command, from the signed start to every peer started), `shape`
    and `shape_note` (why the scheduler chose it), `step_s` (median iteration after the first
    two), then an eighth of the peers SIGKILLed at once (none the coordinator; stage holders
-   first): `recover_s` (kill to the first step of the next epoch, or to the next step when only
+   first, the last holder of a stage never): `recover_s` (kill to the first step of the next epoch, or to the next step when only
    spares died), `rolled_back` and `steps_lost` (steps run again after a rollback), and at the
    end `every_step_once` and `max_loss_rel_dev` (each logged loss against one process
    training the same steps, train/reference.py). Progress goes to stderr.
@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from common import read_rows, running_swarm, swarm, wait_for
@@ -145,10 +146,20 @@ def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | No
         out["step_s"] = round(statistics.median(r["iteration_s"] for r in rows[2:]), 3)
         t = _training(run_dir)
         # An eighth of the peers, none the coordinator: stage holders first (a spare's loss
-        # changes nothing the run waits for), then spares.
+        # changes nothing the run waits for), but never the last holder of a stage (a stage
+        # with no holder left is a rollback, which the soak measures), then spares.
         others = sorted((name for name, v in t.items() if v.get("role") != "coordinator"),
                         key=lambda name: (t[name].get("state") != "training", name))
-        victims = others[: max(1, n // 8)]
+        left = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
+        victims: list[str] = []
+        for name in others:
+            if len(victims) == max(1, n // 8):
+                break
+            if t[name].get("state") == "training":
+                if left[t[name].get("stage")] <= 1:
+                    continue
+                left[t[name].get("stage")] -= 1
+            victims.append(name)
         holders = [v for v in victims if t[v].get("state") == "training"]
         pids = _pids(run_dir)
         last = max(r["step"] for r in rows)
