@@ -2,6 +2,7 @@
 whole model (the baseline, measured in the same run).
 
     .venv/bin/python bench/memory.py [--preset small] [--steps 3] [--batch 8] [--micro-batches 2]
+                                     [--log-dir DIR]
 
 1. baseline: `python -m dtfm.train` of the same preset, batch and micro-batches in one process
    (1 x 1), `--steps` steps: its peak resident memory (the kernel's ru_maxrss of the child).

@@ -11,8 +11,8 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    per peer: `handout_s` (the command, from the signed start to every peer started), `shape`
    and `shape_note` (why the scheduler chose it), `step_s` (median iteration after the first
    two), then an eighth of the peers SIGKILLed at once (none the coordinator; stage holders
-   first, the last holder of a stage never): `recover_s` (kill to the first step of the next epoch, or to the next step when only
-   spares died), `rolled_back` and `steps_lost` (steps run again after a rollback), and at the
+   first, never the last holder of a stage): `recover_s` (kill to the first step of the next
+   epoch, or to the next step when only spares died), `rolled_back` and `steps_lost` (steps run again after a rollback), and at the
    end `every_step_once` and `max_loss_rel_dev` (each logged loss against one process
    training the same steps, train/reference.py). Progress goes to stderr.
    The baseline beside each: `step_s` of one process training the same steps

@@ -689,7 +689,8 @@ class ControlPlane:
         """Check, get the stage, connect the neighbours; the answer goes to the coordinator. A
         peer the allocation leaves out (a spare) checks it against its data set's fingerprint
         and lets the data set go (its old stage's runner may still hold it until that goes)."""
-        if self.me in alloc.peers:
+        placed = self.me in alloc.peers
+        if placed:
             await self.corpus()
         else:
             await self.data_identity()
@@ -698,7 +699,7 @@ class ControlPlane:
         reply = await self._request(key, AllocationOffered(key, alloc, self._accept_context(alloc),
                                                            certificate=certificate))
         answer: AllocationAnswer = reply.value
-        if self.me not in alloc.peers and answer.accepted:
+        if not placed and answer.accepted:
             self._corpus = None
         if not answer.accepted:
             logger.warning("refused allocation term %d epoch %d from %s: %s", alloc.term, alloc.epoch,

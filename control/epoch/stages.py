@@ -414,7 +414,8 @@ class StageHost:
         else the part fetched from its holders (hash-verified)."""
         # This peer takes on a stage it does not hold: the snapshots of its earlier stages that
         # no holding of this allocation needs (all are at its start step) go before the fetch,
-        # so that it holds little more than its old stage, its offer and the new stage's bytes.
+        # as its offers this allocation does not fetch went (`let_go_of_stale_offers`), so that
+        # it holds little more than its old stage, its offers still fetched and the new stage's bytes.
         for old in self._stages.values():
             if old.done.is_set() and old.runner is not None and old.runner.snapshot_step != alloc.start_step:
                 old.runner.drop_snapshot()
