@@ -38,6 +38,9 @@ __all__ = ["Coordinate", "Vivaldi", "VivaldiConfig", "COORD_DIMS", "COORD_LEN"]
 COORD_DIMS = 4  # Euclidean dimensions (Serf uses 8; 4 already fit the scenarios' regions)
 COORD_LEN = COORD_DIMS + 2  # on the wire: the vector, the height, the error
 _ZERO = 1e-6
+# A coordinate this far from the origin (vector plus height) is no estimate of any round trip
+# on Earth: the update diverged (as Serf does, it starts again from the origin).
+MAX_COORD_MS = 1e6
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,7 @@ class Vivaldi:
         self.coord = Coordinate.origin(config)
         self.samples = 0  # samples taken in all
         self.outliers = 0  # samples set aside (their residual far outside the recent ones)
+        self.resets = 0  # times the coordinate diverged and started again from the origin
         self._filters: OrderedDict[bytes, deque[float]] = OrderedDict()
         self._residuals: deque[float] = deque(maxlen=config.outlier_window)
 
@@ -138,8 +142,13 @@ class Vivaldi:
         weight = c.error / total
         error = min(cfg.error_max, cfg.ce * weight * wrongness + c.error * (1 - cfg.ce * weight))
         c = self._apply(Coordinate(c.vec, c.height, error), cfg.cc * weight * (rtt - dist), other)
-        gravity = -((math.dist(c.vec, (0.0,) * COORD_DIMS) / cfg.gravity_rho_ms) ** 2)
-        self.coord = self._apply(c, gravity, Coordinate((0.0,) * COORD_DIMS, 0.0, 0.0))
+        if _sane(c):
+            gravity = -((math.dist(c.vec, (0.0,) * COORD_DIMS) / cfg.gravity_rho_ms) ** 2)
+            c = self._apply(c, gravity, Coordinate((0.0,) * COORD_DIMS, 0.0, 0.0))
+        if not _sane(c):
+            self.resets += 1
+            c = Coordinate.origin(cfg)
+        self.coord = c
         self.samples += 1
         return self.coord
 
@@ -158,6 +167,11 @@ class Vivaldi:
         if mag > _ZERO:
             height = max(self.config.height_min_ms, (c.height + other.height) * force / mag + c.height)
         return Coordinate(vec, height, c.error)
+
+
+def _sane(c: Coordinate) -> bool:
+    """A usable coordinate within MAX_COORD_MS of the origin."""
+    return _usable(c) and math.hypot(*c.vec) + c.height <= MAX_COORD_MS
 
 
 def _usable(c: Coordinate) -> bool:
