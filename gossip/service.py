@@ -334,6 +334,8 @@ class GossipService:
                              conn.peer_id[:4].hex())
                 return None
             return conn
+        logger.debug("cannot verify %s at %s: no connection within %g s", peer_id[:4].hex(), address,
+                     self.config.verify_timeout_s)
         return None
 
     async def _sender(self) -> None:

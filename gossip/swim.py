@@ -16,12 +16,20 @@ address and whose handshake proved the member's identity. So a fake member, clai
 address where nobody holding its key listens, never counts (it cannot learn the nonce to
 ack). Gossip rounds, push-pulls, indirect probes and relayed probes go to confirmed members
 only; unconfirmed ones get our verification pings and their turn of the regular probes.
+
+A verification is not given up on a slow answer: an ack that comes after its ping's deadline
+still confirms (a nonce stays answerable for LATE_ACK_FACTOR deadlines more; a loaded host, or
+a ping queued behind a bandwidth probe on a slow link, answers in seconds), and a member whose
+attempts all went unanswered is queued again after a back-off that doubles up to
+MAX_VERIFY_BACKOFF_S. A fake member claimed at an address where nobody answers costs a dial per
+back-off until the regular probes find it dead.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +51,9 @@ logger = logging.getLogger(__name__)
 _SEED_TRIES = 10  # push-pulls with a seed, one per probe interval, until its claim arrives
 _PAGE_OVERHEAD = 64  # bytes of a push-pull page besides its updates
 MAX_ADDRESS_PUSH = 64  # members told a new address of ours directly (the others learn it by gossip)
+LATE_ACK_FACTOR = 4  # a verification nonce stays answerable this many verify_timeout_s past its deadline
+MAX_LATE_NONCES = 1024  # expired verification nonces kept answerable (the oldest go first)
+MAX_VERIFY_BACKOFF_S = 300.0  # the longest wait before a member that never answered is verified again
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,7 @@ class _Verify:
     peer_id: bytes
     address: tuple[str, int]
     deadline: float
+    group: str | None = None  # the address group it is queued under
 
 
 @dataclass
@@ -98,6 +110,13 @@ class Swim(Membership):
         self._queued_in: dict[bytes, str | None] = {}  # member -> the group it is queued under
         self._verify_turn = 0  # the group served first next time (round robin)
         self._verifying: dict[int, _Verify] = {}  # nonce -> verification in flight
+        # nonce -> a verification (or a probe of an unconfirmed member) past its deadline whose
+        # ack still confirms, oldest first; its deadline: until when
+        self._late: OrderedDict[int, _Verify] = OrderedDict()
+        # members whose attempts all went unanswered: member -> (when to queue them again,
+        # back-offs so far, their group); _next_unpark: the earliest of those times
+        self._parked: dict[bytes, tuple[float, int, str | None]] = {}
+        self._next_unpark = float("inf")
         super().__init__(config, identity, me, now, verifier=verifier)
         self._rng = rng
         self._nonces = nonces if nonces is not None else rng
@@ -126,7 +145,7 @@ class Swim(Membership):
             t = min(t, s.deadline)
         for v in self._verifying.values():
             t = min(t, v.deadline)
-        return t
+        return min(t, self._next_unpark)
 
     def _multiplier(self) -> int:
         return self.awareness + 1
@@ -179,9 +198,11 @@ class Swim(Membership):
     def _on_confirmed(self, peer_id: bytes) -> None:
         self._pool = None
         self._dequeue(peer_id)
+        self._parked.pop(peer_id, None)
 
     def _on_unconfirmed_address(self, peer_id: bytes, group: str | None) -> None:
         self._dequeue(peer_id)
+        self._parked.pop(peer_id, None)
         m = self.table.members[peer_id]
         if m.host and m.port:  # else nothing to dial until it claims an address
             self._enqueue(peer_id, self.config.verify_attempts, group)  # (again) at the back
@@ -189,6 +210,7 @@ class Swim(Membership):
     def _on_removed(self, peer_id: bytes) -> None:
         self._pool = None
         self._dequeue(peer_id)
+        self._parked.pop(peer_id, None)
 
     def _enqueue(self, peer_id: bytes, attempts: int, group: str | None) -> None:
         self._verify_queues.setdefault(group, {})[peer_id] = attempts
@@ -215,9 +237,21 @@ class Swim(Membership):
         for nonce, v in list(self._verifying.items()):
             if now >= v.deadline:
                 del self._verifying[nonce]
-                left, group = self._dequeue(v.peer_id)
-                if left > 0 and v.peer_id in self.table.entries and not self.is_confirmed(v.peer_id):
+                self._keep_late(nonce, v)
+                left, queued_in = self._dequeue(v.peer_id)
+                group = queued_in if left else v.group
+                logger.debug("member %s: no answer to verification at %s:%d within %g s (%d attempts left)",
+                             v.peer_id[:4].hex(), *v.address, cfg.verify_timeout_s, left)
+                if v.peer_id not in self.table.entries or self.is_confirmed(v.peer_id):
+                    continue
+                if left > 0:
                     self._enqueue(v.peer_id, left, group)
+                elif v.peer_id not in self._queued_in:
+                    self._park(v.peer_id, group, now)
+        while self._late and next(iter(self._late.values())).deadline <= now:
+            self._late.popitem(last=False)
+        if now >= self._next_unpark:
+            self._unpark(now)
         if len(self._verifying) >= cfg.max_verifying or not self._verify_queues:
             return
         busy = {v.peer_id for v in self._verifying.values()}
@@ -242,10 +276,42 @@ class Swim(Membership):
                 if left > 1:
                     self._enqueue(pid, left - 1, group)  # to the back, for a later attempt
                 nonce = self._nonce()
-                self._verifying[nonce] = _Verify(pid, m.address, now + cfg.verify_timeout_s)
+                self._verifying[nonce] = _Verify(pid, m.address, now + cfg.verify_timeout_s, group)
+                logger.debug("member %s: verifying at %s:%d", m.short_id, m.host, m.port)
                 mine = self.table.entries[self.me_id].claim  # (no broadcasts: it may be a fake)
                 out.append(Send(pid, m.address, Ping(nonce, pid, (mine,)), dial=True))
         self._verify_turn = start + served
+
+    def _keep_late(self, nonce: int, v: _Verify) -> None:
+        """Keep an expired verification's nonce answerable for LATE_ACK_FACTOR deadlines more."""
+        late = v.deadline + LATE_ACK_FACTOR * self.config.verify_timeout_s
+        self._late[nonce] = _Verify(v.peer_id, v.address, late)
+        self._late.move_to_end(nonce)
+        if len(self._late) > MAX_LATE_NONCES:
+            self._late.popitem(last=False)
+
+    def _park(self, peer_id: bytes, group: str | None, now: float) -> None:
+        """A member whose attempts all went unanswered: verify it again after a back-off
+        (attempts x timeout, doubling each time, at most MAX_VERIFY_BACKOFF_S)."""
+        cfg = self.config
+        _, rounds, _ = self._parked.get(peer_id, (0.0, 0, group))
+        wait = min(MAX_VERIFY_BACKOFF_S, cfg.verify_attempts * cfg.verify_timeout_s * 2 ** min(rounds, 16))
+        self._parked[peer_id] = (now + wait, rounds + 1, group)
+        self._next_unpark = min(self._next_unpark, now + wait)
+        logger.debug("member %s: unverified after %d attempts; again in %g s", peer_id[:4].hex(),
+                     cfg.verify_attempts, wait)
+
+    def _unpark(self, now: float) -> None:
+        """Queue again the parked members whose back-off is over (they keep their count of
+        back-offs until confirmed or removed)."""
+        nxt = float("inf")
+        for pid, (at, rounds, group) in self._parked.items():
+            if at > now:
+                nxt = min(nxt, at)
+            elif pid not in self._queued_in and not any(v.peer_id == pid for v in self._verifying.values()):
+                self._parked[pid] = (float("inf"), rounds, group)
+                self._enqueue(pid, self.config.verify_attempts, group)
+        self._next_unpark = nxt
 
     def _next_to_verify(self, group: str | None, busy: set[bytes]) -> bytes | None:
         """The first member of group's queue that can be pinged now (dropping the ones gone
@@ -265,7 +331,7 @@ class Swim(Membership):
         """A seq nobody can guess, distinct from those in flight."""
         while True:
             nonce = self._nonces.getrandbits(63)
-            if nonce not in self._verifying and nonce not in self._relays:
+            if nonce not in self._verifying and nonce not in self._relays and nonce not in self._late:
                 return nonce
 
     def _on_verify_ack(self, v: _Verify, now: float) -> None:
@@ -373,6 +439,12 @@ class Swim(Membership):
             del self._verifying[msg.seq]
             self._on_verify_ack(v, now)
             return []
+        v = self._late.get(msg.seq)
+        if v is not None and v.peer_id == src:
+            del self._late[msg.seq]
+            logger.debug("member %s: verified by a late ack", src[:4].hex())
+            self._on_verify_ack(v, now)
+            return []
         p = self._probe
         if p is not None and p.seq == msg.seq and not p.acked and (src == p.target.peer_id or src in p.relays):
             p.acked = True
@@ -383,6 +455,7 @@ class Swim(Membership):
         r = self._relays.pop(msg.seq, None)
         if r is not None:
             return [self._send(r.requester, Ack(r.orig_seq))]
+        logger.debug("ack %d from %s: nothing waits for it (late)", msg.seq, src[:4].hex())
         return []
 
     # ---- timers
@@ -437,6 +510,8 @@ class Swim(Membership):
         if not p.acked and now < p.end_at:
             return
         self._probe = None
+        if p.dial and not self.is_confirmed(p.target.peer_id):  # its own ack, even late, verifies it
+            self._keep_late(p.seq, _Verify(p.target.peer_id, p.target.address, p.end_at))
         if p.acked:
             return
         # Lifeguard: relays that did not even nack suggest that we are the slow one.
@@ -458,6 +533,8 @@ class Swim(Membership):
             return
         # An unconfirmed member is probed as it is verified: a nonce, over a dialled connection.
         dial = not self.is_confirmed(target.peer_id)
+        if dial:
+            logger.debug("member %s: probing it unconfirmed, at %s:%d", target.short_id, target.host, target.port)
         seq = self._nonce() if dial else self._next_seq()
         self._probe = _Probe(target, seq, now + self.config.probe_timeout_s * mult,
                              now + self.config.probe_interval_s * mult, dial=dial)
