@@ -556,11 +556,27 @@ def run(args) -> dict:
     speed = measure_compress_cost()
     results["codec_speed"] = speed.to_dict()
     print(f"codec speed on this CPU (one thread), ns per element: {json.dumps(speed.to_dict())}", file=sys.stderr)
-    repeats = []
+    repeats: list[dict] = []
+    failed: list[dict] = []
+    results["repeats"], results["failed"] = repeats, failed
     for i, seed in enumerate(repeat_seeds(args.seeds, args.repeats)):
         print(f"repeat {i + 1} of {args.repeats}, seed {seed}", file=sys.stderr)
-        repeats.append({"seed": seed, **_figures(args, _repeat(args, methods, configs, exact, seed), speed, methods)})
-    results["repeats"] = repeats
+        try:
+            rep = {"seed": seed, **_figures(args, _repeat(args, methods, configs, exact, seed), speed, methods)}
+        except RuntimeError as e:  # (a swarm that stopped its run: said, kept, and the next repeat goes on)
+            print(f"repeat {i + 1} failed: {e}", file=sys.stderr)
+            failed.append({"seed": seed, "error": str(e)[-2000:]})
+            continue
+        repeats.append(rep)
+        print(f"repeat {i + 1}: " + "; ".join(
+            f"{n} {r['measured']['iteration_s']:.3f} s/step, target "
+            + (f"in {r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") else "not reached")
+            + (f" ({r['time_to_target_speedup']:.2f}x)" if r.get("time_to_target_speedup") else "")
+            for n, r in rep["runs"].items()), file=sys.stderr)
+        if args.out:  # (what is measured so far, should a later repeat not end)
+            write_json(Path(args.out), results)
+    if not repeats:
+        raise RuntimeError(f"every repeat failed; the last: {failed[-1]['error']}")
     results["summary"] = summarise(repeats, ["exact", *methods])
     return results
 
@@ -610,6 +626,7 @@ def json_line(results: dict, recommended: str) -> dict:
             "bandwidth_scale_computed": "scale" in results,
             "speedup_goal": SPEEDUP_GOAL, "prediction_error_goal": PREDICTION_GOAL,
             "target_step": results["target_step"], "window": results["window"], "repeats": len(results["repeats"]),
+            "failed_repeats": results.get("failed", []),
             "best_time_to_target": best, "best_time_to_target_speedup": summ[best]["time_to_target_speedup"]["mean"],
             "shape": results["repeats"][0]["shape"],
             "methods": [{"name": n, "speedup_measured": s["speedup_per_step"]["mean"],

@@ -15,6 +15,12 @@ stage, scipy with the first schedule).
     .venv/bin/python bench/idle.py                  # 8 daemons, then the baseline's 8
     .venv/bin/python bench/idle.py --peers 16 --settle 10
     .venv/bin/python bench/idle.py --peers 32 --no-baseline   # this tree's daemons only
+    .venv/bin/python bench/idle.py --during-run               # the commands while a run trains
+
+`--during-run`: 4 daemons (no emulation) idle, then training `tiny` as 2 stages x 2 pipelines;
+the same commands against a daemon holding a stage, idle (the baseline) and between steps, the
+brake last (`train stop`, which then stops the run: it is timed once, and the run is checked
+stopped). The goal (issue "From eight peers to hundreds"): each under a second during the run.
 
 Prints a table per swarm on stderr and, last, one JSON object on stdout.
 """
@@ -72,6 +78,56 @@ def socket_status_s(data_dir: str) -> float:
     return time.perf_counter() - t0
 
 
+def stage_holder(run_dir: Path) -> str:
+    """The data dir of a daemon holding a stage of the run."""
+    from dtfm.peer.config import SocketConfig
+    from dtfm.peer.control_client import ControlClient
+
+    state = json.loads((run_dir / "swarm.json").read_text())
+    for p in state["peers"]:
+        with ControlClient(Path(p["data_dir"]) / "control" / "peer.sock", SocketConfig(request_timeout_s=30.0)) as c:
+            if (c.request("status").get("training") or {}).get("stage") is not None:
+                return p["data_dir"]
+    raise RuntimeError("no daemon holds a stage")
+
+
+def measure_run(steps_before: int) -> dict:
+    """The operator's commands against a daemon idle, then while it trains (module docstring)."""
+    from common import swarm
+
+    env = dict(os.environ)
+    cli = [sys.executable, "-m", "dtfm.peer"]
+    with running_swarm("--peers", "4", "--scenario", "datacenter", "--no-emulation",
+                       prefix="dtfm-idle-") as run_dir:
+        state = json.loads((run_dir / "swarm.json").read_text())
+        first = state["peers"][0]["data_dir"]
+        idle = {"status": [timed([*cli, "status", "--data-dir", first], env) for _ in range(CLI_TRIES)],
+                "socket": [socket_status_s(first) for _ in range(CLI_TRIES)]}
+        swarm(run_dir, "train", "--stages", "2", "--dp", "2", "--steps", "100000")
+        swarm(run_dir, "wait", "--step", str(steps_before), "--timeout", "900")
+        holder = stage_holder(run_dir)
+        during = {"status": [timed([*cli, "status", "--data-dir", holder], env) for _ in range(CLI_TRIES)],
+                  "socket": [socket_status_s(holder) for _ in range(CLI_TRIES)]}
+        t0 = time.perf_counter()
+        done = subprocess.run([*cli, "train", "stop", "--data-dir", holder], capture_output=True, text=True,
+                              timeout=120, env=env)
+        stop_s = time.perf_counter() - t0
+        if done.returncode != 0:
+            raise RuntimeError(f"train stop failed: {done.stderr.strip()}")
+        rows = [json.loads(x) for x in (run_dir / "train.jsonl").read_text().splitlines() if x.strip()]
+    med = statistics.median
+    table = [("dtfm-peer status", f"{med(idle['status']):.3f}", f"{med(during['status']):.3f}"),
+             ("the daemon's status answer", f"{med(idle['socket']):.4f}", f"{med(during['socket']):.4f}"),
+             ("dtfm-peer train stop (once)", "-", f"{stop_s:.3f}")]
+    print(f"\n4 daemons, tiny 2 x 2 training (median of {CLI_TRIES}, seconds):", file=sys.stderr)
+    print_table(("command", "idle", "during the run"), table)
+    return {"idle_cli_status_s": round(med(idle["status"]), 3), "run_cli_status_s": round(med(during["status"]), 3),
+            "run_cli_status_max_s": round(max(during["status"]), 3),
+            "idle_socket_status_s": round(med(idle["socket"]), 4), "run_socket_status_s": round(med(during["socket"]), 4),
+            "run_cli_train_stop_s": round(stop_s, 3), "steps_logged": len(rows),
+            "under_a_second": max(during["status"]) < 1.0 and stop_s < 1.0}
+
+
 def measure(peers: int, settle_s: float, window_s: float, preload: str) -> dict:
     env = {**os.environ, "DTFM_PRELOAD": preload}
     os.environ["DTFM_PRELOAD"] = preload  # (dtfm-swarm up passes its environment to the daemons)
@@ -118,7 +174,13 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds idle after `up` before measuring")
     parser.add_argument("--window", type=float, default=10.0, help="seconds over which idle CPU is measured")
     parser.add_argument("--no-baseline", action="store_true", help="measure this tree's daemons only")
+    parser.add_argument("--during-run", action="store_true",
+                        help="time the operator's commands while 4 daemons train (module docstring)")
+    parser.add_argument("--steps", type=int, default=3, help="--during-run: steps trained before the commands")
     args = parser.parse_args()
+    if args.during_run:
+        print(json.dumps(measure_run(args.steps)))
+        return 0
     light = measure(args.peers, args.settle, args.window, "")
     if args.no_baseline:
         print(json.dumps({"daemons": args.peers, "light": light, "within_60_mib": light["max_private_mib"] <= 60.0}))

@@ -14,7 +14,11 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    first, never the last holder of a stage): `recover_s` (kill to the first step of the next
    epoch, or to the next step when only spares died), `rolled_back` and `steps_lost` (steps run again after a rollback), and at the
    end `every_step_once` and `max_loss_rel_dev` (each logged loss against one process
-   training the same steps, train/reference.py). Progress goes to stderr.
+   training the same steps, train/reference.py). With `--churn-s S`, after the kills: for S
+   seconds, every `--churn-every` seconds a peer leaves (SIGKILL; never the coordinator, never
+   the last live holder of a stage) or one that left comes back (`dtfm-swarm restart`), in
+   turn: `churn` (events, steps trained during it, rollbacks, steps lost), before the checks
+   of every step. Progress goes to stderr.
    The baseline beside each: `step_s` of one process training the same steps
    (`single_process_step_s`).
 2. sim: the control plane's own machines on N nodes under a virtual clock (control/testing/sim.py):
@@ -123,7 +127,47 @@ def _say(n: int, t0: float, what: str) -> None:
     print(f"[{n} daemons, {time.monotonic() - t0:6.1f} s] {what}", file=sys.stderr, flush=True)
 
 
-def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | None = None) -> dict:
+def _churn(run_dir: Path, n: int, t0: float, churn_s: float, every_s: float, dead: list[str]) -> dict:
+    """A peer leaves or comes back every `every_s` seconds for `churn_s` (module docstring);
+    `dead`: the peers killed before, which come back first."""
+    import random
+    rng = random.Random(7)
+    start, events = time.time(), []
+    first_step = max(r["step"] for r in read_rows(run_dir))
+    leave = not dead
+    end = time.monotonic() + churn_s
+    while time.monotonic() < end:
+        tick = time.monotonic()
+        t = _training(run_dir)
+        if leave:
+            holders = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
+            candidates = [name for name, v in t.items() if v.get("role") != "coordinator"
+                          and (v.get("state") != "training" or holders[v.get("stage")] > 1)]
+            if candidates:
+                name = rng.choice(sorted(candidates))
+                os.kill(_pids(run_dir)[name], signal.SIGKILL)
+                dead.append(name)
+                events.append(("leave", name, t[name].get("state") == "training"))
+        elif dead:
+            name = dead.pop(0)
+            swarm(run_dir, "restart", name, timeout_s=300)
+            events.append(("join", name, False))
+        leave = not leave if dead else True
+        if events:
+            _say(n, t0, f"churn: {events[-1][0]} {events[-1][1]}{' (a stage holder)' if events[-1][2] else ''}")
+        time.sleep(max(0.0, every_s - (time.monotonic() - tick)))
+    swarm(run_dir, "wait", "--step", str(max(r["step"] for r in read_rows(run_dir)) + 2), "--timeout", "900")
+    rows = read_rows(run_dir)
+    evs = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+    rollbacks = [e for e in evs if e.get("event") == "rollback" and e.get("time", 0) > start]
+    return {"churn_s": churn_s, "leaves": sum(e[0] == "leave" for e in events),
+            "holders_left": sum(e[2] for e in events), "joins": sum(e[0] == "join" for e in events),
+            "steps_during": max(r["step"] for r in rows if r["time"] <= start + churn_s) - first_step,
+            "rollbacks": len(rollbacks), "steps_lost": sum(int(e.get("steps_lost") or 0) for e in rollbacks)}
+
+
+def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | None = None, *,
+                  churn_s: float = 0.0, churn_every_s: float = 10.0) -> dict:
     t0 = time.monotonic()
     _say(n, t0, "dtfm-swarm up")
     with running_swarm("--scenario", "worldwide", "--peers", str(n), "--timeout", "900", up_timeout_s=1200,
@@ -183,7 +227,11 @@ def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | No
         events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
         out["rolled_back"] = any(e.get("event") == "rollback" and e.get("time", 0) > killed for e in events)
         out["steps_lost"] = max(0, last + 1 - first["step"]) if out["rolled_back"] else 0
-        _say(n, t0, f"training again after {out['recover_s']} s; checking every step against one process")
+        _say(n, t0, f"training again after {out['recover_s']} s")
+        if churn_s > 0:
+            _say(n, t0, f"churn for {churn_s:g} s: a peer leaves or comes back every {churn_every_s:g} s")
+            out["churn"] = _churn(run_dir, n, t0, churn_s, churn_every_s, victims)
+        _say(n, t0, "checking every step against one process")
         rows = read_rows(run_dir)
         out["steps_logged"] = len(rows)
         out["every_step_once"] = [r["step"] for r in rows] == list(range(len(rows)))
@@ -236,6 +284,9 @@ def main(argv=None) -> None:
     ap.add_argument("--idle-s", type=float, default=20.0, help="seconds the idle swarm is watched")
     ap.add_argument("--stages", type=int, default=None, help="the run's stages (with --dp; default: the scheduler's shape)")
     ap.add_argument("--dp", type=int, default=None, help="the run's pipelines (with --stages)")
+    ap.add_argument("--churn-s", type=float, default=0.0,
+                    help="daemons: seconds of churn after the kills (a peer leaves or comes back in turn)")
+    ap.add_argument("--churn-every", type=float, default=10.0, help="daemons: seconds between churn events")
     args = ap.parse_args(argv)
     if (args.stages is None) != (args.dp is None):
         ap.error("--stages and --dp go together")
@@ -256,7 +307,8 @@ def main(argv=None) -> None:
         result["daemons"] = []
         for n in args.daemons.split(","):
             fig = bench_daemons(int(n), args.steps, args.idle_s,
-                                None if args.stages is None else (args.stages, args.dp))
+                                None if args.stages is None else (args.stages, args.dp),
+                                churn_s=args.churn_s, churn_every_s=args.churn_every)
             print(f"daemons: {fig}", file=sys.stderr)
             result["daemons"].append(fig)
     if "sched" in only:

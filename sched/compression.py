@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any, Iterable, Protocol, TypeVar
 
@@ -358,6 +358,13 @@ class CompressionOptions:
     def exact(self) -> bool:
         """Nothing to choose: exact on both axes."""
         return len(self.pp) == 1 and len(self.dp) == 1
+
+    def of_peers(self, peers: Sequence[int]) -> "CompressionOptions":
+        """The options for the network of `peers` (indices into this one's, in that order): the
+        same codecs, each of those peers' own coding speed."""
+        if not self.peer_speeds:
+            return self
+        return replace(self, peer_speeds=tuple(self.peer_speeds[int(i)] for i in peers))
 
 
 def compression_options(names: Iterable[str], speed: CodecSpeed = CodecSpeed()) -> CompressionOptions:

@@ -473,7 +473,8 @@ class _Planner:
         costed = flat and self.compute.reference_tflops is not None
         alloc = solve(self.delay[sub], self.bw[sub], self.mspec(D) if costed else sched_spec(self.spec, self.cfg, D),
                       stages=S, dp=D, compute=self.compute.speeds[peers] if costed else None,
-                      regions=labels, seed=self.seed, config=cfg, initial=init, compression=self.compression)
+                      regions=labels, seed=self.seed, config=cfg, initial=init,
+                      compression=None if self.compression is None else self.compression.of_peers(peers))
         return np.array(peers, dtype=np.int64)[alloc.matrix]
 
     def oriented(self, kind: str, X: np.ndarray, ranges, old: np.ndarray | None) -> _Cand:

@@ -242,3 +242,22 @@ def test_a_cut_link_no_layout_avoids_costs_every_candidate_the_penalty():
     view, regions = sites([4])
     p = plan(view, regions, current([0, 1, 2, 3]), cut_links=[(pid(0), pid(3))])  # one pipeline: all pairs talk
     assert p.placement.predicted_iteration_s >= CUT_PENALTY_S
+
+
+def test_a_per_link_run_reschedules_on_the_live_peers_with_their_own_codec_speeds():
+    """A compressed run's options carry a coding speed per view peer; the scheduler run on the
+    live ones alone gets theirs (a swarm stopped its run on "codec speeds of 8 peers, the
+    network has 7" when a peer refused a reshape)."""
+    from dtfm.control.coordinator.schedule import compression_options_of
+    from dtfm.train.compress import parse_compression
+
+    view, regions = sites([4, 4])
+    opts = compression_options_of(parse_compression("auto"), view=view)
+    assert len(opts.peer_speeds) == len(view.peers)
+    gone = pid(6)
+    p = plan(view, regions, current([0, 1, 2, 3], [4, 5, 6, 7]), live=set(view.peers) - {gone},
+             compression=opts, force=True)
+    assert gone not in {peer for pipe in p.placement.pipelines for peer in pipe}
+    assert any(c["kind"] in ("reschedule", "restage") for c in p.candidates)
+    sub = opts.of_peers([0, 2, 5])
+    assert sub.peer_speeds == tuple(opts.peer_speeds[i] for i in (0, 2, 5)) and sub.pp == opts.pp
