@@ -11,7 +11,8 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    per peer: `handout_s` (the command, from the signed start to every peer started), `shape`
    and `shape_note` (why the scheduler chose it), `step_s` (median iteration after the first
    two), then an eighth of the peers SIGKILLed at once (none the coordinator; stage holders
-   first, never the last holder of a stage): `recover_s` (kill to the first step of the next
+   first, never the last holder of a stage, nor more of the council's voters than it can lose
+   and keep a quorum: one of 5): `recover_s` (kill to the first step of the next
    epoch, or to the next step when only spares died), `rolled_back` and `steps_lost` (steps run again after a rollback), and at the
    end `every_step_once` and `max_loss_rel_dev` (each logged loss against one process
    training the same steps, train/reference.py). With `--churn-s S`, after the kills: for S
@@ -87,6 +88,18 @@ def _idle(run_dir: Path, idle_s: float) -> dict:
             "idle_cpu_cores": round(cpu / idle_s, 3)}
 
 
+def _council(run_dir: Path, t: dict[str, dict]) -> tuple[set[str], int]:
+    """(names of the council's voters, how many of them may die with a quorum left), as the
+    coordinator's status says (quorum: `dtfm.control.election.quorum`, 4 of 5: a council of 5
+    survives one voter lost at a time, and replaces it)."""
+    from dtfm.swarm.state import load_state
+    names = {p.peer_id: p.name for p in load_state(run_dir).peers}
+    c = next((v for v in t.values() if v.get("role") == "coordinator"), None) or {}
+    voters = {names.get(v, v) for v in c.get("voters") or ()}
+    quorum = (c.get("election") or {}).get("quorum", len(voters))
+    return voters, max(0, len(voters) - quorum)
+
+
 def _training(run_dir: Path) -> dict[str, dict]:
     from dtfm.swarm.proc import peer_status
     from dtfm.swarm.state import load_state
@@ -141,8 +154,11 @@ def _churn(run_dir: Path, n: int, t0: float, churn_s: float, every_s: float, dea
         t = _training(run_dir)
         if leave:
             holders = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
+            voters, spare = _council(run_dir, t)
+            spare -= sum(1 for v in voters if v not in t)  # voters down already
             candidates = [name for name, v in t.items() if v.get("role") != "coordinator"
-                          and (v.get("state") != "training" or holders[v.get("stage")] > 1)]
+                          and (v.get("state") != "training" or holders[v.get("stage")] > 1)
+                          and (name not in voters or spare > 0)]
             if candidates:
                 name = rng.choice(sorted(candidates))
                 os.kill(_pids(run_dir)[name], signal.SIGKILL)
@@ -195,10 +211,17 @@ def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | No
         others = sorted((name for name, v in t.items() if v.get("role") != "coordinator"),
                         key=lambda name: (t[name].get("state") != "training", name))
         left = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
+        # nor more of the council's voters than it can lose and still elect (a council that
+        # lost its quorum waits for the operator: `dtfm-peer train council`)
+        voters, spare_voters = _council(run_dir, t)
         victims: list[str] = []
         for name in others:
             if len(victims) == max(1, n // 8):
                 break
+            if name in voters:
+                if spare_voters <= 0:
+                    continue
+                spare_voters -= 1
             if t[name].get("state") == "training":
                 if left[t[name].get("stage")] <= 1:
                     continue

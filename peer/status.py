@@ -92,6 +92,20 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             for r in [header, *rows]]
 
 
+def council_lines(election: dict, pad: str) -> list[str]:
+    """What an operator must do when the council lost its quorum (gossip holds too few of its
+    voters alive to elect a coordinator): nothing else can end that wait."""
+    live, quorum, voters = election.get("live_voters"), election.get("quorum"), election.get("voters")
+    if not (isinstance(live, int) and isinstance(quorum, int) and isinstance(voters, int)) or live >= quorum:
+        return []
+    gone = election.get("gone_voters")
+    names = ", ".join(short(g) for g in gone if isinstance(g, str)) if isinstance(gone, list) else ""
+    return [f"{pad}council lost its quorum: {live} of its {voters} voters alive, {quorum} needed to elect a "
+            f"coordinator" + (f" (gone: {names})" if names else ""),
+            f"{pad}  no run can go on until they come back or the operator names a new council: "
+            "`dtfm-peer train council`"]
+
+
 def format_text(report: dict[str, Any], now: float | None = None) -> str:
     """Human-readable status, as `dtfm-peer status` prints it: the daemon, its connections,
     gossip's members and this peer's links as a table, any other section as one JSON line, and
@@ -420,6 +434,7 @@ def format_training(t: dict, now: float) -> list[str]:
         else:
             who = "unknown (none heard from in this term)"
         lines.append(f"{pad}role {t.get('role') or '-'}, term {term}, coordinator {who}")
+        lines += council_lines(election, pad)
     wait = t.get("waiting_for_peers")
     if isinstance(wait, dict):
         lines.append(f"{pad}train start waits for {wait.get('want', '?')} peers: {wait.get('live', '?')} live, "

@@ -58,6 +58,15 @@ def status_report(state: SwarmState) -> dict:
                                                      "stalled_s", "cut_links")}
     report["term"] = (peers_out[chosen]["term"] if chosen is not None and peers_out[chosen]["term"] is not None
                       else max(terms, default=None))
+    # a council that lost its quorum, as the peers holding the newest term see it
+    els: list[dict[str, Any]] = [t["election"] for t in trainings if isinstance(t.get("election"), dict)]
+    lost = [e for e in els if isinstance(e.get("live_voters"), int) and isinstance(e.get("quorum"), int)
+            and e["live_voters"] < e["quorum"] and e.get("term") == report["term"]]
+    if lost:
+        e = lost[0]
+        names = {p["id"]: p["name"] for p in peers_out if p["id"]}
+        report["council_lost"] = {"live_voters": e["live_voters"], "quorum": e["quorum"], "voters": e.get("voters"),
+                                  "gone": [names.get(g, str(g)[:8]) for g in e.get("gone_voters") or []]}
     if observer is not None:
         gossip_members = {m.get("id"): m for m in (observer.get("gossip") or {}).get("members", [])}
         for entry in peers_out:
@@ -158,6 +167,12 @@ def format_status(report: dict) -> str:
         if run.get("cut_links"):
             line += f" (cut links: {run['cut_links']})"
         lines.append(line)
+    lost = report.get("council_lost")
+    if lost:
+        lines.append(f"council lost its quorum: {lost['live_voters']} of {lost['voters']} voters alive, "
+                     f"{lost['quorum']} needed (gone: {', '.join(lost['gone']) or '?'}); nothing goes on until they "
+                     "come back (`dtfm-swarm restart NAME`) or the operator names a new council "
+                     "(`dtfm-peer train council --data-dir PEER_DIR`)")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines += _format_measured(report)
     return "\n".join(lines)

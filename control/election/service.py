@@ -62,6 +62,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import trio
 
@@ -193,11 +194,19 @@ class ElectionService:
 
     def status(self) -> dict:
         s = self._state
-        return {"role": s.role.value, "term": s.term,
-                "coordinator": None if s.coordinator is None else s.coordinator.hex(),
-                "voters": len(s.voters), "applied": list(s.last_applied), "since": self._since,
-                "term_exhausted": s.term_exhausted,
-                "heard_of": None if s.heard_of is None else s.heard_of.candidate.hex()}
+        out: dict[str, Any] = {"role": s.role.value, "term": s.term,
+               "coordinator": None if s.coordinator is None else s.coordinator.hex(),
+               "voters": len(s.voters), "applied": list(s.last_applied), "since": self._since,
+               "term_exhausted": s.term_exhausted,
+               "heard_of": None if s.heard_of is None else s.heard_of.candidate.hex()}
+        if s.voters:
+            # The council's health as gossip sees it: with fewer live voters than a quorum no
+            # coordinator can be elected until the operator names a new council.
+            live = set(self._peers()) | {self.me} if self._peers is not None else set(s.voters)
+            out["quorum"] = s.quorum
+            out["live_voters"] = sum(v in live for v in s.voters)
+            out["gone_voters"] = [v.hex() for v in s.voters if v not in live]
+        return out
 
     # ------------------------------------------------------------------ inputs from the control plane
 

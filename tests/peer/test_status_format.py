@@ -358,3 +358,15 @@ def test_the_compute_figure_is_a_line_when_known():
            "peer's own training steps)"
     assert format_gossip({**GOSSIP, "compute_ms": 33.1}, A)[-1] == line
     assert not any(x.startswith("compute") for x in format_gossip({**GOSSIP, "compute_ms": None}, A))
+
+
+def test_the_training_section_says_when_the_council_lost_its_quorum():
+    election = {"role": "pre-candidate", "term": 3, "coordinator": None, "voters": 5, "quorum": 4,
+                "live_voters": 3, "gone_voters": [A, B]}
+    lines = format_training({"state": "stalled", "role": "pre-candidate", "term": 3, "coordinator": None,
+                             "election": election}, now=0.0)
+    text = "\n".join(lines)
+    assert f"council lost its quorum: 3 of its 5 voters alive, 4 needed to elect a coordinator (gone: {A[:8]}, {B[:8]})" in text
+    assert "`dtfm-peer train council`" in text
+    election.update(live_voters=4, gone_voters=[A])
+    assert not any("quorum" in x for x in format_training({"term": 3, "election": election}, now=0.0))

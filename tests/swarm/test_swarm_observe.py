@@ -701,3 +701,21 @@ def test_clock_jump_moves_the_wall_clock_of_a_peer_or_a_region(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         swarm_cli.main(["clock-jump", "p01", "1e12", "--run-dir", str(tmp_path)])
     assert "within a year" in capsys.readouterr().err
+
+
+def test_a_council_without_its_quorum_is_named_with_what_ends_the_wait(tmp_path, fake_status):
+    """Two of five voters dead: a quorum of four cannot be had, no coordinator is elected, and
+    the run only goes on when they come back or the operator names a new council."""
+    election = {"role": "pre-candidate", "term": 5, "coordinator": None, "voters": 5, "quorum": 4,
+                "live_voters": 3, "gone_voters": [ID["p04"], ID["p05"]]}
+    for name in ("p00", "p01", "p02"):
+        fake_status[name] = {**fake_status[name], "election": election}
+    rep = status_report(make_state(tmp_path))
+    assert rep["council_lost"] == {"live_voters": 3, "quorum": 4, "voters": 5, "gone": ["p04", "p05"]}
+    text = format_status(rep)
+    assert "council lost its quorum: 3 of 5 voters alive, 4 needed (gone: p04, p05)" in text
+    assert "dtfm-peer train council" in text
+    for name in ("p00", "p01", "p02"):  # a council with its quorum: nothing said
+        fake_status[name] = {**fake_status[name], "election": {**election, "live_voters": 4, "gone_voters": [ID["p05"]]}}
+    rep = status_report(make_state(tmp_path))
+    assert "council_lost" not in rep and "quorum" not in format_status(rep)

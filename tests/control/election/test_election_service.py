@@ -204,7 +204,8 @@ async def test_campaign_elects_one_coordinator_all_recognise(autojump_clock):
                                                                                  tuple(s.ids))
         assert leader.status() == {"role": "coordinator", "term": 1, "coordinator": s.ids[2].hex(), "voters": 5,
                                    "applied": [0, 0], "since": pytest.approx(WALL0 + t0 + 4 * DELAY_S, abs=1e-4),
-                                   "term_exhausted": False, "heard_of": None}
+                                   "term_exhausted": False, "heard_of": None,
+                                   "quorum": 4, "live_voters": 5, "gone_voters": []}
         assert s.services[0].status()["role"] == "follower"
         # it stays the only coordinator while heartbeats flow
         await trio.sleep(20 * CFG.election_timeout_max_s)
