@@ -17,8 +17,8 @@ simulation up to 1,000 peers, against baselines measured in the same run.
    end `every_step_once` and `max_loss_rel_dev` (each logged loss against one process
    training the same steps, train/reference.py). With `--churn-s S`, after the kills: for S
    seconds, every `--churn-every` seconds a peer leaves (SIGKILL; never the coordinator, never
-   the last live holder of a stage) or one that left comes back (`dtfm-swarm restart`), in
-   turn: `churn` (events, steps trained during it, rollbacks, steps lost), before the checks
+   the last live holder of a stage, never a voter the council cannot lose; every other time a
+   stage holder) or one that left comes back (`dtfm-swarm restart`), in turn: `churn` (events, steps trained during it, rollbacks, steps lost), before the checks
    of every step. Progress goes to stderr.
    The baseline beside each: `step_s` of one process training the same steps
    (`single_process_step_s`).
@@ -159,6 +159,11 @@ def _churn(run_dir: Path, n: int, t0: float, churn_s: float, every_s: float, dea
             candidates = [name for name, v in t.items() if v.get("role") != "coordinator"
                           and (v.get("state") != "training" or holders[v.get("stage")] > 1)
                           and (name not in voters or spare > 0)]
+            # every other leave takes a stage holder where its stage keeps another (a spare then
+            # fetches the stage: the churn that costs the run something), the others anyone
+            placed = [c for c in candidates if t[c].get("state") == "training"]
+            if placed and sum(e[0] == "leave" for e in events) % 2 == 0:
+                candidates = placed
             if candidates:
                 name = rng.choice(sorted(candidates))
                 os.kill(_pids(run_dir)[name], signal.SIGKILL)
