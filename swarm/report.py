@@ -58,15 +58,10 @@ def status_report(state: SwarmState) -> dict:
                                                      "stalled_s", "cut_links")}
     report["term"] = (peers_out[chosen]["term"] if chosen is not None and peers_out[chosen]["term"] is not None
                       else max(terms, default=None))
-    # a council that lost its quorum, as the peers holding the newest term see it
-    els: list[dict[str, Any]] = [t["election"] for t in trainings if isinstance(t.get("election"), dict)]
-    lost = [e for e in els if isinstance(e.get("live_voters"), int) and isinstance(e.get("quorum"), int)
-            and e["live_voters"] < e["quorum"] and e.get("term") == report["term"]]
-    if lost:
-        e = lost[0]
+    lost = council_lost(trainings)
+    if lost is not None:
         names = {p["id"]: p["name"] for p in peers_out if p["id"]}
-        report["council_lost"] = {"live_voters": e["live_voters"], "quorum": e["quorum"], "voters": e.get("voters"),
-                                  "gone": [names.get(g, str(g)[:8]) for g in e.get("gone_voters") or []]}
+        report["council_lost"] = {**lost, "gone": [names.get(g, str(g)[:8]) for g in lost["gone"]]}
     if observer is not None:
         gossip_members = {m.get("id"): m for m in (observer.get("gossip") or {}).get("members", [])}
         for entry in peers_out:
@@ -140,6 +135,27 @@ def _row_order(p: dict) -> tuple:
             p.get("pipeline") if placed and p.get("pipeline") is not None else 0, p["name"])
 
 
+def council_lost(trainings: list[dict]) -> dict | None:
+    """The council's loss of its quorum, as the peers at the newest term the election reports
+    see it (gossip holds fewer of its voters alive than a quorum): {live_voters, quorum, voters,
+    gone (peer ids)}; None while it can elect."""
+    els: list[dict[str, Any]] = [t["election"] for t in trainings if isinstance(t.get("election"), dict)]
+    terms = [e["term"] for e in els if isinstance(e.get("term"), int)]
+    for e in els:
+        if (isinstance(e.get("live_voters"), int) and isinstance(e.get("quorum"), int)
+                and e["live_voters"] < e["quorum"] and e.get("term") == max(terms, default=None)):
+            return {"live_voters": e["live_voters"], "quorum": e["quorum"], "voters": e.get("voters"),
+                    "gone": [str(g) for g in e.get("gone_voters") or []]}
+    return None
+
+
+def council_lost_text(lost: dict) -> str:
+    return (f"council lost its quorum: {lost['live_voters']} of {lost['voters']} voters alive, "
+            f"{lost['quorum']} needed (gone: {', '.join(lost['gone']) or '?'}); nothing goes on until they "
+            "come back (`dtfm-swarm restart NAME`) or the operator names a new council "
+            "(`dtfm-peer train council --data-dir PEER_DIR`)")
+
+
 def format_status(report: dict) -> str:
     rows = [["REGION", "NAME", "ID", "ROLE", "TERM", "STAGE", "EPOCH", "STEP", "TRAINING",
              "PROCESS", "MEMBER", "ADDRESS", "PID"]]
@@ -169,10 +185,7 @@ def format_status(report: dict) -> str:
         lines.append(line)
     lost = report.get("council_lost")
     if lost:
-        lines.append(f"council lost its quorum: {lost['live_voters']} of {lost['voters']} voters alive, "
-                     f"{lost['quorum']} needed (gone: {', '.join(lost['gone']) or '?'}); nothing goes on until they "
-                     "come back (`dtfm-swarm restart NAME`) or the operator names a new council "
-                     "(`dtfm-peer train council --data-dir PEER_DIR`)")
+        lines.append(council_lost_text(lost))
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines += _format_measured(report)
     return "\n".join(lines)

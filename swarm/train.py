@@ -32,6 +32,7 @@ from dtfm.net import KeyFileError, OperatorKey, operator_key_path
 from dtfm.peer import send_start, steps_done
 
 from .proc import peer_request, peer_status
+from .report import council_lost, council_lost_text
 from .state import KEY_FILE, PeerEntry, SwarmError, SwarmState
 
 if TYPE_CHECKING:
@@ -266,6 +267,11 @@ def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, pol
             return rows[-1]
         statuses = [st for st in (peer_status(p) for p in state.peers) if st is not None]
         why = run_end(statuses, events)
+        if why is None:  # nothing goes on without a council that can elect: said, not waited out
+            lost = council_lost([st.get("training") or {} for st in statuses])
+            if lost is not None:
+                names = {p.peer_id: p.name for p in state.peers}
+                why = council_lost_text({**lost, "gone": [names.get(g, g[:8]) for g in lost["gone"]]})
         now = time.monotonic()
         if why is None:
             ended_since = None

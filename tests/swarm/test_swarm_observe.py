@@ -268,6 +268,19 @@ def test_wait_gives_up_when_the_run_ended(tmp_path, fake_status, monkeypatch):
         wait_step(state, tmp_path, 10, timeout_s=60, settle_s=0.0)
 
 
+def test_wait_gives_up_when_the_council_lost_its_quorum(tmp_path, fake_status, monkeypatch):
+    state = make_state(tmp_path)
+    write_jsonl(tmp_path / "p03" / "train.jsonl", [step(k, 5) for k in range(3)])
+    election = {"role": "pre-candidate", "term": 5, "voters": 5, "quorum": 4, "live_voters": 3,
+                "gone_voters": [ID["p04"], ID["p05"]]}
+    for name in ("p00", "p01", "p02", "p03"):
+        fake_status[name] = {**fake_status[name], "election": election}
+    monkeypatch.setattr(train_mod.time, "sleep", lambda _: None)
+    with pytest.raises(SwarmError, match=r"council lost its quorum: 3 of 5 voters alive, 4 needed "
+                                         r"\(gone: p04, p05\).*; step 11 not reached"):
+        wait_step(state, tmp_path, 10, timeout_s=60, settle_s=0.0)
+
+
 @pytest.mark.parametrize("statuses, events, want", [
     ([{"training": {"state": "training"}}], [], None),
     ([{"training": {"state": "stopped", "role": "candidate"}},
