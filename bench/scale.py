@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -97,7 +98,32 @@ def _council(run_dir: Path, t: dict[str, dict]) -> tuple[set[str], int]:
     c = next((v for v in t.values() if v.get("role") == "coordinator"), None) or {}
     voters = {names.get(v, v) for v in c.get("voters") or ()}
     quorum = (c.get("election") or {}).get("quorum", len(voters))
-    return voters, max(0, len(voters) - quorum)
+    down = sum(1 for v in voters if v not in t)  # (t: the live peers)
+    return voters, max(0, len(voters) - quorum - down)
+
+
+def _victims(t: dict[str, dict], order: list[str], k: int, voters: set[str], spare_voters: int) -> list[str]:
+    """Up to k peers of `order`, first first, that may die together: never the coordinator,
+    never the last live holder of a stage (a stage with no holder left is a rollback, which the
+    soak measures), no more of the council's voters than it can lose and still elect (a council
+    that lost its quorum waits for the operator: `dtfm-peer train council`)."""
+    left = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
+    out: list[str] = []
+    for name in order:
+        if len(out) == k:
+            break
+        v = t[name]
+        holder = v.get("state") == "training"
+        if v.get("role") == "coordinator" or (holder and left[v.get("stage")] <= 1):
+            continue
+        if name in voters:
+            if spare_voters <= 0:
+                continue
+            spare_voters -= 1
+        if holder:
+            left[v.get("stage")] -= 1
+        out.append(name)
+    return out
 
 
 def _training(run_dir: Path) -> dict[str, dict]:
@@ -143,7 +169,6 @@ def _say(n: int, t0: float, what: str) -> None:
 def _churn(run_dir: Path, n: int, t0: float, churn_s: float, every_s: float, dead: list[str]) -> dict:
     """A peer leaves or comes back every `every_s` seconds for `churn_s` (module docstring);
     `dead`: the peers killed before, which come back first."""
-    import random
     rng = random.Random(7)
     start, events = time.time(), []
     first_step = max(r["step"] for r in read_rows(run_dir))
@@ -153,19 +178,15 @@ def _churn(run_dir: Path, n: int, t0: float, churn_s: float, every_s: float, dea
         tick = time.monotonic()
         t = _training(run_dir)
         if leave:
-            holders = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
-            voters, spare = _council(run_dir, t)
-            spare -= sum(1 for v in voters if v not in t)  # voters down already
-            candidates = [name for name, v in t.items() if v.get("role") != "coordinator"
-                          and (v.get("state") != "training" or holders[v.get("stage")] > 1)
-                          and (name not in voters or spare > 0)]
             # every other leave takes a stage holder where its stage keeps another (a spare then
             # fetches the stage: the churn that costs the run something), the others anyone
-            placed = [c for c in candidates if t[c].get("state") == "training"]
-            if placed and sum(e[0] == "leave" for e in events) % 2 == 0:
-                candidates = placed
-            if candidates:
-                name = rng.choice(sorted(candidates))
+            order = sorted(t)
+            rng.shuffle(order)
+            if sum(e[0] == "leave" for e in events) % 2 == 0:
+                order.sort(key=lambda name: t[name].get("state") != "training")
+            chosen = _victims(t, order, 1, *_council(run_dir, t))
+            if chosen:
+                name = chosen[0]
                 os.kill(_pids(run_dir)[name], signal.SIGKILL)
                 dead.append(name)
                 events.append(("leave", name, t[name].get("state") == "training"))
@@ -213,25 +234,8 @@ def bench_daemons(n: int, steps: int, idle_s: float, shape: tuple[int, int] | No
         # An eighth of the peers, none the coordinator: stage holders first (a spare's loss
         # changes nothing the run waits for), but never the last holder of a stage (a stage
         # with no holder left is a rollback, which the soak measures), then spares.
-        others = sorted((name for name, v in t.items() if v.get("role") != "coordinator"),
-                        key=lambda name: (t[name].get("state") != "training", name))
-        left = Counter(v.get("stage") for v in t.values() if v.get("state") == "training")
-        # nor more of the council's voters than it can lose and still elect (a council that
-        # lost its quorum waits for the operator: `dtfm-peer train council`)
-        voters, spare_voters = _council(run_dir, t)
-        victims: list[str] = []
-        for name in others:
-            if len(victims) == max(1, n // 8):
-                break
-            if name in voters:
-                if spare_voters <= 0:
-                    continue
-                spare_voters -= 1
-            if t[name].get("state") == "training":
-                if left[t[name].get("stage")] <= 1:
-                    continue
-                left[t[name].get("stage")] -= 1
-            victims.append(name)
+        order = sorted(t, key=lambda name: (t[name].get("state") != "training", name))
+        victims = _victims(t, order, max(1, n // 8), *_council(run_dir, t))
         holders = [v for v in victims if t[v].get("state") == "training"]
         pids = _pids(run_dir)
         last = max(r["step"] for r in rows)

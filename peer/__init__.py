@@ -10,12 +10,12 @@ if TYPE_CHECKING:
     from .paths import DataDir, DataDirError, default_data_dir
     from .runspec import RUN_SPEC_KEYS, KNOB_FLAGS, init_folder, load_run_spec, resolve, send_start, start_request
     from .speed import SPEED_FILE, SelfSpeed, SpeedCache, speed_key
-    from .status import format_bytes, plural, reconfiguration_parts, steps_done
+    from .status import format_bytes, plural, quorum_lost, reconfiguration_parts, steps_done
 
 __all__ = [
     "PLANE_PROFILES", "ConfigError", "ControlClient", "ControlClientError", "DaemonConfig", "DaemonNotRunning",
     "DataDir", "DataDirError", "KNOB_FLAGS", "RUN_SPEC_KEYS", "SocketConfig", "default_data_dir", "format_bytes", "init_folder",
-    "load_run_spec", "plural", "reconfiguration_parts", "resolve", "send_start", "start_request", "steps_done",
+    "load_run_spec", "plural", "quorum_lost", "reconfiguration_parts", "resolve", "send_start", "start_request", "steps_done",
     "SPEED_FILE", "SelfSpeed", "SpeedCache", "speed_key", "MAX_CLOCK_JUMP_S",
 ]
 
@@ -28,6 +28,6 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
     ".paths": ("DataDir", "DataDirError", "default_data_dir"),
     ".runspec": ("RUN_SPEC_KEYS", "KNOB_FLAGS", "init_folder", "load_run_spec", "resolve", "send_start", "start_request"),
     ".speed": ("SPEED_FILE", "SelfSpeed", "SpeedCache", "speed_key"),
-    ".status": ("format_bytes", "plural", "reconfiguration_parts", "steps_done"),
+    ".status": ("format_bytes", "plural", "quorum_lost", "reconfiguration_parts", "steps_done"),
 }
 __getattr__, __dir__ = lazy_exports(__name__, LAZY_EXPORTS, globals())

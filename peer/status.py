@@ -92,16 +92,28 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             for r in [header, *rows]]
 
 
-def council_lines(election: dict, pad: str) -> list[str]:
-    """What an operator must do when the council lost its quorum (gossip holds too few of its
-    voters alive to elect a coordinator): nothing else can end that wait."""
+def quorum_lost(election: object) -> dict | None:
+    """The election status's account of a council that lost its quorum (gossip holds fewer of
+    its voters alive than a quorum: no coordinator can be elected): {live_voters, quorum,
+    voters, gone (their ids)}; None while it can elect, or when the status does not say."""
+    if not isinstance(election, dict):
+        return None
     live, quorum, voters = election.get("live_voters"), election.get("quorum"), election.get("voters")
     if not (isinstance(live, int) and isinstance(quorum, int) and isinstance(voters, int)) or live >= quorum:
-        return []
+        return None
     gone = election.get("gone_voters")
-    names = ", ".join(short(g) for g in gone if isinstance(g, str)) if isinstance(gone, list) else ""
-    return [f"{pad}council lost its quorum: {live} of its {voters} voters alive, {quorum} needed to elect a "
-            f"coordinator" + (f" (gone: {names})" if names else ""),
+    return {"live_voters": live, "quorum": quorum, "voters": voters,
+            "gone": [g for g in gone if isinstance(g, str)] if isinstance(gone, list) else []}
+
+
+def council_lines(election: dict, pad: str) -> list[str]:
+    """What an operator must do when the council lost its quorum: nothing else can end that wait."""
+    lost = quorum_lost(election)
+    if lost is None:
+        return []
+    names = ", ".join(short(g) for g in lost["gone"])
+    return [f"{pad}council lost its quorum: {lost['live_voters']} of its {lost['voters']} voters alive, "
+            f"{lost['quorum']} needed to elect a coordinator" + (f" (gone: {names})" if names else ""),
             f"{pad}  no run can go on until they come back or the operator names a new council: "
             "`dtfm-peer train council`"]
 

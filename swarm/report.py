@@ -11,7 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     from dtfm.sched import Allocation, ModelSpec
 
-from dtfm.peer import plural, reconfiguration_parts
+from dtfm.peer import plural, quorum_lost, reconfiguration_parts
 
 from .proc import peer_status
 from .state import SwarmState
@@ -58,10 +58,9 @@ def status_report(state: SwarmState) -> dict:
                                                      "stalled_s", "cut_links")}
     report["term"] = (peers_out[chosen]["term"] if chosen is not None and peers_out[chosen]["term"] is not None
                       else max(terms, default=None))
-    lost = council_lost(trainings)
+    lost = council_lost(trainings, {p["id"]: p["name"] for p in peers_out if p["id"]})
     if lost is not None:
-        names = {p["id"]: p["name"] for p in peers_out if p["id"]}
-        report["council_lost"] = {**lost, "gone": [names.get(g, str(g)[:8]) for g in lost["gone"]]}
+        report["council_lost"] = lost
     if observer is not None:
         gossip_members = {m.get("id"): m for m in (observer.get("gossip") or {}).get("members", [])}
         for entry in peers_out:
@@ -135,17 +134,16 @@ def _row_order(p: dict) -> tuple:
             p.get("pipeline") if placed and p.get("pipeline") is not None else 0, p["name"])
 
 
-def council_lost(trainings: list[dict]) -> dict | None:
-    """The council's loss of its quorum, as the peers at the newest term the election reports
-    see it (gossip holds fewer of its voters alive than a quorum): {live_voters, quorum, voters,
-    gone (peer ids)}; None while it can elect."""
+def council_lost(trainings: list[dict], names: dict[str, str]) -> dict | None:
+    """The council's loss of its quorum (`dtfm.peer.quorum_lost`) as a peer at the newest term
+    of the election sees it, the voters gone by `names` (peer id -> name; else a short id);
+    None while it can elect."""
     els: list[dict[str, Any]] = [t["election"] for t in trainings if isinstance(t.get("election"), dict)]
-    terms = [e["term"] for e in els if isinstance(e.get("term"), int)]
+    newest = max((e["term"] for e in els if isinstance(e.get("term"), int)), default=None)
     for e in els:
-        if (isinstance(e.get("live_voters"), int) and isinstance(e.get("quorum"), int)
-                and e["live_voters"] < e["quorum"] and e.get("term") == max(terms, default=None)):
-            return {"live_voters": e["live_voters"], "quorum": e["quorum"], "voters": e.get("voters"),
-                    "gone": [str(g) for g in e.get("gone_voters") or []]}
+        lost = quorum_lost(e) if e.get("term") == newest else None
+        if lost is not None:
+            return {**lost, "gone": [names.get(g, g[:8]) for g in lost["gone"]]}
     return None
 
 

@@ -268,10 +268,10 @@ def wait_step(state: SwarmState, run_dir: Path, step: int, timeout_s: float, pol
         statuses = [st for st in (peer_status(p) for p in state.peers) if st is not None]
         why = run_end(statuses, events)
         if why is None:  # nothing goes on without a council that can elect: said, not waited out
-            lost = council_lost([st.get("training") or {} for st in statuses])
+            lost = council_lost([st.get("training") or {} for st in statuses],
+                                {p.peer_id: p.name for p in state.peers if p.peer_id})
             if lost is not None:
-                names = {p.peer_id: p.name for p in state.peers}
-                why = council_lost_text({**lost, "gone": [names.get(g, g[:8]) for g in lost["gone"]]})
+                why = council_lost_text(lost)
         now = time.monotonic()
         if why is None:
             ended_since = None
