@@ -36,7 +36,7 @@ from dtfm.train import CheckpointError, GPTSpec, stage_param_names, weight_tenso
 
 from .allocation import Allocation
 from .epoch.access import export_refusal
-from .epoch.recovery import Part, RecoveryError, fetch_stage
+from .epoch.recovery import Part, RateOf, RecoveryError, fetch_stage
 from .epoch.runstate import PeerRunState
 from .epoch.stages import StageHost
 from .operator import SignedOp
@@ -203,11 +203,12 @@ Ask = Callable[[Iterable[bytes], dict, float], Awaitable[dict[bytes, dict]]]
 async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: bytes, peers: Iterable[bytes], ask: Ask,
                      stages: StageHost, transport: PeerTransport,
                      address_of: Callable[[bytes], tuple[str, int] | None], timeout_s: float,
-                     progress: ExportProgress, overwrite: bool = False,
+                     progress: ExportProgress, overwrite: bool = False, rate_of: RateOf | None = None,
                      tokenizer_for: Callable[[GPTSpec], Path | None] = lambda spec: None) -> dict:
     """Gather run `run_id` from `peers` (RUN_STATE `export` through `ask`) and write it to
     `out_dir` as a Hugging Face folder, with the tokenizer files of `tokenizer_for(the run's
-    model)` (None: the byte tokenizer); the summary. ExportError with the reason."""
+    model)` (None: the byte tokenizer); the summary. `rate_of`: each holder's link rate, which
+    the fetches' chunk deadlines follow (`fetch_stage`). ExportError with the reason."""
     from dtfm.train import export_hf  # (torch-heavy; only here)
 
     name = run_id.hex()[:8]
@@ -259,7 +260,7 @@ async def export_run(signed: SignedOp, run_id: bytes, out_dir: Path, *, me: byte
         try:
             result = await fetch_stage(transport, sources, run_id=run_id, step=plan.step, layer_range=r,
                                        digest=digest, max_total_bytes=max_weights_bytes(spec, r),
-                                       timeout_s=timeout_s, part=Part.WEIGHTS)
+                                       timeout_s=timeout_s, part=Part.WEIGHTS, rate_of=rate_of)
         except RecoveryError as e:
             raise ExportError(f"cannot fetch layers {r[0]}-{r[1] - 1}: {e}") from None
         meta = result.receiver.manifest.meta

@@ -214,7 +214,8 @@ class ControlPlane:
             from .epoch.stages import StageHost  # (torch, about 200 MiB: only a peer that handles tensors)
 
             self._stages = StageHost(self.me, self.transport, self.epoch, self.data_dir, self.config,
-                                     address_of=self.address_of, corpus=self.corpus, on_event=self._feed_epoch_now,
+                                     address_of=self.address_of, rate_of=self.link_rate, corpus=self.corpus,
+                                     on_event=self._feed_epoch_now,
                                      router=self.router, recovery=self.recovery, models=self.models,
                                      disk=self.disk)
             if self._nursery is not None:
@@ -525,6 +526,11 @@ class ControlPlane:
         if address is None:
             raise ConnectionClosed(f"{short_id(peer)} is not a member with an address")
         return await self.transport.connect(*address, peer_id=peer)
+
+    def link_rate(self, peer: bytes) -> float | None:
+        """Bytes per second of the link from `peer` to this peer in the gossiped view; None where
+        unknown. A stage fetch's chunk deadlines follow it (control/epoch/recovery.py)."""
+        return self.gossip.view().link_bytes_per_s(peer, self.me)
 
     def address_of(self, peer: bytes) -> tuple[str, int] | None:
         for m in self.gossip.members():

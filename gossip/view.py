@@ -30,6 +30,8 @@ replaces the estimate.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -112,6 +114,16 @@ class NetworkView:
         index = {p: i for i, p in enumerate(self.peers)}
         done = self.measured()
         return [(a, b) for a, b in links if a != b and not done[index[a], index[b]]]
+
+    def link_bytes_per_s(self, src: bytes, dst: bytes) -> float | None:
+        """Bytes per second of the link from `src` to `dst` (measured or estimated); None where
+        either is not in the view or the link has no figure."""
+        try:
+            i, j = self.peers.index(src), self.peers.index(dst)
+        except ValueError:
+            return None
+        gbps = float(self.bandwidth_gbps[i, j])
+        return gbps * 1e9 / 8 if i != j and math.isfinite(gbps) and gbps > 0 else None
 
     def pairs_measured(self) -> int:
         """Ordered pairs of distinct peers whose delay and bandwidth both come from measurements."""

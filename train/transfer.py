@@ -65,6 +65,11 @@ class TransferManifest:
     def total_bytes(self) -> int:
         return int(self.meta["bytes"])
 
+    def chunk_size(self, index: int) -> int:
+        """Bytes of chunk `index` (every chunk `chunk_bytes`, the last what is left)."""
+        n = len(self.chunk_sha256)
+        return self.chunk_bytes if index < n - 1 else self.total_bytes - self.chunk_bytes * (n - 1)
+
     @property
     def weights_only(self) -> bool:
         """The parameters alone (an export's), not a whole stage."""
@@ -146,7 +151,7 @@ class TransferReceiver:
         if not isinstance(chunk, (bytes, bytearray, memoryview)):
             raise TransferError("a chunk must be bytes")
         data = memoryview(chunk).cast("B")
-        expected = m.chunk_bytes if index < n - 1 else m.total_bytes - m.chunk_bytes * (n - 1)
+        expected = m.chunk_size(index)
         if data.nbytes != expected:
             raise TransferError(f"chunk {index} has {data.nbytes} bytes, expected {expected}")
         if hashlib.sha256(data).hexdigest() != m.chunk_sha256[index]:

@@ -49,6 +49,15 @@ reply drops that holder (logged with its short id) and the chunk goes back in th
 another. When no holder is left, `RecoveryError` names the stage, the step and every holder
 with why it failed. Every network wait has a timeout.
 
+A chunk's deadline follows its link (`chunk_deadline_s`): given `rate_of(holder)` (bytes per
+second of the link from the holder, as the swarm's view measured it), a chunk request may take
+`timeout_s` plus the time the link needs, at a quarter of that rate (the holder's training
+shares it), for this chunk and every chunk asked of the same holder before it and not yet
+delivered. A link the view has no figure for is given a 1 Mbit/s link's time; no rate is taken
+as slower than `MIN_LINK_BYTES_PER_S`, so a lying report bounds how long a stalled holder is
+waited for. Without `rate_of` every chunk has `timeout_s`. (With four 1 MiB chunks in flight
+to one holder, a flat 10 s failed every chunk on links under about 3.4 Mbit/s.)
+
 A new layout with other layer ranges is built from the parts of several old stages by
 `assemble_stage` (control/epoch/relayout.py); `needed_stages` says which old stages a new range needs.
 
@@ -356,13 +365,31 @@ class FetchResult:
 
 Connect = Callable[[bytes, "tuple[str, int] | None"], Awaitable[PeerConnection]]
 _NET_ERRORS = (ConnectionClosed, RequestTimeout, RemoteError, ProtocolError, OSError, trio.TooSlowError)
+RateOf = Callable[[bytes], "float | None"]  # bytes per second of the link from a holder; None: unknown
+
+LINK_RATE_SHARE = 0.25  # of a link's measured rate, what a fetch's chunks are given time at
+UNKNOWN_LINK_BYTES_PER_S = 125_000.0  # a link the view has no figure for: given a 1 Mbit/s link's time
+MIN_LINK_BYTES_PER_S = 32_000.0  # no link is taken as slower (a chunk of 1 MiB: at most 33 s more)
+
+
+def chunk_deadline_s(timeout_s: float, rate: float | None, bytes_ahead: int) -> float:
+    """Seconds a chunk request may take: `timeout_s`, plus `bytes_ahead` (the chunk and those
+    asked of the same holder before it, still in flight) at `LINK_RATE_SHARE` of the link's
+    `rate` (bytes/s; None: `UNKNOWN_LINK_BYTES_PER_S`, whole), never slower than
+    `MIN_LINK_BYTES_PER_S`."""
+    usable = UNKNOWN_LINK_BYTES_PER_S if rate is None or not rate > 0 else rate * LINK_RATE_SHARE
+    return timeout_s + bytes_ahead / max(usable, MIN_LINK_BYTES_PER_S)
 
 
 class _Fetch:
     """One fetch's state: holders in good standing and the counters."""
 
-    def __init__(self, transport, sources, run_id, step, layer_range, digest, timeout_s, connect, part):
+    def __init__(self, transport, sources, run_id, step, layer_range, digest, timeout_s, connect, part,
+                 rate_of: RateOf | None = None):
         self.transport, self.timeout_s, self._connect = transport, timeout_s, connect
+        self._rate_of = rate_of
+        self.in_flight: dict[bytes, int] = {}  # bytes of chunks asked of each holder, not yet delivered
+        self._rates: dict[bytes, float | None] = {}  # each holder's link rate, read once per fetch
         self.part = part
         self.key_body = _key_body(run_id, step, tuple(layer_range), part)
         self.step, self.layer_range, self.digest = step, tuple(layer_range), digest
@@ -445,11 +472,25 @@ class _Fetch:
                 if await self._one_chunk(receiver, self.next_source(), index):
                     break
 
+    def deadline_s(self, peer: bytes, size: int) -> float:
+        """The deadline of a chunk of `size` bytes asked of `peer` now (`chunk_deadline_s`)."""
+        if self._rate_of is None:
+            return self.timeout_s
+        if peer not in self._rates:
+            self._rates[peer] = self._rate_of(peer)
+        return chunk_deadline_s(self.timeout_s, self._rates[peer], self.in_flight.get(peer, 0) + size)
+
     async def _one_chunk(self, receiver: TransferReceiver, peer: bytes, index: int) -> bool:
         body = dict(self.key_body, digest=self.digest, index=index)
+        size = receiver.manifest.chunk_size(index)
         try:
             c = await self.conn(peer)
-            reply, payload = await c.request(ControlMsg.FETCH_CHUNK, body, timeout_s=self.timeout_s)
+            deadline = self.deadline_s(peer, size)
+            self.in_flight[peer] = self.in_flight.get(peer, 0) + size
+            try:
+                reply, payload = await c.request(ControlMsg.FETCH_CHUNK, body, timeout_s=deadline)
+            finally:
+                self.in_flight[peer] -= size
         except _NET_ERRORS as e:
             self.drop(peer, _why(e))
             return False
@@ -483,15 +524,17 @@ def _why(e: BaseException) -> str:
 async def fetch_stage(transport: PeerTransport, sources: Sequence[Source], *, run_id: bytes, step: int,
                       layer_range: tuple[int, int], digest: str, max_total_bytes: int, parallel: int = 4,
                       timeout_s: float = 30.0, connect: Connect | None = None,
-                      part: Part = Part.STAGE) -> FetchResult:
+                      part: Part = Part.STAGE, rate_of: RateOf | None = None) -> FetchResult:
     """Fetch the stage named by `digest` from its holders `sources` [(peer id, address or None)];
     `part` Part.WEIGHTS: their weights offer of it (an export), the parameters alone.
 
     `connect(peer, address)` overrides how a holder is reached (by default the transport's live
-    connection, else `transport.connect`). Raises RecoveryError when every holder failed."""
+    connection, else `transport.connect`). `rate_of(peer)`: bytes per second of the link from a
+    holder, which each chunk's deadline follows (`chunk_deadline_s`; None: `timeout_s` flat).
+    Raises RecoveryError when every holder failed."""
     if parallel < 1 or not timeout_s > 0:
         raise ValueError("parallel must be >= 1 and timeout_s > 0")
-    f = _Fetch(transport, sources, run_id, step, layer_range, digest, timeout_s, connect, part)
+    f = _Fetch(transport, sources, run_id, step, layer_range, digest, timeout_s, connect, part, rate_of)
     t0 = trio.current_time()
     manifest = None
     for peer in list(f.live):

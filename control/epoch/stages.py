@@ -50,7 +50,7 @@ from .access import fetch_refusal
 from .disk import CheckpointDisk
 from .machine import (BuildFailed, BuildStage, EpochDone, EpochEvent, EpochMachine, EpochPhase, RunnerEnded,
                       StageBuilt, StepDone)
-from .recovery import Part, RecoveryError, RecoveryServer, fetch_stage
+from .recovery import Part, RateOf, RecoveryError, RecoveryServer, fetch_stage
 from .relayout import assemble_stage
 from .report import REPORTS_NOTE, RunEnd, StepReport
 from .runner import StageRunner
@@ -85,16 +85,18 @@ class StageHost:
 
     def __init__(self, me: bytes, transport: PeerTransport, epoch: EpochMachine, data_dir: Path,
                  config: PlaneConfig, *, address_of: Callable[[bytes], tuple[str, int] | None],
-                 corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[EpochEvent], None],
+                 rate_of: RateOf | None = None, corpus: Callable[[], Awaitable[Corpus]], on_event: Callable[[EpochEvent], None],
                  router: TensorRouter, recovery: RecoveryServer,
                  models: Callable[[], Awaitable[Mapping[str, HeldModel]]] | None = None,
                  disk: CheckpointDisk | None = None):
         """`router` and `recovery`: the daemon's TENSOR handler and recovery server, made before
-        this host (they answer peers while this peer holds no stage); `recovery` asks `may_fetch`."""
+        this host (they answer peers while this peer holds no stage); `recovery` asks `may_fetch`.
+        `address_of` and `rate_of`: a holder's address and the rate of its link to this peer (the
+        gossiped view's), which a fetch's chunk deadlines follow."""
         self.me, self.transport, self.epoch = me, transport, epoch
         self.models = models
         self.data_dir, self.config = data_dir, config
-        self.address_of, self.corpus, self.on_event = address_of, corpus, on_event
+        self.address_of, self.rate_of, self.corpus, self.on_event = address_of, rate_of, corpus, on_event
         self.router, self.recovery = router, recovery
         self._stages: dict[int, _Stage] = {}  # epoch -> stage objects (the current and previous epoch)
         self._offered: dict[tuple, tuple[str, StageState]] = {}  # (run, step, layers) -> digest, state
@@ -431,7 +433,7 @@ class StageHost:
             sources = [(p, self.address_of(p)) for p in h.holders if p != self.me]
             result = await fetch_stage(self.transport, sources, run_id=alloc.run_id, step=alloc.start_step,
                                        layer_range=h.layer_range, digest=h.digest, max_total_bytes=MAX_STAGE_BYTES,
-                                       timeout_s=self.config.request_timeout_s)
+                                       timeout_s=self.config.request_timeout_s, rate_of=self.rate_of)
             fetched += result.bytes
             parts.append(result.receiver)
             optim_step = int(result.receiver.manifest.meta["optim_step"])

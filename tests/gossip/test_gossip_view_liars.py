@@ -182,3 +182,14 @@ async def test_a_hostile_member_forges_floods_lies_and_replays_and_the_honest_vi
     assert again.accept == tuple(forgeries)
     await offer_all(store, again.accept, now_wall=NOW, is_member=everyone)
     assert verify.calls - before == 1 + 2 * liar
+
+
+def test_a_links_rate_in_bytes_per_second_or_none_where_unknown():
+    from dtfm.gossip.view import NetworkView
+
+    a, b, c, stranger = b"a" * 32, b"b" * 32, b"c" * 32, b"d" * 32
+    bw = np.array([[np.inf, 0.8, np.nan], [0.4, np.inf, 1.0], [np.nan, 1.0, np.inf]])
+    view = NetworkView((a, b, c), np.zeros((3, 3)), bw, np.full(3, np.nan), complete=False)
+    assert view.link_bytes_per_s(a, b) == 0.8e9 / 8 and view.link_bytes_per_s(b, a) == 0.4e9 / 8  # src -> dst
+    assert view.link_bytes_per_s(a, c) is None  # unmeasured
+    assert view.link_bytes_per_s(a, a) is None and view.link_bytes_per_s(stranger, a) is None
