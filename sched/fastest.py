@@ -12,6 +12,15 @@ transfer before the last stage starts); each micro-batch still pays every hop's 
 that bubble, and smaller micro-batches compute slower per FLOP, so where latency dominates
 fewer and larger micro-batches are as fast or faster.
 
+The search minimises the paper's cost (sched/cost.py), which ranks allocations otherwise than
+the simulator does where latency binds (compressed tiny as 4 x 2 on the paper's eight cities:
+the search's best by that cost simulates 0.739 s per step, a refinement of it 0.639 s, at a
+paper's cost 3 % higher). Each shape's allocation is then refined on the
+simulator itself (`refine_by_simulation`: swaps of two placed peers, or of a placed peer and
+a spare, kept while the simulated iteration falls, then a kick of two random swaps and again),
+with the run's codecs where it compresses, within a share of that shape's budget
+(`REFINE_SHARE`) and up to `REFINE_MAX_PEERS` peers.
+
 A swarm's coordinator chooses a new run's shape this way (control/coordinator/schedule.py
 `choose_shape`), and writes its inputs to a view file (`ScheduleInputs`, JSON) that
 `dtfm-sched solve --view FILE` replays offline: the same search on the same inputs.
@@ -34,11 +43,11 @@ from .compression import CompressionOptions
 from .cost import CostModel
 from .search import SearchConfig
 from .simulate import TRAINER_WINDOW_MESSAGES, simulate
-from .solve import Allocation, solve
+from .solve import Allocation, cost_model, solve
 from .spec import ModelSpec, update_s_per_param
 
 __all__ = ["FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
-           "shape_space", "solve_fastest"]
+           "refine_by_simulation", "shape_space", "solve_fastest"]
 
 VIEW_FORMAT = "dtfm-schedule-inputs-v1"
 MAX_VIEW_BYTES = 64 << 20  # a view file's bound (a 1,000-peer view is about 30 MB of JSON)
@@ -47,6 +56,10 @@ MAX_VIEW_BYTES = 64 << 20  # a view file's bound (a 1,000-peer view is about 30 
 # micro-batch adds a message per hop and a smaller, slower matrix product (GPT-3 XL's paper
 # setting, 61 of one sequence, is inside it).
 MAX_MICRO_BATCHES = 64
+# Of each shape's search budget, the share its allocation's refinement on the simulator uses,
+# and the most peers it is tried on (a swap pass costs (N choose 2) simulations).
+REFINE_SHARE = 0.25
+REFINE_MAX_PEERS = 64
 
 
 def micro_batch_options(global_batch: int, dp: int, max_m: int = MAX_MICRO_BATCHES) -> tuple[int, ...]:
@@ -127,7 +140,10 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     the trainer's syncs at `micro_batches`, compute at `compute` (per-peer speeds); the fastest
     wins (on a tie, the first). With many peers (the hierarchical search's range) the search
     costs no compute; the simulator still does. `compression`: the codecs the search may give
-    each link and group (the simulation stays exact). ValueError when `shapes` is empty.
+    each link and group, and the simulator costs each link's and group's cheapest
+    (`CostModel.assignment`). Each shape's allocation is refined on the simulator
+    (`refine_by_simulation`, at most `REFINE_SHARE` of its budget, up to `REFINE_MAX_PEERS`
+    peers; its figures in `alloc.stats["refined"]`). ValueError when `shapes` is empty.
 
     `micro_options(D)`: the micro-batch counts to cost for D pipelines (`micro_batch_options`);
     then `spec_of(D, M)` is the model at M micro-batches, each shape's allocation is searched at
@@ -155,14 +171,31 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
         mspec = spec_at(m0)
         costed = flat and compute is not None and mspec.reference_tflops is not None
         searched = mspec if costed or mspec.reference_tflops is None else _without_compute(mspec)
+        refine = n <= REFINE_MAX_PEERS and S * D > 1
+        shape_t0 = time.monotonic()
         alloc = solve(delay_ms, bandwidth_gbps, searched, stages=S, dp=D, regions=regions,
-                      compute=compute if costed else None, time_budget_s=max(budget, 1e-9), seed=seed,
+                      compute=compute if costed else None,
+                      time_budget_s=max(budget * (1 - REFINE_SHARE if refine else 1.0), 1e-9), seed=seed,
                       allow_spares=True, compression=compression)
+
+        def simulated(X: np.ndarray, m: int) -> float:
+            model = CostModel(delay_ms, bandwidth_gbps, spec_at(m).workload(S, D), compute=compute,
+                              compression=compression)
+            return float(simulate(model, X, micro_batches=m, engine_syncs=True,
+                                  window_messages=window_messages).iteration_s)
+
+        if refine:
+            X, Z, stats = refine_by_simulation(lambda X: simulated(X, m0), alloc.matrix, alloc.spares,
+                                               deadline_s=shape_t0 + budget, seed=seed)
+            if stats["moves"]:
+                paper = cost_model(delay_ms, bandwidth_gbps, searched, S, D, compute=compute if costed else None,
+                                   compression=compression)
+                alloc = replace(alloc, pipelines=tuple(tuple(int(v) for v in col) for col in X.T), spares=Z,
+                                cost=paper.breakdown(X))
+            alloc = replace(alloc, stats={**alloc.stats, "refined": stats})
         shape_best: tuple[float, int] | None = None
         for m in counts or [micro_batches]:
-            model = CostModel(delay_ms, bandwidth_gbps, spec_at(m).workload(S, D), compute=compute)
-            t = float(simulate(model, alloc.matrix, micro_batches=m, engine_syncs=True,
-                               window_messages=window_messages).iteration_s)
+            t = simulated(alloc.matrix, m)
             if counts:
                 tried_micro.append((S, D, m, t))
             if shape_best is None or t < shape_best[0] - 1e-12:
@@ -174,6 +207,78 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     if best is None:
         raise ValueError("no micro-batch count fits any shape")
     return FastestShape(best[1], best[0], tuple(tried), best[2], tuple(tried_micro))
+
+
+_Swap = tuple[tuple[int, int], "tuple[int, int] | int"]  # two places of X, or a place and a spare's index
+
+
+def refine_by_simulation(iteration_s: Callable[[np.ndarray], float], X: np.ndarray, spares: Sequence[int], *,
+                         deadline_s: float = float("inf"), max_evaluations: int = 5000, kick_swaps: int = 2,
+                         seed: int = 0) -> tuple[np.ndarray, tuple[int, ...], dict]:
+    """Iterated swap local search on `iteration_s` (the simulator's iteration time of an (S, D)
+    allocation). A descent tries every swap of two placed peers in different places and of a
+    placed peer with a spare, in a seeded random order, and keeps the first that lowers the time
+    by more than 1e-9 relative, until a whole pass finds none (a local optimum); then the best
+    allocation so far is kicked (`kick_swaps` random swaps) and descends again, until
+    `deadline_s` (time.monotonic()) or `max_evaluations`. The best X, its spares (sorted), and
+    {"evaluations", "moves" (improvements on the start), "from_s", "to_s", "descents"}."""
+    rng = np.random.default_rng([seed, 2])
+    X = np.array(X, dtype=np.int64)
+    Z = [int(z) for z in spares]
+    S, D = X.shape
+    cells = [(s, d) for s in range(S) for d in range(D)]
+    pairs: list[_Swap] = [(a, b) for i, a in enumerate(cells) for b in cells[i + 1:]]
+    pairs += [(a, k) for a in cells for k in range(len(Z))]
+    count = [0]
+
+    def swapped(X: np.ndarray, Z: list[int], pair: _Swap) -> tuple[np.ndarray, list[int]]:
+        a, b = pair
+        Y, W = X.copy(), Z
+        if isinstance(b, int):  # a placed peer and a spare change places
+            Y[a], W = Z[b], Z[:b] + [int(X[a])] + Z[b + 1:]
+        else:
+            Y[a], Y[b] = X[b], X[a]
+        return Y, W
+
+    def spent() -> bool:
+        return count[0] >= max_evaluations or time.monotonic() >= deadline_s
+
+    def descend(X: np.ndarray, Z: list[int], t: float) -> tuple[np.ndarray, list[int], float, int]:
+        moves = 0
+        while not spent():
+            for i in rng.permutation(len(pairs)):
+                if spent():
+                    return X, Z, t, moves
+                Y, W = swapped(X, Z, pairs[i])
+                u = iteration_s(Y)
+                count[0] += 1
+                if u < t * (1 - 1e-9):
+                    X, Z, t, moves = Y, W, u, moves + 1
+                    break
+            else:
+                return X, Z, t, moves  # a local optimum
+        return X, Z, t, moves
+
+    start = iteration_s(X)
+    count[0] = 1
+    best = (X, Z, start)
+    moves = descents = 0
+    cur = best
+    while not spent() and pairs:
+        Xd, Zd, td, m = descend(*cur)
+        descents += 1
+        if td < best[2] * (1 - 1e-9):
+            best, moves = (Xd, Zd, td), moves + 1
+        Xk, Zk = best[0], best[1]
+        for _ in range(kick_swaps):
+            Xk, Zk = swapped(Xk, Zk, pairs[int(rng.integers(len(pairs)))])
+        if spent():
+            break
+        cur = (Xk, Zk, iteration_s(Xk))
+        count[0] += 1
+    X, Z, t = best
+    return X, tuple(sorted(Z)), {"evaluations": count[0], "moves": moves, "from_s": start, "to_s": t,
+                                 "descents": descents}
 
 
 def _without_compute(spec: ModelSpec) -> ModelSpec:
