@@ -20,7 +20,7 @@ from ..compute import peer_compute, run_model, sched_spec
 from .request import PLACEMENTS
 
 __all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
-           "random_shape", "sched_spec", "shape_space", "time_to_loss_s", "view_matrices"]
+           "predict_uniform", "random_shape", "sched_spec", "shape_space", "time_to_loss_s", "view_matrices"]
 
 @dataclass(frozen=True)
 class Placement:
@@ -162,6 +162,28 @@ def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERE
     pp, dp = wire_codecs(config)
     return CompressionOptions((type(pp)(),) + (() if pp.exact else (pp,)), (type(dp)(),) + (() if dp.exact else (dp,)),
                               speed, () if view is None else codec_speeds_of(view, speed))
+
+
+def predict_uniform(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
+                    compression: CompressionConfig, *, speed: CodecSpeed = REFERENCE_CODEC_SPEED,
+                    kind: Mapping[int, float] | None = None,
+                    window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
+    """`placement` with the prediction of a uniformly compressed run: the simulator with the run's
+    codecs on every link and DP group (each peer's coding at its own speed, the view's), as that
+    run codes them (the search costed each link's cheaper of exact and the codec). `cfg`: the
+    run's training config with the placement's micro-batch count (`train_of`)."""
+    ids = {p: i for i, p in enumerate(view.peers)}
+    X = np.array([[ids[pipe[s]] for pipe in placement.pipelines] for s in range(len(placement.layer_ranges))],
+                 dtype=np.int64)  # (S, D)
+    S, D = X.shape
+    delay, bw = view_matrices(view)
+    pc = peer_compute(view, kind)
+    model = CostModel(delay, bw, pc.spec(spec, cfg, D).workload(S, D),
+                      compute=pc.speeds, compression=compression_options_of(compression, speed, view=view))
+    pp, dp = wire_codecs(compression)
+    predicted = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
+                                   codecs=CodecAssignment.uniform(S, D, pp, dp), window_messages=window_messages)
+    return replace(placement, predicted_iteration_s=float(predicted.iteration_s))
 
 
 def time_to_loss_s(placement: Placement, compression: CompressionConfig,

@@ -147,6 +147,39 @@ def test_the_daemons_planner_chooses_links_at_the_start_and_keeps_compressed_gro
     assert nxt.placement.links is not None and nxt.placement.links.dp[0]  # stage 0's group stays DiLoCo
 
 
+def test_a_uniformly_compressed_run_is_placed_and_predicted_with_its_codecs():
+    """slow-link compresses every link and group: the search knows it, and the prediction (what
+    `train start` prints, what the drift check compares the measured steps with) is the
+    simulator's with the run's codecs on every link, not the exact run's."""
+    import hashlib as hl
+
+    from dtfm.control import Allocation
+    from dtfm.control.config import PlaneConfig
+    from dtfm.control.coordinator.request import TrainRequest
+    from dtfm.control.coordinator.schedule import predict_uniform
+    from dtfm.control.planner import SchedulerPlanner
+    from dtfm.train import PRESETS, TrainConfig as TC
+    from machine_trace import start_op
+    v = view(fast_gbps=0.01)  # every link slow
+    planner = SchedulerPlanner(dataclasses.replace(PlaneConfig.test(), schedule_time_s=1.0))
+    exact = planner.first_placement(v, TrainRequest(stages=2, dp=2), PRESETS["tiny"], TC(), {})
+    slow_link = parse_compression("slow-link")
+    first = planner.first_placement(v, TrainRequest(stages=2, dp=2, compression=slow_link), PRESETS["tiny"], TC(), {})
+    assert first.links is None  # (no per-link choice: every link and group compresses)
+    assert first.predicted_iteration_s == pytest.approx(
+        predict_uniform(v, first, PRESETS["tiny"], TC(), slow_link).predicted_iteration_s)
+    # exact tensors take seconds on these links, coded ones far less
+    assert first.predicted_iteration_s < 0.5 * exact.predicted_iteration_s
+    cur = Allocation(epoch=1, term=1, issuer=v.peers[0], run_id=bytes(16), pipelines=first.pipelines,
+                     layer_ranges=first.layer_ranges, preset="tiny", model=PRESETS["tiny"], train=TC(),
+                     data_hash=hl.sha256(b"d").hexdigest(), data_name="d", start_step=0, end_step=10,
+                     compression=slow_link, operator_start=start_op(stages=2, dp=2).encode())
+    nxt = planner.reshape(v, cur, live=frozenset(v.peers), remaining_steps=10, regions={}, seed=1, force=True)
+    assert nxt.placement.links is None
+    assert nxt.placement.predicted_iteration_s == pytest.approx(
+        predict_uniform(v, nxt.placement, PRESETS["tiny"], TC(), slow_link).predicted_iteration_s)
+
+
 def test_a_per_link_start_takes_the_faster_of_the_codec_aware_and_the_exact_search(monkeypatch):
     from dtfm.control import planner as plane
     from dtfm.control.config import PlaneConfig
