@@ -34,7 +34,10 @@ one DiLoCo cycle). The target is exact's smoothed loss after N steps; a method's
 target are the steps its smoothed curve takes to reach it (`steps_to_reach`); step efficiency
 = N / those steps (exact 1; `step_efficiency`; "not reached" when the method's run ends
 first); time to target = steps to target x the run's iteration time, and its speedup = exact's
-(N x exact's iteration time) / the method's. Also given: the other reading of the same curves,
+(N x exact's iteration time) / the method's. The wall-clock time to target is what a user
+waits: the sum of the run's own step times up to the step that reaches it, every step counted
+(the first ones, and a DiLoCo warm start's more frequent synchronisations, included:
+`wall_time_to_step`), and its speedup exact's over the method's. Also given: the other reading of the same curves,
 the steps exact needs for the method's own loss after N steps, over N
 (`exact_equivalent_efficiency`).
 
@@ -185,6 +188,19 @@ def step_efficiency(exact_rows: list[dict], rows: list[dict], target_step: int, 
     return {"target_loss": target, "steps": steps, "efficiency": target_step / steps if steps else None,
             "loss_at_target_step": own, "exact_equivalent_steps": eq,
             "exact_equivalent_efficiency": eq / target_step if eq else None}
+
+
+def wall_time_to_step(rows: list[dict], steps: int | None) -> float | None:
+    """Seconds a run took for its first `steps` steps: the sum of `iteration_s` of steps 0 to
+    steps - 1 (each step's time from the one before it ended, as train.jsonl logs it); None
+    when `steps` is None or any of those steps has no time."""
+    if not steps:
+        return None
+    times = {r["step"]: r["iteration_s"] for r in rows
+             if isinstance(r.get("step"), int) and isinstance(r.get("iteration_s"), (int, float))}
+    if any(k not in times for k in range(steps)):
+        return None
+    return float(sum(times[k] for k in range(steps)))
 
 
 def spread(values: Iterable[float | None]) -> dict:
@@ -428,6 +444,8 @@ def _figures(args, runs: dict, speed, methods: list[str]) -> dict:
         ex["loss"]["efficiency"] = 1.0  # the reference: exact reaches its own loss at N by definition
         ex["loss"]["steps"] = args.exact_steps
         ex["time_to_target_s"] = args.exact_steps * ex_t
+    ex["wall_time_to_target_s"] = wall_time_to_step(ex_rows, args.exact_steps)
+    ex["wall_time_to_target_speedup"] = 1.0 if ex["wall_time_to_target_s"] else None
     for name in methods:
         r = out["runs"][name]
         t = r["measured"]["iteration_s"]
@@ -442,6 +460,9 @@ def _figures(args, runs: dict, speed, methods: list[str]) -> dict:
         r["time_to_target_s"] = steps * t if steps and t else None
         r["time_to_target_speedup"] = (ex["time_to_target_s"] / r["time_to_target_s"]
                                        if r["time_to_target_s"] and ex.get("time_to_target_s") else None)
+        r["wall_time_to_target_s"] = wall_time_to_step(runs[name][1], steps)
+        r["wall_time_to_target_speedup"] = (ex["wall_time_to_target_s"] / r["wall_time_to_target_s"]
+                                            if r["wall_time_to_target_s"] and ex["wall_time_to_target_s"] else None)
     return out
 
 
@@ -460,6 +481,8 @@ def summarise(repeats: list[dict], names: list[str]) -> dict:
             "time_to_target_speedup": spread(1.0 if n == "exact" and r.get("time_to_target_s") else
                                              r.get("time_to_target_speedup") for r in rs),
             "prediction_error": spread(r["prediction_error"] for r in rs),
+            "wall_time_to_target_s": spread(r.get("wall_time_to_target_s") for r in rs),
+            "wall_time_to_target_speedup": spread(r.get("wall_time_to_target_speedup") for r in rs),
         }
     return out
 
@@ -572,6 +595,7 @@ def run(args) -> dict:
             f"{n} {r['measured']['iteration_s']:.3f} s/step, target "
             + (f"in {r['time_to_target_s']:.1f} s" if r.get("time_to_target_s") else "not reached")
             + (f" ({r['time_to_target_speedup']:.2f}x)" if r.get("time_to_target_speedup") else "")
+            + (f", {r['wall_time_to_target_s']:.1f} s on the clock" if r.get("wall_time_to_target_s") else "")
             for n, r in rep["runs"].items()), file=sys.stderr)
         if args.out:  # (what is measured so far, should a later repeat not end)
             write_json(Path(args.out), results)
@@ -604,14 +628,16 @@ def table(results: dict) -> None:
                          r.get("speedup_measured", "-"), lo.get("steps", "-"),
                          f"{lo['efficiency']:.3f}" if lo.get("efficiency") else "-",
                          f"{r['time_to_target_s']:.1f}" if r.get("time_to_target_s") else "-",
+                         f"{r['wall_time_to_target_s']:.1f}" if r.get("wall_time_to_target_s") else "-",
                          r.get("compress_links", "")])
         print_table(["repeat: run", "measured s/step (local, sync)", "predicted s", "error", "floor (unlimited bw)",
                      "compute s", "bytes/step (pp fwd, pp bwd, dp)", "speedup per step", "steps to target",
-                     "step efficiency", "time to target s", "links"], rows)
+                     "step efficiency", "time to target s", "on the clock s", "links"], rows)
     print_table(["run", "s/step", "speedup per step", "step efficiency", "time to target s",
-                 "speedup in time to target", "prediction error"],
+                 "speedup in time to target", "on the clock s", "speedup on the clock", "prediction error"],
                 ([n, _fmt(s["iteration_s"]), _fmt(s["speedup_per_step"], 2), _fmt(s["step_efficiency"], 2),
                   _fmt(s["time_to_target_s"], 1), _fmt(s["time_to_target_speedup"], 2),
+                  _fmt(s["wall_time_to_target_s"], 1), _fmt(s["wall_time_to_target_speedup"], 2),
                   _fmt(s["prediction_error"], 3, pct=True)] for n, s in results["summary"].items()))
 
 
@@ -628,13 +654,15 @@ def json_line(results: dict, recommended: str) -> dict:
             "target_step": results["target_step"], "window": results["window"], "repeats": len(results["repeats"]),
             "failed_repeats": results.get("failed", []),
             "best_time_to_target": best, "best_time_to_target_speedup": summ[best]["time_to_target_speedup"]["mean"],
+            "best_wall_time_to_target_speedup": summ[best]["wall_time_to_target_speedup"]["mean"],
             "shape": results["repeats"][0]["shape"],
             "methods": [{"name": n, "speedup_measured": s["speedup_per_step"]["mean"],
                          "prediction_error": s["prediction_error"]["mean"], "measured_s": s["iteration_s"]["mean"],
                          "predicted_s": statistics.fmean(rep["runs"][n]["predicted_s"] for rep in results["repeats"]),
                          "prediction_error_spread": s["prediction_error"],
                          **{k: s[k] for k in ("speedup_per_step", "step_efficiency", "time_to_target_s",
-                                              "time_to_target_speedup")}}
+                                              "time_to_target_speedup", "wall_time_to_target_s",
+                                              "wall_time_to_target_speedup")}}
                         for n, s in summ.items()],
             "scale": results.get("scale"), "codec_speed": results["codec_speed"]}
 

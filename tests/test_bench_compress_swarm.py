@@ -141,15 +141,26 @@ def test_exact_in_the_methods_is_the_reference_not_a_second_run():
 
 
 def run_figures(it: float, predicted: float, error: float, speedup: float, eff: float | None, ttt: float | None,
-                tts: float | None) -> dict:
+                tts: float | None, wall: float | None = None, wall_speedup: float | None = None) -> dict:
     return {"measured": {"iteration_s": it}, "predicted_s": predicted, "prediction_error": error,
             "speedup_measured": speedup, "loss": {"efficiency": eff, "exact_equivalent_efficiency": eff},
-            "time_to_target_s": ttt, "time_to_target_speedup": tts}
+            "time_to_target_s": ttt, "time_to_target_speedup": tts, "wall_time_to_target_s": wall,
+            "wall_time_to_target_speedup": wall_speedup}
+
+
+def test_the_time_on_the_clock_sums_every_step_up_to_the_target():
+    rows = [{"step": k, "iteration_s": 2.0 if k % 4 == 3 else 0.5} for k in range(12)]  # a sync every 4th step
+    rows.append({"step": 12, "iteration_s": None})
+    assert bench.wall_time_to_step(rows, 8) == pytest.approx(6 * 0.5 + 2 * 2.0)
+    assert bench.wall_time_to_step(rows, 12) == pytest.approx(9 * 0.5 + 3 * 2.0)
+    assert bench.wall_time_to_step(rows, 13) is None  # a step without a time
+    assert bench.wall_time_to_step(rows[1:], 4) is None  # a step missing
+    assert bench.wall_time_to_step(rows, None) is None  # the target never reached
 
 
 def test_the_summary_and_the_json_line_give_means_and_spreads_over_the_repeats():
     repeats = [{"shape": "4x2", "runs": {"exact": run_figures(3.0, 3.0, 0.0, 1.0, 1.0, 192.0, None),
-                                         "slow-link": run_figures(1.0, 0.9, 0.1, 3.0, 0.75, 85.3, 2.25)}},
+                                         "slow-link": run_figures(1.0, 0.9, 0.1, 3.0, 0.75, 85.3, 2.25, 90.0, 2.2)}},
                {"shape": "4x2", "runs": {"exact": run_figures(3.2, 3.0, 0.0625, 1.0, 1.0, 204.8, None),
                                          "slow-link": run_figures(0.8, 0.9, 0.125, 4.0, None, None, None)}}]
     summ = bench.summarise(repeats, ["exact", "slow-link"])
@@ -166,6 +177,7 @@ def test_the_summary_and_the_json_line_give_means_and_spreads_over_the_repeats()
     assert m["slow-link"]["prediction_error"] == pytest.approx(0.1125) and m["slow-link"]["measured_s"] == 0.9
     assert m["slow-link"]["predicted_s"] == 0.9 and m["slow-link"]["time_to_target_speedup"]["mean"] == 2.25
     assert line["best_time_to_target"] == "slow-link" and line["repeats"] == 2
+    assert line["best_wall_time_to_target_speedup"] == 2.2 and m["slow-link"]["wall_time_to_target_s"]["n"] == 1
 
 
 def test_each_repeat_trains_with_its_own_seed_unless_told():
