@@ -284,27 +284,19 @@ class RecoveryServer:
                     offer.layer_range, offer.step, offer.manifest.total_bytes, len(offer.chunks), offer.digest[:16])
         return offer
 
-    def withdraw(self, run_id: bytes, part: Part | None = None) -> int:
-        """Stop serving every offer of `run_id` (of `part` only, when given: stages or weights);
-        how many there were. An offer's memory (its encoded blob) goes with the last reference."""
+    def withdraw(self, run_id: bytes | None, part: Part | None = None, *, keep: Collection[Key] = ()) -> int:
+        """Stop serving the offers of `run_id` (None: of every run), of `part` only when given
+        (stages or weights), but those whose key (run, step, layers) is in `keep`; how many went.
+        An offer's memory (its encoded blob) goes with the last reference."""
         n = 0
         for p, offers in self._offers.items():
             if part is not None and p is not part:
                 continue
-            keys = [k for k in offers if k[0] == run_id]
-            for k in keys:
+            gone = [k for k in offers if (run_id is None or k[0] == run_id) and k not in keep]
+            for k in gone:
                 del offers[k]
-            n += len(keys)
+            n += len(gone)
         return n
-
-    def withdraw_all_but(self, keep: Collection[Key], part: Part = Part.STAGE) -> int:
-        """Stop serving every offer of `part` whose key (run, step, layers) is not in `keep`; how
-        many there were."""
-        offers = self._offers[part]
-        gone = [k for k in offers if k not in keep]
-        for k in gone:
-            del offers[k]
-        return len(gone)
 
     def offers(self) -> list[dict]:
         """The offers, stages then weights, oldest first, for status (`Offer.describe`)."""

@@ -303,7 +303,7 @@ class StageHost:
                 if self.me in h.holders}
         self._offered = {k: v for k, v in self._offered.items() if k in keep}
         self._fetchers = {k: v for k, v in self._fetchers.items() if k in keep}
-        gone = self.recovery.withdraw_all_but(keep, Part.STAGE)
+        gone = self.recovery.withdraw(None, Part.STAGE, keep=keep)
         if gone:
             logger.info("let go of %d stage offer(s) that epoch %d does not fetch", gone, alloc.epoch)
         return gone

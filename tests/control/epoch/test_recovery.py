@@ -324,6 +324,12 @@ async def test_checkpoint_offers_withdraw_and_eviction(tmp_path):
         for step in range(3):
             await server.offer(RUN, make_state(layer_range=(2, 4), step=step))
         assert [o["step"] for o in server.offers()] == [1, 2]  # the oldest went
+        other = bytes(16)
+        await server.offer(other, make_state(step=7))
+        assert [o["step"] for o in server.offers()] == [2, 7]
+        assert server.withdraw(None, Part.STAGE, keep={(RUN, 2, (2, 4))}) == 1  # every run's, but the kept
+        assert [o["step"] for o in server.offers()] == [2]
+        assert server.withdraw(other) == 0 and server.withdraw(RUN, Part.WEIGHTS) == 0
 
 
 # ----------------------------------------------------------------------------- weights offers (export)
