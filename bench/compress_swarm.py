@@ -430,6 +430,11 @@ def _figures(args, runs: dict, speed, methods: list[str]) -> dict:
             "predicted_at_bandwidth_scale": sweep, "prediction": pred,
             "prediction_error": (round(relative_error(pred["iteration_s"], meas["iteration_s"]), 4)
                                  if meas["iteration_s"] else None),
+            # the coordinator's own prediction, the one `train start` prints (its compute from
+            # each peer's gossiped figure and this machine's measured slowdown)
+            "allocation_prediction_error": (round(relative_error(reply["predicted_iteration_s"],
+                                                                 meas["iteration_s"]), 4)
+                                            if meas["iteration_s"] else None),
             "loss": loss, "losses": [r.get("loss") for r in sorted(rows, key=lambda r: r["step"])],
             "pipelines": reply["pipelines"], "regions": reply["regions"],
             **({"compress_links": reply["compress_links"]["text"]} if "compress_links" in reply else {}),
@@ -481,6 +486,7 @@ def summarise(repeats: list[dict], names: list[str]) -> dict:
             "time_to_target_speedup": spread(1.0 if n == "exact" and r.get("time_to_target_s") else
                                              r.get("time_to_target_speedup") for r in rs),
             "prediction_error": spread(r["prediction_error"] for r in rs),
+            "allocation_prediction_error": spread(r.get("allocation_prediction_error") for r in rs),
             "wall_time_to_target_s": spread(r.get("wall_time_to_target_s") for r in rs),
             "wall_time_to_target_speedup": spread(r.get("wall_time_to_target_speedup") for r in rs),
         }
@@ -634,11 +640,13 @@ def table(results: dict) -> None:
                      "compute s", "bytes/step (pp fwd, pp bwd, dp)", "speedup per step", "steps to target",
                      "step efficiency", "time to target s", "on the clock s", "links"], rows)
     print_table(["run", "s/step", "speedup per step", "step efficiency", "time to target s",
-                 "speedup in time to target", "on the clock s", "speedup on the clock", "prediction error"],
+                 "speedup in time to target", "on the clock s", "speedup on the clock", "prediction error",
+                 "coordinator's prediction error"],
                 ([n, _fmt(s["iteration_s"]), _fmt(s["speedup_per_step"], 2), _fmt(s["step_efficiency"], 2),
                   _fmt(s["time_to_target_s"], 1), _fmt(s["time_to_target_speedup"], 2),
                   _fmt(s["wall_time_to_target_s"], 1), _fmt(s["wall_time_to_target_speedup"], 2),
-                  _fmt(s["prediction_error"], 3, pct=True)] for n, s in results["summary"].items()))
+                  _fmt(s["prediction_error"], 3, pct=True), _fmt(s["allocation_prediction_error"], 3, pct=True)]
+                 for n, s in results["summary"].items()))
 
 
 def json_line(results: dict, recommended: str) -> dict:
