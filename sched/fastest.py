@@ -214,14 +214,16 @@ _Swap = tuple[tuple[int, int], "tuple[int, int] | int"]  # two places of X, or a
 
 def refine_by_simulation(iteration_s: Callable[[np.ndarray], float], X: np.ndarray, spares: Sequence[int], *,
                          deadline_s: float = float("inf"), max_evaluations: int = 5000, kick_swaps: int = 2,
-                         seed: int = 0) -> tuple[np.ndarray, tuple[int, ...], dict]:
+                         seed: int = 0, reversed_start: bool = True) -> tuple[np.ndarray, tuple[int, ...], dict]:
     """Iterated swap local search on `iteration_s` (the simulator's iteration time of an (S, D)
     allocation). A descent tries every swap of two placed peers in different places and of a
     placed peer with a spare, in a seeded random order, and keeps the first that lowers the time
     by more than 1e-9 relative, until a whole pass finds none (a local optimum); then the best
     allocation so far is kicked (`kick_swaps` random swaps) and descends again, until
-    `deadline_s` (time.monotonic()) or `max_evaluations`. The best X, its spares (sorted), and
-    {"evaluations", "moves" (improvements on the start), "from_s", "to_s", "descents"}."""
+    `deadline_s` (time.monotonic()) or `max_evaluations`. `reversed_start`: X with its stage
+    order reversed is evaluated too and the faster of the two starts (no swap reaches it, and
+    on a near-symmetric network it is often as good). The best X, its spares (sorted), and
+    {"evaluations", "moves" (improvements on X), "from_s" (X's), "to_s", "descents"}."""
     rng = np.random.default_rng([seed, 2])
     X = np.array(X, dtype=np.int64)
     Z = [int(z) for z in spares]
@@ -262,7 +264,14 @@ def refine_by_simulation(iteration_s: Callable[[np.ndarray], float], X: np.ndarr
     start = iteration_s(X)
     count[0] = 1
     best = (X, Z, start)
-    moves = descents = 0
+    if reversed_start and S > 1 and not spent():
+        Xr = np.ascontiguousarray(X[::-1])
+        tr = iteration_s(Xr)
+        count[0] += 1
+        if tr < start * (1 - 1e-9):
+            best = (Xr, Z, tr)
+    moves = int(best[2] < start)
+    descents = 0
     cur = best
     while not spent() and pairs:
         Xd, Zd, td, m = descend(*cur)

@@ -28,7 +28,10 @@ It weighs every way of going on against the allocation in use (`current`, a `tra
 
 The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no
 moves. Every candidate is costed with each peer's reported compute speed (`peer_compute`), so
-a reconfiguration searches the space the first placement does: any shape, peers left out.
+a reconfiguration searches the space the first placement does: any shape, peers left out; and
+each scheduler run (grow, reschedule's whole search, restage) refines its allocation on the
+simulator as a first placement's is (`refine_by_simulation`; not the local repair, which stays
+near the allocation in use).
 
 Costs. A peer that takes on a layer range other than the one it holds *moves*: it fetches every
 old stage that its new range needs (the blocks in it, the embeddings for a first stage, the head
@@ -64,14 +67,17 @@ within a few percent of each other therefore never flap back and forth on measur
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (MAX_MICRO_BATCHES, TRAINER_WINDOW_MESSAGES, CompressionOptions, CostModel, ModelSpec,
-                        SearchConfig, layer_ranges, linear_assignment, micro_batch_options, simulate_iteration, solve)
+from dtfm.sched import (MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, TRAINER_WINDOW_MESSAGES, CompressionOptions,
+                        CostModel, ModelSpec, SearchConfig, layer_ranges, linear_assignment, micro_batch_options,
+                        refine_by_simulation, simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
 from ..compute import peer_compute, sched_spec
@@ -91,6 +97,9 @@ Range = tuple[int, int]
 CUT_DELAY_MS = 1e6
 CUT_BANDWIDTH_GBPS = 1e-6
 CUT_PENALTY_S = 1e6
+# With a repeatable SearchConfig (tests), a scheduler run's refinement on the simulator stops
+# after this many evaluations instead of at its share of the budget.
+REPEATABLE_REFINE_EVALUATIONS = 200
 
 KINDS = ("keep", "repair", "shrink", "grow", "reschedule", "restage")  # also the tie-break order
 
@@ -460,11 +469,16 @@ class _Planner:
     def schedule(self, peers: Sequence[int], S: int, D: int, budget_s: float, initial=None,
                  local: bool = False) -> np.ndarray:
         """The scheduler on `peers` (view indices) for S x D, warm-started from `initial` ((S, D)
-        view indices); `local`: only polish `initial` (swaps and re-matching, no evolution)."""
+        view indices); `local`: only polish `initial` (swaps and re-matching, no evolution).
+        Otherwise the search's allocation is refined on the simulator (`refine_by_simulation`,
+        `REFINE_SHARE` of the budget, up to `REFINE_MAX_PEERS` peers), as a first placement's is;
+        with a repeatable `config` (its generations fixed) by a fixed number of evaluations."""
+        t0 = time.monotonic()
         peers = list(peers)
+        refine = not local and len(peers) <= REFINE_MAX_PEERS and S * D > 1
         sub = np.ix_(peers, peers)
         labels = [self.regions.get(self.ids[i], "") for i in peers] if self.regions else None
-        cfg = self.config or SearchConfig(time_budget_s=max(budget_s, 1e-3))
+        cfg = self.config or SearchConfig(time_budget_s=max(budget_s * (1 - REFINE_SHARE if refine else 1.0), 1e-3))
         if local:
             cfg = replace(cfg, generations=0, warm_only=True)
         pos = {p: k for k, p in enumerate(peers)}
@@ -475,7 +489,26 @@ class _Planner:
                       stages=S, dp=D, compute=self.compute.speeds[peers] if costed else None,
                       regions=labels, seed=self.seed, config=cfg, initial=init,
                       compression=None if self.compression is None else self.compression.of_peers(peers))
-        return np.array(peers, dtype=np.int64)[alloc.matrix]
+        X = np.array(peers, dtype=np.int64)[alloc.matrix]
+        if not refine:
+            return X
+        placed = set(map(int, X.ravel()))
+        repeatable = self.config is not None and self.config.generations is not None
+        X, _, _ = refine_by_simulation(self.iteration_s, X, [p for p in peers if p not in placed],
+                                       deadline_s=math.inf if repeatable else t0 + budget_s,
+                                       max_evaluations=REPEATABLE_REFINE_EVALUATIONS if repeatable else 100_000,
+                                       seed=self.seed)
+        return X
+
+    def iteration_s(self, X: np.ndarray) -> float:
+        """The simulated iteration of X ((S, D) view indices) at the run's micro-batch count, a
+        layout over a cut link penalised as `evaluate` does."""
+        S, D = X.shape
+        t = float(simulate_iteration(self.model(S, D), X, micro_batches=self.cfg.micro_batches, engine_syncs=True,
+                                     window_messages=self.window).iteration_s)
+        if self.cut and used_cut_links([[self.ids[int(i)] for i in col] for col in X.T], self.cut):
+            t += CUT_PENALTY_S
+        return t
 
     def oriented(self, kind: str, X: np.ndarray, ranges, old: np.ndarray | None) -> _Cand:
         """The best (by score) of X, X with its stage order reversed, and each with fewer moves
