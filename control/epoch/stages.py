@@ -17,7 +17,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from pathlib import Path
 
 import trio
@@ -301,12 +301,17 @@ class StageHost:
         How many offers went."""
         keep = {(alloc.run_id, alloc.start_step, (h.layer_range[0], h.layer_range[1])) for h in alloc.holdings
                 if self.me in h.holders}
-        self._offered = {k: v for k, v in self._offered.items() if k in keep}
-        self._fetchers = {k: v for k, v in self._fetchers.items() if k in keep}
-        gone = self.recovery.withdraw(None, Part.STAGE, keep=keep)
+        gone = self._let_go(keep)
         if gone:
             logger.info("let go of %d stage offer(s) that epoch %d does not fetch", gone, alloc.epoch)
         return gone
+
+    def _let_go(self, keep: Collection[tuple]) -> int:
+        """Withdraw every stage offer but those of `keep` ((run, step, layers) keys), with the
+        states kept for them and the fetchers named with them; how many offers went."""
+        self._offered = {k: v for k, v in self._offered.items() if k in keep}
+        self._fetchers = {k: v for k, v in self._fetchers.items() if k in keep}
+        return self.recovery.withdraw(None, Part.STAGE, keep=keep)
 
     def may_fetch(self, peer: bytes, key: tuple[bytes, int, tuple[int, int]]) -> Refused | None:
         """The recovery server's rule (control/epoch/access.py): the peers of this peer's
@@ -488,8 +493,7 @@ class StageHost:
         snapshot: the new runner makes its own). An export's weights offer stays."""
         stage = self._stages.get(epoch)
         if stage is not None and stage.runner is not None:
-            self._offered.clear()
-            self.recovery.withdraw(stage.alloc.run_id, Part.STAGE)
+            self._let_go(())
             self._stages = {e: s for e, s in self._stages.items() if e == epoch or not s.done.is_set()}
             stage.started.set()
 
