@@ -99,7 +99,7 @@ CUT_BANDWIDTH_GBPS = 1e-6
 CUT_PENALTY_S = 1e6
 # With a repeatable SearchConfig (tests), a scheduler run's refinement on the simulator stops
 # after this many evaluations instead of at its share of the budget.
-REPEATABLE_REFINE_EVALUATIONS = 200
+REPEATABLE_REFINE_EVALUATIONS = 60
 
 KINDS = ("keep", "repair", "shrink", "grow", "reschedule", "restage")  # also the tie-break order
 
