@@ -297,8 +297,6 @@ class SchedulerPlanner:
                                  time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
                                  compression=compression_options_of(req.compression, view=view),
                                  auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages)
-            return predict_uniform(view, shape, model, train_of(train, shape), req.compression, kind=kind,
-                                   window_messages=self.config.comm.window_messages)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
             # each gets its links chosen, and the plan faster to the target loss wins (the
@@ -317,9 +315,9 @@ class SchedulerPlanner:
                           for shape in shapes]
             return min(candidates, key=lambda p: time_to_loss_s(p, req.compression))  # (the codec-aware one on a tie)
         if per_link:
-            return choose_links(view, shape, model, train, req.compression, kind=kind,
+            return choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind,
                                 window_messages=self.config.comm.window_messages)
         if not req.compression.exact:
-            return predict_uniform(view, shape, model, train, req.compression, kind=kind,
+            return predict_uniform(view, shape, model, train_of(train, shape), req.compression, kind=kind,
                                    window_messages=self.config.comm.window_messages)
         return shape

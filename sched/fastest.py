@@ -226,7 +226,8 @@ def refine_by_simulation(iteration_s: Callable[[np.ndarray], float], X: np.ndarr
     `max_evaluations`. `reversed_start`: X with its stage
     order reversed is evaluated too and the faster of the two starts (no swap reaches it, and
     on a near-symmetric network it is often as good). The best X, its spares (sorted), and
-    {"evaluations", "moves" (improvements on X), "from_s" (X's), "to_s", "descents"}."""
+    {"evaluations", "moves" (how many times the best improved: the reversal, a descent),
+    "from_s" (X's), "to_s", "descents"}."""
     rng = np.random.default_rng([seed, 2])
     X = np.array(X, dtype=np.int64)
     Z = [int(z) for z in spares]
@@ -234,7 +235,15 @@ def refine_by_simulation(iteration_s: Callable[[np.ndarray], float], X: np.ndarr
     cells = [(s, d) for s in range(S) for d in range(D)]
     pairs: list[_Swap] = [(a, b) for i, a in enumerate(cells) for b in cells[i + 1:]]
     pairs += [(a, k) for a in cells for k in range(len(Z))]
-    count = [0]
+    evaluations = 0
+
+    def cost(Y: np.ndarray) -> float:
+        nonlocal evaluations
+        evaluations += 1
+        return iteration_s(Y)
+
+    def spent() -> bool:
+        return evaluations >= max_evaluations or time.monotonic() >= deadline_s
 
     def swapped(X: np.ndarray, Z: list[int], pair: _Swap) -> tuple[np.ndarray, list[int]]:
         a, b = pair
@@ -245,52 +254,44 @@ def refine_by_simulation(iteration_s: Callable[[np.ndarray], float], X: np.ndarr
             Y[a], Y[b] = X[b], X[a]
         return Y, W
 
-    def spent() -> bool:
-        return count[0] >= max_evaluations or time.monotonic() >= deadline_s
-
-    def descend(X: np.ndarray, Z: list[int], t: float) -> tuple[np.ndarray, list[int], float, int]:
-        moves = 0
+    def descend(X: np.ndarray, Z: list[int], t: float) -> tuple[np.ndarray, list[int], float]:
         while not spent():
             for i in rng.permutation(len(pairs)):
                 if spent():
-                    return X, Z, t, moves
+                    break
                 Y, W = swapped(X, Z, pairs[i])
-                u = iteration_s(Y)
-                count[0] += 1
+                u = cost(Y)
                 if u < t * (1 - 1e-9):
-                    X, Z, t, moves = Y, W, u, moves + 1
+                    X, Z, t = Y, W, u
                     break
             else:
-                return X, Z, t, moves  # a local optimum
-        return X, Z, t, moves
+                break  # a local optimum
+        return X, Z, t
 
-    start = iteration_s(X)
-    count[0] = 1
+    start = cost(X)
     best = (X, Z, start)
     if reversed_start and S > 1 and not spent():
         Xr = np.ascontiguousarray(X[::-1])
-        tr = iteration_s(Xr)
-        count[0] += 1
+        tr = cost(Xr)
         if tr < start * (1 - 1e-9):
             best = (Xr, Z, tr)
     moves = int(best[2] < start)
     descents = fruitless = 0
     cur = best
     while not spent() and pairs and fruitless < patience:
-        Xd, Zd, td, m = descend(*cur)
+        Xd, Zd, td = descend(*cur)
         descents += 1
         fruitless += 1
         if td < best[2] * (1 - 1e-9):
             best, moves, fruitless = (Xd, Zd, td), moves + 1, 0
+        if spent():
+            break
         Xk, Zk = best[0], best[1]
         for _ in range(kick_swaps):
             Xk, Zk = swapped(Xk, Zk, pairs[int(rng.integers(len(pairs)))])
-        if spent():
-            break
-        cur = (Xk, Zk, iteration_s(Xk))
-        count[0] += 1
+        cur = (Xk, Zk, cost(Xk))
     X, Z, t = best
-    return X, tuple(sorted(Z)), {"evaluations": count[0], "moves": moves, "from_s": start, "to_s": t,
+    return X, tuple(sorted(Z)), {"evaluations": evaluations, "moves": moves, "from_s": start, "to_s": t,
                                  "descents": descents}
 
 

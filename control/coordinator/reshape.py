@@ -67,7 +67,6 @@ within a few percent of each other therefore never flap back and forth on measur
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -347,15 +346,12 @@ class _Planner:
         c = _Cand(kind, X, tuple(ranges))
         best: tuple[float, int] | None = None
         for M in self.micro_counts(kind, D):  # (the run's first: it wins a tie)
-            t = float(simulate_iteration(self.model(S, D, M), X, micro_batches=M, engine_syncs=True,
-                                         window_messages=self.window).iteration_s)
+            t = self.iteration_s(X, M)
             if best is None or t < best[0] - 1e-12:
                 best = (t, M)
         assert best is not None
         c.predicted_s, c.micro_batches = best
         m = self.model(S, D, c.micro_batches)
-        if self.cut and used_cut_links([[self.ids[int(i)] for i in col] for col in X.T], self.cut):
-            c.predicted_s += CUT_PENALTY_S
         c.objective_s = float(m.breakdown(X).paper_s)
         self._moves(c)
         c.score = c.predicted_s * self.steps + c.move_s
@@ -494,17 +490,17 @@ class _Planner:
             return X
         placed = set(map(int, X.ravel()))
         repeatable = self.config is not None and self.config.generations is not None
-        X, _, _ = refine_by_simulation(self.iteration_s, X, [p for p in peers if p not in placed],
-                                       deadline_s=math.inf if repeatable else t0 + budget_s,
-                                       max_evaluations=REPEATABLE_REFINE_EVALUATIONS if repeatable else 100_000,
-                                       seed=self.seed)
+        limit = {"max_evaluations": REPEATABLE_REFINE_EVALUATIONS} if repeatable else {"deadline_s": t0 + budget_s}
+        X, _, _ = refine_by_simulation(self.iteration_s, X, [p for p in peers if p not in placed], seed=self.seed,
+                                       **limit)
         return X
 
-    def iteration_s(self, X: np.ndarray) -> float:
-        """The simulated iteration of X ((S, D) view indices) at the run's micro-batch count, a
-        layout over a cut link penalised as `evaluate` does."""
+    def iteration_s(self, X: np.ndarray, M: int | None = None) -> float:
+        """The simulated iteration of X ((S, D) view indices) at M micro-batches (the run's by
+        default), a layout over a cut link penalised by CUT_PENALTY_S."""
         S, D = X.shape
-        t = float(simulate_iteration(self.model(S, D), X, micro_batches=self.cfg.micro_batches, engine_syncs=True,
+        M = M or self.cfg.micro_batches
+        t = float(simulate_iteration(self.model(S, D, M), X, micro_batches=M, engine_syncs=True,
                                      window_messages=self.window).iteration_s)
         if self.cut and used_cut_links([[self.ids[int(i)] for i in col] for col in X.T], self.cut):
             t += CUT_PENALTY_S

@@ -164,6 +164,25 @@ def compression_options_of(config: CompressionConfig, speed: CodecSpeed = REFERE
                               speed, () if view is None else codec_speeds_of(view, speed))
 
 
+def _placement_model(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
+                     compression: CompressionConfig, speed: CodecSpeed,
+                     kind: Mapping[int, float] | None) -> tuple[np.ndarray, CostModel]:
+    """The placement as an (S, D) matrix of view indices, and the cost model of a compressed
+    run of it on the view: each peer's compute and coding speed, exact or the run's codec on
+    each link and group (`compression_options_of`). ValueError for a peer the view lacks."""
+    ids = {p: i for i, p in enumerate(view.peers)}
+    if any(p not in ids for pipe in placement.pipelines for p in pipe):
+        raise ValueError("the placement names a peer the network view does not hold")
+    X = np.array([[ids[pipe[s]] for pipe in placement.pipelines] for s in range(len(placement.layer_ranges))],
+                 dtype=np.int64)  # (S, D)
+    S, D = X.shape
+    delay, bw = view_matrices(view)
+    pc = peer_compute(view, kind)
+    model = CostModel(delay, bw, pc.spec(spec, cfg, D).workload(S, D), compute=pc.speeds,
+                      compression=compression_options_of(compression, speed, view=view))
+    return X, model
+
+
 def predict_uniform(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
                     compression: CompressionConfig, *, speed: CodecSpeed = REFERENCE_CODEC_SPEED,
                     kind: Mapping[int, float] | None = None,
@@ -172,14 +191,8 @@ def predict_uniform(view: NetworkView, placement: Placement, spec: GPTSpec, cfg:
     codecs on every link and DP group (each peer's coding at its own speed, the view's), as that
     run codes them (the search costed each link's cheaper of exact and the codec). `cfg`: the
     run's training config with the placement's micro-batch count (`train_of`)."""
-    ids = {p: i for i, p in enumerate(view.peers)}
-    X = np.array([[ids[pipe[s]] for pipe in placement.pipelines] for s in range(len(placement.layer_ranges))],
-                 dtype=np.int64)  # (S, D)
+    X, model = _placement_model(view, placement, spec, cfg, compression, speed, kind)
     S, D = X.shape
-    delay, bw = view_matrices(view)
-    pc = peer_compute(view, kind)
-    model = CostModel(delay, bw, pc.spec(spec, cfg, D).workload(S, D),
-                      compute=pc.speeds, compression=compression_options_of(compression, speed, view=view))
     pp, dp = wire_codecs(compression)
     predicted = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
                                    codecs=CodecAssignment.uniform(S, D, pp, dp), window_messages=window_messages)
@@ -225,17 +238,9 @@ def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     (an exact group can turn compressed at any step: its anchor follows its weights).
     The prediction is the simulator's iteration time with the chosen codecs (and the swarm's
     flow-control window, `window_messages`)."""
-    ids = {p: i for i, p in enumerate(view.peers)}
-    if any(p not in ids for pipe in placement.pipelines for p in pipe):
-        raise ValueError("the placement names a peer the network view does not hold")
-    X = np.array([[ids[pipe[s]] for pipe in placement.pipelines] for s in range(len(placement.layer_ranges))],
-                 dtype=np.int64)  # (S, D)
+    X, model = _placement_model(view, placement, spec, cfg, compression, speed, kind)
     S, D = X.shape
-    delay, bw = view_matrices(view)
-    opts = compression_options_of(compression, speed, view=view)
-    pc = peer_compute(view, kind)
-    model = CostModel(delay, bw, pc.spec(spec, cfg, D).workload(S, D),
-                      compute=pc.speeds, compression=opts)
+    opts = model.options
     placed = np.unique(X)
     measured = int(view.codec_known()[placed].sum())
     plan = choose_compression(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
