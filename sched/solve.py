@@ -128,7 +128,7 @@ def _solve_shape(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec: CommSpe
     if initial is not None:  # first: on a tie with a construction the warm start wins
         seeds = [initial] if config.warm_only else [initial] + seeds
     cost, X, Z = search.run(seeds)
-    stats: dict[str, object] = {"generations": search.generations, "realized": search.realized,
+    stats: dict[str, object] = {"generations": search.generations, "improved_at": search.improved_at, "realized": search.realized,
              "swaps": search.local.moves, "scored": search.local.scored}
     if tree is not None:
         stats["hierarchy_start"] = {"cost_s": model.total(tree.X), "generations": tree.stats["generations"]}

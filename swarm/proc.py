@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -56,11 +57,40 @@ def peer_status(peer: PeerEntry) -> dict | None:
 
 # ---- processes ------------------------------------------------------------------------------
 
-def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (held open together so none repeats)."""
-    socks = []
+# Peers listen on ports below the kernel's ephemeral range: a port picked from that range and
+# let go until the daemon binds it (seconds, while it imports torch) can meanwhile become the
+# source port of any outgoing connection on the machine (another swarm's dials), and a peer
+# restarted on its old port would race the same way.
+LISTEN_PORTS_FLOOR = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low(default: int = 32768) -> int:
     try:
-        for _ in range(n):
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_ports(n: int, *, floor: int = LISTEN_PORTS_FLOOR) -> list[int]:
+    """n distinct loopback ports free now, below the ephemeral range where the machine allows
+    (else any the kernel hands out), held open together so none repeats."""
+    low = _ephemeral_low()
+    candidates = list(range(floor, low)) if low - floor >= 16 * n else []
+    random.shuffle(candidates)
+    socks: list[socket.socket] = []
+    try:
+        for port in candidates:
+            if len(socks) == n:
+                break
+            s = socket.socket()
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < n:
             s = socket.socket()
             s.bind(("127.0.0.1", 0))
             socks.append(s)
@@ -136,6 +166,7 @@ PEER_CONFIG = """\
 # dtfm-swarm's settings for its peers (every link is emulated on this machine)
 [gossip]
 bandwidth_probe_interval_s = 0.25
+bandwidth_probe_bytes = 262144
 max_members_per_loopback = {loopback}
 """
 PEER_CONFIG_FILE = "peers.toml"

@@ -37,6 +37,12 @@ profile = "test"
 """
 
 
+# Every daemon reports one compute and coding figure and probes no layer: each probe costs a
+# start seconds of a shared CPU in a child that imports torch, and the daemons measuring
+# themselves are tests/peer/test_light_daemon.py's and tests/peer/test_speed.py's.
+FIXED_SPEEDS = ("--compute-ms", "30", "--codec-speed", "reference", "--layer-probe", "off")
+
+
 def cli(*args, env=None, timeout=DEADLINE_S):
     return subprocess.run([sys.executable, "-m", "dtfm.peer", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
@@ -53,7 +59,7 @@ class Peer:
         self.log_path = root / f"{name}.log"
         args = [sys.executable, "-m", "dtfm.peer", "join", "--config", root / "fast.toml",
                 "--data-dir", self.data_dir, "--swarm-key", key, "--listen", "127.0.0.1:0",
-                "--region", f"r-{name}", *extra]
+                "--region", f"r-{name}", *FIXED_SPEEDS, *extra]
         for b in bootstrap:
             args += ["--bootstrap", b]
         self.log = open(self.log_path, "w")

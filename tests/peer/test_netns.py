@@ -95,7 +95,8 @@ class Daemon:
         args = ["ip", "netns", "exec", ns, sys.executable, "-m", "dtfm.peer", "join",
                 "--config", root / "fast.toml", "--data-dir", self.data_dir,
                 "--swarm-key", root / "swarm.key", "--listen", f"0.0.0.0:{PORT}",
-                "--gossip-profile", "local", "--compute-ms", "5", "--region", name]
+                "--gossip-profile", "local", "--compute-ms", "5", "--codec-speed", "reference",
+                "--layer-probe", "off", "--region", name]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
         self.log = open(self.log_path, "w")

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from dtfm.scenarios import load_scenario
-from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, candidate_shapes, evaluate, solve
+from dtfm.sched import PAPER_GPT3_XL, CommSpec, CostModel, ModelSpec, SearchConfig, candidate_shapes, evaluate, solve
 from dtfm.sched.construct import consecutive, dp_aligned, locality_order, pp_aligned
 from dtfm.sched.local import SwapSearch
 
@@ -137,3 +137,22 @@ def test_spot_instances_host_whole_stage_blocks():
     single = [i for i in range(64) if regions[i] == "standalone"]
     by_hand = evaluate(dl, bw, PAPER_GPT3_XL, [inst[4 * k:4 * k + 4] + single[4 * k:4 * k + 4] for k in range(8)])
     assert alloc.cost.paper_s <= by_hand.paper_s + 1e-9
+
+
+def test_a_converged_search_ends_before_its_budget_with_what_running_on_finds():
+    """Without a generation cap the evolution ends once `patience` rounds in a row found nothing
+    better (4 per peer past 8 peers): a 10-peer search given 10 minutes returns in seconds, and
+    running the same rounds under a cap finds the same allocation."""
+    sc, dl, bw = small_world(10)
+    spec = CommSpec("t", layers=4, grad_gb_total=2.6, act_gb_global=0.47 * 4)
+    cfg = SearchConfig(time_budget_s=600, cpu_clock=True)
+    stall = cfg.stall_rounds(10)
+    assert stall == 40 and SearchConfig(patience=50).stall_rounds(10) == 50
+    assert SearchConfig(patience=0).stall_rounds(10) is None and SearchConfig(generations=5).stall_rounds(10) is None
+    a = solve(dl, bw, spec, stages=4, dp=2, regions=sc.peer_regions(), seed=1, config=cfg)
+    assert a.stats["generations"] - a.stats["improved_at"] == stall
+    capped = solve(dl, bw, spec, stages=4, dp=2, regions=sc.peer_regions(), seed=1,
+                   config=SearchConfig(time_budget_s=600, generations=a.stats["generations"]))
+    assert capped.pipelines == a.pipelines and capped.cost == a.cost
+    with pytest.raises(ValueError, match="patience"):
+        SearchConfig(patience=-1)
