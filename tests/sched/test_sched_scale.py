@@ -35,7 +35,7 @@ def assert_valid(alloc, n, S, D):
     assert sorted(placed + list(alloc.spares)) == list(range(n))
 
 
-@pytest.mark.parametrize("n, S, D, regions", [(64, 8, 8, True), (100, 12, 8, True), (96, 8, 8, False)])
+@pytest.mark.parametrize("n, S, D, regions", [(64, 8, 8, True), (96, 8, 8, False)])  # (100 x 12: below)
 def test_hierarchy_valid_and_within_a_factor_of_the_flat_search(n, S, D, regions):
     sc, dl, bw = jittered_world(n, seed=n)
     spec = paper_volumes(S, D)
@@ -165,4 +165,5 @@ def test_many_peers_start_from_the_hierarchy_and_never_end_above_it():
     # not with an extension: the hierarchy costs the paper objective only
     slow = np.ones(100)
     slow[3] = 0.5
-    assert "hierarchy_start" not in solve(dl, bw, spec, stages=12, dp=8, seed=0, config=cfg, compute=slow).stats
+    starts_only = SearchConfig(time_budget_s=300, generations=0, population=4, lean_min_peers=64)
+    assert "hierarchy_start" not in solve(dl, bw, spec, stages=12, dp=8, seed=0, config=starts_only, compute=slow).stats
