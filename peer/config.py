@@ -318,6 +318,11 @@ class GossipSection:
     layer_probe: str = option("measure", "time the run's layer and this machine when this daemon places a "
                               "run: measure, or off (the peers' reported compute figures stand)",
                               flag="--layer-probe", metavar="measure|off")
+    # Where the layer probe keeps its figures: the data dir's kinds.json when empty. Daemons of
+    # one machine may share one file (dtfm-swarm's peers do): the coordinator's probe at a run's
+    # start then spares every training peer its own probe beside its first steps.
+    kinds_file: str = option("", "the layer probe's figures file (default: kinds.json in the data dir); "
+                             "daemons of one machine may share one", flag="--kinds-file", metavar="FILE")
     # GossipConfig fields set in [gossip], as sorted (name, value) pairs; they win over the
     # profile's values whichever layer (file or flag) chose the profile.
     overrides: tuple[tuple[str, int | float], ...] = ()

@@ -76,11 +76,13 @@ def measure_codec_ns(torch_threads: int, device: str = "cpu") -> tuple[float, ..
 
 def layer_probe_setting(config: DaemonConfig, root: Path) -> KindCache | None:
     """The probe of a run's layer and of this machine that this daemon's planner uses, per the
-    [gossip] layer_probe setting: its figures kept in the data dir at `root` (measure), or none
+    [gossip] layer_probe setting: its figures kept in the data dir at `root` or the kinds_file
+    setting's file (measure), or none
     (off: every layer at the reference rate, the reported compute figures as they are)."""
     if config.gossip.layer_probe == "off":
         return None
-    return KindCache(root / KIND_FILE, speed_key(config.plane.device, config.plane.settings.torch_threads))
+    path = Path(config.gossip.kinds_file) if config.gossip.kinds_file else root / KIND_FILE
+    return KindCache(path, speed_key(config.plane.device, config.plane.settings.torch_threads))
 
 
 def codec_speed_setting(config: DaemonConfig) -> tuple[tuple[float, ...] | None, Callable[[], Sequence[float]] | None]:

@@ -262,7 +262,9 @@ class KindCache:
     """How much slower per FLOP than the reference block a run's layer runs on this machine
     (`dtfm.control.compute.kind_factors`), by micro-batch size: measured the first time a layer
     and size are asked for, then kept, in memory and in the data dir under the same `SpeedKey`
-    as the speed figures. The measuring runs in this process when torch is loaded here (the
+    as the speed figures (daemons of one machine may share the file: a figure missing here is
+    looked for there before it is measured, and what the others kept stays when this one
+    stores). The measuring runs in this process when torch is loaded here (the
     daemon trains a stage), else in a child process (`python -m dtfm.peer.speed --kind JSON
     --batches 1,2`), so an idle daemon never loads torch. Blocking (the planner's worker
     thread, the plane's): `KindProbe`."""
@@ -285,6 +287,9 @@ class KindCache:
         with self._lock:
             known = self._kinds.get(layer, {})
             missing = sorted({b for b in batches if b not in known})
+            if missing:  # another daemon of this machine sharing the file may have measured them
+                known = {**self._load().get(layer, {}), **known}
+                missing = sorted({b for b in batches if b not in known})
             if missing:
                 got = self._measure(spec, missing)
                 # (a size not probed: the reference rate; an update not measured: not counted)
@@ -368,6 +373,14 @@ class KindCache:
         return out
 
     def _store(self) -> None:
+        # (what another daemon sharing the file kept meanwhile stays, unless this one's replaces it)
+        for layer, figures in self._load().items():
+            if layer not in self._kinds:
+                self._kinds = {layer: figures, **self._kinds}
+            else:
+                self._kinds[layer] = {**figures, **self._kinds[layer]}
+        while len(self._kinds) > MAX_KINDS:
+            self._kinds.pop(next(iter(self._kinds)))
         body = {"key": asdict(self.key),
                 "kinds": {layer: {str(b): f for b, f in figures.items()} for layer, figures in self._kinds.items()}}
         try:

@@ -170,6 +170,7 @@ bandwidth_probe_bytes = 262144
 max_members_per_loopback = {loopback}
 """
 PEER_CONFIG_FILE = "peers.toml"
+KINDS_FILE = "kinds.json"  # the peers' shared layer-probe figures (`dtfm-peer join --kinds-file`)
 LOOPBACK_MEMBERS = 64  # gossip's default cap, kept for swarms that fit in it
 
 
@@ -216,6 +217,9 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--compute-ms", repr(peer_compute_ms(state, peer.region)),
            "--codec-speed", "reference",  # (the peers share one CPU: the same figure for each, no probe)
            "--layer-probe", state.layer_probe,
+           # (one machine: the coordinator's layer probe at a run's start serves every peer, so
+           # no training peer probes beside its first steps on the cores they all share)
+           *(("--kinds-file", str(run_dir / KINDS_FILE)) if state.layer_probe == "measure" else ()),
            *(a for d in state.model_dirs for a in ("--model-dir", d)),
            *(("--device", state.device) if state.device != "cpu" else ()),
            "--log-file", str(peer.log_file),  # (rotated by the daemon; what else it prints: daemon.out)

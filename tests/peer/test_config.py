@@ -274,7 +274,7 @@ def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
 def test_table_keys_are_the_lower_layers_fields():
     gossip = section_settings("gossip")
     emulation = section_settings("emulation")
-    assert set(gossip) == {"profile", "compute_ms", "codec_speed", "layer_probe"} | {f.name for f in dataclasses.fields(GossipConfig)}
+    assert set(gossip) == {"profile", "compute_ms", "codec_speed", "layer_probe", "kinds_file"} | {f.name for f in dataclasses.fields(GossipConfig)}
     assert set(emulation) == {"scenario"} | {f.name for f in dataclasses.fields(EmulationConfig)}
     with pytest.raises(ConfigError, match="unknown setting emulation.nope"):
         merge(DaemonConfig(), {"emulation": {"nope": 1}})
@@ -487,6 +487,9 @@ def test_the_layer_probe_is_on_by_default_and_can_be_turned_off(tmp_path):
     probe = layer_probe_setting(merge(DaemonConfig(), {"plane": {"torch_threads": 2}}), tmp_path)
     assert isinstance(probe, KindCache) and probe.path == tmp_path / KIND_FILE and probe.key.torch_threads == 2
     assert layer_probe_setting(apply_flags(DaemonConfig(), join_args("--layer-probe", "off")), tmp_path) is None
+    shared = layer_probe_setting(apply_flags(DaemonConfig(), join_args("--kinds-file", str(tmp_path / "k.json"))),
+                                 tmp_path / "data")
+    assert isinstance(shared, KindCache) and shared.path == tmp_path / "k.json"
     with pytest.raises(ConfigError, match="gossip.layer_probe 'sometimes': choose measure or off"):
         merge(DaemonConfig(), {"gossip": {"layer_probe": "sometimes"}})
 

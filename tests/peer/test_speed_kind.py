@@ -64,6 +64,21 @@ def test_a_layer_is_probed_once_per_micro_batch_and_a_restart_reads_it(tmp_path)
     assert other.children == 1
 
 
+def test_daemons_sharing_one_file_probe_a_layer_once_and_keep_each_others_figures(tmp_path):
+    """Two daemons of one machine with one kinds file (dtfm-swarm's peers): a figure the other
+    measured after this one started is read, not measured again; each one's store keeps what
+    the other kept."""
+    coordinator, runs = fake(tmp_path)
+    trainer, _ = fake(tmp_path)  # started before anything was measured
+    tiny = get_preset("tiny")
+    assert coordinator(tiny, (1, 2)) == {1: 1.1, 2: 1.2}
+    assert trainer(tiny, (2,)) == {2: 1.2} and trainer.children == 0
+    assert trainer(tiny, (8,)) == {8: 1.8} and coordinator(tiny, (16,)) == {16: 2.6}
+    assert runs.read_text().splitlines() == ["1,2", "8", "16"]
+    later, _ = fake(tmp_path)
+    assert later(tiny, (1, 2, 8, 16)) == {1: 1.1, 2: 1.2, 8: 1.8, 16: 2.6} and later.children == 0
+
+
 def test_the_update_is_kept_within_its_bounds_and_the_reference_timed_with_the_layer_counts_as_now(tmp_path):
     kinds, runs = fake(tmp_path)
     tiny = get_preset("tiny")
