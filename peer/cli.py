@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import sys
@@ -870,6 +871,10 @@ def cmd_join(args: argparse.Namespace) -> int:
         args.subparser.error(f"--log-file {config.log.file}: cannot open it: {e.strerror}")
     from .runner import run_daemon  # the daemon's services load torch: only `join` pays for it
 
+    # A fatal signal (a native crash in torch or libsodium) prints every thread's Python stack
+    # to stderr: what the operator (and dtfm-swarm's daemon.out) keeps of a daemon that died so.
+    with contextlib.suppress(OSError, ValueError):  # (a stderr with no file behind it: in-process callers)
+        faulthandler.enable()
     return run_daemon(config)
 
 

@@ -12,11 +12,18 @@ import pytest
 _KEY_LINES = re.compile(r"issuing|reconfigur|run states|paus|report|back-fill|elected|stepped|stops|stopped|"
                         r"left out|refus|abort|ERROR|WARNING")
 MAX_LINES_PER_PEER = 60
+TAIL_LINES = 12
 
 
 def swarm_digest(run_dir: Path) -> str:
     out = []
     events = run_dir / "events.jsonl"
+    try:  # each daemon's process: running, or gone (its pid, as `dtfm-swarm up` kept it)
+        from dtfm.swarm.state import load_state
+        out += ["== processes", *(f"{p.name} pid {p.pid}: {'running' if p.alive() else 'gone'}"
+                                  for p in load_state(run_dir).peers)]
+    except Exception as e:  # (a digest never hides the failure it reports)
+        out += [f"== processes: unknown ({e})"]
     if events.exists():
         out += ["== events.jsonl (merged)", events.read_text()[-20_000:]]
     for log in sorted(run_dir.glob("p*/daemon.log")):
@@ -26,6 +33,10 @@ def swarm_digest(run_dir: Path) -> str:
             continue
         out += [f"== {log.parent.name}/daemon.log ({len(lines)} key lines, the last {MAX_LINES_PER_PEER})",
                 *(x[:400] for x in lines[-MAX_LINES_PER_PEER:])]
+        tail = [x for x in log.read_text(errors="replace").splitlines()[-TAIL_LINES:] if x not in lines]
+        if tail:  # (what it did last: a peer that went quiet, or died without a word)
+            out += [f"== {log.parent.name}/daemon.log (its last lines, the key lines above left out)",
+                    *(x[:400] for x in tail)]
         printed = log.with_name("daemon.out")  # (a crash's traceback)
         text = printed.read_text(errors="replace").strip() if printed.exists() else ""
         if text:
