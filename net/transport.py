@@ -105,6 +105,7 @@ class Transport(Registry[Connection]):
         self._hello_guard = HelloGuard(config.handshake_clock_skew_s)
         self._payload_budget = PayloadBudget(config.max_total_payload_bytes)
         self._dialled_ids: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._dialling: dict[tuple[str, int], trio.Event] = {}  # dials under way, by address
         self._nursery: trio.Nursery | None = None
         self._closed = False
 
@@ -147,19 +148,32 @@ class Transport(Registry[Connection]):
 
         With `peer_id`, only a connection to that verified id is reused, and a fresh dial whose
         handshake proves another id is closed with a `HandshakeError` naming both."""
-        conn = self._reusable(host, port, peer_id)
-        if conn is not None:
-            return conn
+        while True:
+            conn = self._reusable(host, port, peer_id)
+            if conn is not None:
+                return conn
+            # One dial per address at a time: a second one from this side would replace the
+            # first connection as a duplicate and cut the requests in flight on it. A task that
+            # finds a dial under way takes its connection, or dials itself if that one failed.
+            pending = self._dialling.get((host, port))
+            if pending is None:
+                break
+            await pending.wait()
         if self._closed:
             raise ConnectionClosed("transport closed")
         if self._nursery is None:
             raise RuntimeError("Transport.serve() or Transport.run() must be running to connect")
+        done = self._dialling[(host, port)] = trio.Event()
         try:
-            with trio.fail_after(self.config.handshake_timeout_s):
-                stream = await trio.open_tcp_stream(host, port)
-        except trio.TooSlowError:
-            raise TimeoutError(f"connecting to {host}:{port} timed out") from None
-        return await self._nursery.start(self._dialled, stream, (host, port), peer_id, True)
+            try:
+                with trio.fail_after(self.config.handshake_timeout_s):
+                    stream = await trio.open_tcp_stream(host, port)
+            except trio.TooSlowError:
+                raise TimeoutError(f"connecting to {host}:{port} timed out") from None
+            return await self._nursery.start(self._dialled, stream, (host, port), peer_id, True)
+        finally:
+            del self._dialling[(host, port)]
+            done.set()
 
     def _reusable(self, host: str, port: int, peer_id: bytes | None) -> Connection | None:
         if peer_id is not None:

@@ -653,3 +653,28 @@ async def test_record_buffers_grown_by_large_records_shrink_once_they_stop(autoj
         assert conn.record_buffer_bytes == back.record_buffer_bytes == small
         assert (await conn.request(ECHO, big))[0] == big  # and grows again when needed
         n.cancel_scope.cancel()
+
+
+async def test_concurrent_dials_to_one_peer_share_one_connection():
+    """Tasks that dial one peer at once (a hand-out's request beside a data-plane connect) get
+    one connection: a second dial from the same side would replace the first as a duplicate and
+    cut the requests in flight on it."""
+    a, b = make(), make()
+    closed = []
+    a.on_disconnect(lambda c, r: closed.append(r))
+    async with trio.open_nursery() as n:
+        _, (host, port) = await start_tcp(n, a, b)
+        got = []
+
+        async def dial(by_id: bool):
+            got.append(await a.connect(host, port, peer_id=b.peer_id if by_id else None))
+
+        async with trio.open_nursery() as dials:
+            for k in range(6):
+                dials.start_soon(dial, k % 2 == 0)
+        assert len({id(c) for c in got}) == 1 and a.connections() == got[:1]
+        body, _ = await got[0].request(ECHO, {"alive": True})
+        assert body == {"alive": True} and closed == []
+        await a.aclose()
+        await b.aclose()
+        n.cancel_scope.cancel()
