@@ -1,3 +1,4 @@
+import functools
 import logging
 
 import pytest
@@ -677,4 +678,39 @@ async def test_concurrent_dials_to_one_peer_share_one_connection():
         assert body == {"alive": True} and closed == []
         await a.aclose()
         await b.aclose()
+        n.cancel_scope.cancel()
+
+
+async def test_a_dial_stuck_in_its_handshake_holds_another_up_for_the_dial_wait_only(autojump_clock):
+    """A handshake the other end never answers holds the next dial to that address up for
+    DIAL_WAIT_S, not for the whole handshake timeout: then it dials itself."""
+    import dataclasses
+
+    from dtfm.net.transport import DIAL_WAIT_S
+
+    a = make(config=dataclasses.replace(TransportConfig.test(), handshake_timeout_s=10.0))
+    accepted = []
+
+    async def silent(stream):
+        accepted.append(trio.current_time())
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as n:
+        await n.start(a.run)
+        [listener] = await n.start(functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+        port = listener.socket.getsockname()[1]
+        failed = []
+
+        async def dial():
+            with pytest.raises(HandshakeError):
+                await a.connect("127.0.0.1", port)
+            failed.append(trio.current_time())
+
+        t0 = trio.current_time()
+        async with trio.open_nursery() as dials:
+            dials.start_soon(dial)
+            await trio.sleep(0.1)
+            dials.start_soon(dial)
+        assert len(accepted) == 2 and accepted[1] - t0 == pytest.approx(0.1 + DIAL_WAIT_S, abs=0.05)
+        assert failed == pytest.approx([10.0, 12.1], abs=0.05)  # (each dial's own handshake timeout)
         n.cancel_scope.cancel()

@@ -282,12 +282,22 @@ def test_a_stage_lost_before_the_first_checkpoint_rolls_back_to_the_initial_weig
     assert swarm.main(["train", "--run-dir", str(run_dir), "--stages", "4", "--dp", "2", "--steps", "400",
                        "--checkpoint-every", "50"]) == 0
     assert swarm.main(["wait", "--run-dir", str(run_dir), "--step", "2", "--timeout", "120"]) == 0
-    name, _ = coordinator(state)
-    t = trainings(state)
+    def placed():
+        # (a snapshot of one epoch with both holders of every stage: under load a peer may have
+        # just lost sight of the coordinator, and the swarm reconfigures around it first)
+        c = coordinator(state)
+        if c is None:
+            return None
+        name, t = c[0], trainings(state)
+        epoch = max((v.get("epoch") or 0 for v in t.values()), default=0)
+        holders = {s: sorted(n for n, v in t.items() if v.get("stage") == s and v.get("epoch") == epoch)
+                   for s in range(4)}
+        return (name, t, holders) if all(len(h) == 2 for h in holders.values()) else None
+
+    name, t, holders = wait_for("both holders of every stage in one epoch", placed, 60, interval_s=0.5)
     run_id = t[name]["run_id"]
-    stage = next(s for s in range(4) if all(n != name for n, v in t.items() if v.get("stage") == s))
-    victims = sorted(n for n, v in t.items() if v.get("stage") == stage)
-    assert len(victims) == 2
+    stage = next(s for s in range(4) if name not in holders[s])
+    victims = holders[stage]
     for v in victims:
         assert swarm.main(["kill", v, "--run-dir", str(run_dir)]) == 0
     for v in victims:
