@@ -454,3 +454,25 @@ def test_peers_of_a_gpu_swarm_join_with_its_device(tmp_path, monkeypatch):
     assert started[0][started[0].index("--device") + 1] == "cuda:1" and "--device" not in started[1]
     # (and `up --layer-probe`, kept the same way)
     assert [cmd[cmd.index("--layer-probe") + 1] for cmd in started] == ["off", "measure"]
+
+
+def test_peer_ports_come_from_below_the_ephemeral_range_and_are_free(tmp_path, monkeypatch):
+    """A swarm's listening ports are distinct, bindable and below the kernel's ephemeral range
+    (no outgoing connection takes one while its daemon starts); where that range leaves no room,
+    any free port the kernel hands out."""
+    import socket
+
+    from dtfm.swarm import proc
+
+    low = proc._ephemeral_low()
+    ports = proc.free_ports(8)
+    assert len(set(ports)) == 8 and all(proc.LISTEN_PORTS_FLOOR <= p < low for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    monkeypatch.setattr(proc, "_EPHEMERAL_RANGE", tmp_path / "range")
+    (tmp_path / "range").write_text(f"{proc.LISTEN_PORTS_FLOOR + 8}\t60999\n")  # (no room for 8 below it)
+    ports = proc.free_ports(8)
+    assert len(set(ports)) == 8 and all(p > 0 for p in ports)
+    (tmp_path / "range").write_text("garbage")
+    assert proc._ephemeral_low() == 32768
