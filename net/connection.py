@@ -25,6 +25,8 @@ from .wire import pack
 
 logger = logging.getLogger(__name__)
 
+RETIRE_POLL_S = 0.05  # how often a retiring connection looks whether anything is still in flight
+
 
 class Connection:
     """A live connection to one peer (the TCP implementation of `PeerConnection`). Created by
@@ -152,6 +154,19 @@ class Connection:
             if self._cancel_scope is not None:
                 self._cancel_scope.cancel()
         await self._done.wait()
+
+    async def retire(self, reason: str, grace_s: float) -> None:
+        """Close once nothing is in flight: the requests this end sent have their replies and
+        the handlers of the other end's requests have answered (at most `grace_s`). A duplicate
+        connection that lost to another is retired so: both ends stop choosing it for new
+        messages, and what they had sent on it still arrives."""
+        try:
+            with trio.move_on_after(grace_s):
+                while not self.closed and (self._requests.busy() or self._dispatcher.busy()):
+                    await trio.sleep(RETIRE_POLL_S)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.close(reason)
 
     # ---- sending ------------------------------------------------------------------------
 

@@ -147,6 +147,10 @@ class Requests:
             raise RequestTimeout(f"no reply from {self._peer} to message type {msg_type} within {timeout_s} s")
         return pending.result
 
+    def busy(self) -> bool:
+        """Some request still waits for its reply."""
+        return bool(self._pending)
+
     def reply(self, reply_to: int, body: object, payload: memoryview | None) -> None:
         p = self._take(reply_to)
         if p is not None:
@@ -234,6 +238,10 @@ class Dispatcher:
         logger.warning("message type %d from %s dropped: %s", msg_type, self._conn.short_id, reason)
         if is_request:
             nursery.start_soon(self._conn._respond_error, msg_id, reason)
+
+    def busy(self) -> bool:
+        """Some handler still runs (its request's reply not yet sent)."""
+        return bool(self._running)
 
     def cancel(self) -> None:
         """The connection closed: stop the handlers still running."""

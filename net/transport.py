@@ -361,8 +361,8 @@ class Transport(Registry[Connection]):
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(conn.run, ready)
-                if loser is not None:
-                    nursery.start_soon(loser.close, "duplicate connection")
+                if loser is not None:  # (what either end had in flight on it still arrives)
+                    nursery.start_soon(loser.retire, "duplicate connection", self.config.idle_timeout_s)
                 task_status.started(self._by_peer.get(conn.peer_id, conn) if loser is conn else conn)
         finally:
             self._all.discard(conn)

@@ -714,3 +714,42 @@ async def test_a_dial_stuck_in_its_handshake_holds_another_up_for_the_dial_wait_
         assert len(accepted) == 2 and accepted[1] - t0 == pytest.approx(0.1 + DIAL_WAIT_S, abs=0.05)
         assert failed == pytest.approx([10.0, 12.1], abs=0.05)  # (each dial's own handshake timeout)
         n.cancel_scope.cancel()
+
+
+async def test_a_duplicate_connection_is_retired_after_what_is_in_flight_on_it():
+    """Both ends dial each other: the connection dialled by the smaller id survives, and the
+    other one, retired, still carries the reply to a request in flight on it before it closes."""
+    a, b = make(), make()
+    while not b.peer_id < a.peer_id:  # (b's dial must win, so a's first connection loses)
+        a, b = make(), make()
+    release = trio.Event()
+    answered = []
+
+    async def held(conn, msg_type, body, payload):
+        await release.wait()
+        return Reply({"held": body}, None)
+
+    b.handle(NOTE, held)
+    async with trio.open_nursery() as n:
+        (ha, pa), (hb, pb) = await start_tcp(n, a, b)
+        first = await a.connect(hb, pb)
+
+        async def ask():
+            answered.append(await first.request(NOTE, 7, timeout_s=5.0))
+
+        n.start_soon(ask)
+        await trio.testing.wait_all_tasks_blocked()
+        second = await b.connect(ha, pa)  # (b never dialled a's address: a new connection)
+        assert second.initiator_id == b.peer_id and b.connection(a.peer_id) is second
+        with trio.fail_after(5):
+            while a.connection(b.peer_id) is not first and a.connection(b.peer_id) is None:
+                await trio.sleep(0.01)
+        assert not first.closed  # retired, not cut: a's request is still in flight on it
+        release.set()
+        with trio.fail_after(5):
+            while not answered or not first.closed:
+                await trio.sleep(0.01)
+        assert answered == [({"held": 7}, None)] and first.close_reason.endswith("duplicate connection")
+        await a.aclose()
+        await b.aclose()
+        n.cancel_scope.cancel()
