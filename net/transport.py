@@ -153,23 +153,19 @@ class Transport(Registry[Connection]):
             if conn is not None:
                 return conn
             # One dial per address at a time: a second one from this side would replace the
-            # first connection as a duplicate and cut the requests in flight on it. A task that
-            # finds a dial under way takes its connection, or dials itself if that one failed
-            # or is still not through after DIAL_WAIT_S (a handshake the other end is slow to
-            # answer must not hold up every message to it, a heartbeat's included).
+            # first connection as a duplicate, and one made while the first's handshake is still
+            # under way can leave the two ends keeping different connections (one where nothing
+            # arrives until its idle timeout). A task that finds a dial under way takes its
+            # connection, or dials itself once that one failed (within its handshake timeout).
             pending = self._dialling.get((host, port))
             if pending is None:
                 break
-            with trio.move_on_after(DIAL_WAIT_S):
-                await pending.wait()
-            if not pending.is_set():
-                break
+            await pending.wait()
         if self._closed:
             raise ConnectionClosed("transport closed")
         if self._nursery is None:
             raise RuntimeError("Transport.serve() or Transport.run() must be running to connect")
-        done = trio.Event()
-        first = self._dialling.setdefault((host, port), done) is done
+        done = self._dialling[(host, port)] = trio.Event()
         try:
             try:
                 with trio.fail_after(self.config.handshake_timeout_s):
@@ -178,8 +174,7 @@ class Transport(Registry[Connection]):
                 raise TimeoutError(f"connecting to {host}:{port} timed out") from None
             return await self._nursery.start(self._dialled, stream, (host, port), peer_id, True)
         finally:
-            if first:
-                del self._dialling[(host, port)]
+            del self._dialling[(host, port)]
             done.set()
 
     def _reusable(self, host: str, port: int, peer_id: bytes | None) -> Connection | None:
@@ -372,10 +367,6 @@ class Transport(Registry[Connection]):
                 logger.debug("disconnected from %s: %s", conn.short_id, conn.close_reason)
                 for cb in self._on_disconnect:
                     cb(conn, conn.close_reason)
-
-
-# How long a dial waits for another task's dial to the same address before dialling itself.
-DIAL_WAIT_S = 2.0
 
 
 class _Refused(Exception):
