@@ -288,7 +288,8 @@ class KindCache:
             known = self._kinds.get(layer, {})
             missing = sorted({b for b in batches if b not in known})
             if missing:  # another daemon of this machine sharing the file may have measured them
-                known = {**self._load().get(layer, {}), **known}
+                self._merge_file()
+                known = self._kinds.get(layer, {})
                 missing = sorted({b for b in batches if b not in known})
             if missing:
                 got = self._measure(spec, missing)
@@ -372,15 +373,19 @@ class KindCache:
                               if str(b).isdigit() and _kind_or_none(f, int(b)) is not None}
         return out
 
-    def _store(self) -> None:
-        # (what another daemon sharing the file kept meanwhile stays, unless this one's replaces it)
-        for layer, figures in self._load().items():
-            if layer not in self._kinds:
-                self._kinds = {layer: figures, **self._kinds}
-            else:
-                self._kinds[layer] = {**figures, **self._kinds[layer]}
+    def _merge_file(self) -> None:
+        """Take in what another daemon sharing the file kept (this one's figures win), the
+        file's layers counted older than this one's."""
+        kept = self._load()
+        merged = {layer: figures for layer, figures in kept.items() if layer not in self._kinds}
+        for layer, figures in self._kinds.items():
+            merged[layer] = {**kept.get(layer, {}), **figures}
+        self._kinds = merged
         while len(self._kinds) > MAX_KINDS:
             self._kinds.pop(next(iter(self._kinds)))
+
+    def _store(self) -> None:
+        self._merge_file()
         body = {"key": asdict(self.key),
                 "kinds": {layer: {str(b): f for b, f in figures.items()} for layer, figures in self._kinds.items()}}
         try:

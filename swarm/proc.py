@@ -72,11 +72,11 @@ def _ephemeral_low(default: int = 32768) -> int:
         return default
 
 
-def free_ports(n: int, *, floor: int = LISTEN_PORTS_FLOOR) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """n distinct loopback ports free now, below the ephemeral range where the machine allows
     (else any the kernel hands out), held open together so none repeats."""
     low = _ephemeral_low()
-    candidates = list(range(floor, low)) if low - floor >= 16 * n else []
+    candidates = list(range(LISTEN_PORTS_FLOOR, low)) if low - LISTEN_PORTS_FLOOR >= 16 * n else []
     random.shuffle(candidates)
     socks: list[socket.socket] = []
     try:
