@@ -5,7 +5,11 @@ Eight `dtfm-peer` daemons on the emulated worldwide scenario (`dtfm-swarm up --s
 worldwide --peers 8 --bandwidth-scale S`, the control plane's wan timings). Each repeat
 (`--repeats`, 3 by default) starts a fresh swarm and runs on it: exact `tiny` for N steps
 (`--exact-steps`) in the shape the swarm's scheduler picks, then each method for `--steps`
-steps in the same shape (`dtfm-swarm train --stages S --dp D --compress NAME`), every run of a
+steps in the same shape (`dtfm-swarm train --stages S --dp D --compress NAME`); with `--stages
+S` (a model that needs S stages) every run is asked for S stages only and the scheduler picks
+each run's pipelines, a compressed run's by its predicted time to the target loss (`dtfm-swarm
+train --stages S --compress NAME`: one pipeline when DP groups would cost more steps than they
+save); with `--shape SxD` every run takes that shape; every run of a
 repeat with the same training seed (the same batches), seed i in repeat i unless `--seeds`
 says otherwise. Every figure is given per repeat and as mean, standard deviation, min and max
 over the repeats.
@@ -46,15 +50,16 @@ coordinator predicts) on the network view the daemons measured (read from a daem
 for the run's own allocation, every link and DP group coding with the run's codec
 (`CodecAssignment.uniform`; a per-link run, e.g. `auto`, with the coordinator's choice of links
 and groups from the start's reply, `compress_links`), coding at the speed `measure_compress_cost()` measures on this
-CPU (one thread), and compute per layer from the exact run's measured compute (the slowest
-peer's `compute_s` per step / (M x layers per stage)). prediction_error = |predicted -
+CPU (one thread), and compute at the rate the exact run computed (its slowest peer's
+`compute_s` per step against the FLOPs of its layers at its M micro-batches: `measured_tflops`),
+each run at its own micro-batch count. prediction_error = |predicted -
 measured| / measured. Also printed: the same prediction without compute (what the
 coordinator's `predicted_iteration_s` counts) and at unlimited bandwidth (latency, compute and
 coding alone: the floor compression cannot go under).
 
     nice .venv/bin/python bench/compress_swarm.py [--methods exact,slow-link,auto] [--repeats 3]
         [--seeds 0,1,2] [--exact-steps 64] [--steps 112] [--window 16] [--bandwidth-scale S] [--skip 2]
-        [--shape SxD]
+        [--shape SxD | --stages S]
     nice .venv/bin/python bench/compress_swarm.py --simulate-overlap [--bandwidth-scale S]   # simulated only
 
 Wall-clock figures share this machine's cores with whatever else runs. The last line is one
@@ -268,23 +273,44 @@ def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[d
 # ---- the prediction ----------------------------------------------------------------------------
 
 
-def predict(view: tuple, reply: dict, config, speed, layer_compute_s: float | None, *,
+def run_config(reply: dict):
+    """The training config of the run `reply` describes (its micro-batch count: the scheduler's)."""
+    from dtfm.train import TrainConfig
+    return TrainConfig(micro_batches=int(reply.get("train", {}).get("micro_batches", TrainConfig().micro_batches)))
+
+
+def measured_tflops(reply: dict, compute_s: float) -> float:
+    """The rate (TFLOP/s) at which the run `reply` describes computed its layers, from its slowest
+    peer's `compute_s` per step: what the prediction costs every run's compute at."""
+    from dataclasses import replace
+
+    from dtfm.control import sched_spec
+    from dtfm.train import get_preset
+    S, D = int(reply["stages"]), int(reply["dp"])
+    cfg = run_config(reply)
+    layers = max(b - a for a, b in reply["layer_ranges"])
+    at_one = replace(sched_spec(get_preset("tiny"), cfg, D), reference_tflops=1.0).workload(S, D).layer_compute_s
+    assert at_one is not None
+    return at_one * cfg.micro_batches * layers / compute_s
+
+
+def predict(view: tuple, reply: dict, config, speed, tflops: float | None, *,
             unlimited_bandwidth: bool = False, bandwidth_factor: float = 1.0, engine_syncs: bool = True) -> dict:
-    """The simulator's iteration time of the run `reply` describes, coding with `config`."""
+    """The simulator's iteration time of the run `reply` describes, coding with `config`, its
+    compute at `tflops` (None: not costed)."""
+    from dataclasses import replace
+
     from dtfm.control import sched_spec
     from dtfm.sched import CodecAssignment, CompressionOptions, CostModel, simulate_iteration, wire_codecs
-    from dtfm.train import TrainConfig, get_preset
+    from dtfm.train import get_preset
 
     peers, delay, bw = view
     X = allocation_matrix(reply["pipelines"], peers)
     S, D = X.shape
-    cfg = TrainConfig()
+    cfg = run_config(reply)
     mspec = sched_spec(get_preset("tiny"), cfg, D)
-    if layer_compute_s is not None:
-        from dataclasses import replace
-        at_one = replace(mspec, reference_tflops=1.0).workload(S, D).layer_compute_s
-        assert at_one is not None
-        mspec = replace(mspec, reference_tflops=at_one / layer_compute_s)
+    if tflops is not None:
+        mspec = replace(mspec, reference_tflops=tflops)
     pp, dp = wire_codecs(config)
     opts = CompressionOptions((pp,) if pp.exact else (type(pp)(), pp), (dp,) if dp.exact else (type(dp)(), dp), speed)
     if unlimited_bandwidth:
@@ -382,20 +408,24 @@ def computed_scale(args) -> dict:
 
 def _repeat(args, methods: list[str], configs: dict, exact, seed: int) -> dict:
     """One fresh swarm: exact for N steps in the shape the swarm's scheduler picks, then each
-    method for `--steps` steps in the same shape, all with the training seed `seed`."""
+    method for `--steps` steps in the same shape, all with the training seed `seed`. With
+    `--stages S`, every run is asked for S stages only and the scheduler picks its pipelines
+    (each method's own, by its time to the target loss)."""
     t0 = time.monotonic()
     with running_swarm("--scenario", "worldwide", "--peers", "8", "--bandwidth-scale", f"{args.bandwidth_scale:.6g}",
                        "--timeout", "600", *WAN_PLANE, kill=True, prefix="dtfm-bench-compress-") as run_dir:
         print(f"swarm up in {time.monotonic() - t0:.0f} s", file=sys.stderr)
-        forced = () if not args.shape else ("--stages", args.shape.split("x")[0], "--dp", args.shape.split("x")[1])
+        forced = (("--stages", args.shape.split("x")[0], "--dp", args.shape.split("x")[1]) if args.shape
+                  else ("--stages", str(args.stages)) if args.stages else ())
         reply, rows, view = train_run(run_dir, args.exact_steps, *forced, "--seed", str(seed))
         runs = {"exact": (reply, rows, view, exact)}
-        shape = ("--stages", str(reply["stages"]), "--dp", str(reply["dp"]))
+        shape = (("--stages", str(args.stages)) if args.stages and not args.shape
+                 else ("--stages", str(reply["stages"]), "--dp", str(reply["dp"])))
         print(f"exact: {reply['stages']} x {reply['dp']}, {len(rows)} steps logged", file=sys.stderr)
         for m in methods:
             r2, rows2, view2 = train_run(run_dir, args.steps, *shape, "--seed", str(seed), "--compress", m)
             runs[m] = (r2, rows2, view2, configs[m])
-            print(f"{m}: {len(rows2)} steps logged"
+            print(f"{m}: {r2['stages']} x {r2['dp']}, {len(rows2)} steps logged"
                   + (f"; {r2['compress_links']['text']}" if "compress_links" in r2 else ""), file=sys.stderr)
     return runs
 
@@ -404,18 +434,16 @@ def _figures(args, runs: dict, speed, methods: list[str]) -> dict:
     """Every figure of one repeat's runs (see the module's docstring)."""
     ex_reply, ex_rows, _, _ = runs["exact"]
     ex_phase = phases(ex_rows, args.skip)
-    M = 4
-    layers = max(b - a for a, b in ex_reply["layer_ranges"])
-    layer_compute_s = ex_phase["compute_s"] / (M * layers) if ex_phase["compute_s"] else None
-    out: dict = {"layer_compute_s": layer_compute_s, "shape": f"{ex_reply['stages']}x{ex_reply['dp']}", "runs": {}}
+    tflops = measured_tflops(ex_reply, ex_phase["compute_s"]) if ex_phase["compute_s"] else None
+    out: dict = {"measured_tflops": tflops, "shape": f"{ex_reply['stages']}x{ex_reply['dp']}", "runs": {}}
     for name, (reply, rows, view, config) in runs.items():
-        period = config.inner_steps if config.dp_method == "diloco" else 1
+        period = config.inner_steps if config.dp_method == "diloco" and reply["dp"] > 1 else 1
         meas = cycle_iteration_s(rows, period, args.skip, config.sync_due if period > 1 else None)
-        pred = predict(view, reply, config, speed, layer_compute_s)
+        pred = predict(view, reply, config, speed, tflops)
         pred_comm = predict(view, reply, config, speed, None)
-        floor = predict(view, reply, config, speed, layer_compute_s, unlimited_bandwidth=True)
-        floor_paper = predict(view, reply, config, speed, layer_compute_s, unlimited_bandwidth=True, engine_syncs=False)
-        sweep = {f"{args.bandwidth_scale * f:.4g}": round(predict(view, reply, config, speed, layer_compute_s,
+        floor = predict(view, reply, config, speed, tflops, unlimited_bandwidth=True)
+        floor_paper = predict(view, reply, config, speed, tflops, unlimited_bandwidth=True, engine_syncs=False)
+        sweep = {f"{args.bandwidth_scale * f:.4g}": round(predict(view, reply, config, speed, tflops,
                                                                     bandwidth_factor=f)["iteration_s"], 4)
                  for f in SWEEP_FACTORS}
         loss = None
@@ -436,6 +464,7 @@ def _figures(args, runs: dict, speed, methods: list[str]) -> dict:
                                                                  meas["iteration_s"]), 4)
                                             if meas["iteration_s"] else None),
             "loss": loss, "losses": [r.get("loss") for r in sorted(rows, key=lambda r: r["step"])],
+            "shape": f"{reply['stages']}x{reply['dp']}", "shape_note": reply.get("shape_note", ""),
             "pipelines": reply["pipelines"], "regions": reply["regions"],
             **({"compress_links": reply["compress_links"]["text"]} if "compress_links" in reply else {}),
             # the view the run was scheduled on, so a choice can be replayed offline
@@ -689,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default=None, metavar="SxD",
                     help="run exact (and so every method) as S stages x D pipelines; unset: the shape the swarm's "
                          "scheduler picks for exact (which may leave peers out: 1 x 1 on a loaded machine)")
+    ap.add_argument("--stages", type=int, default=None, metavar="S",
+                    help="ask every run for S stages only (a model that needs S stages): the scheduler picks "
+                         "each run's pipelines, a compressed run's by its time to the target loss")
     ap.add_argument("--simulate-overlap", action="store_true",
                     help="only predict, without daemons, what overlapping the DiLoCo exchange with 0, 1 and 2 "
                          "inner steps gives on this scale (`simulated_overlap`) and exit")
@@ -726,6 +758,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape and not (len(args.shape.split("x")) == 2 and all(x.isdigit() and int(x) > 0
                                                                    for x in args.shape.split("x"))):
         ap.error(f"--shape takes SxD, e.g. 4x2, got {args.shape!r}")
+    if args.shape and args.stages:
+        ap.error("--shape fixes both stages and pipelines: give --shape or --stages, not both")
+    if args.stages is not None and args.stages < 1:
+        ap.error(f"--stages must be at least 1, got {args.stages}")
     try:
         repeat_seeds(args.seeds, args.repeats)
     except ValueError as e:

@@ -279,14 +279,13 @@ class SchedulerPlanner:
 
     def _place(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:
-        dp = req.dp
-        if req.stages is not None and dp is None:
-            dp = max(1, len(view.peers) // req.stages)
+        dp = req.dp  # None: the scheduler chooses it, with --stages too
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
         if req.placement == "random":
-            if req.stages is None or dp is None:  # (TrainRequest refuses a random placement without --stages)
+            if req.stages is None:  # (TrainRequest refuses a random placement without --stages)
                 raise ValueError("a random placement needs --stages and --dp")
-            shape = random_shape(view, model, train, stages=req.stages, dp=dp, seed=req.seed, kind=kind,
+            width = dp if dp is not None else max(1, len(view.peers) // req.stages)  # (random: every peer placed)
+            shape = random_shape(view, model, train, stages=req.stages, dp=width, seed=req.seed, kind=kind,
                                  window_messages=self.config.comm.window_messages)
         elif req.compression.exact:
             return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,

@@ -258,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--stages", type=_stages, default=None, metavar="S|auto",
                    help="pipeline stages; auto lets the scheduler pick the shape (default: auto)")
     t.add_argument("--dp", type=_spec_arg("dp"), default=None, metavar="D",
-                   help="data-parallel pipelines (with --stages S; default: as many as the live peers fill)")
+                   help="data-parallel pipelines (with --stages S; default: the scheduler picks the count "
+                        "fastest to the run's target loss, peers left out as spares if that is faster; a "
+                        "random placement: as many as the live peers fill)")
     t.add_argument("--checkpoint-every", type=_spec_arg("checkpoint_every"), default=None, metavar="K",
                    help="every peer saves its stage in its data dir every K steps, and where the run "
                         "ends (its last step or `train stop`); 0: only there (default: 20)")

@@ -8,7 +8,7 @@ coding time, and `choose_compression` picks a codec per pipeline link and DP gro
 from .choose import ChoiceReason, CompressionPlan, GroupChoice, LinkChoice, choose_compression
 from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, WIRE_PRESETS, CodecAssignment, CodecSpeed,
                           CompressionFields, CompressionOptions, DataParallelCodec, PipelineCodec, compression_options,
-                          load_codec_speed, step_efficiency, wire_codecs)
+                          load_codec_speed, shape_step_efficiency, step_efficiency, wire_codecs)
 from .cost import CostBreakdown, CostModel
 from .fastest import (MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, FastestShape, RunModel, ScheduleInputs,
                       micro_batch_options, refine_by_simulation, shape_space, solve_fastest)
@@ -29,6 +29,6 @@ __all__ = [
     "SEARCH_PROFILES", "STEP_EFFICIENCY", "SearchConfig", "SimResult", "TRAINER_WINDOW_MESSAGES", "WIRE_PRESETS", "Workload",
     "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
     "evaluate", "get_preset", "layer_ranges", "linear_assignment", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
-    "step_efficiency", "UPDATE_KIND", "update_s_per_param",
+    "shape_step_efficiency", "step_efficiency", "UPDATE_KIND", "update_s_per_param",
     "wire_codecs",
 ]

@@ -331,6 +331,22 @@ def step_efficiency(codecs: "CodecAssignment", table: Mapping[str, float] = STEP
     return min(pp, 1.0) * min(dp, 1.0)
 
 
+def shape_step_efficiency(options: "CompressionOptions | None", stages: int, dp: int,
+                          table: Mapping[str, float] = STEP_EFFICIENCY) -> float:
+    """The step efficiency of an S x D run that may use `options`' codecs (None: exact), charged
+    as `step_efficiency` charges a plan: each axis at its least efficient codec, as if every
+    link or group used it. An axis with nothing to send costs nothing: one stage has no
+    pipeline link, and one pipeline no DP group to synchronise (its groups of one all-reduce
+    nothing, compressed or not). So a compressed run of one pipeline loses only what its
+    pipeline codec loses, which is how the fastest shape to a target loss can leave out the
+    peers whose DP groups would cost steps."""
+    if options is None:
+        return 1.0
+    pp = min((table[c.method] for c in options.pp), default=1.0) if stages > 1 else 1.0
+    groups = min((table[c.method] for c in options.dp), default=1.0) if dp > 1 else 1.0
+    return min(pp, 1.0) * min(groups, 1.0)
+
+
 @dataclass(frozen=True)
 class CompressionOptions:
     """The codecs the scheduler may choose from on each axis (exact first, then least lossy

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .compression import CompressionOptions
+from .compression import CompressionOptions, shape_step_efficiency
 from .cost import CostModel
 from .search import SearchConfig
 from .simulate import TRAINER_WINDOW_MESSAGES, simulate
@@ -98,6 +98,9 @@ class FastestShape:
     micro_batches: int = 0  # the chosen M (0: not recorded)
     # (S, D, M, simulated iteration) of every micro-batch count costed, when more than one was
     tried_micro: tuple[tuple[int, int, int, float], ...] = ()
+    # (S, D, step efficiency) of each shape searched whose codecs lose steps (below 1): it was
+    # ranked by its iteration over that, the time per exact step's worth of progress
+    efficiency: tuple[tuple[int, int, float], ...] = ()
 
     def note(self, n: int) -> str:
         """Why the shape, in one line: "4 x 1 (4 spares): predicted 0.412 s/step; every peer
@@ -108,24 +111,31 @@ class FastestShape:
         predicted 0.412 s/step; 4 micro-batches 0.450 s; ..."."""
         S, D = self.alloc.stages, self.alloc.dp
         by = {(s, d): t for s, d, t in self.tried}
+        eff = {(s, d): e for s, d, e in self.efficiency}
+
+        def per_exact(s: int, d: int) -> str:  # the time to the target per exact step, where it differs
+            e = eff.get((s, d), 1.0)
+            return f" ({by.get((s, d), self.iteration_s) / e:.3f} s per exact step at step efficiency {e:.2f})" \
+                if e < 1.0 else ""
+
         spares = n - S * D
         out = f"{S} x {D}" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
         others = sorted((t, m) for s, d, m, t in self.tried_micro if (s, d) == (S, D) and m != self.micro_batches)
         if self.tried_micro:
             out += f", {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}"
-        out += f": predicted {by.get((S, D), self.iteration_s):.3f} s/step"
+        out += f": predicted {by.get((S, D), self.iteration_s):.3f} s/step" + per_exact(S, D)
         if others:
             t, m = others[0]
             out += f"; {m} micro-batch{'es' if m != 1 else ''} {t:.3f} s"
-        rest = sorted((t, s, d) for s, d, t in self.tried if (s, d) != (S, D))
-        full = [x for x in rest if x[1] * x[2] == n]
+        rest = sorted((t / eff.get((s, d), 1.0), t, s, d) for s, d, t in self.tried if (s, d) != (S, D))
+        full = [x for x in rest if x[2] * x[3] == n]
         if spares and full:
-            t, s, d = full[0]
-            out += f"; every peer placed ({s} x {d}) {t:.3f} s"
+            _, t, s, d = full[0]
+            out += f"; every peer placed ({s} x {d}) {t:.3f} s" + per_exact(s, d)
             rest.remove(full[0])
         if rest:
-            t, s, d = rest[0]
-            out += f"; next {s} x {d} {t:.3f} s"
+            _, t, s, d = rest[0]
+            out += f"; next {s} x {d} {t:.3f} s" + per_exact(s, d)
         k = len(self.tried)
         return out + f" ({k} shape{'s' if k != 1 else ''} tried)"
 
@@ -144,7 +154,10 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     each link and group, and the simulator costs each link's and group's cheapest
     (`CostModel.assignment`). Each shape's allocation is refined on the simulator
     (`refine_by_simulation`, at most `REFINE_SHARE` of its budget, up to `REFINE_MAX_PEERS`
-    peers; its figures in `alloc.stats["refined"]`). ValueError when `shapes` is empty.
+    peers; its figures in `alloc.stats["refined"]`). With `compression`, shapes are ranked by
+    time to the target loss, the iteration over the shape's step efficiency
+    (`shape_step_efficiency`: one pipeline has no DP group to lose steps on). ValueError when
+    `shapes` is empty.
 
     `micro_options(D)`: the micro-batch counts to cost for D pipelines (`micro_batch_options`);
     then `spec_of(D, M)` is the model at M micro-batches, each shape's allocation is searched at
@@ -158,7 +171,8 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     t0 = time.monotonic()
     tried: list[tuple[int, int, float]] = []
     tried_micro: list[tuple[int, int, int, float]] = []
-    best: tuple[float, Allocation, int] | None = None
+    efficiency: list[tuple[int, int, float]] = []
+    best: tuple[float, Allocation, int, float] | None = None  # (time per exact step, allocation, M, iteration)
     for k, (S, D) in enumerate(shapes):
         budget = max(time_budget_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
         counts = list(micro_options(D)) if micro_options is not None else []
@@ -203,11 +217,14 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
                 shape_best = (t, m)
         assert shape_best is not None
         tried.append((S, D, shape_best[0]))
-        if best is None or shape_best[0] < best[0] - 1e-12:
-            best = (shape_best[0], alloc, shape_best[1])
+        eff = shape_step_efficiency(compression, S, D)
+        if eff < 1.0:
+            efficiency.append((S, D, eff))
+        if best is None or shape_best[0] / eff < best[0] - 1e-12:
+            best = (shape_best[0] / eff, alloc, shape_best[1], shape_best[0])
     if best is None:
         raise ValueError("no micro-batch count fits any shape")
-    return FastestShape(best[1], best[0], tuple(tried), best[2], tuple(tried_micro))
+    return FastestShape(best[1], best[3], tuple(tried), best[2], tuple(tried_micro), tuple(efficiency))
 
 
 _Swap = tuple[tuple[int, int], "tuple[int, int] | int"]  # two places of X, or a place and a spare's index
@@ -391,6 +408,8 @@ class ScheduleInputs:
                           compute_costed=self.reference_tflops is not None)
         if self.reference_tflops is None and self.stages is None:
             out = [(S, D) for S, D in out if S * D == n] or out
+        elif self.reference_tflops is None and self.dp is None:
+            out = out[:1]  # the widest: for want of a compute term fewer pipelines would look faster
         return out
 
     def solve(self, time_budget_s: float | None = None,

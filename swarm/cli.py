@@ -535,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stages", type=POSITIVE_INT, default=None, metavar="S",
                        help="pipeline stages (default: the scheduler picks the shape)")
         p.add_argument("--dp", type=POSITIVE_INT, default=None, metavar="D",
-                       help="data-parallel pipelines (with --stages)")
+                       help="data-parallel pipelines (with --stages; default: the scheduler picks the count, "
+                            "spares allowed; a random placement: as many as the peers fill)")
         p.add_argument("--checkpoint-every", type=NON_NEGATIVE_INT, default=None, metavar="K",
                        help="each peer saves its stage every K steps and where the run ends; 0: only "
                             "where it ends (default: 20)")

@@ -83,8 +83,11 @@ class Plan:
         return self.links is None or self.links.pp[stage][d]
 
     def group_compressed(self, stage: int) -> bool:
-        """Whether the DP group of `stage` synchronises with the run's DP method (else exactly)."""
-        return self.links is None or self.links.dp[stage]
+        """Whether the DP group of `stage` synchronises with the run's DP method (else exactly).
+        A group of one (a single pipeline) never does: it has no replica to agree with, and its
+        DP codec would only quantise and delay its own updates (DiLoCo's outer step on one
+        replica): such a run trains as its pipeline codec alone would."""
+        return len(self.pipelines) > 1 and (self.links is None or self.links.dp[stage])
 
     def dp_group(self, stage: int) -> tuple[PeerId, ...]:
         return tuple(p[stage] for p in self.pipelines)

@@ -44,7 +44,9 @@ lists it; it must come from a checkpoint) and costs no fetch time here.
 
 Each candidate's iteration time is the GPipe simulator's with the trainer's syncs and flow-control
 window, on the view, as `choose_shape` predicts it; its score is predicted_iteration_s x
-remaining_steps + move_s. The run's micro-batch count is kept, unless its start left it to the
+remaining_steps + move_s, the iteration over the shape's step efficiency for a compressed run
+(`dtfm.sched.shape_step_efficiency`: a DP codec loses steps, one pipeline has no DP group), so
+the candidates are weighed by time to the target loss as the first placement weighs shapes. The run's micro-batch count is kept, unless its start left it to the
 scheduler (`auto_micro_batches`): then each candidate but keep is costed at every count of
 `micro_batch_options` for its D and at the run's own (where it still gives every micro-batch a
 sequence), and takes the fastest (the run's own on a tie); the placement names it.
@@ -59,8 +61,9 @@ same layout with peers swapped (placed ones, spares) until it uses none (kind re
 
 Choice, with hysteresis. If the current allocation has a dead peer (or `force`), the lowest
 score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
-gains, per step, more than `min_gain` of the current iteration time AND over the remaining
-steps more than its own move_s; among those, the lowest score wins. Two allocations predicted
+gains, per step (compressed: per exact step's worth of progress), more than `min_gain` of the
+current iteration time AND over the remaining steps more than its own move_s; among those, the
+lowest score wins. Two allocations predicted
 within a few percent of each other therefore never flap back and forth on measurement noise.
 """
 
@@ -76,7 +79,7 @@ import numpy as np
 from dtfm.gossip import NetworkView
 from dtfm.sched import (MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, TRAINER_WINDOW_MESSAGES, CompressionOptions,
                         CostModel, ModelSpec, SearchConfig, layer_ranges, linear_assignment, micro_batch_options,
-                        refine_by_simulation, simulate_iteration, solve)
+                        refine_by_simulation, shape_step_efficiency, simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
 from ..compute import peer_compute, sched_spec
@@ -196,9 +199,9 @@ def _choose(cands: list[_Cand], keep: _Cand | None, min_gain: float, remaining_s
     rank = {k: i for i, k in enumerate(KINDS)}
     order = sorted(cands, key=lambda c: (c.score, rank[c.kind], c.moves))
     if keep is not None and not force:
-        per_step = min_gain * keep.predicted_s
-        better = [c for c in order if c is not keep and keep.predicted_s - c.predicted_s > per_step
-                  and (keep.predicted_s - c.predicted_s) * remaining_steps > c.move_s]
+        per_step = min_gain * keep.per_exact_s
+        better = [c for c in order if c is not keep and keep.per_exact_s - c.per_exact_s > per_step
+                  and (keep.per_exact_s - c.per_exact_s) * remaining_steps > c.move_s]
         return better[0] if better else keep
     others = [c for c in order if c is not keep]
     return others[0] if others else order[0]
@@ -269,6 +272,7 @@ class _Cand:
     X: np.ndarray  # (S, D) view indices
     ranges: tuple[Range, ...]
     predicted_s: float = 0.0
+    per_exact_s: float = 0.0  # predicted_s over the shape's step efficiency (compressed runs; else the same)
     objective_s: float = 0.0
     moves: int = 0
     bytes: int = 0
@@ -354,7 +358,8 @@ class _Planner:
         m = self.model(S, D, c.micro_batches)
         c.objective_s = float(m.breakdown(X).paper_s)
         self._moves(c)
-        c.score = c.predicted_s * self.steps + c.move_s
+        c.per_exact_s = c.predicted_s / shape_step_efficiency(self.compression, S, D)
+        c.score = c.per_exact_s * self.steps + c.move_s
         return c
 
     def _moves(self, c: _Cand) -> None:
@@ -622,11 +627,14 @@ def _detours(pl: _Planner, cands: list[_Cand]) -> list[_Cand]:
 
 
 def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarray | None) -> list[_Cand]:
-    """The scheduler on the live peers for each allowed shape (stages None: every shape)."""
+    """The scheduler on the live peers for each allowed shape (stages None: every shape; stages
+    without dp: every count of pipelines the peers form, when compute is costed, else the most)."""
     n = len(pl.live)
     if stages is not None:
-        D = dp if dp is not None else min(n // stages, pl.d_max)
-        shapes = [(stages, D)] if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer else []
+        widest = min(n // stages, pl.d_max)
+        widths = [dp] if dp is not None else range(widest, 0 if pl.compute.reference_tflops is not None else widest - 1, -1)
+        shapes = [(stages, D) for D in widths
+                  if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer]
     else:
         shapes = shape_space(n, pl.spec, pl.cfg, dp=dp, compute_costed=pl.compute.reference_tflops is not None,
                              auto_micro_batches=pl.auto_micro_batches)

@@ -62,8 +62,10 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     the run's whatever the shape, so the fastest step is the fastest to the run's target).
     Each peer's compute is costed at its reported speed (`peer_compute`); when no peer
     reported one, only the shapes that place every peer are searched. stages given without dp:
-    as many pipelines of it as the peers form. compression: the codecs each link and group may
-    use, for a search that knows them (None: exact). kind: the run's layer's `kind_factors`
+    every count of pipelines of it the peers form, spares allowed, when compute is costed (else
+    the most). compression: the codecs each link and group may use, for a search that knows
+    them (None: exact), and then shapes are ranked by time to the target loss (the iteration
+    over the shape's step efficiency: `dtfm.sched.shape_step_efficiency`). kind: the run's layer's `kind_factors`
     (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
     shape (`dtfm.sched.micro_batch_options`; the placement's `micro_batches` is the one chosen),
     else the run's (`cfg.micro_batches`) is kept. window_messages: the swarm's flow-control window
@@ -77,8 +79,6 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
                          "measured): wait until gossip has measured every link")
     delay, bw = view_matrices(view)
     pc = peer_compute(view, kind)
-    if stages is not None and dp is None:
-        dp = max(1, n // stages)
     inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
                             delay, bw, pc.speeds, pc.reference_tflops, pc.kind,
                             run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s,

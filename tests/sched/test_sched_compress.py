@@ -11,7 +11,8 @@ import torch
 from dtfm.scenarios import load_scenario
 from dtfm.sched import (PAPER_GPT3_XL, REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, WIRE_PRESETS, ChoiceReason, CodecAssignment,
                         CodecSpeed, CompressionOptions, CostModel, DataParallelCodec, PipelineCodec, Workload,
-                        choose_compression, compression_options, cost_model, simulate_iteration, step_efficiency,
+                        choose_compression, compression_options, cost_model, shape_step_efficiency, simulate_iteration,
+                        step_efficiency,
                         wire_codecs)
 from dtfm.sched.cli import main
 from dtfm.train.compress import (COMPRESSION_PRESETS, CompressionConfig, StageCompression, dense_payload_bytes,
@@ -237,6 +238,17 @@ def test_a_plans_step_efficiency_is_its_least_efficient_codec_per_axis():
     mixed = CodecAssignment(((INT8, INT4), (INT8, PipelineCodec())), (DataParallelCodec(), DILOCO, DataParallelCodec()))
     assert step_efficiency(mixed, table) == pytest.approx(0.45)
     assert step_efficiency(CodecAssignment.uniform(2, 2, INT4, DILOCO)) == STEP_EFFICIENCY["diloco"]
+
+
+def test_a_shapes_step_efficiency_leaves_out_an_axis_with_nothing_to_send():
+    table = {"exact": 1.0, "int4": 0.9, "int8": 1.0, "diloco": 0.5}
+    both = CompressionOptions((PipelineCodec(), INT4), (DataParallelCodec(), DILOCO))
+    assert shape_step_efficiency(None, 4, 2, table) == 1.0
+    assert shape_step_efficiency(both, 4, 2, table) == pytest.approx(0.45)
+    assert shape_step_efficiency(both, 4, 1, table) == pytest.approx(0.9)  # one pipeline: no DP group
+    assert shape_step_efficiency(both, 1, 2, table) == pytest.approx(0.5)  # one stage: no link
+    assert shape_step_efficiency(both, 1, 1, table) == 1.0
+    assert shape_step_efficiency(CompressionOptions(), 4, 2, table) == 1.0  # exact options
 
 
 def test_by_time_to_loss_a_link_that_saves_less_than_the_error_stays_compressed():

@@ -13,10 +13,10 @@ import pytest
 from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, MachineNow, peer_compute, pipeline_seqs, reference_block_flops,
                                   sched_spec, training_block_ms, with_fresh_compute)
 from dtfm.control.coordinator.reshape import reshape
-from dtfm.control.coordinator.schedule import choose_shape, random_shape, shape_space
+from dtfm.control.coordinator.schedule import choose_shape, compression_options_of, random_shape, shape_space
 from dtfm.gossip import NetworkView
 from dtfm.sched import CostModel, FastestShape, ScheduleInputs, simulate_iteration
-from dtfm.train import Plan, TrainConfig, get_preset
+from dtfm.train import Plan, TrainConfig, get_compression, get_preset
 
 SPEC = get_preset("tiny")
 CFG = TrainConfig(global_batch_seqs=16, micro_batches=4)
@@ -194,6 +194,54 @@ def test_the_shape_note_names_the_choice_the_full_shape_and_the_next():
         "1 x 1 (7 spares): predicted 0.200 s/step; every peer placed (4 x 2) 0.900 s; "
         "next 2 x 1 0.300 s (4 shapes tried)")
     assert note([(2, 2, 0.5)], (2, 2), 4) == "2 x 2: predicted 0.500 s/step (1 shape tried)"
+
+
+def test_asked_stages_without_dp_search_every_pipeline_count():
+    """--stages without --dp: the scheduler picks how many pipelines, spares allowed: across a
+    100 ms ocean, 2 stages on one site, the other site's peers spares."""
+    view = view_of(two_sites(8, far_ms=100.0), np.full(8, 30.0))
+    p = choose_shape(view, SPEC, CFG, stages=2, dp=None, time_budget_s=0.5)
+    placed = [view.peers.index(x) for pipe in p.pipelines for x in pipe]
+    assert len(p.layer_ranges) == 2 and len({k % 2 for k in placed}) == 1 and len(p.spares) >= 4
+    assert "every peer placed (2 x 4)" in p.shape_note
+
+
+def test_a_compressed_run_is_shaped_by_time_to_loss_not_per_step():
+    """A DP codec loses steps (DiLoCo: 0.8 of exact's progress per step), one pipeline has no
+    DP group to lose them on: on this network 2 x 4 is the fastest per step, but 2 x 1 the
+    fastest to the target loss, and a `slow-link` run gets 2 x 1; the note says why."""
+    delay = np.full((8, 8), 20.0)
+    np.fill_diagonal(delay, 0.0)
+    view = view_of(delay, np.full(8, 10.0), bandwidth_gbps=1.0)
+    opts = compression_options_of(get_compression("slow-link"))
+    p = choose_shape(view, SPEC, CFG, stages=2, dp=None, time_budget_s=0.5, compression=opts)
+    found = p.inputs.solve(time_budget_s=0.5, compression=opts)
+    per_step = {(S, D): t for S, D, t in found.tried}
+    assert set(per_step) == {(2, 4), (2, 3), (2, 2), (2, 1)}
+    assert {(S, D): e for S, D, e in found.efficiency} == {(2, 4): 0.8, (2, 3): 0.8, (2, 2): 0.8}
+    assert min(per_step, key=per_step.__getitem__) != (2, 1)  # faster per step with more pipelines...
+    assert len(p.pipelines) == 1 and len(p.spares) == 6  # ...but not to the loss
+    assert per_step[(2, 1)] < min(t / 0.8 for (S, D), t in per_step.items() if D > 1)
+    assert "per exact step at step efficiency 0.80" in p.shape_note
+
+
+def test_a_compressed_runs_reconfiguration_weighs_time_to_loss_too():
+    """The same network, a `slow-link` run of 2 x 1: growing to 2 x 4 is faster per step, but
+    its DiLoCo groups would cost more steps than it saves; even when a reconfiguration must
+    move (force), it stays one pipeline. Scores are the remaining steps' time to the target."""
+    delay = np.full((8, 8), 20.0)
+    np.fill_diagonal(delay, 0.0)
+    view = view_of(delay, np.full(8, 10.0), bandwidth_gbps=1.0)
+    cur = Plan(((view.peers[0], view.peers[1]),), ((0, 2), (2, 4)))
+    plan = reshape(view, SPEC, CFG, current=cur, live=frozenset(view.peers), remaining_steps=1000,
+                   time_budget_s=0.5, compression=compression_options_of(get_compression("slow-link")),
+                   keep_stages=True, force=True)
+    assert len(plan.placement.pipelines) == 1
+    wider = [c for c in plan.candidates if c["shape"] != "2x1"]
+    assert wider and min(c["predicted_s"] for c in wider) < plan.placement.predicted_iteration_s
+    for c in plan.candidates:
+        eff = 0.8 if c["shape"] != "2x1" else 1.0
+        assert c["score"] == pytest.approx(c["predicted_s"] / eff * 1000 + c["move_s"])
 
 
 def test_an_unmeasured_swarm_still_gets_a_shape():
