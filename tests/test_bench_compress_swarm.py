@@ -197,3 +197,17 @@ def test_a_warm_start_synchronises_on_its_own_steps_in_the_cycle():
     assert got["iteration_s"] == ((diloco.inner_steps - 1) * 1.0 + 2.0) / diloco.inner_steps
     naive = bench.cycle_iteration_s(rows, diloco.inner_steps, 0)  # every 16th step: the ramp's syncs read as local
     assert naive["local_steps"] != got["local_steps"]
+
+
+def test_the_measured_rate_counts_each_runs_own_sequences_per_peer():
+    """Every run's compute is costed at the rate the exact run achieved: a peer of one pipeline
+    computes twice the sequences of a peer of two in the same seconds (twice the rate), and the
+    micro-batch count splits the same work differently."""
+    def reply(dp: int, micro_batches: int = 4) -> dict:
+        return {"stages": 4, "dp": dp, "layer_ranges": [[k, k + 1] for k in range(4)],
+                "train": {"micro_batches": micro_batches}}
+    two = bench.measured_tflops(reply(2), 0.2)
+    assert two > 0
+    assert bench.measured_tflops(reply(1), 0.2) == pytest.approx(2 * two)
+    assert bench.measured_tflops(reply(2), 0.1) == pytest.approx(2 * two)
+    assert bench.measured_tflops(reply(2, micro_batches=2), 0.2) == pytest.approx(two)

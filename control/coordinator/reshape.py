@@ -44,10 +44,11 @@ lists it; it must come from a checkpoint) and costs no fetch time here.
 
 Each candidate's iteration time is the GPipe simulator's with the trainer's syncs and flow-control
 window, on the view, as `choose_shape` predicts it; its score is predicted_iteration_s x
-remaining_steps + move_s, the iteration over the shape's step efficiency for a compressed run
-(`dtfm.sched.shape_step_efficiency`: a DP codec loses steps, one pipeline has no DP group), so
-the candidates are weighed by time to the target loss as the first placement weighs shapes. The run's micro-batch count is kept, unless its start left it to the
-scheduler (`auto_micro_batches`): then each candidate but keep is costed at every count of
+remaining_steps + move_s, for a compressed run with the iteration over the shape's step
+efficiency (`dtfm.sched.shape_step_efficiency`: a DP codec loses steps, one pipeline has no DP
+group), so candidates are weighed by time to the target loss as the first placement weighs
+shapes. The run's micro-batch count is kept, unless its start left it to the scheduler
+(`auto_micro_batches`): then each candidate but keep is costed at every count of
 `micro_batch_options` for its D and at the run's own (where it still gives every micro-batch a
 sequence), and takes the fastest (the run's own on a tie); the placement names it.
 
@@ -63,8 +64,7 @@ Choice, with hysteresis. If the current allocation has a dead peer (or `force`),
 score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
 gains, per step (compressed: per exact step's worth of progress), more than `min_gain` of the
 current iteration time AND over the remaining steps more than its own move_s; among those, the
-lowest score wins. Two allocations predicted
-within a few percent of each other therefore never flap back and forth on measurement noise.
+lowest score wins. Two allocations predicted within a few percent of each other therefore never flap back and forth on measurement noise.
 """
 
 from __future__ import annotations
@@ -632,7 +632,8 @@ def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarra
     n = len(pl.live)
     if stages is not None:
         widest = min(n // stages, pl.d_max)
-        widths = [dp] if dp is not None else range(widest, 0 if pl.compute.reference_tflops is not None else widest - 1, -1)
+        costed = pl.compute.reference_tflops is not None
+        widths = [dp] if dp is not None else range(widest, 0 if costed else widest - 1, -1)
         shapes = [(stages, D) for D in widths
                   if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer]
     else:
