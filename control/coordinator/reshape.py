@@ -64,7 +64,8 @@ Choice, with hysteresis. If the current allocation has a dead peer (or `force`),
 score wins (with `force`, keep is not a choice). Otherwise keep wins unless another candidate
 gains, per step (compressed: per exact step's worth of progress), more than `min_gain` of the
 current iteration time AND over the remaining steps more than its own move_s; among those, the
-lowest score wins. Two allocations predicted within a few percent of each other therefore never flap back and forth on measurement noise.
+lowest score wins. Two allocations predicted within a few percent of each other therefore
+never flap back and forth on measurement noise.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     every count of pipelines of it the peers form, spares allowed, when compute is costed (else
     the most). compression: the codecs each link and group may use, for a search that knows
     them (None: exact), and then shapes are ranked by time to the target loss (the iteration
-    over the shape's step efficiency: `dtfm.sched.shape_step_efficiency`). kind: the run's layer's `kind_factors`
-    (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
+    over the shape's step efficiency: `dtfm.sched.shape_step_efficiency`). kind: the run's
+    layer's `kind_factors` (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
     shape (`dtfm.sched.micro_batch_options`; the placement's `micro_batches` is the one chosen),
     else the run's (`cfg.micro_batches`) is kept. window_messages: the swarm's flow-control window
     (`CommConfig.window_messages`), which the simulator costs. The placement carries its inputs
