@@ -375,6 +375,26 @@ class CompressionOptions:
         """Nothing to choose: exact on both axes."""
         return len(self.pp) == 1 and len(self.dp) == 1
 
+    def to_dict(self) -> dict:
+        """Plain data (a view file keeps the options a first placement was searched with)."""
+        return {"pp": [asdict(c) for c in self.pp], "dp": [asdict(c) for c in self.dp],
+                "speed": self.speed.to_dict(), "peer_speeds": [list(s.to_vector()) for s in self.peer_speeds]}
+
+    @classmethod
+    def from_dict(cls, d: object, peers: int) -> "CompressionOptions":
+        """The options in `d`, with a coding speed for each of `peers` peers or none; ValueError
+        for anything else (every field checked)."""
+        if not isinstance(d, dict) or set(d) != {"pp", "dp", "speed", "peer_speeds"}:
+            raise ValueError("compression options are a map of pp, dp, speed and peer_speeds")
+        speeds = [CodecSpeed.from_vector(_list(v, CODEC_SPEED_LEN)) for v in _list(d["peer_speeds"], peers)]
+        if speeds and len(speeds) != peers:
+            raise ValueError(f"compression options give {len(speeds)} coding speeds for {peers} peers")
+        if not isinstance(d["speed"], dict):
+            raise ValueError("the options' speed is a map of coding figures")
+        return cls(tuple(_codec(PipelineCodec, c) for c in _list(d["pp"], 8)),
+                   tuple(_codec(DataParallelCodec, c) for c in _list(d["dp"], 8)),
+                   CodecSpeed.from_dict(d["speed"]), tuple(speeds))
+
     def of_peers(self, peers: Sequence[int]) -> "CompressionOptions":
         """The options for the network of `peers` (indices into this one's, in that order): the
         same codecs, each of those peers' own coding speed."""

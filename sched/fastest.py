@@ -374,7 +374,9 @@ class ScheduleInputs:
     achieved TFLOP/s is `reference_tflops` (None: compute not costed), the run's layer's time
     per FLOP against the reference by micro-batch size (`kind`), the model, the asked shape
     (None: the scheduler's), the search's seed and budget, and the trainer's flow-control window
-    (messages unacknowledged per destination, the swarm's `CommConfig.window_messages`)."""
+    (messages unacknowledged per destination, the swarm's `CommConfig.window_messages`), and for
+    a compressed run the codecs the search could give its links and groups, with each peer's
+    coding speed (None: exact tensors)."""
 
     peers: tuple[str, ...]  # peer ids, hex
     regions: tuple[str, ...]
@@ -390,6 +392,7 @@ class ScheduleInputs:
     time_budget_s: float = 5.0
     chosen: Mapping[str, object] = field(default_factory=dict)  # stages, dp, pipelines (indices), predicted, note
     window_messages: int = TRAINER_WINDOW_MESSAGES
+    compression: CompressionOptions | None = None
 
     def tflops(self, micro_batch: int) -> float | None:
         if self.reference_tflops is None:
@@ -412,16 +415,15 @@ class ScheduleInputs:
             out = out[:1]  # the widest: for want of a compute term fewer pipelines would look faster
         return out
 
-    def solve(self, time_budget_s: float | None = None,
-              compression: CompressionOptions | None = None) -> FastestShape:
+    def solve(self, time_budget_s: float | None = None) -> FastestShape:
         """The coordinator's search on these inputs (`choose_shape` runs it; `dtfm-sched solve
-        --view` replays it). `compression`: the codecs the search may give links and groups."""
+        --view` replays it), knowing the run's codecs when it compresses (`compression`)."""
         return solve_fastest(self.delay_ms, self.bandwidth_gbps, self.spec_of, self.shapes(),
                              micro_batches=self.model.micro_batches,
                              compute=self.speeds if self.reference_tflops is not None else None,
                              regions=list(self.regions) if any(self.regions) else None, seed=self.seed,
                              time_budget_s=self.time_budget_s if time_budget_s is None else time_budget_s,
-                             compression=compression,
+                             compression=self.compression,
                              micro_options=self.model.micro_batch_options if self.model.auto_micro_batches else None,
                              window_messages=self.window_messages)
 
@@ -432,7 +434,8 @@ class ScheduleInputs:
              "speeds": np.asarray(self.speeds).tolist(), "reference_tflops": self.reference_tflops,
              "kind": {str(b): f for b, f in sorted(self.kind.items())}, "model": asdict(self.model),
              "stages": self.stages, "dp": self.dp, "seed": self.seed, "time_budget_s": self.time_budget_s,
-             "chosen": dict(self.chosen), "window_messages": self.window_messages}
+             "chosen": dict(self.chosen), "window_messages": self.window_messages,
+             "compression": None if self.compression is None else self.compression.to_dict()}
         return json.dumps(d)
 
     @classmethod
@@ -456,9 +459,11 @@ class ScheduleInputs:
             if delay.shape != (n, n) or bw.shape != (n, n) or speeds.shape != (n,) or len(d["regions"]) != n:
                 raise ValueError("the matrices, speeds and regions do not match the peers")
             ref = d["reference_tflops"]
+            comp = d.get("compression")  # (a file of an exact run, or written before runs kept theirs: none)
             return cls(tuple(map(str, d["peers"])), tuple(map(str, d["regions"])), delay, bw, speeds,
                        None if ref is None else float(ref), {int(b): float(f) for b, f in d["kind"].items()},
                        RunModel(**d["model"]), d["stages"], d["dp"], int(d["seed"]), float(d["time_budget_s"]),
-                       dict(d.get("chosen", {})), int(d.get("window_messages", TRAINER_WINDOW_MESSAGES)))
+                       dict(d.get("chosen", {})), int(d.get("window_messages", TRAINER_WINDOW_MESSAGES)),
+                       None if comp is None else CompressionOptions.from_dict(comp, n))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None

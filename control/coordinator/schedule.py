@@ -82,13 +82,13 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
                             delay, bw, pc.speeds, pc.reference_tflops, pc.kind,
                             run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s,
-                            window_messages=window_messages)
+                            window_messages=window_messages, compression=compression)
     shapes = inputs.shapes()
     if not shapes:
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"
                          + (f" as {stages} stages" if stages is not None else "")
                          + (f" x {dp} pipelines" if dp is not None else ""))
-    found = inputs.solve(compression=compression)
+    found = inputs.solve()
     alloc = found.alloc
     ids = view.peers
     note = found.note(n) + "; " + pc.describe()

@@ -215,7 +215,8 @@ def test_a_compressed_run_is_shaped_by_time_to_loss_not_per_step():
     view = view_of(delay, np.full(8, 10.0), bandwidth_gbps=1.0)
     opts = compression_options_of(get_compression("slow-link"))
     p = choose_shape(view, SPEC, CFG, stages=2, dp=None, time_budget_s=0.5, compression=opts)
-    found = p.inputs.solve(time_budget_s=0.5, compression=opts)
+    assert p.inputs.compression == opts  # what `dtfm-sched solve --view` replays
+    found = p.inputs.solve(time_budget_s=0.5)
     per_step = {(S, D): t for S, D, t in found.tried}
     assert set(per_step) == {(2, 4), (2, 3), (2, 2), (2, 1)}
     assert {(S, D): e for S, D, e in found.efficiency} == {(2, 4): 0.8, (2, 3): 0.8, (2, 2): 0.8}
@@ -317,6 +318,36 @@ def test_the_inputs_a_placement_carries_replay_to_the_same_shape(tmp_path):
     (tmp_path / "bad.json").write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="not a dtfm view file"):
         ScheduleInputs.read(tmp_path / "bad.json")
+
+
+def test_a_compressed_runs_view_file_replays_with_its_codecs(tmp_path, capsys):
+    """A compressed run's first placement was searched knowing its codecs and their coding
+    speeds: the view file keeps them, and the replay ranks the shapes as the coordinator did,
+    by time to the target loss (2 x 4 is the fastest per step, 2 x 1 to the loss)."""
+    from dtfm.sched import CodecSpeed
+    from dtfm.sched.cli import main as sched_main
+    delay = np.full((8, 8), 20.0)
+    np.fill_diagonal(delay, 0.0)
+    view = view_of(delay, np.full(8, 10.0), bandwidth_gbps=1.0)
+    opts = replace(compression_options_of(get_compression("slow-link")),
+                   peer_speeds=tuple(CodecSpeed(int4_encode_ns_per_elem=float(k)) for k in range(8)))
+    p = choose_shape(view, SPEC, CFG, stages=2, dp=None, time_budget_s=0.5, compression=opts)
+    path = tmp_path / "schedule.json"
+    path.write_text(p.inputs.to_json())
+    back = ScheduleInputs.read(path)
+    assert back.compression == opts
+    assert sched_main(["solve", "--view", str(path), "--time-budget", "0.5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["stages"], out["dp"]) == (2, 1) == (len(p.layer_ranges), len(p.pipelines))
+    assert "per exact step at step efficiency 0.80" in out["note"]
+    assert math.isclose(out["simulated_iteration_s"], p.predicted_iteration_s, rel_tol=0.05)
+    exact = choose_shape(view, SPEC, CFG, stages=2, dp=None, time_budget_s=0.5)
+    assert exact.inputs.compression is None and "per exact step" not in exact.shape_note
+    bad = json.loads(path.read_text())
+    bad["compression"]["peer_speeds"] = bad["compression"]["peer_speeds"][:3]
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="3 coding speeds for 8 peers"):
+        ScheduleInputs.read(path)
 
 
 def test_dtfm_sched_replays_a_view_file(tmp_path, capsys):
