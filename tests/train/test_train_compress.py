@@ -49,6 +49,23 @@ def test_hadamard_is_its_own_inverse_up_to_b():
                                                             [1, -1, -1, 1]]))
 
 
+@pytest.mark.parametrize("b", [2, 4, 64, 1024])
+def test_hadamard_gives_the_textbook_butterflys_bits(b):
+    """Each level's sums and differences, in the butterfly's order: the same bits on any
+    machine and in any version of the codec (a payload decodes as it was encoded)."""
+    def butterfly(x):
+        rows, n = x.shape
+        h = 1
+        while h < n:
+            y = x.reshape(rows, n // (2 * h), 2, h)
+            x = torch.stack((y[:, :, 0, :] + y[:, :, 1, :], y[:, :, 0, :] - y[:, :, 1, :]), dim=2).reshape(rows, n)
+            h *= 2
+        return x
+    x = torch.randn(37, b, generator=gen(7)) * 1e3
+    kept = x.clone()
+    assert torch.equal(hadamard(x), butterfly(x)) and torch.equal(x, kept)
+
+
 @pytest.mark.parametrize("method,qmax", [("int8", 127), ("int4", 7)])
 def test_dense_round_trip_within_half_a_step_per_block(method, qmax):
     x = torch.randn(3, 32, 7, generator=gen(1)) * torch.logspace(-1, 2, 3)[:, None, None]  # 7 blocks a row
