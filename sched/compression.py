@@ -306,7 +306,9 @@ _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
 # target loss is iteration time / step efficiency. Sources:
 # - int8, int4 (+ Hadamard): no measurable loss cost: int8 -0.05 %, int4 +0.26 % training loss
 #   after 600 steps, -0.02 % held-out (docs/compression.md, "Benchmark", and a held-out
-#   evaluation of 2026-11-28), below exact's own seed-to-seed noise: 1.0;
+#   evaluation of 2026-11-28), below exact's own seed-to-seed noise; on the daemons, int4
+#   alone (one pipeline) 0.89-1.07 over seeds 0-2 at step 64 (bench/compress_swarm.py
+#   --stages 4, 2026-11-30), the reading's resolution: 1.0;
 # - diloco (dense 2 bit, H = 16, outer Nesterov 0.7/0.8): the synchronised model after about
 #   584 steps matches exact at about 480 (0.82; slow-link, int4 pipeline included, 464: 0.79),
 #   held-out loss (the evaluation of 2026-11-28); on training loss 0.72 (exact's 50-step
