@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import trio
 
@@ -18,12 +17,11 @@ from .errors import ConnectionClosed
 
 _MIN_BUFFER = 64 * 1024
 _RAW_IO = os.name == "posix" and hasattr(os, "readv")
-# A large read that must wait asks the kernel to wake it once this much of what it still needs
-# (or all of it, if less) has arrived, not at every segment (SO_RCVLOWAT): a wake-up costs a
-# context switch and a turn of the event loop, and a 1 MiB chunk otherwise took three. The
-# kernel still wakes a reader whose receive window or buffer runs short, and at a close.
-_LOW_WATER_BYTES = 1 << 20
-_SO_RCVLOWAT: int | None = getattr(socket, "SO_RCVLOWAT", None)
+# A read that waits is woken at the first byte: the socket's low-water mark is the kernel's
+# default. Raising it for a large read (SO_RCVLOWAT, up to 1 MiB) saved a fifth of the
+# receiver's CPU on 64 MiB payloads, but the kernel did not always wake such a reader once
+# the bytes were in: one direction of a connection then delivered nothing until the 60 s idle
+# timeout, though its sender wrote (docs/transport.md, "The payload path").
 
 
 def _raw_socket(stream: object) -> trio.socket.SocketType | None:
@@ -49,15 +47,6 @@ class StreamReader:
         self._end = 0
         self.waits = 0
         self.deadline = math.inf
-        self._low_water = 1  # the socket's SO_RCVLOWAT, as last set
-
-    def _set_low_water(self, n: int) -> None:
-        if n != self._low_water and self._sock is not None and _SO_RCVLOWAT is not None:
-            try:
-                self._sock.setsockopt(socket.SOL_SOCKET, _SO_RCVLOWAT, n)
-            except OSError:  # not supported here: every segment wakes the reader
-                return
-            self._low_water = n
 
     def _make_room(self, n: int) -> None:
         have = self._end - self._start
@@ -77,11 +66,8 @@ class StreamReader:
     async def read_exactly(self, n: int) -> memoryview:
         if self._end - self._start < n:
             self._make_room(n)
-            try:
-                while self._end - self._start < n:
-                    self._end += await self._recv_into(self._view[self._end :], n - (self._end - self._start))
-            finally:
-                self._set_low_water(1)
+            while self._end - self._start < n:
+                self._end += await self._recv_into(self._view[self._end :])
         start = self._start
         self._start += n
         if self._start == self._end:
@@ -98,15 +84,11 @@ class StreamReader:
             if self._start == self._end:
                 self._start = self._end = 0
         pos = take
-        try:
-            while pos < n:
-                pos += await self._recv_into(dest[pos:], n - pos)
-        finally:
-            self._set_low_water(1)  # the next read may need only a few bytes
+        while pos < n:
+            pos += await self._recv_into(dest[pos:])
 
-    async def _recv_into(self, view: memoryview, need: int) -> int:
-        """At least one byte into `view`; waits only when nothing has arrived, then until
-        `need` bytes (the most the caller will wait for) or `_LOW_WATER_BYTES` have."""
+    async def _recv_into(self, view: memoryview) -> int:
+        """At least one byte into `view`; waits only when nothing has arrived."""
         sock = self._sock
         if sock is None:
             self.waits += 1
@@ -127,8 +109,6 @@ class StreamReader:
                 except OSError as e:
                     raise ConnectionClosed(f"connection lost: {e}") from None
                 self.waits += 1
-                if need >= _MIN_BUFFER:  # a small read comes in a segment or two: no system calls
-                    self._set_low_water(min(need, _LOW_WATER_BYTES))
                 try:
                     with trio.fail_at(self.deadline):
                         await trio.lowlevel.wait_readable(sock)

@@ -221,7 +221,10 @@ async def test_a_payload_buffer_may_be_reused_once_send_returns():
 
 
 @pytest.mark.skipif(not hasattr(__import__("socket"), "SO_RCVLOWAT"), reason="no SO_RCVLOWAT here")
-async def test_a_large_read_wakes_once_its_bytes_are_in_and_small_reads_after_it_do_not_wait():
+async def test_a_large_read_takes_its_bytes_as_they_come_and_leaves_the_low_water_mark_alone():
+    """A reader that raised the socket's low-water mark for a large read was not always woken
+    once the bytes were in (a connection's direction then delivered nothing until the idle
+    timeout, its sender writing on): the mark stays the kernel's, 1 byte."""
     import socket
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -232,10 +235,13 @@ async def test_a_large_read_wakes_once_its_bytes_are_in_and_small_reads_after_it
         reader = StreamReader(reader_stream)
         data = os.urandom(MiB)
 
+        marks = []
+
         async def dribble():
             for off in range(0, MiB, 64 << 10):  # 16 pieces, each alone on the wire for a moment
                 await writer.send_all(data[off : off + (64 << 10)])
                 await trio.sleep(0.005)
+                marks.append(reader_stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
             await writer.send_all(b"tail")
 
         n.start_soon(dribble)
@@ -243,9 +249,8 @@ async def test_a_large_read_wakes_once_its_bytes_are_in_and_small_reads_after_it
         with trio.fail_after(10):
             await reader.read_into(dest)
         assert bytes(dest) == data
-        # one wait for the whole megabyte, not one per piece (16 without the low-water mark)
-        assert reader.waits <= 4
-        assert reader_stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
+        assert reader.waits >= 2  # it waited, piece by piece, the mark at 1 byte all along
+        assert marks and set(marks) == {1}
         with trio.fail_after(5):  # four bytes are four bytes: no wait for a megabyte
             assert bytes(await reader.read_exactly(4)) == b"tail"
         await writer.aclose()
