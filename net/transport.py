@@ -153,10 +153,9 @@ class Transport(Registry[Connection]):
             if conn is not None:
                 return conn
             # One dial per address at a time: a second one from this side would replace the
-            # first connection as a duplicate, and one made while the first's handshake is still
-            # under way can leave the two ends keeping different connections (one where nothing
-            # arrives until its idle timeout). A task that finds a dial under way takes its
-            # connection, or dials itself once that one failed (within its handshake timeout).
+            # first connection as a duplicate and cut the requests in flight on it. A task that
+            # finds a dial under way takes its connection, or dials itself once that one failed
+            # (within its handshake timeout).
             pending = self._dialling.get((host, port))
             if pending is None:
                 break

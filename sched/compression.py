@@ -344,9 +344,9 @@ def shape_step_efficiency(options: "CompressionOptions | None", stages: int, dp:
     peers whose DP groups would cost steps."""
     if options is None:
         return 1.0
-    pp = min((table[c.method] for c in options.pp), default=1.0) if stages > 1 else 1.0
-    groups = min((table[c.method] for c in options.dp), default=1.0) if dp > 1 else 1.0
-    return min(pp, 1.0) * min(groups, 1.0)
+    pp = min(options.pp, key=lambda c: table[c.method])
+    groups = min(options.dp, key=lambda c: table[c.method]) if dp > 1 else DataParallelCodec()
+    return step_efficiency(CodecAssignment.uniform(stages, dp, pp, groups), table)
 
 
 @dataclass(frozen=True)

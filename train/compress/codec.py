@@ -68,7 +68,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     # buffers (x is only read): the same operations in the same order as a stack of the two
     # halves, bit for bit, with no temporaries (1.4-2.1x faster on one CPU thread).
     src, h = x, 1
-    bufs = [torch.empty_like(x), torch.empty_like(x)] if b > 2 else [torch.empty_like(x)]
+    bufs = [torch.empty_like(x), torch.empty_like(x)]
     while h < b:
         dst = bufs[0]
         y = src.reshape(rows, b // (2 * h), 2, h)
