@@ -16,8 +16,9 @@ over dozens of such heaps. `limit_heap_caching()` fixes both thresholds (glibc's
 M_MMAP_THRESHOLD and M_TRIM_THRESHOLD, 1 MiB): every block of 1 MiB or more is mapped on its
 own and unmapped when freed, so resident memory follows the live tensors; the cost is a page
 fault per fresh page of such a block. `release_heap()` (glibc's `malloc_trim(0)`) gives the
-free pages inside every arena back to the system; the runner calls it after each step and
-each checkpoint. Where the C library is not glibc both do nothing.
+free pages inside every arena back to the system; the daemon's stage runner calls it every
+few dozen steps, after each checkpoint and where a run ends. Where the C library is not glibc
+both do nothing.
 
 This module imports no torch: the daemon's status reads `StageMemory` without it.
 """

@@ -29,10 +29,12 @@ copy of the stage is all it costs (and one memory copy per step). A compressed s
 can still fail after its update, so a compressed run copies the stage before each step into a
 second buffer that becomes the snapshot once the step completed: two copies.
 
-After each step and each checkpoint the runner gives the C heap's free pages back
-(train/memory.py `release_heap`; the daemon has glibc map every block of 1 MiB or more on its
-own from its start, `limit_heap_caching` in peer/runner.py, so a freed tensor's memory goes
-back to the system at once), and it keeps the stage's `StageMemory` (weights, gradients, optimizer,
+The daemon has glibc map every block of 1 MiB or more on its own from its start
+(`limit_heap_caching` in peer/runner.py), so a freed large tensor's memory goes back to the
+system at once; the smaller ones stay in the C heap from one step to the next, where the next
+step reuses them, and the runner gives the heap's free pages back (train/memory.py
+`release_heap`) every `HEAP_RELEASE_STEPS` steps, after each checkpoint and where the run ends.
+It keeps the stage's `StageMemory` (weights, gradients, optimizer,
 snapshot, the step's activations) for the daemon's status.
 
 A step does not wait for the acknowledgements of its own sends (train/worker.py): the next step
@@ -81,6 +83,11 @@ __all__ = ["REPORTS_NOTE", "RunEnd", "StageRunner", "StepReport", "end_checkpoin
 
 logger = logging.getLogger(__name__)
 
+# Steps between two returns of the C heap's free pages while a run trains: a return after every
+# step made the next step fault every page of its small tensors in again (a 1 x 1 `tiny` step
+# 20-30 % slower than in one process, most of it in the kernel).
+HEAP_RELEASE_STEPS = 64
+
 
 class StageRunner:
     def __init__(self, state: StageState, plan: Plan, me: bytes, comm: Comm, corpus: Corpus, *,
@@ -98,6 +105,7 @@ class StageRunner:
         # this peer's reports of the run before this runner's, then its own: saved with a checkpoint
         self._reports: collections.deque[StepReport] = collections.deque(history, maxlen=keep_reports)
         self.torch_threads = torch_threads
+        self._since_release = 0  # steps since the C heap's free pages were last given back
         self.on_step = on_step
         self._end_step = end_step
         self._stopped = False
@@ -149,6 +157,12 @@ class StageRunner:
 
     def _loop(self) -> RunEnd:
         torch.set_num_threads(self.torch_threads)
+        try:
+            return self._steps()
+        finally:
+            release_heap()  # (the run's freed activations, buckets and received tensors)
+
+    def _steps(self) -> RunEnd:
         in_step = self.state.compress.config.dp_method == "exact"  # the snapshot is copied inside the step
         while self.state.step < self.end_step:
             step = self.state.step
@@ -172,7 +186,10 @@ class StageRunner:
             if not in_step:
                 self._commit_snapshot()
             self.memory = stage_memory(self.state, self._snapshot_bytes(), result.act_peak_bytes)
-            release_heap()  # (the step's activations, buckets and received tensors are freed)
+            self._since_release += 1
+            if self._since_release >= HEAP_RELEASE_STEPS:
+                release_heap()
+                self._since_release = 0
             after = self.counter.snapshot()
             sent = tuple(min(after[k] - before[k], MAX_STEP_BYTES) for k in BYTE_AXES)
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
