@@ -25,7 +25,6 @@ from .wire import pack
 
 logger = logging.getLogger(__name__)
 
-RETIRE_POLL_S = 0.05  # how often a retiring connection looks whether anything is still in flight
 
 
 class Connection:
@@ -162,8 +161,11 @@ class Connection:
         messages, and what they had sent on it still arrives."""
         try:
             with trio.move_on_after(grace_s):
+                # (a handler may send a request, a reply may start nothing: look at both again
+                # until both are idle at once)
                 while not self.closed and (self._requests.busy() or self._dispatcher.busy()):
-                    await trio.sleep(RETIRE_POLL_S)
+                    await self._requests.wait_idle()
+                    await self._dispatcher.wait_idle()
         finally:
             with trio.CancelScope(shield=True):
                 await self.close(reason)

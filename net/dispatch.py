@@ -128,6 +128,8 @@ class Requests:
     def __init__(self, peer: str) -> None:
         self._peer = peer
         self._pending: dict[int, _Pending] = {}
+        self._idle = trio.lowlevel.ParkingLot()  # woken when the last request got its answer
+        self._closed = False
 
     async def call(self, conn: PeerConnection, msg_id: int, msg_type: int, send: Callable[[], Awaitable[None]],
                    timeout_s: float) -> tuple[object, memoryview | None]:
@@ -139,6 +141,8 @@ class Requests:
                 await pending.event.wait()
         finally:
             self._pending.pop(msg_id, None)
+            if not self._pending:
+                self._idle.unpark_all()
         if pending.error is not None:
             raise pending.error
         if pending.result is None:
@@ -150,6 +154,11 @@ class Requests:
     def busy(self) -> bool:
         """Some request still waits for its reply."""
         return bool(self._pending)
+
+    async def wait_idle(self) -> None:
+        """Until no request waits for its reply, or the connection closed."""
+        while self._pending and not self._closed:
+            await self._idle.park()
 
     def reply(self, reply_to: int, body: object, payload: memoryview | None) -> None:
         p = self._take(reply_to)
@@ -173,10 +182,12 @@ class Requests:
 
     def close(self, reason: str) -> None:
         """The connection closed: every waiting request raises ConnectionClosed(reason)."""
+        self._closed = True
         for p in self._pending.values():
             if not p.event.is_set():
                 p.error = ConnectionClosed(reason)
                 p.event.set()
+        self._idle.unpark_all()
 
     def _take(self, reply_to: int) -> _Pending | None:
         p = self._pending.get(reply_to)
@@ -209,6 +220,8 @@ class Dispatcher:
         self._refusals = refusals if refusals is not None else Refusals()
         self._slots = max_concurrent
         self._running: set[trio.CancelScope] = set()
+        self._idle = trio.lowlevel.ParkingLot()  # woken when the last running handler ended
+        self._cancelled = False
 
     def deliver(self, nursery: trio.Nursery, msg_type: int, msg_id: int, body: object,
                 payload: memoryview | None, is_request: bool) -> None:
@@ -243,10 +256,17 @@ class Dispatcher:
         """Some handler still runs (its request's reply not yet sent)."""
         return bool(self._running)
 
+    async def wait_idle(self) -> None:
+        """Until no handler runs, or the connection closed."""
+        while self._running and not self._cancelled:
+            await self._idle.park()
+
     def cancel(self) -> None:
         """The connection closed: stop the handlers still running."""
+        self._cancelled = True
         for scope in self._running:
             scope.cancel()
+        self._idle.unpark_all()
 
     async def _run(self, handler: Handler, msg_type: int, msg_id: int, body: object,
                    payload: memoryview | None, is_request: bool) -> None:
@@ -277,6 +297,8 @@ class Dispatcher:
             finally:
                 self._running.discard(scope)
                 self._slots += 1
+                if not self._running:
+                    self._idle.unpark_all()
 
     async def _reply(self, msg_type: int, msg_id: int, result: object) -> None:
         body, payload = (result.body, result.payload) if isinstance(result, Reply) else (result, None)
