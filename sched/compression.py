@@ -322,14 +322,20 @@ _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
 STEP_EFFICIENCY = MappingProxyType({"exact": 1.0, "int8": 1.0, "int4": 1.0, "diloco": 0.8, "cocktail": 0.1})
 
 
-def step_efficiency(codecs: "CodecAssignment", table: Mapping[str, float] = STEP_EFFICIENCY) -> float:
-    """The step efficiency of a plan (`STEP_EFFICIENCY` by codec method): the product over the
-    two axes of the least efficient codec each uses. Only uniform runs are measured, so an axis
-    with any link or group compressed is charged as if all were: a DiLoCo group desynchronises
-    its stage's replicas whatever the others do, and the loss is the whole model's. KeyError for a
-    method the table lacks."""
+def step_efficiency(codecs: "CodecAssignment", table: Mapping[str, float] = STEP_EFFICIENCY, *,
+                    pipelines: int | None = None) -> float:
+    """The step efficiency of a plan of `pipelines` pipelines (`STEP_EFFICIENCY` by codec
+    method): the product over the two axes of the least efficient codec each uses. Only uniform
+    runs are measured, so an axis with any link or group compressed is charged as if all were:
+    a DiLoCo group desynchronises its stage's replicas whatever the others do, and the loss is
+    the whole model's. One pipeline's groups of one member synchronise nothing, whatever their
+    codec says, and cost no steps (the trainer sends them exact: train/plan.py); None: the
+    count the links show (one stage shows none: its groups are charged). KeyError for a method
+    the table lacks."""
+    if pipelines is None:
+        pipelines = len(codecs.pp[0]) if codecs.pp else 0
     pp = min((table[c.method] for row in codecs.pp for c in row), default=1.0)
-    dp = min((table[c.method] for c in codecs.dp), default=1.0)
+    dp = min((table[c.method] for c in codecs.dp), default=1.0) if pipelines != 1 else 1.0
     return min(pp, 1.0) * min(dp, 1.0)
 
 
@@ -345,8 +351,8 @@ def shape_step_efficiency(options: "CompressionOptions | None", stages: int, dp:
     if options is None:
         return 1.0
     pp = min(options.pp, key=lambda c: table[c.method])
-    groups = min(options.dp, key=lambda c: table[c.method]) if dp > 1 else DataParallelCodec()
-    return step_efficiency(CodecAssignment.uniform(stages, dp, pp, groups), table)
+    groups = min(options.dp, key=lambda c: table[c.method])
+    return step_efficiency(CodecAssignment.uniform(stages, dp, pp, groups), table, pipelines=dp)
 
 
 @dataclass(frozen=True)
@@ -434,7 +440,10 @@ class CodecAssignment:
     @classmethod
     def uniform(cls, stages: int, dp: int, pp_codec: PipelineCodec = PipelineCodec(),
                 dp_codec: DataParallelCodec = DataParallelCodec()) -> "CodecAssignment":
-        return cls(tuple((pp_codec,) * dp for _ in range(stages - 1)), (dp_codec,) * stages)
+        """`pp_codec` on every link, `dp_codec` on every group of more than one member (one
+        pipeline's groups of one synchronise nothing: exact, as the trainer runs them)."""
+        groups = dp_codec if dp > 1 else DataParallelCodec()
+        return cls(tuple((pp_codec,) * dp for _ in range(stages - 1)), (groups,) * stages)
 
     @property
     def exact(self) -> bool:

@@ -73,19 +73,21 @@ def micro_batch_options(global_batch: int, dp: int, max_m: int = MAX_MICRO_BATCH
 
 
 def shape_space(n: int, layers: int, d_max: int, *, stages: int | None = None, dp: int | None = None,
-                compute_costed: bool = True) -> list[tuple[int, int]]:
-    """Every (S, D) a run may take on n peers: S divides the layers (an even split), S x D at
-    most n (peers left out are spares), D at most `d_max` (each pipeline's micro-batches at
-    least one sample); `stages` or `dp` fix one of the two; the widest D of each S first.
-    Without `compute_costed` (no peer's compute known, so fewer peers would always look
-    faster), only the widest D of each S and one fewer."""
+                compute_costed: bool = True, even_layers: bool = True) -> list[tuple[int, int]]:
+    """Every (S, D) a run may take on n peers: S divides the layers (an even split; any S up
+    to the layers without `even_layers`), S x D at most n (peers left out are spares), D at
+    most `d_max` (each pipeline's micro-batches at least one sample); `stages` or `dp` fix one
+    of the two; the widest D of each S first. Without `compute_costed` (no peer's compute
+    known, so fewer peers would always look faster) and without `dp`: with `stages`, only
+    the widest D; else the widest D of each S and one fewer."""
     out = []
     for S in range(1, min(layers, n) + 1):
-        if layers % S or (stages is not None and S != stages):
+        if (even_layers and layers % S) or (stages is not None and S != stages):
             continue
         widest = min(n // S, max(1, d_max))
+        narrowest = 1 if compute_costed or dp is not None else widest - (0 if stages is not None else 1)
         for D in range(widest, 0, -1):
-            if (dp is None or D == dp) and (compute_costed or D >= widest - 1):
+            if (dp is None or D == dp) and D >= narrowest:
                 out.append((S, D))
     return out
 
@@ -409,10 +411,8 @@ class ScheduleInputs:
         n = len(self.peers)
         out = shape_space(n, self.model.layers, self.model.d_max, stages=self.stages, dp=self.dp,
                           compute_costed=self.reference_tflops is not None)
-        if self.reference_tflops is None and self.stages is None:
+        if self.reference_tflops is None and self.stages is None:  # the first placement: every peer, where it can
             out = [(S, D) for S, D in out if S * D == n] or out
-        elif self.reference_tflops is None and self.dp is None:
-            out = out[:1]  # the widest: for want of a compute term fewer pipelines would look faster
         return out
 
     def solve(self, time_budget_s: float | None = None) -> FastestShape:

@@ -630,18 +630,12 @@ def _detours(pl: _Planner, cands: list[_Cand]) -> list[_Cand]:
 def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarray | None) -> list[_Cand]:
     """The scheduler on the live peers for each allowed shape (stages None: every shape; stages
     without dp: every count of pipelines the peers form, when compute is costed, else the most)."""
-    n = len(pl.live)
-    if stages is not None:
-        widest = min(n // stages, pl.d_max)
-        costed = pl.compute.reference_tflops is not None
-        widths = [dp] if dp is not None else range(widest, 0 if costed else widest - 1, -1)
-        shapes = [(stages, D) for D in widths
-                  if 1 <= D <= pl.d_max and stages * D <= n and stages <= pl.spec.n_layer]
-    else:
-        shapes = shape_space(n, pl.spec, pl.cfg, dp=dp, compute_costed=pl.compute.reference_tflops is not None,
-                             auto_micro_batches=pl.auto_micro_batches)
-        if old is not None:
-            shapes = [(S, D) for S, D in shapes if S != old.shape[0]]
+    # (the operator's stage count may split the layers unevenly; the scheduler's own choices do not)
+    shapes = shape_space(len(pl.live), pl.spec, pl.cfg, stages=stages, dp=dp,
+                         compute_costed=pl.compute.reference_tflops is not None,
+                         auto_micro_batches=pl.auto_micro_batches, even_layers=stages is None)
+    if stages is None and old is not None:
+        shapes = [(S, D) for S, D in shapes if S != old.shape[0]]
     out = []
     for S, D in shapes:
         X = pl.schedule(pl.live, S, D, budget_s / len(shapes))

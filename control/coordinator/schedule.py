@@ -43,12 +43,13 @@ class Placement:
 
 def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None = None,
                 dp: int | None = None, compute_costed: bool = True,
-                auto_micro_batches: bool = False) -> list[tuple[int, int]]:
+                auto_micro_batches: bool = False, even_layers: bool = True) -> list[tuple[int, int]]:
     """Every (S, D) a run of `spec` may take on n live peers (`dtfm.sched.shape_space`): S
-    divides the layers, spares allowed, D at most the micro-batch count allows (one micro-batch
-    of one sequence per pipeline when the scheduler chooses the count)."""
+    divides the layers (unless not `even_layers`), spares allowed, D at most the micro-batch
+    count allows (one micro-batch of one sequence per pipeline when the scheduler chooses the
+    count)."""
     return sched_shape_space(n, spec.n_layer, run_model(spec, cfg, auto_micro_batches=auto_micro_batches).d_max,
-                             stages=stages, dp=dp, compute_costed=compute_costed)
+                             stages=stages, dp=dp, compute_costed=compute_costed, even_layers=even_layers)
 
 
 def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None, dp: int | None,
@@ -210,7 +211,7 @@ def time_to_loss_s(placement: Placement, compression: CompressionConfig,
     pp, dp = wire_codecs(compression)
     codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
                              tuple(dp if on else type(dp)() for on in links.dp))
-    return placement.predicted_iteration_s / step_efficiency(codecs, efficiency)
+    return placement.predicted_iteration_s / step_efficiency(codecs, efficiency, pipelines=len(placement.pipelines))
 
 
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,

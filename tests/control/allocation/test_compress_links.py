@@ -180,6 +180,28 @@ def test_a_uniformly_compressed_run_is_placed_and_predicted_with_its_codecs():
         predict_uniform(v, nxt.placement, PRESETS["tiny"], TC(), slow_link).predicted_iteration_s)
 
 
+def test_one_pipelines_prediction_charges_its_pipeline_codec_only():
+    """A `slow-link` run of one pipeline trains with its pipeline codec alone (its DP groups of
+    one synchronise nothing: train/plan.py): its prediction is the `pp-int4` run's, with no
+    DiLoCo coding charged; two pipelines' is not."""
+    from dtfm.control.coordinator.schedule import Placement, predict_uniform
+    from dtfm.sched import CodecSpeed
+    from dtfm.train import PRESETS, TrainConfig as TC
+    v = view(fast_gbps=0.01)
+    a, b, c, d = v.peers
+    one = Placement(((a, b),), ((0, 2), (2, 4)), (c, d), 1.0, 1.0)
+    two = Placement(((a, b), (c, d)), ((0, 2), (2, 4)), (), 1.0, 1.0)
+    slow, pp = parse_compression("slow-link"), parse_compression("pp-int4")
+    speed = CodecSpeed(int4_encode_ns_per_elem=5.0, int4_decode_ns_per_elem=3.0, hadamard_ns_per_elem=10.0,
+                       sparse_encode_ns_per_elem=500.0, sparse_decode_ns_per_elem=200.0)
+
+    def predicted(p, c):
+        return predict_uniform(v, p, PRESETS["tiny"], TC(), c, speed=speed).predicted_iteration_s
+
+    assert predicted(one, slow) == predicted(one, pp)
+    assert predicted(two, slow) != predicted(two, pp)  # (two pipelines: DiLoCo groups, costed)
+
+
 def test_a_per_link_start_takes_the_faster_of_the_codec_aware_and_the_exact_search(monkeypatch):
     from dtfm.control import planner as plane
     from dtfm.control.config import PlaneConfig

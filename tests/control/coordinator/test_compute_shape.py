@@ -147,9 +147,15 @@ def test_shape_space_spans_every_pipeline_count_the_batch_allows():
     assert all(SPEC.n_layer % S == 0 and S * D <= 8 and D <= CFG.global_batch_seqs // CFG.micro_batches
                for S, D in shapes)
     assert shape_space(8, SPEC, CFG, stages=2) == [(2, 4), (2, 3), (2, 2), (2, 1)]
-    assert shape_space(8, SPEC, CFG, stages=2, compute_costed=False) == [(2, 4), (2, 3)]
     assert shape_space(8, SPEC, CFG, dp=2) == [(1, 2), (2, 2), (4, 2)]
     assert shape_space(8, SPEC, CFG, stages=3) == []
+    assert shape_space(8, SPEC, CFG, stages=3, even_layers=False) == [(3, 2), (3, 1)]  # (the operator's count)
+    # no peer's compute known (fewer peers would always look faster): the operator's stage
+    # count at its widest; the scheduler's own choice at the widest of each count and one fewer;
+    # a pipeline count the operator fixed, whatever the rest of the peers
+    assert shape_space(8, SPEC, CFG, stages=2, compute_costed=False) == [(2, 4)]
+    assert shape_space(8, SPEC, CFG, compute_costed=False) == [(1, 4), (1, 3), (2, 4), (2, 3), (4, 2), (4, 1)]
+    assert shape_space(8, SPEC, CFG, dp=1, compute_costed=False) == [(1, 1), (2, 1), (4, 1)]
 
 
 def test_far_apart_peers_train_on_one_site_and_the_rest_are_spares():
