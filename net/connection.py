@@ -26,7 +26,6 @@ from .wire import pack
 logger = logging.getLogger(__name__)
 
 
-
 class Connection:
     """A live connection to one peer (the TCP implementation of `PeerConnection`). Created by
     `Transport` once the handshake succeeds."""
