@@ -147,7 +147,7 @@ class _Judge:
         t = self.time(pp, dp)
         if self.efficiency is None:
             return t
-        return t / step_efficiency(self.assignment(pp, dp), self.efficiency, pipelines=self.X.shape[1])
+        return t / step_efficiency(self.assignment(pp, dp), self.efficiency)
 
     def lossiness(self, pp: np.ndarray, dp: np.ndarray) -> int:
         if self.to_loss:

@@ -322,20 +322,16 @@ _DP_RANK = {"exact": 0, "diloco": 1, "cocktail": 2}
 STEP_EFFICIENCY = MappingProxyType({"exact": 1.0, "int8": 1.0, "int4": 1.0, "diloco": 0.8, "cocktail": 0.1})
 
 
-def step_efficiency(codecs: "CodecAssignment", table: Mapping[str, float] = STEP_EFFICIENCY, *,
-                    pipelines: int | None = None) -> float:
-    """The step efficiency of a plan of `pipelines` pipelines (`STEP_EFFICIENCY` by codec
-    method): the product over the two axes of the least efficient codec each uses. Only uniform
-    runs are measured, so an axis with any link or group compressed is charged as if all were:
-    a DiLoCo group desynchronises its stage's replicas whatever the others do, and the loss is
-    the whole model's. One pipeline's groups of one member synchronise nothing, whatever their
-    codec says, and cost no steps (the trainer sends them exact: train/plan.py); None: the
-    count the links show (one stage shows none: its groups are charged). KeyError for a method
-    the table lacks."""
-    if pipelines is None:
-        pipelines = len(codecs.pp[0]) if codecs.pp else 0
+def step_efficiency(codecs: "CodecAssignment", table: Mapping[str, float] = STEP_EFFICIENCY) -> float:
+    """The step efficiency of a plan (`STEP_EFFICIENCY` by codec method): the product over the
+    two axes of the least efficient codec each uses. Only uniform runs are measured, so an axis
+    with any link or group compressed is charged as if all were: a DiLoCo group desynchronises
+    its stage's replicas whatever the others do, and the loss is the whole model's. (One
+    pipeline's groups of one member synchronise nothing: every assignment gives them no DP codec,
+    `CodecAssignment.uniform` and the per-link choice alike, as the trainer runs them.) KeyError
+    for a method the table lacks."""
     pp = min((table[c.method] for row in codecs.pp for c in row), default=1.0)
-    dp = min((table[c.method] for c in codecs.dp), default=1.0) if pipelines != 1 else 1.0
+    dp = min((table[c.method] for c in codecs.dp), default=1.0)
     return min(pp, 1.0) * min(dp, 1.0)
 
 
@@ -352,7 +348,7 @@ def shape_step_efficiency(options: "CompressionOptions | None", stages: int, dp:
         return 1.0
     pp = min(options.pp, key=lambda c: table[c.method])
     groups = min(options.dp, key=lambda c: table[c.method])
-    return step_efficiency(CodecAssignment.uniform(stages, dp, pp, groups), table, pipelines=dp)
+    return step_efficiency(CodecAssignment.uniform(stages, dp, pp, groups), table)
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,7 @@ def time_to_loss_s(placement: Placement, compression: CompressionConfig,
     pp, dp = wire_codecs(compression)
     codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
                              tuple(dp if on else type(dp)() for on in links.dp))
-    return placement.predicted_iteration_s / step_efficiency(codecs, efficiency, pipelines=len(placement.pipelines))
+    return placement.predicted_iteration_s / step_efficiency(codecs, efficiency)
 
 
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,

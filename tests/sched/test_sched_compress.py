@@ -238,16 +238,13 @@ def test_a_plans_step_efficiency_is_its_least_efficient_codec_per_axis():
     mixed = CodecAssignment(((INT8, INT4), (INT8, PipelineCodec())), (DataParallelCodec(), DILOCO, DataParallelCodec()))
     assert step_efficiency(mixed, table) == pytest.approx(0.45)
     assert step_efficiency(CodecAssignment.uniform(2, 2, INT4, DILOCO)) == STEP_EFFICIENCY["diloco"]
-    # one pipeline's groups of one member synchronise nothing: their codec costs no steps, the
-    # count of pipelines taken from the links, or given (one stage has no link to show it)
-    one = CodecAssignment(((INT4,), (INT4,)), (DILOCO,) * 3)
-    assert step_efficiency(one, table) == pytest.approx(0.9)
-    alone = CodecAssignment((), (DILOCO,))
-    assert step_efficiency(alone, table, pipelines=1) == 1.0 and step_efficiency(alone, table) == 0.5
-    assert step_efficiency(CodecAssignment((), (DILOCO,)), table, pipelines=2) == 0.5
-    # and a uniform assignment gives them no DP codec, as the trainer runs them
+    # one pipeline's groups of one member synchronise nothing: a uniform assignment gives them no
+    # DP codec, as the trainer runs them, so they cost no steps (one stage or several)
     assert CodecAssignment.uniform(3, 1, INT4, DILOCO).dp == (DataParallelCodec(),) * 3
     assert CodecAssignment.uniform(3, 2, INT4, DILOCO).dp == (DILOCO,) * 3
+    assert step_efficiency(CodecAssignment.uniform(3, 1, INT4, DILOCO), table) == pytest.approx(0.9)
+    assert step_efficiency(CodecAssignment.uniform(1, 1, PipelineCodec(), DILOCO), table) == 1.0
+    assert step_efficiency(CodecAssignment.uniform(1, 2, PipelineCodec(), DILOCO), table) == 0.5
 
 
 def test_a_shapes_step_efficiency_leaves_out_an_axis_with_nothing_to_send():
