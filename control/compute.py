@@ -5,7 +5,10 @@ of gossip's reference block (`dtfm.gossip.REFERENCE_BLOCK`: a transformer block 
 4 heads, 128 tokens, batch 4). It probes the block once at start; once it trains a stage, its
 own steps measure it better (the stage's real layers at the run's micro-batch, on a machine as
 loaded as it is): `ComputeGauge` turns the compute seconds of its last steps into the same
-unit, and the daemon reports that instead (`GossipService.set_compute_ms`).
+unit, and the daemon reports that instead (`GossipService.set_compute_ms`), with the share of a
+core its compute had meanwhile (CPU time over wall time: below 1 where other peers of its machine
+trained beside it), so that the planner can take each figure of its own machine at a whole core
+(`with_fresh_compute`) before it counts the contention of the peers it places.
 
 The scheduler turns the figures into its compute term (`peer_compute`): the median reporting
 peer's achieved TFLOP/s on the reference block is the speed-1.0 peer (`reference_tflops`), each
@@ -200,23 +203,31 @@ def training_block_ms(spec: GPTSpec, cfg: TrainConfig, dp: int, layers: int, las
 
 class ComputeGauge:
     """A training peer's compute figure: the median reference-block time of its stage's last
-    GAUGE_STEPS steps, an epoch's first GAUGE_SKIP_STEPS left out."""
+    GAUGE_STEPS steps, an epoch's first GAUGE_SKIP_STEPS left out, and the median share of a
+    core its compute had in them (`StepReport.core_share`)."""
 
     def __init__(self) -> None:
         self._epoch: tuple[bytes, int] | None = None
         self._seen = 0
-        self._figures: deque[float] = deque(maxlen=GAUGE_STEPS)
+        self._figures: deque[tuple[float, float | None]] = deque(maxlen=GAUGE_STEPS)
 
-    def add(self, run_epoch: tuple[bytes, int], figure: float | None) -> float | None:
-        """One step's figure (`training_block_ms`) of (run, epoch); the median once there are
-        at least three, else None."""
+    def add(self, run_epoch: tuple[bytes, int], figure: float | None,
+            share: float | None = None) -> tuple[float, float | None] | None:
+        """One step's figure (`training_block_ms`) of (run, epoch) and its compute's share of a
+        core (None: not measured); once there are at least three, the median figure and the
+        median share (None unless every step kept had one), else None."""
         if run_epoch != self._epoch:
             self._epoch, self._seen = run_epoch, 0
         self._seen += 1
         if figure is None or self._seen <= GAUGE_SKIP_STEPS:
             return None
-        self._figures.append(figure)
-        return statistics.median(self._figures) if len(self._figures) >= 3 else None
+        self._figures.append((figure, share))
+        if len(self._figures) < 3:
+            return None
+        shares = [sh for _, sh in self._figures]
+        known = [sh for sh in shares if sh is not None]
+        return (statistics.median(f for f, _ in self._figures),
+                statistics.median(known) if len(known) == len(shares) else None)
 
 
 # The planner's probe of a run's layer (`kind_factors` for a model and micro-batch sizes, in a
@@ -291,17 +302,23 @@ def with_fresh_compute(view: NetworkView, host: bytes, ms: float) -> NetworkView
     """The view with the figures of the peers whose reports name machine `host` scaled so that
     their median is `ms`, the reference block timed on that machine just now: their figures were
     probed when each daemon started (or as it trained before), on a machine whose load has moved
-    since (their ratios stay: a figure given to a daemon to stand for a slower one stays slower).
-    Peers of other machines keep theirs; unchanged without a host, a figure, or a reported
-    figure of that machine."""
+    since. Their ratios stay (a figure given to a daemon to stand for a slower one stays slower),
+    each taken at a whole core first: a figure measured in training with a share of a core
+    below 1 (`NetworkView.compute_share`: the machine's other peers training beside it) is
+    multiplied by that share, so that the contention of a run that has ended does not make one
+    peer of the machine look slower than another (the planner counts the contention of the peers
+    it places, `MachineNow.slowdown`). Peers of other machines keep theirs; unchanged without a
+    host, a figure, or a reported figure of that machine."""
     if not host or not (math.isfinite(ms) and ms > 0):
         return view
     figures = np.asarray(view.compute_ms, dtype=float)
     mine = np.array([h == host for h in view.hosts], dtype=bool) & np.isfinite(figures) & (figures > 0)
     if not mine.any():
         return view
-    scale = ms / float(np.median(figures[mine]))
-    return replace(view, compute_ms=np.where(mine, figures * scale, figures))
+    share = np.asarray(view.compute_share, dtype=float)
+    whole = figures * np.where(np.isfinite(share) & (share > 0) & (share <= 1), share, 1.0)
+    scale = ms / float(np.median(whole[mine]))
+    return replace(view, compute_ms=np.where(mine, whole * scale, figures))
 
 
 def peer_compute(view: NetworkView, kind: Mapping[int, float] | None = None) -> PeerCompute:

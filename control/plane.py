@@ -328,9 +328,9 @@ class ControlPlane:
         kind = self._kinds[key]
         figure = training_block_ms(alloc.model, alloc.train, alloc.dp, end - start, s == alloc.stages - 1,
                                    report.compute_s, kind if kind is not None else 1.0, pipeline=d)
-        ms = self._compute_gauge.add((alloc.run_id, alloc.epoch), figure)
-        if ms is not None and (kind is not None or self._kind_probe is None):
-            self.gossip.set_compute_ms(ms)
+        got = self._compute_gauge.add((alloc.run_id, alloc.epoch), figure, report.core_share)
+        if got is not None and (kind is not None or self._kind_probe is None):
+            self.gossip.set_compute_ms(*got)
 
     async def _learn_kind(self, key: tuple[GPTSpec, int]) -> None:
         """The kind factor of a run layer this peer trains (`kind_factors`, its probe in a

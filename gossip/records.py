@@ -136,11 +136,17 @@ class Report:
     # the machine the peer runs on (`HOST_ID_LEN` bytes, the same for every daemon of one
     # machine and boot, nothing else derivable from it); b"": unknown (an older peer's report)
     host: bytes = b""
+    # the share of a core the peer's compute had when it measured `compute_ms` (the CPU time of
+    # its stage's compute over the wall time, from its own training steps); 0: unknown (a start
+    # probe, a figure given in the configuration, a GPU stage)
+    compute_share: float = 0.0
 
     def _body(self) -> list:
         body = [self.measurer, self.seq, float(self.timestamp), float(self.compute_ms),
                 [e.to_wire() for e in self.entries], [float(v) for v in self.codec_ns],
                 [float(v) for v in self.coord], float(self.up_gbps), float(self.down_gbps)]
+        if self.compute_share:  # (then the host too, b"" where unknown)
+            return body + [self.host, float(self.compute_share)]
         return body + [self.host] if self.host else body  # (without a host: the bytes an older peer signs)
 
     def signing_bytes(self) -> bytes:
@@ -149,7 +155,8 @@ class Report:
     @classmethod
     def create(cls, identity: Identity, seq: int, timestamp: float, compute_ms: float,
                entries: Iterable[Entry], *, codec_ns: Sequence[float] = (), coord: Sequence[float] = (),
-               up_gbps: float = 0.0, down_gbps: float = 0.0, host: bytes = b"") -> "Report":
+               up_gbps: float = 0.0, down_gbps: float = 0.0, host: bytes = b"",
+               compute_share: float = 0.0) -> "Report":
         """A report signed by `identity`; ValueError for figures a peer would refuse."""
         try:
             codec = check_codec_ns(tuple(codec_ns))
@@ -157,13 +164,14 @@ class Report:
             up = get_float({"up": float(up_gbps)}, "up", 0.0, MAX_GBPS)
             down = get_float({"down": float(down_gbps)}, "down", 0.0, MAX_GBPS)
             machine = check_host(host)
+            share = get_float({"share": float(compute_share)}, "share", 0.0, 1.0)
         except ProtocolError as e:
             raise ValueError(str(e)) from None
         ordered = tuple(sorted(entries, key=lambda e: e.target))
         unsigned = cls(identity.peer_id, seq, timestamp, compute_ms, ordered, codec_ns=codec, coord=point,
-                       up_gbps=up, down_gbps=down, host=machine)
+                       up_gbps=up, down_gbps=down, host=machine, compute_share=share)
         return cls(identity.peer_id, seq, timestamp, compute_ms, ordered,
-                   identity.sign(unsigned.signing_bytes()), codec, point, up, down, machine)
+                   identity.sign(unsigned.signing_bytes()), codec, point, up, down, machine, share)
 
     def verify(self) -> bool:
         return verify_signature(self.measurer, self.signing_bytes(), self.signature)
@@ -175,15 +183,23 @@ class Report:
     @property
     def wire_size(self) -> int:
         """Upper bound of the packed size in bytes."""
-        return 140 + 73 * len(self.entries) + 9 * (len(self.codec_ns) + len(self.coord)) + 2 + len(self.host)
+        return 140 + 73 * len(self.entries) + 9 * (len(self.codec_ns) + len(self.coord)) + 2 + len(self.host) + 9
 
     @classmethod
     def from_wire(cls, obj: object) -> "Report":
-        if not isinstance(obj, list) or len(obj) not in (10, 11):
-            raise ProtocolError("report: expected a list of 10 fields (11 with the host)")
-        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec", "coord", "up", "down", "host"),
-                     obj))
-        host = get_bytes(d, "host", HOST_ID_LEN, HOST_ID_LEN) if len(obj) == 11 else b""
+        if not isinstance(obj, list) or len(obj) not in (10, 11, 12):
+            raise ProtocolError("report: expected a list of 10 fields (11 with the host, 12 with the compute's "
+                                "share of a core)")
+        d = dict(zip(("measurer", "seq", "ts", "compute", "entries", "sig", "codec", "coord", "up", "down", "host",
+                      "share"), obj))
+        host, share = b"", 0.0
+        if len(obj) == 11:
+            host = get_bytes(d, "host", HOST_ID_LEN, HOST_ID_LEN)
+        elif len(obj) == 12:
+            host = check_host(d["host"])
+            share = get_float(d, "share", 0.0, 1.0)
+            if not share > 0:
+                raise ProtocolError("report: the compute's share of a core must be in (0, 1]")
         measurer = get_bytes(d, "measurer", PEER_ID_BYTES, PEER_ID_BYTES)
         entries = tuple(Entry.from_wire(x) for x in get_list(d, "entries", MAX_ENTRIES))
         targets = [e.target for e in entries]
@@ -195,7 +211,7 @@ class Report:
                    get_float(d, "compute", 0.0, MAX_COMPUTE_MS), entries,
                    get_bytes(d, "sig", SIGNATURE_LEN, SIGNATURE_LEN), check_codec_ns(d["codec"]),
                    check_coord(d["coord"]), get_float(d, "up", 0.0, MAX_GBPS), get_float(d, "down", 0.0, MAX_GBPS),
-                   host)
+                   host, share)
 
 
 BUCKETS = 128  # a digest's buckets, by the measurer id's first byte (ids are public keys: uniform)

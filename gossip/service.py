@@ -119,6 +119,7 @@ class GossipService:
         self._rng = rng or random.Random()
         self._wall = wall_clock
         self.compute_ms = compute_ms
+        self.compute_share = 0.0  # the share of a core `compute_ms` was measured with (0: unknown)
         try:
             self.machine = check_host(machine)
         except ProtocolError as e:
@@ -249,6 +250,7 @@ class GossipService:
                             measured_s_ago=ages, refused=swim.refused, evicted=swim.evicted)
         out["view"]["full_mesh"] = self.planner.full_mesh(len(live) - 1)  # every link measured, not estimated
         out["compute_ms"] = self.compute_ms  # this peer's compute figure as it reports it (None: unknown)
+        out["compute_share"] = self.compute_share or None  # the share of a core it was measured with
         return out
 
     def view(self) -> NetworkView:
@@ -448,7 +450,7 @@ class GossipService:
         report = Report.create(self.identity, self._seq, self._wall(), self.compute_ms or 0.0,
                                self.planner.entries(now), codec_ns=self.codec_ns or (),
                                coord=() if coord is None else coord.to_wire(), up_gbps=up, down_gbps=down,
-                               host=self.machine)
+                               host=self.machine, compute_share=self.compute_share)
         self._published = report
         self.records.offer(report, now_wall=self._wall(), is_member=lambda p: True)
 
@@ -471,17 +473,24 @@ class GossipService:
         except trio.WouldBlock:
             logger.warning("outgoing gossip queue full: dropping a record sync")
 
-    def set_compute_ms(self, ms: float) -> None:
+    def set_compute_ms(self, ms: float, share: float | None = None) -> None:
         """This peer's compute figure as its training measures it (`compute_ms` of the
-        reference block, from its stage's own steps): reported from the next report on when it
-        moved by more than COMPUTE_REPUBLISH_RATIO from the figure reported; a figure that is
-        not a positive finite number within the record's bound is ignored."""
+        reference block, from its stage's own steps) and the share of a core its compute had
+        meanwhile (CPU time over wall time; None: not measured): reported from the next report
+        on when either moved by more than COMPUTE_REPUBLISH_RATIO from the one reported; a figure
+        that is not a positive finite number within the record's bound is ignored, and so is a
+        share outside (0, 1] (reported unknown)."""
         if not (math.isfinite(ms) and 0 < ms <= MAX_COMPUTE_MS):
             return
-        old = self.compute_ms
-        self.compute_ms = ms
-        if not old or max(ms, old) / min(ms, old) > COMPUTE_REPUBLISH_RATIO:
-            self._published_version = -1  # (publish the figure with the next report)
+        new_share = share if share is not None and math.isfinite(share) and 0 < share <= 1 else 0.0
+        old, old_share = self.compute_ms, self.compute_share
+        self.compute_ms, self.compute_share = ms, new_share
+
+        def moved(a: float, b: float) -> bool:
+            return (a > 0) != (b > 0) or (a > 0 and max(a, b) / min(a, b) > COMPUTE_REPUBLISH_RATIO)
+
+        if not old or moved(ms, old) or moved(new_share, old_share):
+            self._published_version = -1  # (publish the figures with the next report)
 
     async def _measure_self(self) -> None:
         """This peer's own figures, one probe after the other (so they do not slow each

@@ -50,6 +50,7 @@ DISAGREEMENT_RATIO = 1.5
 _NO_FLAGS = np.zeros((0, 0), dtype=bool)  # a NetworkView's flag matrix left out
 _NO_CODEC = np.zeros((0, CODEC_NS_LEN))  # a NetworkView's coding speeds left out
 _NO_AGES = np.zeros((0, 0))  # a NetworkView's ages left out
+_NO_SHARES = np.zeros(0)  # a NetworkView's compute shares left out
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,17 @@ class NetworkView:
     age_s: np.ndarray = field(default_factory=lambda: _NO_AGES)
     # (N,) the machine each peer runs on (its reports' `host`); b"": unknown (left out: all unknown)
     hosts: tuple[bytes, ...] = ()
+    # (N,) the share of a core each peer's compute figure was measured with (its reports'
+    # `compute_share`: CPU time over wall time in its training steps); nan: unknown (left out:
+    # all unknown)
+    compute_share: np.ndarray = field(default_factory=lambda: _NO_SHARES)
 
     def __post_init__(self) -> None:
         n = len(self.peers)
+        if self.compute_share is _NO_SHARES:
+            object.__setattr__(self, "compute_share", np.full(n, np.nan))
+        if np.shape(self.compute_share) != (n,):
+            raise ValueError(f"compute_share must name {n} peers, got {np.shape(self.compute_share)}")
         if not self.hosts:
             object.__setattr__(self, "hosts", (b"",) * n)
         if len(self.hosts) != n:
@@ -144,7 +153,8 @@ class NetworkView:
         return NetworkView(self.peers, self.delay_ms / time_scale,
                            self.bandwidth_gbps * time_scale / bandwidth_scale, self.compute_ms,
                            self.complete, self.disputed, self.one_sided, self.codec_ns,
-                           self.delay_measured, self.bandwidth_measured, self.age_s, self.hosts)
+                           self.delay_measured, self.bandwidth_measured, self.age_s, self.hosts,
+                           self.compute_share)
 
     def as_dict(self) -> dict:
         def clean(a: np.ndarray) -> list[list[float | None]]:
@@ -176,6 +186,7 @@ class _Claims:
     bw: np.ndarray
     age: np.ndarray  # (N, N) age of i's figures of the link to j, s
     compute: np.ndarray  # (N,)
+    share: np.ndarray  # (N,) the compute's share of a core, nan unknown
     hosts: list  # (N,) bytes, b"" unknown
     codec: np.ndarray  # (N, CODEC_NS_LEN)
     coords: list  # (N,) Coordinate or None
@@ -187,7 +198,7 @@ def _matrices(index: dict[bytes, int], reports: Mapping[bytes, Report] | Iterabl
               now_wall: float | None) -> _Claims:
     n = len(index)
     c = _Claims(np.full((n, n), np.nan), np.full((n, n), np.nan), np.full((n, n), np.nan), np.full(n, np.nan),
-                [b""] * n, np.full((n, CODEC_NS_LEN), np.nan), [None] * n, np.full(n, np.nan), np.full(n, np.nan))
+                np.full(n, np.nan), [b""] * n, np.full((n, CODEC_NS_LEN), np.nan), [None] * n, np.full(n, np.nan), np.full(n, np.nan))
     items = reports.items() if isinstance(reports, Mapping) else ((r.measurer, r) for r in reports)
     for key, r in items:
         i = index.get(r.measurer)
@@ -195,6 +206,8 @@ def _matrices(index: dict[bytes, int], reports: Mapping[bytes, Report] | Iterabl
             continue
         if np.isfinite(r.compute_ms) and r.compute_ms > 0:
             c.compute[i] = r.compute_ms
+            if 0 < r.compute_share <= 1:
+                c.share[i] = r.compute_share
         c.hosts[i] = r.host
         if len(r.codec_ns) == CODEC_NS_LEN and all(np.isfinite(v) and v >= 0 for v in r.codec_ns):
             c.codec[i] = r.codec_ns
@@ -263,4 +276,4 @@ def build_view(peers: Iterable[bytes], reports: Mapping[bytes, Report] | Iterabl
     complete = bool(np.all(np.isfinite(delay)) and np.all(~np.isnan(band)))
     return NetworkView(peers, delay, band, c.compute, complete, rtt_disputed | bw_disputed,
                        rtt_one | bw_one, c.codec, delay_measured, bandwidth_measured,
-                       np.where(delay_measured | bandwidth_measured, age, np.nan), tuple(c.hosts))
+                       np.where(delay_measured | bandwidth_measured, age, np.nan), tuple(c.hosts), c.share)

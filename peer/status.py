@@ -320,8 +320,11 @@ def format_gossip(gossip: dict[str, Any], me: object = None) -> list[str]:
         lines.append(f"  (the daemon listed the first {len(latency)} of its links)")
     compute = gossip.get("compute_ms")
     if isinstance(compute, (int, float)) and compute > 0:
+        share = gossip.get("compute_share")
+        at = (f", at {share:.2f} of a core (this machine's other work took the rest)"
+              if isinstance(share, (int, float)) and 0 < share < 0.95 else "")
         lines.append(f"compute   {compute:.1f} ms per reference block (forward and backward; measured at start, "
-                     "then from this peer's own training steps)")
+                     f"then from this peer's own training steps{at})")
     return lines
 
 

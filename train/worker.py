@@ -110,6 +110,9 @@ class StepResult:
     sync_s: float = 0.0  # all-reduce, norm, optimizer
     act_peak_bytes: int = 0  # peak bytes of saved activations, parameters left out (with track_memory)
     wait_s: float = 0.0  # of pipeline_s, blocked waiting for an activation or gradient to arrive
+    # compute_s's CPU time (the thread's own: what the compute took with a core to itself); 0: not
+    # measured (on a GPU, or with several torch threads, whose other threads' time it misses)
+    compute_cpu_s: float = 0.0
 
 
 class _SavedBytes:
@@ -162,6 +165,7 @@ class _Ctx:
     micro: list[range]  # this pipeline's sample indices per micro-batch
     saved: _SavedBytes | None
     compute_s: float = 0.0
+    compute_cpu_s: float = 0.0  # compute_s's CPU time of this thread
     wait_s: float = 0.0
 
 
@@ -216,8 +220,9 @@ def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corp
                      before_update=before_update)
     t_end = time.perf_counter()
     state.step += 1
+    cpu_s = ctx.compute_cpu_s if state.device.type == "cpu" and torch.get_num_threads() == 1 else 0.0
     return StepResult(step, loss, state.last_grad_norm, ctx.compute_s, t_pipe - t_start, t_end - t_pipe,
-                      ctx.saved.peak if ctx.saved else 0, ctx.wait_s)
+                      ctx.saved.peak if ctx.saved else 0, ctx.wait_s, cpu_s)
 
 
 def _send_boundary(ctx: _Ctx, peer: PeerId, tag: str, t: torch.Tensor, coded: bool) -> SendHandle:
@@ -257,7 +262,7 @@ def _forward(ctx: _Ctx) -> tuple[list[torch.Tensor], list[torch.Tensor], list[to
         else:
             tag = f"{ctx.key}/act/{m}"
             x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd), ctx.up_coded).requires_grad_()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
         with hooks, autocast(cfg.precision, dev):
             if mod.is_last:  # scaled by its share of the global batch: the sum is the global mean
@@ -266,6 +271,7 @@ def _forward(ctx: _Ctx) -> tuple[list[torch.Tensor], list[torch.Tensor], list[to
             else:
                 out = mod(x)
         ctx.compute_s += time.perf_counter() - t0
+        ctx.compute_cpu_s += time.thread_time() - c0
         if ctx.nxt is not None:
             handles.append(_send_boundary(ctx, ctx.nxt, f"{ctx.key}/act/{m}", out.detach(), ctx.down_coded))
         outs.append(out)
@@ -279,14 +285,15 @@ def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
     handles = []
     for m in reversed(range(len(outs))):
         if mod.is_last:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             outs[m].backward()
         else:
             tag = f"{ctx.key}/grad/{m}"
             g = _recv_boundary(ctx, ctx.nxt, tag, tuple(outs[m].shape), ctx.down_coded)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             outs[m].backward(g)
         ctx.compute_s += time.perf_counter() - t0
+        ctx.compute_cpu_s += time.thread_time() - c0
         if ctx.prev is not None:
             handles.append(_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad, ctx.up_coded))
         outs[m] = ins[m] = None  # free this micro-batch's activations

@@ -34,19 +34,33 @@ class StepReport:
     # Payload bytes this peer sent in the step per axis (BYTE_AXES: pipeline forward, pipeline
     # backward, data-parallel, other); all 0 when not counted (a report of an older version).
     bytes_sent: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # compute_s's CPU time in the stage's thread (what it took with a core to itself); 0: not
+    # measured (a GPU stage, several torch threads, a report of an older version)
+    compute_cpu_s: float = 0.0
+
+    @property
+    def core_share(self) -> float | None:
+        """The share of a core the stage's compute got in the step (CPU time over wall time,
+        at most 1); None where not measured."""
+        if not (self.compute_cpu_s > 0 and self.compute_s > 0):
+            return None
+        return min(1.0, self.compute_cpu_s / self.compute_s)
 
     def to_wire(self) -> dict:
         out: dict[str, object] = {"epoch": self.epoch, "step": self.step, "loss": self.loss, "iteration_s": self.iteration_s,
                "compute_s": self.compute_s, "pipeline_s": self.pipeline_s, "sync_s": self.sync_s}
         if any(self.bytes_sent):
             out["bytes"] = list(self.bytes_sent)
+        if self.compute_cpu_s:
+            out["compute_cpu_s"] = self.compute_cpu_s
         return out
 
     @classmethod
     def from_wire(cls, obj: object) -> StepReport:
         """A report from the network; raises only ProtocolError. The loss may be any float (a
         diverging run reports inf or nan, and that is worth logging, not a protocol error);
-        `bytes`, when present, is one integer in [0, MAX_STEP_BYTES] per axis."""
+        `bytes`, when present, is one integer in [0, MAX_STEP_BYTES] per axis; `compute_cpu_s`,
+        when present, a number in [0, MAX_SECONDS]."""
         d = get_dict(obj, "step report")
         loss = d.get("loss")
         if loss is not None and type(loss) not in (int, float):
@@ -63,8 +77,9 @@ class StepReport:
                 raise ProtocolError(f"step report: bytes: {e}") from None
         iteration_s, compute_s, pipeline_s, sync_s = (get_float(d, k, 0.0, MAX_SECONDS)
                                                       for k in ("iteration_s", "compute_s", "pipeline_s", "sync_s"))
+        cpu_s = get_float(d, "compute_cpu_s", 0.0, MAX_SECONDS) if "compute_cpu_s" in d else 0.0
         return cls(get_int(d, "epoch", 0, MAX_STEP), get_int(d, "step", 0, MAX_STEP),
-                   None if loss is None else float(loss), iteration_s, compute_s, pipeline_s, sync_s, sent)
+                   None if loss is None else float(loss), iteration_s, compute_s, pipeline_s, sync_s, sent, cpu_s)
 
 
 @dataclass(frozen=True)

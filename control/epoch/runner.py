@@ -194,7 +194,7 @@ class StageRunner:
             sent = tuple(min(after[k] - before[k], MAX_STEP_BYTES) for k in BYTE_AXES)
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
                                 result.compute_s, result.pipeline_s, result.sync_s,
-                                sent)  # type: ignore[arg-type]
+                                sent, result.compute_cpu_s)  # type: ignore[arg-type]
             self.last = report
             self._reports.append(report)
             if self.on_step is not None:

@@ -1,3 +1,6 @@
+import math
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import trio
@@ -83,6 +86,30 @@ def test_a_report_carries_its_machine_under_its_signature_and_older_reports_deco
     assert old.signing_bytes() == DOMAIN + pack(old.to_wire()[:5] + old.to_wire()[6:])
     view = build_view([ALICE.peer_id, BOB.peer_id], [r, report(BOB)])
     assert view.hosts == (HOST, b"")  # a peer without a host: unknown
+
+
+def test_a_report_carries_its_computes_share_of_a_core_under_its_signature():
+    """The compute's share of a core is a twelfth wire field (the host before it, empty where
+    unknown), signed; unknown (0) leaves the report as it was; the view holds it per peer."""
+    r = Report.create(ALICE, 1, NOW, 70.0, [Entry(BOB.peer_id, 10.0, 1.0, 5)], host=HOST, compute_share=0.5)
+    assert r.compute_share == 0.5 and wire(r) == r and wire(r).verify()
+    assert len(r.to_wire()) == 12 and len(pack(r.to_wire())) <= r.wire_size
+    no_host = Report.create(ALICE, 1, NOW, 70.0, [], compute_share=0.5)
+    assert no_host.to_wire()[10] == b"" and wire(no_host) == no_host and wire(no_host).verify()
+    assert len(Report.create(ALICE, 1, NOW, 70.0, [], host=HOST).to_wire()) == 11  # unknown: as before
+    other = replace(r, compute_share=1.0)
+    assert not wire(other).verify()  # another share under the same signature
+    assert not Report.from_wire(r.to_wire()[:11]).verify()  # the share cut off
+    view = build_view([ALICE.peer_id, BOB.peer_id], [r, report(BOB)])
+    assert view.compute_share[0] == 0.5 and math.isnan(view.compute_share[1])
+    for bad in (0.0, -0.5, 1.5, float("nan"), float("inf"), "half", None, True, [0.5]):
+        w = r.to_wire()
+        w[11] = bad
+        with pytest.raises(ProtocolError):
+            Report.from_wire(w)
+    for bad in (-0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            Report.create(ALICE, 1, NOW, 70.0, [], compute_share=bad)
 
 
 @pytest.mark.parametrize("host", [b"", b"\x01" * 7, b"\x01" * 9, "machine", 8, None, [1] * 8, True])

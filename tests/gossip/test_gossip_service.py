@@ -245,4 +245,14 @@ async def test_a_compute_figure_measured_in_training_reaches_every_view(autojump
         assert svc.compute_ms == 7.9
         svc.set_compute_ms(30.0)
         await wait_for(lambda: all(seen(k) == 30.0 for k in range(4)), 30)
+
+        def share(k: int) -> float:
+            view = h.services[k].view()
+            return float(view.compute_share[view.peers.index(me)])
+
+        svc.set_compute_ms(30.0, 0.5)  # the same figure at half a core: the share alone moved
+        await wait_for(lambda: all(share(k) == 0.5 for k in range(4)), 30)
+        for bad in (0.0, 1.5, float("nan")):
+            svc.set_compute_ms(30.0, bad)
+            assert svc.compute_share == 0.0  # reported unknown
         nursery.cancel_scope.cancel()

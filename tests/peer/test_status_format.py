@@ -358,6 +358,9 @@ def test_the_compute_figure_is_a_line_when_known():
            "peer's own training steps)"
     assert format_gossip({**GOSSIP, "compute_ms": 33.1}, A)[-1] == line
     assert not any(x.startswith("compute") for x in format_gossip({**GOSSIP, "compute_ms": None}, A))
+    shared = format_gossip({**GOSSIP, "compute_ms": 70.0, "compute_share": 0.5}, A)[-1]
+    assert shared.endswith("training steps, at 0.50 of a core (this machine's other work took the rest))")
+    assert format_gossip({**GOSSIP, "compute_ms": 33.1, "compute_share": 0.99}, A)[-1] == line  # (a whole core)
 
 
 def test_the_training_section_says_when_the_council_lost_its_quorum():

@@ -81,6 +81,15 @@ def test_pipeline_and_dp_match_single_process(corpus, stages, dp):
     assert losses[-1] < losses[0]
 
 
+def test_each_stage_times_its_compute_in_cpu_time_too(corpus):
+    """A step's compute in the stage thread's CPU time beside its wall time (what the compute
+    took with a core to itself): measured with one torch thread, never more than the wall time."""
+    with LocalCluster(SPEC, CFG, Plan.grid(SPEC.n_layer, 2, 1), corpus) as cl:
+        cl.run(2)
+        for r in cl.last_results.values():
+            assert 0 < r.compute_cpu_s <= r.compute_s * 1.01 + 1e-4
+
+
 def test_uneven_stages_and_uneven_batch_split(corpus):
     spec = dataclasses.replace(SPEC, n_layer=5)
     cfg = dataclasses.replace(CFG, global_batch_seqs=14, micro_batches=3)  # 14 = 7 + 7, 7 = 2 + 2 + 3

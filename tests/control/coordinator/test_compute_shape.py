@@ -80,6 +80,20 @@ def test_the_coordinators_machine_is_timed_now_its_peers_ratios_kept():
     assert with_fresh_compute(view, b"\x03" * 8, 30.0) is view  # no peer of that machine
 
 
+def test_a_figure_measured_in_training_beside_the_machines_other_peers_is_taken_at_a_whole_core():
+    """Four peers of this machine trained (70 ms each, their compute at half a core: four stage
+    threads on two cores), four did not (their start probe, 35 ms): one CPU, so all eight are
+    scaled to the 30 ms timed now alike, and the contention is left to `MachineNow.slowdown`.
+    A peer of another machine keeps its figure, share or not."""
+    here, there = b"\x01" * 8, b"\x02" * 8
+    view = view_of(np.zeros((9, 9)), [70.0] * 4 + [35.0] * 4 + [70.0])
+    view = replace(view, hosts=(here,) * 8 + (there,), compute_share=np.array([0.5] * 4 + [np.nan] * 4 + [0.5]))
+    fresh = with_fresh_compute(view, here, 30.0)
+    assert fresh.compute_ms[:8] == pytest.approx([30.0] * 8) and fresh.compute_ms[8] == 70.0
+    kept = replace(view, compute_share=np.full(9, np.nan))  # no share reported: the ratios stand
+    assert with_fresh_compute(kept, here, 30.0).compute_ms[:8] == pytest.approx([40.0] * 4 + [20.0] * 4)
+
+
 
 def test_the_peers_of_one_machine_computing_at_once_each_get_less_of_its_cores():
     alone = MachineNow(100.0, 0.45, 2)  # one busy thread got 0.45 of a core: 3.4 others share the 2
@@ -136,9 +150,17 @@ def test_the_gauge_leaves_out_an_epochs_first_steps_and_reports_the_median():
     g = ComputeGauge()
     out = [g.add((b"r", 1), v) for v in (100.0, 90.0, 10.0, 11.0, 12.0, 50.0)]
     assert out[:GAUGE_SKIP_STEPS + 2] == [None] * (GAUGE_SKIP_STEPS + 2)
-    assert out[GAUGE_SKIP_STEPS + 2:] == [11.0, 11.5]
+    assert out[GAUGE_SKIP_STEPS + 2:] == [(11.0, None), (11.5, None)]
     assert g.add((b"r", 2), 5.0) is None  # a new epoch: its first steps are left out again
     assert g.add((b"r", 2), None) is None  # a step that says nothing adds nothing
+
+
+def test_the_gauge_reports_the_median_share_of_a_core_when_every_step_kept_had_one():
+    g = ComputeGauge()
+    steps = [(100.0, 0.9), (90.0, 0.9), (70.0, 0.5), (72.0, 0.6), (68.0, 0.4)]
+    out = [g.add((b"r", 1), v, share) for v, share in steps]
+    assert out[-1] == (70.0, 0.5)
+    assert g.add((b"r", 1), 71.0) == (70.5, None)  # a step without one: the share is not known
 
 
 def test_shape_space_spans_every_pipeline_count_the_batch_allows():

@@ -239,6 +239,19 @@ def test_exact_replicas_keep_one_copy_for_the_snapshot_and_a_failed_step_leaves_
             assert torch.equal(stage_tensors(back[p])[k], v), (p, k)
 
 
+def test_step_reports_carry_the_computes_cpu_time_and_its_share_of_a_core():
+    rep = StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02, compute_cpu_s=0.02)
+    assert StepReport.from_wire(rep.to_wire()) == rep
+    assert rep.core_share == pytest.approx(0.4)
+    assert StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02, compute_cpu_s=0.06).core_share == 1.0  # (a clock's grain)
+    plain = StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02)
+    assert "compute_cpu_s" not in plain.to_wire() and plain.core_share is None  # not measured: as before
+    assert StepReport(2, 5, 1.5, 0.1, 0.0, 0.03, 0.02, compute_cpu_s=0.01).core_share is None  # no compute
+    for bad in (-0.1, float("nan"), float("inf"), 2e9, "0.1", None, [0.1]):
+        with pytest.raises(ProtocolError, match="compute_cpu_s"):
+            StepReport.from_wire({**rep.to_wire(), "compute_cpu_s": bad})
+
+
 def test_step_reports_bytes_are_checked():
     rep = StepReport(2, 5, 1.5, 0.1, 0.05, 0.03, 0.02, (10, 20, 30, 40))
     assert StepReport.from_wire(rep.to_wire()) == rep
