@@ -49,6 +49,8 @@ KIND_MAX_LAYER_S = 2.0  # a micro-batch whose layer the reference predicts slowe
 KIND_REPEATS = 3  # timed runs of each (after one warm-up), at least: the median counts
 KIND_MIN_S = 2.0  # ... and runs of each for at least this long (a loaded machine's time slices average out)
 GAUGE_SKIP_STEPS = 2  # an epoch's first steps left out (allocation, caches and the first sends warm up)
+SHARE_NOISE = 0.1  # a probe's share of a core this close to one is taken as partly noise (`MachineNow.slowdown`)
+SLOWDOWN_ROUNDS = 200  # `MachineNow.training_slowdown`'s rounds at most (it settles well before)
 
 
 def run_model(spec: GPTSpec, cfg: TrainConfig, *, auto_micro_batches: bool = False) -> RunModel:
@@ -285,17 +287,37 @@ class MachineNow:
         if self.cpus < 1:
             raise ValueError(f"cpus must be at least 1, got {self.cpus}")
 
-    def slowdown(self, busy: int) -> float:
-        """How much slower each of `busy` peers of this machine computes when they all compute
-        than the probe did alone. What took the probe's thread below a whole core is other work
-        on the cores: R = cpus / share - 1 busy threads (none where it had a whole core); each
-        peer is one busy thread more, so one gets min(1, cpus / (R + busy)) of a core against
-        the probe's min(1, cpus / (R + 1))."""
+    def slowdown(self, busy: int, utilisation: float = 1.0) -> float:
+        """How much slower each of `busy` peers of this machine computes when they train than
+        the probe did alone, each computing for the `utilisation` share of a step (a pipeline
+        stage waits for its neighbours the rest of it). What took the probe's thread below a
+        whole core is other work on the cores: R = cpus / share - 1 busy threads (none where it
+        had a whole core; a share within SHARE_NOISE of one reads as that much of the load, as
+        the probe's own timer and the machine's idle daemons take a little of any core). While
+        a peer computes, each other placed peer computes too with the chance `utilisation`, so
+        it gets min(1, cpus / (R + 1 + (busy - 1) * utilisation)) of a core, against the
+        probe's min(1, cpus / (R + 1))."""
         if busy <= 1:
             return 1.0
+        if not 0 <= utilisation <= 1:
+            raise ValueError(f"utilisation must be in [0, 1], got {utilisation}")
         others = self.cpus / self.cpu_share - 1.0 if self.cpu_share < 1.0 else 0.0
+        if self.cpu_share > 1.0 - SHARE_NOISE:
+            others *= (1.0 - self.cpu_share) / SHARE_NOISE
         alone = min(1.0, self.cpus / (others + 1.0))
-        return alone / min(1.0, self.cpus / (others + busy))
+        return alone / min(1.0, self.cpus / (others + 1.0 + (busy - 1) * utilisation))
+
+    def training_slowdown(self, busy: int, utilisation: float) -> float:
+        """`slowdown` of `busy` peers of a plan whose busiest peer computes for the
+        `utilisation` share of a step at the probe's speed: computing slower, each computes for
+        a larger share of a (longer) step, taken as u' = u d / (1 + u (d - 1)) at slowdown d,
+        the slowdown then found again until it settles."""
+        d = 1.0
+        for _ in range(SLOWDOWN_ROUNDS):
+            d, last = self.slowdown(busy, min(1.0, utilisation * d / (1.0 + utilisation * (d - 1.0)))), d
+            if abs(d - last) < 1e-9:
+                break
+        return d
 
 
 def with_fresh_compute(view: NetworkView, host: bytes, ms: float) -> NetworkView:

@@ -26,8 +26,8 @@ from .config import PlaneConfig
 from .coordinator.allocate import train_of
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
-from .coordinator.schedule import (Placement, choose_links, choose_shape, compression_options_of, predict_uniform,
-                                   random_shape, time_to_loss_s)
+from .coordinator.schedule import (Placement, choose_links, choose_shape, compression_options_of, compute_busy_fraction,
+                                   predict_uniform, random_shape, time_to_loss_s)
 from .operator import SignedOp
 
 __all__ = ["CONFIRM_ROUNDS", "GossipSwarm", "SchedulerPlanner", "plan_links"]
@@ -268,11 +268,14 @@ class SchedulerPlanner:
         placement = self._place(view, req, model, train, regions, kind, auto_m)
         host_of = dict(zip(view.peers, view.hosts))
         placed = sum(host_of.get(p) == self.host for pipe in placement.pipelines for p in pipe)
-        slowdown = machine.slowdown(placed)
+        if placed <= 1:
+            return placement
+        busy = compute_busy_fraction(view, placement, model, train_of(train, placement), kind=kind)
+        slowdown = machine.training_slowdown(placed, busy)
         if slowdown <= 1.0:
             return placement
-        logger.info("%d peers of this machine placed: each computes %.2fx slower than timed alone; "
-                    "searching again", placed, slowdown)
+        logger.info("%d peers of this machine placed, the busiest computing %.0f %% of a step: each computes "
+                    "%.2fx slower than timed alone; searching again", placed, 100 * busy, slowdown)
         mine = np.array([h == self.host for h in view.hosts], dtype=bool)
         return self._place(replace(view, compute_ms=np.where(mine, view.compute_ms * slowdown, view.compute_ms)),
                            req, model, train, regions, kind, auto_m)

@@ -20,6 +20,7 @@ from ..compute import peer_compute, run_model, sched_spec
 from .request import PLACEMENTS
 
 __all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
+           "compute_busy_fraction",
            "predict_uniform", "random_shape", "sched_spec", "shape_space", "time_to_loss_s", "view_matrices"]
 
 @dataclass(frozen=True)
@@ -198,6 +199,19 @@ def predict_uniform(view: NetworkView, placement: Placement, spec: GPTSpec, cfg:
     predicted = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
                                    codecs=CodecAssignment.uniform(S, D, pp, dp), window_messages=window_messages)
     return replace(placement, predicted_iteration_s=float(predicted.iteration_s))
+
+
+def compute_busy_fraction(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig, *,
+                          kind: Mapping[int, float] | None = None) -> float:
+    """The share of a step its busiest peer computes, in [0, 1]: the simulator's compute time of
+    that peer (forward, backward and the update, at the view's speeds) over the placement's
+    predicted iteration. `cfg`: the run's training config with the placement's micro-batch count
+    (`train_of`)."""
+    if not placement.predicted_iteration_s > 0:
+        return 1.0
+    X, model = _placement_model(view, placement, spec, cfg, CompressionConfig(), REFERENCE_CODEC_SPEED, kind)
+    busy = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True).compute_busy_s
+    return min(1.0, busy / placement.predicted_iteration_s)
 
 
 def time_to_loss_s(placement: Placement, compression: CompressionConfig,
