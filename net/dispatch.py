@@ -122,14 +122,34 @@ class _Pending:
         self.error: BaseException | None = None
 
 
+class _IdleWait:
+    """Waiters for the moment an owner's work in flight ends (`wake`, called when the last
+    of it ended) or its connection closed (`close`)."""
+
+    def __init__(self) -> None:
+        self._lot = trio.lowlevel.ParkingLot()
+        self.closed = False
+
+    def wake(self) -> None:
+        self._lot.unpark_all()
+
+    def close(self) -> None:
+        self.closed = True
+        self._lot.unpark_all()
+
+    async def wait(self, busy: Callable[[], bool]) -> None:
+        """Until `busy()` is false or the connection closed."""
+        while busy() and not self.closed:
+            await self._lot.park()
+
+
 class Requests:
     """Requests of one connection that wait for their replies, by message id."""
 
     def __init__(self, peer: str) -> None:
         self._peer = peer
         self._pending: dict[int, _Pending] = {}
-        self._idle = trio.lowlevel.ParkingLot()  # woken when the last request got its answer
-        self._closed = False
+        self._idle = _IdleWait()  # woken when the last request got its answer
 
     async def call(self, conn: PeerConnection, msg_id: int, msg_type: int, send: Callable[[], Awaitable[None]],
                    timeout_s: float) -> tuple[object, memoryview | None]:
@@ -142,7 +162,7 @@ class Requests:
         finally:
             self._pending.pop(msg_id, None)
             if not self._pending:
-                self._idle.unpark_all()
+                self._idle.wake()
         if pending.error is not None:
             raise pending.error
         if pending.result is None:
@@ -157,8 +177,7 @@ class Requests:
 
     async def wait_idle(self) -> None:
         """Until no request waits for its reply, or the connection closed."""
-        while self._pending and not self._closed:
-            await self._idle.park()
+        await self._idle.wait(self.busy)
 
     def reply(self, reply_to: int, body: object, payload: memoryview | None) -> None:
         p = self._take(reply_to)
@@ -182,12 +201,11 @@ class Requests:
 
     def close(self, reason: str) -> None:
         """The connection closed: every waiting request raises ConnectionClosed(reason)."""
-        self._closed = True
         for p in self._pending.values():
             if not p.event.is_set():
                 p.error = ConnectionClosed(reason)
                 p.event.set()
-        self._idle.unpark_all()
+        self._idle.close()
 
     def _take(self, reply_to: int) -> _Pending | None:
         p = self._pending.get(reply_to)
@@ -220,8 +238,7 @@ class Dispatcher:
         self._refusals = refusals if refusals is not None else Refusals()
         self._slots = max_concurrent
         self._running: set[trio.CancelScope] = set()
-        self._idle = trio.lowlevel.ParkingLot()  # woken when the last running handler ended
-        self._cancelled = False
+        self._idle = _IdleWait()  # woken when the last running handler ended
 
     def deliver(self, nursery: trio.Nursery, msg_type: int, msg_id: int, body: object,
                 payload: memoryview | None, is_request: bool) -> None:
@@ -258,15 +275,13 @@ class Dispatcher:
 
     async def wait_idle(self) -> None:
         """Until no handler runs, or the connection closed."""
-        while self._running and not self._cancelled:
-            await self._idle.park()
+        await self._idle.wait(self.busy)
 
     def cancel(self) -> None:
         """The connection closed: stop the handlers still running."""
-        self._cancelled = True
         for scope in self._running:
             scope.cancel()
-        self._idle.unpark_all()
+        self._idle.close()
 
     async def _run(self, handler: Handler, msg_type: int, msg_id: int, body: object,
                    payload: memoryview | None, is_request: bool) -> None:
@@ -298,7 +313,7 @@ class Dispatcher:
                 self._running.discard(scope)
                 self._slots += 1
                 if not self._running:
-                    self._idle.unpark_all()
+                    self._idle.wake()
 
     async def _reply(self, msg_type: int, msg_id: int, result: object) -> None:
         body, payload = (result.body, result.payload) if isinstance(result, Reply) else (result, None)
