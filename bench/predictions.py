@@ -1,13 +1,24 @@
 """The scheduler's predicted step against the measured one, on swarms of daemons on this machine.
 
     .venv/bin/python bench/predictions.py [--settings loopback,demo,demo-4x2] [--runs 3] [--steps 80]
+        [--spinners N]
 
 Each setting runs `--runs` times, one swarm at a time:
 
 - loopback: 3 daemons on plain loopback (`dtfm-swarm up --peers 3 --no-emulation --scenario
   datacenter`, `train --steps N`): the scheduler's shape;
 - demo: `dtfm-swarm demo --steps N` (8 daemons, emulated worldwide): the scheduler's shape;
-- demo-4x2: the same with `--stages 4 --dp 2` (every peer placed).
+- demo-4x2: the same with `--stages 4 --dp 2` (every peer placed);
+- demo-slow-link: the demo with `--stages 4 --compress slow-link --bandwidth-scale S` (S:
+  `--bandwidth-scale`, the scale at which exact `tiny` is as bandwidth-bound as GPT-3 XL on the
+  paper's network, as bench/compress_swarm.py computes it);
+- after-exact: 8 daemons at that scale (`up --plane-profile wan`), exact `--stages 4` for 64
+  steps, then `--compress slow-link --stages 4` for N steps on the same swarm: the second run
+  is measured, placed on the figures the peers reported from the first (a run placed after
+  another on one machine).
+
+`--spinners N` runs N processes that spin on a core beside each swarm, started before it and
+stopped after (a machine loaded by other work).
 
 For each run: the first epoch's measured median step (steps after the first two, from the run
 dir's step log) against the first prediction (`train start`'s, the step log's first
@@ -21,16 +32,20 @@ its last line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 SWARM = [sys.executable, "-m", "dtfm.swarm"]
-SETTINGS = ("loopback", "demo", "demo-4x2")
+SETTINGS = ("loopback", "demo", "demo-4x2", "demo-slow-link", "after-exact")
+COMPRESS_SCALE = 0.01099  # bench/compress_swarm.py's computed scale for `tiny` on the worldwide network
+EXACT_STEPS = 64  # after-exact: the first (exact) run's steps
 
 
 def _load() -> float:
@@ -41,24 +56,33 @@ def _run(args: list[str], timeout_s: float) -> None:
     subprocess.run(args, check=True, timeout=timeout_s, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def measure(setting: str, run_dir: Path, steps: int) -> dict:
-    """Run one swarm of `setting`; its predictions against its measured median step."""
+def measure(setting: str, run_dir: Path, steps: int, scale: float = COMPRESS_SCALE) -> dict:
+    """Run one swarm of `setting`; its predictions against its measured median step (of its
+    last run, where it trains twice)."""
     load0 = _load()
-    if setting == "loopback":
+    if setting in ("loopback", "after-exact"):
+        up = (["--peers", "3", "--no-emulation", "--scenario", "datacenter"] if setting == "loopback" else
+              ["--peers", "8", "--scenario", "worldwide", "--bandwidth-scale", str(scale), "--plane-profile", "wan"])
+        runs = ([["--steps", str(steps)]] if setting == "loopback" else
+                [["--stages", "4", "--steps", str(EXACT_STEPS)],
+                 ["--stages", "4", "--compress", "slow-link", "--steps", str(steps)]])
         try:
-            _run([*SWARM, "up", "--run-dir", str(run_dir), "--fresh", "--peers", "3", "--no-emulation",
-                  "--scenario", "datacenter", "--timeout", "400"], 600)
-            _run([*SWARM, "train", "--run-dir", str(run_dir), "--steps", str(steps)], 300)
-            _run([*SWARM, "wait", "--run-dir", str(run_dir), "--step", str(steps), "--timeout", "900"], 1000)
+            _run([*SWARM, "up", "--run-dir", str(run_dir), "--fresh", *up, "--timeout", "400"], 600)
+            for train in runs:
+                _run([*SWARM, "train", "--run-dir", str(run_dir), *train], 300)
+                _run([*SWARM, "wait", "--run-dir", str(run_dir), "--step", train[-1], "--timeout", "900"], 1000)
         finally:
             subprocess.run([*SWARM, "down", "--run-dir", str(run_dir)], timeout=300, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     else:
-        extra = ["--stages", "4", "--dp", "2"] if setting == "demo-4x2" else []
-        _run([*SWARM, "demo", "--run-dir", str(run_dir), "--steps", str(steps), *extra], 1200)
+        extra = {"demo-4x2": ["--stages", "4", "--dp", "2"],
+                 "demo-slow-link": ["--stages", "4", "--compress", "slow-link", "--bandwidth-scale", str(scale)]}
+        _run([*SWARM, "demo", "--run-dir", str(run_dir), "--steps", str(steps), *extra.get(setting, [])], 1200)
     rows = sorted((json.loads(line) for line in (run_dir / "train.jsonl").read_text().splitlines() if line.strip()),
                   key=lambda r: r.get("step", 0))
     rows = [r for r in rows if r.get("iteration_s")]
+    last_run = max(rows, key=lambda r: r.get("time", 0.0)).get("run") if rows else None  # (the newest run)
+    rows = [r for r in rows if r.get("run") == last_run]
     # each epoch against its own predictions: a reconfiguration (a drift check's, or a new
     # coordinator's after an election on a loaded machine) changes the shape
     epochs = [[r for r in rows if r["epoch"] == e] for e in sorted({r["epoch"] for r in rows})]
@@ -76,6 +100,18 @@ def measure(setting: str, run_dir: Path, steps: int) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def spinning(n: int) -> Iterator[None]:
+    """n processes that each keep a core busy, for the block's duration."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def _median_step(rows: list[dict]) -> float:
     """The median step of an epoch, its first two left out where it has more."""
     return statistics.median(r["iteration_s"] for r in (rows[2:] if len(rows) > 2 else rows))
@@ -87,7 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs of each setting")
     parser.add_argument("--steps", type=int, default=80, help="steps of each run (demo-4x2: at most 30)")
     parser.add_argument("--run-dir", type=Path, default=None, help="where the swarms' run dirs go (default: a temp dir)")
+    parser.add_argument("--spinners", type=int, default=0,
+                        help="processes spinning on a core beside each swarm (a loaded machine; default: 0)")
+    parser.add_argument("--bandwidth-scale", type=float, default=COMPRESS_SCALE,
+                        help=f"demo-slow-link and after-exact: the emulated bandwidth's scale (default: {COMPRESS_SCALE})")
     args = parser.parse_args(argv)
+    if args.spinners < 0:
+        parser.error("--spinners must be at least 0")
     settings = [s for s in args.settings.split(",") if s]
     unknown = sorted(set(settings) - set(SETTINGS))
     if unknown:
@@ -97,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     for k in range(args.runs):
         for setting in settings:
             steps = min(args.steps, 30) if setting == "demo-4x2" else args.steps
-            r = measure(setting, root / f"{setting}-{k + 1}", steps)
+            with spinning(args.spinners):
+                r = measure(setting, root / f"{setting}-{k + 1}", steps, args.bandwidth_scale)
+            r["spinners"] = args.spinners
             results.append(r)
             last = (f"last epoch's last prediction {r['last_predicted_s']:.3f} against {r['last_measured_s']:.3f} "
                     f"({r['last_error_pct']:+.0f} %)" if "last_error_pct" in r else "no re-estimate")
