@@ -63,14 +63,13 @@ def measure(setting: str, run_dir: Path, steps: int, scale: float = COMPRESS_SCA
     if setting in ("loopback", "after-exact"):
         up = (["--peers", "3", "--no-emulation", "--scenario", "datacenter"] if setting == "loopback" else
               ["--peers", "8", "--scenario", "worldwide", "--bandwidth-scale", str(scale), "--plane-profile", "wan"])
-        runs = ([["--steps", str(steps)]] if setting == "loopback" else
-                [["--stages", "4", "--steps", str(EXACT_STEPS)],
-                 ["--stages", "4", "--compress", "slow-link", "--steps", str(steps)]])
+        runs = ([([], steps)] if setting == "loopback" else  # (train's arguments, its steps)
+                [(["--stages", "4"], EXACT_STEPS), (["--stages", "4", "--compress", "slow-link"], steps)])
         try:
             _run([*SWARM, "up", "--run-dir", str(run_dir), "--fresh", *up, "--timeout", "400"], 600)
-            for train in runs:
-                _run([*SWARM, "train", "--run-dir", str(run_dir), *train], 300)
-                _run([*SWARM, "wait", "--run-dir", str(run_dir), "--step", train[-1], "--timeout", "900"], 1000)
+            for train, n in runs:
+                _run([*SWARM, "train", "--run-dir", str(run_dir), *train, "--steps", str(n)], 300)
+                _run([*SWARM, "wait", "--run-dir", str(run_dir), "--step", str(n), "--timeout", "900"], 1000)
         finally:
             subprocess.run([*SWARM, "down", "--run-dir", str(run_dir)], timeout=300, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)

@@ -210,7 +210,8 @@ def compute_busy_fraction(view: NetworkView, placement: Placement, spec: GPTSpec
     if not placement.predicted_iteration_s > 0:
         return 1.0
     X, model = _placement_model(view, placement, spec, cfg, CompressionConfig(), REFERENCE_CODEC_SPEED, kind)
-    busy = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True).compute_busy_s
+    # (the compute alone: one round of the schedule gives it; the links and syncs do not change it)
+    busy = simulate_iteration(model, X, micro_batches=cfg.micro_batches).compute_busy_s
     return min(1.0, busy / placement.predicted_iteration_s)
 
 
