@@ -9,7 +9,8 @@ them inside a total bound (`--total-s`, 470 s: the device lends minutes), cheape
 telling first. A check appends its figures as JSON lines while it runs, so what it measured
 before a timeout survives; after every check the merged results are written to
 `$OUT/gpu.json` (a temporary folder when OUT is unset), the children's output to
-`$OUT/checks.log`, and the last line printed is one JSON object: the results and the failures.
+`$OUT/checks.log`, the daemons' logs to `$OUT/daemons.log`, and the last line printed is one
+JSON object: the results and the failures.
 
     pytest     `pytest -m gpu`: the GPU tests (tests/train/test_train_gpu.py and the other gpu-marked ones)
     codecs     int8/int4(+Hadamard)/sparse coding GB/s on the GPU against this CPU's figures and the
@@ -22,7 +23,9 @@ before a timeout survives; after every check the merged results are written to
                against fp32 over 200 steps of `tiny`
     daemons    4 daemons with --device cuda train `small` 2 x 2 on loopback, a follower SIGKILLed
                and restarted (its stage fetched onto the GPU): losses against one process on the
-               GPU (fp32), replicas identical; the swarm's tokens/s against one process
+               GPU (fp32), replicas identical; the swarm's tokens/s against one process; how late
+               each daemon's event loop ran and where it stalled (DTFM_GPU_PLANE_PROFILE: the
+               peers' --plane-profile, default test)
     compile    the mfu stage under torch.compile (if it compiles in time)
 
 MFU counts model FLOPs as the scheduler's cost model does (sched/spec.py: forward 2 x parameters
@@ -415,11 +418,12 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
 
     t_up = time.monotonic()
     try:
+        profile = os.environ.get("DTFM_GPU_PLANE_PROFILE", "test")  # (the scripted swarm's default)
         rc = swarm.main(["up", "--run-dir", str(run_dir), "--peers", "4", "--no-emulation", "--device", device,
-                         "--timeout", "90"])
+                         "--timeout", "90", "--plane-profile", profile])
         if rc != 0:
             raise RuntimeError(f"dtfm-swarm up exited {rc}")
-        _emit(out, daemons_up_s=round(time.monotonic() - t_up, 1))
+        _emit(out, daemons_up_s=round(time.monotonic() - t_up, 1), plane_profile=profile)
         if swarm.main(["train", "--run-dir", str(run_dir), "--preset", preset, "--stages", "2", "--dp", "2",
                        "--steps", "1000"]) != 0:
             raise RuntimeError("dtfm-swarm train failed")
@@ -472,9 +476,21 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
                  lambda: len(r := rows()) >= max(min_steps, n_placed + 3), 120)
         _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spec, cfg, min_steps)
     finally:
+        try:  # how late each daemon's event loop ran, and where it stalled (peer/loopwatch.py)
+            _emit(out, event_loops={p.name: (peer_status(p) or {}).get("loop") for p in load_state(run_dir).peers
+                                    if p.alive()})
+        except Exception as e:  # (the swarm may not have come up)
+            print(f"no event-loop figures: {type(e).__name__}: {e}")
         swarm.main(["down", "--run-dir", str(run_dir), "--kill"])
+        keep = Path(os.environ["OUT"]) / "daemons.log" if os.environ.get("OUT") else None
         for log in sorted(run_dir.glob("p*/daemon.log")):  # the end of each daemon's log, for the record
-            print(f"---- {log}", "\n".join(log.read_text(errors="replace").splitlines()[-12:]), sep="\n")
+            text = log.read_text(errors="replace")
+            print(f"---- {log}", "\n".join(text.splitlines()[-12:]), sep="\n")
+            stalls = [line for line in text.splitlines() if "event loop stalled" in line]
+            print(f"{len(stalls)} event-loop stalls logged", *stalls[-5:], sep="\n")
+            if keep is not None:  # every daemon's log (the last 3 MB of each) in one file beside gpu.json
+                with open(keep, "a") as f:
+                    f.write(f"==== {log.parent.name}\n{text[-3_000_000:]}\n")
         subprocess.run(["rm", "-rf", str(tmp)])
 
 
@@ -617,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(log_path, "a") as log:
             log.write(f"\n==== {name} (bound {bound:.0f} s) {time.strftime('%H:%M:%S')}\n")
             log.flush()
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=dict(os.environ, OUT=str(out)))
             try:
                 rc = proc.wait(timeout=bound)
             except subprocess.TimeoutExpired:

@@ -27,6 +27,7 @@ from dtfm.net import Address, Identity, Transport, pack
 
 from .config import DaemonConfig, ListenError
 from .discovery import Discovery
+from .loopwatch import LoopWatch
 from .paths import DataDir
 from .socket import ControlServer
 from .procmem import process_memory
@@ -50,6 +51,7 @@ class Daemon:
         self.socket = ControlServer(data_dir.control_socket, config.socket)
         self.socket.register("status", self._op_status)
         self.socket.register("leave", self._op_leave)
+        self.loop_watch = LoopWatch()
         self.listen_address: Address | None = None
         self.started_at: float | None = None
         self._services: list[tuple[str, Service]] = []
@@ -104,6 +106,7 @@ class Daemon:
     async def run(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         listen = self.config.peer.listen
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.loop_watch.run)
             try:
                 host, port = await nursery.start(self.transport.serve, listen.host, listen.port)
             except OSError as e:
@@ -166,6 +169,7 @@ class Daemon:
             "peers": peers, "departed": departed,
             "refused": self.transport.refusals.to_wire(),
             "memory": process_memory().to_wire(),
+            "loop": self.loop_watch.status(),
         }
         for name, provider in self._providers.items():
             report[name] = _provided(name, provider)

@@ -103,6 +103,15 @@ class StatusCollector(Collector):
             value = _num(memory.get(key))
             if value is not None:
                 yield GaugeMetricFamily(name, text, value=value)
+        loop = _dict(st.get("loop"))
+        late = _num(loop.get("late_ms_worst_1m"))
+        if late is not None:
+            yield GaugeMetricFamily("dtfm_event_loop_late_seconds",
+                                    "the event loop's latest wake-up in the last minute", value=late / 1000)
+        stalls = _num(loop.get("stalls"))
+        if stalls is not None:
+            yield CounterMetricFamily("dtfm_event_loop_stalls", "wake-ups of the event loop late by its stall "
+                                      "threshold or more", value=stalls)
         refused = CounterMetricFamily("dtfm_transport_refused_messages",
                                       "incoming messages the transport refused, by reason and message type",
                                       labels=["reason", "type"])

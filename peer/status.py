@@ -27,7 +27,7 @@ from typing import Any, TypeGuard
 from dtfm.net import pack
 
 CORE_KEYS = frozenset({"peer_id", "short_id", "listen", "advertise", "region", "pid", "data_dir",
-                       "uptime_s", "peers", "departed", "refused", "truncated", "memory"})
+                       "uptime_s", "peers", "departed", "refused", "truncated", "memory", "loop"})
 FORMATTED_KEYS = frozenset({"gossip", "training"})  # sections printed in words, not as JSON
 
 # gossip/view.py's DISAGREEMENT_RATIO, repeated here so that `dtfm-peer status` imports no numpy;
@@ -133,6 +133,9 @@ def format_text(report: dict[str, Any], now: float | None = None) -> str:
     memory = format_memory(report)
     if memory:
         lines.append(f"memory    {memory}")
+    loop = format_loop(report.get("loop"))
+    if loop:
+        lines.append(f"loop      {loop}")
     peers = report.get("peers") or []
     lines.append(f"peers     {len(peers)} connected")
     if peers:
@@ -186,6 +189,28 @@ def format_memory(report: dict[str, Any]) -> str:
     data = training.get("data_bytes") if isinstance(training, dict) else None
     if isinstance(data, int):
         text += f"; data set {format_bytes(data)}"
+    return text
+
+
+def format_loop(loop: object) -> str:
+    """The event loop's lateness (peer/loopwatch.py) in words; "" when not reported."""
+    if not isinstance(loop, dict):
+        return ""
+    text = f"late by {loop.get('late_ms_worst_1m', '?')} ms at worst in the last minute"
+    stalls = loop.get("stalls")
+    if not isinstance(stalls, int) or stalls <= 0:
+        return text
+    text += f"; {stalls} stall{'s' if stalls != 1 else ''} of {loop.get('stall_ms', '?')} ms or more"
+    last = loop.get("last_stall")
+    if isinstance(last, dict):
+        stack = last.get("stack")
+        frames = [f for f in stack if isinstance(f, str)] if isinstance(stack, list) else []
+        inner = next((f for f in reversed(frames) if f.startswith("dtfm/")), frames[-1] if frames else None)
+        where = f" in {inner}" if inner else ""
+        text += f", the last {last.get('late_s', '?')} s{where}"
+        at = last.get("at")
+        if isinstance(at, (int, float)):
+            text += f" at {time.strftime('%H:%M:%S', time.gmtime(at))} UTC"
     return text
 
 

@@ -274,6 +274,7 @@ async def test_three_daemons_find_each_other_through_one_bootstrap(autojump, sho
         assert status["listen"] == str(c.listen_address)
         assert status["uptime_s"] == pytest.approx(trio.current_time() - c.started_at)
         assert status["departed"] == []
+        assert set(status["loop"]) == {"late_ms_worst_1m", "late_ms_worst", "stalls", "stall_ms", "last_stall"}
         nursery.cancel_scope.cancel()
 
 
