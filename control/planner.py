@@ -85,6 +85,13 @@ def asked_stages(alloc: Allocation) -> int | None:
     return None if req is None else req.stages
 
 
+def asked_dp(alloc: Allocation) -> int | None:
+    """The pipeline count the operator's start asked for (`--dp`), None when it left it to the
+    scheduler (or the start cannot be read)."""
+    req = _asked(alloc)
+    return None if req is None else req.dp
+
+
 def asked_auto_micro_batches(alloc: Allocation) -> bool:
     """Whether the operator's start left the micro-batch count to the scheduler
     (`--micro-batches auto`); False when the start cannot be read."""
@@ -213,7 +220,8 @@ class SchedulerPlanner:
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
-                       keep_stages=asked_stages(cur) is not None, kind=kind, auto_micro_batches=auto_m,
+                       keep_stages=asked_stages(cur) is not None, keep_dp=asked_dp(cur), kind=kind,
+                       auto_micro_batches=auto_m,
                        window_messages=self.config.comm.window_messages,
                        compression=None if cur.compression.exact else compression_options_of(cur.compression, view=view))
         if cur.compression.exact:

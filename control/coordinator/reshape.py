@@ -24,7 +24,10 @@ It weighs every way of going on against the allocation in use (`current`, a `tra
   count (`shape_space`: spares allowed), layer ranges changed; when fewer than S peers are
   live, these are the only candidates. When no peer reported its compute speed, or the
   operator asked for the stage count, restage is tried only then (compute free, fewer peers or
-  stages would always look faster; an asked shape is kept while the peers allow it).
+  stages would always look faster; an asked shape is kept while the peers allow it). When the
+  operator asked for the pipeline count too (`keep_dp`), only candidates of that many pipelines
+  are weighed while S x D peers are live (a shrink below it and the grow back are the peers'
+  doing, not the scheduler's choice).
 
 The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no
 moves. Every candidate is costed with each peer's reported compute speed (`peer_compute`), so
@@ -139,7 +142,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             min_gain: float = 0.1, force: bool = False, stages: int | None = None, dp: int | None = None,
             config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
             compression: CompressionOptions | None = None, keep_stages: bool = False,
-            kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
+            keep_dp: int | None = None, kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
             window_messages: int = TRAINER_WINDOW_MESSAGES) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
@@ -152,7 +155,8 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     peers whose link is cut (see the module docstring). compression: the codecs a per-link run's
     links and groups may use (each costed with its cheapest, the current allocation too; None: exact).
     keep_stages: the operator asked for the current stage count: other stage counts only when
-    fewer peers than stages are live. kind: the run's layer's `kind_factors` (none: the
+    fewer peers than stages are live. keep_dp: the operator asked for this many pipelines:
+    while the live peers fill them at the current stage count, only such allocations. kind: the run's layer's `kind_factors` (none: the
     reference rate). auto_micro_batches: the run's start left the micro-batch count to the
     scheduler (see the module docstring; `cfg.micro_batches` is the run's current count).
     window_messages: the swarm's flow-control window (`CommConfig.window_messages`).
@@ -185,6 +189,11 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             cands += _shapes(pl, "restage", None, None, time_budget_s / 2 if same else time_budget_s, pl.cur)
         keep = next((c for c in cands if c.kind == "keep"), None)
     cands = _distinct(cands + _detours(pl, cands))
+    if keep_dp is not None and current is not None and len(pl.live) >= current.stages * keep_dp:
+        asked = [c for c in cands if c.X.shape == (current.stages, keep_dp)]
+        if asked:
+            cands = asked
+            keep = keep if any(c is keep for c in asked) else None
     if not cands:
         raise ValueError(f"no allocation fits the {len(pl.live)} live peers of the view "
                          f"(a model of {spec.n_layer} layers, at most {pl.d_max} pipelines for a global "

@@ -9,10 +9,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from machine_trace import alloc, start_op
 
 from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, MachineNow, peer_compute, pipeline_seqs, reference_block_flops,
                                   sched_spec, training_block_ms, with_fresh_compute)
 from dtfm.control.coordinator.reshape import reshape
+from dtfm.control.planner import asked_dp, asked_stages
 from dtfm.control.coordinator.schedule import (choose_shape, compression_options_of, compute_busy_fraction, random_shape,
                                                shape_space)
 from dtfm.gossip import NetworkView
@@ -329,6 +331,32 @@ def test_a_reconfiguration_searches_every_shape_unless_the_operator_fixed_the_st
                    keep_stages=True)
     assert len(kept.placement.layer_ranges) == 4
     assert kept.placement.predicted_iteration_s > free.placement.predicted_iteration_s
+
+
+def test_an_asked_pipeline_count_comes_back_when_the_peers_do():
+    """A 2 x 2 run shrank to 2 x 1 when a peer died; on a slow network more pipelines cost more
+    than they save, so with the peer back the scheduler keeps one pipeline and a spare... unless
+    the operator asked for two (`--dp 2`): then it grows back to 2 x 2, the returned peers
+    fetching their stages. Short of S x D live peers, the asked count is not forced."""
+    view = view_of(np.full((4, 4), 5.0) - 5.0 * np.eye(4), np.full(4, 1.0), bandwidth_gbps=0.05)
+    cur = Plan(((view.peers[0], view.peers[1]),), ((0, 2), (2, 4)))
+    live = frozenset(view.peers)
+    free = reshape(view, SPEC, CFG, current=cur, live=live, remaining_steps=1000, time_budget_s=0.3,
+                   keep_stages=True)
+    assert len(free.placement.pipelines) == 1 and len(free.placement.spares) == 2
+    asked = reshape(view, SPEC, CFG, current=cur, live=live, remaining_steps=1000, time_budget_s=0.3,
+                    keep_stages=True, keep_dp=2)
+    assert len(asked.placement.pipelines) == 2 and not asked.placement.spares
+    assert asked.placement.predicted_iteration_s > free.placement.predicted_iteration_s
+    assert asked.moves and {c["shape"] for c in asked.candidates} == {"2x2"}
+    # the planner reads the asked counts off the operator's signed start, which every allocation carries
+    assert asked_dp(alloc(operator_start=start_op(stages=2, dp=2).encode())) == 2
+    assert asked_dp(alloc(operator_start=start_op(stages=2).encode())) is None
+    assert asked_stages(alloc(operator_start=start_op(stages=2).encode())) == 2
+    three = frozenset(view.peers[:3])
+    short = reshape(view, SPEC, CFG, current=cur, live=three, remaining_steps=1000, time_budget_s=0.3,
+                    keep_stages=True, keep_dp=2)
+    assert len(short.placement.pipelines) == 1
 
 
 def test_the_planner_asks_the_layer_probe_for_every_micro_batch_a_shape_may_use():
