@@ -17,6 +17,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 ln -sfn "$PWD" "$site/dtfm"
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-python3 -c "import torch, trio, nacl, msgpack, dtfm.train; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+python3 -c "import torch, trio, nacl, msgpack, dtfm.train
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 exec python3 bench/gpu.py "$@"

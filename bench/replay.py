@@ -66,7 +66,8 @@ class Replay:
     def to_dict(self, rows: list[dict] | None = None) -> dict:
         out = {"checkpoints": len(self.replayed), "replayed_steps": self.steps,
                "worst_relative": self.worst_relative, "exact": self.steps > 0 and self.worst_relative <= self.rel,
-               "bound": self.rel, "per_checkpoint": {str(k): float(f"{v:.2e}") for k, v in sorted(self.per_checkpoint.items())},
+               "bound": self.rel,
+               "per_checkpoint": {str(k): float(f"{v:.2e}") for k, v in sorted(self.per_checkpoint.items())},
                "failures": self.failures[-5:]}
         if rows is not None:
             out["coverage"] = round(self.coverage(rows), 4)

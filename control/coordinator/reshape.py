@@ -156,9 +156,10 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     links and groups may use (each costed with its cheapest, the current allocation too; None: exact).
     keep_stages: the operator asked for the current stage count: other stage counts only when
     fewer peers than stages are live. keep_dp: the operator asked for this many pipelines:
-    while the live peers fill them at the current stage count, only such allocations. kind: the run's layer's `kind_factors` (none: the
-    reference rate). auto_micro_batches: the run's start left the micro-batch count to the
-    scheduler (see the module docstring; `cfg.micro_batches` is the run's current count).
+    while the live peers fill them at the current stage count, only such allocations. kind:
+    the run's layer's `kind_factors` (none: the reference rate). auto_micro_batches: the run's
+    start left the micro-batch count to the scheduler (see the module docstring;
+    `cfg.micro_batches` is the run's current count).
     window_messages: the swarm's flow-control window (`CommConfig.window_messages`).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
