@@ -25,6 +25,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,11 +118,13 @@ class LoopWatch:
     Real time (`time.monotonic`), not trio's clock: the point is the thread's real delays, and a
     test's mock clock would hide them."""
 
-    def __init__(self, *, tick_s: float = 0.05, stall_s: float = 0.25):
+    def __init__(self, *, tick_s: float = 0.05, stall_s: float = 0.25,
+                 wall: Callable[[], float] = time.time):
         if not 0 < tick_s < stall_s:
             raise ValueError("need 0 < tick_s < stall_s")
         self.tick_s = tick_s
         self.lateness = LoopLateness(stall_s)
+        self._wall = wall  # the stalls' timestamps in status
         self._beat = time.monotonic()
         self._snapshot: StallSnapshot | None = None  # written by the watchdog, taken by the task
         self._lock = threading.Lock()
@@ -145,7 +148,7 @@ class LoopWatch:
                 with self._lock:
                     self._beat = now
                     snapshot, self._snapshot = self._snapshot, None
-                if self.lateness.woke(now, now - due, snapshot, time.time()):
+                if self.lateness.woke(now, now - due, snapshot, self._wall()):
                     where = " <- ".join(reversed(snapshot.stack)) if snapshot is not None else "(no stack taken)"
                     logger.warning("event loop stalled %.2f s (stall %d); it was in: %s",
                                    now - due, self.lateness.stalls, where)
