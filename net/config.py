@@ -24,8 +24,10 @@ class TransportConfig:
     # Payload bytes per chunk frame: smaller chunks let control frames overtake sooner, larger
     # ones cost fewer records and syscalls.
     chunk_bytes: int = 1 * MiB
-    # Incomplete payloads a peer may have in flight to us at once, in count and in bytes.
-    max_inflight_payloads: int = 16
+    # Incomplete payloads a peer may have in flight to us at once, in count and in bytes (the
+    # bytes bound the memory; the count, the bookkeeping: the data plane keeps up to 16 tensors
+    # in flight to a neighbour, and gossip's probes and weight chunks share the connection).
+    max_inflight_payloads: int = 64
     max_inflight_payload_bytes: int = 4096 * MiB
     # Incomplete incoming payloads over all connections together, in bytes: the memory many
     # connections may commit at once. A payload that does not fit is refused (a request gets

@@ -29,9 +29,12 @@ class CommConfig:
     # tensor being sent): more keeps a long, fast link full (bandwidth x round trip); less bounds
     # what a receiver holds in handlers waiting for room.
     window_bytes: int = 64 * MiB
-    # Unacknowledged tensors to one peer. The transport allows 16 payloads in flight and 64
-    # handlers per connection, shared with gossip and control: stay well under both.
-    window_messages: int = 8
+    # Unacknowledged tensors to one peer. Across a link of latency L a pipeline of M
+    # micro-batches pays a round trip per window of them: at least the micro-batch counts the
+    # scheduler picks for latency-bound runs (16 for `tiny` across oceans). The transport allows
+    # 64 incomplete payloads and 64 handlers per connection, shared with gossip and control:
+    # stay well under both (at most 32).
+    window_messages: int = 16
     # A neighbour's receive buffer holds this many of its largest message (or what it sends in a
     # row, if more): above 1 the next tensor lands while the worker computes on this one.
     buffer_factor: float = 2.0
@@ -51,8 +54,8 @@ class CommConfig:
     handler_wait_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.window_bytes < 1 or not 1 <= self.window_messages <= 12:
-            raise ValueError("window_bytes must be >= 1 and window_messages in 1..12")
+        if self.window_bytes < 1 or not 1 <= self.window_messages <= 32:
+            raise ValueError("window_bytes must be >= 1 and window_messages in 1..32")
         if not self.buffer_factor >= 1.0:
             raise ValueError("buffer_factor must be >= 1")
         if self.max_buffer_bytes < 1 or self.max_queued_messages < 1:

@@ -448,7 +448,7 @@ def test_config_is_validated_and_sizes_buffers_from_the_rules():
     with pytest.raises(ValueError):
         CommConfig(window_messages=0)
     with pytest.raises(ValueError):
-        CommConfig(window_messages=16)
+        CommConfig(window_messages=33)
     with pytest.raises(ValueError):
         CommConfig(buffer_factor=0.5)
     with pytest.raises(ValueError):
