@@ -512,6 +512,18 @@ class DaemonConfig:
     plane: PlaneSection = PlaneSection()
     metrics: MetricsConfig = MetricsConfig()
 
+    def __post_init__(self) -> None:
+        # The data plane's tensors in flight to a neighbour arrive as the transport's payloads and
+        # handlers, which gossip and control share: a window past half of either would have the
+        # transport close connections (too many payloads in flight) or refuse requests (busy).
+        window = self.plane.settings.comm.window_messages
+        room = min(self.transport.max_inflight_payloads, self.transport.max_concurrent_handlers) // 2
+        if window > room:
+            raise ConfigError(f"plane.comm.window_messages {window}: at most half of transport."
+                              f"max_inflight_payloads ({self.transport.max_inflight_payloads}) and of "
+                              f"transport.max_concurrent_handlers ({self.transport.max_concurrent_handlers}); "
+                              f"lower it or raise those")
+
     @classmethod
     def default(cls) -> DaemonConfig:
         return cls()

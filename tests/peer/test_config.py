@@ -257,6 +257,25 @@ def test_gossip_sync_bytes_are_capped_by_the_transport_frame(tmp_path):
     assert gossip_config(load_toml(path)).max_sync_bytes == 65536
 
 
+def load_toml_config(tmp_path: Path, text: str) -> DaemonConfig:
+    path = tmp_path / "w.toml"
+    path.write_text(text)
+    return load_toml(path)
+
+
+def test_the_data_planes_window_fits_the_transports_payloads_and_handlers(tmp_path):
+    """16 tensors in flight by default, under half of the 64 incomplete payloads and handlers
+    the transport allows per connection; a window the transport could not take is refused at
+    once, naming both sides."""
+    assert load_toml_config(tmp_path, "").plane.settings.comm.window_messages == 16
+    with pytest.raises(ConfigError, match="plane.comm.window_messages 16: at most half of transport.max_inflight_payloads"):
+        load_toml_config(tmp_path, "[transport]\nmax_inflight_payloads = 16\n")
+    with pytest.raises(ConfigError, match="max_concurrent_handlers"):
+        load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 32\n[transport]\nmax_concurrent_handlers = 48\n")
+    assert load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 32\n")  # half of 64: room enough
+    assert load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 8\n[transport]\nmax_inflight_payloads = 16\n")
+
+
 def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
     path = tmp_path / "e.toml"
     path.write_text('[emulation]\nscenario = "worldwide"\ntime_scale = 2\nqueue_frames = 64\n'
