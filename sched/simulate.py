@@ -51,7 +51,7 @@ __all__ = ["SimResult", "TRAINER_WINDOW_MESSAGES", "simulate"]
 
 # The trainer's unacknowledged messages per destination (control/dataplane CommConfig's default
 # `window_messages`; tests/sched check they agree).
-TRAINER_WINDOW_MESSAGES = 16
+TRAINER_WINDOW_MESSAGES = 8
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,13 @@ class CommConfig:
     # tensor being sent): more keeps a long, fast link full (bandwidth x round trip); less bounds
     # what a receiver holds in handlers waiting for room.
     window_bytes: int = 64 * MiB
-    # Unacknowledged tensors to one peer. Across a link of latency L a pipeline of M
-    # micro-batches pays a round trip per window of them: at least the micro-batch counts the
-    # scheduler picks for latency-bound runs (16 for `tiny` across oceans). The transport allows
-    # 64 incomplete payloads and 64 handlers per connection, shared with gossip and control:
-    # stay well under both (at most 32).
-    window_messages: int = 16
+    # Unacknowledged tensors to one peer. Across a link of latency L a pipeline of M > W
+    # micro-batches pays a round trip per W of them (the scheduler's simulator counts it, so it
+    # picks M <= W on latency-bound links). A wider window lets it pick more micro-batches, which
+    # the simulator predicts faster but which measured no faster on a loaded machine (each
+    # message's fixed cost is not modelled: docs/figures.md). The transport allows 64 incomplete
+    # payloads and 64 handlers per connection, shared with gossip and control: at most half.
+    window_messages: int = 8
     # A neighbour's receive buffer holds this many of its largest message (or what it sends in a
     # row, if more): above 1 the next tensor lands while the worker computes on this one.
     buffer_factor: float = 2.0

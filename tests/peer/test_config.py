@@ -264,16 +264,16 @@ def load_toml_config(tmp_path: Path, text: str) -> DaemonConfig:
 
 
 def test_the_data_planes_window_fits_the_transports_payloads_and_handlers(tmp_path):
-    """16 tensors in flight by default, under half of the 64 incomplete payloads and handlers
-    the transport allows per connection; a window the transport could not take is refused at
-    once, naming both sides."""
-    assert load_toml_config(tmp_path, "").plane.settings.comm.window_messages == 16
-    with pytest.raises(ConfigError, match="plane.comm.window_messages 16: at most half of transport.max_inflight_payloads"):
-        load_toml_config(tmp_path, "[transport]\nmax_inflight_payloads = 16\n")
+    """8 tensors in flight by default, a wider window settable up to half of the 64 incomplete
+    payloads and handlers the transport allows per connection; a window the transport could not
+    take is refused at once, naming both sides."""
+    assert load_toml_config(tmp_path, "").plane.settings.comm.window_messages == 8
+    with pytest.raises(ConfigError, match="plane.comm.window_messages 8: at most half of transport.max_inflight_payloads"):
+        load_toml_config(tmp_path, "[transport]\nmax_inflight_payloads = 8\n")
     with pytest.raises(ConfigError, match="max_concurrent_handlers"):
         load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 32\n[transport]\nmax_concurrent_handlers = 48\n")
     assert load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 32\n")  # half of 64: room enough
-    assert load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 8\n[transport]\nmax_inflight_payloads = 16\n")
+    assert load_toml_config(tmp_path, "[plane.comm]\nwindow_messages = 4\n[transport]\nmax_inflight_payloads = 8\n")
 
 
 def test_emulation_table_and_flags_map_onto_emulation_config(tmp_path):
