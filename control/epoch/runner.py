@@ -106,6 +106,7 @@ class StageRunner:
         self._reports: collections.deque[StepReport] = collections.deque(history, maxlen=keep_reports)
         self.torch_threads = torch_threads
         self._since_release = 0  # steps since the C heap's free pages were last given back
+        self._released_once = False
         self.on_step = on_step
         self._end_step = end_step
         self._stopped = False
@@ -160,7 +161,7 @@ class StageRunner:
         try:
             return self._steps()
         finally:
-            release_heap()  # (the run's freed activations, buckets and received tensors)
+            self._release_heap()  # (the run's freed activations, buckets and received tensors)
 
     def _steps(self) -> RunEnd:
         in_step = self.state.compress.config.dp_method == "exact"  # the snapshot is copied inside the step
@@ -188,8 +189,7 @@ class StageRunner:
             self.memory = stage_memory(self.state, self._snapshot_bytes(), result.act_peak_bytes)
             self._since_release += 1
             if self._since_release >= HEAP_RELEASE_STEPS:
-                release_heap()
-                self._since_release = 0
+                self._release_heap()
             after = self.counter.snapshot()
             sent = tuple(min(after[k] - before[k], MAX_STEP_BYTES) for k in BYTE_AXES)
             report = StepReport(self.plan.epoch, result.step, result.loss, time.perf_counter() - t0,
@@ -224,6 +224,14 @@ class StageRunner:
                           params_sha256(self.state))
         return None
 
+    def _release_heap(self) -> None:
+        """Give the C heap's free pages back, once per step at most (a checkpoint where the run
+        ends, or on the 64th step, is followed by the run's end or the periodic release)."""
+        if self._since_release == 0 and self._released_once:
+            return
+        release_heap()
+        self._since_release, self._released_once = 0, True
+
     @property
     def _saves(self) -> bool:
         return self._save is not None or self.checkpoint_dir is not None
@@ -244,7 +252,7 @@ class StageRunner:
                 logger.error("cannot save the checkpoint of step %d in %s: %s", self.state.step, self.checkpoint_dir, e)
                 return
         self._saved_step = self.state.step
-        release_heap()
+        self._release_heap()
         logger.info("saved checkpoint of step %d to %s%s", self.state.step, path, why)
 
 

@@ -77,6 +77,25 @@ def test_the_heap_is_given_back_every_few_dozen_steps_and_where_the_run_ends_not
     assert given == [3, 6, 7]  # after steps 0-2 and 3-5, and once the run ended
 
 
+def test_the_heap_is_given_back_once_where_a_release_and_the_runs_end_meet(monkeypatch, tmp_path):
+    """A run ending on the step of a periodic release, or with its end checkpoint (which gives
+    the heap back itself), does not give it back twice."""
+    import dtfm.control.epoch.runner as runner_mod
+
+    given: list[int] = []
+    monkeypatch.setattr(runner_mod, "HEAP_RELEASE_STEPS", 3)
+    plan = Plan(((b"me",),), ((0, SPEC.n_layer),), epoch=1)
+    state = StageState(SPEC, CFG, (0, SPEC.n_layer))
+    monkeypatch.setattr(runner_mod, "release_heap", lambda: given.append(state.step) or True)
+    end = trio.run(StageRunner(state, plan, b"me", InMemoryHub().endpoint(b"me"), CORPUS, end_step=6).run)
+    assert end.completed == 5 and given == [3, 6]
+    given.clear()
+    state = StageState(SPEC, CFG, (0, SPEC.n_layer))
+    end = trio.run(StageRunner(state, plan, b"me", InMemoryHub().endpoint(b"me"), CORPUS, end_step=2,
+                               checkpoint_dir=tmp_path).run)
+    assert end.completed == 1 and given == [2]  # the end checkpoint's release, not the end's again
+
+
 def test_an_error_of_this_peers_own_ends_the_run_not_the_daemon(tmp_path):
     # A step that fails on this peer for its own reason (here a data set too short for a
     # sequence; out of memory alike) ends the run as failed, with the reason, and leaves the
