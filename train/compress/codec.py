@@ -81,7 +81,8 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes below 2**bits, `8 // bits` per byte, the first in the low bits."""
+    """uint8 codes below 2**bits, `8 // bits` per byte, the first in the low bits (in uint8, one
+    shift and OR per code: 3x faster than through int32 for int4)."""
     per = 8 // bits
     if per == 1:
         return codes
@@ -89,26 +90,20 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-n) % per
     if pad:
         codes = torch.cat((codes, codes.new_zeros(pad)))
-    if per <= 4:  # (in uint8 with one shift and OR per code: 3x faster than int32 for int4)
-        c = codes.reshape(-1, per)
-        out = c[:, 0].clone()
-        for i in range(1, per):
-            out |= c[:, i] << (i * bits)
-        return out
-    c = codes.reshape(-1, per).to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
-    return (c << shifts).sum(dim=1).to(torch.uint8)
+    c = codes.reshape(-1, per)
+    out = c[:, 0].clone()
+    for i in range(1, per):
+        out |= c[:, i] << (i * bits)
+    return out
 
 
 def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The first `n` codes `_pack` packed (in uint8: 4x faster than through int32 for int4)."""
     per = 8 // bits
     if per == 1:
         return packed[:n]
-    if per == 2:  # (two nibbles, in uint8: 4x faster than through int32)
-        return torch.stack((packed & 15, packed >> 4), dim=1).reshape(-1)[:n]
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    c = (packed.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
-    return c.reshape(-1)[:n].to(torch.uint8)
+    mask = (1 << bits) - 1
+    return torch.stack([(packed >> (i * bits)) & mask for i in range(per)], dim=1).reshape(-1)[:n]
 
 
 def _header(magic: bytes, a: int, b: int, log2: int, gmax: float, device: torch.device) -> torch.Tensor:
