@@ -20,6 +20,7 @@ and the task are thin.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -49,11 +50,16 @@ def stack_of_thread(ident: int, max_frames: int = MAX_FRAMES) -> list[str]:
     return [f"{_short_path(f.filename)}:{f.lineno} {f.name}" for f in summary]
 
 
+# the dtfm package's folder, whatever its name (an editable install's is the repository)
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+
+
 def _short_path(path: str) -> str:
-    parts = path.replace("\\", "/").split("/")
-    if "dtfm" in parts:  # this package's files from the package root, others by their last two parts
-        return "/".join(parts[len(parts) - parts[::-1].index("dtfm") - 1:])
-    return "/".join(parts[-2:])
+    """This package's files as dtfm/..., others by their last two parts."""
+    full = os.path.realpath(path)
+    if full.startswith(_PACKAGE_ROOT + os.sep):
+        return "dtfm/" + os.path.relpath(full, _PACKAGE_ROOT).replace(os.sep, "/")
+    return "/".join(path.replace("\\", "/").split("/")[-2:])
 
 
 @dataclass(frozen=True)

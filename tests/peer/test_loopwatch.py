@@ -59,6 +59,7 @@ async def test_a_stall_is_counted_with_the_stack_that_held_the_loop(caplog):
     assert st["late_ms_worst"] >= 250 and st["last_stall"]["at"] == 1_700_000_000.0
     held = [r.message for r in caplog.records if "_hold_the_loop" in r.message]
     assert held and held[0].startswith("event loop stalled 0.")
+    assert "dtfm/tests/peer/test_loopwatch.py:" in held[0]  # this package's files named from its root
 
 
 def test_settings_are_checked():
