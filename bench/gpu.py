@@ -504,8 +504,7 @@ def check_daemons(out: Path, device: str, quick: bool) -> None:
 def _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spec, cfg, min_steps) -> None:
     """Stop the run, then compare every logged step with one process on the same device, the
     first epoch with the same 2 x 2 in one process, and the stages' replicas with each other."""
-    from dtfm.swarm.state import load_state
-    from dtfm.swarm.train import stop_training, sync_logs
+    from dtfm.swarm.train import stop_training
     from dtfm.train import LocalCluster, Plan, StageState, load_corpus, reference_step
 
     coord = wait_for("a coordinator", lambda: next(
@@ -522,7 +521,7 @@ def _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spe
     for v in end.values():
         groups.setdefault(v["stage"], set()).add(v["last_end"]["params_sha256"])
     time.sleep(1.0)
-    got = rows()
+    got = rows()  # (merged into the run dir's train.jsonl too: what the replay reads)
     # the oracle: one process on the same device, as many steps as the swarm logged
     ref = StageState(spec, cfg, (0, spec.n_layer), device)
     corpus = load_corpus()
@@ -540,7 +539,6 @@ def _compare_daemons(out, device, run_dir, state, trainings, wait_for, rows, spe
     # outgrows 1e-4 whatever the swarm does: each checkpoint is joined and replayed in one process
     # instead, its next 10 steps compared with the swarm's, within the same 1e-4 on a GPU (float
     # order alone moved one process's 2 x 2 by 1.4e-5 in one step on the H200) and 1e-5 on a CPU.
-    sync_logs(run_dir, load_state(run_dir))  # (train.jsonl, which the replay reads)
     rep = replays.replay(run_dir, replays.Replay(rel=1e-4 if device == "cuda" else replays.REL), max_steps=10,
                          device=device)
     replayed = rep.to_dict(got)

@@ -78,28 +78,10 @@ CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is han
 SCHEDULES_KEPT = 8  # first placements' inputs kept in the data dir
 
 
-def asked_stages(alloc: Allocation) -> int | None:
-    """The stage count the operator's start asked for (`--stages`), None when it left the
-    shape to the scheduler (or the start cannot be read)."""
-    req = _asked(alloc)
-    return None if req is None else req.stages
-
-
-def asked_dp(alloc: Allocation) -> int | None:
-    """The pipeline count the operator's start asked for (`--dp`), None when it left it to the
-    scheduler (or the start cannot be read)."""
-    req = _asked(alloc)
-    return None if req is None else req.dp
-
-
-def asked_auto_micro_batches(alloc: Allocation) -> bool:
-    """Whether the operator's start left the micro-batch count to the scheduler
-    (`--micro-batches auto`); False when the start cannot be read."""
-    req = _asked(alloc)
-    return req is not None and req.auto_micro_batches
-
-
-def _asked(alloc: Allocation) -> TrainRequest | None:
+def asked_start(alloc: Allocation) -> TrainRequest | None:
+    """The operator's start the allocation carries, as its peers checked it: the stage and
+    pipeline counts it asked for (`--stages`, `--dp`; None: the scheduler's), whether it left
+    the micro-batch count to the scheduler. None when the start cannot be read."""
     try:
         return SignedOp.decode(alloc.operator_start).open().request()
     except (ProtocolError, ValueError):
@@ -215,12 +197,14 @@ class SchedulerPlanner:
                  regions: dict[bytes, str], seed: int, force: bool,
                  cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
         per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
-        auto_m = asked_auto_micro_batches(cur)
+        asked = asked_start(cur)  # (decoded once: the signature is checked on each decode)
+        auto_m = asked is not None and asked.auto_micro_batches
         kind = self.kind(cur.model, cur.train, len(view.peers), auto_micro_batches=auto_m)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
-                       keep_stages=asked_stages(cur) is not None, keep_dp=asked_dp(cur), kind=kind,
+                       keep_stages=asked is not None and asked.stages is not None,
+                       keep_dp=asked.dp if asked is not None else None, kind=kind,
                        auto_micro_batches=auto_m,
                        window_messages=self.config.comm.window_messages,
                        compression=None if cur.compression.exact else compression_options_of(cur.compression, view=view))

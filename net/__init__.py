@@ -29,6 +29,7 @@ if TYPE_CHECKING:
                            verify_signature,
     )
     from .interface import Handler, PeerConnection, PeerTransport, Reply
+    from .lograte import LogLimiter
     from .memnet import LinkModel, MemNetwork, scenario_link, uniform_link
     from .memtransport import MemConnection, MemTransport
     from .operator import OperatorKey, operator_key_path
@@ -50,7 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Address", "AddressError", "Connection", "ConnectionClosed", "EmulatedLinks", "EmulationConfig", "Handler",
     "HandshakeError", "IDENTITY_FILE", "Identity", "KeyFileError", "LinkShape", "LinkShaper", "MAX_HOST_LEN",
-    "LinkModel", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
+    "LinkModel", "LogLimiter", "MemConnection", "MemNetwork", "MemTransport", "PEER_ID_BYTES", "PeerConnection", "PeerTransport",
     "ProtocolError", "Refusals", "RemoteError", "Reply", "RequestTimeout", "TokenBuckets", "Transport",
     "TransportConfig",
     "get_bool", "get_bytes", "get_dict",
@@ -77,6 +78,7 @@ LAZY_EXPORTS: dict[str, tuple[str, ...]] = {
         "operator_line", "short_id", "swarm_key_fingerprint", "verify_signature",
     ),
     ".interface": ("Handler", "PeerConnection", "PeerTransport", "Reply"),
+    ".lograte": ("LogLimiter",),
     ".memnet": ("LinkModel", "MemNetwork", "scenario_link", "uniform_link"),
     ".memtransport": ("MemConnection", "MemTransport"),
     ".operator": ("OperatorKey", "operator_key_path"),

@@ -11,7 +11,9 @@ far away: a coordinator steps down for want of acks, a peer is suspected, a requ
   (`LoopLateness`: the worst of the last minute, the worst ever, the count of stalls);
 - a watchdog thread that looks at the task's last beat every `tick_s`; when the loop has not
   beaten for `stall_s`, it takes the loop thread's Python stack once (the frame that holds the
-  loop), and the task logs it with the stall's length once the loop runs again.
+  loop), and the task logs it with the stall's length once the loop runs again (at most one
+  stall every STALL_LOG_INTERVAL_S, `dtfm.net.LogLimiter`, saying how many were left out; status
+  counts every one).
 
 The bookkeeping is sans-IO (`LoopLateness`, `StallSnapshot`), tested with numbers; the thread
 and the task are thin.
@@ -32,11 +34,14 @@ from typing import Any
 
 import trio
 
+from dtfm.net import LogLimiter
+
 __all__ = ["LoopLateness", "LoopWatch", "StallSnapshot", "stack_of_thread"]
 
 logger = logging.getLogger(__name__)
 
 WINDOW_S = 60.0  # the "recent" worst lateness covers this long
+STALL_LOG_INTERVAL_S = 10.0  # at most one stall logged this often (the others counted in it)
 MAX_FRAMES = 8   # innermost frames kept of a stalled loop's stack
 
 
@@ -125,12 +130,13 @@ class LoopWatch:
     test's mock clock would hide them."""
 
     def __init__(self, *, tick_s: float = 0.05, stall_s: float = 0.25,
-                 wall: Callable[[], float] = time.time):
+                 log_interval_s: float = STALL_LOG_INTERVAL_S, wall: Callable[[], float] = time.time):
         if not 0 < tick_s < stall_s:
             raise ValueError("need 0 < tick_s < stall_s")
         self.tick_s = tick_s
         self.lateness = LoopLateness(stall_s)
         self._wall = wall  # the stalls' timestamps in status
+        self._log_limit = LogLimiter(log_interval_s, burst=1, max_keys=1)  # a starved machine stalls often
         self._beat = time.monotonic()
         self._snapshot: StallSnapshot | None = None  # written by the watchdog, taken by the task
         self._lock = threading.Lock()
@@ -155,9 +161,12 @@ class LoopWatch:
                     self._beat = now
                     snapshot, self._snapshot = self._snapshot, None
                 if self.lateness.woke(now, now - due, snapshot, self._wall()):
-                    where = " <- ".join(reversed(snapshot.stack)) if snapshot is not None else "(no stack taken)"
-                    logger.warning("event loop stalled %.2f s (stall %d); it was in: %s",
-                                   now - due, self.lateness.stalls, where)
+                    left_out = self._log_limit.admit("stall", now)
+                    if left_out is not None:
+                        where = " <- ".join(reversed(snapshot.stack)) if snapshot is not None else "(no stack taken)"
+                        more = f"; {left_out} more since the last one logged" if left_out else ""
+                        logger.warning("event loop stalled %.2f s (stall %d%s); it was in: %s",
+                                       now - due, self.lateness.stalls, more, where)
         finally:
             stop.set()
 

@@ -43,8 +43,8 @@ def _hold_the_loop(seconds: float) -> None:
 async def test_a_stall_is_counted_with_the_stack_that_held_the_loop(caplog):
     """Real time, bounded: the loop is held 0.3 s by a blocking call; the watch counts the stall
     and names the function that held it, in its status and in a warning. (A loaded machine may
-    add stalls of its own: the test looks for this one among them.)"""
-    watch = LoopWatch(tick_s=0.02, stall_s=0.1, wall=lambda: 1_700_000_000.0)
+    add stalls of its own: the test looks for this one among them, every stall logged.)"""
+    watch = LoopWatch(tick_s=0.02, stall_s=0.1, log_interval_s=1e-3, wall=lambda: 1_700_000_000.0)
     caplog.set_level(logging.WARNING, logger="dtfm.peer.loopwatch")
     async with trio.open_nursery() as nursery:
         await nursery.start(watch.run)
@@ -60,6 +60,24 @@ async def test_a_stall_is_counted_with_the_stack_that_held_the_loop(caplog):
     held = [r.message for r in caplog.records if "_hold_the_loop" in r.message]
     assert held and held[0].startswith("event loop stalled 0.")
     assert "dtfm/tests/peer/test_loopwatch.py:" in held[0]  # this package's files named from its root
+
+
+async def test_stalls_are_logged_once_an_interval_and_all_counted(caplog):
+    """A starved machine stalls the loop again and again: one warning per interval, each stall
+    counted in status. Real time, bounded: two holds of 0.2 s, a 60 s interval."""
+    watch = LoopWatch(tick_s=0.02, stall_s=0.1, log_interval_s=60.0)
+    caplog.set_level(logging.WARNING, logger="dtfm.peer.loopwatch")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watch.run)
+        for _ in range(2):
+            before = watch.status()["stalls"]
+            _hold_the_loop(0.2)
+            with trio.fail_after(5):
+                while watch.status()["stalls"] == before:
+                    await trio.sleep(0.02)
+        nursery.cancel_scope.cancel()
+    assert watch.status()["stalls"] >= 2
+    assert len([r for r in caplog.records if "event loop stalled" in r.message]) == 1
 
 
 def test_settings_are_checked():

@@ -14,7 +14,7 @@ from machine_trace import alloc, start_op
 from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, MachineNow, peer_compute, pipeline_seqs, reference_block_flops,
                                   sched_spec, training_block_ms, with_fresh_compute)
 from dtfm.control.coordinator.reshape import reshape
-from dtfm.control.planner import asked_dp, asked_stages
+from dtfm.control.planner import asked_start
 from dtfm.control.coordinator.schedule import (choose_shape, compression_options_of, compute_busy_fraction, random_shape,
                                                shape_space)
 from dtfm.gossip import NetworkView
@@ -350,9 +350,11 @@ def test_an_asked_pipeline_count_comes_back_when_the_peers_do():
     assert asked.placement.predicted_iteration_s > free.placement.predicted_iteration_s
     assert asked.moves and {c["shape"] for c in asked.candidates} == {"2x2"}
     # the planner reads the asked counts off the operator's signed start, which every allocation carries
-    assert asked_dp(alloc(operator_start=start_op(stages=2, dp=2).encode())) == 2
-    assert asked_dp(alloc(operator_start=start_op(stages=2).encode())) is None
-    assert asked_stages(alloc(operator_start=start_op(stages=2).encode())) == 2
+    both = asked_start(alloc(operator_start=start_op(stages=2, dp=2).encode()))
+    stages = asked_start(alloc(operator_start=start_op(stages=2).encode()))
+    assert both is not None and (both.stages, both.dp) == (2, 2)
+    assert stages is not None and (stages.stages, stages.dp) == (2, None)
+    assert asked_start(alloc(operator_start=b"not a signed start")) is None
     three = frozenset(view.peers[:3])
     short = reshape(view, SPEC, CFG, current=cur, live=three, remaining_steps=1000, time_budget_s=0.3,
                     keep_stages=True, keep_dp=2)

@@ -22,7 +22,7 @@ from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.coordinator.schedule import choose_shape
 from dtfm.control.epoch.recovery import RecoveryError
 from dtfm.control.epoch.relayout import assemble_stage
-from dtfm.control.planner import SchedulerPlanner, asked_auto_micro_batches
+from dtfm.control.planner import SchedulerPlanner, asked_start
 from dtfm.gossip import NetworkView
 from dtfm.sched import (MAX_MICRO_BATCHES, TRAINER_WINDOW_MESSAGES, UPDATE_KIND, CostModel, micro_batch_options,
                         simulate_iteration)
@@ -88,7 +88,8 @@ def test_peers_accept_another_count_only_from_an_auto_start_and_within_bounds(wh
     refusal = check_operator_start(a, OPERATORS)
     if not refused:
         assert refusal is None
-        assert asked_auto_micro_batches(a) == ("micro_batches" in knobs)
+        asked = asked_start(a)
+        assert asked is not None and asked.auto_micro_batches == ("micro_batches" in knobs)
     else:
         assert refusal is not None and refusal.code == "no-operator"
         assert ("micro_batches" if "lr" not in what and "knob" not in what else "lr") in refusal.reason
