@@ -25,8 +25,9 @@ It weighs every way of going on against the allocation in use (`current`, a `tra
   live, these are the only candidates. When no peer reported its compute speed, or the
   operator asked for the stage count, restage is tried only then (compute free, fewer peers or
   stages would always look faster; an asked shape is kept while the peers allow it). When the
-  operator asked for the pipeline count too (`keep_dp`), only candidates of that many pipelines
-  are weighed while S x D peers are live (a shrink below it and the grow back are the peers'
+  operator asked for the pipeline count too (`keep_dp`), only allocations of that many pipelines
+  are searched while S x D peers are live (keep or repair at that count, grow to it, reschedule
+  at it, the whole search budget theirs; a shrink below it and the grow back are the peers'
   doing, not the scheduler's choice).
 
 The first allocation (`current=None`) is the scheduler alone, like `choose_shape`, with no
@@ -184,17 +185,15 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
         # Other shapes too, when compute is costed: without it a shape of fewer peers or stages
         # is predicted faster for want of a compute term, not because it is.
         same = len(pl.live) >= current.stages
-        other = not same or (pl.compute.reference_tflops is not None and not keep_stages)
-        cands = _same_s(pl, time_budget_s / 2 if other else time_budget_s) if same else []
+        # the operator's pipeline count, while the live peers fill it: only that shape is searched
+        asked = keep_dp if keep_dp is not None and 1 <= keep_dp <= pl.d_max and \
+            len(pl.live) >= current.stages * keep_dp else None
+        other = not same or (pl.compute.reference_tflops is not None and not keep_stages and asked is None)
+        cands = _same_s(pl, time_budget_s / 2 if other else time_budget_s, asked) if same else []
         if other:
             cands += _shapes(pl, "restage", None, None, time_budget_s / 2 if same else time_budget_s, pl.cur)
         keep = next((c for c in cands if c.kind == "keep"), None)
     cands = _distinct(cands + _detours(pl, cands))
-    if keep_dp is not None and current is not None and len(pl.live) >= current.stages * keep_dp:
-        asked = [c for c in cands if c.X.shape == (current.stages, keep_dp)]
-        if asked:
-            cands = asked
-            keep = keep if any(c is keep for c in asked) else None
     if not cands:
         raise ValueError(f"no allocation fits the {len(pl.live)} live peers of the view "
                          f"(a model of {spec.n_layer} layers, at most {pl.d_max} pipelines for a global "
@@ -573,18 +572,23 @@ class _Planner:
         return X
 
 
-def _same_s(pl: _Planner, budget_s: float) -> list[_Cand]:
-    """keep, repair, shrink, grow and reschedule: every candidate with the current stages."""
+def _same_s(pl: _Planner, budget_s: float, dp: int | None = None) -> list[_Cand]:
+    """keep, repair, shrink, grow and reschedule: every candidate with the current stages; with
+    `dp` (the operator's pipeline count, which the live peers fill) only those of dp pipelines."""
     cur, ranges = pl.cur, pl.old_ranges
     S, D = cur.shape
     holes = cur < 0
     spares = pl.spares(cur)
     grow_max = 0 if holes.any() else min(len(spares) // S, pl.d_max - D)
+    grows = list(range(1, grow_max + 1)) if dp is None else [g for g in (dp - D,) if 1 <= g <= grow_max]
     # reschedule at D = live // S (capped), and at the current D too when spares would be left
-    widths = sorted({w for w in (min(len(pl.live) // S, pl.d_max), min(D, len(pl.live) // S)) if w >= 1})
-    share = budget_s / (grow_max + 2 * len(widths))
+    widths = [dp] if dp is not None else \
+        sorted({w for w in (min(len(pl.live) // S, pl.d_max), min(D, len(pl.live) // S)) if w >= 1})
+    share = budget_s / (len(grows) + 2 * len(widths))
     out = [pl.evaluate("keep", cur, ranges)] if not holes.any() else _mend(pl, holes, spares)
-    for g in range(1, grow_max + 1):  # spares form g new pipelines, laid out among themselves
+    if dp is not None:
+        out = [c for c in out if c.X.shape[1] == dp]
+    for g in grows:  # spares form g new pipelines, laid out among themselves
         Xg = pl.schedule(spares, S, g, share)
         both = [pl.evaluate("grow", np.hstack([cur, Y]), ranges) for Y in ([Xg] if S == 1 else [Xg, Xg[::-1]])]
         out.append(min(both, key=lambda c: c.score))

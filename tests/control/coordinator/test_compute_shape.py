@@ -361,6 +361,34 @@ def test_an_asked_pipeline_count_comes_back_when_the_peers_do():
     assert len(short.placement.pipelines) == 1
 
 
+def test_an_asked_pipeline_count_is_the_only_shape_searched_and_gets_the_whole_budget(monkeypatch):
+    """With `keep_dp` and enough live peers, the scheduler runs only for S x keep_dp (grow to it,
+    reschedule at it): no search of other widths or stage counts takes a share of the budget
+    only to be set aside."""
+    from dtfm.control.coordinator import reshape as mod
+
+    asked_shapes: list[tuple[int, int, float]] = []
+    real = mod._Planner.schedule
+
+    def schedule(self, peers, S, D, budget_s, initial=None, local=False):
+        asked_shapes.append((S, D, budget_s))
+        return real(self, peers, S, D, budget_s, initial=initial, local=local)
+
+    monkeypatch.setattr(mod._Planner, "schedule", schedule)
+    view = view_of(np.full((6, 6), 5.0) - 5.0 * np.eye(6), np.full(6, 1.0), bandwidth_gbps=0.05)
+    cur = Plan(((view.peers[0], view.peers[1]),), ((0, 2), (2, 4)))
+    live = frozenset(view.peers)
+    free = reshape(view, SPEC, CFG, current=cur, live=live, remaining_steps=1000, time_budget_s=0.3)
+    assert {(S, D) for S, D, _ in asked_shapes} - {(2, 1), (2, 2), (2, 3)}  # other stage counts too
+    asked_shapes.clear()
+    asked = reshape(view, SPEC, CFG, current=cur, live=live, remaining_steps=1000, time_budget_s=0.3, keep_dp=2)
+    assert {(S, D) for S, D, _ in asked_shapes} == {(2, 1), (2, 2)}  # the grow's new pipeline, the reschedules
+    grow = [b for S, D, b in asked_shapes if D == 1]
+    assert len(grow) == 1 and grow[0] == pytest.approx(0.3 / 3)  # one grow, two reschedules at 2 share it all
+    assert {c["shape"] for c in asked.candidates} == {"2x2"} and len(asked.placement.pipelines) == 2
+    assert len({c["shape"] for c in free.candidates}) > 1
+
+
 def test_the_planner_asks_the_layer_probe_for_every_micro_batch_a_shape_may_use():
     from dtfm.control.config import PlaneConfig
     from dtfm.control.planner import SchedulerPlanner
