@@ -80,6 +80,9 @@ class StageState:
         self.staging = HostStaging(device)  # boundary tensors to and from the Comm (a no-op on a CPU)
         self.step = 0
         self.last_grad_norm = 0.0  # global gradient norm of the last step, before clipping
+        # the longest wait for one message: the run's `comm_timeout_s`, which the stage's owner
+        # may raise for steps that take long
+        self.comm_timeout_s = cfg.comm_timeout_s
 
     @property
     def device(self) -> torch.device:
@@ -213,7 +216,7 @@ def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corp
     loss = None
     if state.module.is_last:
         local = torch.stack(losses).sum().to("cpu", torch.float64).reshape(1)
-        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", cfg.comm_timeout_s, sends)[0])
+        loss = float(all_reduce_small(comm, plan.dp_group(s), local, f"{key}/loss", state.comm_timeout_s, sends)[0])
     local_seqs = sum(len(r) for r in ctx.micro)
     # every message received and `due` acknowledged before the update: a failed step leaves the state as it was
     _sync_and_update(state, plan, me, comm, d, s, key, local_seqs, sends, due, deferred=pending is not None,
@@ -239,7 +242,7 @@ def _recv_boundary(ctx: _Ctx, peer: PeerId, tag: str, shape: tuple, coded: bool)
     """The float32 activation (or gradient) of `shape` that `peer` sent under `tag`."""
     comp, staging = ctx.state.compress.config, ctx.state.staging
     t0 = time.perf_counter()
-    got = ctx.comm.recv(peer, tag, ctx.state.cfg.comm_timeout_s)
+    got = ctx.comm.recv(peer, tag, ctx.state.comm_timeout_s)
     ctx.wait_s += time.perf_counter() - t0
     if comp.pp_method == "exact" or not coded:
         return staging.to_device(_expect(got, shape, peer, tag), torch.float32)
@@ -309,7 +312,7 @@ def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: i
     precede any change of the state, but for a compressed synchronisation, which restores the
     state if it fails. The handles of this step's sends go to `sends`; with `deferred` those of
     the compressed synchronisation too, else it waits for them before it changes anything."""
-    cfg, step, mod, to = state.cfg, state.step, state.module, state.cfg.comm_timeout_s
+    cfg, step, mod, to = state.cfg, state.step, state.module, state.comm_timeout_s
     comp, group = state.compress, plan.dp_group(s)
     coded = plan.group_compressed(s)  # else this group all-reduces exactly, as in the warm-up
     local, sync_due = coded and comp.local(step), coded and comp.sync_due(step)

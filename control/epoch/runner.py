@@ -37,6 +37,13 @@ step reuses them, and the runner gives the heap's free pages back (train/memory.
 It keeps the stage's `StageMemory` (weights, gradients, optimizer,
 snapshot, the step's activations) for the daemon's status.
 
+The longest wait for one message (`StageState.comm_timeout_s`) is the run's `comm_timeout_s`
+(60 s by default) or `COMM_TIMEOUT_STEPS` steps, whichever is longer (`comm_timeout_for`): the
+steps as the allocation predicted them, and once the stage has stepped, as it measured them
+(the median of its last `COMM_TIMEOUT_WINDOW` steps). A run whose steps take minutes (a large
+model over slow links, a DiLoCo synchronisation of a whole stage) then does not fail every step
+on a flat timeout, while a fast run still fails a frozen neighbour's step within the floor.
+
 A step does not wait for the acknowledgements of its own sends (train/worker.py): the next step
 waits for them before it changes the stage, and the runner waits for the last step's before a
 checkpoint and where the run ends, before it reports the end. A send that failed then ends the
@@ -46,9 +53,11 @@ it): the snapshot is what lets the swarm go back to where that receiver stands.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
-import collections
+import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,7 +88,8 @@ from dtfm.train import (
 
 from .report import BYTE_AXES, MAX_STEP_BYTES, REPORTS_NOTE, RunEnd, StepReport
 
-__all__ = ["REPORTS_NOTE", "RunEnd", "StageRunner", "StepReport", "end_checkpoint_due", "params_sha256"]
+__all__ = ["COMM_TIMEOUT_STEPS", "REPORTS_NOTE", "RunEnd", "StageRunner", "StepReport", "comm_timeout_for",
+           "end_checkpoint_due", "params_sha256"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +98,37 @@ logger = logging.getLogger(__name__)
 # 20-30 % slower than in one process, most of it in the kernel).
 HEAP_RELEASE_STEPS = 64
 
+# A message may take this many steps before its wait fails (`comm_timeout_for`), over the
+# median step of the last COMM_TIMEOUT_WINDOW.
+COMM_TIMEOUT_STEPS = 10
+COMM_TIMEOUT_WINDOW = 8
+COMM_TIMEOUT_MAX_S = 3600.0  # the most the steps raise it to (an allocation may predict any step up to 1e9 s)
+
+
+def comm_timeout_for(floor_s: float, predicted_s: float | None, measured_s: Sequence[float] = ()) -> float:
+    """The longest wait for one message: `floor_s` (the run's `comm_timeout_s`), or
+    COMM_TIMEOUT_STEPS steps of the predicted step or of the median measured one, whichever is
+    longest, the steps' figure held to COMM_TIMEOUT_MAX_S (figures that are not finite and
+    positive are left out)."""
+    steps = [v for v in (predicted_s,) if v is not None and math.isfinite(v) and v > 0]
+    measured = [v for v in measured_s if math.isfinite(v) and v > 0]
+    if measured:
+        steps.append(statistics.median(measured))
+    return max([floor_s] + [min(COMM_TIMEOUT_STEPS * v, COMM_TIMEOUT_MAX_S) for v in steps])
+
 
 class StageRunner:
     def __init__(self, state: StageState, plan: Plan, me: bytes, comm: Comm, corpus: Corpus, *,
                  end_step: int, checkpoint_every: int = 0, checkpoint_dir: Path | None = None,
                  save: Callable[[StageState, dict], Path | None] | None = None,
                  torch_threads: int = 1, on_step: Callable[[StepReport], None] | None = None,
-                 history: Sequence[StepReport] = (), keep_reports: int = 256):
+                 history: Sequence[StepReport] = (), keep_reports: int = 256,
+                 predicted_step_s: float | None = None):
         self.state, self.plan, self.me, self.corpus = state, plan, me, corpus
+        # the longest wait for one message, raised for long steps (see the module docstring)
+        self._floor_s, self._predicted_s = state.cfg.comm_timeout_s, predicted_step_s
+        self._step_s: collections.deque[float] = collections.deque(maxlen=COMM_TIMEOUT_WINDOW)
+        state.comm_timeout_s = comm_timeout_for(self._floor_s, predicted_step_s)
         self.counter = ByteCounter()  # payload bytes this stage sent, per axis
         self.comm: Comm = CountingComm(comm, self.counter)
         self.checkpoint_every, self.checkpoint_dir = checkpoint_every, checkpoint_dir
@@ -197,6 +230,8 @@ class StageRunner:
                                 sent, result.compute_cpu_s)  # type: ignore[arg-type]
             self.last = report
             self._reports.append(report)
+            self._step_s.append(report.iteration_s)
+            self.state.comm_timeout_s = comm_timeout_for(self._floor_s, self._predicted_s, self._step_s)
             if self.on_step is not None:
                 self.on_step(report)
             if self.checkpoint_every and self._saves and self.state.step % self.checkpoint_every == 0:
@@ -216,7 +251,7 @@ class StageRunner:
         """Wait for the acknowledgements of the last step's sends; how the run ends if one failed
         (the last step stays completed here, with its snapshot), else None."""
         try:
-            self._sends.wait(self.state.cfg.comm_timeout_s)
+            self._sends.wait(self.state.comm_timeout_s)
         except CommError as e:
             last = self.state.step - 1
             logger.warning("a tensor of step %d was not acknowledged: %s", last, e)

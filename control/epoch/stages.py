@@ -388,7 +388,8 @@ class StageHost:
                                    save=functools.partial(self.disk.save, alloc.run_id),
                                    torch_threads=self.config.torch_threads,
                                    on_step=lambda rep: token.run_sync_soon(self._step_done, rep),
-                                   history=tuple(self.epoch.reports), keep_reports=MAX_REPORTS)
+                                   history=tuple(self.epoch.reports), keep_reports=MAX_REPORTS,
+                                   predicted_step_s=alloc.predicted_iteration_s)
         d, s = alloc.position(self.me)
         logger.info("accepted term %d epoch %d: stage %d of pipeline %d, layers %s, steps %d..%d%s", alloc.term,
                     alloc.epoch, s, d, alloc.layer_ranges[s], alloc.start_step, alloc.end_step - 1,

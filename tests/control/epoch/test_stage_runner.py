@@ -4,7 +4,9 @@ its checkpoints written with the step reports of the steps they hold."""
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ import torch
 import trio
 from stage_replicas import CFG, CORPUS, PEERS, SPEC, run_replicas, steps
 
-from dtfm.control.epoch.runner import REPORTS_NOTE, RunEnd, StageRunner, StepReport, end_checkpoint_due, params_sha256
+from dtfm.control.epoch.runner import (COMM_TIMEOUT_MAX_S, COMM_TIMEOUT_STEPS, REPORTS_NOTE, RunEnd, StageRunner,
+                                      StepReport, comm_timeout_for, end_checkpoint_due, params_sha256)
 from dtfm.net import ProtocolError
 from dtfm.train import (Corpus, InMemoryHub, Plan, StageState, checkpoint_notes,
                         list_checkpoints, load_checkpoint, parse_compression, run_step, stage_tensors)
@@ -278,3 +281,44 @@ def test_step_reports_bytes_are_checked():
     for bad in ([1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, -4], [1, 2, 3, 2**60], [1, 2, 3, 4.0], "1234", None):
         with pytest.raises(ProtocolError, match="bytes"):
             StepReport.from_wire({**rep.to_wire(), "bytes": bad})
+
+
+def test_the_wait_for_a_message_is_the_runs_floor_or_ten_steps_whichever_is_longer():
+    assert comm_timeout_for(60.0, None) == 60.0
+    assert comm_timeout_for(60.0, 0.0) == 60.0  # an allocation without a prediction
+    assert comm_timeout_for(60.0, 2.0) == 60.0  # fast steps: a frozen neighbour fails within the floor
+    assert comm_timeout_for(60.0, 30.0) == 30.0 * COMM_TIMEOUT_STEPS  # minutes a step: not every step failed
+    assert comm_timeout_for(60.0, 2.0, [40.0, 50.0, 45.0]) == 45.0 * COMM_TIMEOUT_STEPS  # measured, median
+    assert comm_timeout_for(60.0, 30.0, [1.0]) == 30.0 * COMM_TIMEOUT_STEPS  # the longer of the two
+    assert comm_timeout_for(60.0, 1e9) == COMM_TIMEOUT_MAX_S  # an allocation's figure is held to the cap
+    assert comm_timeout_for(60.0, float("nan"), [float("inf"), -1.0]) == 60.0
+
+
+def test_the_runner_raises_the_wait_for_the_steps_it_measures(monkeypatch):
+    """A stage whose steps take long (here a clock that moves 20 s a step) waits ten of them
+    for a message, from its own steps' median, after the allocation's prediction."""
+    import dtfm.control.epoch.runner as runner_mod
+
+    clock = iter(range(0, 10_000, 20))
+    monkeypatch.setattr(runner_mod, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    plan = Plan(((b"me",),), ((0, SPEC.n_layer),), epoch=1)
+    state = StageState(SPEC, CFG, (0, SPEC.n_layer))
+    waits: list[float] = []
+    runner = StageRunner(state, plan, b"me", InMemoryHub().endpoint(b"me"), CORPUS, end_step=3,
+                         predicted_step_s=9.0, on_step=lambda rep: waits.append(state.comm_timeout_s))
+    assert state.comm_timeout_s == 9.0 * COMM_TIMEOUT_STEPS  # from the prediction, before any step
+    end = trio.run(runner.run)
+    assert end.completed == 2 and waits == [20.0 * COMM_TIMEOUT_STEPS] * 3
+
+
+def test_a_step_waits_for_a_message_as_long_as_the_stage_says():
+    """The worker's waits are the stage's `comm_timeout_s` (which the runner raises), not the
+    run's configuration: a neighbour that never sends fails the step after that long."""
+    plan = Plan(((b"me", b"other"),), ((0, 1), (1, SPEC.n_layer)), epoch=1)
+    state = StageState(SPEC, CFG, (1, SPEC.n_layer))
+    runner = StageRunner(state, plan, b"other", InMemoryHub().endpoint(b"other"), CORPUS, end_step=1)
+    state.comm_timeout_s = 0.2
+    t0 = time.monotonic()
+    end = trio.run(runner.run)
+    assert end.failed and end.completed == -1
+    assert time.monotonic() - t0 < CFG.comm_timeout_s / 2
