@@ -29,6 +29,17 @@ exchange overlaps the next tau inner steps (`overlap_steps`, streaming DiLoCo's 
 update) pays on its synchronising step its coding (encode and decode, on the compute timeline)
 and only the part of its exchange that tau steps without a synchronisation do not cover.
 
+The order of each stage's micro-batches (`warmups`): stage s runs `warmups[s]` forwards, then
+alternates one forward and one backward until its forwards are done, then the rest of its
+backwards, backwards in micro-batch order (the 1F1B family; the trainer's `Plan.warmups`). With
+every count at M (the default) that is GPipe: all forwards, then all backwards. Fewer warm-up
+forwards let a stage's backward pass start while later micro-batches still flow forward, so a
+link carries activations one way and gradients the other at once; a stage can then have only
+warmups[s] - warmups[s + 1] + 1 micro-batches in flight to its neighbour, so each count must
+cover its hop's round trip (`fitted_warmups`). The counts must not rise along the pipeline
+(else a stage would wait for a backward its neighbour runs only after a forward it has not
+sent).
+
 Per-hop latency is paid once in the pipeline's fill and drain whatever M is. What makes a
 micro-batch pay latency again is the trainer's flow control (`window_messages`): a sender keeps
 at most that many messages unacknowledged per destination (control/dataplane, the receiver
@@ -40,6 +51,7 @@ per window of micro-batches on each hop.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,7 +59,7 @@ import numpy as np
 from .compression import CodecAssignment
 from .cost import CostModel
 
-__all__ = ["SimResult", "TRAINER_WINDOW_MESSAGES", "simulate"]
+__all__ = ["SimResult", "TRAINER_WINDOW_MESSAGES", "check_warmups", "fitted_warmups", "simulate", "stage_order"]
 
 # The trainer's unacknowledged messages per destination (control/dataplane CommConfig's default
 # `window_messages`; tests/sched check they agree).
@@ -72,12 +84,14 @@ class SimResult:
 
 # The longest cycle of synchronisation periods simulated (least common multiple of the H's).
 MAX_SYNC_CYCLE = 10_000
+DESCENT_ROUNDS = 4  # `fitted_warmups`' rounds of moving one count at a time
 STEADY_ROUNDS = 4  # steps simulated back to back for engine_syncs' iteration time (mean of the last 3)
 
 
 def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = None,
              overlap_allreduce: bool = True, engine_syncs: bool = False,
-             codecs: CodecAssignment | None = None, window_messages: int | None = None) -> SimResult:
+             codecs: CodecAssignment | None = None, window_messages: int | None = None,
+             warmups: Sequence[int] | None = None) -> SimResult:
     """Predict the iteration time of allocation X ((S, D): X[s, p] peer of stage s, pipeline p).
 
     engine_syncs adds the waits dtfm's trainer spends besides the paper's terms: the last stages
@@ -91,13 +105,17 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
 
     window_messages: at most this many pipeline messages unacknowledged per link and direction
     (the trainer's is TRAINER_WINDOW_MESSAGES); a message is acknowledged one latency after it
-    arrives. None: no window (the paper's model)."""
+    arrives. None: no window (the paper's model).
+
+    warmups: each stage's forwards before its first backward (see the module docstring; None:
+    GPipe, every count M)."""
     if window_messages is not None and window_messages < 1:
         raise ValueError(f"window_messages must be at least 1, got {window_messages}")
     X = np.asarray(X, dtype=np.int64)
     S, D = X.shape
     wl = model.workload
     M = micro_batches or wl.micro_batches
+    order = stage_order(S, M, check_warmups(warmups, S, M))
     layers, _ = model.group_layers(X)
     if codecs is None:
         codecs = model.assignment(X) if not model.options.exact else CodecAssignment.uniform(S, D)
@@ -138,11 +156,12 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
         busy = begin.copy()  # when each peer's compute is next free
         link_f = np.zeros((max(S - 1, 0), D))
         link_b = np.zeros((max(S - 1, 0), D))
-        arrive = np.zeros((S, M, D))
+        arrive_f = np.zeros((S, M, D))  # activation m at stage s
+        arrive_b = np.zeros((S, M, D))  # the gradient of micro-batch m at stage s
         W = window_messages
-        for m in range(M):
-            for s in range(S):
-                end = np.maximum(arrive[s, m], busy[s]) + fwd[s]
+        for s, backward, m in order:  # (each stage's messages leave in micro-batch order)
+            if not backward:
+                end = np.maximum(arrive_f[s, m], busy[s]) + fwd[s]
                 if s > 0:
                     end = end + dec_f[s - 1]  # decode what arrived (0 on an exact link)
                 if s < S - 1:
@@ -151,13 +170,11 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 if s < S - 1:
                     start = np.maximum(end, link_f[s])
                     if W is not None and m >= W:  # the acknowledgement of the message W before
-                        start = np.maximum(start, arrive[s + 1, m - W] + lat_b[s])
+                        start = np.maximum(start, arrive_f[s + 1, m - W] + lat_b[s])
                     link_f[s] = start + hold_f[s]
-                    arrive[s + 1, m] = link_f[s] + lat_f[s]
-        arrive[:] = 0.0  # the backward pass reuses it
-        for m in range(M):
-            for s in range(S - 1, -1, -1):
-                end = np.maximum(arrive[s, m], busy[s]) + bwd[s]
+                    arrive_f[s + 1, m] = link_f[s] + lat_f[s]
+            else:
+                end = np.maximum(arrive_b[s, m], busy[s]) + bwd[s]
                 if s < S - 1:
                     end = end + dec_b[s]
                 if s > 0:
@@ -166,9 +183,9 @@ def simulate(model: CostModel, X: np.ndarray, *, micro_batches: int | None = Non
                 if s > 0:
                     start = np.maximum(end, link_b[s - 1])
                     if W is not None and m >= W:
-                        start = np.maximum(start, arrive[s - 1, m - W] + lat_f[s - 1])
+                        start = np.maximum(start, arrive_b[s - 1, m - W] + lat_f[s - 1])
                     link_b[s - 1] = start + hold_b[s - 1]
-                    arrive[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
+                    arrive_b[s - 1, m] = link_b[s - 1] + lat_b[s - 1]
         return busy
 
     busy = gpipe(np.zeros((S, D)))
@@ -264,3 +281,128 @@ def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, ar: np.ndarr
             me = X[s, d]
             finish[s, d] = max([done[s]] + [done[r] + lat[X[r, d], me] for r in range(S) if r != s])
     return done, finish
+
+
+def check_warmups(warmups: Sequence[int] | None, S: int, M: int) -> tuple[int, ...]:
+    """Each stage's warm-up forwards (None: GPipe, M each); ValueError unless there is one per
+    stage, each in [0, M], none above the one before it."""
+    if warmups is None:
+        return (M,) * S
+    w = tuple(int(v) for v in warmups)
+    if len(w) != S:
+        raise ValueError(f"warmups: expected {S} counts (one per stage), got {len(w)}")
+    if any(not 0 <= v <= M for v in w):
+        raise ValueError(f"warmups: each count must be in [0, {M}] (the micro-batches), got {list(w)}")
+    if any(a < b for a, b in zip(w, w[1:])):
+        raise ValueError(f"warmups: a stage may not warm up with more forwards than the one before it, got {list(w)}")
+    return w
+
+
+def stage_program(s: int, M: int, warmup: int) -> list[tuple[bool, int]]:
+    """Stage s's micro-batches in the order it runs them, (backward, m) each: `warmup` forwards,
+    then one forward and one backward at a time, then the remaining backwards."""
+    w = min(warmup, M)
+    out = [(False, m) for m in range(w)]
+    for k in range(M - w):
+        out += [(False, w + k), (True, k)]
+    return out + [(True, m) for m in range(M - w, M)]
+
+
+def stage_order(S: int, M: int, warmups: Sequence[int]) -> list[tuple[int, bool, int]]:
+    """Every stage's programme merged into one order in which each step's inputs come first
+    (an activation from the stage before, a gradient from the stage after): (s, backward, m)."""
+    progs = [stage_program(s, M, warmups[s]) for s in range(S)]
+    done_f = [0] * S  # forwards done per stage (in micro-batch order)
+    done_b = [0] * S
+    pos = [0] * S
+    out: list[tuple[int, bool, int]] = []
+    while len(out) < S * 2 * M:
+        moved = False
+        for s in range(S):
+            while pos[s] < len(progs[s]):
+                backward, m = progs[s][pos[s]]
+                ready = (done_b[s + 1] > m if s < S - 1 else done_f[s] > m) if backward else \
+                    (s == 0 or done_f[s - 1] > m)
+                if not ready:
+                    break
+                out.append((s, backward, m))
+                if backward:
+                    done_b[s] += 1
+                else:
+                    done_f[s] += 1
+                pos[s] += 1
+                moved = True
+        if not moved:  # (check_warmups rules this out)
+            raise ValueError(f"warmups {list(warmups)} deadlock the pipeline")
+    return out
+
+
+def fitted_warmups(model: CostModel, X: np.ndarray, micro_batches: int | None = None,
+                   window_messages: int | None = None, codecs: CodecAssignment | None = None,
+                   engine_syncs: bool = True) -> tuple[tuple[int, ...], float]:
+    """The warm-up counts the simulator finds fastest for allocation X, and its iteration time:
+    GPipe against counts fitted to each hop's round trip (a hop needs as many micro-batches in
+    flight as its two latencies and two transfers take, in transfers or computes, whichever is
+    longer; a stage's count is the sum over the hops after it, every pipeline's longest), at
+    half, one and twice that; the best of those then moved one count at a time while that is
+    faster (`DESCENT_ROUNDS` rounds at most). Ties go to the larger counts (GPipe first)."""
+    X = np.asarray(X, dtype=np.int64)
+    S, D = X.shape
+    M = micro_batches or model.workload.micro_batches
+    gpipe = (M,) * S
+    def run(w: tuple[int, ...]) -> float:
+        return float(simulate(model, X, micro_batches=M, engine_syncs=engine_syncs, codecs=codecs,
+                              window_messages=window_messages, warmups=w).iteration_s)
+    best = (run(gpipe), gpipe)
+    if S < 2 or M < 2:
+        return best[1], best[0]
+    need = _hop_flight(model, X, M, codecs)  # (S-1,) micro-batches each hop needs in flight
+    tried = {gpipe}
+    for scale in (1.0, 0.5, 2.0):
+        w = tuple(min(M, int(math.ceil(scale * float(need[s:].sum())))) for s in range(S - 1)) + (0,)
+        if w in tried:
+            continue
+        tried.add(w)
+        t = run(w)
+        if t < best[0] - 1e-12:
+            best = (t, w)
+    for _ in range(DESCENT_ROUNDS):  # each count one lower or higher, while that is faster
+        moved = False
+        for s in range(S):
+            for step in (-1, 1):
+                w = best[1][:s] + (best[1][s] + step,) + best[1][s + 1:]
+                if w in tried or not 0 <= w[s] <= M or any(a < b for a, b in zip(w, w[1:])):
+                    continue
+                tried.add(w)
+                t = run(w)
+                if t < best[0] - 1e-12:
+                    best, moved = (t, w), True
+        if not moved:
+            break
+    return best[1], best[0]
+
+
+def _hop_flight(model: CostModel, X: np.ndarray, M: int, codecs: CodecAssignment | None) -> np.ndarray:
+    """(S-1,) per hop: its round trip (both latencies and both transfers of one micro-batch)
+    over the longer of a transfer and a stage's compute per micro-batch, the most any pipeline needs."""
+    S, D = X.shape
+    wl = model.workload
+    if codecs is None:
+        codecs = model.assignment(X) if not model.options.exact else CodecAssignment.uniform(S, D)
+    vol = wl.act_gb / M
+    layers, _ = model.group_layers(X)
+    if wl.layer_compute_s is None:
+        step = np.zeros((S, D))
+    else:
+        step = wl.compute_layers(layers)[:, None] * (wl.layer_compute_s * wl.micro_batches / M) / model.speed[X]
+    out = np.zeros(S - 1)
+    for s in range(S - 1):
+        for p in range(D):
+            c = codecs.pp[s][p]
+            ratio = 1.0 if c.exact else model.pp_ratio(c)
+            i, j = X[s, p], X[s + 1, p]
+            hf, hb = model.sim_s_per_gb[i, j] * vol * ratio, model.sim_s_per_gb[j, i] * vol * ratio
+            rtt = model.lat_s[i, j] + model.lat_s[j, i] + hf + hb + step[s, p] + step[s + 1, p]
+            unit = max(hf, hb, step[s, p], step[s + 1, p], 1e-9)
+            out[s] = max(out[s], math.ceil(rtt / unit))
+    return out

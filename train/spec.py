@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from dtfm.fromdict import from_dict
+from dtfm.sched import check_warmups
 
 __all__ = ["ACTIVATIONS", "GPTSpec", "TrainConfig", "PRESETS", "PRECISIONS", "get_preset", "WIRE_DTYPES"]
 
@@ -118,6 +119,9 @@ class TrainConfig:
     bucket_bytes: int = _opt(4 << 20, "all-reduce bucket size in bytes: smaller overlaps more, "
                                       "larger sends fewer messages")
     comm_timeout_s: float = _opt(60.0, "longest wait for one message before the step fails")
+    pipeline_warmups: str = _opt("", "forwards each stage runs before its first backward, one count per stage, "
+                                     "comma-separated, none above the one before (then one forward and one "
+                                     "backward at a time: 1F1B); '': every micro-batch first (GPipe)")
     precision: str = _opt("fp32", "fp32: exact (the 1e-5 oracle); bf16: mixed precision, fp32 master weights and "
                                   "AdamW state, bfloat16 matrix products (autocast): faster on a GPU, not bit-exact "
                                   "(docs/train.md has the measured deviation)")
@@ -137,6 +141,22 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.bucket_bytes < 1024 or not self.comm_timeout_s > 0:
             raise ValueError("bucket_bytes must be at least 1024 and comm_timeout_s positive")
+        if self.pipeline_warmups:
+            counts = self.warmups()
+            check_warmups(counts, len(counts), self.micro_batches)
+
+    def warmups(self, stages: int | None = None) -> tuple[int, ...] | None:
+        """`pipeline_warmups` as counts (None: GPipe); ValueError for a malformed list or one
+        that does not name `stages` stages."""
+        if not self.pipeline_warmups:
+            return None
+        try:
+            counts = tuple(int(v) for v in self.pipeline_warmups.split(","))
+        except ValueError:
+            raise ValueError(f"pipeline_warmups must be comma-separated counts, got {self.pipeline_warmups!r:.80}") from None
+        if stages is not None and len(counts) != stages:
+            raise ValueError(f"pipeline_warmups names {len(counts)} stages, the pipeline has {stages}")
+        return counts
 
     def lr_at(self, step: int) -> float:
         if self.warmup_steps and step < self.warmup_steps:

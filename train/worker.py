@@ -1,4 +1,4 @@
-"""One peer's share of a training step: its stage's GPipe pass, the DP all-reduce, global
+"""One peer's share of a training step: its stage's pipeline pass, the DP all-reduce, global
 clipping and the optimizer step.
 
 With a `CompressionConfig` (train/compress/) activations and their gradients travel as
@@ -12,7 +12,12 @@ run each pipeline sums the squared gradient norm of its exact-group stages and o
 stages apart: a stage of an exact group clips by the first sum, the same in every pipeline (its
 replicas apply the same bits), the others by the whole.
 
-GPipe as in the DT-FM system: M micro-batches forward, then M backward (last first). Each
+Each stage runs its M micro-batches in the order of the run's `pipeline_warmups` (the
+simulator's `stage_program`): that many forwards, then one forward and one backward at a time,
+then the remaining backwards (1F1B with a warm-up fitted to each hop's round trip, so a link
+carries activations one way while it carries gradients the other); with none set, every forward
+first, then every backward (GPipe, as in the DT-FM system). Backwards run in micro-batch order
+in every schedule, so the accumulated gradients are the same bits whatever the warm-ups. Each
 activation is sent downstream the moment its micro-batch leaves the stage, each input
 gradient upstream the moment it is computed, so transfers overlap the next micro-batch's
 compute. Each micro-batch's loss is scaled by its share of the global batch, so the summed
@@ -48,6 +53,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+
+from dtfm.sched import stage_program
 
 from .codec import TORCH_DTYPES, CodecError
 from .collective import all_reduce_small, ring_all_reduce
@@ -208,8 +215,7 @@ def run_step(state: StageState, plan: Plan, me: PeerId, comm: Comm, corpus: Corp
     for p in state.params.values():
         p.grad = None
     t_start = time.perf_counter()
-    outs, ins, losses, handles = _forward(ctx)
-    handles += _backward(ctx, outs, ins)
+    losses, handles = _pipeline(ctx, stage_program(s, len(ctx.micro), _warmup(cfg, plan.stages, s, len(ctx.micro))))
     for h in handles:
         sends.add(h)
     t_pipe = time.perf_counter()
@@ -252,55 +258,78 @@ def _recv_boundary(ctx: _Ctx, peer: PeerId, tag: str, shape: tuple, coded: bool)
         raise CommError(f"peer {peer!r} sent a bad compressed payload under {tag!r}: {e}") from None
 
 
-def _forward(ctx: _Ctx) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[SendHandle]]:
-    """All micro-batches forward; each output is sent downstream as soon as it exists."""
+def _warmup(cfg: TrainConfig, stages: int, s: int, micro: int) -> int:
+    """Stage s's forwards before its first backward (`TrainConfig.pipeline_warmups`; all of its
+    `micro` micro-batches where none is set: GPipe)."""
+    counts = cfg.warmups(stages)
+    return micro if counts is None else min(counts[s], micro)
+
+
+def _pipeline(ctx: _Ctx, program: list[tuple[bool, int]]) -> tuple[list[torch.Tensor], list[SendHandle]]:
+    """The micro-batches forward and backward in the order of `program` ((backward, m) each,
+    `sched.stage_program`); each output, or input gradient, is sent on as soon as it exists.
+    Backwards run in micro-batch order whatever the order, so every schedule accumulates the
+    same gradients bit for bit. Returns the last stage's losses and the sends' handles."""
+    outs: dict[int, torch.Tensor] = {}
+    ins: dict[int, torch.Tensor] = {}
+    losses: list[torch.Tensor] = []
+    handles: list[SendHandle] = []
+    for backward, m in program:
+        if backward:
+            handles += _backward_one(ctx, m, outs.pop(m), ins.pop(m))
+        else:
+            out, x, loss, sent = _forward_one(ctx, m)
+            outs[m], ins[m] = out, x
+            if loss is not None:
+                losses.append(loss)
+            handles += sent
+    return losses, handles
+
+
+def _forward_one(ctx: _Ctx, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[SendHandle]]:
+    """Micro-batch m forward; its output is sent downstream at once."""
     st, cfg, spec = ctx.state, ctx.state.cfg, ctx.state.spec
     mod, dev = st.module, st.device
-    outs, ins, losses, handles = [], [], [], []
-    for m, idx in enumerate(ctx.micro):
-        if mod.is_first or mod.is_last:
-            x_tok, y = ctx.corpus.batch(cfg.seed, ctx.step, idx, spec.seq_len)
-        if mod.is_first:
-            x = x_tok.to(dev)
+    idx = ctx.micro[m]
+    if mod.is_first or mod.is_last:
+        x_tok, y = ctx.corpus.batch(cfg.seed, ctx.step, idx, spec.seq_len)
+    if mod.is_first:
+        x = x_tok.to(dev)
+    else:
+        tag = f"{ctx.key}/act/{m}"
+        x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd), ctx.up_coded).requires_grad_()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
+    loss = None
+    with hooks, autocast(cfg.precision, dev):
+        if mod.is_last:  # scaled by its share of the global batch: the sum is the global mean
+            out = mod(x, y.to(dev)) * (len(idx) / cfg.global_batch_seqs)
+            loss = out.detach()
         else:
-            tag = f"{ctx.key}/act/{m}"
-            x = _recv_boundary(ctx, ctx.prev, tag, (len(idx), spec.seq_len, spec.n_embd), ctx.up_coded).requires_grad_()
-        t0, c0 = time.perf_counter(), time.thread_time()
-        hooks = torch.autograd.graph.saved_tensors_hooks(ctx.saved.pack, ctx.saved.unpack) if ctx.saved else nullcontext()
-        with hooks, autocast(cfg.precision, dev):
-            if mod.is_last:  # scaled by its share of the global batch: the sum is the global mean
-                out = mod(x, y.to(dev)) * (len(idx) / cfg.global_batch_seqs)
-                losses.append(out.detach())
-            else:
-                out = mod(x)
-        ctx.compute_s += time.perf_counter() - t0
-        ctx.compute_cpu_s += time.thread_time() - c0
-        if ctx.nxt is not None:
-            handles.append(_send_boundary(ctx, ctx.nxt, f"{ctx.key}/act/{m}", out.detach(), ctx.down_coded))
-        outs.append(out)
-        ins.append(x)
-    return outs, ins, losses, handles
+            out = mod(x)
+    ctx.compute_s += time.perf_counter() - t0
+    ctx.compute_cpu_s += time.thread_time() - c0
+    sent = []
+    if ctx.nxt is not None:
+        sent.append(_send_boundary(ctx, ctx.nxt, f"{ctx.key}/act/{m}", out.detach(), ctx.down_coded))
+    return out, x, loss, sent
 
 
-def _backward(ctx: _Ctx, outs: list, ins: list) -> list:
-    """All micro-batches backward, last first; each input gradient is sent upstream at once."""
+def _backward_one(ctx: _Ctx, m: int, out: torch.Tensor, x: torch.Tensor) -> list[SendHandle]:
+    """Micro-batch m backward; its input gradient is sent upstream at once, and its activations freed."""
     mod = ctx.state.module
-    handles = []
-    for m in reversed(range(len(outs))):
-        if mod.is_last:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            outs[m].backward()
-        else:
-            tag = f"{ctx.key}/grad/{m}"
-            g = _recv_boundary(ctx, ctx.nxt, tag, tuple(outs[m].shape), ctx.down_coded)
-            t0, c0 = time.perf_counter(), time.thread_time()
-            outs[m].backward(g)
-        ctx.compute_s += time.perf_counter() - t0
-        ctx.compute_cpu_s += time.thread_time() - c0
-        if ctx.prev is not None:
-            handles.append(_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", ins[m].grad, ctx.up_coded))
-        outs[m] = ins[m] = None  # free this micro-batch's activations
-    return handles
+    if mod.is_last:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out.backward()
+    else:
+        g = _recv_boundary(ctx, ctx.nxt, f"{ctx.key}/grad/{m}", tuple(out.shape), ctx.down_coded)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out.backward(g)
+    ctx.compute_s += time.perf_counter() - t0
+    ctx.compute_cpu_s += time.thread_time() - c0
+    if ctx.prev is not None:
+        return [_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", x.grad, ctx.up_coded)]
+    return []
 
 
 def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: int, s: int, key: str,

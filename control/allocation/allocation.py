@@ -192,6 +192,7 @@ class Allocation:
         self._check_places()
         self._check_holdings()
         split_batch(self.train.global_batch_seqs, self.dp, self.train.micro_batches)
+        self.train.warmups(self.stages)  # (one count per stage, TrainConfig checked the rest)
         check_compression(self.model, self._plan, self.compression)
 
     def _grid(self) -> Plan:

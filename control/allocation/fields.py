@@ -133,7 +133,7 @@ _OMITTED: dict[type, tuple[str, ...]] = {CompressionConfig: ("per_link",)}
 # Fields that travel only where they differ from the default, so an allocation without them has
 # the bytes it had before they existed: a bf16 run's train map says "precision", an fp32 one's
 # does not. A map without the field gets the default.
-_OPTIONAL: dict[type, frozenset[str]] = {TrainConfig: frozenset({"precision"}),
+_OPTIONAL: dict[type, frozenset[str]] = {TrainConfig: frozenset({"precision", "pipeline_warmups"}),
                                          CompressionConfig: frozenset({"dp_ramp_syncs", "dp_overlap_steps"})}
 
 

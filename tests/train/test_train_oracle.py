@@ -81,6 +81,34 @@ def test_pipeline_and_dp_match_single_process(corpus, stages, dp):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("warmups", ["4,4,4,4", "3,2,1,0", "4,3,1,0", "0,0,0,0", "2,2,2,2"])
+def test_every_schedule_of_the_1f1b_family_trains_the_same_bits_as_gpipe(corpus, warmups):
+    """Each stage's order of forwards and backwards (`pipeline_warmups`: 1F1B with any warm-up
+    that does not rise along the pipeline, GPipe at M) changes when a link carries what, never
+    the result: backwards run in micro-batch order, so every parameter is the same bits."""
+    plan = Plan.grid(SPEC.n_layer, 4, 2)
+    with LocalCluster(SPEC, CFG, plan, corpus) as cl:
+        gpipe_losses = cl.run(3)
+        gpipe = gathered_params(cl)
+    cfg = dataclasses.replace(CFG, pipeline_warmups=warmups)
+    with LocalCluster(SPEC, cfg, plan, corpus) as cl:
+        assert cl.run(3) == gpipe_losses
+        assert all(torch.equal(p, gpipe[n]) for n, p in gathered_params(cl).items())
+
+
+def test_a_schedule_that_would_deadlock_or_names_other_stages_is_refused(corpus):
+    with pytest.raises(ValueError, match="may not warm up with more forwards"):
+        dataclasses.replace(CFG, pipeline_warmups="0,1,2,3")  # stage 1 would wait for a backward stage 0 runs later
+    with pytest.raises(ValueError, match="in \\[0, 4\\]"):
+        dataclasses.replace(CFG, pipeline_warmups="5,0")
+    with pytest.raises(ValueError, match="comma-separated"):
+        dataclasses.replace(CFG, pipeline_warmups="4;3")
+    cfg = dataclasses.replace(CFG, pipeline_warmups="4,3")
+    with LocalCluster(SPEC, cfg, Plan.grid(SPEC.n_layer, 4, 1), corpus) as cl:
+        with pytest.raises(Exception, match="names 2 stages, the pipeline has 4"):
+            cl.run(1)
+
+
 def test_each_stage_times_its_compute_in_cpu_time_too(corpus):
     """A step's compute in the stage thread's CPU time beside its wall time (what the compute
     took with a core to itself): measured with one torch thread, never more than the wall time."""

@@ -186,7 +186,7 @@ def test_body_is_a_fixed_list_with_sorted_config_maps():
     assert FORMAT_VERSION == 6 and FORMATS == (6,) and len(body) == len(BODY_FIELDS) == 26
     assert dict(zip(BODY_FIELDS, body)) == {
         "version": 6, "run_id": RUN, "term": 1, "epoch": 3, "issuer": ISSUER.peer_id, "preset": "tiny",
-        "model": TINY.to_dict(), "train": {k: v for k, v in CFG.to_dict().items() if k != "precision"},  # (fp32 travels as no field)
+        "model": TINY.to_dict(), "train": {k: v for k, v in CFG.to_dict().items() if k not in ("precision", "pipeline_warmups")},  # (fp32, GPipe: no field)
         "pipelines": [IDS[0:2], IDS[2:4]],
         "layer_ranges": [[0, 2], [2, 4]], "spares": [IDS[4]], "data_hash": DATA_HASH, "data_name": "corpus.txt",
         "start_step": 5, "end_step": 100, "checkpoint_every": 10, "predicted_iteration_s": 1.25,
@@ -801,3 +801,15 @@ def test_the_warm_start_travels_only_where_a_compression_has_one():
     assert config_from_wire(CompressionConfig, wire, "compression") == dataclasses.replace(diloco, per_link=False)
     older = {k: v for k, v in wire.items() if k != "dp_ramp_syncs"}  # an allocation from before the field
     assert config_from_wire(CompressionConfig, older, "compression").dp_ramp_syncs == 0
+
+
+def test_a_pipeline_schedule_travels_signed_and_must_name_each_stage():
+    """The scheduler's warm-up counts (1F1B) travel in the allocation's training config; an
+    allocation whose counts do not name its stages is refused where it is read."""
+    fitted = dataclasses.replace(CFG, pipeline_warmups="2,0")
+    a = make(train=fitted)
+    assert body_list(a)[BODY_FIELDS.index("train")]["pipeline_warmups"] == "2,0"
+    back = Allocation.decode(a.encode())
+    assert back.train.warmups(back.stages) == (2, 0)
+    with pytest.raises(ValueError, match="names 3 stages, the pipeline has 2"):
+        make(train=dataclasses.replace(CFG, pipeline_warmups="2,1,0"))
