@@ -17,9 +17,10 @@ from .election import COUNCIL_SIZES, ElectionConfig
 if TYPE_CHECKING:
     from .coordinator.machine import CoordinatorTimings
 
-__all__ = ["DEVICE_RE", "PlaneConfig"]
+__all__ = ["DEVICE_RE", "PIPELINE_SCHEDULES", "PlaneConfig"]
 
 DEVICE_RE = re.compile(r"cpu|cuda(:[0-9]{1,3})?")  # the devices a stage may be built on
+PIPELINE_SCHEDULES = ("fitted", "gpipe")  # `PlaneConfig.pipeline_schedule`
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,11 @@ class PlaneConfig:
     # Scheduler time when `train start` picks the shape, and for each reconfiguration: more
     # searches further, and every reconfiguration waits for it.
     schedule_time_s: float = 3.0
+    # The stages' order of forwards and backwards in each allocation: "fitted", the schedule the
+    # simulator predicts fastest (1F1B with each stage's warm-up fitted to its links' round trips,
+    # or GPipe where nothing is faster); "gpipe", every forward first (the DT-FM paper's; holds
+    # all micro-batches' activations).
+    pipeline_schedule: str = "fitted"
     # Torch data set of this peer (`--data`): a text file or folder, or a token file (`.bin`);
     # None: the standard library's source.
     data_path: str | None = None
@@ -187,6 +193,9 @@ class PlaneConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         if type(self.step_deadline_mads) not in (int, float) or not 0 <= self.step_deadline_mads < 1000:
             raise ValueError(f"step_deadline_mads must be in [0, 1000), got {self.step_deadline_mads!r}")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise ValueError(f"pipeline_schedule must be one of {', '.join(PIPELINE_SCHEDULES)}, "
+                             f"got {self.pipeline_schedule!r:.40}")
         if type(self.min_gain) not in (int, float) or not 0 <= self.min_gain < 10:
             raise ValueError(f"min_gain must be in [0, 10), got {self.min_gain!r}")
         if self.data_path is not None and not isinstance(self.data_path, str):

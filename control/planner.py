@@ -27,7 +27,7 @@ from .coordinator.allocate import train_of
 from .coordinator.request import TrainRequest
 from .coordinator.reshape import ReshapePlan, reshape
 from .coordinator.schedule import (Placement, choose_links, choose_shape, compression_options_of, compute_busy_fraction,
-                                   predict_uniform, random_shape, time_to_loss_s)
+                                   fit_schedule, predict_uniform, random_shape, time_to_loss_s)
 from .operator import SignedOp
 
 __all__ = ["CONFIRM_ROUNDS", "GossipSwarm", "SchedulerPlanner", "plan_links"]
@@ -196,10 +196,24 @@ class SchedulerPlanner:
     def _reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                  regions: dict[bytes, str], seed: int, force: bool,
                  cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
-        per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
+        """The reconfiguration (`_reshape_shape`), its placement with its pipeline schedule (`fit_schedule`)."""
         asked = asked_start(cur)  # (decoded once: the signature is checked on each decode)
+        kind = self.kind(cur.model, cur.train, len(view.peers),
+                         auto_micro_batches=asked is not None and asked.auto_micro_batches)
+        plan = self._reshape_shape(view, cur, asked, kind, live=live, remaining_steps=remaining_steps,
+                                   regions=regions, seed=seed, force=force, cut=cut)
+        if self.config.pipeline_schedule == "gpipe":
+            return plan
+        fitted = fit_schedule(view, plan.placement, cur.model, train_of(cur.train, plan.placement), cur.compression,
+                              kind=kind, window_messages=self.config.comm.window_messages)
+        return replace(plan, placement=fitted)
+
+    def _reshape_shape(self, view: NetworkView, cur: Allocation, asked: TrainRequest | None,
+                       kind: dict[int, float], *, live: frozenset[bytes], remaining_steps: int,
+                       regions: dict[bytes, str], seed: int, force: bool,
+                       cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
+        per_link = cur.compression.per_link  # (then the candidates are costed knowing the codecs)
         auto_m = asked is not None and asked.auto_micro_batches
-        kind = self.kind(cur.model, cur.train, len(view.peers), auto_micro_batches=auto_m)
         plan = reshape(view, cur.model, cur.train, current=cur.plan(), live=live,
                        remaining_steps=remaining_steps, regions=regions, time_budget_s=self.config.schedule_time_s,
                        seed=seed, min_gain=self.config.min_gain, force=force, cut_links=cut,
@@ -273,6 +287,15 @@ class SchedulerPlanner:
                            req, model, train, regions, kind, auto_m)
 
     def _place(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
+               regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:
+        """The placement (`_shape`) with its pipeline schedule (`fit_schedule`)."""
+        shape = self._shape(view, req, model, train, regions, kind, auto_m)
+        if self.config.pipeline_schedule == "gpipe":
+            return shape
+        return fit_schedule(view, shape, model, train_of(train, shape), req.compression, kind=kind,
+                            window_messages=self.config.comm.window_messages)
+
+    def _shape(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:
         dp = req.dp  # None: the scheduler chooses it, with --stages too
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)

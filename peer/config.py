@@ -399,6 +399,10 @@ class PlaneSection:
         Flag("checkpoints_kept", "--keep-checkpoints", "checkpoints kept per stage of each run, the newest", "K"),
         # An older run's checkpoints are deleted when a newer run's land.
         Flag("runs_kept", "--keep-runs", "runs whose checkpoints stay on disk, the newest", "R"),
+        # (what the coordinator hands out; the paper's GPipe for comparisons)
+        Flag("pipeline_schedule", "--pipeline-schedule", "the stages' order of forwards and backwards when this "
+             "peer coordinates: fitted (1F1B fitted to the links, or GPipe where that is as fast) or gpipe",
+             "NAME"),
     )
     # PlaneConfig fields that are no keys: the section sets them from its own fields.
     EMBEDDED_SET_BY_SECTION: ClassVar[tuple[str, ...]] = ("data_path", "tokenizer_path", "model_paths", "device")

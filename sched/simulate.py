@@ -283,19 +283,24 @@ def _engine_syncs(lat: np.ndarray, X: np.ndarray, busy: np.ndarray, ar: np.ndarr
     return done, finish
 
 
-def check_warmups(warmups: Sequence[int] | None, S: int, M: int) -> tuple[int, ...]:
-    """Each stage's warm-up forwards (None: GPipe, M each); ValueError unless there is one per
-    stage, each in [0, M], none above the one before it."""
+MAX_WARMUP = 1 << 16  # a warm-up count's bound (a count of M or more runs every forward first)
+
+
+def check_warmups(warmups: Sequence[int] | None, S: int | None, M: int) -> tuple[int, ...]:
+    """Each stage's warm-up forwards, each at most M (a larger count means every forward first;
+    None: GPipe, M each); ValueError unless there is one per stage (S None: any number), each in
+    [0, MAX_WARMUP], none above the one before it."""
     if warmups is None:
-        return (M,) * S
+        return (M,) * (S or 0)
     w = tuple(int(v) for v in warmups)
-    if len(w) != S:
+    if S is not None and len(w) != S:
         raise ValueError(f"warmups: expected {S} counts (one per stage), got {len(w)}")
-    if any(not 0 <= v <= M for v in w):
-        raise ValueError(f"warmups: each count must be in [0, {M}] (the micro-batches), got {list(w)}")
+    if any(not 0 <= v <= MAX_WARMUP for v in w):
+        raise ValueError(f"warmups: each count must be in [0, {MAX_WARMUP}], got {list(w)[:8]}")
     if any(a < b for a, b in zip(w, w[1:])):
-        raise ValueError(f"warmups: a stage may not warm up with more forwards than the one before it, got {list(w)}")
-    return w
+        raise ValueError(f"warmups: a stage may not warm up with more forwards than the one before it, "
+                         f"got {list(w)[:8]}")
+    return tuple(min(v, M) for v in w)
 
 
 def stage_program(s: int, M: int, warmup: int) -> list[tuple[bool, int]]:

@@ -131,6 +131,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                        device=getattr(args, "device", "cpu"))
     state.compute_ms = getattr(args, "compute_ms", 0.0) or machine_compute_ms(run_dir, state.device)
     state.layer_probe = getattr(args, "layer_probe", "measure")
+    state.pipeline_schedule = getattr(args, "pipeline_schedule", "fitted")
     for k, region in enumerate(small.peer_regions()):
         name = f"p{k:02d}"
         state.peers.append(PeerEntry(name=name, index=k, region=region, port=ports[k],
@@ -600,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "run's layer and this machine at a start, for the scheduler's shape and its "
                         "prediction) or off (every layer costed at the reference rate from --compute-ms: "
                         "quicker starts where the runs fix their shapes, as the tests' do) "
+                        "(default: %(default)s)")
+    p.add_argument("--pipeline-schedule", choices=("fitted", "gpipe"), default="fitted",
+                   help="every peer's `dtfm-peer join --pipeline-schedule`: the stages' order of forwards and "
+                        "backwards the coordinator hands out, fitted (1F1B with warm-ups fitted to the links, "
+                        "or GPipe where that is as fast) or gpipe (every forward first, the paper's) "
                         "(default: %(default)s)")
     add_train_args(p, steps=100)
     p.set_defaults(func=cmd_up)

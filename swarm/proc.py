@@ -217,6 +217,7 @@ def start_peer(run_dir: Path, state: SwarmState, peer: PeerEntry, extra: list[st
            "--compute-ms", repr(peer_compute_ms(state, peer.region)),
            "--codec-speed", "reference",  # (the peers share one CPU: the same figure for each, no probe)
            "--layer-probe", state.layer_probe,
+           *(("--pipeline-schedule", state.pipeline_schedule) if state.pipeline_schedule != "fitted" else ()),
            # (one machine: the coordinator's layer probe at a run's start serves every peer, so
            # no training peer probes beside its first steps on the cores they all share)
            *(("--kinds-file", str(run_dir / KINDS_FILE)) if state.layer_probe == "measure" else ()),

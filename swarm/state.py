@@ -151,6 +151,8 @@ class SwarmState:
     # every peer's `join --layer-probe` (`up --layer-probe`): measure, or off (layers costed at
     # the reference rate from `compute_ms`, no probe at a start)
     layer_probe: str = "measure"
+    # every peer's `join --pipeline-schedule` (`up --pipeline-schedule`): fitted, or gpipe
+    pipeline_schedule: str = "fitted"
     version: int = STATE_VERSION
 
     def find(self, ref: str) -> PeerEntry:

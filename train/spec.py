@@ -11,7 +11,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from dtfm.fromdict import from_dict
-from dtfm.sched import check_warmups
 
 __all__ = ["ACTIVATIONS", "GPTSpec", "TrainConfig", "PRESETS", "PRECISIONS", "get_preset", "WIRE_DTYPES"]
 
@@ -99,6 +98,9 @@ def _opt(default: T, help: str) -> T:
     return field(default=default, metadata={"help": help})
 
 
+MAX_WARMUP = 1 << 16  # a `pipeline_warmups` count's bound (a count of micro_batches or more: every forward first)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimisation and pipeline settings of one run; identical on every peer of a swarm."""
@@ -121,7 +123,8 @@ class TrainConfig:
     comm_timeout_s: float = _opt(60.0, "longest wait for one message before the step fails")
     pipeline_warmups: str = _opt("", "forwards each stage runs before its first backward, one count per stage, "
                                      "comma-separated, none above the one before (then one forward and one "
-                                     "backward at a time: 1F1B); '': every micro-batch first (GPipe)")
+                                     "backward at a time: 1F1B; a count of micro_batches or more: every "
+                                     "forward first); '': every forward first (GPipe)")
     precision: str = _opt("fp32", "fp32: exact (the 1e-5 oracle); bf16: mixed precision, fp32 master weights and "
                                   "AdamW state, bfloat16 matrix products (autocast): faster on a GPU, not bit-exact "
                                   "(docs/train.md has the measured deviation)")
@@ -141,9 +144,12 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.bucket_bytes < 1024 or not self.comm_timeout_s > 0:
             raise ValueError("bucket_bytes must be at least 1024 and comm_timeout_s positive")
-        if self.pipeline_warmups:
-            counts = self.warmups()
-            check_warmups(counts, len(counts), self.micro_batches)
+        counts = self.warmups() or ()
+        if any(not 0 <= v <= MAX_WARMUP for v in counts):
+            raise ValueError(f"pipeline_warmups: each count must be in [0, {MAX_WARMUP}], got {self.pipeline_warmups!r:.80}")
+        if any(a < b for a, b in zip(counts, counts[1:])):
+            raise ValueError("pipeline_warmups: a stage may not warm up with more forwards than the one before it "
+                             f"(it would wait for a backward its neighbour runs later), got {self.pipeline_warmups!r:.80}")
 
     def warmups(self, stages: int | None = None) -> tuple[int, ...] | None:
         """`pipeline_warmups` as counts (None: GPipe); ValueError for a malformed list or one

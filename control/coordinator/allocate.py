@@ -101,10 +101,13 @@ def first_allocation(r: Reads, start: QueuedStart, shape: Placement, me_leaving:
 def train_of(cfg: TrainConfig, shape: Placement) -> TrainConfig:
     """The training config an allocation of `shape` carries: `cfg` at the micro-batch count the
     scheduler chose with the placement (it chooses one only where the run's start left it to
-    the scheduler; every peer checks it against the start), else `cfg` itself."""
-    if shape.micro_batches is None or shape.micro_batches == cfg.micro_batches:
+    the scheduler; every peer checks it against the start) and with the placement's pipeline
+    schedule (`Placement.warmups`; GPipe where it has none)."""
+    micro = cfg.micro_batches if shape.micro_batches is None else shape.micro_batches
+    warmups = shape.warmups_text()
+    if (micro, warmups) == (cfg.micro_batches, cfg.pipeline_warmups):
         return cfg
-    return replace(cfg, micro_batches=shape.micro_batches)
+    return replace(cfg, micro_batches=micro, pipeline_warmups=warmups)
 
 
 def next_allocation(r: Reads, cur: Allocation, shape: Placement, rp: ResumePoint, holdings: tuple[Holding, ...],

@@ -12,15 +12,15 @@ import numpy as np
 from dtfm.gossip import NetworkView
 from dtfm.sched import (REFERENCE_CODEC_SPEED, STEP_EFFICIENCY, TRAINER_WINDOW_MESSAGES, CodecAssignment, CodecSpeed,
                         CompressionOptions, CompressionPlan, CostModel, ScheduleInputs, choose_compression,
-                        layer_ranges, simulate_iteration, step_efficiency, wire_codecs)
+                        fitted_warmups, layer_ranges, simulate_iteration, step_efficiency, wire_codecs)
 from dtfm.sched import shape_space as sched_shape_space
 from dtfm.train import CompressionConfig, GPTSpec, LinkCodecs, TrainConfig
 
 from ..compute import peer_compute, run_model, sched_spec
 from .request import PLACEMENTS
 
-__all__ = ["PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of", "compression_options_of",
-           "compute_busy_fraction",
+__all__ = ["MAX_WARMUPS_TEXT", "PLACEMENTS", "Placement", "choose_links", "choose_shape", "codec_speeds_of",
+           "compression_options_of", "compute_busy_fraction", "fit_schedule",
            "predict_uniform", "random_shape", "sched_spec", "shape_space", "time_to_loss_s", "view_matrices"]
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Placement:
     pipelines: tuple[tuple[bytes, ...], ...]  # [d][s]: peer id
     layer_ranges: tuple[tuple[int, int], ...]
     spares: tuple[bytes, ...]
-    predicted_iteration_s: float  # the GPipe simulator on the measured view, with the trainer's syncs
+    predicted_iteration_s: float  # the simulator on the measured view, with the trainer's syncs and schedule
     objective_s: float  # the paper's cost (DP + 2 x PP) of this allocation
     # A per-link run: which links and DP groups use the run's codecs (`choose_links`), and why, in words.
     links: LinkCodecs | None = None
@@ -40,6 +40,13 @@ class Placement:
     # The micro-batch count the scheduler chose with the shape (a run whose start left it to the
     # scheduler, `TrainRequest.auto_micro_batches`); None: the run's own.
     micro_batches: int | None = None
+    # Each stage's forwards before its first backward (`fit_schedule`, `TrainConfig.pipeline_warmups`);
+    # None: GPipe.
+    warmups: tuple[int, ...] | None = None
+
+    def warmups_text(self) -> str:
+        """The warm-ups as `TrainConfig.pipeline_warmups` writes them ('' for GPipe)."""
+        return "" if self.warmups is None else ",".join(map(str, self.warmups))
 
 
 def shape_space(n: int, spec: GPTSpec, cfg: TrainConfig, *, stages: int | None = None,
@@ -191,14 +198,56 @@ def predict_uniform(view: NetworkView, placement: Placement, spec: GPTSpec, cfg:
                     window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
     """`placement` with the prediction of a uniformly compressed run: the simulator with the run's
     codecs on every link and DP group (each peer's coding at its own speed, the view's), as that
-    run codes them (the search costed each link's cheaper of exact and the codec). `cfg`: the
-    run's training config with the placement's micro-batch count (`train_of`)."""
+    run codes them (the search costed each link's cheaper of exact and the codec), under the
+    placement's pipeline schedule. `cfg`: the run's training config with the placement's
+    micro-batch count (`train_of`)."""
     X, model = _placement_model(view, placement, spec, cfg, compression, speed, kind)
     S, D = X.shape
     pp, dp = wire_codecs(compression)
     predicted = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=True,
-                                   codecs=CodecAssignment.uniform(S, D, pp, dp), window_messages=window_messages)
+                                   codecs=CodecAssignment.uniform(S, D, pp, dp), window_messages=window_messages,
+                                   warmups=placement.warmups)
     return replace(placement, predicted_iteration_s=float(predicted.iteration_s))
+
+
+# The longest warm-up list an allocation carries (its training config's strings are bounded at
+# 256 characters): a pipeline whose counts take more runs GPipe.
+MAX_WARMUPS_TEXT = 240
+
+
+def fit_schedule(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,
+                 compression: CompressionConfig, *, kind: Mapping[int, float] | None = None,
+                 speed: CodecSpeed = REFERENCE_CODEC_SPEED,
+                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
+    """`placement` with the pipeline schedule the simulator finds fastest for it
+    (`dtfm.sched.fitted_warmups`: 1F1B with each stage's warm-up fitted to its hops' round trips,
+    or GPipe) and its prediction under that schedule: the placement's own prediction scaled by
+    how much faster the schedule simulates than GPipe on the placement's codecs. `cfg`: the run's
+    training config at the placement's micro-batch count (`train_of`). GPipe where no schedule
+    is faster, or where the counts would not fit an allocation (`MAX_WARMUPS_TEXT`)."""
+    X, model = _placement_model(view, placement, spec, cfg, compression, speed, kind)
+    S, D = X.shape
+    M = cfg.micro_batches
+    codecs = _codecs_of(placement, compression, S, D)
+    gpipe = float(simulate_iteration(model, X, micro_batches=M, engine_syncs=True, codecs=codecs,
+                                     window_messages=window_messages).iteration_s)
+    warmups, fitted = fitted_warmups(model, X, M, window_messages, codecs=codecs)
+    if warmups == (M,) * S or not fitted < gpipe or len(",".join(map(str, warmups))) > MAX_WARMUPS_TEXT:
+        return replace(placement, warmups=None)
+    return replace(placement, warmups=warmups, predicted_iteration_s=placement.predicted_iteration_s * fitted / gpipe)
+
+
+def _codecs_of(placement: Placement, compression: CompressionConfig, S: int, D: int) -> CodecAssignment:
+    """The codecs each link and group of the placement uses: the run's everywhere, exact
+    everywhere, or (a per-link run) as its links say."""
+    if compression.exact:
+        return CodecAssignment.uniform(S, D)
+    pp, dp = wire_codecs(compression)
+    links = placement.links
+    if links is None:
+        return CodecAssignment.uniform(S, D, pp, dp)
+    return CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
+                           tuple(dp if on and D > 1 else type(dp)() for on in links.dp))
 
 
 def compute_busy_fraction(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig, *,

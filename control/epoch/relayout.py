@@ -58,8 +58,10 @@ def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: 
         raise RecoveryError(f"a part of layers {m.get('layer_range')} was trained with compression "
                             f"{m_comp.describe()!r}, the run uses {compression.describe()!r}")
     # (the micro-batch count may change between epochs of a run whose start left it to the
-    # scheduler: it splits each step's batch, the step's gradient stays the global batch's)
-    if m_spec != spec or replace(m_cfg, micro_batches=cfg.micro_batches) != cfg or (m_step, m_ostep) != (step, optim_step):
+    # scheduler: it splits each step's batch, the step's gradient stays the global batch's; the
+    # pipeline schedule changes with the allocation and never the result)
+    same = replace(m_cfg, micro_batches=cfg.micro_batches, pipeline_warmups=cfg.pipeline_warmups) == cfg
+    if m_spec != spec or not same or (m_step, m_ostep) != (step, optim_step):
         raise RecoveryError(f"a part of layers {m.get('layer_range')} is of another model, config or step "
                             f"({m_step}, optimizer step {m_ostep}; expected {step}, {optim_step})")
     try:
