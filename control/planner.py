@@ -78,6 +78,14 @@ CONFIRM_ROUNDS = 2  # plans whose estimated links are measured before one is han
 SCHEDULES_KEPT = 8  # first placements' inputs kept in the data dir
 
 
+def _logged(gpipe: Placement, fitted: Placement) -> Placement:
+    """`fitted` (`fit_schedule` of `gpipe`), its schedule logged where it is not GPipe."""
+    if fitted.warmups is not None:
+        logger.info("pipeline schedule: 1F1B with warm-ups %s, predicted %.3f s/step against %.3f s in GPipe",
+                    fitted.warmups_text(), fitted.predicted_iteration_s, gpipe.predicted_iteration_s)
+    return fitted
+
+
 def asked_start(alloc: Allocation) -> TrainRequest | None:
     """The operator's start the allocation carries, as its peers checked it: the stage and
     pipeline counts it asked for (`--stages`, `--dp`; None: the scheduler's), whether it left
@@ -206,7 +214,7 @@ class SchedulerPlanner:
             return plan
         fitted = fit_schedule(view, plan.placement, cur.model, train_of(cur.train, plan.placement), cur.compression,
                               kind=kind, window_messages=self.config.comm.window_messages)
-        return replace(plan, placement=fitted)
+        return replace(plan, placement=_logged(plan.placement, fitted))
 
     def _reshape_shape(self, view: NetworkView, cur: Allocation, asked: TrainRequest | None,
                        kind: dict[int, float], *, live: frozenset[bytes], remaining_steps: int,
@@ -292,8 +300,8 @@ class SchedulerPlanner:
         shape = self._shape(view, req, model, train, regions, kind, auto_m)
         if self.config.pipeline_schedule == "gpipe":
             return shape
-        return fit_schedule(view, shape, model, train_of(train, shape), req.compression, kind=kind,
-                            window_messages=self.config.comm.window_messages)
+        return _logged(shape, fit_schedule(view, shape, model, train_of(train, shape), req.compression, kind=kind,
+                                           window_messages=self.config.comm.window_messages))
 
     def _shape(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:

@@ -28,7 +28,7 @@ from .compression import WIRE_PRESETS, CompressionOptions, compression_options, 
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
 from .fastest import ScheduleInputs, micro_batch_options
 from .search import SearchConfig, ShapeSearch
-from .simulate import TRAINER_WINDOW_MESSAGES, simulate
+from .simulate import TRAINER_WINDOW_MESSAGES, fitted_warmups, simulate
 from .solve import candidate_shapes, cost_model, solve
 from .spec import PRESETS, ModelSpec, get_preset
 
@@ -218,6 +218,14 @@ def _solve(args) -> int:
         out["simulated_iteration_s"] = sim_s
     if plan is not None:
         out["compression"] = plan.to_dict()
+    warmups, scheduled_s = None, sim_s
+    if not micro and alloc.stages > 1:  # (the order of each stage's forwards and backwards: sched/simulate.py)
+        fitted, t = fitted_warmups(model, alloc.matrix, codecs=plan.assignment if plan is not None else None,
+                                   engine_syncs=False)
+        if t < sim_s:
+            warmups, scheduled_s = fitted, t
+        out["pipeline_warmups"] = None if warmups is None else list(warmups)
+        out["scheduled_iteration_s"] = scheduled_s
     if args.json:
         print(json.dumps(out))
     else:
@@ -226,6 +234,9 @@ def _solve(args) -> int:
         what = "cost with each link's and group's cheapest codec" if plan is not None else "cost"
         print(f"{what} {c.paper_s:.4f} s (DP {c.dp_s:.4f} + 2 x PP {c.pp_s:.4f}); objective {c.total_s:.4f} s; "
               f"simulated iteration {sim_s:.4f} s; searched {alloc.elapsed_s:.1f} s")
+        if warmups is not None:
+            print(f"pipeline schedule: 1F1B with warm-ups {','.join(map(str, warmups))}: simulated iteration "
+                  f"{scheduled_s:.4f} s against {sim_s:.4f} s in GPipe")
         if micro:
             best = min(micro, key=micro.__getitem__)
             rest = ", ".join(f"{m}: {t:.4f} s" for m, t in micro.items() if m != best)

@@ -232,9 +232,14 @@ def fit_schedule(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     gpipe = float(simulate_iteration(model, X, micro_batches=M, engine_syncs=True, codecs=codecs,
                                      window_messages=window_messages).iteration_s)
     warmups, fitted = fitted_warmups(model, X, M, window_messages, codecs=codecs)
-    if warmups == (M,) * S or not fitted < gpipe or len(",".join(map(str, warmups))) > MAX_WARMUPS_TEXT:
+    text = ",".join(map(str, warmups))
+    if warmups == (M,) * S or not fitted < gpipe or len(text) > MAX_WARMUPS_TEXT:
         return replace(placement, warmups=None)
-    return replace(placement, warmups=warmups, predicted_iteration_s=placement.predicted_iteration_s * fitted / gpipe)
+    predicted = placement.predicted_iteration_s * fitted / gpipe
+    note = (f"; pipeline schedule 1F1B, warm-ups {text}: predicted {predicted:.3f} s/step "
+            f"({placement.predicted_iteration_s / predicted:.2f}x GPipe's)")
+    return replace(placement, warmups=warmups, predicted_iteration_s=predicted,
+                   shape_note=placement.shape_note + note if placement.shape_note else "")
 
 
 def _codecs_of(placement: Placement, compression: CompressionConfig, S: int, D: int) -> CodecAssignment:
