@@ -274,9 +274,12 @@ def train_run(run_dir: Path, steps: int, *train_args: str) -> tuple[dict, list[d
 
 
 def run_config(reply: dict):
-    """The training config of the run `reply` describes (its micro-batch count: the scheduler's)."""
+    """The training config of the run `reply` describes (its micro-batch count and pipeline
+    schedule: the scheduler's)."""
     from dtfm.train import TrainConfig
-    return TrainConfig(micro_batches=int(reply.get("train", {}).get("micro_batches", TrainConfig().micro_batches)))
+    train = reply.get("train", {})
+    return TrainConfig(micro_batches=int(train.get("micro_batches", TrainConfig().micro_batches)),
+                       pipeline_warmups=str(train.get("pipeline_warmups", "")))
 
 
 def measured_tflops(reply: dict, compute_s: float) -> float:
@@ -322,7 +325,8 @@ def predict(view: tuple, reply: dict, config, speed, tflops: float | None, *,
     if links is not None:
         codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links["pp"]),
                                  tuple(dp if on else type(dp)() for on in links["dp"]))
-    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=engine_syncs, codecs=codecs)
+    sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=engine_syncs, codecs=codecs,
+                             warmups=cfg.warmups(S))  # (the run's pipeline schedule, as the allocation carries it)
     enc, dec = model.pp_coding_s(pp)
     return {"iteration_s": float(sim.iteration_s), "pipeline_s": float(sim.pipeline_s),
             "allreduce_s": [round(float(a), 4) for a in sim.allreduce_s],

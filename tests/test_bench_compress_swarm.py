@@ -211,3 +211,11 @@ def test_the_measured_rate_counts_each_runs_own_sequences_per_peer():
     assert bench.measured_tflops(reply(1), 0.2) == pytest.approx(2 * two)
     assert bench.measured_tflops(reply(2), 0.1) == pytest.approx(2 * two)
     assert bench.measured_tflops(reply(2, micro_batches=2), 0.2) == pytest.approx(two)
+
+
+def test_the_runs_config_carries_the_schedule_the_allocation_handed_out():
+    """The bench predicts a run under its own pipeline schedule (the allocation's warm-ups), as
+    the coordinator did."""
+    cfg = bench.run_config({"train": {"micro_batches": 16, "pipeline_warmups": "14,8,2,0"}})
+    assert (cfg.micro_batches, cfg.warmups(4)) == (16, (14, 8, 2, 0))
+    assert bench.run_config({"train": {"micro_batches": 8}}).warmups(4) is None  # (GPipe)
