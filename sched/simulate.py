@@ -50,6 +50,7 @@ per window of micro-batches on each hop.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -313,9 +314,11 @@ def stage_program(s: int, M: int, warmup: int) -> list[tuple[bool, int]]:
     return out + [(True, m) for m in range(M - w, M)]
 
 
-def stage_order(S: int, M: int, warmups: Sequence[int]) -> list[tuple[int, bool, int]]:
+@functools.lru_cache(maxsize=256)
+def stage_order(S: int, M: int, warmups: tuple[int, ...]) -> tuple[tuple[int, bool, int], ...]:
     """Every stage's programme merged into one order in which each step's inputs come first
-    (an activation from the stage before, a gradient from the stage after): (s, backward, m)."""
+    (an activation from the stage before, a gradient from the stage after): (s, backward, m).
+    (Cached: the searches simulate a few shapes thousands of times.)"""
     progs = [stage_program(s, M, warmups[s]) for s in range(S)]
     done_f = [0] * S  # forwards done per stage (in micro-batch order)
     done_b = [0] * S
@@ -339,7 +342,7 @@ def stage_order(S: int, M: int, warmups: Sequence[int]) -> list[tuple[int, bool,
                 moved = True
         if not moved:  # (check_warmups rules this out)
             raise ValueError(f"warmups {list(warmups)} deadlock the pipeline")
-    return out
+    return tuple(out)
 
 
 def fitted_warmups(model: CostModel, X: np.ndarray, micro_batches: int | None = None,
