@@ -202,6 +202,7 @@ def _setup(args, parser: argparse.ArgumentParser):
         cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)})
         plan = Plan.grid(spec.n_layer, args.stages, args.dp, args.layer_weights)
         split_batch(cfg.global_batch_seqs, plan.dp, cfg.micro_batches)
+        cfg.warmups(plan.stages)  # (--pipeline-warmups: one count per stage)
     except ValueError as e:
         raise CliError(str(e)) from None
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -46,6 +46,10 @@ def test_checkpoint_resume_continues_the_same_run(capsys, data, tmp_path):
     second = run_cli(capsys, "--steps", "2", "--checkpoint-dir", ck, "--resume", *common)
     assert [r["step"] for r in first + second] == [0, 1, 2, 3]
     assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
+    # a checkpoint resumes under another pipeline schedule, to the same bits
+    third = run_cli(capsys, "--steps", "2", "--checkpoint-dir", ck, "--resume", "--pipeline-warmups", "1,0", *common)
+    again = run_cli(capsys, "--steps", "6", *common)
+    assert [r["loss"] for r in third] == [r["loss"] for r in again[4:]]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -55,6 +59,8 @@ def test_checkpoint_resume_continues_the_same_run(capsys, data, tmp_path):
     (["--stages", "5"], "5 stages"),
     (["--lr", "0"], "lr must be positive"),
     (["--wire-dtype", "int8"], "wire_dtype must be one of"),
+    (["--stages", "4", "--pipeline-warmups", "3,2"], "pipeline_warmups names 2 stages, the pipeline has 4"),
+    (["--stages", "2", "--pipeline-warmups", "0,1"], "may not warm up with more forwards than the one before"),
 ])
 def test_user_errors_exit_1_with_one_line(capsys, tmp_path, argv, message):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
