@@ -327,9 +327,10 @@ def _backward_one(ctx: _Ctx, m: int, out: torch.Tensor, x: torch.Tensor) -> list
         out.backward(g)
     ctx.compute_s += time.perf_counter() - t0
     ctx.compute_cpu_s += time.thread_time() - c0
-    if ctx.prev is not None:
-        return [_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", x.grad, ctx.up_coded)]
-    return []
+    if ctx.prev is None:
+        return []
+    assert x.grad is not None  # (a received activation requires its gradient: `_forward_one`)
+    return [_send_boundary(ctx, ctx.prev, f"{ctx.key}/grad/{m}", x.grad, ctx.up_coded)]
 
 
 def _sync_and_update(state: StageState, plan: Plan, me: PeerId, comm: Comm, d: int, s: int, key: str,
