@@ -31,8 +31,9 @@ and only the part of its exchange that tau steps without a synchronisation do no
 
 The order of each stage's micro-batches (`warmups`): stage s runs `warmups[s]` forwards, then
 alternates one forward and one backward until its forwards are done, then the rest of its
-backwards, backwards in micro-batch order (the 1F1B family; the trainer's `Plan.warmups`). With
-every count at M (the default) that is GPipe: all forwards, then all backwards. Fewer warm-up
+backwards, backwards in micro-batch order (the 1F1B family; the trainer's
+`TrainConfig.pipeline_warmups`). With every count at M (the default) that is GPipe: all
+forwards, then all backwards. Fewer warm-up
 forwards let a stage's backward pass start while later micro-batches still flow forward, so a
 link carries activations one way and gradients the other at once; a stage can then have only
 warmups[s] - warmups[s + 1] + 1 micro-batches in flight to its neighbour, so each count must
