@@ -26,7 +26,8 @@ from dtfm.scenarios import ScenarioError, load_scenario
 from .choose import ChoiceReason, CompressionPlan, choose_compression
 from .compression import WIRE_PRESETS, CompressionOptions, compression_options, load_codec_speed
 from .construct import consecutive, dp_aligned, locality_order, pp_aligned, random_allocation
-from .fastest import ScheduleInputs, micro_batch_options
+from .cost import CostModel
+from .fastest import FastestShape, ScheduleInputs, micro_batch_options
 from .search import SearchConfig, ShapeSearch
 from .simulate import TRAINER_WINDOW_MESSAGES, fitted_warmups, simulate
 from .solve import candidate_shapes, cost_model, solve
@@ -164,6 +165,22 @@ def _check_shape(args, sc, spec, memory) -> None:
         raise CliError(f"--no-spares: the {n} peers of {sc.name} do not form {stages} x {dp}")
 
 
+def _replay_schedule(inputs: ScheduleInputs, found: FastestShape) -> tuple[tuple[int, ...] | None, float]:
+    """The pipeline schedule the coordinator fits to the replayed allocation (`fitted_warmups`,
+    with the trainer's syncs and window, each link at its cheapest allowed codec), and its
+    simulated iteration; None where GPipe is as fast."""
+    alloc = found.alloc
+    S, D = alloc.stages, alloc.dp
+    M = found.micro_batches or inputs.model.micro_batches
+    model = CostModel(inputs.delay_ms, inputs.bandwidth_gbps, inputs.spec_of(D, M).workload(S, D),
+                      compute=inputs.speeds if inputs.reference_tflops is not None else None,
+                      compression=inputs.compression)
+    gpipe = float(simulate(model, alloc.matrix, micro_batches=M, engine_syncs=True,
+                           window_messages=inputs.window_messages).iteration_s)
+    warmups, t = fitted_warmups(model, alloc.matrix, M, inputs.window_messages)
+    return (warmups, t) if t < gpipe else (None, gpipe)
+
+
 def _replay(args) -> int:
     """`solve --view FILE`: the coordinator's shape search on its own inputs."""
     try:
@@ -175,15 +192,20 @@ def _replay(args) -> int:
     found = inputs.solve(None if args.time_budget == SearchConfig().time_budget_s else args.time_budget)
     n = len(inputs.peers)
     alloc = found.alloc
+    warmups, scheduled_s = _replay_schedule(inputs, found)
     out = {"view": str(args.view), "model": inputs.model.name, **alloc.to_dict(),
            "simulated_iteration_s": found.iteration_s, "micro_batches": found.micro_batches, "note": found.note(n),
            "tried": [{"stages": s, "dp": d, "simulated_iteration_s": t} for s, d, t in found.tried],
+           "pipeline_warmups": None if warmups is None else list(warmups), "scheduled_iteration_s": scheduled_s,
            "coordinator": dict(inputs.chosen)}
     if args.json:
         print(json.dumps(out))
         return 0
     print(f"{args.view}: {n} peers, model {inputs.model.name}")
     print(f"shape: {found.note(n)}")
+    if warmups is not None:
+        print(f"pipeline schedule: 1F1B with warm-ups {','.join(map(str, warmups))}: {scheduled_s:.3f} s/step "
+              f"with the trainer's syncs and window, against {found.iteration_s:.3f} s in GPipe")
     regions = inputs.regions
     for p, pipe in enumerate(alloc.pipelines):
         print(f"pipeline {p}: " + " -> ".join(f"{i}({regions[i]})" for i in pipe))

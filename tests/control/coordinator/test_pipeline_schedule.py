@@ -9,6 +9,7 @@ import hashlib
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from machine_trace import start_op
 
 from dtfm.control import Allocation
@@ -78,3 +79,23 @@ def test_the_fitted_schedule_is_the_simulators_fastest_of_those_it_tries_and_nev
     fast = CostModel(np.zeros((4, 4)), np.full((4, 4), np.inf), pc.spec(SPEC, CFG, 1).workload(4, 1),
                      compute=pc.speeds)
     assert fitted_warmups(fast, X, 8, 8)[0] == (8,) * 4
+
+
+def test_dtfm_sched_replays_the_coordinators_schedule_from_its_view_file(tmp_path, capsys):
+    """`dtfm-sched solve --view FILE` fits the schedule to the replayed allocation as the
+    coordinator did: the same warm-ups and prediction."""
+    import json
+
+    from dtfm.sched.cli import main as sched_main
+    view = line_view()
+    fitted = planner().first_placement(view, TrainRequest(stages=4, dp=1), SPEC, CFG, {})
+    assert fitted.inputs is not None and fitted.warmups is not None
+    path = tmp_path / "schedule.json"
+    path.write_text(fitted.inputs.to_json())
+    assert sched_main(["solve", "--view", str(path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pipeline_warmups"] == list(fitted.warmups)
+    assert out["scheduled_iteration_s"] == pytest.approx(fitted.predicted_iteration_s, rel=1e-9)
+    assert out["scheduled_iteration_s"] < out["simulated_iteration_s"]
+    assert sched_main(["solve", "--view", str(path)]) == 0
+    assert f"pipeline schedule: 1F1B with warm-ups {fitted.warmups_text()}" in capsys.readouterr().out
