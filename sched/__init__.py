@@ -16,7 +16,7 @@ from .layers import layer_ranges, split_layers
 from .matching import bottleneck_matching, linear_assignment
 from .path import open_path
 from .search import SEARCH_PROFILES, SearchConfig
-from .simulate import TRAINER_WINDOW_MESSAGES, SimResult, check_warmups, fitted_warmups, stage_program
+from .simulate import TRAINER_WINDOW_MESSAGES, FittedSchedule, SimResult, check_warmups, fitted_warmups, stage_program
 from .simulate import simulate as simulate_iteration
 from .solve import Allocation, candidate_shapes, cost_model, evaluate, solve
 from .spec import PAPER_GPT3_XL, PRESETS, UPDATE_KIND, CommSpec, ModelSpec, Workload, get_preset, update_s_per_param
@@ -30,5 +30,5 @@ __all__ = [
     "bottleneck_matching", "candidate_shapes", "choose_compression", "compression_options", "cost_model",
     "evaluate", "get_preset", "layer_ranges", "linear_assignment", "load_codec_speed", "open_path", "simulate_iteration", "solve", "split_layers",
     "shape_step_efficiency", "step_efficiency", "UPDATE_KIND", "update_s_per_param",
-    "wire_codecs", "check_warmups", "fitted_warmups", "stage_program",
+    "wire_codecs", "check_warmups", "FittedSchedule", "fitted_warmups", "stage_program",
 ]

@@ -168,17 +168,15 @@ def _check_shape(args, sc, spec, memory) -> None:
 def _replay_schedule(inputs: ScheduleInputs, found: FastestShape) -> tuple[tuple[int, ...] | None, float]:
     """The pipeline schedule the coordinator fits to the replayed allocation (`fitted_warmups`,
     with the trainer's syncs and window, each link at its cheapest allowed codec), and its
-    simulated iteration; None where GPipe is as fast."""
+    simulated iteration; None where GPipe is as fast (then GPipe's)."""
     alloc = found.alloc
     S, D = alloc.stages, alloc.dp
     M = found.micro_batches or inputs.model.micro_batches
     model = CostModel(inputs.delay_ms, inputs.bandwidth_gbps, inputs.spec_of(D, M).workload(S, D),
                       compute=inputs.speeds if inputs.reference_tflops is not None else None,
                       compression=inputs.compression)
-    gpipe = float(simulate(model, alloc.matrix, micro_batches=M, engine_syncs=True,
-                           window_messages=inputs.window_messages).iteration_s)
-    warmups, t = fitted_warmups(model, alloc.matrix, M, inputs.window_messages)
-    return (warmups, t) if t < gpipe else (None, gpipe)
+    fit = fitted_warmups(model, alloc.matrix, M, inputs.window_messages)
+    return fit.warmups, fit.iteration_s
 
 
 def _replay(args) -> int:
@@ -242,10 +240,10 @@ def _solve(args) -> int:
         out["compression"] = plan.to_dict()
     warmups, scheduled_s = None, sim_s
     if not micro and alloc.stages > 1:  # (the order of each stage's forwards and backwards: sched/simulate.py)
-        fitted, t = fitted_warmups(model, alloc.matrix, codecs=plan.assignment if plan is not None else None,
-                                   engine_syncs=False)
-        if t < sim_s:
-            warmups, scheduled_s = fitted, t
+        fit = fitted_warmups(model, alloc.matrix, codecs=plan.assignment if plan is not None else None,
+                             engine_syncs=False)
+        if fit.warmups is not None:
+            warmups, scheduled_s = fit.warmups, fit.iteration_s
         out["pipeline_warmups"] = None if warmups is None else list(warmups)
         out["scheduled_iteration_s"] = scheduled_s
     if args.json:

@@ -55,13 +55,15 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from .compression import CodecAssignment
 from .cost import CostModel
 
-__all__ = ["SimResult", "TRAINER_WINDOW_MESSAGES", "check_warmups", "fitted_warmups", "simulate", "stage_order"]
+__all__ = ["FittedSchedule", "SimResult", "TRAINER_WINDOW_MESSAGES", "check_warmups", "fitted_warmups", "simulate",
+           "stage_order"]
 
 # The trainer's unacknowledged messages per destination (control/dataplane CommConfig's default
 # `window_messages`; tests/sched check they agree).
@@ -346,11 +348,19 @@ def stage_order(S: int, M: int, warmups: tuple[int, ...]) -> tuple[tuple[int, bo
     return tuple(out)
 
 
+class FittedSchedule(NamedTuple):
+    """`fitted_warmups`' answer."""
+
+    warmups: tuple[int, ...] | None  # each stage's warm-up forwards; None: GPipe is as fast
+    iteration_s: float  # the simulated iteration under them
+    gpipe_s: float  # ... and under GPipe
+
+
 def fitted_warmups(model: CostModel, X: np.ndarray, micro_batches: int | None = None,
                    window_messages: int | None = None, codecs: CodecAssignment | None = None,
-                   engine_syncs: bool = True) -> tuple[tuple[int, ...], float]:
-    """The warm-up counts the simulator finds fastest for allocation X, and its iteration time:
-    GPipe against counts fitted to each hop's round trip (a hop needs as many micro-batches in
+                   engine_syncs: bool = True) -> FittedSchedule:
+    """The warm-up counts the simulator finds fastest for allocation X, with its iteration time
+    and GPipe's (the warm-ups None where nothing beats GPipe): GPipe against counts fitted to each hop's round trip (a hop needs as many micro-batches in
     flight as its two latencies and two transfers take, in transfers or computes, whichever is
     longer; a stage's count is the sum over the hops after it, every pipeline's longest), at
     half, one and twice that; the best of those then moved one count at a time while that is
@@ -362,9 +372,10 @@ def fitted_warmups(model: CostModel, X: np.ndarray, micro_batches: int | None = 
     def run(w: tuple[int, ...]) -> float:
         return float(simulate(model, X, micro_batches=M, engine_syncs=engine_syncs, codecs=codecs,
                               window_messages=window_messages, warmups=w).iteration_s)
-    best = (run(gpipe), gpipe)
+    gpipe_s = run(gpipe)
+    best = (gpipe_s, gpipe)
     if S < 2 or M < 2:
-        return best[1], best[0]
+        return FittedSchedule(None, gpipe_s, gpipe_s)
     need = _hop_flight(model, X, M, codecs)  # (S-1,) micro-batches each hop needs in flight
     tried = {gpipe}
     for scale in (1.0, 0.5, 2.0):
@@ -388,7 +399,7 @@ def fitted_warmups(model: CostModel, X: np.ndarray, micro_batches: int | None = 
                     best, moved = (t, w), True
         if not moved:
             break
-    return best[1], best[0]
+    return FittedSchedule(None if best[1] == gpipe else best[1], best[0], gpipe_s)
 
 
 def _hop_flight(model: CostModel, X: np.ndarray, M: int, codecs: CodecAssignment | None) -> np.ndarray:

@@ -158,8 +158,7 @@ def _resume_states(root: str, spec, cfg, plan: Plan, device: str, comp: Compress
         for d, peer in enumerate(plan.dp_group(s)):
             path = found[(roots[d], rng, step)]
             st = load_checkpoint(path, device)
-            same = dataclasses.replace(st.cfg, pipeline_warmups=cfg.pipeline_warmups) == cfg  # (any schedule resumes)
-            if st.spec != spec or not same:
+            if st.spec != spec or not cfg.trains_as(st.cfg):  # (under any pipeline schedule)
                 raise CheckpointError(f"checkpoint {path} was made with another model or config")
             if st.compress.config != comp:
                 raise CheckpointError(f"checkpoint {path} was made with compression "

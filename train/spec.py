@@ -7,7 +7,7 @@ Both travel inside checkpoints (as JSON via `to_dict`) so a checkpoint says what
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, TypeVar
 
 from dtfm.fromdict import from_dict
@@ -150,6 +150,11 @@ class TrainConfig:
         if any(a < b for a, b in zip(counts, counts[1:])):
             raise ValueError("pipeline_warmups: a stage may not warm up with more forwards than the one before it "
                              f"(it would wait for a backward its neighbour runs later), got {self.pipeline_warmups!r:.80}")
+
+    def trains_as(self, other: "TrainConfig") -> bool:
+        """Whether a stage trained under `other` may go on under this config: the same but for
+        the pipeline schedule, which changes when a link carries what, never the bits."""
+        return replace(other, pipeline_warmups=self.pipeline_warmups) == self
 
     def warmups(self, stages: int | None = None) -> tuple[int, ...] | None:
         """`pipeline_warmups` as counts (None: GPipe); ValueError for a malformed list or one

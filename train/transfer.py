@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -183,8 +183,7 @@ class TransferReceiver:
         if self.manifest.meta.get("format") != FORMAT:
             raise TransferError(f"the sender offers {self.manifest.meta.get('format')!r}, not a whole stage ({FORMAT})")
         m_spec, m_cfg, m_range, step, ostep = _meta_fields(self.manifest.meta)
-        same = replace(m_cfg, pipeline_warmups=cfg.pipeline_warmups) == cfg  # (a schedule never changes the result)
-        if m_spec != spec or not same or m_range != tuple(layer_range):
+        if m_spec != spec or not cfg.trains_as(m_cfg) or m_range != tuple(layer_range):
             raise TransferError(f"the sender offers layers {m_range} of {m_spec.name!r}, "
                                 f"expected layers {tuple(layer_range)} of {spec.name!r} with this run's config")
         try:

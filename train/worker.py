@@ -260,9 +260,9 @@ def _recv_boundary(ctx: _Ctx, peer: PeerId, tag: str, shape: tuple, coded: bool)
 
 def _warmup(cfg: TrainConfig, stages: int, s: int, micro: int) -> int:
     """Stage s's forwards before its first backward (`TrainConfig.pipeline_warmups`; all of its
-    `micro` micro-batches where none is set: GPipe)."""
+    `micro` micro-batches where none is set: GPipe; `stage_program` holds a count to them)."""
     counts = cfg.warmups(stages)
-    return micro if counts is None else min(counts[s], micro)
+    return micro if counts is None else counts[s]
 
 
 def _pipeline(ctx: _Ctx, program: list[tuple[bool, int]]) -> tuple[list[torch.Tensor], list[SendHandle]]:

@@ -226,25 +226,21 @@ def fit_schedule(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: Tr
     training config at the placement's micro-batch count (`train_of`). GPipe where no schedule
     is faster, or where the counts would not fit an allocation (`MAX_WARMUPS_TEXT`)."""
     X, model = _placement_model(view, placement, spec, cfg, compression, speed, kind)
-    S, D = X.shape
-    M = cfg.micro_batches
-    codecs = _codecs_of(placement, compression, S, D)
-    gpipe = float(simulate_iteration(model, X, micro_batches=M, engine_syncs=True, codecs=codecs,
-                                     window_messages=window_messages).iteration_s)
-    warmups, fitted = fitted_warmups(model, X, M, window_messages, codecs=codecs)
-    text = ",".join(map(str, warmups))
-    if warmups == (M,) * S or not fitted < gpipe or len(text) > MAX_WARMUPS_TEXT:
+    fit = fitted_warmups(model, X, cfg.micro_batches, window_messages, codecs=_codecs_of(placement, compression))
+    text = "" if fit.warmups is None else ",".join(map(str, fit.warmups))
+    if fit.warmups is None or len(text) > MAX_WARMUPS_TEXT:
         return replace(placement, warmups=None)
-    predicted = placement.predicted_iteration_s * fitted / gpipe
+    predicted = placement.predicted_iteration_s * fit.iteration_s / fit.gpipe_s
     note = (f"; pipeline schedule 1F1B, warm-ups {text}: predicted {predicted:.3f} s/step "
             f"({placement.predicted_iteration_s / predicted:.2f}x GPipe's)")
-    return replace(placement, warmups=warmups, predicted_iteration_s=predicted,
+    return replace(placement, warmups=fit.warmups, predicted_iteration_s=predicted,
                    shape_note=placement.shape_note + note if placement.shape_note else "")
 
 
-def _codecs_of(placement: Placement, compression: CompressionConfig, S: int, D: int) -> CodecAssignment:
+def _codecs_of(placement: Placement, compression: CompressionConfig) -> CodecAssignment:
     """The codecs each link and group of the placement uses: the run's everywhere, exact
     everywhere, or (a per-link run) as its links say."""
+    S, D = len(placement.layer_ranges), len(placement.pipelines)
     if compression.exact:
         return CodecAssignment.uniform(S, D)
     pp, dp = wire_codecs(compression)
@@ -252,7 +248,7 @@ def _codecs_of(placement: Placement, compression: CompressionConfig, S: int, D: 
     if links is None:
         return CodecAssignment.uniform(S, D, pp, dp)
     return CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
-                           tuple(dp if on and D > 1 else type(dp)() for on in links.dp))
+                           tuple(dp if on else type(dp)() for on in links.dp))
 
 
 def compute_busy_fraction(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig, *,
@@ -274,13 +270,9 @@ def time_to_loss_s(placement: Placement, compression: CompressionConfig,
     """A per-link placement's predicted iteration over the step efficiency of the codecs its
     links and groups use (`dtfm.sched.step_efficiency`): what it takes per exact step's worth of
     progress towards the target loss. A placement with no per-link choice: its iteration."""
-    links = placement.links
-    if links is None:
+    if placement.links is None:
         return placement.predicted_iteration_s
-    pp, dp = wire_codecs(compression)
-    codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
-                             tuple(dp if on else type(dp)() for on in links.dp))
-    return placement.predicted_iteration_s / step_efficiency(codecs, efficiency)
+    return placement.predicted_iteration_s / step_efficiency(_codecs_of(placement, compression), efficiency)
 
 
 def choose_links(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig,

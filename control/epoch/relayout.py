@@ -60,8 +60,8 @@ def _part_tensors(part, spec: GPTSpec, cfg: TrainConfig, step: int, optim_step: 
     # (the micro-batch count may change between epochs of a run whose start left it to the
     # scheduler: it splits each step's batch, the step's gradient stays the global batch's; the
     # pipeline schedule changes with the allocation and never the result)
-    same = replace(m_cfg, micro_batches=cfg.micro_batches, pipeline_warmups=cfg.pipeline_warmups) == cfg
-    if m_spec != spec or not same or (m_step, m_ostep) != (step, optim_step):
+    if m_spec != spec or not cfg.trains_as(replace(m_cfg, micro_batches=cfg.micro_batches)) or \
+            (m_step, m_ostep) != (step, optim_step):
         raise RecoveryError(f"a part of layers {m.get('layer_range')} is of another model, config or step "
                             f"({m_step}, optimizer step {m_ostep}; expected {step}, {optim_step})")
     try:

@@ -40,6 +40,15 @@ def _hold_the_loop(seconds: float) -> None:
     time.sleep(seconds)  # what a large copy or hash in the event loop's thread does
 
 
+async def _stall_once(watch: LoopWatch, seconds: float) -> None:
+    """Hold the loop `seconds` and wait (5 s at most) until the watch counted one more stall."""
+    before = watch.status()["stalls"]
+    _hold_the_loop(seconds)
+    with trio.fail_after(5):
+        while watch.status()["stalls"] == before:
+            await trio.sleep(0.02)
+
+
 async def test_a_stall_is_counted_with_the_stack_that_held_the_loop(caplog):
     """Real time, bounded: the loop is held 0.3 s by a blocking call; the watch counts the stall
     and names the function that held it, in its status and in a warning. (A loaded machine may
@@ -49,11 +58,7 @@ async def test_a_stall_is_counted_with_the_stack_that_held_the_loop(caplog):
     async with trio.open_nursery() as nursery:
         await nursery.start(watch.run)
         await trio.sleep(0.05)
-        before = watch.status()["stalls"]
-        _hold_the_loop(0.3)
-        with trio.fail_after(5):
-            while watch.status()["stalls"] == before:
-                await trio.sleep(0.02)
+        await _stall_once(watch, 0.3)
         nursery.cancel_scope.cancel()
     st = watch.status()
     assert st["late_ms_worst"] >= 250 and st["last_stall"]["at"] == 1_700_000_000.0
@@ -70,11 +75,7 @@ async def test_stalls_are_logged_once_an_interval_and_all_counted(caplog):
     async with trio.open_nursery() as nursery:
         await nursery.start(watch.run)
         for _ in range(2):
-            before = watch.status()["stalls"]
-            _hold_the_loop(0.2)
-            with trio.fail_after(5):
-                while watch.status()["stalls"] == before:
-                    await trio.sleep(0.02)
+            await _stall_once(watch, 0.2)
         nursery.cancel_scope.cancel()
     assert watch.status()["stalls"] >= 2
     assert len([r for r in caplog.records if "event loop stalled" in r.message]) == 1

@@ -54,8 +54,9 @@ def test_a_link_busy_both_ways_carries_gradients_back_while_activations_still_fl
     one_f_one_b = simulate_iteration(model, X, micro_batches=M, warmups=(1, 0)).pipeline_s
     assert gpipe == pytest.approx(2 * M * unit) and one_f_one_b == pytest.approx((M + 1) * unit)
     assert simulate_iteration(model, X, micro_batches=M, warmups=(M, M)).pipeline_s == pytest.approx(gpipe)
-    w, t = fitted_warmups(model, X, M, engine_syncs=False)
-    assert t == pytest.approx((M + 1) * unit) and w[-1] == 0
+    fit = fitted_warmups(model, X, M, engine_syncs=False)
+    assert fit.iteration_s == pytest.approx((M + 1) * unit) and fit.gpipe_s == pytest.approx(gpipe)
+    assert fit.warmups is not None and fit.warmups[-1] == 0
     with pytest.raises(ValueError, match="may not warm up"):
         simulate_iteration(model, X, micro_batches=M, warmups=(0, 1))
 
@@ -69,5 +70,5 @@ def test_far_links_need_warm_ups_that_cover_their_round_trip():
     model = CostModel(d, bw, spec_at(M).workload(2, 1))
     gpipe = simulate_iteration(model, X, micro_batches=M, window_messages=8).iteration_s
     plain = simulate_iteration(model, X, micro_batches=M, window_messages=8, warmups=(1, 0)).iteration_s
-    w, fitted = fitted_warmups(model, X, M, 8)
+    fitted = fitted_warmups(model, X, M, 8).iteration_s
     assert plain > gpipe and fitted <= gpipe and fitted < plain

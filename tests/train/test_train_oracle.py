@@ -96,6 +96,17 @@ def test_every_schedule_of_the_1f1b_family_trains_the_same_bits_as_gpipe(corpus,
         assert all(torch.equal(p, gpipe[n]) for n, p in gathered_params(cl).items())
 
 
+def test_the_config_and_the_simulator_bound_warm_ups_alike():
+    """TrainConfig checks its warm-ups without importing the scheduler (the daemon's light
+    commands load no numpy); the two bounds are one."""
+    from dtfm.sched.simulate import MAX_WARMUP as SCHED_MAX
+    from dtfm.train.spec import MAX_WARMUP
+    assert MAX_WARMUP == SCHED_MAX
+    # a stage trained under one schedule goes on under another, and under nothing else changed
+    cfg = dataclasses.replace(CFG, pipeline_warmups="3,2,1,0")
+    assert cfg.trains_as(CFG) and CFG.trains_as(cfg) and not dataclasses.replace(cfg, lr=1e-3).trains_as(CFG)
+
+
 def test_a_schedule_that_would_deadlock_or_names_other_stages_is_refused(corpus):
     with pytest.raises(ValueError, match="may not warm up with more forwards"):
         dataclasses.replace(CFG, pipeline_warmups="0,1,2,3")  # stage 1 would wait for a backward stage 0 runs later

@@ -71,14 +71,14 @@ def test_the_fitted_schedule_is_the_simulators_fastest_of_those_it_tries_and_nev
     model = CostModel(np.asarray(view.delay_ms), np.asarray(view.bandwidth_gbps),
                       pc.spec(SPEC, CFG, 1).workload(4, 1), compute=pc.speeds)
     gpipe = simulate_iteration(model, X, micro_batches=8, engine_syncs=True, window_messages=8).iteration_s
-    w, t = fitted_warmups(model, X, 8, 8)
-    assert t == simulate_iteration(model, X, micro_batches=8, engine_syncs=True, window_messages=8,
-                                   warmups=w).iteration_s
-    assert t < gpipe and w != (8,) * 4
+    w, t, g = fitted_warmups(model, X, 8, 8)
+    assert w is not None and t == simulate_iteration(model, X, micro_batches=8, engine_syncs=True, window_messages=8,
+                                                     warmups=w).iteration_s
+    assert t < gpipe == g and w != (8,) * 4
     # on links with no latency and endless bandwidth no order beats GPipe's, which it then keeps
     fast = CostModel(np.zeros((4, 4)), np.full((4, 4), np.inf), pc.spec(SPEC, CFG, 1).workload(4, 1),
                      compute=pc.speeds)
-    assert fitted_warmups(fast, X, 8, 8)[0] == (8,) * 4
+    assert fitted_warmups(fast, X, 8, 8).warmups is None
 
 
 def test_dtfm_sched_replays_the_coordinators_schedule_from_its_view_file(tmp_path, capsys):
