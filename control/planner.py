@@ -229,6 +229,7 @@ class SchedulerPlanner:
                        keep_dp=asked.dp if asked is not None else None, kind=kind,
                        auto_micro_batches=auto_m,
                        window_messages=self.config.comm.window_messages,
+                       fit_schedules=self.config.pipeline_schedule == "fitted",
                        compression=None if cur.compression.exact else compression_options_of(cur.compression, view=view))
         if cur.compression.exact:
             return plan
@@ -296,16 +297,22 @@ class SchedulerPlanner:
 
     def _place(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
                regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:
-        """The placement (`_shape`) with its pipeline schedule (`fit_schedule`)."""
-        shape = self._shape(view, req, model, train, regions, kind, auto_m)
-        if self.config.pipeline_schedule == "gpipe":
-            return shape
-        return _logged(shape, fit_schedule(view, shape, model, train_of(train, shape), req.compression, kind=kind,
-                                           window_messages=self.config.comm.window_messages))
+        """The placement (`_shape`) with its pipeline schedule (`fit_schedule`); with the fitted
+        schedule, shapes are ranked under the schedule each would run (`choose_shape`'s
+        `fit_schedules`), and a per-link run's two candidate plans compared under theirs."""
+        def scheduled(shape: Placement) -> Placement:
+            if self.config.pipeline_schedule == "gpipe":
+                return shape
+            return _logged(shape, fit_schedule(view, shape, model, train_of(train, shape), req.compression,
+                                               kind=kind, window_messages=self.config.comm.window_messages))
+
+        return self._shape(view, req, model, train, regions, kind, auto_m, scheduled)
 
     def _shape(self, view: NetworkView, req: TrainRequest, model: GPTSpec, train: TrainConfig,
-               regions: dict[bytes, str], kind: dict[int, float], auto_m: bool) -> Placement:
+               regions: dict[bytes, str], kind: dict[int, float], auto_m: bool,
+               scheduled: Callable[[Placement], Placement]) -> Placement:
         dp = req.dp  # None: the scheduler chooses it, with --stages too
+        fit = self.config.pipeline_schedule == "fitted"
         per_link = req.compression.per_link  # (then the search knows the codecs, and each link is chosen)
         if req.placement == "random":
             if req.stages is None:  # (TrainRequest refuses a random placement without --stages)
@@ -314,14 +321,16 @@ class SchedulerPlanner:
             shape = random_shape(view, model, train, stages=req.stages, dp=width, seed=req.seed, kind=kind,
                                  window_messages=self.config.comm.window_messages)
         elif req.compression.exact:
-            return choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
-                                time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
-                                auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages)
+            return scheduled(choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
+                                          time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
+                                          auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages,
+                                          fit_schedules=fit))
         elif not per_link:  # compressed on every link and group: the search knows the codecs
             shape = choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions,
                                  time_budget_s=self.config.schedule_time_s, seed=req.seed, kind=kind,
                                  compression=compression_options_of(req.compression, view=view),
-                                 auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages)
+                                 auto_micro_batches=auto_m, window_messages=self.config.comm.window_messages,
+                                 fit_schedules=fit)
         else:
             # Two searches, each with half the time: one knowing the codecs, one for exact tensors;
             # each gets its links chosen, and the plan faster to the target loss wins (the
@@ -333,16 +342,16 @@ class SchedulerPlanner:
             half = self.config.schedule_time_s / 2
             shapes = [choose_shape(view, model, train, stages=req.stages, dp=dp, regions=regions, time_budget_s=half,
                                    seed=req.seed, compression=opts, kind=kind, auto_micro_batches=auto_m,
-                                   window_messages=self.config.comm.window_messages)
+                                   window_messages=self.config.comm.window_messages, fit_schedules=fit)
                       for opts in (compression_options_of(req.compression, view=view), None)]
-            candidates = [choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind,
-                                       window_messages=self.config.comm.window_messages)
+            candidates = [scheduled(choose_links(view, shape, model, train_of(train, shape), req.compression,
+                                                 kind=kind, window_messages=self.config.comm.window_messages))
                           for shape in shapes]
             return min(candidates, key=lambda p: time_to_loss_s(p, req.compression))  # (the codec-aware one on a tie)
         if per_link:
-            return choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind,
-                                window_messages=self.config.comm.window_messages)
+            return scheduled(choose_links(view, shape, model, train_of(train, shape), req.compression, kind=kind,
+                                          window_messages=self.config.comm.window_messages))
         if not req.compression.exact:
-            return predict_uniform(view, shape, model, train_of(train, shape), req.compression, kind=kind,
-                                   window_messages=self.config.comm.window_messages)
-        return shape
+            return scheduled(predict_uniform(view, shape, model, train_of(train, shape), req.compression, kind=kind,
+                                             window_messages=self.config.comm.window_messages))
+        return scheduled(shape)

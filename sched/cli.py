@@ -190,7 +190,8 @@ def _replay(args) -> int:
     found = inputs.solve(None if args.time_budget == SearchConfig().time_budget_s else args.time_budget)
     n = len(inputs.peers)
     alloc = found.alloc
-    warmups, scheduled_s = _replay_schedule(inputs, found)
+    # (a search that ranked shapes under their fitted schedules names the winner's; else fit it now)
+    warmups, scheduled_s = (found.warmups, found.scheduled_s) if found.scheduled else _replay_schedule(inputs, found)
     out = {"view": str(args.view), "model": inputs.model.name, **alloc.to_dict(),
            "simulated_iteration_s": found.iteration_s, "micro_batches": found.micro_batches, "note": found.note(n),
            "tried": [{"stages": s, "dp": d, "simulated_iteration_s": t} for s, d, t in found.tried],

@@ -22,6 +22,15 @@ iteration falls, then a kick of two random swaps and again, until three descents
 nothing better), with the run's codecs where it compresses, within a share of that shape's
 budget (`REFINE_SHARE`) and up to `REFINE_MAX_PEERS` peers.
 
+A run whose stages order their forwards and backwards as the simulator fits them
+(`fit_schedules`: 1F1B with warm-ups fitted to the links, `fitted_warmups`) has its shapes
+ranked under those schedules: the search and refinement cost GPipe (a fit costs 10-20
+simulations), then the (S, D, M) candidates are fitted in order of their GPipe time, while
+that is within `SCHEDULE_GAIN_BOUND` of the best fitted time so far (a fitted schedule can only
+overlap a hop's two directions: it saves at most the transfers GPipe pays one way after the
+other) and within the budget's `FIT_SHARE`; the fastest under its schedule wins. A shape that
+GPipe ranks second can win this way: 1F1B gains most where one hop carries the most.
+
 A swarm's coordinator chooses a new run's shape this way (control/coordinator/schedule.py
 `choose_shape`), and writes its inputs to a view file (`ScheduleInputs`, JSON) that
 `dtfm-sched solve --view FILE` replays offline: the same search on the same inputs.
@@ -43,12 +52,12 @@ import numpy as np
 from .compression import CompressionOptions, shape_step_efficiency
 from .cost import CostModel
 from .search import SearchConfig
-from .simulate import TRAINER_WINDOW_MESSAGES, simulate
+from .simulate import TRAINER_WINDOW_MESSAGES, fitted_warmups, simulate
 from .solve import Allocation, cost_model, solve
 from .spec import ModelSpec, update_s_per_param
 
-__all__ = ["FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
-           "refine_by_simulation", "shape_space", "solve_fastest"]
+__all__ = ["FIT_SHARE", "FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
+           "refine_by_simulation", "SCHEDULE_GAIN_BOUND", "shape_space", "solve_fastest"]
 
 VIEW_FORMAT = "dtfm-schedule-inputs-v1"
 MAX_VIEW_BYTES = 64 << 20  # a view file's bound (a 1,000-peer view is about 30 MB of JSON)
@@ -61,6 +70,11 @@ MAX_MICRO_BATCHES = 64
 # and the most peers it is tried on (a swap pass costs (N choose 2) simulations).
 REFINE_SHARE = 0.25
 REFINE_MAX_PEERS = 64
+# With `fit_schedules`: the share of the budget kept for fitting the candidates' pipeline
+# schedules (the winner of GPipe is always fitted), and how much faster than GPipe a fitted
+# schedule is taken to be at most (it overlaps a hop's two directions, no more).
+FIT_SHARE = 0.1
+SCHEDULE_GAIN_BOUND = 2.0
 
 
 def micro_batch_options(global_batch: int, dp: int, max_m: int = MAX_MICRO_BATCHES) -> tuple[int, ...]:
@@ -103,6 +117,19 @@ class FastestShape:
     # (S, D, step efficiency) of each shape searched whose codecs lose steps (below 1): it was
     # ranked by its iteration over that, the time per exact step's worth of progress
     efficiency: tuple[tuple[int, int, float], ...] = ()
+    # (S, D, M, iteration under the schedule fitted to it, its warm-ups or None for GPipe) of
+    # each candidate whose schedule was fitted (`fit_schedules`), the chosen one first
+    scheduled: tuple[tuple[int, int, int, float, tuple[int, ...] | None], ...] = ()
+
+    @property
+    def scheduled_s(self) -> float:
+        """The chosen allocation's iteration under its fitted schedule (GPipe's where none was)."""
+        return self.scheduled[0][3] if self.scheduled else self.iteration_s
+
+    @property
+    def warmups(self) -> tuple[int, ...] | None:
+        """The chosen allocation's fitted warm-ups (None: GPipe, or not fitted)."""
+        return self.scheduled[0][4] if self.scheduled else None
 
     def note(self, n: int) -> str:
         """Why the shape, in one line: "4 x 1 (4 spares): predicted 0.412 s/step; every peer
@@ -110,26 +137,34 @@ class FastestShape:
         best that places every peer when the chosen one leaves some out, the best of the rest.
         When the micro-batch count was searched, the chosen one follows the shape and the
         runner-up count on the same shape its prediction: "4 x 1 (4 spares), 8 micro-batches:
-        predicted 0.412 s/step; 4 micro-batches 0.450 s; ..."."""
+        predicted 0.412 s/step; 4 micro-batches 0.450 s; ...". Where schedules were fitted, each
+        figure is the candidate's under its fitted schedule (GPipe's where it was not fitted),
+        and the chosen one's GPipe figure follows it: "... 0.310 s/step in 1F1B (GPipe 0.412 s)"."""
         S, D = self.alloc.stages, self.alloc.dp
+        at = {(s, d, m): t for s, d, m, t in self.tried_micro}  # (S, D, M): the ranked time
         by = {(s, d): t for s, d, t in self.tried}
+        for s, d, m, t, _ in self.scheduled:
+            at[(s, d, m)] = t
+            by[(s, d)] = min(t, by.get((s, d), t))
+        chosen_s = by[(S, D)] = self.scheduled_s if self.scheduled else by.get((S, D), self.iteration_s)
         eff = {(s, d): e for s, d, e in self.efficiency}
 
         def per_exact(s: int, d: int) -> str:  # the time to the target per exact step, where it differs
             e = eff.get((s, d), 1.0)
-            return f" ({by.get((s, d), self.iteration_s) / e:.3f} s per exact step at step efficiency {e:.2f})" \
-                if e < 1.0 else ""
+            return f" ({by[(s, d)] / e:.3f} s per exact step at step efficiency {e:.2f})" if e < 1.0 else ""
 
         spares = n - S * D
         out = f"{S} x {D}" + (f" ({spares} spare{'s' if spares != 1 else ''})" if spares else "")
-        others = sorted((t, m) for s, d, m, t in self.tried_micro if (s, d) == (S, D) and m != self.micro_batches)
+        others = sorted((t, m) for (s, d, m), t in at.items() if (s, d) == (S, D) and m != self.micro_batches)
         if self.tried_micro:
             out += f", {self.micro_batches} micro-batch{'es' if self.micro_batches != 1 else ''}"
-        out += f": predicted {by.get((S, D), self.iteration_s):.3f} s/step" + per_exact(S, D)
+        out += f": predicted {chosen_s:.3f} s/step" + per_exact(S, D)
+        if self.warmups is not None:
+            out += f" in 1F1B (GPipe {self.iteration_s:.3f} s)"
         if others:
             t, m = others[0]
             out += f"; {m} micro-batch{'es' if m != 1 else ''} {t:.3f} s"
-        rest = sorted((t / eff.get((s, d), 1.0), t, s, d) for s, d, t in self.tried if (s, d) != (S, D))
+        rest = sorted((t / eff.get((s, d), 1.0), t, s, d) for (s, d), t in by.items() if (s, d) != (S, D))
         full = [x for x in rest if x[2] * x[3] == n]
         if spares and full:
             _, t, s, d = full[0]
@@ -139,7 +174,8 @@ class FastestShape:
             _, t, s, d = rest[0]
             out += f"; next {s} x {d} {t:.3f} s" + per_exact(s, d)
         k = len(self.tried)
-        return out + f" ({k} shape{'s' if k != 1 else ''} tried)"
+        fitted = f", {len(self.scheduled)} schedules fitted" if self.scheduled else ""
+        return out + f" ({k} shape{'s' if k != 1 else ''} tried{fitted})"
 
 
 def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Callable[..., ModelSpec],
@@ -147,7 +183,7 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
                   regions: Sequence[str] | None = None, seed: int = 0, time_budget_s: float = 5.0,
                   compression: CompressionOptions | None = None,
                   micro_options: Callable[[int], Sequence[int]] | None = None,
-                  window_messages: int | None = None) -> FastestShape:
+                  window_messages: int | None = None, fit_schedules: bool = False) -> FastestShape:
     """`solve` on each shape (`spec_of(D)`: the model for D pipelines, its compute term on when
     it has `reference_tflops`), the budget shared among the shapes; each result simulated with
     the trainer's syncs at `micro_batches`, compute at `compute` (per-peer speeds); the fastest
@@ -165,7 +201,10 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     then `spec_of(D, M)` is the model at M micro-batches, each shape's allocation is searched at
     the count nearest `micro_batches` and simulated at every count, and the fastest (S, D, M)
     wins (on a tie, the fewer micro-batches: fewer messages for the same predicted time).
-    `window_messages`: the trainer's flow-control window the simulator costs (`simulate`)."""
+    `window_messages`: the trainer's flow-control window the simulator costs (`simulate`).
+    `fit_schedules`: the candidates are ranked under the pipeline schedule fitted to each
+    (`fitted_warmups`; the module's docstring says which are fitted), and the result names the
+    chosen one's (`FastestShape.warmups`, `scheduled_s`); `iteration_s` stays its GPipe time."""
     if not shapes:
         raise ValueError("no shape to search")
     n = np.asarray(delay_ms).shape[0]
@@ -175,8 +214,11 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     tried_micro: list[tuple[int, int, int, float]] = []
     efficiency: list[tuple[int, int, float]] = []
     best: tuple[float, Allocation, int, float] | None = None  # (time per exact step, allocation, M, iteration)
+    # (time per exact step, iteration, S, D, M, allocation, step efficiency) of every candidate, for the fits
+    cands: list[tuple[float, float, int, int, int, Allocation, float]] = []
+    search_s = time_budget_s * (1 - FIT_SHARE if fit_schedules else 1.0)
     for k, (S, D) in enumerate(shapes):
-        budget = max(time_budget_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
+        budget = max(search_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
         counts = list(micro_options(D)) if micro_options is not None else []
         if micro_options is not None and not counts:
             continue  # (no micro-batch count fits D pipelines)
@@ -195,10 +237,12 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
                       time_budget_s=max(budget * (1 - REFINE_SHARE if refine else 1.0), 1e-9), seed=seed,
                       allow_spares=True, compression=compression)
 
+        def _model(m: int) -> CostModel:
+            return CostModel(delay_ms, bandwidth_gbps, spec_at(m).workload(S, D), compute=compute,
+                             compression=compression)
+
         def simulated(X: np.ndarray, m: int) -> float:
-            model = CostModel(delay_ms, bandwidth_gbps, spec_at(m).workload(S, D), compute=compute,
-                              compression=compression)
-            return float(simulate(model, X, micro_batches=m, engine_syncs=True,
+            return float(simulate(_model(m), X, micro_batches=m, engine_syncs=True,
                                   window_messages=window_messages).iteration_s)
 
         if refine:
@@ -210,23 +254,53 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
                 alloc = replace(alloc, pipelines=tuple(tuple(int(v) for v in col) for col in X.T), spares=Z,
                                 cost=paper.breakdown(X))
             alloc = replace(alloc, stats={**alloc.stats, "refined": stats})
+        eff = shape_step_efficiency(compression, S, D)
         shape_best: tuple[float, int] | None = None
         for m in counts or [micro_batches]:
             t = simulated(alloc.matrix, m)
             if counts:
                 tried_micro.append((S, D, m, t))
+            cands.append((t / eff, t, S, D, m, alloc, eff))
             if shape_best is None or t < shape_best[0] - 1e-12:
                 shape_best = (t, m)
         assert shape_best is not None
         tried.append((S, D, shape_best[0]))
-        eff = shape_step_efficiency(compression, S, D)
         if eff < 1.0:
             efficiency.append((S, D, eff))
         if best is None or shape_best[0] / eff < best[0] - 1e-12:
             best = (shape_best[0] / eff, alloc, shape_best[1], shape_best[0])
     if best is None:
         raise ValueError("no micro-batch count fits any shape")
-    return FastestShape(best[1], best[3], tuple(tried), best[2], tuple(tried_micro), tuple(efficiency))
+    found = FastestShape(best[1], best[3], tuple(tried), best[2], tuple(tried_micro), tuple(efficiency))
+    if not fit_schedules:
+        return found
+
+    def fitted(c: tuple[float, float, int, int, int, Allocation, float]) -> tuple[float, tuple[int, ...] | None]:
+        _, _, S, D, m, alloc, _ = c
+        model = CostModel(delay_ms, bandwidth_gbps, (spec_of(D, m) if micro_options is not None else spec_of(D))
+                          .workload(S, D), compute=compute, compression=compression)
+        fit = fitted_warmups(model, alloc.matrix, m, window_messages)
+        return fit.iteration_s, fit.warmups
+
+    # GPipe's winner first (on a tie, as GPipe chose), then the rest by GPipe time per exact step
+    first = next(c for c in cands if c[5] is found.alloc and c[4] == found.micro_batches)
+    order = [first] + sorted((c for c in cands if c is not first), key=lambda c: c[0])
+    scheduled: list[tuple[float, tuple[int, int, int, float, tuple[int, ...] | None]]] = []
+    for c in order:
+        if scheduled and (c[0] >= min(r for r, _ in scheduled) * SCHEDULE_GAIN_BOUND
+                          or time.monotonic() - t0 >= time_budget_s):
+            break
+        t, w = fitted(c)
+        scheduled.append((t / c[6], (c[2], c[3], c[4], t, w)))
+    win = 0  # (the first of equals: GPipe's winner, then the faster by GPipe)
+    for i, (r, _) in enumerate(scheduled):
+        if r < scheduled[win][0] - 1e-12:
+            win = i
+    S, D, m = scheduled[win][1][:3]
+    chosen = next(c for c in order if c[2:5] == (S, D, m))
+    rows = tuple(r for _, r in scheduled)
+    return replace(found, alloc=chosen[5], iteration_s=chosen[1], micro_batches=m,
+                   scheduled=(rows[win],) + rows[:win] + rows[win + 1:])
 
 
 _Swap = tuple[tuple[int, int], "tuple[int, int] | int"]  # two places of X, or a place and a spare's index
@@ -395,6 +469,9 @@ class ScheduleInputs:
     chosen: Mapping[str, object] = field(default_factory=dict)  # stages, dp, pipelines (indices), predicted, note
     window_messages: int = TRAINER_WINDOW_MESSAGES
     compression: CompressionOptions | None = None
+    # The run's stages order their forwards and backwards as fitted to the links (the swarm's
+    # `pipeline_schedule = "fitted"`): shapes ranked under those schedules (`solve_fastest`)
+    fit_schedules: bool = False
 
     def tflops(self, micro_batch: int) -> float | None:
         if self.reference_tflops is None:
@@ -425,7 +502,7 @@ class ScheduleInputs:
                              time_budget_s=self.time_budget_s if time_budget_s is None else time_budget_s,
                              compression=self.compression,
                              micro_options=self.model.micro_batch_options if self.model.auto_micro_batches else None,
-                             window_messages=self.window_messages)
+                             window_messages=self.window_messages, fit_schedules=self.fit_schedules)
 
     def to_json(self) -> str:
         d = {"format": VIEW_FORMAT, "peers": list(self.peers), "regions": list(self.regions),
@@ -435,7 +512,8 @@ class ScheduleInputs:
              "kind": {str(b): f for b, f in sorted(self.kind.items())}, "model": asdict(self.model),
              "stages": self.stages, "dp": self.dp, "seed": self.seed, "time_budget_s": self.time_budget_s,
              "chosen": dict(self.chosen), "window_messages": self.window_messages,
-             "compression": None if self.compression is None else self.compression.to_dict()}
+             "compression": None if self.compression is None else self.compression.to_dict(),
+             "pipeline_schedule": "fitted" if self.fit_schedules else "gpipe"}
         return json.dumps(d)
 
     @classmethod
@@ -460,10 +538,14 @@ class ScheduleInputs:
                 raise ValueError("the matrices, speeds and regions do not match the peers")
             ref = d["reference_tflops"]
             comp = d.get("compression")  # (a file of an exact run, or written before runs kept theirs: none)
+            # (a file written before shapes were ranked under fitted schedules: GPipe's ranking)
+            schedule = d.get("pipeline_schedule", "gpipe")
+            if schedule not in ("fitted", "gpipe"):
+                raise ValueError(f"pipeline_schedule {schedule!r} is neither 'fitted' nor 'gpipe'")
             return cls(tuple(map(str, d["peers"])), tuple(map(str, d["regions"])), delay, bw, speeds,
                        None if ref is None else float(ref), {int(b): float(f) for b, f in d["kind"].items()},
                        RunModel(**d["model"]), d["stages"], d["dp"], int(d["seed"]), float(d["time_budget_s"]),
                        dict(d.get("chosen", {})), int(d.get("window_messages", TRAINER_WINDOW_MESSAGES)),
-                       None if comp is None else CompressionOptions.from_dict(comp, n))
+                       None if comp is None else CompressionOptions.from_dict(comp, n), schedule == "fitted")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: {e}") from None

@@ -56,6 +56,13 @@ shapes. The run's micro-batch count is kept, unless its start left it to the sch
 `micro_batch_options` for its D and at the run's own (where it still gives every micro-batch a
 sequence), and takes the fastest (the run's own on a tie); the placement names it.
 
+Where the run's stages take the pipeline schedule fitted to their links (`fit_schedules`), the
+candidates are ranked under theirs: each is built and costed in GPipe as above, then keep and the
+fastest candidates get the schedule the simulator fits to them (`dtfm.sched.fitted_warmups`), in
+order of their GPipe time while it is within `SCHEDULE_GAIN_BOUND` of the best fitted one (and,
+outside repeatable runs, `FIT_SHARE` of the budget), and their scores are re-costed at that;
+the placement's prediction stays its GPipe figure, which the planner scales to its schedule.
+
 Cut links (`cut_links`: pairs of peers whose link failed a step and has not been measured
 healthy since) get a delay and bandwidth no working link has, so the scheduler steers around
 them, and a candidate that would still exchange tensors over one (control/coordinator/links.py
@@ -82,9 +89,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, TRAINER_WINDOW_MESSAGES, CompressionOptions,
-                        CostModel, ModelSpec, SearchConfig, layer_ranges, linear_assignment, micro_batch_options,
-                        refine_by_simulation, shape_step_efficiency, simulate_iteration, solve)
+from dtfm.sched import (FIT_SHARE, MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, SCHEDULE_GAIN_BOUND,
+                        TRAINER_WINDOW_MESSAGES, CompressionOptions, CostModel, ModelSpec, SearchConfig, fitted_warmups,
+                        layer_ranges, linear_assignment, micro_batch_options, refine_by_simulation,
+                        shape_step_efficiency, simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
 
 from ..compute import peer_compute, sched_spec
@@ -126,9 +134,11 @@ class ReshapePlan:
     def summary(self) -> str:
         """One log line: the choice and every candidate."""
         s = self.placement
+        chosen = next((c for c in self.candidates if c.get("chosen")), None)
+        predicted = chosen["predicted_s"] if chosen is not None else s.predicted_iteration_s
         head = (f"reshape: {self.kind} {len(s.layer_ranges)}x{len(s.pipelines)}"
                 + (f", {s.micro_batches} micro-batches" if s.micro_batches is not None else "") + " predicted "
-                f"{s.predicted_iteration_s:.3f} s, {self.moves} moves, {self.bytes_moved / 1e6:.1f} MB "
+                f"{predicted:.3f} s, {self.moves} moves, {self.bytes_moved / 1e6:.1f} MB "
                 f"in {self.move_s:.2f} s, gain {self.gain_s:.1f} s")
         if self.lost_ranges:
             head += f", lost {list(self.lost_ranges)}"
@@ -144,7 +154,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
             config: SearchConfig | None = None, cut_links: Iterable[tuple[bytes, bytes]] = (),
             compression: CompressionOptions | None = None, keep_stages: bool = False,
             keep_dp: int | None = None, kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
-            window_messages: int = TRAINER_WINDOW_MESSAGES) -> ReshapePlan:
+            window_messages: int = TRAINER_WINDOW_MESSAGES, fit_schedules: bool = False) -> ReshapePlan:
     """The next allocation of the live peers of `view` (see the module docstring).
 
     current: the allocation in use, or None for the first (then `stages`/`dp` as choose_shape
@@ -162,6 +172,7 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
     start left the micro-batch count to the scheduler (see the module docstring;
     `cfg.micro_batches` is the run's current count).
     window_messages: the swarm's flow-control window (`CommConfig.window_messages`).
+    fit_schedules: candidates ranked under their fitted pipeline schedules (module docstring).
     ValueError when the view is incomplete or no allocation fits the live peers."""
     n = len(view.peers)
     if not view.complete:
@@ -198,7 +209,9 @@ def reshape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, current: Plan
         raise ValueError(f"no allocation fits the {len(pl.live)} live peers of the view "
                          f"(a model of {spec.n_layer} layers, at most {pl.d_max} pipelines for a global "
                          f"batch of {cfg.global_batch_seqs} in {cfg.micro_batches} micro-batches)")
-    ref = keep.predicted_s if keep is not None else _current_prediction(pl)
+    if fit_schedules:
+        _fit_schedules(pl, cands, keep, time_budget_s * FIT_SHARE)
+    ref = keep.ranked_s if keep is not None else _current_prediction(pl, fit_schedules)
     plan = _plan(pl, _choose(cands, keep, min_gain, remaining_steps, force), cands, ref)
     logger.info("%s", plan.summary())
     return plan
@@ -234,10 +247,10 @@ def _plan(pl: _Planner, c: _Cand, cands: list[_Cand], ref: float) -> ReshapePlan
                           tuple(ids[i] for i in pl.spares(c.X)), c.predicted_s, c.objective_s,
                           micro_batches=c.micro_batches if pl.auto_micro_batches else None)
     table = tuple({"kind": o.kind, "shape": f"{o.X.shape[0]}x{o.X.shape[1]}", "micro_batches": o.micro_batches,
-                   "predicted_s": o.predicted_s,
+                   "predicted_s": o.ranked_s, "pipeline_warmups": o.warmups,
                    "moves": o.moves, "bytes": o.bytes, "move_s": o.move_s, "score": o.score, "chosen": o is c}
                   for o in cands)
-    return ReshapePlan(placement, c.kind, c.moves, c.bytes, c.move_s, (ref - c.predicted_s) * pl.steps, table,
+    return ReshapePlan(placement, c.kind, c.moves, c.bytes, c.move_s, (ref - c.ranked_s) * pl.steps, table,
                        c.fetches, c.lost)
 
 
@@ -291,6 +304,15 @@ class _Cand:
     fetches: tuple = ()
     lost: tuple = ()
     micro_batches: int = 0  # the count it is predicted at
+    # Its iteration under the pipeline schedule fitted to it, and that schedule's warm-ups (None:
+    # GPipe), where one was fitted (`_fit_schedules`); else None, and GPipe's `predicted_s` ranks it.
+    scheduled_s: float | None = None
+    warmups: tuple[int, ...] | None = None
+
+    @property
+    def ranked_s(self) -> float:
+        """The iteration it is ranked by: under its fitted schedule where one was fitted."""
+        return self.predicted_s if self.scheduled_s is None else self.scheduled_s
 
 
 class _Planner:
@@ -657,11 +679,35 @@ def _shapes(pl: _Planner, kind: str, stages, dp, budget_s: float, old: np.ndarra
     return out
 
 
-def _current_prediction(pl: _Planner) -> float:
-    """The current allocation's predicted iteration on the view, nan when a peer left the view."""
+def _current_prediction(pl: _Planner, fit_schedules: bool = False) -> float:
+    """The current allocation's predicted iteration on the view (under its fitted schedule with
+    `fit_schedules`), nan when a peer left the view."""
     if pl.current is None or any(p not in pl.index for pipe in pl.current.pipelines for p in pipe):
         return float("nan")
     X = np.array([[pl.index[p] for p in pipe] for pipe in pl.current.pipelines], dtype=np.int64).T
     m = pl.model(*X.shape)
+    if fit_schedules:
+        return fitted_warmups(m, X, pl.cfg.micro_batches, pl.window).iteration_s
     return float(simulate_iteration(m, X, micro_batches=pl.cfg.micro_batches, engine_syncs=True,
                                     window_messages=pl.window).iteration_s)
+
+
+def _fit_schedules(pl: _Planner, cands: list[_Cand], keep: _Cand | None, budget_s: float) -> None:
+    """Keep and the fastest candidates re-costed under the pipeline schedule fitted to each (see
+    the module docstring): their `scheduled_s`, `warmups`, `per_exact_s` and `score`."""
+    t0 = time.monotonic()
+    repeatable = pl.config is not None and pl.config.generations is not None
+    order = sorted((c for c in cands if c is not keep), key=lambda c: c.per_exact_s)
+    best = float("inf")
+    for i, c in enumerate(([keep] if keep is not None else []) + order):
+        if c is not keep and (c.per_exact_s >= best * SCHEDULE_GAIN_BOUND
+                              or (not repeatable and i > 1 and time.monotonic() - t0 >= budget_s)):
+            break
+        S, D = c.X.shape
+        fit = fitted_warmups(pl.model(S, D, c.micro_batches), c.X, c.micro_batches, pl.window)
+        c.scheduled_s = fit.iteration_s + (c.predicted_s - fit.gpipe_s)  # (a cut link's penalty kept)
+        c.warmups = fit.warmups
+        eff = shape_step_efficiency(pl.compression, S, D)
+        c.per_exact_s = c.scheduled_s / eff
+        c.score = c.per_exact_s * pl.steps + c.move_s
+        best = min(best, c.per_exact_s)

@@ -64,7 +64,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
                  regions: dict[bytes, str] | None = None, time_budget_s: float = 5.0,
                  seed: int = 0, compression: CompressionOptions | None = None,
                  kind: Mapping[int, float] | None = None, auto_micro_batches: bool = False,
-                 window_messages: int = TRAINER_WINDOW_MESSAGES) -> Placement:
+                 window_messages: int = TRAINER_WINDOW_MESSAGES, fit_schedules: bool = False) -> Placement:
     """Run the DT-FM scheduler on the view. stages=None picks the shape too ("auto"): every
     shape of `shape_space` (peers left out as spares included) is searched, and the one the
     simulator predicts fastest per step wins (`dtfm.sched.solve_fastest`: the global batch is
@@ -78,7 +78,10 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     layer's `kind_factors` (none: the reference rate). auto_micro_batches: the micro-batch count is searched with the
     shape (`dtfm.sched.micro_batch_options`; the placement's `micro_batches` is the one chosen),
     else the run's (`cfg.micro_batches`) is kept. window_messages: the swarm's flow-control window
-    (`CommConfig.window_messages`), which the simulator costs. The placement carries its inputs
+    (`CommConfig.window_messages`), which the simulator costs. fit_schedules: the run's stages
+    take the pipeline schedule fitted to their links (`fit_schedule`), so shapes are ranked
+    under the schedule fitted to each (`dtfm.sched.solve_fastest`); the placement's prediction
+    stays its GPipe figure, which `fit_schedule` scales. The placement carries its inputs
     (`ScheduleInputs`: what `dtfm-sched solve --view` replays) and why the shape (`shape_note`).
 
     ValueError when the view is incomplete or the shape does not fit the live peers."""
@@ -91,7 +94,7 @@ def choose_shape(view: NetworkView, spec: GPTSpec, cfg: TrainConfig, *, stages: 
     inputs = ScheduleInputs(tuple(p.hex() for p in view.peers), tuple((regions or {}).get(p, "") for p in view.peers),
                             delay, bw, pc.speeds, pc.reference_tflops, pc.kind,
                             run_model(spec, cfg, auto_micro_batches=auto_micro_batches), stages, dp, seed, time_budget_s,
-                            window_messages=window_messages, compression=compression)
+                            window_messages=window_messages, compression=compression, fit_schedules=fit_schedules)
     shapes = inputs.shapes()
     if not shapes:
         raise ValueError(f"no shape of {n} live peers fits {spec.n_layer} layers"

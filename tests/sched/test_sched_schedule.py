@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_sched_micro import spec_at, uniform
+from dataclasses import replace
 
-from dtfm.sched import CostModel, check_warmups, fitted_warmups, simulate_iteration, stage_program
+from test_sched_micro import KIND, TINY, spec_at, uniform
+
+from dtfm.sched import (CostModel, ScheduleInputs, check_warmups, fitted_warmups, simulate_iteration,
+                        stage_program)
 from dtfm.sched.simulate import stage_order
 
 
@@ -72,3 +75,50 @@ def test_far_links_need_warm_ups_that_cover_their_round_trip():
     plain = simulate_iteration(model, X, micro_batches=M, window_messages=8, warmups=(1, 0)).iteration_s
     fitted = fitted_warmups(model, X, M, 8).iteration_s
     assert plain > gpipe and fitted <= gpipe and fitted < plain
+
+
+def four_peers(one_way_ms: float = 5.0, gbps: float = 0.05, tflops: float = 0.05) -> ScheduleInputs:
+    """Four peers on equal links, one pipeline of any stage count, eight micro-batches."""
+    d, bw = uniform(4, one_way_ms, gbps)
+    return ScheduleInputs(tuple(str(i) for i in range(4)), ("",) * 4, d, bw, np.ones(4), tflops, KIND,
+                          replace(TINY, micro_batches=8), stages=None, dp=1, time_budget_s=0.3)
+
+
+def test_shapes_are_ranked_under_the_schedule_fitted_to_each():
+    """One stage beats two split by a slow link in GPipe, which pays the link's transfers one
+    way and then the other; with each shape's fitted 1F1B the two stages win, and the result
+    names their schedule: what the simulator gives under it, and the GPipe figure beside it."""
+    inputs = four_peers()
+    paper = inputs.solve()
+    found = replace(inputs, fit_schedules=True).solve()
+    assert (paper.alloc.stages, paper.alloc.dp) == (1, 1) and not paper.scheduled and paper.warmups is None
+    assert (found.alloc.stages, found.alloc.dp) == (2, 1) and found.warmups is not None
+    X = found.alloc.matrix
+    model = CostModel(inputs.delay_ms, inputs.bandwidth_gbps, inputs.spec_of(1).workload(2, 1), compute=inputs.speeds)
+    fit = fitted_warmups(model, X, 8, inputs.window_messages)
+    assert found.warmups == fit.warmups and found.scheduled_s == fit.iteration_s
+    assert found.iteration_s == fit.gpipe_s > paper.iteration_s > found.scheduled_s
+    # GPipe's winner was fitted too (one stage has no schedule to change), and lost
+    assert (1, 1, 8, paper.iteration_s, None) in found.scheduled
+    assert found.note(4).startswith(f"2 x 1 (2 spares): predicted {fit.iteration_s:.3f} s/step in 1F1B "
+                                    f"(GPipe {fit.gpipe_s:.3f} s)")
+    assert "schedules fitted" in found.note(4) and "schedules fitted" not in paper.note(4)
+
+
+def test_a_view_file_says_how_its_shapes_were_ranked(tmp_path):
+    """The inputs' file keeps whether shapes were ranked under fitted schedules; a file that
+    does not say (written before) replays GPipe's ranking; a value it cannot be is refused."""
+    import json
+
+    inputs = replace(four_peers(), fit_schedules=True)
+    path = tmp_path / "view.json"
+    path.write_text(inputs.to_json())
+    assert ScheduleInputs.read(path).fit_schedules is True
+    d = json.loads(inputs.to_json())
+    del d["pipeline_schedule"]
+    path.write_text(json.dumps(d))
+    assert ScheduleInputs.read(path).fit_schedules is False
+    d["pipeline_schedule"] = "zigzag"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="pipeline_schedule"):
+        ScheduleInputs.read(path)

@@ -99,3 +99,36 @@ def test_dtfm_sched_replays_the_coordinators_schedule_from_its_view_file(tmp_pat
     assert out["scheduled_iteration_s"] < out["simulated_iteration_s"]
     assert sched_main(["solve", "--view", str(path)]) == 0
     assert f"pipeline schedule: 1F1B with warm-ups {fitted.warmups_text()}" in capsys.readouterr().out
+
+
+def test_the_first_placement_and_a_reconfiguration_rank_shapes_under_their_fitted_schedules():
+    """On links where one stage computes about as fast as two stages split by a slow link in
+    GPipe, 1F1B makes the two-stage pipeline faster: the fitted swarm's scheduler ranks shapes
+    under the schedule each would run and takes two stages, where the paper's GPipe keeps one;
+    a forced reconfiguration weighs its candidates the same way."""
+    view = line_view(5.0, 0.1)
+    req = TrainRequest()
+    gpipe = planner("gpipe").first_placement(view, req, SPEC, CFG, {})
+    fitted = planner().first_placement(view, req, SPEC, CFG, {})
+    assert len(gpipe.layer_ranges) == 1 and gpipe.warmups is None
+    assert len(fitted.layer_ranges) == 2 and fitted.warmups is not None
+    assert fitted.predicted_iteration_s < gpipe.predicted_iteration_s
+    assert "in 1F1B (GPipe" in fitted.shape_note and "schedules fitted" in fitted.shape_note
+    # the shape search's GPipe figure of the two stages was above one stage's: the schedule decided
+    assert fitted.inputs is not None and gpipe.inputs is not None and fitted.inputs.fit_schedules
+    by_gpipe = dict(((s, d), t) for s, d, t in replace(fitted.inputs, fit_schedules=False).solve().tried)
+    assert by_gpipe[(2, 1)] > by_gpipe[(1, 1)]
+
+    # a run on the GPipe placement, reconfigured by force: the fitted planner moves it to two stages
+    a = Allocation(epoch=1, term=1, issuer=gpipe.pipelines[0][0], run_id=bytes(16), pipelines=gpipe.pipelines,
+                   layer_ranges=gpipe.layer_ranges, preset="tiny", model=SPEC, train=train_of(CFG, gpipe),
+                   data_hash=hashlib.sha256(b"d").hexdigest(), data_name="d", start_step=0, end_step=1000,
+                   operator_start=start_op().encode())
+    live = frozenset(view.peers)
+    by_fit = planner().reshape(view, a, live=live, remaining_steps=1000, regions={}, seed=1, force=True)
+    by_paper = planner("gpipe").reshape(view, a, live=live, remaining_steps=1000, regions={}, seed=1, force=True)
+    assert len(by_paper.placement.layer_ranges) == 1
+    assert len(by_fit.placement.layer_ranges) == 2 and by_fit.placement.warmups is not None
+    chosen = next(c for c in by_fit.candidates if c["chosen"])
+    assert chosen["pipeline_warmups"] == by_fit.placement.warmups
+    assert chosen["predicted_s"] == pytest.approx(by_fit.placement.predicted_iteration_s, rel=1e-9)
