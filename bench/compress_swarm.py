@@ -323,8 +323,7 @@ def predict(view: tuple, reply: dict, config, speed, tflops: float | None, *,
     codecs = CodecAssignment.uniform(S, D, pp, dp)
     links = reply.get("compress_links")  # a per-link run: the coordinator's choice, from the allocation
     if links is not None:
-        codecs = CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links["pp"]),
-                                 tuple(dp if on else type(dp)() for on in links["dp"]))
+        codecs = CodecAssignment.chosen(pp, dp, links["pp"], links["dp"])
     sim = simulate_iteration(model, X, micro_batches=cfg.micro_batches, engine_syncs=engine_syncs, codecs=codecs,
                              warmups=cfg.warmups(S))  # (the run's pipeline schedule, as the allocation carries it)
     enc, dec = model.pp_coding_s(pp)

@@ -441,6 +441,14 @@ class CodecAssignment:
         groups = dp_codec if dp > 1 else DataParallelCodec()
         return cls(tuple((pp_codec,) * dp for _ in range(stages - 1)), (groups,) * stages)
 
+    @classmethod
+    def chosen(cls, pp_codec: PipelineCodec, dp_codec: DataParallelCodec, pp_on: Sequence[Sequence[bool]],
+               dp_on: Sequence[bool]) -> "CodecAssignment":
+        """`pp_codec` on the links `pp_on` ([s][p]) marks, `dp_codec` on the groups `dp_on` ([s])
+        marks, each other link and group exact: a per-link run's choice (`LinkCodecs`)."""
+        return cls(tuple(tuple(pp_codec if on else type(pp_codec)() for on in row) for row in pp_on),
+                   tuple(dp_codec if on else type(dp_codec)() for on in dp_on))
+
     @property
     def exact(self) -> bool:
         return all(c.exact for row in self.pp for c in row) and all(c.exact for c in self.dp)

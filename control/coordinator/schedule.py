@@ -250,8 +250,7 @@ def _codecs_of(placement: Placement, compression: CompressionConfig) -> CodecAss
     links = placement.links
     if links is None:
         return CodecAssignment.uniform(S, D, pp, dp)
-    return CodecAssignment(tuple(tuple(pp if on else type(pp)() for on in row) for row in links.pp),
-                           tuple(dp if on else type(dp)() for on in links.dp))
+    return CodecAssignment.chosen(pp, dp, links.pp, links.dp)
 
 
 def compute_busy_fraction(view: NetworkView, placement: Placement, spec: GPTSpec, cfg: TrainConfig, *,
