@@ -52,7 +52,8 @@ WALL = 1.7e9  # a wall clock for the operators' times: the machine's `now` 0 is 
 TIMINGS = CoordinatorTimings(accept_timeout_s=5.0, request_timeout_s=1.0, stop_timeout_s=3.0, check_interval_s=2.0,
                              drift_check_s=1000.0, report_gather_s=0.5, probe_timeout_s=1.0, paused_retry_s=20.0,
                              stop_poll_s=0.25, max_reconfig_attempts=3,
-                             join_settle_s=0.0, join_wait_max_s=0.0)  # (a joiner is taken at once; see joins.py)
+                             join_settle_s=0.0, join_wait_max_s=0.0,  # (a joiner is taken at once; see joins.py)
+                             first_drift_steps=0)  # (every drift check at drift_check_s)
 
 
 class View:

@@ -14,6 +14,7 @@ from dtfm.train import GPTSpec, TrainConfig
 
 from ..actions import Ask
 from ..allocation import Allocation
+from ..compute import GAUGE_SKIP_STEPS, GAUGE_STEPS
 from ..epoch.machine import ElectionView, EpochMachine
 from ..messages import ControlMsg
 from .deadline import DeadlineRules
@@ -87,6 +88,11 @@ class CoordinatorTimings:
     # joiner sooner, at a reconfiguration (a stop of the run) per join of a growing swarm.
     join_settle_s: float = 10.0
     join_wait_max_s: float = 60.0
+    # An epoch's first drift check comes after this many of its predicted steps (and a few
+    # seconds of gossip) where that is sooner than drift_check_s, so that the prediction is
+    # re-estimated on the peers' own steps early (watch.py `first_drift_check_s`); 0: at
+    # drift_check_s, as every later one.
+    first_drift_steps: int = 2 * (GAUGE_SKIP_STEPS + GAUGE_STEPS)
 
 
 @dataclass

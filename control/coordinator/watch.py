@@ -41,6 +41,24 @@ __all__ = ["Reconfigure", "RunWatch", "Watched"]
 
 logger = logging.getLogger(__name__)
 
+# An epoch's first drift check comes once its peers can have reported what their own steps
+# measure (`ComputeGauge`: its first steps, then a gossip round or two),
+# where that is sooner than `drift_check_s`: the prediction `train start` printed, costed at the
+# figures the peers probed at their start, is re-estimated on their steps within the run's first
+# steps (the step log's `predicted_iteration_s`). It waits `CoordinatorTimings.first_drift_steps`
+# predicted steps, twice the gauge's by default (a loaded machine's steps run slower than
+# predicted), and REPORT_SPREAD_S more.
+REPORT_SPREAD_S = 5.0
+
+
+def first_drift_check_s(predicted_s: float, drift_check_s: float, steps: int) -> float:
+    """Seconds from an epoch's start to its first drift check: `steps` predicted steps and
+    REPORT_SPREAD_S, or `drift_check_s` where that is sooner, `steps` is 0 or nothing is predicted."""
+    if steps <= 0 or not (math.isfinite(predicted_s) and predicted_s > 0):
+        return drift_check_s
+    return min(drift_check_s, steps * predicted_s + REPORT_SPREAD_S)
+
+
 STALL_STEPS = 3  # steps' time without a completed step after which a failed report stands
 
 
@@ -156,7 +174,8 @@ class RunWatch:
 
     def epoch_started(self, alloc: Allocation, cur: Allocation | None, now: float, *, reconfigured: bool) -> None:
         """Epoch `alloc` (after `cur`) started: its steps are watched from now."""
-        self._next_drift_check = now + self.r.timings.drift_check_s
+        self._next_drift_check = now + first_drift_check_s(alloc.predicted_iteration_s, self.r.timings.drift_check_s,
+                                                           self.r.timings.first_drift_steps)
         self._silent, self._stuck = frozenset(), False
         rules = self.r.timings.deadline
         if rules is not None:
