@@ -9,7 +9,9 @@ the same table.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -61,6 +63,12 @@ class Violation:
         return f"{self.file}:{self.line}: {self.what}"
 
 
+@functools.cache
+def _tree(source: str, filename: str) -> ast.Module:
+    """A module's syntax tree, parsed once for the tests that read every module."""
+    return ast.parse(source, filename)
+
+
 def _imports(tree: ast.AST, where: list[str]) -> list[tuple[int, str, tuple[str, ...]]]:
     """(line, absolute module, imported names) for every import anywhere in the tree of a module
     of the package `where` (["dtfm", "control", "election"]); a relative import that climbs
@@ -88,7 +96,7 @@ def check_source(source: str, package: str, filename: str, exports: dict[str, se
     folders = list(Path(filename).parent.parts)
     where = ["dtfm"] + (folders if folders[:1] == [package] else [package])
     found = []
-    for line, module, names in _imports(ast.parse(source, filename), where):
+    for line, module, names in _imports(_tree(source, filename), where):
         if not module:
             found.append(Violation(filename, line, "a relative import climbs above dtfm"))
             continue
@@ -288,16 +296,26 @@ def test_the_machines_import_neither_trio_nor_torch(module):
     assert out.stdout.split("\n")[-2] == "[]", (module, out.stdout, out.stderr)
 
 
+def _product_sources() -> list[Path]:
+    """Every .py file of the product: the tree under ROOT but tests/, bench/, build/, the hidden
+    folders (the virtual environment) and control/testing/, none of which is walked."""
+    out = []
+    for folder, dirs, files in os.walk(ROOT):
+        rel = Path(folder).relative_to(ROOT)
+        top = not rel.parts
+        dirs[:] = [d for d in dirs if not (top and (d.startswith(".") or d in ("tests", "bench", "build")))
+                   and (rel / d).parts != ("control", "testing")]
+        out += [Path(folder) / f for f in files if f.endswith(".py")]
+    return out
+
+
 def test_no_product_module_imports_the_testing_package():
     """The simulations (dtfm.control.testing) are for tests and benchmarks; no product module
     depends on them."""
     found = []
-    for path in sorted(ROOT.rglob("*.py")):
+    for path in sorted(_product_sources()):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", "bench", "build") or rel.parts[0].startswith(".") \
-                or rel.parts[:2] == ("control", "testing"):
-            continue
-        for line, module, _ in _imports(ast.parse(path.read_text()), ["dtfm", *rel.parent.parts]):
+        for line, module, _ in _imports(_tree(path.read_text(), str(rel)), ["dtfm", *rel.parent.parts]):
             if module.startswith("dtfm.control.testing"):
                 found.append(f"{rel}:{line}")
     assert not found, found

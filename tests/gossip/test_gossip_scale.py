@@ -275,11 +275,11 @@ async def test_the_estimated_view_is_complete_long_before_every_link_is_measured
 
 
 async def test_confirm_measures_exactly_the_links_asked_for(autojump_clock):
-    scenario = load_scenario("worldwide").scaled(24)
+    scenario = load_scenario("worldwide").scaled(12)
     async with trio.open_nursery() as nursery:
-        h = Harness(24, SAMPLED, scenario=scenario, seed=6, measure=True)
+        h = Harness(12, SAMPLED, scenario=scenario, seed=6, measure=True)
         await h.start(nursery)
-        await wait_for(lambda: h.ready_views() == 24, 60)
+        await wait_for(lambda: h.ready_views() == 12, 60)
         await trio.sleep(30)  # capacity probes done: nothing else is being measured
         coordinator = h.services[0]
         view = coordinator.view()
@@ -288,11 +288,11 @@ async def test_confirm_measures_exactly_the_links_asked_for(autojump_clock):
         asked = [pair for pair in unmeasured if coordinator.identity.peer_id not in pair][:6]
         mine = next(p for p in unmeasured if coordinator.identity.peer_id in p)
         asked.append(mine)
-        before = {(h.ids[k], t): link.bandwidth_at for k in range(24)
+        before = {(h.ids[k], t): link.bandwidth_at for k in range(12)
                   for t, link in h.services[k].planner.links.items()}
         left = await coordinator.confirm(asked, timeout_s=30.0)
         assert left == []
-        after = {(h.ids[k], t): link.bandwidth_at for k in range(24)
+        after = {(h.ids[k], t): link.bandwidth_at for k in range(12)
                  for t, link in h.services[k].planner.links.items()}
         changed = {key for key, at in after.items() if at != before.get(key)}
         assert changed == {(a, b) for a, b in asked} | {(b, a) for a, b in asked}

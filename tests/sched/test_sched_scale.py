@@ -154,16 +154,17 @@ def test_lean_rounds_nudge_neighbouring_stages_only():
 
 
 def test_many_peers_start_from_the_hierarchy_and_never_end_above_it():
-    sc, dl, bw = jittered_world(100, seed=6)
-    spec = paper_volumes(12, 8)
+    sc, dl, bw = jittered_world(72, seed=6)
+    spec = paper_volumes(8, 8)
     cfg = SearchConfig(time_budget_s=300, generations=2, population=4, lean_min_peers=64)
-    alloc = solve(dl, bw, spec, stages=12, dp=8, regions=sc.peer_regions(), seed=0, config=cfg)
+    alloc = solve(dl, bw, spec, stages=8, dp=8, regions=sc.peer_regions(), seed=0, config=cfg)
     start = alloc.stats["hierarchy_start"]
+    # (on this instance the search from the other starts alone ends above the hierarchy's)
     assert alloc.cost.paper_s <= start["cost_s"] + 1e-12
     assert alloc.stats["generations"] == 2 and start["generations"] >= 1
-    assert_valid(alloc, 100, 12, 8)
+    assert_valid(alloc, 72, 8, 8)
     # not with an extension: the hierarchy costs the paper objective only
-    slow = np.ones(100)
+    slow = np.ones(72)
     slow[3] = 0.5
     starts_only = SearchConfig(time_budget_s=300, generations=0, population=4, lean_min_peers=64)
-    assert "hierarchy_start" not in solve(dl, bw, spec, stages=12, dp=8, seed=0, config=starts_only, compute=slow).stats
+    assert "hierarchy_start" not in solve(dl, bw, spec, stages=8, dp=8, seed=0, config=starts_only, compute=slow).stats

@@ -165,13 +165,19 @@ def test_checkpoint_mid_exchange_carries_the_origin(tmp_path, corpus):
     assert torch.equal(back.compress.buffers["origin"], origin)
 
 
+@pytest.fixture(scope="module")
+def not_stopping(corpus):
+    """16 steps of 4 stages x 2 pipelines, never stopped: the losses, and each stage's replica and
+    anchor hashes at the end."""
+    with LocalCluster(SPEC, CFG, Plan.grid(4, 2, 2), corpus, compression=OVER) as cl:
+        return cl.run(16), {s: (replica_hashes(cl, s), anchor_hashes(cl, s)) for s in range(2)}
+
+
 @pytest.mark.parametrize("stop", [4, 6, 11])  # an exchange in flight at each
-def test_resume_mid_exchange_equals_not_stopping(corpus, stop):
+def test_resume_mid_exchange_equals_not_stopping(corpus, not_stopping, stop):
     assert OVER.in_flight(stop) is not None
     plan = Plan.grid(4, 2, 2)
-    with LocalCluster(SPEC, CFG, plan, corpus, compression=OVER) as cl:
-        straight = cl.run(16)
-        want = {s: (replica_hashes(cl, s), anchor_hashes(cl, s)) for s in range(2)}
+    straight, want = not_stopping
     with LocalCluster(SPEC, CFG, plan, corpus, compression=OVER) as cl:
         losses = cl.run(stop)
         saved = {p: ({k: v.clone() for k, v in stage_tensors(s_).items()}, s_.step, s_.optim.step_count)
