@@ -52,7 +52,10 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_dir(hf_model):
-    with swarm_up("dtfm-tr-", peers=N_PEERS, extra=("--model-dir", str(hf_model))) as d:
+    # (the worldwide regions at a quarter of their delays and four times their bandwidth: these
+    # tests are about what the run computes through kills and stops, and a step and a link's
+    # measurement take a quarter as long)
+    with swarm_up("dtfm-tr-", peers=N_PEERS, extra=("--model-dir", str(hf_model), "--time-scale", "0.25")) as d:
         yield d
 
 
