@@ -105,9 +105,13 @@ def test_the_first_placement_and_a_reconfiguration_rank_shapes_under_their_fitte
     """On links where one stage computes about as fast as two stages split by a slow link in
     GPipe, 1F1B makes the two-stage pipeline faster: the fitted swarm's scheduler ranks shapes
     under the schedule each would run and takes two stages, where the paper's GPipe keeps one;
-    a forced reconfiguration weighs its candidates the same way."""
-    view = line_view(5.0, 0.1)
+    a forced reconfiguration weighs its candidates the same way. A gain within the simulator's
+    error (`SCHEDULE_MARGIN`) leaves GPipe's choice."""
     req = TrainRequest()
+    close = line_view(5.0, 0.1)  # (two stages in 1F1B predicted 7 % faster than one)
+    kept = planner().first_placement(close, req, SPEC, CFG, {})
+    assert len(kept.layer_ranges) == 1 and "schedules fitted" in kept.shape_note
+    view = line_view(5.0, 0.15)  # (... and 24 % faster here)
     gpipe = planner("gpipe").first_placement(view, req, SPEC, CFG, {})
     fitted = planner().first_placement(view, req, SPEC, CFG, {})
     assert len(gpipe.layer_ranges) == 1 and gpipe.warmups is None
