@@ -52,10 +52,7 @@ def hf_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def run_dir(hf_model):
-    # (the worldwide regions at a quarter of their delays and four times their bandwidth: these
-    # tests are about what the run computes through kills and stops, and a step and a link's
-    # measurement take a quarter as long)
-    with swarm_up("dtfm-tr-", peers=N_PEERS, extra=("--model-dir", str(hf_model), "--time-scale", "0.25")) as d:
+    with swarm_up("dtfm-tr-", peers=N_PEERS, extra=("--model-dir", str(hf_model))) as d:
         yield d
 
 
