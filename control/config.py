@@ -80,6 +80,10 @@ class PlaneConfig:
     # ... and for network drift this often: shorter follows a changing network sooner, at one
     # scheduler run (schedule_time_s) per check.
     drift_check_s: float = 60.0
+    # ... and an epoch's first drift check after this many of its predicted steps (and 5 s of
+    # gossip) where that is sooner: the prediction `train start` printed is re-estimated on the
+    # peers' own steps early in each epoch; 0: at drift_check_s.
+    first_drift_steps: int = 20
     # A new allocation must be predicted faster by this fraction (and by more than its weight
     # moves) before a drifting network reschedules.
     min_gain: float = 0.1
@@ -180,6 +184,8 @@ class PlaneConfig:
         if type(self.rollback_wait_max_s) not in (int, float) or not 0 <= self.rollback_wait_max_s < 1e6:
             raise ValueError(f"rollback_wait_max_s must be 0 or a positive number of seconds, "
                              f"got {self.rollback_wait_max_s!r}")
+        if type(self.first_drift_steps) is not int or not 0 <= self.first_drift_steps < 1_000_000:
+            raise ValueError(f"first_drift_steps must be an integer in [0, 1000000), got {self.first_drift_steps!r}")
         if type(self.max_reconfig_attempts) is not int or self.max_reconfig_attempts < 1:
             raise ValueError(f"max_reconfig_attempts must be an integer >= 1, got {self.max_reconfig_attempts!r}")
         for name in ("accept_timeout_s", "connect_timeout_s", "request_timeout_s", "schedule_time_s", "elect_timeout_s",
@@ -260,7 +266,8 @@ class PlaneConfig:
         return CoordinatorTimings(
             accept_timeout_s=self.accept_timeout_s, request_timeout_s=self.request_timeout_s,
             stop_timeout_s=self.stop_timeout_s, check_interval_s=self.check_interval_s,
-            drift_check_s=self.drift_check_s, report_gather_s=self.report_gather_s,
+            drift_check_s=self.drift_check_s, first_drift_steps=self.first_drift_steps,
+            report_gather_s=self.report_gather_s,
             probe_timeout_s=self.probe_timeout_s, paused_retry_s=self.paused_retry_s, stop_poll_s=self.stop_poll_s,
             max_reconfig_attempts=self.max_reconfig_attempts,
             deadline=DeadlineRules(floor_s=self.step_deadline_floor_s, mads=self.step_deadline_mads,
