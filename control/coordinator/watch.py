@@ -250,8 +250,8 @@ class RunWatch:
                    and p not in self.joins.declined]
         if outside:
             return [self._ask(Probe.JOINED, outside)]
-        run = self.r.epoch.run
-        if (now >= self._next_drift_check and run is not None and run.active
+        # (whether or not this peer holds a stage of it: a coordinator left out as a spare checks too)
+        if (now >= self._next_drift_check and self.rest.phase is Phase.TRAINING
                 and now < self._due()):  # an overdue step is the deadline's to explain
             self._next_drift_check = now + t.drift_check_s
             return self._drift_check(cur, now)

@@ -26,6 +26,7 @@ from coordinator_fixtures import (
     D23,
     ME,
     PLACEMENT,
+    TIMINGS,
     WALL,
     Node,
     reschedule_op,
@@ -76,6 +77,7 @@ from dtfm.net import short_id
 from dtfm.train import LinkCodecs, parse_compression
 from dtfm.control.epoch.machine import (
     EpochDone,
+    EpochPhase,
     RunnerEnded,
 )
 
@@ -1284,3 +1286,26 @@ def test_a_changed_transcript_fails_and_recording_writes_the_machines_output_bac
     monkeypatch.setattr(transcripts, "RECORD", True)
     transcripts.check(changed)
     assert changed.read_text() == text  # the output as the machine wrote it, the file otherwise as it was
+
+
+def test_a_coordinator_left_out_as_a_spare_checks_for_drift_while_the_run_trains():
+    """The scheduler may leave the coordinator out of the run (a spare): its drift checks
+    still re-estimate the run's step and look for a faster allocation, at the epoch's first
+    check and every drift_check_s after."""
+    timings = dataclasses.replace(TIMINGS, drift_check_s=30.0, first_drift_steps=5)
+    n = Node(live=N[1:5], timings=timings)
+    spare = Placement(((N[1], N[2]), (N[3], N[4])), ((0, 2), (2, 4)), (N[0],), 1.0, 1.0)
+    n.train_start(spare)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    assert n.epoch.status().phase is EpochPhase.SPARE and n.c.phase is Phase.TRAINING
+    n.planner.kind = "keep"
+    n.tick(9.9)
+    assert "drift" not in n.computes
+    n.tick(12.0)  # (5 predicted steps of 1 s and 5 s after the start at 0.2, at the next check)
+    assert "drift" in n.computes
+    n.compute("drift", 12.5)
+    n.tick(40.0)
+    assert "drift" not in n.computes
+    n.tick(42.1)
+    assert "drift" in n.computes
