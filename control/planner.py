@@ -21,7 +21,7 @@ from dtfm.sched import UPDATE_KIND, ScheduleInputs
 from dtfm.train import GPTSpec, TrainConfig
 
 from .allocation import Allocation
-from .compute import KindProbe, MachineNow, run_model, with_fresh_compute
+from .compute import KindProbe, MachineNow, run_model, with_fresh_compute, with_training_compute
 from .config import PlaneConfig
 from .coordinator.allocate import train_of
 from .coordinator.request import TrainRequest
@@ -204,7 +204,10 @@ class SchedulerPlanner:
     def _reshape(self, view: NetworkView, cur: Allocation, *, live: frozenset[bytes], remaining_steps: int,
                  regions: dict[bytes, str], seed: int, force: bool,
                  cut: frozenset[tuple[bytes, bytes]] = frozenset()) -> ReshapePlan:
-        """The reconfiguration (`_reshape_shape`), its placement with its pipeline schedule (`fit_schedule`)."""
+        """The reconfiguration (`_reshape_shape`), its placement with its pipeline schedule
+        (`fit_schedule`), on the view with each idle peer costed no faster than its machine's
+        training peers measure (`with_training_compute`)."""
+        view = with_training_compute(view)
         asked = asked_start(cur)  # (decoded once: the signature is checked on each decode)
         kind = self.kind(cur.model, cur.train, len(view.peers),
                          auto_micro_batches=asked is not None and asked.auto_micro_batches)

@@ -12,7 +12,8 @@ import pytest
 from machine_trace import alloc, start_op
 
 from dtfm.control.compute import (GAUGE_SKIP_STEPS, ComputeGauge, MachineNow, peer_compute, pipeline_seqs, reference_block_flops,
-                                  sched_spec, training_block_ms, with_fresh_compute)
+                                  sched_spec, training_block_ms, with_fresh_compute,
+                                  with_training_compute)
 from dtfm.control.coordinator.reshape import reshape
 from dtfm.control.planner import asked_start
 from dtfm.control.coordinator.schedule import (choose_shape, compression_options_of, compute_busy_fraction, random_shape,
@@ -81,6 +82,20 @@ def test_the_coordinators_machine_is_timed_now_its_peers_ratios_kept():
     assert fresh.compute_ms.tolist() == [20.0, 40.0, 40.0, 5.0]
     assert with_fresh_compute(view, b"", 30.0) is view and with_fresh_compute(view, there, math.nan) is view
     assert with_fresh_compute(view, b"\x03" * 8, 30.0) is view  # no peer of that machine
+
+
+def test_a_reconfiguration_costs_idle_peers_no_faster_than_their_machines_training_peers():
+    """Two peers of this machine trained and report 60 and 80 ms from their own steps; its idle
+    peers' start-up probes (35 ms, 90 ms) said faster and slower: the faster is raised to the
+    trained peers' median (70 ms), the slower kept. Another machine's idle peer, with no training
+    peer there, and a peer without a host keep theirs; a view with no training peer is unchanged."""
+    here, there = b"\x01" * 8, b"\x02" * 8
+    view = view_of(np.zeros((6, 6)), [60.0, 80.0, 35.0, 90.0, 20.0, 10.0])
+    view = replace(view, hosts=(here, here, here, here, there, b""),
+                   compute_share=np.array([0.6, 0.8, np.nan, np.nan, np.nan, np.nan]))
+    assert with_training_compute(view).compute_ms.tolist() == [60.0, 80.0, 70.0, 90.0, 20.0, 10.0]
+    idle = replace(view, compute_share=np.full(6, np.nan))
+    assert with_training_compute(idle) is idle
 
 
 def test_a_figure_measured_in_training_beside_the_machines_other_peers_is_taken_at_a_whole_core():
