@@ -8,7 +8,10 @@ loaded as it is): `ComputeGauge` turns the compute seconds of its last steps int
 unit, and the daemon reports that instead (`GossipService.set_compute_ms`), with the share of a
 core its compute had meanwhile (CPU time over wall time: below 1 where other peers of its machine
 trained beside it), so that the planner can take each figure of its own machine at a whole core
-(`with_fresh_compute`) before it counts the contention of the peers it places.
+(`with_fresh_compute`) before it counts the contention of the peers it places. A
+reconfiguration costs a peer that never trained no faster than its machine's training peers
+measure (`with_training_compute`): the allocation in use is costed at its own steps, and idle
+daemons' start-up probes would make every other allocation look faster on a loaded machine.
 
 The scheduler turns the figures into its compute term (`peer_compute`): the median reporting
 peer's achieved TFLOP/s on the reference block is the speed-1.0 peer (`reference_tflops`), each
