@@ -42,11 +42,11 @@ __all__ = ["Reconfigure", "RunWatch", "Watched"]
 logger = logging.getLogger(__name__)
 
 # An epoch's first drift check comes once its peers can have reported what their own steps
-# measure (`ComputeGauge`: its first steps, then a gossip round or two),
-# where that is sooner than `drift_check_s`: the prediction `train start` printed, costed at the
-# figures the peers probed at their start, is re-estimated on their steps within the run's first
-# steps (the step log's `predicted_iteration_s`). It waits `CoordinatorTimings.first_drift_steps`
-# predicted steps, twice the gauge's by default (a loaded machine's steps run slower than
+# measure (`ComputeGauge`: its first steps, then a gossip round or two), where that is sooner
+# than `drift_check_s`: the prediction `train start` printed, costed at the figures the peers
+# probed at their start, is re-estimated on their steps within the run's first steps (the step
+# log's `predicted_iteration_s`). It waits `first_drift_steps` predicted steps (`[plane]`
+# setting: twice the gauge's by default, as a loaded machine's steps run slower than
 # predicted), and REPORT_SPREAD_S more.
 REPORT_SPREAD_S = 5.0
 
