@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from dtfm.net import short_id
@@ -110,8 +110,11 @@ class OperatorQueue:
     """The operators' requests (see the module docstring). `over()` in the checks: whether the
     current run is over (the coordinator's `run_over`)."""
 
-    def __init__(self, reads: Reads) -> None:
+    def __init__(self, reads: Reads, running: Callable[[], bool] = lambda: False) -> None:
         self.r = reads
+        # whether the run this coordinator handed out trains or is being reconfigured, and is not
+        # over: whether or not this peer holds a stage of it (the scheduler may leave it a spare)
+        self._running = running
         self._queue: list[Queued] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
@@ -173,6 +176,8 @@ class OperatorQueue:
             if self.r.epoch.over_without_finishing(run.alloc.run_id):
                 return (f"run {run.alloc.run_id.hex()[:8]} is stopping at a step boundary: start again once it has "
                         "ended (`dtfm-peer train status`)")
+            return "a run is in progress: `train stop` it first"
+        if self._running():
             return "a run is in progress: `train stop` it first"
         return None
 

@@ -1309,3 +1309,15 @@ def test_a_coordinator_left_out_as_a_spare_checks_for_drift_while_the_run_trains
     assert "drift" not in n.computes
     n.tick(42.1)
     assert "drift" in n.computes
+
+
+def test_a_coordinator_left_out_as_a_spare_refuses_a_second_start_while_the_run_trains():
+    """A coordinator the scheduler left out of the run holds no stage, yet the run it handed out
+    trains: another start waits until that run is stopped or over."""
+    n = Node(live=N[1:5], wall=WALL)
+    n.train_start(Placement(((N[1], N[2]), (N[3], N[4])), ((0, 2), (2, 4)), (N[0],), 1.0, 1.0), at=0.0)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    assert n.epoch.status().phase is EpochPhase.SPARE and n.c.phase is Phase.TRAINING
+    out = n.feed(StartRun(("op", "b"), start_op(b"b" * 16, at_s=WALL + 1), DATA_HASH, DATA_NAME), 1.0)
+    assert _costly(out) == [] and [r.error for r in out] == ["a run is in progress: `train stop` it first"]
