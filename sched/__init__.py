@@ -10,7 +10,7 @@ from .compression import (CODEC_SPEED_LEN, REFERENCE_CODEC_SPEED, STEP_EFFICIENC
                           CompressionFields, CompressionOptions, DataParallelCodec, PipelineCodec, compression_options,
                           load_codec_speed, shape_step_efficiency, step_efficiency, wire_codecs)
 from .cost import CostBreakdown, CostModel
-from .fastest import (FIT_SHARE, MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, SCHEDULE_GAIN_BOUND, FastestShape, RunModel, ScheduleInputs,
+from .fastest import (FIT_SHARE, MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, SCHEDULE_GAIN_BOUND, FastestShape, RunModel, ScheduleInputs, fit_in_order,
                       micro_batch_options, refine_by_simulation, shape_space, solve_fastest)
 from .layers import layer_ranges, split_layers
 from .matching import bottleneck_matching, linear_assignment
@@ -23,7 +23,7 @@ from .spec import PAPER_GPT3_XL, PRESETS, UPDATE_KIND, CommSpec, ModelSpec, Work
 
 __all__ = [
     "Allocation", "FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "micro_batch_options",
-    "shape_space", "solve_fastest", "REFINE_MAX_PEERS", "REFINE_SHARE", "FIT_SHARE", "SCHEDULE_GAIN_BOUND", "refine_by_simulation", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
+    "shape_space", "solve_fastest", "REFINE_MAX_PEERS", "REFINE_SHARE", "FIT_SHARE", "SCHEDULE_GAIN_BOUND", "fit_in_order", "refine_by_simulation", "CODEC_SPEED_LEN", "ChoiceReason", "CodecAssignment", "CodecSpeed", "CommSpec", "CompressionFields",
     "CompressionOptions", "CompressionPlan", "CostBreakdown", "CostModel", "DataParallelCodec", "GroupChoice",
     "LinkChoice", "ModelSpec", "PAPER_GPT3_XL", "PRESETS", "PipelineCodec", "REFERENCE_CODEC_SPEED",
     "SEARCH_PROFILES", "STEP_EFFICIENCY", "SearchConfig", "SimResult", "TRAINER_WINDOW_MESSAGES", "WIRE_PRESETS", "Workload",

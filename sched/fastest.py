@@ -44,6 +44,7 @@ A swarm's coordinator chooses a new run's shape this way (control/coordinator/sc
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -58,7 +59,7 @@ from .simulate import TRAINER_WINDOW_MESSAGES, fitted_warmups, simulate
 from .solve import Allocation, cost_model, solve
 from .spec import ModelSpec, update_s_per_param
 
-__all__ = ["FIT_SHARE", "FastestShape", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
+__all__ = ["FIT_SHARE", "FastestShape", "fit_in_order", "MAX_MICRO_BATCHES", "RunModel", "ScheduleInputs", "VIEW_FORMAT", "micro_batch_options",
            "refine_by_simulation", "SCHEDULE_GAIN_BOUND", "SCHEDULE_MARGIN", "shape_space", "solve_fastest"]
 
 VIEW_FORMAT = "dtfm-schedule-inputs-v1"
@@ -223,8 +224,9 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     tried_micro: list[tuple[int, int, int, float]] = []
     efficiency: list[tuple[int, int, float]] = []
     best: tuple[float, Allocation, int, float] | None = None  # (time per exact step, allocation, M, iteration)
-    # (time per exact step, iteration, S, D, M, allocation, step efficiency) of every candidate, for the fits
-    cands: list[tuple[float, float, int, int, int, Allocation, float]] = []
+    # (time per exact step, iteration, S, D, M, allocation, step efficiency, cost model) of every
+    # candidate, for the fits
+    cands: list[tuple[float, float, int, int, int, Allocation, float, CostModel]] = []
     search_s = time_budget_s * (1 - FIT_SHARE if fit_schedules else 1.0)
     for k, (S, D) in enumerate(shapes):
         budget = max(search_s - (time.monotonic() - t0), 0.0) / (len(shapes) - k)
@@ -250,8 +252,8 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
             return CostModel(delay_ms, bandwidth_gbps, spec_at(m).workload(S, D), compute=compute,
                              compression=compression)
 
-        def simulated(X: np.ndarray, m: int) -> float:
-            return float(simulate(_model(m), X, micro_batches=m, engine_syncs=True,
+        def simulated(X: np.ndarray, m: int, model: CostModel | None = None) -> float:
+            return float(simulate(model or _model(m), X, micro_batches=m, engine_syncs=True,
                                   window_messages=window_messages).iteration_s)
 
         if refine:
@@ -266,10 +268,11 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
         eff = shape_step_efficiency(compression, S, D)
         shape_best: tuple[float, int] | None = None
         for m in counts or [micro_batches]:
-            t = simulated(alloc.matrix, m)
+            model = _model(m)
+            t = simulated(alloc.matrix, m, model)
             if counts:
                 tried_micro.append((S, D, m, t))
-            cands.append((t / eff, t, S, D, m, alloc, eff))
+            cands.append((t / eff, t, S, D, m, alloc, eff, model))
             if shape_best is None or t < shape_best[0] - 1e-12:
                 shape_best = (t, m)
         assert shape_best is not None
@@ -284,34 +287,45 @@ def solve_fastest(delay_ms: np.ndarray, bandwidth_gbps: np.ndarray, spec_of: Cal
     if not fit_schedules:
         return found
 
-    def fitted(c: tuple[float, float, int, int, int, Allocation, float]) -> tuple[float, tuple[int, ...] | None]:
-        _, _, S, D, m, alloc, _ = c
-        model = CostModel(delay_ms, bandwidth_gbps, (spec_of(D, m) if micro_options is not None else spec_of(D))
-                          .workload(S, D), compute=compute, compression=compression)
-        fit = fitted_warmups(model, alloc.matrix, m, window_messages)
-        return fit.iteration_s, fit.warmups
-
     # GPipe's winner first (on a tie, as GPipe chose), then the rest by GPipe time per exact step
     first = next(c for c in cands if c[5] is found.alloc and c[4] == found.micro_batches)
     order = [first] + sorted((c for c in cands if c is not first), key=lambda c: c[0])
-    scheduled: list[tuple[float, tuple[int, int, int, float, tuple[int, ...] | None]]] = []
-    for c in order:
-        if scheduled and (c[0] >= min(r for r, _ in scheduled) * SCHEDULE_GAIN_BOUND
-                          or time.monotonic() - t0 >= time_budget_s):
-            break
-        t, w = fitted(c)
-        scheduled.append((t / c[6], (c[2], c[3], c[4], t, w)))
+    rows_of: list[tuple[int, int, int, float, tuple[int, ...] | None]] = []
+
+    def fitted(i: int) -> float:
+        _, _, S, D, m, alloc, eff, model = order[i]
+        fit = fitted_warmups(model, alloc.matrix, m, window_messages)
+        rows_of.append((S, D, m, fit.iteration_s, fit.warmups))
+        return fit.iteration_s / eff
+
+    per_exact = fit_in_order([c[0] for c in order], fitted, deadline_s=t0 + time_budget_s)
+    scheduled = list(zip(per_exact, rows_of))
     win = 0  # (the first of equals: GPipe's winner, then the faster by GPipe)
     for i, (r, _) in enumerate(scheduled):
         if r < scheduled[win][0] - 1e-12:
             win = i
     if win and scheduled[win][0] > scheduled[0][0] * (1 - SCHEDULE_MARGIN):
         win = 0  # (a gain within the simulator's error: GPipe's winner stays)
-    S, D, m = scheduled[win][1][:3]
-    chosen = next(c for c in order if c[2:5] == (S, D, m))
+    chosen = order[win]  # (the fitted ones are the order's first)
     rows = tuple(r for _, r in scheduled)
-    return replace(found, alloc=chosen[5], iteration_s=chosen[1], micro_batches=m,
+    return replace(found, alloc=chosen[5], iteration_s=chosen[1], micro_batches=chosen[4],
                    scheduled=(rows[win],) + rows[:win] + rows[win + 1:])
+
+
+def fit_in_order(gpipe_s: Sequence[float], fit: Callable[[int], float], *, deadline_s: float = math.inf,
+                 always: int = 1) -> list[float]:
+    """Candidates' pipeline schedules fitted in the caller's order (`gpipe_s`: each one's GPipe
+    time per exact step; `fit(i)`: candidate i's time per exact step under its fitted schedule),
+    while the next one's GPipe time is below `SCHEDULE_GAIN_BOUND` times the best fitted so far
+    (no schedule gains more), and, past the first `always`, while time.monotonic() is before
+    `deadline_s`. The first is always fitted. The fitted times of the candidates fitted, a
+    prefix of the order."""
+    out: list[float] = []
+    for i, g in enumerate(gpipe_s):
+        if i and (g >= min(out) * SCHEDULE_GAIN_BOUND or (i >= always and time.monotonic() >= deadline_s)):
+            break
+        out.append(fit(i))
+    return out
 
 
 _Swap = tuple[tuple[int, int], "tuple[int, int] | int"]  # two places of X, or a place and a spare's index

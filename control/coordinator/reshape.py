@@ -82,6 +82,7 @@ never flap back and forth on measurement noise.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -89,8 +90,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from dtfm.gossip import NetworkView
-from dtfm.sched import (FIT_SHARE, MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, SCHEDULE_GAIN_BOUND,
-                        TRAINER_WINDOW_MESSAGES, CompressionOptions, CostModel, ModelSpec, SearchConfig, fitted_warmups,
+from dtfm.sched import (FIT_SHARE, MAX_MICRO_BATCHES, REFINE_MAX_PEERS, REFINE_SHARE, TRAINER_WINDOW_MESSAGES,
+                        CompressionOptions, CostModel, ModelSpec, SearchConfig, fit_in_order, fitted_warmups,
                         layer_ranges, linear_assignment, micro_batch_options, refine_by_simulation,
                         shape_step_efficiency, simulate_iteration, solve)
 from dtfm.train import GPTSpec, Plan, TrainConfig
@@ -695,19 +696,19 @@ def _current_prediction(pl: _Planner, fit_schedules: bool = False) -> float:
 def _fit_schedules(pl: _Planner, cands: list[_Cand], keep: _Cand | None, budget_s: float) -> None:
     """Keep and the fastest candidates re-costed under the pipeline schedule fitted to each (see
     the module docstring): their `scheduled_s`, `warmups`, `per_exact_s` and `score`."""
-    t0 = time.monotonic()
     repeatable = pl.config is not None and pl.config.generations is not None
-    order = sorted((c for c in cands if c is not keep), key=lambda c: c.per_exact_s)
-    best = float("inf")
-    for i, c in enumerate(([keep] if keep is not None else []) + order):
-        if c is not keep and (c.per_exact_s >= best * SCHEDULE_GAIN_BOUND
-                              or (not repeatable and i > 1 and time.monotonic() - t0 >= budget_s)):
-            break
+    order = ([keep] if keep is not None else []) + sorted((c for c in cands if c is not keep),
+                                                          key=lambda c: c.per_exact_s)
+
+    def fit(i: int) -> float:
+        c = order[i]
         S, D = c.X.shape
         fit = fitted_warmups(pl.model(S, D, c.micro_batches), c.X, c.micro_batches, pl.window)
         c.scheduled_s = fit.iteration_s + (c.predicted_s - fit.gpipe_s)  # (a cut link's penalty kept)
         c.warmups = fit.warmups
-        eff = shape_step_efficiency(pl.compression, S, D)
-        c.per_exact_s = c.scheduled_s / eff
+        c.per_exact_s = c.scheduled_s / shape_step_efficiency(pl.compression, S, D)
         c.score = c.per_exact_s * pl.steps + c.move_s
-        best = min(best, c.per_exact_s)
+        return c.per_exact_s
+
+    fit_in_order([c.per_exact_s for c in order], fit, always=2,
+                 deadline_s=math.inf if repeatable else time.monotonic() + budget_s)

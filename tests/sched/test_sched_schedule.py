@@ -10,8 +10,8 @@ from dataclasses import replace
 
 from test_sched_micro import KIND, TINY, spec_at, uniform
 
-from dtfm.sched import (CostModel, ScheduleInputs, check_warmups, fitted_warmups, simulate_iteration,
-                        stage_program)
+from dtfm.sched import (SCHEDULE_GAIN_BOUND, CostModel, ScheduleInputs, check_warmups, fit_in_order, fitted_warmups,
+                        simulate_iteration, stage_program)
 from dtfm.sched.simulate import stage_order
 
 
@@ -122,3 +122,20 @@ def test_a_view_file_says_how_its_shapes_were_ranked(tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(ValueError, match="pipeline_schedule"):
         ScheduleInputs.read(path)
+
+
+def test_candidates_are_fitted_in_order_while_a_schedule_could_still_make_them_win():
+    """The first is always fitted; the next while its GPipe time is below the bound times the
+    best fitted so far; past `always`, only before the deadline."""
+    asked: list[int] = []
+
+    def fit(i: int) -> float:
+        asked.append(i)
+        return [1.0, 0.9, 3.0, 5.0][i]
+
+    gpipe = [1.5, 1.6, 1.7, 0.9 * SCHEDULE_GAIN_BOUND]
+    assert fit_in_order(gpipe, fit) == [1.0, 0.9, 3.0] and asked == [0, 1, 2]  # (the 4th: at the bound)
+    asked.clear()
+    assert fit_in_order(gpipe, fit, deadline_s=0.0) == [1.0] and asked == [0]  # (the deadline passed)
+    asked.clear()
+    assert fit_in_order(gpipe, fit, deadline_s=0.0, always=2) == [1.0, 0.9] and asked == [0, 1]
