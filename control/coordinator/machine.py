@@ -157,7 +157,8 @@ class Coordinator:
         # peers that refused an allocation: not placed until their back-off ends (leftout.py)
         self.left_out = LeftOut(timings.refused_backoff_s, timings.refused_backoff_max_s,
                                 membership_codes=MEMBERSHIP_REFUSALS)
-        self.queue = OperatorQueue(reads, lambda: self.phase in IN_PROGRESS and not self.over())
+        self.queue = OperatorQueue(reads, lambda: self.phase in IN_PROGRESS and not self.over(),
+                                   lambda: self.phase is Phase.TRAINING, self.logged_completed)
         self.run_watch = RunWatch(reads, self, self.refusals)
         self.hand = HandOut(reads, sign, self.run_watch, self.left_out, self.counters, self.refusals)
         self.procedure = Procedures(reads, self.hand, self.run_watch, self.queue, self.left_out, self.over)
@@ -233,7 +234,7 @@ class Coordinator:
 
     def start_refusal(self) -> str | None:
         """Why a start cannot be taken now (no coordinator, a run in progress), or None."""
-        return self.queue.start_refusal()
+        return self.queue.start_refusal(self._now)
 
     @property
     def shape_note(self) -> str:

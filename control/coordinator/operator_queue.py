@@ -110,16 +110,23 @@ class OperatorQueue:
     """The operators' requests (see the module docstring). `over()` in the checks: whether the
     current run is over (the coordinator's `run_over`)."""
 
-    def __init__(self, reads: Reads, running: Callable[[], bool] = lambda: False) -> None:
+    def __init__(self, reads: Reads, running: Callable[[], bool] = lambda: False,
+                 training: Callable[[], bool] = lambda: False,
+                 completed: Callable[[bytes], int | None] = lambda run_id: None) -> None:
         self.r = reads
         # whether the run this coordinator handed out trains or is being reconfigured, and is not
         # over: whether or not this peer holds a stage of it (the scheduler may leave it a spare)
         self._running = running
+        self._training = training  # whether the run's peers are stepping (not being reconfigured)
+        self._completed = completed  # a run's last step every stage completed, by the step log (or None)
         self._queue: list[Queued] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
         self._starts_taken: dict[bytes, float] = {}  # run id of a signed start -> until when it could be replayed
         self._stops: dict[OperatorStop, tuple[tuple, int]] = {}  # STOP request -> (operator's key, boundary)
         self._operator_stop: tuple[bytes, int] | None = None  # (run, boundary) of the last operator's stop taken
+        # (run, boundary, until) of an operator's stop of a run whose peers were stepping: they run
+        # up to the boundary, at most until `until` (`stop_timeout_s` after the stop)
+        self._landing: tuple[bytes, int, float] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -148,7 +155,7 @@ class OperatorQueue:
         except (OperatorError, ValueError) as e:
             logger.warning("refused a train start: %s", e)
             return [Reply(ev.key, error=str(e))]
-        refusal = self.start_refusal()
+        refusal = self.start_refusal(now)
         if refusal is None and (self.start_waiting() or starting):
             refusal = "another train start is in progress: try again once it is answered"
         if refusal is None and req.data_hash != ev.data_hash:
@@ -167,19 +174,36 @@ class OperatorQueue:
         self._queue.append(QueuedStart(ev.key, ev.op, op, req, ev.data_name, model or get_preset(req.preset)))
         return []
 
-    def start_refusal(self) -> str | None:
-        """Why a start cannot be taken now (no coordinator, a run in progress), or None."""
+    def start_refusal(self, now: float) -> str | None:
+        """Why a start cannot be taken now (no coordinator, a run in progress, a run an operator
+        stopped still running to its boundary), or None."""
         if not self.r.election.is_coordinator:
             return "this peer is no longer the coordinator"
         run = self.r.epoch.run
         if run is not None and run.active:
             if self.r.epoch.over_without_finishing(run.alloc.run_id):
-                return (f"run {run.alloc.run_id.hex()[:8]} is stopping at a step boundary: start again once it has "
-                        "ended (`dtfm-peer train status`)")
+                return _stopping(run.alloc.run_id)
             return "a run is in progress: `train stop` it first"
+        if self._landing_stop(now):
+            # (this peer holds no stage of the run, a spare: the run's peers are still stepping
+            # to the stop's boundary, and a new allocation would end their epoch before it)
+            assert self._landing is not None
+            return _stopping(self._landing[0])
         if self._running():
             return "a run is in progress: `train stop` it first"
         return None
+
+    def _landing_stop(self, now: float) -> bool:
+        """An operator's stop of the current run taken while its peers stepped, this peer none
+        of them (a stage holder waits for its own runner to end), the step log not yet at the
+        stop's boundary, and `stop_timeout_s` not passed since (a peer lost on the way never
+        completes those steps; nobody reconfigures a stopped run)."""
+        landing, cur = self._landing, self.r.epoch.current
+        if (landing is None or cur is None or cur.run_id != landing[0] or self.r.me in cur.peers
+                or now >= landing[2]):
+            return False
+        done = self._completed(landing[0])
+        return done is None or done + 1 < landing[1]
 
     def take_start(self, op: OperatorOp, now: float, wait_s: float) -> None:
         """Remember a start's run id while its signature could be taken again."""
@@ -244,6 +268,7 @@ class OperatorQueue:
         at = self.r.epoch.stop_boundary(logged_completed)
         self.r.epoch.handle(RunClosed(cur.run_id, f"an operator stopped the run {stopped_after(at)}"), now)
         self._operator_stop = (cur.run_id, at)
+        self._landing = (cur.run_id, at, now + self.r.timings.stop_timeout_s) if self._training() else None
         key = OperatorStop(self.r.next_id())
         self._stops[key] = (ev.key, at)
         logger.info("an operator stops run %s before step %d", cur.run_id.hex()[:8], at)
@@ -335,6 +360,11 @@ def stopped_after(at_step: int) -> str:
     """Where an operator's stop ends a run, in a reason people read beside `train status`,
     which counts steps from 1: `at_step` (the first step not taken) is the number of steps done."""
     return f"after step {at_step}" if at_step > 0 else "before its first step"
+
+
+def _stopping(run_id: bytes) -> str:
+    return (f"run {run_id.hex()[:8]} is stopping at a step boundary: start again once it has ended "
+            "(`dtfm-peer train status`)")
 
 
 def resume_refusal(asked: bytes, last: bytes | None, *, stopped: bool, over: bool, end_step: int) -> str | None:

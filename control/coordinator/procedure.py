@@ -116,7 +116,7 @@ class Procedures:
 
     def start(self, start: QueuedStart, now: float) -> list:
         """The first placement, off the loop (the scheduler, or a random one of the asked shape)."""
-        refusal = self.queue.start_refusal()
+        refusal = self.queue.start_refusal(now)
         if refusal is not None:
             return [Reply(start.key, error=refusal)]
         self.queue.take_start(start.op, now, start.req.wait_s)
@@ -150,7 +150,7 @@ class Procedures:
         assert start is not None
         if ev.error is not None or not isinstance(ev.value, Placement):
             return self._start_failed(proc, start, f"cannot schedule: {ev.error}", now)
-        refusal = self.queue.start_refusal()  # (things may have changed while the scheduler ran)
+        refusal = self.queue.start_refusal(now)  # (things may have changed while the scheduler ran)
         run = self.r.epoch.run
         if refusal is not None and proc.tries and run is not None and run.alloc.run_id == start.op.run_id:
             refusal = None  # (its own refused attempt, stopped before it started: the next replaces it)

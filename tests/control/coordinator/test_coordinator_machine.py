@@ -52,6 +52,7 @@ from machine_trace import (
 from dtfm.control import Placement, RunEnd, SignedAllocation, SignedOp, hf_preset, sign_op
 from dtfm.train import PRESETS, TrainConfig
 from dtfm.control.actions import Ask, Compute, Emit, LogLine, Reply
+from dtfm.control.messages import ControlMsg
 from dtfm.control.coordinator.machine import (
     Elected,
     PeerLeaving,
@@ -1321,3 +1322,53 @@ def test_a_coordinator_left_out_as_a_spare_refuses_a_second_start_while_the_run_
     assert n.epoch.status().phase is EpochPhase.SPARE and n.c.phase is Phase.TRAINING
     out = n.feed(StartRun(("op", "b"), start_op(b"b" * 16, at_s=WALL + 1), DATA_HASH, DATA_NAME), 1.0)
     assert _costly(out) == [] and [r.error for r in out] == ["a run is in progress: `train stop` it first"]
+
+
+@pytest.mark.parametrize("landed", ["steps", "stop_timeout"])
+def test_a_coordinator_left_out_as_a_spare_takes_a_new_start_once_the_stopped_run_reached_its_boundary(landed):
+    """An operator's stop ends the run before the same step on every peer, a few steps on: a
+    spare coordinator refuses a new start until the step log reaches that boundary (its new
+    allocation would end the peers' epoch before it), or until `stop_timeout_s` passes (a peer
+    lost on the way never completes those steps)."""
+    n = Node(live=N[1:5], wall=WALL)
+    n.train_start(Placement(((N[2], N[1]), (N[4], N[3])), ((0, 2), (2, 4)), (N[0],), 1.0, 1.0), at=0.0)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    assert n.epoch.status().phase is EpochPhase.SPARE
+    for p in N[1:5]:
+        n.feed(StepReported(p, RUN, stage_report(p, 1, 0)), 1.0)
+    n.feed(StopRun(("op", "stop"), stop_op(1.5, wall=WALL)), 1.5)
+    at = n.c.operator_stop_step(RUN)
+    assert at == 3  # (two steps past the logged step 0)
+    [stop] = [k for k in n.asks if k.startswith("opstop")]
+    n.answer(stop, everyone={"stopped": True}, at=1.6)
+    start = StartRun(("op", "b"), start_op(b"b" * 16, at_s=WALL + 2.0), DATA_HASH, DATA_NAME)
+    out = n.feed(start, 2.0)
+    assert [r.error for r in out] == [f"run {RUN.hex()[:8]} is stopping at a step boundary: start again once it "
+                                      "has ended (`dtfm-peer train status`)"]
+    assert n.c.start_refusal() is not None
+    if landed == "steps":
+        for s in (1, 2):
+            for p in N[1:5]:
+                n.feed(StepReported(p, RUN, stage_report(p, 1, s)), 2.0 + s)
+        now = 4.5
+    else:
+        n.tick(1.5 + TIMINGS.stop_timeout_s - 0.1)
+        assert n.c.start_refusal() is not None
+        now = 1.5 + TIMINGS.stop_timeout_s
+        n.tick(now)
+    assert n.c.start_refusal() is None
+    n.planner.first = PLACEMENT
+    n.feed(StartRun(("op", "c"), start_op(b"c" * 16, at_s=WALL + now), DATA_HASH, DATA_NAME), now)
+    assert "first" in n.computes
+
+
+def test_a_stop_during_the_hand_out_leaves_a_spare_coordinators_next_start_free():
+    """A stop while the peers are being started (none steps to a boundary: each ends its stage
+    at once) leaves the next start free."""
+    n = Node(live=N[1:5], wall=WALL)
+    n.train_start(Placement(((N[2], N[1]), (N[4], N[3])), ((0, 2), (2, 4)), (N[0],), 1.0, 1.0), at=0.0)
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    out = n.feed(StopRun(("op", "stop"), stop_op(0.15, wall=WALL)), 0.15)
+    assert [a.msg for a in out if isinstance(a, Ask)] == [ControlMsg.STOP]
+    assert n.c.start_refusal() is None, n.c.start_refusal()
