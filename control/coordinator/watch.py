@@ -50,6 +50,15 @@ logger = logging.getLogger(__name__)
 # predicted), and REPORT_SPREAD_S more.
 REPORT_SPREAD_S = 5.0
 
+# A council voter that has left the swarm (gone from this peer's gossip) and holds no stage
+# would stay a voter until the next reconfiguration: the reconfiguration after its death, if
+# any, came before gossip declared it dead, and the council drops only voters gone from every
+# peer's gossip (peers refuse a change that drops a voter they count live). A council of five
+# needs four votes, so a second voter lost (the coordinator, say) would leave the swarm with no
+# election until one came back. Once a voter has been gone this long (gossip's word of a death
+# reaching the other peers), a reconfiguration takes it out.
+VOTER_GONE_SETTLE_S = 10.0
+
 
 def first_drift_check_s(predicted_s: float, drift_check_s: float, steps: int) -> float:
     """Seconds from an epoch's start to its first drift check: `steps` predicted steps and
@@ -115,6 +124,9 @@ class RunWatch:
         self.failures = FailedSteps(refusals)  # failed-step reports of the current epoch
         # joined peers not yet taken in
         self.joins = JoinWave(reads.timings.join_settle_s, reads.timings.join_wait_max_s)
+        self._voters_gone: dict[bytes, float] = {}  # voter gone from gossip, holding no stage -> since
+        # (voters, gone voters) a reconfiguration was asked for: not asked again for the same
+        self._council_asked: tuple[tuple[bytes, ...], frozenset[bytes]] | None = None
 
     # ---- what happened ------------------------------------------------------------------------
 
@@ -250,12 +262,32 @@ class RunWatch:
                    and p not in self.joins.declined]
         if outside:
             return [self._ask(Probe.JOINED, outside)]
+        gone = self._voters_to_drop(cur, now)
+        if gone:
+            return Reconfigure.of(", ".join(f"voter {short_id(p)}" for p in sorted(gone))
+                                  + " left the swarm: the council takes it out")
         # (whether or not this peer holds a stage of it: a coordinator left out as a spare checks too)
         if (now >= self._next_drift_check and self.rest.phase is Phase.TRAINING
                 and now < self._due()):  # an overdue step is the deadline's to explain
             self._next_drift_check = now + t.drift_check_s
             return self._drift_check(cur, now)
         return []
+
+    def _voters_to_drop(self, cur: Allocation, now: float) -> frozenset[bytes]:
+        """The council's voters gone from this peer's gossip for `VOTER_GONE_SETTLE_S`, holding
+        no stage of the epoch (a stage holder's loss reconfigures by itself), while the run
+        trains: a reconfiguration is due to take them out (one a reconfiguration, as the council
+        changes), unless one was asked for these voters and this council already (the
+        election could not make the change: nothing to gain from asking again)."""
+        voters = tuple(self.r.election.voters)
+        live = set(self.r.swarm.live_peers()) | {self.r.me}
+        gone = {v for v in voters if v not in live and v not in cur.peers}
+        self._voters_gone = {v: self._voters_gone.get(v, now) for v in gone}
+        settled = frozenset(v for v, t in self._voters_gone.items() if now - t >= VOTER_GONE_SETTLE_S)
+        if not settled or self.rest.phase is not Phase.TRAINING or self._council_asked == (voters, settled):
+            return frozenset()
+        self._council_asked = (voters, settled)
+        return settled
 
     def _ask(self, probe: Probe, peers) -> Ask:
         """A run-state query of `peers`, as probe `probe`."""

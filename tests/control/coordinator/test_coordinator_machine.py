@@ -1372,3 +1372,41 @@ def test_a_stop_during_the_hand_out_leaves_a_spare_coordinators_next_start_free(
     out = n.feed(StopRun(("op", "stop"), stop_op(0.15, wall=WALL)), 0.15)
     assert [a.msg for a in out if isinstance(a, Ask)] == [ControlMsg.STOP]
     assert n.c.start_refusal() is None, n.c.start_refusal()
+
+
+def test_a_voter_that_left_the_swarm_without_a_stage_is_taken_out_of_the_council_by_a_reconfiguration():
+    """A spare voter dies: nothing reconfigures for it, yet a council of five needs four votes,
+    so one more voter lost would leave the swarm with no election. Once gossip has counted it
+    dead for VOTER_GONE_SETTLE_S, a reconfiguration takes it out of the council, once."""
+    from dtfm.control.coordinator.watch import VOTER_GONE_SETTLE_S
+
+    n = Node(live=N[1:5], voters=N[:5])
+    n.train_start(dataclasses.replace(PLACEMENT, spares=(N[4],)))
+    assert set(SignedAllocation.from_wire(n.asks["alloc"].body).open().voters) == set(N[:5])
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    n.swarm.live.discard(N[4])
+    n.tick(5.0)
+    assert n.autopilot(5.0 + VOTER_GONE_SETTLE_S - 1.0) == []  # (gossip's word of it settles first)
+    handed = n.autopilot(5.0 + VOTER_GONE_SETTLE_S + 5.0)
+    assert len(handed) == 1
+    alloc = SignedAllocation.from_wire(handed[0][1].body).open()
+    assert set(alloc.voters) == set(N[:4]) and alloc.pipelines == PLACEMENT.pipelines
+    assert "voter" in alloc.reason and "council takes it out" in alloc.reason
+    n.election.voters = alloc.voters  # (the election applies it)
+    assert n.autopilot(200.0) == []  # (the council as it is now: nothing more to take out)
+
+
+def test_a_council_change_the_election_cannot_make_is_not_asked_for_again():
+    from dtfm.control.coordinator.watch import VOTER_GONE_SETTLE_S
+
+    n = Node(live=N[1:5], voters=N[:5])
+    n.train_start(dataclasses.replace(PLACEMENT, spares=(N[4],)))
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=0.1)
+    n.answer("start", everyone={"started": True}, at=0.2)
+    n.election.council_for = lambda voters, epoch: n.election.council if tuple(sorted(voters)) == n.election.council.voters else None
+    n.swarm.live.discard(N[4])
+    n.tick(5.0)
+    handed = n.autopilot(5.0 + VOTER_GONE_SETTLE_S + 5.0)
+    assert len(handed) == 1 and set(SignedAllocation.from_wire(handed[0][1].body).open().voters) == set(N[:5])
+    assert n.autopilot(300.0) == []
