@@ -65,7 +65,7 @@ from .operator_queue import (
 )
 from .phase import CoordinatorStatus, Phase, run_over
 from .procedure import Procedures
-from .record import Order
+from .record import Kind, Order
 from .steplog import GAP_ATTEMPTS, StepLog
 from .watch import Reconfigure, RunWatch, completed_of
 
@@ -322,9 +322,10 @@ class Coordinator:
         if isinstance(event, Reschedule):
             return self.queue.reschedule_asked(event, now, over=self.over())
         if isinstance(event, StopRun):
-            cur = self.epoch.current
-            return self.queue.stop_asked(event, now, over=self.over(),
-                                         logged_completed=self.logged_completed(cur.run_id) if cur else None)
+            # (a reconfiguration that has not handed its epoch out yet hands nothing out after the
+            # stop; one that has waits: the stop ends the new epoch)
+            return self._stop_asked(event, now, reconfiguring=proc is not None and proc.kind is Kind.RECONFIGURE
+                                    and self.phase is Phase.HANDING_OUT)
         if isinstance(event, ResumeRun):
             return self.queue.resume_asked(event, now, over=self.over(),
                                            resuming=proc is not None and proc.order.resume)
@@ -373,6 +374,8 @@ class Coordinator:
         if not self.queue:
             return self._go(self.run_watch.next(now), now)
         op = self.queue.pop()
+        if isinstance(op, StopRun):  # (it waited for a reconfiguration)
+            return self._stop_asked(op, now, reconfiguring=False)
         if isinstance(op, QueuedStart):
             return self.procedure.start(op, now)
         if isinstance(op, PeerLeaving):
@@ -384,6 +387,11 @@ class Coordinator:
         if self.epoch.current is None or self.over():
             return [Reply(op.key, error="no training run is in progress")]
         return self.procedure.reconfigure("operator asked", now, Order(reply=op.key, force=True))
+
+    def _stop_asked(self, ev: StopRun, now: float, *, reconfiguring: bool) -> list:
+        cur = self.epoch.current
+        return self.queue.stop_asked(ev, now, over=self.over(), reconfiguring=reconfiguring,
+                                     logged_completed=self.logged_completed(cur.run_id) if cur else None)
 
     def _leave_done(self, peer: bytes) -> bool:
         """Whether the leaving peer has no stage in the run in progress (a spare goes without a

@@ -103,7 +103,7 @@ class QueuedStart:
     model: GPTSpec
 
 
-Queued = QueuedStart | Reschedule | ResumeRun | PeerLeaving
+Queued = QueuedStart | Reschedule | ResumeRun | PeerLeaving | StopRun
 
 
 class OperatorQueue:
@@ -246,12 +246,17 @@ class OperatorQueue:
             raise OperatorError(why)
         return signed
 
-    def stop_asked(self, ev: StopRun, now: float, *, over: bool, logged_completed: int | None) -> list:
+    def stop_asked(self, ev: StopRun, now: float, *, over: bool, logged_completed: int | None,
+                   reconfiguring: bool = False) -> list:
         """An operator's stop of the current run, within the skew window, signed after the run's
         last resume or reschedule and not taken before (a copied stop cannot end a resumed run):
         STOP, with the operator's signed stop, to every peer of the run before the same step
         (each checks it by the same rules and keeps it, this peer's epoch machine too, which is
-        told the run is over at once); nobody reconfigures the run after it."""
+        told the run is over at once); nobody reconfigures the run after it. While a
+        reconfiguration hands its epoch out (`reconfiguring`) the stop waits for it, first in
+        the queue: the new epoch's allocation, applied after the stop, would start the run again
+        on the peers it reached (a new epoch of a stopped run resumes it), while the stop ended
+        the old epoch on the others."""
         cur = self.r.epoch.current
         try:
             if not self.r.election.is_coordinator:
@@ -262,9 +267,16 @@ class OperatorQueue:
             signed = self._fresh(ev.op, op, now)  # (a copy is refused as such, the run over or not)
             if over:
                 raise OperatorError("no training run is in progress")
+            if reconfiguring and any(isinstance(q, StopRun) for q in self._queue):
+                raise OperatorError("another stop is waiting for the reconfiguration in progress: try again once it "
+                                    "is answered")
         except OperatorError as e:
             logger.warning("refused a train stop: %s", e)
             return [Reply(ev.key, error=str(e))]
+        if reconfiguring:
+            logger.info("an operator's stop of run %s waits for the reconfiguration in progress", cur.run_id.hex()[:8])
+            self._queue.insert(0, ev)
+            return []
         at = self.r.epoch.stop_boundary(logged_completed)
         self.r.epoch.handle(RunClosed(cur.run_id, f"an operator stopped the run {stopped_after(at)}"), now)
         self._operator_stop = (cur.run_id, at)

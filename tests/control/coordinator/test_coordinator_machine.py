@@ -432,6 +432,35 @@ def test_an_operators_stop_taken_during_a_reconfiguration_ends_the_run_and_nothi
     assert _costly(n.tick(60.0)) == []  # nobody reconfigures it after all
 
 
+def test_an_operators_stop_during_a_hand_out_waits_for_it_then_ends_the_new_epoch():
+    # The new epoch's allocation is out (peers building their stages) when the stop arrives:
+    # taken at once it would end the old epoch on the peers the allocation had not reached yet,
+    # and the new epoch, applied after it, would start the run again on the others (a new epoch
+    # of a stopped run resumes it). It waits for the hand-out, then ends the new epoch.
+    n = Node(wall=WALL)
+    n.training()
+    n.feed(Trigger("peer n4 joined"), 3.0)
+    n.tick()
+    n.answer("states", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2), N[2]: state((0, 2), 2),
+                        N[3]: state((2, 4), 2)}, 3.6)
+    n.compute("plan", 3.7)
+    n.answer("offer 0-2", everyone={"digest": D01}, at=3.8)
+    n.answer("offer 2-4", everyone={"digest": D23}, at=3.8)
+    assert "alloc" in n.asks and n.c.phase is Phase.HANDING_OUT
+    out = n.feed(StopRun(("op", "stop"), stop_op(3.9, wall=WALL)), 3.9)
+    assert out == [] and not n.epoch.run_over()
+    out = n.feed(StopRun(("op", "again"), stop_op(3.95, wall=WALL)), 3.95)
+    assert "another stop is waiting" in out[0].error
+    n.answer("alloc", everyone={"accepted": True, "role": "stage"}, at=4.0)
+    n.answer("start", everyone={"started": True}, at=4.1)
+    [stop] = [k for k in n.asks if k.startswith("opstop")]
+    assert n.asks[stop].body["final"] and n.epoch.run_over() and n.epoch.current.epoch == 2
+    out = n.answer(stop, everyone={"stopped": True}, at=4.2)
+    [reply] = [a for a in out if isinstance(a, Reply)]
+    assert reply.key == ("op", "stop") and reply.error is None
+    assert _costly(n.tick(60.0)) == []  # nobody reconfigures it after all
+
+
 def test_a_resume_without_a_complete_checkpoint_goes_back_to_the_initial_weights_and_says_so():
     # n1 and n3 lost layers 2-4 (no checkpoint of them) while the run was stopped: the resume
     # goes on from step 0, which every peer of the run can rebuild, and the event says so. The
