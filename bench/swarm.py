@@ -265,10 +265,12 @@ def _recover_once(run_dir: Path, victim: str, label: str, fault=None) -> dict:
     return {f"{label}_{k}": round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def _council_whole(run_dir: Path) -> bool:
-    """The coordinator's council has every voter live by its gossip."""
-    election = [v.get("election") or {} for v in _training(run_dir).values() if v.get("role") == "coordinator"]
-    return bool(election) and election[0].get("gone_voters") == []
+def _council_without(run_dir: Path, name: str) -> bool:
+    """The coordinator's council does not hold peer `name` (or it never did)."""
+    from dtfm.swarm.state import load_state
+    gone = next(p.peer_id for p in load_state(run_dir).peers if p.name == name)
+    voters = [v.get("voters") for v in _training(run_dir).values() if v.get("role") == "coordinator"]
+    return bool(voters) and isinstance(voters[0], list) and bool(gone) and gone not in voters[0]
 
 
 def _endless_run(run_dir: Path, wait_step: int) -> tuple[float, str]:
@@ -291,7 +293,7 @@ def bench_recovery() -> dict:
         # A council of five needs four votes: the coordinator is killed once the council took the
         # dead follower out (a reconfiguration once gossip has counted it dead for a while), as a
         # second voter lost before that leaves the swarm electing nobody.
-        wait_for("the council without the killed follower", lambda: _council_whole(run_dir), 300)
+        wait_for("the council without the killed follower", lambda: _council_without(run_dir, follower), 300)
         out["follower_kill_council_whole_s"] = round(time.time() - killed, 3)
         coordinator = next(n for n, v in _training(run_dir).items() if v.get("role") == "coordinator")
         out.update(_recover_once(run_dir, coordinator, "coordinator_kill"))
