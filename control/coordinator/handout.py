@@ -19,6 +19,7 @@ from ..actions import Ask, Emit, LogLine, Reply, ResetLog
 from ..allocation import Allocation, SignedAllocation
 from ..answers import AllocationAnswer, PeerAnswer
 from ..epoch.report import StepReport
+from ..epoch.runstate import Source
 from ..events import EventKind, PlaneEvent, Reconfiguration
 from ..messages import ControlMsg
 from ..refusals import Refusals
@@ -196,17 +197,31 @@ class HandOut:
                     Reply(proc.order.reply or (), alloc)]
         return self._reconfigured(proc, now)
 
+    def still_logged(self, cur: Allocation, *, logs_cur: bool) -> set[int]:
+        """The steps of `cur`'s run this peer logged that no rollback it handed out undid. Where
+        its step log is not of epoch `cur` (`logs_cur` false), only those before `cur` started:
+        `cur` is another coordinator's epoch, and what this peer logged from its start on, that
+        start undid and counted; unless the log is of a newer epoch of the run that this peer
+        handed out and that never started (refused), after which its steps are still its own."""
+        left = self.logged.get(cur.run_id, set()) - self.undone.get(cur.run_id, set())
+        log = self.steplog
+        refused = log is not None and log.alloc.run_id == cur.run_id and log.alloc.epoch > cur.epoch
+        return left if logs_cur or refused else {s for s in left if s < cur.start_step}
+
     def _reconfigured(self, proc: Procedure, now: float) -> list:
         """Record a reconfiguration (`last_reconfig` in status, an event, one INFO line)."""
         cur, alloc, plan, rp, log = proc.cur, proc.hand.alloc, proc.planning.plan, proc.planning.rp, self.steplog
         assert cur is not None and alloc is not None and plan is not None and rp is not None and log is not None
         m, pl, wall = proc.marks, proc.planning, self.r.clock.wall
+        # (a rollback to step 0 goes back to the run's initial weights, whoever holds them: the
+        # peers of a rollback whose hand-out failed built them, and hold them in memory since)
+        restored = Source.INITIAL.value if pl.rolled_back and rp.step == 0 else rp.source.value
         info = Reconfiguration(
             at=wall(now), reason=proc.trigger, epoch=alloc.epoch, term=alloc.term,
             old_shape=f"{cur.stages}x{cur.dp}", new_shape=f"{alloc.stages}x{alloc.dp}", kind=plan.kind,
             predicted_old_s=cur.predicted_iteration_s, predicted_new_s=alloc.predicted_iteration_s, moves=plan.moves,
             bytes_moved=log.fetched, resume_step=rp.step, rollback=pl.rolled_back,
-            restored_from=rp.source.value, steps_lost=pl.steps_lost,
+            restored_from=restored, steps_lost=pl.steps_lost,
             started_at=wall(proc.t0), stop_s=m["stopped"] - proc.t0,
             schedule_s=m["planned"] - m["stopped"], offer_s=m["offered"] - m["planned"], transfer_s=log.fetch_s,
             handout_s=now - m["offered"], compress_links=_links_note(proc, alloc))
@@ -218,7 +233,7 @@ class HandOut:
         logger.info("reconfigured (%s): %s -> %s (%s), predicted %.3f -> %.3f s per step, %d moves, %d bytes moved, "
                     "resuming at step %d%s", proc.trigger, info.old_shape, info.new_shape, plan.kind,
                     cur.predicted_iteration_s, alloc.predicted_iteration_s, plan.moves, log.fetched, rp.step,
-                    f" (rolled back from {rp.source.value}: {pl.steps_lost} completed steps run again)"
+                    f" (rolled back from {restored}: {pl.steps_lost} completed steps run again)"
                     if pl.rolled_back else "")
         kind = (EventKind.ROLLBACK if pl.rolled_back else EventKind.LEAVE if proc.order.leave
                 else EventKind.RECONFIGURE)

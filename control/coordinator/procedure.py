@@ -386,10 +386,7 @@ class Procedures:
         # started the current epoch was never handed out (its hand-out failed): a rollback all the same.
         # Not the steps a rollback that was handed out undid: that one counted them (the current
         # epoch's own completed steps are in `done`).
-        left = self.hand.logged.get(cur.run_id, set()) - self.hand.undone.get(cur.run_id, set())
-        if logged is None:  # (another's epoch: what this peer logged from its start on, its start undid and counted)
-            left = {s for s in left if s < cur.start_step}
-        ran = max(left, default=-1)
+        ran = max(self.hand.still_logged(cur, logs_cur=logged is not None), default=-1)
         if not rolled_back and rp.step <= ran:
             rolled_back, newest = True, ran
         return rolled_back, max(0, newest + 1 - rp.step) if rolled_back else 0
