@@ -412,16 +412,22 @@ def test_reschedules_not_signed_by_an_operator_for_this_run_now_are_refused_befo
     assert len(n.planner.calls) == 0
 
 
-def test_an_operators_stop_taken_during_a_reconfiguration_ends_the_run_and_nothing_is_handed_out():
-    # A chaos soak's last `train stop` arrived while the coordinator planned a reconfiguration:
-    # the planned epoch was handed out anyway and the run trained on. The stop is taken at once
-    # (STOP to the peers), and the procedure in flight hands nothing out after it.
+def _reconfiguring() -> Node:
+    """A 2 x 2 run reconfiguring for a joined n4, its run states answered (at 3.6): it plans."""
     n = Node(wall=WALL)
     n.training()
     n.feed(Trigger("peer n4 joined"), 3.0)
     n.tick()
     n.answer("states", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2), N[2]: state((0, 2), 2),
                         N[3]: state((2, 4), 2)}, 3.6)
+    return n
+
+
+def test_an_operators_stop_taken_during_a_reconfiguration_ends_the_run_and_nothing_is_handed_out():
+    # A chaos soak's last `train stop` arrived while the coordinator planned a reconfiguration:
+    # the planned epoch was handed out anyway and the run trained on. The stop is taken at once
+    # (STOP to the peers), and the procedure in flight hands nothing out after it.
+    n = _reconfiguring()
     n.feed(StopRun(("op", "stop"), stop_op(3.7, wall=WALL)), 3.7)
     n.answer("opstop 2", everyone={"stopped": True}, at=3.8)
     n.compute("plan", 3.9)
@@ -437,12 +443,7 @@ def test_an_operators_stop_during_a_hand_out_waits_for_it_then_ends_the_new_epoc
     # taken at once it would end the old epoch on the peers the allocation had not reached yet,
     # and the new epoch, applied after it, would start the run again on the others (a new epoch
     # of a stopped run resumes it). It waits for the hand-out, then ends the new epoch.
-    n = Node(wall=WALL)
-    n.training()
-    n.feed(Trigger("peer n4 joined"), 3.0)
-    n.tick()
-    n.answer("states", {N[0]: state((0, 2), 2), N[1]: state((2, 4), 2), N[2]: state((0, 2), 2),
-                        N[3]: state((2, 4), 2)}, 3.6)
+    n = _reconfiguring()
     n.compute("plan", 3.7)
     n.answer("offer 0-2", everyone={"digest": D01}, at=3.8)
     n.answer("offer 2-4", everyone={"digest": D23}, at=3.8)
