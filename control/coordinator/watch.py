@@ -264,8 +264,8 @@ class RunWatch:
             return [self._ask(Probe.JOINED, outside)]
         gone = self._voters_to_drop(cur, now)
         if gone:
-            return Reconfigure.of(", ".join(f"voter {short_id(p)}" for p in sorted(gone))
-                                  + " left the swarm: the council takes it out")
+            return Reconfigure.of(", ".join(f"voter {short_id(p)}" for p in sorted(gone)) + " left the swarm: the "
+                                  + ("council takes it out" if len(gone) == 1 else "council takes them out, one an epoch"))
         # (whether or not this peer holds a stage of it: a coordinator left out as a spare checks too)
         if (now >= self._next_drift_check and self.rest.phase is Phase.TRAINING
                 and now < self._due()):  # an overdue step is the deadline's to explain
