@@ -4,7 +4,8 @@
 `RunWatch` owns the triggers and their gathering, the check and drift timers, the probe out
 (`Probe`: one at a time), the re-election check, the step deadline of the epoch (`StepWatch`,
 deadline.py) with its probe and the peers it found silent, the cut links (links.py) and their
-retest, the failed-step reports (failures.py) and the wave of joins (joins.py). It decides what
+retest, the failed-step reports (failures.py), the wave of joins (joins.py) and the council's
+voters gone from gossip (`VOTER_GONE_SETTLE_S`). It decides what
 to look at next; when the run needs a new allocation it answers `Reconfigure`, which the
 coordinator hands to its procedure.
 """
