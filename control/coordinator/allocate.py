@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
 from dtfm.net import short_id
@@ -22,7 +22,7 @@ from .operator_queue import QueuedStart
 from .schedule import Placement
 
 __all__ = ["MAX_ABSENT", "MAX_OFFER_HOLDERS", "MIN_REBUILDERS", "NoHolder", "absent", "council_fields", "first_allocation",
-           "first_council", "links_for", "majority_holdings", "next_allocation", "next_council", "offer_holders", "train_of"]
+           "first_council", "gone_voters", "links_for", "majority_holdings", "next_allocation", "next_council", "offer_holders", "train_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +167,12 @@ def first_council(me: bytes, live: set[bytes], regions: Mapping[bytes, str], siz
     return voters
 
 
+def gone_voters(voters: Iterable[bytes], reachable: Iterable[bytes], me: bytes) -> list[bytes]:
+    """The voters the next council takes out first, in order: those this peer cannot reach (its
+    gossip counts them dead), never itself."""
+    return sorted(set(voters) - set(reachable) - {me})
+
+
 def next_council(old_voters: tuple[bytes, ...], candidates: set[bytes], reachable: set[bytes],
                  regions: Mapping[bytes, str], size: int, me: bytes) -> tuple[bytes, ...]:
     """The next council: one voter from the current one toward `size` live voters spread over
@@ -187,7 +193,7 @@ def next_council(old_voters: tuple[bytes, ...], candidates: set[bytes], reachabl
     def order(p: bytes) -> bytes:  # a stable tie-break every peer computes alike
         return hashlib.blake2b(p, digest_size=8).digest()
 
-    gone = sorted(old - reachable - {me})
+    gone = gone_voters(old_voters, reachable, me)
     joining = candidates - old - {me}
     if gone:
         new.discard(gone[0])

@@ -69,9 +69,6 @@ from .record import Kind, Order
 from .steplog import GAP_ATTEMPTS, StepLog
 from .watch import Reconfigure, RunWatch, completed_of
 
-# The coordinator's phases of a run that trains or is being reconfigured: a new start waits.
-IN_PROGRESS = frozenset({Phase.TRAINING, Phase.STOPPING, Phase.PLANNING, Phase.OFFERING, Phase.PAUSED})
-
 __all__ = [
     "MAX_ABSENT", "MAX_OFFER_HOLDERS", "Coordinator", "CoordinatorEvent", "CoordinatorStatus", "CoordinatorTick",
     "CoordinatorTimings", "Elected", "PeerLeaving", "Phase", "Planner", "Reschedule", "ResumeRun", "StartRun",
@@ -157,8 +154,7 @@ class Coordinator:
         # peers that refused an allocation: not placed until their back-off ends (leftout.py)
         self.left_out = LeftOut(timings.refused_backoff_s, timings.refused_backoff_max_s,
                                 membership_codes=MEMBERSHIP_REFUSALS)
-        self.queue = OperatorQueue(reads, lambda: self.phase in IN_PROGRESS and not self.over(),
-                                   lambda: self.phase is Phase.TRAINING, self.logged_completed)
+        self.queue = OperatorQueue(reads, lambda: self.phase, self.over, self.logged_completed)
         self.run_watch = RunWatch(reads, self, self.refusals)
         self.hand = HandOut(reads, sign, self.run_watch, self.left_out, self.counters, self.refusals)
         self.procedure = Procedures(reads, self.hand, self.run_watch, self.queue, self.left_out, self.over)

@@ -27,6 +27,7 @@ from ..operator import OperatorError, OperatorOp, SignedOp, check_op, check_time
 from .answers import stopped
 from .context import Reads, named
 from .keys import OperatorStop
+from .phase import IN_PROGRESS, Phase
 from .request import TrainRequest
 
 __all__ = ["MAX_LEAVING", "MAX_STARTS_KEPT", "OperatorQueue", "PeerLeaving", "QueuedStart", "Reschedule",
@@ -110,14 +111,14 @@ class OperatorQueue:
     """The operators' requests (see the module docstring). `over()` in the checks: whether the
     current run is over (the coordinator's `run_over`)."""
 
-    def __init__(self, reads: Reads, running: Callable[[], bool] = lambda: False,
-                 training: Callable[[], bool] = lambda: False,
+    def __init__(self, reads: Reads, phase: Callable[[], Phase] = lambda: Phase.IDLE,
+                 over: Callable[[], bool] = lambda: True,
                  completed: Callable[[bytes], int | None] = lambda run_id: None) -> None:
         self.r = reads
-        # whether the run this coordinator handed out trains or is being reconfigured, and is not
-        # over: whether or not this peer holds a stage of it (the scheduler may leave it a spare)
-        self._running = running
-        self._training = training  # whether the run's peers are stepping (not being reconfigured)
+        # the phase of the run this coordinator handed out, and whether it is over: whether or not
+        # this peer holds a stage of it (the scheduler may leave it a spare)
+        self._phase = phase
+        self._over = over
         self._completed = completed  # a run's last step every stage completed, by the step log (or None)
         self._queue: list[Queued] = []  # one of each kind (a leave per peer)
         self._leaving: dict[bytes, float] = {}  # peer that announced a planned leave -> kept out until
@@ -189,7 +190,7 @@ class OperatorQueue:
             # to the stop's boundary, and a new allocation would end their epoch before it)
             assert self._landing is not None
             return _stopping(self._landing[0])
-        if self._running():
+        if self._phase() in IN_PROGRESS and not self._over():
             return "a run is in progress: `train stop` it first"
         return None
 
@@ -280,7 +281,7 @@ class OperatorQueue:
         at = self.r.epoch.stop_boundary(logged_completed)
         self.r.epoch.handle(RunClosed(cur.run_id, f"an operator stopped the run {stopped_after(at)}"), now)
         self._operator_stop = (cur.run_id, at)
-        self._landing = (cur.run_id, at, now + self.r.timings.stop_timeout_s) if self._training() else None
+        self._landing = (cur.run_id, at, now + self.r.timings.stop_timeout_s) if self._phase() is Phase.TRAINING else None
         key = OperatorStop(self.r.next_id())
         self._stops[key] = (ev.key, at)
         logger.info("an operator stops run %s before step %d", cur.run_id.hex()[:8], at)

@@ -16,7 +16,7 @@ from ..epoch.machine import EpochStatus
 from ..events import LeftOutPeer, Reconfiguration
 from .counters import RunCounts
 
-__all__ = ["OVER", "CoordinatorStatus", "Phase", "run_over", "run_word"]
+__all__ = ["IN_PROGRESS", "OVER", "CoordinatorStatus", "Phase", "run_over", "run_word"]
 
 
 class Phase(enum.Enum):
@@ -33,6 +33,8 @@ class Phase(enum.Enum):
 
 
 OVER = frozenset({Phase.FINISHED, Phase.STOPPED})  # the phases of a run that is over
+# the phases of a run that trains or is being reconfigured: a new start waits for it
+IN_PROGRESS = frozenset({Phase.TRAINING, Phase.STOPPING, Phase.PLANNING, Phase.OFFERING, Phase.PAUSED})
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ..answers import NoAnswer, PeerAnswer
 from ..messages import ControlMsg
 from ..reach import ReachRequest
 from ..refusals import Refusals
+from .allocate import gone_voters
 from .answers import reached, run_states
 from .context import Reads, named
 from .deadline import StepWatch, judge, laggards, missed_deadline, probe_targets
@@ -281,8 +282,7 @@ class RunWatch:
         changes), unless one was asked for these voters and this council already (the
         election could not make the change: nothing to gain from asking again)."""
         voters = tuple(self.r.election.voters)
-        live = set(self.r.swarm.live_peers()) | {self.r.me}
-        gone = {v for v in voters if v not in live and v not in cur.peers}
+        gone = set(gone_voters(voters, set(self.r.swarm.live_peers()), self.r.me)) - set(cur.peers)
         self._voters_gone = {v: self._voters_gone.get(v, now) for v in gone}
         settled = frozenset(v for v, t in self._voters_gone.items() if now - t >= VOTER_GONE_SETTLE_S)
         if not settled or self.rest.phase is not Phase.TRAINING or self._council_asked == (voters, settled):
